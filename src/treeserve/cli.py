@@ -1,0 +1,74 @@
+"""`treeserve` command line."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from treeserve.model.registry import DEFAULT_MODEL
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="local HF directory or builtin:NAME")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--kv-cache-memory-bytes", type=int)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--no-prefix-caching", action="store_true")
+
+
+def _engine_options(args) -> dict:
+    return dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                kv_cache_memory_bytes=args.kv_cache_memory_bytes, block_size=args.block_size,
+                enable_prefix_caching=not args.no_prefix_caching)
+
+
+def cmd_run(args) -> int:
+    from treeserve import LLM, SamplingParams
+
+    llm = LLM(args.model, **_engine_options(args))
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
+                            seed=args.seed, n=args.n)
+    prompts = args.prompt or ["Hello"]
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    else:
+        outputs = llm.generate(prompts, params)
+    for prompt, output in zip(prompts, outputs):
+        for completion in output.outputs:
+            print(f"--- prompt: {prompt!r} [{len(output.prompt_token_ids)} tokens]")
+            print(completion.text)
+            print(f"--- {len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="treeserve", description="LLM inference and test-time search runtime")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="generate text for one or more prompts")
+    _add_engine_args(run)
+    run.add_argument("prompt", nargs="*")
+    run.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
+    run.add_argument("--max-tokens", type=int, default=64)
+    run.add_argument("--temperature", type=float, default=0.0)
+    run.add_argument("--top-p", type=float, default=1.0)
+    run.add_argument("--seed", type=int)
+    run.add_argument("-n", type=int, default=1)
+    run.set_defaults(func=cmd_run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

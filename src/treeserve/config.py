@@ -1,0 +1,70 @@
+"""Engine, cache and scheduler settings in one validated dataclass."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16,
+          "float": torch.float32}
+CPU_DEFAULT_KV_BYTES = 4 << 30
+
+
+@dataclass
+class EngineConfig:
+    model: str | Path
+    tokenizer: str | Path | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9   # CUDA: share of total device memory this engine may use
+    cpu_kv_memory_fraction: float = 0.25  # CPU: share of available host memory for KV blocks (cap 4 GiB)
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len: must be >= 2, got {self.max_model_len!r}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(f"kv_cache_memory_bytes: must be positive, got {self.kv_cache_memory_bytes!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES and not isinstance(self.dtype, torch.dtype):
+            raise ValueError(f"dtype: must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if str(self.device) not in ("auto", "cpu") and not str(self.device).startswith("cuda"):
+            raise ValueError(f"device: must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if str(self.device).startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device: {self.device!r} requested but CUDA is not available")
+        return torch.device(self.device)
+
+    def resolve_dtype(self, device: torch.device, checkpoint_dtype: str | None) -> torch.dtype:
+        if isinstance(self.dtype, torch.dtype):
+            return self.dtype
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        if device.type == "cuda":
+            return DTYPES.get(checkpoint_dtype or "bfloat16", torch.bfloat16)
+        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+
+
+def cpu_has_fast_bf16() -> bool:
+    """bf16 matmuls are fast only with AMX or AVX512-BF16; without them they are ~100x slower than fp32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags

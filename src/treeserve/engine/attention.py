@@ -1,0 +1,128 @@
+"""Paged attention over a flat, unpadded token batch.
+
+The runner orders each step's tokens as decode groups first (one query token per request,
+requests of similar context length grouped together to bound padding), then prefill chunks.
+`TorchSDPABackend` writes the step's keys/values into the paged cache by slot, then runs
+`scaled_dot_product_attention` on batched block gathers; it is device-agnostic (CPU and CUDA).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.nn import functional as F
+
+
+@dataclass
+class DecodeGroup:
+    rows: slice                 # positions of this group's query tokens in the flat batch
+    block_tables: torch.Tensor  # [B, max_blocks] int64
+    context_lens: torch.Tensor  # [B] keys visible to each query (includes the query itself)
+
+
+@dataclass
+class PrefillChunk:
+    rows: slice
+    context_len: int            # tokens in the sequence after this chunk
+    query_len: int
+    block_ids: torch.Tensor     # [ceil(context_len / block_size)] int64
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset for each token
+    block_size: int
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    _masks: dict = field(default_factory=dict)
+
+    def decode_mask(self, index: int, window: int | None) -> torch.Tensor:
+        key = ("decode", index, window)
+        if key not in self._masks:
+            group = self.decode_groups[index]
+            width = group.block_tables.shape[1] * self.block_size
+            keys = torch.arange(width, device=group.context_lens.device)[None, :]
+            lens = group.context_lens[:, None]
+            mask = keys < lens
+            if window is not None:
+                mask &= keys >= lens - window
+            self._masks[key] = mask[:, None, None, :]
+        return self._masks[key]
+
+    def prefill_mask(self, index: int, window: int | None) -> torch.Tensor | None:
+        """None means plain causal attention over the chunk's own keys."""
+        chunk = self.prefills[index]
+        if chunk.context_len == chunk.query_len and window is None:
+            return None
+        key = ("prefill", index, window)
+        if key not in self._masks:
+            device = chunk.block_ids.device
+            first = chunk.context_len - chunk.query_len
+            query_pos = torch.arange(first, chunk.context_len, device=device)[:, None]
+            key_pos = torch.arange(chunk.context_len, device=device)[None, :]
+            mask = key_pos <= query_pos
+            if window is not None:
+                mask &= key_pos > query_pos - window
+            self._masks[key] = mask
+        return self._masks[key]
+
+
+class TorchSDPABackend:
+    """Attention with PyTorch's SDPA kernels over gathered cache blocks."""
+
+    name = "torch_sdpa"
+
+    def forward(
+        self,
+        layer_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        q: torch.Tensor,            # [T, Hq, D]
+        k: torch.Tensor,            # [T, Hkv, D]
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None,
+    ) -> torch.Tensor:
+        self._write_cache(layer_cache, k, v, meta.slot_mapping)
+        out = torch.empty_like(q)
+        gqa = q.shape[1] != k.shape[1]
+        for index, group in enumerate(meta.decode_groups):
+            out[group.rows] = self._decode(layer_cache, q[group.rows], group, meta.decode_mask(index, window), scale, gqa)
+        for index, chunk in enumerate(meta.prefills):
+            mask = meta.prefill_mask(index, window)
+            out[chunk.rows] = self._prefill(layer_cache, q, k, v, chunk, mask, scale, gqa)
+        return out
+
+    @staticmethod
+    def _write_cache(layer_cache, k, v, slot_mapping):
+        num_kv_heads, head_dim = k.shape[1], k.shape[2]
+        layer_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+        layer_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+    @staticmethod
+    def _gather(cache_part: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """[..., nb] block ids -> [..., Hkv, nb * block_size, D] keys or values."""
+        blocks = cache_part[block_ids]  # [..., nb, bs, Hkv, D]
+        shape = blocks.shape
+        flat = blocks.reshape(*shape[:-4], shape[-4] * shape[-3], shape[-2], shape[-1])
+        return flat.transpose(-3, -2)
+
+    def _decode(self, layer_cache, q, group, mask, scale, gqa):
+        keys = self._gather(layer_cache[0], group.block_tables)
+        values = self._gather(layer_cache[1], group.block_tables)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa
+        )
+        return out.squeeze(2)
+
+    def _prefill(self, layer_cache, q, k, v, chunk, mask, scale, gqa):
+        query = q[chunk.rows].transpose(0, 1).unsqueeze(0)
+        if chunk.context_len == chunk.query_len:
+            keys = k[chunk.rows].transpose(0, 1).unsqueeze(0)
+            values = v[chunk.rows].transpose(0, 1).unsqueeze(0)
+        else:
+            keys = self._gather(layer_cache[0], chunk.block_ids)[:, : chunk.context_len].unsqueeze(0)
+            values = self._gather(layer_cache[1], chunk.block_ids)[:, : chunk.context_len].unsqueeze(0)
+        out = F.scaled_dot_product_attention(
+            query, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
+        )
+        return out.squeeze(0).transpose(0, 1)

@@ -1,0 +1,62 @@
+"""Incremental detokenization and stop-string handling.
+
+Text is produced by decoding a short window of recent tokens and emitting only what extends the
+previous window, and never while the window ends inside an incomplete UTF-8 sequence ("\\ufffd").
+The window starts a few prompt tokens back so that tokenizers which drop a leading space on
+the first token (SentencePiece's Metaspace) still render the first output token correctly.
+"""
+from __future__ import annotations
+
+PROMPT_CONTEXT_TOKENS = 5
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.tokens = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.tokens)
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def push(self, token_id: int) -> str:
+        """Adds one token; returns the text it completes (possibly empty)."""
+        self.tokens.append(token_id)
+        prefix_text = self._decode(self.tokens[self.prefix_offset:self.read_offset])
+        full_text = self._decode(self.tokens[self.prefix_offset:])
+        if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHAR):
+            return ""
+        delta = full_text[len(prefix_text):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """At the end of a sequence, emits whatever is still held back (even a lone "\\ufffd")."""
+        if self.read_offset == len(self.tokens):
+            return ""
+        prefix_text = self._decode(self.tokens[self.prefix_offset:self.read_offset])
+        full_text = self._decode(self.tokens[self.prefix_offset:])
+        delta = full_text[len(prefix_text):] if full_text.startswith(prefix_text) else ""
+        self.read_offset = len(self.tokens)
+        self.text += delta
+        return delta
+
+
+def find_stop_string(text: str, new_chars: int, stops: tuple[str, ...]) -> tuple[str, int] | None:
+    """Earliest stop string that ends within the last `new_chars` characters: (stop, start index)."""
+    best = None
+    for stop in stops:
+        start = text.find(stop, max(0, len(text) - new_chars - len(stop) + 1))
+        if start != -1 and (best is None or start < best[1]):
+            best = (stop, start)
+    return best
+
+
+def stop_hold_back(stops: tuple[str, ...]) -> int:
+    """Characters a stream must hold back so that a stop string is never emitted in part."""
+    return max((len(s) for s in stops), default=1) - 1

@@ -1,0 +1,128 @@
+"""Per-request block tables on top of the block pool: prefix lookup, allocation, fork, free."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from treeserve.engine.block_pool import BlockPool, KVBlock
+from treeserve.engine.request import Request
+
+
+@dataclass
+class CachedPrefix:
+    blocks: list[KVBlock] = field(default_factory=list)
+    num_tokens: int = 0
+    thrash_hashes: list[bytes] = field(default_factory=list)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.block_tables: dict[str, list[KVBlock]] = {}
+        self._num_hashed: dict[str, int] = {}
+        self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block copies for copy-on-write
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def find_cached_prefix(self, request: Request) -> CachedPrefix:
+        """Longest run of cached full blocks; the last token is always recomputed for its logits."""
+        if not self.pool.enable_caching:
+            return CachedPrefix()
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = request.ensure_block_hashes(max_blocks, self.block_size)[:max_blocks]
+        blocks = []
+        for block_hash in hashes:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        thrash = [h for h in hashes[len(blocks):] if self.pool.was_evicted(h)]
+        return CachedPrefix(blocks, len(blocks) * self.block_size, thrash)
+
+    def can_allocate(self, request: Request, num_new_tokens: int, prefix: CachedPrefix | None = None) -> bool:
+        return self._shortfall(request, num_new_tokens, prefix) <= 0
+
+    def _shortfall(self, request: Request, num_new_tokens: int, prefix: CachedPrefix | None) -> int:
+        table = self.block_tables.get(request.request_id, [])
+        prefix = prefix or CachedPrefix()
+        computed = request.num_computed_tokens + prefix.num_tokens
+        new_blocks = self._blocks_for(computed + num_new_tokens) - len(table) - len(prefix.blocks)
+        cow = 1 if self._shared_tail_index(table, computed) is not None else 0
+        reusable_free = sum(1 for b in prefix.blocks if b.ref_count == 0)
+        return max(new_blocks, 0) + cow - (self.pool.num_free - reusable_free)
+
+    def _shared_tail_index(self, table: list[KVBlock], num_computed: int) -> int | None:
+        """Index of a partly filled block that other requests share, which the next token would write."""
+        index = num_computed // self.block_size
+        if num_computed % self.block_size and index < len(table) and table[index].ref_count > 1:
+            return index
+        return None
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, prefix: CachedPrefix | None = None) -> bool:
+        """Reserves KV slots for `num_new_tokens` more tokens; False (and no change) if the pool is short."""
+        if self._shortfall(request, num_new_tokens, prefix) > 0:
+            return False
+        table = self.block_tables.setdefault(request.request_id, [])
+        if prefix is not None:
+            self._take_prefix(request, table, prefix)
+        tail = self._shared_tail_index(table, request.num_computed_tokens)
+        if tail is not None:
+            self._copy_on_write(table, tail)
+        needed = self._blocks_for(request.num_computed_tokens + num_new_tokens) - len(table)
+        if needed > 0:
+            table.extend(self.pool.allocate(needed))
+        return True
+
+    def _take_prefix(self, request: Request, table: list[KVBlock], prefix: CachedPrefix) -> None:
+        self.pool.touch(prefix.blocks)
+        table.extend(prefix.blocks)
+        request.num_computed_tokens += prefix.num_tokens
+        self._num_hashed[request.request_id] = len(table)
+        stats = self.pool.stats
+        stats.queries += request.num_tokens
+        stats.hits += prefix.num_tokens
+        self.pool.record_thrash(prefix.thrash_hashes)
+
+    def _copy_on_write(self, table: list[KVBlock], index: int) -> None:
+        shared = table[index]
+        (private,) = self.pool.allocate(1)
+        self.pending_copies.append((shared.block_id, private.block_id))
+        self.pool.free([shared])
+        table[index] = private
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Makes blocks that became full (all tokens computed) findable by later requests."""
+        num_full = request.num_computed_tokens // self.block_size
+        done = self._num_hashed.get(request.request_id, 0)
+        if num_full <= done or not self.pool.enable_caching:
+            return
+        table = self.block_tables[request.request_id]
+        hashes = request.ensure_block_hashes(num_full, self.block_size)
+        for index in range(done, num_full):
+            self.pool.cache_block(table[index], hashes[index])
+        self._num_hashed[request.request_id] = num_full
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """The child shares every block of the parent (copy-on-write for a partly filled tail)."""
+        table = list(self.block_tables[parent.request_id])
+        for block in table:
+            block.ref_count += 1
+        self.block_tables[child.request_id] = table
+        self._num_hashed[child.request_id] = self._num_hashed.get(parent.request_id, 0)
+        child.num_computed_tokens = parent.num_computed_tokens
+
+    def free(self, request: Request) -> None:
+        table = self.block_tables.pop(request.request_id, [])
+        self._num_hashed.pop(request.request_id, None)
+        self.pool.free(reversed(table))
+
+    def block_ids(self, request: Request) -> list[int]:
+        return [b.block_id for b in self.block_tables[request.request_id]]
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    def num_blocks_in_use(self) -> int:
+        return self.pool.num_blocks - self.pool.num_free

@@ -1,0 +1,252 @@
+"""The synchronous engine: requests in, one scheduler step at a time, outputs out."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from treeserve.config import EngineConfig
+from treeserve.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from treeserve.engine.kv_cache_manager import KVCacheManager
+from treeserve.engine.memory import kv_budget_bytes
+from treeserve.engine.model_runner import ModelRunner, kv_bytes_per_block
+from treeserve.engine.request import Request
+from treeserve.engine.scheduler import Scheduler
+from treeserve.model.hf_config import load_model_config
+from treeserve.model.loader import build_model, load_generation_defaults, load_tokenizer
+from treeserve.model.registry import resolve_model_path
+from treeserve.outputs import CompletionOutput, Logprob, RequestOutput
+from treeserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class RequestGroup:
+    """One user request: `n` sequences that share the prompt, and the prefill that they fork from."""
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request]
+    shared_prefill: Request | None = None
+    prompt_logits: dict = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.is_finished for c in self.children)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        model_dir = resolve_model_path(config.model)
+        self.model_config = load_model_config(model_dir)
+        self.tokenizer = load_tokenizer(resolve_model_path(config.tokenizer) if config.tokenizer else model_dir)
+        self.generation_defaults = load_generation_defaults(model_dir, self.model_config)
+        self.device = config.resolve_device()
+        self.dtype = config.resolve_dtype(self.device, self.model_config.torch_dtype)
+        self.max_model_len = self._max_model_len()
+        torch.manual_seed(config.seed)
+        self.model = build_model(model_dir, self.model_config, self.dtype, self.device, self.max_model_len)
+        num_blocks = self._num_kv_blocks()
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.kv, num_blocks, self.dtype, self.device)
+        self.groups: dict[str, RequestGroup] = {}
+        self._group_of: dict[str, RequestGroup] = {}
+        logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens", model_dir.name, self.device,
+                    self.dtype, num_blocks, config.block_size)
+
+    def _max_model_len(self) -> int:
+        limit = self.model_config.max_position_embeddings
+        wanted = self.config.max_model_len
+        if wanted is not None and wanted > limit:
+            raise ValueError(f"max_model_len: {wanted} exceeds the model's max_position_embeddings ({limit})")
+        return wanted or limit
+
+    def _num_kv_blocks(self) -> int:
+        per_block = kv_bytes_per_block(self.model, self.config.block_size, self.dtype)
+        num_blocks = kv_budget_bytes(self.config, self.device) // per_block
+        if num_blocks * self.config.block_size < self.max_model_len:
+            raise ValueError(
+                f"kv_cache_memory_bytes: room for {num_blocks} blocks ({num_blocks * self.config.block_size} tokens), "
+                f"fewer than max_model_len={self.max_model_len}; raise the KV budget or lower max_model_len"
+            )
+        return num_blocks
+
+    # ---- requests -------------------------------------------------------------------------
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt: must not be empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(prompt_token_ids)} tokens is too long for the maximum model length "
+                f"{self.max_model_len} (at least one token must be generated)"
+            )
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt: token id {bad!r} is outside the vocabulary [0, {vocab})")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None, cache_salt: str | None = None,
+                    logits_positions: list[int] | None = None) -> None:
+        """Queues a request. With `logits_positions` it is prefill-only and returns those positions' logits."""
+        self.validate_prompt(prompt_token_ids)
+        if request_id in self.groups:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        if logits_positions is not None:
+            self._add_prefill_only(request_id, prompt_token_ids, params, prompt, cache_salt, logits_positions)
+            return
+        children = [self._make_request(f"{request_id}#{i}", prompt_token_ids, self._child_params(params, i), cache_salt)
+                    for i in range(params.n)]
+        group = RequestGroup(request_id, prompt, list(prompt_token_ids), children)
+        self._register(group)
+        if params.n > 1 and len(prompt_token_ids) > 1:
+            shared = Request(f"{request_id}#prefill", list(prompt_token_ids[:-1]), params, cache_salt=cache_salt,
+                             prefill_only=True)
+            group.shared_prefill = shared
+            self._group_of[shared.request_id] = group
+            self.scheduler.add(shared)
+        else:
+            for child in children:
+                self.scheduler.add(child)
+
+    def _add_prefill_only(self, request_id, prompt_token_ids, params, prompt, cache_salt, positions) -> None:
+        bad = [p for p in positions if not isinstance(p, int) or not 0 <= p < len(prompt_token_ids)]
+        if bad:
+            raise ValueError(f"logits_positions: {bad[:3]} outside the prompt (length {len(prompt_token_ids)})")
+        request = Request(f"{request_id}#0", list(prompt_token_ids), params, cache_salt=cache_salt,
+                          prefill_only=True, logits_positions=sorted(set(positions)))
+        self._register(RequestGroup(request_id, prompt, list(prompt_token_ids), [request]))
+        self.scheduler.add(request)
+
+    def _register(self, group: RequestGroup) -> None:
+        self.groups[group.request_id] = group
+        for child in group.children:
+            self._group_of[child.request_id] = group
+
+    @staticmethod
+    def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+        if params.n == 1:
+            return params
+        seed = None if params.seed is None else params.seed + index
+        return params.clone(n=1, seed=seed)
+
+    def _make_request(self, request_id, prompt_token_ids, params, cache_salt) -> Request:
+        room = self.max_model_len - len(prompt_token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        request = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids,
+                          max_tokens=max_tokens, cache_salt=cache_salt)
+        request.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
+        return request
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        ids = self.generation_defaults.eos_token_ids
+        if not ids and self.tokenizer.eos_token_id is not None:
+            ids = (self.tokenizer.eos_token_id,)
+        return ids
+
+    def abort_request(self, request_id: str) -> None:
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return
+        for request in group.children + ([group.shared_prefill] if group.shared_prefill else []):
+            self.scheduler.finish(request, "abort")
+            self._group_of.pop(request.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- stepping -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched:
+            return []
+        result = self.runner.execute(sched)
+        for request, position, logits in result.readouts:
+            request.prompt_logits[position] = logits
+        touched: dict[str, RequestGroup] = {}
+        for item in sched.scheduled:
+            request = item.request
+            request.num_computed_tokens += item.num_new_tokens
+            self.kv.cache_full_blocks(request)
+            group = self._group_of[request.request_id]
+            touched[group.request_id] = group
+            if request.prefill_only:
+                if request.num_computed_tokens == request.num_tokens:
+                    self._finish_prefill(group, request)
+            elif request.request_id in result.sampled:
+                token_id, logprobs = result.sampled[request.request_id]
+                self._append_token(request, token_id, logprobs)
+        return [self._make_output(g) for g in touched.values()]
+
+    def _finish_prefill(self, group: RequestGroup, request: Request) -> None:
+        if request is group.shared_prefill:
+            for child in group.children:
+                self.kv.fork(request, child)
+                child.num_cached_tokens = request.num_cached_tokens
+                self._group_of[child.request_id] = group
+                self.scheduler.add(child)
+            self._group_of.pop(request.request_id, None)
+            group.shared_prefill = None
+        self.scheduler.finish(request, "prefill")
+
+    def _append_token(self, request: Request, token_id: int, logprobs: dict | None) -> None:
+        if request.first_token_time is None:
+            request.first_token_time = time.monotonic()
+        request.append_output_token(token_id)
+        if logprobs is not None:
+            request.logprobs.append(self._decoded_logprobs(logprobs))
+            request.cumulative_logprob += logprobs[token_id][0]
+        delta = request.detokenizer.push(token_id)
+        request.output_text = request.detokenizer.text
+        reason, stop_reason = self._check_stop(request, token_id, len(delta))
+        if reason is not None:
+            if not isinstance(stop_reason, str):  # a stop string already cut the text where it must end
+                request.detokenizer.flush()
+                request.output_text = request.detokenizer.text
+            self.scheduler.finish(request, reason, stop_reason)
+
+    def _decoded_logprobs(self, logprobs: dict[int, tuple[float, int]]) -> dict[int, Logprob]:
+        return {tid: Logprob(lp, rank, self.tokenizer.decode([tid])) for tid, (lp, rank) in logprobs.items()}
+
+    def _check_stop(self, request: Request, token_id: int, new_chars: int) -> tuple[str | None, str | int | None]:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                return "stop", None
+            if token_id in params.stop_token_ids:
+                return "stop", token_id
+            found = find_stop_string(request.output_text, new_chars, params.stop_strings)
+            if found is not None:
+                stop, start = found
+                end = start + len(stop) if params.include_stop_str_in_output else start
+                request.output_text = request.output_text[:end]
+                return "stop", stop
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return "length", None
+        return None, None
+
+    def _make_output(self, group: RequestGroup) -> RequestOutput:
+        outputs = [
+            CompletionOutput(
+                index=i, text=c.output_text, token_ids=list(c.output_token_ids),
+                cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
+                logprobs=list(c.logprobs) if c.logprobs is not None else None,
+                finish_reason=c.finish_reason if c.finish_reason != "prefill" else "stop", stop_reason=c.stop_reason,
+            )
+            for i, c in enumerate(group.children)
+        ]
+        finished = group.finished
+        prompt_logits = group.children[0].prompt_logits if group.children[0].prefill_only else {}
+        if finished:
+            self.groups.pop(group.request_id, None)
+            for child in group.children:
+                self._group_of.pop(child.request_id, None)
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, finished,
+                             num_cached_tokens=group.children[0].num_cached_tokens, prompt_logits=prompt_logits)

@@ -1,0 +1,34 @@
+"""How many KV blocks fit in the memory budget."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from treeserve.config import CPU_DEFAULT_KV_BYTES, EngineConfig
+
+
+def available_host_bytes() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+def kv_budget_bytes(config: EngineConfig, device: torch.device, activation_bytes: int = 0) -> int:
+    """Bytes for KV blocks: explicit, else a share of free host memory (CPU) or of the device (CUDA)."""
+    if config.kv_cache_memory_bytes is not None:
+        return config.kv_cache_memory_bytes
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = int(total * config.gpu_memory_utilization) - (total - free) - activation_bytes
+        if budget <= 0:
+            raise ValueError(
+                f"gpu_memory_utilization: {config.gpu_memory_utilization} leaves no memory for the KV cache "
+                f"({(total - free) >> 20} MiB in use, {activation_bytes >> 20} MiB for activations)"
+            )
+        return budget
+    return min(CPU_DEFAULT_KV_BYTES, int(available_host_bytes() * config.cpu_kv_memory_fraction))

@@ -1,0 +1,158 @@
+"""Runs one scheduler step on the model: flat batch in, sampled tokens (and requested logits) out."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from treeserve.engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from treeserve.engine.kv_cache_manager import KVCacheManager
+from treeserve.engine.request import Request
+from treeserve.engine.sampler import Sampler, SamplerOutput
+from treeserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from treeserve.model.decoder import DecoderForCausalLM
+
+# Decode requests are grouped by context length so that one group's padding stays small.
+DECODE_GROUP_GROWTH = 1.5
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    order: list[ScheduledRequest]            # requests in flat-batch order
+    sample_rows: list[int] = field(default_factory=list)
+    sample_requests: list[Request] = field(default_factory=list)
+    readout_rows: list[tuple[Request, int, int]] = field(default_factory=list)  # (request, position, row)
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled: dict[str, tuple[int, dict | None]]  # request_id -> (token id, logprobs)
+    readouts: list[tuple[Request, int, torch.Tensor]]  # (request, position, logits)
+
+
+def kv_bytes_per_block(model: DecoderForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+    c = model.config
+    return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * torch.finfo(dtype).bits // 8
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderForCausalLM, kv: KVCacheManager, num_blocks: int, dtype: torch.dtype,
+                 device: torch.device):
+        c = model.config
+        self.model, self.kv, self.device = model, kv, device
+        self.block_size = kv.block_size
+        shape = (2, num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+        self.kv_caches = [torch.empty(shape, dtype=dtype, device=device) for _ in range(c.num_layers)]
+        self.sampler = Sampler()
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._copy_blocks(sched.block_copies)
+        inputs = self.prepare_inputs(sched.scheduled)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        sampled = self._sample(hidden, inputs)
+        readouts = self._readouts(hidden, inputs)
+        return ModelRunnerOutput(sampled, readouts)
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for cache in self.kv_caches:
+            cache[:, dst] = cache[:, src]
+
+    def _sample(self, hidden: torch.Tensor, inputs: StepInputs) -> dict[str, tuple[int, dict | None]]:
+        if not inputs.sample_rows:
+            return {}
+        rows = torch.tensor(inputs.sample_rows, device=self.device)
+        logits = self.model.compute_logits(hidden[rows])
+        result: SamplerOutput = self.sampler(logits, inputs.sample_requests)
+        return {r.request_id: (t, lp) for r, t, lp in zip(inputs.sample_requests, result.token_ids, result.logprobs)}
+
+    def _readouts(self, hidden: torch.Tensor, inputs: StepInputs) -> list[tuple[Request, int, torch.Tensor]]:
+        if not inputs.readout_rows:
+            return []
+        rows = torch.tensor([row for _, _, row in inputs.readout_rows], device=self.device)
+        logits = self.model.compute_logits(hidden[rows]).cpu()
+        return [(req, pos, logits[i]) for i, (req, pos, _) in enumerate(inputs.readout_rows)]
+
+    def prepare_inputs(self, scheduled: list[ScheduledRequest]) -> StepInputs:
+        decodes = sorted((s for s in scheduled if s.num_new_tokens == 1), key=lambda s: s.request.num_computed_tokens)
+        prefills = [s for s in scheduled if s.num_new_tokens > 1]
+        token_ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        meta = AttentionMetadata(slot_mapping=torch.empty(0), block_size=self.block_size)
+        inputs = StepInputs(torch.empty(0), torch.empty(0), meta, decodes + prefills)
+        self._add_decodes(decodes, inputs, token_ids, positions, slots)
+        for s in prefills:
+            self._add_prefill(s, inputs, token_ids, positions, slots)
+        inputs.input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        inputs.positions = torch.cat(positions).to(self.device)
+        meta.slot_mapping = torch.cat(slots).to(self.device)
+        return inputs
+
+    def _add_decodes(self, decodes, inputs, token_ids, positions, slots) -> None:
+        bs = self.block_size
+        pos_list, slot_list = [], []
+        for s in decodes:
+            request = s.request
+            pos = request.num_computed_tokens
+            table = self.kv.block_tables[request.request_id]
+            token_ids.append(request.all_token_ids[pos])
+            pos_list.append(pos)
+            slot_list.append(table[pos // bs].block_id * bs + pos % bs)
+            self._note_outputs(s, inputs, row=len(token_ids) - 1, first_pos=pos)
+        positions.append(torch.tensor(pos_list, dtype=torch.long))
+        slots.append(torch.tensor(slot_list, dtype=torch.long))
+        start = 0
+        for group in _group_by_length(decodes, bs):
+            tables = [self.kv.block_ids(s.request) for s in group]
+            width = max(len(t) for t in tables)
+            padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=self.device)
+            lens = torch.tensor([s.request.num_computed_tokens + 1 for s in group], device=self.device)
+            inputs.meta.decode_groups.append(DecodeGroup(slice(start, start + len(group)), padded, lens))
+            start += len(group)
+
+    def _add_prefill(self, s: ScheduledRequest, inputs, token_ids, positions, slots) -> None:
+        request, bs = s.request, self.block_size
+        first, count = request.num_computed_tokens, s.num_new_tokens
+        start_row = len(token_ids)
+        token_ids.extend(request.all_token_ids[first:first + count])
+        pos = torch.arange(first, first + count, dtype=torch.long)
+        block_ids = torch.tensor(self.kv.block_ids(request), dtype=torch.long)
+        positions.append(pos)
+        slots.append(block_ids[pos // bs] * bs + pos % bs)
+        context_len = first + count
+        num_blocks = -(-context_len // bs)
+        inputs.meta.prefills.append(PrefillChunk(slice(start_row, start_row + count), context_len, count,
+                                                 block_ids[:num_blocks].to(self.device)))
+        self._note_outputs(s, inputs, row=start_row + count - 1, first_pos=first)
+
+    @staticmethod
+    def _note_outputs(s: ScheduledRequest, inputs: StepInputs, row: int, first_pos: int) -> None:
+        request = s.request
+        if request.prefill_only:
+            last_pos = first_pos + s.num_new_tokens - 1
+            for pos in request.logits_positions or ():
+                if first_pos <= pos <= last_pos:
+                    inputs.readout_rows.append((request, pos, row - (last_pos - pos)))
+        elif s.completes_sequence:
+            inputs.sample_rows.append(row)
+            inputs.sample_requests.append(request)
+
+
+def _group_by_length(decodes: list[ScheduledRequest], block_size: int) -> list[list[ScheduledRequest]]:
+    groups: list[list[ScheduledRequest]] = []
+    first_blocks = 0
+    for s in decodes:
+        blocks = s.request.num_computed_tokens // block_size + 1
+        if not groups or blocks > DECODE_GROUP_GROWTH * first_blocks + 2:
+            groups.append([])
+            first_blocks = blocks
+        groups[-1].append(s)
+    return groups

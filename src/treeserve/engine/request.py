@@ -1,0 +1,94 @@
+"""The engine's view of one sequence being generated (or prefilled)."""
+from __future__ import annotations
+
+import enum
+import hashlib
+import time
+from array import array
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from treeserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+def hash_block(parent: bytes | None, tokens: list[int], extra: bytes) -> bytes:
+    """Chained block hash: hash(parent hash, this block's tokens, extra keys such as a cache salt)."""
+    digest = hashlib.sha256(parent or b"root")
+    digest.update(array("q", tokens).tobytes())
+    digest.update(extra)
+    return digest.digest()
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    max_tokens: int = 16
+    cache_salt: str | None = None
+    prefill_only: bool = False          # compute the prompt's KV (and optional logits), sample nothing
+    logits_positions: list[int] | None = None  # prompt positions whose logits a prefill-only request returns
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    generator: torch.Generator | None = None
+    output_text: str = ""
+    logprobs: list[dict[int, Any]] | None = None
+    cumulative_logprob: float = 0.0
+    prompt_logits: dict[int, torch.Tensor] = field(default_factory=dict)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    detokenizer: Any = None
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.block_hashes: list[bytes] = []
+        self._extra_key = (self.cache_salt or "").encode()
+        if self.sampling_params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+        if self.sampling_params.logprobs is not None:
+            self.logprobs = []
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def ensure_block_hashes(self, num_blocks: int, block_size: int) -> list[bytes]:
+        """Extends the chained hashes to cover the first `num_blocks` full blocks."""
+        while len(self.block_hashes) < num_blocks:
+            index = len(self.block_hashes)
+            parent = self.block_hashes[-1] if index else None
+            tokens = self.all_token_ids[index * block_size:(index + 1) * block_size]
+            self.block_hashes.append(hash_block(parent, tokens, self._extra_key))
+        return self.block_hashes

@@ -1,0 +1,112 @@
+"""Offline API shaped like vLLM's: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+from tqdm import tqdm
+
+from treeserve.config import EngineConfig
+from treeserve.engine.llm_engine import LLMEngine
+from treeserve.outputs import RequestOutput
+from treeserve.sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    def __init__(self, model: str, **engine_options: Any):
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return SamplingParams(**self.engine.generation_defaults.sampling)
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        prompt_list = _as_prompt_list(prompts)
+        params_list = self._params_per_prompt(sampling_params, len(prompt_list))
+        encoded = [self._encode(p) for p in prompt_list]
+        for (_, token_ids, _), params in zip(encoded, params_list):  # validate everything before scheduling
+            self.engine.validate_prompt(token_ids)
+        return self._run([(text, ids, salt, params) for (text, ids, salt), params in zip(encoded, params_list)], use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template: str | None = None) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [{"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt, chat_template)}
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
+                            chat_template: str | None = None) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        if chat_template is None and not getattr(tokenizer, "chat_template", None):
+            raise ValueError("messages: this model's tokenizer has no chat template; pass chat_template=")
+        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             chat_template=chat_template)
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def _params_per_prompt(self, sampling_params, count: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [self.get_default_sampling_params()] * count
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * count
+        params = list(sampling_params)
+        if len(params) != count:
+            raise ValueError(f"sampling_params: got {len(params)} for {count} prompts; pass one, or one per prompt")
+        return params
+
+    def _encode(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
+        if isinstance(prompt, str):
+            return prompt, self.engine.tokenizer.encode(prompt), None
+        if isinstance(prompt, dict):
+            salt = prompt.get("cache_salt")
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"]), salt
+            if "prompt" in prompt:
+                return prompt["prompt"], self.engine.tokenizer.encode(prompt["prompt"]), salt
+            raise ValueError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None, list(prompt), None
+        raise ValueError(f"prompt: expected a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def _run(self, items, use_tqdm: bool) -> list[RequestOutput]:
+        ids = []
+        try:
+            for text, token_ids, salt, params in items:
+                request_id = str(next(self._ids))
+                self.engine.add_request(request_id, token_ids, params, prompt=text, cache_salt=salt)
+                ids.append(request_id)
+            return self._drain(ids, use_tqdm)
+        except BaseException:
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise
+
+    def _drain(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm or len(ids) < 2)
+        while self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+                    bar.update(1)
+        bar.close()
+        return [finished[i] for i in ids]
+
+
+def _as_prompt_list(prompts) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompts: expected a prompt or a non-empty list of prompts")
+    return list(prompts)

@@ -1,0 +1,77 @@
+"""One decoder-only transformer covering Llama (2/3/3.1/3.2), Mistral, Qwen2 and Qwen3.
+
+The families differ only in switches read from `ModelConfig`: qkv/o/mlp biases, q/k RMSNorm
+(Qwen3), sliding windows (Mistral, some Qwen2), RoPE scaling, tied embeddings.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from treeserve.engine.attention import AttentionMetadata, TorchSDPABackend
+from treeserve.model.hf_config import ModelConfig
+from treeserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, window: int | None):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.window = window
+        self.scale = self.head_dim**-0.5
+
+    def forward(self, x, positions, rotary, layer_cache, meta, backend):
+        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        out = backend.forward(layer_cache, q, k, v, meta, self.scale, self.window)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, window: int | None):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, window)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+
+    def forward(self, x, positions, rotary, layer_cache, meta, backend):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, layer_cache, meta, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        windows = config.sliding_windows or (None,) * config.num_layers
+        self.layers = nn.ModuleList(DecoderLayer(config, windows[i]) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.backend = TorchSDPABackend()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Flat batch of T tokens -> final hidden states [T, hidden]."""
+        x = self.embed_tokens(input_ids)
+        for layer, layer_cache in zip(self.layers, kv_caches):
+            x = layer(x, positions, self.rotary, layer_cache, meta, self.backend)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()

@@ -1,0 +1,165 @@
+"""Reads a Hugging Face `config.json` into the one `ModelConfig` our model code understands.
+
+Both layouts are accepted: published checkpoints carry `rope_theta` + `rope_scaling`, while
+transformers 5 writes a single `rope_parameters` dict.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int | None = None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope: RopeConfig
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    # One entry per layer: the sliding-window size, or None for full attention.
+    sliding_windows: tuple[int | None, ...] = field(default_factory=tuple)
+    torch_dtype: str | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """Loads a JSON file, naming the file in every error."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: file not found")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: malformed JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object at the top level")
+    return data
+
+
+def _rope_config(raw: dict[str, Any], path: Path) -> RopeConfig:
+    params = raw.get("rope_parameters") or {}
+    scaling = raw.get("rope_scaling") or {}
+    merged = {**scaling, **params}
+    theta = merged.get("rope_theta", raw.get("rope_theta", 10000.0))
+    rope_type = merged.get("rope_type", merged.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"{path}: rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    return RopeConfig(
+        theta=float(theta),
+        rope_type=rope_type,
+        factor=float(merged.get("factor", 1.0)),
+        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=merged.get("original_max_position_embeddings"),
+    )
+
+
+def _sliding_windows(raw: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, ...]:
+    window = raw.get("sliding_window")
+    layer_types = raw.get("layer_types")
+    if layer_types:
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    if arch == "MistralForCausalLM":
+        return (window,) * num_layers
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and raw.get("use_sliding_window"):
+        first = raw.get("max_window_layers", num_layers)
+        return tuple(window if i >= first else None for i in range(num_layers))
+    return (None,) * num_layers
+
+
+def _eos_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _architecture(raw: dict[str, Any], path: Path) -> str:
+    archs = raw.get("architectures") or []
+    if not archs:
+        raise ValueError(f"{path}: no 'architectures' field")
+    arch = archs[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"{path}: architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return arch
+
+
+def parse_model_config(raw: dict[str, Any], path: Path = Path("config.json")) -> ModelConfig:
+    arch = _architecture(raw, path)
+    try:
+        hidden = int(raw["hidden_size"])
+        num_heads = int(raw["num_attention_heads"])
+        num_layers = int(raw["num_hidden_layers"])
+        config = ModelConfig(
+            architecture=arch,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+            head_dim=int(raw.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            rope=_rope_config(raw, path),
+            qkv_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
+            o_bias=arch != "Qwen2ForCausalLM" and bool(raw.get("attention_bias", False)),
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_windows=_sliding_windows(raw, arch, num_layers),
+            torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=_eos_ids(raw.get("eos_token_id")),
+        )
+    except KeyError as exc:
+        raise ValueError(f"{path}: missing required field {exc.args[0]!r}") from exc
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: malformed field ({exc})") from exc
+    if hidden_act := raw.get("hidden_act"):
+        if hidden_act != "silu":
+            raise ValueError(f"{path}: hidden_act {hidden_act!r} is not supported (only 'silu')")
+    if config.num_heads % config.num_kv_heads:
+        raise ValueError(f"{path}: num_attention_heads must be a multiple of num_key_value_heads")
+    return config
+
+
+def load_model_config(model_dir: Path) -> ModelConfig:
+    path = model_dir / "config.json"
+    return parse_model_config(read_json(path), path)

@@ -1,0 +1,148 @@
+"""Loads a local Hugging Face checkpoint directory: weights, generation defaults, tokenizer."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from treeserve.model.decoder import DecoderForCausalLM
+from treeserve.model.hf_config import ModelConfig, load_model_config, read_json
+from treeserve.model.layers import RotaryEmbedding
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_FUSED = {  # checkpoint projection -> (our fused module, slot index)
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+
+
+@dataclass
+class GenerationDefaults:
+    eos_token_ids: tuple[int, ...] = ()
+    sampling: dict[str, Any] = field(default_factory=dict)
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    if (model_dir / SINGLE_FILE).is_file():
+        return [model_dir / SINGLE_FILE]
+    index_path = model_dir / INDEX_FILE
+    if index_path.is_file():
+        weight_map = read_json(index_path).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index_path}: missing or empty 'weight_map'")
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        for path in files:
+            if not path.is_file():
+                raise FileNotFoundError(f"{path}: shard listed in {INDEX_FILE} not found")
+        return files
+    raise FileNotFoundError(f"{model_dir / SINGLE_FILE}: file not found (nor {INDEX_FILE})")
+
+
+def iter_checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in safetensors_files(model_dir):
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                for name in handle.keys():
+                    yield name, handle.get_tensor(name)
+        except SafetensorError as exc:
+            raise ValueError(f"{path}: malformed safetensors file ({exc})") from exc
+
+
+def _target_name(name: str) -> tuple[str, int | None]:
+    """Maps a checkpoint tensor name to our parameter name and, for fused projections, its slot."""
+    match = _LAYER_NAME.match(name)
+    if match:
+        layer, module, kind = match.groups()
+        if module in _FUSED:
+            fused, slot = _FUSED[module]
+            return f"layers.{layer}.{fused}.{kind}", slot
+        return f"layers.{layer}.{module}.{kind}", None
+    if name.startswith("model."):
+        return name[len("model."):], None
+    return name, None
+
+
+def load_weights(model: DecoderForCausalLM, model_dir: Path) -> None:
+    params = dict(model.named_parameters())
+    pending: dict[str, dict[int, torch.Tensor]] = {}
+    loaded: set[str] = set()
+    for name, tensor in iter_checkpoint_tensors(model_dir):
+        if _IGNORED.search(name) or (name == "lm_head.weight" and model.lm_head is None):
+            continue
+        target, slot = _target_name(name)
+        if target not in params:
+            raise ValueError(f"{model_dir}: unexpected tensor {name!r} in checkpoint")
+        if slot is None:
+            _copy_into(params[target], tensor, name)
+            loaded.add(target)
+            continue
+        parts = pending.setdefault(target, {})
+        parts[slot] = tensor
+        if len(parts) == (3 if "qkv" in target else 2):
+            _copy_into(params[target], torch.cat([parts[i] for i in sorted(parts)]), name)
+            loaded.add(target)
+            del pending[target]
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"{model_dir}: checkpoint is missing tensors for {missing[:5]}{'...' if len(missing) > 5 else ''}")
+
+
+def _copy_into(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    if param.shape != tensor.shape:
+        raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+    with torch.no_grad():
+        param.copy_(tensor)
+
+
+def build_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                max_positions: int) -> DecoderForCausalLM:
+    with torch.device("meta"):
+        model = DecoderForCausalLM(config, max_positions)
+    model = model.to_empty(device=device).to(dtype)
+    # RoPE tables stay in float32 (as in transformers); they were only placeholders on "meta".
+    model.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions).to(device)
+    load_weights(model, model_dir)
+    return model.eval()
+
+
+def load_generation_defaults(model_dir: Path, config: ModelConfig) -> GenerationDefaults:
+    path = model_dir / "generation_config.json"
+    raw = read_json(path) if path.is_file() else {}
+    eos = raw.get("eos_token_id", None)
+    if eos is None:
+        eos_ids = config.eos_token_ids
+    else:
+        eos_ids = (eos,) if isinstance(eos, int) else tuple(eos)
+    keys = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+            "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+    sampling = {ours: raw[theirs] for theirs, ours in keys.items() if raw.get(theirs) is not None}
+    if raw.get("do_sample") is False:
+        sampling["temperature"] = 0.0
+    return GenerationDefaults(eos_token_ids=tuple(int(e) for e in eos_ids), sampling=sampling)
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer_config.json").is_file():
+        raise FileNotFoundError(f"{model_dir / 'tokenizer.json'}: file not found (nor tokenizer_config.json)")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (model_dir / name).is_file():
+            read_json(model_dir / name)  # names the file if it is malformed
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except Exception as exc:  # transformers raises many types; name the directory
+        raise ValueError(f"{model_dir}: could not load the tokenizer ({exc})") from exc
+
+
+__all__ = ["build_model", "load_generation_defaults", "load_tokenizer", "load_model_config", "GenerationDefaults"]

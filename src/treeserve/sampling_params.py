@@ -1,0 +1,88 @@
+"""Per-request sampling settings, with vLLM's names and defaults, validated on construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                 # 0 or -1: disabled
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16    # None: up to the model's context length
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None    # number of top logprobs per generated token (plus the sampled one)
+    skip_special_tokens: bool = True
+    stop_strings: tuple[str, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.stop_strings = _normalise_stop(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._validate()
+
+    def _validate(self) -> None:
+        _require(_is_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
+        _require(_is_number(self.temperature) and self.temperature >= 0, "temperature",
+                 f"must be >= 0, got {self.temperature!r}")
+        _require(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
+        _require(_is_int(self.top_k) and self.top_k >= -1, "top_k", f"must be -1, 0 (disabled) or >= 1, got {self.top_k!r}")
+        _require(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _require(_is_number(value) and -2 <= value <= 2, name, f"must be in [-2, 2], got {value!r}")
+        _require(_is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+                 f"must be > 0, got {self.repetition_penalty!r}")
+        _require(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
+                 f"must be an integer >= 1, got {self.max_tokens!r}")
+        _require(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens!r}")
+        _require(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+                 f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        _require(self.seed is None or _is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
+        _require(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0), "logprobs",
+                 f"must be an integer >= 0, got {self.logprobs!r}")
+        _require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+                 f"must be a list of non-negative integers, got {self.stop_token_ids!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    def clone(self, **changes) -> "SamplingParams":
+        fields = {k: v for k, v in self.__dict__.items() if k != "stop_strings"}
+        fields.update(changes)
+        return SamplingParams(**fields)
+
+
+def _normalise_stop(stop) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+        raise ValueError(f"stop: must be a string or a list of strings, got {stop!r}")
+    if any(s == "" for s in stop):
+        raise ValueError("stop: stop strings must be non-empty")
+    return tuple(stop)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+def _require(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}: {message}")
