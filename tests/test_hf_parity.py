@@ -1,0 +1,89 @@
+"""Logits, greedy tokens and logprobs against HF transformers on random tiny models of every family."""
+import pytest
+import torch
+import transformers
+
+from conftest import assert_no_leak
+from treeserve import LLM, SamplingParams
+from treeserve.testing.tiny_models import FAMILIES
+
+PROMPTS = [
+    "The water is",
+    "Hello",
+    "A long time ago in a place far away there was one old man who had a small boat and",
+    "café 日本語 😀 number 42",
+    "Step 1: add the two numbers",
+    "They said that every good answer needs",
+    "x",
+    "Many people write about how to make the best use of their time when they are at home, "
+    "because there is water to read and a hand to give",
+]
+MAX_TOKENS = 24
+
+
+def _hf_model(path):
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model.eval()
+
+
+def _relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((ours - ref).abs().max() / ref.abs().max())
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_setup(request, tiny_model_dirs):
+    path = tiny_model_dirs[request.param]
+    llm = LLM(str(path), dtype="float32", device="cpu", kv_cache_memory_bytes=8 << 20)
+    return request.param, llm, _hf_model(path)
+
+
+def test_prompt_logits_match_hf(family_setup):
+    family, llm, hf = family_setup
+    tokenizer = llm.get_tokenizer()
+    engine = llm.engine
+    for i, prompt in enumerate(PROMPTS):
+        ids = tokenizer.encode(prompt)
+        engine.add_request(f"logits-{i}", ids, SamplingParams(), logits_positions=list(range(len(ids))))
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out
+    for i, prompt in enumerate(PROMPTS):
+        ids = tokenizer.encode(prompt)
+        ours = torch.stack([outputs[f"logits-{i}"].prompt_logits[p] for p in range(len(ids))])
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids])).logits[0].float()
+        assert _relative_error(ours, ref) < 1e-4, (family, prompt)
+    assert_no_leak(engine)
+
+
+def _hf_greedy(hf, ids, max_new_tokens):
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                          do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                          pad_token_id=hf.config.pad_token_id)
+    return out[0, len(ids):].tolist()
+
+
+def test_greedy_batch_matches_hf_generate(family_setup):
+    family, llm, hf = family_setup
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, logprobs=3)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    for prompt, output in zip(PROMPTS, outputs):
+        ids = output.prompt_token_ids
+        completion = output.outputs[0]
+        assert completion.token_ids == _hf_greedy(hf, ids, MAX_TOKENS), (family, prompt)
+        assert completion.finish_reason == "length"
+        with torch.no_grad():
+            ref_logits = hf(torch.tensor([ids + completion.token_ids])).logits[0].float()
+        ref_logprobs = torch.log_softmax(ref_logits, dim=-1)
+        for step, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
+            ref = ref_logprobs[len(ids) - 1 + step]
+            assert abs(entry[token].logprob - float(ref[token])) < 1e-4
+            assert entry[token].rank == int((ref > ref[token]).sum()) + 1  # EOS is masked, so not always 1
+            top3 = ref.topk(3).indices.tolist()
+            assert set(top3) <= set(entry)
+            for tid in top3:
+                assert abs(entry[tid].logprob - float(ref[tid])) < 1e-4
+    assert_no_leak(llm.engine)
