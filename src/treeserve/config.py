@@ -9,7 +9,7 @@ import torch
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16,
           "float": torch.float32}
-CPU_DEFAULT_KV_BYTES = 4 << 30
+CPU_DEFAULT_KV_BYTES = 1 << 30
 
 
 @dataclass
@@ -24,7 +24,7 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9   # CUDA: share of total device memory this engine may use
-    cpu_kv_memory_fraction: float = 0.25  # CPU: share of available host memory for KV blocks (cap 4 GiB)
+    cpu_kv_memory_fraction: float = 0.25  # CPU: share of available host memory for KV blocks (cap 1 GiB)
     enable_prefix_caching: bool = True
     seed: int = 0
 

@@ -45,7 +45,9 @@ class ModelRunner:
         self.model, self.kv, self.device = model, kv, device
         self.block_size = kv.block_size
         shape = (2, num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
-        self.kv_caches = [torch.empty(shape, dtype=dtype, device=device) for _ in range(c.num_layers)]
+        # Zeroed, not empty: masked-out slots still enter SDPA's weighted sum (as 0 * value), and
+        # uninitialised memory can hold NaN, which would poison it.
+        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(c.num_layers)]
         self.sampler = Sampler()
 
     @torch.inference_mode()

@@ -1,0 +1,100 @@
+"""Checkpoint directories: both config layouts, shards, dtypes, and errors that name the file."""
+import json
+import shutil
+
+import pytest
+import torch
+
+from treeserve import LLM, SamplingParams
+from treeserve.model.hf_config import load_model_config, parse_model_config
+from treeserve.testing.tiny_models import make_tiny_model
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_legacy_rope_layout_reads_the_same(tiny_model_dirs, tmp_path):
+    src = tiny_model_dirs["llama3"]
+    modern = load_model_config(src)
+    raw = json.loads((src / "config.json").read_text())
+    params = raw.pop("rope_parameters")
+    raw["rope_theta"] = params.pop("rope_theta")
+    raw["rope_scaling"] = {**params, "type": params.pop("rope_type")}
+    assert parse_model_config(raw) == modern
+    assert modern.rope.rope_type == "llama3" and modern.rope.factor == 8.0
+
+
+def test_family_switches(tiny_model_dirs):
+    configs = {f: load_model_config(p) for f, p in tiny_model_dirs.items()}
+    assert configs["qwen2"].qkv_bias and not configs["qwen2"].o_bias
+    assert configs["qwen3"].qk_norm and configs["qwen3"].head_dim == 24
+    assert configs["mistral"].sliding_windows == (24, 24)
+    assert configs["llama3"].tie_word_embeddings and configs["llama3"].o_bias and configs["llama3"].mlp_bias
+    assert configs["llama"].num_kv_heads == 2 and configs["llama"].num_heads == 4
+
+
+def test_sharded_checkpoint_matches_single_file(tiny_model_dirs, tmp_path):
+    sharded = make_tiny_model("llama", tmp_path / "sharded", seed=1, max_shard_size="50KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    one = LLM(str(tiny_model_dirs["llama"]), dtype="float32", kv_cache_memory_bytes=4 << 20)
+    many = LLM(str(sharded), dtype="float32", kv_cache_memory_bytes=4 << 20)
+    assert one.generate("Hello", params, use_tqdm=False)[0].outputs[0].token_ids == \
+        many.generate("Hello", params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_runs_and_mostly_agrees(llama_dir, dtype):
+    llm = LLM(str(llama_dir), dtype=dtype, kv_cache_memory_bytes=4 << 20)
+    assert llm.engine.model.embed_tokens.weight.dtype == getattr(torch, dtype)
+    out = llm.generate("Hello there", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 6
+
+
+@pytest.mark.parametrize("broken, message", [
+    ("config.json", "config.json: file not found"),
+    ("model.safetensors", "model.safetensors: file not found"),
+    ("tokenizer.json", "tokenizer.json"),
+])
+def test_missing_files_are_named(llama_dir, tmp_path, broken, message):
+    path = _copy(llama_dir, tmp_path / "m")
+    (path / broken).unlink()
+    if broken == "tokenizer.json":
+        (path / "tokenizer_config.json").unlink()
+    with pytest.raises((FileNotFoundError, ValueError), match=message):
+        LLM(str(path), dtype="float32", kv_cache_memory_bytes=4 << 20)
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors", "tokenizer.json"])
+def test_malformed_files_are_named(llama_dir, tmp_path, name):
+    path = _copy(llama_dir, tmp_path / "m")
+    (path / name).write_bytes(b"{not json")
+    with pytest.raises(ValueError, match=name):
+        LLM(str(path), dtype="float32", kv_cache_memory_bytes=4 << 20)
+
+
+def test_unsupported_architecture_lists_supported(llama_dir, tmp_path):
+    path = _copy(llama_dir, tmp_path / "m")
+    raw = json.loads((path / "config.json").read_text())
+    raw["architectures"] = ["GPT2LMHeadModel"]
+    (path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM.*Qwen3ForCausalLM"):
+        LLM(str(path))
+
+
+def test_missing_model_directory():
+    with pytest.raises(FileNotFoundError, match="not a local directory"):
+        LLM("/nonexistent/model")
+
+
+def test_generation_config_defaults(llama_dir, tmp_path):
+    path = _copy(llama_dir, tmp_path / "m")
+    gen = json.loads((path / "generation_config.json").read_text())
+    gen.update(temperature=0.6, top_p=0.9, eos_token_id=[5, 6])
+    (path / "generation_config.json").write_text(json.dumps(gen))
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_bytes=4 << 20)
+    defaults = llm.get_default_sampling_params()
+    assert defaults.temperature == 0.6 and defaults.top_p == 0.9
+    assert llm.engine.eos_token_ids == (5, 6)

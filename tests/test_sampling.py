@@ -1,0 +1,136 @@
+"""Sampler semantics on hand-made logits, and stop conditions end to end."""
+import math
+
+import pytest
+import torch
+
+from conftest import assert_no_leak
+from treeserve import LLM, SamplingParams
+from treeserve.engine.request import Request
+from treeserve.engine.sampler import Sampler, _filter
+
+
+def _requests(*params, outputs=None, prompt=(1, 2)):
+    reqs = [Request(f"r{i}", list(prompt), p) for i, p in enumerate(params)]
+    for r, out in zip(reqs, outputs or [[]] * len(reqs)):
+        for t in out:
+            r.append_output_token(t)
+    return reqs
+
+
+def test_top_k_top_p_min_p_masks():
+    logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]] * 3))
+    params = [SamplingParams(top_k=2), SamplingParams(top_p=0.7), SamplingParams(min_p=0.25)]
+    kept = torch.isfinite(_filter(logits.clone(), params))
+    assert kept[0].tolist() == [True, True, False, False, False]
+    assert kept[1].tolist() == [True, True, False, False, False]  # 0.5 + 0.2 reaches 0.7
+    assert kept[2].tolist() == [True, True, True, False, False]   # >= 0.25 * 0.5
+
+
+def test_top_p_always_keeps_the_most_likely_token():
+    logits = torch.log(torch.tensor([[0.9, 0.05, 0.05]]))
+    kept = torch.isfinite(_filter(logits, [SamplingParams(top_p=0.01)]))
+    assert kept[0].tolist() == [True, False, False]
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    params = SamplingParams(temperature=1.0, seed=0)
+    request = _requests(params)[0]
+    counts = torch.zeros(3)
+    sampler = Sampler()
+    for _ in range(3000):
+        counts[sampler(torch.log(probs)[None, :].clone(), [request]).token_ids[0]] += 1
+    assert torch.allclose(counts / counts.sum(), probs, atol=0.03)
+
+
+def test_penalties():
+    logits = torch.tensor([[2.0, 1.0, -1.0, 0.5]])
+    sampler = Sampler()
+    req = _requests(SamplingParams(temperature=0, presence_penalty=1.0, frequency_penalty=0.5), outputs=[[0, 0]])[0]
+    out = sampler._apply_penalties(logits.clone(), [req])
+    assert out[0].tolist() == pytest.approx([2.0 - 1.0 - 1.0, 1.0, -1.0, 0.5])
+    req = _requests(SamplingParams(temperature=0, repetition_penalty=2.0), outputs=[[2]], prompt=(0,))[0]
+    out = sampler._apply_penalties(logits.clone(), [req])
+    assert out[0].tolist() == pytest.approx([1.0, 1.0, -2.0, 0.5])
+
+
+def test_greedy_and_min_tokens_mask_eos():
+    sampler = Sampler()
+    logits = torch.tensor([[5.0, 1.0, 0.0]])
+    req = Request("r", [1], SamplingParams(temperature=0, min_tokens=2), eos_token_ids=(0,))
+    assert sampler(logits.clone(), [req]).token_ids == [1]
+    req.append_output_token(1)
+    req.append_output_token(1)
+    assert sampler(logits.clone(), [req]).token_ids == [0]
+
+
+def test_logprobs_are_raw_log_softmax():
+    logits = torch.tensor([[1.0, 2.0, 3.0]])
+    req = _requests(SamplingParams(temperature=0, logprobs=2))[0]
+    out = Sampler()(logits.clone(), [req])
+    ref = torch.log_softmax(logits[0], dim=-1)
+    assert out.token_ids == [2]
+    assert out.logprobs[0][2] == (pytest.approx(float(ref[2])), 1)
+    assert out.logprobs[0][1] == (pytest.approx(float(ref[1])), 2)
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    return LLM(str(llama_dir), dtype="float32", device="cpu", kv_cache_memory_bytes=8 << 20)
+
+
+def _free_text(llm, prompt, **kw):
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, **kw)
+    return llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+
+
+def test_stop_strings_are_never_emitted_partially(llm):
+    prompt = "They said that every good answer"
+    full = _free_text(llm, prompt)
+    text = full.text
+    assert len(text) > 6
+    stop = text[3:6]
+    cut = _free_text(llm, prompt, stop=[stop, "never-appears"])
+    assert cut.text == text[: text.index(stop)]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    kept = _free_text(llm, prompt, stop=stop, include_stop_str_in_output=True)
+    assert kept.text == text[: text.index(stop) + len(stop)]
+    assert_no_leak(llm.engine)
+
+
+def test_stop_token_ids_and_max_tokens(llm):
+    full = _free_text(llm, "Hello there")
+    target = full.token_ids[5]
+    out = _free_text(llm, "Hello there", stop_token_ids=[target])
+    assert out.token_ids == full.token_ids[: full.token_ids.index(target) + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == target
+    assert full.finish_reason == "length" and len(full.token_ids) == 30
+
+
+def test_eos_stops_unless_ignored(llm, monkeypatch):
+    full = _free_text(llm, "Hello there")
+    fake_eos = full.token_ids[4]
+    monkeypatch.setattr(llm.engine.generation_defaults, "eos_token_ids", (fake_eos,))
+    params = SamplingParams(temperature=0.0, max_tokens=30)
+    stopped = llm.generate("Hello there", params, use_tqdm=False)[0].outputs[0]
+    assert stopped.token_ids == full.token_ids[: full.token_ids.index(fake_eos) + 1]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason is None
+    ignored = llm.generate("Hello there", params.clone(ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert ignored.token_ids == full.token_ids
+    delayed = llm.generate("Hello there", params.clone(min_tokens=29), use_tqdm=False)[0].outputs[0]
+    assert len(delayed.token_ids) >= 29
+
+
+def test_text_equals_full_decode(llm):
+    tokenizer = llm.get_tokenizer()
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=40, ignore_eos=True, skip_special_tokens=True)
+    for out in llm.generate(["café 日本語", "😀 🚀", "Привет"], params, use_tqdm=False):
+        completion = out.outputs[0]
+        assert completion.text == tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+
+
+def test_cumulative_logprob(llm):
+    out = _free_text(llm, "Hello", logprobs=0)
+    total = sum(step[t].logprob for t, step in zip(out.token_ids, out.logprobs))
+    assert math.isclose(out.cumulative_logprob, total, rel_tol=1e-6)

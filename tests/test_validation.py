@@ -1,0 +1,69 @@
+"""Bad input raises ValueError naming the parameter, before anything is scheduled."""
+import pytest
+
+from conftest import assert_no_leak
+from treeserve import LLM, SamplingParams
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(temperature=-0.1), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(n=0), "n"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(stop=5), "stop"),
+    (dict(stop=["ok", 3]), "stop"),
+    (dict(top_k=-5), "top_k"),
+    (dict(min_p=2.0), "min_p"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(presence_penalty=3.0), "presence_penalty"),
+    (dict(logprobs=-1), "logprobs"),
+    (dict(min_tokens=10, max_tokens=5), "min_tokens"),
+    (dict(seed="x"), "seed"),
+])
+def test_sampling_params_reject_bad_values(kwargs, name):
+    with pytest.raises(ValueError, match=f"^{name}:"):
+        SamplingParams(**kwargs)
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    return LLM(str(llama_dir), dtype="float32", device="cpu", kv_cache_memory_bytes=8 << 20, max_model_len=64)
+
+
+@pytest.mark.parametrize("prompts", [
+    [""],
+    [[]],
+    ["ok", "word " * 200],
+    [[1, 2, 10**9]],
+])
+def test_bad_prompts_rejected_before_scheduling(llm, prompts):
+    with pytest.raises(ValueError, match="^prompt"):
+        llm.generate(prompts, SamplingParams(max_tokens=4), use_tqdm=False)
+    assert not llm.engine.scheduler.has_unfinished()
+    assert_no_leak(llm.engine)
+    assert llm.generate("ok", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_wrong_number_of_sampling_params(llm):
+    with pytest.raises(ValueError, match="^sampling_params"):
+        llm.generate(["a", "b"], [SamplingParams()] * 3, use_tqdm=False)
+
+
+def test_max_tokens_is_clipped_to_context(llm):
+    out = llm.generate("word " * 10, SamplingParams(max_tokens=100, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 64
+    assert out.outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("options, name", [
+    (dict(max_num_seqs=0), "max_num_seqs"),
+    (dict(block_size=0), "block_size"),
+    (dict(dtype="int8"), "dtype"),
+    (dict(device="tpu"), "device"),
+    (dict(kv_cache_memory_bytes=1024, max_model_len=64), "kv_cache_memory_bytes"),
+    (dict(max_model_len=10**6), "max_model_len"),
+])
+def test_engine_options_rejected(llama_dir, options, name):
+    with pytest.raises(ValueError, match=f"^{name}:"):
+        LLM(str(llama_dir), **{"device": "cpu", **options})
