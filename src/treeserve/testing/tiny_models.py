@@ -87,17 +87,21 @@ def _config(family: str, vocab_size: int, special: dict[str, int], **overrides):
     return cls(**{**common, **extra, **overrides})
 
 
-def make_tiny_model(family: str, path: str | Path, seed: int = 0, vocab_size: int = 512,
+def make_tiny_model(family: str, path: str | Path, seed: int = 0, tokenizer_vocab_size: int = 512,
                     max_shard_size: str | None = None, **overrides) -> Path:
-    """Writes config, safetensors weights, generation config and tokenizer to `path`."""
+    """Writes config, safetensors weights, generation config and tokenizer to `path`.
+
+    `overrides` go to the transformers config; a `vocab_size` there may exceed the tokenizer's.
+    """
     import torch
     import transformers
 
     path = Path(path)
-    tokenizer = train_tokenizer(vocab_size, seed)
+    tokenizer = train_tokenizer(tokenizer_vocab_size, seed)
     special = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                    pad_token_id=tokenizer.pad_token_id)
-    config = _config(family, len(tokenizer), special, **overrides)
+    vocab_size = max(overrides.pop("vocab_size", 0), len(tokenizer))
+    config = _config(family, vocab_size, special, **overrides)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
