@@ -59,7 +59,8 @@ def workload(num_prompts: int, seed: int, vocab: int):
     return prompts, lengths
 
 
-def matmul_peak_tflops(dtype: torch.dtype, size: int = 2048, reps: int = 5) -> float:
+def matmul_peak_tflops(dtype: torch.dtype, size: int = 2048, reps: int = 10) -> float:
+    """Best of `reps` square matmuls: the machine's attainable GEMM rate in this dtype right now."""
     a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     a @ b
     times = []
@@ -135,18 +136,25 @@ def main() -> int:
     flops = model_flops(prompts, lengths, MODEL_SHAPE)
     print(f"model: random Llama ~{n_params(path) / 1e6:.0f}M params, dtype={dtype}, threads={torch.get_num_threads()}")
     print(f"workload: {len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, {useful_tokens} output tokens")
-    print(f"measured {dtype} matmul peak: {peak:.3f} TFLOP/s")
+    print(f"measured {dtype} matmul peak (before the runs): {peak:.3f} TFLOP/s")
 
     ours = run_treeserve(path, dtype, prompts, lengths, args)
+    peak = max(peak, matmul_peak_tflops(dtype))  # shared machines drift: keep the best reading
     result = {"dtype": str(dtype), "peak_tflops": peak, "treeserve_s": ours,
               "treeserve_tok_s": useful_tokens / ours, "treeserve_mfu": flops / ours / (peak * 1e12)}
-    print(f"treeserve: {ours:.1f} s, {useful_tokens / ours:.1f} output tok/s, MFU {100 * result['treeserve_mfu']:.1f}%")
+    print(f"treeserve: {ours:.1f} s, {useful_tokens / ours:.1f} output tok/s")
     if not args.skip_hf:
         hf = run_hf(path, dtype, prompts, lengths, args.hf_batch_size)
+        peak = max(peak, matmul_peak_tflops(dtype))
         result.update(hf_s=hf, hf_tok_s=useful_tokens / hf, hf_mfu=flops / hf / (peak * 1e12), ratio=hf / ours)
         print(f"HF transformers (static batches of {args.hf_batch_size}): {hf:.1f} s, {useful_tokens / hf:.1f} "
-              f"output tok/s, MFU {100 * result['hf_mfu']:.1f}%")
+              f"output tok/s")
         print(f"ratio treeserve / HF: {hf / ours:.2f}x")
+    result["peak_tflops"] = peak
+    result["treeserve_mfu"] = flops / ours / (peak * 1e12)
+    print(f"matmul peak used for MFU (best reading): {peak:.3f} TFLOP/s")
+    print(f"MFU treeserve: {100 * result['treeserve_mfu']:.1f}%"
+          + (f", HF: {100 * flops / result['hf_s'] / (peak * 1e12):.1f}%" if "hf_s" in result else ""))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     return 0

@@ -100,10 +100,14 @@ class TorchSDPABackend:
 
     @staticmethod
     def _gather(cache_part: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-        """[..., nb] block ids -> [..., Hkv, nb * block_size, D] keys or values."""
-        blocks = cache_part[block_ids]  # [..., nb, bs, Hkv, D]
-        shape = blocks.shape
-        flat = blocks.reshape(*shape[:-4], shape[-4] * shape[-3], shape[-2], shape[-1])
+        """[..., nb] block ids -> [..., Hkv, nb * block_size, D] keys or values.
+
+        `index_select` on a flat [num_blocks, block_bytes] view is several times faster on CPU
+        than advanced indexing of the 4-d cache.
+        """
+        num_blocks, block_size, num_kv_heads, head_dim = cache_part.shape
+        rows = cache_part.view(num_blocks, -1).index_select(0, block_ids.reshape(-1))
+        flat = rows.view(*block_ids.shape[:-1], block_ids.shape[-1] * block_size, num_kv_heads, head_dim)
         return flat.transpose(-3, -2)
 
     def _decode(self, layer_cache, q, group, mask, scale, gqa):
