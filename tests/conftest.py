@@ -31,3 +31,50 @@ def assert_no_leak(engine):
     assert not engine.kv.block_tables, f"block tables left: {list(engine.kv.block_tables)}"
     assert all(b.ref_count == 0 for b in pool.blocks)
     assert pool.num_free == pool.num_blocks
+
+
+API_KEY = "sk-test-key"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def server(llama_dir):
+    """A real uvicorn server on a free loopback port, serving the tiny Llama as 'tiny'."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    import uvicorn
+
+    from treeserve.server.launch import build_app
+
+    app = build_app(str(llama_dir), served_model_name="tiny", api_keys=[API_KEY], max_queue=1000,
+                    dtype="float32", device="cpu", kv_cache_memory_bytes=32 << 20, max_model_len=512)
+    port = _free_port()
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not uv.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert uv.started, "server did not start"
+    yield SimpleNamespace(url=f"http://127.0.0.1:{port}", app=app, async_engine=app.state.engine,
+                          engine=app.state.engine.engine, key=API_KEY)
+    uv.should_exit = True
+    thread.join(timeout=10)
+    app.state.engine.shutdown()
+
+
+def wait_idle(engine, timeout: float = 30.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while (engine.scheduler.has_unfinished() or engine.groups) and time.monotonic() < deadline:
+        time.sleep(0.02)

@@ -58,7 +58,22 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int)
     run.add_argument("-n", type=int, default=1)
     run.set_defaults(func=cmd_run)
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _add_engine_args(serve)
+    serve.add_argument("model_path", nargs="?", help="model directory or builtin:NAME (default: the built-in model)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", action="append", help="required bearer key (repeatable; or TREESERVE_API_KEY)")
+    serve.add_argument("--served-model-name")
+    serve.add_argument("--max-queue", type=int, help="waiting requests beyond which new ones get 429")
+    serve.set_defaults(func=cmd_serve)
     return parser
+
+
+def cmd_serve(args) -> int:
+    from treeserve.server.launch import serve
+
+    return serve(args)
 
 
 def main(argv: list[str] | None = None) -> int:

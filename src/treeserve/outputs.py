@@ -28,6 +28,14 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -36,3 +44,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     prompt_logits: dict[int, torch.Tensor] = field(default_factory=dict)
+    metrics: RequestMetrics | None = None

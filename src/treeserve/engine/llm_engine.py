@@ -18,7 +18,7 @@ from treeserve.engine.scheduler import Scheduler
 from treeserve.model.hf_config import load_model_config
 from treeserve.model.loader import build_model, load_generation_defaults, load_tokenizer
 from treeserve.model.registry import resolve_model_path
-from treeserve.outputs import CompletionOutput, Logprob, RequestOutput
+from treeserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from treeserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -33,6 +33,8 @@ class RequestGroup:
     children: list[Request]
     shared_prefill: Request | None = None
     prompt_logits: dict = field(default_factory=dict)
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -56,6 +58,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv, num_blocks, self.dtype, self.device)
         self.groups: dict[str, RequestGroup] = {}
+        self.last_step_num_tokens = 0
+        self.num_steps = 0
         self._group_of: dict[str, RequestGroup] = {}
         logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens", model_dir.name, self.device,
                     self.dtype, num_blocks, config.block_size)
@@ -165,8 +169,10 @@ class LLMEngine:
     # ---- stepping -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
+        self.last_step_num_tokens = sched.num_tokens
         if not sched:
             return []
+        self.num_steps += 1
         result = self.runner.execute(sched)
         for request, position, logits in result.readouts:
             request.prompt_logits[position] = logits
@@ -187,6 +193,7 @@ class LLMEngine:
 
     def _finish_prefill(self, group: RequestGroup, request: Request) -> None:
         if request is group.shared_prefill:
+            group.first_scheduled_time = request.first_scheduled_time
             for child in group.children:
                 self.kv.fork(request, child)
                 child.num_cached_tokens = request.num_cached_tokens
@@ -249,4 +256,14 @@ class LLMEngine:
             for child in group.children:
                 self._group_of.pop(child.request_id, None)
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, finished,
-                             num_cached_tokens=group.children[0].num_cached_tokens, prompt_logits=prompt_logits)
+                             num_cached_tokens=group.children[0].num_cached_tokens, prompt_logits=prompt_logits,
+                             metrics=self._metrics(group, finished))
+
+    @staticmethod
+    def _metrics(group: RequestGroup, finished: bool) -> RequestMetrics:
+        scheduled = [c.first_scheduled_time for c in group.children if c.first_scheduled_time is not None]
+        first_tokens = [c.first_token_time for c in group.children if c.first_token_time is not None]
+        return RequestMetrics(arrival_time=group.arrival_time,
+                              first_scheduled_time=group.first_scheduled_time or (min(scheduled) if scheduled else None),
+                              first_token_time=min(first_tokens) if first_tokens else None,
+                              finished_time=time.monotonic() if finished else None)

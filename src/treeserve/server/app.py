@@ -1,0 +1,131 @@
+"""The FastAPI app: auth on every route but /health, body limits, OpenAI routes, metrics."""
+from __future__ import annotations
+
+import hmac
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
+
+from treeserve import __version__
+from treeserve.engine.async_engine import AsyncLLMEngine
+from treeserve.server.errors import APIError, error_response, from_validation_error, install_error_handlers
+from treeserve.server.metrics import EngineMetrics
+from treeserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                       TokenizeRequest)
+from treeserve.server.serving import OpenAIServing
+
+MAX_BODY_BYTES = 2 << 20
+OPEN_PATHS = {"/health"}
+
+
+def keys_match(presented: str, keys: list[str]) -> bool:
+    """Constant-time comparison against every configured key."""
+    matched = False
+    for key in keys:
+        matched |= hmac.compare_digest(presented.encode(), key.encode())
+    return matched
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"request body is {declared} bytes; the limit is {limit}", code="body_too_large")
+    body = bytearray()
+    async for piece in request.stream():
+        body.extend(piece)
+        if len(body) > limit:
+            raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="body_too_large")
+    return bytes(body)
+
+
+async def parse(request: Request, model: type[BaseModel], limit: int) -> BaseModel:
+    body = await read_body(request, limit)
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from exc
+
+
+def create_app(engine: AsyncLLMEngine, model_name: str, api_keys: list[str] | None = None,
+               metrics: EngineMetrics | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    app = FastAPI(title="treeserve", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    serving = OpenAIServing(engine, model_name)
+    keys = [k for k in (api_keys or []) if k]
+    created = int(time.time())
+    app.state.engine, app.state.metrics = engine, metrics
+    install_error_handlers(app)
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):
+        if keys and request.url.path not in OPEN_PATHS:
+            header = request.headers.get("authorization", "")
+            scheme, _, token = header.partition(" ")
+            if scheme.lower() != "bearer" or not keys_match(token.strip(), keys):
+                return error_response(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
+                                      code="invalid_api_key")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        if engine.errored is not None:
+            return error_response(503, f"engine failed: {engine.errored}")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def prometheus():
+        body = metrics.render() if metrics else b""
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "treeserve", "max_model_len": serving.max_model_len}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await serving.chat(await parse(request, ChatCompletionRequest, max_body_bytes))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await serving.completions(await parse(request, CompletionRequest, max_body_bytes))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await parse(request, TokenizeRequest, max_body_bytes)
+        if body.model is not None:
+            serving.check_model(body.model)
+        tokenizer = serving.tokenizer
+        if body.messages is not None:
+            text = tokenizer.apply_chat_template([m.as_template_message() for m in body.messages], tokenize=False,
+                                                 add_generation_prompt=body.add_generation_prompt)
+            tokens = tokenizer.encode(text, add_special_tokens=False)
+        elif body.prompt is not None:
+            tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            raise APIError(400, "prompt: give 'prompt' or 'messages'", param="prompt", code="missing_required_parameter")
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": serving.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await parse(request, DetokenizeRequest, max_body_bytes)
+        if body.model is not None:
+            serving.check_model(body.model)
+        vocab = engine.engine.model_config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"tokens: ids {bad[:3]} are outside the vocabulary [0, {vocab})", param="tokens")
+        return {"prompt": serving.tokenizer.decode(body.tokens)}
+
+    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"], include_in_schema=False)
+    async def unknown(path: str):
+        return JSONResponse({"error": {"message": f"route /{path} not found", "type": "not_found_error",
+                                       "param": None, "code": "not_found"}}, status_code=404)
+
+    return app

@@ -1,0 +1,67 @@
+"""Errors in OpenAI's schema: {"error": {"message", "type", "param", "code"}} with the right status."""
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_exceeded",
+               500: "internal_server_error", 503: "service_unavailable"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def from_value_error(exc: ValueError) -> APIError:
+    """Our ValueErrors read "param: message"; keep the parameter name for the client."""
+    text = str(exc)
+    param, sep, _ = text.partition(":")
+    return APIError(400, text, param=param if sep and " " not in param else None, code="invalid_value")
+
+
+def from_validation_error(exc: ValidationError | RequestValidationError) -> APIError:
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"malformed JSON body: {first.get('msg', '')}", code="invalid_json")
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
+    param = ".".join(loc) or None
+    kind = first.get("type", "")
+    message = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid request")
+    if kind == "missing":
+        message = f"{param}: this field is required"
+    return APIError(400, message, param=param, code="missing_required_parameter" if kind == "missing" else "invalid_type")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError):
+        return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError):
+        err = from_validation_error(exc)
+        return error_response(err.status, err.message, err.param, err.code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException):
+        message = "route not found" if exc.status_code == 404 else str(exc.detail)
+        return error_response(exc.status_code, message, code="not_found" if exc.status_code == 404 else None)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception):
+        return error_response(500, f"internal error: {type(exc).__name__}")

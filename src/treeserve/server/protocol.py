@@ -1,0 +1,142 @@
+"""OpenAI request bodies (pydantic, strict types) and their mapping to `SamplingParams`."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from treeserve.sampling_params import SamplingParams
+
+MAX_N = 128
+MAX_TOP_LOGPROBS = 20
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool = False
+
+
+class SamplingRequest(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's plus vLLM's extras)."""
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str
+    n: int = 1
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def sampling_params(self, defaults: dict, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        if self.n > MAX_N:
+            raise ValueError(f"n: must be <= {MAX_N}, got {self.n}")
+        chosen = {
+            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+        }
+        values = {k: v for k, v in defaults.items() if k in chosen}
+        values.update({k: v for k, v in chosen.items() if v is not None})
+        return SamplingParams(
+            n=self.n, max_tokens=max_tokens, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, stop=self.stop, seed=self.seed,
+            min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids,
+            include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens, **values,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_message(self) -> dict:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": content or ""}
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        if self.top_logprobs is not None:
+            if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise ValueError(f"top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+            if not self.logprobs:
+                raise ValueError("top_logprobs: requires logprobs to be true")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def requested_logprobs(self) -> int | None:
+        if self.suffix is not None:
+            raise ValueError("suffix: is not supported")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs: must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo: echo together with logprobs (prompt logprobs) is not supported")
+        return self.logprobs
+
+    def prompts(self) -> list[str | list[int]]:
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise ValueError("prompt: must not be empty")
+        if all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]
+        return list(prompt)
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str | None = None
+    tokens: list[int]

@@ -1,0 +1,258 @@
+"""/v1/completions and /v1/chat/completions: prompts to engine requests, outputs to OpenAI JSON/SSE."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import AsyncIterator
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from treeserve.engine.async_engine import AsyncLLMEngine, QueueFullError
+from treeserve.engine.detokenizer import stop_hold_back
+from treeserve.outputs import CompletionOutput, RequestOutput
+from treeserve.sampling_params import SamplingParams
+from treeserve.server.errors import APIError, from_value_error
+from treeserve.server.protocol import ChatCompletionRequest, CompletionRequest
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLMEngine, model_name: str):
+        self.engine = engine
+        self.model_name = model_name
+        self.tokenizer = engine.engine.tokenizer
+        self.max_model_len = engine.engine.max_model_len
+
+    # ---- shared -----------------------------------------------------------------------------
+    def check_model(self, name: str | None) -> None:
+        if name != self.model_name:
+            raise APIError(404, f"model: '{name}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+
+    def check_capacity(self, count: int) -> None:
+        limit = self.engine.max_queue
+        if limit is not None and self.engine.num_waiting() + count > limit:
+            raise APIError(429, f"the waiting queue is full ({limit} requests); retry later",
+                           code="queue_full", headers={"Retry-After": "1"})
+
+    def _params(self, request, prompts: list[list[int]], max_tokens: int | None, logprobs: int | None,
+                prompt_field: str) -> SamplingParams:
+        try:
+            for ids in prompts:
+                try:
+                    self.engine.engine.validate_prompt(ids)
+                except ValueError as exc:
+                    raise ValueError(f"{prompt_field}{str(exc)[len('prompt'):]}") from exc
+                room = self.max_model_len - len(ids)
+                if max_tokens is not None and max_tokens > room:
+                    raise ValueError(f"max_tokens: {max_tokens} plus the prompt's {len(ids)} tokens exceeds the "
+                                     f"maximum model length {self.max_model_len}")
+            return request.sampling_params(self.engine.engine.generation_defaults.sampling, max_tokens, logprobs)
+        except ValueError as exc:
+            raise from_value_error(exc) from exc
+
+    async def _merged(self, prompts: list[list[int]], params: SamplingParams, prefix: str,
+                      texts: list[str | None]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Runs every prompt as its own engine request and yields (prompt index, output) as they come."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, ids: list[int]) -> None:
+            try:
+                request_id = self.engine.new_request_id(prefix)
+                async for output in self.engine.generate(ids, params, request_id, prompt=texts[index]):
+                    await queue.put((index, output))
+            except Exception as exc:
+                await queue.put((index, exc))
+            finally:
+                await queue.put((index, None))
+
+        tasks = [asyncio.create_task(pump(i, ids)) for i, ids in enumerate(prompts)]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                index, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, QueueFullError):
+                    raise APIError(429, str(item), code="queue_full", headers={"Retry-After": "1"})
+                elif isinstance(item, ValueError):
+                    raise from_value_error(item)
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    @staticmethod
+    def _usage(finals: dict[int, RequestOutput]) -> dict:
+        prompt = sum(len(o.prompt_token_ids) for o in finals.values())
+        completion = sum(len(c.token_ids) for o in finals.values() for c in o.outputs)
+        cached = sum(o.num_cached_tokens for o in finals.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    # ---- chat -------------------------------------------------------------------------------
+    async def chat(self, request: ChatCompletionRequest):
+        self.check_model(request.model)
+        messages = [m.as_template_message() for m in request.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:
+            raise APIError(400, f"messages: the chat template failed ({exc})", param="messages") from exc
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        try:
+            logprobs = request.requested_logprobs()
+        except ValueError as exc:
+            raise from_value_error(exc) from exc
+        params = self._params(request, [ids], request.requested_max_tokens(), logprobs, "messages")
+        self.check_capacity(1)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        stream = self._merged([ids], params, rid, [None])
+        if request.stream:
+            return _sse(self._chat_chunks(rid, stream, params, request.include_usage))
+        finals = {i: out async for i, out in stream if out.finished}
+        output = finals[0]
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": self._chat_logprobs(c, 0, params.logprobs),
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in output.outputs]
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()),
+                             "model": self.model_name, "choices": choices, "usage": self._usage(finals)})
+
+    async def _chat_chunks(self, rid, stream, params: SamplingParams, include_usage: bool):
+        created, hold = int(time.time()), stop_hold_back(params.stop_strings) if params.stop_strings else 0
+        sent_text: dict[int, int] = {}
+        sent_tokens: dict[int, int] = {}
+        finals: dict[int, RequestOutput] = {}
+
+        def chunk(choices, usage=None):
+            body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
+                    "choices": choices}
+            if include_usage:
+                body["usage"] = usage
+            return body
+
+        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None} for i in range(params.n)])
+        async for prompt_index, output in stream:
+            for c in output.outputs:
+                delta, finished = _text_delta(c, sent_text, hold)
+                tokens_from = sent_tokens.get(c.index, 0)
+                if not delta and not finished:
+                    continue
+                sent_tokens[c.index] = len(c.token_ids)
+                yield chunk([{"index": c.index, "delta": {"content": delta} if delta else {},
+                              "logprobs": self._chat_logprobs(c, tokens_from, params.logprobs),
+                              "finish_reason": c.finish_reason if finished else None}])
+            if output.finished:
+                finals[prompt_index] = output
+        if include_usage:
+            yield chunk([], self._usage(finals))
+
+    def _chat_logprobs(self, c: CompletionOutput, start: int, top: int | None):
+        if top is None or c.logprobs is None:
+            return None
+        content = []
+        for token_id, entry in zip(c.token_ids[start:], c.logprobs[start:]):
+            chosen = entry[token_id]
+            ranked = sorted((lp for lp in entry.values() if lp.rank <= top), key=lambda lp: lp.rank)
+            content.append({**_token_info(chosen), "top_logprobs": [_token_info(lp) for lp in ranked[:top]]})
+        return {"content": content}
+
+    # ---- completions ------------------------------------------------------------------------
+    async def completions(self, request: CompletionRequest):
+        self.check_model(request.model)
+        try:
+            logprobs = request.requested_logprobs()
+            raw_prompts = request.prompts()
+        except ValueError as exc:
+            raise from_value_error(exc) from exc
+        prompts = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in raw_prompts]
+        texts = [p if isinstance(p, str) else None for p in raw_prompts]
+        params = self._params(request, prompts, request.max_tokens if request.max_tokens is not None else 16,
+                              logprobs, "prompt")
+        self.check_capacity(len(prompts))
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        stream = self._merged(prompts, params, rid, texts)
+        echo = [(t if t is not None else self.tokenizer.decode(p)) if request.echo else "" for t, p in zip(texts, prompts)]
+        if request.stream:
+            return _sse(self._completion_chunks(rid, stream, params, request.include_usage, echo))
+        finals = {i: out async for i, out in stream if out.finished}
+        choices = []
+        for i in range(len(prompts)):
+            for c in finals[i].outputs:
+                choices.append({"index": i * params.n + c.index, "text": echo[i] + c.text,
+                                "logprobs": self._completion_logprobs(c, 0, params.logprobs, 0),
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()),
+                             "model": self.model_name, "choices": choices, "usage": self._usage(finals)})
+
+    async def _completion_chunks(self, rid, stream, params: SamplingParams, include_usage: bool, echo: list[str]):
+        created, hold = int(time.time()), stop_hold_back(params.stop_strings) if params.stop_strings else 0
+        sent_text: dict[tuple, int] = {}
+        sent_tokens: dict[tuple, int] = {}
+        finals: dict[int, RequestOutput] = {}
+        async for prompt_index, output in stream:
+            for c in output.outputs:
+                key = (prompt_index, c.index)
+                first = key not in sent_text
+                delta, finished = _text_delta(c, sent_text, hold, key)
+                tokens_from = sent_tokens.get(key, 0)
+                if not delta and not finished and not (first and echo[prompt_index]):
+                    continue
+                sent_tokens[key] = len(c.token_ids)
+                text = (echo[prompt_index] if first else "") + delta
+                body = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                        "choices": [{"index": prompt_index * params.n + c.index, "text": text,
+                                     "logprobs": self._completion_logprobs(c, tokens_from, params.logprobs, 0),
+                                     "finish_reason": c.finish_reason if finished else None}]}
+                if include_usage:
+                    body["usage"] = None
+                yield body
+            if output.finished:
+                finals[prompt_index] = output
+        if include_usage:
+            yield {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                   "choices": [], "usage": self._usage(finals)}
+
+    @staticmethod
+    def _completion_logprobs(c: CompletionOutput, start: int, top: int | None, offset: int):
+        if top is None or c.logprobs is None:
+            return None
+        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+        for token_id, entry in zip(c.token_ids[start:], c.logprobs[start:]):
+            chosen = entry[token_id]
+            tokens.append(chosen.decoded_token)
+            token_logprobs.append(chosen.logprob)
+            ranked = sorted((lp for lp in entry.values() if lp.rank <= top), key=lambda lp: lp.rank)
+            top_logprobs.append({lp.decoded_token: lp.logprob for lp in ranked[:top]} or None)
+            offsets.append(offset)
+            offset += len(chosen.decoded_token or "")
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+                "text_offset": offsets}
+
+
+def _token_info(lp) -> dict:
+    token = lp.decoded_token or ""
+    return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode("utf-8"))}
+
+
+def _text_delta(c: CompletionOutput, sent: dict, hold: int, key=None) -> tuple[str, bool]:
+    """New text for a choice; while running, hold back what might still become a stop string."""
+    key = c.index if key is None else key
+    finished = c.finish_reason is not None
+    already = sent.get(key, 0)
+    end = len(c.text) if finished else max(already, len(c.text) - hold)
+    sent[key] = end
+    return c.text[already:end], finished
+
+
+def _sse(chunks) -> StreamingResponse:
+    async def body():
+        async for chunk in chunks:
+            yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream")

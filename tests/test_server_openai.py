@@ -1,0 +1,131 @@
+"""The real server driven by the official `openai` client (sync and async)."""
+import asyncio
+
+import openai
+import pytest
+
+from conftest import assert_no_leak, wait_idle
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=server.key, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def async_client(server):
+    return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=server.key, max_retries=0)
+
+
+MESSAGES = [{"role": "user", "content": "Tell me about the water and the people who live near it, and how they make their time"}]
+
+
+def test_models(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+
+
+def test_chat_non_streaming_with_usage(client, server):
+    resp = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12, temperature=0)
+    choice = resp.choices[0]
+    assert resp.object == "chat.completion" and choice.message.role == "assistant"
+    assert choice.finish_reason in ("stop", "length")
+    assert resp.usage.completion_tokens > 0 and resp.usage.prompt_tokens > 0
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+    assert resp.usage.prompt_tokens_details.cached_tokens >= 0
+    again = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12, temperature=0)
+    assert again.choices[0].message.content == choice.message.content
+    assert again.usage.prompt_tokens_details.cached_tokens > 0  # the prompt's full blocks were cached
+
+
+def test_streamed_text_equals_non_streamed(client):
+    kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=24, temperature=1.0, seed=11,
+                  extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**kwargs).choices[0].message.content
+    stream = client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs)
+    pieces, usage, finish = [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert "".join(pieces) == full
+    assert usage is not None and usage.completion_tokens == 24 and finish == "length"
+
+
+def test_n_and_seeds_reproduce(client):
+    kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=10, temperature=1.0, seed=5, n=2)
+    first = client.chat.completions.create(**kwargs)
+    second = client.chat.completions.create(**kwargs)
+    assert len(first.choices) == 2 and [c.index for c in first.choices] == [0, 1]
+    assert [c.message.content for c in first.choices] == [c.message.content for c in second.choices]
+
+
+def test_chat_logprobs(client):
+    resp = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=5, temperature=0,
+                                          logprobs=True, top_logprobs=3)
+    content = resp.choices[0].logprobs.content
+    assert len(content) == resp.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)  # greedy picks the top token
+
+
+def test_stop_strings_over_http(client):
+    kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=30, temperature=0, extra_body={"ignore_eos": True})
+    text = client.chat.completions.create(**kwargs).choices[0].message.content
+    stop = text[4:7]
+    cut = client.chat.completions.create(stop=[stop], **kwargs)
+    assert cut.choices[0].message.content == text[: text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].delta.content or "" for c in
+                       client.chat.completions.create(stop=[stop], stream=True, **kwargs) if c.choices)
+    assert streamed == text[: text.index(stop)]
+
+
+def test_completions_prompt_forms(client, server):
+    tokenizer = server.engine.tokenizer
+    ids = tokenizer.encode("The water is")
+    single = client.completions.create(model="tiny", prompt="The water is", max_tokens=6, temperature=0)
+    by_ids = client.completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0)
+    many = client.completions.create(model="tiny", prompt=["The water is", "Hello"], max_tokens=6, temperature=0, n=2)
+    assert single.choices[0].text == by_ids.choices[0].text
+    assert [c.index for c in many.choices] == [0, 1, 2, 3]
+    assert many.choices[0].text == single.choices[0].text
+    echo = client.completions.create(model="tiny", prompt="The water is", max_tokens=6, temperature=0, echo=True)
+    assert echo.choices[0].text == "The water is" + single.choices[0].text
+    lp = client.completions.create(model="tiny", prompt="Hello", max_tokens=4, temperature=0, logprobs=2)
+    assert len(lp.choices[0].logprobs.tokens) == 4 and len(lp.choices[0].logprobs.top_logprobs[0]) == 2
+
+
+def test_completions_stream(client):
+    kwargs = dict(model="tiny", prompt="Hello there", max_tokens=10, temperature=0)
+    full = client.completions.create(**kwargs).choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices)
+    assert streamed == full
+
+
+def test_async_client(async_client, server):
+    async def run():
+        tasks = [async_client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, temperature=0)
+                 for _ in range(4)]
+        return await asyncio.gather(*tasks)
+
+    results = asyncio.run(run())
+    assert len({r.choices[0].message.content for r in results}) == 1
+    wait_idle(server.engine)
+    assert_no_leak(server.engine)
+
+
+def test_tokenize_detokenize(server):
+    import httpx
+
+    headers = {"Authorization": f"Bearer {server.key}"}
+    tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": "café 😀"}, headers=headers).json()
+    assert tokens["count"] == len(tokens["tokens"])
+    text = httpx.post(f"{server.url}/detokenize", json={"tokens": tokens["tokens"]}, headers=headers).json()
+    assert text["prompt"] == "café 😀"
+    assert httpx.get(f"{server.url}/version", headers=headers).json()["version"]
+    assert httpx.get(f"{server.url}/health").status_code == 200
