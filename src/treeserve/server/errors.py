@@ -38,13 +38,21 @@ def from_validation_error(exc: ValidationError | RequestValidationError) -> APIE
     first = errors[0] if errors else {}
     if first.get("type") == "json_invalid":
         return APIError(400, f"malformed JSON body: {first.get('msg', '')}", code="invalid_json")
-    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_union_tag(p)]
     param = ".".join(loc) or None
     kind = first.get("type", "")
     message = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid request")
     if kind == "missing":
         message = f"{param}: this field is required"
     return APIError(400, message, param=param, code="missing_required_parameter" if kind == "missing" else "invalid_type")
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
+
+
+def _is_union_tag(part) -> bool:
+    """pydantic names the union member it tried ('str', 'list[int]', 'TextPart'); that is not a parameter."""
+    return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part or part[:1].isupper())
 
 
 def install_error_handlers(app: FastAPI) -> None:
