@@ -1,12 +1,14 @@
-# Quick start: `make run` (set up, then generate with the built-in default model) and
-# `make test` (set up, then run the test suite). Both create .venv idempotently.
+# Quick start: `make run` (set up, then serve the built-in default model over HTTP on
+# 127.0.0.1:8000) and `make test` (set up, then run the test suite). Both create .venv idempotently.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMPT ?= Once upon a time
 
-.PHONY: run test bench clean
+PORT ?= 8000
+
+.PHONY: run generate test bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +19,9 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
+	$(BIN)/treeserve serve --port $(PORT)
+
+generate: $(STAMP)
 	$(BIN)/treeserve run --max-tokens 32 "$(PROMPT)"
 
 test: $(STAMP)
