@@ -170,6 +170,7 @@ def test_disconnect_aborts_within_one_step(server):
         async_engine.abort, engine.abort_request = original_abort, original_engine_abort
     assert "done" in marks, "the request was not aborted"
     assert marks["done"] - marks["requested"] <= 1
+    assert marks["blocks_after"] == 0  # its blocks were released by the abort itself
     wait_idle(server.engine)
     assert_no_leak(engine)
 

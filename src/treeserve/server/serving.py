@@ -31,6 +31,9 @@ class OpenAIServing:
                            param="model", code="model_not_found")
 
     def check_capacity(self, count: int) -> None:
+        if self.engine.errored is not None:
+            raise APIError(503, f"the engine has failed ({self.engine.errored}); restart the server",
+                           code="engine_dead")
         limit = self.engine.max_queue
         if limit is not None and self.engine.num_waiting() + count > limit:
             raise APIError(429, f"the waiting queue is full ({limit} requests); retry later",
