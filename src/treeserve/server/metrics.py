@@ -5,6 +5,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from treeserve.engine.block_pool import PrefixCacheStats
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.outputs import RequestOutput
 
@@ -50,7 +51,7 @@ class EngineMetrics:
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step.",
                                           ITERATION_BUCKETS)
         self._seen_tokens: dict[str, tuple[int, float]] = {}
-        self._last_stats = None
+        self._last_stats = PrefixCacheStats()
         self._last_preemptions = 0
 
     def render(self) -> bytes:
@@ -76,18 +77,11 @@ class EngineMetrics:
         self.running.set(len(scheduler.running))
         self.waiting.set(len(scheduler.waiting))
         self.kv_usage.set(pool.usage())
-        stats = pool.stats.snapshot()
-        last = self._last_stats
-        if last is not None:
-            self.prefix_queries.inc(stats.queries - last.queries)
-            self.prefix_hits.inc(stats.hits - last.hits)
-            self.prefix_evictions.inc(stats.evictions - last.evictions)
-            self.prefix_thrash.inc(stats.thrash - last.thrash)
-        else:
-            self.prefix_queries.inc(stats.queries)
-            self.prefix_hits.inc(stats.hits)
-            self.prefix_evictions.inc(stats.evictions)
-            self.prefix_thrash.inc(stats.thrash)
+        stats, last = pool.stats.snapshot(), self._last_stats
+        self.prefix_queries.inc(stats.queries - last.queries)
+        self.prefix_hits.inc(stats.hits - last.hits)
+        self.prefix_evictions.inc(stats.evictions - last.evictions)
+        self.prefix_thrash.inc(stats.thrash - last.thrash)
         self._last_stats = stats
         self.preemptions.inc(scheduler.num_preemptions - self._last_preemptions)
         self._last_preemptions = scheduler.num_preemptions
