@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,6 +61,11 @@ class LLMEngine:
         self.groups: dict[str, RequestGroup] = {}
         self.last_step_num_tokens = 0
         self.num_steps = 0
+        self.num_tokens_computed = 0  # every token that went through the model, all steps
+        # Finished prefill-only sequences whose KV blocks are kept so later requests can extend
+        # them without recomputation; least recently used first, released under memory pressure.
+        self.retained: OrderedDict[str, Request] = OrderedDict()
+        self.scheduler.reclaim = self._reclaim_one
         self._group_of: dict[str, RequestGroup] = {}
         logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens", model_dir.name, self.device,
                     self.dtype, num_blocks, config.block_size)
@@ -97,13 +103,21 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, cache_salt: str | None = None,
-                    logits_positions: list[int] | None = None) -> None:
-        """Queues a request. With `logits_positions` it is prefill-only and returns those positions' logits."""
+                    logits_positions: list[int] | None = None, readout_token_ids: list[int] | None = None,
+                    keep_kv: bool = False, parent_id: str | None = None) -> None:
+        """Queues a request.
+
+        With `logits_positions` it is prefill-only and returns those positions' logits (only the
+        `readout_token_ids` columns, if given). `keep_kv` keeps its KV blocks after it finishes,
+        under its request id, until `release_kv`; `parent_id` names such a kept sequence whose
+        tokens this prompt extends, so that only the new tokens are computed.
+        """
         self.validate_prompt(prompt_token_ids)
-        if request_id in self.groups:
+        if request_id in self.groups or request_id in self.retained:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         if logits_positions is not None:
-            self._add_prefill_only(request_id, prompt_token_ids, params, prompt, cache_salt, logits_positions)
+            self._add_prefill_only(request_id, prompt_token_ids, params, prompt, cache_salt, logits_positions,
+                                   readout_token_ids, keep_kv, parent_id)
             return
         children = [self._make_request(f"{request_id}#{i}", prompt_token_ids, self._child_params(params, i), cache_salt)
                     for i in range(params.n)]
@@ -119,14 +133,47 @@ class LLMEngine:
             for child in children:
                 self.scheduler.add(child)
 
-    def _add_prefill_only(self, request_id, prompt_token_ids, params, prompt, cache_salt, positions) -> None:
+    def _add_prefill_only(self, request_id, prompt_token_ids, params, prompt, cache_salt, positions,
+                          readout_token_ids, keep_kv, parent_id) -> None:
         bad = [p for p in positions if not isinstance(p, int) or not 0 <= p < len(prompt_token_ids)]
         if bad:
             raise ValueError(f"logits_positions: {bad[:3]} outside the prompt (length {len(prompt_token_ids)})")
+        vocab = self.model_config.vocab_size
+        if readout_token_ids is not None and not all(0 <= t < vocab for t in readout_token_ids):
+            raise ValueError(f"readout_token_ids: ids must be in [0, {vocab})")
+        parent = self._retained_parent(parent_id, prompt_token_ids)
         request = Request(f"{request_id}#0", list(prompt_token_ids), params, cache_salt=cache_salt,
-                          prefill_only=True, logits_positions=sorted(set(positions)))
+                          prefill_only=True, logits_positions=sorted(set(positions)),
+                          readout_token_ids=readout_token_ids, keep_kv=keep_kv)
         self._register(RequestGroup(request_id, prompt, list(prompt_token_ids), [request]))
+        if parent is not None:
+            self.kv.fork(parent, request)
+            request.num_cached_tokens = request.num_computed_tokens
+            self.retained.move_to_end(parent_id)
         self.scheduler.add(request)
+
+    def _retained_parent(self, parent_id: str | None, prompt_token_ids: list[int]) -> Request | None:
+        if parent_id is None:
+            return None
+        parent = self.retained.get(parent_id)
+        if parent is None:
+            return None  # released under memory pressure: the prefix cache may still help
+        done = parent.num_computed_tokens
+        if len(prompt_token_ids) <= done or prompt_token_ids[:done] != parent.all_token_ids[:done]:
+            raise ValueError(f"parent_id: the prompt does not extend the tokens kept under {parent_id!r}")
+        return parent
+
+    def release_kv(self, request_id: str) -> None:
+        """Frees the blocks kept for a finished `keep_kv` request (full blocks stay prefix-cached)."""
+        request = self.retained.pop(request_id, None)
+        if request is not None:
+            self.kv.free(request)
+
+    def _reclaim_one(self) -> bool:
+        if not self.retained:
+            return False
+        self.release_kv(next(iter(self.retained)))
+        return True
 
     def _register(self, group: RequestGroup) -> None:
         self.groups[group.request_id] = group
@@ -173,6 +220,7 @@ class LLMEngine:
         if not sched:
             return []
         self.num_steps += 1
+        self.num_tokens_computed += sched.num_tokens
         result = self.runner.execute(sched)
         for request, position, logits in result.readouts:
             request.prompt_logits[position] = logits
@@ -201,6 +249,10 @@ class LLMEngine:
                 self.scheduler.add(child)
             self._group_of.pop(request.request_id, None)
             group.shared_prefill = None
+        if request.keep_kv:
+            self.scheduler.finish(request, "prefill", keep_blocks=True)
+            self.retained[group.request_id] = request
+            return
         self.scheduler.finish(request, "prefill")
 
     def _append_token(self, request: Request, token_id: int, logprobs: dict | None) -> None:

@@ -79,8 +79,12 @@ class ModelRunner:
         if not inputs.readout_rows:
             return []
         rows = torch.tensor([row for _, _, row in inputs.readout_rows], device=self.device)
-        logits = self.model.compute_logits(hidden[rows]).cpu()
-        return [(req, pos, logits[i]) for i, (req, pos, _) in enumerate(inputs.readout_rows)]
+        logits = self.model.compute_logits(hidden[rows])
+        out = []
+        for i, (request, position, _) in enumerate(inputs.readout_rows):
+            row = logits[i] if request.readout_token_ids is None else logits[i, request.readout_token_ids]
+            out.append((request, position, row.cpu()))
+        return out
 
     def prepare_inputs(self, scheduled: list[ScheduledRequest]) -> StepInputs:
         decodes = sorted((s for s in scheduled if s.num_new_tokens == 1), key=lambda s: s.request.num_computed_tokens)

@@ -38,6 +38,8 @@ class Request:
     cache_salt: str | None = None
     prefill_only: bool = False          # compute the prompt's KV (and optional logits), sample nothing
     logits_positions: list[int] | None = None  # prompt positions whose logits a prefill-only request returns
+    readout_token_ids: list[int] | None = None  # only these vocabulary columns of those logits (None: all)
+    keep_kv: bool = False                       # on finishing, keep the KV blocks for later forks
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from treeserve.engine.kv_cache_manager import KVCacheManager
 from treeserve.engine.request import Request, RequestStatus
@@ -48,6 +49,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # Frees one retained (finished but kept) sequence's blocks; tried before any preemption.
+        self.reclaim: Callable[[], bool] = lambda: False
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -69,6 +72,8 @@ class Scheduler:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv.allocate_slots(request, num_new):
+                if self.reclaim():
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -86,6 +91,8 @@ class Scheduler:
             cached = prefix.num_tokens if prefix else 0
             num_new = min(request.num_tokens - request.num_computed_tokens - cached, budget)
             if not self.kv.allocate_slots(request, num_new, prefix):
+                if self.reclaim():
+                    continue
                 break
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
@@ -104,8 +111,8 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def finish(self, request: Request, reason: str, stop_reason=None) -> None:
-        """Ends a request (finished or aborted) and releases its blocks at once."""
+    def finish(self, request: Request, reason: str, stop_reason=None, keep_blocks: bool = False) -> None:
+        """Ends a request (finished or aborted) and releases its blocks at once (unless kept for forks)."""
         if request.is_finished:
             return
         request.status = RequestStatus.FINISHED
@@ -115,4 +122,5 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.kv.free(request)
+        if not keep_blocks:
+            self.kv.free(request)

@@ -1,0 +1,84 @@
+"""How a process reward model reads a (question, steps) pair: the token ids and where to look.
+
+A recipe returns the token ids to prefill and, for every step, the position whose next-token
+logits hold the verdict; the step's score is softmax over the (good, bad) token logits there.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PRMInput:
+    token_ids: list[int]
+    verdict_positions: list[int]  # one per step: logits at this position predict the verdict token
+
+
+@dataclass(frozen=True)
+class RLHFlowRecipe:
+    """Multi-turn chat: (question + step 1) as user, `+` as assistant, next step as user, ...
+
+    The score of step k is P(`+`) against `-` where the assistant's k-th verdict is predicted.
+    """
+    good_token: str = "+"
+    bad_token: str = "-"
+    name: str = "rlhflow"
+
+    def candidate_ids(self, tokenizer) -> tuple[int, int]:
+        return _single_token(tokenizer, self.good_token), _single_token(tokenizer, self.bad_token)
+
+    def build(self, tokenizer, question: str, steps: list[str]) -> PRMInput:
+        conversation: list[dict] = []
+        positions = []
+        for index, step in enumerate(steps):
+            content = f"{question} {step}" if index == 0 else step
+            conversation.append({"role": "user", "content": content})
+            prefix = _render(tokenizer, conversation, add_generation_prompt=True)
+            positions.append(len(prefix) - 1)
+            conversation.append({"role": "assistant", "content": self.good_token})
+        token_ids = _render(tokenizer, conversation, add_generation_prompt=False)
+        good = self.candidate_ids(tokenizer)[0]
+        if any(p + 1 >= len(token_ids) or token_ids[p + 1] != good for p in positions):
+            raise ValueError("prm recipe: the chat template does not render the verdict turns as expected")
+        return PRMInput(token_ids, positions)
+
+
+@dataclass(frozen=True)
+class MathShepherdRecipe:
+    """Question and steps as plain text, each step followed by the step tag `ки`."""
+    good_token: str = "+"
+    bad_token: str = "-"
+    step_tag: str = "ки"
+    name: str = "math-shepherd"
+
+    def candidate_ids(self, tokenizer) -> tuple[int, int]:
+        return _single_token(tokenizer, self.good_token), _single_token(tokenizer, self.bad_token)
+
+    def build(self, tokenizer, question: str, steps: list[str]) -> PRMInput:
+        text = f"{question} "
+        prefixes = []
+        for index, step in enumerate(steps):
+            text += f"{step} {self.step_tag}"
+            prefixes.append(tokenizer.encode(text))
+            if index + 1 < len(steps):
+                text += "\n"
+        token_ids = tokenizer.encode(text)
+        if any(token_ids[: len(p)] != p for p in prefixes):
+            raise ValueError("prm recipe: the step tag does not tokenize the same alone and in context")
+        return PRMInput(token_ids, [len(p) - 1 for p in prefixes])
+
+
+RECIPES = {"rlhflow": RLHFlowRecipe(), "math-shepherd": MathShepherdRecipe()}
+DEFAULT_RECIPE = "rlhflow"
+
+
+def _render(tokenizer, conversation: list[dict], add_generation_prompt: bool) -> list[int]:
+    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _single_token(tokenizer, text: str) -> int:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) != 1:
+        raise ValueError(f"prm recipe: verdict token {text!r} is {len(ids)} tokens for this tokenizer, expected 1")
+    return ids[0]

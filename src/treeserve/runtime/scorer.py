@@ -1,0 +1,83 @@
+"""Step scoring with a process reward model: batched prefill-only requests, a score cache, and
+kept KV so that scoring steps 1..k+1 after 1..k computes only the new tokens."""
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+
+import torch
+
+from treeserve.engine.llm_engine import LLMEngine
+from treeserve.runtime.prm_recipes import DEFAULT_RECIPE, RECIPES
+from treeserve.sampling_params import SamplingParams
+
+MAX_KEPT_SEQUENCES = 512
+
+
+class StepScorer:
+    def __init__(self, engine: LLMEngine, recipe: str = DEFAULT_RECIPE, max_kept: int = MAX_KEPT_SEQUENCES):
+        if recipe not in RECIPES:
+            raise ValueError(f"recipe: unknown PRM recipe {recipe!r}; known: {', '.join(RECIPES)}")
+        self.engine = engine
+        self.recipe = RECIPES[recipe]
+        self.candidates = list(self.recipe.candidate_ids(engine.tokenizer))
+        self.score_cache: dict[tuple, float] = {}       # (question, steps...) -> score of the last step
+        self.kept: OrderedDict[tuple, str] = OrderedDict()  # (question, steps...) -> engine request id
+        self.max_kept = max_kept
+        self._ids = itertools.count()
+        self._wanted: dict[str, tuple[tuple, list[int], list[int]]] = {}
+        self.num_cache_hits = 0
+
+    def score_steps(self, question: str, steps: list[str]) -> list[float]:
+        return self.score_many([(question, steps)])[0]
+
+    def score_many(self, items: list[tuple[str, list[str]]]) -> list[list[float]]:
+        """One score per step for each (question, steps); uncached ones are scored in one batch."""
+        pending = {}
+        for question, steps in items:
+            if not steps:
+                raise ValueError("steps: must contain at least one step")
+            key = (question, *steps)
+            if not all(key[: i + 2] in self.score_cache for i in range(len(steps))) and key not in pending:
+                pending[key] = self._submit(question, list(steps))
+        self.num_cache_hits += len(items) - len(pending)
+        self._run(pending)
+        return [[self.score_cache[(q, *s)[: i + 2]] for i in range(len(s))] for q, s in items]
+
+    def _submit(self, question: str, steps: list[str]) -> str:
+        prm_input = self.recipe.build(self.engine.tokenizer, question, steps)
+        key = (question, *steps)
+        wanted = [i for i in range(len(steps)) if key[: i + 2] not in self.score_cache]
+        parent_key = next((key[:j] for j in range(len(key) - 1, 1, -1) if key[:j] in self.kept), None)
+        parent_id = self.kept.get(parent_key) if parent_key else None
+        request_id = f"score-{next(self._ids)}"
+        self.engine.add_request(request_id, prm_input.token_ids, SamplingParams(max_tokens=1),
+                                logits_positions=[prm_input.verdict_positions[i] for i in wanted],
+                                readout_token_ids=self.candidates, keep_kv=True, parent_id=parent_id)
+        self._wanted[request_id] = (key, wanted, prm_input.verdict_positions)
+        return request_id
+
+    def _run(self, pending: dict[tuple, str]) -> None:
+        waiting = set(pending.values())
+        while waiting:
+            for output in self.engine.step():
+                if output.request_id in waiting and output.finished:
+                    waiting.discard(output.request_id)
+                    self._record(output)
+            if waiting and not self.engine.has_unfinished_requests():
+                raise RuntimeError("scoring requests vanished from the engine")
+
+    def _record(self, output) -> None:
+        key, wanted, positions = self._wanted.pop(output.request_id)
+        for index in wanted:
+            pair = output.prompt_logits[positions[index]]
+            self.score_cache[key[: index + 2]] = float(torch.softmax(pair.float(), dim=-1)[0])
+        self.kept[key] = output.request_id
+        while len(self.kept) > self.max_kept:
+            _, old_id = self.kept.popitem(last=False)
+            self.engine.release_kv(old_id)
+
+    def release_all(self) -> None:
+        while self.kept:
+            _, request_id = self.kept.popitem(last=False)
+            self.engine.release_kv(request_id)

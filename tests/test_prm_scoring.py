@@ -1,0 +1,85 @@
+"""PRM step scores against HF transformers, the score cache, and incremental scoring through kept KV."""
+import pytest
+import torch
+import transformers
+
+from conftest import assert_no_leak
+from treeserve.config import EngineConfig
+from treeserve.engine.llm_engine import LLMEngine
+from treeserve.runtime.prm_recipes import RECIPES
+from treeserve.runtime.scorer import StepScorer
+
+QUESTION = "What is the total of two and three, times four?"
+STEPS = ["Step 1: two plus three is five.", "Step 2: five times four is twenty.",
+         "Step 3: so the answer is boxed twenty.", "Step 4: check: twenty over four is five."]
+
+
+@pytest.fixture(scope="module")
+def prm_dir(tiny_model_dirs):
+    return tiny_model_dirs["qwen2"]
+
+
+def _engine(path, **options):
+    return LLMEngine(EngineConfig(model=str(path), dtype="float32", device="cpu",
+                                  kv_cache_memory_bytes=options.pop("kv", 8 << 20), **options))
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_scores_match_hf(prm_dir, recipe):
+    engine = _engine(prm_dir)
+    scorer = StepScorer(engine, recipe)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(prm_dir, dtype=torch.float32).eval()
+    ours = scorer.score_steps(QUESTION, STEPS)
+    prm_input = RECIPES[recipe].build(engine.tokenizer, QUESTION, STEPS)
+    with torch.no_grad():
+        logits = hf(torch.tensor([prm_input.token_ids])).logits[0]
+    good, bad = scorer.candidates
+    ref = [float(torch.softmax(logits[p, [good, bad]], dim=-1)[0]) for p in prm_input.verdict_positions]
+    assert len(ours) == len(STEPS)
+    assert ours == pytest.approx(ref, abs=1e-4)
+    scorer.release_all()
+    assert_no_leak(engine)
+
+
+def test_repeat_is_free_and_extension_computes_only_new_tokens(prm_dir):
+    engine = _engine(prm_dir)
+    scorer = StepScorer(engine)
+    recipe = scorer.recipe
+    first = scorer.score_steps(QUESTION, STEPS[:2])
+    steps_before, computed_before = engine.num_steps, engine.num_tokens_computed
+    assert scorer.score_steps(QUESTION, STEPS[:2]) == first
+    assert (engine.num_steps, engine.num_tokens_computed) == (steps_before, computed_before)
+    third = scorer.score_steps(QUESTION, STEPS[:3])
+    new_tokens = len(recipe.build(engine.tokenizer, QUESTION, STEPS[:3]).token_ids) - \
+        len(recipe.build(engine.tokenizer, QUESTION, STEPS[:2]).token_ids)
+    assert engine.num_tokens_computed - computed_before == new_tokens
+    assert third[:2] == first
+    fresh = StepScorer(_engine(prm_dir)).score_steps(QUESTION, STEPS[:3])
+    assert third == pytest.approx(fresh, abs=1e-5)
+    scorer.release_all()
+    assert_no_leak(engine)
+
+
+def test_batched_scoring_and_memory_pressure(prm_dir):
+    engine = _engine(prm_dir, max_model_len=256)
+    small = _engine(prm_dir, kv=20 * _block_bytes(engine), max_model_len=256)
+    items = [(f"{QUESTION} variant {i}", STEPS[: 1 + i % 4]) for i in range(12)]
+    reference = _flat(StepScorer(engine).score_many(items))
+    tight = StepScorer(small)
+    assert _flat(tight.score_many(items)) == pytest.approx(reference, abs=1e-5)
+    assert len(small.retained) < len(items)  # kept sequences were released to make room
+    computed = small.num_tokens_computed
+    assert _flat(tight.score_many(items)) == pytest.approx(reference, abs=1e-5)
+    assert small.num_tokens_computed == computed  # all cached now
+    tight.release_all()
+    assert_no_leak(small)
+
+
+def _flat(nested):
+    return [x for row in nested for x in row]
+
+
+def _block_bytes(engine):
+    from treeserve.engine.model_runner import kv_bytes_per_block
+
+    return kv_bytes_per_block(engine.model, engine.config.block_size, engine.dtype)
