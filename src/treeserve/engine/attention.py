@@ -32,6 +32,8 @@ class PrefillChunk:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset for each token
     block_size: int
+    slot_blocks: torch.Tensor = None   # slot_mapping // block_size
+    slot_offsets: torch.Tensor = None  # slot_mapping % block_size
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
     _masks: dict = field(default_factory=dict)
@@ -74,7 +76,7 @@ class TorchSDPABackend:
 
     def forward(
         self,
-        layer_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        layer_cache: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D] (a view into the KV pages)
         q: torch.Tensor,            # [T, Hq, D]
         k: torch.Tensor,            # [T, Hkv, D]
         v: torch.Tensor,
@@ -82,28 +84,29 @@ class TorchSDPABackend:
         scale: float,
         window: int | None,
     ) -> torch.Tensor:
-        self._write_cache(layer_cache, k, v, meta.slot_mapping)
+        self._write_cache(layer_cache, k, v, meta)
         out = torch.empty_like(q)
         gqa = q.shape[1] != k.shape[1]
         for index, group in enumerate(meta.decode_groups):
-            out[group.rows] = self._decode(layer_cache, q[group.rows], group, meta.decode_mask(index, window), scale, gqa)
+            out[group.rows] = self._decode(layer_cache, q[group.rows], group, meta.decode_mask(index, window), scale,
+                                           gqa)
         for index, chunk in enumerate(meta.prefills):
             mask = meta.prefill_mask(index, window)
             out[chunk.rows] = self._prefill(layer_cache, q, k, v, chunk, mask, scale, gqa)
         return out
 
     @staticmethod
-    def _write_cache(layer_cache, k, v, slot_mapping):
-        num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        layer_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-        layer_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    def _write_cache(layer_cache, k, v, meta: AttentionMetadata):
+        slots = (meta.slot_blocks, meta.slot_offsets)
+        layer_cache[:, 0].index_put_(slots, k)
+        layer_cache[:, 1].index_put_(slots, v)
 
     @staticmethod
     def _gather(cache_part: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
         """[..., nb] block ids -> [..., Hkv, nb * block_size, D] keys or values.
 
-        `index_select` on a flat [num_blocks, block_bytes] view is several times faster on CPU
-        than advanced indexing of the 4-d cache.
+        `index_select` on a [num_blocks, block_elements] view (blocks may be strided: they live in
+        pages) is several times faster on CPU than advanced indexing of the 4-d cache.
         """
         num_blocks, block_size, num_kv_heads, head_dim = cache_part.shape
         rows = cache_part.view(num_blocks, -1).index_select(0, block_ids.reshape(-1))
@@ -111,8 +114,8 @@ class TorchSDPABackend:
         return flat.transpose(-3, -2)
 
     def _decode(self, layer_cache, q, group, mask, scale, gqa):
-        keys = self._gather(layer_cache[0], group.block_tables)
-        values = self._gather(layer_cache[1], group.block_tables)
+        keys = self._gather(layer_cache[:, 0], group.block_tables)
+        values = self._gather(layer_cache[:, 1], group.block_tables)
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa
         )
@@ -124,8 +127,8 @@ class TorchSDPABackend:
             keys = k[chunk.rows].transpose(0, 1).unsqueeze(0)
             values = v[chunk.rows].transpose(0, 1).unsqueeze(0)
         else:
-            keys = self._gather(layer_cache[0], chunk.block_ids)[:, : chunk.context_len].unsqueeze(0)
-            values = self._gather(layer_cache[1], chunk.block_ids)[:, : chunk.context_len].unsqueeze(0)
+            keys = self._gather(layer_cache[:, 0], chunk.block_ids)[:, : chunk.context_len].unsqueeze(0)
+            values = self._gather(layer_cache[:, 1], chunk.block_ids)[:, : chunk.context_len].unsqueeze(0)
         out = F.scaled_dot_product_attention(
             query, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
         )

@@ -15,6 +15,7 @@ class KVBlock:
     block_id: int
     ref_count: int = 0
     block_hash: bytes | None = None
+    owner: str = ""  # which model's data the block holds (a pool can be shared by several models)
 
 
 @dataclass
@@ -37,7 +38,8 @@ class BlockPool:
         self.cached: dict[bytes, KVBlock] = {}
         self.evicted_hashes: set[bytes] = set()
         self.enable_caching = enable_caching
-        self.stats = PrefixCacheStats()
+        self.stats = PrefixCacheStats()  # all owners together
+        self.stats_by_owner: dict[str, PrefixCacheStats] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -61,10 +63,19 @@ class BlockPool:
     def was_evicted(self, block_hash: bytes) -> bool:
         return block_hash in self.evicted_hashes
 
-    def record_thrash(self, hashes: list[bytes]) -> None:
-        for h in hashes:
+    def owner_stats(self, owner: str) -> PrefixCacheStats:
+        return self.stats_by_owner.setdefault(owner, PrefixCacheStats())
+
+    def record_lookup(self, owner: str, queried: int, hit: int, thrash_hashes: list[bytes]) -> None:
+        for h in thrash_hashes:
             self.evicted_hashes.discard(h)
-        self.stats.thrash += len(hashes)
+        for stats in (self.stats, self.owner_stats(owner)):
+            stats.queries += queried
+            stats.hits += hit
+            stats.thrash += len(thrash_hashes)
+
+    def num_in_use_by(self, owner: str) -> int:
+        return sum(1 for b in self.blocks if b.ref_count and b.owner == owner)
 
     def touch(self, blocks: list[KVBlock]) -> None:
         """Takes a reference on cached blocks found by a prefix lookup."""
@@ -73,7 +84,7 @@ class BlockPool:
                 del self.free_queue[block.block_id]
             block.ref_count += 1
 
-    def allocate(self, count: int) -> list[KVBlock]:
+    def allocate(self, count: int, owner: str = "") -> list[KVBlock]:
         if count > self.num_free:
             raise RuntimeError(f"asked for {count} KV blocks, {self.num_free} free")
         taken = []
@@ -81,6 +92,7 @@ class BlockPool:
             _, block = self.free_queue.popitem(last=False)
             self._evict(block)
             block.ref_count = 1
+            block.owner = owner
             taken.append(block)
         return taken
 
@@ -91,6 +103,7 @@ class BlockPool:
             del self.cached[block.block_hash]
             self.evicted_hashes.add(block.block_hash)
             self.stats.evictions += 1
+            self.owner_stats(block.owner).evictions += 1
         block.block_hash = None
 
     def free(self, blocks_tail_first) -> None:

@@ -15,9 +15,13 @@ class CachedPrefix:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    """One model's view of a block pool; several managers (models) may share one pool."""
+
+    def __init__(self, num_blocks: int | None = None, block_size: int = 16, enable_caching: bool = True,
+                 pool: BlockPool | None = None, owner: str = ""):
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool = pool if pool is not None else BlockPool(num_blocks, enable_caching)
+        self.owner = owner
         self.block_tables: dict[str, list[KVBlock]] = {}
         self._num_hashed: dict[str, int] = {}
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block copies for copy-on-write
@@ -71,7 +75,7 @@ class KVCacheManager:
             self._copy_on_write(table, tail)
         needed = self._blocks_for(request.num_computed_tokens + num_new_tokens) - len(table)
         if needed > 0:
-            table.extend(self.pool.allocate(needed))
+            table.extend(self.pool.allocate(needed, self.owner))
         return True
 
     def _take_prefix(self, request: Request, table: list[KVBlock], prefix: CachedPrefix) -> None:
@@ -79,14 +83,11 @@ class KVCacheManager:
         table.extend(prefix.blocks)
         request.num_computed_tokens += prefix.num_tokens
         self._num_hashed[request.request_id] = len(table)
-        stats = self.pool.stats
-        stats.queries += request.num_tokens
-        stats.hits += prefix.num_tokens
-        self.pool.record_thrash(prefix.thrash_hashes)
+        self.pool.record_lookup(self.owner, request.num_tokens, prefix.num_tokens, prefix.thrash_hashes)
 
     def _copy_on_write(self, table: list[KVBlock], index: int) -> None:
         shared = table[index]
-        (private,) = self.pool.allocate(1)
+        (private,) = self.pool.allocate(1, self.owner)
         self.pending_copies.append((shared.block_id, private.block_id))
         self.pool.free([shared])
         table[index] = private
@@ -124,5 +125,11 @@ class KVCacheManager:
         copies, self.pending_copies = self.pending_copies, []
         return copies
 
+    @property
+    def stats(self):
+        """This model's prefix-cache counters (the pool's own when it is not shared)."""
+        return self.pool.owner_stats(self.owner)
+
     def num_blocks_in_use(self) -> int:
-        return self.pool.num_blocks - self.pool.num_free
+        """Blocks held by this model's requests."""
+        return self.pool.num_in_use_by(self.owner)

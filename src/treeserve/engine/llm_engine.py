@@ -13,7 +13,8 @@ from treeserve.config import EngineConfig
 from treeserve.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from treeserve.engine.kv_cache_manager import KVCacheManager
 from treeserve.engine.memory import kv_budget_bytes
-from treeserve.engine.model_runner import ModelRunner, kv_bytes_per_block
+from treeserve.engine.kv_arena import KVSpace, kv_bytes_per_token
+from treeserve.engine.model_runner import ModelRunner
 from treeserve.engine.request import Request
 from treeserve.engine.scheduler import Scheduler
 from treeserve.model.hf_config import load_model_config
@@ -43,8 +44,11 @@ class RequestGroup:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, name: str = "", defer_kv: bool = False):
+        """`name` namespaces this model's prefix-cache hashes (several models may share one pool);
+        `defer_kv` leaves KV memory to be attached later with `attach_kv` (by a `Runtime`)."""
         self.config = config
+        self.name = name
         model_dir = resolve_model_path(config.model)
         self.model_config = load_model_config(model_dir)
         self.tokenizer = load_tokenizer(resolve_model_path(config.tokenizer) if config.tokenizer else model_dir)
@@ -54,10 +58,6 @@ class LLMEngine:
         self.max_model_len = self._max_model_len()
         torch.manual_seed(config.seed)
         self.model = build_model(model_dir, self.model_config, self.dtype, self.device, self.max_model_len)
-        num_blocks = self._num_kv_blocks()
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.kv, num_blocks, self.dtype, self.device)
         self.groups: dict[str, RequestGroup] = {}
         self.last_step_num_tokens = 0
         self.num_steps = 0
@@ -65,10 +65,33 @@ class LLMEngine:
         # Finished prefill-only sequences whose KV blocks are kept so later requests can extend
         # them without recomputation; least recently used first, released under memory pressure.
         self.retained: OrderedDict[str, Request] = OrderedDict()
-        self.scheduler.reclaim = self._reclaim_one
         self._group_of: dict[str, RequestGroup] = {}
-        logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens", model_dir.name, self.device,
-                    self.dtype, num_blocks, config.block_size)
+        self.model_dir = model_dir
+        if not defer_kv:
+            self.attach_kv(self.standalone_kv_space())
+
+    def kv_bytes_per_token(self) -> int:
+        return kv_bytes_per_token(self.model_config, self.dtype)
+
+    def standalone_kv_space(self) -> KVSpace:
+        page_bytes = self.config.block_size * self.kv_bytes_per_token()
+        budget = kv_budget_bytes(self.config, self.device)
+        return KVSpace.create(budget, page_bytes, self.device, self.config.enable_prefix_caching)
+
+    def attach_kv(self, space: KVSpace) -> None:
+        block_size = space.arena.block_size_for(self.model_config, self.dtype)
+        num_blocks = space.pool.num_blocks
+        if num_blocks * block_size < self.max_model_len:
+            raise ValueError(
+                f"kv_cache_memory_bytes: room for {num_blocks} blocks ({num_blocks * block_size} tokens), "
+                f"fewer than max_model_len={self.max_model_len}; raise the KV budget or lower max_model_len"
+            )
+        self.kv = KVCacheManager(block_size=block_size, pool=space.pool, owner=self.name)
+        self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        self.scheduler.reclaim = self._reclaim_one
+        self.runner = ModelRunner(self.model, self.kv, space.arena, self.dtype, self.device)
+        logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens", self.model_dir.name, self.device,
+                    self.dtype, num_blocks, block_size)
 
     def _max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
@@ -76,16 +99,6 @@ class LLMEngine:
         if wanted is not None and wanted > limit:
             raise ValueError(f"max_model_len: {wanted} exceeds the model's max_position_embeddings ({limit})")
         return wanted or limit
-
-    def _num_kv_blocks(self) -> int:
-        per_block = kv_bytes_per_block(self.model, self.config.block_size, self.dtype)
-        num_blocks = kv_budget_bytes(self.config, self.device) // per_block
-        if num_blocks * self.config.block_size < self.max_model_len:
-            raise ValueError(
-                f"kv_cache_memory_bytes: room for {num_blocks} blocks ({num_blocks * self.config.block_size} tokens), "
-                f"fewer than max_model_len={self.max_model_len}; raise the KV budget or lower max_model_len"
-            )
-        return num_blocks
 
     # ---- requests -------------------------------------------------------------------------
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
@@ -125,7 +138,7 @@ class LLMEngine:
         self._register(group)
         if params.n > 1 and len(prompt_token_ids) > 1:
             shared = Request(f"{request_id}#prefill", list(prompt_token_ids[:-1]), params, cache_salt=cache_salt,
-                             prefill_only=True)
+                             cache_namespace=self.name, prefill_only=True)
             group.shared_prefill = shared
             self._group_of[shared.request_id] = group
             self.scheduler.add(shared)
@@ -143,7 +156,7 @@ class LLMEngine:
             raise ValueError(f"readout_token_ids: ids must be in [0, {vocab})")
         parent = self._retained_parent(parent_id, prompt_token_ids)
         request = Request(f"{request_id}#0", list(prompt_token_ids), params, cache_salt=cache_salt,
-                          prefill_only=True, logits_positions=sorted(set(positions)),
+                          cache_namespace=self.name, prefill_only=True, logits_positions=sorted(set(positions)),
                           readout_token_ids=readout_token_ids, keep_kv=keep_kv)
         self._register(RequestGroup(request_id, prompt, list(prompt_token_ids), [request]))
         if parent is not None:
@@ -191,7 +204,7 @@ class LLMEngine:
         room = self.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         request = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids,
-                          max_tokens=max_tokens, cache_salt=cache_salt)
+                          max_tokens=max_tokens, cache_salt=cache_salt, cache_namespace=self.name)
         request.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
         return request
 

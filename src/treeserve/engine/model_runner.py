@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 from treeserve.engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from treeserve.engine.kv_arena import KVArena, kv_bytes_per_token
 from treeserve.engine.kv_cache_manager import KVCacheManager
 from treeserve.engine.request import Request
 from treeserve.engine.sampler import Sampler, SamplerOutput
@@ -34,38 +35,25 @@ class ModelRunnerOutput:
 
 
 def kv_bytes_per_block(model: DecoderForCausalLM, block_size: int, dtype: torch.dtype) -> int:
-    c = model.config
-    return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * torch.finfo(dtype).bits // 8
+    return block_size * kv_bytes_per_token(model.config, dtype)
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderForCausalLM, kv: KVCacheManager, num_blocks: int, dtype: torch.dtype,
+    def __init__(self, model: DecoderForCausalLM, kv: KVCacheManager, arena: KVArena, dtype: torch.dtype,
                  device: torch.device):
-        c = model.config
-        self.model, self.kv, self.device = model, kv, device
+        self.model, self.kv, self.arena, self.device = model, kv, arena, device
         self.block_size = kv.block_size
-        shape = (2, num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
-        # Zeroed, not empty: masked-out slots still enter SDPA's weighted sum (as 0 * value), and
-        # uninitialised memory can hold NaN, which would poison it.
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(c.num_layers)]
+        self.kv_caches = arena.layer_views(model.config, dtype)
         self.sampler = Sampler()
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        self._copy_blocks(sched.block_copies)
+        self.arena.copy_pages(sched.block_copies)
         inputs = self.prepare_inputs(sched.scheduled)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         sampled = self._sample(hidden, inputs)
         readouts = self._readouts(hidden, inputs)
         return ModelRunnerOutput(sampled, readouts)
-
-    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        if not copies:
-            return
-        src = torch.tensor([s for s, _ in copies], device=self.device)
-        dst = torch.tensor([d for _, d in copies], device=self.device)
-        for cache in self.kv_caches:
-            cache[:, dst] = cache[:, src]
 
     def _sample(self, hidden: torch.Tensor, inputs: StepInputs) -> dict[str, tuple[int, dict | None]]:
         if not inputs.sample_rows:
@@ -100,6 +88,8 @@ class ModelRunner:
         inputs.input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         inputs.positions = torch.cat(positions).to(self.device)
         meta.slot_mapping = torch.cat(slots).to(self.device)
+        meta.slot_blocks = torch.div(meta.slot_mapping, self.block_size, rounding_mode="floor")
+        meta.slot_offsets = meta.slot_mapping % self.block_size
         return inputs
 
     def _add_decodes(self, decodes, inputs, token_ids, positions, slots) -> None:

@@ -36,6 +36,7 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     max_tokens: int = 16
     cache_salt: str | None = None
+    cache_namespace: str = ""           # the model, when several share one block pool
     prefill_only: bool = False          # compute the prompt's KV (and optional logits), sample nothing
     logits_positions: list[int] | None = None  # prompt positions whose logits a prefill-only request returns
     readout_token_ids: list[int] | None = None  # only these vocabulary columns of those logits (None: all)
@@ -60,7 +61,7 @@ class Request:
         self.all_token_ids = list(self.prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.block_hashes: list[bytes] = []
-        self._extra_key = (self.cache_salt or "").encode()
+        self._extra_key = f"{self.cache_namespace}\x00{self.cache_salt or ''}".encode()
         if self.sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
         if self.sampling_params.logprobs is not None:

@@ -77,7 +77,7 @@ class EngineMetrics:
         self.running.set(len(scheduler.running))
         self.waiting.set(len(scheduler.waiting))
         self.kv_usage.set(pool.usage())
-        stats, last = pool.stats.snapshot(), self._last_stats
+        stats, last = engine.kv.stats.snapshot(), self._last_stats
         self.prefix_queries.inc(stats.queries - last.queries)
         self.prefix_hits.inc(stats.hits - last.hits)
         self.prefix_evictions.inc(stats.evictions - last.evictions)

@@ -1,0 +1,73 @@
+"""KV memory as fixed-size byte pages.
+
+One zeroed `[num_pages, page_bytes]` buffer; a model views each page as one KV block holding all
+its layers (`[layers, 2, block_size, kv_heads, head_dim]` in its dtype). Because pages are sized
+in bytes, models with different per-token sizes can draw from one arena: each gets a block size
+(tokens per page) that fills the page. Zeroed, not empty: masked-out slots still enter SDPA's
+weighted sum (as 0 * value), and uninitialised memory can hold NaN.
+"""
+from __future__ import annotations
+
+import torch
+
+from dataclasses import dataclass
+
+from treeserve.engine.block_pool import BlockPool
+from treeserve.model.hf_config import ModelConfig
+
+PAGE_ALIGN = 64
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * torch.finfo(dtype).bits // 8
+
+
+def aligned(nbytes: int) -> int:
+    return -(-nbytes // PAGE_ALIGN) * PAGE_ALIGN
+
+
+class KVArena:
+    def __init__(self, num_pages: int, page_bytes: int, device: torch.device):
+        if num_pages < 1:
+            raise ValueError(f"kv_cache_memory_bytes: room for no KV page of {page_bytes} bytes")
+        self.page_bytes = aligned(page_bytes)
+        self.pages = torch.zeros(num_pages, self.page_bytes, dtype=torch.uint8, device=device)
+
+    @property
+    def num_pages(self) -> int:
+        return self.pages.shape[0]
+
+    def block_size_for(self, config: ModelConfig, dtype: torch.dtype) -> int:
+        """Tokens of this model that fit in one page."""
+        return self.page_bytes // kv_bytes_per_token(config, dtype)
+
+    def layer_views(self, config: ModelConfig, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Per layer, a `[num_pages, 2, block_size, kv_heads, head_dim]` view into the pages."""
+        block_size = self.block_size_for(config, dtype)
+        if block_size < 1:
+            raise ValueError(f"a KV page of {self.page_bytes} bytes cannot hold one token of this model")
+        shape = (config.num_layers, 2, block_size, config.num_kv_heads, config.head_dim)
+        used = block_size * kv_bytes_per_token(config, dtype)
+        typed = self.pages[:, :used].view(dtype)
+        blocks = typed.view(self.num_pages, *shape)
+        return [blocks[:, layer] for layer in range(config.num_layers)]
+
+    def copy_pages(self, copies: list[tuple[int, int]]) -> None:
+        if copies:
+            src = torch.tensor([s for s, _ in copies], device=self.pages.device)
+            dst = torch.tensor([d for _, d in copies], device=self.pages.device)
+            self.pages[dst] = self.pages[src]
+
+
+@dataclass
+class KVSpace:
+    """The KV memory an engine draws from: byte pages and the pool that hands them out."""
+    arena: KVArena
+    pool: BlockPool
+
+    @classmethod
+    def create(cls, budget_bytes: int, page_bytes: int, device: torch.device, enable_caching: bool) -> "KVSpace":
+        num_pages = budget_bytes // aligned(page_bytes)
+        if num_pages < 1:
+            raise ValueError(f"kv_cache_memory_bytes: {budget_bytes} bytes hold no KV page of {page_bytes} bytes")
+        return cls(KVArena(num_pages, page_bytes, device), BlockPool(num_pages, enable_caching))
