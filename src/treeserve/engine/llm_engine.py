@@ -231,6 +231,11 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         self.last_step_num_tokens = sched.num_tokens
         if not sched:
+            if self.scheduler.waiting and not self.scheduler.running:
+                raise RuntimeError(
+                    f"KV pool exhausted: {len(self.scheduler.waiting)} request(s) wait and none can be scheduled "
+                    f"({self.kv.pool.num_free} free blocks); other models sharing the pool hold the rest"
+                )
             return []
         self.num_steps += 1
         self.num_tokens_computed += sched.num_tokens

@@ -19,6 +19,12 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
         self._ids = itertools.count()
 
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> "LLM":
+        llm = cls.__new__(cls)
+        llm.engine, llm._ids = engine, itertools.count()
+        return llm
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

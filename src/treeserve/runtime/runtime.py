@@ -1,0 +1,136 @@
+"""Several models in one process and on one device, owning the memory budget between them.
+
+`kv_mode="shared"` (default): every model draws byte pages from one KV arena under one LRU policy,
+so an idle model's cached pages are evictable by a busy one and no split needs tuning.
+`kv_mode="static"`: each model gets a fixed fraction of the KV budget (the study's setting).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from treeserve.config import CPU_DEFAULT_KV_BYTES, EngineConfig
+from treeserve.engine.kv_arena import KVSpace, aligned
+from treeserve.engine.llm_engine import LLMEngine
+from treeserve.engine.memory import available_host_bytes
+from treeserve.entrypoints.llm import LLM
+from treeserve.outputs import RequestOutput
+from treeserve.runtime.memory import (MemoryBreakdown, measure_activation_bytes, non_torch_bytes,
+                                      weights_bytes)
+from treeserve.runtime.prm_recipes import DEFAULT_RECIPE
+from treeserve.runtime.scorer import StepScorer
+
+KV_MODES = ("shared", "static")
+
+
+class Runtime:
+    def __init__(self, models: dict[str, str | Path], kv_mode: str = "shared",
+                 kv_fractions: dict[str, float] | None = None, recipes: dict[str, str] | None = None,
+                 kv_cache_memory_bytes: int | None = None, memory_utilization: float | None = None,
+                 **engine_options: Any):
+        if not models:
+            raise ValueError("models: give at least one name -> model directory")
+        if kv_mode not in KV_MODES:
+            raise ValueError(f"kv_mode: must be one of {KV_MODES}, got {kv_mode!r}")
+        self.kv_mode = kv_mode
+        self.engines = {name: LLMEngine(EngineConfig(model=path, **engine_options), name=name, defer_kv=True)
+                        for name, path in models.items()}
+        self.memory = self._account(kv_cache_memory_bytes, memory_utilization)
+        if kv_mode == "shared":
+            self._attach_shared()
+        else:
+            self._attach_static(_fractions(kv_fractions, list(self.engines)))
+        self.recipes = {name: (recipes or {}).get(name, DEFAULT_RECIPE) for name in self.engines}
+        self._llms = {name: LLM.from_engine(engine) for name, engine in self.engines.items()}
+        self._scorers: dict[str, StepScorer] = {}
+
+    # ---- memory ---------------------------------------------------------------------------
+    def _account(self, kv_bytes: int | None, utilisation: float | None) -> dict[str, MemoryBreakdown]:
+        engines = list(self.engines.values())
+        rows = {name: MemoryBreakdown(name, weights_bytes(e), measure_activation_bytes(e), 0)
+                for name, e in self.engines.items()}
+        outside = non_torch_bytes(engines)
+        for row in rows.values():
+            row.non_torch_bytes = outside // len(rows)
+        device = engines[0].device
+        if device.type == "cuda":
+            self.total_bytes = torch.cuda.mem_get_info(device)[1]
+            self.utilisation = 0.9 if utilisation is None else utilisation
+        else:
+            self.total_bytes = available_host_bytes()
+            self.utilisation = 0.25 if utilisation is None else utilisation
+        if kv_bytes is not None:
+            self.kv_budget = kv_bytes
+        else:
+            used = sum(r.weights_bytes + r.activation_bytes + r.non_torch_bytes for r in rows.values())
+            self.kv_budget = int(self.total_bytes * self.utilisation) - used
+            if device.type != "cuda":
+                self.kv_budget = min(self.kv_budget, CPU_DEFAULT_KV_BYTES)
+        if self.kv_budget <= 0:
+            raise ValueError("kv_cache_memory_bytes: no memory is left for KV blocks after weights and activations")
+        return rows
+
+    def _attach_shared(self) -> None:
+        engines = self.engines.values()
+        page = max(e.config.block_size * e.kv_bytes_per_token() for e in engines)
+        first = next(iter(engines))
+        space = KVSpace.create(self.kv_budget, page, first.device, first.config.enable_prefix_caching)
+        for name, engine in self.engines.items():
+            engine.attach_kv(space)
+            self._note_kv(name, engine, space.pool.num_blocks * space.arena.page_bytes)
+        for engine in engines:  # kept sequences of any model give way before anything is preempted
+            engine.scheduler.reclaim = self._reclaim_from(engine)
+
+    def _reclaim_from(self, first: LLMEngine):
+        order = [first] + [e for e in self.engines.values() if e is not first]
+        return lambda: any(e._reclaim_one() for e in order)
+
+    def _attach_static(self, fractions: dict[str, float]) -> None:
+        for name, engine in self.engines.items():
+            page = engine.config.block_size * engine.kv_bytes_per_token()
+            space = KVSpace.create(int(self.kv_budget * fractions[name]), page, engine.device,
+                                   engine.config.enable_prefix_caching)
+            engine.attach_kv(space)
+            self._note_kv(name, engine, space.pool.num_blocks * aligned(page))
+
+    def _note_kv(self, name: str, engine: LLMEngine, kv_bytes: int) -> None:
+        row = self.memory[name]
+        row.kv_bytes, row.kv_blocks = kv_bytes, engine.kv.pool.num_blocks
+        row.block_size, row.kv_bytes_per_token = engine.kv.block_size, engine.kv_bytes_per_token()
+
+    # ---- work -----------------------------------------------------------------------------
+    def engine(self, name: str) -> LLMEngine:
+        if name not in self.engines:
+            raise ValueError(f"model: unknown model {name!r}; loaded: {', '.join(self.engines)}")
+        return self.engines[name]
+
+    def generate(self, name: str, prompts, sampling_params=None, use_tqdm: bool = False) -> list[RequestOutput]:
+        self.engine(name)
+        return self._llms[name].generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def scorer(self, name: str) -> StepScorer:
+        if name not in self._scorers:
+            self._scorers[name] = StepScorer(self.engine(name), self.recipes[name])
+        return self._scorers[name]
+
+    def score_steps(self, name: str, question: str, steps: list[str]) -> list[float]:
+        return self.scorer(name).score_steps(question, steps)
+
+    def score_many(self, name: str, items: list[tuple[str, list[str]]]) -> list[list[float]]:
+        return self.scorer(name).score_many(items)
+
+    def release_kept(self) -> None:
+        for scorer in self._scorers.values():
+            scorer.release_all()
+
+
+def _fractions(given: dict[str, float] | None, names: list[str]) -> dict[str, float]:
+    if given is None:
+        return {name: 1.0 / len(names) for name in names}
+    if set(given) != set(names):
+        raise ValueError(f"kv_fractions: give one fraction per model ({', '.join(names)})")
+    if any(not 0 < f < 1 for f in given.values()) or sum(given.values()) > 1.0 + 1e-9:
+        raise ValueError(f"kv_fractions: each must be in (0, 1) and they must sum to at most 1, got {given}")
+    return dict(given)

@@ -1,0 +1,102 @@
+"""Several models in one process: shared and static KV, memory accounting, scoring through the Runtime."""
+import pytest
+
+from conftest import assert_no_leak
+from treeserve import Runtime, SamplingParams
+from treeserve.testing.tiny_models import make_tiny_model
+
+QUESTION = "Add two and three, then double it."
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pair")
+    gen = make_tiny_model("llama", root / "gen", seed=3)
+    prm = make_tiny_model("qwen3", root / "prm", seed=4, hidden_size=96, num_hidden_layers=3)
+    return {"gen": gen, "prm": prm}
+
+
+def _runtime(pair, **options):
+    options.setdefault("kv_cache_memory_bytes", 8 << 20)
+    return Runtime(pair, dtype="float32", device="cpu", max_model_len=192, max_num_batched_tokens=192, **options)
+
+
+def _search_like(rt, rounds=3, width=6):
+    """Generate candidate steps, score them, extend the best: both models busy, sharing KV memory."""
+    steps: list[str] = []
+    trace = []
+    for r in range(rounds):
+        prompt = QUESTION + " " + " ".join(steps)
+        params = SamplingParams(n=width, temperature=1.0, seed=100 + r, max_tokens=12, ignore_eos=True)
+        candidates = [c.text for c in rt.generate("gen", [prompt], params)[0].outputs]
+        scores = rt.score_many("prm", [(QUESTION, steps + [c]) for c in candidates])
+        best = max(range(width), key=lambda i: scores[i][-1])
+        steps.append(candidates[best])
+        trace.append((candidates, scores))
+    return trace
+
+
+def test_shared_mode_under_tight_memory_matches_ample(pair):
+    ample = _search_like(_runtime(pair))
+    rt = _runtime(pair, kv_cache_memory_bytes=None)
+    gen_page = rt.engines["gen"].kv.block_size * rt.engines["gen"].kv_bytes_per_token()
+    tight = _runtime(pair, kv_cache_memory_bytes=24 * gen_page)  # fewer pages than both need at peak
+    assert tight.engines["gen"].kv.pool is tight.engines["prm"].kv.pool
+    result = _search_like(tight)
+    assert [c for c, _ in result] == [c for c, _ in ample]
+    _assert_scores_close(result, ample)
+    pool = tight.engines["gen"].kv.pool
+    assert pool.stats.evictions > 0 or tight.engines["gen"].scheduler.num_preemptions > 0
+    tight.release_kept()
+    for engine in tight.engines.values():
+        assert_no_leak(engine)
+
+
+def _assert_scores_close(a, b):
+    flat_a = [x for _, s in a for row in s for x in row]
+    flat_b = [x for _, s in b for row in s for x in row]
+    assert flat_a == pytest.approx(flat_b, abs=1e-5)
+
+
+def test_pages_are_sized_in_bytes_for_different_shapes(pair):
+    rt = _runtime(pair)
+    gen, prm = rt.engines["gen"], rt.engines["prm"]
+    assert gen.kv_bytes_per_token() != prm.kv_bytes_per_token()
+    page = gen.runner.arena.page_bytes
+    assert gen.runner.arena is prm.runner.arena
+    assert gen.kv.block_size * gen.kv_bytes_per_token() <= page
+    assert prm.kv.block_size * prm.kv_bytes_per_token() <= page
+    assert gen.kv.block_size > prm.kv.block_size  # the smaller model packs more tokens per page
+
+
+def test_static_mode_splits_the_budget(pair):
+    rt = _runtime(pair, kv_mode="static", kv_fractions={"gen": 0.25, "prm": 0.75})
+    gen, prm = rt.engines["gen"], rt.engines["prm"]
+    assert gen.kv.pool is not prm.kv.pool
+    assert rt.memory["gen"].kv_bytes < rt.memory["prm"].kv_bytes
+    assert rt.memory["gen"].kv_bytes + rt.memory["prm"].kv_bytes <= 8 << 20
+
+
+def test_memory_breakdown_is_measured(pair):
+    rt = _runtime(pair)
+    for name, row in rt.memory.items():
+        params = sum(p.numel() * 4 for p in rt.engines[name].model.parameters())
+        assert row.weights_bytes == params
+        assert row.activation_bytes > 0
+        assert row.kv_blocks == rt.engines[name].kv.pool.num_blocks
+
+
+@pytest.mark.parametrize("options, name", [
+    (dict(kv_mode="split"), "kv_mode"),
+    (dict(kv_mode="static", kv_fractions={"gen": 0.9, "prm": 0.9}), "kv_fractions"),
+    (dict(kv_mode="static", kv_fractions={"gen": 0.5}), "kv_fractions"),
+])
+def test_bad_runtime_options(pair, options, name):
+    with pytest.raises(ValueError, match=f"^{name}:"):
+        _runtime(pair, **options)
+
+
+def test_unknown_model_name(pair):
+    rt = _runtime(pair)
+    with pytest.raises(ValueError, match="^model:"):
+        rt.score_steps("verifier", QUESTION, ["a"])
