@@ -40,7 +40,7 @@ def test_shared_mode_under_tight_memory_matches_ample(pair):
     ample = _search_like(_runtime(pair))
     rt = _runtime(pair, kv_cache_memory_bytes=None)
     gen_page = rt.engines["gen"].kv.block_size * rt.engines["gen"].kv_bytes_per_token()
-    tight = _runtime(pair, kv_cache_memory_bytes=24 * gen_page)  # fewer pages than both need at peak
+    tight = _runtime(pair, kv_cache_memory_bytes=36 * gen_page)  # fewer pages than both need at peak
     assert tight.engines["gen"].kv.pool is tight.engines["prm"].kv.pool
     result = _search_like(tight)
     assert [c for c, _ in result] == [c for c, _ in ample]

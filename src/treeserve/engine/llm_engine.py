@@ -65,6 +65,7 @@ class LLMEngine:
         # Finished prefill-only sequences whose KV blocks are kept so later requests can extend
         # them without recomputation; least recently used first, released under memory pressure.
         self.retained: OrderedDict[str, Request] = OrderedDict()
+        self.step_observers: list = []  # called with the engine after every step (telemetry)
         self._group_of: dict[str, RequestGroup] = {}
         self.model_dir = model_dir
         if not defer_kv:
@@ -231,7 +232,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         self.last_step_num_tokens = sched.num_tokens
         if not sched:
-            if self.scheduler.waiting and not self.scheduler.running:
+            if self.scheduler.waiting and not self.scheduler.running and not sched.preempted:
                 raise RuntimeError(
                     f"KV pool exhausted: {len(self.scheduler.waiting)} request(s) wait and none can be scheduled "
                     f"({self.kv.pool.num_free} free blocks); other models sharing the pool hold the rest"
@@ -255,6 +256,8 @@ class LLMEngine:
             elif request.request_id in result.sampled:
                 token_id, logprobs = result.sampled[request.request_id]
                 self._append_token(request, token_id, logprobs)
+        for observe in self.step_observers:
+            observe(self)
         return [self._make_output(g) for g in touched.values()]
 
     def _finish_prefill(self, group: RequestGroup, request: Request) -> None:

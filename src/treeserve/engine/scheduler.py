@@ -91,7 +91,7 @@ class Scheduler:
             cached = prefix.num_tokens if prefix else 0
             num_new = min(request.num_tokens - request.num_computed_tokens - cached, budget)
             if not self.kv.allocate_slots(request, num_new, prefix):
-                if self.reclaim():
+                if self.reclaim() or (not self.running and self._unpin_waiting()):
                     continue
                 break
             if request.first_scheduled_time is None:
@@ -102,6 +102,20 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
+
+    def _unpin_waiting(self) -> bool:
+        """Frees the blocks of a waiting request that holds some (a fork not yet run), newest first.
+
+        Only used when nothing runs: forks waiting to start could otherwise pin every block.
+        """
+        for request in reversed(list(self.waiting)[1:]):
+            if self.kv.block_tables.get(request.request_id):
+                self.kv.free(request)
+                request.num_computed_tokens = 0
+                request.num_preemptions += 1
+                self.num_preemptions += 1
+                return True
+        return False
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)

@@ -21,6 +21,7 @@ from treeserve.runtime.memory import (MemoryBreakdown, measure_activation_bytes,
                                       weights_bytes)
 from treeserve.runtime.prm_recipes import DEFAULT_RECIPE
 from treeserve.runtime.scorer import StepScorer
+from treeserve.runtime.telemetry import TelemetryTrace
 
 KV_MODES = ("shared", "static")
 
@@ -29,7 +30,7 @@ class Runtime:
     def __init__(self, models: dict[str, str | Path], kv_mode: str = "shared",
                  kv_fractions: dict[str, float] | None = None, recipes: dict[str, str] | None = None,
                  kv_cache_memory_bytes: int | None = None, memory_utilization: float | None = None,
-                 **engine_options: Any):
+                 trace_path: str | Path | None = None, **engine_options: Any):
         if not models:
             raise ValueError("models: give at least one name -> model directory")
         if kv_mode not in KV_MODES:
@@ -45,6 +46,10 @@ class Runtime:
         self.recipes = {name: (recipes or {}).get(name, DEFAULT_RECIPE) for name in self.engines}
         self._llms = {name: LLM.from_engine(engine) for name, engine in self.engines.items()}
         self._scorers: dict[str, StepScorer] = {}
+        self.trace = TelemetryTrace(trace_path) if trace_path else None
+        for name, engine in self.engines.items():
+            if self.trace:
+                engine.step_observers.append(self.trace.observer(name))
 
     # ---- memory ---------------------------------------------------------------------------
     def _account(self, kv_bytes: int | None, utilisation: float | None) -> dict[str, MemoryBreakdown]:
@@ -74,7 +79,9 @@ class Runtime:
 
     def _attach_shared(self) -> None:
         engines = self.engines.values()
-        page = max(e.config.block_size * e.kv_bytes_per_token() for e in engines)
+        # Pages fit the smallest model's block; a larger model puts fewer tokens in each page. Sizing
+        # pages for the largest model instead would leave most of every small-model page idle.
+        page = min(e.config.block_size * e.kv_bytes_per_token() for e in engines)
         first = next(iter(engines))
         space = KVSpace.create(self.kv_budget, page, first.device, first.config.enable_prefix_caching)
         for name, engine in self.engines.items():
@@ -124,6 +131,10 @@ class Runtime:
     def release_kept(self) -> None:
         for scorer in self._scorers.values():
             scorer.release_all()
+
+    def close(self) -> None:
+        if self.trace:
+            self.trace.close()
 
 
 def _fractions(given: dict[str, float] | None, names: list[str]) -> dict[str, float]:

@@ -12,6 +12,9 @@ from treeserve.runtime.prm_recipes import DEFAULT_RECIPE, RECIPES
 from treeserve.sampling_params import SamplingParams
 
 MAX_KEPT_SEQUENCES = 512
+# Kept sequences pin their blocks; past this share of the pool in use they are released instead
+# (their full blocks stay in the prefix cache, so an extension recomputes at most one block).
+KEEP_BELOW_USAGE = 0.5
 
 
 class StepScorer:
@@ -41,7 +44,9 @@ class StepScorer:
             if not all(key[: i + 2] in self.score_cache for i in range(len(steps))) and key not in pending:
                 pending[key] = self._submit(question, list(steps))
         self.num_cache_hits += len(items) - len(pending)
-        self._run(pending)
+        if pending:
+            self._release_older_than(pending)
+            self._run(pending)
         return [[self.score_cache[(q, *s)[: i + 2]] for i in range(len(s))] for q, s in items]
 
     def _submit(self, question: str, steps: list[str]) -> str:
@@ -73,9 +78,18 @@ class StepScorer:
             pair = output.prompt_logits[positions[index]]
             self.score_cache[key[: index + 2]] = float(torch.softmax(pair.float(), dim=-1)[0])
         self.kept[key] = output.request_id
-        while len(self.kept) > self.max_kept:
+        pool = self.engine.kv.pool
+        while self.kept and (len(self.kept) > self.max_kept or pool.usage() > KEEP_BELOW_USAGE):
             _, old_id = self.kept.popitem(last=False)
             self.engine.release_kv(old_id)
+
+    def _release_older_than(self, pending: dict[tuple, str]) -> None:
+        """Keeps KV only for the sequences this batch extends from or creates: step-wise search
+        extends the latest steps, so older kept sequences would only crowd out other caches.
+        New requests already hold their own references to the blocks they forked."""
+        extended = {key[:j] for key in pending for j in range(2, len(key))}
+        for key in [k for k in self.kept if k not in extended]:
+            self.engine.release_kv(self.kept.pop(key))
 
     def release_all(self) -> None:
         while self.kept:

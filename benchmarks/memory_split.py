@@ -1,0 +1,121 @@
+"""Static KV splits 0.1 ... 0.9 against the shared arena, on one generate-then-score workload.
+
+A tiny search loop (each round: every problem samples `width` candidate steps from the generator,
+the PRM scores every candidate, the best one extends the problem) runs once per static split of
+the KV budget between generator and PRM, and once in shared mode, in the same process. Prints
+throughput for each and `shared / best static: X.XX`; writes per-step traces and the figures.
+
+    python benchmarks/memory_split.py [--problems 12] [--kv-mib 16] [--out bench_out/memory_split]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from plot_kv_telemetry import plot_all  # noqa: E402
+
+from treeserve import Runtime, SamplingParams  # noqa: E402
+from treeserve.model.registry import cache_dir  # noqa: E402
+from treeserve.testing.tiny_models import make_tiny_model  # noqa: E402
+
+SPLITS = [round(0.1 * i, 1) for i in range(1, 10)]
+GENERATOR = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=1024)
+VERIFIER = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=8,
+                num_key_value_heads=4, max_position_embeddings=1024)
+
+
+def models() -> dict[str, Path]:
+    root = cache_dir() / "bench" / "memory-split"
+    paths = {"gen": root / "gen", "prm": root / "prm"}
+    if not (paths["gen"] / "config.json").is_file():
+        make_tiny_model("llama", paths["gen"], seed=0, **GENERATOR)
+    if not (paths["prm"] / "config.json").is_file():
+        make_tiny_model("llama", paths["prm"], seed=1, **VERIFIER)
+    return paths
+
+
+def problems(count: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    words = "add the two numbers then double it and take away three times the total of four and five".split()
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(12, 30))) + "?" for _ in range(count)]
+
+
+def search(rt: Runtime, questions: list[str], rounds: int, width: int, max_tokens: int) -> list[list[str]]:
+    chosen: list[list[str]] = [[] for _ in questions]
+    for r in range(rounds):
+        prompts = [q + " " + " ".join(steps) for q, steps in zip(questions, chosen)]
+        params = SamplingParams(n=width, temperature=1.0, seed=1000 + r, max_tokens=max_tokens, ignore_eos=True)
+        outputs = rt.generate("gen", prompts, params)
+        items = [(q, steps + [c.text]) for q, steps, out in zip(questions, chosen, outputs) for c in out.outputs]
+        scores = rt.score_many("prm", items)
+        for i, steps in enumerate(chosen):
+            block = scores[i * width:(i + 1) * width]
+            best = max(range(width), key=lambda j: block[j][-1])
+            steps.append(items[i * width + best][1][-1])
+    return chosen
+
+
+def run(paths, label: str, args, out: Path, **runtime_options) -> dict:
+    trace = out / f"trace_{label}.jsonl"
+    rt = Runtime({k: str(v) for k, v in paths.items()}, dtype="float32", device="cpu",
+                 kv_cache_memory_bytes=args.kv_mib << 20, max_model_len=256, max_num_batched_tokens=1024,
+                 trace_path=trace, **runtime_options)
+    questions = problems(args.problems, args.seed)
+    start = time.perf_counter()
+    chosen = search(rt, questions, args.rounds, args.width, args.max_tokens)
+    elapsed = time.perf_counter() - start
+    rt.close()
+    tokens = sum(e.num_tokens_computed for e in rt.engines.values())
+    stats = {name: e.kv.stats for name, e in rt.engines.items()}
+    return {"label": label, "seconds": elapsed, "problems_per_s": len(questions) / elapsed,
+            "tokens_computed": tokens, "chosen": chosen, "trace": trace.name,
+            "preemptions": {n: e.scheduler.num_preemptions for n, e in rt.engines.items()},
+            "hit_rate": {n: (s.hits / s.queries if s.queries else 0.0) for n, s in stats.items()},
+            "thrash": {n: s.thrash for n, s in stats.items()}, "evictions": {n: s.evictions for n, s in stats.items()}}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--problems", type=int, default=24)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--width", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--kv-mib", type=int, default=16, help="KV budget shared by both models, MiB")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("bench_out/memory_split"))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    paths = models()
+
+    results = []
+    for split in SPLITS:
+        result = run(paths, f"static_{split}", args, args.out, kv_mode="static",
+                     kv_fractions={"gen": split, "prm": round(1 - split, 1)})
+        result["split"] = split
+        results.append(result)
+        print(f"static gen={split:.1f}: {result['problems_per_s']:.3f} problems/s  "
+              f"({result['seconds']:.1f} s, preemptions {result['preemptions']}, hit rate "
+              f"{ {k: round(v, 3) for k, v in result['hit_rate'].items()} })", flush=True)
+    shared = run(paths, "shared", args, args.out, kv_mode="shared")
+    print(f"shared: {shared['problems_per_s']:.3f} problems/s ({shared['seconds']:.1f} s, hit rate "
+          f"{ {k: round(v, 3) for k, v in shared['hit_rate'].items()} })")
+    best = max(results, key=lambda r: r["problems_per_s"])
+    print(f"best static split: gen={best['split']:.1f}")
+    same = all(r["chosen"] == shared["chosen"] for r in results)
+    print(f"identical search results in every run: {'yes' if same else 'no'}")
+    print(f"shared / best static: {shared['problems_per_s'] / best['problems_per_s']:.2f}")
+    summary = {"config": vars(args) | {"out": str(args.out)}, "static": results, "shared": shared}
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
+    for figure in plot_all(args.out):
+        print(f"wrote {figure}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

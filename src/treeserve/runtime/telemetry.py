@@ -1,0 +1,44 @@
+"""Per-step KV cache telemetry per model, written as JSONL (one line per model per engine step)."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import TextIO
+
+from treeserve.engine.llm_engine import LLMEngine
+
+
+def cache_snapshot(engine: LLMEngine) -> dict:
+    """Blocks in use / cached-but-free / free, and this model's cumulative prefix-cache counters."""
+    pool, owner = engine.kv.pool, engine.kv.owner
+    in_use = cached = 0
+    for block in pool.blocks:
+        if block.owner != owner:
+            continue
+        if block.ref_count:
+            in_use += 1
+        elif block.block_hash is not None:
+            cached += 1
+    stats = engine.kv.stats
+    return {"blocks_in_use": in_use, "blocks_cached": cached, "blocks_free": pool.num_free,
+            "blocks_total": pool.num_blocks, "prefix_queries": stats.queries, "prefix_hits": stats.hits,
+            "evictions": stats.evictions, "thrash": stats.thrash, "preemptions": engine.scheduler.num_preemptions}
+
+
+class TelemetryTrace:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: TextIO = self.path.open("w", encoding="utf-8")
+        self._start = time.monotonic()
+
+    def observer(self, name: str):
+        def observe(engine: LLMEngine) -> None:
+            record = {"t": round(time.monotonic() - self._start, 6), "model": name, "step": engine.num_steps,
+                      "num_tokens": engine.last_step_num_tokens, **cache_snapshot(engine)}
+            self._file.write(json.dumps(record) + "\n")
+        return observe
+
+    def close(self) -> None:
+        self._file.close()
