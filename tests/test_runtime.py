@@ -100,3 +100,12 @@ def test_unknown_model_name(pair):
     rt = _runtime(pair)
     with pytest.raises(ValueError, match="^model:"):
         rt.score_steps("verifier", QUESTION, ["a"])
+
+
+def test_memory_command(pair, capsys):
+    from treeserve.cli import main
+
+    assert main(["memory", "--model", f"gen={pair['gen']}", "--model", f"prm={pair['prm']}", "--dtype", "float32",
+                 "--device", "cpu", "--kv-cache-memory-bytes", str(4 << 20), "--max-model-len", "128"]) == 0
+    out = capsys.readouterr().out
+    assert "weights" in out and "activations" in out and "gen" in out and "prm" in out

@@ -67,7 +67,48 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name")
     serve.add_argument("--max-queue", type=int, help="waiting requests beyond which new ones get 429")
     serve.set_defaults(func=cmd_serve)
+    memory = sub.add_parser("memory", help="print the memory breakdown per model (weights, activations, KV)")
+    memory.add_argument("--model", action="append", help="NAME=PATH (repeatable) or a single PATH")
+    memory.add_argument("--kv-mode", choices=["shared", "static"], default="shared")
+    memory.add_argument("--kv-fraction", action="append", help="NAME=FRACTION for --kv-mode static")
+    memory.add_argument("--kv-cache-memory-bytes", type=int, help="KV budget for all models together")
+    memory.add_argument("--memory-utilization", type=float)
+    memory.add_argument("--dtype", default="auto")
+    memory.add_argument("--device", default="auto")
+    memory.add_argument("--max-model-len", type=int)
+    memory.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    memory.set_defaults(func=cmd_memory)
     return parser
+
+
+def _named_models(values: list[str] | None) -> dict[str, str]:
+    """`--model gen=PATH --model prm=PATH` (a bare PATH is named 'model')."""
+    models = {}
+    for value in values or [DEFAULT_MODEL]:
+        name, sep, path = value.partition("=")
+        if not sep or name.startswith("builtin"):
+            name, path = "model", value
+        if name in models:
+            raise ValueError(f"model: the name {name!r} is given twice")
+        models[name] = path
+    return models
+
+
+def cmd_memory(args) -> int:
+    from treeserve.runtime.memory import format_breakdown
+    from treeserve.runtime.runtime import Runtime
+
+    fractions = None
+    if args.kv_fraction:
+        fractions = {k: float(v) for k, _, v in (f.partition("=") for f in args.kv_fraction)}
+    rt = Runtime(_named_models(args.model), kv_mode=args.kv_mode, kv_fractions=fractions,
+                 kv_cache_memory_bytes=args.kv_cache_memory_bytes, memory_utilization=args.memory_utilization,
+                 dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                 max_num_batched_tokens=args.max_num_batched_tokens)
+    shared = " (one arena: the KV column is the whole shared arena)" if rt.kv_mode == "shared" else ""
+    print(f"KV mode: {rt.kv_mode}{shared}; KV budget {rt.kv_budget / (1 << 20):,.1f} MiB")
+    print(format_breakdown(list(rt.memory.values()), rt.total_bytes, rt.utilisation))
+    return 0
 
 
 def cmd_serve(args) -> int:
