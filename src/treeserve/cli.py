@@ -4,11 +4,16 @@ from __future__ import annotations
 import argparse
 import sys
 
+from treeserve.cli_models import named_models as _named_models
 from treeserve.model.registry import DEFAULT_MODEL
 
 
-def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="local HF directory or builtin:NAME")
+def _add_engine_args(parser: argparse.ArgumentParser, several_models: bool = False) -> None:
+    if several_models:
+        parser.add_argument("--model", action="append",
+                            help="NAME=PATH, repeatable: several models on one device (routed by 'model')")
+    else:
+        parser.add_argument("--model", default=DEFAULT_MODEL, help="local HF directory or builtin:NAME")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--max-model-len", type=int)
@@ -59,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("-n", type=int, default=1)
     run.set_defaults(func=cmd_run)
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    _add_engine_args(serve)
+    _add_engine_args(serve, several_models=True)
+    serve.add_argument("--kv-mode", choices=["shared", "static"], default="shared",
+                       help="with several models: one shared KV arena, or an equal static split")
     serve.add_argument("model_path", nargs="?", help="model directory or builtin:NAME (default: the built-in model)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
@@ -79,19 +86,6 @@ def build_parser() -> argparse.ArgumentParser:
     memory.add_argument("--max-num-batched-tokens", type=int, default=2048)
     memory.set_defaults(func=cmd_memory)
     return parser
-
-
-def _named_models(values: list[str] | None) -> dict[str, str]:
-    """`--model gen=PATH --model prm=PATH` (a bare PATH is named 'model')."""
-    models = {}
-    for value in values or [DEFAULT_MODEL]:
-        name, sep, path = value.partition("=")
-        if not sep or name.startswith("builtin"):
-            name, path = "model", value
-        if name in models:
-            raise ValueError(f"model: the name {name!r} is given twice")
-        models[name] = path
-    return models
 
 
 def cmd_memory(args) -> int:

@@ -30,6 +30,9 @@ class StepScorer:
         self._ids = itertools.count()
         self._wanted: dict[str, tuple[tuple, list[int], list[int]]] = {}
         self.num_cache_hits = 0
+        # Outputs of other requests on the same engine, met while scoring drives it (the server
+        # routes them to their streams); offline, nothing else runs on a scoring engine.
+        self.on_other_output = None
 
     def score_steps(self, question: str, steps: list[str]) -> list[float]:
         return self.score_many([(question, steps)])[0]
@@ -66,9 +69,12 @@ class StepScorer:
         waiting = set(pending.values())
         while waiting:
             for output in self.engine.step():
-                if output.request_id in waiting and output.finished:
-                    waiting.discard(output.request_id)
-                    self._record(output)
+                if output.request_id in waiting:
+                    if output.finished:
+                        waiting.discard(output.request_id)
+                        self._record(output)
+                elif self.on_other_output is not None:
+                    self.on_other_output(output)
             if waiting and not self.engine.has_unfinished_requests():
                 raise RuntimeError("scoring requests vanished from the engine")
 

@@ -11,10 +11,13 @@ from pydantic import BaseModel, ValidationError
 
 from treeserve import __version__
 from treeserve.engine.async_engine import AsyncLLMEngine
-from treeserve.server.errors import APIError, error_response, from_validation_error, install_error_handlers
-from treeserve.server.metrics import EngineMetrics
+from treeserve.engine.llm_engine import LLMEngine
+from treeserve.runtime.scorer import StepScorer
+from treeserve.server.errors import (APIError, error_response, from_validation_error, from_value_error,
+                                     install_error_handlers)
+from treeserve.server.metrics import ServerMetrics
 from treeserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                       TokenizeRequest)
+                                       RewardRequest, TokenizeRequest)
 from treeserve.server.serving import OpenAIServing
 
 MAX_BODY_BYTES = 2 << 20
@@ -49,11 +52,23 @@ async def parse(request: Request, model: type[BaseModel], limit: int) -> BaseMod
         raise from_validation_error(exc) from exc
 
 
-def create_app(engine: AsyncLLMEngine, model_name: str, api_keys: list[str] | None = None,
-               metrics: EngineMetrics | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+def create_app(engine: AsyncLLMEngine, served: dict[str, LLMEngine], api_keys: list[str] | None = None,
+               metrics: ServerMetrics | None = None, scorers: dict[str, StepScorer] | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """`served` maps each served model name to its engine; requests are routed by their `model`."""
     app = FastAPI(title="treeserve", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
-    serving = OpenAIServing(engine, model_name)
+    servings = {name: OpenAIServing(engine, name, llm) for name, llm in served.items()}
+    default = next(iter(servings.values()))
+    scorers = scorers or {}
     keys = [k for k in (api_keys or []) if k]
+
+    def serving_for(model: str | None) -> OpenAIServing:
+        if model is None:
+            return default
+        if model not in servings:
+            raise APIError(404, f"model: '{model}' does not exist; served: {', '.join(servings)}", param="model",
+                           code="model_not_found")
+        return servings[model]
     created = int(time.time())
     app.state.engine, app.state.metrics = engine, metrics
     install_error_handlers(app)
@@ -85,22 +100,36 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_keys: list[str] | No
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "treeserve", "max_model_len": serving.max_model_len}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "treeserve",
+                                            "max_model_len": s.max_model_len} for name, s in servings.items()]}
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        return await serving.chat(await parse(request, ChatCompletionRequest, max_body_bytes))
+        body = await parse(request, ChatCompletionRequest, max_body_bytes)
+        return await serving_for(body.model).chat(body)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await serving.completions(await parse(request, CompletionRequest, max_body_bytes))
+        body = await parse(request, CompletionRequest, max_body_bytes)
+        return await serving_for(body.model).completions(body)
+
+    @app.post("/v1/rewards")
+    async def rewards(request: Request):
+        body = await parse(request, RewardRequest, max_body_bytes)
+        serving_for(body.model)
+        scorer = scorers.get(body.model)
+        if scorer is None:
+            raise APIError(400, f"model: '{body.model}' is not served as a reward model", param="model")
+        try:
+            scores = await engine.run_job(lambda: scorer.score_steps(body.question, list(body.steps)))
+        except ValueError as exc:
+            raise from_value_error(exc) from exc
+        return {"object": "reward", "model": body.model, "recipe": scorer.recipe.name, "scores": scores}
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
         body = await parse(request, TokenizeRequest, max_body_bytes)
-        if body.model is not None:
-            serving.check_model(body.model)
+        serving = serving_for(body.model)
         tokenizer = serving.tokenizer
         if body.messages is not None:
             text = tokenizer.apply_chat_template([m.as_template_message() for m in body.messages], tokenize=False,
@@ -115,9 +144,8 @@ def create_app(engine: AsyncLLMEngine, model_name: str, api_keys: list[str] | No
     @app.post("/detokenize")
     async def detokenize(request: Request):
         body = await parse(request, DetokenizeRequest, max_body_bytes)
-        if body.model is not None:
-            serving.check_model(body.model)
-        vocab = engine.engine.model_config.vocab_size
+        serving = serving_for(body.model)
+        vocab = serving.llm.model_config.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"tokens: ids {bad[:3]} are outside the vocabulary [0, {vocab})", param="tokens")

@@ -4,20 +4,38 @@ from __future__ import annotations
 import logging
 import os
 
+from treeserve.cli_models import named_models as _named_models
 from treeserve.config import EngineConfig
+from treeserve.model.registry import DEFAULT_MODEL
 from treeserve.engine.async_engine import AsyncLLMEngine
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.server.app import create_app
-from treeserve.server.metrics import EngineMetrics
+from treeserve.runtime.runtime import Runtime
+from treeserve.server.metrics import ServerMetrics
 
 
-def build_app(model: str, served_model_name: str | None = None, api_keys: list[str] | None = None,
-              max_queue: int | None = None, **engine_options):
-    engine = LLMEngine(EngineConfig(model=model, **engine_options))
-    name = served_model_name or str(model)
-    metrics = EngineMetrics(name)
-    async_engine = AsyncLLMEngine(engine, max_queue=max_queue, on_step=metrics.on_step, on_abort=metrics.on_abort)
-    return create_app(async_engine, name, api_keys=api_keys, metrics=metrics)
+def build_app(model: str | dict[str, str], served_model_name: str | None = None, api_keys: list[str] | None = None,
+              max_queue: int | None = None, kv_mode: str = "shared", **engine_options):
+    """One model (a path) gets its own engine; several (name -> path) share a `Runtime`, and each
+    of them can also answer POST /v1/rewards as a PRM."""
+    metrics = ServerMetrics()
+    scorers = {}
+    if isinstance(model, dict) and len(model) > 1:
+        budget = engine_options.pop("kv_cache_memory_bytes", None)
+        runtime = Runtime(model, kv_mode=kv_mode, kv_cache_memory_bytes=budget, **engine_options)
+        served = dict(runtime.engines)
+        scorers = {name: runtime.scorer(name) for name in served}
+        for name, row in runtime.memory.items():
+            metrics.add_model(served[name], name).set_memory(row)
+    else:
+        path = next(iter(model.values())) if isinstance(model, dict) else model
+        name = served_model_name or str(path)
+        served = {name: LLMEngine(EngineConfig(model=path, **engine_options))}
+        metrics.add_model(served[name], name)
+    async_engine = AsyncLLMEngine(served, max_queue=max_queue, on_step=metrics.on_step, on_abort=metrics.on_abort)
+    for scorer in scorers.values():
+        scorer.on_other_output = async_engine.deliver_outputs_one
+    return create_app(async_engine, served, api_keys=api_keys, metrics=metrics, scorers=scorers)
 
 
 def serve(args) -> int:
@@ -27,7 +45,9 @@ def serve(args) -> int:
     keys = list(args.api_key or [])
     if not keys and os.environ.get("TREESERVE_API_KEY"):
         keys = [os.environ["TREESERVE_API_KEY"]]
-    app = build_app(args.model_path or args.model, served_model_name=args.served_model_name, api_keys=keys,
+    models = _named_models(args.model) if args.model else {}
+    target = args.model_path or (models if len(models) > 1 else next(iter(models.values()), DEFAULT_MODEL))
+    app = build_app(target, served_model_name=args.served_model_name, api_keys=keys, kv_mode=args.kv_mode,
                     max_queue=args.max_queue, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                     kv_cache_memory_bytes=args.kv_cache_memory_bytes, block_size=args.block_size,

@@ -14,21 +14,48 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
 ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
-class EngineMetrics:
-    def __init__(self, model_name: str):
+class ServerMetrics:
+    """One Prometheus registry; each served model gets its labelled `EngineMetrics`."""
+
+    def __init__(self):
         self.registry = CollectorRegistry()
+        self._families: dict[str, object] = {}
+        self.by_engine: dict[int, EngineMetrics] = {}
+
+    def family(self, kind, name: str, doc: str, labels: list[str], **kwargs):
+        if name not in self._families:
+            self._families[name] = kind(f"treeserve:{name}", doc, labels, registry=self.registry, **kwargs)
+        return self._families[name]
+
+    def add_model(self, engine: LLMEngine, model_name: str) -> "EngineMetrics":
+        metrics = EngineMetrics(self, model_name)
+        self.by_engine[id(engine)] = metrics
+        return metrics
+
+    def on_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
+        self.by_engine[id(engine)].on_step(engine, outputs)
+
+    def on_abort(self, engine: LLMEngine, request_id: str) -> None:
+        self.by_engine[id(engine)].on_abort(engine, request_id)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class EngineMetrics:
+    def __init__(self, server: ServerMetrics, model_name: str):
         labels = {"model_name": model_name}
         self._labels = labels
         names = ["model_name"]
 
         def gauge(name, doc):
-            return Gauge(f"treeserve:{name}", doc, names, registry=self.registry).labels(**labels)
+            return server.family(Gauge, name, doc, names).labels(**labels)
 
         def counter(name, doc):
-            return Counter(f"treeserve:{name}", doc, names, registry=self.registry).labels(**labels)
+            return server.family(Counter, name, doc, names).labels(**labels)
 
         def histogram(name, doc, buckets=LATENCY_BUCKETS):
-            return Histogram(f"treeserve:{name}", doc, names, buckets=buckets, registry=self.registry).labels(**labels)
+            return server.family(Histogram, name, doc, names, buckets=buckets).labels(**labels)
 
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled (incl. preempted).")
@@ -40,8 +67,8 @@ class EngineMetrics:
         self.preemptions = counter("num_preemptions", "Requests preempted (to be recomputed).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
-        self.request_success = Counter("treeserve:request_success", "Finished requests by finish reason.",
-                                       names + ["finished_reason"], registry=self.registry)
+        self.request_success = server.family(Counter, "request_success", "Finished requests by finish reason.",
+                                             names + ["finished_reason"])
         self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token.")
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive output tokens.")
         self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the end of the request.")
@@ -50,12 +77,15 @@ class EngineMetrics:
         self.decode_time = histogram("request_decode_time_seconds", "Time from first token to the end.")
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step.",
                                           ITERATION_BUCKETS)
+        self.memory = {part: gauge(f"memory_{part}_bytes", f"Memory accounting: {part.replace('_', ' ')} bytes.")
+                       for part in ("weights", "activation", "non_torch", "kv")}
         self._seen_tokens: dict[str, tuple[int, float]] = {}
         self._last_stats = PrefixCacheStats()
         self._last_preemptions = 0
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def set_memory(self, row) -> None:
+        for part, gauge in self.memory.items():
+            gauge.set(getattr(row, f"{part}_bytes"))
 
     def on_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
         """Called on the engine thread after every step."""

@@ -140,3 +140,11 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     model: str | None = None
     tokens: list[int]
+
+
+class RewardRequest(BaseModel):
+    """POST /v1/rewards: one score per step from a process reward model."""
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str
+    question: str
+    steps: list[str] = Field(min_length=1)

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from treeserve.engine.async_engine import AsyncLLMEngine, QueueFullError
 from treeserve.engine.detokenizer import stop_hold_back
+from treeserve.engine.llm_engine import LLMEngine
 from treeserve.outputs import CompletionOutput, RequestOutput
 from treeserve.sampling_params import SamplingParams
 from treeserve.server.errors import APIError, from_value_error
@@ -18,11 +19,14 @@ from treeserve.server.protocol import ChatCompletionRequest, CompletionRequest
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, model_name: str):
+    """The OpenAI routes for one served model (an engine driven by the shared engine loop)."""
+
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, llm: LLMEngine | None = None):
         self.engine = engine
+        self.llm = llm or engine.engine
         self.model_name = model_name
-        self.tokenizer = engine.engine.tokenizer
-        self.max_model_len = engine.engine.max_model_len
+        self.tokenizer = self.llm.tokenizer
+        self.max_model_len = self.llm.max_model_len
 
     # ---- shared -----------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -44,14 +48,14 @@ class OpenAIServing:
         try:
             for ids in prompts:
                 try:
-                    self.engine.engine.validate_prompt(ids)
+                    self.llm.validate_prompt(ids)
                 except ValueError as exc:
                     raise ValueError(f"{prompt_field}{str(exc)[len('prompt'):]}") from exc
                 room = self.max_model_len - len(ids)
                 if max_tokens is not None and max_tokens > room:
                     raise ValueError(f"max_tokens: {max_tokens} plus the prompt's {len(ids)} tokens exceeds the "
                                      f"maximum model length {self.max_model_len}")
-            return request.sampling_params(self.engine.engine.generation_defaults.sampling, max_tokens, logprobs)
+            return request.sampling_params(self.llm.generation_defaults.sampling, max_tokens, logprobs)
         except ValueError as exc:
             raise from_value_error(exc) from exc
 
@@ -63,7 +67,7 @@ class OpenAIServing:
         async def pump(index: int, ids: list[int]) -> None:
             try:
                 request_id = self.engine.new_request_id(prefix)
-                async for output in self.engine.generate(ids, params, request_id, prompt=texts[index]):
+                async for output in self.engine.generate(ids, params, request_id, prompt=texts[index], engine=self.llm):
                     await queue.put((index, output))
             except Exception as exc:
                 await queue.put((index, exc))

@@ -1,0 +1,94 @@
+"""A generator and a PRM served together: routing by `model`, POST /v1/rewards, per-model metrics."""
+import asyncio
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from conftest import _free_port, wait_idle
+from treeserve import Runtime
+from treeserve.server.launch import build_app
+from treeserve.testing.tiny_models import make_tiny_model
+
+QUESTION = "Add two and three, then double it."
+STEPS = ["## Step 1: two plus three is five.", "## Step 2: five doubled is ten. \\boxed{10}"]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("served-pair")
+    return {"gen": str(make_tiny_model("llama", root / "gen", seed=5)),
+            "prm": str(make_tiny_model("qwen2", root / "prm", seed=6, hidden_size=96))}
+
+
+@pytest.fixture(scope="module")
+def multi_server(pair):
+    options = dict(dtype="float32", device="cpu", kv_cache_memory_bytes=8 << 20, max_model_len=256)
+    app = build_app(pair, **options)
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", app, options
+    server.should_exit = True
+    thread.join(timeout=10)
+    app.state.engine.shutdown()
+
+
+def test_models_are_listed_and_routed(multi_server):
+    url, _, _ = multi_server
+    assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == ["gen", "prm"]
+    for model in ("gen", "prm"):
+        resp = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "Hello", "max_tokens": 3},
+                          timeout=60)
+        assert resp.status_code == 200 and resp.json()["model"] == model
+    assert httpx.post(f"{url}/v1/rewards", json={"model": "nope", "question": "q", "steps": ["a"]}).status_code == 404
+    assert httpx.post(f"{url}/v1/rewards", json={"model": "prm", "question": "q", "steps": []}).status_code == 400
+
+
+def test_rewards_match_offline_runtime_while_generating(multi_server, pair):
+    url, app, options = multi_server
+
+    async def run():
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            generate = client.post("/v1/chat/completions", json={
+                "model": "gen", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 40,
+                "ignore_eos": True})
+            score = client.post("/v1/rewards", json={"model": "prm", "question": QUESTION, "steps": STEPS})
+            return await asyncio.gather(generate, score)
+
+    chat, reward = asyncio.run(run())
+    assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] == 40
+    body = reward.json()
+    assert reward.status_code == 200 and len(body["scores"]) == 2 and body["recipe"] == "rlhflow"
+    offline = Runtime(pair, **options).score_steps("prm", QUESTION, STEPS)
+    assert body["scores"] == pytest.approx(offline, abs=1e-5)
+    engines = app.state.engine.engines
+    for engine in engines.values():
+        wait_idle(engine)
+    _assert_only_kept_blocks_held(engines)
+
+
+def _assert_only_kept_blocks_held(engines):
+    """No request holds blocks but the PRM's kept sequences, and every reference is accounted for."""
+    from collections import Counter
+
+    gen, prm = engines["gen"], engines["prm"]
+    assert not gen.kv.block_tables
+    kept = {request.request_id for request in prm.retained.values()}
+    assert set(prm.kv.block_tables) == kept
+    refs = Counter(b.block_id for e in engines.values() for t in e.kv.block_tables.values() for b in t)
+    assert all(b.ref_count == refs[b.block_id] for b in gen.kv.pool.blocks)
+
+
+def test_metrics_carry_the_model_label(multi_server):
+    url, _, _ = multi_server
+    text = httpx.get(f"{url}/metrics").text
+    for model in ("gen", "prm"):
+        assert f'treeserve:num_requests_running{{model_name="{model}"}}' in text
+        assert f'treeserve:memory_weights_bytes{{model_name="{model}"}}' in text
