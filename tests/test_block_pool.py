@@ -90,3 +90,19 @@ def test_allocation_failure_changes_nothing():
     request = _request("a", range(20))
     assert not kv.allocate_slots(request, 20)
     assert kv.pool.num_free == 2 and not kv.block_tables.get("a")
+
+
+def test_in_use_counts_per_owner():
+    from treeserve.engine.block_pool import BlockPool
+
+    pool = BlockPool(6)
+    gen = KVCacheManager(block_size=4, pool=pool, owner="gen")
+    prm = KVCacheManager(block_size=2, pool=pool, owner="prm")
+    a, b = _request("a", range(8)), _request("b", range(3))
+    assert gen.allocate_slots(a, 8) and prm.allocate_slots(b, 3)
+    assert (gen.num_blocks_in_use(), prm.num_blocks_in_use()) == (2, 2)
+    assert sum(1 for blk in pool.blocks if blk.ref_count) == 4
+    gen.free(a)
+    assert (gen.num_blocks_in_use(), prm.num_blocks_in_use()) == (0, 2)
+    prm.free(b)
+    assert pool.num_free == 6 and prm.num_blocks_in_use() == 0

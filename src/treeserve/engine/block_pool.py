@@ -40,6 +40,7 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.stats = PrefixCacheStats()  # all owners together
         self.stats_by_owner: dict[str, PrefixCacheStats] = {}
+        self.in_use_by_owner: dict[str, int] = {}  # blocks with ref_count > 0, by owner
 
     @property
     def num_blocks(self) -> int:
@@ -75,13 +76,17 @@ class BlockPool:
             stats.thrash += len(thrash_hashes)
 
     def num_in_use_by(self, owner: str) -> int:
-        return sum(1 for b in self.blocks if b.ref_count and b.owner == owner)
+        return self.in_use_by_owner.get(owner, 0)
+
+    def _count_in_use(self, block: KVBlock, delta: int) -> None:
+        self.in_use_by_owner[block.owner] = self.in_use_by_owner.get(block.owner, 0) + delta
 
     def touch(self, blocks: list[KVBlock]) -> None:
         """Takes a reference on cached blocks found by a prefix lookup."""
         for block in blocks:
             if block.ref_count == 0:
                 del self.free_queue[block.block_id]
+                self._count_in_use(block, 1)
             block.ref_count += 1
 
     def allocate(self, count: int, owner: str = "") -> list[KVBlock]:
@@ -93,6 +98,7 @@ class BlockPool:
             self._evict(block)
             block.ref_count = 1
             block.owner = owner
+            self._count_in_use(block, 1)
             taken.append(block)
         return taken
 
@@ -111,6 +117,7 @@ class BlockPool:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_queue[block.block_id] = block
+                self._count_in_use(block, -1)
 
     def cache_block(self, block: KVBlock, block_hash: bytes) -> None:
         """Registers a block that just became full; a duplicate of a cached hash stays private."""

@@ -59,7 +59,9 @@ class EngineMetrics:
 
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled (incl. preempted).")
-        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of the KV pool's blocks this model holds (1 = full).")
+        self.kv_blocks_in_use = gauge("kv_blocks_in_use", "KV blocks (pages) this model's requests hold.")
+        self.kv_blocks_free = gauge("kv_blocks_free", "Free KV blocks in the pool (shared pools: all models').")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.prefix_evictions = counter("prefix_cache_evictions", "Cached KV blocks evicted for new data.")
@@ -106,7 +108,10 @@ class EngineMetrics:
         scheduler, pool = engine.scheduler, engine.kv.pool
         self.running.set(len(scheduler.running))
         self.waiting.set(len(scheduler.waiting))
-        self.kv_usage.set(pool.usage())
+        in_use = engine.kv.num_blocks_in_use()
+        self.kv_usage.set(in_use / pool.num_blocks)
+        self.kv_blocks_in_use.set(in_use)
+        self.kv_blocks_free.set(pool.num_free)
         stats, last = engine.kv.stats.snapshot(), self._last_stats
         self.prefix_queries.inc(stats.queries - last.queries)
         self.prefix_hits.inc(stats.hits - last.hits)
