@@ -1,3 +1,4 @@
+import contextlib
 import os
 
 import pytest
@@ -44,19 +45,14 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def server(llama_dir):
-    """A real uvicorn server on a free loopback port, serving the tiny Llama as 'tiny'."""
+@contextlib.contextmanager
+def running_server(app):
+    """Runs `app` under a real uvicorn server on a free loopback port; yields its base URL."""
     import threading
     import time
-    from types import SimpleNamespace
 
     import uvicorn
 
-    from treeserve.server.launch import build_app
-
-    app = build_app(str(llama_dir), served_model_name="tiny", api_keys=[API_KEY], max_queue=1000,
-                    dtype="float32", device="cpu", kv_cache_memory_bytes=32 << 20, max_model_len=512)
     port = _free_port()
     uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=uv.run, daemon=True)
@@ -65,11 +61,26 @@ def server(llama_dir):
     while not uv.started and time.monotonic() < deadline:
         time.sleep(0.05)
     assert uv.started, "server did not start"
-    yield SimpleNamespace(url=f"http://127.0.0.1:{port}", app=app, async_engine=app.state.engine,
-                          engine=app.state.engine.engine, key=API_KEY)
-    uv.should_exit = True
-    thread.join(timeout=10)
-    app.state.engine.shutdown()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        uv.should_exit = True
+        thread.join(timeout=10)
+        app.state.engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def server(llama_dir):
+    """The tiny Llama served as 'tiny', with an API key."""
+    from types import SimpleNamespace
+
+    from treeserve.server.launch import build_app
+
+    app = build_app(str(llama_dir), served_model_name="tiny", api_keys=[API_KEY], max_queue=1000,
+                    dtype="float32", device="cpu", kv_cache_memory_bytes=32 << 20, max_model_len=512)
+    with running_server(app) as url:
+        yield SimpleNamespace(url=url, app=app, async_engine=app.state.engine, engine=app.state.engine.engine,
+                              key=API_KEY)
 
 
 def wait_idle(engine, timeout: float = 30.0) -> None:

@@ -1,13 +1,10 @@
 """A generator and a PRM served together: routing by `model`, POST /v1/rewards, per-model metrics."""
 import asyncio
-import threading
-import time
 
 import httpx
 import pytest
-import uvicorn
 
-from conftest import _free_port, wait_idle
+from conftest import running_server, wait_idle
 from treeserve import Runtime
 from treeserve.server.launch import build_app
 from treeserve.testing.tiny_models import make_tiny_model
@@ -27,17 +24,8 @@ def pair(tmp_path_factory):
 def multi_server(pair):
     options = dict(dtype="float32", device="cpu", kv_cache_memory_bytes=8 << 20, max_model_len=256)
     app = build_app(pair, **options)
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", app, options
-    server.should_exit = True
-    thread.join(timeout=10)
-    app.state.engine.shutdown()
+    with running_server(app) as url:
+        yield url, app, options
 
 
 def test_models_are_listed_and_routed(multi_server):

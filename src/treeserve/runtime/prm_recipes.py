@@ -15,17 +15,21 @@ class PRMInput:
 
 
 @dataclass(frozen=True)
-class RLHFlowRecipe:
+class _VerdictTokens:
+    good_token: str = "+"
+    bad_token: str = "-"
+
+    def candidate_ids(self, tokenizer) -> tuple[int, int]:
+        return _single_token(tokenizer, self.good_token), _single_token(tokenizer, self.bad_token)
+
+
+@dataclass(frozen=True)
+class RLHFlowRecipe(_VerdictTokens):
     """Multi-turn chat: (question + step 1) as user, `+` as assistant, next step as user, ...
 
     The score of step k is P(`+`) against `-` where the assistant's k-th verdict is predicted.
     """
-    good_token: str = "+"
-    bad_token: str = "-"
     name: str = "rlhflow"
-
-    def candidate_ids(self, tokenizer) -> tuple[int, int]:
-        return _single_token(tokenizer, self.good_token), _single_token(tokenizer, self.bad_token)
 
     def build(self, tokenizer, question: str, steps: list[str]) -> PRMInput:
         conversation: list[dict] = []
@@ -44,15 +48,10 @@ class RLHFlowRecipe:
 
 
 @dataclass(frozen=True)
-class MathShepherdRecipe:
+class MathShepherdRecipe(_VerdictTokens):
     """Question and steps as plain text, each step followed by the step tag `ки`."""
-    good_token: str = "+"
-    bad_token: str = "-"
     step_tag: str = "ки"
     name: str = "math-shepherd"
-
-    def candidate_ids(self, tokenizer) -> tuple[int, int]:
-        return _single_token(tokenizer, self.good_token), _single_token(tokenizer, self.bad_token)
 
     def build(self, tokenizer, question: str, steps: list[str]) -> PRMInput:
         text = f"{question} "
