@@ -8,6 +8,7 @@ requests of similar context length grouped together to bound padding), then pref
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 from torch.nn import functional as F
@@ -32,11 +33,17 @@ class PrefillChunk:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset for each token
     block_size: int
-    slot_blocks: torch.Tensor = None   # slot_mapping // block_size
-    slot_offsets: torch.Tensor = None  # slot_mapping % block_size
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
     _masks: dict = field(default_factory=dict)
+
+    @cached_property
+    def slot_blocks(self) -> torch.Tensor:
+        return torch.div(self.slot_mapping, self.block_size, rounding_mode="floor")
+
+    @cached_property
+    def slot_offsets(self) -> torch.Tensor:
+        return self.slot_mapping % self.block_size
 
     def decode_mask(self, index: int, window: int | None) -> torch.Tensor:
         key = ("decode", index, window)

@@ -5,7 +5,6 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 

@@ -88,8 +88,6 @@ class ModelRunner:
         inputs.input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         inputs.positions = torch.cat(positions).to(self.device)
         meta.slot_mapping = torch.cat(slots).to(self.device)
-        meta.slot_blocks = torch.div(meta.slot_mapping, self.block_size, rounding_mode="floor")
-        meta.slot_offsets = meta.slot_mapping % self.block_size
         return inputs
 
     def _add_decodes(self, decodes, inputs, token_ids, positions, slots) -> None:
