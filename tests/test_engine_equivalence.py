@@ -74,6 +74,21 @@ def test_prefix_cache_hit_gives_identical_tokens(llama_dir, reference):
     assert_no_leak(llm.engine)
 
 
+def test_requests_sharing_an_uncached_prefix_compute_it_once(llama_dir):
+    """Submitted together, requests with a common prefix do not all compute it in the same step."""
+    shared = PROMPTS[2] + " " + PROMPTS[7]
+    prompts = [f"{shared} {tail}" for tail in ("one", "two more", "and three", "four")]
+    expected = _tokens(_llm(llama_dir, enable_prefix_caching=False).generate(prompts, GREEDY, use_tqdm=False))
+    llm = _llm(llama_dir)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert _tokens(outputs) == expected
+    block_size = llm.engine.kv.block_size
+    shared_blocks = len(llm.get_tokenizer().encode(shared)) // block_size - 1
+    assert shared_blocks >= 2
+    assert all(o.num_cached_tokens >= shared_blocks * block_size for o in outputs[1:])
+    assert_no_leak(llm.engine)
+
+
 def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(llama_dir):
     llm = _llm(llama_dir)
     params = SamplingParams(n=4, temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)

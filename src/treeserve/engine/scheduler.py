@@ -85,10 +85,15 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+        in_flight = self._blocks_in_flight()
+        index = 0
+        while index < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[index]
             prefix = self.kv.find_cached_prefix(request) if request.num_computed_tokens == 0 else None
             cached = prefix.num_tokens if prefix else 0
+            if prefix is not None and self._next_block_in(request, cached, in_flight):
+                index += 1  # a running request is computing this prefix: wait and hit the cache
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens - cached, budget)
             if not self.kv.allocate_slots(request, num_new, prefix):
                 if self.reclaim() or (not self.running and self._unpin_waiting()):
@@ -97,11 +102,36 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
                 request.num_cached_tokens = cached
-            self.waiting.popleft()
+            del self.waiting[index]
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
+            in_flight.update(self._uncomputed_prompt_blocks(request))
+
+    def _blocks_in_flight(self) -> set[bytes]:
+        """Hashes of prompt blocks that running requests have yet to compute.
+
+        Requests sharing a prefix that is not cached yet would otherwise all compute it in the
+        same step; the later ones wait until it is cached (SGLang's in-batch prefix sharing).
+        """
+        if not self.kv.pool.enable_caching:
+            return set()
+        return {h for r in self.running for h in self._uncomputed_prompt_blocks(r)}
+
+    def _uncomputed_prompt_blocks(self, request: Request) -> list[bytes]:
+        size = self.kv.block_size
+        first, end = request.num_computed_tokens // size, request.num_prompt_tokens // size
+        if first >= end or not self.kv.pool.enable_caching:
+            return []
+        return request.ensure_block_hashes(end, size)[first:end]
+
+    def _next_block_in(self, request: Request, cached: int, in_flight: set[bytes]) -> bool:
+        size = self.kv.block_size
+        index = cached // size
+        if not in_flight or index >= request.num_prompt_tokens // size:
+            return False
+        return request.ensure_block_hashes(index + 1, size)[index] in in_flight
 
     def _unpin_waiting(self) -> bool:
         """Frees the blocks of a waiting request that holds some (a fork not yet run), newest first.
