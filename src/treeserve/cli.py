@@ -5,6 +5,7 @@ import argparse
 import sys
 
 from treeserve.cli_models import named_models as _named_models
+from treeserve.cli_search import add_search_parsers
 from treeserve.model.registry import DEFAULT_MODEL
 
 
@@ -85,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     memory.add_argument("--max-model-len", type=int)
     memory.add_argument("--max-num-batched-tokens", type=int, default=2048)
     memory.set_defaults(func=cmd_memory)
+    add_search_parsers(sub)
     return parser
 
 

@@ -30,6 +30,7 @@ class StepScorer:
         self._ids = itertools.count()
         self._wanted: dict[str, tuple[tuple, list[int], list[int]]] = {}
         self.num_cache_hits = 0
+        self.num_prompt_tokens = 0  # tokens of every verifier input submitted (computed or reused)
         # Outputs of other requests on the same engine, met while scoring drives it (the server
         # routes them to their streams); offline, nothing else runs on a scoring engine.
         self.on_other_output = None
@@ -39,18 +40,52 @@ class StepScorer:
 
     def score_many(self, items: list[tuple[str, list[str]]]) -> list[list[float]]:
         """One score per step for each (question, steps); uncached ones are scored in one batch."""
-        pending = {}
+        pending = self._submit_uncached(items)
+        if pending:
+            self._release_older_than(pending)
+        self._run(items)
+        return self.results(items)
+
+    def submit(self, items: list[tuple[str, list[str]]]) -> None:
+        """Queues the uncached items without running the engine: whoever steps the engine passes
+        its outputs to `collect`, and `results` is ready once `is_ready`. Kept sequences that the
+        new requests extend are released once forked (step-wise search extends each one once)."""
+        pending = self._submit_uncached(items)
+        parents = {key[:j] for key in pending for j in range(2, len(key))}
+        for key in [k for k in self.kept if k in parents]:
+            self.engine.release_kv(self.kept.pop(key))
+
+    def is_ready(self, items: list[tuple[str, list[str]]]) -> bool:
+        return all((q, *s)[: i + 2] in self.score_cache for q, s in items for i in range(len(s)))
+
+    def results(self, items: list[tuple[str, list[str]]]) -> list[list[float]]:
+        return [[self.score_cache[(q, *s)[: i + 2]] for i in range(len(s))] for q, s in items]
+
+    def collect(self, output) -> bool:
+        """Records a finished scoring output; False when the output is not a scoring request."""
+        if output.request_id not in self._wanted:
+            return False
+        if output.finished:
+            self._record(output)
+        return True
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._wanted)
+
+    def _submit_uncached(self, items: list[tuple[str, list[str]]]) -> dict[tuple, str]:
+        pending: dict[tuple, str] = {}
+        in_flight = {key for key, _, _ in self._wanted.values()}
         for question, steps in items:
             if not steps:
                 raise ValueError("steps: must contain at least one step")
             key = (question, *steps)
-            if not all(key[: i + 2] in self.score_cache for i in range(len(steps))) and key not in pending:
+            if key in pending or key in in_flight:
+                continue
+            if not all(key[: i + 2] in self.score_cache for i in range(len(steps))):
                 pending[key] = self._submit(question, list(steps))
         self.num_cache_hits += len(items) - len(pending)
-        if pending:
-            self._release_older_than(pending)
-            self._run(pending)
-        return [[self.score_cache[(q, *s)[: i + 2]] for i in range(len(s))] for q, s in items]
+        return pending
 
     def _submit(self, question: str, steps: list[str]) -> str:
         prm_input = self.recipe.build(self.engine.tokenizer, question, steps)
@@ -59,24 +94,20 @@ class StepScorer:
         parent_key = next((key[:j] for j in range(len(key) - 1, 1, -1) if key[:j] in self.kept), None)
         parent_id = self.kept.get(parent_key) if parent_key else None
         request_id = f"score-{next(self._ids)}"
+        self.num_prompt_tokens += len(prm_input.token_ids)
         self.engine.add_request(request_id, prm_input.token_ids, SamplingParams(max_tokens=1),
                                 logits_positions=[prm_input.verdict_positions[i] for i in wanted],
                                 readout_token_ids=self.candidates, keep_kv=True, parent_id=parent_id)
         self._wanted[request_id] = (key, wanted, prm_input.verdict_positions)
         return request_id
 
-    def _run(self, pending: dict[tuple, str]) -> None:
-        waiting = set(pending.values())
-        while waiting:
-            for output in self.engine.step():
-                if output.request_id in waiting:
-                    if output.finished:
-                        waiting.discard(output.request_id)
-                        self._record(output)
-                elif self.on_other_output is not None:
-                    self.on_other_output(output)
-            if waiting and not self.engine.has_unfinished_requests():
+    def _run(self, items: list[tuple[str, list[str]]]) -> None:
+        while not self.is_ready(items):
+            if not self.engine.has_unfinished_requests():
                 raise RuntimeError("scoring requests vanished from the engine")
+            for output in self.engine.step():
+                if not self.collect(output) and self.on_other_output is not None:
+                    self.on_other_output(output)
 
     def _record(self, output) -> None:
         key, wanted, positions = self._wanted.pop(output.request_id)

@@ -88,10 +88,13 @@ def _config(family: str, vocab_size: int, special: dict[str, int], **overrides):
 
 
 def make_tiny_model(family: str, path: str | Path, seed: int = 0, tokenizer_vocab_size: int = 512,
-                    max_shard_size: str | None = None, **overrides) -> Path:
+                    max_shard_size: str | None = None, favour_tokens: dict[str, float] | None = None,
+                    **overrides) -> Path:
     """Writes config, safetensors weights, generation config and tokenizer to `path`.
 
     `overrides` go to the transformers config; a `vocab_size` there may exceed the tokenizer's.
+    `favour_tokens` maps single-token texts to a logit they get at every position (about), so
+    that a random model writes them often: "\n" makes it write blank-line separated steps.
     """
     import torch
     import transformers
@@ -104,10 +107,36 @@ def make_tiny_model(family: str, path: str | Path, seed: int = 0, tokenizer_voca
     config = _config(family, vocab_size, special, **overrides)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if favour_tokens:
+        _favour(model, [_single_id(tokenizer, t) for t in favour_tokens], list(favour_tokens.values()))
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
     tokenizer.save_pretrained(path)
     return path
+
+
+def _single_id(tokenizer, text: str) -> int:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) != 1:
+        raise ValueError(f"favour_tokens: {text!r} is {len(ids)} tokens, expected 1")
+    return ids[0]
+
+
+def _favour(model, token_ids: list[int], logits: list[float]) -> None:
+    """Puts a large constant in one hidden dimension of every input embedding, which dominates the
+    residual stream, so after the final norm every position is about sqrt(hidden) along it; the
+    favoured output rows point along that dimension and get their logit everywhere."""
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    if embed.data_ptr() == head.data_ptr():
+        raise ValueError("favour_tokens: needs a model with untied input and output embeddings")
+    import torch
+
+    hidden = embed.shape[1]
+    with torch.no_grad():
+        embed[:, 0] += 1000.0
+        for token_id, logit in zip(token_ids, logits):
+            head[token_id].zero_()
+            head[token_id, 0] = logit / hidden ** 0.5
 
 
 BUILTIN_TINY_MODELS = {

@@ -1,0 +1,119 @@
+"""Test-time search, treeserve against Search-and-Learn's execution (the reference mode), same run.
+
+Beam search (N=16, beam width 4) and best-of-N (N=16) solve the same problems with the same
+strategy code, models and seeds, once on treeserve's runner (continuous problem batching, forked
+beams, incremental verifier with a score cache, shared KV arena) and once in the reference mode
+(lockstep problem batches, prompts re-submitted as text, the verifier re-encoding whole
+conversations in HF transformers, end-of-sequence sampling at maximum depth).
+
+Until the trained task models exist (issue #7) the models are small random Llamas; the generator
+is biased to write blank-line separated steps and to stop now and then, so trees have real depth.
+Accuracy on MATH-500 is then 0 for both, and the comparison is of speed.
+
+    python benchmarks/search_speed.py [--problems 8] [--num-iterations 8] [--strategies beam best_of_n]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from treeserve import Runtime
+from treeserve.model.registry import cache_dir
+from treeserve.search.config import SearchConfig
+from treeserve.search.grading import grade
+from treeserve.search.reference import HFStepScorer, ReferenceRunner
+from treeserve.search.runner import SearchRunner
+from treeserve.testing.tiny_models import make_tiny_model
+
+DATASET = Path(__file__).resolve().parents[2] / "shared" / "data" / "math500.jsonl"
+GENERATOR = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=4096)
+VERIFIER = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=8,
+                num_key_value_heads=4, max_position_embeddings=4096)
+STEPWISE = {"\n": 5.4, "<|eos|>": 0.5}
+
+
+def models() -> dict[str, str]:
+    root = cache_dir() / "bench" / "search-speed"
+    if not (root / "gen" / "config.json").is_file():
+        make_tiny_model("llama", root / "gen", seed=0, favour_tokens=STEPWISE, **GENERATOR)
+    if not (root / "prm" / "config.json").is_file():
+        make_tiny_model("llama", root / "prm", seed=1, **VERIFIER)
+    return {"gen": str(root / "gen"), "prm": str(root / "prm")}
+
+
+def problems(path: Path, count: int) -> list[dict]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return rows[:count]
+
+
+def runtime(paths: dict[str, str], args) -> Runtime:
+    return Runtime(paths, dtype="float32", device="cpu", kv_cache_memory_bytes=args.kv_mib << 20,
+                   max_model_len=4096, max_num_batched_tokens=4096)
+
+
+def measure(label: str, paths, rows, config: SearchConfig, args) -> dict:
+    rt = runtime(paths, args)
+    questions = [r["problem"] for r in rows]
+    gen, prm = rt.engine("gen"), rt.engine("prm")
+    if label == "reference":
+        scorer = HFStepScorer(paths["prm"], prm.tokenizer) if config.uses_verifier else None
+        runner = ReferenceRunner(gen, scorer)
+    else:
+        runner = SearchRunner(gen, rt.scorer("prm") if config.uses_verifier else None)
+    start = time.perf_counter()
+    results = runner.run(questions, config)
+    seconds = time.perf_counter() - start
+    prm_tokens = scorer.num_tokens_computed if label == "reference" and scorer else prm.num_tokens_computed
+    submitted = runner.scorer.num_prompt_tokens if label != "reference" and runner.scorer else 0
+    correct = sum(grade(r.pred, row["answer"]) for r, row in zip(results, rows))
+    return {"label": label, "seconds": seconds, "problems_per_s": len(rows) / seconds,
+            "generated_tokens_per_s": sum(r.completion_tokens for r in results) / seconds,
+            "generated_tokens": sum(r.completion_tokens for r in results),
+            "prm_tokens_per_problem": prm_tokens / len(rows), "accuracy": correct / len(rows),
+            # verifier input tokens not recomputed: prefix-cache hits plus kept-KV forks
+            "prm_hit_rate": 1 - prm_tokens / submitted if submitted else None,
+            "tree_size": sum(r.tree_size for r in results)}
+
+
+def report(strategy: str, runs: dict[str, dict]) -> float:
+    for run in runs.values():
+        hit = f", PRM tokens reused {run['prm_hit_rate']:.1%}" if run["prm_hit_rate"] is not None else ""
+        print(f"{strategy:>10} {run['label']:>9}: {run['seconds']:7.1f} s, {run['problems_per_s']:.3f} problems/s, "
+              f"{run['generated_tokens_per_s']:.1f} generated tok/s, {run['prm_tokens_per_problem']:.0f} PRM tokens "
+              f"per problem, accuracy {run['accuracy']:.1%}, tree nodes {run['tree_size']}{hit}")
+    return runs["treeserve"]["problems_per_s"] / runs["reference"]["problems_per_s"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dataset", type=Path, default=DATASET)
+    parser.add_argument("--problems", type=int, default=8)
+    parser.add_argument("--n", type=int, default=16)
+    parser.add_argument("--beam-width", type=int, default=4)
+    parser.add_argument("--num-iterations", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--kv-mib", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--strategies", nargs="+", default=["beam", "best_of_n"])
+    args = parser.parse_args()
+    paths, rows = models(), problems(args.dataset, args.problems)
+    print(f"{len(rows)} problems from {args.dataset.name}, N={args.n}, beam width {args.beam_width}, "
+          f"{args.num_iterations} iterations, float32 on CPU")
+    speedups = {}
+    for strategy in args.strategies:
+        config = SearchConfig(strategy=strategy, n=args.n, beam_width=args.beam_width,
+                              num_iterations=args.num_iterations, max_tokens=args.max_tokens, seed=args.seed)
+        runs = {label: measure(label, paths, rows, config, args) for label in ("reference", "treeserve")}
+        speedups[strategy] = report(strategy, runs)
+        print(f"{strategy} speed-up: {speedups[strategy]:.2f}")
+    headline = speedups.get("beam", next(iter(speedups.values())))
+    print(f"speed-up: {headline:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

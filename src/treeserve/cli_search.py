@@ -1,0 +1,107 @@
+"""`treeserve search` and `treeserve eval`: test-time search from the command line."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from treeserve.model.registry import DEFAULT_MODEL
+
+
+def add_search_parsers(sub) -> None:
+    search = sub.add_parser("search", help="solve one question with a generator and a verifier")
+    _add_search_args(search)
+    search.add_argument("--n", type=int, default=16)
+    search.add_argument("question")
+    search.set_defaults(func=cmd_search)
+    evaluate = sub.add_parser("eval", help="accuracy of search strategies on a MATH-format dataset")
+    _add_search_args(evaluate)
+    evaluate.add_argument("--dataset", required=True, help="JSONL with problem and answer fields (e.g. MATH-500)")
+    evaluate.add_argument("--n", default="4", help="comma-separated N values, e.g. 4,16,64")
+    evaluate.add_argument("--limit", type=int, help="only the first LIMIT problems")
+    evaluate.add_argument("--out", type=Path, required=True)
+    evaluate.add_argument("--reference", action="store_true",
+                          help="run Search-and-Learn's original execution instead of treeserve's")
+    evaluate.set_defaults(func=cmd_eval)
+
+
+def _add_search_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--generator", default=DEFAULT_MODEL, help="generator model directory or builtin:NAME")
+    parser.add_argument("--verifier", default=DEFAULT_MODEL, help="process reward model directory or builtin:NAME")
+    parser.add_argument("--recipe", default="rlhflow", help="how the verifier reads steps (rlhflow, math-shepherd)")
+    parser.add_argument("--strategy", default="beam",
+                        help="greedy, majority, best_of_n, weighted_best_of_n, beam or dvts (eval: comma-separated)")
+    parser.add_argument("--beam-width", type=int, default=4)
+    parser.add_argument("--num-iterations", type=int, default=40)
+    parser.add_argument("--lookahead", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--max-tokens", type=int, default=2048)
+    parser.add_argument("--agg-strategy", default="last")
+    parser.add_argument("--system-prompt", help="replaces Search-and-Learn's math system prompt ('' for none)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--kv-cache-memory-bytes", type=int)
+
+
+def _config(args, strategy: str, n: int):
+    from treeserve.search.config import SAL_SYSTEM_PROMPT, SearchConfig
+
+    system = SAL_SYSTEM_PROMPT if args.system_prompt is None else (args.system_prompt or None)
+    return SearchConfig(strategy=strategy, n=n, beam_width=min(args.beam_width, n), num_iterations=args.num_iterations,
+                        lookahead=args.lookahead, temperature=args.temperature, top_p=args.top_p,
+                        max_tokens=args.max_tokens, agg_strategy=args.agg_strategy, system_prompt=system,
+                        seed=args.seed)
+
+
+def _runtime(args):
+    from treeserve.runtime.runtime import Runtime
+
+    return Runtime({"gen": args.generator, "prm": args.verifier}, recipes={"prm": args.recipe},
+                   kv_cache_memory_bytes=args.kv_cache_memory_bytes, dtype=args.dtype, device=args.device,
+                   max_model_len=args.max_model_len)
+
+
+def _runner(args, rt, reference: bool = False):
+    if reference:
+        from treeserve.model.registry import resolve_model_path
+        from treeserve.search.reference import HFStepScorer, ReferenceRunner
+
+        prm = rt.engine("prm")
+        path = str(resolve_model_path(prm.config.model))
+        return ReferenceRunner(rt.engine("gen"), HFStepScorer(path, prm.tokenizer, args.recipe))
+    from treeserve.search.runner import SearchRunner
+
+    return SearchRunner(rt.engine("gen"), rt.scorer("prm"))
+
+
+def cmd_search(args) -> int:
+    config = _config(args, args.strategy, args.n)
+    rt = _runtime(args)
+    result = _runner(args, rt).run([args.question], config)[0]
+    chosen = result.completions[result.chosen]
+    print(chosen)
+    print(f"--- answer: {result.pred}  score: {result.agg_scores[result.chosen]:.4f}  "
+          f"tree size: {result.tree_size} steps, {result.completion_tokens} generated tokens, "
+          f"{len(result.completions)} candidates, {result.seconds:.1f} s")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from treeserve.search.evaluate import evaluate, load_dataset, write_report
+
+    rows = load_dataset(args.dataset, args.limit)
+    sizes = [int(n) for n in str(args.n).split(",") if n]
+    strategies = [s for s in args.strategy.split(",") if s]
+    configs = [_config(args, s, n) for s in strategies for n in ([1] if s == "greedy" else sizes)]
+    rt = _runtime(args)
+    runner = _runner(args, rt, args.reference)
+    summaries = []
+    for config in configs:
+        summaries.append(evaluate(rows, config, runner.run, args.out))
+        print(f"{config.strategy} n={config.n}: accuracy {summaries[-1]['accuracy']:.1%} "
+              f"on {len(rows)} problems ({summaries[-1]['seconds']:.1f} s)")
+    for path in write_report(summaries, args.out):
+        print(f"wrote {path}")
+    return 0

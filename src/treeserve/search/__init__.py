@@ -1,0 +1,2 @@
+"""Test-time compute search: strategies, grading, evaluation."""
+from treeserve.search.grading import extract_answer, grade  # noqa: F401

@@ -1,0 +1,69 @@
+"""Search parameters, with Search-and-Learn's names and defaults."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+STRATEGIES = ("greedy", "majority", "best_of_n", "weighted_best_of_n", "beam", "dvts")
+AGG_STRATEGIES = ("last", "min", "prod")
+STEP_DELIMITER = "\n\n"
+
+# The instruction Search-and-Learn gives Llama-3.2-Instruct: numbered "## Step k:" steps separated by
+# blank lines, ending with a boxed answer.
+SAL_SYSTEM_PROMPT = (
+    "Solve the following math problem efficiently and clearly:\n\n"
+    "- For simple problems (2 steps or fewer):\nProvide a concise solution with minimal explanation.\n\n"
+    "- For complex problems (3 steps or more):\nUse this step-by-step format:\n\n"
+    "## Step 1: [Concise description]\n[Brief explanation and calculations]\n\n"
+    "## Step 2: [Concise description]\n[Brief explanation and calculations]\n\n...\n\n"
+    "Regardless of the approach, always conclude with:\n\n"
+    "Therefore, the final answer is: $\\boxed{answer}$. I hope it is correct.\n\n"
+    "Where [answer] is just the final number or expression that solves the problem."
+)
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    strategy: str = "beam"
+    n: int = 4                       # completions per problem (beams for beam search)
+    beam_width: int = 4              # M: samples per kept beam; N/M beams survive each step
+    num_iterations: int = 40         # maximum depth in steps
+    lookahead: int = 0               # greedy steps rolled out past a candidate before scoring it
+    temperature: float = 0.8
+    top_p: float = 1.0
+    max_tokens: int = 2048           # per generation call (one step, or a whole completion)
+    agg_strategy: str = "last"       # how a step-score list becomes one score
+    filter_duplicates: bool = False  # beam search: drop beams whose text equals an earlier beam's
+    sort_completed: bool = False     # beam search: keep the N best completed beams, not the first N
+    eos_sampling_at_max_depth: bool = False  # S&L samples the last step to end-of-sequence
+    system_prompt: str | None = SAL_SYSTEM_PROMPT
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.strategy in STRATEGIES, "strategy", f"must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
+        _require(isinstance(self.n, int) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
+        _require(isinstance(self.beam_width, int) and self.beam_width >= 1, "beam_width",
+                 f"must be an integer >= 1, got {self.beam_width!r}")
+        if self.strategy in ("beam", "dvts"):
+            _require(self.n % self.beam_width == 0, "beam_width",
+                     f"n ({self.n}) must be a multiple of beam_width ({self.beam_width})")
+        _require(isinstance(self.num_iterations, int) and self.num_iterations >= 1, "num_iterations",
+                 f"must be an integer >= 1, got {self.num_iterations!r}")
+        _require(isinstance(self.lookahead, int) and self.lookahead >= 0, "lookahead", "must be an integer >= 0")
+        _require(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
+        _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _require(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1")
+        _require(self.agg_strategy in AGG_STRATEGIES, "agg_strategy",
+                 f"must be one of {', '.join(AGG_STRATEGIES)}, got {self.agg_strategy!r}")
+
+    @property
+    def uses_verifier(self) -> bool:
+        return self.strategy not in ("greedy", "majority")
+
+    def replace(self, **changes) -> "SearchConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def _require(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}: {message}")

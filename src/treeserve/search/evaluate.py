@@ -1,0 +1,121 @@
+"""The eval harness: strategies x N over a MATH-format dataset, per-problem JSONL, summary, plot."""
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import defaultdict
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable
+
+from tqdm import tqdm
+
+from treeserve.search.config import SearchConfig
+from treeserve.search.grading import grade, majority_vote, naive_best, pass_at_k, weighted_vote
+from treeserve.search.tree import SearchResult
+
+Runner = Callable[[list[str], SearchConfig, Callable], list[SearchResult]]
+
+
+def load_dataset(path: str | Path, limit: int | None = None) -> list[dict]:
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    missing = [k for k in ("problem", "answer") if rows and k not in rows[0]]
+    if missing:
+        raise ValueError(f"dataset: rows need the fields problem and answer (missing {', '.join(missing)})")
+    return rows[:limit] if limit else rows
+
+
+def predictions_by_n(result: SearchResult) -> dict[str, str | None]:
+    """S&L's naive / weighted / majority predictions from the first n completions, n = 1, 2, 4, ..."""
+    preds: dict[str, str | None] = {}
+    total = len(result.completions)
+    for n in [2 ** i for i in range(int(math.log2(total)) + 1)] + ([total] if total & (total - 1) else []):
+        answers, scores = result.answers[:n], result.agg_scores[:n]
+        preds[f"naive@{n}"] = naive_best(answers, scores)
+        preds[f"weighted@{n}"] = weighted_vote(answers, scores)
+        preds[f"maj@{n}"] = majority_vote(answers)
+    return preds
+
+
+def evaluate(rows: list[dict], config: SearchConfig, run: Runner, out_dir: Path) -> dict:
+    """Runs one (strategy, N) over the rows; writes its JSONL and returns its summary."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    records: list[dict | None] = [None] * len(rows)
+    bar = tqdm(total=len(rows), desc=f"{config.strategy} n={config.n}", unit="problem")
+
+    def on_result(index: int, result: SearchResult) -> None:
+        records[index] = _record(rows[index], result)
+        bar.update(1)
+
+    start = time.perf_counter()
+    run([r["problem"] for r in rows], config, on_result)
+    seconds = time.perf_counter() - start
+    bar.close()
+    path = out_dir / f"{config.strategy}_n{config.n}.jsonl"
+    with path.open("w") as f:
+        for record in records:
+            f.write(json.dumps(record) + "\n")
+    return _summary(config, records, seconds)
+
+
+def _record(row: dict, result: SearchResult) -> dict:
+    preds = predictions_by_n(result)
+    graded = {key: grade(pred, row["answer"]) for key, pred in preds.items()}
+    correct = [grade(a, row["answer"]) for a in result.answers]
+    return {"unique_id": row.get("unique_id"), "level": row.get("level"), "answer": row["answer"],
+            "pred": result.pred, "correct": grade(result.pred, row["answer"]), "num_correct": sum(correct),
+            "preds": preds, "graded": graded} | {k: v for k, v in asdict(result).items() if k != "problem"}
+
+
+def _summary(config: SearchConfig, records: list[dict], seconds: float) -> dict:
+    count = len(records)
+    by_level: dict[str, list[bool]] = defaultdict(list)
+    for r in records:
+        by_level[str(r["level"])].append(r["correct"])
+    n = config.n if config.strategy != "greedy" else 1
+    keys = records[0]["graded"].keys() if records else []
+    return {"strategy": config.strategy, "n": config.n, "accuracy": sum(r["correct"] for r in records) / max(count, 1),
+            "num_problems": count, "seconds": seconds,
+            "accuracy_by_level": {lvl: sum(v) / len(v) for lvl, v in sorted(by_level.items())},
+            "accuracy_by_prediction": {k: sum(r["graded"][k] for r in records) / count for k in keys},
+            "pass@k": {k: sum(pass_at_k(n, min(r["num_correct"], n), k) for r in records) / max(count, 1)
+                       for k in sorted({1, n}) if k <= n},
+            "completion_tokens": sum(r["completion_tokens"] for r in records),
+            "config": asdict(config)}
+
+
+def write_report(summaries: list[dict], out_dir: Path) -> list[Path]:
+    """summary.json (one run: its summary; several: {"runs": [...]}), summary.md and accuracy.png."""
+    single = summaries[0] if len(summaries) == 1 else {"runs": summaries}
+    (out_dir / "summary.json").write_text(json.dumps(single, indent=2))
+    lines = ["| strategy | N | accuracy | problems | seconds |", "|---|---|---|---|---|"]
+    lines += [f"| {s['strategy']} | {s['n']} | {s['accuracy']:.1%} | {s['num_problems']} | {s['seconds']:.1f} |"
+              for s in summaries]
+    (out_dir / "summary.md").write_text("\n".join(lines) + "\n")
+    return [out_dir / "summary.json", out_dir / "summary.md", _plot(summaries, out_dir / "accuracy.png")]
+
+
+def _plot(summaries: list[dict], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    by_strategy: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    for s in summaries:
+        by_strategy[s["strategy"]].append((s["n"], 100 * s["accuracy"]))
+    for strategy, points in by_strategy.items():
+        points.sort()
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=strategy)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("N (generations per problem)")
+    ax.set_ylabel("accuracy (%)")
+    ax.set_title("Accuracy against test-time compute")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,126 @@
+"""Search-and-Learn's original execution, kept to measure the speed-up against on the same models.
+
+What it reproduces: problems go in fixed batches, each batch in lockstep until all its problems
+finish; every step re-submits each beam's whole prompt as text (one request per sample, the
+engine's prefix cache standing in for vLLM's); the verifier is Hugging Face transformers
+re-encoding every whole conversation in small padded batches, with no KV reuse and no score
+cache; the last step is sampled to end-of-sequence. The strategies themselves are the same code.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from treeserve.engine.llm_engine import LLMEngine
+from treeserve.entrypoints.llm import LLM
+from treeserve.runtime.prm_recipes import DEFAULT_RECIPE, RECIPES
+from treeserve.sampling_params import SamplingParams
+from treeserve.search.config import STEP_DELIMITER, SearchConfig
+from treeserve.search.prompting import prompt_text
+from treeserve.search.strategies import run_strategy
+from treeserve.search.tree import Sample, Score, SearchResult, Step, split_steps, step_from_completion
+
+SAL_SEARCH_BATCH_SIZE = 25   # problems per lockstep batch
+SAL_PRM_BATCH_SIZE = 2       # conversations per verifier forward pass
+
+
+class HFStepScorer:
+    """Scores steps by running the whole conversation through HF transformers, every time."""
+
+    def __init__(self, model_path: str, tokenizer, recipe: str = DEFAULT_RECIPE, batch_size: int = SAL_PRM_BATCH_SIZE):
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        self.tokenizer = tokenizer
+        self.recipe = RECIPES[recipe]
+        self.candidates = list(self.recipe.candidate_ids(tokenizer))
+        self.batch_size = batch_size
+        self.num_tokens_computed = 0
+
+    @torch.inference_mode()
+    def score_many(self, items: list[tuple[str, list[str]]]) -> list[list[float]]:
+        inputs = [self.recipe.build(self.tokenizer, q, steps) for q, steps in items]
+        scores: list[list[float]] = []
+        for start in range(0, len(inputs), self.batch_size):
+            scores += self._score_batch(inputs[start:start + self.batch_size])
+        return scores
+
+    def _score_batch(self, batch) -> list[list[float]]:
+        width = max(len(x.token_ids) for x in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for row, x in enumerate(batch):
+            ids[row, : len(x.token_ids)] = torch.tensor(x.token_ids)
+            mask[row, : len(x.token_ids)] = 1
+        self.num_tokens_computed += int(mask.sum())
+        logits = self.model(input_ids=ids, attention_mask=mask).logits[..., self.candidates].float()
+        probs = torch.softmax(logits, dim=-1)[..., 0]
+        return [[float(probs[row, p]) for p in x.verdict_positions] for row, x in enumerate(batch)]
+
+
+class ReferenceRunner:
+    def __init__(self, generator: LLMEngine, scorer: HFStepScorer | None, batch_size: int = SAL_SEARCH_BATCH_SIZE):
+        self.generator = generator
+        self.llm = LLM.from_engine(generator)
+        self.scorer = scorer
+        self.batch_size = batch_size
+
+    def run(self, questions: list[str], config: SearchConfig,
+            on_result: Callable[[int, SearchResult], None] | None = None) -> list[SearchResult]:
+        config = config.replace(eos_sampling_at_max_depth=True)
+        results: list[SearchResult] = []
+        for start in range(0, len(questions), self.batch_size):
+            batch = list(enumerate(questions[start:start + self.batch_size], start))
+            for index, result in self._run_batch(batch, config):
+                results.append(result)
+                if on_result is not None:
+                    on_result(index, result)
+        return results
+
+    def _run_batch(self, batch: list[tuple[int, str]], config: SearchConfig) -> list[tuple[int, SearchResult]]:
+        started = time.perf_counter()
+        tokenizer = self.generator.tokenizer
+        live = {i: (q, run_strategy(q, config, i), prompt_text(tokenizer, q, config)) for i, q in batch}
+        actions = {i: live[i][1].send(None) for i in live}
+        finished: dict[int, SearchResult] = {}
+        while actions:
+            replies = self._sample_all({i: a for i, a in actions.items() if isinstance(a, Sample)}, live, config)
+            replies |= self._score_all({i: a for i, a in actions.items() if isinstance(a, Score)})
+            actions = {}
+            for i, reply in replies.items():
+                try:
+                    actions[i] = live[i][1].send(reply)
+                except StopIteration as stop:
+                    finished[i] = stop.value
+        for result in finished.values():
+            result.seconds = time.perf_counter() - started
+        return sorted(finished.items())
+
+    def _sample_all(self, samples: dict[int, Sample], live, config: SearchConfig) -> dict[int, list]:
+        prompts, params, owners = [], [], []
+        tokenizer = self.generator.tokenizer
+        replies = {i: [[] for _ in action.beams] for i, action in samples.items()}
+        for i, action in samples.items():
+            for b, (beam, count, seed) in enumerate(zip(action.beams, action.counts, action.seeds)):
+                text = live[i][2] + beam.text
+                if len(tokenizer.encode(text, add_special_tokens=False)) >= self.generator.max_model_len:
+                    replies[i][b] = [Step("", [], "length")] * count
+                    continue
+                for j in range(count):
+                    prompts.append(text)
+                    params.append(SamplingParams(
+                        temperature=0.0 if action.greedy else config.temperature,
+                        top_p=1.0 if action.greedy else config.top_p, max_tokens=config.max_tokens, seed=seed + j,
+                        stop=None if action.to_end else [STEP_DELIMITER], include_stop_str_in_output=True))
+                    owners.append((i, b))
+        outputs = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
+        for (i, b), output in zip(owners, outputs):
+            replies[i][b].append(step_from_completion(output.outputs[0]))
+        return replies
+
+    def _score_all(self, scores: dict[int, Score]) -> dict[int, list]:
+        items = [(a.question, split_steps(t)) for a in scores.values() for t in a.texts if split_steps(t)]
+        flat = iter(self.scorer.score_many(items) if items else [])
+        return {i: [next(flat) if split_steps(t) else [] for t in a.texts] for i, a in scores.items()}
+

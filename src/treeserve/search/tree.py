@@ -1,0 +1,105 @@
+"""What search strategies ask of the models, and what they build: actions, steps, beams, results.
+
+A strategy is a generator per problem: it yields `Sample` or `Score` actions and receives their
+results, so one strategy runs unchanged on any backend (the engine's continuous batching, the
+Search-and-Learn reference, or a scripted fake in tests).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from treeserve.search.config import STEP_DELIMITER
+
+
+@dataclass
+class Step:
+    """One generated continuation: its text, its token ids and why it ended."""
+    text: str
+    token_ids: list[int]
+    finish: str  # "step" (ended at the delimiter), "eos", or "length"
+
+
+@dataclass
+class Beam:
+    """A partial solution: generated text and token ids after the prompt."""
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+
+    def extend(self, step: Step) -> "Beam":
+        return Beam(self.text + step.text, self.token_ids + step.token_ids)
+
+    @property
+    def steps(self) -> list[str]:
+        return split_steps(self.text)
+
+
+@dataclass
+class Sample:
+    """Generate `counts[i]` continuations of `beams[i]`: one step (to the delimiter), or to the end.
+
+    Continuation j of beam i is sampled with seed `seeds[i] + j`."""
+    beams: list[Beam]
+    counts: list[int]
+    seeds: list[int]
+    to_end: bool = False
+    greedy: bool = False
+
+
+@dataclass
+class Score:
+    """Score every step of each solution text with the verifier."""
+    question: str
+    texts: list[str]
+
+
+@dataclass
+class SearchResult:
+    problem: str
+    strategy: str
+    completions: list[str]
+    scores: list[list[float]]       # per completion, one score per step
+    agg_scores: list[float]
+    chosen: int                     # index of the chosen completion
+    tree_size: int                  # steps generated (nodes of the search tree)
+    completion_tokens: int          # tokens the generator produced
+    answers: list[str | None] = field(default_factory=list)
+    pred: str | None = None
+    seconds: float = 0.0
+
+
+def split_steps(text: str) -> list[str]:
+    """The steps of a solution as the verifier sees them: blank-line separated, non-empty, stripped."""
+    return [s.strip() for s in text.split(STEP_DELIMITER) if s.strip()]
+
+
+def aggregate(scores: list[float], how: str) -> float:
+    """One number for a solution's step scores; a solution with no steps scores 0."""
+    if not scores:
+        return 0.0
+    if how == "last":
+        return scores[-1]
+    if how == "min":
+        return min(scores)
+    if how == "prod":
+        return math.prod(scores)
+    raise ValueError(f"agg_strategy: unknown aggregation {how!r}")
+
+
+def seed_for(base: int, *path: int) -> int:
+    """A sampling seed fixed by the config seed and the position in the tree, not by batching."""
+    value = base & 0xFFFFFFFF
+    for part in path:
+        value = (value * 1_000_003 + part + 1) & 0x7FFFFFFF
+    return value
+
+
+def step_from_completion(completion) -> Step:
+    """A generator output as a step: ended at the delimiter, at end-of-sequence, or at a length limit."""
+    if completion.finish_reason == "length":
+        finish = "length"
+    elif completion.stop_reason == STEP_DELIMITER:
+        finish = "step"
+    else:
+        finish = "eos"
+    return Step(completion.text, list(completion.token_ids), finish)

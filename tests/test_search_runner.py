@@ -1,0 +1,89 @@
+"""Search on real (tiny, random) models: the fast runner and the Search-and-Learn reference mode."""
+import pytest
+
+from conftest import assert_no_leak
+from treeserve import Runtime
+from treeserve.search.config import SearchConfig
+from treeserve.search.reference import HFStepScorer, ReferenceRunner
+from treeserve.search.runner import SearchRunner
+from treeserve.testing.tiny_models import make_tiny_model
+
+QUESTIONS = ["What is 2 + 3?", "Double seven, then add one.", "How many sides has a square?"]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("search")
+    # a random generator that writes blank-line separated steps and sometimes ends
+    steps = {"\n": 5.4, "<|eos|>": 0.5}
+    return {"gen": make_tiny_model("llama", root / "gen", seed=5, favour_tokens=steps),
+            "prm": make_tiny_model("qwen2", root / "prm", seed=6, hidden_size=96, num_hidden_layers=3)}
+
+
+def _runtime(pair, **options):
+    options.setdefault("kv_cache_memory_bytes", 8 << 20)
+    return Runtime(pair, dtype="float32", device="cpu", max_model_len=384, max_num_batched_tokens=384, **options)
+
+
+def _config(**changes):
+    return SearchConfig(**({"strategy": "beam", "n": 4, "beam_width": 2, "num_iterations": 3, "max_tokens": 24,
+                            "temperature": 1.0, "system_prompt": "Solve it.", "seed": 3} | changes))
+
+
+def _search(rt, config, **options):
+    runner = SearchRunner(rt.engine("gen"), rt.scorer("prm") if config.uses_verifier else None, **options)
+    return runner.run(QUESTIONS, config)
+
+
+@pytest.mark.parametrize("strategy", ["greedy", "majority", "best_of_n", "weighted_best_of_n", "beam", "dvts"])
+def test_every_strategy_runs_and_leaves_no_blocks_behind(pair, strategy):
+    rt = _runtime(pair)
+    config = _config(strategy=strategy, lookahead=1 if strategy == "dvts" else 0)
+    results = _search(rt, config)
+    assert [r.problem for r in results] == QUESTIONS
+    for r in results:
+        assert len(r.completions) == (1 if strategy == "greedy" else 4)
+        assert len(r.scores) == len(r.completions) and 0 <= r.chosen < len(r.completions)
+        assert r.completion_tokens > 0 and r.tree_size >= 1
+    rt.release_kept()
+    for engine in rt.engines.values():
+        assert_no_leak(engine)
+
+
+def test_results_do_not_depend_on_batching_or_memory(pair):
+    one_at_a_time = _search(_runtime(pair), _config(), max_problems_in_flight=1)
+    all_together = _search(_runtime(pair, kv_cache_memory_bytes=1 << 20), _config(), max_problems_in_flight=8)
+    assert [r.completions for r in one_at_a_time] == [r.completions for r in all_together]
+    for x, y in zip(one_at_a_time, all_together):
+        for a, b in zip(x.scores, y.scores):
+            assert a == pytest.approx(b, abs=1e-4)
+    assert max(len(s) for r in one_at_a_time for s in r.scores) >= 2, "beams should grow over several steps"
+
+
+def test_verifier_scores_match_hugging_face_re_encoding(pair):
+    rt = _runtime(pair)
+    results = _search(rt, _config())
+    items = [(r.problem, [s.strip() for s in c.split("\n\n") if s.strip()]) for r in results for c in r.completions]
+    items = [i for i in items if i[1]]
+    hf = HFStepScorer(str(pair["prm"]), rt.engine("prm").tokenizer)
+    ours = [s for r in results for c, s in zip(r.completions, r.scores) if s]
+    reference = hf.score_many(items)
+    assert len(ours) == len(reference)
+    for a, b in zip(ours, reference):
+        assert a == pytest.approx(b, abs=1e-4)
+
+
+def test_reference_mode_runs_the_same_strategy_and_samples_to_the_end_at_max_depth(pair):
+    rt = _runtime(pair)
+    hf = HFStepScorer(str(pair["prm"]), rt.engine("prm").tokenizer)
+    results = ReferenceRunner(rt.engine("gen"), hf, batch_size=2).run(QUESTIONS, _config())
+    assert [r.problem for r in results] == QUESTIONS
+    assert all(len(r.completions) == 4 for r in results)
+    assert hf.num_tokens_computed > 0
+    assert_no_leak(rt.engine("gen"))
+
+
+def test_a_verifier_strategy_without_a_verifier_is_refused(pair):
+    rt = _runtime(pair)
+    with pytest.raises(ValueError, match="verifier"):
+        SearchRunner(rt.engine("gen"), None).run(QUESTIONS, _config())

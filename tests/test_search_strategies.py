@@ -1,0 +1,148 @@
+"""Each strategy's semantics, pinned with a scripted generator and verifier (no models)."""
+import pytest
+
+from treeserve.search.config import SearchConfig
+from treeserve.search.strategies import run_strategy
+from treeserve.search.tree import Sample, Score, Step, aggregate
+
+
+class Script:
+    """A fake generator and verifier. `steps(beam_text, j)` gives continuation j of a beam as
+    (text, finish); `score(step_text)` gives the verifier's score for one step."""
+
+    def __init__(self, steps, score):
+        self.steps, self.score = steps, score
+        self.samples: list[Sample] = []
+
+    def _step(self, text, j):
+        step_text, finish = self.steps(text, j)
+        return Step(step_text, [0], finish)
+
+    def run(self, config, question="q"):
+        strategy = run_strategy(question, config)
+        reply = None
+        while True:
+            try:
+                action = strategy.send(reply)
+            except StopIteration as stop:
+                return stop.value
+            if isinstance(action, Sample):
+                self.samples.append(action)
+                reply = [[self._step(b.text, j) for j in range(c)]
+                         for b, c in zip(action.beams, action.counts)]
+            else:
+                assert isinstance(action, Score)
+                reply = [[self.score(s) for s in t.split("\n\n") if s.strip()] for t in action.texts]
+
+
+def beam_config(**changes):
+    return SearchConfig(**({"strategy": "beam", "n": 4, "beam_width": 2, "num_iterations": 3, "seed": 0} | changes))
+
+
+def test_beam_search_keeps_the_best_n_over_m_and_expands_each_m_times():
+    # continuation j of a beam appends letter j; a step's score is its letter's value
+    values = {"a": 0.1, "b": 0.9, "c": 0.5, "d": 0.7}
+    script = Script(lambda text, j: ("abcd"[j] + "\n\n", "step"), lambda s: values[s])
+    result = script.run(beam_config())
+    first, second, third = script.samples
+    assert first.counts == [4] and len(first.beams) == 1
+    # 4 candidates a, b, c, d from the root: b (0.9) and d (0.7) survive, in their original order
+    assert [b.text for b in second.beams] == ["b\n\n", "d\n\n"] and second.counts == [2, 2]
+    # second level, round-robin order: b+a, d+a, b+b, d+b -> best two are b+b (0.9), d+b (0.9)
+    assert [b.text for b in third.beams] == ["b\n\nb\n\n", "d\n\nb\n\n"]
+    # at maximum depth every beam is complete: 4 completions, each scored on every step
+    assert len(result.completions) == 4 and all(len(s) == 3 for s in result.scores)
+    assert result.tree_size == 12
+
+
+def test_max_depth_samples_to_the_end_only_when_asked():
+    script = Script(lambda text, j: ("x\n\n", "step"), lambda s: 0.5)
+    script.run(beam_config(num_iterations=2))
+    assert [s.to_end for s in script.samples] == [False, False]
+    script = Script(lambda text, j: ("x\n\n", "step"), lambda s: 0.5)
+    script.run(beam_config(num_iterations=2, eos_sampling_at_max_depth=True))
+    assert [s.to_end for s in script.samples] == [False, True]
+
+
+def test_ties_go_to_the_earlier_beam():
+    script = Script(lambda text, j: ("abcd"[j] + "\n\n", "step"), lambda s: 0.5)
+    script.run(beam_config(num_iterations=2))
+    assert [b.text for b in script.samples[1].beams] == ["a\n\n", "b\n\n"]
+
+
+def test_filter_duplicates_drops_repeated_texts_before_ranking():
+    steps = lambda text, j: ("aabb"[j] + "\n\n", "step")  # noqa: E731
+    scores = {"a": 0.9, "b": 0.1}
+    kept = Script(steps, lambda s: scores[s])
+    kept.run(beam_config(num_iterations=2))
+    assert [b.text for b in kept.samples[1].beams] == ["a\n\n", "a\n\n"]
+    unique = Script(steps, lambda s: scores[s])
+    unique.run(beam_config(num_iterations=2, filter_duplicates=True))
+    assert [b.text for b in unique.samples[1].beams] == ["a\n\n", "b\n\n"]
+
+
+def test_completed_beams_are_set_aside_and_padded_to_n():
+    # the root's continuation 0 ends the solution; the others continue
+    def steps(text, j):
+        return ("done \\boxed{1}", "eos") if text == "" and j == 0 else ("go\n\n", "step")
+    script = Script(steps, lambda s: 0.9 if "boxed" in s else 0.2)
+    result = script.run(beam_config(num_iterations=3))
+    assert result.completions[0] == "done \\boxed{1}"
+    assert script.samples[1].counts == [2, 2]  # two unfinished survivors still share the N samples
+    assert len(result.completions) == 4
+    # only one solution finished early; the rest complete at max depth
+    assert result.answers[0] == "1"
+
+
+def test_sort_completed_orders_by_aggregated_score():
+    def steps(text, j):
+        return (f"end{j}", "eos")
+    script = Script(steps, lambda s: {"end0": 0.1, "end1": 0.4, "end2": 0.3, "end3": 0.8}[s])
+    first = script.run(beam_config(sort_completed=False))
+    best = Script(steps, script.score).run(beam_config(sort_completed=True))
+    assert first.completions == ["end0", "end1", "end2", "end3"]
+    assert best.completions == ["end3", "end1", "end2", "end0"]
+    assert best.chosen == 0 and first.chosen == 3
+
+
+def test_dvts_extends_each_subtree_with_its_best_step_and_stops_at_a_boxed_answer():
+    def steps(text, j):
+        depth = text.count("\n\n")
+        return ("\\boxed{7}\n\n" if depth == 1 and j == 1 else f"s{depth}{j}\n\n", "step")
+    script = Script(steps, lambda s: 0.9 if "boxed" in s else (0.6 if s.endswith("1") else 0.3))
+    result = script.run(SearchConfig(strategy="dvts", n=4, beam_width=2, num_iterations=5, seed=0))
+    assert script.samples[0].counts == [2, 2]        # two subtrees, two samples each
+    assert len(script.samples) == 2                  # both subtrees stop once the best step is boxed
+    assert len(result.completions) == 4
+    assert result.pred == "7"
+
+
+def test_best_of_n_weighted_and_majority_choose_differently():
+    answers = ["\\boxed{1}", "\\boxed{2}", "\\boxed{2}", "\\boxed{3}", "\\boxed{3}", "\\boxed{3}"]
+    scores = {"\\boxed{1}": 0.95, "\\boxed{2}": 0.6, "\\boxed{3}": 0.3}
+
+    def run(strategy):
+        return Script(lambda text, j: (answers[j], "eos"), lambda s: scores[s]).run(
+            SearchConfig(strategy=strategy, n=6, seed=0))
+
+    assert run("best_of_n").pred == "1"           # the single best score
+    assert run("majority").pred == "3"            # the most frequent answer
+    assert run("weighted_best_of_n").pred == "2"  # 0.6 + 0.6 beats 0.95 and 3 x 0.3
+
+
+def test_greedy_samples_once_without_the_verifier():
+    script = Script(lambda text, j: ("\\boxed{5}", "eos"), lambda s: pytest.fail("greedy must not score"))
+    result = script.run(SearchConfig(strategy="greedy"))
+    assert script.samples[0].greedy and result.pred == "5"
+
+
+@pytest.mark.parametrize("how, expected", [("last", 0.5), ("min", 0.2), ("prod", 0.9 * 0.2 * 0.5)])
+def test_aggregation(how, expected):
+    assert aggregate([0.9, 0.2, 0.5], how) == pytest.approx(expected)
+
+
+def test_bad_config_names_the_parameter():
+    with pytest.raises(ValueError, match="beam_width"):
+        SearchConfig(strategy="beam", n=6, beam_width=4)
+    with pytest.raises(ValueError, match="agg_strategy"):
+        SearchConfig(agg_strategy="mean")
