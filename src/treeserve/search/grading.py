@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import importlib.util
 import json
 import logging
 import math
@@ -35,7 +36,7 @@ MAX_SYMBOLIC_CHARS = 1000
 # ---------------------------------------------------------------------------------------------
 
 _BOX_COMMAND = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
-_BARE_TOKEN = re.compile(r"[ \t]*([^\s$]+)")
+_BARE_TOKEN = re.compile(r"[ \t]*([^\s${}]+)")
 _ANSWER_PHRASE = re.compile(r"(?:final answer|the answer)\s+is\s*:?[ \t]*", re.IGNORECASE)
 _HOPE_TAIL = re.compile(r"\.?\s*I hope it is correct.*$", re.IGNORECASE)
 
@@ -139,6 +140,14 @@ _SLASH_FRACTION = re.compile(rf"^({_INTEGER})/({_INTEGER})$")
 
 
 def _normalize(answer: str) -> str:
+    """`_normalized_text`, with plain numbers written as reduced fractions `p/q`."""
+    text = _normalized_text(answer)
+    value = _as_fraction(text)
+    return text if value is None else str(value)
+
+
+@functools.lru_cache(maxsize=65536)
+def _normalized_text(answer: str) -> str:
     """A whitespace- and presentation-insensitive string form of a LaTeX answer."""
     text = _strip_math_fences(answer.strip())
     text = _drop_presentation(text)
@@ -151,9 +160,7 @@ def _normalize(answer: str) -> str:
     if _THOUSANDS.match(text):
         text = text.replace(",", "")
     choice = _CHOICE.match(text)
-    if choice:
-        text = choice.group(1)
-    return _rational_form(text) or text
+    return choice.group(1) if choice else text
 
 
 def _strip_math_fences(text: str) -> str:
@@ -202,22 +209,15 @@ def _drop_assignment(text: str) -> str:
     return text
 
 
-def _rational_form(text: str) -> str | None:
-    """`p/q` in lowest terms when `text` is a plain integer, decimal or integer fraction."""
-    value = _as_fraction(text)
-    if value is None:
-        return None
-    return str(value)
-
-
 def _as_fraction(text: str) -> Fraction | None:
+    """The value of a normalised integer, decimal or integer fraction; None for anything else."""
     if _NUMBER.match(text):
         return Fraction(text)
     latex = _LATEX_FRACTION.match(text)
     slash = _SLASH_FRACTION.match(text)
     if latex:
         sign, num, den = latex.groups()
-        numerator, denominator = int(sign + num), int(den)
+        numerator, denominator = (-1 if sign else 1) * int(num), int(den)
     elif slash:
         numerator, denominator = int(slash.group(1)), int(slash.group(2))
     else:
@@ -248,6 +248,9 @@ def grade(predicted: str | None, reference: str) -> bool:
         predicted, reference = str(predicted), str(reference)
         if canonical_form(predicted) == canonical_form(reference):
             return True
+        exact_predicted, exact_reference = _exact_rational(predicted), _exact_rational(reference)
+        if exact_predicted is not None and exact_reference is not None:
+            return exact_predicted == exact_reference
         if max(len(predicted), len(reference)) > MAX_SYMBOLIC_CHARS:
             return False
         return _symbolic_equal(predicted, reference)
@@ -256,6 +259,15 @@ def grade(predicted: str | None, reference: str) -> bool:
         return False
 
 
+def _exact_rational(answer: str) -> Fraction | None:
+    """The value of an integer or integer-fraction answer (no decimal point, no percent)."""
+    if "%" in answer:
+        return None
+    text = _normalized_text(answer)
+    return None if "." in text else _as_fraction(text)
+
+
+@functools.lru_cache(maxsize=65536)
 def _symbolic_equal(predicted: str, reference: str) -> bool:
     """math-verify equivalence, computed in a helper process that a hard deadline can kill."""
     return _VERIFIER.check(predicted, reference)
@@ -341,6 +353,8 @@ class _VerifierProcess:
         if self._proc is not None and (self._owner_pid != os.getpid() or self._proc.poll() is not None):
             self._proc = None  # forked parent's child, or dead
         if self._proc is None:
+            if importlib.util.find_spec("math_verify") is None:
+                logger.warning("math-verify is not installed: only normalised string matches grade True")
             self._proc = subprocess.Popen(
                 [sys.executable, "-P", "-c", _WORKER_BOOT, os.path.abspath(__file__)],
                 stdin=subprocess.PIPE,
@@ -425,7 +439,7 @@ def naive_best(answers: Sequence[str | None], scores: Sequence[float]) -> str | 
     _check_lengths(answers, scores)
     best_answer, best_score = None, -math.inf
     for answer, score in zip(answers, scores):
-        if _vote_key(answer) is not None and float(score) > best_score:
+        if _vote_key(answer) is not None and (best_answer is None or float(score) > best_score):
             best_answer, best_score = answer, float(score)
     return best_answer
 
