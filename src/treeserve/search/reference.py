@@ -21,7 +21,7 @@ from treeserve.sampling_params import SamplingParams
 from treeserve.search.config import STEP_DELIMITER, SearchConfig
 from treeserve.search.prompting import prompt_text
 from treeserve.search.strategies import run_strategy
-from treeserve.search.tree import Sample, Score, SearchResult, Step, split_steps, step_from_completion
+from treeserve.search.tree import Sample, Score, SearchResult, Step, step_from_completion
 
 SAL_SEARCH_BATCH_SIZE = 25   # problems per lockstep batch
 SAL_PRM_BATCH_SIZE = 2       # conversations per verifier forward pass
@@ -120,7 +120,8 @@ class ReferenceRunner:
         return replies
 
     def _score_all(self, scores: dict[int, Score]) -> dict[int, list]:
-        items = [(a.question, split_steps(t)) for a in scores.values() for t in a.texts if split_steps(t)]
+        per_action = {i: a.items() for i, a in scores.items()}
+        items = [item for batch in per_action.values() for item in batch]
         flat = iter(self.scorer.score_many(items) if items else [])
-        return {i: [next(flat) if split_steps(t) else [] for t in a.texts] for i, a in scores.items()}
+        return {i: a.reply([next(flat) for _ in per_action[i]]) for i, a in scores.items()}
 

@@ -22,7 +22,7 @@ from treeserve.sampling_params import SamplingParams
 from treeserve.search.config import STEP_DELIMITER, SearchConfig
 from treeserve.search.prompting import prompt_token_ids
 from treeserve.search.strategies import Strategy, run_strategy
-from treeserve.search.tree import Sample, Score, SearchResult, Step, split_steps, step_from_completion
+from treeserve.search.tree import Sample, Score, SearchResult, Step, step_from_completion
 
 
 @dataclass
@@ -99,8 +99,7 @@ class SearchRunner:
         action = problem.action
         if isinstance(action, Sample):
             return [problem.sampled[i] for i in range(len(action.beams))]
-        scores = iter(self.scorer.results(problem.score_items))
-        return [next(scores) if split_steps(text) else [] for text in action.texts]
+        return action.reply(self.scorer.results(problem.score_items))
 
     # ---- engines -----------------------------------------------------------------------------
     def _submit_sample(self, problem: _Problem, action: Sample, config: SearchConfig) -> None:
@@ -121,7 +120,7 @@ class SearchRunner:
             self.generator.add_request(request_id, ids, params)
 
     def _submit_score(self, problem: _Problem, action: Score) -> None:
-        problem.score_items = [(action.question, split_steps(t)) for t in action.texts if split_steps(t)]
+        problem.score_items = action.items()
         if problem.score_items:
             self.scorer.submit(problem.score_items)
 

@@ -52,6 +52,15 @@ class Score:
     question: str
     texts: list[str]
 
+    def items(self) -> list[tuple[str, list[str]]]:
+        """(question, steps) for each text that has steps: what the verifier is asked."""
+        return [(self.question, steps) for steps in map(split_steps, self.texts) if steps]
+
+    def reply(self, scores: list[list[float]]) -> list[list[float]]:
+        """Scores of `items()` spread back over the texts; a text without steps gets none."""
+        flat = iter(scores)
+        return [next(flat) if split_steps(t) else [] for t in self.texts]
+
 
 @dataclass
 class SearchResult:
