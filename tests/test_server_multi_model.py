@@ -80,3 +80,50 @@ def test_metrics_carry_the_model_label(multi_server):
     for model in ("gen", "prm"):
         assert f'treeserve:num_requests_running{{model_name="{model}"}}' in text
         assert f'treeserve:memory_weights_bytes{{model_name="{model}"}}' in text
+
+
+SEARCH = {"model": "gen", "verifier": "prm", "question": QUESTION, "strategy": "beam", "n": 4, "beam_width": 2,
+          "num_iterations": 2, "max_tokens": 6, "system_prompt": "", "seed": 3}
+
+
+def test_search_answers_like_the_offline_runner_while_other_requests_flow(multi_server, pair):
+    from treeserve.search.config import SearchConfig
+    from treeserve.search.runner import SearchRunner
+
+    url, app, options = multi_server
+
+    async def run():
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            chat = client.post("/v1/chat/completions", json={
+                "model": "gen", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 30,
+                "ignore_eos": True})
+            return await asyncio.gather(chat, client.post("/v1/search", json=SEARCH))
+
+    chat, search = asyncio.run(run())
+    assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] == 30
+    body = search.json()
+    assert search.status_code == 200, body
+    assert body["strategy"] == "beam" and len(body["candidates"]) == 4 and body["tree_size"] > 0
+    config = SearchConfig(strategy="beam", n=4, beam_width=2, num_iterations=2, max_tokens=6, system_prompt=None,
+                          seed=3)
+    rt = Runtime(pair, **options)
+    offline = SearchRunner(rt.engine("gen"), rt.scorer("prm")).run([QUESTION], config)[0]
+    assert [c["text"] for c in body["candidates"]] == offline.completions
+    assert [c["score"] for c in body["candidates"]] == pytest.approx(offline.agg_scores, abs=1e-5)
+    assert body["completion"] == offline.completions[offline.chosen]
+    engines = app.state.engine.engines
+    for engine in engines.values():
+        wait_idle(engine)
+    _assert_only_kept_blocks_held(engines)
+
+
+@pytest.mark.parametrize("change, param", [({"verifier": None}, "verifier"), ({"n": 3}, "beam_width"),
+                                            ({"strategy": "mcts"}, "strategy"), ({"question": None}, "question"),
+                                            ({"messages": [{"role": "system", "content": "x"}]}, "question"),
+                                            ({"verifier": "nope"}, "model")])
+def test_search_rejects_bad_input_naming_the_parameter(multi_server, change, param):
+    url, _, _ = multi_server
+    resp = httpx.post(f"{url}/v1/search", json={**SEARCH, **change}, timeout=60)
+    assert resp.status_code in (400, 404), resp.text
+    assert resp.json()["error"]["param"] == param
+    assert httpx.post(f"{url}/v1/search", json=SEARCH, timeout=120).status_code == 200  # still serving

@@ -17,8 +17,9 @@ from treeserve.server.errors import (APIError, error_response, from_validation_e
                                      install_error_handlers)
 from treeserve.server.metrics import ServerMetrics
 from treeserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                       RewardRequest, TokenizeRequest)
+                                       RewardRequest, SearchRequest, TokenizeRequest)
 from treeserve.server.serving import OpenAIServing
+from treeserve.server.serving_search import run_search
 
 MAX_BODY_BYTES = 2 << 20
 OPEN_PATHS = {"/health"}
@@ -125,6 +126,14 @@ def create_app(engine: AsyncLLMEngine, served: dict[str, LLMEngine], api_keys: l
         except ValueError as exc:
             raise from_value_error(exc) from exc
         return {"object": "reward", "model": body.model, "recipe": scorer.recipe.name, "scores": scores}
+
+    @app.post("/v1/search")
+    async def search(request: Request):
+        body = await parse(request, SearchRequest, max_body_bytes)
+        serving = serving_for(body.model)
+        if body.verifier is not None:
+            serving_for(body.verifier)
+        return await run_search(engine, (serving.model_name, served[serving.model_name]), scorers, body)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

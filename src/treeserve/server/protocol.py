@@ -148,3 +148,26 @@ class RewardRequest(BaseModel):
     model: str
     question: str
     steps: list[str] = Field(min_length=1)
+
+
+class SearchRequest(BaseModel):
+    """POST /v1/search: test-time search for one question (Search-and-Learn's parameters)."""
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str | None = None             # the generator; default: the first served model
+    verifier: str | None = None          # the PRM; needed by every strategy but greedy and majority
+    question: str | None = None
+    messages: list[ChatMessage] | None = None  # alternative to question: system prompt + user question
+    strategy: str = "beam"
+    n: int = Field(default=4, ge=1, le=MAX_N)
+    beam_width: int | None = None
+    num_iterations: int = 40
+    lookahead: int = 0
+    temperature: float = 0.8
+    top_p: float = 1.0
+    max_tokens: int = 2048
+    agg_strategy: str = "last"
+    filter_duplicates: bool = False
+    sort_completed: bool = False
+    eos_sampling_at_max_depth: bool = False
+    system_prompt: str | None = None
+    seed: int = 0

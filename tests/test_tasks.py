@@ -1,0 +1,86 @@
+"""The synthetic arithmetic task: determinism, disjoint splits, S&L-format solutions, step labels."""
+import json
+import random
+
+import pytest
+
+from treeserve.cli import main
+from treeserve.search.grading import extract_answer, grade
+from treeserve.tasks.arithmetic import (LEVEL_SPECS, MAX_VALUE, Problem, corrupted_steps, generate, parse_problem,
+                                        split_of, step_labels)
+from treeserve.tasks.tokenizer import train_task_tokenizer
+
+
+def test_same_seed_same_problems_and_other_seeds_differ():
+    assert [p.text for p in generate("test", 20, seed=1)] == [p.text for p in generate("test", 20, seed=1)]
+    assert [p.text for p in generate("test", 20, seed=1)] != [p.text for p in generate("test", 20, seed=2)]
+
+
+def test_splits_are_disjoint_whatever_the_seed():
+    train = {p.text for seed in range(3) for p in generate("train", 300, seed)}
+    test = {p.text for seed in range(3) for p in generate("test", 300, seed)}
+    validation = {p.text for p in generate("validation", 300, 0)}
+    assert not train & test and not train & validation and not test & validation
+    assert all(split_of(text) == "test" for text in test)
+
+
+@pytest.mark.parametrize("level", sorted(LEVEL_SPECS))
+def test_solutions_follow_the_sal_format_and_reach_the_answer(level):
+    for problem in generate("test", 30, seed=0, levels=(level,)):
+        steps = problem.solution.split("\n\n")
+        assert len(steps) == LEVEL_SPECS[level].num_operations + 1
+        assert all(step.startswith(f"## Step {k}: ") for k, step in enumerate(steps[:-1], start=1))
+        assert all(0 <= value <= MAX_VALUE for value in problem.values())
+        assert extract_answer(problem.solution) == problem.row()["answer"] == str(problem.answer)
+        assert grade(extract_answer(problem.solution), problem.row()["answer"])
+
+
+def test_answer_is_the_left_to_right_value():
+    problem = parse_problem("Compute 7 * 5 + 6 - 14, working from left to right.")
+    assert problem.values() == [35, 41, 27] and problem.answer == 27 and problem.level == 2  # three operations
+    assert parse_problem(problem.text) == problem
+    with pytest.raises(ValueError, match="problem"):
+        parse_problem("What is 2 + 2?")
+
+
+def test_step_labels_mark_the_first_error_and_everything_after_it():
+    problem = parse_problem("Compute 40 + 5 - 3 * 2, working from left to right.")
+    good = problem.steps()
+    assert step_labels(problem, good) == [True] * 4
+    wrong_second = [good[0], "## Step 2: 45 - 3 = 43", "## Step 3: 43 * 2 = 86", good[3]]
+    assert step_labels(problem, wrong_second) == [True, False, False, False]
+    assert step_labels(problem, good[:2]) == [True, True]
+    assert step_labels(problem, ["## Step 1: 40 + 5 = 45 "]) == [True]  # surrounding space is not an error
+
+
+def test_rows_have_math500_fields_and_export_writes_them(tmp_path):
+    out = tmp_path / "test.jsonl"
+    assert main(["tasks", "export", "--split", "test", "--n", "12", "--seed", "4", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 12 and {r["level"] for r in rows} == set(LEVEL_SPECS)
+    assert set(rows[0]) == {"problem", "solution", "answer", "level", "unique_id"}
+    assert len({r["unique_id"] for r in rows}) == 12
+    assert rows == [p.row() for p in generate("test", 12, seed=4)]
+
+
+def test_tokenizer_round_trips_and_has_single_token_verdicts():
+    tokenizer = train_task_tokenizer()
+    problem: Problem = generate("train", 1, seed=0, levels=(5,))[0]
+    messages = [{"role": "system", "content": "ignored"}, {"role": "user", "content": problem.text},
+                {"role": "assistant", "content": problem.solution}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    assert "ignored" not in text  # the bundled models were trained without a system prompt
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.decode(ids) == text
+    assert all(len(tokenizer.encode(t, add_special_tokens=False)) == 1 for t in ("+", "-"))
+    digits = [t for t in tokenizer.convert_ids_to_tokens(ids) if any(c.isdigit() for c in t)]
+    assert all(sum(c.isdigit() for c in t) == 1 for t in digits)  # one digit per token
+
+
+def test_corrupted_steps_end_at_their_one_wrong_step():
+    rng = random.Random(0)
+    for problem in generate("test", 40, seed=0):
+        steps = corrupted_steps(problem, rng)
+        labels = step_labels(problem, steps)
+        assert labels == [True] * (len(steps) - 1) + [False]
+        assert extract_answer(steps[-1]) != str(problem.answer) or not steps[-1].startswith("Therefore")
