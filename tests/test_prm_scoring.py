@@ -83,3 +83,13 @@ def _block_bytes(engine):
     from treeserve.engine.model_runner import kv_bytes_per_block
 
     return kv_bytes_per_block(engine.model, engine.config.block_size, engine.dtype)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_siblings_scored_together_get_every_verdict(prm_dir, block_size):
+    """Two step lists that share an unscored first step, in one batch: the second waits for the
+    first to compute the shared prefix, and its cache hit must stop short of the verdict it needs."""
+    items = [(QUESTION, STEPS[:1] + [s]) for s in STEPS[1:]]
+    together = StepScorer(_engine(prm_dir, block_size=block_size)).score_many(items)
+    alone = [StepScorer(_engine(prm_dir, block_size=block_size)).score_steps(q, s) for q, s in items]
+    assert [s for scores in together for s in scores] == pytest.approx([s for scores in alone for s in scores], abs=1e-5)

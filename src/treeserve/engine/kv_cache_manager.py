@@ -30,10 +30,10 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def find_cached_prefix(self, request: Request) -> CachedPrefix:
-        """Longest run of cached full blocks; the last token is always recomputed for its logits."""
+        """Longest run of cached full blocks, short of the positions whose logits are wanted."""
         if not self.pool.enable_caching:
             return CachedPrefix()
-        max_blocks = (request.num_tokens - 1) // self.block_size
+        max_blocks = request.max_cached_blocks(self.block_size)
         hashes = request.ensure_block_hashes(max_blocks, self.block_size)[:max_blocks]
         blocks = []
         for block_hash in hashes:

@@ -87,6 +87,14 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
+    def max_cached_blocks(self, block_size: int) -> int:
+        """Full blocks a prefix-cache hit may cover: the last token, and every prompt position whose
+        logits a prefill-only request returns, must be computed by this request itself."""
+        limit = self.num_tokens - 1
+        if self.logits_positions:
+            limit = min(limit, self.logits_positions[0])
+        return limit // block_size
+
     def ensure_block_hashes(self, num_blocks: int, block_size: int) -> list[bytes]:
         """Extends the chained hashes to cover the first `num_blocks` full blocks."""
         while len(self.block_hashes) < num_blocks:

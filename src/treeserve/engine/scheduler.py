@@ -129,7 +129,7 @@ class Scheduler:
     def _next_block_in(self, request: Request, cached: int, in_flight: set[bytes]) -> bool:
         size = self.kv.block_size
         index = cached // size
-        if not in_flight or index >= request.num_prompt_tokens // size:
+        if not in_flight or index >= request.max_cached_blocks(size):
             return False
         return request.ensure_block_hashes(index + 1, size)[index] in in_flight
 
