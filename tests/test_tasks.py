@@ -6,7 +6,7 @@ import pytest
 
 from treeserve.cli import main
 from treeserve.search.grading import extract_answer, grade
-from treeserve.tasks.arithmetic import (LEVEL_SPECS, MAX_VALUE, Problem, corrupted_steps, generate, parse_problem,
+from treeserve.tasks.arithmetic import (LEVEL_SPECS, Problem, corrupted_steps, generate, parse_problem,
                                         split_of, step_labels)
 from treeserve.tasks.tokenizer import train_task_tokenizer
 
@@ -30,21 +30,23 @@ def test_solutions_follow_the_sal_format_and_reach_the_answer(level):
         steps = problem.solution.split("\n\n")
         assert len(steps) == LEVEL_SPECS[level].num_operations + 1
         assert all(step.startswith(f"## Step {k}: ") for k, step in enumerate(steps[:-1], start=1))
-        assert all(0 <= value <= MAX_VALUE for value in problem.values())
+        assert all(0 <= value <= LEVEL_SPECS[level].max_value for value in problem.values())
         assert extract_answer(problem.solution) == problem.row()["answer"] == str(problem.answer)
         assert grade(extract_answer(problem.solution), problem.row()["answer"])
 
 
 def test_answer_is_the_left_to_right_value():
-    problem = parse_problem("Compute 7 * 5 + 6 - 14, working from left to right.")
+    problem = parse_problem("Start with 7, then apply in order: 1) * 5, 2) + 6, 3) - 14. What is the result?")
     assert problem.values() == [35, 41, 27] and problem.answer == 27 and problem.level == 2  # three operations
     assert parse_problem(problem.text) == problem
     with pytest.raises(ValueError, match="problem"):
         parse_problem("What is 2 + 2?")
+    with pytest.raises(ValueError, match="problem"):  # operations out of order
+        parse_problem("Start with 7, then apply in order: 2) * 5, 1) + 6. What is the result?")
 
 
 def test_step_labels_mark_the_first_error_and_everything_after_it():
-    problem = parse_problem("Compute 40 + 5 - 3 * 2, working from left to right.")
+    problem = parse_problem("Start with 40, then apply in order: 1) + 5, 2) - 3, 3) * 2. What is the result?")
     good = problem.steps()
     assert step_labels(problem, good) == [True] * 4
     wrong_second = [good[0], "## Step 2: 45 - 3 = 43", "## Step 3: 43 * 2 = 86", good[3]]

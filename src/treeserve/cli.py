@@ -4,9 +4,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from treeserve.bench.cli_bench import add_bench_parsers
 from treeserve.cli_models import named_models as _named_models
 from treeserve.cli_search import add_search_parsers
 from treeserve.model.registry import DEFAULT_MODEL
+from treeserve.tasks.cli_tasks import add_tasks_parsers
 
 
 def _add_engine_args(parser: argparse.ArgumentParser, several_models: bool = False) -> None:
@@ -68,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(serve, several_models=True)
     serve.add_argument("--kv-mode", choices=["shared", "static"], default="shared",
                        help="with several models: one shared KV arena, or an equal static split")
-    serve.add_argument("model_path", nargs="?", help="model directory or builtin:NAME (default: the built-in model)")
+    serve.add_argument("model_path", nargs="?",
+                       help="model directory or builtin:NAME (default: the bundled arith-gen and arith-prm pair)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", action="append", help="required bearer key (repeatable; or TREESERVE_API_KEY)")
@@ -87,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     memory.add_argument("--max-num-batched-tokens", type=int, default=2048)
     memory.set_defaults(func=cmd_memory)
     add_search_parsers(sub)
+    add_bench_parsers(sub)
+    add_tasks_parsers(sub)
     return parser
 
 

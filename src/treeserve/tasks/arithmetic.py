@@ -1,9 +1,10 @@
-"""A synthetic multi-step task: a chain of small operations evaluated left to right.
+"""A synthetic multi-step task: numbered operations applied in order to a starting number.
 
-`Compute 47 + 8 - 5 * 2, working from left to right.` is solved in Search-and-Learn's format,
-one operation per `## Step k:` step, steps separated by a blank line, ending with a boxed answer.
-Every intermediate value stays in 0..99 and each step is a small fact (a one- or two-digit number
-plus, minus or times a small operand), so a tiny model can learn it while long chains stay hard.
+`Start with 38, then apply in order: 1) * 2, 2) + 9, 3) - 4. What is the result?` is solved in
+Search-and-Learn's format, one operation per `## Step k:` step, steps separated by a blank line,
+ending with a boxed answer. Operations carry their step's number, so finding the next one is a
+lookup rather than counting; the difficulty is the arithmetic (levels 3 to 5 reach three digits)
+and the length of the chain.
 
 Problems are deterministic from a seed. The split a problem belongs to is a hash of its text, so
 the train, validation and test splits are disjoint by construction whatever seed draws them.
@@ -17,24 +18,24 @@ from dataclasses import dataclass
 
 SPLITS = {"train": (0, 90), "validation": (90, 95), "test": (95, 100)}  # ranges of hash % 100
 LEVELS = (1, 2, 3, 4, 5)
-MAX_VALUE = 99
 FINAL_STEP = "Therefore, the final answer is: $\\boxed{{{answer}}}$."
-STEP_RE = re.compile(r"^## Step (\d+): (\d+) ([-+*]) (\d+) = (\d+)$")
 
 
 @dataclass(frozen=True)
 class Level:
     num_operations: int
     operators: str
-    max_operand: int
+    max_operand: int      # for + and -
+    max_multiplier: int   # for *
+    max_value: int        # every running value stays in 0..max_value
 
 
 LEVEL_SPECS = {
-    1: Level(2, "+-", 9),
-    2: Level(3, "+-", 9),
-    3: Level(4, "+-*", 9),
-    4: Level(5, "+-*", 19),
-    5: Level(6, "+-*", 29),
+    1: Level(2, "+-", 9, 0, 99),
+    2: Level(3, "+-*", 19, 5, 99),
+    3: Level(4, "+-*", 99, 9, 999),
+    4: Level(5, "+-*", 99, 9, 999),
+    5: Level(6, "+-*", 99, 9, 999),
 }
 
 
@@ -59,8 +60,8 @@ class Problem:
 
     @property
     def text(self) -> str:
-        chain = " ".join(f"{op.operator} {op.operand}" for op in self.operations)
-        return f"Compute {self.start} {chain}, working from left to right."
+        chain = ", ".join(f"{k}) {op.operator} {op.operand}" for k, op in enumerate(self.operations, start=1))
+        return f"Start with {self.start}, then apply in order: {chain}. What is the result?"
 
     def values(self) -> list[int]:
         """The running value after each operation."""
@@ -106,7 +107,7 @@ def _digest(text: str) -> str:
 
 def random_problem(rng: random.Random, level: int) -> Problem:
     spec = LEVEL_SPECS[level]
-    start = rng.randint(2, MAX_VALUE)
+    start = rng.randint(2, 99)
     value, operations = start, []
     for _ in range(spec.num_operations):
         op = _random_operation(rng, value, spec)
@@ -116,15 +117,16 @@ def random_problem(rng: random.Random, level: int) -> Problem:
 
 
 def _random_operation(rng: random.Random, value: int, spec: Level) -> Operation:
-    """An operation whose result stays in 0..MAX_VALUE (one always exists: + or - a small number)."""
+    """An operation whose result stays in 0..max_value (one always exists: + or - a small number);
+    only numbers of one or two digits are multiplied."""
     while True:
         operator = rng.choice(spec.operators)
         if operator == "*":
-            operand = rng.randint(2, 5)
+            operand = rng.randint(2, spec.max_multiplier)
         else:
             operand = rng.randint(1, spec.max_operand)
         result = Operation(operator, operand).apply(value)
-        if 0 <= result <= MAX_VALUE and not (operator == "*" and value < 2):
+        if 0 <= result <= spec.max_value and not (operator == "*" and not 2 <= value <= 99):
             return Operation(operator, operand)
 
 
@@ -146,11 +148,11 @@ def generate(split: str, n: int, seed: int, levels: tuple[int, ...] = LEVELS) ->
 
 def parse_problem(text: str) -> Problem:
     """The problem a `Problem.text` describes (used to check steps of a question given as text)."""
-    match = re.fullmatch(r"Compute (\d+) ((?:[-+*] \d+ ?)+), working from left to right\.", text.strip())
-    if not match:
+    match = re.fullmatch(r"Start with (\d+), then apply in order: (.+)\. What is the result\?", text.strip())
+    parts = [re.fullmatch(r"(\d+)\) ([-+*]) (\d+)", part) for part in match.group(2).split(", ")] if match else [None]
+    if not match or not all(parts) or [int(p.group(1)) for p in parts] != list(range(1, len(parts) + 1)):
         raise ValueError(f"problem: not an arithmetic-chain problem: {text!r}")
-    tokens = match.group(2).split()
-    operations = tuple(Operation(tokens[i], int(tokens[i + 1])) for i in range(0, len(tokens), 2))
+    operations = tuple(Operation(p.group(2), int(p.group(3))) for p in parts)
     level = next((lvl for lvl, spec in LEVEL_SPECS.items() if spec.num_operations == len(operations)), 0)
     return Problem(int(match.group(1)), operations, level)
 

@@ -1,0 +1,116 @@
+"""`treeserve bench serve|report|sweep|calibrate|throughput`."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+SERVE_OPTIONS = ("base_url", "model", "api_key", "out", "endpoint", "stream", "dataset", "dataset_path", "input_len",
+                 "output_len", "range_ratio", "shared_prefix_len", "shared_prefix_groups", "vocab_size", "tokenizer",
+                 "concurrency", "request_rate", "burstiness", "num_requests", "duration", "warmup", "seed", "goodput",
+                 "ignore_eos", "temperature", "telemetry_interval", "plots")
+
+
+def add_bench_parsers(sub) -> None:
+    bench = sub.add_parser("bench", help="benchmarks: load against a server, reports, sweeps, offline throughput")
+    kinds = bench.add_subparsers(dest="bench_command", required=True)
+    _add_serve_parser(kinds)
+    report = kinds.add_parser("report", help="redraw a run's report, or compare several runs side by side")
+    report.add_argument("runs", nargs="+", type=Path, help="run directories (each with summary.json)")
+    report.add_argument("--out", type=Path, default=Path("bench-compare"), help="where a comparison is written")
+    report.set_defaults(func=cmd_report)
+    sweep = kinds.add_parser("sweep", help="start servers from a YAML file, benchmark each, stop them")
+    sweep.add_argument("sweep_file", type=Path)
+    sweep.set_defaults(func=cmd_sweep)
+    calibrate = kinds.add_parser("calibrate", help="measure the client's overhead against a mock server")
+    calibrate.add_argument("--ttft-ms", type=float, default=200.0)
+    calibrate.add_argument("--itl-ms", type=float, default=40.0)
+    calibrate.add_argument("--concurrency", type=int, default=64)
+    calibrate.add_argument("--num-requests", type=int, default=128)
+    calibrate.add_argument("--output-len", type=int, default=32)
+    calibrate.add_argument("--port", type=int, default=18099)
+    calibrate.add_argument("--out", type=Path, default=Path("bench-calibration"))
+    calibrate.set_defaults(func=cmd_calibrate)
+    from treeserve.bench.offline import add_arguments
+
+    throughput = kinds.add_parser("throughput", help="offline engine throughput against HF transformers, same run")
+    add_arguments(throughput)
+    throughput.set_defaults(func=cmd_throughput)
+
+
+def _add_serve_parser(kinds) -> None:
+    serve = kinds.add_parser("serve", help="load an OpenAI-compatible server; write a run directory")
+    serve.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    serve.add_argument("--model", help="default: the first model of GET /v1/models")
+    serve.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="default: $OPENAI_API_KEY")
+    serve.add_argument("--out", required=True, help="run directory")
+    serve.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    serve.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True)
+    serve.add_argument("--dataset", choices=["random", "sharegpt", "jsonl", "math500"], default="random")
+    serve.add_argument("--dataset-path", help="file for sharegpt (JSON), jsonl ('prompt' per line), math500")
+    serve.add_argument("--input-len", default="256", help="prompt tokens (random dataset); comma list sweeps")
+    serve.add_argument("--output-len", default=None,
+                       help="max_tokens, EOS ignored (default 128 random, reference length else); comma list sweeps")
+    serve.add_argument("--range-ratio", type=float, default=0.0, help="lengths vary by +-this fraction")
+    serve.add_argument("--shared-prefix-len", type=int, default=0, help="tokens shared within a prefix bucket")
+    serve.add_argument("--shared-prefix-groups", type=int, default=1, help="number of shared-prefix buckets")
+    serve.add_argument("--vocab-size", type=int, help="random token ids below this (default 500)")
+    serve.add_argument("--tokenizer", help="HF tokenizer directory: vocabulary and prompt lengths")
+    serve.add_argument("--concurrency", default=None, help="requests in flight, comma list sweeps: 1,4,16")
+    serve.add_argument("--request-rate", default="inf", help="requests/s (Poisson or gamma arrivals), comma list")
+    serve.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 Poisson, <1 burstier")
+    serve.add_argument("--num-requests", type=int, default=100, help="requests per level")
+    serve.add_argument("--duration", type=float, help="stop sending after this many seconds per level")
+    serve.add_argument("--warmup", type=int, default=0, help="requests sent first and left out of the figures")
+    serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--goodput", nargs="+", metavar="METRIC:MS", help="SLOs, e.g. ttft:500 tpot:50 e2el:5000")
+    serve.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    serve.add_argument("--temperature", type=float, default=0.0)
+    serve.add_argument("--telemetry-interval", type=float, default=0.2, help="seconds between /metrics scrapes")
+    serve.add_argument("--plots", action=argparse.BooleanOptionalAction, default=True)
+    serve.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args) -> int:
+    from treeserve.bench.run import BenchConfig, run_benchmark
+
+    values = {name: getattr(args, name) for name in SERVE_OPTIONS}
+    values["goodput"] = values["goodput"] or []
+    values["output_len"] = values["output_len"] or [None]
+    summary = run_benchmark(BenchConfig.from_dict(values))
+    print(f"run directory: {args.out} (report.md, summary.json, requests.jsonl, telemetry.csv, plots)")
+    return 0 if all(level["completed"] for level in summary["levels"]) else 1
+
+
+def cmd_report(args) -> int:
+    from treeserve.bench.report import compare_runs, write_report
+
+    if len(args.runs) == 1:
+        print(write_report(args.runs[0]))
+    else:
+        print(compare_runs(args.runs, args.out))
+    return 0
+
+
+def cmd_sweep(args) -> int:
+    from treeserve.bench.sweep import run_sweep
+
+    return run_sweep(args.sweep_file)
+
+
+def cmd_calibrate(args) -> int:
+    from treeserve.bench.overhead import calibrate
+
+    result = calibrate(args.out, args.port, args.ttft_ms, args.itl_ms, args.concurrency, args.num_requests,
+                       args.output_len)
+    json.dump(result, sys.stdout, indent=2)
+    print()
+    return 0
+
+
+def cmd_throughput(args) -> int:
+    from treeserve.bench.offline import run
+
+    return run(args)

@@ -1,0 +1,214 @@
+"""The async HTTP client: one OpenAI request, timed chunk by chunk on the run's clock.
+
+Streaming responses are read as server-sent events; every chunk that carries text is one
+arrival. Output token counts come from the final `usage` (asked for with
+`stream_options.include_usage`); a server that sends none gets its text chunks counted instead.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from dataclasses import asdict, dataclass, field
+
+import httpx
+
+from treeserve.bench.datasets import SampleRequest
+
+
+class Clock:
+    """Seconds since the run began (monotonic), shared by the request log and the telemetry."""
+
+    def __init__(self):
+        self.start_monotonic = time.perf_counter()
+        self.start_unix = time.time()
+
+    def now(self) -> float:
+        return time.perf_counter() - self.start_monotonic
+
+    def unix(self, t: float) -> float:
+        return self.start_unix + t
+
+
+@dataclass
+class RequestRecord:
+    index: int
+    level: int
+    warmup: bool
+    start: float
+    end: float | None = None
+    chunk_times: list[float] = field(default_factory=list)  # arrivals of text-carrying chunks
+    prompt_tokens: int | None = None
+    output_tokens: int | None = None
+    output_tokens_counted: bool = False  # True: no usage came back, chunks were counted instead
+    expected_output_tokens: int | None = None
+    finish_reason: str | None = None
+    success: bool = False
+    status: int | None = None
+    error: str = ""
+
+    @property
+    def first_token(self) -> float | None:
+        return self.chunk_times[0] if self.chunk_times else None
+
+    def as_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, row: dict) -> "RequestRecord":
+        return cls(**{k: v for k, v in row.items() if k in cls.__dataclass_fields__})
+
+
+@dataclass
+class Endpoint:
+    base_url: str
+    model: str
+    kind: str = "completions"  # or "chat"
+    stream: bool = True
+    api_key: str | None = None
+    ignore_eos: bool = True
+    temperature: float = 0.0
+
+    @property
+    def url(self) -> str:
+        return f"{self.base_url.rstrip('/')}/v1/{'chat/completions' if self.kind == 'chat' else 'completions'}"
+
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def payload(self, sample: SampleRequest) -> dict:
+        body = {"model": self.model, "max_tokens": sample.output_len, "temperature": self.temperature,
+                "stream": self.stream, "ignore_eos": self.ignore_eos}
+        if self.kind == "chat":
+            if not isinstance(sample.prompt, str):
+                raise ValueError("endpoint: token-id prompts (the random dataset) need the completions endpoint")
+            body["messages"] = [{"role": "user", "content": sample.prompt}]
+        else:
+            body["prompt"] = sample.prompt
+        if self.stream:
+            body["stream_options"] = {"include_usage": True}
+        return body
+
+
+class ClientPool:
+    """One httpx client, so one keep-alive connection, per request in flight.
+
+    httpcore's shared pool offers its first idle connection to every waiting request at once;
+    all but one then retry, and when dozens of requests start together some wait for seconds,
+    which would be counted as TTFT. A client of our own per request in flight avoids that."""
+
+    def __init__(self, timeout: float = 600.0):
+        self.timeout = httpx.Timeout(timeout, connect=30.0)
+        self.ssl_context = httpx.create_ssl_context()  # built once: it costs tens of milliseconds
+        self.idle: list[httpx.AsyncClient] = []
+        self.every: list[httpx.AsyncClient] = []
+
+    @contextlib.asynccontextmanager
+    async def client(self):
+        client = self.idle.pop() if self.idle else self._new()
+        try:
+            yield client
+        finally:
+            self.idle.append(client)
+
+    def _new(self) -> httpx.AsyncClient:
+        client = httpx.AsyncClient(timeout=self.timeout, verify=self.ssl_context,
+                                   limits=httpx.Limits(max_connections=1, max_keepalive_connections=1))
+        self.every.append(client)
+        return client
+
+    async def __aenter__(self) -> "ClientPool":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        for client in self.every:
+            await client.aclose()
+
+
+async def send_request(pool: ClientPool, endpoint: Endpoint, sample: SampleRequest,
+                       record: RequestRecord, clock: Clock) -> RequestRecord:
+    record.expected_output_tokens = sample.output_len
+    record.prompt_tokens = sample.prompt_len
+    try:
+        body = endpoint.payload(sample)
+        async with pool.client() as client:
+            record.start = clock.now()
+            async with client.stream("POST", endpoint.url, json=body, headers=endpoint.headers()) as response:
+                record.status = response.status_code
+                if response.status_code != 200:
+                    record.error = (await response.aread()).decode(errors="replace")[:500]
+                elif endpoint.stream:
+                    await read_stream(response, record, clock)
+                else:
+                    read_whole(json.loads(await response.aread()), record)
+                record.end = clock.now()
+        record.success = record.status == 200 and not record.error
+    except Exception as exc:  # a failed request is a measurement, never a crash of the run
+        record.end = clock.now()
+        record.error = f"{type(exc).__name__}: {exc}"[:500]
+    return record
+
+
+async def read_stream(response: httpx.Response, record: RequestRecord, clock: Clock) -> None:
+    """Reads raw bytes and splits events itself: httpx's line iterator costs more than the rest."""
+    usage, pending = None, b""
+    async for piece in response.aiter_raw():
+        now = clock.now()
+        events = (pending + piece).replace(b"\r\n", b"\n").split(b"\n\n")
+        pending = events.pop()
+        for event in events:
+            data = event_data(event)
+            if data is None or data == b"[DONE]":
+                continue
+            chunk = json.loads(data)
+            if chunk.get("error"):
+                record.error = json.dumps(chunk["error"])[:500]
+                return
+            usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices") or ():
+                if choice_text(choice):
+                    record.chunk_times.append(now)
+                record.finish_reason = choice.get("finish_reason") or record.finish_reason
+    apply_usage(record, usage, counted=len(record.chunk_times))
+
+
+def event_data(event: bytes) -> bytes | None:
+    """The payload of an SSE event's `data:` line(s), or None for comments and other fields."""
+    lines = [line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:")]
+    return b"\n".join(lines) if lines else None
+
+
+def choice_text(choice: dict) -> str:
+    if "text" in choice:
+        return choice["text"] or ""
+    return (choice.get("delta") or {}).get("content") or ""
+
+
+def read_whole(body: dict, record: RequestRecord) -> None:
+    choices = body.get("choices") or [{}]
+    record.finish_reason = choices[0].get("finish_reason")
+    apply_usage(record, body.get("usage"), counted=None)
+
+
+def apply_usage(record: RequestRecord, usage: dict | None, counted: int | None) -> None:
+    if usage:
+        record.prompt_tokens = usage.get("prompt_tokens", record.prompt_tokens)
+        record.output_tokens = usage.get("completion_tokens")
+    if record.output_tokens is None and counted is not None:
+        record.output_tokens, record.output_tokens_counted = counted, True
+
+
+async def first_model(base_url: str, api_key: str | None) -> str:
+    """The first model the server lists at /v1/models."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        async with httpx.AsyncClient(timeout=30.0) as client:
+            response = await client.get(f"{base_url.rstrip('/')}/v1/models", headers=headers)
+    except httpx.HTTPError as exc:
+        raise ValueError(f"base_url: cannot reach {base_url} ({type(exc).__name__}: {exc})") from exc
+    if response.status_code != 200:
+        raise ValueError(f"base_url: GET /v1/models answered {response.status_code}: {response.text[:200]}")
+    models = response.json().get("data") or []
+    if not models:
+        raise ValueError(f"base_url: {base_url} serves no models")
+    return models[0]["id"]

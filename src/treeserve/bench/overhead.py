@@ -1,0 +1,92 @@
+"""The client's own overhead: how late its event loop wakes up during a run, and a calibration
+against the mock server, whose true TTFT and ITL are known."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import subprocess
+import sys
+import time
+
+import httpx
+
+from treeserve.bench import mock_server
+
+PROBE_INTERVAL_S = 0.01
+
+
+class LoopLagProbe:
+    """Sleeps `interval` over and over and records how late each wake-up is: every timestamp the
+    client takes can be late by as much, so it bounds what the client adds to TTFT and ITL."""
+
+    def __init__(self, interval: float = PROBE_INTERVAL_S):
+        self.interval = interval
+        self.lags: list[float] = []
+        self._task: asyncio.Task | None = None
+
+    async def _run(self) -> None:
+        while True:
+            asked = time.perf_counter()
+            await asyncio.sleep(self.interval)
+            self.lags.append(time.perf_counter() - asked - self.interval)
+
+    def start(self) -> "LoopLagProbe":
+        self._task = asyncio.get_running_loop().create_task(self._run())
+        return self
+
+    async def stop(self) -> dict:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        return self.summary()
+
+    def summary(self) -> dict:
+        from treeserve.bench.metrics import distribution
+
+        stats = distribution(self.lags)
+        return {"event_loop_lag_ms": {k: stats[k] for k in ("count", "mean", "median", "p99")},
+                "event_loop_lag_max_ms": max(self.lags) * 1000.0 if self.lags else None}
+
+
+@contextlib.contextmanager
+def running_mock_server(port: int, ttft_ms: float, itl_ms: float, exit_after: int | None = None):
+    """The mock server in its own process (so it shares no event loop or GIL with the client)."""
+    command = [sys.executable, mock_server.__file__, "--port", str(port), "--ttft-ms", str(ttft_ms),
+               "--itl-ms", str(itl_ms)] + (["--exit-after", str(exit_after)] if exit_after is not None else [])
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", process, timeout=30)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+def wait_healthy(base_url: str, process: subprocess.Popen | None, timeout: float) -> None:
+    """Polls GET /health until 200; raises if the process exits first or time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"server exited with code {process.returncode} before it was healthy")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{base_url.rstrip('/')}/health", timeout=2).status_code == 200:
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"{base_url}/health did not answer 200 within {timeout:.0f} s")
+
+
+def calibrate(out, port: int, ttft_ms: float = 100.0, itl_ms: float = 10.0, concurrency: int = 64,
+              num_requests: int = 256, output_len: int = 32) -> dict:
+    """Runs the benchmark against the mock server; returns true vs measured TTFT/ITL and the gap."""
+    from treeserve.bench.run import BenchConfig, run_benchmark
+
+    with running_mock_server(port, ttft_ms, itl_ms) as url:
+        config = BenchConfig(base_url=url, out=str(out), concurrency=[concurrency], num_requests=num_requests,
+                             input_len=[16], output_len=[output_len], warmup=concurrency, plots=False)
+        summary = run_benchmark(config)
+    level = summary["levels"][0]
+    measured_ttft, measured_itl = level["ttft_ms"]["mean"], level["itl_ms"]["mean"]
+    return {"concurrency": concurrency, "true_ttft_ms": ttft_ms, "measured_ttft_ms": measured_ttft,
+            "ttft_overhead_ms": measured_ttft - ttft_ms, "true_itl_ms": itl_ms, "measured_itl_ms": measured_itl,
+            "itl_overhead_ms": measured_itl - itl_ms, "ttft_p99_ms": level["ttft_ms"]["p99"],
+            "itl_p99_ms": level["itl_ms"]["p99"], **level["client"]}

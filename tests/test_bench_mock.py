@@ -1,0 +1,99 @@
+"""The benchmark client against the mock server, whose true TTFT and ITL are known."""
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from treeserve.bench import mock_server
+from treeserve.bench.overhead import calibrate
+from treeserve.cli import main
+
+TRUE_TTFT_MS, TRUE_ITL_MS = 500.0, 50.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_reported_ttft_and_itl_within_5_percent_at_64_streams(tmp_path):
+    result = calibrate(tmp_path / "run", free_port(), ttft_ms=TRUE_TTFT_MS, itl_ms=TRUE_ITL_MS,
+                       concurrency=64, num_requests=128, output_len=10)
+    assert result["measured_ttft_ms"] == pytest.approx(TRUE_TTFT_MS, rel=0.05)
+    assert result["measured_itl_ms"] == pytest.approx(TRUE_ITL_MS, rel=0.05)
+    assert result["event_loop_lag_ms"]["count"] > 0  # the client's own overhead was measured
+    import json
+
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    level = summary["levels"][0]
+    assert level["completed"] == 128 and level["concurrency"] == 64
+    assert level["ttft_ms"]["median"] == pytest.approx(TRUE_TTFT_MS, rel=0.05)
+    assert level["itl_ms"]["median"] == pytest.approx(TRUE_ITL_MS, rel=0.05)
+    assert level["tpot_ms"]["mean"] == pytest.approx(TRUE_ITL_MS, rel=0.05)  # one token per chunk here
+    assert level["server"]["generation_tokens"] == 1280  # the mock's own counter, scraped around the level
+
+
+@pytest.fixture(scope="module")
+def mock_url():
+    from treeserve.bench.overhead import running_mock_server
+
+    with running_mock_server(free_port(), ttft_ms=40, itl_ms=10) as url:
+        yield url
+
+
+def test_request_rate_and_duration_limit(mock_url, tmp_path):
+    from treeserve.bench.run import BenchConfig, run_benchmark
+
+    config = BenchConfig(base_url=mock_url, out=str(tmp_path), request_rate=[20.0], num_requests=1000,
+                         duration=1.0, input_len=[8], output_len=[3], plots=False, seed=1)
+    level = run_benchmark(config)["levels"][0]
+    assert level["concurrency"] is None and level["request_rate"] == 20.0
+    assert 8 <= level["requests"] <= 35  # about 20 arrivals in the 1 s window, nowhere near 1000
+    assert level["completed"] == level["requests"]
+
+
+def test_chat_without_streaming(mock_url, tmp_path):
+    from treeserve.bench.run import BenchConfig, run_benchmark
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hello"}\n{"prompt": "there"}\n')
+    config = BenchConfig(base_url=mock_url, out=str(tmp_path / "run"), endpoint="chat", stream=False,
+                         dataset="jsonl", dataset_path=str(prompts), output_len=[6], concurrency=[2],
+                         num_requests=4, plots=False)
+    level = run_benchmark(config)["levels"][0]
+    assert level["completed"] == 4 and level["total_output_tokens"] == 24
+    assert level["ttft_ms"]["count"] == 0  # no stream, no first token
+    assert level["e2el_ms"]["median"] == pytest.approx(40 + 5 * 10, rel=0.5)
+
+
+def write_sweep(tmp_path: Path, exit_after: int | None) -> Path:
+    port = free_port()
+    command = [sys.executable, mock_server.__file__, "--port", str(port), "--ttft-ms", "20", "--itl-ms", "5"]
+    if exit_after is not None:
+        command += ["--exit-after", str(exit_after)]
+    sweep = {"out": str(tmp_path / "sweep"),
+             "bench": {"concurrency": [1, 2], "num_requests": 4, "input_len": 8, "output_len": 4, "plots": False},
+             "servers": [{"name": "mock", "command": command, "base_url": f"http://127.0.0.1:{port}",
+                          "startup_timeout": 30}]}
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(sweep))
+    return path
+
+
+def test_sweep_exits_nonzero_when_its_server_dies(tmp_path, capsys):
+    assert main(["bench", "sweep", str(write_sweep(tmp_path, exit_after=3))]) == 1
+    import json
+
+    status = json.loads((tmp_path / "sweep" / "sweep.json").read_text())["servers"][0]
+    assert status["status"] == "died" and status["exit_code"] == 3
+    assert "mock: died" in capsys.readouterr().out
+    requests = (tmp_path / "sweep" / "mock" / "requests.jsonl").read_text().splitlines()
+    assert sum('"success": true' in line for line in requests) == 3  # the three before it died
+
+
+def test_sweep_of_a_healthy_server_exits_zero(tmp_path):
+    assert main(["bench", "sweep", str(write_sweep(tmp_path, exit_after=None))]) == 0
+    assert (tmp_path / "sweep" / "mock" / "summary.json").is_file()
