@@ -6,12 +6,12 @@ beams, incremental verifier with a score cache, shared KV arena) and once in the
 (lockstep problem batches, prompts re-submitted as text, the verifier re-encoding whole
 conversations in HF transformers, end-of-sequence sampling at maximum depth).
 
-Until the trained task models exist (issue #7) the models are small random Llamas; the generator
-is biased to write blank-line separated steps and to stop now and then, so trees have real depth.
-Accuracy on MATH-500 is then 0 for both, and the comparison is of speed.
+`--models builtin` (default) uses the bundled arith-gen and arith-prm on the arithmetic task's
+test split, so accuracy means something and the two modes' accuracies can be compared.
+`--models random` uses small random Llamas on MATH-500 (the generator biased to write
+blank-line separated steps): accuracy is 0 for both and only speed is compared, on longer texts.
 
-    python benchmarks/search_speed.py [--problems 8] [--num-iterations 8] [--strategies beam best_of_n]
-"""
+    python benchmarks/search_speed.py [--problems 50] [--strategies beam best_of_n] [--models builtin|random]
 from __future__ import annotations
 
 import argparse
@@ -21,11 +21,12 @@ import time
 from pathlib import Path
 
 from treeserve import Runtime
-from treeserve.model.registry import cache_dir
+from treeserve.model.registry import cache_dir, resolve_model_path
 from treeserve.search.config import SearchConfig
 from treeserve.search.grading import grade
 from treeserve.search.reference import HFStepScorer, ReferenceRunner
 from treeserve.search.runner import SearchRunner
+from treeserve.tasks.arithmetic import generate
 from treeserve.testing.tiny_models import make_tiny_model
 
 DATASET = Path(__file__).resolve().parents[2] / "shared" / "data" / "math500.jsonl"
@@ -36,7 +37,7 @@ VERIFIER = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=6, num
 STEPWISE = {"\n": 5.4, "<|eos|>": 0.5}
 
 
-def models() -> dict[str, str]:
+def random_models() -> dict[str, str]:
     root = cache_dir() / "bench" / "search-speed"
     if not (root / "gen" / "config.json").is_file():
         make_tiny_model("llama", root / "gen", seed=0, favour_tokens=STEPWISE, **GENERATOR)
@@ -50,9 +51,16 @@ def problems(path: Path, count: int) -> list[dict]:
     return rows[:count]
 
 
+def models_and_problems(args) -> tuple[dict[str, str], list[dict], str]:
+    if args.models == "random":
+        return random_models(), problems(args.dataset, args.problems), args.dataset.name
+    rows = [p.row() for p in generate("test", args.problems, seed=args.seed)]
+    return {"gen": "builtin:arith-gen", "prm": "builtin:arith-prm"}, rows, f"the arithmetic test split (seed {args.seed})"
+
+
 def runtime(paths: dict[str, str], args) -> Runtime:
     return Runtime(paths, dtype="float32", device="cpu", kv_cache_memory_bytes=args.kv_mib << 20,
-                   max_model_len=4096, max_num_batched_tokens=4096)
+                   max_model_len=4096 if args.models == "random" else None, max_num_batched_tokens=4096)
 
 
 def measure(label: str, paths, rows, config: SearchConfig, args) -> dict:
@@ -60,7 +68,7 @@ def measure(label: str, paths, rows, config: SearchConfig, args) -> dict:
     questions = [r["problem"] for r in rows]
     gen, prm = rt.engine("gen"), rt.engine("prm")
     if label == "reference":
-        scorer = HFStepScorer(paths["prm"], prm.tokenizer) if config.uses_verifier else None
+        scorer = HFStepScorer(str(resolve_model_path(paths["prm"])), prm.tokenizer) if config.uses_verifier else None
         runner = ReferenceRunner(gen, scorer)
     else:
         runner = SearchRunner(gen, rt.scorer("prm") if config.uses_verifier else None)
@@ -90,8 +98,9 @@ def report(strategy: str, runs: dict[str, dict]) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dataset", type=Path, default=DATASET)
-    parser.add_argument("--problems", type=int, default=8)
+    parser.add_argument("--models", choices=["builtin", "random"], default="builtin")
+    parser.add_argument("--dataset", type=Path, default=DATASET, help="MATH-format JSONL for --models random")
+    parser.add_argument("--problems", type=int, default=50)
     parser.add_argument("--n", type=int, default=16)
     parser.add_argument("--beam-width", type=int, default=4)
     parser.add_argument("--num-iterations", type=int, default=8)
@@ -100,8 +109,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--strategies", nargs="+", default=["beam", "best_of_n"])
     args = parser.parse_args()
-    paths, rows = models(), problems(args.dataset, args.problems)
-    print(f"{len(rows)} problems from {args.dataset.name}, N={args.n}, beam width {args.beam_width}, "
+    paths, rows, source = models_and_problems(args)
+    print(f"{len(rows)} problems from {source}, N={args.n}, beam width {args.beam_width}, "
           f"{args.num_iterations} iterations, float32 on CPU")
     speedups = {}
     for strategy in args.strategies:

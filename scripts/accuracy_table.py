@@ -66,7 +66,7 @@ def plot(greedy: float | None, grid: dict[str, dict[int, float]], path: Path) ->
     if greedy is not None:
         ax.axhline(100 * greedy, color="grey", linestyle="--", label="greedy")
     ax.set(xscale="log", xlabel="N (generations per problem)", ylabel="accuracy (%)",
-           title="Bundled arith-gen + arith-prm, held-out test split")
+           title="Accuracy against test-time compute")
     ax.set_xscale("log", base=2)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

@@ -57,9 +57,12 @@ def prm_dataset(tokenizer, gen_path: Path, args) -> list[tuple[list[int], list[i
     params = SamplingParams(n=args.prm_samples, temperature=1.0, max_tokens=256, seed=args.seed)
     sampled = [(p, steps) for p, solutions in zip(problems, sample_solutions(gen_path, problems, params))
                for steps in solutions]
-    corrupted = [(p, corrupted_steps(p, rng)) for p in train_problems(rng, args.prm_problems // 2)]
+    # Reference solutions, whole and with one step corrupted, in equal numbers: a wrong step then
+    # appears at every position, so the position of a step says nothing about its label.
+    corrupted = [(p, corrupted_steps(p, rng)) for p in train_problems(rng, args.prm_problems)]
+    references = [(p, p.steps()) for p in train_problems(rng, args.prm_problems)]
     examples, good, total = [], 0, 0
-    for problem, steps in sampled + corrupted:
+    for problem, steps in sampled + corrupted + references:
         labels = step_labels(problem, steps)
         good, total = good + sum(labels), total + len(labels)
         examples.append(prm_example(tokenizer, problem.text, steps, labels))

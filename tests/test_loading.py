@@ -98,3 +98,14 @@ def test_generation_config_defaults(llama_dir, tmp_path):
     defaults = llm.get_default_sampling_params()
     assert defaults.temperature == 0.6 and defaults.top_p == 0.9
     assert llm.engine.eos_token_ids == (5, 6)
+
+
+def test_bundled_directories_resolve_as_builtin_models(llama_dir, tmp_path, monkeypatch):
+    from treeserve.model import registry
+
+    shutil.copytree(llama_dir, tmp_path / "my-pair-gen")
+    monkeypatch.setattr(registry, "BUNDLED_DIR", tmp_path)
+    assert registry.resolve_model_path("builtin:my-pair-gen") == tmp_path / "my-pair-gen"
+    assert "my-pair-gen" in registry.builtin_names() and "tiny-random-llama" in registry.builtin_names()
+    with pytest.raises(ValueError, match="my-pair-gen"):
+        registry.resolve_model_path("builtin:nope")

@@ -1,11 +1,17 @@
-"""Resolves a model argument: a local Hugging Face directory, or `builtin:NAME`."""
+"""Resolves a model argument: a local Hugging Face directory, or `builtin:NAME`.
+
+Built-in models are either bundled in the package (`treeserve/models/NAME`, a Hugging Face
+directory) or small random-weight models written on first use.
+"""
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
 BUILTIN_PREFIX = "builtin:"
+# The trained arith-gen / arith-prm pair (issue #7) becomes the default once it is bundled.
 DEFAULT_MODEL = "builtin:tiny-random-llama"
+BUNDLED_DIR = Path(__file__).resolve().parents[1] / "models"
 
 
 def cache_dir() -> Path:
@@ -26,10 +32,19 @@ def resolve_model_path(model: str | Path) -> Path:
 def _builtin(name: str) -> Path:
     from treeserve.testing.tiny_models import BUILTIN_TINY_MODELS, make_tiny_model
 
+    if (BUNDLED_DIR / name / "config.json").is_file():
+        return BUNDLED_DIR / name
     if name not in BUILTIN_TINY_MODELS:
-        raise ValueError(f"model: unknown built-in model {name!r}; available: {', '.join(sorted(BUILTIN_TINY_MODELS))}")
+        raise ValueError(f"model: unknown built-in model {name!r}; available: {', '.join(builtin_names())}")
     path = cache_dir() / "builtin" / name
     if not (path / "config.json").is_file():
         family, overrides = BUILTIN_TINY_MODELS[name]
         make_tiny_model(family, path, seed=0, **overrides)
     return path
+
+
+def builtin_names() -> list[str]:
+    from treeserve.testing.tiny_models import BUILTIN_TINY_MODELS
+
+    bundled = [p.parent.name for p in BUNDLED_DIR.glob("*/config.json")]
+    return sorted([*bundled, *BUILTIN_TINY_MODELS])
