@@ -12,6 +12,7 @@ test split, so accuracy means something and the two modes' accuracies can be com
 blank-line separated steps): accuracy is 0 for both and only speed is compared, on longer texts.
 
     python benchmarks/search_speed.py [--problems 50] [--strategies beam best_of_n] [--models builtin|random]
+"""
 from __future__ import annotations
 
 import argparse
@@ -55,7 +56,7 @@ def models_and_problems(args) -> tuple[dict[str, str], list[dict], str]:
     if args.models == "random":
         return random_models(), problems(args.dataset, args.problems), args.dataset.name
     rows = [p.row() for p in generate("test", args.problems, seed=args.seed)]
-    return {"gen": "builtin:arith-gen", "prm": "builtin:arith-prm"}, rows, f"the arithmetic test split (seed {args.seed})"
+    return {"gen": args.generator, "prm": args.verifier}, rows, f"the arithmetic test split (seed {args.seed})"
 
 
 def runtime(paths: dict[str, str], args) -> Runtime:
@@ -99,6 +100,8 @@ def report(strategy: str, runs: dict[str, dict]) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", choices=["builtin", "random"], default="builtin")
+    parser.add_argument("--generator", default="builtin:arith-gen", help="for --models builtin: another directory")
+    parser.add_argument("--verifier", default="builtin:arith-prm", help="for --models builtin: another directory")
     parser.add_argument("--dataset", type=Path, default=DATASET, help="MATH-format JSONL for --models random")
     parser.add_argument("--problems", type=int, default=50)
     parser.add_argument("--n", type=int, default=16)
