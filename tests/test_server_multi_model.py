@@ -39,18 +39,22 @@ def test_models_are_listed_and_routed(multi_server):
     assert httpx.post(f"{url}/v1/rewards", json={"model": "prm", "question": "q", "steps": []}).status_code == 400
 
 
+def _alongside_a_chat(url: str, chat_tokens: int, path: str, body: dict) -> tuple[httpx.Response, httpx.Response]:
+    """POSTs `body` to `path` while a chat completion of `chat_tokens` tokens runs on the generator."""
+    async def run():
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            chat = client.post("/v1/chat/completions", json={
+                "model": "gen", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": chat_tokens,
+                "ignore_eos": True})
+            return await asyncio.gather(chat, client.post(path, json=body))
+
+    return asyncio.run(run())
+
+
 def test_rewards_match_offline_runtime_while_generating(multi_server, pair):
     url, app, options = multi_server
 
-    async def run():
-        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-            generate = client.post("/v1/chat/completions", json={
-                "model": "gen", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 40,
-                "ignore_eos": True})
-            score = client.post("/v1/rewards", json={"model": "prm", "question": QUESTION, "steps": STEPS})
-            return await asyncio.gather(generate, score)
-
-    chat, reward = asyncio.run(run())
+    chat, reward = _alongside_a_chat(url, 40, "/v1/rewards", {"model": "prm", "question": QUESTION, "steps": STEPS})
     assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] == 40
     body = reward.json()
     assert reward.status_code == 200 and len(body["scores"]) == 2 and body["recipe"] == "rlhflow"
@@ -92,14 +96,7 @@ def test_search_answers_like_the_offline_runner_while_other_requests_flow(multi_
 
     url, app, options = multi_server
 
-    async def run():
-        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-            chat = client.post("/v1/chat/completions", json={
-                "model": "gen", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 30,
-                "ignore_eos": True})
-            return await asyncio.gather(chat, client.post("/v1/search", json=SEARCH))
-
-    chat, search = asyncio.run(run())
+    chat, search = _alongside_a_chat(url, 30, "/v1/search", SEARCH)
     assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] == 30
     body = search.json()
     assert search.status_code == 200, body
