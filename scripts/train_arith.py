@@ -1,10 +1,13 @@
 """Trains the bundled arithmetic generator and PRM from scratch, reproducibly from a seed, on CPU.
 
-Stages: tokenizer; generator (supervised on exact solutions); the generator samples solutions to
-fresh training problems, and exact checking labels every step; PRM (RLHFlow verdicts) on those
-samples plus corrupted reference solutions. Writes both checkpoints in Hugging Face format.
+Stages: tokenizer; a language model supervised on exact solutions for `--lm-steps`, whose
+checkpoint at `--gen-step` becomes the generator (a partly trained model makes the mistakes search
+is for); the generator samples solutions to fresh training problems and exact checking labels every
+step; the PRM is the fully trained language model grown by two layers, trained on RLHFlow verdicts
+over those samples plus whole and corrupted reference solutions. Writes both checkpoints in Hugging
+Face format.
 
-    python scripts/train_arith.py --out src/treeserve/models [--seed 0] [--gen-steps 3000] [--prm-steps 2000]
+    python scripts/train_arith.py --out src/treeserve/models [--seed 0]
 """
 from __future__ import annotations
 
@@ -21,25 +24,35 @@ from treeserve import LLM, SamplingParams
 from treeserve.search.config import STEP_DELIMITER
 from treeserve.tasks.arithmetic import Problem, corrupted_steps, generate, step_labels
 from treeserve.tasks.tokenizer import train_task_tokenizer
-from treeserve.tasks.training import (GENERATOR_SHAPE, PRM_EXTRA_LAYERS, grow, Schedule, chat_ids, collate, lm_loss, new_model,
-                                      one_level_batch, prm_example, save, sft_example, train, train_problems,
-                                      verdict_loss)
+from treeserve.tasks.training import (GENERATOR_SHAPE, PRM_EXTRA_LAYERS, Schedule, chat_ids, collate, grow, lm_loss,
+                                      new_model, one_level_batch, prm_example, prm_loss, save, sft_example, train,
+                                      train_problems)
 
 
 def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def train_generator(tokenizer, args) -> Path:
+def train_language_model(tokenizer, args) -> tuple[Path, Path]:
+    """Trains for `--lm-steps`; returns (the generator: the checkpoint at `--gen-step`, the final model)."""
     model = new_model(tokenizer, GENERATOR_SHAPE, args.seed)
-    log(f"generator: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
+    log(f"language model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
     rng = random.Random(f"gen:{args.seed}")
+    gen_path, final_path = args.out / "arith-gen", args.work / "lm-final"
 
     def next_batch(step: int):
         return collate([sft_example(tokenizer, p) for p in one_level_batch(rng, args.batch_size)], tokenizer.pad_token_id)
 
-    train(model, next_batch, lm_loss, Schedule(args.gen_steps, args.batch_size, lr=args.gen_lr), log=log)
-    return save(model, tokenizer, args.out / "arith-gen")
+    def after_step(step: int, model) -> None:
+        if step == args.gen_step:
+            save(model, tokenizer, gen_path)
+        if args.eval_every and step % args.eval_every == 0:
+            path = save(model, tokenizer, args.work / "lm-checkpoints" / f"step-{step}")
+            log(f"greedy validation accuracy at step {step}: {greedy_accuracy(path, args.eval_problems)}")
+
+    train(model, next_batch, lm_loss, Schedule(args.lm_steps, args.batch_size, lr=args.gen_lr), log=log,
+          after_step=after_step)
+    return gen_path, save(model, tokenizer, final_path)
 
 
 def sample_solutions(gen_path: Path, problems: list[Problem], params: SamplingParams) -> list[list[list[str]]]:
@@ -63,19 +76,41 @@ def prm_dataset(tokenizer, gen_path: Path, args) -> list[tuple[list[int], list[i
     references = [(p, p.steps()) for p in train_problems(rng, args.prm_problems)]
     examples, good, total = [], 0, 0
     for problem, steps in sampled + corrupted + references:
+        if not steps:
+            continue
         labels = step_labels(problem, steps)
         good, total = good + sum(labels), total + len(labels)
-        examples.append(prm_example(tokenizer, problem.text, steps, labels))
+        try:
+            examples.append(prm_example(tokenizer, problem.text, steps, labels, problem.steps()))
+        except ValueError:  # a sample whose text does not survive rendering and re-tokenizing
+            continue
     log(f"prm data: {len(examples)} solutions ({len(sampled)} sampled), {total} steps, {good / total:.1%} good")
     return examples
 
 
-def train_prm(tokenizer, gen_path: Path, examples, args) -> Path:
+def adapt_to_prm_format(tokenizer, model, args) -> None:
+    """Language-model training on reference solutions rendered as the PRM reads them (steps in
+    RLHFlow user turns): the language model learnt its arithmetic in the generator's format and
+    computes less reliably in this one, and a verifier must first compute what it checks."""
+    rng = random.Random(f"prm-adapt:{args.seed}")
+
+    def next_batch(step: int):
+        rows = [prm_example(tokenizer, p.text, p.steps(), [True] * len(p.steps()), p.steps())
+                for p in one_level_batch(rng, args.batch_size)]
+        return collate([(ids, lm_labels) for ids, _, lm_labels, _ in rows], tokenizer.pad_token_id)
+
+    train(model, next_batch, lm_loss, Schedule(args.prm_adapt_steps, args.batch_size, lr=args.prm_lr, warmup=20),
+          log=log)
+
+
+def train_prm(tokenizer, base_path: Path, examples, args) -> Path:
     import transformers
 
-    generator = transformers.LlamaForCausalLM.from_pretrained(gen_path, dtype=torch.float32)
-    model = grow(generator, PRM_EXTRA_LAYERS, args.seed + 1)
+    base = transformers.LlamaForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    model = grow(base, PRM_EXTRA_LAYERS, args.seed + 1)
     log(f"prm: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
+    if args.prm_adapt_steps:
+        adapt_to_prm_format(tokenizer, model, args)
     good_id, bad_id = (tokenizer.encode(t, add_special_tokens=False)[0] for t in ("+", "-"))
     rng = random.Random(f"prm:{args.seed}")
 
@@ -85,8 +120,8 @@ def train_prm(tokenizer, gen_path: Path, examples, args) -> Path:
         start = rng.randrange(len(by_length) - args.batch_size + 1)
         return collate(by_length[start:start + args.batch_size], tokenizer.pad_token_id)
 
-    def loss_fn(model, ids, targets, mask):
-        return verdict_loss(model, ids, targets, mask, good_id, bad_id)
+    def loss_fn(model, ids, targets, lm_labels, token_targets, mask):
+        return prm_loss(model, ids, targets, lm_labels, token_targets, mask, good_id, bad_id, args.prm_lm_weight)
 
     train(model, next_batch, loss_fn, Schedule(args.prm_steps, args.batch_size, lr=args.prm_lr), log=log)
     return save(model, tokenizer, args.out / "arith-prm")
@@ -102,19 +137,45 @@ def greedy_accuracy(gen_path: Path, count: int = 200) -> dict:
     return {"overall": sum(overall) / len(overall), **{str(k): sum(v) / len(v) for k, v in sorted(by_level.items())}}
 
 
+def prm_auc(gen_path: Path, prm_path: Path, count: int, seed: int) -> float:
+    """AUC of the PRM's step scores, correct against wrong steps, over the generator's own samples
+    (temperature 0.8, as search draws them) on validation problems."""
+    from treeserve.runtime.runtime import Runtime
+
+    problems = generate("validation", count, seed=seed)
+    solutions = sample_solutions(gen_path, problems, SamplingParams(n=4, temperature=0.8, max_tokens=256, seed=seed))
+    items = [(p, steps) for p, sampled in zip(problems, solutions) for steps in sampled if steps]
+    rt = Runtime({"prm": str(prm_path)}, dtype="float32", device="cpu", kv_cache_memory_bytes=128 << 20)
+    scores = rt.score_many("prm", [(p.text, steps) for p, steps in items])
+    good, bad = [], []
+    for (problem, steps), step_scores in zip(items, scores):
+        for label, score in zip(step_labels(problem, steps), step_scores):
+            (good if label else bad).append(score)
+    pairs = len(good) * len(bad)
+    wins = sum((g > b) + 0.5 * (g == b) for g in good for b in bad)
+    return wins / pairs if pairs else float("nan")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True, help="where arith-gen/ and arith-prm/ are written")
+    parser.add_argument("--work", type=Path, default=Path("runs/arith-train"),
+                        help="intermediate checkpoints and the fully trained language model (the PRM's base)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--gen-steps", type=int, default=3000)
-    parser.add_argument("--gen-lr", type=float, default=2e-3)
-    parser.add_argument("--prm-steps", type=int, default=2000)
+    parser.add_argument("--lm-steps", type=int, default=2400)
+    parser.add_argument("--gen-step", type=int, default=1200, help="the language model's step saved as the generator")
+    parser.add_argument("--gen-lr", type=float, default=3e-3)
+    parser.add_argument("--eval-every", type=int, default=300, help="checkpoint and greedy accuracy every N steps")
+    parser.add_argument("--prm-steps", type=int, default=1000)
     parser.add_argument("--prm-lr", type=float, default=1e-3)
+    parser.add_argument("--prm-lm-weight", type=float, default=0.5)
+    parser.add_argument("--prm-adapt-steps", type=int, default=300,
+                        help="language-model steps on the PRM's input format before verdict training")
     parser.add_argument("--prm-problems", type=int, default=4000)
     parser.add_argument("--prm-samples", type=int, default=4)
     parser.add_argument("--eval-problems", type=int, default=200)
-    parser.add_argument("--stages", default="gen,prm", help="comma-separated: gen, prm")
+    parser.add_argument("--stages", default="lm,prm", help="comma-separated: lm, prm")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -122,13 +183,19 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     tokenizer = train_task_tokenizer(seed=args.seed)
     stages = args.stages.split(",")
-    gen_path = train_generator(tokenizer, args) if "gen" in stages else args.out / "arith-gen"
+    if "lm" in stages:
+        gen_path, final_path = train_language_model(tokenizer, args)
+    else:
+        gen_path, final_path = args.out / "arith-gen", args.work / "lm-final"
     report = {"seed": args.seed, "generator_greedy_validation": greedy_accuracy(gen_path, args.eval_problems)}
     log(f"generator greedy accuracy on {args.eval_problems} validation problems: {report['generator_greedy_validation']}")
     if "prm" in stages:
-        train_prm(tokenizer, gen_path, prm_dataset(tokenizer, gen_path, args), args)
+        prm_path = train_prm(tokenizer, final_path, prm_dataset(tokenizer, gen_path, args), args)
+        report["prm_auc_validation_samples"] = prm_auc(gen_path, prm_path, args.eval_problems, args.seed)
+        log(f"PRM AUC on the generator's validation samples: {report['prm_auc_validation_samples']:.3f}")
     report["seconds"] = round(time.perf_counter() - start)
-    (args.out / "training.json").write_text(json.dumps(report, indent=2) + "\n")
+    args.work.mkdir(parents=True, exist_ok=True)
+    (args.work / "training.json").write_text(json.dumps(report, indent=2) + "\n")
     log(f"done in {report['seconds']} s: {json.dumps(report)}")
     return 0
 

@@ -9,11 +9,11 @@ from treeserve.cli import main
 from treeserve.search.config import SearchConfig
 from treeserve.search.grading import grade
 from treeserve.search.runner import SearchRunner
-from treeserve.tasks.arithmetic import corrupted_steps, generate
+from treeserve.tasks.arithmetic import corrupted_steps, generate, split_of
 
 from treeserve.model.registry import BUNDLED_DIR
 
-README_PROBLEM = "Start with 38, then apply in order: 1) * 2, 2) + 9, 3) - 4, 4) + 5. What is the result?"  # 86
+README_PROBLEM = "Start with 44 and work modulo 100. Step 1: * 7. Step 2: + 9. Step 3: - 4. Step 4: + 5. What is the result?"  # 18, a test-split problem
 
 # Armed once the trained pair is bundled (issue #7); until then there is nothing to load.
 pytestmark = pytest.mark.skipif(not (BUNDLED_DIR / "arith-prm" / "config.json").is_file(),
@@ -57,8 +57,9 @@ def test_prm_ranks_correct_steps_above_corrupted_ones(runtime):
 
 def test_search_solves_the_readme_problem(capsys):
     start = time.perf_counter()
-    assert main(["search", "--generator", "builtin:arith-gen", "--verifier", "builtin:arith-prm", README_PROBLEM]) == 0
+    assert split_of(README_PROBLEM) == "test"
+    assert main(["search", README_PROBLEM]) == 0  # no model flags: the bundled pair is the default
     seconds = time.perf_counter() - start
     printed = capsys.readouterr().out
-    assert "\\boxed{86}" in printed and "--- answer: 86" in printed
+    assert "\\boxed{18}" in printed and "--- answer: 18" in printed
     assert seconds < 60  # the README's target is 10 s on 2 idle cores; this only guards against a collapse

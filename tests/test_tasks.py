@@ -6,7 +6,7 @@ import pytest
 
 from treeserve.cli import main
 from treeserve.search.grading import extract_answer, grade
-from treeserve.tasks.arithmetic import (LEVEL_SPECS, Problem, corrupted_steps, generate, parse_problem,
+from treeserve.tasks.arithmetic import (LEVEL_SPECS, MODULUS, Problem, corrupted_steps, generate, parse_problem,
                                         split_of, step_labels)
 from treeserve.tasks.tokenizer import train_task_tokenizer
 
@@ -30,29 +30,31 @@ def test_solutions_follow_the_sal_format_and_reach_the_answer(level):
         steps = problem.solution.split("\n\n")
         assert len(steps) == LEVEL_SPECS[level].num_operations + 1
         assert all(step.startswith(f"## Step {k}: ") for k, step in enumerate(steps[:-1], start=1))
-        assert all(0 <= value <= LEVEL_SPECS[level].max_value for value in problem.values())
+        assert all(0 <= value < MODULUS for value in problem.values())
         assert extract_answer(problem.solution) == problem.row()["answer"] == str(problem.answer)
         assert grade(extract_answer(problem.solution), problem.row()["answer"])
 
 
 def test_answer_is_the_left_to_right_value():
-    problem = parse_problem("Start with 7, then apply in order: 1) * 5, 2) + 6, 3) - 14. What is the result?")
+    problem = parse_problem("Start with 7 and work modulo 100. Step 1: * 5. Step 2: + 6. Step 3: - 14. What is the result?")
     assert problem.values() == [35, 41, 27] and problem.answer == 27 and problem.level == 2  # three operations
     assert parse_problem(problem.text) == problem
+    wrapping = parse_problem("Start with 38 and work modulo 100. Step 1: * 7. Step 2: + 9. Step 3: - 84. What is the result?")
+    assert wrapping.values() == [66, 75, 91] and wrapping.steps()[0] == "## Step 1: * 7, 38 * 7 = 66"
     with pytest.raises(ValueError, match="problem"):
         parse_problem("What is 2 + 2?")
     with pytest.raises(ValueError, match="problem"):  # operations out of order
-        parse_problem("Start with 7, then apply in order: 2) * 5, 1) + 6. What is the result?")
+        parse_problem("Start with 7 and work modulo 100. Step 2: * 5. Step 1: + 6. What is the result?")
 
 
 def test_step_labels_mark_the_first_error_and_everything_after_it():
-    problem = parse_problem("Start with 40, then apply in order: 1) + 5, 2) - 3, 3) * 2. What is the result?")
+    problem = parse_problem("Start with 40 and work modulo 100. Step 1: + 5. Step 2: - 3. Step 3: * 2. What is the result?")
     good = problem.steps()
     assert step_labels(problem, good) == [True] * 4
-    wrong_second = [good[0], "## Step 2: 45 - 3 = 43", "## Step 3: 43 * 2 = 86", good[3]]
+    wrong_second = [good[0], "## Step 2: - 3, 45 - 3 = 43", "## Step 3: * 2, 43 * 2 = 86", good[3]]
     assert step_labels(problem, wrong_second) == [True, False, False, False]
     assert step_labels(problem, good[:2]) == [True, True]
-    assert step_labels(problem, ["## Step 1: 40 + 5 = 45 "]) == [True]  # surrounding space is not an error
+    assert step_labels(problem, ["## Step 1: + 5, 40 + 5 = 45 "]) == [True]  # surrounding space is not an error
 
 
 def test_rows_have_math500_fields_and_export_writes_them(tmp_path):

@@ -1,10 +1,11 @@
-"""A synthetic multi-step task: numbered operations applied in order to a starting number.
+"""A synthetic multi-step task: numbered operations applied in order to a starting number, modulo 100.
 
-`Start with 38, then apply in order: 1) * 2, 2) + 9, 3) - 4. What is the result?` is solved in
-Search-and-Learn's format, one operation per `## Step k:` step, steps separated by a blank line,
-ending with a boxed answer. Operations carry their step's number, so finding the next one is a
-lookup rather than counting; the difficulty is the arithmetic (levels 3 to 5 reach three digits)
-and the length of the chain.
+`Start with 38 and work modulo 100. Step 1: * 7. Step 2: + 9. Step 3: - 4. What is the result?` is
+solved in Search-and-Learn's format, one operation per step (`## Step 1: * 7, 38 * 7 = 66`), steps
+separated by a blank line, ending with a boxed answer. A solution step opens with the words of its
+operation in the question, so finding the operation is a copy. Every number has one or two digits
+and every operand one, so each step is a small fact (a sum, difference or product, with its carry
+or borrow); the difficulty is getting every fact of a longer chain right.
 
 Problems are deterministic from a seed. The split a problem belongs to is a hash of its text, so
 the train, validation and test splits are disjoint by construction whatever seed draws them.
@@ -21,21 +22,23 @@ LEVELS = (1, 2, 3, 4, 5)
 FINAL_STEP = "Therefore, the final answer is: $\\boxed{{{answer}}}$."
 
 
+MODULUS = 100
+
+
 @dataclass(frozen=True)
 class Level:
     num_operations: int
     operators: str
     max_operand: int      # for + and -
     max_multiplier: int   # for *
-    max_value: int        # every running value stays in 0..max_value
 
 
 LEVEL_SPECS = {
-    1: Level(2, "+-", 9, 0, 99),
-    2: Level(3, "+-*", 19, 5, 99),
-    3: Level(4, "+-*", 99, 9, 999),
-    4: Level(5, "+-*", 99, 9, 999),
-    5: Level(6, "+-*", 99, 9, 999),
+    1: Level(2, "+-", 9, 0),
+    2: Level(3, "+-*", 9, 5),
+    3: Level(4, "+-*", 9, 9),
+    4: Level(5, "+-*", 9, 9),
+    5: Level(6, "+-*", 9, 9),
 }
 
 
@@ -46,10 +49,10 @@ class Operation:
 
     def apply(self, value: int) -> int:
         if self.operator == "+":
-            return value + self.operand
+            return (value + self.operand) % MODULUS
         if self.operator == "-":
-            return value - self.operand
-        return value * self.operand
+            return (value - self.operand) % MODULUS
+        return (value * self.operand) % MODULUS
 
 
 @dataclass(frozen=True)
@@ -60,8 +63,8 @@ class Problem:
 
     @property
     def text(self) -> str:
-        chain = ", ".join(f"{k}) {op.operator} {op.operand}" for k, op in enumerate(self.operations, start=1))
-        return f"Start with {self.start}, then apply in order: {chain}. What is the result?"
+        chain = " ".join(f"Step {k}: {op.operator} {op.operand}." for k, op in enumerate(self.operations, start=1))
+        return f"Start with {self.start} and work modulo {MODULUS}. {chain} What is the result?"
 
     def values(self) -> list[int]:
         """The running value after each operation."""
@@ -78,7 +81,7 @@ class Problem:
     def steps(self) -> list[str]:
         lines, value = [], self.start
         for k, (op, result) in enumerate(zip(self.operations, self.values()), start=1):
-            lines.append(f"## Step {k}: {value} {op.operator} {op.operand} = {result}")
+            lines.append(f"## Step {k}: {op.operator} {op.operand}, {value} {op.operator} {op.operand} = {result}")
             value = result
         return lines + [FINAL_STEP.format(answer=self.answer)]
 
@@ -107,27 +110,15 @@ def _digest(text: str) -> str:
 
 def random_problem(rng: random.Random, level: int) -> Problem:
     spec = LEVEL_SPECS[level]
-    start = rng.randint(2, 99)
-    value, operations = start, []
-    for _ in range(spec.num_operations):
-        op = _random_operation(rng, value, spec)
-        operations.append(op)
-        value = op.apply(value)
-    return Problem(start, tuple(operations), level)
+    start = rng.randint(2, MODULUS - 1)
+    return Problem(start, tuple(_random_operation(rng, spec) for _ in range(spec.num_operations)), level)
 
 
-def _random_operation(rng: random.Random, value: int, spec: Level) -> Operation:
-    """An operation whose result stays in 0..max_value (one always exists: + or - a small number);
-    only numbers of one or two digits are multiplied."""
-    while True:
-        operator = rng.choice(spec.operators)
-        if operator == "*":
-            operand = rng.randint(2, spec.max_multiplier)
-        else:
-            operand = rng.randint(1, spec.max_operand)
-        result = Operation(operator, operand).apply(value)
-        if 0 <= result <= spec.max_value and not (operator == "*" and not 2 <= value <= 99):
-            return Operation(operator, operand)
+def _random_operation(rng: random.Random, spec: Level) -> Operation:
+    operator = rng.choice(spec.operators)
+    if operator == "*":
+        return Operation(operator, rng.randint(2, spec.max_multiplier))
+    return Operation(operator, rng.randint(1, spec.max_operand))
 
 
 def generate(split: str, n: int, seed: int, levels: tuple[int, ...] = LEVELS) -> list[Problem]:
@@ -148,8 +139,8 @@ def generate(split: str, n: int, seed: int, levels: tuple[int, ...] = LEVELS) ->
 
 def parse_problem(text: str) -> Problem:
     """The problem a `Problem.text` describes (used to check steps of a question given as text)."""
-    match = re.fullmatch(r"Start with (\d+), then apply in order: (.+)\. What is the result\?", text.strip())
-    parts = [re.fullmatch(r"(\d+)\) ([-+*]) (\d+)", part) for part in match.group(2).split(", ")] if match else [None]
+    match = re.fullmatch(rf"Start with (\d+) and work modulo {MODULUS}\. (.+)\. What is the result\?", text.strip())
+    parts = [re.fullmatch(r"Step (\d+): ([-+*]) (\d+)", part) for part in match.group(2).split(". ")] if match else [None]
     if not match or not all(parts) or [int(p.group(1)) for p in parts] != list(range(1, len(parts) + 1)):
         raise ValueError(f"problem: not an arithmetic-chain problem: {text!r}")
     operations = tuple(Operation(p.group(2), int(p.group(3))) for p in parts)
@@ -174,10 +165,10 @@ def corrupted_steps(problem: Problem, rng: random.Random) -> list[str]:
     index = rng.randrange(len(steps))
     delta = rng.choice([-10, -2, -1, 1, 2, 10])
     if index == len(steps) - 1:
-        steps[index] = FINAL_STEP.format(answer=problem.answer + delta)
+        steps[index] = FINAL_STEP.format(answer=(problem.answer + delta) % MODULUS)
     else:
         head, _, result = steps[index].rpartition(" = ")
-        steps[index] = f"{head} = {int(result) + delta}"
+        steps[index] = f"{head} = {(int(result) + delta) % MODULUS}"
     return steps[: index + 1]
 
 

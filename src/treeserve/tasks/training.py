@@ -109,44 +109,92 @@ def sft_example(tokenizer, problem: Problem) -> tuple[list[int], list[int]]:
     return full, [IGNORE] * len(prompt) + full[len(prompt):]
 
 
-def prm_example(tokenizer, question: str, steps: list[str], labels: list[bool]) -> tuple[list[int], list[int]]:
-    """RLHFlow-format ids (every verdict turn reads `+`, as at inference) and per-position targets:
-    1 where the step is good, 0 where it is bad, IGNORE elsewhere."""
+def prm_example(tokenizer, question: str, steps: list[str], labels: list[bool],
+                expected: list[str]) -> tuple[list[int], ...]:
+    """RLHFlow-format ids (every verdict turn reads `+`, as at inference) and three kinds of labels:
+    - verdicts: 1 where the step is good, 0 where it is bad, IGNORE elsewhere;
+    - language-model labels on the text up to the last good step's verdict (the PRM keeps learning
+      the arithmetic it judges, never from a wrong step);
+    - token verdicts: at every token of a step, 1 if the solution is right so far (its text is a
+      prefix of the `expected` steps), else 0. This dense signal teaches the PRM to notice a wrong
+      digit where it appears; the verdict then only has to gather what the step's tokens noticed.
+    """
     built = RLHFlowRecipe().build(tokenizer, question, steps)
     targets = [IGNORE] * len(built.token_ids)
     for position, good in zip(built.verdict_positions, labels):
         targets[position] = int(good)
-    return built.token_ids, targets
+    good_positions = [p for p, good in zip(built.verdict_positions, labels) if good]
+    known = good_positions[-1] + 2 if good_positions else 0  # through the last good verdict token
+    lm_labels = built.token_ids[:known] + [IGNORE] * (len(built.token_ids) - known)
+    return built.token_ids, targets, lm_labels, _token_verdicts(tokenizer, built.token_ids, question, steps, labels,
+                                                                   expected)
 
 
-def collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, ...]:
-    width = max(len(ids) for ids, _ in examples)
+def _token_verdicts(tokenizer, token_ids: list[int], question: str, steps: list[str], labels: list[bool],
+                    expected: list[str]) -> list[int]:
+    text = tokenizer.decode(token_ids)
+    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    if len(offsets) != len(token_ids):
+        raise ValueError("prm example: the rendered conversation does not re-tokenize to the same ids")
+    targets, cursor, token = [IGNORE] * len(token_ids), text.index(question) + len(question), 0
+    for index, step in enumerate(steps):
+        start = text.index(step, cursor)
+        cursor = start + len(step)
+        right_before = index == 0 or labels[index - 1]
+        want = expected[index] if index < len(expected) else ""
+        while token < len(offsets) and offsets[token][0] < cursor:
+            begin, end = offsets[token]
+            if begin >= start:
+                targets[token] = int(right_before and step[: end - start] == want[: end - start])
+            token += 1
+    return targets
+
+
+def collate(examples: list[tuple[list[int], ...]], pad_id: int) -> tuple[torch.Tensor, ...]:
+    """(ids, *label rows) per example -> ids, one tensor per kind of labels (IGNORE-padded), mask."""
+    width = max(len(example[0]) for example in examples)
     ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(examples), width), IGNORE, dtype=torch.long)
+    labels = [torch.full((len(examples), width), IGNORE, dtype=torch.long) for _ in examples[0][1:]]
     mask = torch.zeros((len(examples), width), dtype=torch.long)
-    for row, (token_ids, targets) in enumerate(examples):
+    for row, (token_ids, *targets) in enumerate(examples):
         ids[row, : len(token_ids)] = torch.tensor(token_ids)
-        labels[row, : len(targets)] = torch.tensor(targets)
+        for kind, row_targets in zip(labels, targets):
+            kind[row, : len(row_targets)] = torch.tensor(row_targets)
         mask[row, : len(token_ids)] = 1
-    return ids, labels, mask
+    return ids, *labels, mask
 
 
 def lm_loss(model, ids, labels, mask) -> torch.Tensor:
-    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
+    return _next_token_loss(model(input_ids=ids, attention_mask=mask).logits, labels)
+
+
+def _next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits = logits[:, :-1]
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
                                              ignore_index=IGNORE)
 
 
-def verdict_loss(model, ids, targets, mask, good_id: int, bad_id: int) -> torch.Tensor:
-    """Two-way cross-entropy between the `+` and `-` logits at the verdict positions."""
-    hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
+def prm_loss(model, ids, targets, lm_labels, token_targets, mask, good_id: int, bad_id: int,
+             lm_weight: float) -> torch.Tensor:
+    """Two-way cross-entropy between the `+` and `-` logits at the verdict positions and at every
+    step token (see `prm_example`), plus `lm_weight` times the language-model loss on the text
+    before the first wrong step."""
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    loss = _two_way_loss(logits, targets, good_id, bad_id) + _two_way_loss(logits, token_targets, good_id, bad_id)
+    if not (lm_labels[:, 1:] != IGNORE).any():  # no good step in the batch: nothing to imitate
+        return loss
+    return loss + lm_weight * _next_token_loss(logits, lm_labels)
+
+
+def _two_way_loss(logits: torch.Tensor, targets: torch.Tensor, good_id: int, bad_id: int) -> torch.Tensor:
     where = targets != IGNORE
-    verdict_logits = model.lm_head(hidden[where])[:, [bad_id, good_id]]
-    return torch.nn.functional.cross_entropy(verdict_logits, targets[where])
+    return torch.nn.functional.cross_entropy(logits[where][:, [bad_id, good_id]], targets[where])
 
 
-def train(model, next_batch, loss_fn, schedule: Schedule, log_every: int = 50, log=print) -> list[float]:
-    """AdamW with warm-up and cosine decay; `next_batch(step)` gives the collated tensors."""
+def train(model, next_batch, loss_fn, schedule: Schedule, log_every: int = 50, log=print,
+          after_step=None) -> list[float]:
+    """AdamW with warm-up and cosine decay; `next_batch(step)` gives the collated tensors;
+    `after_step(step, model)`, if given, runs after each optimiser step (checkpoints)."""
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": schedule.weight_decay},
@@ -166,6 +214,10 @@ def train(model, next_batch, loss_fn, schedule: Schedule, log_every: int = 50, l
             recent = sum(losses[-log_every:]) / len(losses[-log_every:])
             log(f"step {step + 1}/{schedule.steps} loss {recent:.4f} lr {schedule.lr_at(step):.2e} "
                 f"{time.perf_counter() - start:.0f}s")
+        if after_step is not None:
+            model.eval()
+            after_step(step + 1, model)
+            model.train()
     model.eval()
     return losses
 
