@@ -88,3 +88,26 @@ def test_corrupted_steps_end_at_their_one_wrong_step():
         labels = step_labels(problem, steps)
         assert labels == [True] * (len(steps) - 1) + [False]
         assert extract_answer(steps[-1]) != str(problem.answer) or not steps[-1].startswith("Therefore")
+
+
+def test_prm_training_labels_mark_the_first_wrong_digit_and_stop_imitation_there():
+    from treeserve.tasks.training import IGNORE, prm_example
+
+    tokenizer = train_task_tokenizer()
+    problem = parse_problem("Start with 40 and work modulo 100. Step 1: + 5. Step 2: - 3. Step 3: * 2. What is the result?")
+    steps = problem.steps()
+    steps[1] = "## Step 2: - 3, 45 - 3 = 43"  # right is 42: the last digit is the first wrong token
+    ids, verdicts, lm_labels, token_verdicts = prm_example(tokenizer, problem.text, steps,
+                                                           step_labels(problem, steps), problem.steps())
+    tokens = tokenizer.convert_ids_to_tokens(ids)
+    assert [v for v in verdicts if v != IGNORE] == [1, 0, 0, 0]
+    marked = [(tokens[i].replace("Ġ", " "), v) for i, v in enumerate(token_verdicts) if v != IGNORE]
+    text_marks = "".join(t for t, _ in marked)
+    assert text_marks == "".join(steps)  # every step token is labelled, nothing else
+    second = "".join(t for t, _ in marked).index(steps[1])
+    flags = [v for t, v in marked for _ in t]  # one flag per character
+    wrong_digit = second + len(steps[1]) - 1
+    assert set(flags[:wrong_digit]) == {1} and set(flags[wrong_digit:]) == {0}
+    last_good_verdict = [i for i, v in enumerate(verdicts) if v == 1][-1]
+    known = last_good_verdict + 2  # the language-model labels end with step 1's `+`: step 2 is not imitated
+    assert tokens[known - 1] == "+" and lm_labels[:known] == ids[:known] and set(lm_labels[known:]) == {IGNORE}
