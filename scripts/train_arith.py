@@ -137,9 +137,11 @@ def greedy_accuracy(gen_path: Path, count: int = 200) -> dict:
     return {"overall": sum(overall) / len(overall), **{str(k): sum(v) / len(v) for k, v in sorted(by_level.items())}}
 
 
-def prm_auc(gen_path: Path, prm_path: Path, count: int, seed: int) -> float:
+def prm_auc(gen_path: Path, prm_path: Path, count: int, seed: int) -> dict[str, float]:
     """AUC of the PRM's step scores, correct against wrong steps, over the generator's own samples
-    (temperature 0.8, as search draws them) on validation problems."""
+    (temperature 0.8, as search draws them) on validation problems: pooled over all steps, and
+    between siblings only (same problem, same step number), the comparison beam search makes. The
+    pooled figure flatters: later steps are more often wrong, so position alone earns some of it."""
     from treeserve.runtime.runtime import Runtime
 
     problems = generate("validation", count, seed=seed)
@@ -147,12 +149,17 @@ def prm_auc(gen_path: Path, prm_path: Path, count: int, seed: int) -> float:
     items = [(p, steps) for p, sampled in zip(problems, solutions) for steps in sampled if steps]
     rt = Runtime({"prm": str(prm_path)}, dtype="float32", device="cpu", kv_cache_memory_bytes=128 << 20)
     scores = rt.score_many("prm", [(p.text, steps) for p, steps in items])
-    good, bad = [], []
+    by_key: dict[tuple, tuple[list[float], list[float]]] = {}
     for (problem, steps), step_scores in zip(items, scores):
-        for label, score in zip(step_labels(problem, steps), step_scores):
-            (good if label else bad).append(score)
-    pairs = len(good) * len(bad)
-    wins = sum((g > b) + 0.5 * (g == b) for g in good for b in bad)
+        for index, (label, score) in enumerate(zip(step_labels(problem, steps), step_scores)):
+            by_key.setdefault((problem.text, index), ([], []))[0 if label else 1].append(score)
+    pooled = ([s for good, _ in by_key.values() for s in good], [s for _, bad in by_key.values() for s in bad])
+    return {"pooled": _auc([pooled]), "siblings": _auc(list(by_key.values()))}
+
+
+def _auc(groups: list[tuple[list[float], list[float]]]) -> float:
+    wins = sum((g > b) + 0.5 * (g == b) for good, bad in groups for g in good for b in bad)
+    pairs = sum(len(good) * len(bad) for good, bad in groups)
     return wins / pairs if pairs else float("nan")
 
 
@@ -192,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     if "prm" in stages:
         prm_path = train_prm(tokenizer, final_path, prm_dataset(tokenizer, gen_path, args), args)
         report["prm_auc_validation_samples"] = prm_auc(gen_path, prm_path, args.eval_problems, args.seed)
-        log(f"PRM AUC on the generator's validation samples: {report['prm_auc_validation_samples']:.3f}")
+        log(f"PRM AUC on the generator's validation samples: {report['prm_auc_validation_samples']}")
     report["seconds"] = round(time.perf_counter() - start)
     args.work.mkdir(parents=True, exist_ok=True)
     (args.work / "training.json").write_text(json.dumps(report, indent=2) + "\n")
