@@ -25,7 +25,8 @@ from treeserve.search.config import STEP_DELIMITER
 from treeserve.tasks.arithmetic import Problem, corrupted_steps, generate, step_labels
 from treeserve.tasks.tokenizer import train_task_tokenizer
 from treeserve.tasks.training import (GENERATOR_SHAPE, PRM_EXTRA_LAYERS, Schedule, chat_ids, collate, grow, lm_loss,
-                                      new_model, one_level_batch, prm_example, prm_loss, save, sft_example, train,
+                                      new_model, one_level_batch, prm_example, prm_loss,
+                                      prm_reading_example, save, sft_example, train,
                                       train_problems)
 
 
@@ -95,9 +96,8 @@ def adapt_to_prm_format(tokenizer, model, args) -> None:
     rng = random.Random(f"prm-adapt:{args.seed}")
 
     def next_batch(step: int):
-        rows = [prm_example(tokenizer, p.text, p.steps(), [True] * len(p.steps()), p.steps())
-                for p in one_level_batch(rng, args.batch_size)]
-        return collate([(ids, lm_labels) for ids, _, lm_labels, _ in rows], tokenizer.pad_token_id)
+        rows = [prm_reading_example(tokenizer, p.text, p.steps()) for p in one_level_batch(rng, args.batch_size)]
+        return collate(rows, tokenizer.pad_token_id)
 
     train(model, next_batch, lm_loss, Schedule(args.prm_adapt_steps, args.batch_size, lr=args.prm_lr, warmup=20),
           log=log)

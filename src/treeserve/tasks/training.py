@@ -123,11 +123,21 @@ def prm_example(tokenizer, question: str, steps: list[str], labels: list[bool],
     targets = [IGNORE] * len(built.token_ids)
     for position, good in zip(built.verdict_positions, labels):
         targets[position] = int(good)
+    return (built.token_ids, targets, _imitation_labels(built, labels),
+            _token_verdicts(tokenizer, built.token_ids, question, steps, labels, expected))
+
+
+def prm_reading_example(tokenizer, question: str, steps: list[str]) -> tuple[list[int], list[int]]:
+    """A right solution as the PRM reads it, with language-model labels only (format adaptation)."""
+    built = RLHFlowRecipe().build(tokenizer, question, steps)
+    return built.token_ids, _imitation_labels(built, [True] * len(steps))
+
+
+def _imitation_labels(built, labels: list[bool]) -> list[int]:
+    """The ids through the last good step's verdict token, IGNORE after: never imitate a wrong step."""
     good_positions = [p for p, good in zip(built.verdict_positions, labels) if good]
-    known = good_positions[-1] + 2 if good_positions else 0  # through the last good verdict token
-    lm_labels = built.token_ids[:known] + [IGNORE] * (len(built.token_ids) - known)
-    return built.token_ids, targets, lm_labels, _token_verdicts(tokenizer, built.token_ids, question, steps, labels,
-                                                                   expected)
+    known = good_positions[-1] + 2 if good_positions else 0
+    return built.token_ids[:known] + [IGNORE] * (len(built.token_ids) - known)
 
 
 def _token_verdicts(tokenizer, token_ids: list[int], question: str, steps: list[str], labels: list[bool],
