@@ -3,15 +3,17 @@
 Stages: tokenizer; a language model supervised on exact solutions for `--lm-steps`, whose
 checkpoint at `--gen-step` becomes the generator (a partly trained model makes the mistakes search
 is for); the generator samples solutions to fresh training problems and exact checking labels every
-step; the PRM is the fully trained language model grown by two layers, trained on RLHFlow verdicts
-over those samples plus whole and corrupted reference solutions. Writes both checkpoints in Hugging
-Face format.
+step; the PRM is the fully trained language model grown by two layers, trained on `+`/`-` verdicts
+after every step of those samples plus whole and corrupted reference solutions, read by the
+`chat-steps` recipe (the solution as the generator wrote it; the PRM's config.json names the
+recipe). Writes both checkpoints in Hugging Face format.
 
     python scripts/train_arith.py --out src/treeserve/models [--seed 0]
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import random
 import sys
@@ -21,6 +23,7 @@ from pathlib import Path
 import torch
 
 from treeserve import LLM, SamplingParams
+from treeserve.runtime.prm_recipes import RECIPES
 from treeserve.search.config import STEP_DELIMITER
 from treeserve.tasks.arithmetic import Problem, corrupted_steps, generate, step_labels
 from treeserve.tasks.tokenizer import train_task_tokenizer
@@ -65,11 +68,25 @@ def sample_solutions(gen_path: Path, problems: list[Problem], params: SamplingPa
     return [[[s.strip() for s in c.text.split(STEP_DELIMITER) if s.strip()] for c in out.outputs] for out in outputs]
 
 
+def cached_samples(gen_path: Path, problems: list[Problem], params: SamplingParams, args) -> list[list[list[str]]]:
+    """`sample_solutions`, kept in the work directory under the generator's weights' hash and the
+    sampling settings, so PRM-only reruns skip the sampling (deterministic from the seed anyway)."""
+    weights = hashlib.sha256((gen_path / "model.safetensors").read_bytes()).hexdigest()[:12]
+    path = args.work / f"prm-samples-{weights}-{len(problems)}x{params.n}-seed{args.seed}.json"
+    if path.is_file():
+        log(f"prm data: reusing the samples in {path}")
+        return json.loads(path.read_text())
+    solutions = sample_solutions(gen_path, problems, params)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(solutions))
+    return solutions
+
+
 def prm_dataset(tokenizer, gen_path: Path, args) -> list[tuple[list[int], list[int]]]:
     rng = random.Random(f"prm-data:{args.seed}")
     problems = train_problems(rng, args.prm_problems)
     params = SamplingParams(n=args.prm_samples, temperature=1.0, max_tokens=256, seed=args.seed)
-    sampled = [(p, steps) for p, solutions in zip(problems, sample_solutions(gen_path, problems, params))
+    sampled = [(p, steps) for p, solutions in zip(problems, cached_samples(gen_path, problems, params, args))
                for steps in solutions]
     # Reference solutions, whole and with one step corrupted, in equal numbers: a wrong step then
     # appears at every position, so the position of a step says nothing about its label.
@@ -82,7 +99,7 @@ def prm_dataset(tokenizer, gen_path: Path, args) -> list[tuple[list[int], list[i
         labels = step_labels(problem, steps)
         good, total = good + sum(labels), total + len(labels)
         try:
-            examples.append(prm_example(tokenizer, problem.text, steps, labels, problem.steps()))
+            examples.append(prm_example(tokenizer, problem.text, steps, labels, problem.steps(), args.prm_recipe))
         except ValueError:  # a sample whose text does not survive rendering and re-tokenizing
             continue
     log(f"prm data: {len(examples)} solutions ({len(sampled)} sampled), {total} steps, {good / total:.1%} good")
@@ -90,13 +107,14 @@ def prm_dataset(tokenizer, gen_path: Path, args) -> list[tuple[list[int], list[i
 
 
 def adapt_to_prm_format(tokenizer, model, args) -> None:
-    """Language-model training on reference solutions rendered as the PRM reads them (steps in
-    RLHFlow user turns): the language model learnt its arithmetic in the generator's format and
-    computes less reliably in this one, and a verifier must first compute what it checks."""
+    """Language-model training on reference solutions rendered as the PRM reads them: with a recipe
+    other than the generator's own format (RLHFlow's user turns), the language model computes less
+    reliably than where it learnt, and a verifier must first compute what it checks."""
     rng = random.Random(f"prm-adapt:{args.seed}")
 
     def next_batch(step: int):
-        rows = [prm_reading_example(tokenizer, p.text, p.steps()) for p in one_level_batch(rng, args.batch_size)]
+        rows = [prm_reading_example(tokenizer, p.text, p.steps(), args.prm_recipe)
+                for p in one_level_batch(rng, args.batch_size)]
         return collate(rows, tokenizer.pad_token_id)
 
     train(model, next_batch, lm_loss, Schedule(args.prm_adapt_steps, args.batch_size, lr=args.prm_lr, warmup=20),
@@ -124,6 +142,7 @@ def train_prm(tokenizer, base_path: Path, examples, args) -> Path:
         return prm_loss(model, ids, targets, lm_labels, token_targets, mask, good_id, bad_id, args.prm_lm_weight)
 
     train(model, next_batch, loss_fn, Schedule(args.prm_steps, args.batch_size, lr=args.prm_lr), log=log)
+    model.config.prm_recipe = args.prm_recipe  # read by treeserve wherever no recipe is given
     return save(model, tokenizer, args.out / "arith-prm")
 
 
@@ -174,11 +193,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gen-step", type=int, default=1200, help="the language model's step saved as the generator")
     parser.add_argument("--gen-lr", type=float, default=3e-3)
     parser.add_argument("--eval-every", type=int, default=300, help="checkpoint and greedy accuracy every N steps")
-    parser.add_argument("--prm-steps", type=int, default=1000)
+    parser.add_argument("--prm-steps", type=int, default=800)
     parser.add_argument("--prm-lr", type=float, default=1e-3)
     parser.add_argument("--prm-lm-weight", type=float, default=0.5)
-    parser.add_argument("--prm-adapt-steps", type=int, default=300,
-                        help="language-model steps on the PRM's input format before verdict training")
+    parser.add_argument("--prm-recipe", default="chat-steps", choices=sorted(RECIPES),
+                        help="how the PRM reads a solution (written into its config.json)")
+    parser.add_argument("--prm-adapt-steps", type=int, default=0,
+                        help="language-model steps on the PRM's input format before verdict training "
+                             "(useful with a recipe other than chat-steps)")
     parser.add_argument("--prm-problems", type=int, default=4000)
     parser.add_argument("--prm-samples", type=int, default=4)
     parser.add_argument("--eval-problems", type=int, default=200)

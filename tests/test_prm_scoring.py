@@ -93,3 +93,36 @@ def test_siblings_scored_together_get_every_verdict(prm_dir, block_size):
     together = StepScorer(_engine(prm_dir, block_size=block_size)).score_many(items)
     alone = [StepScorer(_engine(prm_dir, block_size=block_size)).score_steps(q, s) for q, s in items]
     assert [s for scores in together for s in scores] == pytest.approx([s for scores in alone for s in scores], abs=1e-5)
+
+
+def test_chat_steps_recipe_reads_the_solution_as_the_generator_wrote_it():
+    from treeserve.tasks.arithmetic import parse_problem
+    from treeserve.tasks.tokenizer import train_task_tokenizer
+
+    tokenizer = train_task_tokenizer()
+    problem = parse_problem("Start with 40 and work modulo 100. Step 1: + 5. Step 2: - 3. What is the result?")
+    steps = problem.steps()
+    built = RECIPES["chat-steps"].build(tokenizer, problem.text, steps)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": problem.text}], tokenize=False,
+                                           add_generation_prompt=True)
+    assert tokenizer.decode(built.token_ids) == prompt + "\n\n".join(steps) + "\n\n"
+    assert built.verdict_positions[-1] == len(built.token_ids) - 1
+    for position, step in zip(built.verdict_positions, steps):  # each verdict follows its step's delimiter
+        assert tokenizer.decode(built.token_ids[:position + 1]).endswith(step + "\n\n")
+    shorter = RECIPES["chat-steps"].build(tokenizer, problem.text, steps[:2])
+    assert built.token_ids[: len(shorter.token_ids)] == shorter.token_ids  # scoring step k+1 extends step k
+
+
+def test_a_model_directory_names_its_recipe(tmp_path):
+    import json
+
+    from treeserve.runtime.prm_recipes import DEFAULT_RECIPE, declared_recipe
+
+    assert declared_recipe(tmp_path) == DEFAULT_RECIPE  # no config.json
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert declared_recipe(tmp_path) == DEFAULT_RECIPE
+    (tmp_path / "config.json").write_text(json.dumps({"prm_recipe": "chat-steps"}))
+    assert declared_recipe(tmp_path) == "chat-steps"
+    (tmp_path / "config.json").write_text(json.dumps({"prm_recipe": "nonsense"}))
+    with pytest.raises(ValueError, match="prm_recipe"):
+        declared_recipe(tmp_path)

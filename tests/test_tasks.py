@@ -109,5 +109,6 @@ def test_prm_training_labels_mark_the_first_wrong_digit_and_stop_imitation_there
     wrong_digit = second + len(steps[1]) - 1
     assert set(flags[:wrong_digit]) == {1} and set(flags[wrong_digit:]) == {0}
     last_good_verdict = [i for i, v in enumerate(verdicts) if v == 1][-1]
-    known = last_good_verdict + 2  # the language-model labels end with step 1's `+`: step 2 is not imitated
-    assert tokens[known - 1] == "+" and lm_labels[:known] == ids[:known] and set(lm_labels[known:]) == {IGNORE}
+    known = last_good_verdict + 1  # the language-model labels end with step 1's delimiter: step 2 is not imitated
+    assert tokenizer.decode(ids[known - 2:known]) == "\n\n" and tokenizer.decode(ids[known:known + 1]) == "##"
+    assert lm_labels[:known] == ids[:known] and set(lm_labels[known:]) == {IGNORE}

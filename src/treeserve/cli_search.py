@@ -27,7 +27,8 @@ def add_search_parsers(sub) -> None:
 def _add_search_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--generator", default=DEFAULT_MODEL, help="generator model directory or builtin:NAME")
     parser.add_argument("--verifier", default=DEFAULT_MODEL, help="process reward model directory or builtin:NAME")
-    parser.add_argument("--recipe", default="rlhflow", help="how the verifier reads steps (rlhflow, math-shepherd)")
+    parser.add_argument("--recipe", help="how the verifier reads steps: rlhflow, math-shepherd or chat-steps "
+                        "(default: the one the verifier's config.json names, else rlhflow)")
     parser.add_argument("--strategy", default="beam",
                         help="greedy, majority, best_of_n, weighted_best_of_n, beam or dvts (eval: comma-separated)")
     parser.add_argument("--beam-width", type=int, default=4)
@@ -70,7 +71,7 @@ def _runner(args, rt, reference: bool = False):
 
         prm = rt.engine("prm")
         path = str(resolve_model_path(prm.config.model))
-        return ReferenceRunner(rt.engine("gen"), HFStepScorer(path, prm.tokenizer, args.recipe))
+        return ReferenceRunner(rt.engine("gen"), HFStepScorer(path, prm.tokenizer, rt.recipes["prm"]))
     from treeserve.search.runner import SearchRunner
 
     return SearchRunner(rt.engine("gen"), rt.scorer("prm"))

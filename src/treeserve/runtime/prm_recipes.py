@@ -2,10 +2,14 @@
 
 A recipe returns the token ids to prefill and, for every step, the position whose next-token
 logits hold the verdict; the step's score is softmax over the (good, bad) token logits there.
+A model directory may name its recipe in its `config.json` (`"prm_recipe": "chat-steps"`); it is
+used wherever no recipe is given.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -67,8 +71,42 @@ class MathShepherdRecipe(_VerdictTokens):
         return PRMInput(token_ids, [len(p) - 1 for p in prefixes])
 
 
-RECIPES = {"rlhflow": RLHFlowRecipe(), "math-shepherd": MathShepherdRecipe()}
+@dataclass(frozen=True)
+class ChatStepsRecipe(_VerdictTokens):
+    """The question as the user turn and the solution as the assistant turn, exactly as the
+    generator writes it: steps joined by the step delimiter. Step k's verdict is read at the last
+    token of the delimiter after it (a separator-token PRM, like Qwen2.5-Math-PRM's, whose
+    separator is the generator's own). The verifier reads the text in the format its base model
+    learnt to compute in, so it can check each result by computing it.
+    """
+    step_delimiter: str = "\n\n"
+    name: str = "chat-steps"
+
+    def build(self, tokenizer, question: str, steps: list[str]) -> PRMInput:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                             add_generation_prompt=True)
+        prefixes = []
+        for step in steps:
+            text += step + self.step_delimiter
+            prefixes.append(tokenizer.encode(text, add_special_tokens=False))
+        token_ids = prefixes[-1] if prefixes else tokenizer.encode(text, add_special_tokens=False)
+        if any(token_ids[: len(p)] != p for p in prefixes):
+            raise ValueError("prm recipe: the step delimiter does not tokenize the same alone and in context")
+        return PRMInput(token_ids, [len(p) - 1 for p in prefixes])
+
+
+RECIPES = {"rlhflow": RLHFlowRecipe(), "math-shepherd": MathShepherdRecipe(), "chat-steps": ChatStepsRecipe()}
 DEFAULT_RECIPE = "rlhflow"
+CONFIG_KEY = "prm_recipe"
+
+
+def declared_recipe(model_dir: str | Path) -> str:
+    """The recipe a model directory names in its config.json, else the default (RLHFlow's)."""
+    config = Path(model_dir) / "config.json"
+    name = json.loads(config.read_text()).get(CONFIG_KEY, DEFAULT_RECIPE) if config.is_file() else DEFAULT_RECIPE
+    if name not in RECIPES:
+        raise ValueError(f"{config}: unknown {CONFIG_KEY} {name!r}; known: {', '.join(RECIPES)}")
+    return name
 
 
 def _render(tokenizer, conversation: list[dict], add_generation_prompt: bool) -> list[int]:

@@ -19,7 +19,8 @@ from treeserve.entrypoints.llm import LLM
 from treeserve.outputs import RequestOutput
 from treeserve.runtime.memory import (MemoryBreakdown, measure_activation_bytes, non_torch_bytes,
                                       weights_bytes)
-from treeserve.runtime.prm_recipes import DEFAULT_RECIPE
+from treeserve.model.registry import resolve_model_path
+from treeserve.runtime.prm_recipes import declared_recipe
 from treeserve.runtime.scorer import StepScorer
 from treeserve.runtime.telemetry import TelemetryTrace
 
@@ -43,7 +44,8 @@ class Runtime:
             self._attach_shared()
         else:
             self._attach_static(_fractions(kv_fractions, list(self.engines)))
-        self.recipes = {name: (recipes or {}).get(name, DEFAULT_RECIPE) for name in self.engines}
+        self.recipes = {name: (recipes or {}).get(name) or declared_recipe(resolve_model_path(models[name]))
+                        for name in self.engines}
         self._llms = {name: LLM.from_engine(engine) for name, engine in self.engines.items()}
         self._scorers: dict[str, StepScorer] = {}
         self.trace = TelemetryTrace(trace_path) if trace_path else None

@@ -1,9 +1,9 @@
 """Plain-PyTorch training of the arithmetic task's generator and process reward model, on CPU.
 
 The generator learns the solutions (loss on the assistant turn only). The PRM is trained on steps
-the generator itself sampled, labelled by exact checking, in the RLHFlow format: its verdict at
-every assistant turn is a two-way choice between the `+` and `-` tokens, read the way
-`treeserve.runtime.prm_recipes.RLHFlowRecipe` reads it at inference.
+the generator itself sampled, labelled by exact checking: its verdict after every step is a two-way
+choice between the `+` and `-` tokens, at the positions a recipe of
+`treeserve.runtime.prm_recipes` names, read the same way at inference.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from treeserve.runtime.prm_recipes import RLHFlowRecipe
+from treeserve.runtime.prm_recipes import RECIPES
 from treeserve.tasks.arithmetic import LEVELS, Problem, random_problem, split_of
 
 IGNORE = -100
@@ -109,17 +109,17 @@ def sft_example(tokenizer, problem: Problem) -> tuple[list[int], list[int]]:
     return full, [IGNORE] * len(prompt) + full[len(prompt):]
 
 
-def prm_example(tokenizer, question: str, steps: list[str], labels: list[bool],
-                expected: list[str]) -> tuple[list[int], ...]:
-    """RLHFlow-format ids (every verdict turn reads `+`, as at inference) and three kinds of labels:
+def prm_example(tokenizer, question: str, steps: list[str], labels: list[bool], expected: list[str],
+                recipe: str = "chat-steps") -> tuple[list[int], ...]:
+    """The ids `recipe` builds (as at inference) and three kinds of labels:
     - verdicts: 1 where the step is good, 0 where it is bad, IGNORE elsewhere;
-    - language-model labels on the text up to the last good step's verdict (the PRM keeps learning
-      the arithmetic it judges, never from a wrong step);
+    - language-model labels on the text through the last good step's verdict position (the PRM
+      keeps learning the arithmetic it judges, never from a wrong step);
     - token verdicts: at every token of a step, 1 if the solution is right so far (its text is a
       prefix of the `expected` steps), else 0. This dense signal teaches the PRM to notice a wrong
       digit where it appears; the verdict then only has to gather what the step's tokens noticed.
     """
-    built = RLHFlowRecipe().build(tokenizer, question, steps)
+    built = RECIPES[recipe].build(tokenizer, question, steps)
     targets = [IGNORE] * len(built.token_ids)
     for position, good in zip(built.verdict_positions, labels):
         targets[position] = int(good)
@@ -127,16 +127,17 @@ def prm_example(tokenizer, question: str, steps: list[str], labels: list[bool],
             _token_verdicts(tokenizer, built.token_ids, question, steps, labels, expected))
 
 
-def prm_reading_example(tokenizer, question: str, steps: list[str]) -> tuple[list[int], list[int]]:
+def prm_reading_example(tokenizer, question: str, steps: list[str],
+                        recipe: str = "chat-steps") -> tuple[list[int], list[int]]:
     """A right solution as the PRM reads it, with language-model labels only (format adaptation)."""
-    built = RLHFlowRecipe().build(tokenizer, question, steps)
+    built = RECIPES[recipe].build(tokenizer, question, steps)
     return built.token_ids, _imitation_labels(built, [True] * len(steps))
 
 
 def _imitation_labels(built, labels: list[bool]) -> list[int]:
-    """The ids through the last good step's verdict token, IGNORE after: never imitate a wrong step."""
+    """The ids through the last good step's verdict position, IGNORE after: never imitate a wrong step."""
     good_positions = [p for p, good in zip(built.verdict_positions, labels) if good]
-    known = good_positions[-1] + 2 if good_positions else 0
+    known = good_positions[-1] + 1 if good_positions else 0
     return built.token_ids[:known] + [IGNORE] * (len(built.token_ids) - known)
 
 
