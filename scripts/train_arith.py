@@ -125,7 +125,7 @@ def train_prm(tokenizer, base_path: Path, examples, args) -> Path:
     import transformers
 
     base = transformers.LlamaForCausalLM.from_pretrained(base_path, dtype=torch.float32)
-    model = grow(base, PRM_EXTRA_LAYERS, args.seed + 1)
+    model = grow(base, args.prm_extra_layers, args.seed + 1)
     log(f"prm: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
     if args.prm_adapt_steps:
         adapt_to_prm_format(tokenizer, model, args)
@@ -139,7 +139,8 @@ def train_prm(tokenizer, base_path: Path, examples, args) -> Path:
         return collate(by_length[start:start + args.batch_size], tokenizer.pad_token_id)
 
     def loss_fn(model, ids, targets, lm_labels, token_targets, mask):
-        return prm_loss(model, ids, targets, lm_labels, token_targets, mask, good_id, bad_id, args.prm_lm_weight)
+        return prm_loss(model, ids, targets, lm_labels, token_targets, mask, good_id, bad_id, args.prm_lm_weight,
+                        args.prm_bad_weight)
 
     train(model, next_batch, loss_fn, Schedule(args.prm_steps, args.batch_size, lr=args.prm_lr), log=log)
     model.config.prm_recipe = args.prm_recipe  # read by treeserve wherever no recipe is given
@@ -196,6 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prm-steps", type=int, default=800)
     parser.add_argument("--prm-lr", type=float, default=1e-3)
     parser.add_argument("--prm-lm-weight", type=float, default=0.5)
+    parser.add_argument("--prm-bad-weight", type=float, default=1.0,
+                        help="weight of a wrong token's verdict against a right one's (wrong ones are rare)")
+    parser.add_argument("--prm-extra-layers", type=int, default=PRM_EXTRA_LAYERS,
+                        help="layers added on top of the language model: some find a wrong digit, "
+                             "the ones above carry it to the verdict")
     parser.add_argument("--prm-recipe", default="chat-steps", choices=sorted(RECIPES),
                         help="how the PRM reads a solution (written into its config.json)")
     parser.add_argument("--prm-adapt-steps", type=int, default=0,

@@ -101,10 +101,10 @@ def test_prm_training_labels_mark_the_first_wrong_digit_and_stop_imitation_there
                                                            step_labels(problem, steps), problem.steps())
     tokens = tokenizer.convert_ids_to_tokens(ids)
     assert [v for v in verdicts if v != IGNORE] == [1, 0, 0, 0]
-    marked = [(tokens[i].replace("Ġ", " "), v) for i, v in enumerate(token_verdicts) if v != IGNORE]
+    marked = [(tokens[i].replace("Ġ", " ").replace("Ċ", "\n"), v) for i, v in enumerate(token_verdicts) if v != IGNORE]
     text_marks = "".join(t for t, _ in marked)
-    assert text_marks == "".join(steps)  # every step token is labelled, nothing else
-    second = "".join(t for t, _ in marked).index(steps[1])
+    assert text_marks == "".join(step + "\n\n" for step in steps)  # every token from the first step on, nothing before
+    second = text_marks.index(steps[1])
     flags = [v for t, v in marked for _ in t]  # one flag per character
     wrong_digit = second + len(steps[1]) - 1
     assert set(flags[:wrong_digit]) == {1} and set(flags[wrong_digit:]) == {0}

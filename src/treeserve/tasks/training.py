@@ -116,8 +116,9 @@ def prm_example(tokenizer, question: str, steps: list[str], labels: list[bool], 
     - language-model labels on the text through the last good step's verdict position (the PRM
       keeps learning the arithmetic it judges, never from a wrong step);
     - token verdicts: at every token of a step, 1 if the solution is right so far (its text is a
-      prefix of the `expected` steps), else 0. This dense signal teaches the PRM to notice a wrong
-      digit where it appears; the verdict then only has to gather what the step's tokens noticed.
+      prefix of the `expected` steps), else 0; at the tokens between a step and the next (the
+      verdict position among them), the step's label. This dense signal teaches the PRM to notice
+      a wrong digit where it appears and to carry that to every later position.
     """
     built = RECIPES[recipe].build(tokenizer, question, steps)
     targets = [IGNORE] * len(built.token_ids)
@@ -148,14 +149,19 @@ def _token_verdicts(tokenizer, token_ids: list[int], question: str, steps: list[
     if len(offsets) != len(token_ids):
         raise ValueError("prm example: the rendered conversation does not re-tokenize to the same ids")
     targets, cursor, token = [IGNORE] * len(token_ids), text.index(question) + len(question), 0
-    for index, step in enumerate(steps):
-        start = text.index(step, cursor)
-        cursor = start + len(step)
+    starts = []
+    for step in steps:
+        starts.append(text.index(step, cursor))
+        cursor = starts[-1] + len(step)
+    for index, (step, start) in enumerate(zip(steps, starts)):
         right_before = index == 0 or labels[index - 1]
         want = expected[index] if index < len(expected) else ""
-        while token < len(offsets) and offsets[token][0] < cursor:
+        following = starts[index + 1] if index + 1 < len(steps) else len(text)
+        while token < len(offsets) and offsets[token][0] < following:
             begin, end = offsets[token]
-            if begin >= start:
+            if begin >= start + len(step):  # between this step and the next: the step's own verdict
+                targets[token] = int(labels[index])
+            elif begin >= start:
                 targets[token] = int(right_before and step[: end - start] == want[: end - start])
             token += 1
     return targets
@@ -186,20 +192,24 @@ def _next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor
 
 
 def prm_loss(model, ids, targets, lm_labels, token_targets, mask, good_id: int, bad_id: int,
-             lm_weight: float) -> torch.Tensor:
+             lm_weight: float, bad_weight: float = 1.0) -> torch.Tensor:
     """Two-way cross-entropy between the `+` and `-` logits at the verdict positions and at every
-    step token (see `prm_example`), plus `lm_weight` times the language-model loss on the text
-    before the first wrong step."""
+    token from the first step on (see `prm_example`), a wrong token weighing `bad_weight` times a
+    right one (they are rare), plus `lm_weight` times the language-model loss on the text before
+    the first wrong step."""
     logits = model(input_ids=ids, attention_mask=mask).logits
-    loss = _two_way_loss(logits, targets, good_id, bad_id) + _two_way_loss(logits, token_targets, good_id, bad_id)
+    loss = (_two_way_loss(logits, targets, good_id, bad_id, bad_weight)
+            + _two_way_loss(logits, token_targets, good_id, bad_id, bad_weight))
     if not (lm_labels[:, 1:] != IGNORE).any():  # no good step in the batch: nothing to imitate
         return loss
     return loss + lm_weight * _next_token_loss(logits, lm_labels)
 
 
-def _two_way_loss(logits: torch.Tensor, targets: torch.Tensor, good_id: int, bad_id: int) -> torch.Tensor:
+def _two_way_loss(logits: torch.Tensor, targets: torch.Tensor, good_id: int, bad_id: int,
+                  bad_weight: float = 1.0) -> torch.Tensor:
     where = targets != IGNORE
-    return torch.nn.functional.cross_entropy(logits[where][:, [bad_id, good_id]], targets[where])
+    weight = torch.tensor([bad_weight, 1.0], dtype=logits.dtype)
+    return torch.nn.functional.cross_entropy(logits[where][:, [bad_id, good_id]], targets[where], weight=weight)
 
 
 def train(model, next_batch, loss_fn, schedule: Schedule, log_every: int = 50, log=print,
