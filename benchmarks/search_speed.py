@@ -69,7 +69,8 @@ def measure(label: str, paths, rows, config: SearchConfig, args) -> dict:
     questions = [r["problem"] for r in rows]
     gen, prm = rt.engine("gen"), rt.engine("prm")
     if label == "reference":
-        scorer = HFStepScorer(str(resolve_model_path(paths["prm"])), prm.tokenizer) if config.uses_verifier else None
+        scorer = (HFStepScorer(str(resolve_model_path(paths["prm"])), prm.tokenizer, rt.recipes["prm"])
+                  if config.uses_verifier else None)
         runner = ReferenceRunner(gen, scorer)
     else:
         runner = SearchRunner(gen, rt.scorer("prm") if config.uses_verifier else None)
@@ -85,12 +86,16 @@ def measure(label: str, paths, rows, config: SearchConfig, args) -> dict:
             "prm_tokens_per_problem": prm_tokens / len(rows), "accuracy": correct / len(rows),
             # verifier input tokens not recomputed: prefix-cache hits plus kept-KV forks
             "prm_hit_rate": 1 - prm_tokens / submitted if submitted else None,
-            "tree_size": sum(r.tree_size for r in results)}
+            "tree_size": sum(r.tree_size for r in results),
+            # the reference's verifier time (HF transformers): what its generation cannot explain
+            "verifier_seconds": scorer.seconds if label == "reference" and scorer else None}
 
 
 def report(strategy: str, runs: dict[str, dict]) -> float:
     for run in runs.values():
         hit = f", PRM tokens reused {run['prm_hit_rate']:.1%}" if run["prm_hit_rate"] is not None else ""
+        if run["verifier_seconds"] is not None:
+            hit += f", verifier {run['verifier_seconds']:.1f} s ({run['verifier_seconds'] / run['seconds']:.0%})"
         print(f"{strategy:>10} {run['label']:>9}: {run['seconds']:7.1f} s, {run['problems_per_s']:.3f} problems/s, "
               f"{run['generated_tokens_per_s']:.1f} generated tok/s, {run['prm_tokens_per_problem']:.0f} PRM tokens "
               f"per problem, accuracy {run['accuracy']:.1%}, tree nodes {run['tree_size']}{hit}")

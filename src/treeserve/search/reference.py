@@ -37,13 +37,16 @@ class HFStepScorer:
         self.candidates = list(self.recipe.candidate_ids(tokenizer))
         self.batch_size = batch_size
         self.num_tokens_computed = 0
+        self.seconds = 0.0  # spent scoring, inputs built and forward passes run
 
     @torch.inference_mode()
     def score_many(self, items: list[tuple[str, list[str]]]) -> list[list[float]]:
+        start_time = time.perf_counter()
         inputs = [self.recipe.build(self.tokenizer, q, steps) for q, steps in items]
         scores: list[list[float]] = []
         for start in range(0, len(inputs), self.batch_size):
             scores += self._score_batch(inputs[start:start + self.batch_size])
+        self.seconds += time.perf_counter() - start_time
         return scores
 
     def _score_batch(self, batch) -> list[list[float]]:
