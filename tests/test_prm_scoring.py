@@ -126,3 +126,23 @@ def test_a_model_directory_names_its_recipe(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"prm_recipe": "nonsense"}))
     with pytest.raises(ValueError, match="prm_recipe"):
         declared_recipe(tmp_path)
+
+
+def test_runtime_uses_the_declared_recipe_unless_told_otherwise(prm_dir, tmp_path):
+    import json
+    import shutil
+
+    from treeserve import Runtime
+
+    declared = tmp_path / "prm"
+    shutil.copytree(prm_dir, declared)
+    config = json.loads((declared / "config.json").read_text())
+    (declared / "config.json").write_text(json.dumps({**config, "prm_recipe": "chat-steps"}))
+    options = dict(dtype="float32", device="cpu", kv_cache_memory_bytes=8 << 20)
+    rt = Runtime({"plain": str(prm_dir), "prm": str(declared)}, **options)
+    assert rt.recipes == {"plain": "rlhflow", "prm": "chat-steps"}
+    assert rt.scorer("prm").recipe.name == "chat-steps"
+    rt.close()
+    rt = Runtime({"prm": str(declared)}, recipes={"prm": "math-shepherd"}, **options)
+    assert rt.recipes == {"prm": "math-shepherd"}
+    rt.close()
