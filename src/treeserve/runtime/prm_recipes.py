@@ -65,10 +65,7 @@ class MathShepherdRecipe(_VerdictTokens):
             prefixes.append(tokenizer.encode(text))
             if index + 1 < len(steps):
                 text += "\n"
-        token_ids = tokenizer.encode(text)
-        if any(token_ids[: len(p)] != p for p in prefixes):
-            raise ValueError("prm recipe: the step tag does not tokenize the same alone and in context")
-        return PRMInput(token_ids, [len(p) - 1 for p in prefixes])
+        return _verdicts_at_prefix_ends(tokenizer.encode(text), prefixes, "the step tag")
 
 
 @dataclass(frozen=True)
@@ -90,9 +87,7 @@ class ChatStepsRecipe(_VerdictTokens):
             text += step + self.step_delimiter
             prefixes.append(tokenizer.encode(text, add_special_tokens=False))
         token_ids = prefixes[-1] if prefixes else tokenizer.encode(text, add_special_tokens=False)
-        if any(token_ids[: len(p)] != p for p in prefixes):
-            raise ValueError("prm recipe: the step delimiter does not tokenize the same alone and in context")
-        return PRMInput(token_ids, [len(p) - 1 for p in prefixes])
+        return _verdicts_at_prefix_ends(token_ids, prefixes, "the step delimiter")
 
 
 RECIPES = {"rlhflow": RLHFlowRecipe(), "math-shepherd": MathShepherdRecipe(), "chat-steps": ChatStepsRecipe()}
@@ -107,6 +102,14 @@ def declared_recipe(model_dir: str | Path) -> str:
     if name not in RECIPES:
         raise ValueError(f"{config}: unknown {CONFIG_KEY} {name!r}; known: {', '.join(RECIPES)}")
     return name
+
+
+def _verdicts_at_prefix_ends(token_ids: list[int], prefixes: list[list[int]], marker: str) -> PRMInput:
+    """Each step's verdict at the last token of the text through it, once every such prefix is
+    checked to tokenize the same alone as inside the whole text."""
+    if any(token_ids[: len(p)] != p for p in prefixes):
+        raise ValueError(f"prm recipe: {marker} does not tokenize the same alone and in context")
+    return PRMInput(token_ids, [len(p) - 1 for p in prefixes])
 
 
 def _render(tokenizer, conversation: list[dict], add_generation_prompt: bool) -> list[int]:
