@@ -64,15 +64,41 @@ def runtime(paths: dict[str, str], args) -> Runtime:
                    max_model_len=4096 if args.models == "random" else None, max_num_batched_tokens=4096)
 
 
+class DistinctPrefixes:
+    """Watches an engine's inputs and counts the tokens that no cache could have served: the nodes
+    of the trie of every input submitted (a token whose whole prefix was submitted before is one
+    an ideal cache holds). 1 - distinct / submitted is the ceiling on any reuse rate."""
+
+    def __init__(self, engine):
+        self.seen: set[int] = set()
+        self.distinct = 0
+        add_request = engine.add_request
+
+        def watched(request_id, token_ids, *rest, **kwargs):
+            self.observe(token_ids)
+            return add_request(request_id, token_ids, *rest, **kwargs)
+        engine.add_request = watched
+
+    def observe(self, token_ids: list[int]) -> None:
+        prefix = 0
+        for token in token_ids:
+            prefix = hash((prefix, token))
+            if prefix not in self.seen:
+                self.seen.add(prefix)
+                self.distinct += 1
+
+
 def measure(label: str, paths, rows, config: SearchConfig, args) -> dict:
     rt = runtime(paths, args)
     questions = [r["problem"] for r in rows]
     gen, prm = rt.engine("gen"), rt.engine("prm")
+    trie = None
     if label == "reference":
         scorer = (HFStepScorer(str(resolve_model_path(paths["prm"])), prm.tokenizer, rt.recipes["prm"])
                   if config.uses_verifier else None)
-        runner = ReferenceRunner(gen, scorer)
+        runner = ReferenceRunner(gen, scorer, batch_size=args.reference_batch)
     else:
+        trie = DistinctPrefixes(prm)
         runner = SearchRunner(gen, rt.scorer("prm") if config.uses_verifier else None)
     start = time.perf_counter()
     results = runner.run(questions, config)
@@ -86,6 +112,7 @@ def measure(label: str, paths, rows, config: SearchConfig, args) -> dict:
             "prm_tokens_per_problem": prm_tokens / len(rows), "accuracy": correct / len(rows),
             # verifier input tokens not recomputed: prefix-cache hits plus kept-KV forks
             "prm_hit_rate": 1 - prm_tokens / submitted if submitted else None,
+            "prm_reuse_ceiling": 1 - trie.distinct / submitted if submitted else None,
             "tree_size": sum(r.tree_size for r in results),
             # the reference's verifier time (HF transformers): what its generation cannot explain
             "verifier_seconds": scorer.seconds if label == "reference" and scorer else None}
@@ -93,7 +120,9 @@ def measure(label: str, paths, rows, config: SearchConfig, args) -> dict:
 
 def report(strategy: str, runs: dict[str, dict]) -> float:
     for run in runs.values():
-        hit = f", PRM tokens reused {run['prm_hit_rate']:.1%}" if run["prm_hit_rate"] is not None else ""
+        hit = ""
+        if run["prm_hit_rate"] is not None:
+            hit = f", PRM tokens reused {run['prm_hit_rate']:.1%} (ceiling {run['prm_reuse_ceiling']:.1%})"
         if run["verifier_seconds"] is not None:
             hit += f", verifier {run['verifier_seconds']:.1f} s ({run['verifier_seconds'] / run['seconds']:.0%})"
         print(f"{strategy:>10} {run['label']:>9}: {run['seconds']:7.1f} s, {run['problems_per_s']:.3f} problems/s, "
@@ -115,6 +144,8 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--kv-mib", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--reference-batch", type=int, default=None,
+                        help="problems per lockstep batch in the reference (default: S&L's, 1 for beam search, else 25)")
     parser.add_argument("--strategies", nargs="+", default=["beam", "best_of_n"])
     args = parser.parse_args()
     paths, rows, source = models_and_problems(args)

@@ -61,6 +61,26 @@ def test_preemption_gives_identical_tokens(llama_dir, reference):
     assert_no_leak(llm.engine)
 
 
+def test_decode_groups_capped_by_keys_give_identical_tokens(llama_dir, reference):
+    llm = _llm(llama_dir)
+    runner = llm.engine.runner
+    runner.decode_group_max_keys = 48  # at most three blocks of keys: a group of one or two
+    groups = []
+    original = runner.prepare_inputs
+
+    def spy(scheduled):
+        inputs = original(scheduled)
+        groups.extend(inputs.meta.decode_groups)
+        return inputs
+
+    runner.prepare_inputs = spy
+    assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference
+    rows = [g.block_tables.shape[0] for g in groups]
+    assert all(r == 1 or r * g.block_tables.shape[1] * 16 <= 48 for r, g in zip(rows, groups))
+    assert max(rows) > 1 and 1 in rows, "expected groups of one and of more than one"
+    assert_no_leak(llm.engine)
+
+
 def test_prefix_cache_hit_gives_identical_tokens(llama_dir, reference):
     llm = _llm(llama_dir)
     first = llm.generate(PROMPTS, GREEDY, use_tqdm=False)

@@ -1,10 +1,12 @@
 """Search-and-Learn's original execution, kept to measure the speed-up against on the same models.
 
 What it reproduces: problems go in fixed batches, each batch in lockstep until all its problems
-finish; every step re-submits each beam's whole prompt as text (one request per sample, the
-engine's prefix cache standing in for vLLM's); the verifier is Hugging Face transformers
-re-encoding every whole conversation in small padded batches, with no KV reuse and no score
-cache; the last step is sampled to end-of-sequence. The strategies themselves are the same code.
+finish (S&L's `search_batch_size`: 25 by default, and 1 for beam search, which S&L's config
+enforces because its beam search is not batched); every step re-submits each beam's whole prompt
+as text (one request per sample, the engine's prefix cache standing in for vLLM's); the verifier
+is Hugging Face transformers re-encoding every whole conversation in small padded batches, with
+no KV reuse and no score cache; the last step is sampled to end-of-sequence. The strategies
+themselves are the same code.
 """
 from __future__ import annotations
 
@@ -23,8 +25,14 @@ from treeserve.search.prompting import prompt_text
 from treeserve.search.strategies import run_strategy
 from treeserve.search.tree import Sample, Score, SearchResult, Step, step_from_completion
 
-SAL_SEARCH_BATCH_SIZE = 25   # problems per lockstep batch
-SAL_PRM_BATCH_SIZE = 2       # conversations per verifier forward pass
+SAL_SEARCH_BATCH_SIZE = 25   # problems per lockstep batch (S&L's default `search_batch_size`)
+SAL_BEAM_SEARCH_BATCH_SIZE = 1  # S&L's config rejects any other batch size for beam search
+SAL_PRM_BATCH_SIZE = 4       # conversations per verifier forward pass (S&L's default `prm_batch_size`)
+
+
+def sal_search_batch_size(strategy: str) -> int:
+    """Problems S&L runs together in lockstep for a strategy."""
+    return SAL_BEAM_SEARCH_BATCH_SIZE if strategy == "beam" else SAL_SEARCH_BATCH_SIZE
 
 
 class HFStepScorer:
@@ -63,18 +71,19 @@ class HFStepScorer:
 
 
 class ReferenceRunner:
-    def __init__(self, generator: LLMEngine, scorer: HFStepScorer | None, batch_size: int = SAL_SEARCH_BATCH_SIZE):
+    def __init__(self, generator: LLMEngine, scorer: HFStepScorer | None, batch_size: int | None = None):
         self.generator = generator
         self.llm = LLM.from_engine(generator)
         self.scorer = scorer
-        self.batch_size = batch_size
+        self.batch_size = batch_size  # None: S&L's batch size for the strategy
 
     def run(self, questions: list[str], config: SearchConfig,
             on_result: Callable[[int, SearchResult], None] | None = None) -> list[SearchResult]:
         config = config.replace(eos_sampling_at_max_depth=True)
         results: list[SearchResult] = []
-        for start in range(0, len(questions), self.batch_size):
-            batch = list(enumerate(questions[start:start + self.batch_size], start))
+        size = self.batch_size or sal_search_batch_size(config.strategy)
+        for start in range(0, len(questions), size):
+            batch = list(enumerate(questions[start:start + size], start))
             for index, result in self._run_batch(batch, config):
                 results.append(result)
                 if on_result is not None:

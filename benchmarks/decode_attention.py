@@ -1,0 +1,73 @@
+"""Decode attention on CPU: one group per context length against groups capped by gathered keys.
+
+The model runner groups decoding sequences by context length and, on CPU, also caps each group's
+gathered keys (`CPU_DECODE_GROUP_MAX_KEYS`). This times `TorchSDPABackend` on one decode step's
+attention for batches shaped like beam search's (many sequences, a few hundred tokens each), with
+the groups built both ways from the same sequences, and prints the medians and their ratio.
+
+    python benchmarks/decode_attention.py [--batches 16,144,480] [--context 160] [--repeats 7]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from treeserve.engine.attention import AttentionMetadata, DecodeGroup, TorchSDPABackend
+from treeserve.engine.model_runner import CPU_DECODE_GROUP_MAX_KEYS
+
+BLOCK_SIZE, KV_HEADS, HEAD_DIM, NUM_BLOCKS = 16, 4, 32, 8192
+
+
+def decode_step(batch: int, context: int, max_keys: int | None, generator: torch.Generator):
+    """A flat decode batch of `batch` sequences of about `context` tokens, grouped in runs whose
+    padded key count stays within `max_keys` (None: one group)."""
+    lens = torch.randint(context - BLOCK_SIZE + 1, context + 1, (batch,), generator=generator).sort().values
+    width = -(-context // BLOCK_SIZE)
+    tables = torch.randint(0, NUM_BLOCKS, (batch, width), generator=generator)
+    per_group = batch if max_keys is None else max(1, max_keys // (width * BLOCK_SIZE))
+    groups = [DecodeGroup(slice(i, min(i + per_group, batch)), tables[i:i + per_group], lens[i:i + per_group])
+              for i in range(0, batch, per_group)]
+    slots = tables[torch.arange(batch), (lens - 1) // BLOCK_SIZE] * BLOCK_SIZE + (lens - 1) % BLOCK_SIZE
+    return AttentionMetadata(slot_mapping=slots, block_size=BLOCK_SIZE, decode_groups=groups)
+
+
+def median_ms(backend, cache, meta, q, k, v, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(10):
+            backend.forward(cache, q, k, v, meta, HEAD_DIM ** -0.5, None)
+        times.append((time.perf_counter() - start) / 10 * 1e3)
+    return statistics.median(times)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", default="16,144,480")
+    parser.add_argument("--context", type=int, default=160)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    backend, generator = TorchSDPABackend(), torch.Generator().manual_seed(0)
+    cache = torch.randn(NUM_BLOCKS, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=generator)
+    print(f"float32, {torch.get_num_threads()} threads, {KV_HEADS} KV heads of {HEAD_DIM}, context ~{args.context}, "
+          f"cap {CPU_DECODE_GROUP_MAX_KEYS} keys per group")
+    for batch in map(int, args.batches.split(",")):
+        q = torch.randn(batch, KV_HEADS, HEAD_DIM, generator=generator)
+        k, v = torch.randn_like(q), torch.randn_like(q)
+        one = decode_step(batch, args.context, None, torch.Generator().manual_seed(batch))
+        capped = decode_step(batch, args.context, CPU_DECODE_GROUP_MAX_KEYS, torch.Generator().manual_seed(batch))
+        same = torch.allclose(backend.forward(cache.clone(), q, k, v, one, HEAD_DIM ** -0.5, None),
+                              backend.forward(cache.clone(), q, k, v, capped, HEAD_DIM ** -0.5, None), atol=1e-6)
+        base = median_ms(backend, cache, one, q, k, v, args.repeats)
+        fast = median_ms(backend, cache, capped, q, k, v, args.repeats)
+        print(f"batch {batch:4d}: one group {base:7.2f} ms, {len(capped.decode_groups)} capped groups {fast:7.2f} ms, "
+              f"ratio {base / fast:.2f}, same output {same}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
