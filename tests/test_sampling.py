@@ -7,7 +7,7 @@ import torch
 from conftest import assert_no_leak
 from treeserve import LLM, SamplingParams
 from treeserve.engine.request import Request
-from treeserve.engine.sampler import Sampler, _filter
+from treeserve.engine.sampler import Sampler, _filter, _inverse_transform
 
 
 def _requests(*params, outputs=None, prompt=(1, 2)):
@@ -42,6 +42,21 @@ def test_sampling_follows_the_distribution():
     for _ in range(3000):
         counts[sampler(torch.log(probs)[None, :].clone(), [request]).token_ids[0]] += 1
     assert torch.allclose(counts / counts.sum(), probs, atol=0.03)
+
+
+def test_inverse_transform_never_returns_an_impossible_token():
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]] * 4)
+    draws = torch.tensor([0.0, 0.4999, 0.5, 1.0], dtype=torch.float64)  # 1.0: rounding up to the total
+    assert _inverse_transform(probs, draws).tolist() == [1, 1, 3, 3]
+
+
+def test_seeded_rows_sample_alike_in_any_batch():
+    logits = torch.log(torch.tensor([[0.2, 0.3, 0.5]] * 3))
+    sampler, seeded = Sampler(), SamplingParams(temperature=1.0, seed=7)
+    alone, mixed = _requests(seeded), _requests(SamplingParams(temperature=1.0), SamplingParams(temperature=1.0), seeded)
+    alone_tokens = [sampler(logits[:1].clone(), alone).token_ids[0] for _ in range(30)]
+    mixed_tokens = [sampler(logits.clone(), mixed).token_ids[2] for _ in range(30)]
+    assert alone_tokens == mixed_tokens and len(set(alone_tokens)) == 3
 
 
 def test_penalties():

@@ -1,8 +1,8 @@
 """Turns a step's logits into next tokens: penalties, temperature, top-k/top-p/min-p, seeds, logprobs.
 
-All filtering is batched over the rows; only requests with their own seed draw their noise
-row by row from their own generator, so a seeded request samples the same tokens whatever else
-shares its batch.
+All filtering is batched over the rows. A row samples by inverse transform: one uniform draw
+against its cumulative probabilities. Requests with their own seed draw that number from their
+own generator, so a seeded request samples the same tokens whatever else shares its batch.
 """
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ class Sampler:
             return token_ids
         temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=logits.device)
         probs = torch.softmax(_filter(logits / temperature[:, None], params), dim=-1)
-        sampled = (probs / _exponential_noise(probs, requests)).argmax(dim=-1)
+        sampled = _inverse_transform(probs, _uniform_draws(requests, probs.device))
         return torch.where(greedy, token_ids, sampled)
 
     @staticmethod
@@ -118,10 +118,24 @@ def _filter(logits: torch.Tensor, params) -> torch.Tensor:
     return logits
 
 
-def _exponential_noise(probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """Exponential race noise (argmax of p / E is a sample from p); seeded rows use their own generator."""
-    noise = torch.empty_like(probs).exponential_()
+def _uniform_draws(requests: list[Request], device) -> torch.Tensor:
+    """One uniform number in [0, 1) per row; seeded rows draw theirs from their own generator."""
+    draws = torch.rand(len(requests), dtype=torch.float64)
     for row, request in enumerate(requests):
         if request.generator is not None:
-            noise[row] = torch.empty(probs.shape[1], dtype=probs.dtype).exponential_(generator=request.generator).to(probs.device)
-    return noise
+            draws[row] = float(torch.rand((), dtype=torch.float64, generator=request.generator))
+    return draws.to(device)
+
+
+def _inverse_transform(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
+    """The token where each row's cumulative probability first exceeds its draw (scaled to the
+    row's total); a token of probability zero is never returned."""
+    cumulative = probs.cumsum(dim=-1)
+    targets = (draws * cumulative[:, -1].double()).to(cumulative.dtype)
+    tokens = torch.searchsorted(cumulative, targets[:, None], right=True).squeeze(1).clamp(max=probs.shape[1] - 1)
+    # Rounding can land a target on the total: take the row's last possible token instead.
+    impossible = probs.gather(1, tokens[:, None]).squeeze(1) <= 0
+    if impossible.any():
+        last_possible = probs.shape[1] - 1 - (probs.flip(-1) > 0).to(torch.int8).argmax(dim=-1)
+        tokens = torch.where(impossible, last_possible, tokens)
+    return tokens
