@@ -25,7 +25,7 @@ from treeserve import Runtime
 from treeserve.model.registry import cache_dir, resolve_model_path
 from treeserve.search.config import SearchConfig
 from treeserve.search.grading import grade
-from treeserve.search.reference import HFStepScorer, ReferenceRunner
+from treeserve.search.reference import HFStepScorer, ReferenceRunner, sal_batch_sizes
 from treeserve.search.runner import SearchRunner
 from treeserve.tasks.arithmetic import generate
 from treeserve.testing.tiny_models import make_tiny_model
@@ -96,7 +96,7 @@ def measure(label: str, paths, rows, config: SearchConfig, args) -> dict:
     if label == "reference":
         scorer = (HFStepScorer(str(resolve_model_path(paths["prm"])), prm.tokenizer, rt.recipes["prm"])
                   if config.uses_verifier else None)
-        runner = ReferenceRunner(gen, scorer, batch_size=args.reference_batch)
+        runner = ReferenceRunner(gen, scorer, batch_size=args.reference_batch, prm_batch_size=args.reference_prm_batch)
     else:
         trie = DistinctPrefixes(prm)
         runner = SearchRunner(gen, rt.scorer("prm") if config.uses_verifier else None)
@@ -146,6 +146,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--reference-batch", type=int, default=None,
                         help="problems per lockstep batch in the reference (default: S&L's, 1 for beam search, else 25)")
+    parser.add_argument("--reference-prm-batch", type=int, default=None,
+                        help="conversations per verifier pass in the reference (default: S&L's, 1 for beam search, else 4)")
     parser.add_argument("--strategies", nargs="+", default=["beam", "best_of_n"])
     args = parser.parse_args()
     paths, rows, source = models_and_problems(args)
@@ -155,6 +157,9 @@ def main() -> int:
     for strategy in args.strategies:
         config = SearchConfig(strategy=strategy, n=args.n, beam_width=args.beam_width,
                               num_iterations=args.num_iterations, max_tokens=args.max_tokens, seed=args.seed)
+        sal = sal_batch_sizes(strategy)
+        print(f"{strategy}: the reference runs {args.reference_batch or sal.search} problem(s) per lockstep batch and "
+              f"{args.reference_prm_batch or sal.prm} conversation(s) per verifier pass")
         runs = {label: measure(label, paths, rows, config, args) for label in ("reference", "treeserve")}
         speedups[strategy] = report(strategy, runs)
         print(f"{strategy} speed-up: {speedups[strategy]:.2f}")

@@ -33,7 +33,8 @@ class ExactCheckingVerifier:
     def __init__(self, sigma: float, seed: int = 0):
         self.sigma, self.rng = sigma, random.Random(seed)
 
-    def score_many(self, items: list[tuple[str, list[str]]]) -> list[list[float]]:
+    def score_many(self, items: list[tuple[str, list[str]]], batch_size: int | None = None) -> list[list[float]]:
+        """Exact labels, optionally noisy; `batch_size` (the reference's verifier batches) changes nothing."""
         return [[self._noisy(float(label)) for label in step_labels(parse_problem(question), steps)]
                 for question, steps in items]
 

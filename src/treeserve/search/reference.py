@@ -1,16 +1,16 @@
 """Search-and-Learn's original execution, kept to measure the speed-up against on the same models.
 
 What it reproduces: problems go in fixed batches, each batch in lockstep until all its problems
-finish (S&L's `search_batch_size`: 25 by default, and 1 for beam search, which S&L's config
-enforces because its beam search is not batched); every step re-submits each beam's whole prompt
-as text (one request per sample, the engine's prefix cache standing in for vLLM's); the verifier
-is Hugging Face transformers re-encoding every whole conversation in small padded batches, with
-no KV reuse and no score cache; the last step is sampled to end-of-sequence. The strategies
-themselves are the same code.
+finish, and the verifier scores a few conversations per forward pass, with S&L's batch sizes
+(`sal_batch_sizes`); every step re-submits each beam's whole prompt as text (one request per
+sample, the engine's prefix cache standing in for vLLM's); the verifier is Hugging Face
+transformers re-encoding every whole conversation, with no KV reuse and no score cache; the last
+step is sampled to end-of-sequence. The strategies themselves are the same code.
 """
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -25,20 +25,28 @@ from treeserve.search.prompting import prompt_text
 from treeserve.search.strategies import run_strategy
 from treeserve.search.tree import Sample, Score, SearchResult, Step, step_from_completion
 
-SAL_SEARCH_BATCH_SIZE = 25   # problems per lockstep batch (S&L's default `search_batch_size`)
-SAL_BEAM_SEARCH_BATCH_SIZE = 1  # S&L's config rejects any other batch size for beam search
-SAL_PRM_BATCH_SIZE = 4       # conversations per verifier forward pass (S&L's default `prm_batch_size`)
+
+@dataclass(frozen=True)
+class SalBatchSizes:
+    search: int  # problems per lockstep batch (S&L's `search_batch_size`)
+    prm: int     # conversations per verifier forward pass (S&L's `prm_batch_size`)
 
 
-def sal_search_batch_size(strategy: str) -> int:
-    """Problems S&L runs together in lockstep for a strategy."""
-    return SAL_BEAM_SEARCH_BATCH_SIZE if strategy == "beam" else SAL_SEARCH_BATCH_SIZE
+SAL_DEFAULT_BATCH_SIZES = SalBatchSizes(search=25, prm=4)  # S&L's `Config` defaults
+# S&L's beam-search recipe for Llama-3.2-1B-Instruct, the study's generator; S&L's `Config` rejects
+# any search batch but 1 for beam search, whose implementation is not batched.
+SAL_BEAM_SEARCH_BATCH_SIZES = SalBatchSizes(search=1, prm=1)
+
+
+def sal_batch_sizes(strategy: str) -> SalBatchSizes:
+    return SAL_BEAM_SEARCH_BATCH_SIZES if strategy == "beam" else SAL_DEFAULT_BATCH_SIZES
 
 
 class HFStepScorer:
     """Scores steps by running the whole conversation through HF transformers, every time."""
 
-    def __init__(self, model_path: str, tokenizer, recipe: str = DEFAULT_RECIPE, batch_size: int = SAL_PRM_BATCH_SIZE):
+    def __init__(self, model_path: str, tokenizer, recipe: str = DEFAULT_RECIPE,
+                 batch_size: int = SAL_DEFAULT_BATCH_SIZES.prm):
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
         self.tokenizer = tokenizer
         self.recipe = RECIPES[recipe]
@@ -48,12 +56,13 @@ class HFStepScorer:
         self.seconds = 0.0  # spent scoring, inputs built and forward passes run
 
     @torch.inference_mode()
-    def score_many(self, items: list[tuple[str, list[str]]]) -> list[list[float]]:
+    def score_many(self, items: list[tuple[str, list[str]]], batch_size: int | None = None) -> list[list[float]]:
         start_time = time.perf_counter()
         inputs = [self.recipe.build(self.tokenizer, q, steps) for q, steps in items]
         scores: list[list[float]] = []
-        for start in range(0, len(inputs), self.batch_size):
-            scores += self._score_batch(inputs[start:start + self.batch_size])
+        size = batch_size or self.batch_size
+        for start in range(0, len(inputs), size):
+            scores += self._score_batch(inputs[start:start + size])
         self.seconds += time.perf_counter() - start_time
         return scores
 
@@ -71,26 +80,30 @@ class HFStepScorer:
 
 
 class ReferenceRunner:
-    def __init__(self, generator: LLMEngine, scorer: HFStepScorer | None, batch_size: int | None = None):
+    def __init__(self, generator: LLMEngine, scorer: HFStepScorer | None, batch_size: int | None = None,
+                 prm_batch_size: int | None = None):
         self.generator = generator
         self.llm = LLM.from_engine(generator)
         self.scorer = scorer
-        self.batch_size = batch_size  # None: S&L's batch size for the strategy
+        self.batch_size = batch_size          # None: S&L's for the strategy
+        self.prm_batch_size = prm_batch_size  # None: S&L's for the strategy
 
     def run(self, questions: list[str], config: SearchConfig,
             on_result: Callable[[int, SearchResult], None] | None = None) -> list[SearchResult]:
         config = config.replace(eos_sampling_at_max_depth=True)
         results: list[SearchResult] = []
-        size = self.batch_size or sal_search_batch_size(config.strategy)
+        sal = sal_batch_sizes(config.strategy)
+        size, prm_size = self.batch_size or sal.search, self.prm_batch_size or sal.prm
         for start in range(0, len(questions), size):
             batch = list(enumerate(questions[start:start + size], start))
-            for index, result in self._run_batch(batch, config):
+            for index, result in self._run_batch(batch, config, prm_size):
                 results.append(result)
                 if on_result is not None:
                     on_result(index, result)
         return results
 
-    def _run_batch(self, batch: list[tuple[int, str]], config: SearchConfig) -> list[tuple[int, SearchResult]]:
+    def _run_batch(self, batch: list[tuple[int, str]], config: SearchConfig,
+                   prm_batch_size: int) -> list[tuple[int, SearchResult]]:
         started = time.perf_counter()
         tokenizer = self.generator.tokenizer
         live = {i: (q, run_strategy(q, config, i), prompt_text(tokenizer, q, config)) for i, q in batch}
@@ -98,7 +111,7 @@ class ReferenceRunner:
         finished: dict[int, SearchResult] = {}
         while actions:
             replies = self._sample_all({i: a for i, a in actions.items() if isinstance(a, Sample)}, live, config)
-            replies |= self._score_all({i: a for i, a in actions.items() if isinstance(a, Score)})
+            replies |= self._score_all({i: a for i, a in actions.items() if isinstance(a, Score)}, prm_batch_size)
             actions = {}
             for i, reply in replies.items():
                 try:
@@ -131,9 +144,9 @@ class ReferenceRunner:
             replies[i][b].append(step_from_completion(output.outputs[0]))
         return replies
 
-    def _score_all(self, scores: dict[int, Score]) -> dict[int, list]:
+    def _score_all(self, scores: dict[int, Score], batch_size: int) -> dict[int, list]:
         per_action = {i: a.items() for i, a in scores.items()}
         items = [item for batch in per_action.values() for item in batch]
-        flat = iter(self.scorer.score_many(items) if items else [])
+        flat = iter(self.scorer.score_many(items, batch_size) if items else [])
         return {i: a.reply([next(flat) for _ in per_action[i]]) for i, a in scores.items()}
 
