@@ -45,8 +45,10 @@ class AttentionMetadata:
     def slot_offsets(self) -> torch.Tensor:
         return self.slot_mapping % self.block_size
 
-    def decode_mask(self, index: int, window: int | None) -> torch.Tensor:
-        key = ("decode", index, window)
+    def decode_mask(self, index: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """An additive mask (0 or -inf) over the group's gathered keys: SDPA on CPU would convert a
+        boolean one on every layer."""
+        key = ("decode", index, window, dtype)
         if key not in self._masks:
             group = self.decode_groups[index]
             width = group.block_tables.shape[1] * self.block_size
@@ -55,7 +57,8 @@ class AttentionMetadata:
             mask = keys < lens
             if window is not None:
                 mask &= keys >= lens - window
-            self._masks[key] = mask[:, None, None, :]
+            additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+            self._masks[key] = additive[:, None, None, :]
         return self._masks[key]
 
     def prefill_mask(self, index: int, window: int | None) -> torch.Tensor | None:
@@ -95,8 +98,8 @@ class TorchSDPABackend:
         out = torch.empty_like(q)
         gqa = q.shape[1] != k.shape[1]
         for index, group in enumerate(meta.decode_groups):
-            out[group.rows] = self._decode(layer_cache, q[group.rows], group, meta.decode_mask(index, window), scale,
-                                           gqa)
+            out[group.rows] = self._decode(layer_cache, q[group.rows], group, meta.decode_mask(index, window, q.dtype),
+                                           scale, gqa)
         for index, chunk in enumerate(meta.prefills):
             mask = meta.prefill_mask(index, window)
             out[chunk.rows] = self._prefill(layer_cache, q, k, v, chunk, mask, scale, gqa)
