@@ -16,7 +16,6 @@ import argparse
 import json
 import random
 import sys
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -24,7 +23,7 @@ import torch
 from treeserve.config import EngineConfig
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.search.config import SearchConfig
-from treeserve.search.grading import grade
+from treeserve.search.grading import grade, majority_vote
 from treeserve.search.reference import ReferenceRunner
 from treeserve.tasks.arithmetic import parse_problem, step_labels
 
@@ -44,11 +43,6 @@ class ExactCheckingVerifier:
 
 def accuracy(results, answers: list[str], pick) -> float:
     return sum(grade(pick(result), answer) for result, answer in zip(results, answers)) / len(answers)
-
-
-def majority(result):
-    votes = Counter(a for a in result.answers if a is not None)
-    return votes.most_common(1)[0][0] if votes else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         report[f"sigma={sigma}"] = {
             "beam": accuracy(run("beam", sigma, args.n), answers, lambda r: r.pred),
             "best_of_n": accuracy(sampled, answers, lambda r: r.pred),
-            "majority": accuracy(sampled, answers, majority),
+            "majority": accuracy(sampled, answers, lambda r: majority_vote(r.answers)),
             "pass@n": sum(any(grade(a, ans) for a in r.answers) for r, ans in zip(sampled, answers)) / len(rows)}
         print(json.dumps(report), flush=True)
     return 0

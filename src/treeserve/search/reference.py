@@ -45,24 +45,22 @@ def sal_batch_sizes(strategy: str) -> SalBatchSizes:
 class HFStepScorer:
     """Scores steps by running the whole conversation through HF transformers, every time."""
 
-    def __init__(self, model_path: str, tokenizer, recipe: str = DEFAULT_RECIPE,
-                 batch_size: int = SAL_DEFAULT_BATCH_SIZES.prm):
+    def __init__(self, model_path: str, tokenizer, recipe: str = DEFAULT_RECIPE):
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
         self.tokenizer = tokenizer
         self.recipe = RECIPES[recipe]
         self.candidates = list(self.recipe.candidate_ids(tokenizer))
-        self.batch_size = batch_size
         self.num_tokens_computed = 0
         self.seconds = 0.0  # spent scoring, inputs built and forward passes run
 
     @torch.inference_mode()
-    def score_many(self, items: list[tuple[str, list[str]]], batch_size: int | None = None) -> list[list[float]]:
+    def score_many(self, items: list[tuple[str, list[str]]],
+                   batch_size: int = SAL_DEFAULT_BATCH_SIZES.prm) -> list[list[float]]:
         start_time = time.perf_counter()
         inputs = [self.recipe.build(self.tokenizer, q, steps) for q, steps in items]
         scores: list[list[float]] = []
-        size = batch_size or self.batch_size
-        for start in range(0, len(inputs), size):
-            scores += self._score_batch(inputs[start:start + size])
+        for start in range(0, len(inputs), batch_size):
+            scores += self._score_batch(inputs[start:start + batch_size])
         self.seconds += time.perf_counter() - start_time
         return scores
 

@@ -208,7 +208,7 @@ def prm_loss(model, ids, targets, lm_labels, token_targets, mask, good_id: int, 
 def _two_way_loss(logits: torch.Tensor, targets: torch.Tensor, good_id: int, bad_id: int,
                   bad_weight: float = 1.0) -> torch.Tensor:
     where = targets != IGNORE
-    weight = torch.tensor([bad_weight, 1.0], dtype=logits.dtype)
+    weight = torch.tensor([bad_weight, 1.0], dtype=logits.dtype, device=logits.device)
     return torch.nn.functional.cross_entropy(logits[where][:, [bad_id, good_id]], targets[where], weight=weight)
 
 
