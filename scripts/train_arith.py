@@ -23,14 +23,22 @@ from pathlib import Path
 import torch
 
 from treeserve import LLM, SamplingParams
+from treeserve.config import cpu_has_fast_bf16
 from treeserve.runtime.prm_recipes import RECIPES
 from treeserve.search.config import STEP_DELIMITER
 from treeserve.tasks.arithmetic import Problem, corrupted_steps, generate, step_labels
 from treeserve.tasks.tokenizer import train_task_tokenizer
-from treeserve.tasks.training import (GENERATOR_SHAPE, PRM_EXTRA_LAYERS, Schedule, chat_ids, collate, grow, lm_loss,
+from treeserve.tasks.training import (GENERATOR_SHAPE, PRM_EXTRA_LAYERS, PRMLossWeights, Schedule,
+                                      add_result_head, chat_ids, collate, drop_result_head, grow, lm_loss,
                                       new_model, one_level_batch, prm_example, prm_loss,
                                       prm_reading_example, save, sft_example, train,
                                       train_problems)
+
+
+def training_autocast(choice: str) -> torch.dtype | None:
+    if choice == "auto":
+        return torch.bfloat16 if cpu_has_fast_bf16() else None
+    return torch.bfloat16 if choice == "bfloat16" else None
 
 
 def log(message: str) -> None:
@@ -55,7 +63,7 @@ def train_language_model(tokenizer, args) -> tuple[Path, Path]:
             log(f"greedy validation accuracy at step {step}: {greedy_accuracy(path, args.eval_problems)}")
 
     train(model, next_batch, lm_loss, Schedule(args.lm_steps, args.batch_size, lr=args.gen_lr), log=log,
-          after_step=after_step)
+          after_step=after_step, autocast=args.autocast)
     return gen_path, save(model, tokenizer, final_path)
 
 
@@ -99,7 +107,8 @@ def prm_dataset(tokenizer, gen_path: Path, args) -> list[tuple[list[int], list[i
         labels = step_labels(problem, steps)
         good, total = good + sum(labels), total + len(labels)
         try:
-            examples.append(prm_example(tokenizer, problem.text, steps, labels, problem.steps(), args.prm_recipe))
+            examples.append(prm_example(tokenizer, problem.text, steps, labels, problem.steps(),
+                                        problem.values() + [problem.answer], args.prm_recipe))
         except ValueError:  # a sample whose text does not survive rendering and re-tokenizing
             continue
     log(f"prm data: {len(examples)} solutions ({len(sampled)} sampled), {total} steps, {good / total:.1%} good")
@@ -118,7 +127,7 @@ def adapt_to_prm_format(tokenizer, model, args) -> None:
         return collate(rows, tokenizer.pad_token_id)
 
     train(model, next_batch, lm_loss, Schedule(args.prm_adapt_steps, args.batch_size, lr=args.prm_lr, warmup=20),
-          log=log)
+          log=log, autocast=args.autocast)
 
 
 def train_prm(tokenizer, base_path: Path, examples, args) -> Path:
@@ -127,6 +136,7 @@ def train_prm(tokenizer, base_path: Path, examples, args) -> Path:
     base = transformers.LlamaForCausalLM.from_pretrained(base_path, dtype=torch.float32)
     model = grow(base, args.prm_extra_layers, args.seed + 1)
     log(f"prm: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
+    add_result_head(model, base.config.num_hidden_layers + args.prm_result_layer)
     if args.prm_adapt_steps:
         adapt_to_prm_format(tokenizer, model, args)
     good_id, bad_id = (tokenizer.encode(t, add_special_tokens=False)[0] for t in ("+", "-"))
@@ -138,11 +148,15 @@ def train_prm(tokenizer, base_path: Path, examples, args) -> Path:
         start = rng.randrange(len(by_length) - args.batch_size + 1)
         return collate(by_length[start:start + args.batch_size], tokenizer.pad_token_id)
 
-    def loss_fn(model, ids, targets, lm_labels, token_targets, mask):
-        return prm_loss(model, ids, targets, lm_labels, token_targets, mask, good_id, bad_id, args.prm_lm_weight,
-                        args.prm_bad_weight)
+    weights = PRMLossWeights(lm=args.prm_lm_weight, token_verdicts=args.prm_token_weight, bad=args.prm_bad_weight,
+                             result=args.prm_result_weight)
 
-    train(model, next_batch, loss_fn, Schedule(args.prm_steps, args.batch_size, lr=args.prm_lr), log=log)
+    def loss_fn(model, *batch):
+        return prm_loss(model, *batch, good_id=good_id, bad_id=bad_id, weights=weights)
+
+    train(model, next_batch, loss_fn, Schedule(args.prm_steps, args.batch_size, lr=args.prm_lr), log=log,
+          autocast=args.autocast)
+    drop_result_head(model)  # a training aid: the checkpoint is a plain LlamaForCausalLM
     model.config.prm_recipe = args.prm_recipe  # read by treeserve wherever no recipe is given
     return save(model, tokenizer, args.out / "arith-prm")
 
@@ -191,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lm-steps", type=int, default=2400)
-    parser.add_argument("--gen-step", type=int, default=1200, help="the language model's step saved as the generator")
+    parser.add_argument("--gen-step", type=int, default=1500, help="the language model's step saved as the generator")
     parser.add_argument("--gen-lr", type=float, default=3e-3)
     parser.add_argument("--eval-every", type=int, default=300, help="checkpoint and greedy accuracy every N steps")
     parser.add_argument("--prm-steps", type=int, default=800)
@@ -200,8 +214,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prm-bad-weight", type=float, default=1.0,
                         help="weight of a wrong token's verdict against a right one's (wrong ones are rare)")
     parser.add_argument("--prm-extra-layers", type=int, default=PRM_EXTRA_LAYERS,
-                        help="layers added on top of the language model: some find a wrong digit, "
-                             "the ones above carry it to the verdict")
+                        help="layers added on top of the language model: the first computes the value a "
+                             "step must reach, the next compares it with the written one, the last "
+                             "carries an earlier error to later verdicts")
+    parser.add_argument("--prm-result-layer", type=int, default=1,
+                        help="the result head reads the hidden state after this many added layers")
+    parser.add_argument("--prm-result-weight", type=float, default=1.0,
+                        help="weight of the training-only result head's loss (0: verdicts alone)")
+    parser.add_argument("--prm-token-weight", type=float, default=0.0,
+                        help="weight of the 'right so far' verdicts at every token of a step")
     parser.add_argument("--prm-recipe", default="chat-steps", choices=sorted(RECIPES),
                         help="how the PRM reads a solution (written into its config.json)")
     parser.add_argument("--prm-adapt-steps", type=int, default=0,
@@ -212,7 +233,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-problems", type=int, default=200)
     parser.add_argument("--stages", default="lm,prm", help="comma-separated: lm, prm")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--autocast", choices=["auto", "bfloat16", "none"], default="auto",
+                        help="forward passes in bfloat16 (weights stay float32); auto: where the CPU has "
+                             "AMX or AVX512-BF16, which run bf16 matmuls ~3x faster than float32")
     args = parser.parse_args(argv)
+    args.autocast = training_autocast(args.autocast)
     torch.set_num_threads(args.threads)
     random.seed(args.seed)
     start = time.perf_counter()
@@ -222,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         gen_path, final_path = train_language_model(tokenizer, args)
     else:
         gen_path, final_path = args.out / "arith-gen", args.work / "lm-final"
-    report = {"seed": args.seed, "generator_greedy_validation": greedy_accuracy(gen_path, args.eval_problems)}
+    report = {"seed": args.seed, "autocast": str(args.autocast), "generator_greedy_validation": greedy_accuracy(gen_path, args.eval_problems)}
     log(f"generator greedy accuracy on {args.eval_problems} validation problems: {report['generator_greedy_validation']}")
     if "prm" in stages:
         prm_path = train_prm(tokenizer, final_path, prm_dataset(tokenizer, gen_path, args), args)

@@ -97,8 +97,9 @@ def test_prm_training_labels_mark_the_first_wrong_digit_and_stop_imitation_there
     problem = parse_problem("Start with 40 and work modulo 100. Step 1: + 5. Step 2: - 3. Step 3: * 2. What is the result?")
     steps = problem.steps()
     steps[1] = "## Step 2: - 3, 45 - 3 = 43"  # right is 42: the last digit is the first wrong token
-    ids, verdicts, lm_labels, token_verdicts = prm_example(tokenizer, problem.text, steps,
-                                                           step_labels(problem, steps), problem.steps())
+    results = problem.values() + [problem.answer]
+    ids, verdicts, lm_labels, token_verdicts, result_targets = prm_example(
+        tokenizer, problem.text, steps, step_labels(problem, steps), problem.steps(), results)
     tokens = tokenizer.convert_ids_to_tokens(ids)
     assert [v for v in verdicts if v != IGNORE] == [1, 0, 0, 0]
     marked = [(tokens[i].replace("Ġ", " ").replace("Ċ", "\n"), v) for i, v in enumerate(token_verdicts) if v != IGNORE]
@@ -112,3 +113,8 @@ def test_prm_training_labels_mark_the_first_wrong_digit_and_stop_imitation_there
     known = last_good_verdict + 1  # the language-model labels end with step 1's delimiter: step 2 is not imitated
     assert tokenizer.decode(ids[known - 2:known]) == "\n\n" and tokenizer.decode(ids[known:known + 1]) == "##"
     assert lm_labels[:known] == ids[:known] and set(lm_labels[known:]) == {IGNORE}
+    # the value each step must reach, at its verdict position, while every earlier step is right:
+    # step 1 (45) and the first wrong step (42, not the 43 written), nothing after the first error
+    verdict_positions = [i for i, v in enumerate(verdicts) if v != IGNORE]
+    assert [result_targets[i] for i in verdict_positions] == [45, 42, IGNORE, IGNORE]
+    assert all(t == IGNORE for i, t in enumerate(result_targets) if i not in verdict_positions)
