@@ -26,10 +26,10 @@ from treeserve import LLM, SamplingParams
 from treeserve.config import cpu_has_fast_bf16
 from treeserve.runtime.prm_recipes import RECIPES
 from treeserve.search.config import STEP_DELIMITER
-from treeserve.tasks.arithmetic import Problem, corrupted_steps, generate, step_labels
+from treeserve.tasks.arithmetic import Problem, corrupted_steps, generate, local_step_labels, step_labels
 from treeserve.tasks.tokenizer import train_task_tokenizer
-from treeserve.tasks.training import (GENERATOR_SHAPE, PRM_EXTRA_LAYERS, PRMLossWeights, Schedule,
-                                      add_result_head, chat_ids, collate, drop_result_head, grow, lm_loss,
+from treeserve.tasks.training import (IGNORE, GENERATOR_SHAPE, PRM_EXTRA_LAYERS, PRMLossWeights, Schedule,
+                                      add_training_heads, chat_ids, collate, drop_training_heads, grow, lm_loss,
                                       new_model, one_level_batch, prm_example, prm_loss,
                                       prm_reading_example, save, sft_example, train,
                                       train_problems)
@@ -100,19 +100,38 @@ def prm_dataset(tokenizer, gen_path: Path, args) -> list[tuple[list[int], list[i
     # appears at every position, so the position of a step says nothing about its label.
     corrupted = [(p, corrupted_steps(p, rng)) for p in train_problems(rng, args.prm_problems)]
     references = [(p, p.steps()) for p in train_problems(rng, args.prm_problems)]
-    examples, good, total = [], 0, 0
-    for problem, steps in sampled + corrupted + references:
-        if not steps:
-            continue
-        labels = step_labels(problem, steps)
-        good, total = good + sum(labels), total + len(labels)
-        try:
-            examples.append(prm_example(tokenizer, problem.text, steps, labels, problem.steps(),
-                                        problem.values() + [problem.answer], args.prm_recipe))
-        except ValueError:  # a sample whose text does not survive rendering and re-tokenizing
-            continue
-    log(f"prm data: {len(examples)} solutions ({len(sampled)} sampled), {total} steps, {good / total:.1%} good")
+    examples = [e for e in (labelled_example(tokenizer, p, steps, args) for p, steps in sampled + corrupted + references)
+                if e is not None]
+    verdicts = [v for example in examples for v in example[1] if v != IGNORE]
+    log(f"prm data: {len(examples)} solutions ({len(sampled)} sampled), {len(verdicts)} steps, "
+        f"{sum(verdicts) / len(verdicts):.1%} good")
     return examples
+
+
+def labelled_example(tokenizer, problem: Problem, steps: list[str], args):
+    """`prm_example` for a solution labelled by exact checking; None if it cannot be used."""
+    if not steps:
+        return None
+    try:
+        return prm_example(tokenizer, problem.text, steps, step_labels(problem, steps), problem.steps(),
+                           problem.values() + [problem.answer], local_step_labels(problem, steps), args.prm_recipe)
+    except ValueError:  # a sample whose text does not survive rendering and re-tokenizing
+        return None
+
+
+def reference_batches(tokenizer, args):
+    """`next_batch` for the PRM's first stage: fresh reference solutions, half of them cut after a
+    corrupted step. Their labels are clean (a wrong step is wrong in itself, nothing after it), so
+    the model first learns to compare the written value with the one it computes; the generator's
+    samples, where most wrong steps only inherit an earlier error, come after."""
+    rng = random.Random(f"prm-references:{args.seed}")
+
+    def next_batch(step: int):
+        solutions = [(p, corrupted_steps(p, rng) if rng.random() < 0.5 else p.steps())
+                     for p in one_level_batch(rng, args.batch_size)]
+        return collate([labelled_example(tokenizer, p, steps, args) for p, steps in solutions], tokenizer.pad_token_id)
+
+    return next_batch
 
 
 def adapt_to_prm_format(tokenizer, model, args) -> None:
@@ -136,7 +155,8 @@ def train_prm(tokenizer, base_path: Path, examples, args) -> Path:
     base = transformers.LlamaForCausalLM.from_pretrained(base_path, dtype=torch.float32)
     model = grow(base, args.prm_extra_layers, args.seed + 1)
     log(f"prm: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
-    add_result_head(model, base.config.num_hidden_layers + args.prm_result_layer)
+    add_training_heads(model, base.config.num_hidden_layers + args.prm_result_layer,
+                       base.config.num_hidden_layers + args.prm_result_layer + 1)
     if args.prm_adapt_steps:
         adapt_to_prm_format(tokenizer, model, args)
     good_id, bad_id = (tokenizer.encode(t, add_special_tokens=False)[0] for t in ("+", "-"))
@@ -149,14 +169,19 @@ def train_prm(tokenizer, base_path: Path, examples, args) -> Path:
         return collate(by_length[start:start + args.batch_size], tokenizer.pad_token_id)
 
     weights = PRMLossWeights(lm=args.prm_lm_weight, token_verdicts=args.prm_token_weight, bad=args.prm_bad_weight,
-                             result=args.prm_result_weight)
+                             result=args.prm_result_weight, local=args.prm_local_weight)
 
     def loss_fn(model, *batch):
         return prm_loss(model, *batch, good_id=good_id, bad_id=bad_id, weights=weights)
 
+    if args.prm_reference_steps:
+        log(f"prm stage 1: {args.prm_reference_steps} steps on reference and corrupted solutions")
+        train(model, reference_batches(tokenizer, args), loss_fn,
+              Schedule(args.prm_reference_steps, args.batch_size, lr=args.prm_lr), log=log, autocast=args.autocast)
+    log(f"prm stage 2: {args.prm_steps} steps on the generator's samples (and references)")
     train(model, next_batch, loss_fn, Schedule(args.prm_steps, args.batch_size, lr=args.prm_lr), log=log,
           autocast=args.autocast)
-    drop_result_head(model)  # a training aid: the checkpoint is a plain LlamaForCausalLM
+    drop_training_heads(model)  # training aids: the checkpoint is a plain LlamaForCausalLM
     model.config.prm_recipe = args.prm_recipe  # read by treeserve wherever no recipe is given
     return save(model, tokenizer, args.out / "arith-prm")
 
@@ -208,8 +233,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gen-step", type=int, default=1500, help="the language model's step saved as the generator")
     parser.add_argument("--gen-lr", type=float, default=3e-3)
     parser.add_argument("--eval-every", type=int, default=300, help="checkpoint and greedy accuracy every N steps")
-    parser.add_argument("--prm-steps", type=int, default=800)
-    parser.add_argument("--prm-lr", type=float, default=1e-3)
+    parser.add_argument("--prm-reference-steps", type=int, default=1000,
+                        help="first stage: steps on fresh reference and corrupted solutions (clean labels)")
+    parser.add_argument("--prm-steps", type=int, default=400,
+                        help="second stage: steps on the generator's labelled samples and references")
+    parser.add_argument("--prm-lr", type=float, default=2e-3)
     parser.add_argument("--prm-lm-weight", type=float, default=0.5)
     parser.add_argument("--prm-bad-weight", type=float, default=1.0,
                         help="weight of a wrong token's verdict against a right one's (wrong ones are rare)")
@@ -221,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the result head reads the hidden state after this many added layers")
     parser.add_argument("--prm-result-weight", type=float, default=1.0,
                         help="weight of the training-only result head's loss (0: verdicts alone)")
+    parser.add_argument("--prm-local-weight", type=float, default=1.0,
+                        help="weight of the training-only head that reads whether a step itself is right, "
+                             "one layer above the result head")
     parser.add_argument("--prm-token-weight", type=float, default=0.0,
                         help="weight of the 'right so far' verdicts at every token of a step")
     parser.add_argument("--prm-recipe", default="chat-steps", choices=sorted(RECIPES),

@@ -6,7 +6,8 @@ import pytest
 
 from treeserve.cli import main
 from treeserve.search.grading import extract_answer, grade
-from treeserve.tasks.arithmetic import (LEVEL_SPECS, MODULUS, Problem, corrupted_steps, generate, parse_problem,
+from treeserve.tasks.arithmetic import (LEVEL_SPECS, MODULUS, Problem, corrupted_steps, generate, local_step_labels,
+                                        parse_problem,
                                         split_of, step_labels)
 from treeserve.tasks.tokenizer import train_task_tokenizer
 
@@ -98,8 +99,9 @@ def test_prm_training_labels_mark_the_first_wrong_digit_and_stop_imitation_there
     steps = problem.steps()
     steps[1] = "## Step 2: - 3, 45 - 3 = 43"  # right is 42: the last digit is the first wrong token
     results = problem.values() + [problem.answer]
-    ids, verdicts, lm_labels, token_verdicts, result_targets = prm_example(
-        tokenizer, problem.text, steps, step_labels(problem, steps), problem.steps(), results)
+    ids, verdicts, lm_labels, token_verdicts, result_targets, local_verdicts = prm_example(
+        tokenizer, problem.text, steps, step_labels(problem, steps), problem.steps(), results,
+        local_step_labels(problem, steps))
     tokens = tokenizer.convert_ids_to_tokens(ids)
     assert [v for v in verdicts if v != IGNORE] == [1, 0, 0, 0]
     marked = [(tokens[i].replace("Ġ", " ").replace("Ċ", "\n"), v) for i, v in enumerate(token_verdicts) if v != IGNORE]
@@ -118,3 +120,18 @@ def test_prm_training_labels_mark_the_first_wrong_digit_and_stop_imitation_there
     verdict_positions = [i for i, v in enumerate(verdicts) if v != IGNORE]
     assert [result_targets[i] for i in verdict_positions] == [45, 42, IGNORE, IGNORE]
     assert all(t == IGNORE for i, t in enumerate(result_targets) if i not in verdict_positions)
+    # step 3 (the reference's) restates 42 where step 2 wrote 43, so it is wrong locally too; the final
+    # answer repeats step 3's 84, so it is right locally
+    assert [local_verdicts[i] for i in verdict_positions] == [1, 0, 0, 1]
+
+
+def test_local_labels_judge_each_step_from_the_value_written_before_it():
+    problem = parse_problem("Start with 40 and work modulo 100. Step 1: + 5. Step 2: - 3. Step 3: * 2. What is the result?")
+    steps = problem.steps()
+    assert local_step_labels(problem, steps) == [True] * 4
+    wrong = ["## Step 1: + 5, 40 + 5 = 46", "## Step 2: - 3, 46 - 3 = 43", "## Step 3: * 2, 43 * 2 = 86",
+             "Therefore, the final answer is: $\\boxed{86}$."]
+    assert local_step_labels(problem, wrong) == [False, True, True, True]
+    assert step_labels(problem, wrong) == [False] * 4
+    copied_wrong = ["## Step 1: + 5, 40 + 5 = 45", "## Step 2: - 3, 54 - 3 = 51", "garbled", "## Step 3: * 2, 1 * 2 = 2"]
+    assert local_step_labels(problem, copied_wrong) == [True, False, False, False]

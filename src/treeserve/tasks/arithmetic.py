@@ -80,10 +80,18 @@ class Problem:
 
     def steps(self) -> list[str]:
         lines, value = [], self.start
-        for k, (op, result) in enumerate(zip(self.operations, self.values()), start=1):
-            lines.append(f"## Step {k}: {op.operator} {op.operand}, {value} {op.operator} {op.operand} = {result}")
-            value = result
+        for index in range(len(self.operations)):
+            lines.append(self.step_from(index, value))
+            value = self.operations[index].apply(value)
         return lines + [FINAL_STEP.format(answer=self.answer)]
+
+    def step_from(self, index: int, value: int) -> str:
+        """Step `index` (0-based) as the reference writes it when the running value is `value`;
+        one past the last operation, the final answer."""
+        if index == len(self.operations):
+            return FINAL_STEP.format(answer=value)
+        op = self.operations[index]
+        return f"## Step {index + 1}: {op.operator} {op.operand}, {value} {op.operator} {op.operand} = {op.apply(value)}"
 
     @property
     def solution(self) -> str:
@@ -170,6 +178,18 @@ def corrupted_steps(problem: Problem, rng: random.Random) -> list[str]:
         head, _, result = steps[index].rpartition(" = ")
         steps[index] = f"{head} = {(int(result) + delta) % MODULUS}"
     return steps[: index + 1]
+
+
+def local_step_labels(problem: Problem, steps: list[str]) -> list[bool]:
+    """Step k is locally right when it is exactly what the reference writes from the value step k-1
+    wrote (the start for step 1): it made no mistake of its own, whatever came before it."""
+    labels, value = [], problem.start
+    for index, step in enumerate(steps):
+        step = step.strip()
+        labels.append(value is not None and index <= len(problem.operations) and step == problem.step_from(index, value))
+        written = re.search(r"= (\d+)$", step)
+        value = int(written.group(1)) if written else None
+    return labels
 
 
 def step_labels(problem: Problem, steps: list[str]) -> list[bool]:

@@ -110,8 +110,8 @@ def sft_example(tokenizer, problem: Problem) -> tuple[list[int], list[int]]:
 
 
 def prm_example(tokenizer, question: str, steps: list[str], labels: list[bool], expected: list[str],
-                results: list[int], recipe: str = "chat-steps") -> tuple[list[int], ...]:
-    """The ids `recipe` builds (as at inference) and four kinds of labels:
+                results: list[int], local_labels: list[bool], recipe: str = "chat-steps") -> tuple[list[int], ...]:
+    """The ids `recipe` builds (as at inference) and five kinds of labels:
     - verdicts: 1 where the step is good, 0 where it is bad, IGNORE elsewhere;
     - language-model labels on the text through the last good step's verdict position (the PRM
       keeps learning the arithmetic it judges, never from a wrong step);
@@ -121,15 +121,22 @@ def prm_example(tokenizer, question: str, steps: list[str], labels: list[bool], 
     - results: at the verdict position of every step whose earlier steps are all good, the value
       that step must reach (`results[k]`: the running value, or the final answer), else IGNORE.
       An auxiliary head learns to compute it there, so the layers above only compare it with the
-      value written (see `prm_loss`).
+      value written (see `prm_loss`);
+    - local verdicts: at every verdict position, 1 if the step itself is right given what the step
+      before it wrote (`local_step_labels`). A second auxiliary head learns them; the top layer then
+      only carries an earlier local error to every later verdict.
     """
     built = RECIPES[recipe].build(tokenizer, question, steps)
+    return (built.token_ids, _at_verdicts(built, labels), _imitation_labels(built, labels),
+            _token_verdicts(tokenizer, built.token_ids, question, steps, labels, expected),
+            _result_targets(built, labels, results), _at_verdicts(built, local_labels))
+
+
+def _at_verdicts(built, labels: list[bool]) -> list[int]:
     targets = [IGNORE] * len(built.token_ids)
     for position, good in zip(built.verdict_positions, labels):
         targets[position] = int(good)
-    return (built.token_ids, targets, _imitation_labels(built, labels),
-            _token_verdicts(tokenizer, built.token_ids, question, steps, labels, expected),
-            _result_targets(built, labels, results))
+    return targets
 
 
 def _result_targets(built, labels: list[bool], results: list[int]) -> list[int]:
@@ -209,44 +216,61 @@ class PRMLossWeights:
     lm: float = 0.5           # language-model loss on the text before the first wrong step
     token_verdicts: float = 0.0
     bad: float = 1.0          # a wrong verdict target weighs this many times a right one
-    result: float = 1.0       # the auxiliary head's loss on the value each step must reach
+    result: float = 1.0       # the result head's loss on the value each step must reach
+    local: float = 1.0        # the local-verdict head's loss
 
 
 RESULT_CLASSES = 100  # values modulo 100
 
 
-def add_result_head(model, layer: int) -> None:
-    """Attaches the training-only head that reads the value a step must reach from the hidden
-    state after `layer` layers at each verdict position (removed by `drop_result_head`)."""
-    model.result_head = torch.nn.Linear(model.config.hidden_size, RESULT_CLASSES)
-    model.result_layer = layer
+class TrainingHeads(torch.nn.Module):
+    """Linear read-outs used only in training, each on the hidden state after a given number of
+    layers at the verdict positions: the value a step must reach (`result`), and whether the step
+    itself is right (`local`). Attached to the PRM while it trains (so its optimiser sees them),
+    dropped before it is saved: the checkpoint stays a plain LlamaForCausalLM."""
+
+    def __init__(self, hidden_size: int, result_layer: int, local_layer: int):
+        super().__init__()
+        self.result = torch.nn.Linear(hidden_size, RESULT_CLASSES)
+        self.local = torch.nn.Linear(hidden_size, 2)
+        self.result_layer, self.local_layer = result_layer, local_layer
 
 
-def drop_result_head(model) -> None:
-    del model.result_head
-    del model.result_layer
+def add_training_heads(model, result_layer: int, local_layer: int) -> None:
+    model.training_heads = TrainingHeads(model.config.hidden_size, result_layer, local_layer)
 
 
-def prm_loss(model, ids, targets, lm_labels, token_targets, result_targets, mask, good_id: int, bad_id: int,
-             weights: PRMLossWeights) -> torch.Tensor:
+def drop_training_heads(model) -> None:
+    del model.training_heads
+
+
+def prm_loss(model, ids, targets, lm_labels, token_targets, result_targets, local_targets, mask, good_id: int,
+             bad_id: int, weights: PRMLossWeights) -> torch.Tensor:
     """Two-way cross-entropy between the `+` and `-` logits at the verdict positions; optionally
     at every token from the first step on (see `prm_example`); the language-model loss on the
-    text before the first wrong step; and the result head's cross-entropy on the value each step
-    must reach. A verdict from binary labels alone is an exact-match test nothing leads gradient
-    descent to (a 4-layer model stayed at chance on one modulo-100 step after 1,500 batches); with
-    the result computed below it, the top layers only compare it with the written digits."""
-    out = model(input_ids=ids, attention_mask=mask, output_hidden_states=hasattr(model, "result_head"))
+    text before the first wrong step; and the training heads' losses. A verdict from binary labels
+    alone is an exact-match test nothing leads gradient descent to (a 4-layer model stayed at
+    chance on one modulo-100 step after 1,500 batches); with the result computed below it (the
+    result head) and the step's own check made above that (the local head), the top layers only
+    compare and carry an earlier error forward."""
+    heads = getattr(model, "training_heads", None)
+    out = model(input_ids=ids, attention_mask=mask, output_hidden_states=heads is not None)
     loss = _two_way_loss(out.logits, targets, good_id, bad_id, weights.bad)
     if weights.token_verdicts:
         loss = loss + weights.token_verdicts * _two_way_loss(out.logits, token_targets, good_id, bad_id, weights.bad)
-    if hasattr(model, "result_head") and weights.result and (result_targets != IGNORE).any():
-        where = result_targets != IGNORE
-        hidden = out.hidden_states[model.result_layer][where]
-        loss = loss + weights.result * torch.nn.functional.cross_entropy(model.result_head(hidden.float()),
-                                                                         result_targets[where])
+    if heads is not None:
+        loss = loss + weights.result * _head_loss(heads.result, out.hidden_states[heads.result_layer], result_targets)
+        loss = loss + weights.local * _head_loss(heads.local, out.hidden_states[heads.local_layer], local_targets)
     if weights.lm and (lm_labels[:, 1:] != IGNORE).any():  # no good step in the batch: nothing to imitate
         loss = loss + weights.lm * _next_token_loss(out.logits, lm_labels)
     return loss
+
+
+def _head_loss(head: torch.nn.Linear, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    where = targets != IGNORE
+    if not where.any():
+        return hidden.new_zeros(())
+    return torch.nn.functional.cross_entropy(head(hidden[where].float()), targets[where])
 
 
 def _two_way_loss(logits: torch.Tensor, targets: torch.Tensor, good_id: int, bad_id: int,
