@@ -3,10 +3,12 @@
 Stages: tokenizer; a language model supervised on exact solutions for `--lm-steps`, whose
 checkpoint at `--gen-step` becomes the generator (a partly trained model makes the mistakes search
 is for); the generator samples solutions to fresh training problems and exact checking labels every
-step; the PRM is the fully trained language model grown by two layers, trained on `+`/`-` verdicts
-after every step of those samples plus whole and corrupted reference solutions, read by the
-`chat-steps` recipe (the solution as the generator wrote it; the PRM's config.json names the
-recipe). Writes both checkpoints in Hugging Face format.
+step; the PRM is the fully trained language model grown by three layers, read by the `chat-steps`
+recipe (the solution as the generator wrote it; the PRM's config.json names the recipe), trained on
+`+`/`-` verdicts after every step: first on fresh reference solutions, half of them with one
+corrupted result (clean labels), then on the generator's samples plus reference solutions. Two
+training-only heads (see `treeserve.tasks.training.prm_loss`) supervise the value each step must
+reach and whether the step itself is right. Writes both checkpoints in Hugging Face format.
 
     python scripts/train_arith.py --out src/treeserve/models [--seed 0]
 """
