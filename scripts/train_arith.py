@@ -280,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         gen_path, final_path = train_language_model(tokenizer, args)
     else:
         gen_path, final_path = args.out / "arith-gen", args.work / "lm-final"
-    report = {"seed": args.seed, "autocast": str(args.autocast), "generator_greedy_validation": greedy_accuracy(gen_path, args.eval_problems)}
+    report = {"seed": args.seed, "autocast": str(args.autocast),
+              "generator_greedy_validation": greedy_accuracy(gen_path, args.eval_problems)}
     log(f"generator greedy accuracy on {args.eval_problems} validation problems: {report['generator_greedy_validation']}")
     if "prm" in stages:
         prm_path = train_prm(tokenizer, final_path, prm_dataset(tokenizer, gen_path, args), args)
