@@ -129,7 +129,7 @@ def reference_batches(tokenizer, args):
     rng = random.Random(f"prm-references:{args.seed}")
 
     def next_batch(step: int):
-        solutions = [(p, corrupted_steps(p, rng) if rng.random() < 0.5 else p.steps())
+        solutions = [(p, corrupted_steps(p, rng, args.prm_operation_share) if rng.random() < 0.5 else p.steps())
                      for p in one_level_batch(rng, args.batch_size)]
         return collate([labelled_example(tokenizer, p, steps, args) for p, steps in solutions], tokenizer.pad_token_id)
 
@@ -237,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-every", type=int, default=300, help="checkpoint and greedy accuracy every N steps")
     parser.add_argument("--prm-reference-steps", type=int, default=1000,
                         help="first stage: steps on fresh reference and corrupted solutions (clean labels)")
+    parser.add_argument("--prm-operation-share", type=float, default=0.0,
+                        help="first stage: share of corrupted steps that copy a wrong operation (and apply "
+                             "it rightly) instead of getting the result wrong")
     parser.add_argument("--prm-steps", type=int, default=400,
                         help="second stage: steps on the generator's labelled samples and references")
     parser.add_argument("--prm-lr", type=float, default=2e-3)

@@ -6,9 +6,8 @@ import pytest
 
 from treeserve.cli import main
 from treeserve.search.grading import extract_answer, grade
-from treeserve.tasks.arithmetic import (LEVEL_SPECS, MODULUS, Problem, corrupted_steps, generate, local_step_labels,
-                                        parse_problem,
-                                        split_of, step_labels)
+from treeserve.tasks.arithmetic import (LEVEL_SPECS, MODULUS, Operation, Problem, corrupted_steps, generate,
+                                        local_step_labels, parse_problem, split_of, step_labels)
 from treeserve.tasks.tokenizer import train_task_tokenizer
 
 
@@ -123,6 +122,21 @@ def test_prm_training_labels_mark_the_first_wrong_digit_and_stop_imitation_there
     # step 3 (the reference's) restates 42 where step 2 wrote 43, so it is wrong locally too; the final
     # answer repeats step 3's 84, so it is right locally
     assert [local_verdicts[i] for i in verdict_positions] == [1, 0, 0, 1]
+
+
+def test_corrupted_operations_are_wrong_copies_applied_rightly():
+    rng = random.Random(1)
+    for problem in generate("test", 40, seed=3):
+        steps = corrupted_steps(problem, rng, operation_share=1.0)
+        index = len(steps) - 1
+        assert step_labels(problem, steps) == [True] * index + [False]
+        assert local_step_labels(problem, steps)[-1] is False
+        if index < len(problem.operations):  # an operation step: the header names another operation
+            header, _, result = steps[-1].rpartition(" = ")
+            op = problem.operations[index]
+            assert not header.startswith(f"## Step {index + 1}: {op.operator} {op.operand},")
+            value, operator, operand = header.split(", ")[1].split(" ")
+            assert int(result) == Operation(operator, int(operand)).apply(int(value))
 
 
 def test_local_labels_judge_each_step_from_the_value_written_before_it():

@@ -90,8 +90,7 @@ class Problem:
         one past the last operation, the final answer."""
         if index == len(self.operations):
             return FINAL_STEP.format(answer=value)
-        op = self.operations[index]
-        return f"## Step {index + 1}: {op.operator} {op.operand}, {value} {op.operator} {op.operand} = {op.apply(value)}"
+        return format_step(index + 1, self.operations[index], value)
 
     @property
     def solution(self) -> str:
@@ -105,6 +104,10 @@ class Problem:
         """A JSONL row with MATH-500's field names."""
         return {"problem": self.text, "solution": self.solution, "answer": str(self.answer),
                 "level": self.level, "unique_id": f"arith/{self.split}/{_digest(self.text)[:12]}"}
+
+
+def format_step(number: int, op: Operation, value: int) -> str:
+    return f"## Step {number}: {op.operator} {op.operand}, {value} {op.operator} {op.operand} = {op.apply(value)}"
 
 
 def split_of(text: str) -> str:
@@ -167,17 +170,30 @@ def correct_prefix_length(problem: Problem, steps: list[str]) -> int:
     return count
 
 
-def corrupted_steps(problem: Problem, rng: random.Random) -> list[str]:
-    """The reference steps up to one whose result (or the final answer) is off by a small amount."""
+def corrupted_steps(problem: Problem, rng: random.Random, operation_share: float = 0.0) -> list[str]:
+    """The reference steps up to one whose result (or the final answer) is off by a small amount;
+    with probability `operation_share`, an operation step instead applies, rightly, an operation
+    other than the question's (the generator's second most common slip: a wrong copy)."""
     steps = problem.steps()
     index = rng.randrange(len(steps))
     delta = rng.choice([-10, -2, -1, 1, 2, 10])
+    if operation_share and index < len(problem.operations) and rng.random() < operation_share:
+        value = problem.values()[index - 1] if index else problem.start
+        steps[index] = format_step(index + 1, _other_operation(problem.operations[index], rng), value)
+        return steps[: index + 1]
     if index == len(steps) - 1:
         steps[index] = FINAL_STEP.format(answer=(problem.answer + delta) % MODULUS)
     else:
         head, _, result = steps[index].rpartition(" = ")
         steps[index] = f"{head} = {(int(result) + delta) % MODULUS}"
     return steps[: index + 1]
+
+
+def _other_operation(op: Operation, rng: random.Random) -> Operation:
+    while True:
+        other = Operation(rng.choice("+-*"), rng.randint(2, 9))
+        if other != op:
+            return other
 
 
 def local_step_labels(problem: Problem, steps: list[str]) -> list[bool]:
