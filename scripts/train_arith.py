@@ -6,9 +6,12 @@ is for); the generator samples solutions to fresh training problems and exact ch
 step; the PRM is the fully trained language model grown by three layers, read by the `chat-steps`
 recipe (the solution as the generator wrote it; the PRM's config.json names the recipe), trained on
 `+`/`-` verdicts after every step: first on fresh reference solutions, half of them with one
-corrupted result (clean labels), then on the generator's samples plus reference solutions. Two
-training-only heads (see `treeserve.tasks.training.prm_loss`) supervise the value each step must
-reach and whether the step itself is right. Writes both checkpoints in Hugging Face format.
+corrupted step (clean labels), then on the generator's samples plus reference solutions. A verdict
+says whether the step itself is right given the step before it (`--prm-labels local`, the default;
+the PRM's config.json then names `min` as its aggregation) or whether the solution is right so far
+(`process`). Two training-only heads (see `treeserve.tasks.training.prm_loss`) supervise the value
+each step computes and whether the step itself is right. Writes both checkpoints in Hugging Face
+format.
 
     python scripts/train_arith.py --out src/treeserve/models [--seed 0]
 """
@@ -28,7 +31,8 @@ from treeserve import LLM, SamplingParams
 from treeserve.config import cpu_has_fast_bf16
 from treeserve.runtime.prm_recipes import RECIPES
 from treeserve.search.config import STEP_DELIMITER
-from treeserve.tasks.arithmetic import Problem, corrupted_steps, generate, local_step_labels, step_labels
+from treeserve.tasks.arithmetic import (Problem, corrupted_steps, generate, local_reference_steps,
+                                        local_step_labels, local_step_results, step_labels)
 from treeserve.tasks.tokenizer import train_task_tokenizer
 from treeserve.tasks.training import (IGNORE, GENERATOR_SHAPE, PRM_EXTRA_LAYERS, PRMLossWeights, Schedule,
                                       add_training_heads, chat_ids, collate, drop_training_heads, grow, lm_loss,
@@ -114,11 +118,29 @@ def labelled_example(tokenizer, problem: Problem, steps: list[str], args):
     """`prm_example` for a solution labelled by exact checking; None if it cannot be used."""
     if not steps:
         return None
+    labels, results = verdict_targets(problem, steps, args.prm_labels)
+    local = args.prm_labels == "local"
+    expected = None  # token verdicts cost a re-tokenization: only when they are trained
+    if args.prm_token_weight:
+        expected = local_reference_steps(problem, steps) if local else problem.steps()
     try:
-        return prm_example(tokenizer, problem.text, steps, step_labels(problem, steps), problem.steps(),
-                           problem.values() + [problem.answer], local_step_labels(problem, steps), args.prm_recipe)
+        return prm_example(tokenizer, problem.text, steps, labels, results, local_step_labels(problem, steps),
+                           expected, args.prm_recipe, carry_errors=not local)
     except ValueError:  # a sample whose text does not survive rendering and re-tokenizing
         return None
+
+
+def verdict_targets(problem: Problem, steps: list[str], kind: str) -> tuple[list[bool], list[int | None]]:
+    """Per step, the verdict the PRM learns and the value the result head learns.
+    `local`: is the step right given what the step before it wrote, and the value its own equation
+    gives (PRM800K's sense of a step's correctness; a solution is right when every step is, so
+    search aggregates step scores by their minimum or product, or prunes step by step as beam search
+    does). `process`: is the solution right so far (Math-Shepherd's sense: the first error taints
+    every later step), and the reference's value up to the first error."""
+    if kind == "local":
+        return local_step_labels(problem, steps), local_step_results(problem, steps)
+    labels, reference = step_labels(problem, steps), problem.values() + [problem.answer]
+    return labels, [reference[k] if k < len(reference) and all(labels[:k]) else None for k in range(len(steps))]
 
 
 def reference_batches(tokenizer, args):
@@ -181,10 +203,12 @@ def train_prm(tokenizer, base_path: Path, examples, args) -> Path:
         train(model, reference_batches(tokenizer, args), loss_fn,
               Schedule(args.prm_reference_steps, args.batch_size, lr=args.prm_lr), log=log, autocast=args.autocast)
     log(f"prm stage 2: {args.prm_steps} steps on the generator's samples (and references)")
-    train(model, next_batch, loss_fn, Schedule(args.prm_steps, args.batch_size, lr=args.prm_lr), log=log,
+    train(model, next_batch, loss_fn, Schedule(args.prm_steps, args.batch_size, lr=args.prm_sample_lr), log=log,
           autocast=args.autocast)
     drop_training_heads(model)  # training aids: the checkpoint is a plain LlamaForCausalLM
     model.config.prm_recipe = args.prm_recipe  # read by treeserve wherever no recipe is given
+    # a local verdict says nothing of earlier steps: a solution scores as its weakest step
+    model.config.prm_aggregation = "min" if args.prm_labels == "local" else "last"
     return save(model, tokenizer, args.out / "arith-prm")
 
 
@@ -198,11 +222,13 @@ def greedy_accuracy(gen_path: Path, count: int = 200) -> dict:
     return {"overall": sum(overall) / len(overall), **{str(k): sum(v) / len(v) for k, v in sorted(by_level.items())}}
 
 
-def prm_auc(gen_path: Path, prm_path: Path, count: int, seed: int) -> dict[str, float]:
-    """AUC of the PRM's step scores, correct against wrong steps, over the generator's own samples
-    (temperature 0.8, as search draws them) on validation problems: pooled over all steps, and
-    between siblings only (same problem, same step number), the comparison beam search makes. The
-    pooled figure flatters: later steps are more often wrong, so position alone earns some of it."""
+def prm_auc(gen_path: Path, prm_path: Path, count: int, seed: int, labels: str) -> dict[str, float]:
+    """AUC of the PRM's step scores, right against wrong steps (by `labels`, see `verdict_targets`),
+    over the generator's own samples (temperature 0.8, as search draws them) on validation
+    problems: pooled over all steps, and between siblings only (same problem, same step number),
+    the comparison beam search makes; and of whole solutions by their lowest step score, right
+    against wrong answers to the same problem, the comparison best-of-N makes. The pooled figure
+    flatters: later steps are more often wrong, so position alone earns some of it."""
     from treeserve.runtime.runtime import Runtime
 
     problems = generate("validation", count, seed=seed)
@@ -211,11 +237,15 @@ def prm_auc(gen_path: Path, prm_path: Path, count: int, seed: int) -> dict[str, 
     rt = Runtime({"prm": str(prm_path)}, dtype="float32", device="cpu", kv_cache_memory_bytes=128 << 20)
     scores = rt.score_many("prm", [(p.text, steps) for p, steps in items])
     by_key: dict[tuple, tuple[list[float], list[float]]] = {}
+    by_problem: dict[str, tuple[list[float], list[float]]] = {}
     for (problem, steps), step_scores in zip(items, scores):
-        for index, (label, score) in enumerate(zip(step_labels(problem, steps), step_scores)):
+        for index, (label, score) in enumerate(zip(verdict_targets(problem, steps, labels)[0], step_scores)):
             by_key.setdefault((problem.text, index), ([], []))[0 if label else 1].append(score)
+        right = steps == problem.steps()
+        by_problem.setdefault(problem.text, ([], []))[0 if right else 1].append(min(step_scores, default=0.0))
     pooled = ([s for good, _ in by_key.values() for s in good], [s for _, bad in by_key.values() for s in bad])
-    return {"pooled": _auc([pooled]), "siblings": _auc(list(by_key.values()))}
+    return {"pooled": _auc([pooled]), "siblings": _auc(list(by_key.values())),
+            "solutions_by_min": _auc(list(by_problem.values()))}
 
 
 def _auc(groups: list[tuple[list[float], list[float]]]) -> float:
@@ -235,14 +265,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gen-step", type=int, default=1500, help="the language model's step saved as the generator")
     parser.add_argument("--gen-lr", type=float, default=3e-3)
     parser.add_argument("--eval-every", type=int, default=300, help="checkpoint and greedy accuracy every N steps")
-    parser.add_argument("--prm-reference-steps", type=int, default=1000,
+    parser.add_argument("--prm-reference-steps", type=int, default=800,
                         help="first stage: steps on fresh reference and corrupted solutions (clean labels)")
-    parser.add_argument("--prm-operation-share", type=float, default=0.0,
+    parser.add_argument("--prm-operation-share", type=float, default=0.5,
                         help="first stage: share of corrupted steps that copy a wrong operation (and apply "
                              "it rightly) instead of getting the result wrong")
-    parser.add_argument("--prm-steps", type=int, default=400,
+    parser.add_argument("--prm-steps", type=int, default=600,
                         help="second stage: steps on the generator's labelled samples and references")
-    parser.add_argument("--prm-lr", type=float, default=2e-3)
+    parser.add_argument("--prm-labels", choices=["local", "process"], default="local",
+                        help="what a verdict says: local, the step is right given the step before it; "
+                             "process, the solution is right so far (see verdict_targets)")
+    parser.add_argument("--prm-lr", type=float, default=2e-3, help="first stage's peak learning rate")
+    parser.add_argument("--prm-sample-lr", type=float, default=5e-4,
+                        help="second stage's peak learning rate: lower, so the new data refines what the "
+                             "first stage learnt instead of overwriting it")
     parser.add_argument("--prm-lm-weight", type=float, default=0.5)
     parser.add_argument("--prm-bad-weight", type=float, default=1.0,
                         help="weight of a wrong token's verdict against a right one's (wrong ones are rare)")
@@ -288,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"generator greedy accuracy on {args.eval_problems} validation problems: {report['generator_greedy_validation']}")
     if "prm" in stages:
         prm_path = train_prm(tokenizer, final_path, prm_dataset(tokenizer, gen_path, args), args)
-        report["prm_auc_validation_samples"] = prm_auc(gen_path, prm_path, args.eval_problems, args.seed)
+        report["prm_auc_validation_samples"] = prm_auc(gen_path, prm_path, args.eval_problems, args.seed, args.prm_labels)
         log(f"PRM AUC on the generator's validation samples: {report['prm_auc_validation_samples']}")
     report["seconds"] = round(time.perf_counter() - start)
     args.work.mkdir(parents=True, exist_ok=True)

@@ -128,7 +128,24 @@ def test_a_model_directory_names_its_recipe(tmp_path):
         declared_recipe(tmp_path)
 
 
-def test_runtime_uses_the_declared_recipe_unless_told_otherwise(prm_dir, tmp_path):
+def test_a_model_directory_names_its_aggregation_and_search_requests_default_to_it(tmp_path):
+    import json
+
+    from treeserve.runtime.prm_recipes import declared_aggregation
+    from treeserve.server.protocol import SearchRequest
+    from treeserve.server.serving_search import search_config
+
+    assert declared_aggregation(tmp_path) == "last"  # no config.json: Search-and-Learn's default
+    (tmp_path / "config.json").write_text(json.dumps({"prm_aggregation": "min"}))
+    assert declared_aggregation(tmp_path) == "min"
+    (tmp_path / "config.json").write_text(json.dumps({"prm_aggregation": "mean"}))
+    with pytest.raises(ValueError, match="prm_aggregation"):
+        declared_aggregation(tmp_path)
+    assert search_config(SearchRequest(question="q"), None, "min").agg_strategy == "min"
+    assert search_config(SearchRequest(question="q", agg_strategy="prod"), None, "min").agg_strategy == "prod"
+
+
+def test_runtime_uses_the_declared_recipe_and_aggregation_unless_told_otherwise(prm_dir, tmp_path):
     import json
     import shutil
 
@@ -137,11 +154,12 @@ def test_runtime_uses_the_declared_recipe_unless_told_otherwise(prm_dir, tmp_pat
     declared = tmp_path / "prm"
     shutil.copytree(prm_dir, declared)
     config = json.loads((declared / "config.json").read_text())
-    (declared / "config.json").write_text(json.dumps({**config, "prm_recipe": "chat-steps"}))
+    (declared / "config.json").write_text(json.dumps({**config, "prm_recipe": "chat-steps", "prm_aggregation": "min"}))
     options = dict(dtype="float32", device="cpu", kv_cache_memory_bytes=8 << 20)
     rt = Runtime({"plain": str(prm_dir), "prm": str(declared)}, **options)
     assert rt.recipes == {"plain": "rlhflow", "prm": "chat-steps"}
     assert rt.scorer("prm").recipe.name == "chat-steps"
+    assert rt.aggregations == {"plain": "last", "prm": "min"} and rt.scorer("prm").aggregation == "min"
     rt.close()
     rt = Runtime({"prm": str(declared)}, recipes={"prm": "math-shepherd"}, **options)
     assert rt.recipes == {"prm": "math-shepherd"}

@@ -7,7 +7,8 @@ import pytest
 from treeserve.cli import main
 from treeserve.search.grading import extract_answer, grade
 from treeserve.tasks.arithmetic import (LEVEL_SPECS, MODULUS, Operation, Problem, corrupted_steps, generate,
-                                        local_step_labels, parse_problem, split_of, step_labels)
+                                        local_reference_steps, local_step_labels, local_step_results,
+                                        parse_problem, split_of, step_labels)
 from treeserve.tasks.tokenizer import train_task_tokenizer
 
 
@@ -97,10 +98,10 @@ def test_prm_training_labels_mark_the_first_wrong_digit_and_stop_imitation_there
     problem = parse_problem("Start with 40 and work modulo 100. Step 1: + 5. Step 2: - 3. Step 3: * 2. What is the result?")
     steps = problem.steps()
     steps[1] = "## Step 2: - 3, 45 - 3 = 43"  # right is 42: the last digit is the first wrong token
-    results = problem.values() + [problem.answer]
+    results = [45, 42, None, None]  # the reference's values through the first wrong step
     ids, verdicts, lm_labels, token_verdicts, result_targets, local_verdicts = prm_example(
-        tokenizer, problem.text, steps, step_labels(problem, steps), problem.steps(), results,
-        local_step_labels(problem, steps))
+        tokenizer, problem.text, steps, step_labels(problem, steps), results, local_step_labels(problem, steps),
+        expected=problem.steps())
     tokens = tokenizer.convert_ids_to_tokens(ids)
     assert [v for v in verdicts if v != IGNORE] == [1, 0, 0, 0]
     marked = [(tokens[i].replace("Ġ", " ").replace("Ċ", "\n"), v) for i, v in enumerate(token_verdicts) if v != IGNORE]
@@ -114,8 +115,7 @@ def test_prm_training_labels_mark_the_first_wrong_digit_and_stop_imitation_there
     known = last_good_verdict + 1  # the language-model labels end with step 1's delimiter: step 2 is not imitated
     assert tokenizer.decode(ids[known - 2:known]) == "\n\n" and tokenizer.decode(ids[known:known + 1]) == "##"
     assert lm_labels[:known] == ids[:known] and set(lm_labels[known:]) == {IGNORE}
-    # the value each step must reach, at its verdict position, while every earlier step is right:
-    # step 1 (45) and the first wrong step (42, not the 43 written), nothing after the first error
+    # the values given, at their steps' verdict positions, nothing where None
     verdict_positions = [i for i, v in enumerate(verdicts) if v != IGNORE]
     assert [result_targets[i] for i in verdict_positions] == [45, 42, IGNORE, IGNORE]
     assert all(t == IGNORE for i, t in enumerate(result_targets) if i not in verdict_positions)
@@ -149,3 +149,36 @@ def test_local_labels_judge_each_step_from_the_value_written_before_it():
     assert step_labels(problem, wrong) == [False] * 4
     copied_wrong = ["## Step 1: + 5, 40 + 5 = 45", "## Step 2: - 3, 54 - 3 = 51", "garbled", "## Step 3: * 2, 1 * 2 = 2"]
     assert local_step_labels(problem, copied_wrong) == [True, False, False, False]
+
+
+def test_local_results_are_what_each_written_equation_gives():
+    problem = parse_problem("Start with 40 and work modulo 100. Step 1: + 5. Step 2: - 3. Step 3: * 2. What is the result?")
+    assert local_step_results(problem, problem.steps()) == [45, 42, 84, 84]
+    wrong = ["## Step 1: + 5, 40 + 5 = 46", "## Step 2: * 3, 46 * 3 = 44", "## Step 3: * 2, 44 * 2 = 88",
+             "Therefore, the final answer is: $\\boxed{88}$."]
+    # step 2 copied the wrong operation: its equation still says 46 * 3, which is 38 (not the 44 written)
+    assert local_step_results(problem, wrong) == [45, 38, 88, 88]
+    assert local_step_labels(problem, wrong) == [False, False, True, True]
+    assert local_reference_steps(problem, wrong)[1] == "## Step 2: - 3, 46 - 3 = 43"
+    unreadable = ["## Step 1: + 5, 40 + 5 = 145", "garbled", "Therefore, the final answer is: $\\boxed{1}$."]
+    assert local_step_results(problem, unreadable) == [45, None, None]
+    assert local_reference_steps(problem, unreadable)[2] == ""  # nothing readable before it
+
+
+def test_local_token_verdicts_judge_each_step_from_the_value_written_before_it():
+    from treeserve.tasks.training import IGNORE, prm_example
+
+    tokenizer = train_task_tokenizer()
+    problem = parse_problem("Start with 40 and work modulo 100. Step 1: + 5. Step 2: - 3. What is the result?")
+    steps = ["## Step 1: + 5, 40 + 5 = 46", "## Step 2: - 3, 46 - 3 = 43", "Therefore, the final answer is: $\\boxed{43}$."]
+    labels = local_step_labels(problem, steps)
+    assert labels == [False, True, True]
+    _, verdicts, _, token_verdicts, results, _ = prm_example(
+        tokenizer, problem.text, steps, labels, local_step_results(problem, steps), labels,
+        expected=local_reference_steps(problem, steps), carry_errors=False)
+    marked = [v for v in token_verdicts if v != IGNORE]
+    first_step = len(tokenizer.encode(steps[0] + "\n\n", add_special_tokens=False))
+    assert 0 in marked[:first_step] and marked[0] == 1  # step 1 goes wrong at its last digit
+    assert set(marked[first_step:]) == {1}  # the later steps are right from what step 1 wrote
+    assert [v for v in verdicts if v != IGNORE] == [0, 1, 1]
+    assert [r for r in results if r != IGNORE] == [45, 43, 43]

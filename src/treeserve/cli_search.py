@@ -37,7 +37,8 @@ def _add_search_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--max-tokens", type=int, default=2048)
-    parser.add_argument("--agg-strategy", default="last")
+    parser.add_argument("--agg-strategy", help="last, min or prod: how step scores make one score "
+                        "(default: the one the verifier's config.json names, else last)")
     parser.add_argument("--system-prompt", help="replaces Search-and-Learn's math system prompt ('' for none)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="auto")
@@ -46,13 +47,14 @@ def _add_search_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory-bytes", type=int)
 
 
-def _config(args, strategy: str, n: int):
+def _config(args, strategy: str, n: int, rt):
     from treeserve.search.config import SAL_SYSTEM_PROMPT, SearchConfig
 
     system = SAL_SYSTEM_PROMPT if args.system_prompt is None else (args.system_prompt or None)
     return SearchConfig(strategy=strategy, n=n, beam_width=min(args.beam_width, n), num_iterations=args.num_iterations,
                         lookahead=args.lookahead, temperature=args.temperature, top_p=args.top_p,
-                        max_tokens=args.max_tokens, agg_strategy=args.agg_strategy, system_prompt=system,
+                        max_tokens=args.max_tokens, agg_strategy=args.agg_strategy or rt.aggregations["prm"],
+                        system_prompt=system,
                         seed=args.seed)
 
 
@@ -78,8 +80,8 @@ def _runner(args, rt, reference: bool = False):
 
 
 def cmd_search(args) -> int:
-    config = _config(args, args.strategy, args.n)
     rt = _runtime(args)
+    config = _config(args, args.strategy, args.n, rt)
     result = _runner(args, rt).run([args.question], config)[0]
     chosen = result.completions[result.chosen]
     print(chosen)
@@ -95,8 +97,8 @@ def cmd_eval(args) -> int:
     rows = load_dataset(args.dataset, args.limit)
     sizes = [int(n) for n in str(args.n).split(",") if n]
     strategies = [s for s in args.strategy.split(",") if s]
-    configs = [_config(args, s, n) for s in strategies for n in ([1] if s == "greedy" else sizes)]
     rt = _runtime(args)
+    configs = [_config(args, s, n, rt) for s in strategies for n in ([1] if s == "greedy" else sizes)]
     runner = _runner(args, rt, args.reference)
     summaries = []
     for config in configs:

@@ -3,13 +3,17 @@
 A recipe returns the token ids to prefill and, for every step, the position whose next-token
 logits hold the verdict; the step's score is softmax over the (good, bad) token logits there.
 A model directory may name its recipe in its `config.json` (`"prm_recipe": "chat-steps"`); it is
-used wherever no recipe is given.
+used wherever no recipe is given. Likewise `"prm_aggregation"` names how search turns the PRM's step
+scores into one score where a request names none: `last` (Search-and-Learn's default, for a PRM
+whose verdict says "right so far"), `min` or `prod` (for one whose verdict judges each step alone).
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from treeserve.search.config import AGG_STRATEGIES
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,8 @@ class ChatStepsRecipe(_VerdictTokens):
 RECIPES = {"rlhflow": RLHFlowRecipe(), "math-shepherd": MathShepherdRecipe(), "chat-steps": ChatStepsRecipe()}
 DEFAULT_RECIPE = "rlhflow"
 CONFIG_KEY = "prm_recipe"
+AGGREGATION_KEY = "prm_aggregation"
+DEFAULT_AGGREGATION = "last"
 
 
 def declared_recipe(model_dir: str | Path) -> str:
@@ -101,6 +107,16 @@ def declared_recipe(model_dir: str | Path) -> str:
     name = json.loads(config.read_text()).get(CONFIG_KEY, DEFAULT_RECIPE) if config.is_file() else DEFAULT_RECIPE
     if name not in RECIPES:
         raise ValueError(f"{config}: unknown {CONFIG_KEY} {name!r}; known: {', '.join(RECIPES)}")
+    return name
+
+
+def declared_aggregation(model_dir: str | Path) -> str:
+    """The step-score aggregation a model directory names in its config.json, else `last`."""
+    config = Path(model_dir) / "config.json"
+    name = json.loads(config.read_text()).get(AGGREGATION_KEY, DEFAULT_AGGREGATION) if config.is_file() \
+        else DEFAULT_AGGREGATION
+    if name not in AGG_STRATEGIES:
+        raise ValueError(f"{config}: unknown {AGGREGATION_KEY} {name!r}; known: {', '.join(AGG_STRATEGIES)}")
     return name
 
 

@@ -20,7 +20,7 @@ from treeserve.outputs import RequestOutput
 from treeserve.runtime.memory import (MemoryBreakdown, measure_activation_bytes, non_torch_bytes,
                                       weights_bytes)
 from treeserve.model.registry import resolve_model_path
-from treeserve.runtime.prm_recipes import declared_recipe
+from treeserve.runtime.prm_recipes import declared_aggregation, declared_recipe
 from treeserve.runtime.scorer import StepScorer
 from treeserve.runtime.telemetry import TelemetryTrace
 
@@ -46,6 +46,7 @@ class Runtime:
             self._attach_static(_fractions(kv_fractions, list(self.engines)))
         self.recipes = {name: (recipes or {}).get(name) or declared_recipe(resolve_model_path(models[name]))
                         for name in self.engines}
+        self.aggregations = {name: declared_aggregation(resolve_model_path(models[name])) for name in self.engines}
         self._llms = {name: LLM.from_engine(engine) for name, engine in self.engines.items()}
         self._scorers: dict[str, StepScorer] = {}
         self.trace = TelemetryTrace(trace_path) if trace_path else None
@@ -121,7 +122,8 @@ class Runtime:
 
     def scorer(self, name: str) -> StepScorer:
         if name not in self._scorers:
-            self._scorers[name] = StepScorer(self.engine(name), self.recipes[name])
+            self._scorers[name] = StepScorer(self.engine(name), self.recipes[name],
+                                             aggregation=self.aggregations[name])
         return self._scorers[name]
 
     def score_steps(self, name: str, question: str, steps: list[str]) -> list[float]:

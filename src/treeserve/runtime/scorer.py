@@ -8,7 +8,7 @@ from collections import OrderedDict
 import torch
 
 from treeserve.engine.llm_engine import LLMEngine
-from treeserve.runtime.prm_recipes import DEFAULT_RECIPE, RECIPES
+from treeserve.runtime.prm_recipes import DEFAULT_AGGREGATION, DEFAULT_RECIPE, RECIPES
 from treeserve.sampling_params import SamplingParams
 
 MAX_KEPT_SEQUENCES = 512
@@ -18,12 +18,14 @@ KEEP_BELOW_USAGE = 0.5
 
 
 class StepScorer:
-    def __init__(self, engine: LLMEngine, recipe: str = DEFAULT_RECIPE, max_kept: int = MAX_KEPT_SEQUENCES):
+    def __init__(self, engine: LLMEngine, recipe: str = DEFAULT_RECIPE, max_kept: int = MAX_KEPT_SEQUENCES,
+                 aggregation: str = DEFAULT_AGGREGATION):
         if recipe not in RECIPES:
             raise ValueError(f"recipe: unknown PRM recipe {recipe!r}; known: {', '.join(RECIPES)}")
         self.engine = engine
         self.recipe = RECIPES[recipe]
         self.candidates = list(self.recipe.candidate_ids(engine.tokenizer))
+        self.aggregation = aggregation  # search's agg_strategy where a request names none
         self.score_cache: dict[tuple, float] = {}       # (question, steps...) -> score of the last step
         self.kept: OrderedDict[tuple, str] = OrderedDict()  # (question, steps...) -> engine request id
         self.max_kept = max_kept

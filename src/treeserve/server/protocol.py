@@ -165,7 +165,7 @@ class SearchRequest(BaseModel):
     temperature: float = 0.8
     top_p: float = 1.0
     max_tokens: int = 2048
-    agg_strategy: str = "last"
+    agg_strategy: str | None = None      # default: the verifier's declared aggregation, else "last"
     filter_duplicates: bool = False
     sort_completed: bool = False
     eos_sampling_at_max_depth: bool = False

@@ -30,13 +30,13 @@ def question_and_system(body: SearchRequest) -> tuple[str, str | None]:
     return users[-1], (systems[-1] if systems else system) or None
 
 
-def search_config(body: SearchRequest, system: str | None) -> SearchConfig:
+def search_config(body: SearchRequest, system: str | None, aggregation: str = "last") -> SearchConfig:
     beam_width = body.beam_width if body.beam_width is not None else min(4, body.n)
     try:
         return SearchConfig(strategy=body.strategy, n=body.n, beam_width=beam_width,
                             num_iterations=body.num_iterations, lookahead=body.lookahead,
                             temperature=body.temperature, top_p=body.top_p, max_tokens=body.max_tokens,
-                            agg_strategy=body.agg_strategy, filter_duplicates=body.filter_duplicates,
+                            agg_strategy=body.agg_strategy or aggregation, filter_duplicates=body.filter_duplicates,
                             sort_completed=body.sort_completed,
                             eos_sampling_at_max_depth=body.eos_sampling_at_max_depth, system_prompt=system,
                             seed=body.seed)
@@ -47,14 +47,14 @@ def search_config(body: SearchRequest, system: str | None) -> SearchConfig:
 async def run_search(engine: AsyncLLMEngine, generator: tuple[str, LLMEngine], scorers: dict[str, StepScorer],
                      body: SearchRequest) -> dict:
     question, system = question_and_system(body)
-    config = search_config(body, system)
-    scorer = None
-    if config.uses_verifier:
-        if body.verifier is None or body.verifier not in scorers:
-            served = ", ".join(scorers) or "none"
-            raise APIError(400, f"verifier: strategy '{config.strategy}' needs a served reward model "
-                                f"(got {body.verifier!r}; served: {served})", param="verifier")
-        scorer = scorers[body.verifier]
+    scorer = scorers.get(body.verifier) if body.verifier is not None else None
+    config = search_config(body, system, scorer.aggregation if scorer else "last")
+    if not config.uses_verifier:
+        scorer = None
+    elif scorer is None:
+        served = ", ".join(scorers) or "none"
+        raise APIError(400, f"verifier: strategy '{config.strategy}' needs a served reward model "
+                            f"(got {body.verifier!r}; served: {served})", param="verifier")
     name, llm = generator
     runner = SearchRunner(llm, scorer, on_other_output=engine.deliver_outputs_one)
     try:

@@ -199,13 +199,40 @@ def _other_operation(op: Operation, rng: random.Random) -> Operation:
 def local_step_labels(problem: Problem, steps: list[str]) -> list[bool]:
     """Step k is locally right when it is exactly what the reference writes from the value step k-1
     wrote (the start for step 1): it made no mistake of its own, whatever came before it."""
-    labels, value = [], problem.start
-    for index, step in enumerate(steps):
-        step = step.strip()
-        labels.append(value is not None and index <= len(problem.operations) and step == problem.step_from(index, value))
-        written = re.search(r"= (\d+)$", step)
+    return [step.strip() == want != "" for step, want in zip(steps, local_reference_steps(problem, steps))]
+
+
+def local_step_results(problem: Problem, steps: list[str]) -> list[int | None]:
+    """The value each step's own equation gives (`v op b` as written, worked modulo 100), whether
+    or not it copied the right operation and value: what a solver computes once it has written the
+    left side; for the final answer, the value the step before it wrote. None where unreadable."""
+    results = []
+    for index, (step, value) in enumerate(zip(steps, _values_before(problem, steps))):
+        equation = re.search(r"(\d+) ([-+*]) (\d+) = \d+$", step.strip())
+        if equation and int(equation.group(1)) < MODULUS:
+            results.append(Operation(equation.group(2), int(equation.group(3))).apply(int(equation.group(1))))
+        elif step.strip().startswith("Therefore") and value is not None and value < MODULUS:
+            results.append(value)
+        else:
+            results.append(None)
+    return results
+
+
+def local_reference_steps(problem: Problem, steps: list[str]) -> list[str]:
+    """Per step, what the reference writes there from the value the step before it wrote ('' where
+    that value is unreadable or the question has no such step): `local_step_labels` compares with it."""
+    return [problem.step_from(index, value) if value is not None and index <= len(problem.operations) else ""
+            for index, value in enumerate(_values_before(problem, steps))]
+
+
+def _values_before(problem: Problem, steps: list[str]) -> list[int | None]:
+    """Per step, the value written by the step before it (the start for step 1); None if unreadable."""
+    values, value = [], problem.start
+    for step in steps:
+        values.append(value)
+        written = re.search(r"= (\d+)$", step.strip())
         value = int(written.group(1)) if written else None
-    return labels
+    return values
 
 
 def step_labels(problem: Problem, steps: list[str]) -> list[bool]:

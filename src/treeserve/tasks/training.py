@@ -109,27 +109,28 @@ def sft_example(tokenizer, problem: Problem) -> tuple[list[int], list[int]]:
     return full, [IGNORE] * len(prompt) + full[len(prompt):]
 
 
-def prm_example(tokenizer, question: str, steps: list[str], labels: list[bool], expected: list[str],
-                results: list[int], local_labels: list[bool], recipe: str = "chat-steps") -> tuple[list[int], ...]:
+def prm_example(tokenizer, question: str, steps: list[str], labels: list[bool], results: list[int | None],
+                local_labels: list[bool], expected: list[str] | None = None,
+                recipe: str = "chat-steps", carry_errors: bool = True) -> tuple[list[int], ...]:
     """The ids `recipe` builds (as at inference) and five kinds of labels:
-    - verdicts: 1 where the step is good, 0 where it is bad, IGNORE elsewhere;
+    - verdicts: 1 where the step is good (`labels`), 0 where it is bad, IGNORE elsewhere;
     - language-model labels on the text through the last good step's verdict position (the PRM
       keeps learning the arithmetic it judges, never from a wrong step);
-    - token verdicts: at every token of a step, 1 if the solution is right so far (its text is a
-      prefix of the `expected` steps), else 0; at the tokens between a step and the next (the
-      verdict position among them), the step's label;
-    - results: at the verdict position of every step whose earlier steps are all good, the value
-      that step must reach (`results[k]`: the running value, or the final answer), else IGNORE.
-      An auxiliary head learns to compute it there, so the layers above only compare it with the
-      value written (see `prm_loss`);
+    - token verdicts (only given the `expected` steps, else all IGNORE): at every token of step k,
+      1 if the step so far is a prefix of `expected[k]` (and, with `carry_errors`, every earlier
+      step is good), else 0; at the tokens between a step and the next (the verdict position among
+      them), the step's label;
+    - results: at the verdict position of step k, `results[k]`, the value that step must reach
+      (IGNORE where None). An auxiliary head learns to compute it there, so the layers above only
+      compare it with the value written (see `prm_loss`);
     - local verdicts: at every verdict position, 1 if the step itself is right given what the step
-      before it wrote (`local_step_labels`). A second auxiliary head learns them; the top layer then
-      only carries an earlier local error to every later verdict.
+      before it wrote (`local_step_labels`), learnt by a second auxiliary head.
     """
     built = RECIPES[recipe].build(tokenizer, question, steps)
-    return (built.token_ids, _at_verdicts(built, labels), _imitation_labels(built, labels),
-            _token_verdicts(tokenizer, built.token_ids, question, steps, labels, expected),
-            _result_targets(built, labels, results), _at_verdicts(built, local_labels))
+    token_verdicts = ([IGNORE] * len(built.token_ids) if expected is None
+                      else _token_verdicts(tokenizer, built.token_ids, question, steps, labels, expected, carry_errors))
+    return (built.token_ids, _at_verdicts(built, labels), _imitation_labels(built, labels), token_verdicts,
+            _result_targets(built, results), _at_verdicts(built, local_labels))
 
 
 def _at_verdicts(built, labels: list[bool]) -> list[int]:
@@ -139,12 +140,11 @@ def _at_verdicts(built, labels: list[bool]) -> list[int]:
     return targets
 
 
-def _result_targets(built, labels: list[bool], results: list[int]) -> list[int]:
+def _result_targets(built, results: list[int | None]) -> list[int]:
     targets = [IGNORE] * len(built.token_ids)
-    for index, position in enumerate(built.verdict_positions[: len(results)]):
-        if not all(labels[:index]):
-            break
-        targets[position] = results[index]
+    for position, result in zip(built.verdict_positions, results):
+        if result is not None:
+            targets[position] = result
     return targets
 
 
@@ -163,7 +163,7 @@ def _imitation_labels(built, labels: list[bool]) -> list[int]:
 
 
 def _token_verdicts(tokenizer, token_ids: list[int], question: str, steps: list[str], labels: list[bool],
-                    expected: list[str]) -> list[int]:
+                    expected: list[str], carry_errors: bool = True) -> list[int]:
     text = tokenizer.decode(token_ids)
     offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
     if len(offsets) != len(token_ids):
@@ -174,7 +174,7 @@ def _token_verdicts(tokenizer, token_ids: list[int], question: str, steps: list[
         starts.append(text.index(step, cursor))
         cursor = starts[-1] + len(step)
     for index, (step, start) in enumerate(zip(steps, starts)):
-        right_before = index == 0 or labels[index - 1]
+        right_before = index == 0 or labels[index - 1] or not carry_errors
         want = expected[index] if index < len(expected) else ""
         following = starts[index + 1] if index + 1 < len(steps) else len(text)
         while token < len(offsets) and offsets[token][0] < following:
