@@ -294,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="weight of the training-only head that reads whether a step itself is right, "
                              "one layer above the result head")
     parser.add_argument("--prm-token-weight", type=float, default=0.0,
-                        help="weight of the 'right so far' verdicts at every token of a step")
+                        help="weight of the verdicts at every token of a step (right so far; with "
+                             "local labels, the step itself right so far)")
     parser.add_argument("--prm-recipe", default="chat-steps", choices=sorted(RECIPES),
                         help="how the PRM reads a solution (written into its config.json)")
     parser.add_argument("--prm-adapt-steps", type=int, default=0,

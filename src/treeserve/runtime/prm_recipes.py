@@ -103,20 +103,19 @@ DEFAULT_AGGREGATION = "last"
 
 def declared_recipe(model_dir: str | Path) -> str:
     """The recipe a model directory names in its config.json, else the default (RLHFlow's)."""
-    config = Path(model_dir) / "config.json"
-    name = json.loads(config.read_text()).get(CONFIG_KEY, DEFAULT_RECIPE) if config.is_file() else DEFAULT_RECIPE
-    if name not in RECIPES:
-        raise ValueError(f"{config}: unknown {CONFIG_KEY} {name!r}; known: {', '.join(RECIPES)}")
-    return name
+    return _declared(model_dir, CONFIG_KEY, DEFAULT_RECIPE, tuple(RECIPES))
 
 
 def declared_aggregation(model_dir: str | Path) -> str:
     """The step-score aggregation a model directory names in its config.json, else `last`."""
+    return _declared(model_dir, AGGREGATION_KEY, DEFAULT_AGGREGATION, AGG_STRATEGIES)
+
+
+def _declared(model_dir: str | Path, key: str, default: str, known: tuple[str, ...]) -> str:
     config = Path(model_dir) / "config.json"
-    name = json.loads(config.read_text()).get(AGGREGATION_KEY, DEFAULT_AGGREGATION) if config.is_file() \
-        else DEFAULT_AGGREGATION
-    if name not in AGG_STRATEGIES:
-        raise ValueError(f"{config}: unknown {AGGREGATION_KEY} {name!r}; known: {', '.join(AGG_STRATEGIES)}")
+    name = json.loads(config.read_text()).get(key, default) if config.is_file() else default
+    if name not in known:
+        raise ValueError(f"{config}: unknown {key} {name!r}; known: {', '.join(known)}")
     return name
 
 
