@@ -9,9 +9,9 @@ recipe (the solution as the generator wrote it; the PRM's config.json names the 
 corrupted step (clean labels), then on the generator's samples plus reference solutions. A verdict
 says whether the step itself is right given the step before it (`--prm-labels local`, the default;
 the PRM's config.json then names `min` as its aggregation) or whether the solution is right so far
-(`process`). Two training-only heads (see `treeserve.tasks.training.prm_loss`) supervise the value
-each step computes and whether the step itself is right. Writes both checkpoints in Hugging Face
-format.
+(`process`). Training-only heads (see `treeserve.tasks.training.prm_loss`) supervise the value
+each step computes, whether the step itself is right and, with `--prm-operator-weight`, the operator
+the question gives the step. Writes both checkpoints in Hugging Face format.
 
     python scripts/train_arith.py --out src/treeserve/models [--seed 0]
 """
@@ -125,7 +125,8 @@ def labelled_example(tokenizer, problem: Problem, steps: list[str], args):
         expected = local_reference_steps(problem, steps) if local else problem.steps()
     try:
         return prm_example(tokenizer, problem.text, steps, labels, results, local_step_labels(problem, steps),
-                           expected, args.prm_recipe, carry_errors=not local)
+                           expected, args.prm_recipe, carry_errors=not local,
+                           operators=[op.operator for op in problem.operations] + [None] * len(steps))
     except ValueError:  # a sample whose text does not survive rendering and re-tokenizing
         return None
 
@@ -180,7 +181,8 @@ def train_prm(tokenizer, base_path: Path, examples, args) -> Path:
     model = grow(base, args.prm_extra_layers, args.seed + 1)
     log(f"prm: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
     add_training_heads(model, base.config.num_hidden_layers + args.prm_result_layer,
-                       base.config.num_hidden_layers + args.prm_result_layer + 1)
+                       base.config.num_hidden_layers + args.prm_result_layer + 1,
+                       base.config.num_hidden_layers + args.prm_operator_layer)
     if args.prm_adapt_steps:
         adapt_to_prm_format(tokenizer, model, args)
     good_id, bad_id = (tokenizer.encode(t, add_special_tokens=False)[0] for t in ("+", "-"))
@@ -193,7 +195,8 @@ def train_prm(tokenizer, base_path: Path, examples, args) -> Path:
         return collate(by_length[start:start + args.batch_size], tokenizer.pad_token_id)
 
     weights = PRMLossWeights(lm=args.prm_lm_weight, token_verdicts=args.prm_token_weight, bad=args.prm_bad_weight,
-                             result=args.prm_result_weight, local=args.prm_local_weight)
+                             result=args.prm_result_weight, local=args.prm_local_weight,
+                             operator=args.prm_operator_weight)
 
     def loss_fn(model, *batch):
         return prm_loss(model, *batch, good_id=good_id, bad_id=bad_id, weights=weights)
@@ -290,6 +293,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="the result head reads the hidden state after this many added layers")
     parser.add_argument("--prm-result-weight", type=float, default=1.0,
                         help="weight of the training-only result head's loss (0: verdicts alone)")
+    parser.add_argument("--prm-operator-weight", type=float, default=1.0,
+                        help="weight of the training-only head that reads the operator the question "
+                             "gives each step (the generator's wrong copies keep the operand and change "
+                             "the operator)")
+    parser.add_argument("--prm-operator-layer", type=int, default=0,
+                        help="the operator head reads the hidden state after this many added layers (0: "
+                             "the language model's top layer, below the result head)")
     parser.add_argument("--prm-local-weight", type=float, default=1.0,
                         help="weight of the training-only head that reads whether a step itself is right, "
                              "one layer above the result head")

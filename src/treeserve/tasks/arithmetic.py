@@ -172,8 +172,9 @@ def correct_prefix_length(problem: Problem, steps: list[str]) -> int:
 
 def corrupted_steps(problem: Problem, rng: random.Random, operation_share: float = 0.0) -> list[str]:
     """The reference steps up to one whose result (or the final answer) is off by a small amount;
-    with probability `operation_share`, an operation step instead applies, rightly, an operation
-    other than the question's (the generator's second most common slip: a wrong copy)."""
+    with probability `operation_share`, an operation step instead applies, rightly, the question's
+    operand with another operator (the generator's second most common slip: of its 208 wrong copies
+    in 800 samples of 200 validation problems, 206 kept the operand and changed the operator)."""
     steps = problem.steps()
     index = rng.randrange(len(steps))
     delta = rng.choice([-10, -2, -1, 1, 2, 10])
@@ -190,10 +191,7 @@ def corrupted_steps(problem: Problem, rng: random.Random, operation_share: float
 
 
 def _other_operation(op: Operation, rng: random.Random) -> Operation:
-    while True:
-        other = Operation(rng.choice("+-*"), rng.randint(2, 9))
-        if other != op:
-            return other
+    return Operation(rng.choice([operator for operator in "+-*" if operator != op.operator]), op.operand)
 
 
 def local_step_labels(problem: Problem, steps: list[str]) -> list[bool]:

@@ -111,8 +111,9 @@ def sft_example(tokenizer, problem: Problem) -> tuple[list[int], list[int]]:
 
 def prm_example(tokenizer, question: str, steps: list[str], labels: list[bool], results: list[int | None],
                 local_labels: list[bool], expected: list[str] | None = None,
-                recipe: str = "chat-steps", carry_errors: bool = True) -> tuple[list[int], ...]:
-    """The ids `recipe` builds (as at inference) and five kinds of labels:
+                recipe: str = "chat-steps", carry_errors: bool = True,
+                operators: list[str | None] | None = None) -> tuple[list[int], ...]:
+    """The ids `recipe` builds (as at inference) and six kinds of labels:
     - verdicts: 1 where the step is good (`labels`), 0 where it is bad, IGNORE elsewhere;
     - language-model labels on the text through the last good step's verdict position (the PRM
       keeps learning the arithmetic it judges, never from a wrong step);
@@ -124,28 +125,26 @@ def prm_example(tokenizer, question: str, steps: list[str], labels: list[bool], 
       (IGNORE where None). An auxiliary head learns to compute it there, so the layers above only
       compare it with the value written (see `prm_loss`);
     - local verdicts: at every verdict position, 1 if the step itself is right given what the step
-      before it wrote (`local_step_labels`), learnt by a second auxiliary head.
+      before it wrote (`local_step_labels`), learnt by a second auxiliary head;
+    - operators: at the verdict position of step k, the index in `OPERATORS` of `operators[k]`, the
+      operator the question gives that step (IGNORE where None or not given), learnt by a third
+      auxiliary head, so the layers above compare it with the one written.
     """
     built = RECIPES[recipe].build(tokenizer, question, steps)
     token_verdicts = ([IGNORE] * len(built.token_ids) if expected is None
                       else _token_verdicts(tokenizer, built.token_ids, question, steps, labels, expected, carry_errors))
+    operator_classes = [None if op is None else OPERATORS.index(op) for op in operators or []]
     return (built.token_ids, _at_verdicts(built, labels), _imitation_labels(built, labels), token_verdicts,
-            _result_targets(built, results), _at_verdicts(built, local_labels))
+            _at_verdicts(built, results), _at_verdicts(built, local_labels), _at_verdicts(built, operator_classes))
 
 
-def _at_verdicts(built, labels: list[bool]) -> list[int]:
-    targets = [IGNORE] * len(built.token_ids)
-    for position, good in zip(built.verdict_positions, labels):
-        targets[position] = int(good)
-    return targets
-
-
-def _result_targets(built, results: list[int | None]) -> list[int]:
-    targets = [IGNORE] * len(built.token_ids)
-    for position, result in zip(built.verdict_positions, results):
-        if result is not None:
-            targets[position] = result
-    return targets
+def _at_verdicts(built, targets: list[int | bool | None]) -> list[int]:
+    """One target per step at its verdict position (None: IGNORE), IGNORE everywhere else."""
+    row = [IGNORE] * len(built.token_ids)
+    for position, target in zip(built.verdict_positions, targets):
+        if target is not None:
+            row[position] = int(target)
+    return row
 
 
 def prm_reading_example(tokenizer, question: str, steps: list[str],
@@ -218,41 +217,47 @@ class PRMLossWeights:
     bad: float = 1.0          # a wrong verdict target weighs this many times a right one
     result: float = 1.0       # the result head's loss on the value each step must reach
     local: float = 1.0        # the local-verdict head's loss
+    operator: float = 0.0     # the operator head's loss on the operator the question gives each step
 
 
 RESULT_CLASSES = 100  # values modulo 100
+OPERATORS = "+-*"  # the operator head's classes
 
 
 class TrainingHeads(torch.nn.Module):
     """Linear read-outs used only in training, each on the hidden state after a given number of
-    layers at the verdict positions: the value a step must reach (`result`), and whether the step
-    itself is right (`local`). Attached to the PRM while it trains (so its optimiser sees them),
-    dropped before it is saved: the checkpoint stays a plain LlamaForCausalLM."""
+    layers at the verdict positions: the value a step must reach (`result`), after `result_layer`;
+    the operator the question gives it (`operator`), after `operator_layer`; whether the step itself
+    is right (`local`), after `local_layer`. Attached to the PRM while it trains (so its optimiser
+    sees them), dropped before it is saved: the checkpoint stays a plain LlamaForCausalLM."""
 
-    def __init__(self, hidden_size: int, result_layer: int, local_layer: int):
+    def __init__(self, hidden_size: int, result_layer: int, local_layer: int, operator_layer: int):
         super().__init__()
         self.result = torch.nn.Linear(hidden_size, RESULT_CLASSES)
         self.local = torch.nn.Linear(hidden_size, 2)
-        self.result_layer, self.local_layer = result_layer, local_layer
+        self.operator = torch.nn.Linear(hidden_size, len(OPERATORS))
+        self.result_layer, self.local_layer, self.operator_layer = result_layer, local_layer, operator_layer
 
 
-def add_training_heads(model, result_layer: int, local_layer: int) -> None:
-    model.training_heads = TrainingHeads(model.config.hidden_size, result_layer, local_layer)
+def add_training_heads(model, result_layer: int, local_layer: int, operator_layer: int | None = None) -> None:
+    model.training_heads = TrainingHeads(model.config.hidden_size, result_layer, local_layer,
+                                         result_layer if operator_layer is None else operator_layer)
 
 
 def drop_training_heads(model) -> None:
     del model.training_heads
 
 
-def prm_loss(model, ids, targets, lm_labels, token_targets, result_targets, local_targets, mask, good_id: int,
-             bad_id: int, weights: PRMLossWeights) -> torch.Tensor:
+def prm_loss(model, ids, targets, lm_labels, token_targets, result_targets, local_targets, operator_targets, mask,
+             good_id: int, bad_id: int, weights: PRMLossWeights) -> torch.Tensor:
     """Two-way cross-entropy between the `+` and `-` logits at the verdict positions; optionally
     at every token from the first step on (see `prm_example`); the language-model loss on the
     text before the first wrong step; and the training heads' losses. A verdict from binary labels
     alone is an exact-match test nothing leads gradient descent to (a 4-layer model stayed at
     chance on one modulo-100 step after 1,500 batches); with the result computed below it (the
-    result head) and the step's own check made above that (the local head), the top layers only
-    compare and carry an earlier error forward."""
+    result head), optionally the question's operator for the step (the operator head), and the
+    step's own check made above them (the local head), the top layers only compare and carry an
+    earlier error forward."""
     heads = getattr(model, "training_heads", None)
     out = model(input_ids=ids, attention_mask=mask, output_hidden_states=heads is not None)
     loss = _two_way_loss(out.logits, targets, good_id, bad_id, weights.bad)
@@ -261,6 +266,9 @@ def prm_loss(model, ids, targets, lm_labels, token_targets, result_targets, loca
     if heads is not None:
         loss = loss + weights.result * _head_loss(heads.result, out.hidden_states[heads.result_layer], result_targets)
         loss = loss + weights.local * _head_loss(heads.local, out.hidden_states[heads.local_layer], local_targets)
+        if weights.operator:
+            loss = loss + weights.operator * _head_loss(heads.operator, out.hidden_states[heads.operator_layer],
+                                                        operator_targets)
     if weights.lm and (lm_labels[:, 1:] != IGNORE).any():  # no good step in the batch: nothing to imitate
         loss = loss + weights.lm * _next_token_loss(out.logits, lm_labels)
     return loss

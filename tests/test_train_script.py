@@ -1,0 +1,40 @@
+"""scripts/train_arith.py end to end at toy sizes: every stage runs and writes checkpoints treeserve loads."""
+import importlib.util
+import json
+from pathlib import Path
+
+from safetensors import safe_open
+
+from treeserve.runtime.runtime import Runtime
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_arith.py"
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("train_arith", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_training_script_writes_a_plain_generator_and_prm(tmp_path):
+    out, work = tmp_path / "models", tmp_path / "work"
+    toy = ["--lm-steps", "3", "--gen-step", "2", "--eval-every", "0", "--batch-size", "4", "--eval-problems", "5",
+           "--prm-reference-steps", "2", "--prm-steps", "2", "--prm-problems", "6", "--prm-samples", "2",
+           "--prm-operator-weight", "1", "--prm-token-weight", "0.5"]
+    assert _load_script().main(["--out", str(out), "--work", str(work), *toy]) == 0
+    report = json.loads((work / "training.json").read_text())
+    assert set(report["prm_auc_validation_samples"]) == {"pooled", "siblings", "solutions_by_min"}
+    config = json.loads((out / "arith-prm" / "config.json").read_text())
+    assert config["prm_recipe"] == "chat-steps" and config["prm_aggregation"] == "min"
+    with safe_open(str(out / "arith-prm" / "model.safetensors"), "pt") as weights:
+        assert not any("training_heads" in name for name in weights.keys())  # dropped before saving
+    rt = Runtime({"prm": str(out / "arith-prm")}, dtype="float32", device="cpu", kv_cache_memory_bytes=16 << 20)
+    try:
+        question = "Start with 40 and work modulo 100. Step 1: + 5. What is the result?"
+        steps = ["## Step 1: + 5, 40 + 5 = 45", "Therefore, the final answer is: $\\boxed{45}$."]
+        scores = rt.score_steps("prm", question, steps)
+        assert len(scores) == 2 and all(0.0 <= s <= 1.0 for s in scores)
+        assert rt.aggregations["prm"] == "min"
+    finally:
+        rt.close()
