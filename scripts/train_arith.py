@@ -152,7 +152,8 @@ def reference_batches(tokenizer, args):
     rng = random.Random(f"prm-references:{args.seed}")
 
     def next_batch(step: int):
-        solutions = [(p, corrupted_steps(p, rng, args.prm_operation_share) if rng.random() < 0.5 else p.steps())
+        solutions = [(p, corrupted_steps(p, rng, args.prm_operation_share, args.prm_digit_share)
+                      if rng.random() < 0.5 else p.steps())
                      for p in one_level_batch(rng, args.batch_size)]
         return collate([labelled_example(tokenizer, p, steps, args) for p, steps in solutions], tokenizer.pad_token_id)
 
@@ -273,6 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prm-operation-share", type=float, default=0.5,
                         help="first stage: share of corrupted steps that copy a wrong operation (and apply "
                              "it rightly) instead of getting the result wrong")
+    parser.add_argument("--prm-digit-share", type=float, default=0.0,
+                        help="first stage: share of corrupted results that get one digit replaced by another "
+                             "instead of a small amount added (the generator's slips are mostly a wrong tens "
+                             "digit of a product)")
     parser.add_argument("--prm-steps", type=int, default=600,
                         help="second stage: steps on the generator's labelled samples and references")
     parser.add_argument("--prm-labels", choices=["local", "process"], default="local",

@@ -142,6 +142,17 @@ def test_corrupted_operations_are_wrong_copies_applied_rightly():
             assert int(operand) == op.operand and int(result) == Operation(operator, op.operand).apply(int(value))
 
 
+def test_corrupted_digits_replace_one_digit_of_a_result():
+    rng = random.Random(2)
+    for problem in generate("test", 60, seed=4):
+        steps = corrupted_steps(problem, rng, digit_share=1.0)
+        index = len(steps) - 1
+        assert local_step_labels(problem, steps)[-1] is False
+        if index < len(problem.operations):
+            right, wrong = problem.values()[index], int(steps[-1].rpartition(" = ")[2])
+            assert wrong != right and (wrong // 10 == right // 10 or wrong % 10 == right % 10)
+
+
 def test_local_labels_judge_each_step_from_the_value_written_before_it():
     problem = parse_problem("Start with 40 and work modulo 100. Step 1: + 5. Step 2: - 3. Step 3: * 2. What is the result?")
     steps = problem.steps()
