@@ -126,7 +126,7 @@ def labelled_example(tokenizer, problem: Problem, steps: list[str], args):
     try:
         return prm_example(tokenizer, problem.text, steps, labels, results, local_step_labels(problem, steps),
                            expected, args.prm_recipe, carry_errors=not local,
-                           operators=[op.operator for op in problem.operations] + [None] * len(steps))
+                           operators=[op.operator for op in problem.operations])  # none past them
     except ValueError:  # a sample whose text does not survive rendering and re-tokenizing
         return None
 
@@ -272,8 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prm-reference-steps", type=int, default=800,
                         help="first stage: steps on fresh reference and corrupted solutions (clean labels)")
     parser.add_argument("--prm-operation-share", type=float, default=0.5,
-                        help="first stage: share of corrupted steps that copy a wrong operation (and apply "
-                             "it rightly) instead of getting the result wrong")
+                        help="first stage: share of corrupted steps that copy the question's operand with "
+                             "another operator (and apply it rightly) instead of getting the result wrong")
     parser.add_argument("--prm-digit-share", type=float, default=0.0,
                         help="first stage: share of corrupted results that get one digit replaced by another "
                              "instead of a small amount added (the generator's slips are mostly a wrong tens "
