@@ -1,14 +1,15 @@
-# Quick start: `make run` (set up, then serve the built-in default model over HTTP on
+# Quick start: `make run` (set up, then serve the bundled arithmetic generator and PRM over HTTP on
 # 127.0.0.1:8000) and `make test` (set up, then run the test suite). Both create .venv idempotently.
+# `make search` solves PROBLEM with PRM-guided beam search; `make generate` decodes it greedily.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-PROMPT ?= Once upon a time
+PROBLEM ?= Start with 44 and work modulo 100. Step 1: * 7. Step 2: + 9. Step 3: - 4. Step 4: + 5. What is the result?
 
 PORT ?= 8000
 
-.PHONY: run generate test bench clean
+.PHONY: run generate search test bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +23,10 @@ run: $(STAMP)
 	$(BIN)/treeserve serve --port $(PORT)
 
 generate: $(STAMP)
-	$(BIN)/treeserve run --max-tokens 32 "$(PROMPT)"
+	$(BIN)/treeserve run --chat --max-tokens 256 "$(PROBLEM)"
+
+search: $(STAMP)
+	$(BIN)/treeserve search "$(PROBLEM)"
 
 test: $(STAMP)
 	$(BIN)/python -m pytest tests

@@ -11,13 +11,7 @@ from treeserve.search.grading import grade
 from treeserve.search.runner import SearchRunner
 from treeserve.tasks.arithmetic import corrupted_steps, generate, split_of
 
-from treeserve.model.registry import BUNDLED_DIR
-
 README_PROBLEM = "Start with 44 and work modulo 100. Step 1: * 7. Step 2: + 9. Step 3: - 4. Step 4: + 5. What is the result?"  # 18, a test-split problem
-
-# Armed once the trained pair is bundled (issue #7); until then there is nothing to load.
-pytestmark = pytest.mark.skipif(not (BUNDLED_DIR / "arith-prm" / "config.json").is_file(),
-                                reason="the trained arith-gen / arith-prm pair is not bundled yet (issue #7)")
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +29,9 @@ def _accuracy(rt, problems, config: SearchConfig) -> int:
 
 def test_prm_guided_search_beats_greedy_on_held_out_problems(runtime):
     problems = generate("test", 30, seed=11, levels=(3, 4, 5))
-    greedy = _accuracy(runtime, problems, SearchConfig(strategy="greedy", n=1, num_iterations=10))
-    beam = _accuracy(runtime, problems, SearchConfig(strategy="beam", n=8, beam_width=4, num_iterations=10, seed=0))
+    greedy = _accuracy(runtime, problems, SearchConfig(strategy="greedy", n=1, num_iterations=10, max_tokens=256))
+    beam = _accuracy(runtime, problems, SearchConfig(strategy="beam", n=8, beam_width=4, num_iterations=10, seed=0,
+                                                     max_tokens=256, agg_strategy=runtime.aggregations["prm"]))
     assert beam >= greedy + 3, (beam, greedy)
 
 

@@ -70,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(serve, several_models=True)
     serve.add_argument("--kv-mode", choices=["shared", "static"], default="shared",
                        help="with several models: one shared KV arena, or an equal static split")
-    serve.add_argument("model_path", nargs="?", help="model directory or builtin:NAME (default: the built-in model)")
+    serve.add_argument("model_path", nargs="?", help="model directory or builtin:NAME (default: the bundled "
+                       "arith-gen generator and arith-prm verifier, served under those names)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", action="append", help="required bearer key (repeatable; or TREESERVE_API_KEY)")

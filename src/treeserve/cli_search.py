@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from treeserve.model.registry import DEFAULT_MODEL
+from treeserve.model.registry import DEFAULT_GENERATOR, DEFAULT_VERIFIER
 
 
 def add_search_parsers(sub) -> None:
@@ -25,8 +25,8 @@ def add_search_parsers(sub) -> None:
 
 
 def _add_search_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--generator", default=DEFAULT_MODEL, help="generator model directory or builtin:NAME")
-    parser.add_argument("--verifier", default=DEFAULT_MODEL, help="process reward model directory or builtin:NAME")
+    parser.add_argument("--generator", default=DEFAULT_GENERATOR, help="generator model directory or builtin:NAME")
+    parser.add_argument("--verifier", default=DEFAULT_VERIFIER, help="process reward model directory or builtin:NAME")
     parser.add_argument("--recipe", help="how the verifier reads steps: rlhflow, math-shepherd or chat-steps "
                         "(default: the one the verifier's config.json names, else rlhflow)")
     parser.add_argument("--strategy", default="beam",

@@ -9,8 +9,11 @@ import os
 from pathlib import Path
 
 BUILTIN_PREFIX = "builtin:"
-# The trained arith-gen / arith-prm pair (issue #7) becomes the default once it is bundled.
-DEFAULT_MODEL = "builtin:tiny-random-llama"
+# The trained arithmetic pair bundled in treeserve/models/ (scripts/train_arith.py writes it):
+# the default generator, and the default verifier wherever one is needed.
+DEFAULT_GENERATOR = "builtin:arith-gen"
+DEFAULT_VERIFIER = "builtin:arith-prm"
+DEFAULT_MODEL = DEFAULT_GENERATOR
 BUNDLED_DIR = Path(__file__).resolve().parents[1] / "models"
 
 

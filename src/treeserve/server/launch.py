@@ -6,12 +6,15 @@ import os
 
 from treeserve.cli_models import named_models as _named_models
 from treeserve.config import EngineConfig
-from treeserve.model.registry import DEFAULT_MODEL
+from treeserve.model.registry import DEFAULT_GENERATOR, DEFAULT_VERIFIER
 from treeserve.engine.async_engine import AsyncLLMEngine
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.server.app import create_app
 from treeserve.runtime.runtime import Runtime
 from treeserve.server.metrics import ServerMetrics
+
+# Served with no model named: the bundled generator and PRM, so /v1/search and /v1/rewards work too.
+DEFAULT_PAIR = {"arith-gen": DEFAULT_GENERATOR, "arith-prm": DEFAULT_VERIFIER}
 
 
 def build_app(model: str | dict[str, str], served_model_name: str | None = None, api_keys: list[str] | None = None,
@@ -45,8 +48,8 @@ def serve(args) -> int:
     keys = list(args.api_key or [])
     if not keys and os.environ.get("TREESERVE_API_KEY"):
         keys = [os.environ["TREESERVE_API_KEY"]]
-    models = _named_models(args.model) if args.model else {}
-    target = args.model_path or (models if len(models) > 1 else next(iter(models.values()), DEFAULT_MODEL))
+    models = _named_models(args.model) if args.model else DEFAULT_PAIR
+    target = args.model_path or (models if len(models) > 1 else next(iter(models.values())))
     app = build_app(target, served_model_name=args.served_model_name, api_keys=keys, kv_mode=args.kv_mode,
                     max_queue=args.max_queue, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
