@@ -28,11 +28,11 @@ def _accuracy(rt, problems, config: SearchConfig) -> int:
 
 
 def test_prm_guided_search_beats_greedy_on_held_out_problems(runtime):
-    problems = generate("test", 30, seed=11, levels=(3, 4, 5))
+    problems = generate("test", 60, seed=11, levels=(3, 4, 5))  # greedy 27, beam 35 with the bundled pair
     greedy = _accuracy(runtime, problems, SearchConfig(strategy="greedy", n=1, num_iterations=10, max_tokens=256))
     beam = _accuracy(runtime, problems, SearchConfig(strategy="beam", n=8, beam_width=4, num_iterations=10, seed=0,
                                                      max_tokens=256, agg_strategy=runtime.aggregations["prm"]))
-    assert beam >= greedy + 3, (beam, greedy)
+    assert beam >= greedy + 6, (beam, greedy)  # ten points
 
 
 def test_prm_ranks_correct_steps_above_corrupted_ones(runtime):
