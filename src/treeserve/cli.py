@@ -7,7 +7,7 @@ import sys
 from treeserve.bench.cli_bench import add_bench_parsers
 from treeserve.cli_models import named_models as _named_models
 from treeserve.cli_search import add_search_parsers
-from treeserve.model.registry import DEFAULT_MODEL
+from treeserve.model.registry import DEFAULT_GENERATOR
 from treeserve.tasks.cli_tasks import add_tasks_parsers
 
 
@@ -16,7 +16,7 @@ def _add_engine_args(parser: argparse.ArgumentParser, several_models: bool = Fal
         parser.add_argument("--model", action="append",
                             help="NAME=PATH, repeatable: several models on one device (routed by 'model')")
     else:
-        parser.add_argument("--model", default=DEFAULT_MODEL, help="local HF directory or builtin:NAME")
+        parser.add_argument("--model", default=DEFAULT_GENERATOR, help="local HF directory or builtin:NAME")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--max-model-len", type=int)

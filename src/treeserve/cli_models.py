@@ -1,13 +1,13 @@
 """Parsing `--model NAME=PATH` arguments."""
 from __future__ import annotations
 
-from treeserve.model.registry import DEFAULT_MODEL
+from treeserve.model.registry import DEFAULT_GENERATOR
 
 
 def named_models(values: list[str] | None) -> dict[str, str]:
     """`--model gen=PATH --model prm=PATH` (a bare PATH is named 'model')."""
     models = {}
-    for value in values or [DEFAULT_MODEL]:
+    for value in values or [DEFAULT_GENERATOR]:
         name, sep, path = value.partition("=")
         if not sep or name.startswith("builtin"):
             name, path = "model", value

@@ -13,7 +13,6 @@ BUILTIN_PREFIX = "builtin:"
 # the default generator, and the default verifier wherever one is needed.
 DEFAULT_GENERATOR = "builtin:arith-gen"
 DEFAULT_VERIFIER = "builtin:arith-prm"
-DEFAULT_MODEL = DEFAULT_GENERATOR
 BUNDLED_DIR = Path(__file__).resolve().parents[1] / "models"
 
 
