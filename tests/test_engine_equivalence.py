@@ -144,6 +144,18 @@ def test_n_greater_than_one_prefills_the_prompt_once(llama_dir):
     assert_no_leak(llm.engine)
 
 
+def test_forks_report_the_prefix_they_found_cached(llama_dir):
+    llm = _llm(llama_dir)
+    llm.generate(PROMPTS[2], GREEDY, use_tqdm=False)
+    params = SamplingParams(n=3, temperature=0.8, seed=3, max_tokens=5, ignore_eos=True)
+    again = llm.generate(PROMPTS[2], params, use_tqdm=False)[0]
+    block_size = llm.engine.kv.block_size
+    full_blocks = (len(llm.get_tokenizer().encode(PROMPTS[2])) - 1) // block_size
+    assert full_blocks >= 1
+    assert again.num_cached_tokens == full_blocks * block_size
+    assert_no_leak(llm.engine)
+
+
 def test_n_forks_match_independent_seeded_requests(llama_dir):
     llm = _llm(llama_dir)
     params = SamplingParams(n=3, temperature=1.0, seed=99, max_tokens=12, ignore_eos=True)

@@ -84,6 +84,8 @@ def test_memory_breakdown_is_measured(pair):
         assert row.weights_bytes == params
         assert row.activation_bytes > 0
         assert row.kv_blocks == rt.engines[name].kv.pool.num_blocks
+        # the dry run that measured activations is not counted as work done
+        assert (rt.engines[name].num_steps, rt.engines[name].num_tokens_computed) == (0, 0)
 
 
 @pytest.mark.parametrize("options, name", [

@@ -101,7 +101,7 @@ class Scheduler:
                 break
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
-                request.num_cached_tokens = cached
+                request.num_cached_tokens += cached  # a fork arrives with its parent's tokens counted
             del self.waiting[index]
             request.status = RequestStatus.RUNNING
             self.running.append(request)

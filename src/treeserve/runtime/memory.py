@@ -73,7 +73,17 @@ class _LiveTensorBytes(TorchDispatchMode):
 
 
 def measure_activation_bytes(engine: LLMEngine) -> int:
-    """Dry run: one prefill of `max_num_batched_tokens` tokens on a scratch KV space."""
+    """Dry run: one prefill of `max_num_batched_tokens` tokens on a scratch KV space. The engine's
+    step and token counters are left as they were: the dry run is not work anyone asked for."""
+    counters = engine.num_steps, engine.num_tokens_computed
+    try:
+        return _dry_run_peak_bytes(engine)
+    finally:
+        engine.num_steps, engine.num_tokens_computed = counters
+        engine.last_step_num_tokens = 0
+
+
+def _dry_run_peak_bytes(engine: LLMEngine) -> int:
     tokens = min(engine.config.max_num_batched_tokens, engine.max_model_len - 1)
     page = engine.config.block_size * engine.kv_bytes_per_token()
     scratch = KVSpace.create(page * (tokens // engine.config.block_size + 2), page, engine.device, False)
