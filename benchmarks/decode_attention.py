@@ -1,11 +1,15 @@
-"""Decode attention on CPU: one group per context length against groups capped by gathered keys.
+"""Decode attention on CPU: one group per context length against groups capped by gathered keys,
+and the kernel for one query token, PyTorch's SDPA against `decode_by_matmul`.
 
 The model runner groups decoding sequences by context length and, on CPU, also caps each group's
 gathered keys (`CPU_DECODE_GROUP_MAX_KEYS`). This times `TorchSDPABackend` on one decode step's
 attention for batches shaped like beam search's (many sequences, a few hundred tokens each), with
-the groups built both ways from the same sequences, and prints the medians and their ratio.
+the groups built both ways from the same sequences, and prints the medians and their ratio. Then
+it times the two kernels on one group's gathered keys (the backend uses the matmul one on CPU
+outside float32) and prints their medians, ratio and largest difference.
 
-    python benchmarks/decode_attention.py [--batches 16,144,480] [--context 160] [--repeats 7]
+    python benchmarks/decode_attention.py [--dtype float32|bfloat16] [--batches 16,144,480] [--context 160]
+        [--repeats 7]
 """
 from __future__ import annotations
 
@@ -16,7 +20,9 @@ import time
 
 import torch
 
-from treeserve.engine.attention import AttentionMetadata, DecodeGroup, TorchSDPABackend
+from torch.nn import functional as F
+
+from treeserve.engine.attention import AttentionMetadata, DecodeGroup, TorchSDPABackend, decode_by_matmul
 from treeserve.engine.model_runner import CPU_DECODE_GROUP_MAX_KEYS
 
 BLOCK_SIZE, KV_HEADS, HEAD_DIM, NUM_BLOCKS = 16, 4, 32, 8192
@@ -35,37 +41,70 @@ def decode_step(batch: int, context: int, max_keys: int | None, generator: torch
     return AttentionMetadata(slot_mapping=slots, block_size=BLOCK_SIZE, decode_groups=groups)
 
 
-def median_ms(backend, cache, meta, q, k, v, repeats: int) -> float:
+def median_ms(run, repeats: int) -> float:
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         for _ in range(10):
-            backend.forward(cache, q, k, v, meta, HEAD_DIM ** -0.5, None)
+            run()
         times.append((time.perf_counter() - start) / 10 * 1e3)
     return statistics.median(times)
 
 
+def compare_grouping(backend, cache, batch: int, args, generator) -> None:
+    q = torch.randn(batch, KV_HEADS, HEAD_DIM, generator=generator).to(cache.dtype)
+    k, v = torch.randn_like(q), torch.randn_like(q)
+    one = decode_step(batch, args.context, None, torch.Generator().manual_seed(batch))
+    capped = decode_step(batch, args.context, CPU_DECODE_GROUP_MAX_KEYS, torch.Generator().manual_seed(batch))
+    same = torch.allclose(backend.forward(cache.clone(), q, k, v, one, HEAD_DIM ** -0.5, None),
+                          backend.forward(cache.clone(), q, k, v, capped, HEAD_DIM ** -0.5, None), atol=1e-6)
+    base = median_ms(lambda: backend.forward(cache, q, k, v, one, HEAD_DIM ** -0.5, None), args.repeats)
+    fast = median_ms(lambda: backend.forward(cache, q, k, v, capped, HEAD_DIM ** -0.5, None), args.repeats)
+    print(f"batch {batch:4d}: one group {base:7.2f} ms, {len(capped.decode_groups)} capped groups {fast:7.2f} ms, "
+          f"ratio {base / fast:.2f}, same output {same}")
+
+
+def compare_kernels(cache, batch: int, args, generator) -> None:
+    """Query heads twice the KV heads (grouped-query attention), as in the bundled models."""
+    meta = decode_step(batch, args.context, None, torch.Generator().manual_seed(batch))
+    group = meta.decode_groups[0]
+    keys = TorchSDPABackend._gather(cache[:, 0], group.block_tables)
+    values = TorchSDPABackend._gather(cache[:, 1], group.block_tables)
+    q = torch.randn(batch, 2 * KV_HEADS, HEAD_DIM, generator=generator).to(cache.dtype)
+    mask = meta.decode_mask(0, None, cache.dtype)
+    scale = HEAD_DIM ** -0.5
+
+    def sdpa():
+        return F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale,
+                                              enable_gqa=True).squeeze(2)
+
+    def matmul():
+        return decode_by_matmul(q, keys, values, mask, scale)
+
+    gap = (sdpa().float() - matmul().float()).abs().max().item()
+    slow, fast = median_ms(sdpa, args.repeats), median_ms(matmul, args.repeats)
+    print(f"batch {batch:4d}: SDPA {slow:7.2f} ms, matmul {fast:7.2f} ms, ratio {slow / fast:.2f}, "
+          f"largest difference {gap:.1e}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--batches", default="16,144,480")
     parser.add_argument("--context", type=int, default=160)
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     backend, generator = TorchSDPABackend(), torch.Generator().manual_seed(0)
-    cache = torch.randn(NUM_BLOCKS, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=generator)
-    print(f"float32, {torch.get_num_threads()} threads, {KV_HEADS} KV heads of {HEAD_DIM}, context ~{args.context}, "
-          f"cap {CPU_DECODE_GROUP_MAX_KEYS} keys per group")
-    for batch in map(int, args.batches.split(",")):
-        q = torch.randn(batch, KV_HEADS, HEAD_DIM, generator=generator)
-        k, v = torch.randn_like(q), torch.randn_like(q)
-        one = decode_step(batch, args.context, None, torch.Generator().manual_seed(batch))
-        capped = decode_step(batch, args.context, CPU_DECODE_GROUP_MAX_KEYS, torch.Generator().manual_seed(batch))
-        same = torch.allclose(backend.forward(cache.clone(), q, k, v, one, HEAD_DIM ** -0.5, None),
-                              backend.forward(cache.clone(), q, k, v, capped, HEAD_DIM ** -0.5, None), atol=1e-6)
-        base = median_ms(backend, cache, one, q, k, v, args.repeats)
-        fast = median_ms(backend, cache, capped, q, k, v, args.repeats)
-        print(f"batch {batch:4d}: one group {base:7.2f} ms, {len(capped.decode_groups)} capped groups {fast:7.2f} ms, "
-              f"ratio {base / fast:.2f}, same output {same}")
+    dtype = getattr(torch, args.dtype)
+    cache = torch.randn(NUM_BLOCKS, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=generator).to(dtype)
+    batches = [int(b) for b in args.batches.split(",")]
+    print(f"{args.dtype}, {torch.get_num_threads()} threads, {KV_HEADS} KV heads of {HEAD_DIM}, "
+          f"context ~{args.context}, cap {CPU_DECODE_GROUP_MAX_KEYS} keys per group")
+    for batch in batches:
+        compare_grouping(backend, cache, batch, args, generator)
+    print("one query token, one group: PyTorch's SDPA against decode_by_matmul")
+    for batch in batches:
+        compare_kernels(cache, batch, args, generator)
     return 0
 
 

@@ -4,6 +4,7 @@ The runner orders each step's tokens as decode groups first (one query token per
 requests of similar context length grouped together to bound padding), then prefill chunks.
 `TorchSDPABackend` writes the step's keys/values into the paged cache by slot, then runs
 `scaled_dot_product_attention` on batched block gathers; it is device-agnostic (CPU and CUDA).
+One-token decode on CPU in bfloat16 or float16 uses `decode_by_matmul` instead of SDPA.
 """
 from __future__ import annotations
 
@@ -126,6 +127,8 @@ class TorchSDPABackend:
     def _decode(self, layer_cache, q, group, mask, scale, gqa):
         keys = self._gather(layer_cache[:, 0], group.block_tables)
         values = self._gather(layer_cache[:, 1], group.block_tables)
+        if q.device.type == "cpu" and q.dtype != torch.float32:
+            return decode_by_matmul(q, keys, values, mask, scale)
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa
         )
@@ -143,3 +146,20 @@ class TorchSDPABackend:
             query, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
         )
         return out.squeeze(0).transpose(0, 1)
+
+
+def decode_by_matmul(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """One query token per sequence: [B, Hq, D] queries over [B, Hkv, L, D] keys and values with an
+    additive [B, 1, 1, L] mask. Query heads sharing a KV head are one matrix product, so keys are
+    never repeated; softmax runs in float32 (as HF's eager attention does).
+
+    On CPU in bfloat16, PyTorch's SDPA kernel is two to four times slower than this for one query
+    token (`benchmarks/decode_attention.py --dtype bfloat16`); in float32 SDPA is the faster.
+    """
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = keys.shape[1]
+    grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * scale + mask
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    return torch.matmul(probs, values).view(batch, num_heads, head_dim)
