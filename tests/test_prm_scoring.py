@@ -7,7 +7,7 @@ from conftest import assert_no_leak
 from treeserve.config import EngineConfig
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.runtime.prm_recipes import RECIPES
-from treeserve.runtime.scorer import StepScorer
+from treeserve.runtime.scorer import UNJUDGED_SCORE, StepScorer
 
 QUESTION = "What is the total of two and three, times four?"
 STEPS = ["Step 1: two plus three is five.", "Step 2: five times four is twenty.",
@@ -164,3 +164,18 @@ def test_runtime_uses_the_declared_recipe_and_aggregation_unless_told_otherwise(
     rt = Runtime({"prm": str(declared)}, recipes={"prm": "math-shepherd"}, **options)
     assert rt.recipes == {"prm": "math-shepherd"}
     rt.close()
+
+
+def test_a_conversation_longer_than_the_verifier_reads_scores_unjudged_and_leaks_nothing(prm_dir):
+    recipe = RECIPES["math-shepherd"]
+    probe = _engine(prm_dir)
+    two, three = (len(recipe.build(probe.tokenizer, QUESTION, STEPS[:k]).token_ids) for k in (2, 3))
+    engine = _engine(prm_dir, max_model_len=(two + three) // 2)
+    scorer = StepScorer(engine, "math-shepherd")
+    first_two = scorer.score_steps(QUESTION, STEPS[:2])
+    assert scorer.score_steps(QUESTION, STEPS[:3]) == first_two + [UNJUDGED_SCORE]
+    assert scorer.score_many([(QUESTION, STEPS[:4]), (QUESTION, STEPS[:1])]) == [
+        first_two + [UNJUDGED_SCORE] * 2, first_two[:1]]
+    assert scorer.num_unjudged_steps == 2
+    scorer.release_all()
+    assert_no_leak(engine)

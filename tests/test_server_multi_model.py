@@ -37,6 +37,9 @@ def test_models_are_listed_and_routed(multi_server):
         assert resp.status_code == 200 and resp.json()["model"] == model
     assert httpx.post(f"{url}/v1/rewards", json={"model": "nope", "question": "q", "steps": ["a"]}).status_code == 404
     assert httpx.post(f"{url}/v1/rewards", json={"model": "prm", "question": "q", "steps": []}).status_code == 400
+    too_long = httpx.post(f"{url}/v1/rewards", json={"model": "prm", "question": "q", "steps": ["seven " * 300]})
+    assert too_long.status_code == 400 and "maximum model length" in too_long.json()["error"]["message"]
+    assert httpx.post(f"{url}/v1/rewards", json={"model": "prm", "question": "q", "steps": ["a"]}).status_code == 200
 
 
 def _alongside_a_chat(url: str, chat_tokens: int, path: str, body: dict) -> tuple[httpx.Response, httpx.Response]:

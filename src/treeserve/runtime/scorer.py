@@ -15,6 +15,9 @@ MAX_KEPT_SEQUENCES = 512
 # Kept sequences pin their blocks; past this share of the pool in use they are released instead
 # (their full blocks stay in the prefix cache, so an extension recomputes at most one block).
 KEEP_BELOW_USAGE = 0.5
+# The score of a step the verifier cannot read: its conversation is longer than the verifier's
+# maximum model length. Any aggregation then ranks the candidate last, and the search goes on.
+UNJUDGED_SCORE = 0.0
 
 
 class StepScorer:
@@ -32,6 +35,7 @@ class StepScorer:
         self._ids = itertools.count()
         self._wanted: dict[str, tuple[tuple, list[int], list[int]]] = {}
         self.num_cache_hits = 0
+        self.num_unjudged_steps = 0  # steps given UNJUDGED_SCORE: their conversation did not fit
         self.num_prompt_tokens = 0  # tokens of every verifier input submitted (computed or reused)
         # Outputs of other requests on the same engine, met while scoring drives it (the server
         # routes them to their streams); offline, nothing else runs on a scoring engine.
@@ -39,6 +43,15 @@ class StepScorer:
 
     def score_steps(self, question: str, steps: list[str]) -> list[float]:
         return self.score_many([(question, steps)])[0]
+
+    def require_readable(self, question: str, steps: list[str]) -> None:
+        """Raises ValueError when the conversation is too long for the verifier to read (where a
+        caller wants an error rather than UNJUDGED_SCORE: a direct scoring request)."""
+        _require_steps(steps)
+        length = len(self.recipe.build(self.engine.tokenizer, question, steps).token_ids)
+        if length >= self.engine.max_model_len:
+            raise ValueError(f"steps: the verifier input is {length} tokens; the verifier reads fewer than "
+                             f"its maximum model length {self.engine.max_model_len}")
 
     def score_many(self, items: list[tuple[str, list[str]]]) -> list[list[float]]:
         """One score per step for each (question, steps); uncached ones are scored in one batch."""
@@ -79,20 +92,28 @@ class StepScorer:
         pending: dict[tuple, str] = {}
         in_flight = {key for key, _, _ in self._wanted.values()}
         for question, steps in items:
-            if not steps:
-                raise ValueError("steps: must contain at least one step")
+            _require_steps(steps)
             key = (question, *steps)
             if key in pending or key in in_flight:
                 continue
             if not all(key[: i + 2] in self.score_cache for i in range(len(steps))):
-                pending[key] = self._submit(question, list(steps))
+                request_id = self._submit(question, list(steps))
+                if request_id is not None:
+                    pending[key] = request_id
         self.num_cache_hits += len(items) - len(pending)
         return pending
 
-    def _submit(self, question: str, steps: list[str]) -> str:
+    def _submit(self, question: str, steps: list[str]) -> str | None:
+        """Queues one verifier request; None when the conversation is too long to read (its
+        unscored steps get UNJUDGED_SCORE at once)."""
         prm_input = self.recipe.build(self.engine.tokenizer, question, steps)
         key = (question, *steps)
         wanted = [i for i in range(len(steps)) if key[: i + 2] not in self.score_cache]
+        if len(prm_input.token_ids) >= self.engine.max_model_len:
+            for index in wanted:
+                self.score_cache[key[: index + 2]] = UNJUDGED_SCORE
+            self.num_unjudged_steps += len(wanted)
+            return None
         parent_key = next((key[:j] for j in range(len(key) - 1, 1, -1) if key[:j] in self.kept), None)
         parent_id = self.kept.get(parent_key) if parent_key else None
         request_id = f"score-{next(self._ids)}"
@@ -134,3 +155,8 @@ class StepScorer:
         while self.kept:
             _, request_id = self.kept.popitem(last=False)
             self.engine.release_kv(request_id)
+
+
+def _require_steps(steps: list[str]) -> None:
+    if not steps:
+        raise ValueError("steps: must contain at least one step")

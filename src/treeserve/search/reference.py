@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.entrypoints.llm import LLM
 from treeserve.runtime.prm_recipes import DEFAULT_RECIPE, RECIPES
+from treeserve.runtime.scorer import UNJUDGED_SCORE
 from treeserve.sampling_params import SamplingParams
 from treeserve.search.config import STEP_DELIMITER, SearchConfig
 from treeserve.search.prompting import prompt_text
@@ -45,8 +46,11 @@ def sal_batch_sizes(strategy: str) -> SalBatchSizes:
 class HFStepScorer:
     """Scores steps by running the whole conversation through HF transformers, every time."""
 
-    def __init__(self, model_path: str, tokenizer, recipe: str = DEFAULT_RECIPE):
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    def __init__(self, model_path: str, tokenizer, recipe: str = DEFAULT_RECIPE, dtype: torch.dtype = torch.float32,
+                 max_len: int | None = None):
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+        # as the engine: a conversation this long or longer is not read (UNJUDGED_SCORE)
+        self.max_len = max_len or self.model.config.max_position_embeddings
         self.tokenizer = tokenizer
         self.recipe = RECIPES[recipe]
         self.candidates = list(self.recipe.candidate_ids(tokenizer))
@@ -58,9 +62,12 @@ class HFStepScorer:
                    batch_size: int = SAL_DEFAULT_BATCH_SIZES.prm) -> list[list[float]]:
         start_time = time.perf_counter()
         inputs = [self.recipe.build(self.tokenizer, q, steps) for q, steps in items]
-        scores: list[list[float]] = []
-        for start in range(0, len(inputs), batch_size):
-            scores += self._score_batch(inputs[start:start + batch_size])
+        readable = [i for i, x in enumerate(inputs) if len(x.token_ids) < self.max_len]
+        scores = [[UNJUDGED_SCORE] * len(steps) for _, steps in items]
+        for start in range(0, len(readable), batch_size):
+            rows = readable[start:start + batch_size]
+            for row, row_scores in zip(rows, self._score_batch([inputs[i] for i in rows])):
+                scores[row] = row_scores
         self.seconds += time.perf_counter() - start_time
         return scores
 

@@ -122,6 +122,7 @@ def create_app(engine: AsyncLLMEngine, served: dict[str, LLMEngine], api_keys: l
         if scorer is None:
             raise APIError(400, f"model: '{body.model}' is not served as a reward model", param="model")
         try:
+            scorer.require_readable(body.question, list(body.steps))
             scores = await engine.run_job(lambda: scorer.score_steps(body.question, list(body.steps)))
         except ValueError as exc:
             raise from_value_error(exc) from exc
