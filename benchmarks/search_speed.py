@@ -12,7 +12,11 @@ test split, so accuracy means something and the two modes' accuracies can be com
 blank-line separated steps): accuracy is 0 for both and only speed is compared, on longer texts.
 
     python benchmarks/search_speed.py [--problems 50] [--strategies beam best_of_n] [--models builtin|random]
-        [--repeats 3] [--reference-batch B] [--reference-prm-batch B]
+        [--dtype bfloat16|float32] [--repeats 5] [--reference-batch B] [--reference-prm-batch B]
+        [--treeserve-only]
+
+With `--repeats`, the two modes run alternately and the speed-up printed is the median of the
+back-to-back pairs' ratios (this machine is shared and its speed drifts).
 
 The reference uses S&L's own batch sizes (`treeserve.search.reference.sal_batch_sizes`): for beam
 search one problem and one verifier conversation at a time (S&L's beam-search recipe for
@@ -25,6 +29,8 @@ import json
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 from treeserve import Runtime
 from treeserve.model.registry import cache_dir, resolve_model_path
@@ -65,7 +71,7 @@ def models_and_problems(args) -> tuple[dict[str, str], list[dict], str]:
 
 
 def runtime(paths: dict[str, str], args) -> Runtime:
-    return Runtime(paths, dtype="float32", device="cpu", kv_cache_memory_bytes=args.kv_mib << 20,
+    return Runtime(paths, dtype=args.dtype, device="cpu", kv_cache_memory_bytes=args.kv_mib << 20,
                    max_model_len=4096 if args.models == "random" else None, max_num_batched_tokens=4096)
 
 
@@ -99,7 +105,8 @@ def measure(label: str, paths, rows, config: SearchConfig, args) -> dict:
     gen, prm = rt.engine("gen"), rt.engine("prm")
     trie = None
     if label == "reference":
-        scorer = (HFStepScorer(str(resolve_model_path(paths["prm"])), prm.tokenizer, rt.recipes["prm"])
+        scorer = (HFStepScorer(str(resolve_model_path(paths["prm"])), prm.tokenizer, rt.recipes["prm"],
+                               dtype=getattr(torch, args.dtype), max_len=prm.max_model_len)
                   if config.uses_verifier else None)
         runner = ReferenceRunner(gen, scorer, batch_size=args.reference_batch, prm_batch_size=args.reference_prm_batch)
     else:
@@ -119,34 +126,57 @@ def measure(label: str, paths, rows, config: SearchConfig, args) -> dict:
             "prm_hit_rate": 1 - prm_tokens / submitted if submitted else None,
             "prm_reuse_ceiling": 1 - trie.distinct / submitted if submitted else None,
             "tree_size": sum(r.tree_size for r in results),
+            # steps too long for the verifier to read, given UNJUDGED_SCORE (long searches only)
+            "unjudged_steps": runner.scorer.num_unjudged_steps if label != "reference" and runner.scorer else 0,
             # the reference's verifier time (HF transformers): what its generation cannot explain
             "verifier_seconds": scorer.seconds if label == "reference" and scorer else None}
 
 
-def median_run(label: str, paths, rows, config: SearchConfig, args) -> dict:
-    """The run of median time among `args.repeats` (this machine is shared and noisy)."""
-    runs = sorted((measure(label, paths, rows, config, args) for _ in range(args.repeats)), key=lambda r: r["seconds"])
-    if len(runs) > 1:
-        print(f"{config.strategy:>10} {label:>9}: " + ", ".join(f"{r['seconds']:.1f} s" for r in runs))
-    return runs[len(runs) // 2]
+def measure_interleaved(labels: tuple[str, ...], paths, rows, config: SearchConfig, args) -> dict[str, list[dict]]:
+    """`args.repeats` runs of each mode, alternating, so that a busy spell on this shared machine
+    falls on both modes rather than on one."""
+    runs: dict[str, list[dict]] = {label: [] for label in labels}
+    for _ in range(args.repeats):
+        for label in labels:
+            runs[label].append(measure(label, paths, rows, config, args))
+    if args.repeats > 1:
+        for label in labels:
+            print(f"{config.strategy:>10} {label:>9}: " + ", ".join(f"{r['seconds']:.1f} s" for r in runs[label]))
+    return runs
 
 
-def report(strategy: str, runs: dict[str, dict]) -> float:
+def median_time_run(runs: list[dict]) -> dict:
+    return sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
+
+
+def median_speedup(runs: dict[str, list[dict]]) -> float:
+    """The median over repeats of reference time / treeserve time, each pair run back to back."""
+    ratios = sorted(ref["seconds"] / ours["seconds"] for ref, ours in zip(runs["reference"], runs["treeserve"]))
+    middle = len(ratios) // 2
+    return ratios[middle] if len(ratios) % 2 else (ratios[middle - 1] + ratios[middle]) / 2
+
+
+def report(strategy: str, runs: dict[str, dict]) -> bool:
+    """Prints each mode's median-time run; False when there is no reference to compare with."""
     for run in runs.values():
         hit = ""
         if run["prm_hit_rate"] is not None:
             hit = f", PRM tokens reused {run['prm_hit_rate']:.1%} (ceiling {run['prm_reuse_ceiling']:.1%})"
+        if run["unjudged_steps"]:
+            hit += f", {run['unjudged_steps']} steps past the verifier's length"
         if run["verifier_seconds"] is not None:
             hit += f", verifier {run['verifier_seconds']:.1f} s ({run['verifier_seconds'] / run['seconds']:.0%})"
         print(f"{strategy:>10} {run['label']:>9}: {run['seconds']:7.1f} s, {run['problems_per_s']:.3f} problems/s, "
               f"{run['generated_tokens_per_s']:.1f} generated tok/s, {run['prm_tokens_per_problem']:.0f} PRM tokens "
               f"per problem, accuracy {run['accuracy']:.1%}, tree nodes {run['tree_size']}{hit}")
+    if "reference" not in runs:
+        return False
     computed, requested = runs["treeserve"]["prm_tokens_per_problem"], runs["reference"]["prm_tokens_per_problem"]
     if requested:
         # the reference computes every verifier token the search asks for: the same tree, no caches
         print(f"{strategy:>10}: verifier tokens not recomputed (score cache and prefix cache), against what the "
               f"search asks for: {1 - computed / requested:.1%}")
-    return runs["treeserve"]["problems_per_s"] / runs["reference"]["problems_per_s"]
+    return True
 
 
 def main() -> int:
@@ -160,6 +190,8 @@ def main() -> int:
     parser.add_argument("--beam-width", type=int, default=4)
     parser.add_argument("--num-iterations", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="both modes, both models (bfloat16: what these CPUs are fast at, and S&L's)")
     parser.add_argument("--kv-mib", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--reference-batch", type=int, default=None,
@@ -167,11 +199,14 @@ def main() -> int:
     parser.add_argument("--reference-prm-batch", type=int, default=None,
                         help="conversations per verifier pass in the reference (default: S&L's, 1 for beam search, else 4)")
     parser.add_argument("--strategies", nargs="+", default=["beam", "best_of_n"])
-    parser.add_argument("--repeats", type=int, default=1, help="runs per mode; the median-time run is reported")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs per mode, alternating; the median-time run is reported, and the median speed-up")
+    parser.add_argument("--treeserve-only", action="store_true",
+                        help="skip the reference (no speed-up): reuse figures for searches too long to run it on")
     args = parser.parse_args()
     paths, rows, source = models_and_problems(args)
     print(f"{len(rows)} problems from {source}, N={args.n}, beam width {args.beam_width}, "
-          f"{args.num_iterations} iterations, float32 on CPU")
+          f"{args.num_iterations} iterations, {args.dtype} on CPU")
     speedups = {}
     for strategy in args.strategies:
         config = SearchConfig(strategy=strategy, n=args.n, beam_width=args.beam_width,
@@ -179,11 +214,15 @@ def main() -> int:
         sal = sal_batch_sizes(strategy)
         print(f"{strategy}: the reference runs {args.reference_batch or sal.search} problem(s) per lockstep batch and "
               f"{args.reference_prm_batch or sal.prm} conversation(s) per verifier pass")
-        runs = {label: median_run(label, paths, rows, config, args) for label in ("reference", "treeserve")}
-        speedups[strategy] = report(strategy, runs)
-        print(f"{strategy} speed-up: {speedups[strategy]:.2f}")
-    headline = speedups.get("beam", next(iter(speedups.values())))
-    print(f"speed-up: {headline:.2f}")
+        labels = ("treeserve",) if args.treeserve_only else ("reference", "treeserve")
+        runs = measure_interleaved(labels, paths, rows, config, args)
+        if report(strategy, {label: median_time_run(r) for label, r in runs.items()}):
+            speedups[strategy] = median_speedup(runs)
+            print(f"{strategy} speed-up: {speedups[strategy]:.2f}" +
+                  (f" (median of {args.repeats} back-to-back pairs)" if args.repeats > 1 else ""))
+    if not args.treeserve_only:
+        headline = speedups.get("beam", next(iter(speedups.values())))
+        print(f"speed-up: {headline:.2f}")
     return 0
 
 
