@@ -179,3 +179,20 @@ def test_a_conversation_longer_than_the_verifier_reads_scores_unjudged_and_leaks
     assert scorer.num_unjudged_steps == 2
     scorer.release_all()
     assert_no_leak(engine)
+
+
+def test_completions_sharing_steps_scored_together_compute_what_they_would_one_after_another(prm_dir):
+    """Best-of-N scores whole completions at once: a shared step is scored by one request only,
+    so the others reuse its KV rather than recomputing up to their first verdict."""
+    first, second = (QUESTION, STEPS[:3]), (QUESTION, STEPS[:2] + [STEPS[3]])
+    apart = _engine(prm_dir)
+    scorer = StepScorer(apart)
+    expected = scorer.score_steps(*first), scorer.score_steps(*second)
+    together = _engine(prm_dir)
+    scorer = StepScorer(together)
+    scores = scorer.score_many([first, second])
+    for got, want in zip(scores, expected):
+        assert got == pytest.approx(want, abs=1e-5)
+    assert together.num_tokens_computed == apart.num_tokens_computed
+    scorer.release_all()
+    assert_no_leak(together)

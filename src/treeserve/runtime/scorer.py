@@ -34,6 +34,9 @@ class StepScorer:
         self.max_kept = max_kept
         self._ids = itertools.count()
         self._wanted: dict[str, tuple[tuple, list[int], list[int]]] = {}
+        # step keys that a request in flight will score: another request sharing those steps does
+        # not ask for them again, so its cached prefix can run past them (best-of-N's completions)
+        self._claimed: set[tuple] = set()
         self.num_cache_hits = 0
         self.num_unjudged_steps = 0  # steps given UNJUDGED_SCORE: their conversation did not fit
         self.num_prompt_tokens = 0  # tokens of every verifier input submitted (computed or reused)
@@ -96,19 +99,25 @@ class StepScorer:
             key = (question, *steps)
             if key in pending or key in in_flight:
                 continue
-            if not all(key[: i + 2] in self.score_cache for i in range(len(steps))):
+            if not all(self._answered(key[: i + 2]) for i in range(len(steps))):
                 request_id = self._submit(question, list(steps))
                 if request_id is not None:
                     pending[key] = request_id
         self.num_cache_hits += len(items) - len(pending)
         return pending
 
+    def _answered(self, step_key: tuple) -> bool:
+        return step_key in self.score_cache or step_key in self._claimed
+
     def _submit(self, question: str, steps: list[str]) -> str | None:
-        """Queues one verifier request; None when the conversation is too long to read (its
-        unscored steps get UNJUDGED_SCORE at once)."""
-        prm_input = self.recipe.build(self.engine.tokenizer, question, steps)
+        """Queues one verifier request for the steps nobody has scored or is scoring; None when
+        there are none left, or when the conversation is too long to read (its unscored steps
+        get UNJUDGED_SCORE at once)."""
         key = (question, *steps)
-        wanted = [i for i in range(len(steps)) if key[: i + 2] not in self.score_cache]
+        wanted = [i for i in range(len(steps)) if not self._answered(key[: i + 2])]
+        if not wanted:
+            return None
+        prm_input = self.recipe.build(self.engine.tokenizer, question, steps)
         if len(prm_input.token_ids) >= self.engine.max_model_len:
             for index in wanted:
                 self.score_cache[key[: index + 2]] = UNJUDGED_SCORE
@@ -122,6 +131,7 @@ class StepScorer:
                                 logits_positions=[prm_input.verdict_positions[i] for i in wanted],
                                 readout_token_ids=self.candidates, keep_kv=True, parent_id=parent_id)
         self._wanted[request_id] = (key, wanted, prm_input.verdict_positions)
+        self._claimed.update(key[: i + 2] for i in wanted)
         return request_id
 
     def _run(self, items: list[tuple[str, list[str]]]) -> None:
@@ -137,6 +147,7 @@ class StepScorer:
         for index in wanted:
             pair = output.prompt_logits[positions[index]]
             self.score_cache[key[: index + 2]] = float(torch.softmax(pair.float(), dim=-1)[0])
+            self._claimed.discard(key[: index + 2])
         self.kept[key] = output.request_id
         pool = self.engine.kv.pool
         while self.kept and (len(self.kept) > self.max_kept or pool.usage() > KEEP_BELOW_USAGE):
