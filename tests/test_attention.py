@@ -2,6 +2,7 @@
 import torch
 from torch.nn import functional as F
 
+from treeserve.engine import attention
 from treeserve.engine.attention import AttentionMetadata, DecodeGroup, TorchSDPABackend, decode_by_matmul
 
 BLOCK_SIZE, KV_HEADS, HEADS, HEAD_DIM, NUM_BLOCKS = 4, 2, 6, 8, 32
@@ -40,11 +41,15 @@ def test_matmul_decode_matches_sdpa_with_grouped_heads_and_padding():
     torch.testing.assert_close(decode_by_matmul(q, keys, values, mask, 0.3)[0], expected[0], atol=1e-6, rtol=1e-5)
 
 
-def test_bfloat16_decode_on_cpu_agrees_with_float32():
+def test_bfloat16_decode_on_cpu_uses_matmul_and_agrees_with_float32(monkeypatch):
+    calls = []
+    monkeypatch.setattr(attention, "decode_by_matmul",
+                        lambda *args: calls.append(args[0].dtype) or decode_by_matmul(*args))
     backend = TorchSDPABackend()
     *tensors, meta = _inputs(torch.float32)
     reference = backend.forward(tensors[0].clone(), *tensors[1:], meta, HEAD_DIM ** -0.5, None)
     *halves, meta = _inputs(torch.bfloat16)
     got = backend.forward(halves[0], *halves[1:], meta, HEAD_DIM ** -0.5, None)
     assert got.dtype == torch.bfloat16
+    assert calls == [torch.bfloat16]  # float32 went through SDPA
     torch.testing.assert_close(got.float(), reference, atol=3e-2, rtol=3e-2)

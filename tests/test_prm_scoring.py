@@ -177,7 +177,14 @@ def test_a_conversation_longer_than_the_verifier_reads_scores_unjudged_and_leaks
     assert scorer.score_many([(QUESTION, STEPS[:4]), (QUESTION, STEPS[:1])]) == [
         first_two + [UNJUDGED_SCORE] * 2, first_two[:1]]
     assert scorer.num_unjudged_steps == 2
-    scorer.release_all()
+    # scored at once, the steps that fit are read and the rest are not
+    fresh = StepScorer(engine, "math-shepherd")
+    assert fresh.score_steps(QUESTION, STEPS) == pytest.approx(first_two + [UNJUDGED_SCORE] * 2, abs=1e-5)
+    with pytest.raises(ValueError, match="maximum model length"):
+        fresh.require_readable(QUESTION, STEPS[:3])
+    fresh.require_readable(QUESTION, STEPS[:2])
+    for s in (scorer, fresh):
+        s.release_all()
     assert_no_leak(engine)
 
 

@@ -104,6 +104,13 @@ def test_unknown_model_name(pair):
         rt.score_steps("verifier", QUESTION, ["a"])
 
 
+def test_direct_scoring_refuses_a_conversation_too_long_for_the_verifier(pair):
+    rt = _runtime(pair)
+    with pytest.raises(ValueError, match="maximum model length 192"):
+        rt.score_steps("prm", QUESTION, ["seven " * 200])
+    assert len(rt.score_steps("prm", QUESTION, ["seven"])) == 1
+
+
 def test_memory_command(pair, capsys):
     from treeserve.cli import main
 

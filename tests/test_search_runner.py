@@ -87,3 +87,47 @@ def test_a_verifier_strategy_without_a_verifier_is_refused(pair):
     rt = _runtime(pair)
     with pytest.raises(ValueError, match="verifier"):
         SearchRunner(rt.engine("gen"), None).run(QUESTIONS, _config())
+
+
+def test_a_search_that_fails_midway_leaves_no_request_claim_or_block_behind(pair, monkeypatch):
+    rt = _runtime(pair)
+    scorer = rt.scorer("prm")
+    runner = SearchRunner(rt.engine("gen"), scorer, max_problems_in_flight=3)
+    collect, seen = scorer.collect, []
+
+    def fail_on_the_third_output(output):
+        seen.append(scorer.has_pending)
+        if len(seen) == 3:
+            raise KeyboardInterrupt("stop")
+        return collect(output)
+
+    monkeypatch.setattr(scorer, "collect", fail_on_the_third_output)
+    with pytest.raises(KeyboardInterrupt):
+        runner.run(QUESTIONS, _config())
+    assert seen[-1], "the failure should come while scoring requests are in flight"
+    assert not scorer.has_pending and not scorer._claimed
+    monkeypatch.setattr(scorer, "collect", collect)
+    rt.release_kept()
+    for engine in rt.engines.values():
+        assert_no_leak(engine)
+    assert [r.problem for r in runner.run(QUESTIONS, _config())] == QUESTIONS  # and it searches again
+
+
+@pytest.mark.parametrize("strategy, verifier_len", [("beam", 96), ("best_of_n", 64)])
+def test_long_searches_score_what_the_verifier_can_read_in_both_modes(pair, strategy, verifier_len):
+    """A verifier shorter than the conversations: the steps past its length score 0 and the
+    search goes on; the reference mode reads the same prefix."""
+    rt = _runtime(pair)
+    prm = rt.engine("prm")
+    prm.max_model_len = verifier_len  # shorter than many of the conversations
+    results = _search(rt, _config(strategy=strategy, max_tokens=64))
+    assert rt.scorer("prm").num_unjudged_steps > 0
+    items = [(r.problem, [s.strip() for s in c.split("\n\n") if s.strip()]) for r in results for c in r.completions]
+    hf = HFStepScorer(str(pair["prm"]), prm.tokenizer, max_len=prm.max_model_len)
+    for (question, steps), ours, reference in zip(items, [s for r in results for s in r.scores], hf.score_many(items)):
+        if steps:
+            assert ours == pytest.approx(reference, abs=1e-4)
+    if strategy == "best_of_n":  # whole completions: steps scored, then steps past the verifier's length
+        assert any(s[0] > 0 and s[-1] == 0 for r in results for s in r.scores if s)
+    rt.release_kept()
+    assert_no_leak(prm)

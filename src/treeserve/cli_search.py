@@ -74,7 +74,7 @@ def _runner(args, rt, reference: bool = False):
         prm = rt.engine("prm")
         path = str(resolve_model_path(prm.config.model))
         return ReferenceRunner(rt.engine("gen"), HFStepScorer(path, prm.tokenizer, rt.recipes["prm"],
-                                                                 max_len=prm.max_model_len))
+                                                                 dtype=prm.dtype, max_len=prm.max_model_len))
     from treeserve.search.runner import SearchRunner
 
     return SearchRunner(rt.engine("gen"), rt.scorer("prm"))

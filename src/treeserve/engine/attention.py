@@ -159,7 +159,8 @@ def decode_by_matmul(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = keys.shape[1]
-    grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * scale + mask
+    # scaled before the product, so that float16 dot products cannot overflow
+    grouped = (q * scale).view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() + mask
     probs = torch.softmax(scores, dim=-1).to(values.dtype)
     return torch.matmul(probs, values).view(batch, num_heads, head_dim)

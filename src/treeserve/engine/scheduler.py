@@ -142,6 +142,7 @@ class Scheduler:
             if self.kv.block_tables.get(request.request_id):
                 self.kv.free(request)
                 request.num_computed_tokens = 0
+                request.num_cached_tokens = 0  # it will look the prefix up afresh
                 request.num_preemptions += 1
                 self.num_preemptions += 1
                 return True

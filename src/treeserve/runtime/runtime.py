@@ -127,10 +127,14 @@ class Runtime:
         return self._scorers[name]
 
     def score_steps(self, name: str, question: str, steps: list[str]) -> list[float]:
-        return self.scorer(name).score_steps(question, steps)
+        return self.score_many(name, [(question, steps)])[0]
 
     def score_many(self, name: str, items: list[tuple[str, list[str]]]) -> list[list[float]]:
-        return self.scorer(name).score_many(items)
+        """Direct scoring: a conversation too long for the verifier is an error, not a 0."""
+        scorer = self.scorer(name)
+        for question, steps in items:
+            scorer.require_readable(question, steps)
+        return scorer.score_many(items)
 
     def release_kept(self) -> None:
         for scorer in self._scorers.values():

@@ -18,6 +18,8 @@ KEEP_BELOW_USAGE = 0.5
 # The score of a step the verifier cannot read: its conversation is longer than the verifier's
 # maximum model length. Any aggregation then ranks the candidate last, and the search goes on.
 UNJUDGED_SCORE = 0.0
+# Request ids unique in the process: several scorers may share one engine.
+_REQUEST_IDS = itertools.count()
 
 
 class StepScorer:
@@ -32,12 +34,11 @@ class StepScorer:
         self.score_cache: dict[tuple, float] = {}       # (question, steps...) -> score of the last step
         self.kept: OrderedDict[tuple, str] = OrderedDict()  # (question, steps...) -> engine request id
         self.max_kept = max_kept
-        self._ids = itertools.count()
         self._wanted: dict[str, tuple[tuple, list[int], list[int]]] = {}
         # step keys that a request in flight will score: another request sharing those steps does
         # not ask for them again, so its cached prefix can run past them (best-of-N's completions)
         self._claimed: set[tuple] = set()
-        self.num_cache_hits = 0
+        self.num_cache_hits = 0  # items answered without a request of their own (cached, in flight, or unreadable)
         self.num_unjudged_steps = 0  # steps given UNJUDGED_SCORE: their conversation did not fit
         self.num_prompt_tokens = 0  # tokens of every verifier input submitted (computed or reused)
         # Outputs of other requests on the same engine, met while scoring drives it (the server
@@ -58,11 +59,24 @@ class StepScorer:
 
     def score_many(self, items: list[tuple[str, list[str]]]) -> list[list[float]]:
         """One score per step for each (question, steps); uncached ones are scored in one batch."""
-        pending = self._submit_uncached(items)
-        if pending:
-            self._release_older_than(pending)
-        self._run(items)
+        try:
+            pending = self._submit_uncached(items)
+            if pending:
+                self._release_older_than(pending)
+            self._run(items)
+        except BaseException:
+            self.cancel_pending()
+            raise
         return self.results(items)
+
+    def cancel_pending(self) -> None:
+        """Aborts every scoring request in flight and forgets it (a search that failed midway):
+        otherwise its steps would stay claimed and its kept KV pinned."""
+        for request_id in self._wanted:
+            self.engine.abort_request(request_id)
+            self.engine.release_kv(request_id)
+        self._wanted.clear()
+        self._claimed.clear()
 
     def submit(self, items: list[tuple[str, list[str]]]) -> None:
         """Queues the uncached items without running the engine: whoever steps the engine passes
@@ -119,13 +133,14 @@ class StepScorer:
             return None
         prm_input = self.recipe.build(self.engine.tokenizer, question, steps)
         if len(prm_input.token_ids) >= self.engine.max_model_len:
-            for index in wanted:
+            readable = readable_steps(self.recipe, self.engine.tokenizer, question, steps, self.engine.max_model_len)
+            for index in (i for i in wanted if i >= readable):
                 self.score_cache[key[: index + 2]] = UNJUDGED_SCORE
-            self.num_unjudged_steps += len(wanted)
-            return None
+                self.num_unjudged_steps += 1
+            return self._submit(question, steps[:readable]) if readable else None
         parent_key = next((key[:j] for j in range(len(key) - 1, 1, -1) if key[:j] in self.kept), None)
         parent_id = self.kept.get(parent_key) if parent_key else None
-        request_id = f"score-{next(self._ids)}"
+        request_id = f"score-{next(_REQUEST_IDS)}"
         self.num_prompt_tokens += len(prm_input.token_ids)
         self.engine.add_request(request_id, prm_input.token_ids, SamplingParams(max_tokens=1),
                                 logits_positions=[prm_input.verdict_positions[i] for i in wanted],
@@ -166,6 +181,14 @@ class StepScorer:
         while self.kept:
             _, request_id = self.kept.popitem(last=False)
             self.engine.release_kv(request_id)
+
+
+def readable_steps(recipe, tokenizer, question: str, steps: list[str], max_model_len: int) -> int:
+    """How many leading steps make a conversation shorter than `max_model_len` tokens."""
+    count = len(steps)
+    while count and len(recipe.build(tokenizer, question, steps[:count]).token_ids) >= max_model_len:
+        count -= 1
+    return count
 
 
 def _require_steps(steps: list[str]) -> None:

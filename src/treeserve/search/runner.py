@@ -51,6 +51,22 @@ class SearchRunner:
             on_result: Callable[[int, SearchResult], None] | None = None) -> list[SearchResult]:
         if config.uses_verifier and self.scorer is None:
             raise ValueError(f"verifier: strategy {config.strategy!r} needs a verifier model")
+        try:
+            return self._run(questions, config, on_result)
+        except BaseException:
+            self._cancel()
+            raise
+
+    def _cancel(self) -> None:
+        """A search that fails midway leaves nothing behind: its requests are aborted."""
+        for request_id in self._requests:
+            self.generator.abort_request(request_id)
+        self._requests.clear()
+        if self.scorer is not None:
+            self.scorer.cancel_pending()
+
+    def _run(self, questions: list[str], config: SearchConfig,
+             on_result: Callable[[int, SearchResult], None] | None) -> list[SearchResult]:
         results: list[SearchResult | None] = [None] * len(questions)
         queue = deque(enumerate(questions))
         in_flight: list[_Problem] = []
