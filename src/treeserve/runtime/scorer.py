@@ -8,7 +8,7 @@ from collections import OrderedDict
 import torch
 
 from treeserve.engine.llm_engine import LLMEngine
-from treeserve.runtime.prm_recipes import DEFAULT_AGGREGATION, DEFAULT_RECIPE, RECIPES
+from treeserve.runtime.prm_recipes import DEFAULT_AGGREGATION, DEFAULT_RECIPE, RECIPES, PRMInput
 from treeserve.sampling_params import SamplingParams
 
 MAX_KEPT_SEQUENCES = 512
@@ -131,13 +131,15 @@ class StepScorer:
         wanted = [i for i in range(len(steps)) if not self._answered(key[: i + 2])]
         if not wanted:
             return None
-        prm_input = self.recipe.build(self.engine.tokenizer, question, steps)
-        if len(prm_input.token_ids) >= self.engine.max_model_len:
-            readable = readable_steps(self.recipe, self.engine.tokenizer, question, steps, self.engine.max_model_len)
-            for index in (i for i in wanted if i >= readable):
-                self.score_cache[key[: index + 2]] = UNJUDGED_SCORE
-                self.num_unjudged_steps += 1
-            return self._submit(question, steps[:readable]) if readable else None
+        readable, prm_input = readable_input(self.recipe, self.engine.tokenizer, question, steps,
+                                             self.engine.max_model_len)
+        for index in (i for i in wanted if i >= readable):
+            self.score_cache[key[: index + 2]] = UNJUDGED_SCORE
+            self.num_unjudged_steps += 1
+        wanted = [i for i in wanted if i < readable]
+        if not wanted:
+            return None
+        key = key[: readable + 1]
         parent_key = next((key[:j] for j in range(len(key) - 1, 1, -1) if key[:j] in self.kept), None)
         parent_id = self.kept.get(parent_key) if parent_key else None
         request_id = f"score-{next(_REQUEST_IDS)}"
@@ -183,12 +185,15 @@ class StepScorer:
             self.engine.release_kv(request_id)
 
 
-def readable_steps(recipe, tokenizer, question: str, steps: list[str], max_model_len: int) -> int:
-    """How many leading steps make a conversation shorter than `max_model_len` tokens."""
-    count = len(steps)
-    while count and len(recipe.build(tokenizer, question, steps[:count]).token_ids) >= max_model_len:
-        count -= 1
-    return count
+def readable_input(recipe, tokenizer, question: str, steps: list[str],
+                   max_model_len: int) -> tuple[int, PRMInput | None]:
+    """The conversation cut to its leading steps that make fewer than `max_model_len` tokens:
+    (how many steps, its verifier input); (0, None) when not even the first step fits."""
+    for count in range(len(steps), 0, -1):
+        prm_input = recipe.build(tokenizer, question, steps[:count])
+        if len(prm_input.token_ids) < max_model_len:
+            return count, prm_input
+    return 0, None
 
 
 def _require_steps(steps: list[str]) -> None:

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.entrypoints.llm import LLM
 from treeserve.runtime.prm_recipes import DEFAULT_RECIPE, RECIPES
-from treeserve.runtime.scorer import UNJUDGED_SCORE, readable_steps
+from treeserve.runtime.scorer import UNJUDGED_SCORE, readable_input
 from treeserve.sampling_params import SamplingParams
 from treeserve.search.config import STEP_DELIMITER, SearchConfig
 from treeserve.search.prompting import prompt_text
@@ -61,7 +61,7 @@ class HFStepScorer:
     def score_many(self, items: list[tuple[str, list[str]]],
                    batch_size: int = SAL_DEFAULT_BATCH_SIZES.prm) -> list[list[float]]:
         start_time = time.perf_counter()
-        inputs = [self._readable_input(q, steps) for q, steps in items]
+        inputs = [readable_input(self.recipe, self.tokenizer, q, steps, self.max_len)[1] for q, steps in items]
         rows = [i for i, x in enumerate(inputs) if x is not None]
         scores = [[UNJUDGED_SCORE] * len(steps) for _, steps in items]
         for start in range(0, len(rows), batch_size):
@@ -70,15 +70,6 @@ class HFStepScorer:
                 scores[row][: len(row_scores)] = row_scores
         self.seconds += time.perf_counter() - start_time
         return scores
-
-    def _readable_input(self, question: str, steps: list[str]):
-        """The conversation, cut to the steps the verifier can read as the engine does (the rest
-        score UNJUDGED_SCORE); None when not even the first step fits."""
-        prm_input = self.recipe.build(self.tokenizer, question, steps)
-        if len(prm_input.token_ids) < self.max_len:
-            return prm_input
-        count = readable_steps(self.recipe, self.tokenizer, question, steps, self.max_len)
-        return self.recipe.build(self.tokenizer, question, steps[:count]) if count else None
 
     def _score_batch(self, batch) -> list[list[float]]:
         width = max(len(x.token_ids) for x in batch)
