@@ -93,7 +93,7 @@ def test_a_search_that_fails_midway_leaves_no_request_claim_or_block_behind(pair
     rt = _runtime(pair)
     scorer = rt.scorer("prm")
     runner = SearchRunner(rt.engine("gen"), scorer, max_problems_in_flight=3)
-    collect, seen = scorer.collect, []
+    collect, seen = scorer._on_output, []
 
     def fail_on_the_third_output(output):
         seen.append(scorer.has_pending)
@@ -101,12 +101,12 @@ def test_a_search_that_fails_midway_leaves_no_request_claim_or_block_behind(pair
             raise KeyboardInterrupt("stop")
         return collect(output)
 
-    monkeypatch.setattr(scorer, "collect", fail_on_the_third_output)
+    monkeypatch.setattr(scorer, "_on_output", fail_on_the_third_output)
     with pytest.raises(KeyboardInterrupt):
         runner.run(QUESTIONS, _config())
     assert seen[-1], "the failure should come while scoring requests are in flight"
     assert not scorer.has_pending and not scorer._claimed
-    monkeypatch.setattr(scorer, "collect", collect)
+    monkeypatch.setattr(scorer, "_on_output", collect)
     rt.release_kept()
     for engine in rt.engines.values():
         assert_no_leak(engine)

@@ -76,7 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", action="append", help="required bearer key (repeatable; or TREESERVE_API_KEY)")
     serve.add_argument("--served-model-name")
-    serve.add_argument("--max-queue", type=int, help="waiting requests beyond which new ones get 429")
+    serve.add_argument("--max-queue", type=int, help="waiting requests (or queued searches) beyond which new ones "
+                       "get 429")
+    serve.add_argument("--max-problems-in-flight", type=int, default=32,
+                       help="search problems that advance together, from all requests; more wait in a queue")
     serve.set_defaults(func=cmd_serve)
     memory = sub.add_parser("memory", help="print the memory breakdown per model (weights, activations, KV)")
     memory.add_argument("--model", action="append", help="NAME=PATH (repeatable) or a single PATH")

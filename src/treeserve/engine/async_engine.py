@@ -1,8 +1,10 @@
-"""One engine loop on a background thread; per-request async output streams for the server.
+"""The engine loop on a background thread, with per-request async output streams for the server.
 
-The loop drives every engine it holds (one per model) in turn. It takes new requests, aborts and
-jobs between steps, so an abort (for example a client that disconnected) frees its KV blocks
-before the next step runs.
+The thread owns the `EngineLoop` (every engine it holds, one per model) and is the only thread that
+touches engines, the search runner or the scorers. The event loop hands it new requests, aborts
+and short calls (`run_job`: submit a search, cancel one) through an inbox that it empties between
+steps, so an abort (a client that disconnected) frees its KV blocks before the next step runs.
+Results travel back through streams: asyncio queues filled with `call_soon_threadsafe`.
 """
 from __future__ import annotations
 
@@ -11,8 +13,9 @@ import itertools
 import logging
 import threading
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable
 
+from treeserve.engine.engine_loop import EngineLoop
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.outputs import RequestOutput
 from treeserve.sampling_params import SamplingParams
@@ -31,37 +34,28 @@ class _Stream:
 
 
 @dataclass
-class _NewRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    prompt: str | None
-    engine: LLMEngine
-
-
-@dataclass
 class _Job:
     fn: Callable[[], object]
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop | None = None
+    future: asyncio.Future | None = None
 
 
 class AsyncLLMEngine:
     def __init__(self, engines: LLMEngine | dict[str, LLMEngine], max_queue: int | None = None,
                  on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None,
-                 on_abort: Callable[[LLMEngine, str], None] | None = None):
+                 on_abort: Callable[[LLMEngine, str], None] | None = None, loop: EngineLoop | None = None):
         self.engines = engines if isinstance(engines, dict) else {"": engines}
         self.engine = next(iter(self.engines.values()))  # the first (or only) model
+        self.loop = loop or EngineLoop(self.engines)
+        if on_step is not None:
+            self.loop.step_observers.append(on_step)
+        if on_abort is not None:
+            self.loop.abort_observers.append(on_abort)
         self.max_queue = max_queue
-        self.on_step = on_step
-        self.on_abort = on_abort
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._new: list[_NewRequest] = []
-        self._aborts: list[str] = []
-        self._jobs: list[_Job] = []
-        self._engine_of: dict[str, LLMEngine] = {}
+        self._inbox: list[_Job] = []
         self._streams: dict[str, _Stream] = {}
         self._stopped = False
         self.errored: BaseException | None = None
@@ -73,16 +67,45 @@ class AsyncLLMEngine:
         return f"{prefix}-{next(self._ids)}"
 
     def num_waiting(self) -> int:
-        return sum(len(e.scheduler.waiting) for e in self.engines.values()) + len(self._new)
+        with self._lock:
+            queued = len(self._inbox)
+        return sum(len(e.scheduler.waiting) for e in self.engines.values()) + queued
 
-    async def run_job(self, fn: Callable[[], object]):
-        """Runs `fn` on the engine thread between steps (e.g. PRM scoring that drives an engine)."""
+    async def run_job(self, fn: Callable[[], Any]) -> Any:
+        """Runs `fn` on the engine thread between steps and returns its result. For short calls
+        only (submitting or cancelling work): the loop does not step while it runs."""
         loop = asyncio.get_running_loop()
         job = _Job(fn, loop, loop.create_future())
-        with self._lock:
-            self._jobs.append(job)
-        self._wake.set()
+        self._post(job)
         return await job.future
+
+    def post(self, fn: Callable[[], object]) -> None:
+        """Runs `fn` on the engine thread between steps, without waiting (a cancellation)."""
+        self._post(_Job(fn))
+
+    def open_stream(self, stream_id: str) -> _Stream:
+        """A stream that the engine thread fills with `push`; read it with `stream_items`."""
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            if self.errored is not None:
+                raise RuntimeError(f"engine failure: {self.errored}")
+            self._streams[stream_id] = stream
+        return stream
+
+    def close_stream(self, stream_id: str) -> None:
+        with self._lock:
+            self._streams.pop(stream_id, None)
+
+    @staticmethod
+    async def stream_items(stream: _Stream, is_final: Callable[[Any], bool]) -> AsyncIterator[Any]:
+        """The items pushed to a stream until one that `is_final`; an exception pushed is raised."""
+        while True:
+            item = await stream.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if is_final(item):
+                return
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
                        prompt: str | None = None, engine: LLMEngine | None = None) -> AsyncIterator[RequestOutput]:
@@ -91,86 +114,82 @@ class AsyncLLMEngine:
         engine.validate_prompt(prompt_token_ids)
         if self.max_queue is not None and self.num_waiting() >= self.max_queue:
             raise QueueFullError(f"the waiting queue is full ({self.max_queue} requests)")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        with self._lock:
-            self._streams[request_id] = stream
-            self._engine_of[request_id] = engine
-            self._new.append(_NewRequest(request_id, list(prompt_token_ids), params, prompt, engine))
-        self._wake.set()
+        stream = self.open_stream(request_id)
+        ids = list(prompt_token_ids)
+
+        def add() -> None:
+            try:
+                self.loop.add_request(engine, request_id, ids, params, self._pusher(request_id), prompt=prompt)
+            except Exception as exc:
+                self.push(request_id, exc)
+        self.post(add)
         finished = False
         try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
+            async for output in self.stream_items(stream, lambda item: item.finished):
+                finished = output.finished
+                yield output
         finally:
             if not finished:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        with self._lock:
-            self._streams.pop(request_id, None)
-            self._aborts.append(request_id)
-        self._wake.set()
+        """Aborts a request of any engine before the next step (its KV blocks are freed)."""
+        self.close_stream(request_id)
+        self.post(lambda: self._abort_now(request_id))
+
+    def _abort_now(self, request_id: str) -> None:
+        for engine in self.engines.values():
+            if self.loop.abort_request(engine, request_id):
+                return
 
     def shutdown(self) -> None:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=10)
 
+    def _post(self, job: _Job) -> None:
+        with self._lock:
+            if self.errored is not None:
+                raise RuntimeError(f"engine failure: {self.errored}")
+            self._inbox.append(job)
+        self._wake.set()
+
     # ---- the engine thread -----------------------------------------------------------------
+    def push(self, stream_id: str, item: Any, final: bool | None = None) -> None:
+        """Hands an item to a stream's reader (called on the engine thread); an exception, a
+        finished output, or `final=True` closes the stream."""
+        if final is None:
+            final = isinstance(item, BaseException) or bool(getattr(item, "finished", False))
+        with self._lock:
+            stream = self._streams.pop(stream_id, None) if final else self._streams.get(stream_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _pusher(self, stream_id: str) -> Callable[[RequestOutput], None]:
+        return lambda output: self.push(stream_id, output)
+
     def _run(self) -> None:
         try:
             while not self._stopped:
                 self._take_inbox()
-                busy = [e for e in self.engines.values() if e.has_unfinished_requests()]
-                if not busy:
+                if not self.loop.step():
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
-                    continue
-                for engine in busy:
-                    self._step(engine)
         except BaseException as exc:  # keep serving errors visible instead of hanging clients
             logger.exception("engine loop failed")
-            self.errored = exc
             with self._lock:
-                streams = list(self._streams)
-            for request_id in streams:
-                self._deliver(request_id, RuntimeError(f"engine failure: {exc}"))
-
-    def _step(self, engine: LLMEngine) -> None:
-        outputs = engine.step()
-        if self.on_step is not None:
-            self.on_step(engine, outputs)
-        self.deliver_outputs(outputs)
-
-    def deliver_outputs(self, outputs: list[RequestOutput]) -> None:
-        for output in outputs:
-            self._deliver(output.request_id, output)
-
-    def deliver_outputs_one(self, output: RequestOutput) -> None:
-        self._deliver(output.request_id, output)
+                self.errored = exc
+                streams, jobs = list(self._streams), self._inbox
+                self._inbox = []
+            failure = RuntimeError(f"engine failure: {exc}")
+            for stream_id in streams:
+                self.push(stream_id, failure)
+            for job in (j for j in jobs if j.future is not None):
+                job.loop.call_soon_threadsafe(_settle, job.future, None, failure)
 
     def _take_inbox(self) -> None:
         with self._lock:
-            new, self._new = self._new, []
-            aborts, self._aborts = self._aborts, []
-            jobs, self._jobs = self._jobs, []
-        for item in new:
-            try:
-                item.engine.add_request(item.request_id, item.prompt_token_ids, item.params, prompt=item.prompt)
-            except Exception as exc:
-                self._deliver(item.request_id, exc)
-        for request_id in aborts:
-            engine = self._engine_of.pop(request_id, None)
-            if engine is not None and request_id in engine.groups:
-                engine.abort_request(request_id)
-                if self.on_abort is not None:
-                    self.on_abort(engine, request_id)
+            jobs, self._inbox = self._inbox, []
         for job in jobs:
             self._run_job(job)
 
@@ -179,18 +198,13 @@ class AsyncLLMEngine:
         try:
             result = job.fn()
         except Exception as exc:
-            job.loop.call_soon_threadsafe(_settle, job.future, None, exc)
+            if job.future is None:
+                logger.exception("engine-thread call failed")
+            else:
+                job.loop.call_soon_threadsafe(_settle, job.future, None, exc)
         else:
-            job.loop.call_soon_threadsafe(_settle, job.future, result, None)
-
-    def _deliver(self, request_id: str, item) -> None:
-        with self._lock:
-            stream = self._streams.get(request_id)
-            if stream is not None and (isinstance(item, BaseException) or item.finished):
-                del self._streams[request_id]
-                self._engine_of.pop(request_id, None)
-        if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+            if job.future is not None:
+                job.loop.call_soon_threadsafe(_settle, job.future, result, None)
 
 
 def _settle(future: asyncio.Future, result, error) -> None:

@@ -2,47 +2,33 @@
 from __future__ import annotations
 
 import logging
-import time
-from collections import OrderedDict
-from dataclasses import dataclass, field
 
 import torch
 
 from treeserve.config import EngineConfig
-from treeserve.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from treeserve.engine.detokenizer import IncrementalDetokenizer
+from treeserve.engine.kept_kv import KeptSequences
 from treeserve.engine.kv_cache_manager import KVCacheManager
 from treeserve.engine.memory import kv_budget_bytes
 from treeserve.engine.kv_arena import KVSpace, kv_bytes_per_token
 from treeserve.engine.model_runner import ModelRunner
-from treeserve.engine.request import Request
+from treeserve.engine.output_processor import OutputProcessor
+from treeserve.engine.request import Request, RequestGroup
 from treeserve.engine.scheduler import Scheduler
 from treeserve.model.hf_config import load_model_config
 from treeserve.model.loader import build_model, load_generation_defaults, load_tokenizer
 from treeserve.model.registry import resolve_model_path
-from treeserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from treeserve.outputs import RequestOutput
 from treeserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(eq=False)
-class RequestGroup:
-    """One user request: `n` sequences that share the prompt, and the prefill that they fork from."""
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    children: list[Request]
-    shared_prefill: Request | None = None
-    prompt_logits: dict = field(default_factory=dict)
-    arrival_time: float = field(default_factory=time.monotonic)
-    first_scheduled_time: float | None = None
-
-    @property
-    def finished(self) -> bool:
-        return all(c.is_finished for c in self.children)
-
-
 class LLMEngine:
+    """Request lifecycle and stepping for one model. Output processing (detokenizing, stop checks,
+    outputs) is `OutputProcessor`'s; kept KV is `KeptSequences`'. Only the engine loop
+    (`engine_loop.EngineLoop`) calls `step()`."""
+
     def __init__(self, config: EngineConfig, name: str = "", defer_kv: bool = False):
         """`name` namespaces this model's prefix-cache hashes (several models may share one pool);
         `defer_kv` leaves KV memory to be attached later with `attach_kv` (by a `Runtime`)."""
@@ -61,10 +47,8 @@ class LLMEngine:
         self.last_step_num_tokens = 0
         self.num_steps = 0
         self.num_tokens_computed = 0  # every token that went through the model, all steps
-        # Finished prefill-only sequences whose KV blocks are kept so later requests can extend
-        # them without recomputation; least recently used first, released under memory pressure.
-        self.retained: OrderedDict[str, Request] = OrderedDict()
-        self.step_observers: list = []  # called with the engine after every step (telemetry)
+        self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
+        self.retained = KeptSequences()
         self._group_of: dict[str, RequestGroup] = {}
         self.model_dir = model_dir
         if not defer_kv:
@@ -87,6 +71,7 @@ class LLMEngine:
                 f"fewer than max_model_len={self.max_model_len}; raise the KV budget or lower max_model_len"
             )
         self.kv = KVCacheManager(block_size=block_size, pool=space.pool, owner=self.name)
+        self.retained.kv = self.kv
         self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens)
         self.scheduler.reclaim = self._reclaim_one
         self.runner = ModelRunner(self.model, self.kv, space.arena, self.dtype, self.device)
@@ -154,7 +139,7 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if readout_token_ids is not None and not all(0 <= t < vocab for t in readout_token_ids):
             raise ValueError(f"readout_token_ids: ids must be in [0, {vocab})")
-        parent = self._retained_parent(parent_id, prompt_token_ids)
+        parent = self.retained.parent(parent_id, prompt_token_ids)
         request = Request(f"{request_id}#0", list(prompt_token_ids), params, cache_salt=cache_salt,
                           cache_namespace=self.name, prefill_only=True, logits_positions=sorted(set(positions)),
                           readout_token_ids=readout_token_ids, keep_kv=keep_kv)
@@ -162,31 +147,14 @@ class LLMEngine:
         if parent is not None:
             self.kv.fork(parent, request)
             request.num_cached_tokens = request.num_computed_tokens
-            self.retained.move_to_end(parent_id)
         self.scheduler.add(request)
-
-    def _retained_parent(self, parent_id: str | None, prompt_token_ids: list[int]) -> Request | None:
-        if parent_id is None:
-            return None
-        parent = self.retained.get(parent_id)
-        if parent is None:
-            return None  # released under memory pressure: the prefix cache may still help
-        done = parent.num_computed_tokens
-        if len(prompt_token_ids) <= done or prompt_token_ids[:done] != parent.all_token_ids[:done]:
-            raise ValueError(f"parent_id: the prompt does not extend the tokens kept under {parent_id!r}")
-        return parent
 
     def release_kv(self, request_id: str) -> None:
         """Frees the blocks kept for a finished `keep_kv` request (full blocks stay prefix-cached)."""
-        request = self.retained.pop(request_id, None)
-        if request is not None:
-            self.kv.free(request)
+        self.retained.release(request_id)
 
     def _reclaim_one(self) -> bool:
-        if not self.retained:
-            return False
-        self.release_kv(next(iter(self.retained)))
-        return True
+        return self.retained.release_oldest()
 
     def _register(self, group: RequestGroup) -> None:
         self.groups[group.request_id] = group
@@ -255,8 +223,6 @@ class LLMEngine:
             elif request.request_id in result.sampled:
                 token_id, logprobs = result.sampled[request.request_id]
                 self._append_token(request, token_id, logprobs)
-        for observe in self.step_observers:
-            observe(self)
         return [self._make_output(g) for g in touched.values()]
 
     def _finish_prefill(self, group: RequestGroup, request: Request) -> None:
@@ -271,71 +237,19 @@ class LLMEngine:
             group.shared_prefill = None
         if request.keep_kv:
             self.scheduler.finish(request, "prefill", keep_blocks=True)
-            self.retained[group.request_id] = request
+            self.retained.keep(group.request_id, request)
             return
         self.scheduler.finish(request, "prefill")
 
     def _append_token(self, request: Request, token_id: int, logprobs: dict | None) -> None:
-        if request.first_token_time is None:
-            request.first_token_time = time.monotonic()
-        request.append_output_token(token_id)
-        if logprobs is not None:
-            request.logprobs.append(self._decoded_logprobs(logprobs))
-            request.cumulative_logprob += logprobs[token_id][0]
-        delta = request.detokenizer.push(token_id)
-        request.output_text = request.detokenizer.text
-        reason, stop_reason = self._check_stop(request, token_id, len(delta))
+        reason, stop_reason = self.outputs.append_token(request, token_id, logprobs)
         if reason is not None:
-            if not isinstance(stop_reason, str):  # a stop string already cut the text where it must end
-                request.detokenizer.flush()
-                request.output_text = request.detokenizer.text
             self.scheduler.finish(request, reason, stop_reason)
 
-    def _decoded_logprobs(self, logprobs: dict[int, tuple[float, int]]) -> dict[int, Logprob]:
-        return {tid: Logprob(lp, rank, self.tokenizer.decode([tid])) for tid, (lp, rank) in logprobs.items()}
-
-    def _check_stop(self, request: Request, token_id: int, new_chars: int) -> tuple[str | None, str | int | None]:
-        params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token_id in request.eos_token_ids:
-                return "stop", None
-            if token_id in params.stop_token_ids:
-                return "stop", token_id
-            found = find_stop_string(request.output_text, new_chars, params.stop_strings)
-            if found is not None:
-                stop, start = found
-                end = start + len(stop) if params.include_stop_str_in_output else start
-                request.output_text = request.output_text[:end]
-                return "stop", stop
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
-            return "length", None
-        return None, None
-
     def _make_output(self, group: RequestGroup) -> RequestOutput:
-        outputs = [
-            CompletionOutput(
-                index=i, text=c.output_text, token_ids=list(c.output_token_ids),
-                cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
-                logprobs=list(c.logprobs) if c.logprobs is not None else None,
-                finish_reason=c.finish_reason if c.finish_reason != "prefill" else "stop", stop_reason=c.stop_reason,
-            )
-            for i, c in enumerate(group.children)
-        ]
-        finished = group.finished
-        prompt_logits = group.children[0].prompt_logits if group.children[0].prefill_only else {}
-        if finished:
+        output = self.outputs.make_output(group)
+        if output.finished:
             self.groups.pop(group.request_id, None)
             for child in group.children:
                 self._group_of.pop(child.request_id, None)
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, finished,
-                             num_cached_tokens=group.children[0].num_cached_tokens, prompt_logits=prompt_logits,
-                             metrics=self._metrics(group, finished))
-
-    @staticmethod
-    def _metrics(group: RequestGroup, finished: bool) -> RequestMetrics:
-        scheduled = [c.first_scheduled_time for c in group.children if c.first_scheduled_time is not None]
-        first_tokens = [c.first_token_time for c in group.children if c.first_token_time is not None]
-        return RequestMetrics(arrival_time=group.arrival_time,
-                              first_scheduled_time=group.first_scheduled_time or (min(scheduled) if scheduled else None),
-                              first_token_time=min(first_tokens) if first_tokens else None,
-                              finished_time=time.monotonic() if finished else None)
+        return output

@@ -103,3 +103,19 @@ class Request:
             tokens = self.all_token_ids[index * block_size:(index + 1) * block_size]
             self.block_hashes.append(hash_block(parent, tokens, self._extra_key))
         return self.block_hashes
+
+
+@dataclass(eq=False)
+class RequestGroup:
+    """One user request: `n` sequences that share the prompt, and the prefill that they fork from."""
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request]
+    shared_prefill: Request | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(c.is_finished for c in self.children)

@@ -7,6 +7,7 @@ from typing import Any, Sequence
 from tqdm import tqdm
 
 from treeserve.config import EngineConfig
+from treeserve.engine.engine_loop import EngineLoop
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.outputs import RequestOutput
 from treeserve.sampling_params import SamplingParams
@@ -17,12 +18,15 @@ PromptType = str | list[int] | dict[str, Any]
 class LLM:
     def __init__(self, model: str, **engine_options: Any):
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        self.loop = EngineLoop(self.engine)
         self._ids = itertools.count()
 
     @classmethod
-    def from_engine(cls, engine: LLMEngine) -> "LLM":
+    def from_engine(cls, engine: LLMEngine, loop: EngineLoop | None = None) -> "LLM":
+        """An `LLM` over an engine that another owner built; `loop` is the engine loop that steps
+        it (a `Runtime`'s), so that one loop owns every engine."""
         llm = cls.__new__(cls)
-        llm.engine, llm._ids = engine, itertools.count()
+        llm.engine, llm.loop, llm._ids = engine, loop or EngineLoop(engine), itertools.count()
         return llm
 
     def get_tokenizer(self):
@@ -84,27 +88,27 @@ class LLM:
         raise ValueError(f"prompt: expected a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
     def _run(self, items, use_tqdm: bool) -> list[RequestOutput]:
-        ids = []
+        ids: list[str] = []
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(items), desc="Processed prompts", disable=not use_tqdm or len(items) < 2)
+
+        def on_output(output: RequestOutput) -> None:
+            if output.finished:
+                finished[output.request_id] = output
+                bar.update(1)
         try:
             for text, token_ids, salt, params in items:
                 request_id = str(next(self._ids))
-                self.engine.add_request(request_id, token_ids, params, prompt=text, cache_salt=salt)
+                self.loop.add_request(self.engine, request_id, token_ids, params, on_output, prompt=text,
+                                      cache_salt=salt)
                 ids.append(request_id)
-            return self._drain(ids, use_tqdm)
+            self.loop.run_until(lambda: len(finished) == len(ids))
         except BaseException:
             for request_id in ids:
-                self.engine.abort_request(request_id)
+                self.loop.abort_request(self.engine, request_id)
             raise
-
-    def _drain(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        finished: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm or len(ids) < 2)
-        while self.engine.has_unfinished_requests():
-            for output in self.engine.step():
-                if output.finished:
-                    finished[output.request_id] = output
-                    bar.update(1)
-        bar.close()
+        finally:
+            bar.close()
         return [finished[i] for i in ids]
 
 

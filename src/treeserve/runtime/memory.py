@@ -18,6 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from treeserve.engine.engine_loop import EngineLoop
 from treeserve.engine.kv_arena import KVSpace
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.sampling_params import SamplingParams
@@ -89,19 +90,19 @@ def _dry_run_peak_bytes(engine: LLMEngine) -> int:
     scratch = KVSpace.create(page * (tokens // engine.config.block_size + 2), page, engine.device, False)
     engine.attach_kv(scratch)
     prompt = [1 + i % (engine.model_config.vocab_size - 1) for i in range(tokens)]
-    engine.add_request("memory-dry-run", prompt, SamplingParams(max_tokens=1), logits_positions=[tokens - 1])
+    loop = EngineLoop(engine)
+    loop.add_request(engine, "memory-dry-run", prompt, SamplingParams(max_tokens=1), lambda output: None,
+                     logits_positions=[tokens - 1])
     existing = list(engine.model.parameters()) + [scratch.arena.pages]
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
         torch.cuda.reset_peak_memory_stats(engine.device)
         base = torch.cuda.memory_allocated(engine.device)
-        while engine.has_unfinished_requests():
-            engine.step()
+        loop.run_until(lambda: not engine.has_unfinished_requests())
         return torch.cuda.max_memory_allocated(engine.device) - base
     tracker = _LiveTensorBytes(existing)
     with tracker:
-        while engine.has_unfinished_requests():
-            engine.step()
+        loop.run_until(lambda: not engine.has_unfinished_requests())
     return tracker.peak
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from treeserve.config import CPU_DEFAULT_KV_BYTES, EngineConfig
+from treeserve.engine.engine_loop import EngineLoop
 from treeserve.engine.kv_arena import KVSpace, aligned
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.engine.memory import available_host_bytes
@@ -47,12 +48,13 @@ class Runtime:
         self.recipes = {name: (recipes or {}).get(name) or declared_recipe(resolve_model_path(models[name]))
                         for name in self.engines}
         self.aggregations = {name: declared_aggregation(resolve_model_path(models[name])) for name in self.engines}
-        self._llms = {name: LLM.from_engine(engine) for name, engine in self.engines.items()}
+        # The one owner that steps these engines: generation, scoring and search all go through it.
+        self.loop = EngineLoop(self.engines)
+        self._llms = {name: LLM.from_engine(engine, self.loop) for name, engine in self.engines.items()}
         self._scorers: dict[str, StepScorer] = {}
         self.trace = TelemetryTrace(trace_path) if trace_path else None
-        for name, engine in self.engines.items():
-            if self.trace:
-                engine.step_observers.append(self.trace.observer(name))
+        if self.trace:
+            self.loop.step_observers.append(self.trace.observe)
 
     # ---- memory ---------------------------------------------------------------------------
     def _account(self, kv_bytes: int | None, utilisation: float | None) -> dict[str, MemoryBreakdown]:
@@ -123,7 +125,7 @@ class Runtime:
     def scorer(self, name: str) -> StepScorer:
         if name not in self._scorers:
             self._scorers[name] = StepScorer(self.engine(name), self.recipes[name],
-                                             aggregation=self.aggregations[name])
+                                             aggregation=self.aggregations[name], loop=self.loop)
         return self._scorers[name]
 
     def score_steps(self, name: str, question: str, steps: list[str]) -> list[float]:

@@ -1,14 +1,23 @@
 """Step scoring with a process reward model: batched prefill-only requests, a score cache, and
-kept KV so that scoring steps 1..k+1 after 1..k computes only the new tokens."""
+kept KV so that scoring steps 1..k+1 after 1..k computes only the new tokens.
+
+The scorer is a state machine on the engine loop: `submit` queues what is not cached and returns a
+`ScoreTicket`; the loop routes the verifier's outputs back, and the ticket is ready (its callback
+runs) once every step it asked for has a score. `score_many` is the blocking form, for offline use.
+"""
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
+from treeserve.engine.engine_loop import EngineLoop
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.runtime.prm_recipes import DEFAULT_AGGREGATION, DEFAULT_RECIPE, RECIPES, PRMInput
+from treeserve.runtime.score_cache import ScoreCache
 from treeserve.sampling_params import SamplingParams
 
 MAX_KEPT_SEQUENCES = 512
@@ -21,32 +30,63 @@ UNJUDGED_SCORE = 0.0
 # Request ids unique in the process: several scorers may share one engine.
 _REQUEST_IDS = itertools.count()
 
+StepKey = tuple  # (question, step 1, ..., step k): the key of step k's score
+
+
+@dataclass(eq=False)
+class ScoreTicket:
+    """What one `submit` asked for; ready once every step of every item has its score."""
+    items: list[tuple[str, list[str]]]
+    on_ready: Callable[["ScoreTicket"], None] | None = None
+    scores: dict[StepKey, float] = field(default_factory=dict)
+    missing: set[StepKey] = field(default_factory=set)
+    cancelled: bool = False
+
+    @property
+    def ready(self) -> bool:
+        return not self.missing
+
+    def results(self) -> list[list[float]]:
+        return [[self.scores[(q, *s)[: i + 2]] for i in range(len(s))] for q, s in self.items]
+
 
 class StepScorer:
     def __init__(self, engine: LLMEngine, recipe: str = DEFAULT_RECIPE, max_kept: int = MAX_KEPT_SEQUENCES,
-                 aggregation: str = DEFAULT_AGGREGATION):
+                 aggregation: str = DEFAULT_AGGREGATION, loop: EngineLoop | None = None,
+                 score_cache_bytes: int | None = None):
         if recipe not in RECIPES:
             raise ValueError(f"recipe: unknown PRM recipe {recipe!r}; known: {', '.join(RECIPES)}")
         self.engine = engine
+        self.loop = loop or EngineLoop(engine)
         self.recipe = RECIPES[recipe]
         self.candidates = list(self.recipe.candidate_ids(engine.tokenizer))
         self.aggregation = aggregation  # search's agg_strategy where a request names none
-        self.score_cache: dict[tuple, float] = {}       # (question, steps...) -> score of the last step
-        self.kept: OrderedDict[tuple, str] = OrderedDict()  # (question, steps...) -> engine request id
+        self.score_cache = ScoreCache(score_cache_bytes) if score_cache_bytes else ScoreCache()
+        self.kept: dict[StepKey, str] = {}  # (question, steps...) -> engine request id, oldest first
         self.max_kept = max_kept
-        self._wanted: dict[str, tuple[tuple, list[int], list[int]]] = {}
+        self._wanted: dict[str, tuple[StepKey, list[int], list[int]]] = {}
         # step keys that a request in flight will score: another request sharing those steps does
         # not ask for them again, so its cached prefix can run past them (best-of-N's completions)
-        self._claimed: set[tuple] = set()
+        self._claimed: set[StepKey] = set()
+        self._waiting: dict[StepKey, list[ScoreTicket]] = defaultdict(list)
         self.num_cache_hits = 0  # items answered without a request of their own (cached, in flight, or unreadable)
         self.num_unjudged_steps = 0  # steps given UNJUDGED_SCORE: their conversation did not fit
         self.num_prompt_tokens = 0  # tokens of every verifier input submitted (computed or reused)
-        # Outputs of other requests on the same engine, met while scoring drives it (the server
-        # routes them to their streams); offline, nothing else runs on a scoring engine.
-        self.on_other_output = None
+        self.num_reused_tokens = 0  # of those, tokens the engine found kept or prefix-cached
 
+    # ---- blocking use (offline) ------------------------------------------------------------
     def score_steps(self, question: str, steps: list[str]) -> list[float]:
         return self.score_many([(question, steps)])[0]
+
+    def score_many(self, items: list[tuple[str, list[str]]]) -> list[list[float]]:
+        """One score per step for each (question, steps); uncached ones are scored in one batch."""
+        try:
+            ticket = self.submit(items, release_unrelated=True)
+            self.loop.run_until(lambda: ticket.ready)
+        except BaseException:
+            self.cancel_pending()
+            raise
+        return ticket.results()
 
     def require_readable(self, question: str, steps: list[str]) -> None:
         """Raises ValueError when the conversation is too long for the verifier to read (where a
@@ -57,59 +97,86 @@ class StepScorer:
             raise ValueError(f"steps: the verifier input is {length} tokens; the verifier reads fewer than "
                              f"its maximum model length {self.engine.max_model_len}")
 
-    def score_many(self, items: list[tuple[str, list[str]]]) -> list[list[float]]:
-        """One score per step for each (question, steps); uncached ones are scored in one batch."""
+    # ---- the state machine -----------------------------------------------------------------
+    def submit(self, items: list[tuple[str, list[str]]], on_ready: Callable[[ScoreTicket], None] | None = None,
+               release_unrelated: bool = False) -> ScoreTicket:
+        """Queues the uncached items; the ticket is ready (and `on_ready` runs) once all are scored.
+
+        Kept sequences that the new requests extend are released once forked (step-wise search
+        extends each one once); with `release_unrelated`, every other kept sequence too."""
+        for _, steps in items:
+            _require_steps(steps)
+        ticket = self._ticket(items, on_ready)
         try:
             pending = self._submit_uncached(items)
-            if pending:
-                self._release_older_than(pending)
-            self._run(items)
         except BaseException:
-            self.cancel_pending()
+            self.cancel(ticket)
             raise
-        return self.results(items)
+        if pending or not release_unrelated:
+            extended = {key[:j] for key in pending for j in range(2, len(key))}
+            for key in [k for k in self.kept if (k not in extended) == release_unrelated]:
+                self.engine.release_kv(self.kept.pop(key))
+        if ticket.ready and on_ready is not None:
+            on_ready(ticket)
+        return ticket
+
+    def cancel(self, ticket: ScoreTicket) -> None:
+        """Forgets a ticket; verifier requests that no other ticket waits on are aborted now."""
+        ticket.cancelled = True
+        for key in ticket.missing:
+            waiters = self._waiting.get(key)
+            if waiters is not None and ticket in waiters:
+                waiters.remove(ticket)
+                if not waiters:
+                    del self._waiting[key]
+        for request_id, (key, wanted, _) in list(self._wanted.items()):
+            if not any(key[: i + 2] in self._waiting for i in wanted):
+                self._abort(request_id)
 
     def cancel_pending(self) -> None:
-        """Aborts every scoring request in flight and forgets it (a search that failed midway):
-        otherwise its steps would stay claimed and its kept KV pinned."""
-        for request_id in self._wanted:
-            self.engine.abort_request(request_id)
-            self.engine.release_kv(request_id)
-        self._wanted.clear()
-        self._claimed.clear()
-
-    def submit(self, items: list[tuple[str, list[str]]]) -> None:
-        """Queues the uncached items without running the engine: whoever steps the engine passes
-        its outputs to `collect`, and `results` is ready once `is_ready`. Kept sequences that the
-        new requests extend are released once forked (step-wise search extends each one once)."""
-        pending = self._submit_uncached(items)
-        parents = {key[:j] for key in pending for j in range(2, len(key))}
-        for key in [k for k in self.kept if k in parents]:
-            self.engine.release_kv(self.kept.pop(key))
-
-    def is_ready(self, items: list[tuple[str, list[str]]]) -> bool:
-        return all((q, *s)[: i + 2] in self.score_cache for q, s in items for i in range(len(s)))
-
-    def results(self, items: list[tuple[str, list[str]]]) -> list[list[float]]:
-        return [[self.score_cache[(q, *s)[: i + 2]] for i in range(len(s))] for q, s in items]
-
-    def collect(self, output) -> bool:
-        """Records a finished scoring output; False when the output is not a scoring request."""
-        if output.request_id not in self._wanted:
-            return False
-        if output.finished:
-            self._record(output)
-        return True
+        """Aborts every scoring request in flight and forgets every waiting ticket (a search that
+        failed midway): otherwise its steps would stay claimed and its kept KV pinned."""
+        for request_id in list(self._wanted):
+            self._abort(request_id)
+        self._waiting.clear()
 
     @property
     def has_pending(self) -> bool:
         return bool(self._wanted)
 
-    def _submit_uncached(self, items: list[tuple[str, list[str]]]) -> dict[tuple, str]:
-        pending: dict[tuple, str] = {}
+    def _ticket(self, items, on_ready) -> ScoreTicket:
+        ticket = ScoreTicket(list(items), on_ready)
+        for question, steps in items:
+            key = (question, *steps)
+            for i in range(len(steps)):
+                step_key = key[: i + 2]
+                score = self.score_cache.get(step_key)
+                if score is not None:
+                    ticket.scores[step_key] = score
+                elif step_key not in ticket.missing:
+                    ticket.missing.add(step_key)
+                    self._waiting[step_key].append(ticket)
+        return ticket
+
+    def _abort(self, request_id: str) -> None:
+        key, wanted, _ = self._wanted.pop(request_id)
+        self.loop.abort_request(self.engine, request_id)
+        self.engine.release_kv(request_id)
+        self._claimed.difference_update(key[: i + 2] for i in wanted)
+
+    def _set_score(self, step_key: StepKey, score: float) -> None:
+        self.score_cache[step_key] = score
+        self._claimed.discard(step_key)
+        for ticket in self._waiting.pop(step_key, ()):
+            ticket.scores[step_key] = score
+            ticket.missing.discard(step_key)
+            if ticket.ready and ticket.on_ready is not None:
+                ticket.on_ready(ticket)
+
+    def _submit_uncached(self, items: list[tuple[str, list[str]]]) -> dict[StepKey, str]:
+        pending: dict[StepKey, str] = {}
         in_flight = {key for key, _, _ in self._wanted.values()}
         for question, steps in items:
-            _require_steps(steps)
             key = (question, *steps)
             if key in pending or key in in_flight:
                 continue
@@ -120,7 +187,7 @@ class StepScorer:
         self.num_cache_hits += len(items) - len(pending)
         return pending
 
-    def _answered(self, step_key: tuple) -> bool:
+    def _answered(self, step_key: StepKey) -> bool:
         return step_key in self.score_cache or step_key in self._claimed
 
     def _submit(self, question: str, steps: list[str]) -> str | None:
@@ -134,7 +201,7 @@ class StepScorer:
         readable, prm_input = readable_input(self.recipe, self.engine.tokenizer, question, steps,
                                              self.engine.max_model_len)
         for index in (i for i in wanted if i >= readable):
-            self.score_cache[key[: index + 2]] = UNJUDGED_SCORE
+            self._set_score(key[: index + 2], UNJUDGED_SCORE)
             self.num_unjudged_steps += 1
         wanted = [i for i in wanted if i < readable]
         if not wanted:
@@ -144,45 +211,36 @@ class StepScorer:
         parent_id = self.kept.get(parent_key) if parent_key else None
         request_id = f"score-{next(_REQUEST_IDS)}"
         self.num_prompt_tokens += len(prm_input.token_ids)
-        self.engine.add_request(request_id, prm_input.token_ids, SamplingParams(max_tokens=1),
-                                logits_positions=[prm_input.verdict_positions[i] for i in wanted],
-                                readout_token_ids=self.candidates, keep_kv=True, parent_id=parent_id)
+        self.loop.add_request(self.engine, request_id, prm_input.token_ids, SamplingParams(max_tokens=1),
+                              self._on_output, logits_positions=[prm_input.verdict_positions[i] for i in wanted],
+                              readout_token_ids=self.candidates, keep_kv=True, parent_id=parent_id)
         self._wanted[request_id] = (key, wanted, prm_input.verdict_positions)
         self._claimed.update(key[: i + 2] for i in wanted)
         return request_id
 
-    def _run(self, items: list[tuple[str, list[str]]]) -> None:
-        while not self.is_ready(items):
-            if not self.engine.has_unfinished_requests():
-                raise RuntimeError("scoring requests vanished from the engine")
-            for output in self.engine.step():
-                if not self.collect(output) and self.on_other_output is not None:
-                    self.on_other_output(output)
+    def _on_output(self, output) -> None:
+        if output.finished and output.request_id in self._wanted:
+            self._record(output)
 
     def _record(self, output) -> None:
         key, wanted, positions = self._wanted.pop(output.request_id)
+        self.num_reused_tokens += output.num_cached_tokens
+        self.kept[key] = output.request_id
+        self._trim_kept()
         for index in wanted:
             pair = output.prompt_logits[positions[index]]
-            self.score_cache[key[: index + 2]] = float(torch.softmax(pair.float(), dim=-1)[0])
-            self._claimed.discard(key[: index + 2])
-        self.kept[key] = output.request_id
+            self._set_score(key[: index + 2], float(torch.softmax(pair.float(), dim=-1)[0]))
+
+    def _trim_kept(self) -> None:
         pool = self.engine.kv.pool
         while self.kept and (len(self.kept) > self.max_kept or pool.usage() > KEEP_BELOW_USAGE):
-            _, old_id = self.kept.popitem(last=False)
-            self.engine.release_kv(old_id)
-
-    def _release_older_than(self, pending: dict[tuple, str]) -> None:
-        """Keeps KV only for the sequences this batch extends from or creates: step-wise search
-        extends the latest steps, so older kept sequences would only crowd out other caches.
-        New requests already hold their own references to the blocks they forked."""
-        extended = {key[:j] for key in pending for j in range(2, len(key))}
-        for key in [k for k in self.kept if k not in extended]:
-            self.engine.release_kv(self.kept.pop(key))
+            oldest = next(iter(self.kept))
+            self.engine.release_kv(self.kept.pop(oldest))
 
     def release_all(self) -> None:
         while self.kept:
-            _, request_id = self.kept.popitem(last=False)
-            self.engine.release_kv(request_id)
+            oldest = next(iter(self.kept))
+            self.engine.release_kv(self.kept.pop(oldest))
 
 
 def readable_input(recipe, tokenizer, question: str, steps: list[str],

@@ -33,12 +33,11 @@ class TelemetryTrace:
         self._file: TextIO = self.path.open("w", encoding="utf-8")
         self._start = time.monotonic()
 
-    def observer(self, name: str):
-        def observe(engine: LLMEngine) -> None:
-            record = {"t": round(time.monotonic() - self._start, 6), "model": name, "step": engine.num_steps,
-                      "num_tokens": engine.last_step_num_tokens, **cache_snapshot(engine)}
-            self._file.write(json.dumps(record) + "\n")
-        return observe
+    def observe(self, engine: LLMEngine, outputs=None) -> None:
+        """An engine loop step observer: one line for the engine that just stepped."""
+        record = {"t": round(time.monotonic() - self._start, 6), "model": engine.name, "step": engine.num_steps,
+                  "num_tokens": engine.last_step_num_tokens, **cache_snapshot(engine)}
+        self._file.write(json.dumps(record) + "\n")
 
     def close(self) -> None:
         self._file.close()

@@ -1,169 +1,258 @@
 """Runs a strategy over many problems on the engines, the fast way.
 
 Continuous problem batching: up to `max_problems_in_flight` problems advance together and a
-finished problem is replaced at once. Every action a problem yields goes straight to its engine:
-samples become generator requests that continue the beam's token ids (n samples of a beam share
-its prefix through copy-on-write forks, and beams share their history through the prefix cache);
-scores become verifier requests on top of the kept or cached conversation prefix, behind a score
-cache. One loop steps the generator and the verifier in turn, so both always have work.
+finished problem is replaced at once, from one queue that offline runs and every served request
+feed alike. Every action a problem yields goes straight to its engine: samples become generator
+requests that continue the beam's token ids (n samples of a beam share its prefix through
+copy-on-write forks, and beams share their history through the prefix cache); scores become
+verifier requests on top of the kept or cached conversation prefix, behind a score cache.
+
+The runner is a state machine on the engine loop: it submits requests with callbacks, and the loop
+polls it between steps to resume the problems whose action is done. It never steps an engine.
 """
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from treeserve.engine.engine_loop import EngineLoop
 from treeserve.engine.llm_engine import LLMEngine
-from treeserve.outputs import RequestOutput
-from treeserve.runtime.scorer import StepScorer
+from treeserve.runtime.scorer import ScoreTicket, StepScorer
 from treeserve.sampling_params import SamplingParams
 from treeserve.search.config import STEP_DELIMITER, SearchConfig
+from treeserve.search.progress import SearchProgress
 from treeserve.search.prompting import prompt_token_ids
 from treeserve.search.strategies import Strategy, run_strategy
 from treeserve.search.tree import Sample, Score, SearchResult, Step, step_from_completion
 
+logger = logging.getLogger(__name__)
+_REQUEST_IDS = itertools.count()  # unique in the process: several runners may share an engine
 
-@dataclass
-class _Problem:
-    index: int
+
+@dataclass(eq=False)
+class SearchHandle:
+    """One problem being searched: its state, and how it ended (`result` or `error`)."""
     question: str
-    strategy: Strategy
-    prompt_ids: list[int]
-    started: float
+    config: SearchConfig
+    index: int
+    scorer: StepScorer | None
+    on_done: Callable[["SearchHandle"], None] | None = None
+    on_progress: Callable[[SearchProgress], None] | None = None
+    strategy: Strategy | None = None
+    prompt_ids: list[int] = field(default_factory=list)
+    started: float = 0.0
     action: Sample | Score | None = None
+    ready: bool = False
     sampled: dict[int, list[Step]] = field(default_factory=dict)  # beam index -> its continuations
-    score_items: list[tuple[str, list[str]]] = field(default_factory=list)
+    requests: set[str] = field(default_factory=set)  # generator requests in flight
+    ticket: ScoreTicket | None = None
+    progress: SearchProgress = field(default_factory=SearchProgress)
+    result: SearchResult | None = None
+    error: BaseException | None = None
+    cancelled: bool = False
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None or self.error is not None or self.cancelled
 
 
 class SearchRunner:
     def __init__(self, generator: LLMEngine, scorer: StepScorer | None, max_problems_in_flight: int = 32,
-                 on_other_output: Callable[[RequestOutput], None] | None = None):
+                 loop: EngineLoop | None = None):
+        if max_problems_in_flight < 1:
+            raise ValueError(f"max_problems_in_flight: must be at least 1, got {max_problems_in_flight}")
         self.generator = generator
         self.scorer = scorer
         self.max_problems_in_flight = max_problems_in_flight
-        self.on_other_output = on_other_output  # outputs of requests that are not ours (the server's)
-        self._ids = itertools.count()
-        self._requests: dict[str, tuple[_Problem, int]] = {}  # generator request id -> (problem, beam)
+        self.loop = loop or (scorer.loop if scorer is not None else EngineLoop(generator))
+        self.loop.add_client(self)
+        self._queue: deque[SearchHandle] = deque()
+        self._in_flight: list[SearchHandle] = []
+        self.num_finished = 0
+        self.finished_observers: list[Callable[[SearchHandle], None]] = []
 
+    @property
+    def num_running(self) -> int:
+        return len(self._in_flight)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._queue)
+
+    # ---- offline: a batch of problems, blocking ------------------------------------------
     def run(self, questions: list[str], config: SearchConfig,
             on_result: Callable[[int, SearchResult], None] | None = None) -> list[SearchResult]:
         if config.uses_verifier and self.scorer is None:
             raise ValueError(f"verifier: strategy {config.strategy!r} needs a verifier model")
+
+        def finished(handle: SearchHandle) -> None:
+            if handle.result is not None and on_result is not None:
+                on_result(handle.index, handle.result)
+        handles = [self.submit(q, config, index=i, on_done=finished) for i, q in enumerate(questions)]
         try:
-            return self._run(questions, config, on_result)
+            self.loop.run_until(lambda: all(h.done for h in handles) or any(h.error for h in handles))
+            error = next((h.error for h in handles if h.error is not None), None)
+            if error is not None:
+                raise error
         except BaseException:
-            self._cancel()
+            for handle in handles:
+                self.cancel(handle)
             raise
+        return [h.result for h in handles]  # type: ignore[misc]
 
-    def _cancel(self) -> None:
-        """A search that fails midway leaves nothing behind: its requests are aborted."""
-        for request_id in self._requests:
-            self.generator.abort_request(request_id)
-        self._requests.clear()
-        if self.scorer is not None:
-            self.scorer.cancel_pending()
+    # ---- the state machine ---------------------------------------------------------------
+    def submit(self, question: str, config: SearchConfig, index: int = 0, scorer: StepScorer | None = None,
+               on_done: Callable[[SearchHandle], None] | None = None,
+               on_progress: Callable[[SearchProgress], None] | None = None) -> SearchHandle:
+        """Queues one problem; it starts when fewer than `max_problems_in_flight` run. `index` is
+        its place in the seed tree (`seed_for(config.seed, index, ...)`)."""
+        scorer = scorer or self.scorer
+        if config.uses_verifier and scorer is None:
+            raise ValueError(f"verifier: strategy {config.strategy!r} needs a verifier model")
+        if scorer is not None and scorer.loop is not self.loop:
+            raise ValueError("verifier: the scorer is driven by another engine loop than the generator")
+        handle = SearchHandle(question, config, index, scorer if config.uses_verifier else None, on_done, on_progress)
+        self._queue.append(handle)
+        return handle
 
-    def _run(self, questions: list[str], config: SearchConfig,
-             on_result: Callable[[int, SearchResult], None] | None) -> list[SearchResult]:
-        results: list[SearchResult | None] = [None] * len(questions)
-        queue = deque(enumerate(questions))
-        in_flight: list[_Problem] = []
-        while queue or in_flight:
-            while queue and len(in_flight) < self.max_problems_in_flight:
-                problem = self._start(*queue.popleft(), config)
-                self._advance(problem, None, config, in_flight, results, on_result)
-            stepped = self._step_engines()
-            ready = [p for p in in_flight if self._action_done(p)]
-            if not stepped and not ready and in_flight:
-                raise RuntimeError("search: problems wait on requests that no engine holds")
-            for problem in ready:
-                in_flight.remove(problem)
-                self._advance(problem, self._action_result(problem), config, in_flight, results, on_result)
-        return results  # type: ignore[return-value]
+    def cancel(self, handle: SearchHandle) -> None:
+        """Stops a problem now: its generator and verifier requests are aborted (KV freed)."""
+        if handle.done:
+            return
+        handle.cancelled = True
+        if handle in self._queue:
+            self._queue.remove(handle)
+            return
+        self._release(handle)
+
+    def poll(self) -> None:
+        """Starts queued problems while there is room and resumes every problem whose action is done."""
+        progressed = True
+        while progressed:
+            progressed = False
+            while self._queue and len(self._in_flight) < self.max_problems_in_flight:
+                self._start(self._queue.popleft())
+                progressed = True
+            for handle in [h for h in self._in_flight if h.ready]:
+                self._in_flight.remove(handle)
+                self._advance(handle, self._action_result(handle))
+                progressed = True
 
     # ---- problem lifecycle -----------------------------------------------------------------
-    def _start(self, index: int, question: str, config: SearchConfig) -> _Problem:
-        ids = prompt_token_ids(self.generator.tokenizer, question, config)
-        return _Problem(index, question, run_strategy(question, config, index), ids, time.perf_counter())
-
-    def _advance(self, problem: _Problem, value, config, in_flight, results, on_result) -> None:
+    def _start(self, handle: SearchHandle) -> None:
+        handle.started = time.perf_counter()
         try:
-            action = problem.strategy.send(value)
-        except StopIteration as stop:
-            result: SearchResult = stop.value
-            result.seconds = time.perf_counter() - problem.started
-            results[problem.index] = result
-            if on_result is not None:
-                on_result(problem.index, result)
+            handle.prompt_ids = prompt_token_ids(self.generator.tokenizer, handle.question, handle.config)
+            self.generator.validate_prompt(handle.prompt_ids)
+        except Exception as exc:
+            self._fail(handle, exc)
             return
-        problem.action = action
+        handle.strategy = run_strategy(handle.question, handle.config, handle.index)
+        self._advance(handle, None)
+
+    def _advance(self, handle: SearchHandle, value) -> None:
+        try:
+            action = handle.strategy.send(value)
+        except StopIteration as stop:
+            self._finish(handle, stop.value)
+            return
+        except Exception as exc:
+            self._fail(handle, exc)
+            return
+        handle.action, handle.ready = action, False
+        self._in_flight.append(handle)
+        try:
+            if isinstance(action, Sample):
+                self._submit_sample(handle, action)
+            else:
+                self._submit_score(handle, action)
+        except Exception as exc:
+            self._in_flight.remove(handle)
+            self._release(handle)
+            self._fail(handle, exc)
+
+    def _finish(self, handle: SearchHandle, result: SearchResult) -> None:
+        result.seconds = time.perf_counter() - handle.started
+        handle.result = result
+        self.num_finished += 1
+        self._notify(handle)
+
+    def _fail(self, handle: SearchHandle, error: BaseException) -> None:
+        logger.debug("search failed: %s", error)
+        handle.error = error
+        self._notify(handle)
+
+    def _notify(self, handle: SearchHandle) -> None:
+        for observe in self.finished_observers:
+            observe(handle)
+        if handle.on_done is not None:
+            handle.on_done(handle)
+
+    def _release(self, handle: SearchHandle) -> None:
+        if handle in self._in_flight:
+            self._in_flight.remove(handle)
+        for request_id in handle.requests:
+            self.loop.abort_request(self.generator, request_id)
+        handle.requests.clear()
+        if handle.ticket is not None and handle.scorer is not None:
+            handle.scorer.cancel(handle.ticket)
+            handle.ticket = None
+
+    def _action_result(self, handle: SearchHandle) -> list:
+        action = handle.action
         if isinstance(action, Sample):
-            self._submit_sample(problem, action, config)
+            result = [handle.sampled[i] for i in range(len(action.beams))]
+            handle.progress.on_sampled(action, result)
         else:
-            self._submit_score(problem, action)
-        in_flight.append(problem)
-
-    def _action_done(self, problem: _Problem) -> bool:
-        action = problem.action
-        if isinstance(action, Sample):
-            return len(problem.sampled) == len(action.beams)
-        return self.scorer.is_ready(problem.score_items)
-
-    def _action_result(self, problem: _Problem) -> list:
-        action = problem.action
-        if isinstance(action, Sample):
-            return [problem.sampled[i] for i in range(len(action.beams))]
-        return action.reply(self.scorer.results(problem.score_items))
+            scores = handle.ticket.results() if handle.ticket is not None else []
+            handle.ticket = None
+            result = action.reply(scores)
+            handle.progress.on_scored(result, handle.config.agg_strategy)
+        if handle.on_progress is not None:
+            handle.on_progress(handle.progress)
+        return result
 
     # ---- engines -----------------------------------------------------------------------------
-    def _submit_sample(self, problem: _Problem, action: Sample, config: SearchConfig) -> None:
-        problem.sampled = {}
-        room = self.generator.max_model_len
+    def _submit_sample(self, handle: SearchHandle, action: Sample) -> None:
+        handle.sampled = {}
+        config, room = handle.config, self.generator.max_model_len
         for i, (beam, count, seed) in enumerate(zip(action.beams, action.counts, action.seeds)):
-            ids = problem.prompt_ids + beam.token_ids
+            ids = handle.prompt_ids + beam.token_ids
             max_tokens = min(config.max_tokens, room - len(ids))
             if max_tokens < 1:
-                problem.sampled[i] = [Step("", [], "length")] * count
+                handle.sampled[i] = [Step("", [], "length")] * count
                 continue
             params = SamplingParams(n=count, temperature=0.0 if action.greedy else config.temperature,
                                     top_p=1.0 if action.greedy else config.top_p, max_tokens=max_tokens, seed=seed,
                                     stop=None if action.to_end else [STEP_DELIMITER],
                                     include_stop_str_in_output=True)
-            request_id = f"search-{next(self._ids)}"
-            self._requests[request_id] = (problem, i)
-            self.generator.add_request(request_id, ids, params)
+            request_id = f"search-{next(_REQUEST_IDS)}"
+            self.loop.add_request(self.generator, request_id, ids, params, self._sample_callback(handle, i))
+            handle.requests.add(request_id)
+        handle.ready = len(handle.sampled) == len(action.beams)
 
-    def _submit_score(self, problem: _Problem, action: Score) -> None:
-        problem.score_items = action.items()
-        if problem.score_items:
-            self.scorer.submit(problem.score_items)
+    def _sample_callback(self, handle: SearchHandle, beam: int):
+        def on_output(output) -> None:
+            if not output.finished:
+                return
+            handle.requests.discard(output.request_id)
+            handle.sampled[beam] = [self._as_step(c) for c in output.outputs]
+            handle.ready = len(handle.sampled) == len(handle.action.beams)
+        return on_output
 
-    def _step_engines(self) -> bool:
-        stepped = False
-        if self.generator.has_unfinished_requests():
-            stepped = True
-            for output in self.generator.step():
-                self._route_generated(output)
-        if self.scorer is not None and self.scorer.has_pending:
-            stepped = True
-            for output in self.scorer.engine.step():
-                if not self.scorer.collect(output) and self.on_other_output is not None:
-                    self.on_other_output(output)
-        return stepped
-
-    def _route_generated(self, output: RequestOutput) -> None:
-        owner = self._requests.get(output.request_id)
-        if owner is None:
-            if self.on_other_output is not None:
-                self.on_other_output(output)
+    def _submit_score(self, handle: SearchHandle, action: Score) -> None:
+        items = action.items()
+        if not items:
+            handle.ready = True
             return
-        if not output.finished:
-            return
-        del self._requests[output.request_id]
-        problem, beam = owner
-        problem.sampled[beam] = [self._as_step(c) for c in output.outputs]
+        scorer = handle.scorer
+        before = scorer.num_prompt_tokens
+        handle.ticket = scorer.submit(items, on_ready=lambda ticket: setattr(handle, "ready", True))
+        handle.progress.verifier_tokens += scorer.num_prompt_tokens - before
 
     def _as_step(self, completion) -> Step:
         step = step_from_completion(completion)

@@ -12,14 +12,13 @@ from pydantic import BaseModel, ValidationError
 from treeserve import __version__
 from treeserve.engine.async_engine import AsyncLLMEngine
 from treeserve.engine.llm_engine import LLMEngine
-from treeserve.runtime.scorer import StepScorer
 from treeserve.server.errors import (APIError, error_response, from_validation_error, from_value_error,
                                      install_error_handlers)
 from treeserve.server.metrics import ServerMetrics
 from treeserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        RewardRequest, SearchRequest, TokenizeRequest)
 from treeserve.server.serving import OpenAIServing
-from treeserve.server.serving_search import run_search
+from treeserve.server.serving_search import SearchServing
 
 MAX_BODY_BYTES = 2 << 20
 OPEN_PATHS = {"/health"}
@@ -54,13 +53,14 @@ async def parse(request: Request, model: type[BaseModel], limit: int) -> BaseMod
 
 
 def create_app(engine: AsyncLLMEngine, served: dict[str, LLMEngine], api_keys: list[str] | None = None,
-               metrics: ServerMetrics | None = None, scorers: dict[str, StepScorer] | None = None,
+               metrics: ServerMetrics | None = None, searches: dict[str, SearchServing] | None = None,
                max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    """`served` maps each served model name to its engine; requests are routed by their `model`."""
+    """`served` maps each served model name to its engine; requests are routed by their `model`.
+    `searches` holds the search serving of each served generator (see server/launch.py)."""
     app = FastAPI(title="treeserve", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     servings = {name: OpenAIServing(engine, name, llm) for name, llm in served.items()}
     default = next(iter(servings.values()))
-    scorers = scorers or {}
+    searches = searches or {}
     keys = [k for k in (api_keys or []) if k]
 
     def serving_for(model: str | None) -> OpenAIServing:
@@ -70,6 +70,10 @@ def create_app(engine: AsyncLLMEngine, served: dict[str, LLMEngine], api_keys: l
             raise APIError(404, f"model: '{model}' does not exist; served: {', '.join(servings)}", param="model",
                            code="model_not_found")
         return servings[model]
+    def search_for(model: str | None) -> SearchServing:
+        if not searches:
+            raise APIError(400, "search: this server was started without search serving", code="unsupported")
+        return searches[model] if model is not None else next(iter(searches.values()))
     created = int(time.time())
     app.state.engine, app.state.metrics = engine, metrics
     install_error_handlers(app)
@@ -118,15 +122,7 @@ def create_app(engine: AsyncLLMEngine, served: dict[str, LLMEngine], api_keys: l
     async def rewards(request: Request):
         body = await parse(request, RewardRequest, max_body_bytes)
         serving_for(body.model)
-        scorer = scorers.get(body.model)
-        if scorer is None:
-            raise APIError(400, f"model: '{body.model}' is not served as a reward model", param="model")
-        try:
-            scorer.require_readable(body.question, list(body.steps))
-            scores = await engine.run_job(lambda: scorer.score_steps(body.question, list(body.steps)))
-        except ValueError as exc:
-            raise from_value_error(exc) from exc
-        return {"object": "reward", "model": body.model, "recipe": scorer.recipe.name, "scores": scores}
+        return await search_for(None).rewards(body)
 
     @app.post("/v1/search")
     async def search(request: Request):
@@ -134,7 +130,7 @@ def create_app(engine: AsyncLLMEngine, served: dict[str, LLMEngine], api_keys: l
         serving = serving_for(body.model)
         if body.verifier is not None:
             serving_for(body.verifier)
-        return await run_search(engine, (serving.model_name, served[serving.model_name]), scorers, body)
+        return await search_for(serving.model_name).search(body, request)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

@@ -11,22 +11,26 @@ from treeserve.engine.async_engine import AsyncLLMEngine
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.server.app import create_app
 from treeserve.runtime.runtime import Runtime
+from treeserve.search.runner import SearchRunner
 from treeserve.server.metrics import ServerMetrics
+from treeserve.server.serving_search import SearchServing
 
 # Served with no model named: the bundled generator and PRM, so /v1/search and /v1/rewards work too.
 DEFAULT_PAIR = {"arith-gen": DEFAULT_GENERATOR, "arith-prm": DEFAULT_VERIFIER}
 
 
 def build_app(model: str | dict[str, str], served_model_name: str | None = None, api_keys: list[str] | None = None,
-              max_queue: int | None = None, kv_mode: str = "shared", **engine_options):
+              max_queue: int | None = None, kv_mode: str = "shared", max_problems_in_flight: int = 32,
+              **engine_options):
     """One model (a path) gets its own engine; several (name -> path) share a `Runtime`, and each
-    of them can also answer POST /v1/rewards as a PRM."""
+    of them can also answer POST /v1/rewards as a PRM. One engine loop steps them all; each served
+    model gets a search runner whose problems, from every request, advance together."""
     metrics = ServerMetrics()
-    scorers = {}
+    scorers, loop = {}, None
     if isinstance(model, dict) and len(model) > 1:
         budget = engine_options.pop("kv_cache_memory_bytes", None)
         runtime = Runtime(model, kv_mode=kv_mode, kv_cache_memory_bytes=budget, **engine_options)
-        served = dict(runtime.engines)
+        served, loop = dict(runtime.engines), runtime.loop
         scorers = {name: runtime.scorer(name) for name in served}
         for name, row in runtime.memory.items():
             metrics.add_model(served[name], name).set_memory(row)
@@ -35,10 +39,13 @@ def build_app(model: str | dict[str, str], served_model_name: str | None = None,
         name = served_model_name or str(path)
         served = {name: LLMEngine(EngineConfig(model=path, **engine_options))}
         metrics.add_model(served[name], name)
-    async_engine = AsyncLLMEngine(served, max_queue=max_queue, on_step=metrics.on_step, on_abort=metrics.on_abort)
-    for scorer in scorers.values():
-        scorer.on_other_output = async_engine.deliver_outputs_one
-    return create_app(async_engine, served, api_keys=api_keys, metrics=metrics, scorers=scorers)
+    async_engine = AsyncLLMEngine(served, max_queue=max_queue, on_step=metrics.on_step, on_abort=metrics.on_abort,
+                                  loop=loop)
+    searches = {name: SearchServing(async_engine, name, SearchRunner(engine, None, max_problems_in_flight,
+                                                                     loop=async_engine.loop), scorers)
+                for name, engine in served.items()}
+    metrics.add_search(searches, scorers)
+    return create_app(async_engine, served, api_keys=api_keys, metrics=metrics, searches=searches)
 
 
 def serve(args) -> int:
@@ -51,7 +58,8 @@ def serve(args) -> int:
     models = _named_models(args.model) if args.model else DEFAULT_PAIR
     target = args.model_path or (models if len(models) > 1 else next(iter(models.values())))
     app = build_app(target, served_model_name=args.served_model_name, api_keys=keys, kv_mode=args.kv_mode,
-                    max_queue=args.max_queue, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                    max_queue=args.max_queue, max_problems_in_flight=args.max_problems_in_flight,
+                    dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                     kv_cache_memory_bytes=args.kv_cache_memory_bytes, block_size=args.block_size,
                     enable_prefix_caching=not args.no_prefix_caching)

@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from treeserve.engine.block_pool import PrefixCacheStats
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.outputs import RequestOutput
+from treeserve.server.search_metrics import SearchCollector
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                    10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
@@ -31,6 +32,10 @@ class ServerMetrics:
         metrics = EngineMetrics(self, model_name)
         self.by_engine[id(engine)] = metrics
         return metrics
+
+    def add_search(self, searches: dict, scorers: dict) -> None:
+        """Search metrics for each served generator's runner and each reward model's scorer."""
+        self.search = SearchCollector(searches, scorers, self.registry)
 
     def on_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
         self.by_engine[id(engine)].on_step(engine, outputs)
@@ -88,6 +93,10 @@ class EngineMetrics:
     def set_memory(self, row) -> None:
         for part, gauge in self.memory.items():
             gauge.set(getattr(row, f"{part}_bytes"))
+
+    def add_search(self, searches: dict, scorers: dict) -> None:
+        """Search metrics for each served generator's runner and each reward model's scorer."""
+        self.search = SearchCollector(searches, scorers, self.registry)
 
     def on_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
         """Called on the engine thread after every step."""

@@ -171,3 +171,4 @@ class SearchRequest(BaseModel):
     eos_sampling_at_max_depth: bool = False
     system_prompt: str | None = None
     seed: int = 0
+    stream: bool = False                 # Server-Sent Events: progress events, then the result

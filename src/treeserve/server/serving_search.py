@@ -1,19 +1,33 @@
-"""POST /v1/search: one question searched with a served generator and PRM, on the engine thread.
+"""POST /v1/search and POST /v1/rewards, served on the engine loop.
 
-The search runs as a job between engine steps; while it runs it steps the engines itself and hands
-the outputs of the server's other requests back to their streams, so they keep flowing. Requests
-that arrive meanwhile wait until the search ends.
+Every search joins the generator's one `SearchRunner`: problems from all concurrent requests
+advance together (continuous problem batching), up to its bound in flight and queued past it; past
+`--max-queue` queued, a new search gets 429. Chats and completions keep flowing meanwhile: the loop
+steps their requests in the same batches. With `"stream": true` the response is Server-Sent Events:
+progress events, then the result. A client that leaves (a closed stream, or a disconnect while it
+waits for the JSON answer) has its search cancelled on the engine thread before the next step:
+its generator and verifier requests are aborted and their KV freed.
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
+from typing import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
 from treeserve.engine.async_engine import AsyncLLMEngine
-from treeserve.engine.llm_engine import LLMEngine
 from treeserve.runtime.scorer import StepScorer
 from treeserve.search.config import SAL_SYSTEM_PROMPT, SearchConfig
-from treeserve.search.runner import SearchRunner
+from treeserve.search.progress import SearchProgress
+from treeserve.search.runner import SearchHandle, SearchRunner
 from treeserve.search.tree import SearchResult
-from treeserve.server.errors import APIError, from_value_error
-from treeserve.server.protocol import SearchRequest
+from treeserve.server.errors import ERROR_TYPES, APIError, from_value_error
+from treeserve.server.protocol import RewardRequest, SearchRequest
+
+DISCONNECT_POLL_S = 0.25
 
 
 def question_and_system(body: SearchRequest) -> tuple[str, str | None]:
@@ -44,24 +58,159 @@ def search_config(body: SearchRequest, system: str | None, aggregation: str = "l
         raise from_value_error(exc) from exc
 
 
-async def run_search(engine: AsyncLLMEngine, generator: tuple[str, LLMEngine], scorers: dict[str, StepScorer],
-                     body: SearchRequest) -> dict:
-    question, system = question_and_system(body)
-    scorer = scorers.get(body.verifier) if body.verifier is not None else None
-    config = search_config(body, system, scorer.aggregation if scorer else "last")
-    if not config.uses_verifier:
-        scorer = None
-    elif scorer is None:
-        served = ", ".join(scorers) or "none"
-        raise APIError(400, f"verifier: strategy '{config.strategy}' needs a served reward model "
-                            f"(got {body.verifier!r}; served: {served})", param="verifier")
-    name, llm = generator
-    runner = SearchRunner(llm, scorer, on_other_output=engine.deliver_outputs_one)
+class SearchServing:
+    """Served search for one generator, and scoring for the served reward models."""
+
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, runner: SearchRunner,
+                 scorers: dict[str, StepScorer]):
+        self.engine = engine
+        self.model_name = model_name
+        self.runner = runner
+        self.scorers = scorers
+
+    async def search(self, body: SearchRequest, request: Request):
+        question, system = question_and_system(body)
+        scorer, config = self._scorer_and_config(body, system)
+        self._check_capacity()
+        events = self._events(question, config, scorer)
+        verifier = body.verifier if scorer else None
+        if body.stream:
+            first = await _first(events)  # errors before the search starts are still plain HTTP errors
+            return StreamingResponse(self._sse(first, events, verifier, config), media_type="text/event-stream")
+        result = await self._wait_for_result(events, request)
+        return JSONResponse(search_response(self.model_name, verifier, config, result))
+
+    async def rewards(self, body: RewardRequest) -> dict:
+        scorer = self.scorers.get(body.model)
+        if scorer is None:
+            raise APIError(400, f"model: '{body.model}' is not served as a reward model", param="model")
+        steps = list(body.steps)
+        try:
+            scorer.require_readable(body.question, steps)
+            scores = await self._score(scorer, body.question, steps)
+        except ValueError as exc:
+            raise from_value_error(exc) from exc
+        return {"object": "reward", "model": body.model, "recipe": scorer.recipe.name, "scores": scores}
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def _scorer_and_config(self, body: SearchRequest, system: str | None) -> tuple[StepScorer | None, SearchConfig]:
+        scorer = self.scorers.get(body.verifier) if body.verifier is not None else None
+        config = search_config(body, system, scorer.aggregation if scorer else "last")
+        if not config.uses_verifier:
+            return None, config
+        if scorer is None:
+            served = ", ".join(self.scorers) or "none"
+            raise APIError(400, f"verifier: strategy '{config.strategy}' needs a served reward model "
+                                f"(got {body.verifier!r}; served: {served})", param="verifier")
+        return scorer, config
+
+    def _check_capacity(self) -> None:
+        if self.engine.errored is not None:
+            raise APIError(503, f"the engine has failed ({self.engine.errored}); restart the server",
+                           code="engine_dead")
+        limit = self.engine.max_queue
+        if limit is not None and self.runner.num_waiting >= limit:
+            raise APIError(429, f"the search queue is full ({limit} searches wait); retry later",
+                           code="queue_full", headers={"Retry-After": "1"})
+
+    async def _events(self, question: str, config: SearchConfig,
+                      scorer: StepScorer | None) -> AsyncIterator[dict | SearchResult]:
+        """Progress events (dicts), then the SearchResult; leaving early cancels the search."""
+        stream_id = self.engine.new_request_id("search")
+        stream = self.engine.open_stream(stream_id)
+
+        def on_done(handle: SearchHandle) -> None:
+            self.engine.push(stream_id, handle.error or handle.result, final=True)
+
+        def submit() -> SearchHandle:
+            return self.runner.submit(question, config, scorer=scorer, on_done=on_done,
+                                      on_progress=lambda p: self.engine.push(stream_id, p.as_event()))
+        handle = None
+        try:
+            handle = await self.engine.run_job(submit)
+            yield SearchProgress().as_event()  # accepted (it may wait in the queue before it starts)
+            async for item in self.engine.stream_items(stream, lambda item: isinstance(item, SearchResult)):
+                yield item
+        except ValueError as exc:
+            raise from_value_error(exc) from exc
+        finally:
+            self.engine.close_stream(stream_id)
+            if handle is not None and not handle.done:
+                with contextlib.suppress(RuntimeError):  # a dead engine has nothing left to cancel
+                    self.engine.post(lambda: self.runner.cancel(handle))
+
+    async def _wait_for_result(self, events: AsyncIterator, request: Request) -> SearchResult:
+        """The result; a client that disconnects first gets its search cancelled."""
+        async def last() -> SearchResult:
+            item = None
+            async for item in events:
+                pass
+            return item
+        task = asyncio.ensure_future(last())
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if not task.done() and await request.is_disconnected():
+                    task.cancel()
+                    break
+            return await task
+        finally:
+            if not task.done():
+                task.cancel()
+            with contextlib.suppress(BaseException):
+                await events.aclose()
+
+    async def _sse(self, first, events: AsyncIterator, verifier: str | None, config: SearchConfig):
+        try:
+            item = first
+            while True:
+                if isinstance(item, SearchResult):
+                    yield _sse_line(search_response(self.model_name, verifier, config, item))
+                    break
+                yield _sse_line(item)
+                item = await events.__anext__()
+        except APIError as exc:
+            yield _sse_line(_error(exc.status, exc.message, exc.param, exc.code))
+        except RuntimeError as exc:
+            yield _sse_line(_error(500, str(exc)))
+        finally:
+            await events.aclose()
+        yield "data: [DONE]\n\n"
+
+    async def _score(self, scorer: StepScorer, question: str, steps: list[str]) -> list[float]:
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+
+        def on_ready(ticket) -> None:
+            loop.call_soon_threadsafe(_resolve, done, ticket.results()[0])
+        ticket = await self.engine.run_job(lambda: scorer.submit([(question, steps)], on_ready=on_ready))
+        try:
+            return await done
+        finally:
+            if not done.done():
+                with contextlib.suppress(RuntimeError):
+                    self.engine.post(lambda: scorer.cancel(ticket))
+
+
+async def _first(events: AsyncIterator):
     try:
-        result = await engine.run_job(lambda: runner.run([question], config)[0])
-    except ValueError as exc:
-        raise from_value_error(exc) from exc
-    return search_response(name, body.verifier if scorer else None, config, result)
+        return await events.__anext__()
+    except StopAsyncIteration:
+        raise RuntimeError("search: ended without a result") from None
+
+
+def _resolve(future: asyncio.Future, value) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code}}
+
+
+def _sse_line(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
 def search_response(model: str, verifier: str | None, config: SearchConfig, result: SearchResult) -> dict:

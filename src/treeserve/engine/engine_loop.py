@@ -1,0 +1,118 @@
+"""The engine loop: the one owner that steps engines, as vLLM's EngineCore is.
+
+Everything else (the offline `LLM`, the PRM scorer, the search runner, the server) submits requests
+through the loop with a callback for their outputs, and is polled between steps to make progress
+(resume a search problem whose samples arrived, start a queued one). `LLMEngine.step()` is called
+here and nowhere else, so one set of observers (Prometheus metrics, JSONL telemetry) sees every
+step whatever caused it, and one abort path frees a request's KV blocks between two steps.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Iterable, Protocol
+
+from treeserve.engine.llm_engine import LLMEngine
+from treeserve.outputs import RequestOutput
+from treeserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+OutputCallback = Callable[[RequestOutput], None]
+StepObserver = Callable[[LLMEngine, list[RequestOutput]], None]
+AbortObserver = Callable[[LLMEngine, str], None]
+
+
+class LoopClient(Protocol):
+    """A state machine driven by the loop (a search runner, a scorer with waiting callers)."""
+
+    def poll(self) -> None:
+        """Makes all the progress possible without a step: consume what arrived, submit what is next."""
+
+
+class EngineLoop:
+    def __init__(self, engines: LLMEngine | dict[str, LLMEngine] | Iterable[LLMEngine]):
+        if isinstance(engines, LLMEngine):
+            engines = [engines]
+        elif isinstance(engines, dict):
+            engines = engines.values()
+        self.engines: list[LLMEngine] = list(engines)
+        self.step_observers: list[StepObserver] = []
+        self.abort_observers: list[AbortObserver] = []
+        self.clients: list[LoopClient] = []
+        self._owners: dict[tuple[int, str], OutputCallback] = {}
+        self.num_steps = 0  # loop iterations that stepped at least one engine
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(self, engine: LLMEngine, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    on_output: OutputCallback, **options) -> None:
+        """Queues a request on `engine` (see `LLMEngine.add_request` for `options`); its outputs go
+        to `on_output`, the last one with `finished` set."""
+        self._require_engine(engine)
+        engine.add_request(request_id, prompt_token_ids, params, **options)
+        self._owners[(id(engine), request_id)] = on_output
+
+    def abort_request(self, engine: LLMEngine, request_id: str) -> bool:
+        """Aborts a request and frees its KV blocks now; False when it had already finished."""
+        self._owners.pop((id(engine), request_id), None)
+        if request_id not in engine.groups:
+            return False
+        engine.abort_request(request_id)
+        for observe in self.abort_observers:
+            observe(engine, request_id)
+        return True
+
+    def owns(self, engine: LLMEngine, request_id: str) -> bool:
+        return (id(engine), request_id) in self._owners
+
+    def add_client(self, client: LoopClient) -> None:
+        if client not in self.clients:
+            self.clients.append(client)
+
+    def remove_client(self, client: LoopClient) -> None:
+        if client in self.clients:
+            self.clients.remove(client)
+
+    # ---- stepping -------------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return any(e.has_unfinished_requests() for e in self.engines)
+
+    def step(self) -> bool:
+        """Polls the clients, then steps every engine that has work once and routes the outputs.
+        Returns whether any engine ran."""
+        self.poll_clients()
+        busy = [e for e in self.engines if e.has_unfinished_requests()]
+        for engine in busy:
+            self._step_engine(engine)
+        if busy:
+            self.num_steps += 1
+        return bool(busy)
+
+    def poll_clients(self) -> None:
+        for client in list(self.clients):
+            client.poll()
+
+    def run_until(self, done: Callable[[], bool]) -> None:
+        """Steps until `done()`; raises when nothing is left to step and it is still not done."""
+        while not done():
+            if not self.step():
+                self.poll_clients()
+                if not done():
+                    raise RuntimeError("engine loop: waiting on requests that no engine holds")
+
+    def _step_engine(self, engine: LLMEngine) -> None:
+        outputs = engine.step()
+        for observe in self.step_observers:
+            observe(engine, outputs)
+        key = id(engine)
+        for output in outputs:
+            callback = self._owners.get((key, output.request_id))
+            if output.finished:
+                self._owners.pop((key, output.request_id), None)
+            if callback is None:
+                logger.warning("engine loop: output for %r, which nobody awaits, dropped", output.request_id)
+                continue
+            callback(output)
+
+    def _require_engine(self, engine: LLMEngine) -> None:
+        if not any(e is engine for e in self.engines):
+            raise ValueError(f"engine: {engine.name or engine.model_dir.name!r} is not driven by this loop")

@@ -1,0 +1,76 @@
+"""Output processing: a sampled token becomes text (incremental detokenizing), stop checks decide
+whether the sequence ends, and a request group becomes the `RequestOutput` its caller sees."""
+from __future__ import annotations
+
+import time
+
+from treeserve.engine.detokenizer import find_stop_string
+from treeserve.engine.request import Request, RequestGroup
+from treeserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, max_model_len: int):
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+
+    def append_token(self, request: Request, token_id: int, logprobs: dict | None) -> tuple[str | None, str | int | None]:
+        """Appends a sampled token; returns (finish reason, stop reason), (None, None) to go on."""
+        if request.first_token_time is None:
+            request.first_token_time = time.monotonic()
+        request.append_output_token(token_id)
+        if logprobs is not None:
+            request.logprobs.append(self._decoded_logprobs(logprobs))
+            request.cumulative_logprob += logprobs[token_id][0]
+        delta = request.detokenizer.push(token_id)
+        request.output_text = request.detokenizer.text
+        reason, stop_reason = self._check_stop(request, token_id, len(delta))
+        if reason is not None and not isinstance(stop_reason, str):
+            # a stop string already cut the text where it must end; otherwise flush held-back bytes
+            request.detokenizer.flush()
+            request.output_text = request.detokenizer.text
+        return reason, stop_reason
+
+    def _decoded_logprobs(self, logprobs: dict[int, tuple[float, int]]) -> dict[int, Logprob]:
+        return {tid: Logprob(lp, rank, self.tokenizer.decode([tid])) for tid, (lp, rank) in logprobs.items()}
+
+    def _check_stop(self, request: Request, token_id: int, new_chars: int) -> tuple[str | None, str | int | None]:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                return "stop", None
+            if token_id in params.stop_token_ids:
+                return "stop", token_id
+            found = find_stop_string(request.output_text, new_chars, params.stop_strings)
+            if found is not None:
+                stop, start = found
+                end = start + len(stop) if params.include_stop_str_in_output else start
+                request.output_text = request.output_text[:end]
+                return "stop", stop
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return "length", None
+        return None, None
+
+    def make_output(self, group: RequestGroup) -> RequestOutput:
+        outputs = [
+            CompletionOutput(
+                index=i, text=c.output_text, token_ids=list(c.output_token_ids),
+                cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
+                logprobs=list(c.logprobs) if c.logprobs is not None else None,
+                finish_reason=c.finish_reason if c.finish_reason != "prefill" else "stop", stop_reason=c.stop_reason,
+            )
+            for i, c in enumerate(group.children)
+        ]
+        prompt_logits = group.children[0].prompt_logits if group.children[0].prefill_only else {}
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, group.finished,
+                             num_cached_tokens=group.children[0].num_cached_tokens, prompt_logits=prompt_logits,
+                             metrics=request_metrics(group))
+
+
+def request_metrics(group: RequestGroup) -> RequestMetrics:
+    scheduled = [c.first_scheduled_time for c in group.children if c.first_scheduled_time is not None]
+    first_tokens = [c.first_token_time for c in group.children if c.first_token_time is not None]
+    return RequestMetrics(arrival_time=group.arrival_time,
+                          first_scheduled_time=group.first_scheduled_time or (min(scheduled) if scheduled else None),
+                          first_token_time=min(first_tokens) if first_tokens else None,
+                          finished_time=time.monotonic() if group.finished else None)

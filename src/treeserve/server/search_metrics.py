@@ -1,0 +1,66 @@
+"""Search and scoring metrics, read from the runners and scorers when /metrics is scraped.
+
+Counts live where the work happens (`SearchRunner`, `StepScorer`, kept KV); this collector only
+reads them, so the engine thread pays nothing per step for them.
+"""
+from __future__ import annotations
+
+from prometheus_client import Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+TREE_SIZE_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+class SearchCollector:
+    def __init__(self, searches: dict, scorers: dict, registry):
+        self.searches = searches  # generator name -> SearchServing
+        self.scorers = scorers    # reward model name -> StepScorer
+        self.tree_size = Histogram("treeserve:search_tree_size", "Steps generated per finished search problem.",
+                                   ["model_name"], buckets=TREE_SIZE_BUCKETS, registry=registry)
+        for name, serving in searches.items():
+            serving.runner.finished_observers.append(self._observer(name))
+        registry.register(self)
+
+    def _observer(self, name: str):
+        histogram = self.tree_size.labels(model_name=name)
+
+        def observe(handle) -> None:
+            if handle.result is not None:
+                histogram.observe(handle.result.tree_size)
+        return observe
+
+    def collect(self):
+        runners = {name: s.runner for name, s in self.searches.items()}
+        yield _gauge("search_problems_running", "Search problems in flight (all requests together).",
+                     {n: r.num_running for n, r in runners.items()})
+        yield _gauge("search_problems_waiting", "Search problems queued behind the in-flight bound.",
+                     {n: r.num_waiting for n, r in runners.items()})
+        yield _counter("search_problems_finished", "Search problems finished.",
+                       {n: r.num_finished for n, r in runners.items()})
+        scorers = self.scorers
+        yield _counter("search_score_cache_hits", "Scoring items answered without a verifier request of their own.",
+                       {n: s.num_cache_hits for n, s in scorers.items()})
+        yield _counter("search_verifier_tokens", "Tokens of every verifier input submitted (computed or reused).",
+                       {n: s.num_prompt_tokens for n, s in scorers.items()})
+        yield _counter("search_verifier_tokens_reused", "Verifier input tokens found in kept KV or the prefix cache.",
+                       {n: s.num_reused_tokens for n, s in scorers.items()})
+        yield _gauge("score_cache_entries", "Step scores held in the score cache.",
+                     {n: len(s.score_cache) for n, s in scorers.items()})
+        yield _gauge("score_cache_bytes", "Estimated bytes of the score cache (bounded; LRU eviction).",
+                     {n: getattr(s.score_cache, "nbytes", 0) for n, s in scorers.items()})
+        yield _gauge("kv_blocks_kept", "KV blocks the scorer keeps on purpose for extensions (released under pressure).",
+                     {n: s.engine.retained.num_blocks() for n, s in scorers.items()})
+
+
+def _gauge(name: str, doc: str, values: dict) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(f"treeserve:{name}", doc, labels=["model_name"])
+    for model, value in values.items():
+        family.add_metric([model], value)
+    return family
+
+
+def _counter(name: str, doc: str, values: dict) -> CounterMetricFamily:
+    family = CounterMetricFamily(f"treeserve:{name}", doc, labels=["model_name"])
+    for model, value in values.items():
+        family.add_metric([model], value)
+    return family
