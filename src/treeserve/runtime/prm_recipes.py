@@ -2,6 +2,12 @@
 
 A recipe returns the token ids to prefill and, for every step, the position whose next-token
 logits hold the verdict; the step's score is softmax over the (good, bad) token logits there.
+Each recipe writes the whole text once, knowing the character span of every verdict marker in it
+(the assistant's `+`, the step tag, the step delimiter), and tokenizes it once with character
+offsets (so it needs a fast tokenizer) to find the marker's token. Prefixes are never tokenized
+apart: a tokenizer may split text at the end of a prefix unlike inside the whole (GPT-2's
+byte-level pre-tokenizer keeps "\n\n" whole at the end of a text but splits "\n\n+" as "\n",
+"\n", "+"). A marker that shares its last token with the text after it is a ValueError.
 A model directory may name its recipe in its `config.json` (`"prm_recipe": "chat-steps"`); it is
 used wherever no recipe is given. Likewise `"prm_aggregation"` names how search turns the PRM's step
 scores into one score where a request names none: `last` (Search-and-Learn's default, for a PRM
@@ -35,41 +41,60 @@ class _VerdictTokens:
 class RLHFlowRecipe(_VerdictTokens):
     """Multi-turn chat: (question + step 1) as user, `+` as assistant, next step as user, ...
 
-    The score of step k is P(`+`) against `-` where the assistant's k-th verdict is predicted.
+    The score of step k is P(`+`) against `-` where the assistant's k-th verdict is predicted: at
+    the token before that `+`, which must be a token of its own in the rendered conversation.
     """
     name: str = "rlhflow"
 
     def build(self, tokenizer, question: str, steps: list[str]) -> PRMInput:
-        conversation: list[dict] = []
-        positions = []
-        for index, step in enumerate(steps):
-            content = f"{question} {step}" if index == 0 else step
-            conversation.append({"role": "user", "content": content})
-            prefix = _render(tokenizer, conversation, add_generation_prompt=True)
-            positions.append(len(prefix) - 1)
-            conversation.append({"role": "assistant", "content": self.good_token})
-        token_ids = _render(tokenizer, conversation, add_generation_prompt=False)
+        text, spans = self._render(tokenizer, question, steps)
+        tokens = _Tokenized(tokenizer, text, self.name, add_special_tokens=False)
         good = self.candidate_ids(tokenizer)[0]
-        if any(p + 1 >= len(token_ids) or token_ids[p + 1] != good for p in positions):
-            raise ValueError("prm recipe: the chat template does not render the verdict turns as expected")
-        return PRMInput(token_ids, positions)
+        positions = []
+        for start, end in spans:
+            index = tokens.token_ending_at(end, f"verdict {self.good_token!r}")
+            if tokens.offsets[index][0] != start or tokens.token_ids[index] != good:
+                raise ValueError(f"prm recipe {self.name}: the verdict {self.good_token!r} is not a token of its own "
+                                 f"in the rendered conversation: its token is {tokens.held(index)!r}")
+            positions.append(index - 1)
+        return PRMInput(tokens.token_ids, positions)
+
+    def _render(self, tokenizer, question: str, steps: list[str]) -> tuple[str, list[tuple[int, int]]]:
+        """The conversation rendered once, and where each assistant verdict sits in it: the verdict
+        turns are rendered as a character found nowhere else, then that character is replaced."""
+        placeholder = _unused_character([question, *steps])
+        conversation: list[dict] = []
+        for index, step in enumerate(steps):
+            conversation.append({"role": "user", "content": f"{question} {step}" if index == 0 else step})
+            conversation.append({"role": "assistant", "content": placeholder})
+        rendered = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=False)
+        pieces = rendered.split(placeholder)
+        if len(pieces) != len(steps) + 1:
+            raise ValueError(f"prm recipe {self.name}: the chat template renders {len(pieces) - 1} verdict turns for "
+                             f"{len(steps)} steps; it must render every assistant turn's content as given")
+        spans, offset = [], 0
+        for piece in pieces[:-1]:
+            offset += len(piece)
+            spans.append((offset, offset + len(self.good_token)))
+            offset += len(self.good_token)
+        return self.good_token.join(pieces), spans
 
 
 @dataclass(frozen=True)
 class MathShepherdRecipe(_VerdictTokens):
-    """Question and steps as plain text, each step followed by the step tag `ки`."""
+    """Question and steps as plain text, each step followed by the step tag `ки`; step k's verdict
+    is read at the (last) token of its tag."""
     step_tag: str = "ки"
     name: str = "math-shepherd"
 
     def build(self, tokenizer, question: str, steps: list[str]) -> PRMInput:
-        text = f"{question} "
-        prefixes = []
+        text, spans = f"{question} ", []
         for index, step in enumerate(steps):
-            text += f"{step} {self.step_tag}"
-            prefixes.append(tokenizer.encode(text))
-            if index + 1 < len(steps):
-                text += "\n"
-        return _verdicts_at_prefix_ends(tokenizer.encode(text), prefixes, "the step tag")
+            text += f"{step} "
+            spans.append((len(text), len(text) + len(self.step_tag)))
+            text += self.step_tag + ("\n" if index + 1 < len(steps) else "")
+        tokens = _Tokenized(tokenizer, text, self.name, add_special_tokens=True)
+        return PRMInput(tokens.token_ids, _marker_ends(tokens, spans, "step tag"))
 
 
 @dataclass(frozen=True)
@@ -86,12 +111,13 @@ class ChatStepsRecipe(_VerdictTokens):
     def build(self, tokenizer, question: str, steps: list[str]) -> PRMInput:
         text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
                                              add_generation_prompt=True)
-        prefixes = []
+        spans = []
         for step in steps:
-            text += step + self.step_delimiter
-            prefixes.append(tokenizer.encode(text, add_special_tokens=False))
-        token_ids = prefixes[-1] if prefixes else tokenizer.encode(text, add_special_tokens=False)
-        return _verdicts_at_prefix_ends(token_ids, prefixes, "the step delimiter")
+            text += step
+            spans.append((len(text), len(text) + len(self.step_delimiter)))
+            text += self.step_delimiter
+        tokens = _Tokenized(tokenizer, text, self.name, add_special_tokens=False)
+        return PRMInput(tokens.token_ids, _marker_ends(tokens, spans, "step delimiter"))
 
 
 RECIPES = {"rlhflow": RLHFlowRecipe(), "math-shepherd": MathShepherdRecipe(), "chat-steps": ChatStepsRecipe()}
@@ -119,17 +145,53 @@ def _declared(model_dir: str | Path, key: str, default: str, known: tuple[str, .
     return name
 
 
-def _verdicts_at_prefix_ends(token_ids: list[int], prefixes: list[list[int]], marker: str) -> PRMInput:
-    """Each step's verdict at the last token of the text through it, once every such prefix is
-    checked to tokenize the same alone as inside the whole text."""
-    if any(token_ids[: len(p)] != p for p in prefixes):
-        raise ValueError(f"prm recipe: {marker} does not tokenize the same alone and in context")
-    return PRMInput(token_ids, [len(p) - 1 for p in prefixes])
+def _marker_ends(tokens: _Tokenized, spans: list[tuple[int, int]], marker: str) -> list[int]:
+    """For each marker (step tag, step delimiter), the token holding its last character: where a
+    tag or separator PRM reads its verdict. That token may also hold text before the marker (a
+    space, a full stop), but it must hold the same share of the marker at every step: otherwise a
+    step would be read at another token once a step follows it (as with a tokenizer that merges
+    "\\n\\n" at the end of a text but not before more text)."""
+    ends = [tokens.token_ending_at(end, marker) for _, end in spans]
+    shares = {end - max(start, tokens.offsets[index][0]) for index, (start, end) in zip(ends, spans)}
+    if len(shares) > 1:
+        held = " or ".join(map(str, sorted(shares)))
+        raise ValueError(f"prm recipe {tokens.recipe}: the {marker} {tokens.text[slice(*spans[0])]!r} does not "
+                         f"tokenize the same after every step (the token read holds {held} of its characters), "
+                         "so a step's verdict would depend on whether a step follows it")
+    return ends
 
 
-def _render(tokenizer, conversation: list[dict], add_generation_prompt: bool) -> list[int]:
-    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
-    return tokenizer.encode(text, add_special_tokens=False)
+class _Tokenized:
+    """A recipe's full text tokenized once, with the character span of each token."""
+
+    def __init__(self, tokenizer, text: str, recipe: str, add_special_tokens: bool):
+        if not getattr(tokenizer, "is_fast", False):
+            raise ValueError(f"prm recipe {recipe}: needs a fast tokenizer, which maps tokens to characters; "
+                             f"{type(tokenizer).__name__} is not one")
+        encoding = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+        self.text, self.recipe = text, recipe
+        self.token_ids: list[int] = encoding["input_ids"]
+        self.offsets: list[tuple[int, int]] = [tuple(span) for span in encoding["offset_mapping"]]
+        self._holder = [-1] * len(text)  # the last token holding each character
+        for index, (start, end) in enumerate(self.offsets):
+            self._holder[start:end] = [index] * (end - start)
+
+    def token_ending_at(self, end: int, marker: str) -> int:
+        """The token holding the character before `end`, which must end there: a token running on
+        into the text after it would make the verdict position read that text too."""
+        index = self._holder[end - 1]
+        if index < 0 or self.offsets[index][1] != end:
+            raise ValueError(f"prm recipe {self.recipe}: the {marker} shares its last token with the text after "
+                             f"it, so no position reads it alone: that token is {self.held(index)!r}")
+        return index
+
+    def held(self, index: int) -> str:
+        return self.text[slice(*self.offsets[index])] if index >= 0 else ""
+
+
+def _unused_character(texts: list[str]) -> str:
+    used = set().union(*texts)
+    return next(c for c in map(chr, range(0xE000, 0xF900)) if c not in used)  # Unicode's private use area
 
 
 def _single_token(tokenizer, text: str) -> int:

@@ -89,18 +89,19 @@ def _config(family: str, vocab_size: int, special: dict[str, int], **overrides):
 
 def make_tiny_model(family: str, path: str | Path, seed: int = 0, tokenizer_vocab_size: int = 512,
                     max_shard_size: str | None = None, favour_tokens: dict[str, float] | None = None,
-                    **overrides) -> Path:
+                    tokenizer=None, **overrides) -> Path:
     """Writes config, safetensors weights, generation config and tokenizer to `path`.
 
     `overrides` go to the transformers config; a `vocab_size` there may exceed the tokenizer's.
     `favour_tokens` maps single-token texts to a logit they get at every position (about), so
     that a random model writes them often: "\n" makes it write blank-line separated steps.
+    `tokenizer` (with bos, eos and pad tokens) replaces the trained one.
     """
     import torch
     import transformers
 
     path = Path(path)
-    tokenizer = train_tokenizer(tokenizer_vocab_size, seed)
+    tokenizer = train_tokenizer(tokenizer_vocab_size, seed) if tokenizer is None else tokenizer
     special = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                    pad_token_id=tokenizer.pad_token_id)
     vocab_size = max(overrides.pop("vocab_size", 0), len(tokenizer))
