@@ -76,6 +76,7 @@ def create_app(engine: AsyncLLMEngine, served: dict[str, LLMEngine], api_keys: l
         return searches[model] if model is not None else next(iter(searches.values()))
     created = int(time.time())
     app.state.engine, app.state.metrics = engine, metrics
+    app.state.search_runners = {name: serving.runner for name, serving in searches.items()}
     install_error_handlers(app)
 
     @app.middleware("http")

@@ -1,0 +1,182 @@
+"""Served search on the one engine loop: concurrent searches batched together and equal to the
+offline runner, SSE progress, cancellation on disconnect, the queue bound, search metrics."""
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from conftest import running_server, wait_idle
+from treeserve import Runtime
+from treeserve.bench.telemetry import parse_prometheus
+from treeserve.search.config import SearchConfig
+from treeserve.search.runner import SearchRunner
+from treeserve.server.launch import build_app
+from treeserve.testing.tiny_models import make_tiny_model
+
+QUESTIONS = ["Add two and three, then double it.", "Take seven away from ten.", "Multiply four by five.",
+             "Halve eighteen and add one."]
+OPTIONS = dict(dtype="float32", device="cpu", kv_cache_memory_bytes=8 << 20, max_model_len=256)
+
+
+def _body(question: str, seed: int, **change) -> dict:
+    return {"model": "gen", "verifier": "prm", "question": question, "strategy": "beam", "n": 4, "beam_width": 2,
+            "num_iterations": 3, "max_tokens": 6, "system_prompt": "", "seed": seed, **change}
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("search-pair")
+    return {"gen": str(make_tiny_model("llama", root / "gen", seed=5)),
+            "prm": str(make_tiny_model("qwen2", root / "prm", seed=6, hidden_size=96))}
+
+
+@pytest.fixture(scope="module")
+def served(pair):
+    app = build_app(pair, max_problems_in_flight=2, max_queue=3, **OPTIONS)
+    with running_server(app) as url:
+        yield url, app
+
+
+def _metrics(url: str) -> dict[str, float]:
+    return parse_prometheus(httpx.get(f"{url}/metrics").text)
+
+
+def _idle(app) -> None:
+    for engine in app.state.engine.engines.values():
+        wait_idle(engine)
+
+
+def _assert_only_kept_blocks(app) -> None:
+    for engine in app.state.engine.engines.values():
+        kept = engine.retained.num_blocks()
+        assert engine.kv.num_blocks_in_use() == kept, f"{engine.name}: blocks held beyond the kept sequences"
+        assert not engine.scheduler.running and not engine.scheduler.waiting
+
+
+def test_concurrent_searches_equal_the_offline_runner(served, pair):
+    url, app = served
+    before = _metrics(url)
+
+    async def run():
+        async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+            return await asyncio.gather(*(client.post("/v1/search", json=_body(q, seed))
+                                          for seed, q in enumerate(QUESTIONS[:3])))
+    replies = asyncio.run(run())
+    assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
+    rt = Runtime(pair, **OPTIONS)
+    runner = SearchRunner(rt.engine("gen"), rt.scorer("prm"))
+    for seed, (question, reply) in enumerate(zip(QUESTIONS, replies)):
+        config = SearchConfig(strategy="beam", n=4, beam_width=2, num_iterations=3, max_tokens=6, system_prompt=None,
+                              seed=seed, agg_strategy=rt.scorer("prm").aggregation)
+        offline = runner.run([question], config)[0]
+        body = reply.json()
+        assert [c["text"] for c in body["candidates"]] == offline.completions
+        # float32 sums in another batch composition: equal up to rounding
+        assert [c["score"] for c in body["candidates"]] == pytest.approx(offline.agg_scores, abs=1e-6)
+    after = _metrics(url)
+    finished = 'treeserve:search_problems_finished_total{model_name="gen"}'
+    assert after[finished] - before.get(finished, 0) == 3
+    steps = 'treeserve:iteration_tokens_total_count{model_name="prm"}'
+    assert after[steps] > before.get(steps, 0), "the verifier's steps taken for searches are counted"
+    assert after['treeserve:search_verifier_tokens_total{model_name="prm"}'] > 0
+    assert 'treeserve:kv_blocks_kept{model_name="prm"}' in after
+    _idle(app)
+    _assert_only_kept_blocks(app)
+
+
+def test_a_streamed_search_sends_progress_then_the_result(served):
+    url, app = served
+    events = []
+    with httpx.stream("POST", f"{url}/v1/search", json=_body(QUESTIONS[0], 11, stream=True), timeout=300) as reply:
+        assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/event-stream")
+        for line in reply.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[len("data: "):])
+    assert events[-1] == "[DONE]"
+    objects = [json.loads(e) for e in events[:-1]]
+    progress, result = objects[:-1], objects[-1]
+    assert result["object"] == "search.result" and result["candidates"]
+    assert all(p["object"] == "search.progress" for p in progress) and len(progress) >= 3
+    iterations = [p["iteration"] for p in progress]
+    assert iterations == sorted(iterations) and iterations[-1] >= 1
+    assert progress[-1]["completion_tokens"] == result["usage"]["completion_tokens"]
+    assert progress[-1]["verifier_tokens"] > 0 and progress[-1]["best_score"] is not None
+    assert progress[-1]["tree_size"] == result["tree_size"]
+
+
+def test_disconnecting_a_streamed_search_aborts_its_requests_within_one_step(served):
+    url, app = served
+    async_engine = app.state.engine
+    loop, gen = async_engine.loop, async_engine.engines["gen"]
+    marks: dict = {}
+    runner, post = app.state.search_runners["gen"], async_engine.post
+    cancel = runner.cancel
+
+    def watched_post(fn):  # the server posts the cancellation when it sees the client leave
+        marks.setdefault("requested", loop.num_steps)
+        post(fn)
+
+    def watched_cancel(handle):
+        marks["step"] = loop.num_steps
+        cancel(handle)
+        marks["left"] = list(handle.requests) + _search_requests(app)
+    runner.cancel, async_engine.post = watched_cancel, watched_post
+    try:
+        body = _body(QUESTIONS[1], 7, stream=True, num_iterations=40, max_tokens=6)
+        with httpx.stream("POST", f"{url}/v1/search", json=body, timeout=300) as reply:
+            seen = 0
+            for line in reply.iter_lines():
+                if line.startswith("data: "):
+                    seen += 1
+                    if seen == 2:  # the acceptance event, then the first progress event: hang up
+                        break
+        deadline = time.monotonic() + 30
+        while "left" not in marks and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        runner.cancel, async_engine.post = cancel, post
+    assert "left" in marks, "the search was not cancelled"
+    assert marks["step"] - marks["requested"] <= 1, "cancelled later than one engine step after the disconnect"
+    assert marks["left"] == [], "requests of the cancelled search are still in an engine"
+    _idle(app)
+    _assert_only_kept_blocks(app)
+    assert gen.kv.num_blocks_in_use() == 0
+    assert httpx.post(f"{url}/v1/search", json=_body(QUESTIONS[2], 1), timeout=300).status_code == 200
+
+
+def _search_requests(app) -> list[str]:
+    engines = app.state.engine.engines
+    return [rid for e in engines.values() for rid in e.groups if rid.startswith(("search-", "score-"))]
+
+
+def test_searches_past_the_queue_bound_get_429_with_retry_after(served):
+    url, app = served
+
+    async def run():
+        async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+            bodies = [_body(QUESTIONS[i % 4], 20 + i, num_iterations=4) for i in range(8)]
+            return await asyncio.gather(*(client.post("/v1/search", json=b) for b in bodies))
+    replies = asyncio.run(run())
+    codes = sorted(r.status_code for r in replies)
+    assert 429 in codes and 200 in codes, codes  # 2 in flight, 3 queued, the rest refused
+    refused = next(r for r in replies if r.status_code == 429)
+    assert refused.headers["retry-after"] == "1" and refused.json()["error"]["code"] == "queue_full"
+    _idle(app)
+    _assert_only_kept_blocks(app)
+
+
+def test_rewards_are_scored_while_a_search_runs(served, pair):
+    url, app = served
+    steps = ["two plus three is five.", "five doubled is ten."]
+
+    async def run():
+        async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+            return await asyncio.gather(client.post("/v1/search", json=_body(QUESTIONS[3], 5)),
+                                        client.post("/v1/rewards", json={"model": "prm", "question": QUESTIONS[0],
+                                                                         "steps": steps}))
+    search, reward = asyncio.run(run())
+    assert search.status_code == 200 and reward.status_code == 200
+    offline = Runtime(pair, **OPTIONS).score_steps("prm", QUESTIONS[0], steps)
+    assert reward.json()["scores"] == pytest.approx(offline, abs=1e-5)
