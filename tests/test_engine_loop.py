@@ -82,3 +82,18 @@ def test_outputs_reach_their_owner_and_aborts_free_blocks(tiny_model_dirs):
     assert engine.kv.num_blocks_in_use() == 0 and not loop.has_unfinished_requests()
     with pytest.raises(RuntimeError, match="no engine holds"):
         loop.run_until(lambda: False)
+
+
+def test_an_interactive_request_is_admitted_ahead_of_queued_search_work(tiny_model_dirs):
+    engine = LLM(str(tiny_model_dirs["llama"]), dtype="float32", device="cpu", kv_cache_memory_bytes=8 << 20,
+                 max_model_len=256, max_num_seqs=2).engine
+    loop, finished = EngineLoop(engine), []
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    for name in "abcd":
+        loop.add_request(engine, name, [1, 2, 3], params, finished.append, priority=1)
+    loop.step()  # a and b run; c and d wait
+    loop.add_request(engine, "chat", [4, 5, 6], params, finished.append)
+    assert [r.request_id for r in engine.scheduler.waiting] == ["chat#0", "c#0", "d#0"]
+    loop.run_until(lambda: not loop.has_unfinished_requests())
+    order = [o.request_id for o in finished if o.finished]
+    assert order.index("chat") < order.index("c") and order.index("chat") < order.index("d")

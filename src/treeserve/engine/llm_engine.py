@@ -102,8 +102,8 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, cache_salt: str | None = None,
                     logits_positions: list[int] | None = None, readout_token_ids: list[int] | None = None,
-                    keep_kv: bool = False, parent_id: str | None = None) -> None:
-        """Queues a request.
+                    keep_kv: bool = False, parent_id: str | None = None, priority: int = 0) -> None:
+        """Queues a request; a lower `priority` is admitted first (FCFS within one priority).
 
         With `logits_positions` it is prefill-only and returns those positions' logits (only the
         `readout_token_ids` columns, if given). `keep_kv` keeps its KV blocks after it finishes,
@@ -115,15 +115,15 @@ class LLMEngine:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         if logits_positions is not None:
             self._add_prefill_only(request_id, prompt_token_ids, params, prompt, cache_salt, logits_positions,
-                                   readout_token_ids, keep_kv, parent_id)
+                                   readout_token_ids, keep_kv, parent_id, priority)
             return
-        children = [self._make_request(f"{request_id}#{i}", prompt_token_ids, self._child_params(params, i), cache_salt)
-                    for i in range(params.n)]
+        children = [self._make_request(f"{request_id}#{i}", prompt_token_ids, self._child_params(params, i), cache_salt,
+                                       priority) for i in range(params.n)]
         group = RequestGroup(request_id, prompt, list(prompt_token_ids), children)
         self._register(group)
         if params.n > 1 and len(prompt_token_ids) > 1:
             shared = Request(f"{request_id}#prefill", list(prompt_token_ids[:-1]), params, cache_salt=cache_salt,
-                             cache_namespace=self.name, prefill_only=True)
+                             cache_namespace=self.name, prefill_only=True, priority=priority)
             group.shared_prefill = shared
             self._group_of[shared.request_id] = group
             self.scheduler.add(shared)
@@ -132,7 +132,7 @@ class LLMEngine:
                 self.scheduler.add(child)
 
     def _add_prefill_only(self, request_id, prompt_token_ids, params, prompt, cache_salt, positions,
-                          readout_token_ids, keep_kv, parent_id) -> None:
+                          readout_token_ids, keep_kv, parent_id, priority) -> None:
         bad = [p for p in positions if not isinstance(p, int) or not 0 <= p < len(prompt_token_ids)]
         if bad:
             raise ValueError(f"logits_positions: {bad[:3]} outside the prompt (length {len(prompt_token_ids)})")
@@ -142,7 +142,7 @@ class LLMEngine:
         parent = self.retained.parent(parent_id, prompt_token_ids)
         request = Request(f"{request_id}#0", list(prompt_token_ids), params, cache_salt=cache_salt,
                           cache_namespace=self.name, prefill_only=True, logits_positions=sorted(set(positions)),
-                          readout_token_ids=readout_token_ids, keep_kv=keep_kv)
+                          readout_token_ids=readout_token_ids, keep_kv=keep_kv, priority=priority)
         self._register(RequestGroup(request_id, prompt, list(prompt_token_ids), [request]))
         if parent is not None:
             self.kv.fork(parent, request)
@@ -168,11 +168,11 @@ class LLMEngine:
         seed = None if params.seed is None else params.seed + index
         return params.clone(n=1, seed=seed)
 
-    def _make_request(self, request_id, prompt_token_ids, params, cache_salt) -> Request:
+    def _make_request(self, request_id, prompt_token_ids, params, cache_salt, priority=0) -> Request:
         room = self.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         request = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids,
-                          max_tokens=max_tokens, cache_salt=cache_salt, cache_namespace=self.name)
+                          max_tokens=max_tokens, cache_salt=cache_salt, cache_namespace=self.name, priority=priority)
         request.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
         return request
 

@@ -13,6 +13,11 @@ import torch
 from treeserve.sampling_params import SamplingParams
 
 
+# Priority of work submitted on a caller's behalf in bulk (search samples, verifier scoring): an
+# interactive request (priority 0) is admitted ahead of it, so chats keep a short time to first token.
+BACKGROUND_PRIORITY = 1
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -41,6 +46,7 @@ class Request:
     logits_positions: list[int] | None = None  # prompt positions whose logits a prefill-only request returns
     readout_token_ids: list[int] | None = None  # only these vocabulary columns of those logits (None: all)
     keep_kv: bool = False                       # on finishing, keep the KV blocks for later forks
+    priority: int = 0                   # lower is admitted first (interactive 0, search work 1); FCFS within
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0

@@ -2,7 +2,8 @@
 
 There are no prefill or decode phases: each step, every scheduled request closes as much of the
 gap between its known tokens and its computed tokens as the budget allows. Running requests go
-first (FCFS); waiting ones are admitted while budget, sequence slots and KV blocks last. When
+first (FCFS); waiting ones are admitted, by priority and then in arrival order (an interactive
+request goes ahead of queued search work), while budget, sequence slots and KV blocks last. When
 blocks run out, the most recently admitted running request is preempted and later recomputed.
 """
 from __future__ import annotations
@@ -53,7 +54,12 @@ class Scheduler:
         self.reclaim: Callable[[], bool] = lambda: False
 
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        """Queues a request behind every waiting one of its priority or a more urgent one."""
+        if not self.waiting or self.waiting[-1].priority <= request.priority:
+            self.waiting.append(request)
+            return
+        index = next(i for i, r in enumerate(self.waiting) if r.priority > request.priority)
+        self.waiting.insert(index, request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

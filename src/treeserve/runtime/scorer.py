@@ -16,6 +16,7 @@ import torch
 
 from treeserve.engine.engine_loop import EngineLoop
 from treeserve.engine.llm_engine import LLMEngine
+from treeserve.engine.request import BACKGROUND_PRIORITY
 from treeserve.runtime.prm_recipes import DEFAULT_AGGREGATION, DEFAULT_RECIPE, RECIPES, PRMInput
 from treeserve.runtime.score_cache import ScoreCache
 from treeserve.sampling_params import SamplingParams
@@ -213,7 +214,8 @@ class StepScorer:
         self.num_prompt_tokens += len(prm_input.token_ids)
         self.loop.add_request(self.engine, request_id, prm_input.token_ids, SamplingParams(max_tokens=1),
                               self._on_output, logits_positions=[prm_input.verdict_positions[i] for i in wanted],
-                              readout_token_ids=self.candidates, keep_kv=True, parent_id=parent_id)
+                              readout_token_ids=self.candidates, keep_kv=True, parent_id=parent_id,
+                              priority=BACKGROUND_PRIORITY)
         self._wanted[request_id] = (key, wanted, prm_input.verdict_positions)
         self._claimed.update(key[: i + 2] for i in wanted)
         return request_id

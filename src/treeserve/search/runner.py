@@ -21,6 +21,7 @@ from typing import Callable
 
 from treeserve.engine.engine_loop import EngineLoop
 from treeserve.engine.llm_engine import LLMEngine
+from treeserve.engine.request import BACKGROUND_PRIORITY
 from treeserve.runtime.scorer import ScoreTicket, StepScorer
 from treeserve.sampling_params import SamplingParams
 from treeserve.search.config import STEP_DELIMITER, SearchConfig
@@ -231,7 +232,8 @@ class SearchRunner:
                                     stop=None if action.to_end else [STEP_DELIMITER],
                                     include_stop_str_in_output=True)
             request_id = f"search-{next(_REQUEST_IDS)}"
-            self.loop.add_request(self.generator, request_id, ids, params, self._sample_callback(handle, i))
+            self.loop.add_request(self.generator, request_id, ids, params, self._sample_callback(handle, i),
+                                  priority=BACKGROUND_PRIORITY)
             handle.requests.add(request_id)
         handle.ready = len(handle.sampled) == len(action.beams)
 
