@@ -19,7 +19,7 @@ from treeserve.bench import metrics
 from treeserve.bench.client import ClientPool, Clock, Endpoint, RequestRecord, first_model
 from treeserve.bench.datasets import DatasetSpec, sample_requests, tokenizer_vocab_size
 from treeserve.bench.load import LoadLevel, run_level, sweep_levels
-from treeserve.bench.overhead import LoopLagProbe
+from treeserve.bench.loop_lag import LoopLagProbe
 from treeserve.bench.report import render_level_line, write_report
 from treeserve.bench.telemetry import DEFAULT_INTERVAL_S, TelemetryRecorder, parse_prometheus
 
