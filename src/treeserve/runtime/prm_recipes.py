@@ -13,8 +13,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from treeserve.search.config import AGG_STRATEGIES
-
 
 @dataclass(frozen=True)
 class PRMInput:
@@ -107,8 +105,11 @@ def declared_recipe(model_dir: str | Path) -> str:
 
 
 def declared_aggregation(model_dir: str | Path) -> str:
-    """The step-score aggregation a model directory names in its config.json, else `last`."""
-    return _declared(model_dir, AGGREGATION_KEY, DEFAULT_AGGREGATION, AGG_STRATEGIES)
+    """The step-score aggregation a model directory names in its config.json, else `last`, unchecked:
+    search owns the names and checks them (treeserve.search.config.declared_aggregation)."""
+    config = Path(model_dir) / "config.json"
+    declared = json.loads(config.read_text()) if config.is_file() else {}
+    return declared.get(AGGREGATION_KEY, DEFAULT_AGGREGATION)
 
 
 def _declared(model_dir: str | Path, key: str, default: str, known: tuple[str, ...]) -> str:
