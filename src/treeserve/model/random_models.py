@@ -10,6 +10,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from treeserve.errors import ParamError
+
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|end|>"
@@ -84,7 +86,7 @@ def _config(family: str, vocab_size: int, special: dict[str, int], **overrides):
     elif family == "qwen3":
         cls, extra = transformers.Qwen3Config, dict(head_dim=24, tie_word_embeddings=False)
     else:
-        raise ValueError(f"family: unknown tiny-model family {family!r}; known: {', '.join(FAMILIES)}")
+        raise ParamError("family", f"unknown tiny-model family {family!r}; known: {', '.join(FAMILIES)}")
     return cls(**{**common, **extra, **overrides})
 
 
@@ -119,7 +121,7 @@ def make_tiny_model(family: str, path: str | Path, seed: int = 0, tokenizer_voca
 def _single_id(tokenizer, text: str) -> int:
     ids = tokenizer.encode(text, add_special_tokens=False)
     if len(ids) != 1:
-        raise ValueError(f"favour_tokens: {text!r} is {len(ids)} tokens, expected 1")
+        raise ParamError("favour_tokens", f"{text!r} is {len(ids)} tokens, expected 1")
     return ids[0]
 
 
@@ -129,7 +131,7 @@ def _favour(model, token_ids: list[int], logits: list[float]) -> None:
     favoured output rows point along that dimension and get their logit everywhere."""
     embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     if embed.data_ptr() == head.data_ptr():
-        raise ValueError("favour_tokens: needs a model with untied input and output embeddings")
+        raise ParamError("favour_tokens", "needs a model with untied input and output embeddings")
     import torch
 
     hidden = embed.shape[1]

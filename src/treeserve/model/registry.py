@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from treeserve.errors import ParamError
 from treeserve.model.random_models import BUILTIN_TINY_MODELS, make_tiny_model
 
 BUILTIN_PREFIX = "builtin:"
@@ -37,7 +38,7 @@ def _builtin(name: str) -> Path:
     if (BUNDLED_DIR / name / "config.json").is_file():
         return BUNDLED_DIR / name
     if name not in BUILTIN_TINY_MODELS:
-        raise ValueError(f"model: unknown built-in model {name!r}; available: {', '.join(builtin_names())}")
+        raise ParamError("model", f"unknown built-in model {name!r}; available: {', '.join(builtin_names())}")
     path = cache_dir() / "builtin" / name
     if not (path / "config.json").is_file():
         family, overrides = BUILTIN_TINY_MODELS[name]
@@ -58,6 +59,6 @@ def named_models(values: list[str] | None) -> dict[str, str]:
         if not sep or name.startswith("builtin"):
             name, path = "model", value
         if name in models:
-            raise ValueError(f"model: the name {name!r} is given twice")
+            raise ParamError("model", f"the name {name!r} is given twice")
         models[name] = path
     return models

@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from treeserve.errors import ParamError
+
 STRATEGIES = ("greedy", "majority", "best_of_n", "weighted_best_of_n", "beam", "dvts")
 AGG_STRATEGIES = ("last", "min", "prod")
 DEFAULT_AGG_STRATEGY = "last"  # Search-and-Learn's: for a PRM whose verdict says "right so far"
@@ -82,4 +84,4 @@ def declared_aggregation(model_dir: str | Path) -> str:
 
 def _require(ok: bool, name: str, message: str) -> None:
     if not ok:
-        raise ValueError(f"{name}: {message}")
+        raise ParamError(name, message)
