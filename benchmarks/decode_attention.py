@@ -22,7 +22,7 @@ import torch
 
 from torch.nn import functional as F
 
-from treeserve.engine.attention import AttentionMetadata, DecodeGroup, TorchSDPABackend, decode_by_matmul
+from treeserve.model.attention import AttentionMetadata, DecodeGroup, TorchSDPABackend, decode_by_matmul
 from treeserve.engine.model_runner import CPU_DECODE_GROUP_MAX_KEYS
 
 BLOCK_SIZE, KV_HEADS, HEAD_DIM, NUM_BLOCKS = 16, 4, 32, 8192

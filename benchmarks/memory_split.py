@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from plot_kv_telemetry import plot_all  # noqa: E402
 
 from treeserve import Runtime, SamplingParams  # noqa: E402
+from treeserve.model.random_models import make_tiny_model  # noqa: E402
 from treeserve.model.registry import cache_dir  # noqa: E402
-from treeserve.testing.tiny_models import make_tiny_model  # noqa: E402
 
 SPLITS = [round(0.1 * i, 1) for i in range(1, 10)]
 GENERATOR = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,

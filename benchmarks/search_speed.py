@@ -33,13 +33,13 @@ from pathlib import Path
 import torch
 
 from treeserve import Runtime
+from treeserve.model.random_models import make_tiny_model
 from treeserve.model.registry import cache_dir, resolve_model_path
 from treeserve.search.config import SearchConfig
 from treeserve.search.grading import grade
 from treeserve.search.reference import HFStepScorer, ReferenceRunner, sal_batch_sizes
 from treeserve.search.runner import SearchRunner
 from treeserve.tasks.arithmetic import generate
-from treeserve.testing.tiny_models import make_tiny_model
 
 DATASET = Path(__file__).resolve().parents[2] / "shared" / "data" / "math500.jsonl"
 GENERATOR = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,

@@ -2,8 +2,8 @@
 import torch
 from torch.nn import functional as F
 
-from treeserve.engine import attention
-from treeserve.engine.attention import AttentionMetadata, DecodeGroup, TorchSDPABackend, decode_by_matmul
+from treeserve.model import attention
+from treeserve.model.attention import AttentionMetadata, DecodeGroup, TorchSDPABackend, decode_by_matmul
 
 BLOCK_SIZE, KV_HEADS, HEADS, HEAD_DIM, NUM_BLOCKS = 4, 2, 6, 8, 32
 

@@ -6,7 +6,7 @@ import pytest
 
 from treeserve import Runtime
 from treeserve.cli import main
-from treeserve.search.config import SearchConfig
+from treeserve.search.config import SearchConfig, declared_aggregation
 from treeserve.search.grading import grade
 from treeserve.search.runner import SearchRunner
 from treeserve.tasks.arithmetic import corrupted_steps, generate, split_of
@@ -30,8 +30,9 @@ def _accuracy(rt, problems, config: SearchConfig) -> int:
 def test_prm_guided_search_beats_greedy_on_held_out_problems(runtime):
     problems = generate("test", 60, seed=11, levels=(3, 4, 5))  # greedy 27, beam 35 with the bundled pair
     greedy = _accuracy(runtime, problems, SearchConfig(strategy="greedy", n=1, num_iterations=10, max_tokens=256))
+    aggregation = declared_aggregation(runtime.engine("prm").model_dir)
     beam = _accuracy(runtime, problems, SearchConfig(strategy="beam", n=8, beam_width=4, num_iterations=10, seed=0,
-                                                     max_tokens=256, agg_strategy=runtime.aggregations["prm"]))
+                                                     max_tokens=256, agg_strategy=aggregation))
     assert beam >= greedy + 6, (beam, greedy)  # ten points
 
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from treeserve import LLM, SamplingParams
-from treeserve.engine.attention import TorchSDPABackend
+from treeserve.model.attention import TorchSDPABackend
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 

@@ -131,7 +131,7 @@ def test_a_model_directory_names_its_recipe(tmp_path):
 def test_a_model_directory_names_its_aggregation_and_search_requests_default_to_it(tmp_path):
     import json
 
-    from treeserve.runtime.prm_recipes import declared_aggregation
+    from treeserve.search.config import declared_aggregation
     from treeserve.server.protocol import SearchRequest
     from treeserve.server.serving_search import search_config
 
@@ -139,8 +139,10 @@ def test_a_model_directory_names_its_aggregation_and_search_requests_default_to_
     (tmp_path / "config.json").write_text(json.dumps({"prm_aggregation": "min"}))
     assert declared_aggregation(tmp_path) == "min"
     (tmp_path / "config.json").write_text(json.dumps({"prm_aggregation": "mean"}))
-    with pytest.raises(ValueError, match="prm_aggregation"):
+    with pytest.raises(ValueError, match="prm_aggregation 'mean'; known: last, min, prod"):
         declared_aggregation(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert declared_aggregation(tmp_path) == "last"  # a config.json that names none
     assert search_config(SearchRequest(question="q"), None, "min").agg_strategy == "min"
     assert search_config(SearchRequest(question="q", agg_strategy="prod"), None, "min").agg_strategy == "prod"
 
@@ -159,7 +161,6 @@ def test_runtime_uses_the_declared_recipe_and_aggregation_unless_told_otherwise(
     rt = Runtime({"plain": str(prm_dir), "prm": str(declared)}, **options)
     assert rt.recipes == {"plain": "rlhflow", "prm": "chat-steps"}
     assert rt.scorer("prm").recipe.name == "chat-steps"
-    assert rt.aggregations == {"plain": "last", "prm": "min"} and rt.scorer("prm").aggregation == "min"
     rt.close()
     rt = Runtime({"prm": str(declared)}, recipes={"prm": "math-shepherd"}, **options)
     assert rt.recipes == {"prm": "math-shepherd"}

@@ -10,7 +10,7 @@ import pytest
 from conftest import running_server, wait_idle
 from treeserve import Runtime
 from treeserve.bench.telemetry import parse_prometheus
-from treeserve.search.config import SearchConfig
+from treeserve.search.config import SearchConfig, declared_aggregation
 from treeserve.search.runner import SearchRunner
 from treeserve.server.launch import build_app
 from treeserve.testing.tiny_models import make_tiny_model
@@ -69,7 +69,7 @@ def test_concurrent_searches_equal_the_offline_runner(served, pair):
     runner = SearchRunner(rt.engine("gen"), rt.scorer("prm"))
     for seed, (question, reply) in enumerate(zip(QUESTIONS, replies)):
         config = SearchConfig(strategy="beam", n=4, beam_width=2, num_iterations=3, max_tokens=6, system_prompt=None,
-                              seed=seed, agg_strategy=rt.scorer("prm").aggregation)
+                              seed=seed, agg_strategy=declared_aggregation(pair["prm"]))
         offline = runner.run([question], config)[0]
         body = reply.json()
         assert [c["text"] for c in body["candidates"]] == offline.completions

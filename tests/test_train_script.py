@@ -6,6 +6,7 @@ from pathlib import Path
 from safetensors import safe_open
 
 from treeserve.runtime.runtime import Runtime
+from treeserve.search.config import declared_aggregation
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_arith.py"
 
@@ -35,6 +36,6 @@ def test_training_script_writes_a_plain_generator_and_prm(tmp_path):
         steps = ["## Step 1: + 5, 40 + 5 = 45", "Therefore, the final answer is: $\\boxed{45}$."]
         scores = rt.score_steps("prm", question, steps)
         assert len(scores) == 2 and all(0.0 <= s <= 1.0 for s in scores)
-        assert rt.aggregations["prm"] == "min"
+        assert declared_aggregation(rt.engine("prm").model_dir) == "min"
     finally:
         rt.close()

@@ -3,6 +3,10 @@ import pytest
 
 from conftest import assert_no_leak
 from treeserve import LLM, SamplingParams
+from treeserve.config import EngineConfig
+from treeserve.errors import ParamError
+from treeserve.search.config import SearchConfig
+from treeserve.server.errors import from_value_error
 
 
 @pytest.mark.parametrize("kwargs, name", [
@@ -22,8 +26,28 @@ from treeserve import LLM, SamplingParams
     (dict(seed="x"), "seed"),
 ])
 def test_sampling_params_reject_bad_values(kwargs, name):
-    with pytest.raises(ValueError, match=f"^{name}:"):
+    with pytest.raises(ParamError, match=f"^{name}:") as error:
         SamplingParams(**kwargs)
+    assert error.value.param == name
+
+
+@pytest.mark.parametrize("make, name", [
+    (lambda: EngineConfig(model="m", block_size=0), "block_size"),
+    (lambda: EngineConfig(model="m", dtype="int8"), "dtype"),
+    (lambda: SearchConfig(strategy="mcts"), "strategy"),
+    (lambda: SearchConfig(n=3, beam_width=2), "beam_width"),
+])
+def test_settings_errors_carry_their_parameter(make, name):
+    with pytest.raises(ParamError, match=f"^{name}: ") as error:
+        make()
+    assert error.value.param == name and isinstance(error.value, ValueError)
+
+
+def test_the_server_takes_the_parameter_from_a_param_error_and_never_from_the_text():
+    named = from_value_error(ParamError("top_p", "must be in (0, 1], got 7.5"))
+    assert (named.status, named.message, named.param) == (400, "top_p: must be in (0, 1], got 7.5", "top_p")
+    plain = from_value_error(ValueError("top_p: must be in (0, 1], got 7.5"))
+    assert (plain.message, plain.param) == ("top_p: must be in (0, 1], got 7.5", None)
 
 
 @pytest.fixture(scope="module")

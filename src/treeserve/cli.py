@@ -5,9 +5,9 @@ import argparse
 import sys
 
 from treeserve.bench.cli_bench import add_bench_parsers
-from treeserve.cli_models import named_models as _named_models
 from treeserve.cli_search import add_search_parsers
 from treeserve.model.registry import DEFAULT_GENERATOR
+from treeserve.model.registry import named_models as _named_models
 from treeserve.tasks.cli_tasks import add_tasks_parsers
 
 

@@ -48,13 +48,13 @@ def _add_search_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _config(args, strategy: str, n: int, rt):
-    from treeserve.search.config import SAL_SYSTEM_PROMPT, SearchConfig
+    from treeserve.search.config import SAL_SYSTEM_PROMPT, SearchConfig, declared_aggregation
 
     system = SAL_SYSTEM_PROMPT if args.system_prompt is None else (args.system_prompt or None)
+    agg_strategy = args.agg_strategy or declared_aggregation(rt.engine("prm").model_dir)
     return SearchConfig(strategy=strategy, n=n, beam_width=min(args.beam_width, n), num_iterations=args.num_iterations,
                         lookahead=args.lookahead, temperature=args.temperature, top_p=args.top_p,
-                        max_tokens=args.max_tokens, agg_strategy=args.agg_strategy or rt.aggregations["prm"],
-                        system_prompt=system,
+                        max_tokens=args.max_tokens, agg_strategy=agg_strategy, system_prompt=system,
                         seed=args.seed)
 
 

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import torch
 
+from treeserve.errors import ParamError
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16,
           "float": torch.float32}
@@ -32,23 +34,23 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
+                raise ParamError(name, f"must be an integer >= 1, got {value!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len: must be >= 2, got {self.max_model_len!r}")
+            raise ParamError("max_model_len", f"must be >= 2, got {self.max_model_len!r}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
-            raise ValueError(f"kv_cache_memory_bytes: must be positive, got {self.kv_cache_memory_bytes!r}")
+            raise ParamError("kv_cache_memory_bytes", f"must be positive, got {self.kv_cache_memory_bytes!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization!r}")
+            raise ParamError("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES and not isinstance(self.dtype, torch.dtype):
-            raise ValueError(f"dtype: must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+            raise ParamError("dtype", f"must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if str(self.device) not in ("auto", "cpu") and not str(self.device).startswith("cuda"):
-            raise ValueError(f"device: must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+            raise ParamError("device", f"must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if str(self.device).startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device: {self.device!r} requested but CUDA is not available")
+            raise ParamError("device", f"{self.device!r} requested but CUDA is not available")
         return torch.device(self.device)
 
     def resolve_dtype(self, device: torch.device, checkpoint_dtype: str | None) -> torch.dtype:

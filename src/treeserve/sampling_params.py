@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from treeserve.errors import ParamError
+
 
 @dataclass
 class SamplingParams:
@@ -69,9 +71,9 @@ def _normalise_stop(stop) -> tuple[str, ...]:
     if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
-        raise ValueError(f"stop: must be a string or a list of strings, got {stop!r}")
+        raise ParamError("stop", f"must be a string or a list of strings, got {stop!r}")
     if any(s == "" for s in stop):
-        raise ValueError("stop: stop strings must be non-empty")
+        raise ParamError("stop", "stop strings must be non-empty")
     return tuple(stop)
 
 
@@ -85,4 +87,4 @@ def _is_number(value) -> bool:
 
 def _require(ok: bool, name: str, message: str) -> None:
     if not ok:
-        raise ValueError(f"{name}: {message}")
+        raise ParamError(name, message)

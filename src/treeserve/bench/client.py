@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 import httpx
 
 from treeserve.bench.datasets import SampleRequest
+from treeserve.errors import ParamError
 
 
 class Clock:
@@ -81,7 +82,7 @@ class Endpoint:
                 "stream": self.stream, "ignore_eos": self.ignore_eos}
         if self.kind == "chat":
             if not isinstance(sample.prompt, str):
-                raise ValueError("endpoint: token-id prompts (the random dataset) need the completions endpoint")
+                raise ParamError("endpoint", "token-id prompts (the random dataset) need the completions endpoint")
             body["messages"] = [{"role": "user", "content": sample.prompt}]
         else:
             body["prompt"] = sample.prompt
@@ -205,10 +206,10 @@ async def first_model(base_url: str, api_key: str | None) -> str:
         async with httpx.AsyncClient(timeout=30.0) as client:
             response = await client.get(f"{base_url.rstrip('/')}/v1/models", headers=headers)
     except httpx.HTTPError as exc:
-        raise ValueError(f"base_url: cannot reach {base_url} ({type(exc).__name__}: {exc})") from exc
+        raise ParamError("base_url", f"cannot reach {base_url} ({type(exc).__name__}: {exc})") from exc
     if response.status_code != 200:
-        raise ValueError(f"base_url: GET /v1/models answered {response.status_code}: {response.text[:200]}")
+        raise ParamError("base_url", f"GET /v1/models answered {response.status_code}: {response.text[:200]}")
     models = response.json().get("data") or []
     if not models:
-        raise ValueError(f"base_url: {base_url} serves no models")
+        raise ParamError("base_url", f"{base_url} serves no models")
     return models[0]["id"]

@@ -12,6 +12,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from treeserve.errors import ParamError
+
 LOWEST_TOKEN_ID = 10  # skip the first ids, where tokenizers keep their special tokens
 DEFAULT_VOCAB_SIZE = 256  # every byte-level vocabulary is larger (the bundled arith models: 337); --vocab-size or --tokenizer widen it
 CHARS_PER_TOKEN = 4  # output length guess for a reference reply when no tokenizer is given
@@ -40,17 +42,17 @@ class DatasetSpec:
 
     def __post_init__(self):
         if self.name not in DATASETS:
-            raise ValueError(f"dataset: '{self.name}' is not one of {', '.join(DATASETS)}")
+            raise ParamError("dataset", f"'{self.name}' is not one of {', '.join(DATASETS)}")
         if self.name != "random" and not self.path:
-            raise ValueError(f"dataset_path: the '{self.name}' dataset needs a file path")
+            raise ParamError("dataset_path", f"the '{self.name}' dataset needs a file path")
         if not 0 <= self.range_ratio < 1:
-            raise ValueError(f"range_ratio: must be in [0, 1), got {self.range_ratio}")
+            raise ParamError("range_ratio", f"must be in [0, 1), got {self.range_ratio}")
         if self.input_len < 1 or (self.output_len is not None and self.output_len < 1):
-            raise ValueError(f"input_len/output_len: must be >= 1, got {self.input_len}/{self.output_len}")
+            raise ParamError("input_len/output_len", f"must be >= 1, got {self.input_len}/{self.output_len}")
         if self.shared_prefix_groups < 1 or self.shared_prefix_len < 0:
             raise ValueError("shared_prefix_len must be >= 0 and shared_prefix_groups >= 1")
         if self.vocab_size <= LOWEST_TOKEN_ID + 1:
-            raise ValueError(f"vocab_size: must exceed {LOWEST_TOKEN_ID + 1}, got {self.vocab_size}")
+            raise ParamError("vocab_size", f"must exceed {LOWEST_TOKEN_ID + 1}, got {self.vocab_size}")
 
 
 def sample_requests(spec: DatasetSpec, count: int, first_index: int = 0) -> list[SampleRequest]:
@@ -59,7 +61,7 @@ def sample_requests(spec: DatasetSpec, count: int, first_index: int = 0) -> list
         return random_requests(spec, count, first_index)
     rows = load_text_dataset(spec)
     if not rows:
-        raise ValueError(f"dataset_path: {spec.path} holds no usable prompts")
+        raise ParamError("dataset_path", f"{spec.path} holds no usable prompts")
     order = list(range(len(rows)))
     random.Random(spec.seed).shuffle(order)
     return [rows[order[(first_index + i) % len(rows)]] for i in range(count)]
@@ -133,7 +135,7 @@ def jsonl_prompts(path: Path, field: str) -> list[tuple[str, str | None]]:
             continue
         row = json.loads(line)
         if field not in row:
-            raise ValueError(f"dataset_path: line {number} of {path} has no '{field}' field")
+            raise ParamError("dataset_path", f"line {number} of {path} has no '{field}' field")
         pairs.append((row[field], row.get("output_len")))
     return pairs
 

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 
 from treeserve.bench.client import ClientPool, Clock, Endpoint, RequestRecord, send_request
 from treeserve.bench.datasets import SampleRequest
+from treeserve.errors import ParamError
 
 
 @dataclass(frozen=True)
@@ -26,11 +27,11 @@ class LoadLevel:
 
     def __post_init__(self):
         if self.concurrency is not None and self.concurrency < 1:
-            raise ValueError(f"concurrency: must be >= 1, got {self.concurrency}")
+            raise ParamError("concurrency", f"must be >= 1, got {self.concurrency}")
         if not self.request_rate > 0:
-            raise ValueError(f"request_rate: must be > 0 (inf for no pacing), got {self.request_rate}")
+            raise ParamError("request_rate", f"must be > 0 (inf for no pacing), got {self.request_rate}")
         if not self.burstiness > 0:
-            raise ValueError(f"burstiness: must be > 0, got {self.burstiness}")
+            raise ParamError("burstiness", f"must be > 0, got {self.burstiness}")
 
     def label(self) -> dict:
         return {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in asdict(self).items()}

@@ -9,6 +9,7 @@ import math
 import numpy as np
 
 from treeserve.bench.client import RequestRecord
+from treeserve.errors import ParamError
 
 PERCENTILES = (50, 90, 99)
 OUTPUT_LEN_BINS = (("<=30", 0, 30), ("31-300", 31, 300), (">300", 301, math.inf))
@@ -63,13 +64,13 @@ def parse_goodput(specs: list[str] | None) -> dict[str, float]:
     for spec in specs or []:
         name, _, value = spec.partition(":")
         if name not in SLO_METRICS:
-            raise ValueError(f"goodput: '{spec}' names no metric; use {', '.join(SLO_METRICS)} as NAME:MS")
+            raise ParamError("goodput", f"'{spec}' names no metric; use {', '.join(SLO_METRICS)} as NAME:MS")
         try:
             slos[name] = float(value)
         except ValueError:
-            raise ValueError(f"goodput: '{spec}' has no number of milliseconds after the colon") from None
+            raise ParamError("goodput", f"'{spec}' has no number of milliseconds after the colon") from None
         if slos[name] <= 0:
-            raise ValueError(f"goodput: '{spec}' must be a positive number of milliseconds")
+            raise ParamError("goodput", f"'{spec}' must be a positive number of milliseconds")
     return slos
 
 

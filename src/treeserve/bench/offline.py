@@ -19,8 +19,8 @@ import torch
 
 from treeserve import LLM, SamplingParams
 from treeserve.config import EngineConfig
+from treeserve.model.random_models import make_tiny_model
 from treeserve.model.registry import cache_dir
-from treeserve.testing.tiny_models import make_tiny_model
 
 MODEL_SHAPE = dict(vocab_size=32000, hidden_size=768, intermediate_size=2304, num_hidden_layers=14,
                    num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=1024,

@@ -1,8 +1,7 @@
-"""The client's own overhead: how late its event loop wakes up during a run, and a calibration
-against the mock server, whose true TTFT and ITL are known."""
+"""The client's own overhead, calibrated against the mock server, whose true TTFT and ITL are known
+(the event-loop lag probe a run carries is in loop_lag.py)."""
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import subprocess
 import sys
@@ -11,41 +10,7 @@ import time
 import httpx
 
 from treeserve.bench import mock_server
-
-PROBE_INTERVAL_S = 0.01
-
-
-class LoopLagProbe:
-    """Sleeps `interval` over and over and records how late each wake-up is: every timestamp the
-    client takes can be late by as much, so it bounds what the client adds to TTFT and ITL."""
-
-    def __init__(self, interval: float = PROBE_INTERVAL_S):
-        self.interval = interval
-        self.lags: list[float] = []
-        self._task: asyncio.Task | None = None
-
-    async def _run(self) -> None:
-        while True:
-            asked = time.perf_counter()
-            await asyncio.sleep(self.interval)
-            self.lags.append(time.perf_counter() - asked - self.interval)
-
-    def start(self) -> "LoopLagProbe":
-        self._task = asyncio.get_running_loop().create_task(self._run())
-        return self
-
-    async def stop(self) -> dict:
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
-        return self.summary()
-
-    def summary(self) -> dict:
-        from treeserve.bench.metrics import distribution
-
-        stats = distribution(self.lags)
-        return {"event_loop_lag_ms": {k: stats[k] for k in ("count", "mean", "median", "p99")},
-                "event_loop_lag_max_ms": max(self.lags) * 1000.0 if self.lags else None}
+from treeserve.bench.run import BenchConfig, run_benchmark
 
 
 @contextlib.contextmanager
@@ -78,8 +43,6 @@ def wait_healthy(base_url: str, process: subprocess.Popen | None, timeout: float
 def calibrate(out, port: int, ttft_ms: float = 100.0, itl_ms: float = 10.0, concurrency: int = 64,
               num_requests: int = 256, output_len: int = 32) -> dict:
     """Runs the benchmark against the mock server; returns true vs measured TTFT/ITL and the gap."""
-    from treeserve.bench.run import BenchConfig, run_benchmark
-
     with running_mock_server(port, ttft_ms, itl_ms) as url:
         config = BenchConfig(base_url=url, out=str(out), concurrency=[concurrency], num_requests=num_requests,
                              input_len=[16], output_len=[output_len], warmup=concurrency, plots=False)

@@ -19,9 +19,10 @@ from treeserve.bench import metrics
 from treeserve.bench.client import ClientPool, Clock, Endpoint, RequestRecord, first_model
 from treeserve.bench.datasets import DatasetSpec, sample_requests, tokenizer_vocab_size
 from treeserve.bench.load import LoadLevel, run_level, sweep_levels
-from treeserve.bench.overhead import LoopLagProbe
+from treeserve.bench.loop_lag import LoopLagProbe
 from treeserve.bench.report import render_level_line, write_report
 from treeserve.bench.telemetry import DEFAULT_INTERVAL_S, TelemetryRecorder, parse_prometheus
+from treeserve.errors import ParamError
 
 LIST_FIELDS = {"concurrency": int, "request_rate": float, "input_len": int, "output_len": int}
 
@@ -63,13 +64,13 @@ class BenchConfig:
         if self.concurrency == [None] and all(math.isinf(r) for r in self.request_rate):
             self.concurrency = [1]
         if self.endpoint not in ("completions", "chat"):
-            raise ValueError(f"endpoint: must be 'completions' or 'chat', got '{self.endpoint}'")
+            raise ParamError("endpoint", f"must be 'completions' or 'chat', got '{self.endpoint}'")
         if self.endpoint == "chat" and self.dataset == "random":
-            raise ValueError("endpoint: the random dataset sends token ids, which only 'completions' accepts")
+            raise ParamError("endpoint", "the random dataset sends token ids, which only 'completions' accepts")
         if self.num_requests < 1 or self.warmup < 0:
             raise ValueError(f"num_requests must be >= 1 and warmup >= 0, got {self.num_requests}/{self.warmup}")
         if self.duration is not None and self.duration <= 0:
-            raise ValueError(f"duration: must be > 0 seconds, got {self.duration}")
+            raise ParamError("duration", f"must be > 0 seconds, got {self.duration}")
         self.slos = metrics.parse_goodput(self.goodput)
         self.levels = sweep_levels(self.concurrency, self.request_rate, self.burstiness,
                                    self.input_len, self.output_len)
@@ -81,7 +82,7 @@ class BenchConfig:
         normalised = {key.replace("-", "_"): value for key, value in values.items()}
         unknown = sorted(set(normalised) - names)
         if unknown:
-            raise ValueError(f"bench: unknown option(s) {', '.join(unknown)}")
+            raise ParamError("bench", f"unknown option(s) {', '.join(unknown)}")
         return cls(**normalised)
 
     def as_json(self) -> dict:
@@ -110,7 +111,7 @@ def as_list(value, kind, name: str) -> list:
         try:
             out.append(kind(item))
         except (TypeError, ValueError):
-            raise ValueError(f"{name}: '{item}' is not a number") from None
+            raise ParamError(name, f"'{item}' is not a number") from None
     return out
 
 

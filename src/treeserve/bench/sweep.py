@@ -27,6 +27,7 @@ from pathlib import Path
 
 from treeserve.bench.overhead import wait_healthy
 from treeserve.bench.run import BenchConfig, run_benchmark, write_json
+from treeserve.errors import ParamError
 
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
 STOP_GRACE_S = 15.0
@@ -45,9 +46,9 @@ class ServerSpec:
     def from_dict(cls, row: dict, position: int) -> "ServerSpec":
         unknown = sorted(set(row) - {"name", "base_url", "command", "env", "startup_timeout", "bench"})
         if unknown:
-            raise ValueError(f"servers[{position}]: unknown key(s) {', '.join(unknown)}")
+            raise ParamError(f"servers[{position}]", f"unknown key(s) {', '.join(unknown)}")
         if "base_url" not in row:
-            raise ValueError(f"servers[{position}]: base_url is required")
+            raise ParamError(f"servers[{position}]", "base_url is required")
         command = row.get("command")
         if isinstance(command, str):
             command = shlex.split(command)

@@ -15,6 +15,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from treeserve.bench.client import Clock
+from treeserve.errors import ParamError
 
 DEFAULT_INTERVAL_S = 0.2
 TIME_COLUMNS = ("t", "time_unix")
@@ -107,7 +108,7 @@ class TelemetryRecorder:
     def __init__(self, base_url: str, clock: Clock, interval: float = DEFAULT_INTERVAL_S,
                  api_key: str | None = None, server_pid: int | None = None):
         if interval <= 0:
-            raise ValueError(f"telemetry_interval: must be > 0 seconds, got {interval}")
+            raise ParamError("telemetry_interval", f"must be > 0 seconds, got {interval}")
         self.url = f"{base_url.rstrip('/')}/metrics"
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.clock, self.interval = clock, interval

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from treeserve.errors import ParamError
+
 
 @dataclass(eq=False)
 class KVBlock:
@@ -32,7 +34,7 @@ class PrefixCacheStats:
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True):
         if num_blocks < 1:
-            raise ValueError(f"num_blocks: the KV pool needs at least one block, got {num_blocks}")
+            raise ParamError("num_blocks", f"the KV pool needs at least one block, got {num_blocks}")
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[bytes, KVBlock] = {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, Iterable, Protocol
 
+from treeserve.errors import ParamError
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.outputs import RequestOutput
 from treeserve.sampling_params import SamplingParams
@@ -115,4 +116,4 @@ class EngineLoop:
 
     def _require_engine(self, engine: LLMEngine) -> None:
         if not any(e is engine for e in self.engines):
-            raise ValueError(f"engine: {engine.name or engine.model_dir.name!r} is not driven by this loop")
+            raise ParamError("engine", f"{engine.name or engine.model_dir.name!r} is not driven by this loop")

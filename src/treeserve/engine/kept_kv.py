@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from treeserve.errors import ParamError
 from treeserve.engine.kv_cache_manager import KVCacheManager
 from treeserve.engine.request import Request
 
@@ -36,7 +37,7 @@ class KeptSequences:
             return None
         done = parent.num_computed_tokens
         if len(prompt_token_ids) <= done or prompt_token_ids[:done] != parent.all_token_ids[:done]:
-            raise ValueError(f"parent_id: the prompt does not extend the tokens kept under {parent_id!r}")
+            raise ParamError("parent_id", f"the prompt does not extend the tokens kept under {parent_id!r}")
         self.sequences.move_to_end(parent_id)
         return parent
 

@@ -13,6 +13,7 @@ import torch
 from dataclasses import dataclass
 
 from treeserve.engine.block_pool import BlockPool
+from treeserve.errors import ParamError
 from treeserve.model.hf_config import ModelConfig
 
 PAGE_ALIGN = 64
@@ -29,7 +30,7 @@ def aligned(nbytes: int) -> int:
 class KVArena:
     def __init__(self, num_pages: int, page_bytes: int, device: torch.device):
         if num_pages < 1:
-            raise ValueError(f"kv_cache_memory_bytes: room for no KV page of {page_bytes} bytes")
+            raise ParamError("kv_cache_memory_bytes", f"room for no KV page of {page_bytes} bytes")
         self.page_bytes = aligned(page_bytes)
         self.pages = torch.zeros(num_pages, self.page_bytes, dtype=torch.uint8, device=device)
 
@@ -69,5 +70,5 @@ class KVSpace:
     def create(cls, budget_bytes: int, page_bytes: int, device: torch.device, enable_caching: bool) -> "KVSpace":
         num_pages = budget_bytes // aligned(page_bytes)
         if num_pages < 1:
-            raise ValueError(f"kv_cache_memory_bytes: {budget_bytes} bytes hold no KV page of {page_bytes} bytes")
+            raise ParamError("kv_cache_memory_bytes", f"{budget_bytes} bytes hold no KV page of {page_bytes} bytes")
         return cls(KVArena(num_pages, page_bytes, device), BlockPool(num_pages, enable_caching))

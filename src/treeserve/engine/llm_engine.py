@@ -5,6 +5,7 @@ import logging
 
 import torch
 
+from treeserve.errors import ParamError
 from treeserve.config import EngineConfig
 from treeserve.engine.detokenizer import IncrementalDetokenizer
 from treeserve.engine.kept_kv import KeptSequences
@@ -66,8 +67,8 @@ class LLMEngine:
         block_size = space.arena.block_size_for(self.model_config, self.dtype)
         num_blocks = space.pool.num_blocks
         if num_blocks * block_size < self.max_model_len:
-            raise ValueError(
-                f"kv_cache_memory_bytes: room for {num_blocks} blocks ({num_blocks * block_size} tokens), "
+            raise ParamError(
+                "kv_cache_memory_bytes", f"room for {num_blocks} blocks ({num_blocks * block_size} tokens), "
                 f"fewer than max_model_len={self.max_model_len}; raise the KV budget or lower max_model_len"
             )
         self.kv = KVCacheManager(block_size=block_size, pool=space.pool, owner=self.name)
@@ -82,22 +83,22 @@ class LLMEngine:
         limit = self.model_config.max_position_embeddings
         wanted = self.config.max_model_len
         if wanted is not None and wanted > limit:
-            raise ValueError(f"max_model_len: {wanted} exceeds the model's max_position_embeddings ({limit})")
+            raise ParamError("max_model_len", f"{wanted} exceeds the model's max_position_embeddings ({limit})")
         return wanted or limit
 
     # ---- requests -------------------------------------------------------------------------
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
-            raise ValueError("prompt: must not be empty")
+            raise ParamError("prompt", "must not be empty")
         if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt: {len(prompt_token_ids)} tokens is too long for the maximum model length "
+            raise ParamError(
+                "prompt", f"{len(prompt_token_ids)} tokens is too long for the maximum model length "
                 f"{self.max_model_len} (at least one token must be generated)"
             )
         vocab = self.model_config.vocab_size
         bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
-            raise ValueError(f"prompt: token id {bad!r} is outside the vocabulary [0, {vocab})")
+            raise ParamError("prompt", f"token id {bad!r} is outside the vocabulary [0, {vocab})")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, cache_salt: str | None = None,
@@ -112,7 +113,7 @@ class LLMEngine:
         """
         self.validate_prompt(prompt_token_ids)
         if request_id in self.groups or request_id in self.retained:
-            raise ValueError(f"request_id: {request_id!r} is already in use")
+            raise ParamError("request_id", f"{request_id!r} is already in use")
         if logits_positions is not None:
             self._add_prefill_only(request_id, prompt_token_ids, params, prompt, cache_salt, logits_positions,
                                    readout_token_ids, keep_kv, parent_id, priority)
@@ -135,10 +136,10 @@ class LLMEngine:
                           readout_token_ids, keep_kv, parent_id, priority) -> None:
         bad = [p for p in positions if not isinstance(p, int) or not 0 <= p < len(prompt_token_ids)]
         if bad:
-            raise ValueError(f"logits_positions: {bad[:3]} outside the prompt (length {len(prompt_token_ids)})")
+            raise ParamError("logits_positions", f"{bad[:3]} outside the prompt (length {len(prompt_token_ids)})")
         vocab = self.model_config.vocab_size
         if readout_token_ids is not None and not all(0 <= t < vocab for t in readout_token_ids):
-            raise ValueError(f"readout_token_ids: ids must be in [0, {vocab})")
+            raise ParamError("readout_token_ids", f"ids must be in [0, {vocab})")
         parent = self.retained.parent(parent_id, prompt_token_ids)
         request = Request(f"{request_id}#0", list(prompt_token_ids), params, cache_salt=cache_salt,
                           cache_namespace=self.name, prefill_only=True, logits_positions=sorted(set(positions)),

@@ -6,6 +6,7 @@ from pathlib import Path
 import torch
 
 from treeserve.config import CPU_DEFAULT_KV_BYTES, EngineConfig
+from treeserve.errors import ParamError
 
 
 def available_host_bytes() -> int:
@@ -26,8 +27,8 @@ def kv_budget_bytes(config: EngineConfig, device: torch.device, activation_bytes
         free, total = torch.cuda.mem_get_info(device)
         budget = int(total * config.gpu_memory_utilization) - (total - free) - activation_bytes
         if budget <= 0:
-            raise ValueError(
-                f"gpu_memory_utilization: {config.gpu_memory_utilization} leaves no memory for the KV cache "
+            raise ParamError(
+                "gpu_memory_utilization", f"{config.gpu_memory_utilization} leaves no memory for the KV cache "
                 f"({(total - free) >> 20} MiB in use, {activation_bytes >> 20} MiB for activations)"
             )
         return budget

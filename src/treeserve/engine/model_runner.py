@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from treeserve.engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from treeserve.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from treeserve.engine.kv_arena import KVArena, kv_bytes_per_token
 from treeserve.engine.kv_cache_manager import KVCacheManager
 from treeserve.engine.request import Request

@@ -6,6 +6,7 @@ from typing import Any, Sequence
 
 from tqdm import tqdm
 
+from treeserve.errors import ParamError
 from treeserve.config import EngineConfig
 from treeserve.engine.engine_loop import EngineLoop
 from treeserve.engine.llm_engine import LLMEngine
@@ -58,7 +59,7 @@ class LLM:
                             chat_template: str | None = None) -> list[int]:
         tokenizer = self.engine.tokenizer
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
-            raise ValueError("messages: this model's tokenizer has no chat template; pass chat_template=")
+            raise ParamError("messages", "this model's tokenizer has no chat template; pass chat_template=")
         text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
                                              chat_template=chat_template)
         return tokenizer.encode(text, add_special_tokens=False)
@@ -70,7 +71,7 @@ class LLM:
             return [sampling_params] * count
         params = list(sampling_params)
         if len(params) != count:
-            raise ValueError(f"sampling_params: got {len(params)} for {count} prompts; pass one, or one per prompt")
+            raise ParamError("sampling_params", f"got {len(params)} for {count} prompts; pass one, or one per prompt")
         return params
 
     def _encode(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
@@ -82,10 +83,10 @@ class LLM:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"]), salt
             if "prompt" in prompt:
                 return prompt["prompt"], self.engine.tokenizer.encode(prompt["prompt"]), salt
-            raise ValueError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+            raise ParamError("prompt", "a dict prompt needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return None, list(prompt), None
-        raise ValueError(f"prompt: expected a string, a list of token ids or a dict, got {type(prompt).__name__}")
+        raise ParamError("prompt", f"expected a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
     def _run(self, items, use_tqdm: bool) -> list[RequestOutput]:
         ids: list[str] = []
@@ -118,5 +119,5 @@ def _as_prompt_list(prompts) -> list[PromptType]:
     if isinstance(prompts, list) and prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
         return [prompts]
     if not isinstance(prompts, (list, tuple)) or not prompts:
-        raise ValueError("prompts: expected a prompt or a non-empty list of prompts")
+        raise ParamError("prompts", "expected a prompt or a non-empty list of prompts")
     return list(prompts)

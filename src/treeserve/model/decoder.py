@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from treeserve.engine.attention import AttentionMetadata, TorchSDPABackend
+from treeserve.model.attention import AttentionMetadata, TorchSDPABackend
 from treeserve.model.hf_config import ModelConfig
 from treeserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 

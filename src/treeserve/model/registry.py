@@ -8,6 +8,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from treeserve.errors import ParamError
+from treeserve.model.random_models import BUILTIN_TINY_MODELS, make_tiny_model
+
 BUILTIN_PREFIX = "builtin:"
 # The trained arithmetic pair bundled in treeserve/models/ (scripts/train_arith.py writes it):
 # the default generator, and the default verifier wherever one is needed.
@@ -32,12 +35,10 @@ def resolve_model_path(model: str | Path) -> Path:
 
 
 def _builtin(name: str) -> Path:
-    from treeserve.testing.tiny_models import BUILTIN_TINY_MODELS, make_tiny_model
-
     if (BUNDLED_DIR / name / "config.json").is_file():
         return BUNDLED_DIR / name
     if name not in BUILTIN_TINY_MODELS:
-        raise ValueError(f"model: unknown built-in model {name!r}; available: {', '.join(builtin_names())}")
+        raise ParamError("model", f"unknown built-in model {name!r}; available: {', '.join(builtin_names())}")
     path = cache_dir() / "builtin" / name
     if not (path / "config.json").is_file():
         family, overrides = BUILTIN_TINY_MODELS[name]
@@ -46,7 +47,18 @@ def _builtin(name: str) -> Path:
 
 
 def builtin_names() -> list[str]:
-    from treeserve.testing.tiny_models import BUILTIN_TINY_MODELS
-
     bundled = [p.parent.name for p in BUNDLED_DIR.glob("*/config.json")]
     return sorted([*bundled, *BUILTIN_TINY_MODELS])
+
+
+def named_models(values: list[str] | None) -> dict[str, str]:
+    """`--model gen=PATH --model prm=PATH` (a bare PATH is named 'model'; none: the default generator)."""
+    models = {}
+    for value in values or [DEFAULT_GENERATOR]:
+        name, sep, path = value.partition("=")
+        if not sep or name.startswith("builtin"):
+            name, path = "model", value
+        if name in models:
+            raise ParamError("model", f"the name {name!r} is given twice")
+        models[name] = path
+    return models

@@ -9,17 +9,14 @@ apart: a tokenizer may split text at the end of a prefix unlike inside the whole
 byte-level pre-tokenizer keeps "\n\n" whole at the end of a text but splits "\n\n+" as "\n",
 "\n", "+"). A marker that shares its last token with the text after it is a ValueError.
 A model directory may name its recipe in its `config.json` (`"prm_recipe": "chat-steps"`); it is
-used wherever no recipe is given. Likewise `"prm_aggregation"` names how search turns the PRM's step
-scores into one score where a request names none: `last` (Search-and-Learn's default, for a PRM
-whose verdict says "right so far"), `min` or `prod` (for one whose verdict judges each step alone).
+used wherever no recipe is given. (Its `"prm_aggregation"`, how search turns step scores into one,
+is search's to read: `treeserve.search.config.declared_aggregation`.)
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
-
-from treeserve.search.config import AGG_STRATEGIES
 
 
 @dataclass(frozen=True)
@@ -123,18 +120,11 @@ class ChatStepsRecipe(_VerdictTokens):
 RECIPES = {"rlhflow": RLHFlowRecipe(), "math-shepherd": MathShepherdRecipe(), "chat-steps": ChatStepsRecipe()}
 DEFAULT_RECIPE = "rlhflow"
 CONFIG_KEY = "prm_recipe"
-AGGREGATION_KEY = "prm_aggregation"
-DEFAULT_AGGREGATION = "last"
 
 
 def declared_recipe(model_dir: str | Path) -> str:
     """The recipe a model directory names in its config.json, else the default (RLHFlow's)."""
     return _declared(model_dir, CONFIG_KEY, DEFAULT_RECIPE, tuple(RECIPES))
-
-
-def declared_aggregation(model_dir: str | Path) -> str:
-    """The step-score aggregation a model directory names in its config.json, else `last`."""
-    return _declared(model_dir, AGGREGATION_KEY, DEFAULT_AGGREGATION, AGG_STRATEGIES)
 
 
 def _declared(model_dir: str | Path, key: str, default: str, known: tuple[str, ...]) -> str:

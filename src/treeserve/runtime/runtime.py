@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from treeserve.errors import ParamError
 from treeserve.config import CPU_DEFAULT_KV_BYTES, EngineConfig
 from treeserve.engine.engine_loop import EngineLoop
 from treeserve.engine.kv_arena import KVSpace, aligned
@@ -21,7 +22,7 @@ from treeserve.outputs import RequestOutput
 from treeserve.runtime.memory import (MemoryBreakdown, measure_activation_bytes, non_torch_bytes,
                                       weights_bytes)
 from treeserve.model.registry import resolve_model_path
-from treeserve.runtime.prm_recipes import declared_aggregation, declared_recipe
+from treeserve.runtime.prm_recipes import declared_recipe
 from treeserve.runtime.scorer import StepScorer
 from treeserve.runtime.telemetry import TelemetryTrace
 
@@ -34,9 +35,9 @@ class Runtime:
                  kv_cache_memory_bytes: int | None = None, memory_utilization: float | None = None,
                  trace_path: str | Path | None = None, **engine_options: Any):
         if not models:
-            raise ValueError("models: give at least one name -> model directory")
+            raise ParamError("models", "give at least one name -> model directory")
         if kv_mode not in KV_MODES:
-            raise ValueError(f"kv_mode: must be one of {KV_MODES}, got {kv_mode!r}")
+            raise ParamError("kv_mode", f"must be one of {KV_MODES}, got {kv_mode!r}")
         self.kv_mode = kv_mode
         self.engines = {name: LLMEngine(EngineConfig(model=path, **engine_options), name=name, defer_kv=True)
                         for name, path in models.items()}
@@ -47,7 +48,6 @@ class Runtime:
             self._attach_static(_fractions(kv_fractions, list(self.engines)))
         self.recipes = {name: (recipes or {}).get(name) or declared_recipe(resolve_model_path(models[name]))
                         for name in self.engines}
-        self.aggregations = {name: declared_aggregation(resolve_model_path(models[name])) for name in self.engines}
         # The one owner that steps these engines: generation, scoring and search all go through it.
         self.loop = EngineLoop(self.engines)
         self._llms = {name: LLM.from_engine(engine, self.loop) for name, engine in self.engines.items()}
@@ -79,7 +79,7 @@ class Runtime:
             if device.type != "cuda":
                 self.kv_budget = min(self.kv_budget, CPU_DEFAULT_KV_BYTES)
         if self.kv_budget <= 0:
-            raise ValueError("kv_cache_memory_bytes: no memory is left for KV blocks after weights and activations")
+            raise ParamError("kv_cache_memory_bytes", "no memory is left for KV blocks after weights and activations")
         return rows
 
     def _attach_shared(self) -> None:
@@ -115,7 +115,7 @@ class Runtime:
     # ---- work -----------------------------------------------------------------------------
     def engine(self, name: str) -> LLMEngine:
         if name not in self.engines:
-            raise ValueError(f"model: unknown model {name!r}; loaded: {', '.join(self.engines)}")
+            raise ParamError("model", f"unknown model {name!r}; loaded: {', '.join(self.engines)}")
         return self.engines[name]
 
     def generate(self, name: str, prompts, sampling_params=None, use_tqdm: bool = False) -> list[RequestOutput]:
@@ -125,7 +125,7 @@ class Runtime:
     def scorer(self, name: str) -> StepScorer:
         if name not in self._scorers:
             self._scorers[name] = StepScorer(self.engine(name), self.recipes[name],
-                                             aggregation=self.aggregations[name], loop=self.loop)
+                                             loop=self.loop)
         return self._scorers[name]
 
     def score_steps(self, name: str, question: str, steps: list[str]) -> list[float]:
@@ -151,7 +151,7 @@ def _fractions(given: dict[str, float] | None, names: list[str]) -> dict[str, fl
     if given is None:
         return {name: 1.0 / len(names) for name in names}
     if set(given) != set(names):
-        raise ValueError(f"kv_fractions: give one fraction per model ({', '.join(names)})")
+        raise ParamError("kv_fractions", f"give one fraction per model ({', '.join(names)})")
     if any(not 0 < f < 1 for f in given.values()) or sum(given.values()) > 1.0 + 1e-9:
-        raise ValueError(f"kv_fractions: each must be in (0, 1) and they must sum to at most 1, got {given}")
+        raise ParamError("kv_fractions", f"each must be in (0, 1) and they must sum to at most 1, got {given}")
     return dict(given)

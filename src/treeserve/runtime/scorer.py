@@ -14,10 +14,11 @@ from typing import Callable
 
 import torch
 
+from treeserve.errors import ParamError
 from treeserve.engine.engine_loop import EngineLoop
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.engine.request import BACKGROUND_PRIORITY
-from treeserve.runtime.prm_recipes import DEFAULT_AGGREGATION, DEFAULT_RECIPE, RECIPES, PRMInput
+from treeserve.runtime.prm_recipes import DEFAULT_RECIPE, RECIPES, PRMInput
 from treeserve.runtime.score_cache import ScoreCache
 from treeserve.sampling_params import SamplingParams
 
@@ -53,15 +54,14 @@ class ScoreTicket:
 
 class StepScorer:
     def __init__(self, engine: LLMEngine, recipe: str = DEFAULT_RECIPE, max_kept: int = MAX_KEPT_SEQUENCES,
-                 aggregation: str = DEFAULT_AGGREGATION, loop: EngineLoop | None = None,
+                 loop: EngineLoop | None = None,
                  score_cache_bytes: int | None = None):
         if recipe not in RECIPES:
-            raise ValueError(f"recipe: unknown PRM recipe {recipe!r}; known: {', '.join(RECIPES)}")
+            raise ParamError("recipe", f"unknown PRM recipe {recipe!r}; known: {', '.join(RECIPES)}")
         self.engine = engine
         self.loop = loop or EngineLoop(engine)
         self.recipe = RECIPES[recipe]
         self.candidates = list(self.recipe.candidate_ids(engine.tokenizer))
-        self.aggregation = aggregation  # search's agg_strategy where a request names none
         self.score_cache = ScoreCache(score_cache_bytes) if score_cache_bytes else ScoreCache()
         self.kept: dict[StepKey, str] = {}  # (question, steps...) -> engine request id, oldest first
         self.max_kept = max_kept
@@ -95,7 +95,7 @@ class StepScorer:
         _require_steps(steps)
         length = len(self.recipe.build(self.engine.tokenizer, question, steps).token_ids)
         if length >= self.engine.max_model_len:
-            raise ValueError(f"steps: the verifier input is {length} tokens; the verifier reads fewer than "
+            raise ParamError("steps", f"the verifier input is {length} tokens; the verifier reads fewer than "
                              f"its maximum model length {self.engine.max_model_len}")
 
     # ---- the state machine -----------------------------------------------------------------
@@ -258,4 +258,4 @@ def readable_input(recipe, tokenizer, question: str, steps: list[str],
 
 def _require_steps(steps: list[str]) -> None:
     if not steps:
-        raise ValueError("steps: must contain at least one step")
+        raise ParamError("steps", "must contain at least one step")

@@ -2,10 +2,18 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
+from pathlib import Path
+
+from treeserve.errors import ParamError
 
 STRATEGIES = ("greedy", "majority", "best_of_n", "weighted_best_of_n", "beam", "dvts")
 AGG_STRATEGIES = ("last", "min", "prod")
+DEFAULT_AGG_STRATEGY = "last"  # Search-and-Learn's: for a PRM whose verdict says "right so far"
+# A PRM's config.json may name the aggregation that suits its verdicts (`min` or `prod` for one that
+# judges each step alone); search uses it where a request names none.
+AGGREGATION_KEY = "prm_aggregation"
 STEP_DELIMITER = "\n\n"
 
 # The instruction Search-and-Learn gives Llama-3.2-Instruct: numbered "## Step k:" steps separated by
@@ -32,7 +40,7 @@ class SearchConfig:
     temperature: float = 0.8
     top_p: float = 1.0
     max_tokens: int = 2048           # per generation call (one step, or a whole completion)
-    agg_strategy: str = "last"       # how a step-score list becomes one score
+    agg_strategy: str = DEFAULT_AGG_STRATEGY  # how a step-score list becomes one score
     filter_duplicates: bool = False  # beam search: drop beams whose text equals an earlier beam's
     sort_completed: bool = False     # beam search: keep the N best completed beams, not the first N
     eos_sampling_at_max_depth: bool = False  # S&L samples the last step to end-of-sequence
@@ -64,6 +72,16 @@ class SearchConfig:
         return dataclasses.replace(self, **changes)
 
 
+def declared_aggregation(model_dir: str | Path) -> str:
+    """The aggregation a verifier's model directory names in its config.json, else `last`."""
+    config = Path(model_dir) / "config.json"
+    declared = json.loads(config.read_text()) if config.is_file() else {}
+    name = declared.get(AGGREGATION_KEY, DEFAULT_AGG_STRATEGY)
+    if name not in AGG_STRATEGIES:
+        raise ValueError(f"{config}: unknown {AGGREGATION_KEY} {name!r}; known: {', '.join(AGG_STRATEGIES)}")
+    return name
+
+
 def _require(ok: bool, name: str, message: str) -> None:
     if not ok:
-        raise ValueError(f"{name}: {message}")
+        raise ParamError(name, message)

@@ -11,6 +11,7 @@ from typing import Callable
 
 from tqdm import tqdm
 
+from treeserve.errors import ParamError
 from treeserve.search.config import SearchConfig
 from treeserve.search.grading import grade, majority_vote, naive_best, pass_at_k, weighted_vote
 from treeserve.search.tree import SearchResult
@@ -22,7 +23,7 @@ def load_dataset(path: str | Path, limit: int | None = None) -> list[dict]:
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     missing = [k for k in ("problem", "answer") if rows and k not in rows[0]]
     if missing:
-        raise ValueError(f"dataset: rows need the fields problem and answer (missing {', '.join(missing)})")
+        raise ParamError("dataset", f"rows need the fields problem and answer (missing {', '.join(missing)})")
     return rows[:limit] if limit else rows
 
 

@@ -1,6 +1,7 @@
 """The generator's prompt for a problem: S&L's chat (system prompt, question as user), templated."""
 from __future__ import annotations
 
+from treeserve.errors import ParamError
 from treeserve.search.config import SearchConfig
 
 
@@ -12,7 +13,7 @@ def chat_messages(question: str, config: SearchConfig) -> list[dict]:
 def prompt_text(tokenizer, question: str, config: SearchConfig) -> str:
     """The templated prompt; a partial solution is appended to it verbatim to continue it."""
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("generator: the model's tokenizer has no chat template")
+        raise ParamError("generator", "the model's tokenizer has no chat template")
     return tokenizer.apply_chat_template(chat_messages(question, config), tokenize=False, add_generation_prompt=True)
 
 

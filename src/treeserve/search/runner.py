@@ -19,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from treeserve.errors import ParamError
 from treeserve.engine.engine_loop import EngineLoop
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.engine.request import BACKGROUND_PRIORITY
@@ -65,7 +66,7 @@ class SearchRunner:
     def __init__(self, generator: LLMEngine, scorer: StepScorer | None, max_problems_in_flight: int = 32,
                  loop: EngineLoop | None = None):
         if max_problems_in_flight < 1:
-            raise ValueError(f"max_problems_in_flight: must be at least 1, got {max_problems_in_flight}")
+            raise ParamError("max_problems_in_flight", f"must be at least 1, got {max_problems_in_flight}")
         self.generator = generator
         self.scorer = scorer
         self.max_problems_in_flight = max_problems_in_flight
@@ -88,7 +89,7 @@ class SearchRunner:
     def run(self, questions: list[str], config: SearchConfig,
             on_result: Callable[[int, SearchResult], None] | None = None) -> list[SearchResult]:
         if config.uses_verifier and self.scorer is None:
-            raise ValueError(f"verifier: strategy {config.strategy!r} needs a verifier model")
+            raise ParamError("verifier", f"strategy {config.strategy!r} needs a verifier model")
 
         def finished(handle: SearchHandle) -> None:
             if handle.result is not None and on_result is not None:
@@ -113,9 +114,9 @@ class SearchRunner:
         its place in the seed tree (`seed_for(config.seed, index, ...)`)."""
         scorer = scorer or self.scorer
         if config.uses_verifier and scorer is None:
-            raise ValueError(f"verifier: strategy {config.strategy!r} needs a verifier model")
+            raise ParamError("verifier", f"strategy {config.strategy!r} needs a verifier model")
         if scorer is not None and scorer.loop is not self.loop:
-            raise ValueError("verifier: the scorer is driven by another engine loop than the generator")
+            raise ParamError("verifier", "the scorer is driven by another engine loop than the generator")
         handle = SearchHandle(question, config, index, scorer if config.uses_verifier else None, on_done, on_progress)
         self._queue.append(handle)
         return handle

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from treeserve.errors import ParamError
 from treeserve.search.config import STEP_DELIMITER
 
 
@@ -92,7 +93,7 @@ def aggregate(scores: list[float], how: str) -> float:
         return min(scores)
     if how == "prod":
         return math.prod(scores)
-    raise ValueError(f"agg_strategy: unknown aggregation {how!r}")
+    raise ParamError("agg_strategy", f"unknown aggregation {how!r}")
 
 
 def seed_for(base: int, *path: int) -> int:

@@ -7,6 +7,8 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from treeserve.errors import ParamError
+
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_exceeded",
                500: "internal_server_error", 503: "service_unavailable"}
@@ -27,10 +29,9 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 
 
 def from_value_error(exc: ValueError) -> APIError:
-    """Our ValueErrors read "param: message"; keep the parameter name for the client."""
-    text = str(exc)
-    param, sep, _ = text.partition(":")
-    return APIError(400, text, param=param if sep and " " not in param else None, code="invalid_value")
+    """A 400 with the error's text; a ParamError also names its parameter for the client."""
+    param = exc.param if isinstance(exc, ParamError) else None
+    return APIError(400, str(exc), param=param, code="invalid_value")
 
 
 def from_validation_error(exc: ValidationError | RequestValidationError) -> APIError:

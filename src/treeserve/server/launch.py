@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import os
 
-from treeserve.cli_models import named_models as _named_models
+from treeserve.model.registry import named_models as _named_models
 from treeserve.config import EngineConfig
 from treeserve.model.registry import DEFAULT_GENERATOR, DEFAULT_VERIFIER
 from treeserve.engine.async_engine import AsyncLLMEngine

@@ -5,6 +5,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from treeserve.errors import ParamError
 from treeserve.sampling_params import SamplingParams
 
 MAX_N = 128
@@ -43,7 +44,7 @@ class SamplingRequest(BaseModel):
 
     def sampling_params(self, defaults: dict, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if self.n > MAX_N:
-            raise ValueError(f"n: must be <= {MAX_N}, got {self.n}")
+            raise ParamError("n", f"must be <= {MAX_N}, got {self.n}")
         chosen = {
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
             "repetition_penalty": self.repetition_penalty,
@@ -95,9 +96,9 @@ class ChatCompletionRequest(SamplingRequest):
     def requested_logprobs(self) -> int | None:
         if self.top_logprobs is not None:
             if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-                raise ValueError(f"top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+                raise ParamError("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
             if not self.logprobs:
-                raise ValueError("top_logprobs: requires logprobs to be true")
+                raise ParamError("top_logprobs", "requires logprobs to be true")
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
@@ -109,11 +110,11 @@ class CompletionRequest(SamplingRequest):
 
     def requested_logprobs(self) -> int | None:
         if self.suffix is not None:
-            raise ValueError("suffix: is not supported")
+            raise ParamError("suffix", "is not supported")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"logprobs: must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+            raise ParamError("logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
         if self.echo and self.logprobs is not None:
-            raise ValueError("echo: echo together with logprobs (prompt logprobs) is not supported")
+            raise ParamError("echo", "echo together with logprobs (prompt logprobs) is not supported")
         return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
@@ -121,7 +122,7 @@ class CompletionRequest(SamplingRequest):
         if isinstance(prompt, str):
             return [prompt]
         if not prompt:
-            raise ValueError("prompt: must not be empty")
+            raise ParamError("prompt", "must not be empty")
         if all(isinstance(p, int) for p in prompt):
             return [list(prompt)]
         return list(prompt)

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from treeserve.engine.async_engine import AsyncLLMEngine, QueueFullError
 from treeserve.engine.detokenizer import stop_hold_back
 from treeserve.engine.llm_engine import LLMEngine
+from treeserve.errors import ParamError
 from treeserve.outputs import CompletionOutput, RequestOutput
 from treeserve.sampling_params import SamplingParams
 from treeserve.server.errors import APIError, from_value_error
@@ -49,12 +50,13 @@ class OpenAIServing:
             for ids in prompts:
                 try:
                     self.llm.validate_prompt(ids)
-                except ValueError as exc:
-                    raise ValueError(f"{prompt_field}{str(exc)[len('prompt'):]}") from exc
+                except ValueError as exc:  # the engine names it `prompt`; the request calls it prompt_field
+                    detail = exc.detail if isinstance(exc, ParamError) else str(exc)[len("prompt: "):]
+                    raise ParamError(prompt_field, detail) from exc
                 room = self.max_model_len - len(ids)
                 if max_tokens is not None and max_tokens > room:
-                    raise ValueError(f"max_tokens: {max_tokens} plus the prompt's {len(ids)} tokens exceeds the "
-                                     f"maximum model length {self.max_model_len}")
+                    raise ParamError("max_tokens", f"{max_tokens} plus the prompt's {len(ids)} tokens exceeds "
+                                                   f"the maximum model length {self.max_model_len}")
             return request.sampling_params(self.llm.generation_defaults.sampling, max_tokens, logprobs)
         except ValueError as exc:
             raise from_value_error(exc) from exc

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from treeserve.engine.async_engine import AsyncLLMEngine
 from treeserve.runtime.scorer import StepScorer
-from treeserve.search.config import SAL_SYSTEM_PROMPT, SearchConfig
+from treeserve.search.config import DEFAULT_AGG_STRATEGY, SAL_SYSTEM_PROMPT, SearchConfig, declared_aggregation
 from treeserve.search.progress import SearchProgress
 from treeserve.search.runner import SearchHandle, SearchRunner
 from treeserve.search.tree import SearchResult
@@ -44,7 +44,7 @@ def question_and_system(body: SearchRequest) -> tuple[str, str | None]:
     return users[-1], (systems[-1] if systems else system) or None
 
 
-def search_config(body: SearchRequest, system: str | None, aggregation: str = "last") -> SearchConfig:
+def search_config(body: SearchRequest, system: str | None, aggregation: str = DEFAULT_AGG_STRATEGY) -> SearchConfig:
     beam_width = body.beam_width if body.beam_width is not None else min(4, body.n)
     try:
         return SearchConfig(strategy=body.strategy, n=body.n, beam_width=beam_width,
@@ -67,6 +67,8 @@ class SearchServing:
         self.model_name = model_name
         self.runner = runner
         self.scorers = scorers
+        # where a request names no agg_strategy: the one each reward model's config.json declares
+        self.aggregations = {name: declared_aggregation(s.engine.model_dir) for name, s in scorers.items()}
 
     async def search(self, body: SearchRequest, request: Request):
         question, system = question_and_system(body)
@@ -95,7 +97,8 @@ class SearchServing:
     # ---- helpers ---------------------------------------------------------------------------
     def _scorer_and_config(self, body: SearchRequest, system: str | None) -> tuple[StepScorer | None, SearchConfig]:
         scorer = self.scorers.get(body.verifier) if body.verifier is not None else None
-        config = search_config(body, system, scorer.aggregation if scorer else "last")
+        aggregation = self.aggregations[body.verifier] if scorer else DEFAULT_AGG_STRATEGY
+        config = search_config(body, system, aggregation)
         if not config.uses_verifier:
             return None, config
         if scorer is None:

@@ -17,6 +17,8 @@ import random
 import re
 from dataclasses import dataclass
 
+from treeserve.errors import ParamError
+
 SPLITS = {"train": (0, 90), "validation": (90, 95), "test": (95, 100)}  # ranges of hash % 100
 LEVELS = (1, 2, 3, 4, 5)
 FINAL_STEP = "Therefore, the final answer is: $\\boxed{{{answer}}}$."
@@ -135,9 +137,9 @@ def _random_operation(rng: random.Random, spec: Level) -> Operation:
 def generate(split: str, n: int, seed: int, levels: tuple[int, ...] = LEVELS) -> list[Problem]:
     """`n` distinct problems of `split`, levels cycling through `levels`, deterministic from `seed`."""
     if split not in SPLITS:
-        raise ValueError(f"split: must be one of {', '.join(SPLITS)}, got {split!r}")
+        raise ParamError("split", f"must be one of {', '.join(SPLITS)}, got {split!r}")
     if any(level not in LEVEL_SPECS for level in levels):
-        raise ValueError(f"levels: must be among {LEVELS}, got {levels}")
+        raise ParamError("levels", f"must be among {LEVELS}, got {levels}")
     rng = random.Random(f"{split}:{seed}")
     problems, seen = [], set()
     while len(problems) < n:
@@ -153,7 +155,7 @@ def parse_problem(text: str) -> Problem:
     match = re.fullmatch(rf"Start with (\d+) and work modulo {MODULUS}\. (.+)\. What is the result\?", text.strip())
     parts = [re.fullmatch(r"Step (\d+): ([-+*]) (\d+)", part) for part in match.group(2).split(". ")] if match else [None]
     if not match or not all(parts) or [int(p.group(1)) for p in parts] != list(range(1, len(parts) + 1)):
-        raise ValueError(f"problem: not an arithmetic-chain problem: {text!r}")
+        raise ParamError("problem", f"not an arithmetic-chain problem: {text!r}")
     operations = tuple(Operation(p.group(2), int(p.group(3))) for p in parts)
     level = next((lvl for lvl, spec in LEVEL_SPECS.items() if spec.num_operations == len(operations)), 0)
     return Problem(int(match.group(1)), operations, level)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from treeserve.errors import ParamError
 from treeserve.tasks.arithmetic import LEVELS, SPLITS, generate
 
 
@@ -21,7 +22,7 @@ def add_tasks_parsers(sub) -> None:
 
 def cmd_export(args) -> int:
     if args.n < 1:
-        raise ValueError(f"n: must be >= 1, got {args.n}")
+        raise ParamError("n", f"must be >= 1, got {args.n}")
     levels = tuple(int(level) for level in args.levels.split(",") if level)
     problems = generate(args.split, args.n, args.seed, levels)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,150 @@
+"""Writes tiny random-weight Hugging Face checkpoints with a real trained tokenizer.
+
+The random `builtin:` models (model/registry.py), benchmarks and tests use these so that nothing is
+ever downloaded. The weights come from transformers' own model classes (`save_pretrained`), so the
+files are genuine HF checkpoints; the tokenizer is a small byte-level BPE trained on the spot with
+`tokenizers`.
+"""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from treeserve.errors import ParamError
+
+SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|end|>"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+_WORDS = (
+    "the a of to and in is it that was for on are with as his they be at one have this from or had by "
+    "word but what some we can out other were all there when up use your how said an each she which do "
+    "their time if will way about many then them write would like so these her long make thing see him "
+    "two has look more day could go come did number sound no most people my over know water than call "
+    "first who may down side been now find any new work part take get place made live where after back "
+    "little only round man year came show every good me give our under name very through just form "
+    "sentence great think say help low line differ turn cause much mean before move right boy old too "
+    "same tell does set three want air well also play small end put home read hand port large spell add "
+    "step answer boxed plus minus times equals sum total value result"
+).split()
+_UNICODE = ["café", "naïve", "über", "日本語", "中文", "Привет", "😀", "🚀", "ñandú", "Ωμέγα", "€", "—"]
+
+
+def training_corpus(seed: int = 0, lines: int = 3000) -> list[str]:
+    rng = random.Random(seed)
+    corpus = []
+    for _ in range(lines):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 14))]
+        if rng.random() < 0.3:
+            words.insert(rng.randrange(len(words)), rng.choice(_UNICODE))
+        if rng.random() < 0.3:
+            words.append(str(rng.randint(0, 9999)))
+        sentence = " ".join(words).capitalize() + rng.choice([".", "!", "?", ",", ":"])
+        corpus.append(sentence)
+    return corpus
+
+
+def train_tokenizer(vocab_size: int = 512, seed: int = 0):
+    """A byte-level BPE `PreTrainedTokenizerFast` with special tokens and a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(training_corpus(seed), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<|bos|>", eos_token="<|eos|>",
+                                   pad_token="<|pad|>", clean_up_tokenization_spaces=False)
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3")
+
+
+def _config(family: str, vocab_size: int, special: dict[str, int], **overrides):
+    import transformers
+
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-5, initializer_range=0.15, **special)
+    if family == "llama":
+        cls, extra = transformers.LlamaConfig, dict(tie_word_embeddings=False)
+    elif family == "llama3":  # Llama 3.x: llama3 RoPE scaling, tied embeddings, biases
+        cls = transformers.LlamaConfig
+        extra = dict(tie_word_embeddings=True, attention_bias=True, mlp_bias=True,
+                     rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 64})
+    elif family == "mistral":
+        cls, extra = transformers.MistralConfig, dict(sliding_window=24, tie_word_embeddings=False)
+    elif family == "qwen2":
+        cls, extra = transformers.Qwen2Config, dict(tie_word_embeddings=True)
+    elif family == "qwen3":
+        cls, extra = transformers.Qwen3Config, dict(head_dim=24, tie_word_embeddings=False)
+    else:
+        raise ParamError("family", f"unknown tiny-model family {family!r}; known: {', '.join(FAMILIES)}")
+    return cls(**{**common, **extra, **overrides})
+
+
+def make_tiny_model(family: str, path: str | Path, seed: int = 0, tokenizer_vocab_size: int = 512,
+                    max_shard_size: str | None = None, favour_tokens: dict[str, float] | None = None,
+                    tokenizer=None, **overrides) -> Path:
+    """Writes config, safetensors weights, generation config and tokenizer to `path`.
+
+    `overrides` go to the transformers config; a `vocab_size` there may exceed the tokenizer's.
+    `favour_tokens` maps single-token texts to a logit they get at every position (about), so
+    that a random model writes them often: "\n" makes it write blank-line separated steps.
+    `tokenizer` (with bos, eos and pad tokens) replaces the trained one.
+    """
+    import torch
+    import transformers
+
+    path = Path(path)
+    tokenizer = train_tokenizer(tokenizer_vocab_size, seed) if tokenizer is None else tokenizer
+    special = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                   pad_token_id=tokenizer.pad_token_id)
+    vocab_size = max(overrides.pop("vocab_size", 0), len(tokenizer))
+    config = _config(family, vocab_size, special, **overrides)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if favour_tokens:
+        _favour(model, [_single_id(tokenizer, t) for t in favour_tokens], list(favour_tokens.values()))
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kwargs)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _single_id(tokenizer, text: str) -> int:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) != 1:
+        raise ParamError("favour_tokens", f"{text!r} is {len(ids)} tokens, expected 1")
+    return ids[0]
+
+
+def _favour(model, token_ids: list[int], logits: list[float]) -> None:
+    """Puts a large constant in one hidden dimension of every input embedding, which dominates the
+    residual stream, so after the final norm every position is about sqrt(hidden) along it; the
+    favoured output rows point along that dimension and get their logit everywhere."""
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    if embed.data_ptr() == head.data_ptr():
+        raise ParamError("favour_tokens", "needs a model with untied input and output embeddings")
+    import torch
+
+    hidden = embed.shape[1]
+    with torch.no_grad():
+        embed[:, 0] += 1000.0
+        for token_id, logit in zip(token_ids, logits):
+            head[token_id].zero_()
+            head[token_id, 0] = logit / hidden ** 0.5
+
+
+BUILTIN_TINY_MODELS = {
+    # `builtin:NAME` models written on first use (model/registry.py): a small random Llama.
+    "tiny-random-llama": ("llama", dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)),
+}
