@@ -151,16 +151,17 @@ def _search_requests(app) -> list[str]:
     return [rid for e in engines.values() for rid in e.groups if rid.startswith(("search-", "score-"))]
 
 
-def test_searches_past_the_queue_bound_get_429_with_retry_after(served):
+def test_searches_past_the_queue_bound_get_429_with_retry_after(served, monkeypatch):
     url, app = served
+    _slow_generator(app, monkeypatch)
 
     async def run():
         async with httpx.AsyncClient(base_url=url, timeout=300) as client:
-            bodies = [_body(QUESTIONS[i % 4], 20 + i, num_iterations=4) for i in range(8)]
+            bodies = [_body(QUESTIONS[i % 4], 20 + i, num_iterations=2) for i in range(8)]
             return await asyncio.gather(*(client.post("/v1/search", json=b) for b in bodies))
     replies = asyncio.run(run())
     codes = sorted(r.status_code for r in replies)
-    assert 429 in codes and 200 in codes, codes  # 2 in flight, 3 queued, the rest refused
+    assert codes == [200] * 5 + [429] * 3, codes  # 2 in flight, 3 queued, the rest refused
     refused = next(r for r in replies if r.status_code == 429)
     assert refused.headers["retry-after"] == "1" and refused.json()["error"]["code"] == "queue_full"
     _idle(app)
@@ -180,3 +181,34 @@ def test_rewards_are_scored_while_a_search_runs(served, pair):
     assert search.status_code == 200 and reward.status_code == 200
     offline = Runtime(pair, **OPTIONS).score_steps("prm", QUESTIONS[0], steps)
     assert reward.json()["scores"] == pytest.approx(offline, abs=1e-5)
+
+
+def test_a_client_that_leaves_a_json_search_gets_it_cancelled(served, monkeypatch):
+    url, app = served
+    runner = app.state.search_runners["gen"]
+    finished = runner.num_finished
+    _slow_generator(app, monkeypatch)
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(f"{url}/v1/search", json=_body(QUESTIONS[2], 31, num_iterations=10, max_tokens=20), timeout=0.5)
+    deadline = time.monotonic() + 30
+    while (runner.num_running or runner.num_waiting) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert runner.num_running == 0 and runner.num_waiting == 0, "the abandoned search is still running"
+    assert runner.num_finished == finished, "it ran to the end instead of being cancelled"
+    _idle(app)
+    _assert_only_kept_blocks(app)
+
+
+def _slow_generator(app, monkeypatch) -> None:
+    """Each generator step takes 50 ms more, and no sample ends at end-of-sequence: a search of a
+    few iterations lasts seconds."""
+    from treeserve.engine.llm_engine import LLMEngine
+
+    monkeypatch.setattr(LLMEngine, "eos_token_ids", property(lambda self: ()))
+    gen = app.state.engine.engines["gen"]
+    step = gen.step
+
+    def slow_step():
+        time.sleep(0.05)
+        return step()
+    monkeypatch.setattr(gen, "step", slow_step)

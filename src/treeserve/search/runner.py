@@ -85,6 +85,11 @@ class SearchRunner:
     def num_waiting(self) -> int:
         return len(self._queue)
 
+    @property
+    def num_backlogged(self) -> int:
+        """Problems that will wait once the queue is polled: those past the in-flight bound."""
+        return max(0, len(self._queue) + len(self._in_flight) - self.max_problems_in_flight)
+
     # ---- offline: a batch of problems, blocking ------------------------------------------
     def run(self, questions: list[str], config: SearchConfig,
             on_result: Callable[[int, SearchResult], None] | None = None) -> list[SearchResult]:

@@ -32,6 +32,27 @@ def keys_match(presented: str, keys: list[str]) -> bool:
     return matched
 
 
+class APIKeyMiddleware:
+    """Every route but /health needs `Authorization: Bearer KEY`. A plain ASGI middleware: it leaves
+    the request's receive channel alone, so handlers see a client's disconnect."""
+
+    def __init__(self, app, keys: list[str]):
+        self.app, self.keys = app, keys
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and not self._authorised(scope):
+            response = error_response(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
+                                      code="invalid_api_key")
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _authorised(self, scope) -> bool:
+        header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+        scheme, _, token = header.partition(" ")
+        return scheme.lower() == "bearer" and keys_match(token.strip(), self.keys)
+
+
 async def read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -79,15 +100,8 @@ def create_app(engine: AsyncLLMEngine, served: dict[str, LLMEngine], api_keys: l
     app.state.search_runners = {name: serving.runner for name, serving in searches.items()}
     install_error_handlers(app)
 
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):
-        if keys and request.url.path not in OPEN_PATHS:
-            header = request.headers.get("authorization", "")
-            scheme, _, token = header.partition(" ")
-            if scheme.lower() != "bearer" or not keys_match(token.strip(), keys):
-                return error_response(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
-                                      code="invalid_api_key")
-        return await call_next(request)
+    if keys:
+        app.add_middleware(APIKeyMiddleware, keys=keys)
 
     @app.get("/health")
     async def health():

@@ -108,13 +108,16 @@ class SearchServing:
         return scorer, config
 
     def _check_capacity(self) -> None:
+        """A fast refusal; the exact check runs with the submission, on the engine thread."""
         if self.engine.errored is not None:
             raise APIError(503, f"the engine has failed ({self.engine.errored}); restart the server",
                            code="engine_dead")
+        if self._queue_full():
+            raise _queue_full_error(self.engine.max_queue)
+
+    def _queue_full(self) -> bool:
         limit = self.engine.max_queue
-        if limit is not None and self.runner.num_waiting >= limit:
-            raise APIError(429, f"the search queue is full ({limit} searches wait); retry later",
-                           code="queue_full", headers={"Retry-After": "1"})
+        return limit is not None and self.runner.num_backlogged >= limit
 
     async def _events(self, question: str, config: SearchConfig,
                       scorer: StepScorer | None) -> AsyncIterator[dict | SearchResult]:
@@ -125,12 +128,16 @@ class SearchServing:
         def on_done(handle: SearchHandle) -> None:
             self.engine.push(stream_id, handle.error or handle.result, final=True)
 
-        def submit() -> SearchHandle:
+        def submit() -> SearchHandle | None:
+            if self._queue_full():  # on the engine thread, so concurrent requests cannot overshoot
+                return None
             return self.runner.submit(question, config, scorer=scorer, on_done=on_done,
                                       on_progress=lambda p: self.engine.push(stream_id, p.as_event()))
         handle = None
         try:
             handle = await self.engine.run_job(submit)
+            if handle is None:
+                raise _queue_full_error(self.engine.max_queue)
             yield SearchProgress().as_event()  # accepted (it may wait in the queue before it starts)
             async for item in self.engine.stream_items(stream, lambda item: isinstance(item, SearchResult)):
                 yield item
@@ -193,6 +200,11 @@ class SearchServing:
             if not done.done():
                 with contextlib.suppress(RuntimeError):
                     self.engine.post(lambda: scorer.cancel(ticket))
+
+
+def _queue_full_error(limit: int | None) -> APIError:
+    return APIError(429, f"the search queue is full ({limit} searches wait); retry later", code="queue_full",
+                    headers={"Retry-After": "1"})
 
 
 async def _first(events: AsyncIterator):
