@@ -21,6 +21,14 @@ def tiny_model_dirs(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def pair(tmp_path_factory):
+    """A generator and a PRM of different families and widths, for the served-pair tests."""
+    root = tmp_path_factory.mktemp("served-pair")
+    return {"gen": str(make_tiny_model("llama", root / "gen", seed=5)),
+            "prm": str(make_tiny_model("qwen2", root / "prm", seed=6, hidden_size=96))}
+
+
+@pytest.fixture(scope="session")
 def llama_dir(tiny_model_dirs):
     return tiny_model_dirs["llama"]
 

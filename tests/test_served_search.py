@@ -13,7 +13,6 @@ from treeserve.bench.telemetry import parse_prometheus
 from treeserve.search.config import SearchConfig, declared_aggregation
 from treeserve.search.runner import SearchRunner
 from treeserve.server.launch import build_app
-from treeserve.testing.tiny_models import make_tiny_model
 
 QUESTIONS = ["Add two and three, then double it.", "Take seven away from ten.", "Multiply four by five.",
              "Halve eighteen and add one."]
@@ -23,13 +22,6 @@ OPTIONS = dict(dtype="float32", device="cpu", kv_cache_memory_bytes=8 << 20, max
 def _body(question: str, seed: int, **change) -> dict:
     return {"model": "gen", "verifier": "prm", "question": question, "strategy": "beam", "n": 4, "beam_width": 2,
             "num_iterations": 3, "max_tokens": 6, "system_prompt": "", "seed": seed, **change}
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("search-pair")
-    return {"gen": str(make_tiny_model("llama", root / "gen", seed=5)),
-            "prm": str(make_tiny_model("qwen2", root / "prm", seed=6, hidden_size=96))}
 
 
 @pytest.fixture(scope="module")

@@ -7,17 +7,9 @@ import pytest
 from conftest import running_server, wait_idle
 from treeserve import Runtime
 from treeserve.server.launch import build_app
-from treeserve.testing.tiny_models import make_tiny_model
 
 QUESTION = "Add two and three, then double it."
 STEPS = ["## Step 1: two plus three is five.", "## Step 2: five doubled is ten. \\boxed{10}"]
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("served-pair")
-    return {"gen": str(make_tiny_model("llama", root / "gen", seed=5)),
-            "prm": str(make_tiny_model("qwen2", root / "prm", seed=6, hidden_size=96))}
 
 
 @pytest.fixture(scope="module")

@@ -31,36 +31,36 @@ class SearchCollector:
 
     def collect(self):
         runners = {name: s.runner for name, s in self.searches.items()}
-        yield _gauge("search_problems_running", "Search problems in flight (all requests together).",
-                     {n: r.num_running for n, r in runners.items()})
-        yield _gauge("search_problems_waiting", "Search problems queued behind the in-flight bound.",
-                     {n: r.num_waiting for n, r in runners.items()})
-        yield _counter("search_problems_finished", "Search problems finished.",
-                       {n: r.num_finished for n, r in runners.items()})
-        scorers = self.scorers
-        yield _counter("search_score_cache_hits", "Scoring items answered without a verifier request of their own.",
-                       {n: s.num_cache_hits for n, s in scorers.items()})
-        yield _counter("search_verifier_tokens", "Tokens of every verifier input submitted (computed or reused).",
-                       {n: s.num_prompt_tokens for n, s in scorers.items()})
-        yield _counter("search_verifier_tokens_reused", "Verifier input tokens found in kept KV or the prefix cache.",
-                       {n: s.num_reused_tokens for n, s in scorers.items()})
-        yield _gauge("score_cache_entries", "Step scores held in the score cache.",
-                     {n: len(s.score_cache) for n, s in scorers.items()})
-        yield _gauge("score_cache_bytes", "Estimated bytes of the score cache (bounded; LRU eviction).",
-                     {n: getattr(s.score_cache, "nbytes", 0) for n, s in scorers.items()})
-        yield _gauge("kv_blocks_kept", "KV blocks the scorer keeps on purpose for extensions (released under pressure).",
-                     {n: s.engine.retained.num_blocks() for n, s in scorers.items()})
+        for kind, name, doc, read in RUNNER_SERIES:
+            yield _family(kind, name, doc, {model: read(r) for model, r in runners.items()})
+        for kind, name, doc, read in SCORER_SERIES:
+            yield _family(kind, name, doc, {model: read(s) for model, s in self.scorers.items()})
 
 
-def _gauge(name: str, doc: str, values: dict) -> GaugeMetricFamily:
-    family = GaugeMetricFamily(f"treeserve:{name}", doc, labels=["model_name"])
-    for model, value in values.items():
-        family.add_metric([model], value)
-    return family
+# (kind, name, help, how to read it off a SearchRunner / a StepScorer)
+RUNNER_SERIES = [
+    ("gauge", "search_problems_running", "Search problems in flight (all requests together).", lambda r: r.num_running),
+    ("gauge", "search_problems_waiting", "Search problems queued behind the in-flight bound.", lambda r: r.num_waiting),
+    ("counter", "search_problems_finished", "Search problems finished.", lambda r: r.num_finished),
+]
+SCORER_SERIES = [
+    ("counter", "search_score_cache_hits", "Scoring items answered without a verifier request of their own.",
+     lambda s: s.num_cache_hits),
+    ("counter", "search_verifier_tokens", "Tokens of every verifier input submitted (computed or reused).",
+     lambda s: s.num_prompt_tokens),
+    ("counter", "search_verifier_tokens_reused", "Verifier input tokens found in kept KV or the prefix cache.",
+     lambda s: s.num_reused_tokens),
+    ("gauge", "score_cache_entries", "Step scores held in the score cache.", lambda s: len(s.score_cache)),
+    ("gauge", "score_cache_bytes", "Estimated bytes of the score cache (bounded; LRU eviction).",
+     lambda s: s.score_cache.nbytes),
+    ("gauge", "kv_blocks_kept", "KV blocks the scorer keeps on purpose for extensions (released under pressure).",
+     lambda s: s.engine.retained.num_blocks()),
+]
 
 
-def _counter(name: str, doc: str, values: dict) -> CounterMetricFamily:
-    family = CounterMetricFamily(f"treeserve:{name}", doc, labels=["model_name"])
+def _family(kind: str, name: str, doc: str, values: dict):
+    cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+    family = cls(f"treeserve:{name}", doc, labels=["model_name"])
     for model, value in values.items():
         family.add_metric([model], value)
     return family
