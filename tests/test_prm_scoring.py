@@ -204,3 +204,13 @@ def test_completions_sharing_steps_scored_together_compute_what_they_would_one_a
     assert together.num_tokens_computed == apart.num_tokens_computed
     scorer.release_all()
     assert_no_leak(together)
+
+
+def test_a_tiny_score_cache_evicts_but_every_ticket_gets_its_scores(prm_dir):
+    """The score cache is bounded by bytes: entries go while scores are in flight, and the ticket
+    still holds every score it asked for (it keeps its own copy as they arrive)."""
+    items = [(f"{QUESTION} variant {i}", STEPS[: 1 + i % 4]) for i in range(6)]
+    reference = StepScorer(_engine(prm_dir)).score_many(items)
+    tiny = StepScorer(_engine(prm_dir), score_cache_bytes=600)
+    assert _flat(tiny.score_many(items)) == pytest.approx(_flat(reference), abs=1e-5)
+    assert tiny.score_cache.num_evictions > 0 and tiny.score_cache.nbytes <= 600
