@@ -3,7 +3,8 @@
 Starts `treeserve serve` with the bundled pair (arith-gen + arith-prm), then for each repeat runs,
 alternately, the offline runner (this process, same engine options) and 32 concurrent
 `POST /v1/search` (beam, N=16), and prints problems/s for both and `served / offline` (the median of
-the back-to-back pairs); checks that every served answer and score equals the offline one. Then,
+the back-to-back pairs; each pair searches with seeds of its own, so no repeat reuses an earlier
+one's scores); checks that every served answer and score equals the offline one. Then,
 while the searches run again, it measures a chat completion's time to first token against the idle
 server (median of 10 each), and reads /metrics before and after to show the searches' engine steps
 and tokens counted there.
@@ -32,6 +33,7 @@ from treeserve.search.runner import SearchRunner
 from treeserve.server.launch import DEFAULT_PAIR
 from treeserve.tasks.arithmetic import generate
 
+SEEDS_PER_REPEAT = 1000
 CHAT = {"model": "arith-gen", "messages": [{"role": "user", "content": "Start with 3. Step 1: + 4. What is the result?"}],
         "max_tokens": 8, "stream": True}
 
@@ -64,11 +66,12 @@ def body_for(args, question: str, seed: int, stream: bool = False) -> dict:
 
 
 # ---- offline -------------------------------------------------------------------------------
-def offline(rt: Runtime, args, questions: list[str]) -> tuple[float, list[tuple[str | None, float]]]:
-    """Every problem as its own submission (index 0, seed = its position), as the server gets them."""
+def offline(rt: Runtime, args, questions: list[str], seed0: int) -> tuple[float, list[tuple[str | None, float]]]:
+    """Every problem as its own submission (index 0, seed = seed0 + its position), as the server
+    gets them."""
     runner = SearchRunner(rt.engine("arith-gen"), rt.scorer("arith-prm"))
     start = time.perf_counter()
-    handles = [runner.submit(q, config_for(args, seed)) for seed, q in enumerate(questions)]
+    handles = [runner.submit(q, config_for(args, seed0 + i)) for i, q in enumerate(questions)]
     rt.loop.run_until(lambda: all(h.done for h in handles))
     seconds = time.perf_counter() - start
     rt.loop.remove_client(runner)
@@ -77,11 +80,11 @@ def offline(rt: Runtime, args, questions: list[str]) -> tuple[float, list[tuple[
 
 
 # ---- served --------------------------------------------------------------------------------
-async def served(url: str, args, questions: list[str]) -> tuple[float, list[tuple[str | None, float]]]:
+async def served(url: str, args, questions: list[str], seed0: int) -> tuple[float, list[tuple[str | None, float]]]:
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         start = time.perf_counter()
-        replies = await asyncio.gather(*(client.post("/v1/search", json=body_for(args, q, seed))
-                                         for seed, q in enumerate(questions)))
+        replies = await asyncio.gather(*(client.post("/v1/search", json=body_for(args, q, seed0 + i))
+                                         for i, q in enumerate(questions)))
         seconds = time.perf_counter() - start
     for reply in replies:
         reply.raise_for_status()
@@ -99,11 +102,11 @@ async def ttft(client: httpx.AsyncClient) -> float:
     return first
 
 
-async def ttft_under_load(url: str, args, questions: list[str]) -> tuple[list[float], list[float]]:
+async def ttft_under_load(url: str, args, questions: list[str], seed0: int) -> tuple[list[float], list[float]]:
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         idle = [await ttft(client) for _ in range(args.ttft_samples)]
-        searches = [asyncio.ensure_future(client.post("/v1/search", json=body_for(args, q, seed)))
-                    for seed, q in enumerate(questions)]
+        searches = [asyncio.ensure_future(client.post("/v1/search", json=body_for(args, q, seed0 + i)))
+                    for i, q in enumerate(questions)]
         await asyncio.sleep(1.0)  # the searches are under way
         loaded = []
         for _ in range(args.ttft_samples):
@@ -137,10 +140,13 @@ def main() -> int:
         wait_healthy(url, server, timeout=300)
         print(f"{args.problems} beam searches (N={args.n}, width {args.beam_width}, {args.num_iterations} iterations), "
               f"dtype {args.dtype}, {os.cpu_count()} CPUs")
+        offline(rt, args, questions, 0)  # warm-up, untimed: first-use kernel and allocator set-up on both sides
+        asyncio.run(served(url, args, questions, 0))
         rows, mismatches = [], 0
         for repeat in range(args.repeats):
-            off_s, off_results = offline(rt, args, questions)
-            srv_s, srv_results = asyncio.run(served(url, args, questions))
+            seed0 = SEEDS_PER_REPEAT * (repeat + 1)  # new searches each repeat: no score-cache reuse across them
+            off_s, off_results = offline(rt, args, questions, seed0)
+            srv_s, srv_results = asyncio.run(served(url, args, questions, seed0))
             same = sum(a == b for a, b in zip(off_results, srv_results))
             mismatches += len(questions) - same
             rows.append({"offline_s": off_s, "served_s": srv_s, "ratio": off_s / srv_s, "same": same})
@@ -151,7 +157,7 @@ def main() -> int:
         print(f"served / offline: {ratio:.3f} (median of {len(rows)} pairs)")
         print(f"served results equal to offline: {'yes' if mismatches == 0 else f'NO ({mismatches} differ)'}")
         before = metrics(url)
-        idle, loaded = asyncio.run(ttft_under_load(url, args, questions))
+        idle, loaded = asyncio.run(ttft_under_load(url, args, questions, SEEDS_PER_REPEAT * (args.repeats + 1)))
         after = metrics(url)
         ttft_ratio = statistics.median(loaded) / statistics.median(idle)
         print(f"chat TTFT idle median {statistics.median(idle) * 1e3:.1f} ms, during {args.problems} searches median "

@@ -1,7 +1,10 @@
-"""The engine loop on a background thread, with per-request async output streams for the server.
+"""The engine loop on its own thread, with per-request async output streams for the server.
 
-The thread owns the `EngineLoop` (every engine it holds, one per model) and is the only thread that
-touches engines, the search runner or the scorers. The event loop hands it new requests, aborts
+The engine thread owns the `EngineLoop` (every engine it holds, one per model) and is the only
+thread that touches engines, the search runner or the scorers. By default it is a background
+thread; `treeserve serve` instead runs it on the process's main thread (`run_forever`) and HTTP on
+a background one, because PyTorch's OpenMP pool serves the thread that first used it best: on 2
+cores, small ops ran 2-3x slower from another thread once the main thread had loaded the models. The event loop hands it new requests, aborts
 and short calls (`run_job`: submit a search, cancel one) through an inbox that it empties between
 steps, so an abort (a client that disconnected) frees its KV blocks before the next step runs.
 Results travel back through streams: asyncio queues filled with `call_soon_threadsafe`.
@@ -43,7 +46,9 @@ class _Job:
 class AsyncLLMEngine:
     def __init__(self, engines: LLMEngine | dict[str, LLMEngine], max_queue: int | None = None,
                  on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None,
-                 on_abort: Callable[[LLMEngine, str], None] | None = None, loop: EngineLoop | None = None):
+                 on_abort: Callable[[LLMEngine, str], None] | None = None, loop: EngineLoop | None = None,
+                 start_thread: bool = True):
+        """With `start_thread=False` the caller runs the loop itself: `run_forever()`."""
         self.engines = engines if isinstance(engines, dict) else {"": engines}
         self.engine = next(iter(self.engines.values()))  # the first (or only) model
         self.loop = loop or EngineLoop(self.engines)
@@ -59,8 +64,10 @@ class AsyncLLMEngine:
         self._streams: dict[str, _Stream] = {}
         self._stopped = False
         self.errored: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="treeserve-engine", daemon=True)
-        self._thread.start()
+        self._thread = None
+        if start_thread:
+            self._thread = threading.Thread(target=self.run_forever, name="treeserve-engine", daemon=True)
+            self._thread.start()
 
     # ---- called from the event loop --------------------------------------------------------
     def new_request_id(self, prefix: str) -> str:
@@ -145,7 +152,8 @@ class AsyncLLMEngine:
     def shutdown(self) -> None:
         self._stopped = True
         self._wake.set()
-        self._thread.join(timeout=10)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
 
     def _post(self, job: _Job) -> None:
         with self._lock:
@@ -168,9 +176,10 @@ class AsyncLLMEngine:
     def _pusher(self, stream_id: str) -> Callable[[RequestOutput], None]:
         return lambda output: self.push(stream_id, output)
 
-    def _run(self) -> None:
+    def run_forever(self, should_stop: Callable[[], bool] = lambda: False) -> None:
+        """The engine thread's body: inbox, step, wait when idle; until `shutdown` or `should_stop()`."""
         try:
-            while not self._stopped:
+            while not self._stopped and not should_stop():
                 self._take_inbox()
                 if not self.loop.step():
                     self._wake.wait(timeout=0.5)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 
 from treeserve.model.registry import named_models as _named_models
 from treeserve.config import EngineConfig
@@ -21,10 +23,11 @@ DEFAULT_PAIR = {"arith-gen": DEFAULT_GENERATOR, "arith-prm": DEFAULT_VERIFIER}
 
 def build_app(model: str | dict[str, str], served_model_name: str | None = None, api_keys: list[str] | None = None,
               max_queue: int | None = None, kv_mode: str = "shared", max_problems_in_flight: int = 32,
-              **engine_options):
+              engine_thread: bool = True, **engine_options):
     """One model (a path) gets its own engine; several (name -> path) share a `Runtime`, and each
     of them can also answer POST /v1/rewards as a PRM. One engine loop steps them all; each served
-    model gets a search runner whose problems, from every request, advance together."""
+    model gets a search runner whose problems, from every request, advance together. With
+    `engine_thread=False` the caller runs the loop (`app.state.engine.run_forever()`)."""
     metrics = ServerMetrics()
     scorers, loop = {}, None
     if isinstance(model, dict) and len(model) > 1:
@@ -40,7 +43,7 @@ def build_app(model: str | dict[str, str], served_model_name: str | None = None,
         served = {name: LLMEngine(EngineConfig(model=path, **engine_options))}
         metrics.add_model(served[name], name)
     async_engine = AsyncLLMEngine(served, max_queue=max_queue, on_step=metrics.on_step, on_abort=metrics.on_abort,
-                                  loop=loop)
+                                  loop=loop, start_thread=engine_thread)
     searches = {name: SearchServing(async_engine, name, SearchRunner(engine, None, max_problems_in_flight,
                                                                      loop=async_engine.loop), scorers)
                 for name, engine in served.items()}
@@ -62,9 +65,28 @@ def serve(args) -> int:
                     dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                     kv_cache_memory_bytes=args.kv_cache_memory_bytes, block_size=args.block_size,
-                    enable_prefix_caching=not args.no_prefix_caching)
-    try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5)
-    finally:
-        app.state.engine.shutdown()
+                    enable_prefix_caching=not args.no_prefix_caching, engine_thread=False)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                                           timeout_graceful_shutdown=5))
+    run_engine_on_main_thread(app.state.engine, server)
     return 0
+
+
+def run_engine_on_main_thread(engine, server) -> None:
+    """HTTP on a background thread, the engine loop on this (the main) thread, where PyTorch's
+    thread pool runs small ops fastest (see engine/async_engine.py). SIGINT or SIGTERM stop both:
+    uvicorn finishes its requests (graceful shutdown), then the loop ends."""
+    http = threading.Thread(target=server.run, name="treeserve-http", daemon=True)
+
+    def stop(signum, frame) -> None:
+        server.should_exit = True
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    http.start()
+    try:
+        engine.run_forever(should_stop=lambda: not http.is_alive())
+    finally:
+        server.should_exit = True
+        http.join(timeout=15)
+        engine.shutdown()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -27,7 +27,6 @@ from treeserve.search.tree import SearchResult
 from treeserve.server.errors import ERROR_TYPES, APIError, from_value_error
 from treeserve.server.protocol import RewardRequest, SearchRequest
 
-DISCONNECT_POLL_S = 0.25
 
 
 def question_and_system(body: SearchRequest) -> tuple[str, str | None]:
@@ -74,7 +73,7 @@ class SearchServing:
         question, system = question_and_system(body)
         scorer, config = self._scorer_and_config(body, system)
         self._check_capacity()
-        events = self._events(question, config, scorer)
+        events = self._events(question, config, scorer, progress=body.stream)
         verifier = body.verifier if scorer else None
         if body.stream:
             first = await _first(events)  # errors before the search starts are still plain HTTP errors
@@ -119,9 +118,10 @@ class SearchServing:
         limit = self.engine.max_queue
         return limit is not None and self.runner.num_backlogged >= limit
 
-    async def _events(self, question: str, config: SearchConfig,
-                      scorer: StepScorer | None) -> AsyncIterator[dict | SearchResult]:
-        """Progress events (dicts), then the SearchResult; leaving early cancels the search."""
+    async def _events(self, question: str, config: SearchConfig, scorer: StepScorer | None,
+                      progress: bool) -> AsyncIterator[dict | SearchResult]:
+        """Progress events (dicts; only with `progress`), then the SearchResult; leaving early
+        cancels the search."""
         stream_id = self.engine.new_request_id("search")
         stream = self.engine.open_stream(stream_id)
 
@@ -131,8 +131,8 @@ class SearchServing:
         def submit() -> SearchHandle | None:
             if self._queue_full():  # on the engine thread, so concurrent requests cannot overshoot
                 return None
-            return self.runner.submit(question, config, scorer=scorer, on_done=on_done,
-                                      on_progress=lambda p: self.engine.push(stream_id, p.as_event()))
+            on_progress = (lambda p: self.engine.push(stream_id, p.as_event())) if progress else None
+            return self.runner.submit(question, config, scorer=scorer, on_done=on_done, on_progress=on_progress)
         handle = None
         try:
             handle = await self.engine.run_job(submit)
@@ -156,17 +156,14 @@ class SearchServing:
             async for item in events:
                 pass
             return item
-        task = asyncio.ensure_future(last())
+        result, left = asyncio.ensure_future(last()), asyncio.ensure_future(_client_left(request))
         try:
-            while not task.done():
-                await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-                if not task.done() and await request.is_disconnected():
-                    task.cancel()
-                    break
-            return await task
+            await asyncio.wait({result, left}, return_when=asyncio.FIRST_COMPLETED)
+            if not result.done():
+                result.cancel()
+            return await result
         finally:
-            if not task.done():
-                task.cancel()
+            left.cancel()
             with contextlib.suppress(BaseException):
                 await events.aclose()
 
@@ -200,6 +197,12 @@ class SearchServing:
             if not done.done():
                 with contextlib.suppress(RuntimeError):
                     self.engine.post(lambda: scorer.cancel(ticket))
+
+
+async def _client_left(request: Request) -> None:
+    """Returns when the client disconnects (its body already read, the next ASGI message is that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _queue_full_error(limit: int | None) -> APIError:
