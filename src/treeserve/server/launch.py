@@ -69,6 +69,9 @@ def serve(args) -> int:
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                                            timeout_graceful_shutdown=5))
     run_engine_on_main_thread(app.state.engine, server)
+    if not server.started:  # uvicorn could not start (a port in use, say): it logged why
+        logging.getLogger(__name__).error("the HTTP server did not start; see the errors above")
+        return 1
     return 0
 
 
