@@ -185,16 +185,20 @@ class SearchServing:
         yield "data: [DONE]\n\n"
 
     async def _score(self, scorer: StepScorer, question: str, steps: list[str]) -> list[float]:
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future = loop.create_future()
+        """Scores on the engine loop; a stream carries the answer back (or the engine's failure)."""
+        stream_id = self.engine.new_request_id("reward")
+        stream = self.engine.open_stream(stream_id)
 
         def on_ready(ticket) -> None:
-            loop.call_soon_threadsafe(_resolve, done, ticket.results()[0])
-        ticket = await self.engine.run_job(lambda: scorer.submit([(question, steps)], on_ready=on_ready))
+            self.engine.push(stream_id, ticket.results()[0], final=True)
+        ticket = None
         try:
-            return await done
+            ticket = await self.engine.run_job(lambda: scorer.submit([(question, steps)], on_ready=on_ready))
+            async for scores in self.engine.stream_items(stream, lambda item: True):
+                return scores
         finally:
-            if not done.done():
+            self.engine.close_stream(stream_id)
+            if ticket is not None and not ticket.ready:
                 with contextlib.suppress(RuntimeError):
                     self.engine.post(lambda: scorer.cancel(ticket))
 
@@ -215,11 +219,6 @@ async def _first(events: AsyncIterator):
         return await events.__anext__()
     except StopAsyncIteration:
         raise RuntimeError("search: ended without a result") from None
-
-
-def _resolve(future: asyncio.Future, value) -> None:
-    if not future.done():
-        future.set_result(value)
 
 
 def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
