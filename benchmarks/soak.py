@@ -55,7 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--request-timeout", type=float, default=180.0, help="seconds before a request counts "
                         "as timed out")
     parser.add_argument("--max-rss-growth", type=float, default=2.0, help="percent")
-    parser.add_argument("--stream-search-400", choices=["expected", "error"], default="expected",
+    parser.add_argument("--stream-search-400", choices=["expected", "error"], default="error",
                         help="whether a 400 to a streamed search is an expected answer (a server without it)")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument("--server-arg", action="append", default=[],
