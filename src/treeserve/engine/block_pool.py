@@ -1,13 +1,17 @@
-"""Fixed pool of KV blocks: reference counts, prefix-cache hash table, LRU free queue.
+"""Fixed pool of KV blocks: reference counts, prefix-cache hash table, tiered free queues.
 
 A free block may still hold a cached prefix: it stays findable by hash until it is evicted,
-which happens only when it is taken from the head of the free queue for new data. Requests free
-their blocks tail-first, so a request's tail blocks are evicted before its head.
+which happens only when it is taken for new data. Which free block goes first is
+`eviction.FreeBlocks`' decision: empty blocks, then blocks that only one request ever held, then
+shared prefixes, with each model's shared prefixes safe from other models within a fair share.
+Requests free their blocks tail-first, so within a tier a request's tail is evicted before its head.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Callable
+
+from treeserve.engine.eviction import THRASH_WINDOW_PER_BLOCK, FreeBlocks, ThrashWindow
 
 from treeserve.errors import ParamError
 
@@ -18,6 +22,8 @@ class KVBlock:
     ref_count: int = 0
     block_hash: bytes | None = None
     owner: str = ""  # which model's data the block holds (a pool can be shared by several models)
+    reused: bool = False  # a second request took it (prefix hit or fork) since it was filled
+    freed_at: int = 0     # when its last reference was dropped (orders the free queues)
 
 
 @dataclass
@@ -36,13 +42,19 @@ class BlockPool:
         if num_blocks < 1:
             raise ParamError("num_blocks", f"the KV pool needs at least one block, got {num_blocks}")
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self.free_queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.free_blocks = FreeBlocks(self.blocks)
         self.cached: dict[bytes, KVBlock] = {}
-        self.evicted_hashes: set[bytes] = set()
+        # Recently evicted hashes (the thrash detector), bounded: a hash evicted longer ago than a few
+        # pool turnovers is forgotten, so a request for it then counts as a plain miss.
+        self.thrash_window = ThrashWindow(THRASH_WINDOW_PER_BLOCK * num_blocks)
         self.enable_caching = enable_caching
         self.stats = PrefixCacheStats()  # all owners together
         self.stats_by_owner: dict[str, PrefixCacheStats] = {}
         self.in_use_by_owner: dict[str, int] = {}  # blocks with ref_count > 0, by owner
+        # Frees one sequence kept pinned for later forks, the requesting owner's first (False if none).
+        # Tried before any shared prefix is evicted: a released sequence loses at most its partly
+        # filled tail block, and its blocks nobody shared become the next victims instead.
+        self.reclaim: Callable[[str], bool] = lambda owner: False
 
     @property
     def num_blocks(self) -> int:
@@ -50,28 +62,37 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
-        return len(self.free_queue)
+        return len(self.free_blocks)
 
     @property
     def num_cached_free(self) -> int:
         """Free blocks whose contents are still findable by hash."""
-        return sum(1 for b in self.free_queue.values() if b.block_hash is not None)
+        return self.free_blocks.num_cached()
+
+    @property
+    def thrash_window_size(self) -> int:
+        """Evicted block hashes the thrash detector remembers now (at most `thrash_window.capacity`)."""
+        return len(self.thrash_window)
 
     def usage(self) -> float:
         return 1.0 - self.num_free / self.num_blocks
+
+    def add_owner(self, owner: str) -> None:
+        """Registers a model drawing from this pool (its fair share counts from now on)."""
+        self.in_use_by_owner.setdefault(owner, 0)
 
     def lookup(self, block_hash: bytes) -> KVBlock | None:
         return self.cached.get(block_hash) if self.enable_caching else None
 
     def was_evicted(self, block_hash: bytes) -> bool:
-        return block_hash in self.evicted_hashes
+        return block_hash in self.thrash_window
 
     def owner_stats(self, owner: str) -> PrefixCacheStats:
         return self.stats_by_owner.setdefault(owner, PrefixCacheStats())
 
     def record_lookup(self, owner: str, queried: int, hit: int, thrash_hashes: list[bytes]) -> None:
         for h in thrash_hashes:
-            self.evicted_hashes.discard(h)
+            self.thrash_window.discard(h)
         for stats in (self.stats, self.owner_stats(owner)):
             stats.queries += queried
             stats.hits += hit
@@ -87,19 +108,29 @@ class BlockPool:
         """Takes a reference on cached blocks found by a prefix lookup."""
         for block in blocks:
             if block.ref_count == 0:
-                del self.free_queue[block.block_id]
+                self.free_blocks.remove(block)
                 self._count_in_use(block, 1)
             block.ref_count += 1
+            block.reused = True
+
+    def share(self, blocks: list[KVBlock]) -> None:
+        """Takes one more reference on blocks in use (a fork)."""
+        for block in blocks:
+            block.ref_count += 1
+            block.reused = True
 
     def allocate(self, count: int, owner: str = "") -> list[KVBlock]:
         if count > self.num_free:
             raise RuntimeError(f"asked for {count} KV blocks, {self.num_free} free")
         taken = []
         for _ in range(count):
-            _, block = self.free_queue.popitem(last=False)
+            while self.free_blocks.next_is_shared() and self.reclaim(owner):
+                pass
+            block = self.free_blocks.pop(owner, self.in_use_by_owner)
             self._evict(block)
             block.ref_count = 1
             block.owner = owner
+            block.reused = False
             self._count_in_use(block, 1)
             taken.append(block)
         return taken
@@ -109,7 +140,7 @@ class BlockPool:
             return
         if self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
-            self.evicted_hashes.add(block.block_hash)
+            self.thrash_window.add(block.block_hash)
             self.stats.evictions += 1
             self.owner_stats(block.owner).evictions += 1
         block.block_hash = None
@@ -118,7 +149,7 @@ class BlockPool:
         for block in blocks_tail_first:
             block.ref_count -= 1
             if block.ref_count == 0:
-                self.free_queue[block.block_id] = block
+                self.free_blocks.push(block)
                 self._count_in_use(block, -1)
 
     def cache_block(self, block: KVBlock, block_hash: bytes) -> None:
@@ -134,5 +165,6 @@ class BlockPool:
             return False
         for block in self.blocks:
             block.block_hash = None
+        self.free_blocks.forget_hashes()
         self.cached.clear()
         return True

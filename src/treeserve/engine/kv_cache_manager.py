@@ -22,6 +22,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.pool = pool if pool is not None else BlockPool(num_blocks, enable_caching)
         self.owner = owner
+        self.pool.add_owner(owner)
         self.block_tables: dict[str, list[KVBlock]] = {}
         self._num_hashed: dict[str, int] = {}
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block copies for copy-on-write
@@ -107,8 +108,7 @@ class KVCacheManager:
     def fork(self, parent: Request, child: Request) -> None:
         """The child shares every block of the parent (copy-on-write for a partly filled tail)."""
         table = list(self.block_tables[parent.request_id])
-        for block in table:
-            block.ref_count += 1
+        self.pool.share(table)
         self.block_tables[child.request_id] = table
         self._num_hashed[child.request_id] = self._num_hashed.get(parent.request_id, 0)
         child.num_computed_tokens = parent.num_computed_tokens

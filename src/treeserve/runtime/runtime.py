@@ -94,6 +94,8 @@ class Runtime:
             self._note_kv(name, engine, space.pool.num_blocks * space.arena.page_bytes)
         for engine in engines:  # kept sequences of any model give way before anything is preempted
             engine.scheduler.reclaim = self._reclaim_from(engine)
+        # ... and before any model's shared prefixes are evicted
+        space.pool.reclaim = lambda owner: self._reclaim_from(self.engines[owner])()
 
     def _reclaim_from(self, first: LLMEngine):
         order = [first] + [e for e in self.engines.values() if e is not first]

@@ -71,6 +71,8 @@ class EngineMetrics:
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.prefix_evictions = counter("prefix_cache_evictions", "Cached KV blocks evicted for new data.")
         self.prefix_thrash = counter("prefix_cache_thrash", "Evicted block hashes that were requested again.")
+        self.thrash_window = gauge("prefix_cache_thrash_window", "Evicted block hashes the thrash detector "
+                                   "remembers (bounded: a few times the pool's blocks).")
         self.preemptions = counter("num_preemptions", "Requests preempted (to be recomputed).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
@@ -121,6 +123,7 @@ class EngineMetrics:
         self.kv_usage.set(in_use / pool.num_blocks)
         self.kv_blocks_in_use.set(in_use)
         self.kv_blocks_free.set(pool.num_free)
+        self.thrash_window.set(pool.thrash_window_size)
         stats, last = engine.kv.stats.snapshot(), self._last_stats
         self.prefix_queries.inc(stats.queries - last.queries)
         self.prefix_hits.inc(stats.hits - last.hits)

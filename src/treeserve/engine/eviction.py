@@ -1,0 +1,135 @@
+"""Which free KV block gives up its cached contents next, and the memory of what was given up.
+
+Free blocks wait in one of three places:
+  - empty: they hold no findable prefix, so taking them costs nothing; taken first.
+  - probation, one LRU queue per model: cached blocks that only one request ever held (a candidate
+    step no one chose, a decode tail). Search reuses a prefix in the very next step or never, so a
+    block that nobody shared yet is the likeliest to be dead.
+  - protected, one LRU queue per model: cached blocks that a second request took (a prefix-cache
+    hit or a fork): the shared stem of a search tree, which the next step extends.
+Victims come from probation first (least recently freed across models), then from protected. A
+protected victim comes from the model whose footprint (blocks in use + cached) most exceeds its
+fair share of the pool (an equal split); a model within its share loses protected blocks only to
+its own allocations, or when nothing else is left. So one model's burst of new blocks (a verifier
+scoring many candidates) cannot sweep another model's shared prefixes out of the pool, while an
+idle model's surplus still goes to the busy one.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from treeserve.engine.block_pool import KVBlock
+
+# How many evicted block hashes the thrash detector remembers, per block in the pool.
+THRASH_WINDOW_PER_BLOCK = 4
+
+
+class ThrashWindow:
+    """The most recently evicted block hashes, at most `capacity` (oldest forgotten first): a
+    later request for one of them is thrash (evicted, then needed again)."""
+
+    def __init__(self, capacity: int):
+        if capacity < 1:
+            raise ValueError(f"capacity: the thrash window needs room for at least one hash, got {capacity}")
+        self.capacity = capacity
+        self._hashes: OrderedDict[bytes, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._hashes)
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        return block_hash in self._hashes
+
+    def add(self, block_hash: bytes) -> None:
+        self._hashes[block_hash] = None
+        self._hashes.move_to_end(block_hash)
+        if len(self._hashes) > self.capacity:
+            self._hashes.popitem(last=False)
+
+    def discard(self, block_hash: bytes) -> None:
+        self._hashes.pop(block_hash, None)
+
+    def clear(self) -> None:
+        self._hashes.clear()
+
+
+class FreeBlocks:
+    """Blocks with no reference, by eviction tier and owner; `pop` picks the next victim."""
+
+    def __init__(self, blocks: list[KVBlock]):
+        self.num_blocks = len(blocks)
+        self.empty: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in blocks)
+        self.probation: dict[str, OrderedDict[int, KVBlock]] = {}
+        self.protected: dict[str, OrderedDict[int, KVBlock]] = {}
+        self._clock = itertools.count()
+        self._size = len(blocks)
+
+    def __len__(self) -> int:
+        return self._size
+
+    def num_cached(self, owner: str | None = None) -> int:
+        """Free blocks still findable by hash (of one owner, or all)."""
+        queues = [q for tier in (self.probation, self.protected) for o, q in tier.items()
+                  if owner is None or o == owner]
+        return sum(len(q) for q in queues)
+
+    def push(self, block: KVBlock) -> None:
+        """A block's last reference was dropped."""
+        block.freed_at = next(self._clock)
+        self._queue_of(block)[block.block_id] = block
+        self._size += 1
+
+    def remove(self, block: KVBlock) -> None:
+        """A free block taken back as it is (a prefix-cache hit)."""
+        del self._queue_of(block)[block.block_id]
+        self._size -= 1
+
+    def pop(self, requester: str, in_use: dict[str, int]) -> KVBlock:
+        """The next victim for an allocation by `requester`; `in_use` counts referenced blocks by owner."""
+        self._size -= 1
+        return self._victim_queue(requester, in_use).popitem(last=False)[1]
+
+    def next_is_shared(self) -> bool:
+        """True when no empty or probation block is left: the next victim is a shared prefix."""
+        return bool(self._size) and not self.empty and not any(self.probation.values())
+
+    def _victim_queue(self, requester: str, in_use: dict[str, int]) -> OrderedDict[int, KVBlock]:
+        if self.empty:
+            return self.empty
+        return self._oldest_head(self.probation.values()) or self._protected_queue(requester, in_use)
+
+    def forget_hashes(self) -> None:
+        """Every cached free block becomes empty (the prefix cache was reset)."""
+        for tier in (self.probation, self.protected):
+            for queue in tier.values():
+                self.empty.update(queue)
+                queue.clear()
+
+    def _queue_of(self, block: KVBlock) -> OrderedDict[int, KVBlock]:
+        if block.block_hash is None:
+            return self.empty
+        tier = self.protected if block.reused else self.probation
+        return tier.setdefault(block.owner, OrderedDict())
+
+    def _protected_queue(self, requester: str, in_use: dict[str, int]) -> OrderedDict[int, KVBlock]:
+        holders = {owner: q for owner, q in self.protected.items() if q}
+        excess = {o: self._excess(o, in_use) for o in holders if o != requester}
+        over = [o for o, e in excess.items() if e > 0]
+        if over:
+            return holders[max(over, key=excess.__getitem__)]
+        if requester in holders:
+            return holders[requester]
+        return self._oldest_head(holders.values())
+
+    def _excess(self, owner: str, in_use: dict[str, int]) -> float:
+        """Blocks the owner holds (in use or cached) beyond an equal share of the pool."""
+        share = self.num_blocks / max(len(in_use), 1)
+        return in_use.get(owner, 0) + self.num_cached(owner) - share
+
+    @staticmethod
+    def _oldest_head(queues) -> OrderedDict[int, KVBlock] | None:
+        heads = [q for q in queues if q]
+        return min(heads, key=lambda q: next(iter(q.values())).freed_at) if heads else None
