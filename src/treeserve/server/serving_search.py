@@ -178,8 +178,8 @@ class SearchServing:
                 item = await events.__anext__()
         except APIError as exc:
             yield _sse_line(_error(exc.status, exc.message, exc.param, exc.code))
-        except RuntimeError as exc:
-            yield _sse_line(_error(500, str(exc)))
+        except Exception as exc:  # the stream has started: the error is its last event
+            yield _sse_line(_error(500, f"search failed: {exc}"))
         finally:
             await events.aclose()
         yield "data: [DONE]\n\n"
