@@ -12,18 +12,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from treeserve.engine.eviction import THRASH_WINDOW_PER_BLOCK, FreeBlocks, ThrashWindow
-
+from treeserve.engine.kv_block import KVBlock
 from treeserve.errors import ParamError
-
-
-@dataclass(eq=False)
-class KVBlock:
-    block_id: int
-    ref_count: int = 0
-    block_hash: bytes | None = None
-    owner: str = ""  # which model's data the block holds (a pool can be shared by several models)
-    reused: bool = False  # a second request took it (prefix hit or fork) since it was filled
-    freed_at: int = 0     # when its last reference was dropped (orders the free queues)
 
 
 @dataclass

@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from treeserve.engine.block_pool import KVBlock
+from treeserve.engine.kv_block import KVBlock
 
 # How many evicted block hashes the thrash detector remembers, per block in the pool.
 THRASH_WINDOW_PER_BLOCK = 4
