@@ -4,7 +4,8 @@ Starts `treeserve serve` with the bundled pair (arith-gen + arith-prm), then for
 alternately, the offline runner (this process, same engine options) and 32 concurrent
 `POST /v1/search` (beam, N=16), and prints problems/s for both and `served / offline` (the median of
 the back-to-back pairs; each pair searches with seeds of its own, so no repeat reuses an earlier
-one's scores); checks that every served answer and score equals the offline one. Then,
+one's scores); checks that every served answer and chosen completion equals the offline one and
+every score matches it within SCORE_TOLERANCE (float32 rounding in another batch composition). Then,
 while the searches run again, it measures a chat completion's time to first token against the idle
 server (median of 10 each), and reads /metrics before and after to show the searches' engine steps
 and tokens counted there.
@@ -34,6 +35,10 @@ from treeserve.server.launch import DEFAULT_PAIR
 from treeserve.tasks.arithmetic import generate
 
 SEEDS_PER_REPEAT = 1000
+# Scores are float32 sums, and a server batches each step with whatever else is in flight: the same
+# PRM input in another batch composition rounds differently (CPU GEMM kernels differ by row count),
+# by about 3e-7 here. Answers and completions must be identical; scores equal to this tolerance.
+SCORE_TOLERANCE = 1e-6
 CHAT = {"model": "arith-gen", "messages": [{"role": "user", "content": "Start with 3. Step 1: + 4. What is the result?"}],
         "max_tokens": 8, "stream": True}
 
@@ -66,7 +71,10 @@ def body_for(args, question: str, seed: int, stream: bool = False) -> dict:
 
 
 # ---- offline -------------------------------------------------------------------------------
-def offline(rt: Runtime, args, questions: list[str], seed0: int) -> tuple[float, list[tuple[str | None, float]]]:
+Result = tuple[str | None, float, str]  # (answer, aggregated score, chosen completion)
+
+
+def offline(rt: Runtime, args, questions: list[str], seed0: int) -> tuple[float, list[Result]]:
     """Every problem as its own submission (index 0, seed = seed0 + its position), as the server
     gets them."""
     runner = SearchRunner(rt.engine("arith-gen"), rt.scorer("arith-prm"))
@@ -76,11 +84,11 @@ def offline(rt: Runtime, args, questions: list[str], seed0: int) -> tuple[float,
     seconds = time.perf_counter() - start
     rt.loop.remove_client(runner)
     results = [h.result for h in handles]
-    return seconds, [(r.pred, r.agg_scores[r.chosen]) for r in results]
+    return seconds, [(r.pred, r.agg_scores[r.chosen], r.completions[r.chosen]) for r in results]
 
 
 # ---- served --------------------------------------------------------------------------------
-async def served(url: str, args, questions: list[str], seed0: int) -> tuple[float, list[tuple[str | None, float]]]:
+async def served(url: str, args, questions: list[str], seed0: int) -> tuple[float, list[Result]]:
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         start = time.perf_counter()
         replies = await asyncio.gather(*(client.post("/v1/search", json=body_for(args, q, seed0 + i))
@@ -88,7 +96,19 @@ async def served(url: str, args, questions: list[str], seed0: int) -> tuple[floa
         seconds = time.perf_counter() - start
     for reply in replies:
         reply.raise_for_status()
-    return seconds, [(r.json()["answer"], r.json()["score"]) for r in replies]
+    bodies = [r.json() for r in replies]
+    return seconds, [(b["answer"], b["score"], b["completion"]) for b in bodies]
+
+
+def differences(questions: list[str], offline_results: list[Result], served_results: list[Result]) -> list[dict]:
+    """Every problem whose served result is not the offline one: another answer or completion, or a
+    score further than SCORE_TOLERANCE from the offline one."""
+    rows = []
+    for question, off, srv in zip(questions, offline_results, served_results):
+        if (off[0], off[2]) != (srv[0], srv[2]) or abs(off[1] - srv[1]) > SCORE_TOLERANCE:
+            rows.append({"question": question, "offline": off, "served": srv, "same_answer": off[0] == srv[0],
+                         "same_completion": off[2] == srv[2], "score_difference": abs(off[1] - srv[1])})
+    return rows
 
 
 async def ttft(client: httpx.AsyncClient) -> float:
@@ -142,20 +162,29 @@ def main() -> int:
               f"dtype {args.dtype}, {os.cpu_count()} CPUs")
         offline(rt, args, questions, 0)  # warm-up, untimed: first-use kernel and allocator set-up on both sides
         asyncio.run(served(url, args, questions, 0))
-        rows, mismatches = [], 0
+        rows, mismatches, differing, largest_rounding = [], 0, [], 0.0
         for repeat in range(args.repeats):
             seed0 = SEEDS_PER_REPEAT * (repeat + 1)  # new searches each repeat: no score-cache reuse across them
             off_s, off_results = offline(rt, args, questions, seed0)
             srv_s, srv_results = asyncio.run(served(url, args, questions, seed0))
-            same = sum(a == b for a, b in zip(off_results, srv_results))
-            mismatches += len(questions) - same
+            diff = differences(questions, off_results, srv_results)
+            same = len(questions) - len(diff)
+            rounding = max(abs(a[1] - b[1]) for a, b in zip(off_results, srv_results))
+            largest_rounding = max(largest_rounding, rounding)
+            mismatches += len(diff)
+            differing += [d | {"repeat": repeat + 1} for d in diff]
             rows.append({"offline_s": off_s, "served_s": srv_s, "ratio": off_s / srv_s, "same": same})
             print(f"repeat {repeat + 1}: offline {len(questions) / off_s:.3f} problems/s ({off_s:.2f} s), served "
                   f"{len(questions) / srv_s:.3f} problems/s ({srv_s:.2f} s), served / offline {off_s / srv_s:.3f}, "
                   f"equal results {same}/{len(questions)}")
         ratio = statistics.median(r["ratio"] for r in rows)
         print(f"served / offline: {ratio:.3f} (median of {len(rows)} pairs)")
-        print(f"served results equal to offline: {'yes' if mismatches == 0 else f'NO ({mismatches} differ)'}")
+        print(f"served results equal to offline: {'yes' if mismatches == 0 else f'NO ({mismatches} differ)'} (same "
+              f"answers and chosen completions, scores within {SCORE_TOLERANCE:g}; largest score difference "
+              f"{largest_rounding:.1e})")
+        for d in differing:
+            print(f"  repeat {d['repeat']}: answer {d['offline'][0]} -> {d['served'][0]}, score {d['offline'][1]:.9f} -> "
+                  f"{d['served'][1]:.9f}, {'same' if d['same_completion'] else 'another'} completion")
         before = metrics(url)
         idle, loaded = asyncio.run(ttft_under_load(url, args, questions, SEEDS_PER_REPEAT * (args.repeats + 1)))
         after = metrics(url)
@@ -168,7 +197,8 @@ def main() -> int:
         print("metrics counted during the loaded run: " + ", ".join(f"{k} +{v:g}" for k, v in sorted(counted.items())))
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "served_search.json").write_text(json.dumps(
-            {"rows": rows, "ratio": ratio, "mismatches": mismatches, "ttft_idle": idle, "ttft_loaded": loaded,
+            {"rows": rows, "ratio": ratio, "mismatches": mismatches, "differing": differing,
+             "largest_score_difference": largest_rounding, "ttft_idle": idle, "ttft_loaded": loaded,
              "ttft_ratio": ttft_ratio, "metrics_delta": counted}, indent=2))
     finally:
         server.terminate()
