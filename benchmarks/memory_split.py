@@ -24,6 +24,9 @@ from treeserve.model.random_models import make_tiny_model  # noqa: E402
 from treeserve.model.registry import cache_dir  # noqa: E402
 
 SPLITS = [round(0.1 * i, 1) for i in range(1, 10)]
+# The unconstrained run gets this many times the budget: nothing is evicted or preempted, so its
+# throughput is the ceiling that no split and no shared-arena policy can pass on this workload.
+KV_BOUND_FACTOR = 16
 GENERATOR = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=1024)
 VERIFIER = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=8,
@@ -61,10 +64,10 @@ def search(rt: Runtime, questions: list[str], rounds: int, width: int, max_token
     return chosen
 
 
-def run(paths, label: str, args, out: Path, **runtime_options) -> dict:
+def run(paths, label: str, args, out: Path, kv_mib: int | None = None, **runtime_options) -> dict:
     trace = out / f"trace_{label}.jsonl"
     rt = Runtime({k: str(v) for k, v in paths.items()}, dtype="float32", device="cpu",
-                 kv_cache_memory_bytes=args.kv_mib << 20, max_model_len=256, max_num_batched_tokens=1024,
+                 kv_cache_memory_bytes=(kv_mib or args.kv_mib) << 20, max_model_len=256, max_num_batched_tokens=1024,
                  trace_path=trace, **runtime_options)
     questions = problems(args.problems, args.seed)
     start, start_cpu = time.perf_counter(), time.process_time()
@@ -77,6 +80,7 @@ def run(paths, label: str, args, out: Path, **runtime_options) -> dict:
             "cpu_seconds": cpu, "problems_per_cpu_s": len(questions) / cpu,
             "tokens_computed": tokens, "chosen": chosen, "trace": trace.name,
             "preemptions": {n: e.scheduler.num_preemptions for n, e in rt.engines.items()},
+            "tokens_computed_by_model": {n: e.num_tokens_computed for n, e in rt.engines.items()},
             "hit_rate": {n: (s.hits / s.queries if s.queries else 0.0) for n, s in stats.items()},
             "thrash": {n: s.thrash for n, s in stats.items()}, "evictions": {n: s.evictions for n, s in stats.items()}}
 
@@ -92,6 +96,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="runs per configuration (median reported)")
     parser.add_argument("--splits", type=float, nargs="+", default=SPLITS, help="generator fractions to sweep")
     parser.add_argument("--out", type=Path, default=Path("bench_out/memory_split"))
+    parser.add_argument("--no-bound", action="store_true", help="skip the unconstrained run (the ceiling any "
+                        "memory policy could reach: the same search with KV_BOUND_FACTOR x the budget)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     paths = models()
@@ -100,6 +106,8 @@ def main() -> int:
     # noisy machine one run of the same configuration varies by more than the splits differ.
     configs = [(f"static_{split}", dict(kv_mode="static", kv_fractions={"gen": split, "prm": round(1 - split, 1)}))
                for split in args.splits] + [("shared", dict(kv_mode="shared"))]
+    if not args.no_bound:
+        configs.append(("unconstrained", dict(kv_mode="shared", kv_mib=args.kv_mib * KV_BOUND_FACTOR)))
     runs: dict[str, list[dict]] = {label: [] for label, _ in configs}
     for repeat in range(args.repeats):
         for label, options in configs:
@@ -119,7 +127,8 @@ def main() -> int:
     shared = medians["shared"]
     print(f"shared: {shared['problems_per_s']:.3f} problems/s, {shared['problems_per_cpu_s']:.3f} per CPU-s "
           f"(medians of {args.repeats}; {shared['tokens_computed']} "
-          f"tokens computed, hit rate { {k: round(v, 3) for k, v in shared['hit_rate'].items()} })")
+          f"tokens computed {shared['tokens_computed_by_model']}, "
+          f"hit rate { {k: round(v, 3) for k, v in shared['hit_rate'].items()} })")
     best = max(results, key=lambda r: r["problems_per_s"])
     print(f"best static split: gen={best['split']:.1f}")
     same = all(r["chosen"] == shared["chosen"] for rs in runs.values() for r in rs)
@@ -129,7 +138,14 @@ def main() -> int:
     best_cpu = max(results, key=lambda r: r["problems_per_cpu_s"])
     print(f"by CPU time: best static gen={best_cpu['split']:.1f}, "
           f"shared / best static: {shared['problems_per_cpu_s'] / best_cpu['problems_per_cpu_s']:.2f}")
-    summary = {"config": vars(args) | {"out": str(args.out)}, "static": results, "shared": shared}
+    print(f"best static split's tokens computed: {best['tokens_computed_by_model']}")
+    if "unconstrained" in medians:
+        bound = medians["unconstrained"]
+        print(f"unconstrained ({KV_BOUND_FACTOR}x the KV budget): {bound['problems_per_s']:.3f} problems/s, "
+              f"{bound['tokens_computed']} tokens computed {bound['tokens_computed_by_model']}; the ceiling for "
+              f"shared / best static: {bound['problems_per_s'] / best['problems_per_s']:.2f}")
+    summary = {"config": vars(args) | {"out": str(args.out)}, "static": results, "shared": shared,
+               "unconstrained": medians.get("unconstrained")}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
     for figure in plot_all(args.out):
         print(f"wrote {figure}")

@@ -29,6 +29,9 @@ def plot_all(run_dir: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(splits, [r["problems_per_s"] for r in static], "o-", label="static split")
     ax.axhline(shared["problems_per_s"], color="tab:red", linestyle="--", label="shared arena")
+    if summary.get("unconstrained"):
+        ax.axhline(summary["unconstrained"]["problems_per_s"], color="tab:gray", linestyle=":",
+                   label="unconstrained (ceiling)")
     ax.set(xlabel="KV fraction given to the generator", ylabel="problems / s", title="Throughput against memory split")
     ax.legend()
     written.append(_save(fig, run_dir / "throughput_vs_split.png"))

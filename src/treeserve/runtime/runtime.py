@@ -1,7 +1,8 @@
 """Several models in one process and on one device, owning the memory budget between them.
 
-`kv_mode="shared"` (default): every model draws byte pages from one KV arena under one LRU policy,
-so an idle model's cached pages are evictable by a busy one and no split needs tuning.
+`kv_mode="shared"` (default): every model draws byte pages from one KV arena under one eviction
+policy (engine/eviction.py), so an idle model's cached pages are evictable by a busy one and no
+split needs tuning.
 `kv_mode="static"`: each model gets a fixed fraction of the KV budget (the study's setting).
 """
 from __future__ import annotations
