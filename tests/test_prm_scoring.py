@@ -214,3 +214,35 @@ def test_a_tiny_score_cache_evicts_but_every_ticket_gets_its_scores(prm_dir):
     tiny = StepScorer(_engine(prm_dir), score_cache_bytes=600)
     assert _flat(tiny.score_many(items)) == pytest.approx(_flat(reference), abs=1e-5)
     assert tiny.score_cache.num_evictions > 0 and tiny.score_cache.nbytes <= 600
+
+
+def test_a_kept_conversation_whose_score_was_evicted_is_not_forked_past_the_verdict(prm_dir):
+    """Step 1's KV is kept but its score left the cache: scoring steps 1..2 must compute step 1's
+    verdict again, so it cannot fork the kept conversation that already holds that position."""
+    reference = StepScorer(_engine(prm_dir)).score_steps(QUESTION, STEPS[:2])
+    engine = _engine(prm_dir)
+    scorer = StepScorer(engine)
+    scorer.score_steps(QUESTION, STEPS[:1])
+    assert (QUESTION, STEPS[0]) in scorer.kept
+    scorer.score_cache.clear()  # the bounded cache evicted step 1's score
+    assert scorer.score_steps(QUESTION, STEPS[:2]) == pytest.approx(reference, abs=1e-5)
+    scorer.release_all()
+    assert_no_leak(engine)
+
+
+def test_a_ticket_for_steps_in_flight_asks_again_for_a_score_evicted_meanwhile(prm_dir):
+    """A request in flight reads only the steps it claimed (step 2; step 1 was cached). When step
+    1's score is evicted before a second ticket for the same steps arrives, that ticket asks for
+    step 1 itself instead of waiting on a request that will never read it."""
+    reference = StepScorer(_engine(prm_dir)).score_steps(QUESTION, STEPS[:2])
+    engine = _engine(prm_dir)
+    scorer = StepScorer(engine)
+    scorer.score_steps(QUESTION, STEPS[:1])
+    first = scorer.submit([(QUESTION, STEPS[:2])])
+    scorer.score_cache.clear()
+    second = scorer.submit([(QUESTION, STEPS[:2])])
+    scorer.loop.run_until(lambda: first.ready and second.ready)
+    assert first.results()[0] == pytest.approx(reference, abs=1e-5)
+    assert second.results()[0] == pytest.approx(reference, abs=1e-5)
+    scorer.release_all()
+    assert_no_leak(engine)

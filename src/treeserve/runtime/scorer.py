@@ -176,11 +176,12 @@ class StepScorer:
 
     def _submit_uncached(self, items: list[tuple[str, list[str]]]) -> dict[StepKey, str]:
         pending: dict[StepKey, str] = {}
-        in_flight = {key for key, _, _ in self._wanted.values()}
         for question, steps in items:
             key = (question, *steps)
-            if key in pending or key in in_flight:
+            if key in pending:
                 continue
+            # (a request in flight for the same steps claims only what it reads: a step whose score
+            # was evicted from the cache since then is asked for again here)
             if not all(self._answered(key[: i + 2]) for i in range(len(steps))):
                 request_id = self._submit(question, list(steps))
                 if request_id is not None:
@@ -208,7 +209,10 @@ class StepScorer:
         if not wanted:
             return None
         key = key[: readable + 1]
-        parent_key = next((key[:j] for j in range(len(key) - 1, 1, -1) if key[:j] in self.kept), None)
+        # a kept conversation holding a wanted verdict cannot be forked: that position would not be
+        # computed again (its score was evicted from the cache since)
+        longest = min(len(key) - 1, wanted[0] + 1)
+        parent_key = next((key[:j] for j in range(longest, 1, -1) if key[:j] in self.kept), None)
         parent_id = self.kept.get(parent_key) if parent_key else None
         request_id = f"score-{next(_REQUEST_IDS)}"
         self.num_prompt_tokens += len(prm_input.token_ids)
@@ -227,6 +231,8 @@ class StepScorer:
     def _record(self, output) -> None:
         key, wanted, positions = self._wanted.pop(output.request_id)
         self.num_reused_tokens += output.num_cached_tokens
+        if key in self.kept:  # two requests read the same conversation: keep the newer one
+            self.engine.release_kv(self.kept.pop(key))
         self.kept[key] = output.request_id
         self._trim_kept()
         for index in wanted:
