@@ -113,6 +113,28 @@ def test_a_search_that_fails_midway_leaves_no_request_claim_or_block_behind(pair
     assert [r.problem for r in runner.run(QUESTIONS, _config())] == QUESTIONS  # and it searches again
 
 
+def test_a_failure_resuming_one_problem_fails_that_problem_only(pair, monkeypatch):
+    """An error handing a problem its action's result (a progress callback, say) fails that problem
+    and frees its requests; the other problems and the loop go on."""
+    rt = _runtime(pair)
+    runner = SearchRunner(rt.engine("gen"), rt.scorer("prm"), max_problems_in_flight=3)
+    resume, failed = runner._action_result, []
+
+    def fail_once_for_the_first(handle):
+        if handle.question == QUESTIONS[0] and not failed:
+            failed.append(handle)
+            raise RuntimeError("a callback broke")
+        return resume(handle)
+    monkeypatch.setattr(runner, "_action_result", fail_once_for_the_first)
+    handles = [runner.submit(q, _config()) for q in QUESTIONS]
+    rt.loop.run_until(lambda: all(h.done for h in handles))
+    assert str(handles[0].error) == "a callback broke" and handles[0].result is None
+    assert all(h.result is not None and h.error is None for h in handles[1:])
+    rt.release_kept()
+    for engine in rt.engines.values():
+        assert_no_leak(engine)
+
+
 @pytest.mark.parametrize("strategy, verifier_len", [("beam", 96), ("best_of_n", 64)])
 def test_long_searches_score_what_the_verifier_can_read_in_both_modes(pair, strategy, verifier_len):
     """A verifier shorter than the conversations: the steps past its length score 0 and the

@@ -146,7 +146,7 @@ class SearchRunner:
                 progressed = True
             for handle in [h for h in self._in_flight if h.ready]:
                 self._in_flight.remove(handle)
-                self._advance(handle, self._action_result(handle))
+                self._resume(handle)
                 progressed = True
 
     # ---- problem lifecycle -----------------------------------------------------------------
@@ -160,6 +160,16 @@ class SearchRunner:
             return
         handle.strategy = run_strategy(handle.question, handle.config, handle.index)
         self._advance(handle, None)
+
+    def _resume(self, handle: SearchHandle) -> None:
+        """Hands a problem its action's result; a failure there fails that problem only."""
+        try:
+            value = self._action_result(handle)
+        except Exception as exc:
+            self._release(handle)
+            self._fail(handle, exc)
+            return
+        self._advance(handle, value)
 
     def _advance(self, handle: SearchHandle, value) -> None:
         try:

@@ -72,6 +72,9 @@ def serve(args) -> int:
     if not server.started:  # uvicorn could not start (a port in use, say): it logged why
         logging.getLogger(__name__).error("the HTTP server did not start; see the errors above")
         return 1
+    if app.state.engine.errored is not None:  # the loop failed and took HTTP down: a supervisor restarts us
+        logging.getLogger(__name__).error("the engine loop failed (%s); the server stopped", app.state.engine.errored)
+        return 1
     return 0
 
 
