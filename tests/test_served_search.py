@@ -180,6 +180,7 @@ def test_a_client_that_leaves_a_json_search_gets_it_cancelled(served, monkeypatc
     runner = app.state.search_runners["gen"]
     finished = runner.num_finished
     _slow_generator(app, monkeypatch)
+    errors = _server_errors(monkeypatch)
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
         httpx.post(f"{url}/v1/search", json=_body(QUESTIONS[2], 31, num_iterations=10, max_tokens=20), timeout=0.5)
     deadline = time.monotonic() + 30
@@ -187,8 +188,24 @@ def test_a_client_that_leaves_a_json_search_gets_it_cancelled(served, monkeypatc
         time.sleep(0.05)
     assert runner.num_running == 0 and runner.num_waiting == 0, "the abandoned search is still running"
     assert runner.num_finished == finished, "it ran to the end instead of being cancelled"
+    time.sleep(0.2)
+    assert errors == [], "a client leaving is not a server error"
     _idle(app)
     _assert_only_kept_blocks(app)
+
+
+def _server_errors(monkeypatch) -> list[str]:
+    """Messages uvicorn logs at ERROR or above while the test runs (an exception escaping the app)."""
+    import logging
+
+    errors: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            errors.append(record.getMessage())
+    logger = logging.getLogger("uvicorn.error")
+    monkeypatch.setattr(logger, "handlers", [*logger.handlers, Keep(logging.ERROR)])
+    return errors
 
 
 def _slow_generator(app, monkeypatch) -> None:
@@ -204,3 +221,27 @@ def _slow_generator(app, monkeypatch) -> None:
         time.sleep(0.05)
         return step()
     monkeypatch.setattr(gen, "step", slow_step)
+
+
+def test_a_client_that_leaves_while_its_search_is_being_submitted_gets_it_cancelled(served, monkeypatch):
+    """The client is gone before the engine thread hands back the submitted search: the search it
+    submitted is cancelled all the same, not run to the end for nobody."""
+    url, app = served
+    runner = app.state.search_runners["gen"]
+    finished, submit = runner.num_finished, runner.submit
+
+    def slow_submit(*args, **kwargs):  # the engine thread is busy past the client's patience
+        time.sleep(1.0)
+        return submit(*args, **kwargs)
+    monkeypatch.setattr(runner, "submit", slow_submit)
+    _slow_generator(app, monkeypatch)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/search", json=_body(QUESTIONS[0], 41, num_iterations=10, max_tokens=20), timeout=0.3)
+    deadline = time.monotonic() + 30
+    time.sleep(1.5)  # the submission has run on the engine thread by now
+    while (runner.num_running or runner.num_waiting) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert runner.num_running == 0 and runner.num_waiting == 0, "the abandoned search is still running"
+    assert runner.num_finished == finished, "it ran to the end instead of being cancelled"
+    _idle(app)
+    _assert_only_kept_blocks(app)

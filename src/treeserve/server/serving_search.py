@@ -128,11 +128,19 @@ class SearchServing:
         def on_done(handle: SearchHandle) -> None:
             self.engine.push(stream_id, handle.error or handle.result, final=True)
 
+        submitted: list[SearchHandle] = []
+
         def submit() -> SearchHandle | None:
             if self._queue_full():  # on the engine thread, so concurrent requests cannot overshoot
                 return None
             on_progress = (lambda p: self.engine.push(stream_id, p.as_event())) if progress else None
-            return self.runner.submit(question, config, scorer=scorer, on_done=on_done, on_progress=on_progress)
+            submitted.append(self.runner.submit(question, config, scorer=scorer, on_done=on_done,
+                                                on_progress=on_progress))
+            return submitted[0]
+
+        def cancel() -> None:  # posted after `submit`, so it runs after it on the engine thread
+            for search in submitted:
+                self.runner.cancel(search)
         handle = None
         try:
             handle = await self.engine.run_job(submit)
@@ -145,9 +153,9 @@ class SearchServing:
             raise from_value_error(exc) from exc
         finally:
             self.engine.close_stream(stream_id)
-            if handle is not None and not handle.done:
+            if handle is None or not handle.done:  # None: the client left before the submission came back
                 with contextlib.suppress(RuntimeError):  # a dead engine has nothing left to cancel
-                    self.engine.post(lambda: self.runner.cancel(handle))
+                    self.engine.post(cancel)
 
     async def _wait_for_result(self, events: AsyncIterator, request: Request) -> SearchResult:
         """The result; a client that disconnects first gets its search cancelled."""
@@ -161,7 +169,12 @@ class SearchServing:
             await asyncio.wait({result, left}, return_when=asyncio.FIRST_COMPLETED)
             if not result.done():
                 result.cancel()
-            return await result
+                with contextlib.suppress(asyncio.CancelledError):
+                    await result
+                # nobody reads this answer; it ends the request without an error in the server's log
+                raise APIError(499, "the client closed the request before its search finished",
+                               code="client_closed_request")
+            return result.result()
         finally:
             left.cancel()
             with contextlib.suppress(BaseException):
