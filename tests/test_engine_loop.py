@@ -97,3 +97,19 @@ def test_an_interactive_request_is_admitted_ahead_of_queued_search_work(tiny_mod
     loop.run_until(lambda: not loop.has_unfinished_requests())
     order = [o.request_id for o in finished if o.finished]
     assert order.index("chat") < order.index("c") and order.index("chat") < order.index("d")
+
+
+def test_the_servers_queue_bound_counts_interactive_requests_only(tiny_model_dirs):
+    """`--max-queue` refuses chats past a number of waiting chats; search samples and verifier work
+    waiting behind them (priority 1) have their own bound and must not make a chat get 429."""
+    from treeserve.engine.async_engine import AsyncLLMEngine
+    from treeserve.engine.request import BACKGROUND_PRIORITY
+
+    engine = LLM(str(tiny_model_dirs["llama"]), dtype="float32", device="cpu", kv_cache_memory_bytes=8 << 20,
+                 max_model_len=256).engine
+    served = AsyncLLMEngine(engine, max_queue=2, start_thread=False)
+    for i in range(5):
+        engine.add_request(f"search-{i}", [1, 2, 3], SamplingParams(max_tokens=2), priority=BACKGROUND_PRIORITY)
+    assert served.num_waiting() == 0
+    engine.add_request("chat-0", [1, 2, 3], SamplingParams(max_tokens=2))
+    assert served.num_waiting() == 1

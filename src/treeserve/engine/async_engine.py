@@ -20,6 +20,7 @@ from typing import Any, AsyncIterator, Callable
 
 from treeserve.engine.engine_loop import EngineLoop
 from treeserve.engine.llm_engine import LLMEngine
+from treeserve.engine.request import BACKGROUND_PRIORITY
 from treeserve.outputs import RequestOutput
 from treeserve.sampling_params import SamplingParams
 
@@ -74,9 +75,11 @@ class AsyncLLMEngine:
         return f"{prefix}-{next(self._ids)}"
 
     def num_waiting(self) -> int:
+        """Interactive requests waiting (search samples and verifier work queue on their own bound)."""
         with self._lock:
             queued = len(self._inbox)
-        return sum(len(e.scheduler.waiting) for e in self.engines.values()) + queued
+        return queued + sum(1 for e in self.engines.values() for r in list(e.scheduler.waiting)
+                            if r.priority < BACKGROUND_PRIORITY)
 
     async def run_job(self, fn: Callable[[], Any]) -> Any:
         """Runs `fn` on the engine thread between steps and returns its result. For short calls

@@ -14,6 +14,7 @@ class KeptSequences:
     def __init__(self, kv: KVCacheManager | None = None):
         self.kv = kv
         self.sequences: OrderedDict[str, Request] = OrderedDict()
+        self._block_refs: dict[int, int] = {}  # block id -> kept sequences holding it
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.sequences
@@ -26,6 +27,8 @@ class KeptSequences:
 
     def keep(self, request_id: str, request: Request) -> None:
         self.sequences[request_id] = request
+        for block in self.kv.block_tables.get(request.request_id, []):
+            self._block_refs[block.block_id] = self._block_refs.get(block.block_id, 0) + 1
 
     def parent(self, parent_id: str | None, prompt_token_ids: list[int]) -> Request | None:
         """The kept sequence that the prompt extends; None when it was released (the prefix cache
@@ -45,6 +48,10 @@ class KeptSequences:
         """Frees a kept sequence's blocks (its full blocks stay prefix-cached)."""
         request = self.sequences.pop(request_id, None)
         if request is not None:
+            for block in self.kv.block_tables.get(request.request_id, []):
+                left = self._block_refs.pop(block.block_id) - 1
+                if left:
+                    self._block_refs[block.block_id] = left
             self.kv.free(request)
 
     def release_oldest(self) -> bool:
@@ -54,5 +61,6 @@ class KeptSequences:
         return True
 
     def num_blocks(self) -> int:
-        """Blocks the kept sequences hold (a block shared by two counts once)."""
-        return len({id(b) for r in self.sequences.values() for b in self.kv.block_tables.get(r.request_id, [])})
+        """Blocks the kept sequences hold (a block shared by two counts once). Kept up to date as
+        sequences come and go, so reading it from another thread (a metrics scrape) is safe."""
+        return len(self._block_refs)
