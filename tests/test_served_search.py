@@ -183,15 +183,19 @@ def test_a_client_that_leaves_a_json_search_gets_it_cancelled(served, monkeypatc
     errors = _server_errors(monkeypatch)
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
         httpx.post(f"{url}/v1/search", json=_body(QUESTIONS[2], 31, num_iterations=10, max_tokens=20), timeout=0.5)
-    deadline = time.monotonic() + 30
-    while (runner.num_running or runner.num_waiting) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _wait_for_no_search(runner)
     assert runner.num_running == 0 and runner.num_waiting == 0, "the abandoned search is still running"
     assert runner.num_finished == finished, "it ran to the end instead of being cancelled"
     time.sleep(0.2)
     assert errors == [], "a client leaving is not a server error"
     _idle(app)
     _assert_only_kept_blocks(app)
+
+
+def _wait_for_no_search(runner, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while (runner.num_running or runner.num_waiting) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _server_errors(monkeypatch) -> list[str]:
@@ -237,10 +241,8 @@ def test_a_client_that_leaves_while_its_search_is_being_submitted_gets_it_cancel
     _slow_generator(app, monkeypatch)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{url}/v1/search", json=_body(QUESTIONS[0], 41, num_iterations=10, max_tokens=20), timeout=0.3)
-    deadline = time.monotonic() + 30
     time.sleep(1.5)  # the submission has run on the engine thread by now
-    while (runner.num_running or runner.num_waiting) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _wait_for_no_search(runner)
     assert runner.num_running == 0 and runner.num_waiting == 0, "the abandoned search is still running"
     assert runner.num_finished == finished, "it ran to the end instead of being cancelled"
     _idle(app)
