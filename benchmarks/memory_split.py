@@ -10,6 +10,7 @@ throughput for each and `shared / best static: X.XX`; writes per-step traces and
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import sys
@@ -70,6 +71,7 @@ def run(paths, label: str, args, out: Path, kv_mib: int | None = None, **runtime
                  kv_cache_memory_bytes=(kv_mib or args.kv_mib) << 20, max_model_len=256, max_num_batched_tokens=1024,
                  trace_path=trace, **runtime_options)
     questions = problems(args.problems, args.seed)
+    gc.collect()  # the runs before this one leave garbage: its collection is not this run's work
     start, start_cpu = time.perf_counter(), time.process_time()
     chosen = search(rt, questions, args.rounds, args.width, args.max_tokens)
     elapsed, cpu = time.perf_counter() - start, time.process_time() - start_cpu
@@ -93,7 +95,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--kv-mib", type=int, default=16, help="KV budget shared by both models, MiB")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeats", type=int, default=3, help="runs per configuration (median reported)")
+    parser.add_argument("--repeats", type=int, default=5, help="runs per configuration (median reported)")
     parser.add_argument("--splits", type=float, nargs="+", default=SPLITS, help="generator fractions to sweep")
     parser.add_argument("--out", type=Path, default=Path("bench_out/memory_split"))
     parser.add_argument("--no-bound", action="store_true", help="skip the unconstrained run (the ceiling any "
@@ -103,14 +105,16 @@ def main() -> int:
     paths = models()
 
     # Every configuration runs `repeats` times, interleaved, and keeps its median run: on a shared,
-    # noisy machine one run of the same configuration varies by more than the splits differ.
+    # noisy machine one run of the same configuration varies by more than the splits differ (and
+    # the first run after a configuration change was seen to be slower, whichever it was).
     configs = [(f"static_{split}", dict(kv_mode="static", kv_fractions={"gen": split, "prm": round(1 - split, 1)}))
                for split in args.splits] + [("shared", dict(kv_mode="shared"))]
     if not args.no_bound:
         configs.append(("unconstrained", dict(kv_mode="shared", kv_mib=args.kv_mib * KV_BOUND_FACTOR)))
     runs: dict[str, list[dict]] = {label: [] for label, _ in configs}
     for repeat in range(args.repeats):
-        for label, options in configs:
+        # a new order each repeat (seeded): no configuration always runs first, or after the same one
+        for label, options in random.Random(repeat).sample(configs, len(configs)):
             runs[label].append(run(paths, label, args, args.out, **options))
         print(f"repeat {repeat + 1}/{args.repeats} done", flush=True)
     medians = {label: sorted(rs, key=lambda r: r["problems_per_s"])[len(rs) // 2] for label, rs in runs.items()}
@@ -144,12 +148,25 @@ def main() -> int:
         print(f"unconstrained ({KV_BOUND_FACTOR}x the KV budget): {bound['problems_per_s']:.3f} problems/s, "
               f"{bound['tokens_computed']} tokens computed {bound['tokens_computed_by_model']}; the ceiling for "
               f"shared / best static: {bound['problems_per_s'] / best['problems_per_s']:.2f}")
+    print_pairs(runs, f"static_{best['split']}")
     summary = {"config": vars(args) | {"out": str(args.out)}, "static": results, "shared": shared,
-               "unconstrained": medians.get("unconstrained")}
+               "unconstrained": medians.get("unconstrained"),
+               "problems_per_s_by_repeat": {label: [r["problems_per_s"] for r in rs] for label, rs in runs.items()}}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
     for figure in plot_all(args.out):
         print(f"wrote {figure}")
     return 0
+
+
+def print_pairs(runs: dict[str, list[dict]], best: str) -> None:
+    """Each repeat's shared run against the same repeat's best-split run: runs close in time see
+    the same machine, so the median of these ratios is less noisy than a ratio of medians."""
+    ratios = sorted(s["problems_per_s"] / b["problems_per_s"] for s, b in zip(runs["shared"], runs[best]))
+    print(f"shared / {best} by repeat: {', '.join(f'{r:.2f}' for r in ratios)} "
+          f"(median {ratios[len(ratios) // 2]:.2f})")
+    for label, rs in runs.items():
+        rates = ", ".join(f"{r['problems_per_s']:.2f}" for r in rs)
+        print(f"  {label}: {rates} problems/s")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The shared arena's eviction policy (engine/eviction.py) and the bounded thrash detector."""
 from treeserve.engine.block_pool import BlockPool
-from treeserve.engine.eviction import ThrashWindow
+from treeserve.engine.eviction import FLOOR, ThrashWindow
 
 
 def _cached(pool, owner, count, tag, shared=False):
@@ -66,3 +66,54 @@ def test_the_pools_thrash_detector_stays_bounded_under_a_long_stream_of_eviction
     assert pool.stats.evictions >= 1_900
     assert pool.thrash_window_size <= pool.thrash_window.capacity
     assert pool.was_evicted(bytes([499 % 256, 3]) * 16)  # the latest evictions are remembered
+
+
+def test_blocks_that_waiting_requests_want_are_evicted_last_and_return_to_their_tier():
+    pool = BlockPool(6)
+    pool.add_owner("prm")
+    wanted = _cached(pool, "prm", 2, 1)   # the prefix of a queued request
+    pool.set_wanted("prm", wanted)
+    other = _cached(pool, "prm", 2, 2)    # freed later, so LRU alone would evict `wanted` first
+    taken = pool.allocate(4, "prm")       # 2 empty, then `other`, never `wanted`
+    assert {b.block_id for b in wanted} == _cached_ids(pool, "prm")
+    assert not any(b in taken for b in wanted)
+    pool.free(reversed(taken))
+    pool.set_wanted("prm", [])            # the request ran or left: plain LRU again
+    assert all(b.wanted_by is None for b in wanted)
+    assert set(pool.allocate(6, "prm")) >= set(wanted)  # with nothing else left, they go too
+
+
+def test_wanted_blocks_of_a_model_over_its_share_go_before_another_models_shared_prefixes():
+    pool = BlockPool(8)
+    pool.add_owner("gen"), pool.add_owner("prm")
+    stem = _cached(pool, "gen", 2, 1, shared=True)  # within gen's share (4 of 8)
+    queued = _cached(pool, "prm", 6, 2)
+    pool.set_wanted("prm", queued)                  # prm holds 6: over its share
+    pool.allocate(2, "prm")                          # prm's own wanted blocks give way, not gen's stem
+    assert {b.block_id for b in stem} == _cached_ids(pool, "gen")
+    assert len(_cached_ids(pool, "prm")) == 4
+
+
+def test_a_wanted_block_in_use_is_queued_as_wanted_when_freed():
+    pool = BlockPool(4)
+    held = _cached(pool, "prm", 2, 1)
+    pool.touch(held)                     # a running request holds them
+    pool.set_wanted("prm", held)         # and a waiting one will hit them
+    pool.free(reversed(held))            # freed first: plain LRU would take them next
+    later = _cached(pool, "prm", 2, 2, shared=True)  # the same tier, freed later
+    taken = pool.allocate(2, "prm")
+    assert {b.block_id for b in taken} == {b.block_id for b in later}
+
+
+def test_queued_work_takes_another_models_shared_prefixes_down_to_its_floor_only():
+    pool = BlockPool(16)
+    pool.add_owner("gen"), pool.add_owner("prm")
+    _cached(pool, "gen", 7, 1, shared=True)       # gen: 7 of its share of 8
+    queued = _cached(pool, "prm", 9, 2)           # prm's prefixes that waiting requests will hit
+    pool.set_wanted("prm", queued)
+    floor = int(8 * FLOOR)
+    assert pool.num_free_before_wanted("prm") == 7 - floor
+    pool.allocate(7 - floor, "prm")               # gen's stem gives way first, down to its floor
+    assert len(_cached_ids(pool, "gen")) == floor and len(_cached_ids(pool, "prm")) == 9
+    pool.allocate(1, "prm")                        # then prm's own queued prefixes, not gen's floor
+    assert len(_cached_ids(pool, "gen")) == floor and len(_cached_ids(pool, "prm")) == 8

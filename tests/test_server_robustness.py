@@ -207,5 +207,6 @@ def test_metrics_move_after_a_request(server):
                  "treeserve:num_preemptions_total", "treeserve:prefix_cache_hits_total",
                  "treeserve:prefix_cache_evictions_total", "treeserve:prefix_cache_thrash_total",
                  "treeserve:inter_token_latency_seconds_count", "treeserve:request_queue_time_seconds_count",
-                 "treeserve:request_prefill_time_seconds_count", "treeserve:request_decode_time_seconds_count"):
+                 "treeserve:request_prefill_time_seconds_count", "treeserve:request_decode_time_seconds_count",
+                 "treeserve:kv_blocks_wanted"):
         assert name in after, name

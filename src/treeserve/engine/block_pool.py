@@ -41,6 +41,7 @@ class BlockPool:
         self.stats = PrefixCacheStats()  # all owners together
         self.stats_by_owner: dict[str, PrefixCacheStats] = {}
         self.in_use_by_owner: dict[str, int] = {}  # blocks with ref_count > 0, by owner
+        self.wanted_by_owner: dict[str, list[KVBlock]] = {}  # cached blocks waiting requests will hit
         # Frees one sequence kept pinned for later forks, the requesting owner's first (False if none).
         # Tried before any shared prefix is evicted: a released sequence loses at most its partly
         # filled tail block, and its blocks nobody shared become the next victims instead.
@@ -53,6 +54,15 @@ class BlockPool:
     @property
     def num_free(self) -> int:
         return len(self.free_blocks)
+
+    def num_wanted_by(self, owner: str) -> int:
+        """Cached blocks (free or in use) that the owner's waiting requests will hit."""
+        return len(self.wanted_by_owner.get(owner, ()))
+
+    def num_free_before_wanted(self, owner: str) -> int:
+        """Free blocks an allocation by `owner` takes before evicting a prefix that a waiting
+        request is about to reuse."""
+        return self.free_blocks.num_before_wanted(owner, self.in_use_by_owner)
 
     @property
     def num_cached_free(self) -> int:
@@ -117,6 +127,7 @@ class BlockPool:
             while self.free_blocks.next_is_shared() and self.reclaim(owner):
                 pass
             block = self.free_blocks.pop(owner, self.in_use_by_owner)
+            block.wanted_by = None
             self._evict(block)
             block.ref_count = 1
             block.owner = owner
@@ -124,6 +135,18 @@ class BlockPool:
             self._count_in_use(block, 1)
             taken.append(block)
         return taken
+
+    def set_wanted(self, owner: str, blocks: list[KVBlock]) -> None:
+        """The cached blocks that `owner`'s waiting requests will hit (replacing the last set): free
+        ones are evicted only when nothing else is left, so queued work finds its prefixes."""
+        keep = {b.block_id for b in blocks}
+        for block in self.wanted_by_owner.get(owner, ()):
+            if block.block_id not in keep:
+                self.free_blocks.unwant(block, owner)
+        for block in blocks:
+            if block.wanted_by != owner:
+                self.free_blocks.want(block, owner)
+        self.wanted_by_owner[owner] = list(blocks)
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is None:
@@ -156,5 +179,6 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.free_blocks.forget_hashes()
+        self.wanted_by_owner.clear()
         self.cached.clear()
         return True

@@ -12,3 +12,4 @@ class KVBlock:
     owner: str = ""  # which model's data the block holds (a pool can be shared by several models)
     reused: bool = False  # a second request took it (prefix hit or fork) since it was filled
     freed_at: int = 0     # when its last reference was dropped (orders the free queues)
+    wanted_by: str | None = None  # the model whose waiting requests will hit this block (evicted last)

@@ -48,12 +48,20 @@ class KVCacheManager:
     def can_allocate(self, request: Request, num_new_tokens: int, prefix: CachedPrefix | None = None) -> bool:
         return self._shortfall(request, num_new_tokens, prefix) <= 0
 
-    def _shortfall(self, request: Request, num_new_tokens: int, prefix: CachedPrefix | None) -> int:
+    def fits_without_wanted(self, request: Request, num_new_tokens: int, prefix: CachedPrefix | None = None) -> bool:
+        """True when the slots can be had without evicting a prefix that waiting requests will hit."""
+        return self._shortfall(request, num_new_tokens, prefix, spare_wanted=True) <= 0
+
+    def _shortfall(self, request: Request, num_new_tokens: int, prefix: CachedPrefix | None,
+                   spare_wanted: bool = False) -> int:
         table = self.block_tables.get(request.request_id, [])
         prefix = prefix or CachedPrefix()
         computed = request.num_computed_tokens + prefix.num_tokens
         new_blocks = self._blocks_for(computed + num_new_tokens) - len(table) - len(prefix.blocks)
         cow = 1 if self._shared_tail_index(table, computed) is not None else 0
+        if spare_wanted:  # the prefix's own wanted blocks are not counted as free: nothing to subtract
+            reusable_free = sum(1 for b in prefix.blocks if b.ref_count == 0 and b.wanted_by is None)
+            return max(new_blocks, 0) + cow - (self.pool.num_free_before_wanted(self.owner) - reusable_free)
         reusable_free = sum(1 for b in prefix.blocks if b.ref_count == 0)
         return max(new_blocks, 0) + cow - (self.pool.num_free - reusable_free)
 

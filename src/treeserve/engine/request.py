@@ -52,6 +52,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    num_passed_over: int = 0            # times later waiting requests were admitted first (cache-aware order)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     generator: torch.Generator | None = None

@@ -8,13 +8,19 @@ blocks run out, the most recently admitted running request is preempted and late
 """
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
 from treeserve.engine.kv_cache_manager import KVCacheManager
-from treeserve.engine.request import Request, RequestStatus
+from treeserve.engine.request import BACKGROUND_PRIORITY, Request, RequestStatus
+
+# Waiting requests considered for reordering each step (SGLang also stops ranking past a long queue).
+LPM_WINDOW = 256
+# Times a background request may be passed over by later ones with longer cached prefixes.
+MAX_PASSED_OVER = 32
 
 
 @dataclass
@@ -69,6 +75,8 @@ class Scheduler:
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
+        if not self.waiting:
+            self._forget_wanted()
         out.block_copies = self.kv.take_pending_copies()
         return out
 
@@ -92,28 +100,94 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         in_flight = self._blocks_in_flight()
-        index = 0
-        while index < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[index]
+        order = self._admission_order()
+        admitted: list[int] = []
+        for position, request in order:
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            num_new = self._admit(request, budget, in_flight)
+            if num_new is None:
+                continue  # it waits: for a prefix a running request computes, or to spare queued hits
+            if num_new is False:
+                break
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+            admitted.append(position)
+        self._count_passed_over(order, admitted)
+
+    def _admit(self, request: Request, budget: int, in_flight: set[bytes]):
+        """Moves a waiting request to running: its number of tokens scheduled, None when it should
+        wait (for a prefix in flight, or to spare what queued work will hit), False when KV blocks
+        are short."""
+        while True:
             prefix = self.kv.find_cached_prefix(request) if request.num_computed_tokens == 0 else None
             cached = prefix.num_tokens if prefix else 0
             if prefix is not None and self._next_block_in(request, cached, in_flight):
-                index += 1  # a running request is computing this prefix: wait and hit the cache
-                continue
+                return None
             num_new = min(request.num_tokens - request.num_computed_tokens - cached, budget)
-            if not self.kv.allocate_slots(request, num_new, prefix):
-                if self.reclaim() or (not self.running and self._unpin_waiting()):
+            if not self.kv.can_allocate(request, num_new, prefix):
+                if self.reclaim() or (not self.running and self._unpin_waiting(request)):
                     continue
+                return False
+            if self._spares_wanted(request, num_new, prefix):
+                self.kv.allocate_slots(request, num_new, prefix)
                 break
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = time.monotonic()
-                request.num_cached_tokens += cached  # a fork arrives with its parent's tokens counted
-            del self.waiting[index]
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            out.scheduled.append(ScheduledRequest(request, num_new))
-            budget -= num_new
-            in_flight.update(self._uncomputed_prompt_blocks(request))
+            if not self.reclaim():
+                return None  # it waits a step; requests behind it that fit may go
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+            request.num_cached_tokens += cached  # a fork arrives with its parent's tokens counted
+        self.waiting.remove(request)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        in_flight.update(self._uncomputed_prompt_blocks(request))
+        return num_new
+
+    def _spares_wanted(self, request: Request, num_new: int, prefix) -> bool:
+        """Background work is not admitted by evicting prefixes that other waiting requests will hit
+        while something runs: it waits a step for the running requests to free their blocks (a
+        verifier request lives one step) instead of destroying queued work's cache hits."""
+        if request.priority < BACKGROUND_PRIORITY or not self.running or request.num_passed_over >= MAX_PASSED_OVER:
+            return True
+        return self.kv.fits_without_wanted(request, num_new, prefix)
+
+    def _admission_order(self) -> list[tuple[int, Request]]:
+        """Waiting requests in the order to try them, each with its place in the queue; marks the
+        cached blocks they will hit as wanted (evicted last).
+
+        Interactive requests keep arrival order. Background work (search and verifier requests) of
+        one priority goes longest cached prefix first (SGLang's LPM): a search asks for many
+        requests at once, and serving the ones whose prefixes are still cached before the others
+        evict them turns a cyclic sweep (every lookup a miss) into hits. A request passed over
+        MAX_PASSED_OVER times goes first, so none waits forever."""
+        window = list(itertools.islice(self.waiting, LPM_WINDOW))
+        if not self.kv.pool.enable_caching:
+            return list(enumerate(window))
+        cached, wanted = [], []
+        for request in window:
+            if request.num_computed_tokens:  # a fork: it holds its parent's blocks already
+                cached.append(request.num_computed_tokens)
+                continue
+            prefix = self.kv.find_cached_prefix(request)
+            cached.append(prefix.num_tokens)
+            wanted.extend(prefix.blocks)
+        self.kv.pool.set_wanted(self.kv.owner, wanted)
+        return sorted(enumerate(window), key=lambda item: self._rank(*item, cached[item[0]]))
+
+    @staticmethod
+    def _rank(position: int, request: Request, cached: int) -> tuple:
+        if request.priority < BACKGROUND_PRIORITY or request.num_passed_over >= MAX_PASSED_OVER:
+            return (request.priority, 0, 0, position)
+        return (request.priority, 1, -cached, position)
+
+    @staticmethod
+    def _count_passed_over(order: list[tuple[int, Request]], admitted: list[int]) -> None:
+        if not admitted:
+            return
+        last = max(admitted)
+        for position, request in order:
+            if position < last and position not in admitted and request.status != RequestStatus.RUNNING:
+                request.num_passed_over += 1
 
     def _blocks_in_flight(self) -> set[bytes]:
         """Hashes of prompt blocks that running requests have yet to compute.
@@ -139,13 +213,13 @@ class Scheduler:
             return False
         return request.ensure_block_hashes(index + 1, size)[index] in in_flight
 
-    def _unpin_waiting(self) -> bool:
+    def _unpin_waiting(self, admitting: Request) -> bool:
         """Frees the blocks of a waiting request that holds some (a fork not yet run), newest first.
 
         Only used when nothing runs: forks waiting to start could otherwise pin every block.
         """
-        for request in reversed(list(self.waiting)[1:]):
-            if self.kv.block_tables.get(request.request_id):
+        for request in reversed(self.waiting):
+            if request is not admitting and self.kv.block_tables.get(request.request_id):
                 self.kv.free(request)
                 request.num_computed_tokens = 0
                 request.num_cached_tokens = 0  # it will look the prefix up afresh
@@ -153,6 +227,10 @@ class Scheduler:
                 self.num_preemptions += 1
                 return True
         return False
+
+    def _forget_wanted(self) -> None:
+        if self.kv.pool.wanted_by_owner.get(self.kv.owner):
+            self.kv.pool.set_wanted(self.kv.owner, [])
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
@@ -173,5 +251,7 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+            if not self.waiting:
+                self._forget_wanted()
         if not keep_blocks:
             self.kv.free(request)

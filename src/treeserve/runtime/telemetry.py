@@ -22,7 +22,7 @@ def cache_snapshot(engine: LLMEngine) -> dict:
             cached += 1
     stats = engine.kv.stats
     return {"blocks_in_use": in_use, "blocks_cached": cached, "blocks_free": pool.num_free,
-            "blocks_total": pool.num_blocks, "prefix_queries": stats.queries, "prefix_hits": stats.hits,
+            "blocks_total": pool.num_blocks, "blocks_wanted": pool.num_wanted_by(owner), "prefix_queries": stats.queries, "prefix_hits": stats.hits,
             "evictions": stats.evictions, "thrash": stats.thrash, "preemptions": engine.scheduler.num_preemptions}
 
 

@@ -67,6 +67,8 @@ class EngineMetrics:
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of the KV pool's blocks this model holds (1 = full).")
         self.kv_blocks_in_use = gauge("kv_blocks_in_use", "KV blocks (pages) this model's requests hold.")
         self.kv_blocks_free = gauge("kv_blocks_free", "Free KV blocks in the pool (shared pools: all models').")
+        self.kv_blocks_wanted = gauge("kv_blocks_wanted", "Cached KV blocks this model's waiting requests "
+                                      "will hit (evicted last).")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.prefix_evictions = counter("prefix_cache_evictions", "Cached KV blocks evicted for new data.")
@@ -123,6 +125,7 @@ class EngineMetrics:
         self.kv_usage.set(in_use / pool.num_blocks)
         self.kv_blocks_in_use.set(in_use)
         self.kv_blocks_free.set(pool.num_free)
+        self.kv_blocks_wanted.set(pool.num_wanted_by(engine.kv.owner))
         self.thrash_window.set(pool.thrash_window_size)
         stats, last = engine.kv.stats.snapshot(), self._last_stats
         self.prefix_queries.inc(stats.queries - last.queries)
