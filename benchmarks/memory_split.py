@@ -67,7 +67,7 @@ def search(rt: Runtime, questions: list[str], rounds: int, width: int, max_token
 
 def run(paths, label: str, args, out: Path, kv_mib: int | None = None, **runtime_options) -> dict:
     trace = out / f"trace_{label}.jsonl"
-    rt = Runtime({k: str(v) for k, v in paths.items()}, dtype="float32", device="cpu",
+    rt = Runtime({k: str(v) for k, v in paths.items()}, dtype="float32", device=args.device,
                  kv_cache_memory_bytes=(kv_mib or args.kv_mib) << 20, max_model_len=256, max_num_batched_tokens=1024,
                  trace_path=trace, **runtime_options)
     questions = problems(args.problems, args.seed)
@@ -95,6 +95,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--kv-mib", type=int, default=16, help="KV budget shared by both models, MiB")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--repeats", type=int, default=5, help="runs per configuration (median reported)")
     parser.add_argument("--splits", type=float, nargs="+", default=SPLITS, help="generator fractions to sweep")
     parser.add_argument("--out", type=Path, default=Path("bench_out/memory_split"))
