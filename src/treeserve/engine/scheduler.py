@@ -2,9 +2,10 @@
 
 There are no prefill or decode phases: each step, every scheduled request closes as much of the
 gap between its known tokens and its computed tokens as the budget allows. Running requests go
-first (FCFS); waiting ones are admitted, by priority and then in arrival order (an interactive
-request goes ahead of queued search work), while budget, sequence slots and KV blocks last. When
-blocks run out, the most recently admitted running request is preempted and later recomputed.
+first (FCFS); waiting ones are admitted by priority (an interactive request goes ahead of queued
+search work), interactive ones in arrival order and background ones longest cached prefix first,
+while budget, sequence slots and KV blocks last. When blocks run out, the most recently admitted
+running request is preempted and later recomputed.
 """
 from __future__ import annotations
 
@@ -182,11 +183,12 @@ class Scheduler:
 
     @staticmethod
     def _count_passed_over(order: list[tuple[int, Request]], admitted: list[int]) -> None:
+        """Each waiting request that a later one (in arrival order) went ahead of counts one more."""
         if not admitted:
             return
-        last = max(admitted)
+        last, taken = max(admitted), set(admitted)
         for position, request in order:
-            if position < last and position not in admitted and request.status != RequestStatus.RUNNING:
+            if position < last and position not in taken:
                 request.num_passed_over += 1
 
     def _blocks_in_flight(self) -> set[bytes]:
