@@ -115,22 +115,19 @@ class FreeBlocks:
 
     def want(self, block: KVBlock, owner: str) -> None:
         """Queued work of `owner` will hit this block: if free, it moves to the wanted tier."""
-        free = self._holds(block)
-        if free:
-            del self._queue_of(block)[block.block_id]
-        block.wanted_by = owner
-        if free:
-            self._queue_of(block)[block.block_id] = block
+        self._retier(block, owner)
 
     def unwant(self, block: KVBlock, owner: str) -> None:
         """No waiting request of `owner` wants the block now; a free one goes back to its tier as
         the most recently used (being wanted was a use)."""
-        if block.wanted_by != owner:
-            return
+        if block.wanted_by == owner:
+            self._retier(block, None)
+
+    def _retier(self, block: KVBlock, wanted_by: str | None) -> None:
         free = self._holds(block)
         if free:
             del self._queue_of(block)[block.block_id]
-        block.wanted_by = None
+        block.wanted_by = wanted_by
         if free:
             block.freed_at = next(self._clock)
             self._queue_of(block)[block.block_id] = block

@@ -59,11 +59,11 @@ class KVCacheManager:
         computed = request.num_computed_tokens + prefix.num_tokens
         new_blocks = self._blocks_for(computed + num_new_tokens) - len(table) - len(prefix.blocks)
         cow = 1 if self._shared_tail_index(table, computed) is not None else 0
-        if spare_wanted:  # the prefix's own wanted blocks are not counted as free: nothing to subtract
-            reusable_free = sum(1 for b in prefix.blocks if b.ref_count == 0 and b.wanted_by is None)
-            return max(new_blocks, 0) + cow - (self.pool.num_free_before_wanted(self.owner) - reusable_free)
-        reusable_free = sum(1 for b in prefix.blocks if b.ref_count == 0)
-        return max(new_blocks, 0) + cow - (self.pool.num_free - reusable_free)
+        # the prefix's own free blocks are taken, not allocated; sparing wanted blocks, the wanted ones
+        # among them were never counted as available
+        free = self.pool.num_free_before_wanted(self.owner) if spare_wanted else self.pool.num_free
+        reusable_free = sum(1 for b in prefix.blocks if b.ref_count == 0 and not (spare_wanted and b.wanted_by))
+        return max(new_blocks, 0) + cow - (free - reusable_free)
 
     def _shared_tail_index(self, table: list[KVBlock], num_computed: int) -> int | None:
         """Index of a partly filled block that other requests share, which the next token would write."""
