@@ -118,3 +118,16 @@ def test_memory_command(pair, capsys):
                  "--device", "cpu", "--kv-cache-memory-bytes", str(4 << 20), "--max-model-len", "128"]) == 0
     out = capsys.readouterr().out
     assert "weights" in out and "activations" in out and "gen" in out and "prm" in out
+
+
+def test_direct_scoring_renders_each_input_once(pair, monkeypatch):
+    """`score_many` checks that every input fits, then submits it: one rendering serves both."""
+    rt = _runtime(pair)
+    recipe = rt.scorer("prm").recipe
+    built = []
+    original = type(recipe).build
+    monkeypatch.setattr(type(recipe), "build", lambda self, tok, q, steps: built.append(len(steps)) or
+                        original(self, tok, q, steps))
+    items = [(QUESTION, ["First add.", "Then double."]), (QUESTION, ["First add.", "Then halve."])]
+    scores = rt.score_many("prm", items)
+    assert built == [2, 2] and [len(s) for s in scores] == [2, 2]

@@ -8,7 +8,8 @@ runs) once every step it asked for has a score. `score_many` is the blocking for
 from __future__ import annotations
 
 import itertools
-from collections import defaultdict
+import threading
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -29,6 +30,9 @@ KEEP_BELOW_USAGE = 0.5
 # The score of a step the verifier cannot read: its conversation is longer than the verifier's
 # maximum model length. Any aggregation then ranks the candidate last, and the search goes on.
 UNJUDGED_SCORE = 0.0
+# Verifier inputs remembered after they were built: a direct scoring request checks that its input
+# fits (`require_readable`) and then submits it, and each would otherwise render and tokenize it.
+BUILT_INPUTS = 256
 # Request ids unique in the process: several scorers may share one engine.
 _REQUEST_IDS = itertools.count()
 
@@ -74,6 +78,8 @@ class StepScorer:
         self.num_unjudged_steps = 0  # steps given UNJUDGED_SCORE: their conversation did not fit
         self.num_prompt_tokens = 0  # tokens of every verifier input submitted (computed or reused)
         self.num_reused_tokens = 0  # of those, tokens the engine found kept or prefix-cached
+        self._built: OrderedDict[StepKey, PRMInput] = OrderedDict()  # most recently built last
+        self._built_lock = threading.Lock()  # the server checks inputs on its event loop, scores on the engine's
 
     # ---- blocking use (offline) ------------------------------------------------------------
     def score_steps(self, question: str, steps: list[str]) -> list[float]:
@@ -93,10 +99,23 @@ class StepScorer:
         """Raises ValueError when the conversation is too long for the verifier to read (where a
         caller wants an error rather than UNJUDGED_SCORE: a direct scoring request)."""
         _require_steps(steps)
-        length = len(self.recipe.build(self.engine.tokenizer, question, steps).token_ids)
+        length = len(self.build(question, steps).token_ids)
         if length >= self.engine.max_model_len:
             raise ParamError("steps", f"the verifier input is {length} tokens; the verifier reads fewer than "
                              f"its maximum model length {self.engine.max_model_len}")
+
+    def build(self, question: str, steps: list[str]) -> PRMInput:
+        """The verifier input for these steps, rendered once for a check and the request after it."""
+        key = (question, *steps)
+        with self._built_lock:
+            built = self._built.pop(key, None)
+        if built is None:
+            built = self.recipe.build(self.engine.tokenizer, question, steps)
+        with self._built_lock:
+            self._built[key] = built
+            while len(self._built) > BUILT_INPUTS:
+                self._built.popitem(last=False)
+        return built
 
     # ---- the state machine -----------------------------------------------------------------
     def submit(self, items: list[tuple[str, list[str]]], on_ready: Callable[[ScoreTicket], None] | None = None,
@@ -201,7 +220,7 @@ class StepScorer:
         if not wanted:
             return None
         readable, prm_input = readable_input(self.recipe, self.engine.tokenizer, question, steps,
-                                             self.engine.max_model_len)
+                                             self.engine.max_model_len, build=self.build)
         for index in (i for i in wanted if i >= readable):
             self._set_score(key[: index + 2], UNJUDGED_SCORE)
             self.num_unjudged_steps += 1
@@ -251,12 +270,14 @@ class StepScorer:
             self.engine.release_kv(self.kept.pop(oldest))
 
 
-def readable_input(recipe, tokenizer, question: str, steps: list[str],
-                   max_model_len: int) -> tuple[int, PRMInput | None]:
+def readable_input(recipe, tokenizer, question: str, steps: list[str], max_model_len: int,
+                   build: Callable[[str, list[str]], PRMInput] | None = None) -> tuple[int, PRMInput | None]:
     """The conversation cut to its leading steps that make fewer than `max_model_len` tokens:
-    (how many steps, its verifier input); (0, None) when not even the first step fits."""
+    (how many steps, its verifier input); (0, None) when not even the first step fits. `build`
+    replaces `recipe.build(tokenizer, ...)` (a scorer's remembered inputs)."""
+    build = build or (lambda q, s: recipe.build(tokenizer, q, s))
     for count in range(len(steps), 0, -1):
-        prm_input = recipe.build(tokenizer, question, steps[:count])
+        prm_input = build(question, steps[:count])
         if len(prm_input.token_ids) < max_model_len:
             return count, prm_input
     return 0, None
