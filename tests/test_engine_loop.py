@@ -13,8 +13,9 @@ from treeserve.search.runner import SearchRunner
 
 ROOT = Path(__file__).resolve().parents[1]
 LOOP_FILE = ROOT / "src" / "treeserve" / "engine" / "engine_loop.py"
-# `.step()` calls on receivers that are not engines: a torch optimizer, an engine loop
-NOT_ENGINES = ("optimizer", "loop")
+# `.step()` calls on receivers that are not our engines: a torch optimizer, an engine loop, and vLLM's
+# own engine in the peer benchmark's worker (benchmarks/peer_worker.py, run in vLLM's virtualenv)
+NOT_ENGINES = ("optimizer", "loop", "vllm_engine")
 
 
 def _step_calls(path: Path) -> list[int]:

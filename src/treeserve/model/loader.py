@@ -12,6 +12,7 @@ from safetensors import SafetensorError, safe_open
 from treeserve.model.decoder import DecoderForCausalLM
 from treeserve.model.hf_config import ModelConfig, load_model_config, read_json
 from treeserve.model.layers import RotaryEmbedding
+from treeserve.model.packed_linear import pack_linears
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -112,6 +113,7 @@ def build_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device
     # RoPE tables stay in float32 (as in transformers); they were only placeholders on "meta".
     model.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions).to(device)
     load_weights(model, model_dir)
+    pack_linears(model, dtype, device)
     return model.eval()
 
 

@@ -49,7 +49,8 @@ class _LiveTensorBytes(TorchDispatchMode):
     def __init__(self, existing: list[torch.Tensor]):
         super().__init__()
         self.live = self.peak = 0
-        self._known = {t.untyped_storage().data_ptr() for t in existing}
+        # (oneDNN-packed weights are opaque tensors with no storage to read: they are not activations)
+        self._known = {t.untyped_storage().data_ptr() for t in existing if not t.is_mkldnn}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -59,6 +60,8 @@ class _LiveTensorBytes(TorchDispatchMode):
         return out
 
     def _track(self, tensor: torch.Tensor) -> None:
+        if tensor.is_mkldnn:
+            return
         storage = tensor.untyped_storage()
         key, size = storage.data_ptr(), storage.nbytes()
         if key in self._known or size == 0:

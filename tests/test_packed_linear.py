@@ -1,0 +1,51 @@
+"""oneDNN-packed linear layers (bfloat16 on a CPU with fast bf16): exact, and used by the engine."""
+import pytest
+import torch
+from torch import nn
+
+from treeserve import LLM, SamplingParams
+from treeserve.model import packed_linear
+from treeserve.model.packed_linear import PackedLinear, can_pack, pack_linears
+
+CPU = torch.device("cpu")
+needs_packing = pytest.mark.skipif(not can_pack(torch.bfloat16, CPU),
+                                   reason="this CPU has no fast bfloat16 (AVX512-BF16 or AMX) or torch no oneDNN")
+
+
+@needs_packing
+@pytest.mark.parametrize("rows", [0, 1, 7, 64, 300])
+def test_packed_linear_is_bit_identical_to_f_linear(rows):
+    torch.manual_seed(rows)
+    linear = nn.Linear(96, 160, bias=False).to(torch.bfloat16)
+    x = torch.randn(rows, 96, dtype=torch.bfloat16)
+    packed = PackedLinear(linear)
+    assert packed.weight.is_mkldnn
+    assert torch.equal(packed(x), linear(x))
+    assert torch.equal(packed(x.t().contiguous().t()), linear(x))  # a strided input too
+
+
+@needs_packing
+def test_bfloat16_engine_packs_every_linear_and_decodes_as_unpacked(llama_dir, monkeypatch):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    packed = LLM(str(llama_dir), dtype="bfloat16", device="cpu", kv_cache_memory_bytes=4 << 20)
+    linears = [m for m in packed.engine.model.modules() if isinstance(m, (nn.Linear, PackedLinear))]
+    assert linears and all(isinstance(m, PackedLinear) for m in linears)
+    monkeypatch.setattr(packed_linear, "can_pack", lambda dtype, device: False)
+    plain = LLM(str(llama_dir), dtype="bfloat16", device="cpu", kv_cache_memory_bytes=4 << 20)
+    assert not any(isinstance(m, PackedLinear) for m in plain.engine.model.modules())
+    prompts = ["Hello there", "A longer prompt, so that prefill and decode both run a few rows"]
+    ours = [o.outputs[0] for o in packed.generate(prompts, params, use_tqdm=False)]
+    reference = [o.outputs[0] for o in plain.generate(prompts, params, use_tqdm=False)]
+    assert [o.token_ids for o in ours] == [o.token_ids for o in reference]
+    assert [o.logprobs for o in ours] == [o.logprobs for o in reference]
+
+
+def test_nothing_is_packed_where_it_would_not_be_exact(llama_dir):
+    model = LLM(str(llama_dir), dtype="float32", device="cpu", kv_cache_memory_bytes=4 << 20).engine.model
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())
+    assert pack_linears(nn.Sequential(nn.Linear(4, 4, bias=False)), torch.float32, CPU) == 0
+    assert not can_pack(torch.float16, CPU)
+    with_bias = nn.Sequential(nn.Linear(4, 4, bias=True)).to(torch.bfloat16)
+    assert pack_linears(with_bias, torch.bfloat16, CPU) == 0  # F.linear adds a bias in another order
+    with pytest.raises(ValueError, match="without bias"):
+        PackedLinear(with_bias[0])
