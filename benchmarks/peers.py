@@ -288,6 +288,8 @@ def main() -> int:
             continue
         job = dict(mixed_job, concurrency=args.hf_batch if name == "hf" else 1)
         sweep_for = [j for j in sweep if name == "hf" or j["concurrency"] == 1]
+        print(f"{PEERS[name].label}: running the mixed workload (concurrency {job['concurrency']}) and "
+              f"{len(sweep_for)} sweep points ...", flush=True)
         try:
             runs[name] = [run_worker(PEERS[name], pythons[name], model, [job] + sweep_for, args.out, dtype_name,
                                      gguf if name == "llamacpp" else None)]

@@ -97,3 +97,12 @@ def test_sweep_exits_nonzero_when_its_server_dies(tmp_path, capsys):
 def test_sweep_of_a_healthy_server_exits_zero(tmp_path):
     assert main(["bench", "sweep", str(write_sweep(tmp_path, exit_after=None))]) == 0
     assert (tmp_path / "sweep" / "mock" / "summary.json").is_file()
+
+
+def test_sweep_commands_expand_home_and_variables(monkeypatch):
+    from treeserve.bench.sweep import ServerSpec
+
+    monkeypatch.setenv("HOME", "/home/someone")
+    monkeypatch.setenv("PEERS", "/opt/peers")
+    spec = ServerSpec.from_dict({"base_url": "http://127.0.0.1:1", "command": "~/bin/serve $PEERS/model --port 1"}, 0)
+    assert spec.command == ["/home/someone/bin/serve", "/opt/peers/model", "--port", "1"]

@@ -52,6 +52,8 @@ class ServerSpec:
         command = row.get("command")
         if isinstance(command, str):
             command = shlex.split(command)
+        if command is not None:  # no shell runs it: `~` and `$VAR` are expanded here, word by word
+            command = [os.path.expandvars(os.path.expanduser(str(word))) for word in command]
         return cls(name=str(row.get("name") or f"server{position}"), base_url=row["base_url"], command=command,
                    env={k: str(v) for k, v in (row.get("env") or {}).items()},
                    startup_timeout=float(row.get("startup_timeout", DEFAULT_STARTUP_TIMEOUT_S)),
