@@ -104,7 +104,8 @@ def run_vllm(args, jobs) -> tuple[str, list[dict]]:
     for number, job in enumerate(jobs):
         def submit(index, item):
             params = SamplingParams(temperature=0.0, max_tokens=item["max_tokens"], ignore_eos=True)
-            vllm_engine.add_request(f"{number}-{index}", TokensPrompt(prompt_token_ids=item["prompt_token_ids"]), params)
+            prompt = TokensPrompt(prompt_token_ids=item["prompt_token_ids"])
+            vllm_engine.add_request(f"{number}-{index}", prompt, params)
         feeder = Feeder(job, submit)
         while not feeder.done:
             feeder.top_up()

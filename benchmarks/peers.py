@@ -311,6 +311,7 @@ def report(runs: dict[str, list[dict]], mixed: list[dict], sweep: list[dict], pa
            peak_tflops: float, dtype: str) -> dict:
     flops = model_flops([r["prompt_token_ids"] for r in mixed], [r["max_tokens"] for r in mixed], MODEL_SHAPE)
     labels = {"treeserve": "treeserve"} | {k: p.label for k, p in PEERS.items()}
+    sweep_requests = {job["name"]: job["requests"] for job in sweep}
     rows = {}
     for name, results in runs.items():
         mixed_runs = sorted(results, key=lambda r: output_tok_s(r["jobs"][0]))
@@ -318,7 +319,7 @@ def report(runs: dict[str, list[dict]], mixed: list[dict], sweep: list[dict], pa
         rows[name] = {"output_tok_s": output_tok_s(median), "runs": [output_tok_s(r["jobs"][0]) for r in results],
                       "bins": per_request_bins(median), "mfu": flops / median["elapsed_s"] / (peak_tflops * 1e12),
                       "concurrency": median["concurrency"],
-                      "sweep": {j["concurrency"]: total_tok_s(j, next(s["requests"] for s in sweep if s["name"] == j["name"]))
+                      "sweep": {j["concurrency"]: total_tok_s(j, sweep_requests[j["name"]])
                                 for j in results[-1]["jobs"][1:]}}
     base = rows["treeserve"]["output_tok_s"]
     print(f"\nmatmul peak measured in this run ({dtype}): {peak_tflops:.3f} TFLOP/s")

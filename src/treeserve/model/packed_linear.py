@@ -3,12 +3,12 @@
 `F.linear` in bfloat16 on CPU runs a oneDNN matmul that reorders the weight into oneDNN's blocked
 layout on every call; for the few rows of a decode step that reorder is a large part of the time.
 Reordered once at load (`torch.ops.mkldnn._reorder_linear_weight`) and multiplied with
-`_linear_pointwise`, the results of a layer without bias are bit-identical to `F.linear` and faster: 768x1280 on an
-AVX512-BF16 CPU, 63 -> 35 us at 1 row, 165 -> 129 us at 24, 1236 -> 1166 us at 256
-(`benchmarks/packed_linear.py`). In float32 the two differ in the last bits, so float32 keeps
-`F.linear` (and MKL), as does a layer with a bias (Qwen2's qkv: `F.linear` adds it in another
-order once there are a few hundred rows, so the last bits differ), any build or device without oneDNN, and a CPU without fast bfloat16
-(AVX2 only: bfloat16 is not chosen there unless asked for, and is slow either way).
+`_linear_pointwise`, a layer without bias gives results bit-identical to `F.linear`, faster:
+768x1280 on an AVX512-BF16 CPU, 63 -> 35 us at 1 row, 165 -> 129 us at 24, 1236 -> 1166 us at 256
+(`benchmarks/packed_linear.py`). `F.linear` stays where the two would differ or nothing is gained:
+float32 (the last bits differ; MKL runs it), a layer with a bias (Qwen2's qkv: `F.linear` adds it
+in another order from a few hundred rows on), a build or device without oneDNN, and a CPU without
+fast bfloat16 (AVX2 only: bfloat16 is not chosen there unless asked for, and is slow either way).
 """
 from __future__ import annotations
 
