@@ -45,16 +45,16 @@ class Clock:
 
 
 class Feeder:
-    """Submits a job's requests, at most `concurrency` in flight."""
+    """Submits a job's requests, at most `concurrency` in flight: `submit(feeder, index, request)`."""
 
-    def __init__(self, job: dict, submit=None):
+    def __init__(self, job: dict, submit):
         self.requests, self.limit, self.submit = job["requests"], job["concurrency"], submit
         self.next = self.in_flight = 0
         self.clock = Clock(len(self.requests))
 
     def top_up(self) -> None:
         while self.in_flight < self.limit and self.next < len(self.requests):
-            self.submit(self.next, self.requests[self.next])
+            self.submit(self, self.next, self.requests[self.next])
             self.next, self.in_flight = self.next + 1, self.in_flight + 1
 
     def output(self, index: int, num_tokens: int, finished: bool) -> None:
@@ -77,13 +77,11 @@ def run_treeserve(args, jobs) -> tuple[str, list[dict]]:
                  SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)  # warm-up
     results = []
     for number, job in enumerate(jobs):
-        feeder = Feeder(job)
-
-        def submit(index, item, feeder=feeder, number=number):
+        def submit(feeder, index, item, number=number):
             params = SamplingParams(temperature=0.0, max_tokens=item["max_tokens"], ignore_eos=True)
             llm.loop.add_request(llm.engine, f"{number}-{index}", item["prompt_token_ids"], params,
                                  lambda out: feeder.output(index, len(out.outputs[0].token_ids), out.finished))
-        feeder.submit = submit
+        feeder = Feeder(job, submit)
         while not feeder.done:
             feeder.top_up()
             llm.loop.step()
@@ -102,7 +100,7 @@ def run_vllm(args, jobs) -> tuple[str, list[dict]]:
     vllm_engine = llm.llm_engine
     results = []
     for number, job in enumerate(jobs):
-        def submit(index, item):
+        def submit(feeder, index, item, number=number):
             params = SamplingParams(temperature=0.0, max_tokens=item["max_tokens"], ignore_eos=True)
             prompt = TokensPrompt(prompt_token_ids=item["prompt_token_ids"])
             vllm_engine.add_request(f"{number}-{index}", prompt, params)
