@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from treeserve.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from treeserve.model.attention import AttentionMetadata, DecodeBatch, PrefillChunk
 from treeserve.engine.kv_arena import KVArena, kv_bytes_per_token
 from treeserve.engine.kv_cache_manager import KVCacheManager
 from treeserve.engine.request import Request
@@ -13,10 +13,8 @@ from treeserve.engine.sampler import Sampler, SamplerOutput
 from treeserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from treeserve.model.decoder import DecoderForCausalLM
 
-# Decode requests are grouped by context length so that one group's padding stays small.
-DECODE_GROUP_GROWTH = 1.5
-# On CPU a group's gathered keys are also capped: a large gather is a fresh allocation whose pages
-# the kernel must fault in on every layer. Capped at a few thousand keys, one decode step's
+# Where decode attention gathers (no C kernel), on CPU a group's gathered keys are also capped: a
+# large gather is a fresh allocation whose pages the kernel must fault in on every layer. Capped at a few thousand keys, one decode step's
 # attention ran 1.75-5.8x faster at 144 sequences of ~160 tokens and 4.2-5.7x at 480, across runs
 # on a shared 2-core machine (benchmarks/decode_attention.py). CUDA's caching allocator has no
 # such cost.
@@ -99,25 +97,21 @@ class ModelRunner:
 
     def _add_decodes(self, decodes, inputs, token_ids, positions, slots) -> None:
         bs = self.block_size
-        pos_list, slot_list = [], []
+        pos_list, slot_list, lens, block_ids, starts = [], [], [], [], []
         for s in decodes:
             request = s.request
             pos = request.num_computed_tokens
-            table = self.kv.block_tables[request.request_id]
+            table = self.kv.block_ids(request)[:pos // bs + 1]
             token_ids.append(request.all_token_ids[pos])
             pos_list.append(pos)
-            slot_list.append(table[pos // bs].block_id * bs + pos % bs)
+            slot_list.append(table[-1] * bs + pos % bs)
+            lens.append(pos + 1)
+            starts.append(len(block_ids))
+            block_ids.extend(table)
             self._note_outputs(s, inputs, row=len(token_ids) - 1, first_pos=pos)
         positions.append(torch.tensor(pos_list, dtype=torch.long))
         slots.append(torch.tensor(slot_list, dtype=torch.long))
-        start = 0
-        for group in _group_by_length(decodes, bs, self.decode_group_max_keys):
-            tables = [self.kv.block_ids(s.request) for s in group]
-            width = max(len(t) for t in tables)
-            padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=self.device)
-            lens = torch.tensor([s.request.num_computed_tokens + 1 for s in group], device=self.device)
-            inputs.meta.decode_groups.append(DecodeGroup(slice(start, start + len(group)), padded, lens))
-            start += len(group)
+        inputs.meta.decode = DecodeBatch(lens, block_ids, starts, self.device, self.decode_group_max_keys)
 
     def _add_prefill(self, s: ScheduledRequest, inputs, token_ids, positions, slots) -> None:
         request, bs = s.request, self.block_size
@@ -146,19 +140,3 @@ class ModelRunner:
             inputs.sample_rows.append(row)
             inputs.sample_requests.append(request)
 
-
-def _group_by_length(decodes: list[ScheduledRequest], block_size: int,
-                     max_keys: int | None = None) -> list[list[ScheduledRequest]]:
-    """Consecutive runs of decodes (sorted by context length) whose lengths stay within a factor
-    of the run's first, and, given `max_keys`, whose padded key count stays within it."""
-    groups: list[list[ScheduledRequest]] = []
-    first_blocks = 0
-    for s in decodes:
-        blocks = s.request.num_computed_tokens // block_size + 1
-        too_long = blocks > DECODE_GROUP_GROWTH * first_blocks + 2
-        too_many = max_keys is not None and groups and (len(groups[-1]) + 1) * blocks * block_size > max_keys
-        if not groups or too_long or too_many:
-            groups.append([])
-            first_blocks = blocks
-        groups[-1].append(s)
-    return groups

@@ -1,10 +1,14 @@
 """Paged attention over a flat, unpadded token batch.
 
-The runner orders each step's tokens as decode groups first (one query token per request,
-requests of similar context length grouped together to bound padding), then prefill chunks.
-`TorchSDPABackend` writes the step's keys/values into the paged cache by slot, then runs
-`scaled_dot_product_attention` on batched block gathers; it is device-agnostic (CPU and CUDA).
-One-token decode on CPU in bfloat16 or float16 uses `decode_by_matmul` instead of SDPA.
+The runner orders each step's tokens as decode rows first (one query token per request, sorted by
+context length), then prefill chunks. `TorchSDPABackend` writes the step's keys/values into the
+paged cache by slot, then attends:
+- decode rows on CPU in float32 or bfloat16: treeserve's C kernel (`cpu_kernels.paged_decode`)
+  reads the paged cache in place, one pass with an online softmax, no gather, no padding;
+- otherwise (CUDA, float16, no C compiler): rows grouped by context length (which bounds the
+  padding), each group's blocks gathered for `scaled_dot_product_attention`, or `decode_by_matmul`
+  for one-token decode on CPU in bfloat16 or float16;
+- prefill chunks: SDPA over the chunk's keys (gathered from the cache after a prefix hit).
 """
 from __future__ import annotations
 
@@ -13,6 +17,11 @@ from functools import cached_property
 
 import torch
 from torch.nn import functional as F
+
+from treeserve.model import cpu_kernels
+
+# Decode rows are grouped by context length so that one group's padding stays small.
+DECODE_GROUP_GROWTH = 1.5
 
 
 @dataclass
@@ -31,12 +40,65 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeBatch:
+    """The step's decode rows, sorted by context length: row i's query attends to the first
+    `context_lens[i]` tokens of its sequence, whose blocks are `block_ids[block_starts[i]:]`."""
+    context_lens: list[int]
+    block_ids: list[int]        # every row's blocks, concatenated
+    block_starts: list[int]
+    device: torch.device
+    group_max_keys: int | None = None  # the gathering path's cap on one group's padded keys
+
+    @cached_property
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(block_ids, block_starts, context_lens) as int64 tensors, for the C kernel."""
+        return tuple(torch.tensor(x, dtype=torch.long) for x in (self.block_ids, self.block_starts, self.context_lens))
+
+    def groups(self, block_size: int) -> list[DecodeGroup]:
+        """Rows in runs whose lengths stay within a factor of the run's first and, given
+        `group_max_keys`, whose padded key count stays within it; each run's tables padded."""
+        out = []
+        for first, end in _length_runs(self.context_lens, block_size, self.group_max_keys):
+            width = -(-self.context_lens[end - 1] // block_size)
+            tables = [self.block_ids[self.block_starts[i]:self.block_starts[i] + width] for i in range(first, end)]
+            padded = [t + [0] * (width - len(t)) for t in tables]
+            out.append(DecodeGroup(slice(first, end), torch.tensor(padded, dtype=torch.long, device=self.device),
+                                   torch.tensor(self.context_lens[first:end], device=self.device)))
+        return out
+
+
+def _length_runs(context_lens: list[int], block_size: int, max_keys: int | None) -> list[tuple[int, int]]:
+    runs: list[tuple[int, int]] = []
+    first_blocks = 0
+    for i, length in enumerate(context_lens):
+        blocks = -(-length // block_size)
+        too_long = blocks > DECODE_GROUP_GROWTH * first_blocks + 2
+        too_many = max_keys is not None and runs and (i - runs[-1][0] + 1) * blocks * block_size > max_keys
+        if not runs or too_long or too_many:
+            runs.append((i, i))
+            first_blocks = blocks
+        runs[-1] = (runs[-1][0], i + 1)
+    return runs
+
+
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset for each token
-    block_size: int
-    decode_groups: list[DecodeGroup] = field(default_factory=list)
-    prefills: list[PrefillChunk] = field(default_factory=list)
-    _masks: dict = field(default_factory=dict)
+    """What one step's attention needs besides q, k, v. Decode rows come as a `DecodeBatch`
+    (the runner) or as ready `DecodeGroup`s (tests, benchmarks)."""
+
+    def __init__(self, slot_mapping: torch.Tensor, block_size: int, decode_groups: list[DecodeGroup] | None = None,
+                 prefills: list[PrefillChunk] | None = None, decode: DecodeBatch | None = None):
+        self.slot_mapping = slot_mapping  # [T] int64: block_id * block_size + offset for each token
+        self.block_size = block_size
+        self.decode = decode
+        self.prefills = prefills if prefills is not None else []
+        self._decode_groups = decode_groups
+        self._masks: dict = {}
+
+    @property
+    def decode_groups(self) -> list[DecodeGroup]:
+        if self._decode_groups is None:
+            self._decode_groups = self.decode.groups(self.block_size) if self.decode is not None else []
+        return self._decode_groups
 
     @cached_property
     def slot_blocks(self) -> torch.Tensor:
@@ -98,13 +160,32 @@ class TorchSDPABackend:
         self._write_cache(layer_cache, k, v, meta)
         out = torch.empty_like(q)
         gqa = q.shape[1] != k.shape[1]
-        for index, group in enumerate(meta.decode_groups):
+        if self._paged_decode(layer_cache, q, meta, scale, window, out):
+            decode_groups = []
+        else:
+            decode_groups = meta.decode_groups
+        for index, group in enumerate(decode_groups):
             out[group.rows] = self._decode(layer_cache, q[group.rows], group, meta.decode_mask(index, window, q.dtype),
                                            scale, gqa)
         for index, chunk in enumerate(meta.prefills):
             mask = meta.prefill_mask(index, window)
             out[chunk.rows] = self._prefill(layer_cache, q, k, v, chunk, mask, scale, gqa)
         return out
+
+    @staticmethod
+    def _paged_decode(layer_cache, q, meta: AttentionMetadata, scale, window, out) -> bool:
+        """The decode rows through the C kernel, where it runs; False: take the gathering path."""
+        decode = meta.decode
+        if decode is None or not decode.context_lens:
+            return False
+        if not cpu_kernels.supports(q.dtype, q.device, q.shape[1], layer_cache.shape[3], q.shape[2]):
+            return False
+        library = cpu_kernels.load()
+        if library is None:
+            return False
+        rows = len(decode.context_lens)
+        cpu_kernels.paged_decode(library, q[:rows], layer_cache, *decode.tensors, scale, window, out[:rows])
+        return True
 
     @staticmethod
     def _write_cache(layer_cache, k, v, meta: AttentionMetadata):

@@ -1,0 +1,118 @@
+"""treeserve's own CPU kernels (`csrc/cpu_kernels.c`): built with the system C compiler on first
+use, cached by source, flags and CPU, and called through ctypes.
+
+Built `-O3 -march=native -fopenmp`: about a second with gcc, once per machine (the library lands
+in `<cache>/kernels/`). Its OpenMP is the libgomp PyTorch has loaded, so the kernels run on
+PyTorch's threads. Where there is no compiler, the build fails, or `TREESERVE_CPU_KERNELS=0`,
+`load()` answers None (logged once, with the reason) and callers keep their PyTorch path.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from treeserve.model.registry import cache_dir
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno"]
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+MAX_GROUP, MAX_HEAD_DIM = 16, 256  # as in the source
+
+_i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+SIGNATURES = {
+    "ts_paged_decode": [_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _int, _ptr, _ptr, _ptr, _i64, _int, _int, _int,
+                        ctypes.c_float, _i64, _int, _ptr],
+}
+
+
+def _cpu_tag() -> str:
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")),
+                     "")
+    except OSError:
+        flags = ""
+    return platform.machine() + flags
+
+
+def _library_path(compiler: str) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_tag()]).encode())
+    return cache_dir() / "kernels" / key.hexdigest()[:20] / "libtreeserve_cpu.so"
+
+
+def _build(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(dir=target.parent, suffix=".so")
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", partial], capture_output=True, text=True,
+                              timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
+        os.replace(partial, target)  # atomic: concurrent builders each install a whole library
+    finally:
+        Path(partial).unlink(missing_ok=True)
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The built library, or None (with the reason logged) where it cannot be had."""
+    if os.environ.get("TREESERVE_CPU_KERNELS", "1") == "0":
+        logger.info("CPU kernels off (TREESERVE_CPU_KERNELS=0): PyTorch paths only")
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        logger.warning("no C compiler (cc, or $CC): treeserve's CPU kernels are off, PyTorch paths only")
+        return None
+    try:
+        target = _library_path(compiler)
+        if not target.is_file():
+            logger.info("building treeserve's CPU kernels into %s", target)
+            _build(compiler, target)
+        library = ctypes.CDLL(str(target))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        logger.warning("treeserve's CPU kernels are off (%s): PyTorch paths only", exc)
+        return None
+    for name, argtypes in SIGNATURES.items():
+        getattr(library, name).argtypes = argtypes
+        getattr(library, name).restype = ctypes.c_int
+    return library
+
+
+def supports(dtype: torch.dtype, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether the paged kernels can run this attention (then `load()` decides whether they are built)."""
+    return (device.type == "cpu" and dtype in DTYPES and num_heads % num_kv_heads == 0
+            and num_heads // num_kv_heads <= MAX_GROUP and head_dim <= MAX_HEAD_DIM)
+
+
+def paged_decode(library: ctypes.CDLL, q: torch.Tensor, layer_cache: torch.Tensor, block_ids: torch.Tensor,
+                 block_starts: torch.Tensor, context_lens: torch.Tensor, scale: float, window: int | None,
+                 out: torch.Tensor) -> None:
+    """One query token per row: q [rows, Hq, D] (heads contiguous) over `layer_cache`
+    [num_blocks, 2, block_size, Hkv, D] into `out` (contiguous, like q). Row i's blocks are
+    `block_ids[block_starts[i]:]` (int64), its keys the first `context_lens[i]` (int64)."""
+    rows, num_heads, head_dim = q.shape
+    strides = layer_cache.stride()
+    if q.stride(2) != 1 or q.stride(1) != head_dim or strides[4] != 1 or not out.is_contiguous():
+        raise ValueError("paged_decode: q's heads, the cache's head_dim and out must be contiguous")
+    status = library.ts_paged_decode(
+        q.data_ptr(), q.stride(0), layer_cache.data_ptr(), strides[0], strides[1], strides[2], strides[3],
+        layer_cache.shape[2], block_ids.data_ptr(), block_starts.data_ptr(), context_lens.data_ptr(), rows,
+        num_heads, layer_cache.shape[3], head_dim, scale, window or 0, DTYPES[q.dtype], out.data_ptr())
+    if status == -2:
+        raise MemoryError("paged_decode: no memory for the kernel's per-thread state")
+    if status != 0:
+        raise ValueError(f"paged_decode: shape beyond the kernel's limits (heads {num_heads}/"
+                         f"{layer_cache.shape[3]}, head_dim {head_dim})")

@@ -1,0 +1,345 @@
+/* treeserve's CPU kernels, built by treeserve/model/cpu_kernels.py with the system C compiler
+ * (-O3 -march=native -fopenmp) on first use and called through ctypes.
+ *
+ * OpenMP: the library links libgomp.so.1, which resolves to the copy PyTorch has already loaded,
+ * so these loops share PyTorch's thread pool and thread count.
+ *
+ * Element types: 0 = float32, 1 = bfloat16 (stored as uint16). Every kernel computes in float32.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <omp.h>
+
+#define TS_FLOAT32 0
+#define TS_BFLOAT16 1
+
+#define MAX_GROUP 16      /* query heads sharing one KV head */
+#define MAX_HEAD_DIM 256
+#define TILE 16           /* keys scored at once */
+
+static inline float bf16_to_float(uint16_t h)
+{
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f)
+{
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u)  /* NaN stays NaN */
+        return (uint16_t)((bits >> 16) | 0x40u);
+    bits += 0x7fffu + ((bits >> 16) & 1u);    /* round to nearest even */
+    return (uint16_t)(bits >> 16);
+}
+
+/* n elements of type `dtype` at `src` -> float32 at `dst`, times `scale`. */
+static inline void load_row(const void *src, int dtype, float *dst, int n, float scale)
+{
+    if (dtype == TS_BFLOAT16) {
+        const uint16_t *s = (const uint16_t *)src;
+        for (int i = 0; i < n; i++)
+            dst[i] = bf16_to_float(s[i]) * scale;
+    } else {
+        const float *s = (const float *)src;
+        for (int i = 0; i < n; i++)
+            dst[i] = s[i] * scale;
+    }
+}
+
+static inline void store_row(void *dst, int dtype, const float *src, int n, float scale)
+{
+    if (dtype == TS_BFLOAT16) {
+        uint16_t *d = (uint16_t *)dst;
+        for (int i = 0; i < n; i++)
+            d[i] = float_to_bf16(src[i] * scale);
+    } else {
+        float *d = (float *)dst;
+        for (int i = 0; i < n; i++)
+            d[i] = src[i] * scale;
+    }
+}
+
+/* exp(x) for x <= 0 (scores minus their running maximum): Cody-Waite range reduction and a
+ * degree-6 polynomial, about 2 ulp; written so that the compiler vectorises the loops calling it. */
+static inline float exp_nonpositive(float x)
+{
+    x = x < -87.0f ? -87.0f : x;
+    float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t e = ((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &e, sizeof two_n);
+    return p * two_n;
+}
+
+struct paged_cache {
+    const char *base;       /* one layer's [num_blocks, 2, block_size, kv_heads, head_dim] view */
+    int64_t block_stride;   /* strides in bytes */
+    int64_t kv_stride;
+    int64_t token_stride;
+    int64_t head_stride;
+    int block_size;
+    int dtype;
+    int elem;               /* bytes per element */
+};
+
+/* Online-softmax state of one KV head's query group. */
+struct group_state {
+    float q[MAX_GROUP * MAX_HEAD_DIM];
+    float acc[MAX_GROUP * MAX_HEAD_DIM];
+    float max[MAX_GROUP];
+    float sum[MAX_GROUP];
+};
+
+/* Fold `count` keys/values (at most TILE, consecutive in one block) into the group's state. */
+static inline __attribute__((always_inline)) void attend_tile_scalar(struct group_state *st, const char *keys, const char *values,
+                               const struct paged_cache *c, int count, int group, int head_dim)
+{
+    float k[TILE * MAX_HEAD_DIM], v[TILE * MAX_HEAD_DIM], scores[MAX_GROUP * TILE];
+    for (int t = 0; t < count; t++) {
+        load_row(keys + t * c->token_stride, c->dtype, k + t * head_dim, head_dim, 1.0f);
+        load_row(values + t * c->token_stride, c->dtype, v + t * head_dim, head_dim, 1.0f);
+    }
+    for (int t = 0; t < count; t++) {
+        const float *kt = k + t * head_dim;
+        for (int g = 0; g < group; g++) {
+            const float *q = st->q + g * head_dim;
+            float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+            for (int d = 0; d < head_dim; d++)
+                s += q[d] * kt[d];
+            scores[g * TILE + t] = s;
+        }
+    }
+    for (int g = 0; g < group; g++) {
+        float *p = scores + g * TILE, *acc = st->acc + g * head_dim;
+        float tile_max = st->max[g], sum = 0.0f;
+        for (int t = 0; t < count; t++)
+            tile_max = p[t] > tile_max ? p[t] : tile_max;
+        float rescale = exp_nonpositive(st->max[g] - tile_max);
+        for (int t = 0; t < count; t++) {
+            p[t] = exp_nonpositive(p[t] - tile_max);
+            sum += p[t];
+        }
+        st->sum[g] = st->sum[g] * rescale + sum;
+        st->max[g] = tile_max;
+        if (rescale != 1.0f)
+            for (int d = 0; d < head_dim; d++)
+                acc[d] *= rescale;
+        for (int t = 0; t < count; t++) {
+            const float *vt = v + t * head_dim;
+            float pt = p[t];
+            for (int d = 0; d < head_dim; d++)
+                acc[d] += pt * vt[d];
+        }
+    }
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+static inline __m512 load16(const char *src, int dtype)
+{
+    if (dtype == TS_BFLOAT16) {
+        __m256i half = _mm256_loadu_si256((const __m256i *)src);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+    }
+    return _mm512_loadu_ps((const float *)src);
+}
+
+/* Lane t of the result = the sum of v[t]'s 16 lanes (a transposing reduction tree). */
+static inline __m512 sum16(const __m512 v[TILE])
+{
+    __m512 pairs[8], quads[4], octs[2];
+    for (int i = 0; i < 8; i++)
+        pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                                 _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++)
+        quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 2; i++)
+        octs[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(octs[0], octs[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(octs[0], octs[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* exp_nonpositive on 16 lanes. */
+static inline __m512 exp16(__m512 x)
+{
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* attend_tile_scalar with 16-lane vectors: keys and values converted once, the tile's scores
+ * reduced together, the softmax on one vector, the output accumulated in registers. */
+static inline __attribute__((always_inline)) void attend_tile_avx512(struct group_state *st, const char *keys,
+        const char *values, const struct paged_cache *c, int count, int group, int head_dim)
+{
+    const int chunks = head_dim / 16, step = 16 * c->elem;
+    __m512 k[TILE * MAX_HEAD_DIM / 16], v[TILE * MAX_HEAD_DIM / 16];
+    for (int t = 0; t < count; t++)
+        for (int j = 0; j < chunks; j++) {
+            k[t * chunks + j] = load16(keys + t * c->token_stride + j * step, c->dtype);
+            v[t * chunks + j] = load16(values + t * c->token_stride + j * step, c->dtype);
+        }
+    const __mmask16 live = (__mmask16)((1u << count) - 1u);
+    for (int g = 0; g < group; g++) {
+        const float *q = st->q + g * head_dim;
+        float *acc = st->acc + g * head_dim;
+        __m512 dots[TILE];
+        for (int t = 0; t < TILE; t++) {
+            __m512 d = _mm512_setzero_ps();
+            if (t < count)
+                for (int j = 0; j < chunks; j++)
+                    d = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * j), k[t * chunks + j], d);
+            dots[t] = d;
+        }
+        __m512 scores = _mm512_mask_blend_ps(live, _mm512_set1_ps(-3.0e38f), sum16(dots));
+        float tile_max = _mm512_reduce_max_ps(scores);
+        tile_max = tile_max > st->max[g] ? tile_max : st->max[g];
+        float rescale = exp_nonpositive(st->max[g] - tile_max);
+        __m512 probs = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(tile_max))));
+        st->sum[g] = st->sum[g] * rescale + _mm512_reduce_add_ps(probs);
+        st->max[g] = tile_max;
+        float p[TILE];
+        _mm512_storeu_ps(p, probs);
+        for (int j = 0; j < chunks; j++) {
+            __m512 a = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * j), _mm512_set1_ps(rescale));
+            for (int t = 0; t < count; t++)
+                a = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), v[t * chunks + j], a);
+            _mm512_storeu_ps(acc + 16 * j, a);
+        }
+    }
+}
+#endif
+
+static inline __attribute__((always_inline)) void attend_tile(struct group_state *st, const char *keys,
+        const char *values, const struct paged_cache *c, int count, int group, int head_dim)
+{
+#if defined(__AVX512F__)
+    if (head_dim % 16 == 0 && TILE == 16) {
+        attend_tile_avx512(st, keys, values, c, count, group, head_dim);
+        return;
+    }
+#endif
+    attend_tile_scalar(st, keys, values, c, count, group, head_dim);
+}
+
+/* Attention of one query row's KV-head group over keys [start, end) of its paged sequence. */
+/* Attention of one query row's KV heads [first_head, first_head + heads) over keys [start, end)
+ * of its paged sequence; a tile's heads are read together (one contiguous run of memory). */
+static inline __attribute__((always_inline)) void attend_range(struct group_state *states,
+        const struct paged_cache *c, const int64_t *table, int64_t start, int64_t end, int first_head,
+        int heads, int group, int head_dim)
+{
+    for (int h = 0; h < heads; h++)
+        for (int g = 0; g < group; g++) {
+            states[h].max[g] = -3.0e38f;
+            states[h].sum[g] = 0.0f;
+            memset(states[h].acc + g * head_dim, 0, sizeof(float) * head_dim);
+        }
+    for (int64_t pos = start; pos < end;) {
+        int64_t offset = pos % c->block_size;
+        int64_t count = c->block_size - offset;
+        count = count < TILE ? count : TILE;
+        count = count < end - pos ? count : end - pos;
+        const char *keys = c->base + table[pos / c->block_size] * c->block_stride + offset * c->token_stride
+                           + first_head * c->head_stride;
+        for (int h = 0; h < heads; h++)
+            attend_tile(states + h, keys + h * c->head_stride, keys + h * c->head_stride + c->kv_stride, c,
+                        (int)count, group, head_dim);
+        pos += count;
+    }
+}
+
+/* attend_range with the head size known to the compiler for the common sizes (whole-vector loops). */
+static void attend_range_any(struct group_state *states, const struct paged_cache *c, const int64_t *table,
+                             int64_t start, int64_t end, int first_head, int heads, int group, int head_dim)
+{
+    switch (head_dim) {
+    case 64: attend_range(states, c, table, start, end, first_head, heads, group, 64); break;
+    case 128: attend_range(states, c, table, start, end, first_head, heads, group, 128); break;
+    default: attend_range(states, c, table, start, end, first_head, heads, group, head_dim);
+    }
+}
+
+/* Decode attention straight from the paged cache (no gather): query row i (one token) attends
+ * to the first context_lens[i] tokens of its sequence (the last `window` of them if window > 0),
+ * whose block ids are block_ids[block_starts[i] ...]. q: rows of num_heads * head_dim elements,
+ * `q_row_stride` elements apart (heads contiguous); out: [rows, num_heads, head_dim] contiguous.
+ * Rows are shared out longest first (the runner sorts them by length, shortest first), each with
+ * all its KV heads, or one KV head per task when there are too few rows to keep the threads busy.
+ * Returns 0, -1 for shapes beyond the kernel's limits (the caller checks them first), -2 when out
+ * of memory. */
+int ts_paged_decode(const void *q, int64_t q_row_stride, const void *cache, int64_t block_stride,
+                    int64_t kv_stride, int64_t token_stride, int64_t head_stride, int block_size,
+                    const int64_t *block_ids, const int64_t *block_starts, const int64_t *context_lens,
+                    int64_t rows, int num_heads, int num_kv_heads, int head_dim, float scale,
+                    int64_t window, int dtype, void *out)
+{
+    int group = num_heads / num_kv_heads;
+    if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM || group * num_kv_heads != num_heads)
+        return -1;
+    int elem = dtype == TS_BFLOAT16 ? 2 : 4;
+    struct paged_cache c = {(const char *)cache, block_stride * elem, kv_stride * elem, token_stride * elem,
+                            head_stride * elem, block_size, dtype, elem};
+    int heads = rows >= 4 * omp_get_max_threads() ? num_kv_heads : 1;
+    int64_t spans = num_kv_heads / heads, tasks = rows * spans;
+    int failed = 0;
+#pragma omp parallel
+    {
+        struct group_state *states = malloc(sizeof(struct group_state) * heads);
+        if (states == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < tasks; task++) {
+            if (states == NULL)
+                continue;
+            int64_t row = rows - 1 - task / spans;
+            int first_head = (int)(task % spans) * heads;
+            int64_t first_q = (int64_t)first_head * group;
+            const char *q_row = (const char *)q + (row * q_row_stride + first_q * head_dim) * elem;
+            for (int h = 0; h < heads; h++)
+                for (int g = 0; g < group; g++)
+                    load_row(q_row + (int64_t)(h * group + g) * head_dim * elem, dtype, states[h].q + g * head_dim,
+                             head_dim, scale);
+            int64_t end = context_lens[row];
+            int64_t start = window > 0 && end > window ? end - window : 0;
+            attend_range_any(states, &c, block_ids + block_starts[row], start, end, first_head, heads, group,
+                             head_dim);
+            char *out_row = (char *)out + (row * num_heads + first_q) * head_dim * elem;
+            for (int h = 0; h < heads; h++)
+                for (int g = 0; g < group; g++)
+                    store_row(out_row + (int64_t)(h * group + g) * head_dim * elem, dtype,
+                              states[h].acc + g * head_dim, head_dim, 1.0f / states[h].sum[g]);
+        }
+        free(states);
+    }
+    return failed ? -2 : 0;
+}
