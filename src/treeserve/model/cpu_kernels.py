@@ -31,10 +31,15 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_GROUP, MAX_HEAD_DIM = 16, 256  # as in the source
 
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+_float = ctypes.c_float
 SIGNATURES = {
     "ts_paged_decode": [_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _int, _ptr, _ptr, _ptr, _i64, _int, _int, _int,
-                        ctypes.c_float, _i64, _int, _ptr],
+                        _float, _i64, _int, _ptr],
+    "ts_rms_norm": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _float, _int],
+    "ts_silu_mul": [_ptr, _i64, _ptr, _i64, _i64, _int],
+    "ts_rotary": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _int, _int, _int],
 }
+RETURNS = {"ts_paged_decode": ctypes.c_int}
 
 
 def _cpu_tag() -> str:
@@ -87,8 +92,16 @@ def load() -> ctypes.CDLL | None:
         return None
     for name, argtypes in SIGNATURES.items():
         getattr(library, name).argtypes = argtypes
-        getattr(library, name).restype = ctypes.c_int
+        getattr(library, name).restype = RETURNS.get(name)
     return library
+
+
+def library_for(x: torch.Tensor) -> ctypes.CDLL | None:
+    """The library where it serves this tensor (on the CPU, float32 or bfloat16, outside autograd:
+    the kernels write through raw pointers), else None."""
+    if x.device.type != "cpu" or x.dtype not in DTYPES or x.requires_grad:
+        return None
+    return load()
 
 
 def supports(dtype: torch.dtype, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
@@ -116,3 +129,41 @@ def paged_decode(library: ctypes.CDLL, q: torch.Tensor, layer_cache: torch.Tenso
     if status != 0:
         raise ValueError(f"paged_decode: shape beyond the kernel's limits (heads {num_heads}/"
                          f"{layer_cache.shape[3]}, head_dim {head_dim})")
+
+
+def _rows(x: torch.Tensor) -> int:
+    """Elements between the rows of x seen as [rows, x.shape[-1]] (its last dim contiguous)."""
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError("expected rows with a contiguous last dimension")
+    return x.stride(0)
+
+
+def rms_norm(library: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm of x's rows ([rows, size]); with `residual` (contiguous, updated in place to
+    x + residual), of their sum. The weight has x's dtype."""
+    out = torch.empty(x.shape, dtype=x.dtype)
+    if residual is not None and not residual.is_contiguous():
+        raise ValueError("rms_norm: residual must be contiguous")
+    library.ts_rms_norm(x.data_ptr(), _rows(x), None if residual is None else residual.data_ptr(),
+                        weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps, DTYPES[x.dtype])
+    return out
+
+
+def silu_mul(library: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for rows holding the gates then the ups: [rows, 2 * size] -> [rows, size]."""
+    rows, width = gate_up.shape
+    out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
+    library.ts_silu_mul(gate_up.data_ptr(), _rows(gate_up), out.data_ptr(), rows, width // 2, DTYPES[gate_up.dtype])
+    return out
+
+
+def rotary_(library: ctypes.CDLL, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+            sin: torch.Tensor) -> None:
+    """Rotate-half rotary embedding in place on x [rows, heads, head_dim] (heads contiguous),
+    from float32 tables [max_positions, head_dim]; positions int64 (contiguous)."""
+    rows, heads, head_dim = x.shape
+    if x.stride(2) != 1 or x.stride(1) != head_dim or not (cos.is_contiguous() and sin.is_contiguous()):
+        raise ValueError("rotary_: x's heads and the tables must be contiguous")
+    library.ts_rotary(x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows, heads,
+                      head_dim, DTYPES[x.dtype])

@@ -47,9 +47,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
 
-    def forward(self, x, positions, rotary, layer_cache, meta, backend):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, layer_cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, rotary, layer_cache, meta, backend):
+        """x: the previous layer's output, residual: the stream before it (None at the first
+        layer); returns this layer's (output, residual), the adds fused into the norms."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, rotary, layer_cache, meta, backend)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class DecoderForCausalLM(nn.Module):
@@ -67,10 +74,10 @@ class DecoderForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         """Flat batch of T tokens -> final hidden states [T, hidden]."""
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer, layer_cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rotary, layer_cache, meta, self.backend)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, self.rotary, layer_cache, meta, self.backend)
+        return self.norm(x, residual)[0] if residual is not None else self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:

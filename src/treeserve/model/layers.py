@@ -7,20 +7,41 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from treeserve.model import cpu_kernels
 from treeserve.model.hf_config import RopeConfig
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm over the last dimension. Given `residual`, normalises x + residual and returns
+    (normed, x + residual): the residual add fused in, as vLLM's layers do."""
+
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        library = cpu_kernels.library_for(x)
+        if library is not None and self.weight.dtype == x.dtype and x.stride(-1) == 1:
+            return self._fused(library, x, residual)
+        if residual is not None:
+            residual = x + residual
+            return self._norm(residual), residual
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+    def _fused(self, library, x: torch.Tensor, residual: torch.Tensor | None):
+        rows = x.reshape(-1, x.shape[-1])
+        if residual is None:
+            return cpu_kernels.rms_norm(library, rows, self.weight, self.eps).view(x.shape)
+        residual = residual.contiguous()
+        out = cpu_kernels.rms_norm(library, rows, self.weight, self.eps, residual.view(-1, x.shape[-1]))
+        return out.view(x.shape), residual
 
 
 def rope_inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -57,10 +78,20 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", angles.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, Hq, D], k: [T, Hkv, D]; returns both rotated."""
+        """q: [T, Hq, D], k: [T, Hkv, D]; returns both rotated (on CPU, in place where it can)."""
+        library = cpu_kernels.library_for(q)
+        if library is not None and self.cos.device.type == "cpu" and _heads_contiguous(q, k):
+            positions = positions.contiguous()
+            cpu_kernels.rotary_(library, q, positions, self.cos, self.sin)
+            cpu_kernels.rotary_(library, k, positions, self.cos, self.sin)
+            return q, k
         cos = self.cos[positions].to(q.dtype)[:, None, :]
         sin = self.sin[positions].to(q.dtype)[:, None, :]
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _heads_contiguous(*tensors: torch.Tensor) -> bool:
+    return all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in tensors)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -78,5 +109,9 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        library = cpu_kernels.library_for(gate_up)
+        if library is not None and gate_up.dim() == 2 and gate_up.stride(1) == 1:
+            return self.down_proj(cpu_kernels.silu_mul(library, gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -64,11 +64,12 @@ static inline void store_row(void *dst, int dtype, const float *src, int n, floa
     }
 }
 
-/* exp(x) for x <= 0 (scores minus their running maximum): Cody-Waite range reduction and a
- * degree-6 polynomial, about 2 ulp; written so that the compiler vectorises the loops calling it. */
-static inline float exp_nonpositive(float x)
+/* exp(x), x clamped to [-87, 88] (the float range): Cody-Waite range reduction and a degree-6
+ * polynomial, about 2 ulp; written so that the compiler vectorises the loops calling it. */
+static inline float exp_clamped(float x)
 {
     x = x < -87.0f ? -87.0f : x;
+    x = x > 88.0f ? 88.0f : x;
     float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
     float r = x - n * 0.693359375f + n * 2.12194440e-4f;
     float p = 1.9875691500e-4f;
@@ -128,9 +129,9 @@ static inline __attribute__((always_inline)) void attend_tile_scalar(struct grou
         float tile_max = st->max[g], sum = 0.0f;
         for (int t = 0; t < count; t++)
             tile_max = p[t] > tile_max ? p[t] : tile_max;
-        float rescale = exp_nonpositive(st->max[g] - tile_max);
+        float rescale = exp_clamped(st->max[g] - tile_max);
         for (int t = 0; t < count; t++) {
-            p[t] = exp_nonpositive(p[t] - tile_max);
+            p[t] = exp_clamped(p[t] - tile_max);
             sum += p[t];
         }
         st->sum[g] = st->sum[g] * rescale + sum;
@@ -176,7 +177,7 @@ static inline __m512 sum16(const __m512 v[TILE])
                          _mm512_shuffle_f32x4(octs[0], octs[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* exp_nonpositive on 16 lanes. */
+/* exp_clamped on 16 lanes, for x <= 0 (scores minus their running maximum). */
 static inline __m512 exp16(__m512 x)
 {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
@@ -221,7 +222,7 @@ static inline __attribute__((always_inline)) void attend_tile_avx512(struct grou
         __m512 scores = _mm512_mask_blend_ps(live, _mm512_set1_ps(-3.0e38f), sum16(dots));
         float tile_max = _mm512_reduce_max_ps(scores);
         tile_max = tile_max > st->max[g] ? tile_max : st->max[g];
-        float rescale = exp_nonpositive(st->max[g] - tile_max);
+        float rescale = exp_clamped(st->max[g] - tile_max);
         __m512 probs = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(tile_max))));
         st->sum[g] = st->sum[g] * rescale + _mm512_reduce_add_ps(probs);
         st->max[g] = tile_max;
@@ -342,4 +343,117 @@ int ts_paged_decode(const void *q, int64_t q_row_stride, const void *cache, int6
         free(states);
     }
     return failed ? -2 : 0;
+}
+
+/* ---- elementwise layers, one pass each, rounding as PyTorch's op-by-op versions do ---------- */
+
+static inline float f32_load(const float *p) { return *p; }
+static inline void f32_store(float *p, float x) { *p = x; }
+static inline float f32_round(float x) { return x; }
+static inline float bf16_load(const uint16_t *p) { return bf16_to_float(*p); }
+static inline void bf16_store(uint16_t *p, float x) { *p = float_to_bf16(x); }
+static inline float bf16_round(float x) { return bf16_to_float(float_to_bf16(x)); }
+
+/* One row of each elementwise layer, for element type T (LOAD, STORE and ROUND of that type). */
+#define DEFINE_ROW_KERNELS(SUFFIX, T, LOAD, STORE, ROUND)                                           \
+static void rms_norm_row_##SUFFIX(const T *src, T *res, const T *weight, T *dst, int64_t size,      \
+                                  float eps)                                                        \
+{                                                                                                   \
+    float squares = 0.0f;                                                                           \
+    if (res != NULL) {                                                                              \
+        _Pragma("omp simd reduction(+ : squares)")                                                  \
+        for (int64_t i = 0; i < size; i++) {                                                        \
+            float v = ROUND(LOAD(src + i) + LOAD(res + i));                                         \
+            STORE(res + i, v);                                                                      \
+            squares += v * v;                                                                       \
+        }                                                                                           \
+        src = res;                                                                                  \
+    } else {                                                                                        \
+        _Pragma("omp simd reduction(+ : squares)")                                                  \
+        for (int64_t i = 0; i < size; i++)                                                          \
+            squares += LOAD(src + i) * LOAD(src + i);                                               \
+    }                                                                                               \
+    float inv = 1.0f / __builtin_sqrtf(squares / (float)size + eps);                                \
+    for (int64_t i = 0; i < size; i++)                                                              \
+        STORE(dst + i, LOAD(weight + i) * ROUND(LOAD(src + i) * inv));                              \
+}                                                                                                   \
+                                                                                                    \
+static void silu_mul_row_##SUFFIX(const T *gate, const T *up, T *dst, int64_t size)                 \
+{                                                                                                   \
+    for (int64_t i = 0; i < size; i++) {                                                            \
+        float g = LOAD(gate + i);                                                                   \
+        STORE(dst + i, ROUND(g / (1.0f + exp_clamped(-g))) * LOAD(up + i));                         \
+    }                                                                                               \
+}                                                                                                   \
+                                                                                                    \
+static void rotary_head_##SUFFIX(T *head, const float *cos_row, const float *sin_row, int half)     \
+{                                                                                                   \
+    for (int i = 0; i < half; i++) {                                                                \
+        float a = LOAD(head + i), b = LOAD(head + i + half);                                        \
+        float ra = ROUND(a * ROUND(cos_row[i])) + ROUND(-b * ROUND(sin_row[i]));                    \
+        float rb = ROUND(b * ROUND(cos_row[i + half])) + ROUND(a * ROUND(sin_row[i + half]));       \
+        STORE(head + i, ra);                                                                        \
+        STORE(head + i + half, rb);                                                                 \
+    }                                                                                               \
+}
+
+DEFINE_ROW_KERNELS(f32, float, f32_load, f32_store, f32_round)
+DEFINE_ROW_KERNELS(bf16, uint16_t, bf16_load, bf16_store, bf16_round)
+
+#define ELEMENTWISE_PARALLEL_FROM 32768  /* elements: below, one thread (no fork/join) */
+
+/* RMSNorm of each row of x ([rows, size], rows `x_stride` elements apart) into out (contiguous):
+ * out = round(weight * round(x * rsqrt(mean(x^2) + eps))), in float32. With `residual`
+ * (contiguous, like out), first residual = round(x + residual), and that sum is normalised.
+ * The weight has x's type. */
+void ts_rms_norm(const void *x, int64_t x_stride, void *residual, const void *weight, void *out, int64_t rows,
+                 int64_t size, float eps, int dtype)
+{
+#pragma omp parallel for schedule(static) if (rows * size > ELEMENTWISE_PARALLEL_FROM)
+    for (int64_t row = 0; row < rows; row++) {
+        if (dtype == TS_BFLOAT16)
+            rms_norm_row_bf16((const uint16_t *)x + row * x_stride,
+                              residual == NULL ? NULL : (uint16_t *)residual + row * size,
+                              (const uint16_t *)weight, (uint16_t *)out + row * size, size, eps);
+        else
+            rms_norm_row_f32((const float *)x + row * x_stride,
+                             residual == NULL ? NULL : (float *)residual + row * size,
+                             (const float *)weight, (float *)out + row * size, size, eps);
+    }
+}
+
+/* SwiGLU's activation: out[r, i] = round(round(silu(gate)) * up), where gate_up's row r holds
+ * the gates then the ups (`size` each, rows `in_stride` elements apart); out is [rows, size]. */
+void ts_silu_mul(const void *gate_up, int64_t in_stride, void *out, int64_t rows, int64_t size, int dtype)
+{
+#pragma omp parallel for schedule(static) if (rows * size > ELEMENTWISE_PARALLEL_FROM)
+    for (int64_t row = 0; row < rows; row++) {
+        if (dtype == TS_BFLOAT16) {
+            const uint16_t *gate = (const uint16_t *)gate_up + row * in_stride;
+            silu_mul_row_bf16(gate, gate + size, (uint16_t *)out + row * size, size);
+        } else {
+            const float *gate = (const float *)gate_up + row * in_stride;
+            silu_mul_row_f32(gate, gate + size, (float *)out + row * size, size);
+        }
+    }
+}
+
+/* Rotary embedding (rotate-half) in place on x: [rows, heads, head_dim], rows `x_stride` elements
+ * apart, heads contiguous. cos/sin: float32 tables [max_positions, head_dim], rounded to x's type
+ * as PyTorch's version casts them; x = round(round(x * cos) + round(rotate_half(x) * sin)). */
+void ts_rotary(void *x, int64_t x_stride, const int64_t *positions, const float *cos_table,
+               const float *sin_table, int64_t rows, int heads, int head_dim, int dtype)
+{
+#pragma omp parallel for schedule(static) if (rows * heads * head_dim > ELEMENTWISE_PARALLEL_FROM)
+    for (int64_t row = 0; row < rows; row++) {
+        const float *cos_row = cos_table + positions[row] * head_dim;
+        const float *sin_row = sin_table + positions[row] * head_dim;
+        for (int h = 0; h < heads; h++) {
+            int64_t offset = row * x_stride + (int64_t)h * head_dim;
+            if (dtype == TS_BFLOAT16)
+                rotary_head_bf16((uint16_t *)x + offset, cos_row, sin_row, head_dim / 2);
+            else
+                rotary_head_f32((float *)x + offset, cos_row, sin_row, head_dim / 2);
+        }
+    }
 }
