@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from treeserve.model.attention import AttentionMetadata, DecodeBatch, PrefillChunk
+from treeserve.model.attention import PAGED_PREFILL_MAX_CONTEXT, AttentionMetadata, PagedRows, PrefillChunk
 from treeserve.engine.kv_arena import KVArena, kv_bytes_per_token
 from treeserve.engine.kv_cache_manager import KVCacheManager
 from treeserve.engine.request import Request
@@ -81,11 +81,13 @@ class ModelRunner:
 
     def prepare_inputs(self, scheduled: list[ScheduledRequest]) -> StepInputs:
         decodes = sorted((s for s in scheduled if s.num_new_tokens == 1), key=lambda s: s.request.num_computed_tokens)
-        prefills = [s for s in scheduled if s.num_new_tokens > 1]
+        # prefills whose rows can join the paged rows first (stable: otherwise in scheduling order)
+        prefills = sorted((s for s in scheduled if s.num_new_tokens > 1), key=lambda s: not self._paged_prefill(s))
         token_ids: list[int] = []
         positions: list[torch.Tensor] = []
         slots: list[torch.Tensor] = []
-        meta = AttentionMetadata(slot_mapping=torch.empty(0), block_size=self.block_size)
+        paged = PagedRows(device=self.device, group_max_keys=self.decode_group_max_keys)
+        meta = AttentionMetadata(slot_mapping=torch.empty(0), block_size=self.block_size, paged=paged)
         inputs = StepInputs(torch.empty(0), torch.empty(0), meta, decodes + prefills)
         self._add_decodes(decodes, inputs, token_ids, positions, slots)
         for s in prefills:
@@ -95,9 +97,13 @@ class ModelRunner:
         meta.slot_mapping = torch.cat(slots).to(self.device)
         return inputs
 
+    @staticmethod
+    def _paged_prefill(s: ScheduledRequest) -> bool:
+        return s.request.num_computed_tokens + s.num_new_tokens <= PAGED_PREFILL_MAX_CONTEXT
+
     def _add_decodes(self, decodes, inputs, token_ids, positions, slots) -> None:
         bs = self.block_size
-        pos_list, slot_list, lens, block_ids, starts = [], [], [], [], []
+        pos_list, slot_list = [], []
         for s in decodes:
             request = s.request
             pos = request.num_computed_tokens
@@ -105,13 +111,10 @@ class ModelRunner:
             token_ids.append(request.all_token_ids[pos])
             pos_list.append(pos)
             slot_list.append(table[-1] * bs + pos % bs)
-            lens.append(pos + 1)
-            starts.append(len(block_ids))
-            block_ids.extend(table)
+            inputs.meta.paged.add_decode(pos + 1, table)
             self._note_outputs(s, inputs, row=len(token_ids) - 1, first_pos=pos)
         positions.append(torch.tensor(pos_list, dtype=torch.long))
         slots.append(torch.tensor(slot_list, dtype=torch.long))
-        inputs.meta.decode = DecodeBatch(lens, block_ids, starts, self.device, self.decode_group_max_keys)
 
     def _add_prefill(self, s: ScheduledRequest, inputs, token_ids, positions, slots) -> None:
         request, bs = s.request, self.block_size
@@ -119,13 +122,17 @@ class ModelRunner:
         start_row = len(token_ids)
         token_ids.extend(request.all_token_ids[first:first + count])
         pos = torch.arange(first, first + count, dtype=torch.long)
-        block_ids = torch.tensor(self.kv.block_ids(request), dtype=torch.long)
-        positions.append(pos)
-        slots.append(block_ids[pos // bs] * bs + pos % bs)
         context_len = first + count
         num_blocks = -(-context_len // bs)
+        table = self.kv.block_ids(request)[:num_blocks]
+        block_ids = torch.tensor(table, dtype=torch.long)
+        positions.append(pos)
+        slots.append(block_ids[pos // bs] * bs + pos % bs)
         inputs.meta.prefills.append(PrefillChunk(slice(start_row, start_row + count), context_len, count,
-                                                 block_ids[:num_blocks].to(self.device)))
+                                                 block_ids.to(self.device)))
+        paged = inputs.meta.paged
+        if self._paged_prefill(s) and paged.num_rows == start_row:  # the paged rows stay a prefix of the batch
+            paged.add_prefill(context_len, count, table)
         self._note_outputs(s, inputs, row=start_row + count - 1, first_pos=first)
 
     @staticmethod

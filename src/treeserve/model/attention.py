@@ -1,14 +1,16 @@
 """Paged attention over a flat, unpadded token batch.
 
 The runner orders each step's tokens as decode rows first (one query token per request, sorted by
-context length), then prefill chunks. `TorchSDPABackend` writes the step's keys/values into the
-paged cache by slot, then attends:
-- decode rows on CPU in float32 or bfloat16: treeserve's C kernel (`cpu_kernels.paged_decode`)
-  reads the paged cache in place, one pass with an online softmax, no gather, no padding;
-- otherwise (CUDA, float16, no C compiler): rows grouped by context length (which bounds the
-  padding), each group's blocks gathered for `scaled_dot_product_attention`, or `decode_by_matmul`
-  for one-token decode on CPU in bfloat16 or float16;
-- prefill chunks: SDPA over the chunk's keys (gathered from the cache after a prefix hit).
+context length), then prefill chunks, those of short sequences first. `TorchSDPABackend` writes
+the step's keys/values into the paged cache by slot, then attends:
+- on CPU in float32 or bfloat16, the `PagedRows` (the decode rows and the rows of prefill chunks
+  whose sequence is at most `PAGED_PREFILL_MAX_CONTEXT` tokens long, every row with its own causal
+  length): treeserve's C kernel (`cpu_kernels.paged_decode`) reads the paged cache in place, one
+  pass with an online softmax, no gather, no padding, no mask;
+- otherwise (CUDA, float16, no C compiler) decode rows are grouped by context length (which bounds
+  the padding), each group's blocks gathered for `scaled_dot_product_attention`, or
+  `decode_by_matmul` for one-token decode on CPU in bfloat16 or float16;
+- the other prefill chunks: SDPA over the chunk's keys (gathered from the cache after a prefix hit).
 """
 from __future__ import annotations
 
@@ -22,6 +24,10 @@ from treeserve.model import cpu_kernels
 
 # Decode rows are grouped by context length so that one group's padding stays small.
 DECODE_GROUP_GROWTH = 1.5
+# Prefill chunks of sequences up to this long go through the C kernel with the decode rows; past it
+# PyTorch's flash SDPA is the faster (one causal prefill, bfloat16, 12 query / 4 KV heads of 64:
+# kernel 1.2 / 4.7 / 31 ms at 200 / 384 / 1024 tokens, SDPA 1.7 / 5.4 / 23 ms).
+PAGED_PREFILL_MAX_CONTEXT = 512
 
 
 @dataclass
@@ -40,14 +46,32 @@ class PrefillChunk:
 
 
 @dataclass
-class DecodeBatch:
-    """The step's decode rows, sorted by context length: row i's query attends to the first
-    `context_lens[i]` tokens of its sequence, whose blocks are `block_ids[block_starts[i]:]`."""
-    context_lens: list[int]
-    block_ids: list[int]        # every row's blocks, concatenated
-    block_starts: list[int]
-    device: torch.device
-    group_max_keys: int | None = None  # the gathering path's cap on one group's padded keys
+class PagedRows:
+    """The first rows of the step's flat batch, for the C kernel: row i's query attends to the
+    first `context_lens[i]` tokens of its sequence, whose blocks are `block_ids[block_starts[i]:]`.
+    The first `num_decodes` rows are the decode rows, sorted by context length; the rest belong to
+    short prefill chunks (one row per token, each with its causal length)."""
+    context_lens: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)  # every sequence's blocks, concatenated
+    block_starts: list[int] = field(default_factory=list)
+    num_decodes: int = 0
+    device: torch.device = torch.device("cpu")
+    group_max_keys: int | None = None  # the gathering path's cap on one decode group's padded keys
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.context_lens)
+
+    def add_decode(self, context_len: int, block_ids: list[int]) -> None:
+        self.add_prefill(context_len, 1, block_ids)
+        self.num_decodes += 1
+
+    def add_prefill(self, context_len: int, query_len: int, block_ids: list[int]) -> None:
+        """`query_len` rows ending the sequence's first `context_len` tokens."""
+        start = len(self.block_ids)
+        self.block_ids.extend(block_ids)
+        self.context_lens.extend(range(context_len - query_len + 1, context_len + 1))
+        self.block_starts.extend([start] * query_len)
 
     @cached_property
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -55,10 +79,10 @@ class DecodeBatch:
         return tuple(torch.tensor(x, dtype=torch.long) for x in (self.block_ids, self.block_starts, self.context_lens))
 
     def groups(self, block_size: int) -> list[DecodeGroup]:
-        """Rows in runs whose lengths stay within a factor of the run's first and, given
+        """Decode rows in runs whose lengths stay within a factor of the run's first and, given
         `group_max_keys`, whose padded key count stays within it; each run's tables padded."""
         out = []
-        for first, end in _length_runs(self.context_lens, block_size, self.group_max_keys):
+        for first, end in _length_runs(self.context_lens[:self.num_decodes], block_size, self.group_max_keys):
             width = -(-self.context_lens[end - 1] // block_size)
             tables = [self.block_ids[self.block_starts[i]:self.block_starts[i] + width] for i in range(first, end)]
             padded = [t + [0] * (width - len(t)) for t in tables]
@@ -82,14 +106,15 @@ def _length_runs(context_lens: list[int], block_size: int, max_keys: int | None)
 
 
 class AttentionMetadata:
-    """What one step's attention needs besides q, k, v. Decode rows come as a `DecodeBatch`
-    (the runner) or as ready `DecodeGroup`s (tests, benchmarks)."""
+    """What one step's attention needs besides q, k, v. Decode rows come as `PagedRows` (the
+    runner) or as ready `DecodeGroup`s (tests, benchmarks); every prefill chunk as a
+    `PrefillChunk`, the short ones also in `paged`."""
 
     def __init__(self, slot_mapping: torch.Tensor, block_size: int, decode_groups: list[DecodeGroup] | None = None,
-                 prefills: list[PrefillChunk] | None = None, decode: DecodeBatch | None = None):
+                 prefills: list[PrefillChunk] | None = None, paged: PagedRows | None = None):
         self.slot_mapping = slot_mapping  # [T] int64: block_id * block_size + offset for each token
         self.block_size = block_size
-        self.decode = decode
+        self.paged = paged
         self.prefills = prefills if prefills is not None else []
         self._decode_groups = decode_groups
         self._masks: dict = {}
@@ -97,7 +122,7 @@ class AttentionMetadata:
     @property
     def decode_groups(self) -> list[DecodeGroup]:
         if self._decode_groups is None:
-            self._decode_groups = self.decode.groups(self.block_size) if self.decode is not None else []
+            self._decode_groups = self.paged.groups(self.block_size) if self.paged is not None else []
         return self._decode_groups
 
     @cached_property
@@ -160,32 +185,30 @@ class TorchSDPABackend:
         self._write_cache(layer_cache, k, v, meta)
         out = torch.empty_like(q)
         gqa = q.shape[1] != k.shape[1]
-        if self._paged_decode(layer_cache, q, meta, scale, window, out):
-            decode_groups = []
-        else:
-            decode_groups = meta.decode_groups
-        for index, group in enumerate(decode_groups):
+        done = self._paged_rows(layer_cache, q, meta, scale, window, out)
+        for index, group in enumerate(meta.decode_groups if done == 0 else []):
             out[group.rows] = self._decode(layer_cache, q[group.rows], group, meta.decode_mask(index, window, q.dtype),
                                            scale, gqa)
         for index, chunk in enumerate(meta.prefills):
-            mask = meta.prefill_mask(index, window)
-            out[chunk.rows] = self._prefill(layer_cache, q, k, v, chunk, mask, scale, gqa)
+            if chunk.rows.stop > done:
+                mask = meta.prefill_mask(index, window)
+                out[chunk.rows] = self._prefill(layer_cache, q, k, v, chunk, mask, scale, gqa)
         return out
 
     @staticmethod
-    def _paged_decode(layer_cache, q, meta: AttentionMetadata, scale, window, out) -> bool:
-        """The decode rows through the C kernel, where it runs; False: take the gathering path."""
-        decode = meta.decode
-        if decode is None or not decode.context_lens:
-            return False
+    def _paged_rows(layer_cache, q, meta: AttentionMetadata, scale, window, out) -> int:
+        """The paged rows through the C kernel, where it runs: how many rows it did (0: none)."""
+        paged = meta.paged
+        if paged is None or paged.num_rows == 0:
+            return 0
         if not cpu_kernels.supports(q.dtype, q.device, q.shape[1], layer_cache.shape[3], q.shape[2]):
-            return False
+            return 0
         library = cpu_kernels.load()
         if library is None:
-            return False
-        rows = len(decode.context_lens)
-        cpu_kernels.paged_decode(library, q[:rows], layer_cache, *decode.tensors, scale, window, out[:rows])
-        return True
+            return 0
+        rows = paged.num_rows
+        cpu_kernels.paged_decode(library, q[:rows], layer_cache, *paged.tensors, scale, window, out[:rows])
+        return rows
 
     @staticmethod
     def _write_cache(layer_cache, k, v, meta: AttentionMetadata):
