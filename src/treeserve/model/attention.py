@@ -212,6 +212,10 @@ class TorchSDPABackend:
 
     @staticmethod
     def _write_cache(layer_cache, k, v, meta: AttentionMetadata):
+        library = cpu_kernels.library_for(k)
+        if library is not None and cpu_kernels.can_write_kv(layer_cache, k, v, meta.slot_mapping):
+            cpu_kernels.write_kv(library, layer_cache, k, v, meta.slot_mapping)
+            return
         slots = (meta.slot_blocks, meta.slot_offsets)
         layer_cache[:, 0].index_put_(slots, k)
         layer_cache[:, 1].index_put_(slots, v)

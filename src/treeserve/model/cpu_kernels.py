@@ -38,6 +38,7 @@ SIGNATURES = {
     "ts_rms_norm": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _float, _int],
     "ts_silu_mul": [_ptr, _i64, _ptr, _i64, _i64, _int],
     "ts_rotary": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _int, _int, _int],
+    "ts_write_kv": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _int, _ptr, _i64, _i64, _int],
 }
 RETURNS = {"ts_paged_decode": ctypes.c_int}
 
@@ -158,12 +159,43 @@ def silu_mul(library: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def rotary_(library: ctypes.CDLL, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+def rotary_(library: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
             sin: torch.Tensor) -> None:
-    """Rotate-half rotary embedding in place on x [rows, heads, head_dim] (heads contiguous),
-    from float32 tables [max_positions, head_dim]; positions int64 (contiguous)."""
-    rows, heads, head_dim = x.shape
-    if x.stride(2) != 1 or x.stride(1) != head_dim or not (cos.is_contiguous() and sin.is_contiguous()):
-        raise ValueError("rotary_: x's heads and the tables must be contiguous")
-    library.ts_rotary(x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows, heads,
-                      head_dim, DTYPES[x.dtype])
+    """Rotate-half rotary embedding in place on q [T, Hq, D] and k [T, Hkv, D] (heads contiguous),
+    from float32 tables [max_positions, D]; positions int64. One pass where k's heads follow q's
+    in each row (both views of the qkv projection), else one per tensor."""
+    if not (heads_contiguous(q) and heads_contiguous(k) and cos.is_contiguous() and sin.is_contiguous()):
+        raise ValueError("rotary_: q's and k's heads and the tables must be contiguous")
+    positions = positions.contiguous()
+    head_bytes = q.shape[2] * q.element_size()
+    if q.stride(0) == k.stride(0) and k.data_ptr() == q.data_ptr() + q.shape[1] * head_bytes:
+        parts = [(q, q.shape[1] + k.shape[1])]
+    else:
+        parts = [(q, q.shape[1]), (k, k.shape[1])]
+    for x, heads in parts:
+        library.ts_rotary(x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), x.shape[0],
+                          heads, x.shape[2], DTYPES[x.dtype])
+
+
+def write_kv(library: ctypes.CDLL, layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """k, v [T, Hkv, D] (heads contiguous) into `layer_cache` [num_blocks, 2, block_size, Hkv, D]
+    at `slots` (int64, contiguous): block slot // block_size, offset slot % block_size."""
+    if not can_write_kv(layer_cache, k, v, slots):
+        raise ValueError("write_kv: k, v and the cache need contiguous heads, slots contiguous int64")
+    strides = layer_cache.stride()
+    library.ts_write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), layer_cache.data_ptr(), strides[0],
+                        strides[1], strides[2], layer_cache.shape[2], slots.data_ptr(), k.shape[0],
+                        k.shape[1] * k.shape[2], DTYPES[k.dtype])
+
+
+def can_write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> bool:
+    strides = layer_cache.stride()
+    return (heads_contiguous(k) and heads_contiguous(v) and strides[3] == k.shape[2] and strides[4] == 1
+            and slots.is_contiguous() and slots.dtype == torch.long and k.dtype == v.dtype == layer_cache.dtype
+            and layer_cache.device.type == "cpu")
+
+
+def heads_contiguous(x: torch.Tensor) -> bool:
+    """[T, heads, head_dim] with each row's heads one contiguous run."""
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]

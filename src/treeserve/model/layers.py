@@ -80,18 +80,12 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, Hq, D], k: [T, Hkv, D]; returns both rotated (on CPU, in place where it can)."""
         library = cpu_kernels.library_for(q)
-        if library is not None and self.cos.device.type == "cpu" and _heads_contiguous(q, k):
-            positions = positions.contiguous()
-            cpu_kernels.rotary_(library, q, positions, self.cos, self.sin)
-            cpu_kernels.rotary_(library, k, positions, self.cos, self.sin)
+        if library is not None and cpu_kernels.heads_contiguous(q) and cpu_kernels.heads_contiguous(k):
+            cpu_kernels.rotary_(library, q, k, positions, self.cos, self.sin)
             return q, k
         cos = self.cos[positions].to(q.dtype)[:, None, :]
         sin = self.sin[positions].to(q.dtype)[:, None, :]
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _heads_contiguous(*tensors: torch.Tensor) -> bool:
-    return all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in tensors)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

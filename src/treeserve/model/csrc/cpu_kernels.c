@@ -484,3 +484,19 @@ void ts_rotary(void *x, int64_t x_stride, const int64_t *positions, const float 
         }
     }
 }
+
+/* The step's keys and values into the paged cache: token i's rows (kv_heads * head_dim elements,
+ * heads contiguous; k and v rows `k_stride` / `v_stride` elements apart) go to slot slots[i]
+ * (block slots[i] / block_size, offset slots[i] % block_size) of the layer's cache view. */
+void ts_write_kv(const void *k, int64_t k_stride, const void *v, int64_t v_stride, void *cache,
+                 int64_t block_stride, int64_t kv_stride, int64_t token_stride, int block_size,
+                 const int64_t *slots, int64_t rows, int64_t row_elems, int dtype)
+{
+    int elem = dtype == TS_BFLOAT16 ? 2 : 4;
+#pragma omp parallel for schedule(static) if (rows * row_elems > ELEMENTWISE_PARALLEL_FROM)
+    for (int64_t i = 0; i < rows; i++) {
+        char *key = (char *)cache + ((slots[i] / block_size) * block_stride + (slots[i] % block_size) * token_stride) * elem;
+        memcpy(key, (const char *)k + i * k_stride * elem, row_elems * elem);
+        memcpy(key + kv_stride * elem, (const char *)v + i * v_stride * elem, row_elems * elem);
+    }
+}
