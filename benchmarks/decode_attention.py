@@ -1,5 +1,6 @@
 """Decode attention on CPU: one group per context length against groups capped by gathered keys,
-and the kernel for one query token, PyTorch's SDPA against `decode_by_matmul`.
+the kernel for one query token, PyTorch's SDPA against `decode_by_matmul`, and the gathering path
+against treeserve's C kernel reading the paged cache in place (`cpu_kernels.paged_decode`).
 
 The model runner groups decoding sequences by context length and, on CPU, also caps each group's
 gathered keys (`CPU_DECODE_GROUP_MAX_KEYS`). This times `TorchSDPABackend` on one decode step's
@@ -22,7 +23,8 @@ import torch
 
 from torch.nn import functional as F
 
-from treeserve.model.attention import AttentionMetadata, DecodeGroup, TorchSDPABackend, decode_by_matmul
+from treeserve.model import cpu_kernels
+from treeserve.model.attention import AttentionMetadata, DecodeGroup, PagedRows, TorchSDPABackend, decode_by_matmul
 from treeserve.engine.model_runner import CPU_DECODE_GROUP_MAX_KEYS
 
 BLOCK_SIZE, KV_HEADS, HEAD_DIM, NUM_BLOCKS = 16, 4, 32, 8192
@@ -87,6 +89,26 @@ def compare_kernels(cache, batch: int, args, generator) -> None:
           f"largest difference {gap:.1e}")
 
 
+def compare_paged(backend, cache, batch: int, args, generator) -> None:
+    """The same decode step through the capped groups (gathers) and through the C kernel."""
+    q = torch.randn(batch, 2 * KV_HEADS, HEAD_DIM, generator=generator).to(cache.dtype)
+    k, v = torch.randn(batch, KV_HEADS, HEAD_DIM, generator=generator).to(cache.dtype), torch.randn(
+        batch, KV_HEADS, HEAD_DIM, generator=generator).to(cache.dtype)
+    capped = decode_step(batch, args.context, CPU_DECODE_GROUP_MAX_KEYS, torch.Generator().manual_seed(batch))
+    paged = PagedRows()
+    for group in capped.decode_groups:
+        for table, length in zip(group.block_tables.tolist(), group.context_lens.tolist()):
+            paged.add_decode(length, table[:-(-length // BLOCK_SIZE)])
+    kernel = AttentionMetadata(slot_mapping=capped.slot_mapping, block_size=BLOCK_SIZE, paged=paged)
+    scale = HEAD_DIM ** -0.5
+    gap = (backend.forward(cache, q, k, v, capped, scale, None).float()
+           - backend.forward(cache, q, k, v, kernel, scale, None).float()).abs().max().item()
+    slow = median_ms(lambda: backend.forward(cache, q, k, v, capped, scale, None), args.repeats)
+    fast = median_ms(lambda: backend.forward(cache, q, k, v, kernel, scale, None), args.repeats)
+    print(f"batch {batch:4d}: gathered groups {slow:7.2f} ms, C kernel {fast:7.2f} ms, ratio {slow / fast:.2f}, "
+          f"largest difference {gap:.1e}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
@@ -105,6 +127,12 @@ def main() -> int:
     print("one query token, one group: PyTorch's SDPA against decode_by_matmul")
     for batch in batches:
         compare_kernels(cache, batch, args, generator)
+    if cpu_kernels.load() is None:
+        print("C kernel: not built here (no C compiler, or TREESERVE_CPU_KERNELS=0)")
+        return 0
+    print("2 query heads per KV head: gathered capped groups against the C kernel on the paged cache")
+    for batch in batches:
+        compare_paged(backend, cache, batch, args, generator)
     return 0
 
 

@@ -1,0 +1,167 @@
+"""treeserve's C kernels against PyTorch: paged attention against a per-sequence softmax reference,
+the elementwise layers bit for bit in bfloat16 against the PyTorch ops they replace, and the
+engine falling back to PyTorch (same tokens) where the kernels cannot be built."""
+import pytest
+import torch
+from torch.nn import functional as F
+
+from treeserve.model import cpu_kernels
+from treeserve.model.attention import AttentionMetadata, PagedRows, TorchSDPABackend
+from treeserve.model.layers import GatedMLP, RMSNorm, _rotate_half
+
+LIBRARY = cpu_kernels.load()
+pytestmark = pytest.mark.skipif(LIBRARY is None, reason="treeserve's CPU kernels could not be built here (no cc?)")
+
+BLOCK, KV_HEADS, HEADS, HEAD_DIM, BLOCKS = 4, 2, 6, 16, 64
+
+
+def _reference(q, cache, tables, lens, scale, window=None):
+    """Per row: softmax over the row's first `len` keys (the last `window` of them), float64."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for i, (table, length) in enumerate(zip(tables, lens)):
+        keys = cache[table, 0].reshape(-1, KV_HEADS, HEAD_DIM)[:length].double()
+        values = cache[table, 1].reshape(-1, KV_HEADS, HEAD_DIM)[:length].double()
+        first = 0 if window is None else max(0, length - window)
+        keys, values = keys[first:].repeat_interleave(3, 1), values[first:].repeat_interleave(3, 1)
+        probs = torch.einsum("hd,lhd->hl", q[i].double() * scale, keys).softmax(-1)
+        out[i] = torch.einsum("hl,lhd->hd", probs, values)
+    return out
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("window", [None, 5])
+def test_paged_rows_match_reference_for_decode_and_prefill_rows(dtype, tol, window):
+    gen = torch.Generator().manual_seed(0)
+    cache = torch.randn(BLOCKS, 2, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    rows = PagedRows()
+    tables, lens = [], []
+    for length in (1, 3, 4, 9, 17, 30):  # decode rows: one block, a partial block, many blocks
+        table = torch.randperm(BLOCKS, generator=gen)[: -(-length // BLOCK)].tolist()
+        rows.add_decode(length, table)
+        tables.append(table), lens.append(length)
+    table = torch.randperm(BLOCKS, generator=gen)[:4].tolist()
+    rows.add_prefill(14, 6, table)  # a prefill chunk after a cached prefix: rows of 9..14 keys
+    tables += [table] * 6
+    lens += list(range(9, 15))
+    q = torch.randn(len(lens), HEADS, HEAD_DIM, generator=gen).to(dtype)
+    out = torch.empty_like(q)
+    cpu_kernels.paged_decode(LIBRARY, q, cache, *rows.tensors, 0.25, window, out)
+    expected = _reference(q, cache, tables, lens, 0.25, window)
+    torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+
+
+def test_backend_paged_rows_agree_with_the_gathering_path():
+    gen = torch.Generator().manual_seed(1)
+    cache = torch.randn(BLOCKS, 2, BLOCK, KV_HEADS, HEAD_DIM, generator=gen)
+    lens = [5, 9, 12]
+    tables = [torch.randperm(BLOCKS, generator=gen)[: -(-n // BLOCK)].tolist() for n in lens]
+    paged = PagedRows()
+    for table, length in zip(tables, lens):
+        paged.add_decode(length, table)
+    slots = torch.tensor([t[(n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK for t, n in zip(tables, lens)])
+    q = torch.randn(3, HEADS, HEAD_DIM, generator=gen)
+    k, v = torch.randn(3, KV_HEADS, HEAD_DIM, generator=gen), torch.randn(3, KV_HEADS, HEAD_DIM, generator=gen)
+    backend = TorchSDPABackend()
+    kernel = backend.forward(cache.clone(), q, k, v, AttentionMetadata(slots, BLOCK, paged=paged), 0.3, None)
+    gathered = AttentionMetadata(slots, BLOCK, decode_groups=paged.groups(BLOCK))
+    torch.testing.assert_close(kernel, backend.forward(cache.clone(), q, k, v, gathered, 0.3, None),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_shapes_beyond_its_limits_are_refused():
+    q = torch.zeros(1, 34, 16)
+    cache = torch.zeros(4, 2, BLOCK, 2, 16)
+    assert not cpu_kernels.supports(q.dtype, q.device, 34, 2, 16)  # 17 query heads per KV head
+    with pytest.raises(ValueError, match="limits"):
+        cpu_kernels.paged_decode(LIBRARY, q, cache, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
+                                 torch.ones(1, dtype=torch.long), 1.0, None, torch.empty_like(q))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_with_and_without_residual(dtype):
+    gen = torch.Generator().manual_seed(2)
+    norm = RMSNorm(96, 1e-5).to(dtype)
+    norm.weight.data = torch.randn(96, generator=gen).to(dtype)
+    x, residual = torch.randn(2, 5, 96, generator=gen).to(dtype), torch.randn(2, 5, 96, generator=gen).to(dtype)
+    exact = dtype == torch.bfloat16  # each rounding as PyTorch's ops; float32 sums in another order
+    tol = {"atol": 0, "rtol": 0} if exact else {"atol": 1e-6, "rtol": 1e-5}
+    torch.testing.assert_close(norm(x), norm._norm(x), **tol)
+    out, summed = norm(x, residual.clone())
+    torch.testing.assert_close(summed, x + residual, atol=0, rtol=0)
+    torch.testing.assert_close(out, norm._norm(x + residual), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_and_rotary_match_pytorch(dtype):
+    gen = torch.Generator().manual_seed(3)
+    gate_up = (4 * torch.randn(7, 2 * 40, generator=gen)).to(dtype)  # gates far into both tails
+    expected = F.silu(gate_up[:, :40]) * gate_up[:, 40:]
+    tol = {"atol": 0, "rtol": 0} if dtype == torch.bfloat16 else {"atol": 1e-6, "rtol": 1e-5}
+    torch.testing.assert_close(cpu_kernels.silu_mul(LIBRARY, gate_up), expected, **tol)
+
+    positions = torch.tensor([0, 3, 17, 5, 90])
+    cos, sin = torch.randn(100, 16, generator=gen), torch.randn(100, 16, generator=gen)
+    qkv = torch.randn(5, 4 * 16 + 2 * 16 + 2 * 16, generator=gen).to(dtype)
+    q, k, _ = (t.view(5, -1, 16) for t in qkv.split((64, 32, 32), dim=-1))
+    c, s = cos[positions].to(dtype)[:, None], sin[positions].to(dtype)[:, None]
+    want_q, want_k = q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+    cpu_kernels.rotary_(LIBRARY, q, k, positions, cos, sin)  # adjacent in qkv: one pass
+    torch.testing.assert_close(q, want_q, **tol)
+    torch.testing.assert_close(k, want_k, **tol)
+    apart_q, apart_k = want_q.clone(), want_k.clone()
+    cpu_kernels.rotary_(LIBRARY, apart_q, apart_k, positions, cos, sin)  # separate tensors: two passes
+    torch.testing.assert_close(apart_q, want_q * c + _rotate_half(want_q) * s, **tol)
+
+
+def test_write_kv_matches_index_put():
+    gen = torch.Generator().manual_seed(4)
+    pages = torch.zeros(BLOCKS, 3, 2, BLOCK, KV_HEADS, HEAD_DIM)  # a layer's view is strided, as in the arena
+    layer = pages[:, 1]
+    kv = torch.randn(5, 2 * KV_HEADS * HEAD_DIM, generator=gen)
+    k, v = (t.view(5, KV_HEADS, HEAD_DIM) for t in kv.split(KV_HEADS * HEAD_DIM, dim=-1))
+    slots = torch.tensor([0, 7, 13, 200, 255])
+    cpu_kernels.write_kv(LIBRARY, layer, k, v, slots)
+    expected = torch.zeros_like(pages)
+    expected[:, 1, 0].index_put_((slots // BLOCK, slots % BLOCK), k)
+    expected[:, 1, 1].index_put_((slots // BLOCK, slots % BLOCK), v)
+    assert torch.equal(pages, expected)
+
+
+def test_gated_mlp_uses_the_kernel_only_outside_autograd():
+    mlp = GatedMLP(8, 12, bias=False)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        fast = mlp(x)
+    slow = mlp(x)  # parameters need gradients: PyTorch's ops, so that backward works
+    assert slow.requires_grad
+    slow.sum().backward()
+    torch.testing.assert_close(fast, slow.detach(), atol=1e-6, rtol=1e-5)
+
+
+def test_engine_without_kernels_gives_the_same_tokens(llama_dir, monkeypatch):
+    from treeserve.entrypoints.llm import LLM
+    from treeserve.sampling_params import SamplingParams
+
+    prompts = ["The capital of France is", "One two three", "a b c d e f g h i j k l m n o p"]
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+    def tokens():
+        llm = LLM(str(llama_dir), dtype="float32", kv_cache_memory_bytes=1 << 22)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+
+    with_kernels = tokens()
+    monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    assert cpu_kernels.library_for(torch.zeros(1)) is None
+    assert tokens() == with_kernels
+
+
+def test_build_failure_falls_back_with_the_reason(monkeypatch, caplog, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    cpu_kernels.load.cache_clear()
+    try:
+        assert cpu_kernels.load() is None
+        assert "no C compiler" in caplog.text
+    finally:
+        monkeypatch.delenv("CC")
+        cpu_kernels.load.cache_clear()
+    assert cpu_kernels.load() is not None
