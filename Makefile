@@ -12,6 +12,9 @@ PORT ?= 8000
 .PHONY: run generate search test bench clean
 
 $(STAMP): pyproject.toml
+	# treeserve's CPU kernels are C, built on first use with cc (PyTorch paths run without one).
+	command -v cc >/dev/null || (command -v apt-get >/dev/null && apt-get update -q && apt-get install -y -q gcc) \
+		|| echo "no C compiler: treeserve runs its PyTorch paths (slower)"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# CPU wheel pinned: an unpinned torch pulls gigabytes of CUDA packages.
