@@ -6,7 +6,8 @@ import torch
 from torch.nn import functional as F
 
 from treeserve.model import cpu_kernels
-from treeserve.model.attention import AttentionMetadata, PagedRows, TorchSDPABackend
+from treeserve.model.attention import (AttentionMetadata, PagedRows, PrefillChunk, TorchSDPABackend,
+                                       paged_prefill_max_context)
 from treeserve.model.layers import GatedMLP, RMSNorm, _rotate_half
 
 LIBRARY = cpu_kernels.load()
@@ -66,6 +67,30 @@ def test_backend_paged_rows_agree_with_the_gathering_path():
     gathered = AttentionMetadata(slots, BLOCK, decode_groups=paged.groups(BLOCK))
     torch.testing.assert_close(kernel, backend.forward(cache.clone(), q, k, v, gathered, 0.3, None),
                                atol=1e-5, rtol=1e-5)
+
+
+def test_backend_prefill_rows_agree_with_sdpa_after_a_cached_prefix():
+    gen = torch.Generator().manual_seed(5)
+    cache = torch.randn(BLOCKS, 2, BLOCK, KV_HEADS, HEAD_DIM, generator=gen)
+    table = torch.randperm(BLOCKS, generator=gen)[:4].tolist()  # 16 slots; 9 cached, 5 new tokens
+    first, count = 9, 5
+    slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(first, first + count)])
+    q = torch.randn(count, HEADS, HEAD_DIM, generator=gen)
+    k, v = torch.randn(count, KV_HEADS, HEAD_DIM, generator=gen), torch.randn(count, KV_HEADS, HEAD_DIM, generator=gen)
+    chunk = PrefillChunk(slice(0, count), first + count, count, torch.tensor(table))
+    paged = PagedRows()
+    paged.add_prefill(first + count, count, table)
+    backend = TorchSDPABackend()
+    kernel = backend.forward(cache.clone(), q, k, v, AttentionMetadata(slots, BLOCK, prefills=[chunk], paged=paged),
+                             0.3, None)
+    sdpa = backend.forward(cache.clone(), q, k, v, AttentionMetadata(slots, BLOCK, prefills=[chunk]), 0.3, None)
+    torch.testing.assert_close(kernel, sdpa, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_rows_join_the_kernel_only_where_it_is_faster():
+    assert paged_prefill_max_context(torch.bfloat16, 12, 4) > 0
+    assert paged_prefill_max_context(torch.bfloat16, 4, 4) == 0   # no grouped-query attention
+    assert paged_prefill_max_context(torch.float32, 12, 4) == 0   # MKL's float32 SDPA is the faster
 
 
 def test_kernel_shapes_beyond_its_limits_are_refused():

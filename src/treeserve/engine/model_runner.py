@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from treeserve.model.attention import PAGED_PREFILL_MAX_CONTEXT, AttentionMetadata, PagedRows, PrefillChunk
+from treeserve.model.attention import AttentionMetadata, PagedRows, PrefillChunk, paged_prefill_max_context
 from treeserve.engine.kv_arena import KVArena, kv_bytes_per_token
 from treeserve.engine.kv_cache_manager import KVCacheManager
 from treeserve.engine.request import Request
@@ -50,6 +50,8 @@ class ModelRunner:
         self.kv_caches = arena.layer_views(model.config, dtype)
         self.sampler = Sampler()
         self.decode_group_max_keys = CPU_DECODE_GROUP_MAX_KEYS if device.type == "cpu" else None
+        config = model.config
+        self.paged_prefill_max_context = paged_prefill_max_context(dtype, config.num_heads, config.num_kv_heads)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -97,9 +99,8 @@ class ModelRunner:
         meta.slot_mapping = torch.cat(slots).to(self.device)
         return inputs
 
-    @staticmethod
-    def _paged_prefill(s: ScheduledRequest) -> bool:
-        return s.request.num_computed_tokens + s.num_new_tokens <= PAGED_PREFILL_MAX_CONTEXT
+    def _paged_prefill(self, s: ScheduledRequest) -> bool:
+        return s.request.num_computed_tokens + s.num_new_tokens <= self.paged_prefill_max_context
 
     def _add_decodes(self, decodes, inputs, token_ids, positions, slots) -> None:
         bs = self.block_size

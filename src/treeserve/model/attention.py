@@ -3,9 +3,9 @@
 The runner orders each step's tokens as decode rows first (one query token per request, sorted by
 context length), then prefill chunks, those of short sequences first. `TorchSDPABackend` writes
 the step's keys/values into the paged cache by slot, then attends:
-- on CPU in float32 or bfloat16, the `PagedRows` (the decode rows and the rows of prefill chunks
-  whose sequence is at most `PAGED_PREFILL_MAX_CONTEXT` tokens long, every row with its own causal
-  length): treeserve's C kernel (`cpu_kernels.paged_decode`) reads the paged cache in place, one
+- on CPU in float32 or bfloat16, the `PagedRows` (the decode rows and, where that is faster, the
+  rows of prefill chunks whose sequence is at most `PAGED_PREFILL_MAX_CONTEXT` tokens long, every
+  row with its own causal length): treeserve's C kernel (`cpu_kernels.paged_decode`) reads the paged cache in place, one
   pass with an online softmax, no gather, no padding, no mask;
 - otherwise (CUDA, float16, no C compiler) decode rows are grouped by context length (which bounds
   the padding), each group's blocks gathered for `scaled_dot_product_attention`, or
@@ -24,10 +24,21 @@ from treeserve.model import cpu_kernels
 
 # Decode rows are grouped by context length so that one group's padding stays small.
 DECODE_GROUP_GROWTH = 1.5
-# Prefill chunks of sequences up to this long go through the C kernel with the decode rows; past it
-# PyTorch's flash SDPA is the faster (one causal prefill, bfloat16, 12 query / 4 KV heads of 64:
-# kernel 1.2 / 4.7 / 31 ms at 200 / 384 / 1024 tokens, SDPA 1.7 / 5.4 / 23 ms).
+# Prefill chunks of sequences up to this long go through the C kernel with the decode rows, in
+# bfloat16 with grouped-query attention (3+ query heads per KV head); past it, in float32, or with
+# fewer query heads per KV head, PyTorch's flash SDPA is the faster. One causal prefill, one
+# thread, kernel / SDPA time: bf16 12q/4kv heads of 64: 0.86-0.94 at 64-200 tokens (and 0.87 at
+# 384 with two threads, 1.37 at 1024); bf16 4/4 heads of 32: 1.2-1.7; float32: 1.1-2.0. The
+# bundled search models (float32, 4/4 heads of 32) ran memory_split's workload 9-16% slower with
+# their prefills in the kernel than with none of the kernels (5.9 against 7.0 problems/s shared).
 PAGED_PREFILL_MAX_CONTEXT = 512
+
+
+def paged_prefill_max_context(dtype: torch.dtype, num_heads: int, num_kv_heads: int) -> int:
+    """The longest sequence whose prefill rows join the paged rows (0: none do)."""
+    if dtype == torch.bfloat16 and num_heads >= 3 * num_kv_heads:
+        return PAGED_PREFILL_MAX_CONTEXT
+    return 0
 
 
 @dataclass
