@@ -1,6 +1,6 @@
 """Decode attention on CPU: one group per context length against groups capped by gathered keys,
 the kernel for one query token, PyTorch's SDPA against `decode_by_matmul`, and the gathering path
-against treeserve's C kernel reading the paged cache in place (`cpu_kernels.paged_decode`).
+against treeserve's C kernel reading the paged cache in place (`cpu_kernels.paged_attention`).
 
 The model runner groups decoding sequences by context length and, on CPU, also caps each group's
 gathered keys (`CPU_DECODE_GROUP_MAX_KEYS`). This times `TorchSDPABackend` on one decode step's

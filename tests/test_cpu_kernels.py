@@ -46,7 +46,7 @@ def test_paged_rows_match_reference_for_decode_and_prefill_rows(dtype, tol, wind
     lens += list(range(9, 15))
     q = torch.randn(len(lens), HEADS, HEAD_DIM, generator=gen).to(dtype)
     out = torch.empty_like(q)
-    cpu_kernels.paged_decode(LIBRARY, q, cache, *rows.tensors, 0.25, window, out)
+    cpu_kernels.paged_attention(LIBRARY, q, cache, *rows.tensors, 0.25, window, out)
     expected = _reference(q, cache, tables, lens, 0.25, window)
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
 
@@ -98,7 +98,7 @@ def test_kernel_shapes_beyond_its_limits_are_refused():
     cache = torch.zeros(4, 2, BLOCK, 2, 16)
     assert not cpu_kernels.supports(q.dtype, q.device, 34, 2, 16)  # 17 query heads per KV head
     with pytest.raises(ValueError, match="limits"):
-        cpu_kernels.paged_decode(LIBRARY, q, cache, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
+        cpu_kernels.paged_attention(LIBRARY, q, cache, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
                                  torch.ones(1, dtype=torch.long), 1.0, None, torch.empty_like(q))
 
 

@@ -5,7 +5,7 @@ context length), then prefill chunks, those of short sequences first. `TorchSDPA
 the step's keys/values into the paged cache by slot, then attends:
 - on CPU in float32 or bfloat16, the `PagedRows` (the decode rows and, where that is faster, the
   rows of prefill chunks whose sequence is at most `PAGED_PREFILL_MAX_CONTEXT` tokens long, every
-  row with its own causal length): treeserve's C kernel (`cpu_kernels.paged_decode`) reads the paged cache in place, one
+  row with its own causal length): treeserve's C kernel (`cpu_kernels.paged_attention`) reads the paged cache in place, one
   pass with an online softmax, no gather, no padding, no mask;
 - otherwise (CUDA, float16, no C compiler) decode rows are grouped by context length (which bounds
   the padding), each group's blocks gathered for `scaled_dot_product_attention`, or
@@ -218,7 +218,7 @@ class TorchSDPABackend:
         if library is None:
             return 0
         rows = paged.num_rows
-        cpu_kernels.paged_decode(library, q[:rows], layer_cache, *paged.tensors, scale, window, out[:rows])
+        cpu_kernels.paged_attention(library, q[:rows], layer_cache, *paged.tensors, scale, window, out[:rows])
         return rows
 
     @staticmethod

@@ -33,14 +33,14 @@ MAX_GROUP, MAX_HEAD_DIM = 16, 256  # as in the source
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 _float = ctypes.c_float
 SIGNATURES = {
-    "ts_paged_decode": [_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _int, _ptr, _ptr, _ptr, _i64, _int, _int, _int,
+    "ts_paged_attention": [_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _int, _ptr, _ptr, _ptr, _i64, _int, _int, _int,
                         _float, _i64, _int, _ptr],
     "ts_rms_norm": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _float, _int],
     "ts_silu_mul": [_ptr, _i64, _ptr, _i64, _i64, _int],
     "ts_rotary": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _int, _int, _int],
     "ts_write_kv": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _int, _ptr, _i64, _i64, _int],
 }
-RETURNS = {"ts_paged_decode": ctypes.c_int}
+RETURNS = {"ts_paged_attention": ctypes.c_int}
 
 
 def _cpu_tag() -> str:
@@ -111,24 +111,25 @@ def supports(dtype: torch.dtype, device: torch.device, num_heads: int, num_kv_he
             and num_heads // num_kv_heads <= MAX_GROUP and head_dim <= MAX_HEAD_DIM)
 
 
-def paged_decode(library: ctypes.CDLL, q: torch.Tensor, layer_cache: torch.Tensor, block_ids: torch.Tensor,
-                 block_starts: torch.Tensor, context_lens: torch.Tensor, scale: float, window: int | None,
-                 out: torch.Tensor) -> None:
-    """One query token per row: q [rows, Hq, D] (heads contiguous) over `layer_cache`
-    [num_blocks, 2, block_size, Hkv, D] into `out` (contiguous, like q). Row i's blocks are
-    `block_ids[block_starts[i]:]` (int64), its keys the first `context_lens[i]` (int64)."""
+def paged_attention(library: ctypes.CDLL, q: torch.Tensor, layer_cache: torch.Tensor, block_ids: torch.Tensor,
+                    block_starts: torch.Tensor, context_lens: torch.Tensor, scale: float, window: int | None,
+                    out: torch.Tensor) -> None:
+    """One query token per row (a decode, or one prefill token with its causal length): q
+    [rows, Hq, D] (heads contiguous) over `layer_cache` [num_blocks, 2, block_size, Hkv, D] into
+    `out` (contiguous, like q). Row i's blocks are `block_ids[block_starts[i]:]` (int64), its keys
+    the first `context_lens[i]` (int64)."""
     rows, num_heads, head_dim = q.shape
     strides = layer_cache.stride()
     if q.stride(2) != 1 or q.stride(1) != head_dim or strides[4] != 1 or not out.is_contiguous():
-        raise ValueError("paged_decode: q's heads, the cache's head_dim and out must be contiguous")
-    status = library.ts_paged_decode(
+        raise ValueError("paged_attention: q's heads, the cache's head_dim and out must be contiguous")
+    status = library.ts_paged_attention(
         q.data_ptr(), q.stride(0), layer_cache.data_ptr(), strides[0], strides[1], strides[2], strides[3],
         layer_cache.shape[2], block_ids.data_ptr(), block_starts.data_ptr(), context_lens.data_ptr(), rows,
         num_heads, layer_cache.shape[3], head_dim, scale, window or 0, DTYPES[q.dtype], out.data_ptr())
     if status == -2:
-        raise MemoryError("paged_decode: no memory for the kernel's per-thread state")
+        raise MemoryError("paged_attention: no memory for the kernel's per-thread state")
     if status != 0:
-        raise ValueError(f"paged_decode: shape beyond the kernel's limits (heads {num_heads}/"
+        raise ValueError(f"paged_attention: shape beyond the kernel's limits (heads {num_heads}/"
                          f"{layer_cache.shape[3]}, head_dim {head_dim})")
 
 

@@ -315,15 +315,16 @@ static void attend_range_any(struct group_state *states, const struct paged_cach
     }
 }
 
-/* Decode attention straight from the paged cache (no gather): query row i (one token) attends
+/* Attention straight from the paged cache (no gather): query row i (one token: a decode, or one
+ * token of a prefill chunk with its causal length) attends
  * to the first context_lens[i] tokens of its sequence (the last `window` of them if window > 0),
  * whose block ids are block_ids[block_starts[i] ...]. q: rows of num_heads * head_dim elements,
  * `q_row_stride` elements apart (heads contiguous); out: [rows, num_heads, head_dim] contiguous.
- * Rows are shared out longest first (the runner sorts them by length, shortest first), each with
+ * Rows are shared out last first (the runner sorts decode rows by length, shortest first), each with
  * all its KV heads, or one KV head per task when there are too few rows to keep the threads busy.
  * Returns 0, -1 for shapes beyond the kernel's limits (the caller checks them first), -2 when out
  * of memory. */
-int ts_paged_decode(const void *q, int64_t q_row_stride, const void *cache, int64_t block_stride,
+int ts_paged_attention(const void *q, int64_t q_row_stride, const void *cache, int64_t block_stride,
                     int64_t kv_stride, int64_t token_stride, int64_t head_stride, int block_size,
                     const int64_t *block_ids, const int64_t *block_starts, const int64_t *context_lens,
                     int64_t rows, int num_heads, int num_kv_heads, int head_dim, float scale,
