@@ -14,8 +14,8 @@ from treeserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from treeserve.model.decoder import DecoderForCausalLM
 
 # Where decode attention gathers (no C kernel), on CPU a group's gathered keys are also capped: a
-# large gather is a fresh allocation whose pages the kernel must fault in on every layer. Capped at a few thousand keys, one decode step's
-# attention ran 1.75-5.8x faster at 144 sequences of ~160 tokens and 4.2-5.7x at 480, across runs
+# large gather is a fresh allocation whose pages the kernel must fault in on every layer. Capped at
+# a few thousand keys, one decode step's attention ran 1.75-5.8x faster at 144 sequences of ~160 tokens and 4.2-5.7x at 480, across runs
 # on a shared 2-core machine (benchmarks/decode_attention.py). CUDA's caching allocator has no
 # such cost.
 CPU_DECODE_GROUP_MAX_KEYS = 4096

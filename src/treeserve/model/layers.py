@@ -22,7 +22,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         library = cpu_kernels.library_for(x)
-        if library is not None and self.weight.dtype == x.dtype and x.stride(-1) == 1:
+        weight_grad = torch.is_grad_enabled() and self.weight.requires_grad  # the kernel has no backward
+        if library is not None and not weight_grad and self.weight.dtype == x.dtype and x.stride(-1) == 1:
             return self._fused(library, x, residual)
         if residual is not None:
             residual = x + residual
