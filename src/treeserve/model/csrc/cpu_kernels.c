@@ -67,6 +67,10 @@ static inline void store_row(void *dst, int dtype, const float *src, int n, floa
     }
 }
 
+/* silu's exponentials go through a small buffer first: one loop fusing exp and the division ran
+ * 2x slower (measured, gcc 12, Zen 4). */
+#define SILU_TILE 256
+
 /* exp(x), x clamped to [-87, 88] (the float range): Cody-Waite range reduction and a degree-6
  * polynomial, about 2 ulp; written so that the compiler vectorises the loops calling it. */
 static inline float exp_clamped(float x)
@@ -408,9 +412,14 @@ static void rms_norm_row_##SUFFIX(const T *src, T *res, const T *weight, T *dst,
                                                                                                     \
 static void silu_mul_row_##SUFFIX(const T *gate, const T *up, T *dst, int64_t size)                 \
 {                                                                                                   \
-    for (int64_t i = 0; i < size; i++) {                                                            \
-        float g = LOAD(gate + i);                                                                   \
-        STORE(dst + i, ROUND(g / (1.0f + exp_clamped(-g))) * LOAD(up + i));                         \
+    float e[SILU_TILE];                                                                             \
+    for (int64_t start = 0; start < size; start += SILU_TILE) {                                     \
+        int64_t n = size - start < SILU_TILE ? size - start : SILU_TILE;                            \
+        const T *g = gate + start, *u = up + start;                                                 \
+        for (int64_t i = 0; i < n; i++)                                                             \
+            e[i] = exp_clamped(-LOAD(g + i));                                                       \
+        for (int64_t i = 0; i < n; i++)                                                             \
+            STORE(dst + start + i, ROUND(LOAD(g + i) / (1.0f + e[i])) * LOAD(u + i));               \
     }                                                                                               \
 }                                                                                                   \
                                                                                                     \
