@@ -216,6 +216,26 @@ def test_a_tiny_score_cache_evicts_but_every_ticket_gets_its_scores(prm_dir):
     assert tiny.score_cache.num_evictions > 0 and tiny.score_cache.nbytes <= 600
 
 
+def test_candidates_scoring_below_their_best_sibling_are_released_first(prm_dir):
+    """Of the candidates extending one parent, a search extends the best scored: the others go to
+    the front of the release order, the scorer's and the engine's (which frees kept KV in that
+    order when its pool runs short), so the best candidate's conversation is kept the longest."""
+    engine = _engine(prm_dir)
+    scorer = StepScorer(engine)
+    items = [(QUESTION, [STEPS[0], step]) for step in STEPS[1:]]
+    scores = [row[-1] for row in scorer.score_many(items)]
+    keys = [(QUESTION, *steps) for _, steps in items]
+    best = keys[max(range(len(keys)), key=scores.__getitem__)]
+    assert len(set(scores)) == len(scores) and all(key in scorer.kept for key in keys)
+    assert list(scorer.kept)[-1] == best
+    best_id = scorer.kept.get(best)
+    for _ in range(len(keys) - 1):
+        assert engine.retained.release_oldest()
+    assert best_id in engine.retained and len(engine.retained) == 1
+    scorer.release_all()
+    assert_no_leak(engine)
+
+
 def test_a_kept_conversation_whose_score_was_evicted_is_not_forked_past_the_verdict(prm_dir):
     """Step 1's KV is kept but its score left the cache: scoring steps 1..2 must compute step 1's
     verdict again, so it cannot fork the kept conversation that already holds that position."""

@@ -3,6 +3,7 @@ import pytest
 
 from conftest import assert_no_leak
 from treeserve import Runtime, SamplingParams
+from treeserve.engine.kv_arena import fitted_page_bytes
 from treeserve.testing.tiny_models import make_tiny_model
 
 QUESTION = "Add two and three, then double it."
@@ -56,6 +57,15 @@ def _assert_scores_close(a, b):
     flat_a = [x for _, s in a for row in s for x in row]
     flat_b = [x for _, s in b for row in s for x in row]
     assert flat_a == pytest.approx(flat_b, abs=1e-5)
+
+
+def test_shared_pages_are_cut_to_fit_every_model_where_that_returns_memory():
+    """2 and 6 KiB per token: 16-token pages would leave 2 of every 32 KiB idle in the verifier's
+    pages, 15-token pages leave none. A sliver of idle memory does not cut the page."""
+    assert fitted_page_bytes([2048, 6144], 16) == 15 * 2048
+    assert fitted_page_bytes([512, 1152], 16) == 16 * 512  # 16 tokens idle 0.8%: kept
+    assert fitted_page_bytes([4096, 4096], 16) == 16 * 4096
+    assert fitted_page_bytes([100], 1) == 100
 
 
 def test_pages_are_sized_in_bytes_for_different_shapes(pair):

@@ -54,6 +54,12 @@ class KeptSequences:
                     self._block_refs[block.block_id] = left
             self.kv.free(request)
 
+    def release_first(self, request_id: str) -> None:
+        """Moves a kept sequence to the front of the release order (the next one `release_oldest`
+        frees): its owner expects no request to extend it soon."""
+        if request_id in self.sequences:
+            self.sequences.move_to_end(request_id, last=False)
+
     def release_oldest(self) -> bool:
         if not self.sequences:
             return False

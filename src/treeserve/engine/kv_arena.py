@@ -17,6 +17,10 @@ from treeserve.errors import ParamError
 from treeserve.model.hf_config import ModelConfig
 
 PAGE_ALIGN = 64
+# Page sizes idling up to this much more than the tightest fit count as fitting as well: the
+# largest of them is taken (smaller blocks cost steps more bookkeeping per token, so a page is cut
+# only where that returns more than a sliver of memory).
+IDLE_TOLERANCE = 0.02
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
@@ -25,6 +29,24 @@ def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
 
 def aligned(nbytes: int) -> int:
     return -(-nbytes // PAGE_ALIGN) * PAGE_ALIGN
+
+
+def fitted_page_bytes(bytes_per_token: list[int], block_size: int) -> int:
+    """Bytes per page for models sharing an arena: `block_size` tokens of the smallest model, or
+    down to half as many where that wastes less of each page on the others (a model whose
+    per-token size does not divide the page leaves the remainder idle). For 2 and 6 KiB per
+    token, 16-token pages leave 2 of every 32 KiB idle in the larger model's pages; 15-token
+    pages leave none."""
+    smallest = min(bytes_per_token)
+
+    def idle(tokens: int) -> float:
+        page = aligned(tokens * smallest)
+        return sum(page - page // b * b for b in bytes_per_token) / (page * len(bytes_per_token))
+
+    candidates = range(block_size, max(1, (block_size + 1) // 2) - 1, -1)
+    least = min(idle(t) for t in candidates)
+    tokens = next(t for t in candidates if idle(t) <= least + IDLE_TOLERANCE)
+    return tokens * smallest
 
 
 class KVArena:

@@ -154,6 +154,11 @@ class LLMEngine:
         """Frees the blocks kept for a finished `keep_kv` request (full blocks stay prefix-cached)."""
         self.retained.release(request_id)
 
+    def release_kv_first(self, request_id: str) -> None:
+        """Kept blocks that this request holds are released before any other kept sequence's
+        when the pool runs short (the caller expects no request to extend them soon)."""
+        self.retained.release_first(request_id)
+
     def _reclaim_one(self) -> bool:
         return self.retained.release_oldest()
 

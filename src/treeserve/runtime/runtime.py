@@ -15,7 +15,7 @@ import torch
 from treeserve.errors import ParamError
 from treeserve.config import CPU_DEFAULT_KV_BYTES, EngineConfig
 from treeserve.engine.engine_loop import EngineLoop
-from treeserve.engine.kv_arena import KVSpace, aligned
+from treeserve.engine.kv_arena import KVSpace, aligned, fitted_page_bytes
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.engine.memory import available_host_bytes
 from treeserve.entrypoints.llm import LLM
@@ -87,7 +87,7 @@ class Runtime:
         engines = self.engines.values()
         # Pages fit the smallest model's block; a larger model puts fewer tokens in each page. Sizing
         # pages for the largest model instead would leave most of every small-model page idle.
-        page = min(e.config.block_size * e.kv_bytes_per_token() for e in engines)
+        page = fitted_page_bytes([e.kv_bytes_per_token() for e in engines], min(e.config.block_size for e in engines))
         first = next(iter(engines))
         space = KVSpace.create(self.kv_budget, page, first.device, first.config.enable_prefix_caching)
         for name, engine in self.engines.items():
@@ -158,3 +158,4 @@ def _fractions(given: dict[str, float] | None, names: list[str]) -> dict[str, fl
     if any(not 0 < f < 1 for f in given.values()) or sum(given.values()) > 1.0 + 1e-9:
         raise ParamError("kv_fractions", f"each must be in (0, 1) and they must sum to at most 1, got {given}")
     return dict(given)
+

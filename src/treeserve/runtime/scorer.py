@@ -19,6 +19,7 @@ from treeserve.errors import ParamError
 from treeserve.engine.engine_loop import EngineLoop
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.engine.request import BACKGROUND_PRIORITY
+from treeserve.runtime.kept_conversations import KeptConversations
 from treeserve.runtime.prm_recipes import DEFAULT_RECIPE, RECIPES, PRMInput
 from treeserve.runtime.score_cache import ScoreCache
 from treeserve.sampling_params import SamplingParams
@@ -67,7 +68,7 @@ class StepScorer:
         self.recipe = RECIPES[recipe]
         self.candidates = list(self.recipe.candidate_ids(engine.tokenizer))
         self.score_cache = ScoreCache(score_cache_bytes) if score_cache_bytes else ScoreCache()
-        self.kept: dict[StepKey, str] = {}  # (question, steps...) -> engine request id, oldest first
+        self.kept = KeptConversations()  # (question, steps...) -> engine request id, released first at the front
         self.max_kept = max_kept
         self._wanted: dict[str, tuple[StepKey, list[int], list[int]]] = {}
         # step keys that a request in flight will score: another request sharing those steps does
@@ -252,22 +253,23 @@ class StepScorer:
         self.num_reused_tokens += output.num_cached_tokens
         if key in self.kept:  # two requests read the same conversation: keep the newer one
             self.engine.release_kv(self.kept.pop(key))
-        self.kept[key] = output.request_id
-        self._trim_kept()
+        self.kept.add(key, output.request_id)
         for index in wanted:
             pair = output.prompt_logits[positions[index]]
             self._set_score(key[: index + 2], float(torch.softmax(pair.float(), dim=-1)[0]))
+        # the engine releases kept KV in the same order when its pool runs short
+        for request_id in self.kept.demote_below_best(key, self.score_cache.get):
+            self.engine.release_kv_first(request_id)
+        self._trim_kept()
 
     def _trim_kept(self) -> None:
         pool = self.engine.kv.pool
         while self.kept and (len(self.kept) > self.max_kept or pool.usage() > KEEP_BELOW_USAGE):
-            oldest = next(iter(self.kept))
-            self.engine.release_kv(self.kept.pop(oldest))
+            self.engine.release_kv(self.kept.pop(self.kept.first()))
 
     def release_all(self) -> None:
         while self.kept:
-            oldest = next(iter(self.kept))
-            self.engine.release_kv(self.kept.pop(oldest))
+            self.engine.release_kv(self.kept.pop(self.kept.first()))
 
 
 def readable_input(recipe, tokenizer, question: str, steps: list[str], max_model_len: int,
