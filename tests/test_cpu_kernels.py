@@ -31,13 +31,14 @@ def _reference(q, cache, tables, lens, scale, window=None):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("window", [None, 5])
-def test_paged_rows_match_reference_for_decode_and_prefill_rows(dtype, tol, window):
+@pytest.mark.parametrize("block", [BLOCK, 5])  # 5: the kernel's 16-key tiles start mid-block
+def test_paged_rows_match_reference_for_decode_and_prefill_rows(dtype, tol, window, block):
     gen = torch.Generator().manual_seed(0)
-    cache = torch.randn(BLOCKS, 2, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    cache = torch.randn(BLOCKS, 2, block, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
     rows = PagedRows()
     tables, lens = [], []
-    for length in (1, 3, 4, 9, 17, 30):  # decode rows: one block, a partial block, many blocks
-        table = torch.randperm(BLOCKS, generator=gen)[: -(-length // BLOCK)].tolist()
+    for length in (1, 3, 4, 9, 17, 30, 71):  # decode rows: one block, a partial block, many blocks
+        table = torch.randperm(BLOCKS, generator=gen)[: -(-length // block)].tolist()
         rows.add_decode(length, table)
         tables.append(table), lens.append(length)
     table = torch.randperm(BLOCKS, generator=gen)[:4].tolist()

@@ -111,14 +111,15 @@ struct group_state {
     float sum[MAX_GROUP];
 };
 
-/* Fold `count` keys/values (at most TILE, consecutive in one block) into the group's state. */
-static inline __attribute__((always_inline)) void attend_tile_scalar(struct group_state *st, const char *keys, const char *values,
-                               const struct paged_cache *c, int count, int group, int head_dim)
+/* Fold `count` keys/values (at most TILE; token t's key row at rows[t] + head_offset, its value
+ * row kv_stride further) into the group's state. */
+static inline __attribute__((always_inline)) void attend_tile_scalar(struct group_state *st,
+        const char *const *rows, int64_t head_offset, const struct paged_cache *c, int count, int group, int head_dim)
 {
     float k[TILE * MAX_HEAD_DIM], v[TILE * MAX_HEAD_DIM], scores[MAX_GROUP * TILE];
     for (int t = 0; t < count; t++) {
-        load_row(keys + t * c->token_stride, c->dtype, k + t * head_dim, head_dim, 1.0f);
-        load_row(values + t * c->token_stride, c->dtype, v + t * head_dim, head_dim, 1.0f);
+        load_row(rows[t] + head_offset, c->dtype, k + t * head_dim, head_dim, 1.0f);
+        load_row(rows[t] + head_offset + c->kv_stride, c->dtype, v + t * head_dim, head_dim, 1.0f);
     }
     for (int t = 0; t < count; t++) {
         const float *kt = k + t * head_dim;
@@ -204,15 +205,15 @@ static inline __m512 exp16(__m512 x)
 
 /* attend_tile_scalar with 16-lane vectors: keys and values converted once, the tile's scores
  * reduced together, the softmax on one vector, the output accumulated in registers. */
-static inline __attribute__((always_inline)) void attend_tile_avx512(struct group_state *st, const char *keys,
-        const char *values, const struct paged_cache *c, int count, int group, int head_dim)
+static inline __attribute__((always_inline)) void attend_tile_avx512(struct group_state *st,
+        const char *const *rows, int64_t head_offset, const struct paged_cache *c, int count, int group, int head_dim)
 {
     const int chunks = head_dim / 16, step = 16 * c->elem;
     __m512 k[TILE * MAX_HEAD_DIM / 16], v[TILE * MAX_HEAD_DIM / 16];
     for (int t = 0; t < count; t++)
         for (int j = 0; j < chunks; j++) {
-            k[t * chunks + j] = load16(keys + t * c->token_stride + j * step, c->dtype);
-            v[t * chunks + j] = load16(values + t * c->token_stride + j * step, c->dtype);
+            k[t * chunks + j] = load16(rows[t] + head_offset + j * step, c->dtype);
+            v[t * chunks + j] = load16(rows[t] + head_offset + c->kv_stride + j * step, c->dtype);
         }
     const __mmask16 live = (__mmask16)((1u << count) - 1u);
     for (int g = 0; g < group; g++) {
@@ -245,27 +246,41 @@ static inline __attribute__((always_inline)) void attend_tile_avx512(struct grou
 }
 #endif
 
-static inline __attribute__((always_inline)) void attend_tile(struct group_state *st, const char *keys,
-        const char *values, const struct paged_cache *c, int count, int group, int head_dim)
+static inline __attribute__((always_inline)) void attend_tile(struct group_state *st, const char *const *rows,
+        int64_t head_offset, const struct paged_cache *c, int count, int group, int head_dim)
 {
 #if defined(__AVX512F__)
     if (head_dim % 16 == 0 && TILE == 16) {
-        attend_tile_avx512(st, keys, values, c, count, group, head_dim);
+        attend_tile_avx512(st, rows, head_offset, c, count, group, head_dim);
         return;
     }
 #endif
-    attend_tile_scalar(st, keys, values, c, count, group, head_dim);
+    attend_tile_scalar(st, rows, head_offset, c, count, group, head_dim);
 }
 
-/* Attention of one query row's KV-head group over keys [start, end) of its paged sequence. */
-/* Where token `pos`'s key for KV head `head` lives, or NULL past the range's end. */
-static inline const char *token_address(const struct paged_cache *c, const int64_t *table, int64_t pos, int64_t end,
-                                        int head)
+/* A walk over a paged sequence's tokens in order: the block table entry and the offset in it,
+ * advanced without a division per token. */
+struct token_cursor {
+    const int64_t *table;
+    int64_t block;
+    int offset;
+};
+
+static inline struct token_cursor cursor_at(const struct paged_cache *c, const int64_t *table, int64_t pos)
 {
-    if (pos >= end)
-        return NULL;
-    return c->base + table[pos / c->block_size] * c->block_stride + (pos % c->block_size) * c->token_stride
-           + head * c->head_stride;
+    struct token_cursor cur = {table, pos / c->block_size, (int)(pos % c->block_size)};
+    return cur;
+}
+
+/* The cursor's token's row (first KV head's key), then one token on. */
+static inline const char *cursor_next(struct token_cursor *cur, const struct paged_cache *c)
+{
+    const char *row = c->base + cur->table[cur->block] * c->block_stride + cur->offset * c->token_stride;
+    if (++cur->offset == c->block_size) {
+        cur->offset = 0;
+        cur->block++;
+    }
+    return row;
 }
 
 /* One token's key and value rows (`bytes` each, `kv_stride` apart) towards L2. */
@@ -278,7 +293,8 @@ static inline void prefetch_row(const char *key, int64_t kv_stride, int64_t byte
 }
 
 /* Attention of one query row's KV heads [first_head, first_head + heads) over keys [start, end)
- * of its paged sequence; a tile's heads are read together (one contiguous run of memory). */
+ * of its paged sequence, TILE keys at a time whatever the block size (a tile may span blocks); a
+ * token's heads are read together (one contiguous run of memory). */
 static inline __attribute__((always_inline)) void attend_range(struct group_state *states,
         const struct paged_cache *c, const int64_t *table, int64_t start, int64_t end, int first_head,
         int heads, int group, int head_dim)
@@ -289,20 +305,24 @@ static inline __attribute__((always_inline)) void attend_range(struct group_stat
             states[h].sum[g] = 0.0f;
             memset(states[h].acc + g * head_dim, 0, sizeof(float) * head_dim);
         }
+    struct token_cursor cur = cursor_at(c, table, start);
+    int64_t ahead_pos = start + TILE + PREFETCH_DISTANCE;
+    struct token_cursor ahead = cursor_at(c, table, ahead_pos < end ? ahead_pos : end);
+    const int64_t first_offset = (int64_t)first_head * c->head_stride;
     for (int64_t pos = start; pos < end;) {
-        int64_t offset = pos % c->block_size;
-        int64_t count = c->block_size - offset;
-        count = count < TILE ? count : TILE;
-        count = count < end - pos ? count : end - pos;
-        const char *keys = token_address(c, table, pos, end, first_head);
-        const char *ahead = token_address(c, table, pos + count + PREFETCH_DISTANCE, end, first_head);
-        int64_t ahead_rows = ahead == NULL ? 0 : c->block_size - (pos + count + PREFETCH_DISTANCE) % c->block_size;
+        int count = end - pos < TILE ? (int)(end - pos) : TILE;
+        const char *rows[TILE];
+        for (int t = 0; t < count; t++)
+            rows[t] = cursor_next(&cur, c) + first_offset;
+        int ahead_rows = 0;
+        const char *ahead_row[TILE];
+        for (; ahead_rows < TILE && ahead_pos < end; ahead_rows++, ahead_pos++)
+            ahead_row[ahead_rows] = cursor_next(&ahead, c) + first_offset;
         for (int h = 0; h < heads; h++) {
             /* a share of the rows to prefetch before each head's tile, spreading the requests */
-            for (int64_t t = h * TILE / heads; t < (h + 1) * TILE / heads && t < ahead_rows; t++)
-                prefetch_row(ahead + t * c->token_stride, c->kv_stride, heads * c->head_stride);
-            attend_tile(states + h, keys + h * c->head_stride, keys + h * c->head_stride + c->kv_stride, c,
-                        (int)count, group, head_dim);
+            for (int t = h * TILE / heads; t < (h + 1) * TILE / heads && t < ahead_rows; t++)
+                prefetch_row(ahead_row[t], c->kv_stride, heads * c->head_stride);
+            attend_tile(states + h, rows, h * c->head_stride, c, count, group, head_dim);
         }
         pos += count;
     }
