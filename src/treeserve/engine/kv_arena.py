@@ -18,7 +18,7 @@ from treeserve.model.hf_config import ModelConfig
 
 PAGE_ALIGN = 64
 # Page sizes idling up to this much more than the tightest fit count as fitting as well: the
-# largest of them is taken (smaller blocks cost steps more bookkeeping per token, so a page is cut
+# largest of them is taken (smaller blocks cost each step more bookkeeping per token, so a page is cut
 # only where that returns more than a sliver of memory).
 IDLE_TOLERANCE = 0.02
 
