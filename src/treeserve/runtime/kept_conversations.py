@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Callable, Iterator
 
-StepKey = tuple  # (question, step 1, ..., step k)
+StepKey = tuple  # (question, step 1, ..., step k): the key of step k's score
 
 
 class KeptConversations:
@@ -54,7 +54,7 @@ class KeptConversations:
         scored = [(score, k) for k in self._children.get(key[:-1], ()) if (score := score_of(k)) is not None]
         if len(scored) < 2:
             return []
-        best = max(scored, key=lambda item: (item[0], item[1]))[1]
+        best = max(scored)[1]  # ties go to the larger key: the same choice in every run
         demoted = []
         for _, sibling in sorted(scored, key=lambda item: item[1]):
             if sibling != best:

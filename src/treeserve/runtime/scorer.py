@@ -19,7 +19,7 @@ from treeserve.errors import ParamError
 from treeserve.engine.engine_loop import EngineLoop
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.engine.request import BACKGROUND_PRIORITY
-from treeserve.runtime.kept_conversations import KeptConversations
+from treeserve.runtime.kept_conversations import KeptConversations, StepKey
 from treeserve.runtime.prm_recipes import DEFAULT_RECIPE, RECIPES, PRMInput
 from treeserve.runtime.score_cache import ScoreCache
 from treeserve.sampling_params import SamplingParams
@@ -37,7 +37,6 @@ BUILT_INPUTS = 256
 # Request ids unique in the process: several scorers may share one engine.
 _REQUEST_IDS = itertools.count()
 
-StepKey = tuple  # (question, step 1, ..., step k): the key of step k's score
 
 
 @dataclass(eq=False)
