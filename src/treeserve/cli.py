@@ -12,6 +12,7 @@ from treeserve.tasks.cli_tasks import add_tasks_parsers
 
 
 def _add_engine_args(parser: argparse.ArgumentParser, several_models: bool = False) -> None:
+    """`several_models`: the server's arguments (several models, the serving token budget)."""
     if several_models:
         parser.add_argument("--model", action="append",
                             help="NAME=PATH, repeatable: several models on one device (routed by 'model')")
@@ -21,7 +22,12 @@ def _add_engine_args(parser: argparse.ArgumentParser, several_models: bool = Fal
     parser.add_argument("--device", default="auto")
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    if several_models:
+        parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                            help="tokens per engine step (default: on CPU by model size, 256-2048, so a step's "
+                            "work stays bounded and prompts finish sooner under load; 2048 on CUDA)")
+    else:
+        parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-cache-memory-bytes", type=int)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--no-prefix-caching", action="store_true")

@@ -22,7 +22,7 @@ class EngineConfig:
     device: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = 2048  # None: the serving default (engine/token_budget.py)
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9   # CUDA: share of total device memory this engine may use
@@ -33,6 +33,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             value = getattr(self, name)
+            if value is None and name == "max_num_batched_tokens":
+                continue
             if not isinstance(value, int) or value < 1:
                 raise ParamError(name, f"must be an integer >= 1, got {value!r}")
         if self.max_model_len is not None and self.max_model_len < 2:

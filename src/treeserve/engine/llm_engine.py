@@ -16,6 +16,7 @@ from treeserve.engine.model_runner import ModelRunner
 from treeserve.engine.output_processor import OutputProcessor
 from treeserve.engine.request import Request, RequestGroup
 from treeserve.engine.scheduler import Scheduler
+from treeserve.engine.token_budget import serving_token_budget
 from treeserve.model.hf_config import load_model_config
 from treeserve.model.loader import build_model, load_generation_defaults, load_tokenizer
 from treeserve.model.registry import resolve_model_path
@@ -42,6 +43,8 @@ class LLMEngine:
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device, self.model_config.torch_dtype)
         self.max_model_len = self._max_model_len()
+        self.max_num_batched_tokens = config.max_num_batched_tokens or serving_token_budget(self.model_config,
+                                                                                             self.device)
         torch.manual_seed(config.seed)
         self.model = build_model(model_dir, self.model_config, self.dtype, self.device, self.max_model_len)
         self.groups: dict[str, RequestGroup] = {}
@@ -73,11 +76,11 @@ class LLMEngine:
             )
         self.kv = KVCacheManager(block_size=block_size, pool=space.pool, owner=self.name)
         self.retained.kv = self.kv
-        self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.max_num_batched_tokens)
         self.scheduler.reclaim = self._reclaim_one
         self.runner = ModelRunner(self.model, self.kv, space.arena, self.dtype, self.device)
-        logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens", self.model_dir.name, self.device,
-                    self.dtype, num_blocks, block_size)
+        logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, steps of up to %d tokens",
+                    self.model_dir.name, self.device, self.dtype, num_blocks, block_size, self.max_num_batched_tokens)
 
     def _max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings

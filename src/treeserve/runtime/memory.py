@@ -88,7 +88,7 @@ def measure_activation_bytes(engine: LLMEngine) -> int:
 
 
 def _dry_run_peak_bytes(engine: LLMEngine) -> int:
-    tokens = min(engine.config.max_num_batched_tokens, engine.max_model_len - 1)
+    tokens = min(engine.max_num_batched_tokens, engine.max_model_len - 1)
     page = engine.config.block_size * engine.kv_bytes_per_token()
     scratch = KVSpace.create(page * (tokens // engine.config.block_size + 2), page, engine.device, False)
     engine.attach_kv(scratch)
