@@ -45,3 +45,5 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logits: dict[int, torch.Tensor] = field(default_factory=dict)
     metrics: RequestMetrics | None = None
+    # with SamplingParams.prompt_logprobs: one entry per prompt token (None for the first), as vLLM
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

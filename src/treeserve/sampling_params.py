@@ -24,6 +24,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None    # number of top logprobs per generated token (plus the sampled one)
+    prompt_logprobs: int | None = None  # number of top logprobs per prompt token (plus the prompt's own)
     skip_special_tokens: bool = True
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
@@ -52,6 +53,8 @@ class SamplingParams:
         _require(self.seed is None or _is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
         _require(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0), "logprobs",
                  f"must be an integer >= 0, got {self.logprobs!r}")
+        _require(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),
+                 "prompt_logprobs", f"must be an integer >= 0, got {self.prompt_logprobs!r}")
         _require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                  f"must be a list of non-negative integers, got {self.stop_token_ids!r}")
 

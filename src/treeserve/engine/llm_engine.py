@@ -130,13 +130,25 @@ class LLMEngine:
                              cache_namespace=self.name, prefill_only=True, priority=priority)
             group.shared_prefill = shared
             self._group_of[shared.request_id] = group
+            self._want_prompt_logprobs(group, shared)
             self.scheduler.add(shared)
         else:
+            self._want_prompt_logprobs(group, children[0])
             for child in children:
                 self.scheduler.add(child)
 
+    @staticmethod
+    def _want_prompt_logprobs(group: RequestGroup, computing: Request) -> None:
+        """The request that computes the group's prompt also computes its prompt logprobs, if asked."""
+        if computing.sampling_params.prompt_logprobs is None:
+            return
+        computing.prompt_logprob_ids = list(group.prompt_token_ids)
+        computing.prompt_logprobs = group.prompt_logprobs = [None] * len(group.prompt_token_ids)
+
     def _add_prefill_only(self, request_id, prompt_token_ids, params, prompt, cache_salt, positions,
                           readout_token_ids, keep_kv, parent_id, priority) -> None:
+        if params.prompt_logprobs is not None:
+            raise ParamError("prompt_logprobs", "not available with logits_positions (they return the logits)")
         bad = [p for p in positions if not isinstance(p, int) or not 0 <= p < len(prompt_token_ids)]
         if bad:
             raise ParamError("logits_positions", f"{bad[:3]} outside the prompt (length {len(prompt_token_ids)})")
@@ -219,6 +231,8 @@ class LLMEngine:
         result = self.runner.execute(sched)
         for request, position, logits in result.readouts:
             request.prompt_logits[position] = logits
+        for request, position, entry in result.prompt_logprobs:
+            request.prompt_logprobs[position] = self.outputs.decoded_logprobs(entry)
         touched: dict[str, RequestGroup] = {}
         for item in sched.scheduled:
             request = item.request

@@ -7,6 +7,7 @@ import torch
 
 from treeserve.model.attention import AttentionMetadata, PagedRows, PrefillChunk, paged_prefill_max_context
 from treeserve.engine.kv_arena import KVArena, kv_bytes_per_token
+from treeserve.engine import prompt_logprobs
 from treeserve.engine.kv_cache_manager import KVCacheManager
 from treeserve.engine.request import Request
 from treeserve.engine.sampler import Sampler, SamplerOutput
@@ -30,12 +31,14 @@ class StepInputs:
     sample_rows: list[int] = field(default_factory=list)
     sample_requests: list[Request] = field(default_factory=list)
     readout_rows: list[tuple[Request, int, int]] = field(default_factory=list)  # (request, position, row)
+    prompt_logprob_rows: list[tuple[Request, int, int]] = field(default_factory=list)  # (request, position, row)
 
 
 @dataclass
 class ModelRunnerOutput:
     sampled: dict[str, tuple[int, dict | None]]  # request_id -> (token id, logprobs)
     readouts: list[tuple[Request, int, torch.Tensor]]  # (request, position, logits)
+    prompt_logprobs: list[tuple[Request, int, dict]] = field(default_factory=list)  # (request, token position, entry)
 
 
 def kv_bytes_per_block(model: DecoderForCausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -60,7 +63,9 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         sampled = self._sample(hidden, inputs)
         readouts = self._readouts(hidden, inputs)
-        return ModelRunnerOutput(sampled, readouts)
+        prompt = prompt_logprobs.compute(self.model.compute_logits, hidden, inputs.prompt_logprob_rows,
+                                         self.model.config.vocab_size) if inputs.prompt_logprob_rows else []
+        return ModelRunnerOutput(sampled, readouts, prompt)
 
     def _sample(self, hidden: torch.Tensor, inputs: StepInputs) -> dict[str, tuple[int, dict | None]]:
         if not inputs.sample_rows:
@@ -138,7 +143,11 @@ class ModelRunner:
 
     @staticmethod
     def _note_outputs(s: ScheduledRequest, inputs: StepInputs, row: int, first_pos: int) -> None:
+        """`row` is the flat-batch row of the chunk's last token, at position first_pos + count - 1."""
         request = s.request
+        if request.prompt_logprob_ids is not None:
+            first_row = row - s.num_new_tokens + 1
+            inputs.prompt_logprob_rows.extend(prompt_logprobs.rows_for(request, first_pos, s.num_new_tokens, first_row))
         if request.prefill_only:
             last_pos = first_pos + s.num_new_tokens - 1
             for pos in request.logits_positions or ():

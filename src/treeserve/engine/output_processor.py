@@ -20,7 +20,7 @@ class OutputProcessor:
             request.first_token_time = time.monotonic()
         request.append_output_token(token_id)
         if logprobs is not None:
-            request.logprobs.append(self._decoded_logprobs(logprobs))
+            request.logprobs.append(self.decoded_logprobs(logprobs))
             request.cumulative_logprob += logprobs[token_id][0]
         delta = request.detokenizer.push(token_id)
         request.output_text = request.detokenizer.text
@@ -31,7 +31,7 @@ class OutputProcessor:
             request.output_text = request.detokenizer.text
         return reason, stop_reason
 
-    def _decoded_logprobs(self, logprobs: dict[int, tuple[float, int]]) -> dict[int, Logprob]:
+    def decoded_logprobs(self, logprobs: dict[int, tuple[float, int]]) -> dict[int, Logprob]:
         return {tid: Logprob(lp, rank, self.tokenizer.decode([tid])) for tid, (lp, rank) in logprobs.items()}
 
     def _check_stop(self, request: Request, token_id: int, new_chars: int) -> tuple[str | None, str | int | None]:
@@ -64,7 +64,7 @@ class OutputProcessor:
         prompt_logits = group.children[0].prompt_logits if group.children[0].prefill_only else {}
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, group.finished,
                              num_cached_tokens=group.children[0].num_cached_tokens, prompt_logits=prompt_logits,
-                             metrics=request_metrics(group))
+                             metrics=request_metrics(group), prompt_logprobs=group.prompt_logprobs)
 
 
 def request_metrics(group: RequestGroup) -> RequestMetrics:

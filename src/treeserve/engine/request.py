@@ -60,6 +60,10 @@ class Request:
     logprobs: list[dict[int, Any]] | None = None
     cumulative_logprob: float = 0.0
     prompt_logits: dict[int, torch.Tensor] = field(default_factory=dict)
+    # With prompt_logprobs: the whole prompt (a shared prefill computes its group's, whose last
+    # token it does not hold), and by position the entries computed so far (position 0 has none).
+    prompt_logprob_ids: list[int] | None = None
+    prompt_logprobs: list[dict[int, Any] | None] | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     detokenizer: Any = None
@@ -95,8 +99,11 @@ class Request:
         self.all_token_ids.append(token_id)
 
     def max_cached_blocks(self, block_size: int) -> int:
-        """Full blocks a prefix-cache hit may cover: the last token, and every prompt position whose
-        logits a prefill-only request returns, must be computed by this request itself."""
+        """Full blocks a prefix-cache hit may cover: the last token, every prompt position whose
+        logits a prefill-only request returns, and with prompt logprobs the whole prompt, must be
+        computed by this request itself."""
+        if self.prompt_logprob_ids is not None:
+            return 0  # every prompt position's logits are wanted (engine/prompt_logprobs.py)
         limit = self.num_tokens - 1
         if self.logits_positions:
             limit = min(limit, self.logits_positions[0])
@@ -120,6 +127,7 @@ class RequestGroup:
     prompt_token_ids: list[int]
     children: list[Request]
     shared_prefill: Request | None = None
+    prompt_logprobs: list[dict[int, Any] | None] | None = None  # filled by the request computing the prompt
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
 

@@ -42,7 +42,8 @@ class SamplingRequest(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
-    def sampling_params(self, defaults: dict, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, defaults: dict, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         if self.n > MAX_N:
             raise ParamError("n", f"must be <= {MAX_N}, got {self.n}")
         chosen = {
@@ -56,7 +57,7 @@ class SamplingRequest(BaseModel):
             frequency_penalty=self.frequency_penalty, stop=self.stop, seed=self.seed,
             min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens, **values,
+            prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens, **values,
         )
 
     @property
@@ -107,15 +108,33 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    prompt_logprobs: int | None = None  # vLLM's: per prompt token, returned in each choice's `prompt_logprobs`
 
     def requested_logprobs(self) -> int | None:
         if self.suffix is not None:
             raise ParamError("suffix", "is not supported")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ParamError("logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
-        if self.echo and self.logprobs is not None:
-            raise ParamError("echo", "echo together with logprobs (prompt logprobs) is not supported")
         return self.logprobs
+
+    def requested_prompt_logprobs(self) -> int | None:
+        """With `echo`, `logprobs` covers the echoed prompt too (OpenAI's legacy completions)."""
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise ParamError("prompt_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}")
+        wanted = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(wanted) if wanted else None
+
+    def requested_max_tokens(self) -> int:
+        """What the engine generates: `max_tokens: 0` (echo only) generates one token, left out of the reply."""
+        if self.max_tokens is None:
+            return 16
+        if self.max_tokens == 0 and not self.echo:
+            raise ParamError("max_tokens", "must be >= 1 (0 only with echo: the prompt alone)")
+        return max(self.max_tokens, 1)
+
+    @property
+    def echo_only(self) -> bool:
+        return self.echo and self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
         prompt = self.prompt

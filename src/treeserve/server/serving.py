@@ -45,7 +45,7 @@ class OpenAIServing:
                            code="queue_full", headers={"Retry-After": "1"})
 
     def _params(self, request, prompts: list[list[int]], max_tokens: int | None, logprobs: int | None,
-                prompt_field: str) -> SamplingParams:
+                prompt_field: str, prompt_logprobs: int | None = None) -> SamplingParams:
         try:
             for ids in prompts:
                 try:
@@ -57,7 +57,8 @@ class OpenAIServing:
                 if max_tokens is not None and max_tokens > room:
                     raise ParamError("max_tokens", f"{max_tokens} plus the prompt's {len(ids)} tokens exceeds "
                                                    f"the maximum model length {self.max_model_len}")
-            return request.sampling_params(self.llm.generation_defaults.sampling, max_tokens, logprobs)
+            return request.sampling_params(self.llm.generation_defaults.sampling, max_tokens, logprobs,
+                                           prompt_logprobs)
         except ValueError as exc:
             raise from_value_error(exc) from exc
 
@@ -175,30 +176,28 @@ class OpenAIServing:
         self.check_model(request.model)
         try:
             logprobs = request.requested_logprobs()
+            prompt_logprobs = request.requested_prompt_logprobs()
+            max_tokens = request.requested_max_tokens()
             raw_prompts = request.prompts()
         except ValueError as exc:
             raise from_value_error(exc) from exc
         prompts = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in raw_prompts]
         texts = [p if isinstance(p, str) else None for p in raw_prompts]
-        params = self._params(request, prompts, request.max_tokens if request.max_tokens is not None else 16,
-                              logprobs, "prompt")
+        params = self._params(request, prompts, max_tokens, logprobs, "prompt", prompt_logprobs)
         self.check_capacity(len(prompts))
         rid = f"cmpl-{uuid.uuid4().hex}"
         stream = self._merged(prompts, params, rid, texts)
         echo = [(t if t is not None else self.tokenizer.decode(p)) if request.echo else "" for t, p in zip(texts, prompts)]
+        reply = CompletionReply(request, params, echo, self.tokenizer)
         if request.stream:
-            return _sse(self._completion_chunks(rid, stream, params, request.include_usage, echo))
+            return _sse(self._completion_chunks(rid, stream, reply, request.include_usage))
         finals = {i: out async for i, out in stream if out.finished}
-        choices = []
-        for i in range(len(prompts)):
-            for c in finals[i].outputs:
-                choices.append({"index": i * params.n + c.index, "text": echo[i] + c.text,
-                                "logprobs": self._completion_logprobs(c, 0, params.logprobs, 0),
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        choices = [reply.choice(i, finals[i], c) for i in range(len(prompts)) for c in finals[i].outputs]
         return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()),
-                             "model": self.model_name, "choices": choices, "usage": self._usage(finals)})
+                             "model": self.model_name, "choices": choices, "usage": reply.usage(self._usage(finals))})
 
-    async def _completion_chunks(self, rid, stream, params: SamplingParams, include_usage: bool, echo: list[str]):
+    async def _completion_chunks(self, rid, stream, reply: "CompletionReply", include_usage: bool):
+        params = reply.params
         created, hold = int(time.time()), stop_hold_back(params.stop_strings) if params.stop_strings else 0
         sent_text: dict[tuple, int] = {}
         sent_tokens: dict[tuple, int] = {}
@@ -209,14 +208,11 @@ class OpenAIServing:
                 first = key not in sent_text
                 delta, finished = _text_delta(c, sent_text, hold, key)
                 tokens_from = sent_tokens.get(key, 0)
-                if not delta and not finished and not (first and echo[prompt_index]):
+                if not delta and not finished and not (first and reply.echo[prompt_index]):
                     continue
                 sent_tokens[key] = len(c.token_ids)
-                text = (echo[prompt_index] if first else "") + delta
                 body = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                        "choices": [{"index": prompt_index * params.n + c.index, "text": text,
-                                     "logprobs": self._completion_logprobs(c, tokens_from, params.logprobs, 0),
-                                     "finish_reason": c.finish_reason if finished else None}]}
+                        "choices": [reply.chunk_choice(prompt_index, output, c, delta, first, tokens_from, finished)]}
                 if include_usage:
                     body["usage"] = None
                 yield body
@@ -224,23 +220,72 @@ class OpenAIServing:
                 finals[prompt_index] = output
         if include_usage:
             yield {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                   "choices": [], "usage": self._usage(finals)}
+                   "choices": [], "usage": reply.usage(self._usage(finals))}
 
-    @staticmethod
-    def _completion_logprobs(c: CompletionOutput, start: int, top: int | None, offset: int):
+
+class CompletionReply:
+    """One /v1/completions request's choices: the echoed prompt (with its logprobs, OpenAI's legacy
+    format) before the completion, which `max_tokens: 0` leaves out (the engine generated one token)."""
+
+    def __init__(self, request: CompletionRequest, params: SamplingParams, echo: list[str], tokenizer):
+        self.params, self.echo, self.tokenizer = params, echo, tokenizer
+        self.echo_only = request.echo_only
+        self.echo_logprobs = request.echo and params.logprobs is not None
+        self.extra_prompt_logprobs = request.prompt_logprobs is not None
+
+    def choice(self, prompt_index: int, output: RequestOutput, c: CompletionOutput) -> dict:
+        text = self.echo[prompt_index] + ("" if self.echo_only else c.text)
+        body = {"index": prompt_index * self.params.n + c.index, "text": text,
+                "logprobs": self._logprobs(output, c, 0, True), "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason}
+        return self._with_prompt_logprobs(body, output)
+
+    def chunk_choice(self, prompt_index: int, output: RequestOutput, c: CompletionOutput, delta: str, first: bool,
+                     tokens_from: int, finished: bool) -> dict:
+        text = (self.echo[prompt_index] if first else "") + ("" if self.echo_only else delta)
+        body = {"index": prompt_index * self.params.n + c.index, "text": text,
+                "logprobs": self._logprobs(output, c, tokens_from, first),
+                "finish_reason": c.finish_reason if finished else None}
+        return self._with_prompt_logprobs(body, output) if first else body
+
+    def usage(self, usage: dict) -> dict:
+        if self.echo_only:  # the generated token is not part of the reply
+            usage = usage | {"completion_tokens": 0, "total_tokens": usage["prompt_tokens"]}
+        return usage
+
+    def _logprobs(self, output: RequestOutput, c: CompletionOutput, start: int, with_prompt: bool):
+        top = self.params.logprobs
         if top is None or c.logprobs is None:
             return None
-        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-        for token_id, entry in zip(c.token_ids[start:], c.logprobs[start:]):
-            chosen = entry[token_id]
-            tokens.append(chosen.decoded_token)
-            token_logprobs.append(chosen.logprob)
-            ranked = sorted((lp for lp in entry.values() if lp.rank <= top), key=lambda lp: lp.rank)
-            top_logprobs.append({lp.decoded_token: lp.logprob for lp in ranked[:top]} or None)
-            offsets.append(offset)
-            offset += len(chosen.decoded_token or "")
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
-                "text_offset": offsets}
+        pairs = []
+        if with_prompt and self.echo_logprobs:
+            pairs += list(zip(output.prompt_token_ids, output.prompt_logprobs))
+        if not self.echo_only:
+            pairs += list(zip(c.token_ids[start:], c.logprobs[start:]))
+        return legacy_logprobs(pairs, top, self.tokenizer)
+
+    def _with_prompt_logprobs(self, body: dict, output: RequestOutput) -> dict:
+        if self.extra_prompt_logprobs:
+            body["prompt_logprobs"] = [None if entry is None else {
+                str(tid): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                for tid, lp in entry.items()} for entry in output.prompt_logprobs]
+        return body
+
+
+def legacy_logprobs(pairs, top: int, tokenizer, offset: int = 0) -> dict:
+    """OpenAI's legacy completions `logprobs` for (token id, entry) pairs; a prompt's first token
+    has no entry (null logprob and top_logprobs)."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    for token_id, entry in pairs:
+        chosen = entry[token_id] if entry is not None else None
+        token = chosen.decoded_token if chosen is not None else tokenizer.decode([token_id])
+        tokens.append(token)
+        token_logprobs.append(chosen.logprob if chosen is not None else None)
+        ranked = sorted((lp for lp in entry.values() if lp.rank <= top), key=lambda lp: lp.rank) if entry else []
+        top_logprobs.append({lp.decoded_token: lp.logprob for lp in ranked[:top]} or None)
+        offsets.append(offset)
+        offset += len(token or "")
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
 
 
 def _token_info(lp) -> dict:
