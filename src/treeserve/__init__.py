@@ -2,7 +2,7 @@
 from treeserve.entrypoints.llm import LLM
 from treeserve.outputs import CompletionOutput, Logprob, RequestOutput
 from treeserve.runtime.runtime import Runtime
-from treeserve.sampling_params import SamplingParams
+from treeserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "Runtime", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+__all__ = ["LLM", "Runtime", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]

@@ -1,9 +1,54 @@
 """Per-request sampling settings, with vLLM's names and defaults, validated on construction."""
 from __future__ import annotations
 
+import json as json_module
 from dataclasses import dataclass, field
 
 from treeserve.errors import ParamError
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What the output must match (vLLM's names): exactly one of a JSON schema (`json`, a dict or its
+    JSON text), any JSON object (`json_object`), a regular expression, one of `choice`'s strings,
+    or a Lark / GBNF `grammar`."""
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ParamError("structured_outputs", f"give exactly one of json, regex, choice, grammar, json_object; "
+                             f"got {', '.join(given) or 'none'}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ParamError("structured_outputs.json", f"must be a JSON schema (object or text), got {self.json!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ParamError(f"structured_outputs.{name}", f"must be a non-empty string, got {value!r}")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice or \
+                    not all(isinstance(c, str) and c for c in self.choice):
+                raise ParamError("structured_outputs.choice", f"must be a non-empty list of non-empty strings, "
+                                 f"got {self.choice!r}")
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+    def source(self) -> tuple[str, str]:
+        """(format, text) for the grammar engine; also the grammar cache's key."""
+        if self.json is not None:
+            schema = self.json if isinstance(self.json, str) else json_module.dumps(self.json, sort_keys=True)
+            return "json_schema", schema
+        if self.json_object:
+            return "json_schema", '{"type": "object"}'
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", json_module.dumps(list(self.choice))
+        return "grammar", self.grammar
 
 
 @dataclass
@@ -25,12 +70,18 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None    # number of top logprobs per generated token (plus the sampled one)
     prompt_logprobs: int | None = None  # number of top logprobs per prompt token (plus the prompt's own)
+    structured_outputs: StructuredOutputsParams | dict | None = None  # a grammar the output must match
     skip_special_tokens: bool = True
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.stop_strings = _normalise_stop(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as exc:
+                raise ParamError("structured_outputs", str(exc)) from exc
         self._validate()
 
     def _validate(self) -> None:
@@ -55,6 +106,8 @@ class SamplingParams:
                  f"must be an integer >= 0, got {self.logprobs!r}")
         _require(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),
                  "prompt_logprobs", f"must be an integer >= 0, got {self.prompt_logprobs!r}")
+        _require(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+                 "structured_outputs", f"must be StructuredOutputsParams, got {self.structured_outputs!r}")
         _require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                  f"must be a list of non-negative integers, got {self.stop_token_ids!r}")
 

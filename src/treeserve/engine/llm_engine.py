@@ -16,6 +16,7 @@ from treeserve.engine.model_runner import ModelRunner
 from treeserve.engine.output_processor import OutputProcessor
 from treeserve.engine.request import Request, RequestGroup
 from treeserve.engine.scheduler import Scheduler
+from treeserve.engine.structured_outputs import StructuredOutputs
 from treeserve.engine.token_budget import serving_token_budget
 from treeserve.model.hf_config import load_model_config
 from treeserve.model.loader import build_model, load_generation_defaults, load_tokenizer
@@ -52,6 +53,7 @@ class LLMEngine:
         self.num_steps = 0
         self.num_tokens_computed = 0  # every token that went through the model, all steps
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
+        self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.retained = KeptSequences()
         self._group_of: dict[str, RequestGroup] = {}
         self.model_dir = model_dir
@@ -117,6 +119,10 @@ class LLMEngine:
         self.validate_prompt(prompt_token_ids)
         if request_id in self.groups or request_id in self.retained:
             raise ParamError("request_id", f"{request_id!r} is already in use")
+        if params.structured_outputs is not None:
+            if logits_positions is not None:
+                raise ParamError("structured_outputs", "not available with logits_positions (nothing is sampled)")
+            self.structured.compile(params.structured_outputs)  # a grammar that cannot compile fails here
         if logits_positions is not None:
             self._add_prefill_only(request_id, prompt_token_ids, params, prompt, cache_salt, logits_positions,
                                    readout_token_ids, keep_kv, parent_id, priority)
@@ -195,6 +201,8 @@ class LLMEngine:
         request = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids,
                           max_tokens=max_tokens, cache_salt=cache_salt, cache_namespace=self.name, priority=priority)
         request.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
+        if params.structured_outputs is not None:
+            request.matcher = self.structured.matcher(params.structured_outputs)
         return request
 
     @property

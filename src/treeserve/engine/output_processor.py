@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from treeserve.engine import structured_outputs
 from treeserve.engine.detokenizer import find_stop_string
 from treeserve.engine.request import Request, RequestGroup
 from treeserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -22,9 +23,12 @@ class OutputProcessor:
         if logprobs is not None:
             request.logprobs.append(self.decoded_logprobs(logprobs))
             request.cumulative_logprob += logprobs[token_id][0]
+        grammar_done = request.matcher is not None and structured_outputs.advance(request.matcher, token_id)
         delta = request.detokenizer.push(token_id)
         request.output_text = request.detokenizer.text
         reason, stop_reason = self._check_stop(request, token_id, len(delta))
+        if reason is None and grammar_done:
+            reason = "stop"
         if reason is not None and not isinstance(stop_reason, str):
             # a stop string already cut the text where it must end; otherwise flush held-back bytes
             request.detokenizer.flush()

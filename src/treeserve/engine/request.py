@@ -67,6 +67,7 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     detokenizer: Any = None
+    matcher: Any = None  # with structured outputs: the grammar's state (engine/structured_outputs.py)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

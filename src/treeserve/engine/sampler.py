@@ -1,4 +1,4 @@
-"""Turns a step's logits into next tokens: penalties, temperature, top-k/top-p/min-p, seeds, logprobs.
+"""Turns a step's logits into next tokens: grammar masks (structured outputs), penalties, temperature, top-k/top-p/min-p, seeds, logprobs.
 
 All filtering is batched over the rows. A row samples by inverse transform: one uniform draw
 against its cumulative probabilities. Requests with their own seed draw that number from their
@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from treeserve.engine import structured_outputs
 from treeserve.engine.request import Request
 
 
@@ -23,6 +24,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         params = [r.sampling_params for r in requests]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
+        structured_outputs.apply(logits, [r.matcher for r in requests])
         logits = self._mask_stops_below_min_tokens(logits, requests)
         logits = self._apply_penalties(logits, requests)
         token_ids = self._pick(logits, requests)

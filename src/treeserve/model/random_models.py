@@ -45,8 +45,9 @@ def training_corpus(seed: int = 0, lines: int = 3000) -> list[str]:
     return corpus
 
 
-def train_tokenizer(vocab_size: int = 512, seed: int = 0):
-    """A byte-level BPE `PreTrainedTokenizerFast` with special tokens and a chat template."""
+def train_tokenizer(vocab_size: int = 512, seed: int = 0, corpus=None):
+    """A byte-level BPE `PreTrainedTokenizerFast` with special tokens and a chat template, trained
+    on `corpus` (an iterable of texts; default: made-up sentences)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -55,7 +56,7 @@ def train_tokenizer(vocab_size: int = 512, seed: int = 0):
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tokenizer.train_from_iterator(training_corpus(seed), trainer)
+    tokenizer.train_from_iterator(training_corpus(seed) if corpus is None else corpus, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<|bos|>", eos_token="<|eos|>",
                                    pad_token="<|pad|>", clean_up_tokenization_spaces=False)
     fast.chat_template = CHAT_TEMPLATE

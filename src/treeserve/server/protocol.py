@@ -6,7 +6,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from treeserve.errors import ParamError
-from treeserve.sampling_params import SamplingParams
+from treeserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
@@ -15,6 +15,31 @@ MAX_TOP_LOGPROBS = 20
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+    name: str
+    description: str | None = None
+    json_schema: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`."""
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsBody(BaseModel):
+    """vLLM's `structured_outputs` (exactly one field); a key it does not know is named in a 400."""
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    json_schema: dict | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class SamplingRequest(BaseModel):
@@ -41,6 +66,31 @@ class SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+
+    def structured_spec(self) -> StructuredOutputsParams | None:
+        """The grammar `response_format` or `structured_outputs` asks for (not both)."""
+        wanted = self.response_format is not None and self.response_format.type != "text"
+        if wanted and self.structured_outputs is not None:
+            raise ParamError("structured_outputs", "give response_format or structured_outputs, not both")
+        if self.structured_outputs is not None:
+            body = self.structured_outputs
+            return StructuredOutputsParams(json=body.json_schema, regex=body.regex, choice=body.choice,
+                                           grammar=body.grammar, json_object=body.json_object)
+        if not wanted:
+            return None
+        if self.response_format.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        spec = self.response_format.json_schema
+        if spec is None or spec.json_schema is None:
+            raise ParamError("response_format.json_schema.schema", "type json_schema needs json_schema.schema")
+        return StructuredOutputsParams(json=spec.json_schema)
+
+    @property
+    def structured_param(self) -> str:
+        """The request's name for its grammar, for errors."""
+        return "structured_outputs" if self.structured_outputs is not None else "response_format"
 
     def sampling_params(self, defaults: dict, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
@@ -57,7 +107,8 @@ class SamplingRequest(BaseModel):
             frequency_penalty=self.frequency_penalty, stop=self.stop, seed=self.seed,
             min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens, **values,
+            prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=self.structured_spec(), **values,
         )
 
     @property

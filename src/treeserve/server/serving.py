@@ -62,6 +62,17 @@ class OpenAIServing:
         except ValueError as exc:
             raise from_value_error(exc) from exc
 
+    async def compile_grammar(self, request, params: SamplingParams) -> None:
+        """Compiles the request's grammar (cached) off the event loop, before anything is queued: a
+        grammar the engine rejects is a 400 naming the request's field."""
+        if params.structured_outputs is None:
+            return
+        try:
+            await asyncio.to_thread(self.llm.structured.compile, params.structured_outputs)
+        except ParamError as exc:
+            name = exc.param if request.structured_param == "structured_outputs" else "response_format"
+            raise from_value_error(ParamError(name, exc.detail)) from exc
+
     async def _merged(self, prompts: list[list[int]], params: SamplingParams, prefix: str,
                       texts: list[str | None]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Runs every prompt as its own engine request and yields (prompt index, output) as they come."""
@@ -118,6 +129,7 @@ class OpenAIServing:
         except ValueError as exc:
             raise from_value_error(exc) from exc
         params = self._params(request, [ids], request.requested_max_tokens(), logprobs, "messages")
+        await self.compile_grammar(request, params)
         self.check_capacity(1)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         stream = self._merged([ids], params, rid, [None])
@@ -184,6 +196,7 @@ class OpenAIServing:
         prompts = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in raw_prompts]
         texts = [p if isinstance(p, str) else None for p in raw_prompts]
         params = self._params(request, prompts, max_tokens, logprobs, "prompt", prompt_logprobs)
+        await self.compile_grammar(request, params)
         self.check_capacity(len(prompts))
         rid = f"cmpl-{uuid.uuid4().hex}"
         stream = self._merged(prompts, params, rid, texts)

@@ -1,0 +1,123 @@
+"""Structured outputs: a grammar engine (llguidance) decides which tokens may come next.
+
+Each constrained sequence holds an `LLMatcher`, the grammar's state after its tokens so far. Before
+sampling, the sampler asks every constrained row of the batch for its allowed-token bitmask and
+sets the other logits to -inf in one batched kernel (`apply`); unconstrained rows share the batch
+untouched. After sampling, the chosen token advances the matcher (`advance`); a grammar that can
+only end stops the sequence. Grammars compile once per source (kind and text): compiled matchers
+are kept, least recently used first out, and each request gets a copy.
+
+llguidance builds its token trie from the tokenizer (`tokenizer.json`), has no required
+dependencies, and compiles JSON schemas lazily (the first tokens are masked while the rest of the
+grammar is still unbuilt); docs/STRUCTURED_OUTPUTS.md says how it was chosen.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+
+import llguidance
+import llguidance.hf
+import torch
+
+from treeserve.errors import ParamError
+from treeserve.sampling_params import StructuredOutputsParams
+
+CACHE_SIZE = 256  # compiled grammars kept per engine
+# JSON without free whitespace between tokens (llguidance's default allows any): small models
+# otherwise spend their tokens on runs of spaces and newlines. A schema may say otherwise with
+# llguidance's "x-guidance" key ({"whitespace_flexible": true}).
+JSON_DEFAULTS = {"whitespace_flexible": False}
+_BIT_INDEX = torch.arange(32, dtype=torch.int32)
+logger = logging.getLogger(__name__)
+
+
+class StructuredOutputs:
+    """One engine's grammar engine: its tokenizer (built on first use) and compiled grammars."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]):
+        self._hf_tokenizer, self.vocab_size, self._eos = hf_tokenizer, vocab_size, list(eos_token_ids)
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._compiled: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()  # the server compiles in its own threads, the engine loop in its
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        if self._tokenizer is None:
+            self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size,
+                                                           eos_token=self._eos or None)
+        return self._tokenizer
+
+    def compile(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
+        """The compiled grammar (cached); ParamError naming what the grammar engine rejected."""
+        key = spec.source()
+        with self._lock:
+            if key in self._compiled:
+                self._compiled.move_to_end(key)
+                return self._compiled[key]
+            matcher = self._build(*key)
+            self._compiled[key] = matcher
+            while len(self._compiled) > CACHE_SIZE:
+                self._compiled.popitem(last=False)
+            return matcher
+
+    def matcher(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
+        """A fresh matcher for one sequence."""
+        return self.compile(spec).deep_copy()
+
+    def _build(self, kind: str, text: str) -> llguidance.LLMatcher:
+        param = "structured_outputs." + {"json_schema": "json", "choice": "choice"}.get(kind, kind)
+        try:
+            if kind == "json_schema":
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_DEFAULTS)
+            else:
+                grammar = llguidance.grammar_from(kind, text)
+        except ValueError as exc:
+            raise ParamError(param, f"the grammar engine cannot read it: {exc}") from exc
+        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
+        if error:
+            raise ParamError(param, f"the grammar engine cannot compile it: {error.strip()}")
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar)
+        if matcher.is_error():
+            raise ParamError(param, f"the grammar engine cannot compile it: {matcher.get_error().strip()}")
+        return matcher
+
+
+def apply(logits: torch.Tensor, matchers: list[llguidance.LLMatcher | None]) -> None:
+    """Sets the logits of tokens each constrained row's grammar forbids to -inf, in place."""
+    rows = [i for i, m in enumerate(matchers) if m is not None]
+    if not rows:
+        return
+    bitmask = torch.full((len(rows), (logits.shape[1] + 31) // 32), -1, dtype=torch.int32)
+    for j, row in enumerate(rows):
+        fill_bitmask(matchers[row], bitmask[j])
+    forbidden = ~allowed_tokens(bitmask, logits.shape[1]).to(logits.device)
+    if len(rows) == logits.shape[0]:
+        logits.masked_fill_(forbidden, float("-inf"))
+        return
+    index = torch.tensor(rows, device=logits.device)
+    logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(forbidden, float("-inf")))
+
+
+def fill_bitmask(matcher: llguidance.LLMatcher, row: torch.Tensor) -> None:
+    """The matcher's allowed tokens into one contiguous int32 row of a CPU bitmask."""
+    matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """llguidance's packed bitmask ([rows, ceil(vocab / 32)] int32, bit i of word w for token
+    32 w + i) as [rows, vocab_size] bool. (llguidance's own `llguidance.torch` module applies it
+    with a `torch.compile`d kernel: importing it loads the compiler stack, and the first call
+    compiles for seconds, for what is one vectorised shift here.)"""
+    bits = (bitmask.unsqueeze(-1) >> _BIT_INDEX) & 1
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def advance(matcher: llguidance.LLMatcher, token_id: int) -> bool:
+    """Feeds the sampled token to the grammar; True when the sequence must stop: the grammar is
+    done, or (never expected, the mask forbade it) it rejected the token (logged)."""
+    if not matcher.consume_token(token_id):
+        logger.error("the grammar rejected sampled token %d (%s); the sequence stops", token_id, matcher.get_error())
+        return True
+    return matcher.is_stopped()

@@ -1,0 +1,84 @@
+"""Structured outputs offline: the grammar mask in the sampler, batched with free rows, n > 1,
+compiled once per grammar; llguidance's packed bitmask unpacked exactly."""
+import json
+
+import jsonschema
+import pytest
+import torch
+
+from conftest import assert_no_leak
+from treeserve import LLM, SamplingParams, StructuredOutputsParams
+from treeserve.engine import structured_outputs
+from treeserve.errors import ParamError
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["n", "ok"],
+          "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}, "ok": {"type": "boolean"}}}
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    return LLM(str(llama_dir), dtype="float32", device="cpu", kv_cache_memory_bytes=8 << 20)
+
+
+def test_constrained_and_free_rows_share_a_batch(llm):
+    free = SamplingParams(temperature=1.0, seed=11, max_tokens=12, ignore_eos=True)
+    alone = llm.generate(["The water is"], free, use_tqdm=False)[0].outputs[0].text
+    both = llm.generate(["The water is", "Data:"], [free, SamplingParams(
+        temperature=1.0, seed=5, n=3, max_tokens=100, structured_outputs=StructuredOutputsParams(json=SCHEMA))],
+        use_tqdm=False)
+    assert both[0].outputs[0].text == alone  # the other rows' masks never touch a free row
+    for completion in both[1].outputs:
+        assert completion.finish_reason == "stop"
+        jsonschema.validate(json.loads(completion.text), SCHEMA)
+    assert_no_leak(llm.engine)
+
+
+def test_choice_regex_and_grammar(llm):
+    outs = llm.generate(["a", "b"], SamplingParams(n=4, seed=1, structured_outputs={"choice": ["red", "green"]}),
+                        use_tqdm=False)
+    assert {c.text for o in outs for c in o.outputs} <= {"red", "green"}
+    regex = llm.generate(["a"], SamplingParams(seed=2, max_tokens=30, structured_outputs={"regex": r"\d{4}"}),
+                         use_tqdm=False)[0].outputs[0]
+    assert regex.text.isdigit() and len(regex.text) == 4 and regex.finish_reason == "stop"
+    gbnf = 'root ::= "x=" [0-9] [0-9]'
+    text = llm.generate(["a"], SamplingParams(seed=3, structured_outputs={"grammar": gbnf}),
+                        use_tqdm=False)[0].outputs[0].text
+    assert text.startswith("x=") and text[2:].isdigit() and len(text) == 4
+
+
+def test_each_grammar_compiles_once_and_the_cache_is_bounded(llm, monkeypatch):
+    cache = llm.engine.structured
+    spec = StructuredOutputsParams(json=SCHEMA)
+    assert cache.compile(spec) is cache.compile(StructuredOutputsParams(json=json.dumps(SCHEMA, sort_keys=True)))
+    monkeypatch.setattr(structured_outputs, "CACHE_SIZE", 2)
+    for word in ("a", "b", "c"):
+        cache.compile(StructuredOutputsParams(choice=[word]))
+    assert len(cache._compiled) == 2
+
+
+def test_the_mask_allows_exactly_what_the_grammar_allows(llm):
+    tokenizer = llm.get_tokenizer()
+    cache = llm.engine.structured
+    matcher = cache.matcher(StructuredOutputsParams(choice=["yes", "no"]))
+    logits = torch.zeros(2, llm.engine.model_config.vocab_size)
+    structured_outputs.apply(logits, [None, matcher])
+    allowed = (logits[1] == 0).nonzero().flatten().tolist()
+    assert allowed and (logits[0] == 0).all()
+    texts = [tokenizer.decode([t]) for t in allowed]
+    assert all("yes".startswith(t) or "no".startswith(t) for t in texts), texts
+    assert any(t in ("y", "ye", "yes") for t in texts) and any(t in ("n", "no") for t in texts)
+    bitmask = torch.zeros(1, 3, dtype=torch.int32)
+    bitmask[0, 1] = 1 << 3
+    bitmask[0, 2] = -1  # bit 31 set: the sign bit
+    assert structured_outputs.allowed_tokens(bitmask, 70)[0].nonzero().flatten().tolist() == [35] + list(range(64, 70))
+
+
+def test_what_cannot_compile_names_the_field(llm):
+    with pytest.raises(ParamError, match="structured_outputs.json") as bad:
+        llm.generate(["a"], SamplingParams(structured_outputs={"json": {"type": "nope"}}), use_tqdm=False)
+    assert bad.value.param == "structured_outputs.json"
+    with pytest.raises(ParamError, match="exactly one"):
+        StructuredOutputsParams(regex="a", choice=["b"])
+    with pytest.raises(ParamError, match="choice"):
+        StructuredOutputsParams(choice=[])
+    assert_no_leak(llm.engine)
