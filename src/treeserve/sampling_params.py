@@ -71,6 +71,7 @@ class SamplingParams:
     logprobs: int | None = None    # number of top logprobs per generated token (plus the sampled one)
     prompt_logprobs: int | None = None  # number of top logprobs per prompt token (plus the prompt's own)
     structured_outputs: StructuredOutputsParams | dict | None = None  # a grammar the output must match
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100] (OpenAI's)
     skip_special_tokens: bool = True
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
@@ -108,6 +109,9 @@ class SamplingParams:
                  "prompt_logprobs", f"must be an integer >= 0, got {self.prompt_logprobs!r}")
         _require(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
                  "structured_outputs", f"must be StructuredOutputsParams, got {self.structured_outputs!r}")
+        _require(self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
+            _is_int(t) and t >= 0 and _is_number(b) and -100 <= b <= 100 for t, b in self.logit_bias.items())),
+            "logit_bias", f"must map token ids (>= 0) to numbers in [-100, 100], got {self.logit_bias!r}")
         _require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                  f"must be a list of non-negative integers, got {self.stop_token_ids!r}")
 

@@ -119,6 +119,9 @@ class LLMEngine:
         self.validate_prompt(prompt_token_ids)
         if request_id in self.groups or request_id in self.retained:
             raise ParamError("request_id", f"{request_id!r} is already in use")
+        vocab = self.model_config.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ParamError("logit_bias", f"token id {max(params.logit_bias)} is outside the vocabulary [0, {vocab})")
         if params.structured_outputs is not None:
             if logits_positions is not None:
                 raise ParamError("structured_outputs", "not available with logits_positions (nothing is sampled)")

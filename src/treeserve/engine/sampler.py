@@ -1,4 +1,4 @@
-"""Turns a step's logits into next tokens: grammar masks (structured outputs), penalties, temperature, top-k/top-p/min-p, seeds, logprobs.
+"""Turns a step's logits into next tokens: grammar masks (structured outputs), logit bias, penalties, temperature, top-k/top-p/min-p, seeds, logprobs.
 
 All filtering is batched over the rows. A row samples by inverse transform: one uniform draw
 against its cumulative probabilities. Requests with their own seed draw that number from their
@@ -25,11 +25,19 @@ class Sampler:
         params = [r.sampling_params for r in requests]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
         structured_outputs.apply(logits, [r.matcher for r in requests])
+        self._add_logit_bias(logits, params)
         logits = self._mask_stops_below_min_tokens(logits, requests)
         logits = self._apply_penalties(logits, requests)
         token_ids = self._pick(logits, requests)
         logprobs = self._gather_logprobs(raw_logprobs, token_ids, requests)
         return SamplerOutput(token_ids.tolist(), logprobs)
+
+    @staticmethod
+    def _add_logit_bias(logits, params) -> None:
+        for row, p in enumerate(params):
+            if p.logit_bias:
+                ids = torch.tensor(list(p.logit_bias), device=logits.device)
+                logits[row, ids] += torch.tensor(list(p.logit_bias.values()), device=logits.device, dtype=logits.dtype)
 
     @staticmethod
     def _mask_stops_below_min_tokens(logits, requests):

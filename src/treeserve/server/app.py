@@ -14,6 +14,7 @@ from treeserve.engine.async_engine import AsyncLLMEngine
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.server.errors import (APIError, error_response, from_validation_error, from_value_error,
                                      install_error_handlers)
+from treeserve.server import openapi
 from treeserve.server.metrics import ServerMetrics
 from treeserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        RewardRequest, SearchRequest, TokenizeRequest)
@@ -78,7 +79,7 @@ def create_app(engine: AsyncLLMEngine, served: dict[str, LLMEngine], api_keys: l
                max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """`served` maps each served model name to its engine; requests are routed by their `model`.
     `searches` holds the search serving of each served generator (see server/launch.py)."""
-    app = FastAPI(title="treeserve", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="treeserve", version=__version__, docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
     servings = {name: OpenAIServing(engine, name, llm) for name, llm in served.items()}
     default = next(iter(servings.values()))
     searches = searches or {}
@@ -118,10 +119,17 @@ def create_app(engine: AsyncLLMEngine, served: dict[str, LLMEngine], api_keys: l
         body = metrics.render() if metrics else b""
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
+    def card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "treeserve",
+                "max_model_len": servings[name].max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "treeserve",
-                                            "max_model_len": s.max_model_len} for name, s in servings.items()]}
+        return {"object": "list", "data": [card(name) for name in servings]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        return card(serving_for(model_id).model_name)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -171,6 +179,10 @@ def create_app(engine: AsyncLLMEngine, served: dict[str, LLMEngine], api_keys: l
         if bad:
             raise APIError(400, f"tokens: ids {bad[:3]} are outside the vocabulary [0, {vocab})", param="tokens")
         return {"prompt": serving.tokenizer.decode(body.tokens)}
+
+    openapi.install(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
+                          "/v1/rewards": RewardRequest, "/v1/search": SearchRequest, "/tokenize": TokenizeRequest,
+                          "/detokenize": DetokenizeRequest})
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"], include_in_schema=False)
     async def unknown(path: str):

@@ -15,6 +15,7 @@ MAX_TOP_LOGPROBS = 20
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, usage so far in every chunk
 
 
 class JsonSchemaFormat(BaseModel):
@@ -68,6 +69,38 @@ class SamplingRequest(BaseModel):
     skip_special_tokens: bool = True
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None
+    logit_bias: dict[str, float] | None = None
+    # Accepted only as far as they are implemented (a 400 names them otherwise), never dropped.
+    best_of: int | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    functions: list[dict] | None = None
+    function_call: str | dict | None = None
+    prediction: dict | None = None
+    audio: dict | None = None
+    modalities: list[str] | None = None
+
+    def reject_unimplemented(self) -> None:
+        for name in ("tools", "functions", "function_call", "prediction", "audio"):
+            if getattr(self, name) is not None:
+                raise ParamError(name, "is not supported by this server")
+        if self.tool_choice not in (None, "none"):
+            raise ParamError("tool_choice", "is not supported by this server (there are no tools)")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ParamError("best_of", f"only best_of equal to n ({self.n}) is supported, got {self.best_of}")
+        if self.modalities is not None and self.modalities != ["text"]:
+            raise ParamError("modalities", f"only ['text'] is supported, got {self.modalities}")
+
+    def token_bias(self) -> dict[int, float] | None:
+        """`logit_bias` with its token-id keys as integers."""
+        if self.logit_bias is None:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not key.lstrip("-").isdigit():
+                raise ParamError("logit_bias", f"keys must be token ids, got {key!r}")
+            bias[int(key)] = value
+        return bias
 
     def structured_spec(self) -> StructuredOutputsParams | None:
         """The grammar `response_format` or `structured_outputs` asks for (not both)."""
@@ -96,6 +129,7 @@ class SamplingRequest(BaseModel):
                         prompt_logprobs: int | None = None) -> SamplingParams:
         if self.n > MAX_N:
             raise ParamError("n", f"must be <= {MAX_N}, got {self.n}")
+        self.reject_unimplemented()
         chosen = {
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
             "repetition_penalty": self.repetition_penalty,
@@ -108,12 +142,16 @@ class SamplingRequest(BaseModel):
             min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
-            structured_outputs=self.structured_spec(), **values,
+            structured_outputs=self.structured_spec(), logit_bias=self.token_bias(), **values,
         )
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 class TextPart(BaseModel):

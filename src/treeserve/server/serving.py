@@ -134,7 +134,7 @@ class OpenAIServing:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         stream = self._merged([ids], params, rid, [None])
         if request.stream:
-            return _sse(self._chat_chunks(rid, stream, params, request.include_usage))
+            return _sse(self._chat_chunks(rid, stream, params, request.include_usage, request.continuous_usage))
         finals = {i: out async for i, out in stream if out.finished}
         output = finals[0]
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
@@ -143,22 +143,24 @@ class OpenAIServing:
         return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()),
                              "model": self.model_name, "choices": choices, "usage": self._usage(finals)})
 
-    async def _chat_chunks(self, rid, stream, params: SamplingParams, include_usage: bool):
+    async def _chat_chunks(self, rid, stream, params: SamplingParams, include_usage: bool, continuous: bool = False):
         created, hold = int(time.time()), stop_hold_back(params.stop_strings) if params.stop_strings else 0
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
         finals: dict[int, RequestOutput] = {}
+        latest: dict[int, RequestOutput] = {}
 
         def chunk(choices, usage=None):
             body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
                     "choices": choices}
             if include_usage:
-                body["usage"] = usage
+                body["usage"] = usage if usage is not None or not continuous or not latest else self._usage(latest)
             return body
 
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for i in range(params.n)])
         async for prompt_index, output in stream:
+            latest[prompt_index] = output
             for c in output.outputs:
                 delta, finished = _text_delta(c, sent_text, hold)
                 tokens_from = sent_tokens.get(c.index, 0)
@@ -203,19 +205,22 @@ class OpenAIServing:
         echo = [(t if t is not None else self.tokenizer.decode(p)) if request.echo else "" for t, p in zip(texts, prompts)]
         reply = CompletionReply(request, params, echo, self.tokenizer)
         if request.stream:
-            return _sse(self._completion_chunks(rid, stream, reply, request.include_usage))
+            return _sse(self._completion_chunks(rid, stream, reply, request.include_usage, request.continuous_usage))
         finals = {i: out async for i, out in stream if out.finished}
         choices = [reply.choice(i, finals[i], c) for i in range(len(prompts)) for c in finals[i].outputs]
         return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()),
                              "model": self.model_name, "choices": choices, "usage": reply.usage(self._usage(finals))})
 
-    async def _completion_chunks(self, rid, stream, reply: "CompletionReply", include_usage: bool):
+    async def _completion_chunks(self, rid, stream, reply: "CompletionReply", include_usage: bool,
+                                 continuous: bool = False):
         params = reply.params
         created, hold = int(time.time()), stop_hold_back(params.stop_strings) if params.stop_strings else 0
         sent_text: dict[tuple, int] = {}
         sent_tokens: dict[tuple, int] = {}
         finals: dict[int, RequestOutput] = {}
+        latest: dict[int, RequestOutput] = {}
         async for prompt_index, output in stream:
+            latest[prompt_index] = output
             for c in output.outputs:
                 key = (prompt_index, c.index)
                 first = key not in sent_text
@@ -227,7 +232,7 @@ class OpenAIServing:
                 body = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                         "choices": [reply.chunk_choice(prompt_index, output, c, delta, first, tokens_from, finished)]}
                 if include_usage:
-                    body["usage"] = None
+                    body["usage"] = reply.usage(self._usage(latest)) if continuous else None
                 yield body
             if output.finished:
                 finals[prompt_index] = output

@@ -1,0 +1,52 @@
+"""`/openapi.json` (and `/docs`) from the pydantic models that validate the request bodies.
+
+The routes read and validate their bodies themselves (a size limit first, then the model, errors
+in OpenAI's schema), so FastAPI does not see the models; this adds each route's body schema, the
+error schema and the status codes the routes answer with, from the same models.
+"""
+from __future__ import annotations
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+
+ERROR_SCHEMA = {
+    "type": "object", "required": ["error"],
+    "properties": {"error": {"type": "object", "required": ["message", "type"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "integer", "null"]}}}},
+}
+ERROR_CODES = {"400": "invalid request", "401": "missing or invalid API key", "404": "unknown model",
+               "413": "body too large", "429": "queue full (see Retry-After)", "503": "engine failed"}
+
+
+def install(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
+    """`bodies`: POST path -> the model its body must satisfy."""
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = _build(app, bodies)
+        return app.openapi_schema
+    app.openapi = openapi
+
+
+def _build(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> dict:
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes,
+                         description="OpenAI-compatible inference and test-time search")
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    components["Error"] = ERROR_SCHEMA
+    for path, model in bodies.items():
+        body = model.model_json_schema(ref_template="#/components/schemas/{model}", by_alias=True)
+        components.update(body.pop("$defs", {}))
+        components[model.__name__] = body
+        operation = schema["paths"][path]["post"]
+        operation["requestBody"] = {"required": True, "content": {"application/json": {
+            "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+        operation["responses"] = _responses()
+    return schema
+
+
+def _responses() -> dict:
+    error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+    out = {"200": {"description": "the result (JSON, or server-sent events with stream: true)"}}
+    out.update({code: {"description": text, **error} for code, text in ERROR_CODES.items()})
+    return out

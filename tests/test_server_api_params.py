@@ -1,0 +1,82 @@
+"""Everyday parameters through the official `openai` client: logit_bias, continuous usage in
+streams, models.retrieve, a 400 naming what is not implemented, and the OpenAPI schema."""
+import httpx
+import openai
+import pytest
+
+from treeserve.server.protocol import ChatCompletionRequest, CompletionRequest
+
+MESSAGES = [{"role": "user", "content": "Tell me about the water"}]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=server.key, max_retries=0)
+
+
+def test_logit_bias_steers_and_bans_tokens(client, server):
+    greedy = client.completions.create(model="tiny", prompt="The water is", max_tokens=1, temperature=0, logprobs=1)
+    first = greedy.choices[0].logprobs.tokens[0]
+    token_id = server.engine.tokenizer.convert_tokens_to_ids(server.engine.tokenizer.tokenize(first))[0]
+    banned = client.completions.create(model="tiny", prompt="The water is", max_tokens=1, temperature=0,
+                                       logit_bias={str(token_id): -100})
+    assert banned.choices[0].text != greedy.choices[0].text
+    tokenizer = server.engine.tokenizer
+    target = tokenizer.encode(" the", add_special_tokens=False)[0]
+    forced = client.completions.create(model="tiny", prompt="The water is", max_tokens=3, temperature=1.0, seed=1,
+                                       logit_bias={str(target): 100})
+    assert forced.choices[0].text == tokenizer.decode([target] * 3)
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        client.completions.create(model="tiny", prompt="x", logit_bias={"abc": 1})
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        client.completions.create(model="tiny", prompt="x", logit_bias={"10": 500})
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        client.chat.completions.create(model="tiny", messages=MESSAGES, logit_bias={"99999999": 1})
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_continuous_usage_stats_counts_every_chunk(client, route):
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    if route == "chat":
+        chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, stream=True,
+                                                     temperature=0, stream_options=options))
+    else:
+        chunks = list(client.completions.create(model="tiny", prompt="The water is", max_tokens=8, stream=True,
+                                                temperature=0, stream_options=options))
+    counted = [c.usage.completion_tokens for c in chunks if c.choices and c.usage is not None]
+    assert counted and counted == sorted(counted) and counted[-1] == 8
+    assert chunks[-1].usage.completion_tokens == 8 and not chunks[-1].choices
+
+
+def test_models_retrieve(client):
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("nope")
+
+
+@pytest.mark.parametrize("extra, name", [({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+                                         ({"tool_choice": "required"}, "tool_choice"),
+                                         ({"modalities": ["audio"]}, "modalities"),
+                                         ({"prediction": {"type": "content", "content": "x"}}, "prediction")])
+def test_what_is_not_implemented_is_a_400_naming_it(client, extra, name):
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, extra_body=extra)
+    assert bad.value.body["param"] == name
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        client.completions.create(model="tiny", prompt="x", best_of=3)
+    assert client.completions.create(model="tiny", prompt="x", max_tokens=1, best_of=1).choices
+
+
+def test_the_openapi_schema_comes_from_the_request_models(server):
+    headers = {"Authorization": f"Bearer {server.key}"}
+    assert httpx.get(f"{server.url}/openapi.json").status_code == 401  # auth rules unchanged
+    schema = httpx.get(f"{server.url}/openapi.json", headers=headers).json()
+    components = schema["components"]["schemas"]
+    for path, model in [("/v1/chat/completions", ChatCompletionRequest), ("/v1/completions", CompletionRequest)]:
+        body = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert body == {"$ref": f"#/components/schemas/{model.__name__}"}
+        assert set(components[model.__name__]["properties"]) == {f.alias or n for n, f in model.model_fields.items()}
+        assert "400" in schema["paths"][path]["post"]["responses"]
+    assert "/v1/models/{model_id}" in schema["paths"]
+    docs = httpx.get(f"{server.url}/docs", headers=headers)
+    assert docs.status_code == 200 and "openapi.json" in docs.text
