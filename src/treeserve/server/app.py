@@ -104,7 +104,8 @@ def create_app(engine: AsyncLLMEngine, served: dict[str, LLMEngine], api_keys: l
     if keys:
         app.add_middleware(APIKeyMiddleware, keys=keys)
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses={200: {"description": "the engine is alive (empty body)"},
+                                                               503: {"description": "the engine failed"}})
     async def health():
         if engine.errored is not None:
             return error_response(503, f"engine failed: {engine.errored}")
@@ -114,7 +115,8 @@ def create_app(engine: AsyncLLMEngine, served: dict[str, LLMEngine], api_keys: l
     async def version():
         return {"version": __version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"description": "Prometheus text format", "content": {CONTENT_TYPE_LATEST: {}}}})
     async def prometheus():
         body = metrics.render() if metrics else b""
         return Response(body, media_type=CONTENT_TYPE_LATEST)
@@ -161,8 +163,11 @@ def create_app(engine: AsyncLLMEngine, served: dict[str, LLMEngine], api_keys: l
         serving = serving_for(body.model)
         tokenizer = serving.tokenizer
         if body.messages is not None:
-            text = tokenizer.apply_chat_template([m.as_template_message() for m in body.messages], tokenize=False,
-                                                 add_generation_prompt=body.add_generation_prompt)
+            try:
+                text = tokenizer.apply_chat_template([m.as_template_message() for m in body.messages], tokenize=False,
+                                                     add_generation_prompt=body.add_generation_prompt)
+            except Exception as exc:  # a template may reject a conversation (roles out of order, say)
+                raise APIError(400, f"messages: the chat template failed ({exc})", param="messages") from exc
             tokens = tokenizer.encode(text, add_special_tokens=False)
         elif body.prompt is not None:
             tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)

@@ -42,11 +42,20 @@ def _build(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> dict:
         operation["requestBody"] = {"required": True, "content": {"application/json": {
             "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
         operation["responses"] = _responses()
+    for operations in schema["paths"].values():
+        for operation in operations.values():
+            _document_errors(operation["responses"])
     return schema
 
 
-def _responses() -> dict:
+def _document_errors(responses: dict) -> None:
+    """Every route answers errors in OpenAI's schema (FastAPI's own 422 never comes: bodies and
+    path parameters are validated here, into 400 and 404)."""
+    responses.pop("422", None)
     error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
-    out = {"200": {"description": "the result (JSON, or server-sent events with stream: true)"}}
-    out.update({code: {"description": text, **error} for code, text in ERROR_CODES.items()})
-    return out
+    for code, text in ERROR_CODES.items():
+        responses.setdefault(code, {"description": text, **error})
+
+
+def _responses() -> dict:
+    return {"200": {"description": "the result (JSON, or server-sent events with stream: true)"}}
