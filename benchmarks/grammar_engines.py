@@ -40,6 +40,18 @@ CASES = [
 ]
 
 
+def timed_walk(ids, mask, consume) -> list[float]:
+    """Times `mask()` before each token, then feeds the token with `consume(token) -> accepted`."""
+    times = []
+    for tid in ids:
+        start = time.perf_counter()
+        mask()
+        times.append(time.perf_counter() - start)
+        if not consume(tid):
+            raise RuntimeError(f"the grammar rejected token {tid}")
+    return times
+
+
 def llguidance_engine(tokenizer, vocab):
     import llguidance
     import llguidance.hf
@@ -53,14 +65,7 @@ def llguidance_engine(tokenizer, vocab):
 
     def walk(matcher, ids):
         bitmask = llg_torch.allocate_token_bitmask(1, vocab)
-        times = []
-        for tid in ids:
-            start = time.perf_counter()
-            llg_torch.fill_next_token_bitmask(matcher, bitmask, 0)
-            times.append(time.perf_counter() - start)
-            if not matcher.consume_token(tid):
-                raise RuntimeError(f"llguidance rejected token {tid}: {matcher.get_error()}")
-        return times
+        return timed_walk(ids, lambda: llg_torch.fill_next_token_bitmask(matcher, bitmask, 0), matcher.consume_token)
     return compile_, walk
 
 
@@ -74,14 +79,7 @@ def xgrammar_engine(tokenizer, vocab):
 
     def walk(matcher, ids):
         bitmask = xgr.allocate_token_bitmask(1, vocab)
-        times = []
-        for tid in ids:
-            start = time.perf_counter()
-            matcher.fill_next_token_bitmask(bitmask, 0)
-            times.append(time.perf_counter() - start)
-            if not matcher.accept_token(tid):
-                raise RuntimeError(f"xgrammar rejected token {tid}")
-        return times
+        return timed_walk(ids, lambda: matcher.fill_next_token_bitmask(bitmask, 0), matcher.accept_token)
     return compile_, walk
 
 

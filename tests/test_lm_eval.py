@@ -89,6 +89,7 @@ def test_lm_eval_through_the_server_equals_hf_offline(llama_dir, tasks, monkeypa
                                "max_length": 512}, tasks)
     ours, ref = _loglikelihoods(served), _loglikelihoods(offline)
     assert len(ours) == sum(len(c) for _, c, _ in QUESTIONS)
+    print(f"lm-eval loglikelihoods: {len(ours)}, largest |served - HF| {max(abs(a - b) for a, b in zip(ours, ref)):.2e}")
     assert ours == pytest.approx(ref, abs=1e-3)
     assert served["results"]["ts_mc"]["acc,none"] == offline["results"]["ts_mc"]["acc,none"]
     generated = [s["resps"][0][0] for s in sorted(served["samples"]["ts_gen"], key=lambda s: s["doc_id"])]

@@ -47,5 +47,6 @@ def test_no_server_error_and_responses_in_the_schema(fuzzed_app):
                 server_errors.append((operation.label, response.status_code, response.text[:200]))
             case.validate_response(response, checks=checks)
         fuzz()
+    print(f"schemathesis: {calls} generated requests, {len(server_errors)} server errors")
     assert not server_errors, server_errors
     assert calls >= 500, calls

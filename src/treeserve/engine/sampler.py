@@ -1,4 +1,5 @@
-"""Turns a step's logits into next tokens: grammar masks (structured outputs), logit bias, penalties, temperature, top-k/top-p/min-p, seeds, logprobs.
+"""Turns a step's logits into next tokens: grammar masks (structured outputs), logit bias,
+penalties, temperature, top-k/top-p/min-p, seeds, logprobs.
 
 All filtering is batched over the rows. A row samples by inverse transform: one uniform draw
 against its cumulative probabilities. Requests with their own seed draw that number from their

@@ -2,7 +2,7 @@
 
 Each constrained sequence holds an `LLMatcher`, the grammar's state after its tokens so far. Before
 sampling, the sampler asks every constrained row of the batch for its allowed-token bitmask and
-sets the other logits to -inf in one batched kernel (`apply`); unconstrained rows share the batch
+sets the other logits to -inf in one batched `masked_fill` (`apply`); unconstrained rows share the batch
 untouched. After sampling, the chosen token advances the matcher (`advance`); a grammar that can
 only end stops the sequence. Grammars compile once per source (kind and text): compiled matchers
 are kept, least recently used first out, and each request gets a copy.
