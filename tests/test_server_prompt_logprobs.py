@@ -82,3 +82,21 @@ def test_vllms_prompt_logprobs_field(client, reference):
         assert entries[pos][str(ids[pos])]["logprob"] == pytest.approx(float(ref[pos - 1, ids[pos]]), abs=1e-4)
     with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
         client.completions.create(model="tiny", prompt=PROMPT, extra_body={"prompt_logprobs": 99})
+
+
+def test_vllms_prompt_logprobs_on_chat(client, llama_dir, server):
+    messages = [{"role": "user", "content": PROMPT}]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(llama_dir)
+    ids = tokenizer.encode(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                           add_special_tokens=False)
+    model = transformers.AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=1,
+                                         extra_body={"prompt_logprobs": 2})
+    entries = out.model_extra["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(ids) == out.usage.prompt_tokens
+    for pos in range(1, len(ids)):
+        assert entries[pos][str(ids[pos])]["logprob"] == pytest.approx(float(ref[pos - 1, ids[pos]]), abs=1e-4)
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        client.chat.completions.create(model="tiny", messages=messages, stream=True, extra_body={"prompt_logprobs": 1})

@@ -180,8 +180,19 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
 
+    prompt_logprobs: int | None = None  # vLLM's: the chat-templated prompt's, in the response (not streamed)
+
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def requested_prompt_logprobs(self) -> int | None:
+        if self.prompt_logprobs is None:
+            return None
+        if not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise ParamError("prompt_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}")
+        if self.stream:
+            raise ParamError("prompt_logprobs", "is not available with stream (as vLLM)")
+        return self.prompt_logprobs
 
     def requested_logprobs(self) -> int | None:
         if self.top_logprobs is not None:

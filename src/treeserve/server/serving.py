@@ -126,9 +126,10 @@ class OpenAIServing:
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         try:
             logprobs = request.requested_logprobs()
+            prompt_logprobs = request.requested_prompt_logprobs()
         except ValueError as exc:
             raise from_value_error(exc) from exc
-        params = self._params(request, [ids], request.requested_max_tokens(), logprobs, "messages")
+        params = self._params(request, [ids], request.requested_max_tokens(), logprobs, "messages", prompt_logprobs)
         await self.compile_grammar(request, params)
         self.check_capacity(1)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -140,8 +141,11 @@ class OpenAIServing:
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                     "logprobs": self._chat_logprobs(c, 0, params.logprobs),
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in output.outputs]
-        return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()),
-                             "model": self.model_name, "choices": choices, "usage": self._usage(finals)})
+        body = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
+                "choices": choices, "usage": self._usage(finals)}
+        if params.prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs_json(output)
+        return JSONResponse(body)
 
     async def _chat_chunks(self, rid, stream, params: SamplingParams, include_usage: bool, continuous: bool = False):
         created, hold = int(time.time()), stop_hold_back(params.stop_strings) if params.stop_strings else 0
@@ -284,10 +288,15 @@ class CompletionReply:
 
     def _with_prompt_logprobs(self, body: dict, output: RequestOutput) -> dict:
         if self.extra_prompt_logprobs:
-            body["prompt_logprobs"] = [None if entry is None else {
-                str(tid): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
-                for tid, lp in entry.items()} for entry in output.prompt_logprobs]
+            body["prompt_logprobs"] = prompt_logprobs_json(output)
         return body
+
+
+def prompt_logprobs_json(output: RequestOutput) -> list[dict | None]:
+    """vLLM's `prompt_logprobs` in a response: per prompt token, token id -> logprob, rank, text."""
+    return [None if entry is None else {
+        str(tid): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+        for tid, lp in entry.items()} for entry in output.prompt_logprobs]
 
 
 def legacy_logprobs(pairs, top: int, tokenizer, offset: int = 0) -> dict:
