@@ -119,13 +119,7 @@ class LLMEngine:
         self.validate_prompt(prompt_token_ids)
         if request_id in self.groups or request_id in self.retained:
             raise ParamError("request_id", f"{request_id!r} is already in use")
-        vocab = self.model_config.vocab_size
-        if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise ParamError("logit_bias", f"token id {max(params.logit_bias)} is outside the vocabulary [0, {vocab})")
-        if params.structured_outputs is not None:
-            if logits_positions is not None:
-                raise ParamError("structured_outputs", "not available with logits_positions (nothing is sampled)")
-            self.structured.compile(params.structured_outputs)  # a grammar that cannot compile fails here
+        self._check_params(params, prefill_only=logits_positions is not None)
         if logits_positions is not None:
             self._add_prefill_only(request_id, prompt_token_ids, params, prompt, cache_salt, logits_positions,
                                    readout_token_ids, keep_kv, parent_id, priority)
@@ -154,10 +148,21 @@ class LLMEngine:
         computing.prompt_logprob_ids = list(group.prompt_token_ids)
         computing.prompt_logprobs = group.prompt_logprobs = [None] * len(group.prompt_token_ids)
 
+    def _check_params(self, params: SamplingParams, prefill_only: bool) -> None:
+        """What the parameters ask of this model, checked before anything is queued; a grammar that
+        cannot compile fails here (compiled once, then cached)."""
+        vocab = self.model_config.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ParamError("logit_bias", f"token id {max(params.logit_bias)} is outside the vocabulary [0, {vocab})")
+        if prefill_only and params.structured_outputs is not None:
+            raise ParamError("structured_outputs", "not available with logits_positions (nothing is sampled)")
+        if prefill_only and params.prompt_logprobs is not None:
+            raise ParamError("prompt_logprobs", "not available with logits_positions (they return the logits)")
+        if params.structured_outputs is not None:
+            self.structured.compile(params.structured_outputs)
+
     def _add_prefill_only(self, request_id, prompt_token_ids, params, prompt, cache_salt, positions,
                           readout_token_ids, keep_kv, parent_id, priority) -> None:
-        if params.prompt_logprobs is not None:
-            raise ParamError("prompt_logprobs", "not available with logits_positions (they return the logits)")
         bad = [p for p in positions if not isinstance(p, int) or not 0 <= p < len(prompt_token_ids)]
         if bad:
             raise ParamError("logits_positions", f"{bad[:3]} outside the prompt (length {len(prompt_token_ids)})")

@@ -12,6 +12,13 @@ MAX_N = 128
 MAX_TOP_LOGPROBS = 20
 
 
+def _top_count(name: str, value: int | None) -> int | None:
+    """A count of top logprobs (None: not asked for), within OpenAI's bound."""
+    if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise ParamError(name, f"must be in [0, {MAX_TOP_LOGPROBS}], got {value}")
+    return value
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
@@ -186,18 +193,15 @@ class ChatCompletionRequest(SamplingRequest):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def requested_prompt_logprobs(self) -> int | None:
-        if self.prompt_logprobs is None:
+        if _top_count("prompt_logprobs", self.prompt_logprobs) is None:
             return None
-        if not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
-            raise ParamError("prompt_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}")
         if self.stream:
             raise ParamError("prompt_logprobs", "is not available with stream (as vLLM)")
         return self.prompt_logprobs
 
     def requested_logprobs(self) -> int | None:
         if self.top_logprobs is not None:
-            if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-                raise ParamError("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+            _top_count("top_logprobs", self.top_logprobs)
             if not self.logprobs:
                 raise ParamError("top_logprobs", "requires logprobs to be true")
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -213,14 +217,11 @@ class CompletionRequest(SamplingRequest):
     def requested_logprobs(self) -> int | None:
         if self.suffix is not None:
             raise ParamError("suffix", "is not supported")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise ParamError("logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
-        return self.logprobs
+        return _top_count("logprobs", self.logprobs)
 
     def requested_prompt_logprobs(self) -> int | None:
         """With `echo`, `logprobs` covers the echoed prompt too (OpenAI's legacy completions)."""
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
-            raise ParamError("prompt_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}")
+        _top_count("prompt_logprobs", self.prompt_logprobs)
         wanted = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
         return max(wanted) if wanted else None
 

@@ -158,7 +158,9 @@ class OpenAIServing:
             body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
                     "choices": choices}
             if include_usage:
-                body["usage"] = usage if usage is not None or not continuous or not latest else self._usage(latest)
+                if usage is None and continuous and latest:
+                    usage = self._usage(latest)
+                body["usage"] = usage
             return body
 
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
