@@ -54,8 +54,8 @@ def test_models_retrieve(client):
         client.models.retrieve("nope")
 
 
-@pytest.mark.parametrize("extra, name", [({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-                                         ({"tool_choice": "required"}, "tool_choice"),
+@pytest.mark.parametrize("extra, name", [({"functions": [{"name": "f"}]}, "functions"),
+                                         ({"tool_choice": "required"}, "tool_choice"),  # with no tools
                                          ({"modalities": ["audio"]}, "modalities"),
                                          ({"prediction": {"type": "content", "content": "x"}}, "prediction")])
 def test_what_is_not_implemented_is_a_400_naming_it(client, extra, name):

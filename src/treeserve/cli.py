@@ -86,6 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
                        "get 429")
     serve.add_argument("--max-problems-in-flight", type=int, default=32,
                        help="search problems that advance together, from all requests; more wait in a queue")
+    serve.add_argument("--chat-template", help="a Jinja chat template (a file, or the text) replacing the "
+                       "models' own (examples/ has tool-calling ones)")
+    serve.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"],
+                       help="the format the model writes tool calls in: read from its output (tool_choice auto) "
+                       "and forced by grammar (required, a named function)")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='let the model decide to call tools (tool_choice "auto", the default with tools); '
+                       "needs --tool-call-parser")
     serve.set_defaults(func=cmd_serve)
     memory = sub.add_parser("memory", help="print the memory breakdown per model (weights, activations, KV)")
     memory.add_argument("--model", action="append", help="NAME=PATH (repeatable) or a single PATH")

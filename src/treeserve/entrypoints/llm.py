@@ -10,6 +10,7 @@ from treeserve.errors import ParamError
 from treeserve.config import EngineConfig
 from treeserve.engine.engine_loop import EngineLoop
 from treeserve.engine.llm_engine import LLMEngine
+from treeserve.entrypoints.chat_utils import render_chat
 from treeserve.outputs import RequestOutput
 from treeserve.sampling_params import SamplingParams
 
@@ -49,20 +50,18 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template: str | None = None) -> list[RequestOutput]:
+             chat_template: str | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
+        """Each conversation through the chat template (with `tools`, OpenAI's tool definitions,
+        where given), then generated."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [{"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt, chat_template)}
+        prompts = [{"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt, chat_template, tools)}
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
-                            chat_template: str | None = None) -> list[int]:
-        tokenizer = self.engine.tokenizer
-        if chat_template is None and not getattr(tokenizer, "chat_template", None):
-            raise ParamError("messages", "this model's tokenizer has no chat template; pass chat_template=")
-        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             chat_template=chat_template)
-        return tokenizer.encode(text, add_special_tokens=False)
+                            chat_template: str | None = None, tools: list[dict] | None = None) -> list[int]:
+        text = render_chat(self.engine.tokenizer, conversation, tools, add_generation_prompt, chat_template)
+        return self.engine.tokenizer.encode(text, add_special_tokens=False)
 
     def _params_per_prompt(self, sampling_params, count: int) -> list[SamplingParams]:
         if sampling_params is None:

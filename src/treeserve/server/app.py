@@ -20,6 +20,7 @@ from treeserve.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                        RewardRequest, SearchRequest, TokenizeRequest)
 from treeserve.server.serving import OpenAIServing
 from treeserve.server.serving_search import SearchServing
+from treeserve.server.tool_calls import ToolSettings
 
 MAX_BODY_BYTES = 2 << 20
 OPEN_PATHS = {"/health"}
@@ -76,11 +77,13 @@ async def parse(request: Request, model: type[BaseModel], limit: int) -> BaseMod
 
 def create_app(engine: AsyncLLMEngine, served: dict[str, LLMEngine], api_keys: list[str] | None = None,
                metrics: ServerMetrics | None = None, searches: dict[str, SearchServing] | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = MAX_BODY_BYTES, chat_template: str | None = None,
+               tool_settings: ToolSettings | None = None) -> FastAPI:
     """`served` maps each served model name to its engine; requests are routed by their `model`.
-    `searches` holds the search serving of each served generator (see server/launch.py)."""
+    `searches` holds the search serving of each served generator (see server/launch.py).
+    `chat_template` replaces every served model's; `tool_settings` are the tool-call parser's."""
     app = FastAPI(title="treeserve", version=__version__, docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
-    servings = {name: OpenAIServing(engine, name, llm) for name, llm in served.items()}
+    servings = {name: OpenAIServing(engine, name, llm, chat_template, tool_settings) for name, llm in served.items()}
     default = next(iter(servings.values()))
     searches = searches or {}
     keys = [k for k in (api_keys or []) if k]
@@ -161,16 +164,10 @@ def create_app(engine: AsyncLLMEngine, served: dict[str, LLMEngine], api_keys: l
     async def tokenize(request: Request):
         body = await parse(request, TokenizeRequest, max_body_bytes)
         serving = serving_for(body.model)
-        tokenizer = serving.tokenizer
         if body.messages is not None:
-            try:
-                text = tokenizer.apply_chat_template([m.as_template_message() for m in body.messages], tokenize=False,
-                                                     add_generation_prompt=body.add_generation_prompt)
-            except Exception as exc:  # a template may reject a conversation (roles out of order, say)
-                raise APIError(400, f"messages: the chat template failed ({exc})", param="messages") from exc
-            tokens = tokenizer.encode(text, add_special_tokens=False)
+            tokens = serving.render(body.messages, body.tools, body.add_generation_prompt)
         elif body.prompt is not None:
-            tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            tokens = serving.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:
             raise APIError(400, "prompt: give 'prompt' or 'messages'", param="prompt", code="missing_required_parameter")
         return {"tokens": tokens, "count": len(tokens), "max_model_len": serving.max_model_len}

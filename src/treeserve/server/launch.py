@@ -16,6 +16,8 @@ from treeserve.runtime.runtime import Runtime
 from treeserve.search.runner import SearchRunner
 from treeserve.server.metrics import ServerMetrics
 from treeserve.server.serving_search import SearchServing
+from treeserve.server.tool_calls import ToolSettings
+from treeserve.entrypoints.chat_utils import load_chat_template
 
 # Served with no model named: the bundled generator and PRM, so /v1/search and /v1/rewards work too.
 DEFAULT_PAIR = {"arith-gen": DEFAULT_GENERATOR, "arith-prm": DEFAULT_VERIFIER}
@@ -23,7 +25,8 @@ DEFAULT_PAIR = {"arith-gen": DEFAULT_GENERATOR, "arith-prm": DEFAULT_VERIFIER}
 
 def build_app(model: str | dict[str, str], served_model_name: str | None = None, api_keys: list[str] | None = None,
               max_queue: int | None = None, kv_mode: str = "shared", max_problems_in_flight: int = 32,
-              engine_thread: bool = True, **engine_options):
+              engine_thread: bool = True, chat_template: str | None = None, tool_settings: ToolSettings | None = None,
+              **engine_options):
     """One model (a path) gets its own engine; several (name -> path) share a `Runtime`, and each
     of them can also answer POST /v1/rewards as a PRM. One engine loop steps them all; each served
     model gets a search runner whose problems, from every request, advance together. With
@@ -48,7 +51,8 @@ def build_app(model: str | dict[str, str], served_model_name: str | None = None,
                                                                      loop=async_engine.loop), scorers)
                 for name, engine in served.items()}
     metrics.add_search(searches, scorers)
-    return create_app(async_engine, served, api_keys=api_keys, metrics=metrics, searches=searches)
+    return create_app(async_engine, served, api_keys=api_keys, metrics=metrics, searches=searches,
+                      chat_template=chat_template, tool_settings=tool_settings)
 
 
 def serve(args) -> int:
@@ -58,6 +62,12 @@ def serve(args) -> int:
     keys = list(args.api_key or [])
     if not keys and os.environ.get("TREESERVE_API_KEY"):
         keys = [os.environ["TREESERVE_API_KEY"]]
+    try:
+        chat_template = load_chat_template(args.chat_template)
+        tool_settings = ToolSettings(args.tool_call_parser, args.enable_auto_tool_choice)
+    except ValueError as exc:
+        logging.getLogger(__name__).error("%s", exc)
+        return 2
     models = _named_models(args.model) if args.model else DEFAULT_PAIR
     target = args.model_path or (models if len(models) > 1 else next(iter(models.values())))
     app = build_app(target, served_model_name=args.served_model_name, api_keys=keys, kv_mode=args.kv_mode,
@@ -65,7 +75,8 @@ def serve(args) -> int:
                     dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                     kv_cache_memory_bytes=args.kv_cache_memory_bytes, block_size=args.block_size,
-                    enable_prefix_caching=not args.no_prefix_caching, engine_thread=False)
+                    enable_prefix_caching=not args.no_prefix_caching, engine_thread=False,
+                    chat_template=chat_template, tool_settings=tool_settings)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                                            timeout_graceful_shutdown=5))
     run_engine_on_main_thread(app.state.engine, server)

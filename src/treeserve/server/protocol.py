@@ -1,6 +1,7 @@
 """OpenAI request bodies (pydantic, strict types) and their mapping to `SamplingParams`."""
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -79,8 +80,6 @@ class SamplingRequest(BaseModel):
     logit_bias: dict[str, float] | None = None
     # Accepted only as far as they are implemented (a 400 names them otherwise), never dropped.
     best_of: int | None = None
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
     functions: list[dict] | None = None
     function_call: str | dict | None = None
     prediction: dict | None = None
@@ -88,11 +87,12 @@ class SamplingRequest(BaseModel):
     modalities: list[str] | None = None
 
     def reject_unimplemented(self) -> None:
-        for name in ("tools", "functions", "function_call", "prediction", "audio"):
+        for name in ("functions", "function_call"):
+            if getattr(self, name) is not None:
+                raise ParamError(name, "is OpenAI's deprecated form; use tools and tool_choice (chat completions)")
+        for name in ("prediction", "audio"):
             if getattr(self, name) is not None:
                 raise ParamError(name, "is not supported by this server")
-        if self.tool_choice not in (None, "none"):
-            raise ParamError("tool_choice", "is not supported by this server (there are no tools)")
         if self.best_of is not None and self.best_of != self.n:
             raise ParamError("best_of", f"only best_of equal to n ({self.n}) is supported, got {self.best_of}")
         if self.modalities is not None and self.modalities != ["text"]:
@@ -167,18 +167,88 @@ class TextPart(BaseModel):
     text: str
 
 
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments object; none: no arguments
+    strict: bool | None = None      # calls forced by tool_choice always validate; auto reads what comes
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str
+    arguments: str  # JSON text, as OpenAI's
+
+
+class ToolCall(BaseModel):
+    """An assistant message's earlier call, sent back in the conversation."""
+    model_config = ConfigDict(extra="ignore", strict=True)
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant messages
+    tool_call_id: str | None = None           # tool messages: the call this answers
 
-    def as_template_message(self) -> dict:
+    def as_template_message(self, where: str = "messages") -> dict:
+        """The message as chat templates read it (a call's arguments as an object, as HF's
+        templates expect); ParamError naming `where` for what no template can render."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        message = {"role": role, "content": content or ""}
+        if self.tool_calls:
+            if self.role != "assistant":
+                raise ParamError(f"{where}.tool_calls", f"only assistant messages carry tool calls, not {self.role}")
+            message["tool_calls"] = [_template_call(call, f"{where}.tool_calls[{i}]")
+                                     for i, call in enumerate(self.tool_calls)]
+        if self.role == "tool":
+            if not self.tool_call_id:
+                raise ParamError(f"{where}.tool_call_id", "a tool message needs the id of the call it answers")
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+def _template_call(call: ToolCall, where: str) -> dict:
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError as exc:
+        raise ParamError(f"{where}.function.arguments", f"must be JSON text ({exc})") from exc
+    return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict]:
+    return [m.as_template_message(f"messages[{i}]") for i, m in enumerate(messages)]
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -186,6 +256,9 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     prompt_logprobs: int | None = None  # vLLM's: the chat-templated prompt's, in the response (not streamed)
 
@@ -213,6 +286,14 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     suffix: str | None = None
     prompt_logprobs: int | None = None  # vLLM's: per prompt token, returned in each choice's `prompt_logprobs`
+    tools: list[dict] | None = None     # chat completions only: named in a 400 here
+    tool_choice: str | dict | None = None
+
+    def reject_unimplemented(self) -> None:
+        for name, value in (("tools", self.tools), ("tool_choice", None if self.tool_choice == "none" else self.tool_choice)):
+            if value is not None:
+                raise ParamError(name, "is for /v1/chat/completions; completions have no tools")
+        super().reject_unimplemented()
 
     def requested_logprobs(self) -> int | None:
         if self.suffix is not None:
@@ -253,6 +334,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    tools: list[Tool] | None = None  # rendered by the chat template with the messages
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

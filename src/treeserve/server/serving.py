@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -16,18 +17,34 @@ from treeserve.errors import ParamError
 from treeserve.outputs import CompletionOutput, RequestOutput
 from treeserve.sampling_params import SamplingParams
 from treeserve.server.errors import APIError, from_value_error
-from treeserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from treeserve.entrypoints.chat_utils import render_chat
+from treeserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, Tool, template_messages
+from treeserve.server.tool_calls import ToolCallStream, ToolCalling, ToolSettings, special_tokens
 
 
 class OpenAIServing:
     """The OpenAI routes for one served model (an engine driven by the shared engine loop)."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, llm: LLMEngine | None = None):
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, llm: LLMEngine | None = None,
+                 chat_template: str | None = None, tool_settings: ToolSettings | None = None):
         self.engine = engine
         self.llm = llm or engine.engine
         self.model_name = model_name
         self.tokenizer = self.llm.tokenizer
         self.max_model_len = self.llm.max_model_len
+        self.chat_template = chat_template  # --chat-template: replaces the tokenizer's
+        self.tool_settings = tool_settings or ToolSettings()
+        self.special_tokens = special_tokens(self.tokenizer)
+
+    def render(self, messages: list[ChatMessage], tools: list[Tool] | None, add_generation_prompt: bool = True) -> list[int]:
+        """A conversation's prompt tokens, the tools rendered by the chat template; 400 naming the problem."""
+        try:
+            text = render_chat(self.tokenizer, template_messages(messages),
+                               [t.model_dump(exclude_none=True) for t in tools or ()], add_generation_prompt,
+                               self.chat_template)
+        except ValueError as exc:
+            raise from_value_error(exc) from exc
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     # ---- shared -----------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -62,14 +79,18 @@ class OpenAIServing:
         except ValueError as exc:
             raise from_value_error(exc) from exc
 
-    async def compile_grammar(self, request, params: SamplingParams) -> None:
+    async def compile_grammar(self, request, params: SamplingParams, tools: ToolCalling | None = None) -> None:
         """Compiles the request's grammar (cached) off the event loop, before anything is queued: a
-        grammar the engine rejects is a 400 naming the request's field."""
+        grammar the engine rejects is a 400 naming the request's field (for forced tool calls, the
+        function whose parameters it rejects)."""
         if params.structured_outputs is None:
             return
         try:
             await asyncio.to_thread(self.llm.structured.compile, params.structured_outputs)
         except ParamError as exc:
+            if tools is not None and tools.forced:
+                located = await asyncio.to_thread(tools.locate_schema_error, self.llm.structured.compile)
+                raise from_value_error(located or ParamError("tools", exc.detail)) from exc
             name = exc.param if request.structured_param == "structured_outputs" else "response_format"
             raise from_value_error(ParamError(name, exc.detail)) from exc
 
@@ -118,41 +139,46 @@ class OpenAIServing:
     # ---- chat -------------------------------------------------------------------------------
     async def chat(self, request: ChatCompletionRequest):
         self.check_model(request.model)
-        messages = [m.as_template_message() for m in request.messages]
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as exc:
-            raise APIError(400, f"messages: the chat template failed ({exc})", param="messages") from exc
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        try:
+            tools = ToolCalling.from_request(request, self.tool_settings, self.special_tokens)
             logprobs = request.requested_logprobs()
             prompt_logprobs = request.requested_prompt_logprobs()
         except ValueError as exc:
             raise from_value_error(exc) from exc
+        ids = self.render(request.messages, request.tools)
         params = self._params(request, [ids], request.requested_max_tokens(), logprobs, "messages", prompt_logprobs)
-        await self.compile_grammar(request, params)
+        if tools is not None and tools.forced:
+            params = dataclasses.replace(params, structured_outputs=tools.structured_outputs())
+        if tools is not None and tools.reads_calls and tools.format.keeps_special_tokens:
+            params = dataclasses.replace(params, skip_special_tokens=False)
+        await self.compile_grammar(request, params, tools)
         self.check_capacity(1)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         stream = self._merged([ids], params, rid, [None])
         if request.stream:
-            return _sse(self._chat_chunks(rid, stream, params, request.include_usage, request.continuous_usage))
+            return _sse(self._chat_chunks(rid, stream, params, request.include_usage, request.continuous_usage, tools))
         finals = {i: out async for i, out in stream if out.finished}
         output = finals[0]
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._chat_logprobs(c, 0, params.logprobs),
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in output.outputs]
+        choices = []
+        for c in output.outputs:
+            message, finish_reason = (tools.message(c.text, c.finish_reason) if tools is not None else
+                                      ({"role": "assistant", "content": c.text}, c.finish_reason))
+            choices.append({"index": c.index, "message": message, "logprobs": self._chat_logprobs(c, 0, params.logprobs),
+                            "finish_reason": finish_reason, "stop_reason": c.stop_reason})
         body = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
                 "choices": choices, "usage": self._usage(finals)}
         if params.prompt_logprobs is not None:
             body["prompt_logprobs"] = prompt_logprobs_json(output)
         return JSONResponse(body)
 
-    async def _chat_chunks(self, rid, stream, params: SamplingParams, include_usage: bool, continuous: bool = False):
+    async def _chat_chunks(self, rid, stream, params: SamplingParams, include_usage: bool, continuous: bool = False,
+                           tools: ToolCalling | None = None):
         created, hold = int(time.time()), stop_hold_back(params.stop_strings) if params.stop_strings else 0
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
         finals: dict[int, RequestOutput] = {}
         latest: dict[int, RequestOutput] = {}
+        calls = {i: ToolCallStream(tools) for i in range(params.n)} if tools is not None and tools.reads_calls else {}
 
         def chunk(choices, usage=None):
             body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
@@ -168,14 +194,19 @@ class OpenAIServing:
         async for prompt_index, output in stream:
             latest[prompt_index] = output
             for c in output.outputs:
-                delta, finished = _text_delta(c, sent_text, hold)
+                text, finished = _text_delta(c, sent_text, hold)
+                delta, finish_reason = {"content": text} if text else {}, c.finish_reason
+                if c.index in calls:
+                    content, tool_deltas = calls[c.index].feed(text, finished)
+                    delta = ({"content": content} if content else {}) | ({"tool_calls": tool_deltas} if tool_deltas else {})
+                    finish_reason = calls[c.index].finish_reason(c.finish_reason)
                 tokens_from = sent_tokens.get(c.index, 0)
                 if not delta and not finished:
                     continue
                 sent_tokens[c.index] = len(c.token_ids)
-                yield chunk([{"index": c.index, "delta": {"content": delta} if delta else {},
+                yield chunk([{"index": c.index, "delta": delta,
                               "logprobs": self._chat_logprobs(c, tokens_from, params.logprobs),
-                              "finish_reason": c.finish_reason if finished else None}])
+                              "finish_reason": finish_reason if finished else None}])
             if output.finished:
                 finals[prompt_index] = output
         if include_usage:

@@ -1,0 +1,273 @@
+"""Tool-call formats: where a model writes its calls in its text, how to read them back (also from a
+stream that stops mid-call), and the grammar that makes a model write a call that validates.
+
+- `hermes`: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` blocks, after any text
+  (Hermes, Qwen 2.5 and 3, and the models trained on their template);
+- `llama3_json`: the whole reply is `{"name": ..., "parameters": {...}}` objects separated by `;`,
+  optionally after `<|python_tag|>` (Llama 3.1 and later with JSON tool calling);
+- `json`: a JSON array of `{"name": ..., "parameters": {...}}` objects. Not a model's native
+  format: what `required` and named choices make a model write on a server given no parser.
+
+Every format reads either `arguments` or `parameters` as a call's arguments, and keeps them as the
+model wrote them (the text of that JSON value), so the fragments a stream sends add up to the
+arguments of the same text parsed whole.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+ARGUMENT_KEYS = ("arguments", "parameters")
+
+
+@dataclass
+class ParsedCall:
+    name: str | None = None      # set once the name's JSON string is complete
+    arguments: str = ""          # the arguments value's text so far
+    complete: bool = False       # the call's object is closed
+
+    @property
+    def valid(self) -> bool:
+        """A complete call with a name and arguments that are a JSON object."""
+        if not (self.complete and self.name):
+            return False
+        try:
+            return isinstance(json.loads(self.final_arguments), dict)
+        except ValueError:
+            return False
+
+    @property
+    def final_arguments(self) -> str:
+        """A complete call that wrote no arguments takes none: `{}`."""
+        return self.arguments if self.arguments or not self.complete else "{}"
+
+
+@dataclass
+class Parsed:
+    content: str                                  # text that is not part of a call
+    calls: list[ParsedCall] = field(default_factory=list)
+
+
+def scan_object(text: str, start: int) -> tuple[ParsedCall, int | None]:
+    """Reads the (maybe unfinished) JSON object at `text[start] == "{"` as a call: its `name` once
+    complete, its arguments' text so far. Returns the call and the index after the object (None
+    while it is open)."""
+    call, scan = ParsedCall(), _ObjectScan(text)
+    end = scan.run(start, call)
+    call.complete = end is not None
+    return call, end
+
+
+class _ObjectScan:
+    """A character scan of one JSON object that notes where each top-level value starts and ends."""
+
+    def __init__(self, text: str):
+        self.text = text
+        self.key: str | None = None
+        self.value_start: int | None = None
+
+    def run(self, start: int, call: ParsedCall) -> int | None:
+        text, depth, in_string, escaped, key_start = self.text, 0, False, False, None
+        for i in range(start, len(text)):
+            ch = text[i]
+            if in_string:
+                if escaped:
+                    escaped = False
+                elif ch == "\\":
+                    escaped = True
+                elif ch == '"':
+                    in_string = False
+                    if depth == 1 and key_start is not None:  # a key ends
+                        self.key, key_start = _loads(text[key_start:i + 1]), None
+                    elif depth == 1 and self.value_start is not None:  # a top-level string value ends
+                        self._close_value(i + 1, call)
+                continue
+            if ch == '"':
+                in_string = True
+                if depth == 1 and self.value_start is None and self.key is None:
+                    key_start = i
+                elif depth == 1 and self.value_start is None:
+                    self.value_start = i
+            elif ch in "{[":
+                if depth == 1 and self.value_start is None and self.key is not None:
+                    self.value_start = i
+                depth += 1
+            elif ch in "}]":
+                depth -= 1
+                if depth == 1 and self.value_start is not None:
+                    self._close_value(i + 1, call)
+                elif depth == 0:
+                    self._close_value(i, call)
+                    return i + 1
+            elif depth == 1 and ch == ",":
+                self._close_value(i, call)
+            elif depth == 1 and not ch.isspace() and ch != ":" and self.key is not None and self.value_start is None:
+                self.value_start = i  # a number, true, false or null
+        if self.value_start is not None and self.key in ARGUMENT_KEYS and not call.arguments:
+            call.arguments = text[self.value_start:]  # the arguments so far
+        return None
+
+    def _close_value(self, end: int, call: ParsedCall) -> None:
+        if self.value_start is None:
+            return
+        value = self.text[self.value_start:end].strip()
+        if self.key == "name" and call.name is None:
+            name = _loads(value)
+            call.name = name if isinstance(name, str) else None
+        elif self.key in ARGUMENT_KEYS and not call.arguments:
+            call.arguments = value
+        self.key, self.value_start = None, None
+
+
+def _loads(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _skip_space(text: str, i: int) -> int:
+    while i < len(text) and text[i].isspace():
+        i += 1
+    return i
+
+
+def _held(text: str, marker: str) -> int:
+    """How many characters at the end of `text` could be the start of `marker` (held back while
+    streaming, until the next text says whether the marker came)."""
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-size:]):
+            return size
+    return 0
+
+
+def _scan_sequence(text: str, i: int, separators: str, calls: list[ParsedCall]) -> None:
+    """Objects from `text[i]` on, separated by one of `separators` (and spaces), until anything else."""
+    while i < len(text) and text[i] == "{":
+        call, end = scan_object(text, i)
+        calls.append(call)
+        if end is None:
+            return
+        i = _skip_space(text, end)
+        if i < len(text) and text[i] in separators:
+            i = _skip_space(text, i + 1)
+        else:
+            return
+
+
+class ToolCallFormat:
+    """One way of writing calls: `parse` reads text (`final`: no more will come), `grammar` is the
+    Lark grammar (for llguidance) that allows only calls of the given functions."""
+    name: str
+    arguments_key: str = "parameters"
+    keeps_special_tokens = False  # the format's markers are special tokens that decoding must keep
+
+    def parse(self, text: str, final: bool) -> Parsed:
+        raise NotImplementedError
+
+    def grammar(self, functions: list[dict], parallel: bool, special_tokens: frozenset[str] = frozenset()) -> str:
+        """`special_tokens`: the vocabulary's special tokens; a marker that is one is written as
+        that token (llguidance's `<name>`), as the model was trained to, not spelled in pieces."""
+        rules = [f"call_{i}: %json {json.dumps(call_schema(f, self.arguments_key))}" for i, f in enumerate(functions)]
+        body = " | ".join(f"call_{i}" for i in range(len(functions)))
+        return "\n".join([self._start(parallel), f"call: {self._wrap(body, special_tokens)}", *rules]) + "\n"
+
+    def _start(self, parallel: bool) -> str:
+        raise NotImplementedError
+
+    def _wrap(self, body: str, special_tokens: frozenset[str]) -> str:
+        return f"({body})"
+
+
+class HermesFormat(ToolCallFormat):
+    name, arguments_key = "hermes", "arguments"
+    keeps_special_tokens = True  # `<tool_call>` is a special token in some vocabularies
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    def parse(self, text: str, final: bool) -> Parsed:
+        start = text.find(self.OPEN)
+        if start < 0:
+            return Parsed(text[:len(text) - (0 if final else _held(text, self.OPEN))])
+        parsed = Parsed(text[:start])
+        while start >= 0:
+            i = _skip_space(text, start + len(self.OPEN))
+            if i == len(text) or text[i] != "{":
+                break
+            call, end = scan_object(text, i)
+            parsed.calls.append(call)
+            if end is None:
+                break
+            start = text.find(self.OPEN, end)
+        return parsed
+
+    def _start(self, parallel: bool) -> str:
+        return 'start: call ("\\n" call)*' if parallel else "start: call"
+
+    def _wrap(self, body: str, special_tokens: frozenset[str]) -> str:
+        def marker(text: str) -> str:
+            return text if text in special_tokens else f'"{text}"'
+        return f'{marker(self.OPEN)} "\\n" ({body}) "\\n" {marker(self.CLOSE)}'
+
+
+class Llama3JsonFormat(ToolCallFormat):
+    name = "llama3_json"
+    PYTHON_TAG = "<|python_tag|>"
+
+    def parse(self, text: str, final: bool) -> Parsed:
+        i = _skip_space(text, 0)
+        if text.startswith(self.PYTHON_TAG, i):
+            i = _skip_space(text, i + len(self.PYTHON_TAG))
+        rest = text[i:]
+        if not final and (not rest or self.PYTHON_TAG.startswith(rest)):
+            return Parsed("")  # nothing yet says whether this is a call or an answer
+        if not rest.startswith("{"):
+            return Parsed(text)
+        parsed = Parsed("")
+        _scan_sequence(text, i, ";", parsed.calls)
+        return parsed
+
+    def _start(self, parallel: bool) -> str:
+        return 'start: call ("; " call)*' if parallel else "start: call"
+
+
+class JsonArrayFormat(ToolCallFormat):
+    name = "json"
+
+    def parse(self, text: str, final: bool) -> Parsed:
+        i = _skip_space(text, 0)
+        if i == len(text) and not final:
+            return Parsed("")
+        if not text.startswith("[", i):
+            return Parsed(text)
+        parsed = Parsed("")
+        _scan_sequence(text, _skip_space(text, i + 1), ",", parsed.calls)
+        return parsed
+
+    def _start(self, parallel: bool) -> str:
+        return 'start: "[" call ("," call)* "]"' if parallel else 'start: "[" call "]"'
+
+
+TOOL_CALL_FORMATS: dict[str, ToolCallFormat] = {f.name: f for f in (HermesFormat(), Llama3JsonFormat())}
+FORCED_FORMAT = JsonArrayFormat()
+
+
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}  # OpenAI: none given
+
+
+def call_schema(function: dict, arguments_key: str) -> dict:
+    """The JSON schema of one call of `function` ({"name", "parameters"} as in a request's tools):
+    its name, then arguments valid for its parameters. The parameters' `$defs` move to the root,
+    where their `#/$defs/...` references point."""
+    parameters = dict(function.get("parameters") or NO_PARAMETERS)
+    defs = {key: parameters.pop(key) for key in ("$defs", "definitions") if key in parameters}
+    return {"type": "object", "properties": {"name": {"const": function["name"]}, arguments_key: parameters},
+            "required": ["name", arguments_key], "additionalProperties": False,
+            "x-guidance": {"whitespace_flexible": False}, **defs}
+
+
+def finish(parsed: Parsed, text: str) -> Parsed:
+    """The final reading: the calls that validate; with none, the whole text is the answer."""
+    calls = [c for c in parsed.calls if c.valid]
+    if not calls:
+        return Parsed(text)
+    return Parsed(parsed.content, calls)

@@ -1,0 +1,202 @@
+"""Tool calling through the official `openai` client, on three servers of one tiny model: with the
+Hermes parser and template, with the Llama 3.1 JSON parser and template, and with no parser.
+`required` and named choices return calls whose arguments validate (jsonschema), whole and
+streamed; `auto` reads calls that the model writes in the parser's format (here the model is made
+to write them with a `structured_outputs` choice: a random model would not)."""
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from conftest import API_KEY, assert_no_leak, running_server, wait_idle
+from treeserve.entrypoints.chat_utils import load_chat_template
+from treeserve.server.launch import build_app
+from treeserve.server.tool_calls import ToolSettings
+from treeserve.testing.tiny_models import make_tiny_model
+
+EXAMPLES = Path(__file__).parent.parent / "examples"
+S = {"type": "string", "maxLength": 8}
+PARAMETERS = {
+    "get_weather": {"type": "object", "properties": {"city": S, "unit": {"enum": ["celsius", "fahrenheit"]}},
+                    "required": ["city", "unit"], "additionalProperties": False},
+    "add": {"type": "object", "properties": {"values": {"type": "array", "items": {"type": "integer"},
+                                                        "minItems": 1, "maxItems": 4}},
+            "required": ["values"], "additionalProperties": False},
+    "book": {"type": "object", "properties": {"day": {"type": "string", "format": "date"},
+                                              "seats": {"type": "integer", "minimum": 1, "maximum": 9},
+                                              "note": {"anyOf": [S, {"type": "null"}]}},
+             "required": ["day", "seats", "note"], "additionalProperties": False},
+    "locate": {"type": "object", "properties": {"where": {"$ref": "#/$defs/place"}}, "required": ["where"],
+               "additionalProperties": False,
+               "$defs": {"place": {"type": "object", "properties": {"lat": {"type": "number"}, "lon": {"type": "number"}},
+                                   "required": ["lat", "lon"], "additionalProperties": False}}},
+    "flag": {"type": "object", "properties": {"on": {"type": "boolean"}, "level": {"enum": [1, 2, 3]}},
+             "required": ["on", "level"], "additionalProperties": False},
+}
+TOOLS = [{"type": "function", "function": {"name": name, "description": f"the {name} tool", "parameters": schema}}
+         for name, schema in PARAMETERS.items()] + [{"type": "function", "function": {"name": "now"}}]
+PARAMETERS["now"] = {"type": "object", "properties": {}, "additionalProperties": False}
+MESSAGES = [{"role": "system", "content": "Use the tools."}, {"role": "user", "content": "What is the weather?"}]
+SERVERS = {"hermes": "tool_chat_template_hermes.jinja", "llama3_json": "tool_chat_template_llama3_json.jinja", None: None}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    # EOS and "]" favoured: where the grammar allows the end (or the end of a JSON array of calls),
+    # the model ends (as a trained one would), rather than writing calls until max_tokens
+    return make_tiny_model("llama", tmp_path_factory.mktemp("tools") / "llama", seed=3, max_position_embeddings=2048,
+                           favour_tokens={"<|eos|>": 6.0, "]": 4.0})
+
+
+@pytest.fixture(scope="module", params=list(SERVERS), ids=lambda p: p or "no-parser")
+def served(request, model_dir):
+    parser = request.param
+    template = load_chat_template(str(EXAMPLES / SERVERS[parser])) if parser else None
+    app = build_app(str(model_dir), served_model_name="tiny", api_keys=[API_KEY], dtype="float32", device="cpu",
+                    kv_cache_memory_bytes=64 << 20, max_model_len=2048, chat_template=template,
+                    tool_settings=ToolSettings(parser, auto=parser is not None))
+    with running_server(app) as url:
+        yield SimpleNamespace(parser=parser, url=url, engine=app.state.engine.engine, async_engine=app.state.engine,
+                              client=openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0))
+
+
+def _check_calls(calls, allowed: set[str]):
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_") and call.function.name in allowed
+        jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
+
+
+def _collect(chunks):
+    """A streamed choice's content, calls (from OpenAI's deltas) and finish reason."""
+    content, calls, finish = "", {}, None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            delta = choice.delta
+            content += delta.content or ""
+            for d in delta.tool_calls or []:
+                if d.id is not None:  # announced: index, id, type and name first, arguments after
+                    assert d.index == len(calls) and d.type == "function" and d.function.name
+                    calls[d.index] = SimpleNamespace(id=d.id, type=d.type, function=SimpleNamespace(
+                        name=d.function.name, arguments=d.function.arguments or ""))
+                else:
+                    assert d.function.name is None
+                    calls[d.index].function.arguments += d.function.arguments
+            finish = choice.finish_reason or finish
+    return content, list(calls.values()), finish
+
+
+def test_required_and_named_calls_validate_whole_and_streamed(served):
+    client = served.client
+    choices = ["required"] + [{"type": "function", "function": {"name": name}} for name in PARAMETERS]
+    for seed, choice in enumerate(choices):
+        allowed = set(PARAMETERS) if choice == "required" else {choice["function"]["name"]}
+        out = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice=choice,
+                                             max_tokens=300, seed=seed, n=2, temperature=1.0)
+        for c in out.choices:
+            assert c.finish_reason == "tool_calls", c.message
+            _check_calls(c.message.tool_calls, allowed)
+            if choice != "required":
+                assert len(c.message.tool_calls) == 1
+        chunks = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice=choice,
+                                                max_tokens=300, seed=seed, temperature=1.0, stream=True)
+        content, calls, finish = _collect(chunks)
+        assert finish == "tool_calls" and not content.strip()
+        _check_calls(calls, allowed)
+    wait_idle(served.engine)
+    assert_no_leak(served.engine)
+
+
+def test_parallel_tool_calls_false_gives_one_call(served):
+    for seed in range(3):
+        out = served.client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS,
+                                                    tool_choice="required", parallel_tool_calls=False, max_tokens=300,
+                                                    seed=seed, temperature=1.0)
+        assert len(out.choices[0].message.tool_calls) == 1
+
+
+WRITTEN = {  # what a model trained on each format writes
+    "hermes": ('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}\n'
+               '</tool_call>\n<tool_call>\n{"name": "add", "arguments": {"values": [2, 3]}}\n</tool_call>', "Checking.\n"),
+    "llama3_json": ('{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "celsius"}}; '
+                    '{"name": "add", "parameters": {"values": [2, 3]}}', None),
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_reads_calls_written_in_the_parsers_format(served, stream):
+    if served.parser is None:
+        pytest.skip("auto needs a parser")
+    text, content = WRITTEN[served.parser]
+    body = {"structured_outputs": {"choice": [text]}}
+    kwargs = dict(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=200, extra_body=body)
+    if stream:
+        got_content, calls, finish = _collect(served.client.chat.completions.create(stream=True, **kwargs))
+        got_content = got_content or None
+    else:
+        choice = served.client.chat.completions.create(**kwargs).choices[0]  # tool_choice left out: auto
+        got_content, calls, finish = choice.message.content, choice.message.tool_calls, choice.finish_reason
+    assert finish == "tool_calls" and got_content == content
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Oslo", "unit": "celsius"}), ("add", {"values": [2, 3]})]
+    plain = served.client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=20,
+                                                  tool_choice="auto",
+                                                  extra_body={"structured_outputs": {"choice": ["It is sunny {ok}."]}})
+    assert plain.choices[0].message.content == "It is sunny {ok}." and not plain.choices[0].message.tool_calls
+    assert plain.choices[0].finish_reason == "stop"
+
+
+def test_a_conversation_with_calls_and_results_renders_the_tools(served):
+    client = served.client
+    conversation = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                              "arguments": '{"city": "Oslo", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "4 degrees"},
+        {"role": "user", "content": "Thanks."}]
+    out = client.chat.completions.create(model="tiny", messages=conversation, tools=TOOLS, tool_choice="none",
+                                         max_tokens=5)
+    assert out.choices[0].message.tool_calls is None and out.choices[0].finish_reason in ("stop", "length")
+    if served.parser is None:
+        return  # the tiny model's own template shows no tools
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    tokens = httpx.post(f"{served.url}/tokenize", headers=auth,
+                        json={"model": "tiny", "messages": conversation, "tools": TOOLS}).json()["tokens"]
+    rendered = httpx.post(f"{served.url}/detokenize", headers=auth, json={"model": "tiny", "tokens": tokens}).json()["prompt"]
+    assert "the book tool" in rendered and "4 degrees" in rendered and '"city": "Oslo"' in rendered
+
+
+def test_bad_tool_requests_are_400s_naming_the_field(served):
+    client = served.client
+    cases = [
+        (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "fly"}}), "tool_choice.function.name"),
+        (dict(tool_choice="required"), "tool_choice"),
+        (dict(tools=[{"type": "function", "function": {"name": "bad name!"}}]), "tools.0.function.name"),
+        (dict(tools=TOOLS + TOOLS[:1]), "tools"),
+        (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+            "a": {"type": "nope"}}}}}], tool_choice="required"), "tools[0].function.parameters"),
+        (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), "tool_choice"),
+        (dict(messages=MESSAGES + [{"role": "tool", "content": "4"}]), "messages[2].tool_call_id"),
+        (dict(messages=MESSAGES + [{"role": "assistant", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]),
+         "messages[2].tool_calls[0].function.arguments"),
+    ]
+    if served.parser is None:
+        cases.append((dict(tools=TOOLS, tool_choice="auto"), "tool_choice"))
+    for extra, param in cases:
+        kwargs = {"model": "tiny", "messages": MESSAGES, "max_tokens": 5} | extra
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.chat.completions.create(**kwargs)
+        assert bad.value.body["param"] == param, (param, bad.value.body)
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"tools": TOOLS})
+    assert bad.value.body["param"] == "tools"
+    assert served.async_engine.errored is None
+    out = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=3)
+    assert out.choices[0].finish_reason in ("stop", "length")
+    wait_idle(served.engine)
+    assert_no_leak(served.engine)
