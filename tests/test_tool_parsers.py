@@ -219,3 +219,17 @@ def test_offline_chat_renders_tools(llama_dir):
     assert "<tools>" not in llm.get_tokenizer().decode(llm.apply_chat_template(conversation, chat_template=template))
     out = llm.chat(conversation, SamplingParams(max_tokens=3), use_tqdm=False, chat_template=template, tools=TOOLS[:1])
     assert len(out[0].prompt_token_ids) > 100 and len(out[0].outputs[0].token_ids) <= 3
+
+
+def test_server_settings_are_checked():
+    from treeserve.errors import ParamError
+
+    with pytest.raises(ParamError, match="needs --tool-call-parser"):
+        ToolSettings(None, auto=True)
+    with pytest.raises(ParamError, match="unknown parser"):
+        ToolSettings("mistral")
+    assert calling("hermes", choice="none").reads_calls is False
+    request = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                    "tools": TOOLS})
+    assert ToolCalling.from_request(request, ToolSettings("hermes")).choice == "none"  # auto not enabled
+    assert ToolCalling.from_request(request, ToolSettings("hermes", auto=True)).choice == "auto"

@@ -25,7 +25,7 @@ from treeserve.search.progress import SearchProgress
 from treeserve.search.runner import SearchHandle, SearchRunner
 from treeserve.search.tree import SearchResult
 from treeserve.server.errors import ERROR_TYPES, APIError, from_value_error
-from treeserve.server.protocol import RewardRequest, SearchRequest
+from treeserve.server.protocol import RewardRequest, SearchRequest, template_messages
 
 
 
@@ -35,7 +35,10 @@ def question_and_system(body: SearchRequest) -> tuple[str, str | None]:
     system = body.system_prompt if body.system_prompt is not None else SAL_SYSTEM_PROMPT
     if body.question is not None:
         return body.question, system or None
-    messages = [m.as_template_message() for m in body.messages]
+    try:
+        messages = template_messages(body.messages)
+    except ValueError as exc:
+        raise from_value_error(exc) from exc
     users = [m["content"] for m in messages if m["role"] == "user"]
     if not users:
         raise APIError(400, "messages: needs a user message holding the question", param="messages")
