@@ -12,8 +12,7 @@ from pydantic import BaseModel, ValidationError
 from treeserve import __version__
 from treeserve.engine.async_engine import AsyncLLMEngine
 from treeserve.engine.llm_engine import LLMEngine
-from treeserve.server.errors import (APIError, error_response, from_validation_error, from_value_error,
-                                     install_error_handlers)
+from treeserve.server.errors import APIError, error_response, from_validation_error, install_error_handlers
 from treeserve.server import openapi
 from treeserve.server.metrics import ServerMetrics
 from treeserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,

@@ -170,40 +170,39 @@ class TextPart(BaseModel):
 FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
 
 
-class FunctionDefinition(BaseModel):
+class _Part(BaseModel):
+    """A part of a request body: strict types, unknown keys ignored (as OpenAI does)."""
     model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class FunctionDefinition(_Part):
     name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
     parameters: dict | None = None  # a JSON schema of the arguments object; none: no arguments
     strict: bool | None = None      # calls forced by tool_choice always validate; auto reads what comes
 
 
-class Tool(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class Tool(_Part):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class FunctionName(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class FunctionName(_Part):
     name: str
 
 
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class NamedToolChoice(_Part):
     type: Literal["function"]
     function: FunctionName
 
 
-class FunctionCall(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class FunctionCall(_Part):
     name: str
     arguments: str  # JSON text, as OpenAI's
 
 
-class ToolCall(BaseModel):
+class ToolCall(_Part):
     """An assistant message's earlier call, sent back in the conversation."""
-    model_config = ConfigDict(extra="ignore", strict=True)
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import time
 import uuid
@@ -147,10 +146,8 @@ class OpenAIServing:
             raise from_value_error(exc) from exc
         ids = self.render(request.messages, request.tools)
         params = self._params(request, [ids], request.requested_max_tokens(), logprobs, "messages", prompt_logprobs)
-        if tools is not None and tools.forced:
-            params = dataclasses.replace(params, structured_outputs=tools.structured_outputs())
-        if tools is not None and tools.reads_calls and tools.format.keeps_special_tokens:
-            params = dataclasses.replace(params, skip_special_tokens=False)
+        if tools is not None:
+            params = tools.adjust(params)
         await self.compile_grammar(request, params, tools)
         self.check_capacity(1)
         rid = f"chatcmpl-{uuid.uuid4().hex}"

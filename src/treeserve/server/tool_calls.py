@@ -8,13 +8,13 @@ allowed functions, in the parser's format (a JSON array of calls on a server wit
 """
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from dataclasses import dataclass
 
 from treeserve.errors import ParamError
-from treeserve.sampling_params import StructuredOutputsParams
-from treeserve.server.tool_parsers import (FORCED_FORMAT, TOOL_CALL_FORMATS, Parsed, ToolCallFormat, call_schema,
-                                           finish)
+from treeserve.sampling_params import SamplingParams, StructuredOutputsParams
+from treeserve.server.tool_parsers import FORCED_FORMAT, TOOL_CALL_FORMATS, Parsed, ToolCallFormat, finish
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,15 @@ class ToolCalling:
             return None
         grammar = self.format.grammar(functions or self.functions, self.parallel, self.special_tokens)
         return StructuredOutputsParams(grammar=grammar)
+
+    def adjust(self, params: SamplingParams) -> SamplingParams:
+        """The request's sampling as its tools need: a forced choice's grammar; the format's
+        markers kept in the text where they are special tokens."""
+        if self.forced:
+            params = dataclasses.replace(params, structured_outputs=self.structured_outputs())
+        if self.reads_calls and self.format.keeps_special_tokens:
+            params = dataclasses.replace(params, skip_special_tokens=False)
+        return params
 
     def locate_schema_error(self, compile_grammar) -> ParamError | None:
         """Which function's parameters the grammar engine rejects (compiling each one alone)."""
