@@ -45,6 +45,12 @@ def test_paged_rows_match_reference_for_decode_and_prefill_rows(dtype, tol, wind
     rows.add_prefill(14, 6, table)  # a prefill chunk after a cached prefix: rows of 9..14 keys
     tables += [table] * 6
     lens += list(range(9, 15))
+    # a whole prefill of 45 tokens right after it: rows attended in units of consecutive tokens
+    # (the kernel's QUERY_BLOCK), which must not run into the chunk before
+    table = torch.randperm(BLOCKS, generator=gen)[: -(-45 // block)].tolist()
+    rows.add_prefill(45, 45, table)
+    tables += [table] * 45
+    lens += list(range(1, 46))
     q = torch.randn(len(lens), HEADS, HEAD_DIM, generator=gen).to(dtype)
     out = torch.empty_like(q)
     cpu_kernels.paged_attention(LIBRARY, q, cache, *rows.tensors, 0.25, window, out)

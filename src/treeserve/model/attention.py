@@ -26,9 +26,11 @@ from treeserve.model import cpu_kernels
 DECODE_GROUP_GROWTH = 1.5
 # Prefill chunks of sequences up to this long go through the C kernel with the decode rows, in
 # bfloat16 with grouped-query attention (3+ query heads per KV head); past it, in float32, or with
-# fewer query heads per KV head, PyTorch's flash SDPA is the faster. One causal prefill, one
-# thread, kernel / SDPA time: bf16 12q/4kv heads of 64: 0.86-0.94 at 64-200 tokens (and 0.87 at
-# 384 with two threads, 1.37 at 1024); bf16 4/4 heads of 32: 1.2-1.7; float32: 1.1-2.0. The
+# fewer query heads per KV head, PyTorch's flash SDPA is the faster. One causal prefill, two
+# threads (Zen 4), kernel / SDPA time since the kernel reads each tile of keys once for 16
+# consecutive query rows: bf16 12q/4kv heads of 64: 0.55, 0.72, 0.78, 1.22 at 64, 200, 384, 1024
+# tokens; bf16 4/4 heads of 32: 0.93, 0.77, 1.22, 1.95; float32 4/4 heads of 32: 0.90-2.13
+# (float32 12/4 heads of 64: 0.67-0.86 up to 384, not used: unmeasured on AVX2-only CPUs). The
 # bundled search models (float32, 4/4 heads of 32) ran memory_split's workload 9-16% slower with
 # their prefills in the kernel than with none of the kernels (5.9 against 7.0 problems/s shared).
 PAGED_PREFILL_MAX_CONTEXT = 512

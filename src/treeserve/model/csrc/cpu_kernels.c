@@ -18,6 +18,9 @@
 #define MAX_GROUP 16      /* query heads sharing one KV head */
 #define MAX_HEAD_DIM 256
 #define TILE 16           /* keys scored at once */
+/* Prefill rows of one sequence attended together, each tile of keys and values read once for all
+ * of them. */
+#define QUERY_BLOCK 16
 /* Keys and values are prefetched this many tokens past the next tile, into L2 (prefetcht1):
  * 96 rows of 150-480 tokens, 1.4x faster than without (into L1, no faster). */
 #define PREFETCH_DISTANCE 16
@@ -105,22 +108,49 @@ struct paged_cache {
 
 /* Online-softmax state of one KV head's query group. */
 struct group_state {
-    float q[MAX_GROUP * MAX_HEAD_DIM];
-    float acc[MAX_GROUP * MAX_HEAD_DIM];
+    float *q;    /* group * head_dim: the group's query rows (scaled) */
+    float *acc;  /* group * head_dim: their outputs so far */
     float max[MAX_GROUP];
     float sum[MAX_GROUP];
 };
 
-/* Fold `count` keys/values (at most TILE; token t's key row at rows[t] + head_offset, its value
- * row kv_stride further) into the group's state. */
-static inline __attribute__((always_inline)) void attend_tile_scalar(struct group_state *st,
-        const char *const *rows, int64_t head_offset, const struct paged_cache *c, int count, int group, int head_dim)
+/* `count` states with their rows in one allocation (free the states alone); NULL when out of memory. */
+static struct group_state *new_states(int count, int group, int head_dim)
 {
-    float k[TILE * MAX_HEAD_DIM], v[TILE * MAX_HEAD_DIM], scores[MAX_GROUP * TILE];
-    for (int t = 0; t < count; t++) {
-        load_row(rows[t] + head_offset, c->dtype, k + t * head_dim, head_dim, 1.0f);
-        load_row(rows[t] + head_offset + c->kv_stride, c->dtype, v + t * head_dim, head_dim, 1.0f);
+    size_t floats = (size_t)count * 2 * group * head_dim;
+    struct group_state *states = malloc(sizeof(struct group_state) * count + sizeof(float) * floats);
+    if (states == NULL)
+        return NULL;
+    float *rows = (float *)(states + count);
+    for (int i = 0; i < count; i++) {
+        states[i].q = rows + (size_t)i * 2 * group * head_dim;
+        states[i].acc = states[i].q + group * head_dim;
     }
+    return states;
+}
+
+/* A tile of keys and values (at most TILE tokens of one KV head) in float32, loaded once for every
+ * query row that attends to it. */
+struct tile_scalar {
+    float k[TILE * MAX_HEAD_DIM], v[TILE * MAX_HEAD_DIM];
+};
+
+/* Token t's key row at rows[t] + head_offset, its value row kv_stride further. */
+static inline __attribute__((always_inline)) void load_tile_scalar(struct tile_scalar *tile,
+        const char *const *rows, int64_t head_offset, const struct paged_cache *c, int count, int head_dim)
+{
+    for (int t = 0; t < count; t++) {
+        load_row(rows[t] + head_offset, c->dtype, tile->k + t * head_dim, head_dim, 1.0f);
+        load_row(rows[t] + head_offset + c->kv_stride, c->dtype, tile->v + t * head_dim, head_dim, 1.0f);
+    }
+}
+
+/* Fold the tile's first `count` keys/values into the group's state. */
+static inline __attribute__((always_inline)) void attend_tile_scalar(struct group_state *st,
+        const struct tile_scalar *tile, int count, int group, int head_dim)
+{
+    const float *k = tile->k, *v = tile->v;
+    float scores[MAX_GROUP * TILE];
     for (int t = 0; t < count; t++) {
         const float *kt = k + t * head_dim;
         for (int g = 0; g < group; g++) {
@@ -203,18 +233,29 @@ static inline __m512 exp16(__m512 x)
     return _mm512_scalef_ps(p, n);
 }
 
-/* attend_tile_scalar with 16-lane vectors: keys and values converted once, the tile's scores
- * reduced together, the softmax on one vector, the output accumulated in registers. */
-static inline __attribute__((always_inline)) void attend_tile_avx512(struct group_state *st,
-        const char *const *rows, int64_t head_offset, const struct paged_cache *c, int count, int group, int head_dim)
+/* The tile in 16-lane vectors, converted once for every query row that attends to it. */
+struct tile_avx512 {
+    __m512 k[TILE * MAX_HEAD_DIM / 16], v[TILE * MAX_HEAD_DIM / 16];
+};
+
+static inline __attribute__((always_inline)) void load_tile_avx512(struct tile_avx512 *tile,
+        const char *const *rows, int64_t head_offset, const struct paged_cache *c, int count, int head_dim)
 {
     const int chunks = head_dim / 16, step = 16 * c->elem;
-    __m512 k[TILE * MAX_HEAD_DIM / 16], v[TILE * MAX_HEAD_DIM / 16];
     for (int t = 0; t < count; t++)
         for (int j = 0; j < chunks; j++) {
-            k[t * chunks + j] = load16(rows[t] + head_offset + j * step, c->dtype);
-            v[t * chunks + j] = load16(rows[t] + head_offset + c->kv_stride + j * step, c->dtype);
+            tile->k[t * chunks + j] = load16(rows[t] + head_offset + j * step, c->dtype);
+            tile->v[t * chunks + j] = load16(rows[t] + head_offset + c->kv_stride + j * step, c->dtype);
         }
+}
+
+/* attend_tile_scalar with 16-lane vectors: the tile's scores reduced together, the softmax on one
+ * vector, the output accumulated in registers. */
+static inline __attribute__((always_inline)) void attend_tile_avx512(struct group_state *st,
+        const struct tile_avx512 *tile, int count, int group, int head_dim)
+{
+    const int chunks = head_dim / 16;
+    const __m512 *k = tile->k, *v = tile->v;
     const __mmask16 live = (__mmask16)((1u << count) - 1u);
     for (int g = 0; g < group; g++) {
         const float *q = st->q + g * head_dim;
@@ -246,16 +287,28 @@ static inline __attribute__((always_inline)) void attend_tile_avx512(struct grou
 }
 #endif
 
-static inline __attribute__((always_inline)) void attend_tile(struct group_state *st, const char *const *rows,
-        int64_t head_offset, const struct paged_cache *c, int count, int group, int head_dim)
+/* One tile of one KV head for the `nrows` query rows of a unit (consecutive tokens of one
+ * sequence): loaded once, folded into each row's state with that row's count of visible keys (a
+ * row's causal end may cut the tile short; a row that sees none of it is skipped). */
+static inline __attribute__((always_inline)) void attend_tile(struct group_state *const *states, int nrows,
+        const int *counts, const char *const *rows, int64_t head_offset, const struct paged_cache *c, int count,
+        int group, int head_dim)
 {
 #if defined(__AVX512F__)
     if (head_dim % 16 == 0 && TILE == 16) {
-        attend_tile_avx512(st, rows, head_offset, c, count, group, head_dim);
+        struct tile_avx512 tile;
+        load_tile_avx512(&tile, rows, head_offset, c, count, head_dim);
+        for (int r = 0; r < nrows; r++)
+            if (counts[r] > 0)
+                attend_tile_avx512(states[r], &tile, counts[r], group, head_dim);
         return;
     }
 #endif
-    attend_tile_scalar(st, rows, head_offset, c, count, group, head_dim);
+    struct tile_scalar tile;
+    load_tile_scalar(&tile, rows, head_offset, c, count, head_dim);
+    for (int r = 0; r < nrows; r++)
+        if (counts[r] > 0)
+            attend_tile_scalar(states[r], &tile, counts[r], group, head_dim);
 }
 
 /* A walk over a paged sequence's tokens in order: the block table entry and the offset in it,
@@ -292,19 +345,22 @@ static inline void prefetch_row(const char *key, int64_t kv_stride, int64_t byte
     }
 }
 
-/* Attention of one query row's KV heads [first_head, first_head + heads) over keys [start, end)
- * of its paged sequence, TILE keys at a time whatever the block size (a tile may span blocks); a
- * token's heads are read together (one contiguous run of memory). */
-static inline __attribute__((always_inline)) void attend_range(struct group_state *states,
-        const struct paged_cache *c, const int64_t *table, int64_t start, int64_t end, int first_head,
+/* Attention of a unit's query rows (`nrows` consecutive tokens of one paged sequence, row r seeing
+ * keys [start, ends[r])) for KV heads [first_head, first_head + heads), TILE keys at a time whatever
+ * the block size (a tile may span blocks). Each tile of each head is read and converted once for
+ * all the unit's rows; a token's heads are read together (one contiguous run of memory). Row r's
+ * state for head h is states[r * heads + h]. */
+static inline __attribute__((always_inline)) void attend_range(struct group_state *states, int nrows,
+        const int64_t *ends, const struct paged_cache *c, const int64_t *table, int64_t start, int first_head,
         int heads, int group, int head_dim)
 {
-    for (int h = 0; h < heads; h++)
+    for (int s = 0; s < nrows * heads; s++)
         for (int g = 0; g < group; g++) {
-            states[h].max[g] = -3.0e38f;
-            states[h].sum[g] = 0.0f;
-            memset(states[h].acc + g * head_dim, 0, sizeof(float) * head_dim);
+            states[s].max[g] = -3.0e38f;
+            states[s].sum[g] = 0.0f;
+            memset(states[s].acc + g * head_dim, 0, sizeof(float) * head_dim);
         }
+    const int64_t end = ends[nrows - 1];
     struct token_cursor cur = cursor_at(c, table, start);
     int64_t ahead_pos = start + TILE + PREFETCH_DISTANCE;
     struct token_cursor ahead = cursor_at(c, table, ahead_pos < end ? ahead_pos : end);
@@ -318,25 +374,51 @@ static inline __attribute__((always_inline)) void attend_range(struct group_stat
         const char *ahead_row[TILE];
         for (; ahead_rows < TILE && ahead_pos < end; ahead_rows++, ahead_pos++)
             ahead_row[ahead_rows] = cursor_next(&ahead, c) + first_offset;
+        int counts[QUERY_BLOCK];
+        for (int r = 0; r < nrows; r++) {
+            int64_t seen = ends[r] - pos;
+            counts[r] = seen <= 0 ? 0 : (seen < count ? (int)seen : count);
+        }
         for (int h = 0; h < heads; h++) {
             /* a share of the rows to prefetch before each head's tile, spreading the requests */
             for (int t = h * TILE / heads; t < (h + 1) * TILE / heads && t < ahead_rows; t++)
                 prefetch_row(ahead_row[t], c->kv_stride, heads * c->head_stride);
-            attend_tile(states + h, rows, h * c->head_stride, c, count, group, head_dim);
+            struct group_state *unit[QUERY_BLOCK];
+            for (int r = 0; r < nrows; r++)
+                unit[r] = states + r * heads + h;
+            attend_tile(unit, nrows, counts, rows, h * c->head_stride, c, count, group, head_dim);
         }
         pos += count;
     }
 }
 
 /* attend_range with the head size known to the compiler for the common sizes (whole-vector loops). */
-static void attend_range_any(struct group_state *states, const struct paged_cache *c, const int64_t *table,
-                             int64_t start, int64_t end, int first_head, int heads, int group, int head_dim)
+static void attend_range_any(struct group_state *states, int nrows, const int64_t *ends, const struct paged_cache *c,
+                             const int64_t *table, int64_t start, int first_head, int heads, int group, int head_dim)
 {
     switch (head_dim) {
-    case 64: attend_range(states, c, table, start, end, first_head, heads, group, 64); break;
-    case 128: attend_range(states, c, table, start, end, first_head, heads, group, 128); break;
-    default: attend_range(states, c, table, start, end, first_head, heads, group, head_dim);
+    case 64: attend_range(states, nrows, ends, c, table, start, first_head, heads, group, 64); break;
+    case 128: attend_range(states, nrows, ends, c, table, start, first_head, heads, group, 128); break;
+    default: attend_range(states, nrows, ends, c, table, start, first_head, heads, group, head_dim);
     }
+}
+
+/* The rows cut into units: runs of at most QUERY_BLOCK consecutive tokens of one sequence (same
+ * blocks, causal lengths one apart: a prefill chunk's rows), which share their reads of the cache;
+ * every other row is a unit of its own (a decode; any row under a sliding window). Returns the
+ * number of units; unit u is rows [firsts[u], firsts[u + 1]). */
+static int64_t query_units(const int64_t *block_starts, const int64_t *context_lens, int64_t rows, int64_t window,
+                           int64_t *firsts)
+{
+    int64_t units = 0;
+    for (int64_t row = 0; row < rows; row++) {
+        int joins = row > 0 && window <= 0 && row - firsts[units - 1] < QUERY_BLOCK
+                    && block_starts[row] == block_starts[row - 1] && context_lens[row] == context_lens[row - 1] + 1;
+        if (!joins)
+            firsts[units++] = row;
+    }
+    firsts[units] = rows;
+    return units;
 }
 
 /* Attention straight from the paged cache (no gather): query row i (one token: a decode, or one
@@ -344,10 +426,10 @@ static void attend_range_any(struct group_state *states, const struct paged_cach
  * to the first context_lens[i] tokens of its sequence (the last `window` of them if window > 0),
  * whose block ids are block_ids[block_starts[i] ...]. q: rows of num_heads * head_dim elements,
  * `q_row_stride` elements apart (heads contiguous); out: [rows, num_heads, head_dim] contiguous.
- * Rows are shared out last first (the runner sorts decode rows by length, shortest first), each with
- * all its KV heads, or one KV head per task when there are too few rows to keep the threads busy.
- * Returns 0, -1 for shapes beyond the kernel's limits (the caller checks them first), -2 when out
- * of memory. */
+ * Units of rows (query_units) are shared out last first (the runner sorts decode rows by length,
+ * shortest first), each with all its KV heads, or one KV head per task when there are too few
+ * units to keep the threads busy. Returns 0, -1 for shapes beyond the kernel's limits (the caller
+ * checks them first), -2 when out of memory. */
 int ts_paged_attention(const void *q, int64_t q_row_stride, const void *cache, int64_t block_stride,
                     int64_t kv_stride, int64_t token_stride, int64_t head_stride, int block_size,
                     const int64_t *block_ids, const int64_t *block_starts, const int64_t *context_lens,
@@ -360,12 +442,16 @@ int ts_paged_attention(const void *q, int64_t q_row_stride, const void *cache, i
     int elem = dtype == TS_BFLOAT16 ? 2 : 4;
     struct paged_cache c = {(const char *)cache, block_stride * elem, kv_stride * elem, token_stride * elem,
                             head_stride * elem, block_size, dtype, elem};
-    int heads = rows >= 4 * omp_get_max_threads() ? num_kv_heads : 1;
-    int64_t spans = num_kv_heads / heads, tasks = rows * spans;
+    int64_t *firsts = malloc(sizeof(int64_t) * (rows + 1));
+    if (firsts == NULL)
+        return -2;
+    int64_t units = query_units(block_starts, context_lens, rows, window, firsts);
+    int heads = units >= 4 * omp_get_max_threads() ? num_kv_heads : 1;
+    int64_t spans = num_kv_heads / heads, tasks = units * spans;
     int failed = 0;
 #pragma omp parallel
     {
-        struct group_state *states = malloc(sizeof(struct group_state) * heads);
+        struct group_state *states = new_states(heads * QUERY_BLOCK, group, head_dim);
         if (states == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -374,26 +460,33 @@ int ts_paged_attention(const void *q, int64_t q_row_stride, const void *cache, i
         for (int64_t task = 0; task < tasks; task++) {
             if (states == NULL)
                 continue;
-            int64_t row = rows - 1 - task / spans;
+            int64_t unit = units - 1 - task / spans, first_row = firsts[unit];
+            int nrows = (int)(firsts[unit + 1] - first_row);
             int first_head = (int)(task % spans) * heads;
             int64_t first_q = (int64_t)first_head * group;
-            const char *q_row = (const char *)q + (row * q_row_stride + first_q * head_dim) * elem;
-            for (int h = 0; h < heads; h++)
-                for (int g = 0; g < group; g++)
-                    load_row(q_row + (int64_t)(h * group + g) * head_dim * elem, dtype, states[h].q + g * head_dim,
-                             head_dim, scale);
-            int64_t end = context_lens[row];
-            int64_t start = window > 0 && end > window ? end - window : 0;
-            attend_range_any(states, &c, block_ids + block_starts[row], start, end, first_head, heads, group,
-                             head_dim);
-            char *out_row = (char *)out + (row * num_heads + first_q) * head_dim * elem;
-            for (int h = 0; h < heads; h++)
-                for (int g = 0; g < group; g++)
-                    store_row(out_row + (int64_t)(h * group + g) * head_dim * elem, dtype,
-                              states[h].acc + g * head_dim, head_dim, 1.0f / states[h].sum[g]);
+            for (int r = 0; r < nrows; r++) {
+                const char *q_row = (const char *)q + ((first_row + r) * q_row_stride + first_q * head_dim) * elem;
+                for (int h = 0; h < heads; h++)
+                    for (int g = 0; g < group; g++)
+                        load_row(q_row + (int64_t)(h * group + g) * head_dim * elem, dtype,
+                                 states[r * heads + h].q + g * head_dim, head_dim, scale);
+            }
+            const int64_t *ends = context_lens + first_row;
+            int64_t start = window > 0 && ends[0] > window ? ends[0] - window : 0;
+            attend_range_any(states, nrows, ends, &c, block_ids + block_starts[first_row], start, first_head, heads,
+                             group, head_dim);
+            for (int r = 0; r < nrows; r++) {
+                char *out_row = (char *)out + ((first_row + r) * num_heads + first_q) * head_dim * elem;
+                for (int h = 0; h < heads; h++)
+                    for (int g = 0; g < group; g++)
+                        store_row(out_row + (int64_t)(h * group + g) * head_dim * elem, dtype,
+                                  states[r * heads + h].acc + g * head_dim, head_dim,
+                                  1.0f / states[r * heads + h].sum[g]);
+            }
         }
         free(states);
     }
+    free(firsts);
     return failed ? -2 : 0;
 }
 
