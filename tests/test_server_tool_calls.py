@@ -200,3 +200,16 @@ def test_bad_tool_requests_are_400s_naming_the_field(served):
     assert out.choices[0].finish_reason in ("stop", "length")
     wait_idle(served.engine)
     assert_no_leak(served.engine)
+
+
+def test_an_answer_ending_in_eos_keeps_its_text_clean(served):
+    """The Hermes parser keeps special tokens in the text (its markers may be special); the EOS that
+    ends the answer is not part of it (as vLLM: a stop token's text only with include_stop_str_in_output)."""
+    for stream in (False, True):
+        kwargs = dict(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=60, seed=1, temperature=1.0)
+        if stream:
+            content, calls, finish = _collect(served.client.chat.completions.create(stream=True, **kwargs))
+        else:
+            choice = served.client.chat.completions.create(**kwargs).choices[0]
+            content, finish = choice.message.content or "", choice.finish_reason
+        assert finish == "stop" and "<|eos|>" not in content, (served.parser, content)

@@ -66,11 +66,13 @@ def streamed(format_name: str, text: str, pieces: list[str], parallel=True):
         delta, deltas = stream.feed(piece, final=i == len(pieces) - 1)
         content += delta
         for d in deltas:
-            if "id" in d:
-                assert d["index"] == len(calls) and d["type"] == "function" and d["function"]["arguments"] == ""
-                calls[d["index"]] = [d["function"]["name"], ""]
+            if "id" in d:  # announced: index, id, type, name (and the arguments so far)
+                assert d["index"] == len(calls) and d["type"] == "function" and "name" in d["function"]
+                calls[d["index"]] = [d["function"]["name"], d["function"]["arguments"]]
             else:
+                assert set(d["function"]) == {"arguments"}
                 calls[d["index"]][1] += d["function"]["arguments"]
+        assert len({d["index"] for d in deltas}) == len(deltas)  # one entry per call in a chunk
     return content or None, [tuple(c) for c in calls.values()], stream.finish_reason("stop")
 
 
@@ -117,8 +119,7 @@ def test_a_call_cut_short():
     assert message == {"role": "assistant", "content": text} and reason == "length"
     stream = ToolCallStream(calling("llama3_json"))
     content, deltas = stream.feed(text, final=False)
-    assert content == "" and [d["function"] for d in deltas] == [{"name": "add", "arguments": ""},
-                                                               {"arguments": '{"values": [1'}]
+    assert content == "" and [d["function"] for d in deltas] == [{"name": "add", "arguments": '{"values": [1'}]
     assert stream.feed("", final=True) == ("", [])
     assert stream.finish_reason("length") == "length"
 
@@ -233,3 +234,49 @@ def test_server_settings_are_checked():
                                                     "tools": TOOLS})
     assert ToolCalling.from_request(request, ToolSettings("hermes")).choice == "none"  # auto not enabled
     assert ToolCalling.from_request(request, ToolSettings("hermes", auto=True)).choice == "auto"
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    # a complete call with no name is none, and does not hold back the calls after it
+    ('<tool_call>{"arguments": {}}</tool_call><tool_call>{"name": "now", "arguments": {}}</tool_call>',
+     None, [("now", "{}")]),
+    # the tag mentioned in passing stays in the answer
+    ('Use <tool_call> tags: <tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>', "Use <tool_call> tags: ",
+     [("now", "{}")]),
+])
+def test_hermes_edge_cases_whole_and_streamed(text, content, calls):
+    assert whole("hermes", text) == (content, calls, "tool_calls")
+    for seed in range(30):
+        assert streamed("hermes", text, cuts(text, seed) + [""]) == (content, calls, "tool_calls"), seed
+
+
+def test_nested_past_the_recursion_limit_is_no_call_and_no_crash():
+    deep = "[" * 5000 + "]" * 5000
+    text = '<tool_call>\n{"name": "add", "arguments": {"values": ' + deep + '}}\n</tool_call>'
+    assert whole("hermes", text) == (text, [], "stop")
+    from treeserve.errors import ParamError
+    from treeserve.server.protocol import template_messages
+
+    request = ChatCompletionRequest.model_validate({"model": "m", "messages": [
+        {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                              "function": {"name": "add", "arguments": deep}}]}]})
+    with pytest.raises(ParamError, match=r"messages\[0\].tool_calls\[0\].function.arguments"):
+        template_messages(request.messages)
+
+
+def test_a_call_that_is_not_json_as_a_whole_is_no_call():
+    text = '<tool_call>\n{"name": "now", "arguments": {}, oops}\n</tool_call>'
+    assert whole("hermes", text) == (text, [], "stop")
+
+
+def test_named_choice_names_the_tools_index_of_a_bad_schema():
+    tools = TOOLS + [{"type": "function", "function": {"name": "bad", "parameters": {"type": "nope"}}}]
+    request = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                    "tools": tools,
+                                                    "tool_choice": {"type": "function", "function": {"name": "bad"}}})
+    from treeserve.errors import ParamError
+
+    def reject(spec):
+        raise ParamError("structured_outputs.grammar", "cannot compile")
+    located = ToolCalling.from_request(request, ToolSettings()).locate_schema_error(reject)
+    assert located.param == f"tools[{len(TOOLS)}].function.parameters"

@@ -24,9 +24,12 @@ class OutputProcessor:
             request.logprobs.append(self.decoded_logprobs(logprobs))
             request.cumulative_logprob += logprobs[token_id][0]
         grammar_done = request.matcher is not None and structured_outputs.advance(request.matcher, token_id)
-        delta = request.detokenizer.push(token_id)
-        request.output_text = request.detokenizer.text
-        reason, stop_reason = self._check_stop(request, token_id, len(delta))
+        stopped_by, delta = self._stop_token(request, token_id), ""
+        if stopped_by is None or request.sampling_params.include_stop_str_in_output:
+            # a stop token's own text (an EOS that skip_special_tokens=False keeps) only where asked for, as vLLM
+            delta = request.detokenizer.push(token_id)
+            request.output_text = request.detokenizer.text
+        reason, stop_reason = stopped_by or self._check_stop(request, len(delta))
         if reason is None and grammar_done:
             reason = "stop"
         if reason is not None and not isinstance(stop_reason, str):
@@ -38,13 +41,21 @@ class OutputProcessor:
     def decoded_logprobs(self, logprobs: dict[int, tuple[float, int]]) -> dict[int, Logprob]:
         return {tid: Logprob(lp, rank, self.tokenizer.decode([tid])) for tid, (lp, rank) in logprobs.items()}
 
-    def _check_stop(self, request: Request, token_id: int, new_chars: int) -> tuple[str | None, str | int | None]:
+    @staticmethod
+    def _stop_token(request: Request, token_id: int) -> tuple[str, int | None] | None:
+        """("stop", stop reason) when the token ends the sequence (EOS, a stop token id), else None."""
+        params = request.sampling_params
+        if request.num_output_tokens < params.min_tokens:
+            return None
+        if not params.ignore_eos and token_id in request.eos_token_ids:
+            return "stop", None
+        if token_id in params.stop_token_ids:
+            return "stop", token_id
+        return None
+
+    def _check_stop(self, request: Request, new_chars: int) -> tuple[str | None, str | int | None]:
         params = request.sampling_params
         if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token_id in request.eos_token_ids:
-                return "stop", None
-            if token_id in params.stop_token_ids:
-                return "stop", token_id
             found = find_stop_string(request.output_text, new_chars, params.stop_strings)
             if found is not None:
                 stop, start = found

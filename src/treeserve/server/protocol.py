@@ -241,8 +241,10 @@ class ChatMessage(BaseModel):
 def _template_call(call: ToolCall, where: str) -> dict:
     try:
         arguments = json.loads(call.function.arguments)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise ParamError(f"{where}.function.arguments", f"must be JSON text ({exc})") from exc
+    if not isinstance(arguments, dict):
+        raise ParamError(f"{where}.function.arguments", "must be a JSON object")
     return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
 
 

@@ -44,9 +44,10 @@ class ToolCalling:
     """One request's tools, choice and format."""
 
     def __init__(self, functions: list[dict], choice: str, format: ToolCallFormat, parallel: bool,
-                 special_tokens: frozenset[str] = frozenset()):
+                 special_tokens: frozenset[str] = frozenset(), indexes: list[int] | None = None):
         self.functions, self.choice, self.format, self.parallel = functions, choice, format, parallel
         self.special_tokens = special_tokens
+        self.indexes = indexes or list(range(len(functions)))  # each function's place in the request's tools
 
     @classmethod
     def from_request(cls, request, settings: ToolSettings,
@@ -64,11 +65,13 @@ class ToolCalling:
             raise ParamError("tools", f"function names must be unique, got {names}")
         if choice is None:
             choice = "auto" if settings.auto else "none"
+        indexes = list(range(len(functions)))
         if not isinstance(choice, str):
             if choice.function.name not in names:
                 raise ParamError("tool_choice.function.name", f"{choice.function.name!r} is not one of the tools "
                                  f"({', '.join(names)})")
-            functions, choice = [functions[names.index(choice.function.name)]], "named"
+            indexes = [names.index(choice.function.name)]
+            functions, choice = [functions[indexes[0]]], "named"
         if choice == "auto" and not settings.auto:
             raise ParamError("tool_choice", '"auto" needs a server started with --enable-auto-tool-choice and '
                              "--tool-call-parser")
@@ -78,7 +81,7 @@ class ToolCalling:
                              "a required or named tool choice (both constrain the output)")
         format = TOOL_CALL_FORMATS[settings.parser] if settings.parser else FORCED_FORMAT
         parallel = request.parallel_tool_calls and choice != "named"
-        return cls(functions, choice, format, parallel, special_tokens)
+        return cls(functions, choice, format, parallel, special_tokens, indexes)
 
     @property
     def reads_calls(self) -> bool:
@@ -100,17 +103,17 @@ class ToolCalling:
         markers kept in the text where they are special tokens."""
         if self.forced:
             params = dataclasses.replace(params, structured_outputs=self.structured_outputs())
-        if self.reads_calls and self.format.keeps_special_tokens:
+        if self.reads_calls and set(self.format.markers) & self.special_tokens:
             params = dataclasses.replace(params, skip_special_tokens=False)
         return params
 
     def locate_schema_error(self, compile_grammar) -> ParamError | None:
         """Which function's parameters the grammar engine rejects (compiling each one alone)."""
-        for i, function in enumerate(self.functions):
+        for index, function in zip(self.indexes, self.functions):
             try:
                 compile_grammar(self.structured_outputs([function]))
             except ParamError as exc:
-                return ParamError(f"tools[{i}].function.parameters", exc.detail)
+                return ParamError(f"tools[{index}].function.parameters", exc.detail)
         return None
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
@@ -129,41 +132,49 @@ class ToolCalling:
 
 class ToolCallStream:
     """One streamed choice: text in, then the content and OpenAI's tool-call deltas to send. A call
-    is announced (index, id, type, name, empty arguments) once its name is complete; its arguments
-    follow in fragments as the model writes them."""
+    is announced (index, id, type, name, and its arguments so far) once its name is complete; its
+    arguments follow in fragments as the model writes them. A complete call with no name is never
+    one and is passed over."""
 
     def __init__(self, calling: ToolCalling):
         self.calling = calling
         self.text = ""
         self.content_sent = 0
-        self.calls_sent: list[tuple[str, int]] = []  # per announced call: its id, arguments characters sent
+        self.announced: dict[int, list] = {}  # position among the parsed calls -> [index, id, arguments sent]
 
     def feed(self, delta: str, final: bool) -> tuple[str, list[dict]]:
+        if not delta and not final:
+            return "", []
         self.text += delta
         parsed = self.calling.format.parse(self.text, final)
-        if final and not self.calls_sent and not any(c.valid for c in parsed.calls):
+        if final and not self.announced and not any(c.valid for c in parsed.calls):
             parsed = Parsed(self.text)  # no call after all: everything held back is the answer
         content = parsed.content[self.content_sent:]
         self.content_sent = max(self.content_sent, len(parsed.content))
-        limit = None if self.calling.parallel else 1
-        return content, [d for i, call in enumerate(parsed.calls[:limit]) for d in self._call_deltas(i, call)]
+        return content, self._call_deltas(parsed.calls)
 
-    def _call_deltas(self, index: int, call) -> list[dict]:
+    def _call_deltas(self, calls) -> list[dict]:
         deltas = []
-        if index == len(self.calls_sent):
-            if call.name is None:
-                return deltas
-            self.calls_sent.append((new_call_id(), 0))
-            deltas.append({"index": index, "id": self.calls_sent[index][0], "type": "function",
-                           "function": {"name": call.name, "arguments": ""}})
-        elif index > len(self.calls_sent):
-            return deltas
-        call_id, sent = self.calls_sent[index]
-        arguments = call.final_arguments
-        if len(arguments) > sent:
-            deltas.append({"index": index, "function": {"arguments": arguments[sent:]}})
-            self.calls_sent[index] = (call_id, len(arguments))
+        for position, call in enumerate(calls):
+            if position not in self.announced:
+                if call.name is None and call.complete:
+                    continue  # never a call
+                if call.name is None or (not self.calling.parallel and self.announced):
+                    break  # its name is still to come (calls are announced in order), or one is all
+                self.announced[position] = [len(self.announced), new_call_id(), 0]
+                index, call_id, _ = self.announced[position]
+                deltas.append({"index": index, "id": call_id, "type": "function",
+                               "function": {"name": call.name, "arguments": ""}})
+            entry = self.announced[position]
+            arguments = call.final_arguments
+            if len(arguments) > entry[2]:
+                fragment = arguments[entry[2]:]
+                entry[2] = len(arguments)
+                if deltas and deltas[-1]["index"] == entry[0]:  # one entry per call in a chunk
+                    deltas[-1]["function"]["arguments"] += fragment
+                else:
+                    deltas.append({"index": entry[0], "function": {"arguments": fragment}})
         return deltas
 
     def finish_reason(self, finish_reason: str | None) -> str | None:
-        return "tool_calls" if self.calls_sent and finish_reason == "stop" else finish_reason
+        return "tool_calls" if self.announced and finish_reason == "stop" else finish_reason

@@ -25,16 +25,15 @@ class ParsedCall:
     name: str | None = None      # set once the name's JSON string is complete
     arguments: str = ""          # the arguments value's text so far
     complete: bool = False       # the call's object is closed
+    text: str = ""               # the whole object's text, once complete
 
     @property
     def valid(self) -> bool:
-        """A complete call with a name and arguments that are a JSON object."""
+        """A complete call whose object is JSON, with a name and arguments that are a JSON object."""
         if not (self.complete and self.name):
             return False
-        try:
-            return isinstance(json.loads(self.final_arguments), dict)
-        except ValueError:
-            return False
+        whole, arguments = _loads(self.text), _loads(self.final_arguments)
+        return isinstance(whole, dict) and isinstance(arguments, dict)
 
     @property
     def final_arguments(self) -> str:
@@ -55,6 +54,8 @@ def scan_object(text: str, start: int) -> tuple[ParsedCall, int | None]:
     call, scan = ParsedCall(), _ObjectScan(text)
     end = scan.run(start, call)
     call.complete = end is not None
+    if call.complete:
+        call.text = text[start:end]
     return call, end
 
 
@@ -120,9 +121,10 @@ class _ObjectScan:
 
 
 def _loads(text: str):
+    """The JSON value, or None for what is not JSON (or nested past the parser's recursion limit)."""
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
 
 
@@ -160,7 +162,7 @@ class ToolCallFormat:
     Lark grammar (for llguidance) that allows only calls of the given functions."""
     name: str
     arguments_key: str = "parameters"
-    keeps_special_tokens = False  # the format's markers are special tokens that decoding must keep
+    markers: tuple[str, ...] = ()  # text the format's calls are marked with (kept when special tokens)
 
     def parse(self, text: str, final: bool) -> Parsed:
         raise NotImplementedError
@@ -181,24 +183,29 @@ class ToolCallFormat:
 
 class HermesFormat(ToolCallFormat):
     name, arguments_key = "hermes", "arguments"
-    keeps_special_tokens = True  # `<tool_call>` is a special token in some vocabularies
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    markers = (OPEN, CLOSE)  # special tokens in some vocabularies, plain text in others
 
     def parse(self, text: str, final: bool) -> Parsed:
-        start = text.find(self.OPEN)
-        if start < 0:
-            return Parsed(text[:len(text) - (0 if final else _held(text, self.OPEN))])
-        parsed = Parsed(text[:start])
+        """The content is the text before the first tag that opens a call (a tag mentioned in
+        passing, not followed by an object, stays in it); the calls follow."""
+        calls, content_end, start = [], None, text.find(self.OPEN)
         while start >= 0:
             i = _skip_space(text, start + len(self.OPEN))
-            if i == len(text) or text[i] != "{":
-                break
+            if i < len(text) and text[i] != "{":
+                start = text.find(self.OPEN, i)
+                continue
+            content_end = start if content_end is None else content_end
+            if i == len(text):
+                break  # what follows the tag is still to come
             call, end = scan_object(text, i)
-            parsed.calls.append(call)
+            calls.append(call)
             if end is None:
                 break
             start = text.find(self.OPEN, end)
-        return parsed
+        if content_end is None:
+            return Parsed(text[:len(text) - (0 if final else _held(text, self.OPEN))])
+        return Parsed(text[:content_end], calls)
 
     def _start(self, parallel: bool) -> str:
         return 'start: call ("\\n" call)*' if parallel else "start: call"
