@@ -15,6 +15,7 @@ arguments of the same text parsed whole.
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 ARGUMENT_KEYS = ("arguments", "parameters")
@@ -157,15 +158,16 @@ def _scan_sequence(text: str, i: int, separators: str, calls: list[ParsedCall]) 
             return
 
 
-class ToolCallFormat:
+class ToolCallFormat(ABC):
     """One way of writing calls: `parse` reads text (`final`: no more will come), `grammar` is the
     Lark grammar (for llguidance) that allows only calls of the given functions."""
     name: str
     arguments_key: str = "parameters"
     markers: tuple[str, ...] = ()  # text the format's calls are marked with (kept when special tokens)
 
+    @abstractmethod
     def parse(self, text: str, final: bool) -> Parsed:
-        raise NotImplementedError
+        """The content and calls of `text` so far."""
 
     def grammar(self, functions: list[dict], parallel: bool, special_tokens: frozenset[str] = frozenset()) -> str:
         """`special_tokens`: the vocabulary's special tokens; a marker that is one is written as
@@ -174,8 +176,9 @@ class ToolCallFormat:
         body = " | ".join(f"call_{i}" for i in range(len(functions)))
         return "\n".join([self._start(parallel), f"call: {self._wrap(body, special_tokens)}", *rules]) + "\n"
 
+    @abstractmethod
     def _start(self, parallel: bool) -> str:
-        raise NotImplementedError
+        """The grammar's start rule: one call, or calls in sequence."""
 
     def _wrap(self, body: str, special_tokens: frozenset[str]) -> str:
         return f"({body})"
