@@ -141,12 +141,13 @@ class ToolCallStream:
         self.text = ""
         self.content_sent = 0
         self.announced: dict[int, list] = {}  # position among the parsed calls -> [index, id, arguments sent]
+        self.scans: dict = {}  # the calls' scans, each going on from where the last text ended
 
     def feed(self, delta: str, final: bool) -> tuple[str, list[dict]]:
         if not delta and not final:
             return "", []
         self.text += delta
-        parsed = self.calling.format.parse(self.text, final)
+        parsed = self.calling.format.parse(self.text, final, self.scans)
         if final and not self.announced and not any(c.valid for c in parsed.calls):
             parsed = Parsed(self.text)  # no call after all: everything held back is the answer
         content = parsed.content[self.content_sent:]

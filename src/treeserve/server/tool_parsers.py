@@ -14,6 +14,7 @@ arguments of the same text parsed whole.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -48,76 +49,93 @@ class Parsed:
     calls: list[ParsedCall] = field(default_factory=list)
 
 
-def scan_object(text: str, start: int) -> tuple[ParsedCall, int | None]:
+def scan_object(text: str, start: int, scans: dict | None = None) -> tuple[ParsedCall, int | None]:
     """Reads the (maybe unfinished) JSON object at `text[start] == "{"` as a call: its `name` once
     complete, its arguments' text so far. Returns the call and the index after the object (None
-    while it is open)."""
-    call, scan = ParsedCall(), _ObjectScan(text)
-    end = scan.run(start, call)
-    call.complete = end is not None
-    if call.complete:
-        call.text = text[start:end]
-    return call, end
+    while it is open). `scans` (a stream's, over a text that only grows) keeps each object's scan
+    to go on from where it stopped, so a stream reads each character once."""
+    scan = scans.get(start) if scans is not None else None
+    if scan is None:
+        scan = _ObjectScan(start)
+        if scans is not None:
+            scans[start] = scan
+    scan.advance(text)
+    return scan.reading(text), scan.end
 
 
 class _ObjectScan:
-    """A character scan of one JSON object that notes where each top-level value starts and ends."""
+    """A character scan of one JSON object that notes where each top-level value starts and ends;
+    it can stop at the end of the text and go on when there is more."""
 
-    def __init__(self, text: str):
-        self.text = text
+    def __init__(self, start: int):
+        self.pos, self.start, self.end = start, start, None
+        self.depth, self.in_string, self.escaped = 0, False, False
+        self.key_start: int | None = None
         self.key: str | None = None
         self.value_start: int | None = None
+        self.call = ParsedCall()
 
-    def run(self, start: int, call: ParsedCall) -> int | None:
-        text, depth, in_string, escaped, key_start = self.text, 0, False, False, None
-        for i in range(start, len(text)):
-            ch = text[i]
-            if in_string:
-                if escaped:
-                    escaped = False
-                elif ch == "\\":
-                    escaped = True
-                elif ch == '"':
-                    in_string = False
-                    if depth == 1 and key_start is not None:  # a key ends
-                        self.key, key_start = _loads(text[key_start:i + 1]), None
-                    elif depth == 1 and self.value_start is not None:  # a top-level string value ends
-                        self._close_value(i + 1, call)
-                continue
-            if ch == '"':
-                in_string = True
-                if depth == 1 and self.value_start is None and self.key is None:
-                    key_start = i
-                elif depth == 1 and self.value_start is None:
-                    self.value_start = i
-            elif ch in "{[":
-                if depth == 1 and self.value_start is None and self.key is not None:
-                    self.value_start = i
-                depth += 1
-            elif ch in "}]":
-                depth -= 1
-                if depth == 1 and self.value_start is not None:
-                    self._close_value(i + 1, call)
-                elif depth == 0:
-                    self._close_value(i, call)
-                    return i + 1
-            elif depth == 1 and ch == ",":
-                self._close_value(i, call)
-            elif depth == 1 and not ch.isspace() and ch != ":" and self.key is not None and self.value_start is None:
-                self.value_start = i  # a number, true, false or null
-        if self.value_start is not None and self.key in ARGUMENT_KEYS and not call.arguments:
+    def reading(self, text: str) -> ParsedCall:
+        """The call as far as the text goes (a copy: the scan's own stays as the scan left it)."""
+        call = dataclasses.replace(self.call, complete=self.end is not None)
+        if call.complete:
+            call.text = text[self.start:self.end]
+        elif self.value_start is not None and self.key in ARGUMENT_KEYS and not call.arguments:
             call.arguments = text[self.value_start:]  # the arguments so far
-        return None
+        return call
 
-    def _close_value(self, end: int, call: ParsedCall) -> None:
+    def advance(self, text: str) -> None:
+        i = self.pos
+        while self.end is None and i < len(text):
+            self._char(text, i)
+            i += 1
+        self.pos = i
+
+    def _char(self, text: str, i: int) -> None:
+        ch = text[i]
+        if self.in_string:
+            if self.escaped:
+                self.escaped = False
+            elif ch == "\\":
+                self.escaped = True
+            elif ch == '"':
+                self.in_string = False
+                if self.depth == 1 and self.key_start is not None:  # a key ends
+                    self.key, self.key_start = _loads(text[self.key_start:i + 1]), None
+                elif self.depth == 1 and self.value_start is not None:  # a top-level string value ends
+                    self._close_value(text, i + 1)
+            return
+        if ch == '"':
+            self.in_string = True
+            if self.depth == 1 and self.value_start is None and self.key is None:
+                self.key_start = i
+            elif self.depth == 1 and self.value_start is None:
+                self.value_start = i
+        elif ch in "{[":
+            if self.depth == 1 and self.value_start is None and self.key is not None:
+                self.value_start = i
+            self.depth += 1
+        elif ch in "}]":
+            self.depth -= 1
+            if self.depth == 1 and self.value_start is not None:
+                self._close_value(text, i + 1)
+            elif self.depth == 0:
+                self._close_value(text, i)
+                self.end = i + 1
+        elif self.depth == 1 and ch == ",":
+            self._close_value(text, i)
+        elif self.depth == 1 and not ch.isspace() and ch != ":" and self.key is not None and self.value_start is None:
+            self.value_start = i  # a number, true, false or null
+
+    def _close_value(self, text: str, end: int) -> None:
         if self.value_start is None:
             return
-        value = self.text[self.value_start:end].strip()
-        if self.key == "name" and call.name is None:
+        value = text[self.value_start:end].strip()
+        if self.key == "name" and self.call.name is None:
             name = _loads(value)
-            call.name = name if isinstance(name, str) else None
-        elif self.key in ARGUMENT_KEYS and not call.arguments:
-            call.arguments = value
+            self.call.name = name if isinstance(name, str) else None
+        elif self.key in ARGUMENT_KEYS and not self.call.arguments:
+            self.call.arguments = value
         self.key, self.value_start = None, None
 
 
@@ -144,10 +162,10 @@ def _held(text: str, marker: str) -> int:
     return 0
 
 
-def _scan_sequence(text: str, i: int, separators: str, calls: list[ParsedCall]) -> None:
+def _scan_sequence(text: str, i: int, separators: str, calls: list[ParsedCall], scans: dict | None) -> None:
     """Objects from `text[i]` on, separated by one of `separators` (and spaces), until anything else."""
     while i < len(text) and text[i] == "{":
-        call, end = scan_object(text, i)
+        call, end = scan_object(text, i, scans)
         calls.append(call)
         if end is None:
             return
@@ -166,8 +184,8 @@ class ToolCallFormat(ABC):
     markers: tuple[str, ...] = ()  # text the format's calls are marked with (kept when special tokens)
 
     @abstractmethod
-    def parse(self, text: str, final: bool) -> Parsed:
-        """The content and calls of `text` so far."""
+    def parse(self, text: str, final: bool, scans: dict | None = None) -> Parsed:
+        """The content and calls of `text` so far (`scans`: see `scan_object`)."""
 
     def grammar(self, functions: list[dict], parallel: bool, special_tokens: frozenset[str] = frozenset()) -> str:
         """`special_tokens`: the vocabulary's special tokens; a marker that is one is written as
@@ -189,7 +207,7 @@ class HermesFormat(ToolCallFormat):
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
     markers = (OPEN, CLOSE)  # special tokens in some vocabularies, plain text in others
 
-    def parse(self, text: str, final: bool) -> Parsed:
+    def parse(self, text: str, final: bool, scans: dict | None = None) -> Parsed:
         """The content is the text before the first tag that opens a call (a tag mentioned in
         passing, not followed by an object, stays in it); the calls follow."""
         calls, content_end, start = [], None, text.find(self.OPEN)
@@ -201,7 +219,7 @@ class HermesFormat(ToolCallFormat):
             content_end = start if content_end is None else content_end
             if i == len(text):
                 break  # what follows the tag is still to come
-            call, end = scan_object(text, i)
+            call, end = scan_object(text, i, scans)
             calls.append(call)
             if end is None:
                 break
@@ -223,7 +241,7 @@ class Llama3JsonFormat(ToolCallFormat):
     name = "llama3_json"
     PYTHON_TAG = "<|python_tag|>"
 
-    def parse(self, text: str, final: bool) -> Parsed:
+    def parse(self, text: str, final: bool, scans: dict | None = None) -> Parsed:
         i = _skip_space(text, 0)
         if text.startswith(self.PYTHON_TAG, i):
             i = _skip_space(text, i + len(self.PYTHON_TAG))
@@ -233,7 +251,7 @@ class Llama3JsonFormat(ToolCallFormat):
         if not rest.startswith("{"):
             return Parsed(text)
         parsed = Parsed("")
-        _scan_sequence(text, i, ";", parsed.calls)
+        _scan_sequence(text, i, ";", parsed.calls, scans)
         return parsed
 
     def _start(self, parallel: bool) -> str:
@@ -243,14 +261,14 @@ class Llama3JsonFormat(ToolCallFormat):
 class JsonArrayFormat(ToolCallFormat):
     name = "json"
 
-    def parse(self, text: str, final: bool) -> Parsed:
+    def parse(self, text: str, final: bool, scans: dict | None = None) -> Parsed:
         i = _skip_space(text, 0)
         if i == len(text) and not final:
             return Parsed("")
         if not text.startswith("[", i):
             return Parsed(text)
         parsed = Parsed("")
-        _scan_sequence(text, _skip_space(text, i + 1), ",", parsed.calls)
+        _scan_sequence(text, _skip_space(text, i + 1), ",", parsed.calls, scans)
         return parsed
 
     def _start(self, parallel: bool) -> str:
