@@ -291,7 +291,8 @@ class CompletionRequest(SamplingRequest):
     tool_choice: str | dict | None = None
 
     def reject_unimplemented(self) -> None:
-        for name, value in (("tools", self.tools), ("tool_choice", None if self.tool_choice == "none" else self.tool_choice)):
+        choice = None if self.tool_choice == "none" else self.tool_choice
+        for name, value in (("tools", self.tools), ("tool_choice", choice)):
             if value is not None:
                 raise ParamError(name, "is for /v1/chat/completions; completions have no tools")
         super().reject_unimplemented()

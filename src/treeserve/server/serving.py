@@ -35,7 +35,8 @@ class OpenAIServing:
         self.tool_settings = tool_settings or ToolSettings()
         self.special_tokens = special_tokens(self.tokenizer)
 
-    def render(self, messages: list[ChatMessage], tools: list[Tool] | None, add_generation_prompt: bool = True) -> list[int]:
+    def render(self, messages: list[ChatMessage], tools: list[Tool] | None,
+               add_generation_prompt: bool = True) -> list[int]:
         """A conversation's prompt tokens, the tools rendered by the chat template; 400 naming the problem."""
         try:
             text = render_chat(self.tokenizer, template_messages(messages),
@@ -160,7 +161,8 @@ class OpenAIServing:
         for c in output.outputs:
             message, finish_reason = (tools.message(c.text, c.finish_reason) if tools is not None else
                                       ({"role": "assistant", "content": c.text}, c.finish_reason))
-            choices.append({"index": c.index, "message": message, "logprobs": self._chat_logprobs(c, 0, params.logprobs),
+            choices.append({"index": c.index, "message": message,
+                            "logprobs": self._chat_logprobs(c, 0, params.logprobs),
                             "finish_reason": finish_reason, "stop_reason": c.stop_reason})
         body = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
                 "choices": choices, "usage": self._usage(finals)}
@@ -195,7 +197,9 @@ class OpenAIServing:
                 delta, finish_reason = {"content": text} if text else {}, c.finish_reason
                 if c.index in calls:
                     content, tool_deltas = calls[c.index].feed(text, finished)
-                    delta = ({"content": content} if content else {}) | ({"tool_calls": tool_deltas} if tool_deltas else {})
+                    delta = {"content": content} if content else {}
+                    if tool_deltas:
+                        delta["tool_calls"] = tool_deltas
                     finish_reason = calls[c.index].finish_reason(c.finish_reason)
                 tokens_from = sent_tokens.get(c.index, 0)
                 if not delta and not finished:

@@ -33,7 +33,8 @@ class ToolSettings:
 
 def special_tokens(tokenizer) -> frozenset[str]:
     """The vocabulary's special tokens (added tokens marked special: never spelled by text)."""
-    return frozenset(added.content for added in getattr(tokenizer, "added_tokens_decoder", {}).values() if added.special)
+    added = getattr(tokenizer, "added_tokens_decoder", {}).values()
+    return frozenset(token.content for token in added if token.special)
 
 
 def new_call_id() -> str:
