@@ -1,9 +1,14 @@
-"""The CUDA path: the same engine on a GPU agrees with the CPU run (skipped without a GPU)."""
+"""The CUDA path: the same engine on a GPU agrees with the CPU run (skipped without a GPU).
+Logits and greedy tokens against HF on the GPU are in test_hf_parity (it runs on every device)."""
 import pytest
 import torch
 
-from treeserve import LLM, SamplingParams
+from conftest import assert_no_leak
+from treeserve import LLM, Runtime, SamplingParams
 from treeserve.model.attention import TorchSDPABackend
+from treeserve.search.config import SearchConfig
+from treeserve.search.runner import SearchRunner
+from treeserve.testing.tiny_models import FAMILIES, make_tiny_model
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -13,11 +18,47 @@ def test_backend_imports_and_is_device_agnostic():
 
 
 @cuda
-@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_cuda_greedy_matches_cpu(tiny_model_dirs, family):
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompts = ["Hello there", "The water is", "café 日本語 😀"]
     path = str(tiny_model_dirs[family])
     cpu = LLM(path, dtype="float32", device="cpu", kv_cache_memory_bytes=8 << 20).generate(prompts, params)
-    gpu = LLM(path, dtype="float32", device="cuda", kv_cache_memory_bytes=8 << 20).generate(prompts, params)
+    llm = LLM(path, dtype="float32", device="cuda", kv_cache_memory_bytes=8 << 20)
+    gpu = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in cpu] == [o.outputs[0].token_ids for o in gpu]
+    assert_no_leak(llm.engine)
+
+
+@cuda
+def test_bfloat16_on_cuda_generates_the_same_tokens_for_the_same_prompt_in_a_batch(tiny_model_dirs):
+    llm = LLM(str(tiny_model_dirs["llama"]), dtype="bfloat16", device="cuda", kv_cache_memory_bytes=8 << 20)
+    assert llm.engine.dtype == torch.bfloat16
+    out = llm.generate(["The water is"] * 3, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert len({tuple(o.outputs[0].token_ids) for o in out}) == 1
+
+
+@cuda
+def test_search_on_cuda_in_a_tight_shared_arena_matches_the_cpu(tmp_path):
+    steps = {"\n": 5.4, "<|eos|>": 0.5}
+    pair = {"gen": make_tiny_model("llama", tmp_path / "gen", seed=5, favour_tokens=steps),
+            "prm": make_tiny_model("qwen2", tmp_path / "prm", seed=6, hidden_size=96, num_hidden_layers=3)}
+    config = SearchConfig(strategy="beam", n=4, beam_width=2, num_iterations=3, max_tokens=24, temperature=1.0,
+                          system_prompt="Solve it.", seed=3)
+    questions = ["What is 2 + 3?", "Double seven, then add one.", "How many sides has a square?"]
+
+    def search(device, kv_bytes):
+        rt = Runtime(pair, dtype="float32", device=device, max_model_len=384, max_num_batched_tokens=384,
+                     kv_cache_memory_bytes=kv_bytes)
+        results = SearchRunner(rt.engine("gen"), rt.scorer("prm")).run(questions, config)
+        rt.release_kept()
+        for engine in rt.engines.values():
+            assert_no_leak(engine)
+        return results
+
+    cpu, gpu = search("cpu", 8 << 20), search("cuda", 1 << 20)
+    assert [r.completions for r in gpu] == [r.completions for r in cpu]
+    for x, y in zip(gpu, cpu):
+        assert x.chosen == y.chosen
+        for a, b in zip(x.scores, y.scores):
+            assert a == pytest.approx(b, abs=1e-4)

@@ -1,4 +1,5 @@
-"""Logits, greedy tokens and logprobs against HF transformers on random tiny models of every family."""
+"""Logits, greedy tokens and logprobs against HF transformers on random tiny models of every family,
+on the CPU and, where there is one, on a CUDA device (HF then runs on that device too)."""
 import pytest
 import torch
 import transformers
@@ -21,20 +22,29 @@ PROMPTS = [
 MAX_TOKENS = 24
 
 
-def _hf_model(path):
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _hf_model(path, device):
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return model.eval()
+    return model.to(device).eval()
 
 
 def _relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return float((ours - ref).abs().max() / ref.abs().max())
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=[(f, d) for d in DEVICES for f in FAMILIES], ids="-".join)
 def family_setup(request, tiny_model_dirs):
-    path = tiny_model_dirs[request.param]
-    llm = LLM(str(path), dtype="float32", device="cpu", kv_cache_memory_bytes=8 << 20)
-    return request.param, llm, _hf_model(path)
+    family, device = request.param
+    path = tiny_model_dirs[family]
+    llm = LLM(str(path), dtype="float32", device=device, kv_cache_memory_bytes=8 << 20)
+    return family, llm, _hf_model(path, device)
+
+
+def _hf_logits(hf, ids):
+    with torch.no_grad():
+        return hf(torch.tensor([ids], device=hf.device)).logits[0].float().cpu()
 
 
 def test_prompt_logits_match_hf(family_setup):
@@ -51,16 +61,16 @@ def test_prompt_logits_match_hf(family_setup):
                 outputs[out.request_id] = out
     for i, prompt in enumerate(PROMPTS):
         ids = tokenizer.encode(prompt)
-        ours = torch.stack([outputs[f"logits-{i}"].prompt_logits[p] for p in range(len(ids))])
-        with torch.no_grad():
-            ref = hf(torch.tensor([ids])).logits[0].float()
+        ours = torch.stack([outputs[f"logits-{i}"].prompt_logits[p].cpu() for p in range(len(ids))])
+        ref = _hf_logits(hf, ids)
         assert _relative_error(ours, ref) < 1e-4, (family, prompt)
     assert_no_leak(engine)
 
 
 def _hf_greedy(hf, ids, max_new_tokens):
     with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        out = hf.generate(torch.tensor([ids], device=hf.device),
+                          attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=hf.device),
                           do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
                           pad_token_id=hf.config.pad_token_id)
     return out[0, len(ids):].tolist()
@@ -75,8 +85,7 @@ def test_greedy_batch_matches_hf_generate(family_setup):
         completion = output.outputs[0]
         assert completion.token_ids == _hf_greedy(hf, ids, MAX_TOKENS), (family, prompt)
         assert completion.finish_reason == "length"
-        with torch.no_grad():
-            ref_logits = hf(torch.tensor([ids + completion.token_ids])).logits[0].float()
+        ref_logits = _hf_logits(hf, ids + completion.token_ids)
         ref_logprobs = torch.log_softmax(ref_logits, dim=-1)
         for step, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
             ref = ref_logprobs[len(ids) - 1 + step]

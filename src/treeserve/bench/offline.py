@@ -58,16 +58,26 @@ def workload(num_prompts: int, seed: int, vocab: int):
     return prompts, lengths
 
 
-def matmul_peak_tflops(dtype: torch.dtype, size: int = 2048, reps: int = 10) -> float:
+def matmul_peak_tflops(dtype: torch.dtype, device: torch.device = torch.device("cpu"), size: int = 2048,
+                       reps: int = 10) -> float:
     """Best of `reps` square matmuls: the machine's attainable GEMM rate in this dtype right now."""
-    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    if device.type == "cuda":
+        size *= 4  # a GPU needs larger products to reach its rate
+    a, b = (torch.randn(size, size, dtype=dtype, device=device) for _ in range(2))
     a @ b
     times = []
     for _ in range(reps):
+        _synchronize(device)
         start = time.perf_counter()
         a @ b
+        _synchronize(device)
         times.append(time.perf_counter() - start)
     return 2 * size**3 / min(times) / 1e12
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def model_flops(prompts, lengths, shape) -> float:
@@ -84,7 +94,7 @@ def model_flops(prompts, lengths, shape) -> float:
 
 
 def run_treeserve(path, dtype, prompts, lengths, args) -> float:
-    llm = LLM(str(path), dtype=dtype, device="cpu", max_num_seqs=args.max_num_seqs,
+    llm = LLM(str(path), dtype=dtype, device=args.device, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_bytes=args.kv_bytes,
               enable_prefix_caching=False)
     llm.generate([prompts[0][:32]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
@@ -96,20 +106,21 @@ def run_treeserve(path, dtype, prompts, lengths, args) -> float:
     return elapsed
 
 
-def run_hf(path, dtype, prompts, lengths, batch_size) -> float:
+def run_hf(path, dtype, prompts, lengths, batch_size, device: torch.device) -> float:
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     pad = 0
     start = time.perf_counter()
     for first in range(0, len(prompts), batch_size):
         batch, outs = prompts[first:first + batch_size], lengths[first:first + batch_size]
         width = max(len(p) for p in batch)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
         with torch.no_grad():
             model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max(outs),
                            min_new_tokens=max(outs), pad_token_id=pad)
+    _synchronize(device)
     return time.perf_counter() - start
 
 
@@ -117,6 +128,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="auto", help="auto: bfloat16 where the CPU has fast bf16, else float32")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (both engines run there)")
     parser.add_argument("--hf-batch-sizes", default="16,64",
                         help="HF static batch sizes to try; the fastest is the one compared against")
     parser.add_argument("--max-num-seqs", type=int, default=64)
@@ -128,30 +140,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     torch.set_num_threads(torch.get_num_threads())
-    dtype = EngineConfig(model=".", dtype=args.dtype).resolve_dtype(torch.device("cpu"), None)
+    device = torch.device(args.device)
+    dtype = EngineConfig(model=".", dtype=args.dtype).resolve_dtype(device, None)
     path = benchmark_model_dir()
     prompts, lengths = workload(args.num_prompts, args.seed, MODEL_SHAPE["vocab_size"])
     useful_tokens = sum(lengths)
-    peak = matmul_peak_tflops(dtype)
+    peak = matmul_peak_tflops(dtype, device)
     flops = model_flops(prompts, lengths, MODEL_SHAPE)
-    print(f"model: random Llama ~{n_params(path) / 1e6:.0f}M params, dtype={dtype}, threads={torch.get_num_threads()}")
+    print(f"model: random Llama ~{n_params(path) / 1e6:.0f}M params, dtype={dtype}, device={device}, "
+          f"threads={torch.get_num_threads()}")
     print(f"workload: {len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, {useful_tokens} output tokens")
     print(f"measured {dtype} matmul peak (before the runs): {peak:.3f} TFLOP/s")
 
     ours = run_treeserve(path, dtype, prompts, lengths, args)
-    peak = max(peak, matmul_peak_tflops(dtype))  # shared machines drift: keep the best reading
-    result = {"dtype": str(dtype), "peak_tflops": peak, "treeserve_s": ours,
+    peak = max(peak, matmul_peak_tflops(dtype, device))  # shared machines drift: keep the best reading
+    result = {"dtype": str(dtype), "device": str(device), "peak_tflops": peak, "treeserve_s": ours,
               "treeserve_tok_s": useful_tokens / ours, "treeserve_mfu": flops / ours / (peak * 1e12)}
     print(f"treeserve: {ours:.1f} s, {useful_tokens / ours:.1f} output tok/s")
     if not args.skip_hf:
         hf_times = {}
         for size in (int(x) for x in args.hf_batch_sizes.split(",")):
-            hf_times[size] = run_hf(path, dtype, prompts, lengths, size)
+            hf_times[size] = run_hf(path, dtype, prompts, lengths, size, device)
             print(f"HF transformers (static batches of {size}): {hf_times[size]:.1f} s, "
                   f"{useful_tokens / hf_times[size]:.1f} output tok/s")
         best_size = min(hf_times, key=hf_times.get)
         hf = hf_times[best_size]
-        peak = max(peak, matmul_peak_tflops(dtype))
+        peak = max(peak, matmul_peak_tflops(dtype, device))
         result.update(hf_s=hf, hf_tok_s=useful_tokens / hf, hf_mfu=flops / hf / (peak * 1e12), ratio=hf / ours)
         print(f"ratio treeserve / best HF (batch {best_size}): {hf / ours:.2f}x")
     result["peak_tflops"] = peak
