@@ -74,7 +74,9 @@ def running_server(app):
     finally:
         uv.should_exit = True
         thread.join(timeout=10)
-        app.state.engine.shutdown()
+        engine = getattr(app.state, "engine", None)  # a treeserve server's (a gateway has none)
+        if engine is not None:
+            engine.shutdown()
 
 
 @pytest.fixture(scope="session")

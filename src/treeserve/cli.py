@@ -4,15 +4,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from treeserve.bench.cli_bench import add_bench_parsers
-from treeserve.cli_search import add_search_parsers
-from treeserve.model.registry import DEFAULT_GENERATOR
-from treeserve.model.registry import named_models as _named_models
-from treeserve.tasks.cli_tasks import add_tasks_parsers
+from treeserve.cli_gateway import add_gateway_parsers
+from treeserve.cli_gateway import main as gateway_main
 
 
 def _add_engine_args(parser: argparse.ArgumentParser, several_models: bool = False) -> None:
     """`several_models`: the server's arguments (several models, the serving token budget)."""
+    from treeserve.model.registry import DEFAULT_GENERATOR
+
     if several_models:
         parser.add_argument("--model", action="append",
                             help="NAME=PATH, repeatable: several models on one device (routed by 'model')")
@@ -60,6 +59,10 @@ def cmd_run(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from treeserve.bench.cli_bench import add_bench_parsers
+    from treeserve.cli_search import add_search_parsers
+    from treeserve.tasks.cli_tasks import add_tasks_parsers
+
     parser = argparse.ArgumentParser(prog="treeserve", description="LLM inference and test-time search runtime")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="generate text for one or more prompts")
@@ -109,17 +112,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_search_parsers(sub)
     add_bench_parsers(sub)
     add_tasks_parsers(sub)
+    add_gateway_parsers(sub)
     return parser
 
 
 def cmd_memory(args) -> int:
+    from treeserve.model.registry import named_models
     from treeserve.runtime.memory import format_breakdown
     from treeserve.runtime.runtime import Runtime
 
     fractions = None
     if args.kv_fraction:
         fractions = {k: float(v) for k, _, v in (f.partition("=") for f in args.kv_fraction)}
-    rt = Runtime(_named_models(args.model), kv_mode=args.kv_mode, kv_fractions=fractions,
+    rt = Runtime(named_models(args.model), kv_mode=args.kv_mode, kv_fractions=fractions,
                  kv_cache_memory_bytes=args.kv_cache_memory_bytes, memory_utilization=args.memory_utilization,
                  dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                  max_num_batched_tokens=args.max_num_batched_tokens)
@@ -136,6 +141,9 @@ def cmd_serve(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["gateway"]:
+        return gateway_main(argv)  # the gateway imports no engine (nor PyTorch)
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -1,0 +1,132 @@
+"""`treeserve gateway`: serve the gateway, or manage its keys and users from the command line
+(`treeserve gateway keys create|list|delete`, `treeserve gateway users create`). Imports no engine."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def add_gateway_parsers(sub) -> None:
+    gateway = sub.add_parser("gateway", help="OpenAI-compatible gateway: keys, budgets, billing, routing over replicas")
+    gateway.add_argument("--backend", action="append", default=[],
+                         help="MODEL=URL, repeatable; several URLs for one model are its replicas")
+    gateway.add_argument("--config", type=Path, help="a YAML file: models (backends, prices, fallbacks), "
+                         "master_key, database, routing, retries, ...")
+    gateway.add_argument("--master-key", help="the admin key (or TREESERVE_MASTER_KEY)")
+    gateway.add_argument("--database", help="a SQLAlchemy URL (default: SQLite treeserve-gateway.db in the "
+                         "working directory; postgresql+psycopg://user:pass@host/db for production)")
+    gateway.add_argument("--host", default="127.0.0.1")
+    gateway.add_argument("--port", type=int, default=4000)
+    gateway.add_argument("--routing", choices=["round_robin", "least_outstanding", "affinity"])
+    gateway.add_argument("--retries", type=int, help="further backends to try before a first byte (default 2)")
+    gateway.add_argument("--health-interval", type=float, help="seconds between health checks (default 5; 0: off)")
+    gateway.set_defaults(func=cmd_gateway)
+    manage = gateway.add_subparsers(dest="gateway_command")
+    keys = manage.add_parser("keys", help="create, list or delete keys in the gateway's database")
+    key_commands = keys.add_subparsers(dest="keys_command", required=True)
+    create = key_commands.add_parser("create", help="create a key and print it (shown this once)")
+    _add_database(create)
+    create.add_argument("--user-id")
+    create.add_argument("--alias", dest="key_alias")
+    create.add_argument("--models", help="comma-separated models the key may use (default: all)")
+    create.add_argument("--max-budget", type=float)
+    create.add_argument("--budget-duration", help="budget period, e.g. 30d")
+    create.add_argument("--rpm-limit", type=int)
+    create.add_argument("--tpm-limit", type=int)
+    create.add_argument("--max-parallel-requests", type=int)
+    create.add_argument("--duration", help="lifetime, e.g. 12h (default: no expiry)")
+    create.set_defaults(func=cmd_keys_create)
+    listing = key_commands.add_parser("list", help="list keys (their hashes and display names, never secrets)")
+    _add_database(listing)
+    listing.add_argument("--user-id")
+    listing.set_defaults(func=cmd_keys_list)
+    delete = key_commands.add_parser("delete", help="delete keys (the key or its hash)")
+    _add_database(delete)
+    delete.add_argument("keys", nargs="+")
+    delete.set_defaults(func=cmd_keys_delete)
+    users = manage.add_parser("users", help="create users in the gateway's database")
+    user_commands = users.add_subparsers(dest="users_command", required=True)
+    new_user = user_commands.add_parser("create", help="create a user")
+    _add_database(new_user)
+    new_user.add_argument("user_id")
+    new_user.add_argument("--max-budget", type=float)
+    new_user.add_argument("--budget-duration")
+    new_user.add_argument("--models", help="comma-separated models the user's keys may use (default: all)")
+    new_user.set_defaults(func=cmd_users_create)
+
+
+def _add_database(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--database", help="the gateway's database URL (default: ./treeserve-gateway.db)")
+
+
+def _store(args):
+    from treeserve.gateway.store import Store, default_url
+
+    store = Store(args.database or os.environ.get("TREESERVE_GATEWAY_DATABASE") or default_url())
+    store.migrate()
+    return store
+
+
+def _models(text: str | None) -> list[str] | None:
+    return [m.strip() for m in text.split(",") if m.strip()] if text else None
+
+
+def cmd_gateway(args) -> int:
+    import uvicorn
+
+    from treeserve.gateway.app import build_app
+    from treeserve.gateway.config import build_config
+
+    config = build_config(args.backend, args.config, master_key=args.master_key, database=args.database,
+                          routing=args.routing, retries=args.retries, health_interval=args.health_interval)
+    if not config.master_key:
+        print("warning: no --master-key: the admin API (/key/generate, ...) is off; keys can still be made "
+              "with `treeserve gateway keys create`", file=sys.stderr)
+    for model in config.models.values():
+        print(f"model {model.name}: {', '.join(b.url for b in model.backends)}", file=sys.stderr)
+    uvicorn.run(build_app(config), host=args.host, port=args.port, log_level="info")
+    return 0
+
+
+def cmd_keys_create(args) -> int:
+    fields = {k: getattr(args, k) for k in ("user_id", "key_alias", "max_budget", "budget_duration", "rpm_limit",
+                                            "tpm_limit", "max_parallel_requests") if getattr(args, k) is not None}
+    token, info = _store(args).create_key(duration=args.duration, models=_models(args.models), **fields)
+    print(json.dumps({"key": token, **info}, indent=2))
+    return 0
+
+
+def cmd_keys_list(args) -> int:
+    print(json.dumps(_store(args).list_keys(args.user_id), indent=2))
+    return 0
+
+
+def cmd_keys_delete(args) -> int:
+    print(json.dumps({"deleted_keys": _store(args).delete_keys(args.keys)}, indent=2))
+    return 0
+
+
+def cmd_users_create(args) -> int:
+    fields = {k: getattr(args, k) for k in ("max_budget", "budget_duration") if getattr(args, k) is not None}
+    print(json.dumps(_store(args).create_user(args.user_id, models=_models(args.models), **fields), indent=2))
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    """`treeserve gateway ...` without the engine's imports (see treeserve.cli.main)."""
+    from treeserve.server.errors import APIError
+
+    parser = argparse.ArgumentParser(prog="treeserve")
+    add_gateway_parsers(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except APIError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2

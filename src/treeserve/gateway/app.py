@@ -1,0 +1,184 @@
+"""The gateway's FastAPI app: OpenAI routes forwarded to backends, the admin API, health and metrics.
+
+One request's road: its key is checked (401 unknown, 403 model not allowed), then admitted in one
+database transaction (parallel slot, the minute's request count, the worst-case cost reserved on
+its key and user: 429 or 400 when refused), forwarded (`proxy.Forwarder`), and settled to its real
+cost from the backend's `usage` once it has ended."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+
+import httpx
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
+
+from treeserve.gateway import pricing
+from treeserve.gateway.admin import admin_router
+from treeserve.gateway.config import GatewayConfig
+from treeserve.gateway.health import health_loop
+from treeserve.gateway.keys import same_secret
+from treeserve.gateway.metrics import GatewayMetrics
+from treeserve.gateway.proxy import Forwarder, Outcome, new_request_id
+from treeserve.gateway.routing import Router, affinity_key
+from treeserve.gateway.store import KeyRecord, Reservation, Store, default_url, utcnow
+from treeserve.server.errors import APIError, install_error_handlers
+
+log = logging.getLogger("treeserve.gateway")
+MAX_BODY_BYTES = 32 << 20
+MASTER = KeyRecord(None, "master", "master", None, None, None, None, None, None)  # type: ignore[arg-type]
+ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/search": "search",
+          "/v1/rewards": "rewards"}
+
+
+def _bearer(request: Request) -> str | None:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+class Accounting:
+    """Settles one admitted request, once: spend, tokens, a log row, metrics."""
+
+    def __init__(self, app: FastAPI, key: KeyRecord, reservation: Reservation, model: str, route: str, stream: bool):
+        self.app, self.key, self.reservation = app, key, reservation
+        self.model, self.route, self.stream = model, route, stream
+        self.request_id, self.started_at, self.done = new_request_id(), utcnow(), False
+
+    async def __call__(self, outcome: Outcome) -> None:
+        if self.done:
+            return
+        self.done = True
+        config: GatewayConfig = self.app.state.config
+        model = outcome.model or self.model
+        usage = outcome.usage
+        cost = pricing.cost(config.models[model], usage.prompt_tokens, usage.completion_tokens)
+        await run_in_threadpool(lambda: self.app.state.store.settle(
+            self.reservation, request_id=self.request_id, model=model, backend=outcome.backend, route=self.route,
+            stream=self.stream, status=outcome.status, usage=usage, cost=cost, started_at=self.started_at))
+        metrics: GatewayMetrics = self.app.state.metrics
+        metrics.key_requests.labels(self.key.label, outcome.status).inc()
+        metrics.key_tokens.labels(self.key.label, model, "prompt").inc(usage.prompt_tokens)
+        metrics.key_tokens.labels(self.key.label, model, "completion").inc(usage.completion_tokens)
+        metrics.key_spend.labels(self.key.label).inc(cost)
+
+
+def build_app(config: GatewayConfig, store: Store | None = None) -> FastAPI:
+    store = store or Store(config.database or default_url())
+    metrics = GatewayMetrics()
+    router = Router(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await run_in_threadpool(store.migrate)
+        limits = httpx.Limits(max_connections=2048, max_keepalive_connections=256)
+        client = httpx.AsyncClient(limits=limits, timeout=None)
+        app.state.forwarder = Forwarder(router, client, metrics, config.retries)
+        health = asyncio.create_task(health_loop(router, client, metrics, config.health_interval)) \
+            if config.health_interval > 0 else None
+        try:
+            yield
+        finally:
+            if health is not None:
+                health.cancel()
+            await client.aclose()
+            store.close()
+
+    app = FastAPI(title="treeserve gateway", lifespan=lifespan)
+    app.state.config, app.state.store, app.state.metrics, app.state.router = config, store, metrics, router
+    install_error_handlers(app)
+
+    async def require_master(request: Request) -> None:
+        token = _bearer(request)
+        if not config.master_key:
+            raise APIError(403, "the admin API is off: start the gateway with --master-key (or TREESERVE_MASTER_KEY)",
+                           code="no_master_key")
+        if token is None or not same_secret(token, config.master_key):
+            raise APIError(401, "the admin API needs the master key as 'Authorization: Bearer KEY'",
+                           code="invalid_api_key")
+
+    async def require_key(request: Request) -> KeyRecord:
+        token = _bearer(request)
+        if token is None:
+            raise APIError(401, "missing API key: send 'Authorization: Bearer KEY'", code="invalid_api_key")
+        if config.master_key and same_secret(token, config.master_key):
+            return MASTER
+        key = await run_in_threadpool(store.authenticate, token)
+        if key is None:
+            raise APIError(401, "invalid API key (unknown, expired or blocked)", code="invalid_api_key")
+        return key
+
+    app.include_router(admin_router(store, require_master, set(config.models)))
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/health/backends", dependencies=[Depends(require_master)])
+    async def backends():
+        return [{"model": b.model, "url": b.url, "healthy": b.healthy, "circuit": b.breaker.state,
+                 "outstanding_requests": b.outstanding, "last_error": b.last_error} for b in router.backends()]
+
+    @app.get("/metrics", dependencies=[Depends(require_master)])
+    async def prometheus():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def list_models(key: KeyRecord = Depends(require_key)):
+        return {"object": "list", "data": [_model_card(name) for name in config.models if key.allows(name)]}
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str, key: KeyRecord = Depends(require_key)):
+        if model not in config.models or not key.allows(model):
+            raise APIError(404, f"model: the model {model!r} does not exist", param="model", code="model_not_found")
+        return _model_card(model)
+
+    async def proxy(request: Request, key: KeyRecord = Depends(require_key)):
+        path = request.url.path
+        body = await _json_body(request)
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise APIError(400, "model: this field is required", param="model", code="missing_required_parameter")
+        if model not in config.models:
+            raise APIError(404, f"model: the model {model!r} does not exist", param="model", code="model_not_found")
+        if not key.allows(model):
+            raise APIError(403, f"model: this key may not use {model!r}", param="model", code="model_not_allowed")
+        started = time.perf_counter()
+        stream = bool(body.get("stream"))
+        if key.id is None:
+            reservation = Reservation(None, None, 0.0, False, 0)
+        else:
+            worst = pricing.worst_cost(body, config.models[model])
+            try:
+                reservation = await run_in_threadpool(store.admit, key, worst)
+            except APIError as exc:
+                metrics.key_requests.labels(key.label, exc.code or "refused").inc()
+                raise
+        settle = Accounting(app, key, reservation, model, ROUTES[path], stream)
+        return await app.state.forwarder.forward(path, body, model, affinity_key(body), settle, started)
+
+    for path in ROUTES:
+        app.add_api_route(path, proxy, methods=["POST"])
+    return app
+
+
+async def _json_body(request: Request) -> dict:
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise APIError(413, f"the body is {len(raw)} bytes; the gateway takes at most {MAX_BODY_BYTES}")
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise APIError(400, f"malformed JSON body: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _model_card(name: str) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "treeserve-gateway"}
+

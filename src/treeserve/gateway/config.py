@@ -1,0 +1,115 @@
+"""What a gateway serves: model groups of backends, prices, fallbacks, keys and its database; from
+command-line flags or a YAML file with the same fields.
+
+    master_key: sk-admin-...            # or TREESERVE_MASTER_KEY
+    database: postgresql+psycopg://gateway@db/gateway   # default: SQLite in the working directory
+    routing: least_outstanding          # round_robin | least_outstanding | affinity
+    models:
+      arith-gen:
+        backends: [http://10.0.0.1:8000, http://10.0.0.2:8000]
+        input_cost_per_token: 0.0000002
+        output_cost_per_token: 0.0000006
+        fallbacks: [other-model]
+      gpt-4o-mini:
+        backends: [{url: https://api.openai.com, api_key: sk-..., model: gpt-4o-mini}]
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from treeserve.errors import ParamError
+
+STRATEGIES = ("round_robin", "least_outstanding", "affinity")
+
+
+@dataclass
+class BackendConfig:
+    url: str                      # the server's root (its routes are /v1/...)
+    api_key: str | None = None    # sent upstream as the bearer key (an external provider's own key)
+    model: str | None = None      # the model's name at this backend, when it differs from the gateway's
+    timeout: float = 600.0        # seconds for a whole non-streamed answer, or between streamed chunks
+    connect_timeout: float = 5.0
+    continuous_usage: bool = True  # ask for usage in every streamed chunk (vLLM's and treeserve's option)
+
+    @property
+    def name(self) -> str:
+        return self.url
+
+
+@dataclass
+class ModelConfig:
+    name: str
+    backends: list[BackendConfig]
+    input_cost_per_token: float = 0.0
+    output_cost_per_token: float = 0.0
+    max_tokens: int = 4096        # the worst case reserved for a request that does not say
+    fallbacks: list[str] = field(default_factory=list)
+
+
+@dataclass
+class GatewayConfig:
+    models: dict[str, ModelConfig]
+    master_key: str | None = None
+    database: str | None = None
+    routing: str = "least_outstanding"
+    retries: int = 2              # further backends tried before a first byte reached the client
+    health_interval: float = 5.0  # seconds between active health checks of each backend (0: none)
+    breaker_failures: int = 3     # consecutive failures that open a backend's circuit
+    breaker_cooldown: float = 10.0  # seconds an open circuit waits before one trial request
+    request_log: bool = True
+
+    def __post_init__(self):
+        if self.routing not in STRATEGIES:
+            raise ParamError("routing", f"routing: one of {', '.join(STRATEGIES)}, got {self.routing!r}")
+        for model in self.models.values():
+            unknown = [f for f in model.fallbacks if f not in self.models]
+            if unknown:
+                raise ParamError("fallbacks", f"fallbacks of {model.name!r}: no model {unknown[0]!r} is configured")
+
+
+def parse_backend_flags(values: list[str]) -> dict[str, ModelConfig]:
+    """`--backend MODEL=URL`, repeatable; several URLs for one model are its replicas."""
+    models: dict[str, ModelConfig] = {}
+    for value in values:
+        name, sep, url = value.partition("=")
+        if not sep or not name or not url.startswith(("http://", "https://")):
+            raise ParamError("backend", f"--backend: expected MODEL=http(s)://HOST:PORT, got {value!r}")
+        models.setdefault(name, ModelConfig(name, [])).backends.append(BackendConfig(url.rstrip("/")))
+    return models
+
+
+def load_yaml(path: Path) -> dict:
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ParamError("config", f"{path}: expected a mapping at the top level")
+    models = {}
+    for name, spec in (data.pop("models", None) or {}).items():
+        spec = dict(spec or {})
+        backends = [BackendConfig(**({"url": b} if isinstance(b, str) else b)) for b in spec.pop("backends", [])]
+        for backend in backends:
+            backend.url = backend.url.rstrip("/")
+        models[name] = ModelConfig(name, backends, **spec)
+    data["models"] = models
+    return data
+
+
+def build_config(backends: list[str] | None = None, config_file: Path | None = None, **overrides) -> GatewayConfig:
+    """Flags override the file; the master key may also come from TREESERVE_MASTER_KEY."""
+    data = load_yaml(config_file) if config_file else {"models": {}}
+    for name, model in parse_backend_flags(backends or []).items():
+        if name in data["models"]:
+            data["models"][name].backends.extend(model.backends)
+        else:
+            data["models"][name] = model
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    data.setdefault("master_key", os.environ.get("TREESERVE_MASTER_KEY"))
+    if not data["models"]:
+        raise ParamError("backend", "no backends: give --backend MODEL=URL (repeatable) or a --config file")
+    for model in data["models"].values():
+        if not model.backends:
+            raise ParamError("backend", f"model {model.name!r} has no backends")
+    return GatewayConfig(**data)

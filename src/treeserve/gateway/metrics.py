@@ -1,0 +1,38 @@
+"""The gateway's Prometheus metrics (`treeserve_gateway:` prefix), per backend and per key. A key
+is labelled by its alias or its display name (`sk-...abcd`), never by its secret."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 600.0)
+
+
+class GatewayMetrics:
+    def __init__(self):
+        self.registry = r = CollectorRegistry()
+        p = "treeserve_gateway:"
+        self.requests = Counter(f"{p}requests", "Requests answered, by model, backend and HTTP status",
+                                ["model", "backend", "status"], registry=r)
+        self.backend_up = Gauge(f"{p}backend_up", "1 if the backend passed its last health check", ["backend"],
+                                registry=r)
+        self.backend_outstanding = Gauge(f"{p}backend_outstanding_requests", "Requests sent and not finished",
+                                         ["backend"], registry=r)
+        self.backend_failures = Counter(f"{p}backend_failures", "Failed attempts on a backend, by reason",
+                                        ["backend", "reason"], registry=r)
+        self.breaker_open = Gauge(f"{p}backend_circuit_open", "1 while the backend's circuit breaker is open",
+                                  ["backend"], registry=r)
+        self.retries = Counter(f"{p}retries", "Attempts moved to another backend before a first byte",
+                               ["model"], registry=r)
+        self.key_requests = Counter(f"{p}key_requests", "Requests by key and outcome", ["key", "outcome"],
+                                    registry=r)
+        self.key_tokens = Counter(f"{p}key_tokens", "Tokens billed by key, model and kind",
+                                  ["key", "model", "kind"], registry=r)
+        self.key_spend = Counter(f"{p}key_spend", "Spend billed by key (the price table's currency)", ["key"],
+                                 registry=r)
+        self.latency = Histogram(f"{p}request_duration_seconds", "Whole request, gateway in to last byte out",
+                                 ["model"], buckets=BUCKETS, registry=r)
+        self.ttft = Histogram(f"{p}time_to_first_chunk_seconds", "Streamed requests: gateway in to first chunk out",
+                              ["model"], buckets=BUCKETS, registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

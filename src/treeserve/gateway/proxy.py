@@ -1,0 +1,271 @@
+"""Forwarding one request: try the planned backends in order until one answers, relay its answer,
+and settle the request's cost exactly once.
+
+Retries (a connection error, a timeout, 429 or 503) happen only before anything reached the
+client: a non-streamed answer is read whole first; a stream is committed once its first event has
+arrived, and a stream that breaks after that ends with an error event, never replayed. Streams are
+asked for `usage` in every chunk (`stream_options.continuous_usage_stats`), so a stream cut by a
+backend or by the client is billed for the tokens its client got."""
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import anyio
+import httpx
+from fastapi.responses import Response, StreamingResponse
+
+from treeserve.gateway.metrics import GatewayMetrics
+from treeserve.gateway.routing import Backend, Router
+from treeserve.gateway.store import Usage
+from treeserve.server.errors import error_response
+
+log = logging.getLogger("treeserve.gateway")
+RETRYABLE_STATUS = {429, 503}
+
+
+@dataclass
+class Outcome:
+    """How a request ended, for its settlement."""
+    status: str = "error"         # success, error (nothing served), cut (stream broke), client_closed
+    model: str | None = None      # the model group that answered (a fallback's, after a fallback)
+    backend: str | None = None
+    usage: Usage = field(default_factory=Usage)
+
+
+@dataclass
+class StreamState:
+    """What the client asked for, and what it has been sent so far."""
+    include_usage: bool
+    continuous_usage: bool
+    usage: Usage = field(default_factory=Usage)
+    counted_chunks: int = 0       # content chunks, for a backend that reports no usage
+    usage_reported: bool = False
+
+    def read(self, event: dict) -> None:
+        usage = event.get("usage")
+        if isinstance(usage, dict):
+            self.usage = Usage(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))
+            self.usage_reported = True
+        for choice in event.get("choices") or ():
+            if (choice.get("delta") or {}).get("content") or choice.get("text"):
+                self.counted_chunks += 1
+
+    def billed(self) -> Usage:
+        return self.usage if self.usage_reported else Usage(0, self.counted_chunks)
+
+
+class Forwarder:
+    def __init__(self, router: Router, client: httpx.AsyncClient, metrics: GatewayMetrics, retries: int):
+        self.router, self.client, self.metrics, self.retries = router, client, metrics, retries
+
+    async def forward(self, path: str, body: dict, model: str, affinity: str | None,
+                      settle: Callable[[Outcome], "anyio.abc.Awaitable"], started: float) -> Response:
+        """`settle` is awaited when the request has ended (for a stream: when the stream has ended,
+        however it ended); it must be idempotent (a failure path may call it again)."""
+        stream = bool(body.get("stream"))
+        plan = self.router.plan(model, affinity)[: 1 + self.retries]
+        last_error = "no backend is configured"
+        try:
+            for attempt, (group, backend) in enumerate(plan):
+                if attempt:
+                    self.metrics.retries.labels(model).inc()
+                upstream = self._upstream_body(body, group, backend, stream)
+                attempt_once = self._try_stream if stream else self._try_once
+                result = await attempt_once(path, upstream, backend, group, body, settle, started)
+                if isinstance(result, Response):
+                    return result
+                last_error = result
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await settle(Outcome("error", model))
+            raise
+        await settle(Outcome("error", model))
+        self.metrics.requests.labels(model, "", "503").inc()
+        return error_response(503, f"model {model!r}: no backend could answer ({last_error})",
+                              code="no_backend_available", headers={"Retry-After": "1"})
+
+    # ---- one attempt -------------------------------------------------------------------------
+    async def _try_once(self, path, upstream, backend: Backend, group, body, settle, started) -> Response | str:
+        self._begin(backend)
+        try:
+            response = await self.client.post(backend.url + path, json=upstream, headers=_headers(backend),
+                                              timeout=_timeout(backend))
+        except httpx.HTTPError as exc:
+            return self._failed(backend, exc)
+        finally:
+            self._end(backend)
+        if response.status_code in RETRYABLE_STATUS:
+            return self._failed(backend, f"HTTP {response.status_code}", breaker=response.status_code == 503)
+        self._record_health(backend, response.status_code)
+        outcome = Outcome("success" if response.status_code == 200 else "error", group, backend.url)
+        content = response.content
+        if response.status_code == 200:
+            try:
+                usage = json.loads(content).get("usage") or {}
+            except (ValueError, AttributeError):
+                usage = {}
+            outcome.usage = Usage(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))
+        await settle(outcome)
+        self.metrics.requests.labels(group, backend.url, str(response.status_code)).inc()
+        self.metrics.latency.labels(group).observe(time.perf_counter() - started)
+        return Response(content, status_code=response.status_code, media_type="application/json",
+                        headers=_passed_headers(response))
+
+    async def _try_stream(self, path, upstream, backend: Backend, group, body, settle, started) -> Response | str:
+        self._begin(backend)
+        request = self.client.build_request("POST", backend.url + path, json=upstream, headers=_headers(backend),
+                                            timeout=_timeout(backend))
+        try:
+            response = await self.client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            self._end(backend)
+            return self._failed(backend, exc)
+        if response.status_code != 200:
+            content = await response.aread()
+            await response.aclose()
+            self._end(backend)
+            if response.status_code in RETRYABLE_STATUS:
+                return self._failed(backend, f"HTTP {response.status_code}", breaker=response.status_code == 503)
+            self._record_health(backend, response.status_code)
+            await settle(Outcome("error", group, backend.url))
+            self.metrics.requests.labels(group, backend.url, str(response.status_code)).inc()
+            return Response(content, status_code=response.status_code, media_type="application/json")
+        events = _sse_events(response)
+        try:
+            first = await events.__anext__()
+        except (httpx.HTTPError, StopAsyncIteration) as exc:
+            await response.aclose()
+            self._end(backend)
+            return self._failed(backend, exc if isinstance(exc, httpx.HTTPError) else "the stream ended at once")
+        options = body.get("stream_options") or {}
+        state = StreamState(bool(options.get("include_usage")), bool(options.get("continuous_usage_stats")))
+        relay = self._relay(first, events, response, backend, group, state, settle, started)
+        return StreamingResponse(relay, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _relay(self, first: str, events: AsyncIterator[str], response: httpx.Response, backend: Backend,
+                     group: str, state: StreamState, settle, started: float) -> AsyncIterator[bytes]:
+        outcome = Outcome("client_closed", group, backend.url)
+        try:
+            out = _client_event(first, state)
+            if out:
+                yield out
+            self.metrics.ttft.labels(group).observe(time.perf_counter() - started)
+            async for event in events:
+                out = _client_event(event, state)
+                if out:
+                    yield out
+            outcome.status = "success"
+            backend.breaker.on_success()
+        except httpx.HTTPError as exc:
+            outcome.status = "cut"
+            self._failed(backend, exc)
+            message = f"the backend's stream broke off ({type(exc).__name__}); it is not replayed"
+            yield _sse({"error": {"message": message, "type": "service_unavailable", "param": None,
+                                  "code": "backend_stream_cut"}})
+            yield b"data: [DONE]\n\n"
+        finally:
+            with anyio.CancelScope(shield=True):
+                await response.aclose()
+                self._end(backend)
+                outcome.usage = state.billed()
+                await settle(outcome)
+            status = {"success": "200", "cut": "502"}.get(outcome.status, "499")
+            self.metrics.requests.labels(group, backend.url, status).inc()
+            self.metrics.latency.labels(group).observe(time.perf_counter() - started)
+
+    # ---- bookkeeping -------------------------------------------------------------------------
+    def _upstream_body(self, body: dict, group: str, backend: Backend, stream: bool) -> dict:
+        upstream = dict(body, model=backend.config.model or group)
+        if stream and ("messages" in body or "prompt" in body):
+            options = dict(body.get("stream_options") or {}, include_usage=True)
+            if backend.config.continuous_usage:
+                options["continuous_usage_stats"] = True
+            upstream["stream_options"] = options
+        return upstream
+
+    def _begin(self, backend: Backend) -> None:
+        backend.breaker.on_start()
+        backend.outstanding += 1
+        self.metrics.backend_outstanding.labels(backend.url).set(backend.outstanding)
+
+    def _end(self, backend: Backend) -> None:
+        backend.outstanding -= 1
+        self.metrics.backend_outstanding.labels(backend.url).set(backend.outstanding)
+
+    def _failed(self, backend: Backend, error, breaker: bool = True) -> str:
+        reason = type(error).__name__ if isinstance(error, Exception) else str(error)
+        text = f"{backend.url}: {reason}" + (f" ({error})" if isinstance(error, Exception) and str(error) else "")
+        backend.last_error = text
+        if breaker:
+            backend.breaker.on_failure()
+            self.metrics.breaker_open.labels(backend.url).set(int(backend.breaker.state == "open"))
+        self.metrics.backend_failures.labels(backend.url, reason).inc()
+        log.warning("backend failed: %s", text)
+        return text
+
+    def _record_health(self, backend: Backend, status: int) -> None:
+        if status >= 500:
+            backend.breaker.on_failure()
+        else:
+            backend.breaker.on_success()
+        self.metrics.breaker_open.labels(backend.url).set(int(backend.breaker.state == "open"))
+
+
+async def _sse_events(response: httpx.Response) -> AsyncIterator[str]:
+    """The stream's events, each its `data:` payload text."""
+    data: list[str] = []
+    async for line in response.aiter_lines():
+        if line.startswith("data:"):
+            data.append(line[5:].lstrip())
+        elif not line and data:
+            yield "\n".join(data)
+            data = []
+    if data:
+        yield "\n".join(data)
+
+
+def _client_event(payload: str, state: StreamState) -> bytes | None:
+    """The event as the client asked for it: usage only where it asked for usage."""
+    if payload == "[DONE]":
+        return b"data: [DONE]\n\n"
+    try:
+        event = json.loads(payload)
+    except ValueError:
+        return f"data: {payload}\n\n".encode()
+    if not isinstance(event, dict):
+        return f"data: {payload}\n\n".encode()
+    state.read(event)
+    if "usage" not in event:
+        return f"data: {payload}\n\n".encode()
+    if not event.get("choices"):  # the usage-only chunk at the end
+        return f"data: {payload}\n\n".encode() if state.include_usage else None
+    if state.include_usage and state.continuous_usage:
+        return f"data: {payload}\n\n".encode()
+    event.pop("usage")
+    return _sse(event)
+
+
+def _sse(event: dict) -> bytes:
+    return f"data: {json.dumps(event, separators=(',', ':'))}\n\n".encode()
+
+
+def _headers(backend: Backend) -> dict[str, str]:
+    return {"Authorization": f"Bearer {backend.config.api_key}"} if backend.config.api_key else {}
+
+
+def _timeout(backend: Backend) -> httpx.Timeout:
+    return httpx.Timeout(backend.config.timeout, connect=backend.config.connect_timeout)
+
+
+def _passed_headers(response: httpx.Response) -> dict[str, str]:
+    return {k: v for k, v in response.headers.items() if k.lower() in ("retry-after", "x-request-id")}
+
+
+def new_request_id() -> str:
+    return f"gw-{uuid.uuid4().hex}"

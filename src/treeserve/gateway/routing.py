@@ -1,0 +1,127 @@
+"""Which backend serves a request: model groups of replicas, a circuit breaker per backend, and
+three strategies (round robin, least outstanding requests, affinity by a consistent hash).
+
+Affinity uses rendezvous hashing: each request key ranks the replicas by hash(key, replica) and
+takes the best usable one, so a conversation stays on one replica (its KV stays cached there) and
+a replica that goes away moves only its own conversations."""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from treeserve.gateway.config import BackendConfig, GatewayConfig, ModelConfig
+
+
+@dataclass
+class CircuitBreaker:
+    """Closed: requests flow. `failures` consecutive failures open it for `cooldown` seconds; then
+    one trial request is let through (half-open): its success closes it, its failure reopens it."""
+    failures: int
+    cooldown: float
+    consecutive: int = 0
+    open_until: float = 0.0
+    trial_in_flight: bool = False
+
+    @property
+    def state(self) -> str:
+        if self.consecutive < self.failures:
+            return "closed"
+        return "open" if time.monotonic() < self.open_until or self.trial_in_flight else "half_open"
+
+    def allows(self) -> bool:
+        return self.state != "open"
+
+    def on_start(self) -> None:
+        if self.state == "half_open":
+            self.trial_in_flight = True
+
+    def on_success(self) -> None:
+        self.consecutive, self.trial_in_flight = 0, False
+
+    def on_failure(self) -> None:
+        self.consecutive += 1
+        self.trial_in_flight = False
+        if self.consecutive >= self.failures:
+            self.open_until = time.monotonic() + self.cooldown
+
+
+@dataclass
+class Backend:
+    config: BackendConfig
+    model: str
+    breaker: CircuitBreaker
+    healthy: bool = True          # the last active health check's verdict
+    outstanding: int = 0          # requests sent and not finished
+    last_error: str | None = None
+
+    @property
+    def url(self) -> str:
+        return self.config.url
+
+    @property
+    def usable(self) -> bool:
+        return self.healthy and self.breaker.allows()
+
+
+@dataclass
+class ModelGroup:
+    config: ModelConfig
+    backends: list[Backend]
+    _turn: itertools.count = field(default_factory=itertools.count)
+
+    def ranked(self, strategy: str, affinity_key: str | None) -> list[Backend]:
+        """The usable backends in the order to try them; unusable ones last (a last resort when all
+        are marked down: a stale health verdict should not refuse traffic outright)."""
+        usable = [b for b in self.backends if b.usable]
+        rest = [b for b in self.backends if not b.usable]
+        start = next(self._turn)
+        rotated = usable[start % len(usable):] + usable[:start % len(usable)] if usable else []
+        if strategy == "least_outstanding":
+            rotated.sort(key=lambda b: b.outstanding)  # stable: ties keep the round-robin order
+        elif strategy == "affinity" and affinity_key is not None:
+            rotated.sort(key=lambda b: _rendezvous(affinity_key, b.url), reverse=True)
+            rest.sort(key=lambda b: _rendezvous(affinity_key, b.url), reverse=True)
+        return rotated + rest
+
+
+class Router:
+    def __init__(self, config: GatewayConfig):
+        self.config = config
+        self.groups = {
+            name: ModelGroup(model, [Backend(b, name, CircuitBreaker(config.breaker_failures, config.breaker_cooldown))
+                                     for b in model.backends])
+            for name, model in config.models.items()}
+
+    def plan(self, model: str, affinity_key: str | None) -> list[tuple[str, Backend]]:
+        """(model, backend) pairs to try in order: the model's replicas, then its fallbacks'."""
+        plan, seen = [], set()
+        for name in [model, *self.groups[model].config.fallbacks]:
+            if name in seen:
+                continue
+            seen.add(name)
+            plan.extend((name, b) for b in self.groups[name].ranked(self.config.routing, affinity_key))
+        return plan
+
+    def backends(self) -> list[Backend]:
+        return [b for group in self.groups.values() for b in group.backends]
+
+
+def _rendezvous(key: str, url: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{key}\x00{url}".encode(), digest_size=8).digest(), "big")
+
+
+def affinity_key(body: dict) -> str | None:
+    """The `user` field, else the conversation's opening (system prompt and first user turn) or the
+    prompt's first 512 characters: what a replica's prefix cache would reuse."""
+    if isinstance(body.get("user"), str) and body["user"]:
+        return "user:" + body["user"]
+    messages = body.get("messages")
+    if isinstance(messages, list) and messages:
+        opening = [m for m in messages[:2] if isinstance(m, dict)]
+        return "chat:" + repr([(m.get("role"), m.get("content")) for m in opening])
+    prompt = body.get("prompt") or body.get("problem")
+    if isinstance(prompt, str):
+        return "prompt:" + prompt[:512]
+    return None

@@ -1,0 +1,99 @@
+"""The gateway's tables (SQLAlchemy 2 declarative). Changes go through an Alembic migration in
+`migrations/versions/`; `tests/test_gateway_store.py` checks that the migrations build this schema."""
+from __future__ import annotations
+
+import datetime as dt
+
+from sqlalchemy import JSON, BigInteger, Boolean, Date, DateTime, Float, ForeignKey, Index, Integer, String
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc)
+
+
+class User(Base):
+    __tablename__ = "users"
+    user_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    max_budget: Mapped[float | None] = mapped_column(Float)
+    spend: Mapped[float] = mapped_column(Float, default=0.0)
+    reserved: Mapped[float] = mapped_column(Float, default=0.0)  # worst cases of requests in flight
+    budget_duration: Mapped[str | None] = mapped_column(String(16))
+    budget_reset_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    models: Mapped[list | None] = mapped_column(JSON)
+    extra: Mapped[dict] = mapped_column("metadata", JSON, default=dict)
+    password_hash: Mapped[str | None] = mapped_column(String(256))
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=_now)
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True, index=True)
+    key_name: Mapped[str] = mapped_column(String(32))  # "sk-...abcd": enough to recognise, useless to use
+    key_alias: Mapped[str | None] = mapped_column(String(128))
+    user_id: Mapped[str | None] = mapped_column(ForeignKey("users.user_id", ondelete="SET NULL"), index=True)
+    models: Mapped[list | None] = mapped_column(JSON)
+    max_budget: Mapped[float | None] = mapped_column(Float)
+    spend: Mapped[float] = mapped_column(Float, default=0.0)
+    reserved: Mapped[float] = mapped_column(Float, default=0.0)
+    budget_duration: Mapped[str | None] = mapped_column(String(16))
+    budget_reset_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    rpm_limit: Mapped[int | None] = mapped_column(Integer)
+    tpm_limit: Mapped[int | None] = mapped_column(Integer)
+    max_parallel_requests: Mapped[int | None] = mapped_column(Integer)
+    in_flight: Mapped[int] = mapped_column(Integer, default=0)
+    expires_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    blocked: Mapped[bool] = mapped_column(Boolean, default=False)
+    extra: Mapped[dict] = mapped_column("metadata", JSON, default=dict)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=_now)
+
+
+class SpendLog(Base):
+    """One row per request that reached a backend (or was cut on the way), with what it cost."""
+    __tablename__ = "spend_logs"
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True,
+                                    autoincrement=True)
+    request_id: Mapped[str] = mapped_column(String(64), unique=True)
+    key_id: Mapped[int | None] = mapped_column(Integer)
+    user_id: Mapped[str | None] = mapped_column(String(128))
+    model: Mapped[str] = mapped_column(String(128))
+    backend: Mapped[str | None] = mapped_column(String(256))
+    route: Mapped[str] = mapped_column(String(64))
+    stream: Mapped[bool] = mapped_column(Boolean, default=False)
+    status: Mapped[str] = mapped_column(String(16))  # success, error (nothing served), cut (a stream broke)
+    prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    cost: Mapped[float] = mapped_column(Float, default=0.0)
+    started_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+    ended_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+    __table_args__ = (Index("ix_spend_logs_key_started", "key_id", "started_at"),
+                      Index("ix_spend_logs_user_started", "user_id", "started_at"),
+                      Index("ix_spend_logs_started", "started_at"))
+
+
+class DailySpend(Base):
+    """Spend per day, key and model: what dashboards and budgets read without scanning the logs."""
+    __tablename__ = "daily_spend"
+    day: Mapped[dt.date] = mapped_column(Date, primary_key=True)
+    key_id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    model: Mapped[str] = mapped_column(String(128), primary_key=True)
+    user_id: Mapped[str | None] = mapped_column(String(128))
+    requests: Mapped[int] = mapped_column(Integer, default=0)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    cost: Mapped[float] = mapped_column(Float, default=0.0)
+
+
+class RateWindow(Base):
+    """Requests and tokens of one key in one minute: counted in the database, so every gateway
+    process sharing it enforces the same limits."""
+    __tablename__ = "rate_windows"
+    key_id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    window: Mapped[int] = mapped_column(BigInteger, primary_key=True)  # minutes since the epoch
+    requests: Mapped[int] = mapped_column(Integer, default=0)
+    tokens: Mapped[int] = mapped_column(BigInteger, default=0)

@@ -1,0 +1,428 @@
+"""The gateway's database: accounts, keys, reservations, rate windows and spend, through SQLAlchemy.
+
+Everything that must hold across several gateway processes is one conditional statement that the
+database applies atomically: a budget reservation (`reserved + spend < max_budget`), a parallel
+slot (`in_flight < max_parallel_requests`), a minute's request count (an upsert that returns the
+new count). SQLite runs in WAL mode and takes its write lock at the start of each transaction
+(`BEGIN IMMEDIATE`), so concurrent writers queue instead of failing; PostgreSQL locks the row.
+Calls are blocking: the app runs them in worker threads."""
+from __future__ import annotations
+
+import csv
+import datetime as dt
+import io
+from dataclasses import dataclass
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import Engine, create_engine, delete, event, func, insert, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from treeserve.errors import ParamError
+from treeserve.gateway import keys as keylib
+from treeserve.gateway.schema import ApiKey, DailySpend, RateWindow, SpendLog, User
+from treeserve.server.errors import APIError
+
+MIGRATIONS = Path(__file__).parent / "migrations"
+MASTER_KEY_ID = 0  # the master key's rows in daily_spend (its spend logs have no key_id)
+KEY_FIELDS = ("key_alias", "user_id", "models", "max_budget", "budget_duration", "rpm_limit", "tpm_limit",
+              "max_parallel_requests", "metadata", "blocked")
+USER_FIELDS = ("max_budget", "budget_duration", "models", "metadata")
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc)
+
+
+def _aware(value: dt.datetime | None) -> dt.datetime | None:
+    """SQLite hands datetimes back without their zone; every one stored here is UTC."""
+    return value.replace(tzinfo=dt.timezone.utc) if value is not None and value.tzinfo is None else value
+
+
+def default_url(directory: Path | None = None) -> str:
+    return f"sqlite:///{(directory or Path.cwd()) / 'treeserve-gateway.db'}"
+
+
+def make_engine(url: str) -> Engine:
+    if url.startswith("sqlite"):
+        engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
+
+        @event.listens_for(engine, "connect")
+        def _sqlite_setup(dbapi_connection, _):
+            dbapi_connection.isolation_level = None  # the driver's own BEGIN would be deferred
+            cursor = dbapi_connection.cursor()
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute("PRAGMA synchronous=NORMAL")
+            cursor.execute("PRAGMA foreign_keys=ON")
+            cursor.close()
+
+        @event.listens_for(engine, "begin")
+        def _begin(conn):
+            # writers take the write lock up front (a deferred BEGIN that reads first fails, not
+            # waits, when another writer got there); readers do not block anyone (WAL)
+            conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get("writing") else "BEGIN")
+
+        return engine
+    return create_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True)
+
+
+@dataclass(frozen=True)
+class KeyRecord:
+    """What a request needs to know about its key, read once per request."""
+    id: int
+    key_name: str
+    key_alias: str | None
+    user_id: str | None
+    models: list | None
+    user_models: list | None
+    rpm_limit: int | None
+    tpm_limit: int | None
+    max_parallel_requests: int | None
+
+    @property
+    def label(self) -> str:
+        return self.key_alias or self.key_name
+
+    def allows(self, model: str) -> bool:
+        return all(not allowed or model in allowed for allowed in (self.models, self.user_models))
+
+
+@dataclass
+class Reservation:
+    key_id: int | None  # None: the master key (no limits, no budget)
+    user_id: str | None
+    worst_cost: float
+    parallel: bool
+    window: int
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class Store:
+    def __init__(self, url: str):
+        self.url = url
+        self.engine = make_engine(url)
+        self.writer = self.engine.execution_options(writing=True)
+        self.dialect = self.engine.dialect.name
+
+    def migrate(self) -> None:
+        """Brings the schema to the newest revision (Alembic; a no-op when it is there)."""
+        config = Config()
+        config.set_main_option("script_location", str(MIGRATIONS))
+        with self.writer.begin() as conn:
+            config.attributes["connection"] = conn
+            command.upgrade(config, "head")
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # ---- users -------------------------------------------------------------------------------
+    def session(self) -> Session:
+        """For reads."""
+        return Session(self.engine, expire_on_commit=False)
+
+    def writing(self) -> Session:
+        """For a transaction that writes: `with store.writing() as s, s.begin(): ...`."""
+        return Session(self.writer, expire_on_commit=False)
+
+    def create_user(self, user_id: str, **fields) -> dict:
+        now = utcnow()
+        with self.writing() as conn, conn.begin():
+            if conn.get(User, user_id) is not None:
+                raise APIError(400, f"user_id: user {user_id!r} already exists", param="user_id",
+                               code="user_exists")
+            values = _user_values(fields, now)
+            conn.execute(insert(User).values(user_id=user_id, spend=0.0, reserved=0.0, created_at=now,
+                                                        **values))
+        return self.user_info(user_id)
+
+    def user_info(self, user_id: str) -> dict:
+        with self.session() as conn:
+            user = conn.get(User, user_id)
+            if user is None:
+                raise APIError(404, f"user_id: no user {user_id!r}", param="user_id", code="user_not_found")
+            rows = conn.scalars(select(ApiKey).where(ApiKey.user_id == user_id).order_by(ApiKey.id)).all()
+        return {"user_id": user_id, "user_info": _public_user(user), "keys": [_public_key(k) for k in rows]}
+
+    def set_password_hash(self, user_id: str, password_hash: str) -> None:
+        with self.writing() as conn, conn.begin():
+            conn.execute(update(User).where(User.user_id == user_id).values(password_hash=password_hash))
+
+    # ---- keys --------------------------------------------------------------------------------
+    def create_key(self, duration: str | None = None, **fields) -> tuple[str, dict]:
+        """A new key: (the token, shown this once; its stored record)."""
+        token = keylib.new_key()
+        now = utcnow()
+        values = _key_values(fields, now)
+        values.setdefault("extra", {})
+        if duration:
+            values["expires_at"] = now + keylib.parse_duration(duration, "duration")
+        with self.writing() as conn, conn.begin():
+            if values.get("user_id") and conn.get(User, values["user_id"]) is None:
+                conn.execute(insert(User).values(user_id=values["user_id"], spend=0.0, reserved=0.0,
+                                                            extra={}, created_at=now))
+            conn.execute(insert(ApiKey).values(
+                token_hash=keylib.hash_key(token), key_name=keylib.display_name(token), spend=0.0, reserved=0.0,
+                in_flight=0, blocked=values.pop("blocked", False), created_at=now, **values))
+        return token, self.key_info(token)
+
+    def key_info(self, token: str) -> dict:
+        with self.session() as conn:
+            row = conn.scalars(select(ApiKey).where(ApiKey.token_hash == _token_hash(token))).first()
+        if row is None:
+            raise APIError(404, "key: no such key", param="key", code="key_not_found")
+        return _public_key(row)
+
+    def update_key(self, token: str, **fields) -> dict:
+        values = _key_values(fields, utcnow())
+        if "duration" in fields:
+            duration = fields.pop("duration")
+            values["expires_at"] = utcnow() + keylib.parse_duration(duration, "duration") if duration else None
+        with self.writing() as conn, conn.begin():
+            result = conn.execute(update(ApiKey).where(ApiKey.token_hash == _token_hash(token)).values(**values))
+            if result.rowcount == 0:
+                raise APIError(404, "key: no such key", param="key", code="key_not_found")
+        return self.key_info(token)
+
+    def delete_keys(self, tokens: list[str]) -> list[str]:
+        hashes = [_token_hash(t) for t in tokens]
+        with self.writing() as conn, conn.begin():
+            found = set(conn.execute(select(ApiKey.token_hash).where(ApiKey.token_hash.in_(hashes))).scalars())
+            missing = [t for t, h in zip(tokens, hashes) if h not in found]
+            if missing:
+                raise APIError(404, f"keys: {len(missing)} of the keys do not exist; none was deleted",
+                               param="keys", code="key_not_found")
+            conn.execute(delete(ApiKey).where(ApiKey.token_hash.in_(hashes)))
+        return tokens
+
+    def list_keys(self, user_id: str | None = None) -> list[dict]:
+        query = select(ApiKey).order_by(ApiKey.id)
+        if user_id is not None:
+            query = query.where(ApiKey.user_id == user_id)
+        with self.session() as conn:
+            return [_public_key(k) for k in conn.scalars(query)]
+
+    def authenticate(self, token: str) -> KeyRecord | None:
+        """The key's record, or None for an unknown, expired or blocked key."""
+        with self.session() as conn:
+            row = conn.execute(
+                select(ApiKey, User.models).outerjoin(User, User.user_id == ApiKey.user_id)
+                .where(ApiKey.token_hash == keylib.hash_key(token))).first()
+        if row is None or row[0].blocked:
+            return None
+        key, user_models = row
+        if key.expires_at is not None and _aware(key.expires_at) <= utcnow():
+            return None
+        return KeyRecord(key.id, key.key_name, key.key_alias, key.user_id, key.models, user_models,
+                         key.rpm_limit, key.tpm_limit, key.max_parallel_requests)
+
+    # ---- admission and settlement ----------------------------------------------------------------
+    def admit(self, key: KeyRecord, worst_cost: float) -> Reservation:
+        """Takes a parallel slot, counts the request in its minute, and reserves its worst-case cost
+        on the key and its user, all or nothing. Refusals are APIErrors (429 limits, 400 budget)."""
+        now = utcnow()
+        window = int(now.timestamp() // 60)
+        retry_after = {"Retry-After": str(max(1, 60 - now.second))}
+        with self.writing() as conn, conn.begin():
+            self._reset_due_budgets(conn, key, now)
+            parallel = key.max_parallel_requests is not None
+            if parallel:
+                taken = conn.execute(update(ApiKey).where(ApiKey.id == key.id,
+                                                          ApiKey.in_flight < key.max_parallel_requests)
+                                     .values(in_flight=ApiKey.in_flight + 1)).rowcount
+                if not taken:
+                    raise APIError(429, f"max_parallel_requests: this key already has {key.max_parallel_requests} "
+                                   "requests in flight", param="max_parallel_requests", code="parallel_limit",
+                                   headers={"Retry-After": "1"})
+            if key.rpm_limit is not None or key.tpm_limit is not None:
+                requests, tokens = self._count_request(conn, key.id, window)
+                if key.rpm_limit is not None and requests > key.rpm_limit:
+                    raise APIError(429, f"rpm_limit: this key's limit of {key.rpm_limit} requests per minute is "
+                                   "reached", param="rpm_limit", code="rate_limit", headers=retry_after)
+                if key.tpm_limit is not None and tokens >= key.tpm_limit:
+                    raise APIError(429, f"tpm_limit: this key's limit of {key.tpm_limit} tokens per minute is "
+                                   "reached", param="tpm_limit", code="rate_limit", headers=retry_after)
+            self._reserve(conn, ApiKey, ApiKey.id == key.id, worst_cost, "key")
+            if key.user_id is not None:
+                self._reserve(conn, User, User.user_id == key.user_id, worst_cost, "user")
+        return Reservation(key.id, key.user_id, worst_cost, parallel, window)
+
+    def settle(self, reservation: Reservation, *, request_id: str, model: str, backend: str | None, route: str,
+               stream: bool, status: str, usage: Usage, cost: float, started_at: dt.datetime) -> None:
+        """Turns the reservation into the real cost: spend, tokens in the minute, a log row, the day's total."""
+        with self.writing() as conn, conn.begin():
+            key_values = dict(reserved=ApiKey.reserved - reservation.worst_cost, spend=ApiKey.spend + cost)
+            if reservation.parallel:
+                key_values["in_flight"] = ApiKey.in_flight - 1
+            if reservation.key_id is not None:
+                conn.execute(update(ApiKey).where(ApiKey.id == reservation.key_id).values(**key_values))
+            if reservation.user_id is not None:
+                conn.execute(update(User).where(User.user_id == reservation.user_id)
+                             .values(reserved=User.reserved - reservation.worst_cost, spend=User.spend + cost))
+            if usage.total_tokens:
+                conn.execute(update(RateWindow).where(RateWindow.key_id == reservation.key_id,
+                                                      RateWindow.window == reservation.window)
+                             .values(tokens=RateWindow.tokens + usage.total_tokens))
+            conn.execute(insert(SpendLog).values(
+                request_id=request_id, key_id=reservation.key_id, user_id=reservation.user_id, model=model,
+                backend=backend, route=route, stream=stream, status=status, prompt_tokens=usage.prompt_tokens,
+                completion_tokens=usage.completion_tokens, cost=cost, started_at=started_at, ended_at=utcnow()))
+            self._upsert(conn, DailySpend, dict(day=started_at.date(), key_id=reservation.key_id or MASTER_KEY_ID,
+                                                model=model,
+                                                user_id=reservation.user_id, requests=1,
+                                                prompt_tokens=usage.prompt_tokens,
+                                                completion_tokens=usage.completion_tokens, cost=cost),
+                         ["day", "key_id", "model"], ["requests", "prompt_tokens", "completion_tokens", "cost"])
+
+    def _reset_due_budgets(self, conn: Session, key: KeyRecord, now: dt.datetime) -> None:
+        targets = [(ApiKey, ApiKey.id == key.id)]
+        if key.user_id is not None:
+            targets.append((User, User.user_id == key.user_id))
+        for table, where in targets:
+            row = conn.execute(select(table.budget_duration, table.budget_reset_at).where(where)).first()
+            if row is not None and row.budget_reset_at is not None and _aware(row.budget_reset_at) <= now:
+                period = keylib.parse_duration(row.budget_duration, "budget_duration")
+                conn.execute(update(table).where(where, table.budget_reset_at == row.budget_reset_at)
+                             .values(spend=0.0, budget_reset_at=now + period))
+
+    def _count_request(self, conn: Session, key_id: int, window: int) -> tuple[int, int]:
+        row = self._upsert(conn, RateWindow, dict(key_id=key_id, window=window, requests=1, tokens=0),
+                           ["key_id", "window"], ["requests"], returning=True)
+        return row.requests, row.tokens
+
+    @staticmethod
+    def _reserve(conn: Session, table, where, worst_cost: float, owner: str) -> None:
+        taken = conn.execute(update(table).where(where, (table.max_budget.is_(None))
+                                                 | (table.spend + table.reserved < table.max_budget))
+                             .values(reserved=table.reserved + worst_cost)).rowcount
+        if not taken:
+            row = conn.execute(select(table.spend, table.reserved, table.max_budget).where(where)).first()
+            raise APIError(400, f"max_budget: the {owner}'s budget is exceeded: spent {row.spend:.6f} "
+                           f"(and {row.reserved:.6f} held by requests in flight) of max_budget {row.max_budget:.6f}",
+                           param="max_budget", code="budget_exceeded")
+
+    def _upsert(self, conn: Session, table, values: dict, keys: list[str], add: list[str], returning=False):
+        insert = (postgresql.insert if self.dialect == "postgresql" else sqlite.insert)(table)
+        statement = insert.values(**values).on_conflict_do_update(
+            index_elements=keys, set_={c: getattr(table, c) + getattr(insert.excluded, c) for c in add})
+        if returning:
+            return conn.execute(statement.returning(table.requests, table.tokens)).first()
+        conn.execute(statement)
+        return None
+
+    # ---- reading spend -----------------------------------------------------------------------
+    def spend_logs(self, key: str | None = None, user_id: str | None = None, start: dt.datetime | None = None,
+                   end: dt.datetime | None = None, limit: int = 1000) -> list[dict]:
+        query = select(SpendLog).order_by(SpendLog.started_at, SpendLog.id).limit(limit)
+        if key is not None:
+            with self.session() as conn:
+                key_id = conn.execute(select(ApiKey.id).where(ApiKey.token_hash == _token_hash(key))).scalar()
+            if key_id is None:
+                raise APIError(404, "api_key: no such key", param="api_key", code="key_not_found")
+            query = query.where(SpendLog.key_id == key_id)
+        if user_id is not None:
+            query = query.where(SpendLog.user_id == user_id)
+        if start is not None:
+            query = query.where(SpendLog.started_at >= start)
+        if end is not None:
+            query = query.where(SpendLog.started_at < end)
+        with self.session() as conn:
+            return [_public_log(r) for r in conn.scalars(query)]
+
+    def daily_spend(self, key_id: int | None = None) -> list[dict]:
+        query = select(DailySpend).order_by(DailySpend.day, DailySpend.key_id, DailySpend.model)
+        if key_id is not None:
+            query = query.where(DailySpend.key_id == key_id)
+        with self.session() as conn:
+            return [{"day": r.day.isoformat(), "key_id": r.key_id, "model": r.model, "user_id": r.user_id,
+                     "requests": r.requests, "prompt_tokens": r.prompt_tokens,
+                     "completion_tokens": r.completion_tokens, "cost": r.cost} for r in conn.scalars(query)]
+
+    def total_spend(self) -> float:
+        with self.session() as conn:
+            return float(conn.execute(select(func.coalesce(func.sum(SpendLog.cost), 0.0))).scalar())
+
+
+def logs_csv(rows: list[dict]) -> str:
+    out = io.StringIO()
+    fields = ["request_id", "started_at", "ended_at", "key_id", "user_id", "model", "backend", "route", "stream",
+              "status", "prompt_tokens", "completion_tokens", "cost"]
+    writer = csv.DictWriter(out, fieldnames=fields, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(rows)
+    return out.getvalue()
+
+
+def _token_hash(token_or_hash: str) -> str:
+    """Admin routes take a key or its stored hash (as LiteLLM's do)."""
+    is_hash = len(token_or_hash) == 64 and all(c in "0123456789abcdef" for c in token_or_hash)
+    return token_or_hash if is_hash else keylib.hash_key(token_or_hash)
+
+
+def _key_values(fields: dict, now: dt.datetime) -> dict:
+    unknown = set(fields) - set(KEY_FIELDS) - {"duration"}
+    if unknown:
+        raise ParamError(sorted(unknown)[0], f"{sorted(unknown)[0]}: not a key field")
+    values = {k: v for k, v in fields.items() if k in KEY_FIELDS and k != "metadata"}
+    if "metadata" in fields:
+        values["extra"] = fields["metadata"] or {}
+    _check_limits(values)
+    if values.get("budget_duration"):
+        values["budget_reset_at"] = now + keylib.parse_duration(values["budget_duration"], "budget_duration")
+    return values
+
+
+def _user_values(fields: dict, now: dt.datetime) -> dict:
+    unknown = set(fields) - set(USER_FIELDS)
+    if unknown:
+        raise ParamError(sorted(unknown)[0], f"{sorted(unknown)[0]}: not a user field")
+    values = {k: v for k, v in fields.items() if k != "metadata"}
+    values["extra"] = fields.get("metadata") or {}
+    _check_limits(values)
+    if values.get("budget_duration"):
+        values["budget_reset_at"] = now + keylib.parse_duration(values["budget_duration"], "budget_duration")
+    return values
+
+
+def _check_limits(values: dict) -> None:
+    for name in ("max_budget", "rpm_limit", "tpm_limit", "max_parallel_requests"):
+        value = values.get(name)
+        if value is not None and value < 0:
+            raise ParamError(name, f"{name}: must be at least 0, got {value}")
+
+
+def _public_key(key: ApiKey) -> dict:
+    return {"token": key.token_hash, "key_name": key.key_name, "key_alias": key.key_alias, "user_id": key.user_id,
+            "models": key.models or [], "max_budget": key.max_budget, "spend": key.spend,
+            "budget_duration": key.budget_duration, "budget_reset_at": _iso(key.budget_reset_at),
+            "rpm_limit": key.rpm_limit, "tpm_limit": key.tpm_limit,
+            "max_parallel_requests": key.max_parallel_requests, "expires": _iso(key.expires_at),
+            "blocked": key.blocked, "metadata": key.extra or {}, "created_at": _iso(key.created_at)}
+
+
+def _public_user(user: User) -> dict:
+    return {"user_id": user.user_id, "max_budget": user.max_budget, "spend": user.spend,
+            "budget_duration": user.budget_duration, "budget_reset_at": _iso(user.budget_reset_at),
+            "models": user.models or [], "metadata": user.extra or {}, "created_at": _iso(user.created_at)}
+
+
+def _public_log(log: SpendLog) -> dict:
+    return {"request_id": log.request_id, "key_id": log.key_id, "user_id": log.user_id, "model": log.model,
+            "backend": log.backend, "route": log.route, "stream": log.stream, "status": log.status,
+            "prompt_tokens": log.prompt_tokens, "completion_tokens": log.completion_tokens,
+            "total_tokens": log.prompt_tokens + log.completion_tokens, "cost": log.cost,
+            "started_at": _iso(log.started_at), "ended_at": _iso(log.ended_at)}
+
+
+def _iso(value: dt.datetime | None) -> str | None:
+    return _aware(value).isoformat() if value is not None else None

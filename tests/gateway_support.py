@@ -1,0 +1,106 @@
+"""Test support for the gateway: databases (SQLite, and a throwaway PostgreSQL cluster started with
+initdb/pg_ctl as the `postgres` user) and gateways in front of real treeserve servers."""
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def postgres_bin() -> Path | None:
+    """The directory of initdb and pg_ctl: Debian keeps them in /usr/lib/postgresql/N/bin."""
+    found = shutil.which("initdb") and shutil.which("pg_ctl")
+    if found:
+        return Path(shutil.which("pg_ctl")).parent
+    versions = sorted(glob.glob("/usr/lib/postgresql/*/bin/pg_ctl"))
+    return Path(versions[-1]).parent if versions else None
+
+
+def _as_postgres(args: list[str]) -> list[str]:
+    """PostgreSQL refuses to run as root: run its tools as the `postgres` user there."""
+    if os.geteuid() != 0:
+        return args
+    runuser = shutil.which("runuser")
+    if runuser:
+        return [runuser, "-u", "postgres", "--", *args]
+    return ["su", "postgres", "-s", "/bin/sh", "-c", " ".join(args)]
+
+
+class PostgresCluster:
+    def __init__(self, root: Path):
+        self.bin = postgres_bin()
+        self.data, self.sockets = root / "data", root / "sockets"
+        self.port = _free_port()
+        self.log = root / "postgres.log"
+
+    def start(self) -> None:
+        for path in (self.data, self.sockets):
+            path.mkdir(parents=True)
+        if os.geteuid() == 0:
+            shutil.chown(self.data.parent, "postgres")
+            for path in (self.data, self.sockets):
+                shutil.chown(path, "postgres")
+        self._run([str(self.bin / "initdb"), "-D", str(self.data), "-A", "trust", "-U", "postgres",
+                   "--no-sync", "-E", "UTF8"])
+        options = f"-p {self.port} -k {self.sockets} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200"
+        self._run([str(self.bin / "pg_ctl"), "-D", str(self.data), "-l", str(self.log), "-o", options, "-w",
+                   "-t", "60", "start"])
+
+    def stop(self) -> None:
+        with contextlib.suppress(RuntimeError):
+            self._run([str(self.bin / "pg_ctl"), "-D", str(self.data), "-m", "immediate", "-w", "stop"])
+
+    def new_database(self) -> str:
+        import psycopg
+
+        name = f"gw_{uuid.uuid4().hex[:12]}"
+        with psycopg.connect(f"host=127.0.0.1 port={self.port} user=postgres dbname=postgres", autocommit=True) as c:
+            c.execute(f'CREATE DATABASE "{name}"')
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{name}"
+
+    def _run(self, args: list[str]) -> None:
+        done = subprocess.run(_as_postgres(args), capture_output=True, text=True, timeout=120)
+        if done.returncode:
+            raise RuntimeError(f"{Path(args[0]).name} failed ({done.returncode}): {done.stderr or done.stdout}")
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    if postgres_bin() is None:
+        pytest.skip("PostgreSQL binaries (initdb, pg_ctl) are not installed: `make test` installs Debian's "
+                    "postgresql package where apt-get is available")
+    if os.geteuid() == 0 and subprocess.run(["id", "postgres"], capture_output=True).returncode != 0:
+        pytest.skip("running as root without a `postgres` user to run PostgreSQL as")
+    root = Path(tempfile.mkdtemp(prefix="treeserve-pg-"))  # not under pytest's root-only tmp: postgres reads it
+    cluster = PostgresCluster(root)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    return predicate()

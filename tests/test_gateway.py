@@ -1,0 +1,247 @@
+"""The gateway in front of a real treeserve server, on SQLite and on PostgreSQL (a throwaway
+cluster): keys, errors in OpenAI's schema, billing from the backend's usage (streams too), budgets
+and rate limits that hold under concurrency and across two gateways on one database, routing."""
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+
+import httpx
+import openai
+import pytest
+from sqlalchemy import create_engine, text
+
+from conftest import API_KEY, running_server
+from gateway_support import postgres, wait_for  # noqa: F401  (postgres: a fixture)
+from treeserve.gateway.app import build_app
+from treeserve.gateway.config import BackendConfig, GatewayConfig, ModelConfig
+
+MASTER = "sk-master-test"
+OUT_PRICE, IN_PRICE = 1e-3, 1e-6
+FIXED = {"min_tokens": 8}  # every answer is 8 tokens: costs are known in advance
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database(request, tmp_path):
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'gateway.db'}"
+    return request.getfixturevalue("postgres").new_database()
+
+
+def _config(database: str, urls: list[str], **options) -> GatewayConfig:
+    backends = [BackendConfig(url, api_key=API_KEY) for url in urls]
+    models = {"tiny": ModelConfig("tiny", backends, input_cost_per_token=IN_PRICE, output_cost_per_token=OUT_PRICE,
+                                  max_tokens=64),
+              "other": ModelConfig("other", [BackendConfig(urls[0], api_key=API_KEY, model="tiny")])}
+    return GatewayConfig(models=models, master_key=MASTER, database=database, **({"health_interval": 0.2} | options))
+
+
+@contextlib.contextmanager
+def gateway(database: str, urls: list[str], **options):
+    app = build_app(_config(database, urls, **options))
+    with running_server(app) as url:
+        yield url, app
+
+
+def _admin(url: str, method: str, path: str, **kwargs) -> httpx.Response:
+    return httpx.request(method, url + path, headers={"Authorization": f"Bearer {MASTER}"}, timeout=30, **kwargs)
+
+
+def _new_key(url: str, **limits) -> str:
+    response = _admin(url, "POST", "/key/generate", json=limits)
+    assert response.status_code == 200, response.text
+    return response.json()["key"]
+
+
+def _client(url: str, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def _chat(client, content="Hello", **extra):
+    return client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": content}],
+                                          max_tokens=8, extra_body=FIXED | extra.pop("extra_body", {}), **extra)
+
+
+def test_admin_routes_need_the_master_key(server, database):
+    with gateway(database, [server.url]) as (url, _):
+        for method, path in [("POST", "/key/generate"), ("GET", "/key/list"), ("POST", "/user/new"),
+                             ("GET", "/spend/logs"), ("GET", "/metrics"), ("GET", "/health/backends")]:
+            for headers in ({}, {"Authorization": "Bearer sk-wrong"}):
+                response = httpx.request(method, url + path, headers=headers, json={})
+                assert response.status_code == 401, (method, path, response.text)
+                assert response.json()["error"]["code"] == "invalid_api_key"
+        key = _new_key(url)
+        assert httpx.get(url + "/key/list", headers={"Authorization": f"Bearer {key}"}).status_code == 401
+        assert httpx.get(url + "/health").status_code == 200
+
+
+def test_keys_are_stored_hashed_and_shown_once(server, database):
+    with gateway(database, [server.url]) as (url, app):
+        created = _admin(url, "POST", "/key/generate", json={"key_alias": "team-a", "models": ["tiny"],
+                                                              "metadata": {"team": "a"}}).json()
+        key = created["key"]
+        assert key.startswith("sk-") and created["token"] != key and created["key_name"].endswith(key[-4:])
+        listed = _admin(url, "GET", "/key/list").json()["keys"]
+        assert key not in str(listed) and created["token"] in str(listed)
+        for by in (key, created["token"]):
+            info = _admin(url, "GET", "/key/info", params={"key": by}).json()["info"]
+            assert info["key_alias"] == "team-a" and info["metadata"] == {"team": "a"}
+        with create_engine(app.state.config.database).connect() as conn:
+            dumped = str(conn.execute(text("SELECT * FROM api_keys")).all())
+        assert key not in dumped and key[3:] not in dumped and created["token"] in dumped
+        assert _admin(url, "GET", "/key/info", params={"key": "sk-nope"}).status_code == 404
+
+
+def test_the_openai_client_is_served_and_billed_from_the_backends_usage(server, database):
+    with gateway(database, [server.url]) as (url, app):
+        key = _new_key(url, models=["tiny"])
+        client = _client(url, key)
+        assert [m.id for m in client.models.list().data] == ["tiny"]
+        answer = _chat(client)
+        assert answer.choices[0].message.content and answer.usage.completion_tokens == 8
+        completion = client.completions.create(model="tiny", prompt="The water is", max_tokens=8, extra_body=FIXED)
+        chunks = list(_chat(client, "Stream it", stream=True, stream_options={"include_usage": True}))
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert streamed and chunks[-1].usage is not None and not chunks[-1].choices
+        assert all(c.usage is None for c in chunks[:-1]), "usage in every chunk was not asked for"
+        plain = list(_chat(client, "No usage", stream=True))
+        assert all(c.usage is None for c in plain) and all(c.choices for c in plain)
+        got = [answer.usage, completion.usage, chunks[-1].usage]
+        logs = wait_for(lambda: (rows := _admin(url, "GET", "/spend/logs", params={"api_key": key}).json())
+                        and len(rows) == 4 and rows)
+        assert [(r["prompt_tokens"], r["completion_tokens"]) for r in logs[:3]] == \
+            [(u.prompt_tokens, u.completion_tokens) for u in got]
+        assert logs[3]["completion_tokens"] == 8 and logs[3]["prompt_tokens"] > 0 and logs[3]["stream"]
+        assert {r["status"] for r in logs} == {"success"} and {r["backend"] for r in logs} == {server.url}
+        for row, usage in zip(logs, got):
+            assert row["cost"] == pytest.approx(usage.prompt_tokens * IN_PRICE + usage.completion_tokens * OUT_PRICE)
+        info = _admin(url, "GET", "/key/info", params={"key": key}).json()["info"]
+        assert info["spend"] == pytest.approx(sum(r["cost"] for r in logs))
+        daily = _admin(url, "GET", "/spend/daily").json()
+        assert sum(d["requests"] for d in daily) == 4
+        csv_text = _admin(url, "GET", "/spend/logs", params={"api_key": key, "format": "csv"}).text
+        assert csv_text.splitlines()[0].startswith("request_id,") and len(csv_text.splitlines()) == 5
+
+
+def test_refusals_are_openai_errors(server, database):
+    with gateway(database, [server.url]) as (url, _):
+        with pytest.raises(openai.AuthenticationError):
+            _chat(_client(url, "sk-unknown"))
+        limited = _client(url, _new_key(url, models=["other"]))
+        with pytest.raises(openai.PermissionDeniedError) as denied:
+            _chat(limited)
+        assert denied.value.body["param"] == "model"
+        with pytest.raises(openai.NotFoundError):
+            limited.chat.completions.create(model="missing", messages=[{"role": "user", "content": "x"}])
+        rpm = _client(url, _new_key(url, rpm_limit=2))
+        _chat(rpm), _chat(rpm)
+        with pytest.raises(openai.RateLimitError) as limited_rate:
+            _chat(rpm)
+        assert 1 <= int(limited_rate.value.response.headers["retry-after"]) <= 60
+        assert limited_rate.value.body["param"] == "rpm_limit"
+        broke = _client(url, _new_key(url, max_budget=0.0))
+        with pytest.raises(openai.BadRequestError) as over:
+            _chat(broke)
+        assert over.value.body["code"] == "budget_exceeded" and "max_budget" in over.value.body["message"]
+        expired = _new_key(url, duration="1s")
+        wait_for(lambda: httpx.post(url + "/v1/chat/completions", headers={"Authorization": f"Bearer {expired}"},
+                                    json={}).status_code == 401, timeout=5)
+        with pytest.raises(openai.AuthenticationError):
+            _chat(_client(url, expired))
+        bad = httpx.post(url + "/v1/chat/completions", headers={"Authorization": f"Bearer {MASTER}"},
+                         content=b"{not json")
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
+
+
+def _burst(urls: list[str], key: str, count: int) -> list[object]:
+    def one(i):
+        try:
+            return _chat(_client(urls[i % len(urls)], key), f"Question {i}")
+        except openai.APIStatusError as exc:
+            return exc
+
+    with concurrent.futures.ThreadPoolExecutor(count) as pool:
+        return list(pool.map(one, range(count)))
+
+
+def _key_row(database: str, key_name: str) -> dict:
+    with create_engine(database).connect() as conn:
+        return dict(conn.execute(text("SELECT spend, reserved, in_flight FROM api_keys WHERE key_name = :n"),
+                                 {"n": key_name}).mappings().one())
+
+
+@pytest.mark.parametrize("gateways", [1, 2])
+def test_a_budget_holds_under_a_burst(server, database, gateways):
+    """20 concurrent requests on a key whose budget covers 5: spend ends at most one request's worst
+    case above the budget (with two gateways on one database too)."""
+    with contextlib.ExitStack() as stack:
+        urls = [stack.enter_context(gateway(database, [server.url]))[0] for _ in range(gateways)]
+        worst = 64 * OUT_PRICE + 0.001  # max_tokens 64 at the output price, plus a generous prompt bound
+        created = _admin(urls[0], "POST", "/key/generate", json={"max_budget": 5 * 8 * OUT_PRICE}).json()
+        results = _burst(urls, created["key"], 20)
+        served = [r for r in results if not isinstance(r, Exception)]
+        refused = [r for r in results if isinstance(r, Exception)]
+        assert served and refused, (len(served), [str(r) for r in refused][:3])
+        assert all(r.status_code == 400 and r.body["code"] == "budget_exceeded" for r in refused)
+        row = wait_for(lambda: (r := _key_row(database, created["key_name"])) and r["in_flight"] == 0
+                       and abs(r["reserved"]) < 1e-9 and r)
+        assert row["spend"] == pytest.approx(sum(8 * OUT_PRICE + r.usage.prompt_tokens * IN_PRICE for r in served))
+        assert row["spend"] <= 5 * 8 * OUT_PRICE + worst
+
+
+def test_rate_and_parallel_limits_hold_across_two_gateways(server, database):
+    with gateway(database, [server.url]) as (first, _), gateway(database, [server.url]) as (second, _):
+        key = _new_key(first, rpm_limit=4)
+        results = _burst([first, second], key, 10)
+        assert sum(not isinstance(r, Exception) for r in results) == 4
+        assert all(r.status_code == 429 for r in results if isinstance(r, Exception))
+        parallel = _new_key(first, max_parallel_requests=2)
+        results = _burst([first, second], parallel, 12)
+        refused = [r for r in results if isinstance(r, Exception)]
+        assert refused and all(r.status_code == 429 and r.body["param"] == "max_parallel_requests" for r in refused)
+        assert _key_row(database, _admin(first, "GET", "/key/info", params={"key": parallel})
+                        .json()["info"]["key_name"])["in_flight"] == 0
+
+
+def test_a_dead_replica_is_retried_around_then_cut_off_by_its_breaker(server, database):
+    dead = "http://127.0.0.1:9"  # nothing listens on the discard port
+    with gateway(database, [dead, server.url], routing="round_robin", breaker_failures=2, breaker_cooldown=60,
+                 health_interval=0) as (url, app):
+        client = _client(url, _new_key(url))
+        for i in range(6):
+            assert _chat(client, f"Try {i}").usage.completion_tokens == 8
+        backends = {b["url"]: b for b in _admin(url, "GET", "/health/backends").json() if b["model"] == "tiny"}
+        assert backends[dead]["circuit"] == "open" and "ConnectError" in backends[dead]["last_error"]
+        assert backends[server.url]["circuit"] == "closed"
+        metrics = _admin(url, "GET", "/metrics").text
+        failures = [line for line in metrics.splitlines()
+                    if line.startswith(f'treeserve_gateway:backend_failures_total{{backend="{dead}"')]
+        assert failures and float(failures[0].split()[-1]) == 2.0, failures  # then the breaker kept it out
+        logs = _admin(url, "GET", "/spend/logs").json()
+        assert {r["backend"] for r in logs} == {server.url} and len(logs) == 6
+
+
+def test_health_checks_mark_a_dead_replica_down(server, database):
+    dead = "http://127.0.0.1:9"
+    with gateway(database, [dead, server.url], health_interval=0.1) as (url, _):
+        assert wait_for(lambda: [b["healthy"] for b in _admin(url, "GET", "/health/backends").json()
+                                 if b["model"] == "tiny"] == [False, True])
+        metrics = _admin(url, "GET", "/metrics").text
+        assert f'treeserve_gateway:backend_up{{backend="{dead}"}} 0.0' in metrics
+        assert f'treeserve_gateway:backend_up{{backend="{server.url}"}} 1.0' in metrics
+        client = _client(url, _new_key(url))
+        assert _chat(client).usage.completion_tokens == 8
+
+
+def test_affinity_keeps_a_user_on_one_replica(server, database):
+    replicas = [server.url, server.url.replace("127.0.0.1", "localhost")]  # one server under two names
+    with gateway(database, replicas, routing="affinity") as (url, _):
+        client = _client(url, _new_key(url))
+        for user in ("ann", "bob", "cid", "dee"):
+            for _ in range(3):
+                _chat(client, "Hi", user=user)
+        logs = _admin(url, "GET", "/spend/logs").json()
+        by_user = {}
+        for i, row in enumerate(logs):
+            by_user.setdefault(i // 3, set()).add(row["backend"])
+        assert all(len(backends) == 1 for backends in by_user.values())
