@@ -104,3 +104,38 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05):
             return value
         time.sleep(interval)
     return predicate()
+
+
+@contextlib.contextmanager
+def replicas(model_dir: Path, count: int, api_key: str):
+    """`count` real `treeserve serve` processes of one model (served as 'tiny'); yields
+    [(url, process)]. Started together, stopped (killed if need be) at the end."""
+    import sys
+
+    import httpx
+
+    procs = []
+    try:
+        for _ in range(count):
+            port = _free_port()
+            args = [sys.executable, "-m", "treeserve.cli", "serve", str(model_dir), "--served-model-name", "tiny",
+                    "--port", str(port), "--api-key", api_key, "--dtype", "float32", "--device", "cpu",
+                    "--max-model-len", "512", "--kv-cache-memory-bytes", str(32 << 20)]
+            env = dict(os.environ, OMP_NUM_THREADS="1")
+            procs.append((f"http://127.0.0.1:{port}",
+                          subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)))
+        for url, proc in procs:
+            def up(url=url, proc=proc):
+                if proc.poll() is not None:
+                    raise RuntimeError(f"replica {url} exited: {proc.stderr.read().decode()[-2000:]}")
+                try:
+                    return httpx.get(url + "/health", timeout=1).status_code == 200
+                except httpx.HTTPError:
+                    return False
+            assert wait_for(up, timeout=120, interval=0.2), f"replica {url} did not start"
+        yield procs
+    finally:
+        for _, proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=30)

@@ -159,7 +159,8 @@ def build_app(config: GatewayConfig, store: Store | None = None) -> FastAPI:
                 metrics.key_requests.labels(key.label, exc.code or "refused").inc()
                 raise
         settle = Accounting(app, key, reservation, model, ROUTES[path], stream)
-        return await app.state.forwarder.forward(path, body, model, affinity_key(body), settle, started)
+        return await app.state.forwarder.forward(path, body, model, affinity_key(body), settle, started,
+                                                 settle.request_id)
 
     for path in ROUTES:
         app.add_api_route(path, proxy, methods=["POST"])

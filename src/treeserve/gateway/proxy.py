@@ -64,7 +64,7 @@ class Forwarder:
         self.router, self.client, self.metrics, self.retries = router, client, metrics, retries
 
     async def forward(self, path: str, body: dict, model: str, affinity: str | None,
-                      settle: Callable[[Outcome], "anyio.abc.Awaitable"], started: float) -> Response:
+                      settle: Callable[[Outcome], "anyio.abc.Awaitable"], started: float, request_id: str) -> Response:
         """`settle` is awaited when the request has ended (for a stream: when the stream has ended,
         however it ended); it must be idempotent (a failure path may call it again)."""
         stream = bool(body.get("stream"))
@@ -78,6 +78,7 @@ class Forwarder:
                 attempt_once = self._try_stream if stream else self._try_once
                 result = await attempt_once(path, upstream, backend, group, body, settle, started)
                 if isinstance(result, Response):
+                    result.headers["x-request-id"] = request_id
                     return result
                 last_error = result
         except BaseException:
@@ -87,7 +88,7 @@ class Forwarder:
         await settle(Outcome("error", model))
         self.metrics.requests.labels(model, "", "503").inc()
         return error_response(503, f"model {model!r}: no backend could answer ({last_error})",
-                              code="no_backend_available", headers={"Retry-After": "1"})
+                              code="no_backend_available", headers={"Retry-After": "1", "x-request-id": request_id})
 
     # ---- one attempt -------------------------------------------------------------------------
     async def _try_once(self, path, upstream, backend: Backend, group, body, settle, started) -> Response | str:
@@ -264,7 +265,7 @@ def _timeout(backend: Backend) -> httpx.Timeout:
 
 
 def _passed_headers(response: httpx.Response) -> dict[str, str]:
-    return {k: v for k, v in response.headers.items() if k.lower() in ("retry-after", "x-request-id")}
+    return {k: v for k, v in response.headers.items() if k.lower() == "retry-after"}
 
 
 def new_request_id() -> str:

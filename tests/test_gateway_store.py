@@ -1,0 +1,70 @@
+"""The gateway's storage layer on its own: migrations build exactly the ORM's schema, the gateway
+imports no engine (nor PyTorch), budgets reset after their period, key fields are checked."""
+from __future__ import annotations
+
+import datetime as dt
+import subprocess
+import sys
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from sqlalchemy import update
+
+from gateway_support import postgres  # noqa: F401  (a fixture)
+from treeserve.errors import ParamError
+from treeserve.gateway.schema import ApiKey, Base
+from treeserve.gateway.store import Store, Usage, utcnow
+from treeserve.server.errors import APIError
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store(request, tmp_path):
+    url = f"sqlite:///{tmp_path / 'g.db'}" if request.param == "sqlite" else \
+        request.getfixturevalue("postgres").new_database()
+    store = Store(url)
+    store.migrate()
+    yield store
+    store.close()
+
+
+def test_the_migrations_build_the_orm_schema(store):
+    store.migrate()  # a second time: a no-op
+    with store.engine.connect() as conn:
+        diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
+    assert diff == [], diff
+
+
+def test_importing_the_gateway_loads_no_engine():
+    code = ("import sys, treeserve.gateway.app, treeserve.cli_gateway; "
+            "bad = [m for m in ('torch', 'treeserve.engine', 'treeserve.model') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_budget_resets_after_its_period(store):
+    token, _ = store.create_key(max_budget=1.0, budget_duration="30d")
+    key = store.authenticate(token)
+    reservation = store.admit(key, 0.5)
+    store.settle(reservation, request_id="a", model="m", backend=None, route="chat", stream=False, status="success",
+                 usage=Usage(1, 1), cost=1.0, started_at=utcnow())
+    with pytest.raises(APIError) as refused:
+        store.admit(key, 0.5)
+    assert refused.value.code == "budget_exceeded" and "max_budget 1.0" in refused.value.message
+    with store.writing() as s, s.begin():
+        s.execute(update(ApiKey).values(budget_reset_at=utcnow() - dt.timedelta(seconds=1)))
+    store.admit(key, 0.5)
+    info = store.key_info(token)
+    assert info["spend"] == 0.0 and dt.datetime.fromisoformat(info["budget_reset_at"]) > utcnow() + dt.timedelta(days=29)
+
+
+def test_key_fields_are_checked(store):
+    with pytest.raises(ParamError) as bad:
+        store.create_key(budget_duration="monthly")
+    assert bad.value.param == "budget_duration"
+    with pytest.raises(ParamError) as negative:
+        store.create_key(rpm_limit=-1)
+    assert negative.value.param == "rpm_limit"
+    with pytest.raises(APIError) as missing:
+        store.delete_keys(["sk-not-there"])
+    assert missing.value.status == 404
