@@ -15,6 +15,10 @@ $(STAMP): pyproject.toml
 	# treeserve's CPU kernels are C, built on first use with cc (PyTorch paths run without one).
 	command -v cc >/dev/null || (command -v apt-get >/dev/null && apt-get update -q && apt-get install -y -q gcc) \
 		|| echo "no C compiler: treeserve runs its PyTorch paths (slower)"
+	# The gateway's tests run a throwaway PostgreSQL cluster (Debian's postgresql; they skip without it).
+	command -v initdb >/dev/null || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 \
+		|| (command -v apt-get >/dev/null && apt-get update -q && apt-get install -y -q postgresql) \
+		|| echo "no PostgreSQL: the gateway's PostgreSQL tests will skip"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# CPU wheel pinned: an unpinned torch pulls gigabytes of CUDA packages.

@@ -71,6 +71,7 @@ def test_sixty_requests_with_a_replica_killed_mid_run(llama_dir, tmp_path):
             assert len(plain) == 30 and all(r["usage"]["completion_tokens"] == TOKENS for r in plain)
             cut = [r for r in streams if r["error"]]
             assert all(r["usage"] and r["usage"]["completion_tokens"] == TOKENS for r in streams if not r["error"])
+            app.state.store.flush()
             rows = wait_for(lambda: len(app.state.store.spend_logs(limit=1000)) == 60, timeout=20) \
                 and app.state.store.spend_logs(limit=1000)
             logs = {row["request_id"]: row for row in rows}

@@ -14,7 +14,7 @@ from sqlalchemy import update
 from gateway_support import postgres  # noqa: F401  (a fixture)
 from treeserve.errors import ParamError
 from treeserve.gateway.schema import ApiKey, Base
-from treeserve.gateway.store import Store, Usage, utcnow
+from treeserve.gateway.store import Settlement, Store, Usage, utcnow
 from treeserve.server.errors import APIError
 
 
@@ -46,12 +46,11 @@ def test_a_budget_resets_after_its_period(store):
     token, _ = store.create_key(max_budget=1.0, budget_duration="30d")
     key = store.authenticate(token)
     reservation = store.admit(key, 0.5)
-    store.settle(reservation, request_id="a", model="m", backend=None, route="chat", stream=False, status="success",
-                 usage=Usage(1, 1), cost=1.0, started_at=utcnow())
+    store.settle(Settlement(reservation, "a", "m", None, "chat", False, "success", Usage(1, 1), 1.0, utcnow()))
     with pytest.raises(APIError) as refused:
         store.admit(key, 0.5)
     assert refused.value.code == "budget_exceeded" and "max_budget 1.0" in refused.value.message
-    with store.writing() as s, s.begin():
+    with store.transaction() as s:
         s.execute(update(ApiKey).values(budget_reset_at=utcnow() - dt.timedelta(seconds=1)))
     store.admit(key, 0.5)
     info = store.key_info(token)

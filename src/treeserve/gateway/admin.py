@@ -65,6 +65,7 @@ def admin_router(store: Store, require_master: Any, known_models: set[str]) -> A
 
     @router.get("/key/info")
     async def key_info(key: str = Query(..., description="the key, or its hash as /key/list shows it")):
+        await run_in_threadpool(store.flush)  # this process's settlements in flight, committed first
         return {"key": key if len(key) == 64 else None, "info": await run_in_threadpool(store.key_info, key)}
 
     @router.get("/key/list")
@@ -91,6 +92,7 @@ def admin_router(store: Store, require_master: Any, known_models: set[str]) -> A
 
     @router.get("/user/info")
     async def user_info(user_id: str):
+        await run_in_threadpool(store.flush)
         return await run_in_threadpool(store.user_info, user_id)
 
     @router.get("/spend/logs")
@@ -99,6 +101,7 @@ def admin_router(store: Store, require_master: Any, known_models: set[str]) -> A
                          limit: int = Query(1000, ge=1, le=100_000), format: str = Query("json", pattern="^(json|csv)$")):
         start = _midnight(start_date)
         end = _midnight(end_date + dt.timedelta(days=1)) if end_date else None
+        await run_in_threadpool(store.flush)
         rows = await run_in_threadpool(lambda: store.spend_logs(api_key, user_id, start, end, limit))
         if format == "csv":
             return PlainTextResponse(logs_csv(rows), media_type="text/csv",
@@ -107,6 +110,7 @@ def admin_router(store: Store, require_master: Any, known_models: set[str]) -> A
 
     @router.get("/spend/daily")
     async def daily_spend():
+        await run_in_threadpool(store.flush)
         return await run_in_threadpool(store.daily_spend)
 
     return router

@@ -25,7 +25,7 @@ from treeserve.gateway.keys import same_secret
 from treeserve.gateway.metrics import GatewayMetrics
 from treeserve.gateway.proxy import Forwarder, Outcome, new_request_id
 from treeserve.gateway.routing import Router, affinity_key
-from treeserve.gateway.store import KeyRecord, Reservation, Store, default_url, utcnow
+from treeserve.gateway.store import KeyRecord, Reservation, Settlement, Store, default_url, utcnow
 from treeserve.server.errors import APIError, install_error_handlers
 
 log = logging.getLogger("treeserve.gateway")
@@ -57,9 +57,9 @@ class Accounting:
         model = outcome.model or self.model
         usage = outcome.usage
         cost = pricing.cost(config.models[model], usage.prompt_tokens, usage.completion_tokens)
-        await run_in_threadpool(lambda: self.app.state.store.settle(
-            self.reservation, request_id=self.request_id, model=model, backend=outcome.backend, route=self.route,
-            stream=self.stream, status=outcome.status, usage=usage, cost=cost, started_at=self.started_at))
+        self.app.state.store.settle_later(Settlement(
+            self.reservation, self.request_id, model, outcome.backend, self.route, self.stream, outcome.status,
+            usage, cost, self.started_at))
         metrics: GatewayMetrics = self.app.state.metrics
         metrics.key_requests.labels(self.key.label, outcome.status).inc()
         metrics.key_tokens.labels(self.key.label, model, "prompt").inc(usage.prompt_tokens)

@@ -8,6 +8,7 @@ asked for `usage` in every chunk (`stream_options.continuous_usage_stats`), so a
 backend or by the client is billed for the tokens its client got."""
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
@@ -68,7 +69,8 @@ class Forwarder:
         """`settle` is awaited when the request has ended (for a stream: when the stream has ended,
         however it ended); it must be idempotent (a failure path may call it again)."""
         stream = bool(body.get("stream"))
-        plan = self.router.plan(model, affinity)[: 1 + self.retries]
+        # a single replica is tried again: a kept-alive connection its server just closed fails once
+        plan = list(itertools.islice(itertools.cycle(self.router.plan(model, affinity)), 1 + self.retries))
         last_error = "no backend is configured"
         try:
             for attempt, (group, backend) in enumerate(plan):

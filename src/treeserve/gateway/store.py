@@ -8,10 +8,15 @@ new count). SQLite runs in WAL mode and takes its write lock at the start of eac
 Calls are blocking: the app runs them in worker threads."""
 from __future__ import annotations
 
+import contextlib
 import csv
 import datetime as dt
 import io
-from dataclasses import dataclass
+import logging
+import queue
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from alembic import command
@@ -25,7 +30,9 @@ from treeserve.gateway import keys as keylib
 from treeserve.gateway.schema import ApiKey, DailySpend, RateWindow, SpendLog, User
 from treeserve.server.errors import APIError
 
+log = logging.getLogger("treeserve.gateway")
 MIGRATIONS = Path(__file__).parent / "migrations"
+SETTLEMENT_BATCH = 256  # settlements committed in one transaction, at most
 MASTER_KEY_ID = 0  # the master key's rows in daily_spend (its spend logs have no key_id)
 KEY_FIELDS = ("key_alias", "user_id", "models", "max_budget", "budget_duration", "rpm_limit", "tpm_limit",
               "max_parallel_requests", "metadata", "blocked")
@@ -80,6 +87,7 @@ class KeyRecord:
     rpm_limit: int | None
     tpm_limit: int | None
     max_parallel_requests: int | None
+    budgeted: bool = False  # the key or its user has a max_budget
 
     @property
     def label(self) -> str:
@@ -96,6 +104,7 @@ class Reservation:
     worst_cost: float
     parallel: bool
     window: int
+    counted: bool = False  # counted in its minute's rate window (the key has rpm or tpm limits)
 
 
 @dataclass
@@ -112,8 +121,10 @@ class Store:
     def __init__(self, url: str):
         self.url = url
         self.engine = make_engine(url)
-        self.writer = self.engine.execution_options(writing=True)
         self.dialect = self.engine.dialect.name
+        self.writer = self.engine.execution_options(writing=True)
+        self._write_lock = threading.Lock() if self.dialect == "sqlite" else contextlib.nullcontext()
+        self._writer = SettlementWriter(self)
 
     def migrate(self) -> None:
         """Brings the schema to the newest revision (Alembic; a no-op when it is there)."""
@@ -124,6 +135,7 @@ class Store:
             command.upgrade(config, "head")
 
     def close(self) -> None:
+        self._writer.close()
         self.engine.dispose()
 
     # ---- users -------------------------------------------------------------------------------
@@ -131,13 +143,16 @@ class Store:
         """For reads."""
         return Session(self.engine, expire_on_commit=False)
 
-    def writing(self) -> Session:
-        """For a transaction that writes: `with store.writing() as s, s.begin(): ...`."""
-        return Session(self.writer, expire_on_commit=False)
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[Session]:
+        """A transaction that writes. On SQLite this process's writers also queue on a lock first:
+        SQLite's own busy handler waits by sleeping (up to 100 ms a turn), a lock hands over at once."""
+        with self._write_lock, Session(self.writer, expire_on_commit=False) as session, session.begin():
+            yield session
 
     def create_user(self, user_id: str, **fields) -> dict:
         now = utcnow()
-        with self.writing() as conn, conn.begin():
+        with self.transaction() as conn:
             if conn.get(User, user_id) is not None:
                 raise APIError(400, f"user_id: user {user_id!r} already exists", param="user_id",
                                code="user_exists")
@@ -155,7 +170,7 @@ class Store:
         return {"user_id": user_id, "user_info": _public_user(user), "keys": [_public_key(k) for k in rows]}
 
     def set_password_hash(self, user_id: str, password_hash: str) -> None:
-        with self.writing() as conn, conn.begin():
+        with self.transaction() as conn:
             conn.execute(update(User).where(User.user_id == user_id).values(password_hash=password_hash))
 
     # ---- keys --------------------------------------------------------------------------------
@@ -167,7 +182,7 @@ class Store:
         values.setdefault("extra", {})
         if duration:
             values["expires_at"] = now + keylib.parse_duration(duration, "duration")
-        with self.writing() as conn, conn.begin():
+        with self.transaction() as conn:
             if values.get("user_id") and conn.get(User, values["user_id"]) is None:
                 conn.execute(insert(User).values(user_id=values["user_id"], spend=0.0, reserved=0.0,
                                                             extra={}, created_at=now))
@@ -188,7 +203,7 @@ class Store:
         if "duration" in fields:
             duration = fields.pop("duration")
             values["expires_at"] = utcnow() + keylib.parse_duration(duration, "duration") if duration else None
-        with self.writing() as conn, conn.begin():
+        with self.transaction() as conn:
             result = conn.execute(update(ApiKey).where(ApiKey.token_hash == _token_hash(token)).values(**values))
             if result.rowcount == 0:
                 raise APIError(404, "key: no such key", param="key", code="key_not_found")
@@ -196,7 +211,7 @@ class Store:
 
     def delete_keys(self, tokens: list[str]) -> list[str]:
         hashes = [_token_hash(t) for t in tokens]
-        with self.writing() as conn, conn.begin():
+        with self.transaction() as conn:
             found = set(conn.execute(select(ApiKey.token_hash).where(ApiKey.token_hash.in_(hashes))).scalars())
             missing = [t for t, h in zip(tokens, hashes) if h not in found]
             if missing:
@@ -216,15 +231,16 @@ class Store:
         """The key's record, or None for an unknown, expired or blocked key."""
         with self.session() as conn:
             row = conn.execute(
-                select(ApiKey, User.models).outerjoin(User, User.user_id == ApiKey.user_id)
+                select(ApiKey, User.models, User.max_budget).outerjoin(User, User.user_id == ApiKey.user_id)
                 .where(ApiKey.token_hash == keylib.hash_key(token))).first()
         if row is None or row[0].blocked:
             return None
-        key, user_models = row
+        key, user_models, user_budget = row
         if key.expires_at is not None and _aware(key.expires_at) <= utcnow():
             return None
         return KeyRecord(key.id, key.key_name, key.key_alias, key.user_id, key.models, user_models,
-                         key.rpm_limit, key.tpm_limit, key.max_parallel_requests)
+                         key.rpm_limit, key.tpm_limit, key.max_parallel_requests,
+                         key.max_budget is not None or user_budget is not None)
 
     # ---- admission and settlement ----------------------------------------------------------------
     def admit(self, key: KeyRecord, worst_cost: float) -> Reservation:
@@ -233,9 +249,14 @@ class Store:
         now = utcnow()
         window = int(now.timestamp() // 60)
         retry_after = {"Retry-After": str(max(1, 60 - now.second))}
-        with self.writing() as conn, conn.begin():
-            self._reset_due_budgets(conn, key, now)
-            parallel = key.max_parallel_requests is not None
+        parallel = key.max_parallel_requests is not None
+        counted = key.rpm_limit is not None or key.tpm_limit is not None
+        if not (key.budgeted or parallel or counted):
+            return Reservation(key.id, key.user_id, 0.0, False, window)  # nothing to hold: no write
+        worst_cost = worst_cost if key.budgeted else 0.0
+        with self.transaction() as conn:
+            if key.budgeted:
+                self._reset_due_budgets(conn, key, now)
             if parallel:
                 taken = conn.execute(update(ApiKey).where(ApiKey.id == key.id,
                                                           ApiKey.in_flight < key.max_parallel_requests)
@@ -244,7 +265,7 @@ class Store:
                     raise APIError(429, f"max_parallel_requests: this key already has {key.max_parallel_requests} "
                                    "requests in flight", param="max_parallel_requests", code="parallel_limit",
                                    headers={"Retry-After": "1"})
-            if key.rpm_limit is not None or key.tpm_limit is not None:
+            if counted:
                 requests, tokens = self._count_request(conn, key.id, window)
                 if key.rpm_limit is not None and requests > key.rpm_limit:
                     raise APIError(429, f"rpm_limit: this key's limit of {key.rpm_limit} requests per minute is "
@@ -252,37 +273,52 @@ class Store:
                 if key.tpm_limit is not None and tokens >= key.tpm_limit:
                     raise APIError(429, f"tpm_limit: this key's limit of {key.tpm_limit} tokens per minute is "
                                    "reached", param="tpm_limit", code="rate_limit", headers=retry_after)
-            self._reserve(conn, ApiKey, ApiKey.id == key.id, worst_cost, "key")
-            if key.user_id is not None:
-                self._reserve(conn, User, User.user_id == key.user_id, worst_cost, "user")
-        return Reservation(key.id, key.user_id, worst_cost, parallel, window)
+            if key.budgeted:
+                self._reserve(conn, ApiKey, ApiKey.id == key.id, worst_cost, "key")
+                if key.user_id is not None:
+                    self._reserve(conn, User, User.user_id == key.user_id, worst_cost, "user")
+        return Reservation(key.id, key.user_id, worst_cost, parallel, window, counted)
 
-    def settle(self, reservation: Reservation, *, request_id: str, model: str, backend: str | None, route: str,
-               stream: bool, status: str, usage: Usage, cost: float, started_at: dt.datetime) -> None:
-        """Turns the reservation into the real cost: spend, tokens in the minute, a log row, the day's total."""
-        with self.writing() as conn, conn.begin():
+    def settle(self, settlement: "Settlement") -> None:
+        """Turns a reservation into the real cost now (see `settle_later` for the serving path)."""
+        with self.transaction() as conn:
+            self._apply(conn, settlement)
+
+    def settle_later(self, settlement: "Settlement") -> None:
+        """Queues the settlement for the writer thread, which commits whatever has queued up in one
+        transaction: one write per batch instead of one per request. Budgets stay safe meanwhile,
+        since a request's worst case stays reserved until its settlement is committed."""
+        self._writer.put(settlement)
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Waits until every queued settlement is committed."""
+        self._writer.flush(timeout)
+
+    def _apply(self, conn: Session, item: "Settlement") -> None:
+        """Spend, tokens in the minute, a log row and the day's total, for one request."""
+        reservation, usage, cost = item.reservation, item.usage, item.cost
+        if reservation.key_id is not None:
             key_values = dict(reserved=ApiKey.reserved - reservation.worst_cost, spend=ApiKey.spend + cost)
             if reservation.parallel:
                 key_values["in_flight"] = ApiKey.in_flight - 1
-            if reservation.key_id is not None:
-                conn.execute(update(ApiKey).where(ApiKey.id == reservation.key_id).values(**key_values))
-            if reservation.user_id is not None:
-                conn.execute(update(User).where(User.user_id == reservation.user_id)
-                             .values(reserved=User.reserved - reservation.worst_cost, spend=User.spend + cost))
-            if usage.total_tokens:
-                conn.execute(update(RateWindow).where(RateWindow.key_id == reservation.key_id,
-                                                      RateWindow.window == reservation.window)
-                             .values(tokens=RateWindow.tokens + usage.total_tokens))
-            conn.execute(insert(SpendLog).values(
-                request_id=request_id, key_id=reservation.key_id, user_id=reservation.user_id, model=model,
-                backend=backend, route=route, stream=stream, status=status, prompt_tokens=usage.prompt_tokens,
-                completion_tokens=usage.completion_tokens, cost=cost, started_at=started_at, ended_at=utcnow()))
-            self._upsert(conn, DailySpend, dict(day=started_at.date(), key_id=reservation.key_id or MASTER_KEY_ID,
-                                                model=model,
-                                                user_id=reservation.user_id, requests=1,
-                                                prompt_tokens=usage.prompt_tokens,
-                                                completion_tokens=usage.completion_tokens, cost=cost),
-                         ["day", "key_id", "model"], ["requests", "prompt_tokens", "completion_tokens", "cost"])
+            conn.execute(update(ApiKey).where(ApiKey.id == reservation.key_id).values(**key_values))
+        if reservation.user_id is not None:
+            conn.execute(update(User).where(User.user_id == reservation.user_id)
+                         .values(reserved=User.reserved - reservation.worst_cost, spend=User.spend + cost))
+        if usage.total_tokens and reservation.counted:
+            conn.execute(update(RateWindow).where(RateWindow.key_id == reservation.key_id,
+                                                  RateWindow.window == reservation.window)
+                         .values(tokens=RateWindow.tokens + usage.total_tokens))
+        conn.execute(insert(SpendLog).values(
+            request_id=item.request_id, key_id=reservation.key_id, user_id=reservation.user_id, model=item.model,
+            backend=item.backend, route=item.route, stream=item.stream, status=item.status,
+            prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens, cost=cost,
+            started_at=item.started_at, ended_at=item.ended_at))
+        self._upsert(conn, DailySpend, dict(day=item.started_at.date(), key_id=reservation.key_id or MASTER_KEY_ID,
+                                            model=item.model, user_id=reservation.user_id, requests=1,
+                                            prompt_tokens=usage.prompt_tokens,
+                                            completion_tokens=usage.completion_tokens, cost=cost),
+                     ["day", "key_id", "model"], ["requests", "prompt_tokens", "completion_tokens", "cost"])
 
     def _reset_due_budgets(self, conn: Session, key: KeyRecord, now: dt.datetime) -> None:
         targets = [(ApiKey, ApiKey.id == key.id)]
@@ -351,6 +387,80 @@ class Store:
     def total_spend(self) -> float:
         with self.session() as conn:
             return float(conn.execute(select(func.coalesce(func.sum(SpendLog.cost), 0.0))).scalar())
+
+
+@dataclass
+class Settlement:
+    reservation: Reservation
+    request_id: str
+    model: str
+    backend: str | None
+    route: str
+    stream: bool
+    status: str
+    usage: Usage
+    cost: float
+    started_at: dt.datetime
+    ended_at: dt.datetime = field(default_factory=utcnow)
+
+
+class SettlementWriter:
+    """One thread that commits queued settlements in batches (started on first use)."""
+
+    def __init__(self, store: Store):
+        self.store = store
+        self.queue: queue.Queue[Settlement | None] = queue.Queue()
+        self.thread: threading.Thread | None = None
+        self.lock = threading.Lock()
+
+    def put(self, item: Settlement) -> None:
+        with self.lock:
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="gateway-settlements", daemon=True)
+                self.thread.start()
+        self.queue.put(item)
+
+    def flush(self, timeout: float) -> None:
+        if self.thread is not None:
+            done = threading.Event()
+            self.queue.put(done)  # type: ignore[arg-type]
+            done.wait(timeout)
+
+    def close(self) -> None:
+        if self.thread is not None:
+            self.queue.put(None)
+            self.thread.join(timeout=30)
+            self.thread = None
+
+    def _run(self) -> None:
+        while True:
+            batch = [self.queue.get()]
+            while len(batch) < SETTLEMENT_BATCH:
+                try:
+                    batch.append(self.queue.get_nowait())
+                except queue.Empty:
+                    break
+            items = [b for b in batch if isinstance(b, Settlement)]
+            if items:
+                self._commit(items)
+            for marker in batch:
+                if isinstance(marker, threading.Event):
+                    marker.set()
+            if any(b is None for b in batch):
+                return
+
+    def _commit(self, items: list[Settlement]) -> None:
+        try:
+            with self.store.transaction() as conn:
+                for item in items:
+                    self.store._apply(conn, item)
+        except Exception:  # one bad row must not lose the batch: commit them one by one
+            log.exception("committing %d settlements together failed; retrying one by one", len(items))
+            for item in items:
+                try:
+                    self.store.settle(item)
+                except Exception:
+                    log.exception("settlement of %s lost", item.request_id)
 
 
 def logs_csv(rows: list[dict]) -> str:

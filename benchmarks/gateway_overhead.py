@@ -1,0 +1,102 @@
+"""The gateway's cost: the same load straight to `treeserve serve` and through `treeserve gateway`
+(key checked, worst case reserved, usage settled in SQLite, stream relayed), alternately.
+
+Starts the default server (the bundled arith-gen) and a gateway in front of it, each its own
+process on this machine, creates a key, then runs `treeserve bench serve`'s load (random prompts,
+streamed, fixed output length) at concurrency 32 against each, `--pairs` times, alternating which
+goes first. Prints output tok/s and TTFT p50 of every run, the ratio gateway / direct by pair and
+its median, and the TTFT the gateway adds (median over pairs).
+
+    python benchmarks/gateway_overhead.py [--pairs 3] [--concurrency 32] [--num-requests 256]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import httpx
+
+from treeserve.bench.overhead import wait_healthy
+from treeserve.bench.run import BenchConfig, run_benchmark
+
+MASTER = "sk-bench-master"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def process(args: list[str], url: str):
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_healthy(url, proc, timeout=300)
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def load(url: str, key: str | None, args, out: Path) -> dict:
+    config = BenchConfig(base_url=url, out=str(out), model="arith-gen", api_key=key, concurrency=[args.concurrency],
+                         num_requests=args.num_requests, input_len=[args.input_len], output_len=[args.output_len],
+                         warmup=args.concurrency, plots=False)
+    level = run_benchmark(config)["levels"][0]
+    if level["failed"]:
+        raise RuntimeError(f"{url}: {level['failed']} requests failed: {level['errors']}")
+    return {"tok_s": level["output_throughput"], "ttft_p50_ms": level["ttft_ms"]["median"]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="gateway-overhead-"))
+    server_port, gateway_port = free_port(), free_port()
+    direct, through = f"http://127.0.0.1:{server_port}", f"http://127.0.0.1:{gateway_port}"
+    cli = [sys.executable, "-m", "treeserve.cli"]
+    with process(cli + ["serve", "--port", str(server_port)], direct), \
+            process(cli + ["gateway", "--backend", f"arith-gen={direct}", "--master-key", MASTER,
+                           "--database", f"sqlite:///{work / 'gateway.db'}", "--port", str(gateway_port)], through):
+        key = httpx.post(through + "/key/generate", headers={"Authorization": f"Bearer {MASTER}"},
+                         json={"key_alias": "bench"}, timeout=30).json()["key"]
+        runs = []
+        for pair in range(args.pairs):
+            order = [("direct", direct, None), ("gateway", through, key)]
+            result = {}
+            for name, url, api_key in order if pair % 2 == 0 else order[::-1]:
+                result[name] = load(url, api_key, args, work / f"{name}_{pair}")
+                print(f"pair {pair + 1} {name}: {result[name]['tok_s']:.1f} output tok/s, "
+                      f"TTFT p50 {result[name]['ttft_p50_ms']:.1f} ms", flush=True)
+            runs.append(result)
+        logs = httpx.get(through + "/spend/logs", params={"limit": 100000},
+                         headers={"Authorization": f"Bearer {MASTER}"}, timeout=60).json()
+    ratios = [r["gateway"]["tok_s"] / r["direct"]["tok_s"] for r in runs]
+    added = [r["gateway"]["ttft_p50_ms"] - r["direct"]["ttft_p50_ms"] for r in runs]
+    print(f"throughput gateway / direct by pair: {', '.join(f'{x:.3f}' for x in ratios)} "
+          f"(median {statistics.median(ratios):.3f})")
+    print(f"TTFT p50 added by the gateway by pair: {', '.join(f'{x:+.1f}' for x in added)} ms "
+          f"(median {statistics.median(added):+.1f} ms)")
+    print(f"spend logs written: {len(logs)} (every request through the gateway, warm-ups included)")
+    print(json.dumps({"runs": runs, "ratios": ratios, "ttft_added_ms": added}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
