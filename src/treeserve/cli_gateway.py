@@ -87,7 +87,9 @@ def cmd_gateway(args) -> int:
               "with `treeserve gateway keys create`", file=sys.stderr)
     for model in config.models.values():
         print(f"model {model.name}: {', '.join(b.url for b in model.backends)}", file=sys.stderr)
-    uvicorn.run(build_app(config), host=args.host, port=args.port, log_level="info")
+    # uvloop and httptools: the event loop and HTTP parser in C (a relayed stream is many small writes)
+    uvicorn.run(build_app(config), host=args.host, port=args.port, log_level="info", loop="uvloop",
+                http="httptools")
     return 0
 
 

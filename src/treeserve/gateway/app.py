@@ -12,7 +12,7 @@ import json
 import logging
 import time
 
-import httpx
+import aiohttp
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
@@ -75,8 +75,10 @@ def build_app(config: GatewayConfig, store: Store | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         await run_in_threadpool(store.migrate)
-        limits = httpx.Limits(max_connections=2048, max_keepalive_connections=256)
-        client = httpx.AsyncClient(limits=limits, timeout=None)
+        # aiohttp for the upstream side: its C parser reads a stream at a fraction of httpx's cost per chunk
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0)  # under uvicorn's 5 s keep-alive
+        client = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None),
+                                       json_serialize=json.dumps)
         app.state.forwarder = Forwarder(router, client, metrics, config.retries)
         health = asyncio.create_task(health_loop(router, client, metrics, config.health_interval)) \
             if config.health_interval > 0 else None
@@ -85,7 +87,7 @@ def build_app(config: GatewayConfig, store: Store | None = None) -> FastAPI:
         finally:
             if health is not None:
                 health.cancel()
-            await client.aclose()
+            await client.close()
             store.close()
 
     app = FastAPI(title="treeserve gateway", lifespan=lifespan)

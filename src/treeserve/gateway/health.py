@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import httpx
+import aiohttp
 
 from treeserve.gateway.metrics import GatewayMetrics
 from treeserve.gateway.routing import Backend, Router
@@ -14,14 +14,15 @@ log = logging.getLogger("treeserve.gateway")
 CHECK_TIMEOUT = 2.0
 
 
-async def check(backend: Backend, client: httpx.AsyncClient, metrics: GatewayMetrics) -> bool:
+async def check(backend: Backend, client: aiohttp.ClientSession, metrics: GatewayMetrics) -> bool:
     headers = {"Authorization": f"Bearer {backend.config.api_key}"} if backend.config.api_key else {}
+    timeout = aiohttp.ClientTimeout(total=CHECK_TIMEOUT)
     try:
-        response = await client.get(backend.url + "/health", headers=headers, timeout=CHECK_TIMEOUT)
-        if response.status_code == 404:
-            response = await client.get(backend.url + "/v1/models", headers=headers, timeout=CHECK_TIMEOUT)
-        healthy = response.status_code < 400
-    except httpx.HTTPError:
+        status = await _status(client, backend.url + "/health", headers, timeout)
+        if status == 404:
+            status = await _status(client, backend.url + "/v1/models", headers, timeout)
+        healthy = status < 400
+    except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError):
         healthy = False
     if healthy != backend.healthy:
         log.warning("backend %s is %s", backend.url, "healthy again" if healthy else "failing its health check")
@@ -30,7 +31,13 @@ async def check(backend: Backend, client: httpx.AsyncClient, metrics: GatewayMet
     return healthy
 
 
-async def health_loop(router: Router, client: httpx.AsyncClient, metrics: GatewayMetrics, interval: float) -> None:
+async def _status(client: aiohttp.ClientSession, url: str, headers: dict, timeout: aiohttp.ClientTimeout) -> int:
+    async with client.get(url, headers=headers, timeout=timeout) as response:
+        await response.read()
+        return response.status
+
+
+async def health_loop(router: Router, client: aiohttp.ClientSession, metrics: GatewayMetrics, interval: float) -> None:
     while True:
         await asyncio.gather(*(check(b, client, metrics) for b in router.backends()))
         await asyncio.sleep(interval)

@@ -8,6 +8,7 @@ asked for `usage` in every chunk (`stream_options.continuous_usage_stats`), so a
 backend or by the client is billed for the tokens its client got."""
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import logging
@@ -16,8 +17,8 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+import aiohttp
 import anyio
-import httpx
 from fastapi.responses import Response, StreamingResponse
 
 from treeserve.gateway.metrics import GatewayMetrics
@@ -27,6 +28,8 @@ from treeserve.server.errors import error_response
 
 log = logging.getLogger("treeserve.gateway")
 RETRYABLE_STATUS = {429, 503}
+# What a failed attempt raises: connection refused or reset, the server gone mid-answer, a timeout.
+UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
 
 
 @dataclass
@@ -61,7 +64,7 @@ class StreamState:
 
 
 class Forwarder:
-    def __init__(self, router: Router, client: httpx.AsyncClient, metrics: GatewayMetrics, retries: int):
+    def __init__(self, router: Router, client: aiohttp.ClientSession, metrics: GatewayMetrics, retries: int):
         self.router, self.client, self.metrics, self.retries = router, client, metrics, retries
 
     async def forward(self, path: str, body: dict, model: str, affinity: str | None,
@@ -96,62 +99,64 @@ class Forwarder:
     async def _try_once(self, path, upstream, backend: Backend, group, body, settle, started) -> Response | str:
         self._begin(backend)
         try:
-            response = await self.client.post(backend.url + path, json=upstream, headers=_headers(backend),
-                                              timeout=_timeout(backend))
-        except httpx.HTTPError as exc:
+            async with self.client.post(backend.url + path, json=upstream, headers=_headers(backend),
+                                        timeout=_timeout(backend, whole=True)) as response:
+                status, content = response.status, await response.read()
+                headers = {"Retry-After": response.headers["Retry-After"]} if "Retry-After" in response.headers else {}
+        except UPSTREAM_ERRORS as exc:
             return self._failed(backend, exc)
         finally:
             self._end(backend)
-        if response.status_code in RETRYABLE_STATUS:
-            return self._failed(backend, f"HTTP {response.status_code}", breaker=response.status_code == 503)
-        self._record_health(backend, response.status_code)
-        outcome = Outcome("success" if response.status_code == 200 else "error", group, backend.url)
-        content = response.content
-        if response.status_code == 200:
+        if status in RETRYABLE_STATUS:
+            return self._failed(backend, f"HTTP {status}", breaker=status == 503)
+        self._record_health(backend, status)
+        outcome = Outcome("success" if status == 200 else "error", group, backend.url)
+        if status == 200:
             try:
                 usage = json.loads(content).get("usage") or {}
             except (ValueError, AttributeError):
                 usage = {}
             outcome.usage = Usage(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))
         await settle(outcome)
-        self.metrics.requests.labels(group, backend.url, str(response.status_code)).inc()
+        self.metrics.requests.labels(group, backend.url, str(status)).inc()
         self.metrics.latency.labels(group).observe(time.perf_counter() - started)
-        return Response(content, status_code=response.status_code, media_type="application/json",
-                        headers=_passed_headers(response))
+        return Response(content, status_code=status, media_type="application/json", headers=headers)
 
     async def _try_stream(self, path, upstream, backend: Backend, group, body, settle, started) -> Response | str:
         self._begin(backend)
-        request = self.client.build_request("POST", backend.url + path, json=upstream, headers=_headers(backend),
-                                            timeout=_timeout(backend))
         try:
-            response = await self.client.send(request, stream=True)
-        except httpx.HTTPError as exc:
+            response = await self.client.post(backend.url + path, json=upstream, headers=_headers(backend),
+                                              timeout=_timeout(backend, whole=False))
+        except UPSTREAM_ERRORS as exc:
             self._end(backend)
             return self._failed(backend, exc)
-        if response.status_code != 200:
-            content = await response.aread()
-            await response.aclose()
+        if response.status != 200:
+            try:
+                content = await response.read()
+            except UPSTREAM_ERRORS as exc:
+                content = json.dumps({"error": {"message": f"the backend failed: {exc}"}}).encode()
+            response.release()
             self._end(backend)
-            if response.status_code in RETRYABLE_STATUS:
-                return self._failed(backend, f"HTTP {response.status_code}", breaker=response.status_code == 503)
-            self._record_health(backend, response.status_code)
+            if response.status in RETRYABLE_STATUS:
+                return self._failed(backend, f"HTTP {response.status}", breaker=response.status == 503)
+            self._record_health(backend, response.status)
             await settle(Outcome("error", group, backend.url))
-            self.metrics.requests.labels(group, backend.url, str(response.status_code)).inc()
-            return Response(content, status_code=response.status_code, media_type="application/json")
+            self.metrics.requests.labels(group, backend.url, str(response.status)).inc()
+            return Response(content, status_code=response.status, media_type="application/json")
         events = _sse_events(response)
         try:
             first = await events.__anext__()
-        except (httpx.HTTPError, StopAsyncIteration) as exc:
-            await response.aclose()
+        except (*UPSTREAM_ERRORS, StopAsyncIteration) as exc:
+            response.close()
             self._end(backend)
-            return self._failed(backend, exc if isinstance(exc, httpx.HTTPError) else "the stream ended at once")
+            return self._failed(backend, exc if not isinstance(exc, StopAsyncIteration) else "the stream ended at once")
         options = body.get("stream_options") or {}
         state = StreamState(bool(options.get("include_usage")), bool(options.get("continuous_usage_stats")))
         relay = self._relay(first, events, response, backend, group, state, settle, started)
         return StreamingResponse(relay, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def _relay(self, first: str, events: AsyncIterator[str], response: httpx.Response, backend: Backend,
+    async def _relay(self, first: str, events: AsyncIterator[str], response: aiohttp.ClientResponse, backend: Backend,
                      group: str, state: StreamState, settle, started: float) -> AsyncIterator[bytes]:
         outcome = Outcome("client_closed", group, backend.url)
         try:
@@ -165,7 +170,7 @@ class Forwarder:
                     yield out
             outcome.status = "success"
             backend.breaker.on_success()
-        except httpx.HTTPError as exc:
+        except UPSTREAM_ERRORS as exc:
             outcome.status = "cut"
             self._failed(backend, exc)
             message = f"the backend's stream broke off ({type(exc).__name__}); it is not replayed"
@@ -174,7 +179,7 @@ class Forwarder:
             yield b"data: [DONE]\n\n"
         finally:
             with anyio.CancelScope(shield=True):
-                await response.aclose()
+                response.close()  # not released to the pool: an unfinished stream's connection is dropped
                 self._end(backend)
                 outcome.usage = state.billed()
                 await settle(outcome)
@@ -202,8 +207,8 @@ class Forwarder:
         self.metrics.backend_outstanding.labels(backend.url).set(backend.outstanding)
 
     def _failed(self, backend: Backend, error, breaker: bool = True) -> str:
-        reason = type(error).__name__ if isinstance(error, Exception) else str(error)
-        text = f"{backend.url}: {reason}" + (f" ({error})" if isinstance(error, Exception) and str(error) else "")
+        reason = type(error).__name__ if isinstance(error, BaseException) else str(error)
+        text = f"{backend.url}: {reason}" + (f" ({error})" if isinstance(error, BaseException) and str(error) else "")
         backend.last_error = text
         if breaker:
             backend.breaker.on_failure()
@@ -220,15 +225,22 @@ class Forwarder:
         self.metrics.breaker_open.labels(backend.url).set(int(backend.breaker.state == "open"))
 
 
-async def _sse_events(response: httpx.Response) -> AsyncIterator[str]:
-    """The stream's events, each its `data:` payload text."""
+async def _sse_events(response: aiohttp.ClientResponse) -> AsyncIterator[str]:
+    """The stream's events, each its `data:` payload text (lines of any length)."""
     data: list[str] = []
-    async for line in response.aiter_lines():
-        if line.startswith("data:"):
-            data.append(line[5:].lstrip())
-        elif not line and data:
-            yield "\n".join(data)
-            data = []
+    pending = b""
+    async for piece in response.content.iter_any():
+        lines = (pending + piece).split(b"\n")
+        pending = lines.pop()
+        for raw in lines:
+            line = raw.rstrip(b"\r")
+            if line.startswith(b"data:"):
+                data.append(line[5:].lstrip().decode())
+            elif not line and data:
+                yield "\n".join(data)
+                data = []
+    if pending.startswith(b"data:"):
+        data.append(pending[5:].strip().decode())
     if data:
         yield "\n".join(data)
 
@@ -262,12 +274,11 @@ def _headers(backend: Backend) -> dict[str, str]:
     return {"Authorization": f"Bearer {backend.config.api_key}"} if backend.config.api_key else {}
 
 
-def _timeout(backend: Backend) -> httpx.Timeout:
-    return httpx.Timeout(backend.config.timeout, connect=backend.config.connect_timeout)
-
-
-def _passed_headers(response: httpx.Response) -> dict[str, str]:
-    return {k: v for k, v in response.headers.items() if k.lower() == "retry-after"}
+def _timeout(backend: Backend, whole: bool) -> aiohttp.ClientTimeout:
+    """A non-streamed answer gets `timeout` in all; a stream gets it between chunks."""
+    if whole:
+        return aiohttp.ClientTimeout(total=backend.config.timeout, connect=backend.config.connect_timeout)
+    return aiohttp.ClientTimeout(total=None, connect=backend.config.connect_timeout, sock_read=backend.config.timeout)
 
 
 def new_request_id() -> str:
