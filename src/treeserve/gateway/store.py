@@ -15,6 +15,7 @@ import io
 import logging
 import queue
 import threading
+from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -295,30 +296,50 @@ class Store:
         self._writer.flush(timeout)
 
     def _apply(self, conn: Session, item: "Settlement") -> None:
-        """Spend, tokens in the minute, a log row and the day's total, for one request."""
-        reservation, usage, cost = item.reservation, item.usage, item.cost
-        if reservation.key_id is not None:
-            key_values = dict(reserved=ApiKey.reserved - reservation.worst_cost, spend=ApiKey.spend + cost)
-            if reservation.parallel:
-                key_values["in_flight"] = ApiKey.in_flight - 1
-            conn.execute(update(ApiKey).where(ApiKey.id == reservation.key_id).values(**key_values))
-        if reservation.user_id is not None:
-            conn.execute(update(User).where(User.user_id == reservation.user_id)
-                         .values(reserved=User.reserved - reservation.worst_cost, spend=User.spend + cost))
-        if usage.total_tokens and reservation.counted:
-            conn.execute(update(RateWindow).where(RateWindow.key_id == reservation.key_id,
-                                                  RateWindow.window == reservation.window)
-                         .values(tokens=RateWindow.tokens + usage.total_tokens))
-        conn.execute(insert(SpendLog).values(
-            request_id=item.request_id, key_id=reservation.key_id, user_id=reservation.user_id, model=item.model,
-            backend=item.backend, route=item.route, stream=item.stream, status=item.status,
-            prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens, cost=cost,
-            started_at=item.started_at, ended_at=item.ended_at))
-        self._upsert(conn, DailySpend, dict(day=item.started_at.date(), key_id=reservation.key_id or MASTER_KEY_ID,
-                                            model=item.model, user_id=reservation.user_id, requests=1,
-                                            prompt_tokens=usage.prompt_tokens,
-                                            completion_tokens=usage.completion_tokens, cost=cost),
-                     ["day", "key_id", "model"], ["requests", "prompt_tokens", "completion_tokens", "cost"])
+        self._apply_many(conn, [item])
+
+    def _apply_many(self, conn: Session, items: list["Settlement"]) -> None:
+        """Spend, tokens in the minute, a log row and the day's total for each request, with one
+        statement per key, user, minute and day touched (not one per request)."""
+        keys: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])  # released, spent, slots
+        users: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+        windows: dict[tuple[int, int], int] = defaultdict(int)
+        days: dict[tuple, list] = {}
+        for item in items:
+            reservation, usage = item.reservation, item.usage
+            if reservation.key_id is not None:
+                entry = keys[reservation.key_id]
+                entry[0] += reservation.worst_cost
+                entry[1] += item.cost
+                entry[2] += int(reservation.parallel)
+            if reservation.user_id is not None:
+                users[reservation.user_id][0] += reservation.worst_cost
+                users[reservation.user_id][1] += item.cost
+            if usage.total_tokens and reservation.counted:
+                windows[(reservation.key_id, reservation.window)] += usage.total_tokens
+            day = days.setdefault((item.started_at.date(), reservation.key_id or MASTER_KEY_ID, item.model),
+                                  [reservation.user_id, 0, 0, 0, 0.0])
+            day[1] += 1
+            day[2] += usage.prompt_tokens
+            day[3] += usage.completion_tokens
+            day[4] += item.cost
+        for key_id, (released, spent, slots) in keys.items():
+            values = dict(reserved=ApiKey.reserved - released, spend=ApiKey.spend + spent)
+            if slots:
+                values["in_flight"] = ApiKey.in_flight - slots
+            conn.execute(update(ApiKey).where(ApiKey.id == key_id).values(**values))
+        for user_id, (released, spent) in users.items():
+            conn.execute(update(User).where(User.user_id == user_id)
+                         .values(reserved=User.reserved - released, spend=User.spend + spent))
+        for (key_id, window), tokens in windows.items():
+            conn.execute(update(RateWindow).where(RateWindow.key_id == key_id, RateWindow.window == window)
+                         .values(tokens=RateWindow.tokens + tokens))
+        conn.execute(insert(SpendLog.__table__), [_log_row(item) for item in items])
+        for (day, key_id, model), (user_id, requests, prompt, completion, cost) in days.items():
+            self._upsert(conn, DailySpend, dict(day=day, key_id=key_id, model=model, user_id=user_id,
+                                                requests=requests, prompt_tokens=prompt,
+                                                completion_tokens=completion, cost=cost),
+                         ["day", "key_id", "model"], ["requests", "prompt_tokens", "completion_tokens", "cost"])
 
     def _reset_due_budgets(self, conn: Session, key: KeyRecord, now: dt.datetime) -> None:
         targets = [(ApiKey, ApiKey.id == key.id)]
@@ -452,8 +473,7 @@ class SettlementWriter:
     def _commit(self, items: list[Settlement]) -> None:
         try:
             with self.store.transaction() as conn:
-                for item in items:
-                    self.store._apply(conn, item)
+                self.store._apply_many(conn, items)
         except Exception:  # one bad row must not lose the batch: commit them one by one
             log.exception("committing %d settlements together failed; retrying one by one", len(items))
             for item in items:
@@ -471,6 +491,14 @@ def logs_csv(rows: list[dict]) -> str:
     writer.writeheader()
     writer.writerows(rows)
     return out.getvalue()
+
+
+def _log_row(item: Settlement) -> dict:
+    reservation, usage = item.reservation, item.usage
+    return dict(request_id=item.request_id, key_id=reservation.key_id, user_id=reservation.user_id, model=item.model,
+                backend=item.backend, route=item.route, stream=item.stream, status=item.status,
+                prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens, cost=item.cost,
+                started_at=item.started_at, ended_at=item.ended_at)
 
 
 def _token_hash(token_or_hash: str) -> str:
