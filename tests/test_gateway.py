@@ -199,8 +199,11 @@ def test_rate_and_parallel_limits_hold_across_two_gateways(server, database):
         results = _burst([first, second], parallel, 12)
         refused = [r for r in results if isinstance(r, Exception)]
         assert refused and all(r.status_code == 429 and r.body["param"] == "max_parallel_requests" for r in refused)
-        assert _key_row(database, _admin(first, "GET", "/key/info", params={"key": parallel})
-                        .json()["info"]["key_name"])["in_flight"] == 0
+        name = _admin(first, "GET", "/key/info", params={"key": parallel}).json()["info"]["key_name"]
+        assert _key_row(database, name)["in_flight"] == 0  # given back as each request ended
+        one_at_a_time = _client(first, _new_key(first, max_parallel_requests=1))
+        for i in range(5):  # each next request as soon as the last one ended: never refused
+            _chat(one_at_a_time, f"Next {i}")
 
 
 def test_a_dead_replica_is_retried_around_then_cut_off_by_its_breaker(server, database):

@@ -87,6 +87,8 @@ def cmd_gateway(args) -> int:
               "with `treeserve gateway keys create`", file=sys.stderr)
     for model in config.models.values():
         print(f"model {model.name}: {', '.join(b.url for b in model.backends)}", file=sys.stderr)
+    # The event loop hands the GIL to the settlement writer and worker threads in 1 ms turns, not 5.
+    sys.setswitchinterval(0.001)
     # uvloop and httptools: the event loop and HTTP parser in C (a relayed stream is many small writes)
     uvicorn.run(build_app(config), host=args.host, port=args.port, log_level="info", loop="uvloop",
                 http="httptools")

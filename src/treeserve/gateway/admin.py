@@ -3,6 +3,7 @@ master key. Keys are shown once, by /key/generate; afterwards they are known by 
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query
@@ -48,7 +49,9 @@ class NewUser(_Body):
     metadata: dict[str, Any] | None = None
 
 
-def admin_router(store: Store, require_master: Any, known_models: set[str]) -> APIRouter:
+def admin_router(store: Store, require_master: Any, known_models: set[str],
+                 on_change: Callable[[], None] = lambda: None) -> APIRouter:
+    """`on_change` runs after a key is updated or deleted (this process forgets cached keys)."""
     router = APIRouter(dependencies=[Depends(require_master)], tags=["admin"])
 
     def check_models(models: list[str] | None) -> None:
@@ -77,11 +80,17 @@ def admin_router(store: Store, require_master: Any, known_models: set[str]) -> A
         check_models(body.models)
         fields = body.model_dump(exclude_unset=True)
         token = fields.pop("key")
-        return await run_in_threadpool(lambda: store.update_key(token, **fields))
+        try:
+            return await run_in_threadpool(lambda: store.update_key(token, **fields))
+        finally:
+            on_change()
 
     @router.post("/key/delete")
     async def delete_keys(body: KeyDelete):
-        return {"deleted_keys": await run_in_threadpool(store.delete_keys, body.keys)}
+        try:
+            return {"deleted_keys": await run_in_threadpool(store.delete_keys, body.keys)}
+        finally:
+            on_change()
 
     @router.post("/user/new")
     async def new_user(body: NewUser):

@@ -21,6 +21,7 @@ from treeserve.gateway import pricing
 from treeserve.gateway.admin import admin_router
 from treeserve.gateway.config import GatewayConfig
 from treeserve.gateway.health import health_loop
+from treeserve.gateway.key_cache import KeyCache
 from treeserve.gateway.keys import same_secret
 from treeserve.gateway.metrics import GatewayMetrics
 from treeserve.gateway.proxy import Forwarder, Outcome, new_request_id
@@ -57,6 +58,8 @@ class Accounting:
         model = outcome.model or self.model
         usage = outcome.usage
         cost = pricing.cost(config.models[model], usage.prompt_tokens, usage.completion_tokens)
+        if self.reservation.parallel:
+            await run_in_threadpool(self.app.state.store.release_slot, self.reservation)
         self.app.state.store.settle_later(Settlement(
             self.reservation, self.request_id, model, outcome.backend, self.route, self.stream, outcome.status,
             usage, cost, self.started_at))
@@ -71,6 +74,7 @@ def build_app(config: GatewayConfig, store: Store | None = None) -> FastAPI:
     store = store or Store(config.database or default_url())
     metrics = GatewayMetrics()
     router = Router(config)
+    keys = KeyCache(config.key_cache_ttl)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -109,12 +113,15 @@ def build_app(config: GatewayConfig, store: Store | None = None) -> FastAPI:
             raise APIError(401, "missing API key: send 'Authorization: Bearer KEY'", code="invalid_api_key")
         if config.master_key and same_secret(token, config.master_key):
             return MASTER
-        key = await run_in_threadpool(store.authenticate, token)
-        if key is None:
-            raise APIError(401, "invalid API key (unknown, expired or blocked)", code="invalid_api_key")
+        key = keys.get(token)
+        if key is None or key.expired:
+            key = await run_in_threadpool(store.authenticate, token)
+            if key is None:
+                raise APIError(401, "invalid API key (unknown, expired or blocked)", code="invalid_api_key")
+            keys.put(token, key)
         return key
 
-    app.include_router(admin_router(store, require_master, set(config.models)))
+    app.include_router(admin_router(store, require_master, set(config.models), on_change=keys.clear))
 
     @app.get("/health")
     async def health():

@@ -60,7 +60,8 @@ class GatewayConfig:
     health_interval: float = 5.0  # seconds between active health checks of each backend (0: none)
     breaker_failures: int = 3     # consecutive failures that open a backend's circuit
     breaker_cooldown: float = 10.0  # seconds an open circuit waits before one trial request
-    request_log: bool = True
+    key_cache_ttl: float = 2.0    # seconds a process trusts a key it checked (another process's delete or
+                                  # block takes effect within it; budgets and limits are always live)
 
     def __post_init__(self):
         if self.routing not in STRATEGIES:

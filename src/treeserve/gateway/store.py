@@ -15,6 +15,7 @@ import io
 import logging
 import queue
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -34,6 +35,9 @@ from treeserve.server.errors import APIError
 log = logging.getLogger("treeserve.gateway")
 MIGRATIONS = Path(__file__).parent / "migrations"
 SETTLEMENT_BATCH = 256  # settlements committed in one transaction, at most
+# How long the writer gathers settlements before committing them: fewer, larger transactions, and
+# a writer thread that seldom competes with the event loop for the GIL.
+SETTLEMENT_INTERVAL = 0.05
 MASTER_KEY_ID = 0  # the master key's rows in daily_spend (its spend logs have no key_id)
 KEY_FIELDS = ("key_alias", "user_id", "models", "max_budget", "budget_duration", "rpm_limit", "tpm_limit",
               "max_parallel_requests", "metadata", "blocked")
@@ -89,6 +93,11 @@ class KeyRecord:
     tpm_limit: int | None
     max_parallel_requests: int | None
     budgeted: bool = False  # the key or its user has a max_budget
+    expires_at: dt.datetime | None = None
+
+    @property
+    def expired(self) -> bool:
+        return self.expires_at is not None and self.expires_at <= utcnow()
 
     @property
     def label(self) -> str:
@@ -237,11 +246,10 @@ class Store:
         if row is None or row[0].blocked:
             return None
         key, user_models, user_budget = row
-        if key.expires_at is not None and _aware(key.expires_at) <= utcnow():
-            return None
-        return KeyRecord(key.id, key.key_name, key.key_alias, key.user_id, key.models, user_models,
-                         key.rpm_limit, key.tpm_limit, key.max_parallel_requests,
-                         key.max_budget is not None or user_budget is not None)
+        record = KeyRecord(key.id, key.key_name, key.key_alias, key.user_id, key.models, user_models,
+                           key.rpm_limit, key.tpm_limit, key.max_parallel_requests,
+                           key.max_budget is not None or user_budget is not None, _aware(key.expires_at))
+        return None if record.expired else record
 
     # ---- admission and settlement ----------------------------------------------------------------
     def admit(self, key: KeyRecord, worst_cost: float) -> Reservation:
@@ -279,6 +287,15 @@ class Store:
                 if key.user_id is not None:
                     self._reserve(conn, User, User.user_id == key.user_id, worst_cost, "user")
         return Reservation(key.id, key.user_id, worst_cost, parallel, window, counted)
+
+    def release_slot(self, reservation: Reservation) -> None:
+        """Gives a parallel slot back at once (the rest of the settlement may wait for its batch: a
+        client that sends its next request as the last one ends must find its slot free)."""
+        if reservation.parallel and reservation.key_id is not None:
+            with self.transaction() as conn:
+                conn.execute(update(ApiKey).where(ApiKey.id == reservation.key_id)
+                             .values(in_flight=ApiKey.in_flight - 1))
+            reservation.parallel = False
 
     def settle(self, settlement: "Settlement") -> None:
         """Turns a reservation into the real cost now (see `settle_later` for the serving path)."""
@@ -456,9 +473,10 @@ class SettlementWriter:
     def _run(self) -> None:
         while True:
             batch = [self.queue.get()]
-            while len(batch) < SETTLEMENT_BATCH:
+            deadline = time.monotonic() + SETTLEMENT_INTERVAL
+            while len(batch) < SETTLEMENT_BATCH and isinstance(batch[-1], Settlement):
                 try:
-                    batch.append(self.queue.get_nowait())
+                    batch.append(self.queue.get(timeout=max(0.0, deadline - time.monotonic())))
                 except queue.Empty:
                     break
             items = [b for b in batch if isinstance(b, Settlement)]
