@@ -14,7 +14,8 @@ from sqlalchemy import update
 from gateway_support import postgres  # noqa: F401  (a fixture)
 from treeserve.errors import ParamError
 from treeserve.gateway.schema import ApiKey, Base
-from treeserve.gateway.store import Settlement, Store, Usage, utcnow
+from treeserve.gateway.store import Settlement, Store, utcnow
+from treeserve.gateway.usage import Usage
 from treeserve.server.errors import APIError
 
 

@@ -23,7 +23,8 @@ from fastapi.responses import Response, StreamingResponse
 
 from treeserve.gateway.metrics import GatewayMetrics
 from treeserve.gateway.routing import Backend, Router
-from treeserve.gateway.store import Usage
+from treeserve.gateway.sse import DONE, StreamState, error_event, event_batches
+from treeserve.gateway.usage import Usage
 from treeserve.server.errors import error_response
 
 log = logging.getLogger("treeserve.gateway")
@@ -39,28 +40,6 @@ class Outcome:
     model: str | None = None      # the model group that answered (a fallback's, after a fallback)
     backend: str | None = None
     usage: Usage = field(default_factory=Usage)
-
-
-@dataclass
-class StreamState:
-    """What the client asked for, and what it has been sent so far."""
-    include_usage: bool
-    continuous_usage: bool
-    usage: Usage = field(default_factory=Usage)
-    counted_chunks: int = 0       # content chunks, for a backend that reports no usage
-    usage_reported: bool = False
-
-    def read(self, event: dict) -> None:
-        usage = event.get("usage")
-        if isinstance(usage, dict):
-            self.usage = Usage(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))
-            self.usage_reported = True
-        for choice in event.get("choices") or ():
-            if (choice.get("delta") or {}).get("content") or choice.get("text"):
-                self.counted_chunks += 1
-
-    def billed(self) -> Usage:
-        return self.usage if self.usage_reported else Usage(0, self.counted_chunks)
 
 
 class Forwarder:
@@ -143,29 +122,30 @@ class Forwarder:
             await settle(Outcome("error", group, backend.url))
             self.metrics.requests.labels(group, backend.url, str(response.status)).inc()
             return Response(content, status_code=response.status, media_type="application/json")
-        events = _sse_events(response)
+        batches = event_batches(response)
         try:
-            first = await events.__anext__()
+            first = await batches.__anext__()
         except (*UPSTREAM_ERRORS, StopAsyncIteration) as exc:
             response.close()
             self._end(backend)
             return self._failed(backend, exc if not isinstance(exc, StopAsyncIteration) else "the stream ended at once")
         options = body.get("stream_options") or {}
         state = StreamState(bool(options.get("include_usage")), bool(options.get("continuous_usage_stats")))
-        relay = self._relay(first, events, response, backend, group, state, settle, started)
+        relay = self._relay(first, batches, response, backend, group, state, settle, started)
         return StreamingResponse(relay, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def _relay(self, first: str, events: AsyncIterator[str], response: aiohttp.ClientResponse, backend: Backend,
-                     group: str, state: StreamState, settle, started: float) -> AsyncIterator[bytes]:
+    async def _relay(self, first: list[bytes], batches: AsyncIterator[list[bytes]],
+                     response: aiohttp.ClientResponse, backend: Backend, group: str, state: StreamState, settle,
+                     started: float) -> AsyncIterator[bytes]:
         outcome = Outcome("client_closed", group, backend.url)
         try:
-            out = _client_event(first, state)
+            out = state.relay(first)
             if out:
                 yield out
             self.metrics.ttft.labels(group).observe(time.perf_counter() - started)
-            async for event in events:
-                out = _client_event(event, state)
+            async for batch in batches:
+                out = state.relay(batch)
                 if out:
                     yield out
             outcome.status = "success"
@@ -174,9 +154,7 @@ class Forwarder:
             outcome.status = "cut"
             self._failed(backend, exc)
             message = f"the backend's stream broke off ({type(exc).__name__}); it is not replayed"
-            yield _sse({"error": {"message": message, "type": "service_unavailable", "param": None,
-                                  "code": "backend_stream_cut"}})
-            yield b"data: [DONE]\n\n"
+            yield error_event(message, "backend_stream_cut") + DONE
         finally:
             with anyio.CancelScope(shield=True):
                 response.close()  # not released to the pool: an unfinished stream's connection is dropped
@@ -223,51 +201,6 @@ class Forwarder:
         else:
             backend.breaker.on_success()
         self.metrics.breaker_open.labels(backend.url).set(int(backend.breaker.state == "open"))
-
-
-async def _sse_events(response: aiohttp.ClientResponse) -> AsyncIterator[str]:
-    """The stream's events, each its `data:` payload text (lines of any length)."""
-    data: list[str] = []
-    pending = b""
-    async for piece in response.content.iter_any():
-        lines = (pending + piece).split(b"\n")
-        pending = lines.pop()
-        for raw in lines:
-            line = raw.rstrip(b"\r")
-            if line.startswith(b"data:"):
-                data.append(line[5:].lstrip().decode())
-            elif not line and data:
-                yield "\n".join(data)
-                data = []
-    if pending.startswith(b"data:"):
-        data.append(pending[5:].strip().decode())
-    if data:
-        yield "\n".join(data)
-
-
-def _client_event(payload: str, state: StreamState) -> bytes | None:
-    """The event as the client asked for it: usage only where it asked for usage."""
-    if payload == "[DONE]":
-        return b"data: [DONE]\n\n"
-    try:
-        event = json.loads(payload)
-    except ValueError:
-        return f"data: {payload}\n\n".encode()
-    if not isinstance(event, dict):
-        return f"data: {payload}\n\n".encode()
-    state.read(event)
-    if "usage" not in event:
-        return f"data: {payload}\n\n".encode()
-    if not event.get("choices"):  # the usage-only chunk at the end
-        return f"data: {payload}\n\n".encode() if state.include_usage else None
-    if state.include_usage and state.continuous_usage:
-        return f"data: {payload}\n\n".encode()
-    event.pop("usage")
-    return _sse(event)
-
-
-def _sse(event: dict) -> bytes:
-    return f"data: {json.dumps(event, separators=(',', ':'))}\n\n".encode()
 
 
 def _headers(backend: Backend) -> dict[str, str]:

@@ -30,6 +30,7 @@ from sqlalchemy.orm import Session
 from treeserve.errors import ParamError
 from treeserve.gateway import keys as keylib
 from treeserve.gateway.schema import ApiKey, DailySpend, RateWindow, SpendLog, User
+from treeserve.gateway.usage import Usage
 from treeserve.server.errors import APIError
 
 log = logging.getLogger("treeserve.gateway")
@@ -115,16 +116,6 @@ class Reservation:
     parallel: bool
     window: int
     counted: bool = False  # counted in its minute's rate window (the key has rpm or tpm limits)
-
-
-@dataclass
-class Usage:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
 
 
 class Store:
