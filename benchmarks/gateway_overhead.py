@@ -8,6 +8,10 @@ goes first. Prints output tok/s and TTFT p50 of every run, the ratio gateway / d
 its median, and the TTFT the gateway adds (median over pairs).
 
     python benchmarks/gateway_overhead.py [--pairs 3] [--concurrency 32] [--num-requests 256]
+    python benchmarks/gateway_overhead.py --bench-model   # the ~150M random Llama of peers.py instead
+
+The bundled arith-gen is tiny: it streams ~3,000 tokens/s on 2 cores, and every chunk the gateway
+relays is CPU the engine does not get on the same machine. The ~150M model streams ~10x fewer.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import httpx
@@ -50,13 +55,30 @@ def process(args: list[str], url: str):
 
 
 def load(url: str, key: str | None, args, out: Path) -> dict:
-    config = BenchConfig(base_url=url, out=str(out), model="arith-gen", api_key=key, concurrency=[args.concurrency],
+    config = BenchConfig(base_url=url, out=str(out), model=args.model, api_key=key, concurrency=[args.concurrency],
                          num_requests=args.num_requests, input_len=[args.input_len], output_len=[args.output_len],
                          warmup=args.concurrency, plots=False)
     level = run_benchmark(config)["levels"][0]
     if level["failed"]:
         raise RuntimeError(f"{url}: {level['failed']} requests failed: {level['errors']}")
     return {"tok_s": level["output_throughput"], "ttft_p50_ms": level["ttft_ms"]["median"]}
+
+
+def idle_ttft_ms(url: str, key: str | None, model: str, count: int = 50) -> float:
+    """Median time to the first streamed chunk of one-token requests sent one at a time: the
+    gateway's own latency, with no queue in front of the engine."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    body = {"model": model, "prompt": "1 + 1 =", "max_tokens": 1, "stream": True}
+    times = []
+    with httpx.Client(headers=headers, timeout=60) as client:
+        for _ in range(count + 5):
+            start = time.perf_counter()
+            with client.stream("POST", url + "/v1/completions", json=body) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data:"):
+                        times.append(time.perf_counter() - start)
+                        break
+    return statistics.median(times[5:]) * 1000
 
 
 def main() -> int:
@@ -66,16 +88,30 @@ def main() -> int:
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--bench-model", action="store_true", help="serve the ~150M random Llama (peers.py's) "
+                        "instead of the bundled arith-gen")
     args = parser.parse_args()
+    serve_args = ["serve", "--port"]
+    args.model = "arith-gen"
+    if args.bench_model:
+        from treeserve.bench.offline import benchmark_model_dir
+
+        args.model = "bench-150m"
+        serve_args = ["serve", str(benchmark_model_dir()), "--served-model-name", args.model, "--port"]
     work = Path(tempfile.mkdtemp(prefix="gateway-overhead-"))
     server_port, gateway_port = free_port(), free_port()
     direct, through = f"http://127.0.0.1:{server_port}", f"http://127.0.0.1:{gateway_port}"
     cli = [sys.executable, "-m", "treeserve.cli"]
-    with process(cli + ["serve", "--port", str(server_port)], direct), \
-            process(cli + ["gateway", "--backend", f"arith-gen={direct}", "--master-key", MASTER,
+    with process(cli + serve_args + [str(server_port)], direct), \
+            process(cli + ["gateway", "--backend", f"{args.model}={direct}", "--master-key", MASTER,
                            "--database", f"sqlite:///{work / 'gateway.db'}", "--port", str(gateway_port)], through):
         key = httpx.post(through + "/key/generate", headers={"Authorization": f"Bearer {MASTER}"},
                          json={"key_alias": "bench"}, timeout=30).json()["key"]
+        for url, api_key in ((direct, None), (through, key)):  # first runs are slower: not measured
+            load(url, api_key, args, work / "warmup")
+        idle = {"direct": idle_ttft_ms(direct, None, args.model), "gateway": idle_ttft_ms(through, key, args.model)}
+        print(f"idle TTFT (one request at a time, median of 50): direct {idle['direct']:.2f} ms, "
+              f"gateway {idle['gateway']:.2f} ms, added {idle['gateway'] - idle['direct']:+.2f} ms", flush=True)
         runs = []
         for pair in range(args.pairs):
             order = [("direct", direct, None), ("gateway", through, key)]
@@ -94,7 +130,7 @@ def main() -> int:
     print(f"TTFT p50 added by the gateway by pair: {', '.join(f'{x:+.1f}' for x in added)} ms "
           f"(median {statistics.median(added):+.1f} ms)")
     print(f"spend logs written: {len(logs)} (every request through the gateway, warm-ups included)")
-    print(json.dumps({"runs": runs, "ratios": ratios, "ttft_added_ms": added}))
+    print(json.dumps({"runs": runs, "ratios": ratios, "ttft_added_ms": added, "idle_ttft_ms": idle}))
     return 0
 
 
