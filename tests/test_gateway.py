@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import json
 
 import httpx
 import openai
@@ -248,3 +249,30 @@ def test_affinity_keeps_a_user_on_one_replica(server, database):
         for i, row in enumerate(logs):
             by_user.setdefault(i // 3, set()).add(row["backend"])
         assert all(len(backends) == 1 for backends in by_user.values())
+
+
+def test_a_client_that_leaves_a_stream_aborts_it_upstream_and_pays_for_what_it_got(server, database):
+    from conftest import assert_no_leak, wait_idle
+
+    with gateway(database, [server.url]) as (url, _):
+        key = _new_key(url)
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "Go on"}], "max_tokens": 400,
+                "stream": True, "min_tokens": 400, "stream_options": {"include_usage": True,
+                                                                      "continuous_usage_stats": True}}
+        seen = None
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {key}"}) as response:
+            request_id = response.headers["x-request-id"]
+            for line in response.iter_lines():
+                usage = json.loads(line[6:]).get("usage") if line.startswith("data: {") else None
+                if usage:  # (the opening chunk, the role's, reports none)
+                    seen = usage["completion_tokens"]
+                    if seen >= 3:
+                        break
+        wait_idle(server.engine, timeout=10)
+        assert not server.engine.scheduler.has_unfinished(), "the backend went on generating"
+        assert_no_leak(server.engine)
+        row = wait_for(lambda: [r for r in _admin(url, "GET", "/spend/logs", params={"api_key": key}).json()
+                                if r["request_id"] == request_id])
+        assert row[0]["status"] == "client_closed"
+        assert seen <= row[0]["completion_tokens"] < 400  # what was relayed (a chunk in flight may count)

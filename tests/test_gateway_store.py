@@ -13,7 +13,7 @@ from sqlalchemy import update
 
 from gateway_support import postgres  # noqa: F401  (a fixture)
 from treeserve.errors import ParamError
-from treeserve.gateway.schema import ApiKey, Base
+from treeserve.gateway.schema import ApiKey, Base, RateWindow
 from treeserve.gateway.store import Settlement, Store, utcnow
 from treeserve.gateway.usage import Usage
 from treeserve.server.errors import APIError
@@ -68,3 +68,15 @@ def test_key_fields_are_checked(store):
     with pytest.raises(APIError) as missing:
         store.delete_keys(["sk-not-there"])
     assert missing.value.status == 404
+
+
+def test_past_minutes_rate_windows_are_pruned(store):
+    token, _ = store.create_key(rpm_limit=10)
+    key = store.authenticate(token)
+    store.admit(key, 0.0)
+    with store.transaction() as s:
+        s.execute(update(RateWindow).values(window=RateWindow.window - 5))
+    store.admit(key, 0.0)
+    assert store.prune_rate_windows() == 1
+    with store.session() as s:
+        assert s.query(RateWindow).count() == 1

@@ -39,6 +39,7 @@ SETTLEMENT_BATCH = 256  # settlements committed in one transaction, at most
 # How long the writer gathers settlements before committing them: fewer, larger transactions, and
 # a writer thread that seldom competes with the event loop for the GIL.
 SETTLEMENT_INTERVAL = 0.05
+PRUNE_INTERVAL = 60.0  # seconds between deletions of past minutes' rate windows
 MASTER_KEY_ID = 0  # the master key's rows in daily_spend (its spend logs have no key_id)
 KEY_FIELDS = ("key_alias", "user_id", "models", "max_budget", "budget_duration", "rpm_limit", "tpm_limit",
               "max_parallel_requests", "metadata", "blocked")
@@ -279,6 +280,12 @@ class Store:
                     self._reserve(conn, User, User.user_id == key.user_id, worst_cost, "user")
         return Reservation(key.id, key.user_id, worst_cost, parallel, window, counted)
 
+    def prune_rate_windows(self) -> int:
+        """Deletes the minutes before the last one (rate limits read only the current minute)."""
+        current = int(utcnow().timestamp() // 60)
+        with self.transaction() as conn:
+            return conn.execute(delete(RateWindow).where(RateWindow.window < current - 1)).rowcount
+
     def release_slot(self, reservation: Reservation) -> None:
         """Gives a parallel slot back at once (the rest of the settlement may wait for its batch: a
         client that sends its next request as the last one ends must find its slot free)."""
@@ -441,6 +448,7 @@ class SettlementWriter:
         self.queue: queue.Queue[Settlement | None] = queue.Queue()
         self.thread: threading.Thread | None = None
         self.lock = threading.Lock()
+        self.pruned_at = time.monotonic()
 
     def put(self, item: Settlement) -> None:
         with self.lock:
@@ -473,6 +481,12 @@ class SettlementWriter:
             items = [b for b in batch if isinstance(b, Settlement)]
             if items:
                 self._commit(items)
+            if time.monotonic() - self.pruned_at > PRUNE_INTERVAL:
+                self.pruned_at = time.monotonic()
+                try:
+                    self.store.prune_rate_windows()
+                except Exception:
+                    log.exception("pruning old rate windows failed")
             for marker in batch:
                 if isinstance(marker, threading.Event):
                     marker.set()
