@@ -15,10 +15,13 @@ $(STAMP): pyproject.toml
 	# treeserve's CPU kernels are C, built on first use with cc (PyTorch paths run without one).
 	command -v cc >/dev/null || (command -v apt-get >/dev/null && apt-get update -q && apt-get install -y -q gcc) \
 		|| echo "no C compiler: treeserve runs its PyTorch paths (slower)"
-	# The gateway's tests run a throwaway PostgreSQL cluster (Debian's postgresql; they skip without it).
-	command -v initdb >/dev/null || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 \
-		|| (command -v apt-get >/dev/null && apt-get update -q && apt-get install -y -q postgresql) \
-		|| echo "no PostgreSQL: the gateway's PostgreSQL tests will skip"
+	# The gateway's tests run a throwaway PostgreSQL cluster and RabbitMQ node (Debian's postgresql
+	# and rabbitmq-server; they skip without them).
+	(command -v initdb >/dev/null || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1) \
+		&& test -x /usr/lib/rabbitmq/bin/rabbitmq-server \
+		|| (command -v apt-get >/dev/null && apt-get update -q \
+			&& DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql rabbitmq-server) \
+		|| echo "no PostgreSQL or RabbitMQ: the gateway tests that need them will skip"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# CPU wheel pinned: an unpinned torch pulls gigabytes of CUDA packages.

@@ -139,3 +139,90 @@ def replicas(model_dir: Path, count: int, api_key: str):
             if proc.poll() is None:
                 proc.kill()
             proc.wait(timeout=30)
+
+
+def rabbitmq_server() -> str | None:
+    for candidate in ("/usr/lib/rabbitmq/bin/rabbitmq-server", shutil.which("rabbitmq-server")):
+        if candidate and Path(candidate).exists():
+            return candidate
+    return None
+
+
+@pytest.fixture(scope="session")
+def rabbitmq():
+    """A throwaway RabbitMQ node on free ports, its files in a temporary directory; yields its AMQP URL."""
+    server = rabbitmq_server()
+    if server is None:
+        pytest.skip("RabbitMQ is not installed: `make test` installs Debian's rabbitmq-server where apt-get is "
+                    "available")
+    root = Path(tempfile.mkdtemp(prefix="treeserve-rmq-"))
+    (root / "enabled_plugins").write_text("[].\n")
+    port, dist_port = _free_port(), _free_port()
+    env = dict(os.environ, HOME=str(root), RABBITMQ_NODENAME=f"treeserve{port}@localhost",
+               RABBITMQ_NODE_IP_ADDRESS="127.0.0.1", RABBITMQ_NODE_PORT=str(port), RABBITMQ_DIST_PORT=str(dist_port),
+               RABBITMQ_MNESIA_BASE=str(root / "mnesia"), RABBITMQ_LOG_BASE=str(root / "log"),
+               RABBITMQ_ENABLED_PLUGINS_FILE=str(root / "enabled_plugins"),
+               RABBITMQ_PLUGINS_EXPAND_DIR=str(root / "plugins"), RABBITMQ_PID_FILE=str(root / "pid"),
+               RABBITMQ_CONFIG_FILE=str(root / "rabbitmq"), ERL_EPMD_ADDRESS="127.0.0.1")
+    log = open(root / "server.log", "wb")
+    proc = subprocess.Popen([server], env=env, cwd=root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def listening():
+        if proc.poll() is not None:
+            raise RuntimeError(f"rabbitmq-server exited: {(root / 'server.log').read_text()[-2000:]}")
+        with socket.socket() as sock:
+            return sock.connect_ex(("127.0.0.1", port)) == 0
+
+    try:
+        assert wait_for(listening, timeout=90, interval=0.2), "RabbitMQ did not start"
+        yield f"amqp://guest:guest@127.0.0.1:{port}/"
+    finally:
+        import signal
+
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def workers(model_dir: Path, count: int, broker_url: str, api_key: str):
+    """`count` `treeserve worker` processes of one model (served as 'tiny'); yields their processes
+    once each consumes the model's queue."""
+    import asyncio
+    import sys
+
+    import aio_pika
+
+    procs = []
+    try:
+        for _ in range(count):
+            args = [sys.executable, "-m", "treeserve.cli", "worker", str(model_dir), "--served-model-name", "tiny",
+                    "--broker", broker_url, "--api-key", api_key, "--dtype", "float32", "--device", "cpu",
+                    "--max-model-len", "512", "--kv-cache-memory-bytes", str(32 << 20)]
+            procs.append(subprocess.Popen(args, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+
+        async def consumers() -> int:
+            async with await aio_pika.connect(broker_url) as connection:
+                channel = await connection.channel()
+                queue = await channel.declare_queue("treeserve.model.tiny", durable=True)
+                return queue.declaration_result.consumer_count
+
+        def ready():
+            for proc in procs:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"a worker exited: {proc.stderr.read().decode()[-2000:]}")
+            return asyncio.run(consumers()) == count
+
+        assert wait_for(ready, timeout=120, interval=0.5), "the workers did not start consuming"
+        yield procs
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=30)

@@ -58,6 +58,32 @@ def cmd_run(args) -> int:
     return 0
 
 
+def _add_serving_args(parser: argparse.ArgumentParser, http: bool) -> None:
+    """`serve`'s arguments; a worker has them all but the address (it takes requests from a broker)."""
+    _add_engine_args(parser, several_models=True)
+    parser.add_argument("--kv-mode", choices=["shared", "static"], default="shared",
+                        help="with several models: one shared KV arena, or an equal static split")
+    parser.add_argument("model_path", nargs="?", help="model directory or builtin:NAME (default: the bundled "
+                        "arith-gen generator and arith-prm verifier, served under those names)")
+    if http:
+        parser.add_argument("--host", default="127.0.0.1")
+        parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", action="append", help="required bearer key (repeatable; or TREESERVE_API_KEY)")
+    parser.add_argument("--served-model-name")
+    parser.add_argument("--max-queue", type=int, help="waiting requests (or queued searches) beyond which new ones "
+                        "get 429")
+    parser.add_argument("--max-problems-in-flight", type=int, default=32,
+                        help="search problems that advance together, from all requests; more wait in a queue")
+    parser.add_argument("--chat-template", help="a Jinja chat template (a file, or the text) replacing the "
+                        "models' own (examples/ has tool-calling ones)")
+    parser.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"],
+                        help="the format the model writes tool calls in: read from its output (tool_choice auto) "
+                        "and forced by grammar (required, a named function)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='let the model decide to call tools (tool_choice "auto", the default with tools); '
+                        "needs --tool-call-parser")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from treeserve.bench.cli_bench import add_bench_parsers
     from treeserve.cli_search import add_search_parsers
@@ -76,28 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("-n", type=int, default=1)
     run.set_defaults(func=cmd_run)
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    _add_engine_args(serve, several_models=True)
-    serve.add_argument("--kv-mode", choices=["shared", "static"], default="shared",
-                       help="with several models: one shared KV arena, or an equal static split")
-    serve.add_argument("model_path", nargs="?", help="model directory or builtin:NAME (default: the bundled "
-                       "arith-gen generator and arith-prm verifier, served under those names)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", action="append", help="required bearer key (repeatable; or TREESERVE_API_KEY)")
-    serve.add_argument("--served-model-name")
-    serve.add_argument("--max-queue", type=int, help="waiting requests (or queued searches) beyond which new ones "
-                       "get 429")
-    serve.add_argument("--max-problems-in-flight", type=int, default=32,
-                       help="search problems that advance together, from all requests; more wait in a queue")
-    serve.add_argument("--chat-template", help="a Jinja chat template (a file, or the text) replacing the "
-                       "models' own (examples/ has tool-calling ones)")
-    serve.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"],
-                       help="the format the model writes tool calls in: read from its output (tool_choice auto) "
-                       "and forced by grammar (required, a named function)")
-    serve.add_argument("--enable-auto-tool-choice", action="store_true",
-                       help='let the model decide to call tools (tool_choice "auto", the default with tools); '
-                       "needs --tool-call-parser")
+    _add_serving_args(serve, http=True)
     serve.set_defaults(func=cmd_serve)
+    worker = sub.add_parser("worker", help="a model server fed by a message broker (behind `treeserve gateway`)")
+    _add_serving_args(worker, http=False)
+    worker.add_argument("--broker", required=True, help="AMQP URL of the RabbitMQ broker, e.g. amqp://guest:guest@host/")
+    worker.add_argument("--prefetch", type=int, default=64, help="requests this worker holds at once")
+    worker.set_defaults(func=cmd_worker)
     memory = sub.add_parser("memory", help="print the memory breakdown per model (weights, activations, KV)")
     memory.add_argument("--model", action="append", help="NAME=PATH (repeatable) or a single PATH")
     memory.add_argument("--kv-mode", choices=["shared", "static"], default="shared")
@@ -132,6 +143,12 @@ def cmd_memory(args) -> int:
     print(f"KV mode: {rt.kv_mode}{shared}; KV budget {rt.kv_budget / (1 << 20):,.1f} MiB")
     print(format_breakdown(list(rt.memory.values()), rt.total_bytes, rt.utilisation))
     return 0
+
+
+def cmd_worker(args) -> int:
+    from treeserve.server.launch import worker
+
+    return worker(args)
 
 
 def cmd_serve(args) -> int:

@@ -19,7 +19,8 @@ from starlette.concurrency import run_in_threadpool
 
 from treeserve.gateway import pricing
 from treeserve.gateway.admin import admin_router
-from treeserve.gateway.config import GatewayConfig
+from treeserve.gateway.broker import BrokerClient
+from treeserve.gateway.config import BROKER_SCHEMES, GatewayConfig
 from treeserve.gateway.health import health_loop
 from treeserve.gateway.key_cache import KeyCache
 from treeserve.gateway.keys import same_secret
@@ -83,7 +84,10 @@ def build_app(config: GatewayConfig, store: Store | None = None) -> FastAPI:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0)  # under uvicorn's 5 s keep-alive
         client = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None),
                                        json_serialize=json.dumps)
-        app.state.forwarder = Forwarder(router, client, metrics, config.retries)
+        brokers = {b.url: BrokerClient(b.url) for b in router.backends() if b.url.startswith(BROKER_SCHEMES)}
+        for broker in brokers.values():
+            await broker.start()
+        app.state.forwarder = Forwarder(router, client, metrics, config.retries, brokers)
         health = asyncio.create_task(health_loop(router, client, metrics, config.health_interval)) \
             if config.health_interval > 0 else None
         try:
@@ -92,6 +96,8 @@ def build_app(config: GatewayConfig, store: Store | None = None) -> FastAPI:
             if health is not None:
                 health.cancel()
             await client.close()
+            for broker in brokers.values():
+                await broker.close()
             store.close()
 
     app = FastAPI(title="treeserve gateway", lifespan=lifespan)

@@ -24,11 +24,12 @@ import yaml
 from treeserve.errors import ParamError
 
 STRATEGIES = ("round_robin", "least_outstanding", "affinity")
+HTTP_SCHEMES, BROKER_SCHEMES = ("http://", "https://"), ("amqp://", "amqps://")
 
 
 @dataclass
 class BackendConfig:
-    url: str                      # the server's root (its routes are /v1/...)
+    url: str                      # the server's root (its routes are /v1/...), or amqp://: a broker's workers
     api_key: str | None = None    # sent upstream as the bearer key (an external provider's own key)
     model: str | None = None      # the model's name at this backend, when it differs from the gateway's
     timeout: float = 600.0        # seconds for a whole non-streamed answer, or between streamed chunks
@@ -77,8 +78,9 @@ def parse_backend_flags(values: list[str]) -> dict[str, ModelConfig]:
     models: dict[str, ModelConfig] = {}
     for value in values:
         name, sep, url = value.partition("=")
-        if not sep or not name or not url.startswith(("http://", "https://")):
-            raise ParamError("backend", f"--backend: expected MODEL=http(s)://HOST:PORT, got {value!r}")
+        if not sep or not name or not url.startswith(HTTP_SCHEMES + BROKER_SCHEMES):
+            raise ParamError("backend", f"--backend: expected MODEL=http(s)://HOST:PORT (a server) or "
+                             f"MODEL=amqp://HOST (workers behind a RabbitMQ broker), got {value!r}")
         models.setdefault(name, ModelConfig(name, [])).backends.append(BackendConfig(url.rstrip("/")))
     return models
 

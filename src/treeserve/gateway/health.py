@@ -7,6 +7,7 @@ import logging
 
 import aiohttp
 
+from treeserve.gateway.config import HTTP_SCHEMES
 from treeserve.gateway.metrics import GatewayMetrics
 from treeserve.gateway.routing import Backend, Router
 
@@ -38,6 +39,7 @@ async def _status(client: aiohttp.ClientSession, url: str, headers: dict, timeou
 
 
 async def health_loop(router: Router, client: aiohttp.ClientSession, metrics: GatewayMetrics, interval: float) -> None:
+    backends = [b for b in router.backends() if b.url.startswith(HTTP_SCHEMES)]  # workers have no /health
     while True:
-        await asyncio.gather(*(check(b, client, metrics) for b in router.backends()))
+        await asyncio.gather(*(check(b, client, metrics) for b in backends))
         await asyncio.sleep(interval)

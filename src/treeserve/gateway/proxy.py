@@ -14,13 +14,15 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
+import aio_pika
 import aiohttp
 import anyio
 from fastapi.responses import Response, StreamingResponse
 
+from treeserve.gateway.broker import BrokerClient, BrokerStream
 from treeserve.gateway.metrics import GatewayMetrics
 from treeserve.gateway.routing import Backend, Router
 from treeserve.gateway.sse import DONE, StreamState, error_event, event_batches
@@ -43,8 +45,10 @@ class Outcome:
 
 
 class Forwarder:
-    def __init__(self, router: Router, client: aiohttp.ClientSession, metrics: GatewayMetrics, retries: int):
+    def __init__(self, router: Router, client: aiohttp.ClientSession, metrics: GatewayMetrics, retries: int,
+                 brokers: dict[str, BrokerClient] | None = None):
         self.router, self.client, self.metrics, self.retries = router, client, metrics, retries
+        self.brokers = brokers or {}  # amqp:// backends: their broker connections
 
     async def forward(self, path: str, body: dict, model: str, affinity: str | None,
                       settle: Callable[[Outcome], "anyio.abc.Awaitable"], started: float, request_id: str) -> Response:
@@ -59,8 +63,11 @@ class Forwarder:
                 if attempt:
                     self.metrics.retries.labels(model).inc()
                 upstream = self._upstream_body(body, group, backend, stream)
-                attempt_once = self._try_stream if stream else self._try_once
-                result = await attempt_once(path, upstream, backend, group, body, settle, started)
+                if backend.url in self.brokers:
+                    result = await self._try_broker(path, upstream, backend, group, body, settle, started, request_id)
+                else:
+                    attempt_once = self._try_stream if stream else self._try_once
+                    result = await attempt_once(path, upstream, backend, group, body, settle, started)
                 if isinstance(result, Response):
                     result.headers["x-request-id"] = request_id
                     return result
@@ -86,6 +93,11 @@ class Forwarder:
             return self._failed(backend, exc)
         finally:
             self._end(backend)
+        return await self._answer(status, content, headers, backend, group, settle, started)
+
+    async def _answer(self, status: int, content: bytes, headers: dict, backend: Backend, group: str, settle,
+                      started: float) -> Response | str:
+        """A whole answer relayed (or, for 429/503, a failed attempt)."""
         if status in RETRYABLE_STATUS:
             return self._failed(backend, f"HTTP {status}", breaker=status == 503)
         self._record_health(backend, status)
@@ -129,14 +141,37 @@ class Forwarder:
             response.close()
             self._end(backend)
             return self._failed(backend, exc if not isinstance(exc, StopAsyncIteration) else "the stream ended at once")
+        return self._stream_response(first, batches, _closer(response), backend, group, body, settle, started)
+
+    async def _try_broker(self, path, upstream, backend: Backend, group, body, settle, started,
+                          request_id: str) -> Response | str:
+        broker = self.brokers[backend.url]
+        self._begin(backend)
+        try:
+            replies = await broker.request(backend.config.model or group, path, upstream, request_id,
+                                           backend.config.timeout)
+            reply = BrokerStream(broker, request_id, replies, backend.config.timeout)
+            first = await reply.first()
+        except (*UPSTREAM_ERRORS, aio_pika.exceptions.AMQPException) as exc:
+            with anyio.CancelScope(shield=True):
+                await broker.cancel(request_id)
+            self._end(backend)
+            return self._failed(backend, exc if str(exc) else "no worker answered in time")
+        if first.kind == "response":
+            await reply.close()
+            self._end(backend)
+            return await self._answer(first.status, first.body, {}, backend, group, settle, started)
+        return self._stream_response(first.events, reply.batches(), reply.close, backend, group, body, settle, started)
+
+    def _stream_response(self, first, batches, close, backend, group, body, settle, started) -> StreamingResponse:
         options = body.get("stream_options") or {}
         state = StreamState(bool(options.get("include_usage")), bool(options.get("continuous_usage_stats")))
-        relay = self._relay(first, batches, response, backend, group, state, settle, started)
+        relay = self._relay(first, batches, close, backend, group, state, settle, started)
         return StreamingResponse(relay, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def _relay(self, first: list[bytes], batches: AsyncIterator[list[bytes]],
-                     response: aiohttp.ClientResponse, backend: Backend, group: str, state: StreamState, settle,
+                     close: Callable[[], Awaitable[None]], backend: Backend, group: str, state: StreamState, settle,
                      started: float) -> AsyncIterator[bytes]:
         outcome = Outcome("client_closed", group, backend.url)
         try:
@@ -156,8 +191,10 @@ class Forwarder:
             message = f"the backend's stream broke off ({type(exc).__name__}); it is not replayed"
             yield error_event(message, "backend_stream_cut") + DONE
         finally:
+            if outcome.status == "client_closed" and state.done:
+                outcome.status = "success"  # the client left after the last event: it has it all
             with anyio.CancelScope(shield=True):
-                response.close()  # not released to the pool: an unfinished stream's connection is dropped
+                await close()
                 self._end(backend)
                 outcome.usage = state.billed()
                 await settle(outcome)
@@ -201,6 +238,12 @@ class Forwarder:
         else:
             backend.breaker.on_success()
         self.metrics.breaker_open.labels(backend.url).set(int(backend.breaker.state == "open"))
+
+
+def _closer(response: aiohttp.ClientResponse) -> Callable[[], Awaitable[None]]:
+    async def close() -> None:
+        response.close()  # not released to the pool: an unfinished stream's connection is dropped
+    return close
 
 
 def _headers(backend: Backend) -> dict[str, str]:

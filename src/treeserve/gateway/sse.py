@@ -27,6 +27,7 @@ class StreamState:
     usage: Usage = field(default_factory=Usage)
     counted_chunks: int = 0       # content chunks, for a backend that reports no usage
     usage_reported: bool = False
+    done: bool = False            # [DONE] was relayed: the client has the whole answer
 
     def relay(self, payloads: list[bytes]) -> bytes:
         """The client's bytes for these events (possibly none)."""
@@ -37,6 +38,7 @@ class StreamState:
 
     def client_event(self, payload: bytes) -> bytes | None:
         if payload == b"[DONE]":
+            self.done = True
             return DONE
         fast = self._usage_last(payload)
         if fast is None:
@@ -94,29 +96,46 @@ class StreamState:
                 self.counted_chunks += 1
 
 
-async def event_batches(response: aiohttp.ClientResponse) -> AsyncIterator[list[bytes]]:
-    """The `data:` payloads of the stream's events, grouped by the read they completed in (lines of
-    any length)."""
-    data: list[bytes] = []
-    pending = b""
-    async for piece in response.content.iter_any():
-        lines = (pending + piece).split(b"\n")
-        pending = lines.pop()
-        batch = []
+class SSESplitter:
+    """Cuts a byte stream into the `data:` payloads of its events, whatever the pieces (lines of
+    any length, events across pieces, CRLF or LF)."""
+
+    def __init__(self):
+        self.data: list[bytes] = []
+        self.pending = b""
+
+    def feed(self, piece: bytes) -> list[bytes]:
+        lines = (self.pending + piece).split(b"\n")
+        self.pending = lines.pop()
+        events = []
         for line in lines:
             if line.endswith(b"\r"):
                 line = line[:-1]
             if line.startswith(b"data:"):
-                data.append(line[5:].lstrip())
-            elif not line and data:
-                batch.append(b"\n".join(data))
-                data = []
-        if batch:
-            yield batch
-    if pending.startswith(b"data:"):
-        data.append(pending[5:].strip())
-    if data:
-        yield [b"\n".join(data)]
+                self.data.append(line[5:].lstrip())
+            elif not line and self.data:
+                events.append(b"\n".join(self.data))
+                self.data = []
+        return events
+
+    def finish(self) -> list[bytes]:
+        if self.pending.startswith(b"data:"):
+            self.data.append(self.pending[5:].strip())
+        self.pending = b""
+        events, self.data = ([b"\n".join(self.data)] if self.data else []), []
+        return events
+
+
+async def event_batches(response: aiohttp.ClientResponse) -> AsyncIterator[list[bytes]]:
+    """The payloads of an HTTP stream's events, grouped by the read they completed in."""
+    splitter = SSESplitter()
+    async for piece in response.content.iter_any():
+        events = splitter.feed(piece)
+        if events:
+            yield events
+    events = splitter.finish()
+    if events:
+        yield events
 
 
 def error_event(message: str, code: str) -> bytes:

@@ -101,6 +101,7 @@ def create_app(engine: AsyncLLMEngine, served: dict[str, LLMEngine], api_keys: l
     created = int(time.time())
     app.state.engine, app.state.metrics = engine, metrics
     app.state.search_runners = {name: serving.runner for name, serving in searches.items()}
+    app.state.served_models = list(servings)
     install_error_handlers(app)
 
     if keys:

@@ -5,6 +5,7 @@ import logging
 import os
 import signal
 import threading
+import time
 
 from treeserve.model.registry import named_models as _named_models
 from treeserve.config import EngineConfig
@@ -55,31 +56,78 @@ def build_app(model: str | dict[str, str], served_model_name: str | None = None,
                       chat_template=chat_template, tool_settings=tool_settings)
 
 
+def app_from_args(args):
+    """The app `treeserve serve` (and `treeserve worker`) builds from its command line."""
+    keys = list(args.api_key or [])
+    if not keys and os.environ.get("TREESERVE_API_KEY"):
+        keys = [os.environ["TREESERVE_API_KEY"]]
+    chat_template = load_chat_template(args.chat_template)
+    tool_settings = ToolSettings(args.tool_call_parser, args.enable_auto_tool_choice)
+    models = _named_models(args.model) if args.model else DEFAULT_PAIR
+    target = args.model_path or (models if len(models) > 1 else next(iter(models.values())))
+    return build_app(target, served_model_name=args.served_model_name, api_keys=keys, kv_mode=args.kv_mode,
+                     max_queue=args.max_queue, max_problems_in_flight=args.max_problems_in_flight,
+                     dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                     kv_cache_memory_bytes=args.kv_cache_memory_bytes, block_size=args.block_size,
+                     enable_prefix_caching=not args.no_prefix_caching, engine_thread=False,
+                     chat_template=chat_template, tool_settings=tool_settings)
+
+
 def serve(args) -> int:
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    keys = list(args.api_key or [])
-    if not keys and os.environ.get("TREESERVE_API_KEY"):
-        keys = [os.environ["TREESERVE_API_KEY"]]
     try:
-        chat_template = load_chat_template(args.chat_template)
-        tool_settings = ToolSettings(args.tool_call_parser, args.enable_auto_tool_choice)
+        app = app_from_args(args)
     except ValueError as exc:
         logging.getLogger(__name__).error("%s", exc)
         return 2
-    models = _named_models(args.model) if args.model else DEFAULT_PAIR
-    target = args.model_path or (models if len(models) > 1 else next(iter(models.values())))
-    app = build_app(target, served_model_name=args.served_model_name, api_keys=keys, kv_mode=args.kv_mode,
-                    max_queue=args.max_queue, max_problems_in_flight=args.max_problems_in_flight,
-                    dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                    kv_cache_memory_bytes=args.kv_cache_memory_bytes, block_size=args.block_size,
-                    enable_prefix_caching=not args.no_prefix_caching, engine_thread=False,
-                    chat_template=chat_template, tool_settings=tool_settings)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                                            timeout_graceful_shutdown=5))
     run_engine_on_main_thread(app.state.engine, server)
+    return _exit_status(app, server)
+
+
+def worker(args) -> int:
+    """`treeserve worker --broker URL`: the app on a loopback port, fed by the broker's queues."""
+    import socket
+
+    import uvicorn
+
+    from treeserve.server.broker_worker import BrokerWorker
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        app = app_from_args(args)
+    except ValueError as exc:
+        logging.getLogger(__name__).error("%s", exc)
+        return 2
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_graceful_shutdown=5))
+    keys = list(args.api_key or []) or ([os.environ["TREESERVE_API_KEY"]] if os.environ.get("TREESERVE_API_KEY") else [])
+    consumer = BrokerWorker(args.broker, f"http://127.0.0.1:{port}", list(app.state.served_models),
+                            prefetch=args.prefetch, api_key=keys[0] if keys else None)
+
+    def start_consumer() -> None:
+        while not server.started and not server.should_exit:
+            time.sleep(0.05)
+        if server.started:
+            consumer.start()
+
+    threading.Thread(target=start_consumer, name="treeserve-broker-start", daemon=True).start()
+    run_engine_on_main_thread(app.state.engine, server, also_stop=lambda: consumer.error is not None)
+    consumer.stop()
+    if consumer.error is not None:
+        logging.getLogger(__name__).error("the broker connection failed (%s); the worker stopped", consumer.error)
+        return 1
+    return _exit_status(app, server)
+
+
+def _exit_status(app, server) -> int:
     if not server.started:  # uvicorn could not start (a port in use, say): it logged why
         logging.getLogger(__name__).error("the HTTP server did not start; see the errors above")
         return 1
@@ -89,7 +137,7 @@ def serve(args) -> int:
     return 0
 
 
-def run_engine_on_main_thread(engine, server) -> None:
+def run_engine_on_main_thread(engine, server, also_stop=lambda: False) -> None:
     """HTTP on a background thread, the engine loop on this (the main) thread, where PyTorch's
     thread pool runs small ops fastest (see engine/async_engine.py). SIGINT or SIGTERM stop both:
     uvicorn finishes its requests (graceful shutdown), then the loop ends."""
@@ -100,7 +148,7 @@ def run_engine_on_main_thread(engine, server) -> None:
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     http.start()
     try:
-        engine.run_forever(should_stop=lambda: not http.is_alive())
+        engine.run_forever(should_stop=lambda: not http.is_alive() or also_stop())
     finally:
         server.should_exit = True
         http.join(timeout=15)

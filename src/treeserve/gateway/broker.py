@@ -1,0 +1,124 @@
+"""The gateway's side of the broker transport (protocol: broker_protocol.py): publish a request to
+its model's queue, receive its reply on this process's own reply queue, cancel it."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import aio_pika
+
+from treeserve.gateway.broker_protocol import CANCEL_EXCHANGE, encode_request, queue_name
+from treeserve.gateway.sse import SSESplitter
+
+log = logging.getLogger("treeserve.gateway")
+
+
+class BrokerClient:
+    def __init__(self, url: str):
+        self.url = url
+        self.connection = self.channel = self.reply_queue = self.cancels = None
+        self.pending: dict[str, asyncio.Queue] = {}
+        self._declared: set[str] = set()
+
+    async def start(self) -> None:
+        self.connection = await aio_pika.connect_robust(self.url)
+        self.channel = await self.connection.channel()
+        self.cancels = await self.channel.declare_exchange(CANCEL_EXCHANGE, aio_pika.ExchangeType.FANOUT)
+        self.reply_queue = await self.channel.declare_queue(exclusive=True, auto_delete=True)
+        await self.reply_queue.consume(self._on_reply, no_ack=True)
+
+    async def close(self) -> None:
+        if self.connection is not None:
+            await self.connection.close()
+
+    async def request(self, model: str, path: str, body: dict, request_id: str, ttl: float) -> asyncio.Queue:
+        """Publishes the request; its reply messages arrive on the returned queue, in order."""
+        queue = queue_name(model)
+        if queue not in self._declared:
+            await self.channel.declare_queue(queue, durable=True)
+            self._declared.add(queue)
+        replies: asyncio.Queue = asyncio.Queue()
+        self.pending[request_id] = replies
+        message = aio_pika.Message(encode_request(path, body), correlation_id=request_id,
+                                   reply_to=self.reply_queue.name, expiration=ttl,
+                                   headers={"deadline": time.time() + ttl})
+        await self.channel.default_exchange.publish(message, routing_key=queue)
+        return replies
+
+    def done(self, request_id: str) -> None:
+        """Forgets the request: replies that still come (a redelivered duplicate) are dropped."""
+        self.pending.pop(request_id, None)
+
+    async def cancel(self, request_id: str) -> None:
+        self.done(request_id)
+        await self.cancels.publish(aio_pika.Message(request_id.encode()), routing_key="")
+
+    async def _on_reply(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
+        replies = self.pending.get(message.correlation_id or "")
+        if replies is not None:
+            replies.put_nowait(message)
+
+
+class WorkerGone(ConnectionError):
+    """The worker streaming an answer stopped mid-way (its request went to another worker)."""
+
+
+@dataclass
+class FirstReply:
+    kind: str                  # "response" (a whole answer) or "stream"
+    status: int
+    body: bytes = b""
+    events: list[bytes] = field(default_factory=list)  # a stream's first events
+
+
+class BrokerStream:
+    """One request's reply, read message by message. A stream belongs to the worker that started
+    it; a message from another worker means the first one died and the broker redelivered the
+    request: before the first event that is a fresh start, after it the stream is cut (never
+    replayed to a client that already has part of it)."""
+
+    def __init__(self, client: BrokerClient, request_id: str, replies: asyncio.Queue, timeout: float):
+        self.client, self.request_id, self.replies, self.timeout = client, request_id, replies, timeout
+        self.owner: str | None = None
+        self.splitter = SSESplitter()
+        self.finished = False
+
+    async def first(self) -> FirstReply:
+        while True:
+            message = await self._next()
+            kind, worker = message.headers.get("kind"), message.headers.get("worker")
+            if kind == "response":
+                self.finished = True
+                return FirstReply("response", int(message.headers.get("status") or 502), message.body)
+            if kind == "start" or worker != self.owner:
+                self.owner, self.splitter = worker, SSESplitter()
+            if kind == "chunk":
+                events = self.splitter.feed(message.body)
+                if events:
+                    return FirstReply("stream", 200, events=events)
+            elif kind == "end":
+                self.finished = True
+                return FirstReply("stream", 200, events=self.splitter.finish())
+
+    async def batches(self) -> AsyncIterator[list[bytes]]:
+        while not self.finished:
+            message = await self._next()
+            kind, worker = message.headers.get("kind"), message.headers.get("worker")
+            if worker != self.owner or kind not in ("chunk", "end"):
+                raise WorkerGone(f"the worker streaming this answer stopped ({kind!r} from another worker)")
+            events = self.splitter.feed(message.body) if kind == "chunk" else self.splitter.finish()
+            self.finished = kind == "end"
+            if events:
+                yield events
+
+    async def close(self) -> None:
+        if self.finished:
+            self.client.done(self.request_id)
+        else:  # the client left, or the stream was cut: the worker stops generating
+            await self.client.cancel(self.request_id)
+
+    async def _next(self):
+        return await asyncio.wait_for(self.replies.get(), self.timeout)

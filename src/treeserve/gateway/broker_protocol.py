@@ -1,0 +1,40 @@
+"""The message-broker transport between the gateway and `treeserve worker`s (RabbitMQ, AMQP 0-9-1).
+
+- Requests: one queue per model, `treeserve.model.<name>`, durable. A request is a JSON message
+  `{"path": "/v1/chat/completions", "body": {...}}` with `correlation_id` (the gateway's request
+  id), `reply_to` (the gateway's own exclusive reply queue), `expiration` (a request nobody took in
+  time is dropped by the broker) and a `deadline` header (a worker that takes it later drops it).
+- Workers take requests with manual acknowledgement and acknowledge once the request is answered:
+  a worker that dies before that has its requests redelivered to another worker.
+- Replies go to `reply_to` with the request's `correlation_id` and headers `kind` (`response`: a
+  whole answer, `start`/`chunk`/`end`: a stream's status, raw SSE bytes, its end), `seq` (the
+  message's number in its reply) and `worker` (who answered).
+- Cancellations: the gateway publishes the request id to the fanout exchange `treeserve.cancel`;
+  the worker holding that request stops it (its engine request is aborted).
+"""
+from __future__ import annotations
+
+import json
+import time
+
+CANCEL_EXCHANGE = "treeserve.cancel"
+
+
+def queue_name(model: str) -> str:
+    return f"treeserve.model.{model}"
+
+
+def encode_request(path: str, body: dict) -> bytes:
+    return json.dumps({"path": path, "body": body}, separators=(",", ":")).encode()
+
+
+def decode_request(raw: bytes) -> tuple[str, dict]:
+    data = json.loads(raw)
+    if not isinstance(data, dict) or not isinstance(data.get("path"), str) or not isinstance(data.get("body"), dict):
+        raise ValueError("a request message is {'path': str, 'body': object}")
+    return data["path"], data["body"]
+
+
+def expired(headers: dict | None) -> bool:
+    deadline = (headers or {}).get("deadline")
+    return isinstance(deadline, (int, float)) and time.time() > deadline
