@@ -6,6 +6,8 @@ import torch
 
 from treeserve.testing.tiny_models import FAMILIES, make_tiny_model
 
+from gateway_support import postgres, rabbitmq  # noqa: F401  (fixtures: a PostgreSQL cluster, a RabbitMQ node)
+
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 

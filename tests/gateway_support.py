@@ -226,3 +226,71 @@ def workers(model_dir: Path, count: int, broker_url: str, api_key: str):
             if proc.poll() is None:
                 proc.kill()
             proc.wait(timeout=30)
+
+
+TOKENS = 48  # every answer in the kill tests is this long (min_tokens)
+
+
+def chat_request(client, i: int) -> dict:
+    """Request i with the official client: even ones whole, odd ones streamed with usage in every
+    chunk (so a cut stream's client knows how many tokens it got). Returns what the client saw."""
+    import openai
+
+    messages = [{"role": "user", "content": f"Request number {i}: tell me something"}]
+    extra = {"min_tokens": TOKENS}
+    if i % 2 == 0:
+        raw = client.chat.completions.with_raw_response.create(model="tiny", messages=messages, max_tokens=TOKENS,
+                                                                extra_body=extra)
+        answer = raw.parse()
+        return {"i": i, "stream": False, "id": raw.headers["x-request-id"], "usage": answer.usage.model_dump()}
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny", messages=messages, max_tokens=TOKENS, stream=True, extra_body=extra,
+        stream_options={"include_usage": True, "continuous_usage_stats": True})
+    result = {"i": i, "stream": True, "id": raw.headers["x-request-id"], "usage": None, "error": None}
+    try:
+        for chunk in raw.parse():
+            if chunk.usage is not None:
+                result["usage"] = chunk.usage.model_dump()
+    except openai.APIError as exc:  # the gateway's error event after a backend broke off
+        result["error"] = str(exc)
+    return result
+
+
+def run_and_kill(client, count: int, kill, after: int) -> list[dict]:
+    """`count` requests 8 at a time; `kill()` once `after` of them have finished."""
+    import concurrent.futures
+    import threading
+
+    finished: list[dict] = []
+
+    def killer():
+        wait_for(lambda: len(finished) >= after, timeout=120)
+        kill()
+
+    thread = threading.Thread(target=killer)
+    thread.start()
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(chat_request, client, i) for i in range(count)]
+        for future in concurrent.futures.as_completed(futures, timeout=240):
+            finished.append(future.result())
+    thread.join()
+    return finished
+
+
+def check_answers_and_bills(finished: list[dict], store) -> dict[str, dict]:
+    """Every non-streamed request answered whole, every stream whole or cut with an error event;
+    one spend row per request, its tokens what the client got. Returns the rows by request id."""
+    plain = [r for r in finished if not r["stream"]]
+    assert len(plain) == len(finished) // 2 and all(r["usage"]["completion_tokens"] == TOKENS for r in plain)
+    assert all(r["usage"]["completion_tokens"] == TOKENS for r in finished if r["stream"] and not r["error"])
+    store.flush()
+    rows = store.spend_logs(limit=10_000)
+    logs = {row["request_id"]: row for row in rows}
+    assert len(rows) == len(finished) == len(logs)  # one answer each: none lost, none twice
+    for r in finished:
+        got = r["usage"] or {"prompt_tokens": 0, "completion_tokens": 0}
+        row = logs[r["id"]]
+        assert (row["prompt_tokens"], row["completion_tokens"]) == (got["prompt_tokens"], got["completion_tokens"]), \
+            (r, row)
+        assert row["status"] == ("cut" if r.get("error") else "success"), (r, row)
+    return logs

@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from conftest import API_KEY, running_server
-from gateway_support import postgres, wait_for  # noqa: F401  (postgres: a fixture)
+from gateway_support import wait_for
 from treeserve.gateway.app import build_app
 from treeserve.gateway.config import BackendConfig, GatewayConfig, ModelConfig
 

@@ -11,7 +11,6 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import update
 
-from gateway_support import postgres  # noqa: F401  (a fixture)
 from treeserve.errors import ParamError
 from treeserve.gateway.schema import ApiKey, Base, RateWindow
 from treeserve.gateway.store import Settlement, Store, utcnow

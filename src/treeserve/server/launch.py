@@ -56,11 +56,16 @@ def build_app(model: str | dict[str, str], served_model_name: str | None = None,
                       chat_template=chat_template, tool_settings=tool_settings)
 
 
-def app_from_args(args):
-    """The app `treeserve serve` (and `treeserve worker`) builds from its command line."""
+def api_keys(args) -> list[str]:
     keys = list(args.api_key or [])
     if not keys and os.environ.get("TREESERVE_API_KEY"):
         keys = [os.environ["TREESERVE_API_KEY"]]
+    return keys
+
+
+def app_from_args(args):
+    """The app `treeserve serve` (and `treeserve worker`) builds from its command line."""
+    keys = api_keys(args)
     chat_template = load_chat_template(args.chat_template)
     tool_settings = ToolSettings(args.tool_call_parser, args.enable_auto_tool_choice)
     models = _named_models(args.model) if args.model else DEFAULT_PAIR
@@ -74,14 +79,21 @@ def app_from_args(args):
                      chat_template=chat_template, tool_settings=tool_settings)
 
 
+def _logged_app(args):
+    """The app, with logging set up; None (the error logged) when the command line is wrong."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return app_from_args(args)
+    except ValueError as exc:
+        logging.getLogger(__name__).error("%s", exc)
+        return None
+
+
 def serve(args) -> int:
     import uvicorn
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        app = app_from_args(args)
-    except ValueError as exc:
-        logging.getLogger(__name__).error("%s", exc)
+    app = _logged_app(args)
+    if app is None:
         return 2
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                                            timeout_graceful_shutdown=5))
@@ -97,18 +109,15 @@ def worker(args) -> int:
 
     from treeserve.server.broker_worker import BrokerWorker
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        app = app_from_args(args)
-    except ValueError as exc:
-        logging.getLogger(__name__).error("%s", exc)
+    app = _logged_app(args)
+    if app is None:
         return 2
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                            timeout_graceful_shutdown=5))
-    keys = list(args.api_key or []) or ([os.environ["TREESERVE_API_KEY"]] if os.environ.get("TREESERVE_API_KEY") else [])
+    keys = api_keys(args)
     consumer = BrokerWorker(args.broker, f"http://127.0.0.1:{port}", list(app.state.served_models),
                             prefetch=args.prefetch, api_key=keys[0] if keys else None)
 
