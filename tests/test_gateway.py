@@ -152,6 +152,11 @@ def test_refusals_are_openai_errors(server, database):
         bad = httpx.post(url + "/v1/chat/completions", headers={"Authorization": f"Bearer {MASTER}"},
                          content=b"{not json")
         assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
+        search = httpx.post(url + "/v1/search", headers={"Authorization": f"Bearer {limited.api_key}"},
+                            json={"model": "other", "verifier": "tiny", "question": "1 + 1?"})
+        assert search.status_code == 403 and search.json()["error"]["param"] == "verifier"
+        period = _admin(url, "POST", "/key/generate", json={"budget_duration": "monthly"})
+        assert period.status_code == 400 and period.json()["error"]["param"] == "budget_duration"
 
 
 def _burst(urls: list[str], key: str, count: int) -> list[object]:

@@ -11,7 +11,7 @@ import openai
 from conftest import API_KEY, running_server
 from gateway_support import check_answers_and_bills, run_and_kill, workers
 from treeserve.gateway.app import build_app
-from treeserve.gateway.config import BackendConfig, GatewayConfig, ModelConfig
+from treeserve.gateway.config import BackendConfig, GatewayConfig, ModelConfig, redact_url
 
 MASTER = "sk-master-broker"
 
@@ -27,5 +27,22 @@ def test_two_workers_one_killed_mid_run(llama_dir, tmp_path, rabbitmq):
             finished = run_and_kill(client, 40, procs[1].kill, after=10)
             assert procs[1].poll() is not None, "the worker was not killed"
             logs = check_answers_and_bills(finished, app.state.store)
-            assert {row["backend"] for row in logs.values()} == {rabbitmq}
+            assert {row["backend"] for row in logs.values()} == {redact_url(rabbitmq)}  # no broker password
+            assert "guest@" not in str(app.state.metrics.render())
             print(json.dumps({"streams_cut": sum(bool(r["stream"] and r["error"]) for r in finished)}))
+
+
+def test_a_model_no_worker_consumes_fails_at_once(tmp_path, rabbitmq):
+    import time
+
+    models = {"idle": ModelConfig("idle", [BackendConfig(rabbitmq, timeout=60)])}
+    config = GatewayConfig(models=models, master_key=MASTER, database=f"sqlite:///{tmp_path / 'gw.db'}", retries=0)
+    with running_server(build_app(config)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key=MASTER, max_retries=0, timeout=30)
+        started = time.monotonic()
+        try:
+            client.chat.completions.create(model="idle", messages=[{"role": "user", "content": "hi"}])
+            raise AssertionError("answered without a worker")
+        except openai.APIStatusError as exc:
+            assert exc.status_code == 503 and "no worker consumes" in exc.message
+        assert time.monotonic() - started < 10

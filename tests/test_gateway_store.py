@@ -79,3 +79,13 @@ def test_past_minutes_rate_windows_are_pruned(store):
     assert store.prune_rate_windows() == 1
     with store.session() as s:
         assert s.query(RateWindow).count() == 1
+
+
+def test_a_budget_period_cleared_stops_resetting(store):
+    token, _ = store.create_key(max_budget=1.0, budget_duration="1d")
+    store.update_key(token, budget_duration=None)
+    assert store.key_info(token)["budget_reset_at"] is None
+    with store.transaction() as s:  # a reset time left from before: the key still works
+        s.execute(update(ApiKey).values(budget_reset_at=utcnow() - dt.timedelta(seconds=1), budget_duration=None))
+    store.admit(store.authenticate(token), 0.1)
+    assert store.key_info(token)["budget_reset_at"] is None

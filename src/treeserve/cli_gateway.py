@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -86,12 +87,13 @@ def cmd_gateway(args) -> int:
         print("warning: no --master-key: the admin API (/key/generate, ...) is off; keys can still be made "
               "with `treeserve gateway keys create`", file=sys.stderr)
     for model in config.models.values():
-        print(f"model {model.name}: {', '.join(b.url for b in model.backends)}", file=sys.stderr)
+        print(f"model {model.name}: {', '.join(b.name for b in model.backends)}", file=sys.stderr)
     # The event loop hands the GIL to the settlement writer and worker threads in 1 ms turns, not 5.
     sys.setswitchinterval(0.001)
     # uvloop and httptools: the event loop and HTTP parser in C (a relayed stream is many small writes)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     uvicorn.run(build_app(config), host=args.host, port=args.port, log_level="info", loop="uvloop",
-                http="httptools")
+                http="httptools", access_log=False)  # the app logs requests without their queries
     return 0
 
 

@@ -28,7 +28,7 @@ from treeserve.gateway.metrics import GatewayMetrics
 from treeserve.gateway.proxy import Forwarder, Outcome, new_request_id
 from treeserve.gateway.routing import Router, affinity_key
 from treeserve.gateway.store import KeyRecord, Reservation, Settlement, Store, default_url, utcnow
-from treeserve.server.errors import APIError, install_error_handlers
+from treeserve.server.errors import APIError, error_response, from_value_error, install_error_handlers
 
 log = logging.getLogger("treeserve.gateway")
 MAX_BODY_BYTES = 32 << 20
@@ -41,6 +41,30 @@ def _bearer(request: Request) -> str | None:
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+class AccessLog:
+    """One log line per request: method, path without its query (admin routes take keys there),
+    status and time. (uvicorn's own access log, which prints queries, is off in `treeserve gateway`.)"""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started, status = time.perf_counter(), [0]
+
+        async def sending(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            log.info("%s %s %d %.1f ms", scope["method"], scope["path"], status[0],
+                     (time.perf_counter() - started) * 1000)
 
 
 class Accounting:
@@ -59,11 +83,15 @@ class Accounting:
         model = outcome.model or self.model
         usage = outcome.usage
         cost = pricing.cost(config.models[model], usage.prompt_tokens, usage.completion_tokens)
-        if self.reservation.parallel:
-            await run_in_threadpool(self.app.state.store.release_slot, self.reservation)
-        self.app.state.store.settle_later(Settlement(
-            self.reservation, self.request_id, model, outcome.backend, self.route, self.stream, outcome.status,
-            usage, cost, self.started_at))
+        try:
+            if self.reservation.parallel:
+                await run_in_threadpool(self.app.state.store.release_slot, self.reservation)
+        except Exception:  # the slot goes back with the settlement's batch instead
+            log.exception("giving back a parallel slot failed; it is given back with the settlement")
+        finally:
+            self.app.state.store.settle_later(Settlement(
+                self.reservation, self.request_id, model, outcome.backend, self.route, self.stream, outcome.status,
+                usage, cost, self.started_at))
         metrics: GatewayMetrics = self.app.state.metrics
         metrics.key_requests.labels(self.key.label, outcome.status).inc()
         metrics.key_tokens.labels(self.key.label, model, "prompt").inc(usage.prompt_tokens)
@@ -103,6 +131,12 @@ def build_app(config: GatewayConfig, store: Store | None = None) -> FastAPI:
     app = FastAPI(title="treeserve gateway", lifespan=lifespan)
     app.state.config, app.state.store, app.state.metrics, app.state.router = config, store, metrics, router
     install_error_handlers(app)
+    app.add_middleware(AccessLog)
+
+    @app.exception_handler(ValueError)
+    async def _bad_value(_: Request, exc: ValueError):  # a ParamError names its parameter
+        err = from_value_error(exc)
+        return error_response(err.status, err.message, err.param, err.code)
 
     async def require_master(request: Request) -> None:
         token = _bearer(request)
@@ -135,7 +169,7 @@ def build_app(config: GatewayConfig, store: Store | None = None) -> FastAPI:
 
     @app.get("/health/backends", dependencies=[Depends(require_master)])
     async def backends():
-        return [{"model": b.model, "url": b.url, "healthy": b.healthy, "circuit": b.breaker.state,
+        return [{"model": b.model, "url": b.name, "healthy": b.healthy, "circuit": b.breaker.state,
                  "outstanding_requests": b.outstanding, "last_error": b.last_error} for b in router.backends()]
 
     @app.get("/metrics", dependencies=[Depends(require_master)])
@@ -160,14 +194,16 @@ def build_app(config: GatewayConfig, store: Store | None = None) -> FastAPI:
             raise APIError(400, "model: this field is required", param="model", code="missing_required_parameter")
         if model not in config.models:
             raise APIError(404, f"model: the model {model!r} does not exist", param="model", code="model_not_found")
-        if not key.allows(model):
-            raise APIError(403, f"model: this key may not use {model!r}", param="model", code="model_not_allowed")
+        for field in ("model", "verifier"):  # a search names its verifier model too
+            if isinstance(body.get(field), str) and not key.allows(body[field]):
+                raise APIError(403, f"{field}: this key may not use {body[field]!r}", param=field,
+                               code="model_not_allowed")
         started = time.perf_counter()
         stream = bool(body.get("stream"))
         if key.id is None:
             reservation = Reservation(None, None, 0.0, False, 0)
         else:
-            worst = pricing.worst_cost(body, config.models[model])
+            worst = max(pricing.worst_cost(body, config.models[name]) for name in router.chain(model))
             try:
                 reservation = await run_in_threadpool(store.admit, key, worst)
             except APIError as exc:

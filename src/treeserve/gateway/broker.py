@@ -14,6 +14,11 @@ from treeserve.gateway.broker_protocol import CANCEL_EXCHANGE, encode_request, q
 from treeserve.gateway.sse import SSESplitter
 
 log = logging.getLogger("treeserve.gateway")
+CONSUMER_CHECK_INTERVAL = 1.0  # seconds a queue's last seen consumer is trusted
+
+
+class NoWorkers(ConnectionError):
+    """Nobody consumes the model's queue: a request there would only wait out its timeout."""
 
 
 class BrokerClient:
@@ -21,7 +26,7 @@ class BrokerClient:
         self.url = url
         self.connection = self.channel = self.reply_queue = self.cancels = None
         self.pending: dict[str, asyncio.Queue] = {}
-        self._declared: set[str] = set()
+        self._consumers_seen: dict[str, float] = {}  # queue -> when it last had a consumer
 
     async def start(self) -> None:
         self.connection = await aio_pika.connect_robust(self.url)
@@ -37,9 +42,11 @@ class BrokerClient:
     async def request(self, model: str, path: str, body: dict, request_id: str, ttl: float) -> asyncio.Queue:
         """Publishes the request; its reply messages arrive on the returned queue, in order."""
         queue = queue_name(model)
-        if queue not in self._declared:
-            await self.channel.declare_queue(queue, durable=True)
-            self._declared.add(queue)
+        if time.monotonic() - self._consumers_seen.get(queue, -CONSUMER_CHECK_INTERVAL) >= CONSUMER_CHECK_INTERVAL:
+            declared = await self.channel.declare_queue(queue, durable=True)
+            if not declared.declaration_result.consumer_count:
+                raise NoWorkers(f"no worker consumes {queue}")  # fail now rather than wait out the timeout
+            self._consumers_seen[queue] = time.monotonic()
         replies: asyncio.Queue = asyncio.Queue()
         self.pending[request_id] = replies
         message = aio_pika.Message(encode_request(path, body), correlation_id=request_id,

@@ -18,12 +18,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 
 from treeserve.errors import ParamError
 
 STRATEGIES = ("round_robin", "least_outstanding", "affinity")
+DEFAULT_RESERVED_TOKENS = 4096
 HTTP_SCHEMES, BROKER_SCHEMES = ("http://", "https://"), ("amqp://", "amqps://")
 
 
@@ -38,7 +40,8 @@ class BackendConfig:
 
     @property
     def name(self) -> str:
-        return self.url
+        """The URL without its user and password: what logs, metrics and spend rows show."""
+        return redact_url(self.url)
 
 
 @dataclass
@@ -47,7 +50,9 @@ class ModelConfig:
     backends: list[BackendConfig]
     input_cost_per_token: float = 0.0
     output_cost_per_token: float = 0.0
-    max_tokens: int = 4096        # the worst case reserved for a request that does not say
+    # A request that names no max_tokens gets this one (sent upstream, so its reservation holds);
+    # unset, such a request reserves DEFAULT_RESERVED_TOKENS and the backend's own default applies.
+    max_tokens: int | None = None
     fallbacks: list[str] = field(default_factory=list)
 
 
@@ -71,6 +76,15 @@ class GatewayConfig:
             unknown = [f for f in model.fallbacks if f not in self.models]
             if unknown:
                 raise ParamError("fallbacks", f"fallbacks of {model.name!r}: no model {unknown[0]!r} is configured")
+
+
+def redact_url(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{host}:{parts.port}" if parts.port else host
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
 def parse_backend_flags(values: list[str]) -> dict[str, ModelConfig]:

@@ -26,9 +26,9 @@ async def check(backend: Backend, client: aiohttp.ClientSession, metrics: Gatewa
     except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError):
         healthy = False
     if healthy != backend.healthy:
-        log.warning("backend %s is %s", backend.url, "healthy again" if healthy else "failing its health check")
+        log.warning("backend %s is %s", backend.name, "healthy again" if healthy else "failing its health check")
     backend.healthy = healthy
-    metrics.backend_up.labels(backend.url).set(int(healthy))
+    metrics.backend_up.labels(backend.name).set(int(healthy))
     return healthy
 
 

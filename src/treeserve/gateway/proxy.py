@@ -9,6 +9,7 @@ backend or by the client is billed for the tokens its client got."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -17,13 +18,13 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
-import aio_pika
 import aiohttp
 import anyio
 from fastapi.responses import Response, StreamingResponse
 
 from treeserve.gateway.broker import BrokerClient, BrokerStream
 from treeserve.gateway.metrics import GatewayMetrics
+from treeserve.gateway.pricing import completion_cap
 from treeserve.gateway.routing import Backend, Router
 from treeserve.gateway.sse import DONE, StreamState, error_event, event_batches
 from treeserve.gateway.usage import Usage
@@ -42,6 +43,18 @@ class Outcome:
     model: str | None = None      # the model group that answered (a fallback's, after a fallback)
     backend: str | None = None
     usage: Usage = field(default_factory=Usage)
+
+
+class RelayResponse(StreamingResponse):
+    """A relayed stream whose generator is closed as soon as the response ends, however it ends
+    (a client gone mid-write included), so its upstream is closed and it is settled at once."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
 
 
 class Forwarder:
@@ -63,8 +76,9 @@ class Forwarder:
                 if attempt:
                     self.metrics.retries.labels(model).inc()
                 upstream = self._upstream_body(body, group, backend, stream)
-                if backend.url in self.brokers:
-                    result = await self._try_broker(path, upstream, backend, group, body, settle, started, request_id)
+                if backend.url in self.brokers:  # each attempt its own correlation id: no late reply mixes in
+                    result = await self._try_broker(path, upstream, backend, group, body, settle, started,
+                                                    f"{request_id}.{attempt}")
                 else:
                     attempt_once = self._try_stream if stream else self._try_once
                     result = await attempt_once(path, upstream, backend, group, body, settle, started)
@@ -101,7 +115,7 @@ class Forwarder:
         if status in RETRYABLE_STATUS:
             return self._failed(backend, f"HTTP {status}", breaker=status == 503)
         self._record_health(backend, status)
-        outcome = Outcome("success" if status == 200 else "error", group, backend.url)
+        outcome = Outcome("success" if status == 200 else "error", group, backend.name)
         if status == 200:
             try:
                 usage = json.loads(content).get("usage") or {}
@@ -109,7 +123,7 @@ class Forwarder:
                 usage = {}
             outcome.usage = Usage(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))
         await settle(outcome)
-        self.metrics.requests.labels(group, backend.url, str(status)).inc()
+        self.metrics.requests.labels(group, backend.name, str(status)).inc()
         self.metrics.latency.labels(group).observe(time.perf_counter() - started)
         return Response(content, status_code=status, media_type="application/json", headers=headers)
 
@@ -131,8 +145,8 @@ class Forwarder:
             if response.status in RETRYABLE_STATUS:
                 return self._failed(backend, f"HTTP {response.status}", breaker=response.status == 503)
             self._record_health(backend, response.status)
-            await settle(Outcome("error", group, backend.url))
-            self.metrics.requests.labels(group, backend.url, str(response.status)).inc()
+            await settle(Outcome("error", group, backend.name))
+            self.metrics.requests.labels(group, backend.name, str(response.status)).inc()
             return Response(content, status_code=response.status, media_type="application/json")
         batches = event_batches(response)
         try:
@@ -152,8 +166,8 @@ class Forwarder:
                                            backend.config.timeout)
             reply = BrokerStream(broker, request_id, replies, backend.config.timeout)
             first = await reply.first()
-        except (*UPSTREAM_ERRORS, aio_pika.exceptions.AMQPException) as exc:
-            with anyio.CancelScope(shield=True):
+        except Exception as exc:  # the broker's errors include RuntimeErrors of a closed channel
+            with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
                 await broker.cancel(request_id)
             self._end(backend)
             return self._failed(backend, exc if str(exc) else "no worker answered in time")
@@ -163,17 +177,17 @@ class Forwarder:
             return await self._answer(first.status, first.body, {}, backend, group, settle, started)
         return self._stream_response(first.events, reply.batches(), reply.close, backend, group, body, settle, started)
 
-    def _stream_response(self, first, batches, close, backend, group, body, settle, started) -> StreamingResponse:
+    def _stream_response(self, first, batches, close, backend, group, body, settle, started) -> RelayResponse:
         options = body.get("stream_options") or {}
         state = StreamState(bool(options.get("include_usage")), bool(options.get("continuous_usage_stats")))
         relay = self._relay(first, batches, close, backend, group, state, settle, started)
-        return StreamingResponse(relay, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return RelayResponse(relay, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def _relay(self, first: list[bytes], batches: AsyncIterator[list[bytes]],
                      close: Callable[[], Awaitable[None]], backend: Backend, group: str, state: StreamState, settle,
                      started: float) -> AsyncIterator[bytes]:
-        outcome = Outcome("client_closed", group, backend.url)
+        outcome = Outcome("client_closed", group, backend.name)
         try:
             out = state.relay(first)
             if out:
@@ -194,17 +208,23 @@ class Forwarder:
             if outcome.status == "client_closed" and state.done:
                 outcome.status = "success"  # the client left after the last event: it has it all
             with anyio.CancelScope(shield=True):
-                await close()
+                try:
+                    await close()
+                except Exception:  # (a broker gone: its cancel cannot be sent) the request is settled anyway
+                    log.exception("closing the upstream of a stream failed")
                 self._end(backend)
                 outcome.usage = state.billed()
                 await settle(outcome)
             status = {"success": "200", "cut": "502"}.get(outcome.status, "499")
-            self.metrics.requests.labels(group, backend.url, status).inc()
+            self.metrics.requests.labels(group, backend.name, status).inc()
             self.metrics.latency.labels(group).observe(time.perf_counter() - started)
 
     # ---- bookkeeping -------------------------------------------------------------------------
     def _upstream_body(self, body: dict, group: str, backend: Backend, stream: bool) -> dict:
         upstream = dict(body, model=backend.config.model or group)
+        cap = self.router.groups[group].config.max_tokens
+        if cap is not None and ("messages" in body or "prompt" in body) and completion_cap(body) is None:
+            upstream["max_tokens"] = cap  # the reservation counted this cap: the backend must not write more
         if stream and ("messages" in body or "prompt" in body):
             options = dict(body.get("stream_options") or {}, include_usage=True)
             if backend.config.continuous_usage:
@@ -215,20 +235,21 @@ class Forwarder:
     def _begin(self, backend: Backend) -> None:
         backend.breaker.on_start()
         backend.outstanding += 1
-        self.metrics.backend_outstanding.labels(backend.url).set(backend.outstanding)
+        self.metrics.backend_outstanding.labels(backend.name).set(backend.outstanding)
 
     def _end(self, backend: Backend) -> None:
+        backend.breaker.trial_in_flight = False  # a trial that ended without a verdict allows another
         backend.outstanding -= 1
-        self.metrics.backend_outstanding.labels(backend.url).set(backend.outstanding)
+        self.metrics.backend_outstanding.labels(backend.name).set(backend.outstanding)
 
     def _failed(self, backend: Backend, error, breaker: bool = True) -> str:
         reason = type(error).__name__ if isinstance(error, BaseException) else str(error)
-        text = f"{backend.url}: {reason}" + (f" ({error})" if isinstance(error, BaseException) and str(error) else "")
+        text = f"{backend.name}: {reason}" + (f" ({error})" if isinstance(error, BaseException) and str(error) else "")
         backend.last_error = text
         if breaker:
             backend.breaker.on_failure()
-            self.metrics.breaker_open.labels(backend.url).set(int(backend.breaker.state == "open"))
-        self.metrics.backend_failures.labels(backend.url, reason).inc()
+            self.metrics.breaker_open.labels(backend.name).set(int(backend.breaker.state == "open"))
+        self.metrics.backend_failures.labels(backend.name, reason).inc()
         log.warning("backend failed: %s", text)
         return text
 
@@ -237,7 +258,7 @@ class Forwarder:
             backend.breaker.on_failure()
         else:
             backend.breaker.on_success()
-        self.metrics.breaker_open.labels(backend.url).set(int(backend.breaker.state == "open"))
+        self.metrics.breaker_open.labels(backend.name).set(int(backend.breaker.state == "open"))
 
 
 def _closer(response: aiohttp.ClientResponse) -> Callable[[], Awaitable[None]]:

@@ -61,6 +61,10 @@ class Backend:
         return self.config.url
 
     @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
     def usable(self) -> bool:
         return self.healthy and self.breaker.allows()
 
@@ -94,15 +98,14 @@ class Router:
                                      for b in model.backends])
             for name, model in config.models.items()}
 
+    def chain(self, model: str) -> list[str]:
+        """The model, then its fallbacks (each once)."""
+        return list(dict.fromkeys([model, *self.groups[model].config.fallbacks]))
+
     def plan(self, model: str, affinity_key: str | None) -> list[tuple[str, Backend]]:
         """(model, backend) pairs to try in order: the model's replicas, then its fallbacks'."""
-        plan, seen = [], set()
-        for name in [model, *self.groups[model].config.fallbacks]:
-            if name in seen:
-                continue
-            seen.add(name)
-            plan.extend((name, b) for b in self.groups[name].ranked(self.config.routing, affinity_key))
-        return plan
+        return [(name, b) for name in self.chain(model)
+                for b in self.groups[name].ranked(self.config.routing, affinity_key)]
 
     def backends(self) -> list[Backend]:
         return [b for group in self.groups.values() for b in group.backends]

@@ -206,6 +206,9 @@ class Store:
             duration = fields.pop("duration")
             values["expires_at"] = utcnow() + keylib.parse_duration(duration, "duration") if duration else None
         with self.transaction() as conn:
+            if values.get("user_id") and conn.get(User, values["user_id"]) is None:
+                conn.execute(insert(User).values(user_id=values["user_id"], spend=0.0, reserved=0.0, extra={},
+                                                 created_at=utcnow()))
             result = conn.execute(update(ApiKey).where(ApiKey.token_hash == _token_hash(token)).values(**values))
             if result.rowcount == 0:
                 raise APIError(404, "key: no such key", param="key", code="key_not_found")
@@ -363,6 +366,9 @@ class Store:
         for table, where in targets:
             row = conn.execute(select(table.budget_duration, table.budget_reset_at).where(where)).first()
             if row is not None and row.budget_reset_at is not None and _aware(row.budget_reset_at) <= now:
+                if not row.budget_duration:  # (a period cleared without its reset time)
+                    conn.execute(update(table).where(where).values(budget_reset_at=None))
+                    continue
                 period = keylib.parse_duration(row.budget_duration, "budget_duration")
                 conn.execute(update(table).where(where, table.budget_reset_at == row.budget_reset_at)
                              .values(spend=0.0, budget_reset_at=now + period))
@@ -379,6 +385,8 @@ class Store:
                              .values(reserved=table.reserved + worst_cost)).rowcount
         if not taken:
             row = conn.execute(select(table.spend, table.reserved, table.max_budget).where(where)).first()
+            if row is None:  # deleted since this process cached it
+                raise APIError(401, f"invalid API key: its {owner} no longer exists", code="invalid_api_key")
             raise APIError(400, f"max_budget: the {owner}'s budget is exceeded: spent {row.spend:.6f} "
                            f"(and {row.reserved:.6f} held by requests in flight) of max_budget {row.max_budget:.6f}",
                            param="max_budget", code="budget_exceeded")
@@ -538,9 +546,15 @@ def _key_values(fields: dict, now: dt.datetime) -> dict:
     if "metadata" in fields:
         values["extra"] = fields["metadata"] or {}
     _check_limits(values)
-    if values.get("budget_duration"):
-        values["budget_reset_at"] = now + keylib.parse_duration(values["budget_duration"], "budget_duration")
+    _budget_period(values, now)
     return values
+
+
+def _budget_period(values: dict, now: dt.datetime) -> None:
+    """A budget period set starts now; one cleared stops resetting."""
+    if "budget_duration" in values:
+        duration = values["budget_duration"]
+        values["budget_reset_at"] = now + keylib.parse_duration(duration, "budget_duration") if duration else None
 
 
 def _user_values(fields: dict, now: dt.datetime) -> dict:
@@ -550,8 +564,7 @@ def _user_values(fields: dict, now: dt.datetime) -> dict:
     values = {k: v for k, v in fields.items() if k != "metadata"}
     values["extra"] = fields.get("metadata") or {}
     _check_limits(values)
-    if values.get("budget_duration"):
-        values["budget_reset_at"] = now + keylib.parse_duration(values["budget_duration"], "budget_duration")
+    _budget_period(values, now)
     return values
 
 

@@ -31,7 +31,8 @@ class BrokerWorker:
         self.error: BaseException | None = None
         self._stop: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._running: dict[str, asyncio.Task] = {}
+        self._running: dict[str, set[asyncio.Task]] = {}  # by correlation id
+        self._stopping = False
 
     # ---- lifecycle (called from other threads) ------------------------------------------------
     def start(self) -> threading.Thread:
@@ -63,27 +64,42 @@ class BrokerWorker:
             cancel_queue = await channel.declare_queue(exclusive=True, auto_delete=True)
             await cancel_queue.bind(cancels)
             await cancel_queue.consume(self._on_cancel, no_ack=True)
+            consumers = []
             for model in self.models:
                 queue = await channel.declare_queue(queue_name(model), durable=True)
-                await queue.consume(lambda message: self._take(message, http, channel))
+                consumers.append((queue, await queue.consume(lambda message: self._take(message, http, channel))))
             log.info("worker %s consuming %s", self.worker_id, ", ".join(queue_name(m) for m in self.models))
             self.ready.set()
             await self._stop.wait()
-            for task in list(self._running.values()):
+            # stopping: take nothing more, give what is in hand back to the queue for another worker
+            self._stopping = True
+            for queue, tag in consumers:
+                await queue.cancel(tag)
+            tasks = [t for group in self._running.values() for t in group]
+            for task in tasks:
                 task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _take(self, message: aio_pika.abc.AbstractIncomingMessage, http, channel) -> None:
+        key = message.correlation_id or ""
         task = asyncio.create_task(self._answer(message, http, channel))
-        self._running[message.correlation_id or ""] = task
-        task.add_done_callback(lambda _: self._running.pop(message.correlation_id or "", None))
+        self._running.setdefault(key, set()).add(task)
+
+        def forget(_: asyncio.Task) -> None:
+            group = self._running.get(key)
+            if group is not None:
+                group.discard(task)
+                if not group:
+                    del self._running[key]
+        task.add_done_callback(forget)
 
     async def _on_cancel(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
-        task = self._running.get(message.body.decode(errors="replace"))
-        if task is not None:
+        for task in list(self._running.get(message.body.decode(errors="replace"), ())):
             task.cancel()
 
     async def _answer(self, message, http: aiohttp.ClientSession, channel) -> None:
         replies = Replies(channel, message, self.worker_id)
+        requeued = False
         try:
             if not message.reply_to:
                 log.warning("request %s has no reply_to: dropped", message.correlation_id)
@@ -105,12 +121,19 @@ class BrokerWorker:
                 else:
                     await replies.send("response", await response.read(), status=response.status)
         except asyncio.CancelledError:
-            log.info("request %s cancelled by the gateway", message.correlation_id)
+            if self._stopping and not replies.seq:  # untouched: back to the queue for another worker
+                await message.reject(requeue=True)
+                requeued = True
+            elif self._stopping:  # a stream under way cannot start over elsewhere: the gateway cuts it
+                await replies.send("response", _error_body(503, "the worker stopped"), status=503)
+            else:
+                log.info("request %s cancelled by the gateway", message.correlation_id)
         except (aiohttp.ClientError, ConnectionError) as exc:
             log.warning("request %s failed on the local server: %s", message.correlation_id, exc)
             await replies.send("response", _error_body(503, f"the worker's server failed: {exc}"), status=503)
         finally:
-            await message.ack()
+            if not requeued:
+                await message.ack()
 
 
 class Replies:
