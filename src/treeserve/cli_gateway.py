@@ -93,7 +93,7 @@ def cmd_gateway(args) -> int:
     # uvloop and httptools: the event loop and HTTP parser in C (a relayed stream is many small writes)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     uvicorn.run(build_app(config), host=args.host, port=args.port, log_level="info", loop="uvloop",
-                http="httptools", access_log=False)  # the app logs requests without their queries
+                http="httptools", access_log=False)  # the app logs each request, never a query string
     return 0
 
 

@@ -43,30 +43,6 @@ def _bearer(request: Request) -> str | None:
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
-class AccessLog:
-    """One log line per request: method, path without its query (admin routes take keys there),
-    status and time. (uvicorn's own access log, which prints queries, is off in `treeserve gateway`.)"""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        started, status = time.perf_counter(), [0]
-
-        async def sending(message):
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, sending)
-        finally:
-            log.info("%s %s %d %.1f ms", scope["method"], scope["path"], status[0],
-                     (time.perf_counter() - started) * 1000)
-
-
 class Accounting:
     """Settles one admitted request, once: spend, tokens, a log row, metrics."""
 
@@ -92,6 +68,9 @@ class Accounting:
             self.app.state.store.settle_later(Settlement(
                 self.reservation, self.request_id, model, outcome.backend, self.route, self.stream, outcome.status,
                 usage, cost, self.started_at))
+        log.info("%s %s key=%s model=%s backend=%s %s tokens=%d+%d cost=%.6g", self.request_id, self.route,
+                 self.key.label, model, outcome.backend, outcome.status, usage.prompt_tokens,
+                 usage.completion_tokens, cost)
         metrics: GatewayMetrics = self.app.state.metrics
         metrics.key_requests.labels(self.key.label, outcome.status).inc()
         metrics.key_tokens.labels(self.key.label, model, "prompt").inc(usage.prompt_tokens)
@@ -131,7 +110,6 @@ def build_app(config: GatewayConfig, store: Store | None = None) -> FastAPI:
     app = FastAPI(title="treeserve gateway", lifespan=lifespan)
     app.state.config, app.state.store, app.state.metrics, app.state.router = config, store, metrics, router
     install_error_handlers(app)
-    app.add_middleware(AccessLog)
 
     @app.exception_handler(ValueError)
     async def _bad_value(_: Request, exc: ValueError):  # a ParamError names its parameter
@@ -139,6 +117,7 @@ def build_app(config: GatewayConfig, store: Store | None = None) -> FastAPI:
         return error_response(err.status, err.message, err.param, err.code)
 
     async def require_master(request: Request) -> None:
+        log.info("admin %s %s", request.method, request.url.path)  # (never the query: keys go there)
         token = _bearer(request)
         if not config.master_key:
             raise APIError(403, "the admin API is off: start the gateway with --master-key (or TREESERVE_MASTER_KEY)",
