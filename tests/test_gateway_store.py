@@ -9,10 +9,10 @@ import sys
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import update
+from sqlalchemy import select, update
 
 from treeserve.errors import ParamError
-from treeserve.gateway.schema import ApiKey, Base, RateWindow
+from treeserve.gateway.schema import ApiKey, Base, Holding, Instance, RateWindow, User
 from treeserve.gateway.store import Settlement, Store, utcnow
 from treeserve.gateway.usage import Usage
 from treeserve.server.errors import APIError
@@ -89,3 +89,28 @@ def test_a_budget_period_cleared_stops_resetting(store):
         s.execute(update(ApiKey).values(budget_reset_at=utcnow() - dt.timedelta(seconds=1), budget_duration=None))
     store.admit(store.authenticate(token), 0.1)
     assert store.key_info(token)["budget_reset_at"] is None
+
+
+def test_what_a_dead_process_held_is_given_back_and_a_live_ones_is_not(store):
+    token, _ = store.create_key(max_budget=1.0, max_parallel_requests=2, user_id="u1")
+    key = store.authenticate(token)
+    store.heartbeat()
+    settled = store.admit(key, 0.25)
+    store.settle(Settlement(settled, "done", "m", None, "chat", False, "success", Usage(1, 1), 0.1, utcnow()))
+    store.admit(key, 0.3)  # this process then dies before settling it
+    other = Store(store.url)
+    try:
+        assert other.sweep() == 0, "a live process's requests were taken from it"
+        long_ago = utcnow() - dt.timedelta(minutes=5)
+        with store.transaction() as s:  # ... silent for five minutes
+            s.execute(update(Instance).values(seen_at=long_ago))
+            s.execute(update(Holding).values(created_at=long_ago))
+        assert other.sweep() == 1
+        with other.session() as s:
+            row = s.scalars(select(ApiKey)).one()
+            user = s.get(User, "u1")
+            assert (row.in_flight, round(row.reserved, 9), round(user.reserved, 9)) == (0, 0.0, 0.0)
+            assert row.spend == pytest.approx(0.1) and s.query(Holding).count() == 0
+        assert other.sweep() == 0  # given back once
+    finally:
+        other.close()

@@ -87,6 +87,7 @@ def build_app(config: GatewayConfig, store: Store | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         await run_in_threadpool(store.migrate)
+        store.start()  # heartbeats, and the sweep of dead processes' holdings, from now on
         # aiohttp for the upstream side: its C parser reads a stream at a fraction of httpx's cost per chunk
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0)  # under uvicorn's 5 s keep-alive
         client = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None),

@@ -97,3 +97,25 @@ class RateWindow(Base):
     window: Mapped[int] = mapped_column(BigInteger, primary_key=True)  # minutes since the epoch
     requests: Mapped[int] = mapped_column(Integer, default=0)
     tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class Holding(Base):
+    """A request admitted and not yet settled: the worst case it reserved, whether it holds a
+    parallel slot, and which gateway process admitted it, so that the holdings of a process that
+    died are given back (`Store.sweep`) instead of blocking its keys for good."""
+    __tablename__ = "holdings"
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True,
+                                    autoincrement=True)
+    instance_id: Mapped[str] = mapped_column(String(32), index=True)
+    key_id: Mapped[int] = mapped_column(Integer)
+    user_id: Mapped[str | None] = mapped_column(String(128))
+    worst_cost: Mapped[float] = mapped_column(Float)
+    parallel: Mapped[bool] = mapped_column(Boolean)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+
+
+class Instance(Base):
+    """A running gateway process and when it last said so (every few seconds)."""
+    __tablename__ = "gateway_instances"
+    instance_id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    seen_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))

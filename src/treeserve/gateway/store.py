@@ -16,6 +16,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from sqlalchemy.orm import Session
 
 from treeserve.errors import ParamError
 from treeserve.gateway import keys as keylib
-from treeserve.gateway.schema import ApiKey, DailySpend, RateWindow, SpendLog, User
+from treeserve.gateway.schema import ApiKey, DailySpend, Holding, Instance, RateWindow, SpendLog, User
 from treeserve.gateway.usage import Usage
 from treeserve.server.errors import APIError
 
@@ -40,6 +41,8 @@ SETTLEMENT_BATCH = 256  # settlements committed in one transaction, at most
 # a writer thread that seldom competes with the event loop for the GIL.
 SETTLEMENT_INTERVAL = 0.05
 PRUNE_INTERVAL = 60.0  # seconds between deletions of past minutes' rate windows
+HEARTBEAT_INTERVAL = 5.0  # seconds between a process's "still here" in gateway_instances
+INSTANCE_TIMEOUT = 60.0  # a process silent this long is dead: its holdings are given back
 MASTER_KEY_ID = 0  # the master key's rows in daily_spend (its spend logs have no key_id)
 KEY_FIELDS = ("key_alias", "user_id", "models", "max_budget", "budget_duration", "rpm_limit", "tpm_limit",
               "max_parallel_requests", "metadata", "blocked")
@@ -117,6 +120,7 @@ class Reservation:
     parallel: bool
     window: int
     counted: bool = False  # counted in its minute's rate window (the key has rpm or tpm limits)
+    holding_id: int | None = None  # its row in `holdings` (what a dead process's sweep gives back)
 
 
 class Store:
@@ -126,6 +130,7 @@ class Store:
         self.dialect = self.engine.dialect.name
         self.writer = self.engine.execution_options(writing=True)
         self._write_lock = threading.Lock() if self.dialect == "sqlite" else contextlib.nullcontext()
+        self.instance_id = uuid.uuid4().hex
         self._writer = SettlementWriter(self)
 
     def migrate(self) -> None:
@@ -281,7 +286,53 @@ class Store:
                 self._reserve(conn, ApiKey, ApiKey.id == key.id, worst_cost, "key")
                 if key.user_id is not None:
                     self._reserve(conn, User, User.user_id == key.user_id, worst_cost, "user")
-        return Reservation(key.id, key.user_id, worst_cost, parallel, window, counted)
+            holding = None
+            if parallel or worst_cost:
+                holding = conn.execute(insert(Holding).values(
+                    instance_id=self.instance_id, key_id=key.id, user_id=key.user_id if key.budgeted else None,
+                    worst_cost=worst_cost, parallel=parallel, created_at=now).returning(Holding.id)).scalar_one()
+        return Reservation(key.id, key.user_id, worst_cost, parallel, window, counted, holding)
+
+    def heartbeat(self) -> None:
+        """This process is alive (its holdings are its own to settle)."""
+        self._upsert_instance(utcnow())
+
+    def sweep(self) -> int:
+        """Gives back what dead gateway processes held (silent for INSTANCE_TIMEOUT): their
+        reservations on keys and users and their parallel slots. Returns the holdings given back."""
+        cutoff = utcnow() - dt.timedelta(seconds=INSTANCE_TIMEOUT)
+        with self.transaction() as conn:
+            live = select(Instance.instance_id).where(Instance.seen_at >= cutoff)
+            dead = conn.scalars(select(Holding).where(Holding.instance_id.not_in(live),
+                                                      Holding.instance_id != self.instance_id,
+                                                      Holding.created_at < cutoff)).all()
+            keys: dict[int, list[float]] = defaultdict(lambda: [0.0, 0])
+            users: dict[str, float] = defaultdict(float)
+            for holding in dead:
+                keys[holding.key_id][0] += holding.worst_cost
+                keys[holding.key_id][1] += int(holding.parallel)
+                if holding.user_id is not None:
+                    users[holding.user_id] += holding.worst_cost
+            for key_id, (released, slots) in keys.items():
+                conn.execute(update(ApiKey).where(ApiKey.id == key_id)
+                             .values(reserved=ApiKey.reserved - released, in_flight=ApiKey.in_flight - slots))
+            for user_id, released in users.items():
+                conn.execute(update(User).where(User.user_id == user_id).values(reserved=User.reserved - released))
+            if dead:
+                conn.execute(delete(Holding).where(Holding.id.in_([h.id for h in dead])))
+                log.warning("gave back %d requests' holdings of gateway processes gone silent", len(dead))
+            conn.execute(delete(Instance).where(Instance.seen_at < cutoff))
+        return len(dead)
+
+    def _upsert_instance(self, seen_at: dt.datetime) -> None:
+        with self.transaction() as conn:
+            insert_ = (postgresql.insert if self.dialect == "postgresql" else sqlite.insert)(Instance)
+            conn.execute(insert_.values(instance_id=self.instance_id, seen_at=seen_at).on_conflict_do_update(
+                index_elements=["instance_id"], set_={"seen_at": seen_at}))
+
+    def start(self) -> None:
+        """Starts the writer thread now (settlements, heartbeats, sweeps), not at the first settlement."""
+        self._writer.ensure_started()
 
     def prune_rate_windows(self) -> int:
         """Deletes the minutes before the last one (rate limits read only the current minute)."""
@@ -296,6 +347,8 @@ class Store:
             with self.transaction() as conn:
                 conn.execute(update(ApiKey).where(ApiKey.id == reservation.key_id)
                              .values(in_flight=ApiKey.in_flight - 1))
+                if reservation.holding_id is not None:
+                    conn.execute(update(Holding).where(Holding.id == reservation.holding_id).values(parallel=False))
             reservation.parallel = False
 
     def settle(self, settlement: "Settlement") -> None:
@@ -353,6 +406,9 @@ class Store:
             conn.execute(update(RateWindow).where(RateWindow.key_id == key_id, RateWindow.window == window)
                          .values(tokens=RateWindow.tokens + tokens))
         conn.execute(insert(SpendLog.__table__), [_log_row(item) for item in items])
+        held = [item.reservation.holding_id for item in items if item.reservation.holding_id is not None]
+        if held:
+            conn.execute(delete(Holding).where(Holding.id.in_(held)))
         for (day, key_id, model), (user_id, requests, prompt, completion, cost) in days.items():
             self._upsert(conn, DailySpend, dict(day=day, key_id=key_id, model=model, user_id=user_id,
                                                 requests=requests, prompt_tokens=prompt,
@@ -456,14 +512,17 @@ class SettlementWriter:
         self.queue: queue.Queue[Settlement | None] = queue.Queue()
         self.thread: threading.Thread | None = None
         self.lock = threading.Lock()
-        self.pruned_at = time.monotonic()
+        self.last_run: dict[str, float] = {}
 
     def put(self, item: Settlement) -> None:
+        self.ensure_started()
+        self.queue.put(item)
+
+    def ensure_started(self) -> None:
         with self.lock:
             if self.thread is None:
                 self.thread = threading.Thread(target=self._run, name="gateway-settlements", daemon=True)
                 self.thread.start()
-        self.queue.put(item)
 
     def flush(self, timeout: float) -> None:
         if self.thread is not None:
@@ -478,8 +537,13 @@ class SettlementWriter:
             self.thread = None
 
     def _run(self) -> None:
+        self._periodic(force=True)
         while True:
-            batch = [self.queue.get()]
+            try:
+                batch = [self.queue.get(timeout=HEARTBEAT_INTERVAL)]
+            except queue.Empty:
+                self._periodic()
+                continue
             deadline = time.monotonic() + SETTLEMENT_INTERVAL
             while len(batch) < SETTLEMENT_BATCH and isinstance(batch[-1], Settlement):
                 try:
@@ -489,17 +553,26 @@ class SettlementWriter:
             items = [b for b in batch if isinstance(b, Settlement)]
             if items:
                 self._commit(items)
-            if time.monotonic() - self.pruned_at > PRUNE_INTERVAL:
-                self.pruned_at = time.monotonic()
-                try:
-                    self.store.prune_rate_windows()
-                except Exception:
-                    log.exception("pruning old rate windows failed")
+            self._periodic()
             for marker in batch:
                 if isinstance(marker, threading.Event):
                     marker.set()
             if any(b is None for b in batch):
                 return
+
+    def _periodic(self, force: bool = False) -> None:
+        """The heartbeat every HEARTBEAT_INTERVAL; old rate windows pruned and dead processes'
+        holdings swept every PRUNE_INTERVAL. A failure is logged and tried again next time."""
+        now = time.monotonic()
+        jobs = [("heartbeat", HEARTBEAT_INTERVAL, self.store.heartbeat),
+                ("prune", PRUNE_INTERVAL, self.store.prune_rate_windows), ("sweep", PRUNE_INTERVAL, self.store.sweep)]
+        for name, interval, job in jobs:
+            if force or now - self.last_run.get(name, 0.0) >= interval:
+                self.last_run[name] = now
+                try:
+                    job()
+                except Exception:
+                    log.exception("the gateway's %s failed", name)
 
     def _commit(self, items: list[Settlement]) -> None:
         try:
