@@ -459,12 +459,19 @@ class Store:
     # ---- reading spend -----------------------------------------------------------------------
     def spend_logs(self, key: str | None = None, user_id: str | None = None, start: dt.datetime | None = None,
                    end: dt.datetime | None = None, limit: int = 1000) -> list[dict]:
-        query = select(SpendLog).order_by(SpendLog.started_at, SpendLog.id).limit(limit)
+        """Spend rows, oldest first; `key` is a key or its hash."""
+        key_id = None
         if key is not None:
             with self.session() as conn:
                 key_id = conn.execute(select(ApiKey.id).where(ApiKey.token_hash == _token_hash(key))).scalar()
             if key_id is None:
                 raise APIError(404, "api_key: no such key", param="api_key", code="key_not_found")
+        return self.logs(key_id, user_id, start, end, limit)
+
+    def logs(self, key_id: int | None = None, user_id: str | None = None, start: dt.datetime | None = None,
+             end: dt.datetime | None = None, limit: int = 1000) -> list[dict]:
+        query = select(SpendLog).order_by(SpendLog.started_at, SpendLog.id).limit(limit)
+        if key_id is not None:
             query = query.where(SpendLog.key_id == key_id)
         if user_id is not None:
             query = query.where(SpendLog.user_id == user_id)
