@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import openai
 
 from conftest import API_KEY, running_server
-from gateway_support import check_answers_and_bills, run_and_kill, workers
+from gateway_support import check_answers_and_bills, run_and_kill, wait_for, workers
 from treeserve.gateway.app import build_app
 from treeserve.gateway.config import BackendConfig, GatewayConfig, ModelConfig, redact_url
 
@@ -23,12 +24,18 @@ def test_two_workers_one_killed_mid_run(llama_dir, tmp_path, rabbitmq):
         config = GatewayConfig(models=models, master_key=MASTER, database=f"sqlite:///{tmp_path / 'gw.db'}")
         app = build_app(config)
         with running_server(app) as url:
+            def backends():
+                return httpx.get(url + "/health/backends", headers={"Authorization": f"Bearer {MASTER}"}).json()
+
+            assert wait_for(lambda: backends()[0].get("consumers") == 2), backends()
+            assert backends()[0]["healthy"] and backends()[0]["queue_depth"] == 0
             client = openai.OpenAI(base_url=url + "/v1", api_key=MASTER, max_retries=0, timeout=90)
             finished = run_and_kill(client, 40, procs[1].kill, after=10)
             assert procs[1].poll() is not None, "the worker was not killed"
             logs = check_answers_and_bills(finished, app.state.store)
             assert {row["backend"] for row in logs.values()} == {redact_url(rabbitmq)}  # no broker password
-            assert "guest@" not in str(app.state.metrics.render())
+            metrics = app.state.metrics.render().decode()
+            assert "guest@" not in metrics and "treeserve_gateway:broker_queue_consumers{" in metrics
             print(json.dumps({"streams_cut": sum(bool(r["stream"] and r["error"]) for r in finished)}))
 
 
@@ -38,6 +45,9 @@ def test_a_model_no_worker_consumes_fails_at_once(tmp_path, rabbitmq):
     models = {"idle": ModelConfig("idle", [BackendConfig(rabbitmq, timeout=60)])}
     config = GatewayConfig(models=models, master_key=MASTER, database=f"sqlite:///{tmp_path / 'gw.db'}", retries=0)
     with running_server(build_app(config)) as url:
+        health = httpx.get(url + "/health/backends", headers={"Authorization": f"Bearer {MASTER}"}).json()[0]
+        assert wait_for(lambda: httpx.get(url + "/health/backends", headers={"Authorization": f"Bearer {MASTER}"})
+                        .json()[0].get("consumers") == 0), health
         client = openai.OpenAI(base_url=url + "/v1", api_key=MASTER, max_retries=0, timeout=30)
         started = time.monotonic()
         try:

@@ -96,7 +96,7 @@ def build_app(config: GatewayConfig, store: Store | None = None) -> FastAPI:
         for broker in brokers.values():
             await broker.start()
         app.state.forwarder = Forwarder(router, client, metrics, config.retries, brokers)
-        health = asyncio.create_task(health_loop(router, client, metrics, config.health_interval)) \
+        health = asyncio.create_task(health_loop(router, client, metrics, config.health_interval, brokers)) \
             if config.health_interval > 0 else None
         try:
             yield
@@ -150,7 +150,9 @@ def build_app(config: GatewayConfig, store: Store | None = None) -> FastAPI:
     @app.get("/health/backends", dependencies=[Depends(require_master)])
     async def backends():
         return [{"model": b.model, "url": b.name, "healthy": b.healthy, "circuit": b.breaker.state,
-                 "outstanding_requests": b.outstanding, "last_error": b.last_error} for b in router.backends()]
+                 "outstanding_requests": b.outstanding, "last_error": b.last_error}
+                | ({"queue_depth": b.queue_depth, "consumers": b.consumers} if b.consumers is not None else {})
+                for b in router.backends()]
 
     @app.get("/metrics", dependencies=[Depends(require_master)])
     async def prometheus():

@@ -55,6 +55,11 @@ class BrokerClient:
         await self.channel.default_exchange.publish(message, routing_key=queue)
         return replies
 
+    async def queue_state(self, model: str) -> tuple[int, int]:
+        """(messages waiting, consumers) of the model's queue."""
+        declared = await self.channel.declare_queue(queue_name(model), durable=True)
+        return declared.declaration_result.message_count, declared.declaration_result.consumer_count
+
     def done(self, request_id: str) -> None:
         """Forgets the request: replies that still come (a redelivered duplicate) are dropped."""
         self.pending.pop(request_id, None)

@@ -7,7 +7,7 @@ import logging
 
 import aiohttp
 
-from treeserve.gateway.config import HTTP_SCHEMES
+from treeserve.gateway.broker import BrokerClient
 from treeserve.gateway.metrics import GatewayMetrics
 from treeserve.gateway.routing import Backend, Router
 
@@ -38,8 +38,32 @@ async def _status(client: aiohttp.ClientSession, url: str, headers: dict, timeou
         return response.status
 
 
-async def health_loop(router: Router, client: aiohttp.ClientSession, metrics: GatewayMetrics, interval: float) -> None:
-    backends = [b for b in router.backends() if b.url.startswith(HTTP_SCHEMES)]  # workers have no /health
+async def check_queue(backend: Backend, broker: BrokerClient, metrics: GatewayMetrics) -> bool:
+    """A broker backend is healthy while some worker consumes its model's queue; the queue's depth
+    and consumers are the load view of that model's workers."""
+    try:
+        messages, consumers = await broker.queue_state(backend.config.model or backend.model)
+    except Exception as exc:  # the broker unreachable: aio-pika raises its own and RuntimeErrors
+        log.warning("broker backend %s: %s", backend.name, exc)
+        healthy = False
+    else:
+        backend.queue_depth, backend.consumers = messages, consumers
+        metrics.queue_messages.labels(backend.name, backend.model).set(messages)
+        metrics.queue_consumers.labels(backend.name, backend.model).set(consumers)
+        healthy = consumers > 0
+    if healthy != backend.healthy:
+        log.warning("broker backend %s (%s) %s", backend.name, backend.model,
+                    "has workers again" if healthy else "has no worker")
+    backend.healthy = healthy
+    metrics.backend_up.labels(backend.name).set(int(healthy))
+    return healthy
+
+
+async def health_loop(router: Router, client: aiohttp.ClientSession, metrics: GatewayMetrics, interval: float,
+                      brokers: dict[str, BrokerClient] | None = None) -> None:
+    brokers = brokers or {}
+    checks = [(check, b, client) if b.url not in brokers else (check_queue, b, brokers[b.url])
+              for b in router.backends()]
     while True:
-        await asyncio.gather(*(check(b, client, metrics) for b in backends))
+        await asyncio.gather(*(job(backend, via, metrics) for job, backend, via in checks))
         await asyncio.sleep(interval)

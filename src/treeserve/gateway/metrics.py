@@ -21,6 +21,10 @@ class GatewayMetrics:
                                         ["backend", "reason"], registry=r)
         self.breaker_open = Gauge(f"{p}backend_circuit_open", "1 while the backend's circuit breaker is open",
                                   ["backend"], registry=r)
+        self.queue_messages = Gauge(f"{p}broker_queue_messages", "Requests waiting in a broker backend's queue",
+                                    ["backend", "model"], registry=r)
+        self.queue_consumers = Gauge(f"{p}broker_queue_consumers", "Workers consuming a broker backend's queue",
+                                     ["backend", "model"], registry=r)
         self.retries = Counter(f"{p}retries", "Attempts moved to another backend before a first byte",
                                ["model"], registry=r)
         self.key_requests = Counter(f"{p}key_requests", "Requests by key and outcome", ["key", "outcome"],

@@ -55,6 +55,8 @@ class Backend:
     healthy: bool = True          # the last active health check's verdict
     outstanding: int = 0          # requests sent and not finished
     last_error: str | None = None
+    queue_depth: int | None = None  # a broker backend's waiting requests and workers, at its last check
+    consumers: int | None = None
 
     @property
     def url(self) -> str:
