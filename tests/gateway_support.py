@@ -294,3 +294,46 @@ def check_answers_and_bills(finished: list[dict], store) -> dict[str, dict]:
             (r, row)
         assert row["status"] == ("cut" if r.get("error") else "success"), (r, row)
     return logs
+
+
+@contextlib.contextmanager
+def gateway_processes(count: int, database: str, backend: str, backend_key: str, master_key: str,
+                      price_out: float):
+    """`count` real `treeserve gateway` processes on one database, serving the model 'tiny' of
+    `backend`; yields their URLs."""
+    import sys
+
+    import httpx
+    import yaml
+
+    root = Path(tempfile.mkdtemp(prefix="treeserve-gw-"))
+    config = root / "gateway.yaml"
+    config.write_text(yaml.safe_dump({
+        "master_key": master_key, "database": database, "health_interval": 0,
+        "models": {"tiny": {"backends": [{"url": backend, "api_key": backend_key}],
+                            "output_cost_per_token": price_out, "max_tokens": 64}}}))
+    procs, urls = [], []
+    try:
+        for _ in range(count):
+            port = _free_port()
+            urls.append(f"http://127.0.0.1:{port}")
+            procs.append(subprocess.Popen([sys.executable, "-m", "treeserve.cli", "gateway", "--config", str(config),
+                                           "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+        for url, proc in zip(urls, procs):
+            def up(url=url, proc=proc):
+                if proc.poll() is not None:
+                    raise RuntimeError(f"gateway {url} exited: {proc.stderr.read().decode()[-2000:]}")
+                try:
+                    return httpx.get(url + "/health", timeout=1).status_code == 200
+                except httpx.HTTPError:
+                    return False
+            assert wait_for(up, timeout=60, interval=0.1), f"gateway {url} did not start"
+        yield urls
+    finally:
+        for proc in procs:
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        shutil.rmtree(root, ignore_errors=True)

@@ -281,3 +281,21 @@ def test_a_client_that_leaves_a_stream_aborts_it_upstream_and_pays_for_what_it_g
                                 if r["request_id"] == request_id])
         assert row[0]["status"] == "client_closed"
         assert seen <= row[0]["completion_tokens"] < 400  # what was relayed (a chunk in flight may count)
+
+
+def test_budgets_and_rate_limits_hold_across_two_gateway_processes(server, database):
+    """The same as the burst tests above with two real `treeserve gateway` processes on one database."""
+    from gateway_support import gateway_processes
+
+    with gateway_processes(2, database, server.url, API_KEY, MASTER, OUT_PRICE) as urls:
+        created = _admin(urls[0], "POST", "/key/generate", json={"max_budget": 5 * 8 * OUT_PRICE}).json()
+        results = _burst(urls, created["key"], 20)
+        served = [r for r in results if not isinstance(r, Exception)]
+        assert served and all(r.status_code == 400 for r in results if isinstance(r, Exception))
+        worst = 64 * OUT_PRICE  # max_tokens 64 (the input price is 0 here)
+        row = wait_for(lambda: (r := _key_row(database, created["key_name"])) and r["in_flight"] == 0
+                       and abs(r["reserved"]) < 1e-9 and r, timeout=20)
+        assert row["spend"] == pytest.approx(len(served) * 8 * OUT_PRICE)
+        assert row["spend"] <= 5 * 8 * OUT_PRICE + worst
+        limited = _new_key(urls[1], rpm_limit=4)
+        assert sum(not isinstance(r, Exception) for r in _burst(urls, limited, 10)) == 4
