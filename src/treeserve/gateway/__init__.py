@@ -1,4 +1,4 @@
 """`treeserve gateway`: an OpenAI-compatible front door with accounts, keys, budgets and billing in
-a database, routing across replicas of each model. It reaches its backends over their APIs only (HTTP, or a
-RabbitMQ queue of workers) and never
-imports the engine (tests/test_layering.py holds it to that)."""
+a database, routing across replicas of each model. It reaches its backends over their APIs only
+(HTTP, or a RabbitMQ queue of workers) and never imports the engine (tests/test_layering.py holds
+it to that)."""
