@@ -106,13 +106,26 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05):
     return predicate()
 
 
+def wait_healthy(url: str, proc: subprocess.Popen, what: str, timeout: float) -> None:
+    """Until `url`/health answers 200; fails with the process's last words if it exits first."""
+    import httpx
+
+    def up():
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} {url} exited: {proc.stderr.read().decode()[-2000:]}")
+        try:
+            return httpx.get(url + "/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    assert wait_for(up, timeout=timeout, interval=0.1), f"{what} {url} did not start"
+
+
 @contextlib.contextmanager
 def replicas(model_dir: Path, count: int, api_key: str):
     """`count` real `treeserve serve` processes of one model (served as 'tiny'); yields
     [(url, process)]. Started together, stopped (killed if need be) at the end."""
     import sys
-
-    import httpx
 
     procs = []
     try:
@@ -125,14 +138,7 @@ def replicas(model_dir: Path, count: int, api_key: str):
             procs.append((f"http://127.0.0.1:{port}",
                           subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)))
         for url, proc in procs:
-            def up(url=url, proc=proc):
-                if proc.poll() is not None:
-                    raise RuntimeError(f"replica {url} exited: {proc.stderr.read().decode()[-2000:]}")
-                try:
-                    return httpx.get(url + "/health", timeout=1).status_code == 200
-                except httpx.HTTPError:
-                    return False
-            assert wait_for(up, timeout=120, interval=0.2), f"replica {url} did not start"
+            wait_healthy(url, proc, "replica", timeout=120)
         yield procs
     finally:
         for _, proc in procs:
@@ -303,7 +309,6 @@ def gateway_processes(count: int, database: str, backend: str, backend_key: str,
     `backend`; yields their URLs."""
     import sys
 
-    import httpx
     import yaml
 
     root = Path(tempfile.mkdtemp(prefix="treeserve-gw-"))
@@ -320,14 +325,7 @@ def gateway_processes(count: int, database: str, backend: str, backend_key: str,
             procs.append(subprocess.Popen([sys.executable, "-m", "treeserve.cli", "gateway", "--config", str(config),
                                            "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
         for url, proc in zip(urls, procs):
-            def up(url=url, proc=proc):
-                if proc.poll() is not None:
-                    raise RuntimeError(f"gateway {url} exited: {proc.stderr.read().decode()[-2000:]}")
-                try:
-                    return httpx.get(url + "/health", timeout=1).status_code == 200
-                except httpx.HTTPError:
-                    return False
-            assert wait_for(up, timeout=60, interval=0.1), f"gateway {url} did not start"
+            wait_healthy(url, proc, "gateway", timeout=60)
         yield urls
     finally:
         for proc in procs:

@@ -134,6 +134,7 @@ def test_refusals_are_openai_errors(server, database):
         assert denied.value.body["param"] == "model"
         with pytest.raises(openai.NotFoundError):
             limited.chat.completions.create(model="missing", messages=[{"role": "user", "content": "x"}])
+        _inside_one_minute()
         rpm = _client(url, _new_key(url, rpm_limit=2))
         _chat(rpm), _chat(rpm)
         with pytest.raises(openai.RateLimitError) as limited_rate:
@@ -157,6 +158,15 @@ def test_refusals_are_openai_errors(server, database):
         assert search.status_code == 403 and search.json()["error"]["param"] == "verifier"
         period = _admin(url, "POST", "/key/generate", json={"budget_duration": "monthly"})
         assert period.status_code == 400 and period.json()["error"]["param"] == "budget_duration"
+
+
+def _inside_one_minute(seconds: float = 15) -> None:
+    """rpm windows are calendar minutes: a burst counted against one must not straddle two."""
+    import time
+
+    left = 60 - time.time() % 60
+    if left < seconds:
+        time.sleep(left + 0.1)
 
 
 def _burst(urls: list[str], key: str, count: int) -> list[object]:
@@ -197,6 +207,7 @@ def test_a_budget_holds_under_a_burst(server, database, gateways):
 
 def test_rate_and_parallel_limits_hold_across_two_gateways(server, database):
     with gateway(database, [server.url]) as (first, _), gateway(database, [server.url]) as (second, _):
+        _inside_one_minute()
         key = _new_key(first, rpm_limit=4)
         results = _burst([first, second], key, 10)
         assert sum(not isinstance(r, Exception) for r in results) == 4
@@ -297,5 +308,6 @@ def test_budgets_and_rate_limits_hold_across_two_gateway_processes(server, datab
                        and abs(r["reserved"]) < 1e-9 and r, timeout=20)
         assert row["spend"] == pytest.approx(len(served) * 8 * OUT_PRICE)
         assert row["spend"] <= 5 * 8 * OUT_PRICE + worst
+        _inside_one_minute()
         limited = _new_key(urls[1], rpm_limit=4)
         assert sum(not isinstance(r, Exception) for r in _burst(urls, limited, 10)) == 4

@@ -13,7 +13,8 @@ from sqlalchemy import select, update
 
 from treeserve.errors import ParamError
 from treeserve.gateway.schema import ApiKey, Base, Holding, Instance, RateWindow, User
-from treeserve.gateway.store import Settlement, Store, utcnow
+from treeserve.gateway.settlement import Settlement
+from treeserve.gateway.store import Store, utcnow
 from treeserve.gateway.usage import Usage
 from treeserve.server.errors import APIError
 

@@ -27,7 +27,8 @@ from treeserve.gateway.keys import same_secret
 from treeserve.gateway.metrics import GatewayMetrics
 from treeserve.gateway.proxy import Forwarder, Outcome, new_request_id
 from treeserve.gateway.routing import Router, affinity_key
-from treeserve.gateway.store import KeyRecord, Reservation, Settlement, Store, default_url, utcnow
+from treeserve.gateway.settlement import Settlement
+from treeserve.gateway.store import KeyRecord, Reservation, Store, default_url, utcnow
 from treeserve.server.errors import APIError, error_response, from_value_error, install_error_handlers
 
 log = logging.getLogger("treeserve.gateway")

@@ -12,7 +12,7 @@ class Base(DeclarativeBase):
     pass
 
 
-def _now() -> dt.datetime:
+def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc)
 
 
@@ -27,7 +27,7 @@ class User(Base):
     models: Mapped[list | None] = mapped_column(JSON)
     extra: Mapped[dict] = mapped_column("metadata", JSON, default=dict)
     password_hash: Mapped[str | None] = mapped_column(String(256))
-    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=_now)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
 class ApiKey(Base):
@@ -50,7 +50,7 @@ class ApiKey(Base):
     expires_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
     blocked: Mapped[bool] = mapped_column(Boolean, default=False)
     extra: Mapped[dict] = mapped_column("metadata", JSON, default=dict)
-    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=_now)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
 class SpendLog(Base):

@@ -13,13 +13,11 @@ import csv
 import datetime as dt
 import io
 import logging
-import queue
 import threading
-import time
 import uuid
 from collections import defaultdict
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from alembic import command
@@ -30,27 +28,16 @@ from sqlalchemy.orm import Session
 
 from treeserve.errors import ParamError
 from treeserve.gateway import keys as keylib
-from treeserve.gateway.schema import ApiKey, DailySpend, Holding, Instance, RateWindow, SpendLog, User
-from treeserve.gateway.usage import Usage
+from treeserve.gateway.schema import ApiKey, DailySpend, Holding, Instance, RateWindow, SpendLog, User, utcnow
+from treeserve.gateway.settlement import Reservation, Settlement, SettlementWriter, apply_settlements
 from treeserve.server.errors import APIError
 
 log = logging.getLogger("treeserve.gateway")
 MIGRATIONS = Path(__file__).parent / "migrations"
-SETTLEMENT_BATCH = 256  # settlements committed in one transaction, at most
-# How long the writer gathers settlements before committing them: fewer, larger transactions, and
-# a writer thread that seldom competes with the event loop for the GIL.
-SETTLEMENT_INTERVAL = 0.05
-PRUNE_INTERVAL = 60.0  # seconds between deletions of past minutes' rate windows
-HEARTBEAT_INTERVAL = 5.0  # seconds between a process's "still here" in gateway_instances
 INSTANCE_TIMEOUT = 60.0  # a process silent this long is dead: its holdings are given back
-MASTER_KEY_ID = 0  # the master key's rows in daily_spend (its spend logs have no key_id)
 KEY_FIELDS = ("key_alias", "user_id", "models", "max_budget", "budget_duration", "rpm_limit", "tpm_limit",
               "max_parallel_requests", "metadata", "blocked")
 USER_FIELDS = ("max_budget", "budget_duration", "models", "metadata")
-
-
-def utcnow() -> dt.datetime:
-    return dt.datetime.now(dt.timezone.utc)
 
 
 def _aware(value: dt.datetime | None) -> dt.datetime | None:
@@ -110,17 +97,6 @@ class KeyRecord:
 
     def allows(self, model: str) -> bool:
         return all(not allowed or model in allowed for allowed in (self.models, self.user_models))
-
-
-@dataclass
-class Reservation:
-    key_id: int | None  # None: the master key (no limits, no budget)
-    user_id: str | None
-    worst_cost: float
-    parallel: bool
-    window: int
-    counted: bool = False  # counted in its minute's rate window (the key has rpm or tpm limits)
-    holding_id: int | None = None  # its row in `holdings` (what a dead process's sweep gives back)
 
 
 class Store:
@@ -351,12 +327,12 @@ class Store:
                     conn.execute(update(Holding).where(Holding.id == reservation.holding_id).values(parallel=False))
             reservation.parallel = False
 
-    def settle(self, settlement: "Settlement") -> None:
+    def settle(self, settlement: Settlement) -> None:
         """Turns a reservation into the real cost now (see `settle_later` for the serving path)."""
         with self.transaction() as conn:
-            self._apply(conn, settlement)
+            apply_settlements(self, conn, [settlement])
 
-    def settle_later(self, settlement: "Settlement") -> None:
+    def settle_later(self, settlement: Settlement) -> None:
         """Queues the settlement for the writer thread, which commits whatever has queued up in one
         transaction: one write per batch instead of one per request. Budgets stay safe meanwhile,
         since a request's worst case stays reserved until its settlement is committed."""
@@ -365,55 +341,6 @@ class Store:
     def flush(self, timeout: float = 30.0) -> None:
         """Waits until every queued settlement is committed."""
         self._writer.flush(timeout)
-
-    def _apply(self, conn: Session, item: "Settlement") -> None:
-        self._apply_many(conn, [item])
-
-    def _apply_many(self, conn: Session, items: list["Settlement"]) -> None:
-        """Spend, tokens in the minute, a log row and the day's total for each request, with one
-        statement per key, user, minute and day touched (not one per request)."""
-        keys: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])  # released, spent, slots
-        users: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
-        windows: dict[tuple[int, int], int] = defaultdict(int)
-        days: dict[tuple, list] = {}
-        for item in items:
-            reservation, usage = item.reservation, item.usage
-            if reservation.key_id is not None:
-                entry = keys[reservation.key_id]
-                entry[0] += reservation.worst_cost
-                entry[1] += item.cost
-                entry[2] += int(reservation.parallel)
-            if reservation.user_id is not None:
-                users[reservation.user_id][0] += reservation.worst_cost
-                users[reservation.user_id][1] += item.cost
-            if usage.total_tokens and reservation.counted:
-                windows[(reservation.key_id, reservation.window)] += usage.total_tokens
-            day = days.setdefault((item.started_at.date(), reservation.key_id or MASTER_KEY_ID, item.model),
-                                  [reservation.user_id, 0, 0, 0, 0.0])
-            day[1] += 1
-            day[2] += usage.prompt_tokens
-            day[3] += usage.completion_tokens
-            day[4] += item.cost
-        for key_id, (released, spent, slots) in keys.items():
-            values = dict(reserved=ApiKey.reserved - released, spend=ApiKey.spend + spent)
-            if slots:
-                values["in_flight"] = ApiKey.in_flight - slots
-            conn.execute(update(ApiKey).where(ApiKey.id == key_id).values(**values))
-        for user_id, (released, spent) in users.items():
-            conn.execute(update(User).where(User.user_id == user_id)
-                         .values(reserved=User.reserved - released, spend=User.spend + spent))
-        for (key_id, window), tokens in windows.items():
-            conn.execute(update(RateWindow).where(RateWindow.key_id == key_id, RateWindow.window == window)
-                         .values(tokens=RateWindow.tokens + tokens))
-        conn.execute(insert(SpendLog.__table__), [_log_row(item) for item in items])
-        held = [item.reservation.holding_id for item in items if item.reservation.holding_id is not None]
-        if held:
-            conn.execute(delete(Holding).where(Holding.id.in_(held)))
-        for (day, key_id, model), (user_id, requests, prompt, completion, cost) in days.items():
-            self._upsert(conn, DailySpend, dict(day=day, key_id=key_id, model=model, user_id=user_id,
-                                                requests=requests, prompt_tokens=prompt,
-                                                completion_tokens=completion, cost=cost),
-                         ["day", "key_id", "model"], ["requests", "prompt_tokens", "completion_tokens", "cost"])
 
     def _reset_due_budgets(self, conn: Session, key: KeyRecord, now: dt.datetime) -> None:
         targets = [(ApiKey, ApiKey.id == key.id)]
@@ -430,7 +357,7 @@ class Store:
                              .values(spend=0.0, budget_reset_at=now + period))
 
     def _count_request(self, conn: Session, key_id: int, window: int) -> tuple[int, int]:
-        row = self._upsert(conn, RateWindow, dict(key_id=key_id, window=window, requests=1, tokens=0),
+        row = self.upsert(conn, RateWindow, dict(key_id=key_id, window=window, requests=1, tokens=0),
                            ["key_id", "window"], ["requests"], returning=True)
         return row.requests, row.tokens
 
@@ -447,7 +374,8 @@ class Store:
                            f"(and {row.reserved:.6f} held by requests in flight) of max_budget {row.max_budget:.6f}",
                            param="max_budget", code="budget_exceeded")
 
-    def _upsert(self, conn: Session, table, values: dict, keys: list[str], add: list[str], returning=False):
+    def upsert(self, conn: Session, table, values: dict, keys: list[str], add: list[str], returning=False):
+        """INSERT, or on a conflict on `keys` add `add`'s values to the row's (both dialects)."""
         insert = (postgresql.insert if self.dialect == "postgresql" else sqlite.insert)(table)
         statement = insert.values(**values).on_conflict_do_update(
             index_elements=keys, set_={c: getattr(table, c) + getattr(insert.excluded, c) for c in add})
@@ -496,104 +424,6 @@ class Store:
             return float(conn.execute(select(func.coalesce(func.sum(SpendLog.cost), 0.0))).scalar())
 
 
-@dataclass
-class Settlement:
-    reservation: Reservation
-    request_id: str
-    model: str
-    backend: str | None
-    route: str
-    stream: bool
-    status: str
-    usage: Usage
-    cost: float
-    started_at: dt.datetime
-    ended_at: dt.datetime = field(default_factory=utcnow)
-
-
-class SettlementWriter:
-    """One thread that commits queued settlements in batches (started on first use)."""
-
-    def __init__(self, store: Store):
-        self.store = store
-        self.queue: queue.Queue[Settlement | None] = queue.Queue()
-        self.thread: threading.Thread | None = None
-        self.lock = threading.Lock()
-        self.last_run: dict[str, float] = {}
-
-    def put(self, item: Settlement) -> None:
-        self.ensure_started()
-        self.queue.put(item)
-
-    def ensure_started(self) -> None:
-        with self.lock:
-            if self.thread is None:
-                self.thread = threading.Thread(target=self._run, name="gateway-settlements", daemon=True)
-                self.thread.start()
-
-    def flush(self, timeout: float) -> None:
-        if self.thread is not None:
-            done = threading.Event()
-            self.queue.put(done)  # type: ignore[arg-type]
-            done.wait(timeout)
-
-    def close(self) -> None:
-        if self.thread is not None:
-            self.queue.put(None)
-            self.thread.join(timeout=30)
-            self.thread = None
-
-    def _run(self) -> None:
-        self._periodic(force=True)
-        while True:
-            try:
-                batch = [self.queue.get(timeout=HEARTBEAT_INTERVAL)]
-            except queue.Empty:
-                self._periodic()
-                continue
-            deadline = time.monotonic() + SETTLEMENT_INTERVAL
-            while len(batch) < SETTLEMENT_BATCH and isinstance(batch[-1], Settlement):
-                try:
-                    batch.append(self.queue.get(timeout=max(0.0, deadline - time.monotonic())))
-                except queue.Empty:
-                    break
-            items = [b for b in batch if isinstance(b, Settlement)]
-            if items:
-                self._commit(items)
-            self._periodic()
-            for marker in batch:
-                if isinstance(marker, threading.Event):
-                    marker.set()
-            if any(b is None for b in batch):
-                return
-
-    def _periodic(self, force: bool = False) -> None:
-        """The heartbeat every HEARTBEAT_INTERVAL; old rate windows pruned and dead processes'
-        holdings swept every PRUNE_INTERVAL. A failure is logged and tried again next time."""
-        now = time.monotonic()
-        jobs = [("heartbeat", HEARTBEAT_INTERVAL, self.store.heartbeat),
-                ("prune", PRUNE_INTERVAL, self.store.prune_rate_windows), ("sweep", PRUNE_INTERVAL, self.store.sweep)]
-        for name, interval, job in jobs:
-            if force or now - self.last_run.get(name, 0.0) >= interval:
-                self.last_run[name] = now
-                try:
-                    job()
-                except Exception:
-                    log.exception("the gateway's %s failed", name)
-
-    def _commit(self, items: list[Settlement]) -> None:
-        try:
-            with self.store.transaction() as conn:
-                self.store._apply_many(conn, items)
-        except Exception:  # one bad row must not lose the batch: commit them one by one
-            log.exception("committing %d settlements together failed; retrying one by one", len(items))
-            for item in items:
-                try:
-                    self.store.settle(item)
-                except Exception:
-                    log.exception("settlement of %s lost", item.request_id)
-
-
 def logs_csv(rows: list[dict]) -> str:
     out = io.StringIO()
     fields = ["request_id", "started_at", "ended_at", "key_id", "user_id", "model", "backend", "route", "stream",
@@ -602,14 +432,6 @@ def logs_csv(rows: list[dict]) -> str:
     writer.writeheader()
     writer.writerows(rows)
     return out.getvalue()
-
-
-def _log_row(item: Settlement) -> dict:
-    reservation, usage = item.reservation, item.usage
-    return dict(request_id=item.request_id, key_id=reservation.key_id, user_id=reservation.user_id, model=item.model,
-                backend=item.backend, route=item.route, stream=item.stream, status=item.status,
-                prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens, cost=item.cost,
-                started_at=item.started_at, ended_at=item.ended_at)
 
 
 def _token_hash(token_or_hash: str) -> str:

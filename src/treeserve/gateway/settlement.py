@@ -1,0 +1,204 @@
+"""Settling requests: what a request cost becomes spend on its key and user, tokens in its
+minute, a `spend_logs` row and its day's `daily_spend` total. A writer thread commits whatever
+has queued up every SETTLEMENT_INTERVAL in one transaction, one statement per key, user, minute
+and day touched; the same thread says this process is alive and sweeps what dead ones held."""
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import queue
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from sqlalchemy import delete, insert, update
+from sqlalchemy.orm import Session
+
+from treeserve.gateway.schema import ApiKey, DailySpend, Holding, RateWindow, SpendLog, User, utcnow
+from treeserve.gateway.usage import Usage
+
+log = logging.getLogger("treeserve.gateway")
+SETTLEMENT_BATCH = 256  # settlements committed in one transaction, at most
+# How long the writer gathers settlements before committing them: fewer, larger transactions, and
+# a writer thread that seldom competes with the event loop for the GIL.
+SETTLEMENT_INTERVAL = 0.05
+PRUNE_INTERVAL = 60.0  # seconds between deletions of past minutes' rate windows (and sweeps)
+HEARTBEAT_INTERVAL = 5.0  # seconds between a process's "still here" in gateway_instances
+MASTER_KEY_ID = 0  # the master key's rows in daily_spend (its spend logs have no key_id)
+
+
+class Store(Protocol):
+    """What settling needs of gateway/store.py's Store (which imports this module)."""
+
+    def transaction(self): ...
+    def upsert(self, conn: Session, table, values: dict, keys: list[str], add: list[str], returning=False): ...
+    def settle(self, settlement: Settlement) -> None: ...
+    def heartbeat(self) -> None: ...
+    def prune_rate_windows(self) -> int: ...
+    def sweep(self) -> int: ...
+
+
+@dataclass
+class Reservation:
+    key_id: int | None  # None: the master key (no limits, no budget)
+    user_id: str | None
+    worst_cost: float
+    parallel: bool
+    window: int
+    counted: bool = False  # counted in its minute's rate window (the key has rpm or tpm limits)
+    holding_id: int | None = None  # its row in `holdings` (what a dead process's sweep gives back)
+
+
+@dataclass
+class Settlement:
+    """How one request ended and what it cost: turned into spend, tokens and rows in one batch."""
+    reservation: Reservation
+    request_id: str
+    model: str
+    backend: str | None
+    route: str
+    stream: bool
+    status: str
+    usage: Usage
+    cost: float
+    started_at: dt.datetime
+    ended_at: dt.datetime = field(default_factory=utcnow)
+
+
+class SettlementWriter:
+    """One thread that commits queued settlements in batches (started on first use)."""
+
+    def __init__(self, store: Store):
+        self.store = store
+        self.queue: queue.Queue[Settlement | None] = queue.Queue()
+        self.thread: threading.Thread | None = None
+        self.lock = threading.Lock()
+        self.last_run: dict[str, float] = {}
+
+    def put(self, item: Settlement) -> None:
+        self.ensure_started()
+        self.queue.put(item)
+
+    def ensure_started(self) -> None:
+        with self.lock:
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="gateway-settlements", daemon=True)
+                self.thread.start()
+
+    def flush(self, timeout: float) -> None:
+        if self.thread is not None:
+            done = threading.Event()
+            self.queue.put(done)  # type: ignore[arg-type]
+            done.wait(timeout)
+
+    def close(self) -> None:
+        if self.thread is not None:
+            self.queue.put(None)
+            self.thread.join(timeout=30)
+            self.thread = None
+
+    def _run(self) -> None:
+        self._periodic(force=True)
+        while True:
+            try:
+                batch = [self.queue.get(timeout=HEARTBEAT_INTERVAL)]
+            except queue.Empty:
+                self._periodic()
+                continue
+            deadline = time.monotonic() + SETTLEMENT_INTERVAL
+            while len(batch) < SETTLEMENT_BATCH and isinstance(batch[-1], Settlement):
+                try:
+                    batch.append(self.queue.get(timeout=max(0.0, deadline - time.monotonic())))
+                except queue.Empty:
+                    break
+            items = [b for b in batch if isinstance(b, Settlement)]
+            if items:
+                self._commit(items)
+            self._periodic()
+            for marker in batch:
+                if isinstance(marker, threading.Event):
+                    marker.set()
+            if any(b is None for b in batch):
+                return
+
+    def _periodic(self, force: bool = False) -> None:
+        """The heartbeat every HEARTBEAT_INTERVAL; old rate windows pruned and dead processes'
+        holdings swept every PRUNE_INTERVAL. A failure is logged and tried again next time."""
+        now = time.monotonic()
+        jobs = [("heartbeat", HEARTBEAT_INTERVAL, self.store.heartbeat),
+                ("prune", PRUNE_INTERVAL, self.store.prune_rate_windows), ("sweep", PRUNE_INTERVAL, self.store.sweep)]
+        for name, interval, job in jobs:
+            if force or now - self.last_run.get(name, 0.0) >= interval:
+                self.last_run[name] = now
+                try:
+                    job()
+                except Exception:
+                    log.exception("the gateway's %s failed", name)
+
+    def _commit(self, items: list[Settlement]) -> None:
+        try:
+            with self.store.transaction() as conn:
+                apply_settlements(self.store, conn, items)
+        except Exception:  # one bad row must not lose the batch: commit them one by one
+            log.exception("committing %d settlements together failed; retrying one by one", len(items))
+            for item in items:
+                try:
+                    self.store.settle(item)
+                except Exception:
+                    log.exception("settlement of %s lost", item.request_id)
+
+
+def apply_settlements(store: Store, conn: Session, items: list[Settlement]) -> None:
+    """Spend, tokens in the minute, a log row and the day's total for each request, with one
+    statement per key, user, minute and day touched (not one per request)."""
+    keys: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])  # released, spent, slots
+    users: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    windows: dict[tuple[int, int], int] = defaultdict(int)
+    days: dict[tuple, list] = {}
+    for item in items:
+        reservation, usage = item.reservation, item.usage
+        if reservation.key_id is not None:
+            entry = keys[reservation.key_id]
+            entry[0] += reservation.worst_cost
+            entry[1] += item.cost
+            entry[2] += int(reservation.parallel)
+        if reservation.user_id is not None:
+            users[reservation.user_id][0] += reservation.worst_cost
+            users[reservation.user_id][1] += item.cost
+        if usage.total_tokens and reservation.counted:
+            windows[(reservation.key_id, reservation.window)] += usage.total_tokens
+        day = days.setdefault((item.started_at.date(), reservation.key_id or MASTER_KEY_ID, item.model),
+                              [reservation.user_id, 0, 0, 0, 0.0])
+        day[1] += 1
+        day[2] += usage.prompt_tokens
+        day[3] += usage.completion_tokens
+        day[4] += item.cost
+    for key_id, (released, spent, slots) in keys.items():
+        values = dict(reserved=ApiKey.reserved - released, spend=ApiKey.spend + spent)
+        if slots:
+            values["in_flight"] = ApiKey.in_flight - slots
+        conn.execute(update(ApiKey).where(ApiKey.id == key_id).values(**values))
+    for user_id, (released, spent) in users.items():
+        conn.execute(update(User).where(User.user_id == user_id)
+                     .values(reserved=User.reserved - released, spend=User.spend + spent))
+    for (key_id, window), tokens in windows.items():
+        conn.execute(update(RateWindow).where(RateWindow.key_id == key_id, RateWindow.window == window)
+                     .values(tokens=RateWindow.tokens + tokens))
+    conn.execute(insert(SpendLog.__table__), [_log_row(item) for item in items])
+    held = [item.reservation.holding_id for item in items if item.reservation.holding_id is not None]
+    if held:
+        conn.execute(delete(Holding).where(Holding.id.in_(held)))
+    for (day, key_id, model), (user_id, requests, prompt, completion, cost) in days.items():
+        store.upsert(conn, DailySpend, dict(day=day, key_id=key_id, model=model, user_id=user_id, requests=requests,
+                                            prompt_tokens=prompt, completion_tokens=completion, cost=cost),
+                     ["day", "key_id", "model"], ["requests", "prompt_tokens", "completion_tokens", "cost"])
+
+
+def _log_row(item: Settlement) -> dict:
+    reservation, usage = item.reservation, item.usage
+    return dict(request_id=item.request_id, key_id=reservation.key_id, user_id=reservation.user_id, model=item.model,
+                backend=item.backend, route=item.route, stream=item.stream, status=item.status,
+                prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens, cost=item.cost,
+                started_at=item.started_at, ended_at=item.ended_at)
