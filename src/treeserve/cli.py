@@ -159,8 +159,8 @@ def cmd_serve(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["gateway"]:
-        return gateway_main(argv)  # the gateway imports no engine (nor PyTorch)
+    if argv[:1] in (["gateway"], ["chat"]):
+        return gateway_main(argv)  # the gateway imports no engine (nor PyTorch); chat runs one in a child
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -11,6 +11,9 @@ from pathlib import Path
 
 
 def add_gateway_parsers(sub) -> None:
+    from treeserve.cli_chat import add_chat_parser
+
+    add_chat_parser(sub)
     gateway = sub.add_parser("gateway", help="OpenAI-compatible gateway: keys, budgets, billing, routing over replicas")
     gateway.add_argument("--backend", action="append", default=[],
                          help="MODEL=URL, repeatable; several URLs for one model are its replicas")
@@ -24,6 +27,14 @@ def add_gateway_parsers(sub) -> None:
     gateway.add_argument("--routing", choices=["round_robin", "least_outstanding", "affinity"])
     gateway.add_argument("--retries", type=int, help="further backends to try before a first byte (default 2)")
     gateway.add_argument("--health-interval", type=float, help="seconds between health checks (default 5; 0: off)")
+    gateway.add_argument("--chat", action="store_true", help="serve the web chat at /chat (users sign in with "
+                         "the passwords set by /user/new or `treeserve gateway users create --password`)")
+    gateway.add_argument("--chat-verifier", action="append", default=[], metavar="MODEL=PRM",
+                         help="search mode for MODEL, verified by the PRM model PRM (repeatable)")
+    gateway.add_argument("--chat-router", metavar="MODEL", help="tools mode's function-calling model "
+                         "(default: the conversation's model)")
+    gateway.add_argument("--chat-tool", action="append", default=[], metavar="NAME=URL",
+                         help="an HTTP tool for tools mode: weather=URL or wikipedia=URL (asked GET URL?q=...)")
     gateway.set_defaults(func=cmd_gateway)
     manage = gateway.add_subparsers(dest="gateway_command")
     keys = manage.add_parser("keys", help="create, list or delete keys in the gateway's database")
@@ -56,7 +67,13 @@ def add_gateway_parsers(sub) -> None:
     new_user.add_argument("--max-budget", type=float)
     new_user.add_argument("--budget-duration")
     new_user.add_argument("--models", help="comma-separated models the user's keys may use (default: all)")
+    new_user.add_argument("--password", help="for the web chat (or TREESERVE_PASSWORD; stored as an Argon2id hash)")
     new_user.set_defaults(func=cmd_users_create)
+    password = user_commands.add_parser("set-password", help="set a user's web chat password")
+    _add_database(password)
+    password.add_argument("user_id")
+    password.add_argument("--password", help="the new password (default: TREESERVE_PASSWORD, else asked)")
+    password.set_defaults(func=cmd_users_set_password)
 
 
 def _add_database(parser: argparse.ArgumentParser) -> None:
@@ -82,7 +99,8 @@ def cmd_gateway(args) -> int:
     from treeserve.gateway.config import build_config
 
     config = build_config(args.backend, args.config, master_key=args.master_key, database=args.database,
-                          routing=args.routing, retries=args.retries, health_interval=args.health_interval)
+                          routing=args.routing, retries=args.retries, health_interval=args.health_interval,
+                          chat=chat_overrides(args))
     if not config.master_key:
         print("warning: no --master-key: the admin API (/key/generate, ...) is off; keys can still be made "
               "with `treeserve gateway keys create`", file=sys.stderr)
@@ -95,6 +113,22 @@ def cmd_gateway(args) -> int:
     uvicorn.run(build_app(config), host=args.host, port=args.port, log_level="info", loop="uvloop",
                 http="httptools", access_log=False)  # the app logs each request, never a query string
     return 0
+
+
+def chat_overrides(args) -> dict | None:
+    """The chat flags as a `chat:` section (None: the file's, if any, is kept)."""
+    if not (args.chat or args.chat_verifier or args.chat_router or args.chat_tool):
+        return None
+    pairs = {}
+    for flag, values in (("--chat-verifier", args.chat_verifier), ("--chat-tool", args.chat_tool)):
+        pairs[flag] = {}
+        for value in values:
+            name, sep, target = value.partition("=")
+            if not sep or not name or not target:
+                raise ValueError(f"{flag}: expected NAME=VALUE, got {value!r}")
+            pairs[flag][name] = target
+    return {"enabled": True, "verifiers": pairs["--chat-verifier"], "router_model": args.chat_router,
+            "tools": pairs["--chat-tool"]}
 
 
 def cmd_keys_create(args) -> int:
@@ -116,13 +150,29 @@ def cmd_keys_delete(args) -> int:
 
 
 def cmd_users_create(args) -> int:
+    from treeserve.gateway.passwords import hash_password
+
     fields = {k: getattr(args, k) for k in ("max_budget", "budget_duration") if getattr(args, k) is not None}
-    print(json.dumps(_store(args).create_user(args.user_id, models=_models(args.models), **fields), indent=2))
+    password = args.password or os.environ.get("TREESERVE_PASSWORD")
+    password_hash = hash_password(password) if password else None
+    print(json.dumps(_store(args).create_user(args.user_id, password_hash=password_hash, models=_models(args.models),
+                                              **fields), indent=2))
+    return 0
+
+
+def cmd_users_set_password(args) -> int:
+    import getpass
+
+    from treeserve.gateway.chat.store import ChatStore
+
+    password = args.password or os.environ.get("TREESERVE_PASSWORD") or getpass.getpass(f"password for {args.user_id}: ")
+    ChatStore(_store(args)).set_password(args.user_id, password)
+    print(f"password set for {args.user_id}")
     return 0
 
 
 def main(argv: list[str]) -> int:
-    """`treeserve gateway ...` without the engine's imports (see treeserve.cli.main)."""
+    """`treeserve gateway ...` and `treeserve chat` without the engine's imports (see treeserve.cli.main)."""
     from treeserve.server.errors import APIError
 
     parser = argparse.ArgumentParser(prog="treeserve")

@@ -11,6 +11,7 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
+from treeserve.gateway.passwords import hash_password
 from treeserve.gateway.store import Store, logs_csv
 from treeserve.server.errors import APIError
 
@@ -47,6 +48,7 @@ class NewUser(_Body):
     budget_duration: str | None = None
     models: list[str] | None = None
     metadata: dict[str, Any] | None = None
+    password: str | None = None  # for signing in to the web chat (stored as an Argon2id hash)
 
 
 def admin_router(store: Store, require_master: Any, known_models: set[str],
@@ -97,7 +99,12 @@ def admin_router(store: Store, require_master: Any, known_models: set[str],
         check_models(body.models)
         fields = body.model_dump(exclude_none=True)
         user_id = fields.pop("user_id")
-        return await run_in_threadpool(lambda: store.create_user(user_id, **fields))
+        password = fields.pop("password", None)
+
+        def create() -> dict:  # (hashing a password takes tens of milliseconds: not on the event loop)
+            password_hash = hash_password(password) if password is not None else None
+            return store.create_user(user_id, password_hash=password_hash, **fields)
+        return await run_in_threadpool(create)
 
     @router.get("/user/info")
     async def user_info(user_id: str):

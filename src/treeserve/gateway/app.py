@@ -20,6 +20,7 @@ from starlette.concurrency import run_in_threadpool
 from treeserve.gateway import pricing
 from treeserve.gateway.admin import admin_router
 from treeserve.gateway.broker import BrokerClient
+from treeserve.gateway.chat.routes import ChatApp
 from treeserve.gateway.config import BROKER_SCHEMES, GatewayConfig
 from treeserve.gateway.health import health_loop
 from treeserve.gateway.key_cache import KeyCache
@@ -105,6 +106,8 @@ def build_app(config: GatewayConfig, store: Store | None = None) -> FastAPI:
             if health is not None:
                 health.cancel()
             await client.close()
+            if app.state.chat is not None:
+                await app.state.chat.close()
             for broker in brokers.values():
                 await broker.close()
             store.close()
@@ -170,8 +173,11 @@ def build_app(config: GatewayConfig, store: Store | None = None) -> FastAPI:
         return _model_card(model)
 
     async def proxy(request: Request, key: KeyRecord = Depends(require_key)):
-        path = request.url.path
-        body = await _json_body(request)
+        return await dispatch(request.url.path, await _json_body(request), key)
+
+    async def dispatch(path: str, body: dict, key: KeyRecord) -> Response:
+        """One OpenAI request on `key`'s account: checked, admitted, forwarded, settled. Refusals
+        raise APIError; a backend's own error comes back as its response."""
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise APIError(400, "model: this field is required", param="model", code="missing_required_parameter")
@@ -198,6 +204,10 @@ def build_app(config: GatewayConfig, store: Store | None = None) -> FastAPI:
 
     for path in ROUTES:
         app.add_api_route(path, proxy, methods=["POST"])
+    app.state.dispatch = dispatch
+    app.state.chat = ChatApp(config, store, dispatch) if config.chat.enabled else None
+    if app.state.chat is not None:
+        app.include_router(app.state.chat.router)
     return app
 
 

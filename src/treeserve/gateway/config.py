@@ -57,6 +57,29 @@ class ModelConfig:
 
 
 @dataclass
+class ChatConfig:
+    """The web chat at /chat (`chat:` in the YAML file, or `--chat` and its flags)."""
+    enabled: bool = False
+    verifiers: dict[str, str] = field(default_factory=dict)  # generator -> its PRM: search mode for it
+    router_model: str | None = None  # tools mode's function-calling model (default: the chat's own model)
+    tools: dict[str, str] = field(default_factory=dict)      # weather / wikipedia -> URL (GET ?q=...)
+    tool_timeout: float = 10.0
+    cookie_secure: bool = False      # mark the session cookie Secure (behind HTTPS)
+
+    def check(self, models: dict) -> None:
+        named = [*self.verifiers, *self.verifiers.values(), *([self.router_model] if self.router_model else [])]
+        unknown = [m for m in named if m not in models]
+        if unknown:
+            raise ParamError("chat", f"chat: model {unknown[0]!r} is not configured")
+        bad = sorted(set(self.tools) - {"weather", "wikipedia"})
+        if bad:
+            raise ParamError("chat.tools", f"chat.tools: unknown tool {bad[0]!r} (known: weather, wikipedia)")
+        for name, url in self.tools.items():
+            if not url.startswith(HTTP_SCHEMES):
+                raise ParamError("chat.tools", f"chat.tools.{name}: expected an http(s) URL, got {url!r}")
+
+
+@dataclass
 class GatewayConfig:
     models: dict[str, ModelConfig]
     master_key: str | None = None
@@ -68,8 +91,12 @@ class GatewayConfig:
     breaker_cooldown: float = 10.0  # seconds an open circuit waits before one trial request
     key_cache_ttl: float = 2.0    # seconds a process trusts a key it checked (another process's delete or
                                   # block takes effect within it; budgets and limits are always live)
+    chat: ChatConfig = field(default_factory=ChatConfig)
 
     def __post_init__(self):
+        if isinstance(self.chat, dict):
+            self.chat = ChatConfig(**self.chat)
+        self.chat.check(self.models)
         if self.routing not in STRATEGIES:
             raise ParamError("routing", f"routing: one of {', '.join(STRATEGIES)}, got {self.routing!r}")
         for model in self.models.values():
@@ -122,6 +149,13 @@ def build_config(backends: list[str] | None = None, config_file: Path | None = N
             data["models"][name].backends.extend(model.backends)
         else:
             data["models"][name] = model
+    chat = overrides.pop("chat", None)
+    if chat is not None:  # flags add to the file's chat section
+        section = dict(data.get("chat") or {})
+        for name in ("verifiers", "tools"):
+            chat[name] = {**(section.get(name) or {}), **chat[name]}
+        chat["router_model"] = chat["router_model"] or section.get("router_model")
+        data["chat"] = {**section, **chat}
     data.update({k: v for k, v in overrides.items() if v is not None})
     data.setdefault("master_key", os.environ.get("TREESERVE_MASTER_KEY"))
     if not data["models"]:

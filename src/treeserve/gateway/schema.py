@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 
-from sqlalchemy import JSON, BigInteger, Boolean, Date, DateTime, Float, ForeignKey, Index, Integer, String
+from sqlalchemy import JSON, BigInteger, Boolean, Date, DateTime, Float, ForeignKey, Index, Integer, String, Text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -119,3 +119,45 @@ class Instance(Base):
     __tablename__ = "gateway_instances"
     instance_id: Mapped[str] = mapped_column(String(32), primary_key=True)
     seen_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+
+
+class ChatSession(Base):
+    """A signed-in browser: the cookie's hash (the cookie itself is never stored) and the token its
+    page must echo in a header on every change (CSRF)."""
+    __tablename__ = "chat_sessions"
+    token_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    user_id: Mapped[str] = mapped_column(ForeignKey("users.user_id", ondelete="CASCADE"), index=True)
+    csrf_token: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+    expires_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+
+
+class Conversation(Base):
+    """A chat of one user; its id is random (it is the page's URL) and its settings are the ones the
+    page sends with each message."""
+    __tablename__ = "conversations"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    user_id: Mapped[str] = mapped_column(ForeignKey("users.user_id", ondelete="CASCADE"))
+    title: Mapped[str] = mapped_column(String(200))
+    settings: Mapped[dict] = mapped_column(JSON, default=dict)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+    updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+    __table_args__ = (Index("ix_conversations_user_updated", "user_id", "updated_at"),)
+
+
+class ChatMessage(Base):
+    """One message; `details` holds what a mode adds (a search's candidates, a tool's call and result,
+    whether the answer was stopped)."""
+    __tablename__ = "chat_messages"
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True,
+                                    autoincrement=True)
+    conversation_id: Mapped[str] = mapped_column(ForeignKey("conversations.id", ondelete="CASCADE"), index=True)
+    role: Mapped[str] = mapped_column(String(16))
+    content: Mapped[str] = mapped_column(Text)
+    model: Mapped[str | None] = mapped_column(String(128))
+    mode: Mapped[str] = mapped_column(String(16), default="chat")
+    settings: Mapped[dict] = mapped_column(JSON, default=dict)
+    prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    details: Mapped[dict] = mapped_column(JSON, default=dict)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))

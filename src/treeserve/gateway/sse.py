@@ -77,9 +77,9 @@ class StreamState:
             self._record(event["usage"])
         elif not self.usage_reported:
             self._count(event)
-        if "usage" not in event:
+        if "usage" not in event or "choices" not in event:  # (a search's result carries usage, and no choices)
             return _event(payload)
-        if not event.get("choices"):
+        if not event["choices"]:
             return _event(payload) if self.include_usage else None
         if self.include_usage and self.continuous_usage:
             return _event(payload)

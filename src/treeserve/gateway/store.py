@@ -133,7 +133,7 @@ class Store:
         with self._write_lock, Session(self.writer, expire_on_commit=False) as session, session.begin():
             yield session
 
-    def create_user(self, user_id: str, **fields) -> dict:
+    def create_user(self, user_id: str, password_hash: str | None = None, **fields) -> dict:
         now = utcnow()
         with self.transaction() as conn:
             if conn.get(User, user_id) is not None:
@@ -141,7 +141,7 @@ class Store:
                                code="user_exists")
             values = _user_values(fields, now)
             conn.execute(insert(User).values(user_id=user_id, spend=0.0, reserved=0.0, created_at=now,
-                                                        **values))
+                                             password_hash=password_hash, **values))
         return self.user_info(user_id)
 
     def user_info(self, user_id: str) -> dict:
@@ -215,10 +215,17 @@ class Store:
 
     def authenticate(self, token: str) -> KeyRecord | None:
         """The key's record, or None for an unknown, expired or blocked key."""
+        return self._key_record(ApiKey.token_hash == keylib.hash_key(token))
+
+    def key_record(self, key_id: int) -> KeyRecord | None:
+        """As `authenticate`, for a key the gateway holds on a user's behalf (the web chat's)."""
+        return self._key_record(ApiKey.id == key_id)
+
+    def _key_record(self, where) -> KeyRecord | None:
         with self.session() as conn:
             row = conn.execute(
                 select(ApiKey, User.models, User.max_budget).outerjoin(User, User.user_id == ApiKey.user_id)
-                .where(ApiKey.token_hash == keylib.hash_key(token))).first()
+                .where(where)).first()
         if row is None or row[0].blocked:
             return None
         key, user_models, user_budget = row

@@ -1,0 +1,88 @@
+"""`treeserve chat`: the web chat on the bundled models in one command. Starts `treeserve serve`
+(arith-gen and its PRM arith-prm) as a child process, puts the gateway with its chat page in front
+of it, and prints the URL and a first user's name and password (a new password each start)."""
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+GENERATOR, VERIFIER = "arith-gen", "arith-prm"
+
+
+def add_chat_parser(sub) -> None:
+    chat = sub.add_parser("chat", help="the web chat on the bundled models: a server, the gateway and a first user")
+    chat.add_argument("--host", default="127.0.0.1", help="the chat page's address")
+    chat.add_argument("--port", type=int, default=4000)
+    chat.add_argument("--serve-port", type=int, default=8001, help="the model server's port (on 127.0.0.1)")
+    chat.add_argument("--database", help="the gateway's database URL (default: ./treeserve-gateway.db)")
+    chat.add_argument("--user", default="demo", help="the first user's name (its password is printed)")
+    chat.add_argument("--chat-tool", action="append", default=[], metavar="NAME=URL",
+                      help="an HTTP tool for tools mode: weather=URL or wikipedia=URL")
+    chat.set_defaults(func=cmd_chat)
+
+
+def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 900.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the model server exited with code {process.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise RuntimeError(f"the model server did not answer at {url} within {timeout:.0f} s")
+
+
+def first_user(store, user_id: str) -> str:
+    """The user made (or its password renewed) with a fresh random password, which is returned."""
+    from treeserve.gateway.chat.store import ChatStore
+    from treeserve.gateway.passwords import hash_password
+    from treeserve.server.errors import APIError
+
+    password = secrets.token_urlsafe(12)
+    try:
+        store.create_user(user_id, password_hash=hash_password(password))
+    except APIError:  # there from an earlier start: a new password
+        ChatStore(store).set_password(user_id, password)
+    return password
+
+
+def cmd_chat(args) -> int:
+    import uvicorn
+
+    from treeserve.cli_gateway import _store
+    from treeserve.gateway.app import build_app
+    from treeserve.gateway.config import build_config
+
+    url = f"http://127.0.0.1:{args.serve_port}"
+    server = subprocess.Popen([sys.executable, "-m", "treeserve.cli", "serve", "--port", str(args.serve_port)])
+    try:
+        print(f"starting the model server ({GENERATOR} + {VERIFIER}) at {url} ...", file=sys.stderr, flush=True)
+        wait_healthy(url, server)
+        store = _store(args)
+        password = first_user(store, args.user)
+        store.close()
+        tools = dict(value.partition("=")[::2] for value in args.chat_tool)
+        config = build_config([f"{GENERATOR}={url}", f"{VERIFIER}={url}"], None, database=args.database,
+                              master_key=os.environ.get("TREESERVE_MASTER_KEY"),
+                              chat={"enabled": True, "verifiers": {GENERATOR: VERIFIER}, "router_model": None,
+                                    "tools": tools})
+        where = Path(args.database or "treeserve-gateway.db")
+        print(f"\n  treeserve chat: http://{args.host}:{args.port}/chat\n  user: {args.user}\n  password: {password}\n"
+              f"  (history kept in {where}; a new password is made at each start)\n", flush=True)
+        uvicorn.run(build_app(config), host=args.host, port=args.port, log_level="info", loop="uvloop",
+                    http="httptools", access_log=False)
+        return 0
+    finally:
+        server.terminate()
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()

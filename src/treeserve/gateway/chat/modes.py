@@ -1,0 +1,146 @@
+"""How a chat message is answered, as a stream of events for the page:
+
+- chat: the conversation (system prompt, history, the new message) streamed from the chosen model;
+- search: the last question through `/v1/search` with the model's verifier: progress events, then
+  the chosen answer with every candidate and its step scores;
+- tools (the paper's chatbot): only the last message goes to a router model with the tools and
+  `answer_directly`; a tool call is recognised from the router's first streamed delta, the tool
+  runs and its result is the answer; otherwise the chat model answers as in chat mode.
+
+Each mode fills an `Answer` (what is stored) while it yields events; an error raises UpstreamError."""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+from fastapi.responses import Response
+
+from treeserve.gateway.chat.settings import ChatSettings
+from treeserve.gateway.chat.tools import ANSWER_DIRECTLY, ROUTER_PROMPT, Toolbox
+from treeserve.gateway.chat.upstream import UpstreamError, stream_events
+from treeserve.gateway.store import KeyRecord
+from treeserve.server.errors import APIError
+
+Dispatch = Callable[[str, dict, KeyRecord], Awaitable[Response]]
+
+
+@dataclass
+class Answer:
+    model: str
+    content: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    details: dict = field(default_factory=dict)
+
+    def add_usage(self, usage: dict | None) -> None:
+        if usage:
+            self.prompt_tokens += int(usage.get("prompt_tokens") or 0)
+            self.completion_tokens += int(usage.get("completion_tokens") or 0)
+
+
+@dataclass
+class Context:
+    dispatch: Dispatch
+    key: KeyRecord
+    settings: ChatSettings
+    history: list[dict]      # stored messages before the new one (public_message dicts)
+    question: str
+    verifier: str | None = None
+    router_model: str | None = None
+    toolbox: Toolbox | None = None
+
+
+def model_messages(context: Context) -> list[dict]:
+    """What the answering model sees: the system prompt, the history without tool acknowledgements
+    (tools mode's answers) or empty stopped answers, and the new message."""
+    messages = [{"role": "system", "content": context.settings.system_prompt}] if context.settings.system_prompt else []
+    for message in context.history:
+        if message["role"] == "assistant" and ("tool" in message["details"] or not message["content"]):
+            continue
+        messages.append({"role": message["role"], "content": message["content"]})
+    messages.append({"role": "user", "content": context.question})
+    return messages
+
+
+async def _send(context: Context, path: str, body: dict) -> Response:
+    try:
+        return await context.dispatch(path, body, context.key)
+    except APIError as exc:  # refused by the gateway itself: a budget, a rate limit, a model not allowed
+        raise UpstreamError(exc.message) from None
+
+
+async def chat(context: Context, answer: Answer) -> AsyncIterator[dict]:
+    body = {"model": answer.model, "messages": model_messages(context), "stream": True,
+            "stream_options": {"include_usage": True}, **context.settings.sampling()}
+    async for event in stream_events(await _send(context, "/v1/chat/completions", body)):
+        answer.add_usage(event.get("usage"))
+        for choice in event.get("choices") or ():
+            text = (choice.get("delta") or {}).get("content")
+            if text:
+                answer.content += text
+                yield {"type": "delta", "text": text}
+
+
+async def search(context: Context, answer: Answer) -> AsyncIterator[dict]:
+    if context.verifier is None:
+        raise UpstreamError(f"search mode needs a verifier for {answer.model!r}; this gateway has none configured")
+    settings = context.settings
+    messages = ([{"role": "system", "content": settings.system_prompt}] if settings.system_prompt else []) + \
+        [{"role": "user", "content": context.question}]
+    body = {"model": answer.model, "verifier": context.verifier, "messages": messages, "stream": True,
+            "n": settings.search_n, "temperature": settings.temperature, "top_p": settings.top_p,
+            "max_tokens": settings.max_tokens}
+    async for event in stream_events(await _send(context, "/v1/search", body)):
+        if event.get("object") == "search.progress":
+            yield {"type": "progress", **{k: v for k, v in event.items() if k != "object"}}
+        elif event.get("object") == "search.result":
+            answer.content = event.get("completion") or ""
+            answer.add_usage(event.get("usage"))
+            answer.details = {"search": {k: event.get(k) for k in (
+                "verifier", "strategy", "n", "answer", "score", "chosen", "candidates", "tree_size", "seconds")}}
+            yield {"type": "result", "content": answer.content, "details": answer.details}
+
+
+async def tools(context: Context, answer: Answer) -> AsyncIterator[dict]:
+    router = context.router_model or answer.model
+    body = {"model": router, "stream": True, "stream_options": {"include_usage": True},
+            "messages": [{"role": "system", "content": ROUTER_PROMPT}, {"role": "user", "content": context.question}],
+            "tools": context.toolbox.definitions(), "tool_choice": "required", "temperature": 0.0,
+            "max_tokens": 256}
+    yield {"type": "routing", "router": router}
+    name, arguments = await _route(context, body, answer)
+    if name is None or name == ANSWER_DIRECTLY:
+        answer.details = {"router": router, "routed_to": ANSWER_DIRECTLY}
+        yield {"type": "routed", "tool": ANSWER_DIRECTLY}
+        async for event in chat(context, answer):
+            yield event
+        return
+    run = await context.toolbox.run(name, arguments)
+    answer.content = run.result if run.ok else f"The {run.name} tool failed: {run.result}"
+    answer.details = {"router": router, "tool": run.as_dict()}
+    yield {"type": "tool", **run.as_dict()}
+    yield {"type": "delta", "text": answer.content}
+
+
+async def _route(context: Context, body: dict, answer: Answer) -> tuple[str | None, str]:
+    """The router's tool call (name, arguments JSON), or (None, '') when its first delta is text: then
+    it chose to answer itself, and the stream is dropped at once (the chat model answers instead)."""
+    name, arguments = None, []
+    events = stream_events(await _send(context, "/v1/chat/completions", body))
+    try:
+        async for event in events:
+            answer.add_usage(event.get("usage"))
+            for choice in event.get("choices") or ():
+                delta = choice.get("delta") or {}
+                for call in delta.get("tool_calls") or ():
+                    function = call.get("function") or {}
+                    name = name or function.get("name")
+                    arguments.append(function.get("arguments") or "")
+                if name is None and delta.get("content"):
+                    return None, ""
+    finally:
+        await events.aclose()
+    return name, "".join(arguments)
+
+
+MODES = {"chat": chat, "search": search, "tools": tools}

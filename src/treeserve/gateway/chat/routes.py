@@ -1,0 +1,280 @@
+"""The web chat's routes: the page (`/chat`, `/chat/c/ID`), its assets, and its JSON API under
+`/chat/api` (sign-in, conversations, messages streamed as server-sent events over POST, exports).
+
+A signed-in browser holds a random session cookie (HttpOnly, SameSite=Strict, stored hashed);
+every request that changes something must also carry the session's CSRF token in `X-CSRF-Token`
+(the page reads it from `/chat/api/me`). A conversation is reachable only by its owner: any other
+id answers 404. The chat's model requests go through the gateway's own `dispatch`, so they are
+admitted, routed, billed and limited like any key's (each user has one chat key)."""
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import anyio
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import FileResponse, JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from treeserve.gateway.chat import export
+from treeserve.gateway.chat.modes import MODES, Answer, Context, Dispatch
+from treeserve.gateway.chat.settings import ChatSettings, ConversationIn, LoginIn, MessageIn
+from treeserve.gateway.chat.store import ChatStore
+from treeserve.gateway.chat.tools import Toolbox
+from treeserve.gateway.chat.upstream import UpstreamError
+from treeserve.gateway.config import GatewayConfig
+from treeserve.gateway.keys import same_secret
+from treeserve.gateway.proxy import RelayResponse
+from treeserve.gateway.store import Store
+from treeserve.server.errors import APIError
+
+log = logging.getLogger("treeserve.gateway.chat")
+COOKIE = "treeserve_chat"
+STATIC = Path(__file__).parent / "static"
+ASSETS = {"chat.js": "text/javascript", "chat.css": "text/css"}
+# The page runs only its own script and style: an answer that smuggled markup in could run nothing.
+PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; "
+                "img-src 'self' data:; connect-src 'self'; object-src 'none'; base-uri 'none'; "
+                "frame-ancestors 'none'; form-action 'self'",
+                "X-Content-Type-Options": "nosniff", "Referrer-Policy": "same-origin", "Cache-Control": "no-store"}
+LOGIN_FAILURES, LOGIN_WINDOW = 5, 300.0   # failed sign-ins per user name in the window before a 429
+
+
+async def signed_in(request: Request) -> Signed:
+    """The signed-in user (401 without a live session; 403 for a change without the CSRF token)."""
+    chats: ChatStore = request.app.state.chat.chats
+    token = request.cookies.get(COOKIE)
+    found = await run_in_threadpool(chats.session_user, token) if token else None
+    if found is None:
+        raise APIError(401, "not signed in (or the session ended): sign in at /chat", code="not_signed_in")
+    user_id, csrf = found
+    if request.method not in ("GET", "HEAD") and not same_secret(request.headers.get("x-csrf-token", ""), csrf):
+        raise APIError(403, "the X-CSRF-Token header is missing or wrong", code="csrf_failed")
+    return Signed(user_id, csrf, token)
+
+
+@dataclass
+class Signed:
+    user_id: str
+    csrf_token: str
+    token: str
+
+
+class LoginThrottle:
+    """Failed sign-ins per user name in a sliding window (bounded: the oldest names are forgotten)."""
+
+    def __init__(self, limit: int = LOGIN_FAILURES, window: float = LOGIN_WINDOW, names: int = 10_000):
+        self.limit, self.window, self.names = limit, window, names
+        self.failures: collections.OrderedDict[str, list[float]] = collections.OrderedDict()
+
+    def retry_after(self, user_id: str) -> int:
+        now = time.monotonic()
+        recent = [t for t in self.failures.get(user_id, ()) if now - t < self.window]
+        return int(self.window - (now - recent[0])) + 1 if len(recent) >= self.limit else 0
+
+    def failed(self, user_id: str) -> None:
+        now = time.monotonic()
+        times = [t for t in self.failures.pop(user_id, ()) if now - t < self.window] + [now]
+        self.failures[user_id] = times[-self.limit:]
+        while len(self.failures) > self.names:
+            self.failures.popitem(last=False)
+
+    def succeeded(self, user_id: str) -> None:
+        self.failures.pop(user_id, None)
+
+
+class ChatApp:
+    def __init__(self, config: GatewayConfig, store: Store, dispatch: Dispatch):
+        self.config, self.dispatch = config, dispatch
+        self.chats = ChatStore(store)
+        self.toolbox = Toolbox(config.chat.tools, config.chat.tool_timeout)
+        self.throttle = LoginThrottle()
+        verifiers = set(config.chat.verifiers.values())
+        self.chat_models = [m for m in config.models if m not in verifiers] or list(config.models)
+        self.router = self._routes()
+
+    async def close(self) -> None:
+        await self.toolbox.close()
+
+    # ---- who is asking -------------------------------------------------------------------------
+    def settings_for(self, settings: ChatSettings | dict | None) -> ChatSettings:
+        """Settings with the model filled in and checked against what this gateway serves."""
+        settings = settings if isinstance(settings, ChatSettings) else ChatSettings(**(settings or {}))
+        if settings.model is None:
+            settings = settings.model_copy(update={"model": self.chat_models[0]})
+        if settings.model not in self.config.models:
+            raise APIError(400, f"settings.model: {settings.model!r} is not served by this gateway",
+                           param="settings.model", code="model_not_found")
+        if settings.mode == "search" and settings.model not in self.config.chat.verifiers:
+            raise APIError(400, f"settings.mode: search needs a verifier for {settings.model!r}; this gateway "
+                           f"has one for {sorted(self.config.chat.verifiers) or 'no model'}", param="settings.mode")
+        return settings
+
+    # ---- routes ----------------------------------------------------------------------------------
+    def _routes(self) -> APIRouter:
+        router = APIRouter(tags=["chat"])
+        router.add_api_route("/chat", self.page, methods=["GET"], include_in_schema=False)
+        router.add_api_route("/chat/c/{conversation_id}", self.page, methods=["GET"], include_in_schema=False)
+        router.add_api_route("/chat/static/{name}", self.asset, methods=["GET"], include_in_schema=False)
+        router.add_api_route("/chat/api/login", self.login, methods=["POST"])
+        router.add_api_route("/chat/api/logout", self.logout, methods=["POST"])
+        router.add_api_route("/chat/api/me", self.me, methods=["GET"])
+        router.add_api_route("/chat/api/conversations", self.list_conversations, methods=["GET"])
+        router.add_api_route("/chat/api/conversations", self.new_conversation, methods=["POST"])
+        router.add_api_route("/chat/api/conversations/{conversation_id}", self.get_conversation, methods=["GET"])
+        router.add_api_route("/chat/api/conversations/{conversation_id}", self.update_conversation,
+                             methods=["PATCH"])
+        router.add_api_route("/chat/api/conversations/{conversation_id}", self.delete_conversation,
+                             methods=["DELETE"])
+        router.add_api_route("/chat/api/conversations/{conversation_id}/messages", self.send, methods=["POST"])
+        router.add_api_route("/chat/api/conversations/{conversation_id}/export", self.export_one, methods=["GET"])
+        router.add_api_route("/chat/api/export", self.export_all, methods=["GET"])
+        return router
+
+    async def page(self, conversation_id: str | None = None) -> Response:
+        return FileResponse(STATIC / "index.html", media_type="text/html", headers=PAGE_HEADERS)
+
+    async def asset(self, name: str) -> Response:
+        if name not in ASSETS:
+            raise APIError(404, f"no asset {name!r}", code="not_found")
+        return FileResponse(STATIC / name, media_type=ASSETS[name], headers={"X-Content-Type-Options": "nosniff"})
+
+    async def login(self, body: LoginIn, request: Request) -> Response:
+        wait = self.throttle.retry_after(body.user_id)
+        if wait:
+            raise APIError(429, f"too many failed sign-ins for {body.user_id!r}; try again in {wait} s",
+                           code="rate_limit_exceeded", headers={"Retry-After": str(wait)})
+        if not await run_in_threadpool(self.chats.check_password, body.user_id, body.password):
+            self.throttle.failed(body.user_id)
+            log.warning("failed chat sign-in for %r", body.user_id)
+            raise APIError(401, "wrong user name or password", code="invalid_credentials")
+        self.throttle.succeeded(body.user_id)
+        token, csrf = await run_in_threadpool(self.chats.start_session, body.user_id)
+        response = JSONResponse({"user_id": body.user_id, "csrf_token": csrf})
+        response.set_cookie(COOKIE, token, max_age=7 * 86400, path="/chat", httponly=True, samesite="strict",
+                            secure=self.config.chat.cookie_secure or request.url.scheme == "https")
+        return response
+
+    async def logout(self, signed: Signed = Depends(signed_in)) -> Response:
+        await run_in_threadpool(self.chats.end_session, signed.token)
+        response = JSONResponse({"signed_out": True})
+        response.delete_cookie(COOKIE, path="/chat")
+        return response
+
+    async def me(self, signed: Signed = Depends(signed_in)) -> dict:
+        key = await run_in_threadpool(self.chats.chat_key, signed.user_id)
+        usage = await run_in_threadpool(self.chats.usage, signed.user_id)
+        return {"user_id": signed.user_id, "csrf_token": signed.csrf_token,
+                "models": [m for m in self.chat_models if key.allows(m)],
+                "search_models": sorted(m for m in self.config.chat.verifiers if key.allows(m)),
+                "tools": [d["function"]["name"] for d in self.toolbox.definitions()],
+                "defaults": self.settings_for(None).model_dump(), "usage": usage}
+
+    async def list_conversations(self, signed: Signed = Depends(signed_in)) -> dict:
+        return {"conversations": await run_in_threadpool(self.chats.conversations, signed.user_id)}
+
+    async def new_conversation(self, body: ConversationIn, signed: Signed = Depends(signed_in)) -> dict:
+        settings = self.settings_for(body.settings).model_dump()
+        return await run_in_threadpool(self.chats.create, signed.user_id, body.title or "", settings)
+
+    async def get_conversation(self, conversation_id: str, signed: Signed = Depends(signed_in)) -> dict:
+        return await run_in_threadpool(self.chats.get, signed.user_id, conversation_id)
+
+    async def update_conversation(self, conversation_id: str, body: ConversationIn,
+                                  signed: Signed = Depends(signed_in)) -> dict:
+        settings = self.settings_for(body.settings).model_dump() if body.settings is not None else None
+        return await run_in_threadpool(self.chats.update, signed.user_id, conversation_id, body.title, settings)
+
+    async def delete_conversation(self, conversation_id: str, signed: Signed = Depends(signed_in)) -> dict:
+        await run_in_threadpool(self.chats.delete, signed.user_id, conversation_id)
+        return {"deleted": conversation_id}
+
+    async def export_one(self, conversation_id: str, format: Literal["xlsx", "json"] = "xlsx",
+                         signed: Signed = Depends(signed_in)) -> Response:
+        rows = await run_in_threadpool(self.chats.export_rows, signed.user_id, conversation_id)
+        return await _export(signed.user_id, rows, format, f"conversation-{conversation_id}")
+
+    async def export_all(self, format: Literal["xlsx", "json"] = "xlsx", signed: Signed = Depends(signed_in)):
+        rows = await run_in_threadpool(self.chats.export_rows, signed.user_id)
+        return await _export(signed.user_id, rows, format, "conversations")
+
+    async def send(self, conversation_id: str, body: MessageIn, signed: Signed = Depends(signed_in)) -> Response:
+        user_id = signed.user_id
+        conversation = await run_in_threadpool(self.chats.get, user_id, conversation_id)
+        settings = self.settings_for(body.settings or conversation["settings"])
+        key = await run_in_threadpool(self.chats.chat_key, user_id)
+        if not key.allows(settings.model):
+            raise APIError(403, f"settings.model: you may not use {settings.model!r}", param="settings.model",
+                           code="model_not_allowed")
+        title = conversation["title"] if conversation["messages"] or conversation["title"] != "New chat" \
+            else body.content[:60]
+        await run_in_threadpool(self.chats.update, user_id, conversation_id, title, settings.model_dump())
+        stored = await run_in_threadpool(lambda: self.chats.add_message(
+            user_id, conversation_id, "user", body.content, model=settings.model, mode=settings.mode,
+            settings=settings.model_dump()))
+        context = Context(self.dispatch, key, settings, conversation["messages"], body.content,
+                          self.config.chat.verifiers.get(settings.model), self.config.chat.router_model,
+                          self.toolbox)
+        events = self._answer(user_id, conversation_id, stored, context)
+        return RelayResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _answer(self, user_id: str, conversation_id: str, stored: dict, context: Context):
+        """The page's events: the stored user message, the mode's events, the stored answer. However
+        the stream ends (done, an error, the Stop button), the answer so far is kept."""
+        settings = context.settings
+        answer = Answer(settings.model)
+        status, saved = "stopped", None
+        mode = MODES[settings.mode](context, answer)
+
+        async def save() -> dict | None:
+            details = answer.details if status == "done" else {**answer.details, "status": status}
+            try:
+                return await run_in_threadpool(lambda: self.chats.add_message(
+                    user_id, conversation_id, "assistant", answer.content, model=settings.model, mode=settings.mode,
+                    settings=settings.model_dump(), prompt_tokens=answer.prompt_tokens,
+                    completion_tokens=answer.completion_tokens, details=details))
+            except APIError:  # the conversation was deleted meanwhile
+                return None
+
+        try:
+            yield _sse({"type": "user", "message": stored})
+            try:
+                async for event in mode:
+                    yield _sse(event)
+                status = "done"
+            except UpstreamError as exc:
+                status = "error"
+                answer.details = {**answer.details, "error": str(exc)}
+                yield _sse({"type": "error", "message": str(exc)})
+            except Exception as exc:
+                log.exception("answering in %s mode failed", settings.mode)
+                status = "error"
+                answer.details = {**answer.details, "error": f"internal error: {type(exc).__name__}"}
+                yield _sse({"type": "error", "message": f"internal error: {type(exc).__name__}: {exc}"})
+            saved = await save()
+            yield _sse({"type": "done", "message": saved})
+        finally:
+            with anyio.CancelScope(shield=True):
+                await mode.aclose()  # a stopped answer's upstream request is closed (and settled) now
+                if saved is None and status == "stopped":
+                    await save()
+
+
+async def _export(user_id: str, conversations: list[dict], format: str, name: str) -> Response:
+    if format == "json":
+        content, media = export.to_json(user_id, conversations), "application/json"
+    else:
+        content = await run_in_threadpool(export.to_xlsx, conversations)
+        media = "application/vnd.openxmlformats-officedocument.spreadsheetml.sheet"
+    return Response(content, media_type=media,
+                    headers={"Content-Disposition": f'attachment; filename="{name}.{format}"'})
+
+
+def _sse(event: dict) -> bytes:
+    return b"data: " + json.dumps(event, ensure_ascii=False).encode() + b"\n\n"

@@ -1,0 +1,200 @@
+"""The web chat's rows: sign-in sessions, conversations and messages, in the gateway's database.
+
+Every read and change of a conversation names its user, and a conversation of another user is
+answered exactly as one that does not exist (404), so ids cannot be probed. Calls are blocking:
+the routes run them in worker threads."""
+from __future__ import annotations
+
+import datetime as dt
+import secrets
+
+from sqlalchemy import delete, func, insert, select, update
+
+from treeserve.gateway import keys as keylib
+from treeserve.gateway.passwords import hash_password, needs_rehash, verify_password
+from treeserve.gateway.schema import ApiKey, ChatMessage, ChatSession, Conversation, SpendLog, User, utcnow
+from treeserve.gateway.store import KeyRecord, Store
+from treeserve.server.errors import APIError
+
+SESSION_LIFETIME = dt.timedelta(days=7)
+CHAT_KEY_ALIAS = "chat:{user_id}"
+TITLE_LENGTH = 200
+
+
+def not_found() -> APIError:
+    return APIError(404, "conversation: no such conversation", param="conversation", code="conversation_not_found")
+
+
+class ChatStore:
+    def __init__(self, store: Store):
+        self.store = store
+
+    # ---- signing in --------------------------------------------------------------------------
+    def check_password(self, user_id: str, password: str) -> bool:
+        with self.store.session() as conn:
+            stored = conn.scalar(select(User.password_hash).where(User.user_id == user_id))
+        if not verify_password(stored, password):
+            return False
+        if needs_rehash(stored):  # the hasher's parameters went up since: keep the hash current
+            self.store.set_password_hash(user_id, hash_password(password))
+        return True
+
+    def set_password(self, user_id: str, password: str) -> None:
+        password_hash = hash_password(password)
+        with self.store.transaction() as conn:
+            if conn.get(User, user_id) is None:
+                raise APIError(404, f"user_id: no user {user_id!r}", param="user_id", code="user_not_found")
+            conn.execute(update(User).where(User.user_id == user_id).values(password_hash=password_hash))
+
+    def start_session(self, user_id: str) -> tuple[str, str]:
+        """(the cookie's token, the page's CSRF token) of a new session."""
+        token, csrf = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
+        now = utcnow()
+        with self.store.transaction() as conn:
+            conn.execute(delete(ChatSession).where(ChatSession.expires_at < now))
+            conn.execute(insert(ChatSession).values(token_hash=keylib.hash_key(token), user_id=user_id,
+                                                    csrf_token=csrf, created_at=now,
+                                                    expires_at=now + SESSION_LIFETIME))
+        return token, csrf
+
+    def session_user(self, token: str) -> tuple[str, str] | None:
+        """(user_id, csrf token) of a live session, or None."""
+        with self.store.session() as conn:
+            row = conn.execute(select(ChatSession.user_id, ChatSession.csrf_token, ChatSession.expires_at)
+                               .where(ChatSession.token_hash == keylib.hash_key(token))).first()
+        if row is None or _aware(row.expires_at) <= utcnow():
+            return None
+        return row.user_id, row.csrf_token
+
+    def end_session(self, token: str) -> None:
+        with self.store.transaction() as conn:
+            conn.execute(delete(ChatSession).where(ChatSession.token_hash == keylib.hash_key(token)))
+
+    def chat_key(self, user_id: str) -> KeyRecord:
+        """The key the chat bills a user's messages to (made on first use; the user's budget and
+        model list apply to it as to any key of theirs)."""
+        alias = CHAT_KEY_ALIAS.format(user_id=user_id)
+        with self.store.session() as conn:
+            key_id = conn.scalar(select(ApiKey.id).where(ApiKey.user_id == user_id, ApiKey.key_alias == alias))
+        if key_id is None:
+            self.store.create_key(user_id=user_id, key_alias=alias, metadata={"purpose": "web chat"})
+            with self.store.session() as conn:
+                key_id = conn.scalar(select(ApiKey.id).where(ApiKey.user_id == user_id, ApiKey.key_alias == alias))
+        record = self.store.key_record(key_id)
+        if record is None:
+            raise APIError(403, "your chat key is blocked or expired; ask the gateway's admin",
+                           code="key_blocked")
+        return record
+
+    # ---- conversations -----------------------------------------------------------------------
+    def conversations(self, user_id: str) -> list[dict]:
+        with self.store.session() as conn:
+            rows = conn.scalars(select(Conversation).where(Conversation.user_id == user_id)
+                                .order_by(Conversation.updated_at.desc())).all()
+        return [_public_conversation(c) for c in rows]
+
+    def create(self, user_id: str, title: str, settings: dict) -> dict:
+        now = utcnow()
+        conversation_id = secrets.token_hex(16)
+        with self.store.transaction() as conn:
+            conn.execute(insert(Conversation).values(id=conversation_id, user_id=user_id, title=_title(title),
+                                                     settings=settings, created_at=now, updated_at=now))
+        return self.get(user_id, conversation_id)
+
+    def get(self, user_id: str, conversation_id: str) -> dict:
+        with self.store.session() as conn:
+            conversation = self._owned(conn, user_id, conversation_id)
+            messages = conn.scalars(select(ChatMessage).where(ChatMessage.conversation_id == conversation_id)
+                                    .order_by(ChatMessage.id)).all()
+        return _public_conversation(conversation) | {"messages": [public_message(m) for m in messages]}
+
+    def update(self, user_id: str, conversation_id: str, title: str | None = None,
+               settings: dict | None = None) -> dict:
+        values = {"updated_at": utcnow()}
+        if title is not None:
+            values["title"] = _title(title)
+        if settings is not None:
+            values["settings"] = settings
+        with self.store.transaction() as conn:
+            self._owned(conn, user_id, conversation_id)
+            conn.execute(update(Conversation).where(Conversation.id == conversation_id).values(**values))
+        return self.get(user_id, conversation_id)
+
+    def delete(self, user_id: str, conversation_id: str) -> None:
+        with self.store.transaction() as conn:
+            self._owned(conn, user_id, conversation_id)
+            conn.execute(delete(ChatMessage).where(ChatMessage.conversation_id == conversation_id))
+            conn.execute(delete(Conversation).where(Conversation.id == conversation_id))
+
+    def add_message(self, user_id: str, conversation_id: str, role: str, content: str, *, model: str | None = None,
+                    mode: str = "chat", settings: dict | None = None, prompt_tokens: int = 0,
+                    completion_tokens: int = 0, details: dict | None = None) -> dict:
+        now = utcnow()
+        with self.store.transaction() as conn:
+            self._owned(conn, user_id, conversation_id)
+            message_id = conn.execute(insert(ChatMessage).values(
+                conversation_id=conversation_id, role=role, content=content, model=model, mode=mode,
+                settings=settings or {}, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                details=details or {}, created_at=now).returning(ChatMessage.id)).scalar_one()
+            conn.execute(update(Conversation).where(Conversation.id == conversation_id).values(updated_at=now))
+            message = conn.get(ChatMessage, message_id)
+        return public_message(message)
+
+    def export_rows(self, user_id: str, conversation_id: str | None = None) -> list[dict]:
+        """The user's conversations (or one), each with its messages, oldest first."""
+        with self.store.session() as conn:
+            if conversation_id is not None:
+                conversations = [self._owned(conn, user_id, conversation_id)]
+            else:
+                conversations = conn.scalars(select(Conversation).where(Conversation.user_id == user_id)
+                                             .order_by(Conversation.created_at)).all()
+            ids = [c.id for c in conversations]
+            messages = conn.scalars(select(ChatMessage).where(ChatMessage.conversation_id.in_(ids))
+                                    .order_by(ChatMessage.id)).all() if ids else []
+        by_conversation: dict[str, list[dict]] = {i: [] for i in ids}
+        for message in messages:
+            by_conversation[message.conversation_id].append(public_message(message))
+        return [_public_conversation(c) | {"messages": by_conversation[c.id]} for c in conversations]
+
+    def usage(self, user_id: str) -> dict:
+        """What the user has spent through the gateway (the chat and any key of theirs)."""
+        with self.store.session() as conn:
+            spend = conn.scalar(select(User.spend).where(User.user_id == user_id)) or 0.0
+            budget = conn.scalar(select(User.max_budget).where(User.user_id == user_id))
+            row = conn.execute(select(func.count(), func.coalesce(func.sum(SpendLog.prompt_tokens), 0),
+                                      func.coalesce(func.sum(SpendLog.completion_tokens), 0))
+                               .where(SpendLog.user_id == user_id)).one()
+        return {"requests": row[0], "prompt_tokens": int(row[1]), "completion_tokens": int(row[2]),
+                "cost": spend, "max_budget": budget}
+
+    @staticmethod
+    def _owned(conn, user_id: str, conversation_id: str) -> Conversation:
+        conversation = conn.get(Conversation, conversation_id) if isinstance(conversation_id, str) else None
+        if conversation is None or conversation.user_id != user_id:
+            raise not_found()
+        return conversation
+
+
+def _title(title: str) -> str:
+    title = " ".join((title or "").split())[:TITLE_LENGTH]
+    return title or "New chat"
+
+
+def _aware(value: dt.datetime) -> dt.datetime:
+    return value if value.tzinfo else value.replace(tzinfo=dt.timezone.utc)
+
+
+def _iso(value: dt.datetime) -> str:
+    return _aware(value).isoformat()
+
+
+def _public_conversation(conversation: Conversation) -> dict:
+    return {"id": conversation.id, "title": conversation.title, "settings": conversation.settings or {},
+            "created_at": _iso(conversation.created_at), "updated_at": _iso(conversation.updated_at)}
+
+
+def public_message(message: ChatMessage) -> dict:
+    return {"id": message.id, "role": message.role, "content": message.content, "model": message.model,
+            "mode": message.mode, "settings": message.settings or {}, "prompt_tokens": message.prompt_tokens,
+            "completion_tokens": message.completion_tokens, "details": message.details or {},
+            "created_at": _iso(message.created_at)}

@@ -1,0 +1,50 @@
+"""Reading the gateway's own answers from inside the gateway: the chat sends its requests through
+the same admission, routing and settlement as any client (`dispatch`), and reads what comes back."""
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+from fastapi.responses import Response, StreamingResponse
+
+from treeserve.gateway.sse import SSESplitter
+
+
+class UpstreamError(Exception):
+    """A model request failed; the message is the backend's or the gateway's own."""
+
+
+def error_message(content: bytes | str, status: int) -> str:
+    try:
+        error = json.loads(content)["error"]
+        return str(error.get("message") or error)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return f"HTTP {status}"
+
+
+def json_body(response: Response) -> dict:
+    """A whole answer's body; an error answer raises UpstreamError."""
+    if isinstance(response, StreamingResponse):
+        raise UpstreamError("expected a whole answer, got a stream")
+    if response.status_code != 200:
+        raise UpstreamError(error_message(response.body, response.status_code))
+    return json.loads(response.body)
+
+
+async def stream_events(response: Response) -> AsyncIterator[dict]:
+    """The JSON events of a streamed answer until [DONE]; an error answer, or an error event in the
+    stream, raises UpstreamError. Closing this iterator closes the upstream request (and settles it)."""
+    if not isinstance(response, StreamingResponse):
+        raise UpstreamError(error_message(response.body, response.status_code))
+    splitter = SSESplitter()
+    try:
+        async for piece in response.body_iterator:
+            for payload in splitter.feed(piece if isinstance(piece, bytes) else piece.encode()):
+                if payload == b"[DONE]":
+                    return
+                event = json.loads(payload)
+                if isinstance(event, dict) and "error" in event:
+                    raise UpstreamError(error_message(payload, 502))
+                yield event
+    finally:
+        await response.body_iterator.aclose()

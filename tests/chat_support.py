@@ -1,0 +1,158 @@
+"""What the web chat's tests run against: the bundled arith-gen + arith-prm served by a real
+treeserve server (with a tap that records every request body it receives), the gateway with its
+chat page in front, and loopback stand-ins for what no bundled model or offline machine has:
+
+- `scripted`: an OpenAI-compatible server standing in for the paper's function-calling router model
+  (none of the bundled models can choose tools). Given tools, it streams a call the way OpenAI and
+  vLLM do (the name in the first delta, then the arguments): `sympy` for a message with maths in
+  it, else `answer_directly`. Without tools it streams the last user message back ("echo"), which
+  lets the XSS test make a model answer whatever markup it needs.
+- weather and Wikipedia HTTP services (the issue asks for stub servers on loopback).
+Every request they receive is recorded."""
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import time
+from types import SimpleNamespace
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from conftest import running_server
+from treeserve.gateway.app import build_app as build_gateway
+from treeserve.gateway.config import BackendConfig, ChatConfig, GatewayConfig, ModelConfig
+from treeserve.gateway.passwords import hash_password
+
+MASTER = "sk-chat-master"
+PRICE_IN, PRICE_OUT = 1e-6, 1e-4
+MATHS = re.compile(r"(solve|integrate|simplify|evaluate|compute)\s+(.+?)(?:\s+for\s+([a-z]))?\s*\??$", re.I)
+
+
+class Tap:
+    """An ASGI wrapper that records the JSON body of every POST the wrapped app receives."""
+
+    def __init__(self, app):
+        self.app, self.bodies = app, []
+        self.state = SimpleNamespace()  # not the app's: `running_server` must not shut its engine down
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        chunks, more = [], True
+        while more:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        with contextlib.suppress(ValueError):
+            self.bodies.append((scope["path"], json.loads(body)))
+        sent = False
+
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+        await self.app(scope, replay, send)
+
+
+def _chunk(delta: dict, finish: str | None = None) -> str:
+    event = {"id": "chatcmpl-scripted", "object": "chat.completion.chunk", "created": int(time.time()),
+             "model": "scripted", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    return f"data: {json.dumps(event)}\n\n"
+
+
+def scripted_app() -> FastAPI:
+    app = FastAPI()
+    app.state.requests = []
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await request.json()
+        app.state.requests.append(body)
+        last = body["messages"][-1]["content"]
+        if body.get("tools"):
+            match = MATHS.search(last)
+            name = "sympy" if match else "answer_directly"
+            arguments = json.dumps({"operation": match.group(1).lower().replace("compute", "evaluate"),
+                                    "expression": match.group(2), **({"variable": match.group(3)}
+                                                                      if match.group(3) else {})}) if match else "{}"
+            pieces = [_chunk({"role": "assistant", "tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                                                                   "function": {"name": name, "arguments": ""}}]})]
+            pieces += [_chunk({"tool_calls": [{"index": 0, "function": {"arguments": arguments[i:i + 8]}}]})
+                       for i in range(0, len(arguments), 8)]
+            pieces.append(_chunk({}, "tool_calls"))
+        else:
+            pieces = [_chunk({"role": "assistant", "content": ""})]
+            pieces += [_chunk({"content": last[i:i + 6]}) for i in range(0, len(last), 6)]
+            pieces.append(_chunk({}, "stop"))
+        usage = {"prompt_tokens": 10, "completion_tokens": len(pieces), "total_tokens": 10 + len(pieces)}
+        pieces.append(f"data: {json.dumps({'id': 'chatcmpl-scripted', 'object': 'chat.completion.chunk', 'choices': [], 'usage': usage})}\n\n")
+        if not body.get("stream"):
+            return JSONResponse({"error": {"message": "the scripted model only streams"}}, status_code=400)
+        return StreamingResponse(iter(pieces + ["data: [DONE]\n\n"]), media_type="text/event-stream")
+
+    return app
+
+
+def services_app() -> FastAPI:
+    app = FastAPI()
+    app.state.requests = []
+
+    @app.get("/weather")
+    async def weather(q: str):
+        app.state.requests.append(("weather", q))
+        return PlainTextResponse(f"{q}: 18 C, light rain")
+
+    @app.get("/wiki")
+    async def wiki(q: str):
+        app.state.requests.append(("wikipedia", q))
+        return PlainTextResponse(f"{q} is the subject of a Wikipedia article.")
+
+    return app
+
+
+def gateway_config(database: str, backend: str, scripted: str, services: str) -> GatewayConfig:
+    models = {"arith-gen": ModelConfig("arith-gen", [BackendConfig(backend)], PRICE_IN, PRICE_OUT),
+              "arith-prm": ModelConfig("arith-prm", [BackendConfig(backend)]),
+              "router": ModelConfig("router", [BackendConfig(scripted, model="scripted")]),
+              "echo": ModelConfig("echo", [BackendConfig(scripted, model="scripted")])}
+    chat = ChatConfig(enabled=True, verifiers={"arith-gen": "arith-prm"}, router_model="router",
+                      tools={"weather": services + "/weather", "wikipedia": services + "/wiki"})
+    return GatewayConfig(models=models, master_key=MASTER, database=database, health_interval=0, chat=chat)
+
+
+@contextlib.contextmanager
+def arith_backend():
+    """The bundled arith-gen + arith-prm behind a real treeserve server and a Tap: (URL, tap)."""
+    from treeserve.server.launch import DEFAULT_PAIR, build_app
+
+    app = build_app(dict(DEFAULT_PAIR), dtype="float32", device="cpu")
+    tap = Tap(app)
+    try:
+        with running_server(tap) as url:
+            yield url, tap
+    finally:
+        app.state.engine.shutdown()
+
+
+@contextlib.contextmanager
+def chat_stack(database: str, backend_url: str):
+    """The gateway with its chat in front of the backend, the scripted model and the services:
+    (gateway URL, gateway app, scripted app, services app)."""
+    scripted, services = scripted_app(), services_app()
+    with running_server(scripted) as scripted_url, running_server(services) as services_url:
+        gateway = build_gateway(gateway_config(database, backend_url, scripted_url, services_url))
+        with running_server(gateway) as url:
+            yield url, gateway, scripted, services
+
+
+def add_user(gateway_app, user_id: str, password: str, **fields) -> None:
+    gateway_app.state.store.create_user(user_id, password_hash=hash_password(password), **fields)
