@@ -47,6 +47,19 @@ def test_usage_is_read_from_every_chunk_and_shown_as_asked(spaced, usage_last, i
     assert out.endswith(b"data: [DONE]\n\n")
 
 
+@pytest.mark.parametrize("usage_last", [True, False])
+def test_a_streamed_search_result_reaches_the_client_whole(usage_last):
+    """A search's last event carries usage and no choices: it is the answer, not a usage chunk."""
+    usage = {"completion_tokens": 42}
+    result = {"object": "search.result", "answer": "18", "candidates": [{"index": 0, "text": "..."}]}
+    result = {**result, "usage": usage, "seconds": 0.5} if not usage_last else {**result, "usage": usage}
+    progress = {"object": "search.progress", "iteration": 1, "live_beams": 4}
+    state = StreamState(False, False)
+    out = state.relay([json.dumps(progress).encode(), json.dumps(result).encode(), b"[DONE]"])
+    assert _client_events(out) == [progress, result]
+    assert state.billed().completion_tokens == 42
+
+
 def test_without_usage_the_content_chunks_are_counted():
     state = StreamState(False, False)
     out = state.relay([_chunk("a", None), _chunk("b", None), b"not json", b"[DONE]"])

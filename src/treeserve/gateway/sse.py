@@ -45,6 +45,8 @@ class StreamState:
             return self._slow(payload)
         usage, cut = fast
         self._record(usage)
+        if b'"choices"' not in payload:  # not a completion chunk (a search's result): relayed as it is
+            return _event(payload)
         if b'"choices": []' in payload or b'"choices":[]' in payload:  # the usage-only chunk at the end
             return _event(payload) if self.include_usage else None
         if self.include_usage and self.continuous_usage:

@@ -88,7 +88,7 @@ async def search(context: Context, answer: Answer) -> AsyncIterator[dict]:
     messages = ([{"role": "system", "content": settings.system_prompt}] if settings.system_prompt else []) + \
         [{"role": "user", "content": context.question}]
     body = {"model": answer.model, "verifier": context.verifier, "messages": messages, "stream": True,
-            "n": settings.search_n, "temperature": settings.temperature, "top_p": settings.top_p,
+            "n": settings.search_n, "strategy": settings.search_strategy, "temperature": settings.temperature, "top_p": settings.top_p,
             "max_tokens": settings.max_tokens}
     async for event in stream_events(await _send(context, "/v1/search", body)):
         if event.get("object") == "search.progress":

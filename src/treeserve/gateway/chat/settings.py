@@ -18,6 +18,7 @@ class ChatSettings(BaseModel):
     max_tokens: int = Field(256, ge=1, le=8192)
     system_prompt: str = Field("", max_length=8000)
     search_n: int = Field(4, ge=1, le=64)  # candidates a search keeps (its n)
+    search_strategy: Literal["best_of_n", "weighted_best_of_n", "majority", "beam", "dvts"] = "beam"
 
     def sampling(self) -> dict:
         """The fields every model request carries."""

@@ -8,7 +8,8 @@ const state = { me: null, csrf: "", conversation: null, controller: null, saving
 const FIELDS = {
   temperature: ["settings-temperature", Number], top_p: ["settings-top-p", Number],
   repetition_penalty: ["settings-repetition-penalty", Number], max_tokens: ["settings-max-tokens", Number],
-  search_n: ["settings-search-n", Number], system_prompt: ["settings-system-prompt", String],
+  search_n: ["settings-search-n", Number], search_strategy: ["settings-search-strategy", String],
+  system_prompt: ["settings-system-prompt", String],
 };
 
 function el(tag, attrs = {}, ...children) {
@@ -92,6 +93,8 @@ async function logout() {
 // ---- conversations -----------------------------------------------------------------------------
 async function listConversations() {
   const { conversations } = await api("GET", "/chat/api/conversations");
+  const current = state.conversation && conversations.find((c) => c.id === state.conversation.id);
+  if (current && document.activeElement !== $("title")) $("title").value = current.title;  // named by its first message
   const list = $("conversations");
   list.replaceChildren(...conversations.map((c) => {
     const item = el("li", { "data-testid": "conversation-item", "data-id": c.id, text: c.title,
@@ -211,7 +214,7 @@ function renderMessage(message) {
   node.append(meta, el("div", { class: "content", "data-testid": "message-content", text: message.content }));
   const details = message.details || {};
   if (details.search) node.append(renderSearch(details.search));
-  if (details.tool) node.append(renderTool(details.tool));
+  if (details.tool) node.append(renderTool(details.tool, details.router));
   if (details.status === "stopped") node.append(el("div", { class: "flag", text: "stopped" }));
   if (details.error) node.append(el("div", { class: "error", text: details.error }));
   return node;
@@ -268,8 +271,9 @@ function chart(scores) {
   return svg;
 }
 
-function renderTool(tool) {
-  return el("div", { class: `tool ${tool.ok ? "" : "failed"}`, "data-testid": "tool-card" },
+function renderTool(tool, router) {
+  return el("div", { class: `tool ${tool.ok ? "" : "failed"}`, "data-testid": "tool-card",
+    title: router ? `chosen by ${router}` : "" },
     el("div", { class: "tool-name", "data-testid": "tool-name", text: `tool: ${tool.name}` }),
     el("div", { class: "tool-input", "data-testid": "tool-input", text: `input: ${JSON.stringify(tool.input)}` }),
     el("div", { class: "tool-result", "data-testid": "tool-result", text: `result: ${tool.result}` }));
@@ -282,7 +286,7 @@ function fmt(value) {
 function showUsage(usage) {
   if (!usage) return;
   const budget = usage.max_budget == null ? "" : ` of $${usage.max_budget}`;
-  $("usage").textContent = `${usage.requests} requests · ${usage.prompt_tokens + usage.completion_tokens} tokens · ` +
+  $("usage").textContent = `${usage.requests} request${usage.requests === 1 ? "" : "s"} · ${usage.prompt_tokens + usage.completion_tokens} tokens · ` +
     `$${usage.cost.toFixed(6)}${budget}`;
 }
 

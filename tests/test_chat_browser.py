@@ -1,0 +1,215 @@
+"""The chat page in a real browser (Selenium driving Debian's headless chromium and chromedriver),
+in front of the bundled arith-gen + arith-prm: sign in, stream an answer and see it grow, reload
+and see the history, change settings and see them reach the backend, export XLSX and read it
+back, search mode's candidates and step scores, tools mode's SymPy, an answer full of markup that
+runs nothing, and a second user who cannot open the first one's conversation.
+
+Screenshots go to a temporary folder, or to docs/images/ with TREESERVE_SCREENSHOTS=docs (how the
+ones in docs/ were taken)."""
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import openpyxl
+import pytest
+from selenium.webdriver import ActionChains
+from selenium.webdriver.support.ui import Select
+
+from chat_support import add_user, arith_backend, chat_stack
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMEDRIVER = shutil.which("chromedriver") or ("/usr/bin/chromedriver" if Path("/usr/bin/chromedriver").exists() else None)
+pytestmark = pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER), reason="needs Debian's chromium and chromium-driver "
+                                "(`make test` installs them where apt-get is available)")
+QUESTION = "Start with 44 and work modulo 100. Step 1: * 7. Step 2: + 9. Step 3: - 4. Step 4: + 5. What is the result?"
+HOSTILE = '<img src=x onerror="window.__xss=1"><script>window.__xss=2</script><b onmouseover="window.__xss=3">hi</b>'
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    database = f"sqlite:///{tmp_path_factory.mktemp('chat') / 'gateway.db'}"
+    with arith_backend() as (backend_url, tap), chat_stack(database, backend_url) as (url, gateway, scripted, _):
+        add_user(gateway, "ada", "correct horse battery")
+        add_user(gateway, "bob", "another long password")
+        yield url, tap
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    downloads = tmp_path_factory.mktemp("downloads")
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                     "--window-size=1280,900", "--disable-extensions"):
+        options.add_argument(argument)
+    options.add_experimental_option("prefs", {"download.default_directory": str(downloads),
+                                              "download.prompt_for_download": False})
+    driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
+    driver.execute_cdp_cmd("Browser.setDownloadBehavior", {"behavior": "allow", "downloadPath": str(downloads)})
+    driver.downloads = downloads
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory) -> Path:
+    if os.environ.get("TREESERVE_SCREENSHOTS") == "docs":
+        folder = Path(__file__).resolve().parents[1] / "docs" / "images"
+        folder.mkdir(exist_ok=True)
+        return folder
+    return tmp_path_factory.mktemp("screenshots")
+
+
+def by(testid: str) -> tuple[str, str]:
+    return ("css selector", f'[data-testid="{testid}"]')
+
+
+def wait(driver, predicate, timeout: float = 60.0):
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    return WebDriverWait(driver, timeout, poll_frequency=0.05).until(lambda d: predicate(d))
+
+
+def sign_in(driver, url: str, user: str, password: str) -> None:
+    driver.get(url + "/chat")
+    wait(driver, lambda d: d.find_element(*by("login-username")).is_displayed())
+    driver.find_element(*by("login-username")).send_keys(user)
+    driver.find_element(*by("login-password")).send_keys(password)
+    driver.find_element(*by("login-submit")).click()
+    wait(driver, lambda d: d.find_element(*by("new-chat")).is_displayed())
+
+
+def new_chat(driver) -> str:
+    before = driver.current_url
+    driver.find_element(*by("new-chat")).click()
+    wait(driver, lambda d: d.current_url != before and "/chat/c/" in d.current_url)
+    wait(driver, lambda d: d.find_element(*by("conversation-title")).get_attribute("value"))
+    return driver.current_url
+
+
+def set_field(driver, testid: str, value: str) -> None:
+    field = driver.find_element(*by(testid))
+    field.clear()
+    field.send_keys(value)
+    driver.find_element(*by("messages")).click()  # leaving the field saves the settings (a change event)
+
+
+def send(driver, text: str) -> None:
+    answers = len(driver.find_elements(*by("message-assistant")))
+    driver.find_element(*by("message-input")).send_keys(text)
+    driver.find_element(*by("send")).click()
+    wait(driver, lambda d: len(d.find_elements(*by("message-assistant"))) > answers
+         and not d.find_elements("css selector", ".message.streaming"), timeout=120)
+
+
+def last_answer(driver) -> str:
+    return driver.find_elements(*by("message-assistant"))[-1].find_element(*by("message-content")).text
+
+
+def test_the_chat_page_end_to_end(stack, browser, shots):
+    url, tap = stack
+    driver = browser
+    sign_in(driver, url, "ada", "correct horse battery")
+    conversation_url = new_chat(driver)
+    set_field(driver, "settings-max-tokens", "96")
+
+    # streaming: the page's text grows chunk by chunk (recorded by a MutationObserver in the page)
+    driver.execute_script("""
+        window.__lengths = [];
+        new MutationObserver(() => {
+          const live = document.querySelector('.message.streaming [data-testid="message-content"]');
+          if (live) window.__lengths.push(live.textContent.length);
+        }).observe(document.getElementById('messages'), {subtree: true, childList: true, characterData: true});""")
+    send(driver, QUESTION)
+    lengths = driver.execute_script("return window.__lengths")
+    grown = sorted(set(n for n in lengths if n > 0))
+    answer = last_answer(driver)
+    assert len(grown) >= 3 and answer, (lengths, answer)
+    assert grown[-1] <= len(answer)
+
+    driver.refresh()  # the history comes back from the database
+    wait(driver, lambda d: len(d.find_elements(*by("message-assistant"))) == 1)
+    assert driver.current_url == conversation_url
+    assert driver.find_element(*by("message-user")).find_element(*by("message-content")).text == QUESTION
+    assert last_answer(driver) == answer
+
+    set_field(driver, "settings-temperature", "0.25")
+    set_field(driver, "settings-system-prompt", "You are a terse calculator.")
+    send(driver, "Start with 3 and work modulo 100. Step 1: + 4. What is the result?")
+    received = [b for path, b in tap.bodies if path == "/v1/chat/completions"][-1]
+    assert received["temperature"] == 0.25 and received["max_tokens"] == 96
+    assert received["messages"][0] == {"role": "system", "content": "You are a terse calculator."}
+    assert [m["role"] for m in received["messages"]] == ["system", "user", "assistant", "user"]
+    driver.save_screenshot(str(shots / "chat.png"))
+
+    driver.find_element(*by("export-xlsx")).click()
+    conversation_id = conversation_url.rsplit("/", 1)[1]
+    xlsx = driver.downloads / f"conversation-{conversation_id}.xlsx"
+    wait(driver, lambda d: xlsx.exists() and xlsx.stat().st_size > 0, timeout=30)
+    time.sleep(0.2)
+    rows = list(openpyxl.load_workbook(xlsx).active.iter_rows(values_only=True))
+    assert [r[3] for r in rows[1:]] == ["user", "assistant", "user", "assistant"]
+    assert rows[1][4] == QUESTION and rows[2][4] == answer
+    assert '"temperature": 0.25' in rows[3][7] and "terse calculator" in rows[3][7]
+    driver.find_element(*by("export-json")).click()
+    wait(driver, lambda d: (driver.downloads / f"conversation-{conversation_id}.json").exists(), timeout=30)
+
+    # search mode: candidates with their scores and step-score charts
+    new_chat(driver)
+    driver.find_element(*by("mode-search")).click()
+    set_field(driver, "settings-search-n", "4")
+    Select(driver.find_element(*by("settings-search-strategy"))).select_by_value("best_of_n")
+    set_field(driver, "settings-temperature", "0.8")
+    set_field(driver, "settings-system-prompt", "")
+    send(driver, QUESTION)
+    candidates = wait(driver, lambda d: d.find_elements(*by("search-candidate")))
+    assert len(candidates) == 4
+    for candidate in candidates:
+        assert candidate.find_element(*by("candidate-score")).text.startswith("score 0.")
+        assert candidate.find_element(*by("step-score-chart")).get_attribute("aria-label").startswith("step scores")
+    assert "tree size" in driver.find_element(*by("search-summary")).text
+    assert driver.find_element(*by("conversation-title")).get_attribute("value") == QUESTION[:60]
+    driver.save_screenshot(str(shots / "chat-search.png"))
+
+    # tools mode: the router picks SymPy, whose result is right
+    new_chat(driver)
+    driver.find_element(*by("mode-tools")).click()
+    driver.find_element(*by("messages")).click()
+    send(driver, "solve x**2 - 5*x + 6 = 0 for x")
+    card = driver.find_element(*by("tool-card"))
+    assert card.find_element(*by("tool-name")).text == "tool: sympy"
+    assert card.find_element(*by("tool-result")).text == "result: [2, 3]"
+    send(driver, "integrate x*cos(x) for x")
+    assert driver.find_elements(*by("tool-result"))[-1].text == "result: x*sin(x) + cos(x)"
+    driver.save_screenshot(str(shots / "chat-tools.png"))
+
+    # an answer full of markup is shown as text and runs nothing
+    new_chat(driver)
+    driver.find_element(*by("mode-chat")).click()
+    Select(driver.find_element(*by("settings-model"))).select_by_value("echo")
+    driver.find_element(*by("messages")).click()
+    send(driver, HOSTILE)
+    assert last_answer(driver) == HOSTILE
+    ActionChains(driver).move_to_element(driver.find_elements(*by("message-assistant"))[-1]).perform()
+    time.sleep(0.3)
+    assert driver.execute_script("return window.__xss") is None
+    assert driver.execute_script("return document.querySelectorAll('#messages img, #messages script, #messages b')"
+                                 ".length") == 0
+
+    # another user cannot open this conversation
+    driver.find_element(*by("sign-out")).click()
+    wait(driver, lambda d: d.find_element(*by("login-username")).is_displayed())
+    sign_in(driver, url, "bob", "another long password")
+    driver.get(conversation_url)
+    notice = wait(driver, lambda d: d.find_element(*by("notice")) if d.find_element(*by("notice")).is_displayed()
+                  else None)
+    assert notice.text == "This conversation does not exist."
+    assert driver.find_elements(*by("message-user")) == [] and driver.find_elements(*by("conversation-item")) == []
