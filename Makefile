@@ -1,5 +1,6 @@
 # Quick start: `make run` (set up, then serve the bundled arithmetic generator and PRM over HTTP on
 # 127.0.0.1:8000) and `make test` (set up, then run the test suite). Both create .venv idempotently.
+# `make chat` serves the same models behind the gateway with the web chat on 127.0.0.1:4000/chat.
 # `make search` solves PROBLEM with PRM-guided beam search; `make generate` decodes it greedily.
 PYTHON ?= python3
 VENV ?= .venv
@@ -8,8 +9,9 @@ STAMP := $(VENV)/.installed
 PROBLEM ?= Start with 44 and work modulo 100. Step 1: * 7. Step 2: + 9. Step 3: - 4. Step 4: + 5. What is the result?
 
 PORT ?= 8000
+CHAT_PORT ?= 4000
 
-.PHONY: run generate search test bench clean
+.PHONY: run chat generate search test bench clean
 
 $(STAMP): pyproject.toml
 	# treeserve's CPU kernels are C, built on first use with cc (PyTorch paths run without one).
@@ -22,6 +24,11 @@ $(STAMP): pyproject.toml
 		|| (command -v apt-get >/dev/null && apt-get update -q \
 			&& DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql rabbitmq-server) \
 		|| echo "no PostgreSQL or RabbitMQ: the gateway tests that need them will skip"
+	# The web chat's browser test drives Debian's chromium through chromium-driver (it skips without them).
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null \
+		|| (command -v apt-get >/dev/null && apt-get update -q \
+			&& DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver) \
+		|| echo "no chromium: the chat's browser test will skip"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# CPU wheel pinned: an unpinned torch pulls gigabytes of CUDA packages.
@@ -31,6 +38,10 @@ $(STAMP): pyproject.toml
 
 run: $(STAMP)
 	$(BIN)/treeserve serve --port $(PORT)
+
+# The web chat on the bundled models: a server, the gateway with /chat, and a first user it prints.
+chat: $(STAMP)
+	$(BIN)/treeserve chat --port $(CHAT_PORT)
 
 generate: $(STAMP)
 	$(BIN)/treeserve run --chat --max-tokens 256 "$(PROBLEM)"

@@ -27,6 +27,7 @@ from treeserve.gateway.passwords import hash_password
 
 MASTER = "sk-chat-master"
 PRICE_IN, PRICE_OUT = 1e-6, 1e-4
+WEATHER = re.compile(r"weather in ([A-Za-z ]+)", re.I)
 MATHS = re.compile(r"(solve|integrate|simplify|evaluate|compute)\s+(.+?)(?:\s+for\s+([a-z]))?\s*\??$", re.I)
 
 
@@ -65,6 +66,20 @@ def _chunk(delta: dict, finish: str | None = None) -> str:
     return f"data: {json.dumps(event)}\n\n"
 
 
+def _choose(message: str) -> tuple[str, str]:
+    """What a function-calling model would pick for these tests' messages: (tool, arguments JSON)."""
+    maths, weather = MATHS.search(message), WEATHER.search(message)
+    if maths:
+        operation = maths.group(1).lower().replace("compute", "evaluate")
+        variable = {"variable": maths.group(3)} if maths.group(3) else {}
+        return "sympy", json.dumps({"operation": operation, "expression": maths.group(2), **variable})
+    if weather:
+        return "weather", json.dumps({"location": weather.group(1)})
+    if message.lower().startswith("look up "):
+        return "wikipedia", json.dumps({"query": message[8:]})
+    return "answer_directly", "{}"
+
+
 def scripted_app() -> FastAPI:
     app = FastAPI()
     app.state.requests = []
@@ -79,11 +94,7 @@ def scripted_app() -> FastAPI:
         app.state.requests.append(body)
         last = body["messages"][-1]["content"]
         if body.get("tools"):
-            match = MATHS.search(last)
-            name = "sympy" if match else "answer_directly"
-            arguments = json.dumps({"operation": match.group(1).lower().replace("compute", "evaluate"),
-                                    "expression": match.group(2), **({"variable": match.group(3)}
-                                                                      if match.group(3) else {})}) if match else "{}"
+            name, arguments = _choose(last)
             pieces = [_chunk({"role": "assistant", "tool_calls": [{"index": 0, "id": "call_1", "type": "function",
                                                                    "function": {"name": name, "arguments": ""}}]})]
             pieces += [_chunk({"tool_calls": [{"index": 0, "function": {"arguments": arguments[i:i + 8]}}]})

@@ -86,6 +86,45 @@ def test_sign_in_sessions_and_csrf(stack):
     assert throttled.status_code == 429 and int(throttled.headers["Retry-After"]) > 0
 
 
+def test_users_get_passwords_from_the_admin_api_and_the_cli(stack, tmp_path):
+    url, gateway, _, _ = stack
+    admin = {"Authorization": f"Bearer {MASTER}"}
+    made = httpx.post(url + "/user/new", json={"user_id": "carol", "password": "carol's own passphrase"}, headers=admin)
+    assert made.status_code == 200, made.text
+    assert "password" not in made.text and "argon2" not in made.text
+    stored = gateway.state.store.engine.connect().exec_driver_sql(
+        "SELECT password_hash FROM users WHERE user_id = 'carol'").scalar()
+    assert stored.startswith("$argon2id$") and "passphrase" not in stored
+    sign_in(url, "carol", "carol's own passphrase")
+    short = httpx.post(url + "/user/new", json={"user_id": "dave", "password": "short"}, headers=admin)
+    assert short.status_code == 400 and short.json()["error"]["param"] == "password"
+    assert httpx.post(url + "/user/new", json={"user_id": "eve", "password": "long enough!"}).status_code == 401
+
+    from treeserve.cli import main
+    database = gateway.state.store.url
+    assert main(["gateway", "users", "create", "frank", "--password", "franks password", "--database", database]) == 0
+    sign_in(url, "frank", "franks password")
+    assert main(["gateway", "users", "set-password", "frank", "--password", "a new password", "--database",
+                 database]) == 0
+    sign_in(url, "frank", "a new password")
+
+
+def test_conversations_are_listed_renamed_and_deleted(stack):
+    url, *_ = stack
+    client = sign_in(url, "ada", "correct horse battery")
+    first, second = new_conversation(client), new_conversation(client, temperature=0.1)
+    assert second["settings"]["temperature"] == 0.1 and second["settings"]["model"] == "arith-gen"
+    renamed = client.patch(f"/chat/api/conversations/{first['id']}", json={"title": "  my   sums  "}).json()
+    assert renamed["title"] == "my sums"
+    listed = client.get("/chat/api/conversations").json()["conversations"]
+    assert [c["id"] for c in listed] == [first["id"], second["id"]]  # the latest change first
+    assert client.delete(f"/chat/api/conversations/{second['id']}").status_code == 200
+    assert client.get(f"/chat/api/conversations/{second['id']}").status_code == 404
+    assert [c["id"] for c in client.get("/chat/api/conversations").json()["conversations"]] == [first["id"]]
+    page = client.get(f"/chat/c/{first['id']}")  # a conversation's own URL serves the page
+    assert page.status_code == 200 and 'data-testid="message-input"' in page.text
+
+
 def test_a_chat_is_streamed_stored_and_billed_to_its_user(stack, backend):
     url, gateway, _, _ = stack
     client = sign_in(url, "ada", "correct horse battery")
@@ -173,6 +212,13 @@ def test_tools_mode_routes_only_the_last_message_and_runs_sympy(stack, backend):
     assert not {"[2, 3]", "-x*cos(x) + sin(x)", "1027"} & set(contents)  # tool answers stripped
     assert contents[-1] == "What is the weather like? Tell me a joke."
     assert events[-1]["message"]["content"]
+
+    weather = next(e for e in send(client, conversation["id"], "What is the weather in Lyon") if e["type"] == "tool")
+    assert weather == {"type": "tool", "name": "weather", "input": {"location": "Lyon"}, "ok": True,
+                       "result": "Lyon: 18 C, light rain"}
+    wiki = next(e for e in send(client, conversation["id"], "look up Ada Lovelace") if e["type"] == "tool")
+    assert wiki["name"] == "wikipedia" and wiki["result"] == "Ada Lovelace is the subject of a Wikipedia article."
+    assert services.state.requests == [("weather", "Lyon"), ("wikipedia", "Ada Lovelace")]
 
     refused = send(client, conversation["id"], "evaluate __import__('os').system('true')")
     tool = next(e for e in refused if e["type"] == "tool")

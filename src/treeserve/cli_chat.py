@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import string
 import subprocess
 import sys
 import time
@@ -46,7 +47,7 @@ def first_user(store, user_id: str) -> str:
     from treeserve.gateway.passwords import hash_password
     from treeserve.server.errors import APIError
 
-    password = secrets.token_urlsafe(12)
+    password = "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(16))
     try:
         store.create_user(user_id, password_hash=hash_password(password))
     except APIError:  # there from an earlier start: a new password
@@ -74,7 +75,7 @@ def cmd_chat(args) -> int:
                               master_key=os.environ.get("TREESERVE_MASTER_KEY"),
                               chat={"enabled": True, "verifiers": {GENERATOR: VERIFIER}, "router_model": None,
                                     "tools": tools})
-        where = Path(args.database or "treeserve-gateway.db")
+        where = args.database or str(Path.cwd() / "treeserve-gateway.db")
         print(f"\n  treeserve chat: http://{args.host}:{args.port}/chat\n  user: {args.user}\n  password: {password}\n"
               f"  (history kept in {where}; a new password is made at each start)\n", flush=True)
         uvicorn.run(build_app(config), host=args.host, port=args.port, log_level="info", loop="uvloop",

@@ -10,6 +10,7 @@
 Each mode fills an `Answer` (what is stored) while it yields events; an error raises UpstreamError."""
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -123,24 +124,36 @@ async def tools(context: Context, answer: Answer) -> AsyncIterator[dict]:
 
 
 async def _route(context: Context, body: dict, answer: Answer) -> tuple[str | None, str]:
-    """The router's tool call (name, arguments JSON), or (None, '') when its first delta is text: then
-    it chose to answer itself, and the stream is dropped at once (the chat model answers instead)."""
-    name, arguments = None, []
+    """The router's first tool call (name, arguments JSON), or (None, '') when its first delta is
+    text: then it chose to answer itself. The stream is dropped as soon as the choice is known (text,
+    `answer_directly`, or a call whose arguments are whole), so the router writes no more than that."""
+    name, arguments = None, ""
     events = stream_events(await _send(context, "/v1/chat/completions", body))
     try:
         async for event in events:
             answer.add_usage(event.get("usage"))
             for choice in event.get("choices") or ():
                 delta = choice.get("delta") or {}
-                for call in delta.get("tool_calls") or ():
-                    function = call.get("function") or {}
-                    name = name or function.get("name")
-                    arguments.append(function.get("arguments") or "")
                 if name is None and delta.get("content"):
                     return None, ""
+                for call in delta.get("tool_calls") or ():
+                    if call.get("index", 0) != 0:
+                        continue  # the first call is the choice
+                    function = call.get("function") or {}
+                    name = name or function.get("name")
+                    arguments += function.get("arguments") or ""
+            if name == ANSWER_DIRECTLY or (name and _whole(arguments)):
+                return name, arguments
     finally:
         await events.aclose()
-    return name, "".join(arguments)
+    return name, arguments
+
+
+def _whole(arguments: str) -> bool:
+    try:
+        return isinstance(json.loads(arguments), dict)
+    except ValueError:
+        return False
 
 
 MODES = {"chat": chat, "search": search, "tools": tools}
