@@ -36,6 +36,35 @@ def test_the_migrations_build_the_orm_schema(store):
     assert diff == [], diff
 
 
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_gateways_started_together_migrate_one_after_another(backend, request, tmp_path):
+    """Several processes starting at once on a fresh database: one migrates, the others find it done."""
+    import threading
+
+    url = f"sqlite:///{tmp_path / 'g.db'}" if backend == "sqlite" else request.getfixturevalue("postgres").new_database()
+    stores = [Store(url) for _ in range(4)]
+    errors, barrier = [], threading.Barrier(len(stores))
+
+    def start(store):
+        barrier.wait()
+        try:
+            store.migrate()
+        except Exception as exc:  # noqa: BLE001 (collected: the assertion below shows it)
+            errors.append(exc)
+    threads = [threading.Thread(target=start, args=(s,)) for s in stores]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    try:
+        assert errors == []
+        with stores[0].engine.connect() as conn:
+            assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
+    finally:
+        for store in stores:
+            store.close()
+
+
 def test_importing_the_gateway_loads_no_engine():
     code = ("import sys, treeserve.gateway.app, treeserve.cli_gateway; "
             "bad = [m for m in ('torch', 'treeserve.engine', 'treeserve.model') if m in sys.modules]; "

@@ -58,16 +58,17 @@ def first_user(store, user_id: str) -> str:
 def cmd_chat(args) -> int:
     import uvicorn
 
-    from treeserve.cli_gateway import _store
     from treeserve.gateway.app import build_app
     from treeserve.gateway.config import build_config
+    from treeserve.gateway.store import Store, default_url
 
     url = f"http://127.0.0.1:{args.serve_port}"
     server = subprocess.Popen([sys.executable, "-m", "treeserve.cli", "serve", "--port", str(args.serve_port)])
     try:
         print(f"starting the model server ({GENERATOR} + {VERIFIER}) at {url} ...", file=sys.stderr, flush=True)
         wait_healthy(url, server)
-        store = _store(args)
+        store = Store(args.database or default_url())
+        store.migrate()
         password = first_user(store, args.user)
         store.close()
         tools = dict(value.partition("=")[::2] for value in args.chat_tool)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, create_engine, delete, event, func, insert, select, update
+from sqlalchemy import Engine, create_engine, delete, event, func, insert, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -34,6 +34,7 @@ from treeserve.server.errors import APIError
 
 log = logging.getLogger("treeserve.gateway")
 MIGRATIONS = Path(__file__).parent / "migrations"
+MIGRATION_LOCK = 0x74726565  # PostgreSQL advisory lock id ("tree") serialising migrations
 INSTANCE_TIMEOUT = 60.0  # a process silent this long is dead: its holdings are given back
 KEY_FIELDS = ("key_alias", "user_id", "models", "max_budget", "budget_duration", "rpm_limit", "tpm_limit",
               "max_parallel_requests", "metadata", "blocked")
@@ -110,10 +111,14 @@ class Store:
         self._writer = SettlementWriter(self)
 
     def migrate(self) -> None:
-        """Brings the schema to the newest revision (Alembic; a no-op when it is there)."""
+        """Brings the schema to the newest revision (Alembic; a no-op when it is there). Gateway
+        processes started together migrate one after another: SQLite's write lock is taken at the
+        transaction's start, PostgreSQL's by an advisory lock held to its end."""
         config = Config()
         config.set_main_option("script_location", str(MIGRATIONS))
         with self.writer.begin() as conn:
+            if self.dialect == "postgresql":
+                conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK})
             config.attributes["connection"] = conn
             command.upgrade(config, "head")
 
