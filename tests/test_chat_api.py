@@ -84,6 +84,9 @@ def test_sign_in_sessions_and_csrf(stack):
         anonymous.post("/chat/api/login", json={"user_id": "bob", "password": "not it at all"})
     throttled = anonymous.post("/chat/api/login", json={"user_id": "bob", "password": "another long password"})
     assert throttled.status_code == 429 and int(throttled.headers["Retry-After"]) > 0
+    metrics = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {MASTER}"}).text
+    assert 'treeserve_gateway:chat_sign_ins_total{outcome="throttled"} 1.0' in metrics
+    assert 'treeserve_gateway:chat_sign_ins_total{outcome="refused"} 7.0' in metrics
 
 
 def test_users_get_passwords_from_the_admin_api_and_the_cli(stack, tmp_path):
@@ -213,6 +216,9 @@ def test_tools_mode_routes_only_the_last_message_and_runs_sympy(stack, backend):
     assert contents[-1] == "What is the weather like? Tell me a joke."
     assert events[-1]["message"]["content"]
 
+    metrics = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {MASTER}"}).text
+    assert 'treeserve_gateway:chat_tool_calls_total{outcome="ok",tool="sympy"} 3.0' in metrics
+    assert 'treeserve_gateway:chat_messages_total{mode="tools",status="done"} 4.0' in metrics
     weather = next(e for e in send(client, conversation["id"], "What is the weather in Lyon") if e["type"] == "tool")
     assert weather == {"type": "tool", "name": "weather", "input": {"location": "Lyon"}, "ok": True,
                        "result": "Lyon: 18 C, light rain"}
@@ -288,6 +294,22 @@ def test_bad_input_gets_clear_errors(stack):
     empty = client.post(f"/chat/api/conversations/{conversation['id']}/messages", json={"content": ""})
     assert empty.status_code == 400
     assert client.get("/chat/static/../store.py").status_code == 404
+    nul = client.post(f"/chat/api/conversations/{conversation['id']}/messages", json={"content": "a\x00b"})
+    assert nul.status_code == 400 and "NUL" in nul.text
+    assert client.post("/chat/api/login", json={"user_id": "a\x00", "password": "x"}).status_code == 400
+
+
+def test_first_sign_ins_at_once_make_one_chat_key(stack):
+    url, gateway, _, _ = stack
+    add_user(gateway, "gina", "gina's long password")
+    clients = [sign_in(url, "gina", "gina's long password") for _ in range(6)]
+    threads = [threading.Thread(target=c.get, args=("/chat/api/me",)) for c in clients]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    keys = gateway.state.store.list_keys("gina")
+    assert [k["key_alias"] for k in keys] == ["chat:gina"]
 
 
 def test_concurrent_users_stream_at_once(stack):

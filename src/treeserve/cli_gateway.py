@@ -67,7 +67,8 @@ def add_gateway_parsers(sub) -> None:
     new_user.add_argument("--max-budget", type=float)
     new_user.add_argument("--budget-duration")
     new_user.add_argument("--models", help="comma-separated models the user's keys may use (default: all)")
-    new_user.add_argument("--password", help="for the web chat (or TREESERVE_PASSWORD; stored as an Argon2id hash)")
+    new_user.add_argument("--password", help="for the web chat, stored as an Argon2id hash (TREESERVE_PASSWORD "
+                          "is better: a flag shows in `ps`)")
     new_user.set_defaults(func=cmd_users_create)
     password = user_commands.add_parser("set-password", help="set a user's web chat password")
     _add_database(password)

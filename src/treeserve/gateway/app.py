@@ -105,12 +105,14 @@ def build_app(config: GatewayConfig, store: Store | None = None) -> FastAPI:
         finally:
             if health is not None:
                 health.cancel()
-            await client.close()
-            if app.state.chat is not None:
-                await app.state.chat.close()
-            for broker in brokers.values():
-                await broker.close()
-            store.close()
+            try:
+                await client.close()
+                if app.state.chat is not None:
+                    await app.state.chat.close()
+                for broker in brokers.values():
+                    await broker.close()
+            finally:
+                store.close()
 
     app = FastAPI(title="treeserve gateway", lifespan=lifespan)
     app.state.config, app.state.store, app.state.metrics, app.state.router = config, store, metrics, router
@@ -205,7 +207,7 @@ def build_app(config: GatewayConfig, store: Store | None = None) -> FastAPI:
     for path in ROUTES:
         app.add_api_route(path, proxy, methods=["POST"])
     app.state.dispatch = dispatch
-    app.state.chat = ChatApp(config, store, dispatch) if config.chat.enabled else None
+    app.state.chat = ChatApp(config, store, dispatch, metrics) if config.chat.enabled else None
     if app.state.chat is not None:
         app.include_router(app.state.chat.router)
     return app

@@ -38,5 +38,12 @@ class GatewayMetrics:
         self.ttft = Histogram(f"{p}time_to_first_chunk_seconds", "Streamed requests: gateway in to first chunk out",
                               ["model"], buckets=BUCKETS, registry=r)
 
+        self.chat_sign_ins = Counter(f"{p}chat_sign_ins", "Web chat sign-in attempts by outcome "
+                                     "(ok, refused, throttled)", ["outcome"], registry=r)
+        self.chat_messages = Counter(f"{p}chat_messages", "Web chat answers by mode and how they ended "
+                                     "(done, error, stopped)", ["mode", "status"], registry=r)
+        self.chat_tool_calls = Counter(f"{p}chat_tool_calls", "Tools mode's tool runs by tool and outcome",
+                                       ["tool", "outcome"], registry=r)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -2,6 +2,9 @@
 secrets; keys, which are random, get SHA-256 instead (`keys.py`)."""
 from __future__ import annotations
 
+import functools
+import secrets
+
 from argon2 import PasswordHasher
 from argon2.exceptions import InvalidHashError, VerificationError
 
@@ -18,12 +21,16 @@ def hash_password(password: str) -> str:
 
 
 def verify_password(password_hash: str | None, password: str) -> bool:
-    if not password_hash:
-        return False
+    """Takes the same time whether or not there is a hash to check (no user is told apart by timing)."""
     try:
-        return _hasher.verify(password_hash, password)
+        return _hasher.verify(password_hash or _dummy_hash(), password) and bool(password_hash)
     except (VerificationError, InvalidHashError):
         return False
+
+
+@functools.lru_cache(maxsize=1)
+def _dummy_hash() -> str:
+    return _hasher.hash(secrets.token_urlsafe(16))
 
 
 def needs_rehash(password_hash: str) -> bool:

@@ -12,6 +12,8 @@ from openpyxl.cell.cell import ILLEGAL_CHARACTERS_RE
 
 COLUMNS = ("conversation_id", "conversation", "time", "role", "content", "model", "mode", "settings",
            "prompt_tokens", "completion_tokens")
+CELL_LIMIT = 32767  # characters an Excel cell holds
+CUT = " [cut: the JSON export has all of it]"
 WIDTHS = {"conversation_id": 34, "conversation": 30, "time": 27, "content": 80, "settings": 50}
 
 
@@ -44,4 +46,7 @@ def to_json(user_id: str, conversations: list[dict]) -> bytes:
 
 
 def _text(value: str) -> str:
-    return ILLEGAL_CHARACTERS_RE.sub("\ufffd", value)  # control characters XLSX cannot hold
+    value = ILLEGAL_CHARACTERS_RE.sub("\ufffd", value)  # control characters XLSX cannot hold
+    if len(value) > CELL_LIMIT:  # (the JSON export has it whole)
+        value = value[:CELL_LIMIT - len(CUT)] + CUT
+    return value

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from fastapi.responses import Response
@@ -68,18 +69,21 @@ async def _send(context: Context, path: str, body: dict) -> Response:
         return await context.dispatch(path, body, context.key)
     except APIError as exc:  # refused by the gateway itself: a budget, a rate limit, a model not allowed
         raise UpstreamError(exc.message) from None
+    except ValueError as exc:  # a parameter the gateway refused (ParamError names it)
+        raise UpstreamError(str(exc)) from None
 
 
 async def chat(context: Context, answer: Answer) -> AsyncIterator[dict]:
     body = {"model": answer.model, "messages": model_messages(context), "stream": True,
             "stream_options": {"include_usage": True}, **context.settings.sampling()}
-    async for event in stream_events(await _send(context, "/v1/chat/completions", body)):
-        answer.add_usage(event.get("usage"))
-        for choice in event.get("choices") or ():
-            text = (choice.get("delta") or {}).get("content")
-            if text:
-                answer.content += text
-                yield {"type": "delta", "text": text}
+    async with aclosing(stream_events(await _send(context, "/v1/chat/completions", body))) as events:
+        async for event in events:
+            answer.add_usage(event.get("usage"))
+            for choice in event.get("choices") or ():
+                text = (choice.get("delta") or {}).get("content")
+                if text:
+                    answer.content += text
+                    yield {"type": "delta", "text": text}
 
 
 async def search(context: Context, answer: Answer) -> AsyncIterator[dict]:
@@ -91,15 +95,16 @@ async def search(context: Context, answer: Answer) -> AsyncIterator[dict]:
     body = {"model": answer.model, "verifier": context.verifier, "messages": messages, "stream": True,
             "n": settings.search_n, "strategy": settings.search_strategy, "temperature": settings.temperature, "top_p": settings.top_p,
             "max_tokens": settings.max_tokens}
-    async for event in stream_events(await _send(context, "/v1/search", body)):
-        if event.get("object") == "search.progress":
-            yield {"type": "progress", **{k: v for k, v in event.items() if k != "object"}}
-        elif event.get("object") == "search.result":
-            answer.content = event.get("completion") or ""
-            answer.add_usage(event.get("usage"))
-            answer.details = {"search": {k: event.get(k) for k in (
-                "verifier", "strategy", "n", "answer", "score", "chosen", "candidates", "tree_size", "seconds")}}
-            yield {"type": "result", "content": answer.content, "details": answer.details}
+    async with aclosing(stream_events(await _send(context, "/v1/search", body))) as events:
+        async for event in events:
+            if event.get("object") == "search.progress":
+                yield {"type": "progress", **{k: v for k, v in event.items() if k != "object"}}
+            elif event.get("object") == "search.result":
+                answer.content = event.get("completion") or ""
+                answer.add_usage(event.get("usage"))
+                answer.details = {"search": {k: event.get(k) for k in (
+                    "verifier", "strategy", "n", "answer", "score", "chosen", "candidates", "tree_size", "seconds")}}
+                yield {"type": "result", "content": answer.content, "details": answer.details}
 
 
 async def tools(context: Context, answer: Answer) -> AsyncIterator[dict]:
@@ -113,8 +118,9 @@ async def tools(context: Context, answer: Answer) -> AsyncIterator[dict]:
     if name is None or name == ANSWER_DIRECTLY:
         answer.details = {"router": router, "routed_to": ANSWER_DIRECTLY}
         yield {"type": "routed", "tool": ANSWER_DIRECTLY}
-        async for event in chat(context, answer):
-            yield event
+        async with aclosing(chat(context, answer)) as events:
+            async for event in events:
+                yield event
         return
     run = await context.toolbox.run(name, arguments)
     answer.content = run.result if run.ok else f"The {run.name} tool failed: {run.result}"
@@ -134,7 +140,7 @@ async def _route(context: Context, body: dict, answer: Answer) -> tuple[str | No
             answer.add_usage(event.get("usage"))
             for choice in event.get("choices") or ():
                 delta = choice.get("delta") or {}
-                if name is None and delta.get("content"):
+                if name is None and (delta.get("content") or "").strip():
                     return None, ""
                 for call in delta.get("tool_calls") or ():
                     if call.get("index", 0) != 0:

@@ -8,7 +8,6 @@ id answers 404. The chat's model requests go through the gateway's own `dispatch
 admitted, routed, billed and limited like any key's (each user has one chat key)."""
 from __future__ import annotations
 
-import collections
 import json
 import logging
 import time
@@ -29,6 +28,7 @@ from treeserve.gateway.chat.tools import Toolbox
 from treeserve.gateway.chat.upstream import UpstreamError
 from treeserve.gateway.config import GatewayConfig
 from treeserve.gateway.keys import same_secret
+from treeserve.gateway.metrics import GatewayMetrics
 from treeserve.gateway.proxy import RelayResponse
 from treeserve.gateway.store import Store
 from treeserve.server.errors import APIError
@@ -42,7 +42,8 @@ PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; script-src 'self
                 "img-src 'self' data:; connect-src 'self'; object-src 'none'; base-uri 'none'; "
                 "frame-ancestors 'none'; form-action 'self'",
                 "X-Content-Type-Options": "nosniff", "Referrer-Policy": "same-origin", "Cache-Control": "no-store"}
-LOGIN_FAILURES, LOGIN_WINDOW = 5, 300.0   # failed sign-ins per user name in the window before a 429
+LOGIN_FAILURES, LOGIN_WINDOW = 5, 300.0   # sign-in attempts per user name in the window before a 429
+PASSWORD_CHECKS = 2                       # Argon2 checks at once
 
 
 async def signed_in(request: Request) -> Signed:
@@ -66,34 +67,43 @@ class Signed:
 
 
 class LoginThrottle:
-    """Failed sign-ins per user name in a sliding window (bounded: the oldest names are forgotten)."""
+    """Sign-in attempts per user name in a sliding window, counted before the password is checked
+    (so parallel guesses count too) and forgotten on success. A name is forgotten only once its
+    window has passed; past `names` remembered names, new ones wait for room. Per process: several
+    gateway processes each allow `limit`."""
 
-    def __init__(self, limit: int = LOGIN_FAILURES, window: float = LOGIN_WINDOW, names: int = 10_000):
+    def __init__(self, limit: int = LOGIN_FAILURES, window: float = LOGIN_WINDOW, names: int = 100_000):
         self.limit, self.window, self.names = limit, window, names
-        self.failures: collections.OrderedDict[str, list[float]] = collections.OrderedDict()
+        self.attempts: dict[str, list[float]] = {}
 
-    def retry_after(self, user_id: str) -> int:
+    def attempt(self, user_id: str) -> int:
+        """0 when this attempt may go ahead (and is counted), else the seconds to wait."""
         now = time.monotonic()
-        recent = [t for t in self.failures.get(user_id, ()) if now - t < self.window]
-        return int(self.window - (now - recent[0])) + 1 if len(recent) >= self.limit else 0
-
-    def failed(self, user_id: str) -> None:
-        now = time.monotonic()
-        times = [t for t in self.failures.pop(user_id, ()) if now - t < self.window] + [now]
-        self.failures[user_id] = times[-self.limit:]
-        while len(self.failures) > self.names:
-            self.failures.popitem(last=False)
+        recent = [t for t in self.attempts.get(user_id, ()) if now - t < self.window]
+        if len(recent) >= self.limit:
+            return int(self.window - (now - recent[0])) + 1
+        if user_id not in self.attempts and len(self.attempts) >= self.names:
+            self._forget_expired(now)
+            if len(self.attempts) >= self.names:
+                return int(self.window)
+        self.attempts[user_id] = recent + [now]
+        return 0
 
     def succeeded(self, user_id: str) -> None:
-        self.failures.pop(user_id, None)
+        self.attempts.pop(user_id, None)
+
+    def _forget_expired(self, now: float) -> None:
+        for name in [n for n, times in self.attempts.items() if now - times[-1] >= self.window]:
+            del self.attempts[name]
 
 
 class ChatApp:
-    def __init__(self, config: GatewayConfig, store: Store, dispatch: Dispatch):
-        self.config, self.dispatch = config, dispatch
+    def __init__(self, config: GatewayConfig, store: Store, dispatch: Dispatch, metrics: GatewayMetrics):
+        self.config, self.dispatch, self.metrics = config, dispatch, metrics
         self.chats = ChatStore(store)
         self.toolbox = Toolbox(config.chat.tools, config.chat.tool_timeout)
         self.throttle = LoginThrottle()
+        self.password_checks = anyio.CapacityLimiter(PASSWORD_CHECKS)
         verifiers = set(config.chat.verifiers.values())
         self.chat_models = [m for m in config.models if m not in verifiers] or list(config.models)
         self.router = self._routes()
@@ -145,12 +155,16 @@ class ChatApp:
         return FileResponse(STATIC / name, media_type=ASSETS[name], headers={"X-Content-Type-Options": "nosniff"})
 
     async def login(self, body: LoginIn, request: Request) -> Response:
-        wait = self.throttle.retry_after(body.user_id)
+        wait = self.throttle.attempt(body.user_id)
         if wait:
-            raise APIError(429, f"too many failed sign-ins for {body.user_id!r}; try again in {wait} s",
+            self.metrics.chat_sign_ins.labels("throttled").inc()
+            raise APIError(429, f"too many sign-in attempts for {body.user_id!r}; try again in {wait} s",
                            code="rate_limit_exceeded", headers={"Retry-After": str(wait)})
-        if not await run_in_threadpool(self.chats.check_password, body.user_id, body.password):
-            self.throttle.failed(body.user_id)
+        # Argon2 takes ~50 ms and 64 MiB a check: a few at a time, whatever the number of clients
+        checked = await anyio.to_thread.run_sync(self.chats.check_password, body.user_id, body.password,
+                                                 limiter=self.password_checks)
+        self.metrics.chat_sign_ins.labels("ok" if checked else "refused").inc()
+        if not checked:
             log.warning("failed chat sign-in for %r", body.user_id)
             raise APIError(401, "wrong user name or password", code="invalid_credentials")
         self.throttle.succeeded(body.user_id)
@@ -229,11 +243,19 @@ class ChatApp:
         the stream ends (done, an error, the Stop button), the answer so far is kept."""
         settings = context.settings
         answer = Answer(settings.model)
-        status, saved = "stopped", None
+        status, saving = "stopped", False
         mode = MODES[settings.mode](context, answer)
 
         async def save() -> dict | None:
+            nonlocal saving
+            saving = True
             details = answer.details if status == "done" else {**answer.details, "status": status}
+            self.metrics.chat_messages.labels(settings.mode, status).inc()
+            if "tool" in answer.details:
+                self.metrics.chat_tool_calls.labels(answer.details["tool"]["name"],
+                                                    "ok" if answer.details["tool"]["ok"] else "failed").inc()
+            log.info("chat %s user=%s conversation=%s mode=%s model=%s tokens=%d+%d", status, user_id,
+                     conversation_id, settings.mode, settings.model, answer.prompt_tokens, answer.completion_tokens)
             try:
                 return await run_in_threadpool(lambda: self.chats.add_message(
                     user_id, conversation_id, "assistant", answer.content, model=settings.model, mode=settings.mode,
@@ -255,20 +277,20 @@ class ChatApp:
             except Exception as exc:
                 log.exception("answering in %s mode failed", settings.mode)
                 status = "error"
-                answer.details = {**answer.details, "error": f"internal error: {type(exc).__name__}"}
-                yield _sse({"type": "error", "message": f"internal error: {type(exc).__name__}: {exc}"})
-            saved = await save()
-            yield _sse({"type": "done", "message": saved})
+                answer.details = {**answer.details, "error": f"internal error ({type(exc).__name__}); see the "
+                                  "gateway's log"}
+                yield _sse({"type": "error", "message": answer.details["error"]})
+            yield _sse({"type": "done", "message": await save()})
         finally:
             with anyio.CancelScope(shield=True):
                 await mode.aclose()  # a stopped answer's upstream request is closed (and settled) now
-                if saved is None and status == "stopped":
+                if not saving:
                     await save()
 
 
 async def _export(user_id: str, conversations: list[dict], format: str, name: str) -> Response:
     if format == "json":
-        content, media = export.to_json(user_id, conversations), "application/json"
+        content, media = await run_in_threadpool(export.to_json, user_id, conversations), "application/json"
     else:
         content = await run_in_threadpool(export.to_xlsx, conversations)
         media = "application/vnd.openxmlformats-officedocument.spreadsheetml.sheet"

@@ -1,11 +1,20 @@
 """A conversation's settings, sent with each message and kept with the conversation."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 MODES = ("chat", "search", "tools")
+
+
+def _no_nul(text: str) -> str:
+    if "\x00" in text:
+        raise ValueError("must not contain NUL characters")
+    return text
+
+
+Text = Annotated[str, AfterValidator(_no_nul)]
 
 
 class ChatSettings(BaseModel):
@@ -16,7 +25,7 @@ class ChatSettings(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
     max_tokens: int = Field(256, ge=1, le=8192)
-    system_prompt: str = Field("", max_length=8000)
+    system_prompt: Text = Field("", max_length=8000)
     search_n: int = Field(4, ge=1, le=64)  # candidates a search keeps (its n)
     search_strategy: Literal["best_of_n", "weighted_best_of_n", "majority", "beam", "dvts"] = "beam"
 
@@ -28,17 +37,17 @@ class ChatSettings(BaseModel):
 
 class MessageIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    content: str = Field(min_length=1, max_length=32000)
+    content: Text = Field(min_length=1, max_length=32000)
     settings: ChatSettings | None = None  # default: the conversation's
 
 
 class ConversationIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    title: str | None = Field(None, max_length=400)
+    title: Text | None = Field(None, max_length=400)
     settings: ChatSettings | None = None
 
 
 class LoginIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    user_id: str = Field(min_length=1, max_length=128)
-    password: str = Field(min_length=1, max_length=1024)
+    user_id: Text = Field(min_length=1, max_length=128)
+    password: Text = Field(min_length=1, max_length=1024)

@@ -45,6 +45,7 @@ class ChatStore:
             if conn.get(User, user_id) is None:
                 raise APIError(404, f"user_id: no user {user_id!r}", param="user_id", code="user_not_found")
             conn.execute(update(User).where(User.user_id == user_id).values(password_hash=password_hash))
+            conn.execute(delete(ChatSession).where(ChatSession.user_id == user_id))  # signed out everywhere
 
     def start_session(self, user_id: str) -> tuple[str, str]:
         """(the cookie's token, the page's CSRF token) of a new session."""
@@ -72,14 +73,19 @@ class ChatStore:
 
     def chat_key(self, user_id: str) -> KeyRecord:
         """The key the chat bills a user's messages to (made on first use; the user's budget and
-        model list apply to it as to any key of theirs)."""
+        model list apply to it as to any key of theirs). Looked up and made in one transaction with
+        the user's row locked, so two first sign-ins at once make one key."""
         alias = CHAT_KEY_ALIAS.format(user_id=user_id)
-        with self.store.session() as conn:
-            key_id = conn.scalar(select(ApiKey.id).where(ApiKey.user_id == user_id, ApiKey.key_alias == alias))
-        if key_id is None:
-            self.store.create_key(user_id=user_id, key_alias=alias, metadata={"purpose": "web chat"})
-            with self.store.session() as conn:
-                key_id = conn.scalar(select(ApiKey.id).where(ApiKey.user_id == user_id, ApiKey.key_alias == alias))
+        with self.store.transaction() as conn:
+            conn.execute(select(User.user_id).where(User.user_id == user_id).with_for_update())
+            key_id = conn.scalar(select(ApiKey.id).where(ApiKey.user_id == user_id, ApiKey.key_alias == alias)
+                                 .order_by(ApiKey.id).limit(1))
+            if key_id is None:
+                token = keylib.new_key()  # never shown: the chat uses the key by its id
+                key_id = conn.execute(insert(ApiKey).values(
+                    token_hash=keylib.hash_key(token), key_name=keylib.display_name(token), key_alias=alias,
+                    user_id=user_id, spend=0.0, reserved=0.0, in_flight=0, blocked=False,
+                    extra={"purpose": "web chat"}, created_at=utcnow()).returning(ApiKey.id)).scalar_one()
         record = self.store.key_record(key_id)
         if record is None:
             raise APIError(403, "your chat key is blocked or expired; ask the gateway's admin",
@@ -130,6 +136,7 @@ class ChatStore:
                     mode: str = "chat", settings: dict | None = None, prompt_tokens: int = 0,
                     completion_tokens: int = 0, details: dict | None = None) -> dict:
         now = utcnow()
+        content = content.replace("\x00", "\ufffd")  # a model may write one; PostgreSQL text cannot hold it
         with self.store.transaction() as conn:
             self._owned(conn, user_id, conversation_id)
             message_id = conn.execute(insert(ChatMessage).values(

@@ -4,22 +4,31 @@ A model's text is untrusted, and SymPy's own parser (`sympify`, `parse_expr`) ru
 Here the text is parsed by Python's `ast` and only arithmetic, named symbols and a list of maths
 functions are turned into SymPy objects; anything else is refused with a message naming it. The
 work runs in a separate process with a time limit (`SympyWorker`), since some inputs keep SymPy
-busy for minutes; a process that overruns is killed and the next call starts a fresh one."""
+busy for minutes (or take gigabytes: the process has a memory ceiling); a process that overruns is
+killed and the next call starts a fresh one."""
 from __future__ import annotations
 
 import ast
 import asyncio
+import contextlib
 import importlib
+import itertools
 import json
+import os
 import re
+import resource
 import select
 import subprocess
 import sys
+import threading
 
 OPERATIONS = ("evaluate", "simplify", "solve", "integrate")
 MAX_LENGTH = 500
 MAX_NODES = 200
 MAX_EXPONENT = 10_000
+MAX_RESULT_CHARS = 4000
+MAX_DIGITS = 100_000  # of an integer shown (Python's default stops at 4,300)
+MEMORY_LIMIT = 2 << 30  # bytes of address space the worker may map
 NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,15}$")
 
 
@@ -133,71 +142,101 @@ def run(operation: str, expression: str, variable: str | None = None) -> str:
 
 def serve() -> None:
     """The worker process (`python -m treeserve.gateway.chat.sympy_tool`): JSON lines in, one call
-    each, answered as {"ok": bool, "text": ...}; the first line out says it is ready."""
+    each ([id, operation, expression, variable]), answered on the original stdout as {"id", "ok",
+    "text"}; anything else that writes to stdout goes to stderr. The first line says it is ready."""
+    out = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
+    sys.stdout = sys.stderr
+    with contextlib.suppress(ValueError, OSError):  # a memory ceiling: a huge result fails here, not the host
+        resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
+    sys.set_int_max_str_digits(MAX_DIGITS)  # results are cut to MAX_RESULT_CHARS anyway
     importlib.import_module("sympy")  # before saying ready: the first call's time limit is the call's own
-    _reply(True, "ready")
+    _reply(out, None, True, "ready")
     for line in sys.stdin:
+        call_id = None
         try:
-            operation, expression, variable = json.loads(line)
-            _reply(True, run(str(operation), expression, variable))
+            call_id, operation, expression, variable = json.loads(line)
+            _reply(out, call_id, True, run(str(operation), expression, variable))
         except (ToolInputError, ValueError, TypeError) as exc:
-            _reply(False, str(exc)[:500])
+            _reply(out, call_id, False, str(exc))
+        except MemoryError:
+            _reply(out, call_id, False, "the result needs more memory than the tool may use")
         except Exception as exc:  # SymPy's own refusals (NotImplementedError, ...)
-            _reply(False, f"failed: {type(exc).__name__}: {exc}"[:500])
+            _reply(out, call_id, False, f"failed: {type(exc).__name__}: {exc}")
 
 
-def _reply(ok: bool, text: str) -> None:
-    sys.stdout.write(json.dumps({"ok": ok, "text": text}) + "\n")
-    sys.stdout.flush()
+def _reply(out, call_id, ok: bool, text: str) -> None:
+    if len(text) > MAX_RESULT_CHARS:
+        text = text[:MAX_RESULT_CHARS] + f"... ({len(text) - MAX_RESULT_CHARS} more characters)"
+    out.write(json.dumps({"id": call_id, "ok": ok, "text": text}) + "\n")
 
 
 class SympyWorker:
-    """A process that runs SymPy calls one at a time, killed and replaced when one overruns."""
+    """A process that runs SymPy calls one at a time, killed and replaced when one overruns (or
+    answers out of turn). Calls queue on a thread lock, so a caller that is cancelled while its call
+    runs cannot let the next one in early."""
 
     def __init__(self, timeout: float = 10.0, start_timeout: float = 120.0):
         self.timeout, self.start_timeout = timeout, start_timeout
-        self.lock = asyncio.Lock()
+        self.lock = threading.Lock()
         self.process: subprocess.Popen | None = None
+        self.ids = itertools.count()
 
     async def call(self, operation: str, expression: str, variable: str | None = None) -> tuple[bool, str]:
         """(True, result) or (False, the reason it failed)."""
-        async with self.lock:
-            return await asyncio.to_thread(self._call, operation, expression, variable)
+        return await asyncio.to_thread(self._call, operation, expression, variable)
 
     def _call(self, operation, expression, variable) -> tuple[bool, str]:
-        if self.process is None or self.process.poll() is not None:
-            self._start()
-        try:
-            self.process.stdin.write(json.dumps([operation, expression, variable]) + "\n")
-            self.process.stdin.flush()
-        except OSError:
-            self.close()
-            return False, "the SymPy worker process had died; try again"
-        reply = self._read(self.timeout)
-        if reply is None:
-            self.close()
-            return False, f"{operation} took longer than {self.timeout:g} s and was stopped"
-        return bool(reply["ok"]), str(reply["text"])
+        with self.lock:
+            if self.process is None or self.process.poll() is not None:
+                self._start()
+            call_id = next(self.ids)
+            try:
+                self.process.stdin.write(json.dumps([call_id, operation, expression, variable]) + "\n")
+                self.process.stdin.flush()
+            except OSError:
+                self._close()
+                return False, "the SymPy worker process had died; try again"
+            reply = self._read(self.timeout)
+            if reply is None or reply.get("id") != call_id:
+                self._close()
+                return False, f"{operation} took longer than {self.timeout:g} s and was stopped" if reply is None \
+                    else "the SymPy worker answered out of turn and was restarted; try again"
+            return bool(reply.get("ok")), str(reply.get("text"))
 
     def _start(self) -> None:
+        self._close()
         self.process = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, text=True, bufsize=1)
         if self._read(self.start_timeout) is None:
-            self.close()
+            self._close()
             raise RuntimeError("the SymPy worker process did not start")
 
     def _read(self, timeout: float) -> dict | None:
         ready, _, _ = select.select([self.process.stdout], [], [], timeout)
         line = self.process.stdout.readline() if ready else ""
-        return json.loads(line) if line else None
+        try:
+            reply = json.loads(line) if line else None
+        except ValueError:
+            return None
+        return reply if isinstance(reply, dict) else None
 
     def close(self) -> None:
-        if self.process is not None:
-            self.process.kill()
-            self.process.wait(5)
-            for stream in (self.process.stdin, self.process.stdout):
-                stream.close()
-            self.process = None
+        with self.lock:
+            self._close()
+
+    def _close(self) -> None:
+        process, self.process = self.process, None
+        if process is None:
+            return
+        try:
+            process.kill()
+            process.wait(5)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        finally:
+            for stream in (process.stdin, process.stdout):
+                with contextlib.suppress(OSError):
+                    stream.close()
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ function); SymPy runs in-house (`sympy_tool`), weather and Wikipedia are HTTP se
 URL and asked `GET URL?q=QUERY`."""
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass
 
@@ -84,7 +85,7 @@ class Toolbox:
         try:
             async with self.client.get(self.urls[name], params={"q": query},
                                        timeout=aiohttp.ClientTimeout(total=self.timeout)) as response:
-                text = (await response.text())[:MAX_RESULT_CHARS]
+                text = (await response.content.read(MAX_RESULT_CHARS * 4)).decode("utf-8", "replace")[:MAX_RESULT_CHARS]
                 if response.status != 200:
                     return False, f"{name} answered HTTP {response.status}: {text[:200]}"
                 return True, text
@@ -94,4 +95,4 @@ class Toolbox:
     async def close(self) -> None:
         if self.client is not None:
             await self.client.close()
-        self.sympy.close()
+        await asyncio.to_thread(self.sympy.close)  # (waits for a call in progress, off the event loop)
