@@ -11,6 +11,7 @@ chat page in front, and loopback stand-ins for what no bundled model or offline 
 Every request they receive is recorded."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import re
@@ -82,7 +83,7 @@ def _choose(message: str) -> tuple[str, str]:
 
 def scripted_app() -> FastAPI:
     app = FastAPI()
-    app.state.requests = []
+    app.state.requests, app.state.finished = [], 0
 
     @app.get("/health")
     async def health():
@@ -108,7 +109,14 @@ def scripted_app() -> FastAPI:
         pieces.append(f"data: {json.dumps({'id': 'chatcmpl-scripted', 'object': 'chat.completion.chunk', 'choices': [], 'usage': usage})}\n\n")
         if not body.get("stream"):
             return JSONResponse({"error": {"message": "the scripted model only streams"}}, status_code=400)
-        return StreamingResponse(iter(pieces + ["data: [DONE]\n\n"]), media_type="text/event-stream")
+        delay = 0.2 if last.startswith("slowly:") else 0.0  # slow enough for a person to press Stop
+
+        async def stream():
+            for piece in pieces + ["data: [DONE]\n\n"]:
+                yield piece
+                await asyncio.sleep(delay)
+            app.state.finished += 1
+        return StreamingResponse(stream(), media_type="text/event-stream")
 
     return app
 

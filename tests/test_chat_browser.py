@@ -34,7 +34,7 @@ def stack(tmp_path_factory):
     with arith_backend() as (backend_url, tap), chat_stack(database, backend_url) as (url, gateway, scripted, _):
         add_user(gateway, "ada", "correct horse battery")
         add_user(gateway, "bob", "another long password")
-        yield url, tap
+        yield url, tap, scripted
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +115,7 @@ def last_answer(driver) -> str:
 
 
 def test_the_chat_page_end_to_end(stack, browser, shots):
-    url, tap = stack
+    url, tap, _ = stack
     driver = browser
     sign_in(driver, url, "ada", "correct horse battery")
     conversation_url = new_chat(driver)
@@ -203,6 +203,23 @@ def test_the_chat_page_end_to_end(stack, browser, shots):
     assert driver.execute_script("return window.__xss") is None
     assert driver.execute_script("return document.querySelectorAll('#messages img, #messages script, #messages b')"
                                  ".length") == 0
+
+    # Stop: the answer stops growing, what was written is kept, the model's stream is cut off
+    scripted = stack[2]
+    finished = scripted.state.finished
+    driver.find_element(*by("message-input")).send_keys("slowly: " + "one two three four five six " * 6)
+    driver.find_element(*by("send")).click()
+    wait(driver, lambda d: len(d.find_elements("css selector", '.message.streaming [data-testid="message-content"]'))
+         and len(d.find_element("css selector", '.message.streaming [data-testid="message-content"]').text) > 12)
+    driver.find_element(*by("stop")).click()
+    wait(driver, lambda d: not d.find_elements("css selector", ".message.streaming"))
+    partial = last_answer(driver)
+    assert 12 <= len(partial) < len("slowly: " + "one two three four five six " * 6)
+    driver.refresh()
+    stopped = wait(driver, lambda d: d.find_elements(*by("message-assistant")))[-1]
+    assert stopped.find_element(*by("message-content")).text.startswith(partial[:12]) and "stopped" in stopped.text
+    time.sleep(1.5)
+    assert scripted.state.finished == finished  # its stream never ran to the end
 
     # another user cannot open this conversation
     driver.find_element(*by("sign-out")).click()
