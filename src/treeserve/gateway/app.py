@@ -141,10 +141,9 @@ def build_app(config: GatewayConfig, store: Store | None = None) -> FastAPI:
             return MASTER
         key = keys.get(token)
         if key is None or key.expired:
-            key = await run_in_threadpool(store.authenticate, token)
+            key = await keys.load(token, lambda: run_in_threadpool(store.authenticate, token))
             if key is None:
                 raise APIError(401, "invalid API key (unknown, expired or blocked)", code="invalid_api_key")
-            keys.put(token, key)
         return key
 
     app.include_router(admin_router(store, require_master, set(config.models), on_change=keys.clear))

@@ -3,8 +3,10 @@ the thread hop it needs). Only valid keys are kept, for `ttl` seconds and at mos
 their budgets and limits are not cached (admission reads them live)."""
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 
 from treeserve.gateway.keys import hash_key
 from treeserve.gateway.store import KeyRecord
@@ -14,6 +16,7 @@ class KeyCache:
     def __init__(self, ttl: float, size: int = 10_000):
         self.ttl, self.size = ttl, size
         self._entries: OrderedDict[str, tuple[float, KeyRecord]] = OrderedDict()
+        self._loading: dict[str, asyncio.Future] = {}
 
     def get(self, token: str) -> KeyRecord | None:
         if self.ttl <= 0:
@@ -31,6 +34,21 @@ class KeyCache:
         self._entries.move_to_end(digest)
         while len(self._entries) > self.size:
             self._entries.popitem(last=False)
+
+    async def load(self, token: str, loader: Callable[[], Awaitable[KeyRecord | None]]) -> KeyRecord | None:
+        """The key's record from `loader` (the database), read once however many requests with this
+        key ask at the same moment: when a popular key's entry expires, its concurrent requests
+        wait on one read instead of each taking a thread and a pooled connection."""
+        digest = hash_key(token)
+        task = self._loading.get(digest)
+        if task is None:
+            task = asyncio.ensure_future(loader())
+            self._loading[digest] = task
+            task.add_done_callback(lambda _: self._loading.pop(digest, None))
+        record = await asyncio.shield(task)  # a request that leaves does not cancel the others' read
+        if record is not None:
+            self.put(token, record)
+        return record
 
     def clear(self) -> None:
         self._entries.clear()
