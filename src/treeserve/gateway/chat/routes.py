@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -24,6 +23,7 @@ from treeserve.gateway.chat import export
 from treeserve.gateway.chat.modes import MODES, Answer, Context, Dispatch
 from treeserve.gateway.chat.settings import ChatSettings, ConversationIn, LoginIn, MessageIn
 from treeserve.gateway.chat.store import ChatStore
+from treeserve.gateway.chat.throttle import LoginThrottle
 from treeserve.gateway.chat.tools import Toolbox
 from treeserve.gateway.chat.upstream import UpstreamError
 from treeserve.gateway.config import GatewayConfig
@@ -42,8 +42,7 @@ PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; script-src 'self
                 "img-src 'self' data:; connect-src 'self'; object-src 'none'; base-uri 'none'; "
                 "frame-ancestors 'none'; form-action 'self'",
                 "X-Content-Type-Options": "nosniff", "Referrer-Policy": "same-origin", "Cache-Control": "no-store"}
-LOGIN_FAILURES, LOGIN_WINDOW = 5, 300.0   # sign-in attempts per user name in the window before a 429
-PASSWORD_CHECKS = 2                       # Argon2 checks at once
+PASSWORD_CHECKS = 2  # Argon2 checks at once
 
 
 async def signed_in(request: Request) -> Signed:
@@ -64,37 +63,6 @@ class Signed:
     user_id: str
     csrf_token: str
     token: str
-
-
-class LoginThrottle:
-    """Sign-in attempts per user name in a sliding window, counted before the password is checked
-    (so parallel guesses count too) and forgotten on success. A name is forgotten only once its
-    window has passed; past `names` remembered names, new ones wait for room. Per process: several
-    gateway processes each allow `limit`."""
-
-    def __init__(self, limit: int = LOGIN_FAILURES, window: float = LOGIN_WINDOW, names: int = 100_000):
-        self.limit, self.window, self.names = limit, window, names
-        self.attempts: dict[str, list[float]] = {}
-
-    def attempt(self, user_id: str) -> int:
-        """0 when this attempt may go ahead (and is counted), else the seconds to wait."""
-        now = time.monotonic()
-        recent = [t for t in self.attempts.get(user_id, ()) if now - t < self.window]
-        if len(recent) >= self.limit:
-            return int(self.window - (now - recent[0])) + 1
-        if user_id not in self.attempts and len(self.attempts) >= self.names:
-            self._forget_expired(now)
-            if len(self.attempts) >= self.names:
-                return int(self.window)
-        self.attempts[user_id] = recent + [now]
-        return 0
-
-    def succeeded(self, user_id: str) -> None:
-        self.attempts.pop(user_id, None)
-
-    def _forget_expired(self, now: float) -> None:
-        for name in [n for n, times in self.attempts.items() if now - times[-1] >= self.window]:
-            del self.attempts[name]
 
 
 class ChatApp:
