@@ -299,6 +299,27 @@ def test_bad_input_gets_clear_errors(stack):
     assert client.post("/chat/api/login", json={"user_id": "a\x00", "password": "x"}).status_code == 400
 
 
+def test_a_session_and_its_conversations_are_the_same_on_every_gateway_process(stack):
+    """Two gateways on one database (as two processes would be): signed in on one, served by the other."""
+    from conftest import running_server
+    from treeserve.gateway.app import build_app
+
+    url, gateway, _, _ = stack
+    client = sign_in(url, "ada", "correct horse battery")
+    conversation = new_conversation(client, max_tokens=4)
+    send(client, conversation["id"], "1 + 1")
+    other = build_app(gateway.state.config)
+    with running_server(other) as other_url:
+        client.base_url = httpx.URL(other_url)
+        mine = client.get(f"/chat/api/conversations/{conversation['id']}")
+        assert mine.status_code == 200 and len(mine.json()["messages"]) == 2
+        events = send(client, conversation["id"], "2 + 2")
+        assert events[-1]["type"] == "done"
+        assert client.post("/chat/api/logout").status_code == 200
+    client.base_url = httpx.URL(url)
+    assert client.get("/chat/api/conversations").status_code == 401  # signed out on both
+
+
 def test_first_sign_ins_at_once_make_one_chat_key(stack):
     url, gateway, _, _ = stack
     add_user(gateway, "gina", "gina's long password")

@@ -48,6 +48,7 @@ def browser(tmp_path_factory):
     for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
                      "--window-size=1280,900", "--disable-extensions"):
         options.add_argument(argument)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # the page's console, read at the end
     options.add_experimental_option("prefs", {"download.default_directory": str(downloads),
                                               "download.prompt_for_download": False})
     driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
@@ -230,3 +231,9 @@ def test_the_chat_page_end_to_end(stack, browser, shots):
                   else None)
     assert notice.text == "This conversation does not exist."
     assert driver.find_elements(*by("message-user")) == [] and driver.find_elements(*by("conversation-item")) == []
+
+    # the page threw nothing and its Content-Security-Policy refused nothing, all along
+    console = [entry["message"] for entry in driver.get_log("browser")]
+    assert not [m for m in console if "Uncaught" in m or "Content Security Policy" in m or "Refused" in m], console
+    expected = ("/chat/api/me - ", f"/chat/api/conversations/{conversation_id} - ")  # the 401 before signing in; 404
+    assert not [m for m in console if "Failed to load resource" in m and not any(e in m for e in expected)], console

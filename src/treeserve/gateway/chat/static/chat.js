@@ -190,15 +190,23 @@ function showSettings(settings) {
 function readSettings() {
   const settings = { model: $("settings-model").value || null,
     mode: document.querySelector('input[name="mode"]:checked').value };
-  for (const [name, [id, type]] of Object.entries(FIELDS)) settings[name] = type($(id).value);
+  const saved = { ...state.me.defaults, ...(state.conversation ? state.conversation.settings : {}) };
+  for (const [name, [id, type]] of Object.entries(FIELDS)) {
+    const input = $(id);
+    settings[name] = input.value === "" && type === Number || !input.checkValidity() ? saved[name] : type(input.value);
+  }
   return settings;
 }
 
-async function saveSettings() {
+async function saveSettings(event) {
   if (!state.conversation) return;
+  if (event && event.target.checkValidity && !event.target.checkValidity()) {
+    notice(`${event.target.closest("label").firstChild.textContent.trim()}: ${event.target.validationMessage}`);
+    return;  // (a field being retyped: nothing is saved until it holds a value the server takes)
+  }
   try {
     state.saving = api("PATCH", `/chat/api/conversations/${state.conversation.id}`, { settings: readSettings() });
-    await state.saving;
+    state.conversation.settings = (await state.saving).settings;
     notice("");
   } catch (error) {
     notice(error.message);
