@@ -8,8 +8,6 @@ import secrets
 import string
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 GENERATOR, VERIFIER = "arith-gen", "arith-prm"
@@ -25,20 +23,6 @@ def add_chat_parser(sub) -> None:
     chat.add_argument("--chat-tool", action="append", default=[], metavar="NAME=URL",
                       help="an HTTP tool for tools mode: weather=URL or wikipedia=URL")
     chat.set_defaults(func=cmd_chat)
-
-
-def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 900.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the model server exited with code {process.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.5)
-    raise RuntimeError(f"the model server did not answer at {url} within {timeout:.0f} s")
 
 
 def first_user(store, user_id: str) -> str:
@@ -58,6 +42,7 @@ def first_user(store, user_id: str) -> str:
 def cmd_chat(args) -> int:
     import uvicorn
 
+    from treeserve.bench.health import wait_healthy
     from treeserve.gateway.app import build_app
     from treeserve.gateway.config import build_config
     from treeserve.gateway.store import Store, default_url
@@ -66,7 +51,7 @@ def cmd_chat(args) -> int:
     server = subprocess.Popen([sys.executable, "-m", "treeserve.cli", "serve", "--port", str(args.serve_port)])
     try:
         print(f"starting the model server ({GENERATOR} + {VERIFIER}) at {url} ...", file=sys.stderr, flush=True)
-        wait_healthy(url, server)
+        wait_healthy(url, server, timeout=900)
         store = Store(args.database or default_url())
         store.migrate()
         password = first_user(store, args.user)

@@ -5,11 +5,9 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import sys
-import time
-
-import httpx
 
 from treeserve.bench import mock_server
+from treeserve.bench.health import wait_healthy
 from treeserve.bench.run import BenchConfig, run_benchmark
 
 
@@ -25,19 +23,6 @@ def running_mock_server(port: int, ttft_ms: float, itl_ms: float, exit_after: in
     finally:
         process.terminate()
         process.wait(timeout=10)
-
-
-def wait_healthy(base_url: str, process: subprocess.Popen | None, timeout: float) -> None:
-    """Polls GET /health until 200; raises if the process exits first or time runs out."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process is not None and process.poll() is not None:
-            raise RuntimeError(f"server exited with code {process.returncode} before it was healthy")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{base_url.rstrip('/')}/health", timeout=2).status_code == 200:
-                return
-        time.sleep(0.1)
-    raise TimeoutError(f"{base_url}/health did not answer 200 within {timeout:.0f} s")
 
 
 def calibrate(out, port: int, ttft_ms: float = 100.0, itl_ms: float = 10.0, concurrency: int = 64,

@@ -13,7 +13,9 @@ import csv
 import datetime as dt
 import io
 import logging
+import sqlite3
 import threading
+import time
 import uuid
 from collections import defaultdict
 from collections.abc import Iterator
@@ -41,13 +43,29 @@ KEY_FIELDS = ("key_alias", "user_id", "models", "max_budget", "budget_duration",
 USER_FIELDS = ("max_budget", "budget_duration", "models", "metadata")
 
 
-def _aware(value: dt.datetime | None) -> dt.datetime | None:
+def aware(value: dt.datetime | None) -> dt.datetime | None:
     """SQLite hands datetimes back without their zone; every one stored here is UTC."""
     return value.replace(tzinfo=dt.timezone.utc) if value is not None and value.tzinfo is None else value
 
 
 def default_url(directory: Path | None = None) -> str:
     return f"sqlite:///{(directory or Path.cwd()) / 'treeserve-gateway.db'}"
+
+
+def _wal(cursor, timeout: float = 30.0) -> None:
+    """WAL mode (it stays with the file). Switching to it needs the database to itself and SQLite
+    answers 'locked' at once instead of waiting, so processes opening a new file together retry."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if cursor.execute("PRAGMA journal_mode=WAL").fetchone()[0].lower() == "wal":
+                return
+        except sqlite3.OperationalError:
+            if time.monotonic() > deadline:
+                raise
+        if time.monotonic() > deadline:
+            raise sqlite3.OperationalError("could not switch the database to WAL mode")
+        time.sleep(0.02)
 
 
 def make_engine(url: str) -> Engine:
@@ -58,7 +76,7 @@ def make_engine(url: str) -> Engine:
         def _sqlite_setup(dbapi_connection, _):
             dbapi_connection.isolation_level = None  # the driver's own BEGIN would be deferred
             cursor = dbapi_connection.cursor()
-            cursor.execute("PRAGMA journal_mode=WAL")
+            _wal(cursor)
             cursor.execute("PRAGMA synchronous=NORMAL")
             cursor.execute("PRAGMA foreign_keys=ON")
             cursor.close()
@@ -236,7 +254,7 @@ class Store:
         key, user_models, user_budget = row
         record = KeyRecord(key.id, key.key_name, key.key_alias, key.user_id, key.models, user_models,
                            key.rpm_limit, key.tpm_limit, key.max_parallel_requests,
-                           key.max_budget is not None or user_budget is not None, _aware(key.expires_at))
+                           key.max_budget is not None or user_budget is not None, aware(key.expires_at))
         return None if record.expired else record
 
     # ---- admission and settlement ----------------------------------------------------------------
@@ -360,7 +378,7 @@ class Store:
             targets.append((User, User.user_id == key.user_id))
         for table, where in targets:
             row = conn.execute(select(table.budget_duration, table.budget_reset_at).where(where)).first()
-            if row is not None and row.budget_reset_at is not None and _aware(row.budget_reset_at) <= now:
+            if row is not None and row.budget_reset_at is not None and aware(row.budget_reset_at) <= now:
                 if not row.budget_duration:  # (a period cleared without its reset time)
                     conn.execute(update(table).where(where).values(budget_reset_at=None))
                     continue
@@ -492,16 +510,16 @@ def _check_limits(values: dict) -> None:
 def _public_key(key: ApiKey) -> dict:
     return {"token": key.token_hash, "key_name": key.key_name, "key_alias": key.key_alias, "user_id": key.user_id,
             "models": key.models or [], "max_budget": key.max_budget, "spend": key.spend,
-            "budget_duration": key.budget_duration, "budget_reset_at": _iso(key.budget_reset_at),
+            "budget_duration": key.budget_duration, "budget_reset_at": iso(key.budget_reset_at),
             "rpm_limit": key.rpm_limit, "tpm_limit": key.tpm_limit,
-            "max_parallel_requests": key.max_parallel_requests, "expires": _iso(key.expires_at),
-            "blocked": key.blocked, "metadata": key.extra or {}, "created_at": _iso(key.created_at)}
+            "max_parallel_requests": key.max_parallel_requests, "expires": iso(key.expires_at),
+            "blocked": key.blocked, "metadata": key.extra or {}, "created_at": iso(key.created_at)}
 
 
 def _public_user(user: User) -> dict:
     return {"user_id": user.user_id, "max_budget": user.max_budget, "spend": user.spend,
-            "budget_duration": user.budget_duration, "budget_reset_at": _iso(user.budget_reset_at),
-            "models": user.models or [], "metadata": user.extra or {}, "created_at": _iso(user.created_at)}
+            "budget_duration": user.budget_duration, "budget_reset_at": iso(user.budget_reset_at),
+            "models": user.models or [], "metadata": user.extra or {}, "created_at": iso(user.created_at)}
 
 
 def _public_log(log: SpendLog) -> dict:
@@ -509,8 +527,8 @@ def _public_log(log: SpendLog) -> dict:
             "backend": log.backend, "route": log.route, "stream": log.stream, "status": log.status,
             "prompt_tokens": log.prompt_tokens, "completion_tokens": log.completion_tokens,
             "total_tokens": log.prompt_tokens + log.completion_tokens, "cost": log.cost,
-            "started_at": _iso(log.started_at), "ended_at": _iso(log.ended_at)}
+            "started_at": iso(log.started_at), "ended_at": iso(log.ended_at)}
 
 
-def _iso(value: dt.datetime | None) -> str | None:
-    return _aware(value).isoformat() if value is not None else None
+def iso(value: dt.datetime | None) -> str | None:
+    return aware(value).isoformat() if value is not None else None

@@ -13,7 +13,7 @@ from sqlalchemy import delete, func, insert, select, update
 from treeserve.gateway import keys as keylib
 from treeserve.gateway.passwords import hash_password, needs_rehash, verify_password
 from treeserve.gateway.schema import ApiKey, ChatMessage, ChatSession, Conversation, SpendLog, User, utcnow
-from treeserve.gateway.store import KeyRecord, Store
+from treeserve.gateway.store import KeyRecord, Store, aware, iso
 from treeserve.server.errors import APIError
 
 SESSION_LIFETIME = dt.timedelta(days=7)
@@ -63,7 +63,7 @@ class ChatStore:
         with self.store.session() as conn:
             row = conn.execute(select(ChatSession.user_id, ChatSession.csrf_token, ChatSession.expires_at)
                                .where(ChatSession.token_hash == keylib.hash_key(token))).first()
-        if row is None or _aware(row.expires_at) <= utcnow():
+        if row is None or aware(row.expires_at) <= utcnow():
             return None
         return row.user_id, row.csrf_token
 
@@ -187,21 +187,13 @@ def _title(title: str) -> str:
     return title or "New chat"
 
 
-def _aware(value: dt.datetime) -> dt.datetime:
-    return value if value.tzinfo else value.replace(tzinfo=dt.timezone.utc)
-
-
-def _iso(value: dt.datetime) -> str:
-    return _aware(value).isoformat()
-
-
 def _public_conversation(conversation: Conversation) -> dict:
     return {"id": conversation.id, "title": conversation.title, "settings": conversation.settings or {},
-            "created_at": _iso(conversation.created_at), "updated_at": _iso(conversation.updated_at)}
+            "created_at": iso(conversation.created_at), "updated_at": iso(conversation.updated_at)}
 
 
 def public_message(message: ChatMessage) -> dict:
     return {"id": message.id, "role": message.role, "content": message.content, "model": message.model,
             "mode": message.mode, "settings": message.settings or {}, "prompt_tokens": message.prompt_tokens,
             "completion_tokens": message.completion_tokens, "details": message.details or {},
-            "created_at": _iso(message.created_at)}
+            "created_at": iso(message.created_at)}
