@@ -36,7 +36,7 @@ from treeserve.server.errors import APIError
 log = logging.getLogger("treeserve.gateway.chat")
 COOKIE = "treeserve_chat"
 STATIC = Path(__file__).parent / "static"
-ASSETS = {"chat.js": "text/javascript", "chat.css": "text/css"}
+ASSETS = {"chat.js": "text/javascript", "markdown.js": "text/javascript", "chat.css": "text/css"}
 # The page runs only its own script and style: an answer that smuggled markup in could run nothing.
 PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; "
                 "img-src 'self' data:; connect-src 'self'; object-src 'none'; base-uri 'none'; "

@@ -1,6 +1,7 @@
-// treeserve's web chat. Model output is only ever put in the page as text (textContent), never as
-// markup, and the page's Content-Security-Policy allows no inline script: an answer that contains
-// <script> or an onerror attribute is shown, not run.
+// treeserve's web chat. Model output is only ever put in the page as text nodes (textContent, or the
+// DOM that markdown.js builds from it), never parsed as markup, and the page's Content-Security-Policy
+// allows no inline script: an answer that contains <script> or an onerror attribute is shown, not run.
+/* global renderMarkdown */
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -219,7 +220,10 @@ async function saveSettings(event) {
 function renderMessage(message) {
   const node = el("div", { class: `message ${message.role}`, "data-testid": `message-${message.role}` });
   const meta = el("div", { class: "meta", text: message.role === "user" ? "You" : metaText(message) });
-  node.append(meta, el("div", { class: "content", "data-testid": "message-content", text: message.content }));
+  const content = message.role === "assistant"
+    ? el("div", { class: "content markdown", "data-testid": "message-content" }, renderMarkdown(message.content))
+    : el("div", { class: "content", "data-testid": "message-content", text: message.content });
+  node.append(meta, content);
   const details = message.details || {};
   if (details.search) node.append(renderSearch(details.search));
   if (details.tool) node.append(renderTool(details.tool, details.router));
