@@ -45,7 +45,8 @@ def cmd_chat(args) -> int:
     from treeserve.bench.health import wait_healthy
     from treeserve.gateway.app import build_app
     from treeserve.gateway.config import build_config
-    from treeserve.gateway.store import Store, default_url
+    from treeserve.gateway.database import default_url
+    from treeserve.gateway.store import Store
 
     url = f"http://127.0.0.1:{args.serve_port}"
     server = subprocess.Popen([sys.executable, "-m", "treeserve.cli", "serve", "--port", str(args.serve_port)])

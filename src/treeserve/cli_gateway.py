@@ -82,7 +82,8 @@ def _add_database(parser: argparse.ArgumentParser) -> None:
 
 
 def _store(args):
-    from treeserve.gateway.store import Store, default_url
+    from treeserve.gateway.database import default_url
+    from treeserve.gateway.store import Store
 
     store = Store(args.database or os.environ.get("TREESERVE_GATEWAY_DATABASE") or default_url())
     store.migrate()

@@ -29,7 +29,8 @@ from treeserve.gateway.metrics import GatewayMetrics
 from treeserve.gateway.proxy import Forwarder, Outcome, new_request_id
 from treeserve.gateway.routing import Router, affinity_key
 from treeserve.gateway.settlement import Settlement
-from treeserve.gateway.store import KeyRecord, Reservation, Store, default_url, utcnow
+from treeserve.gateway.database import default_url
+from treeserve.gateway.store import KeyRecord, Reservation, Store, utcnow
 from treeserve.server.errors import APIError, error_response, from_value_error, install_error_handlers
 
 log = logging.getLogger("treeserve.gateway")
