@@ -134,8 +134,7 @@ async def _route(context: Context, body: dict, answer: Answer) -> tuple[str | No
     text: then it chose to answer itself. The stream is dropped as soon as the choice is known (text,
     `answer_directly`, or a call whose arguments are whole), so the router writes no more than that."""
     name, arguments = None, ""
-    events = stream_events(await _send(context, "/v1/chat/completions", body))
-    try:
+    async with aclosing(stream_events(await _send(context, "/v1/chat/completions", body))) as events:
         async for event in events:
             answer.add_usage(event.get("usage"))
             for choice in event.get("choices") or ():
@@ -150,8 +149,6 @@ async def _route(context: Context, body: dict, answer: Answer) -> tuple[str | No
                     arguments += function.get("arguments") or ""
             if name == ANSWER_DIRECTLY or (name and _whole(arguments)):
                 return name, arguments
-    finally:
-        await events.aclose()
     return name, arguments
 
 

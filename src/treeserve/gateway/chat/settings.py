@@ -5,9 +5,6 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-MODES = ("chat", "search", "tools")
-
-
 def _no_nul(text: str) -> str:
     if "\x00" in text:
         raise ValueError("must not contain NUL characters")

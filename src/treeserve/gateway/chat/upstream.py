@@ -22,15 +22,6 @@ def error_message(content: bytes | str, status: int) -> str:
         return f"HTTP {status}"
 
 
-def json_body(response: Response) -> dict:
-    """A whole answer's body; an error answer raises UpstreamError."""
-    if isinstance(response, StreamingResponse):
-        raise UpstreamError("expected a whole answer, got a stream")
-    if response.status_code != 200:
-        raise UpstreamError(error_message(response.body, response.status_code))
-    return json.loads(response.body)
-
-
 async def stream_events(response: Response) -> AsyncIterator[dict]:
     """The JSON events of a streamed answer until [DONE]; an error answer, or an error event in the
     stream, raises UpstreamError. Closing this iterator closes the upstream request (and settles it)."""
