@@ -289,8 +289,11 @@ def check_answers_and_bills(finished: list[dict], store) -> dict[str, dict]:
     plain = [r for r in finished if not r["stream"]]
     assert len(plain) == len(finished) // 2 and all(r["usage"]["completion_tokens"] == TOKENS for r in plain)
     assert all(r["usage"]["completion_tokens"] == TOKENS for r in finished if r["stream"] and not r["error"])
-    store.flush()
-    rows = store.spend_logs(limit=10_000)
+    def settled():  # a stream is settled just after its last byte left: its client may be quicker
+        store.flush()
+        rows = store.spend_logs(limit=10_000)
+        return rows if len(rows) >= len(finished) else None
+    rows = wait_for(settled, timeout=10) or store.spend_logs(limit=10_000)
     logs = {row["request_id"]: row for row in rows}
     assert len(rows) == len(finished) == len(logs)  # one answer each: none lost, none twice
     for r in finished:
