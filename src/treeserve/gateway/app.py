@@ -191,8 +191,8 @@ def build_app(config: GatewayConfig, store: Store | None = None) -> FastAPI:
                                code="model_not_allowed")
         started = time.perf_counter()
         stream = bool(body.get("stream"))
-        if key.id is None:
-            reservation = Reservation(None, None, 0.0, False, 0)
+        if key.holds_nothing:  # (the master key too) nothing to reserve or count: no trip to a worker thread
+            reservation = key.nothing_held()
         else:
             worst = max(pricing.worst_cost(body, config.models[name]) for name in router.chain(model))
             try:

@@ -73,6 +73,16 @@ class KeyRecord:
     def allows(self, model: str) -> bool:
         return all(not allowed or model in allowed for allowed in (self.models, self.user_models))
 
+    @property
+    def holds_nothing(self) -> bool:
+        """No budget, no parallel, rate or token limit: admitting a request on this key writes nothing."""
+        return not self.budgeted and self.max_parallel_requests is None and self.rpm_limit is None \
+            and self.tpm_limit is None
+
+    def nothing_held(self) -> Reservation:
+        """The reservation of a request on a key that holds nothing (the master key's too)."""
+        return Reservation(self.id, self.user_id, 0.0, False, 0)
+
 
 class Store:
     def __init__(self, url: str):
@@ -217,13 +227,13 @@ class Store:
     def admit(self, key: KeyRecord, worst_cost: float) -> Reservation:
         """Takes a parallel slot, counts the request in its minute, and reserves its worst-case cost
         on the key and its user, all or nothing. Refusals are APIErrors (429 limits, 400 budget)."""
+        if key.holds_nothing:
+            return key.nothing_held()  # no write
         now = utcnow()
         window = int(now.timestamp() // 60)
         retry_after = {"Retry-After": str(max(1, 60 - now.second))}
         parallel = key.max_parallel_requests is not None
         counted = key.rpm_limit is not None or key.tpm_limit is not None
-        if not (key.budgeted or parallel or counted):
-            return Reservation(key.id, key.user_id, 0.0, False, window)  # nothing to hold: no write
         worst_cost = worst_cost if key.budgeted else 0.0
         with self.transaction() as conn:
             if key.budgeted:
