@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from treeserve.gateway.key_cache import KeyCache
-from treeserve.gateway.store import KeyRecord
+from treeserve.gateway.keys import KeyRecord
 
 RECORD = KeyRecord(1, "sk-...abcd", "bench", None, None, None, None, None, None)
 

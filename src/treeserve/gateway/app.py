@@ -24,13 +24,13 @@ from treeserve.gateway.chat.routes import ChatApp
 from treeserve.gateway.config import BROKER_SCHEMES, GatewayConfig
 from treeserve.gateway.health import health_loop
 from treeserve.gateway.key_cache import KeyCache
-from treeserve.gateway.keys import same_secret
+from treeserve.gateway.keys import KeyRecord, same_secret
 from treeserve.gateway.metrics import GatewayMetrics
 from treeserve.gateway.proxy import Forwarder, Outcome, new_request_id
 from treeserve.gateway.routing import Router, affinity_key
-from treeserve.gateway.settlement import Settlement
+from treeserve.gateway.settlement import Reservation, Settlement
 from treeserve.gateway.database import default_url
-from treeserve.gateway.store import KeyRecord, Reservation, Store, utcnow
+from treeserve.gateway.store import Store, utcnow
 from treeserve.server.errors import APIError, error_response, from_value_error, install_error_handlers
 
 log = logging.getLogger("treeserve.gateway")

@@ -9,7 +9,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
 from treeserve.gateway.keys import hash_key
-from treeserve.gateway.store import KeyRecord
+from treeserve.gateway.keys import KeyRecord
 
 
 class KeyCache:

@@ -1,4 +1,5 @@
-"""Virtual keys: made from the system's CSPRNG, shown once, stored as their SHA-256.
+"""Virtual keys: made from the system's CSPRNG, shown once, stored as their SHA-256; and the
+`KeyRecord` a request carries (its key's limits, read once per request).
 
 A key carries 256 random bits, so a fast hash is the right one (passwords, which are guessable,
 get a slow hash instead): nobody can search that space, and each request checks its key in
@@ -10,6 +11,10 @@ import hashlib
 import hmac
 import re
 import secrets
+from dataclasses import dataclass
+
+from treeserve.gateway.schema import utcnow
+from treeserve.gateway.settlement import Reservation
 
 PREFIX = "sk-"
 _DURATION = re.compile(r"^\s*(\d+)\s*(s|m|h|d|w)\s*$")
@@ -41,3 +46,40 @@ def parse_duration(text: str, param: str) -> dt.timedelta:
         raise ParamError(param, f"{param}: expected a duration such as '30s', '15m', '12h', '30d' or '2w', "
                          f"got {text!r}")
     return dt.timedelta(**{_UNITS[match.group(2)]: int(match.group(1))})
+
+
+@dataclass(frozen=True)
+class KeyRecord:
+    """What a request needs to know about its key, read once per request."""
+    id: int
+    key_name: str
+    key_alias: str | None
+    user_id: str | None
+    models: list | None
+    user_models: list | None
+    rpm_limit: int | None
+    tpm_limit: int | None
+    max_parallel_requests: int | None
+    budgeted: bool = False  # the key or its user has a max_budget
+    expires_at: dt.datetime | None = None
+
+    @property
+    def expired(self) -> bool:
+        return self.expires_at is not None and self.expires_at <= utcnow()
+
+    @property
+    def label(self) -> str:
+        return self.key_alias or self.key_name
+
+    def allows(self, model: str) -> bool:
+        return all(not allowed or model in allowed for allowed in (self.models, self.user_models))
+
+    @property
+    def holds_nothing(self) -> bool:
+        """No budget, no parallel, rate or token limit: admitting a request on this key writes nothing."""
+        return not self.budgeted and self.max_parallel_requests is None and self.rpm_limit is None \
+            and self.tpm_limit is None
+
+    def nothing_held(self) -> Reservation:
+        """The reservation of a request on a key that holds nothing (the master key's too)."""
+        return Reservation(self.id, self.user_id, 0.0, False, 0)

@@ -17,7 +17,6 @@ import threading
 import uuid
 from collections import defaultdict
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 from alembic import command
@@ -28,6 +27,7 @@ from sqlalchemy.orm import Session
 
 from treeserve.errors import ParamError
 from treeserve.gateway import keys as keylib
+from treeserve.gateway.keys import KeyRecord
 from treeserve.gateway.database import make_engine
 from treeserve.gateway.schema import ApiKey, DailySpend, Holding, Instance, RateWindow, SpendLog, User, utcnow
 from treeserve.gateway.settlement import Reservation, Settlement, SettlementWriter, apply_settlements
@@ -45,43 +45,6 @@ USER_FIELDS = ("max_budget", "budget_duration", "models", "metadata")
 def aware(value: dt.datetime | None) -> dt.datetime | None:
     """SQLite hands datetimes back without their zone; every one stored here is UTC."""
     return value.replace(tzinfo=dt.timezone.utc) if value is not None and value.tzinfo is None else value
-
-
-@dataclass(frozen=True)
-class KeyRecord:
-    """What a request needs to know about its key, read once per request."""
-    id: int
-    key_name: str
-    key_alias: str | None
-    user_id: str | None
-    models: list | None
-    user_models: list | None
-    rpm_limit: int | None
-    tpm_limit: int | None
-    max_parallel_requests: int | None
-    budgeted: bool = False  # the key or its user has a max_budget
-    expires_at: dt.datetime | None = None
-
-    @property
-    def expired(self) -> bool:
-        return self.expires_at is not None and self.expires_at <= utcnow()
-
-    @property
-    def label(self) -> str:
-        return self.key_alias or self.key_name
-
-    def allows(self, model: str) -> bool:
-        return all(not allowed or model in allowed for allowed in (self.models, self.user_models))
-
-    @property
-    def holds_nothing(self) -> bool:
-        """No budget, no parallel, rate or token limit: admitting a request on this key writes nothing."""
-        return not self.budgeted and self.max_parallel_requests is None and self.rpm_limit is None \
-            and self.tpm_limit is None
-
-    def nothing_held(self) -> Reservation:
-        """The reservation of a request on a key that holds nothing (the master key's too)."""
-        return Reservation(self.id, self.user_id, 0.0, False, 0)
 
 
 class Store:

@@ -11,9 +11,10 @@ import secrets
 from sqlalchemy import delete, func, insert, select, update
 
 from treeserve.gateway import keys as keylib
+from treeserve.gateway.keys import KeyRecord
 from treeserve.gateway.passwords import hash_password, needs_rehash, verify_password
 from treeserve.gateway.schema import ApiKey, ChatMessage, ChatSession, Conversation, SpendLog, User, utcnow
-from treeserve.gateway.store import KeyRecord, Store, aware, iso
+from treeserve.gateway.store import Store, aware, iso
 from treeserve.server.errors import APIError
 
 SESSION_LIFETIME = dt.timedelta(days=7)
