@@ -87,6 +87,23 @@ def test_a_budget_resets_after_its_period(store):
     assert info["spend"] == 0.0 and dt.datetime.fromisoformat(info["budget_reset_at"]) > utcnow() + dt.timedelta(days=29)
 
 
+def test_only_a_key_without_any_limit_is_admitted_without_the_database(store):
+    """The app admits a key that holds nothing on its event loop, without `Store.admit`: every kind
+    of limit (a user's budget included) must make the key hold something."""
+    store.create_user("capped", max_budget=5.0)
+    limited = [dict(max_budget=1.0), dict(max_parallel_requests=1), dict(rpm_limit=10), dict(tpm_limit=100),
+               dict(user_id="capped")]
+    for fields in limited:
+        key = store.authenticate(store.create_key(**fields)[0])
+        assert not key.holds_nothing, fields
+        reservation = store.admit(key, 0.5)
+        assert reservation.holding_id is not None or reservation.counted, fields
+    free = store.authenticate(store.create_key(user_id="free")[0])
+    assert free.holds_nothing and store.admit(free, 0.5) == free.nothing_held()
+    with store.session() as s:
+        assert s.query(Holding).filter(Holding.key_id == free.id).count() == 0
+
+
 def test_key_fields_are_checked(store):
     with pytest.raises(ParamError) as bad:
         store.create_key(budget_duration="monthly")
