@@ -119,3 +119,36 @@ def test_search_rejects_bad_input_naming_the_parameter(multi_server, change, par
     assert resp.status_code in (400, 404), resp.text
     assert resp.json()["error"]["param"] == param
     assert httpx.post(f"{url}/v1/search", json=SEARCH, timeout=120).status_code == 200  # still serving
+
+
+def _gauges(url: str) -> dict[tuple[str, str], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, s.labels.get("model_name", "")): s.value
+            for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text) for s in family.samples}
+
+
+def test_the_gauges_are_current_once_the_server_is_idle(multi_server):
+    """After the last request, /metrics shows the engines as they are (nothing running, only the
+    blocks the scorer keeps in use), without waiting for a later step to refresh it."""
+    import time
+
+    url, app, _ = multi_server
+    assert httpx.post(f"{url}/v1/search", json=SEARCH, timeout=120).status_code == 200
+    for steps in (STEPS, STEPS[:1], STEPS + ["## Step 3: so ten."]):
+        assert httpx.post(f"{url}/v1/rewards", json={"model": "prm", "question": QUESTION, "steps": steps}).status_code == 200
+    with httpx.stream("POST", f"{url}/v1/search", json=dict(SEARCH, stream=True, seed=5), timeout=120) as cut:
+        next(cut.iter_lines())  # the first event, then the client leaves: the search is cancelled
+    engines = app.state.engine.engines
+    for engine in engines.values():
+        wait_idle(engine)
+    held = {name: e.kv.num_blocks_in_use() for name, e in engines.items()}
+    deadline = time.monotonic() + 5
+    while True:
+        gauges = _gauges(url)
+        shown = {name: gauges[("treeserve:kv_blocks_in_use", name)] for name in engines}
+        running = {name: gauges[("treeserve:num_requests_running", name)] for name in engines}
+        if (shown == held and not any(running.values())) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert shown == held and not any(running.values()), (shown, held, running)
