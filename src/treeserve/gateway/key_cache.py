@@ -8,8 +8,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
-from treeserve.gateway.keys import hash_key
-from treeserve.gateway.keys import KeyRecord
+from treeserve.gateway.keys import KeyRecord, hash_key
 
 
 class KeyCache:
