@@ -9,6 +9,11 @@ its median, and the TTFT the gateway adds (median over pairs).
 
     python benchmarks/gateway_overhead.py [--pairs 3] [--concurrency 32] [--num-requests 256]
     python benchmarks/gateway_overhead.py --bench-model   # the ~150M random Llama of peers.py instead
+    python benchmarks/gateway_overhead.py --floor         # also through a bare byte relay (byte_relay.py)
+
+`--floor` adds a third arm to every pair: the same load through `byte_relay.py`, which pipes bytes
+and does nothing else. Its ratio is what a Python hop costs on this machine before any of a
+gateway's work; the gateway's own cost is the distance between the two.
 
 The bundled arith-gen is tiny: it streams ~3,000 tokens/s on 2 cores, and every chunk the gateway
 relays is CPU the engine does not get on the same machine. The ~150M model streams ~10x fewer.
@@ -90,6 +95,8 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--bench-model", action="store_true", help="serve the ~150M random Llama (peers.py's) "
                         "instead of the bundled arith-gen")
+    parser.add_argument("--floor", action="store_true", help="also run each pair through byte_relay.py (a bare "
+                        "byte pipe): the cost of any Python hop on this machine")
     args = parser.parse_args()
     serve_args = ["serve", "--port"]
     args.model = "arith-gen"
@@ -99,24 +106,28 @@ def main() -> int:
         args.model = "bench-150m"
         serve_args = ["serve", str(benchmark_model_dir()), "--served-model-name", args.model, "--port"]
     work = Path(tempfile.mkdtemp(prefix="gateway-overhead-"))
-    server_port, gateway_port = free_port(), free_port()
+    server_port, gateway_port, relay_port = free_port(), free_port(), free_port()
     direct, through = f"http://127.0.0.1:{server_port}", f"http://127.0.0.1:{gateway_port}"
+    relayed = f"http://127.0.0.1:{relay_port}"
     cli = [sys.executable, "-m", "treeserve.cli"]
+    relay = [sys.executable, str(Path(__file__).parent / "byte_relay.py"), str(relay_port), str(server_port)]
     with process(cli + serve_args + [str(server_port)], direct), \
             process(cli + ["gateway", "--backend", f"{args.model}={direct}", "--master-key", MASTER,
-                           "--database", f"sqlite:///{work / 'gateway.db'}", "--port", str(gateway_port)], through):
+                           "--database", f"sqlite:///{work / 'gateway.db'}", "--port", str(gateway_port)], through), \
+            (process(relay, relayed) if args.floor else contextlib.nullcontext()):
         key = httpx.post(through + "/key/generate", headers={"Authorization": f"Bearer {MASTER}"},
                          json={"key_alias": "bench"}, timeout=30).json()["key"]
-        for url, api_key in ((direct, None), (through, key)):  # first runs are slower: not measured
+        arms = [("direct", direct, None), ("gateway", through, key)] + ([("relay", relayed, None)] if args.floor else [])
+        for _, url, api_key in arms:  # first runs are slower: not measured
             load(url, api_key, args, work / "warmup")
         idle = {"direct": idle_ttft_ms(direct, None, args.model), "gateway": idle_ttft_ms(through, key, args.model)}
         print(f"idle TTFT (one request at a time, median of 50): direct {idle['direct']:.2f} ms, "
               f"gateway {idle['gateway']:.2f} ms, added {idle['gateway'] - idle['direct']:+.2f} ms", flush=True)
         runs = []
         for pair in range(args.pairs):
-            order = [("direct", direct, None), ("gateway", through, key)]
             result = {}
-            for name, url, api_key in order if pair % 2 == 0 else order[::-1]:
+            shift = pair % len(arms)  # each arm takes each place in the order in turn
+            for name, url, api_key in arms[shift:] + arms[:shift]:
                 result[name] = load(url, api_key, args, work / f"{name}_{pair}")
                 print(f"pair {pair + 1} {name}: {result[name]['tok_s']:.1f} output tok/s, "
                       f"TTFT p50 {result[name]['ttft_p50_ms']:.1f} ms", flush=True)
@@ -129,8 +140,16 @@ def main() -> int:
           f"(median {statistics.median(ratios):.3f})")
     print(f"TTFT p50 added by the gateway by pair: {', '.join(f'{x:+.1f}' for x in added)} ms "
           f"(median {statistics.median(added):+.1f} ms)")
+    floor = {}
+    if args.floor:
+        floor["ratios"] = [r["relay"]["tok_s"] / r["direct"]["tok_s"] for r in runs]
+        floor["ttft_added_ms"] = [r["relay"]["ttft_p50_ms"] - r["direct"]["ttft_p50_ms"] for r in runs]
+        print(f"floor, a bare byte relay / direct by pair: {', '.join(f'{x:.3f}' for x in floor['ratios'])} "
+              f"(median {statistics.median(floor['ratios']):.3f}), TTFT p50 added "
+              f"{', '.join(f'{x:+.1f}' for x in floor['ttft_added_ms'])} ms "
+              f"(median {statistics.median(floor['ttft_added_ms']):+.1f} ms)")
     print(f"spend logs written: {len(logs)} (every request through the gateway, warm-ups included)")
-    print(json.dumps({"runs": runs, "ratios": ratios, "ttft_added_ms": added, "idle_ttft_ms": idle}))
+    print(json.dumps({"runs": runs, "ratios": ratios, "ttft_added_ms": added, "idle_ttft_ms": idle, "floor": floor}))
     return 0
 
 
