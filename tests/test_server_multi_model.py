@@ -1,8 +1,10 @@
 """A generator and a PRM served together: routing by `model`, POST /v1/rewards, per-model metrics."""
 import asyncio
+import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import running_server, wait_idle
 from treeserve import Runtime
@@ -122,8 +124,6 @@ def test_search_rejects_bad_input_naming_the_parameter(multi_server, change, par
 
 
 def _gauges(url: str) -> dict[tuple[str, str], float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
     return {(s.name, s.labels.get("model_name", "")): s.value
             for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text) for s in family.samples}
 
@@ -131,8 +131,6 @@ def _gauges(url: str) -> dict[tuple[str, str], float]:
 def test_the_gauges_are_current_once_the_server_is_idle(multi_server):
     """After the last request, /metrics shows the engines as they are (nothing running, only the
     blocks the scorer keeps in use), without waiting for a later step to refresh it."""
-    import time
-
     url, app, _ = multi_server
     assert httpx.post(f"{url}/v1/search", json=SEARCH, timeout=120).status_code == 200
     for steps in (STEPS, STEPS[:1], STEPS + ["## Step 3: so ten."]):

@@ -11,7 +11,6 @@ import secrets
 from sqlalchemy import delete, func, insert, select, update
 
 from treeserve.gateway import keys as keylib
-from treeserve.gateway.keys import KeyRecord
 from treeserve.gateway.passwords import hash_password, needs_rehash, verify_password
 from treeserve.gateway.schema import ApiKey, ChatMessage, ChatSession, Conversation, SpendLog, User, utcnow
 from treeserve.gateway.store import Store, aware, iso
@@ -72,7 +71,7 @@ class ChatStore:
         with self.store.transaction() as conn:
             conn.execute(delete(ChatSession).where(ChatSession.token_hash == keylib.hash_key(token)))
 
-    def chat_key(self, user_id: str) -> KeyRecord:
+    def chat_key(self, user_id: str) -> keylib.KeyRecord:
         """The key the chat bills a user's messages to (made on first use; the user's budget and
         model list apply to it as to any key of theirs). Looked up and made in one transaction with
         the user's row locked, so two first sign-ins at once make one key."""
