@@ -25,7 +25,7 @@ from torch.nn import functional as F
 
 from treeserve.model import cpu_kernels
 from treeserve.model.attention import AttentionMetadata, DecodeGroup, PagedRows, TorchSDPABackend, decode_by_matmul
-from treeserve.engine.model_runner import CPU_DECODE_GROUP_MAX_KEYS
+from treeserve.model.backends import CPU_DECODE_GROUP_MAX_KEYS
 
 BLOCK_SIZE, KV_HEADS, HEAD_DIM, NUM_BLOCKS = 16, 4, 32, 8192
 

@@ -4,6 +4,11 @@ import os
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    # Triton kernels run on CPU tensors under Triton's interpreter, which is read when a kernel
+    # module is first imported (only the Triton attention backend's tests import one).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from treeserve.testing.tiny_models import FAMILIES, make_tiny_model
 
 from gateway_support import postgres, rabbitmq  # noqa: F401  (fixtures: a PostgreSQL cluster, a RabbitMQ node)

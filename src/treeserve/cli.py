@@ -30,13 +30,18 @@ def _add_engine_args(parser: argparse.ArgumentParser, several_models: bool = Fal
     parser.add_argument("--kv-cache-memory-bytes", type=int)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--attention-backend", choices=["auto", "triton", "torch"], default="auto",
+                        help="auto: Triton kernels on CUDA, PyTorch (and treeserve's C kernels) on CPU; "
+                        "or TREESERVE_ATTENTION_BACKEND")
+    parser.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
 
 
 def _engine_options(args) -> dict:
     return dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 kv_cache_memory_bytes=args.kv_cache_memory_bytes, block_size=args.block_size,
-                enable_prefix_caching=not args.no_prefix_caching)
+                enable_prefix_caching=not args.no_prefix_caching, attention_backend=args.attention_backend,
+                enforce_eager=args.enforce_eager)
 
 
 def cmd_run(args) -> int:

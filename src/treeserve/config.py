@@ -12,6 +12,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16,
           "float": torch.float32}
 CPU_DEFAULT_KV_BYTES = 1 << 30
+ATTENTION_BACKENDS = ("auto", "triton", "torch")
 
 
 @dataclass
@@ -29,6 +30,8 @@ class EngineConfig:
     cpu_kv_memory_fraction: float = 0.25  # CPU: share of available host memory for KV blocks (cap 1 GiB)
     enable_prefix_caching: bool = True
     seed: int = 0
+    attention_backend: str = "auto"  # "auto" (Triton on CUDA, torch on CPU), "triton" or "torch"
+    enforce_eager: bool = False      # CUDA: no CUDA graphs for decode steps
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -45,6 +48,9 @@ class EngineConfig:
             raise ParamError("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES and not isinstance(self.dtype, torch.dtype):
             raise ParamError("dtype", f"must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ParamError("attention_backend",
+                             f"must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
         if str(self.device) not in ("auto", "cpu") and not str(self.device).startswith("cuda"):
             raise ParamError("device", f"must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
 

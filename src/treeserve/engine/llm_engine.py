@@ -9,6 +9,7 @@ from treeserve.errors import ParamError
 from treeserve.config import EngineConfig
 from treeserve.engine.detokenizer import IncrementalDetokenizer
 from treeserve.engine.kept_kv import KeptSequences
+from treeserve.engine.cuda_graphs import DecodeGraphs
 from treeserve.engine.kv_cache_manager import KVCacheManager
 from treeserve.engine.memory import kv_budget_bytes
 from treeserve.engine.kv_arena import KVSpace, kv_bytes_per_token
@@ -18,6 +19,7 @@ from treeserve.engine.request import Request, RequestGroup
 from treeserve.engine.scheduler import Scheduler
 from treeserve.engine.structured_outputs import StructuredOutputs
 from treeserve.engine.token_budget import serving_token_budget
+from treeserve.model.backends import make_backend, resolve_backend_name
 from treeserve.model.hf_config import load_model_config
 from treeserve.model.loader import build_model, load_generation_defaults, load_tokenizer
 from treeserve.model.registry import resolve_model_path
@@ -47,7 +49,9 @@ class LLMEngine:
         self.max_num_batched_tokens = config.max_num_batched_tokens or serving_token_budget(self.model_config,
                                                                                              self.device)
         torch.manual_seed(config.seed)
+        self.attention_backend = resolve_backend_name(config.attention_backend, self.device, self.dtype)
         self.model = build_model(model_dir, self.model_config, self.dtype, self.device, self.max_model_len)
+        self.model.backend = make_backend(self.attention_backend, self.model_config, self.dtype, self.device)
         self.groups: dict[str, RequestGroup] = {}
         self.last_step_num_tokens = 0
         self.num_steps = 0
@@ -81,8 +85,19 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.max_num_batched_tokens)
         self.scheduler.reclaim = self._reclaim_one
         self.runner = ModelRunner(self.model, self.kv, space.arena, self.dtype, self.device)
-        logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, steps of up to %d tokens",
-                    self.model_dir.name, self.device, self.dtype, num_blocks, block_size, self.max_num_batched_tokens)
+        self.runner.graphs = self._decode_graphs(block_size)
+        logger.info("engine ready: %s on %s (%s, %s attention%s), %d KV blocks of %d tokens, steps of up to %d tokens",
+                    self.model_dir.name, self.device, self.dtype, self.attention_backend,
+                    ", CUDA graphs" if self.runner.graphs else "", num_blocks, block_size, self.max_num_batched_tokens)
+
+    def _decode_graphs(self, block_size: int) -> DecodeGraphs | None:
+        """Decode steps' CUDA graphs, captured now: with Triton attention on CUDA, unless enforce_eager."""
+        if self.attention_backend != "triton" or self.device.type != "cuda" or self.config.enforce_eager:
+            return None
+        graphs = DecodeGraphs(self.model, self.runner.kv_caches, self.config.max_num_seqs,
+                              -(-self.max_model_len // block_size), self.device)
+        graphs.capture()
+        return graphs
 
     def _max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings

@@ -2,31 +2,26 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from treeserve.model.attention import AttentionMetadata, PagedRows, PrefillChunk, paged_prefill_max_context
 from treeserve.engine.kv_arena import KVArena, kv_bytes_per_token
 from treeserve.engine import prompt_logprobs
+from treeserve.engine.cuda_graphs import DecodeGraphs
 from treeserve.engine.kv_cache_manager import KVCacheManager
 from treeserve.engine.request import Request
 from treeserve.engine.sampler import Sampler, SamplerOutput
 from treeserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from treeserve.model.decoder import DecoderForCausalLM
-
-# Where decode attention gathers (no C kernel), on CPU a group's gathered keys are also capped: a
-# large gather is a fresh allocation whose pages the kernel must fault in on every layer. Capped at
-# a few thousand keys, one decode step's attention ran 1.75-5.8x faster at 144 sequences of ~160 tokens and 4.2-5.7x at 480, across runs
-# on a shared 2-core machine (benchmarks/decode_attention.py). CUDA's caching allocator has no
-# such cost.
-CPU_DECODE_GROUP_MAX_KEYS = 4096
+from treeserve.model.transfer import to_device
 
 
 @dataclass
 class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
-    meta: AttentionMetadata
+    meta: Any  # the attention backend's metadata
     order: list[ScheduledRequest]            # requests in flat-batch order
     sample_rows: list[int] = field(default_factory=list)
     sample_requests: list[Request] = field(default_factory=list)
@@ -46,45 +41,61 @@ def kv_bytes_per_block(model: DecoderForCausalLM, block_size: int, dtype: torch.
 
 
 class ModelRunner:
+    """`graphs`: decode-only steps replayed from CUDA graphs where a bucket fits (None: eager)."""
+
     def __init__(self, model: DecoderForCausalLM, kv: KVCacheManager, arena: KVArena, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, graphs: DecodeGraphs | None = None):
         self.model, self.kv, self.arena, self.device = model, kv, arena, device
         self.block_size = kv.block_size
         self.kv_caches = arena.layer_views(model.config, dtype)
         self.sampler = Sampler()
-        self.decode_group_max_keys = CPU_DECODE_GROUP_MAX_KEYS if device.type == "cpu" else None
-        config = model.config
-        self.paged_prefill_max_context = paged_prefill_max_context(dtype, config.num_heads, config.num_kv_heads)
+        self.backend = model.backend
+        self.graphs = graphs
+
+    @property
+    def decode_group_max_keys(self) -> int | None:
+        """The torch backend's cap on one gathered decode group's keys (CPU)."""
+        return getattr(self.backend, "decode_group_max_keys", None)
+
+    @decode_group_max_keys.setter
+    def decode_group_max_keys(self, value: int | None) -> None:
+        self.backend.decode_group_max_keys = value
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self.arena.copy_pages(sched.block_copies)
         inputs = self.prepare_inputs(sched.scheduled)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        hidden = self._forward(inputs)
         sampled = self._sample(hidden, inputs)
         readouts = self._readouts(hidden, inputs)
         prompt = prompt_logprobs.compute(self.model.compute_logits, hidden, inputs.prompt_logprob_rows,
                                          self.model.config.vocab_size) if inputs.prompt_logprob_rows else []
         return ModelRunnerOutput(sampled, readouts, prompt)
 
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        num_rows = inputs.input_ids.shape[0]
+        if self.graphs is not None and self.graphs.fits(num_rows, inputs.meta):
+            return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+
     def _sample(self, hidden: torch.Tensor, inputs: StepInputs) -> dict[str, tuple[int, dict | None]]:
         if not inputs.sample_rows:
             return {}
-        rows = torch.tensor(inputs.sample_rows, device=self.device)
+        rows = to_device(torch.tensor(inputs.sample_rows), self.device)
         logits = self.model.compute_logits(hidden[rows])
         result: SamplerOutput = self.sampler(logits, inputs.sample_requests)
         return {r.request_id: (t, lp) for r, t, lp in zip(inputs.sample_requests, result.token_ids, result.logprobs)}
 
     def _readouts(self, hidden: torch.Tensor, inputs: StepInputs) -> list[tuple[Request, int, torch.Tensor]]:
+        """Each readout row's logits (or the asked columns of them), copied to the host at once."""
         if not inputs.readout_rows:
             return []
-        rows = torch.tensor([row for _, _, row in inputs.readout_rows], device=self.device)
+        rows = to_device(torch.tensor([row for _, _, row in inputs.readout_rows]), self.device)
         logits = self.model.compute_logits(hidden[rows])
-        out = []
-        for i, (request, position, _) in enumerate(inputs.readout_rows):
-            row = logits[i] if request.readout_token_ids is None else logits[i, request.readout_token_ids]
-            out.append((request, position, row.cpu()))
-        return out
+        picked = [logits[i] if request.readout_token_ids is None else logits[i, request.readout_token_ids]
+                  for i, (request, _, _) in enumerate(inputs.readout_rows)]
+        host = torch.cat(picked).cpu().split([row.shape[0] for row in picked])
+        return [(request, position, row) for (request, position, _), row in zip(inputs.readout_rows, host)]
 
     def prepare_inputs(self, scheduled: list[ScheduledRequest]) -> StepInputs:
         decodes = sorted((s for s in scheduled if s.num_new_tokens == 1), key=lambda s: s.request.num_computed_tokens)
@@ -93,21 +104,20 @@ class ModelRunner:
         token_ids: list[int] = []
         positions: list[torch.Tensor] = []
         slots: list[torch.Tensor] = []
-        paged = PagedRows(device=self.device, group_max_keys=self.decode_group_max_keys)
-        meta = AttentionMetadata(slot_mapping=torch.empty(0), block_size=self.block_size, paged=paged)
-        inputs = StepInputs(torch.empty(0), torch.empty(0), meta, decodes + prefills)
-        self._add_decodes(decodes, inputs, token_ids, positions, slots)
+        builder = self.backend.metadata_builder(self.block_size, self.device)
+        inputs = StepInputs(torch.empty(0), torch.empty(0), None, decodes + prefills)
+        self._add_decodes(decodes, inputs, builder, token_ids, positions, slots)
         for s in prefills:
-            self._add_prefill(s, inputs, token_ids, positions, slots)
-        inputs.input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        inputs.positions = torch.cat(positions).to(self.device)
-        meta.slot_mapping = torch.cat(slots).to(self.device)
+            self._add_prefill(s, inputs, builder, token_ids, positions, slots)
+        inputs.input_ids = to_device(torch.tensor(token_ids, dtype=torch.long), self.device)
+        inputs.positions = to_device(torch.cat(positions), self.device)
+        inputs.meta = builder.build(to_device(torch.cat(slots), self.device))
         return inputs
 
     def _paged_prefill(self, s: ScheduledRequest) -> bool:
-        return s.request.num_computed_tokens + s.num_new_tokens <= self.paged_prefill_max_context
+        return s.request.num_computed_tokens + s.num_new_tokens <= self.backend.paged_prefill_max_context
 
-    def _add_decodes(self, decodes, inputs, token_ids, positions, slots) -> None:
+    def _add_decodes(self, decodes, inputs, builder, token_ids, positions, slots) -> None:
         bs = self.block_size
         pos_list, slot_list = [], []
         for s in decodes:
@@ -117,28 +127,22 @@ class ModelRunner:
             token_ids.append(request.all_token_ids[pos])
             pos_list.append(pos)
             slot_list.append(table[-1] * bs + pos % bs)
-            inputs.meta.paged.add_decode(pos + 1, table)
+            builder.add_decode(pos + 1, table)
             self._note_outputs(s, inputs, row=len(token_ids) - 1, first_pos=pos)
         positions.append(torch.tensor(pos_list, dtype=torch.long))
         slots.append(torch.tensor(slot_list, dtype=torch.long))
 
-    def _add_prefill(self, s: ScheduledRequest, inputs, token_ids, positions, slots) -> None:
+    def _add_prefill(self, s: ScheduledRequest, inputs, builder, token_ids, positions, slots) -> None:
         request, bs = s.request, self.block_size
         first, count = request.num_computed_tokens, s.num_new_tokens
         start_row = len(token_ids)
         token_ids.extend(request.all_token_ids[first:first + count])
         pos = torch.arange(first, first + count, dtype=torch.long)
         context_len = first + count
-        num_blocks = -(-context_len // bs)
-        table = self.kv.block_ids(request)[:num_blocks]
-        block_ids = torch.tensor(table, dtype=torch.long)
+        table = self.kv.block_ids(request)[:-(-context_len // bs)]
         positions.append(pos)
-        slots.append(block_ids[pos // bs] * bs + pos % bs)
-        inputs.meta.prefills.append(PrefillChunk(slice(start_row, start_row + count), context_len, count,
-                                                 block_ids.to(self.device)))
-        paged = inputs.meta.paged
-        if self._paged_prefill(s) and paged.num_rows == start_row:  # the paged rows stay a prefix of the batch
-            paged.add_prefill(context_len, count, table)
+        slots.append(torch.tensor(table, dtype=torch.long)[pos // bs] * bs + pos % bs)
+        builder.add_prefill(start_row, context_len, count, table)
         self._note_outputs(s, inputs, row=start_row + count - 1, first_pos=first)
 
     @staticmethod

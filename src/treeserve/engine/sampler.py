@@ -4,6 +4,9 @@ penalties, temperature, top-k/top-p/min-p, seeds, logprobs.
 All filtering is batched over the rows. A row samples by inverse transform: one uniform draw
 against its cumulative probabilities. Requests with their own seed draw that number from their
 own generator, so a seeded request samples the same tokens whatever else shares its batch.
+
+Nothing here waits on the device row by row: decisions come from the requests' parameters (host
+data), and the sampled ids with every asked logprob reach the host in one copy per step.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import torch
 
 from treeserve.engine import structured_outputs
 from treeserve.engine.request import Request
+from treeserve.model.transfer import to_device
 
 
 @dataclass
@@ -30,8 +34,7 @@ class Sampler:
         logits = self._mask_stops_below_min_tokens(logits, requests)
         logits = self._apply_penalties(logits, requests)
         token_ids = self._pick(logits, requests)
-        logprobs = self._gather_logprobs(raw_logprobs, token_ids, requests)
-        return SamplerOutput(token_ids.tolist(), logprobs)
+        return _to_host(token_ids, _logprob_tensors(raw_logprobs, token_ids, requests), requests)
 
     @staticmethod
     def _add_logit_bias(logits, params) -> None:
@@ -60,8 +63,8 @@ class Sampler:
         presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
         frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
         logits = logits - frequency * counts - presence * (counts > 0)
-        repetition = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
-        if (repetition != 1).any():
+        if any(p.repetition_penalty != 1 for p in params):
+            repetition = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
             seen = (counts + _token_counts([r.prompt_token_ids for r in requests], vocab, device)) > 0
             penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
             logits = torch.where(seen, penalised, logits)
@@ -69,33 +72,52 @@ class Sampler:
 
     def _pick(self, logits, requests):
         params = [r.sampling_params for r in requests]
-        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
         token_ids = logits.argmax(dim=-1)
-        if greedy.all():
+        if all(p.greedy for p in params):
             return token_ids
+        greedy = to_device(torch.tensor([p.greedy for p in params]), logits.device)
         temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=logits.device)
         probs = torch.softmax(_filter(logits / temperature[:, None], params), dim=-1)
         sampled = _inverse_transform(probs, _uniform_draws(requests, probs.device))
         return torch.where(greedy, token_ids, sampled)
 
-    @staticmethod
-    def _gather_logprobs(raw_logprobs, token_ids, requests):
-        out: list[dict[int, tuple[float, int]] | None] = []
-        for row, request in enumerate(requests):
-            k = request.sampling_params.logprobs
-            if k is None:
-                out.append(None)
-                continue
-            row_lp = raw_logprobs[row]
-            chosen = int(token_ids[row])
-            chosen_lp = row_lp[chosen]
-            entry = {chosen: (float(chosen_lp), int((row_lp > chosen_lp).sum()) + 1)}
-            if k > 0:
-                top_lp, top_ids = row_lp.topk(k)
-                for rank, (tid, lp) in enumerate(zip(top_ids.tolist(), top_lp.tolist()), start=1):
-                    entry.setdefault(tid, (lp, rank))
-            out.append(entry)
-        return out
+
+
+def _logprob_tensors(raw_logprobs, token_ids, requests):
+    """For the rows that asked for logprobs: (rows, chosen token's logprob, its rank, top-k logprobs,
+    top-k ids), on the device, k the largest asked; None if no row asked."""
+    rows = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+    if not rows:
+        return None
+    index = to_device(torch.tensor(rows), raw_logprobs.device)
+    lp = raw_logprobs.index_select(0, index)
+    chosen_lp = lp.gather(1, token_ids.index_select(0, index)[:, None]).squeeze(1)
+    ranks = (lp > chosen_lp[:, None]).sum(dim=-1) + 1
+    top_lp, top_ids = lp.topk(max(requests[i].sampling_params.logprobs for i in rows))
+    return rows, chosen_lp, ranks, top_lp, top_ids
+
+
+def _to_host(token_ids: torch.Tensor, logprobs, requests: list[Request]) -> SamplerOutput:
+    """Sampled ids and logprobs in one device-to-host copy (float64 holds every token id exactly)."""
+    parts = [token_ids.double()]
+    if logprobs is not None:
+        parts += [t.double().flatten() for t in logprobs[1:]]
+    host = torch.cat(parts).cpu().tolist()
+    batch = len(requests)
+    tokens = [int(t) for t in host[:batch]]
+    out: list[dict[int, tuple[float, int]] | None] = [None] * batch
+    if logprobs is not None:
+        rows, k = logprobs[0], logprobs[3].shape[1]
+        count = len(rows)
+        chosen_lp, ranks = host[batch:batch + count], host[batch + count:batch + 2 * count]
+        top_lp, top_ids = host[batch + 2 * count:batch + 2 * count + count * k], host[batch + 2 * count + count * k:]
+        for i, row in enumerate(rows):
+            entry = {tokens[row]: (chosen_lp[i], int(ranks[i]))}
+            wanted = requests[row].sampling_params.logprobs
+            for rank in range(1, wanted + 1):
+                entry.setdefault(int(top_ids[i * k + rank - 1]), (top_lp[i * k + rank - 1], rank))
+            out[row] = entry
+    return SamplerOutput(tokens, out)
 
 
 def _token_counts(token_lists: list[list[int]], vocab: int, device) -> torch.Tensor:
@@ -115,7 +137,7 @@ def _filter(logits: torch.Tensor, params) -> torch.Tensor:
     top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=logits.device)
     top_p = torch.tensor([p.top_p for p in params], device=logits.device)
     min_p = torch.tensor([p.min_p for p in params], device=logits.device)
-    if (top_k < vocab).any() or (top_p < 1).any():
+    if any(0 < p.top_k < vocab for p in params) or any(p.top_p < 1 for p in params):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=logits.device)[None, :]
         drop = ranks >= top_k[:, None]
@@ -123,7 +145,7 @@ def _filter(logits: torch.Tensor, params) -> torch.Tensor:
         drop |= (sorted_probs.cumsum(dim=-1) - sorted_probs) > top_p[:, None]
         drop[:, 0] = False
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
-    if (min_p > 0).any():
+    if any(p.min_p > 0 for p in params):
         probs = torch.softmax(logits, dim=-1)
         logits = logits.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, float("-inf"))
     return logits
@@ -135,7 +157,7 @@ def _uniform_draws(requests: list[Request], device) -> torch.Tensor:
     for row, request in enumerate(requests):
         if request.generator is not None:
             draws[row] = float(torch.rand((), dtype=torch.float64, generator=request.generator))
-    return draws.to(device)
+    return to_device(draws, device)
 
 
 def _inverse_transform(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
@@ -146,7 +168,5 @@ def _inverse_transform(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor
     tokens = torch.searchsorted(cumulative, targets[:, None], right=True).squeeze(1).clamp(max=probs.shape[1] - 1)
     # Rounding can land a target on the total: take the row's last possible token instead.
     impossible = probs.gather(1, tokens[:, None]).squeeze(1) <= 0
-    if impossible.any():
-        last_possible = probs.shape[1] - 1 - (probs.flip(-1) > 0).to(torch.int8).argmax(dim=-1)
-        tokens = torch.where(impossible, last_possible, tokens)
-    return tokens
+    last_possible = probs.shape[1] - 1 - (probs.flip(-1) > 0).to(torch.int8).argmax(dim=-1)
+    return torch.where(impossible, last_possible, tokens)

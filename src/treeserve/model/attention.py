@@ -180,10 +180,43 @@ class AttentionMetadata:
         return self._masks[key]
 
 
+@dataclass
+class TorchMetadataBuilder:
+    """Collects a step's sequences in flat-batch order (decode rows first) into `AttentionMetadata`."""
+    block_size: int
+    device: torch.device
+    paged: PagedRows
+    paged_prefill_max_context: int = 0
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+    def add_decode(self, context_len: int, block_ids: list[int]) -> None:
+        self.paged.add_decode(context_len, block_ids)
+
+    def add_prefill(self, first_row: int, context_len: int, query_len: int, block_ids: list[int]) -> None:
+        rows = slice(first_row, first_row + query_len)
+        self.prefills.append(PrefillChunk(rows, context_len, query_len,
+                                          torch.tensor(block_ids, dtype=torch.long).to(self.device)))
+        if context_len <= self.paged_prefill_max_context and self.paged.num_rows == first_row:
+            self.paged.add_prefill(context_len, query_len, block_ids)  # the paged rows stay a prefix of the batch
+
+    def build(self, slot_mapping: torch.Tensor) -> AttentionMetadata:
+        return AttentionMetadata(slot_mapping, self.block_size, prefills=self.prefills, paged=self.paged)
+
+
 class TorchSDPABackend:
-    """Attention with PyTorch's SDPA kernels over gathered cache blocks."""
+    """Attention with PyTorch's SDPA kernels over gathered cache blocks (and, on CPU, treeserve's
+    C kernel for the paged rows). `paged_prefill_max_context`: see `paged_prefill_max_context()`;
+    `decode_group_max_keys`: the cap on one gathered decode group's keys (None: no cap)."""
 
     name = "torch_sdpa"
+
+    def __init__(self, paged_prefill_max_context: int = 0, decode_group_max_keys: int | None = None):
+        self.paged_prefill_max_context = paged_prefill_max_context
+        self.decode_group_max_keys = decode_group_max_keys
+
+    def metadata_builder(self, block_size: int, device: torch.device) -> TorchMetadataBuilder:
+        paged = PagedRows(device=device, group_max_keys=self.decode_group_max_keys)
+        return TorchMetadataBuilder(block_size, device, paged, self.paged_prefill_max_context)
 
     def forward(
         self,

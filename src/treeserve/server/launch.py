@@ -75,7 +75,8 @@ def app_from_args(args):
                      dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                      max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                      kv_cache_memory_bytes=args.kv_cache_memory_bytes, block_size=args.block_size,
-                     enable_prefix_caching=not args.no_prefix_caching, engine_thread=False,
+                     enable_prefix_caching=not args.no_prefix_caching, attention_backend=args.attention_backend,
+                     enforce_eager=args.enforce_eager, engine_thread=False,
                      chat_template=chat_template, tool_settings=tool_settings)
 
 

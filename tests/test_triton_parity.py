@@ -1,0 +1,55 @@
+"""The HF parity tests of test_hf_parity (logits, greedy tokens, logprobs within the same
+tolerances) on every tiny family, with the engine's attention through treeserve's Triton kernels:
+under Triton's interpreter on CPU, compiled on a CUDA device. The engine on the Triton backend with
+decode steps through the CUDA-graph buffers (padded buckets) gives the same tokens."""
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
+
+from conftest import assert_no_leak  # noqa: E402
+from test_hf_parity import DEVICES, _hf_model, test_greedy_batch_matches_hf_generate, test_prompt_logits_match_hf  # noqa: E402,F401
+from treeserve import LLM, SamplingParams  # noqa: E402
+from treeserve.engine.cuda_graphs import DecodeGraphs, capture_sizes  # noqa: E402
+from treeserve.testing.tiny_models import FAMILIES  # noqa: E402
+
+
+@pytest.fixture(scope="module", params=[(f, d) for d in DEVICES for f in FAMILIES], ids="-".join)
+def family_setup(request, tiny_model_dirs):
+    family, device = request.param
+    path = tiny_model_dirs[family]
+    llm = LLM(str(path), dtype="float32", device=device, kv_cache_memory_bytes=8 << 20, attention_backend="triton")
+    assert llm.engine.model.backend.name == "triton"
+    return family, llm, _hf_model(path, device)
+
+
+def test_capture_sizes():
+    assert capture_sizes(256) == [1, 2, 4, 8] + list(range(16, 257, 16))
+    assert capture_sizes(5) == [1, 2, 4, 5]
+    assert capture_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+
+
+PROMPTS = ["Hello there", "The water is", "A long time ago in a place far away", "x", "Step 1: add"]
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_decode_steps_through_graph_buffers_give_the_same_tokens(tiny_model_dirs, family):
+    """Decode steps replayed over the static, padded buffers (eagerly without CUDA), including the
+    split-KV kernel, give the tokens of plain eager steps; padded rows write no cache block."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    path = str(tiny_model_dirs[family])
+    options = dict(dtype="float32", kv_cache_memory_bytes=8 << 20, max_num_seqs=6, attention_backend="triton",
+                   enforce_eager=True)
+    eager = LLM(path, **options).generate(PROMPTS, params, use_tqdm=False)
+    llm = LLM(path, **options)
+    engine = llm.engine
+    graphs = DecodeGraphs(engine.model, engine.runner.kv_caches, 6, -(-engine.max_model_len // engine.kv.block_size),
+                          engine.device, use_graphs=torch.cuda.is_available() and engine.device.type == "cuda")
+    engine.model.backend.split_kv_min_programs = 16  # every batch of 1-6 sequences (2 KV heads) splits its keys
+    graphs.capture()
+    engine.runner.graphs = graphs
+    replayed = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in replayed] == [o.outputs[0].token_ids for o in eager]
+    assert graphs.num_replays >= params.max_tokens - 1
+    assert all(meta.split_buffers is not None for meta in graphs.metas.values())
+    assert_no_leak(engine)
