@@ -8,13 +8,17 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
 
 from conftest import assert_no_leak  # noqa: E402
-from test_hf_parity import DEVICES, _hf_model, test_greedy_batch_matches_hf_generate, test_prompt_logits_match_hf  # noqa: E402,F401
+from test_hf_parity import _hf_model, test_greedy_batch_matches_hf_generate, test_prompt_logits_match_hf  # noqa: E402,F401
 from treeserve import LLM, SamplingParams  # noqa: E402
 from treeserve.engine.cuda_graphs import DecodeGraphs, capture_sizes  # noqa: E402
 from treeserve.testing.tiny_models import FAMILIES  # noqa: E402
 
 
-@pytest.fixture(scope="module", params=[(f, d) for d in DEVICES for f in FAMILIES], ids="-".join)
+# compiled on a CUDA device; without one, interpreted on the CPU (the interpreter serves no other case)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(scope="module", params=[(f, DEVICE) for f in FAMILIES], ids="-".join)
 def family_setup(request, tiny_model_dirs):
     family, device = request.param
     path = tiny_model_dirs[family]

@@ -50,7 +50,8 @@ class LLMEngine:
                                                                                              self.device)
         torch.manual_seed(config.seed)
         self.attention_backend = resolve_backend_name(config.attention_backend, self.device, self.dtype)
-        self.model = build_model(model_dir, self.model_config, self.dtype, self.device, self.max_model_len)
+        self.model = build_model(model_dir, self.model_config, self.dtype, self.device, self.max_model_len,
+                                 config.load_format, config.seed)
         self.model.backend = make_backend(self.attention_backend, self.model_config, self.dtype, self.device)
         self.groups: dict[str, RequestGroup] = {}
         self.last_step_num_tokens = 0

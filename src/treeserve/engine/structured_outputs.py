@@ -17,12 +17,16 @@ import logging
 import threading
 from collections import OrderedDict
 
-import llguidance
-import llguidance.hf
+import importlib
+from typing import TYPE_CHECKING
+
 import torch
 
 from treeserve.errors import ParamError
 from treeserve.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import llguidance
 
 CACHE_SIZE = 256  # compiled grammars kept per engine
 # JSON without free whitespace between tokens (llguidance's default allows any): small models
@@ -45,7 +49,7 @@ class StructuredOutputs:
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:
-            self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size,
+            self._tokenizer = _llguidance("hf").from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size,
                                                            eos_token=self._eos or None)
         return self._tokenizer
 
@@ -67,6 +71,7 @@ class StructuredOutputs:
         return self.compile(spec).deep_copy()
 
     def _build(self, kind: str, text: str) -> llguidance.LLMatcher:
+        llguidance = _llguidance()
         param = "structured_outputs." + {"json_schema": "json", "choice": "choice"}.get(kind, kind)
         try:
             if kind == "json_schema":
@@ -82,6 +87,12 @@ class StructuredOutputs:
         if matcher.is_error():
             raise ParamError(param, f"the grammar engine cannot compile it: {matcher.get_error().strip()}")
         return matcher
+
+
+def _llguidance(submodule: str = ""):
+    """The grammar engine, imported where a grammar is first compiled: an engine that serves no
+    structured output runs without it (the GPU machine's image has no llguidance)."""
+    return importlib.import_module("llguidance" + (f".{submodule}" if submodule else ""))
 
 
 def apply(logits: torch.Tensor, matchers: list[llguidance.LLMatcher | None]) -> None:

@@ -106,15 +106,35 @@ def _copy_into(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
 
 
 def build_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                max_positions: int) -> DecoderForCausalLM:
+                max_positions: int, load_format: str = "auto", seed: int = 0) -> DecoderForCausalLM:
+    """`load_format="dummy"`: random weights made on the device, no checkpoint read (vLLM's name;
+    for benchmarks of large shapes: the directory needs only config.json and a tokenizer)."""
     with torch.device("meta"):
         model = DecoderForCausalLM(config, max_positions)
     model = model.to_empty(device=device).to(dtype)
     # RoPE tables stay in float32 (as in transformers); they were only placeholders on "meta".
     model.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions).to(device)
-    load_weights(model, model_dir)
+    if load_format == "dummy":
+        init_dummy_weights(model, seed)
+    else:
+        load_weights(model, model_dir)
     pack_linears(model, dtype, device)
     return model.eval()
+
+
+@torch.no_grad()
+def init_dummy_weights(model: DecoderForCausalLM, seed: int, std: float = 0.02) -> None:
+    """Norm weights 1, biases 0, every other weight normal(0, std) (transformers' initialiser)."""
+    generator = None
+    for name, param in model.named_parameters():
+        if generator is None:
+            generator = torch.Generator(device=param.device).manual_seed(seed)
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif name.endswith("bias"):
+            param.zero_()
+        else:
+            param.normal_(0.0, std, generator=generator)
 
 
 def load_generation_defaults(model_dir: Path, config: ModelConfig) -> GenerationDefaults:

@@ -1,0 +1,296 @@
+"""The GPU check in one command (about 8 minutes on one H100 or H200), with only what that machine has.
+
+    PYTHONPATH=src python3 benchmarks/gpu.py --out $OUT      # on the GPU machine (no install needed)
+    python benchmarks/gpu.py --smoke --device cpu            # here: tiny shapes, every code path
+
+Sections, each timed and reported even when another fails (the JSON is rewritten after each):
+1. tests: the CUDA tests (tests/test_cuda.py, the Triton kernel and parity tests compiled on the
+   device, the HF parity tests on cuda).
+2. offline: a random Llama-3.2-1B-shaped model in bfloat16, 256 requests (prompts 64-1,024 tokens,
+   outputs 64-512, EOS ignored): treeserve's output tok/s against HF transformers' continuous
+   batching (`generate_batch`'s manager, SDPA, its CUDA graphs asked for) and HF static batching
+   (batches of 64), all in this run.
+3. decode: one decode step's time at batch 1, 8, 64 and 256 (context ~1k) against the bound
+   (weight bytes + KV bytes read) / (device-to-device copy bandwidth measured in this run).
+4. bundled search: the bundled arith-gen/arith-prm pair's beam search (N=16), problems/s on the GPU
+   and on this machine's CPU.
+5. founding search: the founding study's shapes on one GPU (a Llama-3.2-1B-shaped generator and a
+   Llama-3.1-8B-shaped PRM, random weights made on the device, steps of fixed length): beam search
+   N=16 problems/s in one shared KV arena and with static generator/PRM splits.
+Prints one table (figure, treeserve, peer or bound, ratio, target) and writes it with every raw
+figure to OUT/gpu.json.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import random
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import gpu_models as gm  # noqa: E402
+
+from treeserve import LLM, Runtime, SamplingParams  # noqa: E402
+from treeserve.search.config import SearchConfig  # noqa: E402
+from treeserve.search.runner import SearchRunner  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CUDA_TESTS = ["tests/test_cuda.py", "tests/test_triton_kernels.py", "tests/test_triton_parity.py",
+              "tests/test_hf_parity.py", "tests/test_attention_backends.py"]
+
+
+def free_device_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run_tests(args) -> dict:
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *CUDA_TESTS]
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    start = time.perf_counter()
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.tests_timeout)
+    tail = (done.stdout + done.stderr).strip().splitlines()[-15:]
+    print("\n".join(tail))
+    return {"returncode": done.returncode, "seconds": time.perf_counter() - start, "tail": tail}
+
+
+def offline_workload(count: int, vocab: int, seed: int, smoke: bool):
+    rng = random.Random(seed)
+    prompt_range, output_range = ((8, 48), (4, 24)) if smoke else ((64, 1024), (64, 512))
+    prompts = [[rng.randrange(10, vocab) for _ in range(rng.randint(*prompt_range))] for _ in range(count)]
+    return prompts, [rng.randint(*output_range) for _ in range(count)]
+
+
+def engine_options(args, **extra) -> dict:
+    options = dict(dtype=args.dtype, device=args.device, load_format="dummy", enable_prefix_caching=False,
+                   max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=2048)
+    if args.smoke:
+        options.update(kv_cache_memory_bytes=64 << 20, max_num_batched_tokens=2048)
+    options.update(extra)
+    return options
+
+
+def run_offline(args, generator_dir: Path) -> dict:
+    vocab = gm.TINY["vocab_size"] if args.smoke else gm.LLAMA_3_2_1B["vocab_size"]
+    prompts, lengths = offline_workload(args.requests, vocab, 0, args.smoke)
+    llm = LLM(str(generator_dir), **engine_options(args))
+    llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+    result = {"treeserve": {"seconds": seconds, "output_tokens": produced, "tok_s": produced / seconds,
+                            "backend": llm.engine.attention_backend, "cuda_graphs": llm.engine.runner.graphs is not None}}
+    del llm, outputs
+    free_device_memory()
+    print(f"treeserve: {produced / seconds:,.0f} output tok/s ({seconds:.1f} s)")
+    device = torch.device(args.device)
+    model = gm.hf_model(generator_dir, dtype_of(args), device)
+    for name, run in (("hf_continuous", lambda: gm.hf_continuous(model, prompts, lengths, device.type == "cuda",
+                                                                  args.hf_timeout)),
+                      ("hf_static", lambda: gm.hf_static(model, prompts, lengths, args.hf_batch, device))):
+        try:
+            result[name] = run()
+            print(f"{name}: {result[name]['tok_s']:,.0f} output tok/s ({result[name]['seconds']:.1f} s)")
+        except Exception as exc:  # a peer's API may differ on the machine's transformers: report, go on
+            result[name] = {"error": f"{type(exc).__name__}: {exc}"}
+            print(f"{name} failed: {result[name]['error']}")
+    del model
+    free_device_memory()
+    return result
+
+
+def dtype_of(args) -> torch.dtype:
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
+
+
+def run_decode(args, generator_dir: Path) -> dict:
+    """Median decode-step time at each batch size once every sequence has ~`context` tokens."""
+    device = torch.device(args.device)
+    bandwidth = gm.copy_bandwidth(device, nbytes=(64 << 20) if args.smoke else (1 << 30))
+    llm = LLM(str(generator_dir), **engine_options(args))
+    engine = llm.engine
+    weight_bytes = gm.parameter_bytes(engine.model)
+    context = 48 if args.smoke else 1000
+    rows = {"copy_bandwidth_bytes_s": bandwidth, "weight_bytes": weight_bytes, "batches": {}}
+    for batch in args.decode_batches:
+        step_s = _decode_step_seconds(engine, batch, context, args.decode_steps)
+        kv_read = batch * (context + args.decode_steps // 2) * engine.kv_bytes_per_token()
+        bound = (weight_bytes + kv_read) / bandwidth
+        rows["batches"][batch] = {"step_ms": step_s * 1e3, "bound_ms": bound * 1e3, "x_bound": step_s / bound}
+        print(f"decode batch {batch}: {step_s * 1e3:.3f} ms/step, bound {bound * 1e3:.3f} ms ({step_s / bound:.2f}x)")
+    del llm, engine
+    free_device_memory()
+    return rows
+
+
+def _decode_step_seconds(engine, batch: int, context: int, steps: int) -> float:
+    rng = random.Random(batch)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"decode-{batch}-{i}", [rng.randrange(10, vocab) for _ in range(context)], params)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running + list(engine.scheduler.waiting)):
+        engine.step()
+    times = []
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        engine.step()  # ends in the one copy of sampled ids to the host: the step is done
+        times.append(time.perf_counter() - start)
+    full = [t for t in times[:steps]]
+    return sorted(full)[len(full) // 2]
+
+
+def search_questions(args, vocab: int, count: int) -> list[str]:
+    return gm.questions(count, 24 if args.smoke else 96, vocab, seed=1)
+
+
+def run_bundled_search(args) -> dict:
+    from treeserve.model.registry import DEFAULT_GENERATOR, DEFAULT_VERIFIER
+    from treeserve.search.config import declared_aggregation
+    from treeserve.tasks.arithmetic import generate
+
+    problems = [p.text for p in generate("test", args.bundled_problems, seed=0)]
+    result = {}
+    for device in dict.fromkeys([args.device, "cpu"]):
+        rt = Runtime({"gen": DEFAULT_GENERATOR, "prm": DEFAULT_VERIFIER}, device=device,
+                     kv_cache_memory_bytes=256 << 20)
+        runner = SearchRunner(rt.engine("gen"), rt.scorer("prm"))
+        config = SearchConfig(strategy="beam", n=16, beam_width=4, num_iterations=8, max_tokens=64, seed=0,
+                              agg_strategy=declared_aggregation(rt.engine("prm").model_dir))
+        runner.run(problems[:2], config)  # warm-up
+        start = time.perf_counter()
+        runner.run(problems, config)
+        seconds = time.perf_counter() - start
+        result[device] = {"problems_s": len(problems) / seconds, "seconds": seconds}
+        print(f"bundled beam search on {device}: {len(problems) / seconds:.2f} problems/s")
+        rt.close()
+        del rt, runner
+        free_device_memory()
+    return result
+
+
+def run_founding_search(args, generator_dir: Path, verifier_dir: Path) -> dict:
+    vocab = gm.TINY["vocab_size"] if args.smoke else gm.LLAMA_3_2_1B["vocab_size"]
+    questions = search_questions(args, vocab, args.search_problems)
+    config = SearchConfig(strategy="beam", n=16, beam_width=4, num_iterations=args.search_depth,
+                          max_tokens=args.step_tokens, system_prompt=None, seed=0)
+    result = {}
+    for label, options in [("shared", {})] + [(f"gen={f}", {"kv_mode": "static", "kv_fractions": {"gen": f, "prm": 1 - f}})
+                                              for f in args.splits]:
+        rt = Runtime({"gen": str(generator_dir), "prm": str(verifier_dir)}, dtype=args.dtype, device=args.device,
+                     load_format="dummy", max_model_len=2048, max_num_batched_tokens=8192,
+                     **({"kv_cache_memory_bytes": 64 << 20} if args.smoke else {}), **options)
+        runner = SearchRunner(rt.engine("gen"), rt.scorer("prm"))
+        start = time.perf_counter()
+        runner.run(questions, config)
+        seconds = time.perf_counter() - start
+        result[label] = {"problems_s": len(questions) / seconds, "seconds": seconds}
+        print(f"founding-shape beam search ({label}): {len(questions) / seconds:.3f} problems/s")
+        rt.close()
+        del rt, runner
+        free_device_memory()
+    return result
+
+
+def table(results: dict) -> list[list[str]]:
+    rows = [["figure", "treeserve", "peer or bound", "ratio", "target"]]
+    offline = results.get("offline", {})
+    ours = offline.get("treeserve", {}).get("tok_s")
+    for peer, target in (("hf_continuous", ">= 2x (goal 4x)"), ("hf_static", ">= 5x")):
+        theirs = offline.get(peer, {}).get("tok_s")
+        if ours and theirs:
+            rows.append([f"offline tok/s vs {peer}", f"{ours:,.0f}", f"{theirs:,.0f}", f"{ours / theirs:.2f}x", target])
+    for batch, row in results.get("decode", {}).get("batches", {}).items():
+        target = "<= 2x (goal 1.3x)" if int(batch) == 1 else "<= 2x"
+        rows.append([f"decode step, batch {batch}", f"{row['step_ms']:.3f} ms", f"{row['bound_ms']:.3f} ms",
+                     f"{row['x_bound']:.2f}x bound", target])
+    bundled = results.get("bundled_search", {})
+    if "cpu" in bundled and len(bundled) > 1:
+        gpu = next(v for k, v in bundled.items() if k != "cpu")
+        rows.append(["bundled beam search problems/s", f"{gpu['problems_s']:.2f}", f"{bundled['cpu']['problems_s']:.2f} (CPU)",
+                     f"{gpu['problems_s'] / bundled['cpu']['problems_s']:.2f}x", "> 1x"])
+    for label, row in results.get("founding_search", {}).items():
+        if isinstance(row, dict) and "problems_s" in row:
+                rows.append([f"1B+8B beam N=16 ({label})", f"{row['problems_s']:.3f} problems/s", "", "", ""])
+    return rows
+
+
+def print_table(rows: list[list[str]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)))
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("bench_out/gpu"))
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes and counts: checks the script, not speed")
+    parser.add_argument("--sections", default="tests,offline,decode,bundled_search,founding_search")
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--hf-batch", type=int, default=64)
+    parser.add_argument("--hf-timeout", type=float, default=240)
+    parser.add_argument("--tests-timeout", type=float, default=150)
+    parser.add_argument("--decode-batches", default="1,8,64,256")
+    parser.add_argument("--decode-steps", type=int, default=24)
+    parser.add_argument("--bundled-problems", type=int, default=32)
+    parser.add_argument("--search-problems", type=int, default=16)
+    parser.add_argument("--search-depth", type=int, default=5)
+    parser.add_argument("--step-tokens", type=int, default=64)
+    parser.add_argument("--splits", default="0.3,0.5", help="static generator shares of the KV memory")
+    args = parser.parse_args(argv)
+    args.decode_batches = [int(x) for x in args.decode_batches.split(",")]
+    args.splits = [float(x) for x in args.splits.split(",") if x]
+    if args.smoke:
+        args.dtype = "float32"
+        args.requests, args.hf_batch, args.decode_steps = min(args.requests, 12), 4, 6
+        args.decode_batches = [b for b in args.decode_batches if b <= 8]
+        args.bundled_problems, args.search_problems, args.search_depth, args.step_tokens = 4, 2, 2, 8
+        args.splits = args.splits[:1]
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    root = args.out / "models"
+    shapes = (gm.TINY, gm.TINY) if args.smoke else (gm.LLAMA_3_2_1B, gm.LLAMA_3_1_8B)
+    generator_dir = gm.model_dir(root, "gen-smoke" if args.smoke else "llama-3.2-1b-shape", shapes[0], 4096)
+    verifier_dir = gm.model_dir(root, "prm-smoke" if args.smoke else "llama-3.1-8b-shape", shapes[1], 4096)
+    device = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else args.device
+    results: dict = {"device": device, "torch": torch.__version__, "dtype": args.dtype, "smoke": args.smoke}
+    print(f"device: {device}, torch {torch.__version__}")
+    sections = {"tests": lambda: run_tests(args), "offline": lambda: run_offline(args, generator_dir),
+                "decode": lambda: run_decode(args, generator_dir), "bundled_search": lambda: run_bundled_search(args),
+                "founding_search": lambda: run_founding_search(args, generator_dir, verifier_dir)}
+    for name in args.sections.split(","):
+        print(f"== {name} ({time.perf_counter() - started:.0f} s in)", flush=True)
+        try:
+            results[name] = sections[name]()
+        except Exception as exc:
+            results[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
+            print(results[name]["traceback"])
+        free_device_memory()
+        gm.write_json(args.out / "gpu.json", results)
+    rows = table(results)
+    results["table"] = rows
+    results["seconds"] = time.perf_counter() - started
+    gm.write_json(args.out / "gpu.json", results)
+    print_table(rows)
+    print(f"total {results['seconds']:.0f} s; figures in {args.out / 'gpu.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
