@@ -33,6 +33,9 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto" (Triton on CUDA, torch on CPU), "triton" or "torch"
     enforce_eager: bool = False      # CUDA: no CUDA graphs for decode steps
     load_format: str = "auto"        # "dummy": random weights made on the device (benchmarks), no checkpoint
+    # A step's text (detokenizing, RequestOutputs) made while the device runs the next step; None:
+    # on CUDA only (on CPU nothing runs meanwhile).
+    async_output_processing: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -52,6 +55,8 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ParamError("attention_backend",
                              f"must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
+        if self.async_output_processing not in (None, True, False):
+            raise ParamError("async_output_processing", f"must be true, false or null, got {self.async_output_processing!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ParamError("load_format", f"must be 'auto' or 'dummy', got {self.load_format!r}")
         if str(self.device) not in ("auto", "cpu") and not str(self.device).startswith("cuda"):

@@ -61,6 +61,10 @@ class LLMEngine:
         self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.retained = KeptSequences()
         self._group_of: dict[str, RequestGroup] = {}
+        async_output = config.async_output_processing
+        self.async_output = self.device.type == "cuda" if async_output is None else async_output
+        self._deferred_text: list[Request] = []  # sampled last step, text not made yet
+        self._deferred_groups: dict[str, RequestGroup] = {}
         self.model_dir = model_dir
         if not defer_kv:
             self.attach_kv(self.standalone_kv_space())
@@ -245,10 +249,14 @@ class LLMEngine:
             self._group_of.pop(request.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._deferred_groups)
 
     # ---- stepping -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One scheduler step. With async output processing, the text of the previous step's
+        tokens (and its groups' outputs) is made while the device runs this step, and returned
+        with this step's outputs that need no text; a request with stop strings has its text made
+        at once (a stop string ends it before the next schedule)."""
         sched = self.scheduler.schedule()
         self.last_step_num_tokens = sched.num_tokens
         if not sched:
@@ -257,10 +265,12 @@ class LLMEngine:
                     f"KV pool exhausted: {len(self.scheduler.waiting)} request(s) wait and none can be scheduled "
                     f"({self.kv.pool.num_free} free blocks); other models sharing the pool hold the rest"
                 )
-            return []
+            return self._deferred_outputs()
         self.num_steps += 1
         self.num_tokens_computed += sched.num_tokens
-        result = self.runner.execute(sched)
+        launched = self.runner.launch(sched)
+        earlier = self._deferred_outputs()
+        result = self.runner.wait(launched)
         for request, position, logits in result.readouts:
             request.prompt_logits[position] = logits
         for request, position, entry in result.prompt_logprobs:
@@ -277,8 +287,21 @@ class LLMEngine:
                     self._finish_prefill(group, request)
             elif request.request_id in result.sampled:
                 token_id, logprobs = result.sampled[request.request_id]
-                self._append_token(request, token_id, logprobs)
-        return [self._make_output(g) for g in touched.values()]
+                if self._append_token(request, token_id, logprobs):
+                    self._deferred_groups[group.request_id] = group
+        return earlier + [self._make_output(g) for g in touched.values() if g.request_id not in self._deferred_groups]
+
+    def _deferred_outputs(self) -> list[RequestOutput]:
+        """The deferred tokens' text, then their groups' outputs (an aborted group's are dropped)."""
+        if not self._deferred_groups:
+            return []
+        for request in self._deferred_text:
+            self.outputs.make_text(request)  # no stop strings among these: it ends nothing
+            if request.is_finished:
+                self.outputs.finish_text(request, request.finish_reason, request.stop_reason)
+        self._deferred_text.clear()
+        groups, self._deferred_groups = self._deferred_groups, {}
+        return [self._make_output(g) for g in groups.values() if g.request_id in self.groups]
 
     def _finish_prefill(self, group: RequestGroup, request: Request) -> None:
         if request is group.shared_prefill:
@@ -296,10 +319,16 @@ class LLMEngine:
             return
         self.scheduler.finish(request, "prefill")
 
-    def _append_token(self, request: Request, token_id: int, logprobs: dict | None) -> None:
-        reason, stop_reason = self.outputs.append_token(request, token_id, logprobs)
+    def _append_token(self, request: Request, token_id: int, logprobs: dict | None) -> bool:
+        """Appends the token and ends the request where it must; True when its text is deferred."""
+        if self.async_output and not request.sampling_params.stop_strings:
+            reason, stop_reason = self.outputs.append_token_id(request, token_id, logprobs)
+            self._deferred_text.append(request)
+        else:
+            reason, stop_reason = self.outputs.append_token(request, token_id, logprobs)
         if reason is not None:
             self.scheduler.finish(request, reason, stop_reason)
+        return self.async_output and bool(request.pending_text)
 
     def _make_output(self, group: RequestGroup) -> RequestOutput:
         output = self.outputs.make_output(group)

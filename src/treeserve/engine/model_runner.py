@@ -11,7 +11,7 @@ from treeserve.engine import prompt_logprobs
 from treeserve.engine.cuda_graphs import DecodeGraphs
 from treeserve.engine.kv_cache_manager import KVCacheManager
 from treeserve.engine.request import Request
-from treeserve.engine.sampler import Sampler, SamplerOutput
+from treeserve.engine.sampler import PendingSamples, Sampler, SamplerOutput
 from treeserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from treeserve.model.decoder import DecoderForCausalLM
 from treeserve.model.transfer import to_device
@@ -34,6 +34,13 @@ class ModelRunnerOutput:
     sampled: dict[str, tuple[int, dict | None]]  # request_id -> (token id, logprobs)
     readouts: list[tuple[Request, int, torch.Tensor]]  # (request, position, logits)
     prompt_logprobs: list[tuple[Request, int, dict]] = field(default_factory=list)  # (request, token position, entry)
+
+
+@dataclass
+class LaunchedStep:
+    hidden: torch.Tensor
+    inputs: StepInputs
+    samples: PendingSamples | None
 
 
 def kv_bytes_per_block(model: DecoderForCausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -63,10 +70,26 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.wait(self.launch(sched))
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput) -> "LaunchedStep":
+        """Queues the step's work on the device (forward pass, sampling, the copy of sampled ids to
+        the host) and returns without waiting for it (on CPU the work is done by then)."""
         self.arena.copy_pages(sched.block_copies)
         inputs = self.prepare_inputs(sched.scheduled)
         hidden = self._forward(inputs)
-        sampled = self._sample(hidden, inputs)
+        return LaunchedStep(hidden, inputs, self._sample(hidden, inputs))
+
+    @torch.inference_mode()
+    def wait(self, step: "LaunchedStep") -> ModelRunnerOutput:
+        """The launched step's results on the host."""
+        hidden, inputs = step.hidden, step.inputs
+        sampled = {}
+        if step.samples is not None:
+            result: SamplerOutput = step.samples.result()
+            sampled = {r.request_id: (t, lp) for r, t, lp in zip(inputs.sample_requests, result.token_ids,
+                                                                  result.logprobs)}
         readouts = self._readouts(hidden, inputs)
         prompt = prompt_logprobs.compute(self.model.compute_logits, hidden, inputs.prompt_logprob_rows,
                                          self.model.config.vocab_size) if inputs.prompt_logprob_rows else []
@@ -78,13 +101,11 @@ class ModelRunner:
             return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
 
-    def _sample(self, hidden: torch.Tensor, inputs: StepInputs) -> dict[str, tuple[int, dict | None]]:
+    def _sample(self, hidden: torch.Tensor, inputs: StepInputs) -> PendingSamples | None:
         if not inputs.sample_rows:
-            return {}
+            return None
         rows = to_device(torch.tensor(inputs.sample_rows), self.device)
-        logits = self.model.compute_logits(hidden[rows])
-        result: SamplerOutput = self.sampler(logits, inputs.sample_requests)
-        return {r.request_id: (t, lp) for r, t, lp in zip(inputs.sample_requests, result.token_ids, result.logprobs)}
+        return self.sampler.sample_async(self.model.compute_logits(hidden[rows]), inputs.sample_requests)
 
     def _readouts(self, hidden: torch.Tensor, inputs: StepInputs) -> list[tuple[Request, int, torch.Tensor]]:
         """Each readout row's logits (or the asked columns of them), copied to the host at once."""

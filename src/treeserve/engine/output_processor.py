@@ -16,27 +16,57 @@ class OutputProcessor:
         self.max_model_len = max_model_len
 
     def append_token(self, request: Request, token_id: int, logprobs: dict | None) -> tuple[str | None, str | int | None]:
-        """Appends a sampled token; returns (finish reason, stop reason), (None, None) to go on."""
+        """Appends a sampled token and makes its text; returns (finish reason, stop reason), (None,
+        None) to go on."""
+        reason, stop_reason = self.append_token_id(request, token_id, logprobs)
+        found = self.make_text(request)
+        if found is not None:  # a stop string ends the sequence whatever else would have
+            reason, stop_reason = "stop", found
+        self.finish_text(request, reason, stop_reason)
+        return reason, stop_reason
+
+    def append_token_id(self, request: Request, token_id: int, logprobs: dict | None) -> tuple[str | None, str | int | None]:
+        """What needs no text: the token appended, its logprob summed, the grammar advanced, and the
+        sequence ended by a stop token, its length limit or a finished grammar. Its text waits in
+        `request.pending_text` for `make_text` (a stop string can still end the sequence there)."""
         if request.first_token_time is None:
             request.first_token_time = time.monotonic()
         request.append_output_token(token_id)
         if logprobs is not None:
-            request.logprobs.append(self.decoded_logprobs(logprobs))
             request.cumulative_logprob += logprobs[token_id][0]
         grammar_done = request.matcher is not None and structured_outputs.advance(request.matcher, token_id)
-        stopped_by, delta = self._stop_token(request, token_id), ""
-        if stopped_by is None or request.sampling_params.include_stop_str_in_output:
-            # a stop token's own text (an EOS that skip_special_tokens=False keeps) only where asked for, as vLLM
-            delta = request.detokenizer.push(token_id)
-            request.output_text = request.detokenizer.text
-        reason, stop_reason = stopped_by or self._check_stop(request, len(delta))
-        if reason is None and grammar_done:
-            reason = "stop"
+        stopped_by = self._stop_token(request, token_id)
+        request.pending_text.append((token_id, logprobs, stopped_by is not None))
+        if stopped_by is not None:
+            return stopped_by
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return "length", None
+        return ("stop", None) if grammar_done else (None, None)
+
+    def make_text(self, request: Request) -> str | None:
+        """The pending tokens' text (and decoded logprobs); the stop string it completes, if any
+        (the text then ends where the stop string says)."""
+        found = None
+        include_stop = request.sampling_params.include_stop_str_in_output
+        for token_id, logprobs, stop_token in request.pending_text:
+            if logprobs is not None:
+                request.logprobs.append(self.decoded_logprobs(logprobs))
+            delta = ""
+            if not stop_token or include_stop:
+                # a stop token's own text (an EOS that skip_special_tokens=False keeps) only where asked for, as vLLM
+                delta = request.detokenizer.push(token_id)
+                request.output_text = request.detokenizer.text
+            if not stop_token and found is None:
+                found = self._stop_string(request, len(delta))
+        request.pending_text.clear()
+        return found
+
+    @staticmethod
+    def finish_text(request: Request, reason: str | None, stop_reason) -> None:
+        """A stop string already cut the text where it must end; otherwise flush held-back bytes."""
         if reason is not None and not isinstance(stop_reason, str):
-            # a stop string already cut the text where it must end; otherwise flush held-back bytes
             request.detokenizer.flush()
             request.output_text = request.detokenizer.text
-        return reason, stop_reason
 
     def decoded_logprobs(self, logprobs: dict[int, tuple[float, int]]) -> dict[int, Logprob]:
         return {tid: Logprob(lp, rank, self.tokenizer.decode([tid])) for tid, (lp, rank) in logprobs.items()}
@@ -53,18 +83,18 @@ class OutputProcessor:
             return "stop", token_id
         return None
 
-    def _check_stop(self, request: Request, new_chars: int) -> tuple[str | None, str | int | None]:
+    @staticmethod
+    def _stop_string(request: Request, new_chars: int) -> str | None:
         params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
-            found = find_stop_string(request.output_text, new_chars, params.stop_strings)
-            if found is not None:
-                stop, start = found
-                end = start + len(stop) if params.include_stop_str_in_output else start
-                request.output_text = request.output_text[:end]
-                return "stop", stop
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
-            return "length", None
-        return None, None
+        if request.num_output_tokens < params.min_tokens:
+            return None
+        found = find_stop_string(request.output_text, new_chars, params.stop_strings)
+        if found is None:
+            return None
+        stop, start = found
+        end = start + len(stop) if params.include_stop_str_in_output else start
+        request.output_text = request.output_text[:end]
+        return stop
 
     def make_output(self, group: RequestGroup) -> RequestOutput:
         outputs = [

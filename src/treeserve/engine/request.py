@@ -68,6 +68,8 @@ class Request:
     first_token_time: float | None = None
     detokenizer: Any = None
     matcher: Any = None  # with structured outputs: the grammar's state (engine/structured_outputs.py)
+    # sampled tokens whose text is not made yet: (token id, its logprobs, ended the sequence as a stop token)
+    pending_text: list[tuple[int, dict | None, bool]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

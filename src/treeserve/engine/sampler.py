@@ -16,7 +16,7 @@ import torch
 
 from treeserve.engine import structured_outputs
 from treeserve.engine.request import Request
-from treeserve.model.transfer import to_device
+from treeserve.model.transfer import HostCopy, to_device
 
 
 @dataclass
@@ -25,8 +25,23 @@ class SamplerOutput:
     logprobs: list[dict[int, tuple[float, int]] | None]  # token -> (logprob, rank), per row
 
 
+class PendingSamples:
+    """A step's sampled ids (and logprobs) on their way to the host; `result()` waits for them."""
+
+    def __init__(self, token_ids: torch.Tensor, logprobs, requests: list[Request]):
+        parts = [token_ids] + (list(logprobs[1:]) if logprobs is not None else [])
+        self._copy, self._logprobs, self._requests = HostCopy(parts), logprobs, requests
+
+    def result(self) -> SamplerOutput:
+        return _unpack(self._copy.tolist(), self._logprobs, self._requests)
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        return self.sample_async(logits, requests).result()
+
+    def sample_async(self, logits: torch.Tensor, requests: list[Request]) -> PendingSamples:
+        """Samples on the device; the copy to the host is started, not waited for."""
         params = [r.sampling_params for r in requests]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
         structured_outputs.apply(logits, [r.matcher for r in requests])
@@ -34,7 +49,7 @@ class Sampler:
         logits = self._mask_stops_below_min_tokens(logits, requests)
         logits = self._apply_penalties(logits, requests)
         token_ids = self._pick(logits, requests)
-        return _to_host(token_ids, _logprob_tensors(raw_logprobs, token_ids, requests), requests)
+        return PendingSamples(token_ids, _logprob_tensors(raw_logprobs, token_ids, requests), requests)
 
     @staticmethod
     def _add_logit_bias(logits, params) -> None:
@@ -82,7 +97,6 @@ class Sampler:
         return torch.where(greedy, token_ids, sampled)
 
 
-
 def _logprob_tensors(raw_logprobs, token_ids, requests):
     """For the rows that asked for logprobs: (rows, chosen token's logprob, its rank, top-k logprobs,
     top-k ids), on the device, k the largest asked; None if no row asked."""
@@ -97,12 +111,8 @@ def _logprob_tensors(raw_logprobs, token_ids, requests):
     return rows, chosen_lp, ranks, top_lp, top_ids
 
 
-def _to_host(token_ids: torch.Tensor, logprobs, requests: list[Request]) -> SamplerOutput:
-    """Sampled ids and logprobs in one device-to-host copy (float64 holds every token id exactly)."""
-    parts = [token_ids.double()]
-    if logprobs is not None:
-        parts += [t.double().flatten() for t in logprobs[1:]]
-    host = torch.cat(parts).cpu().tolist()
+def _unpack(host: list[float], logprobs, requests: list[Request]) -> SamplerOutput:
+    """The host copy's values back into token ids and per-row logprob entries."""
     batch = len(requests)
     tokens = [int(t) for t in host[:batch]]
     out: list[dict[int, tuple[float, int]] | None] = [None] * batch
