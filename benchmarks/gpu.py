@@ -123,7 +123,7 @@ def run_decode(args, generator_dir: Path) -> dict:
     context = 48 if args.smoke else 1000
     rows = {"copy_bandwidth_bytes_s": bandwidth, "weight_bytes": weight_bytes, "batches": {}}
     for batch in args.decode_batches:
-        step_s = _decode_step_seconds(engine, batch, context, args.decode_steps)
+        step_s = _decode_step_seconds(llm, batch, context, args.decode_steps)
         kv_read = batch * (context + args.decode_steps // 2) * engine.kv_bytes_per_token()
         bound = (weight_bytes + kv_read) / bandwidth
         rows["batches"][batch] = {"step_ms": step_s * 1e3, "bound_ms": bound * 1e3, "x_bound": step_s / bound}
@@ -133,21 +133,25 @@ def run_decode(args, generator_dir: Path) -> dict:
     return rows
 
 
-def _decode_step_seconds(engine, batch: int, context: int, steps: int) -> float:
-    rng = random.Random(batch)
+def _decode_step_seconds(llm: LLM, batch: int, context: int, steps: int) -> float:
+    """Every sequence prefilled first; then the median of the decode steps (each loop step is one
+    engine step, which ends in the one copy of the sampled ids to the host)."""
+    engine, loop, rng = llm.engine, llm.loop, random.Random(batch)
     vocab = engine.model_config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(f"decode-{batch}-{i}", [rng.randrange(10, vocab) for _ in range(context)], params)
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running + list(engine.scheduler.waiting)):
-        engine.step()
+        prompt = [rng.randrange(10, vocab) for _ in range(context)]
+        loop.add_request(engine, f"decode-{batch}-{i}", prompt, params, lambda output: None)
+    scheduler = engine.scheduler
+    while scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running):
+        loop.step()
     times = []
-    while engine.has_unfinished_requests():
+    while loop.has_unfinished_requests():
         start = time.perf_counter()
-        engine.step()  # ends in the one copy of sampled ids to the host: the step is done
+        loop.step()
         times.append(time.perf_counter() - start)
-    full = [t for t in times[:steps]]
-    return sorted(full)[len(full) // 2]
+    decode = times[:steps]
+    return sorted(decode)[len(decode) // 2]
 
 
 def search_questions(args, vocab: int, count: int) -> list[str]:
