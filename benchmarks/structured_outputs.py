@@ -2,8 +2,9 @@
 
 Runs a decode batch on the ~150M benchmark model (`treeserve.bench.offline`, dtype auto), half of
 the requests constrained by a JSON schema (llguidance), half free, and times every engine step and,
-inside it, the mask (`structured_outputs.apply`: each constrained row's allowed-token bitmask,
-unpacked and applied to the batch's logits). Prints the median decode step and mask times over the
+inside it, the mask: each constrained row's allowed-token bitmask (`structured_outputs.bitmask`,
+computed where the step is built) and its application to the batch's logits in the sampler
+(`structured_outputs.apply_bitmask`). Prints the median decode step and mask times over the
 steps with the full batch and their ratio; then the same batch with no constrained row, for the
 step time without any mask.
 
@@ -20,7 +21,7 @@ import torch
 
 from treeserve import LLM, SamplingParams, StructuredOutputsParams
 from treeserve.bench.offline import benchmark_model_dir
-from treeserve.engine import sampler as sampler_module
+from treeserve.engine import structured_outputs
 
 # Long outputs that stay in the grammar: an array of small objects, so most steps sit inside
 # strings, numbers or between keys, where the mask has the most to compute.
@@ -35,13 +36,19 @@ class StepTimer:
     def __init__(self, engine):
         self.steps: list[tuple[int, int, float, float]] = []  # (rows, constrained rows, step s, mask s)
         self._mask_s, self._constrained = 0.0, 0
-        real_apply, real_step = sampler_module.structured_outputs.apply, engine.step
+        real_bitmask, real_apply, real_step = structured_outputs.bitmask, structured_outputs.apply_bitmask, engine.step
 
-        def timed_apply(logits, matchers):
+        def timed_bitmask(matchers, vocab_size):
             start = time.perf_counter()
-            real_apply(logits, matchers)
+            out = real_bitmask(matchers, vocab_size)
             self._mask_s += time.perf_counter() - start
-            self._constrained = sum(m is not None for m in matchers)
+            self._constrained = len(matchers)
+            return out
+
+        def timed_apply(logits, rows, bitmask):
+            start = time.perf_counter()
+            real_apply(logits, rows, bitmask)
+            self._mask_s += time.perf_counter() - start
 
         def timed_step():
             self._mask_s, self._constrained = 0.0, 0
@@ -50,7 +57,7 @@ class StepTimer:
             self.steps.append((engine.last_step_num_tokens, self._constrained, time.perf_counter() - start,
                                self._mask_s))
             return outputs
-        sampler_module.structured_outputs.apply = timed_apply
+        structured_outputs.bitmask, structured_outputs.apply_bitmask = timed_bitmask, timed_apply
         engine.step = timed_step
 
 

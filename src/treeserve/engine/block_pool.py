@@ -28,7 +28,7 @@ class PrefixCacheStats:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, enable_caching: bool = True, reclaim: Callable[[str], bool] | None = None):
         if num_blocks < 1:
             raise ParamError("num_blocks", f"the KV pool needs at least one block, got {num_blocks}")
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
@@ -45,7 +45,7 @@ class BlockPool:
         # Frees one sequence kept pinned for later forks, the requesting owner's first (False if none).
         # Tried before any shared prefix is evicted: a released sequence loses at most its partly
         # filled tail block, and its blocks nobody shared become the next victims instead.
-        self.reclaim: Callable[[str], bool] = lambda owner: False
+        self.reclaim: Callable[[str], bool] = reclaim or (lambda owner: False)
 
     @property
     def num_blocks(self) -> int:

@@ -89,8 +89,10 @@ class KVSpace:
     pool: BlockPool
 
     @classmethod
-    def create(cls, budget_bytes: int, page_bytes: int, device: torch.device, enable_caching: bool) -> "KVSpace":
+    def create(cls, budget_bytes: int, page_bytes: int, device: torch.device, enable_caching: bool,
+               reclaim=None) -> "KVSpace":
+        """`reclaim(owner)`: the pool's way to free a kept sequence before evicting shared prefixes."""
         num_pages = budget_bytes // aligned(page_bytes)
         if num_pages < 1:
             raise ParamError("kv_cache_memory_bytes", f"{budget_bytes} bytes hold no KV page of {page_bytes} bytes")
-        return cls(KVArena(num_pages, page_bytes, device), BlockPool(num_pages, enable_caching))
+        return cls(KVArena(num_pages, page_bytes, device), BlockPool(num_pages, enable_caching, reclaim))

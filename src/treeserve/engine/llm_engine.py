@@ -17,6 +17,7 @@ from treeserve.engine.model_runner import ModelRunner
 from treeserve.engine.output_processor import OutputProcessor
 from treeserve.engine.request import Request, RequestGroup
 from treeserve.engine.scheduler import Scheduler
+from treeserve.engine.step_builder import StepBuilder
 from treeserve.engine.structured_outputs import StructuredOutputs
 from treeserve.engine.token_budget import serving_token_budget
 from treeserve.model.backends import make_backend, resolve_backend_name
@@ -77,7 +78,9 @@ class LLMEngine:
         budget = kv_budget_bytes(self.config, self.device)
         return KVSpace.create(budget, page_bytes, self.device, self.config.enable_prefix_caching)
 
-    def attach_kv(self, space: KVSpace) -> None:
+    def attach_kv(self, space: KVSpace, reclaim=None) -> None:
+        """`reclaim`: frees one kept sequence's blocks when the scheduler runs short (default: one of
+        this engine's own; a `Runtime` passes one that tries every engine sharing the pool)."""
         block_size = space.arena.block_size_for(self.model_config, self.dtype)
         num_blocks = space.pool.num_blocks
         if num_blocks * block_size < self.max_model_len:
@@ -87,9 +90,10 @@ class LLMEngine:
             )
         self.kv = KVCacheManager(block_size=block_size, pool=space.pool, owner=self.name)
         self.retained.kv = self.kv
-        self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.max_num_batched_tokens)
-        self.scheduler.reclaim = self._reclaim_one
-        self.runner = ModelRunner(self.model, self.kv, space.arena, self.dtype, self.device)
+        self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.max_num_batched_tokens,
+                                   reclaim=reclaim or self._reclaim_one)
+        self.steps = StepBuilder(self.kv, self.model_config.vocab_size)
+        self.runner = ModelRunner(self.model, block_size, space.arena, self.dtype, self.device)
         self.runner.graphs = self._decode_graphs(block_size)
         logger.info("engine ready: %s on %s (%s, %s attention%s), %d KV blocks of %d tokens, steps of up to %d tokens",
                     self.model_dir.name, self.device, self.dtype, self.attention_backend,
@@ -268,13 +272,13 @@ class LLMEngine:
             return self._deferred_outputs()
         self.num_steps += 1
         self.num_tokens_computed += sched.num_tokens
-        launched = self.runner.launch(sched)
+        launched = self.runner.launch(self.steps.build(sched))
         earlier = self._deferred_outputs()
         result = self.runner.wait(launched)
-        for request, position, logits in result.readouts:
-            request.prompt_logits[position] = logits
-        for request, position, entry in result.prompt_logprobs:
-            request.prompt_logprobs[position] = self.outputs.decoded_logprobs(entry)
+        for req_id, position, logits in result.readouts:
+            self.steps.request(req_id).prompt_logits[position] = logits
+        for req_id, position, entry in result.prompt_logprobs:
+            self.steps.request(req_id).prompt_logprobs[position] = self.outputs.decoded_logprobs(entry)
         touched: dict[str, RequestGroup] = {}
         for item in sched.scheduled:
             request = item.request

@@ -1,4 +1,6 @@
-"""Runs one scheduler step on the model: flat batch in, sampled tokens (and requested logits) out."""
+"""Runs one step, given as plain `StepData`, on the model: flat batch in, sampled tokens (and
+requested logits) out, keyed by request id. The runner keeps its own view of the requests
+(`InputBatch`); it never sees the scheduler's requests or the KV manager."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -6,13 +8,12 @@ from typing import Any
 
 import torch
 
-from treeserve.engine.kv_arena import KVArena, kv_bytes_per_token
 from treeserve.engine import prompt_logprobs
 from treeserve.engine.cuda_graphs import DecodeGraphs
-from treeserve.engine.kv_cache_manager import KVCacheManager
-from treeserve.engine.request import Request
-from treeserve.engine.sampler import PendingSamples, Sampler, SamplerOutput
-from treeserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from treeserve.engine.input_batch import CachedRequestState, InputBatch
+from treeserve.engine.kv_arena import KVArena, kv_bytes_per_token
+from treeserve.engine.sampler import PendingSamples, Sampler
+from treeserve.engine.step_data import ModelRunnerOutput, StepData
 from treeserve.model.decoder import DecoderForCausalLM
 from treeserve.model.transfer import to_device
 
@@ -22,18 +23,13 @@ class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: Any  # the attention backend's metadata
-    order: list[ScheduledRequest]            # requests in flat-batch order
+    order: list[tuple[CachedRequestState, int]]  # (request, tokens this step) in flat-batch order
     sample_rows: list[int] = field(default_factory=list)
-    sample_requests: list[Request] = field(default_factory=list)
-    readout_rows: list[tuple[Request, int, int]] = field(default_factory=list)  # (request, position, row)
-    prompt_logprob_rows: list[tuple[Request, int, int]] = field(default_factory=list)  # (request, position, row)
-
-
-@dataclass
-class ModelRunnerOutput:
-    sampled: dict[str, tuple[int, dict | None]]  # request_id -> (token id, logprobs)
-    readouts: list[tuple[Request, int, torch.Tensor]]  # (request, position, logits)
-    prompt_logprobs: list[tuple[Request, int, dict]] = field(default_factory=list)  # (request, token position, entry)
+    sample_requests: list[CachedRequestState] = field(default_factory=list)
+    readout_rows: list[tuple[CachedRequestState, int, int]] = field(default_factory=list)  # (request, position, row)
+    prompt_logprob_rows: list[tuple[CachedRequestState, int, int]] = field(default_factory=list)
+    grammar_rows: list[int] = field(default_factory=list)  # rows of the sample batch that a grammar masks
+    grammar_bitmask: torch.Tensor | None = None
 
 
 @dataclass
@@ -50,14 +46,14 @@ def kv_bytes_per_block(model: DecoderForCausalLM, block_size: int, dtype: torch.
 class ModelRunner:
     """`graphs`: decode-only steps replayed from CUDA graphs where a bucket fits (None: eager)."""
 
-    def __init__(self, model: DecoderForCausalLM, kv: KVCacheManager, arena: KVArena, dtype: torch.dtype,
+    def __init__(self, model: DecoderForCausalLM, block_size: int, arena: KVArena, dtype: torch.dtype,
                  device: torch.device, graphs: DecodeGraphs | None = None):
-        self.model, self.kv, self.arena, self.device = model, kv, arena, device
-        self.block_size = kv.block_size
+        self.model, self.block_size, self.arena, self.device = model, block_size, arena, device
         self.kv_caches = arena.layer_views(model.config, dtype)
         self.sampler = Sampler()
         self.backend = model.backend
         self.graphs = graphs
+        self.batch = InputBatch()
 
     @property
     def decode_group_max_keys(self) -> int | None:
@@ -69,31 +65,35 @@ class ModelRunner:
         self.backend.decode_group_max_keys = value
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        return self.wait(self.launch(sched))
+    def execute(self, step: StepData) -> ModelRunnerOutput:
+        return self.wait(self.launch(step))
 
     @torch.inference_mode()
-    def launch(self, sched: SchedulerOutput) -> "LaunchedStep":
-        """Queues the step's work on the device (forward pass, sampling, the copy of sampled ids to
-        the host) and returns without waiting for it (on CPU the work is done by then)."""
-        self.arena.copy_pages(sched.block_copies)
-        inputs = self.prepare_inputs(sched.scheduled)
+    def launch(self, step: StepData) -> LaunchedStep:
+        """Takes the step's changes into the batch, then queues its work on the device (forward pass,
+        sampling, the copy of sampled ids to the host) and returns without waiting for it (on CPU the
+        work is done by then)."""
+        self.batch.update(step)
+        self.arena.copy_pages(step.block_copies)
+        inputs = self.prepare_inputs(step)
         hidden = self._forward(inputs)
         return LaunchedStep(hidden, inputs, self._sample(hidden, inputs))
 
     @torch.inference_mode()
-    def wait(self, step: "LaunchedStep") -> ModelRunnerOutput:
-        """The launched step's results on the host."""
-        hidden, inputs = step.hidden, step.inputs
-        sampled = {}
-        if step.samples is not None:
-            result: SamplerOutput = step.samples.result()
-            sampled = {r.request_id: (t, lp) for r, t, lp in zip(inputs.sample_requests, result.token_ids,
-                                                                  result.logprobs)}
-        readouts = self._readouts(hidden, inputs)
-        prompt = prompt_logprobs.compute(self.model.compute_logits, hidden, inputs.prompt_logprob_rows,
-                                         self.model.config.vocab_size) if inputs.prompt_logprob_rows else []
-        return ModelRunnerOutput(sampled, readouts, prompt)
+    def wait(self, launched: LaunchedStep) -> ModelRunnerOutput:
+        """The launched step's results on the host, keyed by request id."""
+        hidden, inputs = launched.hidden, launched.inputs
+        out = ModelRunnerOutput()
+        if launched.samples is not None:
+            result = launched.samples.result()
+            out.sampled = {r.request_id: (t, lp) for r, t, lp in zip(inputs.sample_requests, result.token_ids,
+                                                                      result.logprobs)}
+        out.readouts = self._readouts(hidden, inputs)
+        if inputs.prompt_logprob_rows:
+            entries = prompt_logprobs.compute(self.model.compute_logits, hidden, inputs.prompt_logprob_rows,
+                                              self.model.config.vocab_size)
+            out.prompt_logprobs = [(r.request_id, position, entry) for r, position, entry in entries]
+        return out
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         num_rows = inputs.input_ids.shape[0]
@@ -105,9 +105,10 @@ class ModelRunner:
         if not inputs.sample_rows:
             return None
         rows = to_device(torch.tensor(inputs.sample_rows), self.device)
-        return self.sampler.sample_async(self.model.compute_logits(hidden[rows]), inputs.sample_requests)
+        return self.sampler.sample_async(self.model.compute_logits(hidden[rows]), inputs.sample_requests,
+                                         inputs.grammar_rows, inputs.grammar_bitmask)
 
-    def _readouts(self, hidden: torch.Tensor, inputs: StepInputs) -> list[tuple[Request, int, torch.Tensor]]:
+    def _readouts(self, hidden: torch.Tensor, inputs: StepInputs) -> list[tuple[str, int, torch.Tensor]]:
         """Each readout row's logits (or the asked columns of them), copied to the host at once."""
         if not inputs.readout_rows:
             return []
@@ -116,69 +117,77 @@ class ModelRunner:
         picked = [logits[i] if request.readout_token_ids is None else logits[i, request.readout_token_ids]
                   for i, (request, _, _) in enumerate(inputs.readout_rows)]
         host = torch.cat(picked).cpu().split([row.shape[0] for row in picked])
-        return [(request, position, row) for (request, position, _), row in zip(inputs.readout_rows, host)]
+        return [(request.request_id, position, row) for (request, position, _), row in zip(inputs.readout_rows, host)]
 
-    def prepare_inputs(self, scheduled: list[ScheduledRequest]) -> StepInputs:
-        decodes = sorted((s for s in scheduled if s.num_new_tokens == 1), key=lambda s: s.request.num_computed_tokens)
+    def prepare_inputs(self, step: StepData) -> StepInputs:
+        scheduled = [(self.batch[rid], count) for rid, count in step.scheduled]
+        decodes = sorted((s for s in scheduled if s[1] == 1), key=lambda s: s[0].num_computed_tokens)
         # prefills whose rows can join the paged rows first (stable: otherwise in scheduling order)
-        prefills = sorted((s for s in scheduled if s.num_new_tokens > 1), key=lambda s: not self._paged_prefill(s))
+        prefills = sorted((s for s in scheduled if s[1] > 1), key=lambda s: not self._paged_prefill(*s))
         token_ids: list[int] = []
         positions: list[torch.Tensor] = []
         slots: list[torch.Tensor] = []
         builder = self.backend.metadata_builder(self.block_size, self.device)
         inputs = StepInputs(torch.empty(0), torch.empty(0), None, decodes + prefills)
         self._add_decodes(decodes, inputs, builder, token_ids, positions, slots)
-        for s in prefills:
-            self._add_prefill(s, inputs, builder, token_ids, positions, slots)
+        for state, count in prefills:
+            self._add_prefill(state, count, inputs, builder, token_ids, positions, slots)
         inputs.input_ids = to_device(torch.tensor(token_ids, dtype=torch.long), self.device)
         inputs.positions = to_device(torch.cat(positions), self.device)
         inputs.meta = builder.build(to_device(torch.cat(slots), self.device))
+        self._note_grammar(step, inputs)
         return inputs
 
-    def _paged_prefill(self, s: ScheduledRequest) -> bool:
-        return s.request.num_computed_tokens + s.num_new_tokens <= self.backend.paged_prefill_max_context
+    def _paged_prefill(self, state: CachedRequestState, count: int) -> bool:
+        return state.num_computed_tokens + count <= self.backend.paged_prefill_max_context
 
     def _add_decodes(self, decodes, inputs, builder, token_ids, positions, slots) -> None:
         bs = self.block_size
         pos_list, slot_list = [], []
-        for s in decodes:
-            request = s.request
-            pos = request.num_computed_tokens
-            table = self.kv.block_ids(request)[:pos // bs + 1]
-            token_ids.append(request.all_token_ids[pos])
+        for state, count in decodes:
+            pos = state.num_computed_tokens
+            table = state.block_ids[:pos // bs + 1]
+            token_ids.append(state.token_ids[pos])
             pos_list.append(pos)
             slot_list.append(table[-1] * bs + pos % bs)
             builder.add_decode(pos + 1, table)
-            self._note_outputs(s, inputs, row=len(token_ids) - 1, first_pos=pos)
+            self._note_outputs(state, count, inputs, row=len(token_ids) - 1)
         positions.append(torch.tensor(pos_list, dtype=torch.long))
         slots.append(torch.tensor(slot_list, dtype=torch.long))
 
-    def _add_prefill(self, s: ScheduledRequest, inputs, builder, token_ids, positions, slots) -> None:
-        request, bs = s.request, self.block_size
-        first, count = request.num_computed_tokens, s.num_new_tokens
+    def _add_prefill(self, state: CachedRequestState, count: int, inputs, builder, token_ids, positions, slots) -> None:
+        bs = self.block_size
+        first = state.num_computed_tokens
         start_row = len(token_ids)
-        token_ids.extend(request.all_token_ids[first:first + count])
+        token_ids.extend(state.token_ids[first:first + count])
         pos = torch.arange(first, first + count, dtype=torch.long)
         context_len = first + count
-        table = self.kv.block_ids(request)[:-(-context_len // bs)]
+        table = state.block_ids[:-(-context_len // bs)]
         positions.append(pos)
         slots.append(torch.tensor(table, dtype=torch.long)[pos // bs] * bs + pos % bs)
         builder.add_prefill(start_row, context_len, count, table)
-        self._note_outputs(s, inputs, row=start_row + count - 1, first_pos=first)
+        self._note_outputs(state, count, inputs, row=start_row + count - 1)
 
     @staticmethod
-    def _note_outputs(s: ScheduledRequest, inputs: StepInputs, row: int, first_pos: int) -> None:
+    def _note_outputs(state: CachedRequestState, count: int, inputs: StepInputs, row: int) -> None:
         """`row` is the flat-batch row of the chunk's last token, at position first_pos + count - 1."""
-        request = s.request
-        if request.prompt_logprob_ids is not None:
-            first_row = row - s.num_new_tokens + 1
-            inputs.prompt_logprob_rows.extend(prompt_logprobs.rows_for(request, first_pos, s.num_new_tokens, first_row))
-        if request.prefill_only:
-            last_pos = first_pos + s.num_new_tokens - 1
-            for pos in request.logits_positions or ():
+        first_pos = state.num_computed_tokens
+        if state.prompt_logprob_ids is not None:
+            first_row = row - count + 1
+            inputs.prompt_logprob_rows.extend(prompt_logprobs.rows_for(state, first_pos, count, first_row))
+        if state.prefill_only:
+            last_pos = first_pos + count - 1
+            for pos in state.logits_positions or ():
                 if first_pos <= pos <= last_pos:
-                    inputs.readout_rows.append((request, pos, row - (last_pos - pos)))
-        elif s.completes_sequence:
+                    inputs.readout_rows.append((state, pos, row - (last_pos - pos)))
+        elif first_pos + count == state.num_tokens:  # the chunk reaches the last known token: it samples
             inputs.sample_rows.append(row)
-            inputs.sample_requests.append(request)
+            inputs.sample_requests.append(state)
 
+    @staticmethod
+    def _note_grammar(step: StepData, inputs: StepInputs) -> None:
+        if step.grammar_bitmask is None:
+            return
+        row_of = {state.request_id: i for i, state in enumerate(inputs.sample_requests)}
+        inputs.grammar_rows = [row_of[rid] for rid in step.grammar_req_ids]
+        inputs.grammar_bitmask = step.grammar_bitmask

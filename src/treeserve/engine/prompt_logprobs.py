@@ -15,14 +15,14 @@ from typing import Callable
 
 import torch
 
-from treeserve.engine.request import Request
+from treeserve.engine.input_batch import CachedRequestState
 
 SLICE_ELEMENTS = 1 << 22  # logits held at once: 16 MiB of float32
 
 Entry = dict[int, tuple[float, int]]  # token id -> (logprob, rank)
 
 
-def rows_for(request: Request, first_pos: int, count: int, first_row: int) -> list[tuple[Request, int, int]]:
+def rows_for(request: CachedRequestState, first_pos: int, count: int, first_row: int) -> list[tuple[CachedRequestState, int, int]]:
     """(request, position, row) for the positions of this chunk whose next prompt token is known."""
     targets = request.prompt_logprob_ids
     if targets is None:
@@ -32,7 +32,7 @@ def rows_for(request: Request, first_pos: int, count: int, first_row: int) -> li
 
 
 def compute(compute_logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
-            rows: list[tuple[Request, int, int]], vocab_size: int) -> list[tuple[Request, int, Entry]]:
+            rows: list[tuple[CachedRequestState, int, int]], vocab_size: int) -> list[tuple[CachedRequestState, int, Entry]]:
     """Each row's next prompt token: (request, position + 1, {token: (logprob, rank)}) with the top k."""
     out = []
     step = max(1, SLICE_ELEMENTS // max(vocab_size, 1))
@@ -49,7 +49,7 @@ def compute(compute_logits: Callable[[torch.Tensor], torch.Tensor], hidden: torc
     return out
 
 
-def _entries(part, targets, chosen, ranks, top_lp, top_ids) -> list[tuple[Request, int, Entry]]:
+def _entries(part, targets, chosen, ranks, top_lp, top_ids) -> list[tuple[CachedRequestState, int, Entry]]:
     out = []
     lps, ids = (top_lp.tolist(), top_ids.tolist()) if top_lp is not None else (None, None)
     for i, (request, pos, _) in enumerate(part):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from treeserve.engine import structured_outputs
-from treeserve.engine.request import Request
+from treeserve.engine.input_batch import CachedRequestState
 from treeserve.model.transfer import HostCopy, to_device
 
 
@@ -28,7 +28,7 @@ class SamplerOutput:
 class PendingSamples:
     """A step's sampled ids (and logprobs) on their way to the host; `result()` waits for them."""
 
-    def __init__(self, token_ids: torch.Tensor, logprobs, requests: list[Request]):
+    def __init__(self, token_ids: torch.Tensor, logprobs, requests: list[CachedRequestState]):
         parts = [token_ids] + (list(logprobs[1:]) if logprobs is not None else [])
         self._copy, self._logprobs, self._requests = HostCopy(parts), logprobs, requests
 
@@ -37,14 +37,17 @@ class PendingSamples:
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, requests: list[CachedRequestState]) -> SamplerOutput:
         return self.sample_async(logits, requests).result()
 
-    def sample_async(self, logits: torch.Tensor, requests: list[Request]) -> PendingSamples:
-        """Samples on the device; the copy to the host is started, not waited for."""
+    def sample_async(self, logits: torch.Tensor, requests: list[CachedRequestState], grammar_rows: list[int] = (),
+                     grammar_bitmask: torch.Tensor | None = None) -> PendingSamples:
+        """Samples on the device; the copy to the host is started, not waited for. `grammar_bitmask`
+        row j holds what the grammar of row `grammar_rows[j]` allows (structured outputs)."""
         params = [r.sampling_params for r in requests]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
-        structured_outputs.apply(logits, [r.matcher for r in requests])
+        if grammar_bitmask is not None:
+            structured_outputs.apply_bitmask(logits, list(grammar_rows), grammar_bitmask)
         self._add_logit_bias(logits, params)
         logits = self._mask_stops_below_min_tokens(logits, requests)
         logits = self._apply_penalties(logits, requests)
@@ -111,7 +114,7 @@ def _logprob_tensors(raw_logprobs, token_ids, requests):
     return rows, chosen_lp, ranks, top_lp, top_ids
 
 
-def _unpack(host: list[float], logprobs, requests: list[Request]) -> SamplerOutput:
+def _unpack(host: list[float], logprobs, requests: list[CachedRequestState]) -> SamplerOutput:
     """The host copy's values back into token ids and per-row logprob entries."""
     batch = len(requests)
     tokens = [int(t) for t in host[:batch]]
@@ -161,7 +164,7 @@ def _filter(logits: torch.Tensor, params) -> torch.Tensor:
     return logits
 
 
-def _uniform_draws(requests: list[Request], device) -> torch.Tensor:
+def _uniform_draws(requests: list[CachedRequestState], device) -> torch.Tensor:
     """One uniform number in [0, 1) per row; seeded rows draw theirs from their own generator."""
     draws = torch.rand(len(requests), dtype=torch.float64)
     for row, request in enumerate(requests):

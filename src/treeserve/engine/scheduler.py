@@ -50,7 +50,8 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 reclaim: Callable[[], bool] | None = None):
         self.kv = kv_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -58,7 +59,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         # Frees one retained (finished but kept) sequence's blocks; tried before any preemption.
-        self.reclaim: Callable[[], bool] = lambda: False
+        self.reclaim: Callable[[], bool] = reclaim or (lambda: False)
 
     def add(self, request: Request) -> None:
         """Queues a request behind every waiting one of its priority or a more urgent one."""

@@ -95,16 +95,26 @@ def _llguidance(submodule: str = ""):
     return importlib.import_module("llguidance" + (f".{submodule}" if submodule else ""))
 
 
+def bitmask(matchers: list[llguidance.LLMatcher], vocab_size: int) -> torch.Tensor:
+    """The matchers' allowed tokens now, as llguidance's packed bitmask (one int32 row each)."""
+    words = (vocab_size + 31) // 32
+    out = torch.full((len(matchers), words), -1, dtype=torch.int32)
+    for row, matcher in enumerate(matchers):
+        fill_bitmask(matcher, out[row])
+    return out
+
+
 def apply(logits: torch.Tensor, matchers: list[llguidance.LLMatcher | None]) -> None:
-    """Sets the logits of tokens each constrained row's grammar forbids to -inf, in place."""
+    """Each constrained row's grammar mask on its logits, in place (rows without a matcher are free)."""
     rows = [i for i, m in enumerate(matchers) if m is not None]
-    if not rows:
-        return
-    bitmask = torch.full((len(rows), (logits.shape[1] + 31) // 32), -1, dtype=torch.int32)
-    for j, row in enumerate(rows):
-        fill_bitmask(matchers[row], bitmask[j])
+    if rows:
+        apply_bitmask(logits, rows, bitmask([matchers[i] for i in rows], logits.shape[1]))
+
+
+def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+    """Sets to -inf, in place, the logits of tokens that row `rows[j]`'s grammar (bitmask row j) forbids."""
     forbidden = ~allowed_tokens(bitmask, logits.shape[1]).to(logits.device)
-    if len(rows) == logits.shape[0]:
+    if len(rows) == logits.shape[0] and rows == list(range(len(rows))):
         logits.masked_fill_(forbidden, float("-inf"))
         return
     index = torch.tensor(rows, device=logits.device)

@@ -89,14 +89,12 @@ class Runtime:
         # pages for the largest model instead would leave most of every small-model page idle.
         page = fitted_page_bytes([e.kv_bytes_per_token() for e in engines], min(e.config.block_size for e in engines))
         first = next(iter(engines))
-        space = KVSpace.create(self.kv_budget, page, first.device, first.config.enable_prefix_caching)
-        for name, engine in self.engines.items():
-            engine.attach_kv(space)
+        # kept sequences of any model give way before any model's shared prefixes are evicted ...
+        space = KVSpace.create(self.kv_budget, page, first.device, first.config.enable_prefix_caching,
+                               reclaim=lambda owner: self._reclaim_from(self.engines[owner])())
+        for name, engine in self.engines.items():  # ... and before anything is preempted
+            engine.attach_kv(space, reclaim=self._reclaim_from(engine))
             self._note_kv(name, engine, space.pool.num_blocks * space.arena.page_bytes)
-        for engine in engines:  # kept sequences of any model give way before anything is preempted
-            engine.scheduler.reclaim = self._reclaim_from(engine)
-        # ... and before any model's shared prefixes are evicted
-        space.pool.reclaim = lambda owner: self._reclaim_from(self.engines[owner])()
 
     def _reclaim_from(self, first: LLMEngine):
         order = [first] + [e for e in self.engines.values() if e is not first]

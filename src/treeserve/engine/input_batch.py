@@ -1,0 +1,76 @@
+"""The model runner's own view of the requests it serves, kept up to date from each `StepData`.
+
+The runner never sees the scheduler's `Request` objects: it holds, per request id, the tokens, the
+block table, how many tokens are computed and the sampling settings, and a seeded request's random
+generator (so it keeps drawing where it left off, across preemptions too).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from treeserve.engine.step_data import NewRequestData, StepData
+from treeserve.sampling_params import SamplingParams
+
+
+@dataclass(eq=False)
+class CachedRequestState:
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    prefill_only: bool
+    logits_positions: list[int] | None
+    readout_token_ids: list[int] | None
+    prompt_logprob_ids: list[int] | None
+    generator: torch.Generator | None = None
+
+    @classmethod
+    def from_new(cls, new: NewRequestData) -> "CachedRequestState":
+        generator = None if new.params.seed is None else torch.Generator().manual_seed(new.params.seed)
+        return cls(new.req_id, list(new.token_ids), new.num_prompt_tokens, list(new.block_ids),
+                   new.num_computed_tokens, new.params, tuple(new.eos_token_ids), new.prefill_only,
+                   new.logits_positions, new.readout_token_ids, new.prompt_logprob_ids, generator)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+class InputBatch:
+    def __init__(self):
+        self.requests: dict[str, CachedRequestState] = {}
+
+    def update(self, step: StepData) -> None:
+        for req_id in step.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in step.new_requests:
+            self.requests[new.req_id] = CachedRequestState.from_new(new)
+        for cached in step.cached_requests:
+            state = self.requests[cached.req_id]
+            state.token_ids.extend(cached.new_token_ids)
+            del state.block_ids[cached.block_ids_from:]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def __getitem__(self, req_id: str) -> CachedRequestState:
+        return self.requests[req_id]
+
+    def __len__(self) -> int:
+        return len(self.requests)

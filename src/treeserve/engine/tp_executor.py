@@ -1,0 +1,137 @@
+"""Rank 0's side of tensor parallelism: starts ranks 1..N-1 as processes (torch.multiprocessing,
+spawn), joins them in one torch.distributed group (gloo on CPU, NCCL on CUDA), and sends each of
+them every step of every model as plain data over a pipe (rank 0 runs its own shard in this
+process, and alone samples).
+
+A worker that dies is noticed when the next step is sent, or by the collective that waits on it
+(which gives up after `COLLECTIVE_TIMEOUT_S`): the engine then fails with `WorkerDiedError`
+naming the rank, and `shutdown()` leaves no process behind.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from treeserve.engine.tp_worker import COLLECTIVE_TIMEOUT_S, START_TIMEOUT_S, ModelSpec, init_distributed, worker_main
+from treeserve.errors import ParamError
+from treeserve.model.parallel import TensorParallel
+
+logger = logging.getLogger(__name__)
+
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel worker is gone or stopped answering; the engine cannot go on."""
+
+    def __init__(self, rank: int, detail: str):
+        super().__init__(f"tensor-parallel worker rank {rank} {detail}")
+        self.rank = rank
+
+
+class TPExecutor:
+    def __init__(self, world_size: int, device: torch.device, threads_per_rank: int | None = None):
+        if dist.is_available() and dist.is_initialized():
+            raise ParamError("tensor_parallel_size", "this process already runs a tensor-parallel engine "
+                             "(one per process: a Runtime puts all its models on the same workers)")
+        self.world_size, self.device = world_size, device
+        self.threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
+        torch.set_num_threads(self.threads)
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        context = mp.get_context("spawn")
+        self.procs, self.pipes = [], []
+        for rank in range(1, world_size):
+            ours, theirs = context.Pipe()
+            proc = context.Process(target=worker_main, name=f"treeserve-tp-rank-{rank}", daemon=True,
+                                   args=(rank, world_size, init_method, device.type, self.threads, theirs))
+            proc.start()
+            theirs.close()
+            self.procs.append(proc)
+            self.pipes.append(ours)
+        self.closed = False
+        try:
+            self.group = init_distributed(0, world_size, init_method, device.type)
+        except Exception as exc:
+            self.shutdown()
+            raise self._died_error() or RuntimeError(f"tensor-parallel workers did not start: {exc}") from exc
+        logger.info("tensor parallel: %d ranks (%s, %d threads each)", world_size, dist.get_backend(), self.threads)
+
+    @property
+    def tp(self) -> TensorParallel:
+        return TensorParallel(0, self.world_size, self.group)
+
+    def add_model(self, key: str, spec: ModelSpec) -> None:
+        """Every worker builds its shard of the model (and KV pages); returns once all are ready."""
+        for pipe in self.pipes:
+            pipe.send(("add_model", key, spec))
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for rank, (pipe, proc) in enumerate(zip(self.pipes, self.procs), start=1):
+            while not pipe.poll(0.2):
+                if not proc.is_alive():
+                    raise WorkerDiedError(rank, f"died loading {key!r} (exit code {proc.exitcode})")
+                if time.monotonic() > deadline:
+                    raise WorkerDiedError(rank, f"did not load {key!r} within {START_TIMEOUT_S:.0f} s")
+            pipe.recv()
+
+    def send_step(self, key: str, step) -> None:
+        self.check()
+        for rank, pipe in enumerate(self.pipes, start=1):
+            try:
+                pipe.send(("step", key, step))
+            except (BrokenPipeError, OSError) as exc:
+                raise self._died_error() or WorkerDiedError(rank, "stopped taking steps") from exc
+
+    def check(self) -> None:
+        error = self._died_error()
+        if error is not None:
+            raise error
+
+    def failure(self, exc: BaseException) -> BaseException:
+        """What to raise for an error during a step: a worker's death where one died (a collective
+        fails while waiting on it), else a hung worker for a collective timeout, else `exc`."""
+        died = self._died_error(wait_s=2.0)
+        if died is not None:
+            return died
+        if "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
+            return WorkerDiedError(-1, f"(some rank) did not answer a collective within {COLLECTIVE_TIMEOUT_S} s: {exc}")
+        return exc
+
+    def _died_error(self, wait_s: float = 0.0) -> WorkerDiedError | None:
+        deadline = time.monotonic() + wait_s
+        while True:
+            for rank, proc in enumerate(self.procs, start=1):
+                if not proc.is_alive():
+                    return WorkerDiedError(rank, f"died (exit code {proc.exitcode})")
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.1)
+
+    def shutdown(self) -> None:
+        """Stops every worker (asked first, then terminated, then killed) and leaves the group."""
+        if self.closed:
+            return
+        self.closed = True
+        for pipe in self.pipes:
+            try:
+                pipe.send(("shutdown",))
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in self.procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=2)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,109 @@
+"""A tensor-parallel worker process: rank r of N holds its shard of every model of the engine (or
+`Runtime`) and its heads' KV cache, and runs each step that rank 0 sends it.
+
+Messages arrive on a pipe from rank 0, each pickled: `("add_model", key, spec)`, `("step", key,
+StepData)`, `("shutdown",)`. A step runs the very runner code rank 0 runs, so every collective
+(the all-reduces inside the layers, the gathers of vocabulary-parallel logits) is met in the same
+order; what this rank samples is dropped. The worker ends when rank 0 says so, when the pipe
+closes (rank 0 died), or when a step fails (rank 0 sees the exit and names this rank).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from treeserve.model.parallel import TensorParallel
+
+logger = logging.getLogger(__name__)
+
+# A collective that waits longer than this for another rank fails (the peer died or hung).
+COLLECTIVE_TIMEOUT_S = 8.0
+
+
+@dataclass
+class ModelSpec:
+    """What a worker needs to build its shard of one model."""
+    model_dir: str
+    dtype: torch.dtype
+    max_positions: int
+    load_format: str
+    seed: int
+    attention_backend: str
+    block_size: int
+    num_pages: int
+    page_bytes: int
+
+
+START_TIMEOUT_S = 120.0  # every rank importing torch and joining the group
+
+
+def init_distributed(rank: int, world_size: int, init_method: str, device_type: str):
+    """Joins the default group (a generous timeout: ranks start at different speeds), then the
+    group the model's collectives use, which gives up on a silent peer after COLLECTIVE_TIMEOUT_S."""
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=START_TIMEOUT_S))
+    return dist.new_group(timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+
+
+def worker_main(rank: int, world_size: int, init_method: str, device: str, threads: int, conn) -> None:
+    """The worker process's entry point (spawned)."""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp-rank-{rank}: %(message)s")
+    torch.set_num_threads(threads)
+    _exit_with_parent()
+    device_obj = torch.device(device if device != "cuda" else f"cuda:{rank}")
+    if device_obj.type == "cuda":
+        torch.cuda.set_device(device_obj)
+    group = init_distributed(rank, world_size, init_method, device_obj.type)
+    runners = {}
+    try:
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                return  # rank 0 is gone
+            if message[0] == "shutdown":
+                return
+            if message[0] == "add_model":
+                runners[message[1]] = build_runner(message[2], TensorParallel(rank, world_size, group), device_obj)
+                conn.send(("ready", message[1]))
+            elif message[0] == "step":
+                runners[message[1]].execute(message[2])
+    finally:
+        dist.destroy_process_group()
+
+
+def build_runner(spec: ModelSpec, tp: TensorParallel, device: torch.device):
+    from treeserve.engine.kv_arena import KVArena
+    from treeserve.engine.model_runner import ModelRunner
+    from treeserve.model.backends import make_backend
+    from treeserve.model.hf_config import load_model_config
+    from treeserve.model.loader import build_model
+    from pathlib import Path
+
+    config = load_model_config(Path(spec.model_dir))
+    model = build_model(Path(spec.model_dir), config, spec.dtype, device, spec.max_positions, spec.load_format,
+                        spec.seed, tp)
+    model.backend = make_backend(spec.attention_backend, model.kv_config, spec.dtype, device)
+    arena = KVArena(spec.num_pages, spec.page_bytes, device)
+    return ModelRunner(model, spec.block_size, arena, spec.dtype, device)
+
+
+def _exit_with_parent() -> None:
+    """Ends this process if rank 0's process goes away without a word (killed)."""
+    parent = os.getppid()
+
+    def watch():
+        while True:
+            if os.getppid() != parent:
+                os._exit(1)
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
