@@ -34,6 +34,11 @@ def _add_engine_args(parser: argparse.ArgumentParser, several_models: bool = Fal
                         help="auto: Triton kernels on CUDA, PyTorch (and treeserve's C kernels) on CPU; "
                         "or TREESERVE_ATTENTION_BACKEND")
     parser.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="split each model over this many ranks (processes; one GPU each on CUDA)")
+    parser.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default="mp",
+                        help="mp: worker processes on this machine")
+    parser.add_argument("--threads-per-rank", type=int, help="CPU: torch threads per rank (default: cores / ranks)")
 
 
 def _engine_options(args) -> dict:
@@ -41,7 +46,12 @@ def _engine_options(args) -> dict:
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 kv_cache_memory_bytes=args.kv_cache_memory_bytes, block_size=args.block_size,
                 enable_prefix_caching=not args.no_prefix_caching, attention_backend=args.attention_backend,
-                enforce_eager=args.enforce_eager)
+                enforce_eager=args.enforce_eager, **parallel_options(args))
+
+
+def parallel_options(args) -> dict:
+    return dict(tensor_parallel_size=args.tensor_parallel_size,
+                distributed_executor_backend=args.distributed_executor_backend, threads_per_rank=args.threads_per_rank)
 
 
 def cmd_run(args) -> int:

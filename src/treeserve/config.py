@@ -36,6 +36,10 @@ class EngineConfig:
     # A step's text (detokenizing, RequestOutputs) made while the device runs the next step; None:
     # on CUDA only (on CPU nothing runs meanwhile).
     async_output_processing: bool | None = None
+    # Tensor parallelism: the model split over this many ranks (processes; one GPU each on CUDA)
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"  # "mp": worker processes on this machine; "ray": Ray actors
+    threads_per_rank: int | None = None       # CPU: torch threads per rank (default: the cores / ranks)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -55,6 +59,13 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ParamError("attention_backend",
                              f"must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ParamError("tensor_parallel_size", f"must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ParamError("distributed_executor_backend",
+                             f"must be 'mp' or 'ray', got {self.distributed_executor_backend!r}")
+        if self.threads_per_rank is not None and (not isinstance(self.threads_per_rank, int) or self.threads_per_rank < 1):
+            raise ParamError("threads_per_rank", f"must be an integer >= 1, got {self.threads_per_rank!r}")
         if self.async_output_processing not in (None, True, False):
             raise ParamError("async_output_processing", f"must be true, false or null, got {self.async_output_processing!r}")
         if self.load_format not in ("auto", "dummy"):

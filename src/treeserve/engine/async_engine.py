@@ -185,6 +185,7 @@ class AsyncLLMEngine:
             while not self._stopped and not should_stop():
                 self._take_inbox()
                 if not self.loop.step():
+                    self.loop.check_health()
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
         except BaseException as exc:  # keep serving errors visible instead of hanging clients

@@ -88,6 +88,11 @@ class EngineLoop:
             self.num_steps += 1
         return bool(busy)
 
+    def check_health(self) -> None:
+        """Raises what stopped any engine (a tensor-parallel worker's death, say)."""
+        for engine in self.engines:
+            engine.check_health()
+
     def poll_clients(self) -> None:
         for client in list(self.clients):
             client.poll()

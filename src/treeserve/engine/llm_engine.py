@@ -1,6 +1,7 @@
 """The synchronous engine: requests in, one scheduler step at a time, outputs out."""
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -21,7 +22,10 @@ from treeserve.engine.step_builder import StepBuilder
 from treeserve.engine.structured_outputs import StructuredOutputs
 from treeserve.engine.token_budget import serving_token_budget
 from treeserve.model.backends import make_backend, resolve_backend_name
+from treeserve.engine.tp_executor import start_executor
+from treeserve.engine.tp_worker import ModelSpec
 from treeserve.model.hf_config import load_model_config
+from treeserve.model.parallel import ShardPlan, TensorParallel
 from treeserve.model.loader import build_model, load_generation_defaults, load_tokenizer
 from treeserve.model.registry import resolve_model_path
 from treeserve.outputs import RequestOutput
@@ -35,9 +39,11 @@ class LLMEngine:
     outputs) is `OutputProcessor`'s; kept KV is `KeptSequences`'. Only the engine loop
     (`engine_loop.EngineLoop`) calls `step()`."""
 
-    def __init__(self, config: EngineConfig, name: str = "", defer_kv: bool = False):
+    def __init__(self, config: EngineConfig, name: str = "", defer_kv: bool = False, executor=None):
         """`name` namespaces this model's prefix-cache hashes (several models may share one pool);
-        `defer_kv` leaves KV memory to be attached later with `attach_kv` (by a `Runtime`)."""
+        `defer_kv` leaves KV memory to be attached later with `attach_kv` (by a `Runtime`);
+        `executor`: the tensor-parallel workers this engine's model joins (a `Runtime`'s, shared by
+        its models); with tensor_parallel_size > 1 and none given, the engine starts its own."""
         self.config = config
         self.name = name
         model_dir = resolve_model_path(config.model)
@@ -51,9 +57,10 @@ class LLMEngine:
                                                                                              self.device)
         torch.manual_seed(config.seed)
         self.attention_backend = resolve_backend_name(config.attention_backend, self.device, self.dtype)
+        self.executor, self._owns_executor, self.failed = executor, False, None
         self.model = build_model(model_dir, self.model_config, self.dtype, self.device, self.max_model_len,
-                                 config.load_format, config.seed)
-        self.model.backend = make_backend(self.attention_backend, self.model_config, self.dtype, self.device)
+                                 config.load_format, config.seed, self._tensor_parallel())
+        self.model.backend = make_backend(self.attention_backend, self.model.kv_config, self.dtype, self.device)
         self.groups: dict[str, RequestGroup] = {}
         self.last_step_num_tokens = 0
         self.num_steps = 0
@@ -70,8 +77,25 @@ class LLMEngine:
         if not defer_kv:
             self.attach_kv(self.standalone_kv_space())
 
+    def _tensor_parallel(self) -> TensorParallel:
+        """This process's rank (0) of the model's ranks; starts the workers where none are given."""
+        size = self.config.tensor_parallel_size
+        if size == 1:
+            return TensorParallel()
+        config = self.model_config
+        ShardPlan.check(TensorParallel(0, size), config.num_heads, config.num_kv_heads, config.head_dim,
+                        config.intermediate_size, config.vocab_size)  # before any process starts
+        if self.executor is None:
+            self.executor, self._owns_executor = start_executor(self.config, self.device), True
+        return self.executor.tp
+
+    @property
+    def model_key(self) -> str:
+        return self.name or "model"
+
     def kv_bytes_per_token(self) -> int:
-        return kv_bytes_per_token(self.model_config, self.dtype)
+        """KV bytes one token takes on this rank (its heads)."""
+        return kv_bytes_per_token(self.model.kv_config, self.dtype)
 
     def standalone_kv_space(self) -> KVSpace:
         page_bytes = self.config.block_size * self.kv_bytes_per_token()
@@ -81,7 +105,7 @@ class LLMEngine:
     def attach_kv(self, space: KVSpace, reclaim=None) -> None:
         """`reclaim`: frees one kept sequence's blocks when the scheduler runs short (default: one of
         this engine's own; a `Runtime` passes one that tries every engine sharing the pool)."""
-        block_size = space.arena.block_size_for(self.model_config, self.dtype)
+        block_size = space.arena.block_size_for(self.model.kv_config, self.dtype)
         num_blocks = space.pool.num_blocks
         if num_blocks * block_size < self.max_model_len:
             raise ParamError(
@@ -92,9 +116,13 @@ class LLMEngine:
         self.retained.kv = self.kv
         self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.max_num_batched_tokens,
                                    reclaim=reclaim or self._reclaim_one)
-        self.steps = StepBuilder(self.kv, self.model_config.vocab_size)
+        self.steps = StepBuilder(self.kv, self.structured.vocab_size)
         self.runner = ModelRunner(self.model, block_size, space.arena, self.dtype, self.device)
         self.runner.graphs = self._decode_graphs(block_size)
+        if self.executor is not None:
+            self.executor.add_model(self.model_key, ModelSpec(
+                str(self.model_dir), self.dtype, self.max_model_len, self.config.load_format, self.config.seed,
+                self.attention_backend, block_size, space.arena.num_pages, space.arena.page_bytes))
         logger.info("engine ready: %s on %s (%s, %s attention%s), %d KV blocks of %d tokens, steps of up to %d tokens",
                     self.model_dir.name, self.device, self.dtype, self.attention_backend,
                     ", CUDA graphs" if self.runner.graphs else "", num_blocks, block_size, self.max_num_batched_tokens)
@@ -102,6 +130,9 @@ class LLMEngine:
     def _decode_graphs(self, block_size: int) -> DecodeGraphs | None:
         """Decode steps' CUDA graphs, captured now: with Triton attention on CUDA, unless enforce_eager."""
         if self.attention_backend != "triton" or self.device.type != "cuda" or self.config.enforce_eager:
+            return None
+        if self.executor is not None:
+            logger.info("tensor parallel: decode steps run eagerly (workers capture no CUDA graphs yet)")
             return None
         graphs = DecodeGraphs(self.model, self.runner.kv_caches, self.config.max_num_seqs,
                               -(-self.max_model_len // block_size), self.device)
@@ -272,9 +303,14 @@ class LLMEngine:
             return self._deferred_outputs()
         self.num_steps += 1
         self.num_tokens_computed += sched.num_tokens
-        launched = self.runner.launch(self.steps.build(sched))
+        step = self.steps.build(sched)
+        with self._workers_guard():
+            if self.executor is not None:
+                self.executor.send_step(self.model_key, step)
+            launched = self.runner.launch(step)
         earlier = self._deferred_outputs()
-        result = self.runner.wait(launched)
+        with self._workers_guard():
+            result = self.runner.wait(launched)
         for req_id, position, logits in result.readouts:
             self.steps.request(req_id).prompt_logits[position] = logits
         for req_id, position, entry in result.prompt_logprobs:
@@ -294,6 +330,40 @@ class LLMEngine:
                 if self._append_token(request, token_id, logprobs):
                     self._deferred_groups[group.request_id] = group
         return earlier + [self._make_output(g) for g in touched.values() if g.request_id not in self._deferred_groups]
+
+    @contextlib.contextmanager
+    def _workers_guard(self):
+        """With tensor parallelism, an error while the ranks work together becomes the error of the
+        worker that caused it (`WorkerDiedError`, naming the rank); the engine stays failed."""
+        if self.failed is not None:
+            raise self.failed
+        if self.executor is None:
+            yield
+            return
+        try:
+            yield
+        except Exception as exc:
+            self.failed = self.executor.failure(exc)
+            if self.failed is exc:
+                raise
+            raise self.failed from exc
+
+    def check_health(self) -> None:
+        """Raises the error that stopped the engine, or a tensor-parallel worker's death (checked
+        while idle too, so a server's /health turns 503 without waiting for a request)."""
+        if self.failed is not None:
+            raise self.failed
+        if self.executor is not None:
+            try:
+                self.executor.check()
+            except Exception as exc:
+                self.failed = exc
+                raise
+
+    def close(self) -> None:
+        """Stops the tensor-parallel workers this engine started (nothing to do otherwise)."""
+        if self._owns_executor and self.executor is not None:
+            self.executor.shutdown()
 
     def _deferred_outputs(self) -> list[RequestOutput]:
         """The deferred tokens' text, then their groups' outputs (an aborted group's are dropped)."""

@@ -40,7 +40,7 @@ class LaunchedStep:
 
 
 def kv_bytes_per_block(model: DecoderForCausalLM, block_size: int, dtype: torch.dtype) -> int:
-    return block_size * kv_bytes_per_token(model.config, dtype)
+    return block_size * kv_bytes_per_token(model.kv_config, dtype)
 
 
 class ModelRunner:
@@ -49,7 +49,7 @@ class ModelRunner:
     def __init__(self, model: DecoderForCausalLM, block_size: int, arena: KVArena, dtype: torch.dtype,
                  device: torch.device, graphs: DecodeGraphs | None = None):
         self.model, self.block_size, self.arena, self.device = model, block_size, arena, device
-        self.kv_caches = arena.layer_views(model.config, dtype)
+        self.kv_caches = arena.layer_views(model.kv_config, dtype)
         self.sampler = Sampler()
         self.backend = model.backend
         self.graphs = graphs

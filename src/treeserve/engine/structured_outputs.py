@@ -41,7 +41,10 @@ class StructuredOutputs:
     """One engine's grammar engine: its tokenizer (built on first use) and compiled grammars."""
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]):
-        self._hf_tokenizer, self.vocab_size, self._eos = hf_tokenizer, vocab_size, list(eos_token_ids)
+        self._hf_tokenizer, self._eos = hf_tokenizer, list(eos_token_ids)
+        # The grammar engine's vocabulary: the model's, or the tokenizer's where it has more tokens
+        # (a token the model cannot sample is never allowed in practice; the mask is cut to the logits).
+        self.vocab_size = max(vocab_size, len(hf_tokenizer))
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._compiled: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()  # the server compiles in its own threads, the engine loop in its

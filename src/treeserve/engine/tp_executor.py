@@ -9,6 +9,7 @@ naming the rank, and `shutdown()` leaves no process behind.
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import socket
@@ -52,6 +53,7 @@ class TPExecutor:
             self.procs.append(proc)
             self.pipes.append(ours)
         self.closed = False
+        atexit.register(self.shutdown)
         try:
             self.group = init_distributed(0, world_size, init_method, device.type)
         except Exception as exc:
@@ -75,6 +77,15 @@ class TPExecutor:
                 if time.monotonic() > deadline:
                     raise WorkerDiedError(rank, f"did not load {key!r} within {START_TIMEOUT_S:.0f} s")
             pipe.recv()
+
+    def report(self) -> list[dict[str, int]]:
+        """Each worker's resident weight bytes by model (rank 1 first)."""
+        for pipe in self.pipes:
+            pipe.send(("report",))
+        return [pipe.recv()[1] for pipe in self.pipes]
+
+    def pids(self) -> list[int]:
+        return [proc.pid for proc in self.procs]
 
     def send_step(self, key: str, step) -> None:
         self.check()
@@ -129,6 +140,14 @@ class TPExecutor:
                 proc.join()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def start_executor(config, device: torch.device):
+    """The workers for `config.tensor_parallel_size` ranks, by `config.distributed_executor_backend`."""
+    if config.distributed_executor_backend == "ray":
+        raise ParamError("distributed_executor_backend", "'ray' is not available yet: use 'mp' (worker "
+                         "processes on this machine)")
+    return TPExecutor(config.tensor_parallel_size, device, config.threads_per_rank)
 
 
 def _free_port() -> int:

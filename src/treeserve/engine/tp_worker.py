@@ -62,7 +62,7 @@ def worker_main(rank: int, world_size: int, init_method: str, device: str, threa
     if device_obj.type == "cuda":
         torch.cuda.set_device(device_obj)
     group = init_distributed(rank, world_size, init_method, device_obj.type)
-    runners = {}
+    runners, models = {}, {}
     try:
         while True:
             try:
@@ -72,15 +72,20 @@ def worker_main(rank: int, world_size: int, init_method: str, device: str, threa
             if message[0] == "shutdown":
                 return
             if message[0] == "add_model":
-                runners[message[1]] = build_runner(message[2], TensorParallel(rank, world_size, group), device_obj)
+                runners[message[1]] = build_runner(message[2], TensorParallel(rank, world_size, group), device_obj,
+                                                   models)
                 conn.send(("ready", message[1]))
             elif message[0] == "step":
                 runners[message[1]].execute(message[2])
+            elif message[0] == "report":
+                conn.send(("report", {key: resident_bytes(runner.model) for key, runner in runners.items()}))
     finally:
         dist.destroy_process_group()
 
 
-def build_runner(spec: ModelSpec, tp: TensorParallel, device: torch.device):
+def build_runner(spec: ModelSpec, tp: TensorParallel, device: torch.device, models: dict):
+    """A runner over fresh KV pages; the model shard is built once per directory and reused (a
+    `Runtime` attaches KV twice: a dry run on scratch pages, then the real ones)."""
     from treeserve.engine.kv_arena import KVArena
     from treeserve.engine.model_runner import ModelRunner
     from treeserve.model.backends import make_backend
@@ -88,12 +93,26 @@ def build_runner(spec: ModelSpec, tp: TensorParallel, device: torch.device):
     from treeserve.model.loader import build_model
     from pathlib import Path
 
-    config = load_model_config(Path(spec.model_dir))
-    model = build_model(Path(spec.model_dir), config, spec.dtype, device, spec.max_positions, spec.load_format,
-                        spec.seed, tp)
-    model.backend = make_backend(spec.attention_backend, model.kv_config, spec.dtype, device)
+    key = (spec.model_dir, spec.dtype, spec.max_positions, spec.load_format, spec.seed)
+    if key not in models:
+        config = load_model_config(Path(spec.model_dir))
+        model = build_model(Path(spec.model_dir), config, spec.dtype, device, spec.max_positions, spec.load_format,
+                            spec.seed, tp)
+        model.backend = make_backend(spec.attention_backend, model.kv_config, spec.dtype, device)
+        models[key] = model
+    model = models[key]
     arena = KVArena(spec.num_pages, spec.page_bytes, device)
     return ModelRunner(model, spec.block_size, arena, spec.dtype, device)
+
+
+def resident_bytes(model: torch.nn.Module) -> int:
+    """Bytes of this rank's weights (each storage once)."""
+    seen, total = set(), 0
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            total += tensor.numel() * tensor.element_size()
+    return total
 
 
 def _exit_with_parent() -> None:

@@ -31,6 +31,16 @@ class LLM:
         llm.engine, llm.loop, llm._ids = engine, loop or EngineLoop(engine), itertools.count()
         return llm
 
+    def close(self) -> None:
+        """Stops the engine's tensor-parallel workers, if it has any."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

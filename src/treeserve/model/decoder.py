@@ -5,18 +5,24 @@ The families differ only in switches read from `ModelConfig`: qkv/o/mlp biases, 
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
 from treeserve.model.attention import AttentionMetadata, TorchSDPABackend
 from treeserve.model.hf_config import ModelConfig
 from treeserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from treeserve.model.parallel import ShardPlan, TensorParallel, VocabParallelEmbedding
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, window: int | None):
+    """This rank's query and K/V heads (all of them without tensor parallelism); o_proj's partial
+    sums are added across ranks."""
+
+    def __init__(self, config: ModelConfig, window: int | None, plan: ShardPlan):
         super().__init__()
-        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.num_heads, self.num_kv_heads, self.tp = plan.local_heads, plan.local_kv_heads, plan.tp
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -36,16 +42,17 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
         out = backend.forward(layer_cache, q, k, v, meta, self.scale, self.window)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, window: int | None):
+    def __init__(self, config: ModelConfig, window: int | None, plan: ShardPlan):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, window)
+        self.self_attn = Attention(config, window, plan)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+        self.mlp = GatedMLP(config.hidden_size, plan.local_intermediate, config.mlp_bias)
+        self.tp = plan.tp
 
     def forward(self, x, residual, positions, rotary, layer_cache, meta, backend):
         """x: the previous layer's output, residual: the stream before it (None at the first
@@ -56,19 +63,29 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, positions, rotary, layer_cache, meta, backend)
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        return self.tp.all_reduce(self.mlp(x)), residual
 
 
 class DecoderForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int):
+    """With `tp` (tensor parallelism), this rank's shard (model/parallel.py); `kv_config` is the
+    shape of what this rank caches and attends over (its heads)."""
+
+    def __init__(self, config: ModelConfig, max_positions: int, tp: TensorParallel = TensorParallel()):
         super().__init__()
-        self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.config, self.tp = config, tp
+        self.plan = ShardPlan.check(tp, config.num_heads, config.num_kv_heads, config.head_dim,
+                                    config.intermediate_size, config.vocab_size)
+        self.kv_config = replace(config, num_heads=self.plan.local_heads, num_kv_heads=self.plan.local_kv_heads)
+        if tp.enabled:
+            self.embed_tokens = VocabParallelEmbedding(self.plan.vocab_shard, config.hidden_size, self.plan.vocab_start, tp)
+        else:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         windows = config.sliding_windows or (None,) * config.num_layers
-        self.layers = nn.ModuleList(DecoderLayer(config, windows[i]) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, windows[i], self.plan) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        vocab_rows = self.plan.vocab_shard if tp.enabled else config.vocab_size
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, vocab_rows, bias=False)
         self.backend = TorchSDPABackend()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -80,6 +97,11 @@ class DecoderForCausalLM(nn.Module):
         return self.norm(x, residual)[0] if residual is not None else self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits (with tensor parallelism, every rank's part gathered)."""
         if self.lm_head is None:
-            return torch.nn.functional.linear(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+            logits = torch.nn.functional.linear(hidden, self.embed_tokens.weight)
+        else:
+            logits = self.lm_head(hidden)
+        if self.tp.enabled:
+            logits = self.tp.all_gather_last(logits)[..., :self.config.vocab_size]
+        return logits.float()

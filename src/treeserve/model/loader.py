@@ -13,6 +13,7 @@ from treeserve.model.decoder import DecoderForCausalLM
 from treeserve.model.hf_config import ModelConfig, load_model_config, read_json
 from treeserve.model.layers import RotaryEmbedding
 from treeserve.model.packed_linear import pack_linears
+from treeserve.model.parallel import ShardPlan, TensorParallel
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -49,6 +50,48 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     raise FileNotFoundError(f"{model_dir / SINGLE_FILE}: file not found (nor {INDEX_FILE})")
 
 
+def iter_checkpoint_shards(model_dir: Path, plan: ShardPlan) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each checkpoint tensor's part that this rank holds (the whole tensor without parallelism)."""
+    if not plan.tp.enabled:
+        yield from iter_checkpoint_tensors(model_dir)
+        return
+    for path in safetensors_files(model_dir):
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                for name in handle.keys():
+                    yield name, _shard(name, handle.get_slice(name), plan)
+        except SafetensorError as exc:
+            raise ValueError(f"{path}: malformed safetensors file ({exc})") from exc
+
+
+def _shard(name: str, part, plan: ShardPlan) -> torch.Tensor:
+    """Rows of column-parallel projections (q/k/v by heads, gate/up by rows), columns of row-parallel
+    ones (o_proj, down_proj; their bias on rank 0 alone, as the ranks' outputs are summed), a
+    vocabulary range of the embedding and lm_head (zero-padded to the shard size); the rest whole."""
+    target, slot = _target_name(name)
+    if slot is not None:
+        start, end = plan.qkv_rows()[slot] if "qkv" in target else plan.mlp_rows()
+        return part[start:end]
+    if target.endswith("o_proj.weight"):
+        start = plan.tp.rank * plan.local_heads * plan.head_dim
+        return part[:, start:start + plan.local_heads * plan.head_dim]
+    if target.endswith("down_proj.weight"):
+        start, end = plan.mlp_rows()
+        return part[:, start:end]
+    if target.endswith(("o_proj.bias", "down_proj.bias")):
+        full = part[:]
+        return full if plan.tp.rank == 0 else torch.zeros_like(full)
+    if target in ("embed_tokens.weight", "lm_head.weight"):
+        start, end = plan.vocab_rows()
+        rows = part[start:end] if end > start else None
+        width = part.get_shape()[1]
+        out = torch.zeros(plan.vocab_shard, width, dtype=rows.dtype if rows is not None else torch.float32)
+        if rows is not None:
+            out[:end - start] = rows
+        return out
+    return part[:]
+
+
 def iter_checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for path in safetensors_files(model_dir):
         try:
@@ -74,10 +117,12 @@ def _target_name(name: str) -> tuple[str, int | None]:
 
 
 def load_weights(model: DecoderForCausalLM, model_dir: Path) -> None:
+    """Copies the checkpoint into the model; with tensor parallelism each tensor is read only as far
+    as this rank's shard of it (safetensors slices), never whole."""
     params = dict(model.named_parameters())
     pending: dict[str, dict[int, torch.Tensor]] = {}
     loaded: set[str] = set()
-    for name, tensor in iter_checkpoint_tensors(model_dir):
+    for name, tensor in iter_checkpoint_shards(model_dir, model.plan):
         if _IGNORED.search(name) or (name == "lm_head.weight" and model.lm_head is None):
             continue
         target, slot = _target_name(name)
@@ -106,11 +151,12 @@ def _copy_into(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
 
 
 def build_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                max_positions: int, load_format: str = "auto", seed: int = 0) -> DecoderForCausalLM:
+                max_positions: int, load_format: str = "auto", seed: int = 0,
+                tp: TensorParallel = TensorParallel()) -> DecoderForCausalLM:
     """`load_format="dummy"`: random weights made on the device, no checkpoint read (vLLM's name;
     for benchmarks of large shapes: the directory needs only config.json and a tokenizer)."""
     with torch.device("meta"):
-        model = DecoderForCausalLM(config, max_positions)
+        model = DecoderForCausalLM(config, max_positions, tp)
     model = model.to_empty(device=device).to(dtype)
     # RoPE tables stay in float32 (as in transformers); they were only placeholders on "meta".
     model.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions).to(device)

@@ -17,6 +17,7 @@ from treeserve.config import CPU_DEFAULT_KV_BYTES, EngineConfig
 from treeserve.engine.engine_loop import EngineLoop
 from treeserve.engine.kv_arena import KVSpace, aligned, fitted_page_bytes
 from treeserve.engine.llm_engine import LLMEngine
+from treeserve.engine.tp_executor import start_executor
 from treeserve.engine.memory import available_host_bytes
 from treeserve.entrypoints.llm import LLM
 from treeserve.outputs import RequestOutput
@@ -40,8 +41,14 @@ class Runtime:
         if kv_mode not in KV_MODES:
             raise ParamError("kv_mode", f"must be one of {KV_MODES}, got {kv_mode!r}")
         self.kv_mode = kv_mode
-        self.engines = {name: LLMEngine(EngineConfig(model=path, **engine_options), name=name, defer_kv=True)
-                        for name, path in models.items()}
+        configs = {name: EngineConfig(model=path, **engine_options) for name, path in models.items()}
+        self.executor = self._workers(next(iter(configs.values())))
+        try:
+            self.engines = {name: LLMEngine(config, name=name, defer_kv=True, executor=self.executor)
+                            for name, config in configs.items()}
+        except BaseException:
+            self.close()
+            raise
         self.memory = self._account(kv_cache_memory_bytes, memory_utilization)
         if kv_mode == "shared":
             self._attach_shared()
@@ -143,9 +150,19 @@ class Runtime:
         for scorer in self._scorers.values():
             scorer.release_all()
 
+    @staticmethod
+    def _workers(config: EngineConfig):
+        """With tensor parallelism, one set of workers for every model: rank r holds shard r of each."""
+        if config.tensor_parallel_size == 1:
+            return None
+        return start_executor(config, config.resolve_device())
+
     def close(self) -> None:
-        if self.trace:
+        """Closes the trace and stops the tensor-parallel workers, if any."""
+        if getattr(self, "trace", None):
             self.trace.close()
+        if self.executor is not None:
+            self.executor.shutdown()
 
 
 def _fractions(given: dict[str, float] | None, names: list[str]) -> dict[str, float]:
