@@ -10,7 +10,7 @@ from treeserve import LLM, SamplingParams
 
 ENGINE = Path(__file__).resolve().parents[1] / "src" / "treeserve" / "engine"
 BELOW_THE_SCHEDULER = ["model_runner", "sampler", "prompt_logprobs", "input_batch", "step_data", "cuda_graphs",
-                       "tp_worker", "tp_executor"]
+                       "tp_worker", "tp_executor", "tp_ray"]
 SCHEDULER_SIDE = {"treeserve.engine.request", "treeserve.engine.kv_cache_manager", "treeserve.engine.scheduler",
                   "treeserve.engine.step_builder", "treeserve.engine.llm_engine", "treeserve.engine.block_pool"}
 

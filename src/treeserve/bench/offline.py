@@ -4,8 +4,11 @@ A ~150M-parameter random Llama; a mixed-length workload (fixed seed; prompts 32-
 outputs 16-256 tokens, EOS ignored). Prints output tokens/s for both, their ratio, and model-FLOPs
 utilisation against a matmul peak measured here in the same dtype.
 
-    treeserve bench throughput [--num-prompts 64] [--dtype auto|float32|bfloat16]
+    treeserve bench throughput [--num-prompts 64] [--dtype auto|float32|bfloat16] [--tensor-parallel-size 1,2]
     python benchmarks/throughput.py ...   (the same)
+
+With `--tensor-parallel-size 1,2` treeserve runs the workload at each size in turn and prints the
+ratio of each to the first.
 """
 from __future__ import annotations
 
@@ -93,15 +96,15 @@ def model_flops(prompts, lengths, shape) -> float:
     return total
 
 
-def run_treeserve(path, dtype, prompts, lengths, args) -> float:
-    llm = LLM(str(path), dtype=dtype, device=args.device, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_bytes=args.kv_bytes,
-              enable_prefix_caching=False)
-    llm.generate([prompts[0][:32]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
-    start = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
+def run_treeserve(path, dtype, prompts, lengths, args, tensor_parallel_size: int = 1) -> float:
+    with LLM(str(path), dtype=dtype, device=args.device, max_num_seqs=args.max_num_seqs,
+             max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_bytes=args.kv_bytes,
+             enable_prefix_caching=False, tensor_parallel_size=tensor_parallel_size) as llm:
+        llm.generate([prompts[0][:32]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+        start = time.perf_counter()
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
     assert [len(o.outputs[0].token_ids) for o in outputs] == lengths
     return elapsed
 
@@ -135,6 +138,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-bytes", type=int, default=2 << 30)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--tensor-parallel-size", default="1",
+                        help="comma-separated ranks to run treeserve at (e.g. 1,2: each in turn, same workload)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
 
 
@@ -152,11 +157,18 @@ def run(args) -> int:
     print(f"workload: {len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, {useful_tokens} output tokens")
     print(f"measured {dtype} matmul peak (before the runs): {peak:.3f} TFLOP/s")
 
-    ours = run_treeserve(path, dtype, prompts, lengths, args)
+    sizes = [int(x) for x in str(args.tensor_parallel_size).split(",")]
+    by_size = {}
+    for size in sizes:
+        by_size[size] = run_treeserve(path, dtype, prompts, lengths, args, size)
+        print(f"treeserve (tensor parallel {size}): {by_size[size]:.1f} s, {useful_tokens / by_size[size]:.1f} output tok/s")
+    ours = by_size[sizes[0]]
     peak = max(peak, matmul_peak_tflops(dtype, device))  # shared machines drift: keep the best reading
     result = {"dtype": str(dtype), "device": str(device), "peak_tflops": peak, "treeserve_s": ours,
-              "treeserve_tok_s": useful_tokens / ours, "treeserve_mfu": flops / ours / (peak * 1e12)}
-    print(f"treeserve: {ours:.1f} s, {useful_tokens / ours:.1f} output tok/s")
+              "treeserve_tok_s": useful_tokens / ours, "treeserve_mfu": flops / ours / (peak * 1e12),
+              "by_tensor_parallel_size": {size: useful_tokens / s for size, s in by_size.items()}}
+    for size in sizes[1:]:
+        print(f"tensor parallel {size} / {sizes[0]}: {by_size[sizes[0]] / by_size[size]:.2f}x")
     if not args.skip_hf:
         hf_times = {}
         for size in (int(x) for x in args.hf_batch_sizes.split(",")):

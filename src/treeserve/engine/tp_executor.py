@@ -41,7 +41,7 @@ class TPExecutor:
         self.world_size, self.device = world_size, device
         self.threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
         torch.set_num_threads(self.threads)
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
         context = mp.get_context("spawn")
         self.procs, self.pipes = [], []
         for rank in range(1, world_size):
@@ -145,12 +145,13 @@ class TPExecutor:
 def start_executor(config, device: torch.device):
     """The workers for `config.tensor_parallel_size` ranks, by `config.distributed_executor_backend`."""
     if config.distributed_executor_backend == "ray":
-        raise ParamError("distributed_executor_backend", "'ray' is not available yet: use 'mp' (worker "
-                         "processes on this machine)")
+        from treeserve.engine.tp_ray import RayTPExecutor
+
+        return RayTPExecutor(config.tensor_parallel_size, device, config.threads_per_rank)
     return TPExecutor(config.tensor_parallel_size, device, config.threads_per_rank)
 
 
-def _free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return sock.getsockname()[1]

@@ -53,16 +53,43 @@ def init_distributed(rank: int, world_size: int, init_method: str, device_type: 
     return dist.new_group(timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
 
 
+class Worker:
+    """One rank's state: its shard of each model and a runner over its KV pages. The process-pool
+    loop below and the Ray actor (engine/tp_ray.py) both drive it."""
+
+    def __init__(self, rank: int, world_size: int, init_method: str, device: str, threads: int):
+        torch.set_num_threads(threads)
+        self.rank, self.world_size, self.init_method = rank, world_size, init_method
+        self.device = torch.device(device if device != "cuda" else f"cuda:{rank}")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.group, self.runners, self.models = None, {}, {}
+
+    def join(self) -> None:
+        self.group = init_distributed(self.rank, self.world_size, self.init_method, self.device.type)
+
+    def add_model(self, key: str, spec: ModelSpec) -> str:
+        tp = TensorParallel(self.rank, self.world_size, self.group)
+        self.runners[key] = build_runner(spec, tp, self.device, self.models)
+        return key
+
+    def execute(self, key: str, step) -> None:
+        self.runners[key].execute(step)
+
+    def report(self) -> dict[str, int]:
+        return {key: resident_bytes(runner.model) for key, runner in self.runners.items()}
+
+    def leave(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def worker_main(rank: int, world_size: int, init_method: str, device: str, threads: int, conn) -> None:
-    """The worker process's entry point (spawned)."""
+    """The worker process's entry point (spawned): messages from rank 0's pipe until told to stop."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp-rank-{rank}: %(message)s")
-    torch.set_num_threads(threads)
     _exit_with_parent()
-    device_obj = torch.device(device if device != "cuda" else f"cuda:{rank}")
-    if device_obj.type == "cuda":
-        torch.cuda.set_device(device_obj)
-    group = init_distributed(rank, world_size, init_method, device_obj.type)
-    runners, models = {}, {}
+    worker = Worker(rank, world_size, init_method, device, threads)
+    worker.join()
     try:
         while True:
             try:
@@ -72,15 +99,13 @@ def worker_main(rank: int, world_size: int, init_method: str, device: str, threa
             if message[0] == "shutdown":
                 return
             if message[0] == "add_model":
-                runners[message[1]] = build_runner(message[2], TensorParallel(rank, world_size, group), device_obj,
-                                                   models)
-                conn.send(("ready", message[1]))
+                conn.send(("ready", worker.add_model(message[1], message[2])))
             elif message[0] == "step":
-                runners[message[1]].execute(message[2])
+                worker.execute(message[1], message[2])
             elif message[0] == "report":
-                conn.send(("report", {key: resident_bytes(runner.model) for key, runner in runners.items()}))
+                conn.send(("report", worker.report()))
     finally:
-        dist.destroy_process_group()
+        worker.leave()
 
 
 def build_runner(spec: ModelSpec, tp: TensorParallel, device: torch.device, models: dict):

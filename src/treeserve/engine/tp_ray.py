@@ -1,0 +1,123 @@
+"""Tensor-parallel workers as Ray actors (`distributed_executor_backend="ray"`): ranks 1..N-1 live
+in a placement group of the Ray cluster this process joins (`RAY_ADDRESS`, or a local instance
+started here), so one engine can span several machines. Rank 0 stays the engine's process.
+
+Steps go to each actor as a method call (Ray runs one caller's calls to an actor in order) that
+rank 0 does not wait for; a call that failed, or an actor that died, surfaces at the next step or
+in the collective waiting on it, as `WorkerDiedError` naming the rank.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+from treeserve.engine.tp_executor import WorkerDiedError, free_port
+from treeserve.engine.tp_worker import START_TIMEOUT_S, ModelSpec, Worker, init_distributed
+from treeserve.errors import ParamError
+from treeserve.model.parallel import TensorParallel
+
+logger = logging.getLogger(__name__)
+
+
+class RayWorker(Worker):
+    """One rank as a Ray actor: `Worker`'s methods, and its process id."""
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class RayTPExecutor:
+    def __init__(self, world_size: int, device: torch.device, threads_per_rank: int | None = None):
+        try:
+            import ray
+            from ray.util.placement_group import placement_group
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        except ImportError as exc:
+            raise ParamError("distributed_executor_backend", "'ray' needs the ray package "
+                             "(pip install 'treeserve[ray]')") from exc
+        if dist.is_available() and dist.is_initialized():
+            raise ParamError("tensor_parallel_size", "this process already runs a tensor-parallel engine")
+        self.ray, self.world_size, self.device = ray, world_size, device
+        self.threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
+        self.started_ray = not ray.is_initialized()
+        if self.started_ray:
+            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False,
+                     num_cpus=None if os.environ.get("RAY_ADDRESS") else max(world_size - 1, os.cpu_count() or 1))
+        torch.set_num_threads(self.threads)
+        host = ray.util.get_node_ip_address()
+        init_method = f"tcp://{host}:{free_port(host)}"
+        resources = {"GPU": 1, "CPU": 1} if device.type == "cuda" else {"CPU": 1}
+        self.group_placement = placement_group([resources] * (world_size - 1), strategy="PACK")
+        ray.get(self.group_placement.ready(), timeout=START_TIMEOUT_S)
+        actor = ray.remote(RayWorker)
+        self.actors = [actor.options(num_cpus=1, num_gpus=resources.get("GPU", 0),
+                                     scheduling_strategy=PlacementGroupSchedulingStrategy(self.group_placement, i))
+                       .remote(rank, world_size, init_method, "cuda:0" if device.type == "cuda" else "cpu",
+                               self.threads)  # Ray shows each GPU actor its own GPU as cuda:0
+                       for i, rank in enumerate(range(1, world_size))]
+        joined = [a.join.remote() for a in self.actors]
+        self.closed, self._pending = False, [[] for _ in self.actors]
+        self.group = init_distributed(0, world_size, init_method, device.type)
+        ray.get(joined, timeout=START_TIMEOUT_S)
+        logger.info("tensor parallel over Ray: %d ranks (%s)", world_size, dist.get_backend())
+
+    @property
+    def tp(self) -> TensorParallel:
+        return TensorParallel(0, self.world_size, self.group)
+
+    def add_model(self, key: str, spec: ModelSpec) -> None:
+        self._get([a.add_model.remote(key, spec) for a in self.actors])
+
+    def send_step(self, key: str, step) -> None:
+        self.check()
+        for pending, actor in zip(self._pending, self.actors):
+            pending.append(actor.execute.remote(key, step))
+
+    def check(self) -> None:
+        """Raises for a step an actor failed (its call's result holds the error)."""
+        for rank, pending in enumerate(self._pending, start=1):
+            done, pending[:] = self.ray.wait(pending, num_returns=len(pending), timeout=0)
+            for ref in done:
+                try:
+                    self.ray.get(ref)
+                except Exception as exc:
+                    raise WorkerDiedError(rank, f"failed ({type(exc).__name__}: {exc})") from exc
+
+    def failure(self, exc: BaseException) -> BaseException:
+        for rank, actor in enumerate(self.actors, start=1):
+            try:
+                self.ray.get(actor.pid.remote(), timeout=2)
+            except Exception:
+                return WorkerDiedError(rank, "died")
+        return exc
+
+    def report(self) -> list[dict[str, int]]:
+        return self._get([a.report.remote() for a in self.actors])
+
+    def pids(self) -> list[int]:
+        return self._get([a.pid.remote() for a in self.actors])
+
+    def _get(self, refs):
+        try:
+            return self.ray.get(refs, timeout=START_TIMEOUT_S)
+        except Exception as exc:
+            raise self.failure(exc) from exc
+
+    def shutdown(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for actor in self.actors:
+            try:
+                self.ray.get(actor.leave.remote(), timeout=5)
+            except Exception:
+                pass
+            self.ray.kill(actor)
+        self.ray.util.remove_placement_group(self.group_placement)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if self.started_ray:
+            self.ray.shutdown()

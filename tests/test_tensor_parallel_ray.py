@@ -1,0 +1,30 @@
+"""Tensor parallelism with its workers as Ray actors (`distributed_executor_backend="ray"`), on a
+local Ray instance: the same tokens and logprobs as one rank, and every actor gone afterwards."""
+import os
+
+import pytest
+
+from conftest import assert_no_leak
+from treeserve import LLM, SamplingParams
+
+ray = pytest.importorskip("ray", reason="ray is not installed (it comes with the test extra: pip install -e '.[test]')")
+
+OPTIONS = dict(dtype="float32", device="cpu", kv_cache_memory_bytes=8 << 20, max_num_batched_tokens=24)
+PROMPTS = ["The water is", "A long time ago in a place far away there was one old man", "x"]
+
+
+def test_two_ranks_over_ray_give_one_ranks_tokens(llama_dir):
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+    with LLM(str(llama_dir), **OPTIONS) as llm:
+        ref = llm.generate(PROMPTS, params, use_tqdm=False)
+    with LLM(str(llama_dir), **OPTIONS, tensor_parallel_size=2, threads_per_rank=1,
+             distributed_executor_backend="ray") as llm:
+        out = llm.generate(PROMPTS, params, use_tqdm=False)
+        pids = llm.engine.executor.pids()
+        assert pids and os.getpid() not in pids
+        assert_no_leak(llm.engine)
+    assert not ray.is_initialized(), "the Ray instance this engine started is shut down with it"
+    for x, y in zip(out, ref):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        for ex, ey in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
+            assert all(abs(ex[t].logprob - ey[t].logprob) < 1e-4 for t in ey)
