@@ -168,19 +168,26 @@ def run_bundled_search(args) -> dict:
     for device in dict.fromkeys([args.device, "cpu"]):
         rt = Runtime({"gen": DEFAULT_GENERATOR, "prm": DEFAULT_VERIFIER}, device=device,
                      kv_cache_memory_bytes=256 << 20)
-        runner = SearchRunner(rt.engine("gen"), rt.scorer("prm"))
         config = SearchConfig(strategy="beam", n=16, beam_width=4, num_iterations=8, max_tokens=64, seed=0,
                               agg_strategy=declared_aggregation(rt.engine("prm").model_dir))
-        runner.run(problems[:2], config)  # warm-up
+        result[device] = timed_search(rt, problems, config, f"bundled beam search on {device}", warm_up=2)
+    return result
+
+
+def timed_search(rt: Runtime, problems: list[str], config: SearchConfig, label: str, warm_up: int = 0) -> dict:
+    """Problems per second of one search over `problems` (after `warm_up` of them); closes `rt`."""
+    try:
+        runner = SearchRunner(rt.engine("gen"), rt.scorer("prm"))
+        if warm_up:
+            runner.run(problems[:warm_up], config)
         start = time.perf_counter()
         runner.run(problems, config)
         seconds = time.perf_counter() - start
-        result[device] = {"problems_s": len(problems) / seconds, "seconds": seconds}
-        print(f"bundled beam search on {device}: {len(problems) / seconds:.2f} problems/s")
+    finally:
         rt.close()
-        del rt, runner
         free_device_memory()
-    return result
+    print(f"{label}: {len(problems) / seconds:.3f} problems/s")
+    return {"problems_s": len(problems) / seconds, "seconds": seconds}
 
 
 def run_founding_search(args, generator_dir: Path, verifier_dir: Path) -> dict:
@@ -194,15 +201,7 @@ def run_founding_search(args, generator_dir: Path, verifier_dir: Path) -> dict:
         rt = Runtime({"gen": str(generator_dir), "prm": str(verifier_dir)}, dtype=args.dtype, device=args.device,
                      load_format="dummy", max_model_len=2048, max_num_batched_tokens=8192,
                      **({"kv_cache_memory_bytes": 64 << 20} if args.smoke else {}), **options)
-        runner = SearchRunner(rt.engine("gen"), rt.scorer("prm"))
-        start = time.perf_counter()
-        runner.run(questions, config)
-        seconds = time.perf_counter() - start
-        result[label] = {"problems_s": len(questions) / seconds, "seconds": seconds}
-        print(f"founding-shape beam search ({label}): {len(questions) / seconds:.3f} problems/s")
-        rt.close()
-        del rt, runner
-        free_device_memory()
+        result[label] = timed_search(rt, questions, config, f"founding-shape beam search ({label})")
     return result
 
 

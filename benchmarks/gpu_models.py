@@ -86,18 +86,9 @@ def _synchronize(device: torch.device) -> None:
 def hf_static(model, prompts: list[list[int]], lengths: list[int], batch_size: int, device: torch.device) -> dict:
     """HF `generate` in static batches (left padding), each run to its longest output; counted are
     the outputs asked for."""
-    pad = model.config.pad_token_id or 0
-    start = time.perf_counter()
-    for first in range(0, len(prompts), batch_size):
-        batch, outs = prompts[first:first + batch_size], lengths[first:first + batch_size]
-        width = max(len(p) for p in batch)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
-        with torch.no_grad():
-            model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max(outs),
-                           min_new_tokens=max(outs), pad_token_id=pad)
-    _synchronize(device)
-    seconds = time.perf_counter() - start
+    from treeserve.bench.offline import hf_static_batches
+
+    seconds = hf_static_batches(model, prompts, lengths, batch_size, device, pad=model.config.pad_token_id or 0)
     return {"seconds": seconds, "output_tokens": sum(lengths), "tok_s": sum(lengths) / seconds,
             "batch_size": batch_size}
 

@@ -140,3 +140,22 @@ def test_a_killed_worker_fails_the_engine_naming_its_rank(tp_models):
         llm.loop.step()  # it stays failed
     llm.close()
     assert not any(_alive(pid) for pid in pids)
+
+
+def test_a_hung_worker_fails_the_engine_naming_its_rank(tp_models):
+    llm = LLM(str(tp_models["llama"]), **OPTIONS, **TP2)
+    pid = llm.engine.executor.pids()[0]
+    engine = llm.engine
+    engine.add_request("r", [5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    llm.loop.step()
+    os.kill(pid, signal.SIGSTOP)
+    start = time.monotonic()
+    try:
+        with pytest.raises(WorkerDiedError, match="rank 1 stopped answering"):
+            while engine.has_unfinished_requests():
+                llm.loop.step()
+        assert time.monotonic() - start < 10
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        llm.close()
+    assert not _alive(pid)

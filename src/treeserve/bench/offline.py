@@ -113,7 +113,11 @@ def run_hf(path, dtype, prompts, lengths, batch_size, device: torch.device) -> f
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    pad = 0
+    return hf_static_batches(model, prompts, lengths, batch_size, device, pad=0)
+
+
+def hf_static_batches(model, prompts, lengths, batch_size, device: torch.device, pad: int) -> float:
+    """Seconds for HF `generate` in static batches (left padding), each batch run to its longest output."""
     start = time.perf_counter()
     for first in range(0, len(prompts), batch_size):
         batch, outs = prompts[first:first + batch_size], lengths[first:first + batch_size]

@@ -22,7 +22,7 @@ from treeserve.engine.step_builder import StepBuilder
 from treeserve.engine.structured_outputs import StructuredOutputs
 from treeserve.engine.token_budget import serving_token_budget
 from treeserve.model.backends import make_backend, resolve_backend_name
-from treeserve.engine.tp_executor import start_executor
+from treeserve.engine.tp_start import start_executor
 from treeserve.engine.tp_worker import ModelSpec
 from treeserve.model.hf_config import load_model_config
 from treeserve.model.parallel import ShardPlan, TensorParallel
@@ -311,6 +311,12 @@ class LLMEngine:
         earlier = self._deferred_outputs()
         with self._workers_guard():
             result = self.runner.wait(launched)
+        touched = self._apply(sched, result)
+        return earlier + [self._make_output(g) for g in touched.values() if g.request_id not in self._deferred_groups]
+
+    def _apply(self, sched, result) -> dict[str, RequestGroup]:
+        """The step's results into the requests (computed tokens, cached blocks, logits, sampled
+        tokens, finishes); returns the groups it touched."""
         for req_id, position, logits in result.readouts:
             self.steps.request(req_id).prompt_logits[position] = logits
         for req_id, position, entry in result.prompt_logprobs:
@@ -329,7 +335,7 @@ class LLMEngine:
                 token_id, logprobs = result.sampled[request.request_id]
                 if self._append_token(request, token_id, logprobs):
                     self._deferred_groups[group.request_id] = group
-        return earlier + [self._make_output(g) for g in touched.values() if g.request_id not in self._deferred_groups]
+        return touched
 
     @contextlib.contextmanager
     def _workers_guard(self):

@@ -28,8 +28,9 @@ logger = logging.getLogger(__name__)
 class WorkerDiedError(RuntimeError):
     """A tensor-parallel worker is gone or stopped answering; the engine cannot go on."""
 
-    def __init__(self, rank: int, detail: str):
-        super().__init__(f"tensor-parallel worker rank {rank} {detail}")
+    def __init__(self, rank: int | None, detail: str):
+        who = f"rank {rank}" if rank is not None else "(rank unknown)"
+        super().__init__(f"tensor-parallel worker {who} {detail}")
         self.rank = rank
 
 
@@ -103,11 +104,13 @@ class TPExecutor:
     def failure(self, exc: BaseException) -> BaseException:
         """What to raise for an error during a step: a worker's death where one died (a collective
         fails while waiting on it), else a hung worker for a collective timeout, else `exc`."""
-        died = self._died_error(wait_s=2.0)
+        died = self._died_error(wait_s=0.5)
         if died is not None:
             return died
         if "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
-            return WorkerDiedError(-1, f"(some rank) did not answer a collective within {COLLECTIVE_TIMEOUT_S} s: {exc}")
+            stopped = [rank for rank, proc in enumerate(self.procs, start=1) if _process_state(proc.pid) in ("t", "T")]
+            return WorkerDiedError(stopped[0] if stopped else None, f"stopped answering: a collective waited "
+                                   f"{COLLECTIVE_TIMEOUT_S:.0f} s for it ({exc})")
         return exc
 
     def _died_error(self, wait_s: float = 0.0) -> WorkerDiedError | None:
@@ -142,13 +145,13 @@ class TPExecutor:
             dist.destroy_process_group()
 
 
-def start_executor(config, device: torch.device):
-    """The workers for `config.tensor_parallel_size` ranks, by `config.distributed_executor_backend`."""
-    if config.distributed_executor_backend == "ray":
-        from treeserve.engine.tp_ray import RayTPExecutor
-
-        return RayTPExecutor(config.tensor_parallel_size, device, config.threads_per_rank)
-    return TPExecutor(config.tensor_parallel_size, device, config.threads_per_rank)
+def _process_state(pid: int) -> str:
+    """The process's state letter from /proc (T: stopped), '' where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -24,7 +24,7 @@ from treeserve.model.parallel import TensorParallel
 logger = logging.getLogger(__name__)
 
 # A collective that waits longer than this for another rank fails (the peer died or hung).
-COLLECTIVE_TIMEOUT_S = 8.0
+COLLECTIVE_TIMEOUT_S = 7.0
 
 
 @dataclass
@@ -88,6 +88,8 @@ def worker_main(rank: int, world_size: int, init_method: str, device: str, threa
     """The worker process's entry point (spawned): messages from rank 0's pipe until told to stop."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp-rank-{rank}: %(message)s")
     _exit_with_parent()
+    if device == "cpu":
+        pin_to_cores(rank, threads)
     worker = Worker(rank, world_size, init_method, device, threads)
     worker.join()
     try:
@@ -128,6 +130,16 @@ def build_runner(spec: ModelSpec, tp: TensorParallel, device: torch.device, mode
     model = models[key]
     arena = KVArena(spec.num_pages, spec.page_bytes, device)
     return ModelRunner(model, spec.block_size, arena, spec.dtype, device)
+
+
+def pin_to_cores(rank: int, threads: int) -> None:
+    """A CPU worker's threads on cores of their own: rank r on cores [r * threads, (r + 1) * threads),
+    where the machine has them (rank 0, the engine's process, serves HTTP too and is left free)."""
+    cores = sorted(os.sched_getaffinity(0))
+    mine = cores[rank * threads:(rank + 1) * threads]
+    if len(mine) == threads:
+        os.sched_setaffinity(0, mine)
+        logger.info("rank %d pinned to cores %s", rank, mine)
 
 
 def resident_bytes(model: torch.nn.Module) -> int:
