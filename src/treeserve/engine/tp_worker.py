@@ -143,9 +143,9 @@ def pin_to_cores(rank: int, threads: int) -> None:
 
 
 def resident_bytes(model: torch.nn.Module) -> int:
-    """Bytes of this rank's weights (each storage once)."""
+    """Bytes of this rank's weights (each storage once; tables such as RoPE's are not weights)."""
     seen, total = set(), 0
-    for tensor in list(model.parameters()) + list(model.buffers()):
+    for tensor in model.parameters():
         if tensor.data_ptr() not in seen:
             seen.add(tensor.data_ptr())
             total += tensor.numel() * tensor.element_size()
