@@ -74,3 +74,33 @@ def test_an_aborted_request_with_deferred_text_yields_nothing_more(tiny_model_di
     while engine.has_unfinished_requests():
         assert all(o.request_id != "a" for o in engine.step())
     assert_no_leak(engine)
+
+
+def test_an_id_freed_by_an_abort_is_taken_by_a_new_request_intact(tiny_model_dirs):
+    """Deferred output of an aborted group never stands in for the new request that reuses its id."""
+    llm = LLM(str(tiny_model_dirs["llama"]), dtype="float32", device="cpu", kv_cache_memory_bytes=8 << 20,
+              async_output_processing=True)
+    engine, loop, seen = llm.engine, llm.loop, []
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    loop.add_request(engine, "x", [5, 6, 7], params, seen.append)
+    loop.step()
+    assert loop.abort_request(engine, "x")
+    loop.add_request(engine, "x", [9, 10, 11, 12], params, seen.append)
+    loop.run_until(lambda: not engine.has_unfinished_requests())
+    final = [o for o in seen if o.finished]
+    assert len(final) == 1 and final[0].prompt_token_ids == [9, 10, 11, 12]
+    assert len(final[0].outputs[0].token_ids) == 4 and final[0].outputs[0].finish_reason == "length"
+    assert_no_leak(engine)
+
+
+def test_aborting_a_request_whose_last_output_is_deferred_delivers_it(tiny_model_dirs):
+    llm = LLM(str(tiny_model_dirs["llama"]), dtype="float32", device="cpu", kv_cache_memory_bytes=8 << 20,
+              async_output_processing=True)
+    engine, loop, seen = llm.engine, llm.loop, []
+    loop.add_request(engine, "y", [5, 6, 7], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), seen.append)
+    loop.step()  # prefill and the one token: finished, its output deferred
+    assert not seen
+    assert not loop.abort_request(engine, "y"), "it had already finished"
+    loop.run_until(lambda: not engine.has_unfinished_requests())
+    assert [o.finished for o in seen] == [True] and seen[0].outputs[0].finish_reason == "length"
+    assert_no_leak(engine)

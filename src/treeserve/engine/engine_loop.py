@@ -53,10 +53,14 @@ class EngineLoop:
         self._owners[(id(engine), request_id)] = on_output
 
     def abort_request(self, engine: LLMEngine, request_id: str) -> bool:
-        """Aborts a request and frees its KV blocks now; False when it had already finished."""
-        self._owners.pop((id(engine), request_id), None)
-        if request_id not in engine.groups:
+        """Aborts a request and frees its KV blocks now; False when it had already finished (with
+        async output processing its last output may still be on its way: it is delivered)."""
+        group = engine.groups.get(request_id)
+        if group is None or group.finished:
+            if group is None:
+                self._owners.pop((id(engine), request_id), None)
             return False
+        self._owners.pop((id(engine), request_id), None)
         engine.abort_request(request_id)
         for observe in self.abort_observers:
             observe(engine, request_id)

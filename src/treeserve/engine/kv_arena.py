@@ -8,15 +8,17 @@ weighted sum (as 0 * value), and uninitialised memory can hold NaN.
 """
 from __future__ import annotations
 
-import torch
-
+import itertools
 from dataclasses import dataclass
+
+import torch
 
 from treeserve.engine.block_pool import BlockPool
 from treeserve.errors import ParamError
 from treeserve.model.hf_config import ModelConfig
 
 PAGE_ALIGN = 64
+_SERIALS = itertools.count(1)  # names an arena for tensor-parallel workers (ids of freed objects recur)
 # Page sizes idling up to this much more than the tightest fit count as fitting as well: the
 # largest of them is taken (smaller blocks cost each step more bookkeeping per token, so a page is cut
 # only where that returns more than a sliver of memory).
@@ -55,6 +57,7 @@ class KVArena:
             raise ParamError("kv_cache_memory_bytes", f"room for no KV page of {page_bytes} bytes")
         self.page_bytes = aligned(page_bytes)
         self.pages = torch.zeros(num_pages, self.page_bytes, dtype=torch.uint8, device=device)
+        self.serial = next(_SERIALS)
 
     @property
     def num_pages(self) -> int:

@@ -58,6 +58,14 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.attention_backend = resolve_backend_name(config.attention_backend, self.device, self.dtype)
         self.executor, self._owns_executor, self.failed = executor, False, None
+        try:
+            self._build(model_dir, defer_kv)
+        except BaseException:
+            self.close()  # the tensor-parallel workers it started, if any
+            raise
+
+    def _build(self, model_dir, defer_kv: bool) -> None:
+        config = self.config
         self.model = build_model(model_dir, self.model_config, self.dtype, self.device, self.max_model_len,
                                  config.load_format, config.seed, self._tensor_parallel())
         self.model.backend = make_backend(self.attention_backend, self.model.kv_config, self.dtype, self.device)
@@ -122,7 +130,7 @@ class LLMEngine:
         if self.executor is not None:
             self.executor.add_model(self.model_key, ModelSpec(
                 str(self.model_dir), self.dtype, self.max_model_len, self.config.load_format, self.config.seed,
-                self.attention_backend, block_size, space.arena.num_pages, space.arena.page_bytes))
+                self.attention_backend, block_size, space.arena.num_pages, space.arena.page_bytes, space.arena.serial))
         logger.info("engine ready: %s on %s (%s, %s attention%s), %d KV blocks of %d tokens, steps of up to %d tokens",
                     self.model_dir.name, self.device, self.dtype, self.attention_backend,
                     ", CUDA graphs" if self.runner.graphs else "", num_blocks, block_size, self.max_num_batched_tokens)
@@ -381,7 +389,8 @@ class LLMEngine:
                 self.outputs.finish_text(request, request.finish_reason, request.stop_reason)
         self._deferred_text.clear()
         groups, self._deferred_groups = self._deferred_groups, {}
-        return [self._make_output(g) for g in groups.values() if g.request_id in self.groups]
+        # an aborted group is gone; one whose id an abort freed and a new request took is not this group
+        return [self._make_output(g) for g in groups.values() if self.groups.get(g.request_id) is g]
 
     def _finish_prefill(self, group: RequestGroup, request: Request) -> None:
         if request is group.shared_prefill:

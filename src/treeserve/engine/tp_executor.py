@@ -48,7 +48,7 @@ class TPExecutor:
         for rank in range(1, world_size):
             ours, theirs = context.Pipe()
             proc = context.Process(target=worker_main, name=f"treeserve-tp-rank-{rank}", daemon=True,
-                                   args=(rank, world_size, init_method, device.type, self.threads, theirs))
+                                   args=(rank, world_size, init_method, str(device), self.threads, theirs))
             proc.start()
             theirs.close()
             self.procs.append(proc)
@@ -70,20 +70,26 @@ class TPExecutor:
         """Every worker builds its shard of the model (and KV pages); returns once all are ready."""
         for pipe in self.pipes:
             pipe.send(("add_model", key, spec))
-        deadline = time.monotonic() + START_TIMEOUT_S
         for rank, (pipe, proc) in enumerate(zip(self.pipes, self.procs), start=1):
-            while not pipe.poll(0.2):
-                if not proc.is_alive():
-                    raise WorkerDiedError(rank, f"died loading {key!r} (exit code {proc.exitcode})")
-                if time.monotonic() > deadline:
-                    raise WorkerDiedError(rank, f"did not load {key!r} within {START_TIMEOUT_S:.0f} s")
-            pipe.recv()
+            self._answer(rank, pipe, proc, f"loading {key!r}", START_TIMEOUT_S)
 
     def report(self) -> list[dict[str, int]]:
         """Each worker's resident weight bytes by model (rank 1 first)."""
         for pipe in self.pipes:
             pipe.send(("report",))
-        return [pipe.recv()[1] for pipe in self.pipes]
+        return [self._answer(rank, pipe, proc, "report", 30.0)[1]
+                for rank, (pipe, proc) in enumerate(zip(self.pipes, self.procs), start=1)]
+
+    @staticmethod
+    def _answer(rank: int, pipe, proc, what: str, timeout: float):
+        """A worker's reply, or WorkerDiedError when it dies or stays silent past `timeout`."""
+        deadline = time.monotonic() + timeout
+        while not pipe.poll(0.2):
+            if not proc.is_alive():
+                raise WorkerDiedError(rank, f"died during {what} (exit code {proc.exitcode})")
+            if time.monotonic() > deadline:
+                raise WorkerDiedError(rank, f"did not answer {what} within {timeout:.0f} s")
+        return pipe.recv()
 
     def pids(self) -> list[int]:
         return [proc.pid for proc in self.procs]

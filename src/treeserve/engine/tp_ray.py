@@ -8,6 +8,7 @@ in the collective waiting on it, as `WorkerDiedError` naming the rank.
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 
@@ -47,6 +48,17 @@ class RayTPExecutor:
             ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False,
                      num_cpus=None if os.environ.get("RAY_ADDRESS") else max(world_size - 1, os.cpu_count() or 1))
         torch.set_num_threads(self.threads)
+        self.closed, self.actors, self.group_placement = False, [], None
+        atexit.register(self.shutdown)
+        try:
+            self._start(placement_group, PlacementGroupSchedulingStrategy)
+        except BaseException:
+            self.shutdown()  # actors, placement group, and the Ray instance it started
+            raise
+        logger.info("tensor parallel over Ray: %d ranks (%s)", world_size, dist.get_backend())
+
+    def _start(self, placement_group, PlacementGroupSchedulingStrategy) -> None:
+        ray, world_size, device = self.ray, self.world_size, self.device
         host = ray.util.get_node_ip_address()
         init_method = f"tcp://{host}:{free_port(host)}"
         resources = {"GPU": 1, "CPU": 1} if device.type == "cuda" else {"CPU": 1}
@@ -55,14 +67,13 @@ class RayTPExecutor:
         actor = ray.remote(RayWorker)
         self.actors = [actor.options(num_cpus=1, num_gpus=resources.get("GPU", 0),
                                      scheduling_strategy=PlacementGroupSchedulingStrategy(self.group_placement, i))
-                       .remote(rank, world_size, init_method, "cuda:0" if device.type == "cuda" else "cpu",
-                               self.threads)  # Ray shows each GPU actor its own GPU as cuda:0
+                       .remote(rank, world_size, init_method, device.type, self.threads,
+                               0 if device.type == "cuda" else None)  # Ray shows each GPU actor its own as cuda:0
                        for i, rank in enumerate(range(1, world_size))]
         joined = [a.join.remote() for a in self.actors]
-        self.closed, self._pending = False, [[] for _ in self.actors]
+        self._pending = [[] for _ in self.actors]
         self.group = init_distributed(0, world_size, init_method, device.type)
         ray.get(joined, timeout=START_TIMEOUT_S)
-        logger.info("tensor parallel over Ray: %d ranks (%s)", world_size, dist.get_backend())
 
     @property
     def tp(self) -> TensorParallel:
@@ -116,7 +127,8 @@ class RayTPExecutor:
             except Exception:
                 pass
             self.ray.kill(actor)
-        self.ray.util.remove_placement_group(self.group_placement)
+        if self.group_placement is not None:
+            self.ray.util.remove_placement_group(self.group_placement)
         if dist.is_initialized():
             dist.destroy_process_group()
         if self.started_ray:

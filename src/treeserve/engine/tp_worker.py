@@ -39,6 +39,7 @@ class ModelSpec:
     block_size: int
     num_pages: int
     page_bytes: int
+    arena_key: int = 0  # models of a Runtime's shared arena name the same one: the worker shares it too
 
 
 START_TIMEOUT_S = 120.0  # every rank importing torch and joining the group
@@ -57,20 +58,29 @@ class Worker:
     """One rank's state: its shard of each model and a runner over its KV pages. The process-pool
     loop below and the Ray actor (engine/tp_ray.py) both drive it."""
 
-    def __init__(self, rank: int, world_size: int, init_method: str, device: str, threads: int):
+    def __init__(self, rank: int, world_size: int, init_method: str, device: str, threads: int,
+                 gpu_index: int | None = None):
+        """`device`: rank 0's; on CUDA rank r takes the r-th GPU after rank 0's, unless `gpu_index`
+        names its GPU (a Ray actor sees only its own, as cuda:0)."""
         torch.set_num_threads(threads)
         self.rank, self.world_size, self.init_method = rank, world_size, init_method
-        self.device = torch.device(device if device != "cuda" else f"cuda:{rank}")
+        if device.startswith("cuda"):
+            index = gpu_index if gpu_index is not None else (torch.device(device).index or 0) + rank
+            device = f"cuda:{index}"
+        self.device = torch.device(device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.group, self.runners, self.models = None, {}, {}
+        self.group, self.runners, self.models, self.arenas = None, {}, {}, {}
 
     def join(self) -> None:
         self.group = init_distributed(self.rank, self.world_size, self.init_method, self.device.type)
 
     def add_model(self, key: str, spec: ModelSpec) -> str:
         tp = TensorParallel(self.rank, self.world_size, self.group)
-        self.runners[key] = build_runner(spec, tp, self.device, self.models)
+        self.runners[key] = build_runner(spec, tp, self.device, self.models, self.arenas)
+        in_use = {id(runner.arena) for runner in self.runners.values()}
+        for arena_key in [k for k, arena in self.arenas.items() if id(arena) not in in_use]:
+            del self.arenas[arena_key]  # a dry run's scratch pages
         return key
 
     def execute(self, key: str, step) -> None:
@@ -110,7 +120,7 @@ def worker_main(rank: int, world_size: int, init_method: str, device: str, threa
         worker.leave()
 
 
-def build_runner(spec: ModelSpec, tp: TensorParallel, device: torch.device, models: dict):
+def build_runner(spec: ModelSpec, tp: TensorParallel, device: torch.device, models: dict, arenas: dict):
     """A runner over fresh KV pages; the model shard is built once per directory and reused (a
     `Runtime` attaches KV twice: a dry run on scratch pages, then the real ones)."""
     from treeserve.engine.kv_arena import KVArena
@@ -128,7 +138,9 @@ def build_runner(spec: ModelSpec, tp: TensorParallel, device: torch.device, mode
         model.backend = make_backend(spec.attention_backend, model.kv_config, spec.dtype, device)
         models[key] = model
     model = models[key]
-    arena = KVArena(spec.num_pages, spec.page_bytes, device)
+    if spec.arena_key not in arenas:
+        arenas[spec.arena_key] = KVArena(spec.num_pages, spec.page_bytes, device)
+    arena = arenas[spec.arena_key]
     return ModelRunner(model, spec.block_size, arena, spec.dtype, device)
 
 

@@ -43,17 +43,17 @@ class Runtime:
         self.kv_mode = kv_mode
         configs = {name: EngineConfig(model=path, **engine_options) for name, path in models.items()}
         self.executor = self._workers(next(iter(configs.values())))
-        try:
+        try:  # anything failing from here stops the tensor-parallel workers it started
             self.engines = {name: LLMEngine(config, name=name, defer_kv=True, executor=self.executor)
                             for name, config in configs.items()}
+            self.memory = self._account(kv_cache_memory_bytes, memory_utilization)
+            if kv_mode == "shared":
+                self._attach_shared()
+            else:
+                self._attach_static(_fractions(kv_fractions, list(self.engines)))
         except BaseException:
             self.close()
             raise
-        self.memory = self._account(kv_cache_memory_bytes, memory_utilization)
-        if kv_mode == "shared":
-            self._attach_shared()
-        else:
-            self._attach_static(_fractions(kv_fractions, list(self.engines)))
         self.recipes = {name: (recipes or {}).get(name) or declared_recipe(resolve_model_path(models[name]))
                         for name in self.engines}
         # The one owner that steps these engines: generation, scoring and search all go through it.
