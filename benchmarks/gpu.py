@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import gpu_models as gm  # noqa: E402
 
 from treeserve import LLM, Runtime, SamplingParams  # noqa: E402
+from treeserve.engine.tp_worker import resident_bytes  # noqa: E402
 from treeserve.search.config import SearchConfig  # noqa: E402
 from treeserve.search.runner import SearchRunner  # noqa: E402
 
@@ -119,7 +120,7 @@ def run_decode(args, generator_dir: Path) -> dict:
     bandwidth = gm.copy_bandwidth(device, nbytes=(64 << 20) if args.smoke else (1 << 30))
     llm = LLM(str(generator_dir), **engine_options(args))
     engine = llm.engine
-    weight_bytes = gm.parameter_bytes(engine.model)
+    weight_bytes = resident_bytes(engine.model)
     context = 48 if args.smoke else 1000
     rows = {"copy_bandwidth_bytes_s": bandwidth, "weight_bytes": weight_bytes, "batches": {}}
     for batch in args.decode_batches:

@@ -141,15 +141,6 @@ def _finished(result) -> bool:
     return status is None or getattr(status, "name", str(status)).upper() == "FINISHED"
 
 
-def parameter_bytes(model: torch.nn.Module) -> int:
-    seen, total = set(), 0
-    for param in model.parameters():
-        if param.data_ptr() not in seen:
-            seen.add(param.data_ptr())
-            total += param.numel() * param.element_size()
-    return total
-
-
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 10) -> float:
     """Bytes read and written per second by a device-to-device copy (best of `reps`)."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
