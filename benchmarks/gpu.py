@@ -17,8 +17,12 @@ Sections, each timed and reported even when another fails (the JSON is rewritten
 5. founding search: the founding study's shapes on one GPU (a Llama-3.2-1B-shaped generator and a
    Llama-3.1-8B-shaped PRM, random weights made on the device, steps of fixed length): beam search
    N=16 problems/s in one shared KV arena and with static generator/PRM splits.
+Sections run on request only: `decode_baseline` (the decode section with PyTorch's unfused
+per-layer ops, for an A/B in one run) and `attention` (benchmarks/gpu_attention.py's sweep; its
+chosen split policy holds for the sections after it). `--no-peers` skips HF in `offline`;
+`--models DIR` puts the random models' folders outside OUT (OUT keeps only a few files).
 Prints one table (figure, treeserve, peer or bound, ratio, target) and writes it with every raw
-figure to OUT/gpu.json.
+figure to OUT/gpu.json, and the tests' whole output to OUT/tests.log.
 """
 from __future__ import annotations
 
@@ -43,8 +47,8 @@ from treeserve.search.config import SearchConfig  # noqa: E402
 from treeserve.search.runner import SearchRunner  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-CUDA_TESTS = ["tests/test_cuda.py", "tests/test_triton_kernels.py", "tests/test_triton_parity.py",
-              "tests/test_hf_parity.py", "tests/test_attention_backends.py"]
+CUDA_TESTS = ["tests/test_cuda.py", "tests/test_triton_kernels.py", "tests/test_fused_ops.py",
+              "tests/test_triton_parity.py", "tests/test_hf_parity.py", "tests/test_attention_backends.py"]
 
 
 def free_device_memory() -> None:
@@ -58,7 +62,8 @@ def run_tests(args) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     start = time.perf_counter()
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.tests_timeout)
-    tail = (done.stdout + done.stderr).strip().splitlines()[-15:]
+    (args.out / "tests.log").write_text(done.stdout + done.stderr)  # the whole of it, for what the tail cuts
+    tail = [line for line in (done.stdout + done.stderr).strip().splitlines() if "Warning: CUDA warning" not in line][-15:]
     print("\n".join(tail))
     return {"returncode": done.returncode, "seconds": time.perf_counter() - start, "tail": tail}
 
@@ -96,6 +101,8 @@ def run_offline(args, generator_dir: Path) -> dict:
     print(f"treeserve: {produced / seconds:,.0f} output tok/s ({seconds:.1f} s)")
     device = torch.device(args.device)
     model = gm.hf_model(generator_dir, dtype_of(args), device)
+    if args.no_peers:
+        return result
     for name, run in (("hf_continuous", lambda: gm.hf_continuous(model, prompts, lengths, device.type == "cuda",
                                                                   args.hf_timeout)),
                       ("hf_static", lambda: gm.hf_static(model, prompts, lengths, args.hf_batch, device))):
@@ -132,6 +139,27 @@ def run_decode(args, generator_dir: Path) -> dict:
     del llm, engine
     free_device_memory()
     return rows
+
+
+def run_decode_baseline(args, generator_dir: Path) -> dict:
+    """The decode section with PyTorch's unfused per-layer operations, for an A/B in one run."""
+    from treeserve.model import kernels
+    kernels.FUSED_OPS = False
+    try:
+        return run_decode(args, generator_dir)
+    finally:
+        kernels.FUSED_OPS = True
+
+
+def run_attention_sweep(args) -> dict:
+    """gpu_attention.py's sweep; its chosen split policy and decode tile hold for the sections after."""
+    import gpu_attention
+    if args.smoke:
+        result = gpu_attention.sweep(torch.device("cpu"), batches=(1, 3), context=40, smoke=True)
+    else:
+        result = gpu_attention.sweep(torch.device(args.device))
+    gpu_attention.apply(result["choice"])
+    return result
 
 
 def _decode_step_seconds(llm: LLM, batch: int, context: int, steps: int) -> float:
@@ -172,6 +200,8 @@ def run_bundled_search(args) -> dict:
         config = SearchConfig(strategy="beam", n=16, beam_width=4, num_iterations=8, max_tokens=64, seed=0,
                               agg_strategy=declared_aggregation(rt.engine("prm").model_dir))
         result[device] = timed_search(rt, problems, config, f"bundled beam search on {device}", warm_up=2)
+        del rt
+        free_device_memory()
     return result
 
 
@@ -203,6 +233,8 @@ def run_founding_search(args, generator_dir: Path, verifier_dir: Path) -> dict:
                      load_format="dummy", max_model_len=2048, max_num_batched_tokens=8192,
                      **({"kv_cache_memory_bytes": 64 << 20} if args.smoke else {}), **options)
         result[label] = timed_search(rt, questions, config, f"founding-shape beam search ({label})")
+        del rt  # else the next Runtime is built while this one's KV arena is still held
+        free_device_memory()
     return result
 
 
@@ -214,10 +246,11 @@ def table(results: dict) -> list[list[str]]:
         theirs = offline.get(peer, {}).get("tok_s")
         if ours and theirs:
             rows.append([f"offline tok/s vs {peer}", f"{ours:,.0f}", f"{theirs:,.0f}", f"{ours / theirs:.2f}x", target])
-    for batch, row in results.get("decode", {}).get("batches", {}).items():
-        target = "<= 2x (goal 1.3x)" if int(batch) == 1 else "<= 2x"
-        rows.append([f"decode step, batch {batch}", f"{row['step_ms']:.3f} ms", f"{row['bound_ms']:.3f} ms",
-                     f"{row['x_bound']:.2f}x bound", target])
+    for section, label in (("decode_baseline", "decode step (unfused ops)"), ("decode", "decode step")):
+        for batch, row in results.get(section, {}).get("batches", {}).items():
+            target = "<= 2x (goal 1.3x)" if int(batch) == 1 else "<= 2x"
+            rows.append([f"{label}, batch {batch}", f"{row['step_ms']:.3f} ms", f"{row['bound_ms']:.3f} ms",
+                         f"{row['x_bound']:.2f}x bound", target])
     bundled = results.get("bundled_search", {})
     if "cpu" in bundled and len(bundled) > 1:
         gpu = next(v for k, v in bundled.items() if k != "cpu")
@@ -238,12 +271,14 @@ def print_table(rows: list[list[str]]) -> None:
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("bench_out/gpu"))
+    parser.add_argument("--models", type=Path, default=None, help="where the random models' folders go (OUT/models)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes and counts: checks the script, not speed")
     parser.add_argument("--sections", default="tests,offline,decode,bundled_search,founding_search")
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--hf-batch", type=int, default=64)
+    parser.add_argument("--no-peers", action="store_true", help="offline: treeserve only (no HF transformers runs)")
     parser.add_argument("--hf-timeout", type=float, default=240)
     parser.add_argument("--tests-timeout", type=float, default=150)
     parser.add_argument("--decode-batches", default="1,8,64,256")
@@ -268,7 +303,7 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
-    root = args.out / "models"
+    root = args.models or args.out / "models"
     shapes = (gm.TINY, gm.TINY) if args.smoke else (gm.LLAMA_3_2_1B, gm.LLAMA_3_1_8B)
     generator_dir = gm.model_dir(root, "gen-smoke" if args.smoke else "llama-3.2-1b-shape", shapes[0], 4096)
     verifier_dir = gm.model_dir(root, "prm-smoke" if args.smoke else "llama-3.1-8b-shape", shapes[1], 4096)
@@ -277,6 +312,8 @@ def main(argv=None) -> int:
     print(f"device: {device}, torch {torch.__version__}")
     sections = {"tests": lambda: run_tests(args), "offline": lambda: run_offline(args, generator_dir),
                 "decode": lambda: run_decode(args, generator_dir), "bundled_search": lambda: run_bundled_search(args),
+                "decode_baseline": lambda: run_decode_baseline(args, generator_dir),
+                "attention": lambda: run_attention_sweep(args),
                 "founding_search": lambda: run_founding_search(args, generator_dir, verifier_dir)}
     for name in args.sections.split(","):
         print(f"== {name} ({time.perf_counter() - started:.0f} s in)", flush=True)

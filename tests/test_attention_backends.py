@@ -18,6 +18,7 @@ def test_auto_is_torch_on_cpu_and_triton_on_cuda(monkeypatch):
 
 
 def test_the_environment_variable_sets_what_auto_means(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # Triton on CPU is allowed only under the interpreter
     monkeypatch.setenv(ENV_VAR, "triton")
     assert resolve_backend_name("auto", CPU, torch.float32) == "triton"
     assert resolve_backend_name("torch", CPU, torch.float32) == "torch"  # an explicit choice wins

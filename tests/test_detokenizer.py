@@ -48,3 +48,30 @@ def test_stop_string_search():
     assert find_stop_string("abc STOP", 2, ("STOP", "abc")) == ("STOP", 4)
     assert find_stop_string("abc", 3, ("zz",)) is None
     assert stop_hold_back(("STOP", "ab")) == 3
+
+
+def test_fast_decode_equals_the_tokenizers_decode(tokenizer, tiny_model_dirs):
+    """The Rust tokenizer's decode stands in for the wrapper only where they agree: the bundled
+    and tiny-model tokenizers, special tokens kept or skipped; one that cleans up spaces keeps
+    the wrapper."""
+    from transformers import AutoTokenizer
+
+    from treeserve.engine.detokenizer import fast_decode
+    from treeserve.model.registry import DEFAULT_GENERATOR, resolve_model_path
+    rng = random.Random(1)
+    tokenizers = [tokenizer, AutoTokenizer.from_pretrained(resolve_model_path(DEFAULT_GENERATOR))]
+    tokenizers += [AutoTokenizer.from_pretrained(tiny_model_dirs[family]) for family in ("llama", "qwen2")]
+    for tok in tokenizers:
+        decode = fast_decode(tok)
+        assert decode == tok._tokenizer.decode  # the fast path is taken
+        for _ in range(40):
+            ids = [rng.randrange(len(tok)) for _ in range(rng.randint(1, 20))] + list(tok.all_special_ids)[:1]
+            for skip in (True, False):
+                assert decode(ids, skip) == tok.decode(ids, skip_special_tokens=skip)
+    tokenizer.clean_up_tokenization_spaces = True
+    try:
+        ids = tokenizer.encode("a , b .")
+        assert fast_decode(tokenizer) != tokenizer._tokenizer.decode
+        assert fast_decode(tokenizer)(ids, True) == tokenizer.decode(ids, skip_special_tokens=True)
+    finally:
+        tokenizer.clean_up_tokenization_spaces = False

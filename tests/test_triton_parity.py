@@ -52,6 +52,19 @@ def test_capture_sizes():
     assert capture_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
 
 
+def test_no_collection_while_a_graph_is_captured():
+    """A collection during capture could destroy another engine's graphs mid-capture (seen on an
+    H200: an earlier test's engine freed while the next one captured; the capture failed)."""
+    import gc
+    from treeserve.engine.cuda_graphs import _no_collection
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError):
+        with _no_collection():
+            assert not gc.isenabled()
+            raise RuntimeError("capture failed")
+    assert gc.isenabled()
+
+
 PROMPTS = ["Hello there", "The water is", "A long time ago in a place far away", "x", "Step 1: add"]
 
 

@@ -27,8 +27,9 @@ def add_search_parsers(sub) -> None:
 def _add_search_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--generator", default=DEFAULT_GENERATOR, help="generator model directory or builtin:NAME")
     parser.add_argument("--verifier", default=DEFAULT_VERIFIER, help="process reward model directory or builtin:NAME")
-    parser.add_argument("--recipe", help="how the verifier reads steps: rlhflow, math-shepherd or chat-steps "
-                        "(default: the one the verifier's config.json names, else rlhflow)")
+    parser.add_argument("--recipe", help="how the verifier reads steps: rlhflow, math-shepherd, chat-steps, "
+                        "qwen-prm or value-head (default: the one the verifier's config.json names, else its "
+                        "reward head's own, else rlhflow)")
     parser.add_argument("--strategy", default="beam",
                         help="greedy, majority, best_of_n, weighted_best_of_n, beam or dvts (eval: comma-separated)")
     parser.add_argument("--beam-width", type=int, default=4)

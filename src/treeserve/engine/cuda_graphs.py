@@ -14,6 +14,8 @@ tests check them on CPU.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import time
 
@@ -76,8 +78,9 @@ class DecodeGraphs:
         self._forward(size)  # warm-up: compiles the kernels, settles the allocator
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            hidden = self._forward(size)
+        with _no_collection():
+            with torch.cuda.graph(graph, pool=pool):
+                hidden = self._forward(size)
         self.graphs[size] = (graph, hidden)
         return graph.pool() if pool is None else pool
 
@@ -103,3 +106,18 @@ class DecodeGraphs:
         graph, hidden = self.graphs[size]
         graph.replay()
         return hidden[:n]
+
+
+@contextlib.contextmanager
+def _no_collection():
+    """The garbage collector collected first, then paused while a graph is captured: a collection
+    during capture could free another engine's graphs, and destroying a graph is not permitted while
+    a stream is capturing (the capture then fails: "operation not permitted when stream is capturing")."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()

@@ -110,12 +110,13 @@ class LLMEngine:
         budget = kv_budget_bytes(self.config, self.device)
         return KVSpace.create(budget, page_bytes, self.device, self.config.enable_prefix_caching)
 
-    def attach_kv(self, space: KVSpace, reclaim=None) -> None:
+    def attach_kv(self, space: KVSpace, reclaim=None, scratch: bool = False) -> None:
         """`reclaim`: frees one kept sequence's blocks when the scheduler runs short (default: one of
-        this engine's own; a `Runtime` passes one that tries every engine sharing the pool)."""
+        this engine's own; a `Runtime` passes one that tries every engine sharing the pool).
+        `scratch`: a space for one measured prefill (runtime/memory.py), not for max_model_len."""
         block_size = space.arena.block_size_for(self.model.kv_config, self.dtype)
         num_blocks = space.pool.num_blocks
-        if num_blocks * block_size < self.max_model_len:
+        if not scratch and num_blocks * block_size < self.max_model_len:
             raise ParamError(
                 "kv_cache_memory_bytes", f"room for {num_blocks} blocks ({num_blocks * block_size} tokens), "
                 f"fewer than max_model_len={self.max_model_len}; raise the KV budget or lower max_model_len"
@@ -171,8 +172,11 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, cache_salt: str | None = None,
                     logits_positions: list[int] | None = None, readout_token_ids: list[int] | None = None,
-                    keep_kv: bool = False, parent_id: str | None = None, priority: int = 0) -> None:
+                    keep_kv: bool = False, parent_id: str | None = None, priority: int = 0,
+                    final_only: bool = False) -> None:
         """Queues a request; a lower `priority` is admitted first (FCFS within one priority).
+        `final_only`: no RequestOutput until it finishes (offline callers; saves the host a
+        snapshot of every sequence at every step).
 
         With `logits_positions` it is prefill-only and returns those positions' logits (only the
         `readout_token_ids` columns, if given). `keep_kv` keeps its KV blocks after it finishes,
@@ -189,7 +193,7 @@ class LLMEngine:
             return
         children = [self._make_request(f"{request_id}#{i}", prompt_token_ids, self._child_params(params, i), cache_salt,
                                        priority) for i in range(params.n)]
-        group = RequestGroup(request_id, prompt, list(prompt_token_ids), children)
+        group = RequestGroup(request_id, prompt, list(prompt_token_ids), children, final_only=final_only)
         self._register(group)
         if params.n > 1 and len(prompt_token_ids) > 1:
             shared = Request(f"{request_id}#prefill", list(prompt_token_ids[:-1]), params, cache_salt=cache_salt,
@@ -214,6 +218,10 @@ class LLMEngine:
     def _check_params(self, params: SamplingParams, prefill_only: bool) -> None:
         """What the parameters ask of this model, checked before anything is queued; a grammar that
         cannot compile fails here (compiled once, then cached)."""
+        if not prefill_only and self.model_config.head != "lm":
+            raise ParamError("model", f"{self.model_dir.name} is a process reward model "
+                             f"({self.model_config.architecture}): it scores steps (/v1/rewards, a search's "
+                             "verifier) and generates nothing")
         vocab = self.model_config.vocab_size
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise ParamError("logit_bias", f"token id {max(params.logit_bias)} is outside the vocabulary [0, {vocab})")
@@ -229,9 +237,9 @@ class LLMEngine:
         bad = [p for p in positions if not isinstance(p, int) or not 0 <= p < len(prompt_token_ids)]
         if bad:
             raise ParamError("logits_positions", f"{bad[:3]} outside the prompt (length {len(prompt_token_ids)})")
-        vocab = self.model_config.vocab_size
-        if readout_token_ids is not None and not all(0 <= t < vocab for t in readout_token_ids):
-            raise ParamError("readout_token_ids", f"ids must be in [0, {vocab})")
+        width = self.model_config.output_width  # the vocabulary, or a reward head's outputs
+        if readout_token_ids is not None and not all(0 <= t < width for t in readout_token_ids):
+            raise ParamError("readout_token_ids", f"ids must be in [0, {width})")
         parent = self.retained.parent(parent_id, prompt_token_ids)
         request = Request(f"{request_id}#0", list(prompt_token_ids), params, cache_salt=cache_salt,
                           cache_namespace=self.name, prefill_only=True, logits_positions=sorted(set(positions)),
@@ -271,7 +279,8 @@ class LLMEngine:
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         request = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids,
                           max_tokens=max_tokens, cache_salt=cache_salt, cache_namespace=self.name, priority=priority)
-        request.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
+        request.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens,
+                                                     self.outputs.decode)
         if params.structured_outputs is not None:
             request.matcher = self.structured.matcher(params.structured_outputs)
         return request
@@ -320,7 +329,8 @@ class LLMEngine:
         with self._workers_guard():
             result = self.runner.wait(launched)
         touched = self._apply(sched, result)
-        return earlier + [self._make_output(g) for g in touched.values() if g.request_id not in self._deferred_groups]
+        return earlier + [self._make_output(g) for g in touched.values()
+                          if g.request_id not in self._deferred_groups and _wants_output(g)]
 
     def _apply(self, sched, result) -> dict[str, RequestGroup]:
         """The step's results into the requests (computed tokens, cached blocks, logits, sampled
@@ -375,9 +385,11 @@ class LLMEngine:
                 raise
 
     def close(self) -> None:
-        """Stops the tensor-parallel workers this engine started (nothing to do otherwise)."""
+        """Stops the tensor-parallel workers this engine started and drops its CUDA graphs."""
         if self._owns_executor and self.executor is not None:
             self.executor.shutdown()
+        if getattr(self, "runner", None) is not None:
+            self.runner.graphs = None  # freed now, not by a later collection (steps after run eagerly)
 
     def _deferred_outputs(self) -> list[RequestOutput]:
         """The deferred tokens' text, then their groups' outputs (an aborted group's are dropped)."""
@@ -390,7 +402,7 @@ class LLMEngine:
         self._deferred_text.clear()
         groups, self._deferred_groups = self._deferred_groups, {}
         # an aborted group is gone; one whose id an abort freed and a new request took is not this group
-        return [self._make_output(g) for g in groups.values() if self.groups.get(g.request_id) is g]
+        return [self._make_output(g) for g in groups.values() if self.groups.get(g.request_id) is g and _wants_output(g)]
 
     def _finish_prefill(self, group: RequestGroup, request: Request) -> None:
         if request is group.shared_prefill:
@@ -426,3 +438,7 @@ class LLMEngine:
             for child in group.children:
                 self._group_of.pop(child.request_id, None)
         return output
+
+
+def _wants_output(group: RequestGroup) -> bool:
+    return group.finished or not group.final_only

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from treeserve.engine import structured_outputs
-from treeserve.engine.detokenizer import find_stop_string
+from treeserve.engine.detokenizer import fast_decode, find_stop_string
 from treeserve.engine.request import Request, RequestGroup
 from treeserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 
@@ -14,6 +14,7 @@ class OutputProcessor:
     def __init__(self, tokenizer, max_model_len: int):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.decode = fast_decode(tokenizer)
 
     def append_token(self, request: Request, token_id: int, logprobs: dict | None) -> tuple[str | None, str | int | None]:
         """Appends a sampled token and makes its text; returns (finish reason, stop reason), (None,
@@ -69,7 +70,7 @@ class OutputProcessor:
             request.output_text = request.detokenizer.text
 
     def decoded_logprobs(self, logprobs: dict[int, tuple[float, int]]) -> dict[int, Logprob]:
-        return {tid: Logprob(lp, rank, self.tokenizer.decode([tid])) for tid, (lp, rank) in logprobs.items()}
+        return {tid: Logprob(lp, rank, self.decode([tid], False)) for tid, (lp, rank) in logprobs.items()}
 
     @staticmethod
     def _stop_token(request: Request, token_id: int) -> tuple[str, int | None] | None:

@@ -133,6 +133,7 @@ class RequestGroup:
     prompt_logprobs: list[dict[int, Any] | None] | None = None  # filled by the request computing the prompt
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
+    final_only: bool = False  # one RequestOutput, when it finishes (vLLM's RequestOutputKind.FINAL_ONLY)
 
     @property
     def finished(self) -> bool:

@@ -110,7 +110,7 @@ class LLM:
             for text, token_ids, salt, params in items:
                 request_id = str(next(self._ids))
                 self.loop.add_request(self.engine, request_id, token_ids, params, on_output, prompt=text,
-                                      cache_salt=salt)
+                                      cache_salt=salt, final_only=True)
                 ids.append(request_id)
             self.loop.run_until(lambda: len(finished) == len(ids))
         except BaseException:

@@ -1,7 +1,8 @@
 """One decoder-only transformer covering Llama (2/3/3.1/3.2), Mistral, Qwen2 and Qwen3.
 
 The families differ only in switches read from `ModelConfig`: qkv/o/mlp biases, q/k RMSNorm
-(Qwen3), sliding windows (Mistral, some Qwen2), RoPE scaling, tied embeddings.
+(Qwen3), sliding windows (Mistral, some Qwen2), RoPE scaling, tied embeddings. A process reward
+model with a head of its own (model/heads.py) computes that head's outputs in place of logits.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 
 from treeserve.model.attention import AttentionMetadata, TorchSDPABackend
+from treeserve.model.heads import make_head
 from treeserve.model.hf_config import ModelConfig
 from treeserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from treeserve.model.parallel import ShardPlan, TensorParallel, VocabParallelEmbedding
@@ -85,7 +87,12 @@ class DecoderForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions)
         vocab_rows = self.plan.vocab_shard if tp.enabled else config.vocab_size
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, vocab_rows, bias=False)
+        head = make_head(config)
+        self.head_name = head[0] if head else None
+        if head:  # every rank holds the whole head: its input, the final hidden states, is whole
+            setattr(self, *head)
+        no_lm_head = config.tie_word_embeddings or head is not None
+        self.lm_head = None if no_lm_head else nn.Linear(config.hidden_size, vocab_rows, bias=False)
         self.backend = TorchSDPABackend()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -97,7 +104,10 @@ class DecoderForCausalLM(nn.Module):
         return self.norm(x, residual)[0] if residual is not None else self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Full-vocabulary logits (with tensor parallelism, every rank's part gathered)."""
+        """Full-vocabulary logits (with tensor parallelism, every rank's part gathered), or a reward
+        model's head outputs ([T, num_labels] or [T, 1])."""
+        if self.head_name is not None:
+            return getattr(self, self.head_name)(hidden).float()
         if self.lm_head is None:
             logits = torch.nn.functional.linear(hidden, self.embed_tokens.weight)
         else:

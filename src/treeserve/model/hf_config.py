@@ -10,12 +10,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = (
+CAUSAL_LM_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
 )
+# Process reward models with a head of their own instead of the language-model head (model/heads.py):
+# Qwen2.5-Math-PRM's two-class head per token, and a value head (one logit per token, Skywork's PRMs).
+REWARD_ARCHITECTURES = {
+    "Qwen2ForProcessRewardModel": "classify",
+    "Qwen2ForPrmModel": "value",
+}
+SUPPORTED_ARCHITECTURES = CAUSAL_LM_ARCHITECTURES + tuple(REWARD_ARCHITECTURES)
+_QWEN2_BODY = ("Qwen2ForCausalLM", "Qwen2ForProcessRewardModel", "Qwen2ForPrmModel")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -52,6 +60,13 @@ class ModelConfig:
     torch_dtype: str | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    head: str = "lm"  # "lm" (next-token logits), "classify" (num_labels per token), "value" (one per token)
+    num_labels: int = 2
+
+    @property
+    def output_width(self) -> int:
+        """Columns of what the model computes per position: the vocabulary, or its head's outputs."""
+        return {"lm": self.vocab_size, "classify": self.num_labels, "value": 1}[self.head]
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -94,7 +109,7 @@ def _sliding_windows(raw: dict[str, Any], arch: str, num_layers: int) -> tuple[i
         return tuple(window if t == "sliding_attention" else None for t in layer_types)
     if arch == "MistralForCausalLM":
         return (window,) * num_layers
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and raw.get("use_sliding_window"):
+    if arch in (*_QWEN2_BODY, "Qwen3ForCausalLM") and raw.get("use_sliding_window"):
         first = raw.get("max_window_layers", num_layers)
         return tuple(window if i >= first else None for i in range(num_layers))
     return (None,) * num_layers
@@ -139,14 +154,16 @@ def parse_model_config(raw: dict[str, Any], path: Path = Path("config.json")) ->
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             rope=_rope_config(raw, path),
-            qkv_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
-            o_bias=arch != "Qwen2ForCausalLM" and bool(raw.get("attention_bias", False)),
+            qkv_bias=arch in _QWEN2_BODY or bool(raw.get("attention_bias", False)),
+            o_bias=arch not in _QWEN2_BODY and bool(raw.get("attention_bias", False)),
             mlp_bias=bool(raw.get("mlp_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
             sliding_windows=_sliding_windows(raw, arch, num_layers),
             torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_eos_ids(raw.get("eos_token_id")),
+            head=REWARD_ARCHITECTURES.get(arch, "lm"),
+            num_labels=len(raw["id2label"]) if raw.get("id2label") else int(raw.get("num_labels", 2)),
         )
     except KeyError as exc:
         raise ValueError(f"{path}: missing required field {exc.args[0]!r}") from exc

@@ -8,6 +8,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from treeserve.model import cpu_kernels
+from treeserve.model.kernels import fused_ops_for
 from treeserve.model.hf_config import RopeConfig
 
 
@@ -23,8 +24,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         library = cpu_kernels.library_for(x)
         weight_grad = torch.is_grad_enabled() and self.weight.requires_grad  # the kernel has no backward
-        if library is not None and not weight_grad and self.weight.dtype == x.dtype and x.stride(-1) == 1:
-            return self._fused(library, x, residual)
+        if not weight_grad and self.weight.dtype == x.dtype and x.stride(-1) == 1:
+            if library is not None:
+                return self._fused(library, x, residual)
+            if (ops := fused_ops_for(x)) is not None:
+                return self._fused_triton(ops, x, residual)
         if residual is not None:
             residual = x + residual
             return self._norm(residual), residual
@@ -35,6 +39,14 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+    def _fused_triton(self, ops, x: torch.Tensor, residual: torch.Tensor | None):
+        rows = x.reshape(-1, x.shape[-1])
+        if residual is None:
+            return ops.rms_norm(rows, self.weight, self.eps).view(x.shape)
+        residual = residual.contiguous()
+        out = ops.rms_norm(rows, self.weight, self.eps, residual.view(-1, x.shape[-1]))
+        return out.view(x.shape), residual
 
     def _fused(self, library, x: torch.Tensor, residual: torch.Tensor | None):
         rows = x.reshape(-1, x.shape[-1])
@@ -84,6 +96,9 @@ class RotaryEmbedding(nn.Module):
         if library is not None and cpu_kernels.heads_contiguous(q) and cpu_kernels.heads_contiguous(k):
             cpu_kernels.rotary_(library, q, k, positions, self.cos, self.sin)
             return q, k
+        if (ops := fused_ops_for(q)) is not None and q.stride(-1) == 1 and k.stride(-1) == 1:
+            ops.rotary_(q, k, positions, self.cos, self.sin)
+            return q, k
         cos = self.cos[positions].to(q.dtype)[:, None, :]
         sin = self.sin[positions].to(q.dtype)[:, None, :]
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
@@ -108,5 +123,7 @@ class GatedMLP(nn.Module):
         library = cpu_kernels.library_for(gate_up)
         if library is not None and gate_up.dim() == 2 and gate_up.stride(1) == 1:
             return self.down_proj(cpu_kernels.silu_mul(library, gate_up))
+        if (ops := fused_ops_for(gate_up)) is not None and gate_up.dim() == 2 and gate_up.stride(1) == 1:
+            return self.down_proj(ops.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)

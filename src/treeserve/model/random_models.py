@@ -144,6 +144,48 @@ def _favour(model, token_ids: list[int], logits: list[float]) -> None:
             head[token_id, 0] = logit / hidden ** 0.5
 
 
+REWARD_SEPARATOR = "<extra_0>"  # Qwen2.5-Math-PRM's step separator, a special token of its own
+
+
+def make_tiny_reward_model(architecture: str, path: str | Path, seed: int = 0, **overrides) -> Path:
+    """A tiny Qwen2 process reward model with a head of its own (model/heads.py), random weights:
+    `Qwen2ForProcessRewardModel` (`score`: Linear, ReLU, Linear to 2 labels) or `Qwen2ForPrmModel`
+    (`v_head.summary`: Linear to 1). Its tokenizer has the `<extra_0>` separator. transformers has
+    no class for either (the checkpoints ship their own code), so the body is written by
+    `Qwen2ForCausalLM` and its lm_head swapped for the head."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    if architecture not in ("Qwen2ForProcessRewardModel", "Qwen2ForPrmModel"):
+        raise ParamError("architecture", f"{architecture!r} is not a reward-head architecture")
+    tokenizer = train_tokenizer(512, seed)
+    tokenizer.add_tokens([REWARD_SEPARATOR], special_tokens=True)
+    path = make_tiny_model("qwen2", path, seed, tokenizer=tokenizer, tie_word_embeddings=False, **overrides)
+    config = json.loads((path / "config.json").read_text())
+    hidden = config["hidden_size"]
+    weights = load_file(str(path / "model.safetensors"))
+    weights.pop("lm_head.weight")
+    generator = torch.Generator().manual_seed(seed + 1)
+
+    def normal(*shape, std):
+        return torch.randn(*shape, generator=generator) * std
+    if architecture == "Qwen2ForProcessRewardModel":
+        weights.update({"score.0.weight": normal(hidden, hidden, std=hidden ** -0.5),
+                        "score.0.bias": normal(hidden, std=0.1),
+                        "score.2.weight": normal(2, hidden, std=3 * hidden ** -0.5),
+                        "score.2.bias": normal(2, std=0.1)})
+        config["id2label"], config["label2id"] = {"0": "LABEL_0", "1": "LABEL_1"}, {"LABEL_0": 0, "LABEL_1": 1}
+    else:
+        weights.update({"v_head.summary.weight": normal(1, hidden, std=2 * hidden ** -0.5),
+                        "v_head.summary.bias": normal(1, std=0.1)})
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config["architectures"] = [architecture]
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
 BUILTIN_TINY_MODELS = {
     # `builtin:NAME` models written on first use (model/registry.py): a small random Llama.
     "tiny-random-llama": ("llama", dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4,

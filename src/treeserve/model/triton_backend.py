@@ -16,6 +16,9 @@ from treeserve.model.hf_config import ModelConfig
 from treeserve.model.transfer import to_device
 
 MAX_SPLITS = 32
+# decode-only steps split keys until there are this many programs per multiprocessor (measured on an
+# H200 by benchmarks/gpu_attention.py: see docs/BENCHMARKS.md)
+SPLIT_PROGRAMS_PER_SM = 1
 
 
 @dataclass
@@ -63,7 +66,8 @@ class TritonMetadataBuilder:
 
 class TritonBackend:
     """`split_kv_min_programs`: a decode-only step with fewer (sequence, KV head) programs than this
-    splits keys (the device's multiprocessor count on CUDA; 0, never, unless a test sets it)."""
+    splits keys, into enough ranges to reach it (`SPLIT_PROGRAMS_PER_SM` per multiprocessor on CUDA;
+    0, never, unless a test sets it)."""
 
     name = "triton"
     paged_prefill_max_context = 0  # the torch backend's C-kernel routing; nothing to route here
@@ -75,18 +79,21 @@ class TritonBackend:
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.split_kv_min_programs = 0
         if device.type == "cuda":
-            self.split_kv_min_programs = torch.cuda.get_device_properties(device).multi_processor_count
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+            self.split_kv_min_programs = SPLIT_PROGRAMS_PER_SM * sms
 
     def metadata_builder(self, block_size: int, device: torch.device) -> TritonMetadataBuilder:
         return TritonMetadataBuilder(self, device)
 
     def num_splits(self, num_seqs: int) -> int:
-        """Key ranges per sequence for a decode-only step (0: the unified kernel): enough programs to
-        give every multiprocessor about two."""
+        """Key ranges per sequence for a decode-only step (0: the unified kernel): a power of two
+        that brings the programs to `split_kv_min_programs`. The split kernel's programs each walk a
+        shorter range of keys; one program per (sequence, KV head) walking a 1k-token context one
+        tile at a time is latency-bound, not bandwidth-bound."""
         programs = num_seqs * self.num_kv_heads
         if programs == 0 or programs >= self.split_kv_min_programs:
             return 0
-        wanted = -(-2 * self.split_kv_min_programs // programs)
+        wanted = -(-self.split_kv_min_programs // programs)
         return min(MAX_SPLITS, 1 << (wanted - 1).bit_length())
 
     def split_buffers(self, num_seqs: int, device: torch.device):

@@ -91,7 +91,7 @@ def _dry_run_peak_bytes(engine: LLMEngine) -> int:
     tokens = min(engine.max_num_batched_tokens, engine.max_model_len - 1)
     page = engine.config.block_size * engine.kv_bytes_per_token()
     scratch = KVSpace.create(page * (tokens // engine.config.block_size + 2), page, engine.device, False)
-    engine.attach_kv(scratch)
+    engine.attach_kv(scratch, scratch=True)
     prompt = [1 + i % (engine.model_config.vocab_size - 1) for i in range(tokens)]
     loop = EngineLoop(engine)
     loop.add_request(engine, "memory-dry-run", prompt, SamplingParams(max_tokens=1), lambda output: None,

@@ -8,15 +8,22 @@ offsets (so it needs a fast tokenizer) to find the marker's token. Prefixes are 
 apart: a tokenizer may split text at the end of a prefix unlike inside the whole (GPT-2's
 byte-level pre-tokenizer keeps "\n\n" whole at the end of a text but splits "\n\n+" as "\n",
 "\n", "+"). A marker that shares its last token with the text after it is a ValueError.
+The first three read a language model's next-token logits (softmax over the good and bad verdict
+tokens); `qwen-prm` and `value-head` read a reward head's outputs (model/heads.py) at each step's
+separator: softmax's positive class, or the sigmoid of one value. A recipe names the head it
+reads (`head`), and `score` turns what is read at a step into its score.
 A model directory may name its recipe in its `config.json` (`"prm_recipe": "chat-steps"`); it is
-used wherever no recipe is given. (Its `"prm_aggregation"`, how search turns step scores into one,
+used wherever no recipe is given (for a reward-head architecture, its own recipe is the default). (Its `"prm_aggregation"`, how search turns step scores into one,
 is search's to read: `treeserve.search.config.declared_aggregation`.)
 """
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -29,9 +36,16 @@ class PRMInput:
 class _VerdictTokens:
     good_token: str = "+"
     bad_token: str = "-"
+    head = "lm"
 
     def candidate_ids(self, tokenizer) -> tuple[int, int]:
+        """The columns read at each verdict position (here the good and bad tokens' logits)."""
         return _single_token(tokenizer, self.good_token), _single_token(tokenizer, self.bad_token)
+
+    @staticmethod
+    def score(readout: torch.Tensor) -> float:
+        """A step's score from its verdict position's columns: P(good) against bad."""
+        return float(torch.softmax(readout.float(), dim=-1)[0])
 
 
 @dataclass(frozen=True)
@@ -117,22 +131,92 @@ class ChatStepsRecipe(_VerdictTokens):
         return PRMInput(tokens.token_ids, _marker_ends(tokens, spans, "step delimiter"))
 
 
-RECIPES = {"rlhflow": RLHFlowRecipe(), "math-shepherd": MathShepherdRecipe(), "chat-steps": ChatStepsRecipe()}
+@dataclass(frozen=True)
+class QwenPRMRecipe:
+    """Qwen2.5-Math-PRM's: system prompt, the question as the user turn, the steps as the assistant
+    turn each followed by the separator token `<extra_0>`; step k's score is the two-class head's
+    P(label 1) at its separator. The text ends at the last separator (what would follow, the turn's
+    end, cannot change a causal model's outputs before it), so steps 1..k are a prefix of 1..k+1."""
+    system_prompt: str = "Please reason step by step, and put your final answer within \\boxed{}."
+    separator: str = "<extra_0>"
+    name: str = "qwen-prm"
+    head = "classify"
+
+    @staticmethod
+    def candidate_ids(tokenizer) -> tuple[int, int]:
+        return 1, 0  # the head's positive then negative label
+
+    @staticmethod
+    def score(readout: torch.Tensor) -> float:
+        return float(torch.softmax(readout.float(), dim=-1)[0])
+
+    def build(self, tokenizer, question: str, steps: list[str]) -> PRMInput:
+        _single_token(tokenizer, self.separator)
+        turns = [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": question}]
+        text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+        spans = []
+        for step in steps:
+            text += step
+            spans.append((len(text), len(text) + len(self.separator)))
+            text += self.separator
+        tokens = _Tokenized(tokenizer, text, self.name, add_special_tokens=False)
+        return PRMInput(tokens.token_ids, _marker_ends(tokens, spans, "step separator"))
+
+
+@dataclass(frozen=True)
+class ValueHeadRecipe:
+    """Skywork's PRMs' (a value head): the BOS token's text, the question and a newline, then each
+    step tokenized on its own followed by the step token (a newline's last token); step k's score
+    is the sigmoid of the head's value at its step token. Pieces are tokenized apart, as Skywork's
+    own input code does, so steps 1..k are a prefix of 1..k+1 whatever the tokenizer."""
+    step_token: str = "\n"
+    name: str = "value-head"
+    head = "value"
+
+    @staticmethod
+    def candidate_ids(tokenizer) -> tuple[int]:
+        return (0,)
+
+    @staticmethod
+    def score(readout: torch.Tensor) -> float:
+        return 1.0 / (1.0 + math.exp(-float(readout[0])))
+
+    def build(self, tokenizer, question: str, steps: list[str]) -> PRMInput:
+        step_id = tokenizer.encode(self.step_token, add_special_tokens=False)[-1]
+        ids = tokenizer.encode((tokenizer.bos_token or "") + question + "\n", add_special_tokens=False)
+        positions = []
+        for step in steps:
+            ids += tokenizer.encode(step, add_special_tokens=False) + [step_id]
+            positions.append(len(ids) - 1)
+        return PRMInput(ids, positions)
+
+
+RECIPES = {"rlhflow": RLHFlowRecipe(), "math-shepherd": MathShepherdRecipe(), "chat-steps": ChatStepsRecipe(),
+           "qwen-prm": QwenPRMRecipe(), "value-head": ValueHeadRecipe()}
 DEFAULT_RECIPE = "rlhflow"
 CONFIG_KEY = "prm_recipe"
+HEAD_RECIPES = {"Qwen2ForProcessRewardModel": "qwen-prm", "Qwen2ForPrmModel": "value-head"}
 
 
 def declared_recipe(model_dir: str | Path) -> str:
-    """The recipe a model directory names in its config.json, else the default (RLHFlow's)."""
-    return _declared(model_dir, CONFIG_KEY, DEFAULT_RECIPE, tuple(RECIPES))
-
-
-def _declared(model_dir: str | Path, key: str, default: str, known: tuple[str, ...]) -> str:
+    """The recipe a model directory names in its config.json, else its reward head's own, else the
+    default (RLHFlow's)."""
     config = Path(model_dir) / "config.json"
-    name = json.loads(config.read_text()).get(key, default) if config.is_file() else default
-    if name not in known:
-        raise ValueError(f"{config}: unknown {key} {name!r}; known: {', '.join(known)}")
+    raw = json.loads(config.read_text()) if config.is_file() else {}
+    default = HEAD_RECIPES.get((raw.get("architectures") or [None])[0], DEFAULT_RECIPE)
+    name = raw.get(CONFIG_KEY, default)
+    if name not in RECIPES:
+        raise ValueError(f"{config}: unknown {CONFIG_KEY} {name!r}; known: {', '.join(RECIPES)}")
     return name
+
+
+def check_recipe_fits(recipe, model_config) -> None:
+    """A recipe reads the head it was made for: a language model's logits or a reward head."""
+    if recipe.head != model_config.head:
+        what = {"lm": "a language model's next-token logits", "classify": "a two-class reward head",
+                "value": "a value head"}
+        raise ValueError(f"prm recipe {recipe.name} reads {what[recipe.head]}, and this model "
+                         f"({model_config.architecture}) has {what[model_config.head]}")
 
 
 def _marker_ends(tokens: _Tokenized, spans: list[tuple[int, int]], marker: str) -> list[int]:

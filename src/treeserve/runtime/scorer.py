@@ -13,14 +13,12 @@ from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
-
 from treeserve.errors import ParamError
 from treeserve.engine.engine_loop import EngineLoop
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.engine.request import BACKGROUND_PRIORITY
 from treeserve.runtime.kept_conversations import KeptConversations, StepKey
-from treeserve.runtime.prm_recipes import DEFAULT_RECIPE, RECIPES, PRMInput
+from treeserve.runtime.prm_recipes import DEFAULT_RECIPE, RECIPES, PRMInput, check_recipe_fits
 from treeserve.runtime.score_cache import ScoreCache
 from treeserve.sampling_params import SamplingParams
 
@@ -65,6 +63,10 @@ class StepScorer:
         self.engine = engine
         self.loop = loop or EngineLoop(engine)
         self.recipe = RECIPES[recipe]
+        try:
+            check_recipe_fits(self.recipe, engine.model_config)
+        except ValueError as exc:
+            raise ParamError("recipe", str(exc)) from None
         self.candidates = list(self.recipe.candidate_ids(engine.tokenizer))
         self.score_cache = ScoreCache(score_cache_bytes) if score_cache_bytes else ScoreCache()
         self.kept = KeptConversations()  # (question, steps...) -> engine request id, released first at the front
@@ -255,7 +257,7 @@ class StepScorer:
         self.kept.add(key, output.request_id)
         for index in wanted:
             pair = output.prompt_logits[positions[index]]
-            self._set_score(key[: index + 2], float(torch.softmax(pair.float(), dim=-1)[0]))
+            self._set_score(key[: index + 2], self.recipe.score(pair))
         # the engine releases kept KV in the same order when its pool runs short
         for request_id in self.kept.demote_below_best(key, self.score_cache.get):
             self.engine.release_kv_first(request_id)

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 TILE_N = 32
+DECODE_TILE_N = 128  # keys per tile in the split-KV decode kernel (benchmarks/gpu_attention.py, docs/BENCHMARKS.md)
 BLOCK_M = 16  # query rows of one program (positions x query heads of a group), at least 16 for tl.dot
 
 
@@ -247,7 +248,7 @@ def split_kv_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         scale, window or 0,
         q.stride(0), q.stride(1), *_cache_strides(k_cache), *_cache_strides(v_cache), block_tables.stride(0),
         NUM_HEADS=num_heads, QUERIES_PER_KV=per_kv, NUM_SPLITS=num_splits, CACHE_BLOCK=k_cache.shape[1],
-        HEAD_DIM=head_dim, HEAD_DIM_P=padded, BLOCK_M=max(BLOCK_M, triton.next_power_of_2(per_kv)), TILE=TILE_N,
+        HEAD_DIM=head_dim, HEAD_DIM_P=padded, BLOCK_M=max(BLOCK_M, triton.next_power_of_2(per_kv)), TILE=DECODE_TILE_N,
         HAS_WINDOW=window is not None, IEEE=q.dtype == torch.float32,
     )
     _merge_splits_kernel[(num_seqs, num_heads)](
