@@ -1,4 +1,5 @@
-"""One decoder-only transformer covering Llama (2/3/3.1/3.2), Mistral, Qwen2 and Qwen3.
+"""One decoder-only transformer covering Llama (2/3/3.1/3.2), Mistral, Qwen2 and Qwen3, and their
+mixture-of-experts kin (Mixtral, Qwen2-MoE, Qwen3-MoE: model/moe.py in place of the MLP).
 
 The families differ only in switches read from `ModelConfig`: qkv/o/mlp biases, q/k RMSNorm
 (Qwen3), sliding windows (Mistral, some Qwen2), RoPE scaling, tied embeddings. A process reward
@@ -12,9 +13,11 @@ import torch
 from torch import nn
 
 from treeserve.model.attention import AttentionMetadata, TorchSDPABackend
+from treeserve.errors import ParamError
 from treeserve.model.heads import make_head
 from treeserve.model.hf_config import ModelConfig
 from treeserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from treeserve.model.moe import SparseMoeBlock
 from treeserve.model.parallel import ShardPlan, TensorParallel, VocabParallelEmbedding
 
 
@@ -48,12 +51,15 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, window: int | None, plan: ShardPlan):
+    def __init__(self, config: ModelConfig, window: int | None, plan: ShardPlan, sparse: bool = False):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, window, plan)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, plan.local_intermediate, config.mlp_bias)
+        if sparse:
+            self.mlp = SparseMoeBlock(config.moe, config.hidden_size, config.mlp_bias)
+        else:
+            self.mlp = GatedMLP(config.hidden_size, plan.local_intermediate, config.mlp_bias)
         self.tp = plan.tp
 
     def forward(self, x, residual, positions, rotary, layer_cache, meta, backend):
@@ -83,7 +89,12 @@ class DecoderForCausalLM(nn.Module):
         else:
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         windows = config.sliding_windows or (None,) * config.num_layers
-        self.layers = nn.ModuleList(DecoderLayer(config, windows[i], self.plan) for i in range(config.num_layers))
+        sparse = config.moe.sparse_layers if config.moe else (False,) * config.num_layers
+        if config.moe and tp.enabled:
+            raise ParamError("tensor_parallel_size", f"{config.architecture}: tensor parallelism does not shard "
+                             "mixture-of-experts layers yet; run it with tensor_parallel_size=1")
+        self.layers = nn.ModuleList(DecoderLayer(config, windows[i], self.plan, sparse[i])
+                                    for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions)
         vocab_rows = self.plan.vocab_shard if tp.enabled else config.vocab_size

@@ -15,6 +15,9 @@ CAUSAL_LM_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
 # Process reward models with a head of their own instead of the language-model head (model/heads.py):
 # Qwen2.5-Math-PRM's two-class head per token, and a value head (one logit per token, Skywork's PRMs).
@@ -23,7 +26,22 @@ REWARD_ARCHITECTURES = {
     "Qwen2ForPrmModel": "value",
 }
 SUPPORTED_ARCHITECTURES = CAUSAL_LM_ARCHITECTURES + tuple(REWARD_ARCHITECTURES)
-_QWEN2_BODY = ("Qwen2ForCausalLM", "Qwen2ForProcessRewardModel", "Qwen2ForPrmModel")
+_QWEN2_BODY = ("Qwen2ForCausalLM", "Qwen2ForProcessRewardModel", "Qwen2ForPrmModel", "Qwen2MoeForCausalLM")
+_QWEN3_BODY = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+_MISTRAL_BODY = ("MistralForCausalLM", "MixtralForCausalLM")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts MLP (model/moe.py): `num_experts` SwiGLU experts of `intermediate_size`,
+    each token routed to the `top_k` with the highest softmax probability."""
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool          # the top-k weights renormalised to sum to 1 (Mixtral: always)
+    weights_in_float32: bool      # the routing weights stay float32 (Mixtral) or take the model's dtype (Qwen)
+    shared_expert_size: int = 0   # Qwen2-MoE: a dense expert every token takes, gated by a sigmoid
+    sparse_layers: tuple[bool, ...] = ()  # per layer: experts (True) or the dense MLP of intermediate_size
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -62,6 +80,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     head: str = "lm"  # "lm" (next-token logits), "classify" (num_labels per token), "value" (one per token)
     num_labels: int = 2
+    moe: MoEConfig | None = None
 
     @property
     def output_width(self) -> int:
@@ -107,12 +126,29 @@ def _sliding_windows(raw: dict[str, Any], arch: str, num_layers: int) -> tuple[i
     layer_types = raw.get("layer_types")
     if layer_types:
         return tuple(window if t == "sliding_attention" else None for t in layer_types)
-    if arch == "MistralForCausalLM":
+    if arch in _MISTRAL_BODY:
         return (window,) * num_layers
-    if arch in (*_QWEN2_BODY, "Qwen3ForCausalLM") and raw.get("use_sliding_window"):
+    if arch in (*_QWEN2_BODY, *_QWEN3_BODY) and raw.get("use_sliding_window"):
         first = raw.get("max_window_layers", num_layers)
         return tuple(window if i >= first else None for i in range(num_layers))
     return (None,) * num_layers
+
+
+def _moe_config(raw: dict[str, Any], arch: str, num_layers: int) -> MoEConfig | None:
+    # checkpoints name the expert count num_local_experts (Mixtral, transformers 5's Qwen3-MoE) or num_experts
+    experts = int(raw["num_local_experts"] if "num_local_experts" in raw else raw["num_experts"]) if arch in (
+        "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM") else 0
+    if arch == "MixtralForCausalLM":
+        return MoEConfig(experts, int(raw["num_experts_per_tok"]), int(raw["intermediate_size"]), True, True,
+                         sparse_layers=(True,) * num_layers)
+    if arch not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        return None
+    step = int(raw.get("decoder_sparse_step", 1))
+    dense = set(raw.get("mlp_only_layers") or ())
+    sparse = tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
+    shared = int(raw.get("shared_expert_intermediate_size", 0)) if arch == "Qwen2MoeForCausalLM" else 0
+    return MoEConfig(experts, int(raw["num_experts_per_tok"]), int(raw["moe_intermediate_size"]),
+                     bool(raw.get("norm_topk_prob", False)), False, shared, sparse)
 
 
 def _eos_ids(value: Any) -> tuple[int, ...]:
@@ -157,13 +193,14 @@ def parse_model_config(raw: dict[str, Any], path: Path = Path("config.json")) ->
             qkv_bias=arch in _QWEN2_BODY or bool(raw.get("attention_bias", False)),
             o_bias=arch not in _QWEN2_BODY and bool(raw.get("attention_bias", False)),
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in _QWEN3_BODY,
             sliding_windows=_sliding_windows(raw, arch, num_layers),
             torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_eos_ids(raw.get("eos_token_id")),
             head=REWARD_ARCHITECTURES.get(arch, "lm"),
             num_labels=len(raw["id2label"]) if raw.get("id2label") else int(raw.get("num_labels", 2)),
+            moe=_moe_config(raw, arch, num_layers),
         )
     except KeyError as exc:
         raise ValueError(f"{path}: missing required field {exc.args[0]!r}") from exc

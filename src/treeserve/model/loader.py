@@ -23,8 +23,13 @@ _FUSED = {  # checkpoint projection -> (our fused module, slot index)
     "self_attn.v_proj": ("self_attn.qkv_proj", 2),
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    "mlp.shared_expert.gate_proj": ("mlp.shared_expert.gate_up_proj", 0),  # Qwen2-MoE
+    "mlp.shared_expert.up_proj": ("mlp.shared_expert.gate_up_proj", 1),
 }
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+# one expert's projection (Mixtral's w1/w3/w2 under block_sparse_moe, Qwen-MoE's gate/up/down under mlp)
+_EXPERT = re.compile(r"^(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)$")
+_EXPERT_PART = {"w1": 0, "gate_proj": 0, "w3": 1, "up_proj": 1, "w2": None, "down_proj": None}
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 
 
@@ -107,6 +112,7 @@ def _target_name(name: str) -> tuple[str, int | None]:
     match = _LAYER_NAME.match(name)
     if match:
         layer, module, kind = match.groups()
+        module = re.sub(r"^block_sparse_moe\.", "mlp.", module)  # Mixtral's name for its MoE block
         if module in _FUSED:
             fused, slot = _FUSED[module]
             return f"layers.{layer}.{fused}.{kind}", slot
@@ -116,14 +122,46 @@ def _target_name(name: str) -> tuple[str, int | None]:
     return name, None
 
 
+def _expert_piece(name: str) -> tuple[str, int, int | None] | None:
+    """(stacked parameter, expert, 0 gate / 1 up / None down) for one expert's checkpoint tensor."""
+    match = _LAYER_NAME.match(name)
+    expert = _EXPERT.match(match.group(2)) if match and match.group(3) == "weight" else None
+    if expert is None:
+        return None
+    index, projection = int(expert.group(1)), expert.group(2)
+    stacked = "down_proj" if _EXPERT_PART[projection] is None else "gate_up_proj"
+    return f"layers.{match.group(1)}.mlp.experts.{stacked}", index, _EXPERT_PART[projection]
+
+
+def _copy_expert(param: torch.Tensor, expert: int, part: int | None, tensor: torch.Tensor, name: str) -> int:
+    """Copies one expert's projection into its slice of the stacked parameter; returns how many
+    such pieces fill the parameter."""
+    if expert >= param.shape[0]:
+        raise ValueError(f"tensor {name!r} names expert {expert}; the model has {param.shape[0]}")
+    if part is None:
+        _copy_into(param[expert], tensor, name)
+        return param.shape[0]
+    half = param.shape[1] // 2
+    _copy_into(param[expert, part * half:(part + 1) * half], tensor, name)
+    return 2 * param.shape[0]
+
+
 def load_weights(model: DecoderForCausalLM, model_dir: Path) -> None:
     """Copies the checkpoint into the model; with tensor parallelism each tensor is read only as far
     as this rank's shard of it (safetensors slices), never whole."""
     params = dict(model.named_parameters())
     pending: dict[str, dict[int, torch.Tensor]] = {}
+    pieces: dict[str, int] = {}  # stacked expert parameters: pieces copied so far
     loaded: set[str] = set()
     for name, tensor in iter_checkpoint_shards(model_dir, model.plan):
         if _IGNORED.search(name) or (name == "lm_head.weight" and model.lm_head is None):
+            continue
+        if (piece := _expert_piece(name)) is not None and piece[0] in params:
+            target, expert, part = piece
+            needed = _copy_expert(params[target], expert, part, tensor, name)
+            pieces[target] = pieces.get(target, 0) + 1
+            if pieces[target] == needed:
+                loaded.add(target)
             continue
         target, slot = _target_name(name)
         if target not in params:

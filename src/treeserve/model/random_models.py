@@ -64,6 +64,7 @@ def train_tokenizer(vocab_size: int = 512, seed: int = 0, corpus=None):
 
 
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")  # 4 experts, top 2; tested apart (tests/test_moe.py)
 
 
 def _config(family: str, vocab_size: int, special: dict[str, int], **overrides):
@@ -86,8 +87,19 @@ def _config(family: str, vocab_size: int, special: dict[str, int], **overrides):
         cls, extra = transformers.Qwen2Config, dict(tie_word_embeddings=True)
     elif family == "qwen3":
         cls, extra = transformers.Qwen3Config, dict(head_dim=24, tie_word_embeddings=False)
+    elif family == "mixtral":
+        cls, extra = transformers.MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
+                                                      tie_word_embeddings=False)
+    elif family == "qwen2_moe":  # a shared expert; layer 0 dense, as mlp_only_layers allows
+        cls = transformers.Qwen2MoeConfig
+        extra = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=96,
+                     mlp_only_layers=[0], norm_topk_prob=False, tie_word_embeddings=False)
+    elif family == "qwen3_moe":
+        cls = transformers.Qwen3MoeConfig
+        extra = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True, head_dim=24,
+                     tie_word_embeddings=False)
     else:
-        raise ParamError("family", f"unknown tiny-model family {family!r}; known: {', '.join(FAMILIES)}")
+        raise ParamError("family", f"unknown tiny-model family {family!r}; known: {', '.join(FAMILIES + MOE_FAMILIES)}")
     return cls(**{**common, **extra, **overrides})
 
 

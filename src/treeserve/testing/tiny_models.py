@@ -1,4 +1,5 @@
 """Tiny random-weight checkpoints for tests; the writer lives in `treeserve.model.random_models`
 (the `builtin:` models use it too, and only tests import this package)."""
-from treeserve.model.random_models import (BUILTIN_TINY_MODELS, CHAT_TEMPLATE, FAMILIES, SPECIAL_TOKENS,  # noqa: F401
-                                           make_tiny_model, make_tiny_reward_model, train_tokenizer, training_corpus)
+from treeserve.model.random_models import (BUILTIN_TINY_MODELS, CHAT_TEMPLATE, FAMILIES, MOE_FAMILIES,  # noqa: F401
+                                           SPECIAL_TOKENS, make_tiny_model, make_tiny_reward_model, train_tokenizer,
+                                           training_corpus)

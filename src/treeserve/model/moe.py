@@ -1,0 +1,76 @@
+"""The mixture-of-experts MLP of Mixtral, Qwen2-MoE and Qwen3-MoE.
+
+A router (`gate`, Linear to the experts) gives each token a softmax over the experts; its top k
+are taken (renormalised where the family does) as that token's weights. The experts' weights are
+stacked, `experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I] (the loader fills
+them from the checkpoints' per-expert tensors), and computed grouped: the (token, expert) pairs
+are sorted by expert, and each expert that some token chose runs one SwiGLU over its tokens
+(no loop over tokens); the results, times their weights, are added back by token. Qwen2-MoE adds a
+shared expert every token takes, scaled by a sigmoid gate. Rounding follows HF transformers: the
+weights in float32 (Mixtral) or the model's dtype (Qwen), each expert's output cast back to the
+model's dtype before the sum.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from treeserve.model.hf_config import MoEConfig
+from treeserve.model.layers import GatedMLP
+
+
+class StackedExperts(nn.Module):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H]; expert_ids, weights [T, k] -> sum over k of weight * expert(x) [T, H]."""
+        top_k = expert_ids.shape[1]
+        flat = expert_ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        tokens = order // top_k
+        pair_weights = weights.reshape(-1)[order]
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = tokens[start:start + count]
+            # transposed (weight @ x^T): the few rows of a decode step are the small operand, which
+            # BLAS then packs instead of the expert's weight (~25% less time on a 2-core AVX2 CPU)
+            h = torch.mm(self.gate_up_proj[expert], x[rows].t())
+            y = torch.mm(self.down_proj[expert], F.silu(h[:self.intermediate]) * h[self.intermediate:]).t()
+            out.index_add_(0, rows, (y * pair_weights[start:start + count, None]).to(x.dtype))
+            start += count
+        return out
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, moe: MoEConfig, hidden: int, bias: bool):
+        super().__init__()
+        self.moe = moe
+        self.gate = nn.Linear(hidden, moe.num_experts, bias=False)
+        self.experts = StackedExperts(moe.num_experts, hidden, moe.intermediate_size)
+        if moe.shared_expert_size:
+            self.shared_expert = GatedMLP(hidden, moe.shared_expert_size, bias)
+            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's top-k experts and their weights."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, expert_ids = torch.topk(probs, self.moe.top_k, dim=-1)
+        if self.moe.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return expert_ids, weights if self.moe.weights_in_float32 else weights.to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        expert_ids, weights = self.route(x)
+        out = self.experts(x, expert_ids, weights)
+        if self.moe.shared_expert_size:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
