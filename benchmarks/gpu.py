@@ -162,18 +162,24 @@ def run_attention_sweep(args) -> dict:
     return result
 
 
-def _decode_step_seconds(llm: LLM, batch: int, context: int, steps: int) -> float:
-    """Every sequence prefilled first; then the median of the decode steps (each loop step is one
-    engine step, which ends in the one copy of the sampled ids to the host)."""
+def prefill_batch(llm: LLM, batch: int, context: int, max_tokens: int) -> None:
+    """`batch` random prompts of `context` tokens queued and stepped until every one is prefilled."""
     engine, loop, rng = llm.engine, llm.loop, random.Random(batch)
     vocab = engine.model_config.vocab_size
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(batch):
         prompt = [rng.randrange(10, vocab) for _ in range(context)]
         loop.add_request(engine, f"decode-{batch}-{i}", prompt, params, lambda output: None)
     scheduler = engine.scheduler
     while scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running):
         loop.step()
+
+
+def _decode_step_seconds(llm: LLM, batch: int, context: int, steps: int) -> float:
+    """Every sequence prefilled first; then the median of the decode steps (each loop step is one
+    engine step, which ends in the one copy of the sampled ids to the host)."""
+    loop = llm.loop
+    prefill_batch(llm, batch, context, steps + 2)
     times = []
     while loop.has_unfinished_requests():
         start = time.perf_counter()

@@ -14,7 +14,6 @@ import argparse
 import cProfile
 import io
 import pstats
-import random
 import sys
 import time
 from pathlib import Path
@@ -24,21 +23,9 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).parent))
 import gpu_models as gm  # noqa: E402
-from gpu import engine_options, free_device_memory  # noqa: E402
+from gpu import engine_options, free_device_memory, prefill_batch  # noqa: E402
 
-from treeserve import LLM, SamplingParams  # noqa: E402
-
-
-def prefill(llm: LLM, batch: int, context: int, steps: int) -> None:
-    engine, loop, rng = llm.engine, llm.loop, random.Random(batch)
-    vocab = engine.model_config.vocab_size
-    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
-    for i in range(batch):
-        prompt = [rng.randrange(10, vocab) for _ in range(context)]
-        loop.add_request(engine, f"profile-{batch}-{i}", prompt, params, lambda output: None)
-    scheduler = engine.scheduler
-    while scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running):
-        loop.step()
+from treeserve import LLM  # noqa: E402
 
 
 def wall_ms(llm: LLM, steps: int) -> float:
@@ -78,7 +65,7 @@ def profile_batch(args, model_dir: Path, batch: int) -> dict:
     device = torch.device(args.device)
     llm = LLM(str(model_dir), **engine_options(args))
     try:
-        prefill(llm, batch, args.context, 3 * args.steps + 4)
+        prefill_batch(llm, batch, args.context, 3 * args.steps + 4)
         wall_ms(llm, 2)  # warm
         wall = wall_ms(llm, args.steps)
         kernel_ms, kernels = device_profile(llm, args.steps, device)

@@ -195,7 +195,8 @@ class LLMEngine:
                                        priority) for i in range(params.n)]
         group = RequestGroup(request_id, prompt, list(prompt_token_ids), children, final_only=final_only)
         self._register(group)
-        if params.n > 1 and len(prompt_token_ids) > 1:
+        # (LongRoPE picks its factors by prompt length: the shorter shared prefill could pick others)
+        if params.n > 1 and len(prompt_token_ids) > 1 and not self.model.rotary.long_offset:
             shared = Request(f"{request_id}#prefill", list(prompt_token_ids[:-1]), params, cache_salt=cache_salt,
                              cache_namespace=self.name, prefill_only=True, priority=priority)
             group.shared_prefill = shared
@@ -206,6 +207,13 @@ class LLMEngine:
             self._want_prompt_logprobs(group, children[0])
             for child in children:
                 self.scheduler.add(child)
+
+    def _cache_namespace(self, num_prompt_tokens: int) -> str:
+        """Prefix-cache hashes are per model, and with LongRoPE per regime: a prompt past the original
+        length computes every position with the long factors, so its blocks never stand in for a
+        shorter prompt's (or the other way round)."""
+        rotary = self.model.rotary
+        return f"{self.name}:longrope" if rotary.long_offset and num_prompt_tokens > rotary.long_from else self.name
 
     @staticmethod
     def _want_prompt_logprobs(group: RequestGroup, computing: Request) -> None:
@@ -242,7 +250,8 @@ class LLMEngine:
             raise ParamError("readout_token_ids", f"ids must be in [0, {width})")
         parent = self.retained.parent(parent_id, prompt_token_ids)
         request = Request(f"{request_id}#0", list(prompt_token_ids), params, cache_salt=cache_salt,
-                          cache_namespace=self.name, prefill_only=True, logits_positions=sorted(set(positions)),
+                          cache_namespace=self._cache_namespace(len(prompt_token_ids)), prefill_only=True,
+                          logits_positions=sorted(set(positions)),
                           readout_token_ids=readout_token_ids, keep_kv=keep_kv, priority=priority)
         self._register(RequestGroup(request_id, prompt, list(prompt_token_ids), [request]))
         if parent is not None:
@@ -278,7 +287,8 @@ class LLMEngine:
         room = self.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         request = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids,
-                          max_tokens=max_tokens, cache_salt=cache_salt, cache_namespace=self.name, priority=priority)
+                          max_tokens=max_tokens, cache_salt=cache_salt,
+                          cache_namespace=self._cache_namespace(len(prompt_token_ids)), priority=priority)
         request.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens,
                                                      self.outputs.decode)
         if params.structured_outputs is not None:

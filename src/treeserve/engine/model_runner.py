@@ -148,7 +148,7 @@ class ModelRunner:
             pos = state.num_computed_tokens
             table = state.block_ids[:pos // bs + 1]
             token_ids.append(state.token_ids[pos])
-            pos_list.append(pos)
+            pos_list.append(self.model.rotary.rope_positions(state.num_prompt_tokens, pos))
             slot_list.append(table[-1] * bs + pos % bs)
             builder.add_decode(pos + 1, table)
             self._note_outputs(state, count, inputs, row=len(token_ids) - 1)
@@ -163,7 +163,7 @@ class ModelRunner:
         pos = torch.arange(first, first + count, dtype=torch.long)
         context_len = first + count
         table = state.block_ids[:-(-context_len // bs)]
-        positions.append(pos)
+        positions.append(self.model.rotary.rope_positions(state.num_prompt_tokens, pos))
         slots.append(torch.tensor(table, dtype=torch.long)[pos // bs] * bs + pos % bs)
         builder.add_prefill(start_row, context_len, count, table)
         self._note_outputs(state, count, inputs, row=start_row + count - 1)

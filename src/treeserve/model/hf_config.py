@@ -6,7 +6,8 @@ transformers 5 writes a single `rope_parameters` dict.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ CAUSAL_LM_ARCHITECTURES = (
     "MixtralForCausalLM",
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
+    "Phi3ForCausalLM",
 )
 # Process reward models with a head of their own instead of the language-model head (model/heads.py):
 # Qwen2.5-Math-PRM's two-class head per token, and a value head (one logit per token, Skywork's PRMs).
@@ -42,7 +44,8 @@ class MoEConfig:
     weights_in_float32: bool      # the routing weights stay float32 (Mixtral) or take the model's dtype (Qwen)
     shared_expert_size: int = 0   # Qwen2-MoE: a dense expert every token takes, gated by a sigmoid
     sparse_layers: tuple[bool, ...] = ()  # per layer: experts (True) or the dense MLP of intermediate_size
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+_ROPE_TYPE_ALIASES = {"su": "longrope", "yarn_phi3": "longrope"}  # early Phi-3 configs named LongRoPE "su"
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,11 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int | None = None
+    # LongRoPE (Phi-3): per-frequency divisors for sequences up to / past the original length, and
+    # the cos/sin scale (default sqrt(1 + ln(factor) / ln(original)), factor = max / original positions)
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -107,18 +115,37 @@ def _rope_config(raw: dict[str, Any], path: Path) -> RopeConfig:
     merged = {**scaling, **params}
     theta = merged.get("rope_theta", raw.get("rope_theta", 10000.0))
     rope_type = merged.get("rope_type", merged.get("type", "default"))
+    rope_type = _ROPE_TYPE_ALIASES.get(rope_type, rope_type)
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
             f"{path}: rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
-    return RopeConfig(
+    if float(merged.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise ValueError(f"{path}: partial_rotary_factor other than 1 (rotary embedding on part of each head) is "
+                         "not supported yet")
+    original = merged.get("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
+    config = RopeConfig(
         theta=float(theta),
         rope_type=rope_type,
-        factor=float(merged.get("factor", 1.0)),
+        factor=float(merged.get("factor") or 1.0),
         low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
         high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=merged.get("original_max_position_embeddings"),
+        original_max_position_embeddings=original,
     )
+    return _longrope(config, merged, raw, path) if rope_type == "longrope" else config
+
+
+def _longrope(config: RopeConfig, merged: dict[str, Any], raw: dict[str, Any], path: Path) -> RopeConfig:
+    """LongRoPE's factors and cos/sin scale, as transformers computes them."""
+    original = config.original_max_position_embeddings
+    if not original or "short_factor" not in merged or "long_factor" not in merged:
+        raise ValueError(f"{path}: longrope needs short_factor, long_factor and original_max_position_embeddings")
+    factor = merged.get("factor") or raw.get("max_position_embeddings", original) / original
+    scale = merged.get("attention_factor")
+    if scale is None:
+        scale = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return replace(config, factor=float(factor), short_factor=tuple(map(float, merged["short_factor"])),
+                   long_factor=tuple(map(float, merged["long_factor"])), attention_factor=float(scale))
 
 
 def _sliding_windows(raw: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, ...]:
@@ -126,7 +153,7 @@ def _sliding_windows(raw: dict[str, Any], arch: str, num_layers: int) -> tuple[i
     layer_types = raw.get("layer_types")
     if layer_types:
         return tuple(window if t == "sliding_attention" else None for t in layer_types)
-    if arch in _MISTRAL_BODY:
+    if arch in _MISTRAL_BODY or (arch == "Phi3ForCausalLM" and window):
         return (window,) * num_layers
     if arch in (*_QWEN2_BODY, *_QWEN3_BODY) and raw.get("use_sliding_window"):
         first = raw.get("max_window_layers", num_layers)

@@ -67,6 +67,13 @@ def rope_inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     return inv_freq
 
 
+def _longrope_frequencies(theta: float, factors: tuple[float, ...], head_dim: int) -> torch.Tensor:
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    if len(factors) != len(exponents):
+        raise ValueError(f"longrope: {len(factors)} factors for {len(exponents)} frequencies (head size {head_dim})")
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta**exponents)
+
+
 def _llama3_scaled(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
     old_len = rope.original_max_position_embeddings or 8192
     low_wavelen = old_len / rope.low_freq_factor
@@ -80,15 +87,40 @@ def _llama3_scaled(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin tables indexed by absolute position (rotate-half convention)."""
+    """Precomputed cos/sin tables indexed by absolute position (rotate-half convention).
+
+    LongRoPE (Phi-3) has two tables, short factors then long ones, the long one at rows
+    `long_offset` on: `rope_positions` maps a token's position to its row. transformers picks the
+    long factors for a whole forward pass once its sequence is past the original length, so a
+    prompt longer than that uses them at every position, and a generated token from that position on."""
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int):
         super().__init__()
-        inv_freq = rope_inverse_frequencies(rope, head_dim)
+        self.long_offset, self.long_from = 0, 0
+        if rope.rope_type == "longrope":
+            short = self._tables(_longrope_frequencies(rope.theta, rope.short_factor, head_dim), max_positions)
+            long = self._tables(_longrope_frequencies(rope.theta, rope.long_factor, head_dim), max_positions)
+            cos, sin = (torch.cat(pair) * rope.attention_factor for pair in zip(short, long))
+            self.long_offset, self.long_from = max_positions, rope.original_max_position_embeddings
+        else:
+            cos, sin = self._tables(rope_inverse_frequencies(rope, head_dim), max_positions)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    @staticmethod
+    def _tables(inv_freq: torch.Tensor, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        return angles.cos(), angles.sin()
+
+    def rope_positions(self, num_prompt_tokens: int, positions):
+        """The table rows of a sequence's tokens at `positions`, a tensor or one int (the positions
+        themselves unless LongRoPE)."""
+        if not self.long_offset:
+            return positions
+        if num_prompt_tokens > self.long_from:
+            return positions + self.long_offset
+        return positions + self.long_offset * (positions >= self.long_from)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, Hq, D], k: [T, Hkv, D]; returns both rotated (on CPU, in place where it can)."""

@@ -77,6 +77,9 @@ def _shard(name: str, part, plan: ShardPlan) -> torch.Tensor:
     if slot is not None:
         start, end = plan.qkv_rows()[slot] if "qkv" in target else plan.mlp_rows()
         return part[start:end]
+    if target.endswith(("qkv_proj.weight", "qkv_proj.bias", "gate_up_proj.weight")):
+        raise ValueError(f"{name}: a checkpoint with its projections already fused (Phi-3's qkv_proj and "
+                         "gate_up_proj) cannot be sharded for tensor parallelism yet")
     if target.endswith("o_proj.weight"):
         start = plan.tp.rank * plan.local_heads * plan.head_dim
         return part[:, start:start + plan.local_heads * plan.head_dim]

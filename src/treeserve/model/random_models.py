@@ -65,6 +65,7 @@ def train_tokenizer(vocab_size: int = 512, seed: int = 0, corpus=None):
 
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3")
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")  # 4 experts, top 2; tested apart (tests/test_moe.py)
+PHI3_ORIGINAL_POSITIONS = 48  # the tiny Phi-3's LongRoPE switches to its long factors past this length
 
 
 def _config(family: str, vocab_size: int, special: dict[str, int], **overrides):
@@ -87,6 +88,13 @@ def _config(family: str, vocab_size: int, special: dict[str, int], **overrides):
         cls, extra = transformers.Qwen2Config, dict(tie_word_embeddings=True)
     elif family == "qwen3":
         cls, extra = transformers.Qwen3Config, dict(head_dim=24, tie_word_embeddings=False)
+    elif family == "phi3":  # fused qkv and gate/up as shipped, LongRoPE (tests/test_phi3.py)
+        half = common["hidden_size"] // common["num_attention_heads"] // 2
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + 0.1 * i for i in range(half)],
+                "long_factor": [1.0 + 2.0 * i for i in range(half)]}
+        cls = transformers.Phi3Config
+        extra = dict(rope_parameters=rope, original_max_position_embeddings=PHI3_ORIGINAL_POSITIONS,
+                     tie_word_embeddings=False, sliding_window=None)
     elif family == "mixtral":
         cls, extra = transformers.MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
                                                       tie_word_embeddings=False)
@@ -99,7 +107,8 @@ def _config(family: str, vocab_size: int, special: dict[str, int], **overrides):
         extra = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True, head_dim=24,
                      tie_word_embeddings=False)
     else:
-        raise ParamError("family", f"unknown tiny-model family {family!r}; known: {', '.join(FAMILIES + MOE_FAMILIES)}")
+        known = ", ".join(FAMILIES + MOE_FAMILIES + ("phi3",))
+        raise ParamError("family", f"unknown tiny-model family {family!r}; known: {known}")
     return cls(**{**common, **extra, **overrides})
 
 

@@ -120,15 +120,8 @@ class ChatStepsRecipe(_VerdictTokens):
     name: str = "chat-steps"
 
     def build(self, tokenizer, question: str, steps: list[str]) -> PRMInput:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
-                                             add_generation_prompt=True)
-        spans = []
-        for step in steps:
-            text += step
-            spans.append((len(text), len(text) + len(self.step_delimiter)))
-            text += self.step_delimiter
-        tokens = _Tokenized(tokenizer, text, self.name, add_special_tokens=False)
-        return PRMInput(tokens.token_ids, _marker_ends(tokens, spans, "step delimiter"))
+        return _assistant_steps(tokenizer, [{"role": "user", "content": question}], steps, self.step_delimiter,
+                                self.name, "step delimiter")
 
 
 @dataclass(frozen=True)
@@ -153,14 +146,7 @@ class QwenPRMRecipe:
     def build(self, tokenizer, question: str, steps: list[str]) -> PRMInput:
         _single_token(tokenizer, self.separator)
         turns = [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": question}]
-        text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
-        spans = []
-        for step in steps:
-            text += step
-            spans.append((len(text), len(text) + len(self.separator)))
-            text += self.separator
-        tokens = _Tokenized(tokenizer, text, self.name, add_special_tokens=False)
-        return PRMInput(tokens.token_ids, _marker_ends(tokens, spans, "step separator"))
+        return _assistant_steps(tokenizer, turns, steps, self.separator, self.name, "step separator")
 
 
 @dataclass(frozen=True)
@@ -217,6 +203,20 @@ def check_recipe_fits(recipe, model_config) -> None:
                 "value": "a value head"}
         raise ValueError(f"prm recipe {recipe.name} reads {what[recipe.head]}, and this model "
                          f"({model_config.architecture}) has {what[model_config.head]}")
+
+
+def _assistant_steps(tokenizer, turns: list[dict], steps: list[str], marker: str, recipe: str,
+                     marker_name: str) -> PRMInput:
+    """The turns through the chat template up to the assistant's turn, then the steps each followed
+    by `marker`; each step's verdict at the marker's last token."""
+    text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    spans = []
+    for step in steps:
+        text += step
+        spans.append((len(text), len(text) + len(marker)))
+        text += marker
+    tokens = _Tokenized(tokenizer, text, recipe, add_special_tokens=False)
+    return PRMInput(tokens.token_ids, _marker_ends(tokens, spans, marker_name))
 
 
 def _marker_ends(tokens: _Tokenized, spans: list[tuple[int, int]], marker: str) -> list[int]:
