@@ -75,3 +75,26 @@ def test_a_short_prompt_within_the_original_length_matches(phi3):
     out = llm.generate([{"prompt_token_ids": short}], SamplingParams(temperature=0.0, max_tokens=count,
                                                                       min_tokens=count), use_tqdm=False)[0]
     assert out.outputs[0].token_ids == _hf_greedy(hf, short, count)
+
+
+def test_a_kept_sequence_is_not_extended_across_the_regimes(phi3):
+    """A verifier's kept conversation within the original length, extended past it: the extension
+    is computed afresh with the long factors, not forked from keys rotated with the short ones."""
+    path, hf = phi3
+    llm = LLM(str(path), dtype="float32", device="cpu", kv_cache_memory_bytes=8 << 20)
+    engine = llm.engine
+    long = _prompts(llm.get_tokenizer())[1]
+    short = long[:40]
+    outputs = {}
+    engine.add_request("kept", short, SamplingParams(max_tokens=1), logits_positions=[len(short) - 1], keep_kv=True)
+    while engine.has_unfinished_requests():
+        outputs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert engine.retained.parent("kept", long) is not None  # kept, and the long prompt extends it
+    engine.add_request("extended", long, SamplingParams(max_tokens=1), logits_positions=list(range(len(long))),
+                       parent_id="kept")
+    while engine.has_unfinished_requests():
+        outputs.update({o.request_id: o for o in engine.step() if o.finished})
+    ours = torch.stack([outputs["extended"].prompt_logits[p] for p in range(len(long))])
+    assert _relative_error(ours, _hf_logits(hf, long)) < 1e-4
+    engine.release_kv("kept")
+    assert_no_leak(engine)

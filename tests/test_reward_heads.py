@@ -109,3 +109,14 @@ def test_served_rewards_and_a_search_with_it_as_the_verifier(reward_model, llama
                  "--num-iterations", "2", "--max-tokens", "24", "--dtype", "float32", "--device", "cpu",
                  "--kv-cache-memory-bytes", str(16 << 20), QUESTION]) == 0
     assert "--- answer" in capsys.readouterr().out
+
+
+def test_the_reference_mode_refuses_a_reward_head(reward_model):
+    """Search-and-Learn's reference mode loads a causal LM: it cannot read a reward head."""
+    from transformers import AutoTokenizer
+
+    from treeserve.search.reference import HFStepScorer
+    _, path = reward_model
+    recipe = declared_recipe(path)
+    with pytest.raises(ParamError, match="reward head"):
+        HFStepScorer(str(path), AutoTokenizer.from_pretrained(path), recipe)

@@ -127,7 +127,7 @@ class LLMEngine:
                                    reclaim=reclaim or self._reclaim_one)
         self.steps = StepBuilder(self.kv, self.structured.vocab_size)
         self.runner = ModelRunner(self.model, block_size, space.arena, self.dtype, self.device)
-        self.runner.graphs = self._decode_graphs(block_size)
+        self.runner.graphs = None if scratch else self._decode_graphs(block_size)  # a dry run decodes nothing
         if self.executor is not None:
             self.executor.add_model(self.model_key, ModelSpec(
                 str(self.model_dir), self.dtype, self.max_model_len, self.config.load_format, self.config.seed,
@@ -142,6 +142,9 @@ class LLMEngine:
             return None
         if self.executor is not None:
             logger.info("tensor parallel: decode steps run eagerly (workers capture no CUDA graphs yet)")
+            return None
+        if self.model_config.moe is not None:  # its experts' grouping reads the routing on the host
+            logger.info("mixture of experts: decode steps run eagerly (no CUDA graphs)")
             return None
         graphs = DecodeGraphs(self.model, self.runner.kv_caches, self.config.max_num_seqs,
                               -(-self.max_model_len // block_size), self.device)
@@ -249,6 +252,8 @@ class LLMEngine:
         if readout_token_ids is not None and not all(0 <= t < width for t in readout_token_ids):
             raise ParamError("readout_token_ids", f"ids must be in [0, {width})")
         parent = self.retained.parent(parent_id, prompt_token_ids)
+        if parent is not None and parent.cache_namespace != self._cache_namespace(len(prompt_token_ids)):
+            parent = None  # LongRoPE: the kept keys were rotated with the other factors; computed afresh
         request = Request(f"{request_id}#0", list(prompt_token_ids), params, cache_salt=cache_salt,
                           cache_namespace=self._cache_namespace(len(prompt_token_ids)), prefill_only=True,
                           logits_positions=sorted(set(positions)),

@@ -154,7 +154,7 @@ def load_weights(model: DecoderForCausalLM, model_dir: Path) -> None:
     as this rank's shard of it (safetensors slices), never whole."""
     params = dict(model.named_parameters())
     pending: dict[str, dict[int, torch.Tensor]] = {}
-    pieces: dict[str, int] = {}  # stacked expert parameters: pieces copied so far
+    pieces: dict[str, set] = {}  # stacked expert parameters: the (expert, part) pieces copied so far
     loaded: set[str] = set()
     for name, tensor in iter_checkpoint_shards(model_dir, model.plan):
         if _IGNORED.search(name) or (name == "lm_head.weight" and model.lm_head is None):
@@ -162,8 +162,8 @@ def load_weights(model: DecoderForCausalLM, model_dir: Path) -> None:
         if (piece := _expert_piece(name)) is not None and piece[0] in params:
             target, expert, part = piece
             needed = _copy_expert(params[target], expert, part, tensor, name)
-            pieces[target] = pieces.get(target, 0) + 1
-            if pieces[target] == needed:
+            pieces.setdefault(target, set()).add((expert, part))
+            if len(pieces[target]) == needed:
                 loaded.add(target)
             continue
         target, slot = _target_name(name)

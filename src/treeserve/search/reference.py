@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.entrypoints.llm import LLM
+from treeserve.errors import ParamError
 from treeserve.runtime.prm_recipes import DEFAULT_RECIPE, RECIPES
 from treeserve.runtime.scorer import UNJUDGED_SCORE, readable_input
 from treeserve.sampling_params import SamplingParams
@@ -48,11 +49,14 @@ class HFStepScorer:
 
     def __init__(self, model_path: str, tokenizer, recipe: str = DEFAULT_RECIPE, dtype: torch.dtype = torch.float32,
                  max_len: int | None = None):
+        self.recipe = RECIPES[recipe]
+        if self.recipe.head != "lm":
+            raise ParamError("recipe", f"the reference mode reads a language model's logits through "
+                             f"AutoModelForCausalLM; recipe {recipe} reads a reward head it does not load")
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
         # as the engine: a conversation this long or longer is not read (UNJUDGED_SCORE)
         self.max_len = max_len or self.model.config.max_position_embeddings
         self.tokenizer = tokenizer
-        self.recipe = RECIPES[recipe]
         self.candidates = list(self.recipe.candidate_ids(tokenizer))
         self.num_tokens_computed = 0
         self.seconds = 0.0  # spent scoring, inputs built and forward passes run

@@ -143,8 +143,9 @@ class EngineMetrics:
         if new <= 0:
             return
         self.generation_tokens.inc(new)
-        if seen == 0:
-            self.ttft.observe(now - output.metrics.arrival_time)
+        if seen == 0:  # the engine's own first-token time: a final-only request (search) shows tokens at its end
+            first = output.metrics.first_token_time
+            self.ttft.observe((now if first is None else first) - output.metrics.arrival_time)
         else:
             for _ in range(new):
                 self.itl.observe((now - last_time) / new)

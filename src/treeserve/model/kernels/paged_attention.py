@@ -223,6 +223,12 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     )
 
 
+def _decode_tile(q: torch.Tensor, padded_head_dim: int) -> int:
+    """DECODE_TILE_N keys per tile where it was measured (16-bit K/V, heads up to 128); else the
+    unified kernel's tile: a 128-key float32 tile of wide heads may not fit a smaller GPU's shared memory."""
+    return DECODE_TILE_N if q.element_size() == 2 and padded_head_dim <= 128 else TILE_N
+
+
 def split_kv_buffers(num_seqs: int, num_heads: int, head_dim: int, num_splits: int,
                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(partial outputs, partial maxima, partial sums) for `split_kv_decode`."""
@@ -248,7 +254,8 @@ def split_kv_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         scale, window or 0,
         q.stride(0), q.stride(1), *_cache_strides(k_cache), *_cache_strides(v_cache), block_tables.stride(0),
         NUM_HEADS=num_heads, QUERIES_PER_KV=per_kv, NUM_SPLITS=num_splits, CACHE_BLOCK=k_cache.shape[1],
-        HEAD_DIM=head_dim, HEAD_DIM_P=padded, BLOCK_M=max(BLOCK_M, triton.next_power_of_2(per_kv)), TILE=DECODE_TILE_N,
+        HEAD_DIM=head_dim, HEAD_DIM_P=padded, BLOCK_M=max(BLOCK_M, triton.next_power_of_2(per_kv)),
+        TILE=_decode_tile(q, padded),
         HAS_WINDOW=window is not None, IEEE=q.dtype == torch.float32,
     )
     _merge_splits_kernel[(num_seqs, num_heads)](
