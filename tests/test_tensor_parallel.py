@@ -67,7 +67,10 @@ def _assert_same(ours, ref):
             assert ex is None or all(_close(ex[t].logprob, ey[t].logprob) for t in ey if t in ex)
 
 
-@pytest.mark.parametrize("name", list(FAMILIES) + ["one-kv-head", "odd-vocab"])
+# every family's own sharding switch: qkv bias (qwen2), attention and MLP biases with tied embeddings
+# (llama3), q/k norm (qwen3); plain Llama and Mistral shard as "one-kv-head" and llama3 do (their
+# sliding window is no sharding matter), dropped to keep the suite within its 15 minutes
+@pytest.mark.parametrize("name", ["llama3", "qwen2", "qwen3", "one-kv-head", "odd-vocab"])
 def test_two_ranks_give_one_ranks_tokens_and_logprobs(tp_models, name):
     ref, ref_cached = _generate(tp_models[name])
     ours, cached = _generate(tp_models[name], **TP2)

@@ -19,10 +19,13 @@ from treeserve.testing.tiny_models import FAMILIES  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-# The greedy run (24 tokens of 8 prompts with logprobs, ~25 s a family under the interpreter) on the
-# families that differ inside attention: GQA with tied embeddings (llama), a sliding window (mistral),
-# a head size of 24 (qwen3); the logits test runs on every family. On CUDA every family runs both.
-GREEDY_FAMILIES = FAMILIES if DEVICE == "cuda" else ("llama", "mistral", "qwen3")
+# The greedy run (24 tokens of 8 prompts with logprobs, ~33 s a family under the interpreter) on one
+# family here, the one with GQA and a sliding window (mistral): the engine's decode path through the
+# kernels. What differs by family inside attention (head sizes that need padding, windows, GQA
+# groups) is checked kernel by kernel in test_triton_kernels, and the logits test runs on every
+# family. On CUDA every family runs both. (Three families ran here until the suite neared its
+# 15-minute budget; all five passed when the kernels were written.)
+GREEDY_FAMILIES = FAMILIES if DEVICE == "cuda" else ("mistral",)
 
 
 def _triton_setup(family, tiny_model_dirs):
@@ -72,7 +75,7 @@ PROMPTS = ["Hello there", "The water is", "A long time ago in a place far away",
 def test_decode_steps_through_graph_buffers_give_the_same_tokens(tiny_model_dirs, family):
     """Decode steps replayed over the static, padded buffers (eagerly without CUDA), including the
     split-KV kernel, give the tokens of plain eager steps; padded rows write no cache block."""
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     path = str(tiny_model_dirs[family])
     options = dict(dtype="float32", kv_cache_memory_bytes=8 << 20, max_num_seqs=6, attention_backend="triton",
                    enforce_eager=True)
