@@ -1,6 +1,7 @@
 """Building blocks shared by every supported family: RMSNorm, rotary embeddings, gated MLP."""
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -26,9 +27,9 @@ class RMSNorm(nn.Module):
         weight_grad = torch.is_grad_enabled() and self.weight.requires_grad  # the kernel has no backward
         if not weight_grad and self.weight.dtype == x.dtype and x.stride(-1) == 1:
             if library is not None:
-                return self._fused(library, x, residual)
+                return self._fused(functools.partial(cpu_kernels.rms_norm, library), x, residual)
             if (ops := fused_ops_for(x)) is not None:
-                return self._fused_triton(ops, x, residual)
+                return self._fused(ops.rms_norm, x, residual)
         if residual is not None:
             residual = x + residual
             return self._norm(residual), residual
@@ -40,20 +41,14 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
-    def _fused_triton(self, ops, x: torch.Tensor, residual: torch.Tensor | None):
+    def _fused(self, rms_norm, x: torch.Tensor, residual: torch.Tensor | None):
+        """One fused pass (`rms_norm(rows, weight, eps[, residual])`: the C kernel or the Triton op);
+        with `residual`, x + residual is left in it."""
         rows = x.reshape(-1, x.shape[-1])
         if residual is None:
-            return ops.rms_norm(rows, self.weight, self.eps).view(x.shape)
+            return rms_norm(rows, self.weight, self.eps).view(x.shape)
         residual = residual.contiguous()
-        out = ops.rms_norm(rows, self.weight, self.eps, residual.view(-1, x.shape[-1]))
-        return out.view(x.shape), residual
-
-    def _fused(self, library, x: torch.Tensor, residual: torch.Tensor | None):
-        rows = x.reshape(-1, x.shape[-1])
-        if residual is None:
-            return cpu_kernels.rms_norm(library, rows, self.weight, self.eps).view(x.shape)
-        residual = residual.contiguous()
-        out = cpu_kernels.rms_norm(library, rows, self.weight, self.eps, residual.view(-1, x.shape[-1]))
+        out = rms_norm(rows, self.weight, self.eps, residual.view(-1, x.shape[-1]))
         return out.view(x.shape), residual
 
 
