@@ -16,23 +16,27 @@ pytestmark = pytest.mark.skipif(LIBRARY is None, reason="treeserve's CPU kernels
 BLOCK, KV_HEADS, HEADS, HEAD_DIM, BLOCKS = 4, 2, 6, 16, 64
 
 
-def _reference(q, cache, tables, lens, scale, window=None):
-    """Per row: softmax over the row's first `len` keys (the last `window` of them), float64."""
+def _reference(q, cache, tables, lens, scale, window=None, softcap=None):
+    """Per row: softmax over the row's first `len` keys (the last `window` of them), scores
+    soft-capped if `softcap`, float64."""
     out = torch.empty(q.shape, dtype=torch.float64)
     for i, (table, length) in enumerate(zip(tables, lens)):
         keys = cache[table, 0].reshape(-1, KV_HEADS, HEAD_DIM)[:length].double()
         values = cache[table, 1].reshape(-1, KV_HEADS, HEAD_DIM)[:length].double()
         first = 0 if window is None else max(0, length - window)
         keys, values = keys[first:].repeat_interleave(3, 1), values[first:].repeat_interleave(3, 1)
-        probs = torch.einsum("hd,lhd->hl", q[i].double() * scale, keys).softmax(-1)
+        scores = torch.einsum("hd,lhd->hl", q[i].double() * scale, keys)
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        probs = scores.softmax(-1)
         out[i] = torch.einsum("hl,lhd->hd", probs, values)
     return out
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 1.5), (5, 1.5)])  # 1.5: Gemma 2's cap, tight
 @pytest.mark.parametrize("block", [BLOCK, 5])  # 5: the kernel's 16-key tiles start mid-block
-def test_paged_rows_match_reference_for_decode_and_prefill_rows(dtype, tol, window, block):
+def test_paged_rows_match_reference_for_decode_and_prefill_rows(dtype, tol, window, softcap, block):
     gen = torch.Generator().manual_seed(0)
     cache = torch.randn(BLOCKS, 2, block, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
     rows = PagedRows()
@@ -53,8 +57,8 @@ def test_paged_rows_match_reference_for_decode_and_prefill_rows(dtype, tol, wind
     lens += list(range(1, 46))
     q = torch.randn(len(lens), HEADS, HEAD_DIM, generator=gen).to(dtype)
     out = torch.empty_like(q)
-    cpu_kernels.paged_attention(LIBRARY, q, cache, *rows.tensors, 0.25, window, out)
-    expected = _reference(q, cache, tables, lens, 0.25, window)
+    cpu_kernels.paged_attention(LIBRARY, q, cache, *rows.tensors, 0.25, window, out, softcap)
+    expected = _reference(q, cache, tables, lens, 0.25, window, softcap)
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
 
 

@@ -39,6 +39,7 @@ def tp_models(tmp_path_factory, tiny_model_dirs):
     models = {family: tiny_model_dirs[family] for family in FAMILIES}
     models["one-kv-head"] = make_tiny_model("llama", root / "one-kv-head", seed=3, num_key_value_heads=1)
     models["odd-vocab"] = make_tiny_model("qwen2", root / "odd-vocab", seed=4, vocab_size=515)
+    models["gemma3"] = make_tiny_model("gemma3", root / "gemma3", seed=3)
     return models
 
 
@@ -68,9 +69,10 @@ def _assert_same(ours, ref):
 
 
 # every family's own sharding switch: qkv bias (qwen2), attention and MLP biases with tied embeddings
-# (llama3), q/k norm (qwen3); plain Llama and Mistral shard as "one-kv-head" and llama3 do (their
-# sliding window is no sharding matter), dropped to keep the suite within its 15 minutes
-@pytest.mark.parametrize("name", ["llama3", "qwen2", "qwen3", "one-kv-head", "odd-vocab"])
+# (llama3), q/k norm with Gemma's (1 + w) norms around attention and the MLP and a local RoPE
+# (gemma3; Qwen3's q/k norm shards as its does); plain Llama and Mistral shard as "one-kv-head" and
+# llama3 do (their sliding window is no sharding matter), dropped to keep the suite within its 15 minutes
+@pytest.mark.parametrize("name", ["llama3", "qwen2", "gemma3", "one-kv-head", "odd-vocab"])
 def test_two_ranks_give_one_ranks_tokens_and_logprobs(tp_models, name):
     ref, ref_cached = _generate(tp_models[name])
     ours, cached = _generate(tp_models[name], **TP2)

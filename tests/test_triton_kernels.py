@@ -1,6 +1,6 @@
 """treeserve's Triton kernels against a plain PyTorch reference: paged attention over mixed flat
 batches (decode rows, fresh prefills, chunks over a cached prefix), GQA 1/2/4/8, cache blocks of
-16, 32 and 15 tokens, head sizes 64, 80 and 96, sliding windows, split-KV decode, and the K/V write
+16, 32 and 15 tokens, head sizes 64, 80 and 96, sliding windows, soft-capped scores, split-KV decode, and the K/V write
 by slot. Without CUDA they run under Triton's interpreter (conftest sets TRITON_INTERPRET=1)."""
 import math
 
@@ -23,7 +23,7 @@ def make_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, generator)
     return cache.to(DEVICE)
 
 
-def reference_attention(q, cache, query_lens, seq_lens, tables, scale, window):
+def reference_attention(q, cache, query_lens, seq_lens, tables, scale, window, softcap=None):
     """Plain attention for each sequence's rows over the first seq_len keys its blocks hold."""
     block_size = cache.shape[2]
     out, start = torch.empty_like(q, dtype=torch.float32), 0
@@ -36,6 +36,8 @@ def reference_attention(q, cache, query_lens, seq_lens, tables, scale, window):
         keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
         query = q[start:start + query_len].float()              # [Q, H, D]
         scores = torch.einsum("qhd,khd->hqk", query, keys) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         query_pos = torch.arange(seq_len - query_len, seq_len)[:, None]
         visible = slots[None, :] <= query_pos
         if window is not None:
@@ -61,7 +63,7 @@ def batch_inputs(query_lens, seq_lens, block_size, num_blocks, generator):
 
 
 def check_unified(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, window=None,
-                  seed=0):
+                  seed=0, softcap=None):
     generator = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-s // block_size) for s in seq_lens) + 3
     cache = make_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, generator)
@@ -71,8 +73,8 @@ def check_unified(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block
     scale = 1 / math.sqrt(head_dim)
     paged_attention.unified_attention(q, cache[:, 0], cache[:, 1], out, starts.to(DEVICE),
                                       torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), padded.to(DEVICE),
-                                      scale, window)
-    ref = reference_attention(q.cpu(), cache.cpu(), query_lens, seq_lens, tables, scale, window)
+                                      scale, window, softcap=softcap)
+    ref = reference_attention(q.cpu(), cache.cpu(), query_lens, seq_lens, tables, scale, window, softcap)
     tol = 2e-3 if dtype == torch.float16 else 1e-5
     torch.testing.assert_close(out.cpu().float(), ref, atol=tol, rtol=tol)
 
@@ -108,9 +110,17 @@ def test_unified_attention_sliding_window(window):
                   window=window, seed=4)
 
 
-@pytest.mark.parametrize("num_splits,window", [(1, None), (4, None), (8, None), (4, 9)])
+@pytest.mark.parametrize("window,softcap", [(None, 0.5), (5, 0.5)])
+def test_unified_attention_soft_capped_scores(window, softcap):
+    """Gemma 2's soft cap: scores (random q/k, head 32, about +-3 after scaling) squeezed into +-0.5."""
+    check_unified(*MIXED, num_heads=4, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.float32,
+                  window=window, seed=7, softcap=softcap)
+
+
+@pytest.mark.parametrize("num_splits,window,softcap", [(1, None, None), (4, None, None), (8, None, None),
+                                                       (4, 9, None), (4, None, 0.5)])
 @pytest.mark.parametrize("group", [1, 4])
-def test_split_kv_decode_matches_the_reference(num_splits, window, group):
+def test_split_kv_decode_matches_the_reference(num_splits, window, softcap, group):
     generator = torch.Generator().manual_seed(5)
     seq_lens, block_size, head_dim = [1, 37, 150, 64], 16, 80
     num_blocks = sum(-(-s // block_size) for s in seq_lens) + 2
@@ -120,8 +130,8 @@ def test_split_kv_decode_matches_the_reference(num_splits, window, group):
     out = torch.full_like(q, float("nan"))
     buffers = paged_attention.split_kv_buffers(len(seq_lens), 2 * group, head_dim, num_splits, torch.device(DEVICE))
     paged_attention.split_kv_decode(q, cache[:, 0], cache[:, 1], out, torch.tensor(seq_lens, dtype=torch.int32,
-                                    device=DEVICE), padded.to(DEVICE), 0.1, window, buffers)
-    ref = reference_attention(q.cpu(), cache.cpu(), [1] * len(seq_lens), seq_lens, tables, 0.1, window)
+                                    device=DEVICE), padded.to(DEVICE), 0.1, window, buffers, softcap)
+    ref = reference_attention(q.cpu(), cache.cpu(), [1] * len(seq_lens), seq_lens, tables, 0.1, window, softcap)
     torch.testing.assert_close(out.cpu(), ref, atol=1e-5, rtol=1e-5)
 
 

@@ -27,7 +27,7 @@ class KeptSequences:
 
     def keep(self, request_id: str, request: Request) -> None:
         self.sequences[request_id] = request
-        for block in self.kv.block_tables.get(request.request_id, []):
+        for block in self.kv.live_blocks(request.request_id):
             self._block_refs[block.block_id] = self._block_refs.get(block.block_id, 0) + 1
 
     def parent(self, parent_id: str | None, prompt_token_ids: list[int]) -> Request | None:
@@ -48,7 +48,7 @@ class KeptSequences:
         """Frees a kept sequence's blocks (its full blocks stay prefix-cached)."""
         request = self.sequences.pop(request_id, None)
         if request is not None:
-            for block in self.kv.block_tables.get(request.request_id, []):
+            for block in self.kv.live_blocks(request.request_id):
                 left = self._block_refs.pop(block.block_id) - 1
                 if left:
                     self._block_refs[block.block_id] = left

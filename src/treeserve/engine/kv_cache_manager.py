@@ -1,10 +1,18 @@
-"""Per-request block tables on top of the block pool: prefix lookup, allocation, fork, free."""
+"""Per-request block tables on top of the block pool: prefix lookup, allocation, fork, free.
+
+With a sliding window on every layer (`window`), a block whose tokens are all behind the window of
+the request's next token is read by no layer again: it goes back to the pool at once (still
+findable by its hash until evicted, so a later request with that prefix can take it) and its
+place in the table holds None, which the attention metadata sees as `NULL_BLOCK_ID` (a page
+never read: every kernel starts at the window, and the gathering paths mask it out)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from treeserve.engine.block_pool import BlockPool, KVBlock
 from treeserve.engine.request import Request
+
+NULL_BLOCK_ID = 0  # stands for a freed block behind the window: any page, never written, never attended
 
 
 @dataclass
@@ -18,13 +26,15 @@ class KVCacheManager:
     """One model's view of a block pool; several managers (models) may share one pool."""
 
     def __init__(self, num_blocks: int | None = None, block_size: int = 16, enable_caching: bool = True,
-                 pool: BlockPool | None = None, owner: str = ""):
+                 pool: BlockPool | None = None, owner: str = "", window: int | None = None):
         self.block_size = block_size
+        self.window = window
         self.pool = pool if pool is not None else BlockPool(num_blocks, enable_caching)
         self.owner = owner
         self.pool.add_owner(owner)
         self.block_tables: dict[str, list[KVBlock]] = {}
         self._num_hashed: dict[str, int] = {}
+        self._num_dropped: dict[str, int] = {}  # leading table entries freed behind the window
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block copies for copy-on-write
 
     def _blocks_for(self, num_tokens: int) -> int:
@@ -85,7 +95,30 @@ class KVCacheManager:
         needed = self._blocks_for(request.num_computed_tokens + num_new_tokens) - len(table)
         if needed > 0:
             table.extend(self.pool.allocate(needed, self.owner))
+        self.free_behind_window(request)
         return True
+
+    def free_behind_window(self, request: Request) -> None:
+        """Frees the request's blocks that no layer reads again: the next query, at position
+        num_computed_tokens, sees keys from num_computed_tokens - window + 1 on. Call after its
+        full blocks were cached."""
+        table = self.block_tables.get(request.request_id)
+        if self.window is None or not table:
+            return
+        first_key = max(request.num_computed_tokens - self.window + 1, 0)
+        dead = min(first_key // self.block_size, self._num_hashed.get(request.request_id, 0) if
+                   self.pool.enable_caching else len(table))
+        start = self._num_dropped.get(request.request_id, 0)
+        if dead <= start:
+            return
+        blocks = [b for b in table[start:dead] if b is not None]
+        table[start:dead] = [None] * (dead - start)
+        self._num_dropped[request.request_id] = dead
+        self.pool.free(reversed(blocks))
+
+    def live_blocks(self, request_id: str) -> list[KVBlock]:
+        """The request's blocks it still holds (not those freed behind the window)."""
+        return [b for b in self.block_tables.get(request_id, ()) if b is not None]
 
     def _take_prefix(self, request: Request, table: list[KVBlock], prefix: CachedPrefix) -> None:
         self.pool.touch(prefix.blocks)
@@ -116,18 +149,20 @@ class KVCacheManager:
     def fork(self, parent: Request, child: Request) -> None:
         """The child shares every block of the parent (copy-on-write for a partly filled tail)."""
         table = list(self.block_tables[parent.request_id])
-        self.pool.share(table)
+        self.pool.share([b for b in table if b is not None])
         self.block_tables[child.request_id] = table
         self._num_hashed[child.request_id] = self._num_hashed.get(parent.request_id, 0)
+        self._num_dropped[child.request_id] = self._num_dropped.get(parent.request_id, 0)
         child.num_computed_tokens = parent.num_computed_tokens
 
     def free(self, request: Request) -> None:
         table = self.block_tables.pop(request.request_id, [])
         self._num_hashed.pop(request.request_id, None)
-        self.pool.free(reversed(table))
+        self._num_dropped.pop(request.request_id, None)
+        self.pool.free(reversed([b for b in table if b is not None]))
 
     def block_ids(self, request: Request) -> list[int]:
-        return [b.block_id for b in self.block_tables[request.request_id]]
+        return [NULL_BLOCK_ID if b is None else b.block_id for b in self.block_tables[request.request_id]]
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []

@@ -110,18 +110,28 @@ class LLMEngine:
         budget = kv_budget_bytes(self.config, self.device)
         return KVSpace.create(budget, page_bytes, self.device, self.config.enable_prefix_caching)
 
+    def _tokens_held_at_most(self, block_size: int) -> int:
+        """KV one sequence may hold at once: all of max_model_len, or with a window on every layer
+        the window, one step's chunk and the two blocks they may straddle."""
+        window = self.model_config.kv_window
+        if window is None:
+            return self.max_model_len
+        return min(self.max_model_len, window + self.max_num_batched_tokens + 2 * block_size)
+
     def attach_kv(self, space: KVSpace, reclaim=None, scratch: bool = False) -> None:
         """`reclaim`: frees one kept sequence's blocks when the scheduler runs short (default: one of
         this engine's own; a `Runtime` passes one that tries every engine sharing the pool).
         `scratch`: a space for one measured prefill (runtime/memory.py), not for max_model_len."""
         block_size = space.arena.block_size_for(self.model.kv_config, self.dtype)
         num_blocks = space.pool.num_blocks
-        if not scratch and num_blocks * block_size < self.max_model_len:
+        if not scratch and num_blocks * block_size < self._tokens_held_at_most(block_size):
             raise ParamError(
                 "kv_cache_memory_bytes", f"room for {num_blocks} blocks ({num_blocks * block_size} tokens), "
-                f"fewer than max_model_len={self.max_model_len}; raise the KV budget or lower max_model_len"
+                f"fewer than one sequence of max_model_len={self.max_model_len} holds; raise the KV budget or "
+                "lower max_model_len"
             )
-        self.kv = KVCacheManager(block_size=block_size, pool=space.pool, owner=self.name)
+        self.kv = KVCacheManager(block_size=block_size, pool=space.pool, owner=self.name,
+                                 window=self.model_config.kv_window)
         self.retained.kv = self.kv
         self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.max_num_batched_tokens,
                                    reclaim=reclaim or self._reclaim_one)
@@ -359,6 +369,7 @@ class LLMEngine:
             request = item.request
             request.num_computed_tokens += item.num_new_tokens
             self.kv.cache_full_blocks(request)
+            self.kv.free_behind_window(request)
             group = self._group_of[request.request_id]
             touched[group.request_id] = group
             if request.prefill_only:

@@ -11,6 +11,8 @@ the step's keys/values into the paged cache by slot, then attends:
   the padding), each group's blocks gathered for `scaled_dot_product_attention`, or
   `decode_by_matmul` for one-token decode on CPU in bfloat16 or float16;
 - the other prefill chunks: SDPA over the chunk's keys (gathered from the cache after a prefix hit).
+A layer with soft-capped scores (Gemma 2: softcap * tanh(score / softcap)) has them capped in the C
+kernel, and takes `decode_by_matmul` / `prefill_by_matmul` where SDPA would run (SDPA cannot cap).
 """
 from __future__ import annotations
 
@@ -227,22 +229,23 @@ class TorchSDPABackend:
         meta: AttentionMetadata,
         scale: float,
         window: int | None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         self._write_cache(layer_cache, k, v, meta)
         out = torch.empty_like(q)
         gqa = q.shape[1] != k.shape[1]
-        done = self._paged_rows(layer_cache, q, meta, scale, window, out)
+        done = self._paged_rows(layer_cache, q, meta, scale, window, softcap, out)
         for index, group in enumerate(meta.decode_groups if done == 0 else []):
             out[group.rows] = self._decode(layer_cache, q[group.rows], group, meta.decode_mask(index, window, q.dtype),
-                                           scale, gqa)
+                                           scale, gqa, softcap)
         for index, chunk in enumerate(meta.prefills):
             if chunk.rows.stop > done:
                 mask = meta.prefill_mask(index, window)
-                out[chunk.rows] = self._prefill(layer_cache, q, k, v, chunk, mask, scale, gqa)
+                out[chunk.rows] = self._prefill(layer_cache, q, k, v, chunk, mask, scale, gqa, softcap)
         return out
 
     @staticmethod
-    def _paged_rows(layer_cache, q, meta: AttentionMetadata, scale, window, out) -> int:
+    def _paged_rows(layer_cache, q, meta: AttentionMetadata, scale, window, softcap, out) -> int:
         """The paged rows through the C kernel, where it runs: how many rows it did (0: none)."""
         paged = meta.paged
         if paged is None or paged.num_rows == 0:
@@ -253,7 +256,7 @@ class TorchSDPABackend:
         if library is None:
             return 0
         rows = paged.num_rows
-        cpu_kernels.paged_attention(library, q[:rows], layer_cache, *paged.tensors, scale, window, out[:rows])
+        cpu_kernels.paged_attention(library, q[:rows], layer_cache, *paged.tensors, scale, window, out[:rows], softcap)
         return rows
 
     @staticmethod
@@ -278,17 +281,17 @@ class TorchSDPABackend:
         flat = rows.view(*block_ids.shape[:-1], block_ids.shape[-1] * block_size, num_kv_heads, head_dim)
         return flat.transpose(-3, -2)
 
-    def _decode(self, layer_cache, q, group, mask, scale, gqa):
+    def _decode(self, layer_cache, q, group, mask, scale, gqa, softcap):
         keys = self._gather(layer_cache[:, 0], group.block_tables)
         values = self._gather(layer_cache[:, 1], group.block_tables)
-        if q.device.type == "cpu" and q.dtype != torch.float32:
-            return decode_by_matmul(q, keys, values, mask, scale)
+        if (q.device.type == "cpu" and q.dtype != torch.float32) or softcap is not None:
+            return decode_by_matmul(q, keys, values, mask, scale, softcap)
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa
         )
         return out.squeeze(2)
 
-    def _prefill(self, layer_cache, q, k, v, chunk, mask, scale, gqa):
+    def _prefill(self, layer_cache, q, k, v, chunk, mask, scale, gqa, softcap):
         query = q[chunk.rows].transpose(0, 1).unsqueeze(0)
         if chunk.context_len == chunk.query_len:
             keys = k[chunk.rows].transpose(0, 1).unsqueeze(0)
@@ -296,17 +299,23 @@ class TorchSDPABackend:
         else:
             keys = self._gather(layer_cache[:, 0], chunk.block_ids)[:, : chunk.context_len].unsqueeze(0)
             values = self._gather(layer_cache[:, 1], chunk.block_ids)[:, : chunk.context_len].unsqueeze(0)
+        if softcap is not None:
+            return prefill_by_matmul(query[0], keys[0], values[0], mask, scale, softcap).transpose(0, 1)
         out = F.scaled_dot_product_attention(
             query, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
         )
         return out.squeeze(0).transpose(0, 1)
 
 
+def _soft_cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
 def decode_by_matmul(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     scale: float, softcap: float | None = None) -> torch.Tensor:
     """One query token per sequence: [B, Hq, D] queries over [B, Hkv, L, D] keys and values with an
     additive [B, 1, 1, L] mask. Query heads sharing a KV head are one matrix product, so keys are
-    never repeated; softmax runs in float32 (as HF's eager attention does).
+    never repeated; softmax runs in float32 (as HF's eager attention does), after the soft cap.
 
     On CPU in bfloat16, PyTorch's SDPA kernel is two to four times slower than this for one query
     token (`benchmarks/decode_attention.py --dtype bfloat16`); in float32 SDPA is the faster.
@@ -315,6 +324,23 @@ def decode_by_matmul(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     num_kv_heads = keys.shape[1]
     # scaled before the product, so that float16 dot products cannot overflow
     grouped = (q * scale).view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() + mask
+    scores = _soft_cap(torch.matmul(grouped, keys.transpose(-1, -2)).float(), softcap) + mask
     probs = torch.softmax(scores, dim=-1).to(values.dtype)
     return torch.matmul(probs, values).view(batch, num_heads, head_dim)
+
+
+def prefill_by_matmul(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+                      scale: float, softcap: float | None) -> torch.Tensor:
+    """One prefill chunk, [Hq, Q, D] queries over [Hkv, L, D] keys and values, `mask` [Q, L] boolean
+    (None: causal over the chunk itself), scores soft-capped before a float32 softmax; [Hq, Q, D].
+    Query heads sharing a KV head are one matrix product. Holds a [Hq, Q, L] score matrix: chunked
+    prefill bounds Q."""
+    num_heads, query_len, head_dim = query.shape
+    num_kv_heads, key_len = keys.shape[0], keys.shape[1]
+    if mask is None:
+        mask = torch.ones(query_len, key_len, dtype=torch.bool, device=query.device).tril(key_len - query_len)
+    grouped = (query * scale).reshape(num_kv_heads, -1, head_dim)  # [Hkv, group * Q, D]
+    scores = _soft_cap(torch.matmul(grouped, keys.transpose(-1, -2)).float(), softcap)
+    scores = scores.view(num_heads, query_len, key_len).masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(values.dtype).view(num_kv_heads, -1, key_len)
+    return torch.matmul(probs, values).view(num_heads, query_len, head_dim)

@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno", "-fno-trapping-math"]
+LIBS = ["-lm"]  # after the source: linkers that drop unneeded libraries look at what precedes them
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_GROUP, MAX_HEAD_DIM = 16, 256  # as in the source
 
@@ -34,7 +35,7 @@ _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 _float = ctypes.c_float
 SIGNATURES = {
     "ts_paged_attention": [_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _int, _ptr, _ptr, _ptr, _i64, _int, _int, _int,
-                        _float, _i64, _int, _ptr],
+                        _float, _i64, _float, _int, _ptr],
     "ts_rms_norm": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _float, _int],
     "ts_silu_mul": [_ptr, _i64, _ptr, _i64, _i64, _int],
     "ts_rotary": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _int, _int, _int],
@@ -54,7 +55,7 @@ def _cpu_tag() -> str:
 
 def _library_path(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_tag()]).encode())
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS + LIBS), version, _cpu_tag()]).encode())
     return cache_dir() / "kernels" / key.hexdigest()[:20] / "libtreeserve_cpu.so"
 
 
@@ -63,7 +64,7 @@ def _build(compiler: str, target: Path) -> None:
     fd, partial = tempfile.mkstemp(dir=target.parent, suffix=".so")
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", partial], capture_output=True, text=True,
+        done = subprocess.run([compiler, *FLAGS, str(SOURCE), *LIBS, "-o", partial], capture_output=True, text=True,
                               timeout=300)
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
@@ -113,11 +114,11 @@ def supports(dtype: torch.dtype, device: torch.device, num_heads: int, num_kv_he
 
 def paged_attention(library: ctypes.CDLL, q: torch.Tensor, layer_cache: torch.Tensor, block_ids: torch.Tensor,
                     block_starts: torch.Tensor, context_lens: torch.Tensor, scale: float, window: int | None,
-                    out: torch.Tensor) -> None:
+                    out: torch.Tensor, softcap: float | None = None) -> None:
     """One query token per row (a decode, or one prefill token with its causal length): q
     [rows, Hq, D] (heads contiguous) over `layer_cache` [num_blocks, 2, block_size, Hkv, D] into
     `out` (contiguous, like q). Row i's blocks are `block_ids[block_starts[i]:]` (int64), its keys
-    the first `context_lens[i]` (int64)."""
+    the first `context_lens[i]` (int64). `softcap`: scores become softcap * tanh(score / softcap)."""
     rows, num_heads, head_dim = q.shape
     strides = layer_cache.stride()
     if q.stride(2) != 1 or q.stride(1) != head_dim or strides[4] != 1 or not out.is_contiguous():
@@ -125,7 +126,7 @@ def paged_attention(library: ctypes.CDLL, q: torch.Tensor, layer_cache: torch.Te
     status = library.ts_paged_attention(
         q.data_ptr(), q.stride(0), layer_cache.data_ptr(), strides[0], strides[1], strides[2], strides[3],
         layer_cache.shape[2], block_ids.data_ptr(), block_starts.data_ptr(), context_lens.data_ptr(), rows,
-        num_heads, layer_cache.shape[3], head_dim, scale, window or 0, DTYPES[q.dtype], out.data_ptr())
+        num_heads, layer_cache.shape[3], head_dim, scale, window or 0, softcap or 0.0, DTYPES[q.dtype], out.data_ptr())
     if status == -2:
         raise MemoryError("paged_attention: no memory for the kernel's per-thread state")
     if status != 0:

@@ -1,9 +1,13 @@
-"""One decoder-only transformer covering Llama (2/3/3.1/3.2), Mistral, Qwen2 and Qwen3, and their
-mixture-of-experts kin (Mixtral, Qwen2-MoE, Qwen3-MoE: model/moe.py in place of the MLP).
+"""One decoder-only transformer covering Llama (2/3/3.1/3.2), Mistral, Qwen2 and Qwen3, Phi-3,
+Gemma (1/2/3), and the mixture-of-experts kin (Mixtral, Qwen2-MoE, Qwen3-MoE: model/moe.py in place
+of the MLP).
 
 The families differ only in switches read from `ModelConfig`: qkv/o/mlp biases, q/k RMSNorm
-(Qwen3), sliding windows (Mistral, some Qwen2), RoPE scaling, tied embeddings. A process reward
-model with a head of its own (model/heads.py) computes that head's outputs in place of logits.
+(Qwen3, Gemma 3), sliding windows (Mistral, some Qwen2, every other layer of Gemma 2, five of six
+of Gemma 3's, those with a RoPE of their own), RoPE scaling, tied embeddings, and Gemma's:
+GeGLU, (1 + w) norms, a scaled embedding, norms around attention's and the MLP's outputs
+("sandwich"), a query scale of its own, soft-capped attention scores and final logits. A process
+reward model with a head of its own (model/heads.py) computes that head's outputs in place of logits.
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ from treeserve.model.attention import AttentionMetadata, TorchSDPABackend
 from treeserve.errors import ParamError
 from treeserve.model.heads import make_head
 from treeserve.model.hf_config import ModelConfig
-from treeserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from treeserve.model.layers import GatedMLP, RotaryEmbedding, make_norm
 from treeserve.model.moe import SparseMoeBlock
 from treeserve.model.parallel import ShardPlan, TensorParallel, VocabParallelEmbedding
 
@@ -33,10 +37,12 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        def head_norm():
+            return make_norm(self.head_dim, config.rms_norm_eps, config.gemma_norms) if config.qk_norm else None
+        self.q_norm, self.k_norm = head_norm(), head_norm()
         self.window = window
-        self.scale = self.head_dim**-0.5
+        self.scale = config.attn_scale or self.head_dim**-0.5
+        self.softcap = config.attn_softcap
 
     def forward(self, x, positions, rotary, layer_cache, meta, backend):
         q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
@@ -46,20 +52,25 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
-        out = backend.forward(layer_cache, q, k, v, meta, self.scale, self.window)
+        out = backend.forward(layer_cache, q, k, v, meta, self.scale, self.window, self.softcap)
         return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, window: int | None, plan: ShardPlan, sparse: bool = False):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        def norm():
+            return make_norm(config.hidden_size, config.rms_norm_eps, config.gemma_norms)
+        self.input_layernorm = norm()
         self.self_attn = Attention(config, window, plan)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = norm()
+        if config.sandwich_norms:
+            self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
+        self.sandwich = config.sandwich_norms
         if sparse:
             self.mlp = SparseMoeBlock(config.moe, config.hidden_size, config.mlp_bias)
         else:
-            self.mlp = GatedMLP(config.hidden_size, plan.local_intermediate, config.mlp_bias)
+            self.mlp = GatedMLP(config.hidden_size, plan.local_intermediate, config.mlp_bias, config.hidden_act)
         self.tp = plan.tp
 
     def forward(self, x, residual, positions, rotary, layer_cache, meta, backend):
@@ -70,6 +81,9 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, positions, rotary, layer_cache, meta, backend)
+        if self.sandwich:  # Gemma 2/3: attention's output normalised before the add, the MLP's too
+            x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(x), residual)
+            return self.post_feedforward_layernorm(self.tp.all_reduce(self.mlp(x))), residual
         x, residual = self.post_attention_layernorm(x, residual)
         return self.tp.all_reduce(self.mlp(x)), residual
 
@@ -95,8 +109,10 @@ class DecoderForCausalLM(nn.Module):
                              "mixture-of-experts layers yet; run it with tensor_parallel_size=1")
         self.layers = nn.ModuleList(DecoderLayer(config, windows[i], self.plan, sparse[i])
                                     for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = make_norm(config.hidden_size, config.rms_norm_eps, config.gemma_norms)
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions)
+        self.local_rotary = RotaryEmbedding(config.local_rope, config.head_dim, max_positions) \
+            if config.local_rope else None
         vocab_rows = self.plan.vocab_shard if tp.enabled else config.vocab_size
         head = make_head(config)
         self.head_name = head[0] if head else None
@@ -110,8 +126,12 @@ class DecoderForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """Flat batch of T tokens -> final hidden states [T, hidden]."""
         x, residual = self.embed_tokens(input_ids), None
+        if self.config.embed_scale is not None:  # the scale rounded to the weights' dtype first, as HF does
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype).item()
         for layer, layer_cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, positions, self.rotary, layer_cache, meta, self.backend)
+            local = self.local_rotary is not None and layer.self_attn.window is not None
+            rotary = self.local_rotary if local else self.rotary
+            x, residual = layer(x, residual, positions, rotary, layer_cache, meta, self.backend)
         return self.norm(x, residual)[0] if residual is not None else self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -125,4 +145,7 @@ class DecoderForCausalLM(nn.Module):
             logits = self.lm_head(hidden)
         if self.tp.enabled:
             logits = self.tp.all_gather_last(logits)[..., :self.config.vocab_size]
+        if self.config.final_softcap is not None:
+            cap = self.config.final_softcap
+            return torch.tanh(logits.float() / cap) * cap
         return logits.float()

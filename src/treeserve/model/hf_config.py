@@ -20,6 +20,9 @@ CAUSAL_LM_ARCHITECTURES = (
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
     "Phi3ForCausalLM",
+    "GemmaForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
 )
 # Process reward models with a head of their own instead of the language-model head (model/heads.py):
 # Qwen2.5-Math-PRM's two-class head per token, and a value head (one logit per token, Skywork's PRMs).
@@ -31,6 +34,10 @@ SUPPORTED_ARCHITECTURES = CAUSAL_LM_ARCHITECTURES + tuple(REWARD_ARCHITECTURES)
 _QWEN2_BODY = ("Qwen2ForCausalLM", "Qwen2ForProcessRewardModel", "Qwen2ForPrmModel", "Qwen2MoeForCausalLM")
 _QWEN3_BODY = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 _MISTRAL_BODY = ("MistralForCausalLM", "MixtralForCausalLM")
+_GEMMA_BODY = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# Gemma 2 and 3 layers without `layer_types` in their config: every n-th layer global, the rest sliding
+_GEMMA_GLOBAL_EVERY = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6}
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass(frozen=True)
@@ -89,6 +96,25 @@ class ModelConfig:
     head: str = "lm"  # "lm" (next-token logits), "classify" (num_labels per token), "value" (one per token)
     num_labels: int = 2
     moe: MoEConfig | None = None
+    # Gemma: GeGLU, RMSNorm by (1 + weight) in float32, the embedding scaled by sqrt(hidden); Gemma 2
+    # and 3 normalise attention's and the MLP's outputs too ("sandwich"), Gemma 2 soft-caps scores
+    hidden_act: str = "silu"
+    gemma_norms: bool = False
+    sandwich_norms: bool = False
+    embed_scale: float | None = None
+    attn_scale: float | None = None          # the score scale (default head_dim ** -0.5)
+    attn_softcap: float | None = None        # scores become c * tanh(score / c)
+    final_softcap: float | None = None       # the same on the final logits
+    local_rope: RopeConfig | None = None     # Gemma 3: the sliding-window layers' RoPE
+
+    @property
+    def kv_window(self) -> int | None:
+        """Keys further back than this from the next query are read by no layer (the widest window,
+        where every layer has one); None where some layer attends to everything."""
+        windows = self.sliding_windows
+        if not windows or any(w is None for w in windows):
+            return None
+        return max(windows)
 
     @property
     def output_width(self) -> int:
@@ -111,8 +137,23 @@ def read_json(path: Path) -> dict[str, Any]:
 
 def _rope_config(raw: dict[str, Any], path: Path) -> RopeConfig:
     params = raw.get("rope_parameters") or {}
+    if "full_attention" in params:  # Gemma 3 as transformers 5 writes it: one RoPE per layer type
+        params = params["full_attention"]
     scaling = raw.get("rope_scaling") or {}
-    merged = {**scaling, **params}
+    return _rope_from({**scaling, **params}, raw, path)
+
+
+def _local_rope(raw: dict[str, Any], arch: str, path: Path) -> RopeConfig | None:
+    """Gemma 3's sliding-window layers: RoPE without scaling at `rope_local_base_freq` (10,000)."""
+    if arch != "Gemma3ForCausalLM":
+        return None
+    params = (raw.get("rope_parameters") or {}).get("sliding_attention")
+    if params is None:
+        params = {"rope_type": "default", "rope_theta": raw.get("rope_local_base_freq", 10000.0)}
+    return _rope_from(dict(params), raw, path)
+
+
+def _rope_from(merged: dict[str, Any], raw: dict[str, Any], path: Path) -> RopeConfig:
     theta = merged.get("rope_theta", raw.get("rope_theta", 10000.0))
     rope_type = merged.get("rope_type", merged.get("type", "default"))
     rope_type = _ROPE_TYPE_ALIASES.get(rope_type, rope_type)
@@ -153,6 +194,9 @@ def _sliding_windows(raw: dict[str, Any], arch: str, num_layers: int) -> tuple[i
     layer_types = raw.get("layer_types")
     if layer_types:
         return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    if arch in _GEMMA_GLOBAL_EVERY and window:
+        every = int(raw.get("sliding_window_pattern", _GEMMA_GLOBAL_EVERY[arch]))
+        return tuple(window if (i + 1) % every else None for i in range(num_layers))
     if arch in _MISTRAL_BODY or (arch == "Phi3ForCausalLM" and window):
         return (window,) * num_layers
     if arch in (*_QWEN2_BODY, *_QWEN3_BODY) and raw.get("use_sliding_window"):
@@ -178,6 +222,31 @@ def _moe_config(raw: dict[str, Any], arch: str, num_layers: int) -> MoEConfig | 
                      bool(raw.get("norm_topk_prob", False)), False, shared, sparse)
 
 
+def _gemma_fields(raw: dict[str, Any], arch: str, hidden: int, path: Path) -> dict[str, Any]:
+    if arch not in _GEMMA_BODY:
+        return {}
+    if raw.get("use_bidirectional_attention"):
+        raise ValueError(f"{path}: use_bidirectional_attention (an embedding model) is not supported")
+    later = arch != "GemmaForCausalLM"
+    scalar = raw.get("query_pre_attn_scalar")
+    return dict(gemma_norms=True, sandwich_norms=later, embed_scale=hidden ** 0.5,
+                attn_scale=float(scalar) ** -0.5 if later and scalar else None,
+                attn_softcap=raw.get("attn_logit_softcapping") if later else None,
+                final_softcap=raw.get("final_logit_softcapping") if later else None,
+                local_rope=_local_rope(raw, arch, path))
+
+
+def _activation(raw: dict[str, Any], arch: str, path: Path) -> str:
+    """The MLP's gate activation: Gemma 2/3 name it hidden_activation; Gemma's legacy "gelu" means
+    the tanh approximation (as transformers reads it)."""
+    act = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
+    if arch in _GEMMA_BODY and act == "gelu":
+        act = "gelu_pytorch_tanh"
+    if act not in SUPPORTED_ACTIVATIONS:
+        raise ValueError(f"{path}: activation {act!r} is not supported; supported: {', '.join(SUPPORTED_ACTIVATIONS)}")
+    return act
+
+
 def _eos_ids(value: Any) -> tuple[int, ...]:
     if value is None:
         return ()
@@ -200,6 +269,7 @@ def _architecture(raw: dict[str, Any], path: Path) -> str:
 
 def parse_model_config(raw: dict[str, Any], path: Path = Path("config.json")) -> ModelConfig:
     arch = _architecture(raw, path)
+    activation = _activation(raw, arch, path)
     try:
         hidden = int(raw["hidden_size"])
         num_heads = int(raw["num_attention_heads"])
@@ -220,7 +290,7 @@ def parse_model_config(raw: dict[str, Any], path: Path = Path("config.json")) ->
             qkv_bias=arch in _QWEN2_BODY or bool(raw.get("attention_bias", False)),
             o_bias=arch not in _QWEN2_BODY and bool(raw.get("attention_bias", False)),
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            qk_norm=arch in _QWEN3_BODY,
+            qk_norm=arch in _QWEN3_BODY or arch == "Gemma3ForCausalLM",
             sliding_windows=_sliding_windows(raw, arch, num_layers),
             torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
             bos_token_id=raw.get("bos_token_id"),
@@ -228,14 +298,13 @@ def parse_model_config(raw: dict[str, Any], path: Path = Path("config.json")) ->
             head=REWARD_ARCHITECTURES.get(arch, "lm"),
             num_labels=len(raw["id2label"]) if raw.get("id2label") else int(raw.get("num_labels", 2)),
             moe=_moe_config(raw, arch, num_layers),
+            hidden_act=activation,
+            **_gemma_fields(raw, arch, hidden, path),
         )
     except KeyError as exc:
         raise ValueError(f"{path}: missing required field {exc.args[0]!r}") from exc
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{path}: malformed field ({exc})") from exc
-    if hidden_act := raw.get("hidden_act"):
-        if hidden_act != "silu":
-            raise ValueError(f"{path}: hidden_act {hidden_act!r} is not supported (only 'silu')")
     if config.num_heads % config.num_kv_heads:
         raise ValueError(f"{path}: num_attention_heads must be a multiple of num_key_value_heads")
     return config

@@ -1,4 +1,5 @@
-"""Building blocks shared by every supported family: RMSNorm, rotary embeddings, gated MLP."""
+"""Building blocks shared by every supported family: RMSNorm (and Gemma's), rotary embeddings, gated
+MLP (SwiGLU, or GeGLU for Gemma)."""
 from __future__ import annotations
 
 import functools
@@ -27,9 +28,9 @@ class RMSNorm(nn.Module):
         weight_grad = torch.is_grad_enabled() and self.weight.requires_grad  # the kernel has no backward
         if not weight_grad and self.weight.dtype == x.dtype and x.stride(-1) == 1:
             if library is not None:
-                return self._fused(functools.partial(cpu_kernels.rms_norm, library), x, residual)
+                return self._fused(functools.partial(cpu_kernels.rms_norm, library), x, residual, self.weight)
             if (ops := fused_ops_for(x)) is not None:
-                return self._fused(ops.rms_norm, x, residual)
+                return self._fused(ops.rms_norm, x, residual, self.weight)
         if residual is not None:
             residual = x + residual
             return self._norm(residual), residual
@@ -41,15 +42,44 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
-    def _fused(self, rms_norm, x: torch.Tensor, residual: torch.Tensor | None):
+    def _fused(self, rms_norm, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor):
         """One fused pass (`rms_norm(rows, weight, eps[, residual])`: the C kernel or the Triton op);
         with `residual`, x + residual is left in it."""
         rows = x.reshape(-1, x.shape[-1])
         if residual is None:
-            return rms_norm(rows, self.weight, self.eps).view(x.shape)
+            return rms_norm(rows, weight, self.eps).view(x.shape)
         residual = residual.contiguous()
-        out = rms_norm(rows, self.weight, self.eps, residual.view(-1, x.shape[-1]))
+        out = rms_norm(rows, weight, self.eps, residual.view(-1, x.shape[-1]))
         return out.view(x.shape), residual
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the checkpoint's weight w scales by (1 + w), and in float32 before the one
+    rounding to the input's dtype (Llama's rounds, then scales). In float32 it is RMSNorm with
+    1 + w, fused kernels included."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__(size, eps)
+        nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            residual = x + residual
+            return self.forward(residual), residual
+        unit = 1.0 + self.weight.float()
+        library = cpu_kernels.library_for(x)
+        if x.dtype == torch.float32 and x.stride(-1) == 1 and not torch.is_grad_enabled():
+            if library is not None:
+                return self._fused(functools.partial(cpu_kernels.rms_norm, library), x, None, unit)
+            if (ops := fused_ops_for(x)) is not None:
+                return self._fused(ops.rms_norm, x, None, unit)
+        dtype = x.dtype
+        x = x.float()
+        return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * unit).to(dtype)
+
+
+def make_norm(size: int, eps: float, gemma: bool) -> RMSNorm:
+    return GemmaRMSNorm(size, eps) if gemma else RMSNorm(size, eps)
 
 
 def rope_inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -137,16 +167,21 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU MLP with the gate and up projections fused into one matmul."""
+    """SwiGLU MLP (GeGLU with `act="gelu_pytorch_tanh"`) with the gate and up projections fused into
+    one matmul."""
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool):
+    def __init__(self, hidden: int, intermediate: int, bias: bool, act: str = "silu"):
         super().__init__()
         self.intermediate = intermediate
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if self.act != "silu":
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         library = cpu_kernels.library_for(gate_up)
         if library is not None and gate_up.dim() == 2 and gate_up.stride(1) == 1:
             return self.down_proj(cpu_kernels.silu_mul(library, gate_up))

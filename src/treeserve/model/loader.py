@@ -201,6 +201,8 @@ def build_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device
     model = model.to_empty(device=device).to(dtype)
     # RoPE tables stay in float32 (as in transformers); they were only placeholders on "meta".
     model.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions).to(device)
+    if config.local_rope is not None:
+        model.local_rotary = RotaryEmbedding(config.local_rope, config.head_dim, max_positions).to(device)
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     else:
@@ -211,13 +213,14 @@ def build_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device
 
 @torch.no_grad()
 def init_dummy_weights(model: DecoderForCausalLM, seed: int, std: float = 0.02) -> None:
-    """Norm weights 1, biases 0, every other weight normal(0, std) (transformers' initialiser)."""
+    """Norm weights 1 (Gemma's, which scale by 1 + w: 0), biases 0, every other weight normal(0, std)
+    (transformers' initialiser)."""
     generator = None
     for name, param in model.named_parameters():
         if generator is None:
             generator = torch.Generator(device=param.device).manual_seed(seed)
         if name.endswith("norm.weight"):
-            param.fill_(1.0)
+            param.fill_(0.0 if model.config.gemma_norms else 1.0)
         elif name.endswith("bias"):
             param.zero_()
         else:

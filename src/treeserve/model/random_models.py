@@ -66,6 +66,8 @@ def train_tokenizer(vocab_size: int = 512, seed: int = 0, corpus=None):
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3")
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")  # 4 experts, top 2; tested apart (tests/test_moe.py)
 PHI3_ORIGINAL_POSITIONS = 48  # the tiny Phi-3's LongRoPE switches to its long factors past this length
+GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3")  # tests/test_gemma.py
+GEMMA_WINDOW = 16  # the tiny Gemma 2 and 3's sliding window: one KV block of 16 tokens
 
 
 def _config(family: str, vocab_size: int, special: dict[str, int], **overrides):
@@ -95,6 +97,8 @@ def _config(family: str, vocab_size: int, special: dict[str, int], **overrides):
         cls = transformers.Phi3Config
         extra = dict(rope_parameters=rope, original_max_position_embeddings=PHI3_ORIGINAL_POSITIONS,
                      tie_word_embeddings=False, sliding_window=None)
+    elif family in GEMMA_FAMILIES:
+        cls, extra = _gemma_config(family)
     elif family == "mixtral":
         cls, extra = transformers.MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
                                                       tie_word_embeddings=False)
@@ -107,9 +111,39 @@ def _config(family: str, vocab_size: int, special: dict[str, int], **overrides):
         extra = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True, head_dim=24,
                      tie_word_embeddings=False)
     else:
-        known = ", ".join(FAMILIES + MOE_FAMILIES + ("phi3",))
+        known = ", ".join(FAMILIES + MOE_FAMILIES + GEMMA_FAMILIES + ("phi3",))
         raise ParamError("family", f"unknown tiny-model family {family!r}; known: {known}")
     return cls(**{**common, **extra, **overrides})
+
+
+def _gemma_config(family: str):
+    """Gemma with head size 16 and a query scale of its own; Gemma 2 with caps small enough to bite
+    on random weights (every other layer sliding); Gemma 3 with q/k norms, a linear-scaled global
+    RoPE and a local one on its sliding layer."""
+    import transformers
+
+    common = dict(head_dim=16, hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)
+    if family == "gemma":
+        return transformers.GemmaConfig, dict(common, hidden_act="gelu_pytorch_tanh")
+    if family == "gemma2":
+        return transformers.Gemma2Config, dict(common, query_pre_attn_scalar=24, sliding_window=GEMMA_WINDOW,
+                                               attn_logit_softcapping=4.0, final_logit_softcapping=6.0)
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}}
+    return transformers.Gemma3TextConfig, dict(common, query_pre_attn_scalar=24, sliding_window=GEMMA_WINDOW,
+                                               layer_types=["sliding_attention", "full_attention"],
+                                               rope_parameters=rope)
+
+
+def _perturb_norms(model, seed: int) -> None:
+    """Gemma's norms start at w = 0 (scale 1 + w = 1): random w, so that the 1 + w is tested."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
 
 
 def make_tiny_model(family: str, path: str | Path, seed: int = 0, tokenizer_vocab_size: int = 512,
@@ -133,6 +167,8 @@ def make_tiny_model(family: str, path: str | Path, seed: int = 0, tokenizer_voca
     config = _config(family, vocab_size, special, **overrides)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if family in GEMMA_FAMILIES:
+        _perturb_norms(model, seed)
     if favour_tokens:
         _favour(model, [_single_id(tokenizer, t) for t in favour_tokens], list(favour_tokens.values()))
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}

@@ -103,15 +103,15 @@ class TritonBackend:
         return self._kernels.split_kv_buffers(num_seqs, self.num_heads, self.head_dim, splits, device)
 
     def forward(self, layer_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: TritonMetadata, scale: float, window: int | None) -> torch.Tensor:
+                meta: TritonMetadata, scale: float, window: int | None, softcap: float | None = None) -> torch.Tensor:
         k_cache, v_cache = layer_cache[:, 0], layer_cache[:, 1]
         self._write.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         if meta.split_buffers is not None:
             self._kernels.split_kv_decode(q, k_cache, v_cache, out, meta.seq_lens, meta.block_tables, scale, window,
-                                          meta.split_buffers)
+                                          meta.split_buffers, softcap)
         else:
             self._kernels.unified_attention(q, k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens,
-                                            meta.block_tables, scale, window)
+                                            meta.block_tables, scale, window, softcap=softcap)
         return out
 

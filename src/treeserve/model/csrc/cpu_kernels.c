@@ -6,6 +6,7 @@
  *
  * Element types: 0 = float32, 1 = bfloat16 (stored as uint16). Every kernel computes in float32.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -145,9 +146,10 @@ static inline __attribute__((always_inline)) void load_tile_scalar(struct tile_s
     }
 }
 
-/* Fold the tile's first `count` keys/values into the group's state. */
+/* Fold the tile's first `count` keys/values into the group's state; with softcap > 0 each score s
+ * becomes softcap * tanh(s / softcap) first (Gemma 2's soft-capped attention). */
 static inline __attribute__((always_inline)) void attend_tile_scalar(struct group_state *st,
-        const struct tile_scalar *tile, int count, int group, int head_dim)
+        const struct tile_scalar *tile, int count, int group, int head_dim, float softcap)
 {
     const float *k = tile->k, *v = tile->v;
     float scores[MAX_GROUP * TILE];
@@ -159,7 +161,7 @@ static inline __attribute__((always_inline)) void attend_tile_scalar(struct grou
 #pragma omp simd reduction(+ : s)
             for (int d = 0; d < head_dim; d++)
                 s += q[d] * kt[d];
-            scores[g * TILE + t] = s;
+            scores[g * TILE + t] = softcap > 0.0f ? softcap * tanhf(s / softcap) : s;
         }
     }
     for (int g = 0; g < group; g++) {
@@ -292,10 +294,10 @@ static inline __attribute__((always_inline)) void attend_tile_avx512(struct grou
  * row's causal end may cut the tile short; a row that sees none of it is skipped). */
 static inline __attribute__((always_inline)) void attend_tile(struct group_state *const *states, int nrows,
         const int *counts, const char *const *rows, int64_t head_offset, const struct paged_cache *c, int count,
-        int group, int head_dim)
+        int group, int head_dim, float softcap)
 {
 #if defined(__AVX512F__)
-    if (head_dim % 16 == 0 && TILE == 16) {
+    if (head_dim % 16 == 0 && TILE == 16 && softcap <= 0.0f) {
         struct tile_avx512 tile;
         load_tile_avx512(&tile, rows, head_offset, c, count, head_dim);
         for (int r = 0; r < nrows; r++)
@@ -308,7 +310,7 @@ static inline __attribute__((always_inline)) void attend_tile(struct group_state
     load_tile_scalar(&tile, rows, head_offset, c, count, head_dim);
     for (int r = 0; r < nrows; r++)
         if (counts[r] > 0)
-            attend_tile_scalar(states[r], &tile, counts[r], group, head_dim);
+            attend_tile_scalar(states[r], &tile, counts[r], group, head_dim, softcap);
 }
 
 /* A walk over a paged sequence's tokens in order: the block table entry and the offset in it,
@@ -352,7 +354,7 @@ static inline void prefetch_row(const char *key, int64_t kv_stride, int64_t byte
  * state for head h is states[r * heads + h]. */
 static inline __attribute__((always_inline)) void attend_range(struct group_state *states, int nrows,
         const int64_t *ends, const struct paged_cache *c, const int64_t *table, int64_t start, int first_head,
-        int heads, int group, int head_dim)
+        int heads, int group, int head_dim, float softcap)
 {
     for (int s = 0; s < nrows * heads; s++)
         for (int g = 0; g < group; g++) {
@@ -386,7 +388,7 @@ static inline __attribute__((always_inline)) void attend_range(struct group_stat
             struct group_state *unit[QUERY_BLOCK];
             for (int r = 0; r < nrows; r++)
                 unit[r] = states + r * heads + h;
-            attend_tile(unit, nrows, counts, rows, h * c->head_stride, c, count, group, head_dim);
+            attend_tile(unit, nrows, counts, rows, h * c->head_stride, c, count, group, head_dim, softcap);
         }
         pos += count;
     }
@@ -394,12 +396,13 @@ static inline __attribute__((always_inline)) void attend_range(struct group_stat
 
 /* attend_range with the head size known to the compiler for the common sizes (whole-vector loops). */
 static void attend_range_any(struct group_state *states, int nrows, const int64_t *ends, const struct paged_cache *c,
-                             const int64_t *table, int64_t start, int first_head, int heads, int group, int head_dim)
+                             const int64_t *table, int64_t start, int first_head, int heads, int group, int head_dim,
+                             float softcap)
 {
     switch (head_dim) {
-    case 64: attend_range(states, nrows, ends, c, table, start, first_head, heads, group, 64); break;
-    case 128: attend_range(states, nrows, ends, c, table, start, first_head, heads, group, 128); break;
-    default: attend_range(states, nrows, ends, c, table, start, first_head, heads, group, head_dim);
+    case 64: attend_range(states, nrows, ends, c, table, start, first_head, heads, group, 64, softcap); break;
+    case 128: attend_range(states, nrows, ends, c, table, start, first_head, heads, group, 128, softcap); break;
+    default: attend_range(states, nrows, ends, c, table, start, first_head, heads, group, head_dim, softcap);
     }
 }
 
@@ -424,6 +427,7 @@ static int64_t query_units(const int64_t *block_starts, const int64_t *context_l
 /* Attention straight from the paged cache (no gather): query row i (one token: a decode, or one
  * token of a prefill chunk with its causal length) attends
  * to the first context_lens[i] tokens of its sequence (the last `window` of them if window > 0),
+ * its scores soft-capped (softcap * tanh(score / softcap)) if softcap > 0,
  * whose block ids are block_ids[block_starts[i] ...]. q: rows of num_heads * head_dim elements,
  * `q_row_stride` elements apart (heads contiguous); out: [rows, num_heads, head_dim] contiguous.
  * Units of rows (query_units) are shared out last first (the runner sorts decode rows by length,
@@ -434,7 +438,7 @@ int ts_paged_attention(const void *q, int64_t q_row_stride, const void *cache, i
                     int64_t kv_stride, int64_t token_stride, int64_t head_stride, int block_size,
                     const int64_t *block_ids, const int64_t *block_starts, const int64_t *context_lens,
                     int64_t rows, int num_heads, int num_kv_heads, int head_dim, float scale,
-                    int64_t window, int dtype, void *out)
+                    int64_t window, float softcap, int dtype, void *out)
 {
     int group = num_heads / num_kv_heads;
     if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM || group * num_kv_heads != num_heads)
@@ -474,7 +478,7 @@ int ts_paged_attention(const void *q, int64_t q_row_stride, const void *cache, i
             const int64_t *ends = context_lens + first_row;
             int64_t start = window > 0 && ends[0] > window ? ends[0] - window : 0;
             attend_range_any(states, nrows, ends, &c, block_ids + block_starts[first_row], start, first_head, heads,
-                             group, head_dim);
+                             group, head_dim, softcap);
             for (int r = 0; r < nrows; r++) {
                 char *out_row = (char *)out + ((first_row + r) * num_heads + first_q) * head_dim * elem;
                 for (int h = 0; h < heads; h++)

@@ -7,7 +7,8 @@ tokens, whose keys and values sit in the paged cache at the blocks `block_tables
 and all the query heads of one KV group, so each tile of keys and values is loaded once for the
 group (GQA). A program finds its sequence by a binary search over the query start offsets. A query
 at absolute position p sees keys k with k <= p (and k > p - window with a sliding window), which
-covers chunked prefill over a cached prefix. KV tiles of `TILE_N` keys are independent of the
+covers chunked prefill over a cached prefix. With a soft cap c (Gemma 2), a score s becomes
+c * tanh(s / c) before the softmax. KV tiles of `TILE_N` keys are independent of the
 cache's block size: each key's block id is read from the table. Head sizes that are not powers of
 two (80, 96) are padded to one inside the kernel and masked.
 
@@ -43,10 +44,16 @@ def _find_sequence(query_start_loc_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr
 
 
 @triton.jit
+def _soft_cap(s, cap):
+    """cap * tanh(s / cap), tanh written with exp (1 - 2 / (e^2x + 1): exact at both ends)."""
+    return cap * (1.0 - 2.0 / (tl.exp(2.0 * s / cap) + 1.0))
+
+
+@triton.jit
 def _attend_tiles(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_ptr, key_lo, key_hi, query_abs,
-                  scale, window, kv_head, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                  scale, window, softcap, kv_head, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                   offs_d, dim_ok, CACHE_BLOCK: tl.constexpr, TILE: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                  IEEE: tl.constexpr):
+                  SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
     """Online softmax over keys [key_lo, key_hi) of one sequence, for rows at `query_abs`."""
     for tile_start in range(key_lo, key_hi, TILE):
         keys = tile_start + tl.arange(0, TILE)
@@ -63,6 +70,8 @@ def _attend_tiles(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_ptr, key_lo,
             s = tl.dot(q, k, input_precision="ieee") * scale
         else:
             s = tl.dot(q, k) * scale
+        if SOFTCAP:
+            s = _soft_cap(s, softcap)
         visible = key_ok[None, :] & (keys[None, :] <= query_abs[:, None])
         if HAS_WINDOW:
             visible = visible & (keys[None, :] > query_abs[:, None] - window)
@@ -83,12 +92,12 @@ def _attend_tiles(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_ptr, key_lo,
 @triton.jit
 def _unified_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    scale, window, num_seqs,
+    scale, window, softcap, num_seqs,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
     QUERIES_PER_KV: tl.constexpr, CACHE_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    IEEE: tl.constexpr,
+    SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -116,9 +125,9 @@ def _unified_attention_kernel(
             key_lo = tl.maximum(context_len + local_block * BLOCK_Q - window + 1, 0)
         acc, m_i, l_i = _attend_tiles(
             acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt,
-            key_lo, key_hi, context_len + query_pos, scale, window, kv_head,
+            key_lo, key_hi, context_len + query_pos, scale, window, softcap, kv_head,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, offs_d, dim_ok,
-            CACHE_BLOCK, TILE, HAS_WINDOW, IEEE)
+            CACHE_BLOCK, TILE, HAS_WINDOW, SOFTCAP, IEEE)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
@@ -127,11 +136,11 @@ def _unified_attention_kernel(
 @triton.jit
 def _split_kv_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, block_tables_ptr, seq_lens_ptr,
-    scale, window,
+    scale, window, softcap,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
     NUM_HEADS: tl.constexpr, QUERIES_PER_KV: tl.constexpr, NUM_SPLITS: tl.constexpr, CACHE_BLOCK: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -156,9 +165,9 @@ def _split_kv_decode_kernel(
     query_abs = tl.zeros([BLOCK_M], dtype=tl.int32) + seq_len - 1
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt,
-        key_lo, key_hi, query_abs, scale, window, kv_head,
+        key_lo, key_hi, query_abs, scale, window, softcap, kv_head,
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, offs_d, dim_ok,
-        CACHE_BLOCK, TILE, HAS_WINDOW, IEEE)
+        CACHE_BLOCK, TILE, HAS_WINDOW, SOFTCAP, IEEE)
     # partial buffers: [num_seqs, NUM_HEADS, NUM_SPLITS(, HEAD_DIM_P)], contiguous
     row = (seq * NUM_HEADS + head).to(tl.int64) * NUM_SPLITS + split
     tl.store(part_max_ptr + row, m_i, mask=row_ok)
@@ -200,7 +209,8 @@ def _cache_strides(cache: torch.Tensor) -> tuple[int, int, int]:
 
 def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                      scale: float, window: int | None, num_tokens: int | None = None) -> None:
+                      scale: float, window: int | None, num_tokens: int | None = None,
+                      softcap: float | None = None) -> None:
     """Attention for every query row of the flat batch, written into `out` ([T, Hq, D] like q).
 
     `num_tokens` bounds the grid (defaults to q's rows); a CUDA graph passes its padded batch size."""
@@ -214,12 +224,12 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _unified_attention_kernel[grid](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
-        scale, window or 0, num_seqs,
+        scale, window or 0, softcap or 0.0, num_seqs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *_cache_strides(k_cache), *_cache_strides(v_cache), block_tables.stride(0),
         QUERIES_PER_KV=per_kv, CACHE_BLOCK=k_cache.shape[1], HEAD_DIM=head_dim,
         HEAD_DIM_P=_head_dim_padded(head_dim), BLOCK_Q=block_q, BLOCK_M=block_m, TILE=TILE_N,
-        HAS_WINDOW=window is not None, IEEE=q.dtype == torch.float32,
+        HAS_WINDOW=window is not None, SOFTCAP=softcap is not None, IEEE=q.dtype == torch.float32,
     )
 
 
@@ -240,7 +250,7 @@ def split_kv_buffers(num_seqs: int, num_heads: int, head_dim: int, num_splits: i
 
 def split_kv_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, window: int | None,
-                    buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+                    buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor], softcap: float | None = None) -> None:
     """One query token per sequence (row i is sequence i), keys split into the buffers' number of
     ranges (a power of two) and merged."""
     part_acc, part_max, part_sum = buffers
@@ -251,12 +261,12 @@ def split_kv_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     padded = _head_dim_padded(head_dim)
     _split_kv_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, part_acc, part_max, part_sum, block_tables, seq_lens,
-        scale, window or 0,
+        scale, window or 0, softcap or 0.0,
         q.stride(0), q.stride(1), *_cache_strides(k_cache), *_cache_strides(v_cache), block_tables.stride(0),
         NUM_HEADS=num_heads, QUERIES_PER_KV=per_kv, NUM_SPLITS=num_splits, CACHE_BLOCK=k_cache.shape[1],
         HEAD_DIM=head_dim, HEAD_DIM_P=padded, BLOCK_M=max(BLOCK_M, triton.next_power_of_2(per_kv)),
         TILE=_decode_tile(q, padded),
-        HAS_WINDOW=window is not None, IEEE=q.dtype == torch.float32,
+        HAS_WINDOW=window is not None, SOFTCAP=softcap is not None, IEEE=q.dtype == torch.float32,
     )
     _merge_splits_kernel[(num_seqs, num_heads)](
         part_acc, part_max, part_sum, out, out.stride(0), out.stride(1),
