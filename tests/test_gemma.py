@@ -9,8 +9,8 @@ import torch
 
 from conftest import assert_no_leak
 import test_hf_parity
-from test_hf_parity import (PROMPTS, _hf_greedy, _hf_logits, _hf_model, _relative_error,  # noqa: F401
-                            test_prompt_logits_match_hf)
+from test_hf_parity import PROMPTS, _hf_logits, _hf_model, _relative_error
+from test_hf_parity import test_prompt_logits_match_hf  # noqa: F401 (run here on these families)
 from treeserve import LLM, SamplingParams
 from treeserve.model.hf_config import parse_model_config
 from treeserve.testing.tiny_models import GEMMA_FAMILIES, GEMMA_WINDOW, make_tiny_model
@@ -50,23 +50,7 @@ def test_the_tiny_models_exercise_what_gemma_adds(family_setup):
 
 def test_64_tokens_with_chunked_prefill_and_a_prefix_hit(gemma_dirs):
     for family, path in gemma_dirs.items():
-        hf = _hf_model(path, "cpu")
-        llm = LLM(str(path), dtype="float32", device="cpu", kv_cache_memory_bytes=8 << 20, max_num_batched_tokens=16,
-                  enable_prefix_caching=True)
-        params = SamplingParams(temperature=0.0, max_tokens=64, min_tokens=64, logprobs=1)
-        prompts = [PROMPTS[2], PROMPTS[7]]  # both longer than the window and than one 16-token chunk
-        first = llm.generate(prompts, params, use_tqdm=False)
-        again = llm.generate(prompts, params, use_tqdm=False)
-        for a, b in zip(first, again):
-            assert b.num_cached_tokens > 0 and a.outputs[0].token_ids == b.outputs[0].token_ids
-            ids = a.prompt_token_ids
-            assert len(ids) > GEMMA_WINDOW
-            tokens = a.outputs[0].token_ids
-            assert tokens == _hf_greedy(hf, ids, 64), family
-            ref = torch.log_softmax(_hf_logits(hf, ids + tokens), dim=-1)
-            for step, (token, entry) in enumerate(zip(tokens, a.outputs[0].logprobs)):
-                assert abs(entry[token].logprob - float(ref[len(ids) - 1 + step][token])) < 1e-4, family
-        assert_no_leak(llm.engine)
+        test_hf_parity.check_64_tokens_with_chunked_prefill_and_a_prefix_hit(path, family, GEMMA_WINDOW)
 
 
 def test_published_config_layouts_are_read_as_transformers_reads_them():

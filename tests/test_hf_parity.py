@@ -76,6 +76,28 @@ def _hf_greedy(hf, ids, max_new_tokens):
     return out[0, len(ids):].tolist()
 
 
+def check_64_tokens_with_chunked_prefill_and_a_prefix_hit(path, family: str, min_prompt: int = 16) -> None:
+    """64 greedy tokens of two prompts longer than `min_prompt` tokens (and than one 16-token chunk),
+    twice (the second run hits the prefix cache): HF's tokens, logprobs within 1e-4, no leak."""
+    hf = _hf_model(path, "cpu")
+    llm = LLM(str(path), dtype="float32", device="cpu", kv_cache_memory_bytes=8 << 20, max_num_batched_tokens=16,
+              enable_prefix_caching=True)
+    params = SamplingParams(temperature=0.0, max_tokens=64, min_tokens=64, logprobs=1)
+    prompts = [PROMPTS[2], PROMPTS[7]]
+    first = llm.generate(prompts, params, use_tqdm=False)
+    again = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(first, again):
+        assert b.num_cached_tokens > 0 and a.outputs[0].token_ids == b.outputs[0].token_ids
+        ids = a.prompt_token_ids
+        assert len(ids) > max(min_prompt, 16)
+        tokens = a.outputs[0].token_ids
+        assert tokens == _hf_greedy(hf, ids, 64), family
+        ref = torch.log_softmax(_hf_logits(hf, ids + tokens), dim=-1)
+        for step, (token, entry) in enumerate(zip(tokens, a.outputs[0].logprobs)):
+            assert abs(entry[token].logprob - float(ref[len(ids) - 1 + step][token])) < 1e-4, family
+    assert_no_leak(llm.engine)
+
+
 def test_greedy_batch_matches_hf_generate(family_setup):
     family, llm, hf = family_setup
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, logprobs=3)

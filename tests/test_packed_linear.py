@@ -1,11 +1,14 @@
-"""oneDNN-packed linear layers (bfloat16 on a CPU with fast bf16): exact, and used by the engine."""
+"""bfloat16 linears on CPU: oneDNN-packed where the CPU has fast bf16 (exact, and used by the
+engine), float32 products where it has none (the same products in another summation order; the
+engine's logits within bf16 rounding of plain bf16 matmuls, MoE experts included)."""
 import pytest
 import torch
 from torch import nn
 
 from treeserve import LLM, SamplingParams
 from treeserve.model import packed_linear
-from treeserve.model.packed_linear import PackedLinear, can_pack, pack_linears
+from treeserve.config import cpu_has_fast_bf16
+from treeserve.model.packed_linear import Float32Linear, PackedLinear, can_pack, pack_linears
 
 CPU = torch.device("cpu")
 needs_packing = pytest.mark.skipif(not can_pack(torch.bfloat16, CPU),
@@ -46,6 +49,42 @@ def test_nothing_is_packed_where_it_would_not_be_exact(llama_dir):
     assert pack_linears(nn.Sequential(nn.Linear(4, 4, bias=False)), torch.float32, CPU) == 0
     assert not can_pack(torch.float16, CPU)
     with_bias = nn.Sequential(nn.Linear(4, 4, bias=True)).to(torch.bfloat16)
-    assert pack_linears(with_bias, torch.bfloat16, CPU) == 0  # F.linear adds a bias in another order
+    if cpu_has_fast_bf16():
+        assert pack_linears(with_bias, torch.bfloat16, CPU) == 0  # F.linear adds a bias in another order
     with pytest.raises(ValueError, match="without bias"):
         PackedLinear(with_bias[0])
+
+
+@pytest.mark.parametrize("rows", [1, 16, 64])
+def test_float32_linear_is_the_float32_product_rounded_once(rows):
+    torch.manual_seed(rows)
+    linear = nn.Linear(96, 160, bias=True).to(torch.bfloat16)
+    x = torch.randn(rows, 96, dtype=torch.bfloat16)
+    expected = nn.functional.linear(x.float(), linear.weight.float(), linear.bias.float()).to(torch.bfloat16)
+    linear.__class__ = Float32Linear
+    assert torch.equal(linear(x), expected)
+    assert linear(x).dtype == torch.bfloat16
+
+
+@pytest.mark.skipif(cpu_has_fast_bf16(), reason="this CPU has bf16 units: its bf16 linears are packed, not upcast")
+def test_bfloat16_engine_without_bf16_units_computes_in_float32(tmp_path, monkeypatch):
+    from treeserve.model import moe
+    from treeserve.testing.tiny_models import make_tiny_model
+    path = make_tiny_model("mixtral", tmp_path / "mixtral", seed=2)
+    prompt = list(range(20, 60))
+
+    def logits():
+        llm = LLM(str(path), dtype="bfloat16", device="cpu", kv_cache_memory_bytes=4 << 20)
+        llm.engine.add_request("r", prompt, SamplingParams(), logits_positions=list(range(len(prompt))))
+        out = {}
+        while llm.engine.has_unfinished_requests():
+            out.update({o.request_id: o for o in llm.engine.step() if o.finished})
+        return llm, torch.stack([out["r"].prompt_logits[p] for p in range(len(prompt))])
+    upcast, ours = logits()
+    linears = [m for m in upcast.engine.model.modules() if isinstance(m, nn.Linear)]
+    assert linears and all(type(m) is Float32Linear for m in linears)
+    monkeypatch.setattr(packed_linear, "_compute_in_float32", lambda model: 0)
+    monkeypatch.setattr(moe, "computes_in_float32", lambda x: False)
+    plain, reference = logits()
+    assert not any(type(m) is Float32Linear for m in plain.engine.model.modules())
+    assert float((ours - reference).abs().max() / reference.abs().max()) < 3e-2  # bf16's rounding, not more

@@ -9,7 +9,6 @@ import torch
 from conftest import assert_no_leak
 from test_hf_parity import _hf_greedy, _hf_logits, _hf_model
 from treeserve import LLM, SamplingParams
-from treeserve.engine.block_pool import BlockPool
 from treeserve.engine.kv_cache_manager import NULL_BLOCK_ID, KVCacheManager
 from treeserve.engine.request import Request
 from treeserve.testing.tiny_models import make_tiny_model

@@ -8,7 +8,11 @@ are sorted by expert, and each expert that some token chose runs one SwiGLU over
 (no loop over tokens); the results, times their weights, are added back by token. Qwen2-MoE adds a
 shared expert every token takes, scaled by a sigmoid gate. Rounding follows HF transformers: the
 weights in float32 (Mixtral) or the model's dtype (Qwen), each expert's output cast back to the
-model's dtype before the sum.
+model's dtype before the sum. In bfloat16 on a CPU without bfloat16 units (AVX2 only), each
+product runs in float32 over the weight converted for the call (exact: the product of two
+bfloat16 numbers fits a float32) and is rounded back where a bfloat16 product would be: bfloat16
+matmuls there are several times slower than the conversion and a float32 one
+(`benchmarks/moe_decode.py --dtype bfloat16`).
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from torch.nn import functional as F
 
 from treeserve.model.hf_config import MoEConfig
 from treeserve.model.layers import GatedMLP
+from treeserve.model.packed_linear import computes_in_float32, float32_weight
 
 
 class StackedExperts(nn.Module):
@@ -36,6 +41,8 @@ class StackedExperts(nn.Module):
         pair_weights = weights.reshape(-1)[order]
         counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
         out = torch.zeros_like(x)
+        upcast = computes_in_float32(x)
+        source = x.float() if upcast else x
         start = 0
         for expert, count in enumerate(counts):
             if count == 0:
@@ -43,11 +50,18 @@ class StackedExperts(nn.Module):
             rows = tokens[start:start + count]
             # transposed (weight @ x^T): the few rows of a decode step are the small operand, which
             # BLAS then packs instead of the expert's weight (~25% less time on a 2-core AVX2 CPU)
-            h = torch.mm(self.gate_up_proj[expert], x[rows].t())
-            y = torch.mm(self.down_proj[expert], F.silu(h[:self.intermediate]) * h[self.intermediate:]).t()
+            h = _mm(self.gate_up_proj[expert], source[rows].t(), x.dtype, upcast)
+            y = _mm(self.down_proj[expert], F.silu(h[:self.intermediate]) * h[self.intermediate:], x.dtype, upcast).t()
             out.index_add_(0, rows, (y * pair_weights[start:start + count, None]).to(x.dtype))
             start += count
         return out
+
+
+def _mm(weight: torch.Tensor, rhs: torch.Tensor, dtype: torch.dtype, upcast: bool) -> torch.Tensor:
+    """weight @ rhs in `dtype`, computed in float32 where `upcast` (rounded once at the end)."""
+    if not upcast:
+        return torch.mm(weight, rhs)
+    return torch.mm(float32_weight(weight), rhs.float()).to(dtype)
 
 
 class SparseMoeBlock(nn.Module):
