@@ -48,7 +48,8 @@ from treeserve.search.runner import SearchRunner  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CUDA_TESTS = ["tests/test_cuda.py", "tests/test_triton_kernels.py", "tests/test_fused_ops.py",
-              "tests/test_triton_parity.py", "tests/test_hf_parity.py", "tests/test_attention_backends.py"]
+              "tests/test_triton_parity.py", "tests/test_hf_parity.py", "tests/test_attention_backends.py",
+              "tests/test_grouped_experts.py"]
 
 
 def free_device_memory() -> None:

@@ -5,7 +5,8 @@ are taken (renormalised where the family does) as that token's weights. The expe
 stacked, `experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I] (the loader fills
 them from the checkpoints' per-expert tensors), and computed grouped: the (token, expert) pairs
 are sorted by expert, and each expert that some token chose runs one SwiGLU over its tokens
-(no loop over tokens); the results, times their weights, are added back by token. Qwen2-MoE adds a
+(no loop over tokens); the results, times their weights, are added back by token. On CUDA one
+Triton launch does every expert's product (model/kernels/grouped_experts.py). Qwen2-MoE adds a
 shared expert every token takes, scaled by a sigmoid gate. Rounding follows HF transformers: the
 weights in float32 (Mixtral) or the model's dtype (Qwen), each expert's output cast back to the
 model's dtype before the sum. In bfloat16 on a CPU without bfloat16 units (AVX2 only), each
@@ -21,6 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from treeserve.model.hf_config import MoEConfig
+from treeserve.model.kernels import fused_ops_for, grouped_experts_for
 from treeserve.model.layers import GatedMLP
 from treeserve.model.packed_linear import computes_in_float32, float32_weight
 
@@ -34,6 +36,9 @@ class StackedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H]; expert_ids, weights [T, k] -> sum over k of weight * expert(x) [T, H]."""
+        if (grouped := grouped_experts_for(x)) is not None:  # CUDA: every expert in one Triton launch
+            return grouped.experts_forward(x.contiguous(), self.gate_up_proj, self.down_proj, expert_ids, weights,
+                                           fused_ops_for(x).silu_mul)
         top_k = expert_ids.shape[1]
         flat = expert_ids.reshape(-1)
         order = torch.argsort(flat, stable=True)

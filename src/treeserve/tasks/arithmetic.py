@@ -150,6 +150,28 @@ def generate(split: str, n: int, seed: int, levels: tuple[int, ...] = LEVELS) ->
     return problems
 
 
+GRID_OPERATORS = ("+-", "*", "+-*")  # the operator sets of the evaluation grid (issue #39)
+GRID_MAX_OPERATIONS = 8
+
+
+def grid_problems(split: str, num_operations: int, operators: str, n: int, seed: int) -> list[Problem]:
+    """`n` distinct problems of the whole format: a start of 0-99 and `num_operations` operations
+    drawn from `operators`, every operand 1-9 (level 0: outside the curriculum's levels)."""
+    if split not in SPLITS:
+        raise ParamError("split", f"must be one of {', '.join(SPLITS)}, got {split!r}")
+    if not 1 <= num_operations <= GRID_MAX_OPERATIONS or not operators or set(operators) - set("+-*"):
+        raise ParamError("grid", f"1-{GRID_MAX_OPERATIONS} operations of + - *, got {num_operations} of {operators!r}")
+    rng = random.Random(f"grid:{split}:{num_operations}:{operators}:{seed}")
+    problems, seen = [], set()
+    while len(problems) < n:
+        ops = tuple(Operation(rng.choice(operators), rng.randint(1, 9)) for _ in range(num_operations))
+        problem = Problem(rng.randint(0, MODULUS - 1), ops, 0)
+        if problem.split == split and problem.text not in seen:
+            seen.add(problem.text)
+            problems.append(problem)
+    return problems
+
+
 def parse_problem(text: str) -> Problem:
     """The problem a `Problem.text` describes (used to check steps of a question given as text)."""
     match = re.fullmatch(rf"Start with (\d+) and work modulo {MODULUS}\. (.+)\. What is the result\?", text.strip())

@@ -1,5 +1,6 @@
-"""Triton kernels for the GPU path: paged attention over the flat batch, the K/V write by slot, and
-the fused per-layer operations (RMSNorm + residual, rotary, SiLU * up).
+"""Triton kernels for the GPU path: paged attention over the flat batch, the K/V write by slot, the
+fused per-layer operations (RMSNorm + residual, rotary, SiLU * up) and the grouped expert products
+of mixture-of-experts layers.
 
 Triton ships with CUDA builds of PyTorch; on CPU the kernels run only under Triton's interpreter
 (`TRITON_INTERPRET=1`, read when a kernel module is first imported), which is how the tests check
@@ -11,7 +12,8 @@ import importlib.util
 import os
 from types import ModuleType
 
-# The fused per-layer operations on CUDA; TREESERVE_FUSED_OPS=0 runs PyTorch's unfused ones instead.
+# The fused per-layer operations and grouped experts on CUDA; TREESERVE_FUSED_OPS=0 runs PyTorch's
+# unfused ones instead.
 FUSED_OPS = os.environ.get("TREESERVE_FUSED_OPS", "1") != "0"
 
 
@@ -29,3 +31,11 @@ def fused_ops_for(x) -> ModuleType | None:
         return None
     from treeserve.model.kernels import fused_ops
     return fused_ops
+
+
+def grouped_experts_for(x) -> ModuleType | None:
+    """`grouped_experts` where it serves this tensor (as `fused_ops_for`), else None."""
+    if fused_ops_for(x) is None:
+        return None
+    from treeserve.model.kernels import grouped_experts
+    return grouped_experts
