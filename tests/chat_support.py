@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from conftest import running_server
 from treeserve.gateway.app import build_app as build_gateway
 from treeserve.gateway.config import BackendConfig, ChatConfig, GatewayConfig, ModelConfig
+from treeserve.cli_chat import EXAMPLES
 from treeserve.gateway.passwords import hash_password
 
 MASTER = "sk-chat-master"
@@ -144,7 +145,8 @@ def gateway_config(database: str, backend: str, scripted: str, services: str) ->
               "router": ModelConfig("router", [BackendConfig(scripted, model="scripted")]),
               "echo": ModelConfig("echo", [BackendConfig(scripted, model="scripted")])}
     chat = ChatConfig(enabled=True, verifiers={"arith-gen": "arith-prm"}, router_model="router",
-                      tools={"weather": services + "/weather", "wikipedia": services + "/wiki"})
+                      tools={"weather": services + "/weather", "wikipedia": services + "/wiki"},
+                      examples={"arith-gen": EXAMPLES})
     return GatewayConfig(models=models, master_key=MASTER, database=database, health_interval=0, chat=chat)
 
 

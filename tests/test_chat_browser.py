@@ -1,5 +1,6 @@
 """The chat page in a real browser (Selenium driving Debian's headless chromium and chromedriver),
-in front of the bundled arith-gen + arith-prm: sign in, stream an answer and see it grow, reload
+in front of the bundled arith-gen + arith-prm: sign in, send an example question from the empty
+conversation, stream an answer and see it grow, reload
 and see the history, change settings and see them reach the backend, export XLSX and read it
 back, search mode's candidates and step scores, tools mode's SymPy, an answer full of markup that
 runs nothing, and a second user who cannot open the first one's conversation.
@@ -19,6 +20,7 @@ from selenium.webdriver import ActionChains
 from selenium.webdriver.support.ui import Select
 
 from chat_support import add_user, arith_backend, chat_stack
+from treeserve.cli_chat import EXAMPLES
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver") or ("/usr/bin/chromedriver" if Path("/usr/bin/chromedriver").exists() else None)
@@ -126,6 +128,16 @@ def test_the_chat_page_end_to_end(stack, browser, shots):
     url, tap, _ = stack
     driver = browser
     sign_in(driver, url, "ada", "correct horse battery")
+
+    # the empty conversation offers the bundled model's examples; a click sends one in its mode
+    examples = wait(driver, lambda d: d.find_elements(*by("example")))
+    assert [e.get_attribute("data-mode") for e in examples] == [e["mode"] for e in EXAMPLES]
+    examples[0].click()
+    wait(driver, lambda d: d.find_elements(*by("message-assistant"))
+         and not d.find_elements("css selector", ".message.streaming"), timeout=120)
+    assert driver.find_element(*by("message-user")).find_element(*by("message-content")).text == EXAMPLES[0]["text"]
+    assert last_answer(driver) and not driver.find_elements(*by("examples"))
+
     conversation_url = new_chat(driver)
     set_field(driver, "settings-max-tokens", "96")
 

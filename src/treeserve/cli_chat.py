@@ -11,6 +11,15 @@ import sys
 from pathlib import Path
 
 GENERATOR, VERIFIER = "arith-gen", "arith-prm"
+# What the bundled generator answers well, offered by the empty conversation (tests/test_chat_examples.py
+# checks each greedily and by a beam search; sampled at the chat's temperature 0.7 the chat one was right
+# 40 times in 40, and beam searches of 4 found the search one 10 times in 10). None for tools mode yet:
+# the bundled generator cannot route to a tool (issue #39).
+EXAMPLES = [
+    {"mode": "chat", "text": "Start with 40 and work modulo 100. Step 1: - 5. Step 2: + 9. What is the result?"},
+    {"mode": "search", "text": "Start with 21 and work modulo 100. Step 1: + 6. Step 2: * 3. Step 3: - 8. "
+                               "Step 4: + 5. What is the result?"},
+]
 
 
 def add_chat_parser(sub) -> None:
@@ -61,7 +70,7 @@ def cmd_chat(args) -> int:
         config = build_config([f"{GENERATOR}={url}", f"{VERIFIER}={url}"], None, database=args.database,
                               master_key=os.environ.get("TREESERVE_MASTER_KEY"),
                               chat={"enabled": True, "verifiers": {GENERATOR: VERIFIER}, "router_model": None,
-                                    "tools": tools})
+                                    "tools": tools, "examples": {GENERATOR: EXAMPLES}})
         where = args.database or str(Path.cwd() / "treeserve-gateway.db")
         print(f"\n  treeserve chat: http://{args.host}:{args.port}/chat\n  user: {args.user}\n  password: {password}\n"
               f"  (history kept in {where}; a new password is made at each start)\n", flush=True)

@@ -65,18 +65,35 @@ class ChatConfig:
     tools: dict[str, str] = field(default_factory=dict)      # weather / wikipedia -> URL (GET ?q=...)
     tool_timeout: float = 10.0
     cookie_secure: bool = False      # mark the session cookie Secure (behind HTTPS)
+    # model -> questions it answers well, [{"mode": chat|search|tools, "text": ...}]: the empty
+    # conversation offers them (`treeserve chat` gives the bundled generator's)
+    examples: dict[str, list[dict[str, str]]] = field(default_factory=dict)
 
     def check(self, models: dict) -> None:
         named = [*self.verifiers, *self.verifiers.values(), *([self.router_model] if self.router_model else [])]
         unknown = [m for m in named if m not in models]
         if unknown:
             raise ParamError("chat", f"chat: model {unknown[0]!r} is not configured")
+        self._check_examples(models)
         bad = sorted(set(self.tools) - {"weather", "wikipedia"})
         if bad:
             raise ParamError("chat.tools", f"chat.tools: unknown tool {bad[0]!r} (known: weather, wikipedia)")
         for name, url in self.tools.items():
             if not url.startswith(HTTP_SCHEMES):
                 raise ParamError("chat.tools", f"chat.tools.{name}: expected an http(s) URL, got {url!r}")
+
+    def _check_examples(self, models: dict) -> None:
+        for model, examples in self.examples.items():
+            if model not in models:
+                raise ParamError("chat.examples", f"chat.examples: model {model!r} is not configured")
+            for example in examples:
+                if not isinstance(example, dict) or example.get("mode") not in ("chat", "search", "tools") \
+                        or not isinstance(example.get("text"), str) or not example["text"].strip():
+                    raise ParamError("chat.examples", f"chat.examples.{model}: each example needs a mode (chat, "
+                                     f"search or tools) and a text, got {example!r}")
+                if example["mode"] == "search" and model not in self.verifiers:
+                    raise ParamError("chat.examples", f"chat.examples.{model}: a search example needs a verifier "
+                                     "for the model (chat.verifiers)")
 
 
 @dataclass
@@ -152,8 +169,8 @@ def build_config(backends: list[str] | None = None, config_file: Path | None = N
     chat = overrides.pop("chat", None)
     if chat is not None:  # flags add to the file's chat section
         section = dict(data.get("chat") or {})
-        for name in ("verifiers", "tools"):
-            chat[name] = {**(section.get(name) or {}), **chat[name]}
+        for name in ("verifiers", "tools", "examples"):
+            chat[name] = {**(section.get(name) or {}), **chat.get(name, {})}
         chat["router_model"] = chat["router_model"] or section.get("router_model")
         data["chat"] = {**section, **chat}
     data.update({k: v for k, v in overrides.items() if v is not None})

@@ -155,6 +155,7 @@ class ChatApp:
                 "models": [m for m in self.chat_models if key.allows(m)],
                 "search_models": sorted(m for m in self.config.chat.verifiers if key.allows(m)),
                 "tools": [d["function"]["name"] for d in self.toolbox.definitions()],
+                "examples": {m: e for m, e in self.config.chat.examples.items() if key.allows(m)},
                 "defaults": self.settings_for(None).model_dump(), "usage": usage}
 
     async def list_conversations(self, signed: Signed = Depends(signed_in)) -> dict:

@@ -140,7 +140,33 @@ function showConversation(conversation) {
   }
   showSettings(conversation ? conversation.settings : state.me.defaults);
   $("messages").replaceChildren(...(conversation ? conversation.messages.map(renderMessage) : []));
+  showExamples();
   scrollDown();
+}
+
+// An empty conversation offers the questions the selected model answers well (chat.examples in the
+// gateway's configuration): a click picks the example's mode and sends it.
+function showExamples() {
+  const messages = $("messages");
+  const old = messages.querySelector(".examples");
+  if (old) old.remove();
+  const examples = (state.me.examples || {})[$("settings-model").value] || [];
+  if (messages.children.length || !examples.length) return;
+  const buttons = examples.map((example) => {
+    const button = el("button", { type: "button", class: "example", "data-testid": "example",
+      "data-mode": example.mode, text: `${example.mode}: ${example.text}` });
+    button.addEventListener("click", () => sendExample(example).catch((e) => notice(e.message)));
+    return button;
+  });
+  messages.append(el("div", { class: "examples", "data-testid": "examples" },
+    el("div", { class: "meta", text: "Try one of these:" }), ...buttons));
+}
+
+async function sendExample(example) {
+  for (const radio of document.querySelectorAll('input[name="mode"]')) radio.checked = radio.value === example.mode;
+  await saveSettings();
+  $("message-input").value = example.text;
+  $("composer").requestSubmit();
 }
 
 async function newConversation() {
@@ -315,6 +341,8 @@ async function send(event) {
   if (state.saving) await state.saving;
   const conversation = state.conversation || await firstConversation();
   $("message-input").value = "";
+  const examples = $("messages").querySelector(".examples");
+  if (examples) examples.remove();
   const live = el("div", { class: "message assistant streaming", "data-testid": "message-assistant" },
     el("div", { class: "meta", text: `${readSettings().model} · ${readSettings().mode} …` }),
     el("div", { class: "content", "data-testid": "message-content" }));
@@ -403,6 +431,7 @@ document.addEventListener("DOMContentLoaded", () => {
   for (const node of document.querySelectorAll("#settings input, #settings select, #settings textarea")) {
     node.addEventListener("change", saveSettings);
   }
+  $("settings-model").addEventListener("change", showExamples);
   window.addEventListener("popstate", () => route());
   start().catch((error) => notice(error.message));
 });

@@ -1,0 +1,51 @@
+"""The example questions `treeserve chat` offers on the bundled models are ones they answer: the
+chat example greedily, the search example by a beam search of 4 with the PRM (the chat page's
+defaults); the gateway refuses examples it could not serve and shows each user only the models
+their key allows."""
+import pytest
+
+from treeserve import LLM, SamplingParams
+from treeserve.cli_chat import EXAMPLES
+from treeserve.errors import ParamError
+from treeserve.gateway.config import BackendConfig, ChatConfig, GatewayConfig, ModelConfig
+from treeserve.runtime.runtime import Runtime
+from treeserve.search.config import SearchConfig, declared_aggregation
+from treeserve.search.grading import extract_answer, grade
+from treeserve.search.runner import SearchRunner
+from treeserve.tasks.arithmetic import parse_problem
+
+
+def _example(mode: str) -> str:
+    return next(e["text"] for e in EXAMPLES if e["mode"] == mode)
+
+
+def test_the_chat_example_is_answered():
+    question = _example("chat")
+    llm = LLM("builtin:arith-gen", dtype="float32", device="cpu")
+    out = llm.chat([{"role": "user", "content": question}], SamplingParams(temperature=0, max_tokens=256),
+                   use_tqdm=False)[0]
+    assert grade(extract_answer(out.outputs[0].text), str(parse_problem(question).answer))
+
+
+def test_the_search_example_is_answered():
+    question = _example("search")
+    rt = Runtime({"gen": "builtin:arith-gen", "prm": "builtin:arith-prm"}, dtype="float32", device="cpu")
+    config = SearchConfig(strategy="beam", n=4, beam_width=4, temperature=0.7, max_tokens=256, system_prompt=None,
+                          agg_strategy=declared_aggregation(rt.engine("prm").model_dir), seed=0)
+    result = SearchRunner(rt.engine("gen"), rt.scorer("prm")).run([question], config)[0]
+    assert grade(result.pred, str(parse_problem(question).answer))
+
+
+def _config(**chat) -> GatewayConfig:
+    models = {name: ModelConfig(name, [BackendConfig("http://127.0.0.1:1")]) for name in ("gen", "prm")}
+    return GatewayConfig(models=models, chat=ChatConfig(enabled=True, verifiers={"gen": "prm"}, **chat))
+
+
+def test_the_gateway_checks_its_examples():
+    assert _config(examples={"gen": EXAMPLES}).chat.examples["gen"] == EXAMPLES
+    with pytest.raises(ParamError, match="model 'nope' is not configured"):
+        _config(examples={"nope": EXAMPLES})
+    with pytest.raises(ParamError, match="needs a mode"):
+        _config(examples={"gen": [{"mode": "dance", "text": "x"}]})
+    with pytest.raises(ParamError, match="needs a verifier"):
+        _config(examples={"prm": [{"mode": "search", "text": "x"}]})
