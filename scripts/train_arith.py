@@ -31,10 +31,12 @@ from treeserve import LLM, SamplingParams
 from treeserve.config import cpu_has_fast_bf16
 from treeserve.runtime.prm_recipes import RECIPES
 from treeserve.search.config import STEP_DELIMITER
-from treeserve.tasks.arithmetic import (Problem, corrupted_steps, generate, local_reference_steps,
-                                        local_step_labels, local_step_results, step_labels)
+from treeserve.tasks.arithmetic import (GRID_MAX_OPERATIONS, GRID_OPERATORS, Problem, corrupted_steps, generate,
+                                        grid_problems, local_reference_steps, local_step_labels,
+                                        local_step_results, step_labels)
+from treeserve.tasks.slips import KINDS, plant
 from treeserve.tasks.tokenizer import train_task_tokenizer
-from treeserve.tasks.training import (IGNORE, GENERATOR_SHAPE, PRM_EXTRA_LAYERS, PRMLossWeights, Schedule,
+from treeserve.tasks.training import (FORMATS, IGNORE, GENERATOR_SHAPE, PRM_EXTRA_LAYERS, PRMLossWeights, Schedule,
                                       add_training_heads, chat_ids, collate, drop_training_heads, grow, lm_loss,
                                       new_model, one_level_batch, prm_example, prm_loss,
                                       prm_reading_example, save, sft_example, train,
@@ -59,14 +61,15 @@ def train_language_model(tokenizer, args) -> tuple[Path, Path]:
     gen_path, final_path = args.out / "arith-gen", args.work / "lm-final"
 
     def next_batch(step: int):
-        return collate([sft_example(tokenizer, p) for p in one_level_batch(rng, args.batch_size)], tokenizer.pad_token_id)
+        return collate([sft_example(tokenizer, p) for p in one_level_batch(rng, args.batch_size, args.whole)],
+                       tokenizer.pad_token_id)
 
     def after_step(step: int, model) -> None:
         if step == args.gen_step:
             save(model, tokenizer, gen_path)
         if args.eval_every and step % args.eval_every == 0:
             path = save(model, tokenizer, args.work / "lm-checkpoints" / f"step-{step}")
-            log(f"greedy validation accuracy at step {step}: {greedy_accuracy(path, args.eval_problems)}")
+            log(f"greedy validation accuracy at step {step}: {greedy_accuracy(path, args.eval_problems, args.whole)}")
 
     train(model, next_batch, lm_loss, Schedule(args.lm_steps, args.batch_size, lr=args.gen_lr), log=log,
           after_step=after_step, autocast=args.autocast)
@@ -98,14 +101,14 @@ def cached_samples(gen_path: Path, problems: list[Problem], params: SamplingPara
 
 def prm_dataset(tokenizer, gen_path: Path, args) -> list[tuple[list[int], list[int]]]:
     rng = random.Random(f"prm-data:{args.seed}")
-    problems = train_problems(rng, args.prm_problems)
+    problems = train_problems(rng, args.prm_problems, whole=args.whole)
     params = SamplingParams(n=args.prm_samples, temperature=1.0, max_tokens=256, seed=args.seed)
     sampled = [(p, steps) for p, solutions in zip(problems, cached_samples(gen_path, problems, params, args))
                for steps in solutions]
     # Reference solutions, whole and with one step corrupted, in equal numbers: a wrong step then
     # appears at every position, so the position of a step says nothing about its label.
-    corrupted = [(p, corrupted_steps(p, rng)) for p in train_problems(rng, args.prm_problems)]
-    references = [(p, p.steps()) for p in train_problems(rng, args.prm_problems)]
+    corrupted = [(p, corrupt(p, rng, args, shares=False)) for p in train_problems(rng, args.prm_problems, whole=args.whole)]
+    references = [(p, p.steps()) for p in train_problems(rng, args.prm_problems, whole=args.whole)]
     examples = [e for e in (labelled_example(tokenizer, p, steps, args) for p, steps in sampled + corrupted + references)
                 if e is not None]
     verdicts = [v for example in examples for v in example[1] if v != IGNORE]
@@ -144,6 +147,28 @@ def verdict_targets(problem: Problem, steps: list[str], kind: str) -> tuple[list
     return labels, [reference[k] if k < len(reference) and all(labels[:k]) else None for k in range(len(steps))]
 
 
+def corrupt(problem: Problem, rng: random.Random, args, shares: bool = True) -> list[str]:
+    """The reference steps up to one made wrong: with `--prm-slips all`, a planted slip of a kind
+    drawn evenly from those the problem admits (tasks/slips.py); with `classic`, a wrong result or
+    (`--prm-operation-share` of the time, with `shares`) a wrong operator (`corrupted_steps`)."""
+    if args.prm_slips == "all":
+        kinds = [k for k in KINDS if len(problem.operations) > 1 or k not in ("skipped", "repeated", "too_few")]
+        return plant(problem, rng.choice(kinds), rng)[0]
+    if not shares:
+        return corrupted_steps(problem, rng)
+    return corrupted_steps(problem, rng, args.prm_operation_share, args.prm_digit_share)
+
+
+def validation_problems(count: int, seed: int, whole: bool) -> list[Problem]:
+    """Validation problems of the curriculum's levels, or with `whole` of every grid cell in turn."""
+    if not whole:
+        return generate("validation", count, seed=seed)
+    cells = [(n, ops) for ops in GRID_OPERATORS for n in range(1, GRID_MAX_OPERATIONS + 1)]
+    per_cell = -(-count // len(cells))
+    problems = [p for n, ops in cells for p in grid_problems("validation", n, ops, per_cell, seed)]
+    return random.Random(seed).sample(problems, count)
+
+
 def reference_batches(tokenizer, args):
     """`next_batch` for the PRM's first stage: fresh reference solutions, half of them cut after a
     corrupted step. Their labels are clean (a wrong step is wrong in itself, nothing after it), so
@@ -152,9 +177,8 @@ def reference_batches(tokenizer, args):
     rng = random.Random(f"prm-references:{args.seed}")
 
     def next_batch(step: int):
-        solutions = [(p, corrupted_steps(p, rng, args.prm_operation_share, args.prm_digit_share)
-                      if rng.random() < 0.5 else p.steps())
-                     for p in one_level_batch(rng, args.batch_size)]
+        solutions = [(p, corrupt(p, rng, args) if rng.random() < 0.5 else p.steps())
+                     for p in one_level_batch(rng, args.batch_size, args.whole)]
         return collate([labelled_example(tokenizer, p, steps, args) for p, steps in solutions], tokenizer.pad_token_id)
 
     return next_batch
@@ -168,7 +192,7 @@ def adapt_to_prm_format(tokenizer, model, args) -> None:
 
     def next_batch(step: int):
         rows = [prm_reading_example(tokenizer, p.text, p.steps(), args.prm_recipe)
-                for p in one_level_batch(rng, args.batch_size)]
+                for p in one_level_batch(rng, args.batch_size, args.whole)]
         return collate(rows, tokenizer.pad_token_id)
 
     train(model, next_batch, lm_loss, Schedule(args.prm_adapt_steps, args.batch_size, lr=args.prm_lr, warmup=20),
@@ -219,17 +243,18 @@ def train_prm(tokenizer, base_path: Path, examples, args) -> Path:
     return save(model, tokenizer, args.out / "arith-prm")
 
 
-def greedy_accuracy(gen_path: Path, count: int = 200) -> dict:
-    problems = generate("validation", count, seed=0)
+def greedy_accuracy(gen_path: Path, count: int = 200, whole: bool = False) -> dict:
+    problems = validation_problems(count, 0, whole)
     solutions = sample_solutions(gen_path, problems, SamplingParams(temperature=0.0, max_tokens=256))
     by_level: dict[int, list[bool]] = {}
     for problem, [steps] in zip(problems, solutions):
-        by_level.setdefault(problem.level, []).append(steps == problem.steps())
+        key = len(problem.operations) if whole else problem.level  # whole format: by operation count
+        by_level.setdefault(key, []).append(steps == problem.steps())
     overall = [ok for oks in by_level.values() for ok in oks]
     return {"overall": sum(overall) / len(overall), **{str(k): sum(v) / len(v) for k, v in sorted(by_level.items())}}
 
 
-def prm_auc(gen_path: Path, prm_path: Path, count: int, seed: int, labels: str) -> dict[str, float]:
+def prm_auc(gen_path: Path, prm_path: Path, count: int, seed: int, labels: str, whole: bool = False) -> dict[str, float]:
     """AUC of the PRM's step scores, right against wrong steps (by `labels`, see `verdict_targets`),
     over the generator's own samples (temperature 0.8, as search draws them) on validation
     problems: pooled over all steps, and between siblings only (same problem, same step number),
@@ -238,7 +263,7 @@ def prm_auc(gen_path: Path, prm_path: Path, count: int, seed: int, labels: str) 
     flatters: later steps are more often wrong, so position alone earns some of it."""
     from treeserve.runtime.runtime import Runtime
 
-    problems = generate("validation", count, seed=seed)
+    problems = validation_problems(count, seed, whole)
     solutions = sample_solutions(gen_path, problems, SamplingParams(n=4, temperature=0.8, max_tokens=256, seed=seed))
     items = [(p, steps) for p, sampled in zip(problems, solutions) for steps in sampled if steps]
     rt = Runtime({"prm": str(prm_path)}, dtype="float32", device="cpu", kv_cache_memory_bytes=128 << 20)
@@ -323,12 +348,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prm-samples", type=int, default=4)
     parser.add_argument("--eval-problems", type=int, default=200)
     parser.add_argument("--stages", default="lm,prm", help="comma-separated: lm, prm")
+    parser.add_argument("--format", choices=FORMATS, default="levels",
+                        help="problems to train and validate on: the curriculum's levels (2-6 operations; the "
+                             "bundled pair), or the whole format (1-8 operations of any mix of + - *, starts 0-99, "
+                             "operands 1-9: issue #39)")
+    parser.add_argument("--prm-slips", choices=["classic", "all"], default="classic",
+                        help="the corrupted references' slips: a wrong result or operator (classic), or every "
+                             "kind of tasks/slips.py in equal shares (all)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--autocast", choices=["auto", "bfloat16", "none"], default="auto",
                         help="forward passes in bfloat16 (weights stay float32); auto: where the CPU has "
                              "AMX or AVX512-BF16, which run bf16 matmuls ~3x faster than float32")
     args = parser.parse_args(argv)
     args.autocast = training_autocast(args.autocast)
+    args.whole = args.format == "whole"
     torch.set_num_threads(args.threads)
     random.seed(args.seed)
     start = time.perf_counter()
@@ -339,11 +372,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         gen_path, final_path = args.out / "arith-gen", args.work / "lm-final"
     report = {"seed": args.seed, "autocast": str(args.autocast),
-              "generator_greedy_validation": greedy_accuracy(gen_path, args.eval_problems)}
+              "generator_greedy_validation": greedy_accuracy(gen_path, args.eval_problems, args.whole)}
     log(f"generator greedy accuracy on {args.eval_problems} validation problems: {report['generator_greedy_validation']}")
     if "prm" in stages:
         prm_path = train_prm(tokenizer, final_path, prm_dataset(tokenizer, gen_path, args), args)
-        report["prm_auc_validation_samples"] = prm_auc(gen_path, prm_path, args.eval_problems, args.seed, args.prm_labels)
+        report["prm_auc_validation_samples"] = prm_auc(gen_path, prm_path, args.eval_problems, args.seed, args.prm_labels,
+                                                      args.whole)
         log(f"PRM AUC on the generator's validation samples: {report['prm_auc_validation_samples']}")
     report["seconds"] = round(time.perf_counter() - start)
     args.work.mkdir(parents=True, exist_ok=True)

@@ -3,6 +3,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
 from safetensors import safe_open
 
 from treeserve.runtime.runtime import Runtime
@@ -18,11 +19,13 @@ def _load_script():
     return module
 
 
-def test_training_script_writes_a_plain_generator_and_prm(tmp_path):
+@pytest.mark.parametrize("data", [["--format", "levels", "--prm-slips", "classic"],  # the bundled pair's
+                                  ["--format", "whole", "--prm-slips", "all"]])      # issue #39's
+def test_training_script_writes_a_plain_generator_and_prm(tmp_path, data):
     out, work = tmp_path / "models", tmp_path / "work"
     toy = ["--lm-steps", "3", "--gen-step", "2", "--eval-every", "0", "--batch-size", "4", "--eval-problems", "5",
            "--prm-reference-steps", "2", "--prm-steps", "2", "--prm-problems", "6", "--prm-samples", "2",
-           "--prm-operator-weight", "1", "--prm-token-weight", "0.5"]
+           "--prm-operator-weight", "1", "--prm-token-weight", "0.5", *data]
     assert _load_script().main(["--out", str(out), "--work", str(work), *toy]) == 0
     report = json.loads((work / "training.json").read_text())
     assert set(report["prm_auc_validation_samples"]) == {"pooled", "siblings", "solutions_by_min"}

@@ -164,12 +164,17 @@ def grid_problems(split: str, num_operations: int, operators: str, n: int, seed:
     rng = random.Random(f"grid:{split}:{num_operations}:{operators}:{seed}")
     problems, seen = [], set()
     while len(problems) < n:
-        ops = tuple(Operation(rng.choice(operators), rng.randint(1, 9)) for _ in range(num_operations))
-        problem = Problem(rng.randint(0, MODULUS - 1), ops, 0)
+        problem = random_grid_problem(rng, num_operations, operators)
         if problem.split == split and problem.text not in seen:
             seen.add(problem.text)
             problems.append(problem)
     return problems
+
+
+def random_grid_problem(rng: random.Random, num_operations: int, operators: str) -> Problem:
+    """One problem of the whole format (any split): a start of 0-99, operands 1-9."""
+    ops = tuple(Operation(rng.choice(operators), rng.randint(1, 9)) for _ in range(num_operations))
+    return Problem(rng.randint(0, MODULUS - 1), ops, 0)
 
 
 def parse_problem(text: str) -> Problem:

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from treeserve.runtime.prm_recipes import RECIPES
-from treeserve.tasks.arithmetic import LEVELS, Problem, random_problem, split_of
+from treeserve.tasks.arithmetic import (GRID_MAX_OPERATIONS, GRID_OPERATORS, LEVELS, Problem, random_grid_problem,
+                                        random_problem, split_of)
 
 IGNORE = -100
 
@@ -81,18 +82,32 @@ def grow(model, extra_layers: int, seed: int):
     return grown
 
 
-def train_problems(rng: random.Random, n: int, levels: tuple[int, ...] = LEVELS) -> list[Problem]:
-    """`n` training-split problems, each of a level drawn from `levels` (other splits' problems skipped)."""
+FORMATS = ("levels", "whole")  # the curriculum's levels, or the whole format (1-8 operations of any mix)
+
+
+def train_problems(rng: random.Random, n: int, levels: tuple[int, ...] = LEVELS, whole: bool = False,
+                   shape: tuple[int, str] | None = None) -> list[Problem]:
+    """`n` training-split problems (other splits' problems skipped): each of a level drawn from
+    `levels`, or with `whole` of the whole format, each of `shape` (operations, operator set) if
+    given, else of a random one."""
     problems = []
     while len(problems) < n:
-        problem = random_problem(rng, rng.choice(levels))
+        if whole:
+            count, operators = shape or (rng.randint(1, GRID_MAX_OPERATIONS), rng.choice(GRID_OPERATORS))
+            problem = random_grid_problem(rng, count, operators)
+        else:
+            problem = random_problem(rng, rng.choice(levels))
         if split_of(problem.text) == "train":
             problems.append(problem)
     return problems
 
 
-def one_level_batch(rng: random.Random, n: int) -> list[Problem]:
-    """`n` training problems of one random level: equal lengths, so no compute is spent on padding."""
+def one_level_batch(rng: random.Random, n: int, whole: bool = False) -> list[Problem]:
+    """`n` training problems of one random level (with `whole`, of one operation count and operator
+    set): equal lengths, so no compute is spent on padding."""
+    if whole:
+        return train_problems(rng, n, whole=True,
+                              shape=(rng.randint(1, GRID_MAX_OPERATIONS), rng.choice(GRID_OPERATORS)))
     return train_problems(rng, n, levels=(rng.choice(LEVELS),))
 
 
