@@ -106,8 +106,8 @@ class KVCacheManager:
         if self.window is None or not table:
             return
         first_key = max(request.num_computed_tokens - self.window + 1, 0)
-        dead = min(first_key // self.block_size, self._num_hashed.get(request.request_id, 0) if
-                   self.pool.enable_caching else len(table))
+        cached = self._num_hashed.get(request.request_id, 0) if self.pool.enable_caching else len(table)
+        dead = min(first_key // self.block_size, cached)  # (cached first: a freed block stays findable)
         start = self._num_dropped.get(request.request_id, 0)
         if dead <= start:
             return

@@ -126,13 +126,20 @@ class DecoderForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """Flat batch of T tokens -> final hidden states [T, hidden]."""
         x, residual = self.embed_tokens(input_ids), None
-        if self.config.embed_scale is not None:  # the scale rounded to the weights' dtype first, as HF does
-            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype).item()
+        if self.config.embed_scale is not None:
+            x = x * self._embed_scale(x.dtype)
         for layer, layer_cache in zip(self.layers, kv_caches):
             local = self.local_rotary is not None and layer.self_attn.window is not None
             rotary = self.local_rotary if local else self.rotary
             x, residual = layer(x, residual, positions, rotary, layer_cache, meta, self.backend)
         return self.norm(x, residual)[0] if residual is not None else self.norm(x)
+
+    def _embed_scale(self, dtype: torch.dtype) -> float:
+        """Gemma's embedding scale rounded to the weights' dtype first, as HF does (once per dtype)."""
+        scales = self.__dict__.setdefault("_embed_scales", {})
+        if dtype not in scales:
+            scales[dtype] = torch.tensor(self.config.embed_scale, dtype=dtype).item()
+        return scales[dtype]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits (with tensor parallelism, every rank's part gathered), or a reward
