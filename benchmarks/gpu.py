@@ -18,7 +18,8 @@ Sections, each timed and reported even when another fails (the JSON is rewritten
    Llama-3.1-8B-shaped PRM, random weights made on the device, steps of fixed length): beam search
    N=16 problems/s in one shared KV arena and with static generator/PRM splits.
 Sections run on request only: `decode_baseline` (the decode section with PyTorch's unfused
-per-layer ops, for an A/B in one run) and `attention` (benchmarks/gpu_attention.py's sweep; its
+per-layer ops, for an A/B in one run), `decode_sync` (the decode section without async scheduling:
+each step's tokens reach the host before the next step is scheduled) and `attention` (benchmarks/gpu_attention.py's sweep; its
 chosen split policy holds for the sections after it). `--no-peers` skips HF in `offline`;
 `--models DIR` puts the random models' folders outside OUT (OUT keeps only a few files).
 Prints one table (figure, treeserve, peer or bound, ratio, target) and writes it with every raw
@@ -59,14 +60,19 @@ def free_device_memory() -> None:
 
 
 def run_tests(args) -> dict:
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *CUDA_TESTS]
+    command = [sys.executable, "-m", "pytest", "-v", "--durations=15", "-p", "no:cacheprovider", *CUDA_TESTS]
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    start = time.perf_counter()
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.tests_timeout)
-    (args.out / "tests.log").write_text(done.stdout + done.stderr)  # the whole of it, for what the tail cuts
-    tail = [line for line in (done.stdout + done.stderr).strip().splitlines() if "Warning: CUDA warning" not in line][-15:]
+    start, log = time.perf_counter(), args.out / "tests.log"
+    with log.open("w") as sink:  # written as it runs: a timeout keeps what ran (each test's name, -v)
+        try:
+            returncode = subprocess.run(command, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT,
+                                        timeout=args.tests_timeout).returncode
+        except subprocess.TimeoutExpired:
+            returncode = "timeout"
+    lines = [line for line in log.read_text().strip().splitlines() if "Warning: CUDA warning" not in line]
+    tail = [line for line in lines if " FAILED" in line or " ERROR" in line][:20] + lines[-15:]
     print("\n".join(tail))
-    return {"returncode": done.returncode, "seconds": time.perf_counter() - start, "tail": tail}
+    return {"returncode": returncode, "seconds": time.perf_counter() - start, "tail": tail}
 
 
 def offline_workload(count: int, vocab: int, seed: int, smoke: bool):
@@ -96,14 +102,15 @@ def run_offline(args, generator_dir: Path) -> dict:
     seconds = time.perf_counter() - start
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
     result = {"treeserve": {"seconds": seconds, "output_tokens": produced, "tok_s": produced / seconds,
-                            "backend": llm.engine.attention_backend, "cuda_graphs": llm.engine.runner.graphs is not None}}
+                            "backend": llm.engine.attention_backend, "cuda_graphs": llm.engine.runner.graphs is not None,
+                            "steps": llm.engine.num_steps, "steps_left_running": llm.engine.num_steps_left_running}}
     del llm, outputs
     free_device_memory()
     print(f"treeserve: {produced / seconds:,.0f} output tok/s ({seconds:.1f} s)")
-    device = torch.device(args.device)
-    model = gm.hf_model(generator_dir, dtype_of(args), device)
     if args.no_peers:
         return result
+    device = torch.device(args.device)
+    model = gm.hf_model(generator_dir, dtype_of(args), device)
     for name, run in (("hf_continuous", lambda: gm.hf_continuous(model, prompts, lengths, device.type == "cuda",
                                                                   args.hf_timeout)),
                       ("hf_static", lambda: gm.hf_static(model, prompts, lengths, args.hf_batch, device))):
@@ -122,11 +129,11 @@ def dtype_of(args) -> torch.dtype:
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
 
 
-def run_decode(args, generator_dir: Path) -> dict:
+def run_decode(args, generator_dir: Path, **options) -> dict:
     """Median decode-step time at each batch size once every sequence has ~`context` tokens."""
     device = torch.device(args.device)
     bandwidth = gm.copy_bandwidth(device, nbytes=(64 << 20) if args.smoke else (1 << 30))
-    llm = LLM(str(generator_dir), **engine_options(args))
+    llm = LLM(str(generator_dir), **engine_options(args, **options))
     engine = llm.engine
     weight_bytes = resident_bytes(engine.model)
     context = 48 if args.smoke else 1000
@@ -253,7 +260,8 @@ def table(results: dict) -> list[list[str]]:
         theirs = offline.get(peer, {}).get("tok_s")
         if ours and theirs:
             rows.append([f"offline tok/s vs {peer}", f"{ours:,.0f}", f"{theirs:,.0f}", f"{ours / theirs:.2f}x", target])
-    for section, label in (("decode_baseline", "decode step (unfused ops)"), ("decode", "decode step")):
+    for section, label in (("decode_baseline", "decode step (unfused ops)"), ("decode_sync", "decode step (sync scheduling)"),
+                           ("decode", "decode step")):
         for batch, row in results.get(section, {}).get("batches", {}).items():
             target = "<= 2x (goal 1.3x)" if int(batch) == 1 else "<= 2x"
             rows.append([f"{label}, batch {batch}", f"{row['step_ms']:.3f} ms", f"{row['bound_ms']:.3f} ms",
@@ -287,7 +295,7 @@ def parse_args(argv):
     parser.add_argument("--hf-batch", type=int, default=64)
     parser.add_argument("--no-peers", action="store_true", help="offline: treeserve only (no HF transformers runs)")
     parser.add_argument("--hf-timeout", type=float, default=240)
-    parser.add_argument("--tests-timeout", type=float, default=150)
+    parser.add_argument("--tests-timeout", type=float, default=240)
     parser.add_argument("--decode-batches", default="1,8,64,256")
     parser.add_argument("--decode-steps", type=int, default=24)
     parser.add_argument("--bundled-problems", type=int, default=32)
@@ -320,6 +328,7 @@ def main(argv=None) -> int:
     sections = {"tests": lambda: run_tests(args), "offline": lambda: run_offline(args, generator_dir),
                 "decode": lambda: run_decode(args, generator_dir), "bundled_search": lambda: run_bundled_search(args),
                 "decode_baseline": lambda: run_decode_baseline(args, generator_dir),
+                "decode_sync": lambda: run_decode(args, generator_dir, async_scheduling=False),
                 "attention": lambda: run_attention_sweep(args),
                 "founding_search": lambda: run_founding_search(args, generator_dir, verifier_dir)}
     for name in args.sections.split(","):

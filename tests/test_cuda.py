@@ -62,3 +62,21 @@ def test_search_on_cuda_in_a_tight_shared_arena_matches_the_cpu(tmp_path):
         assert x.chosen == y.chosen
         for a, b in zip(x.scores, y.scores):
             assert a == pytest.approx(b, abs=1e-4)
+
+
+@cuda
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_async_scheduling_on_cuda_gives_the_synchronous_outputs(tiny_model_dirs, family):
+    """On the device the next step's inputs take the sampled ids behind the running step on the
+    stream (CUDA graphs replayed for its decode steps): the outputs equal a synchronous engine's."""
+    from test_async_output import PROMPTS, _params
+    from test_async_scheduling import _assert_same
+
+    path, options = str(tiny_model_dirs[family]), dict(dtype="float32", device="cuda", kv_cache_memory_bytes=8 << 20)
+    sync = LLM(path, async_scheduling=False, **options)
+    overlapped = LLM(path, **options)
+    assert overlapped.engine.async_scheduling and overlapped.engine.runner.graphs is not None
+    expected = sync.generate(PROMPTS, _params(), use_tqdm=False)
+    _assert_same(overlapped.generate(PROMPTS, _params(), use_tqdm=False), expected)
+    assert overlapped.engine.num_steps_left_running > 0
+    assert_no_leak(overlapped.engine)

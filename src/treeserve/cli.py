@@ -34,6 +34,9 @@ def _add_engine_args(parser: argparse.ArgumentParser, several_models: bool = Fal
                         help="auto: Triton kernels on CUDA, PyTorch (and treeserve's C kernels) on CPU; "
                         "or TREESERVE_ATTENTION_BACKEND")
     parser.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="schedule and launch each step before the previous one's tokens reach the host "
+                        "(default: on for CUDA without tensor parallelism)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="split each model over this many ranks (processes; one GPU each on CUDA)")
     parser.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default="mp",
@@ -46,7 +49,7 @@ def _engine_options(args) -> dict:
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 kv_cache_memory_bytes=args.kv_cache_memory_bytes, block_size=args.block_size,
                 enable_prefix_caching=not args.no_prefix_caching, attention_backend=args.attention_backend,
-                enforce_eager=args.enforce_eager, **parallel_options(args))
+                enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling, **parallel_options(args))
 
 
 def parallel_options(args) -> dict:

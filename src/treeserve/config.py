@@ -36,6 +36,9 @@ class EngineConfig:
     # A step's text (detokenizing, RequestOutputs) made while the device runs the next step; None:
     # on CUDA only (on CPU nothing runs meanwhile).
     async_output_processing: bool | None = None
+    # Async scheduling: step N+1 scheduled and launched before step N's sampled tokens reach the host
+    # (its inputs take them on the device); None: on CUDA without tensor parallelism.
+    async_scheduling: bool | None = None
     # Tensor parallelism: the model split over this many ranks (processes; one GPU each on CUDA)
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"  # "mp": worker processes on this machine; "ray": Ray actors
@@ -66,8 +69,9 @@ class EngineConfig:
                              f"must be 'mp' or 'ray', got {self.distributed_executor_backend!r}")
         if self.threads_per_rank is not None and (not isinstance(self.threads_per_rank, int) or self.threads_per_rank < 1):
             raise ParamError("threads_per_rank", f"must be an integer >= 1, got {self.threads_per_rank!r}")
-        if self.async_output_processing not in (None, True, False):
-            raise ParamError("async_output_processing", f"must be true, false or null, got {self.async_output_processing!r}")
+        for name in ("async_output_processing", "async_scheduling"):
+            if getattr(self, name) not in (None, True, False):
+                raise ParamError(name, f"must be true, false or null, got {getattr(self, name)!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ParamError("load_format", f"must be 'auto' or 'dummy', got {self.load_format!r}")
         if str(self.device) not in ("auto", "cpu") and not str(self.device).startswith("cuda"):

@@ -84,6 +84,10 @@ class KVCacheManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int, prefix: CachedPrefix | None = None) -> bool:
         """Reserves KV slots for `num_new_tokens` more tokens; False (and no change) if the pool is short."""
+        table = self.block_tables.get(request.request_id)
+        if prefix is None and table and self._fits_in_table(request, table, num_new_tokens):
+            self.free_behind_window(request)  # a decode within its last block: nothing to allocate
+            return True
         if self._shortfall(request, num_new_tokens, prefix) > 0:
             return False
         table = self.block_tables.setdefault(request.request_id, [])
@@ -97,6 +101,10 @@ class KVCacheManager:
             table.extend(self.pool.allocate(needed, self.owner))
         self.free_behind_window(request)
         return True
+
+    def _fits_in_table(self, request: Request, table: list[KVBlock], num_new_tokens: int) -> bool:
+        computed = request.num_computed_tokens
+        return computed + num_new_tokens <= len(table) * self.block_size and self._shared_tail_index(table, computed) is None
 
     def free_behind_window(self, request: Request) -> None:
         """Frees the request's blocks that no layer reads again: the next query, at position

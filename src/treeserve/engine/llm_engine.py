@@ -81,6 +81,13 @@ class LLMEngine:
         self.async_output = self.device.type == "cuda" if async_output is None else async_output
         self._deferred_text: list[Request] = []  # sampled last step, text not made yet
         self._deferred_groups: dict[str, RequestGroup] = {}
+        scheduling = config.async_scheduling
+        self.async_scheduling = (self.device.type == "cuda" and self.executor is None) if scheduling is None \
+            else scheduling
+        if self.async_scheduling and self.executor is not None:
+            raise ParamError("async_scheduling", "is not supported with tensor parallelism")
+        self._in_flight = None  # (scheduler output, launched step) of a step whose results are not applied yet
+        self.num_steps_left_running = 0  # steps whose successor was launched before their results were applied
         self.model_dir = model_dir
         if not defer_kv:
             self.attach_kv(self.standalone_kv_space())
@@ -324,19 +331,29 @@ class LLMEngine:
         for request in group.children + ([group.shared_prefill] if group.shared_prefill else []):
             self.scheduler.finish(request, "abort")
             self._group_of.pop(request.request_id, None)
+        if self._in_flight is not None and all(item.request.is_finished for item in self._in_flight[0].scheduled):
+            self._in_flight = None  # nothing of it is wanted: its work on the device ends unread
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._deferred_groups)
+        return self.scheduler.has_unfinished() or bool(self._deferred_groups) or self._in_flight is not None
 
     # ---- stepping -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One scheduler step. With async output processing, the text of the previous step's
         tokens (and its groups' outputs) is made while the device runs this step, and returned
         with this step's outputs that need no text; a request with stop strings has its text made
-        at once (a stop string ends it before the next schedule)."""
+        at once (a stop string ends it before the next schedule).
+
+        With async scheduling, a step whose samples need nothing from the host before the next one
+        (no grammar, no penalties) is left running: the next call schedules and launches the step
+        after it (its inputs take the sampled ids on the device), then applies this one's results
+        while the device runs that one. A request whose step in flight ends it (a stop token, a stop
+        string) may have computed one token more, which is dropped."""
         sched = self.scheduler.schedule()
         self.last_step_num_tokens = sched.num_tokens
         if not sched:
+            if self._in_flight is not None:
+                return self._land_in_flight()
             if self.scheduler.waiting and not self.scheduler.running and not sched.preempted:
                 raise RuntimeError(
                     f"KV pool exhausted: {len(self.scheduler.waiting)} request(s) wait and none can be scheduled "
@@ -350,16 +367,55 @@ class LLMEngine:
             if self.executor is not None:
                 self.executor.send_step(self.model_key, step)
             launched = self.runner.launch(step)
-        earlier = self._deferred_outputs()
+        earlier = self._land_in_flight() if self._in_flight is not None else self._deferred_outputs()
+        if self._may_leave_running(sched):
+            self._advance(sched)
+            self.num_steps_left_running += 1
+            self._in_flight = (sched, launched)
+            return earlier
         with self._workers_guard():
             result = self.runner.wait(launched)
         touched = self._apply(sched, result)
         return earlier + [self._make_output(g) for g in touched.values()
                           if g.request_id not in self._deferred_groups and _wants_output(g)]
 
-    def _apply(self, sched, result) -> dict[str, RequestGroup]:
-        """The step's results into the requests (computed tokens, cached blocks, logits, sampled
-        tokens, finishes); returns the groups it touched."""
+    def _may_leave_running(self, sched) -> bool:
+        """Async scheduling, some request samples this step, none is prefill-only (a verifier's
+        readouts come back at once), and none needs its token on the host before its next step
+        can be built (a grammar's next mask, penalties' token counts)."""
+        if not self.async_scheduling or any(item.request.prefill_only for item in sched.scheduled):
+            return False
+        sampling = [item.request for item in sched.scheduled if item.completes_sequence]
+        return bool(sampling) and not any(r.matcher is not None or _penalized(r.sampling_params) for r in sampling)
+
+    def _advance(self, sched) -> None:
+        """What the next schedule must see of a step left running: its tokens computed (their full
+        blocks cached, blocks behind a window freed: any later step that reads or reuses them runs
+        after this one on the device), and the token each request samples, in flight."""
+        for item in sched.scheduled:
+            request = item.request
+            if request.is_finished:
+                continue
+            samples = item.completes_sequence
+            request.num_computed_tokens += item.num_new_tokens
+            request.num_in_flight += samples
+            self.kv.cache_full_blocks(request)
+            self.kv.free_behind_window(request)
+
+    def _land_in_flight(self) -> list[RequestOutput]:
+        """Waits for the step left running and applies its results; their outputs, text made."""
+        sched, launched = self._in_flight
+        self._in_flight = None
+        with self._workers_guard():
+            result = self.runner.wait(launched)
+        touched = self._apply(sched, result, advanced=True)
+        return [self._make_output(g) for g in touched.values()
+                if g.request_id not in self._deferred_groups and _wants_output(g)] + self._deferred_outputs()
+
+    def _apply(self, sched, result, advanced: bool = False) -> dict[str, RequestGroup]:
+        """The step's results into the requests (computed tokens unless `advanced` counted them,
+        cached blocks, logits, sampled tokens, finishes); returns the groups it touched. A request
+        finished meanwhile (aborted, or ended by the step before) takes nothing."""
         for req_id, position, logits in result.readouts:
             self.steps.request(req_id).prompt_logits[position] = logits
         for req_id, position, entry in result.prompt_logprobs:
@@ -367,7 +423,10 @@ class LLMEngine:
         touched: dict[str, RequestGroup] = {}
         for item in sched.scheduled:
             request = item.request
-            request.num_computed_tokens += item.num_new_tokens
+            if request.is_finished:
+                continue
+            if not advanced:
+                request.num_computed_tokens += item.num_new_tokens
             self.kv.cache_full_blocks(request)
             self.kv.free_behind_window(request)
             group = self._group_of[request.request_id]
@@ -377,6 +436,7 @@ class LLMEngine:
                     self._finish_prefill(group, request)
             elif request.request_id in result.sampled:
                 token_id, logprobs = result.sampled[request.request_id]
+                request.num_in_flight -= advanced
                 if self._append_token(request, token_id, logprobs):
                     self._deferred_groups[group.request_id] = group
         return touched
@@ -414,6 +474,7 @@ class LLMEngine:
         """Stops the tensor-parallel workers this engine started and drops its CUDA graphs."""
         if self._owns_executor and self.executor is not None:
             self.executor.shutdown()
+        self._in_flight = None
         if getattr(self, "runner", None) is not None:
             self.runner.graphs = None  # freed now, not by a later collection (steps after run eagerly)
 
@@ -464,6 +525,10 @@ class LLMEngine:
             for child in group.children:
                 self._group_of.pop(child.request_id, None)
         return output
+
+
+def _penalized(params: SamplingParams) -> bool:
+    return params.presence_penalty != 0 or params.frequency_penalty != 0 or params.repetition_penalty != 1
 
 
 def _wants_output(group: RequestGroup) -> bool:

@@ -13,7 +13,7 @@ from treeserve.engine.cuda_graphs import DecodeGraphs
 from treeserve.engine.input_batch import CachedRequestState, InputBatch
 from treeserve.engine.kv_arena import KVArena, kv_bytes_per_token
 from treeserve.engine.sampler import PendingSamples, Sampler
-from treeserve.engine.step_data import ModelRunnerOutput, StepData
+from treeserve.engine.step_data import IN_FLIGHT_TOKEN, ModelRunnerOutput, StepData
 from treeserve.model.decoder import DecoderForCausalLM
 from treeserve.model.transfer import to_device
 
@@ -30,6 +30,7 @@ class StepInputs:
     prompt_logprob_rows: list[tuple[CachedRequestState, int, int]] = field(default_factory=list)
     grammar_rows: list[int] = field(default_factory=list)  # rows of the sample batch that a grammar masks
     grammar_bitmask: torch.Tensor | None = None
+    in_flight_rows: list[tuple[int, str]] = field(default_factory=list)  # (row, request id): input token in flight
 
 
 @dataclass
@@ -37,6 +38,7 @@ class LaunchedStep:
     hidden: torch.Tensor
     inputs: StepInputs
     samples: PendingSamples | None
+    sample_positions: list[int] = field(default_factory=list)  # where each sampled token goes in its request
 
 
 def kv_bytes_per_block(model: DecoderForCausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -54,6 +56,7 @@ class ModelRunner:
         self.backend = model.backend
         self.graphs = graphs
         self.batch = InputBatch()
+        self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None  # last step's ids on the device, rows
 
     @property
     def decode_group_max_keys(self) -> int | None:
@@ -76,8 +79,23 @@ class ModelRunner:
         self.batch.update(step)
         self.arena.copy_pages(step.block_copies)
         inputs = self.prepare_inputs(step)
+        self._take_in_flight(inputs)
         hidden = self._forward(inputs)
-        return LaunchedStep(hidden, inputs, self._sample(hidden, inputs))
+        samples = self._sample(hidden, inputs)
+        self._last_sampled = None if samples is None else (
+            samples.token_ids, {state.request_id: i for i, state in enumerate(inputs.sample_requests)})
+        return LaunchedStep(hidden, inputs, samples, [state.num_tokens for state in inputs.sample_requests])
+
+    def _take_in_flight(self, inputs: StepInputs) -> None:
+        """Input tokens that the previous step is still sampling (async scheduling): copied from its
+        sampled ids on the device, behind it on the stream."""
+        if not inputs.in_flight_rows:
+            return
+        if self._last_sampled is None:
+            raise RuntimeError("a step's input token is in flight, but the step before it sampled nothing")
+        tokens, row_of = self._last_sampled
+        pairs = to_device(torch.tensor([[row, row_of[rid]] for row, rid in inputs.in_flight_rows]).T, self.device)
+        inputs.input_ids[pairs[0]] = tokens[pairs[1]]
 
     @torch.inference_mode()
     def wait(self, launched: LaunchedStep) -> ModelRunnerOutput:
@@ -88,6 +106,7 @@ class ModelRunner:
             result = launched.samples.result()
             out.sampled = {r.request_id: (t, lp) for r, t, lp in zip(inputs.sample_requests, result.token_ids,
                                                                       result.logprobs)}
+            _fill_in_flight(inputs.sample_requests, launched.sample_positions, result.token_ids)
         out.readouts = self._readouts(hidden, inputs)
         if inputs.prompt_logprob_rows:
             entries = prompt_logprobs.compute(self.model.compute_logits, hidden, inputs.prompt_logprob_rows,
@@ -148,6 +167,8 @@ class ModelRunner:
             pos = state.num_computed_tokens
             table = state.block_ids[:pos // bs + 1]
             token_ids.append(state.token_ids[pos])
+            if token_ids[-1] == IN_FLIGHT_TOKEN:
+                inputs.in_flight_rows.append((len(token_ids) - 1, state.request_id))
             pos_list.append(self.model.rotary.rope_positions(state.num_prompt_tokens, pos))
             slot_list.append(table[-1] * bs + pos % bs)
             builder.add_decode(pos + 1, table)
@@ -160,6 +181,8 @@ class ModelRunner:
         first = state.num_computed_tokens
         start_row = len(token_ids)
         token_ids.extend(state.token_ids[first:first + count])
+        if IN_FLIGHT_TOKEN in token_ids[start_row:]:
+            raise RuntimeError(f"request {state.request_id!r}: a prefill chunk holds a token still in flight")
         pos = torch.arange(first, first + count, dtype=torch.long)
         context_len = first + count
         table = state.block_ids[:-(-context_len // bs)]
@@ -191,3 +214,10 @@ class ModelRunner:
         row_of = {state.request_id: i for i, state in enumerate(inputs.sample_requests)}
         inputs.grammar_rows = [row_of[rid] for rid in step.grammar_req_ids]
         inputs.grammar_bitmask = step.grammar_bitmask
+
+
+def _fill_in_flight(states: list[CachedRequestState], positions: list[int], token_ids: list[int]) -> None:
+    """The runner's own copies of tokens it was given in flight, now known."""
+    for state, position, token_id in zip(states, positions, token_ids):
+        if position < len(state.token_ids) and state.token_ids[position] == IN_FLIGHT_TOKEN:
+            state.token_ids[position] = token_id

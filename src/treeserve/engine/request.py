@@ -53,6 +53,7 @@ class Request:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     num_passed_over: int = 0            # times later waiting requests were admitted first (cache-aware order)
+    num_in_flight: int = 0              # tokens sampled by a step still running (async scheduling), not known yet
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     generator: torch.Generator | None = None
@@ -87,7 +88,13 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.all_token_ids)
+        """Known tokens, and the one a running step is sampling (async scheduling)."""
+        return len(self.all_token_ids) + self.num_in_flight
+
+    @property
+    def ends_with_in_flight(self) -> bool:
+        """The token in flight is its last (max_tokens): nothing more to schedule for it."""
+        return self.num_in_flight > 0 and self.num_output_tokens + self.num_in_flight >= self.max_tokens
 
     @property
     def num_output_tokens(self) -> int:
@@ -107,7 +114,7 @@ class Request:
         computed by this request itself."""
         if self.prompt_logprob_ids is not None:
             return 0  # every prompt position's logits are wanted (engine/prompt_logprobs.py)
-        limit = self.num_tokens - 1
+        limit = len(self.all_token_ids) - 1
         if self.logits_positions:
             limit = min(limit, self.logits_positions[0])
         return limit // block_size

@@ -29,6 +29,7 @@ class PendingSamples:
     """A step's sampled ids (and logprobs) on their way to the host; `result()` waits for them."""
 
     def __init__(self, token_ids: torch.Tensor, logprobs, requests: list[CachedRequestState]):
+        self.token_ids = token_ids  # on the device: the next step's inputs may take them there (async scheduling)
         parts = [token_ids] + (list(logprobs[1:]) if logprobs is not None else [])
         self._copy, self._logprobs, self._requests = HostCopy(parts), logprobs, requests
 

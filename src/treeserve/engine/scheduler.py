@@ -87,6 +87,9 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0 or request.ends_with_in_flight:  # (async scheduling) it waits for its last step
+                index += 1
+                continue
             while not self.kv.allocate_slots(request, num_new):
                 if self.reclaim():
                     continue

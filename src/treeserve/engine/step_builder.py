@@ -8,7 +8,7 @@ from treeserve.engine import structured_outputs
 from treeserve.engine.kv_cache_manager import KVCacheManager
 from treeserve.engine.request import Request
 from treeserve.engine.scheduler import SchedulerOutput
-from treeserve.engine.step_data import CachedRequestData, NewRequestData, StepData
+from treeserve.engine.step_data import IN_FLIGHT_TOKEN, CachedRequestData, NewRequestData, StepData
 
 
 @dataclass
@@ -50,14 +50,14 @@ class StepBuilder:
         sent = self._sent.get(rid)
         if sent is None or sent.request is not request:
             step.new_requests.append(NewRequestData(
-                rid, list(request.all_token_ids), request.num_prompt_tokens, blocks, request.num_computed_tokens,
+                rid, request.all_token_ids + _in_flight(request), request.num_prompt_tokens, blocks, request.num_computed_tokens,
                 request.sampling_params, request.eos_token_ids, request.prefill_only, request.logits_positions,
                 request.readout_token_ids, request.prompt_logprob_ids))
             self._sent[rid] = _Sent(request, request.num_tokens, blocks)
             return
         keep = _common_prefix(sent.block_ids, blocks)
-        step.cached_requests.append(CachedRequestData(rid, request.all_token_ids[sent.num_tokens:], keep, blocks[keep:],
-                                                      request.num_computed_tokens))
+        new_tokens = request.all_token_ids[sent.num_tokens:] + _in_flight(request)
+        step.cached_requests.append(CachedRequestData(rid, new_tokens, keep, blocks[keep:], request.num_computed_tokens))
         sent.num_tokens, sent.block_ids = request.num_tokens, blocks
 
     def _add_grammar_masks(self, sched: SchedulerOutput, step: StepData) -> None:
@@ -67,6 +67,10 @@ class StepBuilder:
         if rows:
             step.grammar_req_ids = [r.request_id for r in rows]
             step.grammar_bitmask = structured_outputs.bitmask([r.matcher for r in rows], self.vocab_size)
+
+
+def _in_flight(request: Request) -> list[int]:
+    return [IN_FLIGHT_TOKEN] * request.num_in_flight
 
 
 def _common_prefix(old: list[int], new: list[int]) -> int:

@@ -15,6 +15,10 @@ import torch
 
 from treeserve.sampling_params import SamplingParams
 
+# A token sampled by the step still running on the device (async scheduling): the runner takes its
+# value from that step's sampled ids on the device, and fills it in when the step's results arrive.
+IN_FLIGHT_TOKEN = -1
+
 
 @dataclass
 class NewRequestData:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from treeserve.model.hf_config import ModelConfig
@@ -18,7 +19,7 @@ from treeserve.model.transfer import to_device
 MAX_SPLITS = 32
 # decode-only steps split keys until there are this many programs per multiprocessor (measured on an
 # H200 by benchmarks/gpu_attention.py: see docs/BENCHMARKS.md)
-SPLIT_PROGRAMS_PER_SM = 1
+SPLIT_PROGRAMS_PER_SM = 4  # H200 sweep, 2026-11-26 (docs/BENCHMARKS.md): split below 4 programs per SM
 
 
 @dataclass
@@ -50,9 +51,9 @@ class TritonMetadataBuilder:
 
     def build(self, slot_mapping: torch.Tensor) -> TritonMetadata:
         width = max((len(t) for t in self.tables), default=1)
-        tables = torch.zeros(len(self.tables), width, dtype=torch.int32)
-        for row, table in enumerate(self.tables):
-            tables[row, :len(table)] = torch.tensor(table, dtype=torch.int32)
+        # one conversion of the padded lists (numpy's is ~10x faster than a tensor per row)
+        tables = torch.from_numpy(np.array([t + [0] * (width - len(t)) for t in self.tables], dtype=np.int32)
+                                  .reshape(len(self.tables), width))
         starts = torch.zeros(len(self.query_lens) + 1, dtype=torch.int32)
         starts[1:] = torch.tensor(self.query_lens, dtype=torch.int32).cumsum(0)
         max_query_len = max(self.query_lens, default=0)

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 TILE_N = 32
-DECODE_TILE_N = 128  # keys per tile in the split-KV decode kernel (benchmarks/gpu_attention.py, docs/BENCHMARKS.md)
+DECODE_TILE_N = 64  # keys per tile in the split-KV decode kernel (benchmarks/gpu_attention.py, docs/BENCHMARKS.md)
 BLOCK_M = 16  # query rows of one program (positions x query heads of a group), at least 16 for tl.dot
 
 
