@@ -34,8 +34,11 @@ from treeserve.search.config import STEP_DELIMITER
 from treeserve.tasks.arithmetic import (GRID_MAX_OPERATIONS, GRID_OPERATORS, Problem, corrupted_steps, generate,
                                         grid_problems, local_reference_steps, local_step_labels,
                                         local_step_results, step_labels)
+from treeserve.tasks.router import CHAT_TEMPLATE as ROUTER_CHAT_TEMPLATE
+from treeserve.tasks.router import SPECIAL_TOKENS as ROUTER_SPECIAL_TOKENS
+from treeserve.tasks.router import RouterExample, router_example, tool_names
 from treeserve.tasks.slips import KINDS, plant
-from treeserve.tasks.tokenizer import train_task_tokenizer
+from treeserve.tasks.tokenizer import train_bpe_tokenizer, train_task_tokenizer
 from treeserve.tasks.training import (FORMATS, IGNORE, GENERATOR_SHAPE, PRM_EXTRA_LAYERS, PRMLossWeights, Schedule,
                                       add_training_heads, chat_ids, collate, drop_training_heads, grow, lm_loss,
                                       new_model, one_level_batch, prm_example, prm_loss,
@@ -74,6 +77,76 @@ def train_language_model(tokenizer, args) -> tuple[Path, Path]:
     train(model, next_batch, lm_loss, Schedule(args.lm_steps, args.batch_size, lr=args.gen_lr), log=log,
           after_step=after_step, autocast=args.autocast)
     return gen_path, save(model, tokenizer, final_path)
+
+
+def router_prompt(tokenizer, question: str, tools: tuple[str, ...]) -> str:
+    """The router's prompt as the server renders tools mode's request (the gateway's system prompt
+    and tool definitions, through the pydantic request model and `render_chat`); with no tokenizer,
+    rendered by the router's own template (its tokenizer's corpus)."""
+    from treeserve.entrypoints.chat_utils import render_chat
+    from treeserve.gateway.chat.tools import ANSWER, HTTP_TOOLS, ROUTER_PROMPT, SYMPY
+    from treeserve.server.protocol import Tool
+
+    if tokenizer is None:
+        from transformers import PreTrainedTokenizerFast
+        from tokenizers import Tokenizer, models
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"x": 0}, "x")),
+                                            bos_token="<|bos|>")
+        tokenizer.chat_template = ROUTER_CHAT_TEMPLATE
+    definitions = [SYMPY, *(HTTP_TOOLS[name] for name in sorted(tools)), ANSWER]
+    return render_chat(tokenizer, [{"role": "system", "content": ROUTER_PROMPT}, {"role": "user", "content": question}],
+                       [Tool.model_validate(d).model_dump(exclude_none=True) for d in definitions])
+
+
+def router_sft_example(tokenizer, example: RouterExample, tools: tuple[str, ...]) -> tuple[list[int], list[int]]:
+    prompt = tokenizer.encode(router_prompt(tokenizer, example.question, tools), add_special_tokens=False)
+    answer = tokenizer.encode(example.target, add_special_tokens=False) + [tokenizer.eos_token_id]
+    return prompt + answer, [IGNORE] * len(prompt) + answer
+
+
+def train_router(args) -> Path:
+    """The tool router (`builtin:arith-router`): its own tokenizer and a small model trained from
+    scratch on tools mode's prompts and the calls the server's grammar writes."""
+    rng = random.Random(f"router:{args.seed}")
+    every_tool = ("weather", "wikipedia")
+    examples = [router_example(rng, every_tool) for _ in range(3000)]
+    corpus = [e.question + "\n" + e.target for e in examples] + [router_prompt(None, "", every_tool)] * 50
+    # bare digits: an expression is the same tokens in the message and in the call (copying is matching)
+    tokenizer = train_bpe_tokenizer(corpus, 2000, ROUTER_SPECIAL_TOKENS, "<|im_end|>", ROUTER_CHAT_TEMPLATE,
+                                    digits="[0-9]")
+    longest = max(len(router_sft_example(tokenizer, router_example(rng, ("weather", "wikipedia")),
+                                         ("weather", "wikipedia"))[0]) for _ in range(50))
+    model = new_model(tokenizer, GENERATOR_SHAPE, args.seed, max_positions=1024)
+    log(f"router: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, vocabulary {len(tokenizer)}, "
+        f"longest prompt with every tool ~{longest} tokens")
+
+    def next_batch(step: int):
+        examples = []
+        for _ in range(args.router_batch_size):
+            tools = tool_names(rng)
+            examples.append(router_sft_example(tokenizer, router_example(rng, tools), tools))
+        return collate(examples, tokenizer.pad_token_id)
+
+    train(model, next_batch, lm_loss, Schedule(args.router_steps, args.router_batch_size, lr=args.gen_lr), log=log,
+          autocast=args.autocast)
+    return save(model, tokenizer, args.out / "arith-router")
+
+
+def router_accuracy(path: Path, count: int, seed: int) -> dict:
+    """Greedy calls (no grammar) on fresh messages, exactly the expected text, by kind of call."""
+    rng = random.Random(f"router-eval:{seed}")
+    llm = LLM(str(path), dtype="float32", device="cpu", kv_cache_memory_bytes=256 << 20)
+    tokenizer = llm.get_tokenizer()
+    cases = [(tools, router_example(rng, tools)) for tools in (tool_names(rng) for _ in range(count))]
+    prompts = [{"prompt_token_ids": tokenizer.encode(router_prompt(tokenizer, e.question, tools), add_special_tokens=False)}
+               for tools, e in cases]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=120), use_tqdm=False)
+    right: dict[str, list[bool]] = {}
+    for (_, example), output in zip(cases, outputs):
+        kind = example.arguments.get("operation", example.name)
+        right.setdefault(kind, []).append(output.outputs[0].text.strip() == example.target)
+    return {kind: round(sum(v) / len(v), 3) for kind, v in sorted(right.items())} | {
+        "all": round(sum(sum(v) for v in right.values()) / count, 3)}
 
 
 def sample_solutions(gen_path: Path, problems: list[Problem], params: SamplingParams) -> list[list[list[str]]]:
@@ -347,7 +420,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prm-problems", type=int, default=4000)
     parser.add_argument("--prm-samples", type=int, default=4)
     parser.add_argument("--eval-problems", type=int, default=200)
-    parser.add_argument("--stages", default="lm,prm", help="comma-separated: lm, prm")
+    parser.add_argument("--stages", default="lm,prm",
+                        help="comma-separated: lm, prm, router (the tool router: not bundled yet, see README)")
+    parser.add_argument("--router-steps", type=int, default=2200, help="the tool router's training steps")
+    parser.add_argument("--router-batch-size", type=int, default=16,
+                        help="the tool router's batch (its prompts, tools mode's tools, are ~300-500 tokens)")
     parser.add_argument("--format", choices=FORMATS, default="levels",
                         help="problems to train and validate on: the curriculum's levels (2-6 operations; the "
                              "bundled pair), or the whole format (1-8 operations of any mix of + - *, starts 0-99, "
@@ -371,14 +448,20 @@ def main(argv: list[str] | None = None) -> int:
         gen_path, final_path = train_language_model(tokenizer, args)
     else:
         gen_path, final_path = args.out / "arith-gen", args.work / "lm-final"
-    report = {"seed": args.seed, "autocast": str(args.autocast),
-              "generator_greedy_validation": greedy_accuracy(gen_path, args.eval_problems, args.whole)}
-    log(f"generator greedy accuracy on {args.eval_problems} validation problems: {report['generator_greedy_validation']}")
+    report = {"seed": args.seed, "autocast": str(args.autocast)}
+    if "lm" in stages or "prm" in stages:
+        report["generator_greedy_validation"] = greedy_accuracy(gen_path, args.eval_problems, args.whole)
+        log(f"generator greedy accuracy on {args.eval_problems} validation problems: "
+            f"{report['generator_greedy_validation']}")
     if "prm" in stages:
         prm_path = train_prm(tokenizer, final_path, prm_dataset(tokenizer, gen_path, args), args)
         report["prm_auc_validation_samples"] = prm_auc(gen_path, prm_path, args.eval_problems, args.seed, args.prm_labels,
                                                       args.whole)
         log(f"PRM AUC on the generator's validation samples: {report['prm_auc_validation_samples']}")
+    if "router" in stages:
+        router_path = train_router(args)
+        report["router_exact_calls_validation"] = router_accuracy(router_path, args.eval_problems, args.seed)
+        log(f"router: exact calls on {args.eval_problems} fresh messages: {report['router_exact_calls_validation']}")
     report["seconds"] = round(time.perf_counter() - start)
     args.work.mkdir(parents=True, exist_ok=True)
     (args.work / "training.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -1,4 +1,5 @@
-"""scripts/train_arith.py end to end at toy sizes: every stage runs and writes checkpoints treeserve loads."""
+"""scripts/train_arith.py end to end at toy sizes: every stage (language model, PRM, tool router) runs and
+writes checkpoints treeserve loads."""
 import importlib.util
 import json
 from pathlib import Path
@@ -25,10 +26,15 @@ def test_training_script_writes_a_plain_generator_and_prm(tmp_path, data):
     out, work = tmp_path / "models", tmp_path / "work"
     toy = ["--lm-steps", "3", "--gen-step", "2", "--eval-every", "0", "--batch-size", "4", "--eval-problems", "5",
            "--prm-reference-steps", "2", "--prm-steps", "2", "--prm-problems", "6", "--prm-samples", "2",
-           "--prm-operator-weight", "1", "--prm-token-weight", "0.5", *data]
+           "--prm-operator-weight", "1", "--prm-token-weight", "0.5", "--stages", "lm,prm,router",
+           "--router-steps", "2", "--router-batch-size", "2",
+           *data]
     assert _load_script().main(["--out", str(out), "--work", str(work), *toy]) == 0
     report = json.loads((work / "training.json").read_text())
     assert set(report["prm_auc_validation_samples"]) == {"pooled", "siblings", "solutions_by_min"}
+    assert 0 <= report["router_exact_calls_validation"]["all"] <= 1
+    router = json.loads((out / "arith-router" / "tokenizer_config.json").read_text())
+    assert router["eos_token"] == "<|im_end|>" and (out / "arith-router" / "chat_template.jinja").is_file()
     config = json.loads((out / "arith-prm" / "config.json").read_text())
     assert config["prm_recipe"] == "chat-steps" and config["prm_aggregation"] == "min"
     with safe_open(str(out / "arith-prm" / "model.safetensors"), "pt") as weights:

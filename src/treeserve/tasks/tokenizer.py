@@ -24,19 +24,27 @@ def task_corpus(num_problems: int = 2000, seed: int = 0) -> list[str]:
 
 def train_task_tokenizer(vocab_size: int = 400, seed: int = 0):
     """A `PreTrainedTokenizerFast` whose end-of-sequence token is the end of a chat turn."""
+    return train_bpe_tokenizer(task_corpus(seed=seed), vocab_size, SPECIAL_TOKENS, "<|end|>", CHAT_TEMPLATE)
+
+
+def train_bpe_tokenizer(corpus: list[str], vocab_size: int, special_tokens: list[str], eos_token: str,
+                        chat_template: str, digits: str = " ?[0-9]"):
+    """Byte-level BPE over `corpus`, one digit per token (by default a number's leading space rides
+    on its first digit; `digits="[0-9]"` keeps digits bare, so a number reads the same tokens
+    wherever it stands); `special_tokens` start with the pad and bos tokens."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(" ?[0-9]"), behavior="isolated"),  # one digit per token, with its space
+        pre_tokenizers.Split(Regex(digits), behavior="isolated"),  # one digit per token
         pre_tokenizers.ByteLevel(add_prefix_space=False),
     ])
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special_tokens,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tokenizer.train_from_iterator(task_corpus(seed=seed), trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<|bos|>", eos_token="<|end|>",
-                                   pad_token="<|pad|>", clean_up_tokenization_spaces=False)
-    fast.chat_template = CHAT_TEMPLATE
+    tokenizer.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token=special_tokens[0], bos_token=special_tokens[1],
+                                   eos_token=eos_token, clean_up_tokenization_spaces=False)
+    fast.chat_template = chat_template
     return fast

@@ -49,13 +49,13 @@ class Schedule:
         return self.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def new_model(tokenizer, shape: ModelShape, seed: int):
+def new_model(tokenizer, shape: ModelShape, seed: int, max_positions: int = 512):
     import transformers
 
     config = transformers.LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
         num_hidden_layers=shape.num_hidden_layers, num_attention_heads=shape.num_attention_heads,
-        num_key_value_heads=shape.num_attention_heads, max_position_embeddings=512, rms_norm_eps=1e-5,
+        num_key_value_heads=shape.num_attention_heads, max_position_embeddings=max_positions, rms_norm_eps=1e-5,
         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, initializer_range=0.02)
     torch.manual_seed(seed)
