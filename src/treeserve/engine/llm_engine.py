@@ -344,8 +344,8 @@ class LLMEngine:
         with this step's outputs that need no text; a request with stop strings has its text made
         at once (a stop string ends it before the next schedule).
 
-        With async scheduling, a step whose samples need nothing from the host before the next one
-        (no grammar, no penalties) is left running: the next call schedules and launches the step
+        With async scheduling, a sampling step whose samples need nothing from the host before the
+        next one (no grammar, no penalties) and that holds no prefill-only request is left running: the next call schedules and launches the step
         after it (its inputs take the sampled ids on the device), then applies this one's results
         while the device runs that one. A request whose step in flight ends it (a stop token, a stop
         string) may have computed one token more, which is dropped."""
