@@ -10,14 +10,17 @@ corrupted step (clean labels), then on the generator's samples plus reference so
 says whether the step itself is right given the step before it (`--prm-labels local`, the default;
 the PRM's config.json then names `min` as its aggregation) or whether the solution is right so far
 (`process`). Training-only heads (see `treeserve.tasks.training.prm_loss`) supervise the value
-each step computes, whether the step itself is right and, with `--prm-operator-weight`, the operator
-the question gives the step. Writes both checkpoints in Hugging Face format.
+each step computes, whether the step itself is right and, with `--prm-operator-weight` and
+`--prm-operand-weight`, the operator and operand the question gives the step. Writes both checkpoints
+in Hugging Face format. `--stages router` trains the tool router instead (`builtin:arith-router`):
 
     python scripts/train_arith.py --out src/treeserve/models [--seed 0]
+    python scripts/train_arith.py --out src/treeserve/models --stages router
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import random
@@ -35,6 +38,7 @@ from treeserve.tasks.arithmetic import (GRID_MAX_OPERATIONS, GRID_OPERATORS, Pro
                                         grid_problems, local_reference_steps, local_step_labels,
                                         local_step_results, step_labels)
 from treeserve.tasks.router import CHAT_TEMPLATE as ROUTER_CHAT_TEMPLATE
+from treeserve.tasks.router import PIECES as ROUTER_PIECES
 from treeserve.tasks.router import SPECIAL_TOKENS as ROUTER_SPECIAL_TOKENS
 from treeserve.tasks.router import RouterExample, router_example, tool_names
 from treeserve.tasks.slips import KINDS, plant
@@ -42,7 +46,8 @@ from treeserve.tasks.tokenizer import train_bpe_tokenizer, train_task_tokenizer
 from treeserve.tasks.training import (FORMATS, IGNORE, GENERATOR_SHAPE, PRM_EXTRA_LAYERS, PRMLossWeights, Schedule,
                                       add_training_heads, chat_ids, collate, drop_training_heads, grow, lm_loss,
                                       new_model, one_level_batch, prm_example, prm_loss,
-                                      prm_reading_example, save, sft_example, train,
+                                      prm_reading_example, save, sft_example, shared_prefix_loss,
+                                      split_shared_prefix, train,
                                       train_problems)
 
 
@@ -113,22 +118,24 @@ def train_router(args) -> Path:
     corpus = [e.question + "\n" + e.target for e in examples] + [router_prompt(None, "", every_tool)] * 50
     # bare digits: an expression is the same tokens in the message and in the call (copying is matching)
     tokenizer = train_bpe_tokenizer(corpus, 2000, ROUTER_SPECIAL_TOKENS, "<|im_end|>", ROUTER_CHAT_TEMPLATE,
-                                    digits="[0-9]")
+                                    pieces=ROUTER_PIECES)
     longest = max(len(router_sft_example(tokenizer, router_example(rng, ("weather", "wikipedia")),
                                          ("weather", "wikipedia"))[0]) for _ in range(50))
-    model = new_model(tokenizer, GENERATOR_SHAPE, args.seed, max_positions=1024)
+    shape = dataclasses.replace(GENERATOR_SHAPE, num_hidden_layers=args.router_layers)
+    # untied: a variable's name is copied from the message, never predicted from its context, and
+    # tied embeddings let the six names collapse into one (see new_model)
+    model = new_model(tokenizer, shape, args.seed, max_positions=1024, tie_embeddings=False)
     log(f"router: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, vocabulary {len(tokenizer)}, "
         f"longest prompt with every tool ~{longest} tokens")
 
-    def next_batch(step: int):
-        examples = []
-        for _ in range(args.router_batch_size):
-            tools = tool_names(rng)
-            examples.append(router_sft_example(tokenizer, router_example(rng, tools), tools))
-        return collate(examples, tokenizer.pad_token_id)
+    def next_batch(step: int):  # one set of tools a batch: the rows share their system prompt, run once
+        tools = tool_names(rng)
+        examples = [router_sft_example(tokenizer, router_example(rng, tools), tools)
+                    for _ in range(args.router_batch_size)]
+        return split_shared_prefix(examples, tokenizer.pad_token_id)
 
-    train(model, next_batch, lm_loss, Schedule(args.router_steps, args.router_batch_size, lr=args.gen_lr), log=log,
-          autocast=args.autocast)
+    train(model, next_batch, shared_prefix_loss, Schedule(args.router_steps, args.router_batch_size, lr=args.gen_lr),
+          log=log, autocast=args.autocast)
     return save(model, tokenizer, args.out / "arith-router")
 
 
@@ -202,7 +209,8 @@ def labelled_example(tokenizer, problem: Problem, steps: list[str], args):
     try:
         return prm_example(tokenizer, problem.text, steps, labels, results, local_step_labels(problem, steps),
                            expected, args.prm_recipe, carry_errors=not local,
-                           operators=[op.operator for op in problem.operations])  # none past them
+                           operators=[op.operator for op in problem.operations],  # none past them
+                           operands=[op.operand for op in problem.operations])
     except ValueError:  # a sample whose text does not survive rendering and re-tokenizing
         return None
 
@@ -283,7 +291,7 @@ def train_prm(tokenizer, base_path: Path, examples, args) -> Path:
         f"{model.config._attn_implementation} attention")
     add_training_heads(model, base.config.num_hidden_layers + args.prm_result_layer,
                        base.config.num_hidden_layers + args.prm_result_layer + 1,
-                       base.config.num_hidden_layers + args.prm_operator_layer)
+                       base.config.num_hidden_layers + args.prm_operator_layer, operand=args.prm_operand_weight > 0)
     if args.prm_adapt_steps:
         adapt_to_prm_format(tokenizer, model, args)
     good_id, bad_id = (tokenizer.encode(t, add_special_tokens=False)[0] for t in ("+", "-"))
@@ -297,7 +305,7 @@ def train_prm(tokenizer, base_path: Path, examples, args) -> Path:
 
     weights = PRMLossWeights(lm=args.prm_lm_weight, token_verdicts=args.prm_token_weight, bad=args.prm_bad_weight,
                              result=args.prm_result_weight, local=args.prm_local_weight,
-                             operator=args.prm_operator_weight)
+                             operator=args.prm_operator_weight, operand=args.prm_operand_weight)
 
     def loss_fn(model, *batch):
         return prm_loss(model, *batch, good_id=good_id, bad_id=bad_id, weights=weights)
@@ -403,6 +411,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="weight of the training-only head that reads the operator the question "
                              "gives each step (the generator's wrong copies keep the operand and change "
                              "the operator)")
+    parser.add_argument("--prm-operand-weight", type=float, default=0.0,
+                        help="weight of a training-only head that reads the operand the question gives each "
+                             "step, beside the operator head (0: no such head, the bundled pair's recipe)")
     parser.add_argument("--prm-operator-layer", type=int, default=0,
                         help="the operator head reads the hidden state after this many added layers (0: "
                              "the language model's top layer, below the result head)")
@@ -421,10 +432,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prm-samples", type=int, default=4)
     parser.add_argument("--eval-problems", type=int, default=200)
     parser.add_argument("--stages", default="lm,prm",
-                        help="comma-separated: lm, prm, router (the tool router: not bundled yet, see README)")
-    parser.add_argument("--router-steps", type=int, default=2200, help="the tool router's training steps")
-    parser.add_argument("--router-batch-size", type=int, default=16,
-                        help="the tool router's batch (its prompts, tools mode's tools, are ~300-500 tokens)")
+                        help="comma-separated: lm, prm, router (the tool router, builtin:arith-router)")
+    parser.add_argument("--router-steps", type=int, default=2800, help="the tool router's training steps")
+    parser.add_argument("--router-layers", type=int, default=6,
+                        help="the tool router's layers (the generator's width)")
+    parser.add_argument("--router-batch-size", type=int, default=32,
+                        help="the tool router's batch (one set of tools a batch: its 430-700-token system prompt runs once)")
     parser.add_argument("--format", choices=FORMATS, default="levels",
                         help="problems to train and validate on: the curriculum's levels (2-6 operations; the "
                              "bundled pair), or the whole format (1-8 operations of any mix of + - *, starts 0-99, "

@@ -1,12 +1,14 @@
-"""What the web chat's tests run against: the bundled arith-gen + arith-prm served by a real
-treeserve server (with a tap that records every request body it receives), the gateway with its
-chat page in front, and loopback stand-ins for what no bundled model or offline machine has:
+"""What the web chat's tests run against: the bundled arith-gen + arith-prm + arith-router served by
+a real treeserve server as `treeserve chat` serves them (hermes tool-call parser; with a tap that
+records every request body it receives), the gateway with its chat page in front, and loopback
+stand-ins for what no bundled model or offline machine has:
 
-- `scripted`: an OpenAI-compatible server standing in for the paper's function-calling router model
-  (none of the bundled models can choose tools). Given tools, it streams a call the way OpenAI and
-  vLLM do (the name in the first delta, then the arguments): `sympy` for a message with maths in
-  it, else `answer_directly`. Without tools it streams the last user message back ("echo"), which
-  lets the XSS test make a model answer whatever markup it needs.
+- `scripted`: an OpenAI-compatible server standing in for a function-calling router model that
+  knows the weather and Wikipedia tools too (the gateway's own tests route with it; the bundled
+  arith-router is what `router="arith-router"` and `treeserve chat` use). Given tools, it streams a
+  call the way OpenAI and vLLM do (the name in the first delta, then the arguments): `sympy` for a
+  message with maths in it, else `answer_directly`. Without tools it streams the last user message
+  back ("echo"), which lets the XSS test make a model answer whatever markup it needs.
 - weather and Wikipedia HTTP services (the issue asks for stub servers on loopback).
 Every request they receive is recorded."""
 from __future__ import annotations
@@ -139,12 +141,13 @@ def services_app() -> FastAPI:
     return app
 
 
-def gateway_config(database: str, backend: str, scripted: str, services: str) -> GatewayConfig:
+def gateway_config(database: str, backend: str, scripted: str, services: str, router: str = "router") -> GatewayConfig:
     models = {"arith-gen": ModelConfig("arith-gen", [BackendConfig(backend)], PRICE_IN, PRICE_OUT),
               "arith-prm": ModelConfig("arith-prm", [BackendConfig(backend)]),
+              "arith-router": ModelConfig("arith-router", [BackendConfig(backend)]),
               "router": ModelConfig("router", [BackendConfig(scripted, model="scripted")]),
               "echo": ModelConfig("echo", [BackendConfig(scripted, model="scripted")])}
-    chat = ChatConfig(enabled=True, verifiers={"arith-gen": "arith-prm"}, router_model="router",
+    chat = ChatConfig(enabled=True, verifiers={"arith-gen": "arith-prm"}, router_model=router,
                       tools={"weather": services + "/weather", "wikipedia": services + "/wiki"},
                       examples={"arith-gen": EXAMPLES})
     return GatewayConfig(models=models, master_key=MASTER, database=database, health_interval=0, chat=chat)
@@ -152,10 +155,12 @@ def gateway_config(database: str, backend: str, scripted: str, services: str) ->
 
 @contextlib.contextmanager
 def arith_backend():
-    """The bundled arith-gen + arith-prm behind a real treeserve server and a Tap: (URL, tap)."""
-    from treeserve.server.launch import DEFAULT_PAIR, build_app
+    """The bundled arith-gen + arith-prm + arith-router behind a real treeserve server (as `treeserve
+    chat` starts it) and a Tap: (URL, tap)."""
+    from treeserve.server.launch import CHAT_MODELS, CHAT_TOOL_PARSER, build_app
+    from treeserve.server.tool_calls import ToolSettings
 
-    app = build_app(dict(DEFAULT_PAIR), dtype="float32", device="cpu")
+    app = build_app(dict(CHAT_MODELS), dtype="float32", device="cpu", tool_settings=ToolSettings(CHAT_TOOL_PARSER))
     tap = Tap(app)
     try:
         with running_server(tap) as url:
@@ -165,12 +170,12 @@ def arith_backend():
 
 
 @contextlib.contextmanager
-def chat_stack(database: str, backend_url: str):
+def chat_stack(database: str, backend_url: str, router: str = "router"):
     """The gateway with its chat in front of the backend, the scripted model and the services:
-    (gateway URL, gateway app, scripted app, services app)."""
+    (gateway URL, gateway app, scripted app, services app); tools mode routed by `router`."""
     scripted, services = scripted_app(), services_app()
     with running_server(scripted) as scripted_url, running_server(services) as services_url:
-        gateway = build_gateway(gateway_config(database, backend_url, scripted_url, services_url))
+        gateway = build_gateway(gateway_config(database, backend_url, scripted_url, services_url, router))
         with running_server(gateway) as url:
             yield url, gateway, scripted, services
 

@@ -1,8 +1,8 @@
 """The chat page in a real browser (Selenium driving Debian's headless chromium and chromedriver),
-in front of the bundled arith-gen + arith-prm: sign in, send an example question from the empty
-conversation, stream an answer and see it grow, reload
-and see the history, change settings and see them reach the backend, export XLSX and read it
-back, search mode's candidates and step scores, tools mode's SymPy, an answer full of markup that
+in front of the bundled arith-gen + arith-prm + arith-router: sign in, send an example question
+from the empty conversation, stream an answer and see it grow, reload and see the history, change
+settings and see them reach the backend, export XLSX and read it back, search mode's candidates
+and step scores, tools mode's SymPy through the bundled router, an answer full of markup that
 runs nothing, and a second user who cannot open the first one's conversation.
 
 Screenshots go to a temporary folder, or to docs/images/ with TREESERVE_SCREENSHOTS=docs (how the
@@ -20,6 +20,7 @@ from selenium.webdriver import ActionChains
 from selenium.webdriver.support.ui import Select
 
 from chat_support import add_user, arith_backend, chat_stack
+from test_chat_router import QUESTIONS
 from treeserve.cli_chat import EXAMPLES
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -33,7 +34,8 @@ HOSTILE = '<img src=x onerror="window.__xss=1"><script>window.__xss=2</script><b
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     database = f"sqlite:///{tmp_path_factory.mktemp('chat') / 'gateway.db'}"
-    with arith_backend() as (backend_url, tap), chat_stack(database, backend_url) as (url, gateway, scripted, _):
+    with arith_backend() as (backend_url, tap), \
+            chat_stack(database, backend_url, router="arith-router") as (url, gateway, scripted, _):
         add_user(gateway, "ada", "correct horse battery")
         add_user(gateway, "bob", "another long password")
         yield url, tap, scripted
@@ -198,16 +200,15 @@ def test_the_chat_page_end_to_end(stack, browser, shots):
     assert driver.find_element(*by("conversation-title")).get_attribute("value") == QUESTION[:60]
     driver.save_screenshot(str(shots / "chat-search.png"))
 
-    # tools mode: the router picks SymPy, whose result is right
+    # tools mode: the bundled router (treeserve chat's) picks SymPy, whose result is right
     new_chat(driver)
     driver.find_element(*by("mode-tools")).click()
     driver.find_element(*by("messages")).click()
-    send(driver, "solve x**2 - 5*x + 6 = 0 for x")
-    card = driver.find_element(*by("tool-card"))
-    assert card.find_element(*by("tool-name")).text == "tool: sympy"
-    assert card.find_element(*by("tool-result")).text == "result: [2, 3]"
-    send(driver, "integrate x*cos(x) for x")
-    assert driver.find_elements(*by("tool-result"))[-1].text == "result: x*sin(x) + cos(x)"
+    for question, _, _, result in (QUESTIONS[0], QUESTIONS[12], QUESTIONS[18]):
+        send(driver, question)
+        card = driver.find_elements(*by("tool-card"))[-1]
+        assert card.find_element(*by("tool-name")).text == "tool: sympy", question
+        assert card.find_element(*by("tool-result")).text == f"result: {result}", question
     driver.save_screenshot(str(shots / "chat-tools.png"))
 
     # an answer full of markup is shown as text and runs nothing

@@ -99,9 +99,10 @@ def test_prm_training_labels_mark_the_first_wrong_digit_and_stop_imitation_there
     steps = problem.steps()
     steps[1] = "## Step 2: - 3, 45 - 3 = 43"  # right is 42: the last digit is the first wrong token
     results = [45, 42, None, None]  # the reference's values through the first wrong step
-    ids, verdicts, lm_labels, token_verdicts, result_targets, local_verdicts, operator_classes = prm_example(
-        tokenizer, problem.text, steps, step_labels(problem, steps), results, local_step_labels(problem, steps),
-        expected=problem.steps(), operators=["+", "-", "*", None])
+    ids, verdicts, lm_labels, token_verdicts, result_targets, local_verdicts, operator_classes, operand_classes = \
+        prm_example(tokenizer, problem.text, steps, step_labels(problem, steps), results,
+                    local_step_labels(problem, steps), expected=problem.steps(), operators=["+", "-", "*", None],
+                    operands=[5, 3, 2, None])
     tokens = tokenizer.convert_ids_to_tokens(ids)
     assert [v for v in verdicts if v != IGNORE] == [1, 0, 0, 0]
     marked = [(tokens[i].replace("Ġ", " ").replace("Ċ", "\n"), v) for i, v in enumerate(token_verdicts) if v != IGNORE]
@@ -125,6 +126,9 @@ def test_prm_training_labels_mark_the_first_wrong_digit_and_stop_imitation_there
     # the question's operators as OPERATORS' indices ("+-*"), none for the final answer
     assert [operator_classes[i] for i in verdict_positions] == [0, 1, 2, IGNORE]
     assert all(t == IGNORE for i, t in enumerate(operator_classes) if i not in verdict_positions)
+    # and their operands as classes 0-8 (operand - 1)
+    assert [operand_classes[i] for i in verdict_positions] == [4, 2, 1, IGNORE]
+    assert all(t == IGNORE for i, t in enumerate(operand_classes) if i not in verdict_positions)
 
 
 def test_corrupted_operations_are_wrong_copies_applied_rightly():
@@ -187,7 +191,7 @@ def test_local_token_verdicts_judge_each_step_from_the_value_written_before_it()
     steps = ["## Step 1: + 5, 40 + 5 = 46", "## Step 2: - 3, 46 - 3 = 43", "Therefore, the final answer is: $\\boxed{43}$."]
     labels = local_step_labels(problem, steps)
     assert labels == [False, True, True]
-    _, verdicts, _, token_verdicts, results, _, _ = prm_example(
+    _, verdicts, _, token_verdicts, results, _, _, _ = prm_example(
         tokenizer, problem.text, steps, labels, local_step_results(problem, steps), labels,
         expected=local_reference_steps(problem, steps), carry_errors=False)
     marked = [v for v in token_verdicts if v != IGNORE]

@@ -21,7 +21,8 @@ def _load_script():
 
 
 @pytest.mark.parametrize("data", [["--format", "levels", "--prm-slips", "classic"],  # the bundled pair's
-                                  ["--format", "whole", "--prm-slips", "all"]])      # issue #39's
+                                  ["--format", "whole", "--prm-slips", "all",        # issue #39's
+                                   "--prm-operand-weight", "1", "--router-layers", "2"]])
 def test_training_script_writes_a_plain_generator_and_prm(tmp_path, data):
     out, work = tmp_path / "models", tmp_path / "work"
     toy = ["--lm-steps", "3", "--gen-step", "2", "--eval-every", "0", "--batch-size", "4", "--eval-problems", "5",

@@ -1,6 +1,7 @@
 """`treeserve chat`: the web chat on the bundled models in one command. Starts `treeserve serve`
-(arith-gen and its PRM arith-prm) as a child process, puts the gateway with its chat page in front
-of it, and prints the URL and a first user's name and password (a new password each start)."""
+(arith-gen, its PRM arith-prm and the tool router arith-router, with the hermes tool-call parser)
+as a child process, puts the gateway with its chat page in front of it (tools mode routed by
+arith-router), and prints the URL and a first user's name and password (a new password each start)."""
 from __future__ import annotations
 
 import os
@@ -10,15 +11,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-GENERATOR, VERIFIER = "arith-gen", "arith-prm"
-# What the bundled generator answers well, offered by the empty conversation (tests/test_chat_examples.py
+GENERATOR, VERIFIER, ROUTER = "arith-gen", "arith-prm", "arith-router"
+# What the bundled models answer well, offered by the empty conversation (tests/test_chat_examples.py
 # checks each greedily and by a beam search; sampled at the chat's temperature 0.7 the chat one was right
-# 40 times in 40, and beam searches of 4 found the search one 10 times in 10). None for tools mode yet:
-# the bundled generator cannot route to a tool (issue #39).
+# 40 times in 40, and beam searches of 4 found the search one 10 times in 10; the tools one goes to
+# SymPy through the bundled router).
 EXAMPLES = [
     {"mode": "chat", "text": "Start with 40 and work modulo 100. Step 1: - 5. Step 2: + 9. What is the result?"},
     {"mode": "search", "text": "Start with 21 and work modulo 100. Step 1: + 6. Step 2: * 3. Step 3: - 8. "
                                "Step 4: + 5. What is the result?"},
+    {"mode": "tools", "text": "What is 17 * 23 + 5?"},
 ]
 
 
@@ -58,18 +60,22 @@ def cmd_chat(args) -> int:
     from treeserve.gateway.store import Store
 
     url = f"http://127.0.0.1:{args.serve_port}"
-    server = subprocess.Popen([sys.executable, "-m", "treeserve.cli", "serve", "--port", str(args.serve_port)])
+    from treeserve.server.launch import CHAT_MODELS, CHAT_TOOL_PARSER
+
+    models = [f"--model={name}={path}" for name, path in CHAT_MODELS.items()]
+    server = subprocess.Popen([sys.executable, "-m", "treeserve.cli", "serve", "--port", str(args.serve_port), *models,
+                               "--tool-call-parser", CHAT_TOOL_PARSER])
     try:
-        print(f"starting the model server ({GENERATOR} + {VERIFIER}) at {url} ...", file=sys.stderr, flush=True)
+        print(f"starting the model server ({', '.join(CHAT_MODELS)}) at {url} ...", file=sys.stderr, flush=True)
         wait_healthy(url, server, timeout=900)
         store = Store(args.database or default_url())
         store.migrate()
         password = first_user(store, args.user)
         store.close()
         tools = dict(value.partition("=")[::2] for value in args.chat_tool)
-        config = build_config([f"{GENERATOR}={url}", f"{VERIFIER}={url}"], None, database=args.database,
+        config = build_config([f"{name}={url}" for name in CHAT_MODELS], None, database=args.database,
                               master_key=os.environ.get("TREESERVE_MASTER_KEY"),
-                              chat={"enabled": True, "verifiers": {GENERATOR: VERIFIER}, "router_model": None,
+                              chat={"enabled": True, "verifiers": {GENERATOR: VERIFIER}, "router_model": ROUTER,
                                     "tools": tools, "examples": {GENERATOR: EXAMPLES}})
         where = args.database or str(Path.cwd() / "treeserve-gateway.db")
         print(f"\n  treeserve chat: http://{args.host}:{args.port}/chat\n  user: {args.user}\n  password: {password}\n"

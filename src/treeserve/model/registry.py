@@ -16,6 +16,8 @@ BUILTIN_PREFIX = "builtin:"
 # the default generator, and the default verifier wherever one is needed.
 DEFAULT_GENERATOR = "builtin:arith-gen"
 DEFAULT_VERIFIER = "builtin:arith-prm"
+# The bundled tool router (tools mode's function-calling model; Hermes-format calls).
+DEFAULT_ROUTER = "builtin:arith-router"
 BUNDLED_DIR = Path(__file__).resolve().parents[1] / "models"
 
 

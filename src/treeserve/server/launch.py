@@ -9,7 +9,7 @@ import time
 
 from treeserve.model.registry import named_models as _named_models
 from treeserve.config import EngineConfig
-from treeserve.model.registry import DEFAULT_GENERATOR, DEFAULT_VERIFIER
+from treeserve.model.registry import DEFAULT_GENERATOR, DEFAULT_ROUTER, DEFAULT_VERIFIER
 from treeserve.engine.async_engine import AsyncLLMEngine
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.server.app import create_app
@@ -22,6 +22,9 @@ from treeserve.entrypoints.chat_utils import load_chat_template
 
 # Served with no model named: the bundled generator and PRM, so /v1/search and /v1/rewards work too.
 DEFAULT_PAIR = {"arith-gen": DEFAULT_GENERATOR, "arith-prm": DEFAULT_VERIFIER}
+# What `treeserve chat` serves: the pair and the tool router, whose calls the hermes parser reads.
+CHAT_MODELS = {**DEFAULT_PAIR, "arith-router": DEFAULT_ROUTER}
+CHAT_TOOL_PARSER = "hermes"
 
 
 def build_app(model: str | dict[str, str], served_model_name: str | None = None, api_keys: list[str] | None = None,

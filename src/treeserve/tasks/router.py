@@ -1,5 +1,5 @@
-"""The tool router's task (to be bundled as `builtin:arith-router` once it is sound; trained by
-scripts/train_arith.py's `router` stage): given tools mode's tools in a Hermes-style prompt and the user's message, write one call in
+"""The tool router's task (bundled as `builtin:arith-router`, tools mode's router under `treeserve
+chat`; trained by scripts/train_arith.py's `router` stage): given tools mode's tools in a Hermes-style prompt and the user's message, write one call in
 Hermes' format: `sympy` with the user's expression or equation copied exactly (evaluate, solve,
 simplify, integrate), `weather`/`wikipedia` with the place or subject where those tools are offered,
 and `answer_directly` for the arithmetic task's own problems and for anything else.
@@ -33,6 +33,11 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+# The router tokenizer's words, so that an expression is the same tokens in the message and in the
+# call: a digit alone, an operator with the spaces around it (`17 * 23 + 5` has no bare space
+# tokens, which made copies drift from one space to the next), a parenthesis alone, a word, a run of
+# other punctuation, a run of spaces.
+PIECES = r"[0-9]| ?(?:\*\*|[-+*/=^]) ?|[()]|[A-Za-z_]+|[^\sA-Za-z0-9()*+/=^-]+|\s+"
 VARIABLES = "xyzatn"
 EVALUATE = ["What is {e}?", "what is {e}?", "What's {e}?", "what's {e}", "Compute {e}.", "compute {e}",
             "Calculate {e}", "calculate {e}?", "Evaluate {e}.", "evaluate {e}", "How much is {e}?", "{e} = ?", "{e}",

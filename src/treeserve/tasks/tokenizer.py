@@ -28,10 +28,12 @@ def train_task_tokenizer(vocab_size: int = 400, seed: int = 0):
 
 
 def train_bpe_tokenizer(corpus: list[str], vocab_size: int, special_tokens: list[str], eos_token: str,
-                        chat_template: str, digits: str = " ?[0-9]"):
+                        chat_template: str, digits: str = " ?[0-9]", pieces: str | None = None):
     """Byte-level BPE over `corpus`, one digit per token (by default a number's leading space rides
     on its first digit; `digits="[0-9]"` keeps digits bare, so a number reads the same tokens
-    wherever it stands); `special_tokens` start with the pad and bos tokens."""
+    wherever it stands); `special_tokens` start with the pad and bos tokens. `pieces`, where given,
+    is the regex whose matches are the words BPE merges within (instead of GPT-2's word split):
+    it must match every character of any text, a digit alone."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -39,6 +41,9 @@ def train_bpe_tokenizer(corpus: list[str], vocab_size: int, special_tokens: list
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(digits), behavior="isolated"),  # one digit per token
         pre_tokenizers.ByteLevel(add_prefix_space=False),
+    ]) if pieces is None else pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pieces), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special_tokens,

@@ -49,14 +49,18 @@ class Schedule:
         return self.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def new_model(tokenizer, shape: ModelShape, seed: int, max_positions: int = 512):
+def new_model(tokenizer, shape: ModelShape, seed: int, max_positions: int = 512, tie_embeddings: bool = True):
+    """A randomly initialised Llama of `shape`. `tie_embeddings=False` keeps the output matrix apart:
+    tokens that are interchangeable wherever they are predicted (a formula's variable names, before a
+    model can copy them) have their tied embeddings pulled together (cosine 0.98 in a tool router
+    trained tied) and can then no longer be told apart on the way in."""
     import transformers
 
     config = transformers.LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
         num_hidden_layers=shape.num_hidden_layers, num_attention_heads=shape.num_attention_heads,
         num_key_value_heads=shape.num_attention_heads, max_position_embeddings=max_positions, rms_norm_eps=1e-5,
-        tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=tie_embeddings, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, initializer_range=0.02)
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(config)
@@ -127,8 +131,9 @@ def sft_example(tokenizer, problem: Problem) -> tuple[list[int], list[int]]:
 def prm_example(tokenizer, question: str, steps: list[str], labels: list[bool], results: list[int | None],
                 local_labels: list[bool], expected: list[str] | None = None,
                 recipe: str = "chat-steps", carry_errors: bool = True,
-                operators: list[str | None] | None = None) -> tuple[list[int], ...]:
-    """The ids `recipe` builds (as at inference) and six kinds of labels:
+                operators: list[str | None] | None = None,
+                operands: list[int | None] | None = None) -> tuple[list[int], ...]:
+    """The ids `recipe` builds (as at inference) and seven kinds of labels:
     - verdicts: 1 where the step is good (`labels`), 0 where it is bad, IGNORE elsewhere;
     - language-model labels on the text through the last good step's verdict position (the PRM
       keeps learning the arithmetic it judges, never from a wrong step);
@@ -143,14 +148,18 @@ def prm_example(tokenizer, question: str, steps: list[str], labels: list[bool], 
       before it wrote (`local_step_labels`), learnt by a second auxiliary head;
     - operators: at the verdict position of step k, the index in `OPERATORS` of `operators[k]`, the
       operator the question gives that step (IGNORE where None or not given), learnt by a third
-      auxiliary head, so the layers above compare it with the one written.
+      auxiliary head, so the layers above compare it with the one written;
+    - operands: likewise the operand the question gives step k (1-9, as class operand - 1), for a
+      fourth head (a wrong operand copied is invisible to a model that never looks it up).
     """
     built = RECIPES[recipe].build(tokenizer, question, steps)
     token_verdicts = ([IGNORE] * len(built.token_ids) if expected is None
                       else _token_verdicts(tokenizer, built.token_ids, question, steps, labels, expected, carry_errors))
     operator_classes = [None if op is None else OPERATORS.index(op) for op in operators or []]
+    operand_classes = [None if operand is None else operand - 1 for operand in operands or []]
     return (built.token_ids, _at_verdicts(built, labels), _imitation_labels(built, labels), token_verdicts,
-            _at_verdicts(built, results), _at_verdicts(built, local_labels), _at_verdicts(built, operator_classes))
+            _at_verdicts(built, results), _at_verdicts(built, local_labels), _at_verdicts(built, operator_classes),
+            _at_verdicts(built, operand_classes))
 
 
 def _at_verdicts(built, targets: list[int | bool | None]) -> list[int]:
@@ -219,6 +228,34 @@ def lm_loss(model, ids, labels, mask) -> torch.Tensor:
     return _next_token_loss(model(input_ids=ids, attention_mask=mask).logits, labels)
 
 
+def split_shared_prefix(examples: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, ...]:
+    """(ids, labels) per example -> the tokens every example opens with, then the rest collated:
+    `shared_prefix_loss`'s batch. Examples whose prompts share a long opening (a system prompt) are
+    then trained on that opening's cost once, not per row. No token predicted from a prefix position
+    is labelled (the prefix's logits are never computed) and every row keeps a token."""
+    shortest = min(len(ids) for ids, _ in examples)
+    length = 0
+    while (length < shortest - 1 and all(ids[length] == examples[0][0][length] for ids, _ in examples)
+           and all(labels[length + 1] == IGNORE for _, labels in examples)):
+        length += 1
+    ids, labels, mask = collate([(ids[length:], labels[length:]) for ids, labels in examples], pad_id)
+    return torch.tensor(examples[0][0][:length], dtype=torch.long), ids, labels, mask
+
+
+def shared_prefix_loss(model, prefix, ids, labels, mask) -> torch.Tensor:
+    """`lm_loss` of the rows `prefix + ids[i]`, the prefix run once and its keys and values shared
+    (broadcast, so their gradients sum over the rows); the prefix itself carries no labels."""
+    if not len(prefix):
+        return lm_loss(model, ids, labels, mask)
+    cache = model(input_ids=prefix[None], use_cache=True).cache
+    for layer in cache.layers:
+        layer.keys, layer.values = (t.expand(len(ids), -1, -1, -1) for t in (layer.keys, layer.values))
+    positions = torch.arange(len(prefix), len(prefix) + ids.shape[1]).expand(len(ids), -1)
+    full_mask = torch.cat([torch.ones(len(ids), len(prefix), dtype=mask.dtype), mask], dim=1)
+    logits = model(input_ids=ids, attention_mask=full_mask, cache=cache, position_ids=positions).logits
+    return _next_token_loss(logits, labels)
+
+
 def _next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     logits = logits[:, :-1]
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
@@ -233,44 +270,52 @@ class PRMLossWeights:
     result: float = 1.0       # the result head's loss on the value each step must reach
     local: float = 1.0        # the local-verdict head's loss
     operator: float = 0.0     # the operator head's loss on the operator the question gives each step
+    operand: float = 0.0      # the operand head's loss on the operand the question gives each step
 
 
 RESULT_CLASSES = 100  # values modulo 100
 OPERATORS = "+-*"  # the operator head's classes
+OPERAND_CLASSES = 9  # operands 1-9
 
 
 class TrainingHeads(torch.nn.Module):
     """Linear read-outs used only in training, each on the hidden state after a given number of
     layers at the verdict positions: the value a step must reach (`result`), after `result_layer`;
-    the operator the question gives it (`operator`), after `operator_layer`; whether the step itself
-    is right (`local`), after `local_layer`. Attached to the PRM while it trains (so its optimiser
+    the operator the question gives it (`operator`) and, where asked for, its operand (`operand`), after
+    `operator_layer`; whether the step itself is right (`local`), after `local_layer`. Attached to the PRM while it trains (so its optimiser
     sees them), dropped before it is saved: the checkpoint stays a plain LlamaForCausalLM."""
 
-    def __init__(self, hidden_size: int, result_layer: int, local_layer: int, operator_layer: int):
+    def __init__(self, hidden_size: int, result_layer: int, local_layer: int, operator_layer: int,
+                 operand: bool = False):
         super().__init__()
         self.result = torch.nn.Linear(hidden_size, RESULT_CLASSES)
         self.local = torch.nn.Linear(hidden_size, 2)
         self.operator = torch.nn.Linear(hidden_size, len(OPERATORS))
+        # made last and only when trained, so runs without it draw the same random numbers as before
+        self.operand = torch.nn.Linear(hidden_size, OPERAND_CLASSES) if operand else None
         self.result_layer, self.local_layer, self.operator_layer = result_layer, local_layer, operator_layer
 
 
-def add_training_heads(model, result_layer: int, local_layer: int, operator_layer: int | None = None) -> None:
+def add_training_heads(model, result_layer: int, local_layer: int, operator_layer: int | None = None,
+                       operand: bool = False) -> None:
     model.training_heads = TrainingHeads(model.config.hidden_size, result_layer, local_layer,
-                                         result_layer if operator_layer is None else operator_layer)
+                                         result_layer if operator_layer is None else operator_layer, operand)
 
 
 def drop_training_heads(model) -> None:
     del model.training_heads
 
 
-def prm_loss(model, ids, targets, lm_labels, token_targets, result_targets, local_targets, operator_targets, mask,
+def prm_loss(model, ids, targets, lm_labels, token_targets, result_targets, local_targets, operator_targets,
+             operand_targets, mask,
              good_id: int, bad_id: int, weights: PRMLossWeights) -> torch.Tensor:
     """Two-way cross-entropy between the `+` and `-` logits at the verdict positions; optionally
     at every token from the first step on (see `prm_example`); the language-model loss on the
     text before the first wrong step; and the training heads' losses. A verdict from binary labels
     alone is an exact-match test nothing leads gradient descent to (a 4-layer model stayed at
     chance on one modulo-100 step after 1,500 batches); with the result computed below it (the
-    result head), optionally the question's operator for the step (the operator head), and the
+    result head), optionally the question's operator and operand for the step (the operator and
+    operand heads), and the
     step's own check made above them (the local head), the top layers only compare and carry an
     earlier error forward."""
     heads = getattr(model, "training_heads", None)
@@ -284,6 +329,9 @@ def prm_loss(model, ids, targets, lm_labels, token_targets, result_targets, loca
         if weights.operator:
             loss = loss + weights.operator * _head_loss(heads.operator, out.hidden_states[heads.operator_layer],
                                                         operator_targets)
+        if weights.operand and heads.operand is not None:
+            loss = loss + weights.operand * _head_loss(heads.operand, out.hidden_states[heads.operator_layer],
+                                                       operand_targets)
     if weights.lm and (lm_labels[:, 1:] != IGNORE).any():  # no good step in the batch: nothing to imitate
         loss = loss + weights.lm * _next_token_loss(out.logits, lm_labels)
     return loss
