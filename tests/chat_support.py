@@ -160,7 +160,10 @@ def arith_backend():
     from treeserve.server.launch import CHAT_MODELS, CHAT_TOOL_PARSER, build_app
     from treeserve.server.tool_calls import ToolSettings
 
-    app = build_app(dict(CHAT_MODELS), dtype="float32", device="cpu", tool_settings=ToolSettings(CHAT_TOOL_PARSER))
+    # an explicit KV budget: the default one subtracts the whole test process's resident memory, which
+    # late in the suite left nothing for three models (CI: "no memory is left for KV blocks")
+    app = build_app(dict(CHAT_MODELS), dtype="float32", device="cpu", tool_settings=ToolSettings(CHAT_TOOL_PARSER),
+                    kv_cache_memory_bytes=512 << 20)
     tap = Tap(app)
     try:
         with running_server(tap) as url:

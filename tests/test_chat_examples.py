@@ -29,7 +29,8 @@ def test_the_chat_example_is_answered():
 
 def test_the_search_example_is_answered():
     question = _example("search")
-    rt = Runtime({"gen": "builtin:arith-gen", "prm": "builtin:arith-prm"}, dtype="float32", device="cpu")
+    rt = Runtime({"gen": "builtin:arith-gen", "prm": "builtin:arith-prm"}, dtype="float32", device="cpu",
+                 kv_cache_memory_bytes=256 << 20)  # the default subtracts the test process's whole RSS
     config = SearchConfig(strategy="beam", n=4, beam_width=4, temperature=0.7, max_tokens=256, system_prompt=None,
                           agg_strategy=declared_aggregation(rt.engine("prm").model_dir), seed=0)
     result = SearchRunner(rt.engine("gen"), rt.scorer("prm")).run([question], config)[0]
