@@ -80,3 +80,34 @@ def test_async_scheduling_on_cuda_gives_the_synchronous_outputs(tiny_model_dirs,
     _assert_same(overlapped.generate(PROMPTS, _params(), use_tqdm=False), expected)
     assert overlapped.engine.num_steps_left_running > 0
     assert_no_leak(overlapped.engine)
+
+
+@cuda
+def test_a_step_is_launched_without_waiting_for_the_device(tiny_model_dirs):
+    """`runner.launch` (inputs, forward, sampling, the start of the copy back) only queues work:
+    nothing in it waits for the device, whatever the sampling asks (torch's sync debug mode warns
+    at each call that synchronizes, e.g. a copy from pageable host memory)."""
+    import warnings
+
+    llm = LLM(str(tiny_model_dirs["llama"]), dtype="float32", device="cuda", kv_cache_memory_bytes=8 << 20)
+    runner, launch, syncs = llm.engine.runner, llm.engine.runner.launch, []
+
+    def watched(step):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                return launch(step)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                syncs.extend(f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "called a synchronizing" in str(w.message))
+
+    runner.launch = watched
+    params = [SamplingParams(temperature=0.8, seed=1, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, logprobs=3, max_tokens=12),
+              SamplingParams(temperature=1.0, min_tokens=4, logit_bias={5: 2.0}, max_tokens=12),
+              SamplingParams(temperature=1.0, presence_penalty=0.5, repetition_penalty=1.2, max_tokens=12),
+              SamplingParams(temperature=0, max_tokens=12)]
+    outputs = llm.generate(["Hello there", "The water is", "One two", "Three", "Four five six"], params)
+    assert all(o.outputs[0].token_ids for o in outputs)
+    assert not syncs, "\n".join(dict.fromkeys(syncs))

@@ -16,6 +16,7 @@ import torch
 from treeserve.engine.block_pool import BlockPool
 from treeserve.errors import ParamError
 from treeserve.model.hf_config import ModelConfig
+from treeserve.model.transfer import to_device
 
 PAGE_ALIGN = 64
 _SERIALS = itertools.count(1)  # names an arena for tensor-parallel workers (ids of freed objects recur)
@@ -80,9 +81,9 @@ class KVArena:
 
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:
         if copies:
-            src = torch.tensor([s for s, _ in copies], device=self.pages.device)
-            dst = torch.tensor([d for _, d in copies], device=self.pages.device)
-            self.pages[dst] = self.pages[src]
+            # pinned and non-blocking: a pageable copy would make the host wait for the device
+            pairs = to_device(torch.tensor(copies, dtype=torch.long), self.pages.device)
+            self.pages[pairs[:, 1]] = self.pages[pairs[:, 0]]
 
 
 @dataclass

@@ -36,6 +36,7 @@ class KVCacheManager:
         self._num_hashed: dict[str, int] = {}
         self._num_dropped: dict[str, int] = {}  # leading table entries freed behind the window
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block copies for copy-on-write
+        self._ids: dict[str, list[int]] = {}  # block_ids' answers, dropped whenever a table changes
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -90,6 +91,7 @@ class KVCacheManager:
             return True
         if self._shortfall(request, num_new_tokens, prefix) > 0:
             return False
+        self._ids.pop(request.request_id, None)
         table = self.block_tables.setdefault(request.request_id, [])
         if prefix is not None:
             self._take_prefix(request, table, prefix)
@@ -121,6 +123,7 @@ class KVCacheManager:
             return
         blocks = [b for b in table[start:dead] if b is not None]
         table[start:dead] = [None] * (dead - start)
+        self._ids.pop(request.request_id, None)
         self._num_dropped[request.request_id] = dead
         self.pool.free(reversed(blocks))
 
@@ -159,18 +162,26 @@ class KVCacheManager:
         table = list(self.block_tables[parent.request_id])
         self.pool.share([b for b in table if b is not None])
         self.block_tables[child.request_id] = table
+        self._ids.pop(child.request_id, None)
         self._num_hashed[child.request_id] = self._num_hashed.get(parent.request_id, 0)
         self._num_dropped[child.request_id] = self._num_dropped.get(parent.request_id, 0)
         child.num_computed_tokens = parent.num_computed_tokens
 
     def free(self, request: Request) -> None:
         table = self.block_tables.pop(request.request_id, [])
+        self._ids.pop(request.request_id, None)
         self._num_hashed.pop(request.request_id, None)
         self._num_dropped.pop(request.request_id, None)
         self.pool.free(reversed([b for b in table if b is not None]))
 
     def block_ids(self, request: Request) -> list[int]:
-        return [NULL_BLOCK_ID if b is None else b.block_id for b in self.block_tables[request.request_id]]
+        """The request's block table as ids (NULL_BLOCK_ID behind a window). The same list object is
+        returned until the table changes, so a caller can tell "unchanged" by identity; never mutate it."""
+        ids = self._ids.get(request.request_id)
+        if ids is None:
+            ids = [NULL_BLOCK_ID if b is None else b.block_id for b in self.block_tables[request.request_id]]
+            self._ids[request.request_id] = ids
+        return ids
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []

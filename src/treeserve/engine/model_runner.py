@@ -161,17 +161,20 @@ class ModelRunner:
         return state.num_computed_tokens + count <= self.backend.paged_prefill_max_context
 
     def _add_decodes(self, decodes, inputs, builder, token_ids, positions, slots) -> None:
-        bs = self.block_size
+        """One row per decoding request (this loop runs for every request at every step: names are
+        bound outside it)."""
+        bs, rope_positions, add_decode = self.block_size, self.model.rotary.rope_positions, builder.add_decode
         pos_list, slot_list = [], []
         for state, count in decodes:
             pos = state.num_computed_tokens
             table = state.block_ids[:pos // bs + 1]
-            token_ids.append(state.token_ids[pos])
-            if token_ids[-1] == IN_FLIGHT_TOKEN:
-                inputs.in_flight_rows.append((len(token_ids) - 1, state.request_id))
-            pos_list.append(self.model.rotary.rope_positions(state.num_prompt_tokens, pos))
+            token = state.token_ids[pos]
+            if token == IN_FLIGHT_TOKEN:
+                inputs.in_flight_rows.append((len(token_ids), state.request_id))
+            token_ids.append(token)
+            pos_list.append(rope_positions(state.num_prompt_tokens, pos))
             slot_list.append(table[-1] * bs + pos % bs)
-            builder.add_decode(pos + 1, table)
+            add_decode(pos + 1, table)
             self._note_outputs(state, count, inputs, row=len(token_ids) - 1)
         positions.append(torch.tensor(pos_list, dtype=torch.long))
         slots.append(torch.tensor(slot_list, dtype=torch.long))

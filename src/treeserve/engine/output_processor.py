@@ -114,9 +114,12 @@ class OutputProcessor:
 
 
 def request_metrics(group: RequestGroup) -> RequestMetrics:
-    scheduled = [c.first_scheduled_time for c in group.children if c.first_scheduled_time is not None]
-    first_tokens = [c.first_token_time for c in group.children if c.first_token_time is not None]
-    return RequestMetrics(arrival_time=group.arrival_time,
-                          first_scheduled_time=group.first_scheduled_time or (min(scheduled) if scheduled else None),
-                          first_token_time=min(first_tokens) if first_tokens else None,
-                          finished_time=time.monotonic() if group.finished else None)
+    children = group.children
+    if len(children) == 1:  # (the common case, at every step of every request: no lists)
+        scheduled, first_token = children[0].first_scheduled_time, children[0].first_token_time
+    else:
+        scheduled = min((c.first_scheduled_time for c in children if c.first_scheduled_time is not None), default=None)
+        first_token = min((c.first_token_time for c in children if c.first_token_time is not None), default=None)
+    finished = group.finished
+    return RequestMetrics(arrival_time=group.arrival_time, first_scheduled_time=group.first_scheduled_time or scheduled,
+                          first_token_time=first_token, finished_time=time.monotonic() if finished else None)

@@ -59,8 +59,8 @@ class Sampler:
     def _add_logit_bias(logits, params) -> None:
         for row, p in enumerate(params):
             if p.logit_bias:
-                ids = torch.tensor(list(p.logit_bias), device=logits.device)
-                logits[row, ids] += torch.tensor(list(p.logit_bias.values()), device=logits.device, dtype=logits.dtype)
+                ids = _on(logits.device, list(p.logit_bias))
+                logits[row, ids] += _on(logits.device, list(p.logit_bias.values()), logits.dtype)
 
     @staticmethod
     def _mask_stops_below_min_tokens(logits, requests):
@@ -69,7 +69,9 @@ class Sampler:
             if request.num_output_tokens < p.min_tokens:
                 stops = list(p.stop_token_ids) + ([] if p.ignore_eos else list(request.eos_token_ids))
                 if stops:
-                    logits[row, stops] = float("-inf")
+                    # index_fill_ takes the value as a scalar: assigning a float through an index copies
+                    # it to the device from pageable memory, which waits for the device
+                    logits[row].index_fill_(0, _on(logits.device, stops), float("-inf"))
         return logits
 
     @staticmethod
@@ -79,11 +81,11 @@ class Sampler:
             return logits
         device, vocab = logits.device, logits.shape[1]
         counts = _token_counts([r.output_token_ids for r in requests], vocab, device)
-        presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
-        frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
+        presence = _on(device, [p.presence_penalty for p in params])[:, None]
+        frequency = _on(device, [p.frequency_penalty for p in params])[:, None]
         logits = logits - frequency * counts - presence * (counts > 0)
         if any(p.repetition_penalty != 1 for p in params):
-            repetition = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
+            repetition = _on(device, [p.repetition_penalty for p in params])[:, None]
             seen = (counts + _token_counts([r.prompt_token_ids for r in requests], vocab, device)) > 0
             penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
             logits = torch.where(seen, penalised, logits)
@@ -95,7 +97,7 @@ class Sampler:
         if all(p.greedy for p in params):
             return token_ids
         greedy = to_device(torch.tensor([p.greedy for p in params]), logits.device)
-        temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=logits.device)
+        temperature = _on(logits.device, [1.0 if p.greedy else p.temperature for p in params])
         probs = torch.softmax(_filter(logits / temperature[:, None], params), dim=-1)
         sampled = _inverse_transform(probs, _uniform_draws(requests, probs.device))
         return torch.where(greedy, token_ids, sampled)
@@ -141,16 +143,16 @@ def _token_counts(token_lists: list[list[int]], vocab: int, device) -> torch.Ten
         padded = torch.full((len(token_lists), width), vocab, dtype=torch.long)
         for row, tokens in enumerate(token_lists):
             padded[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        counts.scatter_add_(1, padded.to(device), torch.ones(padded.shape, device=device))
+        counts.scatter_add_(1, to_device(padded, device), torch.ones(padded.shape, device=device))
     return counts[:, :vocab]
 
 
 def _filter(logits: torch.Tensor, params) -> torch.Tensor:
     """Applies top-k, top-p and min-p by masking logits to -inf (at least one token survives)."""
     vocab = logits.shape[1]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=logits.device)
-    top_p = torch.tensor([p.top_p for p in params], device=logits.device)
-    min_p = torch.tensor([p.min_p for p in params], device=logits.device)
+    top_k = _on(logits.device, [p.top_k if p.top_k > 0 else vocab for p in params])
+    top_p = _on(logits.device, [p.top_p for p in params])
+    min_p = _on(logits.device, [p.min_p for p in params])
     if any(0 < p.top_k < vocab for p in params) or any(p.top_p < 1 for p in params):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=logits.device)[None, :]
@@ -163,6 +165,13 @@ def _filter(logits: torch.Tensor, params) -> torch.Tensor:
         probs = torch.softmax(logits, dim=-1)
         logits = logits.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, float("-inf"))
     return logits
+
+
+def _on(device, values: list, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A host list as a device tensor without waiting for the device: `torch.tensor(values,
+    device=cuda)` copies from pageable memory, which synchronizes the stream, so the host would
+    stop until the step's forward pass is done; this goes through pinned memory, non-blocking."""
+    return to_device(torch.tensor(values, dtype=dtype), device)
 
 
 def _uniform_draws(requests: list[CachedRequestState], device) -> torch.Tensor:

@@ -55,7 +55,7 @@ class StepBuilder:
                 request.readout_token_ids, request.prompt_logprob_ids))
             self._sent[rid] = _Sent(request, request.num_tokens, blocks)
             return
-        keep = _common_prefix(sent.block_ids, blocks)
+        keep = len(blocks) if blocks is sent.block_ids else _common_prefix(sent.block_ids, blocks)
         new_tokens = request.all_token_ids[sent.num_tokens:] + _in_flight(request)
         step.cached_requests.append(CachedRequestData(rid, new_tokens, keep, blocks[keep:], request.num_computed_tokens))
         sent.num_tokens, sent.block_ids = request.num_tokens, blocks

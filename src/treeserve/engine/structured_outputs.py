@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from treeserve.errors import ParamError
+from treeserve.model.transfer import to_device
 from treeserve.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -116,11 +117,11 @@ def apply(logits: torch.Tensor, matchers: list[llguidance.LLMatcher | None]) -> 
 
 def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
     """Sets to -inf, in place, the logits of tokens that row `rows[j]`'s grammar (bitmask row j) forbids."""
-    forbidden = ~allowed_tokens(bitmask, logits.shape[1]).to(logits.device)
+    forbidden = ~to_device(allowed_tokens(bitmask, logits.shape[1]), logits.device)  # (pinned: no wait)
     if len(rows) == logits.shape[0] and rows == list(range(len(rows))):
         logits.masked_fill_(forbidden, float("-inf"))
         return
-    index = torch.tensor(rows, device=logits.device)
+    index = to_device(torch.tensor(rows), logits.device)
     logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(forbidden, float("-inf")))
 
 
