@@ -7,6 +7,7 @@
   test problems each, accuracy of greedy decoding and of beam search (N=16) with the PRM.
 
     python scripts/eval_arith.py [--per-cell 40] [--slips 200] [--no-search] [--out bench_out/eval_arith]
+        [--generator DIR] [--verifier DIR] [--verifier-recipe lm-likelihood] [--agg min]
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import time
 from pathlib import Path
 
 from treeserve.runtime.runtime import Runtime
-from treeserve.search.config import SAL_SYSTEM_PROMPT, SearchConfig, declared_aggregation
+from treeserve.search.config import AGG_STRATEGIES, SAL_SYSTEM_PROMPT, SearchConfig, declared_aggregation
 from treeserve.search.grading import grade
 from treeserve.search.runner import SearchRunner
 from treeserve.tasks.arithmetic import GRID_MAX_OPERATIONS, GRID_OPERATORS, grid_problems
@@ -47,9 +48,9 @@ def slip_report(rt: Runtime, per_kind: int, seed: int) -> dict:
     return report
 
 
-def grid_report(rt: Runtime, per_cell: int, seed: int, strategies: list[str]) -> dict:
+def grid_report(rt: Runtime, per_cell: int, seed: int, strategies: list[str], agg: str | None = None) -> dict:
     runner = SearchRunner(rt.engine("gen"), rt.scorer("prm"))
-    agg = declared_aggregation(rt.engine("prm").model_dir)
+    agg = agg or declared_aggregation(rt.engine("prm").model_dir)
     report: dict = {}
     for strategy in strategies:
         n = 1 if strategy == "greedy" else 16
@@ -93,6 +94,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--generator", default="builtin:arith-gen")
     parser.add_argument("--verifier", default="builtin:arith-prm")
+    parser.add_argument("--verifier-recipe", default=None,
+                        help="how the verifier reads steps (runtime/prm_recipes.py; default: its config's)")
+    parser.add_argument("--agg", choices=AGG_STRATEGIES, default=None,
+                        help="how search folds step scores (default: the verifier's declared aggregation)")
     parser.add_argument("--per-cell", type=int, default=40)
     parser.add_argument("--slips", type=int, default=200, help="planted slips of each kind")
     parser.add_argument("--strategies", default="greedy,beam")
@@ -101,9 +106,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench_out/eval_arith"))
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    rt = Runtime({"gen": args.generator, "prm": args.verifier}, dtype="float32", device="cpu")
+    recipes = {"prm": args.verifier_recipe} if args.verifier_recipe else None
+    rt = Runtime({"gen": args.generator, "prm": args.verifier}, recipes=recipes, dtype="float32", device="cpu")
     slips = slip_report(rt, args.slips, args.seed)
-    grid = {} if args.no_search else grid_report(rt, args.per_cell, args.seed, args.strategies.split(","))
+    grid = {} if args.no_search else grid_report(rt, args.per_cell, args.seed, args.strategies.split(","), args.agg)
     print_tables(slips, grid)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "eval_arith.json").write_text(json.dumps({"slips": slips, "grid": grid}, indent=1))

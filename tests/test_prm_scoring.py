@@ -24,7 +24,8 @@ def _engine(path, **options):
                                   kv_cache_memory_bytes=options.pop("kv", 8 << 20), **options))
 
 
-@pytest.mark.parametrize("recipe", sorted(r for r in RECIPES if RECIPES[r].head == "lm"))  # heads: test_reward_heads
+@pytest.mark.parametrize("recipe", sorted(r for r in RECIPES if RECIPES[r].head == "lm"  # heads: test_reward_heads
+                                            and not RECIPES[r].reads_step_tokens))  # likelihood: below
 def test_scores_match_hf(prm_dir, recipe):
     engine = _engine(prm_dir)
     scorer = StepScorer(engine, recipe)
@@ -39,6 +40,58 @@ def test_scores_match_hf(prm_dir, recipe):
     assert ours == pytest.approx(ref, abs=1e-4)
     scorer.release_all()
     assert_no_leak(engine)
+
+
+def _likelihood_reference(path, tokenizer, question, steps) -> list[float]:
+    """Each step's lowest token probability under HF, its end read as the delimiter's first token
+    or the end of the turn (found here from the text's character offsets, apart from the recipe)."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                         add_generation_prompt=True)
+    bounds = []
+    for step in steps:
+        bounds.append((len(text), len(text) + len(step)))
+        text += step + "\n\n"
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = encoding["input_ids"]
+    with torch.no_grad():
+        probs = torch.softmax(hf(torch.tensor([ids])).logits[0], dim=-1)
+    scores = []
+    for start, end in bounds:
+        inside = [i for i, (a, _) in enumerate(encoding["offset_mapping"]) if start <= a < end]
+        ender = next(i for i, (a, _) in enumerate(encoding["offset_mapping"]) if a == end)
+        step_probs = [float(probs[i - 1, ids[i]]) for i in inside]
+        step_probs.append(float(probs[ender - 1, ids[ender]] + probs[ender - 1, tokenizer.eos_token_id]))
+        scores.append(min(step_probs))
+    return scores
+
+
+def test_likelihood_scores_match_hf_scored_at_once_step_by_step_and_by_the_reference_mode(prm_dir):
+    """`lm-likelihood`: a step's score is its lowest token probability (its end: delimiter or end of
+    turn). Scored at once, one step after another (a kept conversation is forked only up to the step
+    before: step k's first read is at step k-1's last token) and by the HF reference mode, alike."""
+    from treeserve.search.reference import HFStepScorer
+
+    engine = _engine(prm_dir)
+    expected = _likelihood_reference(prm_dir, engine.tokenizer, QUESTION, STEPS)
+    assert StepScorer(_engine(prm_dir), "lm-likelihood").score_steps(QUESTION, STEPS) == pytest.approx(expected, abs=1e-5)
+    scorer = StepScorer(engine, "lm-likelihood")
+    for count in range(1, len(STEPS) + 1):
+        assert scorer.score_steps(QUESTION, STEPS[:count]) == pytest.approx(expected[:count], abs=1e-5)
+    assert scorer.score_cache.get((QUESTION, *STEPS[:2])) == pytest.approx(expected[1], abs=1e-5)
+    assert len(set(expected)) == len(expected) and all(0 < x < 1 for x in expected)
+    reference = HFStepScorer(str(prm_dir), engine.tokenizer, "lm-likelihood").score_many([(QUESTION, STEPS)])
+    assert reference[0] == pytest.approx(expected, abs=1e-5)
+    scorer.release_all()
+    assert_no_leak(engine)
+
+
+def test_likelihood_recipe_refuses_a_delimiter_that_merges_with_the_step(prm_dir):
+    from treeserve.runtime.prm_recipes import LikelihoodRecipe
+
+    tokenizer = _engine(prm_dir).tokenizer
+    with pytest.raises(ValueError, match="does not start a token of its own"):
+        LikelihoodRecipe(step_delimiter="s").build(tokenizer, QUESTION, ["so the answer is twenty", "done"])
 
 
 def test_repeat_is_free_and_extension_computes_only_new_tokens(prm_dir):

@@ -9,7 +9,8 @@ apart: a tokenizer may split text at the end of a prefix unlike inside the whole
 byte-level pre-tokenizer keeps "\n\n" whole at the end of a text but splits "\n\n+" as "\n",
 "\n", "+"). A marker that shares its last token with the text after it is a ValueError.
 The first three read a language model's next-token logits (softmax over the good and bad verdict
-tokens); `qwen-prm` and `value-head` read a reward head's outputs (model/heads.py) at each step's
+tokens); `lm-likelihood` reads a language model's probability of every token of a step (a model
+judging steps by how likely it finds them); `qwen-prm` and `value-head` read a reward head's outputs (model/heads.py) at each step's
 separator: softmax's positive class, or the sigmoid of one value. A recipe names the head it
 reads (`head`), and `score` turns what is read at a step into its score.
 A model directory may name its recipe in its `config.json` (`"prm_recipe": "chat-steps"`); it is
@@ -30,6 +31,15 @@ import torch
 class PRMInput:
     token_ids: list[int]
     verdict_positions: list[int]  # one per step: logits at this position predict the verdict token
+    # a likelihood recipe's reads, per step: (position, token ids) pairs; the logits at the position
+    # give the probability of the next token being one of the ids
+    reads: list[list[tuple[int, tuple[int, ...]]]] | None = None
+
+    def positions_of(self, step: int) -> list[int]:
+        """The positions whose logits step `step`'s score needs."""
+        if self.reads is None:
+            return [self.verdict_positions[step]]
+        return [position for position, _ in self.reads[step]]
 
 
 @dataclass(frozen=True)
@@ -37,6 +47,7 @@ class _VerdictTokens:
     good_token: str = "+"
     bad_token: str = "-"
     head = "lm"
+    reads_step_tokens = False  # one verdict position a step, after the step
 
     def candidate_ids(self, tokenizer) -> tuple[int, int]:
         """The columns read at each verdict position (here the good and bad tokens' logits)."""
@@ -125,6 +136,57 @@ class ChatStepsRecipe(_VerdictTokens):
 
 
 @dataclass(frozen=True)
+class LikelihoodRecipe:
+    """A language model judging steps by its own likelihood: the question as the user turn and the
+    solution as the assistant turn, steps joined by the step delimiter (as the generator writes it,
+    like `chat-steps`), and step k's score is the lowest probability the model gives any of its
+    tokens, the step's end included (the delimiter's first token or the end of the turn: either
+    ends a step). A slip the model would not have written (a wrong digit, operand or step number, a
+    step cut short) is an improbable token. The model must know the task better than the generator
+    it checks: a generator's own confident slips are probable under itself.
+
+    Reads whole logit rows at every token of a step (`candidate_ids` is None): meant for small
+    vocabularies such as the bundled models'; the first read of step k sits at the last token of
+    step k-1 (`reads_step_tokens`: a kept conversation is forked only up to the step before)."""
+    step_delimiter: str = "\n\n"
+    name: str = "lm-likelihood"
+    head = "lm"
+    reads_step_tokens = True
+
+    @staticmethod
+    def candidate_ids(tokenizer) -> None:
+        return None  # whole rows: each position reads its own tokens
+
+    @staticmethod
+    def score_reads(rows: list[tuple[torch.Tensor, tuple[int, ...]]]) -> float:
+        """The lowest, over the step's reads, probability of the token (or any of the tokens) read."""
+        return min(float(torch.softmax(row.float(), dim=-1)[list(ids)].sum()) for row, ids in rows)
+
+    def build(self, tokenizer, question: str, steps: list[str]) -> PRMInput:
+        if tokenizer.eos_token_id is None:
+            raise ValueError(f"prm recipe {self.name}: the tokenizer has no end-of-sequence token to end a step with")
+        text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                             add_generation_prompt=True)
+        spans = []
+        for step in steps:
+            spans.append((len(text), len(text) + len(step)))
+            text += step + self.step_delimiter
+        tokens = _Tokenized(tokenizer, text, self.name, add_special_tokens=False)
+        reads = [self._step_reads(tokens, start, end, tokenizer.eos_token_id) for start, end in spans]
+        return PRMInput(tokens.token_ids, [step[-1][0] for step in reads], reads)
+
+    def _step_reads(self, tokens: _Tokenized, start: int, end: int, eos: int) -> list[tuple[int, tuple[int, ...]]]:
+        """(position before each token of the step, that token), then the step's end: the
+        delimiter's first token or the end of the turn."""
+        first, ender = tokens.token_starting_at(start), tokens.token_starting_at(end)
+        if first is None or ender is None:
+            raise ValueError(f"prm recipe {self.name}: a step or its delimiter {self.step_delimiter!r} does not "
+                             "start a token of its own, so the step's tokens cannot be read apart from the text around it")
+        reads = [(index - 1, (tokens.token_ids[index],)) for index in range(first, ender)]
+        return reads + [(ender - 1, (tokens.token_ids[ender], eos))]
+
+
+@dataclass(frozen=True)
 class QwenPRMRecipe:
     """Qwen2.5-Math-PRM's: system prompt, the question as the user turn, the steps as the assistant
     turn each followed by the separator token `<extra_0>`; step k's score is the two-class head's
@@ -134,6 +196,7 @@ class QwenPRMRecipe:
     separator: str = "<extra_0>"
     name: str = "qwen-prm"
     head = "classify"
+    reads_step_tokens = False
 
     @staticmethod
     def candidate_ids(tokenizer) -> tuple[int, int]:
@@ -158,6 +221,7 @@ class ValueHeadRecipe:
     step_token: str = "\n"
     name: str = "value-head"
     head = "value"
+    reads_step_tokens = False
 
     @staticmethod
     def candidate_ids(tokenizer) -> tuple[int]:
@@ -178,7 +242,7 @@ class ValueHeadRecipe:
 
 
 RECIPES = {"rlhflow": RLHFlowRecipe(), "math-shepherd": MathShepherdRecipe(), "chat-steps": ChatStepsRecipe(),
-           "qwen-prm": QwenPRMRecipe(), "value-head": ValueHeadRecipe()}
+           "lm-likelihood": LikelihoodRecipe(), "qwen-prm": QwenPRMRecipe(), "value-head": ValueHeadRecipe()}
 DEFAULT_RECIPE = "rlhflow"
 CONFIG_KEY = "prm_recipe"
 HEAD_RECIPES = {"Qwen2ForProcessRewardModel": "qwen-prm", "Qwen2ForPrmModel": "value-head"}
@@ -258,6 +322,11 @@ class _Tokenized:
             raise ValueError(f"prm recipe {self.recipe}: the {marker} shares its last token with the text after "
                              f"it, so no position reads it alone: that token is {self.held(index)!r}")
         return index
+
+    def token_starting_at(self, start: int) -> int | None:
+        """The token whose first character is at `start`, if one is."""
+        index = self._holder[start] if start < len(self._holder) else -1
+        return index if index >= 0 and self.offsets[index][0] == start else None
 
     def held(self, index: int) -> str:
         return self.text[slice(*self.offsets[index])] if index >= 0 else ""

@@ -67,7 +67,8 @@ class StepScorer:
             check_recipe_fits(self.recipe, engine.model_config)
         except ValueError as exc:
             raise ParamError("recipe", str(exc)) from None
-        self.candidates = list(self.recipe.candidate_ids(engine.tokenizer))
+        candidates = self.recipe.candidate_ids(engine.tokenizer)
+        self.candidates = None if candidates is None else list(candidates)  # None: whole logit rows
         self.score_cache = ScoreCache(score_cache_bytes) if score_cache_bytes else ScoreCache()
         self.kept = KeptConversations()  # (question, steps...) -> engine request id, released first at the front
         self.max_kept = max_kept
@@ -232,16 +233,18 @@ class StepScorer:
         key = key[: readable + 1]
         # a kept conversation holding a wanted verdict cannot be forked: that position would not be
         # computed again (its score was evicted from the cache since)
-        longest = min(len(key) - 1, wanted[0] + 1)
+        # (a likelihood recipe reads step k from the last token of step k-1 on: one step less)
+        longest = min(len(key) - 1, wanted[0] + 1 - self.recipe.reads_step_tokens)
         parent_key = next((key[:j] for j in range(longest, 1, -1) if key[:j] in self.kept), None)
         parent_id = self.kept.get(parent_key) if parent_key else None
         request_id = f"score-{next(_REQUEST_IDS)}"
         self.num_prompt_tokens += len(prm_input.token_ids)
         self.loop.add_request(self.engine, request_id, prm_input.token_ids, SamplingParams(max_tokens=1),
-                              self._on_output, logits_positions=[prm_input.verdict_positions[i] for i in wanted],
+                              self._on_output,
+                              logits_positions=sorted({p for i in wanted for p in prm_input.positions_of(i)}),
                               readout_token_ids=self.candidates, keep_kv=True, parent_id=parent_id,
                               priority=BACKGROUND_PRIORITY)
-        self._wanted[request_id] = (key, wanted, prm_input.verdict_positions)
+        self._wanted[request_id] = (key, wanted, prm_input)
         self._claimed.update(key[: i + 2] for i in wanted)
         return request_id
 
@@ -250,18 +253,23 @@ class StepScorer:
             self._record(output)
 
     def _record(self, output) -> None:
-        key, wanted, positions = self._wanted.pop(output.request_id)
+        key, wanted, prm_input = self._wanted.pop(output.request_id)
         self.num_reused_tokens += output.num_cached_tokens
         if key in self.kept:  # two requests read the same conversation: keep the newer one
             self.engine.release_kv(self.kept.pop(key))
         self.kept.add(key, output.request_id)
         for index in wanted:
-            pair = output.prompt_logits[positions[index]]
-            self._set_score(key[: index + 2], self.recipe.score(pair))
+            self._set_score(key[: index + 2], self._score(output.prompt_logits, prm_input, index))
         # the engine releases kept KV in the same order when its pool runs short
         for request_id in self.kept.demote_below_best(key, self.score_cache.get):
             self.engine.release_kv_first(request_id)
         self._trim_kept()
+
+    def _score(self, logits: dict, prm_input: PRMInput, index: int) -> float:
+        """Step `index`'s score from the logits read at its positions."""
+        if prm_input.reads is None:
+            return self.recipe.score(logits[prm_input.verdict_positions[index]])
+        return self.recipe.score_reads([(logits[position], ids) for position, ids in prm_input.reads[index]])
 
     def _trim_kept(self) -> None:
         pool = self.engine.kv.pool

@@ -57,7 +57,8 @@ class HFStepScorer:
         # as the engine: a conversation this long or longer is not read (UNJUDGED_SCORE)
         self.max_len = max_len or self.model.config.max_position_embeddings
         self.tokenizer = tokenizer
-        self.candidates = list(self.recipe.candidate_ids(tokenizer))
+        candidates = self.recipe.candidate_ids(tokenizer)
+        self.candidates = None if candidates is None else list(candidates)  # None: whole rows (lm-likelihood)
         self.num_tokens_computed = 0
         self.seconds = 0.0  # spent scoring, inputs built and forward passes run
 
@@ -83,8 +84,11 @@ class HFStepScorer:
             ids[row, : len(x.token_ids)] = torch.tensor(x.token_ids)
             mask[row, : len(x.token_ids)] = 1
         self.num_tokens_computed += int(mask.sum())
-        logits = self.model(input_ids=ids, attention_mask=mask).logits[..., self.candidates].float()
-        probs = torch.softmax(logits, dim=-1)[..., 0]
+        logits = self.model(input_ids=ids, attention_mask=mask).logits
+        if self.candidates is None:
+            return [[self.recipe.score_reads([(logits[row, p], tokens) for p, tokens in step]) for step in x.reads]
+                    for row, x in enumerate(batch)]
+        probs = torch.softmax(logits[..., self.candidates].float(), dim=-1)[..., 0]
         return [[float(probs[row, p]) for p in x.verdict_positions] for row, x in enumerate(batch)]
 
 
