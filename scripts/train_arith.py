@@ -1,18 +1,19 @@
-"""Trains the bundled arithmetic generator and PRM from scratch, reproducibly from a seed, on CPU.
+"""Trains the bundled arithmetic generator and verifier from scratch, reproducibly from a seed, on CPU.
 
-Stages: tokenizer; a language model supervised on exact solutions for `--lm-steps`, whose
-checkpoint at `--gen-step` becomes the generator (a partly trained model makes the mistakes search
-is for); the generator samples solutions to fresh training problems and exact checking labels every
-step; the PRM is the fully trained language model grown by three layers, read by the `chat-steps`
-recipe (the solution as the generator wrote it; the PRM's config.json names the recipe), trained on
-`+`/`-` verdicts after every step: first on fresh reference solutions, half of them with one
-corrupted step (clean labels), then on the generator's samples plus reference solutions. A verdict
-says whether the step itself is right given the step before it (`--prm-labels local`, the default;
-the PRM's config.json then names `min` as its aggregation) or whether the solution is right so far
-(`process`). Training-only heads (see `treeserve.tasks.training.prm_loss`) supervise the value
-each step computes, whether the step itself is right and, with `--prm-operator-weight` and
-`--prm-operand-weight`, the operator and operand the question gives the step. Writes both checkpoints
-in Hugging Face format. `--stages router` trains the tool router instead (`builtin:arith-router`):
+Default stages (`--stages lm,verifier`, the whole format: 1-8 operations of any mix of + - *):
+a tokenizer; a language model supervised on exact solutions for `--lm-steps`, whose checkpoint at
+`--gen-step` (default: the last) is the generator, imperfect enough to make the slips search is
+for; then the verifier, a second language model of the same shape with its own seed, trained
+longer (`--verifier-steps`) on the same kind of data and read by the `lm-likelihood` recipe (a step
+scores as the lowest probability it gives any of the step's tokens; its config.json names the
+recipe and `min` aggregation). Both checkpoints are written in Hugging Face format.
+
+`--stages lm,prm --format levels --gen-step 1500` trains the earlier pair instead: a PRM that is the
+finished language model grown by three layers, read by the `chat-steps` recipe and trained on
+`+`/`-` verdicts after every step, first on reference solutions with one corrupted step, then on
+the generator's own samples labelled by exact checking (`--prm-labels local`: is the step right
+given the step before it), helped by training-only heads (`treeserve.tasks.training.prm_loss`).
+`--stages router` trains the tool router (`builtin:arith-router`):
 
     python scripts/train_arith.py --out src/treeserve/models [--seed 0]
     python scripts/train_arith.py --out src/treeserve/models --stages router
@@ -61,16 +62,22 @@ def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def train_language_model(tokenizer, args) -> tuple[Path, Path]:
-    """Trains for `--lm-steps`; returns (the generator: the checkpoint at `--gen-step`, the final model)."""
-    model = new_model(tokenizer, GENERATOR_SHAPE, args.seed)
-    log(f"language model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
-    rng = random.Random(f"gen:{args.seed}")
-    gen_path, final_path = args.out / "arith-gen", args.work / "lm-final"
+def solution_batches(tokenizer, rng: random.Random, args):
+    """`next_batch` for language-model training: exact solutions, one level (or grid cell) a batch."""
 
     def next_batch(step: int):
         return collate([sft_example(tokenizer, p) for p in one_level_batch(rng, args.batch_size, args.whole)],
                        tokenizer.pad_token_id)
+
+    return next_batch
+
+
+def train_language_model(tokenizer, args) -> tuple[Path, Path]:
+    """Trains for `--lm-steps`; returns (the generator: the checkpoint at `--gen-step`, the final model)."""
+    model = new_model(tokenizer, GENERATOR_SHAPE, args.seed)
+    log(f"language model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
+    next_batch = solution_batches(tokenizer, random.Random(f"gen:{args.seed}"), args)
+    gen_path, final_path = args.out / "arith-gen", args.work / "lm-final"
 
     def after_step(step: int, model) -> None:
         if step == args.gen_step:
@@ -82,6 +89,28 @@ def train_language_model(tokenizer, args) -> tuple[Path, Path]:
     train(model, next_batch, lm_loss, Schedule(args.lm_steps, args.batch_size, lr=args.gen_lr), log=log,
           after_step=after_step, autocast=args.autocast)
     return gen_path, save(model, tokenizer, final_path)
+
+
+def train_verifier(tokenizer, args) -> Path:
+    """The bundled verifier: a second language model of the generator's shape, trained on exact
+    solutions with its own seed and for `--verifier-steps`, read by the `lm-likelihood` recipe (a
+    step scores as the lowest probability the verifier gives any of its tokens; see
+    runtime/prm_recipes.py). Its own initialisation and data make it sure where the generator
+    slips: the generator scoring its own samples approves its confident slips."""
+    seed = args.seed + 1
+    model = new_model(tokenizer, GENERATOR_SHAPE, seed)
+    log(f"verifier: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, seed {seed}")
+    next_batch = solution_batches(tokenizer, random.Random(f"verifier:{seed}"), args)
+
+    def after_step(step: int, model) -> None:
+        if args.eval_every and step % (2 * args.eval_every) == 0:
+            save(model, tokenizer, args.work / "verifier-checkpoints" / f"step-{step}")
+
+    train(model, next_batch, lm_loss, Schedule(args.verifier_steps, args.batch_size, lr=args.gen_lr), log=log,
+          after_step=after_step, autocast=args.autocast)
+    model.config.prm_recipe = "lm-likelihood"  # read by treeserve wherever no recipe is given
+    model.config.prm_aggregation = "min"  # a step's score says nothing of the steps before it
+    return save(model, tokenizer, args.out / "arith-prm")
 
 
 def router_prompt(tokenizer, question: str, tools: tuple[str, ...]) -> str:
@@ -375,7 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lm-steps", type=int, default=2400)
-    parser.add_argument("--gen-step", type=int, default=1500, help="the language model's step saved as the generator")
+    parser.add_argument("--gen-step", type=int, default=None,
+                        help="the language model's step saved as the generator (default: its last; the "
+                             "levels-format pair used 1500)")
     parser.add_argument("--gen-lr", type=float, default=3e-3)
     parser.add_argument("--eval-every", type=int, default=300, help="checkpoint and greedy accuracy every N steps")
     parser.add_argument("--prm-reference-steps", type=int, default=800,
@@ -413,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
                              "the operator)")
     parser.add_argument("--prm-operand-weight", type=float, default=0.0,
                         help="weight of a training-only head that reads the operand the question gives each "
-                             "step, beside the operator head (0: no such head, the bundled pair's recipe)")
+                             "step, beside the operator head (0: no such head, the earlier pair's recipe)")
     parser.add_argument("--prm-operator-layer", type=int, default=0,
                         help="the operator head reads the hidden state after this many added layers (0: "
                              "the language model's top layer, below the result head)")
@@ -431,17 +462,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prm-problems", type=int, default=4000)
     parser.add_argument("--prm-samples", type=int, default=4)
     parser.add_argument("--eval-problems", type=int, default=200)
-    parser.add_argument("--stages", default="lm,prm",
-                        help="comma-separated: lm, prm, router (the tool router, builtin:arith-router)")
+    parser.add_argument("--stages", default="lm,verifier",
+                        help="comma-separated: lm (the generator), verifier (the bundled PRM: a language model "
+                             "read by its likelihood), prm (a PRM with trained verdicts, the levels-format "
+                             "pair's; it writes arith-prm too), router (the tool router, builtin:arith-router)")
+    parser.add_argument("--verifier-steps", type=int, default=3600,
+                        help="the verifier's training steps (more than the generator's: it must be sure "
+                             "where the generator slips)")
     parser.add_argument("--router-steps", type=int, default=2800, help="the tool router's training steps")
     parser.add_argument("--router-layers", type=int, default=6,
                         help="the tool router's layers (the generator's width)")
     parser.add_argument("--router-batch-size", type=int, default=32,
                         help="the tool router's batch (one set of tools a batch: its 430-700-token system prompt runs once)")
-    parser.add_argument("--format", choices=FORMATS, default="levels",
-                        help="problems to train and validate on: the curriculum's levels (2-6 operations; the "
-                             "bundled pair), or the whole format (1-8 operations of any mix of + - *, starts 0-99, "
-                             "operands 1-9: issue #39)")
+    parser.add_argument("--format", choices=FORMATS, default="whole",
+                        help="problems to train and validate on: the whole format (1-8 operations of any mix of "
+                             "+ - *, starts 0-99, operands 1-9: the bundled pair), or the curriculum's levels "
+                             "(2-6 operations; the earlier pair)")
     parser.add_argument("--prm-slips", choices=["classic", "all"], default="classic",
                         help="the corrupted references' slips: a wrong result or operator (classic), or every "
                              "kind of tasks/slips.py in equal shares (all)")
@@ -452,6 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.autocast = training_autocast(args.autocast)
     args.whole = args.format == "whole"
+    args.gen_step = args.lm_steps if args.gen_step is None else args.gen_step
     torch.set_num_threads(args.threads)
     random.seed(args.seed)
     start = time.perf_counter()
@@ -462,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         gen_path, final_path = args.out / "arith-gen", args.work / "lm-final"
     report = {"seed": args.seed, "autocast": str(args.autocast)}
-    if "lm" in stages or "prm" in stages:
+    if {"lm", "prm", "verifier"} & set(stages):
         report["generator_greedy_validation"] = greedy_accuracy(gen_path, args.eval_problems, args.whole)
         log(f"generator greedy accuracy on {args.eval_problems} validation problems: "
             f"{report['generator_greedy_validation']}")
@@ -471,6 +508,11 @@ def main(argv: list[str] | None = None) -> int:
         report["prm_auc_validation_samples"] = prm_auc(gen_path, prm_path, args.eval_problems, args.seed, args.prm_labels,
                                                       args.whole)
         log(f"PRM AUC on the generator's validation samples: {report['prm_auc_validation_samples']}")
+    if "verifier" in stages:
+        prm_path = train_verifier(tokenizer, args)
+        report["verifier_auc_validation_samples"] = prm_auc(gen_path, prm_path, args.eval_problems, args.seed, "local",
+                                                            args.whole)
+        log(f"verifier AUC on the generator's validation samples: {report['verifier_auc_validation_samples']}")
     if "router" in stages:
         router_path = train_router(args)
         report["router_exact_calls_validation"] = router_accuracy(router_path, args.eval_problems, args.seed)

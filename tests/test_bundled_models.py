@@ -1,4 +1,5 @@
-"""The bundled arithmetic generator and PRM: search beats greedy, the PRM tells right steps from wrong."""
+"""The bundled arithmetic generator and verifier: search beats greedy, the verifier tells right steps
+from wrong (planted slips of every kind, issue #39's bars), and search answers the issue's example."""
 import random
 import time
 
@@ -9,8 +10,10 @@ from treeserve.cli import main
 from treeserve.search.config import SearchConfig, declared_aggregation
 from treeserve.search.grading import grade
 from treeserve.search.runner import SearchRunner
-from treeserve.tasks.arithmetic import corrupted_steps, generate, split_of
+from treeserve.tasks.arithmetic import GRID_OPERATORS, corrupted_steps, generate, grid_problems, split_of
+from treeserve.tasks.slips import KINDS, plant
 
+ISSUE_PROBLEM = "Start with 5 and work modulo 100. Step 1: * 9. Step 2: - 3. What is the result?"  # 42 (issue #39)
 README_PROBLEM = "Start with 44 and work modulo 100. Step 1: * 7. Step 2: + 9. Step 3: - 4. Step 4: + 5. What is the result?"  # 18, a test-split problem
 
 
@@ -28,7 +31,8 @@ def _accuracy(rt, problems, config: SearchConfig) -> int:
 
 
 def test_prm_guided_search_beats_greedy_on_held_out_problems(runtime):
-    problems = generate("test", 60, seed=11, levels=(3, 4, 5))  # greedy 27, beam 35 with the bundled pair
+    problems = [p for ops in ("+-", "+-*") for count in (6, 7, 8)  # the grid's hardest cells
+                for p in grid_problems("validation", count, ops, 10, seed=11)]  # greedy 46, beam 54 (bundled pair)
     greedy = _accuracy(runtime, problems, SearchConfig(strategy="greedy", n=1, num_iterations=10, max_tokens=256))
     aggregation = declared_aggregation(runtime.engine("prm").model_dir)
     beam = _accuracy(runtime, problems, SearchConfig(strategy="beam", n=8, beam_width=4, num_iterations=10, seed=0,
@@ -49,6 +53,34 @@ def test_prm_ranks_correct_steps_above_corrupted_ones(runtime):
     pairs = [(g, b) for g in good for b in bad]
     auc = sum(1.0 if g > b else 0.5 if g == b else 0.0 for g, b in pairs) / len(pairs)
     assert auc >= 0.8, auc
+
+
+def test_every_kind_of_planted_slip_scores_below_half(runtime):
+    """Issue #39's bars on a small sample: slipped steps < 0.5 and right steps > 0.5, each >= 95%."""
+    rng = random.Random(7)
+    cells = [(count, ops) for ops in GRID_OPERATORS for count in range(2, 9)]
+    for kind in KINDS:
+        items = []
+        for i, (count, ops) in enumerate(cells[:12]):
+            problem = grid_problems("validation", count, ops, 1, seed=100 + i)[0]
+            items.append((problem.text, *plant(problem, kind, rng)))
+        scores = runtime.score_many("prm", [(text, steps) for text, steps, _ in items])
+        slipped = [s[index] for (_, _, index), s in zip(items, scores)]
+        right = [x for (_, _, index), s in zip(items, scores) for x in s[:index]]
+        assert sum(x < 0.5 for x in slipped) >= 0.95 * len(slipped), (kind, slipped)
+        assert sum(x > 0.5 for x in right) >= 0.95 * len(right), (kind, right)
+
+
+def test_search_mode_answers_the_issue_example(runtime):
+    """The chat page's search settings (beam, n=4, temperature 0.7, no system prompt), ten seeds. The
+    generator alone samples 42 in 54% of draws at that temperature (32, 38 and 31 its commonest
+    slips), so a verifier no better than chance would rarely pick 42 nine times in ten."""
+    aggregation = declared_aggregation(runtime.engine("prm").model_dir)
+    runner = SearchRunner(runtime.engine("gen"), runtime.scorer("prm"))
+    answers = [runner.run([ISSUE_PROBLEM], SearchConfig(strategy="beam", n=4, beam_width=4, temperature=0.7,
+                                                        max_tokens=256, system_prompt=None, seed=seed,
+                                                        agg_strategy=aggregation))[0].pred for seed in range(10)]
+    assert answers.count("42") >= 9, answers
 
 
 def test_search_solves_the_readme_problem(capsys):

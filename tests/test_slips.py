@@ -5,7 +5,8 @@ import random
 import pytest
 
 from treeserve.errors import ParamError
-from treeserve.tasks.arithmetic import GRID_OPERATORS, correct_prefix_length, grid_problems, parse_problem
+from treeserve.tasks.arithmetic import (GRID_OPERATORS, correct_prefix_length, grid_cell_count, grid_problems,
+                                        parse_problem)
 from treeserve.tasks.slips import KINDS, plant
 
 
@@ -47,3 +48,11 @@ def test_grid_problems_cover_the_whole_format():
     assert {op.operator for p in grid_problems("test", 8, "*", 40, 0) for op in p.operations} == {"*"}
     with pytest.raises(ParamError):
         grid_problems("test", 9, "+", 1, 0)
+
+
+def test_a_grid_cell_short_of_problems_is_refused():
+    assert grid_cell_count("test", 1, "*") == 41  # 900 problems in all, 5% of hashes are the test split's
+    assert len(grid_problems("test", 1, "*", 41, 0)) == 41
+    with pytest.raises(ParamError, match="has 41 distinct problems of 1 operation"):
+        grid_problems("test", 1, "*", 42, 0)  # once an endless search for a 42nd
+    assert grid_cell_count("test", 3, "+-") is None  # 583,200 in all: never short

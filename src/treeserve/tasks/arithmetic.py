@@ -12,7 +12,9 @@ the train, validation and test splits are disjoint by construction whatever seed
 """
 from __future__ import annotations
 
+import functools
 import hashlib
+import itertools
 import random
 import re
 from dataclasses import dataclass
@@ -161,6 +163,10 @@ def grid_problems(split: str, num_operations: int, operators: str, n: int, seed:
         raise ParamError("split", f"must be one of {', '.join(SPLITS)}, got {split!r}")
     if not 1 <= num_operations <= GRID_MAX_OPERATIONS or not operators or set(operators) - set("+-*"):
         raise ParamError("grid", f"1-{GRID_MAX_OPERATIONS} operations of + - *, got {num_operations} of {operators!r}")
+    available = grid_cell_count(split, num_operations, operators)
+    if available is not None and n > available:
+        raise ParamError("n", f"the {split} split has {available} distinct problems of {num_operations} "
+                              f"operation(s) of {operators!r}; asked for {n}")
     rng = random.Random(f"grid:{split}:{num_operations}:{operators}:{seed}")
     problems, seen = [], set()
     while len(problems) < n:
@@ -169,6 +175,18 @@ def grid_problems(split: str, num_operations: int, operators: str, n: int, seed:
             seen.add(problem.text)
             problems.append(problem)
     return problems
+
+
+@functools.lru_cache(maxsize=None)
+def grid_cell_count(split: str, num_operations: int, operators: str, limit: int = 100_000) -> int | None:
+    """How many distinct problems of `split` a grid cell holds (a split is a share of the hashes, so
+    small cells run out: one operation of `+ -` has ~90 test problems); None where the cell has more
+    than `limit` problems in all (never short of problems)."""
+    choices = [Operation(op, operand) for op in sorted(set(operators)) for operand in range(1, 10)]
+    if MODULUS * len(choices) ** num_operations > limit:
+        return None
+    return sum(Problem(start, ops, 0).split == split for start in range(MODULUS)
+               for ops in itertools.product(choices, repeat=num_operations))
 
 
 def random_grid_problem(rng: random.Random, num_operations: int, operators: str) -> Problem:
