@@ -18,7 +18,7 @@ PACKAGE = "treeserve"
 
 # Bottom to top; a module may import from its own layer and every layer before it.
 LAYERS = [
-    ("errors", ["errors"]),
+    ("errors and process lifecycle", ["errors", "lifecycle"]),
     ("settings and results", ["config", "sampling_params", "outputs"]),
     ("model", ["model"]),
     ("engine", ["engine"]),

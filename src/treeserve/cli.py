@@ -6,6 +6,7 @@ import sys
 
 from treeserve.cli_gateway import add_gateway_parsers
 from treeserve.cli_gateway import main as gateway_main
+from treeserve.lifecycle import exit_on_sigterm, follow_parent
 
 
 def _add_engine_args(parser: argparse.ArgumentParser, several_models: bool = False) -> None:
@@ -177,6 +178,8 @@ def cmd_serve(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    follow_parent()  # a child of `treeserve chat` (or another command) ends with it
+    exit_on_sigterm()  # SIGTERM runs cleanup as SIGINT does
     if argv[:1] in (["gateway"], ["chat"]):
         return gateway_main(argv)  # the gateway imports no engine (nor PyTorch); chat runs one in a child
     args = build_parser().parse_args(argv)

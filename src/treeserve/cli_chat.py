@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from treeserve.lifecycle import child_env
+
 GENERATOR, VERIFIER, ROUTER = "arith-gen", "arith-prm", "arith-router"
 # What the bundled models answer well, offered by the empty conversation (tests/test_chat_examples.py
 # checks each greedily and by a beam search; sampled at the chat's temperature 0.7 the chat one was right
@@ -64,7 +66,7 @@ def cmd_chat(args) -> int:
 
     models = [f"--model={name}={path}" for name, path in CHAT_MODELS.items()]
     server = subprocess.Popen([sys.executable, "-m", "treeserve.cli", "serve", "--port", str(args.serve_port), *models,
-                               "--tool-call-parser", CHAT_TOOL_PARSER])
+                               "--tool-call-parser", CHAT_TOOL_PARSER], env=child_env())
     try:
         print(f"starting the model server ({', '.join(CHAT_MODELS)}) at {url} ...", file=sys.stderr, flush=True)
         wait_healthy(url, server, timeout=900)
