@@ -241,6 +241,12 @@ class ValueHeadRecipe:
         return PRMInput(ids, positions)
 
 
+def read_columns(recipe, tokenizer) -> list[int] | None:
+    """The logit columns a recipe reads at its positions, or None for whole rows (lm-likelihood)."""
+    candidates = recipe.candidate_ids(tokenizer)
+    return None if candidates is None else list(candidates)
+
+
 RECIPES = {"rlhflow": RLHFlowRecipe(), "math-shepherd": MathShepherdRecipe(), "chat-steps": ChatStepsRecipe(),
            "lm-likelihood": LikelihoodRecipe(), "qwen-prm": QwenPRMRecipe(), "value-head": ValueHeadRecipe()}
 DEFAULT_RECIPE = "rlhflow"

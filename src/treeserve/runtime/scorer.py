@@ -18,7 +18,7 @@ from treeserve.engine.engine_loop import EngineLoop
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.engine.request import BACKGROUND_PRIORITY
 from treeserve.runtime.kept_conversations import KeptConversations, StepKey
-from treeserve.runtime.prm_recipes import DEFAULT_RECIPE, RECIPES, PRMInput, check_recipe_fits
+from treeserve.runtime.prm_recipes import DEFAULT_RECIPE, RECIPES, PRMInput, check_recipe_fits, read_columns
 from treeserve.runtime.score_cache import ScoreCache
 from treeserve.sampling_params import SamplingParams
 
@@ -67,8 +67,7 @@ class StepScorer:
             check_recipe_fits(self.recipe, engine.model_config)
         except ValueError as exc:
             raise ParamError("recipe", str(exc)) from None
-        candidates = self.recipe.candidate_ids(engine.tokenizer)
-        self.candidates = None if candidates is None else list(candidates)  # None: whole logit rows
+        self.candidates = read_columns(self.recipe, engine.tokenizer)  # None: whole logit rows
         self.score_cache = ScoreCache(score_cache_bytes) if score_cache_bytes else ScoreCache()
         self.kept = KeptConversations()  # (question, steps...) -> engine request id, released first at the front
         self.max_kept = max_kept

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.entrypoints.llm import LLM
 from treeserve.errors import ParamError
-from treeserve.runtime.prm_recipes import DEFAULT_RECIPE, RECIPES
+from treeserve.runtime.prm_recipes import DEFAULT_RECIPE, RECIPES, read_columns
 from treeserve.runtime.scorer import UNJUDGED_SCORE, readable_input
 from treeserve.sampling_params import SamplingParams
 from treeserve.search.config import STEP_DELIMITER, SearchConfig
@@ -57,8 +57,7 @@ class HFStepScorer:
         # as the engine: a conversation this long or longer is not read (UNJUDGED_SCORE)
         self.max_len = max_len or self.model.config.max_position_embeddings
         self.tokenizer = tokenizer
-        candidates = self.recipe.candidate_ids(tokenizer)
-        self.candidates = None if candidates is None else list(candidates)  # None: whole rows (lm-likelihood)
+        self.candidates = read_columns(self.recipe, tokenizer)  # None: whole rows (lm-likelihood)
         self.num_tokens_computed = 0
         self.seconds = 0.0  # spent scoring, inputs built and forward passes run
 

@@ -180,7 +180,7 @@ def grid_problems(split: str, num_operations: int, operators: str, n: int, seed:
 @functools.lru_cache(maxsize=None)
 def grid_cell_count(split: str, num_operations: int, operators: str, limit: int = 100_000) -> int | None:
     """How many distinct problems of `split` a grid cell holds (a split is a share of the hashes, so
-    small cells run out: one operation of `+ -` has ~90 test problems); None where the cell has more
+    small cells run out: one operation of `+ -` has 99 test problems, of `*` 41); None where the cell has more
     than `limit` problems in all (never short of problems)."""
     choices = [Operation(op, operand) for op in sorted(set(operators)) for operand in range(1, 10)]
     if MODULUS * len(choices) ** num_operations > limit:
