@@ -13,22 +13,27 @@ CHAT_PORT ?= 4000
 
 .PHONY: run chat generate search test bench clean
 
+# $(call missing,WHAT,CONSEQUENCE): a component could not be installed: fatal under CI=true.
+missing = { if [ "$$CI" = "true" ]; then echo "CI=true: $(1) could not be installed" >&2; exit 1; fi; \
+	echo "no $(1): $(2)"; }
+
 $(STAMP): pyproject.toml
+	# What cannot be installed is a warning (its tests skip), except under CI=true: there it fails.
 	# treeserve's CPU kernels are C, built on first use with cc (PyTorch paths run without one).
 	command -v cc >/dev/null || (command -v apt-get >/dev/null && apt-get update -q && apt-get install -y -q gcc) \
-		|| echo "no C compiler: treeserve runs its PyTorch paths (slower)"
+		|| $(call missing,C compiler (gcc),treeserve runs its PyTorch paths (slower))
 	# The gateway's tests run a throwaway PostgreSQL cluster and RabbitMQ node (Debian's postgresql
-	# and rabbitmq-server; they skip without them).
+	# and rabbitmq-server).
 	(command -v initdb >/dev/null || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1) \
 		&& test -x /usr/lib/rabbitmq/bin/rabbitmq-server \
 		|| (command -v apt-get >/dev/null && apt-get update -q \
 			&& DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql rabbitmq-server) \
-		|| echo "no PostgreSQL or RabbitMQ: the gateway tests that need them will skip"
-	# The web chat's browser test drives Debian's chromium through chromium-driver (it skips without them).
+		|| $(call missing,PostgreSQL or RabbitMQ (postgresql rabbitmq-server),the gateway tests that need them will skip)
+	# The web chat's browser test drives Debian's chromium through chromium-driver.
 	command -v chromium >/dev/null && command -v chromedriver >/dev/null \
 		|| (command -v apt-get >/dev/null && apt-get update -q \
 			&& DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver) \
-		|| echo "no chromium: the chat's browser test will skip"
+		|| $(call missing,Chromium (chromium chromium-driver),the chat's browser test will skip)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# CPU wheel pinned: an unpinned torch pulls gigabytes of CUDA packages.

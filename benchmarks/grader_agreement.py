@@ -5,7 +5,7 @@ solutions' boxed answers match the answer field almost verbatim, so this mostly 
 and the string check; --symbolic also sends every answer through math-verify alone (against itself)
 and grades each answer against the next row's (false positives).
 
-    python benchmarks/grader_agreement.py [--data ../shared/data/math500.jsonl] [--symbolic]
+    python benchmarks/grader_agreement.py [--data data/math500.jsonl] [--symbolic]
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from treeserve.search.grading import _symbolic_equal, extract_answer, grade
 
-DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "math500.jsonl"
+DEFAULT_DATA = Path(__file__).resolve().parents[1] / "data" / "math500.jsonl"
 
 
 def load_rows(path: Path) -> list[dict]:

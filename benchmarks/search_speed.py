@@ -41,7 +41,7 @@ from treeserve.search.reference import HFStepScorer, ReferenceRunner, sal_batch_
 from treeserve.search.runner import SearchRunner
 from treeserve.tasks.arithmetic import generate
 
-DATASET = Path(__file__).resolve().parents[2] / "shared" / "data" / "math500.jsonl"
+DATASET = Path(__file__).resolve().parents[1] / "data" / "math500.jsonl"
 GENERATOR = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=4096)
 VERIFIER = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=8,

@@ -12,6 +12,8 @@ if not torch.cuda.is_available():
 from treeserve.testing.tiny_models import FAMILIES, make_tiny_model
 
 from gateway_support import postgres, rabbitmq  # noqa: F401  (fixtures: a PostgreSQL cluster, a RabbitMQ node)
+# the CI=true rules (a missing component or a needless skip fails the run), as hooks of this conftest
+from ci_strict import pytest_make_collect_report, pytest_runtest_makereport, pytest_sessionstart  # noqa: F401
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 

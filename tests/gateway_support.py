@@ -1,82 +1,23 @@
 """Test support for the gateway: databases (SQLite, and a throwaway PostgreSQL cluster started with
-initdb/pg_ctl as the `postgres` user) and gateways in front of real treeserve servers."""
+initdb/pg_ctl as the `postgres` user), a throwaway RabbitMQ node (both from treeserve.bench.services),
+and gateways in front of real treeserve servers."""
 from __future__ import annotations
 
 import contextlib
-import glob
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 
+from treeserve.bench.services import PostgresCluster, RabbitNode, free_port, postgres_bin, rabbitmq_server
+
 
 def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def postgres_bin() -> Path | None:
-    """The directory of initdb and pg_ctl: Debian keeps them in /usr/lib/postgresql/N/bin."""
-    found = shutil.which("initdb") and shutil.which("pg_ctl")
-    if found:
-        return Path(shutil.which("pg_ctl")).parent
-    versions = sorted(glob.glob("/usr/lib/postgresql/*/bin/pg_ctl"))
-    return Path(versions[-1]).parent if versions else None
-
-
-def _as_postgres(args: list[str]) -> list[str]:
-    """PostgreSQL refuses to run as root: run its tools as the `postgres` user there."""
-    if os.geteuid() != 0:
-        return args
-    runuser = shutil.which("runuser")
-    if runuser:
-        return [runuser, "-u", "postgres", "--", *args]
-    return ["su", "postgres", "-s", "/bin/sh", "-c", " ".join(args)]
-
-
-class PostgresCluster:
-    def __init__(self, root: Path):
-        self.bin = postgres_bin()
-        self.data, self.sockets = root / "data", root / "sockets"
-        self.port = _free_port()
-        self.log = root / "postgres.log"
-
-    def start(self) -> None:
-        for path in (self.data, self.sockets):
-            path.mkdir(parents=True)
-        if os.geteuid() == 0:
-            shutil.chown(self.data.parent, "postgres")
-            for path in (self.data, self.sockets):
-                shutil.chown(path, "postgres")
-        self._run([str(self.bin / "initdb"), "-D", str(self.data), "-A", "trust", "-U", "postgres",
-                   "--no-sync", "-E", "UTF8"])
-        options = f"-p {self.port} -k {self.sockets} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200"
-        self._run([str(self.bin / "pg_ctl"), "-D", str(self.data), "-l", str(self.log), "-o", options, "-w",
-                   "-t", "60", "start"])
-
-    def stop(self) -> None:
-        with contextlib.suppress(RuntimeError):
-            self._run([str(self.bin / "pg_ctl"), "-D", str(self.data), "-m", "immediate", "-w", "stop"])
-
-    def new_database(self) -> str:
-        import psycopg
-
-        name = f"gw_{uuid.uuid4().hex[:12]}"
-        with psycopg.connect(f"host=127.0.0.1 port={self.port} user=postgres dbname=postgres", autocommit=True) as c:
-            c.execute(f'CREATE DATABASE "{name}"')
-        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{name}"
-
-    def _run(self, args: list[str]) -> None:
-        done = subprocess.run(_as_postgres(args), capture_output=True, text=True, timeout=120)
-        if done.returncode:
-            raise RuntimeError(f"{Path(args[0]).name} failed ({done.returncode}): {done.stderr or done.stdout}")
+    return free_port()
 
 
 @pytest.fixture(scope="session")
@@ -121,22 +62,29 @@ def wait_healthy(url: str, proc: subprocess.Popen, what: str, timeout: float) ->
     assert wait_for(up, timeout=timeout, interval=0.1), f"{what} {url} did not start"
 
 
+def start_replica(model_dir: Path, port: int, api_key: str, log: Path | None = None,
+                  nice: int = 0) -> subprocess.Popen:
+    """One `treeserve serve` of the model (served as 'tiny') on `port`; its log piped (a short run's)
+    or written to `log` (a long run's: a full pipe would stall the server); `nice` lowers its priority."""
+    import sys
+
+    args = [sys.executable, "-m", "treeserve.cli", "serve", str(model_dir), "--served-model-name", "tiny",
+            "--port", str(port), "--api-key", api_key, "--dtype", "float32", "--device", "cpu",
+            "--max-model-len", "512", "--kv-cache-memory-bytes", str(32 << 20)]
+    return subprocess.Popen(args, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
+                            stderr=open(log, "ab") if log else subprocess.PIPE,
+                            preexec_fn=(lambda: os.nice(nice)) if nice else None)
+
+
 @contextlib.contextmanager
 def replicas(model_dir: Path, count: int, api_key: str):
     """`count` real `treeserve serve` processes of one model (served as 'tiny'); yields
     [(url, process)]. Started together, stopped (killed if need be) at the end."""
-    import sys
-
     procs = []
     try:
         for _ in range(count):
             port = _free_port()
-            args = [sys.executable, "-m", "treeserve.cli", "serve", str(model_dir), "--served-model-name", "tiny",
-                    "--port", str(port), "--api-key", api_key, "--dtype", "float32", "--device", "cpu",
-                    "--max-model-len", "512", "--kv-cache-memory-bytes", str(32 << 20)]
-            env = dict(os.environ, OMP_NUM_THREADS="1")
-            procs.append((f"http://127.0.0.1:{port}",
-                          subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)))
+            procs.append((f"http://127.0.0.1:{port}", start_replica(model_dir, port, api_key)))
         for url, proc in procs:
             wait_healthy(url, proc, "replica", timeout=120)
         yield procs
@@ -147,51 +95,19 @@ def replicas(model_dir: Path, count: int, api_key: str):
             proc.wait(timeout=30)
 
 
-def rabbitmq_server() -> str | None:
-    for candidate in ("/usr/lib/rabbitmq/bin/rabbitmq-server", shutil.which("rabbitmq-server")):
-        if candidate and Path(candidate).exists():
-            return candidate
-    return None
-
-
 @pytest.fixture(scope="session")
 def rabbitmq():
     """A throwaway RabbitMQ node on free ports, its files in a temporary directory; yields its AMQP URL."""
-    server = rabbitmq_server()
-    if server is None:
+    if rabbitmq_server() is None:
         pytest.skip("RabbitMQ is not installed: `make test` installs Debian's rabbitmq-server where apt-get is "
                     "available")
     root = Path(tempfile.mkdtemp(prefix="treeserve-rmq-"))
-    (root / "enabled_plugins").write_text("[].\n")
-    port, dist_port = _free_port(), _free_port()
-    env = dict(os.environ, HOME=str(root), RABBITMQ_NODENAME=f"treeserve{port}@localhost",
-               RABBITMQ_NODE_IP_ADDRESS="127.0.0.1", RABBITMQ_NODE_PORT=str(port), RABBITMQ_DIST_PORT=str(dist_port),
-               RABBITMQ_MNESIA_BASE=str(root / "mnesia"), RABBITMQ_LOG_BASE=str(root / "log"),
-               RABBITMQ_ENABLED_PLUGINS_FILE=str(root / "enabled_plugins"),
-               RABBITMQ_PLUGINS_EXPAND_DIR=str(root / "plugins"), RABBITMQ_PID_FILE=str(root / "pid"),
-               RABBITMQ_CONFIG_FILE=str(root / "rabbitmq"), ERL_EPMD_ADDRESS="127.0.0.1")
-    log = open(root / "server.log", "wb")
-    proc = subprocess.Popen([server], env=env, cwd=root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def listening():
-        if proc.poll() is not None:
-            raise RuntimeError(f"rabbitmq-server exited: {(root / 'server.log').read_text()[-2000:]}")
-        with socket.socket() as sock:
-            return sock.connect_ex(("127.0.0.1", port)) == 0
-
+    node = RabbitNode(root)
     try:
-        assert wait_for(listening, timeout=90, interval=0.2), "RabbitMQ did not start"
-        yield f"amqp://guest:guest@127.0.0.1:{port}/"
+        node.start()
+        yield node.url
     finally:
-        import signal
-
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
+        node.stop()
         shutil.rmtree(root, ignore_errors=True)
 
 
@@ -260,6 +176,12 @@ def chat_request(client, i: int) -> dict:
     except openai.APIError as exc:  # the gateway's error event after a backend broke off
         result["error"] = str(exc)
     return result
+
+
+def retries_total(app) -> float:
+    """The gateway's `retries_total`: attempts moved to another backend (or tried again)."""
+    return sum(sample.value for metric in app.state.metrics.retries.collect() for sample in metric.samples
+               if sample.name.endswith("_total"))
 
 
 def run_and_kill(client, count: int, kill, after: int) -> list[dict]:

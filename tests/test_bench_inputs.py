@@ -10,7 +10,7 @@ from treeserve.bench.datasets import LOWEST_TOKEN_ID, DatasetSpec, sample_reques
 from treeserve.bench.run import BenchConfig
 from treeserve.bench.telemetry import parse_prometheus, write_union_csv
 
-MATH500 = Path(__file__).resolve().parents[2] / "shared" / "data" / "math500.jsonl"
+MATH500 = Path(__file__).resolve().parents[1] / "data" / "math500.jsonl"  # vendored (data/README.md)
 
 
 def test_random_prompts_have_unique_prefixes_and_exact_lengths():

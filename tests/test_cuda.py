@@ -10,7 +10,7 @@ from treeserve.search.config import SearchConfig
 from treeserve.search.runner import SearchRunner
 from treeserve.testing.tiny_models import FAMILIES, make_tiny_model
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="hardware: no CUDA device")
 
 
 def test_backend_imports_and_is_device_agnostic():

@@ -253,18 +253,46 @@ def test_health_checks_mark_a_dead_replica_down(server, database):
         assert _chat(client).usage.completion_tokens == 8
 
 
-def test_affinity_keeps_a_user_on_one_replica(server, database):
-    replicas = [server.url, server.url.replace("127.0.0.1", "localhost")]  # one server under two names
+@pytest.fixture(scope="module")
+def second_server(llama_dir):
+    """A second real server of the same model: the other replica."""
+    from treeserve.server.launch import build_app as build_server
+
+    app = build_server(str(llama_dir), served_model_name="tiny", api_keys=[API_KEY], dtype="float32", device="cpu",
+                       kv_cache_memory_bytes=16 << 20, max_model_len=512)
+    with running_server(app) as url:
+        yield url, app
+    app.state.engine.shutdown()
+
+
+def _served(app) -> float:
+    """Sequences a server has finished (its own count, not the gateway's)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(sample.value for family in text_string_to_metric_families(app.state.metrics.render().decode())
+               for sample in family.samples if sample.name == "treeserve:request_success_total")
+
+
+def test_affinity_keeps_a_user_on_one_replica(server, second_server, database):
+    """Two real replicas: each user's requests all go to one of them, the users are spread over
+    both (a router that always took the first would fail), and each replica's own request count is
+    what the spend logs say it served."""
+    users = ("ann", "bob", "cid", "dee", "eve", "fay", "gus", "hal")
+    replicas = [server.url, second_server[0]]
+    before = [_served(server.app), _served(second_server[1])]
     with gateway(database, replicas, routing="affinity") as (url, _):
         client = _client(url, _new_key(url))
-        for user in ("ann", "bob", "cid", "dee"):
+        for user in users:
             for _ in range(3):
                 _chat(client, "Hi", user=user)
         logs = _admin(url, "GET", "/spend/logs").json()
-        by_user = {}
-        for i, row in enumerate(logs):
-            by_user.setdefault(i // 3, set()).add(row["backend"])
-        assert all(len(backends) == 1 for backends in by_user.values())
+    by_user = {}
+    for i, row in enumerate(logs):
+        by_user.setdefault(users[i // 3], set()).add(row["backend"])
+    assert all(len(backends) == 1 for backends in by_user.values()), by_user
+    assert set.union(*by_user.values()) == set(replicas), by_user
+    counts = [sum(row["backend"] == r for row in logs) for r in replicas]
+    assert [_served(server.app) - before[0], _served(second_server[1]) - before[1]] == counts
 
 
 def test_a_client_that_leaves_a_stream_aborts_it_upstream_and_pays_for_what_it_got(server, database):

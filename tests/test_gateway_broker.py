@@ -1,7 +1,8 @@
 """Broker mode: the gateway publishes requests to RabbitMQ (a real broker, started by the fixture),
 two `treeserve worker`s consume them; one is killed mid-run. No non-streamed request is lost or
 answered twice (the killed worker's unacknowledged requests are redelivered to the other); a
-stream the killed worker had started ends with an error event, never replayed."""
+stream the killed worker had started ends with an error event, never replayed. The survivor,
+stopped by SIGTERM with a stream in hand, finishes it before it exits."""
 from __future__ import annotations
 
 import json
@@ -36,7 +37,22 @@ def test_two_workers_one_killed_mid_run(llama_dir, tmp_path, rabbitmq):
             assert {row["backend"] for row in logs.values()} == {redact_url(rabbitmq)}  # no broker password
             metrics = app.state.metrics.render().decode()
             assert "guest@" not in metrics and "treeserve_gateway:broker_queue_consumers{" in metrics
-            print(json.dumps({"streams_cut": sum(bool(r["stream"] and r["error"]) for r in finished)}))
+            # the survivor stopped by SIGTERM with a stream in hand: it takes nothing more, finishes the stream, exits 0
+            stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Go on"}],
+                                                    max_tokens=300, stream=True, extra_body={"min_tokens": 300},
+                                                    stream_options={"include_usage": True})
+            chunks = iter(stream)
+            next(chunks)
+            procs[0].terminate()
+            rest = list(chunks)
+            assert rest[-1].usage.completion_tokens == 300, rest[-2:]
+            assert procs[0].wait(60) == 0
+            log = procs[0].stderr.read().decode()
+            assert "draining the requests in hand" in log, log[-2000:]
+            redelivered = log.count(" redelivered: ")
+            assert redelivered > 0, "the survivor was given none of the killed worker's requests"
+            print(json.dumps({"streams_cut": sum(bool(r["stream"] and r["error"]) for r in finished),
+                              "redelivered": redelivered}))
 
 
 def test_a_model_no_worker_consumes_fails_at_once(tmp_path, rabbitmq):

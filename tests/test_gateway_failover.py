@@ -10,7 +10,7 @@ import time
 import openai
 
 from conftest import API_KEY, running_server
-from gateway_support import check_answers_and_bills, replicas, run_and_kill
+from gateway_support import check_answers_and_bills, replicas, retries_total, run_and_kill
 from treeserve.gateway.app import build_app
 from treeserve.gateway.config import BackendConfig, GatewayConfig, ModelConfig
 
@@ -31,7 +31,10 @@ def test_sixty_requests_with_a_replica_killed_mid_run(llama_dir, tmp_path):
             elapsed = time.monotonic() - started
             assert procs[1][1].poll() is not None, "the replica was not killed"
             logs = check_answers_and_bills(finished, app.state.store)
+            # the dead replica's requests that had sent nothing yet went to the other one
+            assert retries_total(app) > 0, "no request was retried: the kill reached nothing in flight"
             cut = [r for r in finished if r["stream"] and r["error"]]
             print(json.dumps({"seconds": round(elapsed, 1), "streams_cut": len(cut),
                               "cut_tokens_billed": [logs[r["id"]]["completion_tokens"] for r in cut],
-                              "backends": sorted({row["backend"] for row in logs.values()})}))
+                              "backends": sorted({row["backend"] for row in logs.values()}),
+                              "retries": retries_total(app)}))

@@ -20,7 +20,7 @@ from treeserve.search.grading import (
     weighted_vote,
 )
 
-MATH500 = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "math500.jsonl"
+MATH500 = Path(__file__).resolve().parents[1] / "data" / "math500.jsonl"  # vendored (data/README.md)
 
 
 # --- extraction --------------------------------------------------------------------------------

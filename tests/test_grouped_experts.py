@@ -47,7 +47,7 @@ def test_grouped_products_match_the_loop_over_experts(dtype, tol, tokens, top_k)
     torch.testing.assert_close(ours.float().cpu(), expected, atol=tol, rtol=tol)
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="the engine takes the grouped kernel on CUDA only")
+@pytest.mark.skipif(DEVICE != "cuda", reason="hardware: no CUDA device (the engine takes the grouped kernel on CUDA only)")
 def test_mixtral_on_cuda_matches_hf(tmp_path):
     from test_hf_parity import PROMPTS, _hf_logits, _hf_model, _relative_error
     from treeserve import LLM, SamplingParams

@@ -12,7 +12,7 @@ from treeserve.model.packed_linear import Float32Linear, PackedLinear, can_pack,
 
 CPU = torch.device("cpu")
 needs_packing = pytest.mark.skipif(not can_pack(torch.bfloat16, CPU),
-                                   reason="this CPU has no fast bfloat16 (AVX512-BF16 or AMX) or torch no oneDNN")
+                                   reason="hardware: this CPU has no fast bfloat16 (AVX512-BF16 or AMX) or torch no oneDNN")
 
 
 @needs_packing
@@ -66,7 +66,7 @@ def test_float32_linear_is_the_float32_product_rounded_once(rows):
     assert linear(x).dtype == torch.bfloat16
 
 
-@pytest.mark.skipif(cpu_has_fast_bf16(), reason="this CPU has bf16 units: its bf16 linears are packed, not upcast")
+@pytest.mark.skipif(cpu_has_fast_bf16(), reason="hardware: this CPU has bf16 units: its bf16 linears are packed, not upcast")
 def test_bfloat16_engine_without_bf16_units_computes_in_float32(tmp_path, monkeypatch):
     from treeserve.model import moe
     from treeserve.testing.tiny_models import make_tiny_model

@@ -178,14 +178,16 @@ def test_rewards_are_scored_while_a_search_runs(served, pair):
 def test_a_client_that_leaves_a_json_search_gets_it_cancelled(served, monkeypatch):
     url, app = served
     runner = app.state.search_runners["gen"]
-    finished = runner.num_finished
+    finished, cancelled = runner.num_finished, runner.num_cancelled
     _slow_generator(app, monkeypatch)
     errors = _server_errors(monkeypatch)
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
         httpx.post(f"{url}/v1/search", json=_body(QUESTIONS[2], 31, num_iterations=10, max_tokens=20), timeout=0.5)
     _wait_for_no_search(runner)
     assert runner.num_running == 0 and runner.num_waiting == 0, "the abandoned search is still running"
+    assert runner.num_cancelled == cancelled + 1, "no search was cancelled"
     assert runner.num_finished == finished, "it ran to the end instead of being cancelled"
+    assert _metrics(url)['treeserve:search_problems_cancelled_total{model_name="gen"}'] == runner.num_cancelled
     time.sleep(0.2)
     assert errors == [], "a client leaving is not a server error"
     _idle(app)
@@ -232,7 +234,7 @@ def test_a_client_that_leaves_while_its_search_is_being_submitted_gets_it_cancel
     submitted is cancelled all the same, not run to the end for nobody."""
     url, app = served
     runner = app.state.search_runners["gen"]
-    finished, submit = runner.num_finished, runner.submit
+    finished, cancelled, submit = runner.num_finished, runner.num_cancelled, runner.submit
 
     def slow_submit(*args, **kwargs):  # the engine thread is busy past the client's patience
         time.sleep(1.0)
@@ -244,6 +246,7 @@ def test_a_client_that_leaves_while_its_search_is_being_submitted_gets_it_cancel
     time.sleep(1.5)  # the submission has run on the engine thread by now
     _wait_for_no_search(runner)
     assert runner.num_running == 0 and runner.num_waiting == 0, "the abandoned search is still running"
+    assert runner.num_cancelled == cancelled + 1, "no search was cancelled"
     assert runner.num_finished == finished, "it ran to the end instead of being cancelled"
     _idle(app)
     _assert_only_kept_blocks(app)

@@ -6,7 +6,7 @@ import sys
 
 from treeserve.cli_gateway import add_gateway_parsers
 from treeserve.cli_gateway import main as gateway_main
-from treeserve.lifecycle import exit_on_sigterm, follow_parent
+from treeserve.lifecycle import exit_now, exit_on_signals, follow_parent
 
 
 def _add_engine_args(parser: argparse.ArgumentParser, several_models: bool = False) -> None:
@@ -88,6 +88,10 @@ def _add_serving_args(parser: argparse.ArgumentParser, http: bool) -> None:
         parser.add_argument("--host", default="127.0.0.1")
         parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", action="append", help="required bearer key (repeatable; or TREESERVE_API_KEY)")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="on SIGTERM or SIGINT, seconds the requests in flight (streams and searches too) may "
+                        "take to finish while new ones get 503 and /health/ready turns 503; a second signal "
+                        "exits at once")
     parser.add_argument("--served-model-name")
     parser.add_argument("--max-queue", type=int, help="waiting requests (or queued searches) beyond which new ones "
                         "get 429")
@@ -179,7 +183,7 @@ def cmd_serve(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     follow_parent()  # a child of `treeserve chat` (or another command) ends with it
-    exit_on_sigterm()  # SIGTERM runs cleanup as SIGINT does
+    exit_on_signals()  # SIGTERM and SIGINT: cleanup runs, exit status 0
     if argv[:1] in (["gateway"], ["chat"]):
         return gateway_main(argv)  # the gateway imports no engine (nor PyTorch); chat runs one in a child
     args = build_parser().parse_args(argv)
@@ -190,5 +194,24 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+# Long-running servers: once they have stopped (their children too), the process ends without the
+# interpreter's teardown (lifecycle.exit_now).
+QUICK_EXIT = {"serve", "worker", "gateway", "chat"}
+
+
+def run() -> None:
+    """The `treeserve` command (and `python -m treeserve.cli`)."""
+    argv = sys.argv[1:]
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # (SIGTERM or SIGINT before a server took the signals over)
+        if not isinstance(exc.code, int | None):
+            raise
+        code = exc.code or 0
+    if argv[:1] and argv[0] in QUICK_EXIT:
+        exit_now(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

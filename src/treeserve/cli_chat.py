@@ -35,6 +35,9 @@ def add_chat_parser(sub) -> None:
     chat.add_argument("--user", default="demo", help="the first user's name (its password is printed)")
     chat.add_argument("--chat-tool", action="append", default=[], metavar="NAME=URL",
                       help="an HTTP tool for tools mode: weather=URL or wikipedia=URL")
+    chat.add_argument("--shutdown-timeout", type=float, default=30.0,
+                      help="on SIGTERM or SIGINT, seconds the answers under way may take to finish (the gateway's "
+                      "and then the server's); a second signal exits at once")
     chat.set_defaults(func=cmd_chat)
 
 
@@ -53,12 +56,11 @@ def first_user(store, user_id: str) -> str:
 
 
 def cmd_chat(args) -> int:
-    import uvicorn
-
     from treeserve.bench.health import wait_healthy
     from treeserve.gateway.app import build_app
     from treeserve.gateway.config import build_config
     from treeserve.gateway.database import default_url
+    from treeserve.gateway.launch import run_gateway
     from treeserve.gateway.store import Store
 
     url = f"http://127.0.0.1:{args.serve_port}"
@@ -66,7 +68,9 @@ def cmd_chat(args) -> int:
 
     models = [f"--model={name}={path}" for name, path in CHAT_MODELS.items()]
     server = subprocess.Popen([sys.executable, "-m", "treeserve.cli", "serve", "--port", str(args.serve_port), *models,
-                               "--tool-call-parser", CHAT_TOOL_PARSER], env=child_env())
+                               "--tool-call-parser", CHAT_TOOL_PARSER, "--shutdown-timeout", str(args.shutdown_timeout)],
+                              env=child_env())
+    app = None
     try:
         print(f"starting the model server ({', '.join(CHAT_MODELS)}) at {url} ...", file=sys.stderr, flush=True)
         wait_healthy(url, server, timeout=900)
@@ -78,16 +82,26 @@ def cmd_chat(args) -> int:
         config = build_config([f"{name}={url}" for name in CHAT_MODELS], None, database=args.database,
                               master_key=os.environ.get("TREESERVE_MASTER_KEY"),
                               chat={"enabled": True, "verifiers": {GENERATOR: VERIFIER}, "router_model": ROUTER,
-                                    "tools": tools, "examples": {GENERATOR: EXAMPLES}})
+                                    "tools": tools, "examples": {GENERATOR: EXAMPLES}},
+                              shutdown_timeout=args.shutdown_timeout)
         where = args.database or str(Path.cwd() / "treeserve-gateway.db")
         print(f"\n  treeserve chat: http://{args.host}:{args.port}/chat\n  user: {args.user}\n  password: {password}\n"
               f"  (history kept in {where}; a new password is made at each start)\n", flush=True)
-        uvicorn.run(build_app(config), host=args.host, port=args.port, log_level="info", loop="uvloop",
-                    http="httptools", access_log=False)
-        return 0
+        app = build_app(config)
+        return run_gateway(app, args.host, args.port)
     finally:
+        _stop_server(server, args.shutdown_timeout, now=app is not None and app.state.drain.forced)
+
+
+def _stop_server(server: subprocess.Popen, timeout: float, now: bool) -> None:
+    """SIGTERM: the server drains what the gateway left it (nothing, after the gateway's own drain);
+    `now` (a second signal came): SIGKILL, as its own second signal would."""
+    if now:
+        server.kill()
+    else:
         server.terminate()
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+    try:
+        server.wait(timeout + 15)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()

@@ -27,6 +27,9 @@ def add_gateway_parsers(sub) -> None:
     gateway.add_argument("--routing", choices=["round_robin", "least_outstanding", "affinity"])
     gateway.add_argument("--retries", type=int, help="further backends to try before a first byte (default 2)")
     gateway.add_argument("--health-interval", type=float, help="seconds between health checks (default 5; 0: off)")
+    gateway.add_argument("--shutdown-timeout", type=float, help="on SIGTERM or SIGINT, seconds the requests in flight "
+                         "may take to finish while new ones get 503 and /health/ready turns 503 (default 30); a "
+                         "second signal exits at once")
     gateway.add_argument("--chat", action="store_true", help="serve the web chat at /chat (users sign in with "
                          "the passwords set by /user/new or `treeserve gateway users create --password`)")
     gateway.add_argument("--chat-verifier", action="append", default=[], metavar="MODEL=PRM",
@@ -95,26 +98,20 @@ def _models(text: str | None) -> list[str] | None:
 
 
 def cmd_gateway(args) -> int:
-    import uvicorn
-
     from treeserve.gateway.app import build_app
     from treeserve.gateway.config import build_config
+    from treeserve.gateway.launch import run_gateway
 
     config = build_config(args.backend, args.config, master_key=args.master_key, database=args.database,
                           routing=args.routing, retries=args.retries, health_interval=args.health_interval,
-                          chat=chat_overrides(args))
+                          shutdown_timeout=args.shutdown_timeout, chat=chat_overrides(args))
     if not config.master_key:
         print("warning: no --master-key: the admin API (/key/generate, ...) is off; keys can still be made "
               "with `treeserve gateway keys create`", file=sys.stderr)
     for model in config.models.values():
         print(f"model {model.name}: {', '.join(b.name for b in model.backends)}", file=sys.stderr)
-    # The event loop hands the GIL to the settlement writer and worker threads in 1 ms turns, not 5.
-    sys.setswitchinterval(0.001)
-    # uvloop and httptools: the event loop and HTTP parser in C (a relayed stream is many small writes)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(build_app(config), host=args.host, port=args.port, log_level="info", loop="uvloop",
-                http="httptools", access_log=False)  # the app logs each request, never a query string
-    return 0
+    return run_gateway(build_app(config), args.host, args.port)
 
 
 def chat_overrides(args) -> dict | None:

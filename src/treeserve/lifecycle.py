@@ -1,6 +1,7 @@
-"""Process lifecycle: SIGTERM ends a command the way Ctrl-C does (its `finally` blocks stop its
-children), and a child started by a treeserve command dies with it, even when the parent is
-killed with SIGKILL (issue #40).
+"""Process lifecycle: SIGTERM and SIGINT end a command alike, with status 0 once its `finally`
+blocks have stopped its children (a second signal cuts that short), and a child started by a
+treeserve command dies with it, even when the parent is killed with SIGKILL (issue #40). The
+servers drain before they end (server/drain.py).
 
 uvicorn catches SIGINT and SIGTERM, shuts down gracefully, restores the handlers it found and then
 raises the signal again. With Python's default SIGTERM handler that last step kills the process on
@@ -8,6 +9,7 @@ the spot, skipping every `finally`: `treeserve chat` left its `treeserve serve` 
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import signal
@@ -16,16 +18,21 @@ import threading
 
 PARENT_ENV = "TREESERVE_DIE_WITH_PARENT"  # the parent's pid, set for the children it starts
 _PR_SET_PDEATHSIG = 1
+# looked up here, not in a forked child (a `preexec_fn` must not load libraries)
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
 
 
-def exit_on_sigterm() -> None:
-    """SIGTERM raises SystemExit(0) in the main thread, so cleanup runs and the exit status is 0
-    (a no-op off the main thread, where a command run in-process cannot take signals)."""
+def exit_on_signals() -> None:
+    """SIGTERM and SIGINT raise SystemExit(0) in the main thread, so cleanup runs and the exit
+    status is 0 (a no-op off the main thread, where a command run in-process cannot take signals).
+    The servers put their own handlers in place while they serve."""
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _exit)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _exit)
 
 
 def _exit(signum, frame) -> None:
+    print(f"treeserve: {signal.Signals(signum).name}: stopping", file=sys.stderr, flush=True)
     raise SystemExit(0)
 
 
@@ -40,6 +47,27 @@ def follow_parent() -> None:
     parent = os.environ.pop(PARENT_ENV, None)
     if parent is None or not sys.platform.startswith("linux"):
         return
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    die_with_parent()
     if os.getppid() != int(parent):  # it died before the request took effect
         raise SystemExit(0)
+
+
+def die_with_parent() -> None:
+    """On Linux, SIGTERM to this process when its parent dies. Also a `preexec_fn` for a child that
+    is not a treeserve command (a peer engine started by `bench sweep`): it outlives the exec. The
+    parent must stay alive in the thread that started the child (Linux ties it to that thread)."""
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def exit_now(code: int) -> None:
+    """Ends the process with `code` after what Python's own exit does that matters here (other
+    non-daemon threads joined, atexit handlers run: logging flushed, multiprocessing's children
+    reaped), but without the interpreter's teardown of every module and object, which takes one to
+    two seconds with PyTorch loaded: a server stopped for a restart is gone that much sooner. For
+    the long-running servers only, whose files are closed by then (`treeserve.cli.run`)."""
+    getattr(threading, "_shutdown", lambda: None)()  # what the interpreter's exit does first: executors told to stop, threads joined
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)

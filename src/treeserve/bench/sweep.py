@@ -28,6 +28,7 @@ from pathlib import Path
 from treeserve.bench.overhead import wait_healthy
 from treeserve.bench.run import BenchConfig, run_benchmark, write_json
 from treeserve.errors import ParamError
+from treeserve.lifecycle import die_with_parent
 
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
 STOP_GRACE_S = 15.0
@@ -80,13 +81,15 @@ def load_sweep(path: Path) -> tuple[Path, dict, list[ServerSpec]]:
 
 
 class ServerProcess:
-    """A server started from its command line, in its own process group, logging to a file."""
+    """A server started from its command line, in its own process group (stopped whole), logging to
+    a file; it gets SIGTERM if the sweep dies, even by SIGKILL (a parent-death signal)."""
 
     def __init__(self, spec: ServerSpec, log_path: Path):
         self.spec = spec
         self.log = open(log_path, "w")
         self.process = subprocess.Popen(spec.command, stdout=self.log, stderr=subprocess.STDOUT,
-                                        env={**os.environ, **spec.env}, start_new_session=True)
+                                        env={**os.environ, **spec.env}, start_new_session=True,
+                                        preexec_fn=die_with_parent)
         self.died_with: int | None = None
 
     def stop(self) -> None:

@@ -4,16 +4,24 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
+from treeserve.gateway.fields import INT32_MAX, NO_NUL, Text
 from treeserve.gateway.passwords import hash_password
 from treeserve.gateway.store import Store, logs_csv
 from treeserve.server.errors import APIError
+
+# The sizes of their columns (gateway/schema.py): a longer value is a 400 here, not a database error.
+UserId = Annotated[Text, Field(min_length=1, max_length=128)]
+Money = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+Limit = Annotated[int, Field(ge=0, le=INT32_MAX)]
+Period = Annotated[Text, Field(max_length=16)]  # "30d"; parsed by keys.parse_duration
+Models = list[Annotated[Text, Field(max_length=256)]]
 
 
 class _Body(BaseModel):
@@ -21,34 +29,34 @@ class _Body(BaseModel):
 
 
 class KeyLimits(_Body):
-    key_alias: str | None = None
-    user_id: str | None = None
-    models: list[str] | None = None
-    max_budget: float | None = Field(None, ge=0)
-    budget_duration: str | None = None
-    rpm_limit: int | None = Field(None, ge=0)
-    tpm_limit: int | None = Field(None, ge=0)
-    max_parallel_requests: int | None = Field(None, ge=0)
-    duration: str | None = None
+    key_alias: Annotated[Text, Field(max_length=128)] | None = None
+    user_id: UserId | None = None
+    models: Models | None = None
+    max_budget: Money | None = None
+    budget_duration: Period | None = None
+    rpm_limit: Limit | None = None
+    tpm_limit: Limit | None = None
+    max_parallel_requests: Limit | None = None
+    duration: Period | None = None
     metadata: dict[str, Any] | None = None
 
 
 class KeyUpdate(KeyLimits):
-    key: str
+    key: Annotated[Text, Field(max_length=512)]
     blocked: bool | None = None
 
 
 class KeyDelete(_Body):
-    keys: list[str] = Field(min_length=1)
+    keys: list[Annotated[Text, Field(max_length=512)]] = Field(min_length=1)
 
 
 class NewUser(_Body):
-    user_id: str = Field(min_length=1, max_length=128)
-    max_budget: float | None = Field(None, ge=0)
-    budget_duration: str | None = None
-    models: list[str] | None = None
+    user_id: UserId
+    max_budget: Money | None = None
+    budget_duration: Period | None = None
+    models: Models | None = None
     metadata: dict[str, Any] | None = None
-    password: str | None = None  # for signing in to the web chat (stored as an Argon2id hash)
+    password: Annotated[Text, Field(max_length=1024)] | None = None  # for the web chat (an Argon2id hash)
 
 
 def admin_router(store: Store, require_master: Any, known_models: set[str],
@@ -69,12 +77,13 @@ def admin_router(store: Store, require_master: Any, known_models: set[str],
         return {"key": token, **info}
 
     @router.get("/key/info")
-    async def key_info(key: str = Query(..., description="the key, or its hash as /key/list shows it")):
+    async def key_info(key: str = Query(..., max_length=512, pattern=NO_NUL,
+                                        description="the key, or its hash as /key/list shows it")):
         await run_in_threadpool(store.flush)  # this process's settlements in flight, committed first
         return {"key": key if len(key) == 64 else None, "info": await run_in_threadpool(store.key_info, key)}
 
     @router.get("/key/list")
-    async def list_keys(user_id: str | None = None):
+    async def list_keys(user_id: str | None = Query(None, max_length=128, pattern=NO_NUL)):
         return {"keys": await run_in_threadpool(store.list_keys, user_id)}
 
     @router.post("/key/update")
@@ -107,16 +116,17 @@ def admin_router(store: Store, require_master: Any, known_models: set[str],
         return await run_in_threadpool(create)
 
     @router.get("/user/info")
-    async def user_info(user_id: str):
+    async def user_info(user_id: str = Query(..., max_length=128, pattern=NO_NUL)):
         await run_in_threadpool(store.flush)
         return await run_in_threadpool(store.user_info, user_id)
 
     @router.get("/spend/logs")
-    async def spend_logs(api_key: str | None = None, user_id: str | None = None,
+    async def spend_logs(api_key: str | None = Query(None, max_length=512, pattern=NO_NUL),
+                         user_id: str | None = Query(None, max_length=128, pattern=NO_NUL),
                          start_date: dt.date | None = None, end_date: dt.date | None = None,
                          limit: int = Query(1000, ge=1, le=100_000), format: str = Query("json", pattern="^(json|csv)$")):
         start = _midnight(start_date)
-        end = _midnight(end_date + dt.timedelta(days=1)) if end_date else None
+        end = _midnight(_day_after(end_date))
         await run_in_threadpool(store.flush)
         rows = await run_in_threadpool(lambda: store.spend_logs(api_key, user_id, start, end, limit))
         if format == "csv":
@@ -134,3 +144,8 @@ def admin_router(store: Store, require_master: Any, known_models: set[str],
 
 def _midnight(day: dt.date | None) -> dt.datetime | None:
     return dt.datetime.combine(day, dt.time(), tzinfo=dt.timezone.utc) if day else None
+
+
+def _day_after(day: dt.date | None) -> dt.date | None:
+    """The next day (the last day there is has none: its range has no end)."""
+    return day + dt.timedelta(days=1) if day is not None and day < dt.date.max else None

@@ -30,8 +30,11 @@ from treeserve.gateway.proxy import Forwarder, Outcome, new_request_id
 from treeserve.gateway.routing import Router, affinity_key
 from treeserve.gateway.settlement import Reservation, Settlement
 from treeserve.gateway.database import default_url
+from treeserve.server.drain import Drain, DrainMiddleware, readiness
 from treeserve.gateway.store import Store, utcnow
+from treeserve.server import openapi
 from treeserve.server.errors import APIError, error_response, from_value_error, install_error_handlers
+from treeserve.server.protocol import ChatCompletionRequest, CompletionRequest, RewardRequest, SearchRequest
 
 log = logging.getLogger("treeserve.gateway")
 MAX_BODY_BYTES = 32 << 20
@@ -117,6 +120,8 @@ def build_app(config: GatewayConfig, store: Store | None = None) -> FastAPI:
 
     app = FastAPI(title="treeserve gateway", lifespan=lifespan)
     app.state.config, app.state.store, app.state.metrics, app.state.router = config, store, metrics, router
+    app.state.drain = drain = Drain(config.shutdown_timeout)
+    app.add_middleware(DrainMiddleware, drain=drain)  # while stopping: new requests 503, running ones finish
     install_error_handlers(app)
 
     @app.exception_handler(ValueError)
@@ -152,6 +157,10 @@ def build_app(config: GatewayConfig, store: Store | None = None) -> FastAPI:
     @app.get("/health")
     async def health():
         return {"status": "ok"}
+
+    @app.get("/health/ready", responses={503: {"description": "draining for shutdown"}})
+    async def ready():
+        return readiness(drain)
 
     @app.get("/health/backends", dependencies=[Depends(require_master)])
     async def backends():
@@ -206,6 +215,10 @@ def build_app(config: GatewayConfig, store: Store | None = None) -> FastAPI:
 
     for path in ROUTES:
         app.add_api_route(path, proxy, methods=["POST"])
+    # /openapi.json describes the OpenAI routes' bodies as a treeserve server takes them (the gateway
+    # itself reads only `model`, `verifier`, `stream` and the token bounds, and passes the rest on)
+    openapi.install(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
+                          "/v1/search": SearchRequest, "/v1/rewards": RewardRequest})
     app.state.dispatch = dispatch
     app.state.chat = ChatApp(config, store, dispatch, metrics) if config.chat.enabled else None
     if app.state.chat is not None:

@@ -108,6 +108,7 @@ class GatewayConfig:
     breaker_cooldown: float = 10.0  # seconds an open circuit waits before one trial request
     key_cache_ttl: float = 2.0    # seconds a process trusts a key it checked (another process's delete or
                                   # block takes effect within it; budgets and limits are always live)
+    shutdown_timeout: float = 30.0  # seconds a stopping gateway lets its requests in flight finish
     chat: ChatConfig = field(default_factory=ChatConfig)
 
     def __post_init__(self):

@@ -1,5 +1,7 @@
-"""Active health checks: every backend's `/health` (or `/v1/models` where there is none) on a
-fixed interval; a backend that fails is routed around until it passes again."""
+"""Active health checks: every backend's readiness on a fixed interval, `/health/ready` (a
+treeserve server turns it 503 as soon as it starts draining for a shutdown, before it goes away),
+else `/health`, else `/v1/models`, whichever it has first; a backend that fails is routed around
+until it passes again."""
 from __future__ import annotations
 
 import asyncio
@@ -13,15 +15,18 @@ from treeserve.gateway.routing import Backend, Router
 
 log = logging.getLogger("treeserve.gateway")
 CHECK_TIMEOUT = 2.0
+PROBES = ("/health/ready", "/health", "/v1/models")  # the first a backend does not answer 404 is its probe
 
 
 async def check(backend: Backend, client: aiohttp.ClientSession, metrics: GatewayMetrics) -> bool:
     headers = {"Authorization": f"Bearer {backend.config.api_key}"} if backend.config.api_key else {}
     timeout = aiohttp.ClientTimeout(total=CHECK_TIMEOUT)
     try:
-        status = await _status(client, backend.url + "/health", headers, timeout)
-        if status == 404:
-            status = await _status(client, backend.url + "/v1/models", headers, timeout)
+        for path in (backend.probe,) if backend.probe else PROBES:
+            status = await _status(client, backend.url + path, headers, timeout)
+            if status != 404:
+                backend.probe = path
+                break
         healthy = status < 400
     except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError):
         healthy = False

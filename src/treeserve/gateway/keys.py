@@ -37,6 +37,9 @@ def same_secret(given: str, expected: str) -> bool:
     return hmac.compare_digest(given.encode(), expected.encode())
 
 
+MAX_DURATION = dt.timedelta(days=100 * 365)  # a key's lifetime or a budget period (dates stay in range)
+
+
 def parse_duration(text: str, param: str) -> dt.timedelta:
     """'30s', '15m', '12h', '30d', '2w' (LiteLLM's spelling of durations and budget periods)."""
     from treeserve.errors import ParamError
@@ -45,7 +48,13 @@ def parse_duration(text: str, param: str) -> dt.timedelta:
     if not match or int(match.group(1)) == 0:
         raise ParamError(param, f"{param}: expected a duration such as '30s', '15m', '12h', '30d' or '2w', "
                          f"got {text!r}")
-    return dt.timedelta(**{_UNITS[match.group(2)]: int(match.group(1))})
+    try:
+        duration = dt.timedelta(**{_UNITS[match.group(2)]: int(match.group(1))})
+    except OverflowError:
+        duration = MAX_DURATION + MAX_DURATION
+    if duration > MAX_DURATION:
+        raise ParamError(param, f"{param}: at most {MAX_DURATION.days // 365} years, got {text!r}")
+    return duration
 
 
 @dataclass(frozen=True)

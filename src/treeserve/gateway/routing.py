@@ -57,6 +57,7 @@ class Backend:
     last_error: str | None = None
     queue_depth: int | None = None  # a broker backend's waiting requests and workers, at its last check
     consumers: int | None = None
+    probe: str | None = None      # the health check's path, once found (gateway/health.py)
 
     @property
     def url(self) -> str:

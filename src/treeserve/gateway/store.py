@@ -138,6 +138,8 @@ class Store:
         if "duration" in fields:
             duration = fields.pop("duration")
             values["expires_at"] = utcnow() + keylib.parse_duration(duration, "duration") if duration else None
+        if not values:  # nothing to change: the key as it is (404 if there is none)
+            return self.key_info(token)
         with self.transaction() as conn:
             if values.get("user_id") and conn.get(User, values["user_id"]) is None:
                 conn.execute(insert(User).values(user_id=values["user_id"], spend=0.0, reserved=0.0, extra={},

@@ -75,6 +75,7 @@ class SearchRunner:
         self._queue: deque[SearchHandle] = deque()
         self._in_flight: list[SearchHandle] = []
         self.num_finished = 0
+        self.num_cancelled = 0  # problems stopped before their end (a client gone, a failed batch)
         self.finished_observers: list[Callable[[SearchHandle], None]] = []
 
     @property
@@ -131,6 +132,7 @@ class SearchRunner:
         if handle.done:
             return
         handle.cancelled = True
+        self.num_cancelled += 1
         if handle in self._queue:
             self._queue.remove(handle)
             return

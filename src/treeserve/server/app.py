@@ -1,4 +1,5 @@
-"""The FastAPI app: auth on every route but /health, body limits, OpenAI routes, metrics."""
+"""The FastAPI app: auth on every route but the health probes, body limits, graceful drain, OpenAI
+routes, metrics."""
 from __future__ import annotations
 
 import hmac
@@ -12,6 +13,7 @@ from pydantic import BaseModel, ValidationError
 from treeserve import __version__
 from treeserve.engine.async_engine import AsyncLLMEngine
 from treeserve.engine.llm_engine import LLMEngine
+from treeserve.server.drain import Drain, DrainMiddleware, readiness
 from treeserve.server.errors import APIError, error_response, from_validation_error, install_error_handlers
 from treeserve.server import openapi
 from treeserve.server.metrics import ServerMetrics
@@ -22,7 +24,7 @@ from treeserve.server.serving_search import SearchServing
 from treeserve.server.tool_calls import ToolSettings
 
 MAX_BODY_BYTES = 2 << 20
-OPEN_PATHS = {"/health"}
+OPEN_PATHS = {"/health", "/health/ready"}  # the probes a load balancer sends
 
 
 def keys_match(presented: str, keys: list[str]) -> bool:
@@ -34,7 +36,7 @@ def keys_match(presented: str, keys: list[str]) -> bool:
 
 
 class APIKeyMiddleware:
-    """Every route but /health needs `Authorization: Bearer KEY`. A plain ASGI middleware: it leaves
+    """Every route but the probes (/health, /health/ready) needs `Authorization: Bearer KEY`. A plain ASGI middleware: it leaves
     the request's receive channel alone, so handlers see a client's disconnect."""
 
     def __init__(self, app, keys: list[str]):
@@ -77,10 +79,11 @@ async def parse(request: Request, model: type[BaseModel], limit: int) -> BaseMod
 def create_app(engine: AsyncLLMEngine, served: dict[str, LLMEngine], api_keys: list[str] | None = None,
                metrics: ServerMetrics | None = None, searches: dict[str, SearchServing] | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, chat_template: str | None = None,
-               tool_settings: ToolSettings | None = None) -> FastAPI:
+               tool_settings: ToolSettings | None = None, drain: Drain | None = None) -> FastAPI:
     """`served` maps each served model name to its engine; requests are routed by their `model`.
     `searches` holds the search serving of each served generator (see server/launch.py).
-    `chat_template` replaces every served model's; `tool_settings` are the tool-call parser's."""
+    `chat_template` replaces every served model's; `tool_settings` are the tool-call parser's.
+    `drain` is the server's shutdown state (server/drain.py): /health/ready and the 503s it gives."""
     app = FastAPI(title="treeserve", version=__version__, docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
     servings = {name: OpenAIServing(engine, name, llm, chat_template, tool_settings) for name, llm in served.items()}
     default = next(iter(servings.values()))
@@ -102,10 +105,12 @@ def create_app(engine: AsyncLLMEngine, served: dict[str, LLMEngine], api_keys: l
     app.state.engine, app.state.metrics = engine, metrics
     app.state.search_runners = {name: serving.runner for name, serving in searches.items()}
     app.state.served_models = list(servings)
+    app.state.drain = drain = drain or Drain()
     install_error_handlers(app)
 
     if keys:
         app.add_middleware(APIKeyMiddleware, keys=keys)
+    app.add_middleware(DrainMiddleware, drain=drain)  # added last: the outermost, so it counts every request
 
     @app.get("/health", response_class=Response, responses={200: {"description": "the engine is alive (empty body)"},
                                                                503: {"description": "the engine failed"}})
@@ -113,6 +118,12 @@ def create_app(engine: AsyncLLMEngine, served: dict[str, LLMEngine], api_keys: l
         if engine.errored is not None:
             return error_response(503, f"engine failed: {engine.errored}")
         return Response(status_code=200)
+
+    @app.get("/health/ready", response_class=Response,
+             responses={200: {"description": "ready for requests (empty body)"},
+                        503: {"description": "draining for shutdown, or the engine failed"}})
+    async def ready():
+        return readiness(drain, None if engine.errored is None else str(engine.errored))
 
     @app.get("/version")
     async def version():

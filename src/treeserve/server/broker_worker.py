@@ -28,8 +28,11 @@ class BrokerWorker:
         self.prefetch, self.api_key = prefetch, api_key
         self.worker_id = f"{uuid.uuid4().hex[:12]}"
         self.ready = threading.Event()
+        self.finished = threading.Event()  # the consumer has stopped (drained, failed or never started)
         self.error: BaseException | None = None
         self._stop: asyncio.Event | None = None
+        self._now: asyncio.Event | None = None  # stop without waiting for the requests in hand
+        self._grace: float | None = None  # set by `stop`: seconds the requests in hand may take
         self._loop: asyncio.AbstractEventLoop | None = None
         self._running: dict[str, set[asyncio.Task]] = {}  # by correlation id
         self._stopping = False
@@ -40,9 +43,20 @@ class BrokerWorker:
         thread.start()
         return thread
 
-    def stop(self) -> None:
-        if self._loop is not None and self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
+    def stop(self, grace: float = 0.0) -> bool:
+        """Takes nothing more from the queues and lets the requests in hand finish for up to
+        `grace` seconds (a later call may shorten that to none). False if stopping already."""
+        first = self._grace is None
+        self._grace = grace if first else min(grace, self._grace)
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._wake)
+        return first
+
+    def _wake(self) -> None:
+        self._stop.set()
+        if self._grace == 0:
+            self._now.set()
 
     def _main(self) -> None:
         try:
@@ -51,10 +65,13 @@ class BrokerWorker:
             self.error = exc
             log.exception("the broker consumer failed")
             self.ready.set()
+        finally:
+            self.finished.set()
 
     # ---- consuming --------------------------------------------------------------------------
     async def _run(self) -> None:
-        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        self._stop, self._now = asyncio.Event(), asyncio.Event()
+        self._loop = asyncio.get_running_loop()
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=None)) as http, \
                 await aio_pika.connect_robust(self.broker_url) as connection:
@@ -70,15 +87,34 @@ class BrokerWorker:
                 consumers.append((queue, await queue.consume(lambda message: self._take(message, http, channel))))
             log.info("worker %s consuming %s", self.worker_id, ", ".join(queue_name(m) for m in self.models))
             self.ready.set()
+            if self._grace is not None:  # stopped before the loop was there to hear it
+                self._wake()
             await self._stop.wait()
-            # stopping: take nothing more, give what is in hand back to the queue for another worker
-            self._stopping = True
-            for queue, tag in consumers:
+            for queue, tag in consumers:  # take nothing more: the queue's next messages go to other workers
                 await queue.cancel(tag)
-            tasks = [t for group in self._running.values() for t in group]
+            await self._finish_in_hand()
+            # what is still in hand goes back to the queue for another worker (a stream under way is cut)
+            self._stopping = True
+            tasks = self._tasks()
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _tasks(self) -> list[asyncio.Task]:
+        return [t for group in self._running.values() for t in group]
+
+    async def _finish_in_hand(self) -> None:
+        """Waits for the requests in hand, for up to the grace `stop` gave, or until stopped now."""
+        deadline = self._loop.time() + (self._grace or 0.0)
+        now = asyncio.ensure_future(self._now.wait())
+        if self._tasks():
+            log.info("worker %s: draining %d request(s) in hand", self.worker_id, len(self._tasks()))
+        try:
+            while self._tasks() and not self._now.is_set() and self._loop.time() < deadline:
+                await asyncio.wait([*self._tasks(), now], timeout=deadline - self._loop.time(),
+                                   return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            now.cancel()
 
     async def _take(self, message: aio_pika.abc.AbstractIncomingMessage, http, channel) -> None:
         key = message.correlation_id or ""
@@ -107,6 +143,9 @@ class BrokerWorker:
             if expired(message.headers):
                 log.info("request %s expired before it was taken: dropped", message.correlation_id)
                 return
+            if message.redelivered:
+                log.info("request %s redelivered: the worker that took it first did not answer it",
+                         message.correlation_id)
             try:
                 path, body = decode_request(message.body)
             except ValueError as exc:

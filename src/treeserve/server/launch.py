@@ -13,6 +13,7 @@ from treeserve.model.registry import DEFAULT_GENERATOR, DEFAULT_ROUTER, DEFAULT_
 from treeserve.engine.async_engine import AsyncLLMEngine
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.server.app import create_app
+from treeserve.server.drain import Drain, DrainingServer, uvicorn_config
 from treeserve.runtime.runtime import Runtime
 from treeserve.search.runner import SearchRunner
 from treeserve.server.metrics import ServerMetrics
@@ -30,7 +31,7 @@ CHAT_TOOL_PARSER = "hermes"
 def build_app(model: str | dict[str, str], served_model_name: str | None = None, api_keys: list[str] | None = None,
               max_queue: int | None = None, kv_mode: str = "shared", max_problems_in_flight: int = 32,
               engine_thread: bool = True, chat_template: str | None = None, tool_settings: ToolSettings | None = None,
-              **engine_options):
+              drain: Drain | None = None, **engine_options):
     """One model (a path) gets its own engine; several (name -> path) share a `Runtime`, and each
     of them can also answer POST /v1/rewards as a PRM. One engine loop steps them all; each served
     model gets a search runner whose problems, from every request, advance together. With
@@ -56,7 +57,7 @@ def build_app(model: str | dict[str, str], served_model_name: str | None = None,
                 for name, engine in served.items()}
     metrics.add_search(searches, scorers)
     return create_app(async_engine, served, api_keys=api_keys, metrics=metrics, searches=searches,
-                      chat_template=chat_template, tool_settings=tool_settings)
+                      chat_template=chat_template, tool_settings=tool_settings, drain=drain)
 
 
 def api_keys(args) -> list[str]:
@@ -83,7 +84,7 @@ def app_from_args(args):
                      tensor_parallel_size=args.tensor_parallel_size,
                      distributed_executor_backend=args.distributed_executor_backend,
                      threads_per_rank=args.threads_per_rank, engine_thread=False,
-                     chat_template=chat_template, tool_settings=tool_settings)
+                     chat_template=chat_template, tool_settings=tool_settings, drain=Drain(args.shutdown_timeout))
 
 
 def _logged_app(args):
@@ -91,25 +92,26 @@ def _logged_app(args):
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return app_from_args(args)
-    except ValueError as exc:
+    except ValueError as exc:  # (a bad --shutdown-timeout too)
         logging.getLogger(__name__).error("%s", exc)
         return None
 
 
 def serve(args) -> int:
-    import uvicorn
-
     app = _logged_app(args)
     if app is None:
         return 2
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                                           timeout_graceful_shutdown=5))
-    run_engine_on_main_thread(app.state.engine, server)
+    server = DrainingServer(uvicorn_config(app, host=args.host, port=args.port, log_level="info"), app.state.drain,
+                            name="treeserve serve")
+    run_engine_on_main_thread(app.state.engine, server, server.handle_exit)
     return _exit_status(app, server)
 
 
 def worker(args) -> int:
-    """`treeserve worker --broker URL`: the app on a loopback port, fed by the broker's queues."""
+    """`treeserve worker --broker URL`: the app on a loopback port, fed by the broker's queues. The
+    first SIGTERM or SIGINT drains: nothing more is taken from the queues, what is in hand is
+    answered (for up to --shutdown-timeout seconds; then given back to the queue, or a stream under
+    way ended with an error); a second signal does that at once."""
     import socket
 
     import uvicorn
@@ -134,9 +136,20 @@ def worker(args) -> int:
         if server.started:
             consumer.start()
 
+    def on_signal(signum, frame) -> None:
+        first = consumer.stop(grace=args.shutdown_timeout)
+        log = logging.getLogger(__name__)
+        if first and consumer.ready.is_set():
+            log.info("%s: draining the requests in hand for up to %g s (another signal stops now)",
+                     signal.Signals(signum).name, args.shutdown_timeout)
+        else:
+            consumer.stop(grace=0)
+            server.should_exit = True
+
     threading.Thread(target=start_consumer, name="treeserve-broker-start", daemon=True).start()
-    run_engine_on_main_thread(app.state.engine, server, also_stop=lambda: consumer.error is not None)
-    consumer.stop()
+    run_engine_on_main_thread(app.state.engine, server, on_signal,
+                              also_stop=lambda: consumer.error is not None or consumer.finished.is_set())
+    consumer.stop(grace=0)
     if consumer.error is not None:
         logging.getLogger(__name__).error("the broker connection failed (%s); the worker stopped", consumer.error)
         return 1
@@ -153,15 +166,13 @@ def _exit_status(app, server) -> int:
     return 0
 
 
-def run_engine_on_main_thread(engine, server, also_stop=lambda: False) -> None:
+def run_engine_on_main_thread(engine, server, on_signal, also_stop=lambda: False) -> None:
     """HTTP on a background thread, the engine loop on this (the main) thread, where PyTorch's
-    thread pool runs small ops fastest (see engine/async_engine.py). SIGINT or SIGTERM stop both:
-    uvicorn finishes its requests (graceful shutdown), then the loop ends."""
+    thread pool runs small ops fastest (see engine/async_engine.py). SIGINT and SIGTERM go to
+    `on_signal` (a drain: the HTTP server ends when its requests have); the loop ends with the
+    HTTP server, or when `also_stop()`."""
     http = threading.Thread(target=server.run, name="treeserve-http", daemon=True)
-
-    def stop(signum, frame) -> None:
-        server.should_exit = True
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     http.start()
     try:
         engine.run_forever(should_stop=lambda: not http.is_alive() or also_stop())

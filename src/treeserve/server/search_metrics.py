@@ -42,6 +42,8 @@ RUNNER_SERIES = [
     ("gauge", "search_problems_running", "Search problems in flight (all requests together).", lambda r: r.num_running),
     ("gauge", "search_problems_waiting", "Search problems queued behind the in-flight bound.", lambda r: r.num_waiting),
     ("counter", "search_problems_finished", "Search problems finished.", lambda r: r.num_finished),
+    ("counter", "search_problems_cancelled", "Search problems cancelled before their end (the client left).",
+     lambda r: r.num_cancelled),
 ]
 SCORER_SERIES = [
     ("counter", "search_score_cache_hits", "Scoring items answered without a verifier request of their own.",

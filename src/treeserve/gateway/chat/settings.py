@@ -1,17 +1,11 @@
 """A conversation's settings, sent with each message and kept with the conversation."""
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field
 
-def _no_nul(text: str) -> str:
-    if "\x00" in text:
-        raise ValueError("must not contain NUL characters")
-    return text
-
-
-Text = Annotated[str, AfterValidator(_no_nul)]
+from treeserve.gateway.fields import Text
 
 
 class ChatSettings(BaseModel):

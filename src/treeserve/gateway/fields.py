@@ -1,0 +1,19 @@
+"""Field types for the gateway's request bodies and queries: what its database can hold, checked
+at the edge, so that a value it cannot store is a 400 naming the field, never a database error."""
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import AfterValidator
+
+INT32_MAX = 2**31 - 1  # the limits and counters are INTEGER columns (32 bits in PostgreSQL)
+NO_NUL = r"^[^\x00]*$"  # the same rule, for a query parameter's `pattern`
+
+
+def _no_nul(text: str) -> str:
+    if "\x00" in text:
+        raise ValueError("must not contain NUL characters")  # PostgreSQL's text cannot hold one
+    return text
+
+
+Text = Annotated[str, AfterValidator(_no_nul)]

@@ -1,0 +1,23 @@
+"""Running the gateway's app: uvicorn with the drain of server/drain.py (`treeserve gateway` and
+`treeserve chat`)."""
+from __future__ import annotations
+
+import sys
+
+from treeserve.server.drain import DrainingServer, uvicorn_config
+
+
+def run_gateway(app, host: str, port: int) -> int:
+    """Serves the gateway app until SIGTERM or SIGINT, then drains it (server/drain.py); its spend
+    logs are written before this returns, a second signal's exit included. 1 if it could not start."""
+    # The event loop hands the GIL to the settlement writer and worker threads in 1 ms turns, not 5.
+    sys.setswitchinterval(0.001)
+    # uvloop and httptools: the event loop and HTTP parser in C (a relayed stream is many small writes)
+    server = DrainingServer(uvicorn_config(app, host=host, port=port, log_level="info", loop="uvloop",
+                                           http="httptools", access_log=False),  # the app logs requests, no query
+                            app.state.drain, name="gateway")
+    try:
+        server.run()
+    finally:
+        app.state.store.close()  # (done already unless a second signal skipped the app's shutdown)
+    return 0 if server.started else 1
