@@ -178,6 +178,27 @@ def chat_request(client, i: int) -> dict:
     return result
 
 
+def sse_data(chunks):
+    """The `data:` payloads of a server-sent event stream read as text chunks, split on newlines only:
+    httpx's `iter_lines` also splits on U+2028, U+0085 and the like, which JSON text may hold unescaped."""
+    buffer = ""
+    for chunk in chunks:
+        buffer += chunk
+        *lines, buffer = buffer.split("\n")
+        yield from (line[6:].rstrip("\r") for line in lines if line.startswith("data: "))
+
+
+async def asse_data(chunks):
+    """`sse_data` for an async iterator of text chunks."""
+    buffer = ""
+    async for chunk in chunks:
+        buffer += chunk
+        *lines, buffer = buffer.split("\n")
+        for line in lines:
+            if line.startswith("data: "):
+                yield line[6:].rstrip("\r")
+
+
 def retries_total(app) -> float:
     """The gateway's `retries_total`: attempts moved to another backend (or tried again)."""
     return sum(sample.value for metric in app.state.metrics.retries.collect() for sample in metric.samples

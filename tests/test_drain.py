@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from gateway_support import _free_port, wait_for
+from gateway_support import _free_port, sse_data, wait_for
 from treeserve.gateway.store import Store
 
 TREESERVE = [sys.executable, "-m", "treeserve.cli"]
@@ -51,10 +51,9 @@ class Stream(threading.Thread):
             with httpx.stream("POST", self.url + self.path, json=self.body, headers=self.headers,
                               timeout=120) as response:
                 assert response.status_code == 200, response.read()
-                for line in response.iter_lines():
-                    if line.startswith("data: "):
-                        self.events.append(line[6:])
-                        self.first.set()
+                for data in sse_data(response.iter_text()):
+                    self.events.append(data)
+                    self.first.set()
         except Exception as exc:  # (the second-signal test expects the stream cut)
             self.error = exc
         finally:

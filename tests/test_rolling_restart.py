@@ -18,7 +18,7 @@ import httpx
 import yaml
 
 from conftest import API_KEY
-from gateway_support import _free_port, start_replica, wait_for
+from gateway_support import _free_port, asse_data, start_replica, wait_for
 from treeserve.gateway.store import Store
 
 MASTER = "sk-master-rolling"
@@ -69,7 +69,7 @@ class Load(threading.Thread):
         async with client.stream("POST", "/v1/chat/completions", json=body) as response:
             if response.status_code != 200:
                 return {"ok": False, "error": (await response.aread()).decode()}
-            events = [line[6:] async for line in response.aiter_lines() if line.startswith("data: ")]
+            events = [data async for data in asse_data(response.aiter_text())]
         errors = [e for e in events if e != "[DONE]" and "error" in json.loads(e)]
         ok = bool(events) and events[-1] == "[DONE]" and not errors
         return {"ok": ok, "id": response.headers.get("x-request-id"), "error": errors or (None if ok else events[-2:])}
