@@ -109,3 +109,23 @@ def test_bundled_directories_resolve_as_builtin_models(llama_dir, tmp_path, monk
     assert "my-pair-gen" in registry.builtin_names() and "tiny-random-llama" in registry.builtin_names()
     with pytest.raises(ValueError, match="my-pair-gen"):
         registry.resolve_model_path("builtin:nope")
+
+
+def test_the_tokenizer_is_the_one_auto_tokenizer_loads(tiny_model_dirs):
+    """load_tokenizer skips AutoTokenizer's model config (2 s of each start); the result must not change."""
+    from transformers import AutoTokenizer
+
+    from treeserve.model.loader import load_tokenizer
+    from treeserve.model.registry import resolve_model_path
+
+    dirs = dict(tiny_model_dirs, arith_gen=resolve_model_path("builtin:arith-gen"))  # qwen2: Qwen2Tokenizer
+    text = "Hello world 123 <|eos|> \u00fcn\u00efcode\n  x = 7*8"
+    messages = [{"role": "user", "content": "What is 2+3?"}]
+    for name, path in dirs.items():
+        ours, theirs = load_tokenizer(path), AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        assert type(ours) is type(theirs), name
+        assert ours.encode(text) == theirs.encode(text) and len(ours) == len(theirs), name
+        assert ours.all_special_ids == theirs.all_special_ids, name
+        if theirs.chat_template:
+            assert (ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                    == theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)), name

@@ -33,10 +33,8 @@ def add_bench_parsers(sub) -> None:
     calibrate.add_argument("--port", type=int, default=18099)
     calibrate.add_argument("--out", type=Path, default=Path("bench-calibration"))
     calibrate.set_defaults(func=cmd_calibrate)
-    from treeserve.bench.offline import add_arguments
-
     throughput = kinds.add_parser("throughput", help="offline engine throughput against HF transformers, same run")
-    add_arguments(throughput)
+    add_throughput_arguments(throughput)
     throughput.set_defaults(func=cmd_throughput)
 
 
@@ -108,6 +106,23 @@ def cmd_calibrate(args) -> int:
     json.dump(result, sys.stdout, indent=2)
     print()
     return 0
+
+
+def add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
+    """`bench throughput`'s options (treeserve.bench.offline; kept here so the parser needs no PyTorch)."""
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="auto", help="auto: bfloat16 where the CPU has fast bf16, else float32")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (both engines run there)")
+    parser.add_argument("--hf-batch-sizes", default="16,64",
+                        help="HF static batch sizes to try; the fastest is the one compared against")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--kv-bytes", type=int, default=2 << 30)
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--tensor-parallel-size", default="1",
+                        help="comma-separated ranks to run treeserve at (e.g. 1,2: each in turn, same workload)")
+    parser.add_argument("--json", type=Path, help="also write the figures here")
 
 
 def cmd_throughput(args) -> int:

@@ -131,22 +131,6 @@ def hf_static_batches(model, prompts, lengths, batch_size, device: torch.device,
     return time.perf_counter() - start
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", default="auto", help="auto: bfloat16 where the CPU has fast bf16, else float32")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (both engines run there)")
-    parser.add_argument("--hf-batch-sizes", default="16,64",
-                        help="HF static batch sizes to try; the fastest is the one compared against")
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--kv-bytes", type=int, default=2 << 30)
-    parser.add_argument("--skip-hf", action="store_true")
-    parser.add_argument("--tensor-parallel-size", default="1",
-                        help="comma-separated ranks to run treeserve at (e.g. 1,2: each in turn, same workload)")
-    parser.add_argument("--json", type=Path, help="also write the figures here")
-
-
 def run(args) -> int:
     torch.set_num_threads(torch.get_num_threads())
     device = torch.device(args.device)
@@ -195,6 +179,8 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from treeserve.bench.cli_bench import add_throughput_arguments
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
+    add_throughput_arguments(parser)
     return run(parser.parse_args(argv))

@@ -101,7 +101,9 @@ class DecoderForCausalLM(nn.Module):
         if tp.enabled:
             self.embed_tokens = VocabParallelEmbedding(self.plan.vocab_shard, config.hidden_size, self.plan.vocab_start, tp)
         else:
-            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            # (no random init: it is overwritten, and meta's normal_ imports torch._dynamo, ~1.5 s of a start)
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                             _weight=torch.empty(config.vocab_size, config.hidden_size))
         windows = config.sliding_windows or (None,) * config.num_layers
         sparse = config.moe.sparse_layers if config.moe else (False,) * config.num_layers
         if config.moe and tp.enabled:
@@ -110,9 +112,10 @@ class DecoderForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, windows[i], self.plan, sparse[i])
                                     for i in range(config.num_layers))
         self.norm = make_norm(config.hidden_size, config.rms_norm_eps, config.gemma_norms)
-        self.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions)
-        self.local_rotary = RotaryEmbedding(config.local_rope, config.head_dim, max_positions) \
-            if config.local_rope else None
+        with torch.device("cpu"):  # computed tables: on "meta" their ops would import torch._dynamo (~1.5 s)
+            self.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions)
+            self.local_rotary = RotaryEmbedding(config.local_rope, config.head_dim, max_positions) \
+                if config.local_rope else None
         vocab_rows = self.plan.vocab_shard if tp.enabled else config.vocab_size
         head = make_head(config)
         self.head_name = head[0] if head else None

@@ -8,6 +8,7 @@ from typing import Any, Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open
+from torch import nn
 
 from treeserve.model.decoder import DecoderForCausalLM
 from treeserve.model.hf_config import ModelConfig, load_model_config, read_json
@@ -191,6 +192,22 @@ def _copy_into(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
         param.copy_(tensor)
 
 
+def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Uninitialised storage for every tensor built on "meta" (floating ones in `dtype`): what
+    `to_empty(device).to(dtype)` does, without its per-tensor Python references (their first call
+    imports torch's symbolic shapes and sympy, ~1 s of a start) nor a second copy for the dtype."""
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
+
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None and param.is_meta:
+                module._parameters[name] = nn.Parameter(empty(param), requires_grad=param.requires_grad)
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.is_meta:
+                module._buffers[name] = empty(buffer)
+
+
 def build_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
                 max_positions: int, load_format: str = "auto", seed: int = 0,
                 tp: TensorParallel = TensorParallel()) -> DecoderForCausalLM:
@@ -198,7 +215,7 @@ def build_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device
     for benchmarks of large shapes: the directory needs only config.json and a tokenizer)."""
     with torch.device("meta"):
         model = DecoderForCausalLM(config, max_positions, tp)
-    model = model.to_empty(device=device).to(dtype)
+    _materialize(model, device, dtype)
     # RoPE tables stay in float32 (as in transformers); they were only placeholders on "meta".
     model.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions).to(device)
     if config.local_rope is not None:
@@ -243,6 +260,27 @@ def load_generation_defaults(model_dir: Path, config: ModelConfig) -> Generation
     return GenerationDefaults(eos_token_ids=tuple(int(e) for e in eos_ids), sampling=sampling)
 
 
+def _light_config(model_dir: Path) -> dict:
+    """`config=` for AutoTokenizer where the tokenizer's class is named in tokenizer_config.json.
+
+    AutoTokenizer otherwise builds the model's full transformers config, whose import costs ~2 s of
+    every server's start; it reads only the model type and name from it, which a plain
+    PretrainedConfig carries. Without a named class (or with remote code) it keeps its own way.
+    """
+    tokenizer_config, config = model_dir / "tokenizer_config.json", model_dir / "config.json"
+    if not tokenizer_config.is_file() or not config.is_file():
+        return {}
+    named = read_json(tokenizer_config)
+    raw = read_json(config)
+    if not named.get("tokenizer_class") or "auto_map" in named or "auto_map" in raw or not raw.get("model_type"):
+        return {}
+    from transformers import PretrainedConfig
+
+    light = PretrainedConfig(name_or_path=str(model_dir), tokenizer_class=raw.get("tokenizer_class"))
+    light.model_type = raw["model_type"]
+    return {"config": light}
+
+
 def load_tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
 
@@ -252,7 +290,7 @@ def load_tokenizer(model_dir: Path):
         if (model_dir / name).is_file():
             read_json(model_dir / name)  # names the file if it is malformed
     try:
-        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True, **_light_config(model_dir))
     except Exception as exc:  # transformers raises many types; name the directory
         raise ValueError(f"{model_dir}: could not load the tokenizer ({exc})") from exc
 
