@@ -43,6 +43,7 @@ import psutil
 import yaml
 
 from treeserve.bench.services import PostgresCluster, RabbitNode, free_port
+from treeserve.bench.sse_data import asse_data
 from treeserve.gateway.store import Store
 
 MASTER = "sk-chaos-master"
@@ -237,7 +238,7 @@ class Client:
                 return
             events = 0
             result.ended = "broken"
-            async for data in sse_data(response.aiter_text()):
+            async for data in asse_data(response.aiter_text()):
                 if data == "[DONE]":
                     result.ended = result.ended if result.ended == "error_event" else "done"
                     break
@@ -250,18 +251,6 @@ class Client:
                 if stop_after is not None and events >= stop_after:
                     result.ended = "client_cut"
                     break
-
-
-async def sse_data(chunks):
-    """The `data:` payloads of an event stream, split on newlines only (httpx's `aiter_lines` also
-    splits on U+2028 and the like, which JSON text may hold unescaped)."""
-    buffer = ""
-    async for chunk in chunks:
-        buffer += chunk
-        *lines, buffer = buffer.split("\n")
-        for line in lines:
-            if line.startswith("data: "):
-                yield line[6:].rstrip("\r")
 
 
 def make_keys(url: str) -> dict[str, str]:

@@ -31,7 +31,7 @@ from treeserve.bench.overhead import wait_healthy
 from treeserve.bench.telemetry import parse_prometheus
 from treeserve.search.config import SearchConfig
 from treeserve.search.runner import SearchRunner
-from treeserve.server.launch import DEFAULT_PAIR
+from treeserve.model.registry import DEFAULT_PAIR
 from treeserve.tasks.arithmetic import generate
 
 SEEDS_PER_REPEAT = 1000

@@ -5,7 +5,7 @@
 """
 import sys
 
-from treeserve.bench.offline import main
+from treeserve.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["bench", "throughput", *sys.argv[1:]]))

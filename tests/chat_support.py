@@ -157,7 +157,8 @@ def gateway_config(database: str, backend: str, scripted: str, services: str, ro
 def arith_backend():
     """The bundled arith-gen + arith-prm + arith-router behind a real treeserve server (as `treeserve
     chat` starts it) and a Tap: (URL, tap)."""
-    from treeserve.server.launch import CHAT_MODELS, CHAT_TOOL_PARSER, build_app
+    from treeserve.model.registry import CHAT_MODELS, CHAT_TOOL_PARSER
+    from treeserve.server.launch import build_app
     from treeserve.server.tool_calls import ToolSettings
 
     # an explicit KV budget: the default one subtracts the whole test process's resident memory, which

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -95,9 +96,10 @@ def replicas(model_dir: Path, count: int, api_key: str):
             proc.wait(timeout=30)
 
 
-@pytest.fixture(scope="session")
-def rabbitmq():
-    """A throwaway RabbitMQ node on free ports, its files in a temporary directory; yields its AMQP URL."""
+@contextlib.contextmanager
+def rabbit_node():
+    """A throwaway RabbitMQ node on free ports, its files in a temporary directory (stopped with
+    SIGKILL at the end: a test may have killed it already)."""
     if rabbitmq_server() is None:
         pytest.skip("RabbitMQ is not installed: `make test` installs Debian's rabbitmq-server where apt-get is "
                     "available")
@@ -105,10 +107,17 @@ def rabbitmq():
     node = RabbitNode(root)
     try:
         node.start()
-        yield node.url
+        yield node
     finally:
-        node.stop()
+        node.stop(signal.SIGKILL)
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def rabbitmq():
+    """A RabbitMQ node for the session; yields its AMQP URL."""
+    with rabbit_node() as node:
+        yield node.url
 
 
 @contextlib.contextmanager
@@ -176,27 +185,6 @@ def chat_request(client, i: int) -> dict:
     except openai.APIError as exc:  # the gateway's error event after a backend broke off
         result["error"] = str(exc)
     return result
-
-
-def sse_data(chunks):
-    """The `data:` payloads of a server-sent event stream read as text chunks, split on newlines only:
-    httpx's `iter_lines` also splits on U+2028, U+0085 and the like, which JSON text may hold unescaped."""
-    buffer = ""
-    for chunk in chunks:
-        buffer += chunk
-        *lines, buffer = buffer.split("\n")
-        yield from (line[6:].rstrip("\r") for line in lines if line.startswith("data: "))
-
-
-async def asse_data(chunks):
-    """`sse_data` for an async iterator of text chunks."""
-    buffer = ""
-    async for chunk in chunks:
-        buffer += chunk
-        *lines, buffer = buffer.split("\n")
-        for line in lines:
-            if line.startswith("data: "):
-                yield line[6:].rstrip("\r")
 
 
 def retries_total(app) -> float:

@@ -15,7 +15,8 @@ import time
 import httpx
 import pytest
 
-from gateway_support import _free_port, sse_data, wait_for
+from gateway_support import _free_port, wait_for
+from treeserve.bench.sse_data import sse_data
 from treeserve.gateway.store import Store
 
 TREESERVE = [sys.executable, "-m", "treeserve.cli"]
@@ -110,7 +111,7 @@ def pair_server(pair, tmp_path):
 
 
 @contextlib.contextmanager
-def mock_gateway(tmp_path):
+def mock_gateway(tmp_path, shutdown_timeout: float = 30):
     """The gateway in front of the mock server (streams of one token each 20 ms); yields
     (url, process, log, database URL, headers)."""
     backend_port, port = _free_port(), _free_port()
@@ -118,7 +119,8 @@ def mock_gateway(tmp_path):
                                 "--ttft-ms", "10", "--itl-ms", "20"], stdout=subprocess.DEVNULL)
     database, log = f"sqlite:///{tmp_path / 'gw.db'}", tmp_path / "gateway.log"
     gateway = _start([*TREESERVE, "gateway", "--backend", f"mock=http://127.0.0.1:{backend_port}", "--port", str(port),
-                      "--database", database, "--master-key", "sk-master-drain", "--health-interval", "0"], log)
+                      "--database", database, "--master-key", "sk-master-drain", "--health-interval", "0",
+                      "--shutdown-timeout", str(shutdown_timeout)], log)
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_ready(url, gateway, log, timeout=60)
@@ -195,3 +197,23 @@ def test_gateway_finishes_a_relayed_stream_and_bills_it(tmp_path):
         assert gateway.wait(60) == 0, log.read_text()[-3000:]
         rows = Store(database).spend_logs(limit=10)
         assert [(r["status"], r["completion_tokens"]) for r in rows] == [("success", 100)], rows
+
+
+def test_a_stream_still_running_when_the_time_is_up_ends_with_an_error_event_and_is_billed(tmp_path):
+    """--shutdown-timeout 1 and a 10 s stream: at the time limit the gateway cuts the stream with an
+    error event (`shutting_down`) and [DONE], bills the tokens its client got, and exits 0."""
+    with mock_gateway(tmp_path, shutdown_timeout=1) as (url, gateway, log, database, headers):
+        stream = _mock_stream(url, headers, 500)
+        stream.start()
+        assert stream.first.wait(30) and stream.error is None, stream.error
+        gateway.send_signal(signal.SIGTERM)
+        stream.join(30)
+        assert gateway.wait(30) == 0, log.read_text()[-3000:]
+        assert stream.error is None and stream.events[-1] == "[DONE]", (stream.error, stream.events[-3:])
+        error = json.loads(stream.events[-2])["error"]
+        assert error["code"] == "shutting_down", error
+        got = sum(1 for e in stream.events[:-2] if json.loads(e).get("choices"))
+        assert 0 < got < 500
+        rows = Store(database).spend_logs(limit=10)
+        assert [(r["status"], r["completion_tokens"]) for r in rows] == [("cut", got)], rows
+        assert "the requests still running were cut" in log.read_text()

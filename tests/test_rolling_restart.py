@@ -18,7 +18,8 @@ import httpx
 import yaml
 
 from conftest import API_KEY
-from gateway_support import _free_port, asse_data, start_replica, wait_for
+from gateway_support import _free_port, start_replica, wait_for
+from treeserve.bench.sse_data import asse_data
 from treeserve.gateway.store import Store
 
 MASTER = "sk-master-rolling"

@@ -56,22 +56,23 @@ def first_user(store, user_id: str) -> str:
 
 
 def cmd_chat(args) -> int:
-    from treeserve.bench.health import wait_healthy
-    from treeserve.gateway.app import build_app
-    from treeserve.gateway.config import build_config
-    from treeserve.gateway.database import default_url
-    from treeserve.gateway.launch import run_gateway
-    from treeserve.gateway.store import Store
+    from treeserve.model.registry import CHAT_MODELS, CHAT_TOOL_PARSER
 
     url = f"http://127.0.0.1:{args.serve_port}"
-    from treeserve.server.launch import CHAT_MODELS, CHAT_TOOL_PARSER
-
     models = [f"--model={name}={path}" for name, path in CHAT_MODELS.items()]
     server = subprocess.Popen([sys.executable, "-m", "treeserve.cli", "serve", "--port", str(args.serve_port), *models,
                                "--tool-call-parser", CHAT_TOOL_PARSER, "--shutdown-timeout", str(args.shutdown_timeout)],
                               env=child_env())
     app = None
     try:
+        # (imported while the server starts)
+        from treeserve.bench.health import wait_healthy
+        from treeserve.gateway.app import build_app
+        from treeserve.gateway.config import build_config
+        from treeserve.gateway.database import default_url
+        from treeserve.gateway.launch import run_gateway
+        from treeserve.gateway.store import Store
+
         print(f"starting the model server ({', '.join(CHAT_MODELS)}) at {url} ...", file=sys.stderr, flush=True)
         wait_healthy(url, server, timeout=900)
         store = Store(args.database or default_url())

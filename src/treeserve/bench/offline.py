@@ -12,7 +12,6 @@ ratio of each to the first.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import time
@@ -176,11 +175,3 @@ def run(args) -> int:
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    from treeserve.bench.cli_bench import add_throughput_arguments
-
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_throughput_arguments(parser)
-    return run(parser.parse_args(argv))

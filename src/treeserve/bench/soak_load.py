@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass
 
 import httpx
 
+from treeserve.bench.sse_data import asse_data
+
 OVERSIZED_BODY_BYTES = (2 << 20) + 4096  # just over the server's 2 MiB limit
 ERROR_FIELDS = {"message", "type", "param", "code"}
 
@@ -59,15 +61,11 @@ def expect(ok: bool, what: str) -> None:
         raise Unexpected(what)
 
 
-def data_events(lines: list[str]) -> list[str]:
-    return [line[len("data:"):].strip() for line in lines if line.startswith("data:")]
-
-
 async def read_events(response: httpx.Response, stop_after: int | None) -> tuple[list[str], bool]:
     """SSE `data:` payloads, at most `stop_after` of them (None: all); True when cut off early."""
     events = []
-    async for line in response.aiter_lines():
-        events.extend(data_events([line]))
+    async for data in asse_data(response.aiter_text()):
+        events.append(data)
         if stop_after is not None and len(events) >= stop_after:
             return events, True
     return events, False

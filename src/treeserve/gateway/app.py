@@ -102,6 +102,7 @@ def build_app(config: GatewayConfig, store: Store | None = None) -> FastAPI:
         for broker in brokers.values():
             await broker.start()
         app.state.forwarder = Forwarder(router, client, metrics, config.retries, brokers)
+        drain.on_time_up.append(app.state.forwarder.cut_streams)  # streams end with an error event, billed
         health = asyncio.create_task(health_loop(router, client, metrics, config.health_interval, brokers)) \
             if config.health_interval > 0 else None
         try:

@@ -21,6 +21,11 @@ class NoWorkers(ConnectionError):
     """Nobody consumes the model's queue: a request there would only wait out its timeout."""
 
 
+class BrokerLost(ConnectionError):
+    """The connection to the broker closed: this process's reply queue, and every reply on its way
+    to it, went with it."""
+
+
 class BrokerClient:
     def __init__(self, url: str):
         self.url = url
@@ -30,6 +35,7 @@ class BrokerClient:
 
     async def start(self) -> None:
         self.connection = await aio_pika.connect_robust(self.url)
+        self.connection.close_callbacks.add(self._on_connection_closed)
         self.channel = await self.connection.channel()
         self.cancels = await self.channel.declare_exchange(CANCEL_EXCHANGE, aio_pika.ExchangeType.FANOUT)
         self.reply_queue = await self.channel.declare_queue(exclusive=True, auto_delete=True)
@@ -67,6 +73,18 @@ class BrokerClient:
     async def cancel(self, request_id: str) -> None:
         self.done(request_id)
         await self.cancels.publish(aio_pika.Message(request_id.encode()), routing_key="")
+
+    def _on_connection_closed(self, _connection, exc: BaseException | None = None) -> None:
+        """Every request waiting for a reply fails now (a stream ends with its error event, a whole
+        request goes to another backend) instead of waiting out its timeout: their replies are lost."""
+        if not self.pending:
+            return
+        log.warning("broker %s: connection closed (%s): failing %d request(s) waiting for replies",
+                    self.url.split("@")[-1], exc or "closed", len(self.pending))
+        pending, self.pending = self.pending, {}
+        self._consumers_seen.clear()
+        for replies in pending.values():
+            replies.put_nowait(BrokerLost(f"the connection to the broker closed ({exc or 'closed'})"))
 
     async def _on_reply(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
         replies = self.pending.get(message.correlation_id or "")
@@ -132,5 +150,12 @@ class BrokerStream:
         else:  # the client left, or the stream was cut: the worker stops generating
             await self.client.cancel(self.request_id)
 
+    def cut(self, exc: BaseException) -> None:
+        """The next read raises `exc`."""
+        self.replies.put_nowait(exc)
+
     async def _next(self):
-        return await asyncio.wait_for(self.replies.get(), self.timeout)
+        message = await asyncio.wait_for(self.replies.get(), self.timeout)
+        if isinstance(message, BaseException):
+            raise message
+        return message

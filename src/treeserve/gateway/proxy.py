@@ -36,6 +36,10 @@ RETRYABLE_STATUS = {429, 503}
 UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
 
 
+class GatewayStopping(ConnectionError):
+    """Raised into the relayed streams still running when the gateway's drain time is up."""
+
+
 @dataclass
 class Outcome:
     """How a request ended, for its settlement."""
@@ -62,6 +66,15 @@ class Forwarder:
                  brokers: dict[str, BrokerClient] | None = None):
         self.router, self.client, self.metrics, self.retries = router, client, metrics, retries
         self.brokers = brokers or {}  # amqp:// backends: their broker connections
+        self.streams: dict[int, Callable[[BaseException], None]] = {}  # relays running: how to cut each
+
+    def cut_streams(self) -> None:
+        """Ends every relayed stream still running with an error event (each is billed for what its
+        client got): the drain's time is up (server/drain.py)."""
+        if self.streams:
+            log.warning("the drain's time is up: cutting %d stream(s) still running", len(self.streams))
+        for cut in list(self.streams.values()):
+            cut(GatewayStopping("the gateway is shutting down"))
 
     async def forward(self, path: str, body: dict, model: str, affinity: str | None,
                       settle: Callable[[Outcome], "anyio.abc.Awaitable"], started: float, request_id: str) -> Response:
@@ -155,7 +168,8 @@ class Forwarder:
             response.close()
             self._end(backend)
             return self._failed(backend, exc if not isinstance(exc, StopAsyncIteration) else "the stream ended at once")
-        return self._stream_response(first, batches, _closer(response), backend, group, body, settle, started)
+        return self._stream_response(first, batches, _closer(response), response.content.set_exception, backend,
+                                     group, body, settle, started)
 
     async def _try_broker(self, path, upstream, backend: Backend, group, body, settle, started,
                           request_id: str) -> Response | str:
@@ -175,19 +189,22 @@ class Forwarder:
             await reply.close()
             self._end(backend)
             return await self._answer(first.status, first.body, {}, backend, group, settle, started)
-        return self._stream_response(first.events, reply.batches(), reply.close, backend, group, body, settle, started)
+        return self._stream_response(first.events, reply.batches(), reply.close, reply.cut, backend, group, body,
+                                     settle, started)
 
-    def _stream_response(self, first, batches, close, backend, group, body, settle, started) -> RelayResponse:
+    def _stream_response(self, first, batches, close, cut, backend, group, body, settle, started) -> RelayResponse:
+        """`cut(exc)` makes the stream's next read raise `exc`."""
         options = body.get("stream_options") or {}
         state = StreamState(bool(options.get("include_usage")), bool(options.get("continuous_usage_stats")))
-        relay = self._relay(first, batches, close, backend, group, state, settle, started)
+        relay = self._relay(first, batches, close, cut, backend, group, state, settle, started)
         return RelayResponse(relay, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def _relay(self, first: list[bytes], batches: AsyncIterator[list[bytes]],
-                     close: Callable[[], Awaitable[None]], backend: Backend, group: str, state: StreamState, settle,
-                     started: float) -> AsyncIterator[bytes]:
+                     close: Callable[[], Awaitable[None]], cut: Callable[[BaseException], None], backend: Backend,
+                     group: str, state: StreamState, settle, started: float) -> AsyncIterator[bytes]:
         outcome = Outcome("client_closed", group, backend.name)
+        self.streams[id(state)] = cut
         try:
             out = state.relay(first)
             if out:
@@ -199,12 +216,17 @@ class Forwarder:
                     yield out
             outcome.status = "success"
             backend.breaker.on_success()
+        except GatewayStopping:
+            outcome.status = "cut"
+            yield error_event("the gateway is shutting down: this stream was cut (its drain time was up)",
+                              "shutting_down") + DONE
         except UPSTREAM_ERRORS as exc:
             outcome.status = "cut"
             self._failed(backend, exc)
             message = f"the backend's stream broke off ({type(exc).__name__}); it is not replayed"
             yield error_event(message, "backend_stream_cut") + DONE
         finally:
+            self.streams.pop(id(state), None)
             if outcome.status == "client_closed" and state.done:
                 outcome.status = "success"  # the client left after the last event: it has it all
             with anyio.CancelScope(shield=True):

@@ -18,6 +18,11 @@ DEFAULT_GENERATOR = "builtin:arith-gen"
 DEFAULT_VERIFIER = "builtin:arith-prm"
 # The bundled tool router (tools mode's function-calling model; Hermes-format calls).
 DEFAULT_ROUTER = "builtin:arith-router"
+# Served with no model named: the bundled generator and PRM, so /v1/search and /v1/rewards work too.
+DEFAULT_PAIR = {"arith-gen": DEFAULT_GENERATOR, "arith-prm": DEFAULT_VERIFIER}
+# What `treeserve chat` serves: the pair and the tool router, whose calls the hermes parser reads.
+CHAT_MODELS = {**DEFAULT_PAIR, "arith-router": DEFAULT_ROUTER}
+CHAT_TOOL_PARSER = "hermes"
 BUNDLED_DIR = Path(__file__).resolve().parents[1] / "models"
 
 

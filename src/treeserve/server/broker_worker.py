@@ -36,6 +36,7 @@ class BrokerWorker:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._running: dict[str, set[asyncio.Task]] = {}  # by correlation id
         self._stopping = False
+        self._lost: set[asyncio.Task] = set()  # requests stopped because the broker connection closed
 
     # ---- lifecycle (called from other threads) ------------------------------------------------
     def start(self) -> threading.Thread:
@@ -75,6 +76,7 @@ class BrokerWorker:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=None)) as http, \
                 await aio_pika.connect_robust(self.broker_url) as connection:
+            connection.close_callbacks.add(self._on_connection_closed)
             channel = await connection.channel()
             await channel.set_qos(prefetch_count=self.prefetch)
             cancels = await channel.declare_exchange(CANCEL_EXCHANGE, aio_pika.ExchangeType.FANOUT)
@@ -129,6 +131,17 @@ class BrokerWorker:
                     del self._running[key]
         task.add_done_callback(forget)
 
+    def _on_connection_closed(self, _connection, exc: BaseException | None = None) -> None:
+        """The requests in hand are stopped: their replies cannot be sent, and the broker gives
+        them again (to this worker once it is back, or another) if it still holds them."""
+        if self._stopping or not self._tasks():
+            return
+        log.warning("worker %s: the broker connection closed (%s): stopping %d request(s) in hand",
+                    self.worker_id, exc or "closed", len(self._tasks()))
+        for task in self._tasks():
+            self._lost.add(task)
+            task.cancel()
+
     async def _on_cancel(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
         for task in list(self._running.get(message.body.decode(errors="replace"), ())):
             task.cancel()
@@ -165,6 +178,9 @@ class BrokerWorker:
                 requeued = True
             elif self._stopping:  # a stream under way cannot start over elsewhere: the gateway cuts it
                 await replies.send("response", _error_body(503, "the worker stopped"), status=503)
+            elif asyncio.current_task() in self._lost:
+                self._lost.discard(asyncio.current_task())
+                requeued = True  # (its channel is gone: nothing to acknowledge on)
             else:
                 log.info("request %s cancelled by the gateway", message.correlation_id)
         except (aiohttp.ClientError, ConnectionError) as exc:

@@ -13,6 +13,7 @@ import logging
 import math
 import signal
 import time
+from collections.abc import Callable
 
 import uvicorn
 from fastapi.responses import Response
@@ -25,6 +26,7 @@ EXEMPT_PATHS = frozenset({"/health", "/health/ready", "/metrics"})
 RETRY_AFTER_S = 1
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 KEEP_ALIVE_S = 75  # nginx's default; see `uvicorn_config`
+CUT_GRACE_S = 2.0  # after the time is up: for the requests cut (Drain.on_time_up) to end and be settled
 
 
 class Drain:
@@ -38,6 +40,10 @@ class Drain:
         self.since: float | None = None
         self.in_flight = 0
         self.forced = False  # a second signal came: exit without waiting (children too)
+        # Called once when the time is up with requests still running: each ends what it can end
+        # cleanly (the gateway cuts its relayed streams with an error event and bills them).
+        self.on_time_up: list[Callable[[], None]] = []
+        self.cut_at: float | None = None
 
     @property
     def draining(self) -> bool:
@@ -51,8 +57,20 @@ class Drain:
         return True
 
     def finished(self) -> bool:
-        """Draining, and nothing is left in flight or the time is up."""
-        return self.since is not None and (self.in_flight == 0 or time.monotonic() - self.since >= self.timeout)
+        """Draining, and nothing is left in flight, or the time is up and what was cut has had
+        CUT_GRACE_S to end (uvicorn cancels what is left: nothing of it can be answered then)."""
+        if self.since is None:
+            return False
+        if self.in_flight == 0:
+            return True
+        now = time.monotonic()
+        if now - self.since < self.timeout:
+            return False
+        if self.cut_at is None:
+            self.cut_at = now
+            for cut in self.on_time_up:
+                cut()
+        return not self.on_time_up or now - self.cut_at >= CUT_GRACE_S
 
 
 class DrainMiddleware:
@@ -109,7 +127,8 @@ class DrainingServer(uvicorn.Server):
         if not self.should_exit and self.drain.finished():
             left = self.drain.in_flight
             log.info("%s: drained%s; stopping", self.name,
-                     f" (time is up: {left} request(s) still running are cut)" if left else "")
+                     f" (time is up: {left} request(s) still running are cancelled)" if left else
+                     " (time is up: the requests still running were cut)" if self.drain.cut_at else "")
             self.should_exit = True
         return await super().on_tick(counter)
 

@@ -9,7 +9,7 @@ import time
 
 from treeserve.model.registry import named_models as _named_models
 from treeserve.config import EngineConfig
-from treeserve.model.registry import DEFAULT_GENERATOR, DEFAULT_ROUTER, DEFAULT_VERIFIER
+from treeserve.model.registry import DEFAULT_PAIR
 from treeserve.engine.async_engine import AsyncLLMEngine
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.server.app import create_app
@@ -20,13 +20,6 @@ from treeserve.server.metrics import ServerMetrics
 from treeserve.server.serving_search import SearchServing
 from treeserve.server.tool_calls import ToolSettings
 from treeserve.entrypoints.chat_utils import load_chat_template
-
-# Served with no model named: the bundled generator and PRM, so /v1/search and /v1/rewards work too.
-DEFAULT_PAIR = {"arith-gen": DEFAULT_GENERATOR, "arith-prm": DEFAULT_VERIFIER}
-# What `treeserve chat` serves: the pair and the tool router, whose calls the hermes parser reads.
-CHAT_MODELS = {**DEFAULT_PAIR, "arith-router": DEFAULT_ROUTER}
-CHAT_TOOL_PARSER = "hermes"
-
 
 def build_app(model: str | dict[str, str], served_model_name: str | None = None, api_keys: list[str] | None = None,
               max_queue: int | None = None, kv_mode: str = "shared", max_problems_in_flight: int = 32,

@@ -1,0 +1,98 @@
+"""The gateway's broker client when RabbitMQ dies (issue #40's chaos run found the fault): the
+requests waiting for replies fail at once with BrokerLost (a stream ends with its error event, a
+whole request goes to another backend) instead of waiting out their timeout, and after RabbitMQ
+is back the client's new reply queue gets the next answers. A real node, killed with SIGKILL."""
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import aio_pika
+import pytest
+
+from gateway_support import rabbit_node
+from treeserve.gateway.broker import BrokerClient, BrokerLost, BrokerStream
+from treeserve.gateway.broker_protocol import queue_name
+
+TIMEOUT = 60  # the backend's timeout: what a request waited before the fix
+
+
+@pytest.fixture
+def node():
+    with rabbit_node() as node:
+        yield node
+
+
+async def _fake_worker(url: str, held: list):
+    """Consumes model "m": a "stream" request gets a start and one chunk, then nothing more; a
+    "hold" request nothing at all; any other one a whole answer."""
+    connection = await aio_pika.connect_robust(url)
+    channel = await connection.channel()
+    queue = await channel.declare_queue(queue_name("m"), durable=True)
+
+    async def reply(message, kind: str, body: bytes = b"", status: int | None = None) -> None:
+        headers = {"kind": kind, "worker": "w1", **({"status": status} if status else {})}
+        await channel.default_exchange.publish(
+            aio_pika.Message(body, correlation_id=message.correlation_id, headers=headers),
+            routing_key=message.reply_to)
+
+    async def on_message(message) -> None:
+        await message.ack()
+        held.append(message.correlation_id)
+        if message.correlation_id.startswith("stream"):
+            await reply(message, "start", status=200)
+            await reply(message, "chunk", b'data: {"choices": [{"index": 0, "delta": {"content": "a"}}]}\n\n')
+        elif not message.correlation_id.startswith("hold"):
+            await reply(message, "response", b'{"ok": true}', status=200)
+
+    await queue.consume(on_message)
+    return connection
+
+
+async def _wait(predicate, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.1)
+
+
+def test_a_dead_broker_fails_the_waiting_requests_at_once_and_a_restarted_one_serves(node):
+    async def scenario():
+        held: list[str] = []
+        worker = await _fake_worker(node.url, held)
+        client = BrokerClient(node.url)
+        await client.start()
+        try:
+            stream = BrokerStream(client, "stream-1", await client.request("m", "/v1/x", {}, "stream-1", TIMEOUT),
+                                  TIMEOUT)
+            assert (await stream.first()).kind == "stream"
+            whole = BrokerStream(client, "hold-1", await client.request("m", "/v1/x", {}, "hold-1", TIMEOUT), TIMEOUT)
+            await _wait(lambda: "hold-1" in held, 10)
+            killed = time.monotonic()
+            node.stop(signal.SIGKILL)
+            with pytest.raises(BrokerLost):
+                async for _ in stream.batches():
+                    pass
+            with pytest.raises(BrokerLost):
+                await whole.first()
+            assert time.monotonic() - killed < 5, "the requests waited for their timeout"
+            assert not client.pending
+
+            await asyncio.to_thread(node.start)
+            await _wait(lambda: client.connection.connected.is_set() and worker.connected.is_set(), 60)
+            deadline = time.monotonic() + 30
+            while True:  # (the consumers come back a moment after the connection)
+                try:
+                    replies = await client.request("m", "/v1/x", {}, "after-restart", TIMEOUT)
+                    break
+                except Exception:  # no consumer yet, or the channel not restored yet
+                    assert time.monotonic() < deadline, "no consumer came back"
+                    await asyncio.sleep(0.2)
+            answer = await BrokerStream(client, "after-restart", replies, 10).first()
+            assert (answer.kind, answer.status, answer.body) == ("response", 200, b'{"ok": true}')
+        finally:
+            await client.close()
+            await worker.close()
+
+    asyncio.run(scenario())
