@@ -8,6 +8,10 @@ if not torch.cuda.is_available():
     # Triton kernels run on CPU tensors under Triton's interpreter, which is read when a kernel
     # module is first imported (only the Triton attention backend's tests import one).
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Argon2id at 1 MiB, one pass, in this process and every command the tests start (gateway/passwords.py;
+# test_weak_password_hashes_only_where_asked checks the default): ~0.15 s a hash otherwise, several per
+# chat test.
+os.environ.setdefault("TREESERVE_INSECURE_FAST_PASSWORD_HASHES", "1")
 
 from treeserve.testing.tiny_models import FAMILIES, make_tiny_model
 

@@ -72,6 +72,23 @@ def test_importing_the_gateway_loads_no_engine():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_weak_password_hashes_only_where_asked():
+    """The suite hashes passwords cheaply (tests/conftest.py); without that variable a command
+    hashes them with argon2-cffi's defaults (RFC 9106 low-memory: 64 MiB, 3 passes, 4 lanes)."""
+    import os
+
+    from treeserve.gateway.passwords import INSECURE_FAST_ENV
+
+    show = ("from treeserve.gateway.passwords import _hasher as h, hash_password, verify_password as v; "
+            "print(h.time_cost, h.memory_cost, h.parallelism, v(hash_password('pass-word-1'), 'pass-word-1'))")
+    env = {k: v for k, v in os.environ.items() if k != INSECURE_FAST_ENV}
+    default = subprocess.run([sys.executable, "-c", show], env=env, capture_output=True, text=True, check=True)
+    assert default.stdout.split() == ["3", "65536", "4", "True"], default.stderr
+    fast = subprocess.run([sys.executable, "-c", show], env={**env, INSECURE_FAST_ENV: "1"}, capture_output=True,
+                          text=True, check=True)
+    assert fast.stdout.split() == ["1", "1024", "1", "True"] and "for tests only" in fast.stderr
+
+
 def test_a_budget_resets_after_its_period(store):
     token, _ = store.create_key(max_budget=1.0, budget_duration="30d")
     key = store.authenticate(token)

@@ -3,6 +3,7 @@ import pytest
 
 from conftest import assert_no_leak
 from treeserve import Runtime
+from treeserve.gateway.pricing import SEARCH_DEFAULTS, search_generation_calls
 from treeserve.search.config import SearchConfig
 from treeserve.search.reference import HFStepScorer, ReferenceRunner
 from treeserve.search.runner import SearchRunner
@@ -39,15 +40,25 @@ def _search(rt, config, **options):
 def test_every_strategy_runs_and_leaves_no_blocks_behind(pair, strategy):
     rt = _runtime(pair)
     config = _config(strategy=strategy, lookahead=1 if strategy == "dvts" else 0)
+    request = {name: getattr(config, name) for name in ("strategy", "n", "num_iterations", "lookahead")}
     results = _search(rt, config)
     assert [r.problem for r in results] == QUESTIONS
     for r in results:
         assert len(r.completions) == (1 if strategy == "greedy" else 4)
         assert len(r.scores) == len(r.completions) and 0 <= r.chosen < len(r.completions)
         assert r.completion_tokens > 0 and r.tree_size >= 1
+        # what the gateway reserves for a search's tokens (its budget holds only if this is never passed)
+        assert r.completion_tokens <= config.max_tokens * search_generation_calls(request), (r.completion_tokens,
+                                                                                            request)
     rt.release_kept()
     for engine in rt.engines.values():
         assert_no_leak(engine)
+
+
+def test_the_gateways_search_defaults_are_the_servers():
+    from treeserve.server.protocol import SearchRequest
+
+    assert SEARCH_DEFAULTS == {name: SearchRequest.model_fields[name].default for name in SEARCH_DEFAULTS}
 
 
 def test_results_do_not_depend_on_batching_or_memory(pair):

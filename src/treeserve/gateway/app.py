@@ -204,7 +204,8 @@ def build_app(config: GatewayConfig, store: Store | None = None) -> FastAPI:
         if key.holds_nothing:  # (the master key too) nothing to reserve or count: no trip to a worker thread
             reservation = key.nothing_held()
         else:
-            worst = max(pricing.worst_cost(body, config.models[name]) for name in router.chain(model))
+            worst = max(pricing.worst_cost(body, config.models[name], search=path == "/v1/search")
+                        for name in router.chain(model))
             try:
                 reservation = await run_in_threadpool(store.admit, key, worst)
             except APIError as exc:

@@ -25,21 +25,45 @@ def completion_cap(body: dict) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
-def completion_token_bound(body: dict, model: ModelConfig) -> int:
+def completion_token_bound(body: dict, model: ModelConfig, search: bool = False) -> int:
     """max_tokens (else the model's configured cap, which the gateway then sends upstream) per
-    choice, per prompt."""
+    choice, per prompt; for a search (`/v1/search`), per generation call it may make."""
     cap = completion_cap(body)
-    choices = body.get("n") if isinstance(body.get("n"), int) and body.get("n") > 0 else 1
+    if cap is None:
+        cap = model.max_tokens or (SEARCH_DEFAULTS["max_tokens"] if search else DEFAULT_RESERVED_TOKENS)
+    if search:
+        return cap * search_generation_calls(body)
+    choices = _count(body, "n", 1)
     prompt = body.get("prompt")
     prompts = len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else 1
-    if cap is None:
-        cap = model.max_tokens or DEFAULT_RESERVED_TOKENS
     return cap * choices * prompts
 
 
-def worst_cost(body: dict, model: ModelConfig) -> float:
+# A search request's defaults (server/protocol.py's SearchRequest)
+SEARCH_DEFAULTS = {"n": 4, "num_iterations": 40, "lookahead": 0, "max_tokens": 2048, "strategy": "beam"}
+
+
+def search_generation_calls(body: dict) -> int:
+    """The most generation calls (each of at most max_tokens) a search makes: beam search and DVTS
+    sample n steps at each of num_iterations depths and roll each out `lookahead` steps further;
+    the other strategies write n whole completions."""
+    n = _count(body, "n", SEARCH_DEFAULTS["n"])
+    if body.get("strategy", SEARCH_DEFAULTS["strategy"]) not in ("beam", "dvts"):
+        return n
+    depth = _count(body, "num_iterations", SEARCH_DEFAULTS["num_iterations"])
+    lookahead = body.get("lookahead", SEARCH_DEFAULTS["lookahead"])
+    lookahead = lookahead if isinstance(lookahead, int) and not isinstance(lookahead, bool) and lookahead > 0 else 0
+    return n * depth * (1 + lookahead)
+
+
+def _count(body: dict, name: str, default: int) -> int:
+    value = body.get(name)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default
+
+
+def worst_cost(body: dict, model: ModelConfig, search: bool = False) -> float:
     return (prompt_token_bound(body) * model.input_cost_per_token
-            + completion_token_bound(body, model) * model.output_cost_per_token)
+            + completion_token_bound(body, model, search) * model.output_cost_per_token)
 
 
 def cost(model: ModelConfig, prompt_tokens: int, completion_tokens: int) -> float:

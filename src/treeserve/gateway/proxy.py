@@ -245,7 +245,8 @@ class Forwarder:
     def _upstream_body(self, body: dict, group: str, backend: Backend, stream: bool) -> dict:
         upstream = dict(body, model=backend.config.model or group)
         cap = self.router.groups[group].config.max_tokens
-        if cap is not None and ("messages" in body or "prompt" in body) and completion_cap(body) is None:
+        asks = any(k in body for k in ("messages", "prompt", "question"))  # (a search's too: per generation call)
+        if cap is not None and asks and completion_cap(body) is None:
             upstream["max_tokens"] = cap  # the reservation counted this cap: the backend must not write more
         if stream and ("messages" in body or "prompt" in body):
             options = dict(body.get("stream_options") or {}, include_usage=True)
