@@ -21,8 +21,11 @@ def test_sixty_requests_with_a_replica_killed_mid_run(llama_dir, tmp_path):
     with replicas(llama_dir, 2, API_KEY) as procs:
         models = {"tiny": ModelConfig("tiny", [BackendConfig(url, api_key=API_KEY) for url, _ in procs],
                                       input_cost_per_token=1e-6, output_cost_per_token=1e-4)}
+        # No health checks and no circuit breaker: the dead replica stays in the plan, so requests are
+        # sent to it after the kill and must be retried on the other (with them, whether any is sent
+        # there first is a race: the streams cut by the kill alone can open the breaker; CI saw 0 retries)
         config = GatewayConfig(models=models, master_key=MASTER, database=f"sqlite:///{tmp_path / 'gw.db'}",
-                               routing="round_robin", health_interval=0.5)
+                               routing="round_robin", health_interval=0, breaker_failures=1_000_000)
         app = build_app(config)
         with running_server(app) as url:
             client = openai.OpenAI(base_url=url + "/v1", api_key=MASTER, max_retries=0, timeout=60)
@@ -31,8 +34,9 @@ def test_sixty_requests_with_a_replica_killed_mid_run(llama_dir, tmp_path):
             elapsed = time.monotonic() - started
             assert procs[1][1].poll() is not None, "the replica was not killed"
             logs = check_answers_and_bills(finished, app.state.store)
-            # the dead replica's requests that had sent nothing yet went to the other one
-            assert retries_total(app) > 0, "no request was retried: the kill reached nothing in flight"
+            # the requests sent to the dead replica (in flight with nothing sent yet, or sent after the kill)
+            # went to the other one
+            assert retries_total(app) > 0, "no request was retried"
             cut = [r for r in finished if r["stream"] and r["error"]]
             print(json.dumps({"seconds": round(elapsed, 1), "streams_cut": len(cut),
                               "cut_tokens_billed": [logs[r["id"]]["completion_tokens"] for r in cut],
