@@ -12,7 +12,6 @@ from torch import nn
 
 from treeserve.model.decoder import DecoderForCausalLM
 from treeserve.model.hf_config import ModelConfig, load_model_config, read_json
-from treeserve.model.layers import RotaryEmbedding
 from treeserve.model.packed_linear import pack_linears
 from treeserve.model.parallel import ShardPlan, TensorParallel
 
@@ -216,10 +215,10 @@ def build_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device
     with torch.device("meta"):
         model = DecoderForCausalLM(config, max_positions, tp)
     _materialize(model, device, dtype)
-    # RoPE tables stay in float32 (as in transformers); they were only placeholders on "meta".
-    model.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions).to(device)
-    if config.local_rope is not None:
-        model.local_rotary = RotaryEmbedding(config.local_rope, config.head_dim, max_positions).to(device)
+    # RoPE tables stay in float32 (as in transformers); the decoder computed them on the CPU
+    for rotary in (model.rotary, model.local_rotary):
+        if rotary is not None:
+            rotary.to(device)
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     else:
@@ -260,17 +259,16 @@ def load_generation_defaults(model_dir: Path, config: ModelConfig) -> Generation
     return GenerationDefaults(eos_token_ids=tuple(int(e) for e in eos_ids), sampling=sampling)
 
 
-def _light_config(model_dir: Path) -> dict:
+def _light_config(model_dir: Path, named: dict) -> dict:
     """`config=` for AutoTokenizer where the tokenizer's class is named in tokenizer_config.json.
 
     AutoTokenizer otherwise builds the model's full transformers config, whose import costs ~2 s of
     every server's start; it reads only the model type and name from it, which a plain
     PretrainedConfig carries. Without a named class (or with remote code) it keeps its own way.
     """
-    tokenizer_config, config = model_dir / "tokenizer_config.json", model_dir / "config.json"
-    if not tokenizer_config.is_file() or not config.is_file():
+    config = model_dir / "config.json"
+    if not named or not config.is_file():
         return {}
-    named = read_json(tokenizer_config)
     raw = read_json(config)
     if not named.get("tokenizer_class") or "auto_map" in named or "auto_map" in raw or not raw.get("model_type"):
         return {}
@@ -286,11 +284,11 @@ def load_tokenizer(model_dir: Path):
 
     if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer_config.json").is_file():
         raise FileNotFoundError(f"{model_dir / 'tokenizer.json'}: file not found (nor tokenizer_config.json)")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        if (model_dir / name).is_file():
-            read_json(model_dir / name)  # names the file if it is malformed
+    if (model_dir / "tokenizer.json").is_file():
+        read_json(model_dir / "tokenizer.json")  # names the file if it is malformed
+    named = read_json(model_dir / "tokenizer_config.json") if (model_dir / "tokenizer_config.json").is_file() else {}
     try:
-        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True, **_light_config(model_dir))
+        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True, **_light_config(model_dir, named))
     except Exception as exc:  # transformers raises many types; name the directory
         raise ValueError(f"{model_dir}: could not load the tokenizer ({exc})") from exc
 
