@@ -4,7 +4,8 @@ A job (JSON: {"name", "concurrency", "requests": [{"prompt_token_ids": [...], "m
 keeps at most `concurrency` requests in flight, submitting the next as one finishes; every
 request's time counts from the job's start, so queueing is in it (as in the infrastructure paper).
 Decoding is greedy with EOS ignored. Writes, per job, {"name", "concurrency", "elapsed_s",
-"requests": [{"output_tokens", "ttft_s", "latency_s"}]}, with the engine's version and load time.
+"requests": [{"output_tokens", "ttft_s", "latency_s"}]}, with the engine's version, load time and
+the process's peak RSS.
 Only the standard library and the engine under test are imported, so each peer keeps its own
 dependencies.
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import time
 from pathlib import Path
 
@@ -183,7 +185,9 @@ def main() -> int:
     for job, result in zip(jobs, results):
         result |= {"name": job["name"], "concurrency": job["concurrency"]}
     load = total - sum(r["elapsed_s"] for r in results)
-    args.out.write_text(json.dumps({"engine": args.engine, "version": version, "load_s": load, "jobs": results}))
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10  # KiB on Linux
+    args.out.write_text(json.dumps({"engine": args.engine, "version": version, "load_s": load, "jobs": results,
+                                    "peak_rss_bytes": peak_rss}))
     return 0
 
 

@@ -126,7 +126,8 @@ def sweep_jobs(levels: list[int], seed: int, vocab: int) -> list[dict]:
 
 # ---- running a worker ---------------------------------------------------------------------
 def run_worker(peer: Peer, python: str, model: Path, jobs: list[dict], out: Path, dtype: str,
-               gguf: Path | None = None) -> dict:
+               gguf: Path | None = None, options: list[str] = ()) -> dict:
+    """Runs `peer_worker.py` on `jobs` in a fresh process (`options`: more of its arguments)."""
     tag = f"{peer.name}-{time.monotonic_ns()}"
     jobs_file, result_file, log_file = out / f"jobs-{tag}.json", out / f"result-{tag}.json", out / f"log-{tag}.txt"
     jobs_file.write_text(json.dumps(jobs))
@@ -134,6 +135,7 @@ def run_worker(peer: Peer, python: str, model: Path, jobs: list[dict], out: Path
                "--out", str(result_file), "--dtype", dtype, "--threads", str(torch.get_num_threads())]
     if gguf is not None:
         command += ["--gguf", str(gguf)]
+    command += list(options)
     env = os.environ | peer.env
     with log_file.open("w") as log:
         done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env)

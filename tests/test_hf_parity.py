@@ -6,6 +6,7 @@ import transformers
 
 from conftest import assert_no_leak
 from treeserve import LLM, SamplingParams
+from treeserve.model.random_models import make_tiny_model
 from treeserve.testing.tiny_models import FAMILIES
 
 PROMPTS = [
@@ -117,4 +118,27 @@ def test_greedy_batch_matches_hf_generate(family_setup):
             assert set(top3) <= set(entry)
             for tid in top3:
                 assert abs(entry[tid].logprob - float(ref[tid])) < 1e-4
+    assert_no_leak(llm.engine)
+
+
+def test_a_prompt_longer_than_4096_tokens_matches_hf(tmp_path):
+    """5,000 prompt tokens in chunks of 1,200: the last chunks attend over cached prefixes longer
+    than one prefix segment (4,096 tokens); every 50th prompt position's logits and 8 greedy tokens
+    as HF's, no leak."""
+    path = make_tiny_model("llama", tmp_path / "long", seed=3, hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                           max_position_embeddings=8192)
+    ids = torch.randint(3, 500, (5000,), generator=torch.Generator().manual_seed(0)).tolist()
+    llm = LLM(str(path), dtype="float32", device="cpu", kv_cache_memory_bytes=16 << 20, max_num_batched_tokens=1200)
+    positions = list(range(0, len(ids), 50)) + [len(ids) - 1]
+    llm.engine.add_request("long", ids, SamplingParams(), logits_positions=positions)
+    finished = None
+    while llm.engine.has_unfinished_requests():
+        finished = next((out for out in llm.engine.step() if out.finished), finished)
+    hf = _hf_model(path, "cpu")
+    ours = torch.stack([finished.prompt_logits[p].cpu() for p in positions])
+    assert _relative_error(ours, _hf_logits(hf, ids)[positions]) < 1e-4
+    params = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8)
+    [greedy] = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+    assert greedy.outputs[0].token_ids == _hf_greedy(hf, ids, 8)
     assert_no_leak(llm.engine)

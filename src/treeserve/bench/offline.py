@@ -35,6 +35,19 @@ def benchmark_model_dir() -> Path:
         make_tiny_model("llama", path, seed=0, **MODEL_SHAPE)
     return path
 
+# The long-prompt sweep's model (benchmarks/prompt_length.py, benchmarks/sweep_long_prompts.yaml):
+# a 168M random Llama of issue 41's shape, 16/4 heads of 64, room for 32k-token prompts.
+LONG_PROMPT_SHAPE = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
+                         num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=33280,
+                         tie_word_embeddings=True, initializer_range=0.02)
+
+
+def long_prompt_model_dir() -> Path:
+    path = cache_dir() / "bench" / "llama-168m-long-random"
+    if not (path / "config.json").is_file():
+        make_tiny_model("llama", path, seed=0, **LONG_PROMPT_SHAPE)
+    return path
+
 
 def n_params(path: Path) -> int:
     from safetensors import safe_open

@@ -22,7 +22,7 @@ from functools import cached_property
 import torch
 from torch.nn import functional as F
 
-from treeserve.model import cpu_kernels
+from treeserve.model import cpu_kernels, prefix_attention
 
 # Decode rows are grouped by context length so that one group's padding stays small.
 DECODE_GROUP_GROWTH = 1.5
@@ -240,8 +240,7 @@ class TorchSDPABackend:
                                            scale, gqa, softcap)
         for index, chunk in enumerate(meta.prefills):
             if chunk.rows.stop > done:
-                mask = meta.prefill_mask(index, window)
-                out[chunk.rows] = self._prefill(layer_cache, q, k, v, chunk, mask, scale, gqa, softcap)
+                out[chunk.rows] = self._prefill(layer_cache, q, k, v, meta, index, scale, window, gqa, softcap)
         return out
 
     @staticmethod
@@ -281,6 +280,18 @@ class TorchSDPABackend:
         flat = rows.view(*block_ids.shape[:-1], block_ids.shape[-1] * block_size, num_kv_heads, head_dim)
         return flat.transpose(-3, -2)
 
+    def _prefix_reader(self, layer_cache, block_ids: torch.Tensor) -> prefix_attention.GatherPrefix:
+        """Reads tokens [start, end) of a sequence whose blocks are `block_ids` as keys and values
+        [Hkv, end - start, D]."""
+        block_size = layer_cache.shape[2]
+
+        def read(start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+            blocks = block_ids[start // block_size:-(-end // block_size)]
+            first = start % block_size
+            return (self._gather(layer_cache[:, 0], blocks)[:, first:first + end - start],
+                    self._gather(layer_cache[:, 1], blocks)[:, first:first + end - start])
+        return read
+
     def _decode(self, layer_cache, q, group, mask, scale, gqa, softcap):
         keys = self._gather(layer_cache[:, 0], group.block_tables)
         values = self._gather(layer_cache[:, 1], group.block_tables)
@@ -291,7 +302,13 @@ class TorchSDPABackend:
         )
         return out.squeeze(2)
 
-    def _prefill(self, layer_cache, q, k, v, chunk, mask, scale, gqa, softcap):
+    def _prefill(self, layer_cache, q, k, v, meta: AttentionMetadata, index: int, scale, window, gqa, softcap):
+        chunk = meta.prefills[index]
+        prefix_len = chunk.context_len - chunk.query_len
+        if prefix_len and prefix_attention.supported(q, window, softcap):
+            return prefix_attention.chunk_over_prefix(q[chunk.rows], k[chunk.rows], v[chunk.rows], prefix_len,
+                                                      self._prefix_reader(layer_cache, chunk.block_ids), scale)
+        mask = meta.prefill_mask(index, window)
         query = q[chunk.rows].transpose(0, 1).unsqueeze(0)
         if chunk.context_len == chunk.query_len:
             keys = k[chunk.rows].transpose(0, 1).unsqueeze(0)

@@ -1,0 +1,164 @@
+"""treeserve against vLLM's CPU build along the prompt-length axis, offline, in one run.
+
+One prompt at a time (random token ids, greedy, EOS ignored) of 1k, 4k, 8k, 16k and 32k tokens,
+with 1 and 128 output tokens, on a 168M random Llama (16/4 heads of 64, 12 layers; see
+`treeserve.bench.offline.LONG_PROMPT_SHAPE`). Each pass runs every engine once in a fresh process
+(`benchmarks/peer_worker.py`), the order alternating between passes; the figures are medians over
+the passes, and the ratio is the median of the per-pass ratios vLLM time / treeserve time (above 1:
+treeserve is the faster). Prints time to first token, total time and treeserve's peak RSS, writes
+`summary.json` and `prompt_length.png`. vLLM's virtualenv comes from `benchmarks/peers.py --setup`.
+
+    python benchmarks/prompt_length.py [--lengths 1024,4096,8192,16384,32768] [--outputs 1,128]
+        [--passes 3] [--engines treeserve,vllm] [--out bench_out/prompt_length]
+
+The same sweep over HTTP: `treeserve bench sweep benchmarks/sweep_long_prompts.yaml`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from peers import PEERS, TREESERVE, PeerUnavailable, run_worker
+
+from treeserve.bench.offline import LONG_PROMPT_SHAPE, long_prompt_model_dir
+from treeserve.config import EngineConfig
+
+LENGTHS = [1024, 4096, 8192, 16384, 32768]
+OUTPUTS = [1, 128]
+ENGINES = {"treeserve": TREESERVE, "vllm": PEERS["vllm"]}
+
+
+def jobs_for(lengths: list[int], outputs: list[int], seed: int, vocab: int) -> list[dict]:
+    """One job per (prompt length, output length), each one request; the prompts differ per job."""
+    rng = random.Random(seed)
+    return [{"name": f"{length}x{out}", "concurrency": 1, "length": length, "output": out,
+             "requests": [{"prompt_token_ids": [rng.randrange(10, vocab) for _ in range(length)], "max_tokens": out}]}
+            for length in lengths for out in outputs]
+
+
+def worker_options(lengths: list[int], outputs: list[int]) -> list[str]:
+    return ["--max-model-len", str(max(lengths) + max(outputs)), "--kv-gib", "4"]
+
+
+def run_pass(number: int, engines: list[str], pythons: dict[str, str], model: Path, jobs: list[dict], out: Path,
+             dtype: str, options: list[str]) -> dict[str, dict]:
+    order = engines if number % 2 == 0 else engines[::-1]
+    results = {}
+    for name in order:
+        result = run_worker(ENGINES[name], pythons[name], model, jobs, out, dtype, options=options)
+        results[name] = result
+        times = ", ".join(f"{job['name']} {job['elapsed_s']:.1f} s" for job in result["jobs"])
+        print(f"pass {number + 1}: {ENGINES[name].label}: {times}", flush=True)
+    return results
+
+
+def summarize(passes: list[dict[str, dict]], jobs: list[dict], engines: list[str]) -> list[dict]:
+    rows = []
+    for index, job in enumerate(jobs):
+        row = {"length": job["length"], "output": job["output"]}
+        for name in engines:
+            runs = [p[name]["jobs"][index] for p in passes if name in p]
+            row[name] = {"ttft_s": statistics.median(r["requests"][0]["ttft_s"] for r in runs),
+                         "total_s": statistics.median(r["elapsed_s"] for r in runs),
+                         "runs_s": [r["elapsed_s"] for r in runs]}
+        both = [p for p in passes if all(name in p for name in ("treeserve", "vllm"))]
+        if both:
+            row["speed_ratio"] = statistics.median(p["vllm"]["jobs"][index]["elapsed_s"] /
+                                                   p["treeserve"]["jobs"][index]["elapsed_s"] for p in both)
+            row["ttft_ratio"] = statistics.median(p["vllm"]["jobs"][index]["requests"][0]["ttft_s"] /
+                                                  p["treeserve"]["jobs"][index]["requests"][0]["ttft_s"] for p in both)
+        rows.append(row)
+    return rows
+
+
+def print_table(rows: list[dict], engines: list[str]) -> None:
+    header = f"{'prompt':>7}{'out':>5}" + "".join(f"{ENGINES[n].label + ' TTFT':>18}{'total':>9}" for n in engines)
+    print("\n" + header + f"{'vLLM/ts total':>15}{'vLLM/ts TTFT':>14}")
+    for row in rows:
+        line = f"{row['length']:>7}{row['output']:>5}"
+        line += "".join(f"{row[n]['ttft_s']:>17.2f}s{row[n]['total_s']:>8.2f}s" for n in engines)
+        if "speed_ratio" in row:
+            line += f"{row['speed_ratio']:>15.2f}{row['ttft_ratio']:>14.2f}"
+        print(line)
+
+
+def plot(rows: list[dict], engines: list[str], out: Path) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    outputs = sorted({r["output"] for r in rows})
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name in engines:
+        for output in outputs:
+            mine = [r for r in rows if r["output"] == output]
+            axes[0].plot([r["length"] for r in mine], [r[name]["total_s"] for r in mine], marker="o",
+                         label=f"{ENGINES[name].label}, {output} out")
+    axes[0].set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="seconds (median)",
+                title="Time for one request")
+    axes[0].legend()
+    for output in outputs:
+        mine = [r for r in rows if r["output"] == output and "speed_ratio" in r]
+        axes[1].plot([r["length"] for r in mine], [r["speed_ratio"] for r in mine], marker="o", label=f"{output} out")
+    axes[1].axhline(1.0, color="grey", linewidth=0.8)
+    axes[1].set(xscale="log", xlabel="prompt tokens", ylabel="vLLM time / treeserve time",
+                title="treeserve's speed relative to vLLM CPU")
+    axes[1].legend()
+    fig.tight_layout()
+    path = out / "prompt_length.png"
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
+    parser.add_argument("--outputs", default=",".join(map(str, OUTPUTS)))
+    parser.add_argument("--passes", type=int, default=3)
+    parser.add_argument("--engines", default="treeserve,vllm")
+    parser.add_argument("--dtype", default="auto", help="auto: bfloat16 where the CPU has fast bf16, else float32")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("bench_out/prompt_length"))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    lengths = [int(x) for x in args.lengths.split(",") if x]
+    outputs = [int(x) for x in args.outputs.split(",") if x]
+    engines = [e for e in args.engines.split(",") if e]
+    if unknown := [e for e in engines if e not in ENGINES]:
+        parser.error(f"unknown engines {unknown}; known: {', '.join(ENGINES)}")
+    dtype = str(EngineConfig(model=".", dtype=args.dtype).resolve_dtype(torch.device("cpu"), None))
+    dtype = dtype.removeprefix("torch.")
+    pythons = {}
+    for name in engines:
+        try:
+            pythons[name] = ENGINES[name].python(setup=False)
+        except PeerUnavailable as exc:
+            print(f"{ENGINES[name].label}: not run, {exc} (python benchmarks/peers.py --setup --peers {name})")
+    engines = [e for e in engines if e in pythons]
+    model = long_prompt_model_dir()
+    flags = [f for f in ("avx512_bf16", "amx_bf16", "avx512f", "avx2") if f in Path("/proc/cpuinfo").read_text()]
+    print(f"model: {model} ({LONG_PROMPT_SHAPE['num_hidden_layers']} layers, hidden "
+          f"{LONG_PROMPT_SHAPE['hidden_size']}), dtype {dtype}, {torch.get_num_threads()} threads, CPU flags: "
+          f"{' '.join(flags)}; prompts {lengths} x outputs {outputs}, {args.passes} passes", flush=True)
+    jobs = jobs_for(lengths, outputs, args.seed, LONG_PROMPT_SHAPE["vocab_size"])
+    options = worker_options(lengths, outputs)
+    passes = [run_pass(n, engines, pythons, model, jobs, args.out, dtype, options) for n in range(args.passes)]
+    rows = summarize(passes, jobs, engines)
+    print_table(rows, engines)
+    rss = [p["treeserve"]["peak_rss_bytes"] for p in passes if "treeserve" in p]
+    if rss:
+        print(f"treeserve's peak RSS over a pass (its longest prompt included): {max(rss) / 2**30:.2f} GiB")
+    summary = {"dtype": dtype, "cpu_flags": flags, "threads": torch.get_num_threads(), "rows": rows,
+               "versions": {n: passes[0][n]["version"] for n in engines}}
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(f"wrote {plot(rows, engines, args.out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
