@@ -10,6 +10,7 @@ treeserve is the faster). Prints time to first token, total time and treeserve's
 
     python benchmarks/prompt_length.py [--lengths 1024,4096,8192,16384,32768] [--outputs 1,128]
         [--passes 3] [--engines treeserve,vllm] [--out bench_out/prompt_length]
+    python benchmarks/prompt_length.py --merge RUN1/summary.json RUN2/summary.json --out DIR
 
 The same sweep over HTTP: `treeserve bench sweep benchmarks/sweep_long_prompts.yaml`.
 """
@@ -115,6 +116,18 @@ def plot(rows: list[dict], engines: list[str], out: Path) -> Path:
     return path
 
 
+def merge_summaries(paths: list[Path], out: Path) -> int:
+    """Rows of several runs (e.g. a 3-pass run to 16k and a 1-pass run at 32k), by prompt length."""
+    summaries = [json.loads(path.read_text()) for path in paths]
+    rows = sorted((row for summary in summaries for row in summary["rows"]), key=lambda r: (r["length"], r["output"]))
+    engines = [name for name in ENGINES if all(name in row for row in rows)]
+    print_table(rows, engines)
+    (out / "summary.json").write_text(json.dumps(summaries[0] | {"rows": rows, "merged": [str(p) for p in paths]},
+                                                 indent=2))
+    print(f"wrote {plot(rows, engines, out)}")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
@@ -124,8 +137,12 @@ def main() -> int:
     parser.add_argument("--dtype", default="auto", help="auto: bfloat16 where the CPU has fast bf16, else float32")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench_out/prompt_length"))
+    parser.add_argument("--merge", type=Path, nargs="+", metavar="SUMMARY",
+                        help="run nothing: one table and plot from earlier runs' summary.json files")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.merge:
+        return merge_summaries(args.merge, args.out)
     lengths = [int(x) for x in args.lengths.split(",") if x]
     outputs = [int(x) for x in args.outputs.split(",") if x]
     engines = [e for e in args.engines.split(",") if e]

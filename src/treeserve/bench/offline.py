@@ -30,10 +30,7 @@ MODEL_SHAPE = dict(vocab_size=32000, hidden_size=768, intermediate_size=2304, nu
 
 
 def benchmark_model_dir() -> Path:
-    path = cache_dir() / "bench" / "llama-150m-random"
-    if not (path / "config.json").is_file():
-        make_tiny_model("llama", path, seed=0, **MODEL_SHAPE)
-    return path
+    return _random_llama("llama-150m-random", MODEL_SHAPE)
 
 # The long-prompt sweep's model (benchmarks/prompt_length.py, benchmarks/sweep_long_prompts.yaml):
 # a 168M random Llama of issue 41's shape, 16/4 heads of 64, room for 32k-token prompts.
@@ -43,9 +40,14 @@ LONG_PROMPT_SHAPE = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2
 
 
 def long_prompt_model_dir() -> Path:
-    path = cache_dir() / "bench" / "llama-168m-long-random"
+    return _random_llama("llama-168m-long-random", LONG_PROMPT_SHAPE)
+
+
+def _random_llama(name: str, shape: dict) -> Path:
+    """The benchmark model `name` in treeserve's cache, written (seed 0) on first use."""
+    path = cache_dir() / "bench" / name
     if not (path / "config.json").is_file():
-        make_tiny_model("llama", path, seed=0, **LONG_PROMPT_SHAPE)
+        make_tiny_model("llama", path, seed=0, **shape)
     return path
 
 

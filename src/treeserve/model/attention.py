@@ -10,7 +10,10 @@ the step's keys/values into the paged cache by slot, then attends:
 - otherwise (CUDA, float16, no C compiler) decode rows are grouped by context length (which bounds
   the padding), each group's blocks gathered for `scaled_dot_product_attention`, or
   `decode_by_matmul` for one-token decode on CPU in bfloat16 or float16;
-- the other prefill chunks: SDPA over the chunk's keys (gathered from the cache after a prefix hit).
+- the other prefill chunks: SDPA over the chunk's own keys, causal; a chunk that follows cached
+  tokens (a later chunk of a long prompt, a prefix-cache hit) on CPU, without a window or soft cap,
+  through `prefix_attention.chunk_over_prefix` (its own keys and the prefix apart, the prefix in
+  bounded segments, merged by log-sum-exp), elsewhere SDPA over the gathered keys with a mask.
 A layer with soft-capped scores (Gemma 2: softcap * tanh(score / softcap)) has them capped in the C
 kernel, and takes `decode_by_matmul` / `prefill_by_matmul` where SDPA would run (SDPA cannot cap).
 """

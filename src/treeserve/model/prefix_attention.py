@@ -30,10 +30,9 @@ GatherPrefix = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
 
 
 def supported(q: torch.Tensor, window: int | None, softcap: float | None) -> bool:
-    """Whether `chunk_over_prefix` can run: CPU, no sliding window, no soft cap, a dtype the flash
-    kernel takes."""
-    return (q.device.type == "cpu" and window is None and softcap is None
-            and q.dtype in (torch.float32, torch.bfloat16, torch.float16))
+    """Whether `chunk_over_prefix` runs this layer: on CPU in float32 or bfloat16 (the dtypes it is
+    tested in), without a sliding window or soft-capped scores (the masked path keeps those)."""
+    return q.device.type == "cpu" and window is None and softcap is None and q.dtype in (torch.float32, torch.bfloat16)
 
 
 def chunk_over_prefix(query: torch.Tensor, chunk_keys: torch.Tensor, chunk_values: torch.Tensor, prefix_len: int,
