@@ -58,9 +58,10 @@ def chunk_over_prefix(query: torch.Tensor, chunk_keys: torch.Tensor, chunk_value
 def _chunk_causal(heads_first: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, group: int,
                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunk's causal attention over its own keys: ([1, Hq, Q, D], lse [1, Hq, Q])."""
-    keys = keys.transpose(0, 1).repeat_interleave(group, 0).unsqueeze(0) if group > 1 else keys.transpose(0, 1)[None]
-    values = values.transpose(0, 1).repeat_interleave(group, 0).unsqueeze(0) if group > 1 else values.transpose(0, 1)[None]
-    return _flash(heads_first.unsqueeze(0), keys, values, is_causal=True, scale=scale)
+    def per_query_head(x: torch.Tensor) -> torch.Tensor:  # [Q, Hkv, D] -> [1, Hq, Q, D]
+        x = x.transpose(0, 1)
+        return (x.repeat_interleave(group, 0) if group > 1 else x).unsqueeze(0)
+    return _flash(heads_first.unsqueeze(0), per_query_head(keys), per_query_head(values), is_causal=True, scale=scale)
 
 
 def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
