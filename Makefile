@@ -9,6 +9,8 @@ STAMP := $(VENV)/.installed
 PROBLEM ?= Start with 44 and work modulo 100. Step 1: * 7. Step 2: + 9. Step 3: - 4. Step 4: + 5. What is the result?
 
 PORT ?= 8000
+# pytest-xdist processes for `make test` (0: one process); each takes its share of the cores (tests/conftest.py)
+TEST_WORKERS ?= 2
 CHAT_PORT ?= 4000
 
 .PHONY: run chat generate search test bench clean
@@ -58,7 +60,7 @@ search: $(STAMP)
 	$(BIN)/treeserve search "$(PROBLEM)"
 
 test: $(STAMP)
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/throughput.py

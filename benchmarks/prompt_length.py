@@ -9,7 +9,7 @@ treeserve is the faster). Prints time to first token, total time and treeserve's
 `summary.json` and `prompt_length.png`. vLLM's virtualenv comes from `benchmarks/peers.py --setup`.
 
     python benchmarks/prompt_length.py [--lengths 1024,4096,8192,16384,32768] [--outputs 1,128]
-        [--passes 3] [--engines treeserve,vllm] [--out bench_out/prompt_length]
+        [--passes 3] [--engines treeserve,vllm] [--out bench_out/prompt_length] [--resume]
     python benchmarks/prompt_length.py --merge RUN1/summary.json RUN2/summary.json --out DIR
 
 The same sweep over HTTP: `treeserve bench sweep benchmarks/sweep_long_prompts.yaml`.
@@ -53,9 +53,29 @@ def run_pass(number: int, engines: list[str], pythons: dict[str, str], model: Pa
     for name in order:
         result = run_worker(ENGINES[name], pythons[name], model, jobs, out, dtype, options=options)
         results[name] = result
-        times = ", ".join(f"{job['name']} {job['elapsed_s']:.1f} s" for job in result["jobs"])
+        times = ", ".join(f"{job['name']} {job['elapsed_s']:.1f} s (TTFT {job['requests'][0]['ttft_s']:.1f} s)"
+                          for job in result["jobs"])
         print(f"pass {number + 1}: {ENGINES[name].label}: {times}", flush=True)
     return results
+
+
+def run_passes(args, engines: list[str], pythons: dict[str, str], model: Path, jobs: list[dict], dtype: str,
+               options: list[str]) -> list[dict[str, dict]]:
+    """Every pass, each saved to `passes.json` as it ends; `--resume` starts after the saved ones
+    (a run cut short keeps what it measured)."""
+    saved = args.out / "passes.json"
+    shape = [[job["length"], job["output"]] for job in jobs]
+    passes = []
+    if args.resume and saved.exists():
+        record = json.loads(saved.read_text())
+        if record["jobs"] != shape or record["dtype"] != dtype:
+            raise SystemExit(f"{saved} holds passes of {record['jobs']} in {record['dtype']}, not {shape} in {dtype}")
+        passes = record["passes"]
+        print(f"resuming after {len(passes)} saved passes", flush=True)
+    for number in range(len(passes), args.passes):
+        passes.append(run_pass(number, engines, pythons, model, jobs, args.out, dtype, options))
+        saved.write_text(json.dumps({"jobs": shape, "dtype": dtype, "passes": passes}))
+    return passes
 
 
 def summarize(passes: list[dict[str, dict]], jobs: list[dict], engines: list[str]) -> list[dict]:
@@ -137,6 +157,8 @@ def main() -> int:
     parser.add_argument("--dtype", default="auto", help="auto: bfloat16 where the CPU has fast bf16, else float32")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench_out/prompt_length"))
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the passes saved in OUT/passes.json by an earlier run of the same sweep, run the rest")
     parser.add_argument("--merge", type=Path, nargs="+", metavar="SUMMARY",
                         help="run nothing: one table and plot from earlier runs' summary.json files")
     args = parser.parse_args()
@@ -164,7 +186,7 @@ def main() -> int:
           f"{' '.join(flags)}; prompts {lengths} x outputs {outputs}, {args.passes} passes", flush=True)
     jobs = jobs_for(lengths, outputs, args.seed, LONG_PROMPT_SHAPE["vocab_size"])
     options = worker_options(lengths, outputs)
-    passes = [run_pass(n, engines, pythons, model, jobs, args.out, dtype, options) for n in range(args.passes)]
+    passes = run_passes(args, engines, pythons, model, jobs, dtype, options)
     rows = summarize(passes, jobs, engines)
     print_table(rows, engines)
     rss = [p["treeserve"]["peak_rss_bytes"] for p in passes if "treeserve" in p]

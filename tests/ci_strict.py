@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 HARDWARE = "hardware:"  # the prefix of a skip reason CI allows: the machine lacks the device or unit
-TEST_PACKAGES = {"triton": "triton", "ray": "ray", "openai": "openai", "lm_eval": "lm_eval[hf]",
+TEST_PACKAGES = {"xdist": "pytest-xdist", "triton": "triton", "ray": "ray", "openai": "openai", "lm_eval": "lm_eval[hf]",
                  "tenacity": "tenacity", "jsonschema": "jsonschema", "schemathesis": "schemathesis",
                  "selenium": "selenium"}
 

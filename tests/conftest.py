@@ -1,8 +1,15 @@
 import contextlib
 import os
 
-import pytest
-import torch
+# `make test` runs the suite in two pytest-xdist workers: each worker, and every command it
+# starts, gets its share of the cores, set before torch is imported (two torch processes spinning on
+# every core each make small ops many times slower).
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+THREADS = max(1, CORES // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     # Triton kernels run on CPU tensors under Triton's interpreter, which is read when a kernel
@@ -19,7 +26,7 @@ from gateway_support import postgres, rabbitmq  # noqa: F401  (fixtures: a Postg
 # the CI=true rules (a missing component or a needless skip fails the run), as hooks of this conftest
 from ci_strict import pytest_make_collect_report, pytest_runtest_makereport, pytest_sessionstart  # noqa: F401
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+torch.set_num_threads(min(2, THREADS))
 
 
 @pytest.fixture(scope="session", autouse=True)

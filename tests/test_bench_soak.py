@@ -2,10 +2,12 @@
 import asyncio
 import json
 import random
+import types
 
 import httpx
 import pytest
 
+from treeserve.bench import soak_load
 from treeserve.bench.soak_load import LoadConfig, Problem, Requests, bad_cases, run_load, timed
 
 PROBLEMS = [Problem("Start with 3 and work modulo 100. Step 1: + 4. What is the result?",
@@ -117,19 +119,24 @@ def test_bad_cases_cover_the_brief():
 
 
 def test_loops_stop_by_themselves(monkeypatch):
-    calls = []
+    """The loops stop at the deadline by themselves; the clock moves only with the calls, so the
+    count does not depend on how fast this machine creates its HTTP clients."""
+    calls, clock = [], [0.0]
 
     async def fake_chat(self):
         calls.append(1)
-        await asyncio.sleep(0.01)
+        clock[0] += 0.05
+        await asyncio.sleep(0.001)
         return 200
 
     for kind in ("chat", "chat_stream", "chat_stream_cut", "completion", "search", "search_stream",
                  "search_stream_cut", "rewards", "bad_request"):
         monkeypatch.setattr(Requests, kind, fake_chat)
-    outcomes, finished = asyncio.run(run_load(LoadConfig("http://soak.test"), PROBLEMS, clients=3, seconds=0.2,
+    monkeypatch.setattr(soak_load, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    outcomes, finished = asyncio.run(run_load(LoadConfig("http://soak.test"), PROBLEMS, clients=3, seconds=1.0,
                                               clock_start=0.0))
-    assert finished and len(outcomes) == len(calls) > 3
+    # 20 calls fill the second; each of the 3 loops may start one more before it sees the deadline
+    assert finished and len(outcomes) == len(calls) and 20 <= len(calls) <= 23
     assert all(o.status == "200" and not o.problem for o in outcomes)
 
 
