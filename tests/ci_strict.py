@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 HARDWARE = "hardware:"  # the prefix of a skip reason CI allows: the machine lacks the device or unit
-TEST_PACKAGES = {"xdist": "pytest-xdist", "triton": "triton", "ray": "ray", "openai": "openai", "lm_eval": "lm_eval[hf]",
-                 "tenacity": "tenacity", "jsonschema": "jsonschema", "schemathesis": "schemathesis",
-                 "selenium": "selenium"}
+TEST_PACKAGES = {"xdist": "pytest-xdist", "triton": "triton", "ray": "ray", "openai": "openai",
+                 "lm_eval": "lm_eval[hf]", "tenacity": "tenacity", "jsonschema": "jsonschema",
+                 "schemathesis": "schemathesis", "selenium": "selenium"}
 
 
 def strict() -> bool:
