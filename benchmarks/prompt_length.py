@@ -158,7 +158,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench_out/prompt_length"))
     parser.add_argument("--resume", action="store_true",
-                        help="keep the passes saved in OUT/passes.json by an earlier run of the same sweep, run the rest")
+                        help="keep the passes an earlier run of the same sweep saved in OUT/passes.json; run the rest")
     parser.add_argument("--merge", type=Path, nargs="+", metavar="SUMMARY",
                         help="run nothing: one table and plot from earlier runs' summary.json files")
     args = parser.parse_args()
