@@ -28,6 +28,15 @@ from ci_strict import pytest_make_collect_report, pytest_runtest_makereport, pyt
 
 torch.set_num_threads(min(2, THREADS))
 
+# Files that take minutes on their own, started first so the other worker's short files fill the time
+# beside them rather than leaving one worker to finish them alone at the end (`--dist loadfile` hands
+# out files in collection order).
+LONG_FILES = ("test_gateway_schemathesis.py",)
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.path.name not in LONG_FILES)  # stable: the rest keep their order
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cache(tmp_path_factory):
