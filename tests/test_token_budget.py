@@ -34,6 +34,13 @@ def test_the_budget_shrinks_with_the_work_per_token_within_its_bounds(llama_dir)
     assert serving_token_budget(billion, CUDA) == token_budget.MAX_SERVING_BUDGET
 
 
+def test_a_lone_request_may_take_larger_steps_up_to_the_largest_budget():
+    assert token_budget.lone_request_budget(256) == 1024
+    assert token_budget.lone_request_budget(512) == token_budget.MAX_SERVING_BUDGET
+    assert token_budget.lone_request_budget(token_budget.MAX_SERVING_BUDGET) == token_budget.MAX_SERVING_BUDGET
+    assert token_budget.lone_request_budget(4096) == 4096  # never below the serving budget
+
+
 def test_serve_defaults_to_the_serving_budget_and_offline_keeps_its_own():
     parser = build_parser()
     assert parser.parse_args(["serve"]).max_num_batched_tokens is None
@@ -46,8 +53,19 @@ def test_an_engine_without_a_budget_schedules_with_the_serving_one(llama_dir, mo
     config = load_model_config(llama_dir)
     monkeypatch.setattr(token_budget, "SERVING_STEP_PARAM_TOKENS", 300 * token_budget.layer_params(config))
     llm = LLM(str(llama_dir), max_num_batched_tokens=None, dtype="float32", device="cpu")
-    assert llm.engine.max_num_batched_tokens == 256 == llm.engine.scheduler.max_num_batched_tokens
-    prompt = [1 + i % 50 for i in range(500)]
-    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
+    engine = llm.engine
+    assert engine.shared_num_batched_tokens == 256 == engine.scheduler.shared_num_batched_tokens
+    assert engine.max_num_batched_tokens == 1024 == engine.scheduler.max_num_batched_tokens
+    sizes, step = [], engine.step
+    monkeypatch.setattr(engine, "step", lambda: (step(), sizes.append(engine.last_step_num_tokens))[0])
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    out = llm.generate([{"prompt_token_ids": [1 + i % 50 for i in range(500)]}], params, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 2
-    assert llm.engine.num_steps == 3  # 500 prompt tokens in steps of 256 and 244, then one decode
+    assert sizes == [500, 1]  # alone: its whole prompt in one step, then one decode
+    sizes.clear()
+    two = [{"prompt_token_ids": [1 + (i * 7 + k) % 47 for i in range(500)]} for k in (1, 2)]
+    out = llm.generate(two, params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in out] == [2, 2]
+    # Two prompts of 500 share steps of the serving budget: the first's prompt ends in step 2 and its
+    # last token is step 3's decode; alone from step 4, the second takes what is left of its prompt.
+    assert sizes == [256, 256, 256, 233, 1]

@@ -20,7 +20,7 @@ from treeserve.engine.request import Request, RequestGroup
 from treeserve.engine.scheduler import Scheduler
 from treeserve.engine.step_builder import StepBuilder
 from treeserve.engine.structured_outputs import StructuredOutputs
-from treeserve.engine.token_budget import serving_token_budget
+from treeserve.engine.token_budget import lone_request_budget, serving_token_budget
 from treeserve.model.backends import make_backend, resolve_backend_name
 from treeserve.engine.tp_start import start_executor
 from treeserve.engine.tp_worker import ModelSpec
@@ -53,8 +53,11 @@ class LLMEngine:
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device, self.model_config.torch_dtype)
         self.max_model_len = self._max_model_len()
-        self.max_num_batched_tokens = config.max_num_batched_tokens or serving_token_budget(self.model_config,
-                                                                                             self.device)
+        # the most tokens one step holds, and the budget of a step with more than one request in it
+        self.shared_num_batched_tokens = config.max_num_batched_tokens or serving_token_budget(self.model_config,
+                                                                                                self.device)
+        self.max_num_batched_tokens = config.max_num_batched_tokens or lone_request_budget(
+            self.shared_num_batched_tokens)
         torch.manual_seed(config.seed)
         self.attention_backend = resolve_backend_name(config.attention_backend, self.device, self.dtype)
         self.executor, self._owns_executor, self.failed = executor, False, None
@@ -141,7 +144,8 @@ class LLMEngine:
                                  window=self.model_config.kv_window)
         self.retained.kv = self.kv
         self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.max_num_batched_tokens,
-                                   reclaim=reclaim or self._reclaim_one)
+                                   reclaim=reclaim or self._reclaim_one,
+                                   shared_num_batched_tokens=self.shared_num_batched_tokens)
         self.steps = StepBuilder(self.kv, self.structured.vocab_size)
         self.runner = ModelRunner(self.model, block_size, space.arena, self.dtype, self.device)
         self.runner.graphs = None if scratch else self._decode_graphs(block_size)  # a dry run decodes nothing
@@ -149,9 +153,10 @@ class LLMEngine:
             self.executor.add_model(self.model_key, ModelSpec(
                 str(self.model_dir), self.dtype, self.max_model_len, self.config.load_format, self.config.seed,
                 self.attention_backend, block_size, space.arena.num_pages, space.arena.page_bytes, space.arena.serial))
-        logger.info("engine ready: %s on %s (%s, %s attention%s), %d KV blocks of %d tokens, steps of up to %d tokens",
-                    self.model_dir.name, self.device, self.dtype, self.attention_backend,
-                    ", CUDA graphs" if self.runner.graphs else "", num_blocks, block_size, self.max_num_batched_tokens)
+        logger.info("engine ready: %s on %s (%s, %s attention%s), %d KV blocks of %d tokens, steps of up to %d tokens "
+                    "(%d for a lone request)", self.model_dir.name, self.device, self.dtype, self.attention_backend,
+                    ", CUDA graphs" if self.runner.graphs else "", num_blocks, block_size,
+                    self.shared_num_batched_tokens, self.max_num_batched_tokens)
 
     def _decode_graphs(self, block_size: int) -> DecodeGraphs | None:
         """Decode steps' CUDA graphs, captured now: with Triton attention on CUDA, unless enforce_eager."""

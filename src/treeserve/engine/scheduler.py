@@ -51,10 +51,15 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 reclaim: Callable[[], bool] | None = None):
+                 reclaim: Callable[[], bool] | None = None, shared_num_batched_tokens: int | None = None):
+        """`max_num_batched_tokens`: the most tokens a step holds, taken while one request is all the
+        work; `shared_num_batched_tokens` (default the same): the budget whenever there are more
+        (engine/token_budget.py)."""
         self.kv = kv_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.shared_num_batched_tokens = min(shared_num_batched_tokens or max_num_batched_tokens,
+                                             max_num_batched_tokens)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -74,13 +79,17 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        budget = self._schedule_running(out, self._step_budget())
         if not out.preempted:
             self._schedule_waiting(out, budget)
         if not self.waiting:
             self._forget_wanted()
         out.block_copies = self.kv.take_pending_copies()
         return out
+
+    def _step_budget(self) -> int:
+        lone = len(self.running) + len(self.waiting) == 1
+        return self.max_num_batched_tokens if lone else self.shared_num_batched_tokens
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         index = 0
