@@ -119,6 +119,28 @@ def test_each_rank_holds_about_half_of_the_weights(tp_models):
     assert all(0.4 < r / full < 0.6 for r in ranks)
 
 
+def test_a_worker_with_a_cold_kernel_cache_builds_before_the_first_step(tp_models, tmp_path, monkeypatch):
+    """Rank 0 has the CPU kernels loaded; the worker finds an empty cache and a compiler slower than
+    the collectives' timeout. Built inside its first step, it would keep rank 0 waiting in an
+    all-reduce until the engine failed; built while loading the model, the run is the one rank's."""
+    from treeserve.engine.tp_worker import COLLECTIVE_TIMEOUT_S
+    from treeserve.model import cpu_kernels
+
+    if cpu_kernels.load() is None:
+        pytest.skip("hardware: no C compiler, so no CPU kernels to build")
+    slow_cc = tmp_path / "slow-cc"
+    slow_cc.write_text(f'#!/bin/sh\ncase "$1" in --version) exec cc "$@";; esac\n'
+                       f'sleep {COLLECTIVE_TIMEOUT_S + 2:.0f}\nexec cc "$@"\n')
+    slow_cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(slow_cc))
+    monkeypatch.setenv("TREESERVE_CACHE", str(tmp_path / "cold-cache"))  # the worker's, not rank 0's (cached)
+    path = tp_models["llama3"]
+    ref = _generate(path)[0]
+    ours = _generate(path, **TP2)[0]
+    _assert_same(ours, ref)
+    assert list((tmp_path / "cold-cache" / "kernels").glob("*/libtreeserve_cpu.so")), "the worker built nothing"
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -23,7 +23,7 @@ from treeserve.engine.structured_outputs import StructuredOutputs
 from treeserve.engine.token_budget import lone_request_budget, serving_token_budget
 from treeserve.model.backends import make_backend, resolve_backend_name
 from treeserve.engine.tp_start import start_executor
-from treeserve.engine.tp_worker import ModelSpec
+from treeserve.engine.tp_worker import ModelSpec, prepare_kernels
 from treeserve.model.hf_config import load_model_config
 from treeserve.model.parallel import ShardPlan, TensorParallel
 from treeserve.model.loader import build_model, load_generation_defaults, load_tokenizer
@@ -150,6 +150,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, block_size, space.arena, self.dtype, self.device)
         self.runner.graphs = None if scratch else self._decode_graphs(block_size)  # a dry run decodes nothing
         if self.executor is not None:
+            prepare_kernels(self.device)  # rank 0 too, before the workers wait on it in a collective
             self.executor.add_model(self.model_key, ModelSpec(
                 str(self.model_dir), self.dtype, self.max_model_len, self.config.load_format, self.config.seed,
                 self.attention_backend, block_size, space.arena.num_pages, space.arena.page_bytes, space.arena.serial))

@@ -76,6 +76,7 @@ class Worker:
         self.group = init_distributed(self.rank, self.world_size, self.init_method, self.device.type)
 
     def add_model(self, key: str, spec: ModelSpec) -> str:
+        prepare_kernels(self.device)
         tp = TensorParallel(self.rank, self.world_size, self.group)
         self.runners[key] = build_runner(spec, tp, self.device, self.models, self.arenas)
         in_use = {id(runner.arena) for runner in self.runners.values()}
@@ -118,6 +119,16 @@ def worker_main(rank: int, world_size: int, init_method: str, device: str, threa
                 conn.send(("report", worker.report()))
     finally:
         worker.leave()
+
+
+def prepare_kernels(device: torch.device) -> None:
+    """Builds (or loads) treeserve's CPU kernels before any step: a rank that built them inside its
+    first step (a cold kernel cache; the compiler takes seconds) would keep the others waiting in a
+    collective past COLLECTIVE_TIMEOUT_S, and the engine would fail as if that rank had died."""
+    if device.type == "cpu":
+        from treeserve.model import cpu_kernels
+
+        cpu_kernels.load()
 
 
 def build_runner(spec: ModelSpec, tp: TensorParallel, device: torch.device, models: dict, arenas: dict):
