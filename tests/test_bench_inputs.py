@@ -123,11 +123,11 @@ def test_bench_config_from_dict_and_errors():
 
 def test_stream_parsing_across_split_reads_and_crlf_framing():
     import asyncio
-    import contextlib
 
-    import httpx
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
 
-    from treeserve.bench.client import Clock, Endpoint, RequestRecord, send_request
+    from treeserve.bench.client import ClientPool, Clock, Endpoint, RequestRecord, send_request
     from treeserve.bench.datasets import SampleRequest
 
     pieces = [b'data: {"choices": [{"text": "a", "finish_reason": null}]}\r', b'\n\r\ndata: {"choices": [{"te',
@@ -135,22 +135,27 @@ def test_stream_parsing_across_split_reads_and_crlf_framing():
               b'"finish_reason": "length"}]}\r\n\r\ndata: {"choices": [], "usage": {"prompt_tokens": 3, '
               b'"completion_tokens": 4}}\r\n\r\ndata: [DONE]\r\n\r\n']
 
-    async def body():
+    async def stream(request):  # a real server writing the events in the pieces above, a pause between
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
         for piece in pieces:
-            yield piece
+            await response.write(piece)
+            await asyncio.sleep(0.02)
+        return response
 
-    class OnePool:
-        @contextlib.asynccontextmanager
-        async def client(self):
-            transport = httpx.MockTransport(lambda request: httpx.Response(200, content=body()))
-            async with httpx.AsyncClient(transport=transport) as client:
-                yield client
+    async def run(record, endpoint):
+        app = web.Application()
+        app.router.add_post("/v1/completions", stream)
+        async with TestServer(app) as server, ClientPool() as pool:
+            endpoint.base_url = str(server.make_url(""))
+            await send_request(pool, endpoint, SampleRequest([11, 12, 13], 3, 4), record, Clock())
 
     record = RequestRecord(index=0, level=0, warmup=False, start=0.0)
     endpoint = Endpoint("http://server", "m")
-    asyncio.run(send_request(OnePool(), endpoint, SampleRequest([11, 12, 13], 3, 4), record, Clock()))
+    asyncio.run(run(record, endpoint))
     assert record.success and record.error == ""
     assert len(record.chunk_times) == 2  # "a" and "b"; the empty-text chunk and the comment carry no text
+    assert record.chunk_times[1] - record.chunk_times[0] >= 0.02  # each timed when its piece arrived
     assert (record.prompt_tokens, record.output_tokens, record.finish_reason) == (3, 4, "length")
     assert not record.output_tokens_counted
     payload = endpoint.payload(SampleRequest([11, 12, 13], 3, 4))

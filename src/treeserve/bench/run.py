@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
+import aiohttp
 
 from treeserve.bench import metrics
 from treeserve.bench.client import ClientPool, Clock, Endpoint, RequestRecord, first_model
@@ -147,44 +147,45 @@ async def _run_levels(config: BenchConfig, endpoint: Endpoint, clock: Clock) -> 
     records: list[RequestRecord] = []
     levels: list[dict] = []
     axis = sweep_axis(config.levels)
-    async with ClientPool() as pool, httpx.AsyncClient(timeout=30.0) as scraper:
+    async with ClientPool() as pool:
         if config.warmup:
             first = config.levels[0]
             warm = sample_requests(config.dataset_spec(first), config.warmup, 0)
             records += await run_level(pool, endpoint, warm, dataclasses.replace(first, request_rate=math.inf), -1,
                                        clock, seed=config.seed, warmup=True)
         for i in range(len(config.levels)):
-            done, summary = await _measure_level(config, pool, scraper, endpoint, clock, i, len(records))
+            done, summary = await _measure_level(config, pool, endpoint, clock, i, len(records))
             records += done
             levels.append(summary)
             print(f"[bench] level {i + 1}/{len(config.levels)} {render_level_line(summary, axis)}", file=sys.stderr)
     return records, levels
 
 
-async def _measure_level(config: BenchConfig, pool: ClientPool, scraper: httpx.AsyncClient, endpoint: Endpoint,
+async def _measure_level(config: BenchConfig, pool: ClientPool, endpoint: Endpoint,
                          clock: Clock, i: int, first_index: int) -> tuple[list[RequestRecord], dict]:
     """One level, with the server's counters scraped around it and the client's lag probed during it."""
     level = config.levels[i]
     samples = sample_requests(config.dataset_spec(level), config.num_requests, first_index)
-    before = await scrape_async(scraper, config)
+    before = await scrape_async(pool.session, config)
     probe = LoopLagProbe().start()
     done = await run_level(pool, endpoint, samples, level, i, clock, first_index=first_index,
                            duration=config.duration, seed=config.seed + i)
     client_overhead = await probe.stop()
-    after = await scrape_async(scraper, config)
+    after = await scrape_async(pool.session, config)
     summary = metrics.summarize(done, config.slos, metrics.server_deltas(before, after) if after else None)
     return done, {"level": i, **level.label(), **summary, "client": client_overhead,
                   "start": min((r.start for r in done), default=None),
                   "end": max((r.end for r in done if r.end is not None), default=None)}
 
 
-async def scrape_async(client: httpx.AsyncClient, config: BenchConfig) -> dict[str, float]:
+async def scrape_async(session: aiohttp.ClientSession, config: BenchConfig) -> dict[str, float]:
     """The server's metrics now, or {} when it has none."""
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     try:
-        response = await client.get(f"{config.base_url.rstrip('/')}/metrics", headers=headers)
-        return parse_prometheus(response.text) if response.status_code == 200 else {}
-    except (httpx.HTTPError, ValueError):
+        async with session.get(f"{config.base_url.rstrip('/')}/metrics", headers=headers,
+                               timeout=aiohttp.ClientTimeout(total=30.0)) as response:
+            return parse_prometheus(await response.text()) if response.status == 200 else {}
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
         return {}
 
 

@@ -115,11 +115,13 @@ class TelemetryRecorder:
         self.host = HostProbe(server_pid)
         self.rows: list[dict[str, float]] = []
         self.failed_scrapes = 0
-        self._stop = threading.Event()
+        self._stop, self._first_row = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._run, name="bench-telemetry", daemon=True)
 
     def start(self) -> "TelemetryRecorder":
+        """Starts the scraping thread; returns once its first row (the baseline before any load) is in."""
         self._thread.start()
+        self._first_row.wait(timeout=max(5.0, 10 * self.interval))
         return self
 
     def stop(self) -> None:
@@ -131,6 +133,7 @@ class TelemetryRecorder:
             next_at = self.clock.now()
             while not self._stop.is_set():
                 self.record_once(client)
+                self._first_row.set()
                 next_at += self.interval
                 self._stop.wait(max(0.0, next_at - self.clock.now()))
             self.record_once(client)  # a last row after the load is done
