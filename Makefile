@@ -11,6 +11,9 @@ PROBLEM ?= Start with 44 and work modulo 100. Step 1: * 7. Step 2: + 9. Step 3: 
 PORT ?= 8000
 # pytest-xdist processes for `make test` (0: one process); each takes its share of the cores (tests/conftest.py)
 TEST_WORKERS ?= 2
+# only xdist of the installed pytest plugins: schemathesis, hypothesis and anyio register plugins that
+# no test uses, and pytest would rewrite the asserts of ~260 of their modules in every worker (7 s each)
+TEST_PLUGINS ?= --disable-plugin-autoload -p xdist.plugin
 CHAT_PORT ?= 4000
 
 .PHONY: run chat generate search test bench clean
@@ -60,7 +63,7 @@ search: $(STAMP)
 	$(BIN)/treeserve search "$(PROBLEM)"
 
 test: $(STAMP)
-	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(TEST_PLUGINS)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/throughput.py

@@ -28,14 +28,21 @@ from ci_strict import pytest_make_collect_report, pytest_runtest_makereport, pyt
 
 torch.set_num_threads(min(2, THREADS))
 
-# Files that take minutes on their own, started first so the other worker's short files fill the time
-# beside them rather than leaving one worker to finish them alone at the end (`--dist loadfile` hands
-# out files in collection order).
-LONG_FILES = ("test_gateway_schemathesis.py",)
+# The heaviest files, heaviest first (seconds of a `make test` run on 2 cores, session 54), handed out
+# before the rest so that the last files to run are short ones and both workers finish together
+# (`make test` passes --no-loadscope-reorder: xdist would otherwise order files by their number of
+# tests, and a one-test file of two minutes would start last).
+HEAVY_FILES = ("test_lifecycle.py", "test_bundled_models.py", "test_gateway_schemathesis.py",  # 120-160 s
+               "test_train_script.py", "test_triton_parity.py", "test_tensor_parallel.py", "test_lm_eval.py",
+               "test_gateway.py", "test_rolling_restart.py", "test_server_tool_calls.py", "test_chat_api.py",
+               "test_drain.py", "test_chat_browser.py", "test_triton_kernels.py", "test_guidellm.py",  # 35-50 s
+               "test_tensor_parallel_ray.py", "test_schemathesis.py", "test_server_structured_outputs.py",
+               "test_gateway_failover.py", "test_gateway_broker.py", "test_tensor_parallel_faults.py")
 
 
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: item.path.name not in LONG_FILES)  # stable: the rest keep their order
+    rank = {name: i for i, name in enumerate(HEAVY_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
 
 
 @pytest.fixture(scope="session", autouse=True)

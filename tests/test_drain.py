@@ -137,6 +137,15 @@ def _mock_stream(url: str, headers: dict, tokens: int) -> Stream:
                                                 "max_tokens": tokens, "stream": True}, headers)
 
 
+def _searches_in(url: str) -> bool:
+    """The server holds a search problem (queued, under way or finished), by its own metrics."""
+    from treeserve.bench.telemetry import parse_prometheus
+
+    metrics = parse_prometheus(httpx.get(url + "/metrics", timeout=5).text)
+    names = ("search_problems_running", "search_problems_waiting", "search_problems_finished")
+    return sum(v for k, v in metrics.items() if k.startswith(tuple(f"treeserve:{n}" for n in names))) >= 1
+
+
 def test_serve_finishes_a_stream_and_a_search_then_exits(pair_server):
     url, proc, log = pair_server
     stream = _long_stream(url)
@@ -145,7 +154,7 @@ def test_serve_finishes_a_stream_and_a_search_then_exits(pair_server):
     stream.start()
     assert stream.first.wait(60) and stream.error is None, stream.error
     search.start()
-    time.sleep(0.3)  # the search is in (its problem queued or under way)
+    assert wait_for(lambda: _searches_in(url), timeout=60, interval=0.05), "the search never reached the server"
     proc.send_signal(signal.SIGTERM)
     _probe_draining(url, "/v1/completions", {"model": "gen", "prompt": "late", "max_tokens": 4})
     probed = time.monotonic()

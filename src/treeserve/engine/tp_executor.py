@@ -12,14 +12,14 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import socket
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from treeserve.engine.tp_worker import COLLECTIVE_TIMEOUT_S, START_TIMEOUT_S, ModelSpec, init_distributed, worker_main
+from treeserve.engine.tp_worker import (COLLECTIVE_TIMEOUT_S, START_TIMEOUT_S, ModelSpec, init_distributed,
+                                       rendezvous_store, worker_main)
 from treeserve.errors import ParamError
 from treeserve.model.parallel import TensorParallel
 
@@ -42,7 +42,7 @@ class TPExecutor:
         self.world_size, self.device = world_size, device
         self.threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
         torch.set_num_threads(self.threads)
-        init_method = f"tcp://127.0.0.1:{free_port()}"
+        store, init_method = rendezvous_store("127.0.0.1", world_size)
         context = mp.get_context("spawn")
         self.procs, self.pipes = [], []
         for rank in range(1, world_size):
@@ -56,7 +56,7 @@ class TPExecutor:
         self.closed = False
         atexit.register(self.shutdown)
         try:
-            self.group = init_distributed(0, world_size, init_method, device.type)
+            self.group = init_distributed(0, world_size, init_method, device.type, store)
         except Exception as exc:
             self.shutdown()
             raise self._died_error() or RuntimeError(f"tensor-parallel workers did not start: {exc}") from exc
@@ -158,9 +158,3 @@ def _process_state(pid: int) -> str:
             return stat.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return ""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]

@@ -15,8 +15,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from treeserve.engine.tp_executor import WorkerDiedError, free_port
-from treeserve.engine.tp_worker import START_TIMEOUT_S, ModelSpec, Worker, init_distributed
+from treeserve.engine.tp_executor import WorkerDiedError
+from treeserve.engine.tp_worker import START_TIMEOUT_S, ModelSpec, Worker, init_distributed, rendezvous_store
 from treeserve.errors import ParamError
 from treeserve.model.parallel import TensorParallel
 
@@ -60,7 +60,7 @@ class RayTPExecutor:
     def _start(self, placement_group, PlacementGroupSchedulingStrategy) -> None:
         ray, world_size, device = self.ray, self.world_size, self.device
         host = ray.util.get_node_ip_address()
-        init_method = f"tcp://{host}:{free_port(host)}"
+        store, init_method = rendezvous_store(host, world_size)
         resources = {"GPU": 1, "CPU": 1} if device.type == "cuda" else {"CPU": 1}
         self.group_placement = placement_group([resources] * (world_size - 1), strategy="PACK")
         ray.get(self.group_placement.ready(), timeout=START_TIMEOUT_S)
@@ -72,7 +72,7 @@ class RayTPExecutor:
                        for i, rank in enumerate(range(1, world_size))]
         joined = [a.join.remote() for a in self.actors]
         self._pending = [[] for _ in self.actors]
-        self.group = init_distributed(0, world_size, init_method, device.type)
+        self.group = init_distributed(0, world_size, init_method, device.type, store)
         ray.get(joined, timeout=START_TIMEOUT_S)
 
     @property

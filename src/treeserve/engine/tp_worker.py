@@ -15,6 +15,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
@@ -45,11 +46,27 @@ class ModelSpec:
 START_TIMEOUT_S = 120.0  # every rank importing torch and joining the group
 
 
-def init_distributed(rank: int, world_size: int, init_method: str, device_type: str):
-    """Joins the default group (a generous timeout: ranks start at different speeds), then the
-    group the model's collectives use, which gives up on a silent peer after COLLECTIVE_TIMEOUT_S."""
+def rendezvous_store(host: str, world_size: int) -> tuple[dist.TCPStore, str]:
+    """Rank 0's rendezvous store, listening before any other rank starts; returns it and the address
+    the other ranks join by. Port 0: the kernel picks a free port as the store binds it (a port picked
+    first and bound later can be taken in between by any outgoing connection: seen in CI as
+    EADDRINUSE while Ray started its actors)."""
+    store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timedelta(seconds=START_TIMEOUT_S),
+                          wait_for_workers=False)
+    return store, f"tcp://{f'[{host}]' if ':' in host else host}:{store.port}"
+
+
+def init_distributed(rank: int, world_size: int, init_method: str, device_type: str,
+                     store: dist.Store | None = None):
+    """Joins the default group through rank 0's store (`store` on rank 0; the others connect to
+    `init_method`) with a generous timeout, as ranks start at different speeds; then the group the
+    model's collectives use, which gives up on a silent peer after COLLECTIVE_TIMEOUT_S."""
     backend = "nccl" if device_type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+    if store is None:
+        address = urlsplit(init_method)
+        store = dist.TCPStore(address.hostname, address.port, world_size, is_master=False,
+                              timeout=timedelta(seconds=START_TIMEOUT_S))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=START_TIMEOUT_S))
     return dist.new_group(timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
 
