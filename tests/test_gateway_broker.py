@@ -50,7 +50,9 @@ def test_two_workers_one_killed_mid_run(llama_dir, tmp_path, rabbitmq):
             log = procs[0].stderr.read().decode()
             assert "draining the requests in hand" in log, log[-2000:]
             redelivered = log.count(" redelivered: ")
-            assert redelivered > 0, "the survivor was given none of the killed worker's requests"
+            killed_log = procs[1].stderr.read().decode()  # (it was killed: its pipe is at its end)
+            assert redelivered > 0, ("the survivor was given none of the killed worker's requests; the killed "
+                                     f"worker's log: {killed_log[-1500:]}\nthe survivor's: {log[-1500:]}")
             print(json.dumps({"streams_cut": sum(bool(r["stream"] and r["error"]) for r in finished),
                               "redelivered": redelivered}))
 
