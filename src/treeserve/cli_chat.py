@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from treeserve.cli_help import DefaultsHelpFormatter
 from treeserve.lifecycle import child_env
 
 GENERATOR, VERIFIER, ROUTER = "arith-gen", "arith-prm", "arith-router"
@@ -27,12 +28,15 @@ EXAMPLES = [
 
 
 def add_chat_parser(sub) -> None:
-    chat = sub.add_parser("chat", help="the web chat on the bundled models: a server, the gateway and a first user")
+    chat = sub.add_parser("chat", help="the web chat on the bundled models: a server, the gateway and a first user",
+                          formatter_class=DefaultsHelpFormatter)
     chat.add_argument("--host", default="127.0.0.1", help="the chat page's address")
-    chat.add_argument("--port", type=int, default=4000)
-    chat.add_argument("--serve-port", type=int, default=8001, help="the model server's port (on 127.0.0.1)")
+    chat.add_argument("--port", type=int, default=4000, help="the chat page's (the gateway's) port")
+    chat.add_argument("--serve-port", type=int, help="the model server's port on 127.0.0.1 (default: a free one)")
     chat.add_argument("--database", help="the gateway's database URL (default: ./treeserve-gateway.db)")
     chat.add_argument("--user", default="demo", help="the first user's name (its password is printed)")
+    chat.add_argument("--master-key", help="the admin API's key (/key/generate, /user/new, /spend/logs ...); default "
+                      "TREESERVE_MASTER_KEY, else a new one printed at each start")
     chat.add_argument("--chat-tool", action="append", default=[], metavar="NAME=URL",
                       help="an HTTP tool for tools mode: weather=URL or wikipedia=URL")
     chat.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -57,10 +61,19 @@ def first_user(store, user_id: str) -> str:
 
 def cmd_chat(args) -> int:
     from treeserve.model.registry import CHAT_MODELS, CHAT_TOOL_PARSER
+    from treeserve.ports import PortInUseError, ensure_port_free, free_port
 
-    url = f"http://127.0.0.1:{args.serve_port}"
+    try:
+        ensure_port_free(args.host, args.port, "--port")
+        serve_port = args.serve_port or free_port()
+        if args.serve_port:
+            ensure_port_free("127.0.0.1", serve_port, "--serve-port")
+    except PortInUseError as error:
+        print(f"treeserve chat: {error}", file=sys.stderr)
+        return 2
+    url = f"http://127.0.0.1:{serve_port}"
     models = [f"--model={name}={path}" for name, path in CHAT_MODELS.items()]
-    server = subprocess.Popen([sys.executable, "-m", "treeserve.cli", "serve", "--port", str(args.serve_port), *models,
+    server = subprocess.Popen([sys.executable, "-m", "treeserve.cli", "serve", "--port", str(serve_port), *models,
                                "--tool-call-parser", CHAT_TOOL_PARSER, "--shutdown-timeout", str(args.shutdown_timeout)],
                               env=child_env())
     app = None
@@ -74,24 +87,39 @@ def cmd_chat(args) -> int:
         from treeserve.gateway.store import Store
 
         print(f"starting the model server ({', '.join(CHAT_MODELS)}) at {url} ...", file=sys.stderr, flush=True)
-        wait_healthy(url, server, timeout=900)
+        try:
+            wait_healthy(url, server, timeout=900, models=CHAT_MODELS)
+        except RuntimeError as error:  # its own error is in its log above
+            print(f"treeserve chat: the model server did not start: {error}", file=sys.stderr)
+            return 1
         store = Store(args.database or default_url())
         store.migrate()
         password = first_user(store, args.user)
         store.close()
+        given = args.master_key or os.environ.get("TREESERVE_MASTER_KEY")
+        master_key = given or "sk-admin-" + secrets.token_urlsafe(24)
         tools = dict(value.partition("=")[::2] for value in args.chat_tool)
         config = build_config([f"{name}={url}" for name in CHAT_MODELS], None, database=args.database,
-                              master_key=os.environ.get("TREESERVE_MASTER_KEY"),
+                              master_key=master_key,
                               chat={"enabled": True, "verifiers": {GENERATOR: VERIFIER}, "router_model": ROUTER,
                                     "tools": tools, "examples": {GENERATOR: EXAMPLES}},
                               shutdown_timeout=args.shutdown_timeout)
-        where = args.database or str(Path.cwd() / "treeserve-gateway.db")
-        print(f"\n  treeserve chat: http://{args.host}:{args.port}/chat\n  user: {args.user}\n  password: {password}\n"
-              f"  (history kept in {where}; a new password is made at each start)\n", flush=True)
+        print(_banner(args, password, master_key, shown=not given), flush=True)
         app = build_app(config)
         return run_gateway(app, args.host, args.port)
     finally:
         _stop_server(server, args.shutdown_timeout, now=app is not None and app.state.drain.forced)
+
+
+def _banner(args, password: str, master_key: str, shown: bool) -> str:
+    """What a first user needs: the page, the sign-in, and the admin API's key (printed only when it
+    was made here: one given by flag or environment is the caller's already)."""
+    where = args.database or str(Path.cwd() / "treeserve-gateway.db")
+    admin = (f"  admin key: {master_key}  (the admin API at http://{args.host}:{args.port}: /key/generate, "
+             "/user/new, /spend/logs; new at each start unless --master-key or TREESERVE_MASTER_KEY)\n"
+             if shown else "  admin key: the one given (--master-key or TREESERVE_MASTER_KEY)\n")
+    return (f"\n  treeserve chat: http://{args.host}:{args.port}/chat\n  user: {args.user}\n  password: {password}\n"
+            f"{admin}  (history kept in {where}; a new password is made at each start)\n")
 
 
 def _stop_server(server: subprocess.Popen, timeout: float, now: bool) -> None:

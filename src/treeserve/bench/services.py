@@ -15,11 +15,7 @@ import time
 import uuid
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from treeserve.ports import free_port
 
 
 def postgres_bin() -> Path | None:

@@ -1,0 +1,86 @@
+"""`treeserve chat` and its model server's port: a taken port is an error naming it and its flag,
+before anything starts; with no --serve-port a free port is taken; and the chat waits for its own
+server (the models it serves), never for whatever else answers /health on that port."""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from treeserve.bench.health import wait_healthy
+
+CHAT = [sys.executable, "-m", "treeserve.cli", "chat"]
+
+
+class OtherServer(BaseHTTPRequestHandler):
+    """Another OpenAI-compatible server: healthy, serving other models."""
+
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        body = {"/health": {}, "/v1/models": {"data": [{"id": "arith-gen"}, {"id": "arith-prm"}]}}.get(self.path)
+        self.send_response(200 if body is not None else 404)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(json.dumps(body or {}).encode())
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def other_server():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), OtherServer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server.server_address[1]
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize("flag", ["--serve-port", "--port"])
+def test_a_taken_port_is_an_error_naming_it_and_its_flag(other_server, flag, tmp_path):
+    started = time.monotonic()
+    done = subprocess.run([*CHAT, flag, str(other_server), "--database", f"sqlite:///{tmp_path / 'chat.db'}"],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert f"127.0.0.1:{other_server} is already in use" in done.stderr and flag in done.stderr, done.stderr
+    assert "password" not in done.stdout  # nothing printed as if it had started
+    assert time.monotonic() - started < 30  # refused before any model server was started
+
+
+def test_waiting_for_the_server_started_not_another_on_its_port(other_server):
+    url = f"http://127.0.0.1:{other_server}"
+    wait_healthy(url, None, timeout=5, models=["arith-gen"])  # the models it serves: it is the one
+    with pytest.raises(TimeoutError, match="arith-router in /v1/models"):
+        wait_healthy(url, None, timeout=1, models=["arith-gen", "arith-router"])
+
+
+def test_waiting_ends_when_the_started_server_exits(other_server):
+    dead = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    dead.wait()
+    with pytest.raises(RuntimeError, match="exited with code 3"):
+        wait_healthy(f"http://127.0.0.1:{other_server}", dead, timeout=5, models=["arith-router"])
+
+
+def test_help_shows_the_defaults():
+    done = subprocess.run([*CHAT, "--help"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0
+    text = " ".join(done.stdout.split())
+    assert "(default: 4000)" in text and "default: a free one" in text and "(default: demo)" in text
+
+
+def test_the_port_check_counts_a_listener_not_closed_connections():
+    from treeserve.ports import PortInUseError, ensure_port_free, free_port
+
+    port = free_port()
+    ensure_port_free("127.0.0.1", port, "--port")
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", port))
+        listener.listen()
+        with pytest.raises(PortInUseError, match=f"127.0.0.1:{port} is already in use.*--port"):
+            ensure_port_free("127.0.0.1", port, "--port")
