@@ -10,6 +10,7 @@ from treeserve.cli import main
 from treeserve.search.config import SearchConfig, declared_aggregation
 from treeserve.search.grading import grade
 from treeserve.search.runner import SearchRunner
+from treeserve.search.tree import REJECT_THRESHOLD
 from treeserve.tasks.arithmetic import GRID_OPERATORS, corrupted_steps, generate, grid_problems, split_of
 from treeserve.tasks.slips import KINDS, plant
 
@@ -91,3 +92,17 @@ def test_search_solves_the_readme_problem(capsys):
     printed = capsys.readouterr().out
     assert "\\boxed{18}" in printed and "--- answer: 18" in printed
     assert seconds < 60  # the README's target is 10 s on 2 idle cores; this only guards against a collapse
+
+
+def test_a_question_off_the_task_is_flagged_as_rejected_by_the_verifier(runtime, capsys):
+    """The README's old `search "What is 12 * 13?"`: the generator writes task-shaped noise and the
+    verifier believes none of it; the result says so (and `treeserve search` warns), where the task's
+    own problem is not flagged."""
+    aggregation = declared_aggregation(runtime.engine("prm").model_dir)
+    runner = SearchRunner(runtime.engine("gen"), runtime.scorer("prm"))
+    config = SearchConfig(strategy="beam", n=4, beam_width=4, max_tokens=256, seed=0, agg_strategy=aggregation)
+    foreign, own = runner.run(["What is 12 * 13?", README_PROBLEM], config)
+    assert foreign.verifier_rejected_all and max(foreign.agg_scores) < REJECT_THRESHOLD, foreign.agg_scores
+    assert not own.verifier_rejected_all and own.pred == "18", (own.pred, own.agg_scores)
+    assert main(["search", "--n", "4", "--dtype", "float32", "What is 12 * 13?"]) == 0
+    assert "the verifier rejected every candidate" in capsys.readouterr().err

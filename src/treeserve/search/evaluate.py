@@ -50,9 +50,11 @@ def evaluate(rows: list[dict], config: SearchConfig, run: Runner, out_dir: Path)
         bar.update(1)
 
     start = time.perf_counter()
-    run([r["problem"] for r in rows], config, on_result)
+    try:
+        run([r["problem"] for r in rows], config, on_result)
+    finally:  # the bar ends its line, so an error is printed on a line of its own
+        bar.close()
     seconds = time.perf_counter() - start
-    bar.close()
     path = out_dir / f"{config.strategy}_n{config.n}.jsonl"
     with path.open("w") as f:
         for record in records:

@@ -12,6 +12,10 @@ from dataclasses import dataclass, field
 from treeserve.errors import ParamError
 from treeserve.search.config import STEP_DELIMITER
 
+# A verifier's scores are probabilities that a step (or a solution) is right: a best candidate under
+# one half is one it judged more likely wrong than right.
+REJECT_THRESHOLD = 0.5
+
 
 @dataclass
 class Step:
@@ -76,6 +80,14 @@ class SearchResult:
     answers: list[str | None] = field(default_factory=list)
     pred: str | None = None
     seconds: float = 0.0
+
+    @property
+    def verifier_rejected_all(self) -> bool:
+        """The verifier scored candidates and judged even the best one more likely wrong than right
+        (its aggregated score under REJECT_THRESHOLD): the answer is a guess. False where nothing was
+        scored (greedy, majority)."""
+        scored = [agg for agg, steps in zip(self.agg_scores, self.scores) if steps]
+        return bool(scored) and max(scored) < REJECT_THRESHOLD
 
 
 def split_steps(text: str) -> list[str]:

@@ -103,7 +103,8 @@ async def search(context: Context, answer: Answer) -> AsyncIterator[dict]:
                 answer.content = event.get("completion") or ""
                 answer.add_usage(event.get("usage"))
                 answer.details = {"search": {k: event.get(k) for k in (
-                    "verifier", "strategy", "n", "answer", "score", "chosen", "candidates", "tree_size", "seconds")}}
+                    "verifier", "strategy", "n", "answer", "score", "verifier_rejected_all", "chosen", "candidates",
+                    "tree_size", "seconds")}}
                 yield {"type": "result", "content": answer.content, "details": answer.details}
 
 

@@ -268,6 +268,10 @@ function renderSearch(search) {
   box.append(el("div", { class: "search-summary", "data-testid": "search-summary",
     text: `answer ${search.answer ?? "?"} · score ${fmt(search.score)} · ${search.strategy}, n=${search.n} · ` +
       `tree size ${search.tree_size} steps · verifier ${search.verifier}` }));
+  if (search.verifier_rejected_all) {
+    box.append(el("div", { class: "flag", "data-testid": "search-rejected",
+      text: "the verifier rejected every candidate: this answer is a guess" }));
+  }
   const list = el("ol", { class: "candidates" });
   for (const candidate of search.candidates || []) {
     const item = el("li", { "data-testid": "search-candidate",
