@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import json
+import logging
 
 import httpx
 import openai
@@ -14,6 +15,7 @@ from sqlalchemy import create_engine, text
 
 from conftest import API_KEY, running_server
 from gateway_support import wait_for
+from treeserve.gateway import pricing
 from treeserve.gateway.app import build_app
 from treeserve.gateway.config import BackendConfig, GatewayConfig, ModelConfig
 
@@ -29,9 +31,10 @@ def database(request, tmp_path):
     return request.getfixturevalue("postgres").new_database()
 
 
-def _config(database: str, urls: list[str], **options) -> GatewayConfig:
+def _config(database: str, urls: list[str], prices: tuple[float, float] = (IN_PRICE, OUT_PRICE),
+            **options) -> GatewayConfig:
     backends = [BackendConfig(url, api_key=API_KEY) for url in urls]
-    models = {"tiny": ModelConfig("tiny", backends, input_cost_per_token=IN_PRICE, output_cost_per_token=OUT_PRICE,
+    models = {"tiny": ModelConfig("tiny", backends, input_cost_per_token=prices[0], output_cost_per_token=prices[1],
                                   max_tokens=64),
               "other": ModelConfig("other", [BackendConfig(urls[0], api_key=API_KEY, model="tiny")])}
     return GatewayConfig(models=models, master_key=MASTER, database=database, **({"health_interval": 0.2} | options))
@@ -203,6 +206,83 @@ def test_a_budget_holds_under_a_burst(server, database, gateways):
                        and abs(r["reserved"]) < 1e-9 and r)
         assert row["spend"] == pytest.approx(sum(8 * OUT_PRICE + r.usage.prompt_tokens * IN_PRICE for r in served))
         assert row["spend"] <= 5 * 8 * OUT_PRICE + worst
+
+
+# The prompt dearer than the answer: a short message's worst case (its UTF-8 bytes plus 16 template
+# tokens) is several times what its few real prompt tokens cost, as a large max_tokens would be.
+PROMPT_PRICES = (1e-3, 1e-4)
+
+
+def _cost_of(usage, prices=PROMPT_PRICES) -> float:
+    return usage.prompt_tokens * prices[0] + usage.completion_tokens * prices[1]
+
+
+def test_a_key_used_back_to_back_is_refused_only_when_its_budget_is_spent(server, database):
+    """A client that sends each request as the last one is answered: every request its budget pays
+    for passes (its last answer's hold is cut to the real cost at once, not at the settlement's
+    batch), the next is refused; 8 costs summed in floating point must not let a 9th in."""
+    with gateway(database, [server.url], prices=PROMPT_PRICES) as (url, app):
+        probe = _chat(_client(url, _new_key(url)))  # what each identical request costs
+        cost = _cost_of(probe.usage)
+        worst = pricing.worst_cost({"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8},
+                                   app.state.config.models["tiny"])
+        assert worst > 4 * cost, (worst, cost)  # held as its worst case, the first answer would block the third
+        client = _client(url, _new_key(url, max_budget=8 * cost))
+        for i in range(8):
+            try:
+                answer = _chat(client)
+            except openai.BadRequestError as exc:
+                pytest.fail(f"request {i + 1} of the 8 the budget pays for was refused: {exc.body['message']}")
+            assert answer.usage.model_dump() == probe.usage.model_dump()
+        with pytest.raises(openai.BadRequestError) as refused:
+            _chat(client)
+        assert refused.value.body["code"] == "budget_exceeded"
+        info = _admin(url, "GET", "/key/info", params={"key": client.api_key}).json()["info"]
+        assert info["spend"] == pytest.approx(8 * cost) and info["reserved"] == pytest.approx(0, abs=1e-12)
+
+
+def test_a_hold_is_cut_to_the_real_cost_when_the_answer_ends(server, database):
+    """Right after an answer (whole or streamed) returns, its key and user hold its real cost (or
+    nothing, once settled), never its worst case; the settlement moves exactly that to spend."""
+    with gateway(database, [server.url], prices=PROMPT_PRICES) as (url, app):
+        key = _new_key(url, max_budget=10.0, user_id="held")
+        client, store = _client(url, key), app.state.store
+        answer = _chat(client)
+        held = [store.key_info(key)["reserved"], store.user_info("held")["user_info"]["reserved"]]
+        cost = _cost_of(answer.usage)
+        assert all(h == pytest.approx(cost) or h == pytest.approx(0, abs=1e-12) for h in held), (held, cost)
+        store.flush()
+        chunks = list(_chat(client, stream=True, stream_options={"include_usage": True}))
+        streamed = _cost_of(chunks[-1].usage)
+        reserved = store.key_info(key)["reserved"]
+        assert reserved == pytest.approx(streamed) or reserved == pytest.approx(0, abs=1e-12), (reserved, streamed)
+        info = _admin(url, "GET", "/key/info", params={"key": key}).json()["info"]  # (settlements flushed)
+        assert info["reserved"] == pytest.approx(0, abs=1e-12) and info["spend"] == pytest.approx(cost + streamed)
+        user = _admin(url, "GET", "/user/info", params={"user_id": "held"}).json()["user_info"]
+        assert user["reserved"] == pytest.approx(0, abs=1e-12) and user["spend"] == pytest.approx(cost + streamed)
+
+
+def test_budgets_without_prices_are_warned_about(server, tmp_path, caplog):
+    """Without prices every request costs 0 and max_budget never acts: a budget set through the
+    admin API is answered with a warning, and a gateway starting on a database with budgeted keys
+    logs one; a gateway with prices does neither."""
+    database = f"sqlite:///{tmp_path / 'gateway.db'}"
+    caplog.set_level(logging.WARNING, logger="treeserve.gateway")
+    with gateway(database, [server.url], prices=(0.0, 0.0)) as (url, _):
+        created = _admin(url, "POST", "/key/generate", json={"max_budget": 5.0}).json()
+        assert "no model has a price" in created["warning"] and "max_budget never refuses" in created["warning"]
+        assert "warning" not in _admin(url, "POST", "/key/generate", json={}).json()
+        user = _admin(url, "POST", "/user/new", json={"user_id": "ann", "max_budget": 1.0}).json()
+        assert "no model has a price" in user["warning"]
+    assert created["warning"] in caplog.text
+    caplog.clear()
+    with gateway(database, [server.url], prices=(0.0, 0.0)):
+        pass
+    assert "1 key(s) and 1 user(s) have a max_budget, but no model has a price" in caplog.text
+    caplog.clear()
+    with gateway(database, [server.url]) as (url, _):
+        assert "warning" not in _admin(url, "POST", "/key/generate", json={"max_budget": 5.0}).json()
+    assert "no model has a price" not in caplog.text
 
 
 def test_rate_and_parallel_limits_hold_across_two_gateways(server, database):

@@ -104,6 +104,42 @@ def test_a_budget_resets_after_its_period(store):
     assert info["spend"] == 0.0 and dt.datetime.fromisoformat(info["budget_reset_at"]) > utcnow() + dt.timedelta(days=29)
 
 
+def _held(store, token: str) -> tuple[float, float]:
+    info = store.key_info(token)
+    return info["reserved"], store.user_info(info["user_id"])["user_info"]["reserved"]
+
+
+def test_a_hold_is_cut_to_the_real_cost_at_the_answer_and_a_budget_is_spent_to_its_last_cent(store):
+    """One request at a time, each settled late (as the writer thread does): the released hold is
+    the real cost, never the worst case, so every request the budget pays for is admitted; 8 costs
+    of 0.1 sum to 0.7999999999999999 in floating point, which must not let a 9th in under 0.8."""
+    store.create_user("seq", max_budget=0.8)
+    token, _ = store.create_key(max_budget=0.8, user_id="seq", max_parallel_requests=1)
+    key = store.authenticate(token)
+    unsettled = None
+    for i in range(8):
+        reservation = store.admit(key, 0.5)  # its worst case, five times its cost
+        store.release(reservation, 0.1)
+        assert (reservation.held, reservation.parallel) == (0.1, False)
+        with store.session() as s:
+            assert s.get(Holding, reservation.holding_id).worst_cost == 0.1  # what a sweep would give back
+        if unsettled is not None:
+            assert _held(store, token) == pytest.approx((0.2, 0.2))  # this one's cost and the last one's
+            store.settle(Settlement(unsettled, f"r{i}", "m", None, "chat", False, "success", Usage(1, 1), 0.1,
+                                    utcnow()))
+        assert _held(store, token) == pytest.approx((0.1, 0.1))
+        unsettled = reservation
+    store.settle(Settlement(unsettled, "r8", "m", None, "chat", False, "success", Usage(1, 1), 0.1, utcnow()))
+    info = store.key_info(token)
+    assert info["spend"] < 0.8 and info["spend"] == pytest.approx(0.8)  # the rounding this is about
+    assert _held(store, token) == pytest.approx((0.0, 0.0), abs=1e-12)
+    with pytest.raises(APIError) as refused:
+        store.admit(key, 0.5)
+    assert refused.value.code == "budget_exceeded"
+    with store.session() as s:
+        assert s.scalars(select(ApiKey.in_flight)).one() == 0 and s.query(Holding).count() == 0
+
+
 def test_only_a_key_without_any_limit_is_admitted_without_the_database(store):
     """The app admits a key that holds nothing on its event loop, without `Store.admit`: every kind
     of limit (a user's budget included) must make the key hold something."""
@@ -161,7 +197,8 @@ def test_what_a_dead_process_held_is_given_back_and_a_live_ones_is_not(store):
     store.heartbeat()
     settled = store.admit(key, 0.25)
     store.settle(Settlement(settled, "done", "m", None, "chat", False, "success", Usage(1, 1), 0.1, utcnow()))
-    store.admit(key, 0.3)  # this process then dies before settling it
+    store.admit(key, 0.3)  # this process then dies before settling it ...
+    store.release(store.admit(key, 0.4), 0.05)  # ... and this one, answered (its hold cut to its cost)
     other = Store(store.url)
     try:
         assert other.sweep() == 0, "a live process's requests were taken from it"
@@ -169,7 +206,7 @@ def test_what_a_dead_process_held_is_given_back_and_a_live_ones_is_not(store):
         with store.transaction() as s:  # ... silent for five minutes
             s.execute(update(Instance).values(seen_at=long_ago))
             s.execute(update(Holding).values(created_at=long_ago))
-        assert other.sweep() == 1
+        assert other.sweep() == 2
         with other.session() as s:
             row = s.scalars(select(ApiKey)).one()
             user = s.get(User, "u1")

@@ -9,6 +9,9 @@ import os
 import sys
 from pathlib import Path
 
+BUDGET_HELP = ("in the currency of the models' prices (input_cost_per_token, output_cost_per_token in the "
+               "gateway's --config YAML); without prices every request costs 0 and the budget never acts")
+
 
 def add_gateway_parsers(sub) -> None:
     from treeserve.cli_chat import add_chat_parser
@@ -47,7 +50,7 @@ def add_gateway_parsers(sub) -> None:
     create.add_argument("--user-id")
     create.add_argument("--alias", dest="key_alias")
     create.add_argument("--models", help="comma-separated models the key may use (default: all)")
-    create.add_argument("--max-budget", type=float)
+    create.add_argument("--max-budget", type=float, help=BUDGET_HELP)
     create.add_argument("--budget-duration", help="budget period, e.g. 30d")
     create.add_argument("--rpm-limit", type=int)
     create.add_argument("--tpm-limit", type=int)
@@ -67,7 +70,7 @@ def add_gateway_parsers(sub) -> None:
     new_user = user_commands.add_parser("create", help="create a user")
     _add_database(new_user)
     new_user.add_argument("user_id")
-    new_user.add_argument("--max-budget", type=float)
+    new_user.add_argument("--max-budget", type=float, help=BUDGET_HELP)
     new_user.add_argument("--budget-duration")
     new_user.add_argument("--models", help="comma-separated models the user's keys may use (default: all)")
     new_user.add_argument("--password", help="for the web chat, stored as an Argon2id hash (TREESERVE_PASSWORD "

@@ -3,6 +3,7 @@ master key. Keys are shown once, by /key/generate; afterwards they are known by 
 from __future__ import annotations
 
 import datetime as dt
+import logging
 from collections.abc import Callable
 from typing import Annotated, Any
 
@@ -13,9 +14,11 @@ from starlette.concurrency import run_in_threadpool
 
 from treeserve.gateway.fields import INT32_MAX, NO_NUL, Text
 from treeserve.gateway.passwords import hash_password
+from treeserve.gateway.pricing import NO_PRICES
 from treeserve.gateway.store import Store, logs_csv
 from treeserve.server.errors import APIError
 
+log = logging.getLogger("treeserve.gateway")
 # The sizes of their columns (gateway/schema.py): a longer value is a 400 here, not a database error.
 UserId = Annotated[Text, Field(min_length=1, max_length=128)]
 Money = Annotated[float, Field(ge=0, allow_inf_nan=False)]
@@ -60,9 +63,16 @@ class NewUser(_Body):
 
 
 def admin_router(store: Store, require_master: Any, known_models: set[str],
-                 on_change: Callable[[], None] = lambda: None) -> APIRouter:
-    """`on_change` runs after a key is updated or deleted (this process forgets cached keys)."""
+                 on_change: Callable[[], None] = lambda: None, priced: bool = True) -> APIRouter:
+    """`on_change` runs after a key is updated or deleted (this process forgets cached keys);
+    `priced`: some model has a price (else a budget set here never acts, and the answer says so)."""
     router = APIRouter(dependencies=[Depends(require_master)], tags=["admin"])
+
+    def budget_warning(answer: dict, max_budget: float | None, owner: str) -> dict:
+        if max_budget is not None and not priced:
+            answer["warning"] = f"max_budget {max_budget} set on a {owner}, but {NO_PRICES}"
+            log.warning(answer["warning"])
+        return answer
 
     def check_models(models: list[str] | None) -> None:
         unknown = [m for m in models or () if m not in known_models]
@@ -74,7 +84,7 @@ def admin_router(store: Store, require_master: Any, known_models: set[str],
     async def generate_key(body: KeyLimits):
         check_models(body.models)
         token, info = await run_in_threadpool(lambda: store.create_key(**body.model_dump(exclude_none=True)))
-        return {"key": token, **info}
+        return budget_warning({"key": token, **info}, body.max_budget, "key")
 
     @router.get("/key/info")
     async def key_info(key: str = Query(..., max_length=512, pattern=NO_NUL,
@@ -113,7 +123,7 @@ def admin_router(store: Store, require_master: Any, known_models: set[str],
         def create() -> dict:  # (hashing a password takes tens of milliseconds: not on the event loop)
             password_hash = hash_password(password) if password is not None else None
             return store.create_user(user_id, password_hash=password_hash, **fields)
-        return await run_in_threadpool(create)
+        return budget_warning(await run_in_threadpool(create), body.max_budget, "user")
 
     @router.get("/user/info")
     async def user_info(user_id: str = Query(..., max_length=128, pattern=NO_NUL)):

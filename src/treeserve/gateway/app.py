@@ -65,11 +65,11 @@ class Accounting:
         model = outcome.model or self.model
         usage = outcome.usage
         cost = pricing.cost(config.models[model], usage.prompt_tokens, usage.completion_tokens)
-        try:
-            if self.reservation.parallel:
-                await run_in_threadpool(self.app.state.store.release_slot, self.reservation)
-        except Exception:  # the slot goes back with the settlement's batch instead
-            log.exception("giving back a parallel slot failed; it is given back with the settlement")
+        try:  # at once: the client's next request must find its slot free and its budget held only for `cost`
+            if self.reservation.parallel or self.reservation.held:
+                await run_in_threadpool(self.app.state.store.release, self.reservation, cost)
+        except Exception:  # the slot and the worst case go back with the settlement's batch instead
+            log.exception("releasing a request's hold at its answer failed; its settlement gives it back")
         finally:
             self.app.state.store.settle_later(Settlement(
                 self.reservation, self.request_id, model, outcome.backend, self.route, self.stream, outcome.status,
@@ -84,6 +84,11 @@ class Accounting:
         metrics.key_spend.labels(self.key.label).inc(cost)
 
 
+def _warn_unpriced_budgets(keys: int, users: int) -> None:
+    if keys or users:
+        log.warning(pricing.unpriced_budgets(keys, users))
+
+
 def build_app(config: GatewayConfig, store: Store | None = None) -> FastAPI:
     store = store or Store(config.database or default_url())
     metrics = GatewayMetrics()
@@ -93,6 +98,8 @@ def build_app(config: GatewayConfig, store: Store | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         await run_in_threadpool(store.migrate)
+        if not config.priced:
+            _warn_unpriced_budgets(*await run_in_threadpool(store.budgeted_accounts))
         store.start()  # heartbeats, and the sweep of dead processes' holdings, from now on
         # aiohttp for the upstream side: its C parser reads a stream at a fraction of httpx's cost per chunk
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0)  # under uvicorn's 5 s keep-alive
@@ -153,7 +160,8 @@ def build_app(config: GatewayConfig, store: Store | None = None) -> FastAPI:
                 raise APIError(401, "invalid API key (unknown, expired or blocked)", code="invalid_api_key")
         return key
 
-    app.include_router(admin_router(store, require_master, set(config.models), on_change=keys.clear))
+    app.include_router(admin_router(store, require_master, set(config.models), on_change=keys.clear,
+                                    priced=config.priced))
 
     @app.get("/health")
     async def health():

@@ -111,6 +111,11 @@ class GatewayConfig:
     shutdown_timeout: float = 30.0  # seconds a stopping gateway lets its requests in flight finish
     chat: ChatConfig = field(default_factory=ChatConfig)
 
+    @property
+    def priced(self) -> bool:
+        """Whether any model has a price: without one every request costs 0 and no max_budget acts."""
+        return any(m.input_cost_per_token or m.output_cost_per_token for m in self.models.values())
+
     def __post_init__(self):
         if isinstance(self.chat, dict):
             self.chat = ChatConfig(**self.chat)

@@ -1,4 +1,5 @@
-"""What a request may cost at most (reserved before it is sent) and what it did cost (settled)."""
+"""What a request may cost at most (reserved before it is sent) and what it did cost (settled), in
+the prices of each model (`input_cost_per_token`, `output_cost_per_token` in the gateway's YAML)."""
 from __future__ import annotations
 
 import json
@@ -68,3 +69,12 @@ def worst_cost(body: dict, model: ModelConfig, search: bool = False) -> float:
 
 def cost(model: ModelConfig, prompt_tokens: int, completion_tokens: int) -> float:
     return prompt_tokens * model.input_cost_per_token + completion_tokens * model.output_cost_per_token
+
+
+NO_PRICES = ("no model has a price (input_cost_per_token, output_cost_per_token under its name in the gateway's "
+             "--config YAML): every request costs 0, so max_budget never refuses one")
+
+
+def unpriced_budgets(keys: int, users: int) -> str:
+    """The warning a gateway without prices logs at startup for the keys and users with a max_budget."""
+    return f"{keys} key(s) and {users} user(s) have a max_budget, but {NO_PRICES}"

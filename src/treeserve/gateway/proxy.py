@@ -78,8 +78,9 @@ class Forwarder:
 
     async def forward(self, path: str, body: dict, model: str, affinity: str | None,
                       settle: Callable[[Outcome], "anyio.abc.Awaitable"], started: float, request_id: str) -> Response:
-        """`settle` is awaited when the request has ended (for a stream: when the stream has ended,
-        however it ended); it must be idempotent (a failure path may call it again)."""
+        """`settle` is awaited when the request has ended, before its client has the end (for a
+        stream: when its [DONE] is in hand, else when the stream has ended, however it ended); it
+        must be idempotent (a failure path may call it again)."""
         stream = bool(body.get("stream"))
         # a single replica is tried again: a kept-alive connection its server just closed fails once
         plan = list(itertools.islice(itertools.cycle(self.router.plan(model, affinity)), 1 + self.retries))
@@ -207,11 +208,13 @@ class Forwarder:
         self.streams[id(state)] = cut
         try:
             out = state.relay(first)
+            await _settle_when_whole(state, outcome, settle)
             if out:
                 yield out
             self.metrics.ttft.labels(group).observe(time.perf_counter() - started)
             async for batch in batches:
                 out = state.relay(batch)
+                await _settle_when_whole(state, outcome, settle)
                 if out:
                     yield out
             outcome.status = "success"
@@ -299,6 +302,15 @@ def _timeout(backend: Backend, whole: bool) -> aiohttp.ClientTimeout:
     if whole:
         return aiohttp.ClientTimeout(total=backend.config.timeout, connect=backend.config.connect_timeout)
     return aiohttp.ClientTimeout(total=None, connect=backend.config.connect_timeout, sock_read=backend.config.timeout)
+
+
+async def _settle_when_whole(state: StreamState, outcome: Outcome, settle) -> None:
+    """A stream whose [DONE] is in hand is settled before its client reads it, as a whole answer is
+    before it is sent: what it held (a parallel slot, a budget's worst case) is given back by the
+    time the client sends its next request. (The settlement in `_relay`'s `finally` is then a no-op.)"""
+    if state.done and outcome.status != "success":
+        outcome.status, outcome.usage = "success", state.billed()
+        await settle(outcome)
 
 
 def new_request_id() -> str:

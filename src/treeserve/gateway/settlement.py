@@ -44,8 +44,8 @@ class Store(Protocol):
 class Reservation:
     key_id: int | None  # None: the master key (no limits, no budget)
     user_id: str | None
-    worst_cost: float
-    parallel: bool
+    held: float  # reserved on its key and user: its worst case, cut to its real cost when answered
+    parallel: bool  # holds a parallel slot (given back when answered)
     window: int
     counted: bool = False  # counted in its minute's rate window (the key has rpm or tpm limits)
     holding_id: int | None = None  # its row in `holdings` (what a dead process's sweep gives back)
@@ -152,7 +152,8 @@ class SettlementWriter:
 
 def apply_settlements(store: Store, conn: Session, items: list[Settlement]) -> None:
     """Spend, tokens in the minute, a log row and the day's total for each request, with one
-    statement per key, user, minute and day touched (not one per request)."""
+    statement per key, user, minute and day touched (not one per request). What each request still
+    holds (its real cost, when released at its answer; else its worst case and its slot) goes back."""
     keys: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])  # released, spent, slots
     users: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
     windows: dict[tuple[int, int], int] = defaultdict(int)
@@ -161,11 +162,11 @@ def apply_settlements(store: Store, conn: Session, items: list[Settlement]) -> N
         reservation, usage = item.reservation, item.usage
         if reservation.key_id is not None:
             entry = keys[reservation.key_id]
-            entry[0] += reservation.worst_cost
+            entry[0] += reservation.held
             entry[1] += item.cost
             entry[2] += int(reservation.parallel)
         if reservation.user_id is not None:
-            users[reservation.user_id][0] += reservation.worst_cost
+            users[reservation.user_id][0] += reservation.held
             users[reservation.user_id][1] += item.cost
         if usage.total_tokens and reservation.counted:
             windows[(reservation.key_id, reservation.window)] += usage.total_tokens

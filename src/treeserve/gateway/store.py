@@ -1,11 +1,12 @@
 """The gateway's database: accounts, keys, reservations, rate windows and spend, through SQLAlchemy.
 
 Everything that must hold across several gateway processes is one conditional statement that the
-database applies atomically: a budget reservation (`reserved + spend < max_budget`), a parallel
-slot (`in_flight < max_parallel_requests`), a minute's request count (an upsert that returns the
-new count). SQLite runs in WAL mode and takes its write lock at the start of each transaction
-(`BEGIN IMMEDIATE`), so concurrent writers queue instead of failing; PostgreSQL locks the row.
-Calls are blocking: the app runs them in worker threads."""
+database applies atomically: a budget reservation (`spend + reserved < max_budget`; the hold is cut
+to the request's real cost the moment it is answered), a parallel slot (`in_flight <
+max_parallel_requests`), a minute's request count (an upsert that returns the new count). SQLite
+runs in WAL mode and takes its write lock at the start of each transaction (`BEGIN IMMEDIATE`), so
+concurrent writers queue instead of failing; PostgreSQL locks the row. Calls are blocking: the app
+runs them in worker threads."""
 from __future__ import annotations
 
 import contextlib
@@ -37,6 +38,9 @@ log = logging.getLogger("treeserve.gateway")
 MIGRATIONS = Path(__file__).parent / "migrations"
 MIGRATION_LOCK = 0x74726565  # PostgreSQL advisory lock id ("tree") serialising migrations
 INSTANCE_TIMEOUT = 60.0  # a process silent this long is dead: its holdings are given back
+# A budget counts as spent when less than this fraction of it is left: far above the rounding error
+# of a sum of costs (about 1e-16 of it per cost added), far below what any budget means to pay for.
+BUDGET_TOLERANCE = 1e-9
 KEY_FIELDS = ("key_alias", "user_id", "models", "max_budget", "budget_duration", "rpm_limit", "tpm_limit",
               "max_parallel_requests", "metadata", "blocked")
 USER_FIELDS = ("max_budget", "budget_duration", "models", "metadata")
@@ -167,6 +171,13 @@ class Store:
         with self.session() as conn:
             return [_public_key(k) for k in conn.scalars(query)]
 
+    def budgeted_accounts(self) -> tuple[int, int]:
+        """How many keys and users have a max_budget."""
+        with self.session() as conn:
+            keys = conn.scalar(select(func.count()).select_from(ApiKey).where(ApiKey.max_budget.is_not(None)))
+            users = conn.scalar(select(func.count()).select_from(User).where(User.max_budget.is_not(None)))
+        return keys, users
+
     def authenticate(self, token: str) -> KeyRecord | None:
         """The key's record, or None for an unknown, expired or blocked key."""
         return self._key_record(ApiKey.token_hash == keylib.hash_key(token))
@@ -277,16 +288,29 @@ class Store:
         with self.transaction() as conn:
             return conn.execute(delete(RateWindow).where(RateWindow.window < current - 1)).rowcount
 
-    def release_slot(self, reservation: Reservation) -> None:
-        """Gives a parallel slot back at once (the rest of the settlement may wait for its batch: a
-        client that sends its next request as the last one ends must find its slot free)."""
-        if reservation.parallel and reservation.key_id is not None:
-            with self.transaction() as conn:
-                conn.execute(update(ApiKey).where(ApiKey.id == reservation.key_id)
-                             .values(in_flight=ApiKey.in_flight - 1))
-                if reservation.holding_id is not None:
-                    conn.execute(update(Holding).where(Holding.id == reservation.holding_id).values(parallel=False))
-            reservation.parallel = False
+    def release(self, reservation: Reservation, cost: float) -> None:
+        """At the request's answer, at once and in one transaction: gives its parallel slot back and
+        cuts what it holds on its key and user from its worst case to `cost`, its real cost (the
+        settlement, which may wait for its batch, then moves exactly that from `reserved` to
+        `spend`). A client that sends its next request as the last one ends finds its slot free and
+        its budget held only for what it spent. The `holdings` row follows, so a sweep after this
+        process died gives back what is held now."""
+        held = cost if reservation.held else 0.0  # (a key without a budget, or free models: nothing held)
+        given_back = reservation.held - held
+        if not reservation.parallel and not given_back:
+            return
+        with self.transaction() as conn:
+            values = {"reserved": ApiKey.reserved - given_back} if given_back else {}
+            if reservation.parallel:
+                values["in_flight"] = ApiKey.in_flight - 1
+            conn.execute(update(ApiKey).where(ApiKey.id == reservation.key_id).values(**values))
+            if given_back and reservation.user_id is not None:
+                conn.execute(update(User).where(User.user_id == reservation.user_id)
+                             .values(reserved=User.reserved - given_back))
+            if reservation.holding_id is not None:
+                conn.execute(update(Holding).where(Holding.id == reservation.holding_id)
+                             .values(parallel=False, worst_cost=held))
+        reservation.parallel, reservation.held = False, held
 
     def settle(self, settlement: Settlement) -> None:
         """Turns a reservation into the real cost now (see `settle_later` for the serving path)."""
@@ -296,7 +320,8 @@ class Store:
     def settle_later(self, settlement: Settlement) -> None:
         """Queues the settlement for the writer thread, which commits whatever has queued up in one
         transaction: one write per batch instead of one per request. Budgets stay safe meanwhile,
-        since a request's worst case stays reserved until its settlement is committed."""
+        since a request's cost stays held (its worst case, or its real cost once `release`d) until
+        its settlement is committed."""
         self._writer.put(settlement)
 
     def flush(self, timeout: float = 30.0) -> None:
@@ -324,16 +349,19 @@ class Store:
 
     @staticmethod
     def _reserve(conn: Session, table, where, worst_cost: float, owner: str) -> None:
-        taken = conn.execute(update(table).where(where, (table.max_budget.is_(None))
-                                                 | (table.spend + table.reserved < table.max_budget))
+        """Holds `worst_cost` while anything of the budget is left. "Left" allows for float rounding:
+        spend is a sum of costs, each rounded, so 8 requests of max_budget / 8 may sum to 0.19999999
+        of 0.2 and let a 9th in; a remainder under BUDGET_TOLERANCE of the budget counts as none."""
+        left = table.spend + table.reserved < table.max_budget * (1.0 - BUDGET_TOLERANCE)
+        taken = conn.execute(update(table).where(where, table.max_budget.is_(None) | left)
                              .values(reserved=table.reserved + worst_cost)).rowcount
         if not taken:
             row = conn.execute(select(table.spend, table.reserved, table.max_budget).where(where)).first()
             if row is None:  # deleted since this process cached it
                 raise APIError(401, f"invalid API key: its {owner} no longer exists", code="invalid_api_key")
-            raise APIError(400, f"max_budget: the {owner}'s budget is exceeded: spent {row.spend:.6f} "
-                           f"(and {row.reserved:.6f} held by requests in flight) of max_budget {row.max_budget:.6f}",
-                           param="max_budget", code="budget_exceeded")
+            raise APIError(400, f"max_budget: the {owner}'s budget is exceeded: spent {row.spend:.6f} (and "
+                           f"{row.reserved:.6f} held by requests in flight or being settled) of max_budget "
+                           f"{row.max_budget:.6f}", param="max_budget", code="budget_exceeded")
 
     def upsert(self, conn: Session, table, values: dict, keys: list[str], add: list[str], returning=False):
         """INSERT, or on a conflict on `keys` add `add`'s values to the row's (both dialects)."""
@@ -440,7 +468,7 @@ def _check_limits(values: dict) -> None:
 
 def _public_key(key: ApiKey) -> dict:
     return {"token": key.token_hash, "key_name": key.key_name, "key_alias": key.key_alias, "user_id": key.user_id,
-            "models": key.models or [], "max_budget": key.max_budget, "spend": key.spend,
+            "models": key.models or [], "max_budget": key.max_budget, "spend": key.spend, "reserved": key.reserved,
             "budget_duration": key.budget_duration, "budget_reset_at": iso(key.budget_reset_at),
             "rpm_limit": key.rpm_limit, "tpm_limit": key.tpm_limit,
             "max_parallel_requests": key.max_parallel_requests, "expires": iso(key.expires_at),
@@ -448,7 +476,7 @@ def _public_key(key: ApiKey) -> dict:
 
 
 def _public_user(user: User) -> dict:
-    return {"user_id": user.user_id, "max_budget": user.max_budget, "spend": user.spend,
+    return {"user_id": user.user_id, "max_budget": user.max_budget, "spend": user.spend, "reserved": user.reserved,
             "budget_duration": user.budget_duration, "budget_reset_at": iso(user.budget_reset_at),
             "models": user.models or [], "metadata": user.extra or {}, "created_at": iso(user.created_at)}
 
