@@ -1,6 +1,12 @@
-"""The `treeserve run` command on the built-in default model and on a given directory."""
+"""The `treeserve run` command on the built-in default model and on a given directory; the names
+bundled models are given and served by."""
+from pathlib import Path
+
+import pytest
+
 from treeserve import LLM, SamplingParams
 from treeserve.cli import main
+from treeserve.model.registry import named_models, resolve_model_path, served_name
 
 
 def test_run_builtin_default(capsys):
@@ -26,3 +32,25 @@ def test_chat_uses_the_template(llama_dir):
     out = llm.chat(messages, SamplingParams(max_tokens=3), use_tqdm=False)[0]
     text = llm.get_tokenizer().decode(out.prompt_token_ids)
     assert text == "<|bos|><|system|>Be brief.<|end|><|user|>Hi<|end|><|assistant|>"
+
+
+def test_a_bundled_name_without_its_prefix_is_hinted(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "--model", "arith-gen", "Hello"]) == 2
+    assert "'arith-gen' is not a local directory (nothing is downloaded from a hub); did you mean builtin:arith-gen?" \
+        in capsys.readouterr().err
+    assert main(["run", "--model", "no-such-model", "Hello"]) == 2 and "did you mean" not in capsys.readouterr().err
+    (tmp_path / "arith-gen").mkdir()  # a local directory of that name is what it names
+    assert resolve_model_path("arith-gen") == Path("arith-gen")
+
+
+def test_builtin_models_are_served_under_their_bare_names():
+    assert served_name("builtin:arith-router") == "arith-router"
+    assert served_name("/models/my-llama") == "/models/my-llama"  # a directory as given, as vLLM
+    assert named_models(["builtin:arith-gen", "builtin:arith-prm"]) == {"arith-gen": "builtin:arith-gen",
+                                                                       "arith-prm": "builtin:arith-prm"}
+    assert named_models(["gen=builtin:arith-gen", "/models/x"]) == {"gen": "builtin:arith-gen",
+                                                                     "/models/x": "/models/x"}
+    assert named_models(None) == {"arith-gen": "builtin:arith-gen"}
+    with pytest.raises(ValueError, match="'arith-gen' is given twice"):
+        named_models(["builtin:arith-gen", "arith-gen=builtin:arith-gen"])

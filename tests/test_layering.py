@@ -18,7 +18,7 @@ PACKAGE = "treeserve"
 
 # Bottom to top; a module may import from its own layer and every layer before it.
 LAYERS = [
-    ("errors and process lifecycle", ["errors", "lifecycle"]),
+    ("errors and process lifecycle", ["errors", "lifecycle", "ports"]),
     ("settings and results", ["config", "sampling_params", "outputs"]),
     ("model", ["model"]),
     ("engine", ["engine"]),

@@ -1,6 +1,7 @@
-"""`treeserve chat` and its model server's port: a taken port is an error naming it and its flag,
-before anything starts; with no --serve-port a free port is taken; and the chat waits for its own
-server (the models it serves), never for whatever else answers /health on that port."""
+"""Ports of the commands that start servers: a taken port is an error naming it and its flag before
+anything slow starts (`treeserve serve` before loading its models; `treeserve chat` before starting
+its model server, which takes a free port unless --serve-port names one); and the chat waits for its
+own server (the models it serves), never for whatever else answers /health on that port."""
 from __future__ import annotations
 
 import json
@@ -51,6 +52,15 @@ def test_a_taken_port_is_an_error_naming_it_and_its_flag(other_server, flag, tmp
     assert f"127.0.0.1:{other_server} is already in use" in done.stderr and flag in done.stderr, done.stderr
     assert "password" not in done.stdout  # nothing printed as if it had started
     assert time.monotonic() - started < 30  # refused before any model server was started
+
+
+def test_serve_refuses_a_taken_port_before_loading_its_models(other_server):
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "treeserve.cli", "serve", "--port", str(other_server)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and f"127.0.0.1:{other_server} is already in use" in done.stderr, done.stderr
+    assert "--port" in done.stderr and "engine ready" not in done.stderr
+    assert time.monotonic() - started < 30
 
 
 def test_waiting_for_the_server_started_not_another_on_its_port(other_server):

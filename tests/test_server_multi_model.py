@@ -1,4 +1,5 @@
-"""A generator and a PRM served together: routing by `model`, POST /v1/rewards, per-model metrics."""
+"""A generator and a PRM served together: routing by `model` (404s hinting a served name), POST
+/v1/rewards, per-model metrics, one "engine ready" line per model."""
 import asyncio
 import time
 
@@ -9,6 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from conftest import running_server, wait_idle
 from treeserve import Runtime
 from treeserve.server.launch import build_app
+from treeserve.server.serving import unknown_model
 
 QUESTION = "Add two and three, then double it."
 STEPS = ["## Step 1: two plus three is five.", "## Step 2: five doubled is ten. \\boxed{10}"]
@@ -150,3 +152,28 @@ def test_the_gauges_are_current_once_the_server_is_idle(multi_server):
             break
         time.sleep(0.05)
     assert shown == held and not any(running.values()), (shown, held, running)
+
+
+def test_each_model_logs_engine_ready_once_with_its_final_kv_cache(pair, caplog):
+    """A `Runtime` attaches KV twice (a dry run on scratch pages, then the arena it serves with):
+    one "engine ready" line per model, with the arena's block count."""
+    with caplog.at_level("INFO", logger="treeserve.engine.llm_engine"):
+        app = build_app(pair, engine_thread=False, dtype="float32", device="cpu", kv_cache_memory_bytes=8 << 20,
+                        max_model_len=256)
+    app.state.engine.shutdown()
+    ready = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine ready")]
+    engines = app.state.engine.engines
+    assert len(ready) == len(engines) == 2, ready
+    for line, engine in zip(ready, engines.values()):
+        assert f" {engine.kv.pool.num_blocks} KV blocks " in line, (line, engine.kv.pool.num_blocks)
+
+
+def test_a_name_differing_from_a_served_one_by_builtin_is_hinted(multi_server):
+    url, _, _ = multi_server
+    body = {"prompt": "Hello", "max_tokens": 1}
+    wrong = httpx.post(f"{url}/v1/completions", json={"model": "builtin:gen", **body}).json()["error"]
+    assert wrong["message"] == "model: 'builtin:gen' does not exist; did you mean 'gen'? (served: gen, prm)"
+    assert wrong["code"] == "model_not_found" and wrong["param"] == "model"
+    other = httpx.post(f"{url}/v1/completions", json={"model": "nope", **body}).json()["error"]["message"]
+    assert other == "model: 'nope' does not exist (served: gen, prm)"
+    assert "did you mean 'builtin:arith-gen'?" in unknown_model("arith-gen", ["builtin:arith-gen"]).message

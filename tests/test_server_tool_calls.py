@@ -2,7 +2,8 @@
 Hermes parser and template, with the Llama 3.1 JSON parser and template, and with no parser.
 `required` and named choices return calls whose arguments validate (jsonschema), whole and
 streamed; `auto` reads calls that the model writes in the parser's format (here the model is made
-to write them with a `structured_outputs` choice: a random model would not)."""
+to write them with a `structured_outputs` choice: a random model would not). The bundled tool router,
+served as the README shows, calls exactly with its own template; replacing that template is warned about."""
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,7 +14,7 @@ import openai
 import pytest
 
 from conftest import API_KEY, assert_no_leak, running_server, wait_idle
-from treeserve.entrypoints.chat_utils import load_chat_template
+from treeserve.entrypoints.chat_utils import load_chat_template, warn_replaced_tool_templates
 from treeserve.server.launch import build_app
 from treeserve.server.tool_calls import ToolSettings
 from treeserve.testing.tiny_models import make_tiny_model
@@ -219,3 +220,56 @@ def test_an_answer_ending_in_eos_keeps_its_text_clean(served):
             choice = served.client.chat.completions.create(**kwargs).choices[0]
             content, finish = choice.message.content or "", choice.finish_reason
         assert finish == "stop" and "<|eos|>" not in content, (served.parser, content)
+
+
+ROUTER_QUESTIONS = {"What is 17 * 23 + 5?": ("sympy", {"operation": "evaluate", "expression": "17 * 23 + 5"}),
+                    "Solve 3*x + 4 = 19": ("sympy", {"operation": "solve", "expression": "3*x + 4 = 19"}),
+                    "Hello!": ("answer_directly", {})}
+
+
+def test_the_bundled_router_calls_exactly_with_its_own_template():
+    """README's tool-calling example: `treeserve serve builtin:arith-router --enable-auto-tool-choice
+    --tool-call-parser hermes` (no --chat-template), served as `arith-router`; `tool_choice` auto."""
+    from treeserve.gateway.chat.tools import ANSWER, ROUTER_PROMPT, SYMPY
+
+    app = build_app("builtin:arith-router", dtype="float32", device="cpu", kv_cache_memory_bytes=16 << 20,
+                    tool_settings=ToolSettings("hermes", auto=True))
+    with running_server(app) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        assert [m.id for m in client.models.list()] == ["arith-router"]
+        for question, (name, arguments) in ROUTER_QUESTIONS.items():
+            messages = [{"role": "system", "content": ROUTER_PROMPT}, {"role": "user", "content": question}]
+            choice = client.chat.completions.create(model="arith-router", messages=messages, tools=[SYMPY, ANSWER],
+                                                    temperature=0.0, max_tokens=64).choices[0]
+            calls = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or ()]
+            assert (choice.finish_reason, calls) == ("tool_calls", [(name, arguments)]), question
+        with pytest.raises(openai.NotFoundError, match="did you mean 'arith-router'"):
+            client.chat.completions.create(model="builtin:arith-router", messages=MESSAGES, max_tokens=1)
+
+
+def test_a_chat_template_replacing_one_that_renders_tools_is_warned_about(caplog):
+    from treeserve.cli import build_parser
+    from treeserve.server.launch import app_from_args
+
+    template = str(EXAMPLES / SERVERS["hermes"])
+    args = build_parser().parse_args(["serve", "builtin:arith-router", "--chat-template", template,
+                                      "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--dtype",
+                                      "float32", "--device", "cpu", "--kv-cache-memory-bytes", str(16 << 20)])
+    with caplog.at_level("WARNING", logger="treeserve.entrypoints.chat_utils"):
+        app = app_from_args(args)
+    app.state.engine.shutdown()
+    assert app.state.served_models == ["arith-router"]
+    [warning] = [r.getMessage() for r in caplog.records if r.name == "treeserve.entrypoints.chat_utils"]
+    assert "model 'arith-router'" in warning and template in warning and "renders tools" in warning
+
+
+def test_only_templates_that_render_tools_are_warned_about(caplog):
+    own = SimpleNamespace(chat_template="{% if tools %}{{ tools | tojson }}{% endif %}")
+    plain = SimpleNamespace(chat_template="{% for m in messages %}{{ m.content }}{% endfor %}")
+    given = load_chat_template(str(EXAMPLES / SERVERS["hermes"]))
+    with caplog.at_level("WARNING", logger="treeserve.entrypoints.chat_utils"):
+        assert warn_replaced_tool_templates({"router": own, "gen": plain}, given, "t.jinja") == ["router"]
+        assert warn_replaced_tool_templates({"router": own}, None, None) == []  # no --chat-template
+        assert warn_replaced_tool_templates({"router": own}, own.chat_template, "own.jinja") == []  # its own
+    [warning] = [r.getMessage() for r in caplog.records if r.name == "treeserve.entrypoints.chat_utils"]
+    assert "model 'router'" in warning and "the --chat-template text" in warning

@@ -15,7 +15,8 @@ def _add_engine_args(parser: argparse.ArgumentParser, several_models: bool = Fal
 
     if several_models:
         parser.add_argument("--model", action="append",
-                            help="NAME=PATH, repeatable: several models on one device (routed by 'model')")
+                            help="NAME=PATH, repeatable: several models on one device (routed by 'model'); a "
+                            "bare builtin:NAME is named NAME")
     else:
         parser.add_argument("--model", default=DEFAULT_GENERATOR, help="local HF directory or builtin:NAME")
     parser.add_argument("--dtype", default="auto")
@@ -82,8 +83,8 @@ def _add_serving_args(parser: argparse.ArgumentParser, http: bool) -> None:
     _add_engine_args(parser, several_models=True)
     parser.add_argument("--kv-mode", choices=["shared", "static"], default="shared",
                         help="with several models: one shared KV arena, or an equal static split")
-    parser.add_argument("model_path", nargs="?", help="model directory or builtin:NAME (default: the bundled "
-                        "arith-gen generator and arith-prm verifier, served under those names)")
+    parser.add_argument("model_path", nargs="?", help="model directory or builtin:NAME (served as NAME; default: "
+                        "the bundled arith-gen generator and arith-prm verifier, served under those names)")
     if http:
         parser.add_argument("--host", default="127.0.0.1")
         parser.add_argument("--port", type=int, default=8000)
@@ -92,7 +93,8 @@ def _add_serving_args(parser: argparse.ArgumentParser, http: bool) -> None:
                         help="on SIGTERM or SIGINT, seconds the requests in flight (streams and searches too) may "
                         "take to finish while new ones get 503 and /health/ready turns 503; a second signal "
                         "exits at once")
-    parser.add_argument("--served-model-name")
+    parser.add_argument("--served-model-name", help="the name requests give as 'model' (default: NAME for "
+                        "builtin:NAME, else the model argument as given)")
     parser.add_argument("--max-queue", type=int, help="waiting requests (or queued searches) beyond which new ones "
                         "get 429")
     parser.add_argument("--max-problems-in-flight", type=int, default=32,

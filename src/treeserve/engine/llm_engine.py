@@ -154,6 +154,8 @@ class LLMEngine:
             self.executor.add_model(self.model_key, ModelSpec(
                 str(self.model_dir), self.dtype, self.max_model_len, self.config.load_format, self.config.seed,
                 self.attention_backend, block_size, space.arena.num_pages, space.arena.page_bytes, space.arena.serial))
+        if scratch:  # a Runtime's dry run: "engine ready" comes with the KV cache it serves with
+            return
         logger.info("engine ready: %s on %s (%s, %s attention%s), %d KV blocks of %d tokens, steps of up to %d tokens "
                     "(%d for a lone request)", self.model_dir.name, self.device, self.dtype, self.attention_backend,
                     ", CUDA graphs" if self.runner.graphs else "", num_blocks, block_size,

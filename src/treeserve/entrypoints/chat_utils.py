@@ -1,9 +1,13 @@
 """Chat rendering in one place: messages (and tools) through the chat template to prompt text."""
 from __future__ import annotations
 
+import logging
+import re
 from pathlib import Path
 
 from treeserve.errors import ParamError
+
+logger = logging.getLogger(__name__)
 
 
 def load_chat_template(value: str | None) -> str | None:
@@ -18,6 +22,28 @@ def load_chat_template(value: str | None) -> str | None:
     if "{" not in value:
         raise ParamError("chat_template", f"{value!r} is neither a file nor a Jinja template")
     return value
+
+
+def renders_tools(template: str | dict | None) -> bool:
+    """Whether a chat template uses the `tools` it is given (HF tokenizers may hold named templates)."""
+    texts = template.values() if isinstance(template, dict) else [template or ""]
+    return any(re.search(r"\btools\b", text) for text in texts)
+
+
+def warn_replaced_tool_templates(tokenizers: dict, chat_template: str | None, source: str | None) -> list[str]:
+    """`--chat-template` replaces every served model's own template: a warning for each model whose
+    own template renders tools, since a model trained on its own tool format writes garbled calls in
+    another one. Returns the names of the models warned about."""
+    if chat_template is None:
+        return []
+    where = source if source and Path(source).is_file() else "the --chat-template text"
+    owns = {name: getattr(tokenizer, "chat_template", None) for name, tokenizer in tokenizers.items()}
+    names = [name for name, own in owns.items() if own != chat_template and renders_tools(own)]
+    for name in names:
+        logger.warning("model %r: --chat-template %s replaces the model's own chat template, which renders tools; "
+                       "a model writes tool calls best in the format it was trained on, so leave --chat-template "
+                       "out for it (it is for models whose own template lacks tools)", name, where)
+    return names
 
 
 def render_chat(tokenizer, conversation: list[dict], tools: list[dict] | None = None,

@@ -37,8 +37,15 @@ def resolve_model_path(model: str | Path) -> Path:
         return _builtin(name[len(BUILTIN_PREFIX):])
     path = Path(name).expanduser()
     if not path.is_dir():
-        raise FileNotFoundError(f"model: {name!r} is not a local directory (nothing is downloaded from a hub)")
+        hint = f"; did you mean {BUILTIN_PREFIX}{name}?" if name in builtin_names() else ""
+        raise FileNotFoundError(f"model: {name!r} is not a local directory (nothing is downloaded from a hub){hint}")
     return path
+
+
+def served_name(model: str | Path) -> str:
+    """The name a model is served under unless one is given: NAME for `builtin:NAME` (as
+    `treeserve serve` names the bundled pair), the argument itself for a directory (as vLLM does)."""
+    return str(model).removeprefix(BUILTIN_PREFIX)
 
 
 def _builtin(name: str) -> Path:
@@ -59,12 +66,13 @@ def builtin_names() -> list[str]:
 
 
 def named_models(values: list[str] | None) -> dict[str, str]:
-    """`--model gen=PATH --model prm=PATH` (a bare PATH is named 'model'; none: the default generator)."""
+    """`--model gen=PATH --model prm=PATH` (a bare PATH is named `served_name(PATH)`; none: the
+    default generator)."""
     models = {}
     for value in values or [DEFAULT_GENERATOR]:
         name, sep, path = value.partition("=")
         if not sep or name.startswith("builtin"):
-            name, path = "model", value
+            name, path = served_name(value), value
         if name in models:
             raise ParamError("model", f"the name {name!r} is given twice")
         models[name] = path

@@ -4,12 +4,12 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 
-from treeserve.model.registry import named_models as _named_models
 from treeserve.config import EngineConfig
-from treeserve.model.registry import DEFAULT_PAIR
+from treeserve.model.registry import DEFAULT_PAIR, named_models, served_name
 from treeserve.engine.async_engine import AsyncLLMEngine
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.server.app import create_app
@@ -19,16 +19,17 @@ from treeserve.search.runner import SearchRunner
 from treeserve.server.metrics import ServerMetrics
 from treeserve.server.serving_search import SearchServing
 from treeserve.server.tool_calls import ToolSettings
-from treeserve.entrypoints.chat_utils import load_chat_template
+from treeserve.entrypoints.chat_utils import load_chat_template, warn_replaced_tool_templates
 
 def build_app(model: str | dict[str, str], served_model_name: str | None = None, api_keys: list[str] | None = None,
               max_queue: int | None = None, kv_mode: str = "shared", max_problems_in_flight: int = 32,
               engine_thread: bool = True, chat_template: str | None = None, tool_settings: ToolSettings | None = None,
               drain: Drain | None = None, **engine_options):
-    """One model (a path) gets its own engine; several (name -> path) share a `Runtime`, and each
-    of them can also answer POST /v1/rewards as a PRM. One engine loop steps them all; each served
-    model gets a search runner whose problems, from every request, advance together. With
-    `engine_thread=False` the caller runs the loop (`app.state.engine.run_forever()`)."""
+    """One model (a path, served as `served_model_name` or `served_name(path)`; or one name -> path)
+    gets its own engine; several (name -> path) share a `Runtime`, and each of them can also answer
+    POST /v1/rewards as a PRM. One engine loop steps them all; each served model gets a search runner
+    whose problems, from every request, advance together. With `engine_thread=False` the caller runs
+    the loop (`app.state.engine.run_forever()`)."""
     metrics = ServerMetrics()
     scorers, loop = {}, None
     if isinstance(model, dict) and len(model) > 1:
@@ -39,8 +40,8 @@ def build_app(model: str | dict[str, str], served_model_name: str | None = None,
         for name, row in runtime.memory.items():
             metrics.add_model(served[name], name).set_memory(row)
     else:
-        path = next(iter(model.values())) if isinstance(model, dict) else model
-        name = served_model_name or str(path)
+        name, path = next(iter(model.items())) if isinstance(model, dict) else (served_name(model), model)
+        name = served_model_name or name
         served = {name: LLMEngine(EngineConfig(model=path, **engine_options))}
         metrics.add_model(served[name], name)
     async_engine = AsyncLLMEngine(served, max_queue=max_queue, on_step=metrics.on_step, on_abort=metrics.on_abort,
@@ -65,19 +66,21 @@ def app_from_args(args):
     keys = api_keys(args)
     chat_template = load_chat_template(args.chat_template)
     tool_settings = ToolSettings(args.tool_call_parser, args.enable_auto_tool_choice)
-    models = _named_models(args.model) if args.model else DEFAULT_PAIR
-    target = args.model_path or (models if len(models) > 1 else next(iter(models.values())))
-    return build_app(target, served_model_name=args.served_model_name, api_keys=keys, kv_mode=args.kv_mode,
-                     max_queue=args.max_queue, max_problems_in_flight=args.max_problems_in_flight,
-                     dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                     kv_cache_memory_bytes=args.kv_cache_memory_bytes, block_size=args.block_size,
-                     enable_prefix_caching=not args.no_prefix_caching, attention_backend=args.attention_backend,
-                     enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
-                     tensor_parallel_size=args.tensor_parallel_size,
-                     distributed_executor_backend=args.distributed_executor_backend,
-                     threads_per_rank=args.threads_per_rank, engine_thread=False,
-                     chat_template=chat_template, tool_settings=tool_settings, drain=Drain(args.shutdown_timeout))
+    target = args.model_path or (named_models(args.model) if args.model else DEFAULT_PAIR)
+    app = build_app(target, served_model_name=args.served_model_name, api_keys=keys, kv_mode=args.kv_mode,
+                    max_queue=args.max_queue, max_problems_in_flight=args.max_problems_in_flight,
+                    dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                    kv_cache_memory_bytes=args.kv_cache_memory_bytes, block_size=args.block_size,
+                    enable_prefix_caching=not args.no_prefix_caching, attention_backend=args.attention_backend,
+                    enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
+                    tensor_parallel_size=args.tensor_parallel_size,
+                    distributed_executor_backend=args.distributed_executor_backend,
+                    threads_per_rank=args.threads_per_rank, engine_thread=False,
+                    chat_template=chat_template, tool_settings=tool_settings, drain=Drain(args.shutdown_timeout))
+    tokenizers = {name: engine.tokenizer for name, engine in app.state.engine.engines.items()}
+    warn_replaced_tool_templates(tokenizers, chat_template, args.chat_template)
+    return app
 
 
 def _logged_app(args):
@@ -91,6 +94,13 @@ def _logged_app(args):
 
 
 def serve(args) -> int:
+    from treeserve.ports import PortInUseError, ensure_port_free
+
+    try:  # before the models load: a taken port is said at once, not after a minute of loading
+        ensure_port_free(args.host, args.port, "--port")
+    except PortInUseError as error:
+        print(f"treeserve serve: {error}", file=sys.stderr)
+        return 2
     app = _logged_app(args)
     if app is None:
         return 2

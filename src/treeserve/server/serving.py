@@ -13,12 +13,23 @@ from treeserve.engine.async_engine import AsyncLLMEngine, QueueFullError
 from treeserve.engine.detokenizer import stop_hold_back
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.errors import ParamError
+from treeserve.model.registry import BUILTIN_PREFIX
 from treeserve.outputs import CompletionOutput, RequestOutput
 from treeserve.sampling_params import SamplingParams
 from treeserve.server.errors import APIError, from_value_error
 from treeserve.entrypoints.chat_utils import render_chat
 from treeserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, Tool, template_messages
 from treeserve.server.tool_calls import ToolCallStream, ToolCalling, ToolSettings, special_tokens
+
+
+def unknown_model(model: str | None, served: list[str]) -> APIError:
+    """The 404 for a model this server does not serve; a name that differs from a served one only by
+    `builtin:` (a bundled model is served as NAME, `builtin:NAME` being how it is loaded) gets a hint."""
+    bare = model.removeprefix(BUILTIN_PREFIX) if model else model
+    like = [name for name in served if name.removeprefix(BUILTIN_PREFIX) == bare]
+    hint = f"; did you mean '{like[0]}'?" if like else ""
+    return APIError(404, f"model: '{model}' does not exist{hint} (served: {', '.join(served)})", param="model",
+                    code="model_not_found")
 
 
 class OpenAIServing:
@@ -49,8 +60,7 @@ class OpenAIServing:
     # ---- shared -----------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
         if name != self.model_name:
-            raise APIError(404, f"model: '{name}' does not exist; this server serves '{self.model_name}'",
-                           param="model", code="model_not_found")
+            raise unknown_model(name, [self.model_name])
 
     def check_capacity(self, count: int) -> None:
         if self.engine.errored is not None:
