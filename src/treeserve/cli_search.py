@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from treeserve.model.registry import DEFAULT_GENERATOR, DEFAULT_VERIFIER
@@ -28,6 +29,7 @@ def _add_search_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--generator", default=DEFAULT_GENERATOR, help="generator model directory or builtin:NAME")
     parser.add_argument("--verifier", default=DEFAULT_VERIFIER, help="process reward model directory or builtin:NAME")
     parser.add_argument("--recipe", help="how the verifier reads steps: rlhflow, math-shepherd, chat-steps, "
+                        "lm-likelihood (a plain LM scoring by its own likelihood, as the bundled arith-prm), "
                         "qwen-prm or value-head (default: the one the verifier's config.json names, else its "
                         "reward head's own, else rlhflow)")
     parser.add_argument("--strategy", default="beam",
@@ -82,6 +84,8 @@ def _runner(args, rt, reference: bool = False):
 
 
 def cmd_search(args) -> int:
+    from treeserve.search.tree import REJECT_THRESHOLD
+
     rt = _runtime(args)
     config = _config(args, args.strategy, args.n, rt)
     result = _runner(args, rt).run([args.question], config)[0]
@@ -90,6 +94,10 @@ def cmd_search(args) -> int:
     print(f"--- answer: {result.pred}  score: {result.agg_scores[result.chosen]:.4f}  "
           f"tree size: {result.tree_size} steps, {result.completion_tokens} generated tokens, "
           f"{len(result.completions)} candidates, {result.seconds:.1f} s")
+    if result.verifier_rejected_all:
+        print(f"warning: the verifier rejected every candidate (best score {max(result.agg_scores):.4f} under "
+              f"{REJECT_THRESHOLD}): the answer is a guess (is the question the kind the models were trained on?)",
+              file=sys.stderr)
     return 0
 
 
