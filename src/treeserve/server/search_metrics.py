@@ -1,40 +1,46 @@
 """Search and scoring metrics, read from the runners and scorers when /metrics is scraped.
 
-Counts live where the work happens (`SearchRunner`, `StepScorer`, kept KV); this collector only
-reads them, so the engine thread pays nothing per step for them.
+Counts live where the work happens (`SearchRunner`, `StepScorer`, kept KV), kept up to date as plain
+integers; a scrape reads them (a few dozen attribute reads, safe from the HTTP thread), so the
+engine thread pays nothing per step for them, and a scrape right after a search shows it. Only the
+tree-size histogram is written on the engine thread, when a problem finishes.
 """
 from __future__ import annotations
-
-from prometheus_client import Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 TREE_SIZE_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
-class SearchCollector:
-    def __init__(self, searches: dict, scorers: dict, registry):
-        self.searches = searches  # generator name -> SearchServing
-        self.scorers = scorers    # reward model name -> StepScorer
-        self.tree_size = Histogram("treeserve:search_tree_size", "Steps generated per finished search problem.",
-                                   ["model_name"], buckets=TREE_SIZE_BUCKETS, registry=registry)
+class SearchMetrics:
+    def __init__(self, metrics, searches: dict, scorers: dict):
+        """`metrics` is the server's `ServerMetrics`; `searches` maps a generator's name to its
+        SearchServing, `scorers` a reward model's name to its StepScorer."""
+        self._metrics = metrics
+        self.tree_size = metrics.family("histogram", "search_tree_size", "Steps generated per finished search problem.",
+                                        buckets=TREE_SIZE_BUCKETS)
         for name, serving in searches.items():
             serving.runner.finished_observers.append(self._observer(name))
-        registry.register(self)
+        runners = {name: serving.runner for name, serving in searches.items()}
+        self._reads = []  # (a series, how to read its value, what from)
+        for table, sources in ((RUNNER_SERIES, runners), (SCORER_SERIES, scorers)):
+            for kind, name, doc, read in table:  # counters: the sources' own totals, with no `_created`
+                family = metrics.family(kind, name, doc, created=False)
+                self._reads += [(family.labels(model_name=model), read, source) for model, source in sources.items()]
 
     def _observer(self, name: str):
         histogram = self.tree_size.labels(model_name=name)
 
-        def observe(handle) -> None:
+        def observe(handle) -> None:  # on the engine thread
             if handle.result is not None:
                 histogram.observe(handle.result.tree_size)
+                self._metrics.changed()
         return observe
 
-    def collect(self):
-        runners = {name: s.runner for name, s in self.searches.items()}
-        for kind, name, doc, read in RUNNER_SERIES:
-            yield _family(kind, name, doc, {model: read(r) for model, r in runners.items()})
-        for kind, name, doc, read in SCORER_SERIES:
-            yield _family(kind, name, doc, {model: read(s) for model, s in self.scorers.items()})
+    def read(self) -> tuple:
+        """Copies the current counts into their series (on a scrape); returns them."""
+        values = tuple(read(source) for _, read, source in self._reads)
+        for (series, _, _), value in zip(self._reads, values):
+            series.value = value
+        return values
 
 
 # (kind, name, help, how to read it off a SearchRunner / a StepScorer)
@@ -58,11 +64,3 @@ SCORER_SERIES = [
     ("gauge", "kv_blocks_kept", "KV blocks the scorer keeps on purpose for extensions (released under pressure).",
      lambda s: s.engine.retained.num_blocks()),
 ]
-
-
-def _family(kind: str, name: str, doc: str, values: dict):
-    cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
-    family = cls(f"treeserve:{name}", doc, labels=["model_name"])
-    for model, value in values.items():
-        family.add_metric([model], value)
-    return family

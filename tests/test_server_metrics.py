@@ -1,0 +1,104 @@
+"""/metrics: prometheus_client's text, byte for byte, at a fraction of its cost (a scrape holds the GIL
+that the engine thread needs between its ops), rendered on the HTTP thread without waiting for the
+engine thread."""
+import re
+import sys
+import threading
+
+import httpx
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from conftest import API_KEY, wait_idle
+from treeserve.server.metrics import ServerMetrics
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+BUCKETS = (0.001, 0.5, 1.0, 8.0, 640.0)
+ODD_NAME = 'a "quoted\\ name\nwith a newline'
+
+
+def _unstamped(text: str) -> str:
+    return re.sub(r"(_created\{[^}]*\}) \S+", r"\1 T", text)
+
+
+def test_the_text_is_prometheus_clients_byte_for_byte():
+    ours, reference = ServerMetrics(), CollectorRegistry()
+    doc = "A doc with a back\\slash\nand a newline."
+    for kind, cls, name in (("gauge", Gauge, "g"), ("counter", Counter, "c"), ("histogram", Histogram, "h"),
+                            ("counter", Counter, "unused")):
+        options = {"buckets": BUCKETS} if kind == "histogram" else {}
+        family = ours.family(kind, name, doc, **options)
+        theirs = cls(f"treeserve:{name}", doc, ["model_name", "finished_reason"], registry=reference, **options)
+        if name == "unused":
+            continue
+        for model in ("m", ODD_NAME):
+            mine, their = family.labels(model_name=model, finished_reason="stop"), theirs.labels(model, "stop")
+            for value in (0, 0.001, 0.0007, 1.0, 3, 639.9, 1e4, 2.5e6):  # on, between and past the bounds
+                if kind == "gauge":
+                    mine.set(value)
+                    their.set(value)
+                elif kind == "counter":
+                    mine.inc(value)
+                    their.inc(value)
+                else:
+                    mine.observe(value)
+                    their.observe(value)
+    assert _unstamped(ours.render().decode()) == _unstamped(generate_latest(reference).decode())
+
+
+def _python_calls(fn) -> tuple[object, int]:
+    calls = 0
+
+    def profile(frame, event, arg):
+        nonlocal calls
+        calls += event == "call"
+    sys.setprofile(profile)
+    try:
+        result = fn()
+    finally:
+        sys.setprofile(None)
+    return result, calls
+
+
+def test_a_scrape_formats_numbers_only_and_an_unchanged_state_not_even_those(server):
+    """The GIL a render holds is what a scrape costs the engine thread: the label text of every line is
+    built once, so a render makes about one Python call per line (prometheus_client's generate_latest
+    made about 14: it re-escaped every label of every sample), and a scrape that finds nothing changed
+    since the last one serves the same bytes."""
+    resp = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 5},
+                      headers=AUTH, timeout=60)
+    assert resp.status_code == 200
+    wait_idle(server.engine)
+    metrics = server.app.state.metrics
+    body, calls = _python_calls(metrics.render)  # something changed since the last scrape: formats again
+    lines = body.count(b"\n")
+    assert lines > 150 and calls < 3 * lines, (calls, lines)
+    again, calls = _python_calls(metrics.render)
+    assert again is body and calls < 50, calls
+
+
+def test_a_scrape_neither_runs_on_the_engine_thread_nor_waits_for_it(server, monkeypatch):
+    metrics, loop = server.app.state.metrics, server.async_engine.loop
+    entered, release = threading.Event(), threading.Event()
+    engine_thread, rendered_on = [], []
+
+    def stuck_step(engine, outputs) -> None:  # the engine thread, stuck mid-step
+        engine_thread.append(threading.current_thread())
+        entered.set()
+        release.wait(30)
+    render = metrics.render
+    monkeypatch.setattr(metrics, "render", lambda: rendered_on.append(threading.current_thread()) or render())
+    loop.step_observers.append(stuck_step)
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 3}
+    request = threading.Thread(target=httpx.post, args=(f"{server.url}/v1/completions",),
+                               kwargs={"json": body, "headers": AUTH, "timeout": 60})
+    try:
+        request.start()
+        assert entered.wait(30), "the engine did not step"
+        scrape = httpx.get(f"{server.url}/metrics", headers=AUTH, timeout=5)
+        assert scrape.status_code == 200 and b"treeserve:num_requests_running" in scrape.content
+    finally:
+        loop.step_observers.remove(stuck_step)
+        release.set()
+        request.join(60)
+    assert rendered_on and engine_thread[0] not in rendered_on, (rendered_on, engine_thread)
+    wait_idle(server.engine)
