@@ -125,3 +125,41 @@ def test_arrivals_poisson_and_gamma():
     assert statistics.mean(bursty) == pytest.approx(0.1, rel=0.05)
     assert statistics.stdev(bursty) / statistics.mean(bursty) == pytest.approx(2.0, rel=0.07)  # 1/sqrt(shape)
     assert arrival_gaps(3, rate=math.inf, burstiness=1.0, rng=rng) == [0.0, 0.0, 0.0]
+
+
+def _reference_parse(text: str) -> dict[str, float]:
+    """prometheus_client's own parser, keyed as the telemetry keys series."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if not sample.name.endswith("_created"):
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+                samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = float(sample.value)
+    return samples
+
+
+def test_the_exposition_reader_agrees_with_prometheus_clients_parser():
+    """On a registry's own text (escapes, spaces and braces in label values, histograms, +Inf,
+    `_created` stamps), on a text with timestamps and unsorted labels as other servers write it, and
+    read twice by one reader (its second read comes from its cache of series)."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+    from treeserve.bench.telemetry import ExpositionReader
+
+    registry = CollectorRegistry()
+    odd = 'a "quoted\\ name}\nwith {spaces} = and, commas'
+    Counter("requests", "Requests.", ["model", "reason"], registry=registry).labels(odd, "stop").inc(3)
+    Gauge("running", "Running.", registry=registry).set(float("nan"))
+    histogram = Histogram("latency_seconds", "Latency.", ["model"], buckets=(0.1, 1.0), registry=registry)
+    for value in (0.05, 0.5, 5.0):
+        histogram.labels("m").observe(value)
+    exposition = generate_latest(registry).decode()
+    foreign = ('# HELP vllm:x X.\n# TYPE vllm:x gauge\nvllm:x{zeta="1",alpha="2"} 7 1700000000000\n'
+               'vllm:x{zeta="3",alpha="4"} -Inf\n')
+    reader = ExpositionReader()
+    for text in (exposition, foreign, exposition):
+        ours, theirs = reader.read(text), _reference_parse(text)
+        assert ours.keys() == theirs.keys()
+        assert all(ours[k] == theirs[k] or (math.isnan(ours[k]) and math.isnan(theirs[k])) for k in ours)

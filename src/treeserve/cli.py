@@ -114,7 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     from treeserve.cli_search import add_search_parsers
     from treeserve.tasks.cli_tasks import add_tasks_parsers
 
-    parser = argparse.ArgumentParser(prog="treeserve", description="LLM inference and test-time search runtime")
+    from treeserve.cli_help import Parser
+
+    parser = Parser(prog="treeserve", description="LLM inference and test-time search runtime")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="generate text for one or more prompts")
     _add_engine_args(run)

@@ -11,7 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from treeserve.cli_help import DefaultsHelpFormatter
 from treeserve.lifecycle import child_env
 
 GENERATOR, VERIFIER, ROUTER = "arith-gen", "arith-prm", "arith-router"
@@ -28,8 +27,7 @@ EXAMPLES = [
 
 
 def add_chat_parser(sub) -> None:
-    chat = sub.add_parser("chat", help="the web chat on the bundled models: a server, the gateway and a first user",
-                          formatter_class=DefaultsHelpFormatter)
+    chat = sub.add_parser("chat", help="the web chat on the bundled models: a server, the gateway and a first user")
     chat.add_argument("--host", default="127.0.0.1", help="the chat page's address")
     chat.add_argument("--port", type=int, default=4000, help="the chat page's (the gateway's) port")
     chat.add_argument("--serve-port", type=int, help="the model server's port on 127.0.0.1 (default: a free one)")

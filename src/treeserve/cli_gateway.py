@@ -177,7 +177,9 @@ def main(argv: list[str]) -> int:
     """`treeserve gateway ...` and `treeserve chat` without the engine's imports (see treeserve.cli.main)."""
     from treeserve.server.errors import APIError
 
-    parser = argparse.ArgumentParser(prog="treeserve")
+    from treeserve.cli_help import Parser
+
+    parser = Parser(prog="treeserve")
     add_gateway_parsers(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     try:
