@@ -50,3 +50,49 @@ def test_the_gateway_checks_its_examples():
         _config(examples={"gen": [{"mode": "dance", "text": "x"}]})
     with pytest.raises(ParamError, match="needs a verifier"):
         _config(examples={"prm": [{"mode": "search", "text": "x"}]})
+
+
+def test_each_user_sees_only_the_models_their_key_allows(tmp_path):
+    """`/chat/api/me` (the page's model list, search models and examples) names only the models a
+    user's key allows, and the chat refuses a message to any other."""
+    import httpx
+
+    from chat_support import add_user
+    from conftest import running_server
+    from treeserve.gateway.app import build_app
+
+    chat_only = [e for e in EXAMPLES if e["mode"] == "chat"]
+    models = {name: ModelConfig(name, [BackendConfig("http://127.0.0.1:1")]) for name in ("gen", "other", "prm")}
+    config = GatewayConfig(models=models, master_key="sk-master", database=f"sqlite:///{tmp_path / 'gateway.db'}",
+                           health_interval=0, chat=ChatConfig(enabled=True, verifiers={"gen": "prm"},
+                                                              examples={"gen": EXAMPLES, "other": chat_only}))
+    gateway = build_app(config)
+    with running_server(gateway) as url:
+        add_user(gateway, "everyone", "a long enough password")
+        add_user(gateway, "other-only", "a long enough password", models=["other"])
+        add_user(gateway, "gen-only", "a long enough password", models=["gen", "prm"])
+
+        def me(user: str) -> tuple[httpx.Client, dict]:
+            client = httpx.Client(base_url=url, timeout=30)
+            login = client.post("/chat/api/login", json={"user_id": user, "password": "a long enough password"})
+            assert login.status_code == 200, login.text
+            client.headers["X-CSRF-Token"] = login.json()["csrf_token"]
+            response = client.get("/chat/api/me")
+            assert response.status_code == 200, response.text
+            return client, response.json()
+
+        _, everyone = me("everyone")
+        assert everyone["models"] == ["gen", "other"] and everyone["search_models"] == ["gen"]
+        assert set(everyone["examples"]) == {"gen", "other"}
+
+        client, other_only = me("other-only")
+        assert other_only["models"] == ["other"], other_only["models"]
+        assert other_only["search_models"] == [] and set(other_only["examples"]) == {"other"}
+        conversation = client.post("/chat/api/conversations", json={"settings": {"model": "other"}}).json()
+        refused = client.post(f"/chat/api/conversations/{conversation['id']}/messages",
+                              json={"content": "hi", "settings": {"model": "gen"}})
+        assert refused.status_code == 403 and refused.json()["error"]["code"] == "model_not_allowed", refused.text
+
+        _, gen_only = me("gen-only")
+        assert gen_only["models"] == ["gen"] and gen_only["search_models"] == ["gen"], gen_only
+        assert set(gen_only["examples"]) == {"gen"}

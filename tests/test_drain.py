@@ -73,10 +73,13 @@ class Stream(threading.Thread):
 class Call(threading.Thread):
     def __init__(self, url: str, path: str, body: dict):
         super().__init__(daemon=True)
-        self.url, self.path, self.body, self.response = url, path, body, None
+        self.url, self.path, self.body, self.response, self.done_at = url, path, body, None, None
 
     def run(self) -> None:
-        self.response = httpx.post(self.url + self.path, json=self.body, timeout=120)
+        try:
+            self.response = httpx.post(self.url + self.path, json=self.body, timeout=120)
+        finally:
+            self.done_at = time.monotonic()
 
 
 def _long_stream(url: str) -> Stream:
@@ -137,13 +140,19 @@ def _mock_stream(url: str, headers: dict, tokens: int) -> Stream:
                                                 "max_tokens": tokens, "stream": True}, headers)
 
 
-def _searches_in(url: str) -> bool:
-    """The server holds a search problem (queued, under way or finished), by its own metrics."""
+def _search_problems(url: str) -> dict[str, float]:
+    """The server's search problems by state (running, waiting, finished), by its own metrics."""
     from treeserve.bench.telemetry import parse_prometheus
 
     metrics = parse_prometheus(httpx.get(url + "/metrics", timeout=5).text)
-    names = ("search_problems_running", "search_problems_waiting", "search_problems_finished")
-    return sum(v for k, v in metrics.items() if k.startswith(tuple(f"treeserve:{n}" for n in names))) >= 1
+    return {state: sum(v for k, v in metrics.items() if k.startswith(f"treeserve:search_problems_{state}"))
+            for state in ("running", "waiting", "finished")}
+
+
+def _search_in_flight(url: str) -> bool:
+    """The server is running a search problem and has finished none."""
+    problems = _search_problems(url)
+    return problems["running"] >= 1 and problems["finished"] == 0
 
 
 def test_serve_finishes_a_stream_and_a_search_then_exits(pair_server):
@@ -154,7 +163,9 @@ def test_serve_finishes_a_stream_and_a_search_then_exits(pair_server):
     stream.start()
     assert stream.first.wait(60) and stream.error is None, stream.error
     search.start()
-    assert wait_for(lambda: _searches_in(url), timeout=60, interval=0.05), "the search never reached the server"
+    assert wait_for(lambda: _search_in_flight(url), timeout=60, interval=0.05), \
+        f"the search was never seen running and unfinished: {_search_problems(url)}"
+    signalled = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     _probe_draining(url, "/v1/completions", {"model": "gen", "prompt": "late", "max_tokens": 4})
     probed = time.monotonic()
@@ -162,7 +173,9 @@ def test_serve_finishes_a_stream_and_a_search_then_exits(pair_server):
     search.join(120)
     assert stream.done_at > probed, "the stream ended before the probes: too short to test the drain"
     assert stream.complete and stream.tokens() == 8 * STREAM_TOKENS, stream.events[-3:]
+    assert search.done_at > signalled, "the search ended before the signal: it was not in flight"
     assert search.response.status_code == 200, search.response.text
+    assert search.response.json()["object"] == "search.result" and search.response.json()["candidates"]
     assert proc.wait(60) == 0, log.read_text()[-3000:]
     assert "drained" in log.read_text()
 

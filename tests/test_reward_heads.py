@@ -74,6 +74,8 @@ def test_step_scores_match_the_reference_with_chunks_and_reuse(reward_model):
     finally:
         runtime.close()
     expected = reference_scores(architecture, path, QUESTION, STEPS)
+    assert len(full) == len(expected) == len(STEPS), (full, expected)  # one score a step, none left out by zip
+    assert len(first) == 2, first
     assert max(abs(a - b) for a, b in zip(full, expected)) < 1e-4, (full, expected)
     assert max(abs(a - b) for a, b in zip(first, expected[:2])) < 1e-4
     assert scorer.num_reused_tokens > reused  # the longer conversation reused the shorter one's tokens
@@ -103,6 +105,7 @@ def test_served_rewards_and_a_search_with_it_as_the_verifier(reward_model, llama
     scores = served.json()["scores"]
     assert served.json()["recipe"] == declared_recipe(path)
     expected = reference_scores(architecture, path, QUESTION, STEPS)
+    assert len(scores) == len(expected) == len(STEPS), (scores, expected)  # one score a step, none left out by zip
     assert max(abs(a - b) for a, b in zip(scores, expected)) < 1e-4
     assert refused.status_code == 400 and "process reward model" in refused.text
     assert main(["search", "--generator", str(llama_dir), "--verifier", str(path), "--n", "4", "--beam-width", "2",

@@ -13,8 +13,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 
 import httpx
+import pytest
 import yaml
 
 from conftest import API_KEY
@@ -23,6 +25,7 @@ from treeserve.bench.sse_data import asse_data
 from treeserve.gateway.store import Store
 
 MASTER = "sk-master-rolling"
+PRICE_OUT = 1e-4
 CONCURRENCY, TOKENS = 32, 16
 # The load (the clients, the gateway, the replicas first started) runs at a lower priority than a
 # replica starting again, which would otherwise take 15 s to start on two busy cores.
@@ -87,7 +90,7 @@ def test_rolling_restart_of_two_replicas_under_load(llama_dir, tmp_path):
         "master_key": MASTER, "database": database, "routing": "round_robin", "health_interval": 0.5,
         "breaker_cooldown": 1.0,
         "models": {"tiny": {"backends": [{"url": url, "api_key": API_KEY} for url in urls],
-                            "output_cost_per_token": 1e-4}}}))
+                            "output_cost_per_token": PRICE_OUT}}}))
     gateway_log = tmp_path / "gateway.log"
     procs.append(subprocess.Popen([sys.executable, "-m", "treeserve.cli", "gateway", "--config", str(config),
                                    "--port", str(gateway_port)], stdout=subprocess.DEVNULL,
@@ -118,7 +121,17 @@ def test_rolling_restart_of_two_replicas_under_load(llama_dir, tmp_path):
         retries = _retries(gateway)
         procs[2].send_signal(signal.SIGTERM)  # the gateway drains and writes its spend logs
         assert procs[2].wait(60) == 0, gateway_log.read_text()[-3000:]
-        rows = {row["request_id"]: row for row in Store(database).spend_logs(limit=100_000)}
+        logs = Store(database).spend_logs(limit=100_000)
+        ids = [r["id"] for r in load.results]
+        shared = [i for i, n in Counter(ids).items() if i is None or n > 1]
+        assert not shared, f"request ids missing or shared by several requests: {shared[:5]}"
+        billed = Counter(row["request_id"] for row in logs)
+        not_once = {i: n for i, n in billed.items() if n != 1} | {i: 0 for i in ids if i not in billed}
+        assert not not_once, f"requests not billed exactly once (id: rows): {dict(list(not_once.items())[:5])}"
+        assert set(billed) == set(ids), f"rows for requests the load never sent: {sorted(set(billed) - set(ids))[:5]}"
+        assert len(logs) == len(load.results)
+        assert all(row["cost"] == pytest.approx(TOKENS * PRICE_OUT) for row in logs), "a request billed twice over"
+        rows = {row["request_id"]: row for row in logs}
         assert len(rows) == len(load.results)
         assert all(rows[r["id"]]["status"] == "success" and rows[r["id"]]["completion_tokens"] == TOKENS
                    for r in load.results)
