@@ -13,7 +13,7 @@ import pytest
 
 from gateway_support import rabbit_node
 from treeserve.gateway.broker import BrokerClient, BrokerLost, BrokerStream
-from treeserve.gateway.broker_protocol import queue_name
+from treeserve.wire.broker_protocol import queue_name
 
 TIMEOUT = 60  # the backend's timeout: what a request waited before the fix
 

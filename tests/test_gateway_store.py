@@ -16,7 +16,7 @@ from treeserve.gateway.schema import ApiKey, Base, Holding, Instance, RateWindow
 from treeserve.gateway.settlement import Settlement
 from treeserve.gateway.store import Store, utcnow
 from treeserve.gateway.usage import Usage
-from treeserve.server.errors import APIError
+from treeserve.wire.errors import APIError
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

@@ -4,7 +4,7 @@ import httpx
 import openai
 import pytest
 
-from treeserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from treeserve.wire.protocol import ChatCompletionRequest, CompletionRequest
 
 MESSAGES = [{"role": "user", "content": "Tell me about the water"}]
 

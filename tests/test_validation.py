@@ -6,7 +6,7 @@ from treeserve import LLM, SamplingParams
 from treeserve.config import EngineConfig
 from treeserve.errors import ParamError
 from treeserve.search.config import SearchConfig
-from treeserve.server.errors import from_value_error
+from treeserve.wire.errors import from_value_error
 
 
 @pytest.mark.parametrize("kwargs, name", [

@@ -47,7 +47,7 @@ def first_user(store, user_id: str) -> str:
     """The user made (or its password renewed) with a fresh random password, which is returned."""
     from treeserve.gateway.chat.store import ChatStore
     from treeserve.gateway.passwords import hash_password
-    from treeserve.server.errors import APIError
+    from treeserve.wire.errors import APIError
 
     password = "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(16))
     try:

@@ -175,7 +175,7 @@ def cmd_users_set_password(args) -> int:
 
 def main(argv: list[str]) -> int:
     """`treeserve gateway ...` and `treeserve chat` without the engine's imports (see treeserve.cli.main)."""
-    from treeserve.server.errors import APIError
+    from treeserve.wire.errors import APIError
 
     from treeserve.cli_help import Parser
 

@@ -1,7 +1,7 @@
 """Process lifecycle: SIGTERM and SIGINT end a command alike, with status 0 once its `finally`
 blocks have stopped its children (a second signal cuts that short), and a child started by a
 treeserve command dies with it, even when the parent is killed with SIGKILL (issue #40). The
-servers drain before they end (server/drain.py).
+servers drain before they end (wire/drain.py).
 
 uvicorn catches SIGINT and SIGTERM, shuts down gracefully, restores the handlers it found and then
 raises the signal again. With Python's default SIGTERM handler that last step kills the process on

@@ -9,11 +9,9 @@ weighted sum (as 0 * value), and uninitialised memory can hold NaN.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 
 import torch
 
-from treeserve.engine.block_pool import BlockPool
 from treeserve.errors import ParamError
 from treeserve.model.hf_config import ModelConfig
 from treeserve.model.transfer import to_device
@@ -84,19 +82,3 @@ class KVArena:
             # pinned and non-blocking: a pageable copy would make the host wait for the device
             pairs = to_device(torch.tensor(copies, dtype=torch.long), self.pages.device)
             self.pages[pairs[:, 1]] = self.pages[pairs[:, 0]]
-
-
-@dataclass
-class KVSpace:
-    """The KV memory an engine draws from: byte pages and the pool that hands them out."""
-    arena: KVArena
-    pool: BlockPool
-
-    @classmethod
-    def create(cls, budget_bytes: int, page_bytes: int, device: torch.device, enable_caching: bool,
-               reclaim=None) -> "KVSpace":
-        """`reclaim(owner)`: the pool's way to free a kept sequence before evicting shared prefixes."""
-        num_pages = budget_bytes // aligned(page_bytes)
-        if num_pages < 1:
-            raise ParamError("kv_cache_memory_bytes", f"{budget_bytes} bytes hold no KV page of {page_bytes} bytes")
-        return cls(KVArena(num_pages, page_bytes, device), BlockPool(num_pages, enable_caching, reclaim))

@@ -13,7 +13,8 @@ from treeserve.engine.kept_kv import KeptSequences
 from treeserve.engine.cuda_graphs import DecodeGraphs
 from treeserve.engine.kv_cache_manager import KVCacheManager
 from treeserve.engine.memory import kv_budget_bytes
-from treeserve.engine.kv_arena import KVSpace, kv_bytes_per_token
+from treeserve.engine.kv_arena import kv_bytes_per_token
+from treeserve.engine.kv_space import KVSpace
 from treeserve.engine.model_runner import ModelRunner
 from treeserve.engine.output_processor import OutputProcessor
 from treeserve.engine.request import Request, RequestGroup

@@ -16,7 +16,7 @@ from treeserve.gateway.fields import INT32_MAX, NO_NUL, Text
 from treeserve.gateway.passwords import hash_password
 from treeserve.gateway.pricing import NO_PRICES
 from treeserve.gateway.store import Store, logs_csv
-from treeserve.server.errors import APIError
+from treeserve.wire.errors import APIError
 
 log = logging.getLogger("treeserve.gateway")
 # The sizes of their columns (gateway/schema.py): a longer value is a 400 here, not a database error.

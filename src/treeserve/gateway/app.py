@@ -30,11 +30,11 @@ from treeserve.gateway.proxy import Forwarder, Outcome, new_request_id
 from treeserve.gateway.routing import Router, affinity_key
 from treeserve.gateway.settlement import Reservation, Settlement
 from treeserve.gateway.database import default_url
-from treeserve.server.drain import Drain, DrainMiddleware, readiness
+from treeserve.wire.drain import Drain, DrainMiddleware, readiness
 from treeserve.gateway.store import Store, utcnow
-from treeserve.server import openapi
-from treeserve.server.errors import APIError, error_response, from_value_error, install_error_handlers
-from treeserve.server.protocol import ChatCompletionRequest, CompletionRequest, RewardRequest, SearchRequest
+from treeserve.wire import openapi
+from treeserve.wire.errors import APIError, error_response, from_value_error, install_error_handlers
+from treeserve.wire.protocol import ChatCompletionRequest, CompletionRequest, RewardRequest, SearchRequest
 
 log = logging.getLogger("treeserve.gateway")
 MAX_BODY_BYTES = 32 << 20

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import aio_pika
 
-from treeserve.gateway.broker_protocol import CANCEL_EXCHANGE, encode_request, queue_name
+from treeserve.wire.broker_protocol import CANCEL_EXCHANGE, encode_request, queue_name
 from treeserve.gateway.sse import SSESplitter
 
 log = logging.getLogger("treeserve.gateway")

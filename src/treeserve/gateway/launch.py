@@ -1,14 +1,14 @@
-"""Running the gateway's app: uvicorn with the drain of server/drain.py (`treeserve gateway` and
+"""Running the gateway's app: uvicorn with the drain of wire/drain.py (`treeserve gateway` and
 `treeserve chat`)."""
 from __future__ import annotations
 
 import sys
 
-from treeserve.server.drain import DrainingServer, uvicorn_config
+from treeserve.wire.drain import DrainingServer, uvicorn_config
 
 
 def run_gateway(app, host: str, port: int) -> int:
-    """Serves the gateway app until SIGTERM or SIGINT, then drains it (server/drain.py); its spend
+    """Serves the gateway app until SIGTERM or SIGINT, then drains it (wire/drain.py); its spend
     logs are written before this returns, a second signal's exit included. 1 if it could not start."""
     # The event loop hands the GIL to the settlement writer and worker threads in 1 ms turns, not 5.
     sys.setswitchinterval(0.001)

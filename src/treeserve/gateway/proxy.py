@@ -28,7 +28,7 @@ from treeserve.gateway.pricing import completion_cap
 from treeserve.gateway.routing import Backend, Router
 from treeserve.gateway.sse import DONE, StreamState, error_event, event_batches
 from treeserve.gateway.usage import Usage
-from treeserve.server.errors import error_response
+from treeserve.wire.errors import error_response
 
 log = logging.getLogger("treeserve.gateway")
 RETRYABLE_STATUS = {429, 503}
@@ -70,7 +70,7 @@ class Forwarder:
 
     def cut_streams(self) -> None:
         """Ends every relayed stream still running with an error event (each is billed for what its
-        client got): the drain's time is up (server/drain.py)."""
+        client got): the drain's time is up (wire/drain.py)."""
         if self.streams:
             log.warning("the drain's time is up: cutting %d stream(s) still running", len(self.streams))
         for cut in list(self.streams.values()):

@@ -32,7 +32,7 @@ from treeserve.gateway.keys import KeyRecord
 from treeserve.gateway.database import make_engine
 from treeserve.gateway.schema import ApiKey, DailySpend, Holding, Instance, RateWindow, SpendLog, User, utcnow
 from treeserve.gateway.settlement import Reservation, Settlement, SettlementWriter, apply_settlements
-from treeserve.server.errors import APIError
+from treeserve.wire.errors import APIError
 
 log = logging.getLogger("treeserve.gateway")
 MIGRATIONS = Path(__file__).parent / "migrations"

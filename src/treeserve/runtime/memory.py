@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from treeserve.engine.engine_loop import EngineLoop
-from treeserve.engine.kv_arena import KVSpace
+from treeserve.engine.kv_space import KVSpace
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.sampling_params import SamplingParams
 

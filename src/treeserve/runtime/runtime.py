@@ -15,7 +15,8 @@ import torch
 from treeserve.errors import ParamError
 from treeserve.config import CPU_DEFAULT_KV_BYTES, EngineConfig
 from treeserve.engine.engine_loop import EngineLoop
-from treeserve.engine.kv_arena import KVSpace, aligned, fitted_page_bytes
+from treeserve.engine.kv_arena import aligned, fitted_page_bytes
+from treeserve.engine.kv_space import KVSpace
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.engine.tp_start import start_executor
 from treeserve.engine.memory import available_host_bytes

@@ -13,11 +13,11 @@ from pydantic import BaseModel, ValidationError
 from treeserve import __version__
 from treeserve.engine.async_engine import AsyncLLMEngine
 from treeserve.engine.llm_engine import LLMEngine
-from treeserve.server.drain import Drain, DrainMiddleware, readiness
-from treeserve.server.errors import APIError, error_response, from_validation_error, install_error_handlers
-from treeserve.server import openapi
+from treeserve.wire.drain import Drain, DrainMiddleware, readiness
+from treeserve.wire.errors import APIError, error_response, from_validation_error, install_error_handlers
+from treeserve.wire import openapi
 from treeserve.server.metrics import ServerMetrics
-from treeserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+from treeserve.wire.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        RewardRequest, SearchRequest, TokenizeRequest)
 from treeserve.server.serving import OpenAIServing, unknown_model
 from treeserve.server.serving_search import SearchServing
@@ -83,7 +83,7 @@ def create_app(engine: AsyncLLMEngine, served: dict[str, LLMEngine], api_keys: l
     """`served` maps each served model name to its engine; requests are routed by their `model`.
     `searches` holds the search serving of each served generator (see server/launch.py).
     `chat_template` replaces every served model's; `tool_settings` are the tool-call parser's.
-    `drain` is the server's shutdown state (server/drain.py): /health/ready and the 503s it gives."""
+    `drain` is the server's shutdown state (wire/drain.py): /health/ready and the 503s it gives."""
     app = FastAPI(title="treeserve", version=__version__, docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
     servings = {name: OpenAIServing(engine, name, llm, chat_template, tool_settings) for name, llm in served.items()}
     default = next(iter(servings.values()))

@@ -5,7 +5,7 @@ The worker runs the same app as `treeserve serve` on a loopback port (every rout
 error the same), and a consumer thread that takes each request message of its models' queues,
 forwards it there, and publishes the answer (or each piece of the stream) to the message's
 `reply_to`. A message is acknowledged once its request is answered (protocol:
-gateway/broker_protocol.py): a worker that dies first has it redelivered to another worker."""
+wire/broker_protocol.py): a worker that dies first has it redelivered to another worker."""
 from __future__ import annotations
 
 import asyncio
@@ -16,7 +16,7 @@ import uuid
 import aiohttp
 import aio_pika
 
-from treeserve.gateway.broker_protocol import CANCEL_EXCHANGE, decode_request, expired, queue_name
+from treeserve.wire.broker_protocol import CANCEL_EXCHANGE, decode_request, expired, queue_name
 
 log = logging.getLogger("treeserve.worker")
 

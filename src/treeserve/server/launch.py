@@ -13,7 +13,7 @@ from treeserve.model.registry import DEFAULT_PAIR, named_models, served_name
 from treeserve.engine.async_engine import AsyncLLMEngine
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.server.app import create_app
-from treeserve.server.drain import Drain, DrainingServer, uvicorn_config
+from treeserve.wire.drain import Drain, DrainingServer, uvicorn_config
 from treeserve.runtime.runtime import Runtime
 from treeserve.search.runner import SearchRunner
 from treeserve.server.metrics import ServerMetrics

@@ -16,9 +16,9 @@ from treeserve.errors import ParamError
 from treeserve.model.registry import BUILTIN_PREFIX
 from treeserve.outputs import CompletionOutput, RequestOutput
 from treeserve.sampling_params import SamplingParams
-from treeserve.server.errors import APIError, from_value_error
+from treeserve.wire.errors import APIError, from_value_error
 from treeserve.entrypoints.chat_utils import render_chat
-from treeserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, Tool, template_messages
+from treeserve.wire.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, Tool, template_messages
 from treeserve.server.tool_calls import ToolCallStream, ToolCalling, ToolSettings, special_tokens
 
 

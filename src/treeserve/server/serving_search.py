@@ -24,8 +24,8 @@ from treeserve.search.config import DEFAULT_AGG_STRATEGY, SAL_SYSTEM_PROMPT, Sea
 from treeserve.search.progress import SearchProgress
 from treeserve.search.runner import SearchHandle, SearchRunner
 from treeserve.search.tree import SearchResult
-from treeserve.server.errors import ERROR_TYPES, APIError, from_value_error
-from treeserve.server.protocol import RewardRequest, SearchRequest, template_messages
+from treeserve.wire.errors import ERROR_TYPES, APIError, from_value_error
+from treeserve.wire.protocol import RewardRequest, SearchRequest, template_messages
 
 
 

@@ -21,7 +21,7 @@ from treeserve.gateway.chat.settings import ChatSettings
 from treeserve.gateway.chat.tools import ANSWER_DIRECTLY, ROUTER_PROMPT, Toolbox
 from treeserve.gateway.chat.upstream import UpstreamError, stream_events
 from treeserve.gateway.keys import KeyRecord
-from treeserve.server.errors import APIError
+from treeserve.wire.errors import APIError
 
 Dispatch = Callable[[str, dict, KeyRecord], Awaitable[Response]]
 

@@ -31,7 +31,7 @@ from treeserve.gateway.keys import same_secret
 from treeserve.gateway.metrics import GatewayMetrics
 from treeserve.gateway.proxy import RelayResponse
 from treeserve.gateway.store import Store
-from treeserve.server.errors import APIError
+from treeserve.wire.errors import APIError
 
 log = logging.getLogger("treeserve.gateway.chat")
 COOKIE = "treeserve_chat"

@@ -14,7 +14,7 @@ from treeserve.gateway import keys as keylib
 from treeserve.gateway.passwords import hash_password, needs_rehash, verify_password
 from treeserve.gateway.schema import ApiKey, ChatMessage, ChatSession, Conversation, SpendLog, User, utcnow
 from treeserve.gateway.store import Store, aware, iso
-from treeserve.server.errors import APIError
+from treeserve.wire.errors import APIError
 
 SESSION_LIFETIME = dt.timedelta(days=7)
 CHAT_KEY_ALIAS = "chat:{user_id}"

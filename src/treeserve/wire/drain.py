@@ -18,7 +18,7 @@ from collections.abc import Callable
 import uvicorn
 from fastapi.responses import Response
 
-from treeserve.server.errors import error_response
+from treeserve.wire.errors import error_response
 
 log = logging.getLogger("treeserve.drain")
 # Answered while draining: the probes and the metrics a supervisor reads.
