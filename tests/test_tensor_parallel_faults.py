@@ -1,13 +1,17 @@
 """A tensor-parallel worker that dies: a server idling on it turns /health 503 naming the rank;
-`treeserve serve --tensor-parallel-size 2` exits and leaves no process behind."""
+`treeserve serve --tensor-parallel-size 2` exits and leaves no process behind; one that dies while
+the engine starts (killed at spawn, failing its imports, killed in the rendezvous) fails the start
+at once naming its rank and the cause, and the next engine in the process starts."""
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
 import psutil
+import pytest
 
 from conftest import API_KEY, _free_port, running_server
 from test_server_tensor_parallel import TP_OPTIONS
@@ -59,3 +63,131 @@ def test_the_served_command_exits_when_a_worker_dies_and_leaves_nothing(llama_di
         if server.poll() is None:
             server.kill()
             server.wait()
+
+
+# Starting: a worker that dies before or during the rendezvous fails rank 0 within 10 s, naming the
+# rank and the cause, leaves no process behind, and the next engine in this process starts.
+START_OPTIONS = dict(dtype="float32", device="cpu", kv_cache_memory_bytes=8 << 20, tensor_parallel_size=2,
+                     threads_per_rank=1)
+GREEDY = dict(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def _spawned_workers() -> list[psutil.Process]:
+    """This process's tensor-parallel workers (multiprocessing's spawned children)."""
+    found = []
+    for child in psutil.Process().children():
+        try:
+            if "spawn_main" in " ".join(child.cmdline()):
+                found.append(child)
+        except psutil.Error:
+            pass
+    return found
+
+
+def _kill_the_first_worker(killed: list) -> threading.Thread:
+    """Kills the first worker the moment it is spawned (long before it imports PyTorch), from a thread,
+    and appends (process, when) to `killed`."""
+    def watch():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            workers = _spawned_workers()
+            if workers:
+                workers[0].kill()
+                killed.append((workers[0], time.monotonic()))
+                return
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def _assert_gone(processes) -> None:
+    time.sleep(0.5)
+    assert not [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_a_worker_killed_at_spawn_fails_the_start_at_once_naming_its_rank(llama_dir):
+    from treeserve import LLM
+    from treeserve.engine.tp_executor import WorkerDiedError
+
+    killed = []
+    watcher = _kill_the_first_worker(killed)
+    with pytest.raises(WorkerDiedError, match="rank 1 died while starting.*SIGKILL") as failure:
+        LLM(str(llama_dir), **START_OPTIONS)
+    took = time.monotonic() - killed[0][1]
+    watcher.join()
+    print(f"failed {took:.2f} s after the kill: {failure.value}")
+    assert failure.value.rank == 1 and took < 10
+    _assert_gone([killed[0][0]] + _spawned_workers())
+
+
+def test_a_worker_whose_imports_fail_names_the_cause_and_the_next_engine_starts(llama_dir, monkeypatch):
+    """TORCH_LOGS is read when PyTorch is imported: this process has imported it already, the spawned
+    worker imports it afresh and fails, as with any environment a worker cannot start in."""
+    from treeserve import LLM, SamplingParams
+    from treeserve.engine.tp_executor import WorkerDiedError
+
+    with LLM(str(llama_dir), dtype="float32", device="cpu", kv_cache_memory_bytes=8 << 20) as one_rank:
+        expected = one_rank.generate(["The water is"], SamplingParams(**GREEDY), use_tqdm=False)
+    monkeypatch.setenv("TORCH_LOGS", "no-such-log")
+    start = time.monotonic()
+    with pytest.raises(WorkerDiedError, match="rank 1 failed while starting: ValueError: .*no-such-log") as failure:
+        LLM(str(llama_dir), **START_OPTIONS)
+    took = time.monotonic() - start
+    print(f"failed {took:.2f} s after the start: {failure.value}")
+    assert took < 10
+    _assert_gone(_spawned_workers())
+    monkeypatch.delenv("TORCH_LOGS")
+    with LLM(str(llama_dir), **START_OPTIONS) as llm:
+        outputs = llm.generate(["The water is"], SamplingParams(**GREEDY), use_tqdm=False)
+    assert outputs[0].outputs[0].token_ids == expected[0].outputs[0].token_ids
+
+
+def test_a_worker_killed_in_the_rendezvous_fails_the_start_at_once_and_the_next_engine_starts(llama_dir, monkeypatch):
+    """The worker has reached the store and is joining the group: SIGKILL it right as rank 0 joins
+    too (the patch only picks that moment). gloo alone gives up on the dead peer after five times
+    its timeout, which is shortened here so that the next engine, which waits for that, starts sooner."""
+    from treeserve import LLM, SamplingParams
+    from treeserve.engine import tp_executor
+
+    join, killed = tp_executor.init_distributed, []
+
+    def kill_then_join(*args, **kwargs):
+        worker = _spawned_workers()[0]
+        worker.kill()
+        killed.append((worker, time.monotonic()))
+        return join(*args, **kwargs)
+
+    monkeypatch.setattr(tp_executor, "init_distributed", kill_then_join)
+    monkeypatch.setattr(tp_executor, "RENDEZVOUS_TIMEOUT_S", 2.0)
+    with pytest.raises(tp_executor.WorkerDiedError, match="rank 1 died.*SIGKILL") as failure:
+        LLM(str(llama_dir), **START_OPTIONS)
+    took = time.monotonic() - killed[0][1]
+    print(f"failed {took:.2f} s after the kill: {failure.value}")
+    assert failure.value.rank == 1 and took < 10
+    _assert_gone([killed[0][0]])
+    monkeypatch.undo()
+    with LLM(str(llama_dir), dtype="float32", device="cpu", kv_cache_memory_bytes=8 << 20) as one_rank:
+        expected = one_rank.generate(["The water is"], SamplingParams(**GREEDY), use_tqdm=False)
+    with LLM(str(llama_dir), **START_OPTIONS) as llm:
+        outputs = llm.generate(["The water is"], SamplingParams(**GREEDY), use_tqdm=False)
+    assert outputs[0].outputs[0].token_ids == expected[0].outputs[0].token_ids
+
+
+def test_engines_one_after_another_in_one_process(llama_dir):
+    """close() (or leaving `with`), then a new engine: the same tokens; two at once: a clear error."""
+    from treeserve import LLM, SamplingParams
+    from treeserve.errors import ParamError
+
+    prompts, params = ["The water is", "Step 1: add"], SamplingParams(**GREEDY)
+    first = LLM(str(llama_dir), **START_OPTIONS)
+    workers = first.engine.executor.pids()
+    tokens = [o.outputs[0].token_ids for o in first.generate(prompts, params, use_tqdm=False)]
+    with pytest.raises(ParamError, match="already runs a tensor-parallel engine"):
+        LLM(str(llama_dir), **START_OPTIONS)
+    first.close()
+    _assert_gone([psutil.Process(pid) for pid in workers if psutil.pid_exists(pid)])
+    with LLM(str(llama_dir), **START_OPTIONS) as second:
+        assert [o.outputs[0].token_ids for o in second.generate(prompts, params, use_tqdm=False)] == tokens
+    assert not _spawned_workers()

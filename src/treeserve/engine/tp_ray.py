@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from treeserve.engine.tp_executor import WorkerDiedError
-from treeserve.engine.tp_worker import START_TIMEOUT_S, ModelSpec, Worker, init_distributed, rendezvous_store
+from treeserve.engine.tp_worker import (START_TIMEOUT_S, ModelSpec, Worker, init_distributed, leave_group,
+                                       rendezvous_store)
 from treeserve.errors import ParamError
 from treeserve.model.parallel import TensorParallel
 
@@ -129,7 +130,6 @@ class RayTPExecutor:
             self.ray.kill(actor)
         if self.group_placement is not None:
             self.ray.util.remove_placement_group(self.group_placement)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_group()  # or forgets a failed one, so that the next engine in this process can start
         if self.started_ray:
             self.ray.shutdown()

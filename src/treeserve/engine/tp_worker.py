@@ -2,10 +2,13 @@
 `Runtime`) and its heads' KV cache, and runs each step that rank 0 sends it.
 
 Messages arrive on a pipe from rank 0, each pickled: `("add_model", key, spec)`, `("step", key,
-StepData)`, `("shutdown",)`. A step runs the very runner code rank 0 runs, so every collective
-(the all-reduces inside the layers, the gathers of vocabulary-parallel logits) is met in the same
-order; what this rank samples is dropped. The worker ends when rank 0 says so, when the pipe
-closes (rank 0 died), or when a step fails (rank 0 sees the exit and names this rank).
+StepData)`, `("report",)`, `("shutdown",)`. The worker says `("connected",)` once it reaches rank 0's
+rendezvous store (its imports, device and cores set up), and its entry point (engine/tp_start.py)
+says `("failed", cause)` before an error ends the process. A step runs the very runner code rank 0
+runs, so every collective (the all-reduces inside the layers, the gathers of vocabulary-parallel
+logits) is met in the same order; what this rank samples is dropped. The worker ends when rank 0
+says so, when the pipe closes (rank 0 died), or when a step fails (rank 0 sees the exit and names
+this rank and the error).
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Callable
 from urllib.parse import urlsplit
 
 import torch
@@ -56,19 +60,35 @@ def rendezvous_store(host: str, world_size: int) -> tuple[dist.TCPStore, str]:
     return store, f"tcp://{f'[{host}]' if ':' in host else host}:{store.port}"
 
 
+def connect_store(init_method: str, world_size: int) -> dist.TCPStore:
+    """A client of rank 0's rendezvous store at `init_method`."""
+    address = urlsplit(init_method)
+    return dist.TCPStore(address.hostname, address.port, world_size, is_master=False,
+                         timeout=timedelta(seconds=START_TIMEOUT_S))
+
+
 def init_distributed(rank: int, world_size: int, init_method: str, device_type: str,
-                     store: dist.Store | None = None):
+                     store: dist.Store | None = None, timeout_s: float = START_TIMEOUT_S):
     """Joins the default group through rank 0's store (`store` on rank 0; the others connect to
-    `init_method`) with a generous timeout, as ranks start at different speeds; then the group the
-    model's collectives use, which gives up on a silent peer after COLLECTIVE_TIMEOUT_S."""
+    `init_method`) within `timeout_s` (by default generous, as ranks start at different speeds);
+    then the group the model's collectives use, which gives up on a silent peer after
+    COLLECTIVE_TIMEOUT_S."""
     backend = "nccl" if device_type == "cuda" else "gloo"
     if store is None:
-        address = urlsplit(init_method)
-        store = dist.TCPStore(address.hostname, address.port, world_size, is_master=False,
-                              timeout=timedelta(seconds=START_TIMEOUT_S))
+        store = connect_store(init_method, world_size)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=START_TIMEOUT_S))
+                            timeout=timedelta(seconds=timeout_s))
     return dist.new_group(timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+
+
+def leave_group() -> None:
+    """Leaves this process's default group, or forgets one that failed to form: torch names groups
+    by a counter that a failed `init_process_group` leaves raised, and the next rank 0 would then
+    wait on keys that its fresh workers (counting from 0) write under other names."""
+    if dist.is_initialized():
+        dist.destroy_process_group()  # resets the counter too
+    else:
+        dist.distributed_c10d._world.group_count = 0
 
 
 class Worker:
@@ -89,8 +109,11 @@ class Worker:
             torch.cuda.set_device(self.device)
         self.group, self.runners, self.models, self.arenas = None, {}, {}, {}
 
-    def join(self) -> None:
-        self.group = init_distributed(self.rank, self.world_size, self.init_method, self.device.type)
+    def join(self, connected: Callable[[], None] = lambda: None) -> None:
+        """Joins the group; `connected` runs once rank 0's store answers, right before the rendezvous."""
+        store = connect_store(self.init_method, self.world_size)
+        connected()
+        self.group = init_distributed(self.rank, self.world_size, self.init_method, self.device.type, store)
 
     def add_model(self, key: str, spec: ModelSpec) -> str:
         prepare_kernels(self.device)
@@ -113,13 +136,14 @@ class Worker:
 
 
 def worker_main(rank: int, world_size: int, init_method: str, device: str, threads: int, conn) -> None:
-    """The worker process's entry point (spawned): messages from rank 0's pipe until told to stop."""
+    """The worker process's loop (run by tp_start.worker_process): messages from rank 0's pipe until
+    told to stop."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp-rank-{rank}: %(message)s")
     _exit_with_parent()
     if device == "cpu":
         pin_to_cores(rank, threads)
     worker = Worker(rank, world_size, init_method, device, threads)
-    worker.join()
+    worker.join(connected=lambda: conn.send(("connected",)))
     try:
         while True:
             try:
