@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,14 +34,9 @@ import httpx
 
 from treeserve.bench.overhead import wait_healthy
 from treeserve.bench.run import BenchConfig, run_benchmark
+from treeserve.ports import free_port
 
 MASTER = "sk-bench-master"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -23,7 +23,6 @@ import asyncio
 import csv
 import json
 import signal
-import socket
 import sys
 import threading
 import time
@@ -38,6 +37,7 @@ from treeserve.bench.overhead import wait_healthy
 from treeserve.bench.soak_load import LoadConfig, Outcome, Problem, run_load
 from treeserve.bench.sweep import ServerProcess, ServerSpec
 from treeserve.bench.telemetry import parse_prometheus
+from treeserve.ports import free_port
 from treeserve.tasks.arithmetic import random_problem
 
 GAUGES = ("num_requests_running", "num_requests_waiting", "kv_blocks_in_use", "kv_blocks_kept")
@@ -66,12 +66,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not 0 <= args.warmup_minutes < args.minutes:
         parser.error(f"--warmup-minutes must be in [0, --minutes), got {args.warmup_minutes}")
     return args
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def arithmetic_problems(seed: int, count: int = 256) -> list[Problem]:
