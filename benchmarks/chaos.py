@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(2)
         left = leftovers()
     try:
-        rows = {row["request_id"]: row for row in Store(stack.database).spend_logs(limit=1_000_000)}
+        rows = {row["request_id"]: row for row in Store(stack.database).ledger.spend_logs(limit=1_000_000)}
     finally:
         stack.postgres.stop()
     sigkilled = [e for e in events if e["what"] == "gateway" and e["signal"] == "SIGKILL"]

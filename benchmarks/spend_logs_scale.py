@@ -33,7 +33,7 @@ def fill(store: Store, rows: int, keys: int, start: dt.datetime) -> None:
             batch.append(dict(request_id=f"r{i}", key_id=key, user_id=f"u{key % 100}", model="m", backend="b",
                               route="chat", stream=False, status="success", prompt_tokens=100,
                               completion_tokens=50, cost=0.001, started_at=at, ended_at=at))
-        with store.transaction() as conn:
+        with store.db.transaction() as conn:
             conn.execute(insert(SpendLog.__table__), batch)
 
 
@@ -60,10 +60,10 @@ def main() -> int:
     print(f"{args.rows:,} spend rows over {args.keys} keys written in {time.perf_counter() - began:.1f} s")
     day, week = dt.timedelta(days=1), dt.timedelta(days=7)
     mid = start + dt.timedelta(days=14)
-    key_day = timed(lambda: store.logs(7, None, mid, mid + day, 100_000))
-    user_week = timed(lambda: store.logs(None, "u7", mid, mid + week, 100_000))
-    print(f"one key's day ({len(store.logs(7, None, mid, mid + day, 100_000))} rows): {key_day:.1f} ms median")
-    print(f"one user's week ({len(store.logs(None, 'u7', mid, mid + week, 100_000))} "
+    key_day = timed(lambda: store.ledger.logs(7, None, mid, mid + day, 100_000))
+    user_week = timed(lambda: store.ledger.logs(None, "u7", mid, mid + week, 100_000))
+    print(f"one key's day ({len(store.ledger.logs(7, None, mid, mid + day, 100_000))} rows): {key_day:.1f} ms median")
+    print(f"one user's week ({len(store.ledger.logs(None, 'u7', mid, mid + week, 100_000))} "
           f"rows): {user_week:.1f} ms median")
     store.close()
     return 0

@@ -185,4 +185,4 @@ def chat_stack(database: str, backend_url: str, router: str = "router"):
 
 
 def add_user(gateway_app, user_id: str, password: str, **fields) -> None:
-    gateway_app.state.store.create_user(user_id, password_hash=hash_password(password), **fields)
+    gateway_app.state.store.accounts.create_user(user_id, password_hash=hash_password(password), **fields)

@@ -214,17 +214,17 @@ def run_and_kill(client, count: int, kill, after: int) -> list[dict]:
     return finished
 
 
-def check_answers_and_bills(finished: list[dict], store) -> dict[str, dict]:
+def check_answers_and_bills(finished: list[dict], ledger) -> dict[str, dict]:
     """Every non-streamed request answered whole, every stream whole or cut with an error event;
     one spend row per request, its tokens what the client got. Returns the rows by request id."""
     plain = [r for r in finished if not r["stream"]]
     assert len(plain) == len(finished) // 2 and all(r["usage"]["completion_tokens"] == TOKENS for r in plain)
     assert all(r["usage"]["completion_tokens"] == TOKENS for r in finished if r["stream"] and not r["error"])
     def settled():  # a stream is settled just after its last byte left: its client may be quicker
-        store.flush()
-        rows = store.spend_logs(limit=10_000)
+        ledger.flush()
+        rows = ledger.spend_logs(limit=10_000)
         return rows if len(rows) >= len(finished) else None
-    rows = wait_for(settled, timeout=10) or store.spend_logs(limit=10_000)
+    rows = wait_for(settled, timeout=10) or ledger.spend_logs(limit=10_000)
     logs = {row["request_id"]: row for row in rows}
     assert len(rows) == len(finished) == len(logs)  # one answer each: none lost, none twice
     for r in finished:

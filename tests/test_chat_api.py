@@ -69,7 +69,8 @@ def test_sign_in_sessions_and_csrf(stack):
     cookie = client.cookies.jar._cookies  # noqa: SLF001 (the only way httpx shows a cookie's flags)
     session = next(c for domain in cookie.values() for path in domain.values() for c in path.values())
     assert session.has_nonstandard_attr("HttpOnly") and session.get_nonstandard_attr("SameSite") == "strict"
-    stored = gateway.state.store.engine.connect().exec_driver_sql("SELECT token_hash FROM chat_sessions").scalars().all()
+    stored = gateway.state.store.db.engine.connect().exec_driver_sql("SELECT token_hash FROM chat_sessions") \
+        .scalars().all()
     assert session.value not in stored and len(stored) == 1  # the cookie itself is never stored
 
     csrf = client.headers.pop("X-CSRF-Token")
@@ -95,7 +96,7 @@ def test_users_get_passwords_from_the_admin_api_and_the_cli(stack, tmp_path):
     made = httpx.post(url + "/user/new", json={"user_id": "carol", "password": "carol's own passphrase"}, headers=admin)
     assert made.status_code == 200, made.text
     assert "password" not in made.text and "argon2" not in made.text
-    stored = gateway.state.store.engine.connect().exec_driver_sql(
+    stored = gateway.state.store.db.engine.connect().exec_driver_sql(
         "SELECT password_hash FROM users WHERE user_id = 'carol'").scalar()
     assert stored.startswith("$argon2id$") and "passphrase" not in stored
     sign_in(url, "carol", "carol's own passphrase")
@@ -104,7 +105,7 @@ def test_users_get_passwords_from_the_admin_api_and_the_cli(stack, tmp_path):
     assert httpx.post(url + "/user/new", json={"user_id": "eve", "password": "long enough!"}).status_code == 401
 
     from treeserve.cli import main
-    database = gateway.state.store.url
+    database = gateway.state.store.db.url
     assert main(["gateway", "users", "create", "frank", "--password", "franks password", "--database", database]) == 0
     sign_in(url, "frank", "franks password")
     assert main(["gateway", "users", "set-password", "frank", "--password", "a new password", "--database",
@@ -145,7 +146,7 @@ def test_a_chat_is_streamed_stored_and_billed_to_its_user(stack, backend):
     stored = client.get(f"/chat/api/conversations/{conversation['id']}").json()
     assert [m["role"] for m in stored["messages"]] == ["user", "assistant"]
     assert stored["title"] == "What is 2 + 3?"
-    gateway.state.store.flush()
+    gateway.state.store.ledger.flush()
     usage = client.get("/chat/api/me").json()["usage"]
     assert usage["completion_tokens"] == answer["completion_tokens"] and usage["cost"] > 0
     logs = httpx.get(url + "/spend/logs", params={"user_id": "ada"}, headers={"Authorization": f"Bearer {MASTER}"}).json()
@@ -252,7 +253,7 @@ def test_stop_keeps_the_partial_answer_and_aborts_upstream(stack, backend):
     messages = wait_for(stored, timeout=10)
     assert messages and messages[1]["details"]["status"] == "stopped"
     assert messages[1]["content"].startswith("".join(got))
-    gateway.state.store.flush()
+    gateway.state.store.ledger.flush()
     logs = httpx.get(url + "/spend/logs", params={"user_id": "ada"}, headers={"Authorization": f"Bearer {MASTER}"}).json()
     assert logs[0]["status"] == "client_closed" and 0 < logs[0]["completion_tokens"] < 400
 
@@ -329,7 +330,7 @@ def test_first_sign_ins_at_once_make_one_chat_key(stack):
         thread.start()
     for thread in threads:
         thread.join(60)
-    keys = gateway.state.store.list_keys("gina")
+    keys = gateway.state.store.accounts.list_keys("gina")
     assert [k["key_alias"] for k in keys] == ["chat:gina"]
 
 

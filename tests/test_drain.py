@@ -196,7 +196,7 @@ def test_a_second_signal_exits_at_once(tmp_path):
         stream.join(30)
         assert not stream.complete, "the stream was not cut: the second signal waited for it"
         assert "again: exiting now" in log.read_text()
-        rows = Store(database).spend_logs(limit=10)
+        rows = Store(database).ledger.spend_logs(limit=10)
         assert len(rows) == 1 and rows[0]["status"] in ("client_closed", "cut"), rows
 
 
@@ -217,7 +217,7 @@ def test_gateway_finishes_a_relayed_stream_and_bills_it(tmp_path):
         stream.join(60)
         assert stream.done_at > probed and stream.complete, stream.events[-3:]
         assert gateway.wait(60) == 0, log.read_text()[-3000:]
-        rows = Store(database).spend_logs(limit=10)
+        rows = Store(database).ledger.spend_logs(limit=10)
         assert [(r["status"], r["completion_tokens"]) for r in rows] == [("success", 100)], rows
 
 
@@ -236,6 +236,6 @@ def test_a_stream_still_running_when_the_time_is_up_ends_with_an_error_event_and
         assert error["code"] == "shutting_down", error
         got = sum(1 for e in stream.events[:-2] if json.loads(e).get("choices"))
         assert 0 < got < 500
-        rows = Store(database).spend_logs(limit=10)
+        rows = Store(database).ledger.spend_logs(limit=10)
         assert [(r["status"], r["completion_tokens"]) for r in rows] == [("cut", got)], rows
         assert "the requests still running were cut" in log.read_text()

@@ -246,15 +246,15 @@ def test_a_hold_is_cut_to_the_real_cost_when_the_answer_ends(server, database):
     nothing, once settled), never its worst case; the settlement moves exactly that to spend."""
     with gateway(database, [server.url], prices=PROMPT_PRICES) as (url, app):
         key = _new_key(url, max_budget=10.0, user_id="held")
-        client, store = _client(url, key), app.state.store
+        client, accounts, ledger = _client(url, key), app.state.store.accounts, app.state.store.ledger
         answer = _chat(client)
-        held = [store.key_info(key)["reserved"], store.user_info("held")["user_info"]["reserved"]]
+        held = [accounts.key_info(key)["reserved"], accounts.user_info("held")["user_info"]["reserved"]]
         cost = _cost_of(answer.usage)
         assert all(h == pytest.approx(cost) or h == pytest.approx(0, abs=1e-12) for h in held), (held, cost)
-        store.flush()
+        ledger.flush()
         chunks = list(_chat(client, stream=True, stream_options={"include_usage": True}))
         streamed = _cost_of(chunks[-1].usage)
-        reserved = store.key_info(key)["reserved"]
+        reserved = accounts.key_info(key)["reserved"]
         assert reserved == pytest.approx(streamed) or reserved == pytest.approx(0, abs=1e-12), (reserved, streamed)
         info = _admin(url, "GET", "/key/info", params={"key": key}).json()["info"]  # (settlements flushed)
         assert info["reserved"] == pytest.approx(0, abs=1e-12) and info["spend"] == pytest.approx(cost + streamed)

@@ -33,7 +33,7 @@ def test_two_workers_one_killed_mid_run(llama_dir, tmp_path, rabbitmq):
             client = openai.OpenAI(base_url=url + "/v1", api_key=MASTER, max_retries=0, timeout=90)
             finished = run_and_kill(client, 40, procs[1].kill, after=10)
             assert procs[1].poll() is not None, "the worker was not killed"
-            logs = check_answers_and_bills(finished, app.state.store)
+            logs = check_answers_and_bills(finished, app.state.store.ledger)
             assert {row["backend"] for row in logs.values()} == {redact_url(rabbitmq)}  # no broker password
             metrics = app.state.metrics.render().decode()
             assert "guest@" not in metrics and "treeserve_gateway:broker_queue_consumers{" in metrics

@@ -33,7 +33,7 @@ def test_sixty_requests_with_a_replica_killed_mid_run(llama_dir, tmp_path):
             finished = run_and_kill(client, 60, procs[1][1].kill, after=12)
             elapsed = time.monotonic() - started
             assert procs[1][1].poll() is not None, "the replica was not killed"
-            logs = check_answers_and_bills(finished, app.state.store)
+            logs = check_answers_and_bills(finished, app.state.store.ledger)
             # the requests sent to the dead replica (in flight with nothing sent yet, or sent after the kill)
             # went to the other one
             assert retries_total(app) > 0, "no request was retried"

@@ -12,9 +12,11 @@ from alembic.migration import MigrationContext
 from sqlalchemy import select, update
 
 from treeserve.errors import ParamError
-from treeserve.gateway.schema import ApiKey, Base, Holding, Instance, RateWindow, User
+from treeserve.gateway.errors import GatewayError
+from treeserve.gateway.http_errors import to_api_error
+from treeserve.gateway.schema import ApiKey, Base, Holding, Instance, RateWindow, User, utcnow
 from treeserve.gateway.settlement import Settlement
-from treeserve.gateway.store import Store, utcnow
+from treeserve.gateway.store import Store
 from treeserve.gateway.usage import Usage
 from treeserve.wire.errors import APIError
 
@@ -29,9 +31,17 @@ def store(request, tmp_path):
     store.close()
 
 
+def as_http(call, *args, **kwargs):
+    """A service call whose refusal comes back as the app answers it (gateway/http_errors.py)."""
+    try:
+        return call(*args, **kwargs)
+    except GatewayError as exc:
+        raise to_api_error(exc) from exc
+
+
 def test_the_migrations_build_the_orm_schema(store):
     store.migrate()  # a second time: a no-op
-    with store.engine.connect() as conn:
+    with store.db.engine.connect() as conn:
         diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
     assert diff == [], diff
 
@@ -58,7 +68,7 @@ def test_gateways_started_together_migrate_one_after_another(backend, request, t
         thread.join(60)
     try:
         assert errors == []
-        with stores[0].engine.connect() as conn:
+        with stores[0].db.engine.connect() as conn:
             assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
     finally:
         for store in stores:
@@ -90,128 +100,132 @@ def test_weak_password_hashes_only_where_asked():
 
 
 def test_a_budget_resets_after_its_period(store):
-    token, _ = store.create_key(max_budget=1.0, budget_duration="30d")
-    key = store.authenticate(token)
-    reservation = store.admit(key, 0.5)
-    store.settle(Settlement(reservation, "a", "m", None, "chat", False, "success", Usage(1, 1), 1.0, utcnow()))
+    token, _ = store.accounts.create_key(max_budget=1.0, budget_duration="30d")
+    key = store.accounts.authenticate(token)
+    reservation = store.admission.admit(key, 0.5)
+    store.ledger.settle(Settlement(reservation, "a", "m", None, "chat", False, "success", Usage(1, 1), 1.0,
+                                   utcnow()))
     with pytest.raises(APIError) as refused:
-        store.admit(key, 0.5)
+        as_http(store.admission.admit, key, 0.5)
     assert refused.value.code == "budget_exceeded" and "max_budget 1.0" in refused.value.message
-    with store.transaction() as s:
+    with store.db.transaction() as s:
         s.execute(update(ApiKey).values(budget_reset_at=utcnow() - dt.timedelta(seconds=1)))
-    store.admit(key, 0.5)
-    info = store.key_info(token)
+    store.admission.admit(key, 0.5)
+    info = store.accounts.key_info(token)
     assert info["spend"] == 0.0 and dt.datetime.fromisoformat(info["budget_reset_at"]) > utcnow() + dt.timedelta(days=29)
 
 
 def _held(store, token: str) -> tuple[float, float]:
-    info = store.key_info(token)
-    return info["reserved"], store.user_info(info["user_id"])["user_info"]["reserved"]
+    info = store.accounts.key_info(token)
+    return info["reserved"], store.accounts.user_info(info["user_id"])["user_info"]["reserved"]
 
 
 def test_a_hold_is_cut_to_the_real_cost_at_the_answer_and_a_budget_is_spent_to_its_last_cent(store):
     """One request at a time, each settled late (as the writer thread does): the released hold is
     the real cost, never the worst case, so every request the budget pays for is admitted; 8 costs
     of 0.1 sum to 0.7999999999999999 in floating point, which must not let a 9th in under 0.8."""
-    store.create_user("seq", max_budget=0.8)
-    token, _ = store.create_key(max_budget=0.8, user_id="seq", max_parallel_requests=1)
-    key = store.authenticate(token)
+    store.accounts.create_user("seq", max_budget=0.8)
+    token, _ = store.accounts.create_key(max_budget=0.8, user_id="seq", max_parallel_requests=1)
+    key = store.accounts.authenticate(token)
     unsettled = None
     for i in range(8):
-        reservation = store.admit(key, 0.5)  # its worst case, five times its cost
-        store.release(reservation, 0.1)
+        reservation = store.admission.admit(key, 0.5)  # its worst case, five times its cost
+        store.admission.release(reservation, 0.1)
         assert (reservation.held, reservation.parallel) == (0.1, False)
-        with store.session() as s:
+        with store.db.session() as s:
             assert s.get(Holding, reservation.holding_id).worst_cost == 0.1  # what a sweep would give back
         if unsettled is not None:
             assert _held(store, token) == pytest.approx((0.2, 0.2))  # this one's cost and the last one's
-            store.settle(Settlement(unsettled, f"r{i}", "m", None, "chat", False, "success", Usage(1, 1), 0.1,
-                                    utcnow()))
+            store.ledger.settle(Settlement(unsettled, f"r{i}", "m", None, "chat", False, "success", Usage(1, 1),
+                                           0.1, utcnow()))
         assert _held(store, token) == pytest.approx((0.1, 0.1))
         unsettled = reservation
-    store.settle(Settlement(unsettled, "r8", "m", None, "chat", False, "success", Usage(1, 1), 0.1, utcnow()))
-    info = store.key_info(token)
+    store.ledger.settle(Settlement(unsettled, "r8", "m", None, "chat", False, "success", Usage(1, 1), 0.1,
+                                   utcnow()))
+    info = store.accounts.key_info(token)
     assert info["spend"] < 0.8 and info["spend"] == pytest.approx(0.8)  # the rounding this is about
     assert _held(store, token) == pytest.approx((0.0, 0.0), abs=1e-12)
     with pytest.raises(APIError) as refused:
-        store.admit(key, 0.5)
+        as_http(store.admission.admit, key, 0.5)
     assert refused.value.code == "budget_exceeded"
-    with store.session() as s:
+    with store.db.session() as s:
         assert s.scalars(select(ApiKey.in_flight)).one() == 0 and s.query(Holding).count() == 0
 
 
 def test_only_a_key_without_any_limit_is_admitted_without_the_database(store):
-    """The app admits a key that holds nothing on its event loop, without `Store.admit`: every kind
+    """The app admits a key that holds nothing on its event loop, without `Admission.admit`: every kind
     of limit (a user's budget included) must make the key hold something."""
-    store.create_user("capped", max_budget=5.0)
+    store.accounts.create_user("capped", max_budget=5.0)
     limited = [dict(max_budget=1.0), dict(max_parallel_requests=1), dict(rpm_limit=10), dict(tpm_limit=100),
                dict(user_id="capped")]
     for fields in limited:
-        key = store.authenticate(store.create_key(**fields)[0])
+        key = store.accounts.authenticate(store.accounts.create_key(**fields)[0])
         assert not key.holds_nothing, fields
-        reservation = store.admit(key, 0.5)
+        reservation = store.admission.admit(key, 0.5)
         assert reservation.holding_id is not None or reservation.counted, fields
-    free = store.authenticate(store.create_key(user_id="free")[0])
-    assert free.holds_nothing and store.admit(free, 0.5) == free.nothing_held()
-    with store.session() as s:
+    free = store.accounts.authenticate(store.accounts.create_key(user_id="free")[0])
+    assert free.holds_nothing and store.admission.admit(free, 0.5) == free.nothing_held()
+    with store.db.session() as s:
         assert s.query(Holding).filter(Holding.key_id == free.id).count() == 0
 
 
 def test_key_fields_are_checked(store):
     with pytest.raises(ParamError) as bad:
-        store.create_key(budget_duration="monthly")
+        store.accounts.create_key(budget_duration="monthly")
     assert bad.value.param == "budget_duration"
     with pytest.raises(ParamError) as negative:
-        store.create_key(rpm_limit=-1)
+        store.accounts.create_key(rpm_limit=-1)
     assert negative.value.param == "rpm_limit"
     with pytest.raises(APIError) as missing:
-        store.delete_keys(["sk-not-there"])
+        as_http(store.accounts.delete_keys, ["sk-not-there"])
     assert missing.value.status == 404
 
 
 def test_past_minutes_rate_windows_are_pruned(store):
-    token, _ = store.create_key(rpm_limit=10)
-    key = store.authenticate(token)
-    store.admit(key, 0.0)
-    with store.transaction() as s:
+    token, _ = store.accounts.create_key(rpm_limit=10)
+    key = store.accounts.authenticate(token)
+    store.admission.admit(key, 0.0)
+    with store.db.transaction() as s:
         s.execute(update(RateWindow).values(window=RateWindow.window - 5))
-    store.admit(key, 0.0)
-    assert store.prune_rate_windows() == 1
-    with store.session() as s:
+    store.admission.admit(key, 0.0)
+    assert store.admission.prune_rate_windows() == 1
+    with store.db.session() as s:
         assert s.query(RateWindow).count() == 1
 
 
 def test_a_budget_period_cleared_stops_resetting(store):
-    token, _ = store.create_key(max_budget=1.0, budget_duration="1d")
-    store.update_key(token, budget_duration=None)
-    assert store.key_info(token)["budget_reset_at"] is None
-    with store.transaction() as s:  # a reset time left from before: the key still works
+    token, _ = store.accounts.create_key(max_budget=1.0, budget_duration="1d")
+    store.accounts.update_key(token, budget_duration=None)
+    assert store.accounts.key_info(token)["budget_reset_at"] is None
+    with store.db.transaction() as s:  # a reset time left from before: the key still works
         s.execute(update(ApiKey).values(budget_reset_at=utcnow() - dt.timedelta(seconds=1), budget_duration=None))
-    store.admit(store.authenticate(token), 0.1)
-    assert store.key_info(token)["budget_reset_at"] is None
+    store.admission.admit(store.accounts.authenticate(token), 0.1)
+    assert store.accounts.key_info(token)["budget_reset_at"] is None
 
 
 def test_what_a_dead_process_held_is_given_back_and_a_live_ones_is_not(store):
-    token, _ = store.create_key(max_budget=1.0, max_parallel_requests=2, user_id="u1")
-    key = store.authenticate(token)
-    store.heartbeat()
-    settled = store.admit(key, 0.25)
-    store.settle(Settlement(settled, "done", "m", None, "chat", False, "success", Usage(1, 1), 0.1, utcnow()))
-    store.admit(key, 0.3)  # this process then dies before settling it ...
-    store.release(store.admit(key, 0.4), 0.05)  # ... and this one, answered (its hold cut to its cost)
-    other = Store(store.url)
+    token, _ = store.accounts.create_key(max_budget=1.0, max_parallel_requests=2, user_id="u1")
+    key = store.accounts.authenticate(token)
+    store.instances.heartbeat()
+    settled = store.admission.admit(key, 0.25)
+    store.ledger.settle(Settlement(settled, "done", "m", None, "chat", False, "success", Usage(1, 1), 0.1,
+                                   utcnow()))
+    store.admission.admit(key, 0.3)  # this process then dies before settling it ...
+    # ... and this one, answered (its hold cut to its cost)
+    store.admission.release(store.admission.admit(key, 0.4), 0.05)
+    other = Store(store.db.url)
     try:
-        assert other.sweep() == 0, "a live process's requests were taken from it"
+        assert other.instances.sweep() == 0, "a live process's requests were taken from it"
         long_ago = utcnow() - dt.timedelta(minutes=5)
-        with store.transaction() as s:  # ... silent for five minutes
+        with store.db.transaction() as s:  # ... silent for five minutes
             s.execute(update(Instance).values(seen_at=long_ago))
             s.execute(update(Holding).values(created_at=long_ago))
-        assert other.sweep() == 2
-        with other.session() as s:
+        assert other.instances.sweep() == 2
+        with other.db.session() as s:
             row = s.scalars(select(ApiKey)).one()
             user = s.get(User, "u1")
             assert (row.in_flight, round(row.reserved, 9), round(user.reserved, 9)) == (0, 0.0, 0.0)
             assert row.spend == pytest.approx(0.1) and s.query(Holding).count() == 0
-        assert other.sweep() == 0  # given back once
+        assert other.instances.sweep() == 0  # given back once
     finally:
         other.close()

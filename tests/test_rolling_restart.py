@@ -121,7 +121,7 @@ def test_rolling_restart_of_two_replicas_under_load(llama_dir, tmp_path):
         retries = _retries(gateway)
         procs[2].send_signal(signal.SIGTERM)  # the gateway drains and writes its spend logs
         assert procs[2].wait(60) == 0, gateway_log.read_text()[-3000:]
-        logs = Store(database).spend_logs(limit=100_000)
+        logs = Store(database).ledger.spend_logs(limit=100_000)
         ids = [r["id"] for r in load.results]
         shared = [i for i, n in Counter(ids).items() if i is None or n > 1]
         assert not shared, f"request ids missing or shared by several requests: {shared[:5]}"

@@ -46,14 +46,14 @@ def add_chat_parser(sub) -> None:
 def first_user(store, user_id: str) -> str:
     """The user made (or its password renewed) with a fresh random password, which is returned."""
     from treeserve.gateway.chat.store import ChatStore
+    from treeserve.gateway.errors import UserExists
     from treeserve.gateway.passwords import hash_password
-    from treeserve.wire.errors import APIError
 
     password = "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(16))
     try:
-        store.create_user(user_id, password_hash=hash_password(password))
-    except APIError:  # there from an earlier start: a new password
-        ChatStore(store).set_password(user_id, password)
+        store.accounts.create_user(user_id, password_hash=hash_password(password))
+    except UserExists:  # there from an earlier start: a new password
+        ChatStore(store.db, store.accounts).set_password(user_id, password)
     return password
 
 

@@ -136,18 +136,18 @@ def chat_overrides(args) -> dict | None:
 def cmd_keys_create(args) -> int:
     fields = {k: getattr(args, k) for k in ("user_id", "key_alias", "max_budget", "budget_duration", "rpm_limit",
                                             "tpm_limit", "max_parallel_requests") if getattr(args, k) is not None}
-    token, info = _store(args).create_key(duration=args.duration, models=_models(args.models), **fields)
+    token, info = _store(args).accounts.create_key(duration=args.duration, models=_models(args.models), **fields)
     print(json.dumps({"key": token, **info}, indent=2))
     return 0
 
 
 def cmd_keys_list(args) -> int:
-    print(json.dumps(_store(args).list_keys(args.user_id), indent=2))
+    print(json.dumps(_store(args).accounts.list_keys(args.user_id), indent=2))
     return 0
 
 
 def cmd_keys_delete(args) -> int:
-    print(json.dumps({"deleted_keys": _store(args).delete_keys(args.keys)}, indent=2))
+    print(json.dumps({"deleted_keys": _store(args).accounts.delete_keys(args.keys)}, indent=2))
     return 0
 
 
@@ -157,8 +157,8 @@ def cmd_users_create(args) -> int:
     fields = {k: getattr(args, k) for k in ("max_budget", "budget_duration") if getattr(args, k) is not None}
     password = args.password or os.environ.get("TREESERVE_PASSWORD")
     password_hash = hash_password(password) if password else None
-    print(json.dumps(_store(args).create_user(args.user_id, password_hash=password_hash, models=_models(args.models),
-                                              **fields), indent=2))
+    print(json.dumps(_store(args).accounts.create_user(args.user_id, password_hash=password_hash,
+                                                       models=_models(args.models), **fields), indent=2))
     return 0
 
 
@@ -168,13 +168,15 @@ def cmd_users_set_password(args) -> int:
     from treeserve.gateway.chat.store import ChatStore
 
     password = args.password or os.environ.get("TREESERVE_PASSWORD") or getpass.getpass(f"password for {args.user_id}: ")
-    ChatStore(_store(args)).set_password(args.user_id, password)
+    store = _store(args)
+    ChatStore(store.db, store.accounts).set_password(args.user_id, password)
     print(f"password set for {args.user_id}")
     return 0
 
 
 def main(argv: list[str]) -> int:
     """`treeserve gateway ...` and `treeserve chat` without the engine's imports (see treeserve.cli.main)."""
+    from treeserve.gateway.errors import GatewayError
     from treeserve.wire.errors import APIError
 
     from treeserve.cli_help import Parser
@@ -187,6 +189,6 @@ def main(argv: list[str]) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except APIError as exc:
+    except (APIError, GatewayError) as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2

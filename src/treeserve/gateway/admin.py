@@ -12,10 +12,11 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
+from treeserve.gateway.accounts import Accounts
 from treeserve.gateway.fields import INT32_MAX, NO_NUL, Text
+from treeserve.gateway.ledger import Ledger, logs_csv
 from treeserve.gateway.passwords import hash_password
 from treeserve.gateway.pricing import NO_PRICES
-from treeserve.gateway.store import Store, logs_csv
 from treeserve.wire.errors import APIError
 
 log = logging.getLogger("treeserve.gateway")
@@ -62,7 +63,7 @@ class NewUser(_Body):
     password: Annotated[Text, Field(max_length=1024)] | None = None  # for the web chat (an Argon2id hash)
 
 
-def admin_router(store: Store, require_master: Any, known_models: set[str],
+def admin_router(accounts: Accounts, ledger: Ledger, require_master: Any, known_models: set[str],
                  on_change: Callable[[], None] = lambda: None, priced: bool = True) -> APIRouter:
     """`on_change` runs after a key is updated or deleted (this process forgets cached keys);
     `priced`: some model has a price (else a budget set here never acts, and the answer says so)."""
@@ -83,18 +84,18 @@ def admin_router(store: Store, require_master: Any, known_models: set[str],
     @router.post("/key/generate")
     async def generate_key(body: KeyLimits):
         check_models(body.models)
-        token, info = await run_in_threadpool(lambda: store.create_key(**body.model_dump(exclude_none=True)))
+        token, info = await run_in_threadpool(lambda: accounts.create_key(**body.model_dump(exclude_none=True)))
         return budget_warning({"key": token, **info}, body.max_budget, "key")
 
     @router.get("/key/info")
     async def key_info(key: str = Query(..., max_length=512, pattern=NO_NUL,
                                         description="the key, or its hash as /key/list shows it")):
-        await run_in_threadpool(store.flush)  # this process's settlements in flight, committed first
-        return {"key": key if len(key) == 64 else None, "info": await run_in_threadpool(store.key_info, key)}
+        await run_in_threadpool(ledger.flush)  # this process's settlements in flight, committed first
+        return {"key": key if len(key) == 64 else None, "info": await run_in_threadpool(accounts.key_info, key)}
 
     @router.get("/key/list")
     async def list_keys(user_id: str | None = Query(None, max_length=128, pattern=NO_NUL)):
-        return {"keys": await run_in_threadpool(store.list_keys, user_id)}
+        return {"keys": await run_in_threadpool(accounts.list_keys, user_id)}
 
     @router.post("/key/update")
     async def update_key(body: KeyUpdate):
@@ -102,14 +103,14 @@ def admin_router(store: Store, require_master: Any, known_models: set[str],
         fields = body.model_dump(exclude_unset=True)
         token = fields.pop("key")
         try:
-            return await run_in_threadpool(lambda: store.update_key(token, **fields))
+            return await run_in_threadpool(lambda: accounts.update_key(token, **fields))
         finally:
             on_change()
 
     @router.post("/key/delete")
     async def delete_keys(body: KeyDelete):
         try:
-            return {"deleted_keys": await run_in_threadpool(store.delete_keys, body.keys)}
+            return {"deleted_keys": await run_in_threadpool(accounts.delete_keys, body.keys)}
         finally:
             on_change()
 
@@ -122,13 +123,13 @@ def admin_router(store: Store, require_master: Any, known_models: set[str],
 
         def create() -> dict:  # (hashing a password takes tens of milliseconds: not on the event loop)
             password_hash = hash_password(password) if password is not None else None
-            return store.create_user(user_id, password_hash=password_hash, **fields)
+            return accounts.create_user(user_id, password_hash=password_hash, **fields)
         return budget_warning(await run_in_threadpool(create), body.max_budget, "user")
 
     @router.get("/user/info")
     async def user_info(user_id: str = Query(..., max_length=128, pattern=NO_NUL)):
-        await run_in_threadpool(store.flush)
-        return await run_in_threadpool(store.user_info, user_id)
+        await run_in_threadpool(ledger.flush)
+        return await run_in_threadpool(accounts.user_info, user_id)
 
     @router.get("/spend/logs")
     async def spend_logs(api_key: str | None = Query(None, max_length=512, pattern=NO_NUL),
@@ -137,8 +138,8 @@ def admin_router(store: Store, require_master: Any, known_models: set[str],
                          limit: int = Query(1000, ge=1, le=100_000), format: str = Query("json", pattern="^(json|csv)$")):
         start = _midnight(start_date)
         end = _midnight(_day_after(end_date))
-        await run_in_threadpool(store.flush)
-        rows = await run_in_threadpool(lambda: store.spend_logs(api_key, user_id, start, end, limit))
+        await run_in_threadpool(ledger.flush)
+        rows = await run_in_threadpool(lambda: ledger.spend_logs(api_key, user_id, start, end, limit))
         if format == "csv":
             return PlainTextResponse(logs_csv(rows), media_type="text/csv",
                                      headers={"Content-Disposition": "attachment; filename=spend_logs.csv"})
@@ -146,8 +147,8 @@ def admin_router(store: Store, require_master: Any, known_models: set[str],
 
     @router.get("/spend/daily")
     async def daily_spend():
-        await run_in_threadpool(store.flush)
-        return await run_in_threadpool(store.daily_spend)
+        await run_in_threadpool(ledger.flush)
+        return await run_in_threadpool(ledger.daily_spend)
 
     return router
 

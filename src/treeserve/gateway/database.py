@@ -1,12 +1,28 @@
-"""The database engine for a gateway URL: SQLite set up for several writers (WAL, writers take the
-lock at BEGIN), or a pooled PostgreSQL engine."""
+"""The gateway's database, under all its services: the engine for a URL (SQLite set up for several
+writers: WAL, writers take the lock at BEGIN; or a pooled PostgreSQL engine), read sessions, writing
+transactions, the dialect's upsert, and the Alembic migrations.
+
+Everything that must hold across several gateway processes is one conditional statement that the
+database applies atomically. SQLite runs in WAL mode and takes its write lock at the start of each
+transaction (`BEGIN IMMEDIATE`), so concurrent writers queue instead of failing; PostgreSQL locks
+the row. Calls are blocking: the app runs them in worker threads."""
 from __future__ import annotations
 
+import contextlib
 import sqlite3
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
-from sqlalchemy import Engine, create_engine, event
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+MIGRATIONS = Path(__file__).parent / "migrations"
+MIGRATION_LOCK = 0x74726565  # PostgreSQL advisory lock id ("tree") serialising migrations
 
 
 def default_url(directory: Path | None = None) -> str:
@@ -50,3 +66,55 @@ def make_engine(url: str) -> Engine:
 
         return engine
     return create_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True)
+
+
+class Database:
+    """One gateway database, shared by the accounts, admission, ledger and instances services."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.engine = make_engine(url)
+        self.dialect = self.engine.dialect.name
+        self._writer = self.engine.execution_options(writing=True)
+        self._write_lock = threading.Lock() if self.dialect == "sqlite" else contextlib.nullcontext()
+
+    def session(self) -> Session:
+        """For reads."""
+        return Session(self.engine, expire_on_commit=False)
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[Session]:
+        """A transaction that writes. On SQLite this process's writers also queue on a lock first:
+        SQLite's own busy handler waits by sleeping (up to 100 ms a turn), a lock hands over at once."""
+        with self._write_lock, Session(self._writer, expire_on_commit=False) as session, session.begin():
+            yield session
+
+    def insert(self, table):
+        """The dialect's INSERT, which has `on_conflict_do_update`."""
+        return (postgresql.insert if self.dialect == "postgresql" else sqlite.insert)(table)
+
+    def upsert(self, conn: Session, table, values: dict, keys: list[str], add: list[str], returning: tuple = ()):
+        """INSERT, or on a conflict on `keys` add `add`'s values to the row's; the `returning`
+        columns of the row written (None when none are asked)."""
+        insert = self.insert(table)
+        statement = insert.values(**values).on_conflict_do_update(
+            index_elements=keys, set_={c: getattr(table, c) + getattr(insert.excluded, c) for c in add})
+        if returning:
+            return conn.execute(statement.returning(*returning)).first()
+        conn.execute(statement)
+        return None
+
+    def migrate(self) -> None:
+        """Brings the schema to the newest revision (Alembic; a no-op when it is there). Gateway
+        processes started together migrate one after another: SQLite's write lock is taken at the
+        transaction's start, PostgreSQL's by an advisory lock held to its end."""
+        config = Config()
+        config.set_main_option("script_location", str(MIGRATIONS))
+        with self._writer.begin() as conn:
+            if self.dialect == "postgresql":
+                conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK})
+            config.attributes["connection"] = conn
+            command.upgrade(config, "head")
+
+    def close(self) -> None:
+        self.engine.dispose()

@@ -29,6 +29,12 @@ def hash_key(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
+def stored_hash(token_or_hash: str) -> str:
+    """The stored hash of a key named by the key or by that hash (admin routes take either, as LiteLLM's do)."""
+    is_hash = len(token_or_hash) == 64 and all(c in "0123456789abcdef" for c in token_or_hash)
+    return token_or_hash if is_hash else hash_key(token_or_hash)
+
+
 def display_name(token: str) -> str:
     return f"{token[:3]}...{token[-4:]}"
 

@@ -22,11 +22,12 @@ import aiohttp
 import anyio
 from fastapi.responses import Response, StreamingResponse
 
-from treeserve.gateway.broker import BrokerClient, BrokerStream
+from treeserve.gateway.broker import BrokerStream
 from treeserve.gateway.metrics import GatewayMetrics
 from treeserve.gateway.pricing import completion_cap
 from treeserve.gateway.routing import Backend, Router
 from treeserve.gateway.sse import DONE, StreamState, error_event, event_batches
+from treeserve.gateway.upstreams import Upstreams
 from treeserve.gateway.usage import Usage
 from treeserve.wire.errors import error_response
 
@@ -62,10 +63,8 @@ class RelayResponse(StreamingResponse):
 
 
 class Forwarder:
-    def __init__(self, router: Router, client: aiohttp.ClientSession, metrics: GatewayMetrics, retries: int,
-                 brokers: dict[str, BrokerClient] | None = None):
-        self.router, self.client, self.metrics, self.retries = router, client, metrics, retries
-        self.brokers = brokers or {}  # amqp:// backends: their broker connections
+    def __init__(self, router: Router, upstreams: Upstreams, metrics: GatewayMetrics, retries: int):
+        self.router, self.upstreams, self.metrics, self.retries = router, upstreams, metrics, retries
         self.streams: dict[int, Callable[[BaseException], None]] = {}  # relays running: how to cut each
 
     def cut_streams(self) -> None:
@@ -90,7 +89,7 @@ class Forwarder:
                 if attempt:
                     self.metrics.retries.labels(model).inc()
                 upstream = self._upstream_body(body, group, backend, stream)
-                if backend.url in self.brokers:  # each attempt its own correlation id: no late reply mixes in
+                if backend.url in self.upstreams.brokers:  # each attempt its own correlation id: no late reply mixes in
                     result = await self._try_broker(path, upstream, backend, group, body, settle, started,
                                                     f"{request_id}.{attempt}")
                 else:
@@ -113,7 +112,7 @@ class Forwarder:
     async def _try_once(self, path, upstream, backend: Backend, group, body, settle, started) -> Response | str:
         self._begin(backend)
         try:
-            async with self.client.post(backend.url + path, json=upstream, headers=_headers(backend),
+            async with self.upstreams.client.post(backend.url + path, json=upstream, headers=_headers(backend),
                                         timeout=_timeout(backend, whole=True)) as response:
                 status, content = response.status, await response.read()
                 headers = {"Retry-After": response.headers["Retry-After"]} if "Retry-After" in response.headers else {}
@@ -144,8 +143,8 @@ class Forwarder:
     async def _try_stream(self, path, upstream, backend: Backend, group, body, settle, started) -> Response | str:
         self._begin(backend)
         try:
-            response = await self.client.post(backend.url + path, json=upstream, headers=_headers(backend),
-                                              timeout=_timeout(backend, whole=False))
+            response = await self.upstreams.client.post(backend.url + path, json=upstream, headers=_headers(backend),
+                                                        timeout=_timeout(backend, whole=False))
         except UPSTREAM_ERRORS as exc:
             self._end(backend)
             return self._failed(backend, exc)
@@ -174,7 +173,7 @@ class Forwarder:
 
     async def _try_broker(self, path, upstream, backend: Backend, group, body, settle, started,
                           request_id: str) -> Response | str:
-        broker = self.brokers[backend.url]
+        broker = self.upstreams.brokers[backend.url]
         self._begin(backend)
         try:
             replies = await broker.request(backend.config.model or group, path, upstream, request_id,

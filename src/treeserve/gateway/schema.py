@@ -16,6 +16,15 @@ def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc)
 
 
+def aware(value: dt.datetime | None) -> dt.datetime | None:
+    """SQLite hands datetimes back without their zone; every one stored here is UTC."""
+    return value.replace(tzinfo=dt.timezone.utc) if value is not None and value.tzinfo is None else value
+
+
+def iso(value: dt.datetime | None) -> str | None:
+    return aware(value).isoformat() if value is not None else None
+
+
 class User(Base):
     __tablename__ = "users"
     user_id: Mapped[str] = mapped_column(String(128), primary_key=True)
@@ -102,7 +111,7 @@ class RateWindow(Base):
 class Holding(Base):
     """A request admitted and not yet settled: the worst case it reserved, whether it holds a
     parallel slot, and which gateway process admitted it, so that the holdings of a process that
-    died are given back (`Store.sweep`) instead of blocking its keys for good."""
+    died are given back (`Instances.sweep`) instead of blocking its keys for good."""
     __tablename__ = "holdings"
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True,
                                     autoincrement=True)

@@ -1,7 +1,8 @@
 """Settling requests: what a request cost becomes spend on its key and user, tokens in its
 minute, a `spend_logs` row and its day's `daily_spend` total. A writer thread commits whatever
 has queued up every SETTLEMENT_INTERVAL in one transaction, one statement per key, user, minute
-and day touched; the same thread says this process is alive and sweeps what dead ones held."""
+and day touched; the same thread runs the process's chores (its heartbeat, pruning old rate
+windows, sweeping what dead processes held), handed to it where it is built."""
 from __future__ import annotations
 
 import datetime as dt
@@ -10,12 +11,13 @@ import queue
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from sqlalchemy import delete, insert, update
 from sqlalchemy.orm import Session
 
+from treeserve.gateway.database import Database
 from treeserve.gateway.schema import ApiKey, DailySpend, Holding, RateWindow, SpendLog, User, utcnow
 from treeserve.gateway.usage import Usage
 
@@ -27,17 +29,7 @@ SETTLEMENT_INTERVAL = 0.05
 PRUNE_INTERVAL = 60.0  # seconds between deletions of past minutes' rate windows (and sweeps)
 HEARTBEAT_INTERVAL = 5.0  # seconds between a process's "still here" in gateway_instances
 MASTER_KEY_ID = 0  # the master key's rows in daily_spend (its spend logs have no key_id)
-
-
-class Store(Protocol):
-    """What settling needs of gateway/store.py's Store (which imports this module)."""
-
-    def transaction(self): ...
-    def upsert(self, conn: Session, table, values: dict, keys: list[str], add: list[str], returning=False): ...
-    def settle(self, settlement: Settlement) -> None: ...
-    def heartbeat(self) -> None: ...
-    def prune_rate_windows(self) -> int: ...
-    def sweep(self) -> int: ...
+Chore = tuple[str, float, Callable[[], object]]  # (name, seconds between runs, the job)
 
 
 @dataclass
@@ -68,10 +60,10 @@ class Settlement:
 
 
 class SettlementWriter:
-    """One thread that commits queued settlements in batches (started on first use)."""
+    """One thread that commits queued settlements in batches (started on first use) and runs `chores`."""
 
-    def __init__(self, store: Store):
-        self.store = store
+    def __init__(self, db: Database, chores: Sequence[Chore] = ()):
+        self.db, self.chores = db, list(chores)
         self.queue: queue.Queue[Settlement | None] = queue.Queue()
         self.thread: threading.Thread | None = None
         self.lock = threading.Lock()
@@ -124,12 +116,9 @@ class SettlementWriter:
                 return
 
     def _periodic(self, force: bool = False) -> None:
-        """The heartbeat every HEARTBEAT_INTERVAL; old rate windows pruned and dead processes'
-        holdings swept every PRUNE_INTERVAL. A failure is logged and tried again next time."""
+        """Each chore that is due. A failure is logged and tried again next time."""
         now = time.monotonic()
-        jobs = [("heartbeat", HEARTBEAT_INTERVAL, self.store.heartbeat),
-                ("prune", PRUNE_INTERVAL, self.store.prune_rate_windows), ("sweep", PRUNE_INTERVAL, self.store.sweep)]
-        for name, interval, job in jobs:
+        for name, interval, job in self.chores:
             if force or now - self.last_run.get(name, 0.0) >= interval:
                 self.last_run[name] = now
                 try:
@@ -139,18 +128,22 @@ class SettlementWriter:
 
     def _commit(self, items: list[Settlement]) -> None:
         try:
-            with self.store.transaction() as conn:
-                apply_settlements(self.store, conn, items)
+            commit_settlements(self.db, items)
         except Exception:  # one bad row must not lose the batch: commit them one by one
             log.exception("committing %d settlements together failed; retrying one by one", len(items))
             for item in items:
                 try:
-                    self.store.settle(item)
+                    commit_settlements(self.db, [item])
                 except Exception:
                     log.exception("settlement of %s lost", item.request_id)
 
 
-def apply_settlements(store: Store, conn: Session, items: list[Settlement]) -> None:
+def commit_settlements(db: Database, items: list[Settlement]) -> None:
+    with db.transaction() as conn:
+        apply_settlements(db, conn, items)
+
+
+def apply_settlements(db: Database, conn: Session, items: list[Settlement]) -> None:
     """Spend, tokens in the minute, a log row and the day's total for each request, with one
     statement per key, user, minute and day touched (not one per request). What each request still
     holds (its real cost, when released at its answer; else its worst case and its slot) goes back."""
@@ -192,9 +185,9 @@ def apply_settlements(store: Store, conn: Session, items: list[Settlement]) -> N
     if held:
         conn.execute(delete(Holding).where(Holding.id.in_(held)))
     for (day, key_id, model), (user_id, requests, prompt, completion, cost) in days.items():
-        store.upsert(conn, DailySpend, dict(day=day, key_id=key_id, model=model, user_id=user_id, requests=requests,
-                                            prompt_tokens=prompt, completion_tokens=completion, cost=cost),
-                     ["day", "key_id", "model"], ["requests", "prompt_tokens", "completion_tokens", "cost"])
+        db.upsert(conn, DailySpend, dict(day=day, key_id=key_id, model=model, user_id=user_id, requests=requests,
+                                         prompt_tokens=prompt, completion_tokens=completion, cost=cost),
+                  ["day", "key_id", "model"], ["requests", "prompt_tokens", "completion_tokens", "cost"])
 
 
 def _log_row(item: Settlement) -> dict:

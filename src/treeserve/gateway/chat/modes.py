@@ -20,6 +20,7 @@ from fastapi.responses import Response
 from treeserve.gateway.chat.settings import ChatSettings
 from treeserve.gateway.chat.tools import ANSWER_DIRECTLY, ROUTER_PROMPT, Toolbox
 from treeserve.gateway.chat.upstream import UpstreamError, stream_events
+from treeserve.gateway.errors import GatewayError
 from treeserve.gateway.keys import KeyRecord
 from treeserve.wire.errors import APIError
 
@@ -67,7 +68,7 @@ def model_messages(context: Context) -> list[dict]:
 async def _send(context: Context, path: str, body: dict) -> Response:
     try:
         return await context.dispatch(path, body, context.key)
-    except APIError as exc:  # refused by the gateway itself: a budget, a rate limit, a model not allowed
+    except (APIError, GatewayError) as exc:  # refused by the gateway itself: a model not allowed, a budget, a limit
         raise UpstreamError(exc.message) from None
     except ValueError as exc:  # a parameter the gateway refused (ParamError names it)
         raise UpstreamError(str(exc)) from None

@@ -4,8 +4,8 @@
 A signed-in browser holds a random session cookie (HttpOnly, SameSite=Strict, stored hashed);
 every request that changes something must also carry the session's CSRF token in `X-CSRF-Token`
 (the page reads it from `/chat/api/me`). A conversation is reachable only by its owner: any other
-id answers 404. The chat's model requests go through the gateway's own `dispatch`, so they are
-admitted, routed, billed and limited like any key's (each user has one chat key)."""
+id answers 404. The chat's model requests go through the gateway's own `GatewayService.dispatch`, so
+they are admitted, routed, billed and limited like any key's (each user has one chat key)."""
 from __future__ import annotations
 
 import json
@@ -20,17 +20,18 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from treeserve.gateway.chat import export
-from treeserve.gateway.chat.modes import MODES, Answer, Context, Dispatch
+from treeserve.gateway.chat.modes import MODES, Answer, Context
 from treeserve.gateway.chat.settings import ChatSettings, ConversationIn, LoginIn, MessageIn
 from treeserve.gateway.chat.store import ChatStore
 from treeserve.gateway.chat.throttle import LoginThrottle
 from treeserve.gateway.chat.tools import Toolbox
 from treeserve.gateway.chat.upstream import UpstreamError
 from treeserve.gateway.config import GatewayConfig
+from treeserve.gateway.errors import ConversationNotFound
 from treeserve.gateway.keys import same_secret
 from treeserve.gateway.metrics import GatewayMetrics
 from treeserve.gateway.proxy import RelayResponse
-from treeserve.gateway.store import Store
+from treeserve.gateway.service import GatewayService
 from treeserve.wire.errors import APIError
 
 log = logging.getLogger("treeserve.gateway.chat")
@@ -66,9 +67,9 @@ class Signed:
 
 
 class ChatApp:
-    def __init__(self, config: GatewayConfig, store: Store, dispatch: Dispatch, metrics: GatewayMetrics):
-        self.config, self.dispatch, self.metrics = config, dispatch, metrics
-        self.chats = ChatStore(store)
+    def __init__(self, config: GatewayConfig, service: GatewayService, chats: ChatStore, metrics: GatewayMetrics):
+        """`service`: the gateway's request path, which the chat's model requests go through."""
+        self.config, self.service, self.chats, self.metrics = config, service, chats, metrics
         self.toolbox = Toolbox(config.chat.tools, config.chat.tool_timeout)
         self.throttle = LoginThrottle()
         self.password_checks = anyio.CapacityLimiter(PASSWORD_CHECKS)
@@ -200,7 +201,7 @@ class ChatApp:
         stored = await run_in_threadpool(lambda: self.chats.add_message(
             user_id, conversation_id, "user", body.content, model=settings.model, mode=settings.mode,
             settings=settings.model_dump()))
-        context = Context(self.dispatch, key, settings, conversation["messages"], body.content,
+        context = Context(self.service.dispatch, key, settings, conversation["messages"], body.content,
                           self.config.chat.verifiers.get(settings.model), self.config.chat.router_model,
                           self.toolbox)
         events = self._answer(user_id, conversation_id, stored, context)
@@ -230,7 +231,7 @@ class ChatApp:
                     user_id, conversation_id, "assistant", answer.content, model=settings.model, mode=settings.mode,
                     settings=settings.model_dump(), prompt_tokens=answer.prompt_tokens,
                     completion_tokens=answer.completion_tokens, details=details))
-            except APIError:  # the conversation was deleted meanwhile
+            except ConversationNotFound:  # the conversation was deleted meanwhile
                 return None
 
         try:

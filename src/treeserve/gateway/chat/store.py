@@ -11,39 +11,36 @@ import secrets
 from sqlalchemy import delete, func, insert, select, update
 
 from treeserve.gateway import keys as keylib
+from treeserve.gateway.accounts import Accounts
+from treeserve.gateway.database import Database
+from treeserve.gateway.errors import ChatKeyBlocked, ConversationNotFound, UserNotFound
 from treeserve.gateway.passwords import hash_password, needs_rehash, verify_password
-from treeserve.gateway.schema import ApiKey, ChatMessage, ChatSession, Conversation, SpendLog, User, utcnow
-from treeserve.gateway.store import Store, aware, iso
-from treeserve.wire.errors import APIError
+from treeserve.gateway.schema import ApiKey, ChatMessage, ChatSession, Conversation, SpendLog, User, aware, iso, utcnow
 
 SESSION_LIFETIME = dt.timedelta(days=7)
 CHAT_KEY_ALIAS = "chat:{user_id}"
 TITLE_LENGTH = 200
 
 
-def not_found() -> APIError:
-    return APIError(404, "conversation: no such conversation", param="conversation", code="conversation_not_found")
-
-
 class ChatStore:
-    def __init__(self, store: Store):
-        self.store = store
+    def __init__(self, db: Database, accounts: Accounts):
+        self.db, self.accounts = db, accounts
 
     # ---- signing in --------------------------------------------------------------------------
     def check_password(self, user_id: str, password: str) -> bool:
-        with self.store.session() as conn:
+        with self.db.session() as conn:
             stored = conn.scalar(select(User.password_hash).where(User.user_id == user_id))
         if not verify_password(stored, password):
             return False
         if needs_rehash(stored):  # the hasher's parameters went up since: keep the hash current
-            self.store.set_password_hash(user_id, hash_password(password))
+            self.accounts.set_password_hash(user_id, hash_password(password))
         return True
 
     def set_password(self, user_id: str, password: str) -> None:
         password_hash = hash_password(password)
-        with self.store.transaction() as conn:
+        with self.db.transaction() as conn:
             if conn.get(User, user_id) is None:
-                raise APIError(404, f"user_id: no user {user_id!r}", param="user_id", code="user_not_found")
+                raise UserNotFound(user_id)
             conn.execute(update(User).where(User.user_id == user_id).values(password_hash=password_hash))
             conn.execute(delete(ChatSession).where(ChatSession.user_id == user_id))  # signed out everywhere
 
@@ -51,7 +48,7 @@ class ChatStore:
         """(the cookie's token, the page's CSRF token) of a new session."""
         token, csrf = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
         now = utcnow()
-        with self.store.transaction() as conn:
+        with self.db.transaction() as conn:
             conn.execute(delete(ChatSession).where(ChatSession.expires_at < now))
             conn.execute(insert(ChatSession).values(token_hash=keylib.hash_key(token), user_id=user_id,
                                                     csrf_token=csrf, created_at=now,
@@ -60,7 +57,7 @@ class ChatStore:
 
     def session_user(self, token: str) -> tuple[str, str] | None:
         """(user_id, csrf token) of a live session, or None."""
-        with self.store.session() as conn:
+        with self.db.session() as conn:
             row = conn.execute(select(ChatSession.user_id, ChatSession.csrf_token, ChatSession.expires_at)
                                .where(ChatSession.token_hash == keylib.hash_key(token))).first()
         if row is None or aware(row.expires_at) <= utcnow():
@@ -68,7 +65,7 @@ class ChatStore:
         return row.user_id, row.csrf_token
 
     def end_session(self, token: str) -> None:
-        with self.store.transaction() as conn:
+        with self.db.transaction() as conn:
             conn.execute(delete(ChatSession).where(ChatSession.token_hash == keylib.hash_key(token)))
 
     def chat_key(self, user_id: str) -> keylib.KeyRecord:
@@ -76,7 +73,7 @@ class ChatStore:
         model list apply to it as to any key of theirs). Looked up and made in one transaction with
         the user's row locked, so two first sign-ins at once make one key."""
         alias = CHAT_KEY_ALIAS.format(user_id=user_id)
-        with self.store.transaction() as conn:
+        with self.db.transaction() as conn:
             conn.execute(select(User.user_id).where(User.user_id == user_id).with_for_update())
             key_id = conn.scalar(select(ApiKey.id).where(ApiKey.user_id == user_id, ApiKey.key_alias == alias)
                                  .order_by(ApiKey.id).limit(1))
@@ -86,15 +83,14 @@ class ChatStore:
                     token_hash=keylib.hash_key(token), key_name=keylib.display_name(token), key_alias=alias,
                     user_id=user_id, spend=0.0, reserved=0.0, in_flight=0, blocked=False,
                     extra={"purpose": "web chat"}, created_at=utcnow()).returning(ApiKey.id)).scalar_one()
-        record = self.store.key_record(key_id)
+        record = self.accounts.key_record(key_id)
         if record is None:
-            raise APIError(403, "your chat key is blocked or expired; ask the gateway's admin",
-                           code="key_blocked")
+            raise ChatKeyBlocked()
         return record
 
     # ---- conversations -----------------------------------------------------------------------
     def conversations(self, user_id: str) -> list[dict]:
-        with self.store.session() as conn:
+        with self.db.session() as conn:
             rows = conn.scalars(select(Conversation).where(Conversation.user_id == user_id)
                                 .order_by(Conversation.updated_at.desc())).all()
         return [_public_conversation(c) for c in rows]
@@ -102,13 +98,13 @@ class ChatStore:
     def create(self, user_id: str, title: str, settings: dict) -> dict:
         now = utcnow()
         conversation_id = secrets.token_hex(16)
-        with self.store.transaction() as conn:
+        with self.db.transaction() as conn:
             conn.execute(insert(Conversation).values(id=conversation_id, user_id=user_id, title=_title(title),
                                                      settings=settings, created_at=now, updated_at=now))
         return self.get(user_id, conversation_id)
 
     def get(self, user_id: str, conversation_id: str) -> dict:
-        with self.store.session() as conn:
+        with self.db.session() as conn:
             conversation = self._owned(conn, user_id, conversation_id)
             messages = conn.scalars(select(ChatMessage).where(ChatMessage.conversation_id == conversation_id)
                                     .order_by(ChatMessage.id)).all()
@@ -121,13 +117,13 @@ class ChatStore:
             values["title"] = _title(title)
         if settings is not None:
             values["settings"] = settings
-        with self.store.transaction() as conn:
+        with self.db.transaction() as conn:
             self._owned(conn, user_id, conversation_id)
             conn.execute(update(Conversation).where(Conversation.id == conversation_id).values(**values))
         return self.get(user_id, conversation_id)
 
     def delete(self, user_id: str, conversation_id: str) -> None:
-        with self.store.transaction() as conn:
+        with self.db.transaction() as conn:
             self._owned(conn, user_id, conversation_id)
             conn.execute(delete(ChatMessage).where(ChatMessage.conversation_id == conversation_id))
             conn.execute(delete(Conversation).where(Conversation.id == conversation_id))
@@ -137,7 +133,7 @@ class ChatStore:
                     completion_tokens: int = 0, details: dict | None = None) -> dict:
         now = utcnow()
         content = content.replace("\x00", "\ufffd")  # a model may write one; PostgreSQL text cannot hold it
-        with self.store.transaction() as conn:
+        with self.db.transaction() as conn:
             self._owned(conn, user_id, conversation_id)
             message_id = conn.execute(insert(ChatMessage).values(
                 conversation_id=conversation_id, role=role, content=content, model=model, mode=mode,
@@ -149,7 +145,7 @@ class ChatStore:
 
     def export_rows(self, user_id: str, conversation_id: str | None = None) -> list[dict]:
         """The user's conversations (or one), each with its messages, oldest first."""
-        with self.store.session() as conn:
+        with self.db.session() as conn:
             if conversation_id is not None:
                 conversations = [self._owned(conn, user_id, conversation_id)]
             else:
@@ -165,7 +161,7 @@ class ChatStore:
 
     def usage(self, user_id: str) -> dict:
         """What the user has spent through the gateway (the chat and any key of theirs)."""
-        with self.store.session() as conn:
+        with self.db.session() as conn:
             spend = conn.scalar(select(User.spend).where(User.user_id == user_id)) or 0.0
             budget = conn.scalar(select(User.max_budget).where(User.user_id == user_id))
             row = conn.execute(select(func.count(), func.coalesce(func.sum(SpendLog.prompt_tokens), 0),
@@ -178,7 +174,7 @@ class ChatStore:
     def _owned(conn, user_id: str, conversation_id: str) -> Conversation:
         conversation = conn.get(Conversation, conversation_id) if isinstance(conversation_id, str) else None
         if conversation is None or conversation.user_id != user_id:
-            raise not_found()
+            raise ConversationNotFound()
         return conversation
 
 

@@ -1,0 +1,69 @@
+"""The fields of keys and users: what an admin may set (checked before anything is written) and what
+the admin API shows of a row."""
+from __future__ import annotations
+
+import datetime as dt
+
+from treeserve.errors import ParamError
+from treeserve.gateway.keys import parse_duration
+from treeserve.gateway.schema import ApiKey, User, iso
+
+KEY_FIELDS = ("key_alias", "user_id", "models", "max_budget", "budget_duration", "rpm_limit", "tpm_limit",
+              "max_parallel_requests", "metadata", "blocked")
+USER_FIELDS = ("max_budget", "budget_duration", "models", "metadata")
+LIMITS = ("max_budget", "rpm_limit", "tpm_limit", "max_parallel_requests")
+
+
+def key_values(fields: dict, now: dt.datetime) -> dict:
+    """A key's columns from the fields given (`duration` is the caller's to read)."""
+    _refuse_unknown(fields, KEY_FIELDS + ("duration",), "key")
+    values = {k: v for k, v in fields.items() if k in KEY_FIELDS and k != "metadata"}
+    if "metadata" in fields:
+        values["extra"] = fields["metadata"] or {}
+    _check_limits(values)
+    _budget_period(values, now)
+    return values
+
+
+def user_values(fields: dict, now: dt.datetime) -> dict:
+    _refuse_unknown(fields, USER_FIELDS, "user")
+    values = {k: v for k, v in fields.items() if k != "metadata"}
+    values["extra"] = fields.get("metadata") or {}
+    _check_limits(values)
+    _budget_period(values, now)
+    return values
+
+
+def _refuse_unknown(fields: dict, known: tuple[str, ...], owner: str) -> None:
+    unknown = sorted(set(fields) - set(known))
+    if unknown:
+        raise ParamError(unknown[0], f"{unknown[0]}: not a {owner} field")
+
+
+def _check_limits(values: dict) -> None:
+    for name in LIMITS:
+        value = values.get(name)
+        if value is not None and value < 0:
+            raise ParamError(name, f"{name}: must be at least 0, got {value}")
+
+
+def _budget_period(values: dict, now: dt.datetime) -> None:
+    """A budget period set starts now; one cleared stops resetting."""
+    if "budget_duration" in values:
+        duration = values["budget_duration"]
+        values["budget_reset_at"] = now + parse_duration(duration, "budget_duration") if duration else None
+
+
+def public_key(key: ApiKey) -> dict:
+    return {"token": key.token_hash, "key_name": key.key_name, "key_alias": key.key_alias, "user_id": key.user_id,
+            "models": key.models or [], "max_budget": key.max_budget, "spend": key.spend, "reserved": key.reserved,
+            "budget_duration": key.budget_duration, "budget_reset_at": iso(key.budget_reset_at),
+            "rpm_limit": key.rpm_limit, "tpm_limit": key.tpm_limit,
+            "max_parallel_requests": key.max_parallel_requests, "expires": iso(key.expires_at),
+            "blocked": key.blocked, "metadata": key.extra or {}, "created_at": iso(key.created_at)}
+
+
+def public_user(user: User) -> dict:
+    return {"user_id": user.user_id, "max_budget": user.max_budget, "spend": user.spend, "reserved": user.reserved,
+            "budget_duration": user.budget_duration, "budget_reset_at": iso(user.budget_reset_at),
+            "models": user.models or [], "metadata": user.extra or {}, "created_at": iso(user.created_at)}

@@ -1,0 +1,137 @@
+"""Users and their virtual keys in the gateway's database, and who a key is (`authenticate`).
+
+A key named for a user who does not exist yet makes that user (with no budget), as LiteLLM does."""
+from __future__ import annotations
+
+import datetime as dt
+
+from sqlalchemy import delete, func, insert, select, update
+from sqlalchemy.orm import Session
+
+from treeserve.gateway import keys as keylib
+from treeserve.gateway.account_fields import key_values, public_key, public_user, user_values
+from treeserve.gateway.database import Database
+from treeserve.gateway.errors import KeyNotFound, KeysNotFound, UserExists, UserNotFound
+from treeserve.gateway.keys import KeyRecord
+from treeserve.gateway.schema import ApiKey, User, aware, utcnow
+
+
+class Accounts:
+    def __init__(self, db: Database):
+        self.db = db
+
+    # ---- users -------------------------------------------------------------------------------
+    def create_user(self, user_id: str, password_hash: str | None = None, **fields) -> dict:
+        now = utcnow()
+        with self.db.transaction() as conn:
+            if conn.get(User, user_id) is not None:
+                raise UserExists(user_id)
+            values = user_values(fields, now)
+            conn.execute(insert(User).values(user_id=user_id, spend=0.0, reserved=0.0, created_at=now,
+                                             password_hash=password_hash, **values))
+        return self.user_info(user_id)
+
+    def user_info(self, user_id: str) -> dict:
+        with self.db.session() as conn:
+            user = conn.get(User, user_id)
+            if user is None:
+                raise UserNotFound(user_id)
+            rows = conn.scalars(select(ApiKey).where(ApiKey.user_id == user_id).order_by(ApiKey.id)).all()
+        return {"user_id": user_id, "user_info": public_user(user), "keys": [public_key(k) for k in rows]}
+
+    def set_password_hash(self, user_id: str, password_hash: str) -> None:
+        with self.db.transaction() as conn:
+            conn.execute(update(User).where(User.user_id == user_id).values(password_hash=password_hash))
+
+    # ---- keys --------------------------------------------------------------------------------
+    def create_key(self, duration: str | None = None, **fields) -> tuple[str, dict]:
+        """A new key: (the token, shown this once; its stored record)."""
+        token = keylib.new_key()
+        now = utcnow()
+        values = key_values(fields, now)
+        values.setdefault("extra", {})
+        if duration:
+            values["expires_at"] = now + keylib.parse_duration(duration, "duration")
+        with self.db.transaction() as conn:
+            _ensure_user(conn, values.get("user_id"), now)
+            conn.execute(insert(ApiKey).values(
+                token_hash=keylib.hash_key(token), key_name=keylib.display_name(token), spend=0.0, reserved=0.0,
+                in_flight=0, blocked=values.pop("blocked", False), created_at=now, **values))
+        return token, self.key_info(token)
+
+    def key_info(self, token: str) -> dict:
+        """`token`: the key or its stored hash."""
+        with self.db.session() as conn:
+            row = conn.scalars(select(ApiKey).where(ApiKey.token_hash == keylib.stored_hash(token))).first()
+        if row is None:
+            raise KeyNotFound("key")
+        return public_key(row)
+
+    def update_key(self, token: str, **fields) -> dict:
+        now = utcnow()
+        values = key_values(fields, now)
+        if "duration" in fields:
+            duration = fields.pop("duration")
+            values["expires_at"] = now + keylib.parse_duration(duration, "duration") if duration else None
+        if not values:  # nothing to change: the key as it is (KeyNotFound if there is none)
+            return self.key_info(token)
+        with self.db.transaction() as conn:
+            _ensure_user(conn, values.get("user_id"), now)
+            result = conn.execute(update(ApiKey).where(ApiKey.token_hash == keylib.stored_hash(token))
+                                  .values(**values))
+            if result.rowcount == 0:
+                raise KeyNotFound("key")
+        return self.key_info(token)
+
+    def delete_keys(self, tokens: list[str]) -> list[str]:
+        """All of them, or none (KeysNotFound) when any does not exist."""
+        hashes = [keylib.stored_hash(t) for t in tokens]
+        with self.db.transaction() as conn:
+            found = set(conn.execute(select(ApiKey.token_hash).where(ApiKey.token_hash.in_(hashes))).scalars())
+            missing = [t for t, h in zip(tokens, hashes) if h not in found]
+            if missing:
+                raise KeysNotFound(len(missing))
+            conn.execute(delete(ApiKey).where(ApiKey.token_hash.in_(hashes)))
+        return tokens
+
+    def list_keys(self, user_id: str | None = None) -> list[dict]:
+        query = select(ApiKey).order_by(ApiKey.id)
+        if user_id is not None:
+            query = query.where(ApiKey.user_id == user_id)
+        with self.db.session() as conn:
+            return [public_key(k) for k in conn.scalars(query)]
+
+    def budgeted_accounts(self) -> tuple[int, int]:
+        """How many keys and users have a max_budget."""
+        with self.db.session() as conn:
+            keys = conn.scalar(select(func.count()).select_from(ApiKey).where(ApiKey.max_budget.is_not(None)))
+            users = conn.scalar(select(func.count()).select_from(User).where(User.max_budget.is_not(None)))
+        return keys, users
+
+    # ---- who a key is ------------------------------------------------------------------------
+    def authenticate(self, token: str) -> KeyRecord | None:
+        """The key's record, or None for an unknown, expired or blocked key."""
+        return self._key_record(ApiKey.token_hash == keylib.hash_key(token))
+
+    def key_record(self, key_id: int) -> KeyRecord | None:
+        """As `authenticate`, for a key the gateway holds on a user's behalf (the web chat's)."""
+        return self._key_record(ApiKey.id == key_id)
+
+    def _key_record(self, where) -> KeyRecord | None:
+        with self.db.session() as conn:
+            row = conn.execute(
+                select(ApiKey, User.models, User.max_budget).outerjoin(User, User.user_id == ApiKey.user_id)
+                .where(where)).first()
+        if row is None or row[0].blocked:
+            return None
+        key, user_models, user_budget = row
+        record = KeyRecord(key.id, key.key_name, key.key_alias, key.user_id, key.models, user_models,
+                           key.rpm_limit, key.tpm_limit, key.max_parallel_requests,
+                           key.max_budget is not None or user_budget is not None, aware(key.expires_at))
+        return None if record.expired else record
+
+
+def _ensure_user(conn: Session, user_id: str | None, now: dt.datetime) -> None:
+    """The user a key is given to, made (with no budget) if there is none yet."""
+    if user_id and conn.get(User, user_id) is None:
+        conn.execute(insert(User).values(user_id=user_id, spend=0.0, reserved=0.0, extra={}, created_at=now))

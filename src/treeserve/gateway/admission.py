@@ -1,0 +1,141 @@
+"""Admitting a request on a key: a parallel slot, its minute's request count and its worst-case cost
+reserved on its key and user, all in one transaction, all or nothing; given back at its answer.
+
+Each hold is one conditional statement the database applies atomically, so every gateway process
+sharing the database enforces the same limits: a budget reservation (`spend + reserved <
+max_budget`; the hold is cut to the request's real cost the moment it is answered), a parallel slot
+(`in_flight < max_parallel_requests`), a minute's request count (an upsert that returns the new
+count). A refusal is a domain error (gateway/errors.py): LimitExceeded, BudgetExceeded, AccountGone."""
+from __future__ import annotations
+
+import datetime as dt
+
+from sqlalchemy import delete, insert, select, update
+from sqlalchemy.orm import Session
+
+from treeserve.gateway.database import Database
+from treeserve.gateway.errors import AccountGone, BudgetExceeded, ParallelLimitExceeded, RateLimitExceeded
+from treeserve.gateway.keys import KeyRecord, parse_duration
+from treeserve.gateway.schema import ApiKey, Holding, RateWindow, User, aware, utcnow
+from treeserve.gateway.settlement import Reservation
+
+# A budget counts as spent when less than this fraction of it is left: far above the rounding error
+# of a sum of costs (about 1e-16 of it per cost added), far below what any budget means to pay for.
+BUDGET_TOLERANCE = 1e-9
+
+
+class Admission:
+    def __init__(self, db: Database, instance_id: str):
+        """`instance_id`: this process's, written on each holding (what a sweep gives back if it dies)."""
+        self.db, self.instance_id = db, instance_id
+
+    def admit(self, key: KeyRecord, worst_cost: float) -> Reservation:
+        """Takes a parallel slot, counts the request in its minute, and reserves its worst-case cost
+        on the key and its user, all or nothing (refused: LimitExceeded, BudgetExceeded)."""
+        if key.holds_nothing:
+            return key.nothing_held()  # no write
+        now = utcnow()
+        window = int(now.timestamp() // 60)
+        parallel = key.max_parallel_requests is not None
+        counted = key.rpm_limit is not None or key.tpm_limit is not None
+        worst_cost = worst_cost if key.budgeted else 0.0
+        with self.db.transaction() as conn:
+            if key.budgeted:
+                _reset_due_budgets(conn, key, now)
+            if parallel:
+                _take_slot(conn, key)
+            if counted:
+                self._count_request(conn, key, window, retry_after=max(1, 60 - now.second))
+            if key.budgeted:
+                _reserve_budgets(conn, key, worst_cost)
+            holding = self._hold(conn, key, worst_cost, parallel, now) if parallel or worst_cost else None
+        return Reservation(key.id, key.user_id, worst_cost, parallel, window, counted, holding)
+
+    def release(self, reservation: Reservation, cost: float) -> None:
+        """At the request's answer, at once and in one transaction: gives its parallel slot back and
+        cuts what it holds on its key and user from its worst case to `cost`, its real cost (the
+        settlement, which may wait for its batch, then moves exactly that from `reserved` to
+        `spend`). A client that sends its next request as the last one ends finds its slot free and
+        its budget held only for what it spent. The `holdings` row follows, so a sweep after this
+        process died gives back what is held now."""
+        held = cost if reservation.held else 0.0  # (a key without a budget, or free models: nothing held)
+        given_back = reservation.held - held
+        if not reservation.parallel and not given_back:
+            return
+        with self.db.transaction() as conn:
+            values = {"reserved": ApiKey.reserved - given_back} if given_back else {}
+            if reservation.parallel:
+                values["in_flight"] = ApiKey.in_flight - 1
+            conn.execute(update(ApiKey).where(ApiKey.id == reservation.key_id).values(**values))
+            if given_back and reservation.user_id is not None:
+                conn.execute(update(User).where(User.user_id == reservation.user_id)
+                             .values(reserved=User.reserved - given_back))
+            if reservation.holding_id is not None:
+                conn.execute(update(Holding).where(Holding.id == reservation.holding_id)
+                             .values(parallel=False, worst_cost=held))
+        reservation.parallel, reservation.held = False, held
+
+    def prune_rate_windows(self) -> int:
+        """Deletes the minutes before the last one (rate limits read only the current minute)."""
+        current = int(utcnow().timestamp() // 60)
+        with self.db.transaction() as conn:
+            return conn.execute(delete(RateWindow).where(RateWindow.window < current - 1)).rowcount
+
+    def _count_request(self, conn: Session, key: KeyRecord, window: int, retry_after: int) -> None:
+        """Counts the request in its minute; refused when the minute's requests or tokens are at the limit."""
+        row = self.db.upsert(conn, RateWindow, dict(key_id=key.id, window=window, requests=1, tokens=0),
+                             ["key_id", "window"], ["requests"], returning=(RateWindow.requests, RateWindow.tokens))
+        if key.rpm_limit is not None and row.requests > key.rpm_limit:
+            raise RateLimitExceeded("rpm_limit", key.rpm_limit, "requests", retry_after)
+        if key.tpm_limit is not None and row.tokens >= key.tpm_limit:
+            raise RateLimitExceeded("tpm_limit", key.tpm_limit, "tokens", retry_after)
+
+    def _hold(self, conn: Session, key: KeyRecord, worst_cost: float, parallel: bool, now: dt.datetime) -> int:
+        """The request's `holdings` row: what a sweep gives back if this process dies before settling it."""
+        return conn.execute(insert(Holding).values(
+            instance_id=self.instance_id, key_id=key.id, user_id=key.user_id if key.budgeted else None,
+            worst_cost=worst_cost, parallel=parallel, created_at=now).returning(Holding.id)).scalar_one()
+
+
+def _take_slot(conn: Session, key: KeyRecord) -> None:
+    taken = conn.execute(update(ApiKey).where(ApiKey.id == key.id, ApiKey.in_flight < key.max_parallel_requests)
+                         .values(in_flight=ApiKey.in_flight + 1)).rowcount
+    if not taken:
+        raise ParallelLimitExceeded(key.max_parallel_requests)
+
+
+def _reserve_budgets(conn: Session, key: KeyRecord, worst_cost: float) -> None:
+    _reserve(conn, ApiKey, ApiKey.id == key.id, worst_cost, "key")
+    if key.user_id is not None:
+        _reserve(conn, User, User.user_id == key.user_id, worst_cost, "user")
+
+
+def _reserve(conn: Session, table, where, worst_cost: float, owner: str) -> None:
+    """Holds `worst_cost` while anything of the budget is left. "Left" allows for float rounding:
+    spend is a sum of costs, each rounded, so 8 requests of max_budget / 8 may sum to 0.19999999
+    of 0.2 and let a 9th in; a remainder under BUDGET_TOLERANCE of the budget counts as none."""
+    left = table.spend + table.reserved < table.max_budget * (1.0 - BUDGET_TOLERANCE)
+    taken = conn.execute(update(table).where(where, table.max_budget.is_(None) | left)
+                         .values(reserved=table.reserved + worst_cost)).rowcount
+    if not taken:
+        row = conn.execute(select(table.spend, table.reserved, table.max_budget).where(where)).first()
+        if row is None:  # deleted since this process cached it
+            raise AccountGone(owner)
+        raise BudgetExceeded(owner, row.spend, row.reserved, row.max_budget)
+
+
+def _reset_due_budgets(conn: Session, key: KeyRecord, now: dt.datetime) -> None:
+    """Budgets of the key and its user whose period has ended start again from nothing spent."""
+    targets = [(ApiKey, ApiKey.id == key.id)]
+    if key.user_id is not None:
+        targets.append((User, User.user_id == key.user_id))
+    for table, where in targets:
+        row = conn.execute(select(table.budget_duration, table.budget_reset_at).where(where)).first()
+        if row is None or row.budget_reset_at is None or aware(row.budget_reset_at) > now:
+            continue
+        if not row.budget_duration:  # (a period cleared without its reset time)
+            conn.execute(update(table).where(where).values(budget_reset_at=None))
+            continue
+        period = parse_duration(row.budget_duration, "budget_duration")
+        conn.execute(update(table).where(where, table.budget_reset_at == row.budget_reset_at)
+                     .values(spend=0.0, budget_reset_at=now + period))

@@ -1,0 +1,51 @@
+"""Who is asking: the master key for the admin API, a client key for the OpenAI routes (from this
+process's cache of recently checked keys, else the database). Both are FastAPI dependencies."""
+from __future__ import annotations
+
+import logging
+
+from fastapi import Request
+from starlette.concurrency import run_in_threadpool
+
+from treeserve.gateway.accounts import Accounts
+from treeserve.gateway.key_cache import KeyCache
+from treeserve.gateway.keys import KeyRecord, same_secret
+from treeserve.wire.errors import APIError
+
+log = logging.getLogger("treeserve.gateway")
+MASTER = KeyRecord(None, "master", "master", None, None, None, None, None, None)  # type: ignore[arg-type]
+
+
+def bearer(request: Request) -> str | None:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+class Auth:
+    def __init__(self, master_key: str | None, accounts: Accounts, keys: KeyCache):
+        self.master_key, self.accounts, self.keys = master_key, accounts, keys
+
+    async def require_master(self, request: Request) -> None:
+        log.info("admin %s %s", request.method, request.url.path)  # (never the query: keys go there)
+        token = bearer(request)
+        if not self.master_key:
+            raise APIError(403, "the admin API is off: start the gateway with --master-key (or TREESERVE_MASTER_KEY)",
+                           code="no_master_key")
+        if token is None or not same_secret(token, self.master_key):
+            raise APIError(401, "the admin API needs the master key as 'Authorization: Bearer KEY'",
+                           code="invalid_api_key")
+
+    async def require_key(self, request: Request) -> KeyRecord:
+        """The key's record (MASTER for the master key); 401 for a missing, unknown, expired or blocked key."""
+        token = bearer(request)
+        if token is None:
+            raise APIError(401, "missing API key: send 'Authorization: Bearer KEY'", code="invalid_api_key")
+        if self.master_key and same_secret(token, self.master_key):
+            return MASTER
+        key = self.keys.get(token)
+        if key is None or key.expired:
+            key = await self.keys.load(token, lambda: run_in_threadpool(self.accounts.authenticate, token))
+            if key is None:
+                raise APIError(401, "invalid API key (unknown, expired or blocked)", code="invalid_api_key")
+        return key

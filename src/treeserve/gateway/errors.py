@@ -1,0 +1,84 @@
+"""What the gateway's services refuse, in their own terms. Accounts, admission and the chat's storage
+raise these; the app turns each into its HTTP answer in one place (gateway/http_errors.py). A
+message reads "param: detail" where a field is at fault, as a ParamError's does."""
+from __future__ import annotations
+
+
+class GatewayError(Exception):
+    """A refusal of the gateway's accounts, admission or chat storage; `param` names the field at fault."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message, self.param = message, param
+
+
+class UserExists(GatewayError):
+    def __init__(self, user_id: str):
+        super().__init__(f"user_id: user {user_id!r} already exists", "user_id")
+
+
+class UserNotFound(GatewayError):
+    def __init__(self, user_id: str):
+        super().__init__(f"user_id: no user {user_id!r}", "user_id")
+
+
+class KeyNotFound(GatewayError):
+    """`param`: the field that named the key ("key", "api_key", "keys")."""
+
+    def __init__(self, param: str = "key", message: str | None = None):
+        super().__init__(message or f"{param}: no such key", param)
+
+
+class KeysNotFound(KeyNotFound):
+    """Some keys of a batch do not exist (and none of the batch was touched)."""
+
+    def __init__(self, missing: int):
+        super().__init__("keys", f"keys: {missing} of the keys do not exist; none was deleted")
+
+
+class LimitExceeded(GatewayError):
+    """A key's limit is reached; it may succeed again in `retry_after` seconds."""
+
+    def __init__(self, message: str, param: str, retry_after: int):
+        super().__init__(message, param)
+        self.retry_after = retry_after
+
+
+class ParallelLimitExceeded(LimitExceeded):
+    def __init__(self, limit: int):
+        super().__init__(f"max_parallel_requests: this key already has {limit} requests in flight",
+                         "max_parallel_requests", retry_after=1)
+
+
+class RateLimitExceeded(LimitExceeded):
+    """`param` is rpm_limit or tpm_limit; `counted` what it counts ("requests", "tokens")."""
+
+    def __init__(self, param: str, limit: int, counted: str, retry_after: int):
+        super().__init__(f"{param}: this key's limit of {limit} {counted} per minute is reached", param, retry_after)
+
+
+class BudgetExceeded(GatewayError):
+    """`owner` is "key" or "user"."""
+
+    def __init__(self, owner: str, spend: float, reserved: float, max_budget: float):
+        super().__init__(f"max_budget: the {owner}'s budget is exceeded: spent {spend:.6f} (and {reserved:.6f} held "
+                         f"by requests in flight or being settled) of max_budget {max_budget:.6f}", "max_budget")
+
+
+class AccountGone(GatewayError):
+    """A key or user deleted after this process cached the key."""
+
+    def __init__(self, owner: str):
+        super().__init__(f"invalid API key: its {owner} no longer exists")
+
+
+class ConversationNotFound(GatewayError):
+    """Also what a conversation of another user is: ids cannot be probed."""
+
+    def __init__(self):
+        super().__init__("conversation: no such conversation", "conversation")
+
+
+class ChatKeyBlocked(GatewayError):
+    def __init__(self):
+        super().__init__("your chat key is blocked or expired; ask the gateway's admin")

@@ -1,0 +1,48 @@
+"""The one place where the gateway's domain errors (gateway/errors.py) become HTTP answers: their
+status, OpenAI error code and headers; the message and `param` are the error's own."""
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+
+from treeserve.gateway.errors import (AccountGone, BudgetExceeded, ChatKeyBlocked, ConversationNotFound, GatewayError,
+                                      KeyNotFound, LimitExceeded, ParallelLimitExceeded, RateLimitExceeded,
+                                      UserExists, UserNotFound)
+from treeserve.wire.errors import APIError, error_response, from_value_error
+
+# error class -> (HTTP status, OpenAI error code); a subclass not listed answers as its parent
+HTTP_STATUS: dict[type[GatewayError], tuple[int, str | None]] = {
+    UserExists: (400, "user_exists"),
+    UserNotFound: (404, "user_not_found"),
+    KeyNotFound: (404, "key_not_found"),
+    ParallelLimitExceeded: (429, "parallel_limit"),
+    RateLimitExceeded: (429, "rate_limit"),
+    LimitExceeded: (429, "rate_limit"),
+    BudgetExceeded: (400, "budget_exceeded"),
+    AccountGone: (401, "invalid_api_key"),
+    ConversationNotFound: (404, "conversation_not_found"),
+    ChatKeyBlocked: (403, "key_blocked"),
+    GatewayError: (400, None),
+}
+
+
+def to_api_error(exc: GatewayError) -> APIError:
+    status, code = next(HTTP_STATUS[cls] for cls in type(exc).__mro__ if cls in HTTP_STATUS)
+    headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, LimitExceeded) else None
+    return APIError(status, exc.message, param=exc.param, code=code, headers=headers)
+
+
+def install_domain_error_handlers(app: FastAPI) -> None:
+    """Domain errors and ValueErrors (a ParamError names its parameter) as OpenAI error bodies."""
+
+    @app.exception_handler(GatewayError)
+    async def _refused(_: Request, exc: GatewayError):
+        return _response(to_api_error(exc))
+
+    @app.exception_handler(ValueError)
+    async def _bad_value(_: Request, exc: ValueError):
+        err = from_value_error(exc)
+        return error_response(err.status, err.message, err.param, err.code)
+
+
+def _response(err: APIError):
+    return error_response(err.status, err.message, err.param, err.code, err.headers)

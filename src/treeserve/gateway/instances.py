@@ -1,0 +1,62 @@
+"""Gateway processes sharing one database: each says every few seconds that it is alive, and what a
+process that fell silent held (its requests' reservations and parallel slots) is given back."""
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import uuid
+from collections import defaultdict
+
+from sqlalchemy import delete, select, update
+
+from treeserve.gateway.database import Database
+from treeserve.gateway.schema import ApiKey, Holding, Instance, User, utcnow
+
+log = logging.getLogger("treeserve.gateway")
+INSTANCE_TIMEOUT = 60.0  # a process silent this long is dead: its holdings are given back
+
+
+class Instances:
+    def __init__(self, db: Database):
+        self.db = db
+        self.instance_id = uuid.uuid4().hex  # this process's
+
+    def heartbeat(self) -> None:
+        """This process is alive (its holdings are its own to settle)."""
+        seen_at = utcnow()
+        with self.db.transaction() as conn:
+            insert = self.db.insert(Instance)
+            conn.execute(insert.values(instance_id=self.instance_id, seen_at=seen_at).on_conflict_do_update(
+                index_elements=["instance_id"], set_={"seen_at": seen_at}))
+
+    def sweep(self) -> int:
+        """Gives back what dead gateway processes held (silent for INSTANCE_TIMEOUT): their
+        reservations on keys and users and their parallel slots. Returns the holdings given back."""
+        cutoff = utcnow() - dt.timedelta(seconds=INSTANCE_TIMEOUT)
+        with self.db.transaction() as conn:
+            live = select(Instance.instance_id).where(Instance.seen_at >= cutoff)
+            dead = conn.scalars(select(Holding).where(Holding.instance_id.not_in(live),
+                                                      Holding.instance_id != self.instance_id,
+                                                      Holding.created_at < cutoff)).all()
+            _give_back(conn, dead)
+            if dead:
+                conn.execute(delete(Holding).where(Holding.id.in_([h.id for h in dead])))
+                log.warning("gave back %d requests' holdings of gateway processes gone silent", len(dead))
+            conn.execute(delete(Instance).where(Instance.seen_at < cutoff))
+        return len(dead)
+
+
+def _give_back(conn, holdings: list[Holding]) -> None:
+    """The holdings' reservations and parallel slots, off their keys and users."""
+    keys: dict[int, list[float]] = defaultdict(lambda: [0.0, 0])
+    users: dict[str, float] = defaultdict(float)
+    for holding in holdings:
+        keys[holding.key_id][0] += holding.worst_cost
+        keys[holding.key_id][1] += int(holding.parallel)
+        if holding.user_id is not None:
+            users[holding.user_id] += holding.worst_cost
+    for key_id, (released, slots) in keys.items():
+        conn.execute(update(ApiKey).where(ApiKey.id == key_id)
+                     .values(reserved=ApiKey.reserved - released, in_flight=ApiKey.in_flight - slots))
+    for user_id, released in users.items():
+        conn.execute(update(User).where(User.user_id == user_id).values(reserved=User.reserved - released))

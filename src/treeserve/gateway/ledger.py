@@ -1,0 +1,105 @@
+"""What requests cost, written and read: settlements (at once, or batched by the writer thread of
+gateway/settlement.py), spend logs, daily totals and their CSV export."""
+from __future__ import annotations
+
+import csv
+import datetime as dt
+import io
+from collections.abc import Sequence
+
+from sqlalchemy import func, select
+
+from treeserve.gateway.database import Database
+from treeserve.gateway.errors import KeyNotFound
+from treeserve.gateway.keys import stored_hash
+from treeserve.gateway.schema import ApiKey, DailySpend, SpendLog, iso
+from treeserve.gateway.settlement import Chore, Settlement, SettlementWriter, commit_settlements
+
+LOG_FIELDS = ["request_id", "started_at", "ended_at", "key_id", "user_id", "model", "backend", "route", "stream",
+              "status", "prompt_tokens", "completion_tokens", "cost"]
+
+
+class Ledger:
+    def __init__(self, db: Database, chores: Sequence[Chore] = ()):
+        """`chores`: what the writer thread also runs, each on its own interval (heartbeats, sweeps)."""
+        self.db = db
+        self._writer = SettlementWriter(db, chores)
+
+    # ---- writing -----------------------------------------------------------------------------
+    def settle(self, settlement: Settlement) -> None:
+        """Turns a reservation into the real cost now (see `settle_later` for the serving path)."""
+        commit_settlements(self.db, [settlement])
+
+    def settle_later(self, settlement: Settlement) -> None:
+        """Queues the settlement for the writer thread, which commits whatever has queued up in one
+        transaction: one write per batch instead of one per request. Budgets stay safe meanwhile,
+        since a request's cost stays held (its worst case, or its real cost once released) until
+        its settlement is committed."""
+        self._writer.put(settlement)
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Waits until every queued settlement is committed."""
+        self._writer.flush(timeout)
+
+    def start(self) -> None:
+        """Starts the writer thread now (settlements and chores), not at the first settlement."""
+        self._writer.ensure_started()
+
+    def close(self) -> None:
+        """Commits what is queued and stops the writer thread."""
+        self._writer.close()
+
+    # ---- reading -----------------------------------------------------------------------------
+    def spend_logs(self, key: str | None = None, user_id: str | None = None, start: dt.datetime | None = None,
+                   end: dt.datetime | None = None, limit: int = 1000) -> list[dict]:
+        """Spend rows, oldest first; `key` is a key or its hash (KeyNotFound when there is none)."""
+        key_id = None
+        if key is not None:
+            with self.db.session() as conn:
+                key_id = conn.execute(select(ApiKey.id).where(ApiKey.token_hash == stored_hash(key))).scalar()
+            if key_id is None:
+                raise KeyNotFound("api_key")
+        return self.logs(key_id, user_id, start, end, limit)
+
+    def logs(self, key_id: int | None = None, user_id: str | None = None, start: dt.datetime | None = None,
+             end: dt.datetime | None = None, limit: int = 1000) -> list[dict]:
+        query = select(SpendLog).order_by(SpendLog.started_at, SpendLog.id).limit(limit)
+        if key_id is not None:
+            query = query.where(SpendLog.key_id == key_id)
+        if user_id is not None:
+            query = query.where(SpendLog.user_id == user_id)
+        if start is not None:
+            query = query.where(SpendLog.started_at >= start)
+        if end is not None:
+            query = query.where(SpendLog.started_at < end)
+        with self.db.session() as conn:
+            return [_public_log(r) for r in conn.scalars(query)]
+
+    def daily_spend(self, key_id: int | None = None) -> list[dict]:
+        query = select(DailySpend).order_by(DailySpend.day, DailySpend.key_id, DailySpend.model)
+        if key_id is not None:
+            query = query.where(DailySpend.key_id == key_id)
+        with self.db.session() as conn:
+            return [{"day": r.day.isoformat(), "key_id": r.key_id, "model": r.model, "user_id": r.user_id,
+                     "requests": r.requests, "prompt_tokens": r.prompt_tokens,
+                     "completion_tokens": r.completion_tokens, "cost": r.cost} for r in conn.scalars(query)]
+
+    def total_spend(self) -> float:
+        with self.db.session() as conn:
+            return float(conn.execute(select(func.coalesce(func.sum(SpendLog.cost), 0.0))).scalar())
+
+
+def logs_csv(rows: list[dict]) -> str:
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=LOG_FIELDS, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(rows)
+    return out.getvalue()
+
+
+def _public_log(log: SpendLog) -> dict:
+    return {"request_id": log.request_id, "key_id": log.key_id, "user_id": log.user_id, "model": log.model,
+            "backend": log.backend, "route": log.route, "stream": log.stream, "status": log.status,
+            "prompt_tokens": log.prompt_tokens, "completion_tokens": log.completion_tokens,
+            "total_tokens": log.prompt_tokens + log.completion_tokens, "cost": log.cost,
+            "started_at": iso(log.started_at), "ended_at": iso(log.ended_at)}

@@ -1,0 +1,82 @@
+"""The gateway's own routes: the OpenAI ones (the model list, and the requests handed to
+`GatewayService.dispatch`), and the operator's (health probes, backends, Prometheus metrics)."""
+from __future__ import annotations
+
+import json
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+
+from treeserve.gateway.auth import Auth
+from treeserve.gateway.config import GatewayConfig
+from treeserve.gateway.keys import KeyRecord
+from treeserve.gateway.metrics import GatewayMetrics
+from treeserve.gateway.routing import Router
+from treeserve.gateway.service import ROUTES, GatewayService
+from treeserve.wire.drain import Drain, readiness
+from treeserve.wire.errors import APIError
+
+MAX_BODY_BYTES = 32 << 20
+
+
+def openai_routes(config: GatewayConfig, service: GatewayService, auth: Auth) -> APIRouter:
+    routes = APIRouter()
+
+    @routes.get("/v1/models")
+    async def list_models(key: KeyRecord = Depends(auth.require_key)):
+        return {"object": "list", "data": [_model_card(name) for name in config.models if key.allows(name)]}
+
+    @routes.get("/v1/models/{model:path}")
+    async def get_model(model: str, key: KeyRecord = Depends(auth.require_key)):
+        if model not in config.models or not key.allows(model):
+            raise APIError(404, f"model: the model {model!r} does not exist", param="model", code="model_not_found")
+        return _model_card(model)
+
+    async def proxy(request: Request, key: KeyRecord = Depends(auth.require_key)):
+        return await service.dispatch(request.url.path, await _json_body(request), key)
+
+    for path in ROUTES:
+        routes.add_api_route(path, proxy, methods=["POST"])
+    return routes
+
+
+def operator_routes(router: Router, metrics: GatewayMetrics, drain: Drain, auth: Auth) -> APIRouter:
+    routes = APIRouter()
+
+    @routes.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @routes.get("/health/ready", responses={503: {"description": "draining for shutdown"}})
+    async def ready():
+        return readiness(drain)
+
+    @routes.get("/health/backends", dependencies=[Depends(auth.require_master)])
+    async def backends():
+        return [{"model": b.model, "url": b.name, "healthy": b.healthy, "circuit": b.breaker.state,
+                 "outstanding_requests": b.outstanding, "last_error": b.last_error}
+                | ({"queue_depth": b.queue_depth, "consumers": b.consumers} if b.consumers is not None else {})
+                for b in router.backends()]
+
+    @routes.get("/metrics", dependencies=[Depends(auth.require_master)])
+    async def prometheus():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return routes
+
+
+async def _json_body(request: Request) -> dict:
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise APIError(413, f"the body is {len(raw)} bytes; the gateway takes at most {MAX_BODY_BYTES}")
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise APIError(400, f"malformed JSON body: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _model_card(name: str) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "treeserve-gateway"}

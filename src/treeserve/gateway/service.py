@@ -1,0 +1,69 @@
+"""The gateway's request path. One OpenAI request on a key's account: its model checked (404 unknown,
+403 not allowed to the key), admitted in one database transaction (parallel slot, the minute's
+request count, the worst-case cost reserved on its key and user: refused with a domain error),
+forwarded (`proxy.Forwarder`), and settled to its real cost once it has ended (`Accounting`).
+
+The OpenAI routes and the web chat both send their requests through `GatewayService.dispatch`."""
+from __future__ import annotations
+
+import time
+
+from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
+
+from treeserve.gateway import pricing
+from treeserve.gateway.accounting import Accounting, Admitted
+from treeserve.gateway.admission import Admission
+from treeserve.gateway.config import GatewayConfig
+from treeserve.gateway.errors import GatewayError
+from treeserve.gateway.http_errors import to_api_error
+from treeserve.gateway.keys import KeyRecord
+from treeserve.gateway.metrics import GatewayMetrics
+from treeserve.gateway.proxy import Forwarder
+from treeserve.gateway.routing import Router, affinity_key
+from treeserve.gateway.settlement import Reservation
+from treeserve.wire.errors import APIError
+
+ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/search": "search",
+          "/v1/rewards": "rewards"}
+
+
+class GatewayService:
+    def __init__(self, config: GatewayConfig, router: Router, metrics: GatewayMetrics, admission: Admission,
+                 accounting: Accounting, forwarder: Forwarder):
+        self.config, self.router, self.metrics = config, router, metrics
+        self.admission, self.accounting, self.forwarder = admission, accounting, forwarder
+
+    async def dispatch(self, path: str, body: dict, key: KeyRecord) -> Response:
+        """One OpenAI request on `key`'s account: checked, admitted, forwarded, settled. Refusals
+        raise APIError (the request) or a GatewayError (admission); a backend's own error comes
+        back as its response."""
+        model = self._checked_model(body, key)
+        started = time.perf_counter()
+        reservation = await self._admit(path, body, model, key)
+        admitted = Admitted(key, reservation, model, ROUTES[path], bool(body.get("stream")))
+        return await self.forwarder.forward(path, body, model, affinity_key(body),
+                                            self.accounting.settle_once(admitted), started, admitted.request_id)
+
+    def _checked_model(self, body: dict, key: KeyRecord) -> str:
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise APIError(400, "model: this field is required", param="model", code="missing_required_parameter")
+        if model not in self.config.models:
+            raise APIError(404, f"model: the model {model!r} does not exist", param="model", code="model_not_found")
+        for field in ("model", "verifier"):  # a search names its verifier model too
+            if isinstance(body.get(field), str) and not key.allows(body[field]):
+                raise APIError(403, f"{field}: this key may not use {body[field]!r}", param=field,
+                               code="model_not_allowed")
+        return model
+
+    async def _admit(self, path: str, body: dict, model: str, key: KeyRecord) -> Reservation:
+        if key.holds_nothing:  # (the master key too) nothing to reserve or count: no trip to a worker thread
+            return key.nothing_held()
+        worst = max(pricing.worst_cost(body, self.config.models[name], search=path == "/v1/search")
+                    for name in self.router.chain(model))
+        try:
+            return await run_in_threadpool(self.admission.admit, key, worst)
+        except GatewayError as exc:
+            self.metrics.key_requests.labels(key.label, to_api_error(exc).code or "refused").inc()
+            raise
