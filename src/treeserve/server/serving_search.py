@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 from typing import AsyncIterator
 
@@ -46,16 +47,17 @@ def question_and_system(body: SearchRequest) -> tuple[str, str | None]:
     return users[-1], (systems[-1] if systems else system) or None
 
 
+# SearchConfig's fields a body leaves to the server (None on the wire); every other field of
+# SearchConfig is copied from the body's field of the same name.
+SERVER_CHOSEN = ("beam_width", "agg_strategy", "system_prompt")
+
+
 def search_config(body: SearchRequest, system: str | None, aggregation: str = DEFAULT_AGG_STRATEGY) -> SearchConfig:
+    values = {f.name: getattr(body, f.name) for f in dataclasses.fields(SearchConfig) if f.name not in SERVER_CHOSEN}
     beam_width = body.beam_width if body.beam_width is not None else min(4, body.n)
     try:
-        return SearchConfig(strategy=body.strategy, n=body.n, beam_width=beam_width,
-                            num_iterations=body.num_iterations, lookahead=body.lookahead,
-                            temperature=body.temperature, top_p=body.top_p, max_tokens=body.max_tokens,
-                            agg_strategy=body.agg_strategy or aggregation, filter_duplicates=body.filter_duplicates,
-                            sort_completed=body.sort_completed,
-                            eos_sampling_at_max_depth=body.eos_sampling_at_max_depth, system_prompt=system,
-                            seed=body.seed)
+        return SearchConfig(**values, beam_width=beam_width, agg_strategy=body.agg_strategy or aggregation,
+                            system_prompt=system)
     except ValueError as exc:
         raise from_value_error(exc) from exc
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from treeserve.errors import ParamError
 from treeserve.sampling_params import SamplingParams, StructuredOutputsParams
+from treeserve.wire.sampling_fields import request_fields, sampling_values
 
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
@@ -51,30 +52,21 @@ class StructuredOutputsBody(BaseModel):
     json_object: bool | None = None
 
 
-class SamplingRequest(BaseModel):
-    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's plus vLLM's extras)."""
+class _ModelBody(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
-
     model: str
-    n: int = 1
+
+
+# n, temperature, top_p, stop, seed, ...: SamplingParams's fields as wire/sampling_fields.py carries them
+_SampledBody = create_model("_SampledBody", __base__=_ModelBody, **request_fields())
+
+
+class SamplingRequest(_SampledBody):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's plus vLLM's extras)."""
     max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    stop: str | list[str] | None = None
-    seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None
     logit_bias: dict[str, float] | None = None
@@ -137,20 +129,9 @@ class SamplingRequest(BaseModel):
         if self.n > MAX_N:
             raise ParamError("n", f"must be <= {MAX_N}, got {self.n}")
         self.reject_unimplemented()
-        chosen = {
-            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
-            "repetition_penalty": self.repetition_penalty,
-        }
-        values = {k: v for k, v in defaults.items() if k in chosen}
-        values.update({k: v for k, v in chosen.items() if v is not None})
-        return SamplingParams(
-            n=self.n, max_tokens=max_tokens, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty, stop=self.stop, seed=self.seed,
-            min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids,
-            include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
-            structured_outputs=self.structured_spec(), logit_bias=self.token_bias(), **values,
-        )
+        return SamplingParams(**sampling_values(self, defaults), max_tokens=max_tokens, logprobs=logprobs,
+                              prompt_logprobs=prompt_logprobs, structured_outputs=self.structured_spec(),
+                              logit_bias=self.token_bias())
 
     @property
     def include_usage(self) -> bool:
@@ -357,6 +338,8 @@ class RewardRequest(BaseModel):
 
 class SearchRequest(BaseModel):
     """POST /v1/search: test-time search for one question (Search-and-Learn's parameters)."""
+    # Every field of SearchConfig under its name there, with its default or None (the server chooses);
+    # server/serving_search.py copies them across, tests/test_sampling_fields.py checks both.
     model_config = ConfigDict(extra="ignore", strict=True)
     model: str | None = None             # the generator; default: the first served model
     verifier: str | None = None          # the PRM; needed by every strategy but greedy and majority
