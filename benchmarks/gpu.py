@@ -102,8 +102,8 @@ def run_offline(args, generator_dir: Path) -> dict:
     seconds = time.perf_counter() - start
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
     result = {"treeserve": {"seconds": seconds, "output_tokens": produced, "tok_s": produced / seconds,
-                            "backend": llm.engine.attention_backend, "cuda_graphs": llm.engine.runner.graphs is not None,
-                            "steps": llm.engine.num_steps, "steps_left_running": llm.engine.num_steps_left_running}}
+                            "backend": llm.engine.attention_backend, "cuda_graphs": llm.engine.uses_cuda_graphs,
+                            "steps": llm.engine.num_steps, "steps_left_running": llm.engine.stats().num_steps_left_running}}
     del llm, outputs
     free_device_memory()
     print(f"treeserve: {produced / seconds:,.0f} output tok/s ({seconds:.1f} s)")
@@ -175,11 +175,12 @@ def prefill_batch(llm: LLM, batch: int, context: int, max_tokens: int) -> None:
     engine, loop, rng = llm.engine, llm.loop, random.Random(batch)
     vocab = engine.model_config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    started: set[str] = set()  # requests whose first token arrived: their prompt is prefilled
     for i in range(batch):
         prompt = [rng.randrange(10, vocab) for _ in range(context)]
-        loop.add_request(engine, f"decode-{batch}-{i}", prompt, params, lambda output: None)
-    scheduler = engine.scheduler
-    while scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running):
+        loop.add_request(engine, f"decode-{batch}-{i}", prompt, params,
+                         lambda output: started.add(output.request_id))
+    while len(started) < batch and loop.has_unfinished_requests():
         loop.step()
 
 

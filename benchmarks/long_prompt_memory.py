@@ -37,7 +37,7 @@ def child(length: int, chunk: int) -> dict:
     llm = LLM(str(model), dtype="float32", device="cpu", enable_prefix_caching=False, max_num_batched_tokens=chunk,
               max_model_len=length + 1, kv_cache_memory_bytes=per_token * (length + 64), max_num_seqs=1)
     weights = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
-    kv = llm.engine.runner.arena.pages.numel()
+    kv = llm.engine.stats().kv_arena_bytes
     rng = random.Random(length)
     ids = [rng.randrange(10, LONG_PROMPT_SHAPE["vocab_size"]) for _ in range(length)]
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS

@@ -80,13 +80,13 @@ def run(paths, label: str, args, out: Path, kv_mib: int | None = None, **runtime
     elapsed, cpu = time.perf_counter() - start, time.process_time() - start_cpu
     rt.close()
     tokens = sum(e.num_tokens_computed for e in rt.engines.values())
-    stats = {name: e.kv.stats for name, e in rt.engines.items()}
+    stats = {name: e.stats() for name, e in rt.engines.items()}
     return {"label": label, "seconds": elapsed, "problems_per_s": len(questions) / elapsed,
             "cpu_seconds": cpu, "problems_per_cpu_s": len(questions) / cpu,
             "tokens_computed": tokens, "chosen": chosen, "trace": trace.name,
-            "preemptions": {n: e.scheduler.num_preemptions for n, e in rt.engines.items()},
+            "preemptions": {n: s.num_preemptions for n, s in stats.items()},
             "tokens_computed_by_model": {n: e.num_tokens_computed for n, e in rt.engines.items()},
-            "hit_rate": {n: (s.hits / s.queries if s.queries else 0.0) for n, s in stats.items()},
+            "hit_rate": {n: (s.prefix_hits / s.prefix_queries if s.prefix_queries else 0.0) for n, s in stats.items()},
             "thrash": {n: s.thrash for n, s in stats.items()}, "evictions": {n: s.evictions for n, s in stats.items()}}
 
 

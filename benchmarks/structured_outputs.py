@@ -78,7 +78,7 @@ def main() -> int:
     parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
     llm = LLM(str(benchmark_model_dir()), dtype=args.dtype, device="cpu")
-    llm.engine.structured.compile(StructuredOutputsParams(json=SCHEMA))
+    llm.engine.compile_grammar(StructuredOutputsParams(json=SCHEMA))
     timer = StepTimer(llm.engine)
     run(llm, timer, args.batch, 4, args.batch // 2)  # warm-up: kernels built, caches touched
     half = run(llm, timer, args.batch, args.steps, args.batch // 2)

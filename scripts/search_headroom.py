@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(2)
     rows = [json.loads(line) for line in args.dataset.read_text().splitlines() if line.strip()]
     questions, answers = [r["problem"] for r in rows], [r["answer"] for r in rows]
-    engine = LLMEngine(EngineConfig(model=args.generator, dtype="float32", device="cpu",
+    engine = LLMEngine.from_config(EngineConfig(model=args.generator, dtype="float32", device="cpu",
                                     kv_cache_memory_bytes=256 << 20))
 
     def run(strategy: str, sigma: float, n: int):

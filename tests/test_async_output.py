@@ -39,7 +39,7 @@ def test_async_output_processing_gives_the_synchronous_outputs(tiny_model_dirs, 
     options = dict(dtype="float32", device="cpu", kv_cache_memory_bytes=8 << 20)
     sync = LLM(path, async_output_processing=False, **options)
     deferred = LLM(path, async_output_processing=True, **options)
-    assert deferred.engine.async_output and not sync.engine.async_output
+    assert deferred.engine.outputs.async_output and not sync.engine.outputs.async_output
     expected = _summary(sync.generate(PROMPTS, _params(), use_tqdm=False))
     assert _summary(deferred.generate(PROMPTS, _params(), use_tqdm=False)) == expected
     assert any(c[2] == "stop" for _, _, cs in expected for c in cs), "expected a stop string to end some output"

@@ -30,7 +30,7 @@ def _assert_same(got, expected):
 def _engines(path, **options):
     sync = LLM(path, async_scheduling=False, **{**OPTIONS, **options})
     overlapped = LLM(path, async_scheduling=True, **{**OPTIONS, **options})
-    assert overlapped.engine.async_scheduling and not sync.engine.async_scheduling
+    assert overlapped.engine.pipeline.async_scheduling and not sync.engine.pipeline.async_scheduling
     return sync, overlapped
 
 
@@ -39,8 +39,8 @@ def test_async_scheduling_gives_the_synchronous_outputs(tiny_model_dirs, family,
     sync, overlapped = _engines(str(tiny_model_dirs[family]), async_output_processing=async_output)
     expected = sync.generate(PROMPTS, _params(), use_tqdm=False)
     _assert_same(overlapped.generate(PROMPTS, _params(), use_tqdm=False), expected)
-    assert overlapped.engine.num_steps_left_running > 0, "no step was left running"
-    assert sync.engine.num_steps_left_running == 0
+    assert overlapped.engine.stats().num_steps_left_running > 0, "no step was left running"
+    assert sync.engine.stats().num_steps_left_running == 0
     assert any(c.finish_reason == "stop" for o in expected for c in o.outputs), "expected a stop string to end some output"
     assert_no_leak(overlapped.engine)
 
@@ -99,7 +99,7 @@ def test_preemption_and_abort_while_a_step_is_in_flight(tiny_model_dirs):
     engine.add_request("gone", ids, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
     engine.step()
     engine.step()
-    assert engine._in_flight is not None
+    assert engine.pipeline.in_flight is not None
     engine.abort_request("gone")
     outputs = []
     while engine.has_unfinished_requests():

@@ -75,10 +75,10 @@ def test_async_scheduling_on_cuda_gives_the_synchronous_outputs(tiny_model_dirs,
     path, options = str(tiny_model_dirs[family]), dict(dtype="float32", device="cuda", kv_cache_memory_bytes=8 << 20)
     sync = LLM(path, async_scheduling=False, **options)
     overlapped = LLM(path, **options)
-    assert overlapped.engine.async_scheduling and overlapped.engine.runner.graphs is not None
+    assert overlapped.engine.pipeline.async_scheduling and overlapped.engine.runner.graphs is not None
     expected = sync.generate(PROMPTS, _params(), use_tqdm=False)
     _assert_same(overlapped.generate(PROMPTS, _params(), use_tqdm=False), expected)
-    assert overlapped.engine.num_steps_left_running > 0
+    assert overlapped.engine.stats().num_steps_left_running > 0
     assert_no_leak(overlapped.engine)
 
 

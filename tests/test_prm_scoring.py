@@ -20,7 +20,7 @@ def prm_dir(tiny_model_dirs):
 
 
 def _engine(path, **options):
-    return LLMEngine(EngineConfig(model=str(path), dtype="float32", device="cpu",
+    return LLMEngine.from_config(EngineConfig(model=str(path), dtype="float32", device="cpu",
                                   kv_cache_memory_bytes=options.pop("kv", 8 << 20), **options))
 
 

@@ -217,9 +217,9 @@ def _server_errors(monkeypatch) -> list[str]:
 def _slow_generator(app, monkeypatch) -> None:
     """Each generator step takes 50 ms more, and no sample ends at end-of-sequence: a search of a
     few iterations lasts seconds."""
-    from treeserve.engine.llm_engine import LLMEngine
+    from treeserve.engine.loaded_model import LoadedModel
 
-    monkeypatch.setattr(LLMEngine, "eos_token_ids", property(lambda self: ()))
+    monkeypatch.setattr(LoadedModel, "eos_token_ids", property(lambda self: ()))
     gen = app.state.engine.engines["gen"]
     step = gen.step
 

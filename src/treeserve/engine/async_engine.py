@@ -52,7 +52,7 @@ class AsyncLLMEngine:
         """With `start_thread=False` the caller runs the loop itself: `run_forever()`."""
         self.engines = engines if isinstance(engines, dict) else {"": engines}
         self.engine = next(iter(self.engines.values()))  # the first (or only) model
-        self.loop = loop or EngineLoop(self.engines)
+        self.loop = loop or EngineLoop.of(self.engines)
         if on_step is not None:
             self.loop.step_observers.append(on_step)
         if on_abort is not None:

@@ -121,3 +121,21 @@ def _no_collection():
     finally:
         if enabled:
             gc.enable()
+
+
+def decode_graphs(loaded, kv_caches, block_size: int) -> DecodeGraphs | None:
+    """A loaded model's decode-step CUDA graphs over its KV caches, captured now: with Triton attention
+    on CUDA, unless enforce_eager (and not yet with tensor parallelism or mixture-of-experts routing)."""
+    config = loaded.config
+    if loaded.attention_backend != "triton" or loaded.device.type != "cuda" or config.enforce_eager:
+        return None
+    if loaded.executor is not None:
+        logger.info("tensor parallel: decode steps run eagerly (workers capture no CUDA graphs yet)")
+        return None
+    if loaded.model_config.moe is not None:  # its experts' grouping reads the routing on the host
+        logger.info("mixture of experts: decode steps run eagerly (no CUDA graphs)")
+        return None
+    graphs = DecodeGraphs(loaded.model, kv_caches, config.max_num_seqs, -(-loaded.max_model_len // block_size),
+                          loaded.device)
+    graphs.capture()
+    return graphs

@@ -9,6 +9,7 @@ step whatever caused it, and one abort path frees a request's KV blocks between 
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Callable, Iterable, Protocol
 
 from treeserve.errors import ParamError
@@ -30,18 +31,39 @@ class LoopClient(Protocol):
         """Makes all the progress possible without a step: consume what arrived, submit what is next."""
 
 
+Engines = LLMEngine | dict[str, LLMEngine] | Iterable[LLMEngine]
+_LOOP_OF: weakref.WeakValueDictionary[int, "EngineLoop"] = weakref.WeakValueDictionary()  # id(engine) -> its loop
+
+
 class EngineLoop:
-    def __init__(self, engines: LLMEngine | dict[str, LLMEngine] | Iterable[LLMEngine]):
-        if isinstance(engines, LLMEngine):
-            engines = [engines]
-        elif isinstance(engines, dict):
-            engines = engines.values()
-        self.engines: list[LLMEngine] = list(engines)
+    """One per engine: made where the engine is made (`LLM`, `Runtime`, the server's launch); the
+    scorer, the search runner and the async engine take that one with `EngineLoop.of`."""
+
+    def __init__(self, engines: Engines):
+        self.engines: list[LLMEngine] = _engine_list(engines)
+        driven = [e for e in self.engines if id(e) in _LOOP_OF]
+        if driven:
+            raise RuntimeError(f"engine {_engine_name(driven[0])!r} is already driven by an engine loop: take "
+                               "that one (EngineLoop.of) instead of making another")
+        for engine in self.engines:
+            _LOOP_OF[id(engine)] = self
         self.step_observers: list[StepObserver] = []
         self.abort_observers: list[AbortObserver] = []
         self.clients: list[LoopClient] = []
         self._owners: dict[tuple[int, str], OutputCallback] = {}
         self.num_steps = 0  # loop iterations that stepped at least one engine
+
+    @classmethod
+    def of(cls, engines: Engines) -> EngineLoop:
+        """The loop that drives these engines; a new one where none drives any of them."""
+        engines = _engine_list(engines)
+        loops = [_LOOP_OF.get(id(e)) for e in engines]
+        if all(loop is None for loop in loops):
+            return cls(engines)
+        if any(loop is not loops[0] for loop in loops):
+            raise RuntimeError("these engines are driven by different engine loops (or some by none): "
+                               "one loop must step them all")
+        return loops[0]
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, engine: LLMEngine, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -125,4 +147,14 @@ class EngineLoop:
 
     def _require_engine(self, engine: LLMEngine) -> None:
         if not any(e is engine for e in self.engines):
-            raise ParamError("engine", f"{engine.name or engine.model_dir.name!r} is not driven by this loop")
+            raise ParamError("engine", f"{_engine_name(engine)!r} is not driven by this loop")
+
+
+def _engine_list(engines: Engines) -> list[LLMEngine]:
+    if isinstance(engines, LLMEngine):
+        return [engines]
+    return list(engines.values() if isinstance(engines, dict) else engines)
+
+
+def _engine_name(engine: LLMEngine) -> str:
+    return engine.name or engine.model_dir.name

@@ -151,3 +151,7 @@ class RequestGroup:
             if child.status is not _FINISHED:
                 return False
         return True
+
+    def members(self) -> list[Request]:
+        """Its samples, and the shared prefill while it computes their prompt."""
+        return self.children + ([self.shared_prefill] if self.shared_prefill is not None else [])

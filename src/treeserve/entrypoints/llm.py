@@ -19,7 +19,7 @@ PromptType = str | list[int] | dict[str, Any]
 
 class LLM:
     def __init__(self, model: str, **engine_options: Any):
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        self.engine = LLMEngine.from_config(EngineConfig(model=model, **engine_options))
         self.loop = EngineLoop(self.engine)
         self._ids = itertools.count()
 
@@ -28,7 +28,7 @@ class LLM:
         """An `LLM` over an engine that another owner built; `loop` is the engine loop that steps
         it (a `Runtime`'s), so that one loop owns every engine."""
         llm = cls.__new__(cls)
-        llm.engine, llm.loop, llm._ids = engine, loop or EngineLoop(engine), itertools.count()
+        llm.engine, llm.loop, llm._ids = engine, loop or EngineLoop.of(engine), itertools.count()
         return llm
 
     def close(self) -> None:

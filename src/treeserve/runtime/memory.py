@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_flatten
 from treeserve.engine.engine_loop import EngineLoop
 from treeserve.engine.kv_space import KVSpace
 from treeserve.engine.llm_engine import LLMEngine
+from treeserve.engine.loaded_model import LoadedModel
 from treeserve.sampling_params import SamplingParams
 
 
@@ -39,8 +40,8 @@ class MemoryBreakdown:
         return asdict(self)
 
 
-def weights_bytes(engine: LLMEngine) -> int:
-    return sum(p.numel() * p.element_size() for p in engine.model.parameters())
+def weights_bytes(model: LoadedModel | LLMEngine) -> int:
+    return sum(p.numel() * p.element_size() for p in model.model.parameters())
 
 
 class _LiveTensorBytes(TorchDispatchMode):
@@ -82,45 +83,36 @@ class _LiveTensorBytes(TorchDispatchMode):
         self.live -= size
 
 
-def measure_activation_bytes(engine: LLMEngine) -> int:
-    """Dry run: one prefill of `max_num_batched_tokens` tokens on a scratch KV space. The engine's
-    step and token counters are left as they were: the dry run is not work anyone asked for."""
-    counters = engine.num_steps, engine.num_tokens_computed
-    try:
-        return _dry_run_peak_bytes(engine)
-    finally:
-        engine.num_steps, engine.num_tokens_computed = counters
-        engine.last_step_num_tokens = 0
-
-
-def _dry_run_peak_bytes(engine: LLMEngine) -> int:
-    tokens = min(engine.max_num_batched_tokens, engine.max_model_len - 1)
-    page = engine.config.block_size * engine.kv_bytes_per_token()
-    scratch = KVSpace.create(page * (tokens // engine.config.block_size + 2), page, engine.device, False)
-    engine.attach_kv(scratch, scratch=True)
-    prompt = [1 + i % (engine.model_config.vocab_size - 1) for i in range(tokens)]
+def measure_activation_bytes(model: LoadedModel) -> int:
+    """Dry run: one prefill of `max_num_batched_tokens` tokens by an engine over a scratch KV space,
+    dropped afterwards (the engine that serves is built over the real space)."""
+    tokens = min(model.max_num_batched_tokens, model.max_model_len - 1)
+    page = model.config.block_size * model.kv_bytes_per_token()
+    scratch = KVSpace.create(page * (tokens // model.config.block_size + 2), page, model.device, False)
+    engine = LLMEngine(model, scratch, scratch=True)
+    prompt = [1 + i % (model.model_config.vocab_size - 1) for i in range(tokens)]
     loop = EngineLoop(engine)
     loop.add_request(engine, "memory-dry-run", prompt, SamplingParams(max_tokens=1), lambda output: None,
                      logits_positions=[tokens - 1])
-    existing = list(engine.model.parameters()) + [scratch.arena.pages]
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize(engine.device)
-        torch.cuda.reset_peak_memory_stats(engine.device)
-        base = torch.cuda.memory_allocated(engine.device)
+    existing = list(model.model.parameters()) + [scratch.arena.pages]
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
+        torch.cuda.reset_peak_memory_stats(model.device)
+        base = torch.cuda.memory_allocated(model.device)
         loop.run_until(lambda: not engine.has_unfinished_requests())
-        return torch.cuda.max_memory_allocated(engine.device) - base
+        return torch.cuda.max_memory_allocated(model.device) - base
     tracker = _LiveTensorBytes(existing)
     with tracker:
         loop.run_until(lambda: not engine.has_unfinished_requests())
     return tracker.peak
 
 
-def non_torch_bytes(engines: list[LLMEngine]) -> int:
-    device = engines[0].device
+def non_torch_bytes(models: list[LoadedModel]) -> int:
+    device = models[0].device
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         return max(0, (total - free) - torch.cuda.memory_reserved(device))
-    tensor_bytes = sum(weights_bytes(e) for e in engines)
+    tensor_bytes = sum(weights_bytes(m) for m in models)
     return max(0, _resident_bytes() - tensor_bytes)
 
 

@@ -18,6 +18,7 @@ from treeserve.engine.engine_loop import EngineLoop
 from treeserve.engine.kv_arena import aligned, fitted_page_bytes
 from treeserve.engine.kv_space import KVSpace
 from treeserve.engine.llm_engine import LLMEngine
+from treeserve.engine.loaded_model import LoadedModel, load_model
 from treeserve.engine.tp_start import start_executor
 from treeserve.engine.memory import available_host_bytes
 from treeserve.entrypoints.llm import LLM
@@ -45,13 +46,12 @@ class Runtime:
         configs = {name: EngineConfig(model=path, **engine_options) for name, path in models.items()}
         self.executor = self._workers(next(iter(configs.values())))
         try:  # anything failing from here stops the tensor-parallel workers it started
-            self.engines = {name: LLMEngine(config, name=name, defer_kv=True, executor=self.executor)
-                            for name, config in configs.items()}
-            self.memory = self._account(kv_cache_memory_bytes, memory_utilization)
+            loaded = {name: load_model(config, name, self.executor) for name, config in configs.items()}
+            self.memory = self._account(loaded, kv_cache_memory_bytes, memory_utilization)
             if kv_mode == "shared":
-                self._attach_shared()
+                self.engines = self._build_shared(loaded)
             else:
-                self._attach_static(_fractions(kv_fractions, list(self.engines)))
+                self.engines = self._build_static(loaded, _fractions(kv_fractions, list(loaded)))
         except BaseException:
             self.close()
             raise
@@ -66,14 +66,15 @@ class Runtime:
             self.loop.step_observers.append(self.trace.observe)
 
     # ---- memory ---------------------------------------------------------------------------
-    def _account(self, kv_bytes: int | None, utilisation: float | None) -> dict[str, MemoryBreakdown]:
-        engines = list(self.engines.values())
-        rows = {name: MemoryBreakdown(name, weights_bytes(e), measure_activation_bytes(e), 0)
-                for name, e in self.engines.items()}
-        outside = non_torch_bytes(engines)
+    def _account(self, loaded: dict[str, LoadedModel], kv_bytes: int | None,
+                 utilisation: float | None) -> dict[str, MemoryBreakdown]:
+        models = list(loaded.values())
+        rows = {name: MemoryBreakdown(name, weights_bytes(m), measure_activation_bytes(m), 0)
+                for name, m in loaded.items()}
+        outside = non_torch_bytes(models)
         for row in rows.values():
             row.non_torch_bytes = outside // len(rows)
-        device = engines[0].device
+        device = models[0].device
         if device.type == "cuda":
             self.total_bytes = torch.cuda.mem_get_info(device)[1]
             self.utilisation = 0.9 if utilisation is None else utilisation
@@ -91,35 +92,42 @@ class Runtime:
             raise ParamError("kv_cache_memory_bytes", "no memory is left for KV blocks after weights and activations")
         return rows
 
-    def _attach_shared(self) -> None:
-        engines = self.engines.values()
+    def _build_shared(self, loaded: dict[str, LoadedModel]) -> dict[str, LLMEngine]:
+        models = loaded.values()
         # Pages fit the smallest model's block; a larger model puts fewer tokens in each page. Sizing
         # pages for the largest model instead would leave most of every small-model page idle.
-        page = fitted_page_bytes([e.kv_bytes_per_token() for e in engines], min(e.config.block_size for e in engines))
-        first = next(iter(engines))
+        page = fitted_page_bytes([m.kv_bytes_per_token() for m in models], min(m.config.block_size for m in models))
+        first = next(iter(models))
         # kept sequences of any model give way before any model's shared prefixes are evicted ...
         space = KVSpace.create(self.kv_budget, page, first.device, first.config.enable_prefix_caching,
-                               reclaim=lambda owner: self._reclaim_from(self.engines[owner])())
-        for name, engine in self.engines.items():  # ... and before anything is preempted
-            engine.attach_kv(space, reclaim=self._reclaim_from(engine))
-            self._note_kv(name, engine, space.pool.num_blocks * space.arena.page_bytes)
+                               reclaim=lambda owner: self._reclaim_from(owner)())
+        engines = {}
+        for name, model in loaded.items():  # ... and before anything is preempted
+            engines[name] = LLMEngine(model, space, reclaim=self._reclaim_from(name))
+            self._note_kv(name, engines[name], space.pool.num_blocks * space.arena.page_bytes)
+        return engines
 
-    def _reclaim_from(self, first: LLMEngine):
-        order = [first] + [e for e in self.engines.values() if e is not first]
-        return lambda: any(e._reclaim_one() for e in order)
+    def _reclaim_from(self, first: str):
+        """Releases one kept sequence: `first`'s own if it keeps any, else another model's."""
+        def reclaim() -> bool:
+            order = [self.engines[first]] + [e for name, e in self.engines.items() if name != first]
+            return any(e.reclaim_one() for e in order)
+        return reclaim
 
-    def _attach_static(self, fractions: dict[str, float]) -> None:
-        for name, engine in self.engines.items():
-            page = engine.config.block_size * engine.kv_bytes_per_token()
-            space = KVSpace.create(int(self.kv_budget * fractions[name]), page, engine.device,
-                                   engine.config.enable_prefix_caching)
-            engine.attach_kv(space)
-            self._note_kv(name, engine, space.pool.num_blocks * aligned(page))
+    def _build_static(self, loaded: dict[str, LoadedModel], fractions: dict[str, float]) -> dict[str, LLMEngine]:
+        engines = {}
+        for name, model in loaded.items():
+            page = model.config.block_size * model.kv_bytes_per_token()
+            space = KVSpace.create(int(self.kv_budget * fractions[name]), page, model.device,
+                                   model.config.enable_prefix_caching)
+            engines[name] = LLMEngine(model, space)
+            self._note_kv(name, engines[name], space.pool.num_blocks * aligned(page))
+        return engines
 
     def _note_kv(self, name: str, engine: LLMEngine, kv_bytes: int) -> None:
-        row = self.memory[name]
-        row.kv_bytes, row.kv_blocks = kv_bytes, engine.kv.pool.num_blocks
-        row.block_size, row.kv_bytes_per_token = engine.kv.block_size, engine.kv_bytes_per_token()
+        row, stats = self.memory[name], engine.stats()
+        row.kv_bytes, row.kv_blocks = kv_bytes, stats.kv_blocks_total
+        row.block_size, row.kv_bytes_per_token = stats.block_size, engine.kv_bytes_per_token()
 
     # ---- work -----------------------------------------------------------------------------
     def engine(self, name: str) -> LLMEngine:

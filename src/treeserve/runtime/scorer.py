@@ -61,7 +61,7 @@ class StepScorer:
         if recipe not in RECIPES:
             raise ParamError("recipe", f"unknown PRM recipe {recipe!r}; known: {', '.join(RECIPES)}")
         self.engine = engine
-        self.loop = loop or EngineLoop(engine)
+        self.loop = loop or EngineLoop.of(engine)
         self.recipe = RECIPES[recipe]
         try:
             check_recipe_fits(self.recipe, engine.model_config)
@@ -271,8 +271,8 @@ class StepScorer:
         return self.recipe.score_reads([(logits[position], ids) for position, ids in prm_input.reads[index]])
 
     def _trim_kept(self) -> None:
-        pool = self.engine.kv.pool
-        while self.kept and (len(self.kept) > self.max_kept or pool.usage() > KEEP_BELOW_USAGE):
+        while self.kept and (len(self.kept) > self.max_kept
+                             or self.engine.stats().kv_pool_usage > KEEP_BELOW_USAGE):
             self.engine.release_kv(self.kept.pop(self.kept.first()))
 
     def release_all(self) -> None:

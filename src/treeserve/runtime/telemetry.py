@@ -11,19 +11,12 @@ from treeserve.engine.llm_engine import LLMEngine
 
 def cache_snapshot(engine: LLMEngine) -> dict:
     """Blocks in use / cached-but-free / free, and this model's cumulative prefix-cache counters."""
-    pool, owner = engine.kv.pool, engine.kv.owner
-    in_use = cached = 0
-    for block in pool.blocks:
-        if block.owner != owner:
-            continue
-        if block.ref_count:
-            in_use += 1
-        elif block.block_hash is not None:
-            cached += 1
-    stats = engine.kv.stats
-    return {"blocks_in_use": in_use, "blocks_cached": cached, "blocks_free": pool.num_free,
-            "blocks_total": pool.num_blocks, "blocks_wanted": pool.num_wanted_by(owner), "prefix_queries": stats.queries, "prefix_hits": stats.hits,
-            "evictions": stats.evictions, "thrash": stats.thrash, "preemptions": engine.scheduler.num_preemptions}
+    stats = engine.stats(count_cached=True)
+    return {"blocks_in_use": stats.kv_blocks_in_use, "blocks_cached": stats.kv_blocks_cached,
+            "blocks_free": stats.kv_blocks_free, "blocks_total": stats.kv_blocks_total,
+            "blocks_wanted": stats.kv_blocks_wanted, "prefix_queries": stats.prefix_queries,
+            "prefix_hits": stats.prefix_hits, "evictions": stats.evictions, "thrash": stats.thrash,
+            "preemptions": stats.num_preemptions}
 
 
 class TelemetryTrace:

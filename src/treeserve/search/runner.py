@@ -70,7 +70,7 @@ class SearchRunner:
         self.generator = generator
         self.scorer = scorer
         self.max_problems_in_flight = max_problems_in_flight
-        self.loop = loop or (scorer.loop if scorer is not None else EngineLoop(generator))
+        self.loop = loop or (scorer.loop if scorer is not None else EngineLoop.of(generator))
         self.loop.add_client(self)
         self._queue: deque[SearchHandle] = deque()
         self._in_flight: list[SearchHandle] = []

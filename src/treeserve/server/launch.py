@@ -11,6 +11,7 @@ import time
 from treeserve.config import EngineConfig
 from treeserve.model.registry import DEFAULT_PAIR, named_models, served_name
 from treeserve.engine.async_engine import AsyncLLMEngine
+from treeserve.engine.engine_loop import EngineLoop
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.server.app import create_app
 from treeserve.wire.drain import Drain, DrainingServer, uvicorn_config
@@ -42,7 +43,8 @@ def build_app(model: str | dict[str, str], served_model_name: str | None = None,
     else:
         name, path = next(iter(model.items())) if isinstance(model, dict) else (served_name(model), model)
         name = served_model_name or name
-        served = {name: LLMEngine(EngineConfig(model=path, **engine_options))}
+        served = {name: LLMEngine.from_config(EngineConfig(model=path, **engine_options))}
+        loop = EngineLoop(served)  # the one loop that steps this engine
         metrics.add_model(served[name], name)
     async_engine = AsyncLLMEngine(served, max_queue=max_queue, on_step=metrics.on_step, on_abort=metrics.on_abort,
                                   loop=loop, start_thread=engine_thread)

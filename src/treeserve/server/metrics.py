@@ -19,7 +19,6 @@ from bisect import bisect_left
 
 from prometheus_client.utils import floatToGoString
 
-from treeserve.engine.block_pool import PrefixCacheStats
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.outputs import RequestOutput
 from treeserve.server.search_metrics import SearchMetrics
@@ -224,8 +223,11 @@ class EngineMetrics:
         self.memory = {part: gauge(f"memory_{part}_bytes", f"Memory accounting: {part.replace('_', ' ')} bytes.")
                        for part in ("weights", "activation", "non_torch", "kv")}
         self._seen_tokens: dict[str, tuple[int, float]] = {}
-        self._last_stats = PrefixCacheStats()
-        self._last_preemptions = 0
+        # EngineStats' cumulative counters -> the Prometheus counters they advance
+        self._counted = {"prefix_queries": self.prefix_queries, "prefix_hits": self.prefix_hits,
+                         "evictions": self.prefix_evictions, "thrash": self.prefix_thrash,
+                         "num_preemptions": self.preemptions}
+        self._last_counts = dict.fromkeys(self._counted, 0)
 
     def set_memory(self, row) -> None:
         for part, gauge in self.memory.items():
@@ -251,23 +253,18 @@ class EngineMetrics:
         return self.request_success.labels(**self._labels, finished_reason=reason)
 
     def _update_gauges(self, engine: LLMEngine) -> None:
-        scheduler, pool = engine.scheduler, engine.kv.pool
-        self.running.set(len(scheduler.running))
-        self.waiting.set(len(scheduler.waiting))
-        in_use = engine.kv.num_blocks_in_use()
-        self.kv_usage.set(in_use / pool.num_blocks)
-        self.kv_blocks_in_use.set(in_use)
-        self.kv_blocks_free.set(pool.num_free)
-        self.kv_blocks_wanted.set(pool.num_wanted_by(engine.kv.owner))
-        self.thrash_window.set(pool.thrash_window_size)
-        stats, last = engine.kv.stats.snapshot(), self._last_stats
-        self.prefix_queries.inc(stats.queries - last.queries)
-        self.prefix_hits.inc(stats.hits - last.hits)
-        self.prefix_evictions.inc(stats.evictions - last.evictions)
-        self.prefix_thrash.inc(stats.thrash - last.thrash)
-        self._last_stats = stats
-        self.preemptions.inc(scheduler.num_preemptions - self._last_preemptions)
-        self._last_preemptions = scheduler.num_preemptions
+        stats = engine.stats()
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_usage)
+        self.kv_blocks_in_use.set(stats.kv_blocks_in_use)
+        self.kv_blocks_free.set(stats.kv_blocks_free)
+        self.kv_blocks_wanted.set(stats.kv_blocks_wanted)
+        self.thrash_window.set(stats.thrash_window_size)
+        for name, counter in self._counted.items():
+            value = getattr(stats, name)
+            counter.inc(value - self._last_counts[name])
+            self._last_counts[name] = value
 
     def _observe_tokens(self, output: RequestOutput, now: float) -> None:
         total = sum(len(c.token_ids) for c in output.outputs)

@@ -62,5 +62,5 @@ SCORER_SERIES = [
     ("gauge", "score_cache_bytes", "Estimated bytes of the score cache (bounded; LRU eviction).",
      lambda s: s.score_cache.nbytes),
     ("gauge", "kv_blocks_kept", "KV blocks the scorer keeps on purpose for extensions (released under pressure).",
-     lambda s: s.engine.retained.num_blocks()),
+     lambda s: s.engine.stats().kept_blocks),
 ]

@@ -96,10 +96,10 @@ class OpenAIServing:
         if params.structured_outputs is None:
             return
         try:
-            await asyncio.to_thread(self.llm.structured.compile, params.structured_outputs)
+            await asyncio.to_thread(self.llm.compile_grammar, params.structured_outputs)
         except ParamError as exc:
             if tools is not None and tools.forced:
-                located = await asyncio.to_thread(tools.locate_schema_error, self.llm.structured.compile)
+                located = await asyncio.to_thread(tools.locate_schema_error, self.llm.compile_grammar)
                 raise from_value_error(located or ParamError("tools", exc.detail)) from exc
             name = exc.param if request.structured_param == "structured_outputs" else "response_format"
             raise from_value_error(ParamError(name, exc.detail)) from exc

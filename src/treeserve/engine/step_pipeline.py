@@ -1,0 +1,165 @@
+"""The step pipeline: schedule, build the step's inputs, launch it on the model, apply its results.
+
+With async scheduling, a sampling step whose samples need nothing from the host before the next one
+(no grammar, no penalties) and that holds no prefill-only request is left running: the next call
+schedules and launches the step after it (its inputs take the sampled ids on the device), then
+applies this one's results while the device runs that one. A request whose step in flight ends it
+(a stop token, a stop string) may have computed one token more, which is dropped.
+
+The pipeline is the one place where a step's computed tokens are counted into its requests, their
+full blocks cached and the blocks behind a sliding window freed (`_computed`)."""
+from __future__ import annotations
+
+from treeserve.engine.deferred_outputs import DeferredOutputs
+from treeserve.engine.kept_kv import KeptSequences
+from treeserve.engine.kv_cache_manager import KVCacheManager
+from treeserve.engine.model_runner import ModelRunner
+from treeserve.engine.request import Request, RequestGroup
+from treeserve.engine.request_groups import RequestGroups
+from treeserve.engine.scheduler import Scheduler
+from treeserve.engine.step_builder import StepBuilder
+from treeserve.engine.workers_guard import WorkersGuard
+from treeserve.outputs import RequestOutput
+from treeserve.sampling_params import SamplingParams
+
+
+class StepPipeline:
+    def __init__(self, scheduler: Scheduler, kv: KVCacheManager, steps: StepBuilder, runner: ModelRunner,
+                 groups: RequestGroups, outputs: DeferredOutputs, retained: KeptSequences, guard: WorkersGuard,
+                 async_scheduling: bool, send_step=None):
+        self.scheduler, self.kv, self.steps, self.runner = scheduler, kv, steps, runner
+        self.groups, self.outputs, self.retained, self.guard = groups, outputs, retained, guard
+        self.async_scheduling = async_scheduling
+        self.send_step = send_step  # the step to the tensor-parallel workers, before rank 0 launches it
+        self.in_flight = None  # (scheduler output, launched step) of a step whose results are not applied yet
+        self.num_steps = 0
+        self.num_tokens_computed = 0  # every token that went through the model, all steps
+        self.last_step_num_tokens = 0
+        self.num_steps_left_running = 0  # steps whose successor was launched before their results were applied
+
+    @property
+    def busy(self) -> bool:
+        return self.scheduler.has_unfinished() or self.outputs.pending or self.in_flight is not None
+
+    def run_step(self) -> list[RequestOutput]:
+        """One scheduler step (only `LLMEngine.step`, called by the engine loop, calls it); see the
+        module's docstring."""
+        sched = self.scheduler.schedule()
+        self.last_step_num_tokens = sched.num_tokens
+        if not sched:
+            return self._idle_step(sched)
+        self.num_steps += 1
+        self.num_tokens_computed += sched.num_tokens
+        step = self.steps.build(sched)
+        with self.guard:
+            if self.send_step is not None:
+                self.send_step(step)
+            launched = self.runner.launch(step)
+        earlier = self._land_in_flight() if self.in_flight is not None else self.outputs.flush()
+        if self._may_leave_running(sched):
+            self._advance(sched)
+            self.num_steps_left_running += 1
+            self.in_flight = (sched, launched)
+            return earlier
+        return earlier + self._wait_and_apply(sched, launched, advanced=False)
+
+    def drop_unwanted_in_flight(self) -> None:
+        """After an abort: a step in flight that only aborted requests wait on ends unread."""
+        if self.in_flight is not None and all(item.request.is_finished for item in self.in_flight[0].scheduled):
+            self.in_flight = None
+
+    def _idle_step(self, sched) -> list[RequestOutput]:
+        if self.in_flight is not None:
+            return self._land_in_flight()
+        scheduler = self.scheduler
+        if scheduler.waiting and not scheduler.running and not sched.preempted:
+            raise RuntimeError(
+                f"KV pool exhausted: {len(scheduler.waiting)} request(s) wait and none can be scheduled "
+                f"({self.kv.pool.num_free} free blocks); other models sharing the pool hold the rest"
+            )
+        return self.outputs.flush()
+
+    def _may_leave_running(self, sched) -> bool:
+        """Async scheduling, some request samples this step, none is prefill-only (a verifier's
+        readouts come back at once), and none needs its token on the host before its next step
+        can be built (a grammar's next mask, penalties' token counts)."""
+        if not self.async_scheduling or any(item.request.prefill_only for item in sched.scheduled):
+            return False
+        sampling = [item.request for item in sched.scheduled if item.completes_sequence]
+        return bool(sampling) and not any(r.matcher is not None or _penalized(r.sampling_params) for r in sampling)
+
+    def _advance(self, sched) -> None:
+        """What the next schedule must see of a step left running: its tokens computed (any later
+        step that reads or reuses their blocks runs after this one on the device), and the token
+        each request samples, in flight."""
+        for item in sched.scheduled:
+            request = item.request
+            if not request.is_finished:
+                samples = item.completes_sequence  # (read before the tokens count as computed)
+                self._computed(request, item.num_new_tokens)
+                request.num_in_flight += samples
+
+    def _land_in_flight(self) -> list[RequestOutput]:
+        """Waits for the step left running and applies its results; their outputs, text made."""
+        (sched, launched), self.in_flight = self.in_flight, None
+        return self._wait_and_apply(sched, launched, advanced=True) + self.outputs.flush()
+
+    def _wait_and_apply(self, sched, launched, advanced: bool) -> list[RequestOutput]:
+        with self.guard:
+            result = self.runner.wait(launched)
+        return self.outputs.outputs_of(self._apply(sched, result, advanced))
+
+    def _apply(self, sched, result, advanced: bool) -> dict[str, RequestGroup]:
+        """The step's results into the requests (computed tokens unless `advanced` counted them,
+        logits, sampled tokens, finishes); returns the groups it touched. A request finished
+        meanwhile (aborted, or ended by the step before) takes nothing."""
+        for req_id, position, logits in result.readouts:
+            self.steps.request(req_id).prompt_logits[position] = logits
+        for req_id, position, entry in result.prompt_logprobs:
+            self.steps.request(req_id).prompt_logprobs[position] = self.outputs.processor.decoded_logprobs(entry)
+        touched: dict[str, RequestGroup] = {}
+        for item in sched.scheduled:
+            request = item.request
+            if request.is_finished:
+                continue
+            self._computed(request, 0 if advanced else item.num_new_tokens)
+            group = self.groups.of(request.request_id)
+            touched[group.request_id] = group
+            if request.prefill_only:
+                if request.num_computed_tokens == request.num_tokens:
+                    self._finish_prefill(group, request)
+            elif request.request_id in result.sampled:
+                request.num_in_flight -= advanced
+                self._append_token(request, group, *result.sampled[request.request_id])
+        return touched
+
+    def _computed(self, request: Request, num_new_tokens: int) -> None:
+        """Tokens the device computed (or is computing, ahead of any step that reads them)."""
+        request.num_computed_tokens += num_new_tokens
+        self.kv.cache_full_blocks(request)
+        self.kv.free_behind_window(request)
+
+    def _append_token(self, request: Request, group: RequestGroup, token_id: int, logprobs: dict | None) -> None:
+        reason, stop_reason = self.outputs.append_token(request, group, token_id, logprobs)
+        if reason is not None:
+            self.scheduler.finish(request, reason, stop_reason)
+
+    def _finish_prefill(self, group: RequestGroup, request: Request) -> None:
+        if request is group.shared_prefill:
+            group.first_scheduled_time = request.first_scheduled_time
+            for child in group.children:
+                self.kv.fork(request, child)
+                child.num_cached_tokens = request.num_cached_tokens
+                self.groups.add_member(child.request_id, group)
+                self.scheduler.add(child)
+            self.groups.drop_member(request.request_id)
+            group.shared_prefill = None
+        if request.keep_kv:
+            self.scheduler.finish(request, "prefill", keep_blocks=True)
+            self.retained.keep(group.request_id, request)
+            return
+        self.scheduler.finish(request, "prefill")
+
+
+def _penalized(params: SamplingParams) -> bool:
+    return params.presence_penalty != 0 or params.frequency_penalty != 0 or params.repetition_penalty != 1

@@ -1,0 +1,152 @@
+"""The server's routes: the operator's (health probes, version, metrics) and the OpenAI ones (models,
+chat and completions, search and rewards, tokenize), over `ServedModels`, which finds a request's
+served model by its `model` field."""
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from treeserve import __version__
+from treeserve.engine.async_engine import AsyncLLMEngine
+from treeserve.server.http_io import parse
+from treeserve.server.metrics import ServerMetrics
+from treeserve.server.serving import OpenAIServing, unknown_model
+from treeserve.server.serving_search import SearchServing
+from treeserve.wire.drain import Drain, readiness
+from treeserve.wire.errors import APIError, error_response
+from treeserve.wire.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, RewardRequest,
+                                     SearchRequest, TokenizeRequest)
+
+# the request bodies of the routes below, for /openapi.json
+REQUEST_MODELS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
+                  "/v1/rewards": RewardRequest, "/v1/search": SearchRequest, "/tokenize": TokenizeRequest,
+                  "/detokenize": DetokenizeRequest}
+
+
+class ServedModels:
+    """The served models' OpenAI serving and search serving, by name; the first is the default."""
+
+    def __init__(self, servings: dict[str, OpenAIServing], searches: dict[str, SearchServing]):
+        self.servings, self.searches = servings, searches
+        self.created = int(time.time())
+
+    def serving(self, model: str | None) -> OpenAIServing:
+        if model is None:
+            return next(iter(self.servings.values()))
+        if model not in self.servings:
+            raise unknown_model(model, list(self.servings))
+        return self.servings[model]
+
+    def search(self, model: str | None) -> SearchServing:
+        if not self.searches:
+            raise APIError(400, "search: this server was started without search serving", code="unsupported")
+        return self.searches[model] if model is not None else next(iter(self.searches.values()))
+
+    def card(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "treeserve",
+                "max_model_len": self.servings[name].max_model_len}
+
+
+def operator_routes(engine: AsyncLLMEngine, drain: Drain, metrics: ServerMetrics | None) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/health", response_class=Response,
+                responses={200: {"description": "the engine is alive (empty body)"},
+                           503: {"description": "the engine failed"}})
+    async def health():
+        if engine.errored is not None:
+            return error_response(503, f"engine failed: {engine.errored}")
+        return Response(status_code=200)
+
+    @router.get("/health/ready", response_class=Response,
+                responses={200: {"description": "ready for requests (empty body)"},
+                           503: {"description": "draining for shutdown, or the engine failed"}})
+    async def ready():
+        return readiness(drain, None if engine.errored is None else str(engine.errored))
+
+    @router.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @router.get("/metrics", response_class=Response,
+                responses={200: {"description": "Prometheus text format", "content": {CONTENT_TYPE_LATEST: {}}}})
+    async def prometheus():
+        body = metrics.render() if metrics else b""  # here on the event loop: ~0.1-0.2 ms, no engine-thread work
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    return router
+
+
+def openai_routes(served: ServedModels, max_body_bytes: int) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [served.card(name) for name in served.servings]}
+
+    @router.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        return served.card(served.serving(model_id).model_name)
+
+    @router.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await parse(request, ChatCompletionRequest, max_body_bytes)
+        return await served.serving(body.model).chat(body)
+
+    @router.post("/v1/completions")
+    async def completions(request: Request):
+        body = await parse(request, CompletionRequest, max_body_bytes)
+        return await served.serving(body.model).completions(body)
+
+    @router.post("/v1/rewards")
+    async def rewards(request: Request):
+        body = await parse(request, RewardRequest, max_body_bytes)
+        served.serving(body.model)
+        return await served.search(None).rewards(body)
+
+    @router.post("/v1/search")
+    async def search(request: Request):
+        body = await parse(request, SearchRequest, max_body_bytes)
+        serving = served.serving(body.model)
+        if body.verifier is not None:
+            served.serving(body.verifier)
+        return await served.search(serving.model_name).search(body, request)
+
+    @router.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await parse(request, TokenizeRequest, max_body_bytes)
+        serving = served.serving(body.model)
+        if body.messages is not None:
+            tokens = serving.render(body.messages, body.tools, body.add_generation_prompt)
+        elif body.prompt is not None:
+            tokens = serving.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            raise APIError(400, "prompt: give 'prompt' or 'messages'", param="prompt", code="missing_required_parameter")
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": serving.max_model_len}
+
+    @router.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await parse(request, DetokenizeRequest, max_body_bytes)
+        serving = served.serving(body.model)
+        vocab = serving.llm.model_config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"tokens: ids {bad[:3]} are outside the vocabulary [0, {vocab})", param="tokens")
+        return {"prompt": serving.tokenizer.decode(body.tokens)}
+
+    return router
+
+
+def not_found_route() -> APIRouter:
+    """Any other path: 404 in the OpenAI error shape (after every real route)."""
+    router = APIRouter()
+
+    @router.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"], include_in_schema=False)
+    async def unknown(path: str):
+        return JSONResponse({"error": {"message": f"route /{path} not found", "type": "not_found_error",
+                                       "param": None, "code": "not_found"}}, status_code=404)
+
+    return router
