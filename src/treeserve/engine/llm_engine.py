@@ -45,6 +45,7 @@ class LLMEngine:
         self.max_num_batched_tokens = loaded.max_num_batched_tokens
         self.shared_num_batched_tokens = loaded.shared_num_batched_tokens
         self.executor = loaded.executor
+        async_scheduling = self._async_scheduling()  # (a setting it cannot honour fails before any work)
         block_size = loaded.block_size_in(kv_space, scratch)
         self.kv = KVCacheManager(block_size=block_size, pool=kv_space.pool, owner=self.name,
                                  window=self.model_config.kv_window)
@@ -64,7 +65,7 @@ class LLMEngine:
                                     processor.decode)
         self.guard = WorkersGuard(self.executor)
         self.pipeline = StepPipeline(self.scheduler, self.kv, self.steps, self.runner, self._groups, self.outputs,
-                                     self.retained, self.guard, self._async_scheduling(), self._step_sender())
+                                     self.retained, self.guard, async_scheduling, self._step_sender())
         if not scratch:  # a Runtime's dry run: "engine ready" comes with the KV cache it serves with
             self._log_ready(kv_space.pool.num_blocks, block_size)
 
