@@ -30,6 +30,8 @@ def _add_engine_args(parser: argparse.ArgumentParser, several_models: bool = Fal
     else:
         parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-cache-memory-bytes", type=int)
+    parser.add_argument("--quantization", "-q", help="int8: weight-only int8 made at load, on CPU (default: what "
+                        "the checkpoint's quantization_config says; none: the weights as stored)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--attention-backend", choices=["auto", "triton", "torch"], default="auto",
@@ -51,7 +53,8 @@ def _engine_options(args) -> dict:
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 kv_cache_memory_bytes=args.kv_cache_memory_bytes, block_size=args.block_size,
                 enable_prefix_caching=not args.no_prefix_caching, attention_backend=args.attention_backend,
-                enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling, **parallel_options(args))
+                enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
+                quantization=args.quantization, **parallel_options(args))
 
 
 def parallel_options(args) -> dict:

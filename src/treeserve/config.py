@@ -33,6 +33,9 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto" (Triton on CUDA, torch on CPU), "triton" or "torch"
     enforce_eager: bool = False      # CUDA: no CUDA graphs for decode steps
     load_format: str = "auto"        # "dummy": random weights made on the device (benchmarks), no checkpoint
+    # Quantized weights (vLLM's `quantization`): None, what the checkpoint says; "int8": weight-only
+    # int8 made at load (model/quantization.py)
+    quantization: str | None = None
     # A step's text (detokenizing, RequestOutputs) made while the device runs the next step; None:
     # on CUDA only (on CPU nothing runs meanwhile).
     async_output_processing: bool | None = None
@@ -72,6 +75,8 @@ class EngineConfig:
         for name in ("async_output_processing", "async_scheduling"):
             if getattr(self, name) not in (None, True, False):
                 raise ParamError(name, f"must be true, false or null, got {getattr(self, name)!r}")
+        if self.quantization is not None and not isinstance(self.quantization, str):
+            raise ParamError("quantization", f"must be a method's name or null, got {self.quantization!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ParamError("load_format", f"must be 'auto' or 'dummy', got {self.load_format!r}")
         if str(self.device) not in ("auto", "cpu") and not str(self.device).startswith("cuda"):

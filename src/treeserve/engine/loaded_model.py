@@ -23,6 +23,7 @@ from treeserve.model.backends import make_backend, resolve_backend_name
 from treeserve.model.hf_config import ModelConfig, load_model_config
 from treeserve.model.loader import build_model, load_generation_defaults, load_tokenizer
 from treeserve.model.parallel import ShardPlan, TensorParallel
+from treeserve.model.quantization import check_device, resolve_quantization
 from treeserve.model.registry import resolve_model_path
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ class LoadedModel:
     shared_num_batched_tokens: int  # the most tokens one step holds (the budget with several requests)
     max_num_batched_tokens: int     # a lone request's step budget
     attention_backend: str
+    quantization: str | None = None  # the scheme its weights run in (model/quantization.py)
     model: Any = None
     executor: Any = None            # the tensor-parallel workers, if any
     owns_executor: bool = field(default=False)
@@ -113,7 +115,8 @@ def load_model(config: EngineConfig, name: str = "", executor=None) -> LoadedMod
     torch.manual_seed(config.seed)
     try:
         loaded.model = build_model(loaded.model_dir, loaded.model_config, loaded.dtype, loaded.device,
-                                   loaded.max_model_len, config.load_format, config.seed, _tensor_parallel(loaded))
+                                   loaded.max_model_len, config.load_format, config.seed, _tensor_parallel(loaded),
+                                   loaded.quantization)
         loaded.model.backend = make_backend(loaded.attention_backend, loaded.model.kv_config, loaded.dtype,
                                             loaded.device)
     except BaseException:
@@ -129,11 +132,13 @@ def _describe(config: EngineConfig, name: str, executor) -> LoadedModel:
     device = config.resolve_device()
     dtype = config.resolve_dtype(device, model_config.torch_dtype)
     shared = config.max_num_batched_tokens or serving_token_budget(model_config, device)
+    quantization = resolve_quantization(config.quantization, model_dir)
+    check_device(quantization, device, dtype, config.tensor_parallel_size)
     return LoadedModel(
         config, name, model_dir, model_config, tokenizer, load_generation_defaults(model_dir, model_config),
         device, dtype, _max_model_len(config, model_config), shared,
         config.max_num_batched_tokens or lone_request_budget(shared),
-        resolve_backend_name(config.attention_backend, device, dtype), executor=executor)
+        resolve_backend_name(config.attention_backend, device, dtype), quantization, executor=executor)
 
 
 def _tensor_parallel(loaded: LoadedModel) -> TensorParallel:

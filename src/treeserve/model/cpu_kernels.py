@@ -40,8 +40,10 @@ SIGNATURES = {
     "ts_silu_mul": [_ptr, _i64, _ptr, _i64, _i64, _int],
     "ts_rotary": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _int, _int, _int],
     "ts_write_kv": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _int, _ptr, _i64, _i64, _int],
+    "ts_int8_linear": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
+    "ts_int8_dequantize": [_ptr, _ptr, _ptr, _i64, _i64, _int],
 }
-RETURNS = {"ts_paged_attention": ctypes.c_int}
+RETURNS = {"ts_paged_attention": ctypes.c_int, "ts_int8_linear": ctypes.c_int}
 
 
 def _cpu_tag() -> str:
@@ -201,3 +203,21 @@ def can_write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sl
 def heads_contiguous(x: torch.Tensor) -> bool:
     """[T, heads, head_dim] with each row's heads one contiguous run."""
     return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
+def int8_linear(library: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor | None:
+    """x [rows, K] (last dim contiguous) times (scales x weight)^T: weight int8 [N, K] contiguous,
+    scales float32 [N]; [rows, N] in x's dtype, or None where the kernel cannot run it (no AVX512,
+    K not a multiple of 16). A few rows: converted to float32 once, not per weight tile."""
+    x32 = x if x.dtype == torch.float32 else x.float()
+    out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype)
+    status = library.ts_int8_linear(x32.data_ptr(), _rows(x32), weight.data_ptr(), scales.data_ptr(), out.data_ptr(),
+                                    x.shape[0], weight.shape[0], weight.shape[1], DTYPES[x.dtype])
+    return out if status == 0 else None
+
+
+def int8_dequantize(library: ctypes.CDLL, weight: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """scales[n] x weight[n, k] into `out` (contiguous, float32 or bfloat16, weight's shape)."""
+    library.ts_int8_dequantize(weight.data_ptr(), scales.data_ptr(), out.data_ptr(), weight.shape[0], weight.shape[1],
+                               DTYPES[out.dtype])
+    return out

@@ -14,6 +14,7 @@ from treeserve.model.decoder import DecoderForCausalLM
 from treeserve.model.hf_config import ModelConfig, load_model_config, read_json
 from treeserve.model.packed_linear import pack_linears
 from treeserve.model.parallel import ShardPlan, TensorParallel
+from treeserve.model.quantization import quantize_linears
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -209,9 +210,10 @@ def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
 
 def build_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
                 max_positions: int, load_format: str = "auto", seed: int = 0,
-                tp: TensorParallel = TensorParallel()) -> DecoderForCausalLM:
+                tp: TensorParallel = TensorParallel(), quantization: str | None = None) -> DecoderForCausalLM:
     """`load_format="dummy"`: random weights made on the device, no checkpoint read (vLLM's name;
-    for benchmarks of large shapes: the directory needs only config.json and a tokenizer)."""
+    for benchmarks of large shapes: the directory needs only config.json and a tokenizer).
+    `quantization`: the scheme the weights are quantized with once loaded (model/quantization.py)."""
     with torch.device("meta"):
         model = DecoderForCausalLM(config, max_positions, tp)
     _materialize(model, device, dtype)
@@ -223,6 +225,7 @@ def build_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device
         init_dummy_weights(model, seed)
     else:
         load_weights(model, model_dir)
+    quantize_linears(model, quantization)
     pack_linears(model, dtype, device)
     return model.eval()
 

@@ -627,3 +627,104 @@ void ts_write_kv(const void *k, int64_t k_stride, const void *v, int64_t v_strid
         memcpy(key + kv_stride * elem, (const char *)v + i * v_stride * elem, row_elems * elem);
     }
 }
+
+/* Weight-only int8 linear layers (model/quantization.py): w int8 [n_out, k_in] row-major, one
+ * float32 scale per output channel. */
+
+#if defined(__AVX512F__)
+#define INT8_MR 4   /* rows of x per tile */
+#define INT8_NR 4   /* output channels per tile: each weight vector is widened once for INT8_MR rows,
+                       each activation vector loaded once for INT8_NR channels (16 accumulators) */
+
+static inline __m512 widen16(const int8_t *src)
+{
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)src)));
+}
+
+/* One tile: rows m0 .. m0 + mr of x against channels n0 .. n0 + nr; `mr` is a constant at each
+ * call site, so each tile height compiles to its own loop. */
+static inline __attribute__((always_inline)) void int8_tile(const float *x, int64_t x_stride,
+                                                            int dtype, const int8_t *const *w_rows,
+                                                            const float *scales, void *out, int64_t n_out,
+                                                            int64_t k_in, int64_t m0, int64_t n0, int mr, int nr)
+{
+    __m512 acc[INT8_MR][INT8_NR];
+    for (int r = 0; r < mr; r++)
+        for (int j = 0; j < INT8_NR; j++)
+            acc[r][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < k_in; k += 16) {
+        __m512 wv[INT8_NR];
+        for (int j = 0; j < INT8_NR; j++)
+            wv[j] = widen16(w_rows[j] + k);
+        for (int r = 0; r < mr; r++) {
+            __m512 xv = _mm512_loadu_ps(x + (m0 + r) * x_stride + k);
+            for (int j = 0; j < INT8_NR; j++)
+                acc[r][j] = _mm512_fmadd_ps(xv, wv[j], acc[r][j]);
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int j = 0; j < nr; j++) {
+            float value = _mm512_reduce_add_ps(acc[r][j]) * scales[n0 + j];
+            int64_t at = (m0 + r) * n_out + n0 + j;
+            if (dtype == TS_BFLOAT16)
+                ((uint16_t *)out)[at] = float_to_bf16(value);
+            else
+                ((float *)out)[at] = value;
+        }
+}
+#endif
+
+/* out [rows, n_out] (contiguous, float32 or bfloat16: `dtype`) = x [rows, k_in] (float32, rows
+ * x_stride elements apart) times (scale x w)^T, in float32. Reads every weight once per INT8_MR
+ * rows (the tiles of one channel block run back to back, its weights in L1). Returns -1 where it
+ * cannot run (no AVX512, k_in not a multiple of 16): the caller keeps PyTorch's kernel. */
+int ts_int8_linear(const float *x, int64_t x_stride, const int8_t *w, const float *scales, void *out,
+                   int64_t rows, int64_t n_out, int64_t k_in, int dtype)
+{
+#if defined(__AVX512F__)
+    if (k_in % 16)
+        return -1;
+    int64_t blocks = (n_out + INT8_NR - 1) / INT8_NR;
+#pragma omp parallel for schedule(static)
+    for (int64_t block = 0; block < blocks; block++) {
+        int64_t n0 = block * INT8_NR;
+        int nr = n_out - n0 < INT8_NR ? (int)(n_out - n0) : INT8_NR;
+        const int8_t *w_rows[INT8_NR];
+        for (int j = 0; j < INT8_NR; j++)  /* a short last block repeats its first channel, never stored */
+            w_rows[j] = w + (n0 + (j < nr ? j : 0)) * k_in;
+        int64_t m0 = 0;
+        for (; m0 + INT8_MR <= rows; m0 += INT8_MR)
+            int8_tile(x, x_stride, dtype, w_rows, scales, out, n_out, k_in, m0, n0, INT8_MR, nr);
+        switch (rows - m0) {
+        case 3: int8_tile(x, x_stride, dtype, w_rows, scales, out, n_out, k_in, m0, n0, 3, nr); break;
+        case 2: int8_tile(x, x_stride, dtype, w_rows, scales, out, n_out, k_in, m0, n0, 2, nr); break;
+        case 1: int8_tile(x, x_stride, dtype, w_rows, scales, out, n_out, k_in, m0, n0, 1, nr); break;
+        default: break;
+        }
+    }
+    return 0;
+#else
+    (void)x; (void)x_stride; (void)w; (void)scales; (void)out; (void)rows; (void)n_out; (void)k_in; (void)dtype;
+    return -1;
+#endif
+}
+
+/* out [n_out, k_in] (contiguous, float32 or bfloat16) = scale[n] x w[n, k]: the weight for a dense
+ * GEMM (a step with many rows). */
+void ts_int8_dequantize(const int8_t *w, const float *scales, void *out, int64_t n_out, int64_t k_in, int dtype)
+{
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < n_out; n++) {
+        const int8_t *row = w + n * k_in;
+        float scale = scales[n];
+        if (dtype == TS_BFLOAT16) {
+            uint16_t *dst = (uint16_t *)out + n * k_in;
+            for (int64_t k = 0; k < k_in; k++)
+                dst[k] = float_to_bf16((float)row[k] * scale);
+        } else {
+            float *dst = (float *)out + n * k_in;
+            for (int64_t k = 0; k < k_in; k++)
+                dst[k] = (float)row[k] * scale;
+        }
+    }
+}

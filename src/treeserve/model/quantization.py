@@ -1,0 +1,144 @@
+"""Quantized weights: which scheme a model runs with, and the linear layers that hold them.
+
+The scheme is `EngineConfig.quantization` (vLLM's `quantization` / `--quantization`), by default
+what the checkpoint's `config.json` says in its `quantization_config` (none: the weights as stored).
+
+- `int8`: weight-only int8 made at load from a float or bfloat16 checkpoint (vLLM's and TGI's
+  on-the-fly int8): each output channel of every decoder-layer projection (attention qkv and
+  output, the MLP's gate/up and down) scaled symmetrically to [-127, 127], `w ~= scale * q`. A step
+  of few rows reads half the bytes of bfloat16 weights: treeserve's C kernel (`ts_int8_linear`,
+  AVX512: int8 widened in registers, float32 FMAs, tiles of 4 rows x 4 channels; PyTorch's
+  `aten._weight_int8pack_mm` where it cannot run) multiplies the rows by the int8 weights and
+  their scales. A step with many rows is compute-bound instead: it dequantizes the weight once
+  into a per-shape buffer and runs the activation dtype's GEMM. The embeddings, the LM head, a
+  reward head, MoE routers and experts stay as stored.
+
+  Measured (benchmarks/quantization.py, Llama-3.2-1B shape, bfloat16, 2-core AMD EPYC with
+  avx512_bf16): decode 1.19x bfloat16's at batch 1, 0.59x at 16, 0.72x at 64; prefill 0.99x; peak
+  RSS 0.73x. Past one row the float32 FMAs are the bound: beating bfloat16 there needs the CPU's
+  int8 or bf16 dot products (VNNI, AVX512-BF16, AMX), not written yet.
+
+Checkpoints quantized by other tools (GPTQ, AWQ, compressed-tensors, FP8, bitsandbytes, ...) are
+read from `quantization_config` and refused by name: their loaders are not written yet.
+"""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from treeserve.errors import ParamError
+from treeserve.model import cpu_kernels
+from treeserve.model.hf_config import read_json
+
+QUANTIZATION_METHODS = ("int8",)  # what `quantization` may ask for
+QUANTIZED_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+# Rows from which a layer dequantizes its weight and runs the dense GEMM: 2048x8192 in bfloat16 on
+# a 2-core AVX512-BF16 EPYC (benchmarks/quantization.py --kernels), the C kernel 3.5 ms at 16 rows
+# against 3.9 dequantized, 6.5 against 4.9 at 32
+DEQUANTIZE_FROM_ROWS = 32
+# PyTorch's int8 kernel crashed (segfault, torch 2.13 on CPU) on 40 input features; it runs only on
+# widths that are a multiple of this (every real model's), other layers take the dequantized GEMM
+ATEN_INT8_MULTIPLE = 64
+
+
+def checkpoint_method(model_dir: Path) -> tuple[str | None, dict]:
+    """The checkpoint's own scheme (`quantization_config.quant_method`, lower case) and its config."""
+    path = Path(model_dir) / "config.json"
+    config = (read_json(path) if path.is_file() else {}).get("quantization_config") or {}
+    method = config.get("quant_method") or config.get("quant_type") or ("unknown" if config else None)
+    return (str(method).lower() if method else None), config
+
+
+def resolve_quantization(requested: str | None, model_dir: Path) -> str | None:
+    """The scheme this model runs with; a clear error for one that cannot be loaded."""
+    stored, details = checkpoint_method(model_dir)
+    if stored is not None:
+        if requested is not None and requested != stored:
+            raise ParamError("quantization", f"{requested!r} was asked for, but the checkpoint is quantized with "
+                             f"{stored!r}: pass the checkpoint's method or none")
+        bits = f", {details['bits']} bits" if "bits" in details else ""
+        raise ParamError("quantization", f"the checkpoint is quantized with {stored!r}{bits}, which treeserve cannot "
+                         f"load yet (supported: {', '.join(QUANTIZATION_METHODS)} on the fly from a float or "
+                         "bfloat16 checkpoint)")
+    if requested is not None and requested not in QUANTIZATION_METHODS:
+        raise ParamError("quantization", f"must be one of {', '.join(QUANTIZATION_METHODS)} (or none), got {requested!r}")
+    return requested
+
+
+def check_device(method: str | None, device: torch.device, dtype: torch.dtype, tensor_parallel_size: int = 1) -> None:
+    """What the scheme's kernels run on so far (a clear error for the rest)."""
+    if method is None:
+        return
+    if tensor_parallel_size > 1:
+        raise ParamError("quantization", f"{method} with tensor parallelism is not supported yet (each rank would "
+                         "scale its own slice of a row-parallel layer's input)")
+    if method == "int8" and device.type != "cpu":
+        raise ParamError("quantization", f"int8 runs on CPU so far, not {device.type}")
+    if method == "int8" and dtype not in (torch.float32, torch.bfloat16):
+        raise ParamError("quantization", f"int8 needs float32 or bfloat16 activations, not {dtype}")
+
+
+_scratch = threading.local()
+
+
+class Int8Linear(nn.Module):
+    """A linear layer over int8 weights with one scale per output channel (see the module's note)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach().float()
+        scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+        quantized = torch.round(weight / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+        self.weight = nn.Parameter(quantized.contiguous(), requires_grad=False)
+        self.scales = nn.Parameter(scales.contiguous(), requires_grad=False)  # float32
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """scale x int8 in `dtype`, in this thread's buffer for the shape (valid until the next call
+        for that shape: use it at once)."""
+        buffers = _scratch.__dict__.setdefault("buffers", {})
+        key = (tuple(self.weight.shape), dtype)
+        buffer = buffers.get(key)
+        if buffer is None:
+            buffer = buffers[key] = torch.empty(self.weight.shape, dtype=dtype)
+        library = cpu_kernels.library_for(buffer)
+        if library is not None:
+            return cpu_kernels.int8_dequantize(library, self.weight, self.scales, buffer)
+        return buffer.copy_(self.weight).mul_(self.scales.to(dtype)[:, None])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        out = None
+        if rows.shape[0] < DEQUANTIZE_FROM_ROWS:
+            library = cpu_kernels.library_for(rows)
+            if library is not None and rows.stride(-1) == 1:
+                out = cpu_kernels.int8_linear(library, rows, self.weight, self.scales)
+            if out is None and self.in_features % ATEN_INT8_MULTIPLE == 0:  # no kernel of ours for it: PyTorch's
+                out = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), self.weight, self.scales.to(rows.dtype))
+        if out is None:
+            return F.linear(x, self.dequantized(x.dtype), self.bias)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def quantize_linears(model: nn.Module, method: str | None) -> int:
+    """Replaces the decoder layers' projections by quantized layers of `method`; returns how many."""
+    if method is None:
+        return 0
+    count = 0
+    for layer in model.layers:
+        for parent in layer.modules():
+            for name, child in list(parent.named_children()):
+                if name in QUANTIZED_PROJECTIONS and type(child) is nn.Linear:
+                    setattr(parent, name, Int8Linear(child))
+                    count += 1
+    return count

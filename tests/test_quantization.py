@@ -1,0 +1,162 @@
+"""Quantized weights. `quantization="int8"` (weight-only int8 made at load) against HF transformers
+running the same weights dequantized (each projection's rows rounded to scale x int8, as
+model/quantization.py does), on every family's tiny model: greedy tokens and logprobs, with chunked
+prefill and a prefix-cache hit, and a batch whose prefill takes the dequantized-GEMM path.
+Checkpoints quantized by other tools are refused by name."""
+import json
+import shutil
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+from conftest import assert_no_leak
+from test_hf_parity import PROMPTS, _hf_greedy, _hf_logits
+from treeserve import LLM, SamplingParams
+from treeserve.errors import ParamError
+from treeserve.model.quantization import Int8Linear
+from treeserve.model.random_models import GEMMA_FAMILIES, MOE_FAMILIES, PHI3_ORIGINAL_POSITIONS, make_tiny_model
+from treeserve.testing.tiny_models import FAMILIES
+
+ALL_FAMILIES = FAMILIES + ("phi3",) + GEMMA_FAMILIES + MOE_FAMILIES
+# HF's names of the projections treeserve quantizes (Phi-3's are fused there too); experts stay as stored
+HF_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj",
+                  "down_proj")
+OPTIONS = dict(dtype="float32", device="cpu", kv_cache_memory_bytes=8 << 20, quantization="int8")
+MAX_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("quantized-families")
+    return {family: make_tiny_model(family, root / family, seed=1) for family in ALL_FAMILIES}
+
+
+@torch.no_grad()
+def _hf_dequantized(path) -> nn.Module:
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    changed = 0
+    for name, module in hf.model.layers.named_modules():
+        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in HF_PROJECTIONS and ".experts." not in name:
+            weight = module.weight.float()
+            scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+            module.weight.copy_(torch.round(weight / scales[:, None]).clamp(-127, 127) * scales[:, None])
+            changed += 1
+    assert changed >= 4 * hf.config.num_hidden_layers  # q, k, v (or qkv), o and the MLP's, where not experts
+    return hf
+
+
+def _check_greedy(llm: LLM, hf: nn.Module, prompts: list[str], family: str) -> list:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, logprobs=1)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for output in outputs:
+        ids, tokens = output.prompt_token_ids, output.outputs[0].token_ids
+        if family == "phi3" and len(ids) <= PHI3_ORIGINAL_POSITIONS < len(ids) + MAX_TOKENS:
+            continue  # LongRoPE's switch mid-sequence: HF recomputes its cache there, treeserve (as vLLM) not
+        assert tokens == _hf_greedy(hf, ids, MAX_TOKENS), family
+        ref = torch.log_softmax(_hf_logits(hf, ids + tokens), dim=-1)
+        for step, (token, entry) in enumerate(zip(tokens, output.outputs[0].logprobs)):
+            assert abs(entry[token].logprob - float(ref[len(ids) - 1 + step][token])) < 1e-4, family
+    return outputs
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_int8_matches_hf_on_the_dequantized_weights(family_dirs, family):
+    path = family_dirs[family]
+    hf = _hf_dequantized(path)
+    # every prompt in one batch: the first step's prefill takes the dequantized-GEMM path, decodes the int8 one
+    llm = LLM(str(path), **OPTIONS)
+    layers = [m for m in llm.engine.model.modules() if isinstance(m, Int8Linear)]
+    assert len(layers) >= 2 * len(llm.engine.model.layers) and all(m.weight.dtype == torch.int8 for m in layers)
+    _check_greedy(llm, hf, PROMPTS, family)
+    assert_no_leak(llm.engine)
+    # 16-token chunks, twice: chunked prefill, then a prefix-cache hit
+    chunked = LLM(str(path), max_num_batched_tokens=16, **OPTIONS)
+    first = _check_greedy(chunked, hf, [PROMPTS[2], PROMPTS[7]], family)
+    again = _check_greedy(chunked, hf, [PROMPTS[2], PROMPTS[7]], family)
+    assert all(b.num_cached_tokens > 0 and a.outputs[0].token_ids == b.outputs[0].token_ids
+               for a, b in zip(first, again))
+    assert_no_leak(chunked.engine)
+
+
+def test_int8_in_bfloat16_stays_close_to_float32(family_dirs):
+    path = str(family_dirs["llama"])
+    ids = LLM(path, **OPTIONS).get_tokenizer().encode(PROMPTS[7])
+    logits = {}
+    for dtype in ("float32", "bfloat16"):
+        llm = LLM(path, **{**OPTIONS, "dtype": dtype})
+        llm.engine.add_request("x", ids, SamplingParams(), logits_positions=list(range(len(ids))))
+        while llm.engine.has_unfinished_requests():
+            for out in llm.engine.step():
+                logits[dtype] = torch.stack([out.prompt_logits[p].float() for p in range(len(ids))])
+    error = (logits["bfloat16"] - logits["float32"]).abs().max() / logits["float32"].abs().max()
+    assert error < 0.05, float(error)
+
+
+def test_int8_weights_take_one_byte_each(family_dirs):
+    path = str(family_dirs["qwen2"])
+    plain = {n: p for n, p in LLM(path, dtype="float32", device="cpu").engine.model.named_parameters()}
+    quantized = LLM(path, **OPTIONS).engine.model
+    for name, module in quantized.named_modules():
+        if isinstance(module, Int8Linear):
+            stored = plain[f"{name}.weight"]
+            assert module.weight.element_size() == 1 and module.weight.shape == stored.shape
+            assert module.scales.shape == (stored.shape[0],)
+
+
+def _quantized_checkpoint(tmp_path, source, config: dict):
+    path = tmp_path / "quantized"
+    shutil.copytree(source, path)
+    raw = json.loads((path / "config.json").read_text())
+    raw["quantization_config"] = config
+    (path / "config.json").write_text(json.dumps(raw))
+    return str(path)
+
+
+@pytest.mark.parametrize("config,named", [
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}, "'gptq', 4 bits"),
+    ({"quant_method": "awq", "bits": 4, "version": "gemm"}, "'awq', 4 bits"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized"}, "'compressed-tensors'"),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "'fp8'"),
+])
+def test_a_checkpoint_quantized_by_another_tool_is_refused_by_name(tmp_path, family_dirs, config, named):
+    path = _quantized_checkpoint(tmp_path, family_dirs["llama"], config)
+    with pytest.raises(ParamError, match=f"quantized with {named}.*cannot load yet") as caught:
+        LLM(path, dtype="float32", device="cpu")
+    assert caught.value.param == "quantization"
+    with pytest.raises(ParamError, match=f"'int8' was asked for, but the checkpoint is quantized with {named.split(',')[0]}"):
+        LLM(path, dtype="float32", device="cpu", quantization="int8")
+
+
+def test_unknown_schemes_and_unsupported_settings_are_clear_errors(family_dirs):
+    path = str(family_dirs["llama"])
+    with pytest.raises(ParamError, match="must be one of int8 .*got 'int4'"):
+        LLM(path, dtype="float32", device="cpu", quantization="int4")
+    with pytest.raises(ParamError, match="int8 with tensor parallelism is not supported yet"):
+        LLM(path, dtype="float32", device="cpu", quantization="int8", tensor_parallel_size=2)
+    with pytest.raises(ParamError, match="float32 or bfloat16 activations"):
+        LLM(path, dtype="float16", device="cpu", quantization="int8")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_int8_kernel_matches_the_dequantized_product(dtype):
+    """Odd shapes: channels not a multiple of the 4-channel tile, every row count of a short tile."""
+    from treeserve.model import cpu_kernels
+
+    library = cpu_kernels.load()
+    torch.manual_seed(0)
+    layer = Int8Linear(nn.Linear(96, 70, bias=False).to(dtype))
+    if library is None or cpu_kernels.int8_linear(library, torch.ones(1, 96, dtype=dtype), layer.weight,
+                                                  layer.scales) is None:
+        pytest.skip("hardware: no AVX512 here (or no C compiler): PyTorch's int8 kernel runs instead")
+    for rows in (1, 2, 3, 4, 5, 9, 31):
+        x = torch.randn(rows, 96, dtype=dtype)
+        out = cpu_kernels.int8_linear(library, x, layer.weight, layer.scales)
+        ref = x.float() @ (layer.weight.float() * layer.scales[:, None]).T
+        assert out.dtype == dtype and out.shape == (rows, 70)
+        tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+        assert torch.allclose(out.float(), ref, rtol=tolerance, atol=tolerance * float(ref.abs().max())), rows
+    narrow = Int8Linear(nn.Linear(40, 8, bias=False).to(dtype))  # 40 inputs: not the kernel's multiple of 16
+    assert cpu_kernels.int8_linear(library, torch.ones(2, 40, dtype=dtype), narrow.weight, narrow.scales) is None
+    assert narrow(torch.ones(2, 40, dtype=dtype)).shape == (2, 8)  # PyTorch's kernel instead
