@@ -157,6 +157,12 @@ def test_the_int8_kernel_matches_the_dequantized_product(dtype):
         assert out.dtype == dtype and out.shape == (rows, 70)
         tolerance = 1e-5 if dtype == torch.float32 else 1e-2
         assert torch.allclose(out.float(), ref, rtol=tolerance, atol=tolerance * float(ref.abs().max())), rows
+    odd = Int8Linear(nn.Linear(48, 9, bias=False).to(dtype))  # 48: a multiple of 16, not of the bf16 path's 32
+    x = torch.randn(5, 48, dtype=dtype)
+    ref = x.float() @ (odd.weight.float() * odd.scales[:, None]).T
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(cpu_kernels.int8_linear(library, x, odd.weight, odd.scales).float(), ref, rtol=tolerance,
+                          atol=tolerance * float(ref.abs().max()))
     narrow = Int8Linear(nn.Linear(40, 8, bias=False).to(dtype))  # 40 inputs: not the kernel's multiple of 16
     assert cpu_kernels.int8_linear(library, torch.ones(2, 40, dtype=dtype), narrow.weight, narrow.scales) is None
     assert narrow(torch.ones(2, 40, dtype=dtype)).shape == (2, 8)  # PyTorch's kernel instead

@@ -40,10 +40,11 @@ SIGNATURES = {
     "ts_silu_mul": [_ptr, _i64, _ptr, _i64, _i64, _int],
     "ts_rotary": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _int, _int, _int],
     "ts_write_kv": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _int, _ptr, _i64, _i64, _int],
-    "ts_int8_linear": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
+    "ts_int8_linear": [_ptr, _i64, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
+    "ts_int8_bf16_rows": [_i64],
     "ts_int8_dequantize": [_ptr, _ptr, _ptr, _i64, _i64, _int],
 }
-RETURNS = {"ts_paged_attention": ctypes.c_int, "ts_int8_linear": ctypes.c_int}
+RETURNS = {"ts_paged_attention": ctypes.c_int, "ts_int8_linear": ctypes.c_int, "ts_int8_bf16_rows": ctypes.c_int}
 
 
 def _cpu_tag() -> str:
@@ -208,11 +209,13 @@ def heads_contiguous(x: torch.Tensor) -> bool:
 def int8_linear(library: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor | None:
     """x [rows, K] (last dim contiguous) times (scales x weight)^T: weight int8 [N, K] contiguous,
     scales float32 [N]; [rows, N] in x's dtype, or None where the kernel cannot run it (no AVX512,
-    K not a multiple of 16). A few rows: converted to float32 once, not per weight tile."""
-    x32 = x if x.dtype == torch.float32 else x.float()
+    K not a multiple of 16). bfloat16 rows go in as they are where the CPU has bf16 dot products
+    (and K is a multiple of 32), else converted to float32 once, not per weight tile."""
+    as_bf16 = x.dtype == torch.bfloat16 and library.ts_int8_bf16_rows(weight.shape[1]) == 1
+    rows = x if as_bf16 or x.dtype == torch.float32 else x.float()
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype)
-    status = library.ts_int8_linear(x32.data_ptr(), _rows(x32), weight.data_ptr(), scales.data_ptr(), out.data_ptr(),
-                                    x.shape[0], weight.shape[0], weight.shape[1], DTYPES[x.dtype])
+    status = library.ts_int8_linear(rows.data_ptr(), _rows(rows), int(as_bf16), weight.data_ptr(), scales.data_ptr(),
+                                    out.data_ptr(), x.shape[0], weight.shape[0], weight.shape[1], DTYPES[x.dtype])
     return out if status == 0 else None
 
 

@@ -7,16 +7,16 @@ what the checkpoint's `config.json` says in its `quantization_config` (none: the
   on-the-fly int8): each output channel of every decoder-layer projection (attention qkv and
   output, the MLP's gate/up and down) scaled symmetrically to [-127, 127], `w ~= scale * q`. A step
   of few rows reads half the bytes of bfloat16 weights: treeserve's C kernel (`ts_int8_linear`,
-  AVX512: int8 widened in registers, float32 FMAs, tiles of 4 rows x 4 channels; PyTorch's
-  `aten._weight_int8pack_mm` where it cannot run) multiplies the rows by the int8 weights and
-  their scales. A step with many rows is compute-bound instead: it dequantizes the weight once
+  AVX512: int8 widened in registers, tiles of 4 rows x 4 channels, bfloat16 dot products where the
+  CPU has them, float32 FMAs otherwise; PyTorch's `aten._weight_int8pack_mm` where it cannot run)
+  multiplies the rows by the int8 weights and their scales. A step with many rows is compute-bound instead: it dequantizes the weight once
   into a per-shape buffer and runs the activation dtype's GEMM. The embeddings, the LM head, a
   reward head, MoE routers and experts stay as stored.
 
   Measured (benchmarks/quantization.py, Llama-3.2-1B shape, bfloat16, 2-core AMD EPYC with
-  avx512_bf16): decode 1.19x bfloat16's at batch 1, 0.59x at 16, 0.72x at 64; prefill 0.99x; peak
-  RSS 0.73x. Past one row the float32 FMAs are the bound: beating bfloat16 there needs the CPU's
-  int8 or bf16 dot products (VNNI, AVX512-BF16, AMX), not written yet.
+  avx512_bf16): decode 1.35x bfloat16's at batch 1, 0.64x at 16, 0.98x at 64 (the dequantized
+  GEMM); prefill 1.00x; peak RSS 0.69x. At batch 16 the kernel's arithmetic is the bound (widening
+  every weight once per 4 rows): VNNI int8 products (W8A8) or AMX tiles are the next step.
 
 Checkpoints quantized by other tools (GPTQ, AWQ, compressed-tensors, FP8, bitsandbytes, ...) are
 read from `quantization_config` and refused by name: their loaders are not written yet.
@@ -37,9 +37,9 @@ from treeserve.model.hf_config import read_json
 QUANTIZATION_METHODS = ("int8",)  # what `quantization` may ask for
 QUANTIZED_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 # Rows from which a layer dequantizes its weight and runs the dense GEMM: 2048x8192 in bfloat16 on
-# a 2-core AVX512-BF16 EPYC (benchmarks/quantization.py --kernels), the C kernel 3.5 ms at 16 rows
-# against 3.9 dequantized, 6.5 against 4.9 at 32
-DEQUANTIZE_FROM_ROWS = 32
+# a 2-core AVX512-BF16 EPYC (benchmarks/quantization.py --kernels), the C kernel (bf16 dot products)
+# 4.2 ms at 32 rows against 5.0 dequantized, 8.9 against 7.4 at 64
+DEQUANTIZE_FROM_ROWS = 48
 # PyTorch's int8 kernel crashed (segfault, torch 2.13 on CPU) on 40 input features; it runs only on
 # widths that are a multiple of this (every real model's), other layers take the dequantized GEMM
 ATEN_INT8_MULTIPLE = 64
