@@ -36,15 +36,20 @@ logger = logging.getLogger(__name__)
 _scratch = threading.local()
 
 
-def float32_weight(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` converted to float32 in this thread's buffer for its shape: valid until the next
+def scratch_weight(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """This thread's buffer for a weight of this shape and dtype, made once: valid until the next
     call for that shape (use it at once)."""
     buffers = _scratch.__dict__.setdefault("buffers", {})
-    key = (tuple(weight.shape), weight.device)
+    key = (tuple(shape), dtype, device)
     buffer = buffers.get(key)
     if buffer is None:
-        buffer = buffers[key] = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
-    return buffer.copy_(weight)
+        buffer = buffers[key] = torch.empty(shape, dtype=dtype, device=device)
+    return buffer
+
+
+def float32_weight(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` converted to float32 in this thread's buffer for its shape (see `scratch_weight`)."""
+    return scratch_weight(weight.shape, torch.float32, weight.device).copy_(weight)
 
 
 def computes_in_float32(x: torch.Tensor) -> bool:

@@ -23,7 +23,6 @@ read from `quantization_config` and refused by name: their loaders are not writt
 """
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import torch
@@ -33,6 +32,7 @@ from torch.nn import functional as F
 from treeserve.errors import ParamError
 from treeserve.model import cpu_kernels
 from treeserve.model.hf_config import read_json
+from treeserve.model.packed_linear import scratch_weight
 
 QUANTIZATION_METHODS = ("int8",)  # what `quantization` may ask for
 QUANTIZED_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -82,9 +82,6 @@ def check_device(method: str | None, device: torch.device, dtype: torch.dtype, t
         raise ParamError("quantization", f"int8 needs float32 or bfloat16 activations, not {dtype}")
 
 
-_scratch = threading.local()
-
-
 class Int8Linear(nn.Module):
     """A linear layer over int8 weights with one scale per output channel (see the module's note)."""
 
@@ -101,11 +98,7 @@ class Int8Linear(nn.Module):
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """scale x int8 in `dtype`, in this thread's buffer for the shape (valid until the next call
         for that shape: use it at once)."""
-        buffers = _scratch.__dict__.setdefault("buffers", {})
-        key = (tuple(self.weight.shape), dtype)
-        buffer = buffers.get(key)
-        if buffer is None:
-            buffer = buffers[key] = torch.empty(self.weight.shape, dtype=dtype)
+        buffer = scratch_weight(self.weight.shape, dtype, self.weight.device)
         library = cpu_kernels.library_for(buffer)
         if library is not None:
             return cpu_kernels.int8_dequantize(library, self.weight, self.scales, buffer)
