@@ -14,13 +14,14 @@ Sections, each timed and reported even when another fails (the JSON is rewritten
    (weight bytes + KV bytes read) / (device-to-device copy bandwidth measured in this run).
 4. bundled search: the bundled arith-gen/arith-prm pair's beam search (N=16), problems/s on the GPU
    and on this machine's CPU.
-5. founding search: the founding study's shapes on one GPU (a Llama-3.2-1B-shaped generator and a
-   Llama-3.1-8B-shaped PRM, random weights made on the device, steps of fixed length): beam search
-   N=16 problems/s in one shared KV arena and with static generator/PRM splits.
+5. founding search (benchmarks/gpu_founding.py): the founding study's experiment, a
+   Llama-3.2-1B-shaped generator and a Llama-3.1-8B-shaped PRM in a KV budget that binds, beam
+   search N=16 over MATH-500-shaped questions with static generator/PRM splits 0.08-0.5 and in
+   the shared arena, warmed up, alternated, 3 rounds, medians.
 Sections run on request only: `decode_baseline` (the decode section with PyTorch's unfused
 per-layer ops, for an A/B in one run), `decode_sync` (the decode section without async scheduling:
 each step's tokens reach the host before the next step is scheduled) and `attention` (benchmarks/gpu_attention.py's sweep; its
-chosen split policy holds for the sections after it). `--no-peers` skips HF in `offline`;
+chosen split policy holds for the sections after it). `--no-peers` skips HF in `offline` (`--peers` picks);
 `--models DIR` puts the random models' folders outside OUT (OUT keeps only a few files).
 Prints one table (figure, treeserve, peer or bound, ratio, target) and writes it with every raw
 figure to OUT/gpu.json, and the tests' whole output to OUT/tests.log.
@@ -28,7 +29,6 @@ figure to OUT/gpu.json, and the tests' whole output to OUT/tests.log.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import random
 import subprocess
@@ -53,14 +53,9 @@ CUDA_TESTS = ["tests/test_cuda.py", "tests/test_triton_kernels.py", "tests/test_
               "tests/test_grouped_experts.py"]
 
 
-def free_device_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def run_tests(args) -> dict:
-    command = [sys.executable, "-m", "pytest", "-v", "--durations=15", "-p", "no:cacheprovider", *CUDA_TESTS]
+    workers = ["-n", str(args.tests_workers)] if args.tests_workers > 1 else []  # Triton compiles in parallel
+    command = [sys.executable, "-m", "pytest", "-v", "--durations=15", "-p", "no:cacheprovider", *workers, *CUDA_TESTS]
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     start, log = time.perf_counter(), args.out / "tests.log"
     with log.open("w") as sink:  # written as it runs: a timeout keeps what ran (each test's name, -v)
@@ -105,15 +100,15 @@ def run_offline(args, generator_dir: Path) -> dict:
                             "backend": llm.engine.attention_backend, "cuda_graphs": llm.engine.uses_cuda_graphs,
                             "steps": llm.engine.num_steps, "steps_left_running": llm.engine.stats().num_steps_left_running}}
     del llm, outputs
-    free_device_memory()
+    gm.free_memory(args.device)
     print(f"treeserve: {produced / seconds:,.0f} output tok/s ({seconds:.1f} s)")
     if args.no_peers:
         return result
     device = torch.device(args.device)
     model = gm.hf_model(generator_dir, dtype_of(args), device)
-    for name, run in (("hf_continuous", lambda: gm.hf_continuous(model, prompts, lengths, device.type == "cuda",
-                                                                  args.hf_timeout)),
-                      ("hf_static", lambda: gm.hf_static(model, prompts, lengths, args.hf_batch, device))):
+    peers = {"hf_continuous": lambda: gm.hf_continuous(model, prompts, lengths, device.type == "cuda", args.hf_timeout),
+             "hf_static": lambda: gm.hf_static(model, prompts, lengths, args.hf_batch, device)}
+    for name, run in ((name, peers[name]) for name in args.peers):
         try:
             result[name] = run()
             print(f"{name}: {result[name]['tok_s']:,.0f} output tok/s ({result[name]['seconds']:.1f} s)")
@@ -121,7 +116,7 @@ def run_offline(args, generator_dir: Path) -> dict:
             result[name] = {"error": f"{type(exc).__name__}: {exc}"}
             print(f"{name} failed: {result[name]['error']}")
     del model
-    free_device_memory()
+    gm.free_memory(args.device)
     return result
 
 
@@ -145,7 +140,7 @@ def run_decode(args, generator_dir: Path, **options) -> dict:
         rows["batches"][batch] = {"step_ms": step_s * 1e3, "bound_ms": bound * 1e3, "x_bound": step_s / bound}
         print(f"decode batch {batch}: {step_s * 1e3:.3f} ms/step, bound {bound * 1e3:.3f} ms ({step_s / bound:.2f}x)")
     del llm, engine
-    free_device_memory()
+    gm.free_memory(args.device)
     return rows
 
 
@@ -198,10 +193,6 @@ def _decode_step_seconds(llm: LLM, batch: int, context: int, steps: int) -> floa
     return sorted(decode)[len(decode) // 2]
 
 
-def search_questions(args, vocab: int, count: int) -> list[str]:
-    return gm.questions(count, 24 if args.smoke else 96, vocab, seed=1)
-
-
 def run_bundled_search(args) -> dict:
     from treeserve.model.registry import DEFAULT_GENERATOR, DEFAULT_VERIFIER
     from treeserve.search.config import declared_aggregation
@@ -216,7 +207,7 @@ def run_bundled_search(args) -> dict:
                               agg_strategy=declared_aggregation(rt.engine("prm").model_dir))
         result[device] = timed_search(rt, problems, config, f"bundled beam search on {device}", warm_up=2)
         del rt
-        free_device_memory()
+        gm.free_memory(args.device)
     return result
 
 
@@ -231,26 +222,20 @@ def timed_search(rt: Runtime, problems: list[str], config: SearchConfig, label: 
         seconds = time.perf_counter() - start
     finally:
         rt.close()
-        free_device_memory()
     print(f"{label}: {len(problems) / seconds:.3f} problems/s")
     return {"problems_s": len(problems) / seconds, "seconds": seconds}
 
 
 def run_founding_search(args, generator_dir: Path, verifier_dir: Path) -> dict:
+    import gpu_founding
+
     vocab = gm.TINY["vocab_size"] if args.smoke else gm.LLAMA_3_2_1B["vocab_size"]
-    questions = search_questions(args, vocab, args.search_problems)
-    config = SearchConfig(strategy="beam", n=16, beam_width=4, num_iterations=args.search_depth,
-                          max_tokens=args.step_tokens, system_prompt=None, seed=0)
-    result = {}
-    for label, options in [("shared", {})] + [(f"gen={f}", {"kv_mode": "static", "kv_fractions": {"gen": f, "prm": 1 - f}})
-                                              for f in args.splits]:
-        rt = Runtime({"gen": str(generator_dir), "prm": str(verifier_dir)}, dtype=args.dtype, device=args.device,
-                     load_format="dummy", max_model_len=2048, max_num_batched_tokens=8192,
-                     **({"kv_cache_memory_bytes": 64 << 20} if args.smoke else {}), **options)
-        result[label] = timed_search(rt, questions, config, f"founding-shape beam search ({label})")
-        del rt  # else the next Runtime is built while this one's KV arena is still held
-        free_device_memory()
-    return result
+    partial = {}
+
+    def write(result: dict) -> None:  # every run lands in gpu.json as it ends (a cut call keeps them)
+        partial["founding_search"] = result
+        gm.write_json(args.out / "gpu.json", args.results | partial)
+    return gpu_founding.run_founding_study(args, {"gen": generator_dir, "prm": verifier_dir}, vocab, write)
 
 
 def table(results: dict) -> list[list[str]]:
@@ -272,9 +257,9 @@ def table(results: dict) -> list[list[str]]:
         gpu = next(v for k, v in bundled.items() if k != "cpu")
         rows.append(["bundled beam search problems/s", f"{gpu['problems_s']:.2f}", f"{bundled['cpu']['problems_s']:.2f} (CPU)",
                      f"{gpu['problems_s'] / bundled['cpu']['problems_s']:.2f}x", "> 1x"])
-    for label, row in results.get("founding_search", {}).items():
-        if isinstance(row, dict) and "problems_s" in row:
-                rows.append([f"1B+8B beam N=16 ({label})", f"{row['problems_s']:.3f} problems/s", "", "", ""])
+    if "summary" in results.get("founding_search", {}):
+        import gpu_founding
+        rows.extend(gpu_founding.table_rows(results["founding_search"]))
     return rows
 
 
@@ -295,24 +280,37 @@ def parse_args(argv):
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--hf-batch", type=int, default=64)
     parser.add_argument("--no-peers", action="store_true", help="offline: treeserve only (no HF transformers runs)")
+    parser.add_argument("--peers", default="hf_continuous,hf_static", help="offline: which HF runs (comma-separated)")
     parser.add_argument("--hf-timeout", type=float, default=240)
     parser.add_argument("--tests-timeout", type=float, default=240)
+    parser.add_argument("--tests-workers", type=int, default=4, help="pytest-xdist workers for the tests (1: none)")
     parser.add_argument("--decode-batches", default="1,8,64,256")
     parser.add_argument("--decode-steps", type=int, default=24)
     parser.add_argument("--bundled-problems", type=int, default=32)
     parser.add_argument("--search-problems", type=int, default=16)
-    parser.add_argument("--search-depth", type=int, default=5)
+    parser.add_argument("--search-depth", type=int, default=10, help="founding search: beam iterations")
     parser.add_argument("--step-tokens", type=int, default=64)
-    parser.add_argument("--splits", default="0.3,0.5", help="static generator shares of the KV memory")
+    parser.add_argument("--splits", default="0.08,0.1,0.2,0.3,0.4,0.5", help="static generator shares of the KV budget")
+    parser.add_argument("--founding-kv-gib", type=float, default=5.0, help="the founding search's KV budget "
+                        "(benchmarks/gpu_founding.py says why 5 GiB binds)")
+    parser.add_argument("--founding-repeats", type=int, default=3)
+    parser.add_argument("--founding-seconds", type=float, default=330, help="no new round after this many seconds")
+    parser.add_argument("--founding-block-size", type=int, default=64,
+                        help="also run the shared arena with pages of this many generator tokens (0: not)")
+    parser.add_argument("--founding-max-len", type=int, default=2048)
     args = parser.parse_args(argv)
     args.decode_batches = [int(x) for x in args.decode_batches.split(",")]
+    args.peers = [name for name in args.peers.split(",") if name]
+    if unknown := set(args.peers) - {"hf_continuous", "hf_static"}:
+        parser.error(f"--peers: unknown {sorted(unknown)}; choose from hf_continuous, hf_static")
     args.splits = [float(x) for x in args.splits.split(",") if x]
     if args.smoke:
         args.dtype = "float32"
         args.requests, args.hf_batch, args.decode_steps = min(args.requests, 12), 4, 6
         args.decode_batches = [b for b in args.decode_batches if b <= 8]
         args.bundled_problems, args.search_problems, args.search_depth, args.step_tokens = 4, 2, 2, 8
-        args.splits = args.splits[:1]
+        args.splits, args.founding_kv_gib, args.founding_repeats = args.splits[-2:], 1 / 64, 1
+        args.founding_max_len, args.founding_block_size = 256, 32
     return args
 
 
@@ -325,6 +323,7 @@ def main(argv=None) -> int:
     verifier_dir = gm.model_dir(root, "prm-smoke" if args.smoke else "llama-3.1-8b-shape", shapes[1], 4096)
     device = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else args.device
     results: dict = {"device": device, "torch": torch.__version__, "dtype": args.dtype, "smoke": args.smoke}
+    args.results = results
     print(f"device: {device}, torch {torch.__version__}")
     sections = {"tests": lambda: run_tests(args), "offline": lambda: run_offline(args, generator_dir),
                 "decode": lambda: run_decode(args, generator_dir), "bundled_search": lambda: run_bundled_search(args),
@@ -339,7 +338,7 @@ def main(argv=None) -> int:
         except Exception as exc:
             results[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
             print(results[name]["traceback"])
-        free_device_memory()
+        gm.free_memory(args.device)
         gm.write_json(args.out / "gpu.json", results)
     rows = table(results)
     results["table"] = rows

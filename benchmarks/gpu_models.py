@@ -62,12 +62,6 @@ def model_dir(root: Path, name: str, shape: dict, max_positions: int) -> Path:
     return path
 
 
-def questions(count: int, words: int, vocab_size: int, seed: int) -> list[str]:
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(len(SPECIAL) + 2, vocab_size, (count, words), generator=generator)
-    return [" ".join(f"w{i}" for i in row.tolist()) + " ?" for row in ids]
-
-
 def hf_model(path: Path, dtype: torch.dtype, device: torch.device):
     """The same shape in HF transformers, random weights made on the device, SDPA attention."""
     import transformers
@@ -76,6 +70,15 @@ def hf_model(path: Path, dtype: torch.dtype, device: torch.device):
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     return model.eval()
+
+
+def free_memory(device) -> None:
+    """What the last section left: collected, and its cached device blocks returned."""
+    import gc
+
+    gc.collect()
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _synchronize(device: torch.device) -> None:

@@ -27,7 +27,9 @@ def test_align_pairs_groups_each_expert_in_whole_blocks():
     assert sorted_ids.tolist() == [1, 4, pad, pad, 0, 2, 5, pad, 3, pad, pad, pad]
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
+# bfloat16 only on a device (Triton's interpreter has no bfloat16); its tolerance is ~2.5 units at 1
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)]
+                         + ([(torch.bfloat16, 2e-2)] if DEVICE == "cuda" else []))
 @pytest.mark.parametrize("tokens,top_k", [(1, 2), (37, 2), (20, 1)])
 def test_grouped_products_match_the_loop_over_experts(dtype, tol, tokens, top_k):
     generator = torch.Generator().manual_seed(tokens)

@@ -167,9 +167,12 @@ class Runtime:
         return start_executor(config, config.resolve_device())
 
     def close(self) -> None:
-        """Closes the trace and stops the tensor-parallel workers, if any."""
+        """Closes the trace and the engines (their CUDA graphs go now) and stops the tensor-parallel
+        workers, if any."""
         if getattr(self, "trace", None):
             self.trace.close()
+        for engine in getattr(self, "engines", {}).values():
+            engine.close()
         if self.executor is not None:
             self.executor.shutdown()
 

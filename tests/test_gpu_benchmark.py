@@ -1,0 +1,32 @@
+"""`benchmarks/gpu.py --smoke --device cpu`: every section but the CUDA tests on tiny shapes, so the
+device call cannot rot between the sessions that are lent a GPU (this checks the script, the HF
+peers' API and the founding study's bookkeeping, not speed)."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SECTIONS = "decode,decode_sync,offline,bundled_search,founding_search"
+
+
+def test_gpu_benchmark_smoke_runs_every_section(tmp_path):
+    command = [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--smoke", "--device", "cpu",
+               "--sections", SECTIONS, "--out", str(tmp_path)]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    results = json.loads((tmp_path / "gpu.json").read_text())
+    failed = {name: results[name]["error"] for name in SECTIONS.split(",") if "error" in results[name]}
+    assert not failed, failed
+    founding = results["founding_search"]
+    assert set(founding["runs"]) == {"static gen=0.4", "static gen=0.5", "shared", "shared, 32-token pages"}
+    for label, rows in founding["runs"].items():
+        assert len(rows) == 1 and "error" not in rows[0], (label, rows)
+        row = rows[0]
+        assert row["tokens_computed"]["gen"] > 0 and row["tokens_computed"]["prm"] > 0
+        assert set(row["blocks_in_use"]) == {"gen", "prm"}
+    assert founding["runs"]["shared, 32-token pages"][0]["block_size"]["gen"] == 32
+    summary = founding["summary"]
+    assert summary["best_static"] in ("static gen=0.4", "static gen=0.5")
+    assert "shared / best static" in summary
+    assert any(row[0].startswith("1B+8B beam N=16 (shared)") for row in results["table"])
