@@ -288,11 +288,11 @@ def parse_args(argv):
     parser.add_argument("--decode-steps", type=int, default=24)
     parser.add_argument("--bundled-problems", type=int, default=32)
     parser.add_argument("--search-problems", type=int, default=16)
-    parser.add_argument("--search-depth", type=int, default=10, help="founding search: beam iterations")
+    parser.add_argument("--search-depth", type=int, default=6, help="founding search: beam iterations")
     parser.add_argument("--step-tokens", type=int, default=64)
     parser.add_argument("--splits", default="0.08,0.1,0.2,0.3,0.4,0.5", help="static generator shares of the KV budget")
-    parser.add_argument("--founding-kv-gib", type=float, default=5.0, help="the founding search's KV budget "
-                        "(benchmarks/gpu_founding.py says why 5 GiB binds)")
+    parser.add_argument("--founding-kv-gib", type=float, default=4.0, help="the founding search's KV budget "
+                        "(benchmarks/gpu_founding.py says why 4 GiB binds)")
     parser.add_argument("--founding-repeats", type=int, default=3)
     parser.add_argument("--founding-seconds", type=float, default=330, help="no new round after this many seconds")
     parser.add_argument("--founding-block-size", type=int, default=64,

@@ -11,22 +11,26 @@ Runtime is built, before its timing starts. Per configuration: problems/s (media
 ratio to the best static split per repeat), tokens computed per model, prefix-cache hit rates,
 evictions, thrash and preemptions, and the KV pages in use per model over the run.
 
-The KV budget binds as in the study (`kv_budget_gib`): the study's block arithmetic (KV pages =
-KV bytes / (block size x bytes per token)) applied to this workload's demand. At iteration d a
-problem holds its question (~q tokens), the histories of its 4 beams (4 x 64 d) and its 16
-candidates' new steps (16 x 64): ~q + 256 d + 1,024 tokens in each model, at 32 KiB a token in
-the 1B generator and 128 KiB in the 8B PRM. 16 problems at the last of 10 iterations hold
-~3.7k tokens each: ~1.9 GB of generator KV and ~7.6 GB of PRM KV, 9.5 GB together. A budget of
-5 GiB is about half of that: at the low generator fractions the generator runs short (it queues
-and preempts), at the high ones the PRM does (it evicts its cached prefixes and recomputes them),
+The KV budget binds as in the study (`--founding-kv-gib`, 4 GiB): the study's block arithmetic (KV
+pages = KV bytes / (block size x bytes per token)) applied to this workload's demand. At iteration
+d a problem holds its question (~130 tokens on average), the histories of its 4 beams (4 x 64 d)
+and its 16 candidates' new steps (16 x 64): ~130 + 256 d + 1,024 tokens in each model, at 32 KiB
+a token in the 1B generator and 128 KiB in the 8B PRM. 16 problems at the last of 6 iterations
+hold ~2.7k tokens each: ~1.4 GB of generator KV and ~5.6 GB of PRM KV, 7 GB together. 4 GiB is
+about 60% of that: at the low generator fractions the generator runs short (it preempts and
+recomputes), at the high ones the PRM does (it evicts its cached prefixes and recomputes them),
 and no split holds everything, as in the study (where the PRM ran short at one end of the sweep).
+Measured on an H200 (docs/BENCHMARKS.md): gen=0.1 preempted 854 times, gen=0.5 thrashed 1,989
+PRM blocks.
+
+The models are loaded once; each configuration's Runtime is built over them once (its KV space,
+engines and CUDA graphs) and its caches are reset before every run, so the call fits in minutes.
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
-import json
 import random
-import tempfile
 import time
 from pathlib import Path
 
@@ -69,24 +73,45 @@ def questions(count: int, vocab_size: int, seed: int, smoke: bool) -> list[str]:
     return texts
 
 
-def configurations(splits, block_size: int) -> list[tuple[str, str, dict]]:
-    """(label, kind, Runtime options): the static splits, the shared arena, and the shared arena
-    with pages of `block_size` generator tokens (the default page holds 16 generator tokens, so
-    the 4x larger PRM gets 4 a page; with 64 it gets 16, as in its static share)."""
-    configs = [(f"static gen={f:g}", "static", {"kv_mode": "static", "kv_fractions": {"gen": f, "prm": round(1 - f, 4)}})
+def configurations(splits, block_size: int) -> list[tuple[str, dict]]:
+    """(label, Runtime options): the static splits, the shared arena, and the shared arena with
+    pages of `block_size` generator tokens (the default page holds 16 generator tokens, so the 4x
+    larger PRM gets 4 a page; with 64 it gets 16, as in its static share)."""
+    configs = [(f"static gen={f:g}", {"kv_mode": "static", "kv_fractions": {"gen": f, "prm": round(1 - f, 4)}})
                for f in splits]
-    configs.append(("shared", "shared", {"kv_mode": "shared"}))
+    configs.append(("shared", {"kv_mode": "shared"}))
     if block_size:
-        configs.append((f"shared, {block_size}-token pages", f"shared{block_size}",
-                        {"kv_mode": "shared", "block_size": block_size}))
+        configs.append((f"shared, {block_size}-token pages", {"kv_mode": "shared", "block_size": block_size}))
     return configs
 
 
-def build_runtime(args, paths: dict[str, Path], trace: Path | None, options: dict) -> Runtime:
-    return Runtime({name: str(path) for name, path in paths.items()}, dtype=args.dtype, device=args.device,
-                   load_format="dummy", max_model_len=args.founding_max_len, max_num_batched_tokens=8192,
-                   max_num_seqs=16 * MAX_IN_FLIGHT, kv_cache_memory_bytes=int(args.founding_kv_gib * (1 << 30)),
-                   trace_path=trace, **options)
+def load_models(args, paths: dict[str, Path]) -> dict:
+    """Both models loaded once; every configuration's Runtime is built over these weights."""
+    from treeserve.config import EngineConfig
+    from treeserve.engine.loaded_model import load_model
+
+    return {name: load_model(EngineConfig(model=str(path), **engine_options(args)), name)
+            for name, path in paths.items()}
+
+
+def with_block_size(loaded: dict, block_size: int | None) -> dict:
+    """The same weights with another page size (a Runtime reads `config.block_size` only when it
+    sizes its KV pages)."""
+    if block_size is None:
+        return loaded
+    return {name: dataclasses.replace(m, config=dataclasses.replace(m.config, block_size=block_size))
+            for name, m in loaded.items()}
+
+
+def engine_options(args) -> dict:
+    return dict(dtype=args.dtype, device=args.device, load_format="dummy", max_model_len=args.founding_max_len,
+                max_num_batched_tokens=8192, max_num_seqs=16 * MAX_IN_FLIGHT)
+
+
+def build_runtime(args, loaded: dict, options: dict) -> Runtime:
+    """A configuration's Runtime over the loaded models: its own KV space, engines and CUDA graphs.
+    A page size other than the models' own (`block_size`) needs models loaded with it."""
+    return Runtime(loaded, kv_cache_memory_bytes=int(args.founding_kv_gib * (1 << 30)), **options)
 
 
 def search_config(args, depth: int) -> SearchConfig:
@@ -94,56 +119,64 @@ def search_config(args, depth: int) -> SearchConfig:
                         system_prompt=None, seed=0)
 
 
-def run_one(args, paths, label: str, options: dict, problems: list[str], depth: int) -> dict:
-    """One timed search in a fresh Runtime; the Runtime is built (and its graphs captured) first."""
-    with tempfile.TemporaryDirectory() as tmp:
-        trace = Path(tmp) / "trace.jsonl"
-        build_start = time.perf_counter()
-        rt, runner = build_runtime(args, paths, trace, options), None
-        try:
-            built = time.perf_counter() - build_start
-            runner = SearchRunner(rt.engine("gen"), rt.scorer("prm"), max_problems_in_flight=MAX_IN_FLIGHT)
-            gc.collect()
-            _synchronize(args.device)
-            start = time.perf_counter()
-            runner.run(problems, search_config(args, depth))
-            _synchronize(args.device)
-            seconds = time.perf_counter() - start
-            stats = {name: engine.stats() for name, engine in rt.engines.items()}
-            blocks = {name: engine.stats().kv_blocks_total for name, engine in rt.engines.items()}
-            block_sizes = {name: s.block_size for name, s in stats.items()}
-        finally:
-            rt.close()
-        series, steps = read_trace(trace)
-    del rt, runner
-    gm.free_memory(args.device)
-    row = {"label": label, "seconds": seconds, "build_seconds": built, "problems_s": len(problems) / seconds,
-           "tokens_computed": {n: s.num_tokens_computed for n, s in stats.items()},
-           "hit_rate": {n: round(s.prefix_hits / s.prefix_queries, 4) if s.prefix_queries else 0.0
-                        for n, s in stats.items()},
-           "evictions": {n: s.evictions for n, s in stats.items()}, "thrash": {n: s.thrash for n, s in stats.items()},
-           "preemptions": {n: s.num_preemptions for n, s in stats.items()},
-           "kv_blocks": blocks, "block_size": block_sizes, "steps": steps, "blocks_in_use": series}
-    print(f"  {label}: {row['problems_s']:.3f} problems/s ({seconds:.1f} s, built in {built:.1f} s), tokens "
-          f"{row['tokens_computed']}, hits {row['hit_rate']}, thrash {row['thrash']}, "
-          f"preemptions {row['preemptions']}, steps {steps}", flush=True)
+class StepLog:
+    """A step observer: per engine step, (seconds since the run began, model, pages in use)."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.rows: list[tuple[float, str, int]] = []
+
+    def __call__(self, engine, outputs=None) -> None:
+        self.rows.append((time.perf_counter() - self.start, engine.name, engine.stats().kv_blocks_in_use))
+
+    def summary(self, points: int = 200) -> tuple[dict, dict]:
+        """Per model: (seconds, pages in use) at most `points` times; its steps and the seconds they
+        took (each step's time since the step before it, of either model)."""
+        series: dict[str, list[list[float]]] = {}
+        steps: dict[str, dict] = {}
+        last = 0.0
+        for t, model, in_use in self.rows:
+            series.setdefault(model, []).append([round(t, 4), in_use])
+            row = steps.setdefault(model, {"steps": 0, "seconds": 0.0})
+            row["steps"] += 1
+            row["seconds"] = round(row["seconds"] + t - last, 4)
+            last = t
+        return {model: values[::max(1, len(values) // points)] for model, values in series.items()}, steps
+
+
+COUNTERS = ("num_tokens_computed", "prefix_queries", "prefix_hits", "evictions", "thrash", "num_preemptions")
+
+
+def run_one(args, rt: Runtime, label: str, problems: list[str], depth: int) -> dict:
+    """One timed search on a configuration's Runtime, its caches reset first (every run starts
+    with nothing cached); counters are this run's (after minus before)."""
+    if not rt.reset_prefix_cache():
+        raise RuntimeError(f"{label}: blocks still in use after the last run")
+    before = {name: engine.stats() for name, engine in rt.engines.items()}
+    runner = SearchRunner(rt.engine("gen"), rt.scorer("prm"), max_problems_in_flight=MAX_IN_FLIGHT)
+    log = StepLog()
+    rt.loop.step_observers.append(log)
+    gc.collect()
+    _synchronize(args.device)
+    start = log.start = time.perf_counter()
+    try:
+        runner.run(problems, search_config(args, depth))
+        _synchronize(args.device)
+        seconds = time.perf_counter() - start
+    finally:
+        rt.loop.step_observers.remove(log)
+    after = {name: engine.stats() for name, engine in rt.engines.items()}
+    count = {key: {n: getattr(after[n], key) - getattr(before[n], key) for n in after} for key in COUNTERS}
+    series, steps = log.summary()
+    row = {"label": label, "seconds": seconds, "problems_s": len(problems) / seconds,
+           "tokens_computed": count["num_tokens_computed"],
+           "hit_rate": {n: round(count["prefix_hits"][n] / q, 4) if q else 0.0 for n, q in count["prefix_queries"].items()},
+           "evictions": count["evictions"], "thrash": count["thrash"], "preemptions": count["num_preemptions"],
+           "kv_blocks": {n: s.kv_blocks_total for n, s in after.items()},
+           "block_size": {n: s.block_size for n, s in after.items()}, "steps": steps, "blocks_in_use": series}
+    print(f"  {label}: {row['problems_s']:.3f} problems/s ({seconds:.1f} s), tokens {row['tokens_computed']}, "
+          f"hits {row['hit_rate']}, thrash {row['thrash']}, preemptions {row['preemptions']}, steps {steps}", flush=True)
     return row
-
-
-def read_trace(trace: Path, points: int = 200) -> tuple[dict, dict]:
-    """From the per-step telemetry, per model: (seconds, pages in use) at most `points` times, and
-    its steps and the seconds they took (each record's time since the one before it)."""
-    rows = [json.loads(line) for line in trace.read_text().splitlines() if line] if trace.is_file() else []
-    series: dict[str, list[list[float]]] = {}
-    steps: dict[str, dict] = {}
-    last = 0.0
-    for row in rows:
-        series.setdefault(row["model"], []).append([row["t"], row["blocks_in_use"]])
-        model = steps.setdefault(row["model"], {"steps": 0, "seconds": 0.0})
-        model["steps"] += 1
-        model["seconds"] += row["t"] - last
-        last = row["t"]
-    return {model: values[::max(1, len(values) // points)] for model, values in series.items()}, steps
 
 
 def _synchronize(device: str) -> None:
@@ -151,34 +184,64 @@ def _synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def fixed_length_steps() -> None:
+    """A step cut at its 64 tokens continues its beam, as the study's steps (ended by the model at
+    a blank line) did. Random models never write the step delimiter, and Search-and-Learn's rule
+    (kept by treeserve's strategies) ends a solution whose step hit the token limit: without this,
+    every beam would end after its first step and the KV budget would never bind."""
+    from treeserve.search import strategies
+
+    strategies._ends_solution = lambda step: step.finish == "eos" or step.text == ""
+
+
+def build_all(args, configs, loaded: dict, problems: list[str], result: dict) -> dict[str, Runtime]:
+    """Every configuration's Runtime, built once (graphs captured) and warmed up by a short search
+    (Triton compiles per cache block size, which differs between configurations)."""
+    runtimes = {}
+    for label, options in configs:
+        start = time.perf_counter()
+        try:
+            runtimes[label] = build_runtime(args, loaded, options)
+            run_one(args, runtimes[label], f"warm-up ({label})", problems[:2], min(2, args.search_depth))
+        except Exception as exc:  # a split too small for the workload: say so, go on
+            result["runs"][label].append({"label": label, "error": f"{type(exc).__name__}: {exc}"})
+            print(f"  {label}: {result['runs'][label][-1]['error']}", flush=True)
+            runtimes.pop(label, None)
+        result["build_seconds"][label] = round(time.perf_counter() - start, 2)
+    return runtimes
+
+
 def run_founding_study(args, paths: dict[str, Path], vocab: int, write) -> dict:
-    """Warm-up, then `args.founding_repeats` alternated rounds of every configuration (after the
-    first round, no run starts once `args.founding_seconds` have passed); `write(result)` after
-    every run."""
+    """Every configuration built and warmed up, then `args.founding_repeats` alternated rounds (after
+    the first round, no run starts once `args.founding_seconds` have passed); `write(result)`
+    after every run."""
+    fixed_length_steps()
     problems = questions(args.search_problems, vocab, seed=1, smoke=args.smoke)
     configs = configurations(args.splits, args.founding_block_size)
     result: dict = {"kv_budget_gib": args.founding_kv_gib, "problems": len(problems), "depth": args.search_depth,
                     "step_tokens": args.step_tokens, "question_tokens": [len(q.split()) for q in problems],
-                    "warm_up": {}, "runs": {label: [] for label, _, _ in configs}}
+                    "build_seconds": {}, "runs": {label: [] for label, _ in configs}}
     started = time.perf_counter()
-    for label, kind, options in {kind: (label, kind, options) for label, kind, options in configs}.values():
-        row = run_one(args, paths, f"warm-up ({label})", options, problems[:2], min(2, args.search_depth))
-        result["warm_up"][kind] = row["seconds"] + row["build_seconds"]
-    for repeat in range(args.founding_repeats):
-        print(f"round {repeat + 1}/{args.founding_repeats}", flush=True)
-        for label, _, options in random.Random(repeat).sample(configs, len(configs)):
-            if repeat and time.perf_counter() - started > args.founding_seconds:
-                result["cut"] = f"round {repeat + 1} cut before {label}: past {args.founding_seconds} s"
-                print(result["cut"], flush=True)
-                return result
-            try:
-                result["runs"][label].append(run_one(args, paths, label, options, problems, args.search_depth))
-            except Exception as exc:  # a split too small for the workload: say so, go on
-                result["runs"][label].append({"label": label, "error": f"{type(exc).__name__}: {exc}"})
-                print(f"  {label}: {result['runs'][label][-1]['error']}", flush=True)
-                gm.free_memory(args.device)
-            result["summary"] = summarize(result["runs"])
-            write(result)
+    loaded = load_models(args, paths)
+    runtimes = {}
+    for label, options in configs:
+        models = with_block_size(loaded, options.pop("block_size", None))
+        runtimes.update(build_all(args, [(label, options)], models, problems, result))
+    write(result)
+    try:
+        for repeat in range(args.founding_repeats):
+            print(f"round {repeat + 1}/{args.founding_repeats}", flush=True)
+            for label in random.Random(repeat).sample(list(runtimes), len(runtimes)):
+                if repeat and time.perf_counter() - started > args.founding_seconds:
+                    result["cut"] = f"round {repeat + 1} cut before {label}: past {args.founding_seconds} s"
+                    print(result["cut"], flush=True)
+                    return result
+                result["runs"][label].append(run_one(args, runtimes[label], label, problems, args.search_depth))
+                result["summary"] = summarize(result["runs"])
+                write(result)
+    finally:
+        for rt in runtimes.values():
+            rt.close()
     return result
 
 
@@ -214,3 +277,46 @@ def table_rows(result: dict) -> list[list[str]]:
                      f"{summary['median_problems_s'][best]:.3f} ({best})" if ratio else "",
                      f"{ratio:.2f}x" if ratio else "", ">= 1.1x best static" if ratio else ""])
     return rows
+
+
+def plot(result: dict, path: Path) -> Path:
+    """The study's figure: problems/s against the generator's KV fraction (each run a dot, medians
+    joined), each shared-arena configuration a horizontal line at its median; beside it, the pages
+    each model held over the shared arena's median run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = {label: [r for r in rows if "problems_s" in r] for label, rows in result["runs"].items()}
+    medians = result.get("summary", {}).get("median_problems_s", {})
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    static = sorted((float(label.split("=")[1]), label) for label in runs if label.startswith("static") and runs[label])
+    for split, label in static:
+        left.plot([split] * len(runs[label]), [r["problems_s"] for r in runs[label]], ".", color="tab:blue", alpha=0.5)
+    left.plot([s for s, _ in static], [medians[label] for _, label in static], "o-", color="tab:blue",
+              label="static split (median)")
+    for label, color in zip((label for label in runs if label.startswith("shared") and label in medians),
+                            ("tab:red", "tab:orange")):
+        left.axhline(medians[label], color=color, linestyle="--", label=f"{label} (median)")
+    left.set(xlabel="KV fraction given to the generator", ylabel="problems / s",
+             title=f"1B + 8B beam search N=16, {result['kv_budget_gib']:g} GiB of KV")
+    left.legend(fontsize=8)
+    shared = sorted(runs.get("shared", []), key=lambda r: r["problems_s"])
+    if shared:
+        median_run = shared[len(shared) // 2]
+        for model, series in median_run["blocks_in_use"].items():
+            right.plot([t for t, _ in series], [v for _, v in series], label=f"{model}")
+        right.set(xlabel="seconds", ylabel="KV pages in use", title="shared arena: pages per model (median run)")
+        right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+if __name__ == "__main__":  # python benchmarks/gpu_founding.py OUT/gpu.json docs/founding_gpu.png
+    import json
+    import sys
+
+    print(plot(json.loads(Path(sys.argv[1]).read_text())["founding_search"], Path(sys.argv[2])))

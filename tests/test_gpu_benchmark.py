@@ -19,6 +19,7 @@ def test_gpu_benchmark_smoke_runs_every_section(tmp_path):
     failed = {name: results[name]["error"] for name in SECTIONS.split(",") if "error" in results[name]}
     assert not failed, failed
     founding = results["founding_search"]
+    assert set(founding["build_seconds"]) == set(founding["runs"])  # every configuration built (once)
     assert set(founding["runs"]) == {"static gen=0.4", "static gen=0.5", "shared", "shared, 32-token pages"}
     for label, rows in founding["runs"].items():
         assert len(rows) == 1 and "error" not in rows[0], (label, rows)

@@ -143,3 +143,32 @@ def test_direct_scoring_renders_each_input_once(pair, monkeypatch):
     items = [(QUESTION, ["First add.", "Then double."]), (QUESTION, ["First add.", "Then halve."])]
     scores = rt.score_many("prm", items)
     assert built == [2, 2] and [len(s) for s in scores] == [2, 2]
+
+
+def test_runtimes_over_loaded_models_share_their_weights_and_reset_to_nothing_cached(pair):
+    """Runtimes built one after another over the same loaded models (a benchmark's configurations)
+    read the same weights; `reset_prefix_cache` leaves nothing cached, so a run repeated after it
+    computes every token again and gives the same results."""
+    from treeserve.config import EngineConfig
+    from treeserve.engine.loaded_model import load_model
+
+    options = dict(dtype="float32", device="cpu", max_model_len=192, max_num_batched_tokens=192)
+    loaded = {name: load_model(EngineConfig(model=str(path), **options), name) for name, path in pair.items()}
+    shared = Runtime(loaded, kv_cache_memory_bytes=8 << 20)
+    static = Runtime(loaded, kv_mode="static", kv_fractions={"gen": 0.4, "prm": 0.6}, kv_cache_memory_bytes=8 << 20)
+    assert shared.engines["prm"].model is static.engines["prm"].model is loaded["prm"].model
+    assert shared.recipes == _runtime(pair).recipes
+    first = _search_like(shared)
+    computed = {name: e.num_tokens_computed for name, e in shared.engines.items()}
+    again_cached = _search_like(shared)
+    assert again_cached == first
+    assert shared.engines["prm"].num_tokens_computed - computed["prm"] < computed["prm"]  # it hit its caches
+    assert shared.reset_prefix_cache()
+    assert shared.engines["gen"].stats(count_cached=True).kv_blocks_cached == 0
+    assert shared.engines["gen"].stats().thrash_window_size == 0
+    before = {name: e.num_tokens_computed for name, e in shared.engines.items()}
+    assert _search_like(shared) == first
+    assert {name: e.num_tokens_computed - before[name] for name, e in shared.engines.items()} == computed
+    assert [c for c, _ in _search_like(static)] == [c for c, _ in first]
+    shared.close()
+    static.close()

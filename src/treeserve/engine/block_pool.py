@@ -181,4 +181,5 @@ class BlockPool:
         self.free_blocks.forget_hashes()
         self.wanted_by_owner.clear()
         self.cached.clear()
+        self.thrash_window.clear()  # nothing cached before the reset counts as evicted
         return True

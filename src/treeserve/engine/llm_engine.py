@@ -181,6 +181,11 @@ class LLMEngine:
         when the pool runs short (the caller expects no request to extend them soon)."""
         self.retained.release_first(request_id)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix of the pool it draws from (vLLM's `reset_prefix_cache`; in a
+        shared arena, every model's). False, and nothing changed, while any block is in use."""
+        return self.kv.pool.reset_prefix_cache()
+
     def reclaim_one(self) -> bool:
         """Releases this engine's least recently used kept sequence; False when it keeps none."""
         return self.retained.release_oldest()

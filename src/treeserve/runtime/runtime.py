@@ -25,7 +25,6 @@ from treeserve.entrypoints.llm import LLM
 from treeserve.outputs import RequestOutput
 from treeserve.runtime.memory import (MemoryBreakdown, measure_activation_bytes, non_torch_bytes,
                                       weights_bytes)
-from treeserve.model.registry import resolve_model_path
 from treeserve.runtime.prm_recipes import declared_recipe
 from treeserve.runtime.scorer import StepScorer
 from treeserve.runtime.telemetry import TelemetryTrace
@@ -34,7 +33,7 @@ KV_MODES = ("shared", "static")
 
 
 class Runtime:
-    def __init__(self, models: dict[str, str | Path], kv_mode: str = "shared",
+    def __init__(self, models: dict[str, str | Path | LoadedModel], kv_mode: str = "shared",
                  kv_fractions: dict[str, float] | None = None, recipes: dict[str, str] | None = None,
                  kv_cache_memory_bytes: int | None = None, memory_utilization: float | None = None,
                  trace_path: str | Path | None = None, **engine_options: Any):
@@ -43,10 +42,14 @@ class Runtime:
         if kv_mode not in KV_MODES:
             raise ParamError("kv_mode", f"must be one of {KV_MODES}, got {kv_mode!r}")
         self.kv_mode = kv_mode
-        configs = {name: EngineConfig(model=path, **engine_options) for name, path in models.items()}
-        self.executor = self._workers(next(iter(configs.values())))
+        # A loaded model (`load_model`) is used as it is: Runtimes built one after another over the
+        # same weights (a benchmark's configurations) load them once.
+        given = {name: m for name, m in models.items() if isinstance(m, LoadedModel)}
+        configs = {name: EngineConfig(model=path, **engine_options) for name, path in models.items() if name not in given}
+        self.executor = self._workers(next(iter(configs.values()))) if configs else None
         try:  # anything failing from here stops the tensor-parallel workers it started
-            loaded = {name: load_model(config, name, self.executor) for name, config in configs.items()}
+            loaded = {name: given[name] if name in given else load_model(configs[name], name, self.executor)
+                      for name in models}
             self.memory = self._account(loaded, kv_cache_memory_bytes, memory_utilization)
             if kv_mode == "shared":
                 self.engines = self._build_shared(loaded)
@@ -55,7 +58,7 @@ class Runtime:
         except BaseException:
             self.close()
             raise
-        self.recipes = {name: (recipes or {}).get(name) or declared_recipe(resolve_model_path(models[name]))
+        self.recipes = {name: (recipes or {}).get(name) or declared_recipe(loaded[name].model_dir)
                         for name in self.engines}
         # The one owner that steps these engines: generation, scoring and search all go through it.
         self.loop = EngineLoop(self.engines)
@@ -158,6 +161,14 @@ class Runtime:
     def release_kept(self) -> None:
         for scorer in self._scorers.values():
             scorer.release_all()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets what every model has cached: kept conversations, scores and prefix-cached KV
+        (a benchmark's runs start equal). False while a request still holds blocks."""
+        self.release_kept()
+        for scorer in self._scorers.values():
+            scorer.score_cache.clear()
+        return all([engine.reset_prefix_cache() for engine in self.engines.values()])
 
     @staticmethod
     def _workers(config: EngineConfig):
