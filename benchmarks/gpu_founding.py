@@ -144,7 +144,8 @@ class StepLog:
         return {model: values[::max(1, len(values) // points)] for model, values in series.items()}, steps
 
 
-COUNTERS = ("num_tokens_computed", "prefix_queries", "prefix_hits", "evictions", "thrash", "num_preemptions")
+COUNTERS = ("num_tokens_computed", "num_steps", "num_graph_replays", "prefix_queries", "prefix_hits", "evictions",
+            "thrash", "num_preemptions")
 
 
 def run_one(args, rt: Runtime, label: str, problems: list[str], depth: int) -> dict:
@@ -172,10 +173,12 @@ def run_one(args, rt: Runtime, label: str, problems: list[str], depth: int) -> d
            "tokens_computed": count["num_tokens_computed"],
            "hit_rate": {n: round(count["prefix_hits"][n] / q, 4) if q else 0.0 for n, q in count["prefix_queries"].items()},
            "evictions": count["evictions"], "thrash": count["thrash"], "preemptions": count["num_preemptions"],
+           "engine_steps": count["num_steps"], "graph_replays": count["num_graph_replays"],
            "kv_blocks": {n: s.kv_blocks_total for n, s in after.items()},
            "block_size": {n: s.block_size for n, s in after.items()}, "steps": steps, "blocks_in_use": series}
     print(f"  {label}: {row['problems_s']:.3f} problems/s ({seconds:.1f} s), tokens {row['tokens_computed']}, "
-          f"hits {row['hit_rate']}, thrash {row['thrash']}, preemptions {row['preemptions']}, steps {steps}", flush=True)
+          f"hits {row['hit_rate']}, thrash {row['thrash']}, preemptions {row['preemptions']}, steps {steps}, "
+          f"graph replays {row['graph_replays']}", flush=True)
     return row
 
 

@@ -34,6 +34,7 @@ class EngineStats:
     kept_blocks: int
     kv_arena_bytes: int            # the KV space's bytes (shared with other models in a shared arena)
     kv_blocks_cached: int | None = None  # this model's cached free blocks: counted only when asked (a walk)
+    num_graph_replays: int = 0     # decode steps run as a captured CUDA graph (the rest ran eagerly)
 
     @property
     def kv_usage(self) -> float:
@@ -45,7 +46,7 @@ class EngineStats:
 
 
 def snapshot(model: str, pipeline, scheduler: Scheduler, kv: KVCacheManager, retained: KeptSequences,
-             arena_bytes: int, count_cached: bool = False) -> EngineStats:
+             arena_bytes: int, count_cached: bool = False, graph_replays: int = 0) -> EngineStats:
     pool, prefix = kv.pool, kv.stats
     return EngineStats(
         model, pipeline.num_steps, pipeline.num_tokens_computed, pipeline.last_step_num_tokens,
@@ -53,7 +54,8 @@ def snapshot(model: str, pipeline, scheduler: Scheduler, kv: KVCacheManager, ret
         len(scheduler.running), len(scheduler.waiting), scheduler.num_preemptions, kv.block_size,
         pool.num_blocks, kv.num_blocks_in_use(), pool.num_free, pool.num_wanted_by(kv.owner), pool.usage(),
         pool.thrash_window_size, prefix.queries, prefix.hits, prefix.evictions, prefix.thrash,
-        len(retained), retained.num_blocks(), arena_bytes, _cached_blocks(kv) if count_cached else None)
+        len(retained), retained.num_blocks(), arena_bytes, _cached_blocks(kv) if count_cached else None,
+        graph_replays)
 
 
 def _cached_blocks(kv: KVCacheManager) -> int:

@@ -132,9 +132,9 @@ class LLMEngine:
     def stats(self, count_cached: bool = False) -> EngineStats:
         """A snapshot of queues, KV blocks and counters (`count_cached`: also walk the pool for this
         model's cached free blocks)."""
-        pages = self.runner.arena.pages
+        pages, graphs = self.runner.arena.pages, self.runner.graphs
         return snapshot(self.name, self.pipeline, self.scheduler, self.kv, self.retained,
-                        pages.numel() * pages.element_size(), count_cached)
+                        pages.numel() * pages.element_size(), count_cached, graphs.num_replays if graphs else 0)
 
     # ---- requests -------------------------------------------------------------------------
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
