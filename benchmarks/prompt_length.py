@@ -34,11 +34,13 @@ OUTPUTS = [1, 128]
 ENGINES = {"treeserve": TREESERVE, "vllm": PEERS["vllm"]}
 
 
-def jobs_for(lengths: list[int], outputs: list[int], seed: int, vocab: int) -> list[dict]:
-    """One job per (prompt length, output length), each one request; the prompts differ per job."""
+def jobs_for(lengths: list[int], outputs: list[int], seed: int, vocab: int, concurrency: int = 1) -> list[dict]:
+    """One job per (prompt length, output length): `concurrency` requests all in flight at once
+    (one request by default); the prompts differ per request and per job."""
     rng = random.Random(seed)
-    return [{"name": f"{length}x{out}", "concurrency": 1, "length": length, "output": out,
-             "requests": [{"prompt_token_ids": [rng.randrange(10, vocab) for _ in range(length)], "max_tokens": out}]}
+    return [{"name": f"{concurrency}x{length}x{out}", "concurrency": concurrency, "length": length, "output": out,
+             "requests": [{"prompt_token_ids": [rng.randrange(10, vocab) for _ in range(length)], "max_tokens": out}
+                          for _ in range(concurrency)]}
             for length in lengths for out in outputs]
 
 
@@ -153,6 +155,7 @@ def main() -> int:
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     parser.add_argument("--outputs", default=",".join(map(str, OUTPUTS)))
     parser.add_argument("--passes", type=int, default=3)
+    parser.add_argument("--concurrency", type=int, default=1, help="requests of each length at once (e.g. 16 x 2,000)")
     parser.add_argument("--engines", default="treeserve,vllm")
     parser.add_argument("--dtype", default="auto", help="auto: bfloat16 where the CPU has fast bf16, else float32")
     parser.add_argument("--seed", type=int, default=0)
@@ -184,7 +187,7 @@ def main() -> int:
     print(f"model: {model} ({LONG_PROMPT_SHAPE['num_hidden_layers']} layers, hidden "
           f"{LONG_PROMPT_SHAPE['hidden_size']}), dtype {dtype}, {torch.get_num_threads()} threads, CPU flags: "
           f"{' '.join(flags)}; prompts {lengths} x outputs {outputs}, {args.passes} passes", flush=True)
-    jobs = jobs_for(lengths, outputs, args.seed, LONG_PROMPT_SHAPE["vocab_size"])
+    jobs = jobs_for(lengths, outputs, args.seed, LONG_PROMPT_SHAPE["vocab_size"], args.concurrency)
     options = worker_options(lengths, outputs)
     passes = run_passes(args, engines, pythons, model, jobs, dtype, options)
     rows = summarize(passes, jobs, engines)

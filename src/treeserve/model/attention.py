@@ -242,9 +242,21 @@ class TorchSDPABackend:
             out[group.rows] = self._decode(layer_cache, q[group.rows], group, meta.decode_mask(index, window, q.dtype),
                                            scale, gqa, softcap)
         for index, chunk in enumerate(meta.prefills):
-            if chunk.rows.stop > done:
+            if chunk.rows.stop > done and not self._flash_prefill(layer_cache, q, chunk, scale, window, softcap, out):
                 out[chunk.rows] = self._prefill(layer_cache, q, k, v, meta, index, scale, window, gqa, softcap)
         return out
+
+    @staticmethod
+    def _flash_prefill(layer_cache, q, chunk: PrefillChunk, scale, window, softcap, out) -> bool:
+        """A bfloat16 chunk through the C kernel with the CPU's bf16 dot products, straight into
+        `out` (the chunk's keys are in the cache already): whether it ran."""
+        if window is not None or softcap is not None or q.dtype != torch.bfloat16:
+            return False
+        library = cpu_kernels.library_for(q)
+        if library is None:
+            return False
+        return cpu_kernels.flash_prefill(library, q[chunk.rows], layer_cache, chunk.block_ids, chunk.context_len,
+                                         scale, out[chunk.rows]) is not None
 
     @staticmethod
     def _paged_rows(layer_cache, q, meta: AttentionMetadata, scale, window, softcap, out) -> int:

@@ -25,8 +25,10 @@ from treeserve.model.registry import cache_dir
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno", "-fno-trapping-math"]
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = [CSRC / "cpu_kernels.c", CSRC / "flash_prefill.c"]
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno", "-fno-trapping-math",
+         f"-I{CSRC}"]
 LIBS = ["-lm"]  # after the source: linkers that drop unneeded libraries look at what precedes them
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_GROUP, MAX_HEAD_DIM = 16, 256  # as in the source
@@ -43,8 +45,12 @@ SIGNATURES = {
     "ts_int8_linear": [_ptr, _i64, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
     "ts_int8_bf16_rows": [_i64],
     "ts_int8_dequantize": [_ptr, _ptr, _ptr, _i64, _i64, _int],
+    "ts_flash_prefill_supported": [_int],
+    "ts_flash_prefill": [_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _i64, _int, _int, _int, _float,
+                         _ptr, _i64],
 }
-RETURNS = {"ts_paged_attention": ctypes.c_int, "ts_int8_linear": ctypes.c_int, "ts_int8_bf16_rows": ctypes.c_int}
+RETURNS = {"ts_paged_attention": ctypes.c_int, "ts_int8_linear": ctypes.c_int, "ts_int8_bf16_rows": ctypes.c_int,
+           "ts_flash_prefill_supported": ctypes.c_int, "ts_flash_prefill": ctypes.c_int}
 
 
 def _cpu_tag() -> str:
@@ -58,7 +64,8 @@ def _cpu_tag() -> str:
 
 def _library_path(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS + LIBS), version, _cpu_tag()]).encode())
+    texts = [path.read_text() for path in sorted(CSRC.glob("*.[ch]"))]  # the headers too
+    key = hashlib.sha256("\0".join([*texts, " ".join(FLAGS[:-1] + LIBS), version, _cpu_tag()]).encode())
     return cache_dir() / "kernels" / key.hexdigest()[:20] / "libtreeserve_cpu.so"
 
 
@@ -67,8 +74,8 @@ def _build(compiler: str, target: Path) -> None:
     fd, partial = tempfile.mkstemp(dir=target.parent, suffix=".so")
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *FLAGS, str(SOURCE), *LIBS, "-o", partial], capture_output=True, text=True,
-                              timeout=300)
+        done = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), *LIBS, "-o", partial], capture_output=True,
+                              text=True, timeout=300)
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
         os.replace(partial, target)  # atomic: concurrent builders each install a whole library
@@ -224,3 +231,27 @@ def int8_dequantize(library: ctypes.CDLL, weight: torch.Tensor, scales: torch.Te
     library.ts_int8_dequantize(weight.data_ptr(), scales.data_ptr(), out.data_ptr(), weight.shape[0], weight.shape[1],
                                DTYPES[out.dtype])
     return out
+
+
+def flash_prefill(library: ctypes.CDLL, q: torch.Tensor, layer_cache: torch.Tensor, block_ids: torch.Tensor,
+                  context_len: int, scale: float, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """A prefill chunk's causal attention in bfloat16 over all its sequence's keys in the cache
+    (csrc/flash_prefill.c): q [Q, Hq, D] (heads contiguous) at positions context_len - Q ... context_len
+    - 1, the chunk's keys and values already written; block_ids int64 (contiguous). Into `out` (heads
+    contiguous; a new tensor if None), returned; None where the kernel cannot run it (no
+    AVX512-BF16, head size, group), and then `out` is untouched."""
+    query_len, num_heads, head_dim = q.shape
+    strides = layer_cache.stride()
+    if (q.dtype != torch.bfloat16 or layer_cache.dtype != torch.bfloat16 or not heads_contiguous(q)
+            or strides[4] != 1 or not block_ids.is_contiguous() or block_ids.dtype != torch.long
+            or (out is not None and not heads_contiguous(out))
+            or library.ts_flash_prefill_supported(head_dim) != 1):
+        return None
+    out = torch.empty((query_len, num_heads, head_dim), dtype=q.dtype) if out is None else out
+    status = library.ts_flash_prefill(
+        q.data_ptr(), q.stride(0), layer_cache.data_ptr(), strides[0], strides[1], strides[2], strides[3],
+        layer_cache.shape[2], block_ids.data_ptr(), context_len, query_len, num_heads, layer_cache.shape[3], head_dim,
+        scale, out.data_ptr(), out.stride(0))
+    if status == -2:
+        raise MemoryError("flash_prefill: no memory for the packed keys and values")
+    return out if status == 0 else None

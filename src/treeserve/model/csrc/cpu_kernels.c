@@ -13,6 +13,8 @@
 
 #include <omp.h>
 
+#include "simd_math.h"
+
 #define TS_FLOAT32 0
 #define TS_BFLOAT16 1
 
@@ -74,27 +76,6 @@ static inline void store_row(void *dst, int dtype, const float *src, int n, floa
 /* silu's exponentials go through a small buffer first: one loop fusing exp and the division ran
  * 2x slower (measured, gcc 12, Zen 4). */
 #define SILU_TILE 256
-
-/* exp(x), x clamped to [-87, 88] (the float range): Cody-Waite range reduction and a degree-6
- * polynomial, about 2 ulp; written so that the compiler vectorises the loops calling it. */
-static inline float exp_clamped(float x)
-{
-    x = x < -87.0f ? -87.0f : x;
-    x = x > 88.0f ? 88.0f : x;
-    float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    int32_t e = ((int32_t)n + 127) << 23;
-    float two_n;
-    memcpy(&two_n, &e, sizeof two_n);
-    return p * two_n;
-}
 
 struct paged_cache {
     const char *base;       /* one layer's [num_blocks, 2, block_size, kv_heads, head_dim] view */
@@ -215,24 +196,6 @@ static inline __m512 sum16(const __m512 v[TILE])
                                 _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
     return _mm512_add_ps(_mm512_shuffle_f32x4(octs[0], octs[1], _MM_SHUFFLE(2, 0, 2, 0)),
                          _mm512_shuffle_f32x4(octs[0], octs[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-/* exp_clamped on 16 lanes, for x <= 0 (scores minus their running maximum). */
-static inline __m512 exp16(__m512 x)
-{
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
 }
 
 /* The tile in 16-lane vectors, converted once for every query row that attends to it. */
