@@ -54,3 +54,29 @@ def test_every_expert_counts_in_the_weights(family_setup, moe_dirs):
     with safe_open(str(moe_dirs[family] / "model.safetensors"), framework="pt") as handle:
         on_disk = sum(handle.get_tensor(name).nbytes for name in handle.keys())
     assert weights_bytes(llm.engine) == on_disk
+
+
+def test_packed_experts_in_bfloat16_match_the_unpacked_ones(moe_dirs, monkeypatch):
+    """bfloat16 on a CPU with bfloat16 units: every expert's weights in oneDNN's layout
+    (`StackedExperts.pack`) give the tokens and (to bf16 rounding) the logits of the stacked
+    weights, and the memory accounting counts the packed bytes."""
+    import treeserve.model.loader as loader
+    from treeserve.model.packed_linear import can_pack
+    from treeserve.runtime.memory import weights_bytes
+    if not can_pack(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("hardware: no bfloat16 units here (or no oneDNN): the experts stay stacked")
+    prompt = list(range(3, 40))
+
+    def run():
+        from treeserve import SamplingParams
+        llm = LLM(str(moe_dirs["mixtral"]), dtype="bfloat16", device="cpu", kv_cache_memory_bytes=8 << 20)
+        out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=16, logprobs=1),
+                           use_tqdm=False)[0].outputs[0]
+        return llm, out.token_ids, [next(iter(p.values())).logprob for p in out.logprobs]
+    packed_llm, packed_tokens, packed_logprobs = run()
+    assert any(layer.mlp.experts.packed for layer in packed_llm.engine.model.layers if hasattr(layer.mlp, "experts"))
+    monkeypatch.setattr(loader, "pack_experts", lambda *args: 0)
+    stacked_llm, tokens, logprobs = run()
+    assert packed_tokens == tokens
+    assert packed_logprobs == pytest.approx(logprobs, abs=0.05)
+    assert weights_bytes(packed_llm.engine) == weights_bytes(stacked_llm.engine)

@@ -12,6 +12,7 @@ from torch import nn
 
 from treeserve.model.decoder import DecoderForCausalLM
 from treeserve.model.hf_config import ModelConfig, load_model_config, read_json
+from treeserve.model.moe import pack_experts
 from treeserve.model.packed_linear import pack_linears
 from treeserve.model.parallel import ShardPlan, TensorParallel
 from treeserve.model.quantization import quantize_linears
@@ -227,6 +228,7 @@ def build_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device
         load_weights(model, model_dir)
     quantize_linears(model, quantization)
     pack_linears(model, dtype, device)
+    pack_experts(model, dtype, device)
     return model.eval()
 
 
