@@ -99,3 +99,11 @@ def test_engine_tokens_with_the_kernel_equal_those_without(tmp_path, monkeypatch
     assert any(calls)  # the kernel ran chunks
     monkeypatch.setattr(TorchSDPABackend, "_flash_prefill", staticmethod(lambda *a: False))
     assert with_kernel == tokens()
+
+
+def test_bf16_prefills_all_take_this_kernel_where_it_runs():
+    """Where the kernel runs, no bf16 prefill row goes to the paged kernel (it is faster at every
+    length); the old rule holds elsewhere (a head size it does not take)."""
+    from treeserve.model.attention import PAGED_PREFILL_MAX_CONTEXT, paged_prefill_max_context
+    assert paged_prefill_max_context(torch.bfloat16, 12, 4, 64) == 0
+    assert paged_prefill_max_context(torch.bfloat16, 12, 4, 40) == PAGED_PREFILL_MAX_CONTEXT

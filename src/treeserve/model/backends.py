@@ -61,4 +61,6 @@ def make_backend(name: str, config: ModelConfig, dtype: torch.dtype, device: tor
 
         return TritonBackend(config, device)
     group_max_keys = CPU_DECODE_GROUP_MAX_KEYS if device.type == "cpu" else None
-    return TorchSDPABackend(paged_prefill_max_context(dtype, config.num_heads, config.num_kv_heads), group_max_keys)
+    paged_prefill = paged_prefill_max_context(dtype, config.num_heads, config.num_kv_heads,
+                                              config.head_dim if device.type == "cpu" else 0)
+    return TorchSDPABackend(paged_prefill, group_max_keys)
