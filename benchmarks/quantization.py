@@ -1,14 +1,18 @@
 """Quantized weights on this CPU: decode tokens/s at batch 1, 16 and 64 and a 2k-token prefill, for the
-weights as stored and int8 weight-only (`quantization="int8"`), on a Llama-3.2-1B-shaped model with
-random weights made at load (benchmarks/gpu_models.py's; no checkpoint), each arm in a fresh
-process, alternating, `--pairs` times; peak RSS of each. Prints medians and int8 / stored ratios.
+weights as stored, int8 weight-only made at load (`quantization="int8"`), and quantized checkpoints
+of the same shape (`gptq-w4a16`: GPTQ 4-bit in groups of 128; `ct-w8a8`: compressed-tensors int8
+weights and per-token int8 activations), on a Llama-3.2-1B-shaped model with random weights (made
+at load for the first two, benchmarks/gpu_models.py's; written once into the model cache for the
+checkpoints), each arm in a fresh process, alternating, `--pairs` times; peak RSS of each. Prints
+medians and each arm / stored ratio.
 
 Decode tokens/s: (the job's time - the same prompts' prefill alone) over the tokens after the first.
 
     python benchmarks/quantization.py [--pairs 2] [--dtype auto] [--output-tokens 32]
+        [--arms stored int8 gptq-w4a16 ct-w8a8] [--batches 1 16 64] [--prompt-tokens 256] [--prefill-tokens 2000]
     python benchmarks/quantization.py --kernels   # one projection's forward: int8 kernel, dequantized
                                                   # GEMM and the stored layer, by rows (picks
-                                                  # model/quantization.py's DEQUANTIZE_FROM_ROWS)
+                                                  # model/quantization/int8.py's and int4.py's DEQUANTIZE_FROM_ROWS)
 """
 from __future__ import annotations
 
@@ -23,10 +27,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-ARMS = {"stored": None, "int8": "int8"}
+ARMS = {"stored": None, "int8": "int8", "gptq-w4a16": "gptq", "ct-w8a8": "compressed-tensors"}
+CHECKPOINT_ARMS = ("gptq-w4a16", "ct-w8a8")
 BATCHES = (1, 16, 64)
 PROMPT_TOKENS = 256
 PREFILL_TOKENS = 2000
+PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+               "mlp.up_proj", "mlp.down_proj")
 
 
 def model_path() -> Path:
@@ -36,6 +43,68 @@ def model_path() -> Path:
     return model_dir(cache_dir() / "bench-models", "llama-3.2-1b-shape", LLAMA_3_2_1B, 2048)
 
 
+def checkpoint_path(arm: str) -> Path:
+    """A random checkpoint of the model's shape quantized as `arm` says, written once."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    base = model_path()
+    path = base.parent / f"{base.name}-{arm}"
+    if (path / "model.safetensors").is_file():
+        return path
+    shutil.rmtree(path, ignore_errors=True)
+    shutil.copytree(base, path)
+    config = json.loads((path / "config.json").read_text())
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    generator = torch.Generator().manual_seed(0)
+    tensors = {"model.embed_tokens.weight": torch.randn(config["vocab_size"], hidden, generator=generator,
+                                                        dtype=torch.bfloat16) * 0.02,
+               "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16)}
+    with torch.device("meta"):
+        import transformers
+        shapes = {n.removeprefix("model.").rsplit(".", 1)[0]: tuple(p.shape) for n, p in
+                  transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(base))
+                  .named_parameters() if n.startswith("model.layers.0.")}
+    for layer in range(layers):
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            tensors[f"model.layers.{layer}.{norm}.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+        for projection in PROJECTIONS:
+            out_features, in_features = shapes[f"layers.0.{projection}"]
+            tensors.update(_quantized_tensors(arm, f"model.layers.{layer}.{projection}", out_features, in_features,
+                                              generator))
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config["quantization_config"] = _quantization_config(arm)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+def _quantized_tensors(arm: str, prefix: str, out_features: int, in_features: int, generator) -> dict:
+    import torch
+
+    if arm == "gptq-w4a16":  # random nibbles, symmetric (zero 8, stored minus one: 7 in every nibble)
+        groups = in_features // 128
+        return {f"{prefix}.qweight": torch.randint(-2**31, 2**31 - 1, (in_features // 8, out_features),
+                                                   generator=generator, dtype=torch.int32),
+                f"{prefix}.qzeros": torch.full((groups, out_features // 8), 0x77777777, dtype=torch.int32),
+                f"{prefix}.scales": torch.full((groups, out_features), 0.003, dtype=torch.float16),
+                f"{prefix}.g_idx": torch.arange(in_features, dtype=torch.int32) // 128}
+    return {f"{prefix}.weight": torch.randint(-127, 128, (out_features, in_features), generator=generator,
+                                              dtype=torch.int8),
+            f"{prefix}.weight_scale": torch.full((out_features, 1), 0.0002, dtype=torch.bfloat16)}
+
+
+def _quantization_config(arm: str) -> dict:
+    if arm == "gptq-w4a16":
+        return {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True,
+                "checkpoint_format": "gptq"}
+    int8 = {"num_bits": 8, "type": "int", "symmetric": True}
+    return {"quant_method": "compressed-tensors", "format": "int-quantized", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": {**int8, "strategy": "channel"},
+                                          "input_activations": {**int8, "strategy": "token", "dynamic": True}}}}
+
+
 def _peak_rss() -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -43,11 +112,14 @@ def _peak_rss() -> int:
     return 0
 
 
-def child(arm: str, dtype: str, output_tokens: int) -> dict:
+def child(arm: str, dtype: str, output_tokens: int, batches: list[int], prompt_tokens: int,
+          prefill_tokens: int) -> dict:
     from treeserve import LLM, SamplingParams
 
-    llm = LLM(str(model_path()), dtype=dtype, device="cpu", quantization=ARMS[arm], load_format="dummy",
-              max_model_len=2048, enable_prefix_caching=False, max_num_seqs=64, kv_cache_memory_bytes=1 << 30)
+    checkpoint = arm in CHECKPOINT_ARMS
+    llm = LLM(str(checkpoint_path(arm) if checkpoint else model_path()), dtype=dtype, device="cpu",
+              quantization=ARMS[arm], load_format="auto" if checkpoint else "dummy", max_model_len=2048,
+              enable_prefix_caching=False, max_num_seqs=64, kv_cache_memory_bytes=1 << 30)
     rng = random.Random(0)
 
     def run(prompts, tokens):
@@ -57,14 +129,15 @@ def child(arm: str, dtype: str, output_tokens: int) -> dict:
         return time.perf_counter() - start
 
     run([[rng.randrange(10, 30000) for _ in range(64)]], 4)  # warm-up
-    result = {"arm": arm, "dtype": str(llm.engine.dtype), "decode_tok_s": {}}
-    for batch in BATCHES:
-        prompts = [[rng.randrange(10, 30000) for _ in range(PROMPT_TOKENS)] for _ in range(batch)]
+    result = {"arm": arm, "dtype": str(llm.engine.dtype), "decode_tok_s": {}, "prefill_tok_s": 0.0}
+    for batch in batches:
+        prompts = [[rng.randrange(10, 30000) for _ in range(prompt_tokens)] for _ in range(batch)]
         prefill = run(prompts, 1)
         whole = run(prompts, output_tokens)
         result["decode_tok_s"][batch] = batch * (output_tokens - 1) / (whole - prefill)
-    long_prompt = [[rng.randrange(10, 30000) for _ in range(PREFILL_TOKENS)]]
-    result["prefill_tok_s"] = PREFILL_TOKENS / run(long_prompt, 1)
+    if prefill_tokens:
+        long_prompt = [[rng.randrange(10, 30000) for _ in range(prefill_tokens)]]
+        result["prefill_tok_s"] = prefill_tokens / run(long_prompt, 1)
     result["peak_rss"] = _peak_rss()
     return result
 
@@ -77,11 +150,16 @@ def kernels() -> None:
     from treeserve.model import cpu_kernels
     from treeserve.model.packed_linear import pack_linears
     from treeserve.model.quantization import Int8Linear
+    from treeserve.model.quantization.int4 import Int4Linear
+    from treeserve.model.quantization.weights import IntWeight
 
     dtype = torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
     for shape in ((2048, 8192), (8192, 2048)):
         stored = nn.Sequential(nn.Linear(*shape, bias=False).to(dtype))
         quantized = Int8Linear(stored[0])
+        groups = (shape[1], shape[0] // 128)
+        int4 = Int4Linear(IntWeight(torch.randint(0, 16, shape[::-1], dtype=torch.uint8), torch.rand(groups) * 0.01,
+                                    torch.full(groups, 8.0), 4, 128), None, torch.bfloat16)
         pack_linears(stored, dtype, torch.device("cpu"))
         for rows in (1, 4, 16, 32, 64, 128, 256, 1024):
             x = torch.randn(rows, shape[0], dtype=dtype)
@@ -90,6 +168,10 @@ def kernels() -> None:
                        "int8 (aten)": lambda: torch.ops.aten._weight_int8pack_mm(x, quantized.weight,
                                                                                  quantized.scales.to(dtype)),
                        "dequantized GEMM": lambda: nn.functional.linear(x, quantized.dequantized(dtype)),
+                       "int4 (aten)": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
+                           x.bfloat16(), int4.weight, int4.group_size, int4.scales_and_zeros),
+                       "int4 dequantized GEMM": lambda: nn.functional.linear(x.bfloat16(),
+                                                                             int4.dequantized(torch.bfloat16)),
                        "stored": lambda: stored(x)}
             row = []
             for name, fn in timings.items():
@@ -109,6 +191,10 @@ def main() -> int:
     parser.add_argument("--pairs", type=int, default=2)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--output-tokens", type=int, default=32)
+    parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
+    parser.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
+    parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS)
+    parser.add_argument("--prefill-tokens", type=int, default=PREFILL_TOKENS, help="0: no prefill measurement")
     parser.add_argument("--kernels", action="store_true")
     parser.add_argument("--child", choices=list(ARMS))
     args = parser.parse_args()
@@ -116,14 +202,20 @@ def main() -> int:
         kernels()
         return 0
     if args.child:
-        print(json.dumps(child(args.child, args.dtype, args.output_tokens)))
+        print(json.dumps(child(args.child, args.dtype, args.output_tokens, args.batches, args.prompt_tokens,
+                               args.prefill_tokens)))
         return 0
     model_path()  # made once, before any timing
-    results: dict[str, list[dict]] = {arm: [] for arm in ARMS}
+    for arm in args.arms:
+        if arm in CHECKPOINT_ARMS:
+            checkpoint_path(arm)
+    results: dict[str, list[dict]] = {arm: [] for arm in args.arms}
     for pair in range(args.pairs):
-        for arm in (list(ARMS) if pair % 2 == 0 else list(reversed(ARMS))):
-            out = subprocess.run([sys.executable, __file__, "--child", arm, "--dtype", args.dtype,
-                                  "--output-tokens", str(args.output_tokens)], capture_output=True, text=True)
+        for arm in (args.arms if pair % 2 == 0 else list(reversed(args.arms))):
+            command = [sys.executable, __file__, "--child", arm, "--dtype", args.dtype, "--output-tokens",
+                       str(args.output_tokens), "--batches", *map(str, args.batches), "--prompt-tokens",
+                       str(args.prompt_tokens), "--prefill-tokens", str(args.prefill_tokens)]
+            out = subprocess.run(command, capture_output=True, text=True)
             if out.returncode:
                 raise RuntimeError(f"{arm}: {out.stderr[-2000:]}")
             results[arm].append(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -131,14 +223,16 @@ def main() -> int:
             print(f"pair {pair + 1} {arm} ({r['dtype']}): decode " + ", ".join(
                 f"b{b} {v:.1f}" for b, v in r["decode_tok_s"].items()) + f" tok/s; prefill {r['prefill_tok_s']:.0f} "
                 f"tok/s; peak RSS {r['peak_rss'] / 2**30:.2f} GiB", flush=True)
-    median = {arm: {str(b): statistics.median(r["decode_tok_s"][str(b)] for r in rows) for b in BATCHES}
+    median = {arm: {str(b): statistics.median(r["decode_tok_s"][str(b)] for r in rows) for b in args.batches}
               | {"prefill": statistics.median(r["prefill_tok_s"] for r in rows),
                  "peak_rss": statistics.median(r["peak_rss"] for r in rows)} for arm, rows in results.items()}
     print("\nmedians:", json.dumps(median))
-    for key in [str(b) for b in BATCHES] + ["prefill"]:
-        label = f"decode batch {key}" if key != "prefill" else f"prefill {PREFILL_TOKENS} tokens"
-        print(f"{label}: int8 / stored {median['int8'][key] / median['stored'][key]:.2f}x")
-    print(f"peak RSS: int8 / stored {median['int8']['peak_rss'] / median['stored']['peak_rss']:.2f}x")
+    base = args.arms[0]
+    for arm in args.arms[1:]:
+        for key in [str(b) for b in args.batches] + (["prefill"] if args.prefill_tokens else []) + ["peak_rss"]:
+            labels = {"prefill": f"prefill {args.prefill_tokens} tokens", "peak_rss": "peak RSS"}
+            label = labels.get(key, f"decode batch {key}")
+            print(f"{label}: {arm} / {base} {median[arm][key] / median[base][key]:.2f}x")
     return 0
 
 

@@ -19,7 +19,7 @@ import pytest
 HARDWARE = "hardware:"  # the prefix of a skip reason CI allows: the machine lacks the device or unit
 TEST_PACKAGES = {"xdist": "pytest-xdist", "triton": "triton", "ray": "ray", "openai": "openai",
                  "lm_eval": "lm_eval[hf]", "tenacity": "tenacity", "jsonschema": "jsonschema",
-                 "schemathesis": "schemathesis", "selenium": "selenium"}
+                 "schemathesis": "schemathesis", "selenium": "selenium", "compressed_tensors": "compressed-tensors"}
 
 
 def strict() -> bool:

@@ -1,8 +1,8 @@
 """Quantized weights. `quantization="int8"` (weight-only int8 made at load) against HF transformers
 running the same weights dequantized (each projection's rows rounded to scale x int8, as
-model/quantization.py does), on every family's tiny model: greedy tokens and logprobs, with chunked
+model/quantization/int8.py does), on every family's tiny model: greedy tokens and logprobs, with chunked
 prefill and a prefix-cache hit, and a batch whose prefill takes the dequantized-GEMM path.
-Checkpoints quantized by other tools are refused by name."""
+Checkpoints quantized with schemes treeserve cannot load are refused by name."""
 import json
 import shutil
 
@@ -115,10 +115,9 @@ def _quantized_checkpoint(tmp_path, source, config: dict):
 
 
 @pytest.mark.parametrize("config,named", [
-    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}, "'gptq', 4 bits"),
-    ({"quant_method": "awq", "bits": 4, "version": "gemm"}, "'awq', 4 bits"),
-    ({"quant_method": "compressed-tensors", "format": "pack-quantized"}, "'compressed-tensors'"),
     ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "'fp8'"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes'"),
+    ({"quant_method": "exl2", "bits": 4}, "'exl2', 4 bits"),
 ])
 def test_a_checkpoint_quantized_by_another_tool_is_refused_by_name(tmp_path, family_dirs, config, named):
     path = _quantized_checkpoint(tmp_path, family_dirs["llama"], config)
@@ -126,6 +125,23 @@ def test_a_checkpoint_quantized_by_another_tool_is_refused_by_name(tmp_path, fam
         LLM(path, dtype="float32", device="cpu")
     assert caught.value.param == "quantization"
     with pytest.raises(ParamError, match=f"'int8' was asked for, but the checkpoint is quantized with {named.split(',')[0]}"):
+        LLM(path, dtype="float32", device="cpu", quantization="int8")
+
+
+@pytest.mark.parametrize("config,named", [
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}, "'gptq'"),
+    ({"quant_method": "awq", "bits": 4, "version": "gemm"}, "'awq'"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized",
+      "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4}}}}, "'compressed-tensors'"),
+])
+def test_a_loadable_scheme_without_quantized_tensors_is_refused_by_name(tmp_path, family_dirs, config, named):
+    """GPTQ, AWQ and compressed-tensors load (tests/test_quantized_checkpoints.py); a config.json that
+    names one over float tensors is a broken checkpoint, not a float one."""
+    path = _quantized_checkpoint(tmp_path, family_dirs["llama"], config)
+    with pytest.raises(ParamError, match=f"quantized with {named}, but none of its tensors is") as caught:
+        LLM(path, dtype="float32", device="cpu")
+    assert caught.value.param == "quantization"
+    with pytest.raises(ParamError, match=f"'int8' was asked for, but the checkpoint is quantized with {named}"):
         LLM(path, dtype="float32", device="cpu", quantization="int8")
 
 

@@ -30,8 +30,9 @@ def _add_engine_args(parser: argparse.ArgumentParser, several_models: bool = Fal
     else:
         parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-cache-memory-bytes", type=int)
-    parser.add_argument("--quantization", "-q", help="int8: weight-only int8 made at load, on CPU (default: what "
-                        "the checkpoint's quantization_config says; none: the weights as stored)")
+    parser.add_argument("--quantization", "-q", help="int8: weight-only int8 made at load, on CPU; gptq, awq, "
+                        "compressed-tensors: the checkpoint's own (default: what the checkpoint's "
+                        "quantization_config says; none: the weights as stored)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--attention-backend", choices=["auto", "triton", "torch"], default="auto",

@@ -33,8 +33,8 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto" (Triton on CUDA, torch on CPU), "triton" or "torch"
     enforce_eager: bool = False      # CUDA: no CUDA graphs for decode steps
     load_format: str = "auto"        # "dummy": random weights made on the device (benchmarks), no checkpoint
-    # Quantized weights (vLLM's `quantization`): None, what the checkpoint says; "int8": weight-only
-    # int8 made at load (model/quantization.py)
+    # Quantized weights (vLLM's `quantization`): None, what the checkpoint says ("gptq", "awq",
+    # "compressed-tensors"); "int8": weight-only int8 made at load (model/quantization/)
     quantization: str | None = None
     # A step's text (detokenizing, RequestOutputs) made while the device runs the next step; None:
     # on CUDA only (on CPU nothing runs meanwhile).

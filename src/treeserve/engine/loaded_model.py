@@ -43,7 +43,7 @@ class LoadedModel:
     shared_num_batched_tokens: int  # the most tokens one step holds (the budget with several requests)
     max_num_batched_tokens: int     # a lone request's step budget
     attention_backend: str
-    quantization: str | None = None  # the scheme its weights run in (model/quantization.py)
+    quantization: str | None = None  # the scheme its weights run in (model/quantization/)
     model: Any = None
     executor: Any = None            # the tensor-parallel workers, if any
     owns_executor: bool = field(default=False)

@@ -10,12 +10,14 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from treeserve.errors import ParamError
 from treeserve.model.decoder import DecoderForCausalLM
 from treeserve.model.hf_config import ModelConfig, load_model_config, read_json
 from treeserve.model.moe import pack_experts
 from treeserve.model.packed_linear import pack_linears
 from treeserve.model.parallel import ShardPlan, TensorParallel
-from treeserve.model.quantization import quantize_linears
+from treeserve.model.quantization import QuantizedTensors, checkpoint_format, quantize_linears, quantized_layer
+from treeserve.model.quantization.weights import concat_rows
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -151,39 +153,113 @@ def _copy_expert(param: torch.Tensor, expert: int, part: int | None, tensor: tor
     return 2 * param.shape[0]
 
 
-def load_weights(model: DecoderForCausalLM, model_dir: Path) -> None:
-    """Copies the checkpoint into the model; with tensor parallelism each tensor is read only as far
-    as this rank's shard of it (safetensors slices), never whole."""
-    params = dict(model.named_parameters())
-    pending: dict[str, dict[int, torch.Tensor]] = {}
-    pieces: dict[str, set] = {}  # stacked expert parameters: the (expert, part) pieces copied so far
-    loaded: set[str] = set()
-    for name, tensor in iter_checkpoint_shards(model_dir, model.plan):
-        if _IGNORED.search(name) or (name == "lm_head.weight" and model.lm_head is None):
-            continue
-        if (piece := _expert_piece(name)) is not None and piece[0] in params:
+class _WeightCopier:
+    """Copies checkpoint tensors into the model's parameters: fused projections once all their parts
+    arrived, experts into their stacked parameters; knows what is still missing."""
+
+    def __init__(self, model: DecoderForCausalLM, model_dir: Path):
+        self.model, self.model_dir = model, model_dir
+        self.params = dict(model.named_parameters())
+        self.pending: dict[str, dict[int, torch.Tensor]] = {}
+        self.pieces: dict[str, set] = {}  # stacked expert parameters: the (expert, part) pieces copied so far
+        self.loaded: set[str] = set()
+
+    def copy(self, name: str, tensor: torch.Tensor) -> None:
+        if _IGNORED.search(name) or (name == "lm_head.weight" and self.model.lm_head is None):
+            return
+        if (piece := _expert_piece(name)) is not None and piece[0] in self.params:
             target, expert, part = piece
-            needed = _copy_expert(params[target], expert, part, tensor, name)
-            pieces.setdefault(target, set()).add((expert, part))
-            if len(pieces[target]) == needed:
-                loaded.add(target)
-            continue
+            needed = _copy_expert(self.params[target], expert, part, tensor, name)
+            self.pieces.setdefault(target, set()).add((expert, part))
+            if len(self.pieces[target]) == needed:
+                self.loaded.add(target)
+            return
         target, slot = _target_name(name)
-        if target not in params:
-            raise ValueError(f"{model_dir}: unexpected tensor {name!r} in checkpoint")
+        if target not in self.params:
+            raise ValueError(f"{self.model_dir}: unexpected tensor {name!r} in checkpoint")
         if slot is None:
-            _copy_into(params[target], tensor, name)
-            loaded.add(target)
-            continue
-        parts = pending.setdefault(target, {})
+            _copy_into(self.params[target], tensor, name)
+            self.loaded.add(target)
+            return
+        parts = self.pending.setdefault(target, {})
         parts[slot] = tensor
-        if len(parts) == (3 if "qkv" in target else 2):
-            _copy_into(params[target], torch.cat([parts[i] for i in sorted(parts)]), name)
-            loaded.add(target)
-            del pending[target]
-    missing = sorted(set(params) - loaded)
-    if missing:
-        raise ValueError(f"{model_dir}: checkpoint is missing tensors for {missing[:5]}{'...' if len(missing) > 5 else ''}")
+        if len(parts) == _fused_parts(target):
+            _copy_into(self.params[target], torch.cat([parts[i] for i in sorted(parts)]), name)
+            self.loaded.add(target)
+            del self.pending[target]
+
+    def check_complete(self) -> None:
+        missing = sorted(set(self.params) - self.loaded)
+        if missing:
+            raise ValueError(f"{self.model_dir}: checkpoint is missing tensors for "
+                             f"{missing[:5]}{'...' if len(missing) > 5 else ''}")
+
+
+def _fused_parts(target: str) -> int:
+    return 3 if "qkv" in target else 2
+
+
+def load_weights(model: DecoderForCausalLM, model_dir: Path, quantized: QuantizedTensors | None = None,
+                 dtype: torch.dtype = torch.float32) -> None:
+    """Copies the checkpoint into the model; with tensor parallelism each tensor is read only as far
+    as this rank's shard of it (safetensors slices), never whole. `quantized`: gathers the quantized
+    modules' tensors, installed once read as quantized layers for activations of `dtype`."""
+    copier = _WeightCopier(model, model_dir)
+    for name, tensor in iter_checkpoint_shards(model_dir, model.plan):
+        if quantized is not None and quantized.owns(name):
+            quantized.add(name, tensor)
+        else:
+            copier.copy(name, tensor)
+    if quantized is not None:
+        _install_quantized(model, quantized, copier, dtype)
+    copier.check_complete()
+
+
+def _quantized_targets(model: nn.Module, quantized: QuantizedTensors) -> list[str]:
+    """Our modules (fused names) that quantized checkpoint modules fill, experts aside."""
+    targets = set()
+    for prefix in quantized.modules:
+        if _expert_piece(prefix + ".weight") is None:
+            targets.add(_target_name(prefix + ".weight")[0].removesuffix(".weight"))
+    for target in targets:
+        try:
+            module = model.get_submodule(target)
+        except AttributeError:
+            raise ValueError(f"quantized checkpoint: unexpected quantized module {target!r}") from None
+        if not isinstance(module, nn.Linear):
+            raise ParamError("quantization", f"{target} is quantized in the checkpoint, and treeserve loads "
+                             "quantized weights into linear projections only")
+    return sorted(targets)
+
+
+def _install_quantized(model: DecoderForCausalLM, quantized: QuantizedTensors, copier: _WeightCopier,
+                       dtype: torch.dtype) -> None:
+    """Each quantized projection (fused ones once all their parts are decoded) replaced by its
+    quantized layer (`quantized_layer`); experts dequantized into their stacked parameters."""
+    parts: dict[str, dict[int, object]] = {}
+    for prefix, weight in quantized.decoded():
+        if _expert_piece(prefix + ".weight") is not None:
+            copier.copy(prefix + ".weight", weight.dequantize(torch.float32))
+            continue
+        target, slot = _target_name(prefix + ".weight")
+        module = target.removesuffix(".weight")
+        pieces = parts.setdefault(module, {})
+        pieces[0 if slot is None else slot] = weight
+        if slot is None or len(pieces) == _fused_parts(module):
+            _replace_linear(model, module, concat_rows([pieces[i] for i in sorted(pieces)]), dtype)
+            del parts[module]
+    if parts:
+        raise ValueError(f"quantized checkpoint: fused projections with missing parts: {sorted(parts)[:3]}")
+
+
+def _replace_linear(model: nn.Module, module: str, weight, dtype: torch.dtype) -> None:
+    parent_name, _, child = module.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    old = getattr(parent, child)
+    if weight.shape != (old.out_features, old.in_features):
+        raise ValueError(f"quantized weight for {module} has shape {weight.shape}, expected "
+                         f"{(old.out_features, old.in_features)}")
+    setattr(parent, child, quantized_layer(weight, old.bias, dtype))
 
 
 def _copy_into(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
@@ -214,9 +290,10 @@ def build_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device
                 tp: TensorParallel = TensorParallel(), quantization: str | None = None) -> DecoderForCausalLM:
     """`load_format="dummy"`: random weights made on the device, no checkpoint read (vLLM's name;
     for benchmarks of large shapes: the directory needs only config.json and a tokenizer).
-    `quantization`: the scheme the weights are quantized with once loaded (model/quantization.py)."""
+    `quantization`: the scheme the weights are quantized with once loaded (model/quantization/)."""
     with torch.device("meta"):
         model = DecoderForCausalLM(config, max_positions, tp)
+    quantized = _quantized_tensors(model, model_dir, quantization) if load_format != "dummy" else None
     _materialize(model, device, dtype)
     # RoPE tables stay in float32 (as in transformers); the decoder computed them on the CPU
     for rotary in (model.rotary, model.local_rotary):
@@ -225,11 +302,34 @@ def build_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     else:
-        load_weights(model, model_dir)
+        load_weights(model, model_dir, quantized, dtype)
     quantize_linears(model, quantization)
     pack_linears(model, dtype, device)
     pack_experts(model, dtype, device)
     return model.eval()
+
+
+def _quantized_tensors(model: nn.Module, model_dir: Path, method: str | None) -> QuantizedTensors | None:
+    """The gatherer of a quantized checkpoint's tensors (None for other checkpoints); the float
+    weights of the projections it fills are dropped before they are ever allocated."""
+    fmt = checkpoint_format(model_dir, method) if method is not None else None
+    if fmt is None:
+        return None
+    quantized = QuantizedTensors(fmt, checkpoint_tensor_names(model_dir))
+    if not quantized.modules:
+        raise ParamError("quantization", f"{model_dir}: the checkpoint is quantized with {method!r}, but none of its "
+                         f"tensors is ({', '.join(fmt.markers)} not found)")
+    for target in _quantized_targets(model, quantized):
+        model.get_submodule(target).weight = None  # replaced by the quantized layer once loaded
+    return quantized
+
+
+def checkpoint_tensor_names(model_dir: Path) -> list[str]:
+    names = []
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as handle:
+            names.extend(handle.keys())
+    return names
 
 
 @torch.no_grad()

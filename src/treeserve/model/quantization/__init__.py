@@ -1,0 +1,27 @@
+"""Quantized weights: which scheme a model runs with, the checkpoint formats that store them, and
+the linear layers that hold them.
+
+The scheme is `EngineConfig.quantization` (vLLM's `quantization` / `--quantization`), by default
+what the checkpoint's `config.json` says in its `quantization_config` (none: the weights as stored):
+
+- `int8`: weight-only int8 made at load from a float or bfloat16 checkpoint (int8.py);
+- `gptq`, `awq`, `compressed-tensors`: checkpoints quantized by AutoGPTQ / GPTQModel, AutoAWQ and
+  llm-compressor, read as formats.py and compressed_tensors.py describe, each decoder projection
+  (fused qkv and gate/up with their parts' scales and zero points in row order) run by the layer
+  layers.py picks: PyTorch's int4 kernel, treeserve's int8 one, `torch._int_mm` for W8A8, or the
+  weight dequantized at load where no kernel fits. MoE experts are dequantized at load to the
+  activations' dtype (the stacked experts have no quantized kernels yet). Modules a checkpoint keeps
+  unquantized (its `ignore` / `modules_to_not_convert`, e.g. the LM head) load as stored.
+
+Everything runs on CPU, without tensor parallelism so far (`check_device`).
+"""
+from treeserve.model.quantization.checkpoint import QuantizedTensors
+from treeserve.model.quantization.int8 import (ATEN_INT8_MULTIPLE, DEQUANTIZE_FROM_ROWS, QUANTIZED_PROJECTIONS,
+                                               Int8Linear, quantize_linears)
+from treeserve.model.quantization.layers import quantized_layer
+from treeserve.model.quantization.scheme import (QUANTIZATION_METHODS, check_device, checkpoint_format,
+                                                 checkpoint_method, resolve_quantization)
+
+__all__ = ["ATEN_INT8_MULTIPLE", "DEQUANTIZE_FROM_ROWS", "QUANTIZATION_METHODS", "QUANTIZED_PROJECTIONS", "Int8Linear",
+           "QuantizedTensors", "check_device", "checkpoint_format", "checkpoint_method", "quantize_linears",
+           "quantized_layer", "resolve_quantization"]

@@ -1,0 +1,120 @@
+"""Checkpoint formats of quantized weights: which modules a checkpoint quantized, and each one's
+tensors decoded to `IntWeight` / `FloatWeight` (weights.py). vLLM's `QuantizationConfig` half.
+
+- `gptq` (AutoGPTQ / GPTQModel, format v1): `qweight` int32 [in * bits / 32, out] packing input
+  features (feature 32/bits * r + j at bits j * bits of row r), `qzeros` int32 [groups, out * bits / 32]
+  packing output channels the same way and stored minus one, `scales` [groups, out], `g_idx` [in]
+  (each input feature's group: act order where it is not i // group_size). `checkpoint_format:
+  gptq_v2` stores the zeros as they are.
+- `awq` (AutoAWQ GEMM): `qweight` int32 [in, out / 8] packing output channels in AWQ's order (the
+  eight nibbles of a word hold channels 0, 2, 4, 6, 1, 3, 5, 7), `qzeros` [groups, out / 8] likewise
+  (not minus one), `scales` [groups, out].
+- `compressed-tensors` (llm-compressor): `pack-quantized` (`weight_packed` int32 [out, in * bits / 32],
+  signed values plus 2**(bits - 1), element i at bit i * bits; `weight_zero_point` packed over the
+  output channels where asymmetric; `weight_g_idx` for act order), `int-quantized` (`weight` int8)
+  and `float-quantized` (`weight` float8_e4m3fn), each with `weight_scale` per tensor, channel,
+  group or block; W8A8's activations quantized per token at run time, FP8's per token or with a
+  static `input_scale`. Which scheme a module has comes from the `config_groups` whose targets match
+  it; modules in `ignore` are stored unquantized and load as such.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from treeserve.errors import ParamError
+from treeserve.model.quantization.weights import FloatWeight, IntWeight
+
+
+def unpack_int32(packed: torch.Tensor, bits: int, order: list[int] | None = None) -> torch.Tensor:
+    """Values packed along the last dimension of int32 words, value j at bits j * bits (or, with
+    `order`, value j of each word at bits order.index(j) * bits): [..., w] -> uint8 [..., w * 32 / bits]."""
+    per_word = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    values = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    if order is not None:
+        values = values[..., [order.index(j) for j in range(per_word)]]
+    return values.reshape(*packed.shape[:-1], -1).to(torch.uint8)
+
+
+def _bits(value, where: str) -> int:
+    if value not in (4, 8):
+        raise ParamError("quantization", f"{where}: {value} bits cannot be loaded (supported: 4 and 8)")
+    return int(value)
+
+
+def _group_size(value, in_features: int) -> int:
+    """Input features per group: all of them for -1 (one group per channel), or a group larger than
+    the layer is wide."""
+    return in_features if value in (None, -1, 0) else min(int(value), in_features)
+
+
+def _plain_g_idx(g_idx: torch.Tensor | None, group_size: int) -> torch.Tensor | None:
+    """The checkpoint's g_idx where it is not the default i // group_size (nor unset, all -1)."""
+    if g_idx is None or bool((g_idx < 0).all()):
+        return None
+    g_idx = g_idx.to(torch.int64)
+    return None if torch.equal(g_idx, torch.arange(len(g_idx)) // group_size) else g_idx
+
+
+class CheckpointFormat:
+    method = ""
+    markers: tuple[str, ...] = ()   # a module holding one of these tensors is quantized
+    tensors: tuple[str, ...] = ()   # every tensor of a quantized module this format reads
+
+    def quantized_modules(self, names: Iterable[str]) -> set[str]:
+        """The checkpoint's module prefixes whose weights are quantized."""
+        return {name.rsplit(".", 1)[0] for name in names if name.rsplit(".", 1)[-1] in self.markers}
+
+    def owns(self, prefix: str, suffix: str) -> bool:
+        return suffix in self.tensors
+
+    def decode(self, prefix: str, tensors: dict[str, torch.Tensor]) -> IntWeight | FloatWeight:
+        raise NotImplementedError
+
+
+class GPTQFormat(CheckpointFormat):
+    method = "gptq"
+    markers = ("qweight",)
+    tensors = ("qweight", "qzeros", "scales", "g_idx")
+
+    def __init__(self, config: dict):
+        self.bits = _bits(config.get("bits", 4), "gptq")
+        self.group_size = config.get("group_size", 128)
+        self.zeros_minus_one = config.get("checkpoint_format", "gptq") != "gptq_v2"
+
+    def decode(self, prefix: str, tensors: dict[str, torch.Tensor]) -> IntWeight:
+        values = unpack_int32(tensors["qweight"].t(), self.bits).contiguous()  # [out, in]
+        zeros = unpack_int32(tensors["qzeros"], self.bits)[:, :values.shape[0]].t().float()
+        zeros = zeros + 1 if self.zeros_minus_one else zeros
+        group_size = _group_size(self.group_size, values.shape[1])
+        return IntWeight(values, tensors["scales"].t().float().contiguous(), zeros.contiguous(), self.bits, group_size,
+                         _plain_g_idx(tensors.get("g_idx"), group_size))
+
+
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # channel j of 8 sits in nibble AWQ_ORDER.index(j)
+
+
+class AWQFormat(CheckpointFormat):
+    method = "awq"
+    markers = ("qweight",)
+    tensors = ("qweight", "qzeros", "scales")
+
+    def __init__(self, config: dict):
+        self.bits = _bits(config.get("bits", config.get("w_bit", 4)), "awq")
+        if self.bits != 4:
+            raise ParamError("quantization", f"awq: {self.bits} bits cannot be loaded (its GEMM packing is 4-bit)")
+        version = str(config.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise ParamError("quantization", f"awq version {version!r} cannot be loaded (supported: 'gemm')")
+        if config.get("zero_point", True) is False:
+            raise ParamError("quantization", "awq without zero points cannot be loaded (supported: zero_point true)")
+        self.group_size = config.get("group_size", config.get("q_group_size", 128))
+
+    def decode(self, prefix: str, tensors: dict[str, torch.Tensor]) -> IntWeight:
+        values = unpack_int32(tensors["qweight"], 4, AWQ_ORDER)  # [in, out]
+        zeros = unpack_int32(tensors["qzeros"], 4, AWQ_ORDER).float()
+        group_size = _group_size(self.group_size, values.shape[0])
+        return IntWeight(values.t().contiguous(), tensors["scales"].t().float().contiguous(), zeros.t().contiguous(),
+                         4, group_size)
