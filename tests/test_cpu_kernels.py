@@ -1,6 +1,8 @@
 """treeserve's C kernels against PyTorch: paged attention against a per-sequence softmax reference,
 the elementwise layers bit for bit in bfloat16 against the PyTorch ops they replace, and the
 engine falling back to PyTorch (same tokens) where the kernels cannot be built."""
+from pathlib import Path
+
 import pytest
 import torch
 from torch.nn import functional as F
@@ -20,9 +22,10 @@ def _reference(q, cache, tables, lens, scale, window=None, softcap=None):
     """Per row: softmax over the row's first `len` keys (the last `window` of them), scores
     soft-capped if `softcap`, float64."""
     out = torch.empty(q.shape, dtype=torch.float64)
+    head_dim = q.shape[-1]
     for i, (table, length) in enumerate(zip(tables, lens)):
-        keys = cache[table, 0].reshape(-1, KV_HEADS, HEAD_DIM)[:length].double()
-        values = cache[table, 1].reshape(-1, KV_HEADS, HEAD_DIM)[:length].double()
+        keys = cache[table, 0].reshape(-1, KV_HEADS, head_dim)[:length].double()
+        values = cache[table, 1].reshape(-1, KV_HEADS, head_dim)[:length].double()
         first = 0 if window is None else max(0, length - window)
         keys, values = keys[first:].repeat_interleave(3, 1), values[first:].repeat_interleave(3, 1)
         scores = torch.einsum("hd,lhd->hl", q[i].double() * scale, keys)
@@ -36,9 +39,10 @@ def _reference(q, cache, tables, lens, scale, window=None, softcap=None):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 1.5), (5, 1.5)])  # 1.5: Gemma 2's cap, tight
 @pytest.mark.parametrize("block", [BLOCK, 5])  # 5: the kernel's 16-key tiles start mid-block
-def test_paged_rows_match_reference_for_decode_and_prefill_rows(dtype, tol, window, softcap, block):
+@pytest.mark.parametrize("head_dim", [HEAD_DIM, 64])  # 64: bfloat16 tiles through vdpbf16ps where the CPU has it
+def test_paged_rows_match_reference_for_decode_and_prefill_rows(dtype, tol, window, softcap, block, head_dim):
     gen = torch.Generator().manual_seed(0)
-    cache = torch.randn(BLOCKS, 2, block, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    cache = torch.randn(BLOCKS, 2, block, KV_HEADS, head_dim, generator=gen).to(dtype)
     rows = PagedRows()
     tables, lens = [], []
     for length in (1, 3, 4, 9, 17, 30, 71):  # decode rows: one block, a partial block, many blocks
@@ -55,11 +59,18 @@ def test_paged_rows_match_reference_for_decode_and_prefill_rows(dtype, tol, wind
     rows.add_prefill(45, 45, table)
     tables += [table] * 45
     lens += list(range(1, 46))
-    q = torch.randn(len(lens), HEADS, HEAD_DIM, generator=gen).to(dtype)
+    q = torch.randn(len(lens), HEADS, head_dim, generator=gen).to(dtype)
     out = torch.empty_like(q)
     cpu_kernels.paged_attention(LIBRARY, q, cache, *rows.tensors, 0.25, window, out, softcap)
     expected = _reference(q, cache, tables, lens, 0.25, window, softcap)
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif("avx512_bf16" not in Path("/proc/cpuinfo").read_text(),
+                    reason="hardware: no AVX512-BF16 on this CPU (the paged kernel widens bfloat16 to float32 there)")
+def test_bfloat16_tiles_run_vdpbf16ps_where_the_cpu_has_it():
+    assert LIBRARY.ts_paged_bf16_tiles(64) == 1 and LIBRARY.ts_paged_bf16_tiles(128) == 1
+    assert LIBRARY.ts_paged_bf16_tiles(HEAD_DIM) == 0  # 16: the float32 tiles
 
 
 def test_backend_paged_rows_agree_with_the_gathering_path():

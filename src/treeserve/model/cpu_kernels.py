@@ -46,11 +46,13 @@ SIGNATURES = {
     "ts_int8_bf16_rows": [_i64],
     "ts_int8_dequantize": [_ptr, _ptr, _ptr, _i64, _i64, _int],
     "ts_flash_prefill_supported": [_int],
+    "ts_paged_bf16_tiles": [_int],
     "ts_flash_prefill": [_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _i64, _int, _int, _int, _float,
                          _ptr, _i64],
 }
 RETURNS = {"ts_paged_attention": ctypes.c_int, "ts_int8_linear": ctypes.c_int, "ts_int8_bf16_rows": ctypes.c_int,
-           "ts_flash_prefill_supported": ctypes.c_int, "ts_flash_prefill": ctypes.c_int}
+           "ts_flash_prefill_supported": ctypes.c_int,
+           "ts_paged_bf16_tiles": ctypes.c_int, "ts_flash_prefill": ctypes.c_int}
 
 
 def _cpu_tag() -> str:

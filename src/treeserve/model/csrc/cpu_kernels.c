@@ -92,6 +92,8 @@ struct paged_cache {
 struct group_state {
     float *q;    /* group * head_dim: the group's query rows (scaled) */
     float *acc;  /* group * head_dim: their outputs so far */
+    uint16_t *qb;  /* group * head_dim: the rows as stored (bfloat16 caches), unscaled */
+    float scale;   /* what q was scaled by (the bfloat16 path scales the scores instead) */
     float max[MAX_GROUP];
     float sum[MAX_GROUP];
 };
@@ -99,14 +101,17 @@ struct group_state {
 /* `count` states with their rows in one allocation (free the states alone); NULL when out of memory. */
 static struct group_state *new_states(int count, int group, int head_dim)
 {
-    size_t floats = (size_t)count * 2 * group * head_dim;
-    struct group_state *states = malloc(sizeof(struct group_state) * count + sizeof(float) * floats);
+    size_t floats = (size_t)count * 2 * group * head_dim, halves = (size_t)count * group * head_dim;
+    struct group_state *states = malloc(sizeof(struct group_state) * count + sizeof(float) * floats
+                                        + sizeof(uint16_t) * halves);
     if (states == NULL)
         return NULL;
     float *rows = (float *)(states + count);
+    uint16_t *raw = (uint16_t *)(rows + floats);
     for (int i = 0; i < count; i++) {
         states[i].q = rows + (size_t)i * 2 * group * head_dim;
         states[i].acc = states[i].q + group * head_dim;
+        states[i].qb = raw + (size_t)i * group * head_dim;
     }
     return states;
 }
@@ -250,7 +255,112 @@ static inline __attribute__((always_inline)) void attend_tile_avx512(struct grou
         }
     }
 }
+
+#if defined(__AVX512BF16__)
+#define TS_BF16_TILES 1
+/* A bfloat16 tile as vdpbf16ps reads it, built once for every query row: the keys as stored
+ * (32 elements a vector), the values interleaved by token pairs (pair p's vector holds
+ * (v[2p][d], v[2p+1][d]) for 16 dimensions d; see bf16_acc_dim for which). */
+struct tile_bf16 {
+    __m512i k[TILE * MAX_HEAD_DIM / 32], v[TILE * MAX_HEAD_DIM / 32];
+};
+
+static inline __attribute__((always_inline)) void load_tile_bf16(struct tile_bf16 *tile, const char *const *rows,
+        int64_t head_offset, const struct paged_cache *c, int count, int head_dim)
+{
+    const int chunks = head_dim / 32;
+    for (int t = 0; t < count; t++)
+        for (int j = 0; j < chunks; j++)
+            tile->k[t * chunks + j] = _mm512_loadu_si512((const void *)(rows[t] + head_offset + j * 64));
+    for (int t = 0; t < count; t += 2)
+        for (int j = 0; j < chunks; j++) {
+            const char *first = rows[t] + head_offset + c->kv_stride + j * 64;
+            __m512i a = _mm512_loadu_si512((const void *)first), b = _mm512_setzero_si512();
+            if (t + 1 < count)
+                b = _mm512_loadu_si512((const void *)(rows[t + 1] + head_offset + c->kv_stride + j * 64));
+            tile->v[(t / 2 * chunks + j) * 2] = _mm512_unpacklo_epi16(a, b);
+            tile->v[(t / 2 * chunks + j) * 2 + 1] = _mm512_unpackhi_epi16(a, b);
+        }
+}
+
+/* attend_tile_avx512 on bfloat16 tiles: scores by vdpbf16ps over the stored query and keys (float32
+ * sums, scaled after), probabilities rounded to bfloat16 for their product with the values (as
+ * PyTorch's bfloat16 kernels and flash_prefill.c do). The accumulator comes out in the values'
+ * interleaved order (bf16_acc_dim); bf16_unpermute puts it back. */
+static inline __attribute__((always_inline)) void attend_tile_bf16(struct group_state *st,
+        const struct tile_bf16 *tile, int count, int group, int head_dim)
+{
+    const int chunks = head_dim / 32, pairs = (count + 1) / 2;
+    const __mmask16 live = (__mmask16)((1u << count) - 1u);
+    for (int g = 0; g < group; g++) {
+        float *acc = st->acc + g * head_dim;
+        __m512bh q[MAX_HEAD_DIM / 32];
+        for (int j = 0; j < chunks; j++)
+            q[j] = (__m512bh)_mm512_loadu_si512((const void *)(st->qb + g * head_dim + 32 * j));
+        __m512 dots[TILE];
+        for (int t = 0; t < TILE; t++) {
+            __m512 d = _mm512_setzero_ps();
+            if (t < count)
+                for (int j = 0; j < chunks; j++)
+                    d = _mm512_dpbf16_ps(d, q[j], (__m512bh)tile->k[t * chunks + j]);
+            dots[t] = d;
+        }
+        __m512 scores = _mm512_mask_blend_ps(live, _mm512_set1_ps(-3.0e38f),
+                                             _mm512_mul_ps(sum16(dots), _mm512_set1_ps(st->scale)));
+        float tile_max = _mm512_reduce_max_ps(scores);
+        tile_max = tile_max > st->max[g] ? tile_max : st->max[g];
+        float rescale = exp_clamped(st->max[g] - tile_max);
+        __m512 probs = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(tile_max))));
+        st->sum[g] = st->sum[g] * rescale + _mm512_reduce_add_ps(probs);
+        st->max[g] = tile_max;
+        uint32_t p[TILE / 2];
+        _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(probs));
+        for (int j = 0; j < 2 * chunks; j++) {
+            __m512 a = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * j), _mm512_set1_ps(rescale));
+            for (int i = 0; i < pairs; i++)
+                a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_set1_epi32((int)p[i]),
+                                     (__m512bh)tile->v[(i * chunks + j / 2) * 2 + j % 2]);
+            _mm512_storeu_ps(acc + 16 * j, a);
+        }
+    }
+}
+
+/* The dimension the bfloat16 path's accumulator holds at index i: unpacklo/unpackhi of 16-bit
+ * elements work within 128-bit lanes, so of each 32 dimensions the first vector holds 0-3, 8-11,
+ * 16-19, 24-27 and the second 4-7, 12-15, 20-23, 28-31. */
+static inline int bf16_acc_dim(int i)
+{
+    int chunk = i / 32, half = (i / 16) % 2, lane = i % 16;
+    return chunk * 32 + (lane / 4) * 8 + half * 4 + lane % 4;
+}
+
+/* A row's accumulator from the bfloat16 path's order back to the dimensions' own. */
+static void bf16_unpermute(float *acc, int head_dim)
+{
+    float natural[MAX_HEAD_DIM];
+    for (int i = 0; i < head_dim; i++)
+        natural[bf16_acc_dim(i)] = acc[i];
+    memcpy(acc, natural, sizeof(float) * head_dim);
+}
 #endif
+#endif
+
+/* Whether a bfloat16 cache's tiles of this head size take the bfloat16 path (vdpbf16ps, keys and
+ * values as stored) when the scores are not soft-capped. */
+int ts_paged_bf16_tiles(int head_dim)
+{
+#if defined(TS_BF16_TILES)
+    return head_dim % 32 == 0 && head_dim <= MAX_HEAD_DIM && TILE == 16;
+#else
+    (void)head_dim;
+    return 0;
+#endif
+}
+
+static inline int bf16_tiles(const struct paged_cache *c, int head_dim, float softcap)
+{
+    return c->dtype == TS_BFLOAT16 && softcap <= 0.0f && ts_paged_bf16_tiles(head_dim);
+}
 
 /* One tile of one KV head for the `nrows` query rows of a unit (consecutive tokens of one
  * sequence): loaded once, folded into each row's state with that row's count of visible keys (a
@@ -259,6 +369,16 @@ static inline __attribute__((always_inline)) void attend_tile(struct group_state
         const int *counts, const char *const *rows, int64_t head_offset, const struct paged_cache *c, int count,
         int group, int head_dim, float softcap)
 {
+#if defined(TS_BF16_TILES)
+    if (bf16_tiles(c, head_dim, softcap)) {
+        struct tile_bf16 tile;
+        load_tile_bf16(&tile, rows, head_offset, c, count, head_dim);
+        for (int r = 0; r < nrows; r++)
+            if (counts[r] > 0)
+                attend_tile_bf16(states[r], &tile, counts[r], group, head_dim);
+        return;
+    }
+#endif
 #if defined(__AVX512F__)
     if (head_dim % 16 == 0 && TILE == 16 && softcap <= 0.0f) {
         struct tile_avx512 tile;
@@ -355,6 +475,12 @@ static inline __attribute__((always_inline)) void attend_range(struct group_stat
         }
         pos += count;
     }
+#if defined(TS_BF16_TILES)
+    if (bf16_tiles(c, head_dim, softcap))
+        for (int s = 0; s < nrows * heads; s++)
+            for (int g = 0; g < group; g++)
+                bf16_unpermute(states[s].acc + g * head_dim, head_dim);
+#endif
 }
 
 /* attend_range with the head size known to the compiler for the common sizes (whole-vector loops). */
@@ -433,10 +559,16 @@ int ts_paged_attention(const void *q, int64_t q_row_stride, const void *cache, i
             int64_t first_q = (int64_t)first_head * group;
             for (int r = 0; r < nrows; r++) {
                 const char *q_row = (const char *)q + ((first_row + r) * q_row_stride + first_q * head_dim) * elem;
-                for (int h = 0; h < heads; h++)
-                    for (int g = 0; g < group; g++)
-                        load_row(q_row + (int64_t)(h * group + g) * head_dim * elem, dtype,
-                                 states[r * heads + h].q + g * head_dim, head_dim, scale);
+                for (int h = 0; h < heads; h++) {
+                    struct group_state *st = states + r * heads + h;
+                    st->scale = scale;
+                    for (int g = 0; g < group; g++) {
+                        const char *src = q_row + (int64_t)(h * group + g) * head_dim * elem;
+                        load_row(src, dtype, st->q + g * head_dim, head_dim, scale);
+                        if (dtype == TS_BFLOAT16)
+                            memcpy(st->qb + g * head_dim, src, sizeof(uint16_t) * head_dim);
+                    }
+                }
             }
             const int64_t *ends = context_lens + first_row;
             int64_t start = window > 0 && ends[0] > window ? ends[0] - window : 0;
