@@ -26,7 +26,7 @@ from treeserve.model.registry import cache_dir
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / "cpu_kernels.c", CSRC / "flash_prefill.c"]
+SOURCES = [CSRC / "cpu_kernels.c", CSRC / "flash_prefill.c", CSRC / "int4_linear.c"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno", "-fno-trapping-math",
          f"-I{CSRC}"]
 LIBS = ["-lm"]  # after the source: linkers that drop unneeded libraries look at what precedes them
@@ -47,12 +47,15 @@ SIGNATURES = {
     "ts_int8_dequantize": [_ptr, _ptr, _ptr, _i64, _i64, _int],
     "ts_flash_prefill_supported": [_int],
     "ts_paged_bf16_tiles": [_int],
+    "ts_int4_supported": [],
+    "ts_int4_linear": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64],
+    "ts_int4_dequantize": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
     "ts_flash_prefill": [_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _i64, _int, _int, _int, _float,
                          _ptr, _i64],
 }
 RETURNS = {"ts_paged_attention": ctypes.c_int, "ts_int8_linear": ctypes.c_int, "ts_int8_bf16_rows": ctypes.c_int,
            "ts_flash_prefill_supported": ctypes.c_int,
-           "ts_paged_bf16_tiles": ctypes.c_int, "ts_flash_prefill": ctypes.c_int}
+           "ts_paged_bf16_tiles": ctypes.c_int, "ts_int4_supported": ctypes.c_int, "ts_int4_linear": ctypes.c_int, "ts_flash_prefill": ctypes.c_int}
 
 
 def _cpu_tag() -> str:
@@ -232,6 +235,46 @@ def int8_dequantize(library: ctypes.CDLL, weight: torch.Tensor, scales: torch.Te
     """scales[n] x weight[n, k] into `out` (contiguous, float32 or bfloat16, weight's shape)."""
     library.ts_int8_dequantize(weight.data_ptr(), scales.data_ptr(), out.data_ptr(), weight.shape[0], weight.shape[1],
                                DTYPES[out.dtype])
+    return out
+
+
+INT4_RUN = 128  # inputs per run of csrc/int4_linear.c's layout
+
+
+def int4_pack(q: torch.Tensor) -> torch.Tensor:
+    """4-bit values q [N, K] (any integer dtype, 0..15; K a multiple of 128) in csrc/int4_linear.c's
+    layout: 16-bit words [N, K / 4], in each run of 128 inputs word i holding inputs i, i + 32,
+    i + 64, i + 96 in its nibbles from the lowest."""
+    n, k = q.shape
+    if k % INT4_RUN:
+        raise ValueError(f"int4_pack: {k} inputs, not a multiple of {INT4_RUN}")
+    runs = q.to(torch.int32).reshape(n, k // INT4_RUN, 4, INT4_RUN // 4)
+    words = runs[:, :, 0] | (runs[:, :, 1] << 4) | (runs[:, :, 2] << 8) | (runs[:, :, 3] << 12)
+    return words.to(torch.uint16).reshape(n, k // 4).contiguous()
+
+
+def int4_linear(library: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                zeros: torch.Tensor, group_size: int) -> torch.Tensor | None:
+    """x [rows, K] bfloat16 (last dim contiguous) times w^T, w [N, K] = scales[n, g] x (q - zeros[n, g])
+    with q in `int4_pack`'s layout and scales, zeros float32 [N, K / group_size] contiguous (the zero
+    points integers); [rows, N] bfloat16, or None where the kernel cannot run it (no AVX512-BF16,
+    float32 rows, a group size that is not a multiple of 32 or does not divide K)."""
+    if x.dtype != torch.bfloat16 or library.ts_int4_supported() != 1:
+        return None
+    n, k = packed.shape[0], packed.shape[1] * 4
+    out = torch.empty((x.shape[0], n), dtype=torch.bfloat16)
+    status = library.ts_int4_linear(x.data_ptr(), _rows(x), packed.data_ptr(), scales.data_ptr(), zeros.data_ptr(),
+                                    out.data_ptr(), x.shape[0], n, k, group_size)
+    if status == -2:
+        raise MemoryError("int4_linear: no memory for the rows' group sums")
+    return out if status == 0 else None
+
+
+def int4_dequantize(library: ctypes.CDLL, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                    group_size: int, out: torch.Tensor) -> torch.Tensor:
+    """`int4_linear`'s weight, scales x (q - zeros) rounded once, into `out` (bfloat16 [N, K], contiguous)."""
+    library.ts_int4_dequantize(packed.data_ptr(), scales.data_ptr(), zeros.data_ptr(), out.data_ptr(), packed.shape[0],
+                               packed.shape[1] * 4, group_size)
     return out
 
 

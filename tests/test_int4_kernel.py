@@ -1,0 +1,56 @@
+"""csrc/int4_linear.c (group-quantized 4-bit weights times bfloat16 rows) against the dequantized
+weight in float64: every tile height, a short last channel block, group sizes 32 to the whole row,
+asymmetric zero points, strided rows; and refusals where it cannot run."""
+import pytest
+import torch
+
+from treeserve.model import cpu_kernels
+
+LIBRARY = cpu_kernels.load()
+pytestmark = pytest.mark.skipif(LIBRARY is None or LIBRARY.ts_int4_supported() != 1,
+                                reason="hardware: no AVX512-BF16 here (or no C compiler): the 4-bit kernel is not built")
+
+
+def _weights(n, k, group_size, gen):
+    q = torch.randint(0, 16, (n, k), generator=gen)
+    groups = k // group_size
+    scales = torch.rand(n, groups, generator=gen) * 0.02 + 0.001
+    zeros = torch.randint(0, 16, (n, groups), generator=gen).float()
+    dense = (q.double() - zeros.double().repeat_interleave(group_size, 1)) * scales.double().repeat_interleave(group_size, 1)
+    return q, scales, zeros, dense
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 16])
+@pytest.mark.parametrize("n,k,group_size", [(22, 256, 32), (64, 512, 128), (8, 384, 384), (6, 768, 64)])
+def test_int4_linear_matches_the_dequantized_weight(rows, n, k, group_size):
+    gen = torch.Generator().manual_seed(rows * 1000 + n)
+    q, scales, zeros, dense = _weights(n, k, group_size, gen)
+    wide = (torch.randn(rows, k + 32, generator=gen) * 3).to(torch.bfloat16)
+    wide[:, 40] = 60.0  # an outlier, as activations have: the offset sums must not cancel it away
+    x = wide[:, 16:16 + k]  # rows k + 32 elements apart
+    out = cpu_kernels.int4_linear(LIBRARY, x, cpu_kernels.int4_pack(q), scales, zeros, group_size)
+    expected = x.double() @ dense.T
+    assert out is not None and out.dtype == torch.bfloat16 and out.shape == (rows, n)
+    # float32 sums of exact products, rounded once to bfloat16
+    torch.testing.assert_close(out.double(), expected, atol=2e-3 * expected.abs().max().item(), rtol=8e-3)
+
+
+def test_int4_pack_layout_and_dequantize():
+    gen = torch.Generator().manual_seed(1)
+    q, scales, zeros, dense = _weights(6, 256, 32, gen)
+    packed = cpu_kernels.int4_pack(q)
+    assert packed.shape == (6, 64) and packed.dtype == torch.uint16
+    word = int(packed[0, 33].view(torch.int16)) & 0xFFFF  # run 1, word 1: inputs 129, 161, 193, 225
+    assert word == sum(int(q[0, 129 + 32 * m]) << (4 * m) for m in range(4))
+    out = cpu_kernels.int4_dequantize(LIBRARY, packed, scales, zeros, 32, torch.empty(6, 256, dtype=torch.bfloat16))
+    assert torch.equal(out, dense.float().to(torch.bfloat16))
+
+
+def test_int4_kernel_refuses_what_it_cannot_run():
+    q, scales, zeros, _ = _weights(4, 128, 32, torch.Generator().manual_seed(2))
+    packed = cpu_kernels.int4_pack(q)
+    x = torch.randn(2, 128).to(torch.bfloat16)
+    assert cpu_kernels.int4_linear(LIBRARY, x.float(), packed, scales, zeros, 32) is None  # float32 rows
+    assert cpu_kernels.int4_linear(LIBRARY, x, packed, scales[:, :1], zeros[:, :1], 48) is None  # 48: not a multiple of 32
+    with pytest.raises(ValueError, match="multiple of 128"):
+        cpu_kernels.int4_pack(torch.zeros(2, 96, dtype=torch.int32))
