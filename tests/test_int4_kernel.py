@@ -21,7 +21,8 @@ def _weights(n, k, group_size, gen):
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 16])
-@pytest.mark.parametrize("n,k,group_size", [(22, 256, 32), (64, 512, 128), (8, 384, 384), (6, 768, 64)])
+@pytest.mark.parametrize("n,k,group_size", [(22, 256, 32), (64, 512, 128), (8, 384, 384), (6, 768, 64),
+                                             (10, 160, 32), (4, 96, 96)])  # short last runs of the layout
 def test_int4_linear_matches_the_dequantized_weight(rows, n, k, group_size):
     gen = torch.Generator().manual_seed(rows * 1000 + n)
     q, scales, zeros, dense = _weights(n, k, group_size, gen)
@@ -37,12 +38,12 @@ def test_int4_linear_matches_the_dequantized_weight(rows, n, k, group_size):
 
 def test_int4_pack_layout_and_dequantize():
     gen = torch.Generator().manual_seed(1)
-    q, scales, zeros, dense = _weights(6, 256, 32, gen)
+    q, scales, zeros, dense = _weights(6, 192, 32, gen)
     packed = cpu_kernels.int4_pack(q)
     assert packed.shape == (6, 64) and packed.dtype == torch.uint16
-    word = int(packed[0, 33].view(torch.int16)) & 0xFFFF  # run 1, word 1: inputs 129, 161, 193, 225
-    assert word == sum(int(q[0, 129 + 32 * m]) << (4 * m) for m in range(4))
-    out = cpu_kernels.int4_dequantize(LIBRARY, packed, scales, zeros, 32, torch.empty(6, 256, dtype=torch.bfloat16))
+    word = int(packed[0, 33].view(torch.int16)) & 0xFFFF  # run 1, word 1: inputs 129, 161 (and zeros past 192)
+    assert word == int(q[0, 129]) | int(q[0, 161]) << 4
+    out = cpu_kernels.int4_dequantize(LIBRARY, packed, scales, zeros, 32, torch.empty(6, 192, dtype=torch.bfloat16))
     assert torch.equal(out, dense.float().to(torch.bfloat16))
 
 
@@ -52,5 +53,5 @@ def test_int4_kernel_refuses_what_it_cannot_run():
     x = torch.randn(2, 128).to(torch.bfloat16)
     assert cpu_kernels.int4_linear(LIBRARY, x.float(), packed, scales, zeros, 32) is None  # float32 rows
     assert cpu_kernels.int4_linear(LIBRARY, x, packed, scales[:, :1], zeros[:, :1], 48) is None  # 48: not a multiple of 32
-    with pytest.raises(ValueError, match="multiple of 128"):
-        cpu_kernels.int4_pack(torch.zeros(2, 96, dtype=torch.int32))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cpu_kernels.int4_pack(torch.zeros(2, 48, dtype=torch.int32))

@@ -29,10 +29,12 @@ from quantized_checkpoints import (AWQ_ORDER, compressed_tensors_reference, make
 from test_hf_parity import PROMPTS, _hf_greedy, _hf_logits
 from treeserve import LLM, SamplingParams
 from treeserve.errors import ParamError
-from treeserve.model.quantization import Int8Linear
+from treeserve.model import cpu_kernels
+from treeserve.model.quantization import Int8Linear, int4_csrc
 from treeserve.model.quantization.activations import Fp8InputLinear, Int8W8A8Linear
 from treeserve.model.quantization.formats import unpack_int32
 from treeserve.model.quantization.int4 import DEQUANTIZE_FROM_ROWS, Int4Linear, unpack_int4pack
+from treeserve.model.quantization.int4_csrc import CsrcInt4Linear, csrc_int4_runs
 from treeserve.model.quantization.weights import FloatWeight, IntWeight, concat_rows
 from treeserve.model.random_models import GEMMA_FAMILIES, MOE_FAMILIES, make_tiny_model
 from treeserve.testing.tiny_models import FAMILIES
@@ -156,7 +158,9 @@ def test_every_family_loads_gptq_act_order(tmp_path, family):
     prompts = PROMPTS[:2] if family != "phi3" else PROMPTS[:1]
     _check_greedy(LLM(str(path), dtype="float32", **OPTIONS), _hf(tmp_path / "ref"), prompts)
     model = LLM(str(path), dtype="bfloat16", **OPTIONS).engine.model
-    assert sum(isinstance(m, Int4Linear) for m in model.modules()) >= 2 * len(model.layers)
+    library = cpu_kernels.load()
+    expected = CsrcInt4Linear if library is not None and library.ts_int4_supported() == 1 else Int4Linear
+    assert sum(isinstance(m, expected) for m in model.modules()) >= 2 * len(model.layers)
 
 
 @pytest.mark.parametrize("name", ["gptq-4bit-g64-actorder-moe", "awq-g32", "ct-w8a8"])
@@ -172,9 +176,13 @@ def test_chunked_prefill_and_a_prefix_cache_hit(checkpoints, name):
     assert_no_leak(chunked.engine)
 
 
-@pytest.mark.parametrize("name,layer", [("gptq-4bit-g32-sym", Int4Linear), ("gptq-4bit-g128-asym-actorder", Int4Linear),
-                                        ("gptq-4bit-g64-actorder-moe", Int4Linear),
-                                        ("awq-g32", Int4Linear), ("ct-w4a16", Int4Linear), ("ct-w8a8", Int8W8A8Linear),
+# the 4-bit layers: treeserve's kernel where the CPU has AVX512-BF16, PyTorch's elsewhere
+INT4_LAYERS = (CsrcInt4Linear, Int4Linear)
+
+
+@pytest.mark.parametrize("name,layer", [("gptq-4bit-g32-sym", INT4_LAYERS), ("gptq-4bit-g128-asym-actorder", INT4_LAYERS),
+                                        ("gptq-4bit-g64-actorder-moe", INT4_LAYERS),
+                                        ("awq-g32", INT4_LAYERS), ("ct-w4a16", INT4_LAYERS), ("ct-w8a8", Int8W8A8Linear),
                                         ("gptq-8bit-channel", Int8Linear), ("ct-w8a16-channel", Int8Linear),
                                         ("ct-fp8-dynamic", Fp8InputLinear), ("ct-fp8-static", Fp8InputLinear)])
 def test_bfloat16_runs_the_kernels_and_stays_close_to_float32(checkpoints, name, layer):
@@ -198,14 +206,17 @@ def test_bfloat16_runs_the_kernels_and_stays_close_to_float32(checkpoints, name,
 def test_float32_dequantizes_4bit_weights_and_ignored_modules_stay_plain(checkpoints):
     path, _ = checkpoints("ct-w4a16")
     model = LLM(str(path), dtype="float32", **OPTIONS).engine.model
-    assert not any(isinstance(m, Int4Linear) for m in model.modules())
+    assert not any(isinstance(m, INT4_LAYERS) for m in model.modules())
     assert type(model.lm_head) is nn.Linear and model.lm_head.weight.dtype == torch.float32  # in `ignore`
     assert model.layers[0].self_attn.qkv_proj.weight.shape == (128, 64)  # q, k, v fused
 
 
-@pytest.mark.parametrize("rows", [1, 5, 33, DEQUANTIZE_FROM_ROWS])  # the last: unpacked, dequantized GEMM
+@pytest.mark.parametrize("layer_class,rows", [(Int4Linear, 1), (Int4Linear, 5), (Int4Linear, 33),
+                                              (Int4Linear, DEQUANTIZE_FROM_ROWS),  # unpacked, dequantized GEMM
+                                              (CsrcInt4Linear, 1), (CsrcInt4Linear, 5),
+                                              (CsrcInt4Linear, int4_csrc.DEQUANTIZE_FROM_ROWS)])
 @pytest.mark.parametrize("act_order", [False, True])
-def test_the_int4_kernel_matches_the_dequantized_product(rows, act_order):
+def test_the_int4_kernel_matches_the_dequantized_product(layer_class, rows, act_order):
     torch.manual_seed(0)
     out_features, in_features, group = 48, 256, 64
     values = torch.randint(0, 16, (out_features, in_features), dtype=torch.uint8)
@@ -213,7 +224,9 @@ def test_the_int4_kernel_matches_the_dequantized_product(rows, act_order):
     zeros = torch.randint(0, 16, (out_features, in_features // group)).float()
     g_idx = torch.randperm(in_features) // group if act_order else None
     weight = IntWeight(values, scales, zeros, 4, group, g_idx)
-    layer = Int4Linear(weight, None, torch.bfloat16)
+    if layer_class is CsrcInt4Linear and not csrc_int4_runs(weight, torch.bfloat16):
+        pytest.skip("hardware: treeserve's int4 kernel needs AVX512-BF16 (and a C compiler)")
+    layer = layer_class(weight, None, torch.bfloat16)
     x = torch.randn(rows, in_features, dtype=torch.bfloat16)
     ref = x.float() @ weight.dequantize().t()
     assert torch.allclose(layer(x).float(), ref, rtol=0.02, atol=0.02 * float(ref.abs().max()))

@@ -242,29 +242,30 @@ INT4_RUN = 128  # inputs per run of csrc/int4_linear.c's layout
 
 
 def int4_pack(q: torch.Tensor) -> torch.Tensor:
-    """4-bit values q [N, K] (any integer dtype, 0..15; K a multiple of 128) in csrc/int4_linear.c's
-    layout: 16-bit words [N, K / 4], in each run of 128 inputs word i holding inputs i, i + 32,
-    i + 64, i + 96 in its nibbles from the lowest."""
+    """4-bit values q [N, K] (any integer dtype, 0..15; K a multiple of 32) in csrc/int4_linear.c's
+    layout: 16-bit words [N, 32 * ceil(K / 128)], in each run of 128 inputs word i holding inputs i,
+    i + 32, i + 64, i + 96 in its nibbles from the lowest (zeros past K)."""
     n, k = q.shape
-    if k % INT4_RUN:
-        raise ValueError(f"int4_pack: {k} inputs, not a multiple of {INT4_RUN}")
-    runs = q.to(torch.int32).reshape(n, k // INT4_RUN, 4, INT4_RUN // 4)
+    if k % 32:
+        raise ValueError(f"int4_pack: {k} inputs, not a multiple of 32")
+    padded = torch.zeros(n, -(-k // INT4_RUN) * INT4_RUN, dtype=torch.int32)
+    padded[:, :k] = q
+    runs = padded.reshape(n, -1, 4, INT4_RUN // 4)
     words = runs[:, :, 0] | (runs[:, :, 1] << 4) | (runs[:, :, 2] << 8) | (runs[:, :, 3] << 12)
-    return words.to(torch.uint16).reshape(n, k // 4).contiguous()
+    return words.to(torch.uint16).reshape(n, -1).contiguous()
 
 
 def int4_linear(library: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
                 zeros: torch.Tensor, group_size: int) -> torch.Tensor | None:
     """x [rows, K] bfloat16 (last dim contiguous) times w^T, w [N, K] = scales[n, g] x (q - zeros[n, g])
-    with q in `int4_pack`'s layout and scales, zeros float32 [N, K / group_size] contiguous (the zero
-    points integers); [rows, N] bfloat16, or None where the kernel cannot run it (no AVX512-BF16,
-    float32 rows, a group size that is not a multiple of 32 or does not divide K)."""
+    with q in `int4_pack`'s layout and scales, zeros float32 [N, K / group_size] contiguous; [rows, N]
+    bfloat16, or None where the kernel cannot run it (no AVX512-BF16, float32 rows, a group size
+    that is not a multiple of 32 or does not divide K)."""
     if x.dtype != torch.bfloat16 or library.ts_int4_supported() != 1:
         return None
-    n, k = packed.shape[0], packed.shape[1] * 4
-    out = torch.empty((x.shape[0], n), dtype=torch.bfloat16)
+    out = torch.empty((x.shape[0], packed.shape[0]), dtype=torch.bfloat16)
     status = library.ts_int4_linear(x.data_ptr(), _rows(x), packed.data_ptr(), scales.data_ptr(), zeros.data_ptr(),
-                                    out.data_ptr(), x.shape[0], n, k, group_size)
+                                    out.data_ptr(), x.shape[0], packed.shape[0], x.shape[1], group_size)
     if status == -2:
         raise MemoryError("int4_linear: no memory for the rows' group sums")
     return out if status == 0 else None
@@ -273,8 +274,8 @@ def int4_linear(library: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, sca
 def int4_dequantize(library: ctypes.CDLL, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                     group_size: int, out: torch.Tensor) -> torch.Tensor:
     """`int4_linear`'s weight, scales x (q - zeros) rounded once, into `out` (bfloat16 [N, K], contiguous)."""
-    library.ts_int4_dequantize(packed.data_ptr(), scales.data_ptr(), zeros.data_ptr(), out.data_ptr(), packed.shape[0],
-                               packed.shape[1] * 4, group_size)
+    library.ts_int4_dequantize(packed.data_ptr(), scales.data_ptr(), zeros.data_ptr(), out.data_ptr(), out.shape[0],
+                               out.shape[1], group_size)
     return out
 
 

@@ -2,9 +2,10 @@
  * weights w[n, k] = scale[n, g] * (q[n, k] - zero[n, g]), g = k / group_size, q in 0..15 and the
  * zero point an integer (every format's), built by treeserve/model/cpu_kernels.py.
  *
- * Layout (cpu_kernels.int4_pack): q as 16-bit words [n, k / 4]; in each run of 128 inputs, word i
- * holds inputs i, i + 32, i + 64 and i + 96 in its four nibbles, so that one 64-byte load gives four
- * vectors of 32 weights by a shift and a mask, no shuffles. A nibble v becomes bfloat16 by its bits
+ * Layout (cpu_kernels.int4_pack): q as 16-bit words [n, 32 * ceil(k / 128)]; in each run of 128
+ * inputs, word i holds inputs i, i + 32, i + 64 and i + 96 in its four nibbles (a last, short run
+ * zeros in the nibbles past k), so that one 64-byte load gives four vectors of 32 weights by a shift
+ * and a mask, no shuffles. k is a multiple of 32. A nibble v becomes bfloat16 by its bits
  * alone: 0x4300 | v is 128 + v, exact (the spacing of bfloat16 numbers in [128, 256) is 1). The
  * products are then those of 128 + v, and per row and group
  *     sum_k x[k] (v[k] - zero) = sum_k x[k] (128 + v[k]) - (128 + zero) sum_k x[k],
@@ -75,7 +76,7 @@ static inline __attribute__((always_inline)) void int4_tile(const uint16_t *x, i
             _mm_prefetch((const char *)(w_rows[j] + k0 / 4) + INT4_PREFETCH, _MM_HINT_T0);
             run[j] = _mm512_loadu_si512((const void *)(w_rows[j] + k0 / 4));
         }
-        for (int m = 0; m < 4; m++) {
+        for (int m = 0; m < 4 && k0 + 32 * m < k_in; m++) {
             int64_t k = k0 + 32 * m;
             __m512bh wv[INT4_NR];
             for (int j = 0; j < INT4_NR; j++)
@@ -105,15 +106,16 @@ static inline __attribute__((always_inline)) void int4_tile(const uint16_t *x, i
 #endif
 
 /* out [rows, n_out] bfloat16 (contiguous) = x [rows, k_in] bfloat16 (rows x_stride elements
- * apart) times w^T, w as in the header: q [n_out, k_in / 2] bytes, scales and zeros float32
+ * apart) times w^T, w as in the header: q [n_out, 32 * ceil(k_in / 128)] words, scales and zeros float32
  * [n_out, k_in / group_size]. Returns -1 where it cannot run (not built with AVX512-BF16,
  * group_size not a multiple of 32 or not dividing k_in): the caller keeps its PyTorch path. */
 int ts_int4_linear(const uint16_t *x, int64_t x_stride, const uint16_t *q, const float *scales, const float *zeros,
                    uint16_t *out, int64_t rows, int64_t n_out, int64_t k_in, int64_t group_size)
 {
 #if defined(TS_INT4)
-    if (group_size <= 0 || group_size % 32 || k_in % group_size || k_in % INT4_RUN)
+    if (group_size <= 0 || group_size % 32 || k_in % group_size)
         return -1;
+    const int64_t words = (k_in + INT4_RUN - 1) / INT4_RUN * (INT4_RUN / 4);  /* per channel */
     int64_t groups = k_in / group_size;
     float *sums = malloc(sizeof(float) * (size_t)(rows * groups));
     if (sums == NULL)
@@ -135,7 +137,7 @@ int ts_int4_linear(const uint16_t *x, int64_t x_stride, const uint16_t *q, const
         int nr = n_out - n0 < INT4_NR ? (int)(n_out - n0) : INT4_NR;
         const uint16_t *w_rows[INT4_NR];
         for (int j = 0; j < INT4_NR; j++)
-            w_rows[j] = q + (n0 + (j < nr ? j : 0)) * (k_in / 4);
+            w_rows[j] = q + (n0 + (j < nr ? j : 0)) * words;
         int64_t m0 = 0;
         for (; m0 + INT4_MR <= rows; m0 += INT4_MR)
             int4_tile(x, x_stride, w_rows, scales, zeros, sums, out, n_out, k_in, group_size, m0, n0, INT4_MR, nr);
@@ -160,13 +162,34 @@ int ts_int4_linear(const uint16_t *x, int64_t x_stride, const uint16_t *q, const
 void ts_int4_dequantize(const uint16_t *q, const float *scales, const float *zeros, uint16_t *out, int64_t n_out,
                         int64_t k_in, int64_t group_size)
 {
-    int64_t groups = k_in / group_size;
+    const int64_t groups = k_in / group_size, words = (k_in + 127) / 128 * 32;
 #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < n_out; n++)
+    for (int64_t n = 0; n < n_out; n++) {
+#if defined(TS_INT4)
+        if (group_size % 32 == 0) {
+            for (int64_t k0 = 0; k0 < k_in; k0 += INT4_RUN) {
+                __m512i run = _mm512_loadu_si512((const void *)(q + n * words + k0 / 4));
+                for (int m = 0; m < 4 && k0 + 32 * m < k_in; m++) {
+                    int64_t k = k0 + 32 * m, g = n * groups + k / group_size;
+                    __m512i words = (__m512i)nibbles(run, m);  /* bfloat16 128 + v */
+                    __m512 shift = _mm512_set1_ps(128.0f + zeros[g]), scale = _mm512_set1_ps(scales[g]);
+                    __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                        _mm512_castsi512_si256(words)), 16));
+                    __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                        _mm512_extracti64x4_epi64(words, 1)), 16));
+                    lo = _mm512_mul_ps(_mm512_sub_ps(lo, shift), scale);
+                    hi = _mm512_mul_ps(_mm512_sub_ps(hi, shift), scale);
+                    _mm512_storeu_si512((void *)(out + n * k_in + k), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+                }
+            }
+            continue;
+        }
+#endif
         for (int64_t k = 0; k < k_in; k++) {
-            uint16_t word = q[n * (k_in / 4) + (k / 128) * 32 + k % 32];
+            uint16_t word = q[n * words + (k / 128) * 32 + k % 32];
             int value = (word >> (4 * ((k % 128) / 32))) & 0x0F;
             int64_t g = n * groups + k / group_size;
             out[n * k_in + k] = int4_float_to_bf16(scales[g] * ((float)value - zeros[g]));
         }
+    }
 }

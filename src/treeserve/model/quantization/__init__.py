@@ -8,7 +8,8 @@ what the checkpoint's `config.json` says in its `quantization_config` (none: the
 - `gptq`, `awq`, `compressed-tensors`: checkpoints quantized by AutoGPTQ / GPTQModel, AutoAWQ and
   llm-compressor, read as formats.py and compressed_tensors.py describe, each decoder projection
   (fused qkv and gate/up with their parts' scales and zero points in row order) run by the layer
-  layers.py picks: PyTorch's int4 kernel, treeserve's int8 one, `torch._int_mm` for W8A8, or the
+  layers.py picks: treeserve's int4 kernel (int4_csrc.py; PyTorch's, int4.py, where it cannot run),
+  treeserve's int8 one, `torch._int_mm` for W8A8, or the
   weight dequantized at load where no kernel fits. MoE experts are dequantized at load to the
   activations' dtype (the stacked experts have no quantized kernels yet). Modules a checkpoint keeps
   unquantized (its `ignore` / `modules_to_not_convert`, e.g. the LM head) load as stored.

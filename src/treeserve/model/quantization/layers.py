@@ -3,7 +3,8 @@ by the weight's format and the activations' dtype.
 
 | weight                                   | layer                                                     |
 |------------------------------------------|-----------------------------------------------------------|
-| 4-bit, bfloat16 activations              | `Int4Linear` (PyTorch's int4 kernel; act order permuted)  |
+| 4-bit, bfloat16 activations, AVX512-BF16 | `CsrcInt4Linear` (treeserve's int4 kernel; act order too) |
+| 4-bit, bfloat16 activations, elsewhere   | `Int4Linear` (PyTorch's int4 kernel; act order permuted)  |
 | 8-bit symmetric, one scale per channel   | `Int8Linear` (treeserve's int8 kernel, weight-only)       |
 | 8-bit with int8 activations (W8A8)       | `Int8W8A8Linear` (`torch._int_mm`)                        |
 | FP8                                      | dequantized at load (`Fp8InputLinear` rounds the inputs)  |
@@ -30,6 +31,7 @@ from torch import nn
 
 from treeserve.model.quantization.activations import Fp8InputLinear, Int8W8A8Linear
 from treeserve.model.quantization.int4 import Int4Linear, kernel_group_size
+from treeserve.model.quantization.int4_csrc import CsrcInt4Linear, csrc_int4_runs
 from treeserve.model.quantization.int8 import Int8Linear
 from treeserve.model.quantization.weights import FloatWeight, IntWeight
 
@@ -41,6 +43,8 @@ def quantized_layer(weight: IntWeight | FloatWeight, bias: torch.Tensor | None, 
     if isinstance(weight, IntWeight):
         if weight.input_quant == "int8_token":
             return Int8W8A8Linear(weight, bias, dtype)
+        if csrc_int4_runs(weight, dtype):
+            return CsrcInt4Linear(weight, bias, dtype)
         if weight.bits == 4 and dtype in (torch.bfloat16, torch.float16) and kernel_group_size(weight) is not None:
             return Int4Linear(weight, bias, dtype)
         if weight.bits == 8 and weight.scales.shape[1] == 1 and weight.symmetric():
