@@ -47,11 +47,13 @@ def test_int4_pack_layout_and_dequantize():
     assert torch.equal(out, dense.float().to(torch.bfloat16))
 
 
-def test_int4_kernel_refuses_what_it_cannot_run():
+def test_int4_kernel_refuses_what_it_cannot_run_and_takes_no_rows():
     q, scales, zeros, _ = _weights(4, 128, 32, torch.Generator().manual_seed(2))
     packed = cpu_kernels.int4_pack(q)
     x = torch.randn(2, 128).to(torch.bfloat16)
     assert cpu_kernels.int4_linear(LIBRARY, x.float(), packed, scales, zeros, 32) is None  # float32 rows
     assert cpu_kernels.int4_linear(LIBRARY, x, packed, scales[:, :1], zeros[:, :1], 48) is None  # 48: not a multiple of 32
+    empty = cpu_kernels.int4_linear(LIBRARY, x[:0], packed, scales, zeros, 32)  # no rows: an empty product
+    assert empty is not None and empty.shape == (0, 4)
     with pytest.raises(ValueError, match="multiple of 32"):
         cpu_kernels.int4_pack(torch.zeros(2, 48, dtype=torch.int32))

@@ -116,6 +116,8 @@ int ts_int4_linear(const uint16_t *x, int64_t x_stride, const uint16_t *q, const
     if (group_size <= 0 || group_size % 32 || k_in % group_size)
         return -1;
     const int64_t words = (k_in + INT4_RUN - 1) / INT4_RUN * (INT4_RUN / 4);  /* per channel */
+    if (rows == 0)
+        return 0;
     int64_t groups = k_in / group_size;
     float *sums = malloc(sizeof(float) * (size_t)(rows * groups));
     if (sums == NULL)
