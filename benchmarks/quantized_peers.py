@@ -1,13 +1,14 @@
 """Quantized checkpoints against vLLM CPU on the same files: decode tokens/s at batch 1 and 16 for the
-Llama-3.2-1B-shaped checkpoints `benchmarks/quantization.py` writes (bfloat16 as stored, GPTQ W4A16,
-compressed-tensors W8A8), each engine in a fresh process per checkpoint, alternating, and the ratio.
+Llama-3.2-1B-shaped checkpoints `benchmarks/quantization.py` writes (GPTQ W4A16, compressed-tensors
+W8A8; its bfloat16 arm has no weights file: random weights made at load), each engine in a fresh
+process per checkpoint, alternating, and the ratio.
 A checkpoint vLLM cannot load is reported with its error.
 
 Decode tokens/s: B prompts of 64 random tokens, generated to 33 tokens (EOS ignored) and to 1; the
 difference in time over B x 32 tokens.
 
-    python benchmarks/quantization.py --pairs 1 --arms stored gptq-w4a16 ct-w8a8 ...   # writes the checkpoints
-    python benchmarks/quantized_peers.py [--arms stored,gptq-w4a16,ct-w8a8] [--pairs 1]
+    python benchmarks/quantization.py --pairs 1 --arms gptq-w4a16 ct-w8a8 ...   # writes the checkpoints
+    python benchmarks/quantized_peers.py [--arms gptq-w4a16,ct-w8a8] [--pairs 1]
 """
 from __future__ import annotations
 
@@ -78,7 +79,7 @@ def run(engine: str, model: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arms", default="stored,gptq-w4a16,ct-w8a8")
+    parser.add_argument("--arms", default="gptq-w4a16,ct-w8a8")
     parser.add_argument("--pairs", type=int, default=1)
     parser.add_argument("--child", choices=["treeserve", "vllm"])
     parser.add_argument("--model")
@@ -87,7 +88,7 @@ def main() -> None:
         print("RESULT " + json.dumps(child(args.child, args.model)))
         return
     for arm in args.arms.split(","):
-        model = MODELS / ("llama-3.2-1b-shape" if arm == "stored" else f"llama-3.2-1b-shape-{arm}")
+        model = MODELS / f"llama-3.2-1b-shape-{arm}"
         runs = {"treeserve": [], "vllm": []}
         for pair in range(args.pairs):
             for engine in (("treeserve", "vllm") if pair % 2 == 0 else ("vllm", "treeserve")):
