@@ -19,6 +19,7 @@ tensors decoded to `IntWeight` / `FloatWeight` (weights.py). vLLM's `Quantizatio
 """
 from __future__ import annotations
 
+import abc
 from typing import Iterable
 
 import torch
@@ -58,7 +59,9 @@ def _plain_g_idx(g_idx: torch.Tensor | None, group_size: int) -> torch.Tensor | 
     return None if torch.equal(g_idx, torch.arange(len(g_idx)) // group_size) else g_idx
 
 
-class CheckpointFormat:
+class CheckpointFormat(abc.ABC):
+    """A checkpoint format's reader (vLLM's `QuantizationConfig`): which modules it quantized, their
+    tensors decoded to one weight."""
     method = ""
     markers: tuple[str, ...] = ()   # a module holding one of these tensors is quantized
     tensors: tuple[str, ...] = ()   # every tensor of a quantized module this format reads
@@ -70,8 +73,9 @@ class CheckpointFormat:
     def owns(self, prefix: str, suffix: str) -> bool:
         return suffix in self.tensors
 
+    @abc.abstractmethod
     def decode(self, prefix: str, tensors: dict[str, torch.Tensor]) -> IntWeight | FloatWeight:
-        raise NotImplementedError
+        """The weight of the module at `prefix` from its tensors (`self.tensors` that it has)."""
 
 
 class GPTQFormat(CheckpointFormat):
