@@ -20,6 +20,8 @@
 
 #include <omp.h>
 
+#include "simd_math.h"
+
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #define TS_INT4 1
@@ -34,12 +36,6 @@ int ts_int4_supported(void)
 #else
     return 0;
 #endif
-}
-
-static inline uint16_t int4_float_to_bf16(float f)
-{
-    union { float f; uint32_t u; } v = {f};
-    return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);  /* round to nearest even */
 }
 
 #if defined(TS_INT4)
@@ -101,7 +97,7 @@ static inline __attribute__((always_inline)) void int4_tile(const uint16_t *x, i
     }
     for (int r = 0; r < mr; r++)
         for (int j = 0; j < nr; j++)
-            out[(m0 + r) * n_out + n0 + j] = int4_float_to_bf16(_mm512_reduce_add_ps(acc[r][j]) - offset[r][j]);
+            out[(m0 + r) * n_out + n0 + j] = float_to_bf16(_mm512_reduce_add_ps(acc[r][j]) - offset[r][j]);
 }
 #endif
 
@@ -126,10 +122,8 @@ int ts_int4_linear(const uint16_t *x, int64_t x_stride, const uint16_t *q, const
     for (int64_t i = 0; i < rows * groups; i++) {  /* each row's group sums, as vdpbf16ps sees x */
         const uint16_t *src = x + (i / groups) * x_stride + (i % groups) * group_size;
         float total = 0.0f;
-        for (int64_t k = 0; k < group_size; k++) {
-            union { uint32_t u; float f; } v = {(uint32_t)src[k] << 16};
-            total += v.f;
-        }
+        for (int64_t k = 0; k < group_size; k++)
+            total += bf16_to_float(src[k]);
         sums[i] = total;
     }
     int64_t blocks = (n_out + INT4_NR - 1) / INT4_NR;
@@ -191,7 +185,7 @@ void ts_int4_dequantize(const uint16_t *q, const float *scales, const float *zer
             uint16_t word = q[n * words + (k / 128) * 32 + k % 32];
             int value = (word >> (4 * ((k % 128) / 32))) & 0x0F;
             int64_t g = n * groups + k / group_size;
-            out[n * k_in + k] = int4_float_to_bf16(scales[g] * ((float)value - zeros[g]));
+            out[n * k_in + k] = float_to_bf16(scales[g] * ((float)value - zeros[g]));
         }
     }
 }

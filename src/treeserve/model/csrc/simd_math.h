@@ -1,9 +1,28 @@
-/* Math shared by treeserve's CPU kernels (cpu_kernels.c, flash_prefill.c). */
+/* Math shared by treeserve's CPU kernels (cpu_kernels.c, flash_prefill.c, int4_linear.c). */
 #ifndef TS_SIMD_MATH_H
 #define TS_SIMD_MATH_H
 
 #include <stdint.h>
 #include <string.h>
+
+/* bfloat16 (stored as uint16) to float32 and back, rounding to nearest even. */
+static inline float bf16_to_float(uint16_t h)
+{
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f)
+{
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u)  /* NaN stays NaN */
+        return (uint16_t)((bits >> 16) | 0x40u);
+    bits += 0x7fffu + ((bits >> 16) & 1u);    /* round to nearest even */
+    return (uint16_t)(bits >> 16);
+}
 
 /* exp(x), x clamped to [-87, 88] (the float range): Cody-Waite range reduction and a degree-6
  * polynomial, about 2 ulp; written so that the compiler vectorises the loops calling it. */
