@@ -149,8 +149,6 @@ def test_unknown_schemes_and_unsupported_settings_are_clear_errors(family_dirs):
     path = str(family_dirs["llama"])
     with pytest.raises(ParamError, match="must be one of int8 .*got 'int4'"):
         LLM(path, dtype="float32", device="cpu", quantization="int4")
-    with pytest.raises(ParamError, match="int8 with tensor parallelism is not supported yet"):
-        LLM(path, dtype="float32", device="cpu", quantization="int8", tensor_parallel_size=2)
     with pytest.raises(ParamError, match="float32 or bfloat16 activations"):
         LLM(path, dtype="float16", device="cpu", quantization="int8")
 

@@ -312,5 +312,3 @@ def test_asking_for_another_scheme_is_refused(checkpoints, sources):
     assert LLM(str(path), dtype="float32", quantization="awq_marlin", **OPTIONS).engine.loaded.quantization == "awq"
     with pytest.raises(ParamError, match="'gptq' names a checkpoint format, and this checkpoint is not quantized"):
         LLM(str(sources["llama"]), dtype="float32", quantization="gptq", **OPTIONS)
-    with pytest.raises(ParamError, match="gptq with tensor parallelism is not supported yet"):
-        LLM(str(checkpoints("gptq-4bit-g32-sym")[0]), dtype="float32", tensor_parallel_size=2, **OPTIONS)

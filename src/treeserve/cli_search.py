@@ -45,6 +45,8 @@ def _add_search_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--system-prompt", help="replaces Search-and-Learn's math system prompt ('' for none)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", "-q", help="both models' weights: int8 (weight-only, made at load) or "
+                        "the checkpoints' own scheme (default: as stored)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--kv-cache-memory-bytes", type=int)
@@ -66,7 +68,7 @@ def _runtime(args):
 
     return Runtime({"gen": args.generator, "prm": args.verifier}, recipes={"prm": args.recipe},
                    kv_cache_memory_bytes=args.kv_cache_memory_bytes, dtype=args.dtype, device=args.device,
-                   max_model_len=args.max_model_len)
+                   max_model_len=args.max_model_len, quantization=args.quantization)
 
 
 def _runner(args, rt, reference: bool = False):

@@ -98,7 +98,7 @@ class LoadedModel:
         arena, config = space.arena, self.config
         self.executor.add_model(self.model_key, ModelSpec(
             str(self.model_dir), self.dtype, self.max_model_len, config.load_format, config.seed,
-            self.attention_backend, block_size, arena.num_pages, arena.page_bytes, arena.serial))
+            self.attention_backend, block_size, arena.num_pages, arena.page_bytes, arena.serial, self.quantization))
 
     def close(self) -> None:
         """Stops the tensor-parallel workers it started (a `Runtime`'s own are the Runtime's to stop)."""
@@ -133,7 +133,7 @@ def _describe(config: EngineConfig, name: str, executor) -> LoadedModel:
     dtype = config.resolve_dtype(device, model_config.torch_dtype)
     shared = config.max_num_batched_tokens or serving_token_budget(model_config, device)
     quantization = resolve_quantization(config.quantization, model_dir)
-    check_device(quantization, device, dtype, config.tensor_parallel_size)
+    check_device(quantization, device, dtype)
     return LoadedModel(
         config, name, model_dir, model_config, tokenizer, load_generation_defaults(model_dir, model_config),
         device, dtype, _max_model_len(config, model_config), shared,

@@ -45,6 +45,7 @@ class ModelSpec:
     num_pages: int
     page_bytes: int
     arena_key: int = 0  # models of a Runtime's shared arena name the same one: the worker shares it too
+    quantization: str | None = None  # the scheme rank 0 resolved (model/quantization/scheme.py)
 
 
 START_TIMEOUT_S = 120.0  # every rank importing torch and joining the group
@@ -182,11 +183,11 @@ def build_runner(spec: ModelSpec, tp: TensorParallel, device: torch.device, mode
     from treeserve.model.loader import build_model
     from pathlib import Path
 
-    key = (spec.model_dir, spec.dtype, spec.max_positions, spec.load_format, spec.seed)
+    key = (spec.model_dir, spec.dtype, spec.max_positions, spec.load_format, spec.seed, spec.quantization)
     if key not in models:
         config = load_model_config(Path(spec.model_dir))
         model = build_model(Path(spec.model_dir), config, spec.dtype, device, spec.max_positions, spec.load_format,
-                            spec.seed, tp)
+                            spec.seed, tp, spec.quantization)
         model.backend = make_backend(spec.attention_backend, model.kv_config, spec.dtype, device)
         models[key] = model
     model = models[key]

@@ -26,7 +26,7 @@ from treeserve.model.registry import cache_dir
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / "cpu_kernels.c", CSRC / "flash_prefill.c", CSRC / "int4_linear.c"]
+SOURCES = [CSRC / "cpu_kernels.c", CSRC / "flash_prefill.c", CSRC / "int4_linear.c", CSRC / "w8a8_linear.c"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno", "-fno-trapping-math",
          f"-I{CSRC}"]
 LIBS = ["-lm"]  # after the source: linkers that drop unneeded libraries look at what precedes them
@@ -50,12 +50,16 @@ SIGNATURES = {
     "ts_int4_supported": [],
     "ts_int4_linear": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64],
     "ts_int4_dequantize": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
+    "ts_w8a8_supported": [],
+    "ts_w8a8_block_channels": [],
+    "ts_w8a8_linear": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
     "ts_flash_prefill": [_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _i64, _int, _int, _int, _float,
                          _ptr, _i64],
 }
 RETURNS = {"ts_paged_attention": ctypes.c_int, "ts_int8_linear": ctypes.c_int, "ts_int8_bf16_rows": ctypes.c_int,
            "ts_flash_prefill_supported": ctypes.c_int,
-           "ts_paged_bf16_tiles": ctypes.c_int, "ts_int4_supported": ctypes.c_int, "ts_int4_linear": ctypes.c_int, "ts_flash_prefill": ctypes.c_int}
+           "ts_paged_bf16_tiles": ctypes.c_int, "ts_int4_supported": ctypes.c_int, "ts_int4_linear": ctypes.c_int, "ts_flash_prefill": ctypes.c_int,
+           "ts_w8a8_supported": ctypes.c_int, "ts_w8a8_block_channels": ctypes.c_int, "ts_w8a8_linear": ctypes.c_int}
 
 
 def _cpu_tag() -> str:
@@ -277,6 +281,39 @@ def int4_dequantize(library: ctypes.CDLL, packed: torch.Tensor, scales: torch.Te
     library.ts_int4_dequantize(packed.data_ptr(), scales.data_ptr(), zeros.data_ptr(), out.data_ptr(), out.shape[0],
                                out.shape[1], group_size)
     return out
+
+
+def w8a8_pack(weight: torch.Tensor, block_channels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 weights [N, K] (K a multiple of 4) in csrc/w8a8_linear.c's layout, int8
+    [ceil(N / block) * block * K] (zero channels past N), and each channel's correction
+    128 x sum_k w[n, k] (int32 [N])."""
+    n, k = weight.shape
+    if k % 4:
+        raise ValueError(f"w8a8_pack: {k} inputs, not a multiple of 4")
+    blocks = -(-n // block_channels)
+    padded = torch.zeros(blocks * block_channels, k, dtype=torch.int8)
+    padded[:n] = weight
+    packed = padded.reshape(blocks, block_channels, k // 4, 4).permute(0, 2, 1, 3).contiguous().reshape(-1)
+    comp = (weight.to(torch.int32).sum(dim=1) * 128).to(torch.int32).contiguous()
+    return packed, comp
+
+
+def w8a8_linear(library: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, comp: torch.Tensor,
+                scales: torch.Tensor, out_features: int, row_scales: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x [rows, K] (float32 or bfloat16, last dim contiguous), each row quantized to int8 by its
+    absolute maximum (`quantization.activations.quantize_rows_int8`, to the bit) or under
+    `row_scales` (float32 [rows], contiguous) where given, times the `w8a8_pack`ed int8 weight and
+    its float32 channel scales; [rows, N] in x's dtype, or None where the kernel cannot run (no
+    AVX512-VNNI)."""
+    if library.ts_w8a8_supported() != 1:
+        return None
+    out = torch.empty((x.shape[0], out_features), dtype=x.dtype)
+    given = None if row_scales is None else row_scales.data_ptr()
+    status = library.ts_w8a8_linear(x.data_ptr(), _rows(x), packed.data_ptr(), comp.data_ptr(), scales.data_ptr(),
+                                    given, out.data_ptr(), x.shape[0], out_features, x.shape[1], DTYPES[x.dtype])
+    if status == -2:
+        raise MemoryError("w8a8_linear: no memory for the quantized rows")
+    return out if status == 0 else None
 
 
 def flash_prefill(library: ctypes.CDLL, q: torch.Tensor, layer_cache: torch.Tensor, block_ids: torch.Tensor,

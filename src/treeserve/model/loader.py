@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -18,6 +18,7 @@ from treeserve.model.packed_linear import pack_linears
 from treeserve.model.parallel import ShardPlan, TensorParallel
 from treeserve.model.quantization import QuantizedTensors, checkpoint_format, quantize_linears, quantized_layer
 from treeserve.model.quantization.weights import concat_rows
+from treeserve.model.sharding import row_parallel, shard_quantized, shard_tensor
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -59,8 +60,10 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     raise FileNotFoundError(f"{model_dir / SINGLE_FILE}: file not found (nor {INDEX_FILE})")
 
 
-def iter_checkpoint_shards(model_dir: Path, plan: ShardPlan) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each checkpoint tensor's part that this rank holds (the whole tensor without parallelism)."""
+def iter_checkpoint_shards(model_dir: Path, plan: ShardPlan,
+                           whole: Callable[[str], bool] = lambda name: False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each checkpoint tensor's part that this rank holds (the whole tensor without parallelism), or
+    the whole tensor where `whole(name)` (quantized modules' packed tensors: sliced once decoded)."""
     if not plan.tp.enabled:
         yield from iter_checkpoint_tensors(model_dir)
         return
@@ -68,40 +71,12 @@ def iter_checkpoint_shards(model_dir: Path, plan: ShardPlan) -> Iterator[tuple[s
         try:
             with safe_open(str(path), framework="pt") as handle:
                 for name in handle.keys():
-                    yield name, _shard(name, handle.get_slice(name), plan)
+                    if whole(name):
+                        yield name, handle.get_tensor(name)
+                    else:
+                        yield name, shard_tensor(*_target_name(name), handle.get_slice(name), plan)
         except SafetensorError as exc:
             raise ValueError(f"{path}: malformed safetensors file ({exc})") from exc
-
-
-def _shard(name: str, part, plan: ShardPlan) -> torch.Tensor:
-    """Rows of column-parallel projections (q/k/v by heads, gate/up by rows), columns of row-parallel
-    ones (o_proj, down_proj; their bias on rank 0 alone, as the ranks' outputs are summed), a
-    vocabulary range of the embedding and lm_head (zero-padded to the shard size); the rest whole."""
-    target, slot = _target_name(name)
-    if slot is not None:
-        start, end = plan.qkv_rows()[slot] if "qkv" in target else plan.mlp_rows()
-        return part[start:end]
-    if target.endswith(("qkv_proj.weight", "qkv_proj.bias", "gate_up_proj.weight")):
-        raise ValueError(f"{name}: a checkpoint with its projections already fused (Phi-3's qkv_proj and "
-                         "gate_up_proj) cannot be sharded for tensor parallelism yet")
-    if target.endswith("o_proj.weight"):
-        start = plan.tp.rank * plan.local_heads * plan.head_dim
-        return part[:, start:start + plan.local_heads * plan.head_dim]
-    if target.endswith("down_proj.weight"):
-        start, end = plan.mlp_rows()
-        return part[:, start:end]
-    if target.endswith(("o_proj.bias", "down_proj.bias")):
-        full = part[:]
-        return full if plan.tp.rank == 0 else torch.zeros_like(full)
-    if target in ("embed_tokens.weight", "lm_head.weight"):
-        start, end = plan.vocab_rows()
-        rows = part[start:end] if end > start else None
-        width = part.get_shape()[1]
-        out = torch.zeros(plan.vocab_shard, width, dtype=rows.dtype if rows is not None else torch.float32)
-        if rows is not None:
-            out[:end - start] = rows
-        return out
-    return part[:]
 
 
 def iter_checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -201,11 +176,17 @@ def _fused_parts(target: str) -> int:
 
 def load_weights(model: DecoderForCausalLM, model_dir: Path, quantized: QuantizedTensors | None = None,
                  dtype: torch.dtype = torch.float32) -> None:
-    """Copies the checkpoint into the model; with tensor parallelism each tensor is read only as far
-    as this rank's shard of it (safetensors slices), never whole. `quantized`: gathers the quantized
-    modules' tensors, installed once read as quantized layers for activations of `dtype`."""
+    """Copies the checkpoint into the model; with tensor parallelism each float tensor is read only as
+    far as this rank's shard of it (safetensors slices), never whole. `quantized`: gathers the quantized
+    modules' tensors, installed once read as quantized layers for activations of `dtype`. With tensor
+    parallelism every rank reads those whole and keeps its slice of each decoded weight
+    (model/sharding.py), so a rank's peak while loading is every quantized module's packed tensors
+    (the checkpoint's quantized bytes, not its share of them) plus one module decoded whole (a byte
+    a weight): acceptable on CPU, where quantized models run so far; reading the packed words' slices
+    is the next step."""
     copier = _WeightCopier(model, model_dir)
-    for name, tensor in iter_checkpoint_shards(model_dir, model.plan):
+    whole = quantized.owns if quantized is not None else (lambda name: False)
+    for name, tensor in iter_checkpoint_shards(model_dir, model.plan, whole):
         if quantized is not None and quantized.owns(name):
             quantized.add(name, tensor)
         else:
@@ -242,6 +223,7 @@ def _install_quantized(model: DecoderForCausalLM, quantized: QuantizedTensors, c
             copier.copy(prefix + ".weight", weight.dequantize(torch.float32))
             continue
         target, slot = _target_name(prefix + ".weight")
+        weight = shard_quantized(target, slot, weight, model.plan)
         module = target.removesuffix(".weight")
         pieces = parts.setdefault(module, {})
         pieces[0 if slot is None else slot] = weight
@@ -259,7 +241,8 @@ def _replace_linear(model: nn.Module, module: str, weight, dtype: torch.dtype) -
     if weight.shape != (old.out_features, old.in_features):
         raise ValueError(f"quantized weight for {module} has shape {weight.shape}, expected "
                          f"{(old.out_features, old.in_features)}")
-    setattr(parent, child, quantized_layer(weight, old.bias, dtype))
+    split_inputs = model.plan.tp if model.plan.tp.enabled and row_parallel(module + ".weight") else None
+    setattr(parent, child, quantized_layer(weight, old.bias, dtype, split_inputs))
 
 
 def _copy_into(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
@@ -303,10 +286,26 @@ def build_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device
         init_dummy_weights(model, seed)
     else:
         load_weights(model, model_dir, quantized, dtype)
-    quantize_linears(model, quantization)
+    channel_amax = row_parallel_amax(model_dir, model.plan, dtype) if quantization == "int8" and tp.enabled else None
+    quantize_linears(model, quantization, channel_amax)
     pack_linears(model, dtype, device)
     pack_experts(model, dtype, device)
     return model.eval()
+
+
+def row_parallel_amax(model_dir: Path, plan: ShardPlan, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Each row-parallel projection's (o_proj, down_proj) largest absolute weight per output channel
+    over the whole row, as `dtype` holds the weights (module name -> float32 [out]): on-the-fly int8
+    scales them as one rank would, although each rank holds a share of the row. Read one tensor at
+    a time."""
+    amax = {}
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():
+                target, _ = _target_name(name)
+                if row_parallel(target) and ".experts." not in target:
+                    amax[target.removesuffix(".weight")] = handle.get_tensor(name).to(dtype).float().abs().amax(dim=1)
+    return amax
 
 
 def _quantized_tensors(model: nn.Module, model_dir: Path, method: str | None) -> QuantizedTensors | None:

@@ -34,6 +34,12 @@ class TensorParallel:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """x, in place, the elementwise largest over the ranks."""
+        if self.enabled:
+            dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.group)
+        return x
+
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """The ranks' [..., n] parts side by side: [..., world_size * n]."""
         if not self.enabled:

@@ -14,7 +14,13 @@ what the checkpoint's `config.json` says in its `quantization_config` (none: the
   activations' dtype (the stacked experts have no quantized kernels yet). Modules a checkpoint keeps
   unquantized (its `ignore` / `modules_to_not_convert`, e.g. the LM head) load as stored.
 
-Everything runs on CPU, without tensor parallelism so far (`check_device`).
+Everything runs on CPU so far (`check_device`), with tensor parallelism too: each rank decodes the
+quantized modules whole and keeps its slice (`IntWeight.rows` / `columns`, model/sharding.py);
+`int8` quantizes each rank's float shards. Where a scale is taken at load or run time over a
+row-parallel projection's inputs (o_proj, down_proj: `int8`'s channel scales, W8A8's and dynamic
+FP8's per-token activation scales) it is the whole row's, as one rank takes it: `int8`'s from the
+checkpoint's whole rows (`loader.row_parallel_amax`), the activations' joined by an all-reduce of
+the ranks' maxima (`activations.row_amax`); vLLM's ranks take their own share's instead.
 """
 from treeserve.model.quantization.checkpoint import QuantizedTensors
 from treeserve.model.quantization.int8 import (ATEN_INT8_MULTIPLE, DEQUANTIZE_FROM_ROWS, QUANTIZED_PROJECTIONS,

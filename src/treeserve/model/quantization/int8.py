@@ -9,7 +9,10 @@ widened in registers, tiles of 4 rows x 4 channels, bfloat16 dot products where 
 float32 FMAs otherwise; PyTorch's `aten._weight_int8pack_mm` where it cannot run) multiplies the
 rows by the int8 weights and their scales. A step with many rows is compute-bound instead: it
 dequantizes the weight once into a per-shape buffer and runs the activation dtype's GEMM. The
-embeddings, the LM head, a reward head, MoE routers and experts stay as stored.
+embeddings, the LM head, a reward head, MoE routers and experts stay as stored. With tensor
+parallelism each rank quantizes its own shards, a row-parallel projection's (o_proj, down_proj)
+channels by the largest weight of the whole row (`channel_amax`, read by the loader), so that the
+ranks' weights are one rank's.
 
 Measured (benchmarks/quantization.py, Llama-3.2-1B shape, bfloat16, 2-core AMD EPYC with
 avx512_bf16): decode 1.35x bfloat16's at batch 1, 0.64x at 16, 0.98x at 64 (the dequantized
@@ -39,13 +42,16 @@ class Int8Linear(nn.Module):
     """A linear layer over int8 weights with one scale per output channel (see the module's note)."""
 
     def __init__(self, linear: nn.Linear | None = None, *, quantized: torch.Tensor | None = None,
-                 scales: torch.Tensor | None = None, bias: torch.Tensor | None = None):
-        """From a float `linear` (quantized here), or from a checkpoint's int8 weights [out, in] and
-        their float32 scales [out]."""
+                 scales: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                 channel_amax: torch.Tensor | None = None):
+        """From a float `linear` (quantized here; `channel_amax`: each output channel's largest
+        absolute weight where the linear holds a share of its inputs, a row-parallel rank's), or
+        from a checkpoint's int8 weights [out, in] and their float32 scales [out]."""
         super().__init__()
         if linear is not None:
             weight = linear.weight.detach().float()
-            scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+            amax = weight.abs().amax(dim=1) if channel_amax is None else channel_amax.float()
+            scales = amax.clamp(min=1e-12) / 127.0
             quantized = torch.round(weight / scales[:, None]).clamp_(-127, 127).to(torch.int8)
             bias = linear.bias
         self.out_features, self.in_features = quantized.shape
@@ -81,16 +87,19 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def quantize_linears(model: nn.Module, method: str | None) -> int:
+def quantize_linears(model: nn.Module, method: str | None, channel_amax: dict[str, torch.Tensor] | None = None) -> int:
     """With `method` "int8" (made on the fly), replaces the decoder layers' projections by
-    `Int8Linear`s; returns how many."""
+    `Int8Linear`s; returns how many. `channel_amax`: by module name (layers.0.self_attn.o_proj),
+    the channels' largest weights of projections whose inputs are split over ranks."""
     if method != "int8":
         return 0
     count = 0
-    for layer in model.layers:
-        for parent in layer.modules():
-            for name, child in list(parent.named_children()):
-                if name in QUANTIZED_PROJECTIONS and type(child) is nn.Linear:
-                    setattr(parent, name, Int8Linear(child))
-                    count += 1
+    for parent_name, parent in list(model.named_modules()):
+        if not parent_name.startswith("layers."):
+            continue
+        for name, child in list(parent.named_children()):
+            if name in QUANTIZED_PROJECTIONS and type(child) is nn.Linear:
+                amax = (channel_amax or {}).get(f"{parent_name}.{name}")
+                setattr(parent, name, Int8Linear(child, channel_amax=amax))
+                count += 1
     return count

@@ -29,6 +29,7 @@ import logging
 import torch
 from torch import nn
 
+from treeserve.model.parallel import TensorParallel
 from treeserve.model.quantization.activations import Fp8InputLinear, Int8W8A8Linear
 from treeserve.model.quantization.int4 import Int4Linear, kernel_group_size
 from treeserve.model.quantization.int4_csrc import CsrcInt4Linear, csrc_int4_runs
@@ -38,11 +39,14 @@ from treeserve.model.quantization.weights import FloatWeight, IntWeight
 logger = logging.getLogger(__name__)
 
 
-def quantized_layer(weight: IntWeight | FloatWeight, bias: torch.Tensor | None, dtype: torch.dtype) -> nn.Module:
-    """The layer for one (fused) projection's weight; `bias` as the model holds it (or None)."""
+def quantized_layer(weight: IntWeight | FloatWeight, bias: torch.Tensor | None, dtype: torch.dtype,
+                    split_inputs: TensorParallel | None = None) -> nn.Module:
+    """The layer for one (fused) projection's weight; `bias` as the model holds it (or None).
+    `split_inputs`: the ranks that each hold a share of this projection's inputs (a row-parallel
+    one's), over which run-time input scales are taken, so that they are tensor_parallel_size=1's."""
     if isinstance(weight, IntWeight):
         if weight.input_quant == "int8_token":
-            return Int8W8A8Linear(weight, bias, dtype)
+            return Int8W8A8Linear(weight, bias, dtype, split_inputs)
         if csrc_int4_runs(weight, dtype):
             return CsrcInt4Linear(weight, bias, dtype)
         if weight.bits == 4 and dtype in (torch.bfloat16, torch.float16) and kernel_group_size(weight) is not None:
@@ -52,7 +56,7 @@ def quantized_layer(weight: IntWeight | FloatWeight, bias: torch.Tensor | None, 
             return Int8Linear(quantized=signed, scales=weight.scales[:, 0], bias=bias)
     linear = dequantized_linear(weight, bias, dtype)
     if isinstance(weight, FloatWeight) and weight.input_quant is not None:
-        return Fp8InputLinear(linear, weight.input_scale)
+        return Fp8InputLinear(linear, weight.input_scale, split_inputs)
     return linear
 
 

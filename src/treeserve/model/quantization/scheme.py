@@ -57,13 +57,11 @@ def checkpoint_format(model_dir: Path, method: str) -> CheckpointFormat | None:
     return CHECKPOINT_FORMATS[method](checkpoint_method(model_dir)[1])
 
 
-def check_device(method: str | None, device: torch.device, dtype: torch.dtype, tensor_parallel_size: int = 1) -> None:
-    """What the scheme's kernels run on so far (a clear error for the rest)."""
+def check_device(method: str | None, device: torch.device, dtype: torch.dtype) -> None:
+    """What the scheme's kernels run on so far (a clear error for the rest); any tensor parallel size
+    (each rank slices the decoded weights, model/sharding.py)."""
     if method is None:
         return
-    if tensor_parallel_size > 1:
-        raise ParamError("quantization", f"{method} with tensor parallelism is not supported yet (each rank would "
-                         "need its slice of the packed weights, scales and zero points)")
     if device.type != "cpu":
         raise ParamError("quantization", f"{method} runs on CPU so far, not {device.type}")
     if dtype not in (torch.float32, torch.bfloat16):

@@ -6,6 +6,11 @@ and group of input features, `w = (q - zero) * scale`; groups are `group_size` c
 features unless the checkpoint's `g_idx` says otherwise (GPTQ's act order). FP8 checkpoints decode to
 `FloatWeight` (the dequantized weight). The fused projections (qkv, gate_up) concatenate their parts
 here, rows with their scales and zero points, before a layer is chosen for them (`layers.py`).
+
+With tensor parallelism each rank holds a slice of each weight, cut here in the weight's own terms
+(`rows`, `columns`), since packed words and per-group scales cannot be sliced as read: output
+channels of a column-parallel projection, input features of a row-parallel one with the groups
+they read.
 """
 from __future__ import annotations
 
@@ -41,6 +46,31 @@ class IntWeight:
         if self.g_idx is not None:
             return self.g_idx
         return torch.arange(self.values.shape[1]) // self.group_size
+
+    def rows(self, start: int, end: int) -> IntWeight:
+        """Output channels [start, end) with their scales and zero points (copies: the whole goes)."""
+        return replace(self, values=self.values[start:end].clone(), scales=self.scales[start:end].clone(),
+                       zeros=self.zeros[start:end].clone())
+
+    def columns(self, start: int, end: int) -> IntWeight:
+        """Input features [start, end) and the groups they read. Without act order the cut must fall
+        on group boundaries (a ValueError names the group size otherwise); in act order the features
+        keep their groups, renumbered among those they read, and since a group's features lie on
+        several ranks they are no longer runs of group_size (`groups_are_runs_when_sorted`): the
+        slice runs dequantized, as vLLM's exllama path falls back for such shards."""
+        values = self.values[:, start:end].clone()
+        if self.g_idx is not None:
+            used, g_idx = torch.unique(self.g_idx[start:end], return_inverse=True)
+            return replace(self, values=values, scales=self.scales[:, used].contiguous(),
+                           zeros=self.zeros[:, used].contiguous(), g_idx=g_idx)
+        if self.scales.shape[1] == 1:  # one group per channel: the slice's features are all of it
+            return replace(self, values=values, scales=self.scales.clone(), zeros=self.zeros.clone(),
+                           group_size=end - start)
+        in_features = self.values.shape[1]
+        if start % self.group_size or (end % self.group_size and end != in_features):
+            raise ValueError(f"input features [{start}, {end}) do not fall on its groups of {self.group_size}")
+        groups = slice(start // self.group_size, -(-end // self.group_size))
+        return replace(self, values=values, scales=self.scales[:, groups].clone(), zeros=self.zeros[:, groups].clone())
 
     def symmetric(self) -> bool:
         return bool((self.zeros == 2 ** (self.bits - 1)).all())
@@ -82,6 +112,13 @@ class FloatWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.weight.to(dtype)
+
+    def rows(self, start: int, end: int) -> FloatWeight:
+        return replace(self, weight=self.weight[start:end].clone())
+
+    def columns(self, start: int, end: int) -> FloatWeight:
+        """Input features [start, end); a static input scale stays the tensor's (it scales every feature)."""
+        return replace(self, weight=self.weight[:, start:end].clone())
 
 
 def concat_rows(parts: list[IntWeight | FloatWeight]) -> IntWeight | FloatWeight:
