@@ -293,7 +293,9 @@ def w8a8_pack(weight: torch.Tensor, block_channels: int) -> tuple[torch.Tensor, 
     blocks = -(-n // block_channels)
     padded = torch.zeros(blocks * block_channels, k, dtype=torch.int8)
     padded[:n] = weight
-    packed = padded.reshape(blocks, block_channels, k // 4, 4).permute(0, 2, 1, 3).contiguous().reshape(-1)
+    # four inputs' bytes as one int32, so the transpose moves a quarter of the elements
+    words = padded.view(torch.int32).reshape(blocks, block_channels, k // 4)
+    packed = words.transpose(1, 2).contiguous().view(torch.int8).reshape(-1)
     comp = (weight.to(torch.int32).sum(dim=1) * 128).to(torch.int32).contiguous()
     return packed, comp
 

@@ -15,7 +15,7 @@ channels by the largest weight of the whole row (`channel_amax`, read by the loa
 ranks' weights are one rank's.
 
 Measured (benchmarks/quantization.py, Llama-3.2-1B shape, bfloat16, 2-core AMD EPYC with
-avx512_bf16): decode 1.35x bfloat16's at batch 1, 0.64x at 16, 0.98x at 64 (the dequantized
+avx512_bf16): decode 1.30-1.35x bfloat16's at batch 1, 0.64-0.73x at 16, 0.98x at 64 (the dequantized
 GEMM); prefill 1.00x; peak RSS 0.69x. At batch 16 the kernel's arithmetic is the bound (widening
 every weight once per 4 rows): VNNI int8 products (W8A8) or AMX tiles are the next step.
 """
@@ -94,9 +94,10 @@ def quantize_linears(model: nn.Module, method: str | None, channel_amax: dict[st
     if method != "int8":
         return 0
     count = 0
-    for parent_name, parent in list(model.named_modules()):
-        if not parent_name.startswith("layers."):
-            continue
+    # the parents only: a list holding the float linears too would keep every one alive until the end
+    parents = [(name, module) for name, module in model.named_modules()
+               if name.startswith("layers.") and type(module) is not nn.Linear]
+    for parent_name, parent in parents:
         for name, child in list(parent.named_children()):
             if name in QUANTIZED_PROJECTIONS and type(child) is nn.Linear:
                 amax = (channel_amax or {}).get(f"{parent_name}.{name}")
