@@ -34,7 +34,7 @@ class Int8W8A8Linear(nn.Module):
         """`split_inputs`: the ranks holding the other shares of each input row (a row-parallel
         projection under tensor parallelism), whose largest value scales the row."""
         super().__init__()
-        self.split_inputs = split_inputs if split_inputs is not None and split_inputs.enabled else None
+        self.split_inputs = _across_ranks(split_inputs)
         self.out_features, self.in_features = weight.shape
         signed = (weight.values.to(torch.int16) - 128).to(torch.int8)
         self.scales = nn.Parameter(weight.scales[:, 0].float().contiguous(), requires_grad=False)
@@ -82,6 +82,11 @@ class Int8W8A8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+def _across_ranks(split_inputs: TensorParallel | None) -> TensorParallel | None:
+    """The ranks a row is split over, None where it is whole here."""
+    return split_inputs if split_inputs is not None and split_inputs.enabled else None
+
+
 def _vnni_library(in_features: int):
     """treeserve's CPU kernels where they run W8A8 here (AVX512-VNNI, inputs a multiple of 4), else None."""
     library = cpu_kernels.load()
@@ -115,7 +120,7 @@ class Fp8InputLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, input_scale: torch.Tensor | None, split_inputs: TensorParallel | None = None):
         super().__init__()
-        self.split_inputs = split_inputs if split_inputs is not None and split_inputs.enabled else None
+        self.split_inputs = _across_ranks(split_inputs)
         self.linear = linear
         self.input_scale = None if input_scale is None else nn.Parameter(input_scale.float(), requires_grad=False)
 
