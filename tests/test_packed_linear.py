@@ -9,6 +9,7 @@ from treeserve import LLM, SamplingParams
 from treeserve.model import packed_linear
 from treeserve.config import cpu_has_fast_bf16
 from treeserve.model.packed_linear import Float32Linear, PackedLinear, can_pack, pack_linears
+from treeserve.model.random_models import make_tiny_model
 
 CPU = torch.device("cpu")
 needs_packing = pytest.mark.skipif(not can_pack(torch.bfloat16, CPU),
@@ -36,6 +37,25 @@ def test_bfloat16_engine_packs_every_linear_and_decodes_as_unpacked(llama_dir, m
     monkeypatch.setattr(packed_linear, "can_pack", lambda dtype, device: False)
     plain = LLM(str(llama_dir), dtype="bfloat16", device="cpu", kv_cache_memory_bytes=4 << 20)
     assert not any(isinstance(m, PackedLinear) for m in plain.engine.model.modules())
+    prompts = ["Hello there", "A longer prompt, so that prefill and decode both run a few rows"]
+    ours = [o.outputs[0] for o in packed.generate(prompts, params, use_tqdm=False)]
+    reference = [o.outputs[0] for o in plain.generate(prompts, params, use_tqdm=False)]
+    assert [o.token_ids for o in ours] == [o.token_ids for o in reference]
+    assert [o.logprobs for o in ours] == [o.logprobs for o in reference]
+
+
+@needs_packing
+def test_a_tied_lm_head_gets_a_packed_copy_and_the_same_logits(tmp_path, monkeypatch):
+    """Tied word embeddings: the logits go through a packed copy of the embedding matrix (the
+    embedding keeps its own for lookups), token for token and logprob for logprob as unpacked."""
+    path = make_tiny_model("llama", tmp_path / "tied", seed=2, tie_word_embeddings=True)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    packed = LLM(str(path), dtype="bfloat16", device="cpu", kv_cache_memory_bytes=4 << 20)
+    model = packed.engine.model
+    assert isinstance(model.lm_head, PackedLinear) and not model.embed_tokens.weight.is_mkldnn
+    monkeypatch.setattr(packed_linear, "can_pack", lambda dtype, device: False)
+    plain = LLM(str(path), dtype="bfloat16", device="cpu", kv_cache_memory_bytes=4 << 20)
+    assert plain.engine.model.lm_head is None
     prompts = ["Hello there", "A longer prompt, so that prefill and decode both run a few rows"]
     ours = [o.outputs[0] for o in packed.generate(prompts, params, use_tqdm=False)]
     reference = [o.outputs[0] for o in plain.generate(prompts, params, use_tqdm=False)]

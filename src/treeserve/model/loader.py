@@ -14,7 +14,7 @@ from treeserve.errors import ParamError
 from treeserve.model.decoder import DecoderForCausalLM
 from treeserve.model.hf_config import ModelConfig, load_model_config, read_json
 from treeserve.model.moe import pack_experts
-from treeserve.model.packed_linear import pack_linears
+from treeserve.model.packed_linear import pack_linears, pack_tied_lm_head
 from treeserve.model.parallel import ShardPlan, TensorParallel
 from treeserve.model.quantization import QuantizedTensors, checkpoint_format, quantize_linears, quantized_layer
 from treeserve.model.quantization.weights import concat_rows
@@ -289,6 +289,7 @@ def build_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device
     channel_amax = row_parallel_amax(model_dir, model.plan, dtype) if quantization == "int8" and tp.enabled else None
     quantize_linears(model, quantization, channel_amax)
     pack_linears(model, dtype, device)
+    pack_tied_lm_head(model, dtype, device)
     pack_experts(model, dtype, device)
     return model.eval()
 

@@ -110,6 +110,29 @@ def pack_linears(model: nn.Module, dtype: torch.dtype, device: torch.device) -> 
     return count
 
 
+def pack_tied_lm_head(model: nn.Module, dtype: torch.dtype, device: torch.device) -> bool:
+    """A language model whose logits come from its embedding matrix (tied word embeddings) gets a
+    packed copy of it as its `lm_head`, where packing pays (`can_pack`): the logits are the step's
+    largest product, and `F.linear` reorders the matrix on every call (Llama-3.2-1B's 128256 x 2048
+    on a 2-core AVX512-BF16 EPYC: 27.9 -> 22.9 ms at 1 row, 41.4 -> 30.5 at 16; the same bits).
+    The embedding keeps its own for lookups: the matrix is held twice, as vLLM's CPU path holds it
+    (its embedding layer prepacks with `remove_weight=False`). Returns whether it packed."""
+    if not can_pack(dtype, device) or getattr(model, "lm_head", True) is not None:
+        return False
+    if getattr(model, "head_name", None) is not None:  # a reward model: its head, not the embedding
+        return False
+    weight = model.embed_tokens.weight
+    with torch.device("meta"):
+        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
+    try:
+        model.lm_head = PackedLinear(linear)
+    except RuntimeError as exc:
+        logger.warning("keeping the tied lm_head unpacked: oneDNN could not pack it (%s)", exc)
+        return False
+    return True
+
+
 def _compute_in_float32(model: nn.Module) -> int:
     count = 0
     for module in model.modules():
