@@ -30,8 +30,6 @@
 
 #define W8A8_NV 4    /* 16-channel vectors per block */
 #define W8A8_MR 6    /* rows per tile: 24 accumulators, 4 weight vectors, a broadcast */
-#define W8A8_PREFETCH 2048  /* bytes ahead of the first tile of a span (the stream from memory): 54 ms
-                              against 60 without for a 1B shape's linears at 16 rows */
 #define W8A8_SPAN 256  /* inputs per span: a block's weights for it are 16 KiB */
 #define TS_BFLOAT16 1
 
@@ -166,12 +164,6 @@ static inline void w8a8_finish(const struct w8a8_call *c, int32_t *partial, int6
         const uint8_t *rows = c->u + m0 * c->k_in;                                                    \
         for (int64_t k = k0; k < k1; k += 4) {                                                        \
             const int8_t *w = block + k * 16 * W8A8_NV;                                               \
-            if (m0 == 0) {  /* the first tile of a span streams the weights from memory */            \
-                _mm_prefetch((const char *)(w + W8A8_PREFETCH), _MM_HINT_T0);                         \
-                _mm_prefetch((const char *)(w + W8A8_PREFETCH + 64), _MM_HINT_T0);                    \
-                _mm_prefetch((const char *)(w + W8A8_PREFETCH + 128), _MM_HINT_T0);                   \
-                _mm_prefetch((const char *)(w + W8A8_PREFETCH + 192), _MM_HINT_T0);                   \
-            }                                                                                         \
             __m512i w0 = _mm512_loadu_si512((const void *)w);                                         \
             __m512i w1 = _mm512_loadu_si512((const void *)(w + 64));                                  \
             __m512i w2 = _mm512_loadu_si512((const void *)(w + 128));                                 \
