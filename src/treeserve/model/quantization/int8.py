@@ -17,7 +17,8 @@ ranks' weights are one rank's.
 Measured (benchmarks/quantization.py, Llama-3.2-1B shape, bfloat16, 2-core AMD EPYC with
 avx512_bf16): decode 1.30-1.35x bfloat16's at batch 1, 0.64-0.73x at 16, 0.98x at 64 (the dequantized
 GEMM); prefill 1.00x; peak RSS 0.69x (0.78x once the tied LM head got its packed copy). At batch
-16 the kernel's arithmetic is the bound (widening every weight once per 4 rows): VNNI int8 products (W8A8) or AMX tiles are the next step.
+16 the kernel's arithmetic is the bound (widening every weight once per 4 rows): VNNI int8
+products (W8A8) or AMX tiles are the next step.
 """
 from __future__ import annotations
 
