@@ -136,7 +136,8 @@ def test_two_ranks_give_one_ranks_tokens(checkpoints, two_ranks, name):
             _assert_alike(ours, ref, ACTIVATION_BOUND, ACTIVATION_TIE)
         else:
             _assert_alike(ours, ref, 1e-4, 0.0)
-    if name == "int8" or name in ACTIVATIONS_QUANTIZED:  # HF holds no on-the-fly int8; the others: test_quantized_checkpoints.py
+    # HF holds no on-the-fly int8; W8A8 and FP8 against HF: tests/test_quantized_checkpoints.py
+    if name == "int8" or name in ACTIVATIONS_QUANTIZED:
         return
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(reference), dtype=torch.float32).eval()
     for output in first:
