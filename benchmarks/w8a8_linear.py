@@ -13,7 +13,6 @@ import statistics
 import time
 
 import torch
-from torch import nn
 
 from treeserve.model import cpu_kernels
 from treeserve.model.packed_linear import PackedLinear, can_pack
@@ -46,7 +45,7 @@ def one_layer(library, rows_list: list[int], copies: int) -> None:
         scales = torch.rand(n) * 0.01
         packs = [cpu_kernels.w8a8_pack(w, block) for w in weights]
         floats = [torch.randn(n, k, dtype=torch.bfloat16) for _ in range(min(copies, 4))]
-        packed = [PackedLinear(_linear(w)) for w in floats] if can_pack(torch.bfloat16, torch.device("cpu")) else None
+        packed = [PackedLinear.of_weight(w) for w in floats] if can_pack(torch.bfloat16, torch.device("cpu")) else None
         for rows in rows_list:
             x = torch.randn(rows, k, dtype=torch.bfloat16)
             ours = _ms(lambda i: cpu_kernels.w8a8_linear(library, x, *packs[i], scales, n), copies)
@@ -56,13 +55,6 @@ def one_layer(library, rows_list: list[int], copies: int) -> None:
             print(f"{n} x {k}, {rows} rows: W8A8 kernel {ours:.2f} ms, quantize + torch._int_mm {pytorch:.2f} "
                   f"({pytorch / ours:.2f}x), bfloat16 F.linear {dense:.2f} ({dense / ours:.2f}x), "
                   f"oneDNN packed bfloat16 {onednn:.2f} ({onednn / ours:.2f}x)")
-
-
-def _linear(weight: torch.Tensor) -> nn.Linear:
-    with torch.device("meta"):
-        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
-    linear.weight = nn.Parameter(weight, requires_grad=False)
-    return linear
 
 
 def one_step(library, rows_list: list[int]) -> None:

@@ -79,12 +79,15 @@ def iter_checkpoint_shards(model_dir: Path, plan: ShardPlan,
             raise ValueError(f"{path}: malformed safetensors file ({exc})") from exc
 
 
-def iter_checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_checkpoint_tensors(model_dir: Path,
+                            wanted: Callable[[str], bool] = lambda name: True) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each checkpoint tensor (those `wanted` by name) whole."""
     for path in safetensors_files(model_dir):
         try:
             with safe_open(str(path), framework="pt") as handle:
                 for name in handle.keys():
-                    yield name, handle.get_tensor(name)
+                    if wanted(name):
+                        yield name, handle.get_tensor(name)
         except SafetensorError as exc:
             raise ValueError(f"{path}: malformed safetensors file ({exc})") from exc
 
@@ -299,14 +302,12 @@ def row_parallel_amax(model_dir: Path, plan: ShardPlan, dtype: torch.dtype) -> d
     over the whole row, as `dtype` holds the weights (module name -> float32 [out]): on-the-fly int8
     scales them as one rank would, although each rank holds a share of the row. Read one tensor at
     a time."""
-    amax = {}
-    for path in safetensors_files(model_dir):
-        with safe_open(str(path), framework="pt") as handle:
-            for name in handle.keys():
-                target, _ = _target_name(name)
-                if row_parallel(target) and ".experts." not in target:
-                    amax[target.removesuffix(".weight")] = handle.get_tensor(name).to(dtype).float().abs().amax(dim=1)
-    return amax
+    def wanted(name: str) -> bool:
+        target = _target_name(name)[0]
+        return row_parallel(target) and ".experts." not in target
+
+    return {_target_name(name)[0].removesuffix(".weight"): tensor.to(dtype).float().abs().amax(dim=1)
+            for name, tensor in iter_checkpoint_tensors(model_dir, wanted)}
 
 
 def _quantized_tensors(model: nn.Module, model_dir: Path, method: str | None) -> QuantizedTensors | None:

@@ -74,6 +74,14 @@ class PackedLinear(nn.Module):
         packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
         self.weight = nn.Parameter(packed, requires_grad=False)
 
+    @classmethod
+    def of_weight(cls, weight: torch.Tensor) -> "PackedLinear":
+        """The packed layer of a bias-free weight [out, in] (the weight itself is not kept)."""
+        with torch.device("meta"):
+            linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
+        return cls(linear)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, None, "none", [], "")
 
@@ -121,12 +129,8 @@ def pack_tied_lm_head(model: nn.Module, dtype: torch.dtype, device: torch.device
         return False
     if getattr(model, "head_name", None) is not None:  # a reward model: its head, not the embedding
         return False
-    weight = model.embed_tokens.weight
-    with torch.device("meta"):
-        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
-    linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
     try:
-        model.lm_head = PackedLinear(linear)
+        model.lm_head = PackedLinear.of_weight(model.embed_tokens.weight)
     except RuntimeError as exc:
         logger.warning("keeping the tied lm_head unpacked: oneDNN could not pack it (%s)", exc)
         return False
