@@ -73,6 +73,49 @@ def test_bfloat16_tiles_run_vdpbf16ps_where_the_cpu_has_it():
     assert LIBRARY.ts_paged_bf16_tiles(HEAD_DIM) == 0  # 16: the float32 tiles
 
 
+def _grouped_reference(q, cache, tables, lens, scale, window=None):
+    """`_reference` for any number of KV heads and query heads per KV head."""
+    kv_heads, head_dim = cache.shape[3], cache.shape[4]
+    group = q.shape[1] // kv_heads
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for i, (table, length) in enumerate(zip(tables, lens)):
+        first = 0 if window is None else max(0, length - window)
+        keys, values = (cache[table, part].reshape(-1, kv_heads, head_dim)[first:length].double()
+                        .repeat_interleave(group, 1) for part in (0, 1))
+        probs = torch.einsum("hd,lhd->hl", q[i].double() * scale, keys).softmax(-1)
+        out[i] = torch.einsum("hl,lhd->hd", probs, values)
+    return out
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 7, 8, 12])  # 12: past the two-pass path's 8, the tiles
+@pytest.mark.parametrize("head_dim,window", [(64, None), (128, None), (96, 600)])
+def test_bfloat16_decode_rows_match_reference_across_segments(group, head_dim, window):
+    """Decode rows of 1 to 1,300 keys: the two-pass path scores 512 keys a segment and merges the
+    segments by their maxima (a wrong merge moves the long rows' outputs by far more than 2e-2)."""
+    gen = torch.Generator().manual_seed(group)
+    kv_heads, block, lengths = 2, 16, (1, 15, 512, 513, 1300)
+    cache = torch.randn(-(-sum(lengths) // block) + len(lengths), 2, block, kv_heads, head_dim,
+                        generator=gen).to(torch.bfloat16)
+    order = torch.randperm(cache.shape[0], generator=gen).tolist()
+    rows, tables = PagedRows(), []
+    for length in lengths:
+        table, order = order[: -(-length // block)], order[-(-length // block):]
+        rows.add_decode(length, table)
+        tables.append(table)
+    q = torch.randn(len(lengths), kv_heads * group, head_dim, generator=gen).to(torch.bfloat16)
+    out = torch.empty_like(q)
+    cpu_kernels.paged_attention(LIBRARY, q, cache, *rows.tensors, 0.1, window, out)
+    expected = _grouped_reference(q, cache, tables, lengths, 0.1, window)
+    torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif("avx512_bf16" not in Path("/proc/cpuinfo").read_text(),
+                    reason="hardware: no AVX512-BF16 on this CPU (decode rows take the tiles there)")
+def test_bfloat16_decode_rows_take_the_two_pass_path_where_the_cpu_has_it():
+    assert LIBRARY.ts_paged_decode_rows(3, 64) == 1 and LIBRARY.ts_paged_decode_rows(8, 128) == 1
+    assert LIBRARY.ts_paged_decode_rows(12, 64) == 0 and LIBRARY.ts_paged_decode_rows(4, 80) == 0
+
+
 def test_backend_paged_rows_agree_with_the_gathering_path():
     gen = torch.Generator().manual_seed(1)
     cache = torch.randn(BLOCKS, 2, BLOCK, KV_HEADS, HEAD_DIM, generator=gen)

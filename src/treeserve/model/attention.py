@@ -5,8 +5,10 @@ context length), then prefill chunks, those of short sequences first. `TorchSDPA
 the step's keys/values into the paged cache by slot, then attends:
 - on CPU in float32 or bfloat16, the `PagedRows` (the decode rows and, where that is faster, the
   rows of prefill chunks whose sequence is at most `PAGED_PREFILL_MAX_CONTEXT` tokens long, every
-  row with its own causal length): treeserve's C kernel (`cpu_kernels.paged_attention`) reads the paged cache in place, one
-  pass with an online softmax, no gather, no padding, no mask;
+  row with its own causal length): treeserve's C kernel (`cpu_kernels.paged_attention`) reads the
+  paged cache in place, no gather, no padding, no mask: tiles of 16 keys into an online softmax,
+  and decode rows over a bfloat16 cache on CPUs with AVX512-BF16 in two passes per 512 keys
+  (`csrc/paged_decode.c`: all scores, then the values);
 - otherwise (CUDA, float16, no C compiler) decode rows are grouped by context length (which bounds
   the padding), each group's blocks gathered for `scaled_dot_product_attention`, or
   `decode_by_matmul` for one-token decode on CPU in bfloat16 or float16;

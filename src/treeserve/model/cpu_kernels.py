@@ -26,7 +26,8 @@ from treeserve.model.registry import cache_dir
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / "cpu_kernels.c", CSRC / "flash_prefill.c", CSRC / "int4_linear.c", CSRC / "w8a8_linear.c"]
+SOURCES = [CSRC / name for name in (
+    "cpu_kernels.c", "paged_decode.c", "flash_prefill.c", "int4_linear.c", "w8a8_linear.c")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno", "-fno-trapping-math",
          f"-I{CSRC}"]
 LIBS = ["-lm"]  # after the source: linkers that drop unneeded libraries look at what precedes them
@@ -47,6 +48,7 @@ SIGNATURES = {
     "ts_int8_dequantize": [_ptr, _ptr, _ptr, _i64, _i64, _int],
     "ts_flash_prefill_supported": [_int],
     "ts_paged_bf16_tiles": [_int],
+    "ts_paged_decode_rows": [_int, _int],
     "ts_int4_supported": [],
     "ts_int4_linear": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64],
     "ts_int4_dequantize": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
@@ -56,10 +58,10 @@ SIGNATURES = {
     "ts_flash_prefill": [_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _i64, _int, _int, _int, _float,
                          _ptr, _i64],
 }
-RETURNS = {"ts_paged_attention": ctypes.c_int, "ts_int8_linear": ctypes.c_int, "ts_int8_bf16_rows": ctypes.c_int,
-           "ts_flash_prefill_supported": ctypes.c_int,
-           "ts_paged_bf16_tiles": ctypes.c_int, "ts_int4_supported": ctypes.c_int, "ts_int4_linear": ctypes.c_int, "ts_flash_prefill": ctypes.c_int,
-           "ts_w8a8_supported": ctypes.c_int, "ts_w8a8_block_channels": ctypes.c_int, "ts_w8a8_linear": ctypes.c_int}
+RETURNS = dict.fromkeys([
+    "ts_paged_attention", "ts_paged_bf16_tiles", "ts_paged_decode_rows", "ts_flash_prefill_supported",
+    "ts_flash_prefill", "ts_int8_linear", "ts_int8_bf16_rows", "ts_int4_supported", "ts_int4_linear",
+    "ts_w8a8_supported", "ts_w8a8_block_channels", "ts_w8a8_linear"], ctypes.c_int)
 
 
 def _cpu_tag() -> str:

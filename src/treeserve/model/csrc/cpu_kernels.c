@@ -13,6 +13,8 @@
 
 #include <omp.h>
 
+#include "paged_cache.h"
+#include "paged_decode.h"
 #include "simd_math.h"
 
 #define TS_FLOAT32 0
@@ -58,17 +60,6 @@ static inline void store_row(void *dst, int dtype, const float *src, int n, floa
 /* silu's exponentials go through a small buffer first: one loop fusing exp and the division ran
  * 2x slower (measured, gcc 12, Zen 4). */
 #define SILU_TILE 256
-
-struct paged_cache {
-    const char *base;       /* one layer's [num_blocks, 2, block_size, kv_heads, head_dim] view */
-    int64_t block_stride;   /* strides in bytes */
-    int64_t kv_stride;
-    int64_t token_stride;
-    int64_t head_stride;
-    int block_size;
-    int dtype;
-    int elem;               /* bytes per element */
-};
 
 /* Online-softmax state of one KV head's query group. */
 struct group_state {
@@ -166,23 +157,6 @@ static inline __m512 load16(const char *src, int dtype)
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
     }
     return _mm512_loadu_ps((const float *)src);
-}
-
-/* Lane t of the result = the sum of v[t]'s 16 lanes (a transposing reduction tree). */
-static inline __m512 sum16(const __m512 v[TILE])
-{
-    __m512 pairs[8], quads[4], octs[2];
-    for (int i = 0; i < 8; i++)
-        pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                                 _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++)
-        quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                 _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    for (int i = 0; i < 2; i++)
-        octs[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(octs[0], octs[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(octs[0], octs[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
 /* The tile in 16-lane vectors, converted once for every query row that attends to it. */
@@ -378,40 +352,6 @@ static inline __attribute__((always_inline)) void attend_tile(struct group_state
             attend_tile_scalar(states[r], &tile, counts[r], group, head_dim, softcap);
 }
 
-/* A walk over a paged sequence's tokens in order: the block table entry and the offset in it,
- * advanced without a division per token. */
-struct token_cursor {
-    const int64_t *table;
-    int64_t block;
-    int offset;
-};
-
-static inline struct token_cursor cursor_at(const struct paged_cache *c, const int64_t *table, int64_t pos)
-{
-    struct token_cursor cur = {table, pos / c->block_size, (int)(pos % c->block_size)};
-    return cur;
-}
-
-/* The cursor's token's row (first KV head's key), then one token on. */
-static inline const char *cursor_next(struct token_cursor *cur, const struct paged_cache *c)
-{
-    const char *row = c->base + cur->table[cur->block] * c->block_stride + cur->offset * c->token_stride;
-    if (++cur->offset == c->block_size) {
-        cur->offset = 0;
-        cur->block++;
-    }
-    return row;
-}
-
-/* One token's key and value rows (`bytes` each, `kv_stride` apart) towards L2. */
-static inline void prefetch_row(const char *key, int64_t kv_stride, int64_t bytes)
-{
-    for (int64_t b = 0; b < bytes; b += 64) {
-        __builtin_prefetch(key + b, 0, 1);
-        __builtin_prefetch(key + kv_stride + b, 0, 1);
-    }
-}
-
 /* Attention of a unit's query rows (`nrows` consecutive tokens of one paged sequence, row r seeing
  * keys [start, ends[r])) for KV heads [first_head, first_head + heads), TILE keys at a time whatever
  * the block size (a tile may span blocks). Each tile of each head is read and converted once for
@@ -522,6 +462,7 @@ int ts_paged_attention(const void *q, int64_t q_row_stride, const void *cache, i
         return -2;
     int64_t units = query_units(block_starts, context_lens, rows, window, firsts);
     const int bf16_path = bf16_tiles(&c, head_dim, softcap);
+    const int decode_path = paged_decode_supported(&c, group, head_dim, softcap);
     int heads = units >= 4 * omp_get_max_threads() ? num_kv_heads : 1;
     int64_t spans = num_kv_heads / heads, tasks = units * spans;
     int failed = 0;
@@ -540,6 +481,13 @@ int ts_paged_attention(const void *q, int64_t q_row_stride, const void *cache, i
             int nrows = (int)(firsts[unit + 1] - first_row);
             int first_head = (int)(task % spans) * heads;
             int64_t first_q = (int64_t)first_head * group;
+            if (nrows == 1 && decode_path) {
+                int64_t end = context_lens[first_row], start = window > 0 && end > window ? end - window : 0;
+                paged_decode_row((const uint16_t *)q + first_row * q_row_stride, &c, block_ids + block_starts[first_row],
+                                 start, end, first_head, heads, group, head_dim, scale,
+                                 (uint16_t *)out + first_row * num_heads * head_dim);
+                continue;
+            }
             for (int r = 0; r < nrows; r++) {
                 const char *q_row = (const char *)q + ((first_row + r) * q_row_stride + first_q * head_dim) * elem;
                 for (int h = 0; h < heads; h++) {
