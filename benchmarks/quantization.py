@@ -156,15 +156,17 @@ def kernels() -> None:
     dtype = torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
     for shape in ((2048, 8192), (8192, 2048)):
         stored = nn.Sequential(nn.Linear(*shape, bias=False).to(dtype))
-        quantized = Int8Linear(stored[0])
+        quantized = Int8Linear(stored[0], pack=False)  # row-major: the kernels below read it as it is
+        packed = Int8Linear(stored[0])  # bfloat16 on an AVX512-BF16 + VNNI CPU: the packed kernel's layout
         groups = (shape[1], shape[0] // 128)
         int4 = Int4Linear(IntWeight(torch.randint(0, 16, shape[::-1], dtype=torch.uint8), torch.rand(groups) * 0.01,
                                     torch.full(groups, 8.0), 4, 128), None, torch.bfloat16)
         pack_linears(stored, dtype, torch.device("cpu"))
         for rows in (1, 4, 16, 32, 64, 128, 256, 1024):
             x = torch.randn(rows, shape[0], dtype=dtype)
-            timings = {"int8 (ours)": lambda: cpu_kernels.int8_linear(cpu_kernels.load(), x, quantized.weight,
-                                                                         quantized.scales),
+            timings = {"int8 packed (ours)": lambda: packed(x),
+                       "int8 row-major (ours)": lambda: cpu_kernels.int8_linear(cpu_kernels.load(), x,
+                                                                                quantized.weight, quantized.scales),
                        "int8 (aten)": lambda: torch.ops.aten._weight_int8pack_mm(x, quantized.weight,
                                                                                  quantized.scales.to(dtype)),
                        "dequantized GEMM": lambda: nn.functional.linear(x, quantized.dequantized(dtype)),

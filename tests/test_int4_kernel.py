@@ -36,6 +36,40 @@ def test_int4_linear_matches_the_dequantized_weight(rows, n, k, group_size):
     torch.testing.assert_close(out.double(), expected, atol=2e-3 * expected.abs().max().item(), rtol=8e-3)
 
 
+PACKED16 = LIBRARY is not None and LIBRARY.ts_int8_rows16() == 1
+needs_packed16 = pytest.mark.skipif(not PACKED16, reason="hardware: no AVX512-VNNI here (the packed 4-bit kernel "
+                                                         "multiplies 16-bit rows by vpdpwssd)")
+
+
+@needs_packed16
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 64])
+@pytest.mark.parametrize("n,k,group_size", [(22, 256, 32), (70, 512, 128), (8, 288, 288), (6, 1024, 512),
+                                             (10, 160, 32), (4, 96, 96)])  # 288: one group, spans 256 + 32
+def test_packed_int4_linear_matches_the_dequantized_weight(rows, n, k, group_size):
+    """The packed layout with 16-bit rows: every tile height and more, channels past a block of 64,
+    groups from 32 inputs to the whole row (spans of 256 where a group is longer), an outlier."""
+    gen = torch.Generator().manual_seed(rows * 1000 + n)
+    q, scales, zeros, dense = _weights(n, k, group_size, gen)
+    wide = (torch.randn(rows, k + 32, generator=gen) * 3).to(torch.bfloat16)
+    wide[:, 40] = 60.0
+    x = wide[:, 16:16 + k]
+    assert LIBRARY.ts_int4_packed16_span(k, group_size) == min(group_size, 256)
+    out = cpu_kernels.int4_linear_packed16(LIBRARY, x, cpu_kernels.int4_pack16(q.to(torch.uint8)),
+                                           cpu_kernels.int4_pack16_groups(scales),
+                                           cpu_kernels.int4_pack16_groups(zeros), n, group_size)
+    expected = x.double() @ dense.T
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
+    torch.testing.assert_close(out.double(), expected, atol=2e-3 * expected.abs().max().item(), rtol=8e-3)
+
+
+@needs_packed16
+def test_int4_pack16_reads_back_and_refuses_spans_it_cannot_take():
+    q = torch.randint(0, 16, (70, 256), dtype=torch.uint8)
+    assert torch.equal(cpu_kernels.int4_unpack16(cpu_kernels.int4_pack16(q), 70, 256), q)
+    assert LIBRARY.ts_int4_packed16_span(768, 384) == 0  # longer than 256, not a multiple of it, not the row
+    assert LIBRARY.ts_int4_packed16_span(768, 48) == 0
+
+
 def test_int4_pack_layout_and_dequantize():
     gen = torch.Generator().manual_seed(1)
     q, scales, zeros, dense = _weights(6, 192, 32, gen)

@@ -6,6 +6,8 @@ Checkpoints quantized with schemes treeserve cannot load are refused by name."""
 import json
 import shutil
 
+from pathlib import Path
+
 import pytest
 import torch
 import transformers
@@ -94,6 +96,62 @@ def test_int8_in_bfloat16_stays_close_to_float32(family_dirs):
     assert error < 0.05, float(error)
 
 
+def test_bfloat16_rows_as_16_bit_integers_keep_each_span_of_inputs_exact():
+    """On AVX512-BF16 + VNNI CPUs bfloat16 rows enter the packed int8 kernel as 16-bit integers under
+    one power of two per 256 inputs: within one bfloat16 unit of the exact product, also where one span
+    of a row is 10^6 times smaller than another (one scale per row would round it away), zeros
+    give zeros and a NaN or infinity gives NaN."""
+    from treeserve.model import cpu_kernels
+
+    library = cpu_kernels.load()
+    if library is None or not library.ts_int8_rows16():
+        pytest.skip("hardware: no AVX512-BF16 and VNNI here (bfloat16 rows take the bfloat16 dot products)")
+    gen = torch.Generator().manual_seed(3)
+    layer = Int8Linear(nn.Linear(768, 40, bias=False))
+    weight = layer.weight.clone()
+    weight[:20, :256] = 0  # channels 0-19 see only inputs 256-767: the small spans below
+    x = torch.randn(6, 768, generator=gen)
+    x[:, 256:] *= 1e-6
+    x = x.to(torch.bfloat16)
+    exact = (x.double() @ (weight.double() * layer.scales.double()[:, None]).T)
+    unit = exact.abs().to(torch.bfloat16).double() * 2.0 ** -7  # one bfloat16 unit (8-bit significand)
+    packed = cpu_kernels.int8_pack16(weight)
+
+    def product(rows):
+        return cpu_kernels.int8_linear_packed16(library, rows, packed, layer.scales, 40)
+
+    assert ((product(x).double() - exact).abs() <= unit + 1e-30).all()
+    assert (product(torch.zeros(2, 768, dtype=torch.bfloat16)) == 0).all()
+    bad = x.clone()
+    bad[0, 5], bad[1, 700] = float("nan"), float("inf")
+    poisoned = product(bad).float()
+    assert poisoned[:2].isnan().all() and not poisoned[2:].isnan().any()
+
+
+@pytest.mark.parametrize("in_features", [96, 768])  # one short span; three
+def test_the_packed_int8_layer_matches_the_dequantized_product(in_features):
+    """bfloat16 int8 layers hold their weight in the packed kernel's layout only: every tile height
+    (1-6 rows), many rows (where row-major layers dequantize), channels past a block of 64, a bias,
+    and the weight read back."""
+    from treeserve.model import cpu_kernels
+
+    library = cpu_kernels.load()
+    if library is None or not library.ts_int8_rows16():
+        pytest.skip("hardware: no AVX512-BF16 and VNNI here (bfloat16 int8 layers stay row-major)")
+    torch.manual_seed(1)
+    linear = nn.Linear(in_features, 70).to(torch.bfloat16)
+    layer, plain = Int8Linear(linear), Int8Linear(linear, pack=False)
+    assert layer.packed and not plain.packed and layer.weight.numel() == 128 * in_features
+    assert torch.equal(layer.dequantized(torch.float32), plain.dequantized(torch.float32).clone())
+    reference = plain.dequantized(torch.float32).clone()
+    for rows in (1, 2, 3, 4, 5, 6, 7, 13, 64, 200):
+        x = torch.randn(rows, in_features, dtype=torch.bfloat16)
+        ref = x.float() @ reference.T + linear.bias.detach().float()
+        out = layer(x)
+        assert out.dtype == torch.bfloat16 and out.shape == (rows, 70)
+        assert torch.allclose(out.float(), ref, rtol=1e-2, atol=1e-2 * float(ref.abs().max())), rows
+
+
 def test_int8_weights_take_one_byte_each(family_dirs):
     path = str(family_dirs["qwen2"])
     plain = {n: p for n, p in LLM(path, dtype="float32", device="cpu").engine.model.named_parameters()}
@@ -160,7 +218,7 @@ def test_the_int8_kernel_matches_the_dequantized_product(dtype):
 
     library = cpu_kernels.load()
     torch.manual_seed(0)
-    layer = Int8Linear(nn.Linear(96, 70, bias=False).to(dtype))
+    layer = Int8Linear(nn.Linear(96, 70, bias=False).to(dtype), pack=False)  # the row-major kernel
     if library is None or cpu_kernels.int8_linear(library, torch.ones(1, 96, dtype=dtype), layer.weight,
                                                   layer.scales) is None:
         pytest.skip("hardware: no AVX512 here (or no C compiler): PyTorch's int8 kernel runs instead")
@@ -171,12 +229,12 @@ def test_the_int8_kernel_matches_the_dequantized_product(dtype):
         assert out.dtype == dtype and out.shape == (rows, 70)
         tolerance = 1e-5 if dtype == torch.float32 else 1e-2
         assert torch.allclose(out.float(), ref, rtol=tolerance, atol=tolerance * float(ref.abs().max())), rows
-    odd = Int8Linear(nn.Linear(48, 9, bias=False).to(dtype))  # 48: a multiple of 16, not of the bf16 path's 32
+    odd = Int8Linear(nn.Linear(48, 9, bias=False).to(dtype), pack=False)  # 48: a multiple of 16, not of the bf16 path's 32
     x = torch.randn(5, 48, dtype=dtype)
     ref = x.float() @ (odd.weight.float() * odd.scales[:, None]).T
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     assert torch.allclose(cpu_kernels.int8_linear(library, x, odd.weight, odd.scales).float(), ref, rtol=tolerance,
                           atol=tolerance * float(ref.abs().max()))
-    narrow = Int8Linear(nn.Linear(40, 8, bias=False).to(dtype))  # 40 inputs: not the kernel's multiple of 16
+    narrow = Int8Linear(nn.Linear(40, 8, bias=False).to(dtype), pack=False)  # 40 inputs: not the kernel's multiple of 16
     assert cpu_kernels.int8_linear(library, torch.ones(2, 40, dtype=dtype), narrow.weight, narrow.scales) is None
     assert narrow(torch.ones(2, 40, dtype=dtype)).shape == (2, 8)  # PyTorch's kernel instead

@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in (
-    "cpu_kernels.c", "paged_decode.c", "flash_prefill.c", "int4_linear.c", "w8a8_linear.c")]
+    "cpu_kernels.c", "paged_decode.c", "flash_prefill.c", "int8_linear.c", "int4_linear.c", "w8a8_linear.c")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno", "-fno-trapping-math",
          f"-I{CSRC}"]
 LIBS = ["-lm"]  # after the source: linkers that drop unneeded libraries look at what precedes them
@@ -45,6 +45,10 @@ SIGNATURES = {
     "ts_write_kv": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _int, _ptr, _i64, _i64, _int],
     "ts_int8_linear": [_ptr, _i64, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
     "ts_int8_bf16_rows": [_i64],
+    "ts_int8_rows16": [],
+    "ts_int8_linear_packed16": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64],
+    "ts_int4_packed16_span": [_i64, _i64],
+    "ts_int4_linear_packed16": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64],
     "ts_int8_dequantize": [_ptr, _ptr, _ptr, _i64, _i64, _int],
     "ts_flash_prefill_supported": [_int],
     "ts_paged_bf16_tiles": [_int],
@@ -60,8 +64,9 @@ SIGNATURES = {
 }
 RETURNS = dict.fromkeys([
     "ts_paged_attention", "ts_paged_bf16_tiles", "ts_paged_decode_rows", "ts_flash_prefill_supported",
-    "ts_flash_prefill", "ts_int8_linear", "ts_int8_bf16_rows", "ts_int4_supported", "ts_int4_linear",
-    "ts_w8a8_supported", "ts_w8a8_block_channels", "ts_w8a8_linear"], ctypes.c_int)
+    "ts_flash_prefill", "ts_int8_linear", "ts_int8_bf16_rows", "ts_int8_rows16", "ts_int8_linear_packed16",
+    "ts_int4_supported", "ts_int4_linear", "ts_int4_linear_packed16", "ts_w8a8_supported",
+    "ts_w8a8_block_channels", "ts_w8a8_linear"], ctypes.c_int) | {"ts_int4_packed16_span": ctypes.c_int64}
 
 
 def _cpu_tag() -> str:
@@ -234,6 +239,8 @@ def int8_linear(library: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, sca
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype)
     status = library.ts_int8_linear(rows.data_ptr(), _rows(rows), int(as_bf16), weight.data_ptr(), scales.data_ptr(),
                                     out.data_ptr(), x.shape[0], weight.shape[0], weight.shape[1], DTYPES[x.dtype])
+    if status == -2:
+        raise MemoryError("int8_linear: no memory for the rows as 16-bit integers")
     return out if status == 0 else None
 
 
@@ -242,6 +249,44 @@ def int8_dequantize(library: ctypes.CDLL, weight: torch.Tensor, scales: torch.Te
     library.ts_int8_dequantize(weight.data_ptr(), scales.data_ptr(), out.data_ptr(), weight.shape[0], weight.shape[1],
                                DTYPES[out.dtype])
     return out
+
+
+INT8_PACK16_BLOCK = 64  # channels per block of csrc/int8_linear.c's packed layout
+
+
+def int8_pack16(weight: torch.Tensor) -> torch.Tensor:
+    """int8 weights [N, K] (K a multiple of 32) in csrc/int8_linear.c's packed layout: int8
+    [ceil(N / 64) * 64 * K], blocks of 64 channels, in each the pairs of inputs' two bytes side by
+    side for every channel (zero channels past N)."""
+    n, k = weight.shape
+    if k % 32:
+        raise ValueError(f"int8_pack16: {k} inputs, not a multiple of 32")
+    blocks = -(-n // INT8_PACK16_BLOCK)
+    padded = torch.zeros(blocks * INT8_PACK16_BLOCK, k, dtype=torch.int8)
+    padded[:n] = weight
+    # two inputs' bytes as one int16, so the transpose moves half of the elements
+    pairs = padded.view(torch.int16).reshape(blocks, INT8_PACK16_BLOCK, k // 2)
+    return pairs.transpose(1, 2).contiguous().view(torch.int8).reshape(-1)
+
+
+def int8_linear_packed16(library: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                         out_features: int) -> torch.Tensor:
+    """x [rows, K] bfloat16 (last dim contiguous) as 16-bit integers (a power of two per 256
+    inputs) times the `int8_pack16`ed weight and its float32 channel scales: [rows, N] bfloat16."""
+    out = torch.empty((x.shape[0], out_features), dtype=torch.bfloat16)
+    status = library.ts_int8_linear_packed16(x.data_ptr(), _rows(x), packed.data_ptr(), scales.data_ptr(),
+                                             out.data_ptr(), x.shape[0], out_features, x.shape[1])
+    if status == -2:
+        raise MemoryError("int8_linear_packed16: no memory for the rows as 16-bit integers")
+    if status != 0:
+        raise ValueError(f"int8_linear_packed16: cannot run {x.dtype} rows of {x.shape[1]} inputs here")
+    return out
+
+
+def int8_unpack16(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """An `int8_pack16`ed weight back as int8 [n, k]."""
+    pairs = packed.view(torch.int16).reshape(-1, k // 2, INT8_PACK16_BLOCK)
+    return pairs.transpose(1, 2).contiguous().view(torch.int8).reshape(-1, k)[:n]
 
 
 INT4_RUN = 128  # inputs per run of csrc/int4_linear.c's layout
@@ -275,6 +320,56 @@ def int4_linear(library: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, sca
     if status == -2:
         raise MemoryError("int4_linear: no memory for the rows' group sums")
     return out if status == 0 else None
+
+
+INT4_PACK16_BLOCK = 64  # channels per block of csrc/int4_linear.c's packed layout
+
+
+def int4_pack16(q: torch.Tensor) -> torch.Tensor:
+    """4-bit values q [N, K] (0..15; K a multiple of 32) in csrc/int4_linear.c's packed layout: uint8
+    [ceil(N / 64) * 64 * K / 2], blocks of 64 channels, in each for every four inputs k .. k + 3
+    each channel's bytes q[k] | q[k + 2] << 4 and q[k + 1] | q[k + 3] << 4 (zero channels past N)."""
+    n, k = q.shape
+    if k % 32:
+        raise ValueError(f"int4_pack16: {k} inputs, not a multiple of 32")
+    blocks = -(-n // INT4_PACK16_BLOCK)
+    padded = torch.zeros(blocks * INT4_PACK16_BLOCK, k, dtype=torch.uint8)
+    padded[:n] = q
+    quads = padded.reshape(blocks, INT4_PACK16_BLOCK, k // 4, 4)
+    pairs = quads[..., :2] | (quads[..., 2:] << 4)  # [blocks, 64, K / 4, 2]
+    return pairs.permute(0, 2, 1, 3).contiguous().reshape(-1)
+
+
+def int4_unpack16(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """An `int4_pack16`ed weight back as 4-bit values uint8 [n, k]."""
+    pairs = packed.reshape(-1, k // 4, INT4_PACK16_BLOCK, 2).permute(0, 2, 1, 3)
+    quads = torch.cat([pairs & 0x0F, pairs >> 4], dim=-1)  # [blocks, 64, K / 4, 4]
+    return quads.reshape(-1, k)[:n]
+
+
+def int4_pack16_groups(values: torch.Tensor) -> torch.Tensor:
+    """Scales or zero points [N, groups] as the packed kernel reads them: float32 [groups, N rounded
+    up to 64] (zeros past N)."""
+    n, groups = values.shape
+    width = -(-n // INT4_PACK16_BLOCK) * INT4_PACK16_BLOCK
+    out = torch.zeros(groups, width, dtype=torch.float32)
+    out[:, :n] = values.t()
+    return out
+
+
+def int4_linear_packed16(library: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, scales_t: torch.Tensor,
+                         zeros_t: torch.Tensor, out_features: int, group_size: int) -> torch.Tensor:
+    """x [rows, K] bfloat16 (last dim contiguous) as 16-bit integers times the `int4_pack16`ed weight,
+    w = scale x (q - zero) with `int4_pack16_groups`' scales and zero points: [rows, N] bfloat16."""
+    out = torch.empty((x.shape[0], out_features), dtype=torch.bfloat16)
+    status = library.ts_int4_linear_packed16(x.data_ptr(), _rows(x), packed.data_ptr(), scales_t.data_ptr(),
+                                             zeros_t.data_ptr(), out.data_ptr(), x.shape[0], out_features, x.shape[1],
+                                             group_size)
+    if status == -2:
+        raise MemoryError("int4_linear_packed16: no memory for the rows as 16-bit integers")
+    if status != 0:
+        raise ValueError(f"int4_linear_packed16: cannot run {x.shape[1]} inputs in groups of {group_size} here")
+    return out
 
 
 def int4_dequantize(library: ctypes.CDLL, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,

@@ -1,19 +1,25 @@
-"""4-bit weights (GPTQ, AWQ, compressed-tensors W4A16) through treeserve's own kernel,
-csrc/int4_linear.c, where it runs: bfloat16 activations on a CPU with AVX512-BF16, input features a
+"""4-bit weights (GPTQ, AWQ, compressed-tensors W4A16) through treeserve's own kernels,
+csrc/int4_linear.c, where they run: bfloat16 activations on a CPU with AVX512-BF16, input features a
 multiple of 32, groups of a multiple of 32 inputs (one group per channel included); elsewhere
-PyTorch's kernel (int4.py) or the dequantized weight (layers.py).
+PyTorch's kernel (int4.py) or the dequantized weight (layers.py). Act order (GPTQ `desc_act`) as in
+int4.py: input features sorted by group at load, each call's activations gathered in that order.
 
-The kernel reads the weights in its own layout (`cpu_kernels.int4_pack`, made once at load), the
-scales and zero points as the checkpoint gives them (float32, any zero point), and turns each
-nibble into bfloat16 by its bits (no table, no shuffle), so that a few rows read a quarter of
-bfloat16's bytes and widen each weight once per 4 rows. Act order (GPTQ `desc_act`) as in int4.py:
-input features sorted by group at load, each call's activations gathered in that order.
+Two layouts, both made once at load, scales and zero points as the checkpoint gives them (float32,
+any zero point):
+- with AVX512-VNNI too, and groups the packed kernel's spans fit (`ts_int4_packed16_span`: a group
+  of up to 256 inputs, a multiple of 256, or the whole row), the packed one (`cpu_kernels.int4_pack16`:
+  blocks of 64 channels read in order, two nibbles a byte for vpdpwssd's pairs); the rows enter as
+  16-bit integers under a power of two per span (csrc/rows16.h: elements within 2^7 of a span's
+  largest exact, the others within 2^-15 of it) and the zero points' share is taken from the
+  rows' span sums; any number of rows;
+- otherwise row-major runs (`cpu_kernels.int4_pack`), each nibble turned into bfloat16 by its bits
+  (no table, no shuffle) for vdpbf16ps; from `DEQUANTIZE_FROM_ROWS` rows a layer dequantizes its
+  weight once per call (C, into a per-shape buffer) and runs the bfloat16 GEMM instead.
 
-Measured (`benchmarks/int4_linear.py`, 2-core EPYC with avx512_bf16, weights from memory, groups of
-128): 2048 -> 8192 at 1 row 0.50 ms against 0.45 for PyTorch's kernel and 1.20 for the oneDNN
-bfloat16 layer; at 16 rows 2.33 against 3.20 and 1.68; at 64, 8.7 against 12.9 and 5.5. From
-`DEQUANTIZE_FROM_ROWS` rows a layer dequantizes its weight once per call (C, into a per-shape
-buffer) and runs the bfloat16 GEMM instead.
+Measured (`python benchmarks/quantized_step.py`: the Llama-3.2-1B shape's 112 projections of one
+step, groups of 128, 2-core EPYC with avx512_bf16 and avx512_vnni, two runs): packed 22-24 ms at 1
+row against 29-30 row-major and 87-90 for oneDNN's bfloat16; 97-112 against 141-142 and 106-107 at
+16 rows; 335-349 against 444-454 and 314-317 at 64.
 """
 from __future__ import annotations
 
@@ -47,7 +53,8 @@ def csrc_int4_runs(weight: IntWeight, dtype: torch.dtype) -> bool:
 class CsrcInt4Linear(nn.Module):
     """A linear layer over 4-bit weights in csrc/int4_linear.c's layout (see the module's note)."""
 
-    def __init__(self, weight: IntWeight, bias: torch.Tensor | None, dtype: torch.dtype):
+    def __init__(self, weight: IntWeight, bias: torch.Tensor | None, dtype: torch.dtype, pack: bool | None = None):
+        """`pack`: the packed layout (default: where its kernel runs this weight, see the module's note)."""
         super().__init__()
         if not csrc_int4_runs(weight, dtype):
             raise ValueError(f"CsrcInt4Linear: {weight.shape} in groups of {weight.group_size} in {dtype} is not "
@@ -58,9 +65,19 @@ class CsrcInt4Linear(nn.Module):
             weight, perm = ordered
         self.perm = None if ordered is None else nn.Parameter(perm, requires_grad=False)
         self.group_size = weight.group_size
-        self.weight = nn.Parameter(cpu_kernels.int4_pack(weight.values), requires_grad=False)
-        self.scales = nn.Parameter(weight.scales.float().contiguous(), requires_grad=False)
-        self.zeros = nn.Parameter(weight.zeros.float().contiguous(), requires_grad=False)
+        packable = cpu_kernels.load().ts_int4_packed16_span(self.in_features, self.group_size) > 0
+        if pack and not packable:
+            raise ValueError(f"CsrcInt4Linear: the packed kernel does not run groups of {self.group_size} of "
+                             f"{self.in_features} inputs here")
+        self.packed = packable if pack is None else pack
+        if self.packed:  # the blocked layout, scales and zero points [groups, channels]
+            self.weight = nn.Parameter(cpu_kernels.int4_pack16(weight.values.to(torch.uint8)), requires_grad=False)
+            self.scales = nn.Parameter(cpu_kernels.int4_pack16_groups(weight.scales.float()), requires_grad=False)
+            self.zeros = nn.Parameter(cpu_kernels.int4_pack16_groups(weight.zeros.float()), requires_grad=False)
+        else:
+            self.weight = nn.Parameter(cpu_kernels.int4_pack(weight.values), requires_grad=False)
+            self.scales = nn.Parameter(weight.scales.float().contiguous(), requires_grad=False)
+            self.zeros = nn.Parameter(weight.zeros.float().contiguous(), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -68,9 +85,12 @@ class CsrcInt4Linear(nn.Module):
         if self.perm is not None:
             rows = rows.index_select(1, self.perm)
         library = cpu_kernels.library_for(rows)
+        rows = rows if rows.stride(-1) == 1 else rows.contiguous()
         out = None
-        if library is not None and rows.shape[0] < DEQUANTIZE_FROM_ROWS:
-            rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+        if self.packed:  # any number of rows: at oneDNN's bfloat16 rate from a few dozen on
+            out = cpu_kernels.int4_linear_packed16(cpu_kernels.load(), rows, self.weight, self.scales, self.zeros,
+                                                   self.out_features, self.group_size)
+        elif library is not None and rows.shape[0] < DEQUANTIZE_FROM_ROWS:
             out = cpu_kernels.int4_linear(library, rows, self.weight, self.scales, self.zeros, self.group_size)
         if out is None:
             out = F.linear(rows, self.dequantized(rows.dtype))
@@ -82,7 +102,14 @@ class CsrcInt4Linear(nn.Module):
         """scale x (q - zero) in bfloat16, input features in act order, in this thread's buffer for the
         shape (valid until the next call for it: use it at once)."""
         buffer = scratch_weight((self.out_features, self.in_features), torch.bfloat16, self.weight.device)
-        cpu_kernels.int4_dequantize(cpu_kernels.load(), self.weight, self.scales, self.zeros, self.group_size, buffer)
+        if self.packed:
+            q = cpu_kernels.int4_unpack16(self.weight, self.out_features, self.in_features).float()
+            scales, zeros = (v[:, : self.out_features].t().repeat_interleave(self.group_size, dim=1)
+                             for v in (self.scales, self.zeros))
+            buffer.copy_(scales * (q - zeros))
+        else:
+            cpu_kernels.int4_dequantize(cpu_kernels.load(), self.weight, self.scales, self.zeros, self.group_size,
+                                        buffer)
         return buffer if dtype == torch.bfloat16 else buffer.to(dtype)
 
     def extra_repr(self) -> str:

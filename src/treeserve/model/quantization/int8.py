@@ -3,22 +3,31 @@ float or bfloat16 checkpoint (vLLM's and TGI's on-the-fly int8), and the 8-bit c
 (GPTQ 8-bit, compressed-tensors W8A16) whose weights are symmetric with one group per channel.
 
 On the fly, each output channel of every decoder-layer projection (attention qkv and output, the
-MLP's gate/up and down) is scaled symmetrically to [-127, 127], `w ~= scale * q`. A step of few rows
-reads half the bytes of bfloat16 weights: treeserve's C kernel (`ts_int8_linear`, AVX512: int8
-widened in registers, tiles of 4 rows x 4 channels, bfloat16 dot products where the CPU has them,
-float32 FMAs otherwise; PyTorch's `aten._weight_int8pack_mm` where it cannot run) multiplies the
-rows by the int8 weights and their scales. A step with many rows is compute-bound instead: it
-dequantizes the weight once into a per-shape buffer and runs the activation dtype's GEMM. The
-embeddings, the LM head, a reward head, MoE routers and experts stay as stored. With tensor
-parallelism each rank quantizes its own shards, a row-parallel projection's (o_proj, down_proj)
-channels by the largest weight of the whole row (`channel_amax`, read by the loader), so that the
-ranks' weights are one rank's.
+MLP's gate/up and down) is scaled symmetrically to [-127, 127], `w ~= scale * q`. The embeddings,
+the LM head, a reward head, MoE routers and experts stay as stored. With tensor parallelism each
+rank quantizes its own shards, a row-parallel projection's (o_proj, down_proj) channels by the
+largest weight of the whole row (`channel_amax`, read by the loader), so that the ranks' weights
+are one rank's.
 
-Measured (benchmarks/quantization.py, Llama-3.2-1B shape, bfloat16, 2-core AMD EPYC with
-avx512_bf16): decode 1.30-1.35x bfloat16's at batch 1, 0.64-0.73x at 16, 0.98x at 64 (the dequantized
-GEMM); prefill 1.00x; peak RSS 0.69x (0.78x once the tied LM head got its packed copy). At batch
-16 the kernel's arithmetic is the bound (widening every weight once per 4 rows): VNNI int8
-products (W8A8) or AMX tiles are the next step.
+Products, by where they run:
+- bfloat16 activations on a CPU with AVX512-BF16 and VNNI (inputs a multiple of 32): the weight is
+  held only in csrc/int8_linear.c's packed layout (blocks of 64 channels, pairs of inputs side by
+  side), and the rows enter as 16-bit integers under one power of two per 256 inputs (every
+  element within 2^7 of its span's largest exact, the others within 2^-15 of it: under bfloat16's
+  own rounding); widened weights times those by vpdpwssd, any number of rows (from 64 rows on at
+  oneDNN's bfloat16 rate, so prefill needs no dequantized GEMM);
+- elsewhere the row-major weight: treeserve's C kernel (`ts_int8_linear`, AVX512: tiles of 4 rows x
+  4 channels, bfloat16 dot products where the CPU has them, float32 FMAs otherwise; PyTorch's
+  `aten._weight_int8pack_mm` where it cannot run) for few rows, and from DEQUANTIZE_FROM_ROWS rows
+  the weight dequantized once per call into a per-shape buffer for the activation dtype's GEMM.
+
+Measured (2-core AMD EPYC with avx512_bf16 and avx512_vnni, bfloat16 rows): one 2048x8192 layer
+(`benchmarks/quantization.py --kernels`, medians) packed 0.147 ms at 1 row against 0.235 row-major
+and 1.19 for the stored bfloat16 layer (oneDNN, packed); 1.37 against 1.99 and 1.73 at 16 rows;
+19.5 against 24.4 and 19.7 at 256 (the row-major layer's dequantized GEMM: 22.2). The 1B shape's
+112 projections of one step (`benchmarks/quantized_step.py`, two runs): 32-34 ms at 1 row against
+53 row-major and 87-90 bfloat16; 85-87 against 153-157 and 106 at 16 rows; 306-309 against 451-464
+and 314-317 at 64. Whole models: docs/BENCHMARKS.md.
 """
 from __future__ import annotations
 
@@ -44,10 +53,13 @@ class Int8Linear(nn.Module):
 
     def __init__(self, linear: nn.Linear | None = None, *, quantized: torch.Tensor | None = None,
                  scales: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-                 channel_amax: torch.Tensor | None = None):
+                 channel_amax: torch.Tensor | None = None, dtype: torch.dtype | None = None,
+                 pack: bool | None = None):
         """From a float `linear` (quantized here; `channel_amax`: each output channel's largest
         absolute weight where the linear holds a share of its inputs, a row-parallel rank's), or
-        from a checkpoint's int8 weights [out, in] and their float32 scales [out]."""
+        from a checkpoint's int8 weights [out, in] and their float32 scales [out]. `dtype`: the
+        activations' (default: the linear's); `pack`: hold the weight in the packed kernel's layout
+        only (default: where that kernel runs this dtype, see the module's note)."""
         super().__init__()
         if linear is not None:
             weight = linear.weight.detach().float()
@@ -55,37 +67,73 @@ class Int8Linear(nn.Module):
             scales = amax.clamp(min=1e-12) / 127.0
             quantized = torch.round(weight / scales[:, None]).clamp_(-127, 127).to(torch.int8)
             bias = linear.bias
+            dtype = dtype or linear.weight.dtype
         self.out_features, self.in_features = quantized.shape
-        self.weight = nn.Parameter(quantized.contiguous(), requires_grad=False)
+        self.packed = _packs(dtype, self.in_features) if pack is None else pack
+        held = cpu_kernels.int8_pack16(quantized) if self.packed else quantized.contiguous()
+        self.weight = nn.Parameter(held, requires_grad=False)
         self.scales = nn.Parameter(scales.float().contiguous(), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """scale x int8 in `dtype`, in this thread's buffer for the shape (valid until the next call
         for that shape: use it at once)."""
-        buffer = scratch_weight(self.weight.shape, dtype, self.weight.device)
+        buffer = scratch_weight((self.out_features, self.in_features), dtype, self.weight.device)
+        weight = cpu_kernels.int8_unpack16(self.weight, self.out_features, self.in_features) if self.packed \
+            else self.weight
         library = cpu_kernels.library_for(buffer)
         if library is not None:
-            return cpu_kernels.int8_dequantize(library, self.weight, self.scales, buffer)
-        return buffer.copy_(self.weight).mul_(self.scales.to(dtype)[:, None])
+            return cpu_kernels.int8_dequantize(library, weight, self.scales, buffer)
+        return buffer.copy_(weight).mul_(self.scales.to(dtype)[:, None])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        out = None
-        if rows.shape[0] < DEQUANTIZE_FROM_ROWS:
-            library = cpu_kernels.library_for(rows)
-            if library is not None and rows.stride(-1) == 1:
-                out = cpu_kernels.int8_linear(library, rows, self.weight, self.scales)
-            if out is None and self.in_features % ATEN_INT8_MULTIPLE == 0:  # no kernel of ours for it: PyTorch's
-                out = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), self.weight, self.scales.to(rows.dtype))
+        out = self._packed_product(rows) if self.packed else self._row_major_product(rows)
         if out is None:
             return F.linear(x, self.dequantized(x.dtype), self.bias)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
 
+    def _packed_product(self, rows: torch.Tensor) -> torch.Tensor:
+        """Any number of rows: the packed kernel runs at oneDNN's bfloat16 rate from 64 rows on."""
+        if rows.dtype != torch.bfloat16 or rows.device.type != "cpu":
+            raise RuntimeError(f"Int8Linear: its weights are packed for bfloat16 rows on CPU, not {rows.dtype} "
+                               f"on {rows.device}")
+        return cpu_kernels.int8_linear_packed16(_packed_library(), rows if rows.stride(-1) == 1 else rows.contiguous(),
+                                                self.weight, self.scales, self.out_features)
+
+    def _row_major_product(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """Few rows through a kernel (None: many rows, for the dequantized GEMM)."""
+        if rows.shape[0] >= DEQUANTIZE_FROM_ROWS:
+            return None
+        out = None
+        library = cpu_kernels.library_for(rows)
+        if library is not None and rows.stride(-1) == 1:
+            out = cpu_kernels.int8_linear(library, rows, self.weight, self.scales)
+        if out is None and self.in_features % ATEN_INT8_MULTIPLE == 0:  # no kernel of ours for it: PyTorch's
+            out = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), self.weight, self.scales.to(rows.dtype))
+        return out
+
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"packed={self.packed}")
+
+
+def _packed_library():
+    library = cpu_kernels.load()
+    if library is None or library.ts_int8_rows16() != 1:
+        raise RuntimeError("Int8Linear: its weights are packed for treeserve's CPU kernels, which do not run here")
+    return library
+
+
+def _packs(dtype: torch.dtype | None, in_features: int) -> bool:
+    """Whether a layer holds its weight in the packed kernel's layout: bfloat16 activations on a
+    CPU where that kernel runs (AVX512-BF16, VNNI), inputs a multiple of 32."""
+    if dtype != torch.bfloat16 or in_features % 32:
+        return False
+    library = cpu_kernels.load()
+    return library is not None and library.ts_int8_rows16() == 1
 
 
 def quantize_linears(model: nn.Module, method: str | None, channel_amax: dict[str, torch.Tensor] | None = None) -> int:
