@@ -258,15 +258,21 @@ def int8_pack16(weight: torch.Tensor) -> torch.Tensor:
     """int8 weights [N, K] (K a multiple of 32) in csrc/int8_linear.c's packed layout: int8
     [ceil(N / 64) * 64 * K], blocks of 64 channels, in each the pairs of inputs' two bytes side by
     side for every channel (zero channels past N)."""
+    if weight.shape[1] % 32:
+        raise ValueError(f"int8_pack16: {weight.shape[1]} inputs, not a multiple of 32")
+    return _interleave_channels(weight, INT8_PACK16_BLOCK, torch.int16)
+
+
+def _interleave_channels(weight: torch.Tensor, block: int, word: torch.dtype) -> torch.Tensor:
+    """int8 [N, K] in blocks of `block` channels, in each the channels' next `word`-sized run of
+    inputs side by side: int8 [ceil(N / block) * block * K], zero channels past N. The runs move as
+    one element each (a quarter or half of the bytes' count)."""
     n, k = weight.shape
-    if k % 32:
-        raise ValueError(f"int8_pack16: {k} inputs, not a multiple of 32")
-    blocks = -(-n // INT8_PACK16_BLOCK)
-    padded = torch.zeros(blocks * INT8_PACK16_BLOCK, k, dtype=torch.int8)
+    blocks = -(-n // block)
+    padded = torch.zeros(blocks * block, k, dtype=torch.int8)
     padded[:n] = weight
-    # two inputs' bytes as one int16, so the transpose moves half of the elements
-    pairs = padded.view(torch.int16).reshape(blocks, INT8_PACK16_BLOCK, k // 2)
-    return pairs.transpose(1, 2).contiguous().view(torch.int8).reshape(-1)
+    runs = padded.view(word).reshape(blocks, block, -1)
+    return runs.transpose(1, 2).contiguous().view(torch.int8).reshape(-1)
 
 
 def int8_linear_packed16(library: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
@@ -384,15 +390,9 @@ def w8a8_pack(weight: torch.Tensor, block_channels: int) -> tuple[torch.Tensor, 
     """int8 weights [N, K] (K a multiple of 4) in csrc/w8a8_linear.c's layout, int8
     [ceil(N / block) * block * K] (zero channels past N), and each channel's correction
     128 x sum_k w[n, k] (int32 [N])."""
-    n, k = weight.shape
-    if k % 4:
-        raise ValueError(f"w8a8_pack: {k} inputs, not a multiple of 4")
-    blocks = -(-n // block_channels)
-    padded = torch.zeros(blocks * block_channels, k, dtype=torch.int8)
-    padded[:n] = weight
-    # four inputs' bytes as one int32, so the transpose moves a quarter of the elements
-    words = padded.view(torch.int32).reshape(blocks, block_channels, k // 4)
-    packed = words.transpose(1, 2).contiguous().view(torch.int8).reshape(-1)
+    if weight.shape[1] % 4:
+        raise ValueError(f"w8a8_pack: {weight.shape[1]} inputs, not a multiple of 4")
+    packed = _interleave_channels(weight, block_channels, torch.int32)
     comp = (weight.to(torch.int32).sum(dim=1) * 128).to(torch.int32).contiguous()
     return packed, comp
 
