@@ -84,19 +84,25 @@ class CsrcInt4Linear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if self.perm is not None:
             rows = rows.index_select(1, self.perm)
-        library = cpu_kernels.library_for(rows)
         rows = rows if rows.stride(-1) == 1 else rows.contiguous()
         out = None
-        if self.packed:  # any number of rows: at oneDNN's bfloat16 rate from a few dozen on
-            out = cpu_kernels.int4_linear_packed16(cpu_kernels.load(), rows, self.weight, self.scales, self.zeros,
-                                                   self.out_features, self.group_size)
-        elif library is not None and rows.shape[0] < DEQUANTIZE_FROM_ROWS:
+        if self.packed:
+            out = self._packed_product(rows)
+        elif (library := cpu_kernels.library_for(rows)) is not None and rows.shape[0] < DEQUANTIZE_FROM_ROWS:
             out = cpu_kernels.int4_linear(library, rows, self.weight, self.scales, self.zeros, self.group_size)
         if out is None:
             out = F.linear(rows, self.dequantized(rows.dtype))
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _packed_product(self, rows: torch.Tensor) -> torch.Tensor:
+        """Any number of rows: at oneDNN's bfloat16 rate from a few dozen on."""
+        if rows.dtype != torch.bfloat16 or rows.device.type != "cpu":
+            raise RuntimeError(f"CsrcInt4Linear: its weights are packed for bfloat16 rows on CPU, not {rows.dtype} "
+                               f"on {rows.device}")
+        return cpu_kernels.int4_linear_packed16(cpu_kernels.load(), rows, self.weight, self.scales, self.zeros,
+                                                self.out_features, self.group_size)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """scale x (q - zero) in bfloat16, input features in act order, in this thread's buffer for the

@@ -31,6 +31,8 @@ and 314-317 at 64. Whole models: docs/BENCHMARKS.md.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -120,6 +122,7 @@ class Int8Linear(nn.Module):
                 f"packed={self.packed}")
 
 
+@functools.cache
 def _packed_library():
     library = cpu_kernels.load()
     if library is None or library.ts_int8_rows16() != 1:
