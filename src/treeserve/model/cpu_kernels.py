@@ -354,13 +354,13 @@ def int4_unpack16(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
 
 
 def int4_pack16_groups(values: torch.Tensor) -> torch.Tensor:
-    """Scales or zero points [N, groups] as the packed kernel reads them: float32 [groups, N rounded
-    up to 64] (zeros past N)."""
+    """Scales or zero points [N, groups] as the packed kernel reads them, by block of 64 channels:
+    float32 [blocks, groups, 64] (zeros past N)."""
     n, groups = values.shape
-    width = -(-n // INT4_PACK16_BLOCK) * INT4_PACK16_BLOCK
-    out = torch.zeros(groups, width, dtype=torch.float32)
-    out[:, :n] = values.t()
-    return out
+    blocks = -(-n // INT4_PACK16_BLOCK)
+    padded = torch.zeros(blocks * INT4_PACK16_BLOCK, groups, dtype=torch.float32)
+    padded[:n] = values
+    return padded.reshape(blocks, INT4_PACK16_BLOCK, groups).transpose(1, 2).contiguous()
 
 
 def int4_linear_packed16(library: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, scales_t: torch.Tensor,

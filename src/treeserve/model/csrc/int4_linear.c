@@ -198,7 +198,8 @@ void ts_int4_dequantize(const uint16_t *q, const float *scales, const float *zer
  * each channel's run apart: near 15 GB/s of its bytes at one row) and 32 bytes widened (vpmovzxbw)
  * hold 16 channels' (q[k], q[k + 1]) in the low nibbles of their 16-bit pairs and (q[k + 2],
  * q[k + 3]) in the high ones: a mask gives one vector for vpdpwssd, a shift the other. Scales and
- * zero points transposed at load, float32 [groups][blocks * 64]. The rows are 16-bit integers under
+ * zero points by block at load, float32 [blocks][groups][64], read in order as the spans go by (as
+ * [groups][channels], one line 32 KiB from the last at every span's end, they were the bound). The rows are 16-bit integers under
  * a power of two per span (the group, or 256 inputs of a longer one: products under 2^19, a span's
  * lane sums under 2^27), and per span and channel
  *     sum_k x[k] (q[k] - zero) = sum_k x[k] q[k] - zero * sum_k x[k],
@@ -211,9 +212,9 @@ struct int4_p16_call {
     const int16_t *x16;        /* [rows][k_in] */
     const float *span_scales;  /* [rows][spans] */
     const int32_t *span_sums;  /* [rows][spans] */
-    const float *scales_t, *zeros_t;  /* [groups][width] */
+    const float *scales_t, *zeros_t;  /* [blocks][groups][64] */
     uint16_t *out;
-    int64_t rows, n_out, k_in, spans, span, group_size, width;
+    int64_t rows, n_out, k_in, spans, span, group_size, groups;
 };
 
 /* Channel vector j of row m after span s: its sums, less the zero points' share, times the scales
@@ -222,7 +223,8 @@ static inline void int4_p16_finish(const struct int4_p16_call *c, float *partial
                                    __m512i acc, int64_t s)
 {
     int64_t n = n0 + 16 * j, g = s * c->span / c->group_size, at = m * c->spans + s;
-    __m512 zero = _mm512_loadu_ps(c->zeros_t + g * c->width + n), scale = _mm512_loadu_ps(c->scales_t + g * c->width + n);
+    int64_t group_at = ((n0 / 64) * c->groups + g) * 64 + 16 * j;
+    __m512 zero = _mm512_loadu_ps(c->zeros_t + group_at), scale = _mm512_loadu_ps(c->scales_t + group_at);
     __m512 v = _mm512_fnmadd_ps(zero, _mm512_set1_ps((float)c->span_sums[at]), _mm512_cvtepi32_ps(acc));
     v = _mm512_mul_ps(v, _mm512_mul_ps(scale, _mm512_set1_ps(c->span_scales[at])));
     float *p = partial + m * 64 + 16 * j;
@@ -315,8 +317,8 @@ int64_t ts_int4_packed16_span(int64_t k_in, int64_t group_size)
 }
 
 /* out [rows, n_out] bfloat16 (contiguous) = x [rows, k_in] bfloat16 (rows x_stride elements apart)
- * times the int4_pack16ed weight, scales_t and zeros_t float32 [k_in / group_size][width] (width:
- * n_out rounded up to 64). Returns 0; -1 where it cannot run (ts_int4_packed16_span 0); -2 out of
+ * times the int4_pack16ed weight, scales_t and zeros_t float32 [blocks][k_in / group_size][64]
+ * (int4_pack16_groups). Returns 0; -1 where it cannot run (ts_int4_packed16_span 0); -2 out of
  * memory. */
 int ts_int4_linear_packed16(const uint16_t *x, int64_t x_stride, const uint8_t *packed, const float *scales_t,
                             const float *zeros_t, uint16_t *out, int64_t rows, int64_t n_out, int64_t k_in,
@@ -339,7 +341,7 @@ int ts_int4_linear_packed16(const uint16_t *x, int64_t x_stride, const uint8_t *
     struct int4_p16_call c = {.x16 = (int16_t *)scratch, .span_scales = span_scales, .span_sums = span_sums,
                               .scales_t = scales_t, .zeros_t = zeros_t, .out = out, .rows = rows, .n_out = n_out,
                               .k_in = k_in, .spans = spans, .span = span, .group_size = group_size,
-                              .width = blocks * 64};
+                              .groups = k_in / group_size};
 #pragma omp parallel
     {
 #pragma omp for schedule(static)

@@ -70,7 +70,7 @@ class CsrcInt4Linear(nn.Module):
             raise ValueError(f"CsrcInt4Linear: the packed kernel does not run groups of {self.group_size} of "
                              f"{self.in_features} inputs here")
         self.packed = packable if pack is None else pack
-        if self.packed:  # the blocked layout, scales and zero points [groups, channels]
+        if self.packed:  # the blocked layout, scales and zero points [blocks, groups, 64]
             self.weight = nn.Parameter(cpu_kernels.int4_pack16(weight.values.to(torch.uint8)), requires_grad=False)
             self.scales = nn.Parameter(cpu_kernels.int4_pack16_groups(weight.scales.float()), requires_grad=False)
             self.zeros = nn.Parameter(cpu_kernels.int4_pack16_groups(weight.zeros.float()), requires_grad=False)
@@ -110,8 +110,8 @@ class CsrcInt4Linear(nn.Module):
         buffer = scratch_weight((self.out_features, self.in_features), torch.bfloat16, self.weight.device)
         if self.packed:
             q = cpu_kernels.int4_unpack16(self.weight, self.out_features, self.in_features).float()
-            scales, zeros = (v[:, : self.out_features].t().repeat_interleave(self.group_size, dim=1)
-                             for v in (self.scales, self.zeros))
+            scales, zeros = (v.transpose(1, 2).reshape(-1, v.shape[1])[: self.out_features]
+                             .repeat_interleave(self.group_size, dim=1) for v in (self.scales, self.zeros))
             buffer.copy_(scales * (q - zeros))
         else:
             cpu_kernels.int4_dequantize(cpu_kernels.load(), self.weight, self.scales, self.zeros, self.group_size,
