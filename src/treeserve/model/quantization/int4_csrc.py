@@ -17,9 +17,9 @@ any zero point):
   weight once per call (C, into a per-shape buffer) and runs the bfloat16 GEMM instead.
 
 Measured (`python benchmarks/quantized_step.py`: the Llama-3.2-1B shape's 112 projections of one
-step, groups of 128, 2-core EPYC with avx512_bf16 and avx512_vnni, two runs): packed 22-24 ms at 1
-row against 29-30 row-major and 87-90 for oneDNN's bfloat16; 97-112 against 141-142 and 106-107 at
-16 rows; 335-349 against 444-454 and 314-317 at 64.
+step, groups of 128, 2-core EPYC with avx512_bf16 and avx512_vnni, two runs): packed 18.8-19.7 ms at
+1 row against 30-31 row-major and 81-96 for oneDNN's bfloat16; 95-98 against 139-141 and 106-112 at
+16 rows; 338 against 434 and 315 at 64.
 """
 from __future__ import annotations
 
