@@ -239,8 +239,6 @@ def int8_linear(library: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, sca
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype)
     status = library.ts_int8_linear(rows.data_ptr(), _rows(rows), int(as_bf16), weight.data_ptr(), scales.data_ptr(),
                                     out.data_ptr(), x.shape[0], weight.shape[0], weight.shape[1], DTYPES[x.dtype])
-    if status == -2:
-        raise MemoryError("int8_linear: no memory for the rows as 16-bit integers")
     return out if status == 0 else None
 
 
