@@ -1,19 +1,70 @@
-"""bfloat16 linears on CPU: oneDNN-packed where the CPU has fast bf16 (exact, and used by the
-engine), float32 products where it has none (the same products in another summation order; the
-engine's logits within bf16 rounding of plain bf16 matmuls, MoE experts included)."""
+"""bfloat16 linears on CPU: packed where the CPU has fast bf16 (treeserve's kernel, the float32
+product rounded once, used by the engine; or oneDNN's layout, bit-identical to `F.linear`), float32
+products where it has none (the same products in another summation order; the engine's logits
+within bf16 rounding of plain bf16 matmuls, MoE experts included)."""
 import pytest
 import torch
 from torch import nn
 
 from treeserve import LLM, SamplingParams
-from treeserve.model import packed_linear
+from treeserve.model import cpu_kernels, packed_linear
 from treeserve.config import cpu_has_fast_bf16
-from treeserve.model.packed_linear import Float32Linear, PackedLinear, can_pack, pack_linears
+from treeserve.model.packed_linear import (Bf16Linear, Float32Linear, PackedLinear, bf16_kernel, can_pack,
+                                           pack_linears)
 from treeserve.model.random_models import make_tiny_model
 
 CPU = torch.device("cpu")
+PACKED = (Bf16Linear, PackedLinear)
 needs_packing = pytest.mark.skipif(not can_pack(torch.bfloat16, CPU),
                                    reason="hardware: this CPU has no fast bfloat16 (AVX512-BF16 or AMX) or torch no oneDNN")
+needs_kernel = pytest.mark.skipif(
+    bf16_kernel() is None, reason="hardware: no AVX512-BF16 (or no C compiler): treeserve's bf16 linear cannot run")
+
+
+def assert_rounded_once(out: torch.Tensor, exact: torch.Tensor) -> None:
+    """`out` (bfloat16) is `exact` (float64) rounded to bfloat16 once, up to float32's summation
+    order: no element more than one bfloat16 unit off, and nearly all of them equal."""
+    expected = exact.to(torch.bfloat16)
+    unit = exact.abs().clamp_min(1e-30).log2().floor().exp2() * 2.0 ** -7  # one bfloat16 unit at each value
+    assert bool(((out.double() - expected.double()).abs() <= unit).all())
+    assert int((out != expected).sum()) <= 0.01 * out.numel()
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 13, 64, 300])
+@pytest.mark.parametrize("shape", [(160, 96), (70, 2304)], ids=["one-span", "three-spans-short-block"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_linear_is_the_float32_product_rounded_once(rows, shape, bias):
+    torch.manual_seed(rows)
+    linear = nn.Linear(shape[1], shape[0], bias=bias).to(torch.bfloat16)
+    x = torch.randn(rows, shape[1], dtype=torch.bfloat16)
+    with torch.no_grad():
+        exact = nn.functional.linear(x.double(), linear.weight.double(), None if not bias else linear.bias.double())
+    layer = Bf16Linear(linear)
+    assert torch.equal(layer.weight, linear.weight)
+    assert_rounded_once(layer(x), exact)
+    assert torch.equal(layer(x.t().contiguous().t()), layer(x))  # a strided input too
+    assert torch.equal(layer(x.view(1, rows, shape[1])), layer(x).view(1, rows, shape[0]))
+
+
+@needs_kernel
+def test_bf16_linear_keeps_nan_and_infinity_in_their_rows():
+    linear = nn.Linear(64, 70, bias=False).to(torch.bfloat16)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    x[1, 5], x[2, 9] = float("nan"), float("inf")
+    out = Bf16Linear(linear)(x)
+    assert bool(out[0].isfinite().all()) and bool(out[1].isnan().all()) and not bool(out[2].isfinite().any())
+
+
+def test_bf16_pack_reads_back_and_refuses_what_it_cannot_take():
+    weight = torch.randn(70, 96).to(torch.bfloat16)
+    packed = cpu_kernels.bf16_pack(weight)
+    assert packed.numel() == 128 * 96
+    assert torch.equal(cpu_kernels.bf16_unpack(packed, 70, 96), weight)
+    with pytest.raises(ValueError, match="K even"):
+        cpu_kernels.bf16_pack(torch.randn(4, 5).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="bfloat16"):
+        cpu_kernels.bf16_pack(torch.randn(4, 6))
 
 
 @needs_packing
@@ -28,49 +79,74 @@ def test_packed_linear_is_bit_identical_to_f_linear(rows):
     assert torch.equal(packed(x.t().contiguous().t()), linear(x))  # a strided input too
 
 
+def _decode(llm: LLM) -> list:
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    prompts = ["Hello there", "A longer prompt, so that prefill and decode both run a few rows"]
+    return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _assert_same_decode(ours: list, reference: list, exact: bool) -> None:
+    """The same tokens; logprobs equal (`exact`) or within bfloat16 rounding of the reference's."""
+    assert [o.token_ids for o in ours] == [o.token_ids for o in reference]
+    if exact:
+        assert [o.logprobs for o in ours] == [o.logprobs for o in reference]
+        return
+    for mine, theirs in zip(ours, reference):
+        for a, b in zip(mine.logprobs, theirs.logprobs):
+            chosen = next(iter(b))
+            assert abs(a[chosen].logprob - b[chosen].logprob) < 0.05
+
+
 @needs_packing
 def test_bfloat16_engine_packs_every_linear_and_decodes_as_unpacked(llama_dir, monkeypatch):
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
     packed = LLM(str(llama_dir), dtype="bfloat16", device="cpu", kv_cache_memory_bytes=4 << 20)
-    linears = [m for m in packed.engine.model.modules() if isinstance(m, (nn.Linear, PackedLinear))]
+    kind = Bf16Linear if bf16_kernel() is not None else PackedLinear
+    linears = [m for m in packed.engine.model.modules() if isinstance(m, (nn.Linear, *PACKED))]
+    assert linears and all(isinstance(m, kind) for m in linears)
+    monkeypatch.setattr(packed_linear, "can_pack", lambda dtype, device: False)
+    plain = LLM(str(llama_dir), dtype="bfloat16", device="cpu", kv_cache_memory_bytes=4 << 20)
+    assert not any(isinstance(m, PACKED) for m in plain.engine.model.modules())
+    _assert_same_decode(_decode(packed), _decode(plain), exact=kind is PackedLinear)
+
+
+@needs_packing
+def test_without_the_c_kernel_the_engine_packs_in_onednn_layout_bit_for_bit(llama_dir, monkeypatch):
+    monkeypatch.setattr(packed_linear, "bf16_kernel", lambda: None)
+    packed = LLM(str(llama_dir), dtype="bfloat16", device="cpu", kv_cache_memory_bytes=4 << 20)
+    linears = [m for m in packed.engine.model.modules() if isinstance(m, (nn.Linear, *PACKED))]
     assert linears and all(isinstance(m, PackedLinear) for m in linears)
     monkeypatch.setattr(packed_linear, "can_pack", lambda dtype, device: False)
     plain = LLM(str(llama_dir), dtype="bfloat16", device="cpu", kv_cache_memory_bytes=4 << 20)
-    assert not any(isinstance(m, PackedLinear) for m in plain.engine.model.modules())
-    prompts = ["Hello there", "A longer prompt, so that prefill and decode both run a few rows"]
-    ours = [o.outputs[0] for o in packed.generate(prompts, params, use_tqdm=False)]
-    reference = [o.outputs[0] for o in plain.generate(prompts, params, use_tqdm=False)]
-    assert [o.token_ids for o in ours] == [o.token_ids for o in reference]
-    assert [o.logprobs for o in ours] == [o.logprobs for o in reference]
+    _assert_same_decode(_decode(packed), _decode(plain), exact=True)
 
 
 @needs_packing
 def test_a_tied_lm_head_gets_a_packed_copy_and_the_same_logits(tmp_path, monkeypatch):
     """Tied word embeddings: the logits go through a packed copy of the embedding matrix (the
-    embedding keeps its own for lookups), token for token and logprob for logprob as unpacked."""
+    embedding keeps its own for lookups), token for token as unpacked."""
     path = make_tiny_model("llama", tmp_path / "tied", seed=2, tie_word_embeddings=True)
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
     packed = LLM(str(path), dtype="bfloat16", device="cpu", kv_cache_memory_bytes=4 << 20)
     model = packed.engine.model
-    assert isinstance(model.lm_head, PackedLinear) and not model.embed_tokens.weight.is_mkldnn
+    kind = Bf16Linear if bf16_kernel() is not None else PackedLinear
+    assert isinstance(model.lm_head, kind) and not model.embed_tokens.weight.is_mkldnn
     monkeypatch.setattr(packed_linear, "can_pack", lambda dtype, device: False)
     plain = LLM(str(path), dtype="bfloat16", device="cpu", kv_cache_memory_bytes=4 << 20)
     assert plain.engine.model.lm_head is None
-    prompts = ["Hello there", "A longer prompt, so that prefill and decode both run a few rows"]
-    ours = [o.outputs[0] for o in packed.generate(prompts, params, use_tqdm=False)]
-    reference = [o.outputs[0] for o in plain.generate(prompts, params, use_tqdm=False)]
-    assert [o.token_ids for o in ours] == [o.token_ids for o in reference]
-    assert [o.logprobs for o in ours] == [o.logprobs for o in reference]
+    _assert_same_decode(_decode(packed), _decode(plain), exact=kind is PackedLinear)
 
 
 def test_nothing_is_packed_where_it_would_not_be_exact(llama_dir):
     model = LLM(str(llama_dir), dtype="float32", device="cpu", kv_cache_memory_bytes=4 << 20).engine.model
-    assert not any(isinstance(m, PackedLinear) for m in model.modules())
+    assert not any(isinstance(m, PACKED) for m in model.modules())
     assert pack_linears(nn.Sequential(nn.Linear(4, 4, bias=False)), torch.float32, CPU) == 0
     assert not can_pack(torch.float16, CPU)
     with_bias = nn.Sequential(nn.Linear(4, 4, bias=True)).to(torch.bfloat16)
     if cpu_has_fast_bf16():
-        assert pack_linears(with_bias, torch.bfloat16, CPU) == 0  # F.linear adds a bias in another order
+        with pytest.MonkeyPatch.context() as patch:  # oneDNN's layout only: F.linear adds a bias in another order
+            patch.setattr(packed_linear, "bf16_kernel", lambda: None)
+            assert pack_linears(with_bias, torch.bfloat16, CPU) == 0
+        if bf16_kernel() is not None:  # the C kernel adds it before its one rounding
+            assert pack_linears(with_bias, torch.bfloat16, CPU) == 1 and isinstance(with_bias[0], Bf16Linear)
     with pytest.raises(ValueError, match="without bias"):
         PackedLinear(with_bias[0])
 

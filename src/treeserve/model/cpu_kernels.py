@@ -27,7 +27,8 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in (
-    "cpu_kernels.c", "paged_decode.c", "flash_prefill.c", "int8_linear.c", "int4_linear.c", "w8a8_linear.c")]
+    "cpu_kernels.c", "paged_decode.c", "flash_prefill.c", "int8_linear.c", "int4_linear.c", "w8a8_linear.c",
+    "bf16_linear.c")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno", "-fno-trapping-math",
          f"-I{CSRC}"]
 LIBS = ["-lm"]  # after the source: linkers that drop unneeded libraries look at what precedes them
@@ -59,6 +60,8 @@ SIGNATURES = {
     "ts_w8a8_supported": [],
     "ts_w8a8_block_channels": [],
     "ts_w8a8_linear": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
+    "ts_bf16_linear_supported": [],
+    "ts_bf16_linear": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64],
     "ts_flash_prefill": [_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _i64, _int, _int, _int, _float,
                          _ptr, _i64],
 }
@@ -66,7 +69,8 @@ RETURNS = dict.fromkeys([
     "ts_paged_attention", "ts_paged_bf16_tiles", "ts_paged_decode_rows", "ts_flash_prefill_supported",
     "ts_flash_prefill", "ts_int8_linear", "ts_int8_bf16_rows", "ts_int8_rows16", "ts_int8_linear_packed16",
     "ts_int4_supported", "ts_int4_linear", "ts_int4_linear_packed16", "ts_w8a8_supported",
-    "ts_w8a8_block_channels", "ts_w8a8_linear"], ctypes.c_int) | {"ts_int4_packed16_span": ctypes.c_int64}
+    "ts_w8a8_block_channels", "ts_w8a8_linear", "ts_bf16_linear_supported", "ts_bf16_linear"],
+    ctypes.c_int) | {"ts_int4_packed16_span": ctypes.c_int64}
 
 
 def _cpu_tag() -> str:
@@ -291,6 +295,44 @@ def int8_unpack16(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """An `int8_pack16`ed weight back as int8 [n, k]."""
     pairs = packed.view(torch.int16).reshape(-1, k // 2, INT8_PACK16_BLOCK)
     return pairs.transpose(1, 2).contiguous().view(torch.int8).reshape(-1, k)[:n]
+
+
+BF16_PACK_BLOCK = 64  # channels per block of csrc/bf16_linear.c's layout
+
+
+def bf16_linear_supported(library: ctypes.CDLL | None) -> bool:
+    """Whether `bf16_linear` runs here (the library built, the CPU with AVX512-BF16)."""
+    return library is not None and library.ts_bf16_linear_supported() == 1
+
+
+def bf16_pack(weight: torch.Tensor) -> torch.Tensor:
+    """bfloat16 weights [N, K] (K even) in csrc/bf16_linear.c's layout: bfloat16
+    [ceil(N / 64) * 64 * K], blocks of 64 channels, in each every channel's next pair of inputs
+    side by side (zero channels past N)."""
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[1] % 2:
+        raise ValueError(f"bf16_pack: expected bfloat16 [N, K] with K even, got {weight.dtype} {tuple(weight.shape)}")
+    return _interleave_channels(weight.contiguous().view(torch.int8), BF16_PACK_BLOCK, torch.int32).view(torch.bfloat16)
+
+
+def bf16_unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """A `bf16_pack`ed weight back as bfloat16 [n, k]."""
+    pairs = packed.view(torch.int32).reshape(-1, k // 2, BF16_PACK_BLOCK)
+    return pairs.transpose(1, 2).contiguous().view(torch.bfloat16).reshape(-1, k)[:n]
+
+
+def bf16_linear(library: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                out_features: int) -> torch.Tensor:
+    """x [rows, K] bfloat16 (last dim contiguous) times the `bf16_pack`ed weight (+ bias, bfloat16
+    [N] contiguous): [rows, N] bfloat16, summed in float32 and rounded once."""
+    out = torch.empty((x.shape[0], out_features), dtype=torch.bfloat16)
+    status = library.ts_bf16_linear(x.data_ptr(), _rows(x), packed.data_ptr(),
+                                    None if bias is None else bias.data_ptr(), out.data_ptr(), x.shape[0],
+                                    out_features, x.shape[1])
+    if status == -2:
+        raise MemoryError("bf16_linear: no memory for the partial sums")
+    if status != 0:
+        raise ValueError(f"bf16_linear: cannot run {x.shape[1]} inputs on this CPU")
+    return out
 
 
 INT4_RUN = 128  # inputs per run of csrc/int4_linear.c's layout

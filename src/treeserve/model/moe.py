@@ -14,10 +14,11 @@ product runs in float32 over the weight converted for the call (exact: the produ
 bfloat16 numbers fits a float32) and is rounded back where a bfloat16 product would be: bfloat16
 matmuls there are several times slower than the conversion and a float32 one
 (`benchmarks/moe_decode.py --dtype bfloat16`). On a CPU with bfloat16 units the experts' weights
-are packed at load in oneDNN's layout (`pack_experts`, as the dense layers' `PackedLinear`), and
-a step gathers every pair's row once, runs each expert's rows through its packed weights into one
-buffer, and sums each token's weighted outputs in expert order (HF's order): a Mixtral-shaped
-decode at batch 64 went 1,950 -> 2,500 tok/s on an AVX512-BF16 EPYC.
+are packed at load (`pack_experts`, as the dense layers: csrc/bf16_linear.c's layout where that
+kernel runs, else oneDNN's), and a step gathers every pair's row once, runs each expert's rows
+through its packed weights into one buffer, and sums each token's weighted outputs in expert order
+(HF's order): a Mixtral-shaped decode at batch 64 on an AVX512-BF16 EPYC went 1,950 -> 2,500 tok/s
+with oneDNN's layout, -> 3,630 with the C kernel (each expert's ~16 rows are where it leads most).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from treeserve.model import cpu_kernels
 from treeserve.model.hf_config import MoEConfig
 from treeserve.model.kernels import fused_ops_for, grouped_experts_for
 from treeserve.model.layers import GatedMLP
-from treeserve.model.packed_linear import can_pack, computes_in_float32, float32_weight
+from treeserve.model.packed_linear import bf16_kernel, can_pack, computes_in_float32, float32_weight
 
 
 class StackedExperts(nn.Module):
@@ -39,15 +40,20 @@ class StackedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.packed: tuple[nn.ParameterList, nn.ParameterList] | None = None  # see `pack`
+        self.in_kernel = False  # the packed weights in csrc/bf16_linear.c's layout (else oneDNN's)
 
     def pack(self) -> None:
-        """Each expert's two weights in oneDNN's layout (bfloat16 on a CPU with bfloat16 units,
-        `can_pack`): a decode step's few rows per expert then skip the reorder that an unpacked
-        bfloat16 matmul does on every call. The stacked weights are dropped (the packed ones
-        replace them, not double them)."""
+        """Each expert's two weights packed (bfloat16 on a CPU with bfloat16 units, `can_pack`):
+        in csrc/bf16_linear.c's layout where that kernel runs (`bf16_kernel`), else in oneDNN's; a
+        decode step's few rows per expert then skip the reorder that an unpacked bfloat16 matmul
+        does on every call. The stacked weights are dropped (the packed ones replace them, not
+        double them)."""
+        self.in_kernel = bf16_kernel() is not None
+        pack = cpu_kernels.bf16_pack if self.in_kernel else \
+            (lambda weight: torch.ops.mkldnn._reorder_linear_weight(weight, None))
+
         def packed(stacked: torch.Tensor) -> nn.ParameterList:  # parameters: the memory accounting sees them
-            reorder = torch.ops.mkldnn._reorder_linear_weight
-            return nn.ParameterList([nn.Parameter(reorder(stacked[e].detach().contiguous(), None), requires_grad=False)
+            return nn.ParameterList([nn.Parameter(pack(stacked[e].detach().contiguous()), requires_grad=False)
                                      for e in range(self.num_experts)])
         self.packed_gate_up, self.packed_down = packed(self.gate_up_proj), packed(self.down_proj)
         self.packed = (self.packed_gate_up, self.packed_down)
@@ -66,15 +72,15 @@ class StackedExperts(nn.Module):
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         rows = x.index_select(0, order // top_k)
         outputs = torch.empty_like(rows)
-        linear, library = torch.ops.mkldnn._linear_pointwise, cpu_kernels.library_for(x)
+        library = cpu_kernels.library_for(x)
         start = 0
         for expert, count in enumerate(counts):
             if count:
                 gate_up, down = self.packed[0][expert], self.packed[1][expert]
-                h = linear(rows[start:start + count], gate_up, None, "none", [], "")
+                h = self._product(rows[start:start + count], gate_up, 2 * self.intermediate)
                 act = cpu_kernels.silu_mul(library, h) if library is not None else \
                     F.silu(h[:, :self.intermediate]) * h[:, self.intermediate:]
-                outputs[start:start + count] = linear(act, down, None, "none", [], "")
+                outputs[start:start + count] = self._product(act, down, x.shape[1])
                 start += count
         weighted = (outputs * weights.reshape(-1)[order, None]).to(x.dtype)
         by_slot = torch.empty_like(weighted).index_copy_(0, order, weighted).view(num_tokens, top_k, -1)
@@ -82,6 +88,12 @@ class StackedExperts(nn.Module):
         for slot in range(1, top_k):
             out += by_slot[:, slot]
         return out
+
+    def _product(self, rows: torch.Tensor, weight: torch.Tensor, out_features: int) -> torch.Tensor:
+        """rows [n, in] times one packed expert weight: [n, out_features]."""
+        if self.in_kernel:
+            return cpu_kernels.bf16_linear(cpu_kernels.load(), rows, weight, None, out_features)
+        return torch.ops.mkldnn._linear_pointwise(rows, weight, None, "none", [], "")
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H]; expert_ids, weights [T, k] -> sum over k of weight * expert(x) [T, H]."""

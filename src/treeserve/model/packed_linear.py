@@ -1,15 +1,22 @@
-"""bfloat16 linear layers on CPU: weights oneDNN lays out once where the CPU has bfloat16 units,
+"""bfloat16 linear layers on CPU: weights laid out once at load where the CPU has bfloat16 units,
 float32 products over weights converted per call where it has none.
 
 `F.linear` in bfloat16 on CPU runs a oneDNN matmul that reorders the weight into oneDNN's blocked
 layout on every call; for the few rows of a decode step that reorder is a large part of the time.
-Reordered once at load (`torch.ops.mkldnn._reorder_linear_weight`) and multiplied with
-`_linear_pointwise`, a layer without bias gives results bit-identical to `F.linear`, faster:
-768x1280 on an AVX512-BF16 CPU, 63 -> 35 us at 1 row, 165 -> 129 us at 24, 1236 -> 1166 us at 256
-(`benchmarks/packed_linear.py`). `F.linear` stays where the two would differ or nothing is gained:
-float32 (the last bits differ; MKL runs it), a layer with a bias (Qwen2's qkv: `F.linear` adds it
-in another order from a few hundred rows on), a build or device without oneDNN, and a CPU without
-fast bfloat16 (AVX2 only: bfloat16 is not chosen there unless asked for).
+Where treeserve's C kernels run (AVX512-BF16), `Bf16Linear` holds the weight in
+csrc/bf16_linear.c's layout (blocks of 64 channels, each channel's pairs of inputs side by side,
+streamed in order) and multiplies there: the products summed in float32 and rounded once, as
+oneDNN's kernels do, in another order (one element in a few thousand differs from `F.linear` by one
+bfloat16 unit). A decode step's linears of the ~150M benchmark model on a 2-core AVX512-BF16 EPYC
+(`benchmarks/packed_linear.py`): 11.3 -> 8.0 ms at 1 row (21 -> 30 GB/s of weights), 11.9 -> 8.4 at 8,
+14.8 -> 11.8 at 16, 40.3 -> 36.9 at 64, and a 2,048-token prefill's as fast as oneDNN's. Elsewhere
+(no C compiler, or a CPU with AMX but no AVX512-BF16), `PackedLinear` keeps oneDNN's layout,
+reordered once at load (`torch.ops.mkldnn._reorder_linear_weight`) and multiplied with
+`_linear_pointwise`: a layer without bias gives results bit-identical to `F.linear`, faster (768x1280:
+63 -> 35 us at 1 row). `F.linear` stays where neither helps: float32 (MKL runs it), a layer with a
+bias where only oneDNN's layout is had (`F.linear` adds it in another order from a few hundred
+rows on), a build or device without oneDNN, and a CPU without fast bfloat16 (AVX2 only: bfloat16
+is not chosen there unless asked for).
 
 On such a CPU, bfloat16 asked for anyway, `Float32Linear` converts the weight and input to
 float32 for each call and rounds the product back: the same products (two bfloat16 numbers
@@ -21,6 +28,7 @@ conversion in page faults.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 
@@ -29,6 +37,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from treeserve.config import cpu_has_fast_bf16
+from treeserve.model import cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +69,50 @@ def computes_in_float32(x: torch.Tensor) -> bool:
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
     return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and cpu_has_fast_bf16())
+
+
+def bf16_kernel() -> ctypes.CDLL | None:
+    """treeserve's C library where its bfloat16 linear runs (AVX512-BF16), else None."""
+    library = cpu_kernels.load()
+    return library if cpu_kernels.bf16_linear_supported(library) else None
+
+
+class Bf16Linear(nn.Module):
+    """An `nn.Linear`'s forward over its weight in csrc/bf16_linear.c's layout (`cpu_kernels.bf16_pack`);
+    the bias, if any, added in float32 before the one rounding. Made where `bf16_kernel()` is not None."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach().to(torch.bfloat16)
+        self.packed = nn.Parameter(cpu_kernels.bf16_pack(weight), requires_grad=False)
+        bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16).contiguous()
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def of_weight(cls, weight: torch.Tensor) -> "Bf16Linear":
+        """The layer of a bias-free weight [out, in] (the weight itself is not kept)."""
+        with torch.device("meta"):
+            linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
+        return cls(linear)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The weight [out, in] as `nn.Linear` holds it (a copy, unpacked)."""
+        return cpu_kernels.bf16_unpack(self.packed, self.out_features, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.bfloat16:
+            raise TypeError(f"Bf16Linear: bfloat16 input expected, got {x.dtype}")
+        rows = x.reshape(-1, self.in_features)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = cpu_kernels.bf16_linear(cpu_kernels.load(), rows, self.packed, self.bias, self.out_features)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
 class PackedLinear(nn.Module):
@@ -98,24 +151,34 @@ class Float32Linear(nn.Linear):
 
 
 def pack_linears(model: nn.Module, dtype: torch.dtype, device: torch.device) -> int:
-    """Replaces every `nn.Linear` without bias by a `PackedLinear` where that is exact and faster
-    (see `can_pack`), or, bfloat16 on a CPU without bfloat16 units, every `nn.Linear` by a
-    `Float32Linear`; returns how many were replaced. A layer oneDNN refuses stays as it was."""
+    """Replaces the `nn.Linear`s of a bfloat16 model on a CPU with bfloat16 units (`can_pack`) by
+    `Bf16Linear`s where the C kernel runs (every layer whose inputs come in pairs), else by
+    `PackedLinear`s (those without bias); or, bfloat16 on a CPU without bfloat16 units, every
+    `nn.Linear` by a `Float32Linear`. Returns how many were replaced; a layer neither takes stays."""
     if dtype == torch.bfloat16 and device.type == "cpu" and not cpu_has_fast_bf16():
         return _compute_in_float32(model)
     if not can_pack(dtype, device):
         return 0
+    library = bf16_kernel()
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child.bias is None:
-                try:
-                    setattr(parent, name, PackedLinear(child))
-                except RuntimeError as exc:
-                    logger.warning("keeping %s as nn.Linear: oneDNN could not pack it (%s)", name, exc)
-                    continue
+            if type(child) is nn.Linear and (packed := _packed(name, child, library)) is not None:
+                setattr(parent, name, packed)
                 count += 1
     return count
+
+
+def _packed(name: str, linear: nn.Linear, library) -> nn.Module | None:
+    if library is not None and linear.in_features % 2 == 0:
+        return Bf16Linear(linear)
+    if linear.bias is not None:
+        return None
+    try:
+        return PackedLinear(linear)
+    except RuntimeError as exc:
+        logger.warning("keeping %s as nn.Linear: oneDNN could not pack it (%s)", name, exc)
+        return None
 
 
 def pack_tied_lm_head(model: nn.Module, dtype: torch.dtype, device: torch.device) -> bool:
@@ -129,8 +192,12 @@ def pack_tied_lm_head(model: nn.Module, dtype: torch.dtype, device: torch.device
         return False
     if getattr(model, "head_name", None) is not None:  # a reward model: its head, not the embedding
         return False
+    weight = model.embed_tokens.weight
+    if (library := bf16_kernel()) is not None and weight.shape[1] % 2 == 0:
+        model.lm_head = Bf16Linear.of_weight(weight)
+        return True
     try:
-        model.lm_head = PackedLinear.of_weight(model.embed_tokens.weight)
+        model.lm_head = PackedLinear.of_weight(weight)
     except RuntimeError as exc:
         logger.warning("keeping the tied lm_head unpacked: oneDNN could not pack it (%s)", exc)
         return False

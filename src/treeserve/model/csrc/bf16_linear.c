@@ -1,0 +1,164 @@
+/* bfloat16 linear layers over weights packed at load (model/packed_linear.py's `Bf16Linear`).
+ *
+ * Layout (cpu_kernels.bf16_pack): blocks of 64 output channels; in a block, for each pair of inputs
+ * k, k + 1, the 64 channels' two weights side by side ([blocks][k_in / 2][64][2]): one 64-byte load
+ * is 16 channels' next pair as vdpbf16ps takes it, and a block streams from memory in order (the
+ * layout of int8_linear.c's packed path, which read 25-34 GB/s where row-major tiles read 21-22).
+ * Rows enter as they are: each pair of a row's inputs broadcast to every lane. Tiles of BF16_MR rows
+ * x 64 channels (24 accumulators in registers), products summed in float32, the result rounded to
+ * bfloat16 once (round to nearest even), as oneDNN's bfloat16 kernels do, in another order. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <omp.h>
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define TS_BF16_LINEAR 1
+#define BF16_MR 6       /* rows of a tile */
+#define BF16_SPAN 1024  /* inputs of a block swept by every tile of rows before the next (its 128 KiB
+                           stay in L2); the float32 sums between spans wait in a partial buffer */
+
+/* acc += pairs of bfloat16 products (vdpbf16ps), in assembly so that GCC keeps the accumulators in
+ * registers (as int8_linear.c's DPWSSD). */
+#define DPBF16(acc, x, w) __asm__("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(x), "v"(w))
+
+struct bf16_call {
+    const uint16_t *x;
+    int64_t x_stride;
+    const uint16_t *packed;
+    const uint16_t *bias;  /* [n_out] or NULL */
+    uint16_t *out;
+    int64_t rows, n_out, k_in, spans;
+};
+
+/* Channel vector j (16 channels) of row m: after a span but the last, into `partial`; after the
+ * last, plus the bias, rounded into `out`. */
+static inline void bf16_finish(const struct bf16_call *c, float *partial, int64_t n0, int64_t m, int j,
+                               __m512 acc, int64_t span)
+{
+    float *p = partial + m * 64 + 16 * j;
+    if (span > 0)
+        acc = _mm512_add_ps(acc, _mm512_loadu_ps(p));
+    if (span < c->spans - 1) {
+        _mm512_storeu_ps(p, acc);
+        return;
+    }
+    int64_t n = n0 + 16 * j;
+    if (n >= c->n_out)
+        return;
+    __mmask16 mask = c->n_out - n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (c->n_out - n)) - 1u);
+    if (c->bias != NULL)
+        acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                     _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, c->bias + n)), 16)));
+    _mm256_mask_storeu_epi16(c->out + m * c->n_out + n, mask, (__m256i)_mm512_cvtneps_pbh(acc));
+}
+
+#define BF_INIT(r) __m512 a##r##0 = _mm512_setzero_ps(), a##r##1 = a##r##0, a##r##2 = a##r##0, a##r##3 = a##r##0;
+#define BF_STEP(r)                                                                                    \
+    {                                                                                                 \
+        int32_t pair;                                                                                 \
+        memcpy(&pair, row0 + (r) * c->x_stride + k, sizeof pair);                                     \
+        __m512 xv = _mm512_castsi512_ps(_mm512_set1_epi32(pair));                                     \
+        DPBF16(a##r##0, xv, w0);                                                                      \
+        DPBF16(a##r##1, xv, w1);                                                                      \
+        DPBF16(a##r##2, xv, w2);                                                                      \
+        DPBF16(a##r##3, xv, w3);                                                                      \
+    }
+#define BF_FINISH(r)                                                                                  \
+    bf16_finish(c, partial, n0, m0 + (r), 0, a##r##0, span);                                          \
+    bf16_finish(c, partial, n0, m0 + (r), 1, a##r##1, span);                                          \
+    bf16_finish(c, partial, n0, m0 + (r), 2, a##r##2, span);                                          \
+    bf16_finish(c, partial, n0, m0 + (r), 3, a##r##3, span);
+#define BF_TILE(name, ROWS)                                                                           \
+    static void name(const struct bf16_call *c, const uint16_t *block, float *partial, int64_t n0,    \
+                     int64_t m0, int64_t span)                                                        \
+    {                                                                                                 \
+        ROWS(BF_INIT)                                                                                 \
+        const uint16_t *row0 = c->x + m0 * c->x_stride;                                               \
+        int64_t k0 = span * BF16_SPAN, k1 = k0 + BF16_SPAN < c->k_in ? k0 + BF16_SPAN : c->k_in;      \
+        for (int64_t k = k0; k < k1; k += 2) {                                                        \
+            const uint16_t *w = block + k * 64;                                                       \
+            __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 32);                             \
+            __m512 w2 = _mm512_loadu_ps(w + 64), w3 = _mm512_loadu_ps(w + 96);                        \
+            ROWS(BF_STEP)                                                                             \
+        }                                                                                             \
+        ROWS(BF_FINISH)                                                                               \
+    }
+#define BF_ROWS1(X) X(0)
+#define BF_ROWS2(X) BF_ROWS1(X) X(1)
+#define BF_ROWS3(X) BF_ROWS2(X) X(2)
+#define BF_ROWS4(X) BF_ROWS3(X) X(3)
+#define BF_ROWS5(X) BF_ROWS4(X) X(4)
+#define BF_ROWS6(X) BF_ROWS5(X) X(5)
+BF_TILE(bf16_tile1, BF_ROWS1)
+BF_TILE(bf16_tile2, BF_ROWS2)
+BF_TILE(bf16_tile3, BF_ROWS3)
+BF_TILE(bf16_tile4, BF_ROWS4)
+BF_TILE(bf16_tile5, BF_ROWS5)
+BF_TILE(bf16_tile6, BF_ROWS6)
+
+/* One block of 64 channels: each span through every tile of rows. */
+static void bf16_block(const struct bf16_call *c, const uint16_t *block, float *partial, int64_t n0)
+{
+    for (int64_t span = 0; span < c->spans; span++) {
+        int64_t m0 = 0;
+        for (; m0 + BF16_MR <= c->rows; m0 += BF16_MR)
+            bf16_tile6(c, block, partial, n0, m0, span);
+        switch (c->rows - m0) {
+        case 5: bf16_tile5(c, block, partial, n0, m0, span); break;
+        case 4: bf16_tile4(c, block, partial, n0, m0, span); break;
+        case 3: bf16_tile3(c, block, partial, n0, m0, span); break;
+        case 2: bf16_tile2(c, block, partial, n0, m0, span); break;
+        case 1: bf16_tile1(c, block, partial, n0, m0, span); break;
+        default: break;
+        }
+    }
+}
+#endif
+
+/* Whether ts_bf16_linear runs on this CPU (AVX512-BF16). */
+int ts_bf16_linear_supported(void)
+{
+#if defined(TS_BF16_LINEAR)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* out [rows, n_out] bfloat16 (contiguous) = x [rows, k_in] bfloat16 (rows x_stride elements apart,
+ * 4-byte aligned pairs) times w^T (+ bias [n_out] bfloat16, or NULL), w in the bf16_pack layout
+ * (k_in even). Returns 0; -1 where it cannot run (no AVX512-BF16, k_in odd); -2 out of memory. */
+int ts_bf16_linear(const void *x, int64_t x_stride, const void *packed, const void *bias, void *out, int64_t rows,
+                   int64_t n_out, int64_t k_in)
+{
+#if defined(TS_BF16_LINEAR)
+    if (k_in % 2)
+        return -1;
+    int64_t spans = (k_in + BF16_SPAN - 1) / BF16_SPAN, blocks = (n_out + 63) / 64;
+    struct bf16_call c = {.x = (const uint16_t *)x, .x_stride = x_stride, .packed = (const uint16_t *)packed,
+                          .bias = (const uint16_t *)bias, .out = (uint16_t *)out, .rows = rows, .n_out = n_out,
+                          .k_in = k_in, .spans = spans};
+    size_t partial_floats = spans > 1 ? (size_t)(rows * 64) : 0;
+    float *partials = NULL;
+    if (partial_floats) {
+        partials = malloc(partial_floats * sizeof(float) * (size_t)omp_get_max_threads());
+        if (partials == NULL)
+            return -2;
+    }
+#pragma omp parallel
+    {
+        float *partial = partials == NULL ? NULL : partials + (size_t)omp_get_thread_num() * partial_floats;
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++)
+            bf16_block(&c, c.packed + b * 64 * k_in, partial, b * 64);
+    }
+    free(partials);
+    return 0;
+#else
+    (void)x; (void)x_stride; (void)packed; (void)bias; (void)out; (void)rows; (void)n_out; (void)k_in;
+    return -1;
+#endif
+}
