@@ -9,8 +9,8 @@ from torch import nn
 from treeserve import LLM, SamplingParams
 from treeserve.model import cpu_kernels, packed_linear
 from treeserve.config import cpu_has_fast_bf16
-from treeserve.model.packed_linear import (Bf16Linear, Float32Linear, PackedLinear, bf16_kernel, can_pack,
-                                           pack_linears)
+from treeserve.model.packed_linear import (Bf16Linear, Float32Linear, PackedEmbedding, PackedLinear, bf16_kernel,
+                                           can_pack, pack_linears)
 from treeserve.model.random_models import make_tiny_model
 
 CPU = torch.device("cpu")
@@ -122,16 +122,29 @@ def test_without_the_c_kernel_the_engine_packs_in_onednn_layout_bit_for_bit(llam
 
 @needs_packing
 def test_a_tied_lm_head_gets_a_packed_copy_and_the_same_logits(tmp_path, monkeypatch):
-    """Tied word embeddings: the logits go through a packed copy of the embedding matrix (the
-    embedding keeps its own for lookups), token for token as unpacked."""
+    """Tied word embeddings: the logits go through the packed embedding matrix, token for token as
+    unpacked. In the C kernel's layout the lookups read that same matrix (held once); in oneDNN's
+    the embedding keeps its own."""
     path = make_tiny_model("llama", tmp_path / "tied", seed=2, tie_word_embeddings=True)
     packed = LLM(str(path), dtype="bfloat16", device="cpu", kv_cache_memory_bytes=4 << 20)
     model = packed.engine.model
     kind = Bf16Linear if bf16_kernel() is not None else PackedLinear
-    assert isinstance(model.lm_head, kind) and not model.embed_tokens.weight.is_mkldnn
+    assert isinstance(model.lm_head, kind)
     monkeypatch.setattr(packed_linear, "can_pack", lambda dtype, device: False)
     plain = LLM(str(path), dtype="bfloat16", device="cpu", kv_cache_memory_bytes=4 << 20)
     assert plain.engine.model.lm_head is None
+    embedding = plain.engine.model.embed_tokens
+    if kind is Bf16Linear:
+        assert isinstance(model.embed_tokens, PackedEmbedding) and model.embed_tokens.packed is model.lm_head.packed
+        assert torch.equal(model.embed_tokens.weight, embedding.weight)
+        ids = torch.tensor([[0, 7, embedding.num_embeddings - 1], [3, 3, 1]])
+        assert torch.equal(model.embed_tokens(ids), embedding(ids))
+        with pytest.raises(IndexError, match="out of range"):
+            model.embed_tokens(torch.tensor([embedding.num_embeddings]))
+        held = sum(p.numel() for p in model.parameters())  # the matrix once (and its channels padded to 64)
+        assert held < sum(p.numel() for p in plain.engine.model.parameters()) + 64 * embedding.embedding_dim
+    else:
+        assert not model.embed_tokens.weight.is_mkldnn
     _assert_same_decode(_decode(packed), _decode(plain), exact=kind is PackedLinear)
 
 

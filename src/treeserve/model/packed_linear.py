@@ -182,19 +182,23 @@ def _packed(name: str, linear: nn.Linear, library) -> nn.Module | None:
 
 
 def pack_tied_lm_head(model: nn.Module, dtype: torch.dtype, device: torch.device) -> bool:
-    """A language model whose logits come from its embedding matrix (tied word embeddings) gets a
-    packed copy of it as its `lm_head`, where packing pays (`can_pack`): the logits are the step's
+    """A language model whose logits come from its embedding matrix (tied word embeddings) gets the
+    matrix packed as its `lm_head`, where packing pays (`can_pack`): the logits are the step's
     largest product, and `F.linear` reorders the matrix on every call (Llama-3.2-1B's 128256 x 2048
-    on a 2-core AVX512-BF16 EPYC: 27.9 -> 22.9 ms at 1 row, 41.4 -> 30.5 at 16; the same bits).
-    The embedding keeps its own for lookups: the matrix is held twice, as vLLM's CPU path holds it
-    (its embedding layer prepacks with `remove_weight=False`). Returns whether it packed."""
+    on a 2-core AVX512-BF16 EPYC: 27.9 -> 22.9 ms at 1 row with oneDNN's layout). In the C kernel's
+    layout (`Bf16Linear`) the embedding's lookups read the same packed matrix (`PackedEmbedding`):
+    held once. In oneDNN's (opaque) layout the embedding keeps its own, the matrix held twice, as
+    vLLM's CPU path holds it (its embedding layer prepacks with `remove_weight=False`). Returns
+    whether it packed."""
     if not can_pack(dtype, device) or getattr(model, "lm_head", True) is not None:
         return False
     if getattr(model, "head_name", None) is not None:  # a reward model: its head, not the embedding
         return False
     weight = model.embed_tokens.weight
-    if (library := bf16_kernel()) is not None and weight.shape[1] % 2 == 0:
+    if bf16_kernel() is not None and weight.shape[1] % 2 == 0:
         model.lm_head = Bf16Linear.of_weight(weight)
+        if type(model.embed_tokens) is nn.Embedding:  # (a vocabulary-parallel one keeps its own)
+            model.embed_tokens = PackedEmbedding(model.lm_head)
         return True
     try:
         model.lm_head = PackedLinear.of_weight(weight)
@@ -202,6 +206,33 @@ def pack_tied_lm_head(model: nn.Module, dtype: torch.dtype, device: torch.device
         logger.warning("keeping the tied lm_head unpacked: oneDNN could not pack it (%s)", exc)
         return False
     return True
+
+
+class PackedEmbedding(nn.Module):
+    """Token embeddings read from a tied `Bf16Linear` head's packed matrix (the same parameter: the
+    matrix is held and counted once). A token's row is its channel of the layout: the words of its
+    block, one every 64 (a lookup's gather, negligible beside the step's products)."""
+
+    def __init__(self, head: Bf16Linear):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+        self.packed = head.packed
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The matrix [vocab, hidden] as `nn.Embedding` holds it (a copy, unpacked)."""
+        return cpu_kernels.bf16_unpack(self.packed, self.num_embeddings, self.embedding_dim)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.num_embeddings):
+            raise IndexError(f"token id out of range [0, {self.num_embeddings})")
+        block = cpu_kernels.BF16_PACK_BLOCK
+        words = self.packed.view(torch.int32).view(-1, self.embedding_dim // 2, block)
+        rows = words[input_ids.reshape(-1) // block, :, input_ids.reshape(-1) % block]
+        return rows.view(torch.bfloat16).view(*input_ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, packed with the lm_head"
 
 
 def _compute_in_float32(model: nn.Module) -> int:
