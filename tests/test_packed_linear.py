@@ -56,6 +56,15 @@ def test_bf16_linear_keeps_nan_and_infinity_in_their_rows():
     assert bool(out[0].isfinite().all()) and bool(out[1].isnan().all()) and not bool(out[2].isfinite().any())
 
 
+@needs_packing
+def test_a_cpu_with_amx_keeps_onednn_layout(monkeypatch):
+    """AMX tiles run oneDNN's matmuls at several times the vector units' rate: no C kernel there."""
+    monkeypatch.setattr(packed_linear, "cpu_has_amx", lambda: True)
+    assert bf16_kernel() is None
+    model = nn.Sequential(nn.Linear(64, 64, bias=False)).to(torch.bfloat16)
+    assert pack_linears(model, torch.bfloat16, CPU) == 1 and isinstance(model[0], PackedLinear)
+
+
 def test_bf16_pack_reads_back_and_refuses_what_it_cannot_take():
     weight = torch.randn(70, 96).to(torch.bfloat16)
     packed = cpu_kernels.bf16_pack(weight)

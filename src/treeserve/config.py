@@ -101,8 +101,16 @@ class EngineConfig:
 
 def cpu_has_fast_bf16() -> bool:
     """bf16 matmuls are fast only with AMX or AVX512-BF16; without them they are ~100x slower than fp32."""
+    return cpu_has_amx() or "avx512_bf16" in _cpu_flags()
+
+
+def cpu_has_amx() -> bool:
+    """AMX tiles for bfloat16 (oneDNN's matmuls run on them: several times the vector units' rate)."""
+    return "amx_bf16" in _cpu_flags()
+
+
+def _cpu_flags() -> str:
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        return Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+        return ""

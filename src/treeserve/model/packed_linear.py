@@ -10,7 +10,8 @@ oneDNN's kernels do, in another order (one element in a few thousand differs fro
 bfloat16 unit). A decode step's linears of the ~150M benchmark model on a 2-core AVX512-BF16 EPYC
 (`benchmarks/packed_linear.py`): 11.3 -> 8.0 ms at 1 row (21 -> 30 GB/s of weights), 11.9 -> 8.4 at 8,
 14.8 -> 11.8 at 16, 40.3 -> 36.9 at 64, and a 2,048-token prefill's as fast as oneDNN's. Elsewhere
-(no C compiler, or a CPU with AMX but no AVX512-BF16), `PackedLinear` keeps oneDNN's layout,
+(no C compiler, or a CPU with AMX, whose tiles give oneDNN several times the vector units' rate
+at prefill: not measured by us), `PackedLinear` keeps oneDNN's layout,
 reordered once at load (`torch.ops.mkldnn._reorder_linear_weight`) and multiplied with
 `_linear_pointwise`: a layer without bias gives results bit-identical to `F.linear`, faster (768x1280:
 63 -> 35 us at 1 row). `F.linear` stays where neither helps: float32 (MKL runs it), a layer with a
@@ -36,7 +37,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from treeserve.config import cpu_has_fast_bf16
+from treeserve.config import cpu_has_amx, cpu_has_fast_bf16
 from treeserve.model import cpu_kernels
 
 logger = logging.getLogger(__name__)
@@ -72,7 +73,10 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def bf16_kernel() -> ctypes.CDLL | None:
-    """treeserve's C library where its bfloat16 linear runs (AVX512-BF16), else None."""
+    """treeserve's C library where its bfloat16 linear runs and is the one to use (AVX512-BF16 and no
+    AMX: with AMX tiles oneDNN's matmuls have several times the vector units' rate), else None."""
+    if cpu_has_amx():
+        return None
     library = cpu_kernels.load()
     return library if cpu_kernels.bf16_linear_supported(library) else None
 
