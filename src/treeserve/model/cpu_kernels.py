@@ -254,6 +254,7 @@ def int8_dequantize(library: ctypes.CDLL, weight: torch.Tensor, scales: torch.Te
 
 
 INT8_PACK16_BLOCK = 64  # channels per block of csrc/int8_linear.c's packed layout
+PACK_CHUNK_BYTES = 8 << 20  # weight bytes packed at a time (`_interleave_channels`)
 
 
 def int8_pack16(weight: torch.Tensor) -> torch.Tensor:
@@ -268,13 +269,20 @@ def int8_pack16(weight: torch.Tensor) -> torch.Tensor:
 def _interleave_channels(weight: torch.Tensor, block: int, word: torch.dtype) -> torch.Tensor:
     """int8 [N, K] in blocks of `block` channels, in each the channels' next `word`-sized run of
     inputs side by side: int8 [ceil(N / block) * block * K], zero channels past N. The runs move as
-    one element each (a quarter or half of the bytes' count)."""
+    one element each (a quarter or half of the bytes' count); a few MiB of blocks at a time, so that
+    packing needs no more than the packed result beside the weight (an LM head is 0.5 GB)."""
     n, k = weight.shape
     blocks = -(-n // block)
-    padded = torch.zeros(blocks * block, k, dtype=torch.int8)
-    padded[:n] = weight
-    runs = padded.view(word).reshape(blocks, block, -1)
-    return runs.transpose(1, 2).contiguous().view(torch.int8).reshape(-1)
+    runs = weight.contiguous().view(word)  # [N, runs]
+    out = torch.empty(blocks, runs.shape[1], block, dtype=word)
+    step = max(1, PACK_CHUNK_BYTES // (block * k))
+    for b0 in range(0, blocks, step):
+        b1 = min(blocks, b0 + step)
+        rows = runs[b0 * block:b1 * block]
+        if rows.shape[0] < (b1 - b0) * block:  # the last block short: zero channels past N
+            rows = torch.cat([rows, rows.new_zeros((b1 - b0) * block - rows.shape[0], rows.shape[1])])
+        out[b0:b1] = rows.view(b1 - b0, block, -1).transpose(1, 2)
+    return out.view(torch.int8).reshape(-1)
 
 
 def int8_linear_packed16(library: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
