@@ -72,6 +72,14 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and cpu_has_fast_bf16())
 
 
+def _bias_free_linear(weight: torch.Tensor) -> nn.Linear:
+    """An `nn.Linear` over `weight` [out, in] as it is (none allocated)."""
+    with torch.device("meta"):
+        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
+    return linear
+
+
 def bf16_kernel() -> ctypes.CDLL | None:
     """treeserve's C library where its bfloat16 linear runs and is the one to use (AVX512-BF16 and no
     AMX: with AMX tiles oneDNN's matmuls have several times the vector units' rate), else None."""
@@ -96,10 +104,7 @@ class Bf16Linear(nn.Module):
     @classmethod
     def of_weight(cls, weight: torch.Tensor) -> "Bf16Linear":
         """The layer of a bias-free weight [out, in] (the weight itself is not kept)."""
-        with torch.device("meta"):
-            linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
-        linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
-        return cls(linear)
+        return cls(_bias_free_linear(weight))
 
     @property
     def weight(self) -> torch.Tensor:
@@ -134,10 +139,7 @@ class PackedLinear(nn.Module):
     @classmethod
     def of_weight(cls, weight: torch.Tensor) -> "PackedLinear":
         """The packed layer of a bias-free weight [out, in] (the weight itself is not kept)."""
-        with torch.device("meta"):
-            linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
-        linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
-        return cls(linear)
+        return cls(_bias_free_linear(weight))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, None, "none", [], "")
