@@ -1,4 +1,4 @@
-"""The 4-bit kernel (`cpu_kernels.int4_linear`, csrc/int4_linear.c) against PyTorch's own 4-bit CPU
+"""The 4-bit kernel (`linear_kernels.int4_linear`, csrc/int4_linear.c) against PyTorch's own 4-bit CPU
 kernel (`aten._weight_int4pack_mm_for_cpu`) and the bfloat16 layer it replaces (`PackedLinear`,
 oneDNN), on a Llama-3.2-1B MLP's two shapes, group size 128, by rows. Each arm cycles through
 `--layers` weights so that they come from memory, as in a model's step, not from the CPU's caches.
@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from treeserve.model import cpu_kernels
+from treeserve.model import cpu_kernels, linear_kernels
 from treeserve.model.packed_linear import PackedLinear
 
 SHAPES = ((8192, 2048), (2048, 8192))  # (out, in): gate/up and down of Llama-3.2-1B
@@ -39,14 +39,14 @@ def main() -> None:
     torch.manual_seed(0)
     for n, k in SHAPES:
         qs = [torch.randint(0, 16, (n, k)) for _ in range(args.layers)]
-        ours = [cpu_kernels.int4_pack(q) for q in qs]
+        ours = [linear_kernels.int4_pack(q) for q in qs]
         scales, zeros = torch.rand(n, k // GROUP_SIZE) * 0.01, torch.full((n, k // GROUP_SIZE), 8.0)
         aten = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int(), 1) for q in qs]
         scales_and_zeros = torch.randn(k // GROUP_SIZE, n, 2, dtype=torch.bfloat16)
         dense = [PackedLinear(torch.nn.Linear(k, n, bias=False).bfloat16()) for _ in range(args.layers)]
         for rows in map(int, args.rows.split(",")):
             x = torch.randn(rows, k, dtype=torch.bfloat16)
-            t_ours = per_call_ms(lambda: [cpu_kernels.int4_linear(library, x, w, scales, zeros, GROUP_SIZE)
+            t_ours = per_call_ms(lambda: [linear_kernels.int4_linear(library, x, w, scales, zeros, GROUP_SIZE)
                                           for w in ours], args.layers)
             t_aten = per_call_ms(lambda: [torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, GROUP_SIZE, scales_and_zeros)
                                           for w in aten], args.layers)

@@ -147,7 +147,7 @@ def kernels() -> None:
     from torch import nn
 
     from treeserve.config import cpu_has_fast_bf16
-    from treeserve.model import cpu_kernels
+    from treeserve.model import cpu_kernels, linear_kernels
     from treeserve.model.packed_linear import pack_linears
     from treeserve.model.quantization import Int8Linear
     from treeserve.model.quantization.int4 import Int4Linear
@@ -165,7 +165,7 @@ def kernels() -> None:
         for rows in (1, 4, 16, 32, 64, 128, 256, 1024):
             x = torch.randn(rows, shape[0], dtype=dtype)
             timings = {"int8 packed (ours)": lambda: packed(x),
-                       "int8 row-major (ours)": lambda: cpu_kernels.int8_linear(cpu_kernels.load(), x,
+                       "int8 row-major (ours)": lambda: linear_kernels.int8_linear(cpu_kernels.load(), x,
                                                                                 quantized.weight, quantized.scales),
                        "int8 (aten)": lambda: torch.ops.aten._weight_int8pack_mm(x, quantized.weight,
                                                                                  quantized.scales.to(dtype)),

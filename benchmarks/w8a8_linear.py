@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from treeserve.model import cpu_kernels
+from treeserve.model import cpu_kernels, linear_kernels
 from treeserve.model.packed_linear import PackedLinear, can_pack
 from treeserve.model.quantization.activations import quantize_rows_int8
 
@@ -43,12 +43,12 @@ def one_layer(library, rows_list: list[int], copies: int) -> None:
     for n, k in LAYER_SHAPES:
         weights = [torch.randint(-128, 128, (n, k), dtype=torch.int8) for _ in range(copies)]
         scales = torch.rand(n) * 0.01
-        packs = [cpu_kernels.w8a8_pack(w, block) for w in weights]
+        packs = [linear_kernels.w8a8_pack(w, block) for w in weights]
         floats = [torch.randn(n, k, dtype=torch.bfloat16) for _ in range(min(copies, 4))]
         packed = [PackedLinear.of_weight(w) for w in floats] if can_pack(torch.bfloat16, torch.device("cpu")) else None
         for rows in rows_list:
             x = torch.randn(rows, k, dtype=torch.bfloat16)
-            ours = _ms(lambda i: cpu_kernels.w8a8_linear(library, x, *packs[i], scales, n), copies)
+            ours = _ms(lambda i: linear_kernels.w8a8_linear(library, x, *packs[i], scales, n), copies)
             pytorch = _ms(lambda i: _pytorch_path(x, weights[i], scales), copies)
             dense = _ms(lambda i: torch.nn.functional.linear(x, floats[i % len(floats)]), copies)
             onednn = _ms(lambda i: packed[i % len(packed)](x), copies) if packed else float("nan")
@@ -59,7 +59,7 @@ def one_layer(library, rows_list: list[int], copies: int) -> None:
 
 def one_step(library, rows_list: list[int]) -> None:
     block = library.ts_w8a8_block_channels()
-    layers = [[cpu_kernels.w8a8_pack(torch.randint(-128, 128, s, dtype=torch.int8), block) for s in STEP_SHAPES]
+    layers = [[linear_kernels.w8a8_pack(torch.randint(-128, 128, s, dtype=torch.int8), block) for s in STEP_SHAPES]
               for _ in range(LAYERS)]
     scales = {s: torch.rand(s[0]) for s in STEP_SHAPES}
     for rows in rows_list:
@@ -68,7 +68,7 @@ def one_step(library, rows_list: list[int]) -> None:
         def step():
             for layer in layers:
                 for (n, k), (packed, comp) in zip(STEP_SHAPES, layer):
-                    cpu_kernels.w8a8_linear(library, inputs[k], packed, comp, scales[(n, k)], n)
+                    linear_kernels.w8a8_linear(library, inputs[k], packed, comp, scales[(n, k)], n)
 
         step()
         times = []

@@ -4,7 +4,7 @@ asymmetric zero points, strided rows; and refusals where it cannot run."""
 import pytest
 import torch
 
-from treeserve.model import cpu_kernels
+from treeserve.model import cpu_kernels, linear_kernels
 
 LIBRARY = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(LIBRARY is None or LIBRARY.ts_int4_supported() != 1,
@@ -29,7 +29,7 @@ def test_int4_linear_matches_the_dequantized_weight(rows, n, k, group_size):
     wide = (torch.randn(rows, k + 32, generator=gen) * 3).to(torch.bfloat16)
     wide[:, 40] = 60.0  # an outlier, as activations have: the offset sums must not cancel it away
     x = wide[:, 16:16 + k]  # rows k + 32 elements apart
-    out = cpu_kernels.int4_linear(LIBRARY, x, cpu_kernels.int4_pack(q), scales, zeros, group_size)
+    out = linear_kernels.int4_linear(LIBRARY, x, linear_kernels.int4_pack(q), scales, zeros, group_size)
     expected = x.double() @ dense.T
     assert out is not None and out.dtype == torch.bfloat16 and out.shape == (rows, n)
     # float32 sums of exact products, rounded once to bfloat16
@@ -54,9 +54,9 @@ def test_packed_int4_linear_matches_the_dequantized_weight(rows, n, k, group_siz
     wide[:, 40] = 60.0
     x = wide[:, 16:16 + k]
     assert LIBRARY.ts_int4_packed16_span(k, group_size) == min(group_size, 256)
-    out = cpu_kernels.int4_linear_packed16(LIBRARY, x, cpu_kernels.int4_pack16(q.to(torch.uint8)),
-                                           cpu_kernels.int4_pack16_groups(scales),
-                                           cpu_kernels.int4_pack16_groups(zeros), n, group_size)
+    out = linear_kernels.int4_linear_packed16(LIBRARY, x, linear_kernels.int4_pack16(q.to(torch.uint8)),
+                                           linear_kernels.int4_pack16_groups(scales),
+                                           linear_kernels.int4_pack16_groups(zeros), n, group_size)
     expected = x.double() @ dense.T
     assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
     torch.testing.assert_close(out.double(), expected, atol=2e-3 * expected.abs().max().item(), rtol=8e-3)
@@ -65,7 +65,7 @@ def test_packed_int4_linear_matches_the_dequantized_weight(rows, n, k, group_siz
 @needs_packed16
 def test_int4_pack16_reads_back_and_refuses_spans_it_cannot_take():
     q = torch.randint(0, 16, (70, 256), dtype=torch.uint8)
-    assert torch.equal(cpu_kernels.int4_unpack16(cpu_kernels.int4_pack16(q), 70, 256), q)
+    assert torch.equal(linear_kernels.int4_unpack16(linear_kernels.int4_pack16(q), 70, 256), q)
     assert LIBRARY.ts_int4_packed16_span(768, 384) == 0  # longer than 256, not a multiple of it, not the row
     assert LIBRARY.ts_int4_packed16_span(768, 48) == 0
 
@@ -73,21 +73,21 @@ def test_int4_pack16_reads_back_and_refuses_spans_it_cannot_take():
 def test_int4_pack_layout_and_dequantize():
     gen = torch.Generator().manual_seed(1)
     q, scales, zeros, dense = _weights(6, 192, 32, gen)
-    packed = cpu_kernels.int4_pack(q)
+    packed = linear_kernels.int4_pack(q)
     assert packed.shape == (6, 64) and packed.dtype == torch.uint16
     word = int(packed[0, 33].view(torch.int16)) & 0xFFFF  # run 1, word 1: inputs 129, 161 (and zeros past 192)
     assert word == int(q[0, 129]) | int(q[0, 161]) << 4
-    out = cpu_kernels.int4_dequantize(LIBRARY, packed, scales, zeros, 32, torch.empty(6, 192, dtype=torch.bfloat16))
+    out = linear_kernels.int4_dequantize(LIBRARY, packed, scales, zeros, 32, torch.empty(6, 192, dtype=torch.bfloat16))
     assert torch.equal(out, dense.float().to(torch.bfloat16))
 
 
 def test_int4_kernel_refuses_what_it_cannot_run_and_takes_no_rows():
     q, scales, zeros, _ = _weights(4, 128, 32, torch.Generator().manual_seed(2))
-    packed = cpu_kernels.int4_pack(q)
+    packed = linear_kernels.int4_pack(q)
     x = torch.randn(2, 128).to(torch.bfloat16)
-    assert cpu_kernels.int4_linear(LIBRARY, x.float(), packed, scales, zeros, 32) is None  # float32 rows
-    assert cpu_kernels.int4_linear(LIBRARY, x, packed, scales[:, :1], zeros[:, :1], 48) is None  # 48: not a multiple of 32
-    empty = cpu_kernels.int4_linear(LIBRARY, x[:0], packed, scales, zeros, 32)  # no rows: an empty product
+    assert linear_kernels.int4_linear(LIBRARY, x.float(), packed, scales, zeros, 32) is None  # float32 rows
+    assert linear_kernels.int4_linear(LIBRARY, x, packed, scales[:, :1], zeros[:, :1], 48) is None  # 48: not a multiple of 32
+    empty = linear_kernels.int4_linear(LIBRARY, x[:0], packed, scales, zeros, 32)  # no rows: an empty product
     assert empty is not None and empty.shape == (0, 4)
     with pytest.raises(ValueError, match="multiple of 32"):
-        cpu_kernels.int4_pack(torch.zeros(2, 48, dtype=torch.int32))
+        linear_kernels.int4_pack(torch.zeros(2, 48, dtype=torch.int32))

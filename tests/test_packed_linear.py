@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from treeserve import LLM, SamplingParams
-from treeserve.model import cpu_kernels, packed_linear
+from treeserve.model import linear_kernels, packed_linear
 from treeserve.config import cpu_has_fast_bf16
 from treeserve.model.packed_linear import (Bf16Linear, Float32Linear, PackedEmbedding, PackedLinear, bf16_kernel,
                                            can_pack, pack_linears)
@@ -67,13 +67,13 @@ def test_a_cpu_with_amx_keeps_onednn_layout(monkeypatch):
 
 def test_bf16_pack_reads_back_and_refuses_what_it_cannot_take():
     weight = torch.randn(70, 96).to(torch.bfloat16)
-    packed = cpu_kernels.bf16_pack(weight)
+    packed = linear_kernels.bf16_pack(weight)
     assert packed.numel() == 128 * 96
-    assert torch.equal(cpu_kernels.bf16_unpack(packed, 70, 96), weight)
+    assert torch.equal(linear_kernels.bf16_unpack(packed, 70, 96), weight)
     with pytest.raises(ValueError, match="K even"):
-        cpu_kernels.bf16_pack(torch.randn(4, 5).to(torch.bfloat16))
+        linear_kernels.bf16_pack(torch.randn(4, 5).to(torch.bfloat16))
     with pytest.raises(ValueError, match="bfloat16"):
-        cpu_kernels.bf16_pack(torch.randn(4, 6))
+        linear_kernels.bf16_pack(torch.randn(4, 6))
 
 
 @needs_packing

@@ -101,7 +101,7 @@ def test_bfloat16_rows_as_16_bit_integers_keep_each_span_of_inputs_exact():
     one power of two per 256 inputs: within one bfloat16 unit of the exact product, also where one span
     of a row is 10^6 times smaller than another (one scale per row would round it away), zeros
     give zeros and a NaN or infinity gives NaN."""
-    from treeserve.model import cpu_kernels
+    from treeserve.model import cpu_kernels, linear_kernels
 
     library = cpu_kernels.load()
     if library is None or not library.ts_int8_rows16():
@@ -115,10 +115,10 @@ def test_bfloat16_rows_as_16_bit_integers_keep_each_span_of_inputs_exact():
     x = x.to(torch.bfloat16)
     exact = (x.double() @ (weight.double() * layer.scales.double()[:, None]).T)
     unit = exact.abs().to(torch.bfloat16).double() * 2.0 ** -7  # one bfloat16 unit (8-bit significand)
-    packed = cpu_kernels.int8_pack16(weight)
+    packed = linear_kernels.int8_pack16(weight)
 
     def product(rows):
-        return cpu_kernels.int8_linear_packed16(library, rows, packed, layer.scales, 40)
+        return linear_kernels.int8_linear_packed16(library, rows, packed, layer.scales, 40)
 
     assert ((product(x).double() - exact).abs() <= unit + 1e-30).all()
     assert (product(torch.zeros(2, 768, dtype=torch.bfloat16)) == 0).all()
@@ -214,17 +214,17 @@ def test_unknown_schemes_and_unsupported_settings_are_clear_errors(family_dirs):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_int8_kernel_matches_the_dequantized_product(dtype):
     """Odd shapes: channels not a multiple of the 4-channel tile, every row count of a short tile."""
-    from treeserve.model import cpu_kernels
+    from treeserve.model import cpu_kernels, linear_kernels
 
     library = cpu_kernels.load()
     torch.manual_seed(0)
     layer = Int8Linear(nn.Linear(96, 70, bias=False).to(dtype), pack=False)  # the row-major kernel
-    if library is None or cpu_kernels.int8_linear(library, torch.ones(1, 96, dtype=dtype), layer.weight,
+    if library is None or linear_kernels.int8_linear(library, torch.ones(1, 96, dtype=dtype), layer.weight,
                                                   layer.scales) is None:
         pytest.skip("hardware: no AVX512 here (or no C compiler): PyTorch's int8 kernel runs instead")
     for rows in (1, 2, 3, 4, 5, 9, 31):
         x = torch.randn(rows, 96, dtype=dtype)
-        out = cpu_kernels.int8_linear(library, x, layer.weight, layer.scales)
+        out = linear_kernels.int8_linear(library, x, layer.weight, layer.scales)
         ref = x.float() @ (layer.weight.float() * layer.scales[:, None]).T
         assert out.dtype == dtype and out.shape == (rows, 70)
         tolerance = 1e-5 if dtype == torch.float32 else 1e-2
@@ -233,8 +233,8 @@ def test_the_int8_kernel_matches_the_dequantized_product(dtype):
     x = torch.randn(5, 48, dtype=dtype)
     ref = x.float() @ (odd.weight.float() * odd.scales[:, None]).T
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
-    assert torch.allclose(cpu_kernels.int8_linear(library, x, odd.weight, odd.scales).float(), ref, rtol=tolerance,
+    assert torch.allclose(linear_kernels.int8_linear(library, x, odd.weight, odd.scales).float(), ref, rtol=tolerance,
                           atol=tolerance * float(ref.abs().max()))
     narrow = Int8Linear(nn.Linear(40, 8, bias=False).to(dtype), pack=False)  # 40 inputs: not the kernel's multiple of 16
-    assert cpu_kernels.int8_linear(library, torch.ones(2, 40, dtype=dtype), narrow.weight, narrow.scales) is None
+    assert linear_kernels.int8_linear(library, torch.ones(2, 40, dtype=dtype), narrow.weight, narrow.scales) is None
     assert narrow(torch.ones(2, 40, dtype=dtype)).shape == (2, 8)  # PyTorch's kernel instead

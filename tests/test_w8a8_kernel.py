@@ -5,7 +5,7 @@ strided rows, float32 and bfloat16; and the layer that packs its weight for it."
 import pytest
 import torch
 
-from treeserve.model import cpu_kernels
+from treeserve.model import cpu_kernels, linear_kernels
 from treeserve.model.quantization.activations import Int8W8A8Linear, quantize_rows_int8
 from treeserve.model.quantization.weights import IntWeight
 
@@ -32,8 +32,8 @@ def test_w8a8_linear_gives_pytorchs_bits(dtype, rows, n, k):
     if rows > 2:
         wide[1] = 0.0  # a row of zeros: its scale is float32's epsilon
     x = wide[:, 12:12 + k]  # rows k + 24 elements apart
-    packed, comp = cpu_kernels.w8a8_pack(weight, LIBRARY.ts_w8a8_block_channels())
-    out = cpu_kernels.w8a8_linear(LIBRARY, x, packed, comp, scales, n)
+    packed, comp = linear_kernels.w8a8_pack(weight, LIBRARY.ts_w8a8_block_channels())
+    out = linear_kernels.w8a8_linear(LIBRARY, x, packed, comp, scales, n)
     expected = _reference(x.contiguous(), weight, scales)
     assert out is not None and out.dtype == dtype and out.shape == (rows, n)
     assert torch.equal(out, expected)
@@ -41,7 +41,7 @@ def test_w8a8_linear_gives_pytorchs_bits(dtype, rows, n, k):
 
 def test_w8a8_pack_layout():
     weight = torch.arange(2 * 8, dtype=torch.int8).reshape(2, 8)
-    packed, comp = cpu_kernels.w8a8_pack(weight, 16)
+    packed, comp = linear_kernels.w8a8_pack(weight, 16)
     blocks = packed.reshape(1, 2, 16, 4)  # [blocks][k / 4][channels][4]
     assert blocks[0, 1, 1].tolist() == [12, 13, 14, 15]  # channel 1, inputs 4..7
     assert blocks[0, 0, 2:].abs().sum() == 0  # channels past n are zeros
@@ -69,8 +69,8 @@ def test_given_row_scales_replace_the_rows_own():
     scales = torch.rand(80, generator=gen) * 0.01
     x = torch.randn(7, 64, generator=gen).to(torch.bfloat16)
     row_scales = x.float().abs().amax(dim=1, keepdim=True) * torch.linspace(1.0, 3.0, 7)[:, None] / 127.5
-    packed, comp = cpu_kernels.w8a8_pack(weight, LIBRARY.ts_w8a8_block_channels())
-    out = cpu_kernels.w8a8_linear(LIBRARY, x, packed, comp, scales, 80, row_scales.reshape(-1).contiguous())
+    packed, comp = linear_kernels.w8a8_pack(weight, LIBRARY.ts_w8a8_block_channels())
+    out = linear_kernels.w8a8_linear(LIBRARY, x, packed, comp, scales, 80, row_scales.reshape(-1).contiguous())
     quantized, _ = quantize_rows_int8(x, row_scales)
     expected = torch._int_mm(weight, quantized.t()).float().mul_(scales[:, None]).mul_(row_scales.t())
     assert torch.equal(out, expected.t().to(torch.bfloat16))

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from treeserve.model import cpu_kernels
+from treeserve.model import cpu_kernels, linear_kernels
 from treeserve.model.hf_config import MoEConfig
 from treeserve.model.kernels import fused_ops_for, grouped_experts_for
 from treeserve.model.layers import GatedMLP
@@ -49,7 +49,7 @@ class StackedExperts(nn.Module):
         does on every call. The stacked weights are dropped (the packed ones replace them, not
         double them)."""
         self.in_kernel = bf16_kernel() is not None
-        pack = cpu_kernels.bf16_pack if self.in_kernel else \
+        pack = linear_kernels.bf16_pack if self.in_kernel else \
             (lambda weight: torch.ops.mkldnn._reorder_linear_weight(weight, None))
 
         def packed(stacked: torch.Tensor) -> nn.ParameterList:  # parameters: the memory accounting sees them
@@ -92,7 +92,7 @@ class StackedExperts(nn.Module):
     def _product(self, rows: torch.Tensor, weight: torch.Tensor, out_features: int) -> torch.Tensor:
         """rows [n, in] times one packed expert weight: [n, out_features]."""
         if self.in_kernel:
-            return cpu_kernels.bf16_linear(cpu_kernels.load(), rows, weight, None, out_features)
+            return linear_kernels.bf16_linear(cpu_kernels.load(), rows, weight, None, out_features)
         return torch.ops.mkldnn._linear_pointwise(rows, weight, None, "none", [], "")
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from treeserve.config import cpu_has_amx, cpu_has_fast_bf16
-from treeserve.model import cpu_kernels
+from treeserve.model import cpu_kernels, linear_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -86,18 +86,18 @@ def bf16_kernel() -> ctypes.CDLL | None:
     if cpu_has_amx():
         return None
     library = cpu_kernels.load()
-    return library if cpu_kernels.bf16_linear_supported(library) else None
+    return library if linear_kernels.bf16_linear_supported(library) else None
 
 
 class Bf16Linear(nn.Module):
-    """An `nn.Linear`'s forward over its weight in csrc/bf16_linear.c's layout (`cpu_kernels.bf16_pack`);
+    """An `nn.Linear`'s forward over its weight in csrc/bf16_linear.c's layout (`linear_kernels.bf16_pack`);
     the bias, if any, added in float32 before the one rounding. Made where `bf16_kernel()` is not None."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach().to(torch.bfloat16)
-        self.packed = nn.Parameter(cpu_kernels.bf16_pack(weight), requires_grad=False)
+        self.packed = nn.Parameter(linear_kernels.bf16_pack(weight), requires_grad=False)
         bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16).contiguous()
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
@@ -109,7 +109,7 @@ class Bf16Linear(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The weight [out, in] as `nn.Linear` holds it (a copy, unpacked)."""
-        return cpu_kernels.bf16_unpack(self.packed, self.out_features, self.in_features)
+        return linear_kernels.bf16_unpack(self.packed, self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.bfloat16:
@@ -117,7 +117,7 @@ class Bf16Linear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        out = cpu_kernels.bf16_linear(cpu_kernels.load(), rows, self.packed, self.bias, self.out_features)
+        out = linear_kernels.bf16_linear(cpu_kernels.load(), rows, self.packed, self.bias, self.out_features)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -227,12 +227,12 @@ class PackedEmbedding(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The matrix [vocab, hidden] as `nn.Embedding` holds it (a copy, unpacked)."""
-        return cpu_kernels.bf16_unpack(self.packed, self.num_embeddings, self.embedding_dim)
+        return linear_kernels.bf16_unpack(self.packed, self.num_embeddings, self.embedding_dim)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.num_embeddings):
             raise IndexError(f"token id out of range [0, {self.num_embeddings})")
-        block = cpu_kernels.BF16_PACK_BLOCK
+        block = linear_kernels.BF16_PACK_BLOCK
         words = self.packed.view(torch.int32).view(-1, self.embedding_dim // 2, block)
         rows = words[input_ids.reshape(-1) // block, :, input_ids.reshape(-1) % block]
         return rows.view(torch.bfloat16).view(*input_ids.shape, self.embedding_dim)

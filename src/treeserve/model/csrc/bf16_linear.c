@@ -1,6 +1,6 @@
 /* bfloat16 linear layers over weights packed at load (model/packed_linear.py's `Bf16Linear`).
  *
- * Layout (cpu_kernels.bf16_pack): blocks of 64 output channels; in a block, for each pair of inputs
+ * Layout (linear_kernels.bf16_pack): blocks of 64 output channels; in a block, for each pair of inputs
  * k, k + 1, the 64 channels' two weights side by side ([blocks][k_in / 2][64][2]): one 64-byte load
  * is 16 channels' next pair as vdpbf16ps takes it, and a block streams from memory in order (the
  * layout of int8_linear.c's packed path, which read 25-34 GB/s where row-major tiles read 21-22).

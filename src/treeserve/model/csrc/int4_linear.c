@@ -2,7 +2,7 @@
  * weights w[n, k] = scale[n, g] * (q[n, k] - zero[n, g]), g = k / group_size, q in 0..15 and the
  * zero point an integer (every format's), built by treeserve/model/cpu_kernels.py.
  *
- * Layout (cpu_kernels.int4_pack): q as 16-bit words [n, 32 * ceil(k / 128)]; in each run of 128
+ * Layout (linear_kernels.int4_pack): q as 16-bit words [n, 32 * ceil(k / 128)]; in each run of 128
  * inputs, word i holds inputs i, i + 32, i + 64 and i + 96 in its four nibbles (a last, short run
  * zeros in the nibbles past k), so that one 64-byte load gives four vectors of 32 weights by a shift
  * and a mask, no shuffles. k is a multiple of 32. A nibble v becomes bfloat16 by its bits
@@ -192,7 +192,7 @@ void ts_int4_dequantize(const uint16_t *q, const float *scales, const float *zer
 }
 
 /* ---- 16-bit rows against 4-bit channels in blocks (rows16.h) ---------------------------------
- * Layout (cpu_kernels.int4_pack16): blocks of 64 channels; for each four inputs k .. k + 3, each
+ * Layout (linear_kernels.int4_pack16): blocks of 64 channels; for each four inputs k .. k + 3, each
  * channel's two bytes q[k] | q[k + 2] << 4 and q[k + 1] | q[k + 3] << 4 side by side
  * ([blocks][k_in / 4][64][2]), so that a block streams in order (the row-major layout above reads
  * each channel's run apart: near 15 GB/s of its bytes at one row) and 32 bytes widened (vpmovzxbw)

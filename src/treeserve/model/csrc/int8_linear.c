@@ -99,7 +99,7 @@ static inline __attribute__((always_inline)) void int8_tile_bf16(const uint16_t 
 
 #if defined(TS_INT8_ROWS16)
 /* ---- the packed layout: 16-bit rows against int8 channels in blocks ----------------------------
- * Weights packed at load (cpu_kernels.int8_pack16) in blocks of 64 channels; in a block, for each
+ * Weights packed at load (linear_kernels.int8_pack16) in blocks of 64 channels; in a block, for each
  * pair of inputs k, k + 1, the channels' two bytes side by side ([blocks][k_in / 2][64][2]), so
  * that a block streams from memory in order (row-major weights, four rows read at once, stayed
  * near 21 GB/s at one row on a 2-core EPYC; w8a8_linear.c's blocks read 25-34) and 32 bytes,

@@ -9,7 +9,7 @@
  * channel's sum corrected by 128 * sum_k w[n, k] (`comp`, made when the weight is packed):
  * exact in int32 for any k_in below 2^31 / (255 * 128) = 65,793.
  *
- * Weight layout (cpu_kernels.w8a8_pack): blocks of W8A8_NV * 16 channels; in a block, for each four
+ * Weight layout (linear_kernels.w8a8_pack): blocks of W8A8_NV * 16 channels; in a block, for each four
  * inputs k .. k + 3, the channels' four bytes side by side ([blocks][k_in / 4][16 * W8A8_NV][4]),
  * so that one 64-byte load is 16 channels' next four weights and a block streams from memory in
  * order. Channels past n_out are zero and never stored. Tiles of W8A8_MR rows x W8A8_NV vectors:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from treeserve.model import cpu_kernels
+from treeserve.model import cpu_kernels, linear_kernels
 from treeserve.model.parallel import TensorParallel
 from treeserve.model.quantization.weights import IntWeight
 
@@ -41,7 +41,7 @@ class Int8W8A8Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
         library = _vnni_library(self.in_features)
         if library is not None:  # the kernel's layout only: the weight is held once
-            packed, comp = cpu_kernels.w8a8_pack(signed, library.ts_w8a8_block_channels())
+            packed, comp = linear_kernels.w8a8_pack(signed, library.ts_w8a8_block_channels())
             self.weight = nn.Parameter(packed, requires_grad=False)
             self.comp = nn.Parameter(comp, requires_grad=False)
         else:
@@ -69,7 +69,7 @@ class Int8W8A8Linear(nn.Module):
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         given = None if row_scales is None else row_scales.reshape(-1).contiguous()
-        return cpu_kernels.w8a8_linear(library, rows, self.weight, self.comp, self.scales, self.out_features, given)
+        return linear_kernels.w8a8_linear(library, rows, self.weight, self.comp, self.scales, self.out_features, given)
 
     def _int_mm(self, quantized: torch.Tensor) -> torch.Tensor:
         """int32 products transposed, [out, rows]: weight @ rows^T, so that the few rows are the

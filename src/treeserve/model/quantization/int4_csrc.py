@@ -7,12 +7,12 @@ int4.py: input features sorted by group at load, each call's activations gathere
 Two layouts, both made once at load, scales and zero points as the checkpoint gives them (float32,
 any zero point):
 - with AVX512-VNNI too, and groups the packed kernel's spans fit (`ts_int4_packed16_span`: a group
-  of up to 256 inputs, a multiple of 256, or the whole row), the packed one (`cpu_kernels.int4_pack16`:
+  of up to 256 inputs, a multiple of 256, or the whole row), the packed one (`linear_kernels.int4_pack16`:
   blocks of 64 channels read in order, two nibbles a byte for vpdpwssd's pairs); the rows enter as
   16-bit integers under a power of two per span (csrc/rows16.h: elements within 2^7 of a span's
   largest exact, the others within 2^-15 of it) and the zero points' share is taken from the
   rows' span sums; any number of rows;
-- otherwise row-major runs (`cpu_kernels.int4_pack`), each nibble turned into bfloat16 by its bits
+- otherwise row-major runs (`linear_kernels.int4_pack`), each nibble turned into bfloat16 by its bits
   (no table, no shuffle) for vdpbf16ps; from `DEQUANTIZE_FROM_ROWS` rows a layer dequantizes its
   weight once per call (C, into a per-shape buffer) and runs the bfloat16 GEMM instead.
 
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from treeserve.model import cpu_kernels
+from treeserve.model import cpu_kernels, linear_kernels
 from treeserve.model.packed_linear import scratch_weight
 from treeserve.model.quantization.weights import IntWeight
 
@@ -71,11 +71,11 @@ class CsrcInt4Linear(nn.Module):
                              f"{self.in_features} inputs here")
         self.packed = packable if pack is None else pack
         if self.packed:  # the blocked layout, scales and zero points [blocks, groups, 64]
-            self.weight = nn.Parameter(cpu_kernels.int4_pack16(weight.values.to(torch.uint8)), requires_grad=False)
-            self.scales = nn.Parameter(cpu_kernels.int4_pack16_groups(weight.scales.float()), requires_grad=False)
-            self.zeros = nn.Parameter(cpu_kernels.int4_pack16_groups(weight.zeros.float()), requires_grad=False)
+            self.weight = nn.Parameter(linear_kernels.int4_pack16(weight.values.to(torch.uint8)), requires_grad=False)
+            self.scales = nn.Parameter(linear_kernels.int4_pack16_groups(weight.scales.float()), requires_grad=False)
+            self.zeros = nn.Parameter(linear_kernels.int4_pack16_groups(weight.zeros.float()), requires_grad=False)
         else:
-            self.weight = nn.Parameter(cpu_kernels.int4_pack(weight.values), requires_grad=False)
+            self.weight = nn.Parameter(linear_kernels.int4_pack(weight.values), requires_grad=False)
             self.scales = nn.Parameter(weight.scales.float().contiguous(), requires_grad=False)
             self.zeros = nn.Parameter(weight.zeros.float().contiguous(), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
@@ -89,7 +89,7 @@ class CsrcInt4Linear(nn.Module):
         if self.packed:
             out = self._packed_product(rows)
         elif (library := cpu_kernels.library_for(rows)) is not None and rows.shape[0] < DEQUANTIZE_FROM_ROWS:
-            out = cpu_kernels.int4_linear(library, rows, self.weight, self.scales, self.zeros, self.group_size)
+            out = linear_kernels.int4_linear(library, rows, self.weight, self.scales, self.zeros, self.group_size)
         if out is None:
             out = F.linear(rows, self.dequantized(rows.dtype))
         if self.bias is not None:
@@ -101,7 +101,7 @@ class CsrcInt4Linear(nn.Module):
         if rows.dtype != torch.bfloat16 or rows.device.type != "cpu":
             raise RuntimeError(f"CsrcInt4Linear: its weights are packed for bfloat16 rows on CPU, not {rows.dtype} "
                                f"on {rows.device}")
-        return cpu_kernels.int4_linear_packed16(cpu_kernels.load(), rows, self.weight, self.scales, self.zeros,
+        return linear_kernels.int4_linear_packed16(cpu_kernels.load(), rows, self.weight, self.scales, self.zeros,
                                                 self.out_features, self.group_size)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
@@ -109,12 +109,12 @@ class CsrcInt4Linear(nn.Module):
         shape (valid until the next call for it: use it at once)."""
         buffer = scratch_weight((self.out_features, self.in_features), torch.bfloat16, self.weight.device)
         if self.packed:
-            q = cpu_kernels.int4_unpack16(self.weight, self.out_features, self.in_features).float()
+            q = linear_kernels.int4_unpack16(self.weight, self.out_features, self.in_features).float()
             scales, zeros = (v.transpose(1, 2).reshape(-1, v.shape[1])[: self.out_features]
                              .repeat_interleave(self.group_size, dim=1) for v in (self.scales, self.zeros))
             buffer.copy_(scales * (q - zeros))
         else:
-            cpu_kernels.int4_dequantize(cpu_kernels.load(), self.weight, self.scales, self.zeros, self.group_size,
+            linear_kernels.int4_dequantize(cpu_kernels.load(), self.weight, self.scales, self.zeros, self.group_size,
                                         buffer)
         return buffer if dtype == torch.bfloat16 else buffer.to(dtype)
 

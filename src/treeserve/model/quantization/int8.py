@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from treeserve.model import cpu_kernels
+from treeserve.model import cpu_kernels, linear_kernels
 from treeserve.model.packed_linear import scratch_weight
 
 QUANTIZED_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -72,7 +72,7 @@ class Int8Linear(nn.Module):
             dtype = dtype or linear.weight.dtype
         self.out_features, self.in_features = quantized.shape
         self.packed = _packs(dtype, self.in_features) if pack is None else pack
-        held = cpu_kernels.int8_pack16(quantized) if self.packed else quantized.contiguous()
+        held = linear_kernels.int8_pack16(quantized) if self.packed else quantized.contiguous()
         self.weight = nn.Parameter(held, requires_grad=False)
         self.scales = nn.Parameter(scales.float().contiguous(), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
@@ -81,11 +81,11 @@ class Int8Linear(nn.Module):
         """scale x int8 in `dtype`, in this thread's buffer for the shape (valid until the next call
         for that shape: use it at once)."""
         buffer = scratch_weight((self.out_features, self.in_features), dtype, self.weight.device)
-        weight = cpu_kernels.int8_unpack16(self.weight, self.out_features, self.in_features) if self.packed \
+        weight = linear_kernels.int8_unpack16(self.weight, self.out_features, self.in_features) if self.packed \
             else self.weight
         library = cpu_kernels.library_for(buffer)
         if library is not None:
-            return cpu_kernels.int8_dequantize(library, weight, self.scales, buffer)
+            return linear_kernels.int8_dequantize(library, weight, self.scales, buffer)
         return buffer.copy_(weight).mul_(self.scales.to(dtype)[:, None])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -102,7 +102,7 @@ class Int8Linear(nn.Module):
         if rows.dtype != torch.bfloat16 or rows.device.type != "cpu":
             raise RuntimeError(f"Int8Linear: its weights are packed for bfloat16 rows on CPU, not {rows.dtype} "
                                f"on {rows.device}")
-        return cpu_kernels.int8_linear_packed16(_packed_library(), rows if rows.stride(-1) == 1 else rows.contiguous(),
+        return linear_kernels.int8_linear_packed16(_packed_library(), rows if rows.stride(-1) == 1 else rows.contiguous(),
                                                 self.weight, self.scales, self.out_features)
 
     def _row_major_product(self, rows: torch.Tensor) -> torch.Tensor | None:
@@ -112,7 +112,7 @@ class Int8Linear(nn.Module):
         out = None
         library = cpu_kernels.library_for(rows)
         if library is not None and rows.stride(-1) == 1:
-            out = cpu_kernels.int8_linear(library, rows, self.weight, self.scales)
+            out = linear_kernels.int8_linear(library, rows, self.weight, self.scales)
         if out is None and self.in_features % ATEN_INT8_MULTIPLE == 0:  # no kernel of ours for it: PyTorch's
             out = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), self.weight, self.scales.to(rows.dtype))
         return out
