@@ -8,8 +8,8 @@ csrc/bf16_linear.c's layout (blocks of 64 channels, each channel's pairs of inpu
 streamed in order) and multiplies there: the products summed in float32 and rounded once, as
 oneDNN's kernels do, in another order (one element in a few thousand differs from `F.linear` by one
 bfloat16 unit). A decode step's linears of the ~150M benchmark model on a 2-core AVX512-BF16 EPYC
-(`benchmarks/packed_linear.py`): 11.3 -> 8.0 ms at 1 row (21 -> 30 GB/s of weights), 11.9 -> 8.4 at 8,
-14.8 -> 11.8 at 16, 40.3 -> 36.9 at 64, and a 2,048-token prefill's as fast as oneDNN's. Elsewhere
+(`benchmarks/packed_linear.py`): 11.8 -> 9.1 ms at 1 row (20 -> 27 GB/s of weights), 12.2 -> 9.9 at 8,
+15.4 -> 13.0 at 16, 42.6 -> 38.0 at 64, and a 2,048-token prefill's as fast as oneDNN's. Elsewhere
 (no C compiler, or a CPU with AMX, whose tiles give oneDNN several times the vector units' rate
 at prefill: not measured by us), `PackedLinear` keeps oneDNN's layout,
 reordered once at load (`torch.ops.mkldnn._reorder_linear_weight`) and multiplied with
