@@ -1,6 +1,7 @@
 """Engine, cache and scheduler settings in one validated dataclass."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,7 +110,9 @@ def cpu_has_amx() -> bool:
     return "amx_bf16" in _cpu_flags()
 
 
+@functools.cache
 def _cpu_flags() -> str:
+    """/proc/cpuinfo, read once (the MoE forward asks `cpu_has_fast_bf16` every step)."""
     try:
         return Path("/proc/cpuinfo").read_text()
     except OSError:

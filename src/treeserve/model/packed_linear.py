@@ -230,11 +230,14 @@ class PackedEmbedding(nn.Module):
         return linear_kernels.bf16_unpack(self.packed, self.num_embeddings, self.embedding_dim)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.num_embeddings):
-            raise IndexError(f"token id out of range [0, {self.num_embeddings})")
+        ids = input_ids.reshape(-1)
+        if ids.numel():
+            low, high = torch.aminmax(ids)
+            if int(low) < 0 or int(high) >= self.num_embeddings:
+                raise IndexError(f"token id out of range [0, {self.num_embeddings})")
         block = linear_kernels.BF16_PACK_BLOCK
         words = self.packed.view(torch.int32).view(-1, self.embedding_dim // 2, block)
-        rows = words[input_ids.reshape(-1) // block, :, input_ids.reshape(-1) % block]
+        rows = words[ids // block, :, ids % block]
         return rows.view(torch.bfloat16).view(*input_ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
