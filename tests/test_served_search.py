@@ -2,6 +2,7 @@
 offline runner, SSE progress, cancellation on disconnect, the queue bound, search metrics."""
 import asyncio
 import json
+import threading
 import time
 
 import httpx
@@ -38,6 +39,12 @@ def _metrics(url: str) -> dict[str, float]:
 def _idle(app) -> None:
     for engine in app.state.engine.engines.values():
         wait_idle(engine)
+
+
+def _wait_for(condition, seconds: float = 30) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _assert_only_kept_blocks(app) -> None:
@@ -105,6 +112,14 @@ def test_disconnecting_a_streamed_search_aborts_its_requests_within_one_step(ser
     marks: dict = {}
     runner, post = app.state.search_runners["gen"], async_engine.post
     cancel = runner.cancel
+    # the tiny generator's search ends within milliseconds: its first step is held until the server
+    # has seen the client leave, so the search is still running (its requests in the engine) then
+    running, release = threading.Event(), threading.Event()
+
+    def hold_first_step(engine, outputs):
+        if engine is gen and not running.is_set():
+            running.set()
+            release.wait(30)
 
     def watched_post(fn):  # the server posts the cancellation when it sees the client leave
         marks.setdefault("requested", loop.num_steps)
@@ -115,19 +130,21 @@ def test_disconnecting_a_streamed_search_aborts_its_requests_within_one_step(ser
         cancel(handle)
         marks["left"] = list(handle.requests) + _search_requests(app)
     runner.cancel, async_engine.post = watched_cancel, watched_post
+    loop.step_observers.append(hold_first_step)
     try:
         body = _body(QUESTIONS[1], 7, stream=True, num_iterations=40, max_tokens=6)
         with httpx.stream("POST", f"{url}/v1/search", json=body, timeout=300) as reply:
-            seen = 0
             for line in reply.iter_lines():
-                if line.startswith("data: "):
-                    seen += 1
-                    if seen == 2:  # the acceptance event, then the first progress event: hang up
-                        break
-        deadline = time.monotonic() + 30
-        while "left" not in marks and time.monotonic() < deadline:
-            time.sleep(0.01)
+                if line.startswith("data: "):  # the acceptance event
+                    break
+            assert running.wait(30), "the search never reached the engine"
+        # hung up while the search's requests run
+        _wait_for(lambda: "requested" in marks)
+        release.set()
+        _wait_for(lambda: "left" in marks)
     finally:
+        release.set()
+        loop.step_observers.remove(hold_first_step)
         runner.cancel, async_engine.post = cancel, post
     assert "left" in marks, "the search was not cancelled"
     assert marks["step"] - marks["requested"] <= 1, "cancelled later than one engine step after the disconnect"
