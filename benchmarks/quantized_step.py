@@ -1,6 +1,7 @@
 """One decode step's projections of the Llama-3.2-1B shape (16 layers: qkv 2048 -> 3072, o 2048 ->
 2048, gate/up 2048 -> 16384, down 8192 -> 2048; 112 calls, weights from memory) at a few row counts,
-bfloat16 rows: the stored bfloat16 layers (oneDNN, packed), int8 weight-only and GPTQ-style 4-bit in
+bfloat16 rows: the stored bfloat16 layers (csrc/bf16_linear.c, the engine's where it runs, and oneDNN's
+packed), int8 weight-only and GPTQ-style 4-bit in
 groups of 128 through treeserve's kernels, each in its packed layout (16-bit rows, vpdpwssd: CPUs
 with AVX512-BF16 and VNNI) and its row-major one. Medians of `--repeats`.
 
@@ -15,7 +16,7 @@ import time
 import torch
 from torch import nn
 
-from treeserve.model.packed_linear import PackedLinear, can_pack
+from treeserve.model.packed_linear import Bf16Linear, PackedLinear, bf16_kernel, can_pack
 from treeserve.model.quantization import Int8Linear
 from treeserve.model.quantization.int4_csrc import CsrcInt4Linear, csrc_int4_runs
 from treeserve.model.quantization.weights import IntWeight
@@ -24,8 +25,11 @@ SHAPES = [(2048, 3072), (2048, 2048), (2048, 16384), (8192, 2048)]  # (in, out)
 LAYERS, GROUP = 16, 128
 
 
-def stored(k: int, n: int) -> nn.Module:
+def stored(k: int, n: int, ours: bool) -> nn.Module:
+    """The engine's bfloat16 layer: csrc/bf16_linear.c where it runs (`ours`), else oneDNN's packed one."""
     weight = (torch.randn(n, k) * 0.02).to(torch.bfloat16)
+    if ours:
+        return Bf16Linear.of_weight(weight)
     return PackedLinear.of_weight(weight) if can_pack(torch.bfloat16, torch.device("cpu")) else nn.Linear(k, n).bfloat16()
 
 
@@ -65,7 +69,10 @@ def main() -> int:
     args = parser.parse_args()
     probe = IntWeight(torch.zeros(64, 256, dtype=torch.uint8), torch.ones(64, 2), torch.zeros(64, 2), 4, GROUP)
     packed_runs = Int8Linear(nn.Linear(64, 8).bfloat16()).packed
-    arms = {"bfloat16 (stored)": lambda k, n: stored(k, n)}
+    arms = {}
+    if bf16_kernel() is not None:
+        arms["bfloat16 (ours)"] = lambda k, n: stored(k, n, True)
+    arms["bfloat16 (oneDNN)"] = lambda k, n: stored(k, n, False)
     if packed_runs:
         arms["int8 packed"] = lambda k, n: int8(k, n, True)
     arms["int8 row-major"] = lambda k, n: int8(k, n, False)

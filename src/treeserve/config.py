@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from treeserve.errors import ParamError
+from treeserve.speculative_config import SpeculativeConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16,
@@ -47,6 +48,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"  # "mp": worker processes on this machine; "ray": Ray actors
     threads_per_rank: int | None = None       # CPU: torch threads per rank (default: the cores / ranks)
+    # Speculative decoding (vLLM's `speculative_config`: {"method": "ngram", "num_speculative_tokens": 4, ...});
+    # a dict is validated into a SpeculativeConfig
+    speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -76,6 +80,7 @@ class EngineConfig:
         for name in ("async_output_processing", "async_scheduling"):
             if getattr(self, name) not in (None, True, False):
                 raise ParamError(name, f"must be true, false or null, got {getattr(self, name)!r}")
+        self.speculative_config = SpeculativeConfig.of(self.speculative_config)
         if self.quantization is not None and not isinstance(self.quantization, str):
             raise ParamError("quantization", f"must be a method's name or null, got {self.quantization!r}")
         if self.load_format not in ("auto", "dummy"):

@@ -35,6 +35,12 @@ class EngineStats:
     kv_arena_bytes: int            # the KV space's bytes (shared with other models in a shared arena)
     kv_blocks_cached: int | None = None  # this model's cached free blocks: counted only when asked (a walk)
     num_graph_replays: int = 0     # decode steps run as a captured CUDA graph (the rest ran eagerly)
+    # speculative decoding (vLLM's counters): drafts verified (one per request and step), their
+    # tokens, the tokens accepted, and accepted by draft position (1st, 2nd, ...)
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
 
     @property
     def kv_usage(self) -> float:
@@ -55,7 +61,14 @@ def snapshot(model: str, pipeline, scheduler: Scheduler, kv: KVCacheManager, ret
         pool.num_blocks, kv.num_blocks_in_use(), pool.num_free, pool.num_wanted_by(kv.owner), pool.usage(),
         pool.thrash_window_size, prefix.queries, prefix.hits, prefix.evictions, prefix.thrash,
         len(retained), retained.num_blocks(), arena_bytes, _cached_blocks(kv) if count_cached else None,
-        graph_replays)
+        graph_replays, *_spec_counts(pipeline.speculator))
+
+
+def _spec_counts(speculator) -> tuple:
+    if speculator is None:
+        return 0, 0, 0, ()
+    return (speculator.num_drafts, speculator.num_draft_tokens, speculator.num_accepted_tokens,
+            tuple(speculator.accepted_per_position))
 
 
 def _cached_blocks(kv: KVCacheManager) -> int:

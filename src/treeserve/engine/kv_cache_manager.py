@@ -157,6 +157,17 @@ class KVCacheManager:
             self.pool.cache_block(table[index], hashes[index])
         self._num_hashed[request.request_id] = num_full
 
+    def trim(self, request: Request) -> None:
+        """Returns the blocks past the request's known tokens (slots of rejected draft tokens)."""
+        table = self.block_tables.get(request.request_id)
+        keep = self._blocks_for(request.num_tokens)
+        if not table or len(table) <= keep:
+            return
+        spare = [b for b in table[keep:] if b is not None]
+        del table[keep:]
+        self._ids.pop(request.request_id, None)
+        self.pool.free(reversed(spare))
+
     def fork(self, parent: Request, child: Request) -> None:
         """The child shares every block of the parent (copy-on-write for a partly filled tail)."""
         table = list(self.block_tables[parent.request_id])

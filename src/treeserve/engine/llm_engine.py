@@ -21,6 +21,7 @@ from treeserve.engine.output_processor import OutputProcessor
 from treeserve.engine.request_groups import RequestGroups
 from treeserve.engine.request_intake import RequestIntake
 from treeserve.engine.scheduler import Scheduler
+from treeserve.engine.spec_decode.speculator import Speculator
 from treeserve.engine.step_builder import StepBuilder
 from treeserve.engine.step_pipeline import StepPipeline
 from treeserve.engine.structured_outputs import StructuredOutputs
@@ -64,8 +65,11 @@ class LLMEngine:
         self.intake = RequestIntake(loaded, self.scheduler, self.kv, self._groups, self.retained, self.structured,
                                     processor.decode)
         self.guard = WorkersGuard(self.executor)
+        spec = self.config.speculative_config
+        self.speculator = None if spec is None else Speculator(spec, self.max_model_len)
         self.pipeline = StepPipeline(self.scheduler, self.kv, self.steps, self.runner, self._groups, self.outputs,
-                                     self.retained, self.guard, async_scheduling, self._step_sender())
+                                     self.retained, self.guard, async_scheduling, self._step_sender(),
+                                     self.speculator)
         if not scratch:  # a Runtime's dry run: "engine ready" comes with the KV cache it serves with
             self._log_ready(kv_space.pool.num_blocks, block_size)
 
@@ -86,10 +90,13 @@ class LLMEngine:
 
     def _async_scheduling(self) -> bool:
         setting = self.config.async_scheduling
+        speculative = self.config.speculative_config is not None
         if setting is None:
-            return self.device.type == "cuda" and self.executor is None
+            return self.device.type == "cuda" and self.executor is None and not speculative
         if setting and self.executor is not None:
             raise ParamError("async_scheduling", "is not supported with tensor parallelism")
+        if setting and speculative:  # (a draft needs the step before it on the host)
+            raise ParamError("async_scheduling", "is not supported with speculative decoding")
         return setting
 
     def _step_sender(self):
@@ -148,18 +155,19 @@ class LLMEngine:
                     prompt: str | None = None, cache_salt: str | None = None,
                     logits_positions: list[int] | None = None, readout_token_ids: list[int] | None = None,
                     keep_kv: bool = False, parent_id: str | None = None, priority: int = 0,
-                    final_only: bool = False) -> None:
+                    final_only: bool = False, draft_group: str | None = None) -> None:
         """Queues a request; a lower `priority` is admitted first (FCFS within one priority).
         `final_only`: no RequestOutput until it finishes (offline callers; saves the host a
         snapshot of every sequence at every step).
 
         With `logits_positions` it is prefill-only and returns those positions' logits (only the
-        `readout_token_ids` columns, if given). `keep_kv` keeps its KV blocks after it finishes,
+        `readout_token_ids` columns, if given). `draft_group`: with `suffix` speculation, its drafts
+        come from every sequence of this group too (a search problem's). `keep_kv` keeps its KV blocks after it finishes,
         under its request id, until `release_kv`; `parent_id` names such a kept sequence whose
         tokens this prompt extends, so that only the new tokens are computed.
         """
         self.intake.add(request_id, prompt_token_ids, params, prompt, cache_salt, logits_positions,
-                        readout_token_ids, keep_kv, parent_id, priority, final_only)
+                        readout_token_ids, keep_kv, parent_id, priority, final_only, draft_group)
 
     def abort_request(self, request_id: str) -> None:
         group = self._groups.pop(request_id)

@@ -13,6 +13,7 @@ from treeserve.engine.cuda_graphs import DecodeGraphs
 from treeserve.engine.input_batch import CachedRequestState, InputBatch
 from treeserve.engine.kv_arena import KVArena, kv_bytes_per_token
 from treeserve.engine.sampler import PendingSamples, Sampler
+from treeserve.engine.spec_decode import rejection
 from treeserve.engine.step_data import IN_FLIGHT_TOKEN, ModelRunnerOutput, StepData
 from treeserve.model.decoder import DecoderForCausalLM
 from treeserve.model.transfer import to_device
@@ -31,6 +32,8 @@ class StepInputs:
     grammar_rows: list[int] = field(default_factory=list)  # rows of the sample batch that a grammar masks
     grammar_bitmask: torch.Tensor | None = None
     in_flight_rows: list[tuple[int, str]] = field(default_factory=list)  # (row, request id): input token in flight
+    # speculation: (request, the rows of its last known token and drafts, in order, its drafts)
+    spec_rows: list[tuple[CachedRequestState, list[int], list[int]]] = field(default_factory=list)
 
 
 @dataclass
@@ -39,6 +42,7 @@ class LaunchedStep:
     inputs: StepInputs
     samples: PendingSamples | None
     sample_positions: list[int] = field(default_factory=list)  # where each sampled token goes in its request
+    accepted: dict = field(default_factory=dict)  # speculation: what each request's drafts gave (rejection.verify)
 
 
 def kv_bytes_per_block(model: DecoderForCausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -84,7 +88,8 @@ class ModelRunner:
         samples = self._sample(hidden, inputs)
         self._last_sampled = None if samples is None else (
             samples.token_ids, {state.request_id: i for i, state in enumerate(inputs.sample_requests)})
-        return LaunchedStep(hidden, inputs, samples, [state.num_tokens for state in inputs.sample_requests])
+        return LaunchedStep(hidden, inputs, samples, [state.num_tokens for state in inputs.sample_requests],
+                            self._verify(hidden, inputs))
 
     def _take_in_flight(self, inputs: StepInputs) -> None:
         """Input tokens that the previous step is still sampling (async scheduling): copied from its
@@ -107,6 +112,7 @@ class ModelRunner:
             out.sampled = {r.request_id: (t, lp) for r, t, lp in zip(inputs.sample_requests, result.token_ids,
                                                                       result.logprobs)}
             _fill_in_flight(inputs.sample_requests, launched.sample_positions, result.token_ids)
+        out.accepted = launched.accepted
         out.readouts = self._readouts(hidden, inputs)
         if inputs.prompt_logprob_rows:
             entries = prompt_logprobs.compute(self.model.compute_logits, hidden, inputs.prompt_logprob_rows,
@@ -127,6 +133,15 @@ class ModelRunner:
         return self.sampler.sample_async(self.model.compute_logits(hidden[rows]), inputs.sample_requests,
                                          inputs.grammar_rows, inputs.grammar_bitmask)
 
+    def _verify(self, hidden: torch.Tensor, inputs: StepInputs) -> dict:
+        """The drafts of the step's speculating requests checked against the model (on the host: a
+        step with drafts is never left running)."""
+        if not inputs.spec_rows:
+            return {}
+        rows = [row for _, rows_of, _ in inputs.spec_rows for row in rows_of]
+        logits = self.model.compute_logits(hidden[to_device(torch.tensor(rows), self.device)])
+        return rejection.verify(logits, [(state, drafts) for state, _, drafts in inputs.spec_rows])
+
     def _readouts(self, hidden: torch.Tensor, inputs: StepInputs) -> list[tuple[str, int, torch.Tensor]]:
         """Each readout row's logits (or the asked columns of them), copied to the host at once."""
         if not inputs.readout_rows:
@@ -140,15 +155,19 @@ class ModelRunner:
 
     def prepare_inputs(self, step: StepData) -> StepInputs:
         scheduled = [(self.batch[rid], count) for rid, count in step.scheduled]
+        drafts = step.spec_token_ids
         decodes = sorted((s for s in scheduled if s[1] == 1), key=lambda s: s[0].num_computed_tokens)
+        speculating = [(state, drafts[state.request_id]) for state, count in scheduled if state.request_id in drafts]
         # prefills whose rows can join the paged rows first (stable: otherwise in scheduling order)
-        prefills = sorted((s for s in scheduled if s[1] > 1), key=lambda s: not self._paged_prefill(*s))
+        prefills = sorted((s for s in scheduled if s[1] > 1 and s[0].request_id not in drafts),
+                          key=lambda s: not self._paged_prefill(*s))
         token_ids: list[int] = []
         positions: list[torch.Tensor] = []
         slots: list[torch.Tensor] = []
         builder = self.backend.metadata_builder(self.block_size, self.device)
-        inputs = StepInputs(torch.empty(0), torch.empty(0), None, decodes + prefills)
-        self._add_decodes(decodes, inputs, builder, token_ids, positions, slots)
+        order = decodes + [(state, len(d) + 1) for state, d in speculating] + prefills
+        inputs = StepInputs(torch.empty(0), torch.empty(0), None, order)
+        self._add_decodes(decodes, speculating, inputs, builder, token_ids, positions, slots)
         for state, count in prefills:
             self._add_prefill(state, count, inputs, builder, token_ids, positions, slots)
         inputs.input_ids = to_device(torch.tensor(token_ids, dtype=torch.long), self.device)
@@ -160,22 +179,37 @@ class ModelRunner:
     def _paged_prefill(self, state: CachedRequestState, count: int) -> bool:
         return state.num_computed_tokens + count <= self.backend.paged_prefill_max_context
 
-    def _add_decodes(self, decodes, inputs, builder, token_ids, positions, slots) -> None:
-        """One row per decoding request (this loop runs for every request at every step: names are
-        bound outside it)."""
+    def _add_decodes(self, decodes, speculating, inputs, builder, token_ids, positions, slots) -> None:
+        """One row per decoding request, and per speculating request its last known token and each
+        draft as decode rows (row j attends to the context up to its own position: the step writes
+        every row's keys before any row attends), all sorted by context length as the paged decode
+        groups want. (This loop runs for every request at every step: names are bound outside it.)"""
         bs, rope_positions, add_decode = self.block_size, self.model.rotary.rope_positions, builder.add_decode
+        rows = [(state.num_computed_tokens, state, None) for state, _ in decodes]
+        for state, drafts in speculating:
+            first, rows_of = state.num_computed_tokens, []
+            inputs.spec_rows.append((state, rows_of, drafts))
+            rows.extend((first + j, state, rows_of) for j in range(len(drafts) + 1))
+        if speculating:
+            rows.sort(key=lambda row: row[0])
+        drafts_of = {state.request_id: drafts for state, drafts in speculating}
         pos_list, slot_list = [], []
-        for state, count in decodes:
-            pos = state.num_computed_tokens
+        for pos, state, rows_of in rows:
             table = state.block_ids[:pos // bs + 1]
-            token = state.token_ids[pos]
-            if token == IN_FLIGHT_TOKEN:
-                inputs.in_flight_rows.append((len(token_ids), state.request_id))
+            if rows_of is None:
+                token = state.token_ids[pos]
+                if token == IN_FLIGHT_TOKEN:
+                    inputs.in_flight_rows.append((len(token_ids), state.request_id))
+            else:
+                first = state.num_computed_tokens
+                token = state.token_ids[pos] if pos == first else drafts_of[state.request_id][pos - first - 1]
+                rows_of.append(len(token_ids))
             token_ids.append(token)
             pos_list.append(rope_positions(state.num_prompt_tokens, pos))
             slot_list.append(table[-1] * bs + pos % bs)
             add_decode(pos + 1, table)
-            self._note_outputs(state, count, inputs, row=len(token_ids) - 1)
+            if rows_of is None:
+                self._note_outputs(state, 1, inputs, row=len(token_ids) - 1)
         positions.append(torch.tensor(pos_list, dtype=torch.long))
         slots.append(torch.tensor(slot_list, dtype=torch.long))
 

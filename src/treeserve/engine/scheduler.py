@@ -27,12 +27,13 @@ MAX_PASSED_OVER = 32
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int       # draft tokens included
+    num_draft_tokens: int = 0  # speculation: the request's `spec_token_ids` this step verifies
 
     @property
     def completes_sequence(self) -> bool:
         """True when this chunk reaches the last known token, so its logits are needed."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        return self.request.num_computed_tokens + self.num_new_tokens - self.num_draft_tokens == self.request.num_tokens
 
 
 @dataclass
@@ -99,7 +100,12 @@ class Scheduler:
             if num_new <= 0 or request.ends_with_in_flight:  # (async scheduling) it waits for its last step
                 index += 1
                 continue
+            drafts = _drafts_within(request, num_new, budget)
+            num_new += drafts
             while not self.kv.allocate_slots(request, num_new):
+                if drafts:  # short of blocks: its drafts go before anything is reclaimed or preempted
+                    num_new, drafts, request.spec_token_ids = num_new - drafts, 0, []
+                    continue
                 if self.reclaim():
                     continue
                 victim = self.running.pop()
@@ -107,7 +113,7 @@ class Scheduler:
                 out.preempted.append(victim)
                 if victim is request:
                     return budget
-            out.scheduled.append(ScheduledRequest(request, num_new))
+            out.scheduled.append(ScheduledRequest(request, num_new, drafts))
             budget -= num_new
             index += 1
         return budget
@@ -249,6 +255,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
+        request.spec_token_ids = []
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
@@ -270,3 +277,15 @@ class Scheduler:
                 self._forget_wanted()
         if not keep_blocks:
             self.kv.free(request)
+
+
+def _drafts_within(request: Request, num_new: int, budget: int) -> int:
+    """How many of a decoding request's draft tokens its step verifies: what the budget leaves
+    (the drafts not taken are dropped)."""
+    if not request.spec_token_ids:
+        return 0
+    if num_new != 1:  # (a proposer drafts for decodes only)
+        request.spec_token_ids = []
+        return 0
+    del request.spec_token_ids[max(budget - 1, 0):]
+    return len(request.spec_token_ids)

@@ -34,6 +34,8 @@ class StepBuilder:
         for item in sched.scheduled:
             request = item.request
             step.scheduled.append((request.request_id, item.num_new_tokens))
+            if item.num_draft_tokens:
+                step.spec_token_ids[request.request_id] = list(request.spec_token_ids)
             self._describe(request, step)
         self._add_grammar_masks(sched, step)
         return step

@@ -54,6 +54,8 @@ class StepData:
     # structured outputs: the rows of `grammar_bitmask` (llguidance's packed int32 bitmask) by request id
     grammar_req_ids: list[str] = field(default_factory=list)
     grammar_bitmask: torch.Tensor | None = None
+    # speculation: the draft tokens each request's step verifies (its scheduled count includes them)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -65,3 +67,6 @@ class ModelRunnerOutput:
     sampled: dict[str, tuple[int, dict | None]] = field(default_factory=dict)  # request id -> (token id, logprobs)
     readouts: list[tuple[str, int, torch.Tensor]] = field(default_factory=list)  # (request id, position, logits)
     prompt_logprobs: list[tuple[str, int, dict]] = field(default_factory=list)  # (request id, position, entry)
+    # speculation: per request that verified drafts, the tokens it emits (accepted drafts, then the
+    # one the model sampled after them), each with its logprobs
+    accepted: dict[str, list[tuple[int, dict | None]]] = field(default_factory=dict)

@@ -17,6 +17,7 @@ from treeserve.engine.model_runner import ModelRunner
 from treeserve.engine.request import Request, RequestGroup
 from treeserve.engine.request_groups import RequestGroups
 from treeserve.engine.scheduler import Scheduler
+from treeserve.engine.spec_decode.speculator import Speculator
 from treeserve.engine.step_builder import StepBuilder
 from treeserve.engine.workers_guard import WorkersGuard
 from treeserve.outputs import RequestOutput
@@ -26,11 +27,12 @@ from treeserve.sampling_params import SamplingParams
 class StepPipeline:
     def __init__(self, scheduler: Scheduler, kv: KVCacheManager, steps: StepBuilder, runner: ModelRunner,
                  groups: RequestGroups, outputs: DeferredOutputs, retained: KeptSequences, guard: WorkersGuard,
-                 async_scheduling: bool, send_step=None):
+                 async_scheduling: bool, send_step=None, speculator: Speculator | None = None):
         self.scheduler, self.kv, self.steps, self.runner = scheduler, kv, steps, runner
         self.groups, self.outputs, self.retained, self.guard = groups, outputs, retained, guard
         self.async_scheduling = async_scheduling
         self.send_step = send_step  # the step to the tensor-parallel workers, before rank 0 launches it
+        self.speculator = speculator  # drafts for the running requests before each schedule (None: off)
         self.in_flight = None  # (scheduler output, launched step) of a step whose results are not applied yet
         self.num_steps = 0
         self.num_tokens_computed = 0  # every token that went through the model, all steps
@@ -44,6 +46,8 @@ class StepPipeline:
     def run_step(self) -> list[RequestOutput]:
         """One scheduler step (only `LLMEngine.step`, called by the engine loop, calls it); see the
         module's docstring."""
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         self.last_step_num_tokens = sched.num_tokens
         if not sched:
@@ -83,7 +87,8 @@ class StepPipeline:
         """Async scheduling, some request samples this step, none is prefill-only (a verifier's
         readouts come back at once), and none needs its token on the host before its next step
         can be built (a grammar's next mask, penalties' token counts)."""
-        if not self.async_scheduling or any(item.request.prefill_only for item in sched.scheduled):
+        if not self.async_scheduling or any(item.request.prefill_only or item.num_draft_tokens
+                                            for item in sched.scheduled):
             return False
         sampling = [item.request for item in sched.scheduled if item.completes_sequence]
         return bool(sampling) and not any(r.matcher is not None or _penalized(r.sampling_params) for r in sampling)
@@ -122,9 +127,12 @@ class StepPipeline:
             request = item.request
             if request.is_finished:
                 continue
-            self._computed(request, 0 if advanced else item.num_new_tokens)
             group = self.groups.of(request.request_id)
             touched[group.request_id] = group
+            if item.num_draft_tokens:
+                self._apply_speculated(request, group, item.num_draft_tokens, result.accepted[request.request_id])
+                continue
+            self._computed(request, 0 if advanced else item.num_new_tokens)
             if request.prefill_only:
                 if request.num_computed_tokens == request.num_tokens:
                     self._finish_prefill(group, request)
@@ -132,6 +140,19 @@ class StepPipeline:
                 request.num_in_flight -= advanced
                 self._append_token(request, group, *result.sampled[request.request_id])
         return touched
+
+    def _apply_speculated(self, request: Request, group: RequestGroup, num_drafts: int, emitted: list) -> None:
+        """A verified step: the last known token and the kept drafts are computed (the rejected
+        drafts' slots are written over later, their blocks returned now), the emitted tokens are
+        appended until one ends the sequence."""
+        self.speculator.record(num_drafts, len(emitted) - 1)
+        request.spec_token_ids = []
+        for token_id, logprobs in emitted:
+            self._append_token(request, group, token_id, logprobs)
+            if request.is_finished:
+                return
+        self._computed(request, len(emitted))  # (after the append: the kept drafts' blocks hash their tokens)
+        self.kv.trim(request)
 
     def _computed(self, request: Request, num_new_tokens: int) -> None:
         """Tokens the device computed (or is computing, ahead of any step that reads them)."""

@@ -56,6 +56,8 @@ class SearchHandle:
     result: SearchResult | None = None
     error: BaseException | None = None
     cancelled: bool = False
+    # its generator requests' draft group: `suffix` speculation drafts from every sequence of the problem
+    draft_group: str = field(default_factory=lambda: f"search-problem-{next(_REQUEST_IDS)}")
 
     @property
     def done(self) -> bool:
@@ -251,7 +253,7 @@ class SearchRunner:
                                     include_stop_str_in_output=True)
             request_id = f"search-{next(_REQUEST_IDS)}"
             self.loop.add_request(self.generator, request_id, ids, params, self._sample_callback(handle, i),
-                                  priority=BACKGROUND_PRIORITY, final_only=True)
+                                  priority=BACKGROUND_PRIORITY, final_only=True, draft_group=handle.draft_group)
             handle.requests.add(request_id)
         handle.ready = len(handle.sampled) == len(action.beams)
 

@@ -209,6 +209,11 @@ class EngineMetrics:
         self.thrash_window = gauge("prefix_cache_thrash_window", "Evicted block hashes the thrash detector "
                                    "remembers (bounded: a few times the pool's blocks).")
         self.preemptions = counter("num_preemptions", "Requests preempted (to be recomputed).")
+        self.spec_drafts = counter("spec_decode_num_drafts", "Speculative drafts verified (one per request and step).")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative draft tokens verified.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Speculative draft tokens accepted.")
+        self.spec_accepted_per_pos = server.family("counter", "spec_decode_num_accepted_tokens_per_pos",
+                                                   "Speculative draft tokens accepted, by position in the draft.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.request_success = server.family("counter", "request_success", "Finished requests by finish reason.")
@@ -226,8 +231,11 @@ class EngineMetrics:
         # EngineStats' cumulative counters -> the Prometheus counters they advance
         self._counted = {"prefix_queries": self.prefix_queries, "prefix_hits": self.prefix_hits,
                          "evictions": self.prefix_evictions, "thrash": self.prefix_thrash,
-                         "num_preemptions": self.preemptions}
+                         "num_preemptions": self.preemptions, "spec_decode_num_drafts": self.spec_drafts,
+                         "spec_decode_num_draft_tokens": self.spec_draft_tokens,
+                         "spec_decode_num_accepted_tokens": self.spec_accepted}
         self._last_counts = dict.fromkeys(self._counted, 0)
+        self._last_per_pos: tuple[int, ...] = ()
 
     def set_memory(self, row) -> None:
         for part, gauge in self.memory.items():
@@ -265,6 +273,16 @@ class EngineMetrics:
             value = getattr(stats, name)
             counter.inc(value - self._last_counts[name])
             self._last_counts[name] = value
+        self._count_accepted_per_position(stats.spec_decode_num_accepted_tokens_per_pos)
+
+    def _count_accepted_per_position(self, counts: tuple[int, ...]) -> None:
+        if counts == self._last_per_pos:
+            return
+        last = self._last_per_pos + (0,) * (len(counts) - len(self._last_per_pos))
+        for position, (value, before) in enumerate(zip(counts, last)):
+            if value > before:
+                self.spec_accepted_per_pos.labels(**self._labels, position=str(position)).inc(value - before)
+        self._last_per_pos = counts
 
     def _observe_tokens(self, output: RequestOutput, now: float) -> None:
         total = sum(len(c.token_ids) for c in output.outputs)

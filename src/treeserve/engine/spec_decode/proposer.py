@@ -1,0 +1,63 @@
+"""Which sequences' n-grams a running request's draft comes from (`ngram`: its own prompt and
+output; `suffix`: every sequence of its draft group, and the outputs of every request the engine
+served lately, as Arctic's suffix decoding keeps a global tree of earlier responses), and the
+drafts of one step."""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from treeserve.engine.request import Request
+from treeserve.speculative_config import SpeculativeConfig
+from treeserve.engine.spec_decode.continuation_counts import ContinuationCounts, draft
+from treeserve.engine.spec_decode.ngram_index import NgramIndex
+
+MAX_GROUPS = 256  # draft groups whose index is kept (least recently used dropped first)
+MAX_GLOBAL_NGRAMS = 1 << 20  # `suffix`: the earlier outputs' index starts afresh beyond this many n-grams
+
+
+class DraftProposer:
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+        self._indexes: OrderedDict[str, NgramIndex | ContinuationCounts] = OrderedDict()
+        self._outputs = ContinuationCounts(config.prompt_lookup_min, config.prompt_lookup_max)  # `suffix`: every output
+
+    def propose(self, request: Request, k: int) -> list[int]:
+        """Up to `k` draft tokens for the request's next step (its tokens indexed first)."""
+        index = self._index_of(request)
+        tokens = request.all_token_ids
+        if self.config.method == "ngram":
+            index.extend(tokens)
+            return index.propose(tokens, k)
+        # the group's root prompt is indexed once; every member's output as it grows, in both indexes
+        index.extend(tokens, start=request.num_prompt_tokens)
+        if len(self._outputs) > MAX_GLOBAL_NGRAMS:
+            self._outputs.clear()
+        self._outputs.extend(tokens, start=request.num_prompt_tokens)
+        return draft([index, self._outputs], tokens, k)
+
+    def retain(self, running: list[Request]) -> None:
+        """`ngram`: the indexes of requests no longer running go (a preempted one is indexed again
+        when it runs); `suffix` groups stay for their siblings, the least recently used beyond
+        MAX_GROUPS dropped."""
+        if self.config.method == "ngram" and len(self._indexes) > len(running):
+            live = {r.request_id for r in running}
+            for key in [k for k in self._indexes if k not in live]:
+                del self._indexes[key]
+
+    def _index_of(self, request: Request) -> NgramIndex | ContinuationCounts:
+        key = request.request_id if self.config.method == "ngram" else _group_of(request)
+        index = self._indexes.get(key)
+        if index is None:
+            kind = NgramIndex if self.config.method == "ngram" else ContinuationCounts
+            index = self._indexes[key] = kind(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
+            if self.config.method == "suffix":
+                index.extend(list(request.prompt_token_ids))  # the group's root prompt (a copy: it never grows)
+            while len(self._indexes) > MAX_GROUPS:
+                self._indexes.popitem(last=False)
+        else:
+            self._indexes.move_to_end(key)
+        return index
+
+
+def _group_of(request: Request) -> str:
+    return request.draft_group or request.request_id

@@ -1,0 +1,240 @@
+"""Speculative decoding keeps the model's outputs: greedy tokens (and logprobs) equal to decoding
+without it, with every proposer and family, chunked prefill, prefix-cache hits, preemption and
+n > 1; sampled tokens keep the model's distribution (chi-square); nothing leaks with aborts."""
+import random
+
+import pytest
+from scipy.stats import chisquare
+
+from conftest import assert_no_leak
+from treeserve import LLM, SamplingParams
+from treeserve.engine.model_runner import kv_bytes_per_block
+from treeserve.errors import ParamError
+from treeserve.speculative_config import SpeculativeConfig
+from treeserve.testing.tiny_models import FAMILIES
+
+# prompts that repeat themselves (an n-gram of the prompt recurs, so drafts come from it), and the
+# repetitive greedy outputs of random tiny models feed the lookup too
+PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7, 8] * 3, list(range(20, 60)) + list(range(20, 40)), [3, 4] * 10,
+           [11, 12, 13, 14, 15, 16, 17, 18, 19, 11, 12, 13]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+def _llm(path, **options):
+    options.setdefault("kv_cache_memory_bytes", 8 << 20)
+    return LLM(str(path), dtype="float32", device="cpu", **options)
+
+
+def _tokens(llm, prompts=PROMPTS, params=GREEDY):
+    return [[c.token_ids for c in o.outputs] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                                   use_tqdm=False)]
+
+
+class ReferenceDrafts:
+    """A proposer that knows the greedy reference continuation and spoils every third draft token:
+    drafts are accepted, rejected mid-way and fully accepted, so the KV of kept drafts is read by
+    later steps (a test double for where drafts come from; the verification is the engine's)."""
+
+    def __init__(self, prompts, reference):
+        self.by_prompt = {tuple(p): out[0] for p, out in zip(prompts, reference)}
+        self.calls = 0
+
+    def retain(self, running):
+        pass
+
+    def propose(self, request, k):
+        self.calls += 1
+        continuation = self.by_prompt[tuple(request.prompt_token_ids)]
+        done = request.num_output_tokens
+        draft = list(continuation[done:done + k])
+        if self.calls % 3 == 0 and draft:
+            draft[-1] = (draft[-1] + 1) % 64
+        return draft
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir):
+    return _tokens(_llm(llama_dir, enable_prefix_caching=False))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_greedy_tokens_equal_decoding_without_speculation(tiny_model_dirs, family, method):
+    path = tiny_model_dirs[family]
+    expected = _tokens(_llm(path))
+    llm = _llm(path, speculative_config={"method": method, "num_speculative_tokens": 4, "prompt_lookup_min": 1})
+    assert _tokens(llm) == expected
+    stats = llm.engine.stats()
+    assert stats.spec_decode_num_drafts > 0 and stats.spec_decode_num_draft_tokens >= stats.spec_decode_num_drafts
+    assert stats.spec_decode_num_accepted_tokens == sum(stats.spec_decode_num_accepted_tokens_per_pos)
+    assert_no_leak(llm.engine)
+
+
+def _with_reference_drafts(llm, reference, k=4):
+    llm.engine.speculator.proposer = ReferenceDrafts(PROMPTS, reference)
+    return llm
+
+
+def _spec(k=4, **options):
+    return {"method": "ngram", "num_speculative_tokens": k, **options}
+
+
+def test_kept_drafts_give_the_reference_tokens(llama_dir, reference):
+    llm = _with_reference_drafts(_llm(llama_dir, speculative_config=_spec()), reference)
+    assert _tokens(llm) == reference
+    stats = llm.engine.stats()
+    assert stats.spec_decode_num_accepted_tokens > stats.spec_decode_num_drafts, "most drafts were kept"
+    assert stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens, "some were rejected"
+    assert stats.num_steps < 40 * len(PROMPTS) / 2
+    assert_no_leak(llm.engine)
+
+
+def test_chunked_prefill_and_prefix_cache_hits_keep_the_tokens(llama_dir, reference):
+    llm = _with_reference_drafts(_llm(llama_dir, max_num_batched_tokens=7, speculative_config=_spec()), reference)
+    assert _tokens(llm) == reference
+    hits = llm.engine.stats().prefix_hits
+    assert _tokens(llm) == reference  # again: the prompts' blocks (and kept drafts' blocks) are cached
+    assert llm.engine.stats().prefix_hits > hits
+    assert llm.engine.stats().spec_decode_num_accepted_tokens > 0
+    assert_no_leak(llm.engine)
+
+
+def test_preemption_keeps_the_tokens(llama_dir, reference):
+    probe = _llm(llama_dir)
+    per_block = kv_bytes_per_block(probe.engine.model, 16, probe.engine.dtype)
+    llm = _with_reference_drafts(_llm(llama_dir, kv_cache_memory_bytes=per_block * 8, max_model_len=128,
+                                      speculative_config=_spec()), reference)
+    assert _tokens(llm) == reference
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.stats().spec_decode_num_accepted_tokens > 0
+    assert_no_leak(llm.engine)
+
+
+def test_n_greater_than_one_and_logprobs_equal_decoding_without_speculation(llama_dir, reference):
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, n=3, logprobs=2)
+    plain = _llm(llama_dir).generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    llm = _with_reference_drafts(_llm(llama_dir, speculative_config=_spec()), reference)
+    speculated = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    for a, b in zip(plain, speculated):
+        for x, y in zip(a.outputs, b.outputs):
+            assert x.token_ids == y.token_ids
+            assert len(x.logprobs) == len(y.logprobs) == 40
+            for ex, ey in zip(x.logprobs, y.logprobs):
+                assert ex.keys() == ey.keys()
+                assert all(ex[t].rank == ey[t].rank and ex[t].logprob == pytest.approx(ey[t].logprob, abs=1e-5)
+                           for t in ex)
+    assert llm.engine.stats().spec_decode_num_accepted_tokens > 0
+    assert_no_leak(llm.engine)
+
+
+def test_max_tokens_and_stop_tokens_end_inside_a_draft(llama_dir, reference):
+    llm = _with_reference_drafts(_llm(llama_dir, speculative_config=_spec(k=8)), reference)
+    for max_tokens in (1, 2, 5, 9):
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        assert [t[0] for t in _tokens(llm, params=params)] == [r[0][:max_tokens] for r in reference]
+    stop = reference[0][0][6]  # a token the first prompt emits at its 7th position
+    params = SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[stop])
+    out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == reference[0][0][:reference[0][0].index(stop) + 1] and out.stop_reason == stop
+    assert_no_leak(llm.engine)
+
+
+class FixedDraft:
+    def __init__(self, token):
+        self.token = token
+
+    def retain(self, running):
+        pass
+
+    def propose(self, request, k):
+        return [self.token][:k]
+
+
+def _top3(llm, prompt):
+    """The model's top-3 next tokens and their probabilities renormalized over those three (top_k=3)."""
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=1, logprobs=3),
+                       use_tqdm=False)[0].outputs[0].logprobs[0]
+    import math
+    weights = {t: math.exp(lp.logprob) for t, lp in out.items() if lp.rank <= 3}
+    total = sum(weights.values())
+    return {t: w / total for t, w in weights.items()}
+
+
+def test_sampled_tokens_keep_the_models_distribution(llama_dir):
+    """20,000 draws of three tokens at temperature 1, top_k=3; the second and third come from one
+    verified step whose draft for the second is a token the model gives a middling probability
+    (accepted, then a bonus token; or rejected, then a draw from the rest). The joint frequencies
+    against p(t1) p(t2 | t1) p(t3 | t1, t2) from the model's own logprobs: a greedy acceptance rule
+    fails this (checked by hand)."""
+    prompt = [7, 3, 9, 4, 1, 8]
+    plain = _llm(llama_dir)
+    expected = {(): 1.0}
+    for _ in range(3):
+        expected = {seq + (t,): p * q for seq, p in expected.items() for t, q in _top3(plain, prompt + list(seq)).items()}
+    second = _top3(plain, prompt + [max(_top3(plain, prompt).items(), key=lambda kv: kv[1])[0]])
+    draft = sorted(second, key=second.get)[1]
+    llm = _llm(llama_dir, max_num_seqs=256, speculative_config=_spec(k=1))
+    llm.engine.speculator.proposer = FixedDraft(draft)
+    params = SamplingParams(temperature=1.0, top_k=3, max_tokens=3, n=100)
+    counts = dict.fromkeys(expected, 0)
+    for output in llm.generate([{"prompt_token_ids": prompt}] * 200, params, use_tqdm=False):
+        for c in output.outputs:
+            key = tuple(c.token_ids)
+            counts[key] = counts.get(key, 0) + 1  # (a sequence outside top_k's support fails the test below)
+    total = sum(counts.values())
+    assert total == 20_000
+    observed, wanted = _binned(counts, {c: expected.get(c, 0.0) * total for c in counts})
+    result = chisquare(observed, wanted)
+    assert result.pvalue > 0.01, (result, counts, expected)
+    stats = llm.engine.stats()
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens  # both branches ran
+    assert_no_leak(llm.engine)
+
+
+def _binned(counts: dict, expected: dict, least: float = 5.0) -> tuple[list[float], list[float]]:
+    """Cells expected fewer than `least` times pooled into one (chi-square's rule of thumb)."""
+    small = [c for c in expected if expected[c] < least]
+    cells = [c for c in expected if expected[c] >= least]
+    observed, wanted = [counts[c] for c in cells], [expected[c] for c in cells]
+    if small:
+        observed.append(sum(counts[c] for c in small))
+        wanted.append(sum(expected[c] for c in small))
+    return observed, wanted
+
+
+def test_no_block_leaks_after_a_thousand_speculative_requests_with_aborts(llama_dir, reference):
+    llm = _with_reference_drafts(_llm(llama_dir, speculative_config=_spec(k=6)), reference)
+    engine, rng = llm.engine, random.Random(0)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    for batch in range(10):
+        ids = [f"r{batch}-{i}" for i in range(100)]
+        for i, rid in enumerate(ids):
+            engine.add_request(rid, list(PROMPTS[i % len(PROMPTS)]), params)
+        for _ in range(rng.randint(2, 8)):
+            engine.step()
+        for rid in rng.sample(ids, 30):
+            engine.abort_request(rid)
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert engine.stats().spec_decode_num_accepted_tokens > 1000
+    assert_no_leak(engine)
+
+
+def test_speculative_config_errors_name_the_problem():
+    with pytest.raises(ParamError, match="not supported yet"):
+        SpeculativeConfig.of({"method": "eagle3"})
+    with pytest.raises(ParamError, match="unknown key"):
+        SpeculativeConfig.of({"method": "ngram", "num_spec_tokens": 3})
+    with pytest.raises(ParamError, match="num_speculative_tokens"):
+        SpeculativeConfig.of({"method": "ngram", "num_speculative_tokens": 0})
+    with pytest.raises(ParamError, match="needs a 'method'"):
+        SpeculativeConfig.of({"num_speculative_tokens": 3})
+    assert SpeculativeConfig.of({"method": "suffix"}).num_speculative_tokens == 4
+
+
+def test_drafts_stop_at_the_disable_batch_size(llama_dir):
+    llm = _llm(llama_dir, speculative_config=_spec(disable_by_batch_size=2, prompt_lookup_min=1))
+    _tokens(llm)  # four requests run together: no drafts while two or more run
+    batched = llm.engine.stats().spec_decode_num_drafts
+    _tokens(llm, prompts=PROMPTS[:1])
+    assert llm.engine.stats().spec_decode_num_drafts > batched
