@@ -73,6 +73,8 @@ def run_treeserve(args, jobs) -> tuple[str, list[dict]]:
     from treeserve import LLM, SamplingParams
 
     options = {"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {}
+    if args.speculative_config:
+        options["speculative_config"] = json.loads(args.speculative_config)
     llm = LLM(args.model, dtype=args.dtype, device="cpu", max_num_seqs=MAX_NUM_SEQS,
               kv_cache_memory_bytes=args.kv_gib << 30, enable_prefix_caching=False, **options)
     llm.generate([{"prompt_token_ids": jobs[0]["requests"][0]["prompt_token_ids"][:16]}],
@@ -87,8 +89,14 @@ def run_treeserve(args, jobs) -> tuple[str, list[dict]]:
         while not feeder.done:
             feeder.top_up()
             llm.loop.step()
-        results.append(feeder.clock.result())
+        results.append(feeder.clock.result() | _treeserve_spec_counts(llm.engine.stats()))
     return getattr(treeserve, "__version__", "dev"), results
+
+
+def _treeserve_spec_counts(stats) -> dict:
+    """The speculation counters so far (cumulative over the jobs)."""
+    return {"spec_drafts": stats.spec_decode_num_drafts, "spec_draft_tokens": stats.spec_decode_num_draft_tokens,
+            "spec_accepted_tokens": stats.spec_decode_num_accepted_tokens}
 
 
 def run_vllm(args, jobs) -> tuple[str, list[dict]]:
@@ -96,7 +104,9 @@ def run_vllm(args, jobs) -> tuple[str, list[dict]]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=MAX_NUM_SEQS, enable_prefix_caching=False, seed=0)
+    options = {"speculative_config": json.loads(args.speculative_config)} if args.speculative_config else {}
+    llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=MAX_NUM_SEQS, enable_prefix_caching=False, seed=0,
+              **options)
     llm.generate([TokensPrompt(prompt_token_ids=jobs[0]["requests"][0]["prompt_token_ids"][:16])],
                  SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)  # warm-up
     vllm_engine = llm.llm_engine
@@ -177,6 +187,7 @@ def main() -> int:
     parser.add_argument("--gguf", help="llama.cpp: the model converted to GGUF")
     parser.add_argument("--max-num-batched-tokens", type=int, help="treeserve: the step's token budget "
                         "(default: the engine's)")
+    parser.add_argument("--speculative-config", help="treeserve and vllm: speculative decoding, vLLM's JSON dict")
     args = parser.parse_args()
     jobs = json.loads(args.jobs.read_text())
     start = time.perf_counter()

@@ -42,7 +42,7 @@ class ReferenceDrafts:
     def retain(self, running):
         pass
 
-    def propose(self, request, k):
+    def propose(self, request, k, threshold):
         self.calls += 1
         continuation = self.by_prompt[tuple(request.prompt_token_ids)]
         done = request.num_output_tokens
@@ -146,7 +146,7 @@ class FixedDraft:
     def retain(self, running):
         pass
 
-    def propose(self, request, k):
+    def propose(self, request, k, threshold):
         return [self.token][:k]
 
 

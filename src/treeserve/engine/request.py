@@ -59,6 +59,7 @@ class Request:
     num_in_flight: int = 0              # tokens sampled by a step still running (async scheduling), not known yet
     draft_group: str | None = None      # speculation's `suffix` drafts from every sequence of this group
     spec_token_ids: list[int] = field(default_factory=list)  # draft tokens its next step verifies
+    draft_pace: Any = None              # how far it drafts next (engine/spec_decode/pace.py)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     generator: torch.Generator | None = None

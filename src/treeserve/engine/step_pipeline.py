@@ -10,6 +10,8 @@ The pipeline is the one place where a step's computed tokens are counted into it
 full blocks cached and the blocks behind a sliding window freed (`_computed`)."""
 from __future__ import annotations
 
+import time
+
 from treeserve.engine.deferred_outputs import DeferredOutputs
 from treeserve.engine.kept_kv import KeptSequences
 from treeserve.engine.kv_cache_manager import KVCacheManager
@@ -55,6 +57,7 @@ class StepPipeline:
         self.num_steps += 1
         self.num_tokens_computed += sched.num_tokens
         step = self.steps.build(sched)
+        started = time.perf_counter()
         with self.guard:
             if self.send_step is not None:
                 self.send_step(step)
@@ -65,7 +68,10 @@ class StepPipeline:
             self.num_steps_left_running += 1
             self.in_flight = (sched, launched)
             return earlier
-        return earlier + self._wait_and_apply(sched, launched, advanced=False)
+        outputs = self._wait_and_apply(sched, launched, advanced=False)
+        if self.speculator is not None:
+            self.speculator.observe_step(sched.num_tokens, time.perf_counter() - started)
+        return earlier + outputs
 
     def drop_unwanted_in_flight(self) -> None:
         """After an abort: a step in flight that only aborted requests wait on ends unread."""
@@ -145,7 +151,7 @@ class StepPipeline:
         """A verified step: the last known token and the kept drafts are computed (the rejected
         drafts' slots are written over later, their blocks returned now), the emitted tokens are
         appended until one ends the sequence."""
-        self.speculator.record(num_drafts, len(emitted) - 1)
+        self.speculator.verified(request, num_drafts, len(emitted) - 1)
         request.spec_token_ids = []
         for token_id, logprobs in emitted:
             self._append_token(request, group, token_id, logprobs)

@@ -39,10 +39,11 @@ class ContinuationCounts:
         self._indexed[id(tokens)] = (tokens, max(begin, len(tokens)))
 
 
-def draft(tables: list[ContinuationCounts], tokens: list[int], k: int) -> list[int]:
+def draft(tables: list[ContinuationCounts], tokens: list[int], k: int,
+          min_path: float = MIN_PATH_PROBABILITY) -> list[int]:
     """Up to `k` tokens: at each, the longest n-gram ending the text so far that any table has,
     its counts summed over the tables that have it, the most frequent next token taken while the
-    path's probability stays at least MIN_PATH_PROBABILITY."""
+    path's probability stays at least `min_path`."""
     if not tables:
         return []
     min_n, max_n = tables[0].min_n, tables[0].max_n
@@ -55,7 +56,7 @@ def draft(tables: list[ContinuationCounts], tokens: list[int], k: int) -> list[i
             break
         token, count = max(counts.items(), key=lambda item: item[1])
         path *= count / sum(counts.values())
-        if path < MIN_PATH_PROBABILITY:
+        if path < min_path:
             break
         out.append(token)
         context.append(token)

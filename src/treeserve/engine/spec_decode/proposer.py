@@ -8,7 +8,7 @@ from collections import OrderedDict
 
 from treeserve.engine.request import Request
 from treeserve.speculative_config import SpeculativeConfig
-from treeserve.engine.spec_decode.continuation_counts import ContinuationCounts, draft
+from treeserve.engine.spec_decode.continuation_counts import MIN_PATH_PROBABILITY, ContinuationCounts, draft
 from treeserve.engine.spec_decode.ngram_index import NgramIndex
 
 MAX_GROUPS = 256  # draft groups whose index is kept (least recently used dropped first)
@@ -21,8 +21,9 @@ class DraftProposer:
         self._indexes: OrderedDict[str, NgramIndex | ContinuationCounts] = OrderedDict()
         self._outputs = ContinuationCounts(config.prompt_lookup_min, config.prompt_lookup_max)  # `suffix`: every output
 
-    def propose(self, request: Request, k: int) -> list[int]:
-        """Up to `k` draft tokens for the request's next step (its tokens indexed first)."""
+    def propose(self, request: Request, k: int, threshold: float) -> list[int]:
+        """Up to `k` draft tokens for the request's next step (its tokens indexed first); `suffix`
+        drafts stop where the path's frequency falls under `threshold` (or 0.1)."""
         index = self._index_of(request)
         tokens = request.all_token_ids
         if self.config.method == "ngram":
@@ -33,7 +34,7 @@ class DraftProposer:
         if len(self._outputs) > MAX_GLOBAL_NGRAMS:
             self._outputs.clear()
         self._outputs.extend(tokens, start=request.num_prompt_tokens)
-        return draft([index, self._outputs], tokens, k)
+        return draft([index, self._outputs], tokens, k, max(threshold, MIN_PATH_PROBABILITY))
 
     def retain(self, running: list[Request]) -> None:
         """`ngram`: the indexes of requests no longer running go (a preempted one is indexed again

@@ -3,14 +3,17 @@ may take them; after each step, what was accepted (vLLM's spec-decode counters).
 from __future__ import annotations
 
 from treeserve.engine.request import Request
-from treeserve.speculative_config import SpeculativeConfig
+from treeserve.engine.spec_decode.pace import DraftPace
 from treeserve.engine.spec_decode.proposer import DraftProposer
+from treeserve.engine.spec_decode.step_costs import StepCosts
+from treeserve.speculative_config import SpeculativeConfig
 
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, max_model_len: int):
         self.config, self.max_model_len = config, max_model_len
         self.proposer = DraftProposer(config)
+        self.costs = StepCosts()
         self.num_drafts = 0           # verified drafts (one per request and step that had any)
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -22,14 +25,19 @@ class Speculator:
         limit = self.config.disable_by_batch_size
         off = limit is not None and len(running) >= limit
         self.proposer.retain(running)
+        threshold = self.costs.keep_threshold(len(running))
         for request in running:
-            k = 0 if off else self._room(request)
-            request.spec_token_ids = self.proposer.propose(request, k) if k > 0 else []
+            k = 0 if off else self._room(request, threshold)
+            request.spec_token_ids = self.proposer.propose(request, k, threshold) if k > 0 else []
 
-    def _room(self, request: Request) -> int:
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """A step's rows and how long it took (the cost model behind the drafts' length)."""
+        self.costs.observe(rows, seconds)
+
+    def _room(self, request: Request, threshold: float) -> int:
         """How many drafts the request may verify in its next step: 0 unless it decodes (its last
-        token alone uncomputed, none in flight) under plain sampling rules; no more than its
-        max_tokens and the model's length leave room for (the step emits drafts + 1)."""
+        token alone uncomputed, none in flight) under plain sampling rules; no more than its pace
+        (pace.py), max_tokens and the model's length allow (the step emits drafts + 1)."""
         params = request.sampling_params
         if (request.prefill_only or request.num_in_flight or request.matcher is not None
                 or request.num_computed_tokens != request.num_tokens - 1
@@ -37,7 +45,15 @@ class Speculator:
                 or params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1):
             return 0
         left = min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
-        return max(min(self.config.num_speculative_tokens, left), 0)
+        k = self.config.num_speculative_tokens
+        if request.draft_pace is None:
+            request.draft_pace = DraftPace()
+        return max(min(request.draft_pace.allowed(threshold, k), left), 0)
+
+    def verified(self, request: Request, num_draft_tokens: int, num_accepted: int) -> None:
+        """A step verified the request's drafts: its pace and the counters move."""
+        request.draft_pace.update(num_draft_tokens, num_accepted)
+        self.record(num_draft_tokens, num_accepted)
 
     def record(self, num_draft_tokens: int, num_accepted: int) -> None:
         self.num_drafts += 1
