@@ -70,9 +70,15 @@ def test_greedy_tokens_equal_decoding_without_speculation(tiny_model_dirs, famil
     assert_no_leak(llm.engine)
 
 
-def _with_reference_drafts(llm, reference, k=4):
-    llm.engine.speculator.proposer = ReferenceDrafts(PROMPTS, reference)
+def _install(llm, proposer):
+    """`proposer` drafts for every request that speculates with the engine's configuration."""
+    speculator = llm.engine.speculator
+    speculator.proposers[speculator.config] = proposer
     return llm
+
+
+def _with_reference_drafts(llm, reference):
+    return _install(llm, ReferenceDrafts(PROMPTS, reference))
 
 
 def _spec(k=4, **options):
@@ -174,7 +180,7 @@ def test_sampled_tokens_keep_the_models_distribution(llama_dir):
     second = _top3(plain, prompt + [max(_top3(plain, prompt).items(), key=lambda kv: kv[1])[0]])
     draft = sorted(second, key=second.get)[1]
     llm = _llm(llama_dir, max_num_seqs=256, speculative_config=_spec(k=1))
-    llm.engine.speculator.proposer = FixedDraft(draft)
+    _install(llm, FixedDraft(draft))
     params = SamplingParams(temperature=1.0, top_k=3, max_tokens=3, n=100)
     counts = dict.fromkeys(expected, 0)
     for output in llm.generate([{"prompt_token_ids": prompt}] * 200, params, use_tqdm=False):
@@ -205,6 +211,7 @@ def _binned(counts: dict, expected: dict, least: float = 5.0) -> tuple[list[floa
 def test_no_block_leaks_after_a_thousand_speculative_requests_with_aborts(llama_dir, reference):
     llm = _with_reference_drafts(_llm(llama_dir, speculative_config=_spec(k=6)), reference)
     engine, rng = llm.engine, random.Random(0)
+    engine.speculator.costs.keep_threshold = lambda batch: 0.02  # drafts at every step, whatever they cost
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     for batch in range(10):
         ids = [f"r{batch}-{i}" for i in range(100)]

@@ -65,7 +65,7 @@ def snapshot(model: str, pipeline, scheduler: Scheduler, kv: KVCacheManager, ret
 
 
 def _spec_counts(speculator) -> tuple:
-    if speculator is None:
+    if speculator is None or not speculator.active:
         return 0, 0, 0, ()
     return (speculator.num_drafts, speculator.num_draft_tokens, speculator.num_accepted_tokens,
             tuple(speculator.accepted_per_position))

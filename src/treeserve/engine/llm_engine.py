@@ -21,7 +21,7 @@ from treeserve.engine.output_processor import OutputProcessor
 from treeserve.engine.request_groups import RequestGroups
 from treeserve.engine.request_intake import RequestIntake
 from treeserve.engine.scheduler import Scheduler
-from treeserve.engine.spec_decode.speculator import Speculator
+from treeserve.engine.spec_decode.speculator import ENGINE_DEFAULT, Speculator
 from treeserve.engine.step_builder import StepBuilder
 from treeserve.engine.step_pipeline import StepPipeline
 from treeserve.engine.structured_outputs import StructuredOutputs
@@ -65,8 +65,7 @@ class LLMEngine:
         self.intake = RequestIntake(loaded, self.scheduler, self.kv, self._groups, self.retained, self.structured,
                                     processor.decode)
         self.guard = WorkersGuard(self.executor)
-        spec = self.config.speculative_config
-        self.speculator = None if spec is None else Speculator(spec, self.max_model_len)
+        self.speculator = Speculator(self.config.speculative_config, self.max_model_len)
         self.pipeline = StepPipeline(self.scheduler, self.kv, self.steps, self.runner, self._groups, self.outputs,
                                      self.retained, self.guard, async_scheduling, self._step_sender(),
                                      self.speculator)
@@ -155,19 +154,22 @@ class LLMEngine:
                     prompt: str | None = None, cache_salt: str | None = None,
                     logits_positions: list[int] | None = None, readout_token_ids: list[int] | None = None,
                     keep_kv: bool = False, parent_id: str | None = None, priority: int = 0,
-                    final_only: bool = False, draft_group: str | None = None) -> None:
+                    final_only: bool = False, draft_group: str | None = None,
+                    speculative_config=ENGINE_DEFAULT) -> None:
         """Queues a request; a lower `priority` is admitted first (FCFS within one priority).
         `final_only`: no RequestOutput until it finishes (offline callers; saves the host a
         snapshot of every sequence at every step).
 
         With `logits_positions` it is prefill-only and returns those positions' logits (only the
-        `readout_token_ids` columns, if given). `draft_group`: with `suffix` speculation, its drafts
-        come from every sequence of this group too (a search problem's). `keep_kv` keeps its KV blocks after it finishes,
+        `readout_token_ids` columns, if given). `speculative_config`: the engine's (by default), the
+        request's own (vLLM's dict) or None (no speculation); `draft_group`: with `suffix`
+        speculation, its drafts come from every sequence of this group too (a search problem's). `keep_kv` keeps its KV blocks after it finishes,
         under its request id, until `release_kv`; `parent_id` names such a kept sequence whose
         tokens this prompt extends, so that only the new tokens are computed.
         """
+        speculative = self.speculator.config_for(speculative_config)
         self.intake.add(request_id, prompt_token_ids, params, prompt, cache_salt, logits_positions,
-                        readout_token_ids, keep_kv, parent_id, priority, final_only, draft_group)
+                        readout_token_ids, keep_kv, parent_id, priority, final_only, draft_group, speculative)
 
     def abort_request(self, request_id: str) -> None:
         group = self._groups.pop(request_id)

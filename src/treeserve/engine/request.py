@@ -57,6 +57,7 @@ class Request:
     num_preemptions: int = 0
     num_passed_over: int = 0            # times later waiting requests were admitted first (cache-aware order)
     num_in_flight: int = 0              # tokens sampled by a step still running (async scheduling), not known yet
+    speculative_config: Any = None      # what it speculates with (a SpeculativeConfig; None: it does not)
     draft_group: str | None = None      # speculation's `suffix` drafts from every sequence of this group
     spec_token_ids: list[int] = field(default_factory=list)  # draft tokens its next step verifies
     draft_pace: Any = None              # how far it drafts next (engine/spec_decode/pace.py)

@@ -38,7 +38,7 @@ class RequestIntake:
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None,
             cache_salt: str | None, logits_positions: list[int] | None, readout_token_ids: list[int] | None,
             keep_kv: bool, parent_id: str | None, priority: int, final_only: bool,
-            draft_group: str | None = None) -> None:
+            draft_group: str | None = None, speculative_config=None) -> None:
         """See `LLMEngine.add_request`."""
         self.validate_prompt(prompt_token_ids)
         if request_id in self.groups or request_id in self.retained:
@@ -51,7 +51,7 @@ class RequestIntake:
         children = [self._make_request(f"{request_id}#{i}", prompt_token_ids, _child_params(params, i), cache_salt,
                                        priority) for i in range(params.n)]
         for child in children:
-            child.draft_group = draft_group or request_id
+            child.draft_group, child.speculative_config = draft_group or request_id, speculative_config
         group = RequestGroup(request_id, prompt, list(prompt_token_ids), children, final_only=final_only)
         self.groups.add(group)
         # (LongRoPE picks its factors by prompt length: the shorter shared prefill could pick others)

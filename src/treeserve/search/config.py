@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from treeserve.errors import ParamError
+from treeserve.speculative_config import SpeculativeConfig
 
 STRATEGIES = ("greedy", "majority", "best_of_n", "weighted_best_of_n", "beam", "dvts")
 AGG_STRATEGIES = ("last", "min", "prod")
@@ -46,6 +47,9 @@ class SearchConfig:
     eos_sampling_at_max_depth: bool = False  # S&L samples the last step to end-of-sequence
     system_prompt: str | None = SAL_SYSTEM_PROMPT
     seed: int = 0
+    # speculative decoding of the samples (vLLM's dict; `suffix` drafts from the problem's sibling
+    # sequences). Off by default: on the bundled pair it measured slower (benchmarks/spec_decode.py)
+    speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self) -> None:
         _require(self.strategy in STRATEGIES, "strategy", f"must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
@@ -63,6 +67,7 @@ class SearchConfig:
         _require(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1")
         _require(self.agg_strategy in AGG_STRATEGIES, "agg_strategy",
                  f"must be one of {', '.join(AGG_STRATEGIES)}, got {self.agg_strategy!r}")
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.of(self.speculative_config))
 
     @property
     def uses_verifier(self) -> bool:

@@ -253,7 +253,8 @@ class SearchRunner:
                                     include_stop_str_in_output=True)
             request_id = f"search-{next(_REQUEST_IDS)}"
             self.loop.add_request(self.generator, request_id, ids, params, self._sample_callback(handle, i),
-                                  priority=BACKGROUND_PRIORITY, final_only=True, draft_group=handle.draft_group)
+                                  priority=BACKGROUND_PRIORITY, final_only=True, draft_group=handle.draft_group,
+                                  speculative_config=config.speculative_config)
             handle.requests.add(request_id)
         handle.ready = len(handle.sampled) == len(action.beams)
 

@@ -360,3 +360,6 @@ class SearchRequest(BaseModel):
     system_prompt: str | None = None
     seed: int = 0
     stream: bool = False                 # Server-Sent Events: progress events, then the result
+    # speculative decoding of the samples, as vLLM's speculative_config ({"method": "suffix", ...}): the
+    # problem's sibling sequences are the drafts' source; off unless given
+    speculative_config: dict | None = None

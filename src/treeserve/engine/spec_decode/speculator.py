@@ -1,40 +1,72 @@
 """The engine's side of speculation: before each schedule, drafts for the running requests that
-may take them; after each step, what was accepted (vLLM's spec-decode counters)."""
+may take them; after each step, what was accepted (vLLM's spec-decode counters).
+
+A request speculates with the engine's `speculative_config` unless it brings its own (a search's
+`speculative_config`) or asks for none; the engine keeps one proposer per configuration. Until a
+request speculates, nothing here runs."""
 from __future__ import annotations
 
 from treeserve.engine.request import Request
-from treeserve.engine.spec_decode.pace import DraftPace
+from treeserve.engine.spec_decode.pace import INITIAL_RATE, DraftPace, kept_rate
 from treeserve.engine.spec_decode.proposer import DraftProposer
-from treeserve.engine.spec_decode.step_costs import StepCosts
+from treeserve.engine.spec_decode.step_costs import DEFAULT_THRESHOLD, StepCosts
 from treeserve.speculative_config import SpeculativeConfig
+
+ENGINE_DEFAULT = "engine"  # `add_request(speculative_config=...)`'s default: the engine's configuration
+RATE_WEIGHT = 0.02  # of one verification in the engine-wide rate
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int):
-        self.config, self.max_model_len = config, max_model_len
-        self.proposer = DraftProposer(config)
+    def __init__(self, config: SpeculativeConfig | None, max_model_len: int):
+        self.config, self.max_model_len = config, max_model_len  # `config`: the engine's (None: off)
+        self.active = config is not None  # whether any request may speculate
+        self.proposers: dict[SpeculativeConfig, DraftProposer] = {}
         self.costs = StepCosts()
+        self.rate = INITIAL_RATE  # the chance a draft token is kept, over recent drafts of every request
         self.num_drafts = 0           # verified drafts (one per request and step that had any)
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
-        self.accepted_per_position = [0] * config.num_speculative_tokens
+        self.accepted_per_position: list[int] = []
+
+    def config_for(self, requested) -> SpeculativeConfig | None:
+        """What a new request speculates with: the engine's (ENGINE_DEFAULT), its own (a dict or
+        SpeculativeConfig), or nothing (None)."""
+        if isinstance(requested, str) and requested == ENGINE_DEFAULT:
+            return self.config
+        config = SpeculativeConfig.of(requested)
+        self.active |= config is not None
+        return config
 
     def propose(self, running: list[Request]) -> None:
-        """Sets each running request's `spec_token_ids` (none while the batch is at
-        `disable_by_batch_size`, or for a request that may not take them)."""
-        limit = self.config.disable_by_batch_size
-        off = limit is not None and len(running) >= limit
-        self.proposer.retain(running)
-        threshold = self.costs.keep_threshold(len(running))
+        """Sets each running request's `spec_token_ids` (none while its configuration's
+        `disable_by_batch_size` requests run, or for a request that may not take them)."""
+        if not self.active:
+            return
+        for proposer in self.proposers.values():
+            proposer.retain(running)
+        measured = self.costs.keep_threshold(len(running))
         for request in running:
-            k = 0 if off else self._room(request, threshold)
-            request.spec_token_ids = self.proposer.propose(request, k, threshold) if k > 0 else []
+            config = request.speculative_config
+            if config is None:
+                continue
+            # a seeded request's drafts must not hang on timings: its samples follow from its seed and inputs
+            threshold = DEFAULT_THRESHOLD if request.sampling_params.seed is not None else measured
+            limit = config.disable_by_batch_size
+            k = 0 if limit is not None and len(running) >= limit else self._room(request, config, threshold)
+            request.spec_token_ids = self._proposer(config).propose(request, k, threshold) if k > 0 else []
 
     def observe_step(self, rows: int, seconds: float) -> None:
         """A step's rows and how long it took (the cost model behind the drafts' length)."""
-        self.costs.observe(rows, seconds)
+        if self.active:
+            self.costs.observe(rows, seconds)
 
-    def _room(self, request: Request, threshold: float) -> int:
+    def _proposer(self, config: SpeculativeConfig) -> DraftProposer:
+        proposer = self.proposers.get(config)
+        if proposer is None:
+            proposer = self.proposers[config] = DraftProposer(config)
+        return proposer
+
+    def _room(self, request: Request, config: SpeculativeConfig, threshold: float) -> int:
         """How many drafts the request may verify in its next step: 0 unless it decodes (its last
         token alone uncomputed, none in flight) under plain sampling rules; no more than its pace
         (pace.py), max_tokens and the model's length allow (the step emits drafts + 1)."""
@@ -45,23 +77,18 @@ class Speculator:
                 or params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1):
             return 0
         left = min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
-        k = self.config.num_speculative_tokens
         if request.draft_pace is None:
-            request.draft_pace = DraftPace()
-        return max(min(request.draft_pace.allowed(threshold, k), left), 0)
+            request.draft_pace = DraftPace.starting(self.rate, threshold)
+        return max(min(request.draft_pace.allowed(threshold, config.num_speculative_tokens), left), 0)
 
     def verified(self, request: Request, num_draft_tokens: int, num_accepted: int) -> None:
         """A step verified the request's drafts: its pace and the counters move."""
         request.draft_pace.update(num_draft_tokens, num_accepted)
-        self.record(num_draft_tokens, num_accepted)
-
-    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.rate += RATE_WEIGHT * (kept_rate(num_draft_tokens, num_accepted) - self.rate)
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_accepted:
+            self.accepted_per_position += [0] * (num_accepted - len(self.accepted_per_position))
         for position in range(num_accepted):
             self.accepted_per_position[position] += 1
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
