@@ -110,6 +110,18 @@ def test_server_counters_summed_over_labels_and_prefixes():
     assert metrics.server_totals({"vllm:prompt_tokens_total": 7.0}) == {"prompt_tokens": 7.0}
 
 
+def test_speculation_figures_from_the_servers_counters():
+    """vLLM's counter names (and treeserve's, the same): acceptance over the level's change."""
+    before = {"vllm:spec_decode_num_drafts_total": 10.0, "vllm:spec_decode_num_draft_tokens_total": 40.0,
+              "vllm:spec_decode_num_accepted_tokens_total": 20.0}
+    after = {"vllm:spec_decode_num_drafts_total": 30.0, "vllm:spec_decode_num_draft_tokens_total": 120.0,
+             "vllm:spec_decode_num_accepted_tokens_total": 50.0}
+    summary = metrics.summarize([], server=metrics.server_deltas(before, after))
+    assert summary["spec_decode"]["acceptance_rate"] == pytest.approx(30 / 80)
+    assert summary["spec_decode"]["acceptance_length"] == pytest.approx(1 + 30 / 20)
+    assert "spec_decode" not in metrics.summarize([], server=metrics.server_deltas({}, {}))
+
+
 def test_saturation_is_first_level_near_the_best():
     assert metrics.saturation_index([100.0, 500.0, 960.0, 1000.0, 990.0]) == 2
     assert metrics.saturation_index([100.0, None, 300.0]) == 2

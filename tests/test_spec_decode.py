@@ -245,3 +245,78 @@ def test_drafts_stop_at_the_disable_batch_size(llama_dir):
     batched = llm.engine.stats().spec_decode_num_drafts
     _tokens(llm, prompts=PROMPTS[:1])
     assert llm.engine.stats().spec_decode_num_drafts > batched
+
+
+def test_ngram_lookup_takes_the_longest_match_and_its_latest_continuation():
+    from treeserve.engine.spec_decode.ngram_index import NgramIndex
+
+    index = NgramIndex(1, 3)
+    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 5, 2, 3]
+    index.extend(tokens)
+    assert index.propose(tokens, 2) == [7, 5]  # "2 3" followed last by 7 (the 3-gram "5 2 3" never occurred)
+    assert index.propose([4, 4], 3) == []
+    tokens += [7]
+    index.extend(tokens)  # grows where it left off
+    assert index.propose(tokens, 1) == [5]
+
+
+def test_suffix_drafts_follow_the_most_frequent_continuation_while_likely_enough():
+    from treeserve.engine.spec_decode.continuation_counts import ContinuationCounts, draft
+
+    group, earlier = ContinuationCounts(1, 2), ContinuationCounts(1, 2)
+    earlier.extend([5, 6, 7, 5, 6, 7, 5, 6, 8])  # after "5 6": 7 twice, 8 once
+    group.extend([1, 5, 6, 7])
+    assert draft([group, earlier], [5, 6], 3) == [7, 5, 6]  # counts summed over both: 7 three times, 8 once
+    assert draft([group, earlier], [5, 6], 3, min_path=0.8) == []  # 3/4 < 0.8
+    assert draft([earlier], [1, 6], 3) == [7, 5, 6]  # the longest n-gram "1 6" never occurred: "6" did
+    assert draft([earlier], [9], 3) == []
+
+
+def test_draft_pace_follows_acceptance_and_probes_when_paused():
+    from treeserve.engine.spec_decode.pace import MAX_PAUSE, DraftPace
+
+    pace = DraftPace(rate=0.9)
+    assert pace.allowed(0.1, 8) == 8  # 0.9^8 = 0.43 > 0.1
+    assert pace.allowed(0.5, 8) == 6  # 0.9^6 = 0.53, 0.9^7 = 0.48
+    for _ in range(10):
+        pace.update(4, 0)
+    assert pace.rate < 0.1
+    decisions = [pace.allowed(0.5, 8) for _ in range(40)]
+    assert 0 < sum(decisions) <= 40 // MAX_PAUSE + 2 and set(decisions) <= {0, 1}
+    assert DraftPace.starting(0.05, 0.5).allowed(0.5, 8) == 0  # a new request on a losing load starts paused
+
+
+def test_step_costs_fit_the_fixed_and_per_row_parts():
+    from treeserve.engine.spec_decode.step_costs import DEFAULT_THRESHOLD, StepCosts
+
+    costs = StepCosts()
+    assert costs.keep_threshold(4) == DEFAULT_THRESHOLD
+    for rows in [1, 4, 16, 64] * 5:
+        costs.observe(rows, 0.010 + 0.001 * rows)
+    fixed, per_row = costs.fit()
+    assert fixed == pytest.approx(0.010) and per_row == pytest.approx(0.001)
+    assert costs.keep_threshold(1) == pytest.approx(0.001 / 0.011)
+    assert costs.keep_threshold(64) > 0.8 > costs.keep_threshold(8)
+
+
+def test_a_search_speculates_with_its_own_config_and_leaks_nothing(pair):
+    from treeserve import Runtime
+    from treeserve.search.config import SearchConfig, declared_aggregation
+    from treeserve.search.runner import SearchRunner
+
+    rt = Runtime(pair, dtype="float32", device="cpu", kv_cache_memory_bytes=16 << 20, max_model_len=256)
+    gen = rt.engine("gen")
+    base = dict(strategy="beam", n=4, beam_width=2, num_iterations=3, max_tokens=12, system_prompt=None, seed=3,
+                agg_strategy=declared_aggregation(pair["prm"]))
+    runner = SearchRunner(gen, rt.scorer("prm"))
+    plain = runner.run(["Add two and three."], SearchConfig(**base))[0]
+    assert gen.stats().spec_decode_num_drafts == 0  # off unless the search asks
+    greedy = SearchConfig(**base, temperature=0.0, speculative_config={"method": "suffix", "prompt_lookup_min": 1})
+    speculated = runner.run(["Add two and three."], greedy)[0]
+    reference = runner.run(["Add two and three."], SearchConfig(**base, temperature=0.0))[0]
+    assert speculated.completions == reference.completions  # greedy: the same text with or without drafts
+    assert gen.stats().spec_decode_num_drafts > 0
+    assert plain.completions
+    with pytest.raises(ParamError, match="speculative_config"):
+        SearchConfig(**base, speculative_config={"method": "medusa"})
+    assert gen.kv.num_blocks_in_use() == gen.retained.num_blocks()

@@ -19,7 +19,11 @@ SERVER_COUNTERS = {"generation_tokens": "generation_tokens_total", "prompt_token
                    "requests_finished": "request_success_total", "prefix_cache_queries": "prefix_cache_queries_total",
                    "prefix_cache_hits": "prefix_cache_hits_total", "preemptions": "num_preemptions_total",
                    "queue_time_sum_s": "request_queue_time_seconds_sum",
-                   "queue_time_count": "request_queue_time_seconds_count"}
+                   "queue_time_count": "request_queue_time_seconds_count",
+                   # speculative decoding (vLLM's names, treeserve's too)
+                   "spec_drafts": "spec_decode_num_drafts_total",
+                   "spec_draft_tokens": "spec_decode_num_draft_tokens_total",
+                   "spec_accepted_tokens": "spec_decode_num_accepted_tokens_total"}
 
 
 # ---- one request -------------------------------------------------------------------------------
@@ -119,7 +123,18 @@ def summarize(records: list[RequestRecord], slos: dict[str, float] | None = None
     if server:
         summary["server"] = server
         summary["queue_time_ms"] = server_queue_time_ms(server)
+        if server.get("spec_draft_tokens"):
+            summary["spec_decode"] = spec_decode_summary(server)
     return summary
+
+
+def spec_decode_summary(server: dict) -> dict:
+    """vLLM bench's speculation figures over the level: the share of draft tokens accepted, and the
+    mean tokens a verified draft gave (its accepted tokens plus the one sampled after them)."""
+    drafts, accepted = server.get("spec_drafts") or 0, server.get("spec_accepted_tokens") or 0
+    return {"acceptance_rate": accepted / server["spec_draft_tokens"],
+            "acceptance_length": 1 + accepted / drafts if drafts else None,
+            "drafts": drafts, "draft_tokens": server["spec_draft_tokens"], "accepted_tokens": accepted}
 
 
 def span(records: list[RequestRecord]) -> float:

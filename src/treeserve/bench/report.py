@@ -74,7 +74,10 @@ def render_level_line(level: dict, axis: str) -> str:
             f"{fmt(level['request_throughput'])} req/s, {fmt(level['output_throughput'])} out tok/s, "
             f"TTFT p50 {fmt(level['ttft_ms']['median'])} ms, TPOT p50 {fmt(level['tpot_ms']['median'])} ms, "
             f"E2EL p50 {fmt(level['e2el_ms']['median'])} ms"
-            + (f", goodput {fmt(level['goodput'])} req/s" if "goodput" in level else ""))
+            + (f", goodput {fmt(level['goodput'])} req/s" if "goodput" in level else "")
+            + (f", speculation: {level['spec_decode']['acceptance_rate']:.0%} of draft tokens accepted, "
+               f"{fmt(level['spec_decode']['acceptance_length'])} tokens per verified draft"
+               if level.get("spec_decode") else ""))
 
 
 def level_table(levels: list[dict], axis: str) -> list[str]:

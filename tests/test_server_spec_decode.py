@@ -1,0 +1,51 @@
+"""The server with `speculative_config` (what `--speculative-config` gives): the OpenAI conformance
+tests of test_server_openai run against it unchanged, drafts are verified while they run, and
+vLLM's spec-decode counters appear on /metrics."""
+import httpx
+import pytest
+
+from conftest import API_KEY, running_server, wait_idle
+from test_server_openai import *  # noqa: F401,F403  (the conformance tests, run here with speculation)
+from treeserve.bench.telemetry import parse_prometheus
+
+SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir):
+    """The tiny Llama served as 'tiny', speculating with n-gram drafts."""
+    from types import SimpleNamespace
+
+    from treeserve.server.launch import build_app
+
+    app = build_app(str(llama_dir), served_model_name="tiny", api_keys=[API_KEY], max_queue=1000, dtype="float32",
+                    device="cpu", kv_cache_memory_bytes=32 << 20, max_model_len=512, speculative_config=SPECULATIVE)
+    with running_server(app) as url:
+        yield SimpleNamespace(url=url, app=app, async_engine=app.state.engine, engine=app.state.engine.engine,
+                              key=API_KEY)
+
+
+def test_drafts_were_verified_and_counted_on_metrics(server):
+    before = parse_prometheus(httpx.get(f"{server.url}/metrics", headers=AUTH).text)
+    body = {"model": "tiny", "prompt": "one two three one two three one two", "max_tokens": 48, "temperature": 0,
+            "ignore_eos": True}
+    assert httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=60).status_code == 200
+    wait_idle(server.engine)
+    after = parse_prometheus(httpx.get(f"{server.url}/metrics", headers=AUTH).text)
+    label = '{model_name="tiny"}'
+    names = [f"treeserve:spec_decode_num_{what}_total{label}" for what in ("drafts", "draft_tokens", "accepted_tokens")]
+    drafts, draft_tokens, accepted = (after[n] - before.get(n, 0) for n in names)
+    assert drafts > 0 and draft_tokens >= drafts and 0 <= accepted <= draft_tokens
+    stats = server.engine.stats()
+    assert after[names[2]] == stats.spec_decode_num_accepted_tokens
+    per_position = {k: v for k, v in after.items() if k.startswith("treeserve:spec_decode_num_accepted_tokens_per_pos")}
+    assert sum(per_position.values()) == stats.spec_decode_num_accepted_tokens
+    assert server.engine.kv.num_blocks_in_use() == 0
+
+
+def test_a_bad_speculative_config_is_refused_by_name(llama_dir):
+    from treeserve.server.launch import build_app
+
+    with pytest.raises(ValueError, match="speculative_config: method 'eagle3' is not supported yet"):
+        build_app(str(llama_dir), dtype="float32", device="cpu", speculative_config={"method": "eagle3"})
