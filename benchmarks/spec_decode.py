@@ -93,12 +93,13 @@ def bundled(args) -> None:
 def search(args) -> None:
     rows = [p.row() for p in generate("test", args.problems, seed=0)]
     questions = [r["problem"] for r in rows]
-    config = SearchConfig(strategy="beam", n=16, beam_width=4, num_iterations=8, max_tokens=256, seed=0)
     runs: dict[str, list[float]] = {"none": [], "suffix": []}
     for _ in range(args.repeats):
         for name, spec in (("none", None), ("suffix", SUFFIX)):
+            config = SearchConfig(strategy="beam", n=16, beam_width=4, num_iterations=8, max_tokens=256, seed=0,
+                                  speculative_config=spec)
             rt = Runtime({"gen": "builtin:arith-gen", "prm": "builtin:arith-prm"}, device="cpu",
-                         kv_cache_memory_bytes=256 << 20, max_num_batched_tokens=4096, speculative_config=spec)
+                         kv_cache_memory_bytes=256 << 20, max_num_batched_tokens=4096)
             runner = SearchRunner(rt.engine("gen"), rt.scorer("prm"))
             start = time.perf_counter()
             results = runner.run(questions, config)

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from treeserve.cli_gateway import add_gateway_parsers
 from treeserve.cli_gateway import main as gateway_main
+from treeserve.cli_args import json_object
 from treeserve.lifecycle import exit_now, exit_on_signals, follow_parent
 
 
@@ -34,7 +34,7 @@ def _add_engine_args(parser: argparse.ArgumentParser, several_models: bool = Fal
     parser.add_argument("--quantization", "-q", help="int8: weight-only int8 made at load, on CPU; gptq, awq, "
                         "compressed-tensors: the checkpoint's own (default: what the checkpoint's "
                         "quantization_config says; none: the weights as stored)")
-    parser.add_argument("--speculative-config", type=_json_object, metavar="JSON",
+    parser.add_argument("--speculative-config", type=json_object, metavar="JSON",
                         help='speculative decoding, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4}\' (methods: ngram, suffix; "disable_by_batch_size": N turns it off '
                         'while N requests run)')
@@ -61,16 +61,6 @@ def _engine_options(args) -> dict:
                 enable_prefix_caching=not args.no_prefix_caching, attention_backend=args.attention_backend,
                 enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
                 quantization=args.quantization, speculative_config=args.speculative_config, **parallel_options(args))
-
-
-def _json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON ({exc})") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object")
-    return value
 
 
 def parallel_options(args) -> dict:

@@ -5,6 +5,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from treeserve.cli_args import json_object
 from treeserve.model.registry import DEFAULT_GENERATOR, DEFAULT_VERIFIER
 
 
@@ -44,6 +45,9 @@ def _add_search_args(parser: argparse.ArgumentParser) -> None:
                         "(default: the one the verifier's config.json names, else last)")
     parser.add_argument("--system-prompt", help="replaces Search-and-Learn's math system prompt ('' for none)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--speculative-config", type=json_object, metavar="JSON",
+                        help='speculative decoding of the samples, as vLLM\'s: \'{"method": "suffix"}\' drafts from '
+                        "the problem's sibling sequences (default: off; it measured slower at N=16 on the bundled pair)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", "-q", help="both models' weights: int8 (weight-only, made at load) or "
                         "the checkpoints' own scheme (default: as stored)")
@@ -60,7 +64,7 @@ def _config(args, strategy: str, n: int, rt):
     return SearchConfig(strategy=strategy, n=n, beam_width=min(args.beam_width, n), num_iterations=args.num_iterations,
                         lookahead=args.lookahead, temperature=args.temperature, top_p=args.top_p,
                         max_tokens=args.max_tokens, agg_strategy=agg_strategy, system_prompt=system,
-                        seed=args.seed)
+                        seed=args.seed, speculative_config=args.speculative_config)
 
 
 def _runtime(args):

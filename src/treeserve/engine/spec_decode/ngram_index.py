@@ -1,7 +1,8 @@
 """An index of the n-grams of some token sequences: for each n-gram, where its latest occurrence
 was followed (the sequence and the position after it). Sequences are indexed as they grow; a
 lookup takes the longest n-gram ending a sequence that occurred before, and the tokens after it
-are the draft."""
+are the draft. Where that occurrence is in the sequence itself, p tokens back, the text since is
+taken to repeat with period p (a loop, a list's pattern): the draft runs k tokens, not just p."""
 from __future__ import annotations
 
 
@@ -42,5 +43,8 @@ class NgramIndex:
             hit = self._latest.get(tuple(tokens[-n:]))
             if hit is not None:
                 sequence, end = hit
+                if sequence is tokens and end + k > len(tokens):  # a repeat within the sequence: it goes on
+                    period = len(tokens) - end
+                    return n, [tokens[end + j % period] for j in range(k)]
                 return n, sequence[end:end + k]
         return 0, []
