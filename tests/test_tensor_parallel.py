@@ -89,6 +89,17 @@ def test_two_ranks_give_one_ranks_tokens_and_logprobs(tp_models, name):
         assert isinstance(json.loads(constrained.text)["n"], int)
 
 
+def test_two_ranks_speculating_give_one_ranks_tokens_and_logprobs(tp_models):
+    """The drafts travel in the step to every rank; each rank runs their rows; rank 0 verifies."""
+    ref, _ = _generate(tp_models["llama3"])
+    speculating = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+    with LLM(str(tp_models["llama3"]), **OPTIONS, **TP2, speculative_config=speculating) as llm:
+        ours = llm.generate(PROMPTS, _params(), use_tqdm=False) + llm.generate(PROMPTS, _params(), use_tqdm=False)
+        assert llm.engine.stats().spec_decode_num_drafts > 0
+        assert_no_leak(llm.engine)
+    _assert_same(ours, ref)
+
+
 def test_a_runtime_searches_alike_at_two_ranks(tmp_path):
     steps = {"\n": 5.4, "<|eos|>": 0.5}
     pair = {"gen": str(make_tiny_model("llama", tmp_path / "gen", seed=5, favour_tokens=steps)),
