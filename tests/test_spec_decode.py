@@ -330,3 +330,25 @@ def test_a_search_speculates_with_its_own_config_and_leaks_nothing(pair):
     with pytest.raises(ParamError, match="speculative_config"):
         SearchConfig(**base, speculative_config={"method": "medusa"})
     assert gen.kv.num_blocks_in_use() == gen.retained.num_blocks()
+
+
+def test_constrained_outputs_check_drafts_against_the_grammar(llama_dir):
+    """Structured outputs: drafts are cut where the grammar refuses them, each verified row is masked
+    by the grammar after the drafts before it; greedy tokens equal those without speculation."""
+    from treeserve.sampling_params import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"}},
+              "required": ["n", "s"], "additionalProperties": False}
+    params = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema))
+    expected = _tokens(_llm(llama_dir), params=params)
+    llm = _llm(llama_dir, speculative_config=_spec(k=6))
+    drafts = ReferenceDrafts(PROMPTS, expected)
+    _install(llm, drafts)
+    assert _tokens(llm, params=params) == expected
+    stats = llm.engine.stats()
+    assert stats.spec_decode_num_accepted_tokens > stats.spec_decode_num_drafts  # whole drafts kept, masks and all
+    assert_no_leak(llm.engine)
+    refused = _llm(llama_dir, speculative_config=_spec(k=6))
+    _install(refused, FixedDraft(0))  # a token no JSON object starts with: never drafted, never verified
+    assert _tokens(refused, params=params) == expected
+    assert refused.engine.stats().spec_decode_num_drafts == 0

@@ -34,6 +34,7 @@ class StepInputs:
     in_flight_rows: list[tuple[int, str]] = field(default_factory=list)  # (row, request id): input token in flight
     # speculation: (request, the rows of its last known token and drafts, in order, its drafts)
     spec_rows: list[tuple[CachedRequestState, list[int], list[int]]] = field(default_factory=list)
+    spec_grammar_bitmasks: dict[str, torch.Tensor] = field(default_factory=dict)  # by request id
 
 
 @dataclass
@@ -140,7 +141,8 @@ class ModelRunner:
             return {}
         rows = [row for _, rows_of, _ in inputs.spec_rows for row in rows_of]
         logits = self.model.compute_logits(hidden[to_device(torch.tensor(rows), self.device)])
-        return rejection.verify(logits, [(state, drafts) for state, _, drafts in inputs.spec_rows])
+        return rejection.verify(logits, [(state, drafts) for state, _, drafts in inputs.spec_rows],
+                                inputs.spec_grammar_bitmasks)
 
     def _readouts(self, hidden: torch.Tensor, inputs: StepInputs) -> list[tuple[str, int, torch.Tensor]]:
         """Each readout row's logits (or the asked columns of them), copied to the host at once."""
@@ -174,6 +176,7 @@ class ModelRunner:
         inputs.positions = to_device(torch.cat(positions), self.device)
         inputs.meta = builder.build(to_device(torch.cat(slots), self.device))
         self._note_grammar(step, inputs)
+        inputs.spec_grammar_bitmasks = step.spec_grammar_bitmasks
         return inputs
 
     def _paged_prefill(self, state: CachedRequestState, count: int) -> bool:

@@ -36,6 +36,9 @@ class StepBuilder:
             step.scheduled.append((request.request_id, item.num_new_tokens))
             if item.num_draft_tokens:
                 step.spec_token_ids[request.request_id] = list(request.spec_token_ids)
+                if request.matcher is not None:
+                    step.spec_grammar_bitmasks[request.request_id] = structured_outputs.draft_bitmasks(
+                        request.matcher, request.spec_token_ids, self.vocab_size)
             self._describe(request, step)
         self._add_grammar_masks(sched, step)
         return step
@@ -64,8 +67,8 @@ class StepBuilder:
 
     def _add_grammar_masks(self, sched: SchedulerOutput, step: StepData) -> None:
         """The grammar's allowed tokens for each constrained request that samples this step."""
-        rows = [s.request for s in sched.scheduled
-                if s.request.matcher is not None and s.completes_sequence and not s.request.prefill_only]
+        rows = [s.request for s in sched.scheduled if s.request.matcher is not None and s.completes_sequence
+                and not s.request.prefill_only and not s.num_draft_tokens]
         if rows:
             step.grammar_req_ids = [r.request_id for r in rows]
             step.grammar_bitmask = structured_outputs.bitmask([r.matcher for r in rows], self.vocab_size)

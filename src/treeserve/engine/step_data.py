@@ -56,6 +56,8 @@ class StepData:
     grammar_bitmask: torch.Tensor | None = None
     # speculation: the draft tokens each request's step verifies (its scheduled count includes them)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # ... and for a constrained one, its grammar's bitmask at each of its k + 1 rows
+    spec_grammar_bitmasks: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

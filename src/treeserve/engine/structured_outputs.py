@@ -139,6 +139,24 @@ def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
+def draft_bitmasks(matcher: llguidance.LLMatcher, drafts: list[int], vocab_size: int) -> torch.Tensor:
+    """What the grammar allows at each position a draft is verified at: now, and after each of the
+    `drafts` (which it must accept: `valid_draft`); the matcher is left as it was."""
+    words = (vocab_size + 31) // 32
+    out = torch.full((len(drafts) + 1, words), -1, dtype=torch.int32)
+    fill_bitmask(matcher, out[0])
+    for i, token in enumerate(drafts, start=1):
+        matcher.consume_token(token)
+        fill_bitmask(matcher, out[i])
+    matcher.rollback(len(drafts))
+    return out
+
+
+def valid_draft(matcher: llguidance.LLMatcher, drafts: list[int]) -> list[int]:
+    """The longest start of `drafts` the grammar accepts from its state now."""
+    return drafts[:matcher.validate_tokens(drafts)] if drafts else drafts
+
+
 def advance(matcher: llguidance.LLMatcher, token_id: int) -> bool:
     """Feeds the sampled token to the grammar; True when the sequence must stop: the grammar is
     done, or (never expected, the mask forbade it) it rejected the token (logged)."""

@@ -9,28 +9,34 @@ the draft's probability removed, renormalized; after k kept drafts a bonus token
 the last row. Each emitted token then has exactly the model's distribution given the tokens
 before it: P(t) = p(d)[t = d] + (1 - p(d)) p(t) / (1 - p(d)) [t != d] = p(t).
 
-Logit bias, temperature, top-k, top-p and min-p apply per row as in the sampler; requests with
-penalties, a grammar or min_tokens still to reach get no drafts (engine/spec_decode/speculator.py).
+A grammar's mask (structured outputs: at each row, what the grammar allows after the drafts before
+it), logit bias, temperature, top-k, top-p and min-p apply per row as in the sampler; requests with
+penalties or min_tokens still to reach get no drafts (engine/spec_decode/speculator.py), and a
+constrained request's drafts stop where its grammar would refuse one.
 A seeded request draws from its own generator (its tokens are reproducible, though not those of a
 run without speculation)."""
 from __future__ import annotations
 
 import torch
 
+from treeserve.engine import structured_outputs
 from treeserve.engine.input_batch import CachedRequestState
 from treeserve.engine.sampler import Sampler, _filter, _inverse_transform, _on
 
 Emitted = list[tuple[int, dict | None]]
 
 
-def verify(logits: torch.Tensor, rows: list[tuple[CachedRequestState, list[int]]]) -> dict[str, Emitted]:
-    """`logits`: each request's k + 1 rows in `rows` order. Returns, per request id, the tokens
-    it emits with their logprobs (None unless asked for)."""
+def verify(logits: torch.Tensor, rows: list[tuple[CachedRequestState, list[int]]],
+           grammar_bitmasks: dict[str, torch.Tensor] | None = None) -> dict[str, Emitted]:
+    """`logits`: each request's k + 1 rows in `rows` order; `grammar_bitmasks`: a constrained
+    request's grammar at each of its rows (by request id). Returns, per request id, the tokens it
+    emits with their logprobs (None unless asked for)."""
     params = [state.sampling_params for state, drafts in rows for _ in range(len(drafts) + 1)]
     logits = logits.float()
     raw = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
-    Sampler._add_logit_bias(logits, params)
     firsts = _first_rows(rows)
+    _apply_grammars(logits, rows, firsts, grammar_bitmasks or {})
+    Sampler._add_logit_bias(logits, params)
     greedy = [i for i, (state, _) in enumerate(rows) if state.sampling_params.greedy]
     sampled = [i for i, (state, _) in enumerate(rows) if not state.sampling_params.greedy]
     tokens: list[list[int]] = [[] for _ in rows]
@@ -48,6 +54,16 @@ def verify(logits: torch.Tensor, rows: list[tuple[CachedRequestState, list[int]]
             (t, None if raw is None or wanted is None else _logprobs(raw[firsts[i] + j], t, wanted))
             for j, t in enumerate(tokens[i])]
     return emitted
+
+
+def _apply_grammars(logits, rows, firsts, bitmasks: dict[str, torch.Tensor]) -> None:
+    """What each constrained request's grammar forbids at each of its rows, masked out (as the
+    sampler masks a constrained row)."""
+    masked = [(firsts[i], bitmasks[state.request_id]) for i, (state, _) in enumerate(rows)
+              if state.request_id in bitmasks]
+    if masked:
+        indices = [first + j for first, mask in masked for j in range(mask.shape[0])]
+        structured_outputs.apply_bitmask(logits, indices, torch.cat([mask for _, mask in masked]))
 
 
 def _first_rows(rows) -> list[int]:

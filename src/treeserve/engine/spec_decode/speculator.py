@@ -6,6 +6,7 @@ A request speculates with the engine's `speculative_config` unless it brings its
 request speculates, nothing here runs."""
 from __future__ import annotations
 
+from treeserve.engine import structured_outputs
 from treeserve.engine.request import Request
 from treeserve.engine.spec_decode.pace import INITIAL_RATE, DraftPace, kept_rate
 from treeserve.engine.spec_decode.proposer import DraftProposer
@@ -53,7 +54,10 @@ class Speculator:
             threshold = DEFAULT_THRESHOLD if request.sampling_params.seed is not None else measured
             limit = config.disable_by_batch_size
             k = 0 if limit is not None and len(running) >= limit else self._room(request, config, threshold)
-            request.spec_token_ids = self._proposer(config).propose(request, k, threshold) if k > 0 else []
+            drafts = self._proposer(config).propose(request, k, threshold) if k > 0 else []
+            if drafts and request.matcher is not None:  # (structured outputs) what the grammar would accept
+                drafts = structured_outputs.valid_draft(request.matcher, drafts)
+            request.spec_token_ids = drafts
 
     def observe_step(self, rows: int, seconds: float) -> None:
         """A step's rows and how long it took (the cost model behind the drafts' length)."""
@@ -71,7 +75,7 @@ class Speculator:
         token alone uncomputed, none in flight) under plain sampling rules; no more than its pace
         (pace.py), max_tokens and the model's length allow (the step emits drafts + 1)."""
         params = request.sampling_params
-        if (request.prefill_only or request.num_in_flight or request.matcher is not None
+        if (request.prefill_only or request.num_in_flight
                 or request.num_computed_tokens != request.num_tokens - 1
                 or request.num_output_tokens < params.min_tokens
                 or params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1):
