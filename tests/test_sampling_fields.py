@@ -7,6 +7,7 @@ import pytest
 
 from treeserve.sampling_params import SamplingParams
 from treeserve.search.config import SearchConfig
+from treeserve.speculative_config import SpeculativeConfig
 from treeserve.wire.protocol import ChatCompletionRequest, CompletionRequest, SearchRequest
 from treeserve.wire.sampling_fields import AS_DECLARED, COMPUTED, MODEL_DEFAULTED, carried
 
@@ -78,10 +79,11 @@ def test_search_config_copies_every_search_field():
     from treeserve.server.serving_search import SERVER_CHOSEN, search_config
     values = {"strategy": "dvts", "n": 8, "num_iterations": 5, "lookahead": 1, "temperature": 0.3, "top_p": 0.7,
               "max_tokens": 64, "filter_duplicates": True, "sort_completed": True, "eos_sampling_at_max_depth": True,
-              "seed": 9}
+              "seed": 9, "speculative_config": {"method": "suffix", "num_speculative_tokens": 3}}
     assert set(values) == {f.name for f in dataclasses.fields(SearchConfig)} - set(SERVER_CHOSEN)
     config = search_config(SearchRequest(question="q", **values), "sys", "min")
-    assert {name: getattr(config, name) for name in values} == values
+    expected = values | {"speculative_config": SpeculativeConfig.of(values["speculative_config"])}  # validated
+    assert {name: getattr(config, name) for name in values} == expected
     assert (config.beam_width, config.agg_strategy, config.system_prompt) == (4, "min", "sys")
     chosen = search_config(SearchRequest(question="q", n=8, beam_width=2, agg_strategy="prod"), None)
     assert (chosen.beam_width, chosen.agg_strategy, chosen.system_prompt) == (2, "prod", None)

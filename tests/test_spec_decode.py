@@ -1,6 +1,7 @@
 """Speculative decoding keeps the model's outputs: greedy tokens (and logprobs) equal to decoding
 without it, with every proposer and family, chunked prefill, prefix-cache hits, preemption and
 n > 1; sampled tokens keep the model's distribution (chi-square); nothing leaks with aborts."""
+import math
 import random
 
 import pytest
@@ -160,7 +161,6 @@ def _top3(llm, prompt):
     """The model's top-3 next tokens and their probabilities renormalized over those three (top_k=3)."""
     out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=1, logprobs=3),
                        use_tqdm=False)[0].outputs[0].logprobs[0]
-    import math
     weights = {t: math.exp(lp.logprob) for t, lp in out.items() if lp.rank <= 3}
     total = sum(weights.values())
     return {t: w / total for t, w in weights.items()}

@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from treeserve.engine.request import Request
-from treeserve.speculative_config import SpeculativeConfig
 from treeserve.engine.spec_decode.continuation_counts import MIN_PATH_PROBABILITY, ContinuationCounts, draft
 from treeserve.engine.spec_decode.ngram_index import NgramIndex
+from treeserve.speculative_config import SpeculativeConfig
 
 MAX_GROUPS = 256  # draft groups whose index is kept (least recently used dropped first)
 MAX_GLOBAL_NGRAMS = 1 << 20  # `suffix`: the earlier outputs' index starts afresh beyond this many n-grams
