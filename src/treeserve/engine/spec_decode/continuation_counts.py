@@ -5,38 +5,22 @@ stays at or above a floor (Arctic's suffix decoding scores its suffix-tree paths
 vLLM's `suffix` method stops at `suffix_decoding_min_token_prob`)."""
 from __future__ import annotations
 
+from treeserve.engine.spec_decode.growing_index import GrowingIndex
+
 MIN_PATH_PROBABILITY = 0.1
 
 
-class ContinuationCounts:
-    def __init__(self, min_n: int, max_n: int):
-        self.min_n, self.max_n = min_n, max_n
-        self.next: dict[tuple[int, ...], dict[int, int]] = {}
-        self._indexed: dict[int, tuple[list[int], int]] = {}  # id(sequence) -> (sequence, counted up to)
+class ContinuationCounts(GrowingIndex):
+    """Per n-gram, how often each token followed it."""
 
-    def __len__(self) -> int:
-        return len(self.next)
-
-    def clear(self) -> None:
-        self.next.clear()
-        self._indexed.clear()
-
-    def extend(self, tokens: list[int], start: int = 1) -> None:
-        """Counts each token of `tokens` from `start` (or from where the last call for this list
-        stopped) after the n-grams before it. The list is held: it may keep growing."""
-        held = self._indexed.get(id(tokens))
-        begin = max(start, held[1] if held is not None and held[0] is tokens else 0, 1)
-        counted, min_n, max_n = self.next, self.min_n, self.max_n
-        for end in range(begin, len(tokens)):
-            token = tokens[end]
-            for n in range(min_n, min(max_n, end) + 1):
-                key = tuple(tokens[end - n:end])
-                counts = counted.get(key)
-                if counts is None:
-                    counted[key] = {token: 1}
-                else:
-                    counts[token] = counts.get(token, 0) + 1
-        self._indexed[id(tokens)] = (tokens, max(begin, len(tokens)))
+    def _take(self, tokens: list[int], end: int, keys: list[tuple[int, ...]]) -> None:
+        token, table = tokens[end], self.table
+        for key in keys:
+            counts = table.get(key)
+            if counts is None:
+                table[key] = {token: 1}
+            else:
+                counts[token] = counts.get(token, 0) + 1
 
 
 def draft(tables: list[ContinuationCounts], tokens: list[int], k: int,
@@ -67,7 +51,7 @@ def draft(tables: list[ContinuationCounts], tokens: list[int], k: int,
 def _longest(tables, context, min_n, max_n) -> dict[int, int] | None:
     for n in range(min(max_n, len(context)), min_n - 1, -1):
         key = tuple(context[-n:])
-        found = [t.next[key] for t in tables if key in t.next]
+        found = [t.table[key] for t in tables if key in t.table]
         if not found:
             continue
         if len(found) == 1:
