@@ -176,7 +176,8 @@ def test_sampled_tokens_keep_the_models_distribution(llama_dir):
     plain = _llm(llama_dir)
     expected = {(): 1.0}
     for _ in range(3):
-        expected = {seq + (t,): p * q for seq, p in expected.items() for t, q in _top3(plain, prompt + list(seq)).items()}
+        expected = {seq + (t,): p * q for seq, p in expected.items()
+                    for t, q in _top3(plain, prompt + list(seq)).items()}
     second = _top3(plain, prompt + [max(_top3(plain, prompt).items(), key=lambda kv: kv[1])[0]])
     draft = sorted(second, key=second.get)[1]
     llm = _llm(llama_dir, max_num_seqs=256, speculative_config=_spec(k=1))

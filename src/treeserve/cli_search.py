@@ -47,7 +47,8 @@ def _add_search_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--speculative-config", type=json_object, metavar="JSON",
                         help='speculative decoding of the samples, as vLLM\'s: \'{"method": "suffix"}\' drafts from '
-                        "the problem's sibling sequences (default: off; it measured slower at N=16 on the bundled pair)")
+                        "the problem's sibling sequences (default: off; it measured slower at N=16 on the "
+                        "bundled pair)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", "-q", help="both models' weights: int8 (weight-only, made at load) or "
                         "the checkpoints' own scheme (default: as stored)")

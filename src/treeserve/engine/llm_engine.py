@@ -163,7 +163,8 @@ class LLMEngine:
         With `logits_positions` it is prefill-only and returns those positions' logits (only the
         `readout_token_ids` columns, if given). `speculative_config`: the engine's (by default), the
         request's own (vLLM's dict) or None (no speculation); `draft_group`: with `suffix`
-        speculation, its drafts come from every sequence of this group too (a search problem's). `keep_kv` keeps its KV blocks after it finishes,
+        speculation, its drafts come from every sequence of this group too (a search problem's).
+        `keep_kv` keeps its KV blocks after it finishes,
         under its request id, until `release_kv`; `parent_id` names such a kept sequence whose
         tokens this prompt extends, so that only the new tokens are computed.
         """
