@@ -2,8 +2,9 @@
 
 Sections (`--sections`, default all):
 - `bundled`: the bundled generator (builtin:arith-gen, dtype auto), greedy chat answers to the
-  arithmetic task's test questions, one at a time (batch 1) and 16 at once; no speculation, `ngram`
-  and `suffix`. The configurations alternate, `--repeats` times after a warm-up of 8 questions (a
+  arithmetic task's test questions, one at a time (batch 1) and 16 at once; no speculation, `ngram`,
+  `suffix` and `draft_model` (the generator's own first layer as the draft: a smaller model with its
+  tokenizer, untrained as a draft). The configurations alternate, `--repeats` times after a warm-up of 8 questions (a
   `suffix` engine has then seen earlier answers, as a serving engine has); every configuration's
   tokens are checked equal to those without speculation.
 - `search`: beam search N=16 (width 4, 8 iterations) with the bundled pair on `--problems` test
@@ -14,7 +15,8 @@ Sections (`--sections`, default all):
   requests in flight; treeserve and vLLM CPU (`--peers vllm`, its virtualenv from
   `benchmarks/peers.py --setup`), each without and with `ngram` speculation, every engine in a fresh
   process (`benchmarks/peer_worker.py`), passes alternating. A random model does not continue the
-  quote: its greedy text falls into cycles, which is what prompt lookup drafts from here.
+  quote: its greedy text falls into cycles, which is what prompt lookup drafts from here. Also
+  treeserve with `draft_model` (the random model's first layer as the draft).
 
 Prints tokens/s (or problems/s), acceptance (accepted / draft tokens) and each configuration's
 ratio to no speculation (median of the back-to-back pairs' ratios).
@@ -27,16 +29,19 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from peers import PEERS, TREESERVE, PeerUnavailable, run_worker
 
 from treeserve import LLM, Runtime, SamplingParams
 from treeserve.bench.offline import LONG_PROMPT_SHAPE, long_prompt_model_dir
+from treeserve.model.registry import resolve_model_path
 from treeserve.search.config import SearchConfig
 from treeserve.search.grading import grade
 from treeserve.search.runner import SearchRunner
@@ -44,8 +49,27 @@ from treeserve.tasks.arithmetic import generate
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 16, "prompt_lookup_max": 8, "prompt_lookup_min": 1}
-BUNDLED = {"none": None, "ngram": NGRAM, "suffix": SUFFIX}
 WARM_QUESTIONS = 8
+DRAFT_LAYERS = 1  # `draft_model`: the target's first layers, its embeddings, norm and head
+
+
+def first_layers(source: Path, dest: Path, layers: int = DRAFT_LAYERS) -> Path:
+    """A copy of a single-file Llama checkpoint keeping only its first `layers` decoder layers: a
+    smaller model with the target's tokenizer (a self-speculative draft without training)."""
+    shutil.rmtree(dest, ignore_errors=True)
+    shutil.copytree(source, dest)
+    config = json.loads((dest / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    (dest / "config.json").write_text(json.dumps(config))
+    weights = load_file(dest / "model.safetensors")
+    kept = {k: v for k, v in weights.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+    save_file(kept, dest / "model.safetensors", metadata={"format": "pt"})
+    return dest
+
+
+def draft_config(source: Path, out: Path) -> dict:
+    return {"method": "draft_model", "num_speculative_tokens": 4,
+            "model": str(first_layers(source, out / f"{source.name}-draft"))}
 
 
 def median_ratios(runs: dict[str, list[float]], base: str = "none") -> dict[str, float]:
@@ -62,7 +86,9 @@ def bundled(args) -> None:
     rows = [p.row() for p in generate("test", WARM_QUESTIONS + args.questions, seed=0)]
     chats = [[{"role": "user", "content": r["problem"]}] for r in rows]
     params = SamplingParams(temperature=0, max_tokens=256)
-    engines = {name: LLM("builtin:arith-gen", speculative_config=spec) for name, spec in BUNDLED.items()}
+    configs = {"none": None, "ngram": NGRAM, "suffix": SUFFIX,
+               "draft": draft_config(resolve_model_path("builtin:arith-gen"), args.out)}
+    engines = {name: LLM("builtin:arith-gen", speculative_config=spec) for name, spec in configs.items()}
     for llm in engines.values():
         for chat in chats[:WARM_QUESTIONS]:
             llm.chat([chat], params, use_tqdm=False)
@@ -136,20 +162,20 @@ def decode_tok_s(job: dict) -> float:
 def copy(args) -> None:
     model = long_prompt_model_dir()
     jobs = copy_jobs(args.concurrency, 0, LONG_PROMPT_SHAPE["vocab_size"])
-    arms = [(TREESERVE, None), (TREESERVE, NGRAM)]
+    arms = [(TREESERVE, "none", None), (TREESERVE, "ngram", NGRAM), (TREESERVE, "draft", draft_config(model, args.out))]
     pythons = {"treeserve": sys.executable}
     for name in args.peers:
         try:
             pythons[name] = PEERS[name].python(setup=False)
-            arms += [(PEERS[name], None), (PEERS[name], NGRAM)]
+            arms += [(PEERS[name], "none", None), (PEERS[name], "ngram", NGRAM)]
         except PeerUnavailable as exc:
             print(f"copy: {name} skipped: {exc}")
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, list[dict]] = {}
     for number in range(args.passes):
         order = arms if number % 2 == 0 else arms[::-1]
-        for peer, spec in order:
-            label = f"{peer.name} {'ngram' if spec else 'none'}"
+        for peer, method, spec in order:
+            label = f"{peer.name} {method}"
             options = ["--max-model-len", "1024", "--kv-gib", "2"]
             if spec:
                 options += ["--speculative-config", json.dumps(spec)]
@@ -165,12 +191,12 @@ def copy(args) -> None:
                         if last.get("spec_draft_tokens") else "")
             print(f"copy pass {number + 1} {label:16s} decode tok/s: {figures}{accepted}", flush=True)
     (args.out / "copy.json").write_text(json.dumps(results))
-    for peer in {p.name for p, _ in arms}:
-        base, spec = results.get(f"{peer} none", []), results.get(f"{peer} ngram", [])
-        for i, concurrency in enumerate(args.concurrency):
+    for peer, method, _ in arms:
+        base, spec = results.get(f"{peer.name} none", []), results.get(f"{peer.name} {method}", [])
+        for i, concurrency in enumerate(args.concurrency if method != "none" else ()):
             ratios = [decode_tok_s(s["jobs"][i]) / decode_tok_s(b["jobs"][i]) for b, s in zip(base, spec)]
             if ratios:
-                print(f"copy {peer:9s} x{concurrency:<3d} ngram / none: {statistics.median(ratios):.2f}x "
+                print(f"copy {peer.name:9s} x{concurrency:<3d} {method} / none: {statistics.median(ratios):.2f}x "
                       f"(median of {len(ratios)} pass(es))")
     if "vllm ngram" in results and "treeserve ngram" in results:
         for i, concurrency in enumerate(args.concurrency):

@@ -8,19 +8,21 @@ from conftest import API_KEY, running_server, wait_idle
 from test_server_openai import *  # noqa: F401,F403  (the conformance tests, run here with speculation)
 from treeserve.bench.telemetry import parse_prometheus
 
-SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
-@pytest.fixture(scope="module")
-def server(llama_dir):
-    """The tiny Llama served as 'tiny', speculating with n-gram drafts."""
+@pytest.fixture(scope="module", params=["ngram", "draft_model"])
+def server(llama_dir, request):
+    """The tiny Llama served as 'tiny', speculating with n-gram drafts, then with a draft model
+    (itself: every draft kept, so whole drafts run through each route)."""
     from types import SimpleNamespace
 
     from treeserve.server.launch import build_app
 
+    speculative = NGRAM if request.param == "ngram" else {"method": "draft_model", "model": str(llama_dir)}
     app = build_app(str(llama_dir), served_model_name="tiny", api_keys=[API_KEY], max_queue=1000, dtype="float32",
-                    device="cpu", kv_cache_memory_bytes=32 << 20, max_model_len=512, speculative_config=SPECULATIVE)
+                    device="cpu", kv_cache_memory_bytes=32 << 20, max_model_len=512, speculative_config=speculative)
     with running_server(app) as url:
         yield SimpleNamespace(url=url, app=app, async_engine=app.state.engine, engine=app.state.engine.engine,
                               key=API_KEY)
@@ -42,6 +44,7 @@ def test_drafts_were_verified_and_counted_on_metrics(server):
     per_position = {k: v for k, v in after.items() if k.startswith("treeserve:spec_decode_num_accepted_tokens_per_pos")}
     assert sum(per_position.values()) == stats.spec_decode_num_accepted_tokens
     assert server.engine.kv.num_blocks_in_use() == 0
+    assert server.engine.kv.pool.num_free == server.engine.kv.pool.num_blocks  # the draft model's KV too
 
 
 def test_a_bad_speculative_config_is_refused_by_name(llama_dir):
@@ -49,3 +52,12 @@ def test_a_bad_speculative_config_is_refused_by_name(llama_dir):
 
     with pytest.raises(ValueError, match="speculative_config: method 'eagle3' is not supported yet"):
         build_app(str(llama_dir), dtype="float32", device="cpu", speculative_config={"method": "eagle3"})
+
+
+def test_a_search_may_not_make_the_server_load_a_draft_model(server, tmp_path):
+    body = {"model": "tiny", "question": "Add two and three.", "strategy": "greedy", "max_tokens": 4,
+            "speculative_config": {"method": "draft_model", "model": str(tmp_path)}}
+    reply = httpx.post(f"{server.url}/v1/search", json=body, headers=AUTH, timeout=60)
+    assert reply.status_code == 400, reply.text
+    assert "may not load a model" in reply.json()["error"]["message"]
+    assert reply.json()["error"]["param"] == "speculative_config"

@@ -10,6 +10,7 @@ import torch
 from conftest import assert_no_leak
 from treeserve import LLM, SamplingParams
 from treeserve.engine.model_runner import kv_bytes_per_block
+from treeserve.engine.spec_decode.proposer import PerRequestProposer
 from treeserve.errors import ParamError
 from treeserve.speculative_config import SpeculativeConfig
 from treeserve.testing.tiny_models import FAMILIES
@@ -31,7 +32,7 @@ def _tokens(llm, prompts=PROMPTS, params=GREEDY):
                                                                    use_tqdm=False)]
 
 
-class ReferenceDrafts:
+class ReferenceDrafts(PerRequestProposer):
     """A proposer that knows the greedy reference continuation and spoils every third draft token:
     drafts are accepted, rejected mid-way and fully accepted, so the KV of kept drafts is read by
     later steps (a test double for where drafts come from; the verification is the engine's)."""
@@ -39,9 +40,6 @@ class ReferenceDrafts:
     def __init__(self, prompts, reference):
         self.by_prompt = {tuple(p): out[0] for p, out in zip(prompts, reference)}
         self.calls = 0
-
-    def retain(self, running):
-        pass
 
     def propose(self, request, k, threshold):
         self.calls += 1
@@ -146,12 +144,9 @@ def test_max_tokens_and_stop_tokens_end_inside_a_draft(llama_dir, reference):
     assert_no_leak(llm.engine)
 
 
-class FixedDraft:
+class FixedDraft(PerRequestProposer):
     def __init__(self, token):
         self.token = token
-
-    def retain(self, running):
-        pass
 
     def propose(self, request, k, threshold):
         return [self.token][:k]
@@ -241,6 +236,11 @@ def test_no_block_leaks_after_a_thousand_speculative_requests_with_aborts(llama_
 def test_speculative_config_errors_name_the_problem():
     with pytest.raises(ParamError, match="not supported yet"):
         SpeculativeConfig.of({"method": "eagle3"})
+    with pytest.raises(ParamError, match="needs a 'model'"):
+        SpeculativeConfig.of({"method": "draft_model"})
+    with pytest.raises(ParamError, match="takes no 'model'"):
+        SpeculativeConfig.of({"method": "ngram", "model": "x"})
+    assert SpeculativeConfig.of({"model": "x"}).method == "draft_model"  # vLLM's reading of a bare model
     with pytest.raises(ParamError, match="unknown key"):
         SpeculativeConfig.of({"method": "ngram", "num_spec_tokens": 3})
     with pytest.raises(ParamError, match="num_speculative_tokens"):

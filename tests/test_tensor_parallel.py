@@ -89,10 +89,13 @@ def test_two_ranks_give_one_ranks_tokens_and_logprobs(tp_models, name):
         assert isinstance(json.loads(constrained.text)["n"], int)
 
 
-def test_two_ranks_speculating_give_one_ranks_tokens_and_logprobs(tp_models):
-    """The drafts travel in the step to every rank; each rank runs their rows; rank 0 verifies."""
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_two_ranks_speculating_give_one_ranks_tokens_and_logprobs(tp_models, method):
+    """The drafts travel in the step to every rank; each rank runs their rows; rank 0 verifies.
+    A draft model runs whole on rank 0 (here the target itself, unsharded), its KV in rank 0's pages."""
     ref, _ = _generate(tp_models["llama3"])
-    speculating = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+    speculating = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1} if method == "ngram" \
+        else {"method": "draft_model", "model": str(tp_models["llama3"]), "num_speculative_tokens": 4}
     with LLM(str(tp_models["llama3"]), **OPTIONS, **TP2, speculative_config=speculating) as llm:
         ours = llm.generate(PROMPTS, _params(), use_tqdm=False) + llm.generate(PROMPTS, _params(), use_tqdm=False)
         assert llm.engine.stats().spec_decode_num_drafts > 0

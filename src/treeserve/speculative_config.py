@@ -5,9 +5,10 @@ from dataclasses import dataclass, fields
 
 from treeserve.errors import ParamError
 
-METHODS = ("ngram", "suffix")
+METHODS = ("ngram", "suffix", "draft_model")
+MODEL_METHODS = ("draft_model",)  # the methods that load a `model` of their own
 # vLLM's other methods: named, refused with a clear message until they are built
-NOT_YET = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
+NOT_YET = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -25,6 +26,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     disable_by_batch_size: int | None = None
+    model: str | None = None  # `draft_model`: the draft checkpoint (a folder or a `builtin:` name)
 
     def __post_init__(self) -> None:
         if self.method in NOT_YET:
@@ -32,6 +34,11 @@ class SpeculativeConfig:
                              f"(supported: {', '.join(METHODS)})")
         if self.method not in METHODS:
             raise ParamError("speculative_config", f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.method in MODEL_METHODS and not (isinstance(self.model, str) and self.model):
+            raise ParamError("speculative_config", f"method {self.method!r} needs a 'model' (the draft checkpoint)")
+        if self.method not in MODEL_METHODS and self.model is not None:
+            raise ParamError("speculative_config", f"method {self.method!r} takes no 'model' "
+                             f"(a draft checkpoint is method 'draft_model')")
         _int_in("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
         _int_in("prompt_lookup_min", self.prompt_lookup_min, 1, 64)
         _int_in("prompt_lookup_max", self.prompt_lookup_max, self.prompt_lookup_min, 64)
@@ -50,6 +57,8 @@ class SpeculativeConfig:
         if unknown:
             raise ParamError("speculative_config", f"unknown key(s) {', '.join(map(repr, unknown))} "
                              f"(known: {', '.join(sorted(known))})")
+        if "method" not in value and "model" in value:  # vLLM's reading of a bare draft model
+            value = {**value, "method": "draft_model"}
         if "method" not in value:
             raise ParamError("speculative_config", "needs a 'method' (one of " + ", ".join(METHODS) + ")")
         return cls(**value)

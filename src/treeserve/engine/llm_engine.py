@@ -21,6 +21,7 @@ from treeserve.engine.output_processor import OutputProcessor
 from treeserve.engine.request_groups import RequestGroups
 from treeserve.engine.request_intake import RequestIntake
 from treeserve.engine.scheduler import Scheduler
+from treeserve.engine.spec_decode.draft_model import DraftModelProposer
 from treeserve.engine.spec_decode.speculator import ENGINE_DEFAULT, Speculator
 from treeserve.engine.step_builder import StepBuilder
 from treeserve.engine.step_pipeline import StepPipeline
@@ -65,7 +66,8 @@ class LLMEngine:
         self.intake = RequestIntake(loaded, self.scheduler, self.kv, self._groups, self.retained, self.structured,
                                     processor.decode)
         self.guard = WorkersGuard(self.executor)
-        self.speculator = Speculator(self.config.speculative_config, self.max_model_len)
+        self.speculator = Speculator(None if scratch else self.config.speculative_config, self.max_model_len,
+                                     load_draft=lambda config: DraftModelProposer(config, loaded, kv_space))
         self.pipeline = StepPipeline(self.scheduler, self.kv, self.steps, self.runner, self._groups, self.outputs,
                                      self.retained, self.guard, async_scheduling, self._step_sender(),
                                      self.speculator)
@@ -179,6 +181,7 @@ class LLMEngine:
         for request in group.members():
             self.scheduler.finish(request, "abort")
         self.pipeline.drop_unwanted_in_flight()
+        self.speculator.retain(self.scheduler.running)
 
     def has_unfinished_requests(self) -> bool:
         return self.pipeline.busy
@@ -198,8 +201,9 @@ class LLMEngine:
         return self.kv.pool.reset_prefix_cache()
 
     def reclaim_one(self) -> bool:
-        """Releases this engine's least recently used kept sequence; False when it keeps none."""
-        return self.retained.release_oldest()
+        """Frees blocks the engine can do without: its draft model's KV (speculation) first, else
+        its least recently used kept sequence; False when it holds neither."""
+        return self.speculator.release_kv() or self.retained.release_oldest()
 
     # ---- stepping -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -111,7 +111,12 @@ def load_model(config: EngineConfig, name: str = "", executor=None) -> LoadedMod
     """Reads the checkpoint's config, tokenizer and defaults and builds the model on its device.
     `executor`: the tensor-parallel workers this model joins (a `Runtime`'s, shared by its models);
     with tensor_parallel_size > 1 and none given, it starts its own (stopped again if loading fails)."""
-    loaded = _describe(config, name, executor)
+    return load_weights(describe_model(config, name, executor))
+
+
+def load_weights(loaded: LoadedModel) -> LoadedModel:
+    """Builds a described model's weights (and attention backend) on its device."""
+    config = loaded.config
     torch.manual_seed(config.seed)
     try:
         loaded.model = build_model(loaded.model_dir, loaded.model_config, loaded.dtype, loaded.device,
@@ -125,7 +130,8 @@ def load_model(config: EngineConfig, name: str = "", executor=None) -> LoadedMod
     return loaded
 
 
-def _describe(config: EngineConfig, name: str, executor) -> LoadedModel:
+def describe_model(config: EngineConfig, name: str = "", executor=None) -> LoadedModel:
+    """What a checkpoint is (config, tokenizer, defaults, limits, device and dtype), no weights yet."""
     model_dir = resolve_model_path(config.model)
     model_config = load_model_config(model_dir)
     tokenizer = load_tokenizer(resolve_model_path(config.tokenizer) if config.tokenizer else model_dir)

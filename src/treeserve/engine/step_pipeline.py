@@ -71,6 +71,7 @@ class StepPipeline:
         outputs = self._wait_and_apply(sched, launched, advanced=False)
         if self.speculator is not None:
             self.speculator.observe_step(sched.num_tokens, time.perf_counter() - started)
+            self.speculator.retain(self.scheduler.running)  # (draft KV of requests that ended goes at once)
         return earlier + outputs
 
     def drop_unwanted_in_flight(self) -> None:

@@ -7,6 +7,8 @@ split needs tuning.
 """
 from __future__ import annotations
 
+import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ from treeserve.engine.kv_arena import aligned, fitted_page_bytes
 from treeserve.engine.kv_space import KVSpace
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.engine.loaded_model import LoadedModel, load_model
+from treeserve.engine.spec_decode.draft_model import draft_tokenizer, shares_tokenizer
 from treeserve.engine.tp_start import start_executor
 from treeserve.engine.memory import available_host_bytes
 from treeserve.entrypoints.llm import LLM
@@ -28,6 +31,8 @@ from treeserve.runtime.memory import (MemoryBreakdown, measure_activation_bytes,
 from treeserve.runtime.prm_recipes import declared_recipe
 from treeserve.runtime.scorer import StepScorer
 from treeserve.runtime.telemetry import TelemetryTrace
+
+logger = logging.getLogger(__name__)
 
 KV_MODES = ("shared", "static")
 
@@ -50,6 +55,7 @@ class Runtime:
         try:  # anything failing from here stops the tensor-parallel workers it started
             loaded = {name: given[name] if name in given else load_model(configs[name], name, self.executor)
                       for name in models}
+            _drafts_for_their_tokenizer(loaded)
             self.memory = self._account(loaded, kv_cache_memory_bytes, memory_utilization)
             if kv_mode == "shared":
                 self.engines = self._build_shared(loaded)
@@ -197,3 +203,21 @@ def _fractions(given: dict[str, float] | None, names: list[str]) -> dict[str, fl
         raise ParamError("kv_fractions", f"each must be in (0, 1) and they must sum to at most 1, got {given}")
     return dict(given)
 
+
+def _drafts_for_their_tokenizer(loaded: dict[str, LoadedModel]) -> None:
+    """A draft model (`speculative_config`) drafts for the models with its tokenizer (a search's
+    generator); the others (a PRM of another family) decode without one, said in the log. No model
+    with its tokenizer is an error (from the first engine)."""
+    configs = {m.config.speculative_config for m in loaded.values()}
+    for config in configs:
+        if config is None or config.model is None:
+            continue
+        tokenizer = draft_tokenizer(config)
+        users = [m for m in loaded.values() if m.config.speculative_config == config]
+        others = [m for m in users if not shares_tokenizer(tokenizer, m)]
+        if len(others) == len(users):
+            continue  # (the first engine names the mismatch)
+        for model in others:
+            logger.warning("speculative_config: the draft model %s has another tokenizer than %s, which decodes "
+                           "without speculation", config.model, model.model_key)
+            model.config = replace(model.config, speculative_config=None)

@@ -103,6 +103,10 @@ class SearchServing:
         scorer = self.scorers.get(body.verifier) if body.verifier is not None else None
         aggregation = self.aggregations[body.verifier] if scorer else DEFAULT_AGG_STRATEGY
         config = search_config(body, system, aggregation)
+        try:
+            self.runner.generator.speculator.check(config.speculative_config)
+        except ValueError as exc:
+            raise from_value_error(exc) from exc
         if not config.uses_verifier:
             return None, config
         if scorer is None:

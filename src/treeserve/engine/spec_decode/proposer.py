@@ -9,13 +9,35 @@ from collections import OrderedDict
 from treeserve.engine.request import Request
 from treeserve.engine.spec_decode.continuation_counts import MIN_PATH_PROBABILITY, ContinuationCounts, draft
 from treeserve.engine.spec_decode.ngram_index import NgramIndex
+from treeserve.engine.spec_decode.step_costs import PassCosts
 from treeserve.speculative_config import SpeculativeConfig
 
 MAX_GROUPS = 256  # draft groups whose index is kept (least recently used dropped first)
 MAX_GLOBAL_NGRAMS = 1 << 20  # `suffix`: the earlier outputs' index starts afresh beyond this many n-grams
 
 
-class DraftProposer:
+class PerRequestProposer:
+    """A proposer that drafts for one request at a time (the Speculator asks for a step's drafts at
+    once: `propose_all`), holds no KV (`release` frees nothing) and runs no passes of its own
+    (`pass_costs` stays unmeasured)."""
+
+    pass_costs = PassCosts()
+
+    def propose_all(self, wanted: list[tuple[Request, int, float]]) -> list[list[int]]:
+        """Each (request, k, threshold)'s draft, in order."""
+        return [self.propose(request, k, threshold) for request, k, threshold in wanted]
+
+    def propose(self, request: Request, k: int, threshold: float) -> list[int]:
+        raise NotImplementedError
+
+    def retain(self, running: list[Request]) -> None:
+        pass
+
+    def release(self) -> bool:
+        return False
+
+
+class DraftProposer(PerRequestProposer):
     def __init__(self, config: SpeculativeConfig):
         self.config = config
         self._indexes: OrderedDict[str, NgramIndex | ContinuationCounts] = OrderedDict()

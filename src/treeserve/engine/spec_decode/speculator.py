@@ -6,36 +6,55 @@ A request speculates with the engine's `speculative_config` unless it brings its
 request speculates, nothing here runs."""
 from __future__ import annotations
 
+from typing import Callable
+
 from treeserve.engine import structured_outputs
 from treeserve.engine.request import Request
 from treeserve.engine.spec_decode.pace import INITIAL_RATE, DraftPace, kept_rate
-from treeserve.engine.spec_decode.proposer import DraftProposer
+from treeserve.engine.spec_decode.proposer import DraftProposer, PerRequestProposer
 from treeserve.engine.spec_decode.step_costs import DEFAULT_THRESHOLD, StepCosts
-from treeserve.speculative_config import SpeculativeConfig
+from treeserve.errors import ParamError
+from treeserve.speculative_config import MODEL_METHODS, SpeculativeConfig
 
 ENGINE_DEFAULT = "engine"  # `add_request(speculative_config=...)`'s default: the engine's configuration
 RATE_WEIGHT = 0.02  # of one verification in the engine-wide rate
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig | None, max_model_len: int):
+    """`load_draft(config)`: the proposer of a configuration that loads a model (`draft_model`),
+    made at once for the engine's own configuration (a bad draft checkpoint fails the start)."""
+
+    def __init__(self, config: SpeculativeConfig | None, max_model_len: int,
+                 load_draft: Callable[[SpeculativeConfig], PerRequestProposer] | None = None):
         self.config, self.max_model_len = config, max_model_len  # `config`: the engine's (None: off)
         self.active = config is not None  # whether any request may speculate
-        self.proposers: dict[SpeculativeConfig, DraftProposer] = {}
+        self.load_draft = load_draft
+        self.proposers: dict[SpeculativeConfig, PerRequestProposer] = {}
         self.costs = StepCosts()
         self.rate = INITIAL_RATE  # the chance a draft token is kept, over recent drafts of every request
         self.num_drafts = 0           # verified drafts (one per request and step that had any)
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_position: list[int] = []
+        if config is not None:
+            self._proposer(config)
 
     def config_for(self, requested) -> SpeculativeConfig | None:
         """What a new request speculates with: the engine's (ENGINE_DEFAULT), its own (a dict or
         SpeculativeConfig), or nothing (None)."""
         if isinstance(requested, str) and requested == ENGINE_DEFAULT:
             return self.config
-        config = SpeculativeConfig.of(requested)
+        config = self.check(requested)
         self.active |= config is not None
+        return config
+
+    def check(self, requested) -> SpeculativeConfig | None:
+        """A request's own configuration, validated: one that loads a model must be the engine's
+        (a request never makes the server load a checkpoint)."""
+        config = SpeculativeConfig.of(requested)
+        if config is not None and config.method in MODEL_METHODS and config != self.config:
+            raise ParamError("speculative_config", f"a request may not load a model ({config.method!r}): only the "
+                             "engine's own configuration, set when it starts (--speculative-config), drafts with one")
         return config
 
     def propose(self, running: list[Request]) -> None:
@@ -43,31 +62,55 @@ class Speculator:
         `disable_by_batch_size` requests run, or for a request that may not take them)."""
         if not self.active:
             return
-        for proposer in self.proposers.values():
-            proposer.retain(running)
+        self.retain(running)
         measured = self.costs.keep_threshold(len(running))
+        token_seconds = self.costs.token_seconds(len(running))
+        wanted: dict[SpeculativeConfig, list[tuple[Request, int, float]]] = {}
         for request in running:
             config = request.speculative_config
             if config is None:
                 continue
+            request.spec_token_ids = []
             # a seeded request's drafts must not hang on timings: its samples follow from its seed and inputs
-            threshold = DEFAULT_THRESHOLD if request.sampling_params.seed is not None else measured
+            threshold = DEFAULT_THRESHOLD if request.sampling_params.seed is not None else \
+                measured + self._proposer(config).pass_costs.share_of(token_seconds)
             limit = config.disable_by_batch_size
-            k = 0 if limit is not None and len(running) >= limit else self._room(request, config, threshold)
-            drafts = self._proposer(config).propose(request, k, threshold) if k > 0 else []
-            if drafts and request.matcher is not None:  # (structured outputs) what the grammar would accept
-                drafts = structured_outputs.valid_draft(request.matcher, drafts)
-            request.spec_token_ids = drafts
+            if (limit is not None and len(running) >= limit) or threshold >= 1:
+                continue  # (a threshold of 1: not even a sure draft token pays for its row and passes)
+            k = self._room(request, config, threshold)
+            if k > 0:
+                wanted.setdefault(config, []).append((request, k, threshold))
+        for config, items in wanted.items():
+            for (request, _, _), drafts in zip(items, self._proposer(config).propose_all(items)):
+                if drafts and request.matcher is not None:  # (structured outputs) what the grammar would accept
+                    drafts = structured_outputs.valid_draft(request.matcher, drafts)
+                request.spec_token_ids = drafts
+
+    def retain(self, running: list[Request]) -> None:
+        """What the proposers hold for requests no longer running goes (draft KV: at once)."""
+        for proposer in self.proposers.values():
+            proposer.retain(running)
+
+    def release_kv(self) -> bool:
+        """Every proposer's draft KV back to the pool (the scheduler runs short); whether any was held."""
+        return any([proposer.release() for proposer in self.proposers.values()])
 
     def observe_step(self, rows: int, seconds: float) -> None:
         """A step's rows and how long it took (the cost model behind the drafts' length)."""
         if self.active:
             self.costs.observe(rows, seconds)
 
-    def _proposer(self, config: SpeculativeConfig) -> DraftProposer:
+    def _proposer(self, config: SpeculativeConfig) -> PerRequestProposer:
         proposer = self.proposers.get(config)
         if proposer is None:
-            proposer = self.proposers[config] = DraftProposer(config)
+            if config.method in MODEL_METHODS:
+                if self.load_draft is None:
+                    raise ParamError("speculative_config", f"method {config.method!r} needs an engine to load "
+                                     "its model into")
+                proposer = self.load_draft(config)
+            else:
+                proposer = DraftProposer(config)
+            self.proposers[config] = proposer
         return proposer
 
     def _room(self, request: Request, config: SpeculativeConfig, threshold: float) -> int:
@@ -81,8 +124,9 @@ class Speculator:
                 or params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1):
             return 0
         left = min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
-        if request.draft_pace is None:
-            request.draft_pace = DraftPace.starting(self.rate, threshold)
+        if request.draft_pace is None:  # (a seeded request's drafts follow from it alone, not from other requests)
+            seeded = params.seed is not None
+            request.draft_pace = DraftPace.starting(INITIAL_RATE if seeded else self.rate, threshold)
         return max(min(request.draft_pace.allowed(threshold, config.num_speculative_tokens), left), 0)
 
     def verified(self, request: Request, num_draft_tokens: int, num_accepted: int) -> None:

@@ -12,6 +12,7 @@ DECAY = 0.97           # weight of the fit's past per step (about the last 30 st
 MIN_STEPS = 8          # steps seen before the fit is trusted
 DEFAULT_THRESHOLD = 0.1
 MIN_THRESHOLD, MAX_THRESHOLD = 0.02, 0.95
+PASS_WEIGHT = 0.1      # of a new pass in a draft model's cost per token
 
 
 class StepCosts:
@@ -41,6 +42,11 @@ class StepCosts:
             return None
         return fixed, per_row
 
+    def token_seconds(self, batch: int) -> float | None:
+        """What one token of a step costs with `batch` requests running (None until fitted)."""
+        fitted = self.fit()
+        return None if fitted is None else fitted[0] / max(batch, 1) + fitted[1]
+
     def keep_threshold(self, batch: int) -> float:
         """The chance of being kept above which a draft token pays, with `batch` requests running."""
         fitted = self.fit()
@@ -49,3 +55,25 @@ class StepCosts:
         fixed, per_row = fitted
         threshold = per_row / (fixed / max(batch, 1) + per_row)
         return min(max(threshold, MIN_THRESHOLD), MAX_THRESHOLD)
+
+
+class PassCosts:
+    """What a proposer's own passes cost per draft token (a running mean; none for the lookups,
+    whose cost is the host's): a draft token pays only when its chance of being kept covers its
+    verification row and its share of the passes, so that share of a step's token cost is added
+    to the keep threshold (no cap: at 1 or more nothing is drafted, as not even a sure token pays)."""
+
+    def __init__(self):
+        self.seconds_per_token: float | None = None
+
+    def observe(self, seconds: float, tokens: int) -> None:
+        if tokens:
+            sample = seconds / tokens
+            last = self.seconds_per_token
+            self.seconds_per_token = sample if last is None else last + PASS_WEIGHT * (sample - last)
+
+    def share_of(self, token_seconds: float | None) -> float:
+        """The draft token's cost as a share of what a step's token costs (0 until both are known)."""
+        if self.seconds_per_token is None or not token_seconds:
+            return 0.0
+        return self.seconds_per_token / token_seconds
