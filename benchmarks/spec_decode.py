@@ -3,8 +3,9 @@
 Sections (`--sections`, default all):
 - `bundled`: the bundled generator (builtin:arith-gen, dtype auto), greedy chat answers to the
   arithmetic task's test questions, one at a time (batch 1) and 16 at once; no speculation, `ngram`,
-  `suffix` and `draft_model` (the generator's own first layer as the draft: a smaller model with its
-  tokenizer, untrained as a draft). The configurations alternate, `--repeats` times after a warm-up of 8 questions (a
+  `suffix`, `draft_model` (the generator's own first layer as the draft: a smaller model with its
+  tokenizer, untrained as a draft) and `eagle3` with a random head (no trained head exists for it:
+  what capturing the features and pricing the passes cost when the drafts are never kept). The configurations alternate, `--repeats` times after a warm-up of 8 questions (a
   `suffix` engine has then seen earlier answers, as a serving engine has); every configuration's
   tokens are checked equal to those without speculation.
 - `search`: beam search N=16 (width 4, 8 iterations) with the bundled pair on `--problems` test
@@ -41,6 +42,7 @@ from peers import PEERS, TREESERVE, PeerUnavailable, run_worker
 
 from treeserve import LLM, Runtime, SamplingParams
 from treeserve.bench.offline import LONG_PROMPT_SHAPE, long_prompt_model_dir
+from treeserve.model.random_models import make_tiny_eagle_head
 from treeserve.model.registry import resolve_model_path
 from treeserve.search.config import SearchConfig
 from treeserve.search.grading import grade
@@ -86,8 +88,10 @@ def bundled(args) -> None:
     rows = [p.row() for p in generate("test", WARM_QUESTIONS + args.questions, seed=0)]
     chats = [[{"role": "user", "content": r["problem"]}] for r in rows]
     params = SamplingParams(temperature=0, max_tokens=256)
-    configs = {"none": None, "ngram": NGRAM, "suffix": SUFFIX,
-               "draft": draft_config(resolve_model_path("builtin:arith-gen"), args.out)}
+    generator = resolve_model_path("builtin:arith-gen")
+    head = make_tiny_eagle_head("eagle3", generator, args.out / "arith-gen-eagle3-random")
+    configs = {"none": None, "ngram": NGRAM, "suffix": SUFFIX, "draft": draft_config(generator, args.out),
+               "eagle3": {"method": "eagle3", "model": str(head), "num_speculative_tokens": 4}}
     engines = {name: LLM("builtin:arith-gen", speculative_config=spec) for name, spec in configs.items()}
     for llm in engines.values():
         for chat in chats[:WARM_QUESTIONS]:

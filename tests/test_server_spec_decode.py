@@ -12,15 +12,18 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
-@pytest.fixture(scope="module", params=["ngram", "draft_model"])
-def server(llama_dir, request):
+@pytest.fixture(scope="module", params=["ngram", "draft_model", "eagle3"])
+def server(llama_dir, request, tmp_path_factory):
     """The tiny Llama served as 'tiny', speculating with n-gram drafts, then with a draft model
-    (itself: every draft kept, so whole drafts run through each route)."""
+    (itself: every draft kept, so whole drafts run through each route), then a random EAGLE-3 head."""
     from types import SimpleNamespace
 
     from treeserve.server.launch import build_app
+    from treeserve.testing.tiny_models import make_tiny_eagle_head
 
-    speculative = NGRAM if request.param == "ngram" else {"method": "draft_model", "model": str(llama_dir)}
+    speculative = {"ngram": NGRAM, "draft_model": {"method": "draft_model", "model": str(llama_dir)},
+                   "eagle3": {"method": "eagle3", "model": str(make_tiny_eagle_head(
+                       "eagle3", llama_dir, tmp_path_factory.mktemp("head")))}}[request.param]
     app = build_app(str(llama_dir), served_model_name="tiny", api_keys=[API_KEY], max_queue=1000, dtype="float32",
                     device="cpu", kv_cache_memory_bytes=32 << 20, max_model_len=512, speculative_config=speculative)
     with running_server(app) as url:
@@ -50,8 +53,8 @@ def test_drafts_were_verified_and_counted_on_metrics(server):
 def test_a_bad_speculative_config_is_refused_by_name(llama_dir):
     from treeserve.server.launch import build_app
 
-    with pytest.raises(ValueError, match="speculative_config: method 'eagle3' is not supported yet"):
-        build_app(str(llama_dir), dtype="float32", device="cpu", speculative_config={"method": "eagle3"})
+    with pytest.raises(ValueError, match="speculative_config: method 'medusa' is not supported yet"):
+        build_app(str(llama_dir), dtype="float32", device="cpu", speculative_config={"method": "medusa"})
 
 
 def test_a_search_may_not_make_the_server_load_a_draft_model(server, tmp_path):

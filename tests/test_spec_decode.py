@@ -235,7 +235,7 @@ def test_no_block_leaks_after_a_thousand_speculative_requests_with_aborts(llama_
 
 def test_speculative_config_errors_name_the_problem():
     with pytest.raises(ParamError, match="not supported yet"):
-        SpeculativeConfig.of({"method": "eagle3"})
+        SpeculativeConfig.of({"method": "medusa"})
     with pytest.raises(ParamError, match="needs a 'model'"):
         SpeculativeConfig.of({"method": "draft_model"})
     with pytest.raises(ParamError, match="takes no 'model'"):

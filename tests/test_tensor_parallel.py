@@ -103,6 +103,15 @@ def test_two_ranks_speculating_give_one_ranks_tokens_and_logprobs(tp_models, met
     _assert_same(ours, ref)
 
 
+def test_an_eagle_head_with_two_ranks_is_refused_by_name(tp_models, tmp_path):
+    from treeserve.errors import ParamError
+    from treeserve.testing.tiny_models import make_tiny_eagle_head
+
+    head = make_tiny_eagle_head("eagle", tp_models["llama3"], tmp_path / "head")
+    with pytest.raises(ParamError, match="'eagle' with tensor parallelism is not supported yet"):
+        LLM(str(tp_models["llama3"]), **OPTIONS, **TP2, speculative_config={"method": "eagle", "model": str(head)})
+
+
 def test_a_runtime_searches_alike_at_two_ranks(tmp_path):
     steps = {"\n": 5.4, "<|eos|>": 0.5}
     pair = {"gen": str(make_tiny_model("llama", tmp_path / "gen", seed=5, favour_tokens=steps)),

@@ -37,7 +37,8 @@ def _add_engine_args(parser: argparse.ArgumentParser, several_models: bool = Fal
     parser.add_argument("--speculative-config", type=json_object, metavar="JSON",
                         help='speculative decoding, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4}\' (methods: ngram, suffix, draft_model with "model": a smaller checkpoint '
-                        'with the same tokenizer; "disable_by_batch_size": N turns it off '
+                        'with the same tokenizer, eagle and eagle3 with "model": an EAGLE head for this model; '
+                        '"disable_by_batch_size": N turns it off '
                         'while N requests run)')
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--no-prefix-caching", action="store_true")

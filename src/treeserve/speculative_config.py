@@ -5,10 +5,10 @@ from dataclasses import dataclass, fields
 
 from treeserve.errors import ParamError
 
-METHODS = ("ngram", "suffix", "draft_model")
-MODEL_METHODS = ("draft_model",)  # the methods that load a `model` of their own
+METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3")
+MODEL_METHODS = ("draft_model", "eagle", "eagle3")  # the methods that load a `model` of their own
 # vLLM's other methods: named, refused with a clear message until they are built
-NOT_YET = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
+NOT_YET = ("medusa", "mlp_speculator", "mtp")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -26,7 +26,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     disable_by_batch_size: int | None = None
-    model: str | None = None  # `draft_model`: the draft checkpoint (a folder or a `builtin:` name)
+    model: str | None = None  # `draft_model`, `eagle`, `eagle3`: the draft checkpoint (a folder or a `builtin:` name)
 
     def __post_init__(self) -> None:
         if self.method in NOT_YET:

@@ -21,7 +21,7 @@ from treeserve.engine.output_processor import OutputProcessor
 from treeserve.engine.request_groups import RequestGroups
 from treeserve.engine.request_intake import RequestIntake
 from treeserve.engine.scheduler import Scheduler
-from treeserve.engine.spec_decode.draft_model import DraftModelProposer
+from treeserve.engine.spec_decode.drafters import make_drafter
 from treeserve.engine.spec_decode.speculator import ENGINE_DEFAULT, Speculator
 from treeserve.engine.step_builder import StepBuilder
 from treeserve.engine.step_pipeline import StepPipeline
@@ -67,7 +67,9 @@ class LLMEngine:
                                     processor.decode)
         self.guard = WorkersGuard(self.executor)
         self.speculator = Speculator(None if scratch else self.config.speculative_config, self.max_model_len,
-                                     load_draft=lambda config: DraftModelProposer(config, loaded, kv_space))
+                                     load_draft=lambda config: make_drafter(config, loaded, kv_space))
+        if self.speculator.capture is not None:  # (an EAGLE head reads each step's rows: no replayed graphs)
+            self.runner.capture, self.runner.graphs = self.speculator.capture, None
         self.pipeline = StepPipeline(self.scheduler, self.kv, self.steps, self.runner, self._groups, self.outputs,
                                      self.retained, self.guard, async_scheduling, self._step_sender(),
                                      self.speculator)

@@ -35,6 +35,7 @@ class StepInputs:
     # speculation: (request, the rows of its last known token and drafts, in order, its drafts)
     spec_rows: list[tuple[CachedRequestState, list[int], list[int]]] = field(default_factory=list)
     spec_grammar_bitmasks: dict[str, torch.Tensor] = field(default_factory=dict)  # by request id
+    row_keys: list[tuple[str, int]] | None = None  # with `capture`: each row's (request id, position)
 
 
 @dataclass
@@ -44,6 +45,7 @@ class LaunchedStep:
     samples: PendingSamples | None
     sample_positions: list[int] = field(default_factory=list)  # where each sampled token goes in its request
     accepted: dict = field(default_factory=dict)  # speculation: what each request's drafts gave (rejection.verify)
+    captured: tuple | None = None  # with `capture`: (rows, their keys)
 
 
 def kv_bytes_per_block(model: DecoderForCausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -61,6 +63,9 @@ class ModelRunner:
         self.backend = model.backend
         self.graphs = graphs
         self.batch = InputBatch()
+        # EAGLE's features, kept per row: "final" (the final hidden states) or "aux" (the model's
+        # `aux_hidden`); None: nothing kept
+        self.capture: str | None = None
         self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None  # last step's ids on the device, rows
 
     @property
@@ -89,8 +94,11 @@ class ModelRunner:
         samples = self._sample(hidden, inputs)
         self._last_sampled = None if samples is None else (
             samples.token_ids, {state.request_id: i for i, state in enumerate(inputs.sample_requests)})
-        return LaunchedStep(hidden, inputs, samples, [state.num_tokens for state in inputs.sample_requests],
-                            self._verify(hidden, inputs))
+        launched = LaunchedStep(hidden, inputs, samples, [state.num_tokens for state in inputs.sample_requests],
+                                self._verify(hidden, inputs))
+        if self.capture is not None:
+            launched.captured = (hidden if self.capture == "final" else self.model.aux_hidden, inputs.row_keys)
+        return launched
 
     def _take_in_flight(self, inputs: StepInputs) -> None:
         """Input tokens that the previous step is still sampling (async scheduling): copied from its
@@ -113,7 +121,7 @@ class ModelRunner:
             out.sampled = {r.request_id: (t, lp) for r, t, lp in zip(inputs.sample_requests, result.token_ids,
                                                                       result.logprobs)}
             _fill_in_flight(inputs.sample_requests, launched.sample_positions, result.token_ids)
-        out.accepted = launched.accepted
+        out.accepted, out.hidden_rows = launched.accepted, launched.captured
         out.readouts = self._readouts(hidden, inputs)
         if inputs.prompt_logprob_rows:
             entries = prompt_logprobs.compute(self.model.compute_logits, hidden, inputs.prompt_logprob_rows,
@@ -169,6 +177,8 @@ class ModelRunner:
         builder = self.backend.metadata_builder(self.block_size, self.device)
         order = decodes + [(state, len(d) + 1) for state, d in speculating] + prefills
         inputs = StepInputs(torch.empty(0), torch.empty(0), None, order)
+        if self.capture is not None:
+            inputs.row_keys = []
         self._add_decodes(decodes, speculating, inputs, builder, token_ids, positions, slots)
         for state, count in prefills:
             self._add_prefill(state, count, inputs, builder, token_ids, positions, slots)
@@ -196,7 +206,7 @@ class ModelRunner:
         if speculating:
             rows.sort(key=lambda row: row[0])
         drafts_of = {state.request_id: drafts for state, drafts in speculating}
-        pos_list, slot_list = [], []
+        pos_list, slot_list, keys = [], [], inputs.row_keys
         for pos, state, rows_of in rows:
             table = state.block_ids[:pos // bs + 1]
             if rows_of is None:
@@ -208,6 +218,8 @@ class ModelRunner:
                 token = state.token_ids[pos] if pos == first else drafts_of[state.request_id][pos - first - 1]
                 rows_of.append(len(token_ids))
             token_ids.append(token)
+            if keys is not None:
+                keys.append((state.request_id, pos))
             pos_list.append(rope_positions(state.num_prompt_tokens, pos))
             slot_list.append(table[-1] * bs + pos % bs)
             add_decode(pos + 1, table)
@@ -221,6 +233,8 @@ class ModelRunner:
         first = state.num_computed_tokens
         start_row = len(token_ids)
         token_ids.extend(state.token_ids[first:first + count])
+        if inputs.row_keys is not None:
+            inputs.row_keys.extend((state.request_id, p) for p in range(first, first + count))
         if IN_FLIGHT_TOKEN in token_ids[start_row:]:
             raise RuntimeError(f"request {state.request_id!r}: a prefill chunk holds a token still in flight")
         pos = torch.arange(first, first + count, dtype=torch.long)

@@ -72,3 +72,6 @@ class ModelRunnerOutput:
     # speculation: per request that verified drafts, the tokens it emits (accepted drafts, then the
     # one the model sampled after them), each with its logprobs
     accepted: dict[str, list[tuple[int, dict | None]]] = field(default_factory=dict)
+    # EAGLE: the step's rows of what the head reads (the runner's `capture`), and each row's
+    # (request id, position); None unless captured
+    hidden_rows: tuple[torch.Tensor, list[tuple[str, int]]] | None = None

@@ -50,6 +50,8 @@ class StepPipeline:
         module's docstring."""
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
+            if self.runner.capture is not None or self.speculator.capture is not None:
+                self.runner.capture = self.speculator.step_capture
         sched = self.scheduler.schedule()
         self.last_step_num_tokens = sched.num_tokens
         if not sched:
@@ -125,6 +127,8 @@ class StepPipeline:
         """The step's results into the requests (computed tokens unless `advanced` counted them,
         logits, sampled tokens, finishes); returns the groups it touched. A request finished
         meanwhile (aborted, or ended by the step before) takes nothing."""
+        if result.hidden_rows is not None:
+            self.speculator.observe_hidden(result.hidden_rows, {i.request.request_id: i.request for i in sched.scheduled})
         for req_id, position, logits in result.readouts:
             self.steps.request(req_id).prompt_logits[position] = logits
         for req_id, position, entry in result.prompt_logprobs:

@@ -124,6 +124,10 @@ class DecoderForCausalLM(nn.Module):
         no_lm_head = config.tie_word_embeddings or head is not None
         self.lm_head = None if no_lm_head else nn.Linear(config.hidden_size, vocab_rows, bias=False)
         self.backend = TorchSDPABackend()
+        # the residual streams entering these layers, concatenated, kept after each forward as
+        # `aux_hidden` (an EAGLE-3 head's features; engine/spec_decode/eagle.py)
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_hidden: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -131,10 +135,15 @@ class DecoderForCausalLM(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         if self.config.embed_scale is not None:
             x = x * self._embed_scale(x.dtype)
-        for layer, layer_cache in zip(self.layers, kv_caches):
+        aux = {} if self.aux_layers else None
+        for index, (layer, layer_cache) in enumerate(zip(self.layers, kv_caches)):
+            if aux is not None and index in self.aux_layers:
+                aux[index] = x.clone() if residual is None else x + residual  # (the norms add into residual in place)
             local = self.local_rotary is not None and layer.self_attn.window is not None
             rotary = self.local_rotary if local else self.rotary
             x, residual = layer(x, residual, positions, rotary, layer_cache, meta, self.backend)
+        if aux is not None:
+            self.aux_hidden = torch.cat([aux[index] for index in self.aux_layers], dim=-1)
         return self.norm(x, residual)[0] if residual is not None else self.norm(x)
 
     def _embed_scale(self, dtype: torch.dtype) -> float:

@@ -243,6 +243,64 @@ def make_tiny_reward_model(architecture: str, path: str | Path, seed: int = 0, *
     return path
 
 
+def make_tiny_eagle_head(kind: str, target: str | Path, path: str | Path, seed: int = 0, std: float = 0.05,
+                         draft_vocab_size: int | None = None) -> Path:
+    """A random EAGLE head (`kind` "eagle" or "eagle3") for the checkpoint at `target`, in the layout
+    EAGLE's trainers write: config.json (a one-layer Llama config) and model.safetensors with `fc`,
+    the layer (`layers.0.*`, EAGLE-3: `midlayer.*` with `hidden_norm`), and for EAGLE-3 `norm`,
+    `lm_head` over `draft_vocab_size` tokens and `d2t` (target id = draft id + d2t) mapping them to
+    the target's first, every other one."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    raw = json.loads((Path(target) / "config.json").read_text())
+    hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
+    kv_heads, head_dim = raw.get("num_key_value_heads", heads), raw.get("head_dim") or hidden // heads
+    inter, vocab = raw["intermediate_size"], raw["vocab_size"]
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return std * torch.randn(*shape, generator=generator)
+
+    def norm():
+        return 1 + 0.1 * torch.randn(hidden, generator=generator)
+
+    prefix = "midlayer." if kind == "eagle3" else "layers.0."
+    attention_in = 2 * hidden if kind == "eagle3" else hidden
+    tensors = {f"{prefix}self_attn.q_proj.weight": randn(heads * head_dim, attention_in),
+               f"{prefix}self_attn.k_proj.weight": randn(kv_heads * head_dim, attention_in),
+               f"{prefix}self_attn.v_proj.weight": randn(kv_heads * head_dim, attention_in),
+               f"{prefix}self_attn.o_proj.weight": randn(hidden, heads * head_dim),
+               f"{prefix}mlp.gate_proj.weight": randn(inter, hidden), f"{prefix}mlp.up_proj.weight": randn(inter, hidden),
+               f"{prefix}mlp.down_proj.weight": randn(hidden, inter),
+               f"{prefix}post_attention_layernorm.weight": norm()}
+    config = {"architectures": ["LlamaForCausalLM" if kind == "eagle" else "LlamaForCausalLMEagle3"],
+              "model_type": "llama", "hidden_size": hidden, "intermediate_size": inter, "num_attention_heads": heads,
+              "num_key_value_heads": kv_heads, "head_dim": head_dim, "num_hidden_layers": 1, "vocab_size": vocab,
+              "rms_norm_eps": raw.get("rms_norm_eps", 1e-6), "rope_theta": raw.get("rope_theta", 10000.0),
+              "max_position_embeddings": raw.get("max_position_embeddings", 2048)}
+    if kind == "eagle":
+        tensors |= {"fc.weight": randn(hidden, 2 * hidden), "fc.bias": randn(hidden)}
+    else:
+        draft_vocab = draft_vocab_size or vocab
+        ids = torch.arange(draft_vocab) * (2 if 2 * draft_vocab <= vocab else 1)
+        tensors |= {"fc.weight": randn(hidden, 3 * hidden), f"{prefix}input_layernorm.weight": norm(),
+                    f"{prefix}hidden_norm.weight": norm(), "norm.weight": norm(),
+                    "lm_head.weight": randn(draft_vocab, hidden) * 20, "d2t": ids - torch.arange(draft_vocab),
+                    "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill_(0, ids, True)}
+        config["draft_vocab_size"] = draft_vocab
+        layers = raw["num_hidden_layers"]
+        if layers < 6:  # (EAGLE-3's default layers 2, L/2 and L-3 need six of them)
+            config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [0, layers // 2, layers - 1]}
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
 BUILTIN_TINY_MODELS = {
     # `builtin:NAME` models written on first use (model/registry.py): a small random Llama.
     "tiny-random-llama": ("llama", dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4,

@@ -21,7 +21,7 @@ from treeserve.engine.kv_arena import aligned, fitted_page_bytes
 from treeserve.engine.kv_space import KVSpace
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.engine.loaded_model import LoadedModel, load_model
-from treeserve.engine.spec_decode.draft_model import draft_tokenizer, shares_tokenizer
+from treeserve.engine.spec_decode.drafters import drafts_for
 from treeserve.engine.tp_start import start_executor
 from treeserve.engine.memory import available_host_bytes
 from treeserve.entrypoints.llm import LLM
@@ -205,19 +205,18 @@ def _fractions(given: dict[str, float] | None, names: list[str]) -> dict[str, fl
 
 
 def _drafts_for_their_tokenizer(loaded: dict[str, LoadedModel]) -> None:
-    """A draft model (`speculative_config`) drafts for the models with its tokenizer (a search's
-    generator); the others (a PRM of another family) decode without one, said in the log. No model
-    with its tokenizer is an error (from the first engine)."""
+    """A drafter (`speculative_config` with a `model`: a draft model, an EAGLE head) drafts for the
+    models it fits (a search's generator); the others (a PRM of another family) decode without
+    one, said in the log. Fitting no model is an error (from the first engine)."""
     configs = {m.config.speculative_config for m in loaded.values()}
     for config in configs:
         if config is None or config.model is None:
             continue
-        tokenizer = draft_tokenizer(config)
         users = [m for m in loaded.values() if m.config.speculative_config == config]
-        others = [m for m in users if not shares_tokenizer(tokenizer, m)]
+        others = [m for m in users if not drafts_for(config, m)]
         if len(others) == len(users):
             continue  # (the first engine names the mismatch)
         for model in others:
-            logger.warning("speculative_config: the draft model %s has another tokenizer than %s, which decodes "
-                           "without speculation", config.model, model.model_key)
+            logger.warning("speculative_config: %s %s does not fit %s, which decodes without speculation",
+                           config.method, config.model, model.model_key)
             model.config = replace(model.config, speculative_config=None)

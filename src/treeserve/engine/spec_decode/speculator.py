@@ -36,6 +36,7 @@ class Speculator:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_position: list[int] = []
+        self.capturing = True  # whether some running request may draft with the engine's proposer
         if config is not None:
             self._proposer(config)
 
@@ -66,6 +67,7 @@ class Speculator:
         measured = self.costs.keep_threshold(len(running))
         token_seconds = self.costs.token_seconds(len(running))
         wanted: dict[SpeculativeConfig, list[tuple[Request, int, float]]] = {}
+        capturing, anyone = False, False
         for request in running:
             config = request.speculative_config
             if config is None:
@@ -75,16 +77,38 @@ class Speculator:
             threshold = DEFAULT_THRESHOLD if request.sampling_params.seed is not None else \
                 measured + self._proposer(config).pass_costs.share_of(token_seconds)
             limit = config.disable_by_batch_size
+            mine = config == self.config
+            anyone |= mine
             if (limit is not None and len(running) >= limit) or threshold >= 1:
                 continue  # (a threshold of 1: not even a sure draft token pays for its row and passes)
+            capturing |= mine
             k = self._room(request, config, threshold)
             if k > 0:
                 wanted.setdefault(config, []).append((request, k, threshold))
+        self.capturing = capturing or not anyone  # (requests about to start: their prompts' features)
         for config, items in wanted.items():
             for (request, _, _), drafts in zip(items, self._proposer(config).propose_all(items)):
                 if drafts and request.matcher is not None:  # (structured outputs) what the grammar would accept
                     drafts = structured_outputs.valid_draft(request.matcher, drafts)
                 request.spec_token_ids = drafts
+
+    @property
+    def step_capture(self) -> str | None:
+        """What the runner keeps of this step's rows: the engine proposer's features while some
+        request may draft with it; nothing while none may (their positions read zeros later)."""
+        return self.capture if self.capturing else None
+
+    @property
+    def capture(self) -> str | None:
+        """What the target's runner must keep of each step's rows for the engine's proposer (an
+        EAGLE head's features), or None."""
+        proposer = self.proposers.get(self.config) if self.config is not None else None
+        return getattr(proposer, "capture", None)
+
+    def observe_hidden(self, hidden_rows, requests: dict[str, Request]) -> None:
+        """A step's captured rows (the runner's `capture`) to the proposer that reads them."""
+        if hidden_rows is not None:
+            self.proposers[self.config].observe(*hidden_rows, requests)
 
     def retain(self, running: list[Request]) -> None:
         """What the proposers hold for requests no longer running goes (draft KV: at once)."""
