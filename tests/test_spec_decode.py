@@ -216,9 +216,17 @@ def _binned(counts: dict, expected: dict, least: float = 5.0) -> tuple[list[floa
 
 def test_no_block_leaks_after_a_thousand_speculative_requests_with_aborts(llama_dir, reference):
     llm = _with_reference_drafts(_llm(llama_dir, speculative_config=_spec(k=6)), reference)
-    engine, rng = llm.engine, random.Random(0)
-    engine.speculator.costs.keep_threshold = lambda batch: 0.02  # drafts at every step, whatever they cost
-    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    engine = thousand_requests_with_aborts(llm.engine, max_tokens=30)
+    assert engine.stats().spec_decode_num_accepted_tokens > 1000
+    assert_no_leak(engine)
+
+
+def thousand_requests_with_aborts(engine, max_tokens: int):
+    """Ten waves of 100 greedy requests, 30 of each aborted a few steps in, drafting at every step
+    whatever it costs; returns the engine once every request ended."""
+    rng = random.Random(0)
+    engine.speculator.costs.keep_threshold = lambda batch: 0.02
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for batch in range(10):
         ids = [f"r{batch}-{i}" for i in range(100)]
         for i, rid in enumerate(ids):
@@ -229,8 +237,7 @@ def test_no_block_leaks_after_a_thousand_speculative_requests_with_aborts(llama_
             engine.abort_request(rid)
         while engine.has_unfinished_requests():
             engine.step()
-    assert engine.stats().spec_decode_num_accepted_tokens > 1000
-    assert_no_leak(engine)
+    return engine
 
 
 def test_speculative_config_errors_name_the_problem():

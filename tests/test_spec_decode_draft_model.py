@@ -2,7 +2,6 @@
 its KV in the target's KV space. Greedy tokens equal decoding without speculation on every family
 (with a draft that agrees always, sometimes and never), with chunked prefill, prefix-cache hits,
 preemption and n > 1; sampling keeps the distribution; the draft's blocks are given back."""
-import random
 import shutil
 
 import pytest
@@ -10,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import assert_no_leak
-from test_spec_decode import PROMPTS, _binned, _chi_square, _llm, _tokens, _top3
+from test_spec_decode import PROMPTS, _binned, _chi_square, _llm, _tokens, _top3, thousand_requests_with_aborts
 from treeserve import LLM, SamplingParams
 from treeserve.errors import ParamError
 from treeserve.testing.tiny_models import FAMILIES, make_tiny_model
@@ -180,19 +179,7 @@ def test_sampled_tokens_keep_the_models_distribution(llama_dir):
 
 def test_no_block_leaks_after_a_thousand_requests_with_aborts(llama_dir, drafts):
     llm = _llm(llama_dir, speculative_config=_draft(drafts["perturbed"], k=6))
-    engine, rng = llm.engine, random.Random(0)
-    engine.speculator.costs.keep_threshold = lambda batch: 0.02
-    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    for batch in range(10):
-        ids = [f"r{batch}-{i}" for i in range(100)]
-        for i, rid in enumerate(ids):
-            engine.add_request(rid, list(PROMPTS[i % len(PROMPTS)]), params)
-        for _ in range(rng.randint(2, 8)):
-            engine.step()
-        for rid in rng.sample(ids, 30):
-            engine.abort_request(rid)
-        while engine.has_unfinished_requests():
-            engine.step()
+    engine = thousand_requests_with_aborts(llm.engine, max_tokens=20)
     _partly_kept(llm)
     assert not next(iter(engine.speculator.proposers.values())).sequences
     assert_no_leak(engine)

@@ -115,8 +115,9 @@ def _rope(x, theta):
     return x * cos + rotated * sin
 
 
+@pytest.mark.parametrize("chunk", [None, 7], ids=["whole-prefill", "chunked-prefill"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_every_draft_equals_the_reference_head_on_the_targets_features(llama_dir, tmp_path, kind):
+def test_every_draft_equals_the_reference_head_on_the_targets_features(llama_dir, tmp_path, kind, chunk):
     """Each proposal's drafts against the reference fed the whole sequence so far: the first
     proposal (the prompt's features), and every later one. A random head's drafts are never kept,
     so the step verifies the greedy reference's next tokens instead (every third draft spoiled): the
@@ -125,7 +126,8 @@ def test_every_draft_equals_the_reference_head_on_the_targets_features(llama_dir
     prompts = PROMPTS[:2]
     expected = _tokens(_llm(llama_dir), prompts=prompts)
     continuation = {tuple(p): out[0] for p, out in zip(prompts, expected)}
-    llm = _llm(llama_dir, enable_prefix_caching=False, speculative_config=_spec(kind, head))
+    chunked = {"max_num_batched_tokens": chunk} if chunk else {}  # (the prompts' features over several steps)
+    llm = _llm(llama_dir, enable_prefix_caching=False, speculative_config=_spec(kind, head), **chunked)
     engine = llm.engine
     engine.speculator.costs.keep_threshold = lambda batch: 0.02  # a draft at every step
     proposer = engine.speculator.proposers[engine.speculator.config]
@@ -229,3 +231,13 @@ def test_a_runtime_gives_the_head_to_the_model_it_fits(pair, tmp_path):
     assert gen.stats().spec_decode_num_draft_tokens > 0
     assert gen.kv.pool.num_in_use_by("gen:eagle3") == 0
     assert gen.kv.num_blocks_in_use() == gen.retained.num_blocks()
+
+
+def test_no_block_leaks_after_a_thousand_requests_with_aborts(llama_dir, tmp_path):
+    from test_spec_decode import thousand_requests_with_aborts
+
+    llm = _llm(llama_dir, speculative_config=_spec("eagle3", _head("eagle3", llama_dir, tmp_path), k=4))
+    engine = thousand_requests_with_aborts(llm.engine, max_tokens=20)
+    assert engine.stats().spec_decode_num_draft_tokens > 1000
+    assert not engine.speculator.proposers[engine.speculator.config].sequences
+    assert_no_leak(engine)

@@ -15,6 +15,7 @@ import torch
 from treeserve.engine.block_pool import KVBlock
 from treeserve.engine.kv_space import KVSpace
 from treeserve.engine.request import Request
+from treeserve.engine.spec_decode.step_costs import PassCosts
 from treeserve.model.transfer import to_device
 
 
@@ -68,6 +69,30 @@ class DraftKV(Generic[S]):
         for request_id in list(self.sequences):
             self.drop(request_id)
         return held
+
+
+class PassDrafter:
+    """What a proposer with passes of its own shares: its KV (`kv`: given back for requests that
+    stop running, and all of it when the scheduler runs short) and its passes' cost per draft
+    token (`pass_costs`, from passes over single-token rows only)."""
+
+    def __init__(self, kv: DraftKV):
+        self.kv = kv
+        self.pass_costs = PassCosts()
+
+    @property
+    def owner(self) -> str:
+        return self.kv.owner
+
+    @property
+    def sequences(self) -> dict:
+        return self.kv.sequences
+
+    def retain(self, running: list[Request]) -> None:
+        self.kv.retain(running)
+
+    def release(self) -> bool:
+        return self.kv.release()
 
 
 @dataclass

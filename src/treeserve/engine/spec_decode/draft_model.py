@@ -20,8 +20,7 @@ from treeserve.config import EngineConfig
 from treeserve.engine.kv_space import KVSpace
 from treeserve.engine.loaded_model import LoadedModel, describe_model, load_weights
 from treeserve.engine.request import Request
-from treeserve.engine.spec_decode.draft_kv import DraftKV, DraftSequence, flat_order, pass_inputs
-from treeserve.engine.spec_decode.step_costs import PassCosts
+from treeserve.engine.spec_decode.draft_kv import DraftKV, DraftSequence, PassDrafter, flat_order, pass_inputs
 from treeserve.errors import ParamError
 from treeserve.model.loader import load_tokenizer
 from treeserve.model.registry import resolve_model_path
@@ -41,7 +40,7 @@ class WrittenSequence(DraftSequence):
     confirmed: int = 0
 
 
-class DraftModelProposer:
+class DraftModelProposer(PassDrafter):
     """Checks the draft checkpoint when the engine starts (its tokenizer, its KV per token against
     the target's pages); loads its weights at the first draft (an engine whose requests never
     speculate, a Runtime's PRM, never holds them)."""
@@ -54,20 +53,11 @@ class DraftModelProposer:
         if block_size < 1:
             raise ParamError("speculative_config", f"the draft model {config.model!r} needs more KV bytes per token "
                              f"than one of the target's KV pages holds ({space.arena.page_bytes} bytes)")
-        self.kv = DraftKV(space, f"{target.model_key}:draft", block_size, WrittenSequence)
+        super().__init__(DraftKV(space, f"{target.model_key}:draft", block_size, WrittenSequence))
         self.model = None  # its weights, at the first draft
         self.kv_caches: list = []
         self.max_model_len = min(target.max_model_len, self.draft.max_model_len)
         self.vocab_size = target.model_config.vocab_size  # (a draft's padded vocabulary may be wider)
-        self.pass_costs = PassCosts()  # seconds per draft token, from its passes over decode rows only
-
-    @property
-    def owner(self) -> str:
-        return self.kv.owner
-
-    @property
-    def sequences(self) -> dict[str, WrittenSequence]:
-        return self.kv.sequences
 
     def _load(self) -> None:
         self.model = load_weights(self.draft).model
@@ -96,12 +86,6 @@ class DraftModelProposer:
                     break
                 tokens = self._pass(live)
         return [drafts[request.request_id] for request, _, _ in wanted]
-
-    def retain(self, running: list[Request]) -> None:
-        self.kv.retain(running)
-
-    def release(self) -> bool:
-        return self.kv.release()
 
     # ---- the passes -----------------------------------------------------------------------
     def _catch_up_rows(self, wanted: list[tuple[Request, int, float]]) -> list[tuple[Request, int, list[int]]]:

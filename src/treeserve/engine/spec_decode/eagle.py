@@ -24,8 +24,7 @@ import torch
 from treeserve.engine.kv_space import KVSpace
 from treeserve.engine.loaded_model import LoadedModel
 from treeserve.engine.request import Request
-from treeserve.engine.spec_decode.draft_kv import DraftKV, DraftSequence, flat_order, pass_inputs
-from treeserve.engine.spec_decode.step_costs import PassCosts
+from treeserve.engine.spec_decode.draft_kv import DraftKV, DraftSequence, PassDrafter, flat_order, pass_inputs
 from treeserve.errors import ParamError
 from treeserve.model.eagle import check_eagle_checkpoint, load_eagle_head, read_eagle_config
 from treeserve.model.registry import resolve_model_path
@@ -45,7 +44,7 @@ class FedSequence(DraftSequence):
     features: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
 
 
-class EagleProposer:
+class EagleProposer(PassDrafter):
     """Reads the head's config.json when the engine starts (its shape against the target's); loads
     its weights at the first draft."""
 
@@ -61,22 +60,13 @@ class EagleProposer:
         if block_size < 1:
             raise ParamError("speculative_config", f"the {config.method} head needs more KV bytes per token than one "
                              f"of the target's KV pages holds ({space.arena.page_bytes} bytes)")
-        self.kv = DraftKV(space, f"{target.model_key}:{config.method}", block_size, FedSequence)
+        super().__init__(DraftKV(space, f"{target.model_key}:{config.method}", block_size, FedSequence))
         self.capture = "aux" if config.method == "eagle3" else "final"  # what the target's runner keeps
         if config.method == "eagle3":
             target.model.aux_layers = self.head_config.aux_layers
         self.head = None  # its weights, at the first draft
         self.kv_cache = None
         self.vocab_size = target.model_config.vocab_size
-        self.pass_costs = PassCosts()
-
-    @property
-    def owner(self) -> str:
-        return self.kv.owner
-
-    @property
-    def sequences(self) -> dict[str, FedSequence]:
-        return self.kv.sequences
 
     def _load(self) -> None:
         target = self.target
@@ -131,12 +121,6 @@ class EagleProposer:
                          features[i:i + 1]) for i in kept]
                 tokens, features = self._pass(live)
         return [drafts[request.request_id] for request, _, _ in wanted]
-
-    def retain(self, running: list[Request]) -> None:
-        self.kv.retain(running)
-
-    def release(self) -> bool:
-        return self.kv.release()
 
     # ---- the passes -----------------------------------------------------------------------
     def _catch_up_rows(self, wanted):
