@@ -7,6 +7,7 @@ import pytest
 from conftest import API_KEY, running_server, wait_idle
 from test_server_openai import *  # noqa: F401,F403  (the conformance tests, run here with speculation)
 from treeserve.bench.telemetry import parse_prometheus
+from treeserve.engine.spec_decode.step_costs import PassCosts
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -64,3 +65,40 @@ def test_a_search_may_not_make_the_server_load_a_draft_model(server, tmp_path):
     assert reply.status_code == 400, reply.text
     assert "may not load a model" in reply.json()["error"]["message"]
     assert reply.json()["error"]["param"] == "speculative_config"
+
+
+def test_each_reply_reports_its_own_drafts_and_treeserve_bench_reads_them(server, tmp_path):
+    """usage.completion_tokens_details' accepted_/rejected_prediction_tokens (OpenAI's fields for
+    predicted tokens) carry the request's own speculation, streamed or not; `treeserve bench` records
+    them per request and summarises their spread beside the server's counters."""
+    import json
+
+    from openai import OpenAI
+
+    from treeserve.bench.run import BenchConfig, run_benchmark
+
+    speculator = server.engine.speculator
+    proposer = speculator.proposers[speculator.config]
+    speculator.costs.keep_threshold = lambda batch: 0.02  # drafts at every step, whatever they cost
+    proposer.pass_costs = PassCosts()
+    proposer.pass_costs.share_of = lambda token_seconds: 0.0
+    client = OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY)
+    kwargs = dict(model="tiny", prompt="one two three one two three one two", max_tokens=48, temperature=0,
+                  extra_body={"ignore_eos": True})
+    details = client.completions.create(**kwargs).usage.completion_tokens_details
+    assert details.accepted_prediction_tokens >= 0 and details.rejected_prediction_tokens >= 0
+    assert details.accepted_prediction_tokens + details.rejected_prediction_tokens > 0
+    stream = client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs)
+    usage = [chunk.usage for chunk in stream if chunk.usage is not None][-1]
+    streamed = usage.completion_tokens_details  # (how far a request drafts follows the measured costs: not equal)
+    assert streamed.accepted_prediction_tokens + streamed.rejected_prediction_tokens > 0
+    config = BenchConfig(base_url=server.url, api_key=API_KEY, model="tiny", out=str(tmp_path), input_len=[24],
+                         output_len=[32], concurrency=[4], num_requests=8, plots=False, vocab_size=200)
+    level = run_benchmark(config)["levels"][0]
+    assert level["completed"] == 8
+    rates = level["spec_decode"]["request_acceptance_rate"]
+    assert rates["count"] >= 1 and 0 <= rates["p10"] <= rates["median"] <= rates["p90"] <= 1
+    rows = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
+    assert any(row["accepted_draft_tokens"] is not None for row in rows)
+    del speculator.costs.keep_threshold  # (the measured costs again, for the tests after this one)
+    proposer.pass_costs = PassCosts()

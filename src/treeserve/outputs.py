@@ -47,3 +47,6 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     # with SamplingParams.prompt_logprobs: one entry per prompt token (None for the first), as vLLM
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # speculative decoding: draft tokens verified for it (all its samples) and how many were kept
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0

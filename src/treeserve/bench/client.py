@@ -44,6 +44,10 @@ class RequestRecord:
     prompt_tokens: int | None = None
     output_tokens: int | None = None
     output_tokens_counted: bool = False  # True: no usage came back, chunks were counted instead
+    # speculative decoding: the request's draft tokens kept and rejected (usage.completion_tokens_details'
+    # accepted_/rejected_prediction_tokens, where the server reports them)
+    accepted_draft_tokens: int | None = None
+    rejected_draft_tokens: int | None = None
     expected_output_tokens: int | None = None
     finish_reason: str | None = None
     success: bool = False
@@ -187,6 +191,10 @@ def apply_usage(record: RequestRecord, usage: dict | None, counted: int | None) 
     if usage:
         record.prompt_tokens = usage.get("prompt_tokens", record.prompt_tokens)
         record.output_tokens = usage.get("completion_tokens")
+        details = usage.get("completion_tokens_details") or {}
+        if details.get("accepted_prediction_tokens") is not None:
+            record.accepted_draft_tokens = details["accepted_prediction_tokens"]
+            record.rejected_draft_tokens = details.get("rejected_prediction_tokens") or 0
     if record.output_tokens is None and counted is not None:
         record.output_tokens, record.output_tokens_counted = counted, True
 

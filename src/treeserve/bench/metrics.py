@@ -125,7 +125,22 @@ def summarize(records: list[RequestRecord], slos: dict[str, float] | None = None
         summary["queue_time_ms"] = server_queue_time_ms(server)
         if server.get("spec_draft_tokens"):
             summary["spec_decode"] = spec_decode_summary(server)
+    per_request = request_acceptance(done)
+    if per_request is not None:
+        summary.setdefault("spec_decode", {})["request_acceptance_rate"] = per_request
     return summary
+
+
+def request_acceptance(records: list[RequestRecord]) -> dict | None:
+    """The distribution over requests of each one's share of draft tokens kept (requests the
+    server drafted for and reported: usage.completion_tokens_details)."""
+    rates = [r.accepted_draft_tokens / (r.accepted_draft_tokens + r.rejected_draft_tokens) for r in records
+             if r.accepted_draft_tokens is not None and r.accepted_draft_tokens + (r.rejected_draft_tokens or 0)]
+    if not rates:
+        return None
+    p10, p50, p90 = np.percentile(np.asarray(rates, dtype=float), (10, 50, 90))
+    return {"count": len(rates), "mean": float(np.mean(rates)), "p10": float(p10), "median": float(p50),
+            "p90": float(p90)}
 
 
 def spec_decode_summary(server: dict) -> dict:

@@ -77,7 +77,16 @@ def render_level_line(level: dict, axis: str) -> str:
             + (f", goodput {fmt(level['goodput'])} req/s" if "goodput" in level else "")
             + (f", speculation: {level['spec_decode']['acceptance_rate']:.0%} of draft tokens accepted, "
                f"{fmt(level['spec_decode']['acceptance_length'])} tokens per verified draft"
-               if level.get("spec_decode") else ""))
+               if level.get("spec_decode", {}).get("acceptance_rate") is not None else "")
+            + _request_acceptance(level))
+
+
+def _request_acceptance(level: dict) -> str:
+    rates = level.get("spec_decode", {}).get("request_acceptance_rate")
+    if not rates:
+        return ""
+    return (f", per request p10/p50/p90 {rates['p10']:.0%}/{rates['median']:.0%}/{rates['p90']:.0%} "
+            f"of its draft tokens accepted")
 
 
 def level_table(levels: list[dict], axis: str) -> list[str]:

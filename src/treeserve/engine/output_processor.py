@@ -108,9 +108,13 @@ class OutputProcessor:
             for i, c in enumerate(group.children)
         ]
         prompt_logits = group.children[0].prompt_logits if group.children[0].prefill_only else {}
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, group.finished,
-                             num_cached_tokens=group.children[0].num_cached_tokens, prompt_logits=prompt_logits,
-                             metrics=request_metrics(group), prompt_logprobs=group.prompt_logprobs)
+        output = RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, group.finished,
+                               num_cached_tokens=group.children[0].num_cached_tokens, prompt_logits=prompt_logits,
+                               metrics=request_metrics(group), prompt_logprobs=group.prompt_logprobs)
+        if group.children[0].speculative_config is not None:
+            output.num_draft_tokens = sum(c.num_draft_tokens for c in group.children)
+            output.num_accepted_tokens = sum(c.num_accepted_tokens for c in group.children)
+        return output
 
 
 def request_metrics(group: RequestGroup) -> RequestMetrics:

@@ -61,6 +61,8 @@ class Request:
     draft_group: str | None = None      # speculation's `suffix` drafts from every sequence of this group
     spec_token_ids: list[int] = field(default_factory=list)  # draft tokens its next step verifies
     draft_pace: Any = None              # how far it drafts next (engine/spec_decode/pace.py)
+    num_draft_tokens: int = 0           # draft tokens its steps verified, and how many were kept
+    num_accepted_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     generator: torch.Generator | None = None

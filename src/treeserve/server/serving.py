@@ -143,8 +143,14 @@ class OpenAIServing:
         prompt = sum(len(o.prompt_token_ids) for o in finals.values())
         completion = sum(len(c.token_ids) for o in finals.values() for c in o.outputs)
         cached = sum(o.num_cached_tokens for o in finals.values())
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                 "prompt_tokens_details": {"cached_tokens": cached}}
+        drafted = sum(o.num_draft_tokens for o in finals.values())
+        if drafted:  # speculative decoding, in OpenAI's fields for predicted tokens kept and rejected
+            accepted = sum(o.num_accepted_tokens for o in finals.values())
+            usage["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                                  "rejected_prediction_tokens": drafted - accepted}
+        return usage
 
     # ---- chat -------------------------------------------------------------------------------
     async def chat(self, request: ChatCompletionRequest):

@@ -156,6 +156,8 @@ class Speculator:
     def verified(self, request: Request, num_draft_tokens: int, num_accepted: int) -> None:
         """A step verified the request's drafts: its pace and the counters move."""
         request.draft_pace.update(num_draft_tokens, num_accepted)
+        request.num_draft_tokens += num_draft_tokens
+        request.num_accepted_tokens += num_accepted
         self.rate += RATE_WEIGHT * (kept_rate(num_draft_tokens, num_accepted) - self.rate)
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens
