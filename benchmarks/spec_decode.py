@@ -9,8 +9,9 @@ Sections (`--sections`, default all):
   `suffix` engine has then seen earlier answers, as a serving engine has); every configuration's
   tokens are checked equal to those without speculation.
 - `search`: beam search N=16 (width 4, 8 iterations) with the bundled pair on `--problems` test
-  questions, with and without `suffix` speculation (the problem's sibling sequences and earlier
-  outputs): problems/s and accuracy.
+  questions, `--problems-in-flight` at once (32, the runner's default; 1: one question at a time),
+  with and without `suffix` speculation (the problem's sibling sequences and earlier outputs):
+  problems/s and accuracy.
 - `copy`: a random 168M Llama (`treeserve.bench.offline.LONG_PROMPT_SHAPE`) on copy-heavy prompts (a
   random document, then its first half again, as a quote to continue), greedy, at 1, 8 and 64
   requests in flight; treeserve and vLLM CPU (`--peers vllm`, its virtualenv from
@@ -130,7 +131,7 @@ def search(args) -> None:
                                   speculative_config=spec)
             rt = Runtime({"gen": "builtin:arith-gen", "prm": "builtin:arith-prm"}, device="cpu",
                          kv_cache_memory_bytes=256 << 20, max_num_batched_tokens=4096)
-            runner = SearchRunner(rt.engine("gen"), rt.scorer("prm"))
+            runner = SearchRunner(rt.engine("gen"), rt.scorer("prm"), max_problems_in_flight=args.problems_in_flight)
             start = time.perf_counter()
             results = runner.run(questions, config)
             seconds = time.perf_counter() - start
@@ -218,6 +219,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--questions", type=int, default=32, help="bundled: questions after the warm-up")
     parser.add_argument("--problems", type=int, default=100, help="search: test problems")
+    parser.add_argument("--problems-in-flight", type=int, default=32,
+                        help="search: problems searched at once (1: one question at a time, as an interactive user)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64], help="copy: requests in flight")
     parser.add_argument("--peers", nargs="*", default=["vllm"], help="copy: peers to run beside treeserve")
     parser.add_argument("--passes", type=int, default=2, help="copy: passes (engines alternate between passes)")

@@ -39,8 +39,10 @@ def test_sampling_follows_the_distribution():
     request = _requests(params)[0]
     counts = torch.zeros(3)
     sampler = Sampler()
-    for _ in range(3000):
-        counts[sampler(torch.log(probs)[None, :].clone(), [request]).token_ids[0]] += 1
+    for _ in range(3000):  # (a seeded request's draw is keyed by the position it samples: one after another)
+        token = sampler(torch.log(probs)[None, :].clone(), [request]).token_ids[0]
+        counts[token] += 1
+        request.append_output_token(token)
     assert torch.allclose(counts / counts.sum(), probs, atol=0.03)
 
 
@@ -54,8 +56,13 @@ def test_seeded_rows_sample_alike_in_any_batch():
     logits = torch.log(torch.tensor([[0.2, 0.3, 0.5]] * 3))
     sampler, seeded = Sampler(), SamplingParams(temperature=1.0, seed=7)
     alone, mixed = _requests(seeded), _requests(SamplingParams(temperature=1.0), SamplingParams(temperature=1.0), seeded)
-    alone_tokens = [sampler(logits[:1].clone(), alone).token_ids[0] for _ in range(30)]
-    mixed_tokens = [sampler(logits.clone(), mixed).token_ids[2] for _ in range(30)]
+    def tokens(rows, batch, row):
+        out = []
+        for _ in range(30):
+            out.append(sampler(rows.clone(), batch).token_ids[row])
+            batch[row].append_output_token(out[-1])
+        return out
+    alone_tokens, mixed_tokens = tokens(logits[:1], alone, 0), tokens(logits, mixed, 2)
     assert alone_tokens == mixed_tokens and len(set(alone_tokens)) == 3
 
 

@@ -193,6 +193,30 @@ def test_sampled_tokens_keep_the_models_distribution(llama_dir):
     assert_no_leak(llm.engine)
 
 
+@pytest.mark.parametrize("drafts", ["reference", "ngram"])
+def test_seeded_samples_equal_those_without_speculation(llama_dir, drafts):
+    """A seeded request's number for position i is keyed by (seed, i), in the sampler and in the
+    verification alike: its sampled tokens (and logprobs) are those of decoding without
+    speculation, with drafts kept (the reference's own samples, every third spoiled) or not."""
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=40, ignore_eos=True, seed=7, n=2, logprobs=1)
+    plain = _llm(llama_dir).generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    expected = [[c.token_ids for c in o.outputs] for o in plain]
+    llm = _llm(llama_dir, speculative_config=_spec(k=4, prompt_lookup_min=1))
+    llm.engine.speculator.costs.keep_threshold = lambda batch: 0.02
+    if drafts == "reference":
+        _install(llm, ReferenceDrafts(PROMPTS, [[out[0]] for out in expected]))
+    got = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in got] == expected
+    for a, b in zip(plain, got):
+        for x, y in zip(a.outputs, b.outputs):
+            assert all(ex.keys() == ey.keys() for ex, ey in zip(x.logprobs, y.logprobs))
+    stats = llm.engine.stats()
+    assert stats.spec_decode_num_draft_tokens > 0
+    if drafts == "reference":
+        assert stats.spec_decode_num_accepted_tokens > stats.spec_decode_num_drafts
+    assert_no_leak(llm.engine)
+
+
 def _chi_square(observed: list[float], expected: list[float]) -> tuple[float, float]:
     """Pearson's statistic and its p-value (the chi-square survival function is the regularized upper
     incomplete gamma function: Q(df / 2, statistic / 2))."""

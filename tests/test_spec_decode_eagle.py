@@ -131,6 +131,7 @@ def test_every_draft_equals_the_reference_head_on_the_targets_features(llama_dir
     engine = llm.engine
     engine.speculator.costs.keep_threshold = lambda batch: 0.02  # a draft at every step
     proposer = engine.speculator.proposers[engine.speculator.config]
+    proposer.pass_costs.share_of = lambda token_seconds: 0.0  # (and so every step's features kept)
     seen, propose_all = [], proposer.propose_all
 
     def verified_instead(wanted):

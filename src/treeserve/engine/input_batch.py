@@ -1,14 +1,11 @@
 """The model runner's own view of the requests it serves, kept up to date from each `StepData`.
 
 The runner never sees the scheduler's `Request` objects: it holds, per request id, the tokens, the
-block table, how many tokens are computed and the sampling settings, and a seeded request's random
-generator (so it keeps drawing where it left off, across preemptions too).
+block table, how many tokens are computed and the sampling settings.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
 
 from treeserve.engine.step_data import NewRequestData, StepData
 from treeserve.sampling_params import SamplingParams
@@ -27,14 +24,12 @@ class CachedRequestState:
     logits_positions: list[int] | None
     readout_token_ids: list[int] | None
     prompt_logprob_ids: list[int] | None
-    generator: torch.Generator | None = None
 
     @classmethod
     def from_new(cls, new: NewRequestData) -> "CachedRequestState":
-        generator = None if new.params.seed is None else torch.Generator().manual_seed(new.params.seed)
         return cls(new.req_id, list(new.token_ids), new.num_prompt_tokens, list(new.block_ids),
                    new.num_computed_tokens, new.params, tuple(new.eos_token_ids), new.prefill_only,
-                   new.logits_positions, new.readout_token_ids, new.prompt_logprob_ids, generator)
+                   new.logits_positions, new.readout_token_ids, new.prompt_logprob_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -65,7 +65,6 @@ class Request:
     num_accepted_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    generator: torch.Generator | None = None
     output_text: str = ""
     logprobs: list[dict[int, Any]] | None = None
     cumulative_logprob: float = 0.0
@@ -86,8 +85,6 @@ class Request:
         self.output_token_ids: list[int] = []
         self.block_hashes: list[bytes] = []
         self._extra_key = f"{self.cache_namespace}\x00{self.cache_salt or ''}".encode()
-        if self.sampling_params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
         if self.sampling_params.logprobs is not None:
             self.logprobs = []
 

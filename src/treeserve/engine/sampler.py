@@ -2,8 +2,10 @@
 penalties, temperature, top-k/top-p/min-p, seeds, logprobs.
 
 All filtering is batched over the rows. A row samples by inverse transform: one uniform draw
-against its cumulative probabilities. Requests with their own seed draw that number from their
-own generator, so a seeded request samples the same tokens whatever else shares its batch.
+against its cumulative probabilities. A request with its own seed draws the number for the token at
+position i as a hash of (seed, i) (`keyed_uniform`), so a seeded request samples the same tokens
+whatever else shares its batch, across preemptions, and with or without speculative decoding (the
+verification draws each position's number alike: engine/spec_decode/rejection.py).
 
 Nothing here waits on the device row by row: decisions come from the requests' parameters (host
 data), and the sampled ids with every asked logprob reach the host in one copy per step.
@@ -175,12 +177,26 @@ def _on(device, values: list, dtype: torch.dtype | None = None) -> torch.Tensor:
 
 
 def _uniform_draws(requests: list[CachedRequestState], device) -> torch.Tensor:
-    """One uniform number in [0, 1) per row; seeded rows draw theirs from their own generator."""
+    """One uniform number in [0, 1) per row; a seeded row's is keyed by its seed and the position
+    of the token it samples (the request's next)."""
     draws = torch.rand(len(requests), dtype=torch.float64)
     for row, request in enumerate(requests):
-        if request.generator is not None:
-            draws[row] = float(torch.rand((), dtype=torch.float64, generator=request.generator))
+        seed = request.sampling_params.seed
+        if seed is not None:
+            draws[row] = keyed_uniform(seed, request.num_tokens)
     return to_device(draws, device)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def keyed_uniform(seed: int, position: int) -> float:
+    """A uniform number in [0, 1) that is a function of (seed, position) alone: SplitMix64's
+    finalizer over the two mixed (53 bits kept, as a float64 holds)."""
+    z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xD1B54A32D192ED03) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return ((z ^ (z >> 31)) >> 11) * (1.0 / (1 << 53))
 
 
 def _inverse_transform(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:

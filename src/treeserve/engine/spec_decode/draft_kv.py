@@ -94,6 +94,9 @@ class PassDrafter:
     def release(self) -> bool:
         return self.kv.release()
 
+    def verified(self, request: Request, num_accepted: int) -> None:
+        """A step verified the request's drafts (before its computed tokens count them)."""
+
 
 @dataclass
 class PassInputs:

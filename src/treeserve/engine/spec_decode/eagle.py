@@ -98,6 +98,15 @@ class EagleProposer(PassDrafter):
             while len(features) > MAX_CATCH_UP:
                 del features[next(iter(features))]
 
+    def verified(self, request: Request, num_accepted: int) -> None:
+        """The rows of rejected drafts had their features captured: they go (a later step that
+        computes those positions may run without capture, which must leave them unknown, not stale)."""
+        sequence = self.kv.sequences.get(request.request_id)
+        if sequence is not None:
+            last = request.num_computed_tokens + num_accepted  # (the last known token's row and the kept drafts')
+            for position in [p for p in sequence.features if p > last]:
+                del sequence.features[position]
+
     def propose_all(self, wanted: list[tuple[Request, int, float]]) -> list[list[int]]:
         """Up to k draft tokens for each (request, k, threshold): a catch-up pass, then one pass per
         further draft token (greedy: no threshold cuts it)."""

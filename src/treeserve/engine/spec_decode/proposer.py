@@ -36,6 +36,9 @@ class PerRequestProposer:
     def release(self) -> bool:
         return False
 
+    def verified(self, request: Request, num_accepted: int) -> None:
+        """A step verified the request's drafts (before its computed tokens count them)."""
+
 
 class DraftProposer(PerRequestProposer):
     def __init__(self, config: SpeculativeConfig):

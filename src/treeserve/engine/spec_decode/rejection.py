@@ -3,25 +3,26 @@
 A request's k drafts and its last known token run as k + 1 query rows; row i holds the model's
 logits for the token after draft i - 1. Greedy: drafts are kept while each equals the model's
 argmax, then the argmax after the last kept one is appended (the tokens plain decoding would
-have produced). Sampling: a draft proposed with certainty (n-gram drafts have no distribution of
-their own) is kept with probability p(draft); a rejected one is replaced by a draw from p with
-the draft's probability removed, renormalized; after k kept drafts a bonus token is drawn from
-the last row. Each emitted token then has exactly the model's distribution given the tokens
-before it: P(t) = p(d)[t = d] + (1 - p(d)) p(t) / (1 - p(d)) [t != d] = p(t).
+have produced). Sampling: every row samples its token as plain decoding would (inverse transform
+of one uniform number), and a draft is kept while it equals its row's sample; the first row whose
+sample differs emits that sample, and after k kept drafts the last row's sample is the bonus token.
+A draft proposed with certainty (every proposer's drafts are) is then kept with probability p(draft),
+as in speculative sampling, and each emitted token is its row's sample: exactly the model's
+distribution given the tokens before it. The uniform numbers do not depend on the drafts, so a
+seeded request (whose number for position i is a hash of its seed and i: sampler.keyed_uniform)
+emits the very tokens it would without speculation.
 
 A grammar's mask (structured outputs: at each row, what the grammar allows after the drafts before
 it), logit bias, temperature, top-k, top-p and min-p apply per row as in the sampler; requests with
 penalties or min_tokens still to reach get no drafts (engine/spec_decode/speculator.py), and a
-constrained request's drafts stop where its grammar would refuse one.
-A seeded request draws from its own generator (its tokens are reproducible, though not those of a
-run without speculation)."""
+constrained request's drafts stop where its grammar would refuse one."""
 from __future__ import annotations
 
 import torch
 
 from treeserve.engine import structured_outputs
 from treeserve.engine.input_batch import CachedRequestState
-from treeserve.engine.sampler import Sampler, _filter, _inverse_transform, _on
+from treeserve.engine.sampler import Sampler, _filter, _inverse_transform, _on, keyed_uniform
 
 Emitted = list[tuple[int, dict | None]]
 
@@ -82,39 +83,34 @@ def _greedy(drafts: list[int], targets: list[int]) -> list[int]:
 
 
 def _rejection(logits, params, rows, firsts, sampled: list[int], tokens: list[list[int]]) -> None:
-    """The sampling requests' tokens, batched: each draft kept while a uniform draw falls under its
-    probability; then one draw per request from the row after its last kept draft (with a rejected
-    draft's probability removed)."""
+    """The sampling requests' tokens, batched: every row's own sample (its uniform number: a seeded
+    request's keyed by the position it samples), then per request the drafts kept while they equal
+    their rows' samples, and the sample of the row after the last kept one."""
     temperature = _on(logits.device, [1.0 if p.greedy else p.temperature for p in params])
-    probs = torch.softmax(_filter(logits / temperature[:, None], params), dim=-1)
-    draft_rows = [firsts[i] + j for i in sampled for j in range(len(rows[i][1]))]
-    draft_ids = [t for i in sampled for t in rows[i][1]]
-    p_draft = probs[_on(probs.device, draft_rows), _on(probs.device, draft_ids)].tolist() if draft_rows else []
-    final_rows, removed, draws = [], [], []
+    row_ids = [firsts[i] + j for i in sampled for j in range(len(rows[i][1]) + 1)]
+    draws = [u for i in sampled for u in _uniforms(rows[i][0], len(rows[i][1]) + 1)]
+    chosen = _on(logits.device, row_ids)
+    probs = torch.softmax(_filter(logits[chosen] / temperature[chosen, None], [params[r] for r in row_ids]), dim=-1)
+    samples = _inverse_transform(probs, _on(probs.device, draws, torch.float64)).tolist()
     at = 0
     for i in sampled:
-        state, drafts = rows[i]
-        uniforms = _uniforms(len(drafts) + 1, state.generator)
+        drafts = rows[i][1]
         kept = 0
-        while kept < len(drafts) and (uniforms[kept] < p_draft[at + kept] or p_draft[at + kept] >= 1.0):
+        while kept < len(drafts) and drafts[kept] == samples[at + kept]:
             kept += 1
-        at += len(drafts)
-        tokens[i] = drafts[:kept]
-        final_rows.append(firsts[i] + kept)
-        removed.append(drafts[kept] if kept < len(drafts) else -1)
-        draws.append(uniforms[-1])
-    final = probs[_on(probs.device, final_rows)]
-    rejected = [(r, t) for r, t in enumerate(removed) if t >= 0]
-    if rejected:
-        final[_on(probs.device, [r for r, _ in rejected]), _on(probs.device, [t for _, t in rejected])] = 0
-    drawn = _inverse_transform(final, _on(probs.device, draws, torch.float64)).tolist()
-    for i, token in zip(sampled, drawn):
-        tokens[i].append(token)
+        tokens[i] = drafts[:kept] + [samples[at + kept]]
+        at += len(drafts) + 1
 
 
-def _uniforms(count: int, generator: torch.Generator | None) -> list[float]:
-    """`count` draws in [0, 1): a seeded request's from its own generator (reproducible)."""
-    return torch.rand(count, dtype=torch.float64, generator=generator).tolist()
+def _uniforms(state: CachedRequestState, count: int) -> list[float]:
+    """The uniform numbers of a request's `count` rows: row j samples the token at position
+    num_computed_tokens + 1 + j (a seeded request's number is keyed by its seed and that position,
+    as the sampler's)."""
+    seed = state.sampling_params.seed
+    if seed is None:
+        return torch.rand(count, dtype=torch.float64).tolist()
+    first = state.num_computed_tokens + 1
+    return [keyed_uniform(seed, first + j) for j in range(count)]
 
 
 def _logprobs(row: torch.Tensor, token: int, wanted: int) -> dict[int, tuple[float, int]]:

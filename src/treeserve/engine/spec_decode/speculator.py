@@ -12,7 +12,7 @@ from treeserve.engine import structured_outputs
 from treeserve.engine.request import Request
 from treeserve.engine.spec_decode.pace import INITIAL_RATE, DraftPace, kept_rate
 from treeserve.engine.spec_decode.proposer import DraftProposer, PerRequestProposer
-from treeserve.engine.spec_decode.step_costs import DEFAULT_THRESHOLD, StepCosts
+from treeserve.engine.spec_decode.step_costs import StepCosts
 from treeserve.errors import ParamError
 from treeserve.speculative_config import MODEL_METHODS, SpeculativeConfig
 
@@ -73,9 +73,8 @@ class Speculator:
             if config is None:
                 continue
             request.spec_token_ids = []
-            # a seeded request's drafts must not hang on timings: its samples follow from its seed and inputs
-            threshold = DEFAULT_THRESHOLD if request.sampling_params.seed is not None else \
-                measured + self._proposer(config).pass_costs.share_of(token_seconds)
+            # (a seeded request's samples follow from its seed and positions alone, drafts or not: rejection.py)
+            threshold = measured + self._proposer(config).pass_costs.share_of(token_seconds)
             limit = config.disable_by_batch_size
             mine = config == self.config
             anyone |= mine
@@ -148,14 +147,14 @@ class Speculator:
                 or params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1):
             return 0
         left = min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
-        if request.draft_pace is None:  # (a seeded request's drafts follow from it alone, not from other requests)
-            seeded = params.seed is not None
-            request.draft_pace = DraftPace.starting(INITIAL_RATE if seeded else self.rate, threshold)
+        if request.draft_pace is None:
+            request.draft_pace = DraftPace.starting(self.rate, threshold)
         return max(min(request.draft_pace.allowed(threshold, config.num_speculative_tokens), left), 0)
 
     def verified(self, request: Request, num_draft_tokens: int, num_accepted: int) -> None:
         """A step verified the request's drafts: its pace and the counters move."""
         request.draft_pace.update(num_draft_tokens, num_accepted)
+        self.proposers[request.speculative_config].verified(request, num_accepted)
         request.num_draft_tokens += num_draft_tokens
         request.num_accepted_tokens += num_accepted
         self.rate += RATE_WEIGHT * (kept_rate(num_draft_tokens, num_accepted) - self.rate)
