@@ -164,19 +164,27 @@ def _top3(llm, prompt):
 def test_sampled_tokens_keep_the_models_distribution(llama_dir):
     """20,000 draws of three tokens at temperature 1, top_k=3; the second and third come from one
     verified step whose draft for the second is a token the model gives a middling probability
-    (accepted, then a bonus token; or rejected, then a draw from the rest). The joint frequencies
-    against p(t1) p(t2 | t1) p(t3 | t1, t2) from the model's own logprobs: a greedy acceptance rule
-    fails this (checked by hand)."""
+    (kept when its row samples it, then a bonus token; else the row's own sample). The joint
+    frequencies against p(t1) p(t2 | t1) p(t3 | t1, t2) from the model's own logprobs: a greedy
+    acceptance rule fails this (checked by hand)."""
     prompt = [7, 3, 9, 4, 1, 8]
     plain = _llm(llama_dir)
+    second = _top3(plain, prompt + [max(_top3(plain, prompt).items(), key=lambda kv: kv[1])[0]])
+    llm = _llm(llama_dir, max_num_seqs=256, speculative_config=_spec(k=1))
+    _install(llm, FixedDraft(sorted(second, key=second.get)[1]))
+    assert_three_tokens_follow_the_model(plain, llm, prompt)
+    stats = llm.engine.stats()
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens  # both branches ran
+    assert_no_leak(llm.engine)
+
+
+def assert_three_tokens_follow_the_model(plain, llm, prompt) -> None:
+    """20,000 draws of three tokens from `llm` (temperature 1, top_k=3) against the joint
+    distribution `plain` gives them, p(t1) p(t2 | t1) p(t3 | t1, t2): a chi-square test, p > 0.01."""
     expected = {(): 1.0}
     for _ in range(3):
         expected = {seq + (t,): p * q for seq, p in expected.items()
                     for t, q in _top3(plain, prompt + list(seq)).items()}
-    second = _top3(plain, prompt + [max(_top3(plain, prompt).items(), key=lambda kv: kv[1])[0]])
-    draft = sorted(second, key=second.get)[1]
-    llm = _llm(llama_dir, max_num_seqs=256, speculative_config=_spec(k=1))
-    _install(llm, FixedDraft(draft))
     params = SamplingParams(temperature=1.0, top_k=3, max_tokens=3, n=100)
     counts = dict.fromkeys(expected, 0)
     for output in llm.generate([{"prompt_token_ids": prompt}] * 200, params, use_tqdm=False):
@@ -188,9 +196,6 @@ def test_sampled_tokens_keep_the_models_distribution(llama_dir):
     observed, wanted = _binned(counts, {c: expected.get(c, 0.0) * total for c in counts})
     statistic, p_value = _chi_square(observed, wanted)
     assert p_value > 0.01, (statistic, p_value, counts, expected)
-    stats = llm.engine.stats()
-    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens  # both branches ran
-    assert_no_leak(llm.engine)
 
 
 @pytest.mark.parametrize("drafts", ["reference", "ngram"])

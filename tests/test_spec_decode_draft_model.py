@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import assert_no_leak
-from test_spec_decode import PROMPTS, _binned, _chi_square, _llm, _tokens, _top3, thousand_requests_with_aborts
-from treeserve import LLM, SamplingParams
+from test_spec_decode import PROMPTS, _llm, _tokens, assert_three_tokens_follow_the_model, thousand_requests_with_aborts
+from treeserve import SamplingParams
 from treeserve.errors import ParamError
 from treeserve.testing.tiny_models import FAMILIES, make_tiny_model
 
@@ -153,26 +153,11 @@ def test_n_greater_than_one_and_logprobs_equal_decoding_without_speculation(llam
 
 def test_sampled_tokens_keep_the_models_distribution(llama_dir):
     """20,000 draws of three tokens at temperature 1, top_k=3, the target drafting for itself (its
-    greedy token: kept with its probability, else a draw from the rest): the joint frequencies
-    against the model's own p(t1) p(t2 | t1) p(t3 | t1, t2)."""
-    prompt = [7, 3, 9, 4, 1, 8]
-    plain = _llm(llama_dir)
-    expected = {(): 1.0}
-    for _ in range(3):
-        expected = {seq + (t,): p * q for seq, p in expected.items()
-                    for t, q in _top3(plain, prompt + list(seq)).items()}
+    greedy token: kept when its row samples it): the joint frequencies against the model's own
+    p(t1) p(t2 | t1) p(t3 | t1, t2)."""
     llm = _llm(llama_dir, max_num_seqs=256, speculative_config=_draft(llama_dir, k=2))
     llm.engine.speculator.costs.keep_threshold = lambda batch: 0.02  # drafts at every step
-    params = SamplingParams(temperature=1.0, top_k=3, max_tokens=3, n=100)
-    counts = dict.fromkeys(expected, 0)
-    for output in llm.generate([{"prompt_token_ids": prompt}] * 200, params, use_tqdm=False):
-        for c in output.outputs:
-            counts[tuple(c.token_ids)] = counts.get(tuple(c.token_ids), 0) + 1
-    total = sum(counts.values())
-    assert total == 20_000
-    observed, wanted = _binned(counts, {c: expected.get(c, 0.0) * total for c in counts})
-    statistic, p_value = _chi_square(observed, wanted)
-    assert p_value > 0.01, (statistic, p_value, counts, expected)
+    assert_three_tokens_follow_the_model(_llm(llama_dir), llm, [7, 3, 9, 4, 1, 8])
     _partly_kept(llm)
     assert_no_leak(llm.engine)
 

@@ -1,12 +1,13 @@
 """The model runner's own view of the requests it serves, kept up to date from each `StepData`.
 
 The runner never sees the scheduler's `Request` objects: it holds, per request id, the tokens, the
-block table, how many tokens are computed and the sampling settings.
+block table, how many tokens are computed, the sampling settings and a seeded request's numbers.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from treeserve.engine.seeded_draws import SeededDraws
 from treeserve.engine.step_data import NewRequestData, StepData
 from treeserve.sampling_params import SamplingParams
 
@@ -24,12 +25,14 @@ class CachedRequestState:
     logits_positions: list[int] | None
     readout_token_ids: list[int] | None
     prompt_logprob_ids: list[int] | None
+    seeded_draws: SeededDraws | None = None  # a seeded request's uniform numbers by output position
 
     @classmethod
     def from_new(cls, new: NewRequestData) -> "CachedRequestState":
         return cls(new.req_id, list(new.token_ids), new.num_prompt_tokens, list(new.block_ids),
                    new.num_computed_tokens, new.params, tuple(new.eos_token_ids), new.prefill_only,
-                   new.logits_positions, new.readout_token_ids, new.prompt_logprob_ids)
+                   new.logits_positions, new.readout_token_ids, new.prompt_logprob_ids,
+                   SeededDraws.of(new.params.seed))
 
     @property
     def num_tokens(self) -> int:

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from treeserve.engine.seeded_draws import SeededDraws
 from treeserve.sampling_params import SamplingParams
 
 
@@ -61,6 +62,7 @@ class Request:
     draft_group: str | None = None      # speculation's `suffix` drafts from every sequence of this group
     spec_token_ids: list[int] = field(default_factory=list)  # draft tokens its next step verifies
     draft_pace: Any = None              # how far it drafts next (engine/spec_decode/pace.py)
+    seeded_draws: SeededDraws | None = None  # a seeded request's uniform numbers by output position
     num_draft_tokens: int = 0           # draft tokens its steps verified, and how many were kept
     num_accepted_tokens: int = 0
     finish_reason: str | None = None
@@ -85,6 +87,7 @@ class Request:
         self.output_token_ids: list[int] = []
         self.block_hashes: list[bytes] = []
         self._extra_key = f"{self.cache_namespace}\x00{self.cache_salt or ''}".encode()
+        self.seeded_draws = SeededDraws.of(self.sampling_params.seed)  # (the sampler takes a Request too)
         if self.sampling_params.logprobs is not None:
             self.logprobs = []
 

@@ -2,10 +2,10 @@
 penalties, temperature, top-k/top-p/min-p, seeds, logprobs.
 
 All filtering is batched over the rows. A row samples by inverse transform: one uniform draw
-against its cumulative probabilities. A request with its own seed draws the number for the token at
-position i as a hash of (seed, i) (`keyed_uniform`), so a seeded request samples the same tokens
-whatever else shares its batch, across preemptions, and with or without speculative decoding (the
-verification draws each position's number alike: engine/spec_decode/rejection.py).
+against its cumulative probabilities. A request with its own seed draws the number for its k-th
+output token as the k-th number of its seed's generator (`SeededDraws`), so a seeded request samples
+the same tokens whatever else shares its batch, across preemptions, and with or without speculative
+decoding (the verification draws each position's number alike: engine/spec_decode/rejection.py).
 
 Nothing here waits on the device row by row: decisions come from the requests' parameters (host
 data), and the sampled ids with every asked logprob reach the host in one copy per step.
@@ -177,26 +177,13 @@ def _on(device, values: list, dtype: torch.dtype | None = None) -> torch.Tensor:
 
 
 def _uniform_draws(requests: list[CachedRequestState], device) -> torch.Tensor:
-    """One uniform number in [0, 1) per row; a seeded row's is keyed by its seed and the position
-    of the token it samples (the request's next)."""
+    """One uniform number in [0, 1) per row; a seeded row's is its seed's number for the output
+    position it samples (the request's next)."""
     draws = torch.rand(len(requests), dtype=torch.float64)
     for row, request in enumerate(requests):
-        seed = request.sampling_params.seed
-        if seed is not None:
-            draws[row] = keyed_uniform(seed, request.num_tokens)
+        if request.seeded_draws is not None:
+            draws[row] = request.seeded_draws.at(request.num_tokens - request.num_prompt_tokens)
     return to_device(draws, device)
-
-
-_MASK64 = (1 << 64) - 1
-
-
-def keyed_uniform(seed: int, position: int) -> float:
-    """A uniform number in [0, 1) that is a function of (seed, position) alone: SplitMix64's
-    finalizer over the two mixed (53 bits kept, as a float64 holds)."""
-    z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xD1B54A32D192ED03) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return ((z ^ (z >> 31)) >> 11) * (1.0 / (1 << 53))
 
 
 def _inverse_transform(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,7 @@ served lately, as Arctic's suffix decoding keeps a global tree of earlier respon
 drafts of one step."""
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections import OrderedDict
 
 from treeserve.engine.request import Request
@@ -16,7 +17,7 @@ MAX_GROUPS = 256  # draft groups whose index is kept (least recently used droppe
 MAX_GLOBAL_NGRAMS = 1 << 20  # `suffix`: the earlier outputs' index starts afresh beyond this many n-grams
 
 
-class PerRequestProposer:
+class PerRequestProposer(ABC):
     """A proposer that drafts for one request at a time (the Speculator asks for a step's drafts at
     once: `propose_all`), holds no KV (`release` frees nothing) and runs no passes of its own
     (`pass_costs` stays unmeasured)."""
@@ -27,8 +28,9 @@ class PerRequestProposer:
         """Each (request, k, threshold)'s draft, in order."""
         return [self.propose(request, k, threshold) for request, k, threshold in wanted]
 
+    @abstractmethod
     def propose(self, request: Request, k: int, threshold: float) -> list[int]:
-        raise NotImplementedError
+        """Up to `k` draft tokens for the request's next step."""
 
     def retain(self, running: list[Request]) -> None:
         pass

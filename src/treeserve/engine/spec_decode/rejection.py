@@ -9,7 +9,7 @@ sample differs emits that sample, and after k kept drafts the last row's sample 
 A draft proposed with certainty (every proposer's drafts are) is then kept with probability p(draft),
 as in speculative sampling, and each emitted token is its row's sample: exactly the model's
 distribution given the tokens before it. The uniform numbers do not depend on the drafts, so a
-seeded request (whose number for position i is a hash of its seed and i: sampler.keyed_uniform)
+seeded request (whose number for its k-th output token is its seed's k-th: sampler.SeededDraws)
 emits the very tokens it would without speculation.
 
 A grammar's mask (structured outputs: at each row, what the grammar allows after the drafts before
@@ -22,7 +22,7 @@ import torch
 
 from treeserve.engine import structured_outputs
 from treeserve.engine.input_batch import CachedRequestState
-from treeserve.engine.sampler import Sampler, _filter, _inverse_transform, _on, keyed_uniform
+from treeserve.engine.sampler import Sampler, _filter, _inverse_transform, _on
 
 Emitted = list[tuple[int, dict | None]]
 
@@ -104,13 +104,12 @@ def _rejection(logits, params, rows, firsts, sampled: list[int], tokens: list[li
 
 def _uniforms(state: CachedRequestState, count: int) -> list[float]:
     """The uniform numbers of a request's `count` rows: row j samples the token at position
-    num_computed_tokens + 1 + j (a seeded request's number is keyed by its seed and that position,
+    num_computed_tokens + 1 + j (a seeded request's number is its seed's for that output position,
     as the sampler's)."""
-    seed = state.sampling_params.seed
-    if seed is None:
+    if state.seeded_draws is None:
         return torch.rand(count, dtype=torch.float64).tolist()
-    first = state.num_computed_tokens + 1
-    return [keyed_uniform(seed, first + j) for j in range(count)]
+    first = state.num_computed_tokens + 1 - state.num_prompt_tokens
+    return [state.seeded_draws.at(first + j) for j in range(count)]
 
 
 def _logprobs(row: torch.Tensor, token: int, wanted: int) -> dict[int, tuple[float, int]]:
