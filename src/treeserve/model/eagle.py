@@ -26,7 +26,7 @@ from safetensors import safe_open
 from torch import nn
 
 from treeserve.errors import ParamError
-from treeserve.model.hf_config import ModelConfig, _rope_config, read_json
+from treeserve.model.hf_config import ModelConfig, rope_config, read_json
 from treeserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from treeserve.model.packed_linear import pack_linears
 
@@ -60,7 +60,7 @@ def read_eagle_config(path: Path, kind: str, target: ModelConfig) -> EagleConfig
                     intermediate_size=int(raw.get("intermediate_size", 4 * hidden)), num_layers=1, num_heads=heads,
                     num_kv_heads=int(raw.get("num_key_value_heads", heads)),
                     head_dim=int(raw.get("head_dim") or hidden // heads),
-                    rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope=_rope_config(raw, Path(path)),
+                    rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope=rope_config(raw, Path(path)),
                     qkv_bias=bool(raw.get("attention_bias", False)), o_bias=bool(raw.get("attention_bias", False)),
                     mlp_bias=bool(raw.get("mlp_bias", False)), qk_norm=False, sliding_windows=(None,),
                     moe=None, gemma_norms=False, sandwich_norms=False, embed_scale=None, attn_scale=None,

@@ -135,7 +135,8 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _rope_config(raw: dict[str, Any], path: Path) -> RopeConfig:
+def rope_config(raw: dict[str, Any], path: Path) -> RopeConfig:
+    """A config.json's RoPE (`rope_parameters`, or the older `rope_scaling` and `rope_theta`)."""
     params = raw.get("rope_parameters") or {}
     if "full_attention" in params:  # Gemma 3 as transformers 5 writes it: one RoPE per layer type
         params = params["full_attention"]
@@ -286,7 +287,7 @@ def parse_model_config(raw: dict[str, Any], path: Path = Path("config.json")) ->
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            rope=_rope_config(raw, path),
+            rope=rope_config(raw, path),
             qkv_bias=arch in _QWEN2_BODY or bool(raw.get("attention_bias", False)),
             o_bias=arch not in _QWEN2_BODY and bool(raw.get("attention_bias", False)),
             mlp_bias=bool(raw.get("mlp_bias", False)),
