@@ -1,13 +1,15 @@
 """The server with `speculative_config` (what `--speculative-config` gives): the OpenAI conformance
 tests of test_server_openai run against it unchanged, drafts are verified while they run, and
 vLLM's spec-decode counters appear on /metrics."""
+from contextlib import contextmanager
+
 import httpx
 import pytest
 
 from conftest import API_KEY, running_server, wait_idle
 from test_server_openai import *  # noqa: F401,F403  (the conformance tests, run here with speculation)
+from test_spec_decode import price_nothing
 from treeserve.bench.telemetry import parse_prometheus
-from treeserve.engine.spec_decode.step_costs import PassCosts
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -36,8 +38,9 @@ def test_drafts_were_verified_and_counted_on_metrics(server):
     before = parse_prometheus(httpx.get(f"{server.url}/metrics", headers=AUTH).text)
     body = {"model": "tiny", "prompt": "one two three one two three one two", "max_tokens": 48, "temperature": 0,
             "ignore_eos": True}
-    assert httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=60).status_code == 200
-    wait_idle(server.engine)
+    with drafting_always(server.engine.speculator):
+        assert httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=60).status_code == 200
+        wait_idle(server.engine)
     after = parse_prometheus(httpx.get(f"{server.url}/metrics", headers=AUTH).text)
     label = '{model_name="tiny"}'
     names = [f"treeserve:spec_decode_num_{what}_total{label}" for what in ("drafts", "draft_tokens", "accepted_tokens")]
@@ -71,17 +74,17 @@ def test_each_reply_reports_its_own_drafts_and_treeserve_bench_reads_them(server
     """usage.completion_tokens_details' accepted_/rejected_prediction_tokens (OpenAI's fields for
     predicted tokens) carry the request's own speculation, streamed or not; `treeserve bench` records
     them per request and summarises their spread beside the server's counters."""
+    with drafting_always(server.engine.speculator):
+        _each_reply_reports_its_drafts(server, tmp_path)
+
+
+def _each_reply_reports_its_drafts(server, tmp_path):
     import json
 
     from openai import OpenAI
 
     from treeserve.bench.run import BenchConfig, run_benchmark
 
-    speculator = server.engine.speculator
-    proposer = speculator.proposers[speculator.config]
-    speculator.costs.keep_threshold = lambda batch: 0.02  # drafts at every step, whatever they cost
-    proposer.pass_costs = PassCosts()
-    proposer.pass_costs.share_of = lambda token_seconds: 0.0
     client = OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY)
     kwargs = dict(model="tiny", prompt="one two three one two three one two", max_tokens=48, temperature=0,
                   extra_body={"ignore_eos": True})
@@ -100,5 +103,17 @@ def test_each_reply_reports_its_own_drafts_and_treeserve_bench_reads_them(server
     assert rates["count"] >= 1 and 0 <= rates["p10"] <= rates["median"] <= rates["p90"] <= 1
     rows = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
     assert any(row["accepted_draft_tokens"] is not None for row in rows)
-    del speculator.costs.keep_threshold  # (the measured costs again, for the tests after this one)
-    proposer.pass_costs = PassCosts()
+
+
+@contextmanager
+def drafting_always(speculator):
+    """Drafts at every step, whatever rows and passes cost (the module's server serves the other
+    tests with its measured costs again afterwards)."""
+    proposer = speculator.proposers[speculator.config]
+    measured = proposer.pass_costs
+    price_nothing(speculator)
+    try:
+        yield
+    finally:
+        del speculator.costs.keep_threshold
+        proposer.pass_costs = measured

@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import assert_no_leak
-from test_spec_decode import PROMPTS, _llm, _tokens, assert_three_tokens_follow_the_model, thousand_requests_with_aborts
+from test_spec_decode import (PROMPTS, _llm, _tokens, assert_three_tokens_follow_the_model, draft_always,
+                              thousand_requests_with_aborts)
 from treeserve import SamplingParams
 from treeserve.errors import ParamError
 from treeserve.testing.tiny_models import FAMILIES, make_tiny_model
@@ -45,6 +46,11 @@ def drafts(tiny_model_dirs, tmp_path_factory):
             "perturbed": _perturbed_copy(tiny_model_dirs["llama"], root / "perturbed", scale=0.2)}
 
 
+def _drafting(path, **options):
+    """An LLM drafting with a draft model at every step, whatever it costs (draft_always)."""
+    return draft_always(_llm(path, **options))
+
+
 def _draft(model, k=4):
     return {"method": "draft_model", "model": str(model), "num_speculative_tokens": k}
 
@@ -58,12 +64,12 @@ def _counts(llm):
 def test_greedy_tokens_equal_decoding_without_speculation(tiny_model_dirs, tmp_path, family):
     path = tiny_model_dirs[family]
     expected = _tokens(_llm(path))
-    itself = _llm(path, speculative_config=_draft(path))
+    itself = _drafting(path, speculative_config=_draft(path))
     assert _tokens(itself) == expected
     drafted, accepted = _counts(itself)
     assert drafted > 0 and accepted == drafted, "the target drafting for itself: every draft token is kept"
     assert_no_leak(itself.engine)
-    stranger = _llm(path, speculative_config=_draft(_stranger(path, tmp_path / "stranger")))
+    stranger = _drafting(path, speculative_config=_draft(_stranger(path, tmp_path / "stranger")))
     assert _tokens(stranger) == expected
     assert _counts(stranger)[0] > 0
     assert_no_leak(stranger.engine)
@@ -80,7 +86,7 @@ def _partly_kept(llm):
 
 
 def test_a_draft_that_agrees_sometimes_keeps_the_tokens(llama_dir, drafts, reference):
-    llm = _llm(llama_dir, speculative_config=_draft(drafts["perturbed"]))
+    llm = _drafting(llama_dir, speculative_config=_draft(drafts["perturbed"]))
     assert _tokens(llm) == reference
     _partly_kept(llm)
     stats = llm.engine.stats()
@@ -89,7 +95,7 @@ def test_a_draft_that_agrees_sometimes_keeps_the_tokens(llama_dir, drafts, refer
 
 
 def test_chunked_prefill_and_prefix_cache_hits_keep_the_tokens(llama_dir, drafts, reference):
-    llm = _llm(llama_dir, max_num_batched_tokens=7, speculative_config=_draft(drafts["perturbed"]))
+    llm = _drafting(llama_dir, max_num_batched_tokens=7, speculative_config=_draft(drafts["perturbed"]))
     assert _tokens(llm) == reference
     hits = llm.engine.stats().prefix_hits
     assert _tokens(llm) == reference
@@ -102,8 +108,8 @@ def test_preemption_keeps_the_tokens(llama_dir, drafts, reference):
     """A pool of 8 blocks for 4 requests: the draft takes blocks only while the target's requests
     have room, the target preempts; the tokens are the same and nothing is left held."""
     per_block = (8 << 20) // _llm(llama_dir).engine.kv.pool.num_blocks
-    llm = _llm(llama_dir, kv_cache_memory_bytes=per_block * 8, max_model_len=128,
-               speculative_config=_draft(drafts["perturbed"]))
+    llm = _drafting(llama_dir, kv_cache_memory_bytes=per_block * 8, max_model_len=128,
+                    speculative_config=_draft(drafts["perturbed"]))
     assert _tokens(llm) == reference
     assert llm.engine.scheduler.num_preemptions > 0
     _partly_kept(llm)
@@ -113,7 +119,7 @@ def test_preemption_keeps_the_tokens(llama_dir, drafts, reference):
 def test_the_draft_kv_is_the_first_thing_reclaimed(llama_dir, drafts, reference):
     """When the scheduler runs short it reclaims (engine.reclaim_one): the draft's blocks go first,
     and the requests go on to the same tokens (their drafts' KV made again)."""
-    llm = _llm(llama_dir, speculative_config=_draft(drafts["perturbed"]))
+    llm = _drafting(llama_dir, speculative_config=_draft(drafts["perturbed"]))
     engine = llm.engine
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"r{i}", list(prompt), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
@@ -138,7 +144,7 @@ def _owner(engine):
 def test_n_greater_than_one_and_logprobs_equal_decoding_without_speculation(llama_dir, drafts):
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, n=3, logprobs=2)
     plain = _llm(llama_dir).generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    llm = _llm(llama_dir, speculative_config=_draft(drafts["perturbed"]))
+    llm = _drafting(llama_dir, speculative_config=_draft(drafts["perturbed"]))
     speculated = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     for a, b in zip(plain, speculated):
         for x, y in zip(a.outputs, b.outputs):
@@ -155,16 +161,15 @@ def test_sampled_tokens_keep_the_models_distribution(llama_dir):
     """20,000 draws of three tokens at temperature 1, top_k=3, the target drafting for itself (its
     greedy token: kept when its row samples it): the joint frequencies against the model's own
     p(t1) p(t2 | t1) p(t3 | t1, t2)."""
-    llm = _llm(llama_dir, max_num_seqs=256, speculative_config=_draft(llama_dir, k=2))
-    llm.engine.speculator.costs.keep_threshold = lambda batch: 0.02  # drafts at every step
+    llm = _drafting(llama_dir, max_num_seqs=256, speculative_config=_draft(llama_dir, k=2))
     assert_three_tokens_follow_the_model(_llm(llama_dir), llm, [7, 3, 9, 4, 1, 8])
     _partly_kept(llm)
     assert_no_leak(llm.engine)
 
 
 def test_no_block_leaks_after_a_thousand_requests_with_aborts(llama_dir, drafts):
-    llm = _llm(llama_dir, speculative_config=_draft(drafts["perturbed"], k=6))
-    engine = thousand_requests_with_aborts(llm.engine, max_tokens=20)
+    llm = _drafting(llama_dir, speculative_config=_draft(drafts["perturbed"], k=6))
+    engine = thousand_requests_with_aborts(llm, max_tokens=20)
     _partly_kept(llm)
     assert not next(iter(engine.speculator.proposers.values())).sequences
     assert_no_leak(engine)

@@ -238,7 +238,7 @@ def test_no_block_leaks_after_a_thousand_requests_with_aborts(llama_dir, tmp_pat
     from test_spec_decode import thousand_requests_with_aborts
 
     llm = _llm(llama_dir, speculative_config=_spec("eagle3", _head("eagle3", llama_dir, tmp_path), k=4))
-    engine = thousand_requests_with_aborts(llm.engine, max_tokens=20)
+    engine = thousand_requests_with_aborts(llm, max_tokens=20)
     assert engine.stats().spec_decode_num_draft_tokens > 1000
     assert not engine.speculator.proposers[engine.speculator.config].sequences
     assert_no_leak(engine)

@@ -6,8 +6,7 @@ and nothing is left held."""
 import pytest
 
 from conftest import assert_no_leak
-from test_spec_decode import _llm, _tokens
-from treeserve.engine.spec_decode.step_costs import PassCosts
+from test_spec_decode import _llm, _tokens, draft_always
 from treeserve.testing.tiny_models import GEMMA_FAMILIES, MOE_FAMILIES, make_tiny_eagle_head, make_tiny_model
 
 OTHER_FAMILIES = ("phi3",) + GEMMA_FAMILIES + MOE_FAMILIES
@@ -28,8 +27,7 @@ def _configs(target, tmp_path):
 def test_greedy_tokens_equal_decoding_without_speculation(target, tmp_path):
     expected = _tokens(_llm(target))
     for method, config in _configs(target, tmp_path).items():
-        llm = _llm(target, speculative_config=config)
-        _draft_always(llm.engine.speculator)
+        llm = draft_always(_llm(target, speculative_config=config))
         assert _tokens(llm) == expected, method
         assert _tokens(llm) == expected, method  # prefix-cache hits
         stats = llm.engine.stats()
@@ -38,10 +36,3 @@ def test_greedy_tokens_equal_decoding_without_speculation(target, tmp_path):
             assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
         assert_no_leak(llm.engine)
 
-
-def _draft_always(speculator) -> None:
-    """Drafts at every step, whatever rows and passes cost."""
-    speculator.costs.keep_threshold = lambda batch: 0.02
-    proposer = speculator.proposers[speculator.config]
-    proposer.pass_costs = PassCosts()
-    proposer.pass_costs.share_of = lambda token_seconds: 0.0
