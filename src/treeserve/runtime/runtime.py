@@ -55,7 +55,7 @@ class Runtime:
         try:  # anything failing from here stops the tensor-parallel workers it started
             loaded = {name: given[name] if name in given else load_model(configs[name], name, self.executor)
                       for name in models}
-            _drafts_for_their_tokenizer(loaded)
+            _drafters_where_they_fit(loaded)
             self.memory = self._account(loaded, kv_cache_memory_bytes, memory_utilization)
             if kv_mode == "shared":
                 self.engines = self._build_shared(loaded)
@@ -204,7 +204,7 @@ def _fractions(given: dict[str, float] | None, names: list[str]) -> dict[str, fl
     return dict(given)
 
 
-def _drafts_for_their_tokenizer(loaded: dict[str, LoadedModel]) -> None:
+def _drafters_where_they_fit(loaded: dict[str, LoadedModel]) -> None:
     """A drafter (`speculative_config` with a `model`: a draft model, an EAGLE head) drafts for the
     models it fits (a search's generator); the others (a PRM of another family) decode without
     one, said in the log. Fitting no model is an error (from the first engine)."""

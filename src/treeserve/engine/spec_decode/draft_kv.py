@@ -18,6 +18,9 @@ from treeserve.engine.request import Request
 from treeserve.engine.spec_decode.step_costs import PassCosts
 from treeserve.model.transfer import to_device
 
+# positions one request feeds a drafter in one proposal (a longer backlog, a prompt's: in chunks, no draft yet)
+MAX_CATCH_UP = 2048
+
 
 @dataclass
 class DraftSequence:

@@ -20,7 +20,8 @@ from treeserve.config import EngineConfig
 from treeserve.engine.kv_space import KVSpace
 from treeserve.engine.loaded_model import LoadedModel, describe_model, load_weights
 from treeserve.engine.request import Request
-from treeserve.engine.spec_decode.draft_kv import DraftKV, DraftSequence, PassDrafter, flat_order, pass_inputs
+from treeserve.engine.spec_decode.draft_kv import (MAX_CATCH_UP, DraftKV, DraftSequence, PassDrafter, flat_order,
+                                                   pass_inputs)
 from treeserve.errors import ParamError
 from treeserve.model.loader import load_tokenizer
 from treeserve.model.registry import resolve_model_path
@@ -28,8 +29,6 @@ from treeserve.model.transfer import to_device
 from treeserve.speculative_config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
-
-MAX_CATCH_UP = 2048  # tokens one request feeds the draft model in one proposal (a longer prompt: in chunks, no draft)
 
 
 @dataclass

@@ -24,7 +24,8 @@ import torch
 from treeserve.engine.kv_space import KVSpace
 from treeserve.engine.loaded_model import LoadedModel
 from treeserve.engine.request import Request
-from treeserve.engine.spec_decode.draft_kv import DraftKV, DraftSequence, PassDrafter, flat_order, pass_inputs
+from treeserve.engine.spec_decode.draft_kv import (MAX_CATCH_UP, DraftKV, DraftSequence, PassDrafter, flat_order,
+                                                   pass_inputs)
 from treeserve.errors import ParamError
 from treeserve.model.eagle import check_eagle_checkpoint, load_eagle_head, read_eagle_config
 from treeserve.model.registry import resolve_model_path
@@ -32,8 +33,6 @@ from treeserve.model.transfer import to_device
 from treeserve.speculative_config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
-
-MAX_CATCH_UP = 2048  # positions one request feeds the head in one proposal (more: in chunks, no draft)
 
 
 @dataclass
