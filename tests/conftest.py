@@ -35,7 +35,7 @@ torch.set_num_threads(min(2, THREADS))
 HEAVY_FILES = ("test_lifecycle.py", "test_bundled_models.py", "test_gateway_schemathesis.py",  # 120-160 s
                "test_train_script.py", "test_triton_parity.py", "test_tensor_parallel.py", "test_lm_eval.py",
                "test_gateway.py", "test_readme.py", "test_rolling_restart.py", "test_server_tool_calls.py",
-               "test_chat_api.py",
+               "test_chat_api.py", "test_agent_apis.py",
                "test_drain.py", "test_chat_browser.py", "test_triton_kernels.py", "test_guidellm.py",  # 35-50 s
                "test_tensor_parallel_ray.py", "test_schemathesis.py", "test_server_structured_outputs.py",
                "test_gateway_failover.py", "test_gateway_broker.py", "test_tensor_parallel_faults.py")

@@ -23,10 +23,12 @@ from treeserve.gateway.http_errors import install_domain_error_handlers
 from treeserve.gateway.key_cache import KeyCache
 from treeserve.gateway.metrics import GatewayMetrics
 from treeserve.gateway.proxy import Forwarder
-from treeserve.gateway.routes import openai_routes, operator_routes
+from treeserve.gateway.response_store import DatabaseResponseStore
+from treeserve.gateway.routes import MAX_BODY_BYTES, openai_routes, operator_routes
 from treeserve.gateway.routing import Router
 from treeserve.gateway.service import GatewayService
 from treeserve.gateway.store import Store
+from treeserve.gateway.translated_routes import REQUEST_MODELS as TRANSLATED_MODELS, translated_routes
 from treeserve.gateway.upstreams import Upstreams
 from treeserve.wire import openapi
 from treeserve.wire.drain import Drain, DrainMiddleware
@@ -59,10 +61,11 @@ def build_app(config: GatewayConfig, store: Store | None = None) -> FastAPI:
                                     on_change=keys.clear, priced=config.priced))
     app.include_router(operator_routes(router, metrics, drain, auth))
     app.include_router(openai_routes(config, service, auth))
+    app.include_router(translated_routes(service, auth, DatabaseResponseStore(store.db), MAX_BODY_BYTES))
     # /openapi.json describes the OpenAI routes' bodies as a treeserve server takes them (the gateway
     # itself reads only `model`, `verifier`, `stream` and the token bounds, and passes the rest on)
     openapi.install(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
-                          "/v1/search": SearchRequest, "/v1/rewards": RewardRequest})
+                          "/v1/search": SearchRequest, "/v1/rewards": RewardRequest} | TRANSLATED_MODELS)
     if chat is not None:
         app.include_router(chat.router)
     return app

@@ -22,6 +22,11 @@ def bearer(request: Request) -> str | None:
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
+def client_key(request: Request) -> str | None:
+    """The key a client sent: `Authorization: Bearer KEY`, or Anthropic's `x-api-key: KEY`."""
+    return bearer(request) or request.headers.get("x-api-key", "").strip() or None
+
+
 class Auth:
     def __init__(self, master_key: str | None, accounts: Accounts, keys: KeyCache):
         self.master_key, self.accounts, self.keys = master_key, accounts, keys
@@ -38,9 +43,10 @@ class Auth:
 
     async def require_key(self, request: Request) -> KeyRecord:
         """The key's record (MASTER for the master key); 401 for a missing, unknown, expired or blocked key."""
-        token = bearer(request)
+        token = client_key(request)
         if token is None:
-            raise APIError(401, "missing API key: send 'Authorization: Bearer KEY'", code="invalid_api_key")
+            raise APIError(401, "missing API key: send 'Authorization: Bearer KEY' (or 'x-api-key: KEY')",
+                           code="invalid_api_key")
         if self.master_key and same_secret(token, self.master_key):
             return MASTER
         key = self.keys.get(token)

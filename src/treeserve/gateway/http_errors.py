@@ -7,7 +7,7 @@ from fastapi import FastAPI, Request
 from treeserve.gateway.errors import (AccountGone, BudgetExceeded, ChatKeyBlocked, ConversationNotFound, GatewayError,
                                       KeyNotFound, LimitExceeded, ParallelLimitExceeded, RateLimitExceeded,
                                       UserExists, UserNotFound)
-from treeserve.wire.errors import APIError, error_response, from_value_error
+from treeserve.wire.errors import APIError, error_response_for, from_value_error
 
 # error class -> (HTTP status, OpenAI error code); a subclass not listed answers as its parent
 HTTP_STATUS: dict[type[GatewayError], tuple[int, str | None]] = {
@@ -32,17 +32,17 @@ def to_api_error(exc: GatewayError) -> APIError:
 
 
 def install_domain_error_handlers(app: FastAPI) -> None:
-    """Domain errors and ValueErrors (a ParamError names its parameter) as OpenAI error bodies."""
+    """Domain errors and ValueErrors (a ParamError names its parameter) as error bodies (OpenAI's,
+    Anthropic's on its routes)."""
 
     @app.exception_handler(GatewayError)
-    async def _refused(_: Request, exc: GatewayError):
-        return _response(to_api_error(exc))
+    async def _refused(request: Request, exc: GatewayError):
+        return _response(request, to_api_error(exc))
 
     @app.exception_handler(ValueError)
-    async def _bad_value(_: Request, exc: ValueError):
-        err = from_value_error(exc)
-        return error_response(err.status, err.message, err.param, err.code)
+    async def _bad_value(request: Request, exc: ValueError):
+        return _response(request, from_value_error(exc))
 
 
-def _response(err: APIError):
-    return error_response(err.status, err.message, err.param, err.code, err.headers)
+def _response(request: Request, err: APIError):
+    return error_response_for(request.url.path, err.status, err.message, err.param, err.code, err.headers)

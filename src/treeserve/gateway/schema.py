@@ -170,3 +170,16 @@ class ChatMessage(Base):
     completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
     details: Mapped[dict] = mapped_column(JSON, default=dict)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+
+
+class StoredResponse(Base):
+    """A Responses API response kept for `previous_response_id`, retrieve and delete: readable only
+    with the key that made it (`api_key_id`; NULL for the master key). `history` is the chat messages
+    a following response continues from."""
+    __tablename__ = "stored_responses"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    api_key_id: Mapped[int | None] = mapped_column(ForeignKey("api_keys.id", ondelete="CASCADE"), index=True)
+    response: Mapped[dict] = mapped_column(JSON)
+    history: Mapped[list] = mapped_column(JSON)
+    input_items: Mapped[list] = mapped_column(JSON)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))

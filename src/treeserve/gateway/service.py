@@ -19,7 +19,7 @@ from treeserve.gateway.errors import GatewayError
 from treeserve.gateway.http_errors import to_api_error
 from treeserve.gateway.keys import KeyRecord
 from treeserve.gateway.metrics import GatewayMetrics
-from treeserve.gateway.proxy import Forwarder
+from treeserve.gateway.proxy import Forwarder, new_request_id
 from treeserve.gateway.routing import Router, affinity_key
 from treeserve.gateway.settlement import Reservation
 from treeserve.wire.errors import APIError
@@ -44,6 +44,16 @@ class GatewayService:
         admitted = Admitted(key, reservation, model, ROUTES[path], bool(body.get("stream")))
         return await self.forwarder.forward(path, body, model, affinity_key(body),
                                             self.accounting.settle_once(admitted), started, admitted.request_id)
+
+    async def count_tokens(self, body: dict, key: KeyRecord) -> Response:
+        """A backend's `/tokenize` of a chat's messages and tools: the model checked against the key
+        as for a request; neither admitted nor billed (nothing is generated)."""
+        model = self._checked_model(body, key)
+
+        async def settle(_) -> None:
+            return None
+        return await self.forwarder.forward("/tokenize", body, model, None, settle, time.perf_counter(),
+                                            new_request_id())
 
     def _checked_model(self, body: dict, key: KeyRecord) -> str:
         model = body.get("model")

@@ -14,6 +14,7 @@ from treeserve.server.routes import REQUEST_MODELS, ServedModels, not_found_rout
 from treeserve.server.serving import OpenAIServing
 from treeserve.server.serving_search import SearchServing
 from treeserve.server.tool_calls import ToolSettings
+from treeserve.server.translated_routes import REQUEST_MODELS as TRANSLATED_MODELS, messages_routes, responses_routes
 from treeserve.wire import openapi
 from treeserve.wire.drain import Drain, DrainMiddleware
 from treeserve.wire.errors import install_error_handlers
@@ -38,7 +39,10 @@ def create_app(engine: AsyncLLMEngine, served: dict[str, LLMEngine], api_keys: l
         app.add_middleware(APIKeyMiddleware, keys=keys)
     app.add_middleware(DrainMiddleware, drain=drain)  # added last: the outermost, so it counts every request
     app.include_router(operator_routes(engine, drain, metrics))
-    app.include_router(openai_routes(ServedModels(servings, searches), max_body_bytes))
-    openapi.install(app, REQUEST_MODELS)
+    served_models = ServedModels(servings, searches)
+    app.include_router(openai_routes(served_models, max_body_bytes))
+    app.include_router(responses_routes(served_models, max_body_bytes))
+    app.include_router(messages_routes(served_models, max_body_bytes))
+    openapi.install(app, REQUEST_MODELS | TRANSLATED_MODELS)
     app.include_router(not_found_route())
     return app

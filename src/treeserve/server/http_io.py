@@ -7,7 +7,7 @@ import hmac
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from treeserve.wire.errors import APIError, error_response, from_validation_error
+from treeserve.wire.errors import APIError, error_response_for, from_validation_error
 
 MAX_BODY_BYTES = 2 << 20
 OPEN_PATHS = {"/health", "/health/ready"}  # the probes a load balancer sends
@@ -22,7 +22,8 @@ def keys_match(presented: str, keys: list[str]) -> bool:
 
 
 class APIKeyMiddleware:
-    """Every route but the probes (/health, /health/ready) needs `Authorization: Bearer KEY`. A plain ASGI middleware: it leaves
+    """Every route but the probes (/health, /health/ready) needs `Authorization: Bearer KEY` (or
+    Anthropic's `x-api-key: KEY`). A plain ASGI middleware: it leaves
     the request's receive channel alone, so handlers see a client's disconnect."""
 
     def __init__(self, app, keys: list[str]):
@@ -30,16 +31,19 @@ class APIKeyMiddleware:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and not self._authorised(scope):
-            response = error_response(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
-                                      code="invalid_api_key")
+            response = error_response_for(scope["path"], 401, "missing or invalid API key (send "
+                                          "'Authorization: Bearer KEY', or 'x-api-key: KEY')", code="invalid_api_key")
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
     def _authorised(self, scope) -> bool:
-        header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-        scheme, _, token = header.partition(" ")
-        return scheme.lower() == "bearer" and keys_match(token.strip(), self.keys)
+        headers = dict(scope["headers"])
+        scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+        if scheme.lower() == "bearer":
+            return keys_match(token.strip(), self.keys)
+        key = headers.get(b"x-api-key", b"").decode("latin-1").strip()  # Anthropic's clients send this
+        return bool(key) and keys_match(key, self.keys)
 
 
 async def read_body(request: Request, limit: int) -> bytes:

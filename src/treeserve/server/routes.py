@@ -1,5 +1,5 @@
 """The server's routes: the operator's (health probes, version, metrics) and the OpenAI ones (models,
-chat and completions, search and rewards, tokenize), over `ServedModels`, which finds a request's
+chat and completions, search, rewards and scores, tokenize), over `ServedModels`, which finds a request's
 served model by its `model` field."""
 from __future__ import annotations
 
@@ -14,15 +14,17 @@ from treeserve.engine.async_engine import AsyncLLMEngine
 from treeserve.server.http_io import parse
 from treeserve.server.metrics import ServerMetrics
 from treeserve.server.serving import OpenAIServing, unknown_model
+from treeserve.server.serving_rewards import RewardServing
 from treeserve.server.serving_search import SearchServing
 from treeserve.wire.drain import Drain, readiness
 from treeserve.wire.errors import APIError, error_response
-from treeserve.wire.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, RewardRequest,
-                                     SearchRequest, TokenizeRequest)
+from treeserve.wire.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, PoolingRequest,
+                                     RewardRequest, ScoreRequest, SearchRequest, TokenizeRequest)
 
 # the request bodies of the routes below, for /openapi.json
 REQUEST_MODELS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
-                  "/v1/rewards": RewardRequest, "/v1/search": SearchRequest, "/tokenize": TokenizeRequest,
+                  "/v1/rewards": RewardRequest, "/pooling": PoolingRequest, "/v1/score": ScoreRequest,
+                  "/v1/search": SearchRequest, "/tokenize": TokenizeRequest,
                   "/detokenize": DetokenizeRequest}
 
 
@@ -32,6 +34,8 @@ class ServedModels:
     def __init__(self, servings: dict[str, OpenAIServing], searches: dict[str, SearchServing]):
         self.servings, self.searches = servings, searches
         self.created = int(time.time())
+        first = next(iter(searches.values()), None)
+        self.scoring = RewardServing(first.engine, first.scorers) if first is not None else None
 
     def serving(self, model: str | None) -> OpenAIServing:
         if model is None:
@@ -44,6 +48,13 @@ class ServedModels:
         if not self.searches:
             raise APIError(400, "search: this server was started without search serving", code="unsupported")
         return self.searches[model] if model is not None else next(iter(self.searches.values()))
+
+    def rewards(self, model: str) -> RewardServing:
+        if self.scoring is None:
+            raise APIError(400, "model: this server was started without reward models", param="model",
+                           code="unsupported")
+        self.serving(model)
+        return self.scoring
 
     def card(self, name: str) -> dict:
         return {"id": name, "object": "model", "created": self.created, "owned_by": "treeserve",
@@ -104,8 +115,17 @@ def openai_routes(served: ServedModels, max_body_bytes: int) -> APIRouter:
     @router.post("/v1/rewards")
     async def rewards(request: Request):
         body = await parse(request, RewardRequest, max_body_bytes)
-        served.serving(body.model)
-        return await served.search(None).rewards(body)
+        return await served.rewards(body.model).rewards(body)
+
+    @router.post("/pooling")
+    async def pooling(request: Request):
+        body = await parse(request, PoolingRequest, max_body_bytes)
+        return await served.rewards(body.model).pooling(body)
+
+    @router.post("/v1/score")
+    async def score(request: Request):
+        body = await parse(request, ScoreRequest, max_body_bytes)
+        return await served.rewards(body.model).score_candidates(body)
 
     @router.post("/v1/search")
     async def search(request: Request):

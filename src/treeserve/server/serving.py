@@ -8,6 +8,7 @@ import uuid
 from typing import AsyncIterator
 
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
 
 from treeserve.engine.async_engine import AsyncLLMEngine, QueueFullError
 from treeserve.engine.detokenizer import stop_hold_back
@@ -16,7 +17,7 @@ from treeserve.errors import ParamError
 from treeserve.model.registry import BUILTIN_PREFIX
 from treeserve.outputs import CompletionOutput, RequestOutput
 from treeserve.sampling_params import SamplingParams
-from treeserve.wire.errors import APIError, from_value_error
+from treeserve.wire.errors import APIError, from_validation_error, from_value_error
 from treeserve.entrypoints.chat_utils import render_chat
 from treeserve.wire.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, Tool, template_messages
 from treeserve.server.tool_calls import ToolCallStream, ToolCalling, ToolSettings, special_tokens
@@ -154,6 +155,21 @@ class OpenAIServing:
 
     # ---- chat -------------------------------------------------------------------------------
     async def chat(self, request: ChatCompletionRequest):
+        result = await self.chat_result(request)
+        return JSONResponse(result) if isinstance(result, dict) else _sse(result)
+
+    async def chat_body(self, body: dict) -> dict | AsyncIterator[dict]:
+        """`chat_result` for a body another API translated (wire/responses.py, wire/messages.py)."""
+        return await self.chat_result(_chat_request(body))
+
+    def render_body(self, body: dict) -> list[int]:
+        """The prompt tokens of a translated chat body (its messages and tools)."""
+        request = _chat_request(body)
+        return self.render(request.messages, request.tools)
+
+    async def chat_result(self, request: ChatCompletionRequest) -> dict | AsyncIterator[dict]:
+        """The reply's body, or (streamed) its chunks: what /v1/chat/completions sends, and what the
+        Responses and Messages APIs translate (wire/responses.py, wire/messages.py)."""
         self.check_model(request.model)
         try:
             tools = ToolCalling.from_request(request, self.tool_settings, self.special_tokens)
@@ -170,7 +186,7 @@ class OpenAIServing:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         stream = self._merged([ids], params, rid, [None])
         if request.stream:
-            return _sse(self._chat_chunks(rid, stream, params, request.include_usage, request.continuous_usage, tools))
+            return self._chat_chunks(rid, stream, params, request.include_usage, request.continuous_usage, tools)
         finals = {i: out async for i, out in stream if out.finished}
         output = finals[0]
         choices = []
@@ -184,7 +200,7 @@ class OpenAIServing:
                 "choices": choices, "usage": self._usage(finals)}
         if params.prompt_logprobs is not None:
             body["prompt_logprobs"] = prompt_logprobs_json(output)
-        return JSONResponse(body)
+        return body
 
     async def _chat_chunks(self, rid, stream, params: SamplingParams, include_usage: bool, continuous: bool = False,
                            tools: ToolCalling | None = None):
@@ -378,6 +394,13 @@ def _text_delta(c: CompletionOutput, sent: dict, hold: int, key=None) -> tuple[s
     end = len(c.text) if finished else max(already, len(c.text) - hold)
     sent[key] = end
     return c.text[already:end], finished
+
+
+def _chat_request(body: dict) -> ChatCompletionRequest:
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from exc
 
 
 def _sse(chunks) -> StreamingResponse:

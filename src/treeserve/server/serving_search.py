@@ -26,7 +26,7 @@ from treeserve.search.progress import SearchProgress
 from treeserve.search.runner import SearchHandle, SearchRunner
 from treeserve.search.tree import SearchResult
 from treeserve.wire.errors import ERROR_TYPES, APIError, from_value_error
-from treeserve.wire.protocol import RewardRequest, SearchRequest, template_messages
+from treeserve.wire.protocol import SearchRequest, template_messages
 
 
 
@@ -85,18 +85,6 @@ class SearchServing:
             return StreamingResponse(self._sse(first, events, verifier, config), media_type="text/event-stream")
         result = await self._wait_for_result(events, request)
         return JSONResponse(search_response(self.model_name, verifier, config, result))
-
-    async def rewards(self, body: RewardRequest) -> dict:
-        scorer = self.scorers.get(body.model)
-        if scorer is None:
-            raise APIError(400, f"model: '{body.model}' is not served as a reward model", param="model")
-        steps = list(body.steps)
-        try:
-            scorer.require_readable(body.question, steps)
-            scores = await self._score(scorer, body.question, steps)
-        except ValueError as exc:
-            raise from_value_error(exc) from exc
-        return {"object": "reward", "model": body.model, "recipe": scorer.recipe.name, "scores": scores}
 
     # ---- helpers ---------------------------------------------------------------------------
     def _scorer_and_config(self, body: SearchRequest, system: str | None) -> tuple[StepScorer | None, SearchConfig]:
@@ -205,24 +193,6 @@ class SearchServing:
         finally:
             await events.aclose()
         yield "data: [DONE]\n\n"
-
-    async def _score(self, scorer: StepScorer, question: str, steps: list[str]) -> list[float]:
-        """Scores on the engine loop; a stream carries the answer back (or the engine's failure)."""
-        stream_id = self.engine.new_request_id("reward")
-        stream = self.engine.open_stream(stream_id)
-
-        def on_ready(ticket) -> None:
-            self.engine.push(stream_id, ticket.results()[0], final=True)
-        ticket = None
-        try:
-            ticket = await self.engine.run_job(lambda: scorer.submit([(question, steps)], on_ready=on_ready))
-            async for scores in self.engine.stream_items(stream, lambda item: True):
-                return scores
-        finally:
-            self.engine.close_stream(stream_id)
-            if ticket is not None and not ticket.ready:
-                with contextlib.suppress(RuntimeError):
-                    self.engine.post(lambda: scorer.cancel(ticket))
 
 
 async def _client_left(request: Request) -> None:

@@ -29,6 +29,25 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                         404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                         502: "api_error", 503: "overloaded_error"}
+ANTHROPIC_ROUTES = "/v1/messages"  # its routes answer errors in Anthropic's shape
+
+
+def anthropic_error(status: int, message: str) -> dict:
+    return {"type": "error", "error": {"type": ANTHROPIC_ERROR_TYPES.get(status, "invalid_request_error"),
+                                       "message": message}}
+
+
+def error_response_for(path: str, status: int, message: str, param: str | None = None, code: str | None = None,
+                       headers: dict[str, str] | None = None) -> JSONResponse:
+    """The error in the shape of the API the path belongs to: Anthropic's on /v1/messages, else OpenAI's."""
+    if path.startswith(ANTHROPIC_ROUTES):
+        return JSONResponse(anthropic_error(status, message), status_code=status, headers=headers)
+    return error_response(status, message, param, code, headers)
+
+
 def from_value_error(exc: ValueError) -> APIError:
     """A 400 with the error's text; a ParamError also names its parameter for the client."""
     param = exc.param if isinstance(exc, ParamError) else None
@@ -59,19 +78,20 @@ def _is_union_tag(part) -> bool:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError):
-        return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
+    async def _api_error(request: Request, exc: APIError):
+        return error_response_for(request.url.path, exc.status, exc.message, exc.param, exc.code, exc.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError):
+    async def _validation(request: Request, exc: RequestValidationError):
         err = from_validation_error(exc)
-        return error_response(err.status, err.message, err.param, err.code)
+        return error_response_for(request.url.path, err.status, err.message, err.param, err.code)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException):
+    async def _http(request: Request, exc: StarletteHTTPException):
         message = "route not found" if exc.status_code == 404 else str(exc.detail)
-        return error_response(exc.status_code, message, code="not_found" if exc.status_code == 404 else None)
+        return error_response_for(request.url.path, exc.status_code, message,
+                                  code="not_found" if exc.status_code == 404 else None)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception):
-        return error_response(500, f"internal error: {type(exc).__name__}")
+    async def _unexpected(request: Request, exc: Exception):
+        return error_response_for(request.url.path, 500, f"internal error: {type(exc).__name__}")

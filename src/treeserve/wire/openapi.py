@@ -10,11 +10,19 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from treeserve.wire.errors import ANTHROPIC_ROUTES
+
 ERROR_SCHEMA = {
     "type": "object", "required": ["error"],
     "properties": {"error": {"type": "object", "required": ["message", "type"], "properties": {
         "message": {"type": "string"}, "type": {"type": "string"},
         "param": {"type": ["string", "null"]}, "code": {"type": ["string", "integer", "null"]}}}},
+}
+ANTHROPIC_ERROR_SCHEMA = {
+    "type": "object", "required": ["type", "error"],
+    "properties": {"type": {"const": "error"}, "error": {"type": "object", "required": ["type", "message"],
+                                                         "properties": {"type": {"type": "string"},
+                                                                        "message": {"type": "string"}}}},
 }
 ERROR_CODES = {"400": "invalid request", "401": "missing or invalid API key", "404": "unknown model",
                "413": "body too large", "429": "queue full (see Retry-After)", "503": "engine failed"}
@@ -42,17 +50,18 @@ def _build(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> dict:
         operation["requestBody"] = {"required": True, "content": {"application/json": {
             "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
         operation["responses"] = _responses()
-    for operations in schema["paths"].values():
+    components["AnthropicError"] = ANTHROPIC_ERROR_SCHEMA
+    for path, operations in schema["paths"].items():
         for operation in operations.values():
-            _document_errors(operation["responses"])
+            _document_errors(operation["responses"], "AnthropicError" if path.startswith(ANTHROPIC_ROUTES) else "Error")
     return schema
 
 
-def _document_errors(responses: dict) -> None:
-    """Every route answers errors in OpenAI's schema (FastAPI's own 422 never comes: bodies and
-    path parameters are validated here, into 400 and 404)."""
+def _document_errors(responses: dict, shape: str) -> None:
+    """Every route answers errors in OpenAI's schema, Anthropic's routes in theirs (FastAPI's own 422
+    never comes: bodies and path parameters are validated here, into 400 and 404)."""
     responses.pop("422", None)
-    error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+    error = {"content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{shape}"}}}}
     for code, text in ERROR_CODES.items():
         responses.setdefault(code, {"description": text, **error})
 

@@ -336,6 +336,26 @@ class RewardRequest(BaseModel):
     steps: list[str] = Field(min_length=1)
 
 
+class PoolingRequest(BaseModel):
+    """POST /pooling (vLLM's, for reward models): one conversation, a question (user) and its solution
+    (assistant), the solution's steps split at the reward model's step separator; a score per step."""
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str
+    messages: list[ChatMessage] = Field(min_length=2, max_length=2)
+    step_separator: str | None = Field(default=None, min_length=1)  # default: the reward model's recipe's
+
+
+class ScoreRequest(BaseModel):
+    """POST /v1/score: candidate continuations of one solution prefix, scored in one call (their shared
+    prefix computed once, through the prefix cache and the score cache). A candidate is one step or
+    several."""
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str
+    question: str
+    steps: list[str] = Field(default_factory=list)  # the prefix every candidate continues
+    candidates: list[str | list[str]] = Field(min_length=1, max_length=1024)
+
+
 class SearchRequest(BaseModel):
     """POST /v1/search: test-time search for one question (Search-and-Learn's parameters)."""
     # Every field of SearchConfig under its name there, with its default or None (the server chooses);

@@ -1,0 +1,139 @@
+"""OpenAI's Responses API and Anthropic's Messages API on the gateway, translated to chat completions
+(wire/responses.py, wire/messages.py) and sent through the request path as chats (`GatewayService.dispatch`:
+the key's models, limits and budget, routing and fallbacks, billed like a chat). Stored responses
+live in the gateway's database, per key (gateway/response_store.py); token counts are the backend's
+(`/tokenize`, unbilled)."""
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+import anyio
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from treeserve.gateway.auth import Auth
+from treeserve.gateway.keys import KeyRecord
+from treeserve.gateway.response_store import DatabaseResponseStore
+from treeserve.gateway.service import GatewayService
+from treeserve.gateway.sse import SSESplitter
+from treeserve.wire.errors import APIError, from_validation_error, from_value_error
+from treeserve.wire.messages import CountTokensRequest, MessagesRequest, from_chat
+from treeserve.wire.messages_stream import MessageEvents, message_events
+from treeserve.wire.responses import ResponsesRequest
+from treeserve.wire.responses_api import ResponsesAPI
+
+CHAT = "/v1/chat/completions"
+REQUEST_MODELS = {"/v1/responses": ResponsesRequest, "/v1/messages": MessagesRequest,
+                  "/v1/messages/count_tokens": CountTokensRequest}
+
+
+def translated_routes(service: GatewayService, auth: Auth, store: DatabaseResponseStore, max_body_bytes: int):
+    routes = APIRouter()
+    api = ResponsesAPI(store)
+
+    def chat_on(key: KeyRecord):
+        async def chat(body: dict):
+            return await relay_chat(service, body, key)
+        return chat
+
+    @routes.post("/v1/responses")
+    async def create_response(request: Request, key: KeyRecord = Depends(auth.require_key)):
+        body = await _parse(request, ResponsesRequest, max_body_bytes)
+        if body.model is None:
+            raise APIError(400, "model: this field is required", param="model", code="missing_required_parameter")
+        result = await api.create(body, chat_on(key), body.model, key.id)
+        return JSONResponse(result) if isinstance(result, dict) else _events(result)
+
+    @routes.get("/v1/responses/{response_id}")
+    async def retrieve(response_id: str, key: KeyRecord = Depends(auth.require_key)):
+        return await api.retrieve(response_id, key.id)
+
+    @routes.get("/v1/responses/{response_id}/input_items")
+    async def input_items(response_id: str, key: KeyRecord = Depends(auth.require_key)):
+        return await api.input_items(response_id, key.id)
+
+    @routes.delete("/v1/responses/{response_id}")
+    async def delete(response_id: str, key: KeyRecord = Depends(auth.require_key)):
+        return await api.delete(response_id, key.id)
+
+    @routes.post("/v1/messages")
+    async def messages(request: Request, key: KeyRecord = Depends(auth.require_key)):
+        body = await _parse(request, MessagesRequest, max_body_bytes)
+        try:
+            chat = body.chat_request()
+        except ValueError as exc:
+            raise from_value_error(exc) from exc
+        result = await relay_chat(service, chat, key)
+        if isinstance(result, dict):
+            return JSONResponse(from_chat(body, body.model, result))
+        return _events(message_events(MessageEvents(body, body.model), result))
+
+    @routes.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request, key: KeyRecord = Depends(auth.require_key)):
+        body = await _parse(request, CountTokensRequest, max_body_bytes)
+        try:
+            chat = body.chat_fields()
+        except ValueError as exc:
+            raise from_value_error(exc) from exc
+        counted = _reply(await service.count_tokens(chat, key))
+        return {"input_tokens": counted["count"]}
+
+    return routes
+
+
+async def relay_chat(service: GatewayService, body: dict, key: KeyRecord) -> dict | AsyncIterator[dict]:
+    """A chat through the request path: its reply, or its chunks; a refusal or a backend's error
+    raises APIError with the backend's status and message."""
+    response = await service.dispatch(CHAT, body, key)
+    if isinstance(response, StreamingResponse):
+        return _chunks(response)
+    return _reply(response)
+
+
+def _reply(response: Response) -> dict:
+    try:
+        payload = json.loads(response.body)
+    except ValueError:
+        payload = {}
+    if response.status_code != 200:
+        error = payload.get("error") if isinstance(payload, dict) else None
+        error = error if isinstance(error, dict) else {}
+        raise APIError(response.status_code, error.get("message") or f"the backend answered {response.status_code}",
+                       param=error.get("param"), code=error.get("code"))
+    return payload
+
+
+async def _chunks(response: StreamingResponse) -> AsyncIterator[dict]:
+    """A relayed chat stream's chunks; its error event raises; the relay is closed (and so settled)
+    however the reading ends."""
+    splitter = SSESplitter()
+    try:
+        async for piece in response.body_iterator:
+            for payload in splitter.feed(piece if isinstance(piece, bytes) else piece.encode()):
+                if payload == b"[DONE]":
+                    return
+                chunk = json.loads(payload)
+                if isinstance(chunk.get("error"), dict):
+                    raise APIError(502, chunk["error"].get("message") or "the backend's stream failed",
+                                   code=chunk["error"].get("code"))
+                yield chunk
+    finally:
+        with anyio.CancelScope(shield=True):
+            await response.body_iterator.aclose()
+
+
+def _events(stream) -> StreamingResponse:
+    return StreamingResponse(stream, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _parse(request: Request, model: type[BaseModel], limit: int) -> BaseModel:
+    raw = await request.body()
+    if len(raw) > limit:
+        raise APIError(413, f"the body is {len(raw)} bytes; the gateway takes at most {limit}")
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from exc

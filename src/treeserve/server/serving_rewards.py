@@ -1,0 +1,115 @@
+"""Scoring with the served reward models outside a search: /v1/rewards (one solution's steps),
+vLLM's /pooling (a conversation, its solution split at the model's step separator) and /v1/score
+(candidate continuations of one prefix in one call). Every route submits its items to the model's
+StepScorer on the engine loop as one ticket: steps already scored come from the score cache, and
+the items' shared prefix is computed once (the prefix cache)."""
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+
+from treeserve.engine.async_engine import AsyncLLMEngine
+from treeserve.errors import ParamError
+from treeserve.runtime.scorer import StepScorer
+from treeserve.wire.errors import APIError, from_value_error
+from treeserve.wire.protocol import PoolingRequest, RewardRequest, ScoreRequest
+
+DEFAULT_STEP_SEPARATOR = "\n\n"  # Search-and-Learn's (and the bundled generator's)
+
+
+def step_separator(scorer: StepScorer) -> str:
+    """Where a solution splits into steps for this reward model: its recipe's separator token, step
+    tag or step delimiter."""
+    recipe = scorer.recipe
+    for name in ("separator", "step_tag", "step_delimiter"):
+        if isinstance(getattr(recipe, name, None), str):
+            return getattr(recipe, name)
+    return DEFAULT_STEP_SEPARATOR
+
+
+def split_steps(solution: str, separator: str) -> list[str]:
+    """A solution's steps: the pieces between separators, a trailing separator (or empty piece) dropped."""
+    pieces = solution.split(separator)
+    steps = [piece.lstrip("\n") if i and separator != "\n\n" else piece for i, piece in enumerate(pieces)]
+    while steps and not steps[-1].strip():
+        steps.pop()
+    return steps
+
+
+class RewardServing:
+    def __init__(self, engine: AsyncLLMEngine, scorers: dict[str, StepScorer]):
+        self.engine, self.scorers = engine, scorers
+
+    def scorer(self, model: str) -> StepScorer:
+        scorer = self.scorers.get(model)
+        if scorer is None:
+            served = ", ".join(self.scorers) or "none"
+            raise APIError(400, f"model: '{model}' is not served as a reward model (served: {served})", param="model")
+        return scorer
+
+    async def rewards(self, body: RewardRequest) -> dict:
+        scorer = self.scorer(body.model)
+        scores = (await self.score(scorer, [(body.question, list(body.steps))]))[0]
+        return {"object": "reward", "model": body.model, "recipe": scorer.recipe.name, "scores": scores}
+
+    async def pooling(self, body: PoolingRequest) -> dict:
+        scorer = self.scorer(body.model)
+        user, assistant = body.messages
+        if user.role != "user" or assistant.role != "assistant":
+            raise APIError(400, "messages: a reward model reads one question (a user message) and its solution "
+                                f"(an assistant message), got {user.role} then {assistant.role}", param="messages")
+        question, solution = (m.as_template_message(f"messages[{i}]")["content"] for i, m in enumerate(body.messages))
+        steps = split_steps(solution, body.step_separator or step_separator(scorer))
+        if not steps:
+            raise APIError(400, "messages[1].content: the solution has no steps", param="messages[1].content")
+        scores = (await self.score(scorer, [(question, steps)]))[0]
+        return {"id": f"pool-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": body.model,
+                "data": [{"index": 0, "object": "pooling", "data": scores}], "usage": _usage(scorer, [(question, steps)])}
+
+    async def score_candidates(self, body: ScoreRequest) -> dict:
+        scorer = self.scorer(body.model)
+        prefix = list(body.steps)
+        items = [(body.question, prefix + ([c] if isinstance(c, str) else list(c))) for c in body.candidates]
+        for i, (_, steps) in enumerate(items):
+            if len(steps) == len(prefix):
+                raise APIError(400, f"candidates[{i}]: a candidate needs at least one step", param=f"candidates[{i}]")
+        results = await self.score(scorer, items)
+        data = [{"index": i, "object": "score", "score": scores[-1], "scores": scores[len(prefix):]}
+                for i, scores in enumerate(results)]
+        return {"object": "list", "model": body.model, "recipe": scorer.recipe.name,
+                "prefix_scores": results[0][:len(prefix)], "data": data, "usage": _usage(scorer, items)}
+
+    async def score(self, scorer: StepScorer, items: list[tuple[str, list[str]]]) -> list[list[float]]:
+        """The items' step scores, as one ticket on the engine loop; a stream carries the answer back
+        (or the engine's failure). A conversation the model cannot read is a 400."""
+        try:
+            for question, steps in items:
+                scorer.require_readable(question, steps)
+        except ValueError as exc:
+            raise from_value_error(exc) from exc
+        stream_id = self.engine.new_request_id("reward")
+        stream = self.engine.open_stream(stream_id)
+
+        def on_ready(ticket) -> None:
+            self.engine.push(stream_id, ticket.results(), final=True)
+        ticket = None
+        try:
+            ticket = await self.engine.run_job(lambda: scorer.submit(items, on_ready=on_ready))
+            async for scores in self.engine.stream_items(stream, lambda item: True):
+                return scores
+        finally:
+            self.engine.close_stream(stream_id)
+            if ticket is not None and not ticket.ready:
+                with contextlib.suppress(RuntimeError):
+                    self.engine.post(lambda: scorer.cancel(ticket))
+        raise APIError(503, "the engine stopped before the scores were ready", code="engine_dead")
+
+
+def _usage(scorer: StepScorer, items: list[tuple[str, list[str]]]) -> dict:
+    """The tokens the reward model read (before the prefix cache: a shared prefix counts in every item)."""
+    try:
+        tokens = sum(len(scorer.build(question, steps).token_ids) for question, steps in items)
+    except (ValueError, ParamError):
+        tokens = 0
+    return {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}

@@ -1,0 +1,78 @@
+"""The routes served by translating to chat completions: OpenAI's Responses API (wire/responses_api.py,
+stored responses in memory, bounded) and Anthropic's Messages API (wire/messages.py), over the served
+model's chat serving."""
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from treeserve.server.http_io import parse
+from treeserve.wire.errors import from_value_error
+from treeserve.wire.messages import CountTokensRequest, MessagesRequest, from_chat
+from treeserve.wire.messages_stream import MessageEvents, message_events
+from treeserve.wire.responses import ResponsesRequest
+from treeserve.wire.responses_api import MemoryResponseStore, ResponsesAPI
+
+REQUEST_MODELS = {"/v1/responses": ResponsesRequest, "/v1/messages": MessagesRequest,
+                  "/v1/messages/count_tokens": CountTokensRequest}
+
+
+def _events(stream) -> StreamingResponse:
+    return StreamingResponse(stream, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def responses_routes(served, max_body_bytes: int) -> APIRouter:
+    """`served`: server/routes.py's ServedModels."""
+    router = APIRouter()
+    api = ResponsesAPI(MemoryResponseStore())
+
+    @router.post("/v1/responses")
+    async def create(request: Request):
+        body = await parse(request, ResponsesRequest, max_body_bytes)
+        serving = served.serving(body.model)
+        result = await api.create(body, serving.chat_body, serving.model_name)
+        return JSONResponse(result) if isinstance(result, dict) else _events(result)
+
+    @router.get("/v1/responses/{response_id}")
+    async def retrieve(response_id: str):
+        return await api.retrieve(response_id)
+
+    @router.get("/v1/responses/{response_id}/input_items")
+    async def input_items(response_id: str):
+        return await api.input_items(response_id)
+
+    @router.delete("/v1/responses/{response_id}")
+    async def delete(response_id: str):
+        return await api.delete(response_id)
+
+    return router
+
+
+def messages_routes(served, max_body_bytes: int) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/messages")
+    async def create(request: Request):
+        body = await parse(request, MessagesRequest, max_body_bytes)
+        serving = served.serving(body.model)
+        try:
+            chat = body.chat_request()
+        except ValueError as exc:
+            raise from_value_error(exc) from exc
+        result = await serving.chat_body(chat)
+        if isinstance(result, dict):
+            return JSONResponse(from_chat(body, serving.model_name, result))
+        return _events(message_events(MessageEvents(body, serving.model_name), result))
+
+    @router.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        body = await parse(request, CountTokensRequest, max_body_bytes)
+        serving = served.serving(body.model)
+        try:
+            chat = body.chat_fields()
+        except ValueError as exc:
+            raise from_value_error(exc) from exc
+        return {"input_tokens": len(serving.render_body(chat))}
+
+    return router

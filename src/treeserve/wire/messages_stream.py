@@ -1,0 +1,86 @@
+"""A streamed chat reply as Anthropic's Messages events: `message_start`, per content block
+`content_block_start`, its `text_delta`s or `input_json_delta`s, `content_block_stop`, then
+`message_delta` (stop reason, usage) and `message_stop`; a failure mid-stream is an `error` event."""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from treeserve.wire.errors import APIError, anthropic_error
+from treeserve.wire.messages import MessagesRequest, skeleton, stop, usage
+from treeserve.wire.responses_stream import sse
+
+
+class MessageEvents:
+    def __init__(self, request: MessagesRequest, model: str):
+        self.request, self.message = request, skeleton(model)
+        self.block: int | None = None     # the open block's index
+        self.block_kind: str | None = None
+        self.blocks = 0
+        self.finish_reason, self.stop_reason, self.usage = None, None, None
+
+    def start(self) -> list[dict]:
+        return [{"type": "message_start", "message": self.message}, {"type": "ping"}]
+
+    def feed(self, chunk: dict) -> list[dict]:
+        if isinstance(chunk.get("usage"), dict):
+            self.usage = chunk["usage"]
+        events = []
+        for choice in chunk.get("choices") or ():
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                if self.block_kind != "text":
+                    events += self._open({"type": "text", "text": ""})
+                events.append(self._delta({"type": "text_delta", "text": delta["content"]}))
+            for call in delta.get("tool_calls") or ():
+                function = call.get("function") or {}
+                if call.get("id") is not None:
+                    events += self._open({"type": "tool_use", "id": call["id"], "name": function.get("name") or "",
+                                          "input": {}})
+                if function.get("arguments") and self.block_kind == "tool_use":
+                    events.append(self._delta({"type": "input_json_delta", "partial_json": function["arguments"]}))
+            if choice.get("finish_reason"):
+                self.finish_reason, self.stop_reason = choice["finish_reason"], choice.get("stop_reason")
+        return events
+
+    def finish(self) -> list[dict]:
+        reason, sequence = stop(self.finish_reason, self.stop_reason, self.request.stop_sequences)
+        return self._close() + [{"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                                 "usage": usage(self.usage)}, {"type": "message_stop"}]
+
+    def _open(self, block: dict) -> list[dict]:
+        events = self._close()
+        self.block, self.block_kind = self.blocks, block["type"]
+        self.blocks += 1
+        return events + [{"type": "content_block_start", "index": self.block, "content_block": block}]
+
+    def _delta(self, delta: dict) -> dict:
+        return {"type": "content_block_delta", "index": self.block, "delta": delta}
+
+    def _close(self) -> list[dict]:
+        if self.block is None:
+            return []
+        index, self.block, self.block_kind = self.block, None, None
+        return [{"type": "content_block_stop", "index": index}]
+
+
+async def message_events(events: MessageEvents, chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+    """The events on the wire (`event: NAME` lines, as Anthropic's server writes them)."""
+    for event in events.start():
+        yield sse(event)
+    try:
+        async for chunk in chunks:
+            for event in events.feed(chunk):
+                yield sse(event)
+    except APIError as exc:
+        yield sse(anthropic_error(exc.status, exc.message))
+        return
+    except Exception as exc:  # (a client gone is GeneratorExit/CancelledError, not caught here)
+        yield sse(anthropic_error(500, f"internal error: {type(exc).__name__}"))
+        return
+    finally:
+        aclose = getattr(chunks, "aclose", None)
+        if aclose is not None:
+            await aclose()
+    for event in events.finish():
+        yield sse(event)
+

@@ -1,0 +1,258 @@
+"""OpenAI's Responses API (`/v1/responses`) as a translation of chat completions: a request's items
+become a chat request's messages (after the stored history its `previous_response_id` names), and
+the chat reply becomes the response's output items. The server and the gateway both speak it this
+way (wire/responses_api.py), so a response reads the same wherever it was made."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from treeserve.errors import ParamError
+
+
+class TextFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    json_schema: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class TextConfig(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(BaseModel):
+    """POST /v1/responses. Items are checked one by one (`chat_messages`), so an error names the item."""
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str | None = None
+    input: str | list[dict]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[dict] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    seed: int | None = None  # (not OpenAI's: treeserve's, as in chat completions)
+    truncation: Literal["auto", "disabled"] | None = None
+    background: bool | None = None
+    conversation: str | dict | None = None
+    reasoning: dict | None = None
+    include: list[str] | None = None
+
+    def reject_unimplemented(self) -> None:
+        if self.background:
+            raise ParamError("background", "background responses are not supported; use stream, or the Batch API")
+        if self.conversation is not None:
+            raise ParamError("conversation", "the Conversations API is not supported; use previous_response_id")
+        if self.reasoning and self.reasoning.get("effort") not in (None, "none", "minimal"):
+            raise ParamError("reasoning", "the served models do not reason apart from their answer")
+        if self.include:
+            raise ParamError("include", f"no extra output data is available (asked for {self.include})")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+# ---- request -> chat ---------------------------------------------------------------------------
+def chat_request(request: ResponsesRequest, history: list[dict]) -> dict:
+    """The chat completions body for a Responses request after `history` (the chat messages of the
+    responses it follows); ParamError naming the Responses field for what cannot be translated."""
+    request.reject_unimplemented()
+    messages = ([{"role": "system", "content": request.instructions}] if request.instructions else [])
+    messages += history + input_messages(request.input)
+    body: dict = {"messages": messages}
+    if request.model is not None:
+        body["model"] = request.model
+    for ours, chat in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
+                       ("parallel_tool_calls", "parallel_tool_calls"), ("user", "user"), ("seed", "seed")):
+        if getattr(request, ours) is not None:
+            body[chat] = getattr(request, ours)
+    if request.tools:
+        body["tools"] = [chat_tool(tool, f"tools[{i}]") for i, tool in enumerate(request.tools)]
+    if request.tool_choice is not None:
+        body["tool_choice"] = chat_tool_choice(request.tool_choice)
+    if request.text is not None and request.text.format is not None:
+        body["response_format"] = response_format(request.text.format)
+    if request.stream:
+        body.update(stream=True, stream_options={"include_usage": True})
+    return body
+
+
+def input_messages(items: str | list[dict]) -> list[dict]:
+    """Chat messages for a request's `input`: a string is one user message; items in order, calls
+    joined to the assistant turn before them, outputs as tool messages."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    messages: list[dict] = []
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            messages.append(_message(item, where))
+        elif kind == "function_call":
+            call = {"id": _text(item, "call_id", where), "type": "function",
+                    "function": {"name": _text(item, "name", where), "arguments": _text(item, "arguments", where)}}
+            last = messages[-1] if messages else None
+            if last is None or last["role"] != "assistant":
+                last = {"role": "assistant", "content": None}
+                messages.append(last)
+            last.setdefault("tool_calls", []).append(call)
+        elif kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": _text(item, "call_id", where),
+                             "content": _content_text(item.get("output"), f"{where}.output")})
+        elif kind == "reasoning":
+            continue  # a reasoning summary (no model served here writes one): nothing a template renders
+        else:
+            raise ParamError(f"{where}.type", f"items of type {kind!r} are not supported (message, function_call, "
+                                              "function_call_output are)")
+    return messages
+
+
+def _message(item: dict, where: str) -> dict:
+    role = item.get("role")
+    if role not in ("user", "assistant", "system", "developer"):
+        raise ParamError(f"{where}.role", f"must be user, assistant, system or developer, got {role!r}")
+    return {"role": role, "content": _content_text(item.get("content"), f"{where}.content")}
+
+
+def _content_text(content, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ParamError(where, "must be a string or a list of content parts")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
+            raise ParamError(f"{where}[{j}].type", f"only text parts are supported (input_text, output_text), "
+                                                   f"got {kind!r}")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _text(item: dict, name: str, where: str) -> str:
+    value = item.get(name)
+    if not isinstance(value, str):
+        raise ParamError(f"{where}.{name}", "this field is required (a string)")
+    return value
+
+
+def chat_tool(tool: dict, where: str) -> dict:
+    if tool.get("type") != "function":
+        raise ParamError(f"{where}.type", f"only function tools are supported, got {tool.get('type')!r}")
+    function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
+    if "name" not in function:
+        raise ParamError(f"{where}.name", "this field is required")
+    return {"type": "function", "function": function}
+
+
+def chat_tool_choice(choice: str | dict) -> str | dict:
+    if isinstance(choice, str):
+        return choice
+    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    if choice.get("type") == "allowed_tools":
+        raise ParamError("tool_choice.type", "allowed_tools is not supported; list only those tools")
+    raise ParamError("tool_choice", "must be none, auto, required or {type: function, name}")
+
+
+def response_format(format: TextFormat) -> dict:
+    if format.type != "json_schema":
+        return {"type": format.type}
+    if format.json_schema is None:
+        raise ParamError("text.format.schema", "type json_schema needs a schema")
+    return {"type": "json_schema", "json_schema": {"name": format.name or "response", "schema": format.json_schema,
+                                                   "strict": format.strict}}
+
+
+# ---- chat -> response --------------------------------------------------------------------------
+def skeleton(request: ResponsesRequest, response_id: str, model: str) -> dict:
+    """The response object before its output: what `response.created` carries."""
+    fmt = request.text.format.model_dump(by_alias=True, exclude_none=True) if request.text and request.text.format \
+        else {"type": "text"}
+    return {"id": response_id, "object": "response", "created_at": int(time.time()), "status": "in_progress",
+            "error": None, "incomplete_details": None, "instructions": request.instructions,
+            "max_output_tokens": request.max_output_tokens, "model": model, "output": [],
+            "parallel_tool_calls": request.parallel_tool_calls is not False,
+            "previous_response_id": request.previous_response_id, "temperature": request.temperature,
+            "top_p": request.top_p, "tool_choice": request.tool_choice or "auto", "tools": request.tools or [],
+            "text": {"format": fmt}, "truncation": request.truncation or "disabled", "store": request.store,
+            "metadata": request.metadata or {}, "user": request.user, "usage": None}
+
+
+def message_item(text: str, item_id: str | None = None, status: str = "completed") -> dict:
+    return {"type": "message", "id": item_id or new_id("msg"), "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def call_item(call_id: str, name: str, arguments: str, item_id: str | None = None, status: str = "completed") -> dict:
+    return {"type": "function_call", "id": item_id or new_id("fc"), "call_id": call_id, "name": name,
+            "arguments": arguments, "status": status}
+
+
+def response_usage(usage: dict | None) -> dict:
+    usage = usage or {}
+    prompt, completion = int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
+    cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached}, "output_tokens": completion,
+            "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + completion}
+
+
+def finished(response: dict, finish_reason: str | None, usage: dict | None) -> dict:
+    """The response with its status (incomplete when max_output_tokens cut it) and usage."""
+    response = dict(response, usage=response_usage(usage))
+    if finish_reason == "length":
+        response.update(status="incomplete", incomplete_details={"reason": "max_output_tokens"})
+    else:
+        response["status"] = "completed"
+    return response
+
+
+def from_chat(response: dict, chat: dict) -> dict:
+    """A whole chat reply as the response's output items."""
+    choice = chat["choices"][0]
+    message = choice["message"]
+    output = []
+    if message.get("content") or not message.get("tool_calls"):
+        output.append(message_item(message.get("content") or ""))
+    for call in message.get("tool_calls") or ():
+        output.append(call_item(call["id"], call["function"]["name"], call["function"]["arguments"]))
+    return finished(dict(response, output=output), choice.get("finish_reason"), chat.get("usage"))
+
+
+def assistant_message(output: list[dict]) -> dict:
+    """The response's output as the chat message a later turn's history holds."""
+    text = "".join(part["text"] for item in output if item["type"] == "message" for part in item["content"])
+    calls = [{"id": item["call_id"], "type": "function",
+              "function": {"name": item["name"], "arguments": item["arguments"]}}
+             for item in output if item["type"] == "function_call"]
+    message = {"role": "assistant", "content": text or None}
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def conversation(history: list[dict], chat_body: dict, response: dict, instructions: str | None) -> list[dict]:
+    """What a response stores for the next one (`previous_response_id`): the messages so far, without
+    its own instructions (OpenAI's rule: they do not carry over), and its answer."""
+    messages = chat_body["messages"][1:] if instructions else chat_body["messages"]
+    return messages + [assistant_message(response["output"])]
+
+
+def dumps(value) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))

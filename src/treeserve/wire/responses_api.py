@@ -1,0 +1,136 @@
+"""The Responses API's routes over any chat completions: create (whole or streamed), retrieve,
+input items, delete. The server runs it over its own chat serving with a bounded store in memory;
+the gateway over its request path (billed as a chat) with a store in its database, per key."""
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from treeserve.wire.errors import APIError, from_value_error
+from treeserve.wire.responses import ResponsesRequest, chat_request, conversation, from_chat, new_id, skeleton
+from treeserve.wire.responses_stream import ResponseEvents, sse
+
+log = logging.getLogger("treeserve.responses")
+# a chat completions body in; its reply (a dict) or its chunks (an async iterator of dicts) out;
+# APIError for a refusal
+ChatFn = Callable[[dict], Awaitable["dict | AsyncIterator[dict]"]]
+MAX_STORED_RESPONSES = 1000  # the server's store: the oldest go first
+
+
+@dataclass
+class StoredResponse:
+    response: dict
+    history: list[dict]      # the chat messages a following response continues from
+    input_items: list[dict]  # the request's input, as items
+
+
+class ResponseStore(Protocol):
+    async def get(self, response_id: str, owner: str | None) -> StoredResponse | None: ...
+    async def put(self, stored: StoredResponse, owner: str | None) -> None: ...
+    async def delete(self, response_id: str, owner: str | None) -> bool: ...
+
+
+class MemoryResponseStore:
+    """The last `capacity` stored responses, by owner and id."""
+
+    def __init__(self, capacity: int = MAX_STORED_RESPONSES):
+        self.capacity = capacity
+        self.items: OrderedDict[tuple, StoredResponse] = OrderedDict()
+
+    async def get(self, response_id: str, owner: str | None) -> StoredResponse | None:
+        return self.items.get((owner, response_id))
+
+    async def put(self, stored: StoredResponse, owner: str | None) -> None:
+        self.items[(owner, stored.response["id"])] = stored
+        while len(self.items) > self.capacity:
+            self.items.popitem(last=False)
+
+    async def delete(self, response_id: str, owner: str | None) -> bool:
+        return self.items.pop((owner, response_id), None) is not None
+
+
+def not_found(response_id: str, param: str | None = None) -> APIError:
+    return APIError(404, f"{param + ': ' if param else ''}no stored response with id {response_id!r} "
+                         "(never stored, deleted, or made with another key)", param=param, code="response_not_found")
+
+
+class ResponsesAPI:
+    def __init__(self, store: ResponseStore):
+        self.store = store
+
+    async def create(self, request: ResponsesRequest, chat: ChatFn, model: str,
+                     owner: str | None = None) -> dict | AsyncIterator[str]:
+        """The response (a dict), or its events on the wire (streamed)."""
+        history: list[dict] = []
+        if request.previous_response_id is not None:
+            previous = await self.store.get(request.previous_response_id, owner)
+            if previous is None:
+                raise not_found(request.previous_response_id, "previous_response_id")
+            history = previous.history
+        try:
+            body = chat_request(request, history)
+        except ValueError as exc:
+            raise from_value_error(exc) from exc
+        body["model"] = model
+        response = skeleton(request, new_id("resp"), model)
+        items = [{"type": "message", "role": "user", "content": request.input}] if isinstance(request.input, str) \
+            else request.input
+        result = await chat(body)
+
+        async def keep(final: dict) -> None:
+            if request.store:
+                await self.store.put(StoredResponse(final, conversation(history, body, final, request.instructions),
+                                                    items), owner)
+        if isinstance(result, dict):
+            final = from_chat(response, result)
+            await keep(final)
+            return final
+        return self._events(ResponseEvents(response), result, keep)
+
+    async def _events(self, events: ResponseEvents, chunks: AsyncIterator[dict],
+                      keep: Callable[[dict], Awaitable[None]]) -> AsyncIterator[str]:
+        for event in events.start():
+            yield sse(event)
+        try:
+            async for chunk in chunks:
+                for event in events.feed(chunk):
+                    yield sse(event)
+        except APIError as exc:
+            for event in events.fail(exc.message, exc.code):
+                yield sse(event)
+            return
+        except Exception as exc:  # (a client gone is GeneratorExit/CancelledError, not caught here)
+            log.exception("a streamed response failed")
+            for event in events.fail(f"internal error: {type(exc).__name__}", "server_error"):
+                yield sse(event)
+            return
+        finally:
+            with contextlib.suppress(Exception):
+                await chunks.aclose()
+        final_events = events.finish()
+        await keep(events.response)
+        for event in final_events:
+            yield sse(event)
+
+    async def retrieve(self, response_id: str, owner: str | None = None) -> dict:
+        stored = await self.store.get(response_id, owner)
+        if stored is None:
+            raise not_found(response_id)
+        return stored.response
+
+    async def input_items(self, response_id: str, owner: str | None = None) -> dict:
+        stored = await self.store.get(response_id, owner)
+        if stored is None:
+            raise not_found(response_id)
+        data = [dict(item, id=item.get("id") or f"in_{response_id}_{i}") for i, item in enumerate(stored.input_items)]
+        return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None, "has_more": False}
+
+    async def delete(self, response_id: str, owner: str | None = None) -> dict:
+        if not await self.store.delete(response_id, owner):
+            raise not_found(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}

@@ -1,0 +1,319 @@
+"""OpenAI's Responses API and Anthropic's Messages API, through their official clients (`openai`,
+`openai-agents`, `anthropic`), against `treeserve serve` (a tiny model with the Hermes tool template
+and parser) and against the gateway in front of it (SQLite): greedy answers equal the chat
+completion of the same conversation, streamed equal whole, tool round trips, `previous_response_id`
+(per key on the gateway), retrieve and delete, structured text, a two-tool agent run to completion,
+errors in Anthropic's shape, and usage billed like chats."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Literal
+
+import anthropic
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from conftest import API_KEY, assert_no_leak, running_server, wait_idle
+from treeserve.entrypoints.chat_utils import load_chat_template
+from treeserve.gateway.app import build_app as build_gateway
+from treeserve.gateway.config import BackendConfig, GatewayConfig, ModelConfig
+from treeserve.server.launch import build_app
+from treeserve.server.tool_calls import ToolSettings
+from treeserve.testing.tiny_models import make_tiny_model
+
+EXAMPLES = Path(__file__).parent.parent / "examples"
+MASTER = "sk-master-agents"
+IN_PRICE, OUT_PRICE = 1e-6, 1e-3
+ADD = {"type": "object", "properties": {"a": {"enum": [1, 2, 3]}, "b": {"enum": [4, 5]}}, "required": ["a", "b"],
+       "additionalProperties": False}
+CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"],
+        "additionalProperties": False}
+RESPONSE_TOOLS = [{"type": "function", "name": "add", "description": "adds", "parameters": ADD},
+                  {"type": "function", "name": "weather", "description": "the weather", "parameters": CITY}]
+GREEDY = {"temperature": 0.0}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    model = make_tiny_model("llama", tmp_path_factory.mktemp("agents") / "llama", seed=3, max_position_embeddings=8192,
+                            favour_tokens={"<|eos|>": 2.0})
+    template = load_chat_template(str(EXAMPLES / "tool_chat_template_hermes.jinja"))
+    app = build_app(str(model), served_model_name="tiny", api_keys=[API_KEY], dtype="float32", device="cpu",
+                    kv_cache_memory_bytes=128 << 20, max_model_len=8192, chat_template=template,
+                    tool_settings=ToolSettings("hermes", auto=True))
+    with running_server(app) as url:
+        yield SimpleNamespace(url=url, app=app, engine=app.state.engine.engine)
+
+
+@pytest.fixture(scope="module")
+def gateway(served, tmp_path_factory):
+    database = f"sqlite:///{tmp_path_factory.mktemp('agents-gw') / 'gateway.db'}"
+    model = ModelConfig("tiny", [BackendConfig(served.url, api_key=API_KEY)], input_cost_per_token=IN_PRICE,
+                        output_cost_per_token=OUT_PRICE)
+    app = build_gateway(GatewayConfig(models={"tiny": model}, master_key=MASTER, database=database,
+                                      health_interval=0))
+    with running_server(app) as url:
+        keys = [httpx.post(f"{url}/key/generate", json={}, headers={"Authorization": f"Bearer {MASTER}"}).json()["key"]
+                for _ in range(2)]
+        yield SimpleNamespace(url=url, app=app, keys=keys)
+
+
+@pytest.fixture(params=["server", "gateway"])
+def target(request, served):
+    """Where the clients point: the server itself, or the gateway with a key of its own."""
+    if request.param == "server":
+        return SimpleNamespace(url=served.url, key=API_KEY, other_key=None)
+    gw = request.getfixturevalue("gateway")
+    return SimpleNamespace(url=gw.url, key=gw.keys[0], other_key=gw.keys[1])
+
+
+def _openai(target, key=None) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{target.url}/v1", api_key=key or target.key, max_retries=0, timeout=120)
+
+
+def _anthropic(target) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=target.url, api_key=target.key, max_retries=0, timeout=120)
+
+
+def _chat_text(served, messages, **params) -> tuple[str, dict]:
+    out = _openai(SimpleNamespace(url=served.url, key=API_KEY)).chat.completions.create(
+        model="tiny", messages=messages, **params)
+    return out.choices[0].message.content or "", out.usage
+
+
+def test_responses_equal_the_chat_completion_whole_and_streamed(served, target):
+    client = _openai(target)
+    response = client.responses.create(model="tiny", instructions="Be brief.", input="Name a colour.",
+                                       max_output_tokens=12, **GREEDY)
+    text, usage = _chat_text(served, [{"role": "system", "content": "Be brief."},
+                                      {"role": "user", "content": "Name a colour."}], max_tokens=12, **GREEDY)
+    assert response.object == "response" and response.id.startswith("resp_") and response.model == "tiny"
+    assert response.output_text == text and text
+    assert response.usage.input_tokens == usage.prompt_tokens
+    assert response.usage.output_tokens == usage.completion_tokens
+    assert response.status == ("incomplete" if usage.completion_tokens == 12 else "completed")
+    with client.responses.stream(model="tiny", instructions="Be brief.", input="Name a colour.",
+                                 max_output_tokens=12, **GREEDY) as stream:
+        events = [event for event in stream]
+    final = events[-1].response  # (cut by max_output_tokens it is response.incomplete, as OpenAI's: no final response)
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-1] == ("response.incomplete" if usage.completion_tokens == 12 else "response.completed")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == text
+    assert final.output_text == text and final.usage.output_tokens == usage.completion_tokens
+
+
+def test_previous_response_id_continues_the_conversation_and_stays_with_its_key(served, target):
+    client = _openai(target)
+    first = client.responses.create(model="tiny", input="One.", max_output_tokens=6, **GREEDY)
+    second = client.responses.create(model="tiny", input="Two.", previous_response_id=first.id, max_output_tokens=6,
+                                     **GREEDY)
+    text, usage = _chat_text(served, [{"role": "user", "content": "One."},
+                                      {"role": "assistant", "content": first.output_text},
+                                      {"role": "user", "content": "Two."}], max_tokens=6, **GREEDY)
+    assert second.output_text == text and second.usage.input_tokens == usage.prompt_tokens
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    items = client.responses.input_items.list(second.id)
+    assert [i.content[0].text if hasattr(i, "content") and isinstance(i.content, list) else i.content
+            for i in items.data] == ["Two."]
+    if target.other_key is not None:  # another key of the gateway cannot read, continue or delete it
+        other = _openai(target, target.other_key)
+        with pytest.raises(openai.NotFoundError):
+            other.responses.retrieve(first.id)
+        with pytest.raises(openai.NotFoundError, match="previous_response_id"):
+            other.responses.create(model="tiny", input="x", previous_response_id=first.id, max_output_tokens=2)
+        with pytest.raises(openai.NotFoundError):
+            other.responses.delete(first.id)
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    unstored = client.responses.create(model="tiny", input="x", store=False, max_output_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+def test_a_tool_round_trip_whole_and_streamed(served, target):
+    client = _openai(target)
+    for choice in ("required", {"type": "function", "name": "weather"}):
+        response = client.responses.create(model="tiny", input="Weather in Oslo, then add.", tools=RESPONSE_TOOLS,
+                                           tool_choice=choice, parallel_tool_calls=False, max_output_tokens=60,
+                                           **GREEDY)
+        calls = [item for item in response.output if item.type == "function_call"]
+        assert len(calls) == 1 and calls[0].call_id.startswith("call_") and calls[0].status == "completed"
+        schema = ADD if calls[0].name == "add" else CITY
+        jsonschema.validate(json.loads(calls[0].arguments), schema)
+        answer = client.responses.create(model="tiny", previous_response_id=response.id, max_output_tokens=8,
+                                         input=[{"type": "function_call_output", "call_id": calls[0].call_id,
+                                                 "output": "sunny"}], **GREEDY)
+        text, _ = _chat_text(served, [{"role": "user", "content": "Weather in Oslo, then add."},
+                                      {"role": "assistant", "content": None, "tool_calls": [
+                                          {"id": calls[0].call_id, "type": "function",
+                                           "function": {"name": calls[0].name, "arguments": calls[0].arguments}}]},
+                                      {"role": "tool", "tool_call_id": calls[0].call_id, "content": "sunny"}],
+                             max_tokens=8, **GREEDY)
+        assert answer.output_text == text
+    with client.responses.stream(model="tiny", input="Weather?", tools=RESPONSE_TOOLS, tool_choice="required",
+                                 parallel_tool_calls=False, max_output_tokens=60, **GREEDY) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    call = next(item for item in final.output if item.type == "function_call")
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    assert deltas == done.arguments == call.arguments
+    jsonschema.validate(json.loads(call.arguments), ADD if call.name == "add" else CITY)
+
+
+def test_text_format_json_schema_is_followed(target):
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "blue"]}}, "required": ["colour"],
+              "additionalProperties": False}
+    response = _openai(target).responses.create(
+        model="tiny", input="A colour as JSON.", max_output_tokens=40, temperature=1.0,
+        text={"format": {"type": "json_schema", "name": "colour", "schema": schema, "strict": True}})
+    jsonschema.validate(json.loads(response.output_text), schema)
+    assert response.text.format.type == "json_schema"
+
+
+def test_what_cannot_be_served_is_a_400_naming_it(target):
+    client = _openai(target)
+    cases = [({"input": [{"type": "input_image", "image_url": "x"}]}, "input[0].type"),
+             ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+             ({"input": "x", "background": True}, "background"),
+             ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+              "input[0].content[0].type")]
+    for body, param in cases:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.responses.create(model="tiny", max_output_tokens=2, **body)
+        assert caught.value.body["param"] == param, caught.value.body
+
+
+def test_an_openai_agents_two_tool_agent_runs_to_completion(served, target):
+    from agents import (Agent, ModelSettings, OpenAIResponsesModel, RunConfig, Runner, RunHooks, function_tool,
+                        set_tracing_disabled)
+    set_tracing_disabled(True)
+    called: list[str] = []
+
+    @function_tool
+    def add(a: Literal[1, 2, 3], b: Literal[4, 5]) -> int:
+        """Adds two numbers."""
+        called.append("add")
+        return a + b
+
+    @function_tool
+    def weather(city: Literal["Paris", "Oslo"]) -> str:
+        """The weather in a city."""
+        called.append("weather")
+        return f"sunny in {city}"
+
+    def both_called(context, results):
+        from agents.agent import ToolsToFinalOutputResult
+        if {"add", "weather"} <= set(called):
+            return ToolsToFinalOutputResult(is_final_output=True,
+                                            final_output="; ".join(str(r.output) for r in results))
+        return ToolsToFinalOutputResult(is_final_output=False)
+
+    class NextTool(RunHooks):
+        """After each call the agent must call the other tool (a random model would not choose)."""
+
+        async def on_tool_end(self, context, agent, tool, result):
+            agent.model_settings = dataclasses.replace(agent.model_settings,
+                                                       tool_choice="weather" if tool.name == "add" else "add")
+
+    client = openai.AsyncOpenAI(base_url=f"{target.url}/v1", api_key=target.key, max_retries=0, timeout=120)
+    agent = Agent(name="two tools", instructions="Use the tools.", tools=[add, weather],
+                  model=OpenAIResponsesModel(model="tiny", openai_client=client),
+                  model_settings=ModelSettings(tool_choice="add", temperature=1.0, max_tokens=200,
+                                               extra_body={"seed": 7}),
+                  tool_use_behavior=both_called, reset_tool_choice=False)
+    result = asyncio.run(Runner.run(agent, "Add 1 and 4, and tell me the weather in Oslo.", max_turns=6,
+                                    hooks=NextTool(), run_config=RunConfig(tracing_disabled=True)))
+    assert called == ["add", "weather"] and "sunny in" in result.final_output, (called, result.final_output)
+    assert sum(r.usage.requests for r in result.raw_responses) == len(result.raw_responses) >= 2
+    wait_idle(served.engine)
+    assert_no_leak(served.engine)
+
+
+def test_anthropic_messages_whole_streamed_tools_and_count_tokens(served, target):
+    client = _anthropic(target)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Name a colour."}]}]
+    message = client.messages.create(model="tiny", max_tokens=12, system="Be brief.", messages=messages,
+                                     extra_body=GREEDY)
+    text, usage = _chat_text(served, [{"role": "system", "content": "Be brief."},
+                                      {"role": "user", "content": "Name a colour."}], max_tokens=12, **GREEDY)
+    assert message.type == "message" and message.role == "assistant" and message.id.startswith("msg_")
+    assert message.content[0].text == text and text
+    assert message.stop_reason == ("max_tokens" if usage.completion_tokens == 12 else "end_turn")
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens == usage.prompt_tokens
+    assert message.usage.output_tokens == usage.completion_tokens
+    with client.messages.stream(model="tiny", max_tokens=12, system="Be brief.", messages=messages,
+                                extra_body=GREEDY) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "content_block_delta" in kinds
+    assert final.content[0].text == text and final.usage.output_tokens == usage.completion_tokens
+    counted = client.messages.count_tokens(model="tiny", system="Be brief.", messages=messages)
+    assert counted.input_tokens == usage.prompt_tokens
+    tools = [{"name": "weather", "description": "the weather", "input_schema": CITY}]
+    call = client.messages.create(model="tiny", max_tokens=60, messages=[{"role": "user", "content": "Weather?"}],
+                                  tools=tools, tool_choice={"type": "any", "disable_parallel_tool_use": True})
+    assert call.stop_reason == "tool_use"
+    use = next(block for block in call.content if block.type == "tool_use")
+    jsonschema.validate(use.input, CITY)
+    answer = client.messages.create(model="tiny", max_tokens=8, tools=tools, extra_body=GREEDY, messages=[
+        {"role": "user", "content": "Weather?"}, {"role": "assistant", "content": call.content},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}]}])
+    text, _ = _chat_text(served, [{"role": "user", "content": "Weather?"},
+                                  {"role": "assistant", "content": None, "tool_calls": [
+                                      {"id": use.id, "type": "function",
+                                       "function": {"name": "weather", "arguments": json.dumps(use.input)}}]},
+                                  {"role": "tool", "tool_call_id": use.id, "content": "sunny"}],
+                         tools=[{"type": "function", "function": {"name": "weather", "description": "the weather",
+                                                                   "parameters": CITY}}], max_tokens=8, **GREEDY)
+    assert "".join(b.text for b in answer.content if b.type == "text") == text
+    stopped = client.messages.create(model="tiny", max_tokens=30, messages=[{"role": "user", "content": "Go."}],
+                                     stop_sequences=[text[:1] or "a"], extra_body=GREEDY | {"min_tokens": 0})
+    assert stopped.stop_reason in ("stop_sequence", "end_turn", "max_tokens")
+
+
+def test_anthropic_errors_come_in_its_shape(target):
+    client = _anthropic(target)
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        client.messages.create(model="tiny", max_tokens=0, messages=[{"role": "user", "content": "x"}])
+    assert caught.value.body["type"] == "error" and caught.value.body["error"]["type"] == "invalid_request_error"
+    assert "max_tokens" in caught.value.body["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError, match="image"):
+        client.messages.create(model="tiny", max_tokens=2, messages=[
+            {"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "http://x"}}]}])
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.create(model="no-such-model", max_tokens=2, messages=[{"role": "user", "content": "x"}])
+    bad_key = anthropic.Anthropic(base_url=target.url, api_key="sk-wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as caught:
+        bad_key.messages.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": "x"}])
+    assert caught.value.body["error"]["type"] == "authentication_error"
+
+
+def test_the_gateway_bills_responses_and_messages_like_chats(gateway):
+    key = gateway.keys[1]
+    target = SimpleNamespace(url=gateway.url, key=key)
+    response = _openai(target).responses.create(model="tiny", input="Bill me.", max_output_tokens=5, **GREEDY)
+    message = _anthropic(target).messages.create(model="tiny", max_tokens=5, extra_body=GREEDY,
+                                                 messages=[{"role": "user", "content": "Bill me too."}])
+    with _anthropic(target).messages.stream(model="tiny", max_tokens=5, extra_body=GREEDY,
+                                            messages=[{"role": "user", "content": "And a stream."}]) as stream:
+        streamed = stream.get_final_message()
+    expected = [(response.usage.input_tokens, response.usage.output_tokens),
+                (message.usage.input_tokens + message.usage.cache_read_input_tokens, message.usage.output_tokens),
+                (streamed.usage.input_tokens + streamed.usage.cache_read_input_tokens, streamed.usage.output_tokens)]
+    logs = httpx.get(f"{gateway.url}/spend/logs", params={"api_key": key},
+                     headers={"Authorization": f"Bearer {MASTER}"}).json()  # (the ledger is flushed first)
+    assert sorted((row["prompt_tokens"], row["completion_tokens"]) for row in logs) == sorted(expected)
+    for row in logs:
+        assert row["route"] == "chat" and row["status"] == "success"
+        assert row["cost"] == pytest.approx(row["prompt_tokens"] * IN_PRICE + row["completion_tokens"] * OUT_PRICE)

@@ -1,0 +1,82 @@
+"""The reward endpoints for search frameworks that run their own tree search, on the bundled pair:
+vLLM's /pooling (a conversation in, a score per step out, split at the PRM's step separator) equals
+the step scores /v1/search reports for the same steps; /v1/score scores candidate continuations of
+one prefix in one call, each equal to /v1/rewards of the whole solution; bad input is a 400 naming
+the field, and nothing is left running."""
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from conftest import running_server, wait_idle
+from treeserve.server.launch import build_app
+
+QUESTION = "Start with 40 and work modulo 100. Step 1: - 5. Step 2: + 17. What is the result?"
+
+
+@pytest.fixture(scope="module")
+def served():
+    app = build_app({"gen": "builtin:arith-gen", "prm": "builtin:arith-prm"}, dtype="float32", device="cpu")
+    with running_server(app) as url:
+        yield url, app
+
+
+def _idle(app) -> None:
+    for engine in app.state.engine.engines.values():
+        wait_idle(engine)
+
+
+def test_pooling_step_scores_equal_the_searchs(served):
+    url, _ = served
+    search = httpx.post(f"{url}/v1/search", json={"model": "gen", "verifier": "prm", "question": QUESTION,
+                                                  "strategy": "best_of_n", "n": 4, "seed": 3}, timeout=300).json()
+    checked = 0
+    for candidate in search["candidates"]:
+        pooled = httpx.post(f"{url}/pooling", timeout=60, json={"model": "prm", "messages": [
+            {"role": "user", "content": QUESTION}, {"role": "assistant", "content": candidate["text"]}]})
+        assert pooled.status_code == 200, pooled.text
+        body = pooled.json()
+        assert body["object"] == "list" and body["data"][0]["object"] == "pooling"
+        assert body["usage"]["prompt_tokens"] > 0
+        assert body["data"][0]["data"] == pytest.approx(candidate["step_scores"], abs=1e-5)
+        checked += len(candidate["step_scores"])
+    assert checked >= 8
+
+
+def test_score_scores_every_candidate_of_one_prefix_as_rewards_would(served):
+    url, app = served
+    prefix = ["Start: 40.", "Step 1: 40 - 5 = 35."]
+    candidates = ["Step 2: 35 + 17 = 52.", "Step 2: 35 + 17 = 53.", ["Step 2: 35 + 17 = 52.", "The answer is 52."]]
+    scored = httpx.post(f"{url}/v1/score", json={"model": "prm", "question": QUESTION, "steps": prefix,
+                                                 "candidates": candidates}, timeout=60)
+    assert scored.status_code == 200, scored.text
+    body = scored.json()
+    for i, candidate in enumerate(candidates):
+        steps = prefix + ([candidate] if isinstance(candidate, str) else candidate)
+        rewards = httpx.post(f"{url}/v1/rewards", json={"model": "prm", "question": QUESTION, "steps": steps},
+                             timeout=60).json()["scores"]
+        assert body["data"][i]["index"] == i
+        assert body["data"][i]["scores"] == pytest.approx(rewards[len(prefix):], abs=1e-5)
+        assert body["data"][i]["score"] == pytest.approx(rewards[-1], abs=1e-5)
+        assert body["prefix_scores"] == pytest.approx(rewards[:len(prefix)], abs=1e-5)
+    _idle(app)
+    for engine in app.state.engine.engines.values():
+        assert not engine.scheduler.has_unfinished()
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/score", {"model": "prm", "question": "q", "candidates": []}, "candidates"),
+    ("/v1/score", {"model": "prm", "question": "q", "candidates": [[]]}, "candidates[0]"),
+    ("/v1/score", {"model": "nope", "question": "q", "candidates": ["a"]}, "model"),
+    ("/pooling", {"model": "prm", "messages": [{"role": "system", "content": "s"},
+                                               {"role": "user", "content": "q"}]}, "messages"),
+    ("/pooling", {"model": "prm", "messages": [{"role": "user", "content": "q"}]}, "messages"),
+    ("/pooling", {"model": "prm", "messages": [{"role": "user", "content": "q"},
+                                               {"role": "assistant", "content": "\n\n"}]}, "messages[1].content"),
+])
+def test_bad_scoring_requests_are_400s_naming_the_field(served, path, body, param):
+    url, app = served
+    response = httpx.post(url + path, json=body, timeout=30)
+    assert response.status_code in (400, 404), response.text
+    assert response.json()["error"]["param"] == param
+    _idle(app)
