@@ -33,6 +33,7 @@ class Admitted:
     stream: bool
     request_id: str = field(default_factory=new_request_id)
     started_at: dt.datetime = field(default_factory=utcnow)
+    batch_line: tuple[str, int] | None = None  # (batch id, line) of a batch's request
 
 
 class Accounting:
@@ -63,7 +64,8 @@ class Accounting:
         finally:
             self.ledger.settle_later(Settlement(
                 reservation, admitted.request_id, model, outcome.backend, admitted.route, admitted.stream,
-                outcome.status, usage, cost, admitted.started_at))
+                outcome.status, usage, cost, admitted.started_at, batch_line=admitted.batch_line,
+                answer=outcome.answer if admitted.batch_line is not None else None))
         log.info("%s %s key=%s model=%s backend=%s %s tokens=%d+%d cost=%.6g", admitted.request_id, admitted.route,
                  admitted.key.label, model, outcome.backend, outcome.status, usage.prompt_tokens,
                  usage.completion_tokens, cost)

@@ -1,4 +1,6 @@
 """The gateway's FastAPI app, wired: the OpenAI routes over the request path (gateway/service.py),
+the Responses and Messages APIs (gateway/translated_routes.py), Files and Batches (gateway/batch_routes.py,
+run by gateway/batch_runner.py),
 the admin API (gateway/admin.py), health and metrics (gateway/routes.py), the web chat; the services
 over the database (gateway/store.py); domain errors answered as HTTP (gateway/http_errors.py)."""
 from __future__ import annotations
@@ -14,6 +16,8 @@ from treeserve.gateway import pricing
 from treeserve.gateway.accounting import Accounting
 from treeserve.gateway.admin import admin_router
 from treeserve.gateway.auth import Auth
+from treeserve.gateway.batch_routes import batch_routes
+from treeserve.gateway.batch_runner import BatchRunner
 from treeserve.gateway.chat.routes import ChatApp
 from treeserve.gateway.chat.store import ChatStore
 from treeserve.gateway.config import GatewayConfig
@@ -51,7 +55,11 @@ def build_app(config: GatewayConfig, store: Store | None = None) -> FastAPI:
     drain = Drain(config.shutdown_timeout)
     drain.on_time_up.append(forwarder.cut_streams)  # streams end with an error event, billed
 
-    app = FastAPI(title="treeserve gateway", lifespan=_lifespan(config, store, upstreams, router, metrics, chat))
+    responses = DatabaseResponseStore(store.db)
+    runner = BatchRunner(store.batches, store.accounts, store.ledger, service, responses,
+                         store.instances.instance_id, config.batch_concurrency)
+    app = FastAPI(title="treeserve gateway",
+                  lifespan=_lifespan(config, store, upstreams, router, metrics, chat, runner))
     app.state.config, app.state.store, app.state.metrics, app.state.router = config, store, metrics, router
     app.state.drain, app.state.service, app.state.chat = drain, service, chat
     app.add_middleware(DrainMiddleware, drain=drain)  # while stopping: new requests 503, running ones finish
@@ -61,7 +69,8 @@ def build_app(config: GatewayConfig, store: Store | None = None) -> FastAPI:
                                     on_change=keys.clear, priced=config.priced))
     app.include_router(operator_routes(router, metrics, drain, auth))
     app.include_router(openai_routes(config, service, auth))
-    app.include_router(translated_routes(service, auth, DatabaseResponseStore(store.db), MAX_BODY_BYTES))
+    app.include_router(translated_routes(service, auth, responses, MAX_BODY_BYTES))
+    app.include_router(batch_routes(store.files, store.batches, auth))
     # /openapi.json describes the OpenAI routes' bodies as a treeserve server takes them (the gateway
     # itself reads only `model`, `verifier`, `stream` and the token bounds, and passes the rest on)
     openapi.install(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
@@ -72,7 +81,7 @@ def build_app(config: GatewayConfig, store: Store | None = None) -> FastAPI:
 
 
 def _lifespan(config: GatewayConfig, store: Store, upstreams: Upstreams, router: Router, metrics: GatewayMetrics,
-              chat: ChatApp | None):
+              chat: ChatApp | None, batch_runner: BatchRunner):
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         await run_in_threadpool(store.migrate)
@@ -83,11 +92,15 @@ def _lifespan(config: GatewayConfig, store: Store, upstreams: Upstreams, router:
             await upstreams.open()
             health = asyncio.create_task(health_loop(router, upstreams.client, metrics, config.health_interval,
                                                      upstreams.brokers)) if config.health_interval > 0 else None
+            batches = asyncio.create_task(batch_runner.run())
             try:
                 yield
             finally:
                 if health is not None:
                     health.cancel()
+                batches.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await batches
         finally:
             try:
                 await upstreams.close()

@@ -109,6 +109,7 @@ class GatewayConfig:
     key_cache_ttl: float = 2.0    # seconds a process trusts a key it checked (another process's delete or
                                   # block takes effect within it; budgets and limits are always live)
     shutdown_timeout: float = 30.0  # seconds a stopping gateway lets its requests in flight finish
+    batch_concurrency: int = 8    # a process's batch lines in flight at once, over all its batches
     chat: ChatConfig = field(default_factory=ChatConfig)
 
     @property
@@ -120,6 +121,8 @@ class GatewayConfig:
         if isinstance(self.chat, dict):
             self.chat = ChatConfig(**self.chat)
         self.chat.check(self.models)
+        if not isinstance(self.batch_concurrency, int) or self.batch_concurrency < 1:
+            raise ParamError("batch_concurrency", f"batch_concurrency: must be >= 1, got {self.batch_concurrency!r}")
         if self.routing not in STRATEGIES:
             raise ParamError("routing", f"routing: one of {', '.join(STRATEGIES)}, got {self.routing!r}")
         for model in self.models.values():

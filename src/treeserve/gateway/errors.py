@@ -82,3 +82,17 @@ class ConversationNotFound(GatewayError):
 class ChatKeyBlocked(GatewayError):
     def __init__(self):
         super().__init__("your chat key is blocked or expired; ask the gateway's admin")
+
+
+class FileNotFound(GatewayError):
+    def __init__(self, file_id: str, param: str = "file_id"):
+        super().__init__(f"{param}: no file {file_id!r} (never uploaded, deleted, or another key's)", param)
+
+
+class BatchNotFound(GatewayError):
+    def __init__(self, batch_id: str):
+        super().__init__(f"batch_id: no batch {batch_id!r} (never created, or another key's)", "batch_id")
+
+
+class BatchConflict(GatewayError):
+    """A change the batch's state does not allow (cancelling a finished batch)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
+from fastapi import Path
 from pydantic import AfterValidator
 
 INT32_MAX = 2**31 - 1  # the limits and counters are INTEGER columns (32 bits in PostgreSQL)
@@ -17,3 +18,7 @@ def _no_nul(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_no_nul)]
+
+
+# a row's id in a route's path (files, batches, stored responses): what no row's id can be is a 400
+PathId = Annotated[str, Path(max_length=64, pattern=NO_NUL)]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request
 
-from treeserve.gateway.errors import (AccountGone, BudgetExceeded, ChatKeyBlocked, ConversationNotFound, GatewayError,
-                                      KeyNotFound, LimitExceeded, ParallelLimitExceeded, RateLimitExceeded,
-                                      UserExists, UserNotFound)
+from treeserve.gateway.errors import (AccountGone, BatchConflict, BatchNotFound, BudgetExceeded, ChatKeyBlocked,
+                                      ConversationNotFound, FileNotFound, GatewayError, KeyNotFound, LimitExceeded,
+                                      ParallelLimitExceeded, RateLimitExceeded, UserExists, UserNotFound)
 from treeserve.wire.errors import APIError, error_response_for, from_value_error
 
 # error class -> (HTTP status, OpenAI error code); a subclass not listed answers as its parent
@@ -20,6 +20,9 @@ HTTP_STATUS: dict[type[GatewayError], tuple[int, str | None]] = {
     BudgetExceeded: (400, "budget_exceeded"),
     AccountGone: (401, "invalid_api_key"),
     ConversationNotFound: (404, "conversation_not_found"),
+    FileNotFound: (404, "file_not_found"),
+    BatchNotFound: (404, "batch_not_found"),
+    BatchConflict: (409, "batch_state"),
     ChatKeyBlocked: (403, "key_blocked"),
     GatewayError: (400, None),
 }

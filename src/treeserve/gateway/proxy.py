@@ -48,6 +48,7 @@ class Outcome:
     model: str | None = None      # the model group that answered (a fallback's, after a fallback)
     backend: str | None = None
     usage: Usage = field(default_factory=Usage)
+    answer: tuple[int, bytes] | None = None  # a whole answer's HTTP status and body (what a batch line keeps)
 
 
 class RelayResponse(StreamingResponse):
@@ -128,7 +129,7 @@ class Forwarder:
         if status in RETRYABLE_STATUS:
             return self._failed(backend, f"HTTP {status}", breaker=status == 503)
         self._record_health(backend, status)
-        outcome = Outcome("success" if status == 200 else "error", group, backend.name)
+        outcome = Outcome("success" if status == 200 else "error", group, backend.name, answer=(status, content))
         if status == 200:
             try:
                 usage = json.loads(content).get("usage") or {}

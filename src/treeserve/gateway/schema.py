@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import datetime as dt
 
-from sqlalchemy import JSON, BigInteger, Boolean, Date, DateTime, Float, ForeignKey, Index, Integer, String, Text
+from sqlalchemy import (JSON, BigInteger, Boolean, Date, DateTime, Float, ForeignKey, Index, Integer, LargeBinary,
+                        String, Text)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -183,3 +184,60 @@ class StoredResponse(Base):
     history: Mapped[list] = mapped_column(JSON)
     input_items: Mapped[list] = mapped_column(JSON)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+
+
+class StoredFile(Base):
+    """A file uploaded for the Batch API (purpose `batch`), or a batch's output or error file
+    (`batch_output`); readable only with the key that owns it (NULL: the master key)."""
+    __tablename__ = "files"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    api_key_id: Mapped[int | None] = mapped_column(ForeignKey("api_keys.id", ondelete="CASCADE"), index=True)
+    purpose: Mapped[str] = mapped_column(String(32))
+    filename: Mapped[str] = mapped_column(String(256))
+    bytes: Mapped[int] = mapped_column(Integer)
+    content: Mapped[bytes] = mapped_column(LargeBinary)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+
+
+class Batch(Base):
+    """A batch of requests read from an uploaded file. A gateway process runs it while it holds its
+    lease (`lease_owner` until `lease_expires`): a process that died leaves it to another, or to
+    itself restarted, which goes on from the lines that have no answer."""
+    __tablename__ = "batches"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    api_key_id: Mapped[int | None] = mapped_column(ForeignKey("api_keys.id", ondelete="CASCADE"), index=True)
+    endpoint: Mapped[str] = mapped_column(String(64))
+    input_file_id: Mapped[str] = mapped_column(String(64))
+    completion_window: Mapped[str] = mapped_column(String(16))
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    output_file_id: Mapped[str | None] = mapped_column(String(64))
+    error_file_id: Mapped[str | None] = mapped_column(String(64))
+    total: Mapped[int] = mapped_column(Integer)
+    extra: Mapped[dict | None] = mapped_column("metadata", JSON)
+    lease_owner: Mapped[str | None] = mapped_column(String(32))
+    lease_expires: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+    in_progress_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    finalizing_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    completed_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    cancelling_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    cancelled_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    expires_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+
+
+class BatchLine(Base):
+    """One request of a batch: pending, running, done (its answer in `response`, written in the same
+    transaction as its spend row: gateway/settlement.py) or failed (`error`: refused by the gateway,
+    or no backend could answer)."""
+    __tablename__ = "batch_lines"
+    batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"), primary_key=True)
+    line: Mapped[int] = mapped_column(Integer, primary_key=True)
+    custom_id: Mapped[str] = mapped_column(String(256))
+    url: Mapped[str] = mapped_column(String(64))  # its route (a batch may mix them: treeserve's extension)
+    body: Mapped[dict] = mapped_column(JSON)
+    status: Mapped[str] = mapped_column(String(16))
+    status_code: Mapped[int | None] = mapped_column(Integer)
+    response: Mapped[dict | None] = mapped_column(JSON)
+    error: Mapped[dict | None] = mapped_column(JSON)
+    request_id: Mapped[str | None] = mapped_column(String(96))
+    __table_args__ = (Index("ix_batch_lines_batch_status", "batch_id", "status"),)

@@ -34,14 +34,18 @@ class GatewayService:
         self.config, self.router, self.metrics = config, router, metrics
         self.admission, self.accounting, self.forwarder = admission, accounting, forwarder
 
-    async def dispatch(self, path: str, body: dict, key: KeyRecord) -> Response:
+    async def dispatch(self, path: str, body: dict, key: KeyRecord, batch_line: tuple[str, int] | None = None,
+                       request_id: str | None = None) -> Response:
         """One OpenAI request on `key`'s account: checked, admitted, forwarded, settled. Refusals
         raise APIError (the request) or a GatewayError (admission); a backend's own error comes
-        back as its response."""
+        back as its response. A batch's request names its line: its answer is written with its
+        settlement (gateway/settlement.py)."""
         model = self._checked_model(body, key)
         started = time.perf_counter()
         reservation = await self._admit(path, body, model, key)
-        admitted = Admitted(key, reservation, model, ROUTES[path], bool(body.get("stream")))
+        admitted = Admitted(key, reservation, model, ROUTES[path], bool(body.get("stream")), batch_line=batch_line)
+        if request_id is not None:
+            admitted.request_id = request_id
         return await self.forwarder.forward(path, body, model, affinity_key(body),
                                             self.accounting.settle_once(admitted), started, admitted.request_id)
 

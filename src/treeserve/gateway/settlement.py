@@ -6,6 +6,7 @@ windows, sweeping what dead processes held), handed to it where it is built."""
 from __future__ import annotations
 
 import datetime as dt
+import json
 import logging
 import queue
 import threading
@@ -18,7 +19,7 @@ from sqlalchemy import delete, insert, update
 from sqlalchemy.orm import Session
 
 from treeserve.gateway.database import Database
-from treeserve.gateway.schema import ApiKey, DailySpend, Holding, RateWindow, SpendLog, User, utcnow
+from treeserve.gateway.schema import ApiKey, BatchLine, DailySpend, Holding, RateWindow, SpendLog, User, utcnow
 from treeserve.gateway.usage import Usage
 
 log = logging.getLogger("treeserve.gateway")
@@ -57,6 +58,9 @@ class Settlement:
     cost: float
     started_at: dt.datetime
     ended_at: dt.datetime = field(default_factory=utcnow)
+    # a batch line's request (batch id, line): its answer (HTTP status, body) is written with its spend
+    batch_line: tuple[str, int] | None = None
+    answer: tuple[int, bytes] | None = None
 
 
 class SettlementWriter:
@@ -184,10 +188,27 @@ def apply_settlements(db: Database, conn: Session, items: list[Settlement]) -> N
     held = [item.reservation.holding_id for item in items if item.reservation.holding_id is not None]
     if held:
         conn.execute(delete(Holding).where(Holding.id.in_(held)))
+    for item in items:
+        if item.batch_line is not None and item.answer is not None:
+            _answer_line(conn, item)
     for (day, key_id, model), (user_id, requests, prompt, completion, cost) in days.items():
         db.upsert(conn, DailySpend, dict(day=day, key_id=key_id, model=model, user_id=user_id, requests=requests,
                                          prompt_tokens=prompt, completion_tokens=completion, cost=cost),
                   ["day", "key_id", "model"], ["requests", "prompt_tokens", "completion_tokens", "cost"])
+
+
+def _answer_line(conn: Session, item: Settlement) -> None:
+    """A batch line's answer, in its spend row's transaction: billed and answered together, or neither
+    (a line left running is run again). Only a running line takes it: a late answer never overwrites."""
+    batch_id, line = item.batch_line
+    status, body = item.answer
+    try:
+        response = json.loads(body)
+    except ValueError:
+        response = {"error": {"message": body.decode("utf-8", "replace")[:2000]}}
+    conn.execute(update(BatchLine).where(BatchLine.batch_id == batch_id, BatchLine.line == line,
+                                         BatchLine.status == "running")
+                 .values(status="done", status_code=status, response=response, request_id=item.request_id))
 
 
 def _log_row(item: Settlement) -> dict:

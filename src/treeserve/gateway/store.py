@@ -4,7 +4,8 @@ command) opens. Callers use the services themselves:
 - `accounts` (gateway/accounts.py): users, keys, who a key is;
 - `admission` (gateway/admission.py): parallel slots, per-minute counts, budget reservations;
 - `ledger` (gateway/ledger.py): settlements, spend logs, daily totals, exports;
-- `instances` (gateway/instances.py): this process's heartbeat, the sweep of dead processes' holdings.
+- `instances` (gateway/instances.py): this process's heartbeat, the sweep of dead processes' holdings;
+- `files`, `batches` (gateway/files.py, gateway/batches.py): the Files and Batch APIs' rows.
 
 Each raises domain errors (gateway/errors.py), never HTTP ones; calls are blocking (the app runs
 them in worker threads)."""
@@ -12,7 +13,9 @@ from __future__ import annotations
 
 from treeserve.gateway.accounts import Accounts
 from treeserve.gateway.admission import Admission
+from treeserve.gateway.batches import Batches
 from treeserve.gateway.database import Database
+from treeserve.gateway.files import Files
 from treeserve.gateway.instances import Instances
 from treeserve.gateway.ledger import Ledger
 from treeserve.gateway.settlement import HEARTBEAT_INTERVAL, PRUNE_INTERVAL
@@ -24,6 +27,8 @@ class Store:
         self.accounts = Accounts(self.db)
         self.instances = Instances(self.db)
         self.admission = Admission(self.db, self.instances.instance_id)
+        self.files = Files(self.db)
+        self.batches = Batches(self.db, self.files)
         self.ledger = Ledger(self.db, chores=[("heartbeat", HEARTBEAT_INTERVAL, self.instances.heartbeat),
                                               ("prune", PRUNE_INTERVAL, self.admission.prune_rate_windows),
                                               ("sweep", PRUNE_INTERVAL, self.instances.sweep)])

@@ -14,15 +14,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from treeserve.gateway.auth import Auth
+from treeserve.gateway.chat.upstream import UpstreamError, stream_events
+from treeserve.gateway.fields import PathId
 from treeserve.gateway.keys import KeyRecord
 from treeserve.gateway.response_store import DatabaseResponseStore
 from treeserve.gateway.service import GatewayService
-from treeserve.gateway.sse import SSESplitter
 from treeserve.wire.errors import APIError, from_validation_error, from_value_error
 from treeserve.wire.messages import CountTokensRequest, MessagesRequest, from_chat
-from treeserve.wire.messages_stream import MessageEvents, message_events
+from treeserve.wire.messages_stream import MessageEvents
 from treeserve.wire.responses import ResponsesRequest
 from treeserve.wire.responses_api import ResponsesAPI
+from treeserve.wire.translated_stream import translated_events
 
 CHAT = "/v1/chat/completions"
 REQUEST_MODELS = {"/v1/responses": ResponsesRequest, "/v1/messages": MessagesRequest,
@@ -47,15 +49,15 @@ def translated_routes(service: GatewayService, auth: Auth, store: DatabaseRespon
         return JSONResponse(result) if isinstance(result, dict) else _events(result)
 
     @routes.get("/v1/responses/{response_id}")
-    async def retrieve(response_id: str, key: KeyRecord = Depends(auth.require_key)):
+    async def retrieve(response_id: PathId, key: KeyRecord = Depends(auth.require_key)):
         return await api.retrieve(response_id, key.id)
 
     @routes.get("/v1/responses/{response_id}/input_items")
-    async def input_items(response_id: str, key: KeyRecord = Depends(auth.require_key)):
+    async def input_items(response_id: PathId, key: KeyRecord = Depends(auth.require_key)):
         return await api.input_items(response_id, key.id)
 
     @routes.delete("/v1/responses/{response_id}")
-    async def delete(response_id: str, key: KeyRecord = Depends(auth.require_key)):
+    async def delete(response_id: PathId, key: KeyRecord = Depends(auth.require_key)):
         return await api.delete(response_id, key.id)
 
     @routes.post("/v1/messages")
@@ -68,7 +70,7 @@ def translated_routes(service: GatewayService, auth: Auth, store: DatabaseRespon
         result = await relay_chat(service, chat, key)
         if isinstance(result, dict):
             return JSONResponse(from_chat(body, body.model, result))
-        return _events(message_events(MessageEvents(body, body.model), result))
+        return _events(translated_events(MessageEvents(body, body.model), result))
 
     @routes.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request, key: KeyRecord = Depends(auth.require_key)):
@@ -106,22 +108,17 @@ def _reply(response: Response) -> dict:
 
 
 async def _chunks(response: StreamingResponse) -> AsyncIterator[dict]:
-    """A relayed chat stream's chunks; its error event raises; the relay is closed (and so settled)
-    however the reading ends."""
-    splitter = SSESplitter()
+    """A relayed chat stream's chunks (gateway/chat/upstream.py reads them, as the web chat does); its
+    error event raises APIError; the relay is closed (and so settled) however the reading ends."""
+    events = stream_events(response)
     try:
-        async for piece in response.body_iterator:
-            for payload in splitter.feed(piece if isinstance(piece, bytes) else piece.encode()):
-                if payload == b"[DONE]":
-                    return
-                chunk = json.loads(payload)
-                if isinstance(chunk.get("error"), dict):
-                    raise APIError(502, chunk["error"].get("message") or "the backend's stream failed",
-                                   code=chunk["error"].get("code"))
-                yield chunk
+        async for chunk in events:
+            yield chunk
+    except UpstreamError as exc:
+        raise APIError(502, str(exc), code="backend_stream_cut") from exc
     finally:
         with anyio.CancelScope(shield=True):
-            await response.body_iterator.aclose()
+            await events.aclose()
 
 
 def _events(stream) -> StreamingResponse:

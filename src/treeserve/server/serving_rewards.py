@@ -65,7 +65,8 @@ class RewardServing:
             raise APIError(400, "messages[1].content: the solution has no steps", param="messages[1].content")
         scores = (await self.score(scorer, [(question, steps)]))[0]
         return {"id": f"pool-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": body.model,
-                "data": [{"index": 0, "object": "pooling", "data": scores}], "usage": _usage(scorer, [(question, steps)])}
+                "data": [{"index": 0, "object": "pooling", "data": scores}],
+                "usage": _usage(scorer, [(question, steps)])}
 
     async def score_candidates(self, body: ScoreRequest) -> dict:
         scorer = self.scorer(body.model)

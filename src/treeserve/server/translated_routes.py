@@ -9,9 +9,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from treeserve.server.http_io import parse
 from treeserve.wire.errors import from_value_error
 from treeserve.wire.messages import CountTokensRequest, MessagesRequest, from_chat
-from treeserve.wire.messages_stream import MessageEvents, message_events
+from treeserve.wire.messages_stream import MessageEvents
 from treeserve.wire.responses import ResponsesRequest
 from treeserve.wire.responses_api import MemoryResponseStore, ResponsesAPI
+from treeserve.wire.translated_stream import translated_events
 
 REQUEST_MODELS = {"/v1/responses": ResponsesRequest, "/v1/messages": MessagesRequest,
                   "/v1/messages/count_tokens": CountTokensRequest}
@@ -63,7 +64,7 @@ def messages_routes(served, max_body_bytes: int) -> APIRouter:
         result = await serving.chat_body(chat)
         if isinstance(result, dict):
             return JSONResponse(from_chat(body, serving.model_name, result))
-        return _events(message_events(MessageEvents(body, serving.model_name), result))
+        return _events(translated_events(MessageEvents(body, serving.model_name), result))
 
     @router.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):

@@ -11,7 +11,8 @@ from treeserve.errors import ParamError
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error",
-               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_exceeded",
+               405: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
+               429: "rate_limit_exceeded",
                500: "internal_server_error", 502: "bad_gateway", 503: "service_unavailable"}
 
 

@@ -3,11 +3,8 @@
 `message_delta` (stop reason, usage) and `message_stop`; a failure mid-stream is an `error` event."""
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
-from treeserve.wire.errors import APIError, anthropic_error
+from treeserve.wire.errors import anthropic_error
 from treeserve.wire.messages import MessagesRequest, skeleton, stop, usage
-from treeserve.wire.responses_stream import sse
 
 
 class MessageEvents:
@@ -47,6 +44,9 @@ class MessageEvents:
         return self._close() + [{"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
                                  "usage": usage(self.usage)}, {"type": "message_stop"}]
 
+    def fail(self, status: int, message: str, code: str | None = None) -> list[dict]:
+        return [anthropic_error(status, message)]
+
     def _open(self, block: dict) -> list[dict]:
         events = self._close()
         self.block, self.block_kind = self.blocks, block["type"]
@@ -61,26 +61,3 @@ class MessageEvents:
             return []
         index, self.block, self.block_kind = self.block, None, None
         return [{"type": "content_block_stop", "index": index}]
-
-
-async def message_events(events: MessageEvents, chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
-    """The events on the wire (`event: NAME` lines, as Anthropic's server writes them)."""
-    for event in events.start():
-        yield sse(event)
-    try:
-        async for chunk in chunks:
-            for event in events.feed(chunk):
-                yield sse(event)
-    except APIError as exc:
-        yield sse(anthropic_error(exc.status, exc.message))
-        return
-    except Exception as exc:  # (a client gone is GeneratorExit/CancelledError, not caught here)
-        yield sse(anthropic_error(500, f"internal error: {type(exc).__name__}"))
-        return
-    finally:
-        aclose = getattr(chunks, "aclose", None)
-        if aclose is not None:
-            await aclose()
-    for event in events.finish():
-        yield sse(event)
-

@@ -3,8 +3,6 @@ input items, delete. The server runs it over its own chat serving with a bounded
 the gateway over its request path (billed as a chat) with a store in its database, per key."""
 from __future__ import annotations
 
-import contextlib
-import logging
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -12,9 +10,9 @@ from typing import Protocol
 
 from treeserve.wire.errors import APIError, from_value_error
 from treeserve.wire.responses import ResponsesRequest, chat_request, conversation, from_chat, new_id, skeleton
-from treeserve.wire.responses_stream import ResponseEvents, sse
+from treeserve.wire.responses_stream import ResponseEvents
+from treeserve.wire.translated_stream import translated_events
 
-log = logging.getLogger("treeserve.responses")
 # a chat completions body in; its reply (a dict) or its chunks (an async iterator of dicts) out;
 # APIError for a refusal
 ChatFn = Callable[[dict], Awaitable["dict | AsyncIterator[dict]"]]
@@ -89,32 +87,8 @@ class ResponsesAPI:
             final = from_chat(response, result)
             await keep(final)
             return final
-        return self._events(ResponseEvents(response), result, keep)
-
-    async def _events(self, events: ResponseEvents, chunks: AsyncIterator[dict],
-                      keep: Callable[[dict], Awaitable[None]]) -> AsyncIterator[str]:
-        for event in events.start():
-            yield sse(event)
-        try:
-            async for chunk in chunks:
-                for event in events.feed(chunk):
-                    yield sse(event)
-        except APIError as exc:
-            for event in events.fail(exc.message, exc.code):
-                yield sse(event)
-            return
-        except Exception as exc:  # (a client gone is GeneratorExit/CancelledError, not caught here)
-            log.exception("a streamed response failed")
-            for event in events.fail(f"internal error: {type(exc).__name__}", "server_error"):
-                yield sse(event)
-            return
-        finally:
-            with contextlib.suppress(Exception):
-                await chunks.aclose()
-        final_events = events.finish()
-        await keep(events.response)
-        for event in final_events:
-            yield sse(event)
+        events = ResponseEvents(response)
+        return translated_events(events, result, lambda: keep(events.response))
 
     async def retrieve(self, response_id: str, owner: str | None = None) -> dict:
         stored = await self.store.get(response_id, owner)

@@ -5,7 +5,7 @@ then per output item `response.output_item.added`, its text (`response.content_p
 or `response.failed`) with the whole response. Every event carries its `sequence_number`."""
 from __future__ import annotations
 
-from treeserve.wire.responses import call_item, dumps, finished, message_item, new_id
+from treeserve.wire.responses import call_item, finished, message_item, new_id
 
 
 class ResponseEvents:
@@ -45,7 +45,7 @@ class ResponseEvents:
         kind = "response.incomplete" if self.response["status"] == "incomplete" else "response.completed"
         return events + [self._event(kind, response=self.response)]
 
-    def fail(self, message: str, code: str | None) -> list[dict]:
+    def fail(self, status: int, message: str, code: str | None = None) -> list[dict]:
         """A stream broken off: what was written, and the error."""
         events = self._close()
         self.response = dict(self.response, output=self.output, status="failed",
@@ -54,10 +54,11 @@ class ResponseEvents:
 
     # ---- items -------------------------------------------------------------------------------
     def _text(self, text: str) -> list[dict]:
-        events = [] if self.open is not None and self.open["type"] == "message" else self._close() + self._open_message()
+        writing = self.open is not None and self.open["type"] == "message"
+        events = [] if writing else self._close() + self._open_message()
         self.open["content"][0]["text"] += text
-        return events + [self._event("response.output_text.delta", item_id=self.open["id"], output_index=len(self.output),
-                                     content_index=0, delta=text, logprobs=[])]
+        return events + [self._event("response.output_text.delta", item_id=self.open["id"],
+                                     output_index=len(self.output), content_index=0, delta=text, logprobs=[])]
 
     def _open_message(self) -> list[dict]:
         self.open = message_item("", status="in_progress")
@@ -73,7 +74,8 @@ class ResponseEvents:
             events += self._close()
             self.open = call_item(delta["id"], function.get("name") or "", "", new_id("fc"), status="in_progress")
             self.calls[delta.get("index", 0)] = len(self.output)
-            events.append(self._event("response.output_item.added", output_index=len(self.output), item=dict(self.open)))
+            events.append(self._event("response.output_item.added", output_index=len(self.output),
+                                      item=dict(self.open)))
         fragment = function.get("arguments") or ""
         if fragment and self.open is not None and self.open["type"] == "function_call":
             self.open["arguments"] += fragment
@@ -104,7 +106,3 @@ class ResponseEvents:
         self.sequence += 1
         return event
 
-
-def sse(event: dict) -> str:
-    """One event on the wire: its type as the SSE event name, as OpenAI's server writes them."""
-    return f"event: {event['type']}\ndata: {dumps(event)}\n\n"

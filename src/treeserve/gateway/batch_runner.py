@@ -1,0 +1,175 @@
+"""Running batches: the gateway process that holds a batch's lease sends its pending lines through
+the request path (`GatewayService.dispatch`: the key's models, rate limits and budget, routing,
+fallbacks), at most `concurrency` lines at once over all batches, so that batch work takes a bounded
+share of the backends. A line's answer is written in the transaction that bills it
+(gateway/settlement.py), so a process killed at any moment leaves each line answered and billed,
+or neither; the process that takes the lease next (another, or this one restarted) runs the lines
+that have no answer. A key refused for its budget fails its line with that error (and so the rest,
+in turn); a rate limit waits; no backend able to answer runs the line again later, up to
+MAX_ATTEMPTS times."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+
+from fastapi.responses import Response
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+
+from treeserve.gateway.accounts import Accounts
+from treeserve.gateway.auth import MASTER
+from treeserve.gateway.batches import Batches
+from treeserve.gateway.errors import GatewayError, LimitExceeded
+from treeserve.gateway.http_errors import to_api_error
+from treeserve.gateway.keys import KeyRecord
+from treeserve.gateway.ledger import Ledger
+from treeserve.gateway.response_store import DatabaseResponseStore
+from treeserve.gateway.schema import utcnow
+from treeserve.gateway.service import GatewayService
+from treeserve.wire.errors import APIError, from_validation_error
+from treeserve.wire.responses import ResponsesRequest, chat_request
+
+log = logging.getLogger("treeserve.gateway")
+MAX_ATTEMPTS = 5       # a line no backend could answer this often fails
+RETRY_DELAY = 1.0      # seconds before a line no backend could answer is sent again
+POLL_INTERVAL = 0.5    # seconds between looks for batches to run (and lease renewals)
+CHUNK = 4              # lines started between two looks at the batch's status, per concurrency slot
+
+
+class LineFailed(Exception):
+    """A line that cannot be answered: its error-file entry."""
+
+    def __init__(self, code: str | None, message: str, param: str | None = None):
+        super().__init__(message)
+        self.error = {"code": code, "message": message, "param": param}
+
+
+class BatchRunner:
+    def __init__(self, batches: Batches, accounts: Accounts, ledger: Ledger, service: GatewayService,
+                 responses: DatabaseResponseStore, instance_id: str, concurrency: int = 8):
+        self.batches, self.accounts, self.ledger, self.service = batches, accounts, ledger, service
+        self.responses, self.instance_id = responses, instance_id
+        self.concurrency, self.slots = concurrency, asyncio.Semaphore(concurrency)
+        self.running: dict[str, asyncio.Task] = {}
+        self.attempts: dict[tuple[str, int], int] = {}
+
+    async def run(self) -> None:
+        """Until cancelled: takes and renews leases, and runs each leased batch in a task of its own."""
+        try:
+            while True:
+                try:
+                    leased = await run_in_threadpool(self.batches.claim, self.instance_id)
+                except Exception:
+                    log.exception("looking for batches to run failed")
+                    leased = []
+                for batch_id in leased:
+                    task = self.running.get(batch_id)
+                    if task is None or task.done():
+                        self.running[batch_id] = asyncio.create_task(self._guarded(batch_id))
+                await asyncio.sleep(POLL_INTERVAL)
+        finally:
+            tasks = [t for t in self.running.values() if not t.done()]
+            for task in tasks:
+                task.cancel()
+            with contextlib.suppress(Exception):
+                await asyncio.gather(*tasks, return_exceptions=True)
+                await run_in_threadpool(self.batches.release, list(self.running), self.instance_id)
+
+    async def _guarded(self, batch_id: str) -> None:
+        try:
+            await self._batch(batch_id)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("batch %s: running it failed; it is taken up again", batch_id)
+
+    async def _batch(self, batch_id: str) -> None:
+        state, pending = await run_in_threadpool(self.batches.work, batch_id)
+        key = MASTER if state["owner"] is None else await run_in_threadpool(self.accounts.key_record, state["owner"])
+        if key is None:
+            await run_in_threadpool(self.batches.fail_pending, batch_id, {
+                "code": "invalid_api_key", "message": "the batch's key was deleted, blocked or expired"})
+        log.info("batch %s: %d of %d lines to run", batch_id, len(pending), state["request_counts"]["total"])
+        ending = "completed"
+        while pending and key is not None:
+            status = await run_in_threadpool(self.batches.status, batch_id)
+            if status == "cancelling":
+                ending = "cancelled"
+                break
+            if utcnow() >= state["expires"]:
+                ending = "expired"
+                await run_in_threadpool(self.batches.fail_pending, batch_id, {
+                    "code": "batch_expired", "message": "the batch's completion window ended before this line ran"})
+                break
+            chunk = pending[:CHUNK * self.concurrency]
+            await asyncio.gather(*(self._line(batch_id, key, *line) for line in chunk))
+            await run_in_threadpool(self.ledger.flush)  # the lines' answers are written with their settlements
+            state, pending = await run_in_threadpool(self.batches.work, batch_id)
+        await run_in_threadpool(self.ledger.flush)
+        await run_in_threadpool(self.batches.finalize, batch_id, ending)
+        log.info("batch %s: %s", batch_id, ending)
+
+    async def _line(self, batch_id: str, key: KeyRecord, line: int, custom_id: str, endpoint: str,
+                    body: dict) -> None:
+        async with self.slots:
+            request_id = f"{batch_id}-{line}-{uuid.uuid4().hex[:8]}"
+            await run_in_threadpool(self.batches.mark, batch_id, line, "running", request_id)
+            try:
+                response = await self._send(endpoint, body, key, (batch_id, line), request_id)
+            except LimitExceeded as exc:  # the key's rate or parallel limit: wait, then run it again
+                await run_in_threadpool(self.batches.mark, batch_id, line, "pending")
+                await asyncio.sleep(exc.retry_after)
+                return
+            except (GatewayError, APIError, LineFailed) as exc:
+                await run_in_threadpool(self.batches.mark, batch_id, line, "failed", request_id, _error(exc))
+                return
+            except Exception as exc:
+                log.exception("batch %s line %d (%s) failed", batch_id, line, custom_id)
+                response = _unanswered(exc)
+            if response.status_code in (429, 503):  # no backend could answer: nothing was billed or written
+                await self._again(batch_id, line, response)
+
+    async def _send(self, endpoint: str, body: dict, key: KeyRecord, batch_line: tuple[str, int],
+                    request_id: str) -> Response:
+        if endpoint != "/v1/responses":
+            return await self.service.dispatch(endpoint, body, key, batch_line, request_id)
+        try:
+            request = ResponsesRequest.model_validate(body)
+        except ValidationError as exc:
+            error = from_validation_error(exc)
+            raise LineFailed(error.code, error.message, error.param) from None
+        history = []
+        if request.previous_response_id is not None:
+            previous = await self.responses.get(request.previous_response_id, key.id)
+            if previous is None:
+                raise LineFailed("response_not_found", f"previous_response_id: no stored response "
+                                                       f"{request.previous_response_id!r}", "previous_response_id")
+            history = previous.history
+        try:
+            chat = chat_request(request, history) | {"model": request.model}
+        except ValueError as exc:
+            raise LineFailed("invalid_value", str(exc), getattr(exc, "param", None)) from None
+        return await self.service.dispatch("/v1/chat/completions", chat, key, batch_line, request_id)
+
+    async def _again(self, batch_id: str, line: int, response: Response) -> None:
+        attempts = self.attempts[(batch_id, line)] = self.attempts.get((batch_id, line), 0) + 1
+        if attempts >= MAX_ATTEMPTS:
+            await run_in_threadpool(self.batches.mark, batch_id, line, "failed", None, {
+                "code": "no_backend_available", "param": None,
+                "message": f"no backend could answer in {attempts} attempts (last: HTTP {response.status_code})"})
+            return
+        await run_in_threadpool(self.batches.mark, batch_id, line, "pending")
+        await asyncio.sleep(RETRY_DELAY)
+
+
+def _error(exc: Exception) -> dict:
+    if isinstance(exc, LineFailed):
+        return exc.error
+    error = to_api_error(exc) if isinstance(exc, GatewayError) else exc
+    return {"code": error.code, "message": error.message, "param": error.param}
+
+
+def _unanswered(exc: Exception) -> Response:
+    return Response(status_code=503, content=f"{type(exc).__name__}: {exc}".encode())

@@ -1,0 +1,247 @@
+"""The Batch API's rows: a batch, read from an uploaded JSONL file into one row per request line;
+the lease under which one gateway process runs it; its lines' states; and, once every line has an
+answer, its output and error files. Counts are always read from the lines, so they cannot drift
+from them. Calls are blocking: the routes and the runner run them in worker threads."""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import uuid
+
+from sqlalchemy import and_, case, func, insert, or_, select, update
+
+from treeserve.errors import ParamError
+from treeserve.gateway.database import Database
+from treeserve.gateway.errors import BatchConflict, BatchNotFound
+from treeserve.gateway.files import Files
+from treeserve.gateway.schema import Batch, BatchLine, aware, utcnow
+from treeserve.wire.responses import ResponsesRequest, from_chat, new_id, skeleton
+
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/search")
+COMPLETION_WINDOWS = {"24h": dt.timedelta(hours=24)}
+MAX_LINES = 50_000  # OpenAI's
+LEASE = dt.timedelta(seconds=10)  # a process that stops renewing its lease for this long leaves its batches
+ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
+LISTED = 100
+
+
+def parse_lines(content: bytes, endpoint: str) -> list[tuple[str, str, dict]]:
+    """(custom_id, url, body) of each request line; ParamError naming the first bad line. A line's
+    url is the batch's endpoint or, treeserve's extension, another of ENDPOINTS (one batch may mix
+    chats, completions, responses and searches)."""
+    try:
+        text = content.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ParamError("input_file_id", f"the file is not UTF-8 ({exc})") from None
+    lines, seen = [], set()
+    for number, raw in enumerate(text.splitlines(), start=1):
+        if not raw.strip():
+            continue
+        where = f"input_file_id: line {number}"
+        try:
+            item = json.loads(raw)
+        except ValueError as exc:
+            raise ParamError("input_file_id", f"{where} is not JSON ({exc})") from None
+        if not isinstance(item, dict) or not isinstance(item.get("custom_id"), str) or not item["custom_id"]:
+            raise ParamError("input_file_id", f"{where}: needs a custom_id (a string)")
+        url = item.get("url", endpoint)
+        if item.get("method", "POST") != "POST" or url not in ENDPOINTS:
+            raise ParamError("input_file_id", f"{where}: method must be POST and url one of {', '.join(ENDPOINTS)}, "
+                                              f"got {item.get('method')!r} {url!r}")
+        body = item.get("body")
+        if not isinstance(body, dict) or not isinstance(body.get("model"), str):
+            raise ParamError("input_file_id", f"{where}: body must be an object naming its model")
+        if body.get("stream"):
+            raise ParamError("input_file_id", f"{where}: a batch's requests cannot stream")
+        if item["custom_id"] in seen:
+            raise ParamError("input_file_id", f"{where}: custom_id {item['custom_id']!r} is not unique")
+        seen.add(item["custom_id"])
+        lines.append((item["custom_id"], url, body))
+    if not lines:
+        raise ParamError("input_file_id", "the file has no request lines")
+    if len(lines) > MAX_LINES:
+        raise ParamError("input_file_id", f"{len(lines)} lines; a batch takes at most {MAX_LINES}")
+    return lines
+
+
+def _mine(batch_id: str, owner: int | None):
+    return and_(Batch.id == batch_id, Batch.api_key_id.is_(None) if owner is None else Batch.api_key_id == owner)
+
+
+def _stamp(value: dt.datetime | None) -> int | None:
+    return int(aware(value).timestamp()) if value is not None else None
+
+
+class Batches:
+    def __init__(self, db: Database, files: Files):
+        self.db, self.files = db, files
+
+    # ---- the API -----------------------------------------------------------------------------
+    def create(self, owner: int | None, input_file_id: str, endpoint: str, completion_window: str,
+               metadata: dict | None) -> dict:
+        if endpoint not in ENDPOINTS:
+            raise ParamError("endpoint", f"must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}")
+        if completion_window not in COMPLETION_WINDOWS:
+            raise ParamError("completion_window", f"must be one of {', '.join(COMPLETION_WINDOWS)}")
+        if self.files.get(input_file_id, owner, "input_file_id")["purpose"] != "batch":
+            raise ParamError("input_file_id", "the file's purpose must be batch")
+        lines = parse_lines(self.files.content(input_file_id, owner, "input_file_id"), endpoint)
+        now, batch_id = utcnow(), f"batch_{uuid.uuid4().hex}"
+        with self.db.transaction() as conn:
+            conn.execute(insert(Batch).values(
+                id=batch_id, api_key_id=owner, endpoint=endpoint, input_file_id=input_file_id,
+                completion_window=completion_window, status="in_progress", total=len(lines), extra=metadata,
+                created_at=now, in_progress_at=now, expires_at=now + COMPLETION_WINDOWS[completion_window]))
+            conn.execute(insert(BatchLine.__table__), [
+                dict(batch_id=batch_id, line=i, custom_id=custom_id, url=url, body=body, status="pending")
+                for i, (custom_id, url, body) in enumerate(lines)])
+        return self.get(batch_id, owner)
+
+    def get(self, batch_id: str, owner: int | None) -> dict:
+        with self.db.session() as conn:
+            batch = conn.execute(select(Batch).where(_mine(batch_id, owner))).scalar()
+            if batch is None:
+                raise BatchNotFound(batch_id)
+            return self._object(conn, batch)
+
+    def list(self, owner: int | None, after: str | None = None, limit: int = 20) -> dict:
+        limit = max(1, min(limit, LISTED))
+        query = select(Batch).where(Batch.api_key_id.is_(None) if owner is None else Batch.api_key_id == owner)
+        with self.db.session() as conn:
+            if after is not None:
+                anchor = conn.execute(select(Batch.created_at, Batch.id).where(_mine(after, owner))).first()
+                if anchor is None:
+                    raise BatchNotFound(after)
+                query = query.where(or_(Batch.created_at < anchor.created_at,
+                                        and_(Batch.created_at == anchor.created_at, Batch.id < anchor.id)))
+            batches = conn.execute(query.order_by(Batch.created_at.desc(), Batch.id.desc()).limit(limit + 1)).scalars()
+            data = [self._object(conn, b) for b in list(batches)]
+        return {"object": "list", "data": data[:limit], "first_id": data[0]["id"] if data else None,
+                "last_id": data[:limit][-1]["id"] if data else None, "has_more": len(data) > limit}
+
+    def cancel(self, batch_id: str, owner: int | None) -> dict:
+        with self.db.transaction() as conn:
+            status = conn.scalar(select(Batch.status).where(_mine(batch_id, owner)))
+            if status is None:
+                raise BatchNotFound(batch_id)
+            if status in ("validating", "in_progress"):
+                conn.execute(update(Batch).where(Batch.id == batch_id)
+                             .values(status="cancelling", cancelling_at=utcnow()))
+            elif status not in ("cancelling", "cancelled"):
+                raise BatchConflict(f"batch_id: the batch is {status}; only a batch in progress can be cancelled",
+                                    "batch_id")
+        return self.get(batch_id, owner)
+
+    # ---- the runner's ------------------------------------------------------------------------
+    def claim(self, instance_id: str) -> list[str]:
+        """The batches this process runs now: those it leases already (renewed), and those whose
+        lease is free or expired (taken; their lines left running by a process that died go back
+        to pending: an answer is written with its spend row, so a running line has neither)."""
+        now = utcnow()
+        free = or_(Batch.lease_owner.is_(None), Batch.lease_expires < now, Batch.lease_owner == instance_id)
+        with self.db.session() as conn:  # a read first: a gateway with no batch to run writes nothing
+            if conn.execute(select(Batch.id).where(Batch.status.in_(ACTIVE), free).limit(1)).first() is None:
+                return []
+        leased, taken = [], []
+        with self.db.transaction() as conn:
+            rows = conn.execute(select(Batch.id, Batch.lease_owner).where(Batch.status.in_(ACTIVE), free)).all()
+            for row in rows:  # each a conditional update: of two processes after one batch, one gets it
+                if conn.execute(update(Batch).where(Batch.id == row.id, free)
+                                .values(lease_owner=instance_id, lease_expires=now + LEASE)).rowcount:
+                    leased.append(row.id)
+                    if row.lease_owner != instance_id:
+                        taken.append(row.id)
+            if taken:
+                conn.execute(update(BatchLine).where(BatchLine.batch_id.in_(taken), BatchLine.status == "running")
+                             .values(status="pending"))
+        return leased
+
+    def release(self, batch_ids: list[str], instance_id: str) -> None:
+        """Gives up this process's leases (it is stopping): another process takes them at once."""
+        if batch_ids:
+            with self.db.transaction() as conn:
+                conn.execute(update(Batch).where(Batch.id.in_(batch_ids), Batch.lease_owner == instance_id)
+                             .values(lease_owner=None, lease_expires=None))
+
+    def work(self, batch_id: str) -> tuple[dict, list[tuple[int, str, str, dict]]]:
+        """The batch's row (as the API shows it, plus its owner and expiry) and its pending lines."""
+        with self.db.session() as conn:
+            batch = conn.execute(select(Batch).where(Batch.id == batch_id)).scalar()
+            pending = conn.execute(select(BatchLine.line, BatchLine.custom_id, BatchLine.url, BatchLine.body)
+                                   .where(BatchLine.batch_id == batch_id, BatchLine.status == "pending")
+                                   .order_by(BatchLine.line)).all()
+            state = self._object(conn, batch) | {"owner": batch.api_key_id, "expires": aware(batch.expires_at)}
+        return state, [tuple(row) for row in pending]
+
+    def status(self, batch_id: str) -> str | None:
+        with self.db.session() as conn:
+            return conn.scalar(select(Batch.status).where(Batch.id == batch_id))
+
+    def mark(self, batch_id: str, line: int, status: str, request_id: str | None = None,
+             error: dict | None = None) -> None:
+        """A line's state: running (its request sent), pending (to run again), failed (with its error)."""
+        with self.db.transaction() as conn:
+            conn.execute(update(BatchLine).where(BatchLine.batch_id == batch_id, BatchLine.line == line,
+                                                 BatchLine.status.in_(("pending", "running")))
+                         .values(status=status, request_id=request_id, error=error))
+
+    def fail_pending(self, batch_id: str, error: dict) -> None:
+        with self.db.transaction() as conn:
+            conn.execute(update(BatchLine).where(BatchLine.batch_id == batch_id, BatchLine.status == "pending")
+                         .values(status="failed", error=error))
+
+    def finalize(self, batch_id: str, ending: str = "completed") -> None:
+        """Writes the output file (answers with status 200) and the error file (the rest), in line
+        order, and ends the batch (`completed`, `cancelled` or `expired`)."""
+        with self.db.session() as conn:
+            batch = conn.execute(select(Batch).where(Batch.id == batch_id)).scalar()
+            lines = conn.execute(select(BatchLine).where(BatchLine.batch_id == batch_id,
+                                                         BatchLine.status.in_(("done", "failed")))
+                                 .order_by(BatchLine.line)).scalars().all()
+        output, errors = [], []
+        for line in lines:
+            record = _output_line(line)
+            (output if line.status == "done" and line.status_code == 200 else errors).append(record)
+        files = {}
+        for name, records in (("output", output), ("error", errors)):
+            if records:
+                content = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
+                files[name] = self.files.create(batch.api_key_id, "batch_output", f"{batch_id}_{name}.jsonl",
+                                                content)["id"]
+        now = utcnow()
+        stamps = {"completed": "completed_at", "cancelled": "cancelled_at", "expired": "completed_at"}
+        with self.db.transaction() as conn:
+            conn.execute(update(Batch).where(Batch.id == batch_id).values(
+                status=ending, output_file_id=files.get("output"), error_file_id=files.get("error"),
+                finalizing_at=now, lease_owner=None, lease_expires=None, **{stamps[ending]: now}))
+
+    # ---- helpers -----------------------------------------------------------------------------
+    def _object(self, conn, batch: Batch) -> dict:
+        done = case((and_(BatchLine.status == "done", BatchLine.status_code == 200), 1), else_=0)
+        failed = case((or_(BatchLine.status == "failed",
+                           and_(BatchLine.status == "done", BatchLine.status_code != 200)), 1), else_=0)
+        completed, failures = conn.execute(select(func.coalesce(func.sum(done), 0), func.coalesce(func.sum(failed), 0))
+                                           .where(BatchLine.batch_id == batch.id)).one()
+        return {"id": batch.id, "object": "batch", "endpoint": batch.endpoint, "errors": None,
+                "input_file_id": batch.input_file_id, "completion_window": batch.completion_window,
+                "status": batch.status, "output_file_id": batch.output_file_id, "error_file_id": batch.error_file_id,
+                "created_at": _stamp(batch.created_at), "in_progress_at": _stamp(batch.in_progress_at),
+                "expires_at": _stamp(batch.expires_at), "finalizing_at": _stamp(batch.finalizing_at),
+                "completed_at": _stamp(batch.completed_at), "failed_at": None,
+                "expired_at": _stamp(batch.completed_at) if batch.status == "expired" else None,
+                "cancelling_at": _stamp(batch.cancelling_at), "cancelled_at": _stamp(batch.cancelled_at),
+                "request_counts": {"total": batch.total, "completed": int(completed), "failed": int(failures)},
+                "metadata": batch.extra}
+
+
+def _output_line(line: BatchLine) -> dict:
+    """OpenAI's output-file record of a line: its response (status, request id, body), or its error."""
+    record = {"id": f"batch_req_{uuid.uuid5(uuid.NAMESPACE_OID, f'{line.batch_id}/{line.line}').hex}",
+              "custom_id": line.custom_id, "response": None, "error": line.error}
+    if line.status == "done":
+        body = line.response
+        if line.url == "/v1/responses" and line.status_code == 200:
+            request = ResponsesRequest.model_validate(line.body)
+            body = from_chat(skeleton(request, new_id("resp"), request.model or ""), body)
+        record["response"] = {"status_code": line.status_code, "request_id": line.request_id, "body": body}
+    return record

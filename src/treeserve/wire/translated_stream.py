@@ -1,0 +1,47 @@
+"""A streamed chat reply relayed as another API's events (wire/responses_stream.py's ResponseEvents,
+wire/messages_stream.py's MessageEvents): each converter turns chunks into events (`start`, `feed`,
+`finish`, `fail`); this writes them on the wire, and closes the chat stream however it ends."""
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from treeserve.wire.errors import APIError
+from treeserve.wire.responses import dumps
+
+log = logging.getLogger("treeserve.translated")
+
+
+def sse(event: dict) -> str:
+    """One event on the wire: its type as the SSE event name, as OpenAI's and Anthropic's servers write them."""
+    return f"event: {event['type']}\ndata: {dumps(event)}\n\n"
+
+
+async def translated_events(events, chunks: AsyncIterator[dict],
+                            before_end: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[str]:
+    """`before_end` runs once the reply is whole, before its last events are sent (a response is
+    stored before its client reads `response.completed`)."""
+    for event in events.start():
+        yield sse(event)
+    try:
+        async for chunk in chunks:
+            for event in events.feed(chunk):
+                yield sse(event)
+    except APIError as exc:
+        for event in events.fail(exc.status, exc.message, exc.code):
+            yield sse(event)
+        return
+    except Exception as exc:  # (a client gone is GeneratorExit/CancelledError, not caught here)
+        log.exception("a translated stream failed")
+        for event in events.fail(500, f"internal error: {type(exc).__name__}", "server_error"):
+            yield sse(event)
+        return
+    finally:
+        aclose = getattr(chunks, "aclose", None)
+        if aclose is not None:
+            await aclose()
+    last = events.finish()
+    if before_end is not None:
+        await before_end()
+    for event in last:
+        yield sse(event)

@@ -1,0 +1,278 @@
+"""OpenAI's Files and Batch APIs on the gateway, through the official `openai` client, in front of a
+real treeserve server of a tiny generator and PRM: a batch of 500 lines mixing chats, completions
+and searches is answered once per line and billed per line (spend rows equal the lines' usage,
+matched by request id); a gateway process killed with SIGKILL mid-batch and started again finishes
+it with every line answered and billed once; a key whose budget runs out mid-batch gets the rest
+failed with the budget error; files and batches stay with their key; bad files are 400s naming
+the line; a cancelled batch stops."""
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from conftest import API_KEY, running_server
+from gateway_support import wait_for, wait_healthy
+from treeserve.gateway.app import build_app as build_gateway
+from treeserve.gateway.config import BackendConfig, GatewayConfig, ModelConfig
+from treeserve.ports import free_port
+from treeserve.server.launch import build_app
+
+MASTER = "sk-master-batches"
+IN_PRICE, OUT_PRICE = 1e-6, 1e-3
+FIXED = {"max_tokens": 4, "min_tokens": 4}  # every chat and completion answer is 4 tokens
+
+
+@pytest.fixture(scope="module")
+def backend(pair):
+    app = build_app(pair, max_problems_in_flight=8, dtype="float32", device="cpu", kv_cache_memory_bytes=32 << 20,
+                    max_model_len=256)
+    with running_server(app) as url:
+        yield url
+
+
+def _models(url: str) -> dict:
+    return {name: {"backends": [{"url": url, "api_key": API_KEY}], "input_cost_per_token": IN_PRICE,
+                   "output_cost_per_token": OUT_PRICE} for name in ("gen", "prm")}
+
+
+@contextlib.contextmanager
+def gateway(url: str, database: str):
+    models = {name: ModelConfig(name, [BackendConfig(url, api_key=API_KEY)], input_cost_per_token=IN_PRICE,
+                                output_cost_per_token=OUT_PRICE) for name in ("gen", "prm")}
+    app = build_gateway(GatewayConfig(models=models, master_key=MASTER, database=database, health_interval=0))
+    with running_server(app) as gw:
+        yield gw
+
+
+def _admin(url: str, method: str, path: str, **kwargs) -> httpx.Response:
+    return httpx.request(method, url + path, headers={"Authorization": f"Bearer {MASTER}"}, timeout=60, **kwargs)
+
+
+def _key(url: str, **fields) -> str:
+    return _admin(url, "POST", "/key/generate", json=fields).json()["key"]
+
+
+def _client(url: str, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def mixed_lines(count: int) -> list[dict]:
+    """Chats, completions and (one in five) searches, each line its own prompt."""
+    lines = []
+    for i in range(count):
+        if i % 5 == 4:
+            url, body = "/v1/search", {"model": "gen", "verifier": "prm", "question": f"Add {i} and three.",
+                                       "strategy": "best_of_n", "n": 2, "max_tokens": 4, "seed": i,
+                                       "system_prompt": ""}
+        elif i % 2:
+            url, body = "/v1/completions", {"model": "gen", "prompt": f"Count to {i}:", **FIXED}
+        else:
+            url, body = "/v1/chat/completions", {"model": "gen", "messages": [{"role": "user", "content": f"Say {i}."}],
+                                                 **FIXED}
+        lines.append({"custom_id": f"line-{i}", "method": "POST", "url": url, "body": body})
+    return lines
+
+
+def _jsonl(lines: list[dict]) -> bytes:
+    return "".join(json.dumps(line) + "\n" for line in lines).encode()
+
+
+def _start(client: openai.OpenAI, lines: list[dict], endpoint: str = "/v1/chat/completions"):
+    uploaded = client.files.create(file=("batch.jsonl", _jsonl(lines)), purpose="batch")
+    return client.batches.create(input_file_id=uploaded.id, endpoint=endpoint, completion_window="24h")
+
+
+def _wait(client: openai.OpenAI, batch_id: str, timeout: float = 600):
+    deadline = time.monotonic() + timeout
+    while True:
+        batch = client.batches.retrieve(batch_id)
+        if batch.status in ("completed", "cancelled", "expired", "failed"):
+            return batch
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.2)
+
+
+def _records(client: openai.OpenAI, batch) -> list[dict]:
+    records = []
+    for file_id in (batch.output_file_id, batch.error_file_id):
+        if file_id:
+            records += [json.loads(row) for row in client.files.content(file_id).text.splitlines()]
+    return records
+
+
+def _usage(record: dict) -> tuple[int, int]:
+    usage = record["response"]["body"].get("usage") or {}
+    return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
+
+
+def check_answered_and_billed_once(gw: str, client: openai.OpenAI, key: str, batch, lines: list[dict]) -> None:
+    """Every line once, answered with status 200; one spend row per line, with the line's request id
+    and its answer's usage."""
+    records = _records(client, batch)
+    assert sorted(r["custom_id"] for r in records) == sorted(line["custom_id"] for line in lines)
+    assert all(r["response"]["status_code"] == 200 and r["error"] is None for r in records), \
+        [r for r in records if r["error"] or r["response"]["status_code"] != 200][:3]
+    assert batch.request_counts.completed == len(lines) and batch.request_counts.failed == 0
+    rows = _admin(gw, "GET", "/spend/logs", params={"api_key": key, "limit": 100000}).json()
+    by_request = {row["request_id"]: row for row in rows}
+    assert len(by_request) == len(rows) == len(lines), (len(rows), len(lines))
+    for record in records:
+        row = by_request[record["response"]["request_id"]]
+        assert (row["prompt_tokens"], row["completion_tokens"]) == _usage(record)
+        assert row["status"] == "success"
+    search = next(r for r in records if r["custom_id"] == "line-4")
+    assert search["response"]["body"]["object"] == "search.result"
+
+
+def test_a_mixed_batch_of_500_lines_is_answered_and_billed_once_per_line(backend, tmp_path):
+    with gateway(backend, f"sqlite:///{tmp_path / 'gw.db'}") as gw:
+        key = _key(gw)
+        client = _client(gw, key)
+        lines = mixed_lines(500)
+        batch = _start(client, lines)
+        assert batch.status == "in_progress" and batch.request_counts.total == 500
+        progress = []
+        while batch.status == "in_progress":
+            progress.append(batch.request_counts.completed)
+            time.sleep(0.5)
+            batch = client.batches.retrieve(batch.id)
+        assert batch.status == "completed" and batch.output_file_id and batch.error_file_id is None
+        assert progress == sorted(progress) and len(set(progress)) > 2  # counts rise while it runs
+        check_answered_and_billed_once(gw, client, key, batch, lines)
+        assert [b.id for b in client.batches.list()] == [batch.id]
+
+
+def _gateway_process(config: Path, port: int, log: Path) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "treeserve.cli", "gateway", "--config", str(config),
+                             "--port", str(port)], stdout=subprocess.DEVNULL, stderr=log.open("ab"))
+    wait_healthy(f"http://127.0.0.1:{port}", proc, "gateway", timeout=60)
+    return proc
+
+
+def test_a_gateway_killed_mid_batch_finishes_it_after_a_restart(backend, tmp_path):
+    config = tmp_path / "gateway.yaml"
+    config.write_text(yaml.safe_dump({"master_key": MASTER, "database": f"sqlite:///{tmp_path / 'gw.db'}",
+                                      "health_interval": 0, "models": _models(backend)}))
+    port, log = free_port(), tmp_path / "gateway.log"
+    gw = f"http://127.0.0.1:{port}"
+    proc = _gateway_process(config, port, log)
+    try:
+        key = _key(gw)
+        client = _client(gw, key)
+        lines = mixed_lines(500)
+        batch = _start(client, lines)
+        assert wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 100, timeout=300)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        with pytest.raises(openai.APIConnectionError):  # it is down
+            client.batches.retrieve(batch.id)
+        proc = _gateway_process(config, port, log)
+        assert 100 <= client.batches.retrieve(batch.id).request_counts.completed < 500  # (what was answered)
+        batch = _wait(client, batch.id)
+        assert batch.status == "completed"
+        check_answered_and_billed_once(gw, client, key, batch, lines)
+    finally:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=15)
+
+
+def test_a_key_whose_budget_runs_out_mid_batch_gets_the_rest_failed(backend, tmp_path):
+    with gateway(backend, f"sqlite:///{tmp_path / 'gw.db'}") as gw:
+        # a chat of 4 tokens costs about 4e-3 (+ its prompt): the budget pays for about ten of the 40
+        key = _key(gw, max_budget=0.04)
+        client = _client(gw, key)
+        lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
+                  "body": {"model": "gen", "messages": [{"role": "user", "content": f"Say {i}."}], **FIXED}}
+                 for i in range(40)]
+        batch = _wait(client, _start(client, lines).id)
+        assert batch.status == "completed"
+        records = _records(client, batch)
+        assert sorted(r["custom_id"] for r in records) == sorted(line["custom_id"] for line in lines)
+        answered = [r for r in records if r["error"] is None]
+        refused = [r for r in records if r["error"] is not None]
+        assert answered and refused and batch.request_counts.failed == len(refused)
+        assert all(r["error"]["code"] == "budget_exceeded" and "budget" in r["error"]["message"] for r in refused)
+        spend = _admin(gw, "GET", "/key/info", params={"key": key}).json()["info"]["spend"]
+        rows = _admin(gw, "GET", "/spend/logs", params={"api_key": key}).json()
+        # admitted while spend + holds < max_budget (as LiteLLM's): the last one admitted may go past it
+        assert len(rows) == len(answered) and spend - max(row["cost"] for row in rows) < 0.04 <= spend
+        assert sum(row["cost"] for row in rows) == pytest.approx(spend)
+
+
+def test_files_and_batches_stay_with_their_key_and_bad_input_is_named(backend, tmp_path):
+    with gateway(backend, f"sqlite:///{tmp_path / 'gw.db'}") as gw:
+        owner, other = _client(gw, _key(gw)), _client(gw, _key(gw))
+        uploaded = owner.files.create(file=("b.jsonl", _jsonl(mixed_lines(3))), purpose="batch")
+        assert owner.files.retrieve(uploaded.id).bytes == len(_jsonl(mixed_lines(3)))
+        assert owner.files.content(uploaded.id).content == _jsonl(mixed_lines(3))
+        assert [f.id for f in owner.files.list()] == [uploaded.id]
+        for call in (lambda: other.files.retrieve(uploaded.id), lambda: other.files.content(uploaded.id),
+                     lambda: other.files.delete(uploaded.id),
+                     lambda: other.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                                  completion_window="24h")):
+            with pytest.raises(openai.NotFoundError):
+                call()
+        with pytest.raises(openai.BadRequestError, match="purpose"):
+            owner.files.create(file=("b.jsonl", b"{}"), purpose="fine-tune")
+        bad = [b'{"custom_id": "a", "url": "/v1/chat/completions", "body": {"model": "gen"}}\nnot json\n',
+               b'{"custom_id": "a", "url": "/v1/embeddings", "body": {"model": "gen"}}\n',
+               _jsonl(mixed_lines(1) * 2), b'{"custom_id": "a", "url": "/v1/completions", "body": {"model": "gen", '
+                                          b'"prompt": "x", "stream": true}}\n']
+        for content, where in zip(bad, ("line 2", "line 1", "line 2", "line 1")):
+            file = owner.files.create(file=("bad.jsonl", content), purpose="batch")
+            with pytest.raises(openai.BadRequestError, match=where) as caught:
+                owner.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h")
+            assert caught.value.body["param"] == "input_file_id"
+        batch = owner.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                     completion_window="24h")
+        with pytest.raises(openai.NotFoundError):
+            other.batches.retrieve(batch.id)
+        with pytest.raises(openai.NotFoundError):
+            other.batches.cancel(batch.id)
+        assert _wait(owner, batch.id).status == "completed"
+        with pytest.raises(openai.APIStatusError) as caught:
+            owner.batches.cancel(batch.id)
+        assert caught.value.status_code == 409
+        assert owner.files.delete(uploaded.id).deleted
+        with pytest.raises(openai.NotFoundError):
+            owner.files.retrieve(uploaded.id)
+
+
+def test_a_cancelled_batch_stops_and_keeps_what_was_answered(backend, tmp_path):
+    with gateway(backend, f"sqlite:///{tmp_path / 'gw.db'}") as gw:
+        client = _client(gw, _key(gw))
+        lines = [line for line in mixed_lines(400) if line["url"] != "/v1/search"]
+        batch = _start(client, lines)
+        assert wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 10, timeout=120)
+        assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
+        batch = _wait(client, batch.id)
+        assert batch.status == "cancelled" and batch.cancelled_at
+        records = _records(client, batch)
+        assert 10 <= len(records) == batch.request_counts.completed < len(lines)
+
+
+def test_responses_lines_come_back_as_responses(backend, tmp_path):
+    with gateway(backend, f"sqlite:///{tmp_path / 'gw.db'}") as gw:
+        client = _client(gw, _key(gw))
+        lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/responses",
+                  "body": {"model": "gen", "input": f"Say {i}.", "max_output_tokens": 4, "temperature": 0}}
+                 for i in range(3)]
+        batch = _wait(client, _start(client, lines, endpoint="/v1/responses").id)
+        records = _records(client, batch)
+        assert len(records) == 3
+        for record in records:
+            body = record["response"]["body"]
+            assert body["object"] == "response" and body["output"][0]["type"] == "message"
+            assert body["usage"]["output_tokens"] >= 1
+
