@@ -2,9 +2,10 @@
 real treeserve server of a tiny generator and PRM: a batch of 500 lines mixing chats, completions
 and searches is answered once per line and billed per line (spend rows equal the lines' usage,
 matched by request id); a gateway process killed with SIGKILL mid-batch and started again finishes
-it with every line answered and billed once; a key whose budget runs out mid-batch gets the rest
-failed with the budget error; files and batches stay with their key; bad files are 400s naming
-the line; a cancelled batch stops."""
+it with every line answered, billed and run on the backend once; a key whose budget runs out
+mid-batch gets the rest failed with the budget error; files and batches stay with their key; bad
+files are 400s naming the line; a cancelled batch stops. The batch and budget tests run on SQLite
+and on PostgreSQL."""
 from __future__ import annotations
 
 import contextlib
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import openai
@@ -37,7 +39,14 @@ def backend(pair):
     app = build_app(pair, max_problems_in_flight=8, dtype="float32", device="cpu", kv_cache_memory_bytes=32 << 20,
                     max_model_len=256)
     with running_server(app) as url:
-        yield url
+        yield SimpleNamespace(url=url, app=app)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database(request, tmp_path):
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'gateway.db'}"
+    return request.getfixturevalue("postgres").new_database()
 
 
 def _models(url: str) -> dict:
@@ -134,8 +143,8 @@ def check_answered_and_billed_once(gw: str, client: openai.OpenAI, key: str, bat
     assert search["response"]["body"]["object"] == "search.result"
 
 
-def test_a_mixed_batch_of_500_lines_is_answered_and_billed_once_per_line(backend, tmp_path):
-    with gateway(backend, f"sqlite:///{tmp_path / 'gw.db'}") as gw:
+def test_a_mixed_batch_of_500_lines_is_answered_and_billed_once_per_line(backend, database):
+    with gateway(backend.url, database) as gw:
         key = _key(gw)
         client = _client(gw, key)
         lines = mixed_lines(500)
@@ -162,10 +171,12 @@ def _gateway_process(config: Path, port: int, log: Path) -> subprocess.Popen:
 def test_a_gateway_killed_mid_batch_finishes_it_after_a_restart(backend, tmp_path):
     config = tmp_path / "gateway.yaml"
     config.write_text(yaml.safe_dump({"master_key": MASTER, "database": f"sqlite:///{tmp_path / 'gw.db'}",
-                                      "health_interval": 0, "models": _models(backend)}))
+                                      "health_interval": 0, "models": _models(backend.url)}))
     port, log = free_port(), tmp_path / "gateway.log"
     gw = f"http://127.0.0.1:{port}"
     proc = _gateway_process(config, port, log)
+    replies = backend.app.state.idempotent_replies
+    completed_before, replayed_before = replies.completed, replies.replayed
     try:
         key = _key(gw)
         client = _client(gw, key)
@@ -181,14 +192,19 @@ def test_a_gateway_killed_mid_batch_finishes_it_after_a_restart(backend, tmp_pat
         batch = _wait(client, batch.id)
         assert batch.status == "completed"
         check_answered_and_billed_once(gw, client, key, batch, lines)
+        # and run once: the lines in flight at the kill, sent again, were answered from their first run
+        # where it had ended (a search whose client left is cancelled, and runs again)
+        assert replies.completed - completed_before == len(lines)
+        print(f"killed mid-batch: {replies.replayed - replayed_before} line(s) sent again were answered from "
+              f"their first run")
     finally:
         proc.terminate()
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=15)
 
 
-def test_a_key_whose_budget_runs_out_mid_batch_gets_the_rest_failed(backend, tmp_path):
-    with gateway(backend, f"sqlite:///{tmp_path / 'gw.db'}") as gw:
+def test_a_key_whose_budget_runs_out_mid_batch_gets_the_rest_failed(backend, database):
+    with gateway(backend.url, database) as gw:
         # a chat of 4 tokens costs about 4e-3 (+ its prompt): the budget pays for about ten of the 40
         key = _key(gw, max_budget=0.04)
         client = _client(gw, key)
@@ -211,7 +227,7 @@ def test_a_key_whose_budget_runs_out_mid_batch_gets_the_rest_failed(backend, tmp
 
 
 def test_files_and_batches_stay_with_their_key_and_bad_input_is_named(backend, tmp_path):
-    with gateway(backend, f"sqlite:///{tmp_path / 'gw.db'}") as gw:
+    with gateway(backend.url, f"sqlite:///{tmp_path / 'gw.db'}") as gw:
         owner, other = _client(gw, _key(gw)), _client(gw, _key(gw))
         uploaded = owner.files.create(file=("b.jsonl", _jsonl(mixed_lines(3))), purpose="batch")
         assert owner.files.retrieve(uploaded.id).bytes == len(_jsonl(mixed_lines(3)))
@@ -250,7 +266,7 @@ def test_files_and_batches_stay_with_their_key_and_bad_input_is_named(backend, t
 
 
 def test_a_cancelled_batch_stops_and_keeps_what_was_answered(backend, tmp_path):
-    with gateway(backend, f"sqlite:///{tmp_path / 'gw.db'}") as gw:
+    with gateway(backend.url, f"sqlite:///{tmp_path / 'gw.db'}") as gw:
         client = _client(gw, _key(gw))
         lines = [line for line in mixed_lines(400) if line["url"] != "/v1/search"]
         batch = _start(client, lines)
@@ -263,7 +279,7 @@ def test_a_cancelled_batch_stops_and_keeps_what_was_answered(backend, tmp_path):
 
 
 def test_responses_lines_come_back_as_responses(backend, tmp_path):
-    with gateway(backend, f"sqlite:///{tmp_path / 'gw.db'}") as gw:
+    with gateway(backend.url, f"sqlite:///{tmp_path / 'gw.db'}") as gw:
         client = _client(gw, _key(gw))
         lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/responses",
                   "body": {"model": "gen", "input": f"Say {i}.", "max_output_tokens": 4, "temperature": 0}}

@@ -118,8 +118,10 @@ class AsyncLLMEngine:
                 return
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                       prompt: str | None = None, engine: LLMEngine | None = None) -> AsyncIterator[RequestOutput]:
-        """Streams cumulative outputs; leaving the iterator early aborts the request."""
+                       prompt: str | None = None, engine: LLMEngine | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Streams cumulative outputs; leaving the iterator early aborts the request. `priority`:
+        the waiting queue's order (0 interactive, 1 background)."""
         engine = engine or self.engine
         engine.validate_prompt(prompt_token_ids)
         if self.max_queue is not None and self.num_waiting() >= self.max_queue:
@@ -129,7 +131,8 @@ class AsyncLLMEngine:
 
         def add() -> None:
             try:
-                self.loop.add_request(engine, request_id, ids, params, self._pusher(request_id), prompt=prompt)
+                self.loop.add_request(engine, request_id, ids, params, self._pusher(request_id), prompt=prompt,
+                                      priority=priority)
             except Exception as exc:
                 self.push(request_id, exc)
         self.post(add)

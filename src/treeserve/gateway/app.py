@@ -57,7 +57,7 @@ def build_app(config: GatewayConfig, store: Store | None = None) -> FastAPI:
 
     responses = DatabaseResponseStore(store.db)
     runner = BatchRunner(store.batches, store.accounts, store.ledger, service, responses,
-                         store.instances.instance_id, config.batch_concurrency)
+                         store.instances.instance_id, config.batch_concurrency, config.batch_priority)
     app = FastAPI(title="treeserve gateway",
                   lifespan=_lifespan(config, store, upstreams, router, metrics, chat, runner))
     app.state.config, app.state.store, app.state.metrics, app.state.router = config, store, metrics, router

@@ -1,7 +1,7 @@
 """Running batches: the gateway process that holds a batch's lease sends its pending lines through
 the request path (`GatewayService.dispatch`: the key's models, rate limits and budget, routing,
-fallbacks), at most `concurrency` lines at once over all batches, so that batch work takes a bounded
-share of the backends. A line's answer is written in the transaction that bills it
+fallbacks), at most `concurrency` lines at once over all batches, each queued on its server behind interactive
+requests (`priority` 1), so that batch work takes a bounded share of the backends. A line's answer is written in the transaction that bills it
 (gateway/settlement.py), so a process killed at any moment leaves each line answered and billed,
 or neither; the process that takes the lease next (another, or this one restarted) runs the lines
 that have no answer. A key refused for its budget fails its line with that error (and so the rest,
@@ -48,9 +48,10 @@ class LineFailed(Exception):
 
 class BatchRunner:
     def __init__(self, batches: Batches, accounts: Accounts, ledger: Ledger, service: GatewayService,
-                 responses: DatabaseResponseStore, instance_id: str, concurrency: int = 8):
+                 responses: DatabaseResponseStore, instance_id: str, concurrency: int = 8,
+                 priority: int | None = 1):
         self.batches, self.accounts, self.ledger, self.service = batches, accounts, ledger, service
-        self.responses, self.instance_id = responses, instance_id
+        self.responses, self.instance_id, self.priority = responses, instance_id, priority
         self.concurrency, self.slots = concurrency, asyncio.Semaphore(concurrency)
         self.running: dict[str, asyncio.Task] = {}
         self.attempts: dict[tuple[str, int], int] = {}
@@ -133,8 +134,10 @@ class BatchRunner:
 
     async def _send(self, endpoint: str, body: dict, key: KeyRecord, batch_line: tuple[str, int],
                     request_id: str) -> Response:
-        if endpoint != "/v1/responses":
+        if endpoint == "/v1/search":  # (a search is background work on its server already)
             return await self.service.dispatch(endpoint, body, key, batch_line, request_id)
+        if endpoint != "/v1/responses":
+            return await self.service.dispatch(endpoint, self._background(body), key, batch_line, request_id)
         try:
             request = ResponsesRequest.model_validate(body)
         except ValidationError as exc:
@@ -151,7 +154,13 @@ class BatchRunner:
             chat = chat_request(request, history) | {"model": request.model}
         except ValueError as exc:
             raise LineFailed("invalid_value", str(exc), getattr(exc, "param", None)) from None
-        return await self.service.dispatch("/v1/chat/completions", chat, key, batch_line, request_id)
+        return await self.service.dispatch("/v1/chat/completions", self._background(chat), key, batch_line,
+                                           request_id)
+
+    def _background(self, body: dict) -> dict:
+        """The line's request queued behind interactive ones on its server (`priority`, unless the
+        line sets its own or the gateway is configured without: `batch_priority: null`)."""
+        return body if self.priority is None or "priority" in body else body | {"priority": self.priority}
 
     async def _again(self, batch_id: str, line: int, response: Response) -> None:
         attempts = self.attempts[(batch_id, line)] = self.attempts.get((batch_id, line), 0) + 1

@@ -110,6 +110,8 @@ class GatewayConfig:
                                   # block takes effect within it; budgets and limits are always live)
     shutdown_timeout: float = 30.0  # seconds a stopping gateway lets its requests in flight finish
     batch_concurrency: int = 8    # a process's batch lines in flight at once, over all its batches
+    batch_priority: int | None = 1  # the `priority` batch lines ask their server for (None: not sent; a vLLM
+                                    # backend takes it only with --scheduling-policy priority)
     chat: ChatConfig = field(default_factory=ChatConfig)
 
     @property

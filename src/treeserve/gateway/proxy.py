@@ -77,10 +77,12 @@ class Forwarder:
             cut(GatewayStopping("the gateway is shutting down"))
 
     async def forward(self, path: str, body: dict, model: str, affinity: str | None,
-                      settle: Callable[[Outcome], "anyio.abc.Awaitable"], started: float, request_id: str) -> Response:
+                      settle: Callable[[Outcome], "anyio.abc.Awaitable"], started: float, request_id: str,
+                      headers: dict[str, str] | None = None) -> Response:
         """`settle` is awaited when the request has ended, before its client has the end (for a
         stream: when its [DONE] is in hand, else when the stream has ended, however it ended); it
-        must be idempotent (a failure path may call it again)."""
+        must be idempotent (a failure path may call it again). `headers` go to HTTP backends with
+        the request (a batch line's Idempotency-Key)."""
         stream = bool(body.get("stream"))
         # a single replica is tried again: a kept-alive connection its server just closed fails once
         plan = list(itertools.islice(itertools.cycle(self.router.plan(model, affinity)), 1 + self.retries))
@@ -95,7 +97,7 @@ class Forwarder:
                                                     f"{request_id}.{attempt}")
                 else:
                     attempt_once = self._try_stream if stream else self._try_once
-                    result = await attempt_once(path, upstream, backend, group, body, settle, started)
+                    result = await attempt_once(path, upstream, backend, group, body, settle, started, headers)
                 if isinstance(result, Response):
                     result.headers["x-request-id"] = request_id
                     return result
@@ -110,10 +112,11 @@ class Forwarder:
                               code="no_backend_available", headers={"Retry-After": "1", "x-request-id": request_id})
 
     # ---- one attempt -------------------------------------------------------------------------
-    async def _try_once(self, path, upstream, backend: Backend, group, body, settle, started) -> Response | str:
+    async def _try_once(self, path, upstream, backend: Backend, group, body, settle, started,
+                        headers=None) -> Response | str:
         self._begin(backend)
         try:
-            async with self.upstreams.client.post(backend.url + path, json=upstream, headers=_headers(backend),
+            async with self.upstreams.client.post(backend.url + path, json=upstream, headers=_headers(backend, headers),
                                         timeout=_timeout(backend, whole=True)) as response:
                 status, content = response.status, await response.read()
                 headers = {"Retry-After": response.headers["Retry-After"]} if "Retry-After" in response.headers else {}
@@ -141,10 +144,12 @@ class Forwarder:
         self.metrics.latency.labels(group).observe(time.perf_counter() - started)
         return Response(content, status_code=status, media_type="application/json", headers=headers)
 
-    async def _try_stream(self, path, upstream, backend: Backend, group, body, settle, started) -> Response | str:
+    async def _try_stream(self, path, upstream, backend: Backend, group, body, settle, started,
+                          headers=None) -> Response | str:
         self._begin(backend)
         try:
-            response = await self.upstreams.client.post(backend.url + path, json=upstream, headers=_headers(backend),
+            response = await self.upstreams.client.post(backend.url + path, json=upstream,
+                                                        headers=_headers(backend, headers),
                                                         timeout=_timeout(backend, whole=False))
         except UPSTREAM_ERRORS as exc:
             self._end(backend)
@@ -293,8 +298,9 @@ def _closer(response: aiohttp.ClientResponse) -> Callable[[], Awaitable[None]]:
     return close
 
 
-def _headers(backend: Backend) -> dict[str, str]:
-    return {"Authorization": f"Bearer {backend.config.api_key}"} if backend.config.api_key else {}
+def _headers(backend: Backend, extra: dict[str, str] | None = None) -> dict[str, str]:
+    auth = {"Authorization": f"Bearer {backend.config.api_key}"} if backend.config.api_key else {}
+    return auth | extra if extra else auth
 
 
 def _timeout(backend: Backend, whole: bool) -> aiohttp.ClientTimeout:

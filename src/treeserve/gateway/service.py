@@ -39,15 +39,18 @@ class GatewayService:
         """One OpenAI request on `key`'s account: checked, admitted, forwarded, settled. Refusals
         raise APIError (the request) or a GatewayError (admission); a backend's own error comes
         back as its response. A batch's request names its line: its answer is written with its
-        settlement (gateway/settlement.py)."""
+        settlement (gateway/settlement.py), and it goes with an Idempotency-Key of its line (a
+        treeserve server answers a repeat from the first run: server/idempotency.py)."""
         model = self._checked_model(body, key)
         started = time.perf_counter()
         reservation = await self._admit(path, body, model, key)
         admitted = Admitted(key, reservation, model, ROUTES[path], bool(body.get("stream")), batch_line=batch_line)
         if request_id is not None:
             admitted.request_id = request_id
+        headers = {"Idempotency-Key": f"{batch_line[0]}/{batch_line[1]}"} if batch_line is not None else None
         return await self.forwarder.forward(path, body, model, affinity_key(body),
-                                            self.accounting.settle_once(admitted), started, admitted.request_id)
+                                            self.accounting.settle_once(admitted), started, admitted.request_id,
+                                            headers)
 
     async def count_tokens(self, body: dict, key: KeyRecord) -> Response:
         """A backend's `/tokenize` of a chat's messages and tools: the model checked against the key

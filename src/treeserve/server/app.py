@@ -9,6 +9,7 @@ from treeserve import __version__
 from treeserve.engine.async_engine import AsyncLLMEngine
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.server.http_io import MAX_BODY_BYTES, APIKeyMiddleware
+from treeserve.server.idempotency import IdempotencyMiddleware, IdempotentReplies
 from treeserve.server.metrics import ServerMetrics
 from treeserve.server.routes import REQUEST_MODELS, ServedModels, not_found_route, openai_routes, operator_routes
 from treeserve.server.serving import OpenAIServing
@@ -35,6 +36,8 @@ def create_app(engine: AsyncLLMEngine, served: dict[str, LLMEngine], api_keys: l
     app.state.search_runners = {name: serving.runner for name, serving in searches.items()}
     app.state.served_models = list(servings)
     install_error_handlers(app)
+    app.state.idempotent_replies = IdempotentReplies()
+    app.add_middleware(IdempotencyMiddleware, replies=app.state.idempotent_replies)  # inside the key check
     if keys:
         app.add_middleware(APIKeyMiddleware, keys=keys)
     app.add_middleware(DrainMiddleware, drain=drain)  # added last: the outermost, so it counts every request

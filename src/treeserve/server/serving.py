@@ -106,14 +106,15 @@ class OpenAIServing:
             raise from_value_error(ParamError(name, exc.detail)) from exc
 
     async def _merged(self, prompts: list[list[int]], params: SamplingParams, prefix: str,
-                      texts: list[str | None]) -> AsyncIterator[tuple[int, RequestOutput]]:
+                      texts: list[str | None], priority: int = 0) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Runs every prompt as its own engine request and yields (prompt index, output) as they come."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int, ids: list[int]) -> None:
             try:
                 request_id = self.engine.new_request_id(prefix)
-                async for output in self.engine.generate(ids, params, request_id, prompt=texts[index], engine=self.llm):
+                async for output in self.engine.generate(ids, params, request_id, prompt=texts[index], engine=self.llm,
+                                                         priority=priority):
                     await queue.put((index, output))
             except Exception as exc:
                 await queue.put((index, exc))
@@ -184,7 +185,7 @@ class OpenAIServing:
         await self.compile_grammar(request, params, tools)
         self.check_capacity(1)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = self._merged([ids], params, rid, [None])
+        stream = self._merged([ids], params, rid, [None], request.priority)
         if request.stream:
             return self._chat_chunks(rid, stream, params, request.include_usage, request.continuous_usage, tools)
         finals = {i: out async for i, out in stream if out.finished}
@@ -271,7 +272,7 @@ class OpenAIServing:
         await self.compile_grammar(request, params)
         self.check_capacity(len(prompts))
         rid = f"cmpl-{uuid.uuid4().hex}"
-        stream = self._merged(prompts, params, rid, texts)
+        stream = self._merged(prompts, params, rid, texts, request.priority)
         echo = [(t if t is not None else self.tokenizer.decode(p)) if request.echo else "" for t, p in zip(texts, prompts)]
         reply = CompletionReply(request, params, echo, self.tokenizer)
         if request.stream:

@@ -5,38 +5,29 @@ from __future__ import annotations
 
 from treeserve.wire.errors import anthropic_error
 from treeserve.wire.messages import MessagesRequest, skeleton, stop, usage
+from treeserve.wire.translated_stream import ChunkEvents
 
 
-class MessageEvents:
+class MessageEvents(ChunkEvents):
     def __init__(self, request: MessagesRequest, model: str):
         self.request, self.message = request, skeleton(model)
         self.block: int | None = None     # the open block's index
         self.block_kind: str | None = None
         self.blocks = 0
-        self.finish_reason, self.stop_reason, self.usage = None, None, None
 
     def start(self) -> list[dict]:
         return [{"type": "message_start", "message": self.message}, {"type": "ping"}]
 
-    def feed(self, chunk: dict) -> list[dict]:
-        if isinstance(chunk.get("usage"), dict):
-            self.usage = chunk["usage"]
-        events = []
-        for choice in chunk.get("choices") or ():
-            delta = choice.get("delta") or {}
-            if delta.get("content"):
-                if self.block_kind != "text":
-                    events += self._open({"type": "text", "text": ""})
-                events.append(self._delta({"type": "text_delta", "text": delta["content"]}))
-            for call in delta.get("tool_calls") or ():
-                function = call.get("function") or {}
-                if call.get("id") is not None:
-                    events += self._open({"type": "tool_use", "id": call["id"], "name": function.get("name") or "",
-                                          "input": {}})
-                if function.get("arguments") and self.block_kind == "tool_use":
-                    events.append(self._delta({"type": "input_json_delta", "partial_json": function["arguments"]}))
-            if choice.get("finish_reason"):
-                self.finish_reason, self.stop_reason = choice["finish_reason"], choice.get("stop_reason")
+    def _text(self, text: str) -> list[dict]:
+        events = [] if self.block_kind == "text" else self._open({"type": "text", "text": ""})
+        return events + [self._delta({"type": "text_delta", "text": text})]
+
+    def _call(self, call: dict) -> list[dict]:
+        function, events = call.get("function") or {}, []
+        if call.get("id") is not None:
+            events += self._open({"type": "tool_use", "id": call["id"], "name": function.get("name") or "", "input": {}})
+        if function.get("arguments") and self.block_kind == "tool_use":
+            events.append(self._delta({"type": "input_json_delta", "partial_json": function["arguments"]}))
         return events
 
     def finish(self) -> list[dict]:

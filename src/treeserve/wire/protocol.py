@@ -70,6 +70,9 @@ class SamplingRequest(_SampledBody):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None
     logit_bias: dict[str, float] | None = None
+    # vLLM's: the waiting queue's order (lower first; 0 interactive, 1 background: the gateway's batch
+    # lines, behind which no interactive request waits), FCFS within one priority
+    priority: int = Field(default=0, ge=0, le=1)
     # Accepted only as far as they are implemented (a 400 names them otherwise), never dropped.
     best_of: int | None = None
     functions: list[dict] | None = None

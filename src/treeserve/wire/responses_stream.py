@@ -6,36 +6,20 @@ or `response.failed`) with the whole response. Every event carries its `sequence
 from __future__ import annotations
 
 from treeserve.wire.responses import call_item, finished, message_item, new_id
+from treeserve.wire.translated_stream import ChunkEvents
 
 
-class ResponseEvents:
+class ResponseEvents(ChunkEvents):
     def __init__(self, response: dict):
         self.response = response      # the skeleton (wire/responses.py), then the final response
         self.output: list[dict] = []  # the items closed so far
         self.open: dict | None = None  # the item being written
         self.calls: dict[int, int] = {}  # the chat's tool call index -> position in `output` once opened
         self.sequence = 0
-        self.finish_reason: str | None = None
-        self.usage: dict | None = None
 
     def start(self) -> list[dict]:
         return [self._event("response.created", response=self.response),
                 self._event("response.in_progress", response=self.response)]
-
-    def feed(self, chunk: dict) -> list[dict]:
-        """The events for one chat chunk."""
-        if isinstance(chunk.get("usage"), dict):
-            self.usage = chunk["usage"]
-        events = []
-        for choice in chunk.get("choices") or ():
-            delta = choice.get("delta") or {}
-            if delta.get("content"):
-                events += self._text(delta["content"])
-            for call in delta.get("tool_calls") or ():
-                events += self._call(call)
-            if choice.get("finish_reason"):
-                self.finish_reason = choice["finish_reason"]
-        return events
 
     def finish(self) -> list[dict]:
         events = self._close()

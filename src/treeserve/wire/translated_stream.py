@@ -12,6 +12,35 @@ from treeserve.wire.responses import dumps
 log = logging.getLogger("treeserve.translated")
 
 
+class ChunkEvents:
+    """A converter's reading of chat chunks: usage, each text delta (`_text`), each tool-call delta
+    (`_call`) and the finish, in order; subclasses make their API's events of them."""
+    usage: dict | None = None
+    finish_reason: str | None = None
+    stop_reason = None  # the stop string met (vLLM's field), when one ended the reply
+
+    def feed(self, chunk: dict) -> list[dict]:
+        """The events for one chat chunk."""
+        if isinstance(chunk.get("usage"), dict):
+            self.usage = chunk["usage"]
+        events = []
+        for choice in chunk.get("choices") or ():
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                events += self._text(delta["content"])
+            for call in delta.get("tool_calls") or ():
+                events += self._call(call)
+            if choice.get("finish_reason"):
+                self.finish_reason, self.stop_reason = choice["finish_reason"], choice.get("stop_reason")
+        return events
+
+    def _text(self, text: str) -> list[dict]:
+        raise NotImplementedError
+
+    def _call(self, delta: dict) -> list[dict]:
+        raise NotImplementedError
+
+
 def sse(event: dict) -> str:
     """One event on the wire: its type as the SSE event name, as OpenAI's and Anthropic's servers write them."""
     return f"event: {event['type']}\ndata: {dumps(event)}\n\n"
