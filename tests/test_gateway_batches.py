@@ -159,6 +159,9 @@ def test_a_mixed_batch_of_500_lines_is_answered_and_billed_once_per_line(backend
         assert progress == sorted(progress) and len(set(progress)) > 2  # counts rise while it runs
         check_answered_and_billed_once(gw, client, key, batch, lines)
         assert [b.id for b in client.batches.list()] == [batch.id]
+        metrics = _admin(gw, "GET", "/metrics").text
+        assert 'treeserve_gateway:batch_lines_total{outcome="answered"} 500.0' in metrics
+        assert 'treeserve_gateway:batches_total{status="completed"} 1.0' in metrics
 
 
 def _gateway_process(config: Path, port: int, log: Path) -> subprocess.Popen:
@@ -224,6 +227,8 @@ def test_a_key_whose_budget_runs_out_mid_batch_gets_the_rest_failed(backend, dat
         # admitted while spend + holds < max_budget (as LiteLLM's): the last one admitted may go past it
         assert len(rows) == len(answered) and spend - max(row["cost"] for row in rows) < 0.04 <= spend
         assert sum(row["cost"] for row in rows) == pytest.approx(spend)
+        print(f"budget 0.04: {len(answered)} lines answered (spend {spend:.6f}), {len(refused)} failed with "
+              "budget_exceeded")
 
 
 def test_files_and_batches_stay_with_their_key_and_bad_input_is_named(backend, tmp_path):

@@ -51,6 +51,7 @@ class BatchRunner:
                  responses: DatabaseResponseStore, instance_id: str, concurrency: int = 8,
                  priority: int | None = 1):
         self.batches, self.accounts, self.ledger, self.service = batches, accounts, ledger, service
+        self.metrics = service.metrics
         self.responses, self.instance_id, self.priority = responses, instance_id, priority
         self.concurrency, self.slots = concurrency, asyncio.Semaphore(concurrency)
         self.running: dict[str, asyncio.Task] = {}
@@ -110,6 +111,7 @@ class BatchRunner:
             state, pending = await run_in_threadpool(self.batches.work, batch_id)
         await run_in_threadpool(self.ledger.flush)
         await run_in_threadpool(self.batches.finalize, batch_id, ending)
+        self.metrics.batches.labels(ending).inc()
         log.info("batch %s: %s", batch_id, ending)
 
     async def _line(self, batch_id: str, key: KeyRecord, line: int, custom_id: str, endpoint: str,
@@ -120,17 +122,22 @@ class BatchRunner:
             try:
                 response = await self._send(endpoint, body, key, (batch_id, line), request_id)
             except LimitExceeded as exc:  # the key's rate or parallel limit: wait, then run it again
+                self.metrics.batch_lines.labels("waited").inc()
                 await run_in_threadpool(self.batches.mark, batch_id, line, "pending")
                 await asyncio.sleep(exc.retry_after)
                 return
             except (GatewayError, APIError, LineFailed) as exc:
+                self.metrics.batch_lines.labels("refused").inc()
                 await run_in_threadpool(self.batches.mark, batch_id, line, "failed", request_id, _error(exc))
                 return
             except Exception as exc:
                 log.exception("batch %s line %d (%s) failed", batch_id, line, custom_id)
                 response = _unanswered(exc)
             if response.status_code in (429, 503):  # no backend could answer: nothing was billed or written
+                self.metrics.batch_lines.labels("retried").inc()
                 await self._again(batch_id, line, response)
+            else:
+                self.metrics.batch_lines.labels("answered").inc()
 
     async def _send(self, endpoint: str, body: dict, key: KeyRecord, batch_line: tuple[str, int],
                     request_id: str) -> Response:

@@ -45,5 +45,11 @@ class GatewayMetrics:
         self.chat_tool_calls = Counter(f"{p}chat_tool_calls", "Tools mode's tool runs by tool and outcome",
                                        ["tool", "outcome"], registry=r)
 
+        self.batch_lines = Counter(f"{p}batch_lines", "Batch lines sent, by outcome (answered: a backend's "
+                                   "answer, refused: the gateway's error, retried: no backend could answer, "
+                                   "waited: a rate limit)", ["outcome"], registry=r)
+        self.batches = Counter(f"{p}batches", "Batches ended by this process, by how (completed, cancelled, "
+                               "expired)", ["status"], registry=r)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
