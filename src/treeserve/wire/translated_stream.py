@@ -4,6 +4,7 @@ wire/messages_stream.py's MessageEvents): each converter turns chunks into event
 from __future__ import annotations
 
 import logging
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from treeserve.wire.errors import APIError
@@ -12,7 +13,7 @@ from treeserve.wire.responses import dumps
 log = logging.getLogger("treeserve.translated")
 
 
-class ChunkEvents:
+class ChunkEvents(ABC):
     """A converter's reading of chat chunks: usage, each text delta (`_text`), each tool-call delta
     (`_call`) and the finish, in order; subclasses make their API's events of them."""
     usage: dict | None = None
@@ -34,11 +35,13 @@ class ChunkEvents:
                 self.finish_reason, self.stop_reason = choice["finish_reason"], choice.get("stop_reason")
         return events
 
+    @abstractmethod
     def _text(self, text: str) -> list[dict]:
-        raise NotImplementedError
+        """The events for a text delta."""
 
+    @abstractmethod
     def _call(self, delta: dict) -> list[dict]:
-        raise NotImplementedError
+        """The events for a tool call's delta (its announcement, or a fragment of its arguments)."""
 
 
 def sse(event: dict) -> str:
