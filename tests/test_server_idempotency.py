@@ -1,11 +1,14 @@
 """`Idempotency-Key` on the server: a repeat of a request (same key, route and credentials) gets the
 first answer without running again, also while the first still runs; errors and streams are not
-kept; the same header value on another route runs on its own."""
+kept; the same header value on another route runs on its own; a search whose client left runs to
+its end for its repeat."""
 from __future__ import annotations
 
 import concurrent.futures
+import time
 
 import httpx
+import pytest
 
 from conftest import API_KEY
 
@@ -50,3 +53,21 @@ def test_the_same_header_on_another_route_runs_on_its_own(server):
                        path="/v1/completions")
     assert completion.status_code == 200 and completion.json()["object"] == "text_completion"
     assert "idempotent-replayed" not in completion.headers and chat.json()["object"] == "chat.completion"
+
+
+def test_a_search_whose_client_left_runs_to_its_end_for_its_repeat(server):
+    """With an Idempotency-Key a search is not cancelled when its client leaves: the repeat gets it."""
+    body = {"model": "tiny", "question": "Count.", "strategy": "majority", "n": 8, "max_tokens": 200,
+            "system_prompt": "", "seed": 1}
+    headers = {"Authorization": f"Bearer {API_KEY}", "Idempotency-Key": "k-search"}
+    replies = server.app.state.idempotent_replies
+    completed = replies.completed
+    with pytest.raises(httpx.TimeoutException):  # it leaves before the search has ended
+        httpx.post(server.url + "/v1/search", json=body, headers=headers, timeout=0.05)
+    deadline = time.monotonic() + 60
+    while replies.completed == completed and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert replies.completed == completed + 1  # it ran to its end with nobody waiting
+    again = httpx.post(server.url + "/v1/search", json=body, headers=headers, timeout=60)
+    assert again.status_code == 200 and again.headers["idempotent-replayed"] == "true"
+    assert again.json()["object"] == "search.result"

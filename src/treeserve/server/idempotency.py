@@ -1,8 +1,9 @@
 """Requests sent again with the same `Idempotency-Key` header are answered once: the first runs; a
 repeat (same key, route and credentials) while it runs waits for its answer, and afterwards gets that
 answer again without running anything (header `idempotent-replayed: true`), for `ttl` seconds and the
-last `capacity` answers. Only whole 2xx answers are kept: an error, a stream, or a request whose
-client left before its answer (a search is then cancelled) runs again when repeated. The gateway
+last `capacity` answers. Only whole 2xx answers are kept: an error or a stream runs again when
+repeated. A search with the header runs to its end when its client leaves (server/serving_search.py),
+so its repeat finds its answer. The gateway
 sends one key per batch line, so a line whose gateway died while its request ran is answered from
 here when the next gateway sends it again, not run twice."""
 from __future__ import annotations

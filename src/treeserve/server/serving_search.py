@@ -155,12 +155,16 @@ class SearchServing:
                     self.engine.post(cancel)
 
     async def _wait_for_result(self, events: AsyncIterator, request: Request) -> SearchResult:
-        """The result; a client that disconnects first gets its search cancelled."""
+        """The result; a client that disconnects first gets its search cancelled, unless it sent an
+        Idempotency-Key: then the search runs to its end and a repeat is answered with it
+        (server/idempotency.py), as a gateway's batch line sent again after the gateway died is."""
         async def last() -> SearchResult:
             item = None
             async for item in events:
                 pass
             return item
+        if request.headers.get("idempotency-key"):
+            return await last()
         result, left = asyncio.ensure_future(last()), asyncio.ensure_future(_client_left(request))
         try:
             await asyncio.wait({result, left}, return_when=asyncio.FIRST_COMPLETED)
