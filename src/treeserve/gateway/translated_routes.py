@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator
 import anyio
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
 
 from treeserve.gateway.auth import Auth
 from treeserve.gateway.chat.upstream import UpstreamError, stream_events
@@ -19,12 +18,13 @@ from treeserve.gateway.fields import PathId
 from treeserve.gateway.keys import KeyRecord
 from treeserve.gateway.response_store import DatabaseResponseStore
 from treeserve.gateway.service import GatewayService
-from treeserve.wire.errors import APIError, from_validation_error, from_value_error
+from treeserve.wire.bodies import parse
+from treeserve.wire.errors import APIError
 from treeserve.wire.messages import CountTokensRequest, MessagesRequest, from_chat
 from treeserve.wire.messages_stream import MessageEvents
 from treeserve.wire.responses import ResponsesRequest
 from treeserve.wire.responses_api import ResponsesAPI
-from treeserve.wire.translated_stream import translated_events
+from treeserve.wire.translated_stream import event_stream, translated_events
 
 CHAT = "/v1/chat/completions"
 REQUEST_MODELS = {"/v1/responses": ResponsesRequest, "/v1/messages": MessagesRequest,
@@ -42,11 +42,11 @@ def translated_routes(service: GatewayService, auth: Auth, store: DatabaseRespon
 
     @routes.post("/v1/responses")
     async def create_response(request: Request, key: KeyRecord = Depends(auth.require_key)):
-        body = await _parse(request, ResponsesRequest, max_body_bytes)
+        body = await parse(request, ResponsesRequest, max_body_bytes)
         if body.model is None:
             raise APIError(400, "model: this field is required", param="model", code="missing_required_parameter")
         result = await api.create(body, chat_on(key), body.model, key.id)
-        return JSONResponse(result) if isinstance(result, dict) else _events(result)
+        return JSONResponse(result) if isinstance(result, dict) else event_stream(result)
 
     @routes.get("/v1/responses/{response_id}")
     async def retrieve(response_id: PathId, key: KeyRecord = Depends(auth.require_key)):
@@ -62,24 +62,16 @@ def translated_routes(service: GatewayService, auth: Auth, store: DatabaseRespon
 
     @routes.post("/v1/messages")
     async def messages(request: Request, key: KeyRecord = Depends(auth.require_key)):
-        body = await _parse(request, MessagesRequest, max_body_bytes)
-        try:
-            chat = body.chat_request()
-        except ValueError as exc:
-            raise from_value_error(exc) from exc
-        result = await relay_chat(service, chat, key)
+        body = await parse(request, MessagesRequest, max_body_bytes)
+        result = await relay_chat(service, body.chat_request(), key)  # (a ParamError: http_errors' 400)
         if isinstance(result, dict):
             return JSONResponse(from_chat(body, body.model, result))
-        return _events(translated_events(MessageEvents(body, body.model), result))
+        return event_stream(translated_events(MessageEvents(body, body.model), result))
 
     @routes.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request, key: KeyRecord = Depends(auth.require_key)):
-        body = await _parse(request, CountTokensRequest, max_body_bytes)
-        try:
-            chat = body.chat_fields()
-        except ValueError as exc:
-            raise from_value_error(exc) from exc
-        counted = _reply(await service.count_tokens(chat, key))
+        body = await parse(request, CountTokensRequest, max_body_bytes)
+        counted = _reply(await service.count_tokens(body.chat_fields(), key))
         return {"input_tokens": counted["count"]}
 
     return routes
@@ -119,18 +111,3 @@ async def _chunks(response: StreamingResponse) -> AsyncIterator[dict]:
     finally:
         with anyio.CancelScope(shield=True):
             await events.aclose()
-
-
-def _events(stream) -> StreamingResponse:
-    return StreamingResponse(stream, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-
-async def _parse(request: Request, model: type[BaseModel], limit: int) -> BaseModel:
-    raw = await request.body()
-    if len(raw) > limit:
-        raise APIError(413, f"the body is {len(raw)} bytes; the gateway takes at most {limit}")
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as exc:
-        raise from_validation_error(exc) from exc

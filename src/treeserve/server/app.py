@@ -1,5 +1,5 @@
-"""The server's FastAPI app, wired: auth on every route but the health probes and body limits
-(server/http_io.py), graceful drain (wire/drain.py), the operator and OpenAI routes
+"""The server's FastAPI app, wired: auth on every route but the health probes (server/http_io.py),
+answers kept for repeated Idempotency-Keys (server/idempotency.py), graceful drain (wire/drain.py), the operator and OpenAI routes
 (server/routes.py), metrics (server/metrics.py)."""
 from __future__ import annotations
 

@@ -1,13 +1,10 @@
 """What every server route shares at the HTTP edge: the API key check (every route but the health
-probes) and bodies read within a size limit and parsed strictly into the wire models."""
+probes). Bodies are read and parsed by wire/bodies.py."""
 from __future__ import annotations
 
 import hmac
 
-from fastapi import Request
-from pydantic import BaseModel, ValidationError
-
-from treeserve.wire.errors import APIError, error_response_for, from_validation_error
+from treeserve.wire.errors import error_response_for
 
 MAX_BODY_BYTES = 2 << 20
 OPEN_PATHS = {"/health", "/health/ready"}  # the probes a load balancer sends
@@ -44,23 +41,3 @@ class APIKeyMiddleware:
             return keys_match(token.strip(), self.keys)
         key = headers.get(b"x-api-key", b"").decode("latin-1").strip()  # Anthropic's clients send this
         return bool(key) and keys_match(key, self.keys)
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"request body is {declared} bytes; the limit is {limit}", code="body_too_large")
-    body = bytearray()
-    async for piece in request.stream():
-        body.extend(piece)
-        if len(body) > limit:
-            raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="body_too_large")
-    return bytes(body)
-
-
-async def parse(request: Request, model: type[BaseModel], limit: int) -> BaseModel:
-    body = await read_body(request, limit)
-    try:
-        return model.model_validate_json(body)
-    except ValidationError as exc:
-        raise from_validation_error(exc) from exc

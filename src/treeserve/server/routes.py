@@ -11,11 +11,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from treeserve import __version__
 from treeserve.engine.async_engine import AsyncLLMEngine
-from treeserve.server.http_io import parse
 from treeserve.server.metrics import ServerMetrics
 from treeserve.server.serving import OpenAIServing, unknown_model
 from treeserve.server.serving_rewards import RewardServing
 from treeserve.server.serving_search import SearchServing
+from treeserve.wire.bodies import parse
 from treeserve.wire.drain import Drain, readiness
 from treeserve.wire.errors import APIError, error_response
 from treeserve.wire.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, PoolingRequest,

@@ -4,23 +4,18 @@ model's chat serving."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
-from treeserve.server.http_io import parse
+from treeserve.wire.bodies import parse
 from treeserve.wire.errors import from_value_error
 from treeserve.wire.messages import CountTokensRequest, MessagesRequest, from_chat
 from treeserve.wire.messages_stream import MessageEvents
 from treeserve.wire.responses import ResponsesRequest
 from treeserve.wire.responses_api import MemoryResponseStore, ResponsesAPI
-from treeserve.wire.translated_stream import translated_events
+from treeserve.wire.translated_stream import event_stream, translated_events
 
 REQUEST_MODELS = {"/v1/responses": ResponsesRequest, "/v1/messages": MessagesRequest,
                   "/v1/messages/count_tokens": CountTokensRequest}
-
-
-def _events(stream) -> StreamingResponse:
-    return StreamingResponse(stream, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 def responses_routes(served, max_body_bytes: int) -> APIRouter:
@@ -33,7 +28,7 @@ def responses_routes(served, max_body_bytes: int) -> APIRouter:
         body = await parse(request, ResponsesRequest, max_body_bytes)
         serving = served.serving(body.model)
         result = await api.create(body, serving.chat_body, serving.model_name)
-        return JSONResponse(result) if isinstance(result, dict) else _events(result)
+        return JSONResponse(result) if isinstance(result, dict) else event_stream(result)
 
     @router.get("/v1/responses/{response_id}")
     async def retrieve(response_id: str):
@@ -64,7 +59,7 @@ def messages_routes(served, max_body_bytes: int) -> APIRouter:
         result = await serving.chat_body(chat)
         if isinstance(result, dict):
             return JSONResponse(from_chat(body, serving.model_name, result))
-        return _events(translated_events(MessageEvents(body, serving.model_name), result))
+        return event_stream(translated_events(MessageEvents(body, serving.model_name), result))
 
     @router.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):

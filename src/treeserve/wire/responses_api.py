@@ -27,9 +27,11 @@ class StoredResponse:
 
 
 class ResponseStore(Protocol):
-    async def get(self, response_id: str, owner: str | None) -> StoredResponse | None: ...
-    async def put(self, stored: StoredResponse, owner: str | None) -> None: ...
-    async def delete(self, response_id: str, owner: str | None) -> bool: ...
+    """`owner`: the key that made a response (its id on the gateway; None: the server's, and the master key)."""
+
+    async def get(self, response_id: str, owner: int | None) -> StoredResponse | None: ...
+    async def put(self, stored: StoredResponse, owner: int | None) -> None: ...
+    async def delete(self, response_id: str, owner: int | None) -> bool: ...
 
 
 class MemoryResponseStore:
@@ -39,15 +41,15 @@ class MemoryResponseStore:
         self.capacity = capacity
         self.items: OrderedDict[tuple, StoredResponse] = OrderedDict()
 
-    async def get(self, response_id: str, owner: str | None) -> StoredResponse | None:
+    async def get(self, response_id: str, owner: int | None) -> StoredResponse | None:
         return self.items.get((owner, response_id))
 
-    async def put(self, stored: StoredResponse, owner: str | None) -> None:
+    async def put(self, stored: StoredResponse, owner: int | None) -> None:
         self.items[(owner, stored.response["id"])] = stored
         while len(self.items) > self.capacity:
             self.items.popitem(last=False)
 
-    async def delete(self, response_id: str, owner: str | None) -> bool:
+    async def delete(self, response_id: str, owner: int | None) -> bool:
         return self.items.pop((owner, response_id), None) is not None
 
 
@@ -61,7 +63,7 @@ class ResponsesAPI:
         self.store = store
 
     async def create(self, request: ResponsesRequest, chat: ChatFn, model: str,
-                     owner: str | None = None) -> dict | AsyncIterator[str]:
+                     owner: int | None = None) -> dict | AsyncIterator[str]:
         """The response (a dict), or its events on the wire (streamed)."""
         history: list[dict] = []
         if request.previous_response_id is not None:
@@ -90,21 +92,22 @@ class ResponsesAPI:
         events = ResponseEvents(response)
         return translated_events(events, result, lambda: keep(events.response))
 
-    async def retrieve(self, response_id: str, owner: str | None = None) -> dict:
-        stored = await self.store.get(response_id, owner)
-        if stored is None:
-            raise not_found(response_id)
-        return stored.response
+    async def retrieve(self, response_id: str, owner: int | None = None) -> dict:
+        return (await self._stored(response_id, owner)).response
 
-    async def input_items(self, response_id: str, owner: str | None = None) -> dict:
-        stored = await self.store.get(response_id, owner)
-        if stored is None:
-            raise not_found(response_id)
+    async def input_items(self, response_id: str, owner: int | None = None) -> dict:
+        stored = await self._stored(response_id, owner)
         data = [dict(item, id=item.get("id") or f"in_{response_id}_{i}") for i, item in enumerate(stored.input_items)]
         return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
                 "last_id": data[-1]["id"] if data else None, "has_more": False}
 
-    async def delete(self, response_id: str, owner: str | None = None) -> dict:
+    async def delete(self, response_id: str, owner: int | None = None) -> dict:
         if not await self.store.delete(response_id, owner):
             raise not_found(response_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    async def _stored(self, response_id: str, owner: int | None) -> StoredResponse:
+        stored = await self.store.get(response_id, owner)
+        if stored is None:
+            raise not_found(response_id)
+        return stored

@@ -7,6 +7,8 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+from fastapi.responses import StreamingResponse
+
 from treeserve.wire.errors import APIError
 from treeserve.wire.responses import dumps
 
@@ -42,6 +44,12 @@ class ChunkEvents(ABC):
     @abstractmethod
     def _call(self, delta: dict) -> list[dict]:
         """The events for a tool call's delta (its announcement, or a fragment of its arguments)."""
+
+
+def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+    """The HTTP response of a translated stream (not buffered by a proxy on the way)."""
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 def sse(event: dict) -> str:
