@@ -154,6 +154,26 @@ def test_the_gauges_are_current_once_the_server_is_idle(multi_server):
     assert shown == held and not any(running.values()), (shown, held, running)
 
 
+def test_blocks_freed_between_steps_show_without_another_step(multi_server):
+    """KV freed outside a step (here a job on the engine thread releasing a kept PRM sequence, as the
+    scorer does when a verdict arrives with the last step) shows on /metrics while the engine idles."""
+    url, app, _ = multi_server
+    assert httpx.post(f"{url}/v1/rewards", json={"model": "prm", "question": QUESTION, "steps": STEPS}).status_code == 200
+    prm = app.state.engine.engines["prm"]
+    wait_idle(prm)
+    before = prm.kv.num_blocks_in_use()
+    assert before > 0, "the PRM keeps no blocks: nothing to release"
+    app.state.engine.post(prm.reclaim_one)
+    deadline = time.monotonic() + 5
+    while prm.kv.num_blocks_in_use() == before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    held = prm.kv.num_blocks_in_use()
+    assert held < before
+    while _gauges(url)[("treeserve:kv_blocks_in_use", "prm")] != held and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gauges(url)[("treeserve:kv_blocks_in_use", "prm")] == held
+
+
 def test_each_model_logs_engine_ready_once_with_its_final_kv_cache(pair, caplog):
     """A `Runtime` attaches KV twice (a dry run on scratch pages, then the arena it serves with):
     one "engine ready" line per model, with the arena's block count."""

@@ -23,18 +23,25 @@ def one_at_a_time(llama_dir):
         yield url, app
 
 
-def test_a_background_request_waits_behind_an_interactive_one_sent_after_it(one_at_a_time):
+def test_a_background_request_waits_behind_an_interactive_one_sent_after_it(one_at_a_time, monkeypatch):
     url, app = one_at_a_time
-    finished: list[str] = []
+    engine = app.state.engine.engine
+    names = {(0, 300): "first", (1, 4): "background", (0, 5): "interactive"}  # (priority, max_tokens)
+    finished: list[str] = []  # in the order the engine ends them (the replies' arrival may differ by a thread switch)
+    finish = engine.scheduler.finish
+
+    def record(request, reason, *args, **kwargs):
+        finished.append(names[(request.priority, request.sampling_params.max_tokens)])
+        return finish(request, reason, *args, **kwargs)
+    monkeypatch.setattr(engine.scheduler, "finish", record)
 
     def send(name: str, priority: int, max_tokens: int) -> None:
         body = {"model": "tiny", "prompt": f"{name}:", "max_tokens": max_tokens, "ignore_eos": True,
                 "priority": priority}
         response = httpx.post(f"{url}/v1/completions", json=body, headers=HEADERS, timeout=120)
         assert response.status_code == 200, response.text
-        finished.append(name)
+        assert response.json()["usage"]["completion_tokens"] == max_tokens
 
-    engine = app.state.engine.engine
     first = threading.Thread(target=send, args=("first", 0, 300))
     first.start()
     deadline = time.monotonic() + 30
@@ -44,7 +51,7 @@ def test_a_background_request_waits_behind_an_interactive_one_sent_after_it(one_
     waiting[0].start()
     while len(engine.scheduler.waiting) < 1 and time.monotonic() < deadline:
         time.sleep(0.005)
-    waiting.append(threading.Thread(target=send, args=("interactive", 0, 4)))
+    waiting.append(threading.Thread(target=send, args=("interactive", 0, 5)))
     waiting[1].start()
     while len(engine.scheduler.waiting) < 2 and time.monotonic() < deadline:
         time.sleep(0.005)

@@ -48,7 +48,7 @@ class AsyncLLMEngine:
     def __init__(self, engines: LLMEngine | dict[str, LLMEngine], max_queue: int | None = None,
                  on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None,
                  on_abort: Callable[[LLMEngine, str], None] | None = None, loop: EngineLoop | None = None,
-                 start_thread: bool = True):
+                 start_thread: bool = True, on_idle: Callable[[LLMEngine], None] | None = None):
         """With `start_thread=False` the caller runs the loop itself: `run_forever()`."""
         self.engines = engines if isinstance(engines, dict) else {"": engines}
         self.engine = next(iter(self.engines.values()))  # the first (or only) model
@@ -57,6 +57,8 @@ class AsyncLLMEngine:
             self.loop.step_observers.append(on_step)
         if on_abort is not None:
             self.loop.abort_observers.append(on_abort)
+        if on_idle is not None:
+            self.loop.idle_observers.append(on_idle)
         self.max_queue = max_queue
         self._ids = itertools.count()
         self._lock = threading.Lock()

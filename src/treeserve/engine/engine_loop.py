@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 OutputCallback = Callable[[RequestOutput], None]
 StepObserver = Callable[[LLMEngine, list[RequestOutput]], None]
 AbortObserver = Callable[[LLMEngine, str], None]
+IdleObserver = Callable[[LLMEngine], None]
 
 
 class LoopClient(Protocol):
@@ -49,6 +50,7 @@ class EngineLoop:
             _LOOP_OF[id(engine)] = self
         self.step_observers: list[StepObserver] = []
         self.abort_observers: list[AbortObserver] = []
+        self.idle_observers: list[IdleObserver] = []  # see `step`
         self.clients: list[LoopClient] = []
         self._owners: dict[tuple[int, str], OutputCallback] = {}
         self.num_steps = 0  # loop iterations that stepped at least one engine
@@ -105,11 +107,18 @@ class EngineLoop:
 
     def step(self) -> bool:
         """Polls the clients, then steps every engine that has work once and routes the outputs.
-        Returns whether any engine ran."""
+        Returns whether any engine ran.
+
+        The idle observers see every engine that did not step: what changed its KV outside a step
+        (a scorer releasing kept blocks as the last output arrived, a job run between steps) is
+        then seen without waiting for that engine's next step."""
         self.poll_clients()
         busy = [e for e in self.engines if e.has_unfinished_requests()]
         for engine in busy:
             self._step_engine(engine)
+        for engine in (e for e in self.engines if self.idle_observers and e not in busy):
+            for observe in self.idle_observers:
+                observe(engine)
         if busy:
             self.num_steps += 1
         return bool(busy)

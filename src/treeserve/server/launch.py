@@ -47,7 +47,7 @@ def build_app(model: str | dict[str, str], served_model_name: str | None = None,
         loop = EngineLoop(served)  # the one loop that steps this engine
         metrics.add_model(served[name], name)
     async_engine = AsyncLLMEngine(served, max_queue=max_queue, on_step=metrics.on_step, on_abort=metrics.on_abort,
-                                  loop=loop, start_thread=engine_thread)
+                                  loop=loop, start_thread=engine_thread, on_idle=metrics.on_idle)
     searches = {name: SearchServing(async_engine, name, SearchRunner(engine, None, max_problems_in_flight,
                                                                      loop=async_engine.loop), scorers)
                 for name, engine in served.items()}

@@ -164,6 +164,11 @@ class ServerMetrics:
         self.by_engine[id(engine)].on_abort(engine, request_id)
         self.version += 1
 
+    def on_idle(self, engine: LLMEngine) -> None:
+        """Called on the engine thread for an engine that did not step: its gauges made current."""
+        if self.by_engine[id(engine)].refresh_gauges(engine):
+            self.version += 1
+
     def changed(self) -> None:
         """Called after a write outside a step (memory rows, a finished search's tree size)."""
         self.version += 1
@@ -235,6 +240,8 @@ class EngineMetrics:
                          "spec_decode_num_draft_tokens": self.spec_draft_tokens,
                          "spec_decode_num_accepted_tokens": self.spec_accepted}
         self._last_counts = dict.fromkeys(self._counted, 0)
+        self._from_stats = [self.running, self.waiting, self.kv_usage, self.kv_blocks_in_use, self.kv_blocks_free,
+                            self.kv_blocks_wanted, self.thrash_window, *self._counted.values()]
         self._last_per_pos: tuple[int, ...] = ()
 
     def set_memory(self, row) -> None:
@@ -256,6 +263,12 @@ class EngineMetrics:
         self._update_gauges(engine)
         self._seen_tokens.pop(request_id, None)
         self._success("abort").inc()
+
+    def refresh_gauges(self, engine: LLMEngine) -> bool:
+        """The gauges and counters read from the engine's stats again; whether any moved."""
+        before = [series.value for series in self._from_stats]
+        self._update_gauges(engine)
+        return any(series.value != value for series, value in zip(self._from_stats, before))
 
     def _success(self, reason: str) -> Counter:
         return self.request_success.labels(**self._labels, finished_reason=reason)
