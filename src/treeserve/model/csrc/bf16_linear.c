@@ -19,6 +19,9 @@
 #define BF16_MR 6       /* rows of a tile */
 #define BF16_SPAN 1024  /* inputs of a block swept by every tile of rows before the next (its 128 KiB
                            stay in L2); the float32 sums between spans wait in a partial buffer */
+#define BF16_AHEAD (BF16_SPAN * 64 * 2)  /* bytes: every tile of rows asks for the next span's weights
+                                           into L2 as it reads this one's (1.05-1.17x from 4 to 64 rows on
+                                           a Zen 5 EPYC; in the first tile alone: 0.92-1.00x) */
 
 /* acc += pairs of bfloat16 products (vdpbf16ps), in assembly so that GCC keeps the accumulators in
  * registers (as int8_linear.c's DPWSSD). */
@@ -80,6 +83,10 @@ static inline void bf16_finish(const struct bf16_call *c, float *partial, int64_
         int64_t k0 = span * BF16_SPAN, k1 = k0 + BF16_SPAN < c->k_in ? k0 + BF16_SPAN : c->k_in;      \
         for (int64_t k = k0; k < k1; k += 2) {                                                        \
             const uint16_t *w = block + k * 64;                                                       \
+            _mm_prefetch((const char *)w + BF16_AHEAD, _MM_HINT_T1);                                  \
+            _mm_prefetch((const char *)w + BF16_AHEAD + 64, _MM_HINT_T1);                             \
+            _mm_prefetch((const char *)w + BF16_AHEAD + 128, _MM_HINT_T1);                            \
+            _mm_prefetch((const char *)w + BF16_AHEAD + 192, _MM_HINT_T1);                            \
             __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 32);                             \
             __m512 w2 = _mm512_loadu_ps(w + 64), w3 = _mm512_loadu_ps(w + 96);                        \
             ROWS(BF_STEP)                                                                             \

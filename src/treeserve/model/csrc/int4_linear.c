@@ -207,6 +207,8 @@ void ts_int4_dequantize(const uint16_t *q, const float *scales, const float *zer
 #if defined(TS_ROWS16)
 #define TS_INT4_ROWS16 1
 #define INT4_P16_MR 4
+#define INT4_P16_AHEAD 4096  /* bytes of a block's weights asked for ahead (a group of 128's span):
+                               1.04-1.46x from 1 to 64 rows on a Zen 5 EPYC; 8 or 16 KiB: no better */
 
 struct int4_p16_call {
     const int16_t *x16;        /* [rows][k_in] */
@@ -270,6 +272,8 @@ static inline void int4_p16_finish(const struct int4_p16_call *c, float *partial
         int64_t k0 = s * c->span, k1 = k0 + c->span < c->k_in ? k0 + c->span : c->k_in;               \
         for (int64_t k = k0; k < k1; k += 4) {                                                        \
             const uint8_t *w = block + k * 32;                                                        \
+            _mm_prefetch((const char *)w + INT4_P16_AHEAD, _MM_HINT_T0);                              \
+            _mm_prefetch((const char *)w + INT4_P16_AHEAD + 64, _MM_HINT_T0);                         \
             I4_WIDEN(0) I4_WIDEN(1) I4_WIDEN(2) I4_WIDEN(3)                                           \
             ROWS(I4_STEP)                                                                             \
         }                                                                                             \
