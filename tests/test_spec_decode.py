@@ -362,6 +362,24 @@ def test_step_costs_fit_the_fixed_and_per_row_parts():
     assert costs.keep_threshold(64) > 0.8 > costs.keep_threshold(8)
 
 
+def test_lookups_are_priced_by_their_host_time(llama_dir, reference):
+    """An n-gram proposer's host time per draft token is measured; where it costs more than a step's
+    token (a small model's big batch), nothing is drafted."""
+    llm = _llm(llama_dir, speculative_config=_spec(prompt_lookup_min=1))
+    _tokens(llm)
+    proposer = llm.engine.speculator.proposers[llm.engine.speculator.config]
+    drafted = llm.engine.stats().spec_decode_num_draft_tokens
+    assert drafted > 0 and proposer.pass_costs.seconds_per_token > 0
+    proposer.pass_costs.seconds_per_token = 1e-3  # a millisecond of lookups per draft token...
+    llm.engine.speculator.costs.token_seconds = lambda batch: 1e-4  # ...where a step's token costs a tenth of it
+    assert _tokens(llm) == reference
+    assert llm.engine.stats().spec_decode_num_draft_tokens == drafted
+    proposer.pass_costs.seconds_per_token = 1e-6  # cheap lookups: drafting again
+    llm.engine.speculator.costs.keep_threshold = lambda batch: 0.02
+    _tokens(llm)
+    assert llm.engine.stats().spec_decode_num_draft_tokens > drafted
+
+
 def test_a_search_speculates_with_its_own_config_and_leaks_nothing(pair):
     from treeserve import Runtime
     from treeserve.search.config import SearchConfig, declared_aggregation

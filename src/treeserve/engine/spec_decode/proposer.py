@@ -4,6 +4,7 @@ served lately, as Arctic's suffix decoding keeps a global tree of earlier respon
 drafts of one step."""
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 
@@ -19,8 +20,8 @@ MAX_GLOBAL_NGRAMS = 1 << 20  # `suffix`: the earlier outputs' index starts afres
 
 class PerRequestProposer(ABC):
     """A proposer that drafts for one request at a time (the Speculator asks for a step's drafts at
-    once: `propose_all`), holds no KV (`release` frees nothing) and runs no passes of its own
-    (`pass_costs` stays unmeasured)."""
+    once: `propose_all`) and holds no KV (`release` frees nothing). `pass_costs`: what its own work
+    costs per draft token (a model's passes; the lookups' host time), unmeasured here."""
 
     pass_costs = PassCosts()
 
@@ -45,8 +46,17 @@ class PerRequestProposer(ABC):
 class DraftProposer(PerRequestProposer):
     def __init__(self, config: SpeculativeConfig):
         self.config = config
+        self.pass_costs = PassCosts()  # the lookups' host time per draft token (priced like a model's passes)
         self._indexes: OrderedDict[str, NgramIndex | ContinuationCounts] = OrderedDict()
         self._outputs = ContinuationCounts(config.prompt_lookup_min, config.prompt_lookup_max)  # `suffix`: every output
+
+    def propose_all(self, wanted: list[tuple[Request, int, float]]) -> list[list[int]]:
+        """The step's drafts, their host time measured: where a row is cheap (a small model's big
+        batch) indexing and looking up cost more than a kept token saves, and drafting stops."""
+        started = time.perf_counter()
+        drafts = super().propose_all(wanted)
+        self.pass_costs.observe(time.perf_counter() - started, sum(map(len, drafts)))
+        return drafts
 
     def propose(self, request: Request, k: int, threshold: float) -> list[int]:
         """Up to `k` draft tokens for the request's next step (its tokens indexed first); `suffix`

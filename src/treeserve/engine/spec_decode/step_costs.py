@@ -58,8 +58,8 @@ class StepCosts:
 
 
 class PassCosts:
-    """What a proposer's own passes cost per draft token (a running mean; none for the lookups,
-    whose cost is the host's): a draft token pays only when its chance of being kept covers its
+    """What a proposer's own work costs per draft token (a running mean: a draft model's passes,
+    the lookups' host time): a draft token pays only when its chance of being kept covers its
     verification row and its share of the passes, so that share of a step's token cost is added
     to the keep threshold (no cap: at 1 or more nothing is drafted, as not even a sure token pays)."""
 
