@@ -52,10 +52,18 @@ class DraftProposer(PerRequestProposer):
 
     def propose_all(self, wanted: list[tuple[Request, int, float]]) -> list[list[int]]:
         """The step's drafts, their host time measured: where a row is cheap (a small model's big
-        batch) indexing and looking up cost more than a kept token saves, and drafting stops."""
-        started = time.perf_counter()
-        drafts = super().propose_all(wanted)
-        self.pass_costs.observe(time.perf_counter() - started, sum(map(len, drafts)))
+        batch) indexing and looking up cost more than a kept token saves, and drafting stops. A
+        request whose index is new is not measured: indexing its prompt is paid once, not per draft
+        (counted, one long prompt's probe would price drafting out for good)."""
+        drafts, seconds, tokens = [], 0.0, 0
+        for request, k, threshold in wanted:
+            indexed = self._key(request) in self._indexes
+            started = time.perf_counter()
+            drafts.append(self.propose(request, k, threshold))
+            if indexed:
+                seconds += time.perf_counter() - started
+                tokens += len(drafts[-1])
+        self.pass_costs.observe(seconds, tokens)
         return drafts
 
     def propose(self, request: Request, k: int, threshold: float) -> list[int]:
@@ -82,8 +90,11 @@ class DraftProposer(PerRequestProposer):
             for key in [k for k in self._indexes if k not in live]:
                 del self._indexes[key]
 
+    def _key(self, request: Request) -> str:
+        return request.request_id if self.config.method == "ngram" else _group_of(request)
+
     def _index_of(self, request: Request) -> NgramIndex | ContinuationCounts:
-        key = request.request_id if self.config.method == "ngram" else _group_of(request)
+        key = self._key(request)
         index = self._indexes.get(key)
         if index is None:
             kind = NgramIndex if self.config.method == "ngram" else ContinuationCounts
