@@ -52,11 +52,7 @@ def messages_routes(served, max_body_bytes: int) -> APIRouter:
     async def create(request: Request):
         body = await parse(request, MessagesRequest, max_body_bytes)
         serving = served.serving(body.model)
-        try:
-            chat = body.chat_request()
-        except ValueError as exc:
-            raise from_value_error(exc) from exc
-        result = await serving.chat_body(chat)
+        result = await serving.chat_body(_translated(body.chat_request))
         if isinstance(result, dict):
             return JSONResponse(from_chat(body, serving.model_name, result))
         return event_stream(translated_events(MessageEvents(body, serving.model_name), result))
@@ -65,10 +61,14 @@ def messages_routes(served, max_body_bytes: int) -> APIRouter:
     async def count_tokens(request: Request):
         body = await parse(request, CountTokensRequest, max_body_bytes)
         serving = served.serving(body.model)
-        try:
-            chat = body.chat_fields()
-        except ValueError as exc:
-            raise from_value_error(exc) from exc
-        return {"input_tokens": len(serving.render_body(chat))}
+        return {"input_tokens": len(serving.render_body(_translated(body.chat_fields)))}
 
     return router
+
+
+def _translated(translate):
+    """A Messages request's chat fields; what cannot be translated is a 400 naming its field."""
+    try:
+        return translate()
+    except ValueError as exc:
+        raise from_value_error(exc) from exc
