@@ -1,15 +1,19 @@
 """Quantized weights on this CPU: decode tokens/s at batch 1, 16 and 64 and a 2k-token prefill, for the
 weights as stored, int8 weight-only made at load (`quantization="int8"`), and quantized checkpoints
-of the same shape (`gptq-w4a16`: GPTQ 4-bit in groups of 128; `ct-w8a8`: compressed-tensors int8
+of the same shape (`gptq-w4a16`: GPTQ 4-bit in groups of 128; `gptq-w4a16-head`: the same with its
+LM head quantized too, GPTQModel's `lm_head=True`, untied; `ct-w8a8`: compressed-tensors int8
 weights and per-token int8 activations), on a Llama-3.2-1B-shaped model with random weights (made
 at load for the first two, benchmarks/gpu_models.py's; written once into the model cache for the
-checkpoints), each arm in a fresh process, alternating, `--pairs` times; peak RSS of each. Prints
+checkpoints), each arm in a fresh process, alternating, `--pairs` times; peak RSS of each, and its
+weights' part (less what the process held before loading the model and the KV arena). Prints
 medians and each arm / stored ratio.
 
 Decode tokens/s: (the job's time - the same prompts' prefill alone) over the tokens after the first.
 
     python benchmarks/quantization.py [--pairs 2] [--dtype auto] [--output-tokens 32]
-        [--arms stored int8 gptq-w4a16 ct-w8a8] [--batches 1 16 64] [--prompt-tokens 256] [--prefill-tokens 2000]
+        [--arms stored int8 gptq-w4a16 gptq-w4a16-head ct-w8a8] [--batches 1 16 64] [--prompt-tokens 256] [--prefill-tokens 2000]
+    python benchmarks/quantization.py --interleaved 8 [--arms ...] [--batches 1 16]   # every arm in one
+                                                  # process, alternating: ratios on a noisy host
     python benchmarks/quantization.py --kernels   # one projection's forward: int8 kernel, dequantized
                                                   # GEMM and the stored layer, by rows (picks
                                                   # model/quantization/int8.py's and int4.py's DEQUANTIZE_FROM_ROWS)
@@ -27,8 +31,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-ARMS = {"stored": None, "int8": "int8", "gptq-w4a16": "gptq", "ct-w8a8": "compressed-tensors"}
-CHECKPOINT_ARMS = ("gptq-w4a16", "ct-w8a8")
+ARMS = {"stored": None, "int8": "int8", "gptq-w4a16": "gptq", "gptq-w4a16-head": "gptq", "ct-w8a8": "compressed-tensors"}
+CHECKPOINT_ARMS = ("gptq-w4a16", "gptq-w4a16-head", "ct-w8a8")
 BATCHES = (1, 16, 64)
 PROMPT_TOKENS = 256
 PREFILL_TOKENS = 2000
@@ -74,6 +78,9 @@ def checkpoint_path(arm: str) -> Path:
             out_features, in_features = shapes[f"layers.0.{projection}"]
             tensors.update(_quantized_tensors(arm, f"model.layers.{layer}.{projection}", out_features, in_features,
                                               generator))
+    if arm == "gptq-w4a16-head":  # GPTQModel's lm_head=True: the head its own matrix, quantized too
+        config["tie_word_embeddings"] = False
+        tensors.update(_quantized_tensors(arm, "lm_head", config["vocab_size"], hidden, generator))
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     config["quantization_config"] = _quantization_config(arm)
     (path / "config.json").write_text(json.dumps(config, indent=2))
@@ -83,7 +90,7 @@ def checkpoint_path(arm: str) -> Path:
 def _quantized_tensors(arm: str, prefix: str, out_features: int, in_features: int, generator) -> dict:
     import torch
 
-    if arm == "gptq-w4a16":  # random nibbles, symmetric (zero 8, stored minus one: 7 in every nibble)
+    if arm.startswith("gptq-w4a16"):  # random nibbles, symmetric (zero 8, stored minus one: 7 in every nibble)
         groups = in_features // 128
         return {f"{prefix}.qweight": torch.randint(-2**31, 2**31 - 1, (in_features // 8, out_features),
                                                    generator=generator, dtype=torch.int32),
@@ -96,49 +103,68 @@ def _quantized_tensors(arm: str, prefix: str, out_features: int, in_features: in
 
 
 def _quantization_config(arm: str) -> dict:
-    if arm == "gptq-w4a16":
+    if arm.startswith("gptq-w4a16"):
         return {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True,
-                "checkpoint_format": "gptq"}
+                "checkpoint_format": "gptq", "lm_head": arm == "gptq-w4a16-head"}
     int8 = {"num_bits": 8, "type": "int", "symmetric": True}
     return {"quant_method": "compressed-tensors", "format": "int-quantized", "ignore": ["lm_head"],
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": {**int8, "strategy": "channel"},
                                           "input_activations": {**int8, "strategy": "token", "dynamic": True}}}}
 
 
-def _peak_rss() -> int:
+def _status_bytes(field: str) -> int:
+    """/proc/self/status's `field` (VmHWM: the peak RSS, VmRSS: now) in bytes."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     return 0
 
 
-def child(arm: str, dtype: str, output_tokens: int, batches: list[int], prompt_tokens: int,
-          prefill_tokens: int) -> dict:
-    from treeserve import LLM, SamplingParams
+def _peak_rss() -> int:
+    return _status_bytes("VmHWM")
+
+
+def _load(arm: str, dtype: str, kv_cache_memory_bytes: int = 1 << 30):
+    from treeserve import LLM
 
     checkpoint = arm in CHECKPOINT_ARMS
-    llm = LLM(str(checkpoint_path(arm) if checkpoint else model_path()), dtype=dtype, device="cpu",
-              quantization=ARMS[arm], load_format="auto" if checkpoint else "dummy", max_model_len=2048,
-              enable_prefix_caching=False, max_num_seqs=64, kv_cache_memory_bytes=1 << 30)
+    return LLM(str(checkpoint_path(arm) if checkpoint else model_path()), dtype=dtype, device="cpu",
+               quantization=ARMS[arm], load_format="auto" if checkpoint else "dummy", max_model_len=2048,
+               enable_prefix_caching=False, max_num_seqs=64, kv_cache_memory_bytes=kv_cache_memory_bytes)
+
+
+def _timed_run(llm, prompts: list[list[int]], tokens: int) -> float:
+    from treeserve import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    start = time.perf_counter()
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return time.perf_counter() - start
+
+
+def _decode_rate(llm, rng: random.Random, batch: int, prompt_tokens: int, output_tokens: int) -> float:
+    """Decode tokens/s: (the job's time - the same prompts' prefill alone) over the tokens after the first."""
+    prompts = [[rng.randrange(10, 30000) for _ in range(prompt_tokens)] for _ in range(batch)]
+    prefill = _timed_run(llm, prompts, 1)
+    whole = _timed_run(llm, prompts, output_tokens)
+    return batch * (output_tokens - 1) / (whole - prefill)
+
+
+def child(arm: str, dtype: str, output_tokens: int, batches: list[int], prompt_tokens: int,
+          prefill_tokens: int) -> dict:
+    before = _status_bytes("VmRSS")  # the interpreter, torch and treeserve imported
+    llm = _load(arm, dtype)
     rng = random.Random(0)
-
-    def run(prompts, tokens):
-        params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-        start = time.perf_counter()
-        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return time.perf_counter() - start
-
-    run([[rng.randrange(10, 30000) for _ in range(64)]], 4)  # warm-up
+    _timed_run(llm, [[rng.randrange(10, 30000) for _ in range(64)]], 4)  # warm-up
     result = {"arm": arm, "dtype": str(llm.engine.dtype), "decode_tok_s": {}, "prefill_tok_s": 0.0}
     for batch in batches:
-        prompts = [[rng.randrange(10, 30000) for _ in range(prompt_tokens)] for _ in range(batch)]
-        prefill = run(prompts, 1)
-        whole = run(prompts, output_tokens)
-        result["decode_tok_s"][batch] = batch * (output_tokens - 1) / (whole - prefill)
+        result["decode_tok_s"][batch] = _decode_rate(llm, rng, batch, prompt_tokens, output_tokens)
     if prefill_tokens:
         long_prompt = [[rng.randrange(10, 30000) for _ in range(prefill_tokens)]]
-        result["prefill_tok_s"] = prefill_tokens / run(long_prompt, 1)
+        result["prefill_tok_s"] = prefill_tokens / _timed_run(llm, long_prompt, 1)
     result["peak_rss"] = _peak_rss()
+    # the weights' part: the peak less what the process held before the model and the KV arena (zeroed, resident)
+    result["weights_rss"] = result["peak_rss"] - before - llm.engine.runner.arena.pages.numel()
     return result
 
 
@@ -188,6 +214,30 @@ def kernels() -> None:
             print(f"{dtype} {shape[0]}x{shape[1]} rows {rows:5d}: " + ", ".join(row), flush=True)
 
 
+def interleaved(arms: list[str], dtype: str, rounds: int, batches: list[int], prompt_tokens: int,
+                output_tokens: int) -> None:
+    """Every arm loaded in this one process, their decode runs alternating, `rounds` times: each
+    round's ratios to the first arm are taken within seconds of each other, so a machine whose memory
+    bandwidth moves between minutes (a shared host's) moves both sides of a ratio alike. Prints each
+    round and the medians of the ratios."""
+    llms = {arm: _load(arm, dtype, 256 << 20) for arm in arms}
+    rng = random.Random(0)
+    for llm in llms.values():
+        _timed_run(llm, [[rng.randrange(10, 30000) for _ in range(64)]], 4)  # warm-up
+    ratios: dict[tuple[str, int], list[float]] = {}
+    for round_ in range(rounds):
+        for batch in batches:
+            order = arms if round_ % 2 == 0 else list(reversed(arms))
+            rates = {arm: _decode_rate(llms[arm], rng, batch, prompt_tokens, output_tokens) for arm in order}
+            for arm in arms[1:]:
+                ratios.setdefault((arm, batch), []).append(rates[arm] / rates[arms[0]])
+            print(f"round {round_ + 1} batch {batch}: " + ", ".join(f"{arm} {rates[arm]:.1f}" for arm in arms)
+                  + " tok/s", flush=True)
+    for (arm, batch), values in ratios.items():
+        print(f"decode batch {batch}: {arm} / {arms[0]} median {statistics.median(values):.2f}x "
+              f"(rounds: {', '.join(f'{v:.2f}' for v in values)})")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", type=int, default=2)
@@ -199,9 +249,17 @@ def main() -> int:
     parser.add_argument("--prefill-tokens", type=int, default=PREFILL_TOKENS, help="0: no prefill measurement")
     parser.add_argument("--kernels", action="store_true")
     parser.add_argument("--child", choices=list(ARMS))
+    parser.add_argument("--interleaved", type=int, default=0, metavar="ROUNDS",
+                        help="every arm in one process, decode runs alternating ROUNDS times (no RSS, no prefill)")
     args = parser.parse_args()
     if args.kernels:
         kernels()
+        return 0
+    if args.interleaved:
+        for arm in args.arms:
+            if arm in CHECKPOINT_ARMS:
+                checkpoint_path(arm)
+        interleaved(args.arms, args.dtype, args.interleaved, args.batches, args.prompt_tokens, args.output_tokens)
         return 0
     if args.child:
         print(json.dumps(child(args.child, args.dtype, args.output_tokens, args.batches, args.prompt_tokens,
@@ -224,15 +282,18 @@ def main() -> int:
             r = results[arm][-1]
             print(f"pair {pair + 1} {arm} ({r['dtype']}): decode " + ", ".join(
                 f"b{b} {v:.1f}" for b, v in r["decode_tok_s"].items()) + f" tok/s; prefill {r['prefill_tok_s']:.0f} "
-                f"tok/s; peak RSS {r['peak_rss'] / 2**30:.2f} GiB", flush=True)
+                f"tok/s; peak RSS {r['peak_rss'] / 2**30:.2f} GiB (weights {r['weights_rss'] / 2**30:.2f})", flush=True)
     median = {arm: {str(b): statistics.median(r["decode_tok_s"][str(b)] for r in rows) for b in args.batches}
               | {"prefill": statistics.median(r["prefill_tok_s"] for r in rows),
-                 "peak_rss": statistics.median(r["peak_rss"] for r in rows)} for arm, rows in results.items()}
+                 "peak_rss": statistics.median(r["peak_rss"] for r in rows),
+                 "weights_rss": statistics.median(r["weights_rss"] for r in rows)} for arm, rows in results.items()}
     print("\nmedians:", json.dumps(median))
     base = args.arms[0]
     for arm in args.arms[1:]:
-        for key in [str(b) for b in args.batches] + (["prefill"] if args.prefill_tokens else []) + ["peak_rss"]:
-            labels = {"prefill": f"prefill {args.prefill_tokens} tokens", "peak_rss": "peak RSS"}
+        for key in [str(b) for b in args.batches] + (["prefill"] if args.prefill_tokens else []) + ["peak_rss",
+                                                                                                   "weights_rss"]:
+            labels = {"prefill": f"prefill {args.prefill_tokens} tokens", "peak_rss": "peak RSS",
+                      "weights_rss": "peak RSS, the weights' part"}
             label = labels.get(key, f"decode batch {key}")
             print(f"{label}: {arm} / {base} {median[arm][key] / median[base][key]:.2f}x")
     return 0

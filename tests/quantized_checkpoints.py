@@ -102,13 +102,14 @@ def _as_int32(words: torch.Tensor) -> torch.Tensor:
 
 
 def make_gptq(source: Path, dest: Path, reference: Path, bits: int = 4, group_size: int = 32, desc_act: bool = False,
-              sym: bool = True, seed: int = 0, v2: bool = False) -> Path:
+              sym: bool = True, seed: int = 0, v2: bool = False, lm_head: bool = False) -> Path:
     """A GPTQ checkpoint of `source` at `dest` (format v1, zeros stored minus one; `v2`: as they are),
-    its dequantized float twin at `reference`."""
+    its dequantized float twin at `reference`. `lm_head`: the LM head quantized too (GPTQModel's
+    `lm_head=True`, its config's `"lm_head": true`; a model with an LM head of its own, untied)."""
     generator = torch.Generator().manual_seed(seed)
     state, packed, dequantized, orders = _state(source), {}, {}, {}
     for name, weight in state.items():
-        if not QUANTIZED.match(name):
+        if not (QUANTIZED.match(name) or (lm_head and name == "lm_head.weight")):
             packed[name] = dequantized[name] = weight
             continue
         prefix, in_features = name[:-len(".weight")], weight.shape[1]
@@ -122,7 +123,7 @@ def make_gptq(source: Path, dest: Path, reference: Path, bits: int = 4, group_si
         packed[f"{prefix}.g_idx"] = g_idx
         dequantized[name] = dequantize_reference(q, scales, zeros, g_idx.long())
     config = {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": desc_act, "sym": sym,
-              "checkpoint_format": "gptq_v2" if v2 else "gptq", "lm_head": False}
+              "checkpoint_format": "gptq_v2" if v2 else "gptq", "lm_head": lm_head}
     _write(_copy_model(source, dest), packed, config)
     _write(_copy_model(source, reference), dequantized, None)
     return dest

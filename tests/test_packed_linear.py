@@ -76,6 +76,26 @@ def test_bf16_pack_reads_back_and_refuses_what_it_cannot_take():
         linear_kernels.bf16_pack(torch.randn(4, 6))
 
 
+def test_packing_in_place_writes_the_same_layout_over_the_weight():
+    """The tied LM head's packing (bfloat16) and int8's: the layout written over the weight's own
+    bytes, chunk by chunk (chunks smaller than the weight here), is the one a new tensor gets."""
+    bf16 = torch.randn(192, 96).to(torch.bfloat16)
+    expected, storage = linear_kernels.bf16_pack(bf16), bf16.untyped_storage().data_ptr()
+    monkey = linear_kernels.PACK_CHUNK_BYTES
+    linear_kernels.PACK_CHUNK_BYTES = 64 * 96 * 2  # one block a chunk: the chunks' copies matter
+    try:
+        packed = linear_kernels.bf16_pack(bf16, in_place=True)
+        int8 = torch.randint(-127, 128, (128, 64), dtype=torch.int8)
+        int8_expected = linear_kernels.int8_pack16(int8)
+        int8_packed = linear_kernels.int8_pack16(int8.clone(), in_place=True)
+    finally:
+        linear_kernels.PACK_CHUNK_BYTES = monkey
+    assert packed.untyped_storage().data_ptr() == storage and torch.equal(packed, expected)
+    assert torch.equal(int8_packed, int8_expected)
+    with pytest.raises(ValueError, match="multiple of 64 channels"):
+        linear_kernels.bf16_pack(torch.randn(70, 96).to(torch.bfloat16), in_place=True)
+
+
 @needs_packing
 @pytest.mark.parametrize("rows", [0, 1, 7, 64, 300])
 def test_packed_linear_is_bit_identical_to_f_linear(rows):

@@ -1,6 +1,6 @@
 """Quantized weights. `quantization="int8"` (weight-only int8 made at load) against HF transformers
-running the same weights dequantized (each projection's rows rounded to scale x int8, as
-model/quantization/int8.py does), on every family's tiny model: greedy tokens and logprobs, with chunked
+running the same weights dequantized (each projection's and the LM head's rows rounded to scale x
+int8, as model/quantization/int8.py and int8_head.py do; a tied head's embedding with it), on every family's tiny model: greedy tokens and logprobs, with chunked
 prefill and a prefix-cache hit, and a batch whose prefill takes the dequantized-GEMM path.
 Checkpoints quantized with schemes treeserve cannot load are refused by name."""
 import json
@@ -17,7 +17,7 @@ from conftest import assert_no_leak
 from test_hf_parity import PROMPTS, _hf_greedy, _hf_logits
 from treeserve import LLM, SamplingParams
 from treeserve.errors import ParamError
-from treeserve.model.quantization import Int8Linear
+from treeserve.model.quantization import Int8Embedding, Int8Linear
 from treeserve.model.random_models import GEMMA_FAMILIES, MOE_FAMILIES, PHI3_ORIGINAL_POSITIONS, make_tiny_model
 from treeserve.testing.tiny_models import FAMILIES
 
@@ -37,16 +37,24 @@ def family_dirs(tmp_path_factory):
 
 @torch.no_grad()
 def _hf_dequantized(path) -> nn.Module:
+    """HF's model with every projection and the LM head (a tied one's embedding with it: the same
+    matrix) rounded to scale x int8 per row."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     changed = 0
     for name, module in hf.model.layers.named_modules():
         if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in HF_PROJECTIONS and ".experts." not in name:
-            weight = module.weight.float()
-            scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-            module.weight.copy_(torch.round(weight / scales[:, None]).clamp(-127, 127) * scales[:, None])
+            _round_rows_to_int8(module.weight)
             changed += 1
     assert changed >= 4 * hf.config.num_hidden_layers  # q, k, v (or qkv), o and the MLP's, where not experts
+    head = hf.get_output_embeddings().weight
+    _round_rows_to_int8(head)
+    assert (head is hf.get_input_embeddings().weight) == bool(hf.config.tie_word_embeddings)
     return hf
+
+
+def _round_rows_to_int8(weight: torch.Tensor) -> None:
+    scales = weight.float().abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    weight.copy_(torch.round(weight.float() / scales[:, None]).clamp(-127, 127) * scales[:, None])
 
 
 def _check_greedy(llm: LLM, hf: nn.Module, prompts: list[str], family: str) -> list:
@@ -71,6 +79,8 @@ def test_int8_matches_hf_on_the_dequantized_weights(family_dirs, family):
     llm = LLM(str(path), **OPTIONS)
     layers = [m for m in llm.engine.model.modules() if isinstance(m, Int8Linear)]
     assert len(layers) >= 2 * len(llm.engine.model.layers) and all(m.weight.dtype == torch.int8 for m in layers)
+    assert isinstance(llm.engine.model.lm_head, Int8Linear)
+    assert isinstance(llm.engine.model.embed_tokens, Int8Embedding) == bool(hf.config.tie_word_embeddings)
     _check_greedy(llm, hf, PROMPTS, family)
     assert_no_leak(llm.engine)
     # 16-token chunks, twice: chunked prefill, then a prefix-cache hit
@@ -158,9 +168,13 @@ def test_int8_weights_take_one_byte_each(family_dirs):
     quantized = LLM(path, **OPTIONS).engine.model
     for name, module in quantized.named_modules():
         if isinstance(module, Int8Linear):
-            stored = plain[f"{name}.weight"]
+            stored = plain[f"{name}.weight" if name != "lm_head" else "embed_tokens.weight"]  # (a tied head)
             assert module.weight.element_size() == 1 and module.weight.shape == stored.shape
             assert module.scales.shape == (stored.shape[0],)
+    # the tied head's matrix held once, as int8: its embedding reads the head's rows
+    assert isinstance(quantized.embed_tokens, Int8Embedding) and quantized.embed_tokens.quantized is quantized.lm_head.weight
+    assert sum(p.numel() for p in quantized.parameters() if p.dtype == torch.int8) == sum(
+        p.numel() for n, p in plain.items() if n.endswith("proj.weight") or n == "embed_tokens.weight")
 
 
 def _quantized_checkpoint(tmp_path, source, config: dict):

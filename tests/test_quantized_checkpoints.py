@@ -17,6 +17,7 @@ float32 path is a plain loop): the bfloat16 kernels (int4, int8, W8A8) are check
 against the dequantized product, and end to end against the float32 model.
 """
 import json
+import shutil
 
 import pytest
 import torch
@@ -53,6 +54,7 @@ CHECKPOINTS = {  # name: (family, how it is made)
     "gptq-8bit-channel": ("llama", dict(kind="gptq", bits=8, group_size=-1)),
     "gptq-8bit-g32-asym": ("qwen2_moe", dict(kind="gptq", bits=8, group_size=32, sym=False)),
     "gptq-v2-4bit-g32-asym": ("llama", dict(kind="gptq", bits=4, group_size=32, sym=False, v2=True)),
+    "gptq-4bit-g32-lm-head": ("llama", dict(kind="gptq", bits=4, group_size=32, lm_head=True)),
     "awq-g32": ("llama", dict(kind="awq", group_size=32)),
     "awq-g64-moe": ("qwen3_moe", dict(kind="awq", group_size=64)),
     "ct-w4a16": ("llama", dict(kind="ct", preset="W4A16")),
@@ -201,6 +203,22 @@ def test_bfloat16_runs_the_kernels_and_stays_close_to_float32(checkpoints, name,
     # MoE: bfloat16 routes a few tokens to other experts than float32 does (the float model's too)
     moe = CHECKPOINTS[name][0] in ("mixtral", "qwen2_moe", "qwen3_moe")
     assert float(errors.median() if moe else errors.max()) < bound, errors
+
+
+def test_a_quantized_lm_head_runs_the_4bit_kernel(checkpoints, tmp_path):
+    """GPTQModel's `lm_head=True` (vLLM loads it, `lm_head_quantized`): the head's 4-bit layer in
+    bfloat16 (its parity in float32 is the checkpoints' test above); a checkpoint whose config ties
+    the head to the embeddings but stores the head quantized is refused by name."""
+    path, _ = checkpoints("gptq-4bit-g32-lm-head")
+    assert json.loads(path.joinpath("config.json").read_text())["tie_word_embeddings"] is False
+    model = LLM(str(path), dtype="bfloat16", **OPTIONS).engine.model
+    assert isinstance(model.lm_head, INT4_LAYERS) and type(model.embed_tokens) is nn.Embedding
+    tied = tmp_path / "tied"
+    shutil.copytree(path, tied)
+    config = json.loads((tied / "config.json").read_text())
+    (tied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    with pytest.raises(ParamError, match="lm_head is quantized in the checkpoint, but its config ties"):
+        LLM(str(tied), dtype="bfloat16", **OPTIONS)
 
 
 def test_float32_dequantizes_4bit_weights_and_ignored_modules_stay_plain(checkpoints):

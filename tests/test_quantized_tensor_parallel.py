@@ -96,7 +96,9 @@ def two_ranks(checkpoints):
         runtime.close()
     with LLM(str(checkpoints["int8"][0]), quantization="int8", kv_cache_memory_bytes=8 << 20, **OPTIONS, **TP2) as llm:
         outputs["int8"] = _twice(lambda p, s: llm.generate(p, s, use_tqdm=False))
-        assert sum(isinstance(m, Int8Linear) for m in llm.engine.model.modules()) == 4 * len(llm.engine.model.layers)
+        # each layer's four projections and this rank's vocabulary rows of the LM head
+        assert sum(isinstance(m, Int8Linear) for m in llm.engine.model.modules()) == 4 * len(llm.engine.model.layers) + 1
+        assert isinstance(llm.engine.model.lm_head, Int8Linear)
     return outputs
 
 

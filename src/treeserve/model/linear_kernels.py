@@ -35,28 +35,38 @@ INT8_PACK16_BLOCK = 64  # channels per block of csrc/int8_linear.c's packed layo
 PACK_CHUNK_BYTES = 8 << 20  # weight bytes packed at a time (`_interleave_channels`)
 
 
-def int8_pack16(weight: torch.Tensor) -> torch.Tensor:
+def int8_pack16(weight: torch.Tensor, in_place: bool = False) -> torch.Tensor:
     """int8 weights [N, K] (K a multiple of 32) in csrc/int8_linear.c's packed layout: int8
     [ceil(N / 64) * 64 * K], blocks of 64 channels, in each the pairs of inputs' two bytes side by
-    side for every channel (zero channels past N)."""
+    side for every channel (zero channels past N). `in_place`: written over the weight's bytes where
+    N is a multiple of 64 and the weight contiguous (see `_interleave_channels`), else a new tensor."""
     if weight.shape[1] % 32:
         raise ValueError(f"int8_pack16: {weight.shape[1]} inputs, not a multiple of 32")
-    return _interleave_channels(weight, INT8_PACK16_BLOCK, torch.int16)
+    in_place = in_place and weight.shape[0] % INT8_PACK16_BLOCK == 0 and weight.is_contiguous()
+    return _interleave_channels(weight, INT8_PACK16_BLOCK, torch.int16, in_place)
 
 
-def _interleave_channels(weight: torch.Tensor, block: int, word: torch.dtype) -> torch.Tensor:
+def _interleave_channels(weight: torch.Tensor, block: int, word: torch.dtype, in_place: bool = False) -> torch.Tensor:
     """int8 [N, K] in blocks of `block` channels, in each the channels' next `word`-sized run of
     inputs side by side: int8 [ceil(N / block) * block * K], zero channels past N. The runs move as
     one element each (a quarter or half of the bytes' count); a few MiB of blocks at a time, so that
-    packing needs no more than the packed result beside the weight (an LM head is 0.5 GB)."""
+    packing needs no more than the packed result beside the weight (an LM head is 0.5 GB). `in_place`
+    (N a multiple of `block`, the weight contiguous): the result is written over the weight's own
+    bytes, each chunk copied out first (a block's channels fill the bytes of its packed form), so
+    that packing needs nothing beside the weight; the weight is garbage after it."""
     n, k = weight.shape
     blocks = -(-n // block)
+    if in_place and (n % block or not weight.is_contiguous()):
+        raise ValueError(f"packing in place needs a contiguous weight of a multiple of {block} channels, "
+                         f"got {tuple(weight.shape)}")
     runs = weight.contiguous().view(word)  # [N, runs]
-    out = torch.empty(blocks, runs.shape[1], block, dtype=word)
+    out = runs.view(blocks, block, -1) if in_place else torch.empty(blocks, runs.shape[1], block, dtype=word)
+    out = out.view(blocks, runs.shape[1], block)
     step = max(1, PACK_CHUNK_BYTES // (block * k))
     for b0 in range(0, blocks, step):
         b1 = min(blocks, b0 + step)
         rows = runs[b0 * block:b1 * block]
+        rows = rows.clone() if in_place else rows
         if rows.shape[0] < (b1 - b0) * block:  # the last block short: zero channels past N
             rows = torch.cat([rows, rows.new_zeros((b1 - b0) * block - rows.shape[0], rows.shape[1])])
         out[b0:b1] = rows.view(b1 - b0, block, -1).transpose(1, 2)
@@ -91,13 +101,15 @@ def bf16_linear_supported(library: ctypes.CDLL | None) -> bool:
     return library is not None and library.ts_bf16_linear_supported() == 1
 
 
-def bf16_pack(weight: torch.Tensor) -> torch.Tensor:
+def bf16_pack(weight: torch.Tensor, in_place: bool = False) -> torch.Tensor:
     """bfloat16 weights [N, K] (K even) in csrc/bf16_linear.c's layout: bfloat16
     [ceil(N / 64) * 64 * K], blocks of 64 channels, in each every channel's next pair of inputs
-    side by side (zero channels past N)."""
+    side by side (zero channels past N). `in_place`: written over the weight's bytes (see
+    `_interleave_channels`)."""
     if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[1] % 2:
         raise ValueError(f"bf16_pack: expected bfloat16 [N, K] with K even, got {weight.dtype} {tuple(weight.shape)}")
-    return _interleave_channels(weight.contiguous().view(torch.int8), BF16_PACK_BLOCK, torch.int32).view(torch.bfloat16)
+    bytes_ = weight.view(torch.int8) if in_place else weight.contiguous().view(torch.int8)
+    return _interleave_channels(bytes_, BF16_PACK_BLOCK, torch.int32, in_place).view(torch.bfloat16)
 
 
 def bf16_unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:

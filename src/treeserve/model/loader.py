@@ -16,7 +16,8 @@ from treeserve.model.hf_config import ModelConfig, load_model_config, read_json
 from treeserve.model.moe import pack_experts
 from treeserve.model.packed_linear import pack_linears, pack_tied_lm_head
 from treeserve.model.parallel import ShardPlan, TensorParallel
-from treeserve.model.quantization import QuantizedTensors, checkpoint_format, quantize_linears, quantized_layer
+from treeserve.model.quantization import (QuantizedTensors, checkpoint_format, quantize_linears, quantize_lm_head,
+                                         quantized_layer)
 from treeserve.model.quantization.weights import concat_rows
 from treeserve.model.sharding import row_parallel, shard_quantized, shard_tensor
 
@@ -206,6 +207,9 @@ def _quantized_targets(model: nn.Module, quantized: QuantizedTensors) -> list[st
         if _expert_piece(prefix + ".weight") is None:
             targets.add(_target_name(prefix + ".weight")[0].removesuffix(".weight"))
     for target in targets:
+        if target == "lm_head" and model.lm_head is None and model.head_name is None:
+            raise ParamError("quantization", "lm_head is quantized in the checkpoint, but its config ties the LM head "
+                             "to the embeddings (tie_word_embeddings: true): set it false for this checkpoint")
         try:
             module = model.get_submodule(target)
         except AttributeError:
@@ -291,6 +295,7 @@ def build_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device
         load_weights(model, model_dir, quantized, dtype)
     channel_amax = row_parallel_amax(model_dir, model.plan, dtype) if quantization == "int8" and tp.enabled else None
     quantize_linears(model, quantization, channel_amax)
+    quantize_lm_head(model, quantization)
     pack_linears(model, dtype, device)
     pack_tied_lm_head(model, dtype, device)
     pack_experts(model, dtype, device)

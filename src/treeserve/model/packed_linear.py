@@ -93,18 +93,21 @@ class Bf16Linear(nn.Module):
     """An `nn.Linear`'s forward over its weight in csrc/bf16_linear.c's layout (`linear_kernels.bf16_pack`);
     the bias, if any, added in float32 before the one rounding. Made where `bf16_kernel()` is not None."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, in_place: bool = False):
+        """`in_place`: the packed layout written over the linear's bfloat16 weight (which is garbage
+        after it; see `linear_kernels.bf16_pack`)."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach().to(torch.bfloat16)
-        self.packed = nn.Parameter(linear_kernels.bf16_pack(weight), requires_grad=False)
+        self.packed = nn.Parameter(linear_kernels.bf16_pack(weight, in_place), requires_grad=False)
         bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16).contiguous()
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     @classmethod
-    def of_weight(cls, weight: torch.Tensor) -> "Bf16Linear":
-        """The layer of a bias-free weight [out, in] (the weight itself is not kept)."""
-        return cls(_bias_free_linear(weight))
+    def of_weight(cls, weight: torch.Tensor, in_place: bool = False) -> "Bf16Linear":
+        """The layer of a bias-free weight [out, in] (the weight itself is not kept; `in_place`: its
+        bytes become the layout's)."""
+        return cls(_bias_free_linear(weight), in_place)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -202,8 +205,13 @@ def pack_tied_lm_head(model: nn.Module, dtype: torch.dtype, device: torch.device
         return False
     weight = model.embed_tokens.weight
     if bf16_kernel() is not None and weight.shape[1] % 2 == 0:
-        model.lm_head = Bf16Linear.of_weight(weight)
-        if type(model.embed_tokens) is nn.Embedding:  # (a vocabulary-parallel one keeps its own)
+        # the embedding's own matrix becomes the layout where its lookups will read the layout (no
+        # second 0.5 GB at load); a vocabulary-parallel embedding keeps its own rows
+        shared = type(model.embed_tokens) is nn.Embedding
+        in_place = shared and weight.dtype == torch.bfloat16 and weight.is_contiguous() \
+            and weight.shape[0] % linear_kernels.BF16_PACK_BLOCK == 0
+        model.lm_head = Bf16Linear.of_weight(weight, in_place)
+        if shared:
             model.embed_tokens = PackedEmbedding(model.lm_head)
         return True
     try:

@@ -4,7 +4,8 @@ the linear layers that hold them.
 The scheme is `EngineConfig.quantization` (vLLM's `quantization` / `--quantization`), by default
 what the checkpoint's `config.json` says in its `quantization_config` (none: the weights as stored):
 
-- `int8`: weight-only int8 made at load from a float or bfloat16 checkpoint (int8.py);
+- `int8`: weight-only int8 made at load from a float or bfloat16 checkpoint (int8.py), the LM head
+  too (int8_head.py);
 - `gptq`, `awq`, `compressed-tensors`: checkpoints quantized by AutoGPTQ / GPTQModel, AutoAWQ and
   llm-compressor, read as formats.py and compressed_tensors.py describe, each decoder projection
   (fused qkv and gate/up with their parts' scales and zero points in row order) run by the layer
@@ -25,10 +26,11 @@ the ranks' maxima (`activations.row_amax`); vLLM's ranks take their own share's 
 from treeserve.model.quantization.checkpoint import QuantizedTensors
 from treeserve.model.quantization.int8 import (ATEN_INT8_MULTIPLE, DEQUANTIZE_FROM_ROWS, QUANTIZED_PROJECTIONS,
                                                Int8Linear, quantize_linears)
+from treeserve.model.quantization.int8_head import Int8Embedding, quantize_lm_head
 from treeserve.model.quantization.layers import quantized_layer
 from treeserve.model.quantization.scheme import (QUANTIZATION_METHODS, check_device, checkpoint_format,
                                                  checkpoint_method, resolve_quantization)
 
-__all__ = ["ATEN_INT8_MULTIPLE", "DEQUANTIZE_FROM_ROWS", "QUANTIZATION_METHODS", "QUANTIZED_PROJECTIONS", "Int8Linear",
-           "QuantizedTensors", "check_device", "checkpoint_format", "checkpoint_method", "quantize_linears",
-           "quantized_layer", "resolve_quantization"]
+__all__ = ["ATEN_INT8_MULTIPLE", "DEQUANTIZE_FROM_ROWS", "QUANTIZATION_METHODS", "QUANTIZED_PROJECTIONS",
+           "Int8Embedding", "Int8Linear", "QuantizedTensors", "check_device", "checkpoint_format", "checkpoint_method",
+           "quantize_linears", "quantize_lm_head", "quantized_layer", "resolve_quantization"]

@@ -28,15 +28,25 @@ from treeserve.errors import ParamError
 from treeserve.model.quantization.weights import FloatWeight, IntWeight
 
 
+# int32 words unpacked at a time: the int32 values of a whole LM head (263 M) would be 1 GB at once
+UNPACK_CHUNK_WORDS = 1 << 20
+
+
 def unpack_int32(packed: torch.Tensor, bits: int, order: list[int] | None = None) -> torch.Tensor:
     """Values packed along the last dimension of int32 words, value j at bits j * bits (or, with
-    `order`, value j of each word at bits order.index(j) * bits): [..., w] -> uint8 [..., w * 32 / bits]."""
+    `order`, value j of each word at bits order.index(j) * bits): [..., w] -> uint8 [..., w * 32 / bits],
+    UNPACK_CHUNK_WORDS at a time."""
     per_word = 32 // bits
     shifts = torch.arange(0, 32, bits, dtype=torch.int32)
-    values = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
     if order is not None:
-        values = values[..., [order.index(j) for j in range(per_word)]]
-    return values.reshape(*packed.shape[:-1], -1).to(torch.uint8)
+        shifts = shifts[[order.index(j) for j in range(per_word)]]
+    rows = packed.reshape(-1, packed.shape[-1])
+    out = torch.empty(rows.shape[0], rows.shape[1] * per_word, dtype=torch.uint8)
+    step = max(1, UNPACK_CHUNK_WORDS // max(1, rows.shape[1]))
+    for start in range(0, rows.shape[0], step):
+        words = rows[start:start + step].to(torch.int32).unsqueeze(-1)
+        out[start:start + step] = ((words >> shifts) & ((1 << bits) - 1)).reshape(words.shape[0], -1)
+    return out.reshape(*packed.shape[:-1], -1)
 
 
 def _bits(value, where: str) -> int:

@@ -3,8 +3,10 @@ float or bfloat16 checkpoint (vLLM's and TGI's on-the-fly int8), and the 8-bit c
 (GPTQ 8-bit, compressed-tensors W8A16) whose weights are symmetric with one group per channel.
 
 On the fly, each output channel of every decoder-layer projection (attention qkv and output, the
-MLP's gate/up and down) is scaled symmetrically to [-127, 127], `w ~= scale * q`. The embeddings,
-the LM head, a reward head, MoE routers and experts stay as stored. With tensor parallelism each
+MLP's gate/up and down) and of the LM head is scaled symmetrically to [-127, 127], `w ~= scale * q`
+(llama.cpp's and MLX's int8 quantize the head too: at one row it is a fifth of a 1B model's bytes).
+A tied head's embedding lookups read its int8 rows (int8_head.py). An untied embedding, a reward
+head, MoE routers and experts stay as stored. With tensor parallelism each
 rank quantizes its own shards, a row-parallel projection's (o_proj, down_proj) channels by the
 largest weight of the whole row (`channel_amax`, read by the loader), so that the ranks' weights
 are one rank's.
@@ -45,6 +47,9 @@ QUANTIZED_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 # a 2-core AVX512-BF16 EPYC (benchmarks/quantization.py --kernels), the C kernel (bf16 dot products)
 # 4.2 ms at 32 rows against 5.0 dequantized, 8.9 against 7.4 at 64
 DEQUANTIZE_FROM_ROWS = 48
+# A layer larger than this many weights (an LM head: Llama-3.2-1B's is 263 M) runs its dequantized GEMM in
+# slices of channels this size, and is quantized in slices too: no float copy of it whole
+SLICE_WEIGHTS = 32 << 20
 # PyTorch's int8 kernel crashed (segfault, torch 2.13 on CPU) on 40 input features; it runs only on
 # widths that are a multiple of this (every real model's), other layers take the dequantized GEMM
 ATEN_INT8_MULTIPLE = 64
@@ -56,43 +61,61 @@ class Int8Linear(nn.Module):
     def __init__(self, linear: nn.Linear | None = None, *, quantized: torch.Tensor | None = None,
                  scales: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                  channel_amax: torch.Tensor | None = None, dtype: torch.dtype | None = None,
-                 pack: bool | None = None):
+                 pack: bool | None = None, consume: bool = False):
         """From a float `linear` (quantized here; `channel_amax`: each output channel's largest
         absolute weight where the linear holds a share of its inputs, a row-parallel rank's), or
         from a checkpoint's int8 weights [out, in] and their float32 scales [out]. `dtype`: the
         activations' (default: the linear's); `pack`: hold the weight in the packed kernel's layout
-        only (default: where that kernel runs this dtype, see the module's note)."""
+        only (default: where that kernel runs this dtype, see the module's note); `consume`: the
+        packed layout may be written over `quantized` (no second copy at load)."""
         super().__init__()
         if linear is not None:
-            weight = linear.weight.detach().float()
-            amax = weight.abs().amax(dim=1) if channel_amax is None else channel_amax.float()
-            scales = amax.clamp(min=1e-12) / 127.0
-            quantized = torch.round(weight / scales[:, None]).clamp_(-127, 127).to(torch.int8)
-            bias = linear.bias
+            quantized, scales = quantize_channels(linear.weight.detach(), channel_amax)
+            bias, consume = linear.bias, True
             dtype = dtype or linear.weight.dtype
         self.out_features, self.in_features = quantized.shape
         self.packed = _packs(dtype, self.in_features) if pack is None else pack
-        held = linear_kernels.int8_pack16(quantized) if self.packed else quantized.contiguous()
+        held = linear_kernels.int8_pack16(quantized, consume) if self.packed else quantized.contiguous()
         self.weight = nn.Parameter(held, requires_grad=False)
         self.scales = nn.Parameter(scales.float().contiguous(), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
-    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        """scale x int8 in `dtype`, in this thread's buffer for the shape (valid until the next call
-        for that shape: use it at once)."""
-        buffer = scratch_weight((self.out_features, self.in_features), dtype, self.weight.device)
+    @classmethod
+    def of_weight(cls, weight: torch.Tensor) -> "Int8Linear":
+        """Quantized from a float matrix [out, in] (a tied LM head's embedding), for activations of its dtype."""
+        quantized, scales = quantize_channels(weight.detach())
+        return cls(quantized=quantized, scales=scales, dtype=weight.dtype, consume=True)
+
+    def dequantized(self, dtype: torch.dtype, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """scale x int8 of channels [start, stop) (default all) in `dtype`, in this thread's buffer for
+        the shape (valid until the next call for that shape: use it at once)."""
+        stop = self.out_features if stop is None else stop
+        buffer = scratch_weight((stop - start, self.in_features), dtype, self.weight.device)
         weight = linear_kernels.int8_unpack16(self.weight, self.out_features, self.in_features) if self.packed \
             else self.weight
+        weight, scales = weight[start:stop], self.scales[start:stop]
         library = cpu_kernels.library_for(buffer)
         if library is not None:
-            return linear_kernels.int8_dequantize(library, weight, self.scales, buffer)
-        return buffer.copy_(weight).mul_(self.scales.to(dtype)[:, None])
+            return linear_kernels.int8_dequantize(library, weight, scales, buffer)
+        return buffer.copy_(weight).mul_(scales.to(dtype)[:, None])
+
+    def _dequantized_product(self, x: torch.Tensor) -> torch.Tensor:
+        """x times the dequantized weight: whole, or in slices of SLICE_WEIGHTS for a larger layer."""
+        step = max(1, SLICE_WEIGHTS // self.in_features)
+        if self.out_features <= step:
+            return F.linear(x, self.dequantized(x.dtype), self.bias)
+        out = x.new_empty(*x.shape[:-1], self.out_features)
+        for start in range(0, self.out_features, step):
+            stop = min(start + step, self.out_features)
+            bias = None if self.bias is None else self.bias[start:stop]
+            out[..., start:stop] = F.linear(x, self.dequantized(x.dtype, start, stop), bias)
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         out = self._packed_product(rows) if self.packed else self._row_major_product(rows)
         if out is None:
-            return F.linear(x, self.dequantized(x.dtype), self.bias)
+            return self._dequantized_product(x)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
@@ -120,6 +143,23 @@ class Int8Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"packed={self.packed}")
+
+
+def quantize_channels(weight: torch.Tensor, channel_amax: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 [out, in] and float32 scales [out] of a float matrix, each channel scaled by its largest
+    absolute weight (or `channel_amax`'s) to [-127, 127]; SLICE_WEIGHTS at a time."""
+    out_features, in_features = weight.shape
+    quantized = torch.empty(out_features, in_features, dtype=torch.int8, device=weight.device)
+    scales = torch.empty(out_features, dtype=torch.float32, device=weight.device)
+    step = max(1, SLICE_WEIGHTS // max(1, in_features))
+    for start in range(0, out_features, step):
+        part = weight[start:start + step].float()
+        amax = part.abs().amax(dim=1) if channel_amax is None else channel_amax[start:start + step].float()
+        scale = scales[start:start + step]
+        torch.div(amax.clamp(min=1e-12), 127.0, out=scale)
+        quantized[start:start + step] = torch.round(part.div_(scale[:, None])).clamp_(-127, 127)
+    return quantized, scales
 
 
 @functools.cache

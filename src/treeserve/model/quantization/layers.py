@@ -53,7 +53,7 @@ def quantized_layer(weight: IntWeight | FloatWeight, bias: torch.Tensor | None, 
             return Int4Linear(weight, bias, dtype)
         if weight.bits == 8 and weight.scales.shape[1] == 1 and weight.symmetric():
             signed = (weight.values.to(torch.int16) - 128).to(torch.int8)
-            return Int8Linear(quantized=signed, scales=weight.scales[:, 0], bias=bias, dtype=dtype)
+            return Int8Linear(quantized=signed, scales=weight.scales[:, 0], bias=bias, dtype=dtype, consume=True)
     linear = dequantized_linear(weight, bias, dtype)
     if isinstance(weight, FloatWeight) and weight.input_quant is not None:
         return Fp8InputLinear(linear, weight.input_scale, split_inputs)
