@@ -4,9 +4,9 @@ of the same shape (`gptq-w4a16`: GPTQ 4-bit in groups of 128; `gptq-w4a16-head`:
 LM head quantized too, GPTQModel's `lm_head=True`, untied; `ct-w8a8`: compressed-tensors int8
 weights and per-token int8 activations), on a Llama-3.2-1B-shaped model with random weights (made
 at load for the first two, benchmarks/gpu_models.py's; written once into the model cache for the
-checkpoints), each arm in a fresh process, alternating, `--pairs` times; peak RSS of each, and its
-weights' part (less what the process held before loading the model and the KV arena). Prints
-medians and each arm / stored ratio.
+checkpoints), each arm in a fresh process, alternating, `--pairs` times; peak RSS of each. Prints
+medians and each arm / stored ratio. `--memory`: each arm's load alone (a 64 MiB KV arena), the RSS
+it added at its peak and once loaded.
 
 Decode tokens/s: (the job's time - the same prompts' prefill alone) over the tokens after the first.
 
@@ -14,6 +14,7 @@ Decode tokens/s: (the job's time - the same prompts' prefill alone) over the tok
         [--arms stored int8 gptq-w4a16 gptq-w4a16-head ct-w8a8] [--batches 1 16 64] [--prompt-tokens 256] [--prefill-tokens 2000]
     python benchmarks/quantization.py --interleaved 8 [--arms ...] [--batches 1 16]   # every arm in one
                                                   # process, alternating: ratios on a noisy host
+    python benchmarks/quantization.py --memory [--arms ...]   # each arm's load alone: the RSS it adds
     python benchmarks/quantization.py --kernels   # one projection's forward: int8 kernel, dequantized
                                                   # GEMM and the stored layer, by rows (picks
                                                   # model/quantization/int8.py's and int4.py's DEQUANTIZE_FROM_ROWS)
@@ -152,7 +153,6 @@ def _decode_rate(llm, rng: random.Random, batch: int, prompt_tokens: int, output
 
 def child(arm: str, dtype: str, output_tokens: int, batches: list[int], prompt_tokens: int,
           prefill_tokens: int) -> dict:
-    before = _status_bytes("VmRSS")  # the interpreter, torch and treeserve imported
     llm = _load(arm, dtype)
     rng = random.Random(0)
     _timed_run(llm, [[rng.randrange(10, 30000) for _ in range(64)]], 4)  # warm-up
@@ -163,8 +163,6 @@ def child(arm: str, dtype: str, output_tokens: int, batches: list[int], prompt_t
         long_prompt = [[rng.randrange(10, 30000) for _ in range(prefill_tokens)]]
         result["prefill_tok_s"] = prefill_tokens / _timed_run(llm, long_prompt, 1)
     result["peak_rss"] = _peak_rss()
-    # the weights' part: the peak less what the process held before the model and the KV arena (zeroed, resident)
-    result["weights_rss"] = result["peak_rss"] - before - llm.engine.runner.arena.pages.numel()
     return result
 
 
@@ -214,6 +212,13 @@ def kernels() -> None:
             print(f"{dtype} {shape[0]}x{shape[1]} rows {rows:5d}: " + ", ".join(row), flush=True)
 
 
+def memory_probe(arm: str, dtype: str) -> dict:
+    """What loading `arm` adds to the process's RSS: at its peak and once loaded (a 64 MiB KV arena)."""
+    before = _status_bytes("VmRSS")  # the interpreter, torch and treeserve imported
+    _load(arm, dtype, 64 << 20)
+    return {"arm": arm, "load_peak": _peak_rss() - before, "held": _status_bytes("VmRSS") - before}
+
+
 def interleaved(arms: list[str], dtype: str, rounds: int, batches: list[int], prompt_tokens: int,
                 output_tokens: int) -> None:
     """Every arm loaded in this one process, their decode runs alternating, `rounds` times: each
@@ -238,6 +243,24 @@ def interleaved(arms: list[str], dtype: str, rounds: int, batches: list[int], pr
               f"(rounds: {', '.join(f'{v:.2f}' for v in values)})")
 
 
+def memory(arms: list[str], dtype: str) -> None:
+    for arm in arms:
+        if arm in CHECKPOINT_ARMS:
+            checkpoint_path(arm)
+    probes = {}
+    for arm in arms:
+        out = subprocess.run([sys.executable, __file__, "--memory-child", arm, "--dtype", dtype],
+                             capture_output=True, text=True)
+        if out.returncode:
+            raise RuntimeError(f"{arm}: {out.stderr[-2000:]}")
+        probes[arm] = json.loads(out.stdout.strip().splitlines()[-1])
+        print(f"{arm}: load adds {probes[arm]['load_peak'] / 2**30:.2f} GiB at its peak, "
+              f"{probes[arm]['held'] / 2**30:.2f} once loaded", flush=True)
+    for arm in arms[1:]:
+        print(f"{arm} / {arms[0]}: peak {probes[arm]['load_peak'] / probes[arms[0]]['load_peak']:.2f}x, "
+              f"held {probes[arm]['held'] / probes[arms[0]]['held']:.2f}x")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", type=int, default=2)
@@ -249,11 +272,19 @@ def main() -> int:
     parser.add_argument("--prefill-tokens", type=int, default=PREFILL_TOKENS, help="0: no prefill measurement")
     parser.add_argument("--kernels", action="store_true")
     parser.add_argument("--child", choices=list(ARMS))
+    parser.add_argument("--memory", action="store_true", help="each arm's load alone: the RSS it adds")
+    parser.add_argument("--memory-child", choices=list(ARMS))
     parser.add_argument("--interleaved", type=int, default=0, metavar="ROUNDS",
                         help="every arm in one process, decode runs alternating ROUNDS times (no RSS, no prefill)")
     args = parser.parse_args()
     if args.kernels:
         kernels()
+        return 0
+    if args.memory_child:
+        print(json.dumps(memory_probe(args.memory_child, args.dtype)))
+        return 0
+    if args.memory:
+        memory(args.arms, args.dtype)
         return 0
     if args.interleaved:
         for arm in args.arms:
@@ -282,18 +313,15 @@ def main() -> int:
             r = results[arm][-1]
             print(f"pair {pair + 1} {arm} ({r['dtype']}): decode " + ", ".join(
                 f"b{b} {v:.1f}" for b, v in r["decode_tok_s"].items()) + f" tok/s; prefill {r['prefill_tok_s']:.0f} "
-                f"tok/s; peak RSS {r['peak_rss'] / 2**30:.2f} GiB (weights {r['weights_rss'] / 2**30:.2f})", flush=True)
+                f"tok/s; peak RSS {r['peak_rss'] / 2**30:.2f} GiB", flush=True)
     median = {arm: {str(b): statistics.median(r["decode_tok_s"][str(b)] for r in rows) for b in args.batches}
               | {"prefill": statistics.median(r["prefill_tok_s"] for r in rows),
-                 "peak_rss": statistics.median(r["peak_rss"] for r in rows),
-                 "weights_rss": statistics.median(r["weights_rss"] for r in rows)} for arm, rows in results.items()}
+                 "peak_rss": statistics.median(r["peak_rss"] for r in rows)} for arm, rows in results.items()}
     print("\nmedians:", json.dumps(median))
     base = args.arms[0]
     for arm in args.arms[1:]:
-        for key in [str(b) for b in args.batches] + (["prefill"] if args.prefill_tokens else []) + ["peak_rss",
-                                                                                                   "weights_rss"]:
-            labels = {"prefill": f"prefill {args.prefill_tokens} tokens", "peak_rss": "peak RSS",
-                      "weights_rss": "peak RSS, the weights' part"}
+        for key in [str(b) for b in args.batches] + (["prefill"] if args.prefill_tokens else []) + ["peak_rss"]:
+            labels = {"prefill": f"prefill {args.prefill_tokens} tokens", "peak_rss": "peak RSS"}
             label = labels.get(key, f"decode batch {key}")
             print(f"{label}: {arm} / {base} {median[arm][key] / median[base][key]:.2f}x")
     return 0
