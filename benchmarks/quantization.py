@@ -2,11 +2,11 @@
 weights as stored, int8 weight-only made at load (`quantization="int8"`), and quantized checkpoints
 of the same shape (`gptq-w4a16`: GPTQ 4-bit in groups of 128; `gptq-w4a16-head`: the same with its
 LM head quantized too, GPTQModel's `lm_head=True`, untied; `ct-w8a8`: compressed-tensors int8
-weights and per-token int8 activations), on a Llama-3.2-1B-shaped model with random weights (made
-at load for the first two, benchmarks/gpu_models.py's; written once into the model cache for the
-checkpoints), each arm in a fresh process, alternating, `--pairs` times; peak RSS of each. Prints
-medians and each arm / stored ratio. `--memory`: each arm's load alone (a 64 MiB KV arena), the RSS
-it added at its peak and once loaded.
+weights and per-token int8 activations), on a Llama-3.2-1B-shaped model with random weights (each
+checkpoint written once into the model cache, a bfloat16 one for the first two arms), each arm in a
+fresh process, alternating, `--pairs` times; peak RSS of each. Prints medians and each arm / stored
+ratio. `--memory`: each arm's load alone (a 64 MiB KV arena), the RSS and the anonymous memory it
+added at its peak and once loaded.
 
 Decode tokens/s: (the job's time - the same prompts' prefill alone) over the tokens after the first.
 
@@ -34,6 +34,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 ARMS = {"stored": None, "int8": "int8", "gptq-w4a16": "gptq", "gptq-w4a16-head": "gptq", "ct-w8a8": "compressed-tensors"}
 CHECKPOINT_ARMS = ("gptq-w4a16", "gptq-w4a16-head", "ct-w8a8")
+# the checkpoint each arm loads: the float arms a bfloat16 file of the shape (as a user's model is
+# read, so that its load's memory is a real one's, not a random initialisation's)
+FILES = {"stored": "bfloat16", "int8": "bfloat16"}
 BATCHES = (1, 16, 64)
 PROMPT_TOKENS = 256
 PREFILL_TOKENS = 2000
@@ -83,7 +86,8 @@ def checkpoint_path(arm: str) -> Path:
         config["tie_word_embeddings"] = False
         tensors.update(_quantized_tensors(arm, "lm_head", config["vocab_size"], hidden, generator))
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    config["quantization_config"] = _quantization_config(arm)
+    if arm != "bfloat16":
+        config["quantization_config"] = _quantization_config(arm)
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
 
@@ -91,6 +95,9 @@ def checkpoint_path(arm: str) -> Path:
 def _quantized_tensors(arm: str, prefix: str, out_features: int, in_features: int, generator) -> dict:
     import torch
 
+    if arm == "bfloat16":
+        return {f"{prefix}.weight": torch.randn(out_features, in_features, generator=generator,
+                                                dtype=torch.bfloat16) * 0.02}
     if arm.startswith("gptq-w4a16"):  # random nibbles, symmetric (zero 8, stored minus one: 7 in every nibble)
         groups = in_features // 128
         return {f"{prefix}.qweight": torch.randint(-2**31, 2**31 - 1, (in_features // 8, out_features),
@@ -128,10 +135,9 @@ def _peak_rss() -> int:
 def _load(arm: str, dtype: str, kv_cache_memory_bytes: int = 1 << 30):
     from treeserve import LLM
 
-    checkpoint = arm in CHECKPOINT_ARMS
-    return LLM(str(checkpoint_path(arm) if checkpoint else model_path()), dtype=dtype, device="cpu",
-               quantization=ARMS[arm], load_format="auto" if checkpoint else "dummy", max_model_len=2048,
-               enable_prefix_caching=False, max_num_seqs=64, kv_cache_memory_bytes=kv_cache_memory_bytes)
+    return LLM(str(checkpoint_path(FILES.get(arm, arm))), dtype=dtype, device="cpu", quantization=ARMS[arm],
+               max_model_len=2048, enable_prefix_caching=False, max_num_seqs=64,
+               kv_cache_memory_bytes=kv_cache_memory_bytes)
 
 
 def _timed_run(llm, prompts: list[list[int]], tokens: int) -> float:
@@ -213,10 +219,27 @@ def kernels() -> None:
 
 
 def memory_probe(arm: str, dtype: str) -> dict:
-    """What loading `arm` adds to the process's RSS: at its peak and once loaded (a 64 MiB KV arena)."""
-    before = _status_bytes("VmRSS")  # the interpreter, torch and treeserve imported
+    """What loading `arm` adds to the process's memory (a 64 MiB KV arena): its RSS at the peak (VmHWM)
+    and once loaded, and its anonymous memory (RssAnon, sampled every 2 ms while loading) at the peak
+    and once loaded. RSS counts the checkpoint file's pages while safetensors has it mapped: clean
+    file pages the kernel can drop under pressure; anonymous memory is what has to fit in RAM."""
+    import threading
+
+    before, anon_before = _status_bytes("VmRSS"), _status_bytes("RssAnon")
+    peak_anon, done = [anon_before], threading.Event()
+
+    def sample():
+        while not done.wait(0.002):
+            peak_anon[0] = max(peak_anon[0], _status_bytes("RssAnon"))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     _load(arm, dtype, 64 << 20)
-    return {"arm": arm, "load_peak": _peak_rss() - before, "held": _status_bytes("VmRSS") - before}
+    done.set()
+    sampler.join()
+    anon = _status_bytes("RssAnon")
+    return {"arm": arm, "load_peak": _peak_rss() - before, "held": _status_bytes("VmRSS") - before,
+            "anon_peak": max(peak_anon[0], anon) - anon_before, "anon_held": anon - anon_before}
 
 
 def interleaved(arms: list[str], dtype: str, rounds: int, batches: list[int], prompt_tokens: int,
@@ -245,8 +268,7 @@ def interleaved(arms: list[str], dtype: str, rounds: int, batches: list[int], pr
 
 def memory(arms: list[str], dtype: str) -> None:
     for arm in arms:
-        if arm in CHECKPOINT_ARMS:
-            checkpoint_path(arm)
+        checkpoint_path(FILES.get(arm, arm))
     probes = {}
     for arm in arms:
         out = subprocess.run([sys.executable, __file__, "--memory-child", arm, "--dtype", dtype],
@@ -254,11 +276,14 @@ def memory(arms: list[str], dtype: str) -> None:
         if out.returncode:
             raise RuntimeError(f"{arm}: {out.stderr[-2000:]}")
         probes[arm] = json.loads(out.stdout.strip().splitlines()[-1])
-        print(f"{arm}: load adds {probes[arm]['load_peak'] / 2**30:.2f} GiB at its peak, "
-              f"{probes[arm]['held'] / 2**30:.2f} once loaded", flush=True)
+        probe = probes[arm]
+        print(f"{arm}: load adds RSS {probe['load_peak'] / 2**30:.2f} GiB at its peak, {probe['held'] / 2**30:.2f} "
+              f"once loaded; anonymous {probe['anon_peak'] / 2**30:.2f} at its peak, "
+              f"{probe['anon_held'] / 2**30:.2f} once loaded", flush=True)
+    base = probes[arms[0]]
     for arm in arms[1:]:
-        print(f"{arm} / {arms[0]}: peak {probes[arm]['load_peak'] / probes[arms[0]]['load_peak']:.2f}x, "
-              f"held {probes[arm]['held'] / probes[arms[0]]['held']:.2f}x")
+        print(f"{arm} / {arms[0]}: " + ", ".join(f"{key} {probes[arm][key] / base[key]:.2f}x" for key in
+                                                 ("load_peak", "held", "anon_peak", "anon_held")))
 
 
 def main() -> int:
@@ -288,18 +313,15 @@ def main() -> int:
         return 0
     if args.interleaved:
         for arm in args.arms:
-            if arm in CHECKPOINT_ARMS:
-                checkpoint_path(arm)
+            checkpoint_path(FILES.get(arm, arm))
         interleaved(args.arms, args.dtype, args.interleaved, args.batches, args.prompt_tokens, args.output_tokens)
         return 0
     if args.child:
         print(json.dumps(child(args.child, args.dtype, args.output_tokens, args.batches, args.prompt_tokens,
                                args.prefill_tokens)))
         return 0
-    model_path()  # made once, before any timing
-    for arm in args.arms:
-        if arm in CHECKPOINT_ARMS:
-            checkpoint_path(arm)
+    for arm in args.arms:  # written once, before any timing
+        checkpoint_path(FILES.get(arm, arm))
     results: dict[str, list[dict]] = {arm: [] for arm in args.arms}
     for pair in range(args.pairs):
         for arm in (args.arms if pair % 2 == 0 else list(reversed(args.arms))):

@@ -2,6 +2,8 @@
 product rounded once, used by the engine; or oneDNN's layout, bit-identical to `F.linear`), float32
 products where it has none (the same products in another summation order; the engine's logits
 within bf16 rounding of plain bf16 matmuls, MoE experts included)."""
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -74,6 +76,23 @@ def test_bf16_pack_reads_back_and_refuses_what_it_cannot_take():
         linear_kernels.bf16_pack(torch.randn(4, 5).to(torch.bfloat16))
     with pytest.raises(ValueError, match="bfloat16"):
         linear_kernels.bf16_pack(torch.randn(4, 6))
+
+
+@needs_packing
+def test_packing_frees_each_replaced_weight_as_it_goes(monkeypatch):
+    """A load's peak: each float weight is dropped once its packed layer replaces it, not when every
+    layer is packed (which held a second copy of every weight: a 1B model's load peaked 1.7 GiB higher)."""
+    model = nn.Sequential(nn.Sequential(*[nn.Linear(64, 64, bias=False) for _ in range(3)])).to(torch.bfloat16)
+    refs = [weakref.ref(linear) for linear in model[0]]
+    alive, original = [], packed_linear._packed
+
+    def counting(name, linear, library):
+        alive.append(sum(ref() is not None for ref in refs))
+        return original(name, linear, library)
+
+    monkeypatch.setattr(packed_linear, "_packed", counting)
+    assert pack_linears(model, torch.bfloat16, CPU) == 3
+    assert alive == [3, 2, 1]
 
 
 def test_packing_in_place_writes_the_same_layout_over_the_weight():

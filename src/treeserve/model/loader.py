@@ -184,19 +184,24 @@ def load_weights(model: DecoderForCausalLM, model_dir: Path, quantized: Quantize
     far as this rank's shard of it (safetensors slices), never whole. `quantized`: gathers the quantized
     modules' tensors, installed once read as quantized layers for activations of `dtype`. With tensor
     parallelism every rank reads those whole and keeps its slice of each decoded weight
-    (model/sharding.py), so a rank's peak while loading is every quantized module's packed tensors
-    (the checkpoint's quantized bytes, not its share of them) plus one module decoded whole (a byte
-    a weight): acceptable on CPU, where quantized models run so far; reading the packed words' slices
-    is the next step."""
+    (model/sharding.py). Each quantized module is decoded and installed as soon as its tensors are
+    read, so a load holds one module's packed tensors (a fused projection's parts, until its last)
+    beside the decoded weights."""
     copier = _WeightCopier(model, model_dir)
     whole = quantized.owns if quantized is not None else (lambda name: False)
+    parts: dict[str, dict[int, object]] = {}  # fused projections' decoded parts, until their last
     for name, tensor in iter_checkpoint_shards(model_dir, model.plan, whole):
         if quantized is not None and quantized.owns(name):
-            quantized.add(name, tensor)
+            complete = quantized.add(name, tensor)
+            if complete is not None:
+                _install_quantized(model, complete, quantized.decode(complete), copier, dtype, parts)
         else:
             copier.copy(name, tensor)
     if quantized is not None:
-        _install_quantized(model, quantized, copier, dtype)
+        for prefix, weight in quantized.decoded():  # (a module lacking a tensor: its error names it)
+            _install_quantized(model, prefix, weight, copier, dtype, parts)
+        if parts:
+            raise ValueError(f"quantized checkpoint: fused projections with missing parts: {sorted(parts)[:3]}")
     copier.check_complete()
 
 
@@ -220,25 +225,22 @@ def _quantized_targets(model: nn.Module, quantized: QuantizedTensors) -> list[st
     return sorted(targets)
 
 
-def _install_quantized(model: DecoderForCausalLM, quantized: QuantizedTensors, copier: _WeightCopier,
-                       dtype: torch.dtype) -> None:
-    """Each quantized projection (fused ones once all their parts are decoded) replaced by its
-    quantized layer (`quantized_layer`); experts dequantized into their stacked parameters."""
-    parts: dict[str, dict[int, object]] = {}
-    for prefix, weight in quantized.decoded():
-        if _expert_piece(prefix + ".weight") is not None:
-            copier.copy(prefix + ".weight", weight.dequantize(torch.float32))
-            continue
-        target, slot = _target_name(prefix + ".weight")
-        weight = shard_quantized(target, slot, weight, model.plan)
-        module = target.removesuffix(".weight")
-        pieces = parts.setdefault(module, {})
-        pieces[0 if slot is None else slot] = weight
-        if slot is None or len(pieces) == _fused_parts(module):
-            _replace_linear(model, module, concat_rows([pieces[i] for i in sorted(pieces)]), dtype)
-            del parts[module]
-    if parts:
-        raise ValueError(f"quantized checkpoint: fused projections with missing parts: {sorted(parts)[:3]}")
+def _install_quantized(model: DecoderForCausalLM, prefix: str, weight, copier: _WeightCopier, dtype: torch.dtype,
+                       parts: dict[str, dict[int, object]]) -> None:
+    """One decoded quantized module: a projection replaced by its quantized layer (`quantized_layer`;
+    a fused one's part kept in `parts` until the last arrives), an expert dequantized into its
+    stacked parameter."""
+    if _expert_piece(prefix + ".weight") is not None:
+        copier.copy(prefix + ".weight", weight.dequantize(torch.float32))
+        return
+    target, slot = _target_name(prefix + ".weight")
+    weight = shard_quantized(target, slot, weight, model.plan)
+    module = target.removesuffix(".weight")
+    pieces = parts.setdefault(module, {})
+    pieces[0 if slot is None else slot] = weight
+    if slot is None or len(pieces) == _fused_parts(module):
+        _replace_linear(model, module, concat_rows([pieces[i] for i in sorted(pieces)]), dtype)
+        del parts[module]
 
 
 def _replace_linear(model: nn.Module, module: str, weight, dtype: torch.dtype) -> None:

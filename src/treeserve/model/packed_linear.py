@@ -170,11 +170,16 @@ def pack_linears(model: nn.Module, dtype: torch.dtype, device: torch.device) -> 
         return 0
     library = bf16_kernel()
     count = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
+    # the parents only: a list holding the linears too would keep each replaced weight alive until the
+    # end (a second copy of every bfloat16 weight at the load's peak: 1.9 GB of a 1B model's)
+    parents = [module for module in model.modules() if type(module) is not nn.Linear]
+    for parent in parents:
+        for name in [name for name, _ in parent.named_children()]:
+            child = getattr(parent, name)
             if type(child) is nn.Linear and (packed := _packed(name, child, library)) is not None:
                 setattr(parent, name, packed)
                 count += 1
+            del child
     return count
 
 
