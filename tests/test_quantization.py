@@ -252,3 +252,16 @@ def test_the_int8_kernel_matches_the_dequantized_product(dtype):
     narrow = Int8Linear(nn.Linear(40, 8, bias=False).to(dtype), pack=False)  # 40 inputs: not the kernel's multiple of 16
     assert linear_kernels.int8_linear(library, torch.ones(2, 40, dtype=dtype), narrow.weight, narrow.scales) is None
     assert narrow(torch.ones(2, 40, dtype=dtype)).shape == (2, 8)  # PyTorch's kernel instead
+
+
+def test_quantizing_leaves_the_float_weight_as_it_was():
+    """The channels are quantized from a float32 weight without writing to it (a vocabulary-parallel
+    embedding tied to the head keeps reading its own rows), in slices smaller than the weight."""
+    from treeserve.model.quantization import int8
+
+    weight = torch.randn(300, 64)
+    kept = weight.clone()
+    quantized, scales = int8.quantize_channels(weight)
+    assert torch.equal(weight, kept)
+    expected = kept.abs().amax(dim=1) / 127.0
+    assert torch.equal(scales, expected) and torch.equal(quantized, torch.round(kept / expected[:, None]).to(torch.int8))

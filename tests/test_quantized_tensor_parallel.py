@@ -53,6 +53,7 @@ CHECKPOINTS = {  # name: (family, how it is made)
     "ct-fp8-dynamic": ("qwen2", dict(kind="ct", preset="FP8_DYNAMIC")),
 }
 ACTIVATIONS_QUANTIZED = ("ct-w8a8", "ct-fp8-dynamic")
+INT8 = ("int8", "int8-tied")  # made on the fly: an untied head and a tied one
 ACTIVATION_BOUND = 0.05
 ACTIVATION_TIE = 0.05
 
@@ -63,7 +64,7 @@ def checkpoints(tmp_path_factory):
     pytest.importorskip("compressed_tensors", reason="the test extra's compressed-tensors is not installed")
     root = tmp_path_factory.mktemp("tp-quantized")
     sources = {f: make_tiny_model(f, root / f, seed=3, **SHAPE) for f in ("llama", "qwen2")}
-    made = {"int8": (sources["llama"], None)}
+    made = {"int8": (sources["llama"], None), "int8-tied": (sources["qwen2"], None)}  # qwen2's head is tied
     for name, (family, recipe) in CHECKPOINTS.items():
         recipe = dict(recipe)
         kind, source, dest, ref = recipe.pop("kind"), sources[family], root / name, root / f"{name}-ref"
@@ -87,23 +88,26 @@ def _twice(generate) -> tuple[list, list]:
 
 @pytest.fixture(scope="module")
 def two_ranks(checkpoints):
-    """name -> outputs of two ranks: every checkpoint in one Runtime, int8 in an engine of its own."""
-    paths = {name: str(path) for name, (path, _) in checkpoints.items() if name != "int8"}
+    """name -> outputs of two ranks: every checkpoint in one Runtime, int8 in engines of its own."""
+    paths = {name: str(path) for name, (path, _) in checkpoints.items() if name not in INT8}
     runtime = Runtime(paths, kv_cache_memory_bytes=32 << 20, **OPTIONS, **TP2)
     try:
         outputs = {name: _twice(lambda p, s: runtime.generate(name, p, s)) for name in paths}
     finally:
         runtime.close()
-    with LLM(str(checkpoints["int8"][0]), quantization="int8", kv_cache_memory_bytes=8 << 20, **OPTIONS, **TP2) as llm:
-        outputs["int8"] = _twice(lambda p, s: llm.generate(p, s, use_tqdm=False))
-        # each layer's four projections and this rank's vocabulary rows of the LM head
-        assert sum(isinstance(m, Int8Linear) for m in llm.engine.model.modules()) == 4 * len(llm.engine.model.layers) + 1
-        assert isinstance(llm.engine.model.lm_head, Int8Linear)
+    for name in INT8:
+        with LLM(str(checkpoints[name][0]), quantization="int8", kv_cache_memory_bytes=8 << 20, **OPTIONS, **TP2) as llm:
+            outputs[name] = _twice(lambda p, s: llm.generate(p, s, use_tqdm=False))
+            # each layer's four projections and this rank's vocabulary rows of the LM head (a tied one's:
+            # the vocabulary-parallel embedding keeps its rows, dequantized, as one rank's lookups read them)
+            model = llm.engine.model
+            assert sum(isinstance(m, Int8Linear) for m in model.modules()) == 4 * len(model.layers) + 1
+            assert isinstance(model.lm_head, Int8Linear)
     return outputs
 
 
 def _one_rank(path, name: str) -> list:
-    extra = dict(quantization="int8") if name == "int8" else {}
+    extra = dict(quantization="int8") if name in INT8 else {}
     with LLM(str(path), kv_cache_memory_bytes=8 << 20, **OPTIONS, **extra) as llm:
         return llm.generate(RUN_PROMPTS, _params(), use_tqdm=False)
 
@@ -128,7 +132,7 @@ def _assert_alike(ours, ref, bound: float, tie: float) -> None:
             assert theirs is not None and chosen - theirs.logprob < tie, (x.prompt, part, chosen, theirs)
 
 
-@pytest.mark.parametrize("name", list(CHECKPOINTS) + ["int8"])
+@pytest.mark.parametrize("name", list(CHECKPOINTS) + list(INT8))
 def test_two_ranks_give_one_ranks_tokens(checkpoints, two_ranks, name):
     path, reference = checkpoints[name]
     ref, (first, cached) = _one_rank(path, name), two_ranks[name]
@@ -139,7 +143,7 @@ def test_two_ranks_give_one_ranks_tokens(checkpoints, two_ranks, name):
         else:
             _assert_alike(ours, ref, 1e-4, 0.0)
     # HF holds no on-the-fly int8; W8A8 and FP8 against HF: tests/test_quantized_checkpoints.py
-    if name == "int8" or name in ACTIVATIONS_QUANTIZED:
+    if name in INT8 or name in ACTIVATIONS_QUANTIZED:
         return
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(reference), dtype=torch.float32).eval()
     for output in first:

@@ -158,7 +158,8 @@ def quantize_channels(weight: torch.Tensor, channel_amax: torch.Tensor | None = 
         amax = part.abs().amax(dim=1) if channel_amax is None else channel_amax[start:start + step].float()
         scale = scales[start:start + step]
         torch.div(amax.clamp(min=1e-12), 127.0, out=scale)
-        quantized[start:start + step] = torch.round(part.div_(scale[:, None])).clamp_(-127, 127)
+        # (not in place: `part` is the caller's own weight where it is float32 already)
+        quantized[start:start + step] = torch.round(part / scale[:, None]).clamp_(-127, 127)
     return quantized, scales
 
 

@@ -7,7 +7,8 @@ At one row a step reads every weight once: Llama-3.2-1B's tied 128256 x 2048 hea
 step (at most 1.65x bfloat16's rate), with it in int8 1.24 GB (2.0x). A reward model's head (its
 `score` / `v_head`) is not a vocabulary and stays as stored; with tensor parallelism each rank
 quantizes its own vocabulary rows (a row's scale is its own: the ranks' rows are one rank's), and a
-vocabulary-parallel embedding keeps its stored rows.
+vocabulary-parallel embedding keeps rows of its own, set to the dequantized ones (so that its lookups
+are one rank's).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 
 from treeserve.model import linear_kernels
-from treeserve.model.quantization.int8 import Int8Linear
+from treeserve.model.quantization.int8 import SLICE_WEIGHTS, Int8Linear
 
 
 def quantize_lm_head(model: nn.Module, method: str | None) -> bool:
@@ -31,9 +32,22 @@ def quantize_lm_head(model: nn.Module, method: str | None) -> bool:
         return False
     weight = model.embed_tokens.weight
     model.lm_head = Int8Linear.of_weight(weight)
-    if type(model.embed_tokens) is nn.Embedding:  # (a vocabulary-parallel one keeps its own rows)
+    if type(model.embed_tokens) is nn.Embedding:
         model.embed_tokens = Int8Embedding(model.lm_head, weight.dtype)
+    else:  # a vocabulary-parallel one keeps rows of its own, the same dequantized rows (one rank's lookups)
+        _dequantize_into(model.lm_head, weight)
     return True
+
+
+@torch.no_grad()
+def _dequantize_into(head: Int8Linear, weight: torch.Tensor) -> None:
+    """`weight` [out, in] = the head's scale x int8 rows, computed in float32, SLICE_WEIGHTS at a time."""
+    rows = linear_kernels.int8_unpack16(head.weight, head.out_features, head.in_features) if head.packed \
+        else head.weight
+    step = max(1, SLICE_WEIGHTS // head.in_features)
+    for start in range(0, head.out_features, step):
+        part = slice(start, start + step)
+        weight[part] = rows[part].float() * head.scales[part, None]
 
 
 class Int8Embedding(nn.Module):
