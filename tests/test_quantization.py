@@ -254,11 +254,12 @@ def test_the_int8_kernel_matches_the_dequantized_product(dtype):
     assert narrow(torch.ones(2, 40, dtype=dtype)).shape == (2, 8)  # PyTorch's kernel instead
 
 
-def test_quantizing_leaves_the_float_weight_as_it_was():
+def test_quantizing_leaves_the_float_weight_as_it_was(monkeypatch):
     """The channels are quantized from a float32 weight without writing to it (a vocabulary-parallel
     embedding tied to the head keeps reading its own rows), in slices smaller than the weight."""
     from treeserve.model.quantization import int8
 
+    monkeypatch.setattr(int8, "SLICE_WEIGHTS", 64 * 64)  # 64 channels a slice
     weight = torch.randn(300, 64)
     kept = weight.clone()
     quantized, scales = int8.quantize_channels(weight)
