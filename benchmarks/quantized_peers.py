@@ -1,7 +1,7 @@
 """Quantized checkpoints against vLLM CPU on the same files: decode tokens/s at batch 1 and 16 for the
-Llama-3.2-1B-shaped checkpoints `benchmarks/quantization.py` writes (GPTQ W4A16, compressed-tensors
-W8A8; its bfloat16 arm has no weights file: random weights made at load), each engine in a fresh
-process per checkpoint, alternating, and the ratio.
+Llama-3.2-1B-shaped checkpoints `benchmarks/quantization.py` writes (`gptq-w4a16`, `gptq-w4a16-head`
+with its LM head quantized too, `ct-w8a8`, and `bfloat16`, the unquantized file its `stored` and
+`int8` arms read), each engine in a fresh process per checkpoint, alternating, and the ratio.
 A checkpoint vLLM cannot load is reported with its error.
 
 Decode tokens/s: B prompts of 64 random tokens, generated to 33 tokens (EOS ignored) and to 1; the

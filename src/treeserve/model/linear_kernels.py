@@ -87,6 +87,15 @@ def int8_linear_packed16(library: ctypes.CDLL, x: torch.Tensor, packed: torch.Te
     return out
 
 
+def gather_channels(packed: torch.Tensor, ids: torch.Tensor, k: int, block: int, word: torch.dtype) -> torch.Tensor:
+    """Channels `ids` of a layout of blocks of `block` channels with `word`-sized runs of their k
+    inputs side by side (`_interleave_channels`') as rows [len(ids), k] of `packed`'s dtype: a
+    token's embedding from a tied head's packed matrix (a gather of its runs, one every `block`)."""
+    runs = k * packed.element_size() // torch.empty(0, dtype=word).element_size()
+    words = packed.view(word).view(-1, runs, block)
+    return words[ids // block, :, ids % block].view(packed.dtype)
+
+
 def int8_unpack16(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """An `int8_pack16`ed weight back as int8 [n, k]."""
     pairs = packed.view(torch.int16).reshape(-1, k // 2, INT8_PACK16_BLOCK)

@@ -227,6 +227,16 @@ def pack_tied_lm_head(model: nn.Module, dtype: torch.dtype, device: torch.device
     return True
 
 
+def checked_token_ids(input_ids: torch.Tensor, num_embeddings: int) -> torch.Tensor:
+    """The ids flattened; an IndexError naming the range where one lies outside it (as nn.Embedding's)."""
+    ids = input_ids.reshape(-1)
+    if ids.numel():
+        low, high = torch.aminmax(ids)
+        if int(low) < 0 or int(high) >= num_embeddings:
+            raise IndexError(f"token id out of range [0, {num_embeddings})")
+    return ids
+
+
 class PackedEmbedding(nn.Module):
     """Token embeddings read from a tied `Bf16Linear` head's packed matrix (the same parameter: the
     matrix is held and counted once). A token's row is its channel of the layout: the words of its
@@ -243,15 +253,10 @@ class PackedEmbedding(nn.Module):
         return linear_kernels.bf16_unpack(self.packed, self.num_embeddings, self.embedding_dim)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        ids = input_ids.reshape(-1)
-        if ids.numel():
-            low, high = torch.aminmax(ids)
-            if int(low) < 0 or int(high) >= self.num_embeddings:
-                raise IndexError(f"token id out of range [0, {self.num_embeddings})")
-        block = linear_kernels.BF16_PACK_BLOCK
-        words = self.packed.view(torch.int32).view(-1, self.embedding_dim // 2, block)
-        rows = words[ids // block, :, ids % block]
-        return rows.view(torch.bfloat16).view(*input_ids.shape, self.embedding_dim)
+        ids = checked_token_ids(input_ids, self.num_embeddings)
+        rows = linear_kernels.gather_channels(self.packed, ids, self.embedding_dim, linear_kernels.BF16_PACK_BLOCK,
+                                              torch.int32)
+        return rows.view(*input_ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, packed with the lm_head"

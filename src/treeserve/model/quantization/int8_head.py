@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from treeserve.model import linear_kernels
+from treeserve.model.packed_linear import checked_token_ids
 from treeserve.model.quantization.int8 import SLICE_WEIGHTS, Int8Linear
 
 
@@ -63,15 +64,10 @@ class Int8Embedding(nn.Module):
         self.dtype = dtype
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        ids = input_ids.reshape(-1)
-        if ids.numel():
-            low, high = torch.aminmax(ids)
-            if int(low) < 0 or int(high) >= self.num_embeddings:
-                raise IndexError(f"token id out of range [0, {self.num_embeddings})")
+        ids = checked_token_ids(input_ids, self.num_embeddings)
         if self.packed:
-            block = linear_kernels.INT8_PACK16_BLOCK
-            words = self.quantized.view(torch.int16).view(-1, self.embedding_dim // 2, block)
-            rows = words[ids // block, :, ids % block].view(torch.int8)
+            rows = linear_kernels.gather_channels(self.quantized, ids, self.embedding_dim,
+                                                  linear_kernels.INT8_PACK16_BLOCK, torch.int16)
         else:
             rows = self.quantized[ids]
         out = (rows.float() * self.scales[ids, None]).to(self.dtype)
