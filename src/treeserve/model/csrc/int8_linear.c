@@ -107,6 +107,11 @@ static inline __attribute__((always_inline)) void int8_tile_bf16(const uint16_t 
  * PACKED16_MR rows x 4 vectors; the int32 sums of a span (INT8_SPAN inputs) are scaled into a
  * float32 partial at its end. */
 #define PACKED16_MR 6
+/* bytes of a block's weights asked for ahead into L2 while a tile reads: the next span (16 KiB), so
+ * that the first tile of a span finds it there. The 1B shape's 112 projections on a Zen 5 EPYC
+ * (same process, alternating, medians of 5): 1.05x at 1 row, 1.10x at 4, 1.45x at 16, 1.15x at 64;
+ * 8 or 32 KiB ahead no better, into L1 (T0) the same. */
+#define PACKED16_AHEAD (INT8_SPAN * 64)
 
 struct packed16_call {
     const int16_t *x16;        /* the rows as 16-bit integers, [rows][k_in] */
@@ -162,6 +167,8 @@ static inline void packed16_finish(const struct packed16_call *c, float *partial
         int64_t k0 = span * INT8_SPAN, k1 = k0 + INT8_SPAN < c->k_in ? k0 + INT8_SPAN : c->k_in;      \
         for (int64_t k = k0; k < k1; k += 2) {                                                        \
             const int8_t *w = block + k * 64;                                                         \
+            _mm_prefetch((const char *)w + PACKED16_AHEAD, _MM_HINT_T1);                              \
+            _mm_prefetch((const char *)w + PACKED16_AHEAD + 64, _MM_HINT_T1);                         \
             __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)w));                \
             __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + 32)));         \
             __m512i w2 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + 64)));         \
