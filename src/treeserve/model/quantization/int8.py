@@ -29,7 +29,8 @@ and 1.19 for the stored bfloat16 layer (oneDNN, packed); 1.37 against 1.99 and 1
 19.5 against 24.4 and 19.7 at 256 (the row-major layer's dequantized GEMM: 22.2). The 1B shape's
 112 projections of one step (`benchmarks/quantized_step.py`, two runs): 32-34 ms at 1 row against
 53 row-major and 87-90 bfloat16; 85-87 against 153-157 and 106 at 16 rows; 306-309 against 451-464
-and 314-317 at 64. Whole models: docs/BENCHMARKS.md.
+and 314-317 at 64. Since session 66 the packed kernel asks for the next span of weights into L2
+(1.45x at 16 rows on a Zen 5 EPYC: 55 -> 38 ms for those 112). Whole models: docs/BENCHMARKS.md.
 """
 from __future__ import annotations
 
