@@ -266,3 +266,17 @@ def test_quantizing_leaves_the_float_weight_as_it_was(monkeypatch):
     assert torch.equal(weight, kept)
     expected = kept.abs().amax(dim=1) / 127.0
     assert torch.equal(scales, expected) and torch.equal(quantized, torch.round(kept / expected[:, None]).to(torch.int8))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_tied_int8_heads_lookups_are_its_dequantized_rows(family_dirs, dtype):
+    """A tied head's embedding reads the head's int8 rows, in either layout (bfloat16 on AVX512-BF16 +
+    VNNI CPUs: the packed one, a gather of each row's runs): scale x int8 rounded to the dtype."""
+    model = LLM(str(family_dirs["qwen2"]), **{**OPTIONS, "dtype": dtype}).engine.model
+    head, embedding = model.lm_head, model.embed_tokens
+    assert isinstance(embedding, Int8Embedding) and embedding.quantized is head.weight
+    ids = torch.tensor([[0, 5, head.out_features - 1], [64, 63, 1]])
+    expected = head.dequantized(torch.float32)[ids].to(getattr(torch, dtype))
+    assert torch.equal(embedding(ids), expected)
+    with pytest.raises(IndexError, match="token id out of range"):
+        embedding(torch.tensor([head.out_features]))
