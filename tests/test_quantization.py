@@ -17,7 +17,7 @@ from conftest import assert_no_leak
 from test_hf_parity import PROMPTS, _hf_greedy, _hf_logits
 from treeserve import LLM, SamplingParams
 from treeserve.errors import ParamError
-from treeserve.model.quantization import Int8Embedding, Int8Linear
+from treeserve.model.quantization import QUANTIZED_PROJECTIONS, Int8Embedding, Int8Linear
 from treeserve.model.random_models import GEMMA_FAMILIES, MOE_FAMILIES, PHI3_ORIGINAL_POSITIONS, make_tiny_model
 from treeserve.testing.tiny_models import FAMILIES
 
@@ -280,3 +280,22 @@ def test_a_tied_int8_heads_lookups_are_its_dequantized_rows(family_dirs, dtype):
     assert torch.equal(embedding(ids), expected)
     with pytest.raises(IndexError, match="token id out of range"):
         embedding(torch.tensor([head.out_features]))
+
+
+def test_int8_quantizes_each_projection_as_the_checkpoint_is_read(family_dirs, monkeypatch):
+    """On-the-fly int8 never allocates the projections' float weights (model/quantization/int8_stream.py):
+    a load peaks near the int8 model's size, not the float model's."""
+    from treeserve.model import loader
+
+    materialized, original = [], loader._materialize
+
+    def spy(model, device, dtype):
+        materialized.extend(name for name, _ in model.named_parameters()
+                            if name.endswith(tuple(f".{p}.weight" for p in QUANTIZED_PROJECTIONS)))
+        return original(model, device, dtype)
+
+    monkeypatch.setattr(loader, "_materialize", spy)
+    model = LLM(str(family_dirs["qwen2"]), **OPTIONS).engine.model
+    assert materialized == []
+    assert all(isinstance(getattr(layer.self_attn, "qkv_proj"), Int8Linear) and layer.self_attn.qkv_proj.bias is not None
+               for layer in model.layers)  # qwen2's q/k/v biases loaded into the int8 layers

@@ -18,6 +18,7 @@ from treeserve.model.packed_linear import pack_linears, pack_tied_lm_head
 from treeserve.model.parallel import ShardPlan, TensorParallel
 from treeserve.model.quantization import (QuantizedTensors, checkpoint_format, quantize_linears, quantize_lm_head,
                                          quantized_layer)
+from treeserve.model.quantization.int8_stream import StreamedInt8
 from treeserve.model.quantization.weights import concat_rows
 from treeserve.model.sharding import row_parallel, shard_quantized, shard_tensor
 
@@ -179,14 +180,14 @@ def _fused_parts(target: str) -> int:
 
 
 def load_weights(model: DecoderForCausalLM, model_dir: Path, quantized: QuantizedTensors | None = None,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, streamed: StreamedInt8 | None = None) -> None:
     """Copies the checkpoint into the model; with tensor parallelism each float tensor is read only as
     far as this rank's shard of it (safetensors slices), never whole. `quantized`: gathers the quantized
     modules' tensors, installed once read as quantized layers for activations of `dtype`. With tensor
     parallelism every rank reads those whole and keeps its slice of each decoded weight
     (model/sharding.py). Each quantized module is decoded and installed as soon as its tensors are
     read, so a load holds one module's packed tensors (a fused projection's parts, until its last)
-    beside the decoded weights."""
+    beside the decoded weights. `streamed`: on-the-fly int8's projections, quantized as they are read."""
     copier = _WeightCopier(model, model_dir)
     whole = quantized.owns if quantized is not None else (lambda name: False)
     parts: dict[str, dict[int, object]] = {}  # fused projections' decoded parts, until their last
@@ -195,6 +196,8 @@ def load_weights(model: DecoderForCausalLM, model_dir: Path, quantized: Quantize
             complete = quantized.add(name, tensor)
             if complete is not None:
                 _install_quantized(model, complete, quantized.decode(complete), copier, dtype, parts)
+        elif streamed is not None and streamed.owns(target := _target_name(name)[0]):
+            streamed.add(target, _target_name(name)[1], _fused_parts(target), tensor)
         else:
             copier.copy(name, tensor)
     if quantized is not None:
@@ -202,6 +205,8 @@ def load_weights(model: DecoderForCausalLM, model_dir: Path, quantized: Quantize
             _install_quantized(model, prefix, weight, copier, dtype, parts)
         if parts:
             raise ValueError(f"quantized checkpoint: fused projections with missing parts: {sorted(parts)[:3]}")
+    if streamed is not None and streamed.missing():
+        raise ValueError(f"{model_dir}: checkpoint is missing tensors for {streamed.missing()[:5]}")
     copier.check_complete()
 
 
@@ -286,6 +291,8 @@ def build_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device
     with torch.device("meta"):
         model = DecoderForCausalLM(config, max_positions, tp)
     quantized = _quantized_tensors(model, model_dir, quantization) if load_format != "dummy" else None
+    channel_amax = row_parallel_amax(model_dir, model.plan, dtype) if quantization == "int8" and tp.enabled else None
+    streamed = StreamedInt8(model, dtype, channel_amax) if quantization == "int8" and load_format != "dummy" else None
     _materialize(model, device, dtype)
     # RoPE tables stay in float32 (as in transformers); the decoder computed them on the CPU
     for rotary in (model.rotary, model.local_rotary):
@@ -294,9 +301,8 @@ def build_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     else:
-        load_weights(model, model_dir, quantized, dtype)
-    channel_amax = row_parallel_amax(model_dir, model.plan, dtype) if quantization == "int8" and tp.enabled else None
-    quantize_linears(model, quantization, channel_amax)
+        load_weights(model, model_dir, quantized, dtype, streamed)
+    quantize_linears(model, quantization, channel_amax)  # (random weights: what no checkpoint streamed)
     quantize_lm_head(model, quantization)
     pack_linears(model, dtype, device)
     pack_tied_lm_head(model, dtype, device)
