@@ -283,15 +283,17 @@ def test_a_tied_int8_heads_lookups_are_its_dequantized_rows(family_dirs, dtype):
 
 
 def test_int8_quantizes_each_projection_as_the_checkpoint_is_read(family_dirs, monkeypatch):
-    """On-the-fly int8 never allocates the projections' float weights (model/quantization/int8_stream.py):
-    a load peaks near the int8 model's size, not the float model's."""
+    """On-the-fly int8 never allocates the projections' float weights nor the LM head's (qwen2's is tied:
+    its embedding's) (model/quantization/int8_stream.py): a load peaks near the int8 model's size, not
+    the float model's."""
     from treeserve.model import loader
 
     materialized, original = [], loader._materialize
 
     def spy(model, device, dtype):
         materialized.extend(name for name, _ in model.named_parameters()
-                            if name.endswith(tuple(f".{p}.weight" for p in QUANTIZED_PROJECTIONS)))
+                            if name.endswith(tuple(f".{p}.weight" for p in QUANTIZED_PROJECTIONS))
+                            or name in ("embed_tokens.weight", "lm_head.weight"))
         return original(model, device, dtype)
 
     monkeypatch.setattr(loader, "_materialize", spy)
@@ -299,3 +301,4 @@ def test_int8_quantizes_each_projection_as_the_checkpoint_is_read(family_dirs, m
     assert materialized == []
     assert all(isinstance(getattr(layer.self_attn, "qkv_proj"), Int8Linear) and layer.self_attn.qkv_proj.bias is not None
                for layer in model.layers)  # qwen2's q/k/v biases loaded into the int8 layers
+    assert isinstance(model.embed_tokens, Int8Embedding) and model.embed_tokens.quantized is model.lm_head.weight

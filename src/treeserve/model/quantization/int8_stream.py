@@ -1,6 +1,6 @@
-"""`--quantization int8` while the checkpoint loads: each decoder projection is quantized as soon as its
-tensors (a fused projection's parts) are read, so its float weight is never allocated beside the
-others'. Quantizing after the whole float model was loaded held every projection in the model's
+"""`--quantization int8` while the checkpoint loads: each decoder projection, and the LM head (a tied
+one's embedding with it, int8_head.py), is quantized as soon as its tensors (a fused projection's
+parts) are read, so its float weight is never allocated beside the others'. Quantizing after the whole float model was loaded held every projection in the model's
 dtype at once: a load peaked at the bfloat16 model's size (2.8 GiB for a 1B model that holds 1.7
 quantized); now at the quantized model's plus one projection.
 
@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from treeserve.model.quantization.int8 import QUANTIZED_PROJECTIONS, Int8Linear, quantize_channels
+from treeserve.model.quantization.int8_head import Int8Embedding
 
 
 class StreamedInt8:
@@ -25,6 +26,9 @@ class StreamedInt8:
         self.linears = {f"{name}.weight": module for name, module in model.named_modules()
                         if name.startswith("layers.") and name.rsplit(".", 1)[-1] in QUANTIZED_PROJECTIONS
                         and type(module) is nn.Linear}
+        self.head = _head_target(model)
+        if self.head is not None:
+            self.linears[self.head] = model.get_submodule(self.head.removesuffix(".weight"))
         for linear in self.linears.values():
             linear.weight = None
         self._parts: dict[str, dict[int, torch.Tensor]] = {}
@@ -42,17 +46,36 @@ class StreamedInt8:
             return
         del self._parts[target]
         weight = parts[0] if len(parts) == 1 else torch.cat([parts[i] for i in sorted(parts)])
-        linear = self.linears.pop(target)
-        if tuple(weight.shape) != (linear.out_features, linear.in_features):
-            raise ValueError(f"tensor for {target} has shape {tuple(weight.shape)}, expected "
-                             f"{(linear.out_features, linear.in_features)}")
-        module = target.removesuffix(".weight")
-        quantized, scales = quantize_channels(weight, self.channel_amax.get(module))
+        module = self.linears.pop(target)
+        shape = (module.num_embeddings, module.embedding_dim) if isinstance(module, nn.Embedding) \
+            else (module.out_features, module.in_features)
+        if tuple(weight.shape) != shape:
+            raise ValueError(f"tensor for {target} has shape {tuple(weight.shape)}, expected {shape}")
+        name = target.removesuffix(".weight")
+        quantized, scales = quantize_channels(weight, self.channel_amax.get(name))
         del weight, parts
-        parent_name, _, child = module.rpartition(".")
-        setattr(self.model.get_submodule(parent_name), child,
-                Int8Linear(quantized=quantized, scales=scales, bias=linear.bias, dtype=self.dtype, consume=True))
+        layer = Int8Linear(quantized=quantized, scales=scales, bias=getattr(module, "bias", None), dtype=self.dtype,
+                           consume=True)
+        if target == "embed_tokens.weight":  # a tied head: the embedding reads its rows
+            self.model.lm_head, self.model.embed_tokens = layer, Int8Embedding(layer, self.dtype)
+            return
+        parent_name, _, child = name.rpartition(".")
+        setattr(self.model.get_submodule(parent_name) if parent_name else self.model, child, layer)
 
     def missing(self) -> list[str]:
         """The projections whose tensors did not all arrive."""
         return sorted(self.linears)
+
+
+def _head_target(model: nn.Module) -> str | None:
+    """The LM head's matrix as the checkpoint names it in our terms, where it is streamed too: an
+    `lm_head` of its own, or the embedding a tied head reads (one rank's whole vocabulary: a
+    vocabulary-parallel embedding keeps its rows, its head is quantized after loading); none for a
+    reward model's head."""
+    if getattr(model, "head_name", None) is not None:
+        return None
+    if type(model.lm_head) is nn.Linear:
+        return "lm_head.weight"
+    if model.lm_head is None and type(model.embed_tokens) is nn.Embedding:
+        return "embed_tokens.weight"
+    return None
