@@ -196,10 +196,12 @@ def load_weights(model: DecoderForCausalLM, model_dir: Path, quantized: Quantize
             complete = quantized.add(name, tensor)
             if complete is not None:
                 _install_quantized(model, complete, quantized.decode(complete), copier, dtype, parts)
-        elif streamed is not None and streamed.owns(target := _target_name(name)[0]):
-            streamed.add(target, _target_name(name)[1], _fused_parts(target), tensor)
         else:
-            copier.copy(name, tensor)
+            target, slot = _target_name(name)
+            if streamed is not None and streamed.owns(target):
+                streamed.add(target, slot, _fused_parts(target), tensor)
+            else:
+                copier.copy(name, tensor)
     if quantized is not None:
         for prefix, weight in quantized.decoded():  # (a module lacking a tensor: its error names it)
             _install_quantized(model, prefix, weight, copier, dtype, parts)

@@ -22,22 +22,31 @@ from treeserve.model.quantization.int8 import SLICE_WEIGHTS, Int8Linear
 
 def quantize_lm_head(model: nn.Module, method: str | None) -> bool:
     """With `method` "int8", the model's LM head (its `lm_head`, or the embedding matrix it ties to)
-    replaced by an `Int8Linear`; a tied one's embedding by an `Int8Embedding` of it. Returns whether
-    it quantized."""
+    replaced by an `Int8Linear` (`install_head`). Returns whether it quantized."""
     if method != "int8" or getattr(model, "head_name", None) is not None:
         return False
     if type(model.lm_head) is nn.Linear:
-        model.lm_head = Int8Linear(model.lm_head)
+        install_head(model, Int8Linear(model.lm_head), model.lm_head.weight.dtype)
         return True
     if model.lm_head is not None:
         return False
     weight = model.embed_tokens.weight
-    model.lm_head = Int8Linear.of_weight(weight)
-    if type(model.embed_tokens) is nn.Embedding:
-        model.embed_tokens = Int8Embedding(model.lm_head, weight.dtype)
-    else:  # a vocabulary-parallel one keeps rows of its own, the same dequantized rows (one rank's lookups)
-        _dequantize_into(model.lm_head, weight)
+    install_head(model, Int8Linear.of_weight(weight), weight.dtype)
     return True
+
+
+def install_head(model: nn.Module, head: Int8Linear, dtype: torch.dtype) -> None:
+    """`head` as the model's LM head; where it ties to the embedding, an `nn.Embedding` becomes the
+    head's `Int8Embedding`, and a vocabulary-parallel one keeps rows of its own, set to the head's
+    dequantized rows (so that its lookups are one rank's)."""
+    tied = model.lm_head is None
+    model.lm_head = head
+    if not tied:
+        return
+    if type(model.embed_tokens) is nn.Embedding:
+        model.embed_tokens = Int8Embedding(head, dtype)
+    else:
+        _dequantize_into(head, model.embed_tokens.weight)
 
 
 @torch.no_grad()

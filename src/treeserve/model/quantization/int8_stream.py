@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from treeserve.model.quantization.int8 import QUANTIZED_PROJECTIONS, Int8Linear, quantize_channels
-from treeserve.model.quantization.int8_head import Int8Embedding
+from treeserve.model.quantization.int8_head import install_head
 
 
 class StreamedInt8:
@@ -56,11 +56,11 @@ class StreamedInt8:
         del weight, parts
         layer = Int8Linear(quantized=quantized, scales=scales, bias=getattr(module, "bias", None), dtype=self.dtype,
                            consume=True)
-        if target == "embed_tokens.weight":  # a tied head: the embedding reads its rows
-            self.model.lm_head, self.model.embed_tokens = layer, Int8Embedding(layer, self.dtype)
+        if target == self.head:
+            install_head(self.model, layer, self.dtype)
             return
         parent_name, _, child = name.rpartition(".")
-        setattr(self.model.get_submodule(parent_name) if parent_name else self.model, child, layer)
+        setattr(self.model.get_submodule(parent_name), child, layer)
 
     def missing(self) -> list[str]:
         """The projections whose tensors did not all arrive."""
