@@ -6,7 +6,8 @@ weights and per-token int8 activations), on a Llama-3.2-1B-shaped model with ran
 checkpoint written once into the model cache, a bfloat16 one for the first two arms), each arm in a
 fresh process, alternating, `--pairs` times; peak RSS of each. Prints medians and each arm / stored
 ratio. `--memory`: each arm's load alone (a 64 MiB KV arena), the RSS and the anonymous memory it
-added at its peak and once loaded.
+added at its peak and once loaded, and its weights' bytes in memory (a mapped embedding's file pages
+aside).
 
 Decode tokens/s: (the job's time - the same prompts' prefill alone) over the tokens after the first.
 
@@ -225,6 +226,8 @@ def memory_probe(arm: str, dtype: str) -> dict:
     file pages the kernel can drop under pressure; anonymous memory is what has to fit in RAM."""
     import threading
 
+    import treeserve.entrypoints.llm  # noqa: F401  (its imports' memory is the process's, not the load's)
+
     before, anon_before = _status_bytes("VmRSS"), _status_bytes("RssAnon")
     peak_anon, done = [anon_before], threading.Event()
 
@@ -234,12 +237,32 @@ def memory_probe(arm: str, dtype: str) -> dict:
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    _load(arm, dtype, 64 << 20)
+    llm = _load(arm, dtype, 64 << 20)
     done.set()
     sampler.join()
     anon = _status_bytes("RssAnon")
     return {"arm": arm, "load_peak": _peak_rss() - before, "held": _status_bytes("VmRSS") - before,
-            "anon_peak": max(peak_anon[0], anon) - anon_before, "anon_held": anon - anon_before}
+            "anon_peak": max(peak_anon[0], anon) - anon_before, "anon_held": anon - anon_before,
+            "weights": _weights_in_memory(llm.engine.model)}
+
+
+def _weights_in_memory(model) -> int:
+    """Bytes of the model's tensors (parameters, buffers, tensors its modules hold) in the process's
+    own memory: each storage once, those over a file's pages (a mapped embedding) left out."""
+    import torch
+
+    files = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        if len(fields) > 5 and fields[5].startswith("/"):
+            files.append(tuple(int(x, 16) for x in fields[0].split("-")))
+    storages = {}
+    for module in model.modules():
+        for value in list(module._parameters.values()) + list(module._buffers.values()) + list(vars(module).values()):
+            if isinstance(value, torch.Tensor):
+                storage = value.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+    return sum(size for address, size in storages.items() if not any(a <= address < b for a, b in files))
 
 
 def interleaved(arms: list[str], dtype: str, rounds: int, batches: list[int], prompt_tokens: int,
@@ -279,11 +302,12 @@ def memory(arms: list[str], dtype: str) -> None:
         probe = probes[arm]
         print(f"{arm}: load adds RSS {probe['load_peak'] / 2**30:.2f} GiB at its peak, {probe['held'] / 2**30:.2f} "
               f"once loaded; anonymous {probe['anon_peak'] / 2**30:.2f} at its peak, "
-              f"{probe['anon_held'] / 2**30:.2f} once loaded", flush=True)
+              f"{probe['anon_held'] / 2**30:.2f} once loaded; its weights {probe['weights'] / 2**30:.2f} in memory",
+              flush=True)
     base = probes[arms[0]]
     for arm in arms[1:]:
         print(f"{arm} / {arms[0]}: " + ", ".join(f"{key} {probes[arm][key] / base[key]:.2f}x" for key in
-                                                 ("load_peak", "held", "anon_peak", "anon_held")))
+                                                 ("load_peak", "held", "anon_peak", "anon_held", "weights")))
 
 
 def main() -> int:

@@ -66,6 +66,11 @@ def test_packed_int4_linear_matches_the_dequantized_weight(rows, n, k, group_siz
 def test_int4_pack16_reads_back_and_refuses_spans_it_cannot_take():
     q = torch.randint(0, 16, (70, 256), dtype=torch.uint8)
     assert torch.equal(linear_kernels.int4_unpack16(linear_kernels.int4_pack16(q), 70, 256), q)
+    tall = torch.randint(0, 16, (200, 64), dtype=torch.uint8)  # 4 blocks, the last part zeros
+    packed = linear_kernels.int4_pack16(tall, blocks_at_once=3)  # packed 3 blocks, then 1
+    assert torch.equal(packed, linear_kernels.int4_pack16(tall)) and packed.numel() == 256 * 64 // 2
+    assert torch.equal(linear_kernels.int4_unpack16(packed, 200, 64), tall)
+    assert not linear_kernels.int4_unpack16(packed, 256, 64)[200:].any()
     assert LIBRARY.ts_int4_packed16_span(768, 384) == 0  # longer than 256, not a multiple of it, not the row
     assert LIBRARY.ts_int4_packed16_span(768, 48) == 0
 

@@ -129,3 +129,60 @@ def test_the_tokenizer_is_the_one_auto_tokenizer_loads(tiny_model_dirs):
         if theirs.chat_template:
             assert (ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
                     == theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)), name
+
+
+def _mapping_of(address: int) -> str | None:
+    """The file mapped at `address` in this process (None: anonymous memory)."""
+    for line in open("/proc/self/maps"):
+        fields = line.split()
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        if start <= address < end:
+            return fields[5] if len(fields) > 5 and fields[5].startswith("/") else None
+    return None
+
+
+def test_an_untied_embedding_is_read_in_place_from_the_checkpoint_file(tiny_model_dirs):
+    """Its rows are looked up, never read whole: the file's own pages, not a copy in the process's
+    memory (model/mapped_embedding.py). A tied one (the LM head reads it whole each step) and one in
+    another dtype than the file's are copied in."""
+    from safetensors.torch import load_file
+
+    untied, tied = tiny_model_dirs["llama"], tiny_model_dirs["llama3"]
+    llm = LLM(str(untied), dtype="float32", kv_cache_memory_bytes=4 << 20)
+    weight = llm.engine.model.embed_tokens.weight
+    assert _mapping_of(weight.data_ptr()) == str((untied / "model.safetensors").resolve())
+    assert torch.equal(weight, load_file(str(untied / "model.safetensors"))["model.embed_tokens.weight"])
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    assert len(llm.generate("Hello", params, use_tqdm=False)[0].outputs[0].token_ids) == 8
+    for path, dtype in ((tied, "float32"), (untied, "bfloat16")):
+        model = LLM(str(path), dtype=dtype, kv_cache_memory_bytes=4 << 20).engine.model
+        assert all(_mapping_of(t.data_ptr()) is None for t in model.embed_tokens.parameters()), (path.name, dtype)
+
+
+def _file_rss(path) -> int:
+    """Bytes of `path`'s pages resident in this process's mappings of it."""
+    rss, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        if "-" in line.split(maxsplit=1)[0] and not line.startswith(("Rss", "Pss")):
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            rss += int(line.split()[1]) * 1024
+    return rss
+
+
+def test_a_load_lets_go_of_the_file_pages_it_has_read(tmp_path, monkeypatch):
+    """safetensors maps the whole file per handle, and the pages its tensors touched stay the
+    process's (its RSS) until the handle closes: the loader opens a new one every REOPEN_BYTES, so
+    a load's RSS holds a span of the file, not all of it (a 1B bfloat16 load peaked 2.3 GiB higher)."""
+    from safetensors.torch import save_file
+
+    from treeserve.model import loader
+
+    path = (tmp_path / "model.safetensors").resolve()
+    save_file({f"t{i:02d}": torch.full((1 << 20,), float(i)) for i in range(16)}, str(path))  # 16 x 4 MiB
+    monkeypatch.setattr(loader, "REOPEN_BYTES", 8 << 20)
+    most = 0
+    for name, tensor in loader.iter_checkpoint_tensors(tmp_path):
+        assert float(tensor.sum()) == int(name[1:]) * (1 << 20)  # every page read
+        most = max(most, _file_rss(path))
+    assert 4 << 20 <= most <= 13 << 20  # this handle's 8 MiB and the tensor that passed it, not 64 MiB

@@ -178,19 +178,25 @@ def int4_linear(library: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, sca
 INT4_PACK16_BLOCK = 64  # channels per block of csrc/int4_linear.c's packed layout
 
 
-def int4_pack16(q: torch.Tensor) -> torch.Tensor:
+def int4_pack16(q: torch.Tensor, blocks_at_once: int = 64) -> torch.Tensor:
     """4-bit values q [N, K] (0..15; K a multiple of 32) in csrc/int4_linear.c's packed layout: uint8
     [ceil(N / 64) * 64 * K / 2], blocks of 64 channels, in each for every four inputs k .. k + 3
-    each channel's bytes q[k] | q[k + 2] << 4 and q[k + 1] | q[k + 3] << 4 (zero channels past N)."""
+    each channel's bytes q[k] | q[k + 2] << 4 and q[k + 1] | q[k + 3] << 4 (zero channels past N).
+    Packed `blocks_at_once` blocks at a time: a load holds the values and the packed bytes, not
+    copies of the values (a 128k-vocabulary head's are 0.26 GB)."""
     n, k = q.shape
     if k % 32:
         raise ValueError(f"int4_pack16: {k} inputs, not a multiple of 32")
     blocks = -(-n // INT4_PACK16_BLOCK)
-    padded = torch.zeros(blocks * INT4_PACK16_BLOCK, k, dtype=torch.uint8)
-    padded[:n] = q
-    quads = padded.reshape(blocks, INT4_PACK16_BLOCK, k // 4, 4)
-    pairs = quads[..., :2] | (quads[..., 2:] << 4)  # [blocks, 64, K / 4, 2]
-    return pairs.permute(0, 2, 1, 3).contiguous().reshape(-1)
+    out = torch.empty(blocks, k // 4, INT4_PACK16_BLOCK, 2, dtype=torch.uint8)
+    for first in range(0, blocks, blocks_at_once):
+        last = min(blocks, first + blocks_at_once)
+        rows = q[first * INT4_PACK16_BLOCK:last * INT4_PACK16_BLOCK]
+        if rows.shape[0] < (last - first) * INT4_PACK16_BLOCK:  # the last block: zero channels past N
+            rows = torch.cat([rows, rows.new_zeros((last - first) * INT4_PACK16_BLOCK - rows.shape[0], k)])
+        quads = rows.reshape(last - first, INT4_PACK16_BLOCK, k // 4, 4)
+        out[first:last] = (quads[..., :2] | (quads[..., 2:] << 4)).permute(0, 2, 1, 3)
+    return out.reshape(-1)
 
 
 def int4_unpack16(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Loads a local Hugging Face checkpoint directory: weights, generation defaults, tokenizer."""
 from __future__ import annotations
 
+import ctypes
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +14,7 @@ from torch import nn
 from treeserve.errors import ParamError
 from treeserve.model.decoder import DecoderForCausalLM
 from treeserve.model.hf_config import ModelConfig, load_model_config, read_json
+from treeserve.model.mapped_embedding import TARGET as EMBEDDING, map_embedding
 from treeserve.model.moe import pack_experts
 from treeserve.model.packed_linear import pack_linears, pack_tied_lm_head
 from treeserve.model.parallel import ShardPlan, TensorParallel
@@ -62,6 +64,12 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     raise FileNotFoundError(f"{model_dir / SINGLE_FILE}: file not found (nor {INDEX_FILE})")
 
 
+# the file's bytes a load reads through one safetensors handle: a handle maps the whole file, and
+# the pages its tensors touched stay in the process's RSS until it closes (a 1B bfloat16 load's
+# peak RSS was the file's 2.3 GiB on top of the weights it holds)
+REOPEN_BYTES = 64 << 20
+
+
 def iter_checkpoint_shards(model_dir: Path, plan: ShardPlan,
                            whole: Callable[[str], bool] = lambda name: False) -> Iterator[tuple[str, torch.Tensor]]:
     """Each checkpoint tensor's part that this rank holds (the whole tensor without parallelism), or
@@ -69,29 +77,39 @@ def iter_checkpoint_shards(model_dir: Path, plan: ShardPlan,
     if not plan.tp.enabled:
         yield from iter_checkpoint_tensors(model_dir)
         return
+
+    def read(handle, name: str) -> torch.Tensor:
+        if whole(name):
+            return handle.get_tensor(name)
+        return shard_tensor(*_target_name(name), handle.get_slice(name), plan)
+
     for path in safetensors_files(model_dir):
-        try:
-            with safe_open(str(path), framework="pt") as handle:
-                for name in handle.keys():
-                    if whole(name):
-                        yield name, handle.get_tensor(name)
-                    else:
-                        yield name, shard_tensor(*_target_name(name), handle.get_slice(name), plan)
-        except SafetensorError as exc:
-            raise ValueError(f"{path}: malformed safetensors file ({exc})") from exc
+        yield from _read_file(path, read)
 
 
 def iter_checkpoint_tensors(model_dir: Path,
                             wanted: Callable[[str], bool] = lambda name: True) -> Iterator[tuple[str, torch.Tensor]]:
     """Each checkpoint tensor (those `wanted` by name) whole."""
     for path in safetensors_files(model_dir):
-        try:
-            with safe_open(str(path), framework="pt") as handle:
-                for name in handle.keys():
-                    if wanted(name):
-                        yield name, handle.get_tensor(name)
-        except SafetensorError as exc:
-            raise ValueError(f"{path}: malformed safetensors file ({exc})") from exc
+        yield from _read_file(path, lambda handle, name: handle.get_tensor(name) if wanted(name) else None)
+
+
+def _read_file(path: Path, read: Callable[[Any, str], torch.Tensor | None]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, `read(handle, name)`) for each tensor of one safetensors file that `read` returns, through
+    a handle opened anew after each REOPEN_BYTES read."""
+    names = _tensor_names(path)
+    try:
+        handle, since_open = None, REOPEN_BYTES
+        for name in names:
+            if since_open >= REOPEN_BYTES:
+                handle, since_open = None, 0  # (the last one's pages go with its last tensor)
+                handle = safe_open(str(path), framework="pt")
+            tensor = read(handle, name)
+            if tensor is not None:
+                since_open += tensor.nbytes
+                yield name, tensor
+    except SafetensorError as exc:
+        raise ValueError(f"{path}: malformed safetensors file ({exc})") from exc
 
 
 def _target_name(name: str) -> tuple[str, int | None]:
@@ -137,12 +155,13 @@ class _WeightCopier:
     """Copies checkpoint tensors into the model's parameters: fused projections once all their parts
     arrived, experts into their stacked parameters; knows what is still missing."""
 
-    def __init__(self, model: DecoderForCausalLM, model_dir: Path):
+    def __init__(self, model: DecoderForCausalLM, model_dir: Path, mapped: frozenset[str] = frozenset()):
         self.model, self.model_dir = model, model_dir
         self.params = dict(model.named_parameters())
         self.pending: dict[str, dict[int, torch.Tensor]] = {}
         self.pieces: dict[str, set] = {}  # stacked expert parameters: the (expert, part) pieces copied so far
-        self.loaded: set[str] = set()
+        self.mapped = mapped  # parameters over the checkpoint file's own pages (model/mapped_embedding.py)
+        self.loaded: set[str] = set(mapped)
 
     def copy(self, name: str, tensor: torch.Tensor) -> None:
         if _IGNORED.search(name) or (name == "lm_head.weight" and self.model.lm_head is None):
@@ -155,6 +174,8 @@ class _WeightCopier:
                 self.loaded.add(target)
             return
         target, slot = _target_name(name)
+        if target in self.mapped:
+            return
         if target not in self.params:
             raise ValueError(f"{self.model_dir}: unexpected tensor {name!r} in checkpoint")
         if slot is None:
@@ -179,19 +200,33 @@ def _fused_parts(target: str) -> int:
     return 3 if "qkv" in target else 2
 
 
+# layers read between two `release_freed_heap` calls: each returns the load's transients so far
+# (decoded 4-bit words, packing buffers), and the next layers fault fresh pages in where they would
+# have reused those. The 1B shape's 4-bit load (16 layers): trimmed only at its end, its peak was
+# 0.17 GiB over what it holds; at every layer 0.01 GiB, 1.0 s slower (7.2 s); every fourth 0.08, 0.2 s
+TRIM_EVERY_LAYERS = 4
+
+
 def load_weights(model: DecoderForCausalLM, model_dir: Path, quantized: QuantizedTensors | None = None,
-                 dtype: torch.dtype = torch.float32, streamed: StreamedInt8 | None = None) -> None:
+                 dtype: torch.dtype = torch.float32, streamed: StreamedInt8 | None = None,
+                 mapped: frozenset[str] = frozenset()) -> None:
     """Copies the checkpoint into the model; with tensor parallelism each float tensor is read only as
     far as this rank's shard of it (safetensors slices), never whole. `quantized`: gathers the quantized
     modules' tensors, installed once read as quantized layers for activations of `dtype`. With tensor
     parallelism every rank reads those whole and keeps its slice of each decoded weight
     (model/sharding.py). Each quantized module is decoded and installed as soon as its tensors are
     read, so a load holds one module's packed tensors (a fused projection's parts, until its last)
-    beside the decoded weights. `streamed`: on-the-fly int8's projections, quantized as they are read."""
-    copier = _WeightCopier(model, model_dir)
+    beside the decoded weights. `streamed`: on-the-fly int8's projections, quantized as they are read.
+    `mapped`: parameters already over the file's pages (their tensors skipped)."""
+    copier = _WeightCopier(model, model_dir, mapped)
     whole = quantized.owns if quantized is not None else (lambda name: False)
     parts: dict[str, dict[int, object]] = {}  # fused projections' decoded parts, until their last
+    layers_read: set[str] = set()
     for name, tensor in iter_checkpoint_shards(model_dir, model.plan, whole):
+        if (match := _LAYER_NAME.match(name)) is not None and match.group(1) not in layers_read:
+            layers_read.add(match.group(1))
+            if len(layers_read) % TRIM_EVERY_LAYERS == 0:
+                release_freed_heap()
         if quantized is not None and quantized.owns(name):
             complete = quantized.add(name, tensor)
             if complete is not None:
@@ -295,6 +330,7 @@ def build_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device
     quantized = _quantized_tensors(model, model_dir, quantization) if load_format != "dummy" else None
     channel_amax = row_parallel_amax(model_dir, model.plan, dtype) if quantization == "int8" and tp.enabled else None
     streamed = StreamedInt8(model, dtype, channel_amax) if quantization == "int8" and load_format != "dummy" else None
+    mapped = load_format != "dummy" and map_embedding(model, _checkpoint_tensor(model_dir, EMBEDDING), dtype, device)
     _materialize(model, device, dtype)
     # RoPE tables stay in float32 (as in transformers); the decoder computed them on the CPU
     for rotary in (model.rotary, model.local_rotary):
@@ -303,13 +339,25 @@ def build_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     else:
-        load_weights(model, model_dir, quantized, dtype, streamed)
+        load_weights(model, model_dir, quantized, dtype, streamed, frozenset({EMBEDDING}) if mapped else frozenset())
     quantize_linears(model, quantization, channel_amax)  # (random weights: what no checkpoint streamed)
     quantize_lm_head(model, quantization)
     pack_linears(model, dtype, device)
     pack_tied_lm_head(model, dtype, device)
     pack_experts(model, dtype, device)
+    release_freed_heap()
     return model.eval()
+
+
+def release_freed_heap() -> None:
+    """Hands the heap pages a load freed back to the system. glibc keeps freed chunks under its mmap
+    threshold (at most 32 MiB: decoded 4-bit words, packing buffers, a fused projection's parts) in
+    its heap, so a 4-bit load of the 1B shape held 0.23 GiB more than its weights; `malloc_trim`
+    releases their whole pages. Elsewhere than glibc: nothing."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def row_parallel_amax(model_dir: Path, plan: ShardPlan, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -340,12 +388,26 @@ def _quantized_tensors(model: nn.Module, model_dir: Path, method: str | None) ->
     return quantized
 
 
-def checkpoint_tensor_names(model_dir: Path) -> list[str]:
-    names = []
+def _checkpoint_tensor(model_dir: Path, target: str) -> tuple[Path, str] | None:
+    """(the file, the checkpoint's name) of the tensor that fills our parameter `target`; None where
+    no file holds one."""
     for path in safetensors_files(model_dir):
+        for name in _tensor_names(path):
+            if _target_name(name) == (target, None):
+                return path, name
+    return None
+
+
+def checkpoint_tensor_names(model_dir: Path) -> list[str]:
+    return [name for path in safetensors_files(model_dir) for name in _tensor_names(path)]
+
+
+def _tensor_names(path: Path) -> list[str]:
+    try:
         with safe_open(str(path), framework="pt") as handle:
-            names.extend(handle.keys())
-    return names
+            return list(handle.keys())
+    except SafetensorError as exc:
+        raise ValueError(f"{path}: malformed safetensors file ({exc})") from exc
 
 
 @torch.no_grad()

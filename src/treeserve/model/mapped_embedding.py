@@ -1,0 +1,69 @@
+"""An untied embedding matrix read in place from the checkpoint file's pages, not copied into the
+process's memory: a step looks up one row a token, so only the pages of the tokens seen become
+resident, and they are file pages the kernel may drop and read again (llama.cpp maps its weights so).
+Llama-3.2-1B's embedding is 0.5 GB, a quarter of a 4-bit model's weights.
+
+Where the LM head is the same matrix (tied word embeddings) every step reads it whole, so it stays
+in memory (packed for the head's kernel, model/packed_linear.py); on a GPU, on tensor parallelism
+(each rank's rows zero-padded to its shard) and where the file's dtype is not the model's, the
+embedding is loaded as any weight. The mapping is private: the file is never written, and a write
+to the tensor would stay in this process. Replacing the file under a running server changes the
+rows it has not read yet, as it would llama.cpp's.
+
+The safetensors header (its format: an 8-byte little-endian length, then JSON naming each tensor's
+dtype, shape and byte range after the header) gives the matrix's bytes."""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from pathlib import Path
+
+import torch
+from torch import nn
+
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+TARGET = "embed_tokens.weight"
+
+
+def read_header(path: Path) -> dict[str, tuple[torch.dtype | None, list[int], int, int]]:
+    """Each tensor of the safetensors file `path`: (dtype, None where not a float one; shape; first
+    byte; end byte in the file)."""
+    with open(path, "rb") as file:
+        (length,) = struct.unpack("<Q", file.read(8))
+        header = json.loads(file.read(length))
+    return {name: (_DTYPES.get(entry["dtype"]), entry["shape"], 8 + length + entry["data_offsets"][0],
+                   8 + length + entry["data_offsets"][1])
+            for name, entry in header.items() if name != "__metadata__"}
+
+
+def map_tensor(path: Path, name: str) -> torch.Tensor:
+    """Tensor `name` of the safetensors file `path` over a private mapping of its bytes."""
+    dtype, shape, begin, end = read_header(path)[name]
+    start = begin - begin % mmap.ALLOCATIONGRANULARITY
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        pages = mmap.mmap(fd, end - start, offset=start, access=mmap.ACCESS_COPY)
+    finally:
+        os.close(fd)
+    count = (end - begin) // dtype.itemsize
+    return torch.frombuffer(pages, dtype=dtype, count=count, offset=begin - start).view(shape)
+
+
+def map_embedding(model: nn.Module, checkpoint: tuple[Path, str] | None, dtype: torch.dtype,
+                  device: torch.device) -> bool:
+    """The model's embedding matrix mapped from `checkpoint` (the file holding it and the tensor's
+    name) where that serves: an untied `nn.Embedding` on the CPU whose file holds it in `dtype` and
+    its shape. Returns whether it mapped (the loader then skips the tensor)."""
+    embedding = getattr(model, "embed_tokens", None)
+    if checkpoint is None or device.type != "cpu" or type(embedding) is not nn.Embedding:
+        return False
+    if getattr(model, "lm_head", None) is None and getattr(model, "head_name", None) is None:
+        return False  # tied: the LM head reads the whole matrix every step
+    path, name = checkpoint
+    file_dtype, shape, _, _ = read_header(path)[name]
+    if file_dtype != dtype or tuple(shape) != tuple(embedding.weight.shape):
+        return False
+    embedding.weight = nn.Parameter(map_tensor(path, name), requires_grad=False)
+    return True
