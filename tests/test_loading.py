@@ -172,17 +172,17 @@ def _file_rss(path) -> int:
 
 def test_a_load_lets_go_of_the_file_pages_it_has_read(tmp_path, monkeypatch):
     """safetensors maps the whole file per handle, and the pages its tensors touched stay the
-    process's (its RSS) until the handle closes: the loader opens a new one every REOPEN_BYTES, so
+    process's (its RSS) until the handle closes: the loader opens a new one every REOPEN_BYTES (model/checkpoint_files.py), so
     a load's RSS holds a span of the file, not all of it (a 1B bfloat16 load peaked 2.3 GiB higher)."""
     from safetensors.torch import save_file
 
-    from treeserve.model import loader
+    from treeserve.model import checkpoint_files
 
     path = (tmp_path / "model.safetensors").resolve()
     save_file({f"t{i:02d}": torch.full((1 << 20,), float(i)) for i in range(16)}, str(path))  # 16 x 4 MiB
-    monkeypatch.setattr(loader, "REOPEN_BYTES", 8 << 20)
+    monkeypatch.setattr(checkpoint_files, "REOPEN_BYTES", 8 << 20)
     most = 0
-    for name, tensor in loader.iter_checkpoint_tensors(tmp_path):
+    for name, tensor in checkpoint_files.iter_checkpoint_tensors(tmp_path):
         assert float(tensor.sum()) == int(name[1:]) * (1 << 20)  # every page read
         most = max(most, _file_rss(path))
     assert 4 << 20 <= most <= 13 << 20  # this handle's 8 MiB and the tensor that passed it, not 64 MiB

@@ -8,11 +8,12 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
-from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from treeserve.errors import ParamError
 from treeserve.model.decoder import DecoderForCausalLM
+from treeserve.model.checkpoint_files import (checkpoint_tensor_names, iter_checkpoint_tensors, read_tensors,
+                                             safetensors_files, tensor_names)
 from treeserve.model.hf_config import ModelConfig, load_model_config, read_json
 from treeserve.model.mapped_embedding import TARGET as EMBEDDING, map_embedding
 from treeserve.model.moe import pack_experts
@@ -24,8 +25,6 @@ from treeserve.model.quantization.int8_stream import StreamedInt8
 from treeserve.model.quantization.weights import concat_rows
 from treeserve.model.sharding import row_parallel, shard_quantized, shard_tensor
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 _FUSED = {  # checkpoint projection -> (our fused module, slot index)
     "self_attn.q_proj": ("self_attn.qkv_proj", 0),
     "self_attn.k_proj": ("self_attn.qkv_proj", 1),
@@ -48,28 +47,6 @@ class GenerationDefaults:
     sampling: dict[str, Any] = field(default_factory=dict)
 
 
-def safetensors_files(model_dir: Path) -> list[Path]:
-    if (model_dir / SINGLE_FILE).is_file():
-        return [model_dir / SINGLE_FILE]
-    index_path = model_dir / INDEX_FILE
-    if index_path.is_file():
-        weight_map = read_json(index_path).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ValueError(f"{index_path}: missing or empty 'weight_map'")
-        files = [model_dir / name for name in sorted(set(weight_map.values()))]
-        for path in files:
-            if not path.is_file():
-                raise FileNotFoundError(f"{path}: shard listed in {INDEX_FILE} not found")
-        return files
-    raise FileNotFoundError(f"{model_dir / SINGLE_FILE}: file not found (nor {INDEX_FILE})")
-
-
-# the file's bytes a load reads through one safetensors handle: a handle maps the whole file, and
-# the pages its tensors touched stay in the process's RSS until it closes (a 1B bfloat16 load's
-# peak RSS was the file's 2.3 GiB on top of the weights it holds)
-REOPEN_BYTES = 64 << 20
-
-
 def iter_checkpoint_shards(model_dir: Path, plan: ShardPlan,
                            whole: Callable[[str], bool] = lambda name: False) -> Iterator[tuple[str, torch.Tensor]]:
     """Each checkpoint tensor's part that this rank holds (the whole tensor without parallelism), or
@@ -84,32 +61,7 @@ def iter_checkpoint_shards(model_dir: Path, plan: ShardPlan,
         return shard_tensor(*_target_name(name), handle.get_slice(name), plan)
 
     for path in safetensors_files(model_dir):
-        yield from _read_file(path, read)
-
-
-def iter_checkpoint_tensors(model_dir: Path,
-                            wanted: Callable[[str], bool] = lambda name: True) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each checkpoint tensor (those `wanted` by name) whole."""
-    for path in safetensors_files(model_dir):
-        yield from _read_file(path, lambda handle, name: handle.get_tensor(name) if wanted(name) else None)
-
-
-def _read_file(path: Path, read: Callable[[Any, str], torch.Tensor | None]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, `read(handle, name)`) for each tensor of one safetensors file that `read` returns, through
-    a handle opened anew after each REOPEN_BYTES read."""
-    names = _tensor_names(path)
-    try:
-        handle, since_open = None, REOPEN_BYTES
-        for name in names:
-            if since_open >= REOPEN_BYTES:
-                handle, since_open = None, 0  # (the last one's pages go with its last tensor)
-                handle = safe_open(str(path), framework="pt")
-            tensor = read(handle, name)
-            if tensor is not None:
-                since_open += tensor.nbytes
-                yield name, tensor
-    except SafetensorError as exc:
-        raise ValueError(f"{path}: malformed safetensors file ({exc})") from exc
+        yield from read_tensors(path, read)
 
 
 def _target_name(name: str) -> tuple[str, int | None]:
@@ -392,22 +344,10 @@ def _checkpoint_tensor(model_dir: Path, target: str) -> tuple[Path, str] | None:
     """(the file, the checkpoint's name) of the tensor that fills our parameter `target`; None where
     no file holds one."""
     for path in safetensors_files(model_dir):
-        for name in _tensor_names(path):
+        for name in tensor_names(path):
             if _target_name(name) == (target, None):
                 return path, name
     return None
-
-
-def checkpoint_tensor_names(model_dir: Path) -> list[str]:
-    return [name for path in safetensors_files(model_dir) for name in _tensor_names(path)]
-
-
-def _tensor_names(path: Path) -> list[str]:
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            return list(handle.keys())
-    except SafetensorError as exc:
-        raise ValueError(f"{path}: malformed safetensors file ({exc})") from exc
 
 
 @torch.no_grad()

@@ -10,32 +10,19 @@ embedding is loaded as any weight. The mapping is private: the file is never wri
 to the tensor would stay in this process. Replacing the file under a running server changes the
 rows it has not read yet, as it would llama.cpp's.
 
-The safetensors header (its format: an 8-byte little-endian length, then JSON naming each tensor's
-dtype, shape and byte range after the header) gives the matrix's bytes."""
+The safetensors header gives the matrix's bytes (`checkpoint_files.read_header`)."""
 from __future__ import annotations
 
-import json
 import mmap
 import os
-import struct
 from pathlib import Path
 
 import torch
 from torch import nn
 
-_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+from treeserve.model.checkpoint_files import read_header
+
 TARGET = "embed_tokens.weight"
-
-
-def read_header(path: Path) -> dict[str, tuple[torch.dtype | None, list[int], int, int]]:
-    """Each tensor of the safetensors file `path`: (dtype, None where not a float one; shape; first
-    byte; end byte in the file)."""
-    with open(path, "rb") as file:
-        (length,) = struct.unpack("<Q", file.read(8))
-        header = json.loads(file.read(length))
-    return {name: (_DTYPES.get(entry["dtype"]), entry["shape"], 8 + length + entry["data_offsets"][0],
-                   8 + length + entry["data_offsets"][1])
-            for name, entry in header.items() if name != "__metadata__"}
 
 
 def map_tensor(path: Path, name: str) -> torch.Tensor:
