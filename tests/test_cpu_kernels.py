@@ -168,11 +168,12 @@ def test_kernel_shapes_beyond_its_limits_are_refused():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_with_and_without_residual(dtype):
+@pytest.mark.parametrize("size", [96, 1000])  # 1000: a partial vector of 16 lanes at the end
+def test_rms_norm_with_and_without_residual(dtype, size):
     gen = torch.Generator().manual_seed(2)
-    norm = RMSNorm(96, 1e-5).to(dtype)
-    norm.weight.data = torch.randn(96, generator=gen).to(dtype)
-    x, residual = torch.randn(2, 5, 96, generator=gen).to(dtype), torch.randn(2, 5, 96, generator=gen).to(dtype)
+    norm = RMSNorm(size, 1e-5).to(dtype)
+    norm.weight.data = torch.randn(size, generator=gen).to(dtype)
+    x, residual = torch.randn(2, 5, size, generator=gen).to(dtype), torch.randn(2, 5, size, generator=gen).to(dtype)
     exact = dtype == torch.bfloat16  # each rounding as PyTorch's ops; float32 sums in another order
     tol = {"atol": 0, "rtol": 0} if exact else {"atol": 1e-6, "rtol": 1e-5}
     with torch.no_grad():  # the kernel serves inference; with gradients wanted PyTorch's ops run
@@ -183,7 +184,8 @@ def test_rms_norm_with_and_without_residual(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_mul_and_rotary_match_pytorch(dtype):
+@pytest.mark.parametrize("head_dim", [16, 80])  # halves of 8 and 40: partial vectors of 16 lanes
+def test_silu_mul_and_rotary_match_pytorch(dtype, head_dim):
     gen = torch.Generator().manual_seed(3)
     gate_up = (4 * torch.randn(7, 2 * 40, generator=gen)).to(dtype)  # gates far into both tails
     expected = F.silu(gate_up[:, :40]) * gate_up[:, 40:]
@@ -191,9 +193,9 @@ def test_silu_mul_and_rotary_match_pytorch(dtype):
     torch.testing.assert_close(cpu_kernels.silu_mul(LIBRARY, gate_up), expected, **tol)
 
     positions = torch.tensor([0, 3, 17, 5, 90])
-    cos, sin = torch.randn(100, 16, generator=gen), torch.randn(100, 16, generator=gen)
-    qkv = torch.randn(5, 4 * 16 + 2 * 16 + 2 * 16, generator=gen).to(dtype)
-    q, k, _ = (t.view(5, -1, 16) for t in qkv.split((64, 32, 32), dim=-1))
+    cos, sin = torch.randn(100, head_dim, generator=gen), torch.randn(100, head_dim, generator=gen)
+    qkv = torch.randn(5, 8 * head_dim, generator=gen).to(dtype)
+    q, k, _ = (t.view(5, -1, head_dim) for t in qkv.split((4 * head_dim, 2 * head_dim, 2 * head_dim), dim=-1))
     c, s = cos[positions].to(dtype)[:, None], sin[positions].to(dtype)[:, None]
     want_q, want_k = q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
     cpu_kernels.rotary_(LIBRARY, q, k, positions, cos, sin)  # adjacent in qkv: one pass

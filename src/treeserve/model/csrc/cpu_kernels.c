@@ -581,6 +581,97 @@ static void rotary_head_##SUFFIX(T *head, const float *cos_row, const float *sin
 DEFINE_ROW_KERNELS(f32, float, f32_load, f32_store, f32_round)
 DEFINE_ROW_KERNELS(bf16, uint16_t, bf16_load, bf16_store, bf16_round)
 
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+/* RMSNorm's and rotary's bfloat16 rows on 16 lanes at a time, with the scalar rows' roundings (whose
+ * loops GCC left scalar: a 1k-token prefill of a 1024-wide model spent 0.21 ms in each fused norm
+ * and 0.40 a layer in rotary; now 0.12 and 0.14, a Zen 5 EPYC). silu * up stays the scalar rows': a
+ * 16-lane version (its exp and division per vector) ran 0.84 ms against their 0.65. */
+#define TS_BF16_ROWS16 1
+
+static inline __mmask16 lanes_below(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u); }
+
+static inline __m512 bf16x16_load(const uint16_t *p, __mmask16 m)
+{
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+/* float_to_bf16 on 16 lanes (round to nearest even, NaN kept a quiet NaN) */
+static inline __m256i bf16x16_pack(__m512 x)
+{
+#if defined(__AVX512BF16__)
+    return (__m256i)_mm512_cvtneps_pbh(x);
+#else
+    __m512i bits = _mm512_castps_si512(x);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    return _mm512_cvtepi32_epi16(_mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40)));
+#endif
+}
+
+static inline __m512 bf16x16_round(__m512 x)
+{
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16x16_pack(x)), 16));
+}
+
+static inline void bf16x16_store(uint16_t *p, __m512 x, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, bf16x16_pack(x)); }
+
+/* rms_norm_row_bf16 on 16 lanes: the same roundings; the squares summed per lane, then across */
+static void rms_norm_row_bf16x16(const uint16_t *src, uint16_t *res, const uint16_t *weight, uint16_t *dst,
+                                 int64_t size, float eps)
+{
+    __m512 squares = _mm512_setzero_ps();
+    for (int64_t i = 0; i < size; i += 16) {
+        __mmask16 m = lanes_below(size - i);
+        __m512 v = bf16x16_load(src + i, m);
+        if (res != NULL) {
+            v = bf16x16_round(_mm512_add_ps(v, bf16x16_load(res + i, m)));
+            bf16x16_store(res + i, v, m);
+        }
+        squares = _mm512_fmadd_ps(v, v, squares);
+    }
+    src = res != NULL ? res : src;
+    __m512 inv = _mm512_set1_ps(1.0f / __builtin_sqrtf(_mm512_reduce_add_ps(squares) / (float)size + eps));
+    for (int64_t i = 0; i < size; i += 16) {
+        __mmask16 m = lanes_below(size - i);
+        __m512 normed = bf16x16_round(_mm512_mul_ps(bf16x16_load(src + i, m), inv));
+        bf16x16_store(dst + i, _mm512_mul_ps(bf16x16_load(weight + i, m), normed), m);
+    }
+}
+
+#define RMS_NORM_ROW_BF16 rms_norm_row_bf16x16
+#define ROTARY_MAX_HALF 256
+
+/* One row's heads (contiguous): the row's cos and sin rounded once, then each head rotated. */
+static void rotary_row_bf16x16(uint16_t *row, int heads, int half, const float *cos_row, const float *sin_row)
+{
+    __m512 c0[ROTARY_MAX_HALF / 16], c1[ROTARY_MAX_HALF / 16], s0[ROTARY_MAX_HALF / 16], s1[ROTARY_MAX_HALF / 16];
+    int vectors = (half + 15) / 16;
+    for (int v = 0; v < vectors; v++) {
+        __mmask16 m = lanes_below(half - 16 * v);
+        c0[v] = bf16x16_round(_mm512_maskz_loadu_ps(m, cos_row + 16 * v));
+        c1[v] = bf16x16_round(_mm512_maskz_loadu_ps(m, cos_row + half + 16 * v));
+        s0[v] = bf16x16_round(_mm512_maskz_loadu_ps(m, sin_row + 16 * v));
+        s1[v] = bf16x16_round(_mm512_maskz_loadu_ps(m, sin_row + half + 16 * v));
+    }
+    for (int h = 0; h < heads; h++) {
+        uint16_t *head = row + (int64_t)h * 2 * half;
+        for (int v = 0; v < vectors; v++) {
+            __mmask16 m = lanes_below(half - 16 * v);
+            __m512 a = bf16x16_load(head + 16 * v, m), b = bf16x16_load(head + half + 16 * v, m);
+            __m512 ra = _mm512_add_ps(bf16x16_round(_mm512_mul_ps(a, c0[v])),
+                                      bf16x16_round(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), b), s0[v])));
+            __m512 rb = _mm512_add_ps(bf16x16_round(_mm512_mul_ps(b, c1[v])), bf16x16_round(_mm512_mul_ps(a, s1[v])));
+            bf16x16_store(head + 16 * v, ra, m);
+            bf16x16_store(head + half + 16 * v, rb, m);
+        }
+    }
+}
+#endif
+
+#if !defined(RMS_NORM_ROW_BF16)
+#define RMS_NORM_ROW_BF16 rms_norm_row_bf16
+#endif
 #define ELEMENTWISE_PARALLEL_FROM 32768  /* elements: below, one thread (no fork/join) */
 
 /* RMSNorm of each row of x ([rows, size], rows `x_stride` elements apart) into out (contiguous):
@@ -593,7 +684,7 @@ void ts_rms_norm(const void *x, int64_t x_stride, void *residual, const void *we
 #pragma omp parallel for schedule(static) if (rows * size > ELEMENTWISE_PARALLEL_FROM)
     for (int64_t row = 0; row < rows; row++) {
         if (dtype == TS_BFLOAT16)
-            rms_norm_row_bf16((const uint16_t *)x + row * x_stride,
+            RMS_NORM_ROW_BF16((const uint16_t *)x + row * x_stride,
                               residual == NULL ? NULL : (uint16_t *)residual + row * size,
                               (const uint16_t *)weight, (uint16_t *)out + row * size, size, eps);
         else
@@ -629,6 +720,12 @@ void ts_rotary(void *x, int64_t x_stride, const int64_t *positions, const float 
     for (int64_t row = 0; row < rows; row++) {
         const float *cos_row = cos_table + positions[row] * head_dim;
         const float *sin_row = sin_table + positions[row] * head_dim;
+#if defined(TS_BF16_ROWS16)
+        if (dtype == TS_BFLOAT16 && head_dim / 2 <= ROTARY_MAX_HALF) {
+            rotary_row_bf16x16((uint16_t *)x + row * x_stride, heads, head_dim / 2, cos_row, sin_row);
+            continue;
+        }
+#endif
         for (int h = 0; h < heads; h++) {
             int64_t offset = row * x_stride + (int64_t)h * head_dim;
             if (dtype == TS_BFLOAT16)
