@@ -258,3 +258,20 @@ def test_build_failure_falls_back_with_the_reason(monkeypatch, caplog, tmp_path)
         monkeypatch.delenv("CC")
         cpu_kernels.load.cache_clear()
     assert cpu_kernels.load() is not None
+
+
+@pytest.mark.parametrize("march", ["x86-64-v3", "icelake-server"])
+def test_the_kernels_build_for_other_x86_cpus(march, tmp_path):
+    """`-march=native` builds only what this CPU has: each path must compile where its guard lets it
+    in. AVX2 without AVX-512, and Ice Lake's AVX512-VNNI without AVX512-BF16 (the W8A8 kernel had
+    used a bf16 instruction there, so no kernel at all was built on such a server)."""
+    import shutil
+    import subprocess
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("hardware: no C compiler")
+    flags = [f for f in cpu_kernels.FLAGS if not f.startswith(("-march", "-O"))] + [f"-march={march}", "-O1"]
+    done = subprocess.run([compiler, *flags, *map(str, cpu_kernels.SOURCES), *cpu_kernels.LIBS,
+                           "-o", str(tmp_path / "kernels.so")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -66,6 +66,37 @@ static inline __m512 exp16(__m512 x)
     return _mm512_scalef_ps(p, n);
 }
 
+/* The first n of 16 lanes. */
+static inline __mmask16 lanes_below(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u); }
+
+/* float_to_bf16 on 16 lanes (round to nearest even, NaN kept a quiet NaN) */
+static inline __m256i bf16x16_pack(__m512 x)
+{
+#if defined(__AVX512BF16__)
+    return (__m256i)_mm512_cvtneps_pbh(x);
+#else
+    __m512i bits = _mm512_castps_si512(x);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    return _mm512_cvtepi32_epi16(_mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40)));
+#endif
+}
+
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+static inline __m512 bf16x16_load(const uint16_t *p, __mmask16 m)
+{
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+static inline __m512 bf16x16_round(__m512 x)
+{
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16x16_pack(x)), 16));
+}
+
+static inline void bf16x16_store(uint16_t *p, __m512 x, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, bf16x16_pack(x)); }
+#endif
+
 /* Lane t of the result = the sum of v[t]'s 16 lanes (a transposing reduction tree). */
 static inline __m512 sum16(const __m512 v[16])
 {

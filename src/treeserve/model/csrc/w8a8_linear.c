@@ -127,7 +127,7 @@ static inline void w8a8_finish(const struct w8a8_call *c, int32_t *partial, int6
     v = _mm512_mul_ps(v, _mm512_set1_ps(c->row_scales[m]));
     int64_t at = m * c->n_out + n;
     if (c->dtype == TS_BFLOAT16)
-        _mm256_mask_storeu_epi16((uint16_t *)c->out + at, mask, (__m256i)_mm512_cvtneps_pbh(v));
+        _mm256_mask_storeu_epi16((uint16_t *)c->out + at, mask, bf16x16_pack(v));  /* (no AVX512-BF16 needed) */
     else
         _mm512_mask_storeu_ps((float *)c->out + at, mask, v);
 }
