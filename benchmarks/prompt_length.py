@@ -9,7 +9,7 @@ treeserve is the faster). Prints time to first token, total time and treeserve's
 `summary.json` and `prompt_length.png`. vLLM's virtualenv comes from `benchmarks/peers.py --setup`.
 
     python benchmarks/prompt_length.py [--lengths 1024,4096,8192,16384,32768] [--outputs 1,128]
-        [--passes 3] [--engines treeserve,vllm] [--out bench_out/prompt_length] [--resume]
+        [--passes 3] [--engines treeserve,vllm] [--out bench_out/prompt_length] [--resume] [--warm-up-whole]
     python benchmarks/prompt_length.py --merge RUN1/summary.json RUN2/summary.json --out DIR
 
 The same sweep over HTTP: `treeserve bench sweep benchmarks/sweep_long_prompts.yaml`.
@@ -159,6 +159,8 @@ def main() -> int:
     parser.add_argument("--engines", default="treeserve,vllm")
     parser.add_argument("--dtype", default="auto", help="auto: bfloat16 where the CPU has fast bf16, else float32")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warm-up-whole", action="store_true", help="each engine's untimed warm-up request is the "
+                        "first job's prompt whole, not 16 tokens of it: the timed runs are steady ones")
     parser.add_argument("--out", type=Path, default=Path("bench_out/prompt_length"))
     parser.add_argument("--resume", action="store_true",
                         help="keep the passes an earlier run of the same sweep saved in OUT/passes.json; run the rest")
@@ -188,7 +190,7 @@ def main() -> int:
           f"{LONG_PROMPT_SHAPE['hidden_size']}), dtype {dtype}, {torch.get_num_threads()} threads, CPU flags: "
           f"{' '.join(flags)}; prompts {lengths} x outputs {outputs}, {args.passes} passes", flush=True)
     jobs = jobs_for(lengths, outputs, args.seed, LONG_PROMPT_SHAPE["vocab_size"], args.concurrency)
-    options = worker_options(lengths, outputs)
+    options = worker_options(lengths, outputs) + (["--warm-up-whole"] if args.warm_up_whole else [])
     passes = run_passes(args, engines, pythons, model, jobs, dtype, options)
     rows = summarize(passes, jobs, engines)
     print_table(rows, engines)
