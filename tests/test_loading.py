@@ -143,8 +143,8 @@ def _mapping_of(address: int) -> str | None:
 
 def test_an_untied_embedding_is_read_in_place_from_the_checkpoint_file(tiny_model_dirs):
     """Its rows are looked up, never read whole: the file's own pages, not a copy in the process's
-    memory (model/mapped_embedding.py). A tied one (the LM head reads it whole each step) and one in
-    another dtype than the file's are copied in."""
+    memory (model/mapped_embedding.py). A tied one (the LM head reads it whole each step), one in
+    another dtype than the file's and any with `load_format="safetensors"` are copied in."""
     from safetensors.torch import load_file
 
     untied, tied = tiny_model_dirs["llama"], tiny_model_dirs["llama3"]
@@ -154,8 +154,10 @@ def test_an_untied_embedding_is_read_in_place_from_the_checkpoint_file(tiny_mode
     assert torch.equal(weight, load_file(str(untied / "model.safetensors"))["model.embed_tokens.weight"])
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     assert len(llm.generate("Hello", params, use_tqdm=False)[0].outputs[0].token_ids) == 8
-    for path, dtype in ((tied, "float32"), (untied, "bfloat16")):
-        model = LLM(str(path), dtype=dtype, kv_cache_memory_bytes=4 << 20).engine.model
+    # (and `load_format="safetensors"`, vLLM's name for weights read into memory, copies it too)
+    for path, dtype, load_format in ((tied, "float32", "auto"), (untied, "bfloat16", "auto"),
+                                     (untied, "float32", "safetensors")):
+        model = LLM(str(path), dtype=dtype, kv_cache_memory_bytes=4 << 20, load_format=load_format).engine.model
         assert all(_mapping_of(t.data_ptr()) is None for t in model.embed_tokens.parameters()), (path.name, dtype)
 
 

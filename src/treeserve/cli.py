@@ -40,6 +40,10 @@ def _add_engine_args(parser: argparse.ArgumentParser, several_models: bool = Fal
                         'with the same tokenizer, eagle and eagle3 with "model": an EAGLE head for this model; '
                         '"disable_by_batch_size": N turns it off '
                         'while N requests run)')
+    parser.add_argument("--load-format", choices=["auto", "safetensors", "dummy"], default="auto",
+                        help="auto: on CPU an untied embedding is read in place from the checkpoint file, its rows "
+                        "as tokens need them (rewriting that file under a running server can crash it, as with "
+                        "llama.cpp's mmap); safetensors: every weight copied into memory; dummy: random weights")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--attention-backend", choices=["auto", "triton", "torch"], default="auto",
@@ -62,7 +66,8 @@ def _engine_options(args) -> dict:
                 kv_cache_memory_bytes=args.kv_cache_memory_bytes, block_size=args.block_size,
                 enable_prefix_caching=not args.no_prefix_caching, attention_backend=args.attention_backend,
                 enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
-                quantization=args.quantization, speculative_config=args.speculative_config, **parallel_options(args))
+                quantization=args.quantization, speculative_config=args.speculative_config,
+                load_format=args.load_format, **parallel_options(args))
 
 
 def parallel_options(args) -> dict:

@@ -15,6 +15,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
           "float": torch.float32}
 CPU_DEFAULT_KV_BYTES = 1 << 30
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")  # vLLM's names
 
 
 @dataclass
@@ -34,7 +35,10 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"  # "auto" (Triton on CUDA, torch on CPU), "triton" or "torch"
     enforce_eager: bool = False      # CUDA: no CUDA graphs for decode steps
-    load_format: str = "auto"        # "dummy": random weights made on the device (benchmarks), no checkpoint
+    # "auto": the checkpoint's weights, an untied embedding read in place from its file on CPU
+    # (model/mapped_embedding.py); "safetensors": every weight copied into memory (a file rewritten
+    # under a running server cannot reach it); "dummy": random weights made on the device (benchmarks)
+    load_format: str = "auto"
     # Quantized weights (vLLM's `quantization`): None, what the checkpoint says ("gptq", "awq",
     # "compressed-tensors"); "int8": weight-only int8 made at load (model/quantization/)
     quantization: str | None = None
@@ -83,8 +87,8 @@ class EngineConfig:
         self.speculative_config = SpeculativeConfig.of(self.speculative_config)
         if self.quantization is not None and not isinstance(self.quantization, str):
             raise ParamError("quantization", f"must be a method's name or null, got {self.quantization!r}")
-        if self.load_format not in ("auto", "dummy"):
-            raise ParamError("load_format", f"must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ParamError("load_format", f"must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         if str(self.device) not in ("auto", "cpu") and not str(self.device).startswith("cuda"):
             raise ParamError("device", f"must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
 

@@ -275,14 +275,16 @@ def build_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device
                 max_positions: int, load_format: str = "auto", seed: int = 0,
                 tp: TensorParallel = TensorParallel(), quantization: str | None = None) -> DecoderForCausalLM:
     """`load_format="dummy"`: random weights made on the device, no checkpoint read (vLLM's name;
-    for benchmarks of large shapes: the directory needs only config.json and a tokenizer).
+    for benchmarks of large shapes: the directory needs only config.json and a tokenizer);
+    "safetensors": every weight copied into memory, an untied embedding too (with "auto" it is read
+    in place from the file on CPU).
     `quantization`: the scheme the weights are quantized with once loaded (model/quantization/)."""
     with torch.device("meta"):
         model = DecoderForCausalLM(config, max_positions, tp)
     quantized = _quantized_tensors(model, model_dir, quantization) if load_format != "dummy" else None
     channel_amax = row_parallel_amax(model_dir, model.plan, dtype) if quantization == "int8" and tp.enabled else None
     streamed = StreamedInt8(model, dtype, channel_amax) if quantization == "int8" and load_format != "dummy" else None
-    mapped = load_format != "dummy" and map_embedding(model, _checkpoint_tensor(model_dir, EMBEDDING), dtype, device)
+    mapped = load_format == "auto" and map_embedding(model, _checkpoint_tensor(model_dir, EMBEDDING), dtype, device)
     _materialize(model, device, dtype)
     # RoPE tables stay in float32 (as in transformers); the decoder computed them on the CPU
     for rotary in (model.rotary, model.local_rotary):

@@ -77,7 +77,7 @@ def app_from_args(args):
                     enable_prefix_caching=not args.no_prefix_caching, attention_backend=args.attention_backend,
                     enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
                     quantization=args.quantization, speculative_config=args.speculative_config,
-                    tensor_parallel_size=args.tensor_parallel_size,
+                    load_format=args.load_format, tensor_parallel_size=args.tensor_parallel_size,
                     distributed_executor_backend=args.distributed_executor_backend,
                     threads_per_rank=args.threads_per_rank, engine_thread=False,
                     chat_template=chat_template, tool_settings=tool_settings, drain=Drain(args.shutdown_timeout))
