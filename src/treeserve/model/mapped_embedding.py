@@ -6,9 +6,10 @@ Llama-3.2-1B's embedding is 0.5 GB, a quarter of a 4-bit model's weights.
 Where the LM head is the same matrix (tied word embeddings) every step reads it whole, so it stays
 in memory (packed for the head's kernel, model/packed_linear.py); on a GPU, on tensor parallelism
 (each rank's rows zero-padded to its shard) and where the file's dtype is not the model's, the
-embedding is loaded as any weight. The mapping is private: the file is never written, and a write
-to the tensor would stay in this process. Replacing the file under a running server changes the
-rows it has not read yet, as it would llama.cpp's.
+embedding is loaded as any weight, and with `load_format="safetensors"` too. The mapping is private:
+the file is never written, and a write to the tensor would stay in this process. Rewriting the file
+in place under a running server changes the rows it has not read yet, and truncating it makes the
+next lookup of such a row fault (SIGBUS), as with llama.cpp's mmap; deleting or renaming it is safe.
 
 The safetensors header gives the matrix's bytes (`checkpoint_files.read_header`)."""
 from __future__ import annotations
