@@ -1,8 +1,8 @@
 """An untied embedding matrix read in place from the checkpoint file's pages, not copied into the
 process's memory: a step looks up one row a token, so only the pages of the tokens seen become
 resident, and they are file pages the kernel may drop and read again (llama.cpp maps its weights so).
-A 128k x 2048 embedding is 0.5 GB: in a 1B-shaped model with 4-bit layers and head, nearly as much as
-all the rest (0.65 GB).
+A 128k x 2048 bfloat16 embedding is 0.49 GiB: in a 1B-shaped model with 4-bit layers and head, nearly
+as much as all the rest (0.65 GiB).
 
 Where the LM head is the same matrix (tied word embeddings) every step reads it whole, so it stays
 in memory (packed for the head's kernel, model/packed_linear.py); on a GPU, on tensor parallelism
