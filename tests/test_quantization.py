@@ -259,7 +259,7 @@ def test_quantizing_leaves_the_float_weight_as_it_was(monkeypatch):
     embedding tied to the head keeps reading its own rows), in slices smaller than the weight."""
     from treeserve.model.quantization import int8
 
-    monkeypatch.setattr(int8, "SLICE_WEIGHTS", 64 * 64)  # 64 channels a slice
+    monkeypatch.setattr(int8, "QUANTIZE_SLICE_WEIGHTS", 64 * 64)  # 64 channels a slice
     weight = torch.randn(300, 64)
     kept = weight.clone()
     quantized, scales = int8.quantize_channels(weight)

@@ -49,8 +49,12 @@ QUANTIZED_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 # 4.2 ms at 32 rows against 5.0 dequantized, 8.9 against 7.4 at 64
 DEQUANTIZE_FROM_ROWS = 48
 # A layer larger than this many weights (an LM head: Llama-3.2-1B's is 263 M) runs its dequantized GEMM in
-# slices of channels this size, and is quantized in slices too: no float copy of it whole
+# slices of channels this size: no float copy of it whole
 SLICE_WEIGHTS = 32 << 20
+# Weights quantized at a time (`quantize_channels`): its float32 temporaries (4 MiB each) stay in cache
+# and in the heap. At 32 M (128 MiB temporaries, each mapped and faulted in anew) the 1B shape's int8 load
+# took 7.8-7.9 s and peaked 0.4 GiB over what it holds; at 1 M 2.9-3.0 s and 0.02 GiB over
+QUANTIZE_SLICE_WEIGHTS = 1 << 20
 # PyTorch's int8 kernel crashed (segfault, torch 2.13 on CPU) on 40 input features; it runs only on
 # widths that are a multiple of this (every real model's), other layers take the dequantized GEMM
 ATEN_INT8_MULTIPLE = 64
@@ -149,11 +153,11 @@ class Int8Linear(nn.Module):
 def quantize_channels(weight: torch.Tensor, channel_amax: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 [out, in] and float32 scales [out] of a float matrix, each channel scaled by its largest
-    absolute weight (or `channel_amax`'s) to [-127, 127]; SLICE_WEIGHTS at a time."""
+    absolute weight (or `channel_amax`'s) to [-127, 127]; QUANTIZE_SLICE_WEIGHTS at a time."""
     out_features, in_features = weight.shape
     quantized = torch.empty(out_features, in_features, dtype=torch.int8, device=weight.device)
     scales = torch.empty(out_features, dtype=torch.float32, device=weight.device)
-    step = max(1, SLICE_WEIGHTS // max(1, in_features))
+    step = max(1, QUANTIZE_SLICE_WEIGHTS // max(1, in_features))
     for start in range(0, out_features, step):
         part = weight[start:start + step].float()
         amax = part.abs().amax(dim=1) if channel_amax is None else channel_amax[start:start + step].float()
