@@ -304,6 +304,18 @@ def test_packing_follows_the_formats_specifications():
     assert unpack_int32(pack_columns(wide, 8), 8)[0, 3] == 200
 
 
+def test_unpacking_in_chunks_reads_the_same_values(monkeypatch):
+    """A load unpacks a few rows of words at a time (UNPACK_CHUNK_WORDS); the values are those of
+    one pass over them all, a last partial chunk included."""
+    from treeserve.model.quantization import formats
+
+    values = torch.randint(0, 16, (37, 64), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    words = pack_columns(values, 4)
+    whole = unpack_int32(words, 4)
+    monkeypatch.setattr(formats, "UNPACK_CHUNK_WORDS", 8 * 5)  # 5 rows of 8 words: 8 chunks, the last 2 rows
+    assert torch.equal(unpack_int32(words, 4), whole) and torch.equal(whole.to(torch.int32), values)
+
+
 @pytest.mark.parametrize("config,named", [
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes'"),
     ({"quant_method": "exl2", "bits": 4}, "'exl2', 4 bits"),

@@ -178,7 +178,7 @@ def int4_linear(library: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, sca
 INT4_PACK16_BLOCK = 64  # channels per block of csrc/int4_linear.c's packed layout
 
 
-def int4_pack16(q: torch.Tensor, blocks_at_once: int = 64) -> torch.Tensor:
+def int4_pack16(q: torch.Tensor, blocks_at_once: int = 16) -> torch.Tensor:
     """4-bit values q [N, K] (0..15; K a multiple of 32) in csrc/int4_linear.c's packed layout: uint8
     [ceil(N / 64) * 64 * K / 2], blocks of 64 channels, in each for every four inputs k .. k + 3
     each channel's bytes q[k] | q[k + 2] << 4 and q[k + 1] | q[k + 3] << 4 (zero channels past N).

@@ -28,8 +28,10 @@ from treeserve.errors import ParamError
 from treeserve.model.quantization.weights import FloatWeight, IntWeight
 
 
-# int32 words unpacked at a time: the int32 values of a whole LM head (263 M) would be 1 GB at once
-UNPACK_CHUNK_WORDS = 1 << 20
+# int32 words unpacked at a time: the int32 values of a whole LM head (263 M) would be 1 GB at once, and
+# small temporaries (4 MiB of int32 values here) stay in cache and in the heap: at 1 M words (32 MiB,
+# mapped and faulted in anew each time) the 1B shape's GPTQ load took 7.6 s, at 64-128 K 3.3-3.5 s
+UNPACK_CHUNK_WORDS = 1 << 17
 
 
 def unpack_int32(packed: torch.Tensor, bits: int, order: list[int] | None = None) -> torch.Tensor:
