@@ -6,8 +6,8 @@ weights and per-token int8 activations), on a Llama-3.2-1B-shaped model with ran
 checkpoint written once into the model cache, a bfloat16 one for the first two arms), each arm in a
 fresh process, alternating, `--pairs` times; peak RSS of each. Prints medians and each arm / stored
 ratio. `--memory`: each arm's load alone (a 64 MiB KV arena), the RSS and the anonymous memory it
-added at its peak and once loaded, and its weights' bytes in memory (a mapped embedding's file pages
-aside).
+added at its peak and once loaded, its weights' bytes in memory (a mapped embedding's file pages
+aside) and the load's time.
 
 Decode tokens/s: (the job's time - the same prompts' prefill alone) over the tokens after the first.
 
@@ -237,13 +237,15 @@ def memory_probe(arm: str, dtype: str) -> dict:
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
+    start = time.perf_counter()
     llm = _load(arm, dtype, 64 << 20)
+    load_s = time.perf_counter() - start
     done.set()
     sampler.join()
     anon = _status_bytes("RssAnon")
     return {"arm": arm, "load_peak": _peak_rss() - before, "held": _status_bytes("VmRSS") - before,
             "anon_peak": max(peak_anon[0], anon) - anon_before, "anon_held": anon - anon_before,
-            "weights": _weights_in_memory(llm.engine.model)}
+            "weights": _weights_in_memory(llm.engine.model), "load_s": load_s}
 
 
 def _weights_in_memory(model) -> int:
@@ -302,8 +304,8 @@ def memory(arms: list[str], dtype: str) -> None:
         probe = probes[arm]
         print(f"{arm}: load adds RSS {probe['load_peak'] / 2**30:.2f} GiB at its peak, {probe['held'] / 2**30:.2f} "
               f"once loaded; anonymous {probe['anon_peak'] / 2**30:.2f} at its peak, "
-              f"{probe['anon_held'] / 2**30:.2f} once loaded; its weights {probe['weights'] / 2**30:.2f} in memory",
-              flush=True)
+              f"{probe['anon_held'] / 2**30:.2f} once loaded; its weights {probe['weights'] / 2**30:.2f} in memory; "
+              f"loaded in {probe['load_s']:.1f} s", flush=True)
     base = probes[arms[0]]
     for arm in arms[1:]:
         print(f"{arm} / {arms[0]}: " + ", ".join(f"{key} {probes[arm][key] / base[key]:.2f}x" for key in
