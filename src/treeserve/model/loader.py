@@ -284,7 +284,8 @@ def build_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device
     quantized = _quantized_tensors(model, model_dir, quantization) if load_format != "dummy" else None
     channel_amax = row_parallel_amax(model_dir, model.plan, dtype) if quantization == "int8" and tp.enabled else None
     streamed = StreamedInt8(model, dtype, channel_amax) if quantization == "int8" and load_format != "dummy" else None
-    mapped = load_format == "auto" and map_embedding(model, _checkpoint_tensor(model_dir, EMBEDDING), dtype, device)
+    mapped = load_format == "auto" and map_embedding(model, lambda: _checkpoint_tensor(model_dir, EMBEDDING),
+                                                     dtype, device)
     _materialize(model, device, dtype)
     # RoPE tables stay in float32 (as in transformers); the decoder computed them on the CPU
     for rotary in (model.rotary, model.local_rotary):

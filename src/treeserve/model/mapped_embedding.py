@@ -18,6 +18,7 @@ from __future__ import annotations
 import mmap
 import os
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -27,9 +28,10 @@ from treeserve.model.checkpoint_files import read_header
 TARGET = "embed_tokens.weight"
 
 
-def map_tensor(path: Path, name: str) -> torch.Tensor:
-    """Tensor `name` of the safetensors file `path` over a private mapping of its bytes."""
-    dtype, shape, begin, end = read_header(path)[name]
+def map_tensor(path: Path, entry: tuple[torch.dtype, list[int], int, int]) -> torch.Tensor:
+    """The tensor at `entry` (its `read_header` entry) of the safetensors file `path`, over a private
+    mapping of its bytes."""
+    dtype, shape, begin, end = entry
     start = begin - begin % mmap.ALLOCATIONGRANULARITY
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -40,19 +42,23 @@ def map_tensor(path: Path, name: str) -> torch.Tensor:
     return torch.frombuffer(pages, dtype=dtype, count=count, offset=begin - start).view(shape)
 
 
-def map_embedding(model: nn.Module, checkpoint: tuple[Path, str] | None, dtype: torch.dtype,
+def map_embedding(model: nn.Module, locate: Callable[[], tuple[Path, str] | None], dtype: torch.dtype,
                   device: torch.device) -> bool:
-    """The model's embedding matrix mapped from `checkpoint` (the file holding it and the tensor's
-    name) where that serves: an untied `nn.Embedding` on the CPU whose file holds it in `dtype` and
-    its shape. Returns whether it mapped (the loader then skips the tensor)."""
+    """The model's embedding matrix mapped from its checkpoint file where that serves: an untied
+    `nn.Embedding` on the CPU whose file holds it in `dtype` and its shape. `locate`: the file holding
+    it and the tensor's name (None: no file does), asked only for such a model. Returns whether it
+    mapped (the loader then skips the tensor)."""
     embedding = getattr(model, "embed_tokens", None)
-    if checkpoint is None or device.type != "cpu" or type(embedding) is not nn.Embedding:
+    if device.type != "cpu" or type(embedding) is not nn.Embedding:
         return False
     if getattr(model, "lm_head", None) is None and getattr(model, "head_name", None) is None:
         return False  # tied: the LM head reads the whole matrix every step
-    path, name = checkpoint
-    file_dtype, shape, _, _ = read_header(path)[name]
-    if file_dtype != dtype or tuple(shape) != tuple(embedding.weight.shape):
+    checkpoint = locate()
+    if checkpoint is None:
         return False
-    embedding.weight = nn.Parameter(map_tensor(path, name), requires_grad=False)
+    path, name = checkpoint
+    entry = read_header(path)[name]
+    if entry[0] != dtype or tuple(entry[1]) != tuple(embedding.weight.shape):
+        return False
+    embedding.weight = nn.Parameter(map_tensor(path, entry), requires_grad=False)
     return True
