@@ -2,6 +2,7 @@
 product rounded once, used by the engine; or oneDNN's layout, bit-identical to `F.linear`), float32
 products where it has none (the same products in another summation order; the engine's logits
 within bf16 rounding of plain bf16 matmuls, MoE experts included)."""
+import copy
 import weakref
 
 import pytest
@@ -11,8 +12,9 @@ from torch import nn
 from treeserve import LLM, SamplingParams
 from treeserve.model import linear_kernels, packed_linear
 from treeserve.config import cpu_has_fast_bf16
-from treeserve.model.packed_linear import (Bf16Linear, Float32Linear, PackedEmbedding, PackedLinear, bf16_kernel,
-                                           can_pack, pack_linears)
+from treeserve.model.layers import GatedMLP
+from treeserve.model.packed_linear import (Bf16Linear, Bf16SiluMulLinear, Float32Linear, PackedEmbedding, PackedLinear,
+                                           bf16_kernel, can_pack, pack_linears)
 from treeserve.model.random_models import make_tiny_model
 
 CPU = torch.device("cpu")
@@ -47,6 +49,43 @@ def test_bf16_linear_is_the_float32_product_rounded_once(rows, shape, bias):
     assert_rounded_once(layer(x), exact)
     assert torch.equal(layer(x.t().contiguous().t()), layer(x))  # a strided input too
     assert torch.equal(layer(x.view(1, rows, shape[1])), layer(x).view(1, rows, shape[0]))
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 7, 64])
+@pytest.mark.parametrize("k_in", [96, 2304], ids=["one-span", "three-spans"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_gate_and_up_linear_ends_with_silu_mul_as_the_separate_ops(rows, k_in, bias):
+    """`Bf16SiluMulLinear` (the activation in the kernel's epilogue) gives bit for bit what the plain
+    packed product followed by PyTorch's silu(gate) * up gives, and its weight back in the
+    gates-then-ups order."""
+    torch.manual_seed(rows + k_in)
+    linear = nn.Linear(k_in, 2 * 96, bias=bias).to(torch.bfloat16)
+    x = (3 * torch.randn(rows, k_in)).to(torch.bfloat16)  # gates far into silu's tails
+    fused, plain = Bf16SiluMulLinear(linear), Bf16Linear(linear)
+    assert torch.equal(fused.weight, linear.weight)
+    gate, up = plain(x).split(96, dim=-1)
+    assert torch.equal(fused(x), nn.functional.silu(gate) * up)
+    assert torch.equal(fused(x.view(1, rows, k_in)), fused(x).view(1, rows, 96))
+
+
+@needs_kernel
+def test_only_a_swiglu_mlp_whose_size_the_kernel_takes_gets_the_fused_activation():
+    def packed_kinds(intermediate, act):
+        mlp = GatedMLP(64, intermediate, bias=False, act=act).to(torch.bfloat16)
+        reference = copy.deepcopy(mlp)  # the activation apart, after the plain packed product
+        reference.gate_up_proj, reference.down_proj = Bf16Linear(mlp.gate_up_proj), Bf16Linear(mlp.down_proj)
+        assert pack_linears(mlp, torch.bfloat16, CPU) == 2
+        x = torch.randn(5, 64, dtype=torch.bfloat16)
+        with torch.no_grad():
+            assert torch.equal(mlp(x), reference(x))
+        return type(mlp.gate_up_proj), type(mlp.down_proj)
+
+    assert packed_kinds(96, "silu") == (Bf16SiluMulLinear, Bf16Linear)
+    assert packed_kinds(80, "silu") == (Bf16Linear, Bf16Linear)  # not a multiple of 32 channels
+    assert packed_kinds(96, "gelu_pytorch_tanh") == (Bf16Linear, Bf16Linear)
+    with pytest.raises(ValueError, match="not twice a multiple of 32"):
+        Bf16SiluMulLinear(nn.Linear(64, 2 * 80, bias=False).to(torch.bfloat16))
 
 
 @needs_kernel
@@ -86,9 +125,9 @@ def test_packing_frees_each_replaced_weight_as_it_goes(monkeypatch):
     refs = [weakref.ref(linear) for linear in model[0]]
     alive, original = [], packed_linear._packed
 
-    def counting(name, linear, library):
+    def counting(*args):
         alive.append(sum(ref() is not None for ref in refs))
-        return original(name, linear, library)
+        return original(*args)
 
     monkeypatch.setattr(packed_linear, "_packed", counting)
     assert pack_linears(model, torch.bfloat16, CPU) == 3

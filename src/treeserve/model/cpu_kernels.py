@@ -62,6 +62,7 @@ SIGNATURES = {
     "ts_w8a8_linear": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
     "ts_bf16_linear_supported": [],
     "ts_bf16_linear": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64],
+    "ts_bf16_linear_silu_mul": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64],
     "ts_flash_prefill": [_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _i64, _int, _int, _int, _float,
                          _ptr, _i64],
 }
@@ -69,7 +70,8 @@ RETURNS = dict.fromkeys([
     "ts_paged_attention", "ts_paged_bf16_tiles", "ts_paged_decode_rows", "ts_flash_prefill_supported",
     "ts_flash_prefill", "ts_int8_linear", "ts_int8_bf16_rows", "ts_int8_rows16", "ts_int8_linear_packed16",
     "ts_int4_supported", "ts_int4_linear", "ts_int4_linear_packed16", "ts_w8a8_supported",
-    "ts_w8a8_block_channels", "ts_w8a8_linear", "ts_bf16_linear_supported", "ts_bf16_linear"],
+    "ts_w8a8_block_channels", "ts_w8a8_linear", "ts_bf16_linear_supported", "ts_bf16_linear",
+    "ts_bf16_linear_silu_mul"],
     ctypes.c_int) | {"ts_int4_packed16_span": ctypes.c_int64}
 
 

@@ -178,6 +178,8 @@ class GatedMLP(nn.Module):
         self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if getattr(self.gate_up_proj, "applies_silu_mul", False):  # packed_linear.Bf16SiluMulLinear
+            return self.down_proj(self.gate_up_proj(x))
         gate_up = self.gate_up_proj(x)
         if self.act != "silu":
             gate, up = gate_up.split(self.intermediate, dim=-1)

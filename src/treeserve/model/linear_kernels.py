@@ -142,6 +142,41 @@ def bf16_linear(library: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, bia
     return out
 
 
+GATE_UP_GROUP = 32  # gates, then the same channels' ups, per block of `bf16_pack_gate_up`'s layout
+
+
+def gate_up_grouped(t: torch.Tensor, size: int) -> torch.Tensor:
+    """A gate-and-up weight or bias [2 x size, ...] (the gates, then the ups) reordered into groups of
+    32 gates each followed by the same channels' ups (size a multiple of 32): a copy."""
+    if t.shape[0] != 2 * size or size % GATE_UP_GROUP:
+        raise ValueError(f"gate_up_grouped: expected {2 * size} channels, a multiple of 64, got {t.shape[0]}")
+    rest = t.shape[1:]
+    return t.reshape(2, size // GATE_UP_GROUP, GATE_UP_GROUP, *rest).transpose(0, 1).reshape(2 * size, *rest)
+
+
+def gate_up_ungrouped(t: torch.Tensor, size: int) -> torch.Tensor:
+    """`gate_up_grouped` undone: the gates, then the ups."""
+    rest = t.shape[1:]
+    return t.reshape(size // GATE_UP_GROUP, 2, GATE_UP_GROUP, *rest).transpose(0, 1).reshape(2 * size, *rest)
+
+
+def bf16_linear_silu_mul(library: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                         size: int) -> torch.Tensor:
+    """silu(gate) * up [rows, size] bfloat16 of x [rows, K] bfloat16 (last dim contiguous) and a
+    gate-and-up weight [2 x size, K] packed as `bf16_pack(gate_up_grouped(weight, size))` (bias, if
+    any, grouped alike): the products rounded once, then the activation rounded as
+    `cpu_kernels.silu_mul`'s, the [rows, 2 x size] products never stored."""
+    out = torch.empty((x.shape[0], size), dtype=torch.bfloat16)
+    status = library.ts_bf16_linear_silu_mul(x.data_ptr(), _rows(x), packed.data_ptr(),
+                                             None if bias is None else bias.data_ptr(), out.data_ptr(), x.shape[0],
+                                             size, x.shape[1])
+    if status == -2:
+        raise MemoryError("bf16_linear_silu_mul: no memory for the partial sums")
+    if status != 0:
+        raise ValueError(f"bf16_linear_silu_mul: cannot run {x.shape[1]} inputs and {size} channels on this CPU")
+    return out
+
+
 INT4_RUN = 128  # inputs per run of csrc/int4_linear.c's layout
 
 

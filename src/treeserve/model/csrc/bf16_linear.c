@@ -6,12 +6,19 @@
  * layout of int8_linear.c's packed path, which read 25-34 GB/s where row-major tiles read 21-22).
  * Rows enter as they are: each pair of a row's inputs broadcast to every lane. Tiles of BF16_MR rows
  * x 64 channels (24 accumulators in registers), products summed in float32, the result rounded to
- * bfloat16 once (round to nearest even), as oneDNN's bfloat16 kernels do, in another order. */
+ * bfloat16 once (round to nearest even), as oneDNN's bfloat16 kernels do, in another order.
+ *
+ * SwiGLU's gate and up projections in one (ts_bf16_linear_silu_mul): the weight's channels ordered
+ * so that each block holds 32 gates and the ups of the same 32 channels; its tiles end with
+ * silu(gate) * up, rounded as cpu_kernels.c's silu_mul rounds, and write the activation alone (the
+ * [rows, 2 x size] product is never stored and read back). */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include <omp.h>
+
+#include "simd_math.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -34,6 +41,7 @@ struct bf16_call {
     const uint16_t *bias;  /* [n_out] or NULL */
     uint16_t *out;
     int64_t rows, n_out, k_in, spans;
+    int silu_mul;  /* the layout and output of ts_bf16_linear_silu_mul */
 };
 
 /* Channel vector j (16 channels) of row m: after a span but the last, into `partial`; after the
@@ -58,6 +66,47 @@ static inline void bf16_finish(const struct bf16_call *c, float *partial, int64_
     _mm256_mask_storeu_epi16(c->out + m * c->n_out + n, mask, (__m256i)_mm512_cvtneps_pbh(acc));
 }
 
+/* silu(gate) * up on 16 channels, each rounding as cpu_kernels.c's silu_mul_row_bf16: the gate and
+ * up rounded to bfloat16 (the product's one rounding), silu(gate) rounded, then their product. */
+static inline void silu_mul_store(uint16_t *dst, __m512 gate, __m512 up)
+{
+    gate = bf16x16_round(gate);
+    __m512 e = exp16(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), gate), _mm512_set1_ps(88.0f)));
+    __m512 silu = bf16x16_round(_mm512_div_ps(gate, _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
+    _mm256_storeu_si256((__m256i *)dst, bf16x16_pack(_mm512_mul_ps(silu, bf16x16_round(up))));
+}
+
+/* A tile row's four vectors in the silu_mul layout (gates of channels n0 / 2 + [0, 32), then their
+ * ups): after a span but the last, into `partial`; after the last, plus the bias, the activation
+ * into `out` [rows, n_out / 2]. */
+static inline void bf16_finish_silu(const struct bf16_call *c, float *partial, int64_t n0, int64_t m, __m512 g0,
+                                    __m512 g1, __m512 u0, __m512 u1, int64_t span)
+{
+    float *p = partial + m * 64;
+    if (span > 0) {
+        g0 = _mm512_add_ps(g0, _mm512_loadu_ps(p));
+        g1 = _mm512_add_ps(g1, _mm512_loadu_ps(p + 16));
+        u0 = _mm512_add_ps(u0, _mm512_loadu_ps(p + 32));
+        u1 = _mm512_add_ps(u1, _mm512_loadu_ps(p + 48));
+    }
+    if (span < c->spans - 1) {
+        _mm512_storeu_ps(p, g0);
+        _mm512_storeu_ps(p + 16, g1);
+        _mm512_storeu_ps(p + 32, u0);
+        _mm512_storeu_ps(p + 48, u1);
+        return;
+    }
+    if (c->bias != NULL) {
+        g0 = _mm512_add_ps(g0, bf16x16_load(c->bias + n0, 0xFFFF));
+        g1 = _mm512_add_ps(g1, bf16x16_load(c->bias + n0 + 16, 0xFFFF));
+        u0 = _mm512_add_ps(u0, bf16x16_load(c->bias + n0 + 32, 0xFFFF));
+        u1 = _mm512_add_ps(u1, bf16x16_load(c->bias + n0 + 48, 0xFFFF));
+    }
+    uint16_t *dst = c->out + m * (c->n_out / 2) + n0 / 2;
+    silu_mul_store(dst, g0, u0);
+    silu_mul_store(dst + 16, g1, u1);
+}
+
 #define BF_INIT(r) __m512 a##r##0 = _mm512_setzero_ps(), a##r##1 = a##r##0, a##r##2 = a##r##0, a##r##3 = a##r##0;
 #define BF_STEP(r)                                                                                    \
     {                                                                                                 \
@@ -70,10 +119,14 @@ static inline void bf16_finish(const struct bf16_call *c, float *partial, int64_
         DPBF16(a##r##3, xv, w3);                                                                      \
     }
 #define BF_FINISH(r)                                                                                  \
+    if (c->silu_mul) {                                                                                \
+        bf16_finish_silu(c, partial, n0, m0 + (r), a##r##0, a##r##1, a##r##2, a##r##3, span);        \
+    } else {                                                                                          \
     bf16_finish(c, partial, n0, m0 + (r), 0, a##r##0, span);                                          \
     bf16_finish(c, partial, n0, m0 + (r), 1, a##r##1, span);                                          \
     bf16_finish(c, partial, n0, m0 + (r), 2, a##r##2, span);                                          \
-    bf16_finish(c, partial, n0, m0 + (r), 3, a##r##3, span);
+    bf16_finish(c, partial, n0, m0 + (r), 3, a##r##3, span);                                          \
+    }
 #define BF_TILE(name, ROWS)                                                                           \
     static void name(const struct bf16_call *c, const uint16_t *block, float *partial, int64_t n0,    \
                      int64_t m0, int64_t span)                                                        \
@@ -135,20 +188,13 @@ int ts_bf16_linear_supported(void)
 #endif
 }
 
-/* out [rows, n_out] bfloat16 (contiguous) = x [rows, k_in] bfloat16 (rows x_stride elements apart,
- * 4-byte aligned pairs) times w^T (+ bias [n_out] bfloat16, or NULL), w in the bf16_pack layout
- * (k_in even). Returns 0; -1 where it cannot run (no AVX512-BF16, k_in odd); -2 out of memory. */
-int ts_bf16_linear(const void *x, int64_t x_stride, const void *packed, const void *bias, void *out, int64_t rows,
-                   int64_t n_out, int64_t k_in)
-{
 #if defined(TS_BF16_LINEAR)
-    if (k_in % 2)
-        return -1;
-    int64_t spans = (k_in + BF16_SPAN - 1) / BF16_SPAN, blocks = (n_out + 63) / 64;
-    struct bf16_call c = {.x = (const uint16_t *)x, .x_stride = x_stride, .packed = (const uint16_t *)packed,
-                          .bias = (const uint16_t *)bias, .out = (uint16_t *)out, .rows = rows, .n_out = n_out,
-                          .k_in = k_in, .spans = spans};
-    size_t partial_floats = spans > 1 ? (size_t)(rows * 64) : 0;
+/* Every block of channels, split between the threads; -2 out of memory. */
+static int bf16_run(struct bf16_call *c)
+{
+    c->spans = (c->k_in + BF16_SPAN - 1) / BF16_SPAN;
+    int64_t blocks = (c->n_out + 63) / 64;
+    size_t partial_floats = c->spans > 1 ? (size_t)(c->rows * 64) : 0;
     float *partials = NULL;
     if (partial_floats) {
         partials = malloc(partial_floats * sizeof(float) * (size_t)omp_get_max_threads());
@@ -160,12 +206,48 @@ int ts_bf16_linear(const void *x, int64_t x_stride, const void *packed, const vo
         float *partial = partials == NULL ? NULL : partials + (size_t)omp_get_thread_num() * partial_floats;
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; b++)
-            bf16_block(&c, c.packed + b * 64 * k_in, partial, b * 64);
+            bf16_block(c, c->packed + b * 64 * c->k_in, partial, b * 64);
     }
     free(partials);
     return 0;
+}
+#endif
+
+/* out [rows, n_out] bfloat16 (contiguous) = x [rows, k_in] bfloat16 (rows x_stride elements apart,
+ * 4-byte aligned pairs) times w^T (+ bias [n_out] bfloat16, or NULL), w in the bf16_pack layout
+ * (k_in even). Returns 0; -1 where it cannot run (no AVX512-BF16, k_in odd); -2 out of memory. */
+int ts_bf16_linear(const void *x, int64_t x_stride, const void *packed, const void *bias, void *out, int64_t rows,
+                   int64_t n_out, int64_t k_in)
+{
+#if defined(TS_BF16_LINEAR)
+    if (k_in % 2)
+        return -1;
+    struct bf16_call c = {.x = (const uint16_t *)x, .x_stride = x_stride, .packed = (const uint16_t *)packed,
+                          .bias = (const uint16_t *)bias, .out = (uint16_t *)out, .rows = rows, .n_out = n_out,
+                          .k_in = k_in};
+    return bf16_run(&c);
 #else
     (void)x; (void)x_stride; (void)packed; (void)bias; (void)out; (void)rows; (void)n_out; (void)k_in;
+    return -1;
+#endif
+}
+
+/* out [rows, size] bfloat16 (contiguous) = silu(gate) * up, where gate and up are x's products with
+ * a weight [2 x size, k_in] (+ bias [2 x size]) whose channels (and bias) come in blocks of 32 gates
+ * then the same 32 channels' ups, bf16_pack'ed (linear_kernels.bf16_pack_gate_up). Returns 0; -1
+ * where it cannot run (no AVX512-BF16, k_in odd, size not a multiple of 32); -2 out of memory. */
+int ts_bf16_linear_silu_mul(const void *x, int64_t x_stride, const void *packed, const void *bias, void *out,
+                            int64_t rows, int64_t size, int64_t k_in)
+{
+#if defined(TS_BF16_LINEAR)
+    if (k_in % 2 || size % 32)
+        return -1;
+    struct bf16_call c = {.x = (const uint16_t *)x, .x_stride = x_stride, .packed = (const uint16_t *)packed,
+                          .bias = (const uint16_t *)bias, .out = (uint16_t *)out, .rows = rows, .n_out = 2 * size,
+                          .k_in = k_in, .silu_mul = 1};
+    return bf16_run(&c);
+#else
+    (void)x; (void)x_stride; (void)packed; (void)bias; (void)out; (void)rows; (void)size; (void)k_in;
     return -1;
 #endif
 }
