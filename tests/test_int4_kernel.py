@@ -42,22 +42,26 @@ needs_packed16 = pytest.mark.skipif(not PACKED16, reason="hardware: no AVX512-VN
 
 
 @needs_packed16
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 48, 53, 64])
 @pytest.mark.parametrize("n,k,group_size", [(22, 256, 32), (70, 512, 128), (8, 288, 288), (6, 1024, 512),
-                                             (10, 160, 32), (4, 96, 96)])  # 288: one group, spans 256 + 32
+                                             (10, 160, 32), (4, 96, 96), (70, 2304, 96), (66, 2080, 2080)])
 def test_packed_int4_linear_matches_the_dequantized_weight(rows, n, k, group_size):
-    """The packed layout with 16-bit rows: every tile height and more, channels past a block of 64,
-    groups from 32 inputs to the whole row (spans of 256 where a group is longer), an outlier."""
+    """The packed layout: with 16-bit rows below 48 rows (every tile height and more), widened to
+    bfloat16 span by span from 48 on (tiles of 6 and a shorter last one; rows longer than a span
+    of 1024, groups across the spans' ends); channels past a block of 64, groups from 32 inputs to
+    the whole row (spans of 256 where a group is longer: 288 is one group, spans 256 + 32), an outlier."""
     gen = torch.Generator().manual_seed(rows * 1000 + n)
     q, scales, zeros, dense = _weights(n, k, group_size, gen)
-    wide = (torch.randn(rows, k + 32, generator=gen) * 3).to(torch.bfloat16)
-    wide[:, 40] = 60.0
-    x = wide[:, 16:16 + k]
+    strided = (torch.randn(rows, k + 32, generator=gen) * 3).to(torch.bfloat16)
+    strided[:, 40] = 60.0
+    x = strided[:, 16:16 + k]
+    assert LIBRARY.ts_int4_wide_rows() == 48
     assert LIBRARY.ts_int4_packed16_span(k, group_size) == min(group_size, 256)
     out = linear_kernels.int4_linear_packed16(LIBRARY, x, linear_kernels.int4_pack16(q.to(torch.uint8)),
                                            linear_kernels.int4_pack16_groups(scales),
                                            linear_kernels.int4_pack16_groups(zeros), n, group_size)
-    expected = x.double() @ dense.T
+    wide = 0 < LIBRARY.ts_int4_wide_rows() <= rows  # weights widened, rounded to bfloat16 once (as a model's)
+    expected = x.double() @ (dense.to(torch.bfloat16).double() if wide else dense).T
     assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
     torch.testing.assert_close(out.double(), expected, atol=2e-3 * expected.abs().max().item(), rtol=8e-3)
 

@@ -49,6 +49,7 @@ SIGNATURES = {
     "ts_int8_rows16": [],
     "ts_int8_linear_packed16": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64],
     "ts_int4_packed16_span": [_i64, _i64],
+    "ts_int4_wide_rows": [],
     "ts_int4_linear_packed16": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64],
     "ts_int8_dequantize": [_ptr, _ptr, _ptr, _i64, _i64, _int],
     "ts_flash_prefill_supported": [_int],
@@ -72,7 +73,7 @@ RETURNS = dict.fromkeys([
     "ts_int4_supported", "ts_int4_linear", "ts_int4_linear_packed16", "ts_w8a8_supported",
     "ts_w8a8_block_channels", "ts_w8a8_linear", "ts_bf16_linear_supported", "ts_bf16_linear",
     "ts_bf16_linear_silu_mul"],
-    ctypes.c_int) | {"ts_int4_packed16_span": ctypes.c_int64}
+    ctypes.c_int) | {"ts_int4_packed16_span": ctypes.c_int64, "ts_int4_wide_rows": ctypes.c_int64}
 
 
 def _cpu_tag() -> str:

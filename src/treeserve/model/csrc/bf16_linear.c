@@ -1,182 +1,24 @@
-/* bfloat16 linear layers over weights packed at load (model/packed_linear.py's `Bf16Linear`).
- *
- * Layout (linear_kernels.bf16_pack): blocks of 64 output channels; in a block, for each pair of inputs
- * k, k + 1, the 64 channels' two weights side by side ([blocks][k_in / 2][64][2]): one 64-byte load
- * is 16 channels' next pair as vdpbf16ps takes it, and a block streams from memory in order (the
- * layout of int8_linear.c's packed path, which read 25-34 GB/s where row-major tiles read 21-22).
- * Rows enter as they are: each pair of a row's inputs broadcast to every lane. Tiles of BF16_MR rows
- * x 64 channels (24 accumulators in registers), products summed in float32, the result rounded to
- * bfloat16 once (round to nearest even), as oneDNN's bfloat16 kernels do, in another order.
- *
- * SwiGLU's gate and up projections in one (ts_bf16_linear_silu_mul): the weight's channels ordered
- * so that each block holds 32 gates and the ups of the same 32 channels; its tiles end with
- * silu(gate) * up, rounded as cpu_kernels.c's silu_mul rounds, and write the activation alone (the
- * [rows, 2 x size] product is never stored and read back). */
+/* bfloat16 linear layers over weights packed at load (model/packed_linear.py's `Bf16Linear`); the
+ * layout and the tiles are bf16_tiles.h's. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include <omp.h>
 
-#include "simd_math.h"
+#include "bf16_tiles.h"
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#include <immintrin.h>
+#if defined(TS_BF16_TILES)
 #define TS_BF16_LINEAR 1
-#define BF16_MR 6       /* rows of a tile */
-#define BF16_SPAN 1024  /* inputs of a block swept by every tile of rows before the next (its 128 KiB
-                           stay in L2); the float32 sums between spans wait in a partial buffer */
-#define BF16_AHEAD (BF16_SPAN * 64 * 2)  /* bytes: every tile of rows asks for the next span's weights
-                                           into L2 as it reads this one's (1.05-1.17x from 4 to 64 rows on
-                                           a Zen 5 EPYC; in the first tile alone: 0.92-1.00x) */
-
-/* acc += pairs of bfloat16 products (vdpbf16ps), in assembly so that GCC keeps the accumulators in
- * registers (as int8_linear.c's DPWSSD). */
-#define DPBF16(acc, x, w) __asm__("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(x), "v"(w))
-
-struct bf16_call {
-    const uint16_t *x;
-    int64_t x_stride;
-    const uint16_t *packed;
-    const uint16_t *bias;  /* [n_out] or NULL */
-    uint16_t *out;
-    int64_t rows, n_out, k_in, spans;
-    int silu_mul;  /* the layout and output of ts_bf16_linear_silu_mul */
-};
-
-/* Channel vector j (16 channels) of row m: after a span but the last, into `partial`; after the
- * last, plus the bias, rounded into `out`. */
-static inline void bf16_finish(const struct bf16_call *c, float *partial, int64_t n0, int64_t m, int j,
-                               __m512 acc, int64_t span)
-{
-    float *p = partial + m * 64 + 16 * j;
-    if (span > 0)
-        acc = _mm512_add_ps(acc, _mm512_loadu_ps(p));
-    if (span < c->spans - 1) {
-        _mm512_storeu_ps(p, acc);
-        return;
-    }
-    int64_t n = n0 + 16 * j;
-    if (n >= c->n_out)
-        return;
-    __mmask16 mask = c->n_out - n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (c->n_out - n)) - 1u);
-    if (c->bias != NULL)
-        acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_slli_epi32(
-                                     _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, c->bias + n)), 16)));
-    _mm256_mask_storeu_epi16(c->out + m * c->n_out + n, mask, (__m256i)_mm512_cvtneps_pbh(acc));
-}
-
-/* silu(gate) * up on 16 channels, each rounding as cpu_kernels.c's silu_mul_row_bf16: the gate and
- * up rounded to bfloat16 (the product's one rounding), silu(gate) rounded, then their product. */
-static inline void silu_mul_store(uint16_t *dst, __m512 gate, __m512 up)
-{
-    gate = bf16x16_round(gate);
-    __m512 e = exp16(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), gate), _mm512_set1_ps(88.0f)));
-    __m512 silu = bf16x16_round(_mm512_div_ps(gate, _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
-    _mm256_storeu_si256((__m256i *)dst, bf16x16_pack(_mm512_mul_ps(silu, bf16x16_round(up))));
-}
-
-/* A tile row's four vectors in the silu_mul layout (gates of channels n0 / 2 + [0, 32), then their
- * ups): after a span but the last, into `partial`; after the last, plus the bias, the activation
- * into `out` [rows, n_out / 2]. */
-static inline void bf16_finish_silu(const struct bf16_call *c, float *partial, int64_t n0, int64_t m, __m512 g0,
-                                    __m512 g1, __m512 u0, __m512 u1, int64_t span)
-{
-    float *p = partial + m * 64;
-    if (span > 0) {
-        g0 = _mm512_add_ps(g0, _mm512_loadu_ps(p));
-        g1 = _mm512_add_ps(g1, _mm512_loadu_ps(p + 16));
-        u0 = _mm512_add_ps(u0, _mm512_loadu_ps(p + 32));
-        u1 = _mm512_add_ps(u1, _mm512_loadu_ps(p + 48));
-    }
-    if (span < c->spans - 1) {
-        _mm512_storeu_ps(p, g0);
-        _mm512_storeu_ps(p + 16, g1);
-        _mm512_storeu_ps(p + 32, u0);
-        _mm512_storeu_ps(p + 48, u1);
-        return;
-    }
-    if (c->bias != NULL) {
-        g0 = _mm512_add_ps(g0, bf16x16_load(c->bias + n0, 0xFFFF));
-        g1 = _mm512_add_ps(g1, bf16x16_load(c->bias + n0 + 16, 0xFFFF));
-        u0 = _mm512_add_ps(u0, bf16x16_load(c->bias + n0 + 32, 0xFFFF));
-        u1 = _mm512_add_ps(u1, bf16x16_load(c->bias + n0 + 48, 0xFFFF));
-    }
-    uint16_t *dst = c->out + m * (c->n_out / 2) + n0 / 2;
-    silu_mul_store(dst, g0, u0);
-    silu_mul_store(dst + 16, g1, u1);
-}
-
-#define BF_INIT(r) __m512 a##r##0 = _mm512_setzero_ps(), a##r##1 = a##r##0, a##r##2 = a##r##0, a##r##3 = a##r##0;
-#define BF_STEP(r)                                                                                    \
-    {                                                                                                 \
-        int32_t pair;                                                                                 \
-        memcpy(&pair, row0 + (r) * c->x_stride + k, sizeof pair);                                     \
-        __m512 xv = _mm512_castsi512_ps(_mm512_set1_epi32(pair));                                     \
-        DPBF16(a##r##0, xv, w0);                                                                      \
-        DPBF16(a##r##1, xv, w1);                                                                      \
-        DPBF16(a##r##2, xv, w2);                                                                      \
-        DPBF16(a##r##3, xv, w3);                                                                      \
-    }
-#define BF_FINISH(r)                                                                                  \
-    if (c->silu_mul) {                                                                                \
-        bf16_finish_silu(c, partial, n0, m0 + (r), a##r##0, a##r##1, a##r##2, a##r##3, span);        \
-    } else {                                                                                          \
-    bf16_finish(c, partial, n0, m0 + (r), 0, a##r##0, span);                                          \
-    bf16_finish(c, partial, n0, m0 + (r), 1, a##r##1, span);                                          \
-    bf16_finish(c, partial, n0, m0 + (r), 2, a##r##2, span);                                          \
-    bf16_finish(c, partial, n0, m0 + (r), 3, a##r##3, span);                                          \
-    }
-#define BF_TILE(name, ROWS)                                                                           \
-    static void name(const struct bf16_call *c, const uint16_t *block, float *partial, int64_t n0,    \
-                     int64_t m0, int64_t span)                                                        \
-    {                                                                                                 \
-        ROWS(BF_INIT)                                                                                 \
-        const uint16_t *row0 = c->x + m0 * c->x_stride;                                               \
-        int64_t k0 = span * BF16_SPAN, k1 = k0 + BF16_SPAN < c->k_in ? k0 + BF16_SPAN : c->k_in;      \
-        for (int64_t k = k0; k < k1; k += 2) {                                                        \
-            const uint16_t *w = block + k * 64;                                                       \
-            _mm_prefetch((const char *)w + BF16_AHEAD, _MM_HINT_T1);                                  \
-            _mm_prefetch((const char *)w + BF16_AHEAD + 64, _MM_HINT_T1);                             \
-            _mm_prefetch((const char *)w + BF16_AHEAD + 128, _MM_HINT_T1);                            \
-            _mm_prefetch((const char *)w + BF16_AHEAD + 192, _MM_HINT_T1);                            \
-            __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 32);                             \
-            __m512 w2 = _mm512_loadu_ps(w + 64), w3 = _mm512_loadu_ps(w + 96);                        \
-            ROWS(BF_STEP)                                                                             \
-        }                                                                                             \
-        ROWS(BF_FINISH)                                                                               \
-    }
-#define BF_ROWS1(X) X(0)
-#define BF_ROWS2(X) BF_ROWS1(X) X(1)
-#define BF_ROWS3(X) BF_ROWS2(X) X(2)
-#define BF_ROWS4(X) BF_ROWS3(X) X(3)
-#define BF_ROWS5(X) BF_ROWS4(X) X(4)
-#define BF_ROWS6(X) BF_ROWS5(X) X(5)
-BF_TILE(bf16_tile1, BF_ROWS1)
-BF_TILE(bf16_tile2, BF_ROWS2)
-BF_TILE(bf16_tile3, BF_ROWS3)
-BF_TILE(bf16_tile4, BF_ROWS4)
-BF_TILE(bf16_tile5, BF_ROWS5)
-BF_TILE(bf16_tile6, BF_ROWS6)
 
 /* One block of 64 channels: each span through every tile of rows. */
 static void bf16_block(const struct bf16_call *c, const uint16_t *block, float *partial, int64_t n0)
 {
-    for (int64_t span = 0; span < c->spans; span++) {
-        int64_t m0 = 0;
-        for (; m0 + BF16_MR <= c->rows; m0 += BF16_MR)
-            bf16_tile6(c, block, partial, n0, m0, span);
-        switch (c->rows - m0) {
-        case 5: bf16_tile5(c, block, partial, n0, m0, span); break;
-        case 4: bf16_tile4(c, block, partial, n0, m0, span); break;
-        case 3: bf16_tile3(c, block, partial, n0, m0, span); break;
-        case 2: bf16_tile2(c, block, partial, n0, m0, span); break;
-        case 1: bf16_tile1(c, block, partial, n0, m0, span); break;
-        default: break;
-        }
-    }
+    for (int64_t span = 0; span < c->spans; span++)
+        bf16_span_tiles(c, block + span * BF16_SPAN * 64, partial, n0, span);
 }
 #endif
+
 
 /* Whether ts_bf16_linear runs on this CPU (AVX512-BF16). */
 int ts_bf16_linear_supported(void)
@@ -224,7 +66,7 @@ int ts_bf16_linear(const void *x, int64_t x_stride, const void *packed, const vo
         return -1;
     struct bf16_call c = {.x = (const uint16_t *)x, .x_stride = x_stride, .packed = (const uint16_t *)packed,
                           .bias = (const uint16_t *)bias, .out = (uint16_t *)out, .rows = rows, .n_out = n_out,
-                          .k_in = k_in};
+                          .k_in = k_in, .ahead = BF16_AHEAD};
     return bf16_run(&c);
 #else
     (void)x; (void)x_stride; (void)packed; (void)bias; (void)out; (void)rows; (void)n_out; (void)k_in;
@@ -244,7 +86,7 @@ int ts_bf16_linear_silu_mul(const void *x, int64_t x_stride, const void *packed,
         return -1;
     struct bf16_call c = {.x = (const uint16_t *)x, .x_stride = x_stride, .packed = (const uint16_t *)packed,
                           .bias = (const uint16_t *)bias, .out = (uint16_t *)out, .rows = rows, .n_out = 2 * size,
-                          .k_in = k_in, .silu_mul = 1};
+                          .k_in = k_in, .silu_mul = 1, .ahead = BF16_AHEAD};
     return bf16_run(&c);
 #else
     (void)x; (void)x_stride; (void)packed; (void)bias; (void)out; (void)rows; (void)size; (void)k_in;
