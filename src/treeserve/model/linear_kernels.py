@@ -131,14 +131,18 @@ def bf16_linear(library: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, bia
                 out_features: int) -> torch.Tensor:
     """x [rows, K] bfloat16 (last dim contiguous) times the `bf16_pack`ed weight (+ bias, bfloat16
     [N] contiguous): [rows, N] bfloat16, summed in float32 and rounded once."""
-    out = torch.empty((x.shape[0], out_features), dtype=torch.bfloat16)
-    status = library.ts_bf16_linear(x.data_ptr(), _rows(x), packed.data_ptr(),
-                                    None if bias is None else bias.data_ptr(), out.data_ptr(), x.shape[0],
-                                    out_features, x.shape[1])
+    return _bf16_call(library.ts_bf16_linear, x, packed, bias, out_features)
+
+
+def _bf16_call(kernel, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, width: int) -> torch.Tensor:
+    """[rows, width] bfloat16 from one of csrc/bf16_linear.c's entries."""
+    out = torch.empty((x.shape[0], width), dtype=torch.bfloat16)
+    status = kernel(x.data_ptr(), _rows(x), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                    out.data_ptr(), x.shape[0], width, x.shape[1])
     if status == -2:
-        raise MemoryError("bf16_linear: no memory for the partial sums")
+        raise MemoryError(f"{kernel.__name__}: no memory for the partial sums")
     if status != 0:
-        raise ValueError(f"bf16_linear: cannot run {x.shape[1]} inputs on this CPU")
+        raise ValueError(f"{kernel.__name__}: cannot run {x.shape[1]} inputs and {width} channels on this CPU")
     return out
 
 
@@ -166,15 +170,7 @@ def bf16_linear_silu_mul(library: ctypes.CDLL, x: torch.Tensor, packed: torch.Te
     gate-and-up weight [2 x size, K] packed as `bf16_pack(gate_up_grouped(weight, size))` (bias, if
     any, grouped alike): the products rounded once, then the activation rounded as
     `cpu_kernels.silu_mul`'s, the [rows, 2 x size] products never stored."""
-    out = torch.empty((x.shape[0], size), dtype=torch.bfloat16)
-    status = library.ts_bf16_linear_silu_mul(x.data_ptr(), _rows(x), packed.data_ptr(),
-                                             None if bias is None else bias.data_ptr(), out.data_ptr(), x.shape[0],
-                                             size, x.shape[1])
-    if status == -2:
-        raise MemoryError("bf16_linear_silu_mul: no memory for the partial sums")
-    if status != 0:
-        raise ValueError(f"bf16_linear_silu_mul: cannot run {x.shape[1]} inputs and {size} channels on this CPU")
-    return out
+    return _bf16_call(library.ts_bf16_linear_silu_mul, x, packed, bias, size)
 
 
 INT4_RUN = 128  # inputs per run of csrc/int4_linear.c's layout

@@ -117,12 +117,15 @@ class Bf16Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.bfloat16:
-            raise TypeError(f"Bf16Linear: bfloat16 input expected, got {x.dtype}")
+            raise TypeError(f"{type(self).__name__}: bfloat16 input expected, got {x.dtype}")
         rows = x.reshape(-1, self.in_features)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        out = linear_kernels.bf16_linear(cpu_kernels.load(), rows, self.packed, self.bias, self.out_features)
-        return out.view(*x.shape[:-1], self.out_features)
+        out = self._product(rows)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    def _product(self, rows: torch.Tensor) -> torch.Tensor:
+        return linear_kernels.bf16_linear(cpu_kernels.load(), rows, self.packed, self.bias, self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -152,14 +155,8 @@ class Bf16SiluMulLinear(Bf16Linear):
     def weight(self) -> torch.Tensor:
         return linear_kernels.gate_up_ungrouped(super().weight, self.size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.bfloat16:
-            raise TypeError(f"Bf16SiluMulLinear: bfloat16 input expected, got {x.dtype}")
-        rows = x.reshape(-1, self.in_features)
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
-        out = linear_kernels.bf16_linear_silu_mul(cpu_kernels.load(), rows, self.packed, self.bias, self.size)
-        return out.view(*x.shape[:-1], self.size)
+    def _product(self, rows: torch.Tensor) -> torch.Tensor:
+        return linear_kernels.bf16_linear_silu_mul(cpu_kernels.load(), rows, self.packed, self.bias, self.size)
 
 
 class PackedLinear(nn.Module):
