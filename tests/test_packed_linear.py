@@ -10,11 +10,11 @@ import torch
 from torch import nn
 
 from treeserve import LLM, SamplingParams
-from treeserve.model import linear_kernels, packed_linear
+from treeserve.model import cpu_kernels, linear_kernels, packed_linear
 from treeserve.config import cpu_has_fast_bf16
 from treeserve.model.layers import GatedMLP
-from treeserve.model.packed_linear import (Bf16Linear, Bf16SiluMulLinear, Float32Linear, PackedEmbedding, PackedLinear,
-                                           bf16_kernel, can_pack, pack_linears)
+from treeserve.model.packed_linear import (Bf16Linear, Bf16RotaryLinear, Bf16SiluMulLinear, Float32Linear,
+                                           PackedEmbedding, PackedLinear, bf16_kernel, can_pack, pack_linears)
 from treeserve.model.random_models import make_tiny_model
 
 CPU = torch.device("cpu")
@@ -67,6 +67,50 @@ def test_the_gate_and_up_linear_ends_with_silu_mul_as_the_separate_ops(rows, k_i
     gate, up = plain(x).split(96, dim=-1)
     assert torch.equal(fused(x), nn.functional.silu(gate) * up)
     assert torch.equal(fused(x.view(1, rows, k_in)), fused(x).view(1, rows, 96))
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 7, 64])
+@pytest.mark.parametrize("head_dim,k_in", [(64, 96), (128, 2304), (256, 64)], ids=["64", "128-three-spans", "256"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_qkv_linear_ends_with_rotary_as_the_separate_kernel(rows, head_dim, k_in, bias):
+    """`Bf16RotaryLinear` (the rotation in the kernel's epilogue) gives bit for bit the plain packed
+    product rotated by `cpu_kernels.rotary_` (itself PyTorch's rounding, test_cpu_kernels.py): 3 q heads
+    and 1 k head rotated, v's 2 heads as they are; its weight back in its own order."""
+    torch.manual_seed(rows + head_dim)
+    rotary_channels = 4 * head_dim
+    linear = nn.Linear(k_in, 6 * head_dim, bias=bias).to(torch.bfloat16)
+    x = torch.randn(rows, k_in).to(torch.bfloat16)
+    positions = torch.randint(0, 50, (rows,))
+    cos, sin = 2 * torch.rand(50, head_dim) - 1, 2 * torch.rand(50, head_dim) - 1
+    fused = Bf16RotaryLinear(linear, head_dim, rotary_channels)
+    assert torch.equal(fused.weight, linear.weight)
+    expected = Bf16Linear(linear)(x)
+    q, k = expected[:, :3 * head_dim].view(rows, 3, head_dim), expected[:, 3 * head_dim:rotary_channels].view(rows, 1, head_dim)
+    cpu_kernels.rotary_(cpu_kernels.load(), q, k, positions, cos, sin)
+    assert torch.equal(fused(x, positions, cos, sin), expected)
+    with pytest.raises(ValueError, match="int64 positions, one per row"):
+        fused(x, positions[:0], cos, sin)
+
+
+@needs_kernel
+def test_a_bfloat16_engine_with_heads_of_64_rotates_in_the_qkv_kernel_and_decodes_as_apart(tmp_path, monkeypatch):
+    """Heads of 64 (the tests' other tiny models have smaller ones): the engine's q, k and v linears
+    rotate in their epilogue and its MLPs' gate and up apply SiLU there; its tokens and logprobs are
+    those of the same engine with both apart, exactly."""
+    path = make_tiny_model("llama", tmp_path / "heads64", seed=4, hidden_size=128, num_attention_heads=2,
+                           num_key_value_heads=1, head_dim=64, intermediate_size=96)
+    fused = LLM(str(path), dtype="bfloat16", device="cpu", kv_cache_memory_bytes=4 << 20)
+    attention, mlp = fused.engine.model.layers[0].self_attn, fused.engine.model.layers[0].mlp
+    assert isinstance(attention.qkv_proj, Bf16RotaryLinear) and isinstance(mlp.gate_up_proj, Bf16SiluMulLinear)
+    monkeypatch.setattr(packed_linear, "_with_epilogue", lambda parent, name, linear: None)
+    apart = LLM(str(path), dtype="bfloat16", device="cpu", kv_cache_memory_bytes=4 << 20)
+    assert type(apart.engine.model.layers[0].self_attn.qkv_proj) is Bf16Linear
+    _assert_same_decode(_decode(fused), _decode(apart), exact=True)
+    normed = make_tiny_model("qwen3", tmp_path / "qk-norm", seed=4, hidden_size=128, num_attention_heads=2,
+                             num_key_value_heads=1, head_dim=64, intermediate_size=96)
+    model = LLM(str(normed), dtype="bfloat16", device="cpu", kv_cache_memory_bytes=4 << 20).engine.model
+    assert type(model.layers[0].self_attn.qkv_proj) is Bf16Linear  # q and k normed before the rotation
 
 
 @needs_kernel

@@ -64,6 +64,7 @@ SIGNATURES = {
     "ts_bf16_linear_supported": [],
     "ts_bf16_linear": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64],
     "ts_bf16_linear_silu_mul": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64],
+    "ts_bf16_linear_rotary": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64],
     "ts_flash_prefill": [_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _i64, _int, _int, _int, _float,
                          _ptr, _i64],
 }
@@ -72,7 +73,7 @@ RETURNS = dict.fromkeys([
     "ts_flash_prefill", "ts_int8_linear", "ts_int8_bf16_rows", "ts_int8_rows16", "ts_int8_linear_packed16",
     "ts_int4_supported", "ts_int4_linear", "ts_int4_linear_packed16", "ts_w8a8_supported",
     "ts_w8a8_block_channels", "ts_w8a8_linear", "ts_bf16_linear_supported", "ts_bf16_linear",
-    "ts_bf16_linear_silu_mul"],
+    "ts_bf16_linear_silu_mul", "ts_bf16_linear_rotary"],
     ctypes.c_int) | {"ts_int4_packed16_span": ctypes.c_int64, "ts_int4_wide_rows": ctypes.c_int64}
 
 

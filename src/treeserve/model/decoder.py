@@ -40,18 +40,24 @@ class Attention(nn.Module):
         def head_norm():
             return make_norm(self.head_dim, config.rms_norm_eps, config.gemma_norms) if config.qk_norm else None
         self.q_norm, self.k_norm = head_norm(), head_norm()
+        # the channels the q, k and v projection may rotate itself (packed_linear.Bf16RotaryLinear):
+        # q's and k's, where nothing comes between the projection and the rotation
+        self.rotary_channels = 0 if config.qk_norm else (self.num_heads + self.num_kv_heads) * self.head_dim
         self.window = window
         self.scale = config.attn_scale or self.head_dim**-0.5
         self.softcap = config.attn_softcap
 
     def forward(self, x, positions, rotary, layer_cache, meta, backend):
-        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        rotated = getattr(self.qkv_proj, "applies_rotary", False)  # packed_linear.Bf16RotaryLinear
+        qkv = self.qkv_proj(x, positions, rotary.cos, rotary.sin) if rotated else self.qkv_proj(x)
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        if not rotated:
+            q, k = rotary(positions, q, k)
         out = backend.forward(layer_cache, q, k, v, meta, self.scale, self.window, self.softcap)
         return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 

@@ -134,11 +134,13 @@ def bf16_linear(library: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, bia
     return _bf16_call(library.ts_bf16_linear, x, packed, bias, out_features)
 
 
-def _bf16_call(kernel, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, width: int) -> torch.Tensor:
-    """[rows, width] bfloat16 from one of csrc/bf16_linear.c's entries."""
+def _bf16_call(kernel, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, width: int,
+               *extra) -> torch.Tensor:
+    """[rows, width] bfloat16 from one of csrc/bf16_linear.c's entries (`extra`: its arguments after
+    the common ones)."""
     out = torch.empty((x.shape[0], width), dtype=torch.bfloat16)
     status = kernel(x.data_ptr(), _rows(x), packed.data_ptr(), None if bias is None else bias.data_ptr(),
-                    out.data_ptr(), x.shape[0], width, x.shape[1])
+                    out.data_ptr(), x.shape[0], width, x.shape[1], *extra)
     if status == -2:
         raise MemoryError(f"{kernel.__name__}: no memory for the partial sums")
     if status != 0:
@@ -171,6 +173,41 @@ def bf16_linear_silu_mul(library: ctypes.CDLL, x: torch.Tensor, packed: torch.Te
     any, grouped alike): the products rounded once, then the activation rounded as
     `cpu_kernels.silu_mul`'s, the [rows, 2 x size] products never stored."""
     return _bf16_call(library.ts_bf16_linear_silu_mul, x, packed, bias, size)
+
+
+def qkv_grouped(t: torch.Tensor, rotary_channels: int, head_dim: int) -> torch.Tensor:
+    """A q, k and v weight or bias [channels, ...] with the first `rotary_channels` (q's and k's heads)
+    reordered per head into blocks of 64: dimensions 32 t + [0, 32) of the head's first half, then the
+    same of its second half (the pairs rotate-half mixes), t = 0 .. head_dim / 64 - 1; v's as they are.
+    A copy."""
+    if head_dim % 64 or rotary_channels % head_dim or rotary_channels > t.shape[0]:
+        raise ValueError(f"qkv_grouped: {rotary_channels} rotary channels of {t.shape[0]} in heads of {head_dim}")
+    rest, heads, half = t.shape[1:], rotary_channels // head_dim, head_dim // 2
+    rotated = t[:rotary_channels].reshape(heads, 2, half // 32, 32, *rest).transpose(1, 2)
+    return torch.cat([rotated.reshape(rotary_channels, *rest), t[rotary_channels:]])
+
+
+def qkv_ungrouped(t: torch.Tensor, rotary_channels: int, head_dim: int) -> torch.Tensor:
+    """`qkv_grouped` undone."""
+    rest, heads, half = t.shape[1:], rotary_channels // head_dim, head_dim // 2
+    rotated = t[:rotary_channels].reshape(heads, half // 32, 2, 32, *rest).transpose(1, 2)
+    return torch.cat([rotated.reshape(rotary_channels, *rest), t[rotary_channels:]])
+
+
+def bf16_linear_rotary(library: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                       out_features: int, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       head_dim: int, rotary_channels: int) -> torch.Tensor:
+    """x [rows, K] bfloat16 (last dim contiguous) times a q, k and v weight packed as
+    `bf16_pack(qkv_grouped(weight, rotary_channels, head_dim))` (bias, if any, grouped alike): [rows,
+    out_features] bfloat16 in the weight's own channel order, q's and k's channels rotated at each row's
+    table row `positions` (int64) of cos and sin (float32 [*, head_dim]), rounded as `cpu_kernels.rotary_`
+    rounds the product."""
+    if positions.dtype != torch.long or positions.shape != (x.shape[0],) or cos.dtype != torch.float32 \
+            or sin.dtype != torch.float32 or cos.shape[-1] != head_dim or sin.shape != cos.shape:
+        raise ValueError("bf16_linear_rotary: int64 positions, one per row, and float32 tables [*, head_dim]")
+    positions, cos, sin = positions.contiguous(), cos.contiguous(), sin.contiguous()
+    return _bf16_call(library.ts_bf16_linear_rotary, x, packed, bias, out_features, positions.data_ptr(),
+                      cos.data_ptr(), sin.data_ptr(), head_dim, rotary_channels)
 
 
 INT4_RUN = 128  # inputs per run of csrc/int4_linear.c's layout

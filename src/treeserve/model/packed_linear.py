@@ -115,13 +115,14 @@ class Bf16Linear(nn.Module):
         """The weight [out, in] as `nn.Linear` holds it (a copy, unpacked)."""
         return linear_kernels.bf16_unpack(self.packed, self.out_features, self.in_features)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *epilogue) -> torch.Tensor:
+        """`epilogue`: what a subclass's product takes besides the rows."""
         if x.dtype != torch.bfloat16:
             raise TypeError(f"{type(self).__name__}: bfloat16 input expected, got {x.dtype}")
         rows = x.reshape(-1, self.in_features)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        out = self._product(rows)
+        out = self._product(rows, *epilogue)
         return out.view(*x.shape[:-1], out.shape[-1])
 
     def _product(self, rows: torch.Tensor) -> torch.Tensor:
@@ -159,6 +160,35 @@ class Bf16SiluMulLinear(Bf16Linear):
         return linear_kernels.bf16_linear_silu_mul(cpu_kernels.load(), rows, self.packed, self.bias, self.size)
 
 
+class Bf16RotaryLinear(Bf16Linear):
+    """An attention's q, k and v `nn.Linear` whose forward(x, positions, cos, sin) also applies the
+    rotary embedding (rotate-half, float32 tables [*, head_dim] read at `positions`) to q's and k's
+    heads: csrc/bf16_linear.c finishes each tile with the rotation, rounded as `cpu_kernels.rotary_`
+    rounds it, so q and k are not read and written again (a 1k-token prefill of the 168M benchmark
+    shape: ~0.5 ms a layer in `rotary_`). The weight is packed with q's and k's channels grouped
+    (`linear_kernels.qkv_grouped`); `weight` gives it back in its own order. Made for an attention
+    whose q and k go to the rotation as they come from the projection (no norm of each head between)."""
+
+    applies_rotary = True
+
+    def __init__(self, linear: nn.Linear, head_dim: int, rotary_channels: int):
+        self.head_dim, self.rotary_channels = head_dim, rotary_channels
+        grouped = _bias_free_linear(linear_kernels.qkv_grouped(linear.weight.detach(), rotary_channels, head_dim))
+        if linear.bias is not None:
+            grouped.bias = nn.Parameter(linear_kernels.qkv_grouped(linear.bias.detach(), rotary_channels, head_dim),
+                                        requires_grad=False)
+        super().__init__(grouped)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return linear_kernels.qkv_ungrouped(super().weight, self.rotary_channels, self.head_dim)
+
+    def _product(self, rows: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> torch.Tensor:
+        return linear_kernels.bf16_linear_rotary(cpu_kernels.load(), rows, self.packed, self.bias, self.out_features,
+                                                 positions, cos, sin, self.head_dim, self.rotary_channels)
+
+
 class PackedLinear(nn.Module):
     """A bias-free `nn.Linear`'s forward over its weight in oneDNN's layout (an opaque tensor: it
     serves this forward only)."""
@@ -194,7 +224,8 @@ class Float32Linear(nn.Linear):
 def pack_linears(model: nn.Module, dtype: torch.dtype, device: torch.device) -> int:
     """Replaces the `nn.Linear`s of a bfloat16 model on a CPU with bfloat16 units (`can_pack`) by
     `Bf16Linear`s where the C kernel runs (every layer whose inputs come in pairs; a SwiGLU MLP's
-    gate and up projections by a `Bf16SiluMulLinear`, where its size allows), else by
+    gate and up projections by a `Bf16SiluMulLinear` and an attention's q, k and v by a
+    `Bf16RotaryLinear`, where their sizes allow), else by
     `PackedLinear`s (those without bias); or, bfloat16 on a CPU without bfloat16 units, every
     `nn.Linear` by a `Float32Linear`. Returns how many were replaced; a layer neither takes stays."""
     if dtype == torch.bfloat16 and device.type == "cpu" and not cpu_has_fast_bf16():
@@ -218,10 +249,7 @@ def pack_linears(model: nn.Module, dtype: torch.dtype, device: torch.device) -> 
 
 def _packed(parent: nn.Module, name: str, linear: nn.Linear, library) -> nn.Module | None:
     if library is not None and linear.in_features % 2 == 0:
-        if name == "gate_up_proj" and isinstance(parent, GatedMLP) and parent.act == "silu" \
-                and parent.intermediate % linear_kernels.GATE_UP_GROUP == 0:
-            return Bf16SiluMulLinear(linear)
-        return Bf16Linear(linear)
+        return _with_epilogue(parent, name, linear) or Bf16Linear(linear)
     if linear.bias is not None:
         return None
     try:
@@ -229,6 +257,18 @@ def _packed(parent: nn.Module, name: str, linear: nn.Linear, library) -> nn.Modu
     except RuntimeError as exc:
         logger.warning("keeping %s as nn.Linear: oneDNN could not pack it (%s)", name, exc)
         return None
+
+
+def _with_epilogue(parent: nn.Module, name: str, linear: nn.Linear) -> Bf16Linear | None:
+    """The C kernel's layer that also does what follows the product where it can: a SwiGLU's
+    activation, an attention's rotary embedding; else None."""
+    if name == "gate_up_proj" and isinstance(parent, GatedMLP) and parent.act == "silu" \
+            and parent.intermediate % linear_kernels.GATE_UP_GROUP == 0:
+        return Bf16SiluMulLinear(linear)
+    # (an attention's; decoder.py imports this module, so by its attribute)
+    if name == "qkv_proj" and getattr(parent, "rotary_channels", 0) and parent.head_dim % 64 == 0:
+        return Bf16RotaryLinear(linear, parent.head_dim, parent.rotary_channels)
+    return None
 
 
 def pack_tied_lm_head(model: nn.Module, dtype: torch.dtype, device: torch.device) -> bool:

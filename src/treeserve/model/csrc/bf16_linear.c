@@ -93,3 +93,28 @@ int ts_bf16_linear_silu_mul(const void *x, int64_t x_stride, const void *packed,
     return -1;
 #endif
 }
+
+/* out [rows, n_out] bfloat16 = x times w^T (+ bias), as ts_bf16_linear, with channels below
+ * rotary_channels (q's then k's heads of head_dim, a multiple of 64) rotated as the attention's rotary
+ * embedding (rotate-half) rotates them at each row's `positions` entry of the float32 tables cos and
+ * sin [*, head_dim]; those channels' weights (and bias) in linear_kernels.qkv_grouped's order,
+ * bf16_pack'ed. Returns 0; -1 where it cannot run (no AVX512-BF16, k_in odd, a head_dim or
+ * rotary_channels it does not take); -2 out of memory. */
+int ts_bf16_linear_rotary(const void *x, int64_t x_stride, const void *packed, const void *bias, void *out,
+                          int64_t rows, int64_t n_out, int64_t k_in, const int64_t *positions, const float *cos,
+                          const float *sin, int64_t head_dim, int64_t rotary_channels)
+{
+#if defined(TS_BF16_LINEAR)
+    if (k_in % 2 || head_dim <= 0 || head_dim % 64 || rotary_channels % head_dim || rotary_channels > n_out)
+        return -1;
+    struct bf16_call c = {.x = (const uint16_t *)x, .x_stride = x_stride, .packed = (const uint16_t *)packed,
+                          .bias = (const uint16_t *)bias, .out = (uint16_t *)out, .rows = rows, .n_out = n_out,
+                          .k_in = k_in, .ahead = BF16_AHEAD, .rotary_channels = rotary_channels,
+                          .head_dim = head_dim, .positions = positions, .cos = cos, .sin = sin};
+    return bf16_run(&c);
+#else
+    (void)x; (void)x_stride; (void)packed; (void)bias; (void)out; (void)rows; (void)n_out; (void)k_in;
+    (void)positions; (void)cos; (void)sin; (void)head_dim; (void)rotary_channels;
+    return -1;
+#endif
+}

@@ -12,7 +12,11 @@
  * SwiGLU's gate and up projections in one (ts_bf16_linear_silu_mul): the weight's channels ordered
  * so that each block holds 32 gates and the ups of the same 32 channels; its tiles end with
  * silu(gate) * up, rounded as cpu_kernels.c's silu_mul rounds, and write the activation alone (the
- * [rows, 2 x size] product is never stored and read back). */
+ * [rows, 2 x size] product is never stored and read back).
+ *
+ * The attention's q, k and v projection with rotary embedding (ts_bf16_linear_rotary): q's and k's
+ * channels ordered so that each block holds 32 dimensions of a head's first half and the same 32 of
+ * its second half (the pairs rotate-half mixes); its tiles end with the rotation. */
 #ifndef TS_BF16_TILES_H
 #define TS_BF16_TILES_H
 
@@ -45,6 +49,10 @@ struct bf16_call {
     int silu_mul;   /* the layout and output of ts_bf16_linear_silu_mul */
     int64_t ahead;  /* bytes past the weights read that each step asks into L2 (BF16_AHEAD: the next
                        span's, from memory; 0 for weights already in cache) */
+    /* ts_bf16_linear_rotary: channels below rotary_channels (q's and k's heads) leave rotated */
+    int64_t rotary_channels, head_dim;
+    const int64_t *positions;  /* [rows]: each row's row of the tables */
+    const float *cos, *sin;    /* [*, head_dim] */
 };
 
 /* Channel vector j (16 channels) of row m: after a span but the last, into `partial`; after the
@@ -79,35 +87,62 @@ static inline void silu_mul_store(uint16_t *dst, __m512 gate, __m512 up)
     _mm256_storeu_si256((__m256i *)dst, bf16x16_pack(_mm512_mul_ps(silu, bf16x16_round(up))));
 }
 
-/* A tile row's four vectors in the silu_mul layout (gates of channels n0 / 2 + [0, 32), then their
- * ups): after a span but the last, into `partial`; after the last, plus the bias, the activation
- * into `out` [rows, n_out / 2]. */
-static inline void bf16_finish_silu(const struct bf16_call *c, float *partial, int64_t n0, int64_t m, __m512 g0,
-                                    __m512 g1, __m512 u0, __m512 u1, int64_t span)
+/* A tile row's four vectors (channels n0 + [0, 64)) summed over the spans: after a span but the
+ * last, into `partial` (0); after the last, plus the bias (1: `v` holds the finished sums). */
+static inline __attribute__((always_inline)) int bf16_block_row_sums(const struct bf16_call *c, float *partial,
+                                                                     int64_t n0, int64_t m, __m512 v[4],
+                                                                     int64_t span)
 {
     float *p = partial + m * 64;
-    if (span > 0) {
-        g0 = _mm512_add_ps(g0, _mm512_loadu_ps(p));
-        g1 = _mm512_add_ps(g1, _mm512_loadu_ps(p + 16));
-        u0 = _mm512_add_ps(u0, _mm512_loadu_ps(p + 32));
-        u1 = _mm512_add_ps(u1, _mm512_loadu_ps(p + 48));
-    }
+    if (span > 0)
+        for (int j = 0; j < 4; j++)
+            v[j] = _mm512_add_ps(v[j], _mm512_loadu_ps(p + 16 * j));
     if (span < c->spans - 1) {
-        _mm512_storeu_ps(p, g0);
-        _mm512_storeu_ps(p + 16, g1);
-        _mm512_storeu_ps(p + 32, u0);
-        _mm512_storeu_ps(p + 48, u1);
+        for (int j = 0; j < 4; j++)
+            _mm512_storeu_ps(p + 16 * j, v[j]);
+        return 0;
+    }
+    if (c->bias != NULL)
+        for (int j = 0; j < 4; j++)
+            v[j] = _mm512_add_ps(v[j], bf16x16_load(c->bias + n0 + 16 * j, 0xFFFF));
+    return 1;
+}
+
+/* The silu_mul layout (gates of channels n0 / 2 + [0, 32), then their ups): the activation into
+ * `out` [rows, n_out / 2]. */
+static inline __attribute__((always_inline)) void bf16_finish_silu(const struct bf16_call *c, float *partial,
+                                                                   int64_t n0, int64_t m, __m512 v[4], int64_t span)
+{
+    if (!bf16_block_row_sums(c, partial, n0, m, v, span))
         return;
-    }
-    if (c->bias != NULL) {
-        g0 = _mm512_add_ps(g0, bf16x16_load(c->bias + n0, 0xFFFF));
-        g1 = _mm512_add_ps(g1, bf16x16_load(c->bias + n0 + 16, 0xFFFF));
-        u0 = _mm512_add_ps(u0, bf16x16_load(c->bias + n0 + 32, 0xFFFF));
-        u1 = _mm512_add_ps(u1, bf16x16_load(c->bias + n0 + 48, 0xFFFF));
-    }
     uint16_t *dst = c->out + m * (c->n_out / 2) + n0 / 2;
-    silu_mul_store(dst, g0, u0);
-    silu_mul_store(dst + 16, g1, u1);
+    silu_mul_store(dst, v[0], v[2]);
+    silu_mul_store(dst + 16, v[1], v[3]);
+}
+
+/* The rotary layout (a head's dimensions 32 t + [0, 32), then the same of its second half, t =
+ * (n0 mod head_dim) / 64): rotated (rotate-half), each rounding as cpu_kernels.c's rotary_head_bf16
+ * makes it on the product rounded once, into the head's own places in `out`. */
+static inline __attribute__((always_inline)) void bf16_finish_rotary(const struct bf16_call *c, float *partial,
+                                                                     int64_t n0, int64_t m, __m512 v[4],
+                                                                     int64_t span)
+{
+    if (!bf16_block_row_sums(c, partial, n0, m, v, span))
+        return;
+    int64_t half = c->head_dim / 2, first = 32 * ((n0 % c->head_dim) / 64);
+    const float *cos = c->cos + c->positions[m] * c->head_dim, *sin = c->sin + c->positions[m] * c->head_dim;
+    uint16_t *dst = c->out + m * c->n_out + (n0 / c->head_dim) * c->head_dim;
+    for (int j = 0; j < 2; j++) {
+        int64_t d = first + 16 * j;
+        __m512 a = bf16x16_round(v[j]), b = bf16x16_round(v[j + 2]);
+        __m512 ca = bf16x16_round(_mm512_loadu_ps(cos + d)), sa = bf16x16_round(_mm512_loadu_ps(sin + d));
+        __m512 cb = bf16x16_round(_mm512_loadu_ps(cos + half + d)), sb = bf16x16_round(_mm512_loadu_ps(sin + half + d));
+        __m512 ra = _mm512_add_ps(bf16x16_round(_mm512_mul_ps(a, ca)),
+                                  bf16x16_round(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), b), sa)));
+        __m512 rb = _mm512_add_ps(bf16x16_round(_mm512_mul_ps(b, cb)), bf16x16_round(_mm512_mul_ps(a, sb)));
+        bf16x16_store(dst + d, ra, 0xFFFF);
+        bf16x16_store(dst + half + d, rb, 0xFFFF);
+    }
 }
 
 #define BF_INIT(r) __m512 a##r##0 = _mm512_setzero_ps(), a##r##1 = a##r##0, a##r##2 = a##r##0, a##r##3 = a##r##0;
@@ -123,12 +158,16 @@ static inline void bf16_finish_silu(const struct bf16_call *c, float *partial, i
     }
 #define BF_FINISH(r)                                                                                  \
     if (c->silu_mul) {                                                                                \
-        bf16_finish_silu(c, partial, n0, m0 + (r), a##r##0, a##r##1, a##r##2, a##r##3, span);        \
+        __m512 v[4] = {a##r##0, a##r##1, a##r##2, a##r##3};                                           \
+        bf16_finish_silu(c, partial, n0, m0 + (r), v, span);                                          \
+    } else if (n0 < c->rotary_channels) {                                                             \
+        __m512 v[4] = {a##r##0, a##r##1, a##r##2, a##r##3};                                           \
+        bf16_finish_rotary(c, partial, n0, m0 + (r), v, span);                                        \
     } else {                                                                                          \
-    bf16_finish(c, partial, n0, m0 + (r), 0, a##r##0, span);                                          \
-    bf16_finish(c, partial, n0, m0 + (r), 1, a##r##1, span);                                          \
-    bf16_finish(c, partial, n0, m0 + (r), 2, a##r##2, span);                                          \
-    bf16_finish(c, partial, n0, m0 + (r), 3, a##r##3, span);                                          \
+        bf16_finish(c, partial, n0, m0 + (r), 0, a##r##0, span);                                      \
+        bf16_finish(c, partial, n0, m0 + (r), 1, a##r##1, span);                                      \
+        bf16_finish(c, partial, n0, m0 + (r), 2, a##r##2, span);                                      \
+        bf16_finish(c, partial, n0, m0 + (r), 3, a##r##3, span);                                      \
     }
 #define BF_TILE(name, ROWS)                                                                           \
     static void name(const struct bf16_call *c, const uint16_t *span_w, float *partial, int64_t n0,   \
