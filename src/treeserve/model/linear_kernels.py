@@ -148,7 +148,7 @@ def _bf16_call(kernel, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor
     return out
 
 
-GATE_UP_GROUP = 32  # gates, then the same channels' ups, per block of `bf16_pack_gate_up`'s layout
+GATE_UP_GROUP = 32  # gates, then the same channels' ups, per block of 64 (`gate_up_grouped`)
 
 
 def gate_up_grouped(t: torch.Tensor, size: int) -> torch.Tensor:

@@ -76,7 +76,7 @@ int ts_bf16_linear(const void *x, int64_t x_stride, const void *packed, const vo
 
 /* out [rows, size] bfloat16 (contiguous) = silu(gate) * up, where gate and up are x's products with
  * a weight [2 x size, k_in] (+ bias [2 x size]) whose channels (and bias) come in blocks of 32 gates
- * then the same 32 channels' ups, bf16_pack'ed (linear_kernels.bf16_pack_gate_up). Returns 0; -1
+ * then the same 32 channels' ups, bf16_pack'ed (linear_kernels.gate_up_grouped). Returns 0; -1
  * where it cannot run (no AVX512-BF16, k_in odd, size not a multiple of 32); -2 out of memory. */
 int ts_bf16_linear_silu_mul(const void *x, int64_t x_stride, const void *packed, const void *bias, void *out,
                             int64_t rows, int64_t size, int64_t k_in)
