@@ -318,7 +318,7 @@ static void int4_p16_block(const struct int4_p16_call *c, const uint8_t *block, 
 #define TS_INT4_WIDE 1
 #define INT4_WIDE_ROWS 48
 
-/* 16 channels' bfloat16 pairs 128 + q (nibbles.. as in `nibbles`) as the pairs scale x (q - zero). */
+/* 16 channels' pairs of bfloat16 128 + q (the bits `nibbles` makes) as bfloat16 scale x (q - zero). */
 static inline __m512i widen_pairs(__m512i pairs, __m512 shift, __m512 scale, __m512i interleave)
 {
     __m512 first = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
@@ -361,7 +361,7 @@ static void int4_widen_span(const struct int4_p16_call *c, const uint8_t *block,
     }
 }
 
-/* The product of int4_wide_rows rows: every block, span by span, widened then multiplied. */
+/* The product at INT4_WIDE_ROWS rows or more: every block, span by span, widened then multiplied. */
 static int int4_wide_linear(const struct int4_p16_call *q, const uint16_t *x, int64_t x_stride, const uint8_t *packed)
 {
     struct bf16_call c = {.x = x, .x_stride = x_stride, .out = q->out, .rows = q->rows, .n_out = q->n_out,
