@@ -81,6 +81,14 @@ def _bias_free_linear(weight: torch.Tensor) -> nn.Linear:
     return linear
 
 
+def _reordered(linear: nn.Linear, order) -> nn.Linear:
+    """An `nn.Linear` over `linear`'s weight and bias with their channels in `order(tensor)`'s order (copies)."""
+    reordered = _bias_free_linear(order(linear.weight.detach()))
+    if linear.bias is not None:
+        reordered.bias = nn.Parameter(order(linear.bias.detach()), requires_grad=False)
+    return reordered
+
+
 def bf16_kernel() -> ctypes.CDLL | None:
     """treeserve's C library where its bfloat16 linear runs and is the one to use (AVX512-BF16 and no
     AMX: with AMX tiles oneDNN's matmuls have several times the vector units' rate), else None."""
@@ -146,11 +154,7 @@ class Bf16SiluMulLinear(Bf16Linear):
             raise ValueError(f"Bf16SiluMulLinear: {linear.out_features} channels, not twice a multiple of "
                              f"{linear_kernels.GATE_UP_GROUP}")
         self.size = linear.out_features // 2
-        grouped = _bias_free_linear(linear_kernels.gate_up_grouped(linear.weight.detach(), self.size))
-        if linear.bias is not None:
-            grouped.bias = nn.Parameter(linear_kernels.gate_up_grouped(linear.bias.detach(), self.size),
-                                        requires_grad=False)
-        super().__init__(grouped)
+        super().__init__(_reordered(linear, lambda t: linear_kernels.gate_up_grouped(t, self.size)))
 
     @property
     def weight(self) -> torch.Tensor:
@@ -173,11 +177,7 @@ class Bf16RotaryLinear(Bf16Linear):
 
     def __init__(self, linear: nn.Linear, head_dim: int, rotary_channels: int):
         self.head_dim, self.rotary_channels = head_dim, rotary_channels
-        grouped = _bias_free_linear(linear_kernels.qkv_grouped(linear.weight.detach(), rotary_channels, head_dim))
-        if linear.bias is not None:
-            grouped.bias = nn.Parameter(linear_kernels.qkv_grouped(linear.bias.detach(), rotary_channels, head_dim),
-                                        requires_grad=False)
-        super().__init__(grouped)
+        super().__init__(_reordered(linear, lambda t: linear_kernels.qkv_grouped(t, rotary_channels, head_dim)))
 
     @property
     def weight(self) -> torch.Tensor:
