@@ -1,5 +1,6 @@
 /* This CPU's ceiling for bfloat16 products: `vdpbf16ps` (16 float32 lanes, each += two products:
- * 64 FLOP an instruction) in the bf16 linear kernel's tile (csrc/bf16_linear.c: 6 rows x 4 vectors of
+ * 64 FLOP an instruction), and for the 16-bit integer products of the packed int8/4-bit kernels
+ * (`vpdpwssd`, as many: csrc/int4_linear.c's rows as 16-bit integers), in the bf16 linear kernel's tile (csrc/bf16_linear.c: 6 rows x 4 vectors of
  * 16 channels, 24 accumulators), each pair of a row's inputs broadcast from memory and the weights
  * loaded from a buffer of the given size, cycled (16 KiB: L1; 128 KiB: L2, the kernel's span of a
  * block; 8 MiB: beyond L2). On every OpenMP thread (OMP_NUM_THREADS). A linear layer's GFLOP/s over
@@ -16,7 +17,13 @@
 
 #define K 1024
 #define STEPS 20000000L
-#define DP(acc, x, w) __asm__ volatile("vdpbf16ps %1, %2, %0" : "+v"(acc) : "v"(w), "v"(x))
+#define DP(acc, x, w)                                                                                 \
+    do {                                                                                              \
+        if (integer)                                                                                  \
+            __asm__ volatile("vpdpwssd %1, %2, %0" : "+v"(acc) : "v"(w), "v"(x));                    \
+        else                                                                                          \
+            __asm__ volatile("vdpbf16ps %1, %2, %0" : "+v"(acc) : "v"(w), "v"(x));                   \
+    } while (0)
 #define ROW(r, A, B, C, D)                                                                            \
     {                                                                                                 \
         int32_t pair;                                                                                 \
@@ -25,8 +32,10 @@
         DP(A, x, w0); DP(B, x, w1); DP(C, x, w2); DP(D, x, w3);                                       \
     }
 
-/* (24 named accumulators: GCC keeps them in registers, an array it loads and stores at each step) */
-static float tile_steps(const uint16_t *weights, long weight_elems, const uint16_t *rows)
+/* (24 named accumulators: GCC keeps them in registers, an array it loads and stores at each step;
+ * `integer` a constant at each call, so each instruction's loop is its own) */
+static inline __attribute__((always_inline)) float tile_steps(const uint16_t *weights, long weight_elems,
+                                                              const uint16_t *rows, int integer)
 {
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0,
            a9 = a0, a10 = a0, a11 = a0, a12 = a0, a13 = a0, a14 = a0, a15 = a0, a16 = a0, a17 = a0, a18 = a0,
@@ -51,19 +60,31 @@ static float tile_steps(const uint16_t *weights, long weight_elems, const uint16
     return _mm512_reduce_add_ps(sum);
 }
 
+static float bf16_steps(const uint16_t *weights, long weight_elems, const uint16_t *rows)
+{
+    return tile_steps(weights, weight_elems, rows, 0);
+}
+
+static float int16_steps(const uint16_t *weights, long weight_elems, const uint16_t *rows)
+{
+    return tile_steps(weights, weight_elems, rows, 1);
+}
+
 int main(void)
 {
     const long sizes[] = {16 << 10, 128 << 10, 8 << 20};
-    for (int i = 0; i < 3; i++) {
+    const char *names[] = {"vdpbf16ps", "vpdpwssd "};
+    float (*steps[])(const uint16_t *, long, const uint16_t *) = {bf16_steps, int16_steps};
+    for (int i = 0; i < 6; i++) {
         double best = 0;
         for (int rep = 0; rep < 3; rep++) {
             double start = omp_get_wtime();
 #pragma omp parallel
             {
-                uint16_t *weights = aligned_alloc(64, sizes[i]), *rows = aligned_alloc(64, 6 * K * 2);
-                memset(weights, 1, sizes[i]);
+                uint16_t *weights = aligned_alloc(64, sizes[i % 3]), *rows = aligned_alloc(64, 6 * K * 2);
+                memset(weights, 1, sizes[i % 3]);
                 memset(rows, 1, 6 * K * 2);
-                volatile float sink = tile_steps(weights, sizes[i] / 2, rows);
+                volatile float sink = steps[i / 3](weights, sizes[i % 3] / 2, rows);
                 (void)sink;
                 free(weights);
                 free(rows);
@@ -71,8 +92,8 @@ int main(void)
             double flops = 64.0 * 24 * STEPS * omp_get_max_threads(), rate = flops / (omp_get_wtime() - start);
             best = rate > best ? rate : best;
         }
-        printf("vdpbf16ps, 6 x 4 tile, weights cycled over %5ld KiB: %5.0f GFLOP/s on %d threads\n",
-               sizes[i] >> 10, best / 1e9, omp_get_max_threads());
+        printf("%s, 6 x 4 tile, weights cycled over %5ld KiB: %5.0f GFLOP/s on %d threads\n", names[i / 3],
+               sizes[i % 3] >> 10, best / 1e9, omp_get_max_threads());
     }
     return 0;
 }

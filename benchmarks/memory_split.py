@@ -87,7 +87,8 @@ def run(paths, label: str, args, out: Path, kv_mib: int | None = None, **runtime
             "preemptions": {n: s.num_preemptions for n, s in stats.items()},
             "tokens_computed_by_model": {n: e.num_tokens_computed for n, e in rt.engines.items()},
             "hit_rate": {n: (s.prefix_hits / s.prefix_queries if s.prefix_queries else 0.0) for n, s in stats.items()},
-            "thrash": {n: s.thrash for n, s in stats.items()}, "evictions": {n: s.evictions for n, s in stats.items()}}
+            "thrash": {n: s.thrash for n, s in stats.items()}, "evictions": {n: s.evictions for n, s in stats.items()},
+            "thrash_by_evictor": {n: s.thrash_by_evictor for n, s in stats.items()}}
 
 
 def main() -> int:
@@ -152,6 +153,8 @@ def main() -> int:
           f"(medians of {args.repeats}; {shared['tokens_computed']} "
           f"tokens computed {shared['tokens_computed_by_model']}, "
           f"hit rate { {k: round(v, 3) for k, v in shared['hit_rate'].items()} })")
+    # whose allocations evicted the blocks each model asked for again (its own, or the other model's)
+    print(f"shared: thrash by the evicting model {shared['thrash_by_evictor']}")
     best = max(results, key=lambda r: r["problems_per_s"])
     print(f"best static split: gen={best['split']:.1f}")
     same = all(r["chosen"] == shared["chosen"] for rs in runs.values() for r in rs)

@@ -117,3 +117,30 @@ def test_queued_work_takes_another_models_shared_prefixes_down_to_its_floor_only
     assert len(_cached_ids(pool, "gen")) == floor and len(_cached_ids(pool, "prm")) == 9
     pool.allocate(1, "prm")                        # then prm's own queued prefixes, not gen's floor
     assert len(_cached_ids(pool, "gen")) == floor and len(_cached_ids(pool, "prm")) == 8
+
+
+def test_thrash_is_counted_by_the_model_whose_allocation_evicted_the_block():
+    from treeserve.engine.kv_cache_manager import KVCacheManager
+    from treeserve.engine.request import Request
+    from treeserve.sampling_params import SamplingParams
+
+    pool = BlockPool(4)
+    gen, prm = KVCacheManager(block_size=4, pool=pool, owner="gen"), KVCacheManager(block_size=4, pool=pool, owner="prm")
+
+    def prefill(kv, rid, tokens):
+        request = Request(rid, list(tokens), SamplingParams())
+        prefix = kv.find_cached_prefix(request)
+        assert kv.allocate_slots(request, request.num_tokens - prefix.num_tokens, prefix)
+        request.num_computed_tokens = request.num_tokens
+        kv.cache_full_blocks(request)
+        kv.free(request)
+
+    prefill(prm, "a", range(9))              # 2 full blocks cached (+ a partial one)
+    prefill(gen, "b", range(100, 116))       # gen takes all 4 blocks: evicts prm's 2
+    prefill(prm, "c", range(9))              # prm asks for them again
+    prefill(prm, "d", range(200, 216))       # prm's allocation evicts gen's 4 blocks
+    prefill(gen, "e", range(100, 116))
+    assert prm.stats.thrash == 2 and prm.stats.thrash_by_evictor == {"gen": 2}
+    # (a lookup stops short of the last block: its last position's logits are computed)
+    assert gen.stats.thrash == 3 and gen.stats.thrash_by_evictor == {"prm": 3}
+    assert pool.stats.thrash_by_evictor == {"gen": 2, "prm": 3}

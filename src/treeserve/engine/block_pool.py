@@ -8,7 +8,7 @@ Requests free their blocks tail-first, so within a tier a request's tail is evic
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from treeserve.engine.eviction import THRASH_WINDOW_PER_BLOCK, FreeBlocks, ThrashWindow
@@ -22,9 +22,11 @@ class PrefixCacheStats:
     hits: int = 0           # of which found in the cache
     evictions: int = 0      # cached blocks whose contents were dropped for new data
     thrash: int = 0         # evicted block hashes that were requested again later
+    # thrash by the model whose allocation evicted the block (a shared arena: the owner itself or another)
+    thrash_by_evictor: dict[str, int] = field(default_factory=dict)
 
     def snapshot(self) -> "PrefixCacheStats":
-        return PrefixCacheStats(self.queries, self.hits, self.evictions, self.thrash)
+        return PrefixCacheStats(self.queries, self.hits, self.evictions, self.thrash, dict(self.thrash_by_evictor))
 
 
 class BlockPool:
@@ -91,12 +93,14 @@ class BlockPool:
         return self.stats_by_owner.setdefault(owner, PrefixCacheStats())
 
     def record_lookup(self, owner: str, queried: int, hit: int, thrash_hashes: list[bytes]) -> None:
-        for h in thrash_hashes:
-            self.thrash_window.discard(h)
+        evictors = [self.thrash_window.discard(h) for h in thrash_hashes]
         for stats in (self.stats, self.owner_stats(owner)):
             stats.queries += queried
             stats.hits += hit
             stats.thrash += len(thrash_hashes)
+            for evictor in evictors:
+                if evictor is not None:
+                    stats.thrash_by_evictor[evictor] = stats.thrash_by_evictor.get(evictor, 0) + 1
 
     def num_in_use_by(self, owner: str) -> int:
         return self.in_use_by_owner.get(owner, 0)
@@ -128,7 +132,7 @@ class BlockPool:
                 pass
             block = self.free_blocks.pop(owner, self.in_use_by_owner)
             block.wanted_by = None
-            self._evict(block)
+            self._evict(block, owner)
             block.ref_count = 1
             block.owner = owner
             block.reused = False
@@ -148,12 +152,12 @@ class BlockPool:
                 self.free_blocks.want(block, owner)
         self.wanted_by_owner[owner] = list(blocks)
 
-    def _evict(self, block: KVBlock) -> None:
+    def _evict(self, block: KVBlock, evicted_by: str) -> None:
         if block.block_hash is None:
             return
         if self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
-            self.thrash_window.add(block.block_hash)
+            self.thrash_window.add(block.block_hash, evicted_by)
             self.stats.evictions += 1
             self.owner_stats(block.owner).evictions += 1
         block.block_hash = None

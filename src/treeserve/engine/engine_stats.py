@@ -2,7 +2,7 @@
 metrics, telemetry, the scorer and benchmarks read of an engine's insides."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from treeserve.engine.kept_kv import KeptSequences
 from treeserve.engine.kv_cache_manager import KVCacheManager
@@ -41,6 +41,9 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    # `thrash` by the model whose allocation evicted the block: this model's own, or (in a shared
+    # arena) another's
+    thrash_by_evictor: dict[str, int] = field(default_factory=dict)
 
     @property
     def kv_usage(self) -> float:
@@ -61,7 +64,7 @@ def snapshot(model: str, pipeline, scheduler: Scheduler, kv: KVCacheManager, ret
         pool.num_blocks, kv.num_blocks_in_use(), pool.num_free, pool.num_wanted_by(kv.owner), pool.usage(),
         pool.thrash_window_size, prefix.queries, prefix.hits, prefix.evictions, prefix.thrash,
         len(retained), retained.num_blocks(), arena_bytes, _cached_blocks(kv) if count_cached else None,
-        graph_replays, *_spec_counts(pipeline.speculator))
+        graph_replays, *_spec_counts(pipeline.speculator), thrash_by_evictor=dict(prefix.thrash_by_evictor))
 
 
 def _spec_counts(speculator) -> tuple:

@@ -37,13 +37,14 @@ FLOOR = 0.5
 
 class ThrashWindow:
     """The most recently evicted block hashes, at most `capacity` (oldest forgotten first): a
-    later request for one of them is thrash (evicted, then needed again)."""
+    later request for one of them is thrash (evicted, then needed again). Each remembers the model
+    whose allocation evicted it (in a shared arena: its own, or another model's)."""
 
     def __init__(self, capacity: int):
         if capacity < 1:
             raise ValueError(f"capacity: the thrash window needs room for at least one hash, got {capacity}")
         self.capacity = capacity
-        self._hashes: OrderedDict[bytes, None] = OrderedDict()
+        self._hashes: OrderedDict[bytes, str] = OrderedDict()  # hash -> the evicting owner
 
     def __len__(self) -> int:
         return len(self._hashes)
@@ -51,14 +52,15 @@ class ThrashWindow:
     def __contains__(self, block_hash: bytes) -> bool:
         return block_hash in self._hashes
 
-    def add(self, block_hash: bytes) -> None:
-        self._hashes[block_hash] = None
+    def add(self, block_hash: bytes, evicted_by: str = "") -> None:
+        self._hashes[block_hash] = evicted_by
         self._hashes.move_to_end(block_hash)
         if len(self._hashes) > self.capacity:
             self._hashes.popitem(last=False)
 
-    def discard(self, block_hash: bytes) -> None:
-        self._hashes.pop(block_hash, None)
+    def discard(self, block_hash: bytes) -> str | None:
+        """Forgets a hash; the owner whose allocation evicted it (None if not remembered)."""
+        return self._hashes.pop(block_hash, None)
 
     def clear(self) -> None:
         self._hashes.clear()
