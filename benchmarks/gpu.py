@@ -18,7 +18,8 @@ Sections, each timed and reported even when another fails (the JSON is rewritten
    Llama-3.2-1B-shaped generator and a Llama-3.1-8B-shaped PRM in a KV budget that binds, beam
    search N=16 over MATH-500-shaped questions with static generator/PRM splits 0.08-0.5 and in
    the shared arena, warmed up, alternated, 3 rounds, medians.
-Sections run on request only: `decode_baseline` (the decode section with PyTorch's unfused
+Sections run on request only: `spec_search` (benchmarks/gpu_spec_search.py: the bundled beam
+search with and without sibling suffix speculation, issue #57's 1.4x, alternating), `decode_baseline` (the decode section with PyTorch's unfused
 per-layer ops, for an A/B in one run), `decode_sync` (the decode section without async scheduling:
 each step's tokens reach the host before the next step is scheduled) and `attention` (benchmarks/gpu_attention.py's sweep; its
 chosen split policy holds for the sections after it). `--no-peers` skips HF in `offline` (`--peers` picks);
@@ -41,6 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import gpu_models as gm  # noqa: E402
+import gpu_spec_search  # noqa: E402
 
 from treeserve import LLM, Runtime, SamplingParams  # noqa: E402
 from treeserve.engine.tp_worker import resident_bytes  # noqa: E402
@@ -257,6 +259,7 @@ def table(results: dict) -> list[list[str]]:
         gpu = next(v for k, v in bundled.items() if k != "cpu")
         rows.append(["bundled beam search problems/s", f"{gpu['problems_s']:.2f}", f"{bundled['cpu']['problems_s']:.2f} (CPU)",
                      f"{gpu['problems_s'] / bundled['cpu']['problems_s']:.2f}x", "> 1x"])
+    rows.extend(gpu_spec_search.table_rows(results.get("spec_search", {})))
     if "summary" in results.get("founding_search", {}):
         import gpu_founding
         rows.extend(gpu_founding.table_rows(results["founding_search"]))
@@ -287,6 +290,7 @@ def parse_args(argv):
     parser.add_argument("--decode-batches", default="1,8,64,256")
     parser.add_argument("--decode-steps", type=int, default=24)
     parser.add_argument("--bundled-problems", type=int, default=32)
+    parser.add_argument("--spec-repeats", type=int, default=3, help="spec_search: alternating rounds")
     parser.add_argument("--search-problems", type=int, default=16)
     parser.add_argument("--search-depth", type=int, default=6, help="founding search: beam iterations")
     parser.add_argument("--step-tokens", type=int, default=64)
@@ -309,6 +313,7 @@ def parse_args(argv):
         args.requests, args.hf_batch, args.decode_steps = min(args.requests, 12), 4, 6
         args.decode_batches = [b for b in args.decode_batches if b <= 8]
         args.bundled_problems, args.search_problems, args.search_depth, args.step_tokens = 4, 2, 2, 8
+        args.spec_repeats = 1
         args.splits, args.founding_kv_gib, args.founding_repeats = args.splits[-2:], 1 / 64, 1
         args.founding_max_len, args.founding_block_size = 256, 32
     return args
@@ -330,6 +335,7 @@ def main(argv=None) -> int:
                 "decode_baseline": lambda: run_decode_baseline(args, generator_dir),
                 "decode_sync": lambda: run_decode(args, generator_dir, async_scheduling=False),
                 "attention": lambda: run_attention_sweep(args),
+                "spec_search": lambda: gpu_spec_search.run(args, args.bundled_problems, args.spec_repeats),
                 "founding_search": lambda: run_founding_search(args, generator_dir, verifier_dir)}
     for name in args.sections.split(","):
         print(f"== {name} ({time.perf_counter() - started:.0f} s in)", flush=True)

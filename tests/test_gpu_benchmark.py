@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = "decode,decode_sync,offline,bundled_search,founding_search"
+SECTIONS = "decode,decode_sync,offline,bundled_search,founding_search,spec_search"
 
 
 def test_gpu_benchmark_smoke_runs_every_section(tmp_path):
@@ -31,3 +31,7 @@ def test_gpu_benchmark_smoke_runs_every_section(tmp_path):
     assert summary["best_static"] in ("static gen=0.4", "static gen=0.5")
     assert "shared / best static" in summary
     assert any(row[0].startswith("1B+8B beam N=16 (shared)") for row in results["table"])
+    spec = results["spec_search"]
+    assert len(spec["problems_s"]["none"]) == len(spec["problems_s"]["suffix"]) == 1
+    assert spec["accuracy"]["none"] == spec["accuracy"]["suffix"]  # seeded: the same search either way
+    assert any(row[0].startswith("bundled beam N=16, sibling suffix") for row in results["table"])
