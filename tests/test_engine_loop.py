@@ -114,3 +114,25 @@ def test_the_servers_queue_bound_counts_interactive_requests_only(tiny_model_dir
     assert served.num_waiting() == 0
     engine.add_request("chat-0", [1, 2, 3], SamplingParams(max_tokens=2))
     assert served.num_waiting() == 1
+
+
+def test_the_loop_calls_it_a_deadlock_when_every_engine_waits_on_the_others_blocks(tiny_model_dirs, monkeypatch):
+    """An engine whose waiting requests need blocks another model's requests hold idles a step (they
+    free them as they end); when every engine with work does so for STALLED_PASSES passes in a row,
+    nothing can free anything: the loop raises, naming what waits."""
+    from treeserve.engine import engine_loop
+
+    rt = Runtime({"gen": tiny_model_dirs["llama"], "prm": tiny_model_dirs["qwen2"]}, dtype="float32", device="cpu",
+                 kv_cache_memory_bytes=8 << 20, max_model_len=256)
+    loop = EngineLoop.of(rt.engines)
+    for name, engine in rt.engines.items():
+        loop.add_request(engine, name, [1, 2, 3], SamplingParams(max_tokens=40, ignore_eos=True), lambda o: None)
+    stalled = {"gen": True, "prm": False}
+    monkeypatch.setattr(LLMEngine, "is_stalled", property(lambda engine: stalled[engine.name]))
+    for _ in range(2 * engine_loop.STALLED_PASSES):
+        loop.step()  # one engine runs: no deadlock
+    stalled["prm"] = True
+    for _ in range(engine_loop.STALLED_PASSES - 1):
+        loop.step()
+    with pytest.raises(RuntimeError, match=r"every model sharing it waits .*gen: \d+, prm: \d+"):
+        loop.step()

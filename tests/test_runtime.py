@@ -172,3 +172,32 @@ def test_runtimes_over_loaded_models_share_their_weights_and_reset_to_nothing_ca
     assert [c for c, _ in _search_like(static)] == [c for c, _ in first]
     shared.close()
     static.close()
+
+
+def test_a_model_waits_for_the_blocks_another_models_running_requests_hold(pair):
+    """Shared arena: a verifier request that arrives while the generator's running sequences hold the
+    whole pool waits a few steps for them to end, then runs (it used to fail the engine loop with
+    "KV pool exhausted" although the generator was about to free the blocks: a search in a shared
+    arena of 8 or 16 MiB on the bundled pair died so)."""
+    from treeserve.engine.engine_loop import EngineLoop
+
+    probe = _runtime(pair)
+    page = probe.engines["gen"].kv.block_size * probe.engines["gen"].kv_bytes_per_token()
+    steps = ["step one is here and it is long " * 4, "two " * 10]
+    expected = probe.score_many("prm", [(QUESTION, steps)])
+    rt = Runtime(pair, dtype="float32", device="cpu", max_model_len=128, max_num_batched_tokens=128,
+                 kv_cache_memory_bytes=24 * page)
+    gen, loop, stalled, done = rt.engines["gen"], EngineLoop.of(rt.engines), [], []
+    loop.step_observers.append(lambda engine, outputs: stalled.append(engine.name) if engine.is_stalled else None)
+    params = SamplingParams(n=6, temperature=1.0, seed=1, max_tokens=64, ignore_eos=True)
+    loop.add_request(gen, "g", gen.tokenizer.encode(QUESTION), params, lambda o: done.append(o) if o.finished else None)
+    while gen.kv.pool.num_free > 3:  # the generator's sequences grow until they hold the pool
+        loop.step()
+    ticket = rt.scorer("prm").submit([(QUESTION, steps)])
+    loop.run_until(lambda: done and ticket.ready)
+    assert "prm" in stalled and "gen" not in stalled  # the verifier waited, then ran
+    assert ticket.results()[0] == pytest.approx(expected[0], abs=1e-5)
+    assert len(done[0].outputs) == 6 and all(len(c.token_ids) == 64 for c in done[0].outputs)
+    rt.release_kept()
+    for engine in rt.engines.values():
+        assert_no_leak(engine)

@@ -105,6 +105,10 @@ class BlockPool:
     def num_in_use_by(self, owner: str) -> int:
         return self.in_use_by_owner.get(owner, 0)
 
+    def num_in_use_by_others(self, owner: str) -> int:
+        """Blocks that the other models sharing the pool hold (their requests free them as they end)."""
+        return sum(count for other, count in self.in_use_by_owner.items() if other != owner)
+
     def _count_in_use(self, block: KVBlock, delta: int) -> None:
         self.in_use_by_owner[block.owner] = self.in_use_by_owner.get(block.owner, 0) + delta
 

@@ -19,6 +19,10 @@ from treeserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+# Loop passes in a row in which every engine with work was stalled (waiting on blocks that another
+# model holds) before the loop calls it a deadlock: nothing that runs can free those blocks.
+STALLED_PASSES = 2
+
 OutputCallback = Callable[[RequestOutput], None]
 StepObserver = Callable[[LLMEngine, list[RequestOutput]], None]
 AbortObserver = Callable[[LLMEngine, str], None]
@@ -54,6 +58,7 @@ class EngineLoop:
         self.clients: list[LoopClient] = []
         self._owners: dict[tuple[int, str], OutputCallback] = {}
         self.num_steps = 0  # loop iterations that stepped at least one engine
+        self._stalled_passes = 0
 
     @classmethod
     def of(cls, engines: Engines) -> EngineLoop:
@@ -116,12 +121,26 @@ class EngineLoop:
         busy = [e for e in self.engines if e.has_unfinished_requests()]
         for engine in busy:
             self._step_engine(engine)
+        self._check_stalled(busy)
         for engine in (e for e in self.engines if self.idle_observers and e not in busy):
             for observe in self.idle_observers:
                 observe(engine)
         if busy:
             self.num_steps += 1
         return bool(busy)
+
+    def _check_stalled(self, busy: list[LLMEngine]) -> None:
+        """An engine whose waiting requests need blocks that another model's requests hold waits for
+        them to end; when every engine with work waits so, none ever will."""
+        if not busy or not all(e.is_stalled for e in busy):
+            self._stalled_passes = 0
+            return
+        self._stalled_passes += 1
+        if self._stalled_passes >= STALLED_PASSES:
+            self._stalled_passes = 0
+            waiting = ", ".join(f"{_engine_name(e)}: {e.stats().num_waiting}" for e in busy)
+            raise RuntimeError(f"KV pool exhausted: every model sharing it waits for blocks the others hold "
+                               f"(waiting requests {waiting}); give the arena more memory")
 
     def check_health(self) -> None:
         """Raises what stopped any engine (a tensor-parallel worker's death, say)."""

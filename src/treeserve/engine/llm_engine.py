@@ -215,6 +215,12 @@ class LLMEngine:
         its text made at once (a stop string ends it before the next schedule)."""
         return self.pipeline.run_step()
 
+    @property
+    def is_stalled(self) -> bool:
+        """Its last step scheduled nothing because other models sharing its KV pool hold the blocks
+        its waiting requests need (they wait for those requests to end)."""
+        return self.pipeline.stalled
+
     def check_health(self) -> None:
         """Raises the error that stopped the engine, or a tensor-parallel worker's death."""
         self.guard.check()

@@ -40,6 +40,9 @@ class StepPipeline:
         self.num_tokens_computed = 0  # every token that went through the model, all steps
         self.last_step_num_tokens = 0
         self.num_steps_left_running = 0  # steps whose successor was launched before their results were applied
+        # the last step scheduled nothing: its waiting requests need blocks that other models' requests
+        # hold (a shared arena); the engine loop raises when every engine is so stalled
+        self.stalled = False
 
     @property
     def busy(self) -> bool:
@@ -54,6 +57,7 @@ class StepPipeline:
                 self.runner.capture = self.speculator.step_capture
         sched = self.scheduler.schedule()
         self.last_step_num_tokens = sched.num_tokens
+        self.stalled = False
         if not sched:
             return self._idle_step(sched)
         self.num_steps += 1
@@ -86,10 +90,10 @@ class StepPipeline:
             return self._land_in_flight()
         scheduler = self.scheduler
         if scheduler.waiting and not scheduler.running and not sched.preempted:
-            raise RuntimeError(
-                f"KV pool exhausted: {len(scheduler.waiting)} request(s) wait and none can be scheduled "
-                f"({self.kv.pool.num_free} free blocks); other models sharing the pool hold the rest"
-            )
+            if not self.kv.pool.num_in_use_by_others(self.kv.owner):
+                raise RuntimeError(f"KV pool exhausted: {len(scheduler.waiting)} request(s) wait and none can be "
+                                   f"scheduled ({self.kv.pool.num_free} of {self.kv.pool.num_blocks} blocks free)")
+            self.stalled = True  # another model's requests hold the blocks: they free them as they end
         return self.outputs.flush()
 
     def _may_leave_running(self, sched) -> bool:
