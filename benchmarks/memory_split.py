@@ -1,11 +1,21 @@
 """Static KV splits 0.1 ... 0.9 against the shared arena, on one generate-then-score workload.
 
-A tiny search loop (each round: every problem samples `width` candidate steps from the generator,
-the PRM scores every candidate, the best one extends the problem) runs once per static split of
-the KV budget between generator and PRM, and once in shared mode, in the same process. Prints
-throughput for each and `shared / best static: X.XX`; writes per-step traces and the figures.
+`--pair random` (the default): two random tiny Llamas (a 4-layer generator, a 6-layer PRM with 3x
+its bytes per token) and a tiny search loop (each round: every problem samples `width` candidate
+steps from the generator, the PRM scores every candidate, the best one extends the problem), all
+problems in lockstep. `--pair bundled`: the bundled arith-gen/arith-prm pair and treeserve's own
+beam search (`SearchRunner`: N=16, width 4, 8 iterations, problems refilled as others finish) over
+`--problems` arithmetic test problems, in float32 (4 KiB of KV a token for either model, on every
+CPU): `--kv-mib 32` holds 8,192 tokens, where 32 problems in flight (16 candidates of ~100-250 tokens
+each, sharing their beams' prefixes, and the PRM's conversations) do not fit and the static splits
+preempt the generator hundreds of times.
 
-    python benchmarks/memory_split.py [--problems 12] [--kv-mib 16] [--out bench_out/memory_split]
+Each configuration runs once per static split of the KV budget between generator and PRM, and once
+in shared mode, in the same process, alternating over `--repeats`. Prints throughput for each and
+`shared / best static: X.XX`; writes per-step traces and the figures.
+
+    python benchmarks/memory_split.py [--problems 24] [--kv-mib 16] [--out bench_out/memory_split]
+    python benchmarks/memory_split.py --pair bundled --problems 64 --kv-mib 32
 """
 from __future__ import annotations
 
@@ -25,7 +35,11 @@ from plot_kv_telemetry import plot_all  # noqa: E402
 from treeserve import Runtime, SamplingParams  # noqa: E402
 from treeserve.errors import ParamError  # noqa: E402
 from treeserve.model.random_models import make_tiny_model  # noqa: E402
-from treeserve.model.registry import cache_dir  # noqa: E402
+from treeserve.model.registry import DEFAULT_GENERATOR, DEFAULT_VERIFIER, cache_dir  # noqa: E402
+from treeserve.search.config import SearchConfig, declared_aggregation  # noqa: E402
+from treeserve.search.grading import grade  # noqa: E402
+from treeserve.search.runner import SearchRunner  # noqa: E402
+from treeserve.tasks.arithmetic import generate as arithmetic_problems  # noqa: E402
 
 SPLITS = [round(0.1 * i, 1) for i in range(1, 10)]
 # The unconstrained run gets this many times the budget: nothing is evicted or preempted, so its
@@ -37,7 +51,9 @@ VERIFIER = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=6, num
                 num_key_value_heads=4, max_position_embeddings=1024)
 
 
-def models() -> dict[str, Path]:
+def models(pair: str = "random") -> dict[str, Path | str]:
+    if pair == "bundled":
+        return {"gen": DEFAULT_GENERATOR, "prm": DEFAULT_VERIFIER}
     root = cache_dir() / "bench" / "memory-split"
     paths = {"gen": root / "gen", "prm": root / "prm"}
     if not (paths["gen"] / "config.json").is_file():
@@ -68,21 +84,37 @@ def search(rt: Runtime, questions: list[str], rounds: int, width: int, max_token
     return chosen
 
 
+def beam_search(rt: Runtime, rows: list[dict]) -> tuple[list[list[str]], float]:
+    """`--pair bundled`: treeserve's beam search over the problems; each one's chosen completion and
+    its answer, and the accuracy."""
+    config = SearchConfig(strategy="beam", n=16, beam_width=4, num_iterations=8, max_tokens=256, seed=0,
+                          agg_strategy=declared_aggregation(rt.engine("prm").model_dir))
+    results = SearchRunner(rt.engine("gen"), rt.scorer("prm")).run([row["problem"] for row in rows], config)
+    accuracy = sum(grade(r.pred, row["answer"]) for r, row in zip(results, rows)) / len(rows)
+    return [[r.completions[r.chosen], str(r.pred)] for r in results], accuracy
+
+
 def run(paths, label: str, args, out: Path, kv_mib: int | None = None, **runtime_options) -> dict:
     trace = out / f"trace_{label}.jsonl"
+    lengths = dict(max_model_len=512) if args.pair == "bundled" else dict(max_model_len=256, max_num_batched_tokens=1024)
     rt = Runtime({k: str(v) for k, v in paths.items()}, dtype="float32", device=args.device,
-                 kv_cache_memory_bytes=(kv_mib or args.kv_mib) << 20, max_model_len=256, max_num_batched_tokens=1024,
-                 trace_path=trace, **runtime_options)
-    questions = problems(args.problems, args.seed)
+                 kv_cache_memory_bytes=(kv_mib or args.kv_mib) << 20, trace_path=trace, **lengths, **runtime_options)
+    if args.pair == "bundled":
+        rows = [p.row() for p in arithmetic_problems("test", args.problems, seed=args.seed)]
+    else:
+        questions = problems(args.problems, args.seed)
     gc.collect()  # the runs before this one leave garbage: its collection is not this run's work
     start, start_cpu = time.perf_counter(), time.process_time()
-    chosen = search(rt, questions, args.rounds, args.width, args.max_tokens)
+    if args.pair == "bundled":
+        chosen, accuracy = beam_search(rt, rows)
+    else:
+        chosen, accuracy = search(rt, questions, args.rounds, args.width, args.max_tokens), None
     elapsed, cpu = time.perf_counter() - start, time.process_time() - start_cpu
     rt.close()
     tokens = sum(e.num_tokens_computed for e in rt.engines.values())
     stats = {name: e.stats() for name, e in rt.engines.items()}
-    return {"label": label, "seconds": elapsed, "problems_per_s": len(questions) / elapsed,
-            "cpu_seconds": cpu, "problems_per_cpu_s": len(questions) / cpu,
+    return {"label": label, "seconds": elapsed, "problems_per_s": len(chosen) / elapsed, "accuracy": accuracy,
+            "cpu_seconds": cpu, "problems_per_cpu_s": len(chosen) / cpu,
             "tokens_computed": tokens, "chosen": chosen, "trace": trace.name,
             "preemptions": {n: s.num_preemptions for n, s in stats.items()},
             "tokens_computed_by_model": {n: e.num_tokens_computed for n, e in rt.engines.items()},
@@ -93,6 +125,8 @@ def run(paths, label: str, args, out: Path, kv_mib: int | None = None, **runtime
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pair", choices=("random", "bundled"), default="random",
+                        help="random tiny models and a lockstep loop, or the bundled pair and treeserve's beam search")
     parser.add_argument("--problems", type=int, default=24)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--width", type=int, default=4)
@@ -111,7 +145,7 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
-    paths = models()
+    paths = models(args.pair)
 
     # Every configuration runs `repeats` times, interleaved, and keeps its median run: on a shared,
     # noisy machine one run of the same configuration varies by more than the splits differ (and
@@ -159,6 +193,9 @@ def main() -> int:
     print(f"best static split: gen={best['split']:.1f}")
     same = all(r["chosen"] == shared["chosen"] for rs in runs.values() for r in rs)
     print(f"identical search results in every run: {'yes' if same else 'no'}")
+    if shared["accuracy"] is not None:
+        accuracies = sorted({r["accuracy"] for rs in runs.values() for r in rs})
+        print(f"accuracy: {', '.join(f'{a:.1%}' for a in accuracies)} (every run)")
     print(f"shared / best static: {shared['problems_per_s'] / best['problems_per_s']:.2f}")
     # CPU time is what the process itself consumed: less sensitive to other tenants than wall time.
     best_cpu = max(results, key=lambda r: r["problems_per_cpu_s"])
