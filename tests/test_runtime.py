@@ -176,7 +176,8 @@ def test_runtimes_over_loaded_models_share_their_weights_and_reset_to_nothing_ca
 
 def test_a_model_waits_for_the_blocks_another_models_running_requests_hold(pair):
     """Shared arena: a verifier request that arrives while the generator's running sequences hold the
-    whole pool waits a few steps for them to end, then runs (it used to fail the engine loop with
+    whole pool waits a few steps for them to end, then runs, before any generator request that came
+    after it (it used to fail the engine loop with
     "KV pool exhausted" although the generator was about to free the blocks: a search in a shared
     arena of 8 or 16 MiB on the bundled pair died so)."""
     from treeserve.engine.engine_loop import EngineLoop
@@ -189,15 +190,26 @@ def test_a_model_waits_for_the_blocks_another_models_running_requests_hold(pair)
                  kv_cache_memory_bytes=24 * page)
     gen, loop, stalled, done = rt.engines["gen"], EngineLoop.of(rt.engines), [], []
     loop.step_observers.append(lambda engine, outputs: stalled.append(engine.name) if engine.is_stalled else None)
-    params = SamplingParams(n=6, temperature=1.0, seed=1, max_tokens=64, ignore_eos=True)
-    loop.add_request(gen, "g", gen.tokenizer.encode(QUESTION), params, lambda o: done.append(o) if o.finished else None)
+    for i in range(6):  # sequences of different lengths: they end, and free their blocks, one by one
+        params = SamplingParams(temperature=1.0, seed=i, max_tokens=40 + 8 * i, ignore_eos=True)
+        loop.add_request(gen, f"g{i}", gen.tokenizer.encode(QUESTION), params,
+                         lambda o: done.append(o) if o.finished else None)
     while gen.kv.pool.num_free > 3:  # the generator's sequences grow until they hold the pool
-        loop.step()
+        assert loop.step(), "the generator ended before it held the pool"
     ticket = rt.scorer("prm").submit([(QUESTION, steps)])
-    loop.run_until(lambda: done and ticket.ready)
+    loop.step()
+    assert rt.engines["prm"].is_stalled
+    # meanwhile the generator admits nothing new: the blocks its sequences free go to the verifier
+    later_ran_before_the_verifier = []
+    loop.step_observers.append(lambda engine, outputs: later_ran_before_the_verifier.append(not ticket.ready) if any(
+        r.request_id.startswith("later") for r in gen.scheduler.running) else None)
+    loop.add_request(gen, "later", gen.tokenizer.encode(QUESTION), SamplingParams(max_tokens=4, ignore_eos=True),
+                     lambda o: None)
+    loop.run_until(lambda: ticket.ready and not loop.has_unfinished_requests())
     assert "prm" in stalled and "gen" not in stalled  # the verifier waited, then ran
+    assert later_ran_before_the_verifier and not any(later_ran_before_the_verifier)
     assert ticket.results()[0] == pytest.approx(expected[0], abs=1e-5)
-    assert len(done[0].outputs) == 6 and all(len(c.token_ids) == 64 for c in done[0].outputs)
+    assert sorted(len(o.outputs[0].token_ids) for o in done) == [40 + 8 * i for i in range(6)]
     rt.release_kept()
     for engine in rt.engines.values():
         assert_no_leak(engine)

@@ -48,6 +48,10 @@ class BlockPool:
         # Tried before any shared prefix is evicted: a released sequence loses at most its partly
         # filled tail block, and its blocks nobody shared become the next victims instead.
         self.reclaim: Callable[[str], bool] = reclaim or (lambda owner: False)
+        # Models sharing the pool whose waiting requests wait for blocks the others' requests hold
+        # (set by the engine loop after each pass): the others admit nothing new until they get
+        # them, so that the blocks those requests free go to the model that waits, not to new work.
+        self.stalled_owners: set[str] = set()
 
     @property
     def num_blocks(self) -> int:
@@ -104,6 +108,10 @@ class BlockPool:
 
     def num_in_use_by(self, owner: str) -> int:
         return self.in_use_by_owner.get(owner, 0)
+
+    def waits_for_blocks(self, other_than: str) -> bool:
+        """Whether a model other than `other_than` waits for the blocks others hold (see stalled_owners)."""
+        return any(owner != other_than for owner in self.stalled_owners)
 
     def num_in_use_by_others(self, owner: str) -> int:
         """Blocks that the other models sharing the pool hold (their requests free them as they end)."""

@@ -131,7 +131,13 @@ class EngineLoop:
 
     def _check_stalled(self, busy: list[LLMEngine]) -> None:
         """An engine whose waiting requests need blocks that another model's requests hold waits for
-        them to end; when every engine with work waits so, none ever will."""
+        them to end, and the engines sharing its pool admit nothing new meanwhile (`stalled_owners`);
+        when every engine with work waits so, none ever will."""
+        for engine in self.engines:
+            engine.kv.pool.stalled_owners.discard(engine.kv.owner)
+        for engine in busy:
+            if engine.is_stalled:
+                engine.kv.pool.stalled_owners.add(engine.kv.owner)
         if not busy or not all(e.is_stalled for e in busy):
             self._stalled_passes = 0
             return

@@ -41,6 +41,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    yielded: bool = False  # no waiting request was admitted: another model waits for the pool's blocks
 
     @property
     def num_tokens(self) -> int:
@@ -81,7 +82,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self._schedule_running(out, self._step_budget())
-        if not out.preempted:
+        out.yielded = bool(self.waiting) and self.kv.pool.waits_for_blocks(other_than=self.kv.owner)
+        if not out.preempted and not out.yielded:
             self._schedule_waiting(out, budget)
         if not self.waiting:
             self._forget_wanted()

@@ -89,7 +89,7 @@ class StepPipeline:
         if self.in_flight is not None:
             return self._land_in_flight()
         scheduler = self.scheduler
-        if scheduler.waiting and not scheduler.running and not sched.preempted:
+        if scheduler.waiting and not scheduler.running and not sched.preempted and not sched.yielded:
             if not self.kv.pool.num_in_use_by_others(self.kv.owner):
                 raise RuntimeError(f"KV pool exhausted: {len(scheduler.waiting)} request(s) wait and none can be "
                                    f"scheduled ({self.kv.pool.num_free} of {self.kv.pool.num_blocks} blocks free)")
