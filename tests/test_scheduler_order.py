@@ -124,3 +124,25 @@ def test_interactive_requests_are_not_held_back_for_queued_work():
     scheduler.add(_request("chat", range(400, 415), priority=0))
     scheduler.add(_request("hit", prefix + [2]))
     assert _admitted(scheduler.schedule())[0] == "chat"
+
+
+def test_while_another_model_waits_for_the_pool_only_forks_that_hold_blocks_are_admitted():
+    """A shared pool whose other model waits for blocks (the engine loop lists it in
+    `stalled_owners`): new requests wait, so the blocks that free go to that model; a fork that holds
+    blocks already is admitted (it ends and frees them: leaving it waiting could pin them for good)."""
+    scheduler = _scheduler()
+    parent = _request("parent", range(9))
+    scheduler.add(parent)
+    out = scheduler.schedule()
+    parent.num_computed_tokens += out.scheduled[0].num_new_tokens
+    fork = _request("fork", range(10))
+    scheduler.kv.fork(parent, fork)  # (as a request's n samples fork from its shared prefill)
+    scheduler.finish(parent, "length")
+    scheduler.add(fork)
+    scheduler.add(_request("new", range(300, 310)))
+    scheduler.kv.pool.stalled_owners.add("verifier")
+    out = scheduler.schedule()
+    assert out.yielded and _admitted(out) == ["fork"]
+    scheduler.kv.pool.stalled_owners.clear()
+    out = scheduler.schedule()
+    assert not out.yielded and "new" in _admitted(out)

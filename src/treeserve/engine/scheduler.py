@@ -41,7 +41,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
-    yielded: bool = False  # no waiting request was admitted: another model waits for the pool's blocks
+    yielded: bool = False  # another model waits for the pool's blocks: no request that holds none was admitted
 
     @property
     def num_tokens(self) -> int:
@@ -83,8 +83,8 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self._schedule_running(out, self._step_budget())
         out.yielded = bool(self.waiting) and self.kv.pool.waits_for_blocks(other_than=self.kv.owner)
-        if not out.preempted and not out.yielded:
-            self._schedule_waiting(out, budget)
+        if not out.preempted:
+            self._schedule_waiting(out, budget, holding_only=out.yielded)
         if not self.waiting:
             self._forget_wanted()
         out.block_copies = self.kv.take_pending_copies()
@@ -120,13 +120,17 @@ class Scheduler:
             index += 1
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, holding_only: bool = False) -> None:
+        """Admits waiting requests; with `holding_only` (another model waits for the pool's blocks),
+        only those that hold blocks already (forks not yet run: they end and free them)."""
         in_flight = self._blocks_in_flight()
         order = self._admission_order()
         admitted: list[int] = []
         for position, request in order:
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
+            if holding_only and not self.kv.block_tables.get(request.request_id):
+                continue
             num_new = self._admit(request, budget, in_flight)
             if num_new is None:
                 continue  # it waits: for a prefix a running request computes, or to spare queued hits
