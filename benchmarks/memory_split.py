@@ -26,6 +26,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -94,21 +95,28 @@ def beam_search(rt: Runtime, rows: list[dict]) -> tuple[list[list[str]], float]:
     return [[r.completions[r.chosen], str(r.pred)] for r in results], accuracy
 
 
-def run(paths, label: str, args, out: Path, kv_mib: int | None = None, **runtime_options) -> dict:
-    trace = out / f"trace_{label}.jsonl"
-    lengths = dict(max_model_len=512) if args.pair == "bundled" else dict(max_model_len=256, max_num_batched_tokens=1024)
-    rt = Runtime({k: str(v) for k, v in paths.items()}, dtype="float32", device=args.device,
-                 kv_cache_memory_bytes=(kv_mib or args.kv_mib) << 20, trace_path=trace, **lengths, **runtime_options)
+# Each workload's model lengths: the bundled pair's 8 beam steps reach a few hundred tokens
+LENGTHS = {"random": dict(max_model_len=256, max_num_batched_tokens=1024), "bundled": dict(max_model_len=512)}
+
+
+def workload(args) -> Callable[[Runtime], tuple[list, float | None]]:
+    """The search to time, its inputs made beforehand: (each problem's result, accuracy or None)."""
     if args.pair == "bundled":
         rows = [p.row() for p in arithmetic_problems("test", args.problems, seed=args.seed)]
-    else:
-        questions = problems(args.problems, args.seed)
+        return lambda rt: beam_search(rt, rows)
+    questions = problems(args.problems, args.seed)
+    return lambda rt: (search(rt, questions, args.rounds, args.width, args.max_tokens), None)
+
+
+def run(paths, label: str, args, out: Path, kv_mib: int | None = None, **runtime_options) -> dict:
+    trace = out / f"trace_{label}.jsonl"
+    rt = Runtime({k: str(v) for k, v in paths.items()}, dtype="float32", device=args.device,
+                 kv_cache_memory_bytes=(kv_mib or args.kv_mib) << 20, trace_path=trace, **LENGTHS[args.pair],
+                 **runtime_options)
+    go = workload(args)
     gc.collect()  # the runs before this one leave garbage: its collection is not this run's work
     start, start_cpu = time.perf_counter(), time.process_time()
-    if args.pair == "bundled":
-        chosen, accuracy = beam_search(rt, rows)
-    else:
-        chosen, accuracy = search(rt, questions, args.rounds, args.width, args.max_tokens), None
+    chosen, accuracy = go(rt)
     elapsed, cpu = time.perf_counter() - start, time.process_time() - start_cpu
     rt.close()
     tokens = sum(e.num_tokens_computed for e in rt.engines.values())
