@@ -12,6 +12,7 @@ import test_hf_parity  # noqa: E402
 from test_hf_parity import _hf_model, test_prompt_logits_match_hf  # noqa: E402,F401
 from treeserve import LLM, SamplingParams  # noqa: E402
 from treeserve.engine.cuda_graphs import DecodeGraphs, capture_sizes  # noqa: E402
+from treeserve.model.transfer import StepStaging  # noqa: E402
 from treeserve.testing.tiny_models import FAMILIES  # noqa: E402
 
 
@@ -87,8 +88,10 @@ def test_decode_steps_through_graph_buffers_give_the_same_tokens(tiny_model_dirs
     engine.model.backend.split_kv_min_programs = 16  # every batch of 1-6 sequences (2 KV heads) splits its keys
     graphs.capture()
     engine.runner.graphs = graphs
+    engine.runner.staging = StepStaging(engine.device, always=True)  # (on CPU too: the metadata through staging)
     replayed = llm.generate(PROMPTS, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in replayed] == [o.outputs[0].token_ids for o in eager]
     assert graphs.num_replays >= params.max_tokens - 1
+    assert engine.runner.staging.num_copies >= 2 * graphs.num_replays  # int64 and int32, one copy each a step
     assert all(meta.split_buffers is not None for meta in graphs.metas.values())
     assert_no_leak(engine)

@@ -50,3 +50,6 @@ class RequestOutput:
     # speculative decoding: draft tokens verified for it (all its samples) and how many were kept
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # RequestOutputKind.DELTA: each completion holds only what is new since the request's last output
+    # (its text, token ids and logprobs; cumulative_logprob stays the running sum)
+    delta: bool = False

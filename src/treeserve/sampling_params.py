@@ -1,6 +1,7 @@
 """Per-request sampling settings, with vLLM's names and defaults, validated on construction."""
 from __future__ import annotations
 
+import enum
 import json as json_module
 from dataclasses import dataclass, field
 
@@ -51,6 +52,13 @@ class StructuredOutputsParams:
         return "grammar", self.grammar
 
 
+class RequestOutputKind(enum.Enum):
+    """What each of a request's `RequestOutput`s holds (vLLM's names)."""
+    CUMULATIVE = 0  # everything so far: text, token ids and logprobs from the first token on
+    DELTA = 1       # only what is new since its last output (streaming callers: no copy that grows)
+    FINAL_ONLY = 2  # one output, when it finishes
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -73,6 +81,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | dict | None = None  # a grammar the output must match
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100] (OpenAI's)
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -112,6 +121,8 @@ class SamplingParams:
         _require(self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
             _is_int(t) and t >= 0 and _is_number(b) and -100 <= b <= 100 for t, b in self.logit_bias.items())),
             "logit_bias", f"must map token ids (>= 0) to numbers in [-100, 100], got {self.logit_bias!r}")
+        _require(isinstance(self.output_kind, RequestOutputKind), "output_kind",
+                 f"must be a RequestOutputKind, got {self.output_kind!r}")
         _require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                  f"must be a list of non-negative integers, got {self.stop_token_ids!r}")
 

@@ -122,7 +122,8 @@ class AsyncLLMEngine:
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
                        prompt: str | None = None, engine: LLMEngine | None = None,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Streams cumulative outputs; leaving the iterator early aborts the request. `priority`:
+        """Streams the request's outputs (whole so far, or only what is new: `params.output_kind`);
+        leaving the iterator early aborts the request. `priority`:
         the waiting queue's order (0 interactive, 1 background)."""
         engine = engine or self.engine
         engine.validate_prompt(prompt_token_ids)

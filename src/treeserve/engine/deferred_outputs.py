@@ -35,7 +35,7 @@ class DeferredOutputs:
 
     def outputs_of(self, touched: dict[str, RequestGroup]) -> list[RequestOutput]:
         """Outputs of the groups a step touched, except those whose text is deferred."""
-        return [self.make_output(g) for g in touched.values() if g.request_id not in self._groups and _wants_output(g)]
+        return self._made(g for g in touched.values() if g.request_id not in self._groups and _wants_output(g))
 
     def flush(self) -> list[RequestOutput]:
         """The deferred tokens' text, then their groups' outputs (an aborted group's are dropped)."""
@@ -47,11 +47,20 @@ class DeferredOutputs:
                 self.processor.finish_text(request, request.finish_reason, request.stop_reason)
         self._text.clear()
         groups, self._groups = self._groups, {}
-        return [self.make_output(g) for g in groups.values() if self.groups.is_live(g) and _wants_output(g)]
+        return self._made(g for g in groups.values() if self.groups.is_live(g) and _wants_output(g))
 
-    def make_output(self, group: RequestGroup) -> RequestOutput:
+    def _made(self, groups) -> list[RequestOutput]:
+        """The groups' outputs (a delta group with nothing new has none)."""
+        outputs = []
+        for group in groups:
+            output = self.make_output(group)
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def make_output(self, group: RequestGroup) -> RequestOutput | None:
         output = self.processor.make_output(group)
-        if output.finished:
+        if output is not None and output.finished:
             self.groups.pop(group.request_id)
         return output
 

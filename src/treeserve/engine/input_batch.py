@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from treeserve.engine.block_table import BlockTable
 from treeserve.engine.seeded_draws import SeededDraws
 from treeserve.engine.step_data import NewRequestData, StepData
 from treeserve.sampling_params import SamplingParams
@@ -26,6 +27,7 @@ class CachedRequestState:
     readout_token_ids: list[int] | None
     prompt_logprob_ids: list[int] | None
     seeded_draws: SeededDraws | None = None  # a seeded request's uniform numbers by output position
+    table_row: int = -1  # its row of the batch's `BlockTable` (the same ids as `block_ids`)
 
     @classmethod
     def from_new(cls, new: NewRequestData) -> "CachedRequestState":
@@ -52,20 +54,33 @@ class CachedRequestState:
 
 
 class InputBatch:
+    """The requests by id, and their block tables both as lists (`CachedRequestState.block_ids`) and
+    as rows of one array (`block_table`, for attention metadata built by gathering rows)."""
+
     def __init__(self):
         self.requests: dict[str, CachedRequestState] = {}
+        self.block_table = BlockTable()
 
     def update(self, step: StepData) -> None:
         for req_id in step.finished_req_ids:
-            self.requests.pop(req_id, None)
+            self._remove(req_id)
         for new in step.new_requests:
-            self.requests[new.req_id] = CachedRequestState.from_new(new)
+            self._remove(new.req_id)  # (a request id sent anew replaces what was held under it)
+            state = CachedRequestState.from_new(new)
+            state.table_row = self.block_table.add(state.block_ids)
+            self.requests[new.req_id] = state
         for cached in step.cached_requests:
             state = self.requests[cached.req_id]
             state.token_ids.extend(cached.new_token_ids)
             del state.block_ids[cached.block_ids_from:]
             state.block_ids.extend(cached.new_block_ids)
+            self.block_table.write(state.table_row, cached.block_ids_from, cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+
+    def _remove(self, req_id: str) -> None:
+        state = self.requests.pop(req_id, None)
+        if state is not None:
+            self.block_table.remove(state.table_row)
 
     def __getitem__(self, req_id: str) -> CachedRequestState:
         return self.requests[req_id]

@@ -16,7 +16,7 @@ from treeserve.engine.sampler import PendingSamples, Sampler
 from treeserve.engine.spec_decode import rejection
 from treeserve.engine.step_data import IN_FLIGHT_TOKEN, ModelRunnerOutput, StepData
 from treeserve.model.decoder import DecoderForCausalLM
-from treeserve.model.transfer import to_device
+from treeserve.model.transfer import StepStaging, to_device
 
 
 @dataclass
@@ -35,6 +35,8 @@ class StepInputs:
     # speculation: (request, the rows of its last known token and drafts, in order, its drafts)
     spec_rows: list[tuple[CachedRequestState, list[int], list[int]]] = field(default_factory=list)
     spec_grammar_bitmasks: dict[str, torch.Tensor] = field(default_factory=dict)  # by request id
+    sample_rows_device: torch.Tensor | None = None  # `sample_rows` on the device
+    in_flight_pairs: torch.Tensor | None = None  # [2, k] on the device: (row, last step's sample row) per in-flight row
     row_keys: list[tuple[str, int]] | None = None  # with `capture`: each row's (request id, position)
 
 
@@ -63,6 +65,7 @@ class ModelRunner:
         self.backend = model.backend
         self.graphs = graphs
         self.batch = InputBatch()
+        self.staging = StepStaging(device)  # a step's index tensors onto the device in one copy per dtype
         # EAGLE's features, kept per row: "final" (the final hidden states) or "aux" (the model's
         # `aux_hidden`); None: nothing kept
         self.capture: str | None = None
@@ -105,11 +108,8 @@ class ModelRunner:
         sampled ids on the device, behind it on the stream."""
         if not inputs.in_flight_rows:
             return
-        if self._last_sampled is None:
-            raise RuntimeError("a step's input token is in flight, but the step before it sampled nothing")
-        tokens, row_of = self._last_sampled
-        pairs = to_device(torch.tensor([[row, row_of[rid]] for row, rid in inputs.in_flight_rows]).T, self.device)
-        inputs.input_ids[pairs[0]] = tokens[pairs[1]]
+        pairs = inputs.in_flight_pairs
+        inputs.input_ids[pairs[0]] = self._last_sampled[0][pairs[1]]
 
     @torch.inference_mode()
     def wait(self, launched: LaunchedStep) -> ModelRunnerOutput:
@@ -138,8 +138,8 @@ class ModelRunner:
     def _sample(self, hidden: torch.Tensor, inputs: StepInputs) -> PendingSamples | None:
         if not inputs.sample_rows:
             return None
-        rows = to_device(torch.tensor(inputs.sample_rows), self.device)
-        return self.sampler.sample_async(self.model.compute_logits(hidden[rows]), inputs.sample_requests,
+        return self.sampler.sample_async(self.model.compute_logits(hidden[inputs.sample_rows_device]),
+                                         inputs.sample_requests,
                                          inputs.grammar_rows, inputs.grammar_bitmask)
 
     def _verify(self, hidden: torch.Tensor, inputs: StepInputs) -> dict:
@@ -174,7 +174,7 @@ class ModelRunner:
         token_ids: list[int] = []
         positions: list[torch.Tensor] = []
         slots: list[torch.Tensor] = []
-        builder = self.backend.metadata_builder(self.block_size, self.device)
+        builder = self.backend.metadata_builder(self.block_size, self.device, self.batch.block_table)
         order = decodes + [(state, len(d) + 1) for state, d in speculating] + prefills
         inputs = StepInputs(torch.empty(0), torch.empty(0), None, order)
         if self.capture is not None:
@@ -182,12 +182,25 @@ class ModelRunner:
         self._add_decodes(decodes, speculating, inputs, builder, token_ids, positions, slots)
         for state, count in prefills:
             self._add_prefill(state, count, inputs, builder, token_ids, positions, slots)
-        inputs.input_ids = to_device(torch.tensor(token_ids, dtype=torch.long), self.device)
-        inputs.positions = to_device(torch.cat(positions), self.device)
-        inputs.meta = builder.build(to_device(torch.cat(slots), self.device))
+        stage, long = self.staging.stage, torch.long
+        inputs.input_ids = stage(token_ids, long)
+        inputs.positions = stage(torch.cat(positions), long)
+        inputs.meta = builder.build(stage(torch.cat(slots), long), stage)
+        if inputs.sample_rows:
+            inputs.sample_rows_device = stage(inputs.sample_rows, long)
+        if inputs.in_flight_rows:
+            inputs.in_flight_pairs = stage(self._in_flight_pairs(inputs), long, (2, len(inputs.in_flight_rows)))
+        self.staging.flush()
         self._note_grammar(step, inputs)
         inputs.spec_grammar_bitmasks = step.spec_grammar_bitmasks
         return inputs
+
+    def _in_flight_pairs(self, inputs: StepInputs) -> list[list[int]]:
+        """[2, k]: the in-flight rows, and the rows of the previous step's samples holding their tokens."""
+        if self._last_sampled is None:
+            raise RuntimeError("a step's input token is in flight, but the step before it sampled nothing")
+        row_of = self._last_sampled[1]
+        return [[row for row, _ in inputs.in_flight_rows], [row_of[rid] for _, rid in inputs.in_flight_rows]]
 
     def _paged_prefill(self, state: CachedRequestState, count: int) -> bool:
         return state.num_computed_tokens + count <= self.backend.paged_prefill_max_context
@@ -208,7 +221,7 @@ class ModelRunner:
         drafts_of = {state.request_id: drafts for state, drafts in speculating}
         pos_list, slot_list, keys = [], [], inputs.row_keys
         for pos, state, rows_of in rows:
-            table = state.block_ids[:pos // bs + 1]
+            table = state.block_ids
             if rows_of is None:
                 token = state.token_ids[pos]
                 if token == IN_FLIGHT_TOKEN:
@@ -221,8 +234,8 @@ class ModelRunner:
             if keys is not None:
                 keys.append((state.request_id, pos))
             pos_list.append(rope_positions(state.num_prompt_tokens, pos))
-            slot_list.append(table[-1] * bs + pos % bs)
-            add_decode(pos + 1, table)
+            slot_list.append(table[pos // bs] * bs + pos % bs)
+            add_decode(pos + 1, table, state.table_row)
             if rows_of is None:
                 self._note_outputs(state, 1, inputs, row=len(token_ids) - 1)
         positions.append(torch.tensor(pos_list, dtype=torch.long))
@@ -242,7 +255,7 @@ class ModelRunner:
         table = state.block_ids[:-(-context_len // bs)]
         positions.append(self.model.rotary.rope_positions(state.num_prompt_tokens, pos))
         slots.append(torch.tensor(table, dtype=torch.long)[pos // bs] * bs + pos % bs)
-        builder.add_prefill(start_row, context_len, count, table)
+        builder.add_prefill(start_row, context_len, count, table, state.table_row)
         self._note_outputs(state, count, inputs, row=start_row + count - 1)
 
     @staticmethod

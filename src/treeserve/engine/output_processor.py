@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from treeserve.engine import structured_outputs
-from treeserve.engine.detokenizer import fast_decode, find_stop_string
+from treeserve.engine.detokenizer import fast_decode, find_stop_string, stop_hold_back
 from treeserve.engine.request import Request, RequestGroup
 from treeserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 
@@ -97,24 +97,55 @@ class OutputProcessor:
         request.output_text = request.output_text[:end]
         return stop
 
-    def make_output(self, group: RequestGroup) -> RequestOutput:
-        outputs = [
-            CompletionOutput(
-                index=i, text=c.output_text, token_ids=list(c.output_token_ids),
-                cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
-                logprobs=list(c.logprobs) if c.logprobs is not None else None,
-                finish_reason=c.finish_reason if c.finish_reason != "prefill" else "stop", stop_reason=c.stop_reason,
-            )
-            for i, c in enumerate(group.children)
-        ]
+    def make_output(self, group: RequestGroup) -> RequestOutput | None:
+        """The group's output: every sample whole, or with `group.delta` what each sample added since
+        the last (samples that added nothing are left out; None when none did)."""
+        if group.delta:
+            outputs = [out for i, c in enumerate(group.children) if (out := _delta(i, c)) is not None]
+            if not outputs:
+                return None
+        else:
+            outputs = [
+                CompletionOutput(
+                    index=i, text=c.output_text, token_ids=list(c.output_token_ids),
+                    cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
+                    logprobs=list(c.logprobs) if c.logprobs is not None else None,
+                    finish_reason=_finish_reason(c), stop_reason=c.stop_reason,
+                )
+                for i, c in enumerate(group.children)
+            ]
         prompt_logits = group.children[0].prompt_logits if group.children[0].prefill_only else {}
         output = RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, group.finished,
                                num_cached_tokens=group.children[0].num_cached_tokens, prompt_logits=prompt_logits,
-                               metrics=request_metrics(group), prompt_logprobs=group.prompt_logprobs)
+                               metrics=request_metrics(group), prompt_logprobs=group.prompt_logprobs,
+                               delta=group.delta)
         if group.children[0].speculative_config is not None:
             output.num_draft_tokens = sum(c.num_draft_tokens for c in group.children)
             output.num_accepted_tokens = sum(c.num_accepted_tokens for c in group.children)
         return output
+
+
+def _finish_reason(c: Request) -> str | None:
+    return c.finish_reason if c.finish_reason != "prefill" else "stop"
+
+
+def _delta(index: int, c: Request) -> CompletionOutput | None:
+    """What the sample added since its last delta output: its new tokens and logprobs, and its new
+    text except, while it runs, the characters that could still begin a stop string (a stop string
+    cuts the text where it starts: the cut never reaches text already sent). None: nothing new."""
+    finished = c.finish_reason is not None
+    hold = stop_hold_back(c.sampling_params.stop_strings) if c.sampling_params.stop_strings and not finished else 0
+    end = max(c.num_sent_chars, len(c.output_text) - hold)
+    tokens = c.output_token_ids[c.num_sent_tokens:]
+    if not tokens and end == c.num_sent_chars and (not finished or c.sent_finish):
+        return None
+    text = c.output_text[c.num_sent_chars:end]
+    logprobs = None if c.logprobs is None else c.logprobs[c.num_sent_logprobs:]
+    c.num_sent_tokens, c.num_sent_chars, c.sent_finish = len(c.output_token_ids), end, finished
+    c.num_sent_logprobs += len(logprobs or ())
+    return CompletionOutput(index=index, text=text, token_ids=tokens,
+                            cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
+                            logprobs=logprobs, finish_reason=_finish_reason(c), stop_reason=c.stop_reason)
 
 
 def request_metrics(group: RequestGroup) -> RequestMetrics:

@@ -81,6 +81,12 @@ class Request:
     matcher: Any = None  # with structured outputs: the grammar's state (engine/structured_outputs.py)
     # sampled tokens whose text is not made yet: (token id, its logprobs, ended the sequence as a stop token)
     pending_text: list[tuple[int, dict | None, bool]] = field(default_factory=list)
+    # delta outputs (RequestOutputKind.DELTA): how much of its tokens, text and logprobs earlier
+    # outputs held, and whether one reported its finish
+    num_sent_tokens: int = 0
+    num_sent_chars: int = 0
+    num_sent_logprobs: int = 0
+    sent_finish: bool = False
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -150,6 +156,7 @@ class RequestGroup:
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     final_only: bool = False  # one RequestOutput, when it finishes (vLLM's RequestOutputKind.FINAL_ONLY)
+    delta: bool = False  # each RequestOutput holds only what is new (RequestOutputKind.DELTA)
 
     @property
     def finished(self) -> bool:

@@ -11,7 +11,7 @@ from treeserve.engine.request_groups import RequestGroups
 from treeserve.engine.scheduler import Scheduler
 from treeserve.engine.structured_outputs import StructuredOutputs
 from treeserve.errors import ParamError
-from treeserve.sampling_params import SamplingParams
+from treeserve.sampling_params import RequestOutputKind, SamplingParams
 
 
 class RequestIntake:
@@ -52,7 +52,10 @@ class RequestIntake:
                                        priority) for i in range(params.n)]
         for child in children:
             child.draft_group, child.speculative_config = draft_group or request_id, speculative_config
-        group = RequestGroup(request_id, prompt, list(prompt_token_ids), children, final_only=final_only)
+        kind = params.output_kind
+        group = RequestGroup(request_id, prompt, list(prompt_token_ids), children,
+                             final_only=final_only or kind is RequestOutputKind.FINAL_ONLY,
+                             delta=kind is RequestOutputKind.DELTA)
         self.groups.add(group)
         # (LongRoPE picks its factors by prompt length: the shorter shared prefill could pick others)
         if params.n > 1 and len(prompt_token_ids) > 1 and not self.rotary.long_offset:

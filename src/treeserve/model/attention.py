@@ -205,17 +205,21 @@ class TorchMetadataBuilder:
     paged_prefill_max_context: int = 0
     prefills: list[PrefillChunk] = field(default_factory=list)
 
-    def add_decode(self, context_len: int, block_ids: list[int]) -> None:
-        self.paged.add_decode(context_len, block_ids)
+    def add_decode(self, context_len: int, block_ids: list[int], table_row: int = -1) -> None:
+        """`block_ids` may run past the context (cut to it here); `table_row` is for the Triton builder."""
+        self.paged.add_decode(context_len, block_ids[:-(-context_len // self.block_size)])
 
-    def add_prefill(self, first_row: int, context_len: int, query_len: int, block_ids: list[int]) -> None:
+    def add_prefill(self, first_row: int, context_len: int, query_len: int, block_ids: list[int],
+                    table_row: int = -1) -> None:
+        block_ids = block_ids[:-(-context_len // self.block_size)]
         rows = slice(first_row, first_row + query_len)
         self.prefills.append(PrefillChunk(rows, context_len, query_len,
                                           torch.tensor(block_ids, dtype=torch.long).to(self.device)))
         if context_len <= self.paged_prefill_max_context and self.paged.num_rows == first_row:
             self.paged.add_prefill(context_len, query_len, block_ids)  # the paged rows stay a prefix of the batch
 
-    def build(self, slot_mapping: torch.Tensor) -> AttentionMetadata:
+    def build(self, slot_mapping: torch.Tensor, stage=None) -> AttentionMetadata:
+        """(`stage` is for the Triton builder: this one's tensors are made where they are used.)"""
         return AttentionMetadata(slot_mapping, self.block_size, prefills=self.prefills, paged=self.paged)
 
 
@@ -230,7 +234,7 @@ class TorchSDPABackend:
         self.paged_prefill_max_context = paged_prefill_max_context
         self.decode_group_max_keys = decode_group_max_keys
 
-    def metadata_builder(self, block_size: int, device: torch.device) -> TorchMetadataBuilder:
+    def metadata_builder(self, block_size: int, device: torch.device, block_table=None) -> TorchMetadataBuilder:
         paged = PagedRows(device=device, group_max_keys=self.decode_group_max_keys)
         return TorchMetadataBuilder(block_size, device, paged, self.paged_prefill_max_context)
 

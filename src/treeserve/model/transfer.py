@@ -31,3 +31,95 @@ class HostCopy:
         if self._event is not None:
             self._event.synchronize()
         return self._host.tolist()
+
+
+class StepStaging:
+    """A step's small host values (token ids, positions, slots, attention metadata) onto the device
+    through one persistent host buffer per dtype and one copy each per step, instead of a tensor,
+    a `pin_memory()` and a copy per value. `stage` writes values (a list, a numpy array or a host
+    tensor) into the host buffer through numpy and returns their place in the device buffer (valid
+    once `flush` has queued the copy, before any work that reads them). On CUDA the host buffers are
+    pinned and there are two, used in turn, each written only after its last copy is done (the copy
+    runs while the host builds the next step). Elsewhere `stage` returns a tensor of the values
+    itself, unless `always` (tests, benchmarks: the same offsets and copies on CPU)."""
+
+    INITIAL_ELEMENTS = 1 << 14
+
+    def __init__(self, device: torch.device, always: bool = False):
+        self.device = device
+        self.active = device.type == "cuda" or always
+        self._buffers: dict[torch.dtype, _StagingBuffer] = {}
+        self.num_copies = 0  # host-to-device copies queued, all steps
+
+    def stage(self, values, dtype: torch.dtype, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """`values` as a `dtype` tensor on the device (of `shape`, else flat)."""
+        if not self.active:
+            tensor = values if isinstance(values, torch.Tensor) else torch.as_tensor(values, dtype=dtype)
+            return tensor.to(dtype).reshape(shape if shape is not None else (-1,))
+        buffer = self._buffers.get(dtype)
+        if buffer is None:
+            buffer = self._buffers[dtype] = _StagingBuffer(dtype, self.device, self.INITIAL_ELEMENTS)
+        if isinstance(values, torch.Tensor):
+            values = values.numpy()
+        return buffer.stage(values, shape, self)
+
+    def flush(self) -> None:
+        """Queues each buffer's copy of what was staged since the last flush."""
+        for buffer in self._buffers.values():
+            buffer.flush(self)
+
+
+class _StagingBuffer:
+    def __init__(self, dtype: torch.dtype, device: torch.device, capacity: int):
+        self.dtype, self.device = dtype, device
+        self._allocate(capacity)
+
+    def _allocate(self, capacity: int) -> None:
+        pinned = self.device.type == "cuda"
+        self.hosts = [torch.empty(capacity, dtype=self.dtype, pin_memory=pinned) for _ in range(2 if pinned else 1)]
+        self.host_arrays = [host.numpy() for host in self.hosts]  # (numpy writes a list or an array fastest)
+        self.events: list = [None] * len(self.hosts)
+        self.target = torch.empty(capacity, dtype=self.dtype, device=self.device)
+        self.which, self.used, self.ready = 0, 0, False
+
+    def stage(self, values, shape, owner: StepStaging) -> torch.Tensor:
+        count = len(values) if shape is None else _numel(shape)
+        if self.used + count > self.target.numel():
+            self.flush(owner)  # what is staged keeps its place in the old device buffer
+            self._allocate(max(2 * self.target.numel(), count))
+        host = self._host()
+        start, self.used = self.used, self.used + count
+        if shape is None:
+            host[start:self.used] = values
+        else:
+            host[start:self.used].reshape(shape)[...] = values
+        view = self.target[start:self.used]
+        return view if shape is None else view.view(shape)
+
+    def _host(self):
+        """The host buffer being filled (numpy); on the first write of a step, once its last copy is done."""
+        if not self.ready:
+            event = self.events[self.which]
+            if event is not None:
+                event.synchronize()
+            self.ready = True
+        return self.host_arrays[self.which]
+
+    def flush(self, owner: StepStaging) -> None:
+        if self.used == 0:
+            return
+        host = self.hosts[self.which]
+        self.target[:self.used].copy_(host[:self.used], non_blocking=host.is_pinned())
+        owner.num_copies += 1
+        if self.device.type == "cuda":
+            self.events[self.which] = torch.cuda.Event()
+            self.events[self.which].record()
+        self.which = (self.which + 1) % len(self.hosts)
+        self.used, self.ready = 0, False
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count

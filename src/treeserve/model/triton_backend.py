@@ -8,7 +8,9 @@ capture a decode step over static copies of them (`engine/cuda_graphs.py`).
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,35 +36,55 @@ class TritonMetadata:
 
 @dataclass
 class TritonMetadataBuilder:
-    """Collects a step's sequences in flat-batch order, then makes their tensors on the device."""
+    """Collects a step's sequences in flat-batch order, then makes their tensors on the device. A
+    sequence's `block_ids` may run past its context (they are cut to it); given the runner's
+    `BlockTable` and every sequence's row of it, the step's tables are one gather of those rows."""
     backend: "TritonBackend"
     device: torch.device
+    block_size: int
+    block_table: Any = None  # the runner's `engine.block_table.BlockTable`, or None: lists only
     query_lens: list[int] = field(default_factory=list)
     seq_lens: list[int] = field(default_factory=list)
     tables: list[list[int]] = field(default_factory=list)
+    table_rows: list[int] = field(default_factory=list)  # -1: not in the block table (`tables` has it)
 
-    def add_decode(self, context_len: int, block_ids: list[int]) -> None:
-        self.add_prefill(len(self.query_lens), context_len, 1, block_ids)
+    def add_decode(self, context_len: int, block_ids: list[int], table_row: int = -1) -> None:
+        self.query_lens.append(1)
+        self.seq_lens.append(context_len)
+        self.tables.append(block_ids)
+        self.table_rows.append(table_row)
 
-    def add_prefill(self, first_row: int, context_len: int, query_len: int, block_ids: list[int]) -> None:
+    def add_prefill(self, first_row: int, context_len: int, query_len: int, block_ids: list[int],
+                    table_row: int = -1) -> None:
         self.query_lens.append(query_len)
         self.seq_lens.append(context_len)
         self.tables.append(block_ids)
+        self.table_rows.append(table_row)
 
-    def build(self, slot_mapping: torch.Tensor) -> TritonMetadata:
-        width = max((len(t) for t in self.tables), default=1)
-        # one conversion of the padded lists (numpy's is ~10x faster than a tensor per row)
-        tables = torch.from_numpy(np.array([t + [0] * (width - len(t)) for t in self.tables], dtype=np.int32)
-                                  .reshape(len(self.tables), width))
-        starts = torch.zeros(len(self.query_lens) + 1, dtype=torch.int32)
-        starts[1:] = torch.tensor(self.query_lens, dtype=torch.int32).cumsum(0)
-        max_query_len = max(self.query_lens, default=0)
-        meta = TritonMetadata(slot_mapping, to_device(starts, self.device),
-                              to_device(torch.tensor(self.seq_lens, dtype=torch.int32), self.device),
-                              to_device(tables, self.device), max_query_len)
-        if max_query_len == 1:
+    def build(self, slot_mapping: torch.Tensor, stage=None) -> TritonMetadata:
+        """`stage(values, dtype, shape=None)`: values' place on the device (the runner's
+        `StepStaging.stage`; by default a copy of their own)."""
+        stage = stage or self._copy
+        width = max((-(-n // self.block_size) for n in self.seq_lens), default=1)
+        starts = [0, *itertools.accumulate(self.query_lens)]
+        tables = self._tables(width)
+        meta = TritonMetadata(slot_mapping, stage(starts, torch.int32), stage(self.seq_lens, torch.int32),
+                              stage(tables, torch.int32, tables.shape), max(self.query_lens, default=0))
+        if meta.max_query_len == 1:
             meta.split_buffers = self.backend.split_buffers(len(self.seq_lens), self.device)
         return meta
+
+    def _copy(self, values, dtype: torch.dtype, shape=None) -> torch.Tensor:
+        tensor = torch.as_tensor(values, dtype=dtype)
+        return to_device(tensor if shape is None else tensor.reshape(shape), self.device)
+
+    def _tables(self, width: int) -> np.ndarray:
+        """[sequences, width] int32: rows gathered from the block table, else the lists padded (one
+        numpy conversion: ~10x faster than a tensor per row)."""
+        if self.block_table is not None and self.table_rows and min(self.table_rows) >= 0:
+            return self.block_table.rows(self.table_rows, width)
+        cut = [t[:-(-n // self.block_size)] for t, n in zip(self.tables, self.seq_lens)]
+        return np.array([t + [0] * (width - len(t)) for t in cut], dtype=np.int32).reshape(len(cut), width)
 
 
 class TritonBackend:
@@ -83,8 +105,8 @@ class TritonBackend:
             sms = torch.cuda.get_device_properties(device).multi_processor_count
             self.split_kv_min_programs = SPLIT_PROGRAMS_PER_SM * sms
 
-    def metadata_builder(self, block_size: int, device: torch.device) -> TritonMetadataBuilder:
-        return TritonMetadataBuilder(self, device)
+    def metadata_builder(self, block_size: int, device: torch.device, block_table=None) -> TritonMetadataBuilder:
+        return TritonMetadataBuilder(self, device, block_size, block_table)
 
     def num_splits(self, num_seqs: int) -> int:
         """Key ranges per sequence for a decode-only step (0: the unified kernel): a power of two

@@ -298,8 +298,8 @@ class EngineMetrics:
         self._last_per_pos = counts
 
     def _observe_tokens(self, output: RequestOutput, now: float) -> None:
-        total = sum(len(c.token_ids) for c in output.outputs)
         seen, last_time = self._seen_tokens.get(output.request_id, (0, 0.0))
+        total = sum(len(c.token_ids) for c in output.outputs) + (seen if output.delta else 0)
         new = total - seen
         if new <= 0:
             return

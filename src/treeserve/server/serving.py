@@ -11,12 +11,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from treeserve.engine.async_engine import AsyncLLMEngine, QueueFullError
-from treeserve.engine.detokenizer import stop_hold_back
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.errors import ParamError
 from treeserve.model.registry import BUILTIN_PREFIX
 from treeserve.outputs import CompletionOutput, RequestOutput
-from treeserve.sampling_params import SamplingParams
+from treeserve.sampling_params import RequestOutputKind, SamplingParams
 from treeserve.wire.errors import APIError, from_validation_error, from_value_error
 from treeserve.entrypoints.chat_utils import render_chat
 from treeserve.wire.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, Tool, template_messages
@@ -85,10 +84,13 @@ class OpenAIServing:
                 if max_tokens is not None and max_tokens > room:
                     raise ParamError("max_tokens", f"{max_tokens} plus the prompt's {len(ids)} tokens exceeds "
                                                    f"the maximum model length {self.max_model_len}")
-            return request.sampling_params(self.llm.generation_defaults.sampling, max_tokens, logprobs,
-                                           prompt_logprobs)
+            params = request.sampling_params(self.llm.generation_defaults.sampling, max_tokens, logprobs,
+                                             prompt_logprobs)
         except ValueError as exc:
             raise from_value_error(exc) from exc
+        if request.stream:  # each output holds only what is new (the engine holds back a stop string's start)
+            params.output_kind = RequestOutputKind.DELTA
+        return params
 
     async def compile_grammar(self, request, params: SamplingParams, tools: ToolCalling | None = None) -> None:
         """Compiles the request's grammar (cached) off the event loop, before anything is queued: a
@@ -141,9 +143,11 @@ class OpenAIServing:
                 task.cancel()
 
     @staticmethod
-    def _usage(finals: dict[int, RequestOutput]) -> dict:
+    def _usage(finals: dict[int, RequestOutput], completion: int | None = None) -> dict:
+        """`completion`: the tokens generated, where the outputs are deltas (default: counted in them)."""
         prompt = sum(len(o.prompt_token_ids) for o in finals.values())
-        completion = sum(len(c.token_ids) for o in finals.values() for c in o.outputs)
+        if completion is None:
+            completion = sum(len(c.token_ids) for o in finals.values() for c in o.outputs)
         cached = sum(o.num_cached_tokens for o in finals.values())
         usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                  "prompt_tokens_details": {"cached_tokens": cached}}
@@ -195,7 +199,7 @@ class OpenAIServing:
             message, finish_reason = (tools.message(c.text, c.finish_reason) if tools is not None else
                                       ({"role": "assistant", "content": c.text}, c.finish_reason))
             choices.append({"index": c.index, "message": message,
-                            "logprobs": self._chat_logprobs(c, 0, params.logprobs),
+                            "logprobs": self._chat_logprobs(_token_pairs(c), params.logprobs),
                             "finish_reason": finish_reason, "stop_reason": c.stop_reason})
         body = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
                 "choices": choices, "usage": self._usage(finals)}
@@ -205,9 +209,9 @@ class OpenAIServing:
 
     async def _chat_chunks(self, rid, stream, params: SamplingParams, include_usage: bool, continuous: bool = False,
                            tools: ToolCalling | None = None):
-        created, hold = int(time.time()), stop_hold_back(params.stop_strings) if params.stop_strings else 0
-        sent_text: dict[int, int] = {}
-        sent_tokens: dict[int, int] = {}
+        """The chunks of a streamed chat reply, from the engine's delta outputs."""
+        created = int(time.time())
+        deltas = _DeltaTracker()
         finals: dict[int, RequestOutput] = {}
         latest: dict[int, RequestOutput] = {}
         calls = {i: ToolCallStream(tools) for i in range(params.n)} if tools is not None and tools.reads_calls else {}
@@ -217,7 +221,7 @@ class OpenAIServing:
                     "choices": choices}
             if include_usage:
                 if usage is None and continuous and latest:
-                    usage = self._usage(latest)
+                    usage = self._usage(latest, deltas.num_generated)
                 body["usage"] = usage
             return body
 
@@ -226,7 +230,8 @@ class OpenAIServing:
         async for prompt_index, output in stream:
             latest[prompt_index] = output
             for c in output.outputs:
-                text, finished = _text_delta(c, sent_text, hold)
+                text, finished = c.text, c.finish_reason is not None
+                pairs = deltas.add(c.index, c)
                 delta, finish_reason = {"content": text} if text else {}, c.finish_reason
                 if c.index in calls:
                     content, tool_deltas = calls[c.index].feed(text, finished)
@@ -234,23 +239,24 @@ class OpenAIServing:
                     if tool_deltas:
                         delta["tool_calls"] = tool_deltas
                     finish_reason = calls[c.index].finish_reason(c.finish_reason)
-                tokens_from = sent_tokens.get(c.index, 0)
                 if not delta and not finished:
-                    continue
-                sent_tokens[c.index] = len(c.token_ids)
+                    continue  # (its tokens' logprobs go with the next chunk)
+                deltas.sent(c.index)
                 yield chunk([{"index": c.index, "delta": delta,
-                              "logprobs": self._chat_logprobs(c, tokens_from, params.logprobs),
+                              "logprobs": self._chat_logprobs(pairs, params.logprobs),
                               "finish_reason": finish_reason if finished else None}])
             if output.finished:
                 finals[prompt_index] = output
         if include_usage:
-            yield chunk([], self._usage(finals))
+            yield chunk([], self._usage(finals, deltas.num_generated))
 
-    def _chat_logprobs(self, c: CompletionOutput, start: int, top: int | None):
-        if top is None or c.logprobs is None:
+    @staticmethod
+    def _chat_logprobs(pairs: list | None, top: int | None):
+        """OpenAI's chat `logprobs` for (token id, logprob entry) pairs (None: none were asked for)."""
+        if top is None or pairs is None:
             return None
         content = []
-        for token_id, entry in zip(c.token_ids[start:], c.logprobs[start:]):
+        for token_id, entry in pairs:
             chosen = entry[token_id]
             ranked = sorted((lp for lp in entry.values() if lp.rank <= top), key=lambda lp: lp.rank)
             content.append({**_token_info(chosen), "top_logprobs": [_token_info(lp) for lp in ranked[:top]]})
@@ -284,32 +290,62 @@ class OpenAIServing:
 
     async def _completion_chunks(self, rid, stream, reply: "CompletionReply", include_usage: bool,
                                  continuous: bool = False):
-        params = reply.params
-        created, hold = int(time.time()), stop_hold_back(params.stop_strings) if params.stop_strings else 0
-        sent_text: dict[tuple, int] = {}
-        sent_tokens: dict[tuple, int] = {}
+        """The chunks of a streamed completion, from the engine's delta outputs."""
+        created = int(time.time())
+        deltas = _DeltaTracker()
         finals: dict[int, RequestOutput] = {}
         latest: dict[int, RequestOutput] = {}
         async for prompt_index, output in stream:
             latest[prompt_index] = output
             for c in output.outputs:
                 key = (prompt_index, c.index)
-                first = key not in sent_text
-                delta, finished = _text_delta(c, sent_text, hold, key)
-                tokens_from = sent_tokens.get(key, 0)
-                if not delta and not finished and not (first and reply.echo[prompt_index]):
-                    continue
-                sent_tokens[key] = len(c.token_ids)
+                first, finished = not deltas.was_sent(key), c.finish_reason is not None
+                pairs = deltas.add(key, c)
+                if not c.text and not finished and not (first and reply.echo[prompt_index]):
+                    continue  # (its tokens' logprobs go with the next chunk)
+                deltas.sent(key)
                 body = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                        "choices": [reply.chunk_choice(prompt_index, output, c, delta, first, tokens_from, finished)]}
+                        "choices": [reply.chunk_choice(prompt_index, output, c, first, pairs, finished)]}
                 if include_usage:
-                    body["usage"] = reply.usage(self._usage(latest)) if continuous else None
+                    body["usage"] = reply.usage(self._usage(latest, deltas.num_generated)) if continuous else None
                 yield body
             if output.finished:
                 finals[prompt_index] = output
         if include_usage:
             yield {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                   "choices": [], "usage": reply.usage(self._usage(finals))}
+                   "choices": [], "usage": reply.usage(self._usage(finals, deltas.num_generated))}
+
+
+class _DeltaTracker:
+    """A streamed reply's bookkeeping over delta outputs: the tokens generated (usage), which choices
+    a chunk was sent for, and per choice the (token id, logprob entry) pairs no chunk carried yet (an
+    output with no new text sends no chunk: its logprobs go with the next)."""
+
+    def __init__(self):
+        self.num_generated = 0
+        self._pending: dict = {}
+        self._sent: set = set()
+
+    def add(self, key, c: CompletionOutput) -> list | None:
+        """Takes a delta; returns the choice's unsent pairs (None without logprobs)."""
+        self.num_generated += len(c.token_ids)
+        if c.logprobs is None:
+            return None
+        pending = self._pending.setdefault(key, [])
+        pending.extend(zip(c.token_ids, c.logprobs))
+        return pending
+
+    def sent(self, key) -> None:
+        self._pending.pop(key, None)
+        self._sent.add(key)
+
+    def was_sent(self, key) -> bool:
+        return key in self._sent
+
+
+def _token_pairs(c: CompletionOutput) -> list | None:
+    """A whole completion's (token id, logprob entry) pairs; None without logprobs."""
+    return None if c.logprobs is None else list(zip(c.token_ids, c.logprobs))
 
 
 class CompletionReply:
@@ -325,15 +361,16 @@ class CompletionReply:
     def choice(self, prompt_index: int, output: RequestOutput, c: CompletionOutput) -> dict:
         text = self.echo[prompt_index] + ("" if self.echo_only else c.text)
         body = {"index": prompt_index * self.params.n + c.index, "text": text,
-                "logprobs": self._logprobs(output, c, 0, True), "finish_reason": c.finish_reason,
+                "logprobs": self._logprobs(output, _token_pairs(c), True), "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason}
         return self._with_prompt_logprobs(body, output)
 
-    def chunk_choice(self, prompt_index: int, output: RequestOutput, c: CompletionOutput, delta: str, first: bool,
-                     tokens_from: int, finished: bool) -> dict:
-        text = (self.echo[prompt_index] if first else "") + ("" if self.echo_only else delta)
+    def chunk_choice(self, prompt_index: int, output: RequestOutput, c: CompletionOutput, first: bool,
+                     pairs: list | None, finished: bool) -> dict:
+        """A chunk's choice for the delta `c` (its text; `pairs`: the tokens' logprobs not sent yet)."""
+        text = (self.echo[prompt_index] if first else "") + ("" if self.echo_only else c.text)
         body = {"index": prompt_index * self.params.n + c.index, "text": text,
-                "logprobs": self._logprobs(output, c, tokens_from, first),
+                "logprobs": self._logprobs(output, pairs, first),
                 "finish_reason": c.finish_reason if finished else None}
         return self._with_prompt_logprobs(body, output) if first else body
 
@@ -342,15 +379,15 @@ class CompletionReply:
             usage = usage | {"completion_tokens": 0, "total_tokens": usage["prompt_tokens"]}
         return usage
 
-    def _logprobs(self, output: RequestOutput, c: CompletionOutput, start: int, with_prompt: bool):
+    def _logprobs(self, output: RequestOutput, token_pairs: list | None, with_prompt: bool):
         top = self.params.logprobs
-        if top is None or c.logprobs is None:
+        if top is None or token_pairs is None:
             return None
         pairs = []
         if with_prompt and self.echo_logprobs:
             pairs += list(zip(output.prompt_token_ids, output.prompt_logprobs))
         if not self.echo_only:
-            pairs += list(zip(c.token_ids[start:], c.logprobs[start:]))
+            pairs += token_pairs
         return legacy_logprobs(pairs, top, self.tokenizer)
 
     def _with_prompt_logprobs(self, body: dict, output: RequestOutput) -> dict:
@@ -385,16 +422,6 @@ def legacy_logprobs(pairs, top: int, tokenizer, offset: int = 0) -> dict:
 def _token_info(lp) -> dict:
     token = lp.decoded_token or ""
     return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode("utf-8"))}
-
-
-def _text_delta(c: CompletionOutput, sent: dict, hold: int, key=None) -> tuple[str, bool]:
-    """New text for a choice; while running, hold back what might still become a stop string."""
-    key = c.index if key is None else key
-    finished = c.finish_reason is not None
-    already = sent.get(key, 0)
-    end = len(c.text) if finished else max(already, len(c.text) - hold)
-    sent[key] = end
-    return c.text[already:end], finished
 
 
 def _chat_request(body: dict) -> ChatCompletionRequest:
