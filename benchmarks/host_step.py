@@ -34,6 +34,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton backend's metadata 
 
 from treeserve.config import EngineConfig
 from treeserve.engine.cuda_graphs import DecodeGraphs
+from treeserve.engine.engine_loop import EngineLoop
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.model.random_models import make_tiny_model
 from treeserve.model.transfer import StepStaging
@@ -46,12 +47,26 @@ OUTPUT_KINDS = {  # what each request's outputs hold
 }
 
 
+def step_tokens(context: int) -> int:
+    return max(2048, context)
+
+
+def output_tokens(batch: int, context: int, steps: int) -> int:
+    """Each request's max_tokens: the first requests decode while the last ones prefill, so none may
+    end before the last timed step."""
+    return steps + -(-batch * context // step_tokens(context)) + 16
+
+
+def max_model_len(batch: int, context: int, steps: int) -> int:
+    return context + output_tokens(batch, context, steps) + 16
+
+
 def engine(model_dir: Path, batch: int, context: int, steps: int) -> LLMEngine:
-    tokens = batch * (context + steps + 64)
+    length = max_model_len(batch, context, steps)
     config = EngineConfig(model=model_dir, dtype="float32", device="cpu", attention_backend="triton",
-                          max_num_seqs=batch, max_num_batched_tokens=max(2048, context), async_scheduling=True,
-                          async_output_processing=True, max_model_len=context + steps + 64,
-                          kv_cache_memory_bytes=tokens * 2 * 2 * 32 * 4 + (64 << 20))
+                          max_num_seqs=batch, max_num_batched_tokens=step_tokens(context), async_scheduling=True,
+                          async_output_processing=True, max_model_len=length,
+                          kv_cache_memory_bytes=batch * length * 2 * 2 * 32 * 4 + (64 << 20))
     eng = LLMEngine.from_config(config)
     _stub_forward(eng)
     _static_buffers(eng, batch)
@@ -85,25 +100,31 @@ def _static_buffers(eng: LLMEngine, batch: int) -> None:
 
 
 def run_once(eng: LLMEngine, batch: int, context: int, steps: int, outputs: str, tag: str) -> list[float]:
-    """Per-step thread CPU seconds of `steps` decode steps of `batch` sequences of `context` tokens."""
+    """Per-step thread CPU seconds of `steps` decode steps of `batch` sequences of `context` tokens,
+    each step through the engine loop (which hands each output to its request's callback, as the
+    server's)."""
+    loop = EngineLoop.of(eng)
     vocab = eng.runner.model.config.vocab_size
-    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True, output_kind=OUTPUT_KINDS[outputs])
+    params = SamplingParams(max_tokens=output_tokens(batch, context, steps), temperature=0.0, ignore_eos=True,
+                            output_kind=OUTPUT_KINDS[outputs])
+    received = []
     for i in range(batch):
         prompt = [(i * 7919 + j * 31) % (vocab - 10) + 5 for j in range(context)]
-        eng.add_request(f"{tag}-{i}", prompt, params)
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running) or eng.scheduler.waiting:
-        eng.step()  # the prefills
-    for _ in range(4):
-        eng.step()  # into the steady state (async scheduling's pipeline full)
+        loop.add_request(eng, f"{tag}-{i}", prompt, params, received.append)
+    settled = 0
+    while settled < 4:  # the prefills, then into the steady state (async scheduling's pipeline full)
+        if not loop.step():
+            raise RuntimeError("the requests ended before every one of them was decoding")
+        settled = settled + 1 if eng.last_step_num_tokens == batch else 0  # (`batch` tokens: every request decodes)
     times = []
     for _ in range(steps):
         start = time.thread_time()
-        eng.step()
+        loop.step()
         times.append(time.thread_time() - start)
         if eng.last_step_num_tokens != batch:
             raise RuntimeError(f"a timed step ran {eng.last_step_num_tokens} tokens, not one for each of {batch} requests")
-    while eng.has_unfinished_requests():
-        eng.step()
+    while loop.has_unfinished_requests():
+        loop.step()
     return times
 
 
@@ -118,7 +139,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_tiny_model("llama", Path(tmp) / "llama", max_position_embeddings=args.context + args.steps + 128)
+        model_dir = make_tiny_model("llama", Path(tmp) / "llama", max_position_embeddings=max_model_len(args.batch, args.context, args.steps))
         eng = engine(model_dir, args.batch, args.context, args.steps)
         run_once(eng, args.batch, args.context, 20, args.outputs, "warm")
         if args.profile:

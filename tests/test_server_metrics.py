@@ -9,7 +9,7 @@ import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from conftest import API_KEY, wait_idle
-from treeserve.server.metrics import ServerMetrics
+from treeserve.server.metrics import EngineMetrics, ServerMetrics
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 BUCKETS = (0.001, 0.5, 1.0, 8.0, 640.0)
@@ -102,3 +102,23 @@ def test_a_scrape_neither_runs_on_the_engine_thread_nor_waits_for_it(server, mon
         request.join(60)
     assert rendered_on and engine_thread[0] not in rendered_on, (rendered_on, engine_thread)
     wait_idle(server.engine)
+
+
+def test_delta_outputs_count_each_samples_tokens_and_finish_once():
+    """A streamed request's outputs are deltas: its samples end on different steps and its last output
+    holds only what changed, yet every sample's finish and every token is counted once."""
+    from treeserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    metrics = EngineMetrics(ServerMetrics(), "m")
+
+    def delta(finished, *samples):
+        outs = [CompletionOutput(i, "x" * n, [7] * n, None, None, reason) for i, n, reason in samples]
+        return RequestOutput("r", None, [1, 2], outs, finished, metrics=RequestMetrics(0.0, 0.0, 0.1), delta=True)
+    steps = [delta(False, (0, 1, None), (1, 1, None), (2, 1, None)),
+             delta(False, (0, 1, "length"), (1, 1, None), (2, 1, None)),  # sample 0 ends here
+             delta(True, (1, 1, "stop"), (2, 1, "stop"))]                   # the last output: samples 1 and 2
+    for output in steps:
+        metrics._observe_tokens(output, 1.0)
+        metrics._count_finishes(output)
+    success = {reason: metrics._success(reason).value for reason in ("length", "stop")}
+    assert success == {"length": 1, "stop": 2}
+    assert metrics.generation_tokens.value == 8

@@ -24,6 +24,7 @@ def test_staged_views_hold_their_values_through_growth_and_reuse():
         staging.flush()
         for (v, dtype, shape), view in zip(values, views):
             assert view.dtype == dtype and torch.equal(view, torch.as_tensor(np.asarray(v), dtype=dtype))
+            assert view.data_ptr() % 16 == 0  # (Triton specializes kernels on 16-byte aligned pointers)
     # steps 1 and 2: the int64 buffer (8, then 16 elements) overflows and is flushed before it grows,
     # then both dtypes are copied; step 3 fits (32): one copy per dtype
     assert staging.num_copies == 3 + 3 + 2

@@ -9,6 +9,7 @@ import importlib
 __version__ = "0.1.0"
 _EXPORTS = {"LLM": "treeserve.entrypoints.llm", "Runtime": "treeserve.runtime.runtime",
             "SamplingParams": "treeserve.sampling_params", "StructuredOutputsParams": "treeserve.sampling_params",
+            "RequestOutputKind": "treeserve.sampling_params",
             "RequestOutput": "treeserve.outputs", "CompletionOutput": "treeserve.outputs", "Logprob": "treeserve.outputs"}
 __all__ = [*_EXPORTS, "__version__"]
 

@@ -33,6 +33,9 @@ class HostCopy:
         return self._host.tolist()
 
 
+ALIGN_BYTES = 16
+
+
 class StepStaging:
     """A step's small host values (token ids, positions, slots, attention metadata) onto the device
     through one persistent host buffer per dtype and one copy each per step, instead of a tensor,
@@ -72,6 +75,8 @@ class StepStaging:
 class _StagingBuffer:
     def __init__(self, dtype: torch.dtype, device: torch.device, capacity: int):
         self.dtype, self.device = dtype, device
+        # each value starts on a 16-byte boundary: Triton specializes a kernel on its pointers' alignment
+        self.align = max(1, ALIGN_BYTES // torch.empty(0, dtype=dtype).element_size())
         self._allocate(capacity)
 
     def _allocate(self, capacity: int) -> None:
@@ -84,11 +89,13 @@ class _StagingBuffer:
 
     def stage(self, values, shape, owner: StepStaging) -> torch.Tensor:
         count = len(values) if shape is None else _numel(shape)
-        if self.used + count > self.target.numel():
+        start = -(-self.used // self.align) * self.align
+        if start + count > self.target.numel():
             self.flush(owner)  # what is staged keeps its place in the old device buffer
             self._allocate(max(2 * self.target.numel(), count))
+            start = 0
         host = self._host()
-        start, self.used = self.used, self.used + count
+        self.used = start + count
         if shape is None:
             host[start:self.used] = values
         else:
@@ -113,7 +120,7 @@ class _StagingBuffer:
         owner.num_copies += 1
         if self.device.type == "cuda":
             self.events[self.which] = torch.cuda.Event()
-            self.events[self.which].record()
+            self.events[self.which].record(torch.cuda.current_stream(self.device))
         self.which = (self.which + 1) % len(self.hosts)
         self.used, self.ready = 0, False
 

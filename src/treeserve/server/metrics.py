@@ -256,6 +256,7 @@ class EngineMetrics:
         self.iteration_tokens.observe(engine.last_step_num_tokens)
         for output in outputs:
             self._observe_tokens(output, now)
+            self._count_finishes(output)
             if output.finished:
                 self._observe_finished(output)
 
@@ -312,13 +313,22 @@ class EngineMetrics:
                 self.itl.observe((now - last_time) / new)
         self._seen_tokens[output.request_id] = (total, now)
 
+    def _count_finishes(self, output: RequestOutput) -> None:
+        """Each completion's finish, once: as each delta reports it (the samples of a delta request
+        end on different steps and its last output holds only what changed), else at the end."""
+        if output.delta:
+            for completion in output.outputs:
+                if completion.finish_reason is not None:
+                    self._success(completion.finish_reason).inc()
+        elif output.finished:
+            for completion in output.outputs:
+                self._success(completion.finish_reason or "abort").inc()
+
     def _observe_finished(self, output: RequestOutput) -> None:
         self._seen_tokens.pop(output.request_id, None)
         m = output.metrics
         end = m.finished_time or time.monotonic()
         self.prompt_tokens.inc(len(output.prompt_token_ids))
-        for completion in output.outputs:
-            self._success(completion.finish_reason or "abort").inc()
         self.e2e.observe(end - m.arrival_time)
         if m.first_scheduled_time is not None:
             self.queue_time.observe(m.first_scheduled_time - m.arrival_time)

@@ -16,8 +16,8 @@ MODEL_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty
 AS_DECLARED = ("n", "presence_penalty", "frequency_penalty", "seed", "min_tokens", "stop", "stop_token_ids",
                "include_stop_str_in_output", "ignore_eos", "skip_special_tokens")
 # Computed by each API from fields of its own (max_completion_tokens; logprobs, top_logprobs and echo;
-# response_format; logit_bias's string keys), so not declared from here.
-COMPUTED = ("max_tokens", "logprobs", "prompt_logprobs", "structured_outputs", "logit_bias")
+# response_format; logit_bias's string keys; output_kind from stream), so not declared from here.
+COMPUTED = ("max_tokens", "logprobs", "prompt_logprobs", "structured_outputs", "logit_bias", "output_kind")
 
 
 def carried() -> list[dataclasses.Field]:
