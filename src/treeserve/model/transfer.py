@@ -12,6 +12,13 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
+def values_to_device(values, dtype: torch.dtype, device: torch.device, shape: tuple[int, ...] | None = None):
+    """Values (a list, a numpy array or a host tensor) as a `dtype` tensor (of `shape`) on the device,
+    through `to_device`."""
+    tensor = torch.as_tensor(values, dtype=dtype)
+    return to_device(tensor if shape is None else tensor.reshape(shape), device)
+
+
 class HostCopy:
     """Device tensors packed into one float64 tensor (exact for token ids and float32 values) and
     copied to pinned host memory without blocking; `tolist()` waits for that copy alone."""
@@ -57,8 +64,7 @@ class StepStaging:
     def stage(self, values, dtype: torch.dtype, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         """`values` as a `dtype` tensor on the device (of `shape`, else flat)."""
         if not self.active:
-            tensor = values if isinstance(values, torch.Tensor) else torch.as_tensor(values, dtype=dtype)
-            return tensor.to(dtype).reshape(shape if shape is not None else (-1,))
+            return values_to_device(values, dtype, self.device, shape)
         buffer = self._buffers.get(dtype)
         if buffer is None:
             buffer = self._buffers[dtype] = _StagingBuffer(dtype, self.device, self.INITIAL_ELEMENTS)

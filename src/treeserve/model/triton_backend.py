@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from treeserve.model.hf_config import ModelConfig
-from treeserve.model.transfer import to_device
+from treeserve.model.transfer import values_to_device
 
 MAX_SPLITS = 32
 # decode-only steps split keys until there are this many programs per multiprocessor (measured on an
@@ -64,7 +64,7 @@ class TritonMetadataBuilder:
     def build(self, slot_mapping: torch.Tensor, stage=None) -> TritonMetadata:
         """`stage(values, dtype, shape=None)`: values' place on the device (the runner's
         `StepStaging.stage`; by default a copy of their own)."""
-        stage = stage or self._copy
+        stage = stage or (lambda values, dtype, shape=None: values_to_device(values, dtype, self.device, shape))
         width = max((-(-n // self.block_size) for n in self.seq_lens), default=1)
         starts = [0, *itertools.accumulate(self.query_lens)]
         tables = self._tables(width)
@@ -73,10 +73,6 @@ class TritonMetadataBuilder:
         if meta.max_query_len == 1:
             meta.split_buffers = self.backend.split_buffers(len(self.seq_lens), self.device)
         return meta
-
-    def _copy(self, values, dtype: torch.dtype, shape=None) -> torch.Tensor:
-        tensor = torch.as_tensor(values, dtype=dtype)
-        return to_device(tensor if shape is None else tensor.reshape(shape), self.device)
 
     def _tables(self, width: int) -> np.ndarray:
         """[sequences, width] int32: rows gathered from the block table, else the lists padded (one
