@@ -111,3 +111,26 @@ def test_a_step_is_launched_without_waiting_for_the_device(tiny_model_dirs):
     outputs = llm.generate(["Hello there", "The water is", "One two", "Three", "Four five six"], params)
     assert all(o.outputs[0].token_ids for o in outputs)
     assert not syncs, "\n".join(dict.fromkeys(syncs))
+
+
+@cuda
+def test_staging_on_cuda_is_pinned_double_buffered_and_waits_for_its_copies():
+    """A step's values through pinned host buffers used in turn: each step's device views hold its own
+    values after the next steps rewrote the staging (a host buffer is rewritten only after its copy is
+    done; the device buffer, in stream order), with a large kernel queued ahead of the copies."""
+    from treeserve.model.transfer import StepStaging
+    device = torch.device("cuda")
+    staging = StepStaging(device)
+    big = torch.randn(4096, 4096, device=device)
+    kept = []
+    for step in range(6):
+        big = big @ big.T / 4096  # (keeps the stream busy while the host stages the next step)
+        values = list(range(step * 100, step * 100 + 50))
+        view = staging.stage(values, torch.long)
+        table = staging.stage([[step] * 7] * 3, torch.int32, (3, 7))
+        staging.flush()
+        kept.append((values, view.clone(), table.clone()))  # (clones queued behind the copy: this step's values)
+    assert all(buffer.hosts[0].is_pinned() and len(buffer.hosts) == 2 for buffer in staging._buffers.values())
+    for step, (values, view, table) in enumerate(kept):
+        assert view.tolist() == values and table.tolist() == [[step] * 7] * 3
+    assert staging.num_copies == 12
