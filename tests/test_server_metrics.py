@@ -122,3 +122,16 @@ def test_delta_outputs_count_each_samples_tokens_and_finish_once():
     success = {reason: metrics._success(reason).value for reason in ("length", "stop")}
     assert success == {"length": 1, "stop": 2}
     assert metrics.generation_tokens.value == 8
+
+
+def test_a_final_only_output_observes_its_inter_token_latency_at_the_mean_gap():
+    """A non-streamed request (final-only: one output) still feeds the inter-token-latency histogram:
+    each sample's tokens after its first, at the mean gap between its first token and its end."""
+    from treeserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    metrics = EngineMetrics(ServerMetrics(), "m")
+    outs = [CompletionOutput(i, "x", [7] * 5, None, None, "length") for i in range(2)]
+    output = RequestOutput("r", None, [1, 2], outs, True, metrics=RequestMetrics(0.0, 0.5, 1.0, 2.6))
+    metrics._observe_tokens(output, 3.0)
+    assert sum(metrics.itl.counts) == 8 and abs(metrics.itl.sum - 1.6) < 1e-9
+    assert sum(metrics.ttft.counts) == 1 and abs(metrics.ttft.sum - 1.0) < 1e-9
+    assert metrics.generation_tokens.value == 10

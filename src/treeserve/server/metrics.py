@@ -79,9 +79,10 @@ class Histogram:
         self.created_line = f"{_line_start(f'{name}_created', labels)}{floatToGoString(time.time())}\n"
         self._text = ("", -1)  # the last render and its number of observations
 
-    def observe(self, value: float) -> None:
-        self.sum += value
-        self.counts[bisect_left(self.upper_bounds, value)] += 1
+    def observe(self, value: float, count: int = 1) -> None:
+        """`count` observations of `value` (as that many calls)."""
+        self.sum += value * count
+        self.counts[bisect_left(self.upper_bounds, value)] += count
 
     def render(self, out: list[str]) -> None:
         counts = list(self.counts)  # one copy: the engine thread may observe meanwhile
@@ -305,13 +306,23 @@ class EngineMetrics:
         if new <= 0:
             return
         self.generation_tokens.inc(new)
-        if seen == 0:  # the engine's own first-token time: a final-only request (search) shows tokens at its end
+        if seen == 0:  # the engine's own first-token time: a final-only request shows its tokens at its end
             first = output.metrics.first_token_time
             self.ttft.observe((now if first is None else first) - output.metrics.arrival_time)
+            if output.finished:
+                self._observe_mean_itl(output, new)
         else:
-            for _ in range(new):
-                self.itl.observe((now - last_time) / new)
+            self.itl.observe((now - last_time) / new, new)
         self._seen_tokens[output.request_id] = (total, now)
+
+    def _observe_mean_itl(self, output: RequestOutput, tokens: int) -> None:
+        """A request whose tokens all came in its one output (final-only: a non-streamed request, a
+        search's): its samples' tokens after their first, each at the mean gap of its decode."""
+        gaps = tokens - len(output.outputs)
+        m = output.metrics
+        if gaps <= 0 or m.first_token_time is None or m.finished_time is None:
+            return
+        self.itl.observe(max(m.finished_time - m.first_token_time, 0.0) / gaps, gaps)
 
     def _count_finishes(self, output: RequestOutput) -> None:
         """Each completion's finish, once: as each delta reports it (the samples of a delta request

@@ -88,8 +88,9 @@ class OpenAIServing:
                                              prompt_logprobs)
         except ValueError as exc:
             raise from_value_error(exc) from exc
-        if request.stream:  # each output holds only what is new (the engine holds back a stop string's start)
-            params.output_kind = RequestOutputKind.DELTA
+        # streamed: each output holds only what is new (the engine holds back a stop string's start);
+        # otherwise one output, at the end (no hand-off to this event loop per request per step)
+        params.output_kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         return params
 
     async def compile_grammar(self, request, params: SamplingParams, tools: ToolCalling | None = None) -> None:
