@@ -30,7 +30,7 @@ class HostCopy:
             self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
             self._host.copy_(packed, non_blocking=True)
             self._event = torch.cuda.Event()
-            self._event.record()
+            self._event.record(torch.cuda.current_stream(packed.device))  # (the copy's device, not the current one)
         else:
             self._host = packed
 
