@@ -1,6 +1,8 @@
 """Host-to-device copies that do not stall the host."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -82,7 +84,7 @@ class _StagingBuffer:
     def __init__(self, dtype: torch.dtype, device: torch.device, capacity: int):
         self.dtype, self.device = dtype, device
         # each value starts on a 16-byte boundary: Triton specializes a kernel on its pointers' alignment
-        self.align = max(1, ALIGN_BYTES // torch.empty(0, dtype=dtype).element_size())
+        self.align = max(1, ALIGN_BYTES // dtype.itemsize)
         self._allocate(capacity)
 
     def _allocate(self, capacity: int) -> None:
@@ -94,7 +96,7 @@ class _StagingBuffer:
         self.which, self.used, self.ready = 0, 0, False
 
     def stage(self, values, shape, owner: StepStaging) -> torch.Tensor:
-        count = len(values) if shape is None else _numel(shape)
+        count = len(values) if shape is None else math.prod(shape)
         start = -(-self.used // self.align) * self.align
         if start + count > self.target.numel():
             self.flush(owner)  # what is staged keeps its place in the old device buffer
@@ -130,9 +132,3 @@ class _StagingBuffer:
         self.which = (self.which + 1) % len(self.hosts)
         self.used, self.ready = 0, False
 
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
