@@ -25,6 +25,17 @@ PRM blocks.
 
 The models are loaded once; each configuration's Runtime is built over them once (its KV space,
 engines and CUDA graphs) and its caches are reset before every run, so the call fits in minutes.
+
+`unconstrained` runs the same search with `ceiling_scale` x the budget (3x: the ~7 GB the search
+asks for at its deepest, so nothing is evicted or preempted): the most any memory policy, the shared
+arena's included, can reach on this workload. Each run records whose allocations evicted the pages
+that a model asked for again (`thrash_by_evictor`: in the shared arena, its own or the other model's).
+
+`--founding-replica` (gpu.py) runs this workload on a CPU at the device run's page counts: tiny
+models whose KV bytes per token keep the 1B:8B ratio (`REPLICA_SHAPES`, 1:4) in a budget scaled by
+the generator's bytes per token against the 1B's in bfloat16 (`replica_kv_scale`), so every page,
+hit, eviction and preemption happens as on the device (session 71: token counts within 4-9% of
+call 2's, thrash and preemptions within 7-17%; docs/BENCHMARKS.md); only the times are the CPU's.
 """
 from __future__ import annotations
 
@@ -49,6 +60,30 @@ CHARS_PER_TOKEN = 3.5
 SYSTEM_PROMPT_TOKENS = 70  # Search-and-Learn's system prompt and the chat template, in Llama-3 tokens
 SPLITS = (0.08, 0.1, 0.2, 0.3, 0.4, 0.5)  # the generator's fraction of the KV budget (the study's sweep)
 MAX_IN_FLIGHT = 16  # problems searched at once (continuous problem batching)
+CEILING = "unconstrained"  # the configuration with ceiling_scale x the budget
+# --founding-replica: KV bytes per token 2 x layers x kv heads x head dim x 4 (float32): 512 and 2,048,
+# the 1:4 of the 1B (32 KiB a token in bfloat16) and the 8B (128 KiB)
+REPLICA_SHAPES = (
+    dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+         num_key_value_heads=2, head_dim=16, tie_word_embeddings=True, rms_norm_eps=1e-5),
+    dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+         num_key_value_heads=2, head_dim=32, tie_word_embeddings=False, rms_norm_eps=1e-5),
+)
+REPLICA_DTYPE = "float32"
+
+
+def kv_bytes_per_token(shape: dict, dtype: torch.dtype) -> int:
+    return 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * shape["head_dim"] * dtype.itemsize
+
+
+def replica_kv_scale() -> float:
+    """The replica's KV budget over the device's: its generator's bytes per token over the 1B's in
+    bfloat16 (the PRMs' keep the same ratio), so both hold the same number of pages."""
+    replica = [kv_bytes_per_token(shape, torch.float32) for shape in REPLICA_SHAPES]
+    device = [kv_bytes_per_token(shape, torch.bfloat16) for shape in (gm.LLAMA_3_2_1B, gm.LLAMA_3_1_8B)]
+    if replica[1] * device[0] != device[1] * replica[0]:
+        raise ValueError(f"REPLICA_SHAPES: KV bytes per token {replica}, not in the device models' ratio {device}")
+    return replica[0] / device[0]
 
 
 def question_lengths(count: int, seed: int) -> list[int]:
@@ -73,15 +108,18 @@ def questions(count: int, vocab_size: int, seed: int, smoke: bool) -> list[str]:
     return texts
 
 
-def configurations(splits, block_size: int) -> list[tuple[str, dict]]:
-    """(label, Runtime options): the static splits, the shared arena, and the shared arena with
+def configurations(splits, block_size: int, ceiling_scale: float = 0) -> list[tuple[str, dict]]:
+    """(label, Runtime options): the static splits, the shared arena, the shared arena with
     pages of `block_size` generator tokens (the default page holds 16 generator tokens, so the 4x
-    larger PRM gets 4 a page; with 64 it gets 16, as in its static share)."""
+    larger PRM gets 4 a page; with 64 it gets 16, as in its static share), and the unconstrained
+    ceiling (the shared arena in `ceiling_scale` x the budget)."""
     configs = [(f"static gen={f:g}", {"kv_mode": "static", "kv_fractions": {"gen": f, "prm": round(1 - f, 4)}})
                for f in splits]
     configs.append(("shared", {"kv_mode": "shared"}))
     if block_size:
         configs.append((f"shared, {block_size}-token pages", {"kv_mode": "shared", "block_size": block_size}))
+    if ceiling_scale:
+        configs.append((CEILING, {"kv_mode": "shared", "kv_scale": ceiling_scale}))
     return configs
 
 
@@ -111,7 +149,9 @@ def engine_options(args) -> dict:
 def build_runtime(args, loaded: dict, options: dict) -> Runtime:
     """A configuration's Runtime over the loaded models: its own KV space, engines and CUDA graphs.
     A page size other than the models' own (`block_size`) needs models loaded with it."""
-    return Runtime(loaded, kv_cache_memory_bytes=int(args.founding_kv_gib * (1 << 30)), **options)
+    options = dict(options)
+    budget = args.founding_kv_gib * options.pop("kv_scale", 1) * (1 << 30)
+    return Runtime(loaded, kv_cache_memory_bytes=int(budget), **options)
 
 
 def search_config(args, depth: int) -> SearchConfig:
@@ -168,17 +208,19 @@ def run_one(args, rt: Runtime, label: str, problems: list[str], depth: int) -> d
         rt.loop.step_observers.remove(log)
     after = {name: engine.stats() for name, engine in rt.engines.items()}
     count = {key: {n: getattr(after[n], key) - getattr(before[n], key) for n in after} for key in COUNTERS}
+    evictors = {n: {by: k - before[n].thrash_by_evictor.get(by, 0) for by, k in after[n].thrash_by_evictor.items()}
+                for n in after}
     series, steps = log.summary()
     row = {"label": label, "seconds": seconds, "problems_s": len(problems) / seconds,
            "tokens_computed": count["num_tokens_computed"],
            "hit_rate": {n: round(count["prefix_hits"][n] / q, 4) if q else 0.0 for n, q in count["prefix_queries"].items()},
-           "evictions": count["evictions"], "thrash": count["thrash"], "preemptions": count["num_preemptions"],
-           "engine_steps": count["num_steps"], "graph_replays": count["num_graph_replays"],
+           "evictions": count["evictions"], "thrash": count["thrash"], "thrash_by_evictor": evictors,
+           "preemptions": count["num_preemptions"], "engine_steps": count["num_steps"], "graph_replays": count["num_graph_replays"],
            "kv_blocks": {n: s.kv_blocks_total for n, s in after.items()},
            "block_size": {n: s.block_size for n, s in after.items()}, "steps": steps, "blocks_in_use": series}
     print(f"  {label}: {row['problems_s']:.3f} problems/s ({seconds:.1f} s), tokens {row['tokens_computed']}, "
-          f"hits {row['hit_rate']}, thrash {row['thrash']}, preemptions {row['preemptions']}, steps {steps}, "
-          f"graph replays {row['graph_replays']}", flush=True)
+          f"hits {row['hit_rate']}, thrash {row['thrash']} (by evictor {evictors}), preemptions {row['preemptions']}, "
+          f"steps {steps}, graph replays {row['graph_replays']}", flush=True)
     return row
 
 
@@ -220,8 +262,9 @@ def run_founding_study(args, paths: dict[str, Path], vocab: int, write) -> dict:
     after every run."""
     fixed_length_steps()
     problems = questions(args.search_problems, vocab, seed=1, smoke=args.smoke)
-    configs = configurations(args.splits, args.founding_block_size)
-    result: dict = {"kv_budget_gib": args.founding_kv_gib, "problems": len(problems), "depth": args.search_depth,
+    configs = configurations(args.splits, args.founding_block_size, args.founding_ceiling)
+    result: dict = {"kv_budget_gib": args.founding_kv_gib, "ceiling_kv_scale": args.founding_ceiling,
+                    "replica": args.founding_replica, "problems": len(problems), "depth": args.search_depth,
                     "step_tokens": args.step_tokens, "question_tokens": [len(q.split()) for q in problems],
                     "build_seconds": {}, "runs": {label: [] for label, _ in configs}}
     started = time.perf_counter()
@@ -262,7 +305,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
         return summary
     best = max(static, key=static.__getitem__)
     summary["best_static"] = best
-    for label in (label for label in medians if label.startswith("shared")):
+    for label in (label for label in medians if label.startswith("shared") or label == CEILING):
         pairs = [s["problems_s"] / b["problems_s"] for s, b in zip(runs[label], runs[best])
                  if "problems_s" in s and "problems_s" in b]
         summary[f"{label} / best static"] = medians[label] / static[best]
@@ -276,9 +319,10 @@ def table_rows(result: dict) -> list[list[str]]:
     rows = []
     for label, rate in summary.get("median_problems_s", {}).items():
         ratio = summary.get(f"{label} / best static")
+        target = "(no memory policy passes it)" if label == CEILING else ">= 1.1x best static"
         rows.append([f"1B+8B beam N=16 ({label})", f"{rate:.3f} problems/s",
                      f"{summary['median_problems_s'][best]:.3f} ({best})" if ratio else "",
-                     f"{ratio:.2f}x" if ratio else "", ">= 1.1x best static" if ratio else ""])
+                     f"{ratio:.2f}x" if ratio else "", target if ratio else ""])
     return rows
 
 
@@ -302,6 +346,9 @@ def plot(result: dict, path: Path) -> Path:
     for label, color in zip((label for label in runs if label.startswith("shared") and label in medians),
                             ("tab:red", "tab:orange")):
         left.axhline(medians[label], color=color, linestyle="--", label=f"{label} (median)")
+    if CEILING in medians:
+        left.axhline(medians[CEILING], color="gray", linestyle=":",
+                     label=f"{CEILING}, {result['ceiling_kv_scale']:g}x the KV (median)")
     left.set(xlabel="KV fraction given to the generator", ylabel="problems / s",
              title=f"1B + 8B beam search N=16, {result['kv_budget_gib']:g} GiB of KV")
     left.legend(fontsize=8)
