@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 
 from treeserve import Runtime
+from treeserve.lifecycle import freeze_startup_heap
 from treeserve.search.config import SearchConfig
 from treeserve.search.runner import SearchRunner
 
@@ -273,6 +274,7 @@ def run_founding_study(args, paths: dict[str, Path], vocab: int, write) -> dict:
     for label, options in configs:
         models = with_block_size(loaded, options.pop("block_size", None))
         runtimes.update(build_all(args, [(label, options)], models, problems, result))
+    freeze_startup_heap()  # the built runtimes live until the end: no full collection walks them mid-run
     write(result)
     try:
         for repeat in range(args.founding_repeats):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -76,6 +77,15 @@ def signal_each_and_check(procs: list[subprocess.Popen], logs: list[Path], child
         assert left, f"after {sig.name}, left behind: {[p.cmdline() for p in family if _alive(p)]}"
 
 
+def assert_heap_frozen(logs: list[Path]) -> None:
+    """Each server froze its startup heap once its engines were built (lifecycle.freeze_startup_heap):
+    the modules, tokenizer and engines' objects, tens of thousands of them, that no full collection
+    walks again."""
+    for log in logs:
+        found = re.findall(r"startup heap frozen: (\d+) objects", log.read_text())
+        assert len(found) == 1 and int(found[0]) > 20_000, (found, log.read_text()[-2000:])
+
+
 def _stop(procs: list[subprocess.Popen]) -> None:
     for proc in procs:
         for child in psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []:
@@ -94,6 +104,7 @@ def test_serve_with_tensor_parallel_ranks(llama_dir, tmp_path):
              for port, log in zip(ports, logs)]
     try:
         _wait_all(procs, logs, lambda i: _answers(f"http://127.0.0.1:{ports[i]}/health/ready"))
+        assert_heap_frozen(logs)
         signal_each_and_check(procs, logs, children=1)  # rank 1 (and multiprocessing's helper)
     finally:
         _stop(procs)
@@ -126,6 +137,7 @@ def test_worker(llama_dir, tmp_path, rabbitmq):
             return queue.declaration_result.consumer_count
     try:
         _wait_all(procs, logs, lambda i: i or asyncio.run(consumers()) == len(procs))
+        assert_heap_frozen(logs)
         signal_each_and_check(procs, logs)
         assert asyncio.run(consumers()) == 0
     finally:

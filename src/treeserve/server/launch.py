@@ -9,6 +9,7 @@ import threading
 import time
 
 from treeserve.config import EngineConfig
+from treeserve.lifecycle import freeze_startup_heap
 from treeserve.model.registry import DEFAULT_PAIR, named_models, served_name
 from treeserve.engine.async_engine import AsyncLLMEngine
 from treeserve.engine.engine_loop import EngineLoop
@@ -87,13 +88,16 @@ def app_from_args(args):
 
 
 def _logged_app(args):
-    """The app, with logging set up; None (the error logged) when the command line is wrong."""
+    """The app, with logging set up and the startup heap frozen; None (the error logged) when the
+    command line is wrong."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return app_from_args(args)
+        app = app_from_args(args)
     except ValueError as exc:  # (a bad --shutdown-timeout too)
         logging.getLogger(__name__).error("%s", exc)
         return None
+    freeze_startup_heap()
+    return app
 
 
 def serve(args) -> int:
