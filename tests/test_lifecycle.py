@@ -118,6 +118,7 @@ def test_gateway(tmp_path):
              for port, log in zip(ports, logs)]
     try:
         _wait_all(procs, logs, lambda i: _answers(f"http://127.0.0.1:{ports[i]}/health/ready"), timeout=60)
+        assert_heap_frozen(logs)
         signal_each_and_check(procs, logs)
     finally:
         _stop(procs)

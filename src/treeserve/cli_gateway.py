@@ -9,6 +9,8 @@ import os
 import sys
 from pathlib import Path
 
+from treeserve.lifecycle import freeze_startup_heap
+
 BUDGET_HELP = ("in the currency of the models' prices (input_cost_per_token, output_cost_per_token in the "
                "gateway's --config YAML); without prices every request costs 0 and the budget never acts")
 
@@ -114,7 +116,9 @@ def cmd_gateway(args) -> int:
     for model in config.models.values():
         print(f"model {model.name}: {', '.join(b.name for b in model.backends)}", file=sys.stderr)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return run_gateway(build_app(config), args.host, args.port)
+    app = build_app(config)
+    freeze_startup_heap()  # ~155k objects: a full collection of them was a ~95 ms pause of every relayed stream
+    return run_gateway(app, args.host, args.port)
 
 
 def chat_overrides(args) -> dict | None:

@@ -78,13 +78,13 @@ def exit_now(code: int) -> None:
 def freeze_startup_heap() -> int:
     """Moves every object alive now to the garbage collector's permanent generation (what vLLM's
     engine does once it has started): modules, configs, tokenizers and the engines' Python objects
-    are never freed before the process ends, and each full collection walked all of them. Called
-    by the long-running commands once their engines are built: `treeserve serve` held ~290k such
-    objects, and each full collection stopped its engine loop for up to ~240 ms (the longest gap
-    between two streamed tokens; ~64 ms with the heap frozen, docs/BENCHMARKS.md). Garbage is
-    collected first, so what building left behind is freed, not kept. Only for a process that is the
-    command (not a library call inside someone's program, whose heap it would freeze for good).
-    Returns the frozen count."""
+    live until the process ends, yet each full collection walked all of them. Called by the
+    long-running commands once they are built (serve, worker, gateway): `treeserve serve` held
+    ~290k such objects, and each full collection stopped its engine loop for up to ~240 ms (the
+    longest gap between two streamed tokens; ~64 ms with the heap frozen, docs/BENCHMARKS.md).
+    Garbage is collected first, so what building left behind is freed, not kept. Only for a
+    process that is the command, not a library call inside someone's program (whose heap it would
+    freeze for good). Returns the frozen count."""
     gc.collect()
     gc.freeze()
     count = gc.get_freeze_count()
