@@ -304,17 +304,21 @@ def parse_args(argv):
     parser.add_argument("--founding-max-len", type=int, default=2048)
     parser.add_argument("--founding-ceiling", type=float, default=3, help="also run the founding search unconstrained, "
                         "in this many times the KV budget (the ceiling of any memory policy; 0: not)")
-    parser.add_argument("--founding-replica", action="store_true", help="founding_search on a CPU at the device run's "
-                        "page counts: tiny models with the 1B:8B KV bytes per token, --founding-kv-gib (the device's budget) "
-                        "scaled to match")
+    parser.add_argument("--founding-replica", action="store_true",
+                        help="founding_search on a CPU at the device run's page counts: tiny models with the 1B:8B "
+                        "KV bytes per token, --founding-kv-gib (the device's budget) scaled to match")
     args = parser.parse_args(argv)
     args.decode_batches = [int(x) for x in args.decode_batches.split(",")]
     args.peers = [name for name in args.peers.split(",") if name]
     if unknown := set(args.peers) - {"hf_continuous", "hf_static"}:
         parser.error(f"--peers: unknown {sorted(unknown)}; choose from hf_continuous, hf_static")
     args.splits = [float(x) for x in args.splits.split(",") if x]
+    args.founding_device_kv_gib = args.founding_kv_gib  # the device's budget (a replica's stands for it)
     if args.founding_replica:
-        args.dtype, args.founding_kv_gib = gpu_founding.REPLICA_DTYPE, args.founding_kv_gib * gpu_founding.replica_kv_scale()
+        if args.smoke:
+            parser.error("--founding-replica runs the device's workload at its page counts; --smoke shrinks it")
+        args.dtype = gpu_founding.REPLICA_DTYPE
+        args.founding_kv_gib *= gpu_founding.replica_kv_scale()
     if args.smoke:
         args.dtype = "float32"
         args.requests, args.hf_batch, args.decode_steps = min(args.requests, 12), 4, 6
@@ -323,6 +327,7 @@ def parse_args(argv):
         args.spec_repeats = 1
         args.splits, args.founding_kv_gib, args.founding_repeats = args.splits[-2:], 1 / 64, 1
         args.founding_max_len, args.founding_block_size = 256, 32
+        args.founding_device_kv_gib = args.founding_kv_gib
     return args
 
 

@@ -34,9 +34,13 @@ def test_gpu_benchmark_smoke_runs_every_section(tmp_path):
         row = rows[0]
         assert row["tokens_computed"]["gen"] > 0 and row["tokens_computed"]["prm"] > 0
         assert set(row["blocks_in_use"]) == {"gen", "prm"}
-        assert set(row["thrash_by_evictor"]) == {"gen", "prm"}
-    ceiling = founding["runs"]["unconstrained"][0]
-    assert ceiling["kv_blocks"]["gen"] == 3 * founding["runs"]["shared"][0]["kv_blocks"]["gen"]  # 3x the budget
+        for model, by in row["thrash_by_evictor"].items():  # this run's evictions, each by a model of the run
+            assert all(count >= 0 for count in by.values()) and sum(by.values()) <= row["thrash"][model]
+            assert set(by) <= ({model} if label.startswith("static") else {"gen", "prm"})
+    ceiling, shared = founding["runs"]["unconstrained"][0], founding["runs"]["shared"][0]
+    assert ceiling["block_size"] == founding["runs"]["static gen=0.5"][0]["block_size"]  # the splits' pages
+    for model, fraction in gpu_founding.CEILING_FRACTIONS.items():  # in 3x the budget (both tiny models alike)
+        assert abs(ceiling["kv_blocks"][model] - 3 * fraction * shared["kv_blocks"][model]) <= 1
     assert founding["runs"]["shared, 32-token pages"][0]["block_size"]["gen"] == 32
     summary = founding["summary"]
     assert summary["best_static"] in ("static gen=0.4", "static gen=0.5")
@@ -48,15 +52,31 @@ def test_gpu_benchmark_smoke_runs_every_section(tmp_path):
     assert any(row[0].startswith("bundled beam N=16, sibling suffix") for row in results["table"])
 
 
-def test_the_founding_replica_holds_the_device_runs_pages():
-    """`--founding-replica`: its tiny models in its scaled budget hold as many pages as the 1B and 8B
-    shapes in bfloat16 in the device's budget, in the shared arena and in every static split."""
+def test_the_founding_replica_holds_the_device_runs_pages(tmp_path):
+    """`--founding-replica`: its tiny models in its scaled budget get as many pages from a Runtime as
+    the page arithmetic gives the 1B and 8B shapes in bfloat16 in the device's budget, in the shared
+    arena and in a static split."""
+    from treeserve import Runtime
+    from treeserve.engine.kv_arena import aligned
+
     device = [gpu_founding.kv_bytes_per_token(s, torch.bfloat16) for s in (gm.LLAMA_3_2_1B, gm.LLAMA_3_1_8B)]
-    replica = [gpu_founding.kv_bytes_per_token(s, torch.float32) for s in gpu_founding.REPLICA_SHAPES]
     assert device == [32 << 10, 128 << 10]
     budget = 4 << 30
-    scaled = budget * gpu_founding.replica_kv_scale()
-    assert budget // fitted_page_bytes(device, 16) == scaled // fitted_page_bytes(replica, 16) == 8192
-    for split in gpu_founding.SPLITS:
-        for share, d, r in zip((split, 1 - split), device, replica):
-            assert int(share * budget) // (16 * d) == int(share * scaled) // (16 * r)
+    paths = {name: str(gm.model_dir(tmp_path, name, shape, 512))
+             for name, shape in zip(("gen", "prm"), gpu_founding.REPLICA_SHAPES)}
+    options = dict(dtype=gpu_founding.REPLICA_DTYPE, device="cpu", load_format="dummy", max_model_len=256,
+                   max_num_batched_tokens=256, kv_cache_memory_bytes=int(budget * gpu_founding.replica_kv_scale()))
+    shared = Runtime(paths, kv_mode="shared", **options)
+    try:
+        pages = budget // aligned(fitted_page_bytes(device, 16))
+        assert {n: e.stats().kv_blocks_total for n, e in shared.engines.items()} == {"gen": pages, "prm": pages}
+        assert pages == 8192
+    finally:
+        shared.close()
+    fractions = {"gen": 0.3, "prm": 0.7}
+    split = Runtime(paths, kv_mode="static", kv_fractions=fractions, **options)
+    try:
+        expected = {n: int(budget * fractions[n]) // aligned(16 * d) for n, d in zip(("gen", "prm"), device)}
+        assert {n: e.stats().kv_blocks_total for n, e in split.engines.items()} == expected == {"gen": 2457, "prm": 1433}
+    finally:
+        split.close()
