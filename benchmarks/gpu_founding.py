@@ -51,7 +51,9 @@ from pathlib import Path
 import torch
 
 from treeserve import Runtime
+from treeserve.engine import kv_arena
 from treeserve.lifecycle import freeze_startup_heap
+from treeserve.model.hf_config import parse_model_config
 from treeserve.search.config import SearchConfig
 from treeserve.search.runner import SearchRunner
 
@@ -68,7 +70,7 @@ CEILING = "unconstrained"  # the configuration with ceiling_scale x the budget
 # Its split: the static splits' pages (16 tokens for either model), each side above what the search
 # asks for at its deepest in 3x the budget (generator ~20% of the demand, PRM ~80%).
 CEILING_FRACTIONS = {"gen": 0.3, "prm": 0.7}
-# --founding-replica: KV bytes per token 2 x layers x kv heads x head dim x 4 (float32): 512 and 2,048,
+# --founding-replica: KV bytes per token (2 x layers x kv heads x head dim x 4 in float32) 512 and 2,048,
 # the 1:4 of the 1B (32 KiB a token in bfloat16) and the 8B (128 KiB), and the device models' vocabulary
 # (a random model then ends a step by EOS as rarely as theirs; with 1,024 words the replica computed 3-9%
 # fewer tokens than the device)
@@ -82,7 +84,9 @@ REPLICA_DTYPE = "float32"
 
 
 def kv_bytes_per_token(shape: dict, dtype: torch.dtype) -> int:
-    return 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * shape["head_dim"] * dtype.itemsize
+    """A Llama shape's KV bytes a token, as the engine counts them (`kv_arena.kv_bytes_per_token`)."""
+    config = parse_model_config({**shape, "architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+    return kv_arena.kv_bytes_per_token(config, dtype)
 
 
 def replica_kv_scale() -> float:
