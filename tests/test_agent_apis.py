@@ -302,18 +302,25 @@ def test_anthropic_errors_come_in_its_shape(target):
 def test_the_gateway_bills_responses_and_messages_like_chats(gateway):
     key = gateway.keys[1]
     target = SimpleNamespace(url=gateway.url, key=key)
-    response = _openai(target).responses.create(model="tiny", input="Bill me.", max_output_tokens=5, **GREEDY)
-    message = _anthropic(target).messages.create(model="tiny", max_tokens=5, extra_body=GREEDY,
-                                                 messages=[{"role": "user", "content": "Bill me too."}])
+    raw = _openai(target).responses.with_raw_response.create(model="tiny", input="Bill me.", max_output_tokens=5,
+                                                             **GREEDY)
+    response = raw.parse()
+    raw_message = _anthropic(target).messages.with_raw_response.create(
+        model="tiny", max_tokens=5, extra_body=GREEDY, messages=[{"role": "user", "content": "Bill me too."}])
+    message = raw_message.parse()
     with _anthropic(target).messages.stream(model="tiny", max_tokens=5, extra_body=GREEDY,
                                             messages=[{"role": "user", "content": "And a stream."}]) as stream:
         streamed = stream.get_final_message()
-    expected = [(response.usage.input_tokens, response.usage.output_tokens),
-                (message.usage.input_tokens + message.usage.cache_read_input_tokens, message.usage.output_tokens),
-                (streamed.usage.input_tokens + streamed.usage.cache_read_input_tokens, streamed.usage.output_tokens)]
+        stream_id = stream.response.headers["x-request-id"]
+    # each answer carries the request id of its spend_logs row, as a relayed chat's does
+    expected = {raw.headers["x-request-id"]: (response.usage.input_tokens, response.usage.output_tokens),
+                raw_message.headers["x-request-id"]: (message.usage.input_tokens + message.usage.cache_read_input_tokens,
+                                                      message.usage.output_tokens),
+                stream_id: (streamed.usage.input_tokens + streamed.usage.cache_read_input_tokens,
+                            streamed.usage.output_tokens)}
     logs = httpx.get(f"{gateway.url}/spend/logs", params={"api_key": key},
                      headers={"Authorization": f"Bearer {MASTER}"}).json()  # (the ledger is flushed first)
-    assert sorted((row["prompt_tokens"], row["completion_tokens"]) for row in logs) == sorted(expected)
+    assert {row["request_id"]: (row["prompt_tokens"], row["completion_tokens"]) for row in logs} == expected
     for row in logs:
         assert row["route"] == "chat" and row["status"] == "success"
         assert row["cost"] == pytest.approx(row["prompt_tokens"] * IN_PRICE + row["completion_tokens"] * OUT_PRICE)

@@ -55,8 +55,8 @@ def _models(url: str) -> dict:
 
 
 @contextlib.contextmanager
-def gateway(url: str, database: str):
-    models = {name: ModelConfig(name, [BackendConfig(url, api_key=API_KEY)], input_cost_per_token=IN_PRICE,
+def gateway(url: str, database: str, in_price: float = IN_PRICE):
+    models = {name: ModelConfig(name, [BackendConfig(url, api_key=API_KEY)], input_cost_per_token=in_price,
                                 output_cost_per_token=OUT_PRICE) for name in ("gen", "prm")}
     app = build_gateway(GatewayConfig(models=models, master_key=MASTER, database=database, health_interval=0))
     with running_server(app) as gw:
@@ -124,7 +124,8 @@ def _usage(record: dict) -> tuple[int, int]:
     return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
 
 
-def check_answered_and_billed_once(gw: str, client: openai.OpenAI, key: str, batch, lines: list[dict]) -> None:
+def check_answered_and_billed_once(gw: str, client: openai.OpenAI, key: str, batch, lines: list[dict],
+                                   search: bool = True) -> None:
     """Every line once, answered with status 200; one spend row per line, with the line's request id
     and its answer's usage."""
     records = _records(client, batch)
@@ -139,8 +140,9 @@ def check_answered_and_billed_once(gw: str, client: openai.OpenAI, key: str, bat
         row = by_request[record["response"]["request_id"]]
         assert (row["prompt_tokens"], row["completion_tokens"]) == _usage(record)
         assert row["status"] == "success"
-    search = next(r for r in records if r["custom_id"] == "line-4")
-    assert search["response"]["body"]["object"] == "search.result"
+    if search:
+        line = next(r for r in records if r["custom_id"] == "line-4")
+        assert line["response"]["body"]["object"] == "search.result"
 
 
 def test_a_mixed_batch_of_500_lines_is_answered_and_billed_once_per_line(backend, database):
@@ -229,6 +231,24 @@ def test_a_key_whose_budget_runs_out_mid_batch_gets_the_rest_failed(backend, dat
         assert sum(row["cost"] for row in rows) == pytest.approx(spend)
         print(f"budget 0.04: {len(answered)} lines answered (spend {spend:.6f}), {len(refused)} failed with "
               "budget_exceeded")
+
+
+def test_lines_wait_for_a_budget_that_the_lines_in_flight_hold(backend, tmp_path):
+    """A line's worst case (its prompt counted as one token a byte) is ~4x what it costs here; the
+    batch's lines in flight hold more than the budget, yet everything it can pay for runs."""
+    with gateway(backend.url, f"sqlite:///{tmp_path / 'gateway.db'}", in_price=1e-4) as gw:
+        key = _key(gw, max_budget=0.25)
+        client = _client(gw, key)
+        text = "the " * 100
+        lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
+                  "body": {"model": "gen", "messages": [{"role": "user", "content": f"{text}{i}"}], **FIXED}}
+                 for i in range(12)]
+        batch = _wait(client, _start(client, lines).id)
+        rows = _admin(gw, "GET", "/spend/logs", params={"api_key": key}).json()
+        worst = 1e-4 * len(json.dumps(lines[0]["body"]["messages"])) + OUT_PRICE * FIXED["max_tokens"]
+        assert 8 * worst > 0.25 > sum(row["cost"] for row in rows)  # 8 lines in flight hold more than it all
+        assert batch.request_counts.completed == len(lines) and batch.request_counts.failed == 0, batch.request_counts
+        check_answered_and_billed_once(gw, client, key, batch, lines, search=False)
 
 
 def test_files_and_batches_stay_with_their_key_and_bad_input_is_named(backend, tmp_path):

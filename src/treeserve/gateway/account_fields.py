@@ -44,7 +44,7 @@ def _check_limits(values: dict) -> None:
     for name in LIMITS:
         value = values.get(name)
         if value is not None and value < 0:
-            raise ParamError(name, f"{name}: must be at least 0, got {value}")
+            raise ParamError(name, f"must be at least 0, got {value}")
 
 
 def _budget_period(values: dict, now: dt.datetime) -> None:

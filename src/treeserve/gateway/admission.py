@@ -121,7 +121,8 @@ def _reserve(conn: Session, table, where, worst_cost: float, owner: str) -> None
         row = conn.execute(select(table.spend, table.reserved, table.max_budget).where(where)).first()
         if row is None:  # deleted since this process cached it
             raise AccountGone(owner)
-        raise BudgetExceeded(owner, row.spend, row.reserved, row.max_budget)
+        raise BudgetExceeded(owner, row.spend, row.reserved, row.max_budget,
+                             spent=row.spend >= row.max_budget * (1.0 - BUDGET_TOLERANCE))
 
 
 def _reset_due_budgets(conn: Session, key: KeyRecord, now: dt.datetime) -> None:

@@ -4,9 +4,10 @@ fallbacks), at most `concurrency` lines at once over all batches, each queued on
 requests (`priority` 1), so that batch work takes a bounded share of the backends. A line's answer is written in the transaction that bills it
 (gateway/settlement.py), so a process killed at any moment leaves each line answered and billed,
 or neither; the process that takes the lease next (another, or this one restarted) runs the lines
-that have no answer. A key refused for its budget fails its line with that error (and so the rest,
-in turn); a rate limit waits; no backend able to answer runs the line again later, up to
-MAX_ATTEMPTS times."""
+that have no answer. A key whose spend has reached its budget fails its line with that error (and so
+the rest, in turn); a budget filled by what requests in flight hold (their worst cases, the batch's
+own lines' among them) waits for them to settle, as a rate limit waits; no backend able to answer
+runs the line again later, MAX_ATTEMPTS times in all."""
 from __future__ import annotations
 
 import asyncio
@@ -21,7 +22,7 @@ from starlette.concurrency import run_in_threadpool
 from treeserve.gateway.accounts import Accounts
 from treeserve.gateway.auth import MASTER
 from treeserve.gateway.batches import Batches
-from treeserve.gateway.errors import GatewayError, LimitExceeded
+from treeserve.gateway.errors import BudgetExceeded, GatewayError, LimitExceeded
 from treeserve.gateway.http_errors import to_api_error
 from treeserve.gateway.keys import KeyRecord
 from treeserve.gateway.ledger import Ledger
@@ -34,6 +35,7 @@ from treeserve.wire.responses import ResponsesRequest, chat_request
 log = logging.getLogger("treeserve.gateway")
 MAX_ATTEMPTS = 5       # a line no backend could answer this often fails
 RETRY_DELAY = 1.0      # seconds before a line no backend could answer is sent again
+HOLD_WAIT = 0.25       # seconds before a line refused for what other requests hold of its budget is sent again
 POLL_INTERVAL = 0.5    # seconds between looks for batches to run (and lease renewals)
 CHUNK = 4              # lines started between two looks at the batch's status, per concurrency slot
 
@@ -122,9 +124,14 @@ class BatchRunner:
             try:
                 response = await self._send(endpoint, body, key, (batch_id, line), request_id)
             except LimitExceeded as exc:  # the key's rate or parallel limit: wait, then run it again
-                self.metrics.batch_lines.labels("waited").inc()
-                await run_in_threadpool(self.batches.mark, batch_id, line, "pending")
-                await asyncio.sleep(exc.retry_after)
+                await self._wait(batch_id, line, exc.retry_after)
+                return
+            except BudgetExceeded as exc:
+                if not exc.spent:  # held by the lines (or requests) in flight: what they do not spend comes back
+                    await self._wait(batch_id, line, HOLD_WAIT)
+                    return
+                self.metrics.batch_lines.labels("refused").inc()
+                await run_in_threadpool(self.batches.mark, batch_id, line, "failed", request_id, _error(exc))
                 return
             except (GatewayError, APIError, LineFailed) as exc:
                 self.metrics.batch_lines.labels("refused").inc()
@@ -138,6 +145,11 @@ class BatchRunner:
                 await self._again(batch_id, line, response)
             else:
                 self.metrics.batch_lines.labels("answered").inc()
+
+    async def _wait(self, batch_id: str, line: int, seconds: float) -> None:
+        self.metrics.batch_lines.labels("waited").inc()
+        await run_in_threadpool(self.batches.mark, batch_id, line, "pending")
+        await asyncio.sleep(seconds)
 
     async def _send(self, endpoint: str, body: dict, key: KeyRecord, batch_line: tuple[str, int],
                     request_id: str) -> Response:

@@ -37,7 +37,7 @@ def parse_lines(content: bytes, endpoint: str) -> list[tuple[str, str, dict]]:
     for number, raw in enumerate(text.splitlines(), start=1):
         if not raw.strip():
             continue
-        where = f"input_file_id: line {number}"
+        where = f"line {number}"
         try:
             item = json.loads(raw)
         except ValueError as exc:

@@ -73,11 +73,11 @@ class ChatConfig:
         named = [*self.verifiers, *self.verifiers.values(), *([self.router_model] if self.router_model else [])]
         unknown = [m for m in named if m not in models]
         if unknown:
-            raise ParamError("chat", f"chat: model {unknown[0]!r} is not configured")
+            raise ParamError("chat", f"model {unknown[0]!r} is not configured")
         self._check_examples(models)
         bad = sorted(set(self.tools) - {"weather", "wikipedia"})
         if bad:
-            raise ParamError("chat.tools", f"chat.tools: unknown tool {bad[0]!r} (known: weather, wikipedia)")
+            raise ParamError("chat.tools", f"unknown tool {bad[0]!r} (known: weather, wikipedia)")
         for name, url in self.tools.items():
             if not url.startswith(HTTP_SCHEMES):
                 raise ParamError("chat.tools", f"chat.tools.{name}: expected an http(s) URL, got {url!r}")
@@ -85,7 +85,7 @@ class ChatConfig:
     def _check_examples(self, models: dict) -> None:
         for model, examples in self.examples.items():
             if model not in models:
-                raise ParamError("chat.examples", f"chat.examples: model {model!r} is not configured")
+                raise ParamError("chat.examples", f"model {model!r} is not configured")
             for example in examples:
                 if not isinstance(example, dict) or example.get("mode") not in ("chat", "search", "tools") \
                         or not isinstance(example.get("text"), str) or not example["text"].strip():
@@ -124,9 +124,9 @@ class GatewayConfig:
             self.chat = ChatConfig(**self.chat)
         self.chat.check(self.models)
         if not isinstance(self.batch_concurrency, int) or self.batch_concurrency < 1:
-            raise ParamError("batch_concurrency", f"batch_concurrency: must be >= 1, got {self.batch_concurrency!r}")
+            raise ParamError("batch_concurrency", f"must be >= 1, got {self.batch_concurrency!r}")
         if self.routing not in STRATEGIES:
-            raise ParamError("routing", f"routing: one of {', '.join(STRATEGIES)}, got {self.routing!r}")
+            raise ParamError("routing", f"one of {', '.join(STRATEGIES)}, got {self.routing!r}")
         for model in self.models.values():
             unknown = [f for f in model.fallbacks if f not in self.models]
             if unknown:

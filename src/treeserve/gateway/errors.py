@@ -58,11 +58,13 @@ class RateLimitExceeded(LimitExceeded):
 
 
 class BudgetExceeded(GatewayError):
-    """`owner` is "key" or "user"."""
+    """`owner` is "key" or "user". `spent`: the spend alone reached the budget (else what requests in
+    flight hold filled it, and some of it may come back when they settle)."""
 
-    def __init__(self, owner: str, spend: float, reserved: float, max_budget: float):
+    def __init__(self, owner: str, spend: float, reserved: float, max_budget: float, spent: bool = True):
         super().__init__(f"max_budget: the {owner}'s budget is exceeded: spent {spend:.6f} (and {reserved:.6f} held "
                          f"by requests in flight or being settled) of max_budget {max_budget:.6f}", "max_budget")
+        self.spent = spent
 
 
 class AccountGone(GatewayError):

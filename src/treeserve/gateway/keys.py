@@ -52,14 +52,14 @@ def parse_duration(text: str, param: str) -> dt.timedelta:
 
     match = _DURATION.match(text or "")
     if not match or int(match.group(1)) == 0:
-        raise ParamError(param, f"{param}: expected a duration such as '30s', '15m', '12h', '30d' or '2w', "
+        raise ParamError(param, f"expected a duration such as '30s', '15m', '12h', '30d' or '2w', "
                          f"got {text!r}")
     try:
         duration = dt.timedelta(**{_UNITS[match.group(2)]: int(match.group(1))})
     except OverflowError:
         duration = MAX_DURATION + MAX_DURATION
     if duration > MAX_DURATION:
-        raise ParamError(param, f"{param}: at most {MAX_DURATION.days // 365} years, got {text!r}")
+        raise ParamError(param, f"at most {MAX_DURATION.days // 365} years, got {text!r}")
     return duration
 
 

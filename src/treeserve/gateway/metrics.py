@@ -47,7 +47,8 @@ class GatewayMetrics:
 
         self.batch_lines = Counter(f"{p}batch_lines", "Batch lines sent, by outcome (answered: a backend's "
                                    "answer, refused: the gateway's error, retried: no backend could answer, "
-                                   "waited: a rate limit)", ["outcome"], registry=r)
+                                   "waited: a rate limit, or a budget that requests in flight hold)", ["outcome"],
+                                   registry=r)
         self.batches = Counter(f"{p}batches", "Batches ended by this process, by how (completed, cancelled, "
                                "expired)", ["status"], registry=r)
 

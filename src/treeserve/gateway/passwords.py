@@ -31,7 +31,7 @@ _hasher = _make_hasher()
 
 def hash_password(password: str) -> str:
     if not isinstance(password, str) or len(password) < MIN_LENGTH:
-        raise ParamError("password", f"password: at least {MIN_LENGTH} characters")
+        raise ParamError("password", f"at least {MIN_LENGTH} characters")
     return _hasher.hash(password)
 
 

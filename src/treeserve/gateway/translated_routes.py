@@ -35,9 +35,9 @@ def translated_routes(service: GatewayService, auth: Auth, store: DatabaseRespon
     routes = APIRouter()
     api = ResponsesAPI(store)
 
-    def chat_on(key: KeyRecord):
+    def chat_on(key: KeyRecord, ids: list[str]):
         async def chat(body: dict):
-            return await relay_chat(service, body, key)
+            return await relay_chat(service, body, key, ids)
         return chat
 
     @routes.post("/v1/responses")
@@ -45,8 +45,9 @@ def translated_routes(service: GatewayService, auth: Auth, store: DatabaseRespon
         body = await parse(request, ResponsesRequest, max_body_bytes)
         if body.model is None:
             raise APIError(400, "model: this field is required", param="model", code="missing_required_parameter")
-        result = await api.create(body, chat_on(key), body.model, key.id)
-        return JSONResponse(result) if isinstance(result, dict) else event_stream(result)
+        ids: list[str] = []
+        result = await api.create(body, chat_on(key, ids), body.model, key.id)
+        return _with_request_id(JSONResponse(result) if isinstance(result, dict) else event_stream(result), ids)
 
     @routes.get("/v1/responses/{response_id}")
     async def retrieve(response_id: PathId, key: KeyRecord = Depends(auth.require_key)):
@@ -63,10 +64,11 @@ def translated_routes(service: GatewayService, auth: Auth, store: DatabaseRespon
     @routes.post("/v1/messages")
     async def messages(request: Request, key: KeyRecord = Depends(auth.require_key)):
         body = await parse(request, MessagesRequest, max_body_bytes)
-        result = await relay_chat(service, body.chat_request(), key)  # (a ParamError: http_errors' 400)
+        ids: list[str] = []
+        result = await relay_chat(service, body.chat_request(), key, ids)  # (a ParamError: http_errors' 400)
         if isinstance(result, dict):
-            return JSONResponse(from_chat(body, body.model, result))
-        return event_stream(translated_events(MessageEvents(body, body.model), result))
+            return _with_request_id(JSONResponse(from_chat(body, body.model, result)), ids)
+        return _with_request_id(event_stream(translated_events(MessageEvents(body, body.model), result)), ids)
 
     @routes.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request, key: KeyRecord = Depends(auth.require_key)):
@@ -77,13 +79,25 @@ def translated_routes(service: GatewayService, auth: Auth, store: DatabaseRespon
     return routes
 
 
-async def relay_chat(service: GatewayService, body: dict, key: KeyRecord) -> dict | AsyncIterator[dict]:
+async def relay_chat(service: GatewayService, body: dict, key: KeyRecord,
+                     ids: list[str] | None = None) -> dict | AsyncIterator[dict]:
     """A chat through the request path: its reply, or its chunks; a refusal or a backend's error
-    raises APIError with the backend's status and message."""
+    raises APIError with the backend's status and message. The chat's request id (its `spend_logs`
+    row's) is appended to `ids`."""
     response = await service.dispatch(CHAT, body, key)
+    request_id = response.headers.get("x-request-id")
+    if request_id is not None and ids is not None:
+        ids.append(request_id)
     if isinstance(response, StreamingResponse):
         return _chunks(response)
     return _reply(response)
+
+
+def _with_request_id(response: Response, ids: list[str]) -> Response:
+    """The translated answer carries its chat's `x-request-id`, as a relayed one does."""
+    if ids:
+        response.headers["x-request-id"] = ids[-1]
+    return response
 
 
 def _reply(response: Response) -> dict:
@@ -94,8 +108,9 @@ def _reply(response: Response) -> dict:
     if response.status_code != 200:
         error = payload.get("error") if isinstance(payload, dict) else None
         error = error if isinstance(error, dict) else {}
+        headers = {name: response.headers[name] for name in ("x-request-id", "retry-after") if name in response.headers}
         raise APIError(response.status_code, error.get("message") or f"the backend answered {response.status_code}",
-                       param=error.get("param"), code=error.get("code"))
+                       param=error.get("param"), code=error.get("code"), headers=headers or None)
     return payload
 
 
