@@ -8,6 +8,7 @@ from conftest import assert_no_leak
 from treeserve import LLM, SamplingParams
 from treeserve.engine.request import Request
 from treeserve.engine.sampler import Sampler, _filter, _inverse_transform
+from treeserve.engine.seeded_draws import DRAW_CHUNK, SeededDraws
 
 
 def _requests(*params, outputs=None, prompt=(1, 2)):
@@ -50,6 +51,33 @@ def test_inverse_transform_never_returns_an_impossible_token():
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]] * 4)
     draws = torch.tensor([0.0, 0.4999, 0.5, 1.0], dtype=torch.float64)  # 1.0: rounding up to the total
     assert _inverse_transform(probs, draws).tolist() == [1, 1, 3, 3]
+
+
+def test_inverse_transform_at_the_total_takes_a_token_where_the_sum_rose():
+    """A draw that rounds onto the total, with a probability too small to move the float32 sum
+    after the last token that did: a token of probability zero is never taken."""
+    probs = torch.tensor([[0.25, 0.75, 1e-9, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0, 0.0]])
+    tokens = _inverse_transform(probs, torch.tensor([1.0, 1.0], dtype=torch.float64)).tolist()
+    assert tokens[1] == 1 and probs[0, tokens[0]] > 0
+
+
+def test_seeded_draws_are_their_generators_numbers_in_order():
+    """`SeededDraws` draws its seed's numbers a chunk at a time; the k-th is still the generator's
+    k-th number drawn one by one, asked in any order."""
+    one_by_one = torch.Generator().manual_seed(11)
+    expected = [float(torch.rand((), dtype=torch.float64, generator=one_by_one)) for _ in range(3 * DRAW_CHUNK + 5)]
+    draws = SeededDraws(11)
+    assert draws.at(DRAW_CHUNK + 2) == expected[DRAW_CHUNK + 2]
+    assert [draws.at(k) for k in range(len(expected))] == expected
+
+
+def test_a_batch_of_greedy_and_sampled_rows_takes_each_rows_rule():
+    logits = torch.log(torch.tensor([[0.1, 0.6, 0.3]] * 4))
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=3),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=3)]
+    tokens = Sampler()(logits.clone(), _requests(*params)).token_ids
+    alone = Sampler()(logits[:1].clone(), _requests(params[1])).token_ids[0]
+    assert tokens[0] == tokens[2] == 1 and tokens[1] == tokens[3] == alone
 
 
 def test_seeded_rows_sample_alike_in_any_batch():

@@ -95,14 +95,15 @@ class Sampler:
 
     def _pick(self, logits, requests):
         params = [r.sampling_params for r in requests]
-        token_ids = logits.argmax(dim=-1)
-        if all(p.greedy for p in params):
-            return token_ids
-        greedy = to_device(torch.tensor([p.greedy for p in params]), logits.device)
+        greedy_rows = [p.greedy for p in params]
+        if all(greedy_rows):
+            return logits.argmax(dim=-1)
         temperature = _on(logits.device, [1.0 if p.greedy else p.temperature for p in params])
         probs = torch.softmax(_filter(logits / temperature[:, None], params), dim=-1)
         sampled = _inverse_transform(probs, _uniform_draws(requests, probs.device))
-        return torch.where(greedy, token_ids, sampled)
+        if not any(greedy_rows):  # (an argmax over the whole vocabulary, for no row)
+            return sampled
+        return torch.where(to_device(torch.tensor(greedy_rows), logits.device), logits.argmax(dim=-1), sampled)
 
 
 def _logprob_tensors(raw_logprobs, token_ids, requests):
@@ -180,19 +181,24 @@ def _uniform_draws(requests: list[CachedRequestState], device) -> torch.Tensor:
     """One uniform number in [0, 1) per row; a seeded row's is its seed's number for the output
     position it samples (the request's next)."""
     draws = torch.rand(len(requests), dtype=torch.float64)
+    if all(request.seeded_draws is None for request in requests):
+        return to_device(draws, device)
+    values = draws.tolist()  # (one tensor made from the list: a tensor element set per row cost ~3 us each)
     for row, request in enumerate(requests):
         if request.seeded_draws is not None:
-            draws[row] = request.seeded_draws.at(request.num_tokens - request.num_prompt_tokens)
-    return to_device(draws, device)
+            values[row] = request.seeded_draws.at(request.num_tokens - request.num_prompt_tokens)
+    return to_device(torch.tensor(values, dtype=torch.float64), device)
 
 
 def _inverse_transform(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
     """The token where each row's cumulative probability first exceeds its draw (scaled to the
     row's total); a token of probability zero is never returned."""
     cumulative = probs.cumsum(dim=-1)
-    targets = (draws * cumulative[:, -1].double()).to(cumulative.dtype)
+    total = cumulative[:, -1:].contiguous()
+    targets = (draws * total.squeeze(1).double()).to(cumulative.dtype)
     tokens = torch.searchsorted(cumulative, targets[:, None], right=True).squeeze(1).clamp(max=probs.shape[1] - 1)
-    # Rounding can land a target on the total: take the row's last possible token instead.
+    # Rounding can land a target on the total: take instead the token where the cumulative sum first
+    # reaches the total (it rose there, so that token's probability is not zero).
     impossible = probs.gather(1, tokens[:, None]).squeeze(1) <= 0
-    last_possible = probs.shape[1] - 1 - (probs.flip(-1) > 0).to(torch.int8).argmax(dim=-1)
+    last_possible = torch.searchsorted(cumulative, total).squeeze(1)
     return torch.where(impossible, last_possible, tokens)
