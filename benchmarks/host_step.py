@@ -10,6 +10,7 @@ thread spent, not what another process took), one torch thread, async scheduling
     python benchmarks/host_step.py --batch 64 --context 1024 --steps 200 --repeats 5
     python benchmarks/host_step.py --profile      # cProfile's top functions of one run
     python benchmarks/host_step.py --outputs cumulative   # outputs that hold everything so far
+    python benchmarks/host_step.py --sampling seeded      # temperature 1, a seed a request (a search's samples)
 
 `--outputs`: what each request's RequestOutputs hold: `delta` (the default: what the server's
 streamed requests take), `cumulative` (non-streamed server requests) or `final` (offline callers).
@@ -44,6 +45,11 @@ OUTPUT_KINDS = {  # what each request's outputs hold
     "delta": RequestOutputKind.DELTA,            # only the new token and text, per step (the server's streams)
     "cumulative": RequestOutputKind.CUMULATIVE,  # everything so far, per step (non-streamed server requests)
     "final": RequestOutputKind.FINAL_ONLY,       # one output at the end (offline callers, search)
+}
+
+SAMPLING = {  # how request i samples
+    "greedy": lambda i: {"temperature": 0.0},
+    "seeded": lambda i: {"temperature": 1.0, "seed": i},  # a search's samples: each with its own seed
 }
 
 
@@ -99,17 +105,18 @@ def _static_buffers(eng: LLMEngine, batch: int) -> None:
     runner.graphs = graphs
 
 
-def run_once(eng: LLMEngine, batch: int, context: int, steps: int, outputs: str, tag: str) -> list[float]:
+def run_once(eng: LLMEngine, batch: int, context: int, steps: int, outputs: str, tag: str,
+             sampling: str = "greedy") -> list[float]:
     """Per-step thread CPU seconds of `steps` decode steps of `batch` sequences of `context` tokens,
     each step through the engine loop (which hands each output to its request's callback, as the
     server's)."""
     loop = EngineLoop.of(eng)
     vocab = eng.runner.model.config.vocab_size
-    params = SamplingParams(max_tokens=output_tokens(batch, context, steps), temperature=0.0, ignore_eos=True,
-                            output_kind=OUTPUT_KINDS[outputs])
     received = []
     for i in range(batch):
         prompt = [(i * 7919 + j * 31) % (vocab - 10) + 5 for j in range(context)]
+        params = SamplingParams(max_tokens=output_tokens(batch, context, steps), ignore_eos=True,
+                                output_kind=OUTPUT_KINDS[outputs], **SAMPLING[sampling](i))
         loop.add_request(eng, f"{tag}-{i}", prompt, params, received.append)
     settled = 0
     while settled < 4:  # the prefills, then into the steady state (async scheduling's pipeline full)
@@ -135,26 +142,29 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--outputs", choices=tuple(OUTPUT_KINDS), default="delta")
+    parser.add_argument("--sampling", choices=tuple(SAMPLING), default="greedy",
+                        help="greedy, or seeded (temperature 1, a seed a request, as a search's samples)")
     parser.add_argument("--profile", action="store_true", help="cProfile one run and print its top functions")
     args = parser.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_tiny_model("llama", Path(tmp) / "llama", max_position_embeddings=max_model_len(args.batch, args.context, args.steps))
         eng = engine(model_dir, args.batch, args.context, args.steps)
-        run_once(eng, args.batch, args.context, 20, args.outputs, "warm")
+        run_once(eng, args.batch, args.context, 20, args.outputs, "warm", args.sampling)
         if args.profile:
             profiler = cProfile.Profile()
             profiler.enable()
-            run_once(eng, args.batch, args.context, args.steps, args.outputs, "profiled")
+            run_once(eng, args.batch, args.context, args.steps, args.outputs, "profiled", args.sampling)
             profiler.disable()
             pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
             return
         medians = []
         for r in range(args.repeats):
-            times = run_once(eng, args.batch, args.context, args.steps, args.outputs, f"r{r}")
+            times = run_once(eng, args.batch, args.context, args.steps, args.outputs, f"r{r}", args.sampling)
             medians.append(statistics.median(times) * 1e3)
             print(f"repeat {r + 1}: median {medians[-1]:.3f} ms a step (min {min(times) * 1e3:.3f})", flush=True)
-        print(f"host time a decode step, batch {args.batch}, context {args.context}, {args.outputs} outputs: "
+        print(f"host time a decode step, batch {args.batch}, context {args.context}, {args.outputs} outputs, "
+              f"{args.sampling} sampling: "
               f"{statistics.median(medians):.3f} ms (median of {args.repeats} repeats' medians)")
 
 

@@ -10,11 +10,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("outputs", ["delta", "cumulative"])
-def test_host_step_times_decode_steps_of_the_whole_batch(outputs):
+@pytest.mark.parametrize("outputs,sampling", [("delta", "greedy"), ("cumulative", "seeded")])
+def test_host_step_times_decode_steps_of_the_whole_batch(outputs, sampling):
     command = [sys.executable, str(ROOT / "benchmarks" / "host_step.py"), "--batch", "4", "--context", "40",
-               "--steps", "6", "--repeats", "2", "--outputs", outputs]
+               "--steps", "6", "--repeats", "2", "--outputs", outputs, "--sampling", sampling]
     run = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert f"host time a decode step, batch 4, context 40, {outputs} outputs:" in run.stdout
+    assert f"host time a decode step, batch 4, context 40, {outputs} outputs, {sampling} sampling:" in run.stdout
     assert run.stdout.count("repeat ") == 2
