@@ -54,7 +54,7 @@ def _add_serve_parser(kinds) -> None:
     serve.add_argument("--range-ratio", type=float, default=0.0, help="lengths vary by +-this fraction")
     serve.add_argument("--shared-prefix-len", type=int, default=0, help="tokens shared within a prefix bucket")
     serve.add_argument("--shared-prefix-groups", type=int, default=1, help="number of shared-prefix buckets")
-    serve.add_argument("--vocab-size", type=int, help="random token ids below this (default 500)")
+    serve.add_argument("--vocab-size", type=int, help="random token ids below this (default 256)")
     serve.add_argument("--tokenizer", help="HF tokenizer directory: vocabulary and prompt lengths")
     serve.add_argument("--concurrency", default=None, help="requests in flight, comma list sweeps: 1,4,16")
     serve.add_argument("--request-rate", default="inf", help="requests/s (Poisson or gamma arrivals), comma list")
