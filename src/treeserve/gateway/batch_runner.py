@@ -126,14 +126,11 @@ class BatchRunner:
             except LimitExceeded as exc:  # the key's rate or parallel limit: wait, then run it again
                 await self._wait(batch_id, line, exc.retry_after)
                 return
-            except BudgetExceeded as exc:
-                if not exc.spent:  # held by the lines (or requests) in flight: what they do not spend comes back
+            except (GatewayError, APIError, LineFailed) as exc:
+                if isinstance(exc, BudgetExceeded) and not exc.spent:
+                    # held by requests in flight (the batch's own lines among them): what they leave comes back
                     await self._wait(batch_id, line, HOLD_WAIT)
                     return
-                self.metrics.batch_lines.labels("refused").inc()
-                await run_in_threadpool(self.batches.mark, batch_id, line, "failed", request_id, _error(exc))
-                return
-            except (GatewayError, APIError, LineFailed) as exc:
                 self.metrics.batch_lines.labels("refused").inc()
                 await run_in_threadpool(self.batches.mark, batch_id, line, "failed", request_id, _error(exc))
                 return

@@ -79,14 +79,13 @@ def translated_routes(service: GatewayService, auth: Auth, store: DatabaseRespon
     return routes
 
 
-async def relay_chat(service: GatewayService, body: dict, key: KeyRecord,
-                     ids: list[str] | None = None) -> dict | AsyncIterator[dict]:
+async def relay_chat(service: GatewayService, body: dict, key: KeyRecord, ids: list[str]) -> dict | AsyncIterator[dict]:
     """A chat through the request path: its reply, or its chunks; a refusal or a backend's error
     raises APIError with the backend's status and message. The chat's request id (its `spend_logs`
     row's) is appended to `ids`."""
     response = await service.dispatch(CHAT, body, key)
     request_id = response.headers.get("x-request-id")
-    if request_id is not None and ids is not None:
+    if request_id is not None:
         ids.append(request_id)
     if isinstance(response, StreamingResponse):
         return _chunks(response)
