@@ -194,11 +194,11 @@ def _inverse_transform(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor
     """The token where each row's cumulative probability first exceeds its draw (scaled to the
     row's total); a token of probability zero is never returned."""
     cumulative = probs.cumsum(dim=-1)
-    total = cumulative[:, -1:].contiguous()
-    targets = (draws * total.squeeze(1).double()).to(cumulative.dtype)
+    targets = (draws * cumulative[:, -1].double()).to(cumulative.dtype)
     tokens = torch.searchsorted(cumulative, targets[:, None], right=True).squeeze(1).clamp(max=probs.shape[1] - 1)
-    # Rounding can land a target on the total: take instead the token where the cumulative sum first
-    # reaches the total (it rose there, so that token's probability is not zero).
+    # Rounding can land a target on the total: take the row's last possible token instead. (Found on the
+    # probabilities, not on their running sum, whose adding order a device's scan may change: one flip of
+    # a byte mask, a quarter of the bytes of a flipped copy of the probabilities.)
     impossible = probs.gather(1, tokens[:, None]).squeeze(1) <= 0
-    last_possible = torch.searchsorted(cumulative, total).squeeze(1)
+    last_possible = probs.shape[1] - 1 - (probs > 0).flip(-1).view(torch.uint8).argmax(dim=-1)
     return torch.where(impossible, last_possible, tokens)

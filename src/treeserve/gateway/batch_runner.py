@@ -4,10 +4,10 @@ fallbacks), at most `concurrency` lines at once over all batches, each queued on
 requests (`priority` 1), so that batch work takes a bounded share of the backends. A line's answer is written in the transaction that bills it
 (gateway/settlement.py), so a process killed at any moment leaves each line answered and billed,
 or neither; the process that takes the lease next (another, or this one restarted) runs the lines
-that have no answer. A key whose spend has reached its budget fails its line with that error (and so
-the rest, in turn); a budget filled by what requests in flight hold (their worst cases, the batch's
-own lines' among them) waits for them to settle, as a rate limit waits; no backend able to answer
-runs the line again later, MAX_ATTEMPTS times in all."""
+that have no answer. A key (or its user) whose spend has reached its budget fails its line with that
+error (and so the rest, in turn); a budget filled by what requests in flight hold (their worst cases,
+the batch's own lines' among them) waits for them to settle, as a rate limit waits, out of the line's
+concurrency slot; no backend able to answer runs the line again later, MAX_ATTEMPTS times in all."""
 from __future__ import annotations
 
 import asyncio
@@ -35,7 +35,8 @@ from treeserve.wire.responses import ResponsesRequest, chat_request
 log = logging.getLogger("treeserve.gateway")
 MAX_ATTEMPTS = 5       # a line no backend could answer this often fails
 RETRY_DELAY = 1.0      # seconds before a line no backend could answer is sent again
-HOLD_WAIT = 0.25       # seconds before a line refused for what other requests hold of its budget is sent again
+HOLD_WAIT = 0.25       # seconds before a line refused for what requests in flight hold of its budget is sent
+HOLD_WAIT_MAX = 4.0    # again, doubling with each such refusal in a row up to this
 POLL_INTERVAL = 0.5    # seconds between looks for batches to run (and lease renewals)
 CHUNK = 4              # lines started between two looks at the batch's status, per concurrency slot
 
@@ -57,7 +58,8 @@ class BatchRunner:
         self.responses, self.instance_id, self.priority = responses, instance_id, priority
         self.concurrency, self.slots = concurrency, asyncio.Semaphore(concurrency)
         self.running: dict[str, asyncio.Task] = {}
-        self.attempts: dict[tuple[str, int], int] = {}
+        self.attempts: dict[tuple[str, int], int] = {}    # (batch, line): sends no backend could answer
+        self.hold_waits: dict[tuple[str, int], int] = {}  # (batch, line): refusals for held budget in a row
 
     async def run(self) -> None:
         """Until cancelled: takes and renews leases, and runs each leased batch in a task of its own."""
@@ -119,34 +121,49 @@ class BatchRunner:
     async def _line(self, batch_id: str, key: KeyRecord, line: int, custom_id: str, endpoint: str,
                     body: dict) -> None:
         async with self.slots:
-            request_id = f"{batch_id}-{line}-{uuid.uuid4().hex[:8]}"
-            await run_in_threadpool(self.batches.mark, batch_id, line, "running", request_id)
-            try:
-                response = await self._send(endpoint, body, key, (batch_id, line), request_id)
-            except LimitExceeded as exc:  # the key's rate or parallel limit: wait, then run it again
-                await self._wait(batch_id, line, exc.retry_after)
-                return
-            except (GatewayError, APIError, LineFailed) as exc:
-                if isinstance(exc, BudgetExceeded) and not exc.spent:
-                    # held by requests in flight (the batch's own lines among them): what they leave comes back
-                    await self._wait(batch_id, line, HOLD_WAIT)
-                    return
-                self.metrics.batch_lines.labels("refused").inc()
-                await run_in_threadpool(self.batches.mark, batch_id, line, "failed", request_id, _error(exc))
-                return
-            except Exception as exc:
-                log.exception("batch %s line %d (%s) failed", batch_id, line, custom_id)
-                response = _unanswered(exc)
-            if response.status_code in (429, 503):  # no backend could answer: nothing was billed or written
-                self.metrics.batch_lines.labels("retried").inc()
-                await self._again(batch_id, line, response)
-            else:
-                self.metrics.batch_lines.labels("answered").inc()
+            delay = await self._send_line(batch_id, key, line, custom_id, endpoint, body)
+        if delay:  # (out of its slot: the other lines, and other keys' batches, run meanwhile)
+            await asyncio.sleep(delay)
 
-    async def _wait(self, batch_id: str, line: int, seconds: float) -> None:
+    async def _send_line(self, batch_id: str, key: KeyRecord, line: int, custom_id: str, endpoint: str,
+                         body: dict) -> float:
+        """Sends the line once; the seconds to wait before it is sent again (0: it ended, answered or failed)."""
+        request_id = f"{batch_id}-{line}-{uuid.uuid4().hex[:8]}"
+        await run_in_threadpool(self.batches.mark, batch_id, line, "running", request_id)
+        try:
+            response = await self._send(endpoint, body, key, (batch_id, line), request_id)
+        except LimitExceeded as exc:  # the key's rate or parallel limit: wait, then run it again
+            return await self._requeue(batch_id, line, exc.retry_after)
+        except (GatewayError, APIError, LineFailed) as exc:
+            if isinstance(exc, BudgetExceeded) and not exc.spent:
+                # held by requests in flight (the batch's own lines among them): what they leave comes back
+                return await self._requeue(batch_id, line, self._hold_delay((batch_id, line)))
+            self.metrics.batch_lines.labels("refused").inc()
+            await run_in_threadpool(self.batches.mark, batch_id, line, "failed", request_id, _error(exc))
+            return self._ended((batch_id, line))
+        except Exception as exc:
+            log.exception("batch %s line %d (%s) failed", batch_id, line, custom_id)
+            response = _unanswered(exc)
+        if response.status_code in (429, 503):  # no backend could answer: nothing was billed or written
+            self.metrics.batch_lines.labels("retried").inc()
+            return await self._again(batch_id, line, response)
+        self.metrics.batch_lines.labels("answered").inc()
+        return self._ended((batch_id, line))
+
+    async def _requeue(self, batch_id: str, line: int, seconds: float) -> float:
         self.metrics.batch_lines.labels("waited").inc()
         await run_in_threadpool(self.batches.mark, batch_id, line, "pending")
-        await asyncio.sleep(seconds)
+        return seconds
+
+    def _hold_delay(self, batch_line: tuple[str, int]) -> float:
+        """HOLD_WAIT, doubling with each refusal of the line in a row, up to HOLD_WAIT_MAX."""
+        waits = self.hold_waits[batch_line] = self.hold_waits.get(batch_line, 0) + 1
+        return min(HOLD_WAIT * 2 ** (waits - 1), HOLD_WAIT_MAX)
+
+    def _ended(self, batch_line: tuple[str, int]) -> float:
+        self.attempts.pop(batch_line, None)
+        self.hold_waits.pop(batch_line, None)
+        return 0.0
 
     async def _send(self, endpoint: str, body: dict, key: KeyRecord, batch_line: tuple[str, int],
                     request_id: str) -> Response:
@@ -178,15 +195,15 @@ class BatchRunner:
         line sets its own or the gateway is configured without: `batch_priority: null`)."""
         return body if self.priority is None or "priority" in body else body | {"priority": self.priority}
 
-    async def _again(self, batch_id: str, line: int, response: Response) -> None:
+    async def _again(self, batch_id: str, line: int, response: Response) -> float:
         attempts = self.attempts[(batch_id, line)] = self.attempts.get((batch_id, line), 0) + 1
         if attempts >= MAX_ATTEMPTS:
             await run_in_threadpool(self.batches.mark, batch_id, line, "failed", None, {
                 "code": "no_backend_available", "param": None,
                 "message": f"no backend could answer in {attempts} attempts (last: HTTP {response.status_code})"})
-            return
+            return self._ended((batch_id, line))
         await run_in_threadpool(self.batches.mark, batch_id, line, "pending")
-        await asyncio.sleep(RETRY_DELAY)
+        return RETRY_DELAY
 
 
 def _error(exc: Exception) -> dict:

@@ -80,7 +80,7 @@ class ChatConfig:
             raise ParamError("chat.tools", f"unknown tool {bad[0]!r} (known: weather, wikipedia)")
         for name, url in self.tools.items():
             if not url.startswith(HTTP_SCHEMES):
-                raise ParamError("chat.tools", f"chat.tools.{name}: expected an http(s) URL, got {url!r}")
+                raise ParamError(f"chat.tools.{name}", f"expected an http(s) URL, got {url!r}")
 
     def _check_examples(self, models: dict) -> None:
         for model, examples in self.examples.items():
@@ -89,11 +89,11 @@ class ChatConfig:
             for example in examples:
                 if not isinstance(example, dict) or example.get("mode") not in ("chat", "search", "tools") \
                         or not isinstance(example.get("text"), str) or not example["text"].strip():
-                    raise ParamError("chat.examples", f"chat.examples.{model}: each example needs a mode (chat, "
-                                     f"search or tools) and a text, got {example!r}")
+                    raise ParamError(f"chat.examples.{model}", f"each example needs a mode (chat, search or "
+                                     f"tools) and a text, got {example!r}")
                 if example["mode"] == "search" and model not in self.verifiers:
-                    raise ParamError("chat.examples", f"chat.examples.{model}: a search example needs a verifier "
-                                     "for the model (chat.verifiers)")
+                    raise ParamError(f"chat.examples.{model}", "a search example needs a verifier for the model "
+                                     "(chat.verifiers)")
 
 
 @dataclass
