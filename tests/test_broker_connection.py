@@ -1,7 +1,8 @@
 """The gateway's broker client when RabbitMQ dies (issue #40's chaos run found the fault): the
 requests waiting for replies fail at once with BrokerLost (a stream ends with its error event, a
-whole request goes to another backend) instead of waiting out their timeout, and after RabbitMQ
-is back the client's new reply queue gets the next answers. A real node, killed with SIGKILL."""
+whole request goes to another backend) instead of waiting out their timeout, new requests and
+health checks fail at once while it is down, and after RabbitMQ is back the client's new reply
+queue gets the next answers. A real node, killed with SIGKILL."""
 from __future__ import annotations
 
 import asyncio
@@ -78,6 +79,16 @@ def test_a_dead_broker_fails_the_waiting_requests_at_once_and_a_restarted_one_se
                 await whole.first()
             assert time.monotonic() - killed < 5, "the requests waited for their timeout"
             assert not client.pending
+            # while it is down, a new request fails at once (the gateway's retry then answers 503) and the
+            # health check says so, instead of both waiting for the reconnection
+            await _wait(lambda: not client.connection.connected.is_set(), 10)
+            started = time.monotonic()
+            with pytest.raises(BrokerLost):  # (a TimeoutError here: it waited)
+                await asyncio.wait_for(client.request("m", "/v1/x", {}, "during-outage", TIMEOUT), 10)
+            with pytest.raises(BrokerLost):
+                await asyncio.wait_for(client.queue_state("m"), 10)
+            await asyncio.wait_for(client.cancel("during-outage"), 10)  # (nothing to tell: it returns)
+            assert time.monotonic() - started < 1 and not client.pending
 
             await asyncio.to_thread(node.start)
             await _wait(lambda: client.connection.connected.is_set() and worker.connected.is_set(), 60)
@@ -96,3 +107,23 @@ def test_a_dead_broker_fails_the_waiting_requests_at_once_and_a_restarted_one_se
             await worker.close()
 
     asyncio.run(scenario())
+
+
+def test_a_worker_stops_on_its_signal_while_the_broker_is_down(node, llama_dir):
+    """SIGTERM to an idle `treeserve worker` whose broker was killed: it exits 0 within its grace,
+    instead of waiting for the broker to come back to say it consumes no more."""
+    import subprocess
+
+    from gateway_support import workers
+
+    with workers(llama_dir, 1, node.url, "sk-worker") as (proc,):
+        node.stop(signal.SIGKILL)
+        time.sleep(1)  # (the worker sees its connection close)
+        proc.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        try:
+            code = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("the worker was still running 30 s after SIGTERM") from None
+        assert code == 0, proc.stderr.read().decode()[-2000:]
+        assert time.monotonic() - started < 15

@@ -15,6 +15,7 @@ from treeserve.gateway.sse import SSESplitter
 
 log = logging.getLogger("treeserve.gateway")
 CONSUMER_CHECK_INTERVAL = 1.0  # seconds a queue's last seen consumer is trusted
+BROKER_CALL_TIMEOUT = 5.0  # seconds a call to the broker may take before the broker counts as unreachable
 
 
 class NoWorkers(ConnectionError):
@@ -49,21 +50,25 @@ class BrokerClient:
         """Publishes the request; its reply messages arrive on the returned queue, in order."""
         queue = queue_name(model)
         if time.monotonic() - self._consumers_seen.get(queue, -CONSUMER_CHECK_INTERVAL) >= CONSUMER_CHECK_INTERVAL:
-            declared = await self.channel.declare_queue(queue, durable=True)
+            declared = await self._call(lambda: self.channel.declare_queue(queue, durable=True))
             if not declared.declaration_result.consumer_count:
                 raise NoWorkers(f"no worker consumes {queue}")  # fail now rather than wait out the timeout
             self._consumers_seen[queue] = time.monotonic()
-        replies: asyncio.Queue = asyncio.Queue()
-        self.pending[request_id] = replies
         message = aio_pika.Message(encode_request(path, body), correlation_id=request_id,
                                    reply_to=self.reply_queue.name, expiration=ttl,
                                    headers={"deadline": time.time() + ttl})
-        await self.channel.default_exchange.publish(message, routing_key=queue)
+        replies: asyncio.Queue = asyncio.Queue()
+        self.pending[request_id] = replies
+        try:
+            await self._call(lambda: self.channel.default_exchange.publish(message, routing_key=queue))
+        except BaseException:
+            self.done(request_id)
+            raise
         return replies
 
     async def queue_state(self, model: str) -> tuple[int, int]:
         """(messages waiting, consumers) of the model's queue."""
-        declared = await self.channel.declare_queue(queue_name(model), durable=True)
+        declared = await self._call(lambda: self.channel.declare_queue(queue_name(model), durable=True))
         return declared.declaration_result.message_count, declared.declaration_result.consumer_count
 
     def done(self, request_id: str) -> None:
@@ -71,8 +76,23 @@ class BrokerClient:
         self.pending.pop(request_id, None)
 
     async def cancel(self, request_id: str) -> None:
+        """Forgets the request and tells the workers to stop it. With the broker unreachable nothing
+        reaches them: a request still queued expires with its TTL."""
         self.done(request_id)
-        await self.cancels.publish(aio_pika.Message(request_id.encode()), routing_key="")
+        try:
+            await self._call(lambda: self.cancels.publish(aio_pika.Message(request_id.encode()), routing_key=""))
+        except BrokerLost as exc:
+            log.info("broker %s: request %s not cancelled: %s", self.url.split("@")[-1], request_id, exc)
+
+    async def _call(self, call):
+        """`call()`'s result; BrokerLost at once while the connection is down (it is reconnecting:
+        a call would wait until it is back), or when the broker takes BROKER_CALL_TIMEOUT to answer."""
+        if self.connection is None or not self.connection.connected.is_set():
+            raise BrokerLost("the broker is unreachable (its connection is down and reconnecting)")
+        try:
+            return await asyncio.wait_for(call(), BROKER_CALL_TIMEOUT)
+        except asyncio.TimeoutError:
+            raise BrokerLost(f"the broker did not answer in {BROKER_CALL_TIMEOUT:g} s") from None
 
     def _on_connection_closed(self, _connection, exc: BaseException | None = None) -> None:
         """Every request waiting for a reply fails now (a stream ends with its error event, a whole

@@ -19,6 +19,7 @@ import aio_pika
 from treeserve.wire.broker_protocol import CANCEL_EXCHANGE, decode_request, expired, queue_name
 
 log = logging.getLogger("treeserve.worker")
+BROKER_CALL_TIMEOUT = 5.0  # seconds a call to the broker may take while the worker stops
 
 
 class BrokerWorker:
@@ -92,8 +93,7 @@ class BrokerWorker:
             if self._grace is not None:  # stopped before the loop was there to hear it
                 self._wake()
             await self._stop.wait()
-            for queue, tag in consumers:  # take nothing more: the queue's next messages go to other workers
-                await queue.cancel(tag)
+            await self._stop_consuming(connection, consumers)
             await self._finish_in_hand()
             # what is still in hand goes back to the queue for another worker (a stream under way is cut)
             self._stopping = True
@@ -101,6 +101,19 @@ class BrokerWorker:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _stop_consuming(self, connection, consumers) -> None:
+        """Takes nothing more: the queues' next messages go to other workers. With the broker down
+        (the connection reconnecting) there is nothing to tell it, and waiting for it would hold the
+        worker past its signal: its deliveries end with the connection anyway."""
+        for queue, tag in consumers:
+            if not connection.connected.is_set():
+                return
+            try:
+                await asyncio.wait_for(queue.cancel(tag), BROKER_CALL_TIMEOUT)
+            except (asyncio.TimeoutError, aio_pika.exceptions.AMQPError, RuntimeError) as exc:
+                log.warning("worker %s: could not stop consuming %s (%s)", self.worker_id, queue.name, exc)
+                return
 
     def _tasks(self) -> list[asyncio.Task]:
         return [t for group in self._running.values() for t in group]

@@ -134,8 +134,8 @@ def worker(args) -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           timeout_graceful_shutdown=5))
+    # (its requests are the consumer's, which has waited out the grace already: uvicorn's own is short)
+    server = uvicorn.Server(uvicorn_config(app, host="127.0.0.1", port=port, log_level="warning"))
     keys = api_keys(args)
     consumer = BrokerWorker(args.broker, f"http://127.0.0.1:{port}", list(app.state.served_models),
                             prefetch=args.prefetch, api_key=keys[0] if keys else None)
