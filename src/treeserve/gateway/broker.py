@@ -10,12 +10,11 @@ from dataclasses import dataclass, field
 
 import aio_pika
 
-from treeserve.wire.broker_protocol import CANCEL_EXCHANGE, encode_request, queue_name
+from treeserve.wire.broker_protocol import BROKER_CALL_TIMEOUT, CANCEL_EXCHANGE, encode_request, queue_name
 from treeserve.gateway.sse import SSESplitter
 
 log = logging.getLogger("treeserve.gateway")
 CONSUMER_CHECK_INTERVAL = 1.0  # seconds a queue's last seen consumer is trusted
-BROKER_CALL_TIMEOUT = 5.0  # seconds a call to the broker may take before the broker counts as unreachable
 
 
 class NoWorkers(ConnectionError):

@@ -16,10 +16,9 @@ import uuid
 import aiohttp
 import aio_pika
 
-from treeserve.wire.broker_protocol import CANCEL_EXCHANGE, decode_request, expired, queue_name
+from treeserve.wire.broker_protocol import BROKER_CALL_TIMEOUT, CANCEL_EXCHANGE, decode_request, expired, queue_name
 
 log = logging.getLogger("treeserve.worker")
-BROKER_CALL_TIMEOUT = 5.0  # seconds a call to the broker may take while the worker stops
 
 
 class BrokerWorker:

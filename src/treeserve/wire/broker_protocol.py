@@ -18,6 +18,9 @@ import json
 import time
 
 CANCEL_EXCHANGE = "treeserve.cancel"
+# seconds a call to the broker (a declare, a publish, a consumer's cancel) may take before the broker
+# counts as unreachable, on either side
+BROKER_CALL_TIMEOUT = 5.0
 
 
 def queue_name(model: str) -> str:
