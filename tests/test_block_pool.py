@@ -85,6 +85,21 @@ def test_fork_shares_blocks_and_copies_a_partial_tail_on_write():
     assert all(b.ref_count == 0 for b in kv.pool.blocks)
 
 
+def test_the_arena_copies_each_pending_page_whole():
+    import torch
+
+    from treeserve.engine.kv_arena import KVArena
+
+    arena = KVArena(num_pages=5, page_bytes=256, device=torch.device("cpu"))
+    arena.pages.copy_(torch.randint(0, 256, arena.pages.shape, dtype=torch.uint8))
+    before = arena.pages.clone()
+    arena.copy_pages([(1, 3), (2, 0)])
+    assert torch.equal(arena.pages[3], before[1]) and torch.equal(arena.pages[0], before[2])
+    assert torch.equal(arena.pages[[1, 2, 4]], before[[1, 2, 4]])
+    arena.copy_pages([])
+    assert torch.equal(arena.pages[[1, 2, 4]], before[[1, 2, 4]])
+
+
 def test_allocation_failure_changes_nothing():
     kv = KVCacheManager(num_blocks=2, block_size=4)
     request = _request("a", range(20))

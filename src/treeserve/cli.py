@@ -7,7 +7,7 @@ import sys
 from treeserve.cli_gateway import add_gateway_parsers
 from treeserve.cli_gateway import main as gateway_main
 from treeserve.cli_args import json_object
-from treeserve.lifecycle import exit_now, exit_on_signals, follow_parent
+from treeserve.lifecycle import exit_now, exit_on_signals, follow_parent, freeze_startup_heap
 
 
 def _add_engine_args(parser: argparse.ArgumentParser, several_models: bool = False) -> None:
@@ -79,6 +79,7 @@ def cmd_run(args) -> int:
     from treeserve import LLM, SamplingParams
 
     llm = LLM(args.model, **_engine_options(args))
+    freeze_startup_heap()  # the command is the process: full collections skip what lives until it exits
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                             seed=args.seed, n=args.n)
     prompts = args.prompt or ["Hello"]

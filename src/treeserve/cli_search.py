@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from treeserve.cli_args import json_object
+from treeserve.lifecycle import freeze_startup_heap
 from treeserve.model.registry import DEFAULT_GENERATOR, DEFAULT_VERIFIER
 
 
@@ -71,9 +72,11 @@ def _config(args, strategy: str, n: int, rt):
 def _runtime(args):
     from treeserve.runtime.runtime import Runtime
 
-    return Runtime({"gen": args.generator, "prm": args.verifier}, recipes={"prm": args.recipe},
-                   kv_cache_memory_bytes=args.kv_cache_memory_bytes, dtype=args.dtype, device=args.device,
-                   max_model_len=args.max_model_len, quantization=args.quantization)
+    rt = Runtime({"gen": args.generator, "prm": args.verifier}, recipes={"prm": args.recipe},
+                 kv_cache_memory_bytes=args.kv_cache_memory_bytes, dtype=args.dtype, device=args.device,
+                 max_model_len=args.max_model_len, quantization=args.quantization)
+    freeze_startup_heap()  # the command is the process: full collections skip what lives until it exits
+    return rt
 
 
 def _runner(args, rt, reference: bool = False):
