@@ -6,7 +6,7 @@ import transformers
 from conftest import assert_no_leak
 from treeserve.config import EngineConfig
 from treeserve.engine.llm_engine import LLMEngine
-from treeserve.runtime.prm_recipes import RECIPES
+from treeserve.runtime.prm_recipes import RECIPES, build_many
 from treeserve.runtime.scorer import UNJUDGED_SCORE, StepScorer
 
 QUESTION = "What is the total of two and three, times four?"
@@ -40,6 +40,19 @@ def test_scores_match_hf(prm_dir, recipe):
     assert ours == pytest.approx(ref, abs=1e-4)
     scorer.release_all()
     assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("recipe", sorted(r for r in RECIPES if RECIPES[r].head == "lm") + ["value-head"])
+def test_inputs_built_together_equal_those_built_one_by_one(prm_dir, recipe):
+    """A scorer builds a submit's inputs together (their texts tokenized in one call)."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(prm_dir)
+    items = [(QUESTION, STEPS[:k]) for k in range(1, 5)] + [("What is four?", STEPS[1:3]), (QUESTION, STEPS[:2])]
+    one_by_one = [RECIPES[recipe].build(tokenizer, question, steps) for question, steps in items]
+    assert build_many(RECIPES[recipe], tokenizer, items) == one_by_one
+    if RECIPES[recipe].head == "lm":
+        scorer = StepScorer(_engine(prm_dir), recipe)
+        assert scorer.build(*items[1]) == one_by_one[1]  # remembered, then the rest built together
+        assert scorer.build_many(items) == one_by_one
 
 
 def _likelihood_reference(path, tokenizer, question, steps) -> list[float]:

@@ -43,6 +43,35 @@ class PRMInput:
 
 
 @dataclass(frozen=True)
+class Rendered:
+    """A recipe's whole text before it is tokenized: the character span of each step's marker in
+    it (what `read` looks for in the tokens), and whether the tokenizer adds its special tokens."""
+    text: str
+    spans: list[tuple[int, int]]
+    add_special_tokens: bool = False
+
+
+class _TextRecipe:
+    """A recipe that writes its whole text (`render`), then reads the tokens of that text (`read`):
+    `build` makes one input; `build_many` tokenizes many such texts in one call."""
+
+    def build(self, tokenizer, question: str, steps: list[str]) -> PRMInput:
+        rendered = self.render(tokenizer, question, steps)
+        return self.read(tokenizer, rendered, _Tokenized.encode_many(tokenizer, [rendered], self.name)[0])
+
+
+def build_many(recipe, tokenizer, items: list[tuple[str, list[str]]]) -> list[PRMInput]:
+    """Each (question, steps) item's input, as `recipe.build` makes it, with their texts tokenized
+    in one call (a fast tokenizer encodes a batch on all its threads, and the wrapper's per-call work
+    is done once: 16 texts of ~600 tokens, 4.9 -> 3.0 ms on 2 cores)."""
+    if not isinstance(recipe, _TextRecipe):
+        return [recipe.build(tokenizer, question, steps) for question, steps in items]
+    rendered = [recipe.render(tokenizer, question, steps) for question, steps in items]
+    tokens = _Tokenized.encode_many(tokenizer, rendered, recipe.name)
+    return [recipe.read(tokenizer, r, t) for r, t in zip(rendered, tokens)]
+
+
+@dataclass(frozen=True)
 class _VerdictTokens:
     good_token: str = "+"
     bad_token: str = "-"
@@ -60,7 +89,7 @@ class _VerdictTokens:
 
 
 @dataclass(frozen=True)
-class RLHFlowRecipe(_VerdictTokens):
+class RLHFlowRecipe(_VerdictTokens, _TextRecipe):
     """Multi-turn chat: (question + step 1) as user, `+` as assistant, next step as user, ...
 
     The score of step k is P(`+`) against `-` where the assistant's k-th verdict is predicted: at
@@ -68,12 +97,10 @@ class RLHFlowRecipe(_VerdictTokens):
     """
     name: str = "rlhflow"
 
-    def build(self, tokenizer, question: str, steps: list[str]) -> PRMInput:
-        text, spans = self._render(tokenizer, question, steps)
-        tokens = _Tokenized(tokenizer, text, self.name, add_special_tokens=False)
+    def read(self, tokenizer, rendered: Rendered, tokens: _Tokenized) -> PRMInput:
         good = self.candidate_ids(tokenizer)[0]
         positions = []
-        for start, end in spans:
+        for start, end in rendered.spans:
             index = tokens.token_ending_at(end, f"verdict {self.good_token!r}")
             if tokens.offsets[index][0] != start or tokens.token_ids[index] != good:
                 raise ValueError(f"prm recipe {self.name}: the verdict {self.good_token!r} is not a token of its own "
@@ -81,7 +108,7 @@ class RLHFlowRecipe(_VerdictTokens):
             positions.append(index - 1)
         return PRMInput(tokens.token_ids, positions)
 
-    def _render(self, tokenizer, question: str, steps: list[str]) -> tuple[str, list[tuple[int, int]]]:
+    def render(self, tokenizer, question: str, steps: list[str]) -> Rendered:
         """The conversation rendered once, and where each assistant verdict sits in it: the verdict
         turns are rendered as a character found nowhere else, then that character is replaced."""
         placeholder = _unused_character([question, *steps])
@@ -99,28 +126,31 @@ class RLHFlowRecipe(_VerdictTokens):
             offset += len(piece)
             spans.append((offset, offset + len(self.good_token)))
             offset += len(self.good_token)
-        return self.good_token.join(pieces), spans
+        return Rendered(self.good_token.join(pieces), spans)
 
 
 @dataclass(frozen=True)
-class MathShepherdRecipe(_VerdictTokens):
+class MathShepherdRecipe(_VerdictTokens, _TextRecipe):
     """Question and steps as plain text, each step followed by the step tag `ки`; step k's verdict
     is read at the (last) token of its tag."""
     step_tag: str = "ки"
     name: str = "math-shepherd"
 
-    def build(self, tokenizer, question: str, steps: list[str]) -> PRMInput:
+    def render(self, tokenizer, question: str, steps: list[str]) -> Rendered:
         text, spans = f"{question} ", []
         for index, step in enumerate(steps):
             text += f"{step} "
             spans.append((len(text), len(text) + len(self.step_tag)))
             text += self.step_tag + ("\n" if index + 1 < len(steps) else "")
-        tokens = _Tokenized(tokenizer, text, self.name, add_special_tokens=True)
-        return PRMInput(tokens.token_ids, _marker_ends(tokens, spans, "step tag"))
+        return Rendered(text, spans, add_special_tokens=True)
+
+    @staticmethod
+    def read(tokenizer, rendered: Rendered, tokens: _Tokenized) -> PRMInput:
+        return PRMInput(tokens.token_ids, _marker_ends(tokens, rendered.spans, "step tag"))
 
 
 @dataclass(frozen=True)
-class ChatStepsRecipe(_VerdictTokens):
+class ChatStepsRecipe(_VerdictTokens, _TextRecipe):
     """The question as the user turn and the solution as the assistant turn, exactly as the
     generator writes it: steps joined by the step delimiter. Step k's verdict is read at the last
     token of the delimiter after it (a separator-token PRM, like Qwen2.5-Math-PRM's, whose
@@ -130,13 +160,16 @@ class ChatStepsRecipe(_VerdictTokens):
     step_delimiter: str = "\n\n"
     name: str = "chat-steps"
 
-    def build(self, tokenizer, question: str, steps: list[str]) -> PRMInput:
-        return _assistant_steps(tokenizer, [{"role": "user", "content": question}], steps, self.step_delimiter,
-                                self.name, "step delimiter")
+    def render(self, tokenizer, question: str, steps: list[str]) -> Rendered:
+        return _assistant_steps(tokenizer, [{"role": "user", "content": question}], steps, self.step_delimiter)
+
+    @staticmethod
+    def read(tokenizer, rendered: Rendered, tokens: _Tokenized) -> PRMInput:
+        return PRMInput(tokens.token_ids, _marker_ends(tokens, rendered.spans, "step delimiter"))
 
 
 @dataclass(frozen=True)
-class LikelihoodRecipe:
+class LikelihoodRecipe(_TextRecipe):
     """A language model judging steps by its own likelihood: the question as the user turn and the
     solution as the assistant turn, steps joined by the step delimiter (as the generator writes it,
     like `chat-steps`), and step k's score is the lowest probability the model gives any of its
@@ -162,7 +195,7 @@ class LikelihoodRecipe:
         """The lowest, over the step's reads, probability of the token (or any of the tokens) read."""
         return min(float(torch.softmax(row.float(), dim=-1)[list(ids)].sum()) for row, ids in rows)
 
-    def build(self, tokenizer, question: str, steps: list[str]) -> PRMInput:
+    def render(self, tokenizer, question: str, steps: list[str]) -> Rendered:
         if tokenizer.eos_token_id is None:
             raise ValueError(f"prm recipe {self.name}: the tokenizer has no end-of-sequence token to end a step with")
         text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
@@ -171,8 +204,10 @@ class LikelihoodRecipe:
         for step in steps:
             spans.append((len(text), len(text) + len(step)))
             text += step + self.step_delimiter
-        tokens = _Tokenized(tokenizer, text, self.name, add_special_tokens=False)
-        reads = [self._step_reads(tokens, start, end, tokenizer.eos_token_id) for start, end in spans]
+        return Rendered(text, spans)
+
+    def read(self, tokenizer, rendered: Rendered, tokens: _Tokenized) -> PRMInput:
+        reads = [self._step_reads(tokens, start, end, tokenizer.eos_token_id) for start, end in rendered.spans]
         return PRMInput(tokens.token_ids, [step[-1][0] for step in reads], reads)
 
     def _step_reads(self, tokens: _Tokenized, start: int, end: int, eos: int) -> list[tuple[int, tuple[int, ...]]]:
@@ -187,7 +222,7 @@ class LikelihoodRecipe:
 
 
 @dataclass(frozen=True)
-class QwenPRMRecipe:
+class QwenPRMRecipe(_TextRecipe):
     """Qwen2.5-Math-PRM's: system prompt, the question as the user turn, the steps as the assistant
     turn each followed by the separator token `<extra_0>`; step k's score is the two-class head's
     P(label 1) at its separator. The text ends at the last separator (what would follow, the turn's
@@ -206,10 +241,14 @@ class QwenPRMRecipe:
     def score(readout: torch.Tensor) -> float:
         return float(torch.softmax(readout.float(), dim=-1)[0])
 
-    def build(self, tokenizer, question: str, steps: list[str]) -> PRMInput:
+    def render(self, tokenizer, question: str, steps: list[str]) -> Rendered:
         _single_token(tokenizer, self.separator)
         turns = [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": question}]
-        return _assistant_steps(tokenizer, turns, steps, self.separator, self.name, "step separator")
+        return _assistant_steps(tokenizer, turns, steps, self.separator)
+
+    @staticmethod
+    def read(tokenizer, rendered: Rendered, tokens: _Tokenized) -> PRMInput:
+        return PRMInput(tokens.token_ids, _marker_ends(tokens, rendered.spans, "step separator"))
 
 
 @dataclass(frozen=True)
@@ -275,18 +314,16 @@ def check_recipe_fits(recipe, model_config) -> None:
                          f"({model_config.architecture}) has {what[model_config.head]}")
 
 
-def _assistant_steps(tokenizer, turns: list[dict], steps: list[str], marker: str, recipe: str,
-                     marker_name: str) -> PRMInput:
+def _assistant_steps(tokenizer, turns: list[dict], steps: list[str], marker: str) -> Rendered:
     """The turns through the chat template up to the assistant's turn, then the steps each followed
-    by `marker`; each step's verdict at the marker's last token."""
+    by `marker` (each step's verdict is read at the marker's last token)."""
     text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
     spans = []
     for step in steps:
         text += step
         spans.append((len(text), len(text) + len(marker)))
         text += marker
-    tokens = _Tokenized(tokenizer, text, recipe, add_special_tokens=False)
-    return PRMInput(tokens.token_ids, _marker_ends(tokens, spans, marker_name))
+    return Rendered(text, spans)
 
 
 def _marker_ends(tokens: _Tokenized, spans: list[tuple[int, int]], marker: str) -> list[int]:
@@ -308,17 +345,28 @@ def _marker_ends(tokens: _Tokenized, spans: list[tuple[int, int]], marker: str) 
 class _Tokenized:
     """A recipe's full text tokenized once, with the character span of each token."""
 
-    def __init__(self, tokenizer, text: str, recipe: str, add_special_tokens: bool):
-        if not getattr(tokenizer, "is_fast", False):
-            raise ValueError(f"prm recipe {recipe}: needs a fast tokenizer, which maps tokens to characters; "
-                             f"{type(tokenizer).__name__} is not one")
-        encoding = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+    def __init__(self, text: str, recipe: str, token_ids: list[int], offsets: list[tuple[int, int]]):
         self.text, self.recipe = text, recipe
-        self.token_ids: list[int] = encoding["input_ids"]
-        self.offsets: list[tuple[int, int]] = [tuple(span) for span in encoding["offset_mapping"]]
+        self.token_ids = token_ids
+        self.offsets: list[tuple[int, int]] = [tuple(span) for span in offsets]
         self._holder = [-1] * len(text)  # the last token holding each character
         for index, (start, end) in enumerate(self.offsets):
             self._holder[start:end] = [index] * (end - start)
+
+    @classmethod
+    def encode_many(cls, tokenizer, texts: list[Rendered], recipe: str) -> list["_Tokenized"]:
+        """The texts tokenized in one call per `add_special_tokens` value, with character offsets."""
+        if not getattr(tokenizer, "is_fast", False):
+            raise ValueError(f"prm recipe {recipe}: needs a fast tokenizer, which maps tokens to characters; "
+                             f"{type(tokenizer).__name__} is not one")
+        tokenized: list[_Tokenized | None] = [None] * len(texts)
+        for special in {t.add_special_tokens for t in texts}:
+            rows = [i for i, t in enumerate(texts) if t.add_special_tokens == special]
+            encoding = tokenizer([texts[i].text for i in rows], add_special_tokens=special,
+                                 return_offsets_mapping=True)
+            for i, ids, offsets in zip(rows, encoding["input_ids"], encoding["offset_mapping"]):
+                tokenized[i] = cls(texts[i].text, recipe, ids, offsets)
+        return tokenized
 
     def token_ending_at(self, end: int, marker: str) -> int:
         """The token holding the character before `end`, which must end there: a token running on

@@ -7,6 +7,7 @@ runs) once every step it asked for has a score. `score_many` is the blocking for
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 from collections import OrderedDict, defaultdict
@@ -18,7 +19,8 @@ from treeserve.engine.engine_loop import EngineLoop
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.engine.request import BACKGROUND_PRIORITY
 from treeserve.runtime.kept_conversations import KeptConversations, StepKey
-from treeserve.runtime.prm_recipes import DEFAULT_RECIPE, RECIPES, PRMInput, check_recipe_fits, read_columns
+from treeserve.runtime.prm_recipes import (DEFAULT_RECIPE, RECIPES, PRMInput, build_many, check_recipe_fits,
+                                           read_columns)
 from treeserve.runtime.score_cache import ScoreCache
 from treeserve.sampling_params import SamplingParams
 
@@ -32,6 +34,8 @@ UNJUDGED_SCORE = 0.0
 # Verifier inputs remembered after they were built: a direct scoring request checks that its input
 # fits (`require_readable`) and then submits it, and each would otherwise render and tokenize it.
 BUILT_INPUTS = 256
+# A submit's inputs are built (their texts tokenized in one call) this many at a time
+BUILT_AT_ONCE = 64
 # Request ids unique in the process: several scorers may share one engine.
 _REQUEST_IDS = itertools.count()
 
@@ -108,16 +112,23 @@ class StepScorer:
 
     def build(self, question: str, steps: list[str]) -> PRMInput:
         """The verifier input for these steps, rendered once for a check and the request after it."""
-        key = (question, *steps)
+        return self.build_many([(question, steps)])[0]
+
+    def build_many(self, items: list[tuple[str, list[str]]]) -> list[PRMInput]:
+        """Each item's verifier input: remembered ones as they were, the others built together (their
+        texts tokenized in one call) and remembered."""
+        keys = [(question, *steps) for question, steps in items]
         with self._built_lock:
-            built = self._built.pop(key, None)
-        if built is None:
-            built = self.recipe.build(self.engine.tokenizer, question, steps)
+            built = {key: self._built.pop(key) for key in keys if key in self._built}
+        missing = {key: (question, list(steps)) for key, (question, steps) in zip(keys, items) if key not in built}
+        if missing:
+            built.update(zip(missing, build_many(self.recipe, self.engine.tokenizer, list(missing.values()))))
         with self._built_lock:
-            self._built[key] = built
+            for key in keys:
+                self._built[key] = built[key]
             while len(self._built) > BUILT_INPUTS:
                 self._built.popitem(last=False)
-        return built
+        return [built[key] for key in keys]
 
     # ---- the state machine -----------------------------------------------------------------
     def submit(self, items: list[tuple[str, list[str]]], on_ready: Callable[[ScoreTicket], None] | None = None,
@@ -197,18 +208,31 @@ class StepScorer:
 
     def _submit_uncached(self, items: list[tuple[str, list[str]]]) -> dict[StepKey, str]:
         pending: dict[StepKey, str] = {}
-        for question, steps in items:
-            key = (question, *steps)
-            if key in pending:
-                continue
-            # (a request in flight for the same steps claims only what it reads: a step whose score
-            # was evicted from the cache since then is asked for again here)
-            if not all(self._answered(key[: i + 2]) for i in range(len(steps))):
-                request_id = self._submit(question, list(steps))
-                if request_id is not None:
-                    pending[key] = request_id
+        for start in range(0, len(items), BUILT_AT_ONCE):
+            chunk = items[start:start + BUILT_AT_ONCE]
+            self._build_unscored(chunk)
+            for question, steps in chunk:
+                key = (question, *steps)
+                if key not in pending and self._unscored(key):
+                    request_id = self._submit(question, list(steps))
+                    if request_id is not None:
+                        pending[key] = request_id
         self.num_cache_hits += len(items) - len(pending)
         return pending
+
+    def _unscored(self, key: StepKey) -> bool:
+        """Whether a step of the conversation has no score and nobody scoring it (a request in flight
+        for the same steps claims only what it reads: a step whose score was evicted from the cache
+        since then is asked for again)."""
+        return not all(self._answered(key[: i + 2]) for i in range(len(key) - 1))
+
+    def _build_unscored(self, items: list[tuple[str, list[str]]]) -> None:
+        """The inputs `_submit` will ask for, built together; an item that cannot be built is left to
+        `_submit`, which raises as it would have."""
+        unscored = list({(q, *s): (q, s) for q, s in items if self._unscored((q, *s))}.values())
+        if len(unscored) > 1:
+            with contextlib.suppress(ValueError):
+                self.build_many(unscored)
 
     def _answered(self, step_key: StepKey) -> bool:
         return step_key in self.score_cache or step_key in self._claimed

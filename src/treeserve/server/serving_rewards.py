@@ -110,7 +110,7 @@ class RewardServing:
 def _usage(scorer: StepScorer, items: list[tuple[str, list[str]]]) -> dict:
     """The tokens the reward model read (before the prefix cache: a shared prefix counts in every item)."""
     try:
-        tokens = sum(len(scorer.build(question, steps).token_ids) for question, steps in items)
+        tokens = sum(len(built.token_ids) for built in scorer.build_many(items))
     except (ValueError, ParamError):
         tokens = 0
     return {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}
