@@ -98,8 +98,10 @@ class Sampler:
         greedy_rows = [p.greedy for p in params]
         if all(greedy_rows):
             return logits.argmax(dim=-1)
-        temperature = _on(logits.device, [1.0 if p.greedy else p.temperature for p in params])
-        probs = torch.softmax(_filter(logits / temperature[:, None], params), dim=-1)
+        temperatures = [1.0 if p.greedy else p.temperature for p in params]
+        if any(t != 1.0 for t in temperatures):  # (dividing by 1 changes nothing: a search samples at 1)
+            logits = logits / _on(logits.device, temperatures)[:, None]
+        probs = torch.softmax(_filter(logits, params), dim=-1)
         sampled = _inverse_transform(probs, _uniform_draws(requests, probs.device))
         if not any(greedy_rows):  # (an argmax over the whole vocabulary, for no row)
             return sampled
@@ -153,10 +155,9 @@ def _token_counts(token_lists: list[list[int]], vocab: int, device) -> torch.Ten
 def _filter(logits: torch.Tensor, params) -> torch.Tensor:
     """Applies top-k, top-p and min-p by masking logits to -inf (at least one token survives)."""
     vocab = logits.shape[1]
-    top_k = _on(logits.device, [p.top_k if p.top_k > 0 else vocab for p in params])
-    top_p = _on(logits.device, [p.top_p for p in params])
-    min_p = _on(logits.device, [p.min_p for p in params])
     if any(0 < p.top_k < vocab for p in params) or any(p.top_p < 1 for p in params):
+        top_k = _on(logits.device, [p.top_k if p.top_k > 0 else vocab for p in params])
+        top_p = _on(logits.device, [p.top_p for p in params])
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=logits.device)[None, :]
         drop = ranks >= top_k[:, None]
@@ -165,6 +166,7 @@ def _filter(logits: torch.Tensor, params) -> torch.Tensor:
         drop[:, 0] = False
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
     if any(p.min_p > 0 for p in params):
+        min_p = _on(logits.device, [p.min_p for p in params])
         probs = torch.softmax(logits, dim=-1)
         logits = logits.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, float("-inf"))
     return logits
