@@ -73,8 +73,9 @@ def translated_routes(service: GatewayService, auth: Auth, store: DatabaseRespon
     @routes.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request, key: KeyRecord = Depends(auth.require_key)):
         body = await parse(request, CountTokensRequest, max_body_bytes)
-        counted = _reply(await service.count_tokens(body.chat_fields(), key))
-        return {"input_tokens": counted["count"]}
+        response = await service.count_tokens(body.chat_fields(), key)
+        ids = [response.headers["x-request-id"]] if "x-request-id" in response.headers else []
+        return _with_request_id(JSONResponse({"input_tokens": _reply(response)["count"]}), ids)
 
     return routes
 
