@@ -6,7 +6,7 @@ import datetime as dt
 
 from treeserve.errors import ParamError
 from treeserve.gateway.keys import parse_duration
-from treeserve.gateway.schema import ApiKey, User, iso
+from treeserve.gateway.schema import ApiKey, User, iso, money
 
 KEY_FIELDS = ("key_alias", "user_id", "models", "max_budget", "budget_duration", "rpm_limit", "tpm_limit",
               "max_parallel_requests", "metadata", "blocked")
@@ -56,7 +56,7 @@ def _budget_period(values: dict, now: dt.datetime) -> None:
 
 def public_key(key: ApiKey) -> dict:
     return {"token": key.token_hash, "key_name": key.key_name, "key_alias": key.key_alias, "user_id": key.user_id,
-            "models": key.models or [], "max_budget": key.max_budget, "spend": key.spend, "reserved": key.reserved,
+            "models": key.models or [], "max_budget": key.max_budget, "spend": money(key.spend), "reserved": money(key.reserved),
             "budget_duration": key.budget_duration, "budget_reset_at": iso(key.budget_reset_at),
             "rpm_limit": key.rpm_limit, "tpm_limit": key.tpm_limit,
             "max_parallel_requests": key.max_parallel_requests, "expires": iso(key.expires_at),
@@ -64,6 +64,7 @@ def public_key(key: ApiKey) -> dict:
 
 
 def public_user(user: User) -> dict:
-    return {"user_id": user.user_id, "max_budget": user.max_budget, "spend": user.spend, "reserved": user.reserved,
+    return {"user_id": user.user_id, "max_budget": user.max_budget, "spend": money(user.spend),
+            "reserved": money(user.reserved),
             "budget_duration": user.budget_duration, "budget_reset_at": iso(user.budget_reset_at),
             "models": user.models or [], "metadata": user.extra or {}, "created_at": iso(user.created_at)}

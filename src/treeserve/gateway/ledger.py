@@ -12,7 +12,7 @@ from sqlalchemy import func, select
 from treeserve.gateway.database import Database
 from treeserve.gateway.errors import KeyNotFound
 from treeserve.gateway.keys import stored_hash
-from treeserve.gateway.schema import ApiKey, DailySpend, SpendLog, iso
+from treeserve.gateway.schema import ApiKey, DailySpend, SpendLog, iso, money
 from treeserve.gateway.settlement import Chore, Settlement, SettlementWriter, commit_settlements
 
 LOG_FIELDS = ["request_id", "started_at", "ended_at", "key_id", "user_id", "model", "backend", "route", "stream",
@@ -82,11 +82,11 @@ class Ledger:
         with self.db.session() as conn:
             return [{"day": r.day.isoformat(), "key_id": r.key_id, "model": r.model, "user_id": r.user_id,
                      "requests": r.requests, "prompt_tokens": r.prompt_tokens,
-                     "completion_tokens": r.completion_tokens, "cost": r.cost} for r in conn.scalars(query)]
+                     "completion_tokens": r.completion_tokens, "cost": money(r.cost)} for r in conn.scalars(query)]
 
     def total_spend(self) -> float:
         with self.db.session() as conn:
-            return float(conn.execute(select(func.coalesce(func.sum(SpendLog.cost), 0.0))).scalar())
+            return money(float(conn.execute(select(func.coalesce(func.sum(SpendLog.cost), 0.0))).scalar()))
 
 
 def logs_csv(rows: list[dict]) -> str:
