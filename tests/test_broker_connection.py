@@ -14,7 +14,7 @@ import pytest
 
 from gateway_support import rabbit_node
 from treeserve.gateway.broker import BrokerClient, BrokerLost, BrokerStream
-from treeserve.wire.broker_protocol import queue_name
+from treeserve.wire.broker_protocol import expired, queue_name, request_headers
 
 TIMEOUT = 60  # the backend's timeout: what a request waited before the fix
 
@@ -127,3 +127,21 @@ def test_a_worker_stops_on_its_signal_while_the_broker_is_down(node, llama_dir):
             raise AssertionError("the worker was still running 30 s after SIGTERM") from None
         assert code == 0, proc.stderr.read().decode()[-2000:]
         assert time.monotonic() - started < 15
+
+
+def test_a_request_deadline_crosses_the_wire_to_the_millisecond(monkeypatch):
+    """The headers as AMQP carries them (pamqp's field table, what aio_pika sends and reads): a
+    deadline sent as a float arrived as a 32-bit float, off by up to 64 s, and a request published
+    at a time of day like this one's (3 s past a multiple of 128 s) with 60 s to live arrived
+    already past: the worker dropped it unanswered, and the gateway waited out its whole timeout."""
+    from pamqp import decode, encode
+
+    start = 14_031_200 * 128 + 3.0
+    monkeypatch.setattr(time, "time", lambda: start)
+    _, received = decode.field_table(encode.field_table(request_headers(60)))
+    assert not expired(received)
+    monkeypatch.setattr(time, "time", lambda: start + 59.99)
+    assert not expired(received)
+    monkeypatch.setattr(time, "time", lambda: start + 60.01)
+    assert expired(received)
+    assert not expired({}) and not expired(None)

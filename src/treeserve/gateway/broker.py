@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 import aio_pika
 
-from treeserve.wire.broker_protocol import BROKER_CALL_TIMEOUT, CANCEL_EXCHANGE, encode_request, queue_name
+from treeserve.wire.broker_protocol import (BROKER_CALL_TIMEOUT, CANCEL_EXCHANGE, encode_request, queue_name,
+                                            request_headers)
 from treeserve.gateway.sse import SSESplitter
 
 log = logging.getLogger("treeserve.gateway")
@@ -55,7 +56,7 @@ class BrokerClient:
             self._consumers_seen[queue] = time.monotonic()
         message = aio_pika.Message(encode_request(path, body), correlation_id=request_id,
                                    reply_to=self.reply_queue.name, expiration=ttl,
-                                   headers={"deadline": time.time() + ttl})
+                                   headers=request_headers(ttl))
         replies: asyncio.Queue = asyncio.Queue()
         self.pending[request_id] = replies
         try:

@@ -3,7 +3,9 @@
 - Requests: one queue per model, `treeserve.model.<name>`, durable. A request is a JSON message
   `{"path": "/v1/chat/completions", "body": {...}}` with `correlation_id` (the gateway's request
   id), `reply_to` (the gateway's own exclusive reply queue), `expiration` (a request nobody took in
-  time is dropped by the broker) and a `deadline` header (a worker that takes it later drops it).
+  time is dropped by the broker) and a `deadline_ms` header, milliseconds since the epoch as an
+  integer (a worker that takes it later drops it). Not a float: AMQP tables carry floats in 32 bits,
+  which hold a time of day in 2026 only to 128 s (a 60 s deadline could arrive already past).
 - Workers take requests with manual acknowledgement and acknowledge once the request is answered:
   a worker that dies before that has its requests redelivered to another worker.
 - Replies go to `reply_to` with the request's `correlation_id` and headers `kind` (`response`: a
@@ -38,6 +40,12 @@ def decode_request(raw: bytes) -> tuple[str, dict]:
     return data["path"], data["body"]
 
 
+def request_headers(ttl: float) -> dict:
+    """A request message's headers: its deadline, `ttl` seconds from now."""
+    return {"deadline_ms": int((time.time() + ttl) * 1000)}
+
+
 def expired(headers: dict | None) -> bool:
-    deadline = (headers or {}).get("deadline")
-    return isinstance(deadline, (int, float)) and time.time() > deadline
+    """Whether a request's deadline has passed (a request without one never expires here)."""
+    deadline = (headers or {}).get("deadline_ms")
+    return isinstance(deadline, int) and not isinstance(deadline, bool) and time.time() * 1000 > deadline
