@@ -175,6 +175,36 @@ def test_disconnect_aborts_within_one_step(server):
     assert_no_leak(engine)
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Go on forever"}]}),
+    ("/v1/completions", {"prompt": "Go on forever"}),
+])
+def test_a_client_that_leaves_before_its_whole_answer_has_its_request_aborted(server, path, body):
+    """A non-streamed request whose client hangs up (a timeout, a worker giving it back): its engine
+    requests are aborted, not run to an answer nobody reads (which also held a server's shutdown
+    until uvicorn cancelled the handler, with a traceback for each)."""
+    aborted = []
+    original_abort = server.async_engine.abort
+
+    def abort(request_id):
+        aborted.append(request_id)
+        original_abort(request_id)
+
+    server.async_engine.abort = abort
+    try:
+        body = dict(body, model="tiny", max_tokens=400, n=16, ignore_eos=True)
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + path, json=body, headers=AUTH, timeout=httpx.Timeout(30, read=0.3))
+        deadline = time.monotonic() + 20
+        while not aborted and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        server.async_engine.abort = original_abort
+    assert len(aborted) == 1, "its request (16 samples: one engine request) was not aborted"
+    wait_idle(server.engine)
+    assert_no_leak(server.engine)
+
+
 def _metric_values(text):
     values = {}
     for family in text_string_to_metric_families(text):

@@ -11,6 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from treeserve import __version__
 from treeserve.engine.async_engine import AsyncLLMEngine
+from treeserve.server.disconnect import unless_client_leaves
 from treeserve.server.metrics import ServerMetrics
 from treeserve.server.serving import OpenAIServing, unknown_model
 from treeserve.server.serving_rewards import RewardServing
@@ -105,27 +106,27 @@ def openai_routes(served: ServedModels, max_body_bytes: int) -> APIRouter:
     @router.post("/v1/chat/completions")
     async def chat(request: Request):
         body = await parse(request, ChatCompletionRequest, max_body_bytes)
-        return await served.serving(body.model).chat(body)
+        return await unless_client_leaves(request, served.serving(body.model).chat(body))
 
     @router.post("/v1/completions")
     async def completions(request: Request):
         body = await parse(request, CompletionRequest, max_body_bytes)
-        return await served.serving(body.model).completions(body)
+        return await unless_client_leaves(request, served.serving(body.model).completions(body))
 
     @router.post("/v1/rewards")
     async def rewards(request: Request):
         body = await parse(request, RewardRequest, max_body_bytes)
-        return await served.rewards(body.model).rewards(body)
+        return await unless_client_leaves(request, served.rewards(body.model).rewards(body))
 
     @router.post("/pooling")
     async def pooling(request: Request):
         body = await parse(request, PoolingRequest, max_body_bytes)
-        return await served.rewards(body.model).pooling(body)
+        return await unless_client_leaves(request, served.rewards(body.model).pooling(body))
 
     @router.post("/v1/score")
     async def score(request: Request):
         body = await parse(request, ScoreRequest, max_body_bytes)
-        return await served.rewards(body.model).score_candidates(body)
+        return await unless_client_leaves(request, served.rewards(body.model).score_candidates(body))
 
     @router.post("/v1/search")
     async def search(request: Request):

@@ -10,7 +10,6 @@ its generator and verifier requests are aborted and their KV freed.
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import json
@@ -25,6 +24,7 @@ from treeserve.search.config import DEFAULT_AGG_STRATEGY, SAL_SYSTEM_PROMPT, Sea
 from treeserve.search.progress import SearchProgress
 from treeserve.search.runner import SearchHandle, SearchRunner
 from treeserve.search.tree import SearchResult
+from treeserve.server.disconnect import unless_client_leaves
 from treeserve.wire.errors import ERROR_TYPES, APIError, from_value_error
 from treeserve.wire.protocol import SearchRequest, template_messages
 
@@ -156,28 +156,15 @@ class SearchServing:
 
     async def _wait_for_result(self, events: AsyncIterator, request: Request) -> SearchResult:
         """The result; a client that disconnects first gets its search cancelled, unless it sent an
-        Idempotency-Key: then the search runs to its end and a repeat is answered with it
-        (server/idempotency.py), as a gateway's batch line sent again after the gateway died is."""
+        Idempotency-Key (server/disconnect.py)."""
         async def last() -> SearchResult:
             item = None
             async for item in events:
                 pass
             return item
-        if request.headers.get("idempotency-key"):
-            return await last()
-        result, left = asyncio.ensure_future(last()), asyncio.ensure_future(_client_left(request))
         try:
-            await asyncio.wait({result, left}, return_when=asyncio.FIRST_COMPLETED)
-            if not result.done():
-                result.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await result
-                # nobody reads this answer; it ends the request without an error in the server's log
-                raise APIError(499, "the client closed the request before its search finished",
-                               code="client_closed_request")
-            return result.result()
+            return await unless_client_leaves(request, last(), "search")
         finally:
-            left.cancel()
             with contextlib.suppress(BaseException):
                 await events.aclose()
 
@@ -197,12 +184,6 @@ class SearchServing:
         finally:
             await events.aclose()
         yield "data: [DONE]\n\n"
-
-
-async def _client_left(request: Request) -> None:
-    """Returns when the client disconnects (its body already read, the next ASGI message is that)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 def _queue_full_error(limit: int | None) -> APIError:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from treeserve.server.disconnect import unless_client_leaves
 from treeserve.wire.bodies import parse
 from treeserve.wire.errors import from_value_error
 from treeserve.wire.messages import CountTokensRequest, MessagesRequest, from_chat
@@ -27,7 +28,7 @@ def responses_routes(served, max_body_bytes: int) -> APIRouter:
     async def create(request: Request):
         body = await parse(request, ResponsesRequest, max_body_bytes)
         serving = served.serving(body.model)
-        result = await api.create(body, serving.chat_body, serving.model_name)
+        result = await unless_client_leaves(request, api.create(body, serving.chat_body, serving.model_name))
         return JSONResponse(result) if isinstance(result, dict) else event_stream(result)
 
     @router.get("/v1/responses/{response_id}")
@@ -52,7 +53,7 @@ def messages_routes(served, max_body_bytes: int) -> APIRouter:
     async def create(request: Request):
         body = await parse(request, MessagesRequest, max_body_bytes)
         serving = served.serving(body.model)
-        result = await serving.chat_body(_translated(body.chat_request))
+        result = await unless_client_leaves(request, serving.chat_body(_translated(body.chat_request)))
         if isinstance(result, dict):
             return JSONResponse(from_chat(body, serving.model_name, result))
         return event_stream(translated_events(MessageEvents(body, serving.model_name), result))

@@ -1,0 +1,44 @@
+"""A client that leaves before its answer is ready: the work for it stops (its engine requests are
+aborted) instead of running to an answer nobody reads, as vLLM's server does. A streamed answer
+stops by itself (its response sees the disconnect); this is for the routes that answer whole.
+
+A request with an `Idempotency-Key` runs to its end even so: its repeat is answered with it
+(server/idempotency.py), as a gateway's batch line sent again after the gateway died is."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Awaitable, TypeVar
+
+from fastapi import Request
+
+from treeserve.wire.errors import APIError
+
+T = TypeVar("T")
+
+
+async def unless_client_leaves(request: Request, work: Awaitable[T], what: str = "answer") -> T:
+    """`work`'s result; if the client disconnects first, `work` is cancelled and the request ends
+    with a 499 that nobody reads (and no error in the server's log). The request's body must have
+    been read already: what comes next on its channel is the disconnect."""
+    if request.headers.get("idempotency-key"):
+        return await work
+    task, left = asyncio.ensure_future(work), asyncio.ensure_future(client_left(request))
+    try:
+        await asyncio.wait({task, left}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            raise APIError(499, f"the client closed the request before its {what} was ready",
+                           code="client_closed_request")
+        return task.result()
+    finally:
+        left.cancel()
+        task.cancel()  # (a no-op once done; this handler cancelled itself: the work goes with it)
+
+
+async def client_left(request: Request) -> None:
+    """Returns when the client disconnects (its body already read, the next ASGI message is that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
