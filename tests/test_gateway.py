@@ -13,7 +13,7 @@ import openai
 import pytest
 from sqlalchemy import create_engine, text
 
-from conftest import API_KEY, running_server
+from conftest import API_KEY, assert_no_leak, running_server, wait_idle
 from gateway_support import wait_for
 from treeserve.gateway import pricing
 from treeserve.gateway.app import build_app
@@ -260,6 +260,42 @@ def test_a_hold_is_cut_to_the_real_cost_when_the_answer_ends(server, database):
         assert info["reserved"] == 0.0 and info["spend"] == pytest.approx(cost + streamed)
         user = _admin(url, "GET", "/user/info", params={"user_id": "held"}).json()["user_info"]
         assert user["reserved"] == 0.0 and user["spend"] == pytest.approx(cost + streamed)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Go on forever"}], "max_tokens": 400,
+                              "ignore_eos": True, "n": 16}),
+    ("/v1/completions", {"prompt": "Go on forever", "max_tokens": 400, "ignore_eos": True, "n": 16}),
+])
+def test_a_client_that_leaves_before_its_whole_answer_stops_its_backend_and_pays_nothing(server, tmp_path, path,
+                                                                                          body):
+    """The gateway's client hangs up on a non-streamed request: the backend's request is aborted (the
+    gateway closes its upstream), the request is logged as closed by its client at no cost, and its
+    key's slot is free at once. Before, the backend ran it to its end, the key held its slot meanwhile
+    (its next request refused by max_parallel_requests) and paid for the whole answer."""
+    aborted = []
+    original_abort = server.async_engine.abort
+    server.async_engine.abort = lambda request_id: (aborted.append(request_id), original_abort(request_id))
+    models = {"tiny": ModelConfig("tiny", [BackendConfig(server.url, api_key=API_KEY)],
+                                  input_cost_per_token=IN_PRICE, output_cost_per_token=OUT_PRICE)}
+    config = GatewayConfig(models=models, master_key=MASTER, database=f"sqlite:///{tmp_path / 'gateway.db'}")
+    try:
+        with running_server(build_app(config)) as url:
+            key = _new_key(url, max_parallel_requests=1)
+            body = {"model": "tiny"} | body
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(url + path, json=body, headers={"Authorization": f"Bearer {key}"},
+                           timeout=httpx.Timeout(30, read=0.3))
+            assert wait_for(lambda: aborted, timeout=20), "the backend's request was not aborted"
+            logs = wait_for(lambda: (rows := _admin(url, "GET", "/spend/logs", params={"api_key": key}).json())
+                            and rows, timeout=20)
+            assert [(r["status"], r["cost"]) for r in logs] == [("client_closed", 0.0)], logs
+            assert _client(url, key).chat.completions.create(  # its slot was given back
+                model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2).choices
+    finally:
+        server.async_engine.abort = original_abort
+    wait_idle(server.engine)
+    assert_no_leak(server.engine)
 
 
 def test_budgets_without_prices_are_warned_about(server, tmp_path, caplog):

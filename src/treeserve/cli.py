@@ -7,7 +7,7 @@ import sys
 from treeserve.cli_gateway import add_gateway_parsers
 from treeserve.cli_gateway import main as gateway_main
 from treeserve.cli_args import json_object
-from treeserve.lifecycle import exit_now, exit_on_signals, follow_parent, freeze_startup_heap
+from treeserve.lifecycle import exit_now, exit_on_signals, follow_parent, heap_frozen_while_it_runs
 
 
 def _add_engine_args(parser: argparse.ArgumentParser, several_models: bool = False) -> None:
@@ -79,14 +79,14 @@ def cmd_run(args) -> int:
     from treeserve import LLM, SamplingParams
 
     llm = LLM(args.model, **_engine_options(args))
-    freeze_startup_heap()  # the command is the process: full collections skip what lives until it exits
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                             seed=args.seed, n=args.n)
     prompts = args.prompt or ["Hello"]
-    if args.chat:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
-    else:
-        outputs = llm.generate(prompts, params)
+    with heap_frozen_while_it_runs():
+        if args.chat:
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+        else:
+            outputs = llm.generate(prompts, params)
     for prompt, output in zip(prompts, outputs):
         for completion in output.outputs:
             print(f"--- prompt: {prompt!r} [{len(output.prompt_token_ids)} tokens]")

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from treeserve.cli_args import json_object
-from treeserve.lifecycle import freeze_startup_heap
+from treeserve.lifecycle import heap_frozen_while_it_runs
 from treeserve.model.registry import DEFAULT_GENERATOR, DEFAULT_VERIFIER
 
 
@@ -72,11 +72,9 @@ def _config(args, strategy: str, n: int, rt):
 def _runtime(args):
     from treeserve.runtime.runtime import Runtime
 
-    rt = Runtime({"gen": args.generator, "prm": args.verifier}, recipes={"prm": args.recipe},
-                 kv_cache_memory_bytes=args.kv_cache_memory_bytes, dtype=args.dtype, device=args.device,
-                 max_model_len=args.max_model_len, quantization=args.quantization)
-    freeze_startup_heap()  # the command is the process: full collections skip what lives until it exits
-    return rt
+    return Runtime({"gen": args.generator, "prm": args.verifier}, recipes={"prm": args.recipe},
+                   kv_cache_memory_bytes=args.kv_cache_memory_bytes, dtype=args.dtype, device=args.device,
+                   max_model_len=args.max_model_len, quantization=args.quantization)
 
 
 def _runner(args, rt, reference: bool = False):
@@ -98,7 +96,8 @@ def cmd_search(args) -> int:
 
     rt = _runtime(args)
     config = _config(args, args.strategy, args.n, rt)
-    result = _runner(args, rt).run([args.question], config)[0]
+    with heap_frozen_while_it_runs():
+        result = _runner(args, rt).run([args.question], config)[0]
     chosen = result.completions[result.chosen]
     print(chosen)
     print(f"--- answer: {result.pred}  score: {result.agg_scores[result.chosen]:.4f}  "
@@ -121,10 +120,11 @@ def cmd_eval(args) -> int:
     configs = [_config(args, s, n, rt) for s in strategies for n in ([1] if s == "greedy" else sizes)]
     runner = _runner(args, rt, args.reference)
     summaries = []
-    for config in configs:
-        summaries.append(evaluate(rows, config, runner.run, args.out))
-        print(f"{config.strategy} n={config.n}: accuracy {summaries[-1]['accuracy']:.1%} "
-              f"on {len(rows)} problems ({summaries[-1]['seconds']:.1f} s)")
+    with heap_frozen_while_it_runs():
+        for config in configs:
+            summaries.append(evaluate(rows, config, runner.run, args.out))
+            print(f"{config.strategy} n={config.n}: accuracy {summaries[-1]['accuracy']:.1%} "
+                  f"on {len(rows)} problems ({summaries[-1]['seconds']:.1f} s)")
     for path in write_report(summaries, args.out):
         print(f"wrote {path}")
     return 0

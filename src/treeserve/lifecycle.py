@@ -10,6 +10,7 @@ the spot, skipping every `finally`: `treeserve chat` left its `treeserve serve` 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import gc
 import logging
@@ -73,6 +74,18 @@ def exit_now(code: int) -> None:
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os._exit(code)
+
+
+@contextlib.contextmanager
+def heap_frozen_while_it_runs():
+    """For a command that runs its engines and returns (`search`, `eval`, `run`): the startup heap
+    frozen while the command runs, unfrozen after it, so that a caller running the command in its
+    own process (tests call `treeserve.cli.main`) can collect the engines' cycles afterwards."""
+    freeze_startup_heap()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def freeze_startup_heap() -> int:

@@ -29,6 +29,7 @@ from treeserve.gateway.routing import Backend, Router
 from treeserve.gateway.sse import DONE, StreamState, error_event, event_batches
 from treeserve.gateway.upstreams import Upstreams
 from treeserve.gateway.usage import Usage
+from treeserve.wire.disconnect import CLIENT_LEFT
 from treeserve.wire.errors import error_response
 
 log = logging.getLogger("treeserve.gateway")
@@ -102,9 +103,12 @@ class Forwarder:
                     result.headers["x-request-id"] = request_id
                     return result
                 last_error = result
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await settle(Outcome("error", model))
+        except BaseException as exc:
+            left = isinstance(exc, asyncio.CancelledError) and CLIENT_LEFT in exc.args
+            with anyio.CancelScope(shield=True):  # (its client gone: nothing served, its upstream stopped)
+                await settle(Outcome("client_closed" if left else "error", model))
+            if left:
+                self.metrics.requests.labels(model, "", "499").inc()
             raise
         await settle(Outcome("error", model))
         self.metrics.requests.labels(model, "", "503").inc()
@@ -154,6 +158,9 @@ class Forwarder:
         except UPSTREAM_ERRORS as exc:
             self._end(backend)
             return self._failed(backend, exc)
+        except BaseException:  # cancelled (its client left, the gateway stops): the backend is no longer busy
+            self._end(backend)
+            raise
         if response.status != 200:
             try:
                 content = await response.read()
@@ -174,6 +181,10 @@ class Forwarder:
             response.close()
             self._end(backend)
             return self._failed(backend, exc if not isinstance(exc, StopAsyncIteration) else "the stream ended at once")
+        except BaseException:  # cancelled before the first event: the upstream closed (the backend aborts it)
+            response.close()
+            self._end(backend)
+            raise
         return self._stream_response(first, batches, _closer(response), response.content.set_exception, backend,
                                      group, body, settle, started)
 
@@ -186,10 +197,12 @@ class Forwarder:
                                            backend.config.timeout)
             reply = BrokerStream(broker, request_id, replies, backend.config.timeout)
             first = await reply.first()
-        except Exception as exc:  # the broker's errors include RuntimeErrors of a closed channel
+        except BaseException as exc:  # the broker's errors include RuntimeErrors of a closed channel
             with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
-                await broker.cancel(request_id)
+                await broker.cancel(request_id)  # (the worker holding it stops it)
             self._end(backend)
+            if not isinstance(exc, Exception):  # cancelled (its client left, the gateway stops)
+                raise
             return self._failed(backend, exc if str(exc) else "no worker answered in time")
         if first.kind == "response":
             await reply.close()

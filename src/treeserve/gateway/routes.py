@@ -13,6 +13,7 @@ from treeserve.gateway.keys import KeyRecord
 from treeserve.gateway.metrics import GatewayMetrics
 from treeserve.gateway.routing import Router
 from treeserve.gateway.service import ROUTES, GatewayService
+from treeserve.wire.disconnect import unless_client_leaves
 from treeserve.wire.drain import Drain, readiness
 from treeserve.wire.errors import APIError
 
@@ -33,7 +34,8 @@ def openai_routes(config: GatewayConfig, service: GatewayService, auth: Auth) ->
         return _model_card(model)
 
     async def proxy(request: Request, key: KeyRecord = Depends(auth.require_key)):
-        return await service.dispatch(request.url.path, await _json_body(request), key)
+        body = await _json_body(request)
+        return await unless_client_leaves(request, service.dispatch(request.url.path, body, key))
 
     for path in ROUTES:
         routes.add_api_route(path, proxy, methods=["POST"])

@@ -19,6 +19,7 @@ from treeserve.gateway.keys import KeyRecord
 from treeserve.gateway.response_store import DatabaseResponseStore
 from treeserve.gateway.service import GatewayService
 from treeserve.wire.bodies import parse
+from treeserve.wire.disconnect import unless_client_leaves
 from treeserve.wire.errors import APIError
 from treeserve.wire.messages import CountTokensRequest, MessagesRequest, from_chat
 from treeserve.wire.messages_stream import MessageEvents
@@ -46,7 +47,7 @@ def translated_routes(service: GatewayService, auth: Auth, store: DatabaseRespon
         if body.model is None:
             raise APIError(400, "model: this field is required", param="model", code="missing_required_parameter")
         ids: list[str] = []
-        result = await api.create(body, chat_on(key, ids), body.model, key.id)
+        result = await unless_client_leaves(request, api.create(body, chat_on(key, ids), body.model, key.id))
         return _with_request_id(JSONResponse(result) if isinstance(result, dict) else event_stream(result), ids)
 
     @routes.get("/v1/responses/{response_id}")
@@ -65,7 +66,8 @@ def translated_routes(service: GatewayService, auth: Auth, store: DatabaseRespon
     async def messages(request: Request, key: KeyRecord = Depends(auth.require_key)):
         body = await parse(request, MessagesRequest, max_body_bytes)
         ids: list[str] = []
-        result = await relay_chat(service, body.chat_request(), key, ids)  # (a ParamError: http_errors' 400)
+        chat = body.chat_request()  # (a ParamError: http_errors' 400)
+        result = await unless_client_leaves(request, relay_chat(service, chat, key, ids))
         if isinstance(result, dict):
             return _with_request_id(JSONResponse(from_chat(body, body.model, result)), ids)
         return _with_request_id(event_stream(translated_events(MessageEvents(body, body.model), result)), ids)

@@ -121,8 +121,13 @@ class StepScorer:
         with self._built_lock:
             built = {key: self._built.pop(key) for key in keys if key in self._built}
         missing = {key: (question, list(steps)) for key, (question, steps) in zip(keys, items) if key not in built}
-        if missing:
-            built.update(zip(missing, build_many(self.recipe, self.engine.tokenizer, list(missing.values()))))
+        try:
+            if missing:
+                built.update(zip(missing, build_many(self.recipe, self.engine.tokenizer, list(missing.values()))))
+        except BaseException:
+            with self._built_lock:  # (what was remembered stays so)
+                self._built.update(built)
+            raise
         with self._built_lock:
             for key in keys:
                 self._built[key] = built[key]

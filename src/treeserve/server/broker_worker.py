@@ -34,6 +34,7 @@ class BrokerWorker:
         self._now: asyncio.Event | None = None  # stop without waiting for the requests in hand
         self._grace: float | None = None  # set by `stop`: seconds the requests in hand may take
         self._given_back = 0  # requests in hand at the end of the grace, returned to the queue
+        self._streams_cut = 0  # and answers under way then, ended with an error
         self._loop: asyncio.AbstractEventLoop | None = None
         self._running: dict[str, set[asyncio.Task]] = {}  # by correlation id
         self._stopping = False
@@ -103,7 +104,7 @@ class BrokerWorker:
             await asyncio.gather(*tasks, return_exceptions=True)
             if tasks:
                 log.info("worker %s: %d request(s) given back to the queue, %d stream(s) under way ended with "
-                         "an error", self.worker_id, self._given_back, len(tasks) - self._given_back)
+                         "an error", self.worker_id, self._given_back, self._streams_cut)
 
     async def _stop_consuming(self, connection, consumers) -> None:
         """Takes nothing more: the queues' next messages go to other workers. With the broker down
@@ -195,6 +196,7 @@ class BrokerWorker:
                 self._given_back += 1
             elif self._stopping:  # a stream under way cannot start over elsewhere: the gateway cuts it
                 await replies.send("response", _error_body(503, "the worker stopped"), status=503)
+                self._streams_cut += 1
             elif asyncio.current_task() in self._lost:
                 self._lost.discard(asyncio.current_task())
                 requeued = True  # (its channel is gone: nothing to acknowledge on)

@@ -11,7 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from treeserve import __version__
 from treeserve.engine.async_engine import AsyncLLMEngine
-from treeserve.server.disconnect import unless_client_leaves
+from treeserve.wire.disconnect import unless_client_leaves
 from treeserve.server.metrics import ServerMetrics
 from treeserve.server.serving import OpenAIServing, unknown_model
 from treeserve.server.serving_rewards import RewardServing

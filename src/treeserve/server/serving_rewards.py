@@ -94,16 +94,21 @@ class RewardServing:
 
         def on_ready(ticket) -> None:
             self.engine.push(stream_id, ticket.results(), final=True)
-        ticket = None
+        submitted: dict = {}  # the ticket, written on the engine thread (even if this waiter is cancelled first)
+
+        def cancel_unready() -> None:
+            ticket = submitted.get("ticket")
+            if ticket is not None and not ticket.ready:
+                scorer.cancel(ticket)
         try:
-            ticket = await self.engine.run_job(lambda: scorer.submit(items, on_ready=on_ready))
+            await self.engine.run_job(lambda: submitted.setdefault("ticket", scorer.submit(items, on_ready=on_ready)))
             async for scores in self.engine.stream_items(stream, lambda item: True):
                 return scores
         finally:
             self.engine.close_stream(stream_id)
-            if ticket is not None and not ticket.ready:
-                with contextlib.suppress(RuntimeError):
-                    self.engine.post(lambda: scorer.cancel(ticket))
+            if not submitted.get("ticket") or not submitted["ticket"].ready:
+                with contextlib.suppress(RuntimeError):  # (jobs run in order: after the submit, if it runs)
+                    self.engine.post(cancel_unready)
         raise APIError(503, "the engine stopped before the scores were ready", code="engine_dead")
 
 

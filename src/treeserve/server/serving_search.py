@@ -24,7 +24,7 @@ from treeserve.search.config import DEFAULT_AGG_STRATEGY, SAL_SYSTEM_PROMPT, Sea
 from treeserve.search.progress import SearchProgress
 from treeserve.search.runner import SearchHandle, SearchRunner
 from treeserve.search.tree import SearchResult
-from treeserve.server.disconnect import unless_client_leaves
+from treeserve.wire.disconnect import unless_client_leaves
 from treeserve.wire.errors import ERROR_TYPES, APIError, from_value_error
 from treeserve.wire.protocol import SearchRequest, template_messages
 
@@ -156,7 +156,7 @@ class SearchServing:
 
     async def _wait_for_result(self, events: AsyncIterator, request: Request) -> SearchResult:
         """The result; a client that disconnects first gets its search cancelled, unless it sent an
-        Idempotency-Key (server/disconnect.py)."""
+        Idempotency-Key (wire/disconnect.py)."""
         async def last() -> SearchResult:
             item = None
             async for item in events:

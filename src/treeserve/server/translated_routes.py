@@ -6,7 +6,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from treeserve.server.disconnect import unless_client_leaves
+from treeserve.wire.disconnect import unless_client_leaves
 from treeserve.wire.bodies import parse
 from treeserve.wire.errors import from_value_error
 from treeserve.wire.messages import CountTokensRequest, MessagesRequest, from_chat

@@ -15,7 +15,8 @@ from treeserve.gateway.accounts import Accounts
 from treeserve.gateway.database import Database
 from treeserve.gateway.errors import ChatKeyBlocked, ConversationNotFound, UserNotFound
 from treeserve.gateway.passwords import hash_password, needs_rehash, verify_password
-from treeserve.gateway.schema import ApiKey, ChatMessage, ChatSession, Conversation, SpendLog, User, aware, iso, utcnow
+from treeserve.gateway.schema import (ApiKey, ChatMessage, ChatSession, Conversation, SpendLog, User, aware, iso,
+                                      money, utcnow)
 
 SESSION_LIFETIME = dt.timedelta(days=7)
 CHAT_KEY_ALIAS = "chat:{user_id}"
@@ -168,7 +169,7 @@ class ChatStore:
                                       func.coalesce(func.sum(SpendLog.completion_tokens), 0))
                                .where(SpendLog.user_id == user_id)).one()
         return {"requests": row[0], "prompt_tokens": int(row[1]), "completion_tokens": int(row[2]),
-                "cost": spend, "max_budget": budget}
+                "cost": money(spend), "max_budget": budget}
 
     @staticmethod
     def _owned(conn, user_id: str, conversation_id: str) -> Conversation:

@@ -1,6 +1,7 @@
-"""A client that leaves before its answer is ready: the work for it stops (its engine requests are
-aborted) instead of running to an answer nobody reads, as vLLM's server does. A streamed answer
-stops by itself (its response sees the disconnect); this is for the routes that answer whole.
+"""A client that leaves before its answer is ready: the work for it stops instead of running to an
+answer nobody reads, as vLLM's server does (the server aborts its engine requests; the gateway its
+upstream request, billed as closed by its client). A stream under way stops by itself (its response
+sees the disconnect); this covers a whole answer, and a stream's wait for its first event.
 
 A request with an `Idempotency-Key` runs to its end even so: its repeat is answered with it
 (server/idempotency.py), as a gateway's batch line sent again after the gateway died is."""
@@ -15,6 +16,9 @@ from fastapi import Request
 from treeserve.wire.errors import APIError
 
 T = TypeVar("T")
+# The message of the cancellation of a request's work whose client left (`CancelledError.args`): the
+# gateway bills such a request as closed by its client
+CLIENT_LEFT = "the client left"
 
 
 async def unless_client_leaves(request: Request, work: Awaitable[T], what: str = "answer") -> T:
@@ -27,7 +31,7 @@ async def unless_client_leaves(request: Request, work: Awaitable[T], what: str =
     try:
         await asyncio.wait({task, left}, return_when=asyncio.FIRST_COMPLETED)
         if not task.done():
-            task.cancel()
+            task.cancel(CLIENT_LEFT)
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             raise APIError(499, f"the client closed the request before its {what} was ready",
