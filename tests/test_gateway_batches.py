@@ -21,6 +21,7 @@ import httpx
 import openai
 import pytest
 import yaml
+from sqlalchemy import create_engine, text
 
 from conftest import API_KEY, running_server
 from gateway_support import wait_for, wait_healthy
@@ -269,12 +270,17 @@ def test_files_and_batches_stay_with_their_key_and_bad_input_is_named(backend, t
         bad = [b'{"custom_id": "a", "url": "/v1/chat/completions", "body": {"model": "gen"}}\nnot json\n',
                b'{"custom_id": "a", "url": "/v1/embeddings", "body": {"model": "gen"}}\n',
                _jsonl(mixed_lines(1) * 2), b'{"custom_id": "a", "url": "/v1/completions", "body": {"model": "gen", '
-                                          b'"prompt": "x", "stream": true}}\n']
-        for content, where in zip(bad, ("line 2", "line 1", "line 2", "line 1")):
+                                          b'"prompt": "x", "stream": true}}\n',
+               _jsonl(mixed_lines(1)) + _jsonl([dict(mixed_lines(1)[0], custom_id="x" * 257)]),  # (PostgreSQL: a 500)
+               _jsonl([dict(mixed_lines(1)[0], custom_id="a\x00b")])]
+        for content, where in zip(bad, ("line 2", "line 1", "line 2", "line 1", "line 2", "line 1")):
             file = owner.files.create(file=("bad.jsonl", content), purpose="batch")
             with pytest.raises(openai.BadRequestError, match=where) as caught:
                 owner.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h")
             assert caught.value.body["param"] == "input_file_id"
+        with pytest.raises(openai.BadRequestError, match="metadata"):  # OpenAI's limits: 16 pairs, 64/512 characters
+            owner.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h",
+                                 metadata={f"k{i}": "v" for i in range(17)})
         batch = owner.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
                                      completion_window="24h")
         with pytest.raises(openai.NotFoundError):
@@ -285,6 +291,10 @@ def test_files_and_batches_stay_with_their_key_and_bad_input_is_named(backend, t
         with pytest.raises(openai.APIStatusError) as caught:
             owner.batches.cancel(batch.id)
         assert caught.value.status_code == 409
+        newest_first = [f.id for f in owner.files.list()]  # the upload, the bad files, the output file
+        assert len(newest_first) == 8 and newest_first[-1] == uploaded.id
+        assert [f.id for f in owner.files.list(limit=3)] == newest_first  # (the client follows has_more)
+        assert [f.id for f in owner.files.list(limit=3, order="asc")] == newest_first[::-1]
         assert owner.files.delete(uploaded.id).deleted
         with pytest.raises(openai.NotFoundError):
             owner.files.retrieve(uploaded.id)
@@ -301,6 +311,49 @@ def test_a_cancelled_batch_stops_and_keeps_what_was_answered(backend, tmp_path):
         assert batch.status == "cancelled" and batch.cancelled_at
         records = _records(client, batch)
         assert 10 <= len(records) == batch.request_counts.completed < len(lines)
+
+
+@pytest.mark.parametrize("change, error", [({"blocked": True}, "invalid_api_key"),
+                                           ({"max_budget": 1e-9}, "budget_exceeded"),
+                                           ({"models": ["prm"]}, "model_not_allowed")])
+def test_a_running_batch_sees_its_key_change(backend, tmp_path, change, error):
+    """A key blocked, given a budget or kept to other models while its batch runs: the lines not yet
+    sent fail with the key's error within a moment, as its interactive requests are refused (the
+    batch read its key once and ran all its lines on it: 120 of 120 with the key blocked)."""
+    database = f"sqlite:///{tmp_path / 'gw.db'}"
+    with gateway(backend.url, database) as gw:
+        key = _key(gw)
+        client = _client(gw, key)
+        lines = [line for line in mixed_lines(400) if line["url"] != "/v1/search"]
+        batch = _start(client, lines)
+        assert wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 10, timeout=120)
+        changed_at = client.batches.retrieve(batch.id).request_counts.completed
+        assert _admin(gw, "POST", "/key/update", json={"key": key} | change).status_code == 200
+        with create_engine(database).connect() as conn:  # (a blocked key cannot look)
+            assert wait_for(lambda: conn.execute(text("SELECT status FROM batches WHERE id = :i"), {"i": batch.id})
+                            .scalar() == "completed", timeout=60)
+        if "blocked" in change:
+            _admin(gw, "POST", "/key/update", json={"key": key, "blocked": False})
+        batch = client.batches.retrieve(batch.id)
+        assert batch.status == "completed" and 10 <= batch.request_counts.completed < len(lines) / 2
+        assert batch.request_counts.completed <= changed_at + 64  # (those in flight when it changed)
+        errors = [json.loads(row) for row in client.files.content(batch.error_file_id).text.splitlines()]
+        assert len(errors) == batch.request_counts.failed == len(lines) - batch.request_counts.completed
+        assert {record["error"]["code"] for record in errors} == {error}
+
+
+def test_an_answer_that_is_no_chat_completion_is_a_failed_line_not_a_stuck_batch():
+    """A /v1/responses line answered 200 with no choices (a backend's odd answer) is written to the
+    error file; before, writing the files raised, over and over, and the batch stayed in progress."""
+    from treeserve.gateway.batches import _output_line
+    from treeserve.gateway.schema import BatchLine
+
+    line = BatchLine(batch_id="batch_x", line=1, custom_id="r1", url="/v1/responses", status="done",
+                     status_code=200, request_id="req-1", error=None, response={"choices": []},
+                     body={"model": "gen", "input": "Say 1."})
+    record = _output_line(line)
+    assert record["response"] is None and record["error"]["code"] == "invalid_backend_response"
+    assert "req-1" in record["error"]["message"]
 
 
 def test_responses_lines_come_back_as_responses(backend, tmp_path):

@@ -3,15 +3,17 @@ list, retrieve, content, delete) and `/v1/batches` (create, retrieve, list, canc
 batches themselves run in the background (gateway/batch_runner.py)."""
 from __future__ import annotations
 
+from typing import Literal
+
 from fastapi import APIRouter, Depends, File, Form, Query, UploadFile
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 from starlette.concurrency import run_in_threadpool
 
 from treeserve.gateway.auth import Auth
 from treeserve.gateway.batches import Batches
 from treeserve.gateway.fields import NO_NUL, PathId, Text
-from treeserve.gateway.files import MAX_FILE_BYTES, PURPOSES, Files
+from treeserve.gateway.files import LISTED, MAX_FILE_BYTES, PURPOSES, Files
 from treeserve.gateway.keys import KeyRecord
 from treeserve.wire.errors import APIError
 
@@ -22,6 +24,15 @@ class BatchCreateRequest(BaseModel):
     endpoint: Text
     completion_window: Text = "24h"
     metadata: dict[Text, Text] | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _openai_metadata(cls, metadata: dict[str, str] | None) -> dict[str, str] | None:
+        """OpenAI's limits: at most 16 pairs, keys of at most 64 characters, values of at most 512."""
+        if metadata is not None and (len(metadata) > 16
+                                     or any(len(k) > 64 or len(v) > 512 for k, v in metadata.items())):
+            raise ValueError("at most 16 pairs, keys of at most 64 characters and values of at most 512")
+        return metadata
 
 
 def batch_routes(files: Files, batches: Batches, auth: Auth) -> APIRouter:
@@ -41,8 +52,10 @@ def batch_routes(files: Files, batches: Batches, auth: Auth) -> APIRouter:
 
     @routes.get("/v1/files")
     async def list_files(purpose: str | None = Query(None, max_length=32, pattern=NO_NUL),
+                         after: str | None = Query(None, max_length=64, pattern=NO_NUL),
+                         limit: int = Query(LISTED, ge=1, le=LISTED), order: Literal["asc", "desc"] = "desc",
                          key: KeyRecord = Depends(auth.require_key)):
-        return {"object": "list", "data": await run_in_threadpool(files.list, key.id, purpose), "has_more": False}
+        return await run_in_threadpool(files.list, key.id, purpose, after, limit, order)
 
     @routes.get("/v1/files/{file_id}")
     async def get_file(file_id: PathId, key: KeyRecord = Depends(auth.require_key)):

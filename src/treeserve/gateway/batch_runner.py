@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
+from dataclasses import dataclass
 
 from fastapi.responses import Response
 from pydantic import ValidationError
@@ -38,7 +40,11 @@ RETRY_DELAY = 1.0      # seconds before a line no backend could answer is sent a
 HOLD_WAIT = 0.25       # seconds before a line refused for what requests in flight hold of its budget is sent
 HOLD_WAIT_MAX = 4.0    # again, doubling with each such refusal in a row up to this
 POLL_INTERVAL = 0.5    # seconds between looks for batches to run (and lease renewals)
-CHUNK = 4              # lines started between two looks at the batch's status, per concurrency slot
+CHUNK = 4              # lines started between two reads of the batch's pending lines, per concurrency slot
+# Seconds a running batch trusts its key (blocked, deleted, expired, given a budget or other models) and
+# its status (cancelled) before a line reads them again (one primary-key read each)
+RECHECK = 0.5
+KEY_GONE = {"code": "invalid_api_key", "message": "the batch's key was deleted, blocked or expired", "param": None}
 
 
 class LineFailed(Exception):
@@ -47,6 +53,16 @@ class LineFailed(Exception):
     def __init__(self, code: str | None, message: str, param: str | None = None):
         super().__init__(message)
         self.error = {"code": code, "message": message, "param": param}
+
+
+@dataclass
+class _Run:
+    """A batch being run here: its key and whether it is being cancelled, as last read."""
+    batch_id: str
+    owner: int | None
+    key: KeyRecord | None = None
+    cancelling: bool = False
+    checked: float = -RECHECK
 
 
 class BatchRunner:
@@ -93,16 +109,16 @@ class BatchRunner:
 
     async def _batch(self, batch_id: str) -> None:
         state, pending = await run_in_threadpool(self.batches.work, batch_id)
-        key = MASTER if state["owner"] is None else await run_in_threadpool(self.accounts.key_record, state["owner"])
-        if key is None:
-            await run_in_threadpool(self.batches.fail_pending, batch_id, {
-                "code": "invalid_api_key", "message": "the batch's key was deleted, blocked or expired"})
+        run = _Run(batch_id, state["owner"])
         log.info("batch %s: %d of %d lines to run", batch_id, len(pending), state["request_counts"]["total"])
         ending = "completed"
-        while pending and key is not None:
-            status = await run_in_threadpool(self.batches.status, batch_id)
-            if status == "cancelling":
+        while pending:
+            await self._recheck(run, now=True)
+            if run.cancelling:
                 ending = "cancelled"
+                break
+            if run.key is None:
+                await run_in_threadpool(self.batches.fail_pending, batch_id, KEY_GONE)
                 break
             if utcnow() >= state["expires"]:
                 ending = "expired"
@@ -110,7 +126,7 @@ class BatchRunner:
                     "code": "batch_expired", "message": "the batch's completion window ended before this line ran"})
                 break
             chunk = pending[:CHUNK * self.concurrency]
-            await asyncio.gather(*(self._line(batch_id, key, *line) for line in chunk))
+            await asyncio.gather(*(self._line(run, *line) for line in chunk))
             await run_in_threadpool(self.ledger.flush)  # the lines' answers are written with their settlements
             state, pending = await run_in_threadpool(self.batches.work, batch_id)
         await run_in_threadpool(self.ledger.flush)
@@ -118,12 +134,30 @@ class BatchRunner:
         self.metrics.batches.labels(ending).inc()
         log.info("batch %s: %s", batch_id, ending)
 
-    async def _line(self, batch_id: str, key: KeyRecord, line: int, custom_id: str, endpoint: str,
-                    body: dict) -> None:
+    async def _line(self, run: _Run, line: int, custom_id: str, endpoint: str, body: dict) -> None:
         async with self.slots:
-            delay = await self._send_line(batch_id, key, line, custom_id, endpoint, body)
+            await self._recheck(run)  # (a slot may have taken a while: the key and the batch as they are now)
+            if run.cancelling:
+                return  # it stays pending: nothing new starts once the batch is being cancelled
+            if run.key is None:
+                await run_in_threadpool(self.batches.mark, run.batch_id, line, "failed", None, KEY_GONE)
+                return
+            delay = await self._send_line(run.batch_id, run.key, line, custom_id, endpoint, body)
         if delay:  # (out of its slot: the other lines, and other keys' batches, run meanwhile)
             await asyncio.sleep(delay)
+
+    async def _recheck(self, run: _Run, now: bool = False) -> None:
+        """The batch's key and status read again, if RECHECK seconds have passed (or `now`)."""
+        started = time.monotonic()
+        if not now and started - run.checked < RECHECK:
+            return
+        run.checked = started  # (the lines waiting meanwhile use what is read now)
+
+        def read() -> tuple[str, KeyRecord | None]:
+            key = MASTER if run.owner is None else self.accounts.key_record(run.owner)
+            return self.batches.status(run.batch_id), key
+        status, run.key = await run_in_threadpool(read)
+        run.cancelling = status == "cancelling"
 
     async def _send_line(self, batch_id: str, key: KeyRecord, line: int, custom_id: str, endpoint: str,
                          body: dict) -> float:

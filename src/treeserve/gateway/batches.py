@@ -23,6 +23,7 @@ MAX_LINES = 50_000  # OpenAI's
 LEASE = dt.timedelta(seconds=10)  # a process that stops renewing its lease for this long leaves its batches
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 LISTED = 100
+MAX_CUSTOM_ID = 256  # characters (its column's width)
 
 
 def parse_lines(content: bytes, endpoint: str) -> list[tuple[str, str, dict]]:
@@ -44,6 +45,9 @@ def parse_lines(content: bytes, endpoint: str) -> list[tuple[str, str, dict]]:
             raise ParamError("input_file_id", f"{where} is not JSON ({exc})") from None
         if not isinstance(item, dict) or not isinstance(item.get("custom_id"), str) or not item["custom_id"]:
             raise ParamError("input_file_id", f"{where}: needs a custom_id (a string)")
+        if len(item["custom_id"]) > MAX_CUSTOM_ID or "\x00" in item["custom_id"]:
+            raise ParamError("input_file_id", f"{where}: custom_id must be at most {MAX_CUSTOM_ID} characters, "
+                                              "without NUL")
         url = item.get("url", endpoint)
         if item.get("method", "POST") != "POST" or url not in ENDPOINTS:
             raise ParamError("input_file_id", f"{where}: method must be POST and url one of {', '.join(ENDPOINTS)}, "
@@ -198,10 +202,13 @@ class Batches:
             lines = conn.execute(select(BatchLine).where(BatchLine.batch_id == batch_id,
                                                          BatchLine.status.in_(("done", "failed")))
                                  .order_by(BatchLine.line)).scalars().all()
-        output, errors = [], []
+        output, errors, unreadable = [], [], {}
         for line in lines:
             record = _output_line(line)
-            (output if line.status == "done" and line.status_code == 200 else errors).append(record)
+            if record["error"] is not None and line.status == "done":
+                unreadable[line.line] = record["error"]
+            (output if line.status == "done" and line.status_code == 200 and line.line not in unreadable
+             else errors).append(record)
         files = {}
         for name, records in (("output", output), ("error", errors)):
             if records:
@@ -211,6 +218,9 @@ class Batches:
         now = utcnow()
         stamps = {"completed": "completed_at", "cancelled": "cancelled_at", "expired": "completed_at"}
         with self.db.transaction() as conn:
+            for number, error in unreadable.items():  # (counted as failed, as the error file has them)
+                conn.execute(update(BatchLine).where(BatchLine.batch_id == batch_id, BatchLine.line == number)
+                             .values(status="failed", error=error))
             conn.execute(update(Batch).where(Batch.id == batch_id).values(
                 status=ending, output_file_id=files.get("output"), error_file_id=files.get("error"),
                 finalizing_at=now, lease_owner=None, lease_expires=None, **{stamps[ending]: now}))
@@ -227,7 +237,8 @@ class Batches:
                 "status": batch.status, "output_file_id": batch.output_file_id, "error_file_id": batch.error_file_id,
                 "created_at": _stamp(batch.created_at), "in_progress_at": _stamp(batch.in_progress_at),
                 "expires_at": _stamp(batch.expires_at), "finalizing_at": _stamp(batch.finalizing_at),
-                "completed_at": _stamp(batch.completed_at), "failed_at": None,
+                "completed_at": _stamp(batch.completed_at) if batch.status != "expired" else None,
+                "failed_at": None,
                 "expired_at": _stamp(batch.completed_at) if batch.status == "expired" else None,
                 "cancelling_at": _stamp(batch.cancelling_at), "cancelled_at": _stamp(batch.cancelled_at),
                 "request_counts": {"total": batch.total, "completed": int(completed), "failed": int(failures)},
@@ -241,7 +252,13 @@ def _output_line(line: BatchLine) -> dict:
     if line.status == "done":
         body = line.response
         if line.url == "/v1/responses" and line.status_code == 200:
-            request = ResponsesRequest.model_validate(line.body)
-            body = from_chat(skeleton(request, new_id("resp"), request.model or ""), body)
+            try:
+                request = ResponsesRequest.model_validate(line.body)
+                body = from_chat(skeleton(request, new_id("resp"), request.model or ""), body)
+            except (ValueError, LookupError, TypeError, AttributeError) as exc:  # (a backend's answer of no chat)
+                record["error"] = {"code": "invalid_backend_response", "param": None,
+                                   "message": f"the backend's answer is not a chat completion ({type(exc).__name__}: "
+                                              f"{exc}); its request id is {line.request_id}"}
+                return record
         record["response"] = {"status_code": line.status_code, "request_id": line.request_id, "body": body}
     return record

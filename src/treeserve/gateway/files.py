@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import uuid
 
-from sqlalchemy import and_, delete, insert, select
+from sqlalchemy import and_, delete, insert, or_, select
 
 from treeserve.gateway.database import Database
 from treeserve.gateway.errors import FileNotFound
-from treeserve.gateway.schema import StoredFile, utcnow
+from treeserve.gateway.schema import StoredFile, aware, utcnow
 
 MAX_FILE_BYTES = 64 << 20
 PURPOSES = ("batch",)  # what a client may upload; `batch_output` files are the gateway's own
-LISTED = 10_000
+LISTED = 10_000  # files a page may hold at most
 
 
 def _mine(file_id: str, owner: int | None):
@@ -22,7 +22,7 @@ def _mine(file_id: str, owner: int | None):
 
 
 def file_object(row) -> dict:
-    return {"id": row.id, "object": "file", "bytes": row.bytes, "created_at": int(row.created_at.timestamp()),
+    return {"id": row.id, "object": "file", "bytes": row.bytes, "created_at": int(aware(row.created_at).timestamp()),
             "filename": row.filename, "purpose": row.purpose, "status": "processed", "expires_at": None,
             "status_details": None}
 
@@ -52,14 +52,28 @@ class Files:
             raise FileNotFound(file_id, param)
         return content
 
-    def list(self, owner: int | None, purpose: str | None = None) -> list[dict]:
+    def list(self, owner: int | None, purpose: str | None = None, after: str | None = None,
+             limit: int = LISTED, order: str = "desc") -> dict:
+        """A page of the key's files, newest first (`order="asc"`: oldest first), after the file `after`."""
+        limit = max(1, min(limit, LISTED))
         query = select(*_COLUMNS).where(StoredFile.api_key_id.is_(None) if owner is None
                                         else StoredFile.api_key_id == owner)
         if purpose is not None:
             query = query.where(StoredFile.purpose == purpose)
+        newer = order == "asc"
         with self.db.session() as conn:
-            return [file_object(row) for row in conn.execute(query.order_by(StoredFile.created_at.desc())
-                                                             .limit(LISTED))]
+            if after is not None:
+                anchor = conn.execute(select(StoredFile.created_at, StoredFile.id).where(_mine(after, owner))).first()
+                if anchor is None:
+                    raise FileNotFound(after, "after")
+                at, key = StoredFile.created_at, StoredFile.id
+                beyond = (at > anchor.created_at, key > anchor.id) if newer else (at < anchor.created_at, key < anchor.id)
+                query = query.where(or_(beyond[0], and_(at == anchor.created_at, beyond[1])))
+            keys = (StoredFile.created_at, StoredFile.id) if newer else (StoredFile.created_at.desc(),
+                                                                         StoredFile.id.desc())
+            data = [file_object(row) for row in conn.execute(query.order_by(*keys).limit(limit + 1))]
+        return {"object": "list", "data": data[:limit], "first_id": data[0]["id"] if data else None,
+                "last_id": data[:limit][-1]["id"] if data else None, "has_more": len(data) > limit}
 
     def delete(self, file_id: str, owner: int | None) -> dict:
         with self.db.transaction() as conn:
