@@ -256,6 +256,8 @@ def test_stop_keeps_the_partial_answer_and_aborts_upstream(stack, backend):
     gateway.state.store.ledger.flush()
     logs = httpx.get(url + "/spend/logs", params={"user_id": "ada"}, headers={"Authorization": f"Bearer {MASTER}"}).json()
     assert logs[0]["status"] == "client_closed" and 0 < logs[0]["completion_tokens"] < 400
+    # the stopped reply keeps the tokens it was billed for (it asks for usage in every chunk)
+    assert 0 < messages[1]["completion_tokens"] <= logs[0]["completion_tokens"], (messages[1], logs[0])
 
 
 def test_exports_hold_every_message_and_never_a_formula(stack):
@@ -347,3 +349,13 @@ def test_concurrent_users_stream_at_once(stack):
     for thread in threads:
         thread.join(120)
     assert len(results) == 4 and all(r[-1]["type"] == "done" for r in results), time.monotonic() - started
+
+
+def test_the_chat_tells_its_users_a_model_is_down_without_the_backends_addresses():
+    from treeserve.gateway.chat.upstream import error_message
+
+    refusal = json.dumps({"error": {"code": "no_backend_available", "message": "model 'm': no backend could answer "
+                          "(http://10.0.0.7:8000: ClientConnectorError (Cannot connect to host 10.0.0.7:8000))"}})
+    told = error_message(refusal, 503)
+    assert "10.0.0.7" not in told and "not available right now" in told
+    assert error_message(json.dumps({"error": {"message": "max_budget: exceeded"}}), 400) == "max_budget: exceeded"

@@ -46,13 +46,13 @@ def build_app(config: GatewayConfig, store: Store | None = None) -> FastAPI:
     store = store or Store(config.database or default_url())
     metrics, router = GatewayMetrics(), Router(config)
     upstreams = Upstreams(router)
-    forwarder = Forwarder(router, upstreams, metrics, config.retries)
+    drain = Drain(config.shutdown_timeout)
+    forwarder = Forwarder(router, upstreams, metrics, config.retries, stopping=lambda: drain.draining)
     accounting = Accounting(config.models, store.admission, store.ledger, metrics)
     service = GatewayService(config, router, metrics, store.admission, accounting, forwarder)
     keys = KeyCache(config.key_cache_ttl)
     auth = Auth(config.master_key, store.accounts, keys)
     chat = ChatApp(config, service, ChatStore(store.db, store.accounts), metrics) if config.chat.enabled else None
-    drain = Drain(config.shutdown_timeout)
     drain.on_time_up.append(forwarder.cut_streams)  # streams end with an error event, billed
 
     responses = DatabaseResponseStore(store.db)

@@ -29,7 +29,6 @@ from treeserve.gateway.routing import Backend, Router
 from treeserve.gateway.sse import DONE, StreamState, error_event, event_batches
 from treeserve.gateway.upstreams import Upstreams
 from treeserve.gateway.usage import Usage
-from treeserve.wire.disconnect import CLIENT_LEFT
 from treeserve.wire.errors import error_response
 
 log = logging.getLogger("treeserve.gateway")
@@ -65,8 +64,10 @@ class RelayResponse(StreamingResponse):
 
 
 class Forwarder:
-    def __init__(self, router: Router, upstreams: Upstreams, metrics: GatewayMetrics, retries: int):
+    def __init__(self, router: Router, upstreams: Upstreams, metrics: GatewayMetrics, retries: int,
+                 stopping: Callable[[], bool] = lambda: False):
         self.router, self.upstreams, self.metrics, self.retries = router, upstreams, metrics, retries
+        self.stopping = stopping  # the gateway shutting down: a request cancelled then was not left by its client
         self.streams: dict[int, Callable[[BaseException], None]] = {}  # relays running: how to cut each
 
     def cut_streams(self) -> None:
@@ -104,7 +105,7 @@ class Forwarder:
                     return result
                 last_error = result
         except BaseException as exc:
-            left = isinstance(exc, asyncio.CancelledError) and CLIENT_LEFT in exc.args
+            left = isinstance(exc, asyncio.CancelledError) and not self.stopping()  # (else the gateway stops)
             with anyio.CancelScope(shield=True):  # (its client gone: nothing served, its upstream stopped)
                 await settle(Outcome("client_closed" if left else "error", model))
             if left:

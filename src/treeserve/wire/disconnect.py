@@ -16,9 +16,6 @@ from fastapi import Request
 from treeserve.wire.errors import APIError
 
 T = TypeVar("T")
-# The message of the cancellation of a request's work whose client left (`CancelledError.args`): the
-# gateway bills such a request as closed by its client
-CLIENT_LEFT = "the client left"
 
 
 async def unless_client_leaves(request: Request, work: Awaitable[T], what: str = "answer") -> T:
@@ -31,7 +28,7 @@ async def unless_client_leaves(request: Request, work: Awaitable[T], what: str =
     try:
         await asyncio.wait({task, left}, return_when=asyncio.FIRST_COMPLETED)
         if not task.done():
-            task.cancel(CLIENT_LEFT)
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             raise APIError(499, f"the client closed the request before its {what} was ready",

@@ -75,16 +75,21 @@ async def _send(context: Context, path: str, body: dict) -> Response:
 
 
 async def chat(context: Context, answer: Answer) -> AsyncIterator[dict]:
+    # usage in every chunk: a reply stopped by its user or cut keeps the tokens it was billed for
     body = {"model": answer.model, "messages": model_messages(context), "stream": True,
-            "stream_options": {"include_usage": True}, **context.settings.sampling()}
-    async with aclosing(stream_events(await _send(context, "/v1/chat/completions", body))) as events:
-        async for event in events:
-            answer.add_usage(event.get("usage"))
-            for choice in event.get("choices") or ():
-                text = (choice.get("delta") or {}).get("content")
-                if text:
-                    answer.content += text
-                    yield {"type": "delta", "text": text}
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}, **context.settings.sampling()}
+    usage = None  # the stream's so far (each chunk's is the running total)
+    try:
+        async with aclosing(stream_events(await _send(context, "/v1/chat/completions", body))) as events:
+            async for event in events:
+                usage = event.get("usage") or usage
+                for choice in event.get("choices") or ():
+                    text = (choice.get("delta") or {}).get("content")
+                    if text:
+                        answer.content += text
+                        yield {"type": "delta", "text": text}
+    finally:
+        answer.add_usage(usage)
 
 
 async def search(context: Context, answer: Answer) -> AsyncIterator[dict]:

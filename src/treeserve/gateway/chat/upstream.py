@@ -15,8 +15,12 @@ class UpstreamError(Exception):
 
 
 def error_message(content: bytes | str, status: int) -> str:
+    """What the chat's user is told: the error's message, but not which backends failed how (their
+    addresses are the operator's: the gateway's log has them)."""
     try:
         error = json.loads(content)["error"]
+        if error.get("code") == "no_backend_available":
+            return "the model is not available right now (no backend could answer); try again in a moment"
         return str(error.get("message") or error)
     except (ValueError, KeyError, TypeError, AttributeError):
         return f"HTTP {status}"
