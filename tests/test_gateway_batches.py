@@ -335,8 +335,8 @@ def test_a_running_batch_sees_its_key_change(backend, tmp_path, change, error):
         if "blocked" in change:
             _admin(gw, "POST", "/key/update", json={"key": key, "blocked": False})
         batch = client.batches.retrieve(batch.id)
-        assert batch.status == "completed" and 10 <= batch.request_counts.completed < len(lines) / 2
-        assert batch.request_counts.completed <= changed_at + 64  # (those in flight when it changed)
+        # (the lines sent within the half second before the batch reads its key again still run)
+        assert batch.status == "completed" and changed_at <= batch.request_counts.completed < len(lines) / 2
         errors = [json.loads(row) for row in client.files.content(batch.error_file_id).text.splitlines()]
         assert len(errors) == batch.request_counts.failed == len(lines) - batch.request_counts.completed
         assert {record["error"]["code"] for record in errors} == {error}

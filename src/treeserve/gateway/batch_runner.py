@@ -40,7 +40,7 @@ RETRY_DELAY = 1.0      # seconds before a line no backend could answer is sent a
 HOLD_WAIT = 0.25       # seconds before a line refused for what requests in flight hold of its budget is sent
 HOLD_WAIT_MAX = 4.0    # again, doubling with each such refusal in a row up to this
 POLL_INTERVAL = 0.5    # seconds between looks for batches to run (and lease renewals)
-CHUNK = 4              # lines started between two reads of the batch's pending lines, per concurrency slot
+CHUNK = 4              # lines a batch holds in hand (running, or waiting for a slot), per concurrency slot
 # Seconds a running batch trusts its key (blocked, deleted, expired, given a budget or other models) and
 # its status (cancelled) before a line reads them again (one primary-key read each)
 RECHECK = 0.5
@@ -63,6 +63,7 @@ class _Run:
     key: KeyRecord | None = None
     cancelling: bool = False
     checked: float = -RECHECK
+    stopped: str | None = None  # how it ends, once it must end before its lines are all run
 
 
 class BatchRunner:
@@ -108,37 +109,56 @@ class BatchRunner:
             log.exception("batch %s: running it failed; it is taken up again", batch_id)
 
     async def _batch(self, batch_id: str) -> None:
+        """Keeps CHUNK x concurrency of the batch's lines in hand, a new one taken as each ends (a slow
+        line holds only its own slot), until none is pending or the batch is cancelled or expires."""
         state, pending = await run_in_threadpool(self.batches.work, batch_id)
-        run = _Run(batch_id, state["owner"])
+        run, window = _Run(batch_id, state["owner"]), CHUNK * self.concurrency
         log.info("batch %s: %d of %d lines to run", batch_id, len(pending), state["request_counts"]["total"])
-        ending = "completed"
-        while pending:
-            await self._recheck(run, now=True)
-            if run.cancelling:
-                ending = "cancelled"
-                break
-            if run.key is None:
-                await run_in_threadpool(self.batches.fail_pending, batch_id, KEY_GONE)
-                break
-            if utcnow() >= state["expires"]:
-                ending = "expired"
-                await run_in_threadpool(self.batches.fail_pending, batch_id, {
-                    "code": "batch_expired", "message": "the batch's completion window ended before this line ran"})
-                break
-            chunk = pending[:CHUNK * self.concurrency]
-            await asyncio.gather(*(self._line(run, *line) for line in chunk))
-            await run_in_threadpool(self.ledger.flush)  # the lines' answers are written with their settlements
-            state, pending = await run_in_threadpool(self.batches.work, batch_id)
-        await run_in_threadpool(self.ledger.flush)
+        in_hand: dict[int, asyncio.Task] = {}
+        try:
+            while run.stopped is None:
+                run.stopped = await self._stop_reason(run, state["expires"])
+                if run.stopped is None and len(in_hand) <= window // 2:  # (read half a window at a time)
+                    for line in await run_in_threadpool(self.batches.pending, batch_id, window - len(in_hand),
+                                                        set(in_hand)):
+                        in_hand[line[0]] = asyncio.create_task(self._line(run, *line))
+                if not in_hand:
+                    break
+                done, _ = await asyncio.wait(in_hand.values(), timeout=RECHECK, return_when=asyncio.FIRST_COMPLETED)
+                for number in [n for n, task in in_hand.items() if task in done]:
+                    in_hand.pop(number).result()
+            await asyncio.gather(*in_hand.values())  # (stopped: those sent end, the others send nothing)
+        except BaseException:  # (the gateway stops, or a line failed: what is not answered is run again)
+            for task in in_hand.values():
+                task.cancel()
+            await asyncio.gather(*in_hand.values(), return_exceptions=True)
+            raise
+        await run_in_threadpool(self.ledger.flush)  # the lines' answers are written with their settlements
+        ending = run.stopped or "completed"
         await run_in_threadpool(self.batches.finalize, batch_id, ending)
         self.metrics.batches.labels(ending).inc()
         log.info("batch %s: %s", batch_id, ending)
 
+    async def _stop_reason(self, run: _Run, expires) -> str | None:
+        """How the batch ends now, if it must: `cancelled`, `expired` (the lines not sent failed), or
+        `completed` with its key gone (the lines not sent failed with the key's error); else None."""
+        await self._recheck(run)
+        if run.cancelling:
+            return "cancelled"
+        if run.key is None:
+            await run_in_threadpool(self.batches.fail_pending, run.batch_id, KEY_GONE)
+            return "completed"
+        if utcnow() >= expires:
+            await run_in_threadpool(self.batches.fail_pending, run.batch_id, {
+                "code": "batch_expired", "message": "the batch's completion window ended before this line ran"})
+            return "expired"
+        return None
+
     async def _line(self, run: _Run, line: int, custom_id: str, endpoint: str, body: dict) -> None:
         async with self.slots:
             await self._recheck(run)  # (a slot may have taken a while: the key and the batch as they are now)
-            if run.cancelling:
-                return  # it stays pending: nothing new starts once the batch is being cancelled
+            if run.cancelling or run.stopped is not None:
+                return  # nothing new starts once the batch is ending (cancelled: the line stays pending)
             if run.key is None:
                 await run_in_threadpool(self.batches.mark, run.batch_id, line, "failed", None, KEY_GONE)
                 return
@@ -146,10 +166,10 @@ class BatchRunner:
         if delay:  # (out of its slot: the other lines, and other keys' batches, run meanwhile)
             await asyncio.sleep(delay)
 
-    async def _recheck(self, run: _Run, now: bool = False) -> None:
-        """The batch's key and status read again, if RECHECK seconds have passed (or `now`)."""
+    async def _recheck(self, run: _Run) -> None:
+        """The batch's key and status read again, if RECHECK seconds have passed."""
         started = time.monotonic()
-        if not now and started - run.checked < RECHECK:
+        if started - run.checked < RECHECK:
             return
         run.checked = started  # (the lines waiting meanwhile use what is read now)
 

@@ -177,6 +177,15 @@ class Batches:
             state = self._object(conn, batch) | {"owner": batch.api_key_id, "expires": aware(batch.expires_at)}
         return state, [tuple(row) for row in pending]
 
+    def pending(self, batch_id: str, limit: int, skip: set[int] = frozenset()) -> list[tuple[int, str, str, dict]]:
+        """Up to `limit` of the batch's pending lines, in line order, but those in `skip` (in hand already)."""
+        with self.db.session() as conn:
+            rows = conn.execute(select(BatchLine.line, BatchLine.custom_id, BatchLine.url, BatchLine.body)
+                                .where(BatchLine.batch_id == batch_id, BatchLine.status == "pending",
+                                       BatchLine.line.not_in(skip) if skip else True)
+                                .order_by(BatchLine.line).limit(limit)).all()
+        return [tuple(row) for row in rows]
+
     def status(self, batch_id: str) -> str | None:
         with self.db.session() as conn:
             return conn.scalar(select(Batch.status).where(Batch.id == batch_id))
