@@ -342,6 +342,30 @@ def test_a_running_batch_sees_its_key_change(backend, tmp_path, change, error):
         assert {record["error"]["code"] for record in errors} == {error}
 
 
+def test_a_line_the_gateway_fails_to_send_is_sent_again_and_no_line_is_left_behind(backend, tmp_path):
+    """The gateway's own error while sending one line (its database locked, say) is that line's: it
+    is sent again, and the lines in hand beside it go on (they were cancelled, and those already
+    marked running were never sent again: the batch completed with lines missing)."""
+    models = {"gen": ModelConfig("gen", [BackendConfig(backend.url, api_key=API_KEY)])}
+    app = build_gateway(GatewayConfig(models=models, master_key=MASTER, database=f"sqlite:///{tmp_path / 'gw.db'}",
+                                      health_interval=0))
+    batches, failed = app.state.store.batches, []
+    original = batches.mark
+
+    def mark(batch_id, line, status, *args):
+        if status == "running" and line == 5 and not failed:
+            failed.append(line)
+            raise RuntimeError("database is locked (simulated, once)")
+        return original(batch_id, line, status, *args)
+    batches.mark = mark
+    with running_server(app) as gw:
+        client = _client(gw, _key(gw))
+        lines = [line for line in mixed_lines(60) if line["url"] != "/v1/search"]
+        batch = _wait(client, _start(client, lines).id)
+    assert failed and batch.status == "completed"
+    assert batch.request_counts.completed == len(lines) and batch.request_counts.failed == 0
+
+
 def test_an_answer_that_is_no_chat_completion_is_a_failed_line_not_a_stuck_batch():
     """A /v1/responses line answered 200 with no choices (a backend's odd answer) is written to the
     error file; before, writing the files raised, over and over, and the batch stayed in progress."""

@@ -47,7 +47,9 @@ def build_app(config: GatewayConfig, store: Store | None = None) -> FastAPI:
     metrics, router = GatewayMetrics(), Router(config)
     upstreams = Upstreams(router)
     drain = Drain(config.shutdown_timeout)
-    forwarder = Forwarder(router, upstreams, metrics, config.retries, stopping=lambda: drain.draining)
+    # (a request cancelled once the drain's time is up is the gateway's doing, not its client's)
+    forwarder = Forwarder(router, upstreams, metrics, config.retries,
+                          stopping=lambda: drain.cut_at is not None or drain.forced)
     accounting = Accounting(config.models, store.admission, store.ledger, metrics)
     service = GatewayService(config, router, metrics, store.admission, accounting, forwarder)
     keys = KeyCache(config.key_cache_ttl)

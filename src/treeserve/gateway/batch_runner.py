@@ -45,6 +45,9 @@ CHUNK = 4              # lines a batch holds in hand (running, or waiting for a 
 # its status (cancelled) before a line reads them again (one primary-key read each)
 RECHECK = 0.5
 KEY_GONE = {"code": "invalid_api_key", "message": "the batch's key was deleted, blocked or expired", "param": None}
+# the error of each line not sent when a batch ends early (cancelled: its lines stay pending)
+STOP_ERRORS = {"key_gone": KEY_GONE, "expired": {"code": "batch_expired", "param": None,
+                                                 "message": "the batch's completion window ended before this line ran"}}
 
 
 class LineFailed(Exception):
@@ -98,6 +101,8 @@ class BatchRunner:
                 task.cancel()
             with contextlib.suppress(Exception):
                 await asyncio.gather(*tasks, return_exceptions=True)
+                # (settlements written before the lease goes: another process would send their lines again)
+                await run_in_threadpool(self.ledger.flush)
                 await run_in_threadpool(self.batches.release, list(self.running), self.instance_id)
 
     async def _guarded(self, batch_id: str) -> None:
@@ -111,13 +116,14 @@ class BatchRunner:
     async def _batch(self, batch_id: str) -> None:
         """Keeps CHUNK x concurrency of the batch's lines in hand, a new one taken as each ends (a slow
         line holds only its own slot), until none is pending or the batch is cancelled or expires."""
-        state, pending = await run_in_threadpool(self.batches.work, batch_id)
+        await run_in_threadpool(self.ledger.flush)  # (this process's settlements of its lines written first)
+        state = await run_in_threadpool(self.batches.take_up, batch_id)  # (lines left running here: pending again)
         run, window = _Run(batch_id, state["owner"]), CHUNK * self.concurrency
-        log.info("batch %s: %d of %d lines to run", batch_id, len(pending), state["request_counts"]["total"])
+        log.info("batch %s: %d of %d lines to run", batch_id, state["pending"], state["request_counts"]["total"])
         in_hand: dict[int, asyncio.Task] = {}
         try:
             while run.stopped is None:
-                run.stopped = await self._stop_reason(run, state["expires"])
+                await self._check_stop(run, state["expires"])
                 if run.stopped is None and len(in_hand) <= window // 2:  # (read half a window at a time)
                     for line in await run_in_threadpool(self.batches.pending, batch_id, window - len(in_hand),
                                                         set(in_hand)):
@@ -128,43 +134,48 @@ class BatchRunner:
                 for number in [n for n, task in in_hand.items() if task in done]:
                     in_hand.pop(number).result()
             await asyncio.gather(*in_hand.values())  # (stopped: those sent end, the others send nothing)
-        except BaseException:  # (the gateway stops, or a line failed: what is not answered is run again)
+        except BaseException:  # (the gateway stops: what is not answered is run again)
             for task in in_hand.values():
                 task.cancel()
             await asyncio.gather(*in_hand.values(), return_exceptions=True)
             raise
         await run_in_threadpool(self.ledger.flush)  # the lines' answers are written with their settlements
-        ending = run.stopped or "completed"
+        if run.stopped in STOP_ERRORS:  # (after every line in hand has ended: none is sent after this)
+            await run_in_threadpool(self.batches.fail_pending, batch_id, STOP_ERRORS[run.stopped])
+        ending = {"cancelled": "cancelled", "expired": "expired"}.get(run.stopped, "completed")
         await run_in_threadpool(self.batches.finalize, batch_id, ending)
         self.metrics.batches.labels(ending).inc()
         log.info("batch %s: %s", batch_id, ending)
 
-    async def _stop_reason(self, run: _Run, expires) -> str | None:
-        """How the batch ends now, if it must: `cancelled`, `expired` (the lines not sent failed), or
-        `completed` with its key gone (the lines not sent failed with the key's error); else None."""
+    async def _check_stop(self, run: _Run, expires) -> None:
+        """Sets `run.stopped` when the batch must end before its lines are all run: `cancelled`,
+        `expired`, or `key_gone`; the lines not sent then fail with its error (STOP_ERRORS) once
+        those in hand have ended."""
         await self._recheck(run)
         if run.cancelling:
-            return "cancelled"
-        if run.key is None:
-            await run_in_threadpool(self.batches.fail_pending, run.batch_id, KEY_GONE)
-            return "completed"
-        if utcnow() >= expires:
-            await run_in_threadpool(self.batches.fail_pending, run.batch_id, {
-                "code": "batch_expired", "message": "the batch's completion window ended before this line ran"})
-            return "expired"
-        return None
+            run.stopped = "cancelled"
+        elif run.key is None:
+            run.stopped = "key_gone"
+        elif utcnow() >= expires:
+            run.stopped = "expired"
 
     async def _line(self, run: _Run, line: int, custom_id: str, endpoint: str, body: dict) -> None:
-        async with self.slots:
-            await self._recheck(run)  # (a slot may have taken a while: the key and the batch as they are now)
-            if run.cancelling or run.stopped is not None:
-                return  # nothing new starts once the batch is ending (cancelled: the line stays pending)
-            if run.key is None:
-                await run_in_threadpool(self.batches.mark, run.batch_id, line, "failed", None, KEY_GONE)
-                return
-            delay = await self._send_line(run.batch_id, run.key, line, custom_id, endpoint, body)
-        if delay:  # (out of its slot: the other lines, and other keys' batches, run meanwhile)
-            await asyncio.sleep(delay)
+        """The line sent once (it stays pending to be sent again, when it must wait); an error of the
+        gateway's own (its database, say) is logged and leaves the line to be taken up again."""
+        try:
+            async with self.slots:
+                await self._recheck(run)  # (a slot may have taken a while: the key and the batch as they are now)
+                if run.cancelling or run.key is None or run.stopped is not None:
+                    return  # nothing new starts once the batch is ending (the line stays pending)
+                delay = await self._send_line(run.batch_id, run.key, line, custom_id, endpoint, body)
+            deadline = time.monotonic() + delay  # (out of its slot: other lines, and other batches, run meanwhile)
+            while time.monotonic() < deadline and run.stopped is None and not run.cancelling:
+                await asyncio.sleep(min(RECHECK, deadline - time.monotonic()))
+        except Exception:
+            log.exception("batch %s line %d (%s): sending it failed; it is taken up again", run.batch_id, line,
+                          custom_id)
+            with contextlib.suppress(Exception):
+                await run_in_threadpool(self.batches.mark, run.batch_id, line, "pending")
 
     async def _recheck(self, run: _Run) -> None:
         """The batch's key and status read again, if RECHECK seconds have passed."""
@@ -183,7 +194,8 @@ class BatchRunner:
                          body: dict) -> float:
         """Sends the line once; the seconds to wait before it is sent again (0: it ended, answered or failed)."""
         request_id = f"{batch_id}-{line}-{uuid.uuid4().hex[:8]}"
-        await run_in_threadpool(self.batches.mark, batch_id, line, "running", request_id)
+        if not await run_in_threadpool(self.batches.mark, batch_id, line, "running", request_id):
+            return 0.0  # no longer pending (failed meanwhile, or another process runs it): not sent
         try:
             response = await self._send(endpoint, body, key, (batch_id, line), request_id)
         except LimitExceeded as exc:  # the key's rate or parallel limit: wait, then run it again

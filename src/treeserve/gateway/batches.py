@@ -167,15 +167,18 @@ class Batches:
                 conn.execute(update(Batch).where(Batch.id.in_(batch_ids), Batch.lease_owner == instance_id)
                              .values(lease_owner=None, lease_expires=None))
 
-    def work(self, batch_id: str) -> tuple[dict, list[tuple[int, str, str, dict]]]:
-        """The batch's row (as the API shows it, plus its owner and expiry) and its pending lines."""
-        with self.db.session() as conn:
+    def take_up(self, batch_id: str) -> dict:
+        """The batch's row (as the API shows it, plus its owner, expiry and pending lines' count), as
+        this process starts running it, with the lines it left running (a run of it here that failed,
+        its settlements written since: an answered line is done) pending again."""
+        with self.db.transaction() as conn:
+            conn.execute(update(BatchLine).where(BatchLine.batch_id == batch_id, BatchLine.status == "running")
+                         .values(status="pending"))
             batch = conn.execute(select(Batch).where(Batch.id == batch_id)).scalar()
-            pending = conn.execute(select(BatchLine.line, BatchLine.custom_id, BatchLine.url, BatchLine.body)
-                                   .where(BatchLine.batch_id == batch_id, BatchLine.status == "pending")
-                                   .order_by(BatchLine.line)).all()
-            state = self._object(conn, batch) | {"owner": batch.api_key_id, "expires": aware(batch.expires_at)}
-        return state, [tuple(row) for row in pending]
+            pending = conn.scalar(select(func.count()).select_from(BatchLine)
+                                  .where(BatchLine.batch_id == batch_id, BatchLine.status == "pending"))
+            return self._object(conn, batch) | {"owner": batch.api_key_id, "expires": aware(batch.expires_at),
+                                                "pending": pending}
 
     def pending(self, batch_id: str, limit: int, skip: set[int] = frozenset()) -> list[tuple[int, str, str, dict]]:
         """Up to `limit` of the batch's pending lines, in line order, but those in `skip` (in hand already)."""
@@ -191,12 +194,14 @@ class Batches:
             return conn.scalar(select(Batch.status).where(Batch.id == batch_id))
 
     def mark(self, batch_id: str, line: int, status: str, request_id: str | None = None,
-             error: dict | None = None) -> None:
-        """A line's state: running (its request sent), pending (to run again), failed (with its error)."""
+             error: dict | None = None) -> bool:
+        """A line's state: running (its request sent: only a pending line), pending (to run again),
+        failed (with its error). False when the line was in no state to take it."""
+        before = ("pending",) if status == "running" else ("pending", "running")
         with self.db.transaction() as conn:
-            conn.execute(update(BatchLine).where(BatchLine.batch_id == batch_id, BatchLine.line == line,
-                                                 BatchLine.status.in_(("pending", "running")))
-                         .values(status=status, request_id=request_id, error=error))
+            return bool(conn.execute(update(BatchLine).where(BatchLine.batch_id == batch_id, BatchLine.line == line,
+                                                             BatchLine.status.in_(before))
+                                     .values(status=status, request_id=request_id, error=error)).rowcount)
 
     def fail_pending(self, batch_id: str, error: dict) -> None:
         with self.db.transaction() as conn:

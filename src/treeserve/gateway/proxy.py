@@ -80,11 +80,12 @@ class Forwarder:
 
     async def forward(self, path: str, body: dict, model: str, affinity: str | None,
                       settle: Callable[[Outcome], "anyio.abc.Awaitable"], started: float, request_id: str,
-                      headers: dict[str, str] | None = None) -> Response:
+                      headers: dict[str, str] | None = None, has_client: bool = True) -> Response:
         """`settle` is awaited when the request has ended, before its client has the end (for a
         stream: when its [DONE] is in hand, else when the stream has ended, however it ended); it
         must be idempotent (a failure path may call it again). `headers` go to HTTP backends with
-        the request (a batch line's Idempotency-Key)."""
+        the request (a batch line's Idempotency-Key). Cancelled, a request with a client (not a batch
+        line) is settled `client_closed` unless the gateway is stopping."""
         stream = bool(body.get("stream"))
         # a single replica is tried again: a kept-alive connection its server just closed fails once
         plan = list(itertools.islice(itertools.cycle(self.router.plan(model, affinity)), 1 + self.retries))
@@ -105,7 +106,7 @@ class Forwarder:
                     return result
                 last_error = result
         except BaseException as exc:
-            left = isinstance(exc, asyncio.CancelledError) and not self.stopping()  # (else the gateway stops)
+            left = isinstance(exc, asyncio.CancelledError) and has_client and not self.stopping()
             with anyio.CancelScope(shield=True):  # (its client gone: nothing served, its upstream stopped)
                 await settle(Outcome("client_closed" if left else "error", model))
             if left:
@@ -167,8 +168,9 @@ class Forwarder:
                 content = await response.read()
             except UPSTREAM_ERRORS as exc:
                 content = json.dumps({"error": {"message": f"the backend failed: {exc}"}}).encode()
-            response.release()
-            self._end(backend)
+            finally:  # (cancelled too)
+                response.release()
+                self._end(backend)
             if response.status in RETRYABLE_STATUS:
                 return self._failed(backend, f"HTTP {response.status}", breaker=response.status == 503)
             self._record_health(backend, response.status)
@@ -206,8 +208,10 @@ class Forwarder:
                 raise
             return self._failed(backend, exc if str(exc) else "no worker answered in time")
         if first.kind == "response":
-            await reply.close()
-            self._end(backend)
+            try:
+                await reply.close()
+            finally:  # (cancelled too)
+                self._end(backend)
             return await self._answer(first.status, first.body, {}, backend, group, settle, started)
         return self._stream_response(first.events, reply.batches(), reply.close, reply.cut, backend, group, body,
                                      settle, started)
@@ -274,6 +278,8 @@ class Forwarder:
             options = dict(body.get("stream_options") or {}, include_usage=True)
             if backend.config.continuous_usage:
                 options["continuous_usage_stats"] = True
+            else:  # (a backend that rejects it: the client's ask is dropped, the gateway counts what it relays)
+                options.pop("continuous_usage_stats", None)
             upstream["stream_options"] = options
         return upstream
 

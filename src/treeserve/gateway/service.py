@@ -50,7 +50,7 @@ class GatewayService:
         headers = {"Idempotency-Key": f"{batch_line[0]}/{batch_line[1]}"} if batch_line is not None else None
         return await self.forwarder.forward(path, body, model, affinity_key(body),
                                             self.accounting.settle_once(admitted), started, admitted.request_id,
-                                            headers)
+                                            headers, has_client=batch_line is None)
 
     async def count_tokens(self, body: dict, key: KeyRecord) -> Response:
         """A backend's `/tokenize` of a chat's messages and tools: the model checked against the key
