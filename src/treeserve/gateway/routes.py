@@ -35,7 +35,7 @@ def openai_routes(config: GatewayConfig, service: GatewayService, auth: Auth) ->
 
     async def proxy(request: Request, key: KeyRecord = Depends(auth.require_key)):
         body = await _json_body(request)
-        return await unless_client_leaves(request, service.dispatch(request.url.path, body, key))
+        return await unless_client_leaves(request, service.dispatch(request.url.path, body, key), idempotent=False)
 
     for path in ROUTES:
         routes.add_api_route(path, proxy, methods=["POST"])

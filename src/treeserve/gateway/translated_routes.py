@@ -47,7 +47,8 @@ def translated_routes(service: GatewayService, auth: Auth, store: DatabaseRespon
         if body.model is None:
             raise APIError(400, "model: this field is required", param="model", code="missing_required_parameter")
         ids: list[str] = []
-        result = await unless_client_leaves(request, api.create(body, chat_on(key, ids), body.model, key.id))
+        result = await unless_client_leaves(request, api.create(body, chat_on(key, ids), body.model, key.id),
+                                            idempotent=False)
         return _with_request_id(JSONResponse(result) if isinstance(result, dict) else event_stream(result), ids)
 
     @routes.get("/v1/responses/{response_id}")
@@ -67,7 +68,7 @@ def translated_routes(service: GatewayService, auth: Auth, store: DatabaseRespon
         body = await parse(request, MessagesRequest, max_body_bytes)
         ids: list[str] = []
         chat = body.chat_request()  # (a ParamError: http_errors' 400)
-        result = await unless_client_leaves(request, relay_chat(service, chat, key, ids))
+        result = await unless_client_leaves(request, relay_chat(service, chat, key, ids), idempotent=False)
         if isinstance(result, dict):
             return _with_request_id(JSONResponse(from_chat(body, body.model, result)), ids)
         return _with_request_id(event_stream(translated_events(MessageEvents(body, body.model), result)), ids)

@@ -8,7 +8,6 @@ A request with an `Idempotency-Key` runs to its end even so: its repeat is answe
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from typing import Awaitable, TypeVar
 
 from fastapi import Request
@@ -18,19 +17,22 @@ from treeserve.wire.errors import APIError
 T = TypeVar("T")
 
 
-async def unless_client_leaves(request: Request, work: Awaitable[T], what: str = "answer") -> T:
+async def unless_client_leaves(request: Request, work: Awaitable[T], what: str = "answer",
+                               idempotent: bool = True) -> T:
     """`work`'s result; if the client disconnects first, `work` is cancelled and the request ends
     with a 499 that nobody reads (and no error in the server's log). The request's body must have
-    been read already: what comes next on its channel is the disconnect."""
-    if request.headers.get("idempotency-key"):
+    been read already: what comes next on its channel is the disconnect. `idempotent`: this server
+    answers a repeat of an Idempotency-Key (the gateway does not: there the header changes nothing)."""
+    if idempotent and request.headers.get("idempotency-key"):
         return await work
     task, left = asyncio.ensure_future(work), asyncio.ensure_future(client_left(request))
     try:
         await asyncio.wait({task, left}, return_when=asyncio.FIRST_COMPLETED)
         if not task.done():
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await asyncio.wait({task})  # (its end, whatever it is; this handler's own cancellation still raises)
+            if not task.cancelled():
+                task.exception()  # (retrieved: an error it raised on its way out is not logged as unread)
             raise APIError(499, f"the client closed the request before its {what} was ready",
                            code="client_closed_request")
         return task.result()
