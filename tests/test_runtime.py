@@ -137,8 +137,8 @@ def test_direct_scoring_renders_each_input_once(pair, monkeypatch):
     rt = _runtime(pair)
     recipe = rt.scorer("prm").recipe
     built = []
-    original = type(recipe).build
-    monkeypatch.setattr(type(recipe), "build", lambda self, tok, q, steps: built.append(len(steps)) or
+    original = type(recipe).render  # (what writing an input costs: `build` and `build_many` both render)
+    monkeypatch.setattr(type(recipe), "render", lambda self, tok, q, steps: built.append(len(steps)) or
                         original(self, tok, q, steps))
     items = [(QUESTION, ["First add.", "Then double."]), (QUESTION, ["First add.", "Then halve."])]
     scores = rt.score_many("prm", items)
