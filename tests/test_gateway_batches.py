@@ -9,6 +9,7 @@ and on PostgreSQL."""
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import json
 import signal
 import subprocess
@@ -324,22 +325,26 @@ def test_a_running_batch_sees_its_key_change(backend, tmp_path, change, error):
     with gateway(backend.url, database) as gw:
         key = _key(gw)
         client = _client(gw, key)
-        lines = [line for line in mixed_lines(400) if line["url"] != "/v1/search"]
+        lines = [line for line in mixed_lines(800) if line["url"] != "/v1/search"]
         batch = _start(client, lines)
         assert wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 10, timeout=120)
         changed_at = client.batches.retrieve(batch.id).request_counts.completed
         assert _admin(gw, "POST", "/key/update", json={"key": key} | change).status_code == 200
+        changed = dt.datetime.now(dt.timezone.utc)
         with create_engine(database).connect() as conn:  # (a blocked key cannot look)
             assert wait_for(lambda: conn.execute(text("SELECT status FROM batches WHERE id = :i"), {"i": batch.id})
                             .scalar() == "completed", timeout=60)
         if "blocked" in change:
             _admin(gw, "POST", "/key/update", json={"key": key, "blocked": False})
         batch = client.batches.retrieve(batch.id)
-        # (the lines sent within the half second before the batch reads its key again still run)
-        assert batch.status == "completed" and changed_at <= batch.request_counts.completed < len(lines) / 2
+        assert batch.status == "completed" and changed_at <= batch.request_counts.completed < len(lines)
         errors = [json.loads(row) for row in client.files.content(batch.error_file_id).text.splitlines()]
         assert len(errors) == batch.request_counts.failed == len(lines) - batch.request_counts.completed
         assert {record["error"]["code"] for record in errors} == {error}
+        # no line was sent later than a moment after the change (the batch reads its key every 0.5 s)
+        sent = [dt.datetime.fromisoformat(row["started_at"]) for row in
+                _admin(gw, "GET", "/spend/logs", params={"api_key": key}).json()]
+        assert max(sent) < changed + dt.timedelta(seconds=1.5), (max(sent), changed)
 
 
 def test_a_line_the_gateway_fails_to_send_is_sent_again_and_no_line_is_left_behind(backend, tmp_path):

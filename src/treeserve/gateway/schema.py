@@ -249,4 +249,5 @@ class BatchLine(Base):
     response: Mapped[dict | None] = mapped_column(JSON)
     error: Mapped[dict | None] = mapped_column(JSON)
     request_id: Mapped[str | None] = mapped_column(String(96))
-    __table_args__ = (Index("ix_batch_lines_batch_status", "batch_id", "status"),)
+    # (a batch's pending lines in line order: batches.Batches.pending; migration 0006)
+    __table_args__ = (Index("ix_batch_lines_batch_status_line", "batch_id", "status", "line"),)
