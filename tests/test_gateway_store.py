@@ -108,6 +108,8 @@ def test_a_budget_resets_after_its_period(store):
     with pytest.raises(APIError) as refused:
         as_http(store.admission.admit, key, 0.5)
     assert refused.value.code == "budget_exceeded" and "max_budget 1.0" in refused.value.message
+    resets = store.accounts.key_info(token)["budget_reset_at"]  # (the refusal says when the budget is back)
+    assert f"it resets at {dt.datetime.fromisoformat(resets).isoformat(timespec='seconds')}" in refused.value.message
     with store.db.transaction() as s:
         s.execute(update(ApiKey).values(budget_reset_at=utcnow() - dt.timedelta(seconds=1)))
     store.admission.admit(key, 0.5)

@@ -118,11 +118,13 @@ def _reserve(conn: Session, table, where, worst_cost: float, owner: str) -> None
     taken = conn.execute(update(table).where(where, table.max_budget.is_(None) | left)
                          .values(reserved=table.reserved + worst_cost)).rowcount
     if not taken:
-        row = conn.execute(select(table.spend, table.reserved, table.max_budget).where(where)).first()
+        row = conn.execute(select(table.spend, table.reserved, table.max_budget, table.budget_reset_at)
+                           .where(where)).first()
         if row is None:  # deleted since this process cached it
             raise AccountGone(owner)
         raise BudgetExceeded(owner, row.spend, row.reserved, row.max_budget,
-                             spent=row.spend >= row.max_budget * (1.0 - BUDGET_TOLERANCE))
+                             spent=row.spend >= row.max_budget * (1.0 - BUDGET_TOLERANCE),
+                             resets_at=aware(row.budget_reset_at))
 
 
 def _reset_due_budgets(conn: Session, key: KeyRecord, now: dt.datetime) -> None:

@@ -3,6 +3,8 @@ raise these; the app turns each into its HTTP answer in one place (gateway/http_
 message reads "param: detail" where a field is at fault, as a ParamError's does."""
 from __future__ import annotations
 
+import datetime as dt
+
 
 class GatewayError(Exception):
     """A refusal of the gateway's accounts, admission or chat storage; `param` names the field at fault."""
@@ -61,9 +63,12 @@ class BudgetExceeded(GatewayError):
     """`owner` is "key" or "user". `spent`: the spend alone reached the budget (else what requests in
     flight hold filled it, and some of it may come back when they settle)."""
 
-    def __init__(self, owner: str, spend: float, reserved: float, max_budget: float, spent: bool = True):
+    def __init__(self, owner: str, spend: float, reserved: float, max_budget: float, spent: bool = True,
+                 resets_at: dt.datetime | None = None):
+        resets = f"; it resets at {resets_at.isoformat(timespec='seconds')}" if resets_at is not None else ""
         super().__init__(f"max_budget: the {owner}'s budget is exceeded: spent {spend:.6f} (and {reserved:.6f} held "
-                         f"by requests in flight or being settled) of max_budget {max_budget:.6f}", "max_budget")
+                         f"by requests in flight or being settled) of max_budget {max_budget:.6f}{resets}",
+                         "max_budget")
         self.spent = spent
 
 
