@@ -13,7 +13,7 @@ from sqlalchemy import and_, case, func, insert, or_, select, update
 from treeserve.errors import ParamError
 from treeserve.gateway.database import Database
 from treeserve.gateway.errors import BatchConflict, BatchNotFound
-from treeserve.gateway.files import Files
+from treeserve.gateway.files import Files, page, past
 from treeserve.gateway.schema import Batch, BatchLine, aware, utcnow
 from treeserve.wire.responses import ResponsesRequest, from_chat, new_id, skeleton
 
@@ -116,12 +116,10 @@ class Batches:
                 anchor = conn.execute(select(Batch.created_at, Batch.id).where(_mine(after, owner))).first()
                 if anchor is None:
                     raise BatchNotFound(after)
-                query = query.where(or_(Batch.created_at < anchor.created_at,
-                                        and_(Batch.created_at == anchor.created_at, Batch.id < anchor.id)))
+                query = query.where(past(Batch.created_at, Batch.id, anchor))
             batches = conn.execute(query.order_by(Batch.created_at.desc(), Batch.id.desc()).limit(limit + 1)).scalars()
             data = [self._object(conn, b) for b in list(batches)]
-        return {"object": "list", "data": data[:limit], "first_id": data[0]["id"] if data else None,
-                "last_id": data[:limit][-1]["id"] if data else None, "has_more": len(data) > limit}
+        return page(data, limit)
 
     def cancel(self, batch_id: str, owner: int | None) -> dict:
         with self.db.transaction() as conn:

@@ -21,6 +21,20 @@ def _mine(file_id: str, owner: int | None):
                 StoredFile.api_key_id.is_(None) if owner is None else StoredFile.api_key_id == owner)
 
 
+def past(created_at, row_id, anchor, ascending: bool = False):
+    """The rows after `anchor` (its created_at and id) in a listing newest first (or oldest first,
+    `ascending`), ties broken by id: a page's `after`."""
+    if ascending:
+        return or_(created_at > anchor.created_at, and_(created_at == anchor.created_at, row_id > anchor.id))
+    return or_(created_at < anchor.created_at, and_(created_at == anchor.created_at, row_id < anchor.id))
+
+
+def page(data: list[dict], limit: int) -> dict:
+    """A list answer from up to `limit + 1` objects read (one more says whether there are more)."""
+    return {"object": "list", "data": data[:limit], "first_id": data[0]["id"] if data else None,
+            "last_id": data[:limit][-1]["id"] if data else None, "has_more": len(data) > limit}
+
+
 def file_object(row) -> dict:
     return {"id": row.id, "object": "file", "bytes": row.bytes, "created_at": int(aware(row.created_at).timestamp()),
             "filename": row.filename, "purpose": row.purpose, "status": "processed", "expires_at": None,
@@ -66,14 +80,11 @@ class Files:
                 anchor = conn.execute(select(StoredFile.created_at, StoredFile.id).where(_mine(after, owner))).first()
                 if anchor is None:
                     raise FileNotFound(after, "after")
-                at, key = StoredFile.created_at, StoredFile.id
-                beyond = (at > anchor.created_at, key > anchor.id) if newer else (at < anchor.created_at, key < anchor.id)
-                query = query.where(or_(beyond[0], and_(at == anchor.created_at, beyond[1])))
+                query = query.where(past(StoredFile.created_at, StoredFile.id, anchor, ascending=newer))
             keys = (StoredFile.created_at, StoredFile.id) if newer else (StoredFile.created_at.desc(),
                                                                          StoredFile.id.desc())
             data = [file_object(row) for row in conn.execute(query.order_by(*keys).limit(limit + 1))]
-        return {"object": "list", "data": data[:limit], "first_id": data[0]["id"] if data else None,
-                "last_id": data[:limit][-1]["id"] if data else None, "has_more": len(data) > limit}
+        return page(data, limit)
 
     def delete(self, file_id: str, owner: int | None) -> dict:
         with self.db.transaction() as conn:
