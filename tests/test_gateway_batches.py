@@ -399,3 +399,42 @@ def test_responses_lines_come_back_as_responses(backend, tmp_path):
             assert body["object"] == "response" and body["output"][0]["type"] == "message"
             assert body["usage"]["output_tokens"] >= 1
 
+
+
+def _echo_backend():
+    """A backend whose chat answer is the user's message, as it came."""
+    from fastapi import FastAPI
+
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    def models():
+        return {"object": "list", "data": [{"id": name, "object": "model"} for name in ("gen", "prm")]}
+
+    @app.post("/v1/chat/completions")
+    def chat(body: dict):
+        text = body["messages"][-1]["content"]
+        return {"id": "chatcmpl-echo", "object": "chat.completion", "created": 0, "model": body["model"],
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
+
+    return app
+
+
+def test_text_holding_unicode_line_separators_stays_on_its_line(tmp_path):
+    """JSON strings may hold U+2028, U+2029 and U+0085 raw, and `str.splitlines` breaks at them (a
+    model's answer held one in a CI run: the output file's record split in two). A batch file with
+    them raw is read line by line, and the output file's records survive any line splitter."""
+    texts = ["a\u2028b", "c\u2029d", "e\x85f", "g\x1ch\x0bi\x0cj", "plain"]
+    lines = [{"custom_id": f"t{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": "gen", "messages": [{"role": "user", "content": text}]}} for i, text in enumerate(texts)]
+    raw = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines).encode()
+    with running_server(_echo_backend()) as backend_url, gateway(backend_url, f"sqlite:///{tmp_path / 'gw.db'}") as gw:
+        client = _client(gw, _key(gw))
+        uploaded = client.files.create(file=("batch.jsonl", raw), purpose="batch")
+        batch = _wait(client, client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                                    completion_window="24h").id)
+        assert batch.status == "completed" and batch.request_counts.completed == len(texts), batch
+        records = _records(client, batch)  # (split with str.splitlines)
+    answers = {r["custom_id"]: r["response"]["body"]["choices"][0]["message"]["content"] for r in records}
+    assert answers == {f"t{i}": text for i, text in enumerate(texts)}

@@ -23,7 +23,7 @@ from import_graph import (ROOT, direct_imports, import_graph, imported_modules, 
 
 # Bottom to top; a module may import from its own layer and every layer before it.
 LAYERS = [
-    ("errors and process lifecycle", ["errors", "lifecycle", "ports"]),
+    ("errors, process lifecycle, JSON lines", ["errors", "lifecycle", "ports", "jsonl"]),
     ("settings and results", ["config", "sampling_params", "outputs", "speculative_config"]),
     ("model", ["model"]),
     ("engine", ["engine"]),

@@ -12,6 +12,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from treeserve import jsonl
 from treeserve.errors import ParamError
 
 LOWEST_TOKEN_ID = 10  # skip the first ids, where tokenizers keep their special tokens
@@ -130,9 +131,7 @@ def sharegpt_pairs(data: list) -> list[tuple[str, str | None]]:
 def jsonl_prompts(path: Path, field: str) -> list[tuple[str, str | None]]:
     """Each line a JSON object with `field` (`prompt` for custom files) and an optional `output_len`."""
     pairs = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
+    for number, line in jsonl.split(path.read_text()):
         row = json.loads(line)
         if field not in row:
             raise ParamError("dataset_path", f"line {number} of {path} has no '{field}' field")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from treeserve import jsonl
 from treeserve.bench import plots
 from treeserve.bench.client import RequestRecord
 from treeserve.bench.telemetry import read_csv
@@ -20,8 +21,7 @@ def load_run(run_dir: Path) -> dict:
            "config": json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").is_file() else {},
            "records": [], "telemetry": []}
     if (run_dir / "requests.jsonl").is_file():
-        lines = (run_dir / "requests.jsonl").read_text().splitlines()
-        run["records"] = [RequestRecord.from_json(json.loads(line)) for line in lines if line.strip()]
+        run["records"] = [RequestRecord.from_json(row) for row in jsonl.loads((run_dir / "requests.jsonl").read_text())]
     if (run_dir / "telemetry.csv").is_file():
         run["telemetry"] = read_csv(run_dir / "telemetry.csv")[1]
     return run

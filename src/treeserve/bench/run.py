@@ -15,6 +15,7 @@ from pathlib import Path
 
 import aiohttp
 
+from treeserve import jsonl
 from treeserve.bench import metrics
 from treeserve.bench.client import ClientPool, Clock, Endpoint, RequestRecord, first_model
 from treeserve.bench.datasets import DatasetSpec, sample_requests, tokenizer_vocab_size
@@ -135,7 +136,7 @@ async def _run(config: BenchConfig) -> dict:
     finally:
         telemetry.stop()
     telemetry.write_csv(out / "telemetry.csv")
-    write_jsonl(out / "requests.jsonl", [r.as_json() for r in records])
+    (out / "requests.jsonl").write_text(jsonl.dumps(r.as_json() for r in records))
     summary = build_summary(config, model, levels, telemetry)
     write_json(out / "summary.json", summary)
     if config.plots:
@@ -211,9 +212,3 @@ def sweep_axis(levels: list[LoadLevel]) -> str:
 
 def write_json(path: Path, value) -> None:
     path.write_text(json.dumps(value, indent=2, default=str) + "\n")
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> None:
-    with open(path, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")

@@ -10,6 +10,7 @@ import uuid
 
 from sqlalchemy import and_, case, func, insert, or_, select, update
 
+from treeserve import jsonl
 from treeserve.errors import ParamError
 from treeserve.gateway.database import Database
 from treeserve.gateway.errors import BatchConflict, BatchNotFound
@@ -35,9 +36,7 @@ def parse_lines(content: bytes, endpoint: str) -> list[tuple[str, str, dict]]:
     except UnicodeDecodeError as exc:
         raise ParamError("input_file_id", f"the file is not UTF-8 ({exc})") from None
     lines, seen = [], set()
-    for number, raw in enumerate(text.splitlines(), start=1):
-        if not raw.strip():
-            continue
+    for number, raw in jsonl.split(text):
         where = f"line {number}"
         try:
             item = json.loads(raw)
@@ -224,7 +223,7 @@ class Batches:
         files = {}
         for name, records in (("output", output), ("error", errors)):
             if records:
-                content = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
+                content = jsonl.dumps(records).encode()
                 files[name] = self.files.create(batch.api_key_id, "batch_output", f"{batch_id}_{name}.jsonl",
                                                 content)["id"]
         now = utcnow()

@@ -11,6 +11,7 @@ from typing import Callable
 
 from tqdm import tqdm
 
+from treeserve import jsonl
 from treeserve.errors import ParamError
 from treeserve.search.config import SearchConfig
 from treeserve.search.grading import grade, majority_vote, naive_best, pass_at_k, weighted_vote
@@ -20,7 +21,7 @@ Runner = Callable[[list[str], SearchConfig, Callable], list[SearchResult]]
 
 
 def load_dataset(path: str | Path, limit: int | None = None) -> list[dict]:
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    rows = jsonl.loads(Path(path).read_text())
     missing = [k for k in ("problem", "answer") if rows and k not in rows[0]]
     if missing:
         raise ParamError("dataset", f"rows need the fields problem and answer (missing {', '.join(missing)})")

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from typing import AsyncIterator
@@ -10,6 +9,7 @@ from typing import AsyncIterator
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
+from treeserve import jsonl
 from treeserve.engine.async_engine import AsyncLLMEngine, QueueFullError
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.errors import ParamError
@@ -435,7 +435,7 @@ def _chat_request(body: dict) -> ChatCompletionRequest:
 def _sse(chunks) -> StreamingResponse:
     async def body():
         async for chunk in chunks:
-            yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+            yield f"data: {jsonl.line(chunk)}\n\n"
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream")

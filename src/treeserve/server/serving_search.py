@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 from typing import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from treeserve import jsonl
 from treeserve.engine.async_engine import AsyncLLMEngine
 from treeserve.runtime.scorer import StepScorer
 from treeserve.search.config import DEFAULT_AGG_STRATEGY, SAL_SYSTEM_PROMPT, SearchConfig, declared_aggregation
@@ -204,7 +204,7 @@ def _error(status: int, message: str, param: str | None = None, code: str | None
 
 
 def _sse_line(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    return f"data: {jsonl.line(payload)}\n\n"
 
 
 def search_response(model: str, verifier: str | None, config: SearchConfig, result: SearchResult) -> dict:

@@ -4,7 +4,6 @@ the chat reply becomes the response's output items. The server and the gateway b
 way (wire/responses_api.py), so a response reads the same wherever it was made."""
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Literal
@@ -253,6 +252,3 @@ def conversation(history: list[dict], chat_body: dict, response: dict, instructi
     messages = chat_body["messages"][1:] if instructions else chat_body["messages"]
     return messages + [assistant_message(response["output"])]
 
-
-def dumps(value) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))

@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi.responses import StreamingResponse
 
+from treeserve import jsonl
 from treeserve.wire.errors import APIError
-from treeserve.wire.responses import dumps
 
 log = logging.getLogger("treeserve.translated")
 
@@ -54,7 +54,7 @@ def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
 
 def sse(event: dict) -> str:
     """One event on the wire: its type as the SSE event name, as OpenAI's and Anthropic's servers write them."""
-    return f"event: {event['type']}\ndata: {dumps(event)}\n\n"
+    return f"event: {event['type']}\ndata: {jsonl.line(event, compact=True)}\n\n"
 
 
 async def translated_events(events, chunks: AsyncIterator[dict],

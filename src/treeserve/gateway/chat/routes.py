@@ -8,7 +8,6 @@ id answers 404. The chat's model requests go through the gateway's own `GatewayS
 they are admitted, routed, billed and limited like any key's (each user has one chat key)."""
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
+from treeserve import jsonl
 from treeserve.gateway.chat import export
 from treeserve.gateway.chat.modes import MODES, Answer, Context
 from treeserve.gateway.chat.settings import ChatSettings, ConversationIn, LoginIn, MessageIn
@@ -269,4 +269,4 @@ async def _export(user_id: str, conversations: list[dict], format: str, name: st
 
 
 def _sse(event: dict) -> bytes:
-    return b"data: " + json.dumps(event, ensure_ascii=False).encode() + b"\n\n"
+    return b"data: " + jsonl.line(event).encode() + b"\n\n"
