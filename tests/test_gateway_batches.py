@@ -274,11 +274,16 @@ def test_files_and_batches_stay_with_their_key_and_bad_input_is_named(backend, t
                                           b'"prompt": "x", "stream": true}}\n',
                _jsonl(mixed_lines(1)) + _jsonl([dict(mixed_lines(1)[0], custom_id="x" * 257)]),  # (PostgreSQL: a 500)
                _jsonl([dict(mixed_lines(1)[0], custom_id="a\x00b")])]
-        for content, where in zip(bad, ("line 2", "line 1", "line 2", "line 1", "line 2", "line 1")):
+        codes = ("invalid_json_line", "url_mismatch", "duplicate_custom_id", "invalid_request", "invalid_custom_id",
+                 "invalid_custom_id")
+        for content, line, code in zip(bad, (2, 1, 2, 1, 2, 1), codes):  # (OpenAI's: created, then failed)
             file = owner.files.create(file=("bad.jsonl", content), purpose="batch")
-            with pytest.raises(openai.BadRequestError, match=where) as caught:
-                owner.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h")
-            assert caught.value.body["param"] == "input_file_id"
+            failed = owner.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
+                                          completion_window="24h")
+            assert failed.status == "failed" and failed.failed_at and failed.in_progress_at is None
+            assert [(e.line, e.code) for e in failed.errors.data] == [(line, code)], failed.errors
+            assert f"line {line}" in failed.errors.data[0].message
+            assert failed.request_counts.total == 0 and owner.batches.retrieve(failed.id).status == "failed"
         with pytest.raises(openai.BadRequestError, match="metadata"):  # OpenAI's limits: 16 pairs, 64/512 characters
             owner.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h",
                                  metadata={f"k{i}": "v" for i in range(17)})
@@ -292,8 +297,21 @@ def test_files_and_batches_stay_with_their_key_and_bad_input_is_named(backend, t
         with pytest.raises(openai.APIStatusError) as caught:
             owner.batches.cancel(batch.id)
         assert caught.value.status_code == 409
+        everything_wrong = owner.files.create(file=("all.jsonl", b'[1]\n\n{"custom_id": ""}\n\xff\n'
+                                                                 b'{"custom_id": "a", "method": "GET"}\n'
+                                                                 b'{"custom_id": "b", "body": {"model": 1}}\n'),
+                                              purpose="batch")
+        failed = owner.batches.create(input_file_id=everything_wrong.id, endpoint="/v1/chat/completions",
+                                      completion_window="24h")
+        assert [(e.line, e.code, e.param) for e in failed.errors.data] == [
+            (1, "invalid_json_line", None), (3, "missing_required_parameter", "custom_id"),
+            (4, "invalid_json_line", None), (5, "invalid_method", "method"), (6, "missing_required_parameter", "body")]
+        empty = owner.files.create(file=("empty.jsonl", b"\n \n"), purpose="batch")
+        assert [e.code for e in owner.batches.create(input_file_id=empty.id, endpoint="/v1/chat/completions",
+                                                     completion_window="24h").errors.data] == ["empty_file"]
+        assert [b.status for b in owner.batches.list()].count("failed") == len(bad) + 2
         newest_first = [f.id for f in owner.files.list()]  # the upload, the bad files, the output file
-        assert len(newest_first) == 8 and newest_first[-1] == uploaded.id
+        assert len(newest_first) == 10 and newest_first[-1] == uploaded.id
         assert [f.id for f in owner.files.list(limit=3)] == newest_first  # (the client follows has_more)
         assert [f.id for f in owner.files.list(limit=3, order="asc")] == newest_first[::-1]
         assert owner.files.delete(uploaded.id).deleted
@@ -438,3 +456,19 @@ def test_text_holding_unicode_line_separators_stays_on_its_line(tmp_path):
         records = _records(client, batch)  # (split with str.splitlines)
     answers = {r["custom_id"]: r["response"]["body"]["choices"][0]["message"]["content"] for r in records}
     assert answers == {f"t{i}": text for i, text in enumerate(texts)}
+
+
+def test_a_batch_file_over_the_line_limit_or_full_of_errors_is_named_briefly():
+    from treeserve.gateway import batch_file
+
+    line = b'{"custom_id": "%d", "body": {"model": "gen"}}'
+    over = batch_file.read(b"\n".join(line % i for i in range(batch_file.MAX_LINES + 1)), "/v1/chat/completions")
+    assert over.lines == [] and [e["code"] for e in over.errors] == ["too_many_tasks"]
+    assert str(batch_file.MAX_LINES + 1) in over.errors[0]["message"]
+    at_the_limit = batch_file.read(b"\r\n".join(line % i for i in range(batch_file.MAX_LINES)), "/v1/completions")
+    assert at_the_limit.errors == [] and len(at_the_limit.lines) == batch_file.MAX_LINES
+    assert at_the_limit.lines[-1] == (str(batch_file.MAX_LINES - 1), "/v1/completions", {"model": "gen"})
+    with_bom = batch_file.read(b"\xef\xbb\xbf" + line % 7, "/v1/chat/completions")  # (Windows editors)
+    assert with_bom.errors == [] and with_bom.lines[0][0] == "7"
+    garbage = batch_file.read(b"x\n" * 500, "/v1/chat/completions")
+    assert len(garbage.errors) == batch_file.MAX_ERRORS and garbage.errors[-1]["line"] == batch_file.MAX_ERRORS

@@ -5,66 +5,24 @@ from them. Calls are blocking: the routes and the runner run them in worker thre
 from __future__ import annotations
 
 import datetime as dt
-import json
 import uuid
 
 from sqlalchemy import and_, case, func, insert, or_, select, update
 
 from treeserve import jsonl
 from treeserve.errors import ParamError
+from treeserve.gateway import batch_file
+from treeserve.gateway.batch_file import ENDPOINTS
 from treeserve.gateway.database import Database
 from treeserve.gateway.errors import BatchConflict, BatchNotFound
 from treeserve.gateway.files import Files, page, past
 from treeserve.gateway.schema import Batch, BatchLine, aware, utcnow
 from treeserve.wire.responses import ResponsesRequest, from_chat, new_id, skeleton
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/search")
 COMPLETION_WINDOWS = {"24h": dt.timedelta(hours=24)}
-MAX_LINES = 50_000  # OpenAI's
 LEASE = dt.timedelta(seconds=10)  # a process that stops renewing its lease for this long leaves its batches
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 LISTED = 100
-MAX_CUSTOM_ID = 256  # characters (its column's width)
-
-
-def parse_lines(content: bytes, endpoint: str) -> list[tuple[str, str, dict]]:
-    """(custom_id, url, body) of each request line; ParamError naming the first bad line. A line's
-    url is the batch's endpoint or, treeserve's extension, another of ENDPOINTS (one batch may mix
-    chats, completions, responses and searches)."""
-    try:
-        text = content.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ParamError("input_file_id", f"the file is not UTF-8 ({exc})") from None
-    lines, seen = [], set()
-    for number, raw in jsonl.split(text):
-        where = f"line {number}"
-        try:
-            item = json.loads(raw)
-        except ValueError as exc:
-            raise ParamError("input_file_id", f"{where} is not JSON ({exc})") from None
-        if not isinstance(item, dict) or not isinstance(item.get("custom_id"), str) or not item["custom_id"]:
-            raise ParamError("input_file_id", f"{where}: needs a custom_id (a string)")
-        if len(item["custom_id"]) > MAX_CUSTOM_ID or "\x00" in item["custom_id"]:
-            raise ParamError("input_file_id", f"{where}: custom_id must be at most {MAX_CUSTOM_ID} characters, "
-                                              "without NUL")
-        url = item.get("url", endpoint)
-        if item.get("method", "POST") != "POST" or url not in ENDPOINTS:
-            raise ParamError("input_file_id", f"{where}: method must be POST and url one of {', '.join(ENDPOINTS)}, "
-                                              f"got {item.get('method')!r} {url!r}")
-        body = item.get("body")
-        if not isinstance(body, dict) or not isinstance(body.get("model"), str):
-            raise ParamError("input_file_id", f"{where}: body must be an object naming its model")
-        if body.get("stream"):
-            raise ParamError("input_file_id", f"{where}: a batch's requests cannot stream")
-        if item["custom_id"] in seen:
-            raise ParamError("input_file_id", f"{where}: custom_id {item['custom_id']!r} is not unique")
-        seen.add(item["custom_id"])
-        lines.append((item["custom_id"], url, body))
-    if not lines:
-        raise ParamError("input_file_id", "the file has no request lines")
-    if len(lines) > MAX_LINES:
-        raise ParamError("input_file_id", f"{len(lines)} lines; a batch takes at most {MAX_LINES}")
-    return lines
 
 
 def _mine(batch_id: str, owner: int | None):
@@ -88,16 +46,19 @@ class Batches:
             raise ParamError("completion_window", f"must be one of {', '.join(COMPLETION_WINDOWS)}")
         if self.files.get(input_file_id, owner, "input_file_id")["purpose"] != "batch":
             raise ParamError("input_file_id", "the file's purpose must be batch")
-        lines = parse_lines(self.files.content(input_file_id, owner, "input_file_id"), endpoint)
+        found = batch_file.read(self.files.content(input_file_id, owner, "input_file_id"), endpoint)
         now, batch_id = utcnow(), f"batch_{uuid.uuid4().hex}"
+        started = {"status": "in_progress", "in_progress_at": now} if not found.errors else \
+            {"status": "failed", "failed_at": now, "errors": found.errors}  # (OpenAI's: created, then failed)
         with self.db.transaction() as conn:
             conn.execute(insert(Batch).values(
                 id=batch_id, api_key_id=owner, endpoint=endpoint, input_file_id=input_file_id,
-                completion_window=completion_window, status="in_progress", total=len(lines), extra=metadata,
-                created_at=now, in_progress_at=now, expires_at=now + COMPLETION_WINDOWS[completion_window]))
-            conn.execute(insert(BatchLine.__table__), [
-                dict(batch_id=batch_id, line=i, custom_id=custom_id, url=url, body=body, status="pending")
-                for i, (custom_id, url, body) in enumerate(lines)])
+                completion_window=completion_window, total=len(found.lines), extra=metadata, created_at=now,
+                expires_at=now + COMPLETION_WINDOWS[completion_window], **started))
+            if found.lines:
+                conn.execute(insert(BatchLine.__table__), [
+                    dict(batch_id=batch_id, line=i, custom_id=custom_id, url=url, body=body, status="pending")
+                    for i, (custom_id, url, body) in enumerate(found.lines)])
         return self.get(batch_id, owner)
 
     def get(self, batch_id: str, owner: int | None) -> dict:
@@ -243,13 +204,14 @@ class Batches:
                            and_(BatchLine.status == "done", BatchLine.status_code != 200)), 1), else_=0)
         completed, failures = conn.execute(select(func.coalesce(func.sum(done), 0), func.coalesce(func.sum(failed), 0))
                                            .where(BatchLine.batch_id == batch.id)).one()
-        return {"id": batch.id, "object": "batch", "endpoint": batch.endpoint, "errors": None,
+        return {"id": batch.id, "object": "batch", "endpoint": batch.endpoint,
+                "errors": {"object": "list", "data": batch.errors} if batch.errors else None,
                 "input_file_id": batch.input_file_id, "completion_window": batch.completion_window,
                 "status": batch.status, "output_file_id": batch.output_file_id, "error_file_id": batch.error_file_id,
                 "created_at": _stamp(batch.created_at), "in_progress_at": _stamp(batch.in_progress_at),
                 "expires_at": _stamp(batch.expires_at), "finalizing_at": _stamp(batch.finalizing_at),
                 "completed_at": _stamp(batch.completed_at) if batch.status != "expired" else None,
-                "failed_at": None,
+                "failed_at": _stamp(batch.failed_at),
                 "expired_at": _stamp(batch.completed_at) if batch.status == "expired" else None,
                 "cancelling_at": _stamp(batch.cancelling_at), "cancelled_at": _stamp(batch.cancelled_at),
                 "request_counts": {"total": batch.total, "completed": int(completed), "failed": int(failures)},

@@ -223,6 +223,7 @@ class Batch(Base):
     error_file_id: Mapped[str | None] = mapped_column(String(64))
     total: Mapped[int] = mapped_column(Integer)
     extra: Mapped[dict | None] = mapped_column("metadata", JSON)
+    errors: Mapped[list | None] = mapped_column(JSON)  # (a batch whose file failed validation: its lines' errors)
     lease_owner: Mapped[str | None] = mapped_column(String(32))
     lease_expires: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
@@ -231,6 +232,7 @@ class Batch(Base):
     completed_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
     cancelling_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
     cancelled_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    failed_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
     expires_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
 
 
