@@ -233,3 +233,56 @@ def test_what_a_dead_process_held_is_given_back_and_a_live_ones_is_not(store):
         assert other.instances.sweep() == 0  # given back once
     finally:
         other.close()
+
+
+def test_a_new_key_never_takes_a_deleted_keys_id(store):
+    """On SQLite a new row took the highest id plus one: a key made after the newest key was deleted
+    had its id, and with it that key's spend logs, daily spend and rate window."""
+    ids = []
+    for _ in range(3):
+        token, _ = store.accounts.create_key()
+        ids.append(store.accounts.authenticate(token).id)
+        assert store.accounts.delete_keys([token]) == [token]
+    assert len(set(ids)) == 3 and ids == sorted(ids)
+
+
+def test_the_key_id_migration_keeps_every_row_and_starts_past_every_id_seen(tmp_path):
+    """Rebuilding api_keys on SQLite (migration 0008) must not run its ON DELETE actions (files,
+    batches and stored responses cascade from a key), and a new key's id is past any id that spend
+    logs or rate windows hold of a key deleted before."""
+    from alembic import command
+    from alembic.config import Config
+    from sqlalchemy import func, insert
+
+    from treeserve.gateway.database import MIGRATIONS
+    from treeserve.gateway.schema import SpendLog, StoredFile
+
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    store = Store(url)
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    with store.db.engine.begin() as conn:
+        config.attributes["connection"] = conn
+        command.upgrade(config, "0007")
+    kept, _ = store.accounts.create_key(key_alias="kept")
+    gone, _ = store.accounts.create_key(key_alias="gone")
+    kept_id, gone_id = store.accounts.authenticate(kept).id, store.accounts.authenticate(gone).id
+    with store.db.transaction() as conn:
+        conn.execute(insert(StoredFile).values(id="file-1", api_key_id=kept_id, purpose="batch", filename="a.jsonl",
+                                               bytes=1, content=b"x", created_at=utcnow()))
+        conn.execute(insert(RateWindow).values(key_id=gone_id + 5, window=1, requests=1, tokens=0))
+    store.accounts.delete_keys([gone])
+    store.close()
+    store = Store(url)
+    store.migrate()
+    try:
+        with store.db.session() as conn:
+            assert conn.scalar(select(func.count()).select_from(StoredFile)) == 1
+            assert conn.scalar(select(func.count()).select_from(SpendLog)) == 0
+        assert store.accounts.key_info(kept)["key_alias"] == "kept"
+        token, _ = store.accounts.create_key()
+        assert store.accounts.authenticate(token).id == gone_id + 6
+        with store.db.engine.connect() as conn:
+            assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
+    finally:
+        store.close()

@@ -110,11 +110,30 @@ class Database:
         transaction's start, PostgreSQL's by an advisory lock held to its end."""
         config = Config()
         config.set_main_option("script_location", str(MIGRATIONS))
-        with self._writer.begin() as conn:
-            if self.dialect == "postgresql":
-                conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK})
-            config.attributes["connection"] = conn
-            command.upgrade(config, "head")
+        with self._writer.connect() as conn, _foreign_keys_off(conn, self.dialect):
+            with conn.begin():
+                if self.dialect == "postgresql":
+                    conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK})
+                config.attributes["connection"] = conn
+                command.upgrade(config, "head")
 
     def close(self) -> None:
         self.engine.dispose()
+
+
+@contextlib.contextmanager
+def _foreign_keys_off(conn, dialect: str):
+    """SQLite's foreign keys off while a migration rebuilds tables (SQLite's own procedure for a schema
+    change: dropping the old copy of a table would run its ON DELETE actions), checked after it."""
+    if dialect != "sqlite":
+        yield
+        return
+    raw = conn.connection.dbapi_connection  # (outside a transaction: the pragma is a no-op inside one)
+    raw.execute("PRAGMA foreign_keys=OFF")
+    try:
+        yield
+        broken = raw.execute("PRAGMA foreign_key_check").fetchall()
+        if broken:
+            raise RuntimeError(f"the migration left rows whose foreign keys point nowhere: {broken[:5]}")
+    finally:
+        raw.execute("PRAGMA foreign_keys=ON")

@@ -51,6 +51,9 @@ class User(Base):
 
 class ApiKey(Base):
     __tablename__ = "api_keys"
+    # SQLite's AUTOINCREMENT: never a deleted key's id again (spend logs, daily spend and rate windows
+    # keep a key's id after it is deleted; a new key with that id would inherit them)
+    __table_args__ = {"sqlite_autoincrement": True}
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     token_hash: Mapped[str] = mapped_column(String(64), unique=True, index=True)
     key_name: Mapped[str] = mapped_column(String(32))  # "sk-...abcd": enough to recognise, useless to use
