@@ -419,11 +419,14 @@ def test_responses_lines_come_back_as_responses(backend, tmp_path):
 
 
 
-def _echo_backend():
-    """A backend whose chat answer is the user's message, as it came."""
+def _echo_backend(seen: list | None = None):
+    """A backend whose chat answer is the user's message, as it came (streamed in one chunk when
+    asked); the request bodies it got go to `seen`."""
     from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
 
     app = FastAPI()
+    usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
 
     @app.get("/v1/models")
     def models():
@@ -431,12 +434,48 @@ def _echo_backend():
 
     @app.post("/v1/chat/completions")
     def chat(body: dict):
+        if seen is not None:
+            seen.append(body)
         text = body["messages"][-1]["content"]
+        if body.get("stream"):
+            chunk = {"id": "chatcmpl-echo", "object": "chat.completion.chunk", "created": 0, "model": body["model"],
+                     "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": "stop"}]}
+            last = dict(chunk, choices=[], usage=usage)
+            return StreamingResponse(iter([f"data: {json.dumps(chunk)}\n\n", f"data: {json.dumps(last)}\n\n",
+                                           "data: [DONE]\n\n"]), media_type="text/event-stream")
         return {"id": "chatcmpl-echo", "object": "chat.completion", "created": 0, "model": body["model"],
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
-                "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
+                "usage": usage}
 
     return app
+
+
+def test_a_backend_set_to_take_no_priority_or_continuous_usage_is_sent_neither(tmp_path):
+    """Batch lines ask their server for `priority` (batch_priority), streams for usage in every chunk;
+    OpenAI's API and a vLLM server without the priority policy refuse a request with either, so a
+    backend can be set to get neither (`priority: false`, `continuous_usage: false`)."""
+    seen: list[dict] = []
+    with running_server(_echo_backend(seen)) as url:
+        models = {"gen": ModelConfig("gen", [BackendConfig(url)]),
+                  "ext": ModelConfig("ext", [BackendConfig(url, priority=False, continuous_usage=False)])}
+        app = build_gateway(GatewayConfig(models=models, master_key=MASTER, health_interval=0,
+                                          database=f"sqlite:///{tmp_path / 'gw.db'}"))
+        with running_server(app) as gw:
+            client = _client(gw, _key(gw))
+            lines = [{"custom_id": model, "method": "POST", "url": "/v1/chat/completions",
+                      "body": {"model": model, "messages": [{"role": "user", "content": "hi"}]}}
+                     for model in ("gen", "ext")]
+            assert _wait(client, _start(client, lines).id).request_counts.completed == 2
+            for model in ("gen", "ext"):
+                stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "yo"}],
+                                                        stream=True, stream_options={"include_usage": True},
+                                                        extra_body={"priority": 0})
+                assert [c.usage.total_tokens for c in stream if c.usage] == [5]
+    batch_bodies = {b["model"]: b for b in seen if not b.get("stream")}
+    assert batch_bodies["gen"]["priority"] == 1 and "priority" not in batch_bodies["ext"]
+    streams = {b["model"]: b for b in seen if b.get("stream")}
+    assert streams["gen"]["priority"] == 0 and streams["gen"]["stream_options"]["continuous_usage_stats"] is True
+    assert "priority" not in streams["ext"] and streams["ext"]["stream_options"] == {"include_usage": True}
 
 
 def test_text_holding_unicode_line_separators_stays_on_its_line(tmp_path):

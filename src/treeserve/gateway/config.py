@@ -37,6 +37,7 @@ class BackendConfig:
     timeout: float = 600.0        # seconds for a whole non-streamed answer, or between streamed chunks
     connect_timeout: float = 5.0
     continuous_usage: bool = True  # ask for usage in every streamed chunk (vLLM's and treeserve's option)
+    priority: bool = True         # send a request's `priority` (treeserve's; vLLM's with --scheduling-policy priority)
 
     @property
     def name(self) -> str:

@@ -270,6 +270,8 @@ class Forwarder:
     # ---- bookkeeping -------------------------------------------------------------------------
     def _upstream_body(self, body: dict, group: str, backend: Backend, stream: bool) -> dict:
         upstream = dict(body, model=backend.config.model or group)
+        if not backend.config.priority:  # (a backend that rejects it: OpenAI's, vLLM's without the priority policy)
+            upstream.pop("priority", None)
         cap = self.router.groups[group].config.max_tokens
         asks = any(k in body for k in ("messages", "prompt", "question"))  # (a search's too: per generation call)
         if cap is not None and asks and completion_cap(body) is None:
