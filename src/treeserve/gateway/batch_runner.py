@@ -7,7 +7,9 @@ or neither; the process that takes the lease next (another, or this one restarte
 that have no answer. A key (or its user) whose spend has reached its budget fails its line with that
 error (and so the rest, in turn); a budget filled by what requests in flight hold (their worst cases,
 the batch's own lines' among them) waits for them to settle, as a rate limit waits, out of the line's
-concurrency slot; no backend able to answer runs the line again later, MAX_ATTEMPTS times in all."""
+concurrency slot; no backend able to answer (an outage, a restart) sends the line again later, backing off
+from RETRY_DELAY to RETRY_DELAY_MAX, for as long as the batch's completion window lasts (OpenAI's rule:
+an outage delays a batch, it does not fail its lines; the window's end fails those still unanswered)."""
 from __future__ import annotations
 
 import asyncio
@@ -35,8 +37,8 @@ from treeserve.wire.errors import APIError, from_validation_error
 from treeserve.wire.responses import ResponsesRequest, chat_request
 
 log = logging.getLogger("treeserve.gateway")
-MAX_ATTEMPTS = 5       # a line no backend could answer this often fails
-RETRY_DELAY = 1.0      # seconds before a line no backend could answer is sent again
+RETRY_DELAY = 1.0      # seconds before a line no backend could answer is sent again, doubling with each
+RETRY_DELAY_MAX = 30.0  # such answer in a row up to this
 HOLD_WAIT = 0.25       # seconds before a line refused for what requests in flight hold of its budget is sent
 HOLD_WAIT_MAX = 4.0    # again, doubling with each such refusal in a row up to this
 POLL_INTERVAL = 0.5    # seconds between looks for batches to run (and lease renewals)
@@ -144,6 +146,9 @@ class BatchRunner:
             await run_in_threadpool(self.batches.fail_pending, batch_id, STOP_ERRORS[run.stopped])
         ending = {"cancelled": "cancelled", "expired": "expired"}.get(run.stopped, "completed")
         await run_in_threadpool(self.batches.finalize, batch_id, ending)
+        for counts in (self.attempts, self.hold_waits):  # (of lines that ended unanswered: cancelled, expired)
+            for batch_line in [k for k in counts if k[0] == batch_id]:
+                del counts[batch_line]
         self.metrics.batches.labels(ending).inc()
         log.info("batch %s: %s", batch_id, ending)
 
@@ -262,14 +267,14 @@ class BatchRunner:
         return body if self.priority is None or "priority" in body else body | {"priority": self.priority}
 
     async def _again(self, batch_id: str, line: int, response: Response) -> float:
+        """The line pending again, to be sent after a delay that doubles with each attempt no backend answered."""
         attempts = self.attempts[(batch_id, line)] = self.attempts.get((batch_id, line), 0) + 1
-        if attempts >= MAX_ATTEMPTS:
-            await run_in_threadpool(self.batches.mark, batch_id, line, "failed", None, {
-                "code": "no_backend_available", "param": None,
-                "message": f"no backend could answer in {attempts} attempts (last: HTTP {response.status_code})"})
-            return self._ended((batch_id, line))
+        delay = min(RETRY_DELAY * 2 ** (attempts - 1), RETRY_DELAY_MAX)
+        if attempts & (attempts - 1) == 0:  # (the 1st, 2nd, 4th, 8th ... time: a log line, not one a retry)
+            log.warning("batch %s line %d: no backend could answer (HTTP %d, %d times in a row); sent again in %.0f s",
+                        batch_id, line, response.status_code, attempts, delay)
         await run_in_threadpool(self.batches.mark, batch_id, line, "pending")
-        return RETRY_DELAY
+        return delay
 
 
 def _error(exc: Exception) -> dict:
