@@ -192,6 +192,17 @@ def test_what_cannot_be_served_is_a_400_naming_it(target):
         with pytest.raises(openai.BadRequestError) as caught:
             client.responses.create(model="tiny", max_output_tokens=2, **body)
         assert caught.value.body["param"] == param, caught.value.body
+    # a field OpenAI does not know is named, as OpenAI's (before: ignored; `max_tokens` ran to the model's length)
+    for extra, param, code in [({"max_tokens": 3}, "max_tokens", "unknown_parameter"),
+                               ({"max_output_token": 3}, "max_output_token", "unknown_parameter"),
+                               ({"temperature": 5.0}, "temperature", None), ({"top_logprobs": 2}, "top_logprobs", None)]:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.responses.create(model="tiny", input="x", max_output_tokens=2, extra_body=extra)
+        assert caught.value.body["param"] == param and (code is None or caught.value.body["code"] == code), \
+            caught.value.body
+    taken = client.responses.create(model="tiny", input="x", max_output_tokens=2, service_tier="auto",
+                                    prompt_cache_key="k", safety_identifier="u1", max_tool_calls=2, top_logprobs=0)
+    assert taken.status in ("completed", "incomplete")
 
 
 def test_an_openai_agents_two_tool_agent_runs_to_completion(served, target):
@@ -280,7 +291,7 @@ def test_anthropic_messages_whole_streamed_tools_and_count_tokens(served, target
                                                                    "parameters": CITY}}], max_tokens=8, **GREEDY)
     assert "".join(b.text for b in answer.content if b.type == "text") == text
     stopped = client.messages.create(model="tiny", max_tokens=30, messages=[{"role": "user", "content": "Go."}],
-                                     stop_sequences=[text[:1] or "a"], extra_body=GREEDY | {"min_tokens": 0})
+                                     stop_sequences=[text[:1] or "a"], extra_body=GREEDY)
     assert stopped.stop_reason in ("stop_sequence", "end_turn", "max_tokens")
 
 
@@ -295,6 +306,11 @@ def test_anthropic_errors_come_in_its_shape(target):
             {"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "http://x"}}]}])
     with pytest.raises(anthropic.NotFoundError):
         client.messages.create(model="no-such-model", max_tokens=2, messages=[{"role": "user", "content": "x"}])
+    for call, extra in [(client.messages.create, {"stop": ["="]}), (client.messages.count_tokens, {"max_tokens": 3})]:
+        with pytest.raises(anthropic.BadRequestError) as caught:  # (fields Anthropic does not know: named, as its)
+            call(model="tiny", messages=[{"role": "user", "content": "x"}], extra_body=extra,
+                 **({"max_tokens": 2} if call == client.messages.create else {}))
+        assert caught.value.body["error"]["message"] == f"{next(iter(extra))}: unknown parameter"
     bad_key = anthropic.Anthropic(base_url=target.url, api_key="sk-wrong", max_retries=0)
     with pytest.raises(anthropic.AuthenticationError) as caught:
         bad_key.messages.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": "x"}])

@@ -66,6 +66,8 @@ def from_validation_error(exc: ValidationError | RequestValidationError) -> APIE
     message = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid request")
     if kind == "missing":
         message = f"{param}: this field is required"
+    elif kind == "extra_forbidden":  # (OpenAI's and Anthropic's answer to a field they do not know)
+        return APIError(400, f"{param}: unknown parameter", param=param, code="unknown_parameter")
     return APIError(400, message, param=param, code="missing_required_parameter" if kind == "missing" else "invalid_type")
 
 

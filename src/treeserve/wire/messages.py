@@ -12,8 +12,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from treeserve.errors import ParamError
 
 class CountTokensRequest(BaseModel):
-    """POST /v1/messages/count_tokens; content blocks are checked one by one (`chat_messages`)."""
-    model_config = ConfigDict(extra="ignore", strict=True)
+    """POST /v1/messages/count_tokens; content blocks are checked one by one (`chat_messages`). A
+    field Anthropic does not know is a 400 naming it, as Anthropic's."""
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str
     messages: list[dict] = Field(min_length=1)
     system: str | list[dict] | None = None
@@ -41,6 +42,7 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = None
     stream: bool = False
     metadata: dict | None = None
+    service_tier: str | None = None  # (Anthropic's priority tiers: no effect here)
 
     def chat_request(self) -> dict:
         """The chat completions body; ParamError naming the Messages field for what cannot be translated."""

@@ -28,13 +28,15 @@ class TextConfig(BaseModel):
 
 
 class ResponsesRequest(BaseModel):
-    """POST /v1/responses. Items are checked one by one (`chat_messages`), so an error names the item."""
-    model_config = ConfigDict(extra="ignore", strict=True)
+    """POST /v1/responses. Items are checked one by one (`chat_messages`), so an error names the item.
+    A field OpenAI does not know is a 400 naming it, as OpenAI's (a chat completions habit such as
+    `max_tokens`, silently ignored, let a response run to the model's length)."""
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     input: str | list[dict]
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)  # (OpenAI's range)
     top_p: float | None = None
     tools: list[dict] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict | None = None
@@ -51,6 +53,16 @@ class ResponsesRequest(BaseModel):
     conversation: str | dict | None = None
     reasoning: dict | None = None
     include: list[str] | None = None
+    top_logprobs: int | None = None
+    prompt: dict | None = None
+    # OpenAI's, taken with no effect here: serving tiers, prompt caching keys (prefix caching is
+    # automatic), abuse-monitoring ids, a cap on built-in tool calls (none run here), stream obfuscation
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    max_tool_calls: int | None = None
+    stream_options: dict | None = None
+    priority: int = Field(default=0, ge=0, le=1)  # (vLLM's: 1 waits behind every interactive request)
 
     def reject_unimplemented(self) -> None:
         if self.background:
@@ -61,6 +73,11 @@ class ResponsesRequest(BaseModel):
             raise ParamError("reasoning", "the served models do not reason apart from their answer")
         if self.include:
             raise ParamError("include", f"no extra output data is available (asked for {self.include})")
+        if self.top_logprobs:
+            raise ParamError("top_logprobs", "log probabilities are not returned by /v1/responses here; "
+                                             "chat completions' logprobs and top_logprobs return them")
+        if self.prompt is not None:
+            raise ParamError("prompt", "stored prompt templates are not supported; send the input and instructions")
 
 
 def new_id(prefix: str) -> str:
@@ -81,6 +98,8 @@ def chat_request(request: ResponsesRequest, history: list[dict]) -> dict:
                        ("parallel_tool_calls", "parallel_tool_calls"), ("user", "user"), ("seed", "seed")):
         if getattr(request, ours) is not None:
             body[chat] = getattr(request, ours)
+    if request.priority:
+        body["priority"] = request.priority
     if request.tools:
         body["tools"] = [chat_tool(tool, f"tools[{i}]") for i, tool in enumerate(request.tools)]
     if request.tool_choice is not None:
