@@ -290,9 +290,18 @@ def test_anthropic_messages_whole_streamed_tools_and_count_tokens(served, target
                          tools=[{"type": "function", "function": {"name": "weather", "description": "the weather",
                                                                    "parameters": CITY}}], max_tokens=8, **GREEDY)
     assert "".join(b.text for b in answer.content if b.type == "text") == text
-    stopped = client.messages.create(model="tiny", max_tokens=30, messages=[{"role": "user", "content": "Go."}],
-                                     stop_sequences=[text[:1] or "a"], extra_body=GREEDY)
-    assert stopped.stop_reason in ("stop_sequence", "end_turn", "max_tokens")
+    # a stop sequence met: named, whole and streamed (before, a stream said end_turn)
+    colour = final.content[0].text
+    sequence = colour[-2:]
+    kept = colour[:colour.index(sequence)]
+    stopped = client.messages.create(model="tiny", max_tokens=12, system="Be brief.", messages=messages,
+                                     stop_sequences=[sequence], extra_body=GREEDY)
+    with client.messages.stream(model="tiny", max_tokens=12, system="Be brief.", messages=messages,
+                                stop_sequences=[sequence], extra_body=GREEDY) as stream:
+        streamed = stream.get_final_message()
+    for reply in (stopped, streamed):
+        assert (reply.stop_reason, reply.stop_sequence) == ("stop_sequence", sequence), reply
+        assert "".join(b.text for b in reply.content if b.type == "text") == kept
 
 
 def test_anthropic_errors_come_in_its_shape(target):

@@ -245,7 +245,8 @@ class OpenAIServing:
                 deltas.sent(c.index)
                 yield chunk([{"index": c.index, "delta": delta,
                               "logprobs": self._chat_logprobs(pairs, params.logprobs),
-                              "finish_reason": finish_reason if finished else None}])
+                              "finish_reason": finish_reason if finished else None,
+                              "stop_reason": c.stop_reason if finished else None}])
             if output.finished:
                 finals[prompt_index] = output
         if include_usage:
@@ -372,7 +373,8 @@ class CompletionReply:
         text = (self.echo[prompt_index] if first else "") + ("" if self.echo_only else c.text)
         body = {"index": prompt_index * self.params.n + c.index, "text": text,
                 "logprobs": self._logprobs(output, pairs, first),
-                "finish_reason": c.finish_reason if finished else None}
+                "finish_reason": c.finish_reason if finished else None,
+                "stop_reason": c.stop_reason if finished else None}
         return self._with_prompt_logprobs(body, output) if first else body
 
     def usage(self, usage: dict) -> dict:
