@@ -265,9 +265,12 @@ def test_anthropic_messages_whole_streamed_tools_and_count_tokens(served, target
     assert message.usage.output_tokens == usage.completion_tokens
     with client.messages.stream(model="tiny", max_tokens=12, system="Be brief.", messages=messages,
                                 extra_body=GREEDY) as stream:
-        kinds = [event.type for event in stream]
+        events = list(stream)
         final = stream.get_final_message()
+    kinds = [event.type for event in events]
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "content_block_delta" in kinds
+    opened = events[0].message.usage  # (the prompt's tokens known from the start, as Anthropic's; they were 0)
+    assert opened.input_tokens + opened.cache_read_input_tokens == usage.prompt_tokens and opened.output_tokens == 0
     assert final.content[0].text == text and final.usage.output_tokens == usage.completion_tokens
     raw = client.messages.with_raw_response.count_tokens(model="tiny", system="Be brief.", messages=messages)
     assert raw.parse().input_tokens == usage.prompt_tokens

@@ -55,7 +55,8 @@ class MessagesRequest(CountTokensRequest):
         if isinstance(user, str):
             body["user"] = user
         if self.stream:
-            body.update(stream=True, stream_options={"include_usage": True})
+            # (usage in every chunk: the first one's prompt tokens go in message_start, as Anthropic's)
+            body.update(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
         return body
 
 

@@ -15,8 +15,20 @@ class MessageEvents(ChunkEvents):
         self.block_kind: str | None = None
         self.blocks = 0
 
-    def start(self) -> list[dict]:
-        return [{"type": "message_start", "message": self.message}, {"type": "ping"}]
+    def opens(self, chunk: dict) -> bool:
+        """The first chunk with usage or a delta (a chat stream's first chunk, its role, comes before
+        the prompt is computed: usage comes from the next)."""
+        return isinstance(chunk.get("usage"), dict) or any(
+            (c.get("delta") or {}).get("content") or (c.get("delta") or {}).get("tool_calls") or c.get("finish_reason")
+            for c in chunk.get("choices") or ())
+
+    def start(self, first_chunk: dict | None) -> list[dict]:
+        """`message_start` with the prompt's usage, as Anthropic's (the chat stream is asked for usage
+        in every chunk; a backend that sends none leaves it 0)."""
+        message = self.message
+        if first_chunk is not None and isinstance(first_chunk.get("usage"), dict):
+            message = message | {"usage": usage(first_chunk["usage"]) | {"output_tokens": 0}}
+        return [{"type": "message_start", "message": message}, {"type": "ping"}]
 
     def _text(self, text: str) -> list[dict]:
         events = [] if self.block_kind == "text" else self._open({"type": "text", "text": ""})

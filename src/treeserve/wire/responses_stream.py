@@ -17,7 +17,7 @@ class ResponseEvents(ChunkEvents):
         self.calls: dict[int, int] = {}  # the chat's tool call index -> position in `output` once opened
         self.sequence = 0
 
-    def start(self) -> list[dict]:
+    def start(self, first_chunk: dict | None) -> list[dict]:
         return [self._event("response.created", response=self.response),
                 self._event("response.in_progress", response=self.response)]
 

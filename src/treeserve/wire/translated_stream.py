@@ -22,6 +22,11 @@ class ChunkEvents(ABC):
     finish_reason: str | None = None
     stop_reason = None  # the stop string met (vLLM's field), when one ended the reply
 
+    def opens(self, chunk: dict) -> bool:
+        """Whether the opening events go with this chunk (its `start`): the first one, unless a
+        converter waits for what a later one knows."""
+        return True
+
     def feed(self, chunk: dict) -> list[dict]:
         """The events for one chat chunk."""
         if isinstance(chunk.get("usage"), dict):
@@ -60,26 +65,35 @@ def sse(event: dict) -> str:
 async def translated_events(events, chunks: AsyncIterator[dict],
                             before_end: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[str]:
     """`before_end` runs once the reply is whole, before its last events are sent (a response is
-    stored before its client reads `response.completed`)."""
-    for event in events.start():
-        yield sse(event)
+    stored before its client reads `response.completed`). The opening events go with the chunk the
+    converter `opens` with (what it knows, its prompt's usage, is in them), or before a failure or end
+    that came first."""
+    started = False
     try:
         async for chunk in chunks:
+            if not started and events.opens(chunk):
+                started = True
+                for event in events.start(chunk):
+                    yield sse(event)
             for event in events.feed(chunk):
                 yield sse(event)
     except APIError as exc:
-        for event in events.fail(exc.status, exc.message, exc.code):
+        for event in ([] if started else events.start(None)) + events.fail(exc.status, exc.message, exc.code):
             yield sse(event)
         return
     except Exception as exc:  # (a client gone is GeneratorExit/CancelledError, not caught here)
         log.exception("a translated stream failed")
-        for event in events.fail(500, f"internal error: {type(exc).__name__}", "server_error"):
+        for event in ([] if started else events.start(None)) + events.fail(
+                500, f"internal error: {type(exc).__name__}", "server_error"):
             yield sse(event)
         return
     finally:
         aclose = getattr(chunks, "aclose", None)
         if aclose is not None:
             await aclose()
+    if not started:
+        for event in events.start(None):
+            yield sse(event)
     last = events.finish()
     if before_end is not None:
         await before_end()
