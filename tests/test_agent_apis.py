@@ -293,6 +293,24 @@ def test_anthropic_messages_whole_streamed_tools_and_count_tokens(served, target
                          tools=[{"type": "function", "function": {"name": "weather", "description": "the weather",
                                                                    "parameters": CITY}}], max_tokens=8, **GREEDY)
     assert "".join(b.text for b in answer.content if b.type == "text") == text
+    # a prefill (a final assistant message) is continued, as Anthropic's; before, a new turn began after it
+    prefill = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "It is"}]
+    continued = client.messages.create(model="tiny", max_tokens=6, messages=prefill, extra_body=GREEDY)
+    text, usage = _chat_text(served, prefill, max_tokens=6, **GREEDY,
+                             extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    assert continued.content[0].text == text and continued.usage.output_tokens == usage.completion_tokens
+    rendered = httpx.post(f"{served.url}/tokenize", headers={"Authorization": f"Bearer {API_KEY}"}, json={
+        "model": "tiny", "messages": prefill, "add_generation_prompt": False, "continue_final_message": True}).json()
+    as_a_turn = httpx.post(f"{served.url}/tokenize", headers={"Authorization": f"Bearer {API_KEY}"}, json={
+        "model": "tiny", "messages": prefill}).json()
+    assert usage.prompt_tokens == rendered["count"] < as_a_turn["count"]  # (no end of turn, no new header)
+    assert as_a_turn["tokens"][:rendered["count"]] == rendered["tokens"]
+    for bad in ({"continue_final_message": True}, {"add_generation_prompt": False, "continue_final_message": True,
+                                                   "messages": prefill[:1]}):
+        with pytest.raises(openai.BadRequestError) as caught:
+            _openai(SimpleNamespace(url=served.url, key=API_KEY)).chat.completions.create(
+                model="tiny", messages=bad.pop("messages", prefill), max_tokens=2, extra_body=bad)
+        assert caught.value.body["param"] == "continue_final_message"
     # a stop sequence met: named, whole and streamed (before, a stream said end_turn)
     colour = final.content[0].text
     sequence = colour[-2:]

@@ -18,9 +18,9 @@ from treeserve.server.serving_rewards import RewardServing
 from treeserve.server.serving_search import SearchServing
 from treeserve.wire.bodies import parse
 from treeserve.wire.drain import Drain, readiness
-from treeserve.wire.errors import APIError, error_response
+from treeserve.wire.errors import APIError, error_response, from_value_error
 from treeserve.wire.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, PoolingRequest,
-                                     RewardRequest, ScoreRequest, SearchRequest, TokenizeRequest)
+                                     RewardRequest, ScoreRequest, SearchRequest, TokenizeRequest, template_ending)
 
 # the request bodies of the routes below, for /openapi.json
 REQUEST_MODELS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
@@ -141,7 +141,11 @@ def openai_routes(served: ServedModels, max_body_bytes: int) -> APIRouter:
         body = await parse(request, TokenizeRequest, max_body_bytes)
         serving = served.serving(body.model)
         if body.messages is not None:
-            tokens = serving.render(body.messages, body.tools, body.add_generation_prompt)
+            try:
+                ending = template_ending(body.messages, body.add_generation_prompt, body.continue_final_message)
+            except ValueError as exc:
+                raise from_value_error(exc) from exc
+            tokens = serving.render(body.messages, body.tools, ending)
         elif body.prompt is not None:
             tokens = serving.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:

@@ -47,15 +47,23 @@ class OpenAIServing:
         self.special_tokens = special_tokens(self.tokenizer)
 
     def render(self, messages: list[ChatMessage], tools: list[Tool] | None,
-               add_generation_prompt: bool = True) -> list[int]:
-        """A conversation's prompt tokens, the tools rendered by the chat template; 400 naming the problem."""
+               ending: tuple[bool, bool] = (True, False)) -> list[int]:
+        """A conversation's prompt tokens, the tools rendered by the chat template, ended as `ending`
+        says ((add_generation_prompt, continue_final_message)); 400 naming the problem."""
         try:
             text = render_chat(self.tokenizer, template_messages(messages),
-                               [t.model_dump(exclude_none=True) for t in tools or ()], add_generation_prompt,
-                               self.chat_template)
+                               [t.model_dump(exclude_none=True) for t in tools or ()], ending[0],
+                               self.chat_template, continue_final_message=ending[1])
         except ValueError as exc:
             raise from_value_error(exc) from exc
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+    @staticmethod
+    def _ending(request: ChatCompletionRequest) -> tuple[bool, bool]:
+        try:
+            return request.template_ending()
+        except ValueError as exc:
+            raise from_value_error(exc) from exc
 
     # ---- shared -----------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -171,7 +179,7 @@ class OpenAIServing:
     def render_body(self, body: dict) -> list[int]:
         """The prompt tokens of a translated chat body (its messages and tools)."""
         request = _chat_request(body)
-        return self.render(request.messages, request.tools)
+        return self.render(request.messages, request.tools, self._ending(request))
 
     async def chat_result(self, request: ChatCompletionRequest) -> dict | AsyncIterator[dict]:
         """The reply's body, or (streamed) its chunks: what /v1/chat/completions sends, and what the
@@ -183,7 +191,7 @@ class OpenAIServing:
             prompt_logprobs = request.requested_prompt_logprobs()
         except ValueError as exc:
             raise from_value_error(exc) from exc
-        ids = self.render(request.messages, request.tools)
+        ids = self.render(request.messages, request.tools, self._ending(request))
         params = self._params(request, [ids], request.requested_max_tokens(), logprobs, "messages", prompt_logprobs)
         if tools is not None:
             params = tools.adjust(params)

@@ -26,6 +26,10 @@ class CountTokensRequest(BaseModel):
         if self.thinking and self.thinking.get("type") == "enabled":
             raise ParamError("thinking", "extended thinking is not supported by the served models")
         body: dict = {"model": self.model, "messages": chat_messages(self.system, self.messages)}
+        last = body["messages"][-1]
+        if last["role"] == "assistant" and last.get("content") and not last.get("tool_calls"):
+            # a prefill, as Anthropic's: the reply continues the final assistant text (no new turn)
+            body.update(add_generation_prompt=False, continue_final_message=True)
         if self.tools:
             body["tools"] = [chat_tool(tool, f"tools[{i}]") for i, tool in enumerate(self.tools)]
         if self.tool_choice is not None:

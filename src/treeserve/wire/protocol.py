@@ -246,6 +246,14 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: bool = True
 
     prompt_logprobs: int | None = None  # vLLM's: the chat-templated prompt's, in the response (not streamed)
+    # vLLM's: the template's assistant header after the messages (default), or the final assistant
+    # message continued as it is (a prefill: the reply starts where its text ends)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def template_ending(self) -> tuple[bool, bool]:
+        """(add_generation_prompt, continue_final_message), checked as vLLM does."""
+        return template_ending(self.messages, self.add_generation_prompt, self.continue_final_message)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -315,6 +323,17 @@ class CompletionRequest(SamplingRequest):
         return list(prompt)
 
 
+def template_ending(messages: list[ChatMessage], add_generation_prompt: bool,
+                    continue_final_message: bool) -> tuple[bool, bool]:
+    if continue_final_message:
+        if add_generation_prompt:
+            raise ParamError("continue_final_message", "cannot be true with add_generation_prompt (as vLLM): "
+                                                       "set add_generation_prompt to false")
+        if messages[-1].role != "assistant" or not messages[-1].content:
+            raise ParamError("continue_final_message", "the final message must be an assistant message with text")
+    return add_generation_prompt, continue_final_message
+
+
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     model: str | None = None
@@ -323,6 +342,7 @@ class TokenizeRequest(BaseModel):
     tools: list[Tool] | None = None  # rendered by the chat template with the messages
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class DetokenizeRequest(BaseModel):
