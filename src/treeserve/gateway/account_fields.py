@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as dt
 
 from treeserve.errors import ParamError
-from treeserve.gateway.keys import parse_duration
+from treeserve.gateway.keys import after
 from treeserve.gateway.schema import ApiKey, User, iso, money
 
 KEY_FIELDS = ("key_alias", "user_id", "models", "max_budget", "budget_duration", "rpm_limit", "tpm_limit",
@@ -51,7 +51,7 @@ def _budget_period(values: dict, now: dt.datetime) -> None:
     """A budget period set starts now; one cleared stops resetting."""
     if "budget_duration" in values:
         duration = values["budget_duration"]
-        values["budget_reset_at"] = now + parse_duration(duration, "budget_duration") if duration else None
+        values["budget_reset_at"] = after(now, duration, "budget_duration") if duration else None
 
 
 def public_key(key: ApiKey) -> dict:

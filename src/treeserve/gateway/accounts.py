@@ -51,7 +51,7 @@ class Accounts:
         values = key_values(fields, now)
         values.setdefault("extra", {})
         if duration:
-            values["expires_at"] = now + keylib.parse_duration(duration, "duration")
+            values["expires_at"] = keylib.after(now, duration, "duration")
         with self.db.transaction() as conn:
             _ensure_user(conn, values.get("user_id"), now)
             conn.execute(insert(ApiKey).values(
@@ -72,7 +72,7 @@ class Accounts:
         values = key_values(fields, now)
         if "duration" in fields:
             duration = fields.pop("duration")
-            values["expires_at"] = now + keylib.parse_duration(duration, "duration") if duration else None
+            values["expires_at"] = keylib.after(now, duration, "duration") if duration else None
         if not values:  # nothing to change: the key as it is (KeyNotFound if there is none)
             return self.key_info(token)
         with self.db.transaction() as conn:

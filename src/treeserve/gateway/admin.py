@@ -24,7 +24,7 @@ log = logging.getLogger("treeserve.gateway")
 UserId = Annotated[Text, Field(min_length=1, max_length=128)]
 Money = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Limit = Annotated[int, Field(ge=0, le=INT32_MAX)]
-Period = Annotated[Text, Field(max_length=16)]  # "30d"; parsed by keys.parse_duration
+Period = Annotated[Text, Field(max_length=16)]  # "30d"; parsed by keys.after
 Models = list[Annotated[Text, Field(max_length=256)]]
 
 

@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 
 from treeserve.gateway.database import Database
 from treeserve.gateway.errors import AccountGone, BudgetExceeded, ParallelLimitExceeded, RateLimitExceeded
-from treeserve.gateway.keys import KeyRecord, parse_duration
+from treeserve.gateway.keys import KeyRecord, after
 from treeserve.gateway.schema import ApiKey, Holding, RateWindow, User, aware, utcnow
 from treeserve.gateway.settlement import Reservation
 
@@ -139,6 +139,5 @@ def _reset_due_budgets(conn: Session, key: KeyRecord, now: dt.datetime) -> None:
         if not row.budget_duration:  # (a period cleared without its reset time)
             conn.execute(update(table).where(where).values(budget_reset_at=None))
             continue
-        period = parse_duration(row.budget_duration, "budget_duration")
         conn.execute(update(table).where(where, table.budget_reset_at == row.budget_reset_at)
-                     .values(spend=0.0, budget_reset_at=now + period))
+                     .values(spend=0.0, budget_reset_at=after(now, row.budget_duration, "budget_duration")))

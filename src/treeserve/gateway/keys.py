@@ -6,6 +6,7 @@ get a slow hash instead): nobody can search that space, and each request checks 
 microseconds."""
 from __future__ import annotations
 
+import calendar
 import datetime as dt
 import hashlib
 import hmac
@@ -17,7 +18,7 @@ from treeserve.gateway.schema import utcnow
 from treeserve.gateway.settlement import Reservation
 
 PREFIX = "sk-"
-_DURATION = re.compile(r"^\s*(\d+)\s*(s|m|h|d|w)\s*$")
+_DURATION = re.compile(r"^\s*(\d+)\s*(mo|s|m|h|d|w)\s*$")
 _UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
 
 
@@ -46,21 +47,34 @@ def same_secret(given: str, expected: str) -> bool:
 MAX_DURATION = dt.timedelta(days=100 * 365)  # a key's lifetime or a budget period (dates stay in range)
 
 
-def parse_duration(text: str, param: str) -> dt.timedelta:
-    """'30s', '15m', '12h', '30d', '2w' (LiteLLM's spelling of durations and budget periods)."""
+def after(start: dt.datetime, text: str, param: str) -> dt.datetime:
+    """The moment a duration after `start`: '30s', '15m', '12h', '30d', '2w', or '1mo' (calendar
+    months: the same day of the month, or its last day when the month is shorter), LiteLLM's spelling
+    of durations and budget periods; ParamError naming `param` for anything else."""
     from treeserve.errors import ParamError
 
     match = _DURATION.match(text or "")
     if not match or int(match.group(1)) == 0:
-        raise ParamError(param, f"expected a duration such as '30s', '15m', '12h', '30d' or '2w', "
+        raise ParamError(param, f"expected a duration such as '30s', '15m', '12h', '30d', '2w' or '1mo', "
                          f"got {text!r}")
-    try:
-        duration = dt.timedelta(**{_UNITS[match.group(2)]: int(match.group(1))})
-    except OverflowError:
-        duration = MAX_DURATION + MAX_DURATION
-    if duration > MAX_DURATION:
+    count, unit = int(match.group(1)), match.group(2)
+    if unit == "mo":
+        within = count <= 12 * (MAX_DURATION.days // 365)
+    else:
+        try:
+            within = dt.timedelta(**{_UNITS[unit]: count}) <= MAX_DURATION
+        except OverflowError:
+            within = False
+    if not within:
         raise ParamError(param, f"at most {MAX_DURATION.days // 365} years, got {text!r}")
-    return duration
+    return _add_months(start, count) if unit == "mo" else start + dt.timedelta(**{_UNITS[unit]: count})
+
+
+def _add_months(start: dt.datetime, months: int) -> dt.datetime:
+    year, month = divmod(start.month - 1 + months, 12)
+    year += start.year
+    last_day = calendar.monthrange(year, month + 1)[1]
+    return start.replace(year=year, month=month + 1, day=min(start.day, last_day))
 
 
 @dataclass(frozen=True)
