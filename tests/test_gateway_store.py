@@ -185,6 +185,33 @@ def test_key_fields_are_checked(store):
     assert missing.value.status == 404
 
 
+def test_durations_take_litellms_months():
+    """'1mo' (LiteLLM's) is a calendar month: the same day, or the month's last when it is shorter."""
+    from treeserve.gateway.keys import after
+
+    utc = dt.timezone.utc
+    jan31 = dt.datetime(2027, 1, 31, 12, 0, tzinfo=utc)
+    assert after(jan31, "1mo", "p") == dt.datetime(2027, 2, 28, 12, 0, tzinfo=utc)
+    assert after(dt.datetime(2028, 1, 31, tzinfo=utc), "1mo", "p").day == 29  # (a leap year)
+    assert after(jan31, "12mo", "p") == jan31.replace(year=2028)
+    assert after(dt.datetime(2026, 11, 30, tzinfo=utc), "3mo", "p") == dt.datetime(2027, 2, 28, tzinfo=utc)
+    assert after(jan31, "4000000s", "p") - jan31 == dt.timedelta(seconds=4_000_000)
+    assert after(jan31, "1200mo", "p").year == 2127
+    for text in ("1201mo", "99999999999999999d", "36501d", "0mo", "1month", "mo"):
+        with pytest.raises(ParamError) as refused:
+            after(jan31, text, "budget_duration")
+        assert refused.value.param == "budget_duration", text
+
+
+def test_a_key_and_a_user_take_a_budget_period_of_a_month(store):
+    token, _ = store.accounts.create_key(max_budget=1.0, budget_duration="1mo", duration="2mo")
+    info = store.accounts.key_info(token)
+    resets, expires = dt.datetime.fromisoformat(info["budget_reset_at"]), dt.datetime.fromisoformat(info["expires"])
+    assert 28 <= (resets - utcnow()).days <= 31 and 59 <= (expires - utcnow()).days <= 62
+    store.accounts.create_user("mo-user", max_budget=2.0, budget_duration="1mo")
+    assert store.accounts.user_info("mo-user")["user_info"]["budget_duration"] == "1mo"
+
+
 def test_past_minutes_rate_windows_are_pruned(store):
     token, _ = store.accounts.create_key(rpm_limit=10)
     key = store.accounts.authenticate(token)
