@@ -122,8 +122,18 @@ def test_previous_response_id_continues_the_conversation_and_stays_with_its_key(
     assert second.output_text == text and second.usage.input_tokens == usage.prompt_tokens
     assert client.responses.retrieve(first.id).output_text == first.output_text
     items = client.responses.input_items.list(second.id)
-    assert [i.content[0].text if hasattr(i, "content") and isinstance(i.content, list) else i.content
-            for i in items.data] == ["Two."]
+    assert [(i.type, i.role, i.status, [(c.type, c.text) for c in i.content]) for i in items.data] == [
+        ("message", "user", "completed", [("input_text", "Two.")])]  # (OpenAI's shape: it was the string sent)
+    listed = client.responses.create(model="tiny", max_output_tokens=2, input=[
+        {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "c"}]}])
+    page = client.responses.input_items.list(listed.id, limit=2)  # (newest first, as OpenAI's)
+    assert [i.content[0].text for i in page.data] == ["c", "b"] and page.has_more
+    assert page.data[1].content[0].type == "output_text"
+    assert [i.content[0].text for i in client.responses.input_items.list(listed.id, limit=1, order="asc")] == \
+        ["a", "b", "c"]  # (the client follows `after` page by page)
+    with pytest.raises(openai.BadRequestError):
+        client.responses.input_items.list(listed.id, limit=101)
     if target.other_key is not None:  # another key of the gateway cannot read, continue or delete it
         other = _openai(target, target.other_key)
         with pytest.raises(openai.NotFoundError):
@@ -200,6 +210,15 @@ def test_what_cannot_be_served_is_a_400_naming_it(target):
             client.responses.create(model="tiny", input="x", max_output_tokens=2, extra_body=extra)
         assert caught.value.body["param"] == param and (code is None or caught.value.body["code"] == code), \
             caught.value.body
+    # the chat's errors name the fields this API has (they named max_tokens, response_format, messages)
+    schema_format = {"format": {"type": "json_schema", "name": "n", "schema": {"type": "bogus"}}}
+    for extra, param in [({"max_output_tokens": 10 ** 9}, "max_output_tokens"), ({"text": schema_format}, "text.format"),
+                         ({"tools": [{"type": "function", "name": "f", "parameters": "x"}]}, "tools[0].parameters"),
+                         ({"input": []}, "input")]:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.responses.create(model="tiny", **({"input": "x", "max_output_tokens": 2} | extra))
+        assert caught.value.body["param"].startswith(param), (param, caught.value.body)
+        assert caught.value.body["message"].startswith(param), caught.value.body
     taken = client.responses.create(model="tiny", input="x", max_output_tokens=2, service_tier="auto",
                                     prompt_cache_key="k", safety_identifier="u1", max_tool_calls=2, top_logprobs=0)
     assert taken.status in ("completed", "incomplete")
@@ -341,6 +360,10 @@ def test_anthropic_errors_come_in_its_shape(target):
             call(model="tiny", messages=[{"role": "user", "content": "x"}], extra_body=extra,
                  **({"max_tokens": 2} if call == client.messages.create else {}))
         assert caught.value.body["error"]["message"] == f"{next(iter(extra))}: unknown parameter"
+    with pytest.raises(anthropic.BadRequestError) as caught:  # (named as sent: it was tools[0].function.parameters)
+        client.messages.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": "x"}],
+                               tools=[{"name": "f", "input_schema": "str"}])
+    assert caught.value.body["error"]["message"].startswith("tools[0].input_schema"), caught.value.body
     bad_key = anthropic.Anthropic(base_url=target.url, api_key="sk-wrong", max_retries=0)
     with pytest.raises(anthropic.AuthenticationError) as caught:
         bad_key.messages.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": "x"}])

@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from typing import Literal
 
 import anyio
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from treeserve.gateway.auth import Auth
 from treeserve.gateway.chat.upstream import UpstreamError, stream_events
-from treeserve.gateway.fields import PathId
+from treeserve.gateway.fields import NO_NUL, PathId
 from treeserve.gateway.keys import KeyRecord
 from treeserve.gateway.response_store import DatabaseResponseStore
 from treeserve.gateway.service import GatewayService
@@ -25,6 +26,7 @@ from treeserve.wire.messages import CountTokensRequest, MessagesRequest, from_ch
 from treeserve.wire.messages_stream import MessageEvents
 from treeserve.wire.responses import ResponsesRequest
 from treeserve.wire.responses_api import ResponsesAPI
+from treeserve.wire.translated_errors import MESSAGES, named_for
 from treeserve.wire.translated_stream import event_stream, translated_events
 
 CHAT = "/v1/chat/completions"
@@ -56,8 +58,10 @@ def translated_routes(service: GatewayService, auth: Auth, store: DatabaseRespon
         return await api.retrieve(response_id, key.id)
 
     @routes.get("/v1/responses/{response_id}/input_items")
-    async def input_items(response_id: PathId, key: KeyRecord = Depends(auth.require_key)):
-        return await api.input_items(response_id, key.id)
+    async def input_items(response_id: PathId, after: str | None = Query(None, max_length=128, pattern=NO_NUL),
+                          limit: int = 20, order: Literal["asc", "desc"] = "desc",
+                          key: KeyRecord = Depends(auth.require_key)):
+        return await api.input_items(response_id, key.id, after, limit, order)
 
     @routes.delete("/v1/responses/{response_id}")
     async def delete(response_id: PathId, key: KeyRecord = Depends(auth.require_key)):
@@ -68,7 +72,8 @@ def translated_routes(service: GatewayService, auth: Auth, store: DatabaseRespon
         body = await parse(request, MessagesRequest, max_body_bytes)
         ids: list[str] = []
         chat = body.chat_request()  # (a ParamError: http_errors' 400)
-        result = await unless_client_leaves(request, relay_chat(service, chat, key, ids), idempotent=False)
+        with named_for(MESSAGES):
+            result = await unless_client_leaves(request, relay_chat(service, chat, key, ids), idempotent=False)
         if isinstance(result, dict):
             return _with_request_id(JSONResponse(from_chat(body, body.model, result)), ids)
         return _with_request_id(event_stream(translated_events(MessageEvents(body, body.model), result)), ids)
@@ -76,7 +81,8 @@ def translated_routes(service: GatewayService, auth: Auth, store: DatabaseRespon
     @routes.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request, key: KeyRecord = Depends(auth.require_key)):
         body = await parse(request, CountTokensRequest, max_body_bytes)
-        response = await service.count_tokens(body.chat_fields(), key)
+        with named_for(MESSAGES):
+            response = await service.count_tokens(body.chat_fields(), key)
         ids = [response.headers["x-request-id"]] if "x-request-id" in response.headers else []
         return _with_request_id(JSONResponse({"input_tokens": _reply(response)["count"]}), ids)
 

@@ -3,6 +3,8 @@ stored responses in memory, bounded) and Anthropic's Messages API (wire/messages
 model's chat serving."""
 from __future__ import annotations
 
+from typing import Literal
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
@@ -13,6 +15,7 @@ from treeserve.wire.messages import CountTokensRequest, MessagesRequest, from_ch
 from treeserve.wire.messages_stream import MessageEvents
 from treeserve.wire.responses import ResponsesRequest
 from treeserve.wire.responses_api import MemoryResponseStore, ResponsesAPI
+from treeserve.wire.translated_errors import MESSAGES, named_for
 from treeserve.wire.translated_stream import event_stream, translated_events
 
 REQUEST_MODELS = {"/v1/responses": ResponsesRequest, "/v1/messages": MessagesRequest,
@@ -36,8 +39,9 @@ def responses_routes(served, max_body_bytes: int) -> APIRouter:
         return await api.retrieve(response_id)
 
     @router.get("/v1/responses/{response_id}/input_items")
-    async def input_items(response_id: str):
-        return await api.input_items(response_id)
+    async def input_items(response_id: str, after: str | None = None, limit: int = 20,
+                          order: Literal["asc", "desc"] = "desc"):
+        return await api.input_items(response_id, None, after, limit, order)
 
     @router.delete("/v1/responses/{response_id}")
     async def delete(response_id: str):
@@ -53,7 +57,8 @@ def messages_routes(served, max_body_bytes: int) -> APIRouter:
     async def create(request: Request):
         body = await parse(request, MessagesRequest, max_body_bytes)
         serving = served.serving(body.model)
-        result = await unless_client_leaves(request, serving.chat_body(_translated(body.chat_request)))
+        with named_for(MESSAGES):
+            result = await unless_client_leaves(request, serving.chat_body(_translated(body.chat_request)))
         if isinstance(result, dict):
             return JSONResponse(from_chat(body, serving.model_name, result))
         return event_stream(translated_events(MessageEvents(body, serving.model_name), result))
@@ -62,7 +67,8 @@ def messages_routes(served, max_body_bytes: int) -> APIRouter:
     async def count_tokens(request: Request):
         body = await parse(request, CountTokensRequest, max_body_bytes)
         serving = served.serving(body.model)
-        return {"input_tokens": len(serving.render_body(_translated(body.chat_fields)))}
+        with named_for(MESSAGES):
+            return {"input_tokens": len(serving.render_body(_translated(body.chat_fields)))}
 
     return router
 

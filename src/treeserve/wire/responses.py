@@ -84,6 +84,23 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+
+
+def input_item(item: dict, suffix: str) -> dict:
+    """An input item as OpenAI's input_items list shows it: typed, with an id (its own, or its kind's
+    prefix and `suffix`) and a status, and a message's content as parts (`input_text`; an assistant's
+    `output_text`), however it was sent."""
+    kind = item.get("type", "message" if "role" in item else None)
+    shown = dict(item, type=kind, id=item.get("id") or f"{ITEM_ID_PREFIXES.get(kind, 'item')}_{suffix}",
+                 status=item.get("status") or "completed")
+    if kind == "message" and isinstance(item.get("content"), str):
+        part = "output_text" if item.get("role") == "assistant" else "input_text"
+        shown["content"] = [{"type": part, "text": item["content"]} | ({"annotations": []} if part == "output_text"
+                                                                         else {})]
+    return shown
+
+
 # ---- request -> chat ---------------------------------------------------------------------------
 def chat_request(request: ResponsesRequest, history: list[dict]) -> dict:
     """The chat completions body for a Responses request after `history` (the chat messages of the

@@ -9,8 +9,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from treeserve.wire.errors import APIError, from_value_error
-from treeserve.wire.responses import ResponsesRequest, chat_request, conversation, from_chat, new_id, skeleton
+from treeserve.wire.responses import (ResponsesRequest, chat_request, conversation, from_chat, input_item, new_id,
+                                      skeleton)
 from treeserve.wire.responses_stream import ResponseEvents
+from treeserve.wire.translated_errors import RESPONSES, named_for
 from treeserve.wire.translated_stream import translated_events
 
 # a chat completions body in; its reply (a dict) or its chunks (an async iterator of dicts) out;
@@ -79,7 +81,8 @@ class ResponsesAPI:
         response = skeleton(request, new_id("resp"), model)
         items = [{"type": "message", "role": "user", "content": request.input}] if isinstance(request.input, str) \
             else request.input
-        result = await chat(body)
+        with named_for(RESPONSES):  # (the chat's errors named as the fields the request sent)
+            result = await chat(body)
 
         async def keep(final: dict) -> None:
             if request.store:
@@ -95,11 +98,26 @@ class ResponsesAPI:
     async def retrieve(self, response_id: str, owner: int | None = None) -> dict:
         return (await self._stored(response_id, owner)).response
 
-    async def input_items(self, response_id: str, owner: int | None = None) -> dict:
+    async def input_items(self, response_id: str, owner: int | None = None, after: str | None = None,
+                          limit: int = 20, order: str = "desc") -> dict:
+        """The response's input items as OpenAI lists them (each typed, with an id, a status and, for
+        a message, content parts), a page at a time: `limit` (1-100) items after the one `after`
+        names, newest first unless `order` is `asc`."""
+        if not 1 <= limit <= 100:
+            raise APIError(400, f"limit: must be from 1 to 100, got {limit}", param="limit")
         stored = await self._stored(response_id, owner)
-        data = [dict(item, id=item.get("id") or f"in_{response_id}_{i}") for i, item in enumerate(stored.input_items)]
+        items = [input_item(item, f"{response_id.removeprefix('resp_')}_{i}")
+                 for i, item in enumerate(stored.input_items)]
+        if order == "desc":
+            items.reverse()
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise APIError(404, f"after: no input item {after!r} in response {response_id!r}", param="after")
+            items = items[ids.index(after) + 1:]
+        data = items[:limit]
         return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-                "last_id": data[-1]["id"] if data else None, "has_more": False}
+                "last_id": data[-1]["id"] if data else None, "has_more": len(items) > limit}
 
     async def delete(self, response_id: str, owner: int | None = None) -> dict:
         if not await self.store.delete(response_id, owner):
