@@ -69,6 +69,7 @@ def _chat(client, content="Hello", **extra):
 def test_admin_routes_need_the_master_key(server, database):
     with gateway(database, [server.url]) as (url, _):
         for method, path in [("POST", "/key/generate"), ("GET", "/key/list"), ("POST", "/user/new"),
+                             ("POST", "/user/update"), ("POST", "/user/delete"), ("GET", "/user/list"),
                              ("GET", "/spend/logs"), ("GET", "/metrics"), ("GET", "/health/backends")]:
             for headers in ({}, {"Authorization": "Bearer sk-wrong"}):
                 response = httpx.request(method, url + path, headers=headers, json={})
@@ -77,6 +78,44 @@ def test_admin_routes_need_the_master_key(server, database):
         key = _new_key(url)
         assert httpx.get(url + "/key/list", headers={"Authorization": f"Bearer {key}"}).status_code == 401
         assert httpx.get(url + "/health").status_code == 200
+
+
+def test_users_are_updated_listed_and_deleted_with_their_keys_and_spend_can_start_again(server, database):
+    """LiteLLM's /user/update, /user/list, /user/delete (with the user's keys) and `spend` in
+    /key/update and /user/update (0: the budget starts again); a helper found them missing."""
+    with gateway(database, [server.url]) as (url, _):
+        assert _admin(url, "POST", "/user/new", json={"user_id": "ann", "max_budget": 1e-9}).status_code == 200
+        key = _new_key(url, user_id="ann")
+        client = _client(url, key)
+        _chat(client)
+        with pytest.raises(openai.APIStatusError) as refused:  # (the user's budget is spent)
+            _chat(client)
+        assert refused.value.status_code == 400 and refused.value.body["code"] == "budget_exceeded"
+        updated = _admin(url, "POST", "/user/update", json={"user_id": "ann", "max_budget": 5.0, "spend": 0,
+                                                              "budget_duration": "1mo", "metadata": {"team": "x"}})
+        assert updated.status_code == 200, updated.text
+        info = updated.json()["user_info"]
+        assert (info["max_budget"], info["spend"], info["budget_duration"], info["metadata"]) == (5.0, 0.0, "1mo",
+                                                                                                  {"team": "x"})
+        assert info["budget_reset_at"] and _chat(client).usage.completion_tokens == 8
+        kept = _admin(url, "POST", "/user/update", json={"user_id": "ann", "models": ["tiny"]}).json()["user_info"]
+        assert kept["metadata"] == {"team": "x"} and kept["max_budget"] == 5.0  # (only what is given changes)
+        key_spend = _admin(url, "POST", "/key/update", json={"key": key, "spend": 0}).json()
+        assert key_spend["spend"] == 0.0
+        for null in ("spend", "blocked"):  # (they were a 500: the columns take no NULL)
+            assert _admin(url, "POST", "/key/update", json={"key": key, null: None}).status_code == 400
+        for bad in ({"user_id": "nobody", "max_budget": 1}, {"user_id": "ann", "spend": -1},
+                    {"user_id": "ann", "budget_duration": "monthly"}, {"user_id": "ann", "nope": 1}):
+            answer = _admin(url, "POST", "/user/update", json=bad)
+            assert answer.status_code in (400, 404), (bad, answer.text)
+        assert _admin(url, "POST", "/user/new", json={"user_id": "bob"}).status_code == 200
+        assert [u["user_id"] for u in _admin(url, "GET", "/user/list").json()["users"]] == ["ann", "bob"]
+        assert _admin(url, "POST", "/user/delete", json={"user_ids": ["ann", "nobody"]}).status_code == 404
+        assert _admin(url, "POST", "/user/delete", json={"user_ids": ["ann"]}).json() == {"deleted_users": ["ann"]}
+        assert [u["user_id"] for u in _admin(url, "GET", "/user/list").json()["users"]] == ["bob"]
+        assert _admin(url, "GET", "/key/info", params={"key": key}).status_code == 404  # (its keys went with it)
+        with pytest.raises(openai.AuthenticationError):  # (this process forgot it at once)
+            _chat(client)
 
 
 def test_keys_are_stored_hashed_and_shown_once(server, database):

@@ -11,13 +11,13 @@ from treeserve.gateway.schema import ApiKey, User, iso, money
 KEY_FIELDS = ("key_alias", "user_id", "models", "max_budget", "budget_duration", "rpm_limit", "tpm_limit",
               "max_parallel_requests", "metadata", "blocked")
 USER_FIELDS = ("max_budget", "budget_duration", "models", "metadata")
-LIMITS = ("max_budget", "rpm_limit", "tpm_limit", "max_parallel_requests")
+LIMITS = ("max_budget", "rpm_limit", "tpm_limit", "max_parallel_requests", "spend")
 
 
 def key_values(fields: dict, now: dt.datetime) -> dict:
     """A key's columns from the fields given (`duration` is the caller's to read)."""
-    _refuse_unknown(fields, KEY_FIELDS + ("duration",), "key")
-    values = {k: v for k, v in fields.items() if k in KEY_FIELDS and k != "metadata"}
+    _refuse_unknown(fields, KEY_FIELDS + ("duration", "spend"), "key")
+    values = {k: v for k, v in fields.items() if k in KEY_FIELDS + ("spend",) and k != "metadata"}
     if "metadata" in fields:
         values["extra"] = fields["metadata"] or {}
     _check_limits(values)
@@ -25,10 +25,12 @@ def key_values(fields: dict, now: dt.datetime) -> dict:
     return values
 
 
-def user_values(fields: dict, now: dt.datetime) -> dict:
-    _refuse_unknown(fields, USER_FIELDS, "user")
+def user_values(fields: dict, now: dt.datetime, updating: bool = False) -> dict:
+    """A user's columns from the fields given (`updating`: only those given, `spend` among them)."""
+    _refuse_unknown(fields, USER_FIELDS + (("spend",) if updating else ()), "user")
     values = {k: v for k, v in fields.items() if k != "metadata"}
-    values["extra"] = fields.get("metadata") or {}
+    if "metadata" in fields or not updating:
+        values["extra"] = fields.get("metadata") or {}
     _check_limits(values)
     _budget_period(values, now)
     return values

@@ -39,6 +39,33 @@ class Accounts:
             rows = conn.scalars(select(ApiKey).where(ApiKey.user_id == user_id).order_by(ApiKey.id)).all()
         return {"user_id": user_id, "user_info": public_user(user), "keys": [public_key(k) for k in rows]}
 
+    def update_user(self, user_id: str, password_hash: str | None = None, **fields) -> dict:
+        """The fields given changed (a budget period given starts now; `spend` set, 0 to start again)."""
+        values = user_values(fields, utcnow(), updating=True)
+        if password_hash is not None:
+            values["password_hash"] = password_hash
+        if values:
+            with self.db.transaction() as conn:
+                if conn.execute(update(User).where(User.user_id == user_id).values(**values)).rowcount == 0:
+                    raise UserNotFound(user_id)
+        return self.user_info(user_id)
+
+    def delete_users(self, user_ids: list[str]) -> list[str]:
+        """All of them with their keys (LiteLLM's rule) and web chat data, or none (UserNotFound)
+        when any does not exist."""
+        with self.db.transaction() as conn:
+            found = set(conn.execute(select(User.user_id).where(User.user_id.in_(user_ids))).scalars())
+            missing = [u for u in user_ids if u not in found]
+            if missing:
+                raise UserNotFound(missing[0])
+            conn.execute(delete(ApiKey).where(ApiKey.user_id.in_(user_ids)))
+            conn.execute(delete(User).where(User.user_id.in_(user_ids)))
+        return user_ids
+
+    def list_users(self) -> list[dict]:
+        with self.db.session() as conn:
+            return [public_user(u) for u in conn.scalars(select(User).order_by(User.created_at, User.user_id))]
+
     def set_password_hash(self, user_id: str, password_hash: str) -> None:
         with self.db.transaction() as conn:
             conn.execute(update(User).where(User.user_id == user_id).values(password_hash=password_hash))

@@ -47,7 +47,8 @@ class KeyLimits(_Body):
 
 class KeyUpdate(KeyLimits):
     key: Annotated[Text, Field(max_length=512)]
-    blocked: bool | None = None
+    blocked: bool = None  # (a null is a 400: a key is blocked or it is not)
+    spend: Money = None  # (LiteLLM's: 0 starts the key's spend again; a null is a 400, not a spend of nothing)
 
 
 class KeyDelete(_Body):
@@ -61,6 +62,14 @@ class NewUser(_Body):
     models: Models | None = None
     metadata: dict[str, Any] | None = None
     password: Annotated[Text, Field(max_length=1024)] | None = None  # for the web chat (an Argon2id hash)
+
+
+class UserUpdate(NewUser):
+    spend: Money = None  # (as the key's)
+
+
+class UserDelete(_Body):
+    user_ids: list[UserId] = Field(min_length=1)
 
 
 def admin_router(accounts: Accounts, ledger: Ledger, require_master: Any, known_models: set[str],
@@ -130,6 +139,33 @@ def admin_router(accounts: Accounts, ledger: Ledger, require_master: Any, known_
     async def user_info(user_id: str = Query(..., max_length=128, pattern=NO_NUL)):
         await run_in_threadpool(ledger.flush)
         return await run_in_threadpool(accounts.user_info, user_id)
+
+    @router.post("/user/update")
+    async def update_user(body: UserUpdate):
+        check_models(body.models)
+        fields = body.model_dump(exclude_unset=True)
+        user_id = fields.pop("user_id")
+        password = fields.pop("password", None)
+
+        def change() -> dict:
+            password_hash = hash_password(password) if password is not None else None
+            return accounts.update_user(user_id, password_hash=password_hash, **fields)
+        try:
+            return budget_warning(await run_in_threadpool(change), body.max_budget, "user")
+        finally:
+            on_change()  # (a user's models and budget are read with its keys)
+
+    @router.post("/user/delete")
+    async def delete_users(body: UserDelete):
+        try:
+            return {"deleted_users": await run_in_threadpool(accounts.delete_users, body.user_ids)}
+        finally:
+            on_change()
+
+    @router.get("/user/list")
+    async def list_users():
+        await run_in_threadpool(ledger.flush)
+        return {"users": await run_in_threadpool(accounts.list_users)}
 
     @router.get("/spend/logs")
     async def spend_logs(api_key: str | None = Query(None, max_length=512, pattern=NO_NUL),
