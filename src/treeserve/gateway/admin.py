@@ -123,17 +123,19 @@ def admin_router(accounts: Accounts, ledger: Ledger, require_master: Any, known_
         finally:
             on_change()
 
+    async def write_user(write: Callable[..., dict], body: NewUser, fields: dict) -> dict:
+        """`write(user_id, password_hash=..., **fields)` in a worker thread (hashing a password takes
+        tens of milliseconds: not on the event loop)."""
+        check_models(body.models)
+        user_id, password = fields.pop("user_id"), fields.pop("password", None)
+
+        def call() -> dict:
+            return write(user_id, password_hash=hash_password(password) if password is not None else None, **fields)
+        return budget_warning(await run_in_threadpool(call), body.max_budget, "user")
+
     @router.post("/user/new")
     async def new_user(body: NewUser):
-        check_models(body.models)
-        fields = body.model_dump(exclude_none=True)
-        user_id = fields.pop("user_id")
-        password = fields.pop("password", None)
-
-        def create() -> dict:  # (hashing a password takes tens of milliseconds: not on the event loop)
-            password_hash = hash_password(password) if password is not None else None
-            return accounts.create_user(user_id, password_hash=password_hash, **fields)
-        return budget_warning(await run_in_threadpool(create), body.max_budget, "user")
+        return await write_user(accounts.create_user, body, body.model_dump(exclude_none=True))
 
     @router.get("/user/info")
     async def user_info(user_id: str = Query(..., max_length=128, pattern=NO_NUL)):
@@ -142,16 +144,8 @@ def admin_router(accounts: Accounts, ledger: Ledger, require_master: Any, known_
 
     @router.post("/user/update")
     async def update_user(body: UserUpdate):
-        check_models(body.models)
-        fields = body.model_dump(exclude_unset=True)
-        user_id = fields.pop("user_id")
-        password = fields.pop("password", None)
-
-        def change() -> dict:
-            password_hash = hash_password(password) if password is not None else None
-            return accounts.update_user(user_id, password_hash=password_hash, **fields)
         try:
-            return budget_warning(await run_in_threadpool(change), body.max_budget, "user")
+            return await write_user(accounts.update_user, body, body.model_dump(exclude_unset=True))
         finally:
             on_change()  # (a user's models and budget are read with its keys)
 
