@@ -28,9 +28,17 @@ HTTP_STATUS: dict[type[GatewayError], tuple[int, str | None]] = {
 }
 
 
+HELD_RETRY_AFTER = 1  # seconds a request refused for what requests in flight hold of its budget is told to wait
+
+
 def to_api_error(exc: GatewayError) -> APIError:
     status, code = next(HTTP_STATUS[cls] for cls in type(exc).__mro__ if cls in HTTP_STATUS)
     headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, LimitExceeded) else None
+    if isinstance(exc, BudgetExceeded) and not exc.spent:
+        # the budget is not spent, only held by requests in flight (their worst cases): what they do
+        # not use comes back when they settle, so a 429 to try again (OpenAI's clients retry it), not
+        # a 400 that reads as out of money
+        status, headers = 429, {"Retry-After": str(HELD_RETRY_AFTER)}
     return APIError(status, exc.message, param=exc.param, code=code, headers=headers)
 
 
