@@ -55,6 +55,18 @@ def test_beam_search_keeps_the_best_n_over_m_and_expands_each_m_times():
     assert result.tree_size == 12
 
 
+@pytest.mark.parametrize("strategy", ["beam", "dvts"])
+@pytest.mark.parametrize("lookahead", [0, 1, 2])
+def test_usage_counts_every_token_generated_lookahead_rollouts_too(strategy, lookahead):
+    """`completion_tokens` (what the gateway bills) is every token the generator wrote; a lookahead's
+    rollouts were left out (a helper measured usage 692 against 1266 generated at lookahead 1)."""
+    script = Script(lambda text, j: ("abcd"[j % 4] + "\n\n", "step"), lambda s: 0.5)
+    result = script.run(beam_config(strategy=strategy, lookahead=lookahead, num_iterations=4))
+    generated = sum(sum(sample.counts) for sample in script.samples)  # (each scripted step is 1 token)
+    assert result.completion_tokens == generated
+    assert any(sample.greedy for sample in script.samples) == (lookahead > 0)
+
+
 def test_max_depth_samples_to_the_end_only_when_asked():
     script = Script(lambda text, j: ("x\n\n", "step"), lambda s: 0.5)
     script.run(beam_config(num_iterations=2))

@@ -65,7 +65,8 @@ def _beam_search(question: str, config: SearchConfig, index: int) -> Strategy:
         candidates = [active[b].extend(step) for (b, _), step in zip(order, steps)]
         tree_size += len(candidates)
         tokens += sum(len(s.token_ids) for s in steps)
-        rollouts = yield from _lookahead(candidates, steps, config, index, depth, at_max_depth)
+        rollouts, rolled = yield from _lookahead(candidates, steps, config, index, depth, at_max_depth)
+        tokens += rolled
         scores = yield Score(question, [c.text + r for c, r in zip(candidates, rollouts)])
         done = [at_max_depth or _ends_solution(step) for step in steps]
         completed += [(c, s) for c, s, d in zip(candidates, scores, done) if d]
@@ -135,7 +136,8 @@ def _dvts(question: str, config: SearchConfig, index: int) -> Strategy:
         candidates = [t.beam.extend(step) for (_, t), per_tree in zip(live, sampled) for step in per_tree]
         tree_size += len(candidates)
         tokens += sum(len(s.token_ids) for s in steps)
-        rollouts = yield from _lookahead(candidates, steps, config, index, depth, at_max_depth)
+        rollouts, rolled = yield from _lookahead(candidates, steps, config, index, depth, at_max_depth)
+        tokens += rolled
         scores = yield Score(question, [c.text + r for c, r in zip(candidates, rollouts)])
         width = config.beam_width
         for k, (_, tree) in enumerate(live):
@@ -157,10 +159,11 @@ def _advance(tree: _Subtree, candidates: list[Beam], steps: list[Step], scores: 
 # ---- shared pieces -------------------------------------------------------------------------
 def _lookahead(candidates: list[Beam], steps: list[Step], config: SearchConfig, index: int, depth: int,
                at_max_depth: bool):
-    """Greedy rollouts of `lookahead` further steps past each unfinished candidate (texts only)."""
-    rollouts = [""] * len(candidates)
+    """Greedy rollouts of `lookahead` further steps past each unfinished candidate: their texts, and
+    the tokens generated for them (usage counts them: they are generated as any step is)."""
+    rollouts, tokens = [""] * len(candidates), 0
     if config.lookahead == 0 or at_max_depth:
-        return rollouts
+        return rollouts, tokens
     heads = {i: c for i, (c, s) in enumerate(zip(candidates, steps)) if not _ends_solution(s)}
     for ahead in range(config.lookahead):
         if not heads:
@@ -171,10 +174,11 @@ def _lookahead(candidates: list[Beam], steps: list[Step], config: SearchConfig, 
         for i, per_beam in zip(keys, sampled):
             step = per_beam[0]
             rollouts[i] += step.text
+            tokens += len(step.token_ids)
             heads[i] = heads[i].extend(step)
             if _ends_solution(step):
                 del heads[i]
-    return rollouts
+    return rollouts, tokens
 
 
 def _result(question: str, config: SearchConfig, texts: list[str], scores: list[list[float]],
