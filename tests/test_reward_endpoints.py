@@ -64,7 +64,33 @@ def test_score_scores_every_candidate_of_one_prefix_as_rewards_would(served):
         assert not engine.scheduler.has_unfinished()
 
 
+def test_a_solution_scores_the_same_however_its_steps_are_spaced(served):
+    """/pooling splits as a search does (stripped, empty pieces dropped) and /v1/rewards and /v1/score
+    strip given steps: before, a third newline or a trailing one turned a step's 0.997 into 1e-9,
+    and four newlines made an empty step (a helper's finding)."""
+    url, _ = served
+    steps = ["Start: 40.", "Step 1: 40 - 5 = 35.", "Step 2: 35 + 17 = 52."]
+    clean = httpx.post(f"{url}/v1/rewards", json={"model": "prm", "question": QUESTION, "steps": steps},
+                       timeout=60).json()["scores"]
+    for text in ("\n\n".join(steps), "\n\n\n".join(steps), "\n\n\n\n".join(steps) + "\n\n",
+                 "  " + " \n\n  ".join(steps) + "  "):
+        pooled = httpx.post(f"{url}/pooling", timeout=60, json={"model": "prm", "messages": [
+            {"role": "user", "content": QUESTION}, {"role": "assistant", "content": text}]}).json()
+        assert pooled["data"][0]["data"] == pytest.approx(clean, abs=1e-5), repr(text)
+    spaced = httpx.post(f"{url}/v1/rewards", json={"model": "prm", "question": QUESTION,
+                                                   "steps": [s + "\n\n" for s in steps]}, timeout=60).json()
+    assert spaced["scores"] == pytest.approx(clean, abs=1e-5)
+    scored = httpx.post(f"{url}/v1/score", json={"model": "prm", "question": QUESTION, "steps": steps[:2],
+                                                 "candidates": [" " + steps[2] + "\n"]}, timeout=60).json()
+    assert scored["data"][0]["score"] == pytest.approx(clean[2], abs=1e-5)
+
+
 @pytest.mark.parametrize("path, body, param", [
+    ("/v1/rewards", {"model": "prm", "question": "q", "steps": ["a", " \n"]}, "steps[1]"),
+    ("/v1/score", {"model": "prm", "question": "q", "steps": [""], "candidates": ["a"]}, "steps[0]"),
+    ("/v1/score", {"model": "prm", "question": "q", "candidates": [["a", ""]]}, "candidates[0][1]"),
+    ("/v1/rewards", {"model": "prm", "question": "q", "steps": ["a"], "step": ["b"]}, "step"),
+    ("/v1/search", {"model": "gen", "verifier": "prm", "question": "q", "max_iterations": 1}, "max_iterations"),
     ("/v1/score", {"model": "prm", "question": "q", "candidates": []}, "candidates"),
     ("/v1/score", {"model": "prm", "question": "q", "candidates": [[]]}, "candidates[0]"),
     ("/v1/score", {"model": "nope", "question": "q", "candidates": ["a"]}, "model"),

@@ -90,9 +90,10 @@ class SearchResult:
         return bool(scored) and max(scored) < REJECT_THRESHOLD
 
 
-def split_steps(text: str) -> list[str]:
-    """The steps of a solution as the verifier sees them: blank-line separated, non-empty, stripped."""
-    return [s.strip() for s in text.split(STEP_DELIMITER) if s.strip()]
+def split_steps(text: str, delimiter: str = STEP_DELIMITER) -> list[str]:
+    """The steps of a solution as the verifier sees them: `delimiter` (a blank line) separated,
+    non-empty, stripped."""
+    return [s.strip() for s in text.split(delimiter) if s.strip()]
 
 
 def aggregate(scores: list[float], how: str) -> float:

@@ -1,5 +1,5 @@
 """Scoring with the served reward models outside a search: /v1/rewards (one solution's steps),
-vLLM's /pooling (a conversation, its solution split at the model's step separator) and /v1/score
+vLLM's /pooling (a conversation, its solution split at the model's step separator as a search's are) and /v1/score
 (candidate continuations of one prefix in one call). Every route submits its items to the model's
 StepScorer on the engine loop as one ticket: steps already scored come from the score cache, and
 the items' shared prefix is computed once (the prefix cache)."""
@@ -12,10 +12,11 @@ import uuid
 from treeserve.engine.async_engine import AsyncLLMEngine
 from treeserve.errors import ParamError
 from treeserve.runtime.scorer import StepScorer
+from treeserve.search.config import STEP_DELIMITER
+from treeserve.search.tree import split_steps
 from treeserve.wire.errors import APIError, from_value_error
 from treeserve.wire.protocol import PoolingRequest, RewardRequest, ScoreRequest
 
-DEFAULT_STEP_SEPARATOR = "\n\n"  # Search-and-Learn's (and the bundled generator's)
 
 
 def step_separator(scorer: StepScorer) -> str:
@@ -25,16 +26,15 @@ def step_separator(scorer: StepScorer) -> str:
     for name in ("separator", "step_tag", "step_delimiter"):
         if isinstance(getattr(recipe, name, None), str):
             return getattr(recipe, name)
-    return DEFAULT_STEP_SEPARATOR
+    return STEP_DELIMITER  # (Search-and-Learn's, and the bundled generator's)
 
 
-def split_steps(solution: str, separator: str) -> list[str]:
-    """A solution's steps: the pieces between separators, a trailing separator (or empty piece) dropped."""
-    pieces = solution.split(separator)
-    steps = [piece.lstrip("\n") if i and separator != "\n\n" else piece for i, piece in enumerate(pieces)]
-    while steps and not steps[-1].strip():
-        steps.pop()
-    return steps
+def given_steps(steps: list[str], where: str) -> list[str]:
+    """Steps as sent, stripped as a search's are (the same step scores the same); an empty one is a 400."""
+    stripped = [step.strip() for step in steps]
+    if "" in stripped:
+        raise APIError(400, f"{where}[{stripped.index('')}]: a step is empty", param=f"{where}[{stripped.index('')}]")
+    return stripped
 
 
 class RewardServing:
@@ -50,7 +50,7 @@ class RewardServing:
 
     async def rewards(self, body: RewardRequest) -> dict:
         scorer = self.scorer(body.model)
-        scores = (await self.score(scorer, [(body.question, list(body.steps))]))[0]
+        scores = (await self.score(scorer, [(body.question, given_steps(body.steps, "steps"))]))[0]
         return {"object": "reward", "model": body.model, "recipe": scorer.recipe.name, "scores": scores}
 
     async def pooling(self, body: PoolingRequest) -> dict:
@@ -70,8 +70,9 @@ class RewardServing:
 
     async def score_candidates(self, body: ScoreRequest) -> dict:
         scorer = self.scorer(body.model)
-        prefix = list(body.steps)
-        items = [(body.question, prefix + ([c] if isinstance(c, str) else list(c))) for c in body.candidates]
+        prefix = given_steps(body.steps, "steps")
+        items = [(body.question, prefix + given_steps([c] if isinstance(c, str) else c, f"candidates[{i}]"))
+                 for i, c in enumerate(body.candidates)]
         for i, (_, steps) in enumerate(items):
             if len(steps) == len(prefix):
                 raise APIError(400, f"candidates[{i}]: a candidate needs at least one step", param=f"candidates[{i}]")

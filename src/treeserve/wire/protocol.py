@@ -352,8 +352,9 @@ class DetokenizeRequest(BaseModel):
 
 
 class RewardRequest(BaseModel):
-    """POST /v1/rewards: one score per step from a process reward model."""
-    model_config = ConfigDict(extra="ignore", strict=True)
+    """POST /v1/rewards: one score per step from a process reward model. A field it does not have
+    is a 400 naming it (as on /v1/search)."""
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str
     question: str
     steps: list[str] = Field(min_length=1)
@@ -372,7 +373,7 @@ class ScoreRequest(BaseModel):
     """POST /v1/score: candidate continuations of one solution prefix, scored in one call (their shared
     prefix computed once, through the prefix cache and the score cache). A candidate is one step or
     several."""
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str
     question: str
     steps: list[str] = Field(default_factory=list)  # the prefix every candidate continues
@@ -382,8 +383,9 @@ class ScoreRequest(BaseModel):
 class SearchRequest(BaseModel):
     """POST /v1/search: test-time search for one question (Search-and-Learn's parameters)."""
     # Every field of SearchConfig under its name there, with its default or None (the server chooses);
-    # server/serving_search.py copies them across, tests/test_sampling_fields.py checks both.
-    model_config = ConfigDict(extra="ignore", strict=True)
+    # server/serving_search.py copies them across, tests/test_sampling_fields.py checks both. A field
+    # it does not have is a 400 naming it: `max_iterations` for num_iterations, ignored, ran 40.
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None             # the generator; default: the first served model
     verifier: str | None = None          # the PRM; needed by every strategy but greedy and majority
     question: str | None = None
@@ -403,6 +405,8 @@ class SearchRequest(BaseModel):
     system_prompt: str | None = None
     seed: int = 0
     stream: bool = False                 # Server-Sent Events: progress events, then the result
+    stream_options: dict | None = None   # (taken with no effect: usage is in the result; a gateway sends it)
+    user: str | None = None              # (OpenAI's end-user id: no effect)
     # speculative decoding of the samples, as vLLM's speculative_config ({"method": "suffix", ...}): the
     # problem's sibling sequences are the drafts' source; off unless given
     speculative_config: dict | None = None
