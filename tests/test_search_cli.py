@@ -45,3 +45,36 @@ def test_eval_names_a_bad_strategy(models, tmp_path, capsys):
     dataset.write_text(json.dumps(ROWS[0]) + "\n")
     assert main(["eval", "--dataset", str(dataset), "--strategy", "bogus", "--out", str(tmp_path), *models]) == 2
     assert "strategy" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, said", [(["--limit", "0"], "--limit: must be at least 1, got 0"),
+                                         (["--limit", "-1"], "--limit: must be at least 1, got -1"),
+                                         (["--n", "4,x"], "--n: expected a whole number, got 'x'")])
+def test_eval_refuses_counts_that_mean_nothing(tmp_path, capsys, flags, said):
+    """--limit 0 ran every problem (an hours-long MATH-500 run) and -1 all but the last (a helper's finding)."""
+    dataset = tmp_path / "data.jsonl"
+    dataset.write_text(json.dumps(ROWS[0]) + "\n")
+    with pytest.raises(SystemExit) as refused:
+        main(["eval", "--dataset", str(dataset), "--out", str(tmp_path / "out"), *flags])
+    assert refused.value.code == 2 and said in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content, said", [
+    ("", "has no problems"),
+    (json.dumps(ROWS[0]) + "\n" + json.dumps({"problem": "x"}) + "\n", "line 2: a row needs the fields problem and "
+                                                                       "answer (missing answer)"),
+    (json.dumps(ROWS[0]) + "\n{oops\n", "line 2 is not JSON")])
+def test_eval_names_the_line_of_a_bad_dataset_before_it_loads_a_model(tmp_path, capsys, content, said):
+    dataset = tmp_path / "data.jsonl"
+    dataset.write_text(content)
+    assert main(["eval", "--dataset", str(dataset), "--out", str(tmp_path / "out"), "--generator", "/nowhere"]) == 2
+    assert said in capsys.readouterr().err
+
+
+def test_eval_with_out_naming_a_file_is_an_error_not_a_traceback(models, tmp_path, capsys):
+    dataset, out = tmp_path / "data.jsonl", tmp_path / "taken"
+    dataset.write_text(json.dumps(ROWS[0]) + "\n")
+    out.write_text("a file")
+    assert main(["eval", "--dataset", str(dataset), "--n", "2", "--strategy", "best_of_n", "--out", str(out),
+                 *models]) == 2
+    assert "error:" in capsys.readouterr().err

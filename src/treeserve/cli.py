@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError) as exc:  # (a file missing or in the way, a directory not writable, ...)
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

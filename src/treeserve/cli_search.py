@@ -19,12 +19,30 @@ def add_search_parsers(sub) -> None:
     evaluate = sub.add_parser("eval", help="accuracy of search strategies on a MATH-format dataset")
     _add_search_args(evaluate)
     evaluate.add_argument("--dataset", required=True, help="JSONL with problem and answer fields (e.g. MATH-500)")
-    evaluate.add_argument("--n", default="4", help="comma-separated N values, e.g. 4,16,64")
-    evaluate.add_argument("--limit", type=int, help="only the first LIMIT problems")
+    evaluate.add_argument("--n", default=[4], type=_sizes, help="comma-separated N values, e.g. 4,16,64")
+    evaluate.add_argument("--limit", type=_at_least_one, help="only the first LIMIT problems")
     evaluate.add_argument("--out", type=Path, required=True)
     evaluate.add_argument("--reference", action="store_true",
                           help="run Search-and-Learn's original execution instead of treeserve's")
     evaluate.set_defaults(func=cmd_eval)
+
+
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _sizes(text: str) -> list[int]:
+    """--n of eval: comma-separated N values, each at least 1."""
+    sizes = [_at_least_one(n.strip()) for n in text.split(",") if n.strip()]
+    if not sizes:
+        raise argparse.ArgumentTypeError("expected N values such as 4,16,64")
+    return sizes
 
 
 def _add_search_args(parser: argparse.ArgumentParser) -> None:
@@ -114,7 +132,7 @@ def cmd_eval(args) -> int:
     from treeserve.search.evaluate import evaluate, load_dataset, write_report
 
     rows = load_dataset(args.dataset, args.limit)
-    sizes = [int(n) for n in str(args.n).split(",") if n]
+    sizes = args.n
     strategies = [s for s in args.strategy.split(",") if s]
     rt = _runtime(args)
     configs = [_config(args, s, n, rt) for s in strategies for n in ([1] if s == "greedy" else sizes)]

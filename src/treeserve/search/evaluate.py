@@ -21,11 +21,26 @@ Runner = Callable[[list[str], SearchConfig, Callable], list[SearchResult]]
 
 
 def load_dataset(path: str | Path, limit: int | None = None) -> list[dict]:
-    rows = jsonl.loads(Path(path).read_text())
-    missing = [k for k in ("problem", "answer") if rows and k not in rows[0]]
-    if missing:
-        raise ParamError("dataset", f"rows need the fields problem and answer (missing {', '.join(missing)})")
-    return rows[:limit] if limit else rows
+    """The first `limit` (default: all) problems of a JSONL file, each row an object with `problem`
+    and `answer`; ParamError naming the file and line of the first bad row, or an empty file."""
+    if limit is not None and limit < 1:
+        raise ParamError("limit", f"must be at least 1, got {limit}")
+    rows = []
+    for number, line in jsonl.split(Path(path).read_text()):
+        try:
+            row = json.loads(line)
+        except ValueError as exc:
+            raise ParamError("dataset", f"{path} line {number} is not JSON ({exc})") from None
+        missing = [k for k in ("problem", "answer") if not isinstance(row, dict) or k not in row]
+        if missing:
+            raise ParamError("dataset", f"{path} line {number}: a row needs the fields problem and answer "
+                                        f"(missing {', '.join(missing)})")
+        rows.append(row)
+        if len(rows) == limit:
+            break
+    if not rows:
+        raise ParamError("dataset", f"{path} has no problems")
+    return rows
 
 
 def predictions_by_n(result: SearchResult) -> dict[str, str | None]:
