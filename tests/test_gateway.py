@@ -120,6 +120,52 @@ def test_users_are_updated_listed_and_deleted_with_their_keys_and_spend_can_star
             _chat(client)
 
 
+def test_litellms_key_routes_and_unique_aliases(server, database, caplog):
+    """What an operator moving from LiteLLM's proxy reaches for (a helper's audit): /key/block,
+    /key/unblock, /key/regenerate (a new secret, the same key: its spend stays), /key/info on a key
+    by itself, /model/info, /health/liveliness and /health/readiness, unique key aliases, spend logs
+    found by request id and naming their key's hash, and refusals logged with an x-request-id."""
+    with gateway(database, [server.url]) as (url, _):
+        created = _admin(url, "POST", "/key/generate", json={"key_alias": "team-a", "models": ["tiny"]}).json()
+        key = created["key"]
+        for alias in ("team-a", "master"):
+            taken = _admin(url, "POST", "/key/generate", json={"key_alias": alias})
+            assert taken.status_code == 400 and taken.json()["error"]["code"] == "key_alias_exists", taken.text
+        other = _new_key(url, key_alias="team-b")
+        assert _admin(url, "POST", "/key/update", json={"key": other, "key_alias": "team-a"}).status_code == 400
+        assert _admin(url, "POST", "/key/update", json={"key": key, "key_alias": "team-a"}).status_code == 200
+        answer = _chat(_client(url, key))
+        own = httpx.get(url + "/key/info", headers={"Authorization": f"Bearer {key}"}).json()
+        assert own["info"]["key_alias"] == "team-a" and own["info"]["key_id"] == created["key_id"]
+        assert httpx.get(url + "/key/info", params={"key": other},
+                         headers={"Authorization": f"Bearer {key}"}).status_code == 403
+        assert _admin(url, "GET", "/key/info", params={"key": key}).json()["key"] == key
+        assert _admin(url, "POST", "/key/block", json={"key": key}).json()["blocked"] is True
+        with pytest.raises(openai.AuthenticationError):
+            _chat(_client(url, key))
+        assert _admin(url, "POST", "/key/unblock", json={"key": created["token"]}).json()["blocked"] is False
+        renewed = _admin(url, "POST", "/key/regenerate", json={"key": key}).json()
+        assert renewed["key"] != key and renewed["key_id"] == created["key_id"] and renewed["spend"] > 0
+        with pytest.raises(openai.AuthenticationError):
+            _chat(_client(url, key))
+        assert _chat(_client(url, renewed["key"])).usage.completion_tokens == 8
+        logs = _admin(url, "GET", "/spend/logs", params={"request_id": answer._request_id}).json()
+        assert [r["request_id"] for r in logs] == [answer._request_id] and logs[0]["api_key"] == renewed["token"]
+        newest = _admin(url, "GET", "/spend/logs", params={"order": "desc", "limit": 1}).json()
+        assert newest[0]["request_id"] != answer._request_id
+        info = httpx.get(url + "/model/info", headers={"Authorization": f"Bearer {renewed['key']}"}).json()
+        assert [m["model_name"] for m in info["data"]] == ["tiny"]  # (the key's models only)
+        assert info["data"][0]["model_info"]["output_cost_per_token"] == OUT_PRICE
+        for probe in ("/health/liveliness", "/health/readiness"):
+            assert httpx.get(url + probe).status_code == 200
+        with caplog.at_level(logging.INFO, logger="treeserve.gateway"):
+            with pytest.raises(openai.PermissionDeniedError) as refused:
+                _client(url, renewed["key"]).chat.completions.create(model="other", max_tokens=2,
+                                                                     messages=[{"role": "user", "content": "x"}])
+        request_id = refused.value.response.headers["x-request-id"]
+        assert any(request_id in r.getMessage() and "refused 403" in r.getMessage() for r in caplog.records)
+
+
 def test_keys_are_stored_hashed_and_shown_once(server, database):
     with gateway(database, [server.url]) as (url, app):
         created = _admin(url, "POST", "/key/generate", json={"key_alias": "team-a", "models": ["tiny"],

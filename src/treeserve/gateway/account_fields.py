@@ -57,7 +57,7 @@ def _budget_period(values: dict, now: dt.datetime) -> None:
 
 
 def public_key(key: ApiKey) -> dict:
-    return {"token": key.token_hash, "key_name": key.key_name, "key_alias": key.key_alias, "user_id": key.user_id,
+    return {"token": key.token_hash, "key_id": key.id, "key_name": key.key_name, "key_alias": key.key_alias, "user_id": key.user_id,
             "models": key.models or [], "max_budget": key.max_budget, "spend": money(key.spend), "reserved": money(key.reserved),
             "budget_duration": key.budget_duration, "budget_reset_at": iso(key.budget_reset_at),
             "rpm_limit": key.rpm_limit, "tpm_limit": key.tpm_limit,

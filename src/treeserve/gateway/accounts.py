@@ -11,8 +11,8 @@ from sqlalchemy.orm import Session
 from treeserve.gateway import keys as keylib
 from treeserve.gateway.account_fields import key_values, public_key, public_user, user_values
 from treeserve.gateway.database import Database
-from treeserve.gateway.errors import KeyNotFound, KeysNotFound, UserExists, UserNotFound
-from treeserve.gateway.keys import KeyRecord
+from treeserve.gateway.errors import AliasTaken, KeyNotFound, KeysNotFound, UserExists, UserNotFound
+from treeserve.gateway.keys import MASTER_LABEL, KeyRecord
 from treeserve.gateway.schema import ApiKey, User, aware, utcnow
 
 
@@ -81,18 +81,30 @@ class Accounts:
             values["expires_at"] = keylib.after(now, duration, "duration")
         with self.db.transaction() as conn:
             _ensure_user(conn, values.get("user_id"), now)
+            _check_alias(conn, values.get("key_alias"))
             conn.execute(insert(ApiKey).values(
                 token_hash=keylib.hash_key(token), key_name=keylib.display_name(token), spend=0.0, reserved=0.0,
                 in_flight=0, blocked=values.pop("blocked", False), created_at=now, **values))
         return token, self.key_info(token)
 
-    def key_info(self, token: str) -> dict:
-        """`token`: the key or its stored hash."""
+    def key_info(self, token: str | None = None, key_id: int | None = None) -> dict:
+        """`token`: the key or its stored hash; or the key whose id is `key_id`."""
+        where = ApiKey.id == key_id if token is None else ApiKey.token_hash == keylib.stored_hash(token)
         with self.db.session() as conn:
-            row = conn.scalars(select(ApiKey).where(ApiKey.token_hash == keylib.stored_hash(token))).first()
+            row = conn.scalars(select(ApiKey).where(where)).first()
         if row is None:
             raise KeyNotFound("key")
         return public_key(row)
+
+    def regenerate_key(self, token: str) -> tuple[str, dict]:
+        """A new secret for the key (LiteLLM's /key/regenerate): the old one stops working, and the
+        key keeps its id, limits, spend and history."""
+        new_token = keylib.new_key()
+        with self.db.transaction() as conn:
+            if conn.execute(update(ApiKey).where(ApiKey.token_hash == keylib.stored_hash(token)).values(
+                    token_hash=keylib.hash_key(new_token), key_name=keylib.display_name(new_token))).rowcount == 0:
+                raise KeyNotFound("key")
+        return new_token, self.key_info(new_token)
 
     def update_key(self, token: str, **fields) -> dict:
         now = utcnow()
@@ -104,6 +116,7 @@ class Accounts:
             return self.key_info(token)
         with self.db.transaction() as conn:
             _ensure_user(conn, values.get("user_id"), now)
+            _check_alias(conn, values.get("key_alias"), but=keylib.stored_hash(token))
             result = conn.execute(update(ApiKey).where(ApiKey.token_hash == keylib.stored_hash(token))
                                   .values(**values))
             if result.rowcount == 0:
@@ -162,3 +175,15 @@ def _ensure_user(conn: Session, user_id: str | None, now: dt.datetime) -> None:
     """The user a key is given to, made (with no budget) if there is none yet."""
     if user_id and conn.get(User, user_id) is None:
         conn.execute(insert(User).values(user_id=user_id, spend=0.0, reserved=0.0, extra={}, created_at=now))
+
+
+def _check_alias(conn: Session, alias: str | None, but: str | None = None) -> None:
+    """AliasTaken when another key (not the one whose hash is `but`) has `alias`, or it is the master
+    key's label (metrics and logs name a key by its alias)."""
+    if alias is None:
+        return
+    others = select(ApiKey.id).where(ApiKey.key_alias == alias)
+    if but is not None:
+        others = others.where(ApiKey.token_hash != but)
+    if alias == MASTER_LABEL or conn.execute(others.limit(1)).first() is not None:
+        raise AliasTaken(alias)

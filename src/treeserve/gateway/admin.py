@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query
 from fastapi.responses import PlainTextResponse
@@ -14,6 +14,7 @@ from starlette.concurrency import run_in_threadpool
 
 from treeserve.gateway.accounts import Accounts
 from treeserve.gateway.fields import INT32_MAX, NO_NUL, Text
+from treeserve.gateway.keys import KeyRecord, stored_hash
 from treeserve.gateway.ledger import Ledger, logs_csv
 from treeserve.gateway.passwords import hash_password
 from treeserve.gateway.pricing import NO_PRICES
@@ -49,6 +50,10 @@ class KeyUpdate(KeyLimits):
     key: Annotated[Text, Field(max_length=512)]
     blocked: bool = None  # (a null is a 400: a key is blocked or it is not)
     spend: Money = None  # (LiteLLM's: 0 starts the key's spend again; a null is a 400, not a spend of nothing)
+
+
+class KeyRef(_Body):
+    key: Annotated[Text, Field(max_length=512)]  # the key, or its hash as /key/list shows it
 
 
 class KeyDelete(_Body):
@@ -96,12 +101,6 @@ def admin_router(accounts: Accounts, ledger: Ledger, require_master: Any, known_
         token, info = await run_in_threadpool(lambda: accounts.create_key(**body.model_dump(exclude_none=True)))
         return budget_warning({"key": token, **info}, body.max_budget, "key")
 
-    @router.get("/key/info")
-    async def key_info(key: str = Query(..., max_length=512, pattern=NO_NUL,
-                                        description="the key, or its hash as /key/list shows it")):
-        await run_in_threadpool(ledger.flush)  # this process's settlements in flight, committed first
-        return {"key": key if len(key) == 64 else None, "info": await run_in_threadpool(accounts.key_info, key)}
-
     @router.get("/key/list")
     async def list_keys(user_id: str | None = Query(None, max_length=128, pattern=NO_NUL)):
         return {"keys": await run_in_threadpool(accounts.list_keys, user_id)}
@@ -113,6 +112,28 @@ def admin_router(accounts: Accounts, ledger: Ledger, require_master: Any, known_
         token = fields.pop("key")
         try:
             return await run_in_threadpool(lambda: accounts.update_key(token, **fields))
+        finally:
+            on_change()
+
+    async def set_blocked(body: KeyRef, blocked: bool) -> dict:
+        try:
+            return await run_in_threadpool(lambda: accounts.update_key(body.key, blocked=blocked))
+        finally:
+            on_change()
+
+    @router.post("/key/block")
+    async def block_key(body: KeyRef):
+        return await set_blocked(body, True)
+
+    @router.post("/key/unblock")
+    async def unblock_key(body: KeyRef):
+        return await set_blocked(body, False)
+
+    @router.post("/key/regenerate")
+    async def regenerate_key(body: KeyRef):
+        try:
+            token, info = await run_in_threadpool(accounts.regenerate_key, body.key)
+            return {"key": token, **info}
         finally:
             on_change()
 
@@ -165,11 +186,14 @@ def admin_router(accounts: Accounts, ledger: Ledger, require_master: Any, known_
     async def spend_logs(api_key: str | None = Query(None, max_length=512, pattern=NO_NUL),
                          user_id: str | None = Query(None, max_length=128, pattern=NO_NUL),
                          start_date: dt.date | None = None, end_date: dt.date | None = None,
-                         limit: int = Query(1000, ge=1, le=100_000), format: str = Query("json", pattern="^(json|csv)$")):
+                         request_id: str | None = Query(None, max_length=128, pattern=NO_NUL),
+                         limit: int = Query(1000, ge=1, le=100_000), order: Literal["asc", "desc"] = "asc",
+                         format: str = Query("json", pattern="^(json|csv)$")):
         start = _midnight(start_date)
         end = _midnight(_day_after(end_date))
         await run_in_threadpool(ledger.flush)
-        rows = await run_in_threadpool(lambda: ledger.spend_logs(api_key, user_id, start, end, limit))
+        rows = await run_in_threadpool(lambda: ledger.spend_logs(api_key, user_id, start, end, limit, request_id,
+                                                                 order))
         if format == "csv":
             return PlainTextResponse(logs_csv(rows), media_type="text/csv",
                                      headers={"Content-Disposition": "attachment; filename=spend_logs.csv"})
@@ -179,6 +203,30 @@ def admin_router(accounts: Accounts, ledger: Ledger, require_master: Any, known_
     async def daily_spend():
         await run_in_threadpool(ledger.flush)
         return await run_in_threadpool(ledger.daily_spend)
+
+    return router
+
+
+def key_info_router(accounts: Accounts, ledger: Ledger, require_key: Any) -> APIRouter:
+    """GET /key/info: with the master key, any key's (`key`: the key or its hash); with a virtual
+    key, its own (LiteLLM's self-service read: `key` left out, or naming itself)."""
+    router = APIRouter(tags=["admin"])
+
+    @router.get("/key/info")
+    async def key_info(key: str | None = Query(None, max_length=512, pattern=NO_NUL,
+                                               description="the key, or its hash as /key/list shows it"),
+                       caller: KeyRecord = Depends(require_key)):
+        await run_in_threadpool(ledger.flush)  # this process's settlements in flight, committed first
+        if caller.id is None:  # the master key
+            if key is None:
+                raise APIError(400, "key: this field is required (the key, or its hash)", param="key",
+                               code="missing_required_parameter")
+            return {"key": key, "info": await run_in_threadpool(accounts.key_info, key)}
+        info = await run_in_threadpool(lambda: accounts.key_info(key_id=caller.id))
+        if key is not None and stored_hash(key) != info["token"]:
+            raise APIError(403, "key: a key may read its own info only (the master key reads any)", param="key",
+                           code="not_your_key")
+        return {"key": key, "info": info}
 
     return router
 

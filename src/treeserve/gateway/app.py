@@ -14,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 
 from treeserve.gateway import pricing
 from treeserve.gateway.accounting import Accounting
-from treeserve.gateway.admin import admin_router
+from treeserve.gateway.admin import admin_router, key_info_router
 from treeserve.gateway.auth import Auth
 from treeserve.gateway.batch_routes import batch_routes
 from treeserve.gateway.batch_runner import BatchRunner
@@ -69,6 +69,7 @@ def build_app(config: GatewayConfig, store: Store | None = None) -> FastAPI:
     install_domain_error_handlers(app)
     app.include_router(admin_router(store.accounts, store.ledger, auth.require_master, set(config.models),
                                     on_change=keys.clear, priced=config.priced))
+    app.include_router(key_info_router(store.accounts, store.ledger, auth.require_key))
     app.include_router(operator_routes(router, metrics, drain, auth))
     app.include_router(openai_routes(config, service, auth))
     app.include_router(translated_routes(service, auth, responses, MAX_BODY_BYTES))

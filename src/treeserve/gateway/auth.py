@@ -9,11 +9,11 @@ from starlette.concurrency import run_in_threadpool
 
 from treeserve.gateway.accounts import Accounts
 from treeserve.gateway.key_cache import KeyCache
-from treeserve.gateway.keys import KeyRecord, same_secret
+from treeserve.gateway.keys import MASTER_LABEL, KeyRecord, same_secret
 from treeserve.wire.errors import APIError
 
 log = logging.getLogger("treeserve.gateway")
-MASTER = KeyRecord(None, "master", "master", None, None, None, None, None, None)  # type: ignore[arg-type]
+MASTER = KeyRecord(None, MASTER_LABEL, MASTER_LABEL, None, None, None, None, None, None)  # type: ignore[arg-type]
 
 
 def bearer(request: Request) -> str | None:
@@ -32,19 +32,25 @@ class Auth:
         self.master_key, self.accounts, self.keys = master_key, accounts, keys
 
     async def require_master(self, request: Request) -> None:
-        log.info("admin %s %s", request.method, request.url.path)  # (never the query: keys go there)
+        """The master key, or a 401 (403: no master key configured); each call logged with whether it
+        was let in (the method and path, never the query: keys go there)."""
         token = bearer(request)
         if not self.master_key:
+            log.warning("admin %s %s refused: the admin API is off", request.method, request.url.path)
             raise APIError(403, "the admin API is off: start the gateway with --master-key (or TREESERVE_MASTER_KEY)",
                            code="no_master_key")
         if token is None or not same_secret(token, self.master_key):
+            log.warning("admin %s %s refused: %s", request.method, request.url.path,
+                        "no key" if token is None else "not the master key")
             raise APIError(401, "the admin API needs the master key as 'Authorization: Bearer KEY'",
                            code="invalid_api_key")
+        log.info("admin %s %s", request.method, request.url.path)
 
     async def require_key(self, request: Request) -> KeyRecord:
         """The key's record (MASTER for the master key); 401 for a missing, unknown, expired or blocked key."""
         token = client_key(request)
         if token is None:
+            log.info("%s %s refused 401: no key", request.method, request.url.path)
             raise APIError(401, "missing API key: send 'Authorization: Bearer KEY' (or 'x-api-key: KEY')",
                            code="invalid_api_key")
         if self.master_key and same_secret(token, self.master_key):
@@ -53,5 +59,6 @@ class Auth:
         if key is None or key.expired:
             key = await self.keys.load(token, lambda: run_in_threadpool(self.accounts.authenticate, token))
             if key is None:
+                log.info("%s %s refused 401: an unknown, expired or blocked key", request.method, request.url.path)
                 raise APIError(401, "invalid API key (unknown, expired or blocked)", code="invalid_api_key")
         return key

@@ -9,6 +9,8 @@ import datetime as dt
 class GatewayError(Exception):
     """A refusal of the gateway's accounts, admission or chat storage; `param` names the field at fault."""
 
+    request_id: str | None = None  # a refused request's id, once the request path has logged it
+
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.message, self.param = message, param
@@ -17,6 +19,14 @@ class GatewayError(Exception):
 class UserExists(GatewayError):
     def __init__(self, user_id: str):
         super().__init__(f"user_id: user {user_id!r} already exists", "user_id")
+
+
+class AliasTaken(GatewayError):
+    """Another key has this key_alias (LiteLLM's rule: aliases are unique), or it is the master key's label."""
+
+    def __init__(self, alias: str):
+        super().__init__(f"key_alias: {alias!r} is taken (by another key, or the master key's label); "
+                         "aliases are unique", "key_alias")
 
 
 class UserNotFound(GatewayError):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request
 
-from treeserve.gateway.errors import (AccountGone, BatchConflict, BatchNotFound, BudgetExceeded, ChatKeyBlocked,
+from treeserve.gateway.errors import (AccountGone, AliasTaken, BatchConflict, BatchNotFound, BudgetExceeded, ChatKeyBlocked,
                                       ConversationNotFound, FileNotFound, GatewayError, KeyNotFound, LimitExceeded,
                                       ParallelLimitExceeded, RateLimitExceeded, UserExists, UserNotFound)
 from treeserve.wire.errors import APIError, error_response_for, from_value_error
@@ -12,6 +12,7 @@ from treeserve.wire.errors import APIError, error_response_for, from_value_error
 # error class -> (HTTP status, OpenAI error code); a subclass not listed answers as its parent
 HTTP_STATUS: dict[type[GatewayError], tuple[int, str | None]] = {
     UserExists: (400, "user_exists"),
+    AliasTaken: (400, "key_alias_exists"),
     UserNotFound: (404, "user_not_found"),
     KeyNotFound: (404, "key_not_found"),
     ParallelLimitExceeded: (429, "parallel_limit"),
@@ -39,6 +40,8 @@ def to_api_error(exc: GatewayError) -> APIError:
         # not use comes back when they settle, so a 429 to try again (OpenAI's clients retry it), not
         # a 400 that reads as out of money
         status, headers = 429, {"Retry-After": str(HELD_RETRY_AFTER)}
+    if exc.request_id is not None:  # (a refused request's: its log line has it)
+        headers = (headers or {}) | {"x-request-id": exc.request_id}
     return APIError(status, exc.message, param=exc.param, code=code, headers=headers)
 
 

@@ -18,6 +18,7 @@ from treeserve.gateway.schema import utcnow
 from treeserve.gateway.settlement import Reservation
 
 PREFIX = "sk-"
+MASTER_LABEL = "master"  # how metrics and logs name the master key (no key may take it as its alias)
 _DURATION = re.compile(r"^\s*(\d+)\s*(mo|s|m|h|d|w)\s*$")
 _UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
 

@@ -15,7 +15,7 @@ from treeserve.gateway.keys import stored_hash
 from treeserve.gateway.schema import ApiKey, DailySpend, SpendLog, iso, money
 from treeserve.gateway.settlement import Chore, Settlement, SettlementWriter, commit_settlements
 
-LOG_FIELDS = ["request_id", "started_at", "ended_at", "key_id", "user_id", "model", "backend", "route", "stream",
+LOG_FIELDS = ["request_id", "started_at", "ended_at", "key_id", "api_key", "user_id", "model", "backend", "route", "stream",
               "status", "prompt_tokens", "completion_tokens", "cost"]
 
 
@@ -51,38 +51,46 @@ class Ledger:
 
     # ---- reading -----------------------------------------------------------------------------
     def spend_logs(self, key: str | None = None, user_id: str | None = None, start: dt.datetime | None = None,
-                   end: dt.datetime | None = None, limit: int = 1000) -> list[dict]:
-        """Spend rows, oldest first; `key` is a key or its hash (KeyNotFound when there is none)."""
+                   end: dt.datetime | None = None, limit: int = 1000, request_id: str | None = None,
+                   order: str = "asc") -> list[dict]:
+        """Spend rows, oldest first (`order` "desc": newest first), each with its key's hash (`api_key`,
+        None once the key is deleted); `key` is a key or its hash (KeyNotFound when there is none)."""
         key_id = None
         if key is not None:
             with self.db.session() as conn:
                 key_id = conn.execute(select(ApiKey.id).where(ApiKey.token_hash == stored_hash(key))).scalar()
             if key_id is None:
                 raise KeyNotFound("api_key")
-        return self.logs(key_id, user_id, start, end, limit)
+        return self.logs(key_id, user_id, start, end, limit, request_id, order)
 
     def logs(self, key_id: int | None = None, user_id: str | None = None, start: dt.datetime | None = None,
-             end: dt.datetime | None = None, limit: int = 1000) -> list[dict]:
-        query = select(SpendLog).order_by(SpendLog.started_at, SpendLog.id).limit(limit)
-        if key_id is not None:
-            query = query.where(SpendLog.key_id == key_id)
-        if user_id is not None:
-            query = query.where(SpendLog.user_id == user_id)
+             end: dt.datetime | None = None, limit: int = 1000, request_id: str | None = None,
+             order: str = "asc") -> list[dict]:
+        ordering = (SpendLog.started_at, SpendLog.id) if order == "asc" else (SpendLog.started_at.desc(),
+                                                                               SpendLog.id.desc())
+        query = (select(SpendLog, ApiKey.token_hash).outerjoin(ApiKey, ApiKey.id == SpendLog.key_id)
+                 .order_by(*ordering).limit(limit))
+        for column, value in ((SpendLog.key_id, key_id), (SpendLog.user_id, user_id),
+                              (SpendLog.request_id, request_id)):
+            if value is not None:
+                query = query.where(column == value)
         if start is not None:
             query = query.where(SpendLog.started_at >= start)
         if end is not None:
             query = query.where(SpendLog.started_at < end)
         with self.db.session() as conn:
-            return [_public_log(r) for r in conn.scalars(query)]
+            return [_public_log(log) | {"api_key": token_hash} for log, token_hash in conn.execute(query)]
 
     def daily_spend(self, key_id: int | None = None) -> list[dict]:
-        query = select(DailySpend).order_by(DailySpend.day, DailySpend.key_id, DailySpend.model)
+        query = (select(DailySpend, ApiKey.token_hash).outerjoin(ApiKey, ApiKey.id == DailySpend.key_id)
+                 .order_by(DailySpend.day, DailySpend.key_id, DailySpend.model))
         if key_id is not None:
             query = query.where(DailySpend.key_id == key_id)
         with self.db.session() as conn:
-            return [{"day": r.day.isoformat(), "key_id": r.key_id, "model": r.model, "user_id": r.user_id,
-                     "requests": r.requests, "prompt_tokens": r.prompt_tokens,
-                     "completion_tokens": r.completion_tokens, "cost": money(r.cost)} for r in conn.scalars(query)]
+            return [{"day": r.day.isoformat(), "key_id": r.key_id, "api_key": token_hash, "model": r.model,
+                     "user_id": r.user_id, "requests": r.requests, "prompt_tokens": r.prompt_tokens,
+                     "completion_tokens": r.completion_tokens, "cost": money(r.cost)}
+                    for r, token_hash in conn.execute(query)]
 
     def total_spend(self) -> float:
         with self.db.session() as conn:

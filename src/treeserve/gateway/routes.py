@@ -27,6 +27,16 @@ def openai_routes(config: GatewayConfig, service: GatewayService, auth: Auth) ->
     async def list_models(key: KeyRecord = Depends(auth.require_key)):
         return {"object": "list", "data": [_model_card(name) for name in config.models if key.allows(name)]}
 
+    @routes.get("/model/info")
+    async def model_info(key: KeyRecord = Depends(auth.require_key)):
+        """LiteLLM's: each model the key may use, with its prices, token cap, fallbacks and backends
+        (their URLs without user and password)."""
+        return {"data": [{"model_name": name, "model_info": {
+            "input_cost_per_token": model.input_cost_per_token, "output_cost_per_token": model.output_cost_per_token,
+            "max_tokens": model.max_tokens, "fallbacks": model.fallbacks,
+            "backends": [backend.name for backend in model.backends]}}
+            for name, model in config.models.items() if key.allows(name)]}
+
     @routes.get("/v1/models/{model:path}")
     async def get_model(model: str, key: KeyRecord = Depends(auth.require_key)):
         if model not in config.models or not key.allows(model):
@@ -50,8 +60,14 @@ def operator_routes(router: Router, metrics: GatewayMetrics, drain: Drain, auth:
         return {"status": "ok"}
 
     @routes.get("/health/ready", responses={503: {"description": "draining for shutdown"}})
+    @routes.get("/health/readiness", responses={503: {"description": "draining for shutdown"}})  # (LiteLLM's)
     async def ready():
         return readiness(drain)
+
+    @routes.get("/health/liveliness")  # (LiteLLM's name for a liveness probe)
+    @routes.get("/health/live")
+    async def live():
+        return {"status": "ok"}
 
     @routes.get("/health/backends", dependencies=[Depends(auth.require_master)])
     async def backends():

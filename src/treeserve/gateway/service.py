@@ -6,6 +6,7 @@ forwarded (`proxy.Forwarder`), and settled to its real cost once it has ended (`
 The OpenAI routes and the web chat both send their requests through `GatewayService.dispatch`."""
 from __future__ import annotations
 
+import logging
 import time
 
 from fastapi.responses import Response
@@ -24,6 +25,7 @@ from treeserve.gateway.routing import Router, affinity_key
 from treeserve.gateway.settlement import Reservation
 from treeserve.wire.errors import APIError
 
+log = logging.getLogger("treeserve.gateway")
 ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/search": "search",
           "/v1/rewards": "rewards"}
 
@@ -41,12 +43,16 @@ class GatewayService:
         back as its response. A batch's request names its line: its answer is written with its
         settlement (gateway/settlement.py), and it goes with an Idempotency-Key of its line (a
         treeserve server answers a repeat from the first run: server/idempotency.py)."""
-        model = self._checked_model(body, key)
         started = time.perf_counter()
-        reservation = await self._admit(path, body, model, key)
+        request_id = request_id or new_request_id()
+        try:
+            model = self._checked_model(body, key)
+            reservation = await self._admit(path, body, model, key)
+        except (APIError, GatewayError) as exc:
+            _refused(exc, request_id, ROUTES[path], key, body)
+            raise
         admitted = Admitted(key, reservation, model, ROUTES[path], bool(body.get("stream")), batch_line=batch_line)
-        if request_id is not None:
-            admitted.request_id = request_id
+        admitted.request_id = request_id
         headers = {"Idempotency-Key": f"{batch_line[0]}/{batch_line[1]}"} if batch_line is not None else None
         return await self.forwarder.forward(path, body, model, affinity_key(body),
                                             self.accounting.settle_once(admitted), started, admitted.request_id,
@@ -84,3 +90,16 @@ class GatewayService:
         except GatewayError as exc:
             self.metrics.key_requests.labels(key.label, to_api_error(exc).code or "refused").inc()
             raise
+
+
+def _refused(exc: APIError | GatewayError, request_id: str, route: str, key: KeyRecord, body: dict) -> None:
+    """A refusal logged (an answered request is logged when it is settled), its answer to carry the
+    request id of its log line (as an answered request's does)."""
+    if isinstance(exc, GatewayError):
+        exc.request_id = request_id  # (http_errors.to_api_error puts it in the answer's headers)
+        error = to_api_error(exc)
+    else:
+        error = exc
+        exc.headers = (exc.headers or {}) | {"x-request-id": request_id}
+    log.info("%s %s key=%s model=%s refused %d %s", request_id, route, key.label, body.get("model"), error.status,
+             error.code)
