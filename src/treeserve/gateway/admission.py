@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 
-from sqlalchemy import delete, insert, select, update
+from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.orm import Session
 
 from treeserve.gateway.database import Database
@@ -60,8 +60,8 @@ class Admission:
         process died gives back what is held now."""
         held = cost if reservation.held else 0.0  # (a key without a budget, or free models: nothing held)
         given_back = reservation.held - held
-        if not reservation.parallel and not given_back:
-            return
+        if not reservation.parallel and not given_back and reservation.holding_id is None:
+            return  # (nothing to give back, and no hold to mark answered)
         with self.db.transaction() as conn:
             values = {"reserved": ApiKey.reserved - given_back} if given_back else {}
             if reservation.parallel:
@@ -72,7 +72,7 @@ class Admission:
                              .values(reserved=User.reserved - given_back))
             if reservation.holding_id is not None:
                 conn.execute(update(Holding).where(Holding.id == reservation.holding_id)
-                             .values(parallel=False, worst_cost=held))
+                             .values(parallel=False, worst_cost=held, answered=True))
         reservation.parallel, reservation.held = False, held
 
     def prune_rate_windows(self) -> int:
@@ -105,12 +105,12 @@ def _take_slot(conn: Session, key: KeyRecord) -> None:
 
 
 def _reserve_budgets(conn: Session, key: KeyRecord, worst_cost: float) -> None:
-    _reserve(conn, ApiKey, ApiKey.id == key.id, worst_cost, "key")
+    _reserve(conn, ApiKey, ApiKey.id == key.id, worst_cost, "key", Holding.key_id == key.id)
     if key.user_id is not None:
-        _reserve(conn, User, User.user_id == key.user_id, worst_cost, "user")
+        _reserve(conn, User, User.user_id == key.user_id, worst_cost, "user", Holding.user_id == key.user_id)
 
 
-def _reserve(conn: Session, table, where, worst_cost: float, owner: str) -> None:
+def _reserve(conn: Session, table, where, worst_cost: float, owner: str, held_by) -> None:
     """Holds `worst_cost` while anything of the budget is left. "Left" allows for float rounding:
     spend is a sum of costs, each rounded, so 8 requests of max_budget / 8 may sum to 0.19999999
     of 0.2 and let a 9th in; a remainder under BUDGET_TOLERANCE of the budget counts as none."""
@@ -118,12 +118,18 @@ def _reserve(conn: Session, table, where, worst_cost: float, owner: str) -> None
     taken = conn.execute(update(table).where(where, table.max_budget.is_(None) | left)
                          .values(reserved=table.reserved + worst_cost)).rowcount
     if not taken:
-        row = conn.execute(select(table.spend, table.reserved, table.max_budget, table.budget_reset_at)
-                           .where(where)).first()
+        # spent: what has been spent (answered requests' costs, their settlements to come, among it)
+        # reached the budget; else requests in flight hold the rest (their worst cases, which come
+        # back). One statement, so that a settlement committing meanwhile (it moves an answered
+        # cost from held to spent) is seen on both sides or neither (PostgreSQL's read committed)
+        answered = (select(func.coalesce(func.sum(Holding.worst_cost), 0.0)).where(held_by, Holding.answered)
+                    .scalar_subquery())
+        row = conn.execute(select(table.spend, table.reserved, table.max_budget, table.budget_reset_at,
+                                  answered.label("answered")).where(where)).first()
         if row is None:  # deleted since this process cached it
             raise AccountGone(owner)
         raise BudgetExceeded(owner, row.spend, row.reserved, row.max_budget,
-                             spent=row.spend >= row.max_budget * (1.0 - BUDGET_TOLERANCE),
+                             spent=row.spend + row.answered >= row.max_budget * (1.0 - BUDGET_TOLERANCE),
                              resets_at=aware(row.budget_reset_at))
 
 

@@ -131,8 +131,9 @@ class Holding(Base):
     instance_id: Mapped[str] = mapped_column(String(32), index=True)
     key_id: Mapped[int] = mapped_column(Integer)
     user_id: Mapped[str | None] = mapped_column(String(128))
-    worst_cost: Mapped[float] = mapped_column(Float)
+    worst_cost: Mapped[float] = mapped_column(Float)  # (its real cost once answered)
     parallel: Mapped[bool] = mapped_column(Boolean)
+    answered: Mapped[bool] = mapped_column(Boolean, default=False)  # (its cost is spent, the settlement to come)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
 
 
