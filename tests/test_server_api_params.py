@@ -46,6 +46,55 @@ def test_continuous_usage_stats_counts_every_chunk(client, route):
     counted = [c.usage.completion_tokens for c in chunks if c.choices and c.usage is not None]
     assert counted and counted == sorted(counted) and counted[-1] == 8
     assert chunks[-1].usage.completion_tokens == 8 and not chunks[-1].choices
+    # every chunk has it, the chat's first (its role's) too, as vLLM's (it was null there)
+    assert all(c.usage is not None and c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in chunks)
+
+
+def test_a_null_is_a_field_left_out(client, server):
+    """OpenAI's schema makes these nullable (a client sending a whole request object sends nulls);
+    they were 400s. And stream_options without stream is a 400, as vLLM's (it was dropped)."""
+    nulls = {"n": None, "presence_penalty": None, "frequency_penalty": None, "stream": None, "min_tokens": None,
+             "ignore_eos": None, "skip_special_tokens": None, "priority": None, "logprobs": None,
+             "parallel_tool_calls": None, "temperature": None, "seed": None, "stop": None}
+    headers = {"Authorization": f"Bearer {server.key}"}
+    for path, body in (("/v1/chat/completions", {"messages": MESSAGES}), ("/v1/completions", {"prompt": "The"})):
+        base = {"model": "tiny", "max_tokens": 4, "temperature": 0} | body
+        plain = httpx.post(server.url + path, json=base, headers=headers, timeout=60)
+        nulled = httpx.post(server.url + path, json=base | nulls | {"temperature": 0, "echo": None} if
+                            path == "/v1/completions" else base | nulls | {"temperature": 0}, headers=headers,
+                            timeout=60)
+        assert nulled.status_code == 200, nulled.text
+        assert nulled.json()["choices"][0] | {"index": 0} == plain.json()["choices"][0] | {"index": 0}
+        unstreamed = httpx.post(server.url + path, json=base | {"stream_options": {"include_usage": True}},
+                                headers=headers, timeout=60)
+        assert unstreamed.status_code == 400 and unstreamed.json()["error"]["param"] == "stream_options"
+
+
+def test_counts_and_offsets_as_vllms(client, server):
+    """min_tokens protects its tokens' text from stop strings (vLLM: checked from token min_tokens + 1);
+    a negative max_tokens is a 400 on completions too; a streamed completion's text_offset counts on
+    across chunks; an error about max_completion_tokens names it (helper findings)."""
+    tokenizer = server.engine.tokenizer
+    target = tokenizer.encode(" the", add_special_tokens=False)[0]
+    piece = tokenizer.decode([target])
+    forced = client.completions.create(model="tiny", prompt="The water is", max_tokens=6, temperature=0,
+                                       logit_bias={str(target): 100}, stop=[piece.strip()], extra_body={"min_tokens": 3})
+    written, stop = piece * 4, piece.strip()  # the 4th token completes a stop string: cut where it starts
+    cut = written.find(stop, len(written) - len(piece) - len(stop) + 1)
+    assert forced.choices[0].text == written[:cut] and forced.usage.completion_tokens == 4
+    assert len(written[:cut]) >= len(piece * 3)  # (the 3 protected tokens' text whole)
+    with pytest.raises(openai.BadRequestError) as negative:
+        client.completions.create(model="tiny", prompt="x", max_tokens=-5)
+    assert negative.value.body["param"] == "max_tokens"
+    whole = client.completions.create(model="tiny", prompt="The water is", max_tokens=8, temperature=0, logprobs=1)
+    chunks = list(client.completions.create(model="tiny", prompt="The water is", max_tokens=8, temperature=0,
+                                            logprobs=1, stream=True))
+    offsets = [o for c in chunks if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert offsets == whole.choices[0].logprobs.text_offset
+    with pytest.raises(openai.BadRequestError) as too_many:
+        client.chat.completions.create(model="tiny", messages=MESSAGES, max_completion_tokens=10 ** 6)
+    assert too_many.value.body["param"] == "max_completion_tokens"
+    assert too_many.value.body["message"].startswith("max_completion_tokens")
 
 
 def test_models_retrieve(client):

@@ -49,7 +49,8 @@ class OutputProcessor:
         (the text then ends where the stop string says)."""
         found = None
         include_stop = request.sampling_params.include_stop_str_in_output
-        for token_id, logprobs, stop_token in request.pending_text:
+        before = request.num_output_tokens - len(request.pending_text)  # (tokens whose text is made)
+        for position, (token_id, logprobs, stop_token) in enumerate(request.pending_text, start=before + 1):
             if logprobs is not None:
                 request.logprobs.append(self.decoded_logprobs(logprobs))
             delta = ""
@@ -57,7 +58,7 @@ class OutputProcessor:
                 # a stop token's own text (an EOS that skip_special_tokens=False keeps) only where asked for, as vLLM
                 delta = request.detokenizer.push(token_id)
                 request.output_text = request.detokenizer.text
-            if not stop_token and found is None:
+            if not stop_token and found is None and position > request.sampling_params.min_tokens:
                 found = self._stop_string(request, len(delta))
         request.pending_text.clear()
         return found
@@ -86,9 +87,9 @@ class OutputProcessor:
 
     @staticmethod
     def _stop_string(request: Request, new_chars: int) -> str | None:
+        """The stop string the last `new_chars` characters complete (checked only past the first
+        min_tokens tokens, as vLLM: those are written whatever they say)."""
         params = request.sampling_params
-        if request.num_output_tokens < params.min_tokens:
-            return None
         found = find_stop_string(request.output_text, new_chars, params.stop_strings)
         if found is None:
             return None

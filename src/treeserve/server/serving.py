@@ -19,6 +19,7 @@ from treeserve.sampling_params import RequestOutputKind, SamplingParams
 from treeserve.wire.errors import APIError, from_validation_error, from_value_error
 from treeserve.entrypoints.chat_utils import render_chat
 from treeserve.wire.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, Tool, template_messages
+from treeserve.wire.translated_errors import renamed
 from treeserve.server.tool_calls import ToolCallStream, ToolCalling, ToolSettings, special_tokens
 
 
@@ -95,7 +96,10 @@ class OpenAIServing:
             params = request.sampling_params(self.llm.generation_defaults.sampling, max_tokens, logprobs,
                                              prompt_logprobs)
         except ValueError as exc:
-            raise from_value_error(exc) from exc
+            # (a chat that sent max_completion_tokens is told of that field, not of max_tokens)
+            named = getattr(request, "max_completion_tokens", None) is not None
+            raise renamed(from_value_error(exc), [(r"^max_tokens\b", "max_completion_tokens")] if named else []) \
+                from exc
         # streamed: each output holds only what is new (the engine holds back a stop string's start);
         # otherwise one output, at the end (no hand-off to this event loop per request per step)
         params.output_kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
@@ -200,7 +204,8 @@ class OpenAIServing:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         stream = self._merged([ids], params, rid, [None], request.priority)
         if request.stream:
-            return self._chat_chunks(rid, stream, params, request.include_usage, request.continuous_usage, tools)
+            return self._chat_chunks(rid, stream, params, request.include_usage, request.continuous_usage, tools,
+                                     len(ids))
         finals = {i: out async for i, out in stream if out.finished}
         output = finals[0]
         choices = []
@@ -217,8 +222,9 @@ class OpenAIServing:
         return body
 
     async def _chat_chunks(self, rid, stream, params: SamplingParams, include_usage: bool, continuous: bool = False,
-                           tools: ToolCalling | None = None):
-        """The chunks of a streamed chat reply, from the engine's delta outputs."""
+                           tools: ToolCalling | None = None, prompt_tokens: int = 0):
+        """The chunks of a streamed chat reply, from the engine's delta outputs (with continuous usage,
+        the first, the role's, carries the prompt's, as vLLM's)."""
         created = int(time.time())
         deltas = _DeltaTracker()
         finals: dict[int, RequestOutput] = {}
@@ -229,8 +235,9 @@ class OpenAIServing:
             body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
                     "choices": choices}
             if include_usage:
-                if usage is None and continuous and latest:
-                    usage = self._usage(latest, deltas.num_generated)
+                if usage is None and continuous:
+                    usage = self._usage(latest, deltas.num_generated) if latest else {
+                        "prompt_tokens": prompt_tokens, "completion_tokens": 0, "total_tokens": prompt_tokens}
                 body["usage"] = usage
             return body
 
@@ -367,6 +374,7 @@ class CompletionReply:
         self.echo_only = request.echo_only
         self.echo_logprobs = request.echo and params.logprobs is not None
         self.extra_prompt_logprobs = request.prompt_logprobs is not None
+        self.text_sent: dict[int, int] = {}  # streamed: per choice, the characters its chunks carried so far
 
     def choice(self, prompt_index: int, output: RequestOutput, c: CompletionOutput) -> dict:
         text = self.echo[prompt_index] + ("" if self.echo_only else c.text)
@@ -379,8 +387,11 @@ class CompletionReply:
                      pairs: list | None, finished: bool) -> dict:
         """A chunk's choice for the delta `c` (its text; `pairs`: the tokens' logprobs not sent yet)."""
         text = (self.echo[prompt_index] if first else "") + ("" if self.echo_only else c.text)
-        body = {"index": prompt_index * self.params.n + c.index, "text": text,
-                "logprobs": self._logprobs(output, pairs, first),
+        index = prompt_index * self.params.n + c.index
+        offset = self.text_sent.get(index, 0)  # (text_offset counts on across chunks, as vLLM's)
+        self.text_sent[index] = offset + len(text)
+        body = {"index": index, "text": text,
+                "logprobs": self._logprobs(output, pairs, first, offset),
                 "finish_reason": c.finish_reason if finished else None,
                 "stop_reason": c.stop_reason if finished else None}
         return self._with_prompt_logprobs(body, output) if first else body
@@ -390,7 +401,7 @@ class CompletionReply:
             usage = usage | {"completion_tokens": 0, "total_tokens": usage["prompt_tokens"]}
         return usage
 
-    def _logprobs(self, output: RequestOutput, token_pairs: list | None, with_prompt: bool):
+    def _logprobs(self, output: RequestOutput, token_pairs: list | None, with_prompt: bool, offset: int = 0):
         top = self.params.logprobs
         if top is None or token_pairs is None:
             return None
@@ -399,7 +410,7 @@ class CompletionReply:
             pairs += list(zip(output.prompt_token_ids, output.prompt_logprobs))
         if not self.echo_only:
             pairs += token_pairs
-        return legacy_logprobs(pairs, top, self.tokenizer)
+        return legacy_logprobs(pairs, top, self.tokenizer, offset)
 
     def _with_prompt_logprobs(self, body: dict, output: RequestOutput) -> dict:
         if self.extra_prompt_logprobs:

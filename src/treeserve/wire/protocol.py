@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
 from treeserve.errors import ParamError
 from treeserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -55,6 +55,13 @@ class StructuredOutputsBody(BaseModel):
 class _ModelBody(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     model: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_left_out(cls, body):
+        """A field sent as null is a field left out (OpenAI's schema makes `n`, the penalties,
+        `stream`, `logprobs` ... nullable: clients that send a whole request object send nulls)."""
+        return {k: v for k, v in body.items() if v is not None} if isinstance(body, dict) else body
 
 
 # n, temperature, top_p, stop, seed, ...: SamplingParams's fields as wire/sampling_fields.py carries them
@@ -131,6 +138,8 @@ class SamplingRequest(_SampledBody):
                         prompt_logprobs: int | None = None) -> SamplingParams:
         if self.n > MAX_N:
             raise ParamError("n", f"must be <= {MAX_N}, got {self.n}")
+        if self.stream_options is not None and not self.stream:
+            raise ParamError("stream_options", "only with stream: true (as vLLM and OpenAI)")
         self.reject_unimplemented()
         return SamplingParams(**sampling_values(self, defaults), max_tokens=max_tokens, logprobs=logprobs,
                               prompt_logprobs=prompt_logprobs, structured_outputs=self.structured_spec(),
@@ -304,8 +313,8 @@ class CompletionRequest(SamplingRequest):
         """What the engine generates: `max_tokens: 0` (echo only) generates one token, left out of the reply."""
         if self.max_tokens is None:
             return 16
-        if self.max_tokens == 0 and not self.echo:
-            raise ParamError("max_tokens", "must be >= 1 (0 only with echo: the prompt alone)")
+        if self.max_tokens < 1 and not (self.max_tokens == 0 and self.echo):
+            raise ParamError("max_tokens", f"must be >= 1 (0 only with echo: the prompt alone), got {self.max_tokens}")
         return max(self.max_tokens, 1)
 
     @property
