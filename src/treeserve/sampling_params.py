@@ -96,8 +96,8 @@ class SamplingParams:
 
     def _validate(self) -> None:
         _require(_is_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
-        _require(_is_number(self.temperature) and self.temperature >= 0, "temperature",
-                 f"must be >= 0, got {self.temperature!r}")
+        _require(_is_number(self.temperature) and 0 <= self.temperature < float("inf"), "temperature",
+                 f"must be >= 0 and finite, got {self.temperature!r}")
         _require(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
         _require(_is_int(self.top_k) and self.top_k >= -1, "top_k", f"must be -1, 0 (disabled) or >= 1, got {self.top_k!r}")
         _require(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p!r}")

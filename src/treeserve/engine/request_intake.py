@@ -41,6 +41,7 @@ class RequestIntake:
             draft_group: str | None = None, speculative_config=None) -> None:
         """See `LLMEngine.add_request`."""
         self.validate_prompt(prompt_token_ids)
+        params = params.clone()  # (checked again and its derived fields made again: a caller may have changed it)
         if request_id in self.groups or request_id in self.retained:
             raise ParamError("request_id", f"{request_id!r} is already in use")
         self._check_params(params, prefill_only=logits_positions is not None)
@@ -89,6 +90,9 @@ class RequestIntake:
         vocab = model_config.vocab_size
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise ParamError("logit_bias", f"token id {max(params.logit_bias)} is outside the vocabulary [0, {vocab})")
+        for name in ("logprobs", "prompt_logprobs"):  # (a top-k past the vocabulary failed the engine's step)
+            if (getattr(params, name) or 0) > vocab:
+                raise ParamError(name, f"at most the vocabulary's {vocab} tokens, got {getattr(params, name)}")
         if prefill_only and params.structured_outputs is not None:
             raise ParamError("structured_outputs", "not available with logits_positions (nothing is sampled)")
         if prefill_only and params.prompt_logprobs is not None:

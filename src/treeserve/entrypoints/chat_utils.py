@@ -48,7 +48,7 @@ def warn_replaced_tool_templates(tokenizers: dict, chat_template: str | None, so
 
 def render_chat(tokenizer, conversation: list[dict], tools: list[dict] | None = None,
                 add_generation_prompt: bool = True, chat_template: str | None = None,
-                continue_final_message: bool = False) -> str:
+                continue_final_message: bool = False, template_kwargs: dict | None = None) -> str:
     """The prompt text of a conversation. Tools ({"type": "function", "function": {...}}, OpenAI's
     shape) go to the template as `tools`, as HF's `apply_chat_template` passes them. A template
     that fails on the conversation raises ParamError naming `messages`."""
@@ -57,6 +57,6 @@ def render_chat(tokenizer, conversation: list[dict], tools: list[dict] | None = 
     try:
         return tokenizer.apply_chat_template(conversation, tools=tools or None, tokenize=False,
                                              add_generation_prompt=add_generation_prompt, chat_template=chat_template,
-                                             continue_final_message=continue_final_message)
+                                             continue_final_message=continue_final_message, **(template_kwargs or {}))
     except Exception as exc:  # a template may reject a conversation (roles out of order, say)
         raise ParamError("messages", f"the chat template failed ({exc})") from exc

@@ -18,7 +18,9 @@ PromptType = str | list[int] | dict[str, Any]
 
 
 class LLM:
-    def __init__(self, model: str, **engine_options: Any):
+    def __init__(self, model: str, trust_remote_code: bool = False, **engine_options: Any):
+        """`engine_options`: EngineConfig's fields. `trust_remote_code` (vLLM's) is taken and has no
+        effect: no model code is ever loaded from a checkpoint (every architecture is built in)."""
         self.engine = LLMEngine.from_config(EngineConfig(model=model, **engine_options))
         self.loop = EngineLoop(self.engine)
         self._ids = itertools.count()
@@ -60,25 +62,43 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template: str | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
+             chat_template: str | None = None, tools: list[dict] | None = None,
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Each conversation through the chat template (with `tools`, OpenAI's tool definitions,
-        where given), then generated."""
+        where given; `continue_final_message`: the last assistant message continued, a prefill;
+        `chat_template_kwargs`: more variables for the template, `enable_thinking` say), then
+        generated; each output's `prompt` is the rendered text, as vLLM's."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [{"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt, chat_template, tools)}
-                   for c in conversations]
+        texts = [self._render(c, add_generation_prompt, chat_template, tools, continue_final_message,
+                              chat_template_kwargs) for c in conversations]
+        prompts = [{"prompt": text, "prompt_token_ids": self.engine.tokenizer.encode(text, add_special_tokens=False)}
+                   for text in texts]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
-                            chat_template: str | None = None, tools: list[dict] | None = None) -> list[int]:
-        text = render_chat(self.engine.tokenizer, conversation, tools, add_generation_prompt, chat_template)
+                            chat_template: str | None = None, tools: list[dict] | None = None,
+                            continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[int]:
+        text = self._render(conversation, add_generation_prompt, chat_template, tools, continue_final_message,
+                            chat_template_kwargs)
         return self.engine.tokenizer.encode(text, add_special_tokens=False)
+
+    def _render(self, conversation, add_generation_prompt, chat_template, tools, continue_final_message,
+                chat_template_kwargs) -> str:
+        if continue_final_message and add_generation_prompt:
+            raise ParamError("continue_final_message", "cannot be true with add_generation_prompt (as vLLM): "
+                                                       "set add_generation_prompt=False")
+        return render_chat(self.engine.tokenizer, conversation, tools, add_generation_prompt, chat_template,
+                           continue_final_message=continue_final_message, template_kwargs=chat_template_kwargs)
 
     def _params_per_prompt(self, sampling_params, count: int) -> list[SamplingParams]:
         if sampling_params is None:
             return [self.get_default_sampling_params()] * count
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * count
-        params = list(sampling_params)
+        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else None
+        if params is None or not all(isinstance(p, SamplingParams) for p in params):
+            raise ParamError("sampling_params", f"expected SamplingParams, or a list of them, got "
+                                                f"{type(sampling_params).__name__} (e.g. SamplingParams(temperature=0))")
         if len(params) != count:
             raise ParamError("sampling_params", f"got {len(params)} for {count} prompts; pass one, or one per prompt")
         return params

@@ -1,0 +1,66 @@
+"""The offline API as a vLLM user drives it (a helper's audit): SamplingParams changed after they
+were made, logprobs past the vocabulary, LLM.chat's continue_final_message and template variables,
+a rendered chat's prompt in its output, and clear errors for what vLLM users pass by habit."""
+import pytest
+
+from conftest import assert_no_leak
+from treeserve import LLM, SamplingParams
+from treeserve.errors import ParamError
+
+OPTIONS = dict(dtype="float32", device="cpu", kv_cache_memory_bytes=8 << 20, max_model_len=256)
+TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% if not loop.last or add_generation_prompt %}"
+            "</{{ m.role }}>{% endif %}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+            "{% if flavour %}[{{ flavour }}]{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    return LLM(str(llama_dir), trust_remote_code=True, **OPTIONS)  # (vLLM's habit: taken, no effect)
+
+
+def test_sampling_params_changed_after_they_were_made_are_honoured(llm):
+    """vLLM's own example changes get_default_sampling_params()'s result; a stop set that way was
+    ignored at n=1 (derived once, at construction) and honoured at n=2."""
+    prompt = {"prompt_token_ids": [1, 5, 9, 14]}
+    free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0].text
+    stop = free[3:5]
+    expected = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, stop=[stop]), use_tqdm=False)[0]
+    changed = llm.get_default_sampling_params()
+    changed.temperature, changed.max_tokens, changed.stop = 0, 24, [stop]
+    got = llm.generate(prompt, changed, use_tqdm=False)[0]
+    assert got.outputs[0].text == expected.outputs[0].text and got.outputs[0].stop_reason == stop
+    changed.max_tokens = 0
+    with pytest.raises(ParamError, match="max_tokens"):
+        llm.generate(prompt, changed, use_tqdm=False)
+    changed.max_tokens, changed.stop_token_ids = 4, None
+    assert len(llm.generate(prompt, changed, use_tqdm=False)[0].outputs[0].token_ids) <= 4
+
+
+def test_logprobs_past_the_vocabulary_are_a_param_error_not_a_failed_step(llm):
+    size = llm.engine.model_config.vocab_size  # (a top-k past it was a RuntimeError in the sampler)
+    for name in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ParamError, match=name):
+            llm.generate("Hello", SamplingParams(max_tokens=2, **{name: size + 1}), use_tqdm=False)
+    assert llm.generate("Hello", SamplingParams(max_tokens=2, logprobs=2), use_tqdm=False)[0].outputs[0].logprobs
+    assert_no_leak(llm.engine)
+
+
+def test_chat_continues_a_prefill_passes_template_variables_and_shows_its_prompt(llm):
+    conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Well"}]
+    params = SamplingParams(temperature=0, max_tokens=3)
+    continued = llm.chat(conversation, params, use_tqdm=False, chat_template=TEMPLATE, add_generation_prompt=False,
+                         continue_final_message=True)[0]
+    assert continued.prompt == "<user>Hi</user><assistant>Well"
+    flavoured = llm.chat(conversation[:1], params, use_tqdm=False, chat_template=TEMPLATE,
+                         chat_template_kwargs={"flavour": "mint"})[0]
+    assert flavoured.prompt == "<user>Hi</user><assistant>[mint]"
+    assert flavoured.prompt_token_ids == llm.get_tokenizer().encode(flavoured.prompt, add_special_tokens=False)
+    with pytest.raises(ParamError, match="continue_final_message"):
+        llm.chat(conversation, params, use_tqdm=False, chat_template=TEMPLATE, continue_final_message=True)
+
+
+def test_what_vllm_users_pass_by_habit_is_named(llm):
+    with pytest.raises(ParamError, match="sampling_params"):
+        llm.generate("Hi", {"temperature": 0}, use_tqdm=False)
+    with pytest.raises(ParamError, match="temperature"):
+        SamplingParams(temperature=float("inf"))
