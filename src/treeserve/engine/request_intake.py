@@ -41,7 +41,6 @@ class RequestIntake:
             draft_group: str | None = None, speculative_config=None) -> None:
         """See `LLMEngine.add_request`."""
         self.validate_prompt(prompt_token_ids)
-        params = params.clone()  # (checked again and its derived fields made again: a caller may have changed it)
         if request_id in self.groups or request_id in self.retained:
             raise ParamError("request_id", f"{request_id!r} is already in use")
         self._check_params(params, prefill_only=logits_positions is not None)

@@ -91,17 +91,20 @@ class LLM:
                            continue_final_message=continue_final_message, template_kwargs=chat_template_kwargs)
 
     def _params_per_prompt(self, sampling_params, count: int) -> list[SamplingParams]:
+        """One SamplingParams per prompt, each checked again and its derived fields made again (the
+        caller may have changed it since it was made, as vLLM's examples do: `sp.stop = [...]`)."""
         if sampling_params is None:
             return [self.get_default_sampling_params()] * count
         if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * count
+            return [sampling_params.clone()] * count
         params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else None
         if params is None or not all(isinstance(p, SamplingParams) for p in params):
             raise ParamError("sampling_params", f"expected SamplingParams, or a list of them, got "
                                                 f"{type(sampling_params).__name__} (e.g. SamplingParams(temperature=0))")
         if len(params) != count:
             raise ParamError("sampling_params", f"got {len(params)} for {count} prompts; pass one, or one per prompt")
-        return params
+        checked = {id(p): p.clone() for p in params}  # (once each: a list may repeat one object)
+        return [checked[id(p)] for p in params]
 
     def _encode(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
         if isinstance(prompt, str):
