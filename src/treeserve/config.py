@@ -63,11 +63,12 @@ class EngineConfig:
                 continue
             if not isinstance(value, int) or value < 1:
                 raise ParamError(name, f"must be an integer >= 1, got {value!r}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ParamError("max_model_len", f"must be >= 2, got {self.max_model_len!r}")
-        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
-            raise ParamError("kv_cache_memory_bytes", f"must be positive, got {self.kv_cache_memory_bytes!r}")
-        if not 0 < self.gpu_memory_utilization <= 1:
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ParamError("max_model_len", f"must be an integer >= 2, got {self.max_model_len!r}")
+        if self.kv_cache_memory_bytes is not None and (not isinstance(self.kv_cache_memory_bytes, int)
+                                                       or self.kv_cache_memory_bytes < 1):
+            raise ParamError("kv_cache_memory_bytes", f"must be a positive integer, got {self.kv_cache_memory_bytes!r}")
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
             raise ParamError("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES and not isinstance(self.dtype, torch.dtype):
             raise ParamError("dtype", f"must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
