@@ -533,3 +533,17 @@ def test_a_backend_outage_delays_a_batch_and_fails_none_of_its_lines(tmp_path):
         batch = _wait(client, batch.id, timeout=120)
     assert batch.status == "completed" and batch.request_counts.completed == 40 and batch.request_counts.failed == 0
     assert sorted(b["messages"][0]["content"] for b in seen) == sorted(f"line {i}" for i in range(40))
+
+
+def test_a_reward_request_through_a_model_with_a_token_cap_is_sent_without_max_tokens(backend, tmp_path):
+    """A model's max_tokens cap goes on what generates: a /v1/rewards body (it has a question) got it
+    too, and the server refuses a reward request's unknown fields (a reviewer's finding)."""
+    models = {name: ModelConfig(name, [BackendConfig(backend.url, api_key=API_KEY)], max_tokens=64)
+              for name in ("gen", "prm")}
+    app = build_gateway(GatewayConfig(models=models, master_key=MASTER, health_interval=0,
+                                      database=f"sqlite:///{tmp_path / 'gw.db'}"))
+    with running_server(app) as gw:
+        key = _key(gw)
+        rewarded = httpx.post(f"{gw}/v1/rewards", headers={"Authorization": f"Bearer {key}"}, timeout=60,
+                              json={"model": "prm", "question": "Add 2 and 3.", "steps": ["2 + 3 = 5."]})
+        assert rewarded.status_code == 200 and len(rewarded.json()["scores"]) == 1, rewarded.text

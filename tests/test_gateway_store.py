@@ -273,6 +273,35 @@ def test_a_new_key_never_takes_a_deleted_keys_id(store):
     assert len(set(ids)) == 3 and ids == sorted(ids)
 
 
+def test_a_row_broken_before_does_not_stop_a_gateway_starting(tmp_path):
+    """A key deleted by a tool with SQLite's foreign keys off (the sqlite3 shell) leaves its files
+    pointing nowhere; a migration checks only what it broke itself (a reviewer's finding: every start
+    refused)."""
+    import sqlite3
+
+    from sqlalchemy import insert
+
+    from treeserve.gateway.schema import StoredFile
+
+    url = f"sqlite:///{tmp_path / 'g.db'}"
+    store = Store(url)
+    store.migrate()
+    token, _ = store.accounts.create_key()
+    with store.db.transaction() as conn:
+        conn.execute(insert(StoredFile).values(id="file-1", api_key_id=store.accounts.authenticate(token).id,
+                                               purpose="batch", filename="a.jsonl", bytes=1, content=b"x",
+                                               created_at=utcnow()))
+    store.close()
+    with sqlite3.connect(tmp_path / "g.db") as raw:  # (foreign keys off: the file stays, pointing nowhere)
+        raw.execute("DELETE FROM api_keys")
+    store = Store(url)
+    try:
+        store.migrate()
+        store.migrate()
+    finally:
+        store.close()
+
+
 def test_the_key_id_migration_keeps_every_row_and_starts_past_every_id_seen(tmp_path):
     """Rebuilding api_keys on SQLite (migration 0008) must not run its ON DELETE actions (files,
     batches and stored responses cascade from a key), and a new key's id is past any id that spend

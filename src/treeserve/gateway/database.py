@@ -17,6 +17,8 @@ from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
+from alembic.migration import MigrationContext
+from alembic.script import ScriptDirectory
 from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
@@ -115,7 +117,12 @@ class Database:
                 if self.dialect == "postgresql":
                     conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK})
                 config.attributes["connection"] = conn
+                head = ScriptDirectory.from_config(config).get_current_head()
+                checked = self.dialect == "sqlite" and MigrationContext.configure(conn).get_current_revision() != head
+                before = _broken_references(conn) if checked else 0
                 command.upgrade(config, "head")
+                if checked and _broken_references(conn) > before:  # (raised in the transaction: rolled back)
+                    raise RuntimeError("a migration left rows whose foreign keys point nowhere; it was rolled back")
 
     def close(self) -> None:
         self.engine.dispose()
@@ -123,8 +130,9 @@ class Database:
 
 @contextlib.contextmanager
 def _foreign_keys_off(conn, dialect: str):
-    """SQLite's foreign keys off while a migration rebuilds tables (SQLite's own procedure for a schema
-    change: dropping the old copy of a table would run its ON DELETE actions), checked after it."""
+    """SQLite's foreign keys off while migrations run (SQLite's own procedure for a schema change:
+    dropping the old copy of a rebuilt table would run its ON DELETE actions); `migrate` checks that
+    a migration broke no reference."""
     if dialect != "sqlite":
         yield
         return
@@ -132,8 +140,11 @@ def _foreign_keys_off(conn, dialect: str):
     raw.execute("PRAGMA foreign_keys=OFF")
     try:
         yield
-        broken = raw.execute("PRAGMA foreign_key_check").fetchall()
-        if broken:
-            raise RuntimeError(f"the migration left rows whose foreign keys point nowhere: {broken[:5]}")
     finally:
         raw.execute("PRAGMA foreign_keys=ON")
+
+
+def _broken_references(conn) -> int:
+    """SQLite's rows whose foreign keys point nowhere (some may predate a migration: a row deleted by
+    a tool that had foreign keys off)."""
+    return len(conn.exec_driver_sql("PRAGMA foreign_key_check").fetchall())

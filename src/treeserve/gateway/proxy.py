@@ -33,6 +33,7 @@ from treeserve.wire.errors import error_response
 
 log = logging.getLogger("treeserve.gateway")
 RETRYABLE_STATUS = {429, 503}
+GENERATING = {"/v1/chat/completions", "/v1/completions", "/v1/search"}  # the routes a model's max_tokens cap binds
 # What a failed attempt raises: connection refused or reset, the server gone mid-answer, a timeout.
 UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
 
@@ -94,7 +95,7 @@ class Forwarder:
             for attempt, (group, backend) in enumerate(plan):
                 if attempt:
                     self.metrics.retries.labels(model).inc()
-                upstream = self._upstream_body(body, group, backend, stream)
+                upstream = self._upstream_body(path, body, group, backend, stream)
                 if backend.url in self.upstreams.brokers:  # each attempt its own correlation id: no late reply mixes in
                     result = await self._try_broker(path, upstream, backend, group, body, settle, started,
                                                     f"{request_id}.{attempt}")
@@ -268,12 +269,14 @@ class Forwarder:
             self.metrics.latency.labels(group).observe(time.perf_counter() - started)
 
     # ---- bookkeeping -------------------------------------------------------------------------
-    def _upstream_body(self, body: dict, group: str, backend: Backend, stream: bool) -> dict:
+    def _upstream_body(self, path: str, body: dict, group: str, backend: Backend, stream: bool) -> dict:
         upstream = dict(body, model=backend.config.model or group)
         if not backend.config.priority:  # (a backend that rejects it: OpenAI's, vLLM's without the priority policy)
             upstream.pop("priority", None)
         cap = self.router.groups[group].config.max_tokens
-        asks = any(k in body for k in ("messages", "prompt", "question"))  # (a search's too: per generation call)
+        # what generates (a search too: per generation call); a reward request generates nothing, and
+        # its body takes no max_tokens
+        asks = path in GENERATING and any(k in body for k in ("messages", "prompt", "question"))
         if cap is not None and asks and completion_cap(body) is None:
             upstream["max_tokens"] = cap  # the reservation counted this cap: the backend must not write more
         if stream and ("messages" in body or "prompt" in body):
