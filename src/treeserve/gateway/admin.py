@@ -89,6 +89,13 @@ def admin_router(accounts: Accounts, ledger: Ledger, require_master: Any, known_
             log.warning(answer["warning"])
         return answer
 
+    async def changing(work: Callable[[], Any]) -> Any:
+        """An account change in a worker thread; this process forgets its cached keys after it, done or not."""
+        try:
+            return await run_in_threadpool(work)
+        finally:
+            on_change()
+
     def check_models(models: list[str] | None) -> None:
         unknown = [m for m in models or () if m not in known_models]
         if unknown:
@@ -110,16 +117,10 @@ def admin_router(accounts: Accounts, ledger: Ledger, require_master: Any, known_
         check_models(body.models)
         fields = body.model_dump(exclude_unset=True)
         token = fields.pop("key")
-        try:
-            return await run_in_threadpool(lambda: accounts.update_key(token, **fields))
-        finally:
-            on_change()
+        return await changing(lambda: accounts.update_key(token, **fields))
 
     async def set_blocked(body: KeyRef, blocked: bool) -> dict:
-        try:
-            return await run_in_threadpool(lambda: accounts.update_key(body.key, blocked=blocked))
-        finally:
-            on_change()
+        return await changing(lambda: accounts.update_key(body.key, blocked=blocked))
 
     @router.post("/key/block")
     async def block_key(body: KeyRef):
@@ -131,18 +132,12 @@ def admin_router(accounts: Accounts, ledger: Ledger, require_master: Any, known_
 
     @router.post("/key/regenerate")
     async def regenerate_key(body: KeyRef):
-        try:
-            token, info = await run_in_threadpool(accounts.regenerate_key, body.key)
-            return {"key": token, **info}
-        finally:
-            on_change()
+        token, info = await changing(lambda: accounts.regenerate_key(body.key))
+        return {"key": token, **info}
 
     @router.post("/key/delete")
     async def delete_keys(body: KeyDelete):
-        try:
-            return {"deleted_keys": await run_in_threadpool(accounts.delete_keys, body.keys)}
-        finally:
-            on_change()
+        return {"deleted_keys": await changing(lambda: accounts.delete_keys(body.keys))}
 
     async def write_user(write: Callable[..., dict], body: NewUser, fields: dict) -> dict:
         """`write(user_id, password_hash=..., **fields)` in a worker thread (hashing a password takes
@@ -172,10 +167,7 @@ def admin_router(accounts: Accounts, ledger: Ledger, require_master: Any, known_
 
     @router.post("/user/delete")
     async def delete_users(body: UserDelete):
-        try:
-            return {"deleted_users": await run_in_threadpool(accounts.delete_users, body.user_ids)}
-        finally:
-            on_change()
+        return {"deleted_users": await changing(lambda: accounts.delete_users(body.user_ids))}
 
     @router.get("/user/list")
     async def list_users():
