@@ -466,6 +466,13 @@ def test_rate_and_parallel_limits_hold_across_two_gateways(server, database):
         one_at_a_time = _client(first, _new_key(first, max_parallel_requests=1))
         for i in range(5):  # each next request as soon as the last one ended: never refused
             _chat(one_at_a_time, f"Next {i}")
+        _inside_one_minute()
+        tokens = _new_key(first, tpm_limit=100)  # each request may use ~70 (its prompt's bytes and max_tokens)
+        results = _burst([first, second], tokens, 8)
+        used = [r.usage.total_tokens for r in results if not isinstance(r, Exception)]
+        refused = [r for r in results if isinstance(r, Exception)]
+        assert used and refused and all(r.status_code == 429 and r.body["param"] == "tpm_limit" for r in refused)
+        assert sum(used) < 100 + max(used)  # (admitted before the first settled, all 8 were: ~5x over)
 
 
 def test_a_dead_replica_is_retried_around_then_cut_off_by_its_breaker(server, database):

@@ -173,6 +173,30 @@ def test_only_a_key_without_any_limit_is_admitted_without_the_database(store):
         assert s.query(Holding).filter(Holding.key_id == free.id).count() == 0
 
 
+def test_a_tpm_limit_counts_the_tokens_requests_in_flight_may_use_then_what_they_used(store, monkeypatch):
+    """Requests admitted together see each other's worst-case tokens (else every one admitted before
+    the first settles is let in: a fast backend overshot the limit ~5x); each settlement puts what
+    its request used in their place."""
+    import treeserve.gateway.admission as admission
+
+    now = utcnow()
+    monkeypatch.setattr(admission, "utcnow", lambda: now)  # (all in one minute)
+    token, _ = store.accounts.create_key(tpm_limit=100)
+    key = store.accounts.authenticate(token)
+    first, second = store.admission.admit(key, 0.0, 60), store.admission.admit(key, 0.0, 60)
+    with pytest.raises(APIError) as full:
+        as_http(store.admission.admit, key, 0.0, 60)
+    assert (full.value.status, full.value.param) == (429, "tpm_limit")
+    for i, reservation in enumerate((first, second)):
+        store.ledger.settle(Settlement(reservation, f"t{i}", "m", None, "chat", False, "success", Usage(10, 5), 0.0,
+                                       utcnow()))
+    with store.db.session() as s:
+        assert s.scalars(select(RateWindow.tokens)).one() == 30  # what they used, their holds given back
+    store.admission.admit(key, 0.0, 60)  # room again
+    unlimited = store.accounts.authenticate(store.accounts.create_key(rpm_limit=10)[0])
+    assert store.admission.admit(unlimited, 0.0, 10**9).tokens == 0  # (no tpm_limit: nothing held)
+
+
 def test_key_fields_are_checked(store):
     with pytest.raises(ParamError) as bad:
         store.accounts.create_key(budget_duration="monthly")

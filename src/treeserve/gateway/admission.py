@@ -5,7 +5,9 @@ Each hold is one conditional statement the database applies atomically, so every
 sharing the database enforces the same limits: a budget reservation (`spend + reserved <
 max_budget`; the hold is cut to the request's real cost the moment it is answered), a parallel slot
 (`in_flight < max_parallel_requests`), a minute's request count (an upsert that returns the new
-count). A refusal is a domain error (gateway/errors.py): LimitExceeded, BudgetExceeded, AccountGone."""
+count) and, on a key with a `tpm_limit`, its worst-case tokens counted in the minute at once (the
+settlement replaces them with what it used), so requests admitted together see each other: OpenAI
+counts `max_tokens` and an estimate of the prompt against its token limits as a request arrives. A refusal is a domain error (gateway/errors.py): LimitExceeded, BudgetExceeded, AccountGone."""
 from __future__ import annotations
 
 import datetime as dt
@@ -29,9 +31,10 @@ class Admission:
         """`instance_id`: this process's, written on each holding (what a sweep gives back if it dies)."""
         self.db, self.instance_id = db, instance_id
 
-    def admit(self, key: KeyRecord, worst_cost: float) -> Reservation:
-        """Takes a parallel slot, counts the request in its minute, and reserves its worst-case cost
-        on the key and its user, all or nothing (refused: LimitExceeded, BudgetExceeded)."""
+    def admit(self, key: KeyRecord, worst_cost: float, worst_tokens: int = 0) -> Reservation:
+        """Takes a parallel slot, counts the request (and, under a tpm_limit, its `worst_tokens`) in
+        its minute, and reserves its worst-case cost on the key and its user, all or nothing
+        (refused: LimitExceeded, BudgetExceeded)."""
         if key.holds_nothing:
             return key.nothing_held()  # no write
         now = utcnow()
@@ -39,17 +42,18 @@ class Admission:
         parallel = key.max_parallel_requests is not None
         counted = key.rpm_limit is not None or key.tpm_limit is not None
         worst_cost = worst_cost if key.budgeted else 0.0
+        tokens = worst_tokens if key.tpm_limit is not None else 0
         with self.db.transaction() as conn:
             if key.budgeted:
                 _reset_due_budgets(conn, key, now)
             if parallel:
                 _take_slot(conn, key)
             if counted:
-                self._count_request(conn, key, window, retry_after=max(1, 60 - now.second))
+                self._count_request(conn, key, window, tokens, retry_after=max(1, 60 - now.second))
             if key.budgeted:
                 _reserve_budgets(conn, key, worst_cost)
             holding = self._hold(conn, key, worst_cost, parallel, now) if parallel or worst_cost else None
-        return Reservation(key.id, key.user_id, worst_cost, parallel, window, counted, holding)
+        return Reservation(key.id, key.user_id, worst_cost, parallel, window, counted, holding, tokens)
 
     def release(self, reservation: Reservation, cost: float) -> None:
         """At the request's answer, at once and in one transaction: gives its parallel slot back and
@@ -81,13 +85,16 @@ class Admission:
         with self.db.transaction() as conn:
             return conn.execute(delete(RateWindow).where(RateWindow.window < current - 1)).rowcount
 
-    def _count_request(self, conn: Session, key: KeyRecord, window: int, retry_after: int) -> None:
-        """Counts the request in its minute; refused when the minute's requests or tokens are at the limit."""
-        row = self.db.upsert(conn, RateWindow, dict(key_id=key.id, window=window, requests=1, tokens=0),
-                             ["key_id", "window"], ["requests"], returning=(RateWindow.requests, RateWindow.tokens))
+    def _count_request(self, conn: Session, key: KeyRecord, window: int, tokens: int, retry_after: int) -> None:
+        """Counts the request and its worst-case `tokens` in its minute; refused when the minute's
+        requests are over the limit, or its tokens (those of the requests admitted before this one:
+        used, or held while they run) already at it."""
+        row = self.db.upsert(conn, RateWindow, dict(key_id=key.id, window=window, requests=1, tokens=tokens),
+                             ["key_id", "window"], ["requests", "tokens"],
+                             returning=(RateWindow.requests, RateWindow.tokens))
         if key.rpm_limit is not None and row.requests > key.rpm_limit:
             raise RateLimitExceeded("rpm_limit", key.rpm_limit, "requests", retry_after)
-        if key.tpm_limit is not None and row.tokens >= key.tpm_limit:
+        if key.tpm_limit is not None and row.tokens - tokens >= key.tpm_limit:
             raise RateLimitExceeded("tpm_limit", key.tpm_limit, "tokens", retry_after)
 
     def _hold(self, conn: Session, key: KeyRecord, worst_cost: float, parallel: bool, now: dt.datetime) -> int:

@@ -62,6 +62,10 @@ def _count(body: dict, name: str, default: int) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default
 
 
+def worst_tokens(body: dict, model: ModelConfig, search: bool = False) -> int:
+    return prompt_token_bound(body) + completion_token_bound(body, model, search)
+
+
 def worst_cost(body: dict, model: ModelConfig, search: bool = False) -> float:
     return (prompt_token_bound(body) * model.input_cost_per_token
             + completion_token_bound(body, model, search) * model.output_cost_per_token)

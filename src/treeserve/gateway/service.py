@@ -83,10 +83,12 @@ class GatewayService:
     async def _admit(self, path: str, body: dict, model: str, key: KeyRecord) -> Reservation:
         if key.holds_nothing:  # (the master key too) nothing to reserve or count: no trip to a worker thread
             return key.nothing_held()
-        worst = max(pricing.worst_cost(body, self.config.models[name], search=path == "/v1/search")
-                    for name in self.router.chain(model))
+        search = path == "/v1/search"
+        models = [self.config.models[name] for name in self.router.chain(model)]
+        worst = max(pricing.worst_cost(body, m, search=search) for m in models)
+        tokens = max(pricing.worst_tokens(body, m, search=search) for m in models)
         try:
-            return await run_in_threadpool(self.admission.admit, key, worst)
+            return await run_in_threadpool(self.admission.admit, key, worst, tokens)
         except GatewayError as exc:
             self.metrics.key_requests.labels(key.label, to_api_error(exc).code or "refused").inc()
             raise

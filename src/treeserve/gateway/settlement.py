@@ -42,6 +42,7 @@ class Reservation:
     window: int
     counted: bool = False  # counted in its minute's rate window (the key has rpm or tpm limits)
     holding_id: int | None = None  # its row in `holdings` (what a dead process's sweep gives back)
+    tokens: int = 0  # its worst-case tokens counted in its minute at admission (a tpm_limit's key)
 
 
 @dataclass
@@ -165,8 +166,8 @@ def apply_settlements(db: Database, conn: Session, items: list[Settlement]) -> N
         if reservation.user_id is not None:
             users[reservation.user_id][0] += reservation.held
             users[reservation.user_id][1] += item.cost
-        if usage.total_tokens and reservation.counted:
-            windows[(reservation.key_id, reservation.window)] += usage.total_tokens
+        if reservation.counted and (usage.total_tokens or reservation.tokens):  # (what it used, for its hold)
+            windows[(reservation.key_id, reservation.window)] += usage.total_tokens - reservation.tokens
         day = days.setdefault((item.started_at.date(), reservation.key_id or MASTER_KEY_ID, item.model),
                               [reservation.user_id, 0, 0, 0, 0.0])
         day[1] += 1
