@@ -14,12 +14,14 @@ from treeserve.engine.async_engine import AsyncLLMEngine, QueueFullError
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.errors import ParamError
 from treeserve.model.registry import BUILTIN_PREFIX
-from treeserve.outputs import CompletionOutput, RequestOutput
+from treeserve.outputs import RequestOutput
 from treeserve.sampling_params import RequestOutputKind, SamplingParams
 from treeserve.wire.errors import APIError, from_validation_error, from_value_error
 from treeserve.entrypoints.chat_utils import render_chat
 from treeserve.wire.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, Tool, template_messages
 from treeserve.wire.translated_errors import renamed
+from treeserve.server.completion_reply import (CompletionReply, DeltaTracker, chat_logprobs, prompt_logprobs_json,
+                                               token_pairs)
 from treeserve.server.tool_calls import ToolCallStream, ToolCalling, ToolSettings, special_tokens
 
 
@@ -213,7 +215,7 @@ class OpenAIServing:
             message, finish_reason = (tools.message(c.text, c.finish_reason) if tools is not None else
                                       ({"role": "assistant", "content": c.text}, c.finish_reason))
             choices.append({"index": c.index, "message": message,
-                            "logprobs": self._chat_logprobs(_token_pairs(c), params.logprobs),
+                            "logprobs": chat_logprobs(token_pairs(c), params.logprobs),
                             "finish_reason": finish_reason, "stop_reason": c.stop_reason})
         body = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
                 "choices": choices, "usage": self._usage(finals)}
@@ -226,7 +228,7 @@ class OpenAIServing:
         """The chunks of a streamed chat reply, from the engine's delta outputs (with continuous usage,
         the first, the role's, carries the prompt's, as vLLM's)."""
         created = int(time.time())
-        deltas = _DeltaTracker()
+        deltas = DeltaTracker()
         finals: dict[int, RequestOutput] = {}
         latest: dict[int, RequestOutput] = {}
         calls = {i: ToolCallStream(tools) for i in range(params.n)} if tools is not None and tools.reads_calls else {}
@@ -259,25 +261,13 @@ class OpenAIServing:
                     continue  # (its tokens' logprobs go with the next chunk)
                 deltas.sent(c.index)
                 yield chunk([{"index": c.index, "delta": delta,
-                              "logprobs": self._chat_logprobs(pairs, params.logprobs),
+                              "logprobs": chat_logprobs(pairs, params.logprobs),
                               "finish_reason": finish_reason if finished else None,
                               "stop_reason": c.stop_reason if finished else None}])
             if output.finished:
                 finals[prompt_index] = output
         if include_usage:
             yield chunk([], self._usage(finals, deltas.num_generated))
-
-    @staticmethod
-    def _chat_logprobs(pairs: list | None, top: int | None):
-        """OpenAI's chat `logprobs` for (token id, logprob entry) pairs (None: none were asked for)."""
-        if top is None or pairs is None:
-            return None
-        content = []
-        for token_id, entry in pairs:
-            chosen = entry[token_id]
-            ranked = sorted((lp for lp in entry.values() if lp.rank <= top), key=lambda lp: lp.rank)
-            content.append({**_token_info(chosen), "top_logprobs": [_token_info(lp) for lp in ranked[:top]]})
-        return {"content": content}
 
     # ---- completions ------------------------------------------------------------------------
     async def completions(self, request: CompletionRequest):
@@ -305,11 +295,11 @@ class OpenAIServing:
         return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()),
                              "model": self.model_name, "choices": choices, "usage": reply.usage(self._usage(finals))})
 
-    async def _completion_chunks(self, rid, stream, reply: "CompletionReply", include_usage: bool,
+    async def _completion_chunks(self, rid, stream, reply: CompletionReply, include_usage: bool,
                                  continuous: bool = False):
         """The chunks of a streamed completion, from the engine's delta outputs."""
         created = int(time.time())
-        deltas = _DeltaTracker()
+        deltas = DeltaTracker()
         finals: dict[int, RequestOutput] = {}
         latest: dict[int, RequestOutput] = {}
         async for prompt_index, output in stream:
@@ -331,119 +321,6 @@ class OpenAIServing:
         if include_usage:
             yield {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                    "choices": [], "usage": reply.usage(self._usage(finals, deltas.num_generated))}
-
-
-class _DeltaTracker:
-    """A streamed reply's bookkeeping over delta outputs: the tokens generated (usage), which choices
-    a chunk was sent for, and per choice the (token id, logprob entry) pairs no chunk carried yet (an
-    output with no new text sends no chunk: its logprobs go with the next)."""
-
-    def __init__(self):
-        self.num_generated = 0
-        self._pending: dict = {}
-        self._sent: set = set()
-
-    def add(self, key, c: CompletionOutput) -> list | None:
-        """Takes a delta; returns the choice's unsent pairs (None without logprobs)."""
-        self.num_generated += len(c.token_ids)
-        if c.logprobs is None:
-            return None
-        pending = self._pending.setdefault(key, [])
-        pending.extend(zip(c.token_ids, c.logprobs))
-        return pending
-
-    def sent(self, key) -> None:
-        self._pending.pop(key, None)
-        self._sent.add(key)
-
-    def was_sent(self, key) -> bool:
-        return key in self._sent
-
-
-def _token_pairs(c: CompletionOutput) -> list | None:
-    """A whole completion's (token id, logprob entry) pairs; None without logprobs."""
-    return None if c.logprobs is None else list(zip(c.token_ids, c.logprobs))
-
-
-class CompletionReply:
-    """One /v1/completions request's choices: the echoed prompt (with its logprobs, OpenAI's legacy
-    format) before the completion, which `max_tokens: 0` leaves out (the engine generated one token)."""
-
-    def __init__(self, request: CompletionRequest, params: SamplingParams, echo: list[str], tokenizer):
-        self.params, self.echo, self.tokenizer = params, echo, tokenizer
-        self.echo_only = request.echo_only
-        self.echo_logprobs = request.echo and params.logprobs is not None
-        self.extra_prompt_logprobs = request.prompt_logprobs is not None
-        self.text_sent: dict[int, int] = {}  # streamed: per choice, the characters its chunks carried so far
-
-    def choice(self, prompt_index: int, output: RequestOutput, c: CompletionOutput) -> dict:
-        text = self.echo[prompt_index] + ("" if self.echo_only else c.text)
-        body = {"index": prompt_index * self.params.n + c.index, "text": text,
-                "logprobs": self._logprobs(output, _token_pairs(c), True), "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason}
-        return self._with_prompt_logprobs(body, output)
-
-    def chunk_choice(self, prompt_index: int, output: RequestOutput, c: CompletionOutput, first: bool,
-                     pairs: list | None, finished: bool) -> dict:
-        """A chunk's choice for the delta `c` (its text; `pairs`: the tokens' logprobs not sent yet)."""
-        text = (self.echo[prompt_index] if first else "") + ("" if self.echo_only else c.text)
-        index = prompt_index * self.params.n + c.index
-        offset = self.text_sent.get(index, 0)  # (text_offset counts on across chunks, as vLLM's)
-        self.text_sent[index] = offset + len(text)
-        body = {"index": index, "text": text,
-                "logprobs": self._logprobs(output, pairs, first, offset),
-                "finish_reason": c.finish_reason if finished else None,
-                "stop_reason": c.stop_reason if finished else None}
-        return self._with_prompt_logprobs(body, output) if first else body
-
-    def usage(self, usage: dict) -> dict:
-        if self.echo_only:  # the generated token is not part of the reply
-            usage = usage | {"completion_tokens": 0, "total_tokens": usage["prompt_tokens"]}
-        return usage
-
-    def _logprobs(self, output: RequestOutput, token_pairs: list | None, with_prompt: bool, offset: int = 0):
-        top = self.params.logprobs
-        if top is None or token_pairs is None:
-            return None
-        pairs = []
-        if with_prompt and self.echo_logprobs:
-            pairs += list(zip(output.prompt_token_ids, output.prompt_logprobs))
-        if not self.echo_only:
-            pairs += token_pairs
-        return legacy_logprobs(pairs, top, self.tokenizer, offset)
-
-    def _with_prompt_logprobs(self, body: dict, output: RequestOutput) -> dict:
-        if self.extra_prompt_logprobs:
-            body["prompt_logprobs"] = prompt_logprobs_json(output)
-        return body
-
-
-def prompt_logprobs_json(output: RequestOutput) -> list[dict | None]:
-    """vLLM's `prompt_logprobs` in a response: per prompt token, token id -> logprob, rank, text."""
-    return [None if entry is None else {
-        str(tid): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
-        for tid, lp in entry.items()} for entry in output.prompt_logprobs]
-
-
-def legacy_logprobs(pairs, top: int, tokenizer, offset: int = 0) -> dict:
-    """OpenAI's legacy completions `logprobs` for (token id, entry) pairs; a prompt's first token
-    has no entry (null logprob and top_logprobs)."""
-    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-    for token_id, entry in pairs:
-        chosen = entry[token_id] if entry is not None else None
-        token = chosen.decoded_token if chosen is not None else tokenizer.decode([token_id])
-        tokens.append(token)
-        token_logprobs.append(chosen.logprob if chosen is not None else None)
-        ranked = sorted((lp for lp in entry.values() if lp.rank <= top), key=lambda lp: lp.rank) if entry else []
-        top_logprobs.append({lp.decoded_token: lp.logprob for lp in ranked[:top]} or None)
-        offsets.append(offset)
-        offset += len(token or "")
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
-
-
-def _token_info(lp) -> dict:
-    token = lp.decoded_token or ""
-    return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode("utf-8"))}
 
 
 def _chat_request(body: dict) -> ChatCompletionRequest:
