@@ -73,6 +73,21 @@ def test_chat_logprobs(client):
         assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)  # greedy picks the top token
 
 
+def test_chat_logprobs_bytes_join_into_the_characters_tokens_split(client):
+    """OpenAI's `bytes` are each token's own: a token holding part of a multi-byte character decodes
+    alone to U+FFFD, and only its real bytes joined with its neighbours' give the character back."""
+    text = "h\u00e9llo \U0001F600"  # (the tiny tokenizer spells each of their bytes as a token)
+    resp = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, temperature=0,
+                                          logprobs=True, top_logprobs=2,
+                                          extra_body={"structured_outputs": {"regex": text}})
+    content = resp.choices[0].logprobs.content
+    assert resp.choices[0].message.content == text
+    assert any(entry.token == "\ufffd" for entry in content)  # the case this is about
+    assert b"".join(bytes(entry.bytes) for entry in content).decode("utf-8") == text
+    for entry in content:
+        assert all(candidate.bytes for candidate in entry.top_logprobs)
+
+
 def test_stop_strings_over_http(client):
     kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=30, temperature=0, extra_body={"ignore_eos": True})
     text = client.chat.completions.create(**kwargs).choices[0].message.content

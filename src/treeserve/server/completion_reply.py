@@ -115,18 +115,20 @@ def legacy_logprobs(pairs, top: int, tokenizer, offset: int = 0) -> dict:
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
 
 
-def token_info(lp) -> dict:
-    token = lp.decoded_token or ""
-    return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode("utf-8"))}
+def token_info(token_id: int, lp, token_bytes) -> dict:
+    """A chat logprob's token: its text, and its own bytes (a token that is part of a multi-byte
+    character decodes alone to U+FFFD; its bytes joined with its neighbours' make the character)."""
+    return {"token": lp.decoded_token or "", "logprob": lp.logprob, "bytes": list(token_bytes(token_id))}
 
 
-def chat_logprobs(pairs: list | None, top: int | None):
-    """OpenAI's chat `logprobs` for (token id, logprob entry) pairs (None: none were asked for)."""
+def chat_logprobs(pairs: list | None, top: int | None, token_bytes):
+    """OpenAI's chat `logprobs` for (token id, logprob entry) pairs (None: none were asked for);
+    `token_bytes`: token id -> its bytes (engine/token_bytes.py)."""
     if top is None or pairs is None:
         return None
     content = []
     for token_id, entry in pairs:
-        chosen = entry[token_id]
-        ranked = sorted((lp for lp in entry.values() if lp.rank <= top), key=lambda lp: lp.rank)
-        content.append({**token_info(chosen), "top_logprobs": [token_info(lp) for lp in ranked[:top]]})
+        ranked = sorted(((tid, lp) for tid, lp in entry.items() if lp.rank <= top), key=lambda item: item[1].rank)
+        content.append({**token_info(token_id, entry[token_id], token_bytes),
+                        "top_logprobs": [token_info(tid, lp, token_bytes) for tid, lp in ranked[:top]]})
     return {"content": content}

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from treeserve import jsonl
 from treeserve.engine.async_engine import AsyncLLMEngine, QueueFullError
 from treeserve.engine.llm_engine import LLMEngine
+from treeserve.engine.token_bytes import TokenBytes
 from treeserve.errors import ParamError
 from treeserve.model.registry import BUILTIN_PREFIX
 from treeserve.outputs import RequestOutput
@@ -48,6 +49,7 @@ class OpenAIServing:
         self.chat_template = chat_template  # --chat-template: replaces the tokenizer's
         self.tool_settings = tool_settings or ToolSettings()
         self.special_tokens = special_tokens(self.tokenizer)
+        self.token_bytes = TokenBytes(self.tokenizer)  # (chat logprobs' `bytes`)
 
     def render(self, messages: list[ChatMessage], tools: list[Tool] | None,
                ending: tuple[bool, bool] = (True, False)) -> list[int]:
@@ -215,7 +217,7 @@ class OpenAIServing:
             message, finish_reason = (tools.message(c.text, c.finish_reason) if tools is not None else
                                       ({"role": "assistant", "content": c.text}, c.finish_reason))
             choices.append({"index": c.index, "message": message,
-                            "logprobs": chat_logprobs(token_pairs(c), params.logprobs),
+                            "logprobs": chat_logprobs(token_pairs(c), params.logprobs, self.token_bytes),
                             "finish_reason": finish_reason, "stop_reason": c.stop_reason})
         body = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
                 "choices": choices, "usage": self._usage(finals)}
@@ -261,7 +263,7 @@ class OpenAIServing:
                     continue  # (its tokens' logprobs go with the next chunk)
                 deltas.sent(c.index)
                 yield chunk([{"index": c.index, "delta": delta,
-                              "logprobs": chat_logprobs(pairs, params.logprobs),
+                              "logprobs": chat_logprobs(pairs, params.logprobs, self.token_bytes),
                               "finish_reason": finish_reason if finished else None,
                               "stop_reason": c.stop_reason if finished else None}])
             if output.finished:
