@@ -214,11 +214,17 @@ def test_what_cannot_be_served_is_a_400_naming_it(target):
     schema_format = {"format": {"type": "json_schema", "name": "n", "schema": {"type": "bogus"}}}
     for extra, param in [({"max_output_tokens": 10 ** 9}, "max_output_tokens"), ({"text": schema_format}, "text.format"),
                          ({"tools": [{"type": "function", "name": "f", "parameters": "x"}]}, "tools[0].parameters"),
-                         ({"input": []}, "input")]:
+                         ({"input": []}, "input"),
+                         ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}},
+                          "tool_choice.name")]:
         with pytest.raises(openai.BadRequestError) as caught:
             client.responses.create(model="tiny", **({"input": "x", "max_output_tokens": 2} | extra))
         assert caught.value.body["param"].startswith(param), (param, caught.value.body)
         assert caught.value.body["message"].startswith(param), caught.value.body
+    with pytest.raises(openai.BadRequestError) as caught:  # a field named inside the message is this API's too
+        client.responses.create(model="tiny", input="x", max_output_tokens=2, tools=[{"type": "function", "name": "f"}],
+                                tool_choice="required", text={"format": {"type": "json_object"}})
+    assert "text.format cannot" in caught.value.body["message"], caught.value.body
     taken = client.responses.create(model="tiny", input="x", max_output_tokens=2, service_tier="auto",
                                     prompt_cache_key="k", safety_identifier="u1", max_tool_calls=2, top_logprobs=0)
     assert taken.status in ("completed", "incomplete")
@@ -299,6 +305,11 @@ def test_anthropic_messages_whole_streamed_tools_and_count_tokens(served, target
     call = client.messages.create(model="tiny", max_tokens=60, messages=[{"role": "user", "content": "Weather?"}],
                                   tools=tools, tool_choice={"type": "any", "disable_parallel_tool_use": True})
     assert call.stop_reason == "tool_use"
+    named = dict(model="tiny", max_tokens=60, messages=[{"role": "user", "content": "Weather?"}], tools=tools,
+                 tool_choice={"type": "tool", "name": "weather"})  # (its chat ends "stop", as OpenAI's)
+    assert client.messages.create(**named).stop_reason == "tool_use"
+    with client.messages.stream(**named) as stream:
+        assert stream.get_final_message().stop_reason == "tool_use"
     use = next(block for block in call.content if block.type == "tool_use")
     jsonschema.validate(use.input, CITY)
     answer = client.messages.create(model="tiny", max_tokens=8, tools=tools, extra_body=GREEDY, messages=[

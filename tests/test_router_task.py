@@ -96,3 +96,29 @@ def test_rows_with_nothing_in_common_fall_back_to_whole_rows(tiny_model):
     assert len(prefix) == 0 and ids.shape == (2, 4)
     assert shared_prefix_loss(tiny_model, prefix, ids, labels, mask).item() == pytest.approx(
         lm_loss(tiny_model, *collate(rows, 0)).item())
+
+
+def test_a_call_sent_back_renders_as_the_json_the_model_wrote():
+    """The server hands a call's arguments to the template as an object (HF templates' way): the
+    bundled router's template writes it back as the compact JSON it was trained to write (it printed
+    a Python dict, `{'operation': ...}`), for the template shipped with the model and the one here."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    import treeserve
+    from treeserve.entrypoints.chat_utils import render_chat
+    from treeserve.wire.protocol import ChatMessage, template_messages
+
+    folder = Path(treeserve.__file__).parent / "models" / "arith-router"
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    arguments = {"operation": "evaluate", "expression": "17 * 23 + 5"}
+    call = {"id": "call_1", "type": "function", "function": {"name": "sympy", "arguments": json.dumps(arguments)}}
+    messages = template_messages([ChatMessage.model_validate(m) for m in [
+        {"role": "user", "content": "What is 17 * 23 + 5?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "396"}]])
+    written = '{"name":"sympy","arguments":{"operation":"evaluate","expression":"17 * 23 + 5"}}'
+    assert (folder / "chat_template.jinja").read_text() == CHAT_TEMPLATE
+    assert written in render_chat(tokenizer, messages)
+    assert written in render_chat(tokenizer, messages, chat_template=CHAT_TEMPLATE)

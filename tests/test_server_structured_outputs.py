@@ -82,6 +82,17 @@ def test_twenty_schemas_validate_plain_streamed_and_n3(client, server):
     assert_no_leak(server.engine)
 
 
+def test_properties_come_in_the_schemas_order(client):
+    """OpenAI writes a schema's properties in the order given; two schemas that differ only in
+    that order are two grammars (the cache used to key them, and compile them, with sorted keys)."""
+    for names in (["zeta", "alpha"], ["alpha", "zeta"]):
+        schema = {"type": "object", "properties": {n: {"type": "integer", "minimum": 0, "maximum": 9} for n in names},
+                  "required": names}
+        out = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=60, seed=0,
+                                             response_format=_format(schema))
+        assert list(json.loads(out.choices[0].message.content)) == names, out.choices[0].message.content
+
+
 def test_json_object_on_completions(client):
     out = client.completions.create(model="tiny", prompt="JSON:", max_tokens=400, temperature=0,
                                     extra_body={"response_format": {"type": "json_object"}})

@@ -41,7 +41,8 @@ class StructuredOutputsParams:
     def source(self) -> tuple[str, str]:
         """(format, text) for the grammar engine; also the grammar cache's key."""
         if self.json is not None:
-            schema = self.json if isinstance(self.json, str) else json_module.dumps(self.json, sort_keys=True)
+            # (in its own key order: a JSON schema's properties are written in the order given, as OpenAI's)
+            schema = self.json if isinstance(self.json, str) else json_module.dumps(self.json)
             return "json_schema", schema
         if self.json_object:
             return "json_schema", '{"type": "object"}'

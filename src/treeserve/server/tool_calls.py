@@ -128,7 +128,12 @@ class ToolCalling:
             return message, finish_reason
         message["tool_calls"] = [{"id": new_call_id(), "type": "function",
                                   "function": {"name": c.name, "arguments": c.final_arguments}} for c in calls]
-        return message, "tool_calls" if finish_reason == "stop" else finish_reason
+        return message, self.finish_reason(finish_reason)
+
+    def finish_reason(self, finish_reason: str | None) -> str | None:
+        """A reply with calls ends `tool_calls`, but for a named choice, which ends `stop` as OpenAI's
+        and vLLM's do (the caller asked for that call)."""
+        return "tool_calls" if finish_reason == "stop" and self.choice != "named" else finish_reason
 
 
 class ToolCallStream:
@@ -179,4 +184,4 @@ class ToolCallStream:
         return deltas
 
     def finish_reason(self, finish_reason: str | None) -> str | None:
-        return "tool_calls" if self.announced and finish_reason == "stop" else finish_reason
+        return self.calling.finish_reason(finish_reason) if self.announced else finish_reason

@@ -18,7 +18,8 @@ from treeserve.tasks.arithmetic import GRID_MAX_OPERATIONS, GRID_OPERATORS, rand
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|im_start|>", "<|im_end|>"]
 # Hermes' layout (system turn with the tools as JSON lines inside <tools>, calls as JSON inside
-# <tool_call> tags), in treeserve's own words; an assistant turn's calls are rendered the same way.
+# <tool_call> tags), in treeserve's own words; an assistant turn's calls are rendered the same way
+# (arguments given as an object, as the server passes them, in the compact JSON the model writes).
 CHAT_TEMPLATE = (
     "{{ bos_token }}<|im_start|>system\n"
     "{% if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}{% endif %}"
@@ -28,7 +29,9 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}{% if message['role'] != 'system' %}<|im_start|>{{ message['role'] }}\n"
     "{% if message['content'] %}{{ message['content'] }}{% endif %}"
     "{% for call in message.get('tool_calls') or [] %}<tool_call>\n"
-    "{\"name\":{{ call['function']['name'] | tojson }},\"arguments\":{{ call['function']['arguments'] }}}\n"
+    "{% set arguments = call['function']['arguments'] %}"
+    "{\"name\":{{ call['function']['name'] | tojson }},\"arguments\":"
+    "{{ arguments if arguments is string else arguments | tojson(separators=(',', ':')) }}}\n"
     "</tool_call>{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )

@@ -183,11 +183,13 @@ def usage(chat_usage: dict | None) -> dict:
             "output_tokens": int(chat_usage.get("completion_tokens") or 0)}
 
 
-def stop(finish_reason: str | None, stop_reason, stop_sequences: list[str] | None) -> tuple[str, str | None]:
-    """Anthropic's (stop_reason, stop_sequence) for a choice's finish."""
+def stop(finish_reason: str | None, stop_reason, stop_sequences: list[str] | None,
+         called: bool = False) -> tuple[str, str | None]:
+    """Anthropic's (stop_reason, stop_sequence) for a choice's finish; `called`: the reply has tool
+    calls (`tool_use`, a named choice's too, whose chat finish is `stop`)."""
     if finish_reason == "length":
         return "max_tokens", None
-    if finish_reason == "tool_calls":
+    if finish_reason == "tool_calls" or called:
         return "tool_use", None
     if isinstance(stop_reason, str) and stop_reason in (stop_sequences or ()):
         return "stop_sequence", stop_reason
@@ -213,7 +215,8 @@ def from_chat(request: MessagesRequest, model: str, chat: dict) -> dict:
     content = [{"type": "text", "text": message["content"]}] if message.get("content") else []
     content += [{"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
                  "input": tool_input(call["function"]["arguments"])} for call in message.get("tool_calls") or ()]
-    reason, sequence = stop(choice.get("finish_reason"), choice.get("stop_reason"), request.stop_sequences)
+    reason, sequence = stop(choice.get("finish_reason"), choice.get("stop_reason"), request.stop_sequences,
+                            bool(message.get("tool_calls")))
     return skeleton(model) | {"content": content, "stop_reason": reason, "stop_sequence": sequence,
                               "usage": usage(chat.get("usage"))}
 

@@ -14,6 +14,7 @@ class MessageEvents(ChunkEvents):
         self.block: int | None = None     # the open block's index
         self.block_kind: str | None = None
         self.blocks = 0
+        self.called = False  # a tool_use block was opened
 
     def opens(self, chunk: dict) -> bool:
         """The first chunk with usage or a delta (a chat stream's first chunk, its role, comes before
@@ -37,13 +38,14 @@ class MessageEvents(ChunkEvents):
     def _call(self, call: dict) -> list[dict]:
         function, events = call.get("function") or {}, []
         if call.get("id") is not None:
+            self.called = True
             events += self._open({"type": "tool_use", "id": call["id"], "name": function.get("name") or "", "input": {}})
         if function.get("arguments") and self.block_kind == "tool_use":
             events.append(self._delta({"type": "input_json_delta", "partial_json": function["arguments"]}))
         return events
 
     def finish(self) -> list[dict]:
-        reason, sequence = stop(self.finish_reason, self.stop_reason, self.request.stop_sequences)
+        reason, sequence = stop(self.finish_reason, self.stop_reason, self.request.stop_sequences, self.called)
         return self._close() + [{"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
                                  "usage": usage(self.usage)}, {"type": "message_stop"}]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 from treeserve.errors import ParamError
 from treeserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -173,6 +173,16 @@ class FunctionDefinition(_Part):
     description: str | None = None
     parameters: dict | None = None  # a JSON schema of the arguments object; none: no arguments
     strict: bool | None = None      # calls forced by tool_choice always validate; auto reads what comes
+
+    @field_validator("parameters")
+    @classmethod
+    def _an_object(cls, parameters: dict | None) -> dict | None:
+        """A call's arguments are a JSON object (OpenAI refuses another schema type: a forced call of
+        one could never be read as a call)."""
+        if parameters is not None and parameters.get("type", "object") != "object":
+            raise ValueError(f'must be a JSON schema of type "object" (a call\'s arguments are an object), '
+                             f"got type {parameters.get('type')!r}")
+        return parameters
 
 
 class Tool(_Part):

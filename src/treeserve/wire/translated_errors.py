@@ -10,21 +10,42 @@ from treeserve.wire.errors import APIError
 _AT = r"(?:\.|\[)(\d+)\]?"  # an index: ".0" (pydantic's locations) or "[0]" (ParamError's)
 # (a chat field's pattern, the caller's field); the first that matches renames the parameter's start
 RESPONSES = [(r"^max_tokens\b", "max_output_tokens"), (r"^response_format\b", "text.format"),
-             (rf"^tools{_AT}\.function\.", r"tools[\1]."), (r"^messages\b\S*", "input")]
+             (rf"^tools{_AT}\.function\.", r"tools[\1]."), (r"^tool_choice\.function\.name\b", "tool_choice.name"),
+             (r"^messages\b\S*", "input")]
 MESSAGES = [(r"^stop\b", "stop_sequences"), (rf"^tools{_AT}\.function\.parameters\b", r"tools[\1].input_schema"),
-            (rf"^tools{_AT}\.function\.", r"tools[\1].")]
+            (rf"^tools{_AT}\.function\.", r"tools[\1]."), (r"^tool_choice\.function\.name\b", "tool_choice.name")]
 
 
 def renamed(exc: APIError, rules: list[tuple[str, str]]) -> APIError:
-    """`exc` with its parameter (and the message's leading name of it) as the caller's API names it."""
+    """`exc` with its parameter (and the message's leading name of it) as the caller's API names it,
+    and the other chat fields its message names too."""
     if not exc.param:
         return exc
+    param = exc.param
     for pattern, replacement in rules:
         param, found = re.subn(pattern, replacement, exc.param, count=1)
         if found:
-            message = param + exc.message[len(exc.param):] if exc.message.startswith(exc.param) else exc.message
-            return APIError(exc.status, message, param, exc.code, exc.headers)
-    return exc
+            break
+    message, rest = exc.message, exc.message
+    if message.startswith(exc.param):
+        message, rest = param, message[len(exc.param):]
+    else:
+        message = ""
+    message += _fields_renamed(rest, rules)
+    if (param, message) == (exc.param, exc.message):
+        return exc
+    return APIError(exc.status, message, param, exc.code, exc.headers)
+
+
+def _fields_renamed(text: str, rules: list[tuple[str, str]]) -> str:
+    """The chat fields a message names after its parameter (`response_format cannot be combined
+    with ...`), renamed by the rules that name one field (no index to carry; a plain word such as
+    `stop` is left alone: it may be English)."""
+    for pattern, replacement in rules:
+        field = pattern.removeprefix("^").removesuffix("\\b")
+        if "\\" not in replacement and re.fullmatch(r"[a-z]+_[a-z_.]+", field.replace("\\.", ".")):
+            text = re.sub(r"(?<![\w.])" + pattern.removeprefix("^"), replacement, text)
+    return text
 
 
 @contextlib.contextmanager
