@@ -106,7 +106,9 @@ def test_models_retrieve(client):
 @pytest.mark.parametrize("extra, name", [({"functions": [{"name": "f"}]}, "functions"),
                                          ({"tool_choice": "required"}, "tool_choice"),  # with no tools
                                          ({"modalities": ["audio"]}, "modalities"),
-                                         ({"prediction": {"type": "content", "content": "x"}}, "prediction")])
+                                         ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
+                                         ({"guided_json": {"type": "object"}}, "guided_json"),  # (vLLM's older)
+                                         ({"guided_choice": ["a", "b"]}, "guided_choice")])
 def test_what_is_not_implemented_is_a_400_naming_it(client, extra, name):
     with pytest.raises(openai.BadRequestError) as bad:
         client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, extra_body=extra)
@@ -129,3 +131,30 @@ def test_the_openapi_schema_comes_from_the_request_models(server):
     assert "/v1/models/{model_id}" in schema["paths"]
     docs = httpx.get(f"{server.url}/docs", headers=headers)
     assert docs.status_code == 200 and "openapi.json" in docs.text
+
+
+def test_chat_template_kwargs_reach_the_template(llama_dir):
+    """vLLM's chat_template_kwargs (Qwen3's enable_thinking, say) on chat completions and /tokenize;
+    they were dropped (the field was ignored), and the request's own fields are not theirs to set."""
+    from conftest import API_KEY, running_server
+    from treeserve.model.random_models import CHAT_TEMPLATE
+    from treeserve.server.launch import build_app
+
+    app = build_app(str(llama_dir), served_model_name="tiny", api_keys=[API_KEY], dtype="float32", device="cpu",
+                    kv_cache_memory_bytes=8 << 20, max_model_len=256,
+                    chat_template="{% if flag %}FLAG FLAG FLAG {% endif %}" + CHAT_TEMPLATE)
+    with running_server(app) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+
+        def prompt_tokens(**extra) -> tuple[int, int]:
+            chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1, extra_body=extra)
+            counted = httpx.post(f"{url}/tokenize", headers=headers, json={"model": "tiny", "messages": MESSAGES} | extra)
+            return chat.usage.prompt_tokens, counted.json()["count"]
+
+        plain, flagged = prompt_tokens(), prompt_tokens(chat_template_kwargs={"flag": True})
+        assert flagged[0] > plain[0] and flagged == (flagged[0], flagged[0]) and plain == (plain[0], plain[0])
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1,
+                                           extra_body={"chat_template_kwargs": {"tools": []}})
+        assert bad.value.body["param"] == "chat_template_kwargs"

@@ -46,6 +46,11 @@ def warn_replaced_tool_templates(tokenizers: dict, chat_template: str | None, so
     return names
 
 
+# apply_chat_template's own arguments: what the request's fields set, never a template variable
+RENDER_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+                              "add_generation_prompt", "continue_final_message", "return_dict", "return_tensors"})
+
+
 def render_chat(tokenizer, conversation: list[dict], tools: list[dict] | None = None,
                 add_generation_prompt: bool = True, chat_template: str | None = None,
                 continue_final_message: bool = False, template_kwargs: dict | None = None) -> str:
@@ -54,6 +59,10 @@ def render_chat(tokenizer, conversation: list[dict], tools: list[dict] | None = 
     that fails on the conversation raises ParamError naming `messages`."""
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ParamError("messages", "this model's tokenizer has no chat template; give one (--chat-template)")
+    taken = sorted(set(template_kwargs or ()) & RENDER_ARGUMENTS)
+    if taken:
+        raise ParamError("chat_template_kwargs", f"{', '.join(taken)} cannot be given here: the request's own "
+                         "fields set them")
     try:
         return tokenizer.apply_chat_template(conversation, tools=tools or None, tokenize=False,
                                              add_generation_prompt=add_generation_prompt, chat_template=chat_template,

@@ -145,7 +145,7 @@ def openai_routes(served: ServedModels, max_body_bytes: int) -> APIRouter:
                 ending = template_ending(body.messages, body.add_generation_prompt, body.continue_final_message)
             except ValueError as exc:
                 raise from_value_error(exc) from exc
-            tokens = serving.render(body.messages, body.tools, ending)
+            tokens = serving.render(body.messages, body.tools, ending, body.chat_template_kwargs)
         elif body.prompt is not None:
             tokens = serving.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:

@@ -52,13 +52,14 @@ class OpenAIServing:
         self.token_bytes = TokenBytes(self.tokenizer)  # (chat logprobs' `bytes`)
 
     def render(self, messages: list[ChatMessage], tools: list[Tool] | None,
-               ending: tuple[bool, bool] = (True, False)) -> list[int]:
+               ending: tuple[bool, bool] = (True, False), template_kwargs: dict | None = None) -> list[int]:
         """A conversation's prompt tokens, the tools rendered by the chat template, ended as `ending`
-        says ((add_generation_prompt, continue_final_message)); 400 naming the problem."""
+        says ((add_generation_prompt, continue_final_message)), `template_kwargs` its variables
+        (vLLM's chat_template_kwargs); 400 naming the problem."""
         try:
             text = render_chat(self.tokenizer, template_messages(messages),
                                [t.model_dump(exclude_none=True) for t in tools or ()], ending[0],
-                               self.chat_template, continue_final_message=ending[1])
+                               self.chat_template, continue_final_message=ending[1], template_kwargs=template_kwargs)
         except ValueError as exc:
             raise from_value_error(exc) from exc
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -187,7 +188,7 @@ class OpenAIServing:
     def render_body(self, body: dict) -> list[int]:
         """The prompt tokens of a translated chat body (its messages and tools)."""
         request = _chat_request(body)
-        return self.render(request.messages, request.tools, self._ending(request))
+        return self.render(request.messages, request.tools, self._ending(request), request.chat_template_kwargs)
 
     async def chat_result(self, request: ChatCompletionRequest) -> dict | AsyncIterator[dict]:
         """The reply's body, or (streamed) its chunks: what /v1/chat/completions sends, and what the
@@ -199,7 +200,7 @@ class OpenAIServing:
             prompt_logprobs = request.requested_prompt_logprobs()
         except ValueError as exc:
             raise from_value_error(exc) from exc
-        ids = self.render(request.messages, request.tools, self._ending(request))
+        ids = self.render(request.messages, request.tools, self._ending(request), request.chat_template_kwargs)
         params = self._params(request, [ids], request.requested_max_tokens(), logprobs, "messages", prompt_logprobs)
         if tools is not None:
             params = tools.adjust(params)

@@ -68,6 +68,9 @@ class _ModelBody(BaseModel):
 _SampledBody = create_model("_SampledBody", __base__=_ModelBody, **request_fields())
 
 
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
 class SamplingRequest(_SampledBody):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's plus vLLM's extras)."""
     max_tokens: int | None = None
@@ -87,11 +90,20 @@ class SamplingRequest(_SampledBody):
     prediction: dict | None = None
     audio: dict | None = None
     modalities: list[str] | None = None
+    # vLLM's older structured-output fields (its structured_outputs replaced them): named, not ignored
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list | None = None
+    guided_grammar: str | None = None
 
     def reject_unimplemented(self) -> None:
         for name in ("functions", "function_call"):
             if getattr(self, name) is not None:
                 raise ParamError(name, "is OpenAI's deprecated form; use tools and tool_choice (chat completions)")
+        for name in GUIDED_FIELDS:
+            if getattr(self, name) is not None:
+                new = name.removeprefix("guided_")
+                raise ParamError(name, f"is vLLM's older form; use structured_outputs: {{\"{new}\": ...}}")
         for name in ("prediction", "audio"):
             if getattr(self, name) is not None:
                 raise ParamError(name, "is not supported by this server")
@@ -269,6 +281,7 @@ class ChatCompletionRequest(SamplingRequest):
     # message continued as it is (a prefill: the reply starts where its text ends)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None  # vLLM's: more variables for the template (enable_thinking, ...)
 
     def template_ending(self) -> tuple[bool, bool]:
         """(add_generation_prompt, continue_final_message), checked as vLLM does."""
@@ -362,6 +375,7 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
 
 
 class DetokenizeRequest(BaseModel):
