@@ -180,6 +180,41 @@ def test_serve_finishes_a_stream_and_a_search_then_exits(pair_server):
     assert "drained" in log.read_text()
 
 
+def test_serve_ends_what_still_runs_when_its_time_is_up_with_an_error_it_can_read(pair, tmp_path):
+    """--shutdown-timeout 0: a stream still running ends with a `shutting_down` error event and
+    [DONE], a whole reply still running is a 503 `shutting_down`, and the server exits 0 without a
+    traceback (uvicorn cancelled them: clients read `incomplete chunked read`, the log 64 tracebacks)."""
+    port, log = _free_port(), tmp_path / "serve.log"
+    proc = _start([*TREESERVE, "serve", f"--model=gen={pair['gen']}", "--port", str(port), "--dtype", "float32",
+                   "--device", "cpu", "--kv-cache-memory-bytes", str(64 << 20), "--shutdown-timeout", "0"], log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(url, proc, log)
+        stream = _long_stream(url)
+        whole = Call(url, "/v1/completions", {"model": "gen", "prompt": "whole", "max_tokens": STREAM_TOKENS,
+                                              "min_tokens": STREAM_TOKENS, "n": 8})
+        stream.start()
+        assert stream.first.wait(60) and stream.error is None, stream.error
+        whole.start()
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        stream.join(60)
+        whole.join(60)
+        assert proc.wait(60) == 0, log.read_text()[-3000:]
+        assert stream.error is None and stream.events[-1] == "[DONE]", (stream.error, stream.events[-3:])
+        assert json.loads(stream.events[-2])["error"]["code"] == "shutting_down", stream.events[-2]
+        texts = sum(1 for e in stream.events[:-2] if json.loads(e).get("choices"))
+        assert 0 < texts < 8 * STREAM_TOKENS  # (cut part way)
+        assert whole.response.status_code == 503, whole.response.text
+        assert whole.response.json()["error"]["code"] == "shutting_down"
+        text = log.read_text()
+        assert "Traceback" not in text and "ending 2 request(s) still running" in text, text[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(30)
+
+
 def test_a_second_signal_exits_at_once(tmp_path):
     """Shown on the gateway (`serve` takes its signals into the same DrainingServer): the stream in
     flight is cut, the process exits 0 at once, and what the stream got is still billed."""

@@ -148,6 +148,16 @@ class AsyncLLMEngine:
             if not finished:
                 self.abort(request_id)
 
+    def cut_streams(self, error: BaseException) -> int:
+        """Ends every open stream with `error`, raised to its reader (the server's drain has run out
+        of time: each reply ends with an error its client can read, and a request's generator, left,
+        aborts its request); how many there were."""
+        with self._lock:
+            stream_ids = list(self._streams)
+        for stream_id in stream_ids:
+            self.push(stream_id, error, final=True)
+        return len(stream_ids)
+
     def abort(self, request_id: str) -> None:
         """Aborts a request of any engine before the next step (its KV blocks are freed)."""
         self.close_stream(request_id)

@@ -3,6 +3,8 @@ answers kept for repeated Idempotency-Keys (server/idempotency.py), graceful dra
 (server/routes.py), metrics (server/metrics.py)."""
 from __future__ import annotations
 
+import logging
+
 from fastapi import FastAPI
 
 from treeserve import __version__
@@ -18,7 +20,9 @@ from treeserve.server.tool_calls import ToolSettings
 from treeserve.server.translated_routes import REQUEST_MODELS as TRANSLATED_MODELS, messages_routes, responses_routes
 from treeserve.wire import openapi
 from treeserve.wire.drain import Drain, DrainMiddleware
-from treeserve.wire.errors import install_error_handlers
+from treeserve.wire.errors import APIError, install_error_handlers
+
+log = logging.getLogger("treeserve.server")
 
 
 def create_app(engine: AsyncLLMEngine, served: dict[str, LLMEngine], api_keys: list[str] | None = None,
@@ -41,6 +45,7 @@ def create_app(engine: AsyncLLMEngine, served: dict[str, LLMEngine], api_keys: l
     if keys:
         app.add_middleware(APIKeyMiddleware, keys=keys)
     app.add_middleware(DrainMiddleware, drain=drain)  # added last: the outermost, so it counts every request
+    drain.on_time_up.append(lambda: _cut_streams(engine))
     app.include_router(operator_routes(engine, drain, metrics))
     served_models = ServedModels(servings, searches)
     app.include_router(openai_routes(served_models, max_body_bytes))
@@ -49,3 +54,12 @@ def create_app(engine: AsyncLLMEngine, served: dict[str, LLMEngine], api_keys: l
     openapi.install(app, REQUEST_MODELS | TRANSLATED_MODELS)
     app.include_router(not_found_route())
     return app
+
+
+def _cut_streams(engine: AsyncLLMEngine) -> None:
+    """The drain's time is up: every reply still running (streamed or whole, a search's too) ends
+    with a `shutting_down` error its client can read, instead of a connection cut mid-chunk."""
+    cut = engine.cut_streams(APIError(503, "the server is shutting down: its --shutdown-timeout ran out before "
+                                           "this request ended", code="shutting_down"))
+    if cut:
+        log.warning("the drain's time is up: ending %d request(s) still running with a shutting_down error", cut)

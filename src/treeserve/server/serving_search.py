@@ -25,7 +25,7 @@ from treeserve.search.progress import SearchProgress
 from treeserve.search.runner import SearchHandle, SearchRunner
 from treeserve.search.tree import SearchResult
 from treeserve.wire.disconnect import unless_client_leaves
-from treeserve.wire.errors import ERROR_TYPES, APIError, from_value_error
+from treeserve.wire.errors import APIError, error_body, from_value_error
 from treeserve.wire.protocol import SearchRequest, template_messages
 
 
@@ -178,9 +178,9 @@ class SearchServing:
                 yield _sse_line(item)
                 item = await events.__anext__()
         except APIError as exc:
-            yield _sse_line(_error(exc.status, exc.message, exc.param, exc.code))
+            yield _sse_line(error_body(exc.status, exc.message, exc.param, exc.code))
         except Exception as exc:  # the stream has started: the error is its last event
-            yield _sse_line(_error(500, f"search failed: {exc}"))
+            yield _sse_line(error_body(500, f"search failed: {exc}"))
         finally:
             await events.aclose()
         yield "data: [DONE]\n\n"
@@ -196,11 +196,6 @@ async def _first(events: AsyncIterator):
         return await events.__anext__()
     except StopAsyncIteration:
         raise RuntimeError("search: ended without a result") from None
-
-
-def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": code}}
 
 
 def _sse_line(payload: dict) -> str:

@@ -23,11 +23,14 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
 
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code}}
+
+
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
 ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
