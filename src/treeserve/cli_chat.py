@@ -59,14 +59,14 @@ def first_user(store, user_id: str) -> str:
 
 def cmd_chat(args) -> int:
     from treeserve.model.registry import CHAT_MODELS, CHAT_TOOL_PARSER
-    from treeserve.ports import PortInUseError, ensure_port_free, free_port
+    from treeserve.ports import PortUnavailableError, ensure_port_free, free_port
 
     try:
         ensure_port_free(args.host, args.port, "--port")
         serve_port = args.serve_port or free_port()
         if args.serve_port:
             ensure_port_free("127.0.0.1", serve_port, "--serve-port")
-    except PortInUseError as error:
+    except PortUnavailableError as error:
         print(f"treeserve chat: {error}", file=sys.stderr)
         return 2
     url = f"http://127.0.0.1:{serve_port}"

@@ -101,11 +101,11 @@ def _logged_app(args):
 
 
 def serve(args) -> int:
-    from treeserve.ports import PortInUseError, ensure_port_free
+    from treeserve.ports import PortUnavailableError, ensure_port_free
 
     try:  # before the models load: a taken port is said at once, not after a minute of loading
         ensure_port_free(args.host, args.port, "--port")
-    except PortInUseError as error:
+    except PortUnavailableError as error:
         print(f"treeserve serve: {error}", file=sys.stderr)
         return 2
     app = _logged_app(args)
