@@ -54,3 +54,18 @@ def test_builtin_models_are_served_under_their_bare_names():
     assert named_models(None) == {"arith-gen": "builtin:arith-gen"}
     with pytest.raises(ValueError, match="'arith-gen' is given twice"):
         named_models(["builtin:arith-gen", "arith-gen=builtin:arith-gen"])
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["serve", "--port", "99999"], "--port"), (["serve", "--port", "-1"], "--port"),
+    (["gateway", "--port", "65536"], "--port"), (["chat", "--serve-port", "-5"], "--serve-port"),
+    (["serve", "--max-queue", "0"], "--max-queue"), (["serve", "--max-queue", "-3"], "--max-queue"),
+])
+def test_ports_and_the_queue_bound_are_checked_by_the_parser(argv, flag, capsys):
+    """(--port 99999 was an OverflowError's traceback; --max-queue 0 answered every request 429)"""
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"argument {flag}:" in last and "Traceback" not in last
+

@@ -6,7 +6,7 @@ import sys
 
 from treeserve.cli_gateway import add_gateway_parsers
 from treeserve.cli_gateway import main as gateway_main
-from treeserve.cli_args import json_object
+from treeserve.cli_args import at_least_one, json_object, port
 from treeserve.lifecycle import exit_now, exit_on_signals, follow_parent, heap_frozen_while_it_runs
 
 
@@ -103,8 +103,7 @@ def _add_serving_args(parser: argparse.ArgumentParser, http: bool) -> None:
     parser.add_argument("model_path", nargs="?", help="model directory or builtin:NAME (served as NAME; default: "
                         "the bundled arith-gen generator and arith-prm verifier, served under those names)")
     if http:
-        parser.add_argument("--host", default="127.0.0.1")
-        parser.add_argument("--port", type=int, default=8000)
+        _add_http_args(parser)
     parser.add_argument("--api-key", action="append", help="required bearer key (repeatable; or TREESERVE_API_KEY)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGTERM or SIGINT, seconds the requests in flight (streams and searches too) may "
@@ -112,8 +111,8 @@ def _add_serving_args(parser: argparse.ArgumentParser, http: bool) -> None:
                         "exits at once")
     parser.add_argument("--served-model-name", help="the name requests give as 'model' (default: NAME for "
                         "builtin:NAME, else the model argument as given)")
-    parser.add_argument("--max-queue", type=int, help="waiting requests (or queued searches) beyond which new ones "
-                        "get 429")
+    parser.add_argument("--max-queue", type=at_least_one, help="waiting requests (or queued searches) beyond which "
+                        "new ones get 429")
     parser.add_argument("--max-problems-in-flight", type=int, default=32,
                         help="search problems that advance together, from all requests; more wait in a queue")
     parser.add_argument("--chat-template", help="a Jinja chat template (a file, or the text) replacing the "
@@ -124,6 +123,13 @@ def _add_serving_args(parser: argparse.ArgumentParser, http: bool) -> None:
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help='let the model decide to call tools (tool_choice "auto", the default with tools); '
                         "needs --tool-call-parser")
+
+
+def _add_http_args(parser: argparse.ArgumentParser) -> None:
+    """`serve`'s address."""
+    parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every IPv4 "
+                        "address; ::, every IPv6 one; ::1, IPv6's loopback)")
+    parser.add_argument("--port", type=port, default=8000)
 
 
 def build_parser() -> argparse.ArgumentParser:
