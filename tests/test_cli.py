@@ -69,3 +69,34 @@ def test_ports_and_the_queue_bound_are_checked_by_the_parser(argv, flag, capsys)
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert f"argument {flag}:" in last and "Traceback" not in last
 
+
+def _serve_args(*argv: str):
+    from treeserve.cli import build_parser
+
+    return build_parser().parse_args(["serve", *argv])
+
+
+@pytest.mark.parametrize("argv", [
+    ["--served-model-name", "foo"],  # the bundled pair
+    ["--served-model-name", "foo", "--model", "a=builtin:arith-gen", "--model", "b=builtin:arith-prm"],
+])
+def test_served_model_name_with_several_models_is_an_error(argv):
+    from treeserve.server.launch import served_target
+
+    with pytest.raises(ValueError, match="--served-model-name names one model.*--model NAME=PATH"):
+        served_target(_serve_args(*argv))
+
+
+def test_a_positional_model_and_model_together_is_an_error(caplog):
+    from treeserve.ports import free_port
+    from treeserve.server.launch import served_target
+
+    with pytest.raises(ValueError, match="either as the argument .* or with --model"):
+        served_target(_serve_args("builtin:arith-gen", "--model", "x=builtin:arith-prm"))
+    assert served_target(_serve_args("builtin:arith-gen", "--served-model-name", "foo")) == "builtin:arith-gen"
+    assert served_target(_serve_args("--model", "x=builtin:arith-prm", "--served-model-name", "foo")) == \
+        {"x": "builtin:arith-prm"}
+    # the command refuses it before loading anything
+    assert main(["serve", "--port", str(free_port()), "builtin:arith-gen", "--model", "builtin:arith-prm"]) == 2
+    assert "or with --model, not both" in caplog.text
+

@@ -69,8 +69,7 @@ def app_from_args(args):
     keys = api_keys(args)
     chat_template = load_chat_template(args.chat_template)
     tool_settings = ToolSettings(args.tool_call_parser, args.enable_auto_tool_choice)
-    target = args.model_path or (named_models(args.model) if args.model else DEFAULT_PAIR)
-    app = build_app(target, served_model_name=args.served_model_name, api_keys=keys, kv_mode=args.kv_mode,
+    app = build_app(served_target(args), served_model_name=args.served_model_name, api_keys=keys, kv_mode=args.kv_mode,
                     max_queue=args.max_queue, max_problems_in_flight=args.max_problems_in_flight,
                     dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -85,6 +84,19 @@ def app_from_args(args):
     tokenizers = {name: engine.tokenizer for name, engine in app.state.engine.engines.items()}
     warn_replaced_tool_templates(tokenizers, chat_template, args.chat_template)
     return app
+
+
+def served_target(args) -> str | dict[str, str]:
+    """What the command line serves: the positional model, the --model NAME=PATH ones, or the bundled
+    pair. A ValueError for flags that would be dropped: a positional model and --model together, and
+    --served-model-name with several models (each is named by its --model NAME=PATH)."""
+    if args.model_path and args.model:
+        raise ValueError(f"give the model either as the argument ({args.model_path}) or with --model, not both")
+    target = args.model_path or (named_models(args.model) if args.model else DEFAULT_PAIR)
+    if args.served_model_name and isinstance(target, dict) and len(target) > 1:
+        raise ValueError(f"--served-model-name names one model, and {len(target)} are served "
+                         f"({', '.join(target)}); name each with --model NAME=PATH")
+    return target
 
 
 def _logged_app(args):
