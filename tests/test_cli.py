@@ -100,3 +100,41 @@ def test_a_positional_model_and_model_together_is_an_error(caplog):
     assert main(["serve", "--port", str(free_port()), "builtin:arith-gen", "--model", "builtin:arith-prm"]) == 2
     assert "or with --model, not both" in caplog.text
 
+
+def test_vllm_serve_flags_are_taken():
+    args = _serve_args("--enable-prefix-caching", "--uvicorn-log-level", "debug", "--disable-uvicorn-access-log",
+                       "--disable-log-requests", "--seed", "7", "--gpu-memory-utilization", "0.5")
+    assert args.enable_prefix_caching and args.uvicorn_log_level == "debug" and args.disable_uvicorn_access_log
+    assert args.seed == 7 and args.gpu_memory_utilization == 0.5
+    assert not _serve_args("--no-enable-prefix-caching").enable_prefix_caching
+    assert not _serve_args("--no-prefix-caching").enable_prefix_caching
+    assert _serve_args().seed == 0 and _serve_args().uvicorn_log_level == "info"
+
+
+def test_serve_hands_the_flags_to_the_engines_and_uvicorn(monkeypatch):
+    from treeserve.ports import free_port
+    from treeserve.server import launch
+
+    built, configs = {}, []
+    monkeypatch.setattr(launch, "build_app", lambda target, **options: built.update(options) or _Stop.app())
+    monkeypatch.setattr(launch, "warn_replaced_tool_templates", lambda *args: None)
+    monkeypatch.setattr(launch, "freeze_startup_heap", lambda: None)
+    monkeypatch.setattr(launch, "DrainingServer", lambda config, drain, name: configs.append(config) or _Stop.fail())
+    args = _serve_args("--port", str(free_port()), "--seed", "7", "--gpu-memory-utilization", "0.5",
+                       "--no-enable-prefix-caching", "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log")
+    with pytest.raises(_Stop):
+        launch.serve(args)
+    assert built["seed"] == 7 and built["gpu_memory_utilization"] == 0.5 and built["enable_prefix_caching"] is False
+    assert configs[0].log_level == "warning" and configs[0].access_log is False
+
+
+class _Stop(Exception):
+    @staticmethod
+    def app():
+        from types import SimpleNamespace
+
+        return SimpleNamespace(state=SimpleNamespace(engine=SimpleNamespace(engines={}), drain=None))
+
+    @staticmethod
+    def fail():
+        raise _Stop

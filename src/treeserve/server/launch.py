@@ -74,7 +74,8 @@ def app_from_args(args):
                     dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                     kv_cache_memory_bytes=args.kv_cache_memory_bytes, block_size=args.block_size,
-                    enable_prefix_caching=not args.no_prefix_caching, attention_backend=args.attention_backend,
+                    gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
+                    enable_prefix_caching=args.enable_prefix_caching, attention_backend=args.attention_backend,
                     enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
                     quantization=args.quantization, speculative_config=args.speculative_config,
                     load_format=args.load_format, tensor_parallel_size=args.tensor_parallel_size,
@@ -123,8 +124,9 @@ def serve(args) -> int:
     app = _logged_app(args)
     if app is None:
         return 2
-    server = DrainingServer(uvicorn_config(app, host=args.host, port=args.port, log_level="info"), app.state.drain,
-                            name="treeserve serve")
+    config = uvicorn_config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                            access_log=not args.disable_uvicorn_access_log)
+    server = DrainingServer(config, app.state.drain, name="treeserve serve")
     run_engine_on_main_thread(app.state.engine, server, server.handle_exit)
     return _exit_status(app, server)
 
