@@ -144,3 +144,18 @@ def test_tokenize_detokenize(server):
     assert text["prompt"] == "café 😀"
     assert httpx.get(f"{server.url}/version", headers=headers).json()["version"]
     assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_tokenize_returns_the_token_strings_when_asked(server):
+    """vLLM's return_token_strs: token_strs are the tokens' vocabulary pieces (null unless asked)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {server.key}"}
+    asked = httpx.post(f"{server.url}/tokenize", json={"prompt": "The water is", "return_token_strs": True},
+                       headers=headers).json()
+    assert asked["token_strs"] == server.engine.tokenizer.convert_ids_to_tokens(asked["tokens"])
+    assert len(asked["token_strs"]) == asked["count"] and all(isinstance(s, str) for s in asked["token_strs"])
+    chat = httpx.post(f"{server.url}/tokenize", headers=headers, json={
+        "messages": [{"role": "user", "content": "Hi"}], "return_token_strs": True}).json()
+    assert len(chat["token_strs"]) == chat["count"]
+    assert httpx.post(f"{server.url}/tokenize", json={"prompt": "Hi"}, headers=headers).json()["token_strs"] is None

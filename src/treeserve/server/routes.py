@@ -140,17 +140,9 @@ def openai_routes(served: ServedModels, max_body_bytes: int) -> APIRouter:
     async def tokenize(request: Request):
         body = await parse(request, TokenizeRequest, max_body_bytes)
         serving = served.serving(body.model)
-        if body.messages is not None:
-            try:
-                ending = template_ending(body.messages, body.add_generation_prompt, body.continue_final_message)
-            except ValueError as exc:
-                raise from_value_error(exc) from exc
-            tokens = serving.render(body.messages, body.tools, ending)
-        elif body.prompt is not None:
-            tokens = serving.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        else:
-            raise APIError(400, "prompt: give 'prompt' or 'messages'", param="prompt", code="missing_required_parameter")
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": serving.max_model_len}
+        tokens = _tokenized(serving, body)
+        strs = serving.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": serving.max_model_len, "token_strs": strs}
 
     @router.post("/detokenize")
     async def detokenize(request: Request):
@@ -163,6 +155,19 @@ def openai_routes(served: ServedModels, max_body_bytes: int) -> APIRouter:
         return {"prompt": serving.tokenizer.decode(body.tokens)}
 
     return router
+
+
+def _tokenized(serving: OpenAIServing, body: TokenizeRequest) -> list[int]:
+    """/tokenize's tokens: the messages as the chat template renders them, or the prompt."""
+    if body.messages is not None:
+        try:
+            ending = template_ending(body.messages, body.add_generation_prompt, body.continue_final_message)
+        except ValueError as exc:
+            raise from_value_error(exc) from exc
+        return serving.render(body.messages, body.tools, ending)
+    if body.prompt is not None:
+        return serving.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    raise APIError(400, "prompt: give 'prompt' or 'messages'", param="prompt", code="missing_required_parameter")
 
 
 def not_found_route() -> APIRouter:

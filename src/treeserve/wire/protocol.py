@@ -352,6 +352,7 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    return_token_strs: bool = False  # vLLM's: the tokens' strings (their vocabulary pieces) as token_strs
 
 
 class DetokenizeRequest(BaseModel):
