@@ -25,6 +25,21 @@ def test_models(client):
     assert [m.id for m in models.data] == ["tiny"]
 
 
+def test_model_cards_are_vllms(client, llama_dir):
+    """vLLM's card fields: root (what the model was loaded from), parent, one permission object."""
+    card = client.models.retrieve("tiny").model_dump()
+    assert card["root"] == str(llama_dir) and card["parent"] is None and card["owned_by"] == "treeserve"
+    assert card["max_model_len"] == 512
+    [permission] = card["permission"]
+    assert permission["id"].startswith("modelperm-") and permission["object"] == "model_permission"
+    assert permission["created"] == card["created"] and permission["organization"] == "*"
+    assert (permission["allow_sampling"], permission["allow_logprobs"], permission["allow_view"]) == (True,) * 3
+    assert not any(permission[k] for k in ("allow_create_engine", "allow_search_indices", "allow_fine_tuning",
+                                           "is_blocking"))
+    assert permission["group"] is None
+    assert client.models.list().data[0].model_dump() | {"permission": None} == card | {"permission": None}
+
+
 def test_chat_non_streaming_with_usage(client, server):
     resp = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12, temperature=0)
     choice = resp.choices[0]

@@ -4,6 +4,7 @@ served model by its `model` field."""
 from __future__ import annotations
 
 import time
+import uuid
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -58,8 +59,19 @@ class ServedModels:
         return self.scoring
 
     def card(self, name: str) -> dict:
+        """vLLM's model card: `root` is what the model was loaded from (a path or builtin:NAME)."""
+        serving = self.servings[name]
         return {"id": name, "object": "model", "created": self.created, "owned_by": "treeserve",
-                "max_model_len": self.servings[name].max_model_len}
+                "root": str(serving.llm.config.model), "parent": None, "max_model_len": serving.max_model_len,
+                "permission": [model_permission(self.created)]}
+
+
+def model_permission(created: int) -> dict:
+    """vLLM's ModelPermission (OpenAI's former schema): sampling, logprobs and viewing allowed."""
+    return {"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": created,
+            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
+            "group": None, "is_blocking": False}
 
 
 def operator_routes(engine: AsyncLLMEngine, drain: Drain, metrics: ServerMetrics | None) -> APIRouter:
