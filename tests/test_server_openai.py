@@ -174,3 +174,12 @@ def test_tokenize_returns_the_token_strings_when_asked(server):
         "messages": [{"role": "user", "content": "Hi"}], "return_token_strs": True}).json()
     assert len(chat["token_strs"]) == chat["count"]
     assert httpx.post(f"{server.url}/tokenize", json={"prompt": "Hi"}, headers=headers).json()["token_strs"] is None
+
+
+def test_ping_is_health_for_sagemaker(server):
+    """vLLM's /ping (GET and POST): 200 as /health, with no API key, as /health."""
+    import httpx
+
+    for method in ("GET", "POST"):
+        assert httpx.request(method, f"{server.url}/ping").status_code == 200
+    assert httpx.get(f"{server.url}/v1/models").status_code == 401  # (the key is needed elsewhere)

@@ -85,6 +85,10 @@ def operator_routes(engine: AsyncLLMEngine, drain: Drain, metrics: ServerMetrics
             return error_response(503, f"engine failed: {engine.errored}")
         return Response(status_code=200)
 
+    for method in (router.get, router.post):  # vLLM's /ping (SageMaker's health check): /health's answer
+        method("/ping", response_class=Response, responses={200: {"description": "the engine is alive (empty body)"},
+                                                            503: {"description": "the engine failed"}})(health)
+
     @router.get("/health/ready", response_class=Response,
                 responses={200: {"description": "ready for requests (empty body)"},
                            503: {"description": "draining for shutdown, or the engine failed"}})
