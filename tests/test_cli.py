@@ -54,3 +54,87 @@ def test_builtin_models_are_served_under_their_bare_names():
     assert named_models(None) == {"arith-gen": "builtin:arith-gen"}
     with pytest.raises(ValueError, match="'arith-gen' is given twice"):
         named_models(["builtin:arith-gen", "arith-gen=builtin:arith-gen"])
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["serve", "--port", "99999"], "--port"), (["serve", "--port", "-1"], "--port"),
+    (["gateway", "--port", "65536"], "--port"), (["chat", "--serve-port", "-5"], "--serve-port"),
+    (["serve", "--max-queue", "0"], "--max-queue"), (["serve", "--max-queue", "-3"], "--max-queue"),
+])
+def test_ports_and_the_queue_bound_are_checked_by_the_parser(argv, flag, capsys):
+    """(--port 99999 was an OverflowError's traceback; --max-queue 0 answered every request 429)"""
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"argument {flag}:" in last and "Traceback" not in last
+
+
+def _serve_args(*argv: str):
+    from treeserve.cli import build_parser
+
+    return build_parser().parse_args(["serve", *argv])
+
+
+@pytest.mark.parametrize("argv", [
+    ["--served-model-name", "foo"],  # the bundled pair
+    ["--served-model-name", "foo", "--model", "a=builtin:arith-gen", "--model", "b=builtin:arith-prm"],
+])
+def test_served_model_name_with_several_models_is_an_error(argv):
+    from treeserve.server.launch import served_target
+
+    with pytest.raises(ValueError, match="--served-model-name names one model.*--model NAME=PATH"):
+        served_target(_serve_args(*argv))
+
+
+def test_a_positional_model_and_model_together_is_an_error(caplog):
+    from treeserve.ports import free_port
+    from treeserve.server.launch import served_target
+
+    with pytest.raises(ValueError, match="either as the argument .* or with --model"):
+        served_target(_serve_args("builtin:arith-gen", "--model", "x=builtin:arith-prm"))
+    assert served_target(_serve_args("builtin:arith-gen", "--served-model-name", "foo")) == "builtin:arith-gen"
+    assert served_target(_serve_args("--model", "x=builtin:arith-prm", "--served-model-name", "foo")) == \
+        {"x": "builtin:arith-prm"}
+    # the command refuses it before loading anything
+    assert main(["serve", "--port", str(free_port()), "builtin:arith-gen", "--model", "builtin:arith-prm"]) == 2
+    assert "or with --model, not both" in caplog.text
+
+
+def test_vllm_serve_flags_are_taken():
+    args = _serve_args("--enable-prefix-caching", "--uvicorn-log-level", "debug", "--disable-uvicorn-access-log",
+                       "--disable-log-requests", "--seed", "7", "--gpu-memory-utilization", "0.5")
+    assert args.enable_prefix_caching and args.uvicorn_log_level == "debug" and args.disable_uvicorn_access_log
+    assert args.seed == 7 and args.gpu_memory_utilization == 0.5
+    assert not _serve_args("--no-enable-prefix-caching").enable_prefix_caching
+    assert not _serve_args("--no-prefix-caching").enable_prefix_caching
+    assert _serve_args().seed == 0 and _serve_args().uvicorn_log_level == "info"
+
+
+def test_serve_hands_the_flags_to_the_engines_and_uvicorn(monkeypatch):
+    from treeserve.ports import free_port
+    from treeserve.server import launch
+
+    built, configs = {}, []
+    monkeypatch.setattr(launch, "build_app", lambda target, **options: built.update(options) or _Stop.app())
+    monkeypatch.setattr(launch, "warn_replaced_tool_templates", lambda *args: None)
+    monkeypatch.setattr(launch, "freeze_startup_heap", lambda: None)
+    monkeypatch.setattr(launch, "DrainingServer", lambda config, drain, name: configs.append(config) or _Stop.fail())
+    args = _serve_args("--port", str(free_port()), "--seed", "7", "--gpu-memory-utilization", "0.5",
+                       "--no-enable-prefix-caching", "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log")
+    with pytest.raises(_Stop):
+        launch.serve(args)
+    assert built["seed"] == 7 and built["gpu_memory_utilization"] == 0.5 and built["enable_prefix_caching"] is False
+    assert configs[0].log_level == "warning" and configs[0].access_log is False
+
+
+class _Stop(Exception):
+    @staticmethod
+    def app():
+        from types import SimpleNamespace
+
+        return SimpleNamespace(state=SimpleNamespace(engine=SimpleNamespace(engines={}), drain=None))
+
+    @staticmethod
+    def fail():
+        raise _Stop

@@ -94,3 +94,56 @@ def test_the_port_check_counts_a_listener_not_closed_connections():
         listener.listen()
         with pytest.raises(PortInUseError, match=f"127.0.0.1:{port} is already in use.*--port"):
             ensure_port_free("127.0.0.1", port, "--port")
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as sock:
+            sock.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+needs_ipv6 = pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+
+
+@needs_ipv6
+@pytest.mark.parametrize("host", ["::", "::1"])
+def test_an_ipv6_host_is_checked_as_ipv6(host):
+    """(`--host ::` was refused as "already in use (Address family for hostname not supported)")"""
+    from treeserve.ports import PortInUseError, ensure_port_free, free_port
+
+    port = free_port("::1")
+    ensure_port_free(host, port, "--port")
+    with socket.socket(socket.AF_INET6) as listener:
+        listener.bind(("::1", port))
+        listener.listen()
+        with pytest.raises(PortInUseError, match=rf"\[{host}\]:{port} is already in use.*--port"):
+            ensure_port_free(host, port, "--port")
+
+
+@pytest.mark.parametrize("host, reason", [("192.0.2.1", "Cannot assign requested address"),
+                                          ("no-such-host.invalid", "")])
+def test_a_bind_failure_other_than_a_taken_port_is_not_called_in_use(host, reason):
+    from treeserve.ports import PortInUseError, PortUnavailableError, ensure_port_free, free_port
+
+    port = free_port()
+    with pytest.raises(PortUnavailableError, match=f"cannot listen on {host}:{port} \\({reason}") as raised:
+        ensure_port_free(host, port, "--port")
+    assert not isinstance(raised.value, PortInUseError) and "in use" not in str(raised.value)
+
+
+@needs_ipv6
+def test_serve_on_ipv6_refuses_a_taken_port_in_one_line():
+    from treeserve.ports import free_port
+
+    port = free_port("::1")
+    with socket.socket(socket.AF_INET6) as listener:
+        listener.bind(("::1", port))
+        listener.listen()
+        done = subprocess.run([sys.executable, "-m", "treeserve.cli", "serve", "--host", "::1", "--port", str(port)],
+                              capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        f"treeserve serve: [::1]:{port} is already in use (Address already in use): stop what listens there or "
+        "pass another --port"], done.stderr

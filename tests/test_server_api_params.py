@@ -1,5 +1,7 @@
 """Everyday parameters through the official `openai` client: logit_bias, continuous usage in
 streams, models.retrieve, a 400 naming what is not implemented, and the OpenAPI schema."""
+import re
+
 import httpx
 import openai
 import pytest
@@ -158,3 +160,29 @@ def test_chat_template_kwargs_reach_the_template(llama_dir):
             client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1,
                                            extra_body={"chat_template_kwargs": {"tools": []}})
         assert bad.value.body["param"] == "chat_template_kwargs"
+
+
+OVERFLOW = (r"This model's maximum context length is 512 tokens\. However, you requested {total} tokens "
+            r"\({prompt} in the messages, {completion} in the completion\)\. "
+            r"Please reduce the length of the messages or completion\.")
+
+
+@pytest.mark.parametrize("route, extra, param, completion", [
+    ("completions", {"prompt": [5] * 600}, "prompt", "16"),  # the prompt alone (and OpenAI's default max_tokens)
+    ("completions", {"prompt": [5] * 600, "max_tokens": 20}, "prompt", "20"),
+    ("completions", {"prompt": [5] * 500, "max_tokens": 20}, "max_tokens", "20"),  # with what it asks for
+    ("chat", {"messages": [{"role": "user", "content": "water " * 600}]}, "messages", "1"),  # (one is generated)
+    ("chat", {"messages": MESSAGES, "max_completion_tokens": 600}, "max_completion_tokens", "600"),
+])
+def test_a_context_overflow_is_openais_context_length_exceeded(client, route, extra, param, completion):
+    """OpenAI's (and vLLM's) sentence and code, by which LiteLLM and LangChain detect an overflow; the
+    parameter is still the one to change."""
+    create = client.completions.create if route == "completions" else client.chat.completions.create
+    with pytest.raises(openai.BadRequestError) as overflow:
+        create(model="tiny", **extra)
+    body = overflow.value.body
+    assert body["code"] == "context_length_exceeded" and body["param"] == param, body
+    prompt = r"\d+" if route == "chat" else str(len(extra["prompt"]))
+    total = r"\d+" if route == "chat" else str(len(extra["prompt"]) + int(completion))
+    assert re.fullmatch(f"{param}: " + OVERFLOW.format(total=total, prompt=prompt, completion=completion),
+                        body["message"]), body["message"]

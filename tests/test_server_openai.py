@@ -25,6 +25,21 @@ def test_models(client):
     assert [m.id for m in models.data] == ["tiny"]
 
 
+def test_model_cards_are_vllms(client, llama_dir):
+    """vLLM's card fields: root (what the model was loaded from), parent, one permission object."""
+    card = client.models.retrieve("tiny").model_dump()
+    assert card["root"] == str(llama_dir) and card["parent"] is None and card["owned_by"] == "treeserve"
+    assert card["max_model_len"] == 512
+    [permission] = card["permission"]
+    assert permission["id"].startswith("modelperm-") and permission["object"] == "model_permission"
+    assert permission["created"] == card["created"] and permission["organization"] == "*"
+    assert (permission["allow_sampling"], permission["allow_logprobs"], permission["allow_view"]) == (True,) * 3
+    assert not any(permission[k] for k in ("allow_create_engine", "allow_search_indices", "allow_fine_tuning",
+                                           "is_blocking"))
+    assert permission["group"] is None
+    assert client.models.list().data[0].model_dump() | {"permission": None} == card | {"permission": None}
+
+
 def test_chat_non_streaming_with_usage(client, server):
     resp = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12, temperature=0)
     choice = resp.choices[0]
@@ -144,3 +159,27 @@ def test_tokenize_detokenize(server):
     assert text["prompt"] == "café 😀"
     assert httpx.get(f"{server.url}/version", headers=headers).json()["version"]
     assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_tokenize_returns_the_token_strings_when_asked(server):
+    """vLLM's return_token_strs: token_strs are the tokens' vocabulary pieces (null unless asked)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {server.key}"}
+    asked = httpx.post(f"{server.url}/tokenize", json={"prompt": "The water is", "return_token_strs": True},
+                       headers=headers).json()
+    assert asked["token_strs"] == server.engine.tokenizer.convert_ids_to_tokens(asked["tokens"])
+    assert len(asked["token_strs"]) == asked["count"] and all(isinstance(s, str) for s in asked["token_strs"])
+    chat = httpx.post(f"{server.url}/tokenize", headers=headers, json={
+        "messages": [{"role": "user", "content": "Hi"}], "return_token_strs": True}).json()
+    assert len(chat["token_strs"]) == chat["count"]
+    assert httpx.post(f"{server.url}/tokenize", json={"prompt": "Hi"}, headers=headers).json()["token_strs"] is None
+
+
+def test_ping_is_health_for_sagemaker(server):
+    """vLLM's /ping (GET and POST): 200 as /health, with no API key, as /health."""
+    import httpx
+
+    for method in ("GET", "POST"):
+        assert httpx.request(method, f"{server.url}/ping").status_code == 200
+    assert httpx.get(f"{server.url}/v1/models").status_code == 401  # (the key is needed elsewhere)

@@ -69,6 +69,16 @@ def test_bad_prompts_rejected_before_scheduling(llm, prompts):
     assert llm.generate("ok", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
 
 
+def test_a_prompt_past_the_context_is_openais_overflow(llm):
+    from treeserve.errors import ContextLengthError
+
+    with pytest.raises(ContextLengthError, match=r"^prompt: This model's maximum context length is 64 tokens\. "
+                       r"However, you requested 65 tokens \(64 in the messages, 1 in the completion\)") as raised:
+        llm.generate([[1] * 64], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert raised.value.param == "prompt" and raised.value.code == "context_length_exceeded"
+    assert_no_leak(llm.engine)
+
+
 def test_wrong_number_of_sampling_params(llm):
     with pytest.raises(ValueError, match="^sampling_params"):
         llm.generate(["a", "b"], [SamplingParams()] * 3, use_tqdm=False)

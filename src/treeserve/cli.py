@@ -6,7 +6,7 @@ import sys
 
 from treeserve.cli_gateway import add_gateway_parsers
 from treeserve.cli_gateway import main as gateway_main
-from treeserve.cli_args import json_object
+from treeserve.cli_args import at_least_one, json_object, port
 from treeserve.lifecycle import exit_now, exit_on_signals, follow_parent, heap_frozen_while_it_runs
 
 
@@ -31,6 +31,9 @@ def _add_engine_args(parser: argparse.ArgumentParser, several_models: bool = Fal
     else:
         parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-cache-memory-bytes", type=int)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="CUDA: the share of the device's memory the models may use, KV blocks included "
+                        "(unless --kv-cache-memory-bytes says how much KV)")
     parser.add_argument("--quantization", "-q", help="int8: weight-only int8 made at load, on CPU; gptq, awq, "
                         "compressed-tensors: the checkpoint's own (default: what the checkpoint's "
                         "quantization_config says; none: the weights as stored)")
@@ -45,7 +48,10 @@ def _add_engine_args(parser: argparse.ArgumentParser, several_models: bool = Fal
                         "as tokens need them (rewriting that file under a running server can crash it, as with "
                         "llama.cpp's mmap); safetensors: every weight copied into memory; dummy: random weights")
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="reuse the KV blocks of prompts' shared prefixes")
+    parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                        help="the same as --no-enable-prefix-caching")
     parser.add_argument("--attention-backend", choices=["auto", "triton", "torch"], default="auto",
                         help="auto: Triton kernels on CUDA, PyTorch (and treeserve's C kernels) on CPU; "
                         "or TREESERVE_ATTENTION_BACKEND")
@@ -64,7 +70,8 @@ def _engine_options(args) -> dict:
     return dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 kv_cache_memory_bytes=args.kv_cache_memory_bytes, block_size=args.block_size,
-                enable_prefix_caching=not args.no_prefix_caching, attention_backend=args.attention_backend,
+                gpu_memory_utilization=args.gpu_memory_utilization,
+                enable_prefix_caching=args.enable_prefix_caching, attention_backend=args.attention_backend,
                 enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
                 quantization=args.quantization, speculative_config=args.speculative_config,
                 load_format=args.load_format, **parallel_options(args))
@@ -103,8 +110,7 @@ def _add_serving_args(parser: argparse.ArgumentParser, http: bool) -> None:
     parser.add_argument("model_path", nargs="?", help="model directory or builtin:NAME (served as NAME; default: "
                         "the bundled arith-gen generator and arith-prm verifier, served under those names)")
     if http:
-        parser.add_argument("--host", default="127.0.0.1")
-        parser.add_argument("--port", type=int, default=8000)
+        _add_http_args(parser)
     parser.add_argument("--api-key", action="append", help="required bearer key (repeatable; or TREESERVE_API_KEY)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGTERM or SIGINT, seconds the requests in flight (streams and searches too) may "
@@ -112,8 +118,10 @@ def _add_serving_args(parser: argparse.ArgumentParser, http: bool) -> None:
                         "exits at once")
     parser.add_argument("--served-model-name", help="the name requests give as 'model' (default: NAME for "
                         "builtin:NAME, else the model argument as given)")
-    parser.add_argument("--max-queue", type=int, help="waiting requests (or queued searches) beyond which new ones "
-                        "get 429")
+    parser.add_argument("--max-queue", type=at_least_one, help="waiting requests (or queued searches) beyond which "
+                        "new ones get 429")
+    parser.add_argument("--seed", type=int, default=0, help="the seed of the random numbers set when the models "
+                        "load, which requests without a 'seed' draw from (one with its own seed is unaffected)")
     parser.add_argument("--max-problems-in-flight", type=int, default=32,
                         help="search problems that advance together, from all requests; more wait in a queue")
     parser.add_argument("--chat-template", help="a Jinja chat template (a file, or the text) replacing the "
@@ -124,6 +132,20 @@ def _add_serving_args(parser: argparse.ArgumentParser, http: bool) -> None:
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help='let the model decide to call tools (tool_choice "auto", the default with tools); '
                         "needs --tool-call-parser")
+
+
+def _add_http_args(parser: argparse.ArgumentParser) -> None:
+    """`serve`'s address and HTTP server (uvicorn) flags."""
+    parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every IPv4 "
+                        "address; ::, every IPv6 one; ::1, IPv6's loopback)")
+    parser.add_argument("--port", type=port, default=8000)
+    parser.add_argument("--uvicorn-log-level", choices=["critical", "error", "warning", "info", "debug", "trace"],
+                        default="info", help="uvicorn's log level")
+    parser.add_argument("--disable-uvicorn-access-log", action="store_true",
+                        help="no line per request in uvicorn's access log")
+    parser.add_argument("--disable-log-requests", action="store_true",
+                        help="taken for vLLM's command lines; it has no effect: treeserve does not log requests "
+                        "(uvicorn's access log, a line per request, is --disable-uvicorn-access-log)")
 
 
 def build_parser() -> argparse.ArgumentParser:

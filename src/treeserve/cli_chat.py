@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from treeserve.cli_args import port
 from treeserve.lifecycle import child_env
 
 GENERATOR, VERIFIER, ROUTER = "arith-gen", "arith-prm", "arith-router"
@@ -29,8 +30,8 @@ EXAMPLES = [
 def add_chat_parser(sub) -> None:
     chat = sub.add_parser("chat", help="the web chat on the bundled models: a server, the gateway and a first user")
     chat.add_argument("--host", default="127.0.0.1", help="the chat page's address")
-    chat.add_argument("--port", type=int, default=4000, help="the chat page's (the gateway's) port")
-    chat.add_argument("--serve-port", type=int, help="the model server's port on 127.0.0.1 (default: a free one)")
+    chat.add_argument("--port", type=port, default=4000, help="the chat page's (the gateway's) port")
+    chat.add_argument("--serve-port", type=port, help="the model server's port on 127.0.0.1 (default: a free one)")
     chat.add_argument("--database", help="the gateway's database URL (default: ./treeserve-gateway.db)")
     chat.add_argument("--user", default="demo", help="the first user's name (its password is printed)")
     chat.add_argument("--master-key", help="the admin API's key (/key/generate, /user/new, /spend/logs ...); default "
@@ -59,14 +60,14 @@ def first_user(store, user_id: str) -> str:
 
 def cmd_chat(args) -> int:
     from treeserve.model.registry import CHAT_MODELS, CHAT_TOOL_PARSER
-    from treeserve.ports import PortInUseError, ensure_port_free, free_port
+    from treeserve.ports import PortUnavailableError, ensure_port_free, free_port
 
     try:
         ensure_port_free(args.host, args.port, "--port")
         serve_port = args.serve_port or free_port()
         if args.serve_port:
             ensure_port_free("127.0.0.1", serve_port, "--serve-port")
-    except PortInUseError as error:
+    except PortUnavailableError as error:
         print(f"treeserve chat: {error}", file=sys.stderr)
         return 2
     url = f"http://127.0.0.1:{serve_port}"

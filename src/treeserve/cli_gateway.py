@@ -9,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+from treeserve.cli_args import port
 from treeserve.lifecycle import freeze_startup_heap
 
 BUDGET_HELP = ("in the currency of the models' prices (input_cost_per_token, output_cost_per_token in the "
@@ -28,7 +29,7 @@ def add_gateway_parsers(sub) -> None:
     gateway.add_argument("--database", help="a SQLAlchemy URL (default: SQLite treeserve-gateway.db in the "
                          "working directory; postgresql+psycopg://user:pass@host/db for production)")
     gateway.add_argument("--host", default="127.0.0.1")
-    gateway.add_argument("--port", type=int, default=4000)
+    gateway.add_argument("--port", type=port, default=4000)
     gateway.add_argument("--routing", choices=["round_robin", "least_outstanding", "affinity"])
     gateway.add_argument("--retries", type=int, help="further backends to try before a first byte (default 2)")
     gateway.add_argument("--health-interval", type=float, help="seconds between health checks (default 5; 0: off)")

@@ -5,7 +5,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from treeserve.cli_args import json_object
+from treeserve.cli_args import at_least_one, json_object
 from treeserve.lifecycle import heap_frozen_while_it_runs
 from treeserve.model.registry import DEFAULT_GENERATOR, DEFAULT_VERIFIER
 
@@ -20,26 +20,16 @@ def add_search_parsers(sub) -> None:
     _add_search_args(evaluate)
     evaluate.add_argument("--dataset", required=True, help="JSONL with problem and answer fields (e.g. MATH-500)")
     evaluate.add_argument("--n", default=[4], type=_sizes, help="comma-separated N values, e.g. 4,16,64")
-    evaluate.add_argument("--limit", type=_at_least_one, help="only the first LIMIT problems")
+    evaluate.add_argument("--limit", type=at_least_one, help="only the first LIMIT problems")
     evaluate.add_argument("--out", type=Path, required=True)
     evaluate.add_argument("--reference", action="store_true",
                           help="run Search-and-Learn's original execution instead of treeserve's")
     evaluate.set_defaults(func=cmd_eval)
 
 
-def _at_least_one(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def _sizes(text: str) -> list[int]:
     """--n of eval: comma-separated N values, each at least 1."""
-    sizes = [_at_least_one(n.strip()) for n in text.split(",") if n.strip()]
+    sizes = [at_least_one(n.strip()) for n in text.split(",") if n.strip()]
     if not sizes:
         raise argparse.ArgumentTypeError("expected N values such as 4,16,64")
     return sizes

@@ -10,7 +10,7 @@ from treeserve.engine.request import Request, RequestGroup
 from treeserve.engine.request_groups import RequestGroups
 from treeserve.engine.scheduler import Scheduler
 from treeserve.engine.structured_outputs import StructuredOutputs
-from treeserve.errors import ParamError
+from treeserve.errors import ParamError, check_context_length
 from treeserve.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -24,12 +24,7 @@ class RequestIntake:
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
             raise ParamError("prompt", "must not be empty")
-        max_model_len = self.loaded.max_model_len
-        if len(prompt_token_ids) >= max_model_len:
-            raise ParamError(
-                "prompt", f"{len(prompt_token_ids)} tokens is too long for the maximum model length "
-                f"{max_model_len} (at least one token must be generated)"
-            )
+        check_context_length(self.loaded.max_model_len, len(prompt_token_ids))
         vocab = self.loaded.model_config.vocab_size
         bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:

@@ -86,7 +86,7 @@ class Runtime:
         device = models[0].device
         if device.type == "cuda":
             self.total_bytes = torch.cuda.mem_get_info(device)[1]
-            self.utilisation = 0.9 if utilisation is None else utilisation
+            self.utilisation = models[0].config.gpu_memory_utilization if utilisation is None else utilisation
         else:
             self.total_bytes = available_host_bytes()
             self.utilisation = 0.25 if utilisation is None else utilisation

@@ -7,7 +7,7 @@ import hmac
 from treeserve.wire.errors import error_response_for
 
 MAX_BODY_BYTES = 2 << 20
-OPEN_PATHS = {"/health", "/health/ready"}  # the probes a load balancer sends
+OPEN_PATHS = {"/health", "/health/ready", "/ping"}  # the probes a load balancer sends (/ping: SageMaker's)
 
 
 def keys_match(presented: str, keys: list[str]) -> bool:
@@ -19,7 +19,7 @@ def keys_match(presented: str, keys: list[str]) -> bool:
 
 
 class APIKeyMiddleware:
-    """Every route but the probes (/health, /health/ready) needs `Authorization: Bearer KEY` (or
+    """Every route but the probes (/health, /health/ready, /ping) needs `Authorization: Bearer KEY` (or
     Anthropic's `x-api-key: KEY`). A plain ASGI middleware: it leaves
     the request's receive channel alone, so handlers see a client's disconnect."""
 

@@ -69,13 +69,13 @@ def app_from_args(args):
     keys = api_keys(args)
     chat_template = load_chat_template(args.chat_template)
     tool_settings = ToolSettings(args.tool_call_parser, args.enable_auto_tool_choice)
-    target = args.model_path or (named_models(args.model) if args.model else DEFAULT_PAIR)
-    app = build_app(target, served_model_name=args.served_model_name, api_keys=keys, kv_mode=args.kv_mode,
+    app = build_app(served_target(args), served_model_name=args.served_model_name, api_keys=keys, kv_mode=args.kv_mode,
                     max_queue=args.max_queue, max_problems_in_flight=args.max_problems_in_flight,
                     dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                     kv_cache_memory_bytes=args.kv_cache_memory_bytes, block_size=args.block_size,
-                    enable_prefix_caching=not args.no_prefix_caching, attention_backend=args.attention_backend,
+                    gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
+                    enable_prefix_caching=args.enable_prefix_caching, attention_backend=args.attention_backend,
                     enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
                     quantization=args.quantization, speculative_config=args.speculative_config,
                     load_format=args.load_format, tensor_parallel_size=args.tensor_parallel_size,
@@ -85,6 +85,19 @@ def app_from_args(args):
     tokenizers = {name: engine.tokenizer for name, engine in app.state.engine.engines.items()}
     warn_replaced_tool_templates(tokenizers, chat_template, args.chat_template)
     return app
+
+
+def served_target(args) -> str | dict[str, str]:
+    """What the command line serves: the positional model, the --model NAME=PATH ones, or the bundled
+    pair. A ValueError for flags that would be dropped: a positional model and --model together, and
+    --served-model-name with several models (each is named by its --model NAME=PATH)."""
+    if args.model_path and args.model:
+        raise ValueError(f"give the model either as the argument ({args.model_path}) or with --model, not both")
+    target = args.model_path or (named_models(args.model) if args.model else DEFAULT_PAIR)
+    if args.served_model_name and isinstance(target, dict) and len(target) > 1:
+        raise ValueError(f"--served-model-name names one model, and {len(target)} are served "
+                         f"({', '.join(target)}); name each with --model NAME=PATH")
+    return target
 
 
 def _logged_app(args):
@@ -101,18 +114,19 @@ def _logged_app(args):
 
 
 def serve(args) -> int:
-    from treeserve.ports import PortInUseError, ensure_port_free
+    from treeserve.ports import PortUnavailableError, ensure_port_free
 
     try:  # before the models load: a taken port is said at once, not after a minute of loading
         ensure_port_free(args.host, args.port, "--port")
-    except PortInUseError as error:
+    except PortUnavailableError as error:
         print(f"treeserve serve: {error}", file=sys.stderr)
         return 2
     app = _logged_app(args)
     if app is None:
         return 2
-    server = DrainingServer(uvicorn_config(app, host=args.host, port=args.port, log_level="info"), app.state.drain,
-                            name="treeserve serve")
+    config = uvicorn_config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                            access_log=not args.disable_uvicorn_access_log)
+    server = DrainingServer(config, app.state.drain, name="treeserve serve")
     run_engine_on_main_thread(app.state.engine, server, server.handle_exit)
     return _exit_status(app, server)
 

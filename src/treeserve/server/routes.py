@@ -4,6 +4,7 @@ served model by its `model` field."""
 from __future__ import annotations
 
 import time
+import uuid
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -58,8 +59,19 @@ class ServedModels:
         return self.scoring
 
     def card(self, name: str) -> dict:
+        """vLLM's model card: `root` is what the model was loaded from (a path or builtin:NAME)."""
+        serving = self.servings[name]
         return {"id": name, "object": "model", "created": self.created, "owned_by": "treeserve",
-                "max_model_len": self.servings[name].max_model_len}
+                "root": str(serving.llm.config.model), "parent": None, "max_model_len": serving.max_model_len,
+                "permission": [model_permission(self.created)]}
+
+
+def model_permission(created: int) -> dict:
+    """vLLM's ModelPermission (OpenAI's former schema): sampling, logprobs and viewing allowed."""
+    return {"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": created,
+            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
+            "group": None, "is_blocking": False}
 
 
 def operator_routes(engine: AsyncLLMEngine, drain: Drain, metrics: ServerMetrics | None) -> APIRouter:
@@ -72,6 +84,10 @@ def operator_routes(engine: AsyncLLMEngine, drain: Drain, metrics: ServerMetrics
         if engine.errored is not None:
             return error_response(503, f"engine failed: {engine.errored}")
         return Response(status_code=200)
+
+    for method in (router.get, router.post):  # vLLM's /ping (SageMaker's health check): /health's answer
+        method("/ping", response_class=Response, responses={200: {"description": "the engine is alive (empty body)"},
+                                                            503: {"description": "the engine failed"}})(health)
 
     @router.get("/health/ready", response_class=Response,
                 responses={200: {"description": "ready for requests (empty body)"},
@@ -140,17 +156,9 @@ def openai_routes(served: ServedModels, max_body_bytes: int) -> APIRouter:
     async def tokenize(request: Request):
         body = await parse(request, TokenizeRequest, max_body_bytes)
         serving = served.serving(body.model)
-        if body.messages is not None:
-            try:
-                ending = template_ending(body.messages, body.add_generation_prompt, body.continue_final_message)
-            except ValueError as exc:
-                raise from_value_error(exc) from exc
-            tokens = serving.render(body.messages, body.tools, ending, body.chat_template_kwargs)
-        elif body.prompt is not None:
-            tokens = serving.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        else:
-            raise APIError(400, "prompt: give 'prompt' or 'messages'", param="prompt", code="missing_required_parameter")
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": serving.max_model_len}
+        tokens = _tokenized(serving, body)
+        strs = serving.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": serving.max_model_len, "token_strs": strs}
 
     @router.post("/detokenize")
     async def detokenize(request: Request):
@@ -163,6 +171,19 @@ def openai_routes(served: ServedModels, max_body_bytes: int) -> APIRouter:
         return {"prompt": serving.tokenizer.decode(body.tokens)}
 
     return router
+
+
+def _tokenized(serving: OpenAIServing, body: TokenizeRequest) -> list[int]:
+    """/tokenize's tokens: the messages as the chat template renders them, or the prompt."""
+    if body.messages is not None:
+        try:
+            ending = template_ending(body.messages, body.add_generation_prompt, body.continue_final_message)
+        except ValueError as exc:
+            raise from_value_error(exc) from exc
+        return serving.render(body.messages, body.tools, ending, body.chat_template_kwargs)
+    if body.prompt is not None:
+        return serving.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    raise APIError(400, "prompt: give 'prompt' or 'messages'", param="prompt", code="missing_required_parameter")
 
 
 def not_found_route() -> APIRouter:

@@ -14,7 +14,7 @@ from treeserve import jsonl
 from treeserve.engine.async_engine import AsyncLLMEngine, QueueFullError
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.engine.token_bytes import TokenBytes
-from treeserve.errors import ParamError
+from treeserve.errors import ParamError, check_context_length
 from treeserve.model.registry import BUILTIN_PREFIX
 from treeserve.outputs import RequestOutput
 from treeserve.sampling_params import RequestOutputKind, SamplingParams
@@ -92,15 +92,12 @@ class OpenAIServing:
                 prompt_field: str, prompt_logprobs: int | None = None) -> SamplingParams:
         try:
             for ids in prompts:
+                check_context_length(self.max_model_len, len(ids), max_tokens, prompt_field)
                 try:
                     self.llm.validate_prompt(ids)
                 except ValueError as exc:  # the engine names it `prompt`; the request calls it prompt_field
                     detail = exc.detail if isinstance(exc, ParamError) else str(exc)[len("prompt: "):]
                     raise ParamError(prompt_field, detail) from exc
-                room = self.max_model_len - len(ids)
-                if max_tokens is not None and max_tokens > room:
-                    raise ParamError("max_tokens", f"{max_tokens} plus the prompt's {len(ids)} tokens exceeds "
-                                                   f"the maximum model length {self.max_model_len}")
             params = request.sampling_params(self.llm.generation_defaults.sampling, max_tokens, logprobs,
                                              prompt_logprobs)
         except ValueError as exc:

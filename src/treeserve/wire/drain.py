@@ -22,7 +22,7 @@ from treeserve.wire.errors import error_response
 
 log = logging.getLogger("treeserve.drain")
 # Answered while draining: the probes and the metrics a supervisor reads.
-EXEMPT_PATHS = frozenset({"/health", "/health/ready", "/metrics"})
+EXEMPT_PATHS = frozenset({"/health", "/health/ready", "/ping", "/metrics"})
 RETRY_AFTER_S = 1
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 KEEP_ALIVE_S = 75  # nginx's default; see `uvicorn_config`

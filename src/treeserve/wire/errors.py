@@ -7,7 +7,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from treeserve.errors import ParamError
+from treeserve.errors import ContextLengthError, ParamError
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error",
@@ -53,9 +53,10 @@ def error_response_for(path: str, status: int, message: str, param: str | None =
 
 
 def from_value_error(exc: ValueError) -> APIError:
-    """A 400 with the error's text; a ParamError also names its parameter for the client."""
+    """A 400 with the error's text; a ParamError also names its parameter for the client, and a
+    ContextLengthError has OpenAI's code for it."""
     param = exc.param if isinstance(exc, ParamError) else None
-    return APIError(400, str(exc), param=param, code="invalid_value")
+    return APIError(400, str(exc), param=param, code=exc.code if isinstance(exc, ContextLengthError) else "invalid_value")
 
 
 def from_validation_error(exc: ValidationError | RequestValidationError) -> APIError:

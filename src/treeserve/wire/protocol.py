@@ -376,6 +376,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
+    return_token_strs: bool = False  # vLLM's: the tokens' strings (their vocabulary pieces) as token_strs
 
 
 class DetokenizeRequest(BaseModel):
