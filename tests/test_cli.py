@@ -138,3 +138,10 @@ class _Stop(Exception):
     @staticmethod
     def fail():
         raise _Stop
+
+
+@pytest.mark.parametrize("value", ["*", '{"a": 1}', "[1]"])
+def test_allowed_origins_is_a_json_list_of_strings(value, capsys):
+    with pytest.raises(SystemExit) as exited:
+        _serve_args("--allowed-origins", value)
+    assert exited.value.code == 2 and "--allowed-origins" in capsys.readouterr().err

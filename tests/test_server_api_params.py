@@ -186,3 +186,36 @@ def test_a_context_overflow_is_openais_context_length_exceeded(client, route, ex
     total = r"\d+" if route == "chat" else str(len(extra["prompt"]) + int(completion))
     assert re.fullmatch(f"{param}: " + OVERFLOW.format(total=total, prompt=prompt, completion=completion),
                         body["message"]), body["message"]
+
+
+def test_cors_only_for_the_allowed_origins_and_a_preflight_needs_no_key(llama_dir):
+    """vLLM's --allowed-origins (a JSON list); by default no CORS headers at all (vLLM allows every
+    origin by default: a page in the user's browser could then read a key-less local server)."""
+    from conftest import API_KEY, running_server
+    from treeserve.cli import build_parser
+    from treeserve.server.launch import allow_cors, build_app
+
+    args = build_parser().parse_args(["serve", "--allowed-origins", '["https://app.example"]'])
+    assert args.allowed_methods == ["*"] and not args.allow_credentials
+    app = build_app(str(llama_dir), served_model_name="tiny", api_keys=[API_KEY], dtype="float32", device="cpu",
+                    kv_cache_memory_bytes=8 << 20, max_model_len=256)
+    allow_cors(app, args)
+    with running_server(app) as url:
+        preflight = httpx.options(f"{url}/v1/chat/completions", headers={
+            "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type"})
+        assert preflight.status_code == 200, preflight.text
+        assert preflight.headers["access-control-allow-origin"] == "https://app.example"
+        listed = httpx.get(f"{url}/v1/models", headers={"Origin": "https://app.example",
+                                                        "Authorization": f"Bearer {API_KEY}"})
+        assert listed.status_code == 200 and listed.headers["access-control-allow-origin"] == "https://app.example"
+        other = httpx.get(f"{url}/v1/models", headers={"Origin": "https://evil.example",
+                                                       "Authorization": f"Bearer {API_KEY}"})
+        assert "access-control-allow-origin" not in other.headers
+        assert httpx.get(f"{url}/v1/models", headers={"Origin": "https://app.example"}).status_code == 401
+
+
+def test_no_cors_headers_by_default(server):
+    answer = httpx.get(f"{server.url}/v1/models", headers={"Origin": "https://app.example",
+                                                           "Authorization": f"Bearer {server.key}"})
+    assert answer.status_code == 200 and "access-control-allow-origin" not in answer.headers

@@ -273,7 +273,8 @@ def test_a_call_that_is_not_json_as_a_whole_is_no_call():
 
 
 def test_named_choice_names_the_tools_index_of_a_bad_schema():
-    tools = TOOLS + [{"type": "function", "function": {"name": "bad", "parameters": {"type": "nope"}}}]
+    tools = TOOLS + [{"type": "function", "function": {"name": "bad", "parameters": {
+        "type": "object", "properties": {"a": {"type": "nope"}}}}}]
     request = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
                                                     "tools": tools,
                                                     "tool_choice": {"type": "function", "function": {"name": "bad"}}})

@@ -6,7 +6,7 @@ import sys
 
 from treeserve.cli_gateway import add_gateway_parsers
 from treeserve.cli_gateway import main as gateway_main
-from treeserve.cli_args import at_least_one, json_object, port
+from treeserve.cli_args import at_least_one, json_list, json_object, port
 from treeserve.lifecycle import exit_now, exit_on_signals, follow_parent, heap_frozen_while_it_runs
 
 
@@ -143,6 +143,12 @@ def _add_http_args(parser: argparse.ArgumentParser) -> None:
                         default="info", help="uvicorn's log level")
     parser.add_argument("--disable-uvicorn-access-log", action="store_true",
                         help="no line per request in uvicorn's access log")
+    parser.add_argument("--allowed-origins", type=json_list, default=None,
+                        help='CORS: the origins a browser page may call from, a JSON list as vLLM takes it '
+                        '(\'["*"]\' any; default: none, no CORS headers: vLLM allows every origin by default)')
+    parser.add_argument("--allowed-methods", type=json_list, default=["*"], help="CORS: the methods allowed (JSON list)")
+    parser.add_argument("--allowed-headers", type=json_list, default=["*"], help="CORS: the headers allowed (JSON list)")
+    parser.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies)")
     parser.add_argument("--disable-log-requests", action="store_true",
                         help="taken for vLLM's command lines; it has no effect: treeserve does not log requests "
                         "(uvicorn's access log, a line per request, is --disable-uvicorn-access-log)")

@@ -7,14 +7,25 @@ import json
 
 def json_object(text: str) -> dict:
     """argparse's type for a JSON object argument (a clear error for anything else)."""
+    return _json_of(text, dict, "a JSON object")
+
+
+def json_list(text: str) -> list[str]:
+    """argparse's type for a JSON list of strings (vLLM's `--allowed-origins '["*"]'`)."""
+    value = _json_of(text, list, 'a JSON list of strings, e.g. \'["*"]\'')
+    if not all(isinstance(item, str) for item in value):
+        raise argparse.ArgumentTypeError('must be a JSON list of strings, e.g. \'["*"]\'')
+    return value
+
+
+def _json_of(text: str, kind: type, what: str):
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON ({exc})") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object")
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}); expected {what}") from None
+    if not isinstance(value, kind):
+        raise argparse.ArgumentTypeError(f"must be {what}")
     return value
-
 
 
 def whole_number(text: str) -> int:

@@ -35,6 +35,7 @@ CACHE_SIZE = 256  # compiled grammars kept per engine
 # llguidance's "x-guidance" key ({"whitespace_flexible": true}).
 JSON_DEFAULTS = {"whitespace_flexible": False}
 _BIT_INDEX = torch.arange(32, dtype=torch.int32)
+LOGGED_ERROR_CHARS = 500
 logger = logging.getLogger(__name__)
 
 
@@ -161,6 +162,8 @@ def advance(matcher: llguidance.LLMatcher, token_id: int) -> bool:
     """Feeds the sampled token to the grammar; True when the sequence must stop: the grammar is
     done, or (never expected, the mask forbade it) it rejected the token (logged)."""
     if not matcher.consume_token(token_id):
-        logger.error("the grammar rejected sampled token %d (%s); the sequence stops", token_id, matcher.get_error())
+        error = matcher.get_error() or ""  # (llguidance's may hold the whole grammar: its start is enough)
+        logger.error("the grammar rejected sampled token %d (%s); the sequence stops", token_id,
+                     error if len(error) <= LOGGED_ERROR_CHARS else error[:LOGGED_ERROR_CHARS] + " ...")
         return True
     return matcher.is_stopped()

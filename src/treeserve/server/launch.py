@@ -8,6 +8,8 @@ import sys
 import threading
 import time
 
+from starlette.middleware.cors import CORSMiddleware
+
 from treeserve.config import EngineConfig
 from treeserve.lifecycle import freeze_startup_heap
 from treeserve.model.registry import DEFAULT_PAIR, named_models, served_name
@@ -84,7 +86,17 @@ def app_from_args(args):
                     chat_template=chat_template, tool_settings=tool_settings, drain=Drain(args.shutdown_timeout))
     tokenizers = {name: engine.tokenizer for name, engine in app.state.engine.engines.items()}
     warn_replaced_tool_templates(tokenizers, chat_template, args.chat_template)
+    allow_cors(app, args)
     return app
+
+
+def allow_cors(app, args) -> None:
+    """CORS headers for the origins `--allowed-origins` names (none by default); added last, so the
+    outermost: a browser's preflight (OPTIONS, no key) is answered before the key is asked for."""
+    origins = getattr(args, "allowed_origins", None)
+    if origins:
+        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=args.allowed_methods,
+                           allow_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
 
 
 def served_target(args) -> str | dict[str, str]:
