@@ -467,7 +467,8 @@ def test_rate_and_parallel_limits_hold_across_two_gateways(server, database):
         for i in range(5):  # each next request as soon as the last one ended: never refused
             _chat(one_at_a_time, f"Next {i}")
         _inside_one_minute()
-        tokens = _new_key(first, tpm_limit=100)  # each request may use ~70 (its prompt's bytes and max_tokens)
+        tokens = _new_key(first, tpm_limit=100, soft_budget=0.5)  # each request may use ~70 (prompt bytes, max_tokens)
+        assert _admin(first, "GET", "/key/info", params={"key": tokens}).json()["info"]["soft_budget"] == 0.5
         results = _burst([first, second], tokens, 8)
         used = [r.usage.total_tokens for r in results if not isinstance(r, Exception)]
         refused = [r for r in results if isinstance(r, Exception)]

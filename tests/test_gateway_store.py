@@ -9,7 +9,7 @@ import sys
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import select, update
+from sqlalchemy import select, text, update
 
 from treeserve.errors import ParamError
 from treeserve.gateway.errors import GatewayError
@@ -197,6 +197,24 @@ def test_a_tpm_limit_counts_the_tokens_requests_in_flight_may_use_then_what_they
     assert store.admission.admit(unlimited, 0.0, 10**9).tokens == 0  # (no tpm_limit: nothing held)
 
 
+def test_the_settlement_that_crosses_a_keys_soft_budget_is_logged_once(store, caplog):
+    """LiteLLM's soft_budget: a warning when a settlement takes the key's spend past it; nothing is
+    refused, and later settlements say nothing more (until a budget period starts it again)."""
+    token, info = store.accounts.create_key(soft_budget=0.25, key_alias="team-a")
+    assert info["soft_budget"] == 0.25 and store.accounts.key_info(token)["soft_budget"] == 0.25
+    key = store.accounts.authenticate(token)
+    caplog.set_level("WARNING", logger="treeserve.gateway")
+    for i in range(5):
+        reservation = store.admission.admit(key, 0.0)
+        store.ledger.settle(Settlement(reservation, f"s{i}", "m", None, "chat", False, "success", Usage(1, 1), 0.1,
+                                       utcnow()))
+    crossed = [r.getMessage() for r in caplog.records if "soft budget" in r.getMessage()]
+    assert crossed == ["key team-a crossed its soft budget: spend 0.300000 of soft_budget 0.250000"], crossed
+    with pytest.raises(ParamError) as negative:
+        store.accounts.create_key(soft_budget=-1.0)
+    assert negative.value.param == "soft_budget"
+
+
 def test_key_fields_are_checked(store):
     with pytest.raises(ParamError) as bad:
         store.accounts.create_key(budget_duration="monthly")
@@ -344,14 +362,13 @@ def test_the_key_id_migration_keeps_every_row_and_starts_past_every_id_seen(tmp_
     with store.db.engine.begin() as conn:
         config.attributes["connection"] = conn
         command.upgrade(config, "0007")
-    kept, _ = store.accounts.create_key(key_alias="kept")
-    gone, _ = store.accounts.create_key(key_alias="gone")
-    kept_id, gone_id = store.accounts.authenticate(kept).id, store.accounts.authenticate(gone).id
-    with store.db.transaction() as conn:
+    with store.db.transaction() as conn:  # (in SQL: the ORM's api_keys has the columns of later revisions)
+        kept, kept_id = _key_before(conn, "kept")
+        _, gone_id = _key_before(conn, "gone")
         conn.execute(insert(StoredFile).values(id="file-1", api_key_id=kept_id, purpose="batch", filename="a.jsonl",
                                                bytes=1, content=b"x", created_at=utcnow()))
         conn.execute(insert(RateWindow).values(key_id=gone_id + 5, window=1, requests=1, tokens=0))
-    store.accounts.delete_keys([gone])
+        conn.execute(text("DELETE FROM api_keys WHERE id = :id"), {"id": gone_id})
     store.close()
     store = Store(url)
     store.migrate()
@@ -366,3 +383,15 @@ def test_the_key_id_migration_keeps_every_row_and_starts_past_every_id_seen(tmp_
             assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
     finally:
         store.close()
+
+
+def _key_before(conn, alias: str) -> tuple[str, int]:
+    """A key written as an older revision's api_keys holds it: (its token, its id)."""
+    from treeserve.gateway import keys as keylib
+
+    token = keylib.new_key()
+    conn.execute(text("INSERT INTO api_keys (token_hash, key_name, key_alias, spend, reserved, in_flight, blocked, "
+                      "metadata, created_at) VALUES (:hash, :name, :alias, 0, 0, 0, 0, '{}', :created)"),
+                 {"hash": keylib.hash_key(token), "name": keylib.display_name(token), "alias": alias,
+                  "created": utcnow()})
+    return token, conn.scalar(text("SELECT id FROM api_keys WHERE key_alias = :alias"), {"alias": alias})

@@ -54,6 +54,8 @@ def add_gateway_parsers(sub) -> None:
     create.add_argument("--alias", dest="key_alias")
     create.add_argument("--models", help="comma-separated models the key may use (default: all)")
     create.add_argument("--max-budget", type=float, help=BUDGET_HELP)
+    create.add_argument("--soft-budget", type=float, help="a spend past which the gateway logs a warning "
+                        "(LiteLLM's soft budget; nothing is refused)")
     create.add_argument("--budget-duration", help="budget period, e.g. 30d")
     create.add_argument("--rpm-limit", type=int)
     create.add_argument("--tpm-limit", type=int)
@@ -139,8 +141,9 @@ def chat_overrides(args) -> dict | None:
 
 
 def cmd_keys_create(args) -> int:
-    fields = {k: getattr(args, k) for k in ("user_id", "key_alias", "max_budget", "budget_duration", "rpm_limit",
-                                            "tpm_limit", "max_parallel_requests") if getattr(args, k) is not None}
+    fields = {k: getattr(args, k) for k in ("user_id", "key_alias", "max_budget", "soft_budget", "budget_duration",
+                                            "rpm_limit", "tpm_limit", "max_parallel_requests")
+              if getattr(args, k) is not None}
     token, info = _store(args).accounts.create_key(duration=args.duration, models=_models(args.models), **fields)
     print(json.dumps({"key": token, **info}, indent=2))
     return 0

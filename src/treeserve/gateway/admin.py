@@ -38,6 +38,7 @@ class KeyLimits(_Body):
     user_id: UserId | None = None
     models: Models | None = None
     max_budget: Money | None = None
+    soft_budget: Money | None = None
     budget_duration: Period | None = None
     rpm_limit: Limit | None = None
     tpm_limit: Limit | None = None

@@ -61,6 +61,7 @@ class ApiKey(Base):
     user_id: Mapped[str | None] = mapped_column(ForeignKey("users.user_id", ondelete="SET NULL"), index=True)
     models: Mapped[list | None] = mapped_column(JSON)
     max_budget: Mapped[float | None] = mapped_column(Float)
+    soft_budget: Mapped[float | None] = mapped_column(Float)  # LiteLLM's: crossing it is logged, nothing refused
     spend: Mapped[float] = mapped_column(Float, default=0.0)
     reserved: Mapped[float] = mapped_column(Float, default=0.0)
     budget_duration: Mapped[str | None] = mapped_column(String(16))

@@ -178,7 +178,9 @@ def apply_settlements(db: Database, conn: Session, items: list[Settlement]) -> N
         values = dict(reserved=ApiKey.reserved - released, spend=ApiKey.spend + spent)
         if slots:
             values["in_flight"] = ApiKey.in_flight - slots
-        conn.execute(update(ApiKey).where(ApiKey.id == key_id).values(**values))
+        row = conn.execute(update(ApiKey).where(ApiKey.id == key_id).values(**values)
+                           .returning(ApiKey.spend, ApiKey.soft_budget, ApiKey.key_alias, ApiKey.key_name)).first()
+        _warn_soft_budget(row, spent)
     for user_id, (released, spent) in users.items():
         conn.execute(update(User).where(User.user_id == user_id)
                      .values(reserved=User.reserved - released, spend=User.spend + spent))
@@ -196,6 +198,14 @@ def apply_settlements(db: Database, conn: Session, items: list[Settlement]) -> N
         db.upsert(conn, DailySpend, dict(day=day, key_id=key_id, model=model, user_id=user_id, requests=requests,
                                          prompt_tokens=prompt, completion_tokens=completion, cost=cost),
                   ["day", "key_id", "model"], ["requests", "prompt_tokens", "completion_tokens", "cost"])
+
+
+def _warn_soft_budget(row, spent: float) -> None:
+    """LiteLLM's soft budget: the settlement that takes a key's spend past it is logged (a warning,
+    once a budget period); nothing is refused."""
+    if row is not None and row.soft_budget is not None and row.spend - spent < row.soft_budget <= row.spend:
+        log.warning("key %s crossed its soft budget: spend %.6f of soft_budget %.6f", row.key_alias or row.key_name,
+                    row.spend, row.soft_budget)
 
 
 def _answer_line(conn: Session, item: Settlement) -> None:
