@@ -17,6 +17,7 @@ from pathlib import Path
 import openpyxl
 import pytest
 from selenium.webdriver import ActionChains
+from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support.ui import Select
 
 from chat_support import add_user, arith_backend, chat_stack
@@ -92,12 +93,10 @@ def sign_in(driver, url: str, user: str, password: str) -> None:
     wait(driver, lambda d: d.find_element(*by("new-chat")).is_displayed())
 
 
-def new_chat(driver) -> str:
-    before = driver.current_url
+def new_chat(driver) -> None:
+    """An empty chat, stored only once its first message is sent (it used to be stored at once)."""
     driver.find_element(*by("new-chat")).click()
-    wait(driver, lambda d: d.current_url != before and "/chat/c/" in d.current_url)
-    wait(driver, lambda d: d.find_element(*by("conversation-title")).get_attribute("value"))
-    return driver.current_url
+    wait(driver, lambda d: d.current_url.endswith("/chat") and not d.find_elements(*by("message-user")))
 
 
 def set_field(driver, testid: str, value: str) -> None:
@@ -140,8 +139,9 @@ def test_the_chat_page_end_to_end(stack, browser, shots):
     assert driver.find_element(*by("message-user")).find_element(*by("message-content")).text == EXAMPLES[0]["text"]
     assert last_answer(driver) and not driver.find_elements(*by("examples"))
 
-    conversation_url = new_chat(driver)
+    new_chat(driver)
     set_field(driver, "settings-max-tokens", "96")
+    listed = len(driver.find_elements(*by("conversation-item")))
 
     # streaming: the page's text grows chunk by chunk (recorded by a MutationObserver in the page)
     driver.execute_script("""
@@ -155,6 +155,9 @@ def test_the_chat_page_end_to_end(stack, browser, shots):
     grown = sorted(set(n for n in lengths if n > 0))
     answer = last_answer(driver)
     assert len(grown) >= 3 and answer, (lengths, answer)
+    conversation_url = driver.current_url
+    assert "/chat/c/" in conversation_url
+    wait(driver, lambda d: len(d.find_elements(*by("conversation-item"))) == listed + 1)
 
     driver.refresh()  # the history comes back from the database
     wait(driver, lambda d: len(d.find_elements(*by("message-assistant"))) == 1)
@@ -162,11 +165,12 @@ def test_the_chat_page_end_to_end(stack, browser, shots):
     assert driver.find_element(*by("message-user")).find_element(*by("message-content")).text == QUESTION
     assert last_answer(driver) == answer
 
-    set_field(driver, "settings-temperature", "0.25")
+    set_field(driver, "settings-temperature", "0.33")  # (step="any": 0.33 and 0.955 were refused by step 0.05 / 0.01)
+    set_field(driver, "settings-top-p", "0.955")
     set_field(driver, "settings-system-prompt", "You are a terse calculator.")
     send(driver, "Start with 3 and work modulo 100. Step 1: + 4. What is the result?")
     received = [b for path, b in tap.bodies if path == "/v1/chat/completions"][-1]
-    assert received["temperature"] == 0.25 and received["max_tokens"] == 96
+    assert received["temperature"] == 0.33 and received["top_p"] == 0.955 and received["max_tokens"] == 96
     assert received["messages"][0] == {"role": "system", "content": "You are a terse calculator."}
     assert [m["role"] for m in received["messages"]] == ["system", "user", "assistant", "user"]
     driver.save_screenshot(str(shots / "chat.png"))
@@ -179,9 +183,50 @@ def test_the_chat_page_end_to_end(stack, browser, shots):
     rows = list(openpyxl.load_workbook(xlsx).active.iter_rows(values_only=True))
     assert [r[3] for r in rows[1:]] == ["user", "assistant", "user", "assistant"]
     assert rows[1][4] == QUESTION and _words(rows[2][4]) == _words(answer)  # (the page shows it as Markdown)
-    assert '"temperature": 0.25' in rows[3][7] and "terse calculator" in rows[3][7]
+    assert '"temperature": 0.33' in rows[3][7] and "terse calculator" in rows[3][7]
     driver.find_element(*by("export-json")).click()
     wait(driver, lambda d: (driver.downloads / f"conversation-{conversation_id}.json").exists(), timeout=30)
+
+    # the bundled model's context is 512 tokens: with max tokens 400 the oldest turns are left out (said
+    # subtly in the answer's header); a message that cannot fit alone is told so, and does not stop the next
+    set_field(driver, "settings-max-tokens", "400")
+    send(driver, "Start with 8 and work modulo 100. Step 1: + 1. What is the result?")
+    received = [b for path, b in tap.bodies if path == "/v1/chat/completions"][-1]
+    assert [m["role"] for m in received["messages"]][:2] == ["system", "user"] and len(received["messages"]) < 6
+    left_out = driver.find_elements(*by("message-assistant"))[-1].find_element(*by("left-out")).text
+    assert left_out.endswith("earlier messages left out") and not last_answer(driver).startswith("max_tokens")
+    set_field(driver, "settings-max-tokens", "8000")
+    send(driver, "Start with 9 and work modulo 100. Step 1: + 1. What is the result?")
+    error = driver.find_elements(*by("message-assistant"))[-1].find_element("css selector", ".error").text
+    assert "does not fit arith-gen's context of 512 tokens" in error, error
+    set_field(driver, "settings-max-tokens", "96")
+    send(driver, "Start with 9 and work modulo 100. Step 1: + 2. What is the result?")
+    assert last_answer(driver) and not driver.find_elements(*by("message-assistant"))[-1].find_elements(
+        "css selector", ".error")
+
+    # a message the gateway refuses stays in the box, and an empty chat keeps its examples
+    new_chat(driver)
+    driver.execute_script("""window.__fetch = window.fetch; window.fetch = (url, options) => url.endsWith('/messages')
+        ? Promise.resolve(new Response(JSON.stringify({error: {message: 'refused for the test'}}), {status: 400}))
+        : window.__fetch(url, options);""")
+    driver.find_element(*by("message-input")).send_keys("keep me")
+    driver.find_element(*by("send")).click()
+    wait(driver, lambda d: d.find_element(*by("notice")).text == "refused for the test")
+    assert driver.find_element(*by("message-input")).get_attribute("value") == "keep me"
+    assert driver.find_elements(*by("example"))
+    driver.execute_script("window.fetch = window.__fetch")
+    # an IME's Enter (composing a word) does not send
+    driver.execute_script("""arguments[0].dispatchEvent(new KeyboardEvent('keydown', {key: 'Enter', keyCode: 229,
+        isComposing: true, bubbles: true, cancelable: true}))""", driver.find_element(*by("message-input")))
+    time.sleep(0.3)
+    assert driver.find_element(*by("message-input")).get_attribute("value") == "keep me"
+    assert not driver.find_elements(*by("message-user")) and driver.find_element(*by("stop")).get_attribute("disabled")
+    driver.find_element(*by("message-input")).clear()
+    # conversations open from the keyboard
+    item = driver.find_element("css selector", f'[data-testid="conversation-item"][data-id="{conversation_id}"]')
+    driver.execute_script("arguments[0].focus()", item)
+    ActionChains(driver).send_keys(Keys.ENTER).perform()
+    wait(driver, lambda d: d.current_url == conversation_url)
 
     # search mode: candidates with their scores and step-score charts
     new_chat(driver)
@@ -244,6 +289,9 @@ def test_the_chat_page_end_to_end(stack, browser, shots):
          and len(d.find_element("css selector", '.message.streaming [data-testid="message-content"]').text) > 12)
     driver.find_element(*by("stop")).click()
     wait(driver, lambda d: not d.find_elements("css selector", ".message.streaming"))
+    stopped = driver.find_elements(*by("message-assistant"))[-1]  # shown finished: Markdown, no "…" header
+    assert stopped.find_elements("css selector", ".content.markdown") and "stopped" in stopped.text
+    assert not stopped.find_element("css selector", ".meta").text.endswith("…")
     partial = last_answer(driver)
     assert 12 <= len(partial) < len("slowly: " + "one two three four five six " * 6)
     driver.refresh()
@@ -252,9 +300,33 @@ def test_the_chat_page_end_to_end(stack, browser, shots):
     time.sleep(1.5)
     assert scripted.state.finished == finished  # its stream never ran to the end
 
-    # another user cannot open this conversation
+    # a phone's width: one column, nothing wider than the screen; the conversations open from ☰
+    driver.set_window_size(390, 844)
+    wait(driver, lambda d: d.find_element(*by("toggle-sidebar")).is_displayed())
+    assert driver.execute_script("return document.documentElement.scrollWidth <= window.innerWidth")
+    assert not driver.find_element(*by("new-chat")).is_displayed()
+    driver.find_element(*by("toggle-sidebar")).click()
+    driver.find_element("css selector", f'[data-testid="conversation-item"][data-id="{conversation_id}"]').click()
+    wait(driver, lambda d: d.current_url == conversation_url and not d.find_element(*by("new-chat")).is_displayed())
+    assert driver.execute_script("return document.documentElement.scrollWidth <= window.innerWidth")
+    driver.set_window_size(1280, 900)
+
+    # signed out in another tab: Send shows the sign-in form, the messages gone; so does Sign out
+    def end_session():
+        driver.execute_async_script("""const done = arguments[0];
+            fetch('/chat/api/logout', {method: 'POST', headers: {'X-CSRF-Token': state.csrf}}).then(() => done());""")
+    end_session()
+    driver.find_element(*by("message-input")).send_keys("anyone there?")
+    driver.find_element(*by("send")).click()
+    wait(driver, lambda d: d.find_element(*by("login-username")).is_displayed())
+    assert "session ended" in driver.find_element(*by("login-error")).text
+    assert not driver.find_elements(*by("message-user")) and not driver.find_elements(*by("conversation-item"))
+    sign_in(driver, url, "ada", "correct horse battery")
+    end_session()
     driver.find_element(*by("sign-out")).click()
     wait(driver, lambda d: d.find_element(*by("login-username")).is_displayed())
+
+    # another user cannot open this conversation
     sign_in(driver, url, "bob", "another long password")
     driver.get(conversation_url)
     notice = wait(driver, lambda d: d.find_element(*by("notice")) if d.find_element(*by("notice")).is_displayed()
@@ -265,5 +337,6 @@ def test_the_chat_page_end_to_end(stack, browser, shots):
     # the page threw nothing and its Content-Security-Policy refused nothing, all along
     console = [entry["message"] for entry in driver.get_log("browser")]
     assert not [m for m in console if "Uncaught" in m or "Content Security Policy" in m or "Refused" in m], console
-    expected = ("/chat/api/me - ", f"/chat/api/conversations/{conversation_id} - ")  # the 401 before signing in; 404
+    # the 401 before signing in; 404; the 401s after the session ended
+    expected = ("/chat/api/me - ", f"/chat/api/conversations/{conversation_id} - ", "/messages - ", "/chat/api/logout - ")
     assert not [m for m in console if "Failed to load resource" in m and not any(e in m for e in expected)], console

@@ -70,3 +70,14 @@ def test_the_tasks_own_problems_and_small_talk_are_answered_directly(client):
 def test_the_tools_example_is_one_of_them():
     example = next(e["text"] for e in EXAMPLES if e["mode"] == "tools")
     assert example in [q for q, *_ in QUESTIONS]
+
+
+def test_powers_written_with_a_caret_and_the_routers_tokens_are_kept(client):
+    """The bundled router saw powers only as `**` (x^2 went to SymPy as x); the chat writes `^` as
+    `**` for it. Its tokens are stored with the answer, as billed (its stream is dropped early)."""
+    conversation = new_conversation(client, mode="tools", model="arith-gen", max_tokens=64)
+    events = send(client, conversation["id"], "solve x^2 - 4 = 0")
+    tool = next(e for e in events if e["type"] == "tool")
+    assert tool["name"] == "sympy" and tool["result"] == "[-2, 2]", tool
+    stored = events[-1]["message"]
+    assert stored["prompt_tokens"] > 0 and stored["completion_tokens"] > 0, stored

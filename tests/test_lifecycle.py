@@ -170,15 +170,20 @@ def test_bench_sweep(tmp_path):
 
 
 def test_chat(tmp_path):
-    """`treeserve chat` runs `treeserve serve` as its child (its first report: SIGTERM left it running)."""
-    ports = [(_free_port(), _free_port()) for _ in SIGNALS]
-    logs = [tmp_path / f"chat{i}.log" for i in range(len(SIGNALS))]
+    """`treeserve chat` runs `treeserve serve` as its child (its first report: SIGTERM left it running).
+    A fourth one whose model server dies exits 1, saying so (it kept serving 503s)."""
+    ports = [(_free_port(), _free_port()) for _ in range(len(SIGNALS) + 1)]
+    logs = [tmp_path / f"chat{i}.log" for i in range(len(ports))]
     procs = [_start([*TREESERVE, "chat", "--port", str(port), "--serve-port", str(serve_port),
                      "--database", f"sqlite:///{tmp_path / f'chat{port}.db'}"], log, cwd=tmp_path)
              for (port, serve_port), log in zip(ports, logs)]
     try:
         _wait_all(procs, logs, lambda i: _answers(f"http://127.0.0.1:{ports[i][0]}/health/ready"), timeout=600)
-        signal_each_and_check(procs, logs, children=1)
+        orphaned, = psutil.Process(procs[-1].pid).children()
+        orphaned.kill()
+        signal_each_and_check(procs[:-1], logs[:-1], children=1)
+        assert procs[-1].wait(60) == 1
+        assert "the model server (pid" in logs[-1].read_text() and "exited with status -9" in logs[-1].read_text()
     finally:
         _stop(procs)
 

@@ -9,6 +9,7 @@ import secrets
 import string
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from treeserve.cli_args import port
@@ -105,7 +106,9 @@ def cmd_chat(args) -> int:
                               shutdown_timeout=args.shutdown_timeout)
         print(_banner(args, password, master_key, shown=not given), flush=True)
         app = build_app(config)
-        return run_gateway(app, args.host, args.port)
+        died = threading.Event()
+        code = run_gateway(app, args.host, args.port, watch=lambda gateway: _watch(server, gateway, died))
+        return 1 if died.is_set() else code
     finally:
         _stop_server(server, args.shutdown_timeout, now=app is not None and app.state.drain.forced)
 
@@ -119,6 +122,20 @@ def _banner(args, password: str, master_key: str, shown: bool) -> str:
              if shown else "  admin key: the one given (--master-key or TREESERVE_MASTER_KEY)\n")
     return (f"\n  treeserve chat: http://{args.host}:{args.port}/chat\n  user: {args.user}\n  password: {password}\n"
             f"{admin}  (history kept in {where}; a new password is made at each start)\n")
+
+
+def _watch(server: subprocess.Popen, gateway, died: threading.Event) -> None:
+    """When the model server dies (not stopped by this command), the gateway stops and the command
+    exits 1: a chat whose models are gone is restarted by its service manager, not kept answering 503."""
+    def wait() -> None:
+        code = server.wait()
+        if gateway.should_exit or gateway.drain.draining:
+            return  # (stopping: a Ctrl-C reached the server too)
+        print(f"treeserve chat: the model server (pid {server.pid}) exited with status {code}; stopping the "
+              "gateway and exiting 1 (a service manager restarts it)", file=sys.stderr, flush=True)
+        died.set()
+        gateway.should_exit = True
+    threading.Thread(target=wait, name="model-server-watch", daemon=True).start()
 
 
 def _stop_server(server: subprocess.Popen, timeout: float, now: bool) -> None:

@@ -35,6 +35,8 @@ log = logging.getLogger("treeserve.gateway")
 RETRYABLE_STATUS = {429, 503}
 GENERATING = {"/v1/chat/completions", "/v1/completions", "/v1/search"}  # the routes a model's max_tokens cap binds
 # What a failed attempt raises: connection refused or reset, the server gone mid-answer, a timeout.
+# what a client is told when a backend's stream breaks (the exception's name is the operator's: the log has it)
+STREAM_CUT = "the model's answer broke off (its server stopped answering); it is not replayed: try again in a moment"
 UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
 
 
@@ -250,8 +252,7 @@ class Forwarder:
         except UPSTREAM_ERRORS as exc:
             outcome.status = "cut"
             self._failed(backend, exc)
-            message = f"the backend's stream broke off ({type(exc).__name__}); it is not replayed"
-            yield error_event(message, "backend_stream_cut") + DONE
+            yield error_event(STREAM_CUT, "backend_stream_cut") + DONE  # (the exception is in the log: _failed)
         finally:
             self.streams.pop(id(state), None)
             if outcome.status == "client_closed" and state.done:

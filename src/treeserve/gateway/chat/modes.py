@@ -1,6 +1,7 @@
 """How a chat message is answered, as a stream of events for the page:
 
-- chat: the conversation (system prompt, history, the new message) streamed from the chosen model;
+- chat: the conversation (system prompt, history, the new message) streamed from the chosen model,
+  its oldest turns left out where they would not fit the model's context (window.py);
 - search: the last question through `/v1/search` with the model's verifier: progress events, then
   the chosen answer with every candidate and its step scores;
 - tools (the paper's chatbot): only the last message goes to a router model with the tools and
@@ -20,6 +21,7 @@ from fastapi.responses import Response
 from treeserve.gateway.chat.settings import ChatSettings
 from treeserve.gateway.chat.tools import ANSWER_DIRECTLY, ROUTER_PROMPT, Toolbox
 from treeserve.gateway.chat.upstream import UpstreamError, stream_events
+from treeserve.gateway.chat.window import fit
 from treeserve.gateway.errors import GatewayError
 from treeserve.gateway.keys import KeyRecord
 from treeserve.wire.errors import APIError
@@ -34,11 +36,21 @@ class Answer:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     details: dict = field(default_factory=dict)
+    streamed_usage: dict | None = None  # a stream's usage so far (with continuous_usage_stats, each chunk's is the running total)
 
     def add_usage(self, usage: dict | None) -> None:
         if usage:
             self.prompt_tokens += int(usage.get("prompt_tokens") or 0)
             self.completion_tokens += int(usage.get("completion_tokens") or 0)
+
+    def see_usage(self, usage: dict | None) -> None:
+        self.streamed_usage = usage or self.streamed_usage
+
+    def settle_usage(self) -> None:
+        """The stream's last running total is added (however it ended: a reply stopped or cut keeps
+        the tokens it was billed for)."""
+        self.add_usage(self.streamed_usage)
+        self.streamed_usage = None
 
 
 @dataclass
@@ -51,23 +63,50 @@ class Context:
     verifier: str | None = None
     router_model: str | None = None
     toolbox: Toolbox | None = None
+    count_tokens: Dispatch | None = None  # a chat's prompt measured by its backend: (body, key) -> /tokenize's reply
 
 
 def model_messages(context: Context) -> list[dict]:
     """What the answering model sees: the system prompt, the history without tool acknowledgements
-    (tools mode's answers) or empty stopped answers, and the new message."""
+    (tools mode's answers), empty stopped answers or failed ones with their question (a message the
+    model refused must not be sent again with every later one), and the new message."""
     messages = [{"role": "system", "content": context.settings.system_prompt}] if context.settings.system_prompt else []
-    for message in context.history:
-        if message["role"] == "assistant" and ("tool" in message["details"] or not message["content"]):
+    history = context.history
+    for position, message in enumerate(history):
+        answer = history[position + 1] if message["role"] == "user" and position + 1 < len(history) else None
+        if _unsent(message) or (answer is not None and _failed(answer)):
             continue
         messages.append({"role": message["role"], "content": message["content"]})
     messages.append({"role": "user", "content": context.question})
     return messages
 
 
-async def _send(context: Context, path: str, body: dict) -> Response:
+def _unsent(message: dict) -> bool:
+    return message["role"] == "assistant" and ("tool" in message["details"] or not message["content"])
+
+
+def _failed(answer: dict) -> bool:
+    return answer["role"] == "assistant" and "error" in answer["details"] and not answer["content"]
+
+
+async def fitted_messages(context: Context, answer: Answer) -> list[dict]:
+    """`model_messages` less the oldest turns that would not fit the model's context with max_tokens
+    (how many were left out goes in the answer's details)."""
+    messages = model_messages(context)
+    if context.count_tokens is None:
+        return messages
+
+    async def measure(kept: list[dict]) -> Response:
+        return await _send(context, "/tokenize", {"model": answer.model, "messages": kept}, context.count_tokens)
+    window = await fit(messages, context.settings.max_tokens, answer.model, measure)
+    if window.left_out:
+        answer.details = {**answer.details, "left_out": window.left_out}
+    return window.messages
+
+
+async def _send(context: Context, path: str, body: dict, dispatch: Dispatch | None = None) -> Response:
     try:
-        return await context.dispatch(path, body, context.key)
+        return await (dispatch or context.dispatch)(path, body, context.key)
     except (APIError, GatewayError) as exc:  # refused by the gateway itself: a model not allowed, a budget, a limit
         raise UpstreamError(exc.message) from None
     except ValueError as exc:  # a parameter the gateway refused (ParamError names it)
@@ -75,21 +114,20 @@ async def _send(context: Context, path: str, body: dict) -> Response:
 
 
 async def chat(context: Context, answer: Answer) -> AsyncIterator[dict]:
-    # usage in every chunk: a reply stopped by its user or cut keeps the tokens it was billed for
-    body = {"model": answer.model, "messages": model_messages(context), "stream": True,
+    # usage in every chunk (settle_usage)
+    body = {"model": answer.model, "messages": await fitted_messages(context, answer), "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}, **context.settings.sampling()}
-    usage = None  # the stream's so far (each chunk's is the running total)
     try:
         async with aclosing(stream_events(await _send(context, "/v1/chat/completions", body))) as events:
             async for event in events:
-                usage = event.get("usage") or usage
+                answer.see_usage(event.get("usage"))
                 for choice in event.get("choices") or ():
                     text = (choice.get("delta") or {}).get("content")
                     if text:
                         answer.content += text
                         yield {"type": "delta", "text": text}
     finally:
-        answer.add_usage(usage)
+        answer.settle_usage()
 
 
 async def search(context: Context, answer: Answer) -> AsyncIterator[dict]:
@@ -116,8 +154,9 @@ async def search(context: Context, answer: Answer) -> AsyncIterator[dict]:
 
 async def tools(context: Context, answer: Answer) -> AsyncIterator[dict]:
     router = context.router_model or answer.model
-    body = {"model": router, "stream": True, "stream_options": {"include_usage": True},
-            "messages": [{"role": "system", "content": ROUTER_PROMPT}, {"role": "user", "content": context.question}],
+    # usage in every chunk: the router's stream is dropped before its last chunk, which alone would carry it
+    body = {"model": router, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "messages": [{"role": "system", "content": ROUTER_PROMPT}, {"role": "user", "content": router_text(context.question)}],
             "tools": context.toolbox.definitions(), "tool_choice": "required", "temperature": 0.0,
             "max_tokens": 256}
     yield {"type": "routing", "router": router}
@@ -136,14 +175,27 @@ async def tools(context: Context, answer: Answer) -> AsyncIterator[dict]:
     yield {"type": "delta", "text": answer.content}
 
 
+def router_text(question: str) -> str:
+    """The message as the router is shown it: powers written `**` (the bundled arith-router saw no
+    other way in training, and read `x^2` as `x`; SymPy reads both)."""
+    return question.replace("^", "**")
+
+
 async def _route(context: Context, body: dict, answer: Answer) -> tuple[str | None, str]:
     """The router's first tool call (name, arguments JSON), or (None, '') when its first delta is
     text: then it chose to answer itself. The stream is dropped as soon as the choice is known (text,
     `answer_directly`, or a call whose arguments are whole), so the router writes no more than that."""
+    try:
+        return await _first_call(context, body, answer)
+    finally:
+        answer.settle_usage()
+
+
+async def _first_call(context: Context, body: dict, answer: Answer) -> tuple[str | None, str]:
     name, arguments = None, ""
     async with aclosing(stream_events(await _send(context, "/v1/chat/completions", body))) as events:
         async for event in events:
-            answer.add_usage(event.get("usage"))
+            answer.see_usage(event.get("usage"))
             for choice in event.get("choices") or ():
                 delta = choice.get("delta") or {}
                 if name is None and (delta.get("content") or "").strip():

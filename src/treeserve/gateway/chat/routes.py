@@ -203,10 +203,13 @@ class ChatApp:
             settings=settings.model_dump()))
         context = Context(self.service.dispatch, key, settings, conversation["messages"], body.content,
                           self.config.chat.verifiers.get(settings.model), self.config.chat.router_model,
-                          self.toolbox)
+                          self.toolbox, self._count_tokens)
         events = self._answer(user_id, conversation_id, stored, context)
         return RelayResponse(events, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _count_tokens(self, path: str, body: dict, key) -> Response:
+        return await self.service.count_tokens(body, key)  # (`path` is /tokenize: not dispatched, unbilled)
 
     async def _answer(self, user_id: str, conversation_id: str, stored: dict, context: Context):
         """The page's events: the stored user message, the mode's events, the stored answer. However

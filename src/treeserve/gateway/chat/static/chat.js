@@ -33,12 +33,26 @@ async function api(method, path, body) {
   return response.json();
 }
 
+// Any 401 (the session ended: signed out in another tab, expired) shows the sign-in form, and what the
+// page held of the previous user goes.
 async function apiError(response) {
   let message = `HTTP ${response.status}`;
   try { message = (await response.json()).error.message || message; } catch (_) { /* not JSON */ }
   const error = new Error(message);
   error.status = response.status;
+  if (response.status === 401 && !response.url.endsWith("/chat/api/login")) sessionEnded("Your session ended: sign in again.");
   return error;
+}
+
+function sessionEnded(why = "") {
+  if (!state.me) return showLogin();  // (not signed in yet: the page's first visit)
+  if (state.controller) state.controller.abort();
+  Object.assign(state, { me: null, csrf: "", conversation: null });
+  for (const id of ["messages", "conversations", "usage"]) $(id).replaceChildren();
+  for (const id of ["message-input", "title"]) $(id).value = "";
+  notice("");
+  history.pushState(null, "", "/chat");
+  showLogin(why);
 }
 
 function notice(text) {
@@ -51,7 +65,7 @@ async function start() {
   try {
     state.me = await api("GET", "/chat/api/me");
   } catch (error) {
-    if (error.status === 401) return showLogin();
+    if (error.status === 401) return;  // (the sign-in form is shown)
     throw error;
   }
   state.csrf = state.me.csrf_token;
@@ -64,7 +78,8 @@ async function start() {
   await route();
 }
 
-function showLogin() {
+function showLogin(why = "") {
+  $("login-error").textContent = why;
   $("app").hidden = true;
   $("login").hidden = false;
   $("login-username").focus();
@@ -85,10 +100,12 @@ async function login(event) {
 }
 
 async function logout() {
-  await api("POST", "/chat/api/logout");
-  state.conversation = null;
-  history.pushState(null, "", "/chat");
-  showLogin();
+  try {
+    await api("POST", "/chat/api/logout");
+  } catch (error) {
+    if (error.status !== 401) return notice(error.message);  // (a 401: signed out already)
+  }
+  sessionEnded();
 }
 
 // ---- conversations -----------------------------------------------------------------------------
@@ -98,10 +115,10 @@ async function listConversations() {
   if (current && document.activeElement !== $("title")) $("title").value = current.title;  // named by its first message
   const list = $("conversations");
   list.replaceChildren(...conversations.map((c) => {
-    const item = el("li", { "data-testid": "conversation-item", "data-id": c.id, text: c.title,
+    const open = el("button", { type: "button", "data-testid": "conversation-item", "data-id": c.id, text: c.title,
       class: state.conversation && state.conversation.id === c.id ? "active" : "" });
-    item.addEventListener("click", () => navigate(c.id));
-    return item;
+    open.addEventListener("click", () => navigate(c.id));  // (a button: Enter and Space open it too)
+    return el("li", {}, open);
   }));
 }
 
@@ -113,6 +130,7 @@ async function route() {
 }
 
 function navigate(id) {
+  $("app").classList.remove("show-sidebar");
   history.pushState(null, "", id ? `/chat/c/${encodeURIComponent(id)}` : "/chat");
   route();
 }
@@ -167,12 +185,6 @@ async function sendExample(example) {
   await saveSettings();
   $("message-input").value = example.text;
   $("composer").requestSubmit();
-}
-
-async function newConversation() {
-  const conversation = await api("POST", "/chat/api/conversations", { settings: readSettings() });
-  navigate(conversation.id);
-  return conversation;
 }
 
 async function firstConversation() {
@@ -253,6 +265,10 @@ function renderMessage(message) {
   const details = message.details || {};
   if (details.search) node.append(renderSearch(details.search));
   if (details.tool) node.append(renderTool(details.tool, details.router));
+  if (details.left_out) {
+    meta.append(el("span", { class: "left-out", "data-testid": "left-out", title: "left out so that the prompt and "
+      + "max tokens fit the model's context", text: ` · ${details.left_out} earlier messages left out` }));
+  }
   if (details.status === "stopped") node.append(el("div", { class: "flag", text: "stopped" }));
   if (details.error) node.append(el("div", { class: "error", text: details.error }));
   return node;
@@ -339,14 +355,12 @@ function scrollDown() {
 // ---- sending and streaming ---------------------------------------------------------------------
 async function send(event) {
   event.preventDefault();
-  const content = $("message-input").value;
+  const input = $("message-input");
+  const content = input.value;
   if (!content.trim() || state.controller) return;
   notice("");
   if (state.saving) await state.saving;
   const conversation = state.conversation || await firstConversation();
-  $("message-input").value = "";
-  const examples = $("messages").querySelector(".examples");
-  if (examples) examples.remove();
   const live = el("div", { class: "message assistant streaming", "data-testid": "message-assistant" },
     el("div", { class: "meta", text: `${readSettings().model} · ${readSettings().mode} …` }),
     el("div", { class: "content", "data-testid": "message-content" }));
@@ -358,19 +372,43 @@ async function send(event) {
       headers: { "Content-Type": "application/json", "X-CSRF-Token": state.csrf },
       body: JSON.stringify({ content, settings: readSettings() }) });
     if (!response.ok) throw await apiError(response);
+    if (input.value === content) input.value = "";  // (kept until the message is taken: a refusal loses nothing)
     await readEvents(response, (e) => onEvent(e, live));
   } catch (error) {
-    if (error.name === "AbortError") live.append(el("div", { class: "flag", text: "stopped" }));
-    else {
+    if (error.name === "AbortError") stopped(live, conversation.id);
+    else if (error.status !== 401) {
       notice(error.message);
-      live.append(el("div", { class: "error", text: error.message }));
+      if (live.isConnected) live.append(el("div", { class: "error", text: error.message }));
     }
   } finally {
     live.classList.remove("streaming");
     state.controller = null;
     setStreaming(false);
-    listConversations();
-    api("GET", "/chat/api/me").then((me) => showUsage(me.usage)).catch(() => {});
+    if (state.me) refreshSidebar();
+  }
+}
+
+function refreshSidebar() {
+  listConversations().catch(() => {});
+  api("GET", "/chat/api/me").then((me) => showUsage(me.usage)).catch(() => {});
+}
+
+// A stopped answer is shown finished at once (Markdown, no streaming header), then as the gateway
+// stored it (with the tokens it was billed for) once it is saved.
+async function stopped(live, conversationId) {
+  const message = { role: "assistant", content: live.querySelector(".content").textContent,
+    model: readSettings().model, mode: readSettings().mode, details: { status: "stopped" } };
+  const shown = renderMessage(message);
+  live.replaceWith(shown);
+  const question = live.dataset.question;
+  for (let tries = 0; tries < 20 && question && shown.isConnected; tries++) {
+    await new Promise((resolve) => setTimeout(resolve, 250));
+    const saved = await api("GET", `/chat/api/conversations/${encodeURIComponent(conversationId)}`).catch(() => null);
+    const at = saved ? saved.messages.findIndex((m) => String(m.id) === question) : -1;
+    if (at >= 0 && saved.messages[at + 1] && shown.isConnected) {
+      shown.replaceWith(renderMessage(saved.messages[at + 1]));
+      return;
+    }
   }
 }
 
@@ -395,6 +433,9 @@ async function readEvents(response, handle) {
 function onEvent(event, live) {
   const content = live.querySelector(".content");
   if (event.type === "user") {
+    const examples = $("messages").querySelector(".examples");
+    if (examples) examples.remove();
+    live.dataset.question = String(event.message.id);
     $("messages").append(renderMessage(event.message), live);
   } else if (event.type === "delta") {
     content.textContent += event.text;
@@ -424,13 +465,16 @@ function setStreaming(on) {
 document.addEventListener("DOMContentLoaded", () => {
   $("login-form").addEventListener("submit", login);
   $("sign-out").addEventListener("click", logout);
-  $("new-chat").addEventListener("click", () => newConversation().catch((e) => notice(e.message)));
+  $("new-chat").addEventListener("click", () => navigate(null));  // (made by its first message)
   $("delete-chat").addEventListener("click", () => deleteConversation().catch((e) => notice(e.message)));
   $("title").addEventListener("change", () => renameConversation().catch((e) => notice(e.message)));
-  $("composer").addEventListener("submit", send);
+  $("composer").addEventListener("submit", (e) => send(e).catch((error) => error.status === 401 || notice(error.message)));
   $("stop").addEventListener("click", () => state.controller && state.controller.abort());
+  $("toggle-sidebar").addEventListener("click", () => $("app").classList.toggle("show-sidebar"));
   $("message-input").addEventListener("keydown", (e) => {
-    if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); $("composer").requestSubmit(); }
+    if (e.key !== "Enter" || e.shiftKey || e.isComposing || e.keyCode === 229) return;  // (an IME's Enter picks a word)
+    e.preventDefault();
+    $("composer").requestSubmit();
   });
   for (const node of document.querySelectorAll("#settings input, #settings select, #settings textarea")) {
     node.addEventListener("change", saveSettings);
