@@ -78,3 +78,57 @@ def test_eval_with_out_naming_a_file_is_an_error_not_a_traceback(models, tmp_pat
     assert main(["eval", "--dataset", str(dataset), "--n", "2", "--strategy", "best_of_n", "--out", str(out),
                  *models]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_an_eval_stopped_by_a_signal_keeps_what_finished_and_exits_128_plus_the_signal(models, tmp_path,
+                                                                                      monkeypatch):
+    """SIGTERM in the second run (its handler raises SystemExit(143)): the first run's records and
+    the second's finished problem are written, with a report marking it interrupted (before, every
+    record was lost and the exit status was 0)."""
+    import treeserve.search.evaluate as evaluate
+
+    records, real = [], evaluate._record
+
+    def record(row, result):
+        if len(records) == 3:  # (beam's second problem: what a signal's handler does in the main thread)
+            raise SystemExit(143)
+        records.append(row)
+        return real(row, result)
+    monkeypatch.setattr(evaluate, "_record", record)
+    dataset, out = tmp_path / "data.jsonl", tmp_path / "out"
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    with pytest.raises(SystemExit) as stopped:
+        main(["eval", "--dataset", str(dataset), "--strategy", "best_of_n,beam", "--n", "4", "--out", str(out),
+              *models])
+    assert stopped.value.code == 143
+    assert len((out / "best_of_n_n4.jsonl").read_text().splitlines()) == 2
+    assert len((out / "beam_n4.jsonl").read_text().splitlines()) == 1
+    runs = json.loads((out / "summary.json").read_text())["runs"]
+    assert [(r["strategy"], r["num_problems"], r.get("interrupted")) for r in runs] == \
+        [("best_of_n", 2, None), ("beam", 1, True)]
+    assert "(interrupted)" in (out / "summary.md").read_text()
+
+
+def test_a_problem_too_long_for_the_model_is_named_by_its_row(models, tmp_path, capsys):
+    rows = [ROWS[0], {"problem": "Start with 5. " * 300, "answer": "1", "unique_id": "long"}]
+    dataset = tmp_path / "data.jsonl"
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["eval", "--dataset", str(dataset), "--strategy", "beam", "--n", "4", "--out",
+                 str(tmp_path / "out"), *models]) == 2
+    assert "problem 2 (long) of the dataset" in capsys.readouterr().err
+
+
+def test_a_signal_cuts_a_one_shot_command_short_with_128_plus_its_number(tmp_path):
+    """search, eval, run, ...: 130 for Ctrl-C, 143 for SIGTERM (the shell's convention: a job that
+    was stopped is not one that finished); the servers and bench sweep still end 0."""
+    import subprocess
+    import sys
+
+    from treeserve.cli import _is_service
+
+    code = ("import os, signal, time; from treeserve.lifecycle import exit_on_signals; "
+            "exit_on_signals(service=False); os.kill(os.getpid(), signal.SIG{}); time.sleep(30)")
+    for name, status in (("INT", 130), ("TERM", 143)):
+        assert subprocess.run([sys.executable, "-c", code.format(name)], timeout=60).returncode == status
+    assert _is_service(["serve"]) and _is_service(["bench", "sweep", "x.yaml"]) and _is_service(["chat"])
+    assert not _is_service(["eval"]) and not _is_service(["bench", "serve"]) and not _is_service([])

@@ -70,6 +70,12 @@ def test_a_search_may_not_make_the_server_load_a_draft_model(server, tmp_path):
     assert reply.json()["error"]["param"] == "speculative_config"
 
 
+def test_a_greedy_search_says_it_wrote_one_candidate(server):
+    body = {"model": "tiny", "question": "Add two and three.", "strategy": "greedy", "max_tokens": 4}
+    reply = httpx.post(f"{server.url}/v1/search", json=body, headers=AUTH, timeout=60).json()
+    assert reply["n"] == 1 == len(reply["candidates"]), reply  # (it said n 4, the request's default)
+
+
 def test_each_reply_reports_its_own_drafts_and_treeserve_bench_reads_them(server, tmp_path):
     """usage.completion_tokens_details' accepted_/rejected_prediction_tokens (OpenAI's fields for
     predicted tokens) carry the request's own speculation, streamed or not; `treeserve bench` records

@@ -200,3 +200,14 @@ def test_local_token_verdicts_judge_each_step_from_the_value_written_before_it()
     assert set(marked[first_step:]) == {1}  # the later steps are right from what step 1 wrote
     assert [v for v in verdicts if v != IGNORE] == [0, 1, 1]
     assert [r for r in results if r != IGNORE] == [45, 43, 43]
+
+
+def test_asking_for_more_problems_than_a_level_has_is_an_error_not_a_hang():
+    """Level 1 has 1,561 test problems: the 1,562nd was drawn for ever (at 100% CPU, nothing written)."""
+    from treeserve.errors import ParamError
+    from treeserve.tasks.arithmetic import generate
+
+    assert len(generate("test", 1561, 0, (1,))) == 1561
+    with pytest.raises(ParamError, match="level 1 has 1561 distinct test problems") as more:
+        generate("test", 1562, 0, (1,))
+    assert more.value.param == "n"

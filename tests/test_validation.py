@@ -24,6 +24,8 @@ from treeserve.wire.errors import from_value_error
     (dict(logprobs=-1), "logprobs"),
     (dict(min_tokens=10, max_tokens=5), "min_tokens"),
     (dict(seed="x"), "seed"),
+    (dict(seed=2 ** 64), "seed"),  # (accepted, it failed at the first draw: "Overflow when unpacking long long")
+    (dict(seed=-2 ** 63 - 1), "seed"),
 ])
 def test_sampling_params_reject_bad_values(kwargs, name):
     with pytest.raises(ParamError, match=f"^{name}:") as error:

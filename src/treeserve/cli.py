@@ -232,7 +232,7 @@ def cmd_serve(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     follow_parent()  # a child of `treeserve chat` (or another command) ends with it
-    exit_on_signals()  # SIGTERM and SIGINT: cleanup runs, exit status 0
+    exit_on_signals(service=_is_service(argv))  # SIGTERM and SIGINT: cleanup runs (status 0, or 128 + signal)
     if argv[:1] in (["gateway"], ["chat"]):
         return gateway_main(argv)  # the gateway imports no engine (nor PyTorch); chat runs one in a child
     args = build_parser().parse_args(argv)
@@ -246,6 +246,12 @@ def main(argv: list[str] | None = None) -> int:
 # Long-running servers: once they have stopped (their children too), the process ends without the
 # interpreter's teardown (lifecycle.exit_now).
 QUICK_EXIT = {"serve", "worker", "gateway", "chat"}
+
+
+def _is_service(argv: list[str]) -> bool:
+    """A long-running command, which a signal ends as it should (status 0): the servers and `bench
+    sweep`; another command (search, eval, run, ...) a signal cuts short (status 128 + signal)."""
+    return bool(argv) and (argv[0] in QUICK_EXIT or argv[:2] == ["bench", "sweep"])
 
 
 def run() -> None:

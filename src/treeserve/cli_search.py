@@ -119,7 +119,7 @@ def cmd_search(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from treeserve.search.evaluate import evaluate, load_dataset, write_report
+    from treeserve.search.evaluate import Interrupted, evaluate, load_dataset
 
     rows = load_dataset(args.dataset, args.limit)
     sizes = args.n
@@ -128,11 +128,22 @@ def cmd_eval(args) -> int:
     configs = [_config(args, s, n, rt) for s in strategies for n in ([1] if s == "greedy" else sizes)]
     runner = _runner(args, rt, args.reference)
     summaries = []
-    with heap_frozen_while_it_runs():
-        for config in configs:
-            summaries.append(evaluate(rows, config, runner.run, args.out))
-            print(f"{config.strategy} n={config.n}: accuracy {summaries[-1]['accuracy']:.1%} "
-                  f"on {len(rows)} problems ({summaries[-1]['seconds']:.1f} s)")
-    for path in write_report(summaries, args.out):
-        print(f"wrote {path}")
+    try:
+        with heap_frozen_while_it_runs():
+            for config in configs:
+                summaries.append(evaluate(rows, config, runner.run, args.out))
+                print(f"{config.strategy} n={config.n}: accuracy {summaries[-1]['accuracy']:.1%} "
+                      f"on {len(rows)} problems ({summaries[-1]['seconds']:.1f} s)")
+    except Interrupted as stopped:  # what finished is reported, then the signal's exit status
+        summaries.append(stopped.summary)
+        _report(summaries, args.out)
+        raise stopped.cause from None
+    _report(summaries, args.out)
     return 0
+
+
+def _report(summaries: list[dict], out) -> None:
+    from treeserve.search.evaluate import write_report
+
+    for path in write_report(summaries, out):
+        print(f"wrote {path}")

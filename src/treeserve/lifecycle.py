@@ -25,18 +25,26 @@ _PR_SET_PDEATHSIG = 1
 _prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
 
 
-def exit_on_signals() -> None:
-    """SIGTERM and SIGINT raise SystemExit(0) in the main thread, so cleanup runs and the exit
-    status is 0 (a no-op off the main thread, where a command run in-process cannot take signals).
-    The servers put their own handlers in place while they serve."""
+def exit_on_signals(service: bool = True) -> None:
+    """SIGTERM and SIGINT raise SystemExit in the main thread, so cleanup runs: status 0 for a
+    `service` (a long-running command: stopping it is how it ends), else 128 + the signal's number
+    (130, 143: the shell's convention for a job cut short). A no-op off the main thread, where a
+    command run in-process cannot take signals. The servers put their own handlers in place while
+    they serve."""
     if threading.current_thread() is threading.main_thread():
+        handler = _exit if service else _exit_cut_short
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, _exit)
+            signal.signal(sig, handler)
 
 
 def _exit(signum, frame) -> None:
     print(f"treeserve: {signal.Signals(signum).name}: stopping", file=sys.stderr, flush=True)
     raise SystemExit(0)
+
+
+def _exit_cut_short(signum, frame) -> None:
+    print(f"treeserve: {signal.Signals(signum).name}: stopping", file=sys.stderr, flush=True)
+    raise SystemExit(128 + signum)
 
 
 def child_env() -> dict[str, str]:

@@ -112,7 +112,8 @@ class SamplingParams:
         _require(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens!r}")
         _require(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                  f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        _require(self.seed is None or _is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
+        _require(self.seed is None or (_is_int(self.seed) and -2 ** 63 <= self.seed < 2 ** 64), "seed",
+                 f"must be an integer in [-2**63, 2**64) (a 64-bit seed), got {self.seed!r}")
         _require(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0), "logprobs",
                  f"must be an integer >= 0, got {self.logprobs!r}")
         _require(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),

@@ -73,6 +73,11 @@ class SearchConfig:
     def uses_verifier(self) -> bool:
         return self.strategy not in ("greedy", "majority")
 
+    @property
+    def num_candidates(self) -> int:
+        """The completions a search writes: n, but greedy's one."""
+        return 1 if self.strategy == "greedy" else self.n
+
     def replace(self, **changes) -> "SearchConfig":
         return dataclasses.replace(self, **changes)
 

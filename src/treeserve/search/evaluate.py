@@ -66,16 +66,44 @@ def evaluate(rows: list[dict], config: SearchConfig, run: Runner, out_dir: Path)
         bar.update(1)
 
     start = time.perf_counter()
+    path = out_dir / f"{config.strategy}_n{config.n}.jsonl"
     try:
         run([r["problem"] for r in rows], config, on_result)
+    except ValueError as exc:
+        raise _naming_the_row(exc, rows) from exc
+    except BaseException as exc:  # a signal (SystemExit) or Ctrl-C: the problems that finished are kept
+        finished = [r for r in records if r is not None]
+        _write_records(path, finished)
+        raise Interrupted(_summary(config, finished, time.perf_counter() - start) | {"interrupted": True},
+                          exc) from exc
     finally:  # the bar ends its line, so an error is printed on a line of its own
         bar.close()
-    seconds = time.perf_counter() - start
-    path = out_dir / f"{config.strategy}_n{config.n}.jsonl"
+    _write_records(path, records)
+    return _summary(config, records, time.perf_counter() - start)
+
+
+class Interrupted(Exception):
+    """A run stopped part way (a signal): `summary` is its finished problems', `cause` what stopped it
+    (to raise again once the report of what finished is written)."""
+
+    def __init__(self, summary: dict, cause: BaseException):
+        super().__init__(f"interrupted after {summary['num_problems']} problem(s)")
+        self.summary, self.cause = summary, cause
+
+
+def _write_records(path: Path, records: list[dict]) -> None:
     with path.open("w") as f:
         for record in records:
             f.write(json.dumps(record) + "\n")
-    return _summary(config, records, seconds)
+
+
+def _naming_the_row(exc: ValueError, rows: list[dict]) -> ValueError:
+    """The error of one problem, naming its row (the run stops at it)."""
+    index = getattr(exc, "problem_index", None)
+    if index is None:
+        return exc
+    name = f" ({rows[index]['unique_id']})" if rows[index].get("unique_id") else ""
+    return ParamError("dataset", f"problem {index + 1}{name} of the dataset: {exc}")
 
 
 def _record(row: dict, result: SearchResult) -> dict:
@@ -92,7 +120,7 @@ def _summary(config: SearchConfig, records: list[dict], seconds: float) -> dict:
     by_level: dict[str, list[bool]] = defaultdict(list)
     for r in records:
         by_level[str(r["level"])].append(r["correct"])
-    n = config.n if config.strategy != "greedy" else 1
+    n = config.num_candidates
     keys = records[0]["graded"].keys() if records else []
     return {"strategy": config.strategy, "n": config.n, "accuracy": sum(r["correct"] for r in records) / max(count, 1),
             "num_problems": count, "seconds": seconds,
@@ -109,8 +137,8 @@ def write_report(summaries: list[dict], out_dir: Path) -> list[Path]:
     single = summaries[0] if len(summaries) == 1 else {"runs": summaries}
     (out_dir / "summary.json").write_text(json.dumps(single, indent=2))
     lines = ["| strategy | N | accuracy | problems | seconds |", "|---|---|---|---|---|"]
-    lines += [f"| {s['strategy']} | {s['n']} | {s['accuracy']:.1%} | {s['num_problems']} | {s['seconds']:.1f} |"
-              for s in summaries]
+    lines += [f"| {s['strategy']} | {s['n']} | {s['accuracy']:.1%} | {s['num_problems']}"
+              f"{' (interrupted)' if s.get('interrupted') else ''} | {s['seconds']:.1f} |" for s in summaries]
     (out_dir / "summary.md").write_text("\n".join(lines) + "\n")
     return [out_dir / "summary.json", out_dir / "summary.md", _plot(summaries, out_dir / "accuracy.png")]
 

@@ -105,9 +105,10 @@ class SearchRunner:
         handles = [self.submit(q, config, index=i, on_done=finished) for i, q in enumerate(questions)]
         try:
             self.loop.run_until(lambda: all(h.done for h in handles) or any(h.error for h in handles))
-            error = next((h.error for h in handles if h.error is not None), None)
-            if error is not None:
-                raise error
+            failed = next((h for h in handles if h.error is not None), None)
+            if failed is not None:
+                failed.error.problem_index = failed.index  # (which question: the eval names its dataset row)
+                raise failed.error
         except BaseException:
             for handle in handles:
                 self.cancel(handle)

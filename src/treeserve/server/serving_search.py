@@ -207,7 +207,7 @@ def search_response(model: str, verifier: str | None, config: SearchConfig, resu
                   for i, (text, answer, score, steps) in enumerate(zip(result.completions, result.answers,
                                                                       result.agg_scores, result.scores))]
     return {"object": "search.result", "model": model, "verifier": verifier, "strategy": config.strategy,
-            "n": config.n, "answer": result.pred, "completion": result.completions[result.chosen],
+            "n": config.num_candidates, "answer": result.pred, "completion": result.completions[result.chosen],
             "score": result.agg_scores[result.chosen], "verifier_rejected_all": result.verifier_rejected_all,
             "chosen": result.chosen, "candidates": candidates,
             "tree_size": result.tree_size, "usage": {"completion_tokens": result.completion_tokens},

@@ -136,6 +136,18 @@ def _random_operation(rng: random.Random, spec: Level) -> Operation:
     return Operation(operator, rng.randint(1, spec.max_operand))
 
 
+# Draws without a new problem, per problem the level can make, before a level counts as used up
+MISSES_PER_PROBLEM = 20
+
+
+def level_size(level: int) -> int:
+    """How many problems of a level there are in all splits: its starts times its operations' choices."""
+    spec = LEVEL_SPECS[level]
+    choices = spec.max_operand * (("+" in spec.operators) + ("-" in spec.operators)) \
+        + (spec.max_multiplier - 1 if "*" in spec.operators else 0)
+    return (MODULUS - 2) * choices ** spec.num_operations
+
+
 def generate(split: str, n: int, seed: int, levels: tuple[int, ...] = LEVELS) -> list[Problem]:
     """`n` distinct problems of `split`, levels cycling through `levels`, deterministic from `seed`."""
     if split not in SPLITS:
@@ -143,12 +155,21 @@ def generate(split: str, n: int, seed: int, levels: tuple[int, ...] = LEVELS) ->
     if any(level not in LEVEL_SPECS for level in levels):
         raise ParamError("levels", f"must be among {LEVELS}, got {levels}")
     rng = random.Random(f"{split}:{seed}")
-    problems, seen = [], set()
+    problems, seen, misses = [], set(), 0
     while len(problems) < n:
-        problem = random_problem(rng, levels[len(problems) % len(levels)])
+        level = levels[len(problems) % len(levels)]
+        problem = random_problem(rng, level)
         if problem.split == split and problem.text not in seen:
             seen.add(problem.text)
             problems.append(problem)
+            misses = 0
+            continue
+        misses += 1
+        if misses > MISSES_PER_PROBLEM * level_size(level):  # (it would draw forever)
+            found = sum(p.level == level for p in problems)
+            raise ParamError("n", f"level {level} has {found} distinct {split} problems (a start and "
+                             f"{LEVEL_SPECS[level].num_operations} operations can be written only so many ways), "
+                             f"and {n} problems cycling through levels {list(levels)} need more; ask for fewer")
     return problems
 
 
