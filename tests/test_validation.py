@@ -5,6 +5,7 @@ from conftest import assert_no_leak
 from treeserve import LLM, SamplingParams
 from treeserve.config import EngineConfig
 from treeserve.errors import ParamError
+from treeserve.runtime.runtime import Runtime
 from treeserve.search.config import SearchConfig
 from treeserve.wire.errors import from_value_error
 
@@ -38,6 +39,10 @@ def test_sampling_params_reject_bad_values(kwargs, name):
     (lambda: EngineConfig(model="m", dtype="int8"), "dtype"),
     (lambda: SearchConfig(strategy="mcts"), "strategy"),
     (lambda: SearchConfig(n=3, beam_width=2), "beam_width"),
+    # (before any model loads; each was dropped: fractions of a shared arena, a recipe for no model)
+    (lambda: Runtime({"gen": "g", "prm": "p"}, kv_fractions={"gen": 0.5, "prm": 0.5}), "kv_fractions"),
+    (lambda: Runtime({"gen": "g", "prm": "p"}, recipes={"zzz": "rlhflow"}), "recipes"),
+    (lambda: Runtime({"gen": "g", "prm": "p"}, recipes={"prm": "bogus"}), "recipes"),
 ])
 def test_settings_errors_carry_their_parameter(make, name):
     with pytest.raises(ParamError, match=f"^{name}: ") as error:

@@ -46,6 +46,7 @@ class Runtime:
             raise ParamError("models", "give at least one name -> model directory")
         if kv_mode not in KV_MODES:
             raise ParamError("kv_mode", f"must be one of {KV_MODES}, got {kv_mode!r}")
+        _check_named(models, kv_mode, kv_fractions, recipes)
         self.kv_mode = kv_mode
         # A loaded model (`load_model`) is used as it is: Runtimes built one after another over the
         # same weights (a benchmark's configurations) load them once.
@@ -220,3 +221,18 @@ def _drafters_where_they_fit(loaded: dict[str, LoadedModel]) -> None:
             logger.warning("speculative_config: %s %s does not fit %s, which decodes without speculation",
                            config.method, config.model, model.model_key)
             model.config = replace(model.config, speculative_config=None)
+
+
+def _check_named(models: dict, kv_mode: str, kv_fractions: dict | None, recipes: dict | None) -> None:
+    """What names no served model, names no recipe, or has no effect in this mode is a ParamError
+    (each was dropped: a recipe for a misspelled model, fractions of a shared arena)."""
+    from treeserve.runtime.prm_recipes import RECIPES
+
+    if kv_fractions and kv_mode == "shared":
+        raise ParamError("kv_fractions", 'split a static budget: give them with kv_mode="static" (a shared arena '
+                         "has no split)")
+    for name, recipe in (recipes or {}).items():
+        if name not in models:
+            raise ParamError("recipes", f"{name!r} is not one of the models ({', '.join(models)})")
+        if recipe is not None and recipe not in RECIPES:
+            raise ParamError("recipes", f"{name}: unknown recipe {recipe!r}; known: {', '.join(RECIPES)}")

@@ -23,7 +23,10 @@ def add_tasks_parsers(sub) -> None:
 def cmd_export(args) -> int:
     if args.n < 1:
         raise ParamError("n", f"must be >= 1, got {args.n}")
-    levels = tuple(int(level) for level in args.levels.split(",") if level)
+    try:
+        levels = tuple(int(level) for level in args.levels.split(",") if level)
+    except ValueError:
+        raise ParamError("levels", f"expected comma-separated level numbers, got {args.levels!r}") from None
     problems = generate(args.split, args.n, args.seed, levels)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("w") as f:
