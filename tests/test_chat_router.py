@@ -81,3 +81,10 @@ def test_powers_written_with_a_caret_and_the_routers_tokens_are_kept(client):
     assert tool["name"] == "sympy" and tool["result"] == "[-2, 2]", tool
     stored = events[-1]["message"]
     assert stored["prompt_tokens"] > 0 and stored["completion_tokens"] > 0, stored
+
+
+def test_only_the_bundled_router_has_its_powers_rewritten():
+    from treeserve.gateway.chat.modes import router_text
+
+    assert router_text("solve x^2 = 4", "arith-router") == "solve x**2 = 4"
+    assert router_text("the matrix A^T and ^_^", "my-router") == "the matrix A^T and ^_^"  # (another reads ^ itself)

@@ -208,7 +208,7 @@ def test_serve_ends_what_still_runs_when_its_time_is_up_with_an_error_it_can_rea
         assert whole.response.status_code == 503, whole.response.text
         assert whole.response.json()["error"]["code"] == "shutting_down"
         text = log.read_text()
-        assert "Traceback" not in text and "ending 2 request(s) still running" in text, text[-3000:]
+        assert "Traceback" not in text and "(2 engine stream(s))" in text, text[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()

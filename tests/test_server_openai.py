@@ -169,6 +169,7 @@ def test_tokenize_returns_the_token_strings_when_asked(server):
     asked = httpx.post(f"{server.url}/tokenize", json={"prompt": "The water is", "return_token_strs": True},
                        headers=headers).json()
     assert asked["token_strs"] == server.engine.tokenizer.convert_ids_to_tokens(asked["tokens"])
+    assert "".join(asked["token_strs"]).replace("\u0120", " ").endswith("The water is")  # (byte-level: Ġ is a space)
     assert len(asked["token_strs"]) == asked["count"] and all(isinstance(s, str) for s in asked["token_strs"])
     chat = httpx.post(f"{server.url}/tokenize", headers=headers, json={
         "messages": [{"role": "user", "content": "Hi"}], "return_token_strs": True}).json()

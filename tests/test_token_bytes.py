@@ -28,3 +28,11 @@ def test_sentencepieces_byte_fallback_and_spaces():
     pieces = [2, 3, 4 + 0xC3, 4 + 0xB6]  # " hello", "w", and the two bytes of "\u00f6"
     assert b"".join(token_bytes(i) for i in pieces) == " hellow\u00f6".encode("utf-8")
     assert token_bytes(1) == b"<s>"
+
+
+def test_the_byte_level_alphabet_is_gpt2s():
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from treeserve.engine.token_bytes import byte_level_alphabet
+
+    assert byte_level_alphabet() == {ch: b for b, ch in bytes_to_unicode().items()}

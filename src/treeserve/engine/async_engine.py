@@ -67,6 +67,7 @@ class AsyncLLMEngine:
         self._streams: dict[str, _Stream] = {}
         self._stopped = False
         self.errored: BaseException | None = None
+        self._cut: Callable[[], BaseException] | None = None  # (cut_streams: what a stream opened after gets)
         self._thread = None
         if start_thread:
             self._thread = threading.Thread(target=self.run_forever, name="treeserve-engine", daemon=True)
@@ -101,6 +102,8 @@ class AsyncLLMEngine:
         with self._lock:
             if self.errored is not None:
                 raise RuntimeError(f"engine failure: {self.errored}")
+            if self._cut is not None:
+                raise self._cut()
             self._streams[stream_id] = stream
         return stream
 
@@ -148,14 +151,16 @@ class AsyncLLMEngine:
             if not finished:
                 self.abort(request_id)
 
-    def cut_streams(self, error: BaseException) -> int:
-        """Ends every open stream with `error`, raised to its reader (the server's drain has run out
-        of time: each reply ends with an error its client can read, and a request's generator, left,
-        aborts its request); how many there were."""
+    def cut_streams(self, make_error: Callable[[], BaseException]) -> int:
+        """Ends every open stream with an error of `make_error` (one each: an exception raised in
+        several tasks would mix their tracebacks), raised to its reader, and any stream opened later
+        too (the server's drain has run out of time: each reply ends with an error its client can
+        read, and a request's generator, left, aborts its request); how many were open."""
         with self._lock:
+            self._cut = make_error
             stream_ids = list(self._streams)
         for stream_id in stream_ids:
-            self.push(stream_id, error, final=True)
+            self.push(stream_id, make_error(), final=True)
         return len(stream_ids)
 
     def abort(self, request_id: str) -> None:
@@ -183,8 +188,8 @@ class AsyncLLMEngine:
 
     # ---- the engine thread -----------------------------------------------------------------
     def push(self, stream_id: str, item: Any, final: bool | None = None) -> None:
-        """Hands an item to a stream's reader (called on the engine thread); an exception, a
-        finished output, or `final=True` closes the stream."""
+        """Hands an item to a stream's reader (from the engine thread, or the event loop's
+        `cut_streams`); an exception, a finished output, or `final=True` closes the stream."""
         if final is None:
             final = isinstance(item, BaseException) or bool(getattr(item, "finished", False))
         with self._lock:

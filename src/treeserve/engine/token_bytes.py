@@ -50,8 +50,21 @@ def _byte_level_table(tokenizer) -> dict[str, int] | None:
     from tokenizers import decoders
     if not isinstance(backend.decoder, decoders.ByteLevel):
         return None
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-    return {ch: b for b, ch in bytes_to_unicode().items()}
+    return byte_level_alphabet()
+
+
+def byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level spelling, character -> byte: a printable byte (but space) is its own
+    character; each of the others, in byte order, the next character from U+0100 on."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)}
+    alphabet, shifted = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            alphabet[chr(byte)] = byte
+        else:
+            alphabet[chr(0x100 + shifted)] = byte
+            shifted += 1
+    return alphabet
 
 
 def _sentencepiece(tokenizer) -> bool:

@@ -1,6 +1,7 @@
 """Chat rendering in one place: messages (and tools) through the chat template to prompt text."""
 from __future__ import annotations
 
+import inspect
 import logging
 import re
 from pathlib import Path
@@ -59,7 +60,7 @@ def render_chat(tokenizer, conversation: list[dict], tools: list[dict] | None = 
     that fails on the conversation raises ParamError naming `messages`."""
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ParamError("messages", "this model's tokenizer has no chat template; give one (--chat-template)")
-    taken = sorted(set(template_kwargs or ()) & RENDER_ARGUMENTS)
+    taken = sorted(set(template_kwargs or ()) & (RENDER_ARGUMENTS | _render_parameters(tokenizer)))
     if taken:
         raise ParamError("chat_template_kwargs", f"{', '.join(taken)} cannot be given here: the request's own "
                          "fields set them")
@@ -69,3 +70,9 @@ def render_chat(tokenizer, conversation: list[dict], tools: list[dict] | None = 
                                              continue_final_message=continue_final_message, **(template_kwargs or {}))
     except Exception as exc:  # a template may reject a conversation (roles out of order, say)
         raise ParamError("messages", f"the chat template failed ({exc})") from exc
+
+
+def _render_parameters(tokenizer) -> frozenset[str]:
+    """apply_chat_template's own named parameters (padding, truncation, ...: not template variables)."""
+    parameters = inspect.signature(tokenizer.apply_chat_template).parameters.values()
+    return frozenset(p.name for p in parameters if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))

@@ -34,9 +34,9 @@ from treeserve.wire.errors import error_response
 log = logging.getLogger("treeserve.gateway")
 RETRYABLE_STATUS = {429, 503}
 GENERATING = {"/v1/chat/completions", "/v1/completions", "/v1/search"}  # the routes a model's max_tokens cap binds
-# What a failed attempt raises: connection refused or reset, the server gone mid-answer, a timeout.
-# what a client is told when a backend's stream breaks (the exception's name is the operator's: the log has it)
+# What a client is told when a backend's stream breaks (the exception's name is the operator's: the log has it)
 STREAM_CUT = "the model's answer broke off (its server stopped answering); it is not replayed: try again in a moment"
+# What a failed attempt raises: connection refused or reset, the server gone mid-answer, a timeout.
 UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
 
 

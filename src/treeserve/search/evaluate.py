@@ -70,8 +70,11 @@ def evaluate(rows: list[dict], config: SearchConfig, run: Runner, out_dir: Path)
     try:
         run([r["problem"] for r in rows], config, on_result)
     except ValueError as exc:
-        raise _naming_the_row(exc, rows) from exc
-    except BaseException as exc:  # a signal (SystemExit) or Ctrl-C: the problems that finished are kept
+        named = _naming_the_row(exc, rows)
+        if named is exc:
+            raise
+        raise named from exc
+    except (KeyboardInterrupt, SystemExit) as exc:  # a signal's exit, Ctrl-C: the problems that finished are kept
         finished = [r for r in records if r is not None]
         _write_records(path, finished)
         raise Interrupted(_summary(config, finished, time.perf_counter() - start) | {"interrupted": True},

@@ -59,7 +59,8 @@ def create_app(engine: AsyncLLMEngine, served: dict[str, LLMEngine], api_keys: l
 def _cut_streams(engine: AsyncLLMEngine) -> None:
     """The drain's time is up: every reply still running (streamed or whole, a search's too) ends
     with a `shutting_down` error its client can read, instead of a connection cut mid-chunk."""
-    cut = engine.cut_streams(APIError(503, "the server is shutting down: its --shutdown-timeout ran out before "
-                                           "this request ended", code="shutting_down"))
+    cut = engine.cut_streams(lambda: APIError(503, "the server is shutting down: its --shutdown-timeout ran out "
+                                                   "before this request ended", code="shutting_down"))
     if cut:
-        log.warning("the drain's time is up: ending %d request(s) still running with a shutting_down error", cut)
+        log.warning("the drain's time is up: ending the replies still running (%d engine stream(s)) with a "
+                    "shutting_down error", cut)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 import uuid
 from typing import AsyncIterator
@@ -18,16 +17,13 @@ from treeserve.errors import ParamError, check_context_length
 from treeserve.model.registry import BUILTIN_PREFIX
 from treeserve.outputs import RequestOutput
 from treeserve.sampling_params import RequestOutputKind, SamplingParams
-from treeserve.wire.errors import APIError, error_body, from_validation_error, from_value_error
+from treeserve.wire.errors import APIError, failure_body, from_validation_error, from_value_error
 from treeserve.entrypoints.chat_utils import render_chat
 from treeserve.wire.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, Tool, template_messages
 from treeserve.wire.translated_errors import renamed
 from treeserve.server.completion_reply import (CompletionReply, DeltaTracker, chat_logprobs, prompt_logprobs_json,
                                                token_pairs)
 from treeserve.server.tool_calls import ToolCallStream, ToolCalling, ToolSettings, special_tokens
-
-log = logging.getLogger("treeserve.server")
-
 
 def unknown_model(model: str | None, served: list[str]) -> APIError:
     """The 404 for a model this server does not serve; a name that differs from a served one only by
@@ -340,11 +336,8 @@ def _sse(chunks) -> StreamingResponse:
         try:
             async for chunk in chunks:
                 yield f"data: {jsonl.line(chunk)}\n\n"
-        except APIError as exc:
-            yield f"data: {jsonl.line(error_body(exc.status, exc.message, exc.param, exc.code))}\n\n"
         except Exception as exc:  # (a client gone is GeneratorExit/CancelledError, not caught here)
-            log.exception("a stream failed")
-            yield f"data: {jsonl.line(error_body(500, f'the stream failed: {exc}'))}\n\n"
+            yield f"data: {jsonl.line(failure_body(exc))}\n\n"
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream")

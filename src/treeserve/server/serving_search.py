@@ -25,7 +25,7 @@ from treeserve.search.progress import SearchProgress
 from treeserve.search.runner import SearchHandle, SearchRunner
 from treeserve.search.tree import SearchResult
 from treeserve.wire.disconnect import unless_client_leaves
-from treeserve.wire.errors import APIError, error_body, from_value_error
+from treeserve.wire.errors import APIError, failure_body, from_value_error
 from treeserve.wire.protocol import SearchRequest, template_messages
 
 
@@ -177,10 +177,8 @@ class SearchServing:
                     break
                 yield _sse_line(item)
                 item = await events.__anext__()
-        except APIError as exc:
-            yield _sse_line(error_body(exc.status, exc.message, exc.param, exc.code))
         except Exception as exc:  # the stream has started: the error is its last event
-            yield _sse_line(error_body(500, f"search failed: {exc}"))
+            yield _sse_line(failure_body(exc))
         finally:
             await events.aclose()
         yield "data: [DONE]\n\n"

@@ -1,6 +1,8 @@
 """Errors in OpenAI's schema: {"error": {"message", "type", "param", "code"}} with the right status."""
 from __future__ import annotations
 
+import logging
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -9,6 +11,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from treeserve.errors import ContextLengthError, ParamError
 
+log = logging.getLogger("treeserve.server")
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error",
                405: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
@@ -26,6 +29,16 @@ class APIError(Exception):
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
                       "param": param, "code": code}}
+
+
+def failure_body(exc: Exception) -> dict:
+    """The error object a stream that has begun ends with: an APIError as it is; anything else a 500
+    whose cause stays in the server's log (logged here), never in the answer (paths, device messages)."""
+    if isinstance(exc, APIError):
+        return error_body(exc.status, exc.message, exc.param, exc.code)
+    log.error("a stream failed once it had begun", exc_info=exc)
+    return error_body(500, "internal error: the reply failed part way (the server's log has the cause)",
+                      code="server_error")
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,

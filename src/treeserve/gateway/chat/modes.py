@@ -156,7 +156,7 @@ async def tools(context: Context, answer: Answer) -> AsyncIterator[dict]:
     router = context.router_model or answer.model
     # usage in every chunk: the router's stream is dropped before its last chunk, which alone would carry it
     body = {"model": router, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-            "messages": [{"role": "system", "content": ROUTER_PROMPT}, {"role": "user", "content": router_text(context.question)}],
+            "messages": [{"role": "system", "content": ROUTER_PROMPT}, {"role": "user", "content": router_text(context.question, router)}],
             "tools": context.toolbox.definitions(), "tool_choice": "required", "temperature": 0.0,
             "max_tokens": 256}
     yield {"type": "routing", "router": router}
@@ -175,10 +175,14 @@ async def tools(context: Context, answer: Answer) -> AsyncIterator[dict]:
     yield {"type": "delta", "text": answer.content}
 
 
-def router_text(question: str) -> str:
-    """The message as the router is shown it: powers written `**` (the bundled arith-router saw no
-    other way in training, and read `x^2` as `x`; SymPy reads both)."""
-    return question.replace("^", "**")
+# The bundled tool router's served name: it saw powers only as `**` in training (tasks/router.py)
+BUNDLED_ROUTER = "arith-router"
+
+
+def router_text(question: str, router: str) -> str:
+    """The message as the router is shown it: for the bundled arith-router, powers written `**` (it
+    read `x^2` as `x`; SymPy reads both); another router gets the user's text as it is."""
+    return question.replace("^", "**") if router == BUNDLED_ROUTER else question
 
 
 async def _route(context: Context, body: dict, answer: Answer) -> tuple[str | None, str]:
