@@ -84,6 +84,33 @@ def test_unsupported_architecture_lists_supported(llama_dir, tmp_path):
         LLM(str(path))
 
 
+def test_a_missing_tensor_is_named_as_the_checkpoint_names_it(llama_dir, tmp_path):
+    """A fused projection's missing part by its own name (it said `layers.0.self_attn.qkv_proj.weight`,
+    a tensor no checkpoint holds, and not which of q, k, v was missing)."""
+    from safetensors.torch import load_file, save_file
+
+    path = _copy(llama_dir, tmp_path / "m")
+    tensors = load_file(path / "model.safetensors")
+    for gone in ("model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.down_proj.weight"):
+        del tensors[gone]
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(ValueError) as caught:
+        LLM(str(path), dtype="float32", kv_cache_memory_bytes=4 << 20)
+    assert "lacks the tensors ['model.layers.0.self_attn.k_proj.weight', 'model.layers.1.mlp.down_proj.weight']" \
+        in str(caught.value), caught.value
+
+
+def test_an_unsupported_rope_type_is_said_to_be_unsupported_not_malformed(llama_dir, tmp_path):
+    path = _copy(llama_dir, tmp_path / "m")
+    raw = json.loads((path / "config.json").read_text())
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
+    raw["rope_scaling"] = yarn
+    raw["rope_parameters"] = {**(raw.get("rope_parameters") or {}), **yarn}  # (transformers 5 writes this one)
+    (path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="unsupported setting .*'yarn' is not supported"):
+        LLM(str(path), dtype="float32", kv_cache_memory_bytes=4 << 20)
+
+
 def test_missing_model_directory():
     with pytest.raises(FileNotFoundError, match="not a local directory"):
         LLM("/nonexistent/model")

@@ -223,6 +223,9 @@ def test_unknown_schemes_and_unsupported_settings_are_clear_errors(family_dirs):
         LLM(path, dtype="float32", device="cpu", quantization="int4")
     with pytest.raises(ParamError, match="float32 or bfloat16 activations"):
         LLM(path, dtype="float16", device="cpu", quantization="int8")
+    # "none" (the help's and these errors' word for the weights as stored) was itself refused
+    from treeserve.model.quantization.scheme import resolve_quantization
+    assert resolve_quantization("none", family_dirs["llama"]) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -305,7 +305,8 @@ def parse_model_config(raw: dict[str, Any], path: Path = Path("config.json")) ->
     except KeyError as exc:
         raise ValueError(f"{path}: missing required field {exc.args[0]!r}") from exc
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"{path}: malformed field ({exc})") from exc
+        kind = "unsupported setting" if "not supported" in str(exc) else "malformed field"
+        raise ValueError(f"{path}: {kind} ({exc})") from exc
     if config.num_heads % config.num_kv_heads:
         raise ValueError(f"{path}: num_attention_heads must be a multiple of num_key_value_heads")
     return config

@@ -144,8 +144,21 @@ class _WeightCopier:
     def check_complete(self) -> None:
         missing = sorted(set(self.params) - self.loaded)
         if missing:
-            raise ValueError(f"{self.model_dir}: checkpoint is missing tensors for "
-                             f"{missing[:5]}{'...' if len(missing) > 5 else ''}")
+            names = [n for param in missing for n in checkpoint_names(param, self.pending.get(param, {}))]
+            raise ValueError(f"{self.model_dir}: the checkpoint lacks the tensors "
+                             f"{names[:5]}{'...' if len(names) > 5 else ''}")
+
+
+def checkpoint_names(param: str, received: dict) -> list[str]:
+    """The checkpoint's names (Hugging Face's) for what a parameter still lacks: a fused projection's
+    missing parts (`model.layers.0.self_attn.k_proj.weight`, not our `qkv_proj`), else the one tensor."""
+    match = re.match(r"layers\.(\d+)\.(.+)\.(weight|bias)$", param)
+    if match:
+        layer, module, kind = match.groups()
+        parts = [m for m, (fused, slot) in _FUSED.items() if fused == module and slot not in received]
+        if parts:
+            return [f"model.layers.{layer}.{part}.{kind}" for part in parts]
+    return [param if param.startswith("lm_head.") else f"model.{param}"]
 
 
 def _fused_parts(target: str) -> int:

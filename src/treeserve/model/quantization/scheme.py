@@ -29,7 +29,7 @@ def checkpoint_method(model_dir: Path) -> tuple[str | None, dict]:
 
 def resolve_quantization(requested: str | None, model_dir: Path) -> str | None:
     """The scheme this model runs with; a clear error for one that cannot be loaded."""
-    requested = ALIASES.get(requested, requested)
+    requested = None if requested == "none" else ALIASES.get(requested, requested)  # none: as stored
     stored, details = checkpoint_method(model_dir)
     if stored is not None:
         if requested is not None and requested != stored:
