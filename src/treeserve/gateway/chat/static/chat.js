@@ -129,8 +129,13 @@ async function route() {
   showConversation(null);
 }
 
+function showSidebar(open) {  // (narrow screens: the conversations over the chat)
+  $("app").classList.toggle("show-sidebar", open);
+  $("toggle-sidebar").setAttribute("aria-expanded", String(open));
+}
+
 function navigate(id) {
-  $("app").classList.remove("show-sidebar");
+  showSidebar(false);
   history.pushState(null, "", id ? `/chat/c/${encodeURIComponent(id)}` : "/chat");
   route();
 }
@@ -470,7 +475,12 @@ document.addEventListener("DOMContentLoaded", () => {
   $("title").addEventListener("change", () => renameConversation().catch((e) => notice(e.message)));
   $("composer").addEventListener("submit", (e) => send(e).catch((error) => error.status === 401 || notice(error.message)));
   $("stop").addEventListener("click", () => state.controller && state.controller.abort());
-  $("toggle-sidebar").addEventListener("click", () => $("app").classList.toggle("show-sidebar"));
+  $("toggle-sidebar").addEventListener("click", () => showSidebar(!$("app").classList.contains("show-sidebar")));
+  // the open list covers the header's ☰: Escape, or a tap beside it, closes it too
+  document.addEventListener("keydown", (event) => { if (event.key === "Escape") showSidebar(false); });
+  document.addEventListener("click", (event) => {
+    if (!event.target.closest(".sidebar, #toggle-sidebar")) showSidebar(false);
+  });
   $("message-input").addEventListener("keydown", (e) => {
     if (e.key !== "Enter" || e.shiftKey || e.isComposing || e.keyCode === 229) return;  // (an IME's Enter picks a word)
     e.preventDefault();
