@@ -93,6 +93,27 @@ def test_properties_come_in_the_schemas_order(client):
         assert list(json.loads(out.choices[0].message.content)) == names, out.choices[0].message.content
 
 
+def test_a_grammar_the_engine_fails_on_part_way_is_an_error_not_a_stop(client, server):
+    """2,001 choices pass compilation but pass llguidance's 2,000 items in a parser row at the first
+    token: the reply was a 200 `finish_reason: stop` with text the grammar does not allow ("o")."""
+    import httpx
+
+    from treeserve.bench.sse_data import sse_data
+
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 10,
+            "structured_outputs": {"choice": [f"opt{i}" for i in range(2001)]}}
+    headers = {"Authorization": f"Bearer {server.key}"}
+    whole = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=headers, timeout=60)
+    assert whole.status_code == 400 and whole.json()["error"]["code"] == "grammar_failed", whole.text
+    assert "max is 2000" in whole.json()["error"]["message"]
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body | {"stream": True}, headers=headers,
+                      timeout=60) as streamed:
+        events = list(sse_data(streamed.iter_text()))
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "grammar_failed", events[-3:]
+    wait_idle(server.engine)
+    assert_no_leak(server.engine)
+
+
 def test_json_object_on_completions(client):
     out = client.completions.create(model="tiny", prompt="JSON:", max_tokens=400, temperature=0,
                                     extra_body={"response_format": {"type": "json_object"}})

@@ -35,14 +35,16 @@ class OutputProcessor:
         request.append_output_token(token_id)
         if logprobs is not None:
             request.cumulative_logprob += logprobs[token_id][0]
-        grammar_done = request.matcher is not None and structured_outputs.advance(request.matcher, token_id)
+        grammar = structured_outputs.advance(request.matcher, token_id) if request.matcher is not None else None
         stopped_by = self._stop_token(request, token_id)
         request.pending_text.append((token_id, logprobs, stopped_by is not None))
+        if grammar not in (None, "stop"):  # the grammar engine failed: "error" (vLLM's), what it said as the reason
+            return "error", grammar
         if stopped_by is not None:
             return stopped_by
         if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
             return "length", None
-        return ("stop", None) if grammar_done else (None, None)
+        return ("stop", None) if grammar == "stop" else (None, None)
 
     def make_text(self, request: Request) -> str | None:
         """The pending tokens' text (and decoded logprobs); the stop string it completes, if any

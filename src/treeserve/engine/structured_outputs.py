@@ -158,12 +158,13 @@ def valid_draft(matcher: llguidance.LLMatcher, drafts: list[int]) -> list[int]:
     return drafts[:matcher.validate_tokens(drafts)] if drafts else drafts
 
 
-def advance(matcher: llguidance.LLMatcher, token_id: int) -> bool:
-    """Feeds the sampled token to the grammar; True when the sequence must stop: the grammar is
-    done, or (never expected, the mask forbade it) it rejected the token (logged)."""
+def advance(matcher: llguidance.LLMatcher, token_id: int) -> str | None:
+    """Feeds the sampled token to the grammar: "stop" when it is complete, None to go on, or what
+    the grammar engine said when it failed (the mask forbade nothing it would then reject: a
+    grammar past its limits, such as a row of 2,000 alternatives), which ends the sequence as an error."""
     if not matcher.consume_token(token_id):
-        error = matcher.get_error() or ""  # (llguidance's may hold the whole grammar: its start is enough)
-        logger.error("the grammar rejected sampled token %d (%s); the sequence stops", token_id,
-                     error if len(error) <= LOGGED_ERROR_CHARS else error[:LOGGED_ERROR_CHARS] + " ...")
-        return True
-    return matcher.is_stopped()
+        error = matcher.get_error() or "it rejected a token its own mask allowed"
+        cut = error if len(error) <= LOGGED_ERROR_CHARS else error[:LOGGED_ERROR_CHARS] + " ..."
+        logger.error("the grammar rejected sampled token %d (%s); the sequence ends with an error", token_id, cut)
+        return cut
+    return "stop" if matcher.is_stopped() else None

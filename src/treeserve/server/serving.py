@@ -151,6 +151,7 @@ class OpenAIServing:
                 elif isinstance(item, Exception):
                     raise item
                 else:
+                    _raise_a_failed_grammar(item)
                     yield index, item
         finally:
             for task in tasks:
@@ -320,6 +321,16 @@ class OpenAIServing:
         if include_usage:
             yield {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                    "choices": [], "usage": reply.usage(self._usage(finals, deltas.num_generated))}
+
+
+def _raise_a_failed_grammar(output: RequestOutput) -> None:
+    """A choice the grammar engine failed in part way (finish_reason "error") fails the reply: its
+    text breaks the grammar it was asked to follow, so it is not returned as if it had stopped."""
+    failed = next((c for c in output.outputs if c.finish_reason == "error"), None)
+    if failed is not None:
+        raise APIError(400, f"the grammar engine failed part way through the reply ({failed.stop_reason}); "
+                            "a grammar this large or ambiguous is beyond its limits: simplify it",
+                       code="grammar_failed")
 
 
 def _chat_request(body: dict) -> ChatCompletionRequest:
