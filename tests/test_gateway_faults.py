@@ -171,3 +171,43 @@ def test_a_request_aiohttp_refuses_to_build_is_the_backends_failure_not_a_400(ba
             answer = _post(gw, "m", stream=stream)
             assert answer.status_code == 503, answer.text
             assert answer.json()["error"]["code"] == "no_backend_available"
+
+
+@contextlib.contextmanager
+def _database_down(app):
+    """The gateway's database refusing every new connection (its pooled ones dropped), as a stopped
+    PostgreSQL does; back as it was at the end."""
+    import sqlite3
+
+    from sqlalchemy import event
+
+    engine = app.state.store.db.engine
+
+    def refuse(*args):
+        raise sqlite3.OperationalError("unable to open database file")
+    event.listen(engine, "do_connect", refuse)
+    engine.dispose()
+    try:
+        yield
+    finally:
+        event.remove(engine, "do_connect", refuse)
+
+
+def test_a_database_outage_is_a_503_to_retry_and_the_gateway_not_ready(backend, tmp_path):
+    url, _ = backend
+    with gateway(tmp_path, {"m": [f"{url}/ok"]}, key_cache_ttl=60) as (gw, app):
+        created = httpx.post(gw + "/key/generate", headers={"Authorization": f"Bearer {MASTER}"},
+                             json={"max_budget": 10}).json()  # (a budget: its requests are admitted in the database)
+        keyed = {"Authorization": f"Bearer {created['key']}"}
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        assert httpx.post(gw + "/v1/chat/completions", headers=keyed, json=body, timeout=30).status_code == 200
+        assert httpx.get(gw + "/health/readiness").status_code == 200
+        with _database_down(app):
+            answer = httpx.post(gw + "/v1/chat/completions", headers=keyed, json=body, timeout=30)
+            assert answer.status_code == 503, answer.text
+            assert answer.json()["error"]["code"] == "database_unavailable" and answer.headers["retry-after"]
+            ready = httpx.get(gw + "/health/readiness", timeout=30)
+            assert ready.status_code == 503 and ready.json()["error"]["code"] == "database_unavailable"
+            other = {"Authorization": "Bearer sk-not-cached"}  # (a key's lookup fails the same way)
+            assert httpx.post(gw + "/v1/chat/completions", headers=other, json=body, timeout=30).status_code == 503
+        assert httpx.get(gw + "/health/readiness").status_code == 200
