@@ -45,7 +45,7 @@ def test_prices_written_as_yaml_1_1_reads_them_are_numbers(tmp_path):
     ("model_list:\n  - model_name: m\n" + GOOD_MODEL, "config: unknown key 'model_list'"),
     (GOOD_MODEL + "    input_cost: 1\n", "models.m: unknown key 'input_cost'"),
     ("models:\n  m:\n    backends: [{url: http://h:1, apikey: sk-x}]\n", "models.m.backends[0]: unknown key 'apikey'"),
-    ("models:\n  m:\n    backends: [{api_key: sk-x}]\n", "models.m.backends[0].url: this field is required"),
+    ("models:\n  m:\n    backends: [{api_key: sk-x}]\n", "models.m.backends[0].url: expected a URL, got None"),
     ("models:\n  - m\n", "models: expected a mapping"),
     ("models:\n  m: http://h:1\n", "models.m: expected a mapping"),
     ("models:\n  m:\n    backends: http://h:1\n", "models.m.backends: expected a list"),
@@ -67,3 +67,8 @@ def test_a_bad_config_is_a_one_line_error_naming_its_field(tmp_path, capsys, mon
 def test_a_yaml_syntax_error_names_its_line(tmp_path):
     with pytest.raises(ParamError, match=r"gateway.yaml: line 4, column \d+: "):
         _load(tmp_path, "models:\n  m:\n    backends: [http://h:1\n    x: 1\n")
+
+
+def test_a_backend_url_loses_its_trailing_slash(tmp_path):
+    config = _load(tmp_path, "models:\n  m:\n    backends: [http://h:1/, {url: 'http://h:2/'}]\n")
+    assert [b.url for b in config.models["m"].backends] == ["http://h:1", "http://h:2"]

@@ -47,7 +47,6 @@ class BackendConfig:
             url = redact_url(self.url) if isinstance(self.url, str) else self.url
             raise ParamError(f"{where}.url", f"expected http(s)://HOST:PORT (a server) or amqp://HOST (workers "
                              f"behind a RabbitMQ broker), got {url!r}")
-        self.url = self.url.rstrip("/")
         if self.api_key and self.url.startswith(HTTP_SCHEMES) and "@" in urlsplit(self.url).netloc:
             raise ParamError(f"{where}.api_key", f"backend {self.name}: a URL with a user and password and an "
                              "api_key cannot both be sent (aiohttp refuses every request): give one of them")

@@ -76,11 +76,11 @@ def _model(name: object, spec: object) -> ModelConfig:
 
 def _backend(spec: object, where: str) -> BackendConfig:
     if isinstance(spec, str):
-        return BackendConfig(spec)
+        spec = {"url": spec}
     _known(_mapping(spec, where), BackendConfig, where)
-    if "url" not in spec:
-        raise ParamError(f"{where}.url", "this field is required")
-    return BackendConfig(**spec)
+    if not isinstance(spec.get("url"), str):
+        raise ParamError(f"{where}.url", f"expected a URL, got {spec.get('url')!r}")
+    return BackendConfig(**spec | {"url": spec["url"].rstrip("/")})
 
 
 def _mapping(value: object, where: str) -> dict:
