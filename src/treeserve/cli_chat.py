@@ -81,7 +81,7 @@ def cmd_chat(args) -> int:
         # (imported while the server starts)
         from treeserve.bench.health import wait_healthy
         from treeserve.gateway.app import build_app
-        from treeserve.gateway.config import build_config
+        from treeserve.gateway.config_load import build_config
         from treeserve.gateway.database import default_url
         from treeserve.gateway.launch import run_gateway
         from treeserve.gateway.store import Store

@@ -107,7 +107,7 @@ def _models(text: str | None) -> list[str] | None:
 
 def cmd_gateway(args) -> int:
     from treeserve.gateway.app import build_app
-    from treeserve.gateway.config import build_config
+    from treeserve.gateway.config_load import build_config
     from treeserve.gateway.launch import run_gateway
 
     config = build_config(args.backend, args.config, master_key=args.master_key, database=args.database,

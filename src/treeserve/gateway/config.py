@@ -1,5 +1,6 @@
 """What a gateway serves: model groups of backends, prices, fallbacks, keys and its database; from
-command-line flags or a YAML file with the same fields.
+command-line flags or a YAML file with the same fields (read by gateway/config_load.py), each value
+checked as the dataclasses are made: an error names its field (and its model).
 
     master_key: sk-admin-...            # or TREESERVE_MASTER_KEY
     database: postgresql+psycopg://gateway@db/gateway   # default: SQLite in the working directory
@@ -15,12 +16,8 @@ command-line flags or a YAML file with the same fields.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
-
-import yaml
 
 from treeserve.errors import ParamError
 
@@ -44,6 +41,23 @@ class BackendConfig:
         """The URL without its user and password: what logs, metrics and spend rows show."""
         return redact_url(self.url)
 
+    def check(self, where: str) -> None:
+        """Its values checked (a numeric string taken as its number), errors named `where`.FIELD."""
+        if not isinstance(self.url, str) or not self.url.startswith(HTTP_SCHEMES + BROKER_SCHEMES):
+            url = redact_url(self.url) if isinstance(self.url, str) else self.url
+            raise ParamError(f"{where}.url", f"expected http(s)://HOST:PORT (a server) or amqp://HOST (workers "
+                             f"behind a RabbitMQ broker), got {url!r}")
+        if self.api_key and self.url.startswith(HTTP_SCHEMES) and "@" in urlsplit(self.url).netloc:
+            raise ParamError(f"{where}.api_key", f"backend {self.name}: a URL with a user and password and an "
+                             "api_key cannot both be sent (aiohttp refuses every request): give one of them")
+        for name in ("api_key", "model"):
+            optional_text(getattr(self, name), f"{where}.{name}")
+        self.timeout = number(self.timeout, f"{where}.timeout")
+        self.connect_timeout = number(self.connect_timeout, f"{where}.connect_timeout")
+        for name in ("continuous_usage", "priority"):
+            if not isinstance(getattr(self, name), bool):
+                raise ParamError(f"{where}.{name}", f"expected true or false, got {getattr(self, name)!r}")
+
 
 @dataclass
 class ModelConfig:
@@ -55,6 +69,17 @@ class ModelConfig:
     # unset, such a request reserves DEFAULT_RESERVED_TOKENS and the backend's own default applies.
     max_tokens: int | None = None
     fallbacks: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        where = f"models.{self.name}"
+        for i, backend in enumerate(self.backends):
+            backend.check(f"{where}.backends[{i}]")
+        for name in ("input_cost_per_token", "output_cost_per_token"):
+            setattr(self, name, number(getattr(self, name), f"{where}.{name}"))
+        if self.max_tokens is not None:
+            whole(self.max_tokens, f"{where}.max_tokens", minimum=1)
+        if not isinstance(self.fallbacks, list) or not all(isinstance(f, str) for f in self.fallbacks):
+            raise ParamError(f"{where}.fallbacks", f"expected a list of model names, got {self.fallbacks!r}")
 
 
 @dataclass
@@ -71,6 +96,7 @@ class ChatConfig:
     examples: dict[str, list[dict[str, str]]] = field(default_factory=dict)
 
     def check(self, models: dict) -> None:
+        self.tool_timeout = number(self.tool_timeout, "chat.tool_timeout")
         named = [*self.verifiers, *self.verifiers.values(), *([self.router_model] if self.router_model else [])]
         unknown = [m for m in named if m not in models]
         if unknown:
@@ -124,14 +150,48 @@ class GatewayConfig:
         if isinstance(self.chat, dict):
             self.chat = ChatConfig(**self.chat)
         self.chat.check(self.models)
-        if not isinstance(self.batch_concurrency, int) or self.batch_concurrency < 1:
-            raise ParamError("batch_concurrency", f"must be >= 1, got {self.batch_concurrency!r}")
+        for name, least in WHOLE_NUMBERS.items():
+            whole(getattr(self, name), name, least)
+        for name in SECONDS:
+            setattr(self, name, number(getattr(self, name), name))
+        for name in ("master_key", "database"):
+            optional_text(getattr(self, name), name)
+        if self.batch_priority is not None:
+            whole(self.batch_priority, "batch_priority", minimum=-(1 << 31))
         if self.routing not in STRATEGIES:
             raise ParamError("routing", f"one of {', '.join(STRATEGIES)}, got {self.routing!r}")
         for model in self.models.values():
             unknown = [f for f in model.fallbacks if f not in self.models]
             if unknown:
                 raise ParamError("fallbacks", f"fallbacks of {model.name!r}: no model {unknown[0]!r} is configured")
+
+
+WHOLE_NUMBERS = {"retries": 0, "breaker_failures": 1, "batch_concurrency": 1}  # field -> its least value
+SECONDS = ("health_interval", "breaker_cooldown", "key_cache_ttl", "shutdown_timeout")
+
+
+def number(value: object, field: str) -> float:
+    """A number >= 0. A numeric string is taken as its number: YAML 1.1 (PyYAML) reads 1e-6 as the
+    string '1e-6'."""
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            raise ParamError(field, f"expected a number, got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+        raise ParamError(field, f"expected a number >= 0, got {value!r}")
+    return value
+
+
+def whole(value: object, field: str, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ParamError(field, f"expected a whole number >= {minimum}, got {value!r}")
+    return value
+
+
+def optional_text(value: object, field: str) -> None:
+    if value is not None and not isinstance(value, str):
+        raise ParamError(field, f"expected a string, got {value!r}")
 
 
 def redact_url(url: str) -> str:
@@ -141,55 +201,3 @@ def redact_url(url: str) -> str:
     host = parts.hostname or ""
     netloc = f"{host}:{parts.port}" if parts.port else host
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
-
-
-def parse_backend_flags(values: list[str]) -> dict[str, ModelConfig]:
-    """`--backend MODEL=URL`, repeatable; several URLs for one model are its replicas."""
-    models: dict[str, ModelConfig] = {}
-    for value in values:
-        name, sep, url = value.partition("=")
-        if not sep or not name or not url.startswith(HTTP_SCHEMES + BROKER_SCHEMES):
-            raise ParamError("backend", f"--backend: expected MODEL=http(s)://HOST:PORT (a server) or "
-                             f"MODEL=amqp://HOST (workers behind a RabbitMQ broker), got {value!r}")
-        models.setdefault(name, ModelConfig(name, [])).backends.append(BackendConfig(url.rstrip("/")))
-    return models
-
-
-def load_yaml(path: Path) -> dict:
-    data = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(data, dict):
-        raise ParamError("config", f"{path}: expected a mapping at the top level")
-    models = {}
-    for name, spec in (data.pop("models", None) or {}).items():
-        spec = dict(spec or {})
-        backends = [BackendConfig(**({"url": b} if isinstance(b, str) else b)) for b in spec.pop("backends", [])]
-        for backend in backends:
-            backend.url = backend.url.rstrip("/")
-        models[name] = ModelConfig(name, backends, **spec)
-    data["models"] = models
-    return data
-
-
-def build_config(backends: list[str] | None = None, config_file: Path | None = None, **overrides) -> GatewayConfig:
-    """Flags override the file; the master key may also come from TREESERVE_MASTER_KEY."""
-    data = load_yaml(config_file) if config_file else {"models": {}}
-    for name, model in parse_backend_flags(backends or []).items():
-        if name in data["models"]:
-            data["models"][name].backends.extend(model.backends)
-        else:
-            data["models"][name] = model
-    chat = overrides.pop("chat", None)
-    if chat is not None:  # flags add to the file's chat section
-        section = dict(data.get("chat") or {})
-        for name in ("verifiers", "tools", "examples"):
-            chat[name] = {**(section.get(name) or {}), **chat.get(name, {})}
-        chat["router_model"] = chat["router_model"] or section.get("router_model")
-        data["chat"] = {**section, **chat}
-    data.update({k: v for k, v in overrides.items() if v is not None})
-    data.setdefault("master_key", os.environ.get("TREESERVE_MASTER_KEY"))
-    if not data["models"]:
-        raise ParamError("backend", "no backends: give --backend MODEL=URL (repeatable) or a --config file")
-    for model in data["models"].values():
-        if not model.backends:
-            raise ParamError("backend", f"model {model.name!r} has no backends")
-    return GatewayConfig(**data)

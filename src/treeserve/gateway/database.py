@@ -19,12 +19,14 @@ from alembic import command
 from alembic.config import Config
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy import Engine, create_engine, event, exc, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 MIGRATIONS = Path(__file__).parent / "migrations"
 MIGRATION_LOCK = 0x74726565  # PostgreSQL advisory lock id ("tree") serialising migrations
+# what a database that does not answer raises (down, unreachable, its connections all taken)
+DATABASE_DOWN = (exc.OperationalError, exc.InterfaceError, exc.TimeoutError)
 
 
 def default_url(directory: Path | None = None) -> str:
@@ -123,6 +125,11 @@ class Database:
                 command.upgrade(config, "head")
                 if checked and _broken_references(conn) > before:  # (raised in the transaction: rolled back)
                     raise RuntimeError("a migration left rows whose foreign keys point nowhere; it was rolled back")
+
+    def ping(self) -> None:
+        """`SELECT 1`: raises when the database does not answer."""
+        with self.engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
 
     def close(self) -> None:
         self.engine.dispose()

@@ -16,6 +16,14 @@ class GatewayError(Exception):
         self.message, self.param = message, param
 
 
+class DatabaseUnavailable(GatewayError):
+    """The database did not answer (down, unreachable, out of connections): try again shortly."""
+    retry_after = 2
+
+    def __init__(self):
+        super().__init__("the gateway's database is unavailable: try again in a moment")
+
+
 class UserExists(GatewayError):
     def __init__(self, user_id: str):
         super().__init__(f"user_id: user {user_id!r} already exists", "user_id")

@@ -70,5 +70,13 @@ async def health_loop(router: Router, client: aiohttp.ClientSession, metrics: Ga
     checks = [(check, b, client) if b.url not in brokers else (check_queue, b, brokers[b.url])
               for b in router.backends()]
     while True:
-        await asyncio.gather(*(job(backend, via, metrics) for job, backend, via in checks))
+        await asyncio.gather(*(_guarded(job, backend, via, metrics) for job, backend, via in checks))
         await asyncio.sleep(interval)
+
+
+async def _guarded(job, backend: Backend, via, metrics: GatewayMetrics) -> None:
+    """One check whose unexpected error is logged: it never stops the loop, nor the other checks."""
+    try:
+        await job(backend, via, metrics)
+    except Exception:
+        log.exception("the health check of backend %s failed", backend.name)

@@ -2,10 +2,13 @@
 status, OpenAI error code and headers; the message and `param` are the error's own."""
 from __future__ import annotations
 
+import logging
+
 from fastapi import FastAPI, Request
 
+from treeserve.gateway.database import DATABASE_DOWN
 from treeserve.gateway.errors import (AccountGone, AliasTaken, BatchConflict, BatchNotFound, BudgetExceeded, ChatKeyBlocked,
-                                      ConversationNotFound, FileNotFound, GatewayError, KeyNotFound, LimitExceeded,
+                                      ConversationNotFound, DatabaseUnavailable, FileNotFound, GatewayError, KeyNotFound, LimitExceeded,
                                       ParallelLimitExceeded, RateLimitExceeded, UserExists, UserNotFound)
 from treeserve.wire.errors import APIError, error_response_for, from_value_error
 
@@ -25,16 +28,18 @@ HTTP_STATUS: dict[type[GatewayError], tuple[int, str | None]] = {
     BatchNotFound: (404, "batch_not_found"),
     BatchConflict: (409, "batch_state"),
     ChatKeyBlocked: (403, "key_blocked"),
+    DatabaseUnavailable: (503, "database_unavailable"),
     GatewayError: (400, None),
 }
 
 
+log = logging.getLogger("treeserve.gateway")
 HELD_RETRY_AFTER = 1  # seconds a request refused for what requests in flight hold of its budget is told to wait
 
 
 def to_api_error(exc: GatewayError) -> APIError:
     status, code = next(HTTP_STATUS[cls] for cls in type(exc).__mro__ if cls in HTTP_STATUS)
-    headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, LimitExceeded) else None
+    headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, (LimitExceeded, DatabaseUnavailable)) else None
     if isinstance(exc, BudgetExceeded) and not exc.spent:
         # the budget is not spent, only held by requests in flight (their worst cases): what they do
         # not use comes back when they settle, so a 429 to try again (OpenAI's clients retry it), not
@@ -56,6 +61,14 @@ def install_domain_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ValueError)
     async def _bad_value(request: Request, exc: ValueError):
         return _response(request, from_value_error(exc))
+
+    async def _database_down(request: Request, exc: Exception):
+        log.warning("%s %s: the database is unavailable (%s)", request.method, request.url.path,
+                    " ".join(str(exc).split())[:300])
+        return _response(request, to_api_error(DatabaseUnavailable()))
+
+    for error in DATABASE_DOWN:  # (a storage call anywhere: a key's lookup, an admission, an admin route)
+        app.add_exception_handler(error, _database_down)
 
 
 def _response(request: Request, err: APIError):

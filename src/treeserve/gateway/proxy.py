@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
 import logging
 import time
@@ -28,7 +27,7 @@ from treeserve.gateway.pricing import completion_cap
 from treeserve.gateway.routing import Backend, Router
 from treeserve.gateway.sse import DONE, StreamState, error_event, event_batches
 from treeserve.gateway.upstreams import Upstreams
-from treeserve.gateway.usage import Usage
+from treeserve.gateway.usage import Usage, answer_usage
 from treeserve.wire.errors import error_response
 
 log = logging.getLogger("treeserve.gateway")
@@ -38,10 +37,29 @@ GENERATING = {"/v1/chat/completions", "/v1/completions", "/v1/search"}  # the ro
 STREAM_CUT = "the model's answer broke off (its server stopped answering); it is not replayed: try again in a moment"
 # What a failed attempt raises: connection refused or reset, the server gone mid-answer, a timeout.
 UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
+# ... or a request aiohttp refuses to build from a backend's settings (a ValueError): the gateway's
+# configuration, never the client's request
+SEND_ERRORS = (*UPSTREAM_ERRORS, ValueError)
 
 
 class GatewayStopping(ConnectionError):
     """Raised into the relayed streams still running when the gateway's drain time is up."""
+
+
+class StreamEndedEarly(ConnectionError):
+    """A backend's stream that ended without its [DONE]: cut, as one that broke."""
+
+
+@dataclass
+class Throttled:
+    """A failed attempt the backend answered 429: its body and Retry-After, passed on when every
+    attempt was throttled (as LiteLLM does)."""
+    reason: str
+    content: bytes
+    headers: dict[str, str]
+
+    def __str__(self) -> str:
+        return self.reason
 
 
 @dataclass
@@ -89,25 +107,17 @@ class Forwarder:
         must be idempotent (a failure path may call it again). `headers` go to HTTP backends with
         the request (a batch line's Idempotency-Key). Cancelled, a request with a client (not a batch
         line) is settled `client_closed` unless the gateway is stopping."""
-        stream = bool(body.get("stream"))
-        # a single replica is tried again: a kept-alive connection its server just closed fails once
-        plan = list(itertools.islice(itertools.cycle(self.router.plan(model, affinity)), 1 + self.retries))
-        last_error = "no backend is configured"
+        failures: list[str | Throttled] = []
         try:
-            for attempt, (group, backend) in enumerate(plan):
+            for attempt, (group, backend) in enumerate(self.router.plan(model, affinity, 1 + self.retries)):
                 if attempt:
                     self.metrics.retries.labels(model).inc()
-                upstream = self._upstream_body(path, body, group, backend, stream)
-                if backend.url in self.upstreams.brokers:  # each attempt its own correlation id: no late reply mixes in
-                    result = await self._try_broker(path, upstream, backend, group, body, settle, started,
-                                                    f"{request_id}.{attempt}")
-                else:
-                    attempt_once = self._try_stream if stream else self._try_once
-                    result = await attempt_once(path, upstream, backend, group, body, settle, started, headers)
+                result = await self._attempt(path, body, group, backend, settle, started, headers,
+                                             f"{request_id}.{attempt}")
                 if isinstance(result, Response):
                     result.headers["x-request-id"] = request_id
                     return result
-                last_error = result
+                failures.append(result)
         except BaseException as exc:
             left = isinstance(exc, asyncio.CancelledError) and has_client and not self.stopping()
             with anyio.CancelScope(shield=True):  # (its client gone: nothing served, its upstream stopped)
@@ -116,20 +126,38 @@ class Forwarder:
                 self.metrics.requests.labels(model, "", "499").inc()
             raise
         await settle(Outcome("error", model))
+        return self._unanswered(model, failures, request_id)
+
+    def _unanswered(self, model: str, failures: list[str | Throttled], request_id: str) -> Response:
+        """Every attempt failed: the last 429 as its backend wrote it (its Retry-After too) when each
+        attempt was throttled, else a 503."""
+        if failures and all(isinstance(f, Throttled) for f in failures):
+            self.metrics.requests.labels(model, "", "429").inc()
+            return Response(failures[-1].content, status_code=429, media_type="application/json",
+                            headers=failures[-1].headers | {"x-request-id": request_id})
         self.metrics.requests.labels(model, "", "503").inc()
+        last_error = failures[-1] if failures else "no backend is configured"
         return error_response(503, f"model {model!r}: no backend could answer ({last_error})",
                               code="no_backend_available", headers={"Retry-After": "1", "x-request-id": request_id})
 
     # ---- one attempt -------------------------------------------------------------------------
+    async def _attempt(self, path, body, group, backend: Backend, settle, started, headers,
+                       attempt_id: str) -> Response | str | Throttled:
+        stream = bool(body.get("stream"))
+        upstream = self._upstream_body(path, body, group, backend, stream)
+        if backend.url in self.upstreams.brokers:  # each attempt its own correlation id: no late reply mixes in
+            return await self._try_broker(path, upstream, backend, group, body, settle, started, attempt_id)
+        attempt_once = self._try_stream if stream else self._try_once
+        return await attempt_once(path, upstream, backend, group, body, settle, started, headers)
+
     async def _try_once(self, path, upstream, backend: Backend, group, body, settle, started,
                         headers=None) -> Response | str:
         self._begin(backend)
         try:
             async with self.upstreams.client.post(backend.url + path, json=upstream, headers=_headers(backend, headers),
                                         timeout=_timeout(backend, whole=True)) as response:
-                status, content = response.status, await response.read()
-                headers = {"Retry-After": response.headers["Retry-After"]} if "Retry-After" in response.headers else {}
-        except UPSTREAM_ERRORS as exc:
+                status, content, headers = response.status, await response.read(), _retry_after(response)
+        except SEND_ERRORS as exc:
             return self._failed(backend, exc)
         finally:
             self._end(backend)
@@ -139,19 +167,31 @@ class Forwarder:
                       started: float) -> Response | str:
         """A whole answer relayed (or, for 429/503, a failed attempt)."""
         if status in RETRYABLE_STATUS:
-            return self._failed(backend, f"HTTP {status}", breaker=status == 503)
-        self._record_health(backend, status)
+            return self._retryable(backend, status, content, headers)
         outcome = Outcome("success" if status == 200 else "error", group, backend.name, answer=(status, content))
         if status == 200:
-            try:
-                usage = json.loads(content).get("usage") or {}
-            except (ValueError, AttributeError):
-                usage = {}
-            outcome.usage = Usage(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))
+            usage = answer_usage(content, backend.name)
+            if usage is None:
+                return await self._invalid_answer(backend, group, settle)
+            outcome.usage = usage
+        self._record_health(backend, status)
         await settle(outcome)
         self.metrics.requests.labels(group, backend.name, str(status)).inc()
         self.metrics.latency.labels(group).observe(time.perf_counter() - started)
         return Response(content, status_code=status, media_type="application/json", headers=headers)
+
+    async def _invalid_answer(self, backend: Backend, group: str, settle) -> Response:
+        """A 200 whose body is not a JSON object: the backend's failure (its breaker counts it), a
+        502 billed nothing (it is not retried: the backend may have generated the answer)."""
+        self._failed(backend, "HTTP 200 whose body is not a JSON object")
+        await settle(Outcome("error", group, backend.name))
+        self.metrics.requests.labels(group, backend.name, "502").inc()
+        return error_response(502, f"model {group!r}: its backend answered 200 with a body that is not JSON",
+                              code="backend_invalid_response")
+
+    def _retryable(self, backend: Backend, status: int, content: bytes, headers: dict) -> str | Throttled:
+        reason = self._failed(backend, f"HTTP {status}", breaker=status == 503)
+        return Throttled(reason, content, headers) if status == 429 else reason
 
     async def _try_stream(self, path, upstream, backend: Backend, group, body, settle, started,
                           headers=None) -> Response | str:
@@ -160,7 +200,7 @@ class Forwarder:
             response = await self.upstreams.client.post(backend.url + path, json=upstream,
                                                         headers=_headers(backend, headers),
                                                         timeout=_timeout(backend, whole=False))
-        except UPSTREAM_ERRORS as exc:
+        except SEND_ERRORS as exc:
             self._end(backend)
             return self._failed(backend, exc)
         except BaseException:  # cancelled (its client left, the gateway stops): the backend is no longer busy
@@ -175,7 +215,7 @@ class Forwarder:
                 response.release()
                 self._end(backend)
             if response.status in RETRYABLE_STATUS:
-                return self._failed(backend, f"HTTP {response.status}", breaker=response.status == 503)
+                return self._retryable(backend, response.status, content, _retry_after(response))
             self._record_health(backend, response.status)
             await settle(Outcome("error", group, backend.name))
             self.metrics.requests.labels(group, backend.name, str(response.status)).inc()
@@ -222,7 +262,8 @@ class Forwarder:
     def _stream_response(self, first, batches, close, cut, backend, group, body, settle, started) -> RelayResponse:
         """`cut(exc)` makes the stream's next read raise `exc`."""
         options = body.get("stream_options") or {}
-        state = StreamState(bool(options.get("include_usage")), bool(options.get("continuous_usage_stats")))
+        state = StreamState(bool(options.get("include_usage")), bool(options.get("continuous_usage_stats")),
+                            backend.name)
         relay = self._relay(first, batches, close, cut, backend, group, state, settle, started)
         return RelayResponse(relay, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -243,6 +284,8 @@ class Forwarder:
                 await _settle_when_whole(state, outcome, settle)
                 if out:
                     yield out
+            if not state.done:
+                raise StreamEndedEarly("the stream ended without [DONE]")
             outcome.status = "success"
             backend.breaker.on_success()
         except GatewayStopping:
@@ -322,6 +365,10 @@ def _closer(response: aiohttp.ClientResponse) -> Callable[[], Awaitable[None]]:
     async def close() -> None:
         response.close()  # not released to the pool: an unfinished stream's connection is dropped
     return close
+
+
+def _retry_after(response: aiohttp.ClientResponse) -> dict[str, str]:
+    return {"Retry-After": response.headers["Retry-After"]} if "Retry-After" in response.headers else {}
 
 
 def _headers(backend: Backend, extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -2,22 +2,27 @@
 `GatewayService.dispatch`), and the operator's (health probes, backends, Prometheus metrics)."""
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from treeserve.gateway.auth import Auth
 from treeserve.gateway.config import GatewayConfig
+from treeserve.gateway.database import Database
 from treeserve.gateway.keys import KeyRecord
 from treeserve.gateway.metrics import GatewayMetrics
 from treeserve.gateway.routing import Router
 from treeserve.gateway.service import ROUTES, GatewayService
 from treeserve.wire.disconnect import unless_client_leaves
 from treeserve.wire.drain import Drain, readiness
-from treeserve.wire.errors import APIError
+from treeserve.wire.errors import APIError, error_response
 
+log = logging.getLogger("treeserve.gateway")
 MAX_BODY_BYTES = 32 << 20
+PING_TIMEOUT = 2.0  # seconds readiness waits for the database's SELECT 1
 
 
 def openai_routes(config: GatewayConfig, service: GatewayService, auth: Auth) -> APIRouter:
@@ -52,7 +57,7 @@ def openai_routes(config: GatewayConfig, service: GatewayService, auth: Auth) ->
     return routes
 
 
-def operator_routes(router: Router, metrics: GatewayMetrics, drain: Drain, auth: Auth) -> APIRouter:
+def operator_routes(router: Router, metrics: GatewayMetrics, drain: Drain, auth: Auth, db: Database) -> APIRouter:
     routes = APIRouter()
 
     @routes.get("/health")
@@ -62,6 +67,8 @@ def operator_routes(router: Router, metrics: GatewayMetrics, drain: Drain, auth:
     @routes.get("/health/ready", responses={503: {"description": "draining for shutdown"}})
     @routes.get("/health/readiness", responses={503: {"description": "draining for shutdown"}})  # (LiteLLM's)
     async def ready():
+        if not drain.draining and not await _database_answers(db):
+            return error_response(503, "the gateway's database is unavailable", code="database_unavailable")
         return readiness(drain)
 
     @routes.get("/health/liveliness")  # (LiteLLM's name for a liveness probe)
@@ -81,6 +88,16 @@ def operator_routes(router: Router, metrics: GatewayMetrics, drain: Drain, auth:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
     return routes
+
+
+async def _database_answers(db: Database) -> bool:
+    """Whether `SELECT 1` is answered within PING_TIMEOUT (its thread is not waited for past it)."""
+    try:
+        await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, db.ping), PING_TIMEOUT)
+    except Exception as exc:  # (whatever the driver raises: not ready)
+        log.warning("readiness: the database did not answer SELECT 1 (%s)", type(exc).__name__)
+        return False
+    return True
 
 
 async def _json_body(request: Request) -> dict:

@@ -105,10 +105,13 @@ class Router:
         """The model, then its fallbacks (each once)."""
         return list(dict.fromkeys([model, *self.groups[model].config.fallbacks]))
 
-    def plan(self, model: str, affinity_key: str | None) -> list[tuple[str, Backend]]:
-        """(model, backend) pairs to try in order: the model's replicas, then its fallbacks'."""
+    def plan(self, model: str, affinity_key: str | None, attempts: int) -> list[tuple[str, Backend]]:
+        """(model, backend) pairs to try in order: up to `attempts` of the model's replicas, then as
+        many of each fallback's (LiteLLM counts fallbacks apart from its retries). A group with fewer
+        replicas goes round them again: a kept-alive connection its server just closed fails once."""
         return [(name, b) for name in self.chain(model)
-                for b in self.groups[name].ranked(self.config.routing, affinity_key)]
+                for b in itertools.islice(itertools.cycle(self.groups[name].ranked(self.config.routing, affinity_key)),
+                                          attempts)]
 
     def backends(self) -> list[Backend]:
         return [b for group in self.groups.values() for b in group.backends]

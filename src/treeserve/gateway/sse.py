@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from treeserve.gateway.usage import Usage
+from treeserve.gateway.usage import Usage, malformed_usage, read_usage
 
 DONE = b"data: [DONE]\n\n"
 USAGE = b'"usage"'
@@ -24,10 +24,12 @@ class StreamState:
     """What the client asked for, and what it has been sent so far."""
     include_usage: bool
     continuous_usage: bool
+    backend: str = ""             # its name, for the log
     usage: Usage = field(default_factory=Usage)
     counted_chunks: int = 0       # content chunks, for a backend that reports no usage
     usage_reported: bool = False
     done: bool = False            # [DONE] was relayed: the client has the whole answer
+    malformed_logged: bool = False  # a malformed usage is logged once a stream
 
     def relay(self, payloads: list[bytes]) -> bytes:
         """The client's bytes for these events (possibly none)."""
@@ -89,8 +91,11 @@ class StreamState:
         return _event(json.dumps(event, separators=(",", ":")).encode())
 
     def _record(self, usage: dict) -> None:
-        self.usage = Usage(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))
+        self.usage, clean = read_usage(usage)
         self.usage_reported = True
+        if not clean and not self.malformed_logged:
+            self.malformed_logged = True
+            malformed_usage(self.backend, usage)
 
     def _count(self, event: dict) -> None:
         for choice in event.get("choices") or ():

@@ -1,0 +1,74 @@
+"""The gateway's configuration checked at load: each value's type and range (a numeric string such
+as PyYAML's '1e-6' taken as its number), unknown and duplicate keys, a section of the wrong kind, a
+YAML syntax error, a URL without a scheme, a URL's credentials with an api_key: each a one-line
+error naming the field (and the model), exit 2 from the command line, never a traceback."""
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from treeserve.cli_gateway import main
+from treeserve.errors import ParamError
+from treeserve.gateway.config_load import build_config
+
+GOOD_MODEL = "models:\n  m:\n    backends: [http://127.0.0.1:8381]\n"
+
+
+def _load(tmp_path, text: str):
+    path = tmp_path / "gateway.yaml"
+    path.write_text(textwrap.dedent(text))
+    return build_config(config_file=path)
+
+
+def test_prices_written_as_yaml_1_1_reads_them_are_numbers(tmp_path):
+    config = _load(tmp_path, GOOD_MODEL + "    input_cost_per_token: 1e-6\n    output_cost_per_token: 2e-6\n")
+    model = config.models["m"]
+    assert (model.input_cost_per_token, model.output_cost_per_token) == (1e-6, 2e-6)
+    assert isinstance(model.input_cost_per_token, float)
+
+
+@pytest.mark.parametrize("text, named", [
+    (GOOD_MODEL + "    input_cost_per_token: cheap\n", "models.m.input_cost_per_token: expected a number"),
+    (GOOD_MODEL + "    output_cost_per_token: -1\n", "models.m.output_cost_per_token: expected a number >= 0"),
+    (GOOD_MODEL + "    max_tokens: 0\n", "models.m.max_tokens: expected a whole number >= 1"),
+    (GOOD_MODEL + "    fallbacks: other\n", "models.m.fallbacks: expected a list"),
+    (GOOD_MODEL + "retries: -1\n", "retries: expected a whole number >= 0"),
+    (GOOD_MODEL + "retries: '2'\n", "retries: expected a whole number >= 0"),
+    (GOOD_MODEL + "health_interval: soon\n", "health_interval: expected a number"),
+    (GOOD_MODEL + "breaker_failures: 0\n", "breaker_failures: expected a whole number >= 1"),
+    ("models:\n  m:\n    backends: [{url: http://h:1, timeout: -5}]\n", "models.m.backends[0].timeout"),
+    ("models:\n  m:\n    backends: [{url: http://h:1, connect_timeout: x}]\n", "models.m.backends[0].connect_timeout"),
+    ("models:\n  m:\n    backends: [127.0.0.1:8000]\n", "models.m.backends[0].url: expected http(s)://"),
+    ("models:\n  m:\n    backends: [{url: 'http://u:secret@h:1', api_key: sk-x}]\n",
+     "models.m.backends[0].api_key: backend http://h:1: a URL with a user and password and an api_key"),
+    ("model_list:\n  - model_name: m\n" + GOOD_MODEL, "config: unknown key 'model_list'"),
+    (GOOD_MODEL + "    input_cost: 1\n", "models.m: unknown key 'input_cost'"),
+    ("models:\n  m:\n    backends: [{url: http://h:1, apikey: sk-x}]\n", "models.m.backends[0]: unknown key 'apikey'"),
+    ("models:\n  m:\n    backends: [{api_key: sk-x}]\n", "models.m.backends[0].url: expected a URL, got None"),
+    ("models:\n  - m\n", "models: expected a mapping"),
+    ("models:\n  m: http://h:1\n", "models.m: expected a mapping"),
+    ("models:\n  m:\n    backends: http://h:1\n", "models.m.backends: expected a list"),
+    (GOOD_MODEL + "chat: {enabled: true, colour: red}\n", "chat: unknown key 'colour'"),
+    (GOOD_MODEL + "  m:\n    backends: [http://127.0.0.1:8382]\n", "the key 'm' is given twice"),
+    ("models:\n  m: [unclosed\n", "config: "),
+])
+def test_a_bad_config_is_a_one_line_error_naming_its_field(tmp_path, capsys, monkeypatch, text, named):
+    monkeypatch.setattr("treeserve.gateway.launch.run_gateway", lambda *args: 0)  # (never serves)
+    with pytest.raises(ParamError) as error:
+        _load(tmp_path, text)
+    assert named in str(error.value) and "\n" not in str(error.value)
+    assert "secret" not in str(error.value)
+    assert main(["gateway", "--config", str(tmp_path / "gateway.yaml"), "--port", "8389"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and named in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_yaml_syntax_error_names_its_line(tmp_path):
+    with pytest.raises(ParamError, match=r"gateway.yaml: line 4, column \d+: "):
+        _load(tmp_path, "models:\n  m:\n    backends: [http://h:1\n    x: 1\n")
+
+
+def test_a_backend_url_loses_its_trailing_slash(tmp_path):
+    config = _load(tmp_path, "models:\n  m:\n    backends: [http://h:1/, {url: 'http://h:2/'}]\n")
+    assert [b.url for b in config.models["m"].backends] == ["http://h:1", "http://h:2"]
