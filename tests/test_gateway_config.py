@@ -72,3 +72,18 @@ def test_a_yaml_syntax_error_names_its_line(tmp_path):
 def test_a_backend_url_loses_its_trailing_slash(tmp_path):
     config = _load(tmp_path, "models:\n  m:\n    backends: [http://h:1/, {url: 'http://h:2/'}]\n")
     assert [b.url for b in config.models["m"].backends] == ["http://h:1", "http://h:2"]
+
+
+def test_anchors_merged_into_a_mapping_and_null_timeouts_still_load(tmp_path):
+    """What loaded before the checks still does: `<<: *anchor` merges (the duplicate-key check read
+    the merge key itself and refused it), and a null timeout (no limit) on a backend."""
+    config = _load(tmp_path, """\
+        models:
+          m:
+            backends:
+              - &first {url: 'http://h:1', timeout: null, connect_timeout: null}
+              - {<<: *first, url: 'http://h:2'}
+        """)
+    backends = config.models["m"].backends
+    assert [b.url for b in backends] == ["http://h:1", "http://h:2"]
+    assert all(b.timeout is None and b.connect_timeout is None for b in backends)

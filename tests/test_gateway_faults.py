@@ -211,3 +211,29 @@ def test_a_database_outage_is_a_503_to_retry_and_the_gateway_not_ready(backend, 
             other = {"Authorization": "Bearer sk-not-cached"}  # (a key's lookup fails the same way)
             assert httpx.post(gw + "/v1/chat/completions", headers=other, json=body, timeout=30).status_code == 503
         assert httpx.get(gw + "/health/readiness").status_code == 200
+
+
+def test_a_batch_line_answered_with_a_200_that_is_not_json_goes_to_the_error_file(backend, tmp_path):
+    """Its 502 is written with the line (the line was settled without an answer: left `running`, and
+    the batch completed with it in neither file)."""
+    import time
+
+    import openai
+
+    url, _ = backend
+    with gateway(tmp_path, {"m": [f"{url}/text"]}) as (gw, _app):
+        client = openai.OpenAI(base_url=gw + "/v1", api_key=MASTER, max_retries=0)
+        line = {"custom_id": "one", "method": "POST", "url": "/v1/chat/completions",
+                "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}]}}
+        uploaded = client.files.create(file=("b.jsonl", (json.dumps(line) + "\n").encode()), purpose="batch")
+        batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                      completion_window="24h")
+        deadline = time.monotonic() + 60
+        while batch.status not in ("completed", "failed", "cancelled", "expired"):
+            assert time.monotonic() < deadline, batch
+            time.sleep(0.2)
+            batch = client.batches.retrieve(batch.id)
+        assert batch.status == "completed" and batch.error_file_id, batch
+        record = json.loads(client.files.content(batch.error_file_id).text)
+        assert record["custom_id"] == "one" and record["response"]["status_code"] == 502, record
+        assert record["response"]["body"]["error"]["code"] == "backend_invalid_response"

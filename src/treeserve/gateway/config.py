@@ -52,8 +52,9 @@ class BackendConfig:
                              "api_key cannot both be sent (aiohttp refuses every request): give one of them")
         for name in ("api_key", "model"):
             optional_text(getattr(self, name), f"{where}.{name}")
-        self.timeout = number(self.timeout, f"{where}.timeout")
-        self.connect_timeout = number(self.connect_timeout, f"{where}.connect_timeout")
+        for name in ("timeout", "connect_timeout"):  # (null: no limit, as aiohttp takes it)
+            if getattr(self, name) is not None:
+                setattr(self, name, number(getattr(self, name), f"{where}.{name}"))
         for name in ("continuous_usage", "priority"):
             if not isinstance(getattr(self, name), bool):
                 raise ParamError(f"{where}.{name}", f"expected true or false, got {getattr(self, name)!r}")

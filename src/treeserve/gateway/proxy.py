@@ -184,10 +184,12 @@ class Forwarder:
         """A 200 whose body is not a JSON object: the backend's failure (its breaker counts it), a
         502 billed nothing (it is not retried: the backend may have generated the answer)."""
         self._failed(backend, "HTTP 200 whose body is not a JSON object")
-        await settle(Outcome("error", group, backend.name))
+        refusal = error_response(502, f"model {group!r}: its backend answered 200 with a body that is not JSON",
+                                 code="backend_invalid_response")
+        # (the answer kept: a batch line is written with it, and so goes to the batch's error file)
+        await settle(Outcome("error", group, backend.name, answer=(502, bytes(refusal.body))))
         self.metrics.requests.labels(group, backend.name, "502").inc()
-        return error_response(502, f"model {group!r}: its backend answered 200 with a body that is not JSON",
-                              code="backend_invalid_response")
+        return refusal
 
     def _retryable(self, backend: Backend, status: int, content: bytes, headers: dict) -> str | Throttled:
         reason = self._failed(backend, f"HTTP {status}", breaker=status == 503)

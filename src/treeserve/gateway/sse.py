@@ -98,8 +98,10 @@ class StreamState:
             malformed_usage(self.backend, usage)
 
     def _count(self, event: dict) -> None:
-        for choice in event.get("choices") or ():
-            if isinstance(choice, dict) and ((choice.get("delta") or {}).get("content") or choice.get("text")):
+        choices = event.get("choices")
+        for choice in choices if isinstance(choices, list) else ():  # (a malformed chunk counts nothing)
+            delta = choice.get("delta") if isinstance(choice, dict) else None
+            if isinstance(choice, dict) and ((isinstance(delta, dict) and delta.get("content")) or choice.get("text")):
                 self.counted_chunks += 1
 
 
