@@ -237,3 +237,35 @@ def test_a_batch_line_answered_with_a_200_that_is_not_json_goes_to_the_error_fil
         record = json.loads(client.files.content(batch.error_file_id).text)
         assert record["custom_id"] == "one" and record["response"]["status_code"] == 502, record
         assert record["response"]["body"]["error"]["code"] == "backend_invalid_response"
+
+
+def test_readiness_probes_share_one_database_ping_while_it_hangs(tmp_path):
+    """A database that does not answer holds one worker thread, however many probes come (each
+    probe's SELECT 1 used to stay blocked in its own thread past its 2 s wait)."""
+    import asyncio
+    import threading
+
+    from treeserve.gateway import routes
+
+    release, calls = threading.Event(), []
+
+    class Hanging:
+        def ping(self):
+            calls.append(1)
+            release.wait(30)
+
+    async def probes():
+        ping = routes.DatabasePing(Hanging())
+        answers = await asyncio.gather(*(ping.answers() for _ in range(4)))
+        again = await ping.answers()  # (still hanging: still the one ping)
+        release.set()
+        await asyncio.sleep(0.1)
+        return answers, again, await ping.answers()
+
+    routes.PING_TIMEOUT, saved = 0.3, routes.PING_TIMEOUT
+    try:
+        answers, again, after = asyncio.run(probes())
+    finally:
+        routes.PING_TIMEOUT = saved
+    assert answers == [False] * 4 and again is False and after is True
+    assert len(calls) == 2  # the hanging one, then a new one once it had answered

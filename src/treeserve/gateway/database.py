@@ -24,6 +24,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 MIGRATIONS = Path(__file__).parent / "migrations"
+PG_CONNECT_TIMEOUT = 10  # seconds
 MIGRATION_LOCK = 0x74726565  # PostgreSQL advisory lock id ("tree") serialising migrations
 # what a database that does not answer raises (down, unreachable, its connections all taken)
 DATABASE_DOWN = (exc.OperationalError, exc.InterfaceError, exc.TimeoutError)
@@ -69,7 +70,9 @@ def make_engine(url: str) -> Engine:
             conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get("writing") else "BEGIN")
 
         return engine
-    return create_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True)
+    # (a host that does not answer fails a connection in 10 s, not the system's TCP timeout of minutes)
+    connect = {"connect_timeout": PG_CONNECT_TIMEOUT} if url.startswith("postgresql") else {}
+    return create_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True, connect_args=connect)
 
 
 class Database:

@@ -64,10 +64,12 @@ def operator_routes(router: Router, metrics: GatewayMetrics, drain: Drain, auth:
     async def health():
         return {"status": "ok"}
 
+    ping = DatabasePing(db)
+
     @routes.get("/health/ready", responses={503: {"description": "draining for shutdown"}})
     @routes.get("/health/readiness", responses={503: {"description": "draining for shutdown"}})  # (LiteLLM's)
     async def ready():
-        if not drain.draining and not await _database_answers(db):
+        if not drain.draining and not await ping.answers():
             return error_response(503, "the gateway's database is unavailable", code="database_unavailable")
         return readiness(drain)
 
@@ -90,14 +92,23 @@ def operator_routes(router: Router, metrics: GatewayMetrics, drain: Drain, auth:
     return routes
 
 
-async def _database_answers(db: Database) -> bool:
-    """Whether `SELECT 1` is answered within PING_TIMEOUT (its thread is not waited for past it)."""
-    try:
-        await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, db.ping), PING_TIMEOUT)
-    except Exception as exc:  # (whatever the driver raises: not ready)
-        log.warning("readiness: the database did not answer SELECT 1 (%s)", type(exc).__name__)
-        return False
-    return True
+class DatabasePing:
+    """Readiness's `SELECT 1`, one in flight at a time: probes that come while it runs wait for the
+    same one (a database that does not answer holds one worker thread, not one more per probe)."""
+
+    def __init__(self, db: Database):
+        self.db, self.pending = db, None
+
+    async def answers(self) -> bool:
+        """Whether the database answers within PING_TIMEOUT (its thread is not waited for past it)."""
+        if self.pending is None or self.pending.done():
+            self.pending = asyncio.get_running_loop().run_in_executor(None, self.db.ping)
+        try:
+            await asyncio.wait_for(asyncio.shield(self.pending), PING_TIMEOUT)
+        except Exception as exc:  # (whatever the driver raises: not ready)
+            log.warning("readiness: the database did not answer SELECT 1 (%s)", type(exc).__name__)
+            return False
+        return True
 
 
 async def _json_body(request: Request) -> dict:
