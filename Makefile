@@ -63,7 +63,8 @@ search: $(STAMP)
 	$(BIN)/treeserve search "$(PROBLEM)"
 
 test: $(STAMP)
-	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(TEST_PLUGINS)
+	$(BIN)/python -m pytest tests -m "not timing" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(TEST_PLUGINS)
+	$(BIN)/python -m pytest tests -m timing $(TEST_PLUGINS)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/throughput.py
