@@ -30,6 +30,16 @@ MIGRATION_LOCK = 0x74726565  # PostgreSQL advisory lock id ("tree") serialising 
 DATABASE_DOWN = (exc.OperationalError, exc.InterfaceError, exc.TimeoutError)
 
 
+def violates_unique(error: exc.IntegrityError, index: str, column: str) -> bool:
+    """Whether `error` is a duplicate in the unique `index` on `column` ("table.column"): PostgreSQL
+    names the index (SQLSTATE 23505), SQLite the column."""
+    orig = error.orig
+    diag = getattr(orig, "diag", None)
+    if diag is not None:
+        return getattr(orig, "sqlstate", None) == "23505" and diag.constraint_name == index
+    return f"UNIQUE constraint failed: {column}" in str(orig)
+
+
 def default_url(directory: Path | None = None) -> str:
     return f"sqlite:///{(directory or Path.cwd()) / 'treeserve-gateway.db'}"
 

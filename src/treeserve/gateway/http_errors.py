@@ -7,15 +7,18 @@ import logging
 from fastapi import FastAPI, Request
 
 from treeserve.gateway.database import DATABASE_DOWN
-from treeserve.gateway.errors import (AccountGone, AliasTaken, BatchConflict, BatchNotFound, BudgetExceeded, ChatKeyBlocked,
-                                      ConversationNotFound, DatabaseUnavailable, FileNotFound, GatewayError, KeyNotFound, LimitExceeded,
-                                      ParallelLimitExceeded, RateLimitExceeded, UserExists, UserNotFound)
+from treeserve.gateway.errors import (AccountGone, AliasReserved, AliasTaken, BatchConflict, BatchNotFound, BudgetExceeded,
+                                      ChatKeyBlocked, ChatKeyOwner, ConversationNotFound, DatabaseUnavailable, FileNotFound,
+                                      GatewayError, KeyNotFound, LimitExceeded, ParallelLimitExceeded, RateLimitExceeded,
+                                      UserExists, UserNotFound)
 from treeserve.wire.errors import APIError, error_response_for, from_value_error
 
 # error class -> (HTTP status, OpenAI error code); a subclass not listed answers as its parent
 HTTP_STATUS: dict[type[GatewayError], tuple[int, str | None]] = {
     UserExists: (400, "user_exists"),
     AliasTaken: (400, "key_alias_exists"),
+    AliasReserved: (400, "key_alias_reserved"),
+    ChatKeyOwner: (400, "chat_key_owner"),
     UserNotFound: (404, "user_not_found"),
     KeyNotFound: (404, "key_not_found"),
     ParallelLimitExceeded: (429, "parallel_limit"),
