@@ -502,3 +502,40 @@ def test_the_alias_and_chat_key_migrations_keep_every_key(tmp_path):
     finally:
         store.close()
 
+
+def test_only_a_database_that_cannot_serve_is_an_outage(store, tmp_path):
+    """A 503 to retry is for a database that cannot be reached or used now (PostgreSQL's SQLSTATE
+    class 08, 57P01-57P03, 53300; SQLite's file that cannot be opened, or locked); a deadlock, a
+    serialization failure, a cancelled query or a missing table are OperationalErrors too, but the
+    statement's fault (a 500), as they were all taken for an outage."""
+    from sqlalchemy import create_engine, exc
+
+    from treeserve.gateway.database import database_down
+
+    def error_of(engine, sql: str) -> exc.DBAPIError:
+        with pytest.raises(exc.DBAPIError) as raised, engine.connect() as conn:
+            conn.execute(text(sql))
+        return raised.value
+
+    if store.db.dialect == "postgresql":
+        raise_state = "DO $$ BEGIN RAISE EXCEPTION 'for the test' USING ERRCODE = '{}'; END $$"
+        states = {"40P01": False, "40001": False, "57014": False, "57P01": True, "57P03": True, "53300": True,
+                  "08006": True}
+        errors = {s: error_of(store.db.engine, raise_state.format(s)) for s in states}
+        assert all(isinstance(e, exc.OperationalError) for e in errors.values()), errors
+        assert {s: database_down(e) for s, e in errors.items()} == states
+        nobody = create_engine(f"postgresql+psycopg://postgres@127.0.0.1:{_closed_port()}/x")
+        assert database_down(error_of(nobody, "SELECT 1"))
+    else:
+        missing = error_of(store.db.engine, "SELECT * FROM no_such_table")
+        assert isinstance(missing, exc.OperationalError) and not database_down(missing)
+        gone = create_engine(f"sqlite:///{tmp_path / 'no-such-folder' / 'g.db'}")
+        assert database_down(error_of(gone, "SELECT 1"))
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
