@@ -336,6 +336,37 @@ def test_first_sign_ins_at_once_make_one_chat_key(stack):
     assert [k["key_alias"] for k in keys] == ["chat:gina"]
 
 
+def test_the_chat_uses_its_own_key_never_an_admins_named_like_it(stack):
+    """The chat found a user's key by the alias `chat:<user>`, so an admin's key with that alias was
+    used (and billed) as the user's chat key. The admin API now refuses that prefix, and a key that
+    holds such an alias from before is passed over: the chat's key is the one it made (web_chat)."""
+    from sqlalchemy import select, update
+
+    from treeserve.gateway.schema import ApiKey, SpendLog
+
+    url, gateway, _, _ = stack
+    store = gateway.state.store
+    add_user(gateway, "ivy", "ivy's long password")
+    admin = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {MASTER}"}, timeout=30)
+    refused = admin.post("/key/generate", json={"key_alias": "chat:ivy", "user_id": "ivy"})
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "key_alias_reserved", refused.text
+    tools = admin.post("/key/generate", json={"key_alias": "ivy-tools", "user_id": "ivy"})
+    assert tools.status_code == 200, tools.text
+    with store.db.transaction() as conn:  # (as an older gateway let an admin name it)
+        conn.execute(update(ApiKey).where(ApiKey.id == tools.json()["key_id"]).values(key_alias="chat:ivy"))
+    client = sign_in(url, "ivy", "ivy's long password")
+    conversation = new_conversation(client, max_tokens=8)
+    assert send(client, conversation["id"], "1+1")[-1]["type"] == "done"
+    keys = {k["key_id"]: k for k in store.accounts.list_keys("ivy")}
+    chat_key = next(k for i, k in keys.items() if i != tools.json()["key_id"])
+    assert len(keys) == 2 and chat_key["metadata"] == {"purpose": "web chat"}
+
+    def billed():  # (spend logs are written after the answer, by the gateway's writer)
+        with store.db.session() as conn:
+            return set(conn.scalars(select(SpendLog.key_id).where(SpendLog.user_id == "ivy")))
+    assert wait_for(billed) == {chat_key["key_id"]}  # the message was billed to the chat's key
+
+
 def test_concurrent_users_stream_at_once(stack):
     url, *_ = stack
     clients = [sign_in(url, "ada", "correct horse battery"), sign_in(url, "bob", "another long password")]

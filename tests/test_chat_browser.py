@@ -204,8 +204,10 @@ def test_the_chat_page_end_to_end(stack, browser, shots):
     assert last_answer(driver) and not driver.find_elements(*by("message-assistant"))[-1].find_elements(
         "css selector", ".error")
 
-    # a message the gateway refuses stays in the box, and an empty chat keeps its examples
+    # a message the gateway refuses stays in the box, and an empty chat keeps its examples; a new chat's
+    # first message refused leaves no empty conversation behind (the page is a new chat again)
     new_chat(driver)
+    listed = len(driver.find_elements(*by("conversation-item")))
     driver.execute_script("""window.__fetch = window.fetch; window.fetch = (url, options) => url.endsWith('/messages')
         ? Promise.resolve(new Response(JSON.stringify({error: {message: 'refused for the test'}}), {status: 400}))
         : window.__fetch(url, options);""")
@@ -214,6 +216,10 @@ def test_the_chat_page_end_to_end(stack, browser, shots):
     wait(driver, lambda d: d.find_element(*by("notice")).text == "refused for the test")
     assert driver.find_element(*by("message-input")).get_attribute("value") == "keep me"
     assert driver.find_elements(*by("example"))
+    wait(driver, lambda d: d.current_url.endswith("/chat")
+         and len(d.find_elements(*by("conversation-item"))) == listed, timeout=10)
+    assert len(driver.execute_async_script("""fetch('/chat/api/conversations').then((r) => r.json())
+        .then((body) => arguments[0](body.conversations))""")) == listed
     driver.execute_script("window.fetch = window.__fetch")
     # an IME's Enter (composing a word) does not send
     driver.execute_script("""arguments[0].dispatchEvent(new KeyboardEvent('keydown', {key: 'Enter', keyCode: 229,

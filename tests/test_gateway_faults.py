@@ -174,7 +174,7 @@ def test_a_request_aiohttp_refuses_to_build_is_the_backends_failure_not_a_400(ba
 
 
 @contextlib.contextmanager
-def _database_down(app):
+def _database_down(app, why: str = "unable to open database file"):
     """The gateway's database refusing every new connection (its pooled ones dropped), as a stopped
     PostgreSQL does; back as it was at the end."""
     import sqlite3
@@ -184,7 +184,7 @@ def _database_down(app):
     engine = app.state.store.db.engine
 
     def refuse(*args):
-        raise sqlite3.OperationalError("unable to open database file")
+        raise sqlite3.OperationalError(why)
     event.listen(engine, "do_connect", refuse)
     engine.dispose()
     try:
@@ -211,6 +211,17 @@ def test_a_database_outage_is_a_503_to_retry_and_the_gateway_not_ready(backend, 
             other = {"Authorization": "Bearer sk-not-cached"}  # (a key's lookup fails the same way)
             assert httpx.post(gw + "/v1/chat/completions", headers=other, json=body, timeout=30).status_code == 503
         assert httpx.get(gw + "/health/readiness").status_code == 200
+
+
+@pytest.mark.parametrize("why, status", [("database is locked", 503), ("no such table: api_keys", 500)])
+def test_only_a_database_that_cannot_serve_is_a_503(backend, tmp_path, why, status):
+    """A locked database is an outage to retry; a missing table is the gateway's fault, a 500 (every
+    OperationalError was a 503 'database unavailable')."""
+    url, _ = backend
+    with gateway(tmp_path, {"m": [f"{url}/ok"]}) as (gw, app), _database_down(app, why):
+        answer = httpx.post(gw + "/key/generate", headers={"Authorization": f"Bearer {MASTER}"}, json={}, timeout=30)
+        assert answer.status_code == status, answer.text
+        assert (answer.json()["error"]["code"] == "database_unavailable") == (status == 503)
 
 
 def test_a_batch_line_answered_with_a_200_that_is_not_json_goes_to_the_error_file(backend, tmp_path):

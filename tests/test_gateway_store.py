@@ -395,3 +395,147 @@ def _key_before(conn, alias: str) -> tuple[str, int]:
                  {"hash": keylib.hash_key(token), "name": keylib.display_name(token), "alias": alias,
                   "created": utcnow()})
     return token, conn.scalar(text("SELECT id FROM api_keys WHERE key_alias = :alias"), {"alias": alias})
+
+
+def test_concurrent_creates_take_an_alias_once(store):
+    """Aliases are unique under concurrency, as the database's unique index keeps them: eight
+    /key/generate calls at once with one alias make one key, and the others are refused as a taken
+    alias is one at a time (400 key_alias_exists). (Read-then-write let several take it on PostgreSQL.)"""
+    import threading
+
+    from treeserve.gateway.errors import AliasTaken
+
+    for round_ in range(4):
+        alias, barrier = f"race-{round_}", threading.Barrier(8)
+        made, refused = [], []
+
+        def create():
+            barrier.wait()
+            try:
+                made.append(store.accounts.create_key(key_alias=alias)[0])
+            except AliasTaken as exc:
+                refused.append(to_api_error(exc))
+        threads = [threading.Thread(target=create) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert len(made) == 1 and len(refused) == 7, (alias, len(made), refused)
+        assert {(e.status, e.code, e.param) for e in refused} == {(400, "key_alias_exists", "key_alias")}
+    assert sorted(k["key_alias"] for k in store.accounts.list_keys()) == [f"race-{i}" for i in range(4)]
+
+
+def test_a_create_waits_for_another_writer_of_its_alias_and_is_refused(store):
+    """Another gateway's create of the alias, not committed yet when this one writes: this one waits
+    for it and is refused (it used to see no such alias, and both keys kept it)."""
+    import threading
+
+    from treeserve.gateway import keys as keylib
+    from treeserve.gateway.errors import AliasTaken
+
+    other = keylib.new_key()
+    outcome = []
+    with store.db.engine.connect() as conn, conn.begin():
+        conn.execute(text("INSERT INTO api_keys (token_hash, key_name, key_alias, spend, reserved, in_flight, blocked, "
+                          "metadata, created_at) VALUES (:hash, :name, 'held', 0, 0, 0, false, '{}', :created)"),
+                     {"hash": keylib.hash_key(other), "name": keylib.display_name(other), "created": utcnow()})
+
+        def create():
+            try:
+                outcome.append(store.accounts.create_key(key_alias="held"))
+            except AliasTaken as exc:
+                outcome.append(exc)
+        thread = threading.Thread(target=create)
+        thread.start()
+        thread.join(1.0)  # (it waits on the uncommitted row; the old check had answered already)
+    thread.join(60)
+    assert len(outcome) == 1 and isinstance(outcome[0], AliasTaken), outcome
+    assert [k["key_alias"] for k in store.accounts.list_keys()] == ["held"]
+
+
+def test_the_admin_api_gives_no_key_the_chat_prefix_or_the_master_label(store):
+    token, _ = store.accounts.create_key(key_alias="team-a")
+    for alias, code in (("chat:ada", "key_alias_reserved"), ("master", "key_alias_exists")):
+        for call, kwargs in ((store.accounts.create_key, {}), (store.accounts.update_key, {"token": token})):
+            with pytest.raises(APIError) as refused:
+                as_http(call, key_alias=alias, **kwargs)
+            assert (refused.value.status, refused.value.code, refused.value.param) == (400, code, "key_alias")
+    assert store.accounts.update_key(token, key_alias="team-a", rpm_limit=5)["key_alias"] == "team-a"  # its own
+
+
+def test_the_alias_and_chat_key_migrations_keep_every_key(tmp_path):
+    """Migration 0011 keeps an alias on its oldest key and renames later holders (the index needs it);
+    0012 flags a user's oldest chat-made key `chat:<user>` as their web chat key, not an admin's."""
+    from alembic import command
+    from alembic.config import Config
+
+    from treeserve.gateway.database import MIGRATIONS
+
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    store = Store(url)
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    with store.db.engine.begin() as conn:
+        config.attributes["connection"] = conn
+        command.upgrade(config, "0010")
+    rows = [("dup", None, "{}"), ("dup", None, "{}"), ("dup #2", None, "{}"),
+            ("chat:ada", "ada", '{"purpose": "web chat"}'), ("chat:bob", "bob", '{"team": "x"}'),
+            ("chat:ada", "ada", '{"purpose": "web chat"}')]
+    with store.db.transaction() as conn:
+        for user in ("ada", "bob"):
+            conn.execute(text("INSERT INTO users (user_id, spend, reserved, metadata, created_at) "
+                              "VALUES (:u, 0, 0, '{}', :t)"), {"u": user, "t": utcnow()})
+        for i, (alias, user, metadata) in enumerate(rows):
+            conn.execute(text("INSERT INTO api_keys (token_hash, key_name, key_alias, user_id, spend, reserved, "
+                              "in_flight, blocked, metadata, created_at) VALUES (:h, 'sk-...', :a, :u, 0, 0, 0, 0, "
+                              ":m, :t)"), {"h": f"h{i}", "a": alias, "u": user, "m": metadata, "t": utcnow()})
+    store.close()
+    store = Store(url)
+    store.migrate()
+    try:
+        with store.db.session() as conn:
+            keys = conn.execute(select(ApiKey.id, ApiKey.key_alias, ApiKey.web_chat).order_by(ApiKey.id)).all()
+            assert [tuple(k) for k in keys] == [(1, "dup", False), (2, "dup #2.1", False), (3, "dup #2", False),
+                                                (4, "chat:ada", True), (5, "chat:bob", False),
+                                                (6, "chat:ada #6", False)]
+            assert compare_metadata(MigrationContext.configure(conn.connection()), Base.metadata) == []
+    finally:
+        store.close()
+
+
+def test_only_a_database_that_cannot_serve_is_an_outage(store, tmp_path):
+    """A 503 to retry is for a database that cannot be reached or used now (PostgreSQL's SQLSTATE
+    class 08, 57P01-57P03, 53300; SQLite's file that cannot be opened, or locked); a deadlock, a
+    serialization failure, a cancelled query or a missing table are OperationalErrors too, but the
+    statement's fault (a 500), as they were all taken for an outage."""
+    from sqlalchemy import create_engine, exc
+
+    from treeserve.gateway.database import database_down
+
+    def error_of(engine, sql: str) -> exc.DBAPIError:
+        with pytest.raises(exc.DBAPIError) as raised, engine.connect() as conn:
+            conn.execute(text(sql))
+        return raised.value
+
+    if store.db.dialect == "postgresql":
+        raise_state = "DO $$ BEGIN RAISE EXCEPTION 'for the test' USING ERRCODE = '{}'; END $$"
+        states = {"40P01": False, "40001": False, "57014": False, "57P01": True, "57P03": True, "53300": True,
+                  "08006": True}
+        errors = {s: error_of(store.db.engine, raise_state.format(s)) for s in states}
+        assert all(isinstance(e, exc.OperationalError) for e in errors.values()), errors
+        assert {s: database_down(e) for s, e in errors.items()} == states
+        nobody = create_engine(f"postgresql+psycopg://postgres@127.0.0.1:{_closed_port()}/x")
+        assert database_down(error_of(nobody, "SELECT 1"))
+    else:
+        missing = error_of(store.db.engine, "SELECT * FROM no_such_table")
+        assert isinstance(missing, exc.OperationalError) and not database_down(missing)
+        gone = create_engine(f"sqlite:///{tmp_path / 'no-such-folder' / 'g.db'}")
+        assert database_down(error_of(gone, "SELECT 1"))
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

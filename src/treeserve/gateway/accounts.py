@@ -5,15 +5,21 @@ from __future__ import annotations
 
 import datetime as dt
 
+import contextlib
+
 from sqlalchemy import delete, func, insert, select, update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from treeserve.gateway import keys as keylib
 from treeserve.gateway.account_fields import key_values, public_key, public_user, user_values
-from treeserve.gateway.database import Database
-from treeserve.gateway.errors import AliasTaken, KeyNotFound, KeysNotFound, UserExists, UserNotFound
+from treeserve.gateway.database import Database, violates_unique
+from treeserve.gateway.errors import (AliasReserved, AliasTaken, ChatKeyOwner, KeyNotFound, KeysNotFound, UserExists,
+                                      UserNotFound)
 from treeserve.gateway.keys import MASTER_LABEL, KeyRecord
 from treeserve.gateway.schema import ApiKey, User, aware, utcnow
+
+CHAT_ALIAS_PREFIX = "chat:"  # the web chat's keys are `chat:<user>`; the admin API gives no key such an alias
 
 
 class Accounts:
@@ -79,9 +85,9 @@ class Accounts:
         values.setdefault("extra", {})
         if duration:
             values["expires_at"] = keylib.after(now, duration, "duration")
-        with self.db.transaction() as conn:
+        _check_alias(values.get("key_alias"))
+        with _unique_alias(values.get("key_alias")), self.db.transaction() as conn:
             _ensure_user(conn, values.get("user_id"), now)
-            _check_alias(conn, values.get("key_alias"))
             conn.execute(insert(ApiKey).values(
                 token_hash=keylib.hash_key(token), key_name=keylib.display_name(token), spend=0.0, reserved=0.0,
                 in_flight=0, blocked=values.pop("blocked", False), created_at=now, **values))
@@ -114,13 +120,17 @@ class Accounts:
             values["expires_at"] = keylib.after(now, duration, "duration") if duration else None
         if not values:  # nothing to change: the key as it is (KeyNotFound if there is none)
             return self.key_info(token)
-        with self.db.transaction() as conn:
-            _ensure_user(conn, values.get("user_id"), now)
-            _check_alias(conn, values.get("key_alias"), but=keylib.stored_hash(token))
-            result = conn.execute(update(ApiKey).where(ApiKey.token_hash == keylib.stored_hash(token))
-                                  .values(**values))
-            if result.rowcount == 0:
+        with _unique_alias(values.get("key_alias")), self.db.transaction() as conn:
+            key = conn.execute(select(ApiKey.key_alias, ApiKey.user_id, ApiKey.web_chat)
+                               .where(ApiKey.token_hash == keylib.stored_hash(token)).with_for_update()).first()
+            if key is None:
                 raise KeyNotFound("key")
+            if values.get("key_alias") != key.key_alias:  # (LiteLLM's UI sends a key's alias with every edit)
+                _check_alias(values.get("key_alias"))
+            if key.web_chat and "user_id" in values and values["user_id"] != key.user_id:
+                raise ChatKeyOwner(key.user_id)
+            _ensure_user(conn, values.get("user_id"), now)
+            conn.execute(update(ApiKey).where(ApiKey.token_hash == keylib.stored_hash(token)).values(**values))
         return self.key_info(token)
 
     def delete_keys(self, tokens: list[str]) -> list[str]:
@@ -177,13 +187,23 @@ def _ensure_user(conn: Session, user_id: str | None, now: dt.datetime) -> None:
         conn.execute(insert(User).values(user_id=user_id, spend=0.0, reserved=0.0, extra={}, created_at=now))
 
 
-def _check_alias(conn: Session, alias: str | None, but: str | None = None) -> None:
-    """AliasTaken when another key (not the one whose hash is `but`) has `alias`, or it is the master
-    key's label (metrics and logs name a key by its alias)."""
-    if alias is None:
-        return
-    others = select(ApiKey.id).where(ApiKey.key_alias == alias)
-    if but is not None:
-        others = others.where(ApiKey.token_hash != but)
-    if alias == MASTER_LABEL or conn.execute(others.limit(1)).first() is not None:
+def _check_alias(alias: str | None) -> None:
+    """What the admin API may not name a key: the master key's label (metrics and logs name a key by
+    its alias), or the web chat's reserved prefix."""
+    if alias == MASTER_LABEL:
         raise AliasTaken(alias)
+    if alias is not None and alias.startswith(CHAT_ALIAS_PREFIX):
+        raise AliasReserved(alias, CHAT_ALIAS_PREFIX)
+
+
+@contextlib.contextmanager
+def _unique_alias(alias: str | None):
+    """AliasTaken for a write that another key's alias refused: the database's unique index decides,
+    so two writes at once cannot both take an alias (on PostgreSQL the second waits for the first to
+    commit, then fails)."""
+    try:
+        yield
+    except IntegrityError as error:
+        if alias is not None and violates_unique(error, "ix_api_keys_key_alias", "api_keys.key_alias"):
+            raise AliasTaken(alias) from None
+        raise

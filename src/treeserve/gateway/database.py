@@ -26,8 +26,43 @@ from sqlalchemy.orm import Session
 MIGRATIONS = Path(__file__).parent / "migrations"
 PG_CONNECT_TIMEOUT = 10  # seconds
 MIGRATION_LOCK = 0x74726565  # PostgreSQL advisory lock id ("tree") serialising migrations
-# what a database that does not answer raises (down, unreachable, its connections all taken)
-DATABASE_DOWN = (exc.OperationalError, exc.InterfaceError, exc.TimeoutError)
+# what a database that does not answer raises (down, unreachable, its connections all taken), and
+# more: an OperationalError is also a deadlock or a missing table; `database_down` tells them apart
+DATABASE_ERRORS = (exc.OperationalError, exc.InterfaceError, exc.TimeoutError)
+# PostgreSQL's SQLSTATEs of a server that cannot serve now: class 08 (connection exceptions), admin or
+# crash shutdown, cannot connect now (starting up), too many connections
+PG_DOWN_CLASSES = ("08",)
+PG_DOWN_STATES = frozenset({"57P01", "57P02", "57P03", "53300"})
+# SQLite's messages of a file that cannot be used now (gone, unmounted, locked past the busy timeout)
+SQLITE_DOWN = ("unable to open database file", "database is locked", "disk i/o error")
+
+
+def database_down(error: BaseException) -> bool:
+    """Whether `error` says the database cannot be reached or used now (a 503 to retry), not that a
+    statement failed in it (a deadlock, a missing table, a cancelled query: a 500)."""
+    if isinstance(error, (exc.TimeoutError, exc.InterfaceError)):  # (no pooled connection free; a dead one)
+        return True
+    if not isinstance(error, exc.OperationalError):
+        return False
+    orig = error.orig
+    if isinstance(orig, sqlite3.Error):
+        return any(m in str(orig).lower() for m in SQLITE_DOWN)
+    if error.connection_invalidated:
+        return True
+    state = getattr(orig, "sqlstate", None)
+    if state is None:  # (psycopg: no server answered, so no SQLSTATE: refused, unreachable, timed out)
+        return True
+    return state.startswith(PG_DOWN_CLASSES) or state in PG_DOWN_STATES
+
+
+def violates_unique(error: exc.IntegrityError, index: str, column: str) -> bool:
+    """Whether `error` is a duplicate in the unique `index` on `column` ("table.column"): PostgreSQL
+    names the index (SQLSTATE 23505), SQLite the column."""
+    orig = error.orig
+    diag = getattr(orig, "diag", None)
+    if diag is not None:
+        return getattr(orig, "sqlstate", None) == "23505" and diag.constraint_name == index
+    return f"UNIQUE constraint failed: {column}" in str(orig)
 
 
 def default_url(directory: Path | None = None) -> str:

@@ -37,6 +37,22 @@ class AliasTaken(GatewayError):
                          "aliases are unique", "key_alias")
 
 
+class AliasReserved(GatewayError):
+    """Aliases starting with "chat:" name the web chat's keys: the admin API gives none to another key."""
+
+    def __init__(self, alias: str, prefix: str):
+        super().__init__(f"key_alias: {alias!r} is reserved: aliases starting with {prefix!r} name the web chat's "
+                         "keys", "key_alias")
+
+
+class ChatKeyOwner(GatewayError):
+    """A web chat key stays with its user (the chat finds it by its user)."""
+
+    def __init__(self, user_id: str):
+        super().__init__(f"user_id: this key is user {user_id!r}'s web chat key; it cannot be given to another "
+                         "user", "user_id")
+
+
 class UserNotFound(GatewayError):
     def __init__(self, user_id: str):
         super().__init__(f"user_id: no user {user_id!r}", "user_id")

@@ -6,16 +6,19 @@ import logging
 
 from fastapi import FastAPI, Request
 
-from treeserve.gateway.database import DATABASE_DOWN
-from treeserve.gateway.errors import (AccountGone, AliasTaken, BatchConflict, BatchNotFound, BudgetExceeded, ChatKeyBlocked,
-                                      ConversationNotFound, DatabaseUnavailable, FileNotFound, GatewayError, KeyNotFound, LimitExceeded,
-                                      ParallelLimitExceeded, RateLimitExceeded, UserExists, UserNotFound)
+from treeserve.gateway.database import DATABASE_ERRORS, database_down
+from treeserve.gateway.errors import (AccountGone, AliasReserved, AliasTaken, BatchConflict, BatchNotFound, BudgetExceeded,
+                                      ChatKeyBlocked, ChatKeyOwner, ConversationNotFound, DatabaseUnavailable, FileNotFound,
+                                      GatewayError, KeyNotFound, LimitExceeded, ParallelLimitExceeded, RateLimitExceeded,
+                                      UserExists, UserNotFound)
 from treeserve.wire.errors import APIError, error_response_for, from_value_error
 
 # error class -> (HTTP status, OpenAI error code); a subclass not listed answers as its parent
 HTTP_STATUS: dict[type[GatewayError], tuple[int, str | None]] = {
     UserExists: (400, "user_exists"),
     AliasTaken: (400, "key_alias_exists"),
+    AliasReserved: (400, "key_alias_reserved"),
+    ChatKeyOwner: (400, "chat_key_owner"),
     UserNotFound: (404, "user_not_found"),
     KeyNotFound: (404, "key_not_found"),
     ParallelLimitExceeded: (429, "parallel_limit"),
@@ -62,13 +65,17 @@ def install_domain_error_handlers(app: FastAPI) -> None:
     async def _bad_value(request: Request, exc: ValueError):
         return _response(request, from_value_error(exc))
 
-    async def _database_down(request: Request, exc: Exception):
+    async def _database_error(request: Request, exc: Exception):
+        if not database_down(exc):  # (a deadlock, a missing table: the gateway's fault, not an outage)
+            log.error("%s %s: a database statement failed", request.method, request.url.path, exc_info=exc)
+            return _response(request, APIError(500, f"internal error: the database refused a statement "
+                                                    f"({type(exc).__name__}); the gateway's log has it"))
         log.warning("%s %s: the database is unavailable (%s)", request.method, request.url.path,
                     " ".join(str(exc).split())[:300])
         return _response(request, to_api_error(DatabaseUnavailable()))
 
-    for error in DATABASE_DOWN:  # (a storage call anywhere: a key's lookup, an admission, an admin route)
-        app.add_exception_handler(error, _database_down)
+    for error in DATABASE_ERRORS:  # (a storage call anywhere: a key's lookup, an admission, an admin route)
+        app.add_exception_handler(error, _database_error)
 
 
 def _response(request: Request, err: APIError):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as dt
 
 from sqlalchemy import (JSON, BigInteger, Boolean, Date, DateTime, Float, ForeignKey, Index, Integer, LargeBinary,
-                        String, Text)
+                        String, Text, false, text)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 # Dollars are shown to this many decimals: running sums of floats carry rounding leftovers (a key's
@@ -53,11 +53,18 @@ class ApiKey(Base):
     __tablename__ = "api_keys"
     # SQLite's AUTOINCREMENT: never a deleted key's id again (spend logs, daily spend and rate windows
     # keep a key's id after it is deleted; a new key with that id would inherit them)
-    __table_args__ = {"sqlite_autoincrement": True}
+    # A user has at most one web chat key (the database says so: two first sign-ins at once, or an
+    # admin's key, can never make a second one the chat picks up)
+    __table_args__ = (Index("ix_api_keys_web_chat_user", "user_id", unique=True, sqlite_where=text("web_chat"),
+                            postgresql_where=text("web_chat")),
+                      {"sqlite_autoincrement": True})
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     token_hash: Mapped[str] = mapped_column(String(64), unique=True, index=True)
     key_name: Mapped[str] = mapped_column(String(32))  # "sk-...abcd": enough to recognise, useless to use
-    key_alias: Mapped[str | None] = mapped_column(String(128))
+    # unique (LiteLLM's rule), held by the database's index: two creates at once cannot both take one
+    key_alias: Mapped[str | None] = mapped_column(String(128), unique=True, index=True)
+    # the key the web chat bills a user's messages to (made by the chat, never by the admin API)
+    web_chat: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     user_id: Mapped[str | None] = mapped_column(ForeignKey("users.user_id", ondelete="SET NULL"), index=True)
     models: Mapped[list | None] = mapped_column(JSON)
     max_budget: Mapped[float | None] = mapped_column(Float)

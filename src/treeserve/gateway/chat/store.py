@@ -11,7 +11,7 @@ import secrets
 from sqlalchemy import delete, func, insert, select, update
 
 from treeserve.gateway import keys as keylib
-from treeserve.gateway.accounts import Accounts
+from treeserve.gateway.accounts import CHAT_ALIAS_PREFIX, Accounts
 from treeserve.gateway.database import Database
 from treeserve.gateway.errors import ChatKeyBlocked, ConversationNotFound, UserNotFound
 from treeserve.gateway.passwords import hash_password, needs_rehash, verify_password
@@ -19,7 +19,7 @@ from treeserve.gateway.schema import (ApiKey, ChatMessage, ChatSession, Conversa
                                       money, utcnow)
 
 SESSION_LIFETIME = dt.timedelta(days=7)
-CHAT_KEY_ALIAS = "chat:{user_id}"
+CHAT_KEY_ALIAS = CHAT_ALIAS_PREFIX + "{user_id}"  # a label: the chat finds its key by ApiKey.web_chat
 TITLE_LENGTH = 200
 
 
@@ -71,19 +71,24 @@ class ChatStore:
 
     def chat_key(self, user_id: str) -> keylib.KeyRecord:
         """The key the chat bills a user's messages to (made on first use; the user's budget and
-        model list apply to it as to any key of theirs). Looked up and made in one transaction with
-        the user's row locked, so two first sign-ins at once make one key."""
+        model list apply to it as to any key of theirs). It is found by its web_chat flag, which only
+        the chat sets (an admin's key with any alias is never taken for it), and made in one
+        transaction with the user's row locked, so two first sign-ins at once make one key (a unique
+        index also allows one per user)."""
         alias = CHAT_KEY_ALIAS.format(user_id=user_id)
         with self.db.transaction() as conn:
             conn.execute(select(User.user_id).where(User.user_id == user_id).with_for_update())
-            key_id = conn.scalar(select(ApiKey.id).where(ApiKey.user_id == user_id, ApiKey.key_alias == alias)
-                                 .order_by(ApiKey.id).limit(1))
+            key_id = conn.scalar(select(ApiKey.id).where(ApiKey.user_id == user_id, ApiKey.web_chat))
             if key_id is None:
+                # the admin API gives no key a `chat:` alias; a key made before it refused them may
+                # hold this one: the chat key is then named by its display name
+                taken = conn.scalar(select(ApiKey.id).where(ApiKey.key_alias == alias)) is not None
                 token = keylib.new_key()  # never shown: the chat uses the key by its id
                 key_id = conn.execute(insert(ApiKey).values(
-                    token_hash=keylib.hash_key(token), key_name=keylib.display_name(token), key_alias=alias,
-                    user_id=user_id, spend=0.0, reserved=0.0, in_flight=0, blocked=False,
-                    extra={"purpose": "web chat"}, created_at=utcnow()).returning(ApiKey.id)).scalar_one()
+                    token_hash=keylib.hash_key(token), key_name=keylib.display_name(token),
+                    key_alias=None if taken else alias, user_id=user_id, spend=0.0, reserved=0.0, in_flight=0,
+                    blocked=False, web_chat=True, extra={"purpose": "web chat"}, created_at=utcnow())
+                    .returning(ApiKey.id)).scalar_one()
         record = self.accounts.key_record(key_id)
         if record is None:
             raise ChatKeyBlocked()

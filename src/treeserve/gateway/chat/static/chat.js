@@ -365,6 +365,7 @@ async function send(event) {
   if (!content.trim() || state.controller) return;
   notice("");
   if (state.saving) await state.saving;
+  const started = !state.conversation;  // (this send makes the conversation: a refusal takes it back)
   const conversation = state.conversation || await firstConversation();
   const live = el("div", { class: "message assistant streaming", "data-testid": "message-assistant" },
     el("div", { class: "meta", text: `${readSettings().model} · ${readSettings().mode} …` }),
@@ -376,7 +377,11 @@ async function send(event) {
       method: "POST", credentials: "same-origin", signal: state.controller.signal,
       headers: { "Content-Type": "application/json", "X-CSRF-Token": state.csrf },
       body: JSON.stringify({ content, settings: readSettings() }) });
-    if (!response.ok) throw await apiError(response);
+    if (!response.ok) {
+      const refusal = await apiError(response);
+      if (started) await abandonConversation(conversation);
+      throw refusal;
+    }
     if (input.value === content) input.value = "";  // (kept until the message is taken: a refusal loses nothing)
     await readEvents(response, (e) => onEvent(e, live));
   } catch (error) {
@@ -391,6 +396,19 @@ async function send(event) {
     setStreaming(false);
     if (state.me) refreshSidebar();
   }
+}
+
+// A first message the gateway refuses leaves no empty conversation behind: it is deleted and the
+// page is a new chat again, the message still in the box and the settings as chosen (as ChatGPT does).
+async function abandonConversation(conversation) {
+  await api("DELETE", `/chat/api/conversations/${conversation.id}`).catch(() => {});
+  if (!state.conversation || state.conversation.id !== conversation.id) return;
+  const settings = readSettings();
+  state.conversation = null;
+  history.replaceState(null, "", "/chat");
+  showConversation(null);
+  showSettings(settings);
+  showExamples();
 }
 
 function refreshSidebar() {
