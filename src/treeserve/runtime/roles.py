@@ -28,9 +28,10 @@ def verifier_recipe(model_dir: str | Path, named: bool, recipe: str | None = Non
         return recipe
     declared = declared_recipe(model_dir, default=None)
     if declared is None and named:
-        logger.info("verifier %s: its config.json names no %s and it has no reward head; reading it with the "
-                    "default recipe, %s (its + and - verdict tokens)", Path(model_dir).name, CONFIG_KEY,
-                    DEFAULT_RECIPE)
+        # (said, not refused: RLHFlow's PRMs declare nothing; a generator named here scores nonsense)
+        logger.warning("verifier %s: its config.json names no %s and it has no reward head; reading it with the "
+                       "default recipe, %s (P(+) against - after each step), which only a PRM trained for it "
+                       "can answer", Path(model_dir).name, CONFIG_KEY, DEFAULT_RECIPE)
         return DEFAULT_RECIPE
     return declared
 

@@ -32,8 +32,7 @@ def build_app(model: str | dict[str, str], served_model_name: str | None = None,
               engine_thread: bool = True, chat_template: str | None = None, tool_settings: ToolSettings | None = None,
               drain: Drain | None = None, verifiers: dict[str, str | None] | None = None, **engine_options):
     """One model (a path, served as `served_model_name` or `served_name(path)`; or one name -> path)
-    gets its own engine; several (name -> path) share a `Runtime`, and each of them can also answer
-    POST /v1/rewards as a PRM. Verifiers (/v1/rewards, a search's `verifier`) are the models with a
+    gets its own engine; several (name -> path) share a `Runtime`. Verifiers (/v1/rewards, a search's `verifier`) are the models with a
     reward head or a recipe declared in their config.json, and those `verifiers` names (name ->
     recipe, or None: its declared one, else RLHFlow's); runtime/roles.py says why. One engine loop
     steps them all; each served generator gets a search runner whose problems, from every request,
