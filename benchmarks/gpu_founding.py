@@ -165,7 +165,7 @@ def build_runtime(args, loaded: dict, options: dict) -> Runtime:
     A page size other than the models' own (`block_size`) needs models loaded with it."""
     options = dict(options)
     budget = args.founding_kv_gib * options.pop("kv_scale", 1) * (1 << 30)
-    return Runtime(loaded, kv_cache_memory_bytes=int(budget), **options)
+    return Runtime(loaded, kv_cache_memory_bytes=int(budget), recipes={"prm": None}, **options)  # (random: names no recipe)
 
 
 def search_config(args, depth: int) -> SearchConfig:

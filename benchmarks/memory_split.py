@@ -110,7 +110,7 @@ def workload(args) -> Callable[[Runtime], tuple[list, float | None]]:
 
 def run(paths, label: str, args, out: Path, kv_mib: int | None = None, **runtime_options) -> dict:
     trace = out / f"trace_{label}.jsonl"
-    rt = Runtime({k: str(v) for k, v in paths.items()}, dtype="float32", device=args.device,
+    rt = Runtime({k: str(v) for k, v in paths.items()}, recipes={"prm": None}, dtype="float32", device=args.device,
                  kv_cache_memory_bytes=(kv_mib or args.kv_mib) << 20, trace_path=trace, **LENGTHS[args.pair],
                  **runtime_options)
     go = workload(args)

@@ -71,7 +71,7 @@ def models_and_problems(args) -> tuple[dict[str, str], list[dict], str]:
 
 
 def runtime(paths: dict[str, str], args) -> Runtime:
-    return Runtime(paths, dtype=args.dtype, device="cpu", kv_cache_memory_bytes=args.kv_mib << 20,
+    return Runtime(paths, recipes={"prm": None}, dtype=args.dtype, device="cpu", kv_cache_memory_bytes=args.kv_mib << 20,
                    max_model_len=4096 if args.models == "random" else None, max_num_batched_tokens=4096)
 
 

@@ -153,7 +153,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench_out/eval_arith"))
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    recipes = {"prm": args.verifier_recipe} if args.verifier_recipe else None
+    recipes = {"prm": args.verifier_recipe}  # (None: the declared recipe, else RLHFlow's)
     rt = Runtime({"gen": args.generator, "prm": args.verifier}, recipes=recipes, dtype="float32", device="cpu")
     slips = slip_report(rt, args.slips, args.seed)
     calibration = calibration_report(rt, args.calibration, args.seed) if args.calibration else None

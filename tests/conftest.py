@@ -59,10 +59,11 @@ def tiny_model_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def pair(tmp_path_factory):
-    """A generator and a PRM of different families and widths, for the served-pair tests."""
+    """A generator and a PRM of different families and widths, for the served-pair tests. The PRM's
+    config.json names its recipe (RLHFlow's), which makes it a verifier (runtime/roles.py)."""
     root = tmp_path_factory.mktemp("served-pair")
     return {"gen": str(make_tiny_model("llama", root / "gen", seed=5)),
-            "prm": str(make_tiny_model("qwen2", root / "prm", seed=6, hidden_size=96))}
+            "prm": str(make_tiny_model("qwen2", root / "prm", seed=6, hidden_size=96, prm_recipe="rlhflow"))}
 
 
 @pytest.fixture(scope="session")

@@ -42,7 +42,8 @@ def test_bfloat16_on_cuda_generates_the_same_tokens_for_the_same_prompt_in_a_bat
 def test_search_on_cuda_in_a_tight_shared_arena_matches_the_cpu(tmp_path):
     steps = {"\n": 5.4, "<|eos|>": 0.5}
     pair = {"gen": make_tiny_model("llama", tmp_path / "gen", seed=5, favour_tokens=steps),
-            "prm": make_tiny_model("qwen2", tmp_path / "prm", seed=6, hidden_size=96, num_hidden_layers=3)}
+            "prm": make_tiny_model("qwen2", tmp_path / "prm", seed=6, hidden_size=96, num_hidden_layers=3,
+                                   prm_recipe="rlhflow")}
     config = SearchConfig(strategy="beam", n=4, beam_width=2, num_iterations=3, max_tokens=24, temperature=1.0,
                           system_prompt="Solve it.", seed=3)
     questions = ["What is 2 + 3?", "Double seven, then add one.", "How many sides has a square?"]

@@ -48,7 +48,8 @@ def test_an_engine_has_one_loop_that_everyone_takes(tiny_model_dirs):
     assert AsyncLLMEngine(llm.engine, start_thread=False).loop is llm.loop
     assert SearchRunner(llm.engine, None).loop is llm.loop
 
-    rt = Runtime({"gen": tiny_model_dirs["llama"], "prm": tiny_model_dirs["qwen2"]}, **OPTIONS)
+    rt = Runtime({"gen": tiny_model_dirs["llama"], "prm": tiny_model_dirs["qwen2"]}, recipes={"prm": "rlhflow"},
+                 **OPTIONS)
     assert rt.scorer("prm").loop is rt.loop
     assert SearchRunner(rt.engine("gen"), None).loop is rt.loop
     assert EngineLoop.of(rt.engines) is rt.loop

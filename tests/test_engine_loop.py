@@ -54,7 +54,8 @@ def test_offline_generation_scoring_and_search_step_through_the_loop(tiny_model_
     options = dict(dtype="float32", device="cpu", kv_cache_memory_bytes=8 << 20, max_model_len=256)
     LLM(str(tiny_model_dirs["llama"]), **options).generate(["Hello", "Hi"], SamplingParams(max_tokens=4),
                                                            use_tqdm=False)
-    rt = Runtime({"gen": tiny_model_dirs["llama"], "prm": tiny_model_dirs["qwen2"]}, **options)
+    rt = Runtime({"gen": tiny_model_dirs["llama"], "prm": tiny_model_dirs["qwen2"]}, recipes={"prm": "rlhflow"},
+                 **options)
     rt.generate("gen", "Count:", SamplingParams(max_tokens=3))
     rt.score_steps("prm", "What is one and one?", ["one and one is two."])
     config = SearchConfig(strategy="beam", n=4, beam_width=2, num_iterations=2, max_tokens=5, system_prompt=None)

@@ -6,6 +6,7 @@ import transformers
 from conftest import assert_no_leak
 from treeserve.config import EngineConfig
 from treeserve.engine.llm_engine import LLMEngine
+from treeserve.errors import ParamError
 from treeserve.runtime.prm_recipes import RECIPES, build_many
 from treeserve.runtime.scorer import UNJUDGED_SCORE, StepScorer
 
@@ -225,8 +226,14 @@ def test_runtime_uses_the_declared_recipe_and_aggregation_unless_told_otherwise(
     (declared / "config.json").write_text(json.dumps({**config, "prm_recipe": "chat-steps", "prm_aggregation": "min"}))
     options = dict(dtype="float32", device="cpu", kv_cache_memory_bytes=8 << 20)
     rt = Runtime({"plain": str(prm_dir), "prm": str(declared)}, **options)
-    assert rt.recipes == {"plain": "rlhflow", "prm": "chat-steps"}
+    # a plain language model that declares no recipe is no verifier (it was read as RLHFlow's, in silence)
+    assert rt.recipes == {"prm": "chat-steps"}
     assert rt.scorer("prm").recipe.name == "chat-steps"
+    with pytest.raises(ParamError, match="'plain' is not served as a verifier .* recipes={'plain': None}"):
+        rt.score_steps("plain", QUESTION, STEPS)
+    rt.close()
+    rt = Runtime({"plain": str(prm_dir), "prm": str(declared)}, recipes={"plain": None}, **options)
+    assert rt.recipes == {"plain": "rlhflow", "prm": "chat-steps"}  # named a verifier: RLHFlow's by default
     rt.close()
     rt = Runtime({"prm": str(declared)}, recipes={"prm": "math-shepherd"}, **options)
     assert rt.recipes == {"prm": "math-shepherd"}

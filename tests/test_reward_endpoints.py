@@ -106,3 +106,24 @@ def test_bad_scoring_requests_are_400s_naming_the_field(served, path, body, para
     assert response.status_code in (400, 404), response.text
     assert response.json()["error"]["param"] == param
     _idle(app)
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/rewards", {"model": "gen", "question": QUESTION, "steps": ["Start: 40."]}, "model"),
+    ("/v1/score", {"model": "gen", "question": QUESTION, "candidates": ["Start: 40."]}, "model"),
+    ("/pooling", {"model": "gen", "messages": [{"role": "user", "content": QUESTION},
+                                              {"role": "assistant", "content": "Start: 40."}]}, "model"),
+    ("/v1/search", {"model": "gen", "verifier": "gen", "question": QUESTION, "strategy": "beam", "n": 4}, "verifier"),
+    ("/v1/search", {"model": "gen", "verifier": "gen", "question": QUESTION, "strategy": "greedy"}, "verifier"),
+])
+def test_the_generator_is_not_accepted_as_a_verifier(served, path, body, param):
+    """A plain language model whose config names no recipe is no verifier: before, RLHFlow's recipe
+    read `+`/`-` logits the generator never learnt and answered 200 with near-constant scores."""
+    url, app = served
+    response = httpx.post(url + path, json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["code"] == "model_not_a_verifier"
+    assert "'gen' is not served as a verifier (served verifiers: prm)" in error["message"]
+    assert "--verifier NAME[=RECIPE]" in error["message"]
+    _idle(app)

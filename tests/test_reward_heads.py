@@ -101,6 +101,8 @@ def test_served_rewards_and_a_search_with_it_as_the_verifier(reward_model, llama
                             timeout=60)
         refused = httpx.post(f"{url}/v1/completions", json={"model": "prm", "prompt": "Hi", "max_tokens": 2},
                              timeout=60)
+        as_generator = httpx.post(f"{url}/v1/search", json={"model": "prm", "verifier": "prm", "question": QUESTION,
+                                                            "strategy": "best_of_n", "n": 2}, timeout=60)
     assert served.status_code == 200, served.text
     scores = served.json()["scores"]
     assert served.json()["recipe"] == declared_recipe(path)
@@ -108,6 +110,8 @@ def test_served_rewards_and_a_search_with_it_as_the_verifier(reward_model, llama
     assert len(scores) == len(expected) == len(STEPS), (scores, expected)  # one score a step, none left out by zip
     assert max(abs(a - b) for a, b in zip(scores, expected)) < 1e-4
     assert refused.status_code == 400 and "process reward model" in refused.text
+    assert as_generator.status_code == 400 and as_generator.json()["error"]["param"] == "model"
+    assert "'prm' is a process reward model" in as_generator.json()["error"]["message"]
     assert main(["search", "--generator", str(llama_dir), "--verifier", str(path), "--n", "4", "--beam-width", "2",
                  "--num-iterations", "2", "--max-tokens", "24", "--dtype", "float32", "--device", "cpu",
                  "--kv-cache-memory-bytes", str(16 << 20), QUESTION]) == 0

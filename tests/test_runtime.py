@@ -13,7 +13,8 @@ QUESTION = "Add two and three, then double it."
 def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("pair")
     gen = make_tiny_model("llama", root / "gen", seed=3)
-    prm = make_tiny_model("qwen3", root / "prm", seed=4, hidden_size=96, num_hidden_layers=3)
+    prm = make_tiny_model("qwen3", root / "prm", seed=4, hidden_size=96, num_hidden_layers=3,
+                          prm_recipe="rlhflow")  # (a verifier: runtime/roles.py)
     return {"gen": gen, "prm": prm}
 
 

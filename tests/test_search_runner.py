@@ -18,7 +18,8 @@ def pair(tmp_path_factory):
     # a random generator that writes blank-line separated steps and sometimes ends
     steps = {"\n": 5.4, "<|eos|>": 0.5}
     return {"gen": make_tiny_model("llama", root / "gen", seed=5, favour_tokens=steps),
-            "prm": make_tiny_model("qwen2", root / "prm", seed=6, hidden_size=96, num_hidden_layers=3)}
+            "prm": make_tiny_model("qwen2", root / "prm", seed=6, hidden_size=96, num_hidden_layers=3,
+                                   prm_recipe="rlhflow")}  # (a verifier: runtime/roles.py)
 
 
 def _runtime(pair, **options):

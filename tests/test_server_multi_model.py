@@ -199,3 +199,33 @@ def test_a_name_differing_from_a_served_one_by_builtin_is_hinted(multi_server):
     other = httpx.post(f"{url}/v1/completions", json={"model": "nope", **body}).json()["error"]["message"]
     assert other == "model: 'nope' does not exist (served: gen, prm)"
     assert "did you mean 'builtin:arith-gen'?" in unknown_model("arith-gen", ["builtin:arith-gen"]).message
+
+
+def test_a_prm_declaring_no_recipe_is_served_as_a_verifier_when_named(pair, tiny_model_dirs):
+    """RLHFlow's PRMs declare nothing, so the operator names them: `--verifier NAME[=RECIPE]`. A plain
+    model served alone and named a verifier answers /v1/rewards (before, a single model never did);
+    unnamed, the same model is refused as one."""
+    from treeserve.cli import build_parser
+    from treeserve.server.launch import served_verifiers
+
+    options = dict(dtype="float32", device="cpu", kv_cache_memory_bytes=8 << 20, max_model_len=256)
+    plain = str(tiny_model_dirs["qwen2"])
+    for verifiers, status in (({"judge": None}, 200), ({}, 400)):
+        app = build_app(plain, served_model_name="judge", verifiers=verifiers, **options)
+        with running_server(app) as url:
+            reward = httpx.post(f"{url}/v1/rewards", json={"model": "judge", "question": QUESTION, "steps": STEPS},
+                                timeout=60)
+            assert reward.status_code == status, reward.text
+            if status == 200:
+                assert reward.json()["recipe"] == "rlhflow" and len(reward.json()["scores"]) == 2
+            chat = httpx.post(f"{url}/v1/completions", json={"model": "judge", "prompt": "Hi", "max_tokens": 2},
+                              timeout=60)
+            assert chat.status_code == 200  # a language model named a verifier still generates
+        app.state.engine.shutdown()
+    args = build_parser().parse_args(["serve", "--model", "gen=a", "--model", "prm=b", "--verifier", "prm=math-shepherd",
+                                      "--verifier", "gen"])
+    assert served_verifiers(args.verifier) == {"prm": "math-shepherd", "gen": None}
+    with pytest.raises(ValueError, match="unknown recipe 'bogus'"):
+        served_verifiers(["prm=bogus"])
+    with pytest.raises(ValueError, match="--verifier nope: no served model has that name"):
+        build_app(pair, verifiers={"nope": None}, **options)

@@ -115,7 +115,8 @@ def test_an_eagle_head_with_two_ranks_is_refused_by_name(tp_models, tmp_path):
 def test_a_runtime_searches_alike_at_two_ranks(tmp_path):
     steps = {"\n": 5.4, "<|eos|>": 0.5}
     pair = {"gen": str(make_tiny_model("llama", tmp_path / "gen", seed=5, favour_tokens=steps)),
-            "prm": str(make_tiny_model("qwen2", tmp_path / "prm", seed=6, hidden_size=96, num_hidden_layers=3))}
+            "prm": str(make_tiny_model("qwen2", tmp_path / "prm", seed=6, hidden_size=96, num_hidden_layers=3,
+                                       prm_recipe="rlhflow"))}
     config = SearchConfig(strategy="beam", n=4, beam_width=2, num_iterations=3, max_tokens=24, temperature=1.0,
                           system_prompt="Solve it.", seed=3)
     questions = ["What is 2 + 3?", "Double seven, then add one."]

@@ -118,6 +118,11 @@ def _add_serving_args(parser: argparse.ArgumentParser, http: bool) -> None:
                         "exits at once")
     parser.add_argument("--served-model-name", help="the name requests give as 'model' (default: NAME for "
                         "builtin:NAME, else the model argument as given)")
+    parser.add_argument("--verifier", action="append", metavar="NAME[=RECIPE]",
+                        help="serve the model NAME as a process reward model (a search's verifier, /v1/rewards), "
+                        "read by RECIPE (default: the one its config.json names, else rlhflow); repeatable. A model "
+                        "with a reward head or a prm_recipe in its config.json is one without it (the bundled "
+                        "arith-prm); a plain language model is not: RLHFlow's PRMs declare nothing")
     parser.add_argument("--max-queue", type=at_least_one, help="waiting requests (or queued searches) beyond which "
                         "new ones get 429")
     parser.add_argument("--seed", type=int, default=0, help="the seed of the random numbers set when the models "

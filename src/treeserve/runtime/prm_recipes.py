@@ -293,14 +293,14 @@ CONFIG_KEY = "prm_recipe"
 HEAD_RECIPES = {"Qwen2ForProcessRewardModel": "qwen-prm", "Qwen2ForPrmModel": "value-head"}
 
 
-def declared_recipe(model_dir: str | Path) -> str:
-    """The recipe a model directory names in its config.json, else its reward head's own, else the
-    default (RLHFlow's)."""
+def declared_recipe(model_dir: str | Path, default: str | None = DEFAULT_RECIPE) -> str | None:
+    """The recipe a model directory names in its config.json, else its reward head's own, else
+    `default` (RLHFlow's; None: the model declares itself no verifier, runtime/roles.py)."""
     config = Path(model_dir) / "config.json"
     raw = json.loads(config.read_text()) if config.is_file() else {}
-    default = HEAD_RECIPES.get((raw.get("architectures") or [None])[0], DEFAULT_RECIPE)
+    default = HEAD_RECIPES.get((raw.get("architectures") or [None])[0], default)
     name = raw.get(CONFIG_KEY, default)
-    if name not in RECIPES:
+    if name is not None and name not in RECIPES:
         raise ValueError(f"{config}: unknown {CONFIG_KEY} {name!r}; known: {', '.join(RECIPES)}")
     return name
 

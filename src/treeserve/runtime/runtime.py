@@ -4,6 +4,9 @@
 policy (engine/eviction.py), so an idle model's cached pages are evictable by a busy one and no
 split needs tuning.
 `kv_mode="static"`: each model gets a fixed fraction of the KV budget (the study's setting).
+Verifiers (`scorer`, `score_steps`) are the models with a reward head or a recipe declared in their
+config.json, and those `recipes` names (`{"prm": None}`: its declared recipe, else RLHFlow's):
+runtime/roles.py says why a plain language model is not one unless named.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ from treeserve.entrypoints.llm import LLM
 from treeserve.outputs import RequestOutput
 from treeserve.runtime.memory import (MemoryBreakdown, measure_activation_bytes, non_torch_bytes,
                                       weights_bytes)
-from treeserve.runtime.prm_recipes import declared_recipe
+from treeserve.runtime.roles import not_a_verifier, verifier_recipe
 from treeserve.runtime.scorer import StepScorer
 from treeserve.runtime.telemetry import TelemetryTrace
 
@@ -39,7 +42,7 @@ KV_MODES = ("shared", "static")
 
 class Runtime:
     def __init__(self, models: dict[str, str | Path | LoadedModel], kv_mode: str = "shared",
-                 kv_fractions: dict[str, float] | None = None, recipes: dict[str, str] | None = None,
+                 kv_fractions: dict[str, float] | None = None, recipes: dict[str, str | None] | None = None,
                  kv_cache_memory_bytes: int | None = None, memory_utilization: float | None = None,
                  trace_path: str | Path | None = None, **engine_options: Any):
         if not models:
@@ -65,8 +68,10 @@ class Runtime:
         except BaseException:
             self.close()
             raise
-        self.recipes = {name: (recipes or {}).get(name) or declared_recipe(loaded[name].model_dir)
-                        for name in self.engines}
+        # the verifiers' recipes: models with a reward head or a declared recipe, and those `recipes` names
+        named = recipes or {}
+        self.recipes = {name: recipe for name in self.engines
+                        if (recipe := verifier_recipe(loaded[name].model_dir, name in named, named.get(name)))}
         # The one owner that steps these engines: generation, scoring and search all go through it.
         self.loop = EngineLoop(self.engines)
         self._llms = {name: LLM.from_engine(engine, self.loop) for name, engine in self.engines.items()}
@@ -150,6 +155,11 @@ class Runtime:
         return self._llms[name].generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def scorer(self, name: str) -> StepScorer:
+        """The step scorer of a verifier (`recipes`); any other model is a ParamError saying why."""
+        self.engine(name)
+        if name not in self.recipes:
+            raise ParamError("model", not_a_verifier(name, list(self.recipes),
+                                                     f"is read as one when recipes names it: recipes={{{name!r}: None}}"))
         if name not in self._scorers:
             self._scorers[name] = StepScorer(self.engine(name), self.recipes[name],
                                              loop=self.loop)

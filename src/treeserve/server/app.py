@@ -15,6 +15,7 @@ from treeserve.server.idempotency import IdempotencyMiddleware, IdempotentReplie
 from treeserve.server.metrics import ServerMetrics
 from treeserve.server.routes import REQUEST_MODELS, ServedModels, not_found_route, openai_routes, operator_routes
 from treeserve.server.serving import OpenAIServing
+from treeserve.server.serving_rewards import RewardServing
 from treeserve.server.serving_search import SearchServing
 from treeserve.server.tool_calls import ToolSettings
 from treeserve.server.translated_routes import REQUEST_MODELS as TRANSLATED_MODELS, messages_routes, responses_routes
@@ -28,9 +29,11 @@ log = logging.getLogger("treeserve.server")
 def create_app(engine: AsyncLLMEngine, served: dict[str, LLMEngine], api_keys: list[str] | None = None,
                metrics: ServerMetrics | None = None, searches: dict[str, SearchServing] | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, chat_template: str | None = None,
-               tool_settings: ToolSettings | None = None, drain: Drain | None = None) -> FastAPI:
+               tool_settings: ToolSettings | None = None, drain: Drain | None = None,
+               scorers: dict | None = None) -> FastAPI:
     """`served` maps each served model name to its engine; requests are routed by their `model`.
-    `searches` holds the search serving of each served generator (see server/launch.py).
+    `searches` holds the search serving of each served generator (see server/launch.py); `scorers`
+    the served verifiers' StepScorers (default: the searches' ones).
     `chat_template` replaces every served model's; `tool_settings` are the tool-call parser's.
     `drain` is the server's shutdown state (wire/drain.py): /health/ready and the 503s it gives."""
     servings = {name: OpenAIServing(engine, name, llm, chat_template, tool_settings) for name, llm in served.items()}
@@ -47,7 +50,7 @@ def create_app(engine: AsyncLLMEngine, served: dict[str, LLMEngine], api_keys: l
     app.add_middleware(DrainMiddleware, drain=drain)  # added last: the outermost, so it counts every request
     drain.on_time_up.append(lambda: _cut_streams(engine))
     app.include_router(operator_routes(engine, drain, metrics))
-    served_models = ServedModels(servings, searches)
+    served_models = ServedModels(servings, searches, RewardServing(engine, scorers) if scorers is not None else None)
     app.include_router(openai_routes(served_models, max_body_bytes))
     app.include_router(responses_routes(served_models, max_body_bytes))
     app.include_router(messages_routes(served_models, max_body_bytes))

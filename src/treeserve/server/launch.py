@@ -18,7 +18,9 @@ from treeserve.engine.engine_loop import EngineLoop
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.server.app import create_app
 from treeserve.wire.drain import Drain, DrainingServer, uvicorn_config
+from treeserve.runtime.roles import is_generator, verifier_recipe
 from treeserve.runtime.runtime import Runtime
+from treeserve.runtime.scorer import StepScorer
 from treeserve.search.runner import SearchRunner
 from treeserve.server.metrics import ServerMetrics
 from treeserve.server.serving_search import SearchServing
@@ -28,35 +30,62 @@ from treeserve.entrypoints.chat_utils import load_chat_template, warn_replaced_t
 def build_app(model: str | dict[str, str], served_model_name: str | None = None, api_keys: list[str] | None = None,
               max_queue: int | None = None, kv_mode: str = "shared", max_problems_in_flight: int = 32,
               engine_thread: bool = True, chat_template: str | None = None, tool_settings: ToolSettings | None = None,
-              drain: Drain | None = None, **engine_options):
+              drain: Drain | None = None, verifiers: dict[str, str | None] | None = None, **engine_options):
     """One model (a path, served as `served_model_name` or `served_name(path)`; or one name -> path)
-    gets its own engine; several (name -> path) share a `Runtime`, and each of them can also answer
-    POST /v1/rewards as a PRM. One engine loop steps them all; each served model gets a search runner
-    whose problems, from every request, advance together. With `engine_thread=False` the caller runs
-    the loop (`app.state.engine.run_forever()`)."""
+    gets its own engine; several (name -> path) share a `Runtime`. Verifiers (/v1/rewards, a search's `verifier`) are the models with a
+    reward head or a recipe declared in their config.json, and those `verifiers` names (name ->
+    recipe, or None: its declared one, else RLHFlow's); runtime/roles.py says why. One engine loop
+    steps them all; each served generator gets a search runner whose problems, from every request,
+    advance together. With `engine_thread=False` the caller runs the loop
+    (`app.state.engine.run_forever()`)."""
     metrics = ServerMetrics()
-    scorers, loop = {}, None
+    scorers, loop, verifiers = {}, None, dict(verifiers or {})
     if isinstance(model, dict) and len(model) > 1:
+        _check_verifiers_served(verifiers, list(model))
         budget = engine_options.pop("kv_cache_memory_bytes", None)
-        runtime = Runtime(model, kv_mode=kv_mode, kv_cache_memory_bytes=budget, **engine_options)
+        runtime = Runtime(model, kv_mode=kv_mode, kv_cache_memory_bytes=budget, recipes=verifiers, **engine_options)
         served, loop = dict(runtime.engines), runtime.loop
-        scorers = {name: runtime.scorer(name) for name in served}
+        scorers = {name: runtime.scorer(name) for name in runtime.recipes}
         for name, row in runtime.memory.items():
             metrics.add_model(served[name], name).set_memory(row)
     else:
         name, path = next(iter(model.items())) if isinstance(model, dict) else (served_name(model), model)
         name = served_model_name or name
+        _check_verifiers_served(verifiers, [name])
         served = {name: LLMEngine.from_config(EngineConfig(model=path, **engine_options))}
         loop = EngineLoop(served)  # the one loop that steps this engine
         metrics.add_model(served[name], name)
+        recipe = verifier_recipe(served[name].model_dir, name in verifiers, verifiers.get(name))
+        if recipe is not None:
+            scorers = {name: StepScorer(served[name], recipe, loop=loop)}
     async_engine = AsyncLLMEngine(served, max_queue=max_queue, on_step=metrics.on_step, on_abort=metrics.on_abort,
                                   loop=loop, start_thread=engine_thread, on_idle=metrics.on_idle)
     searches = {name: SearchServing(async_engine, name, SearchRunner(engine, None, max_problems_in_flight,
                                                                      loop=async_engine.loop), scorers)
-                for name, engine in served.items()}
+                for name, engine in served.items() if is_generator(engine.model_config)}
     metrics.add_search(searches, scorers)
     return create_app(async_engine, served, api_keys=api_keys, metrics=metrics, searches=searches,
-                      chat_template=chat_template, tool_settings=tool_settings, drain=drain)
+                      chat_template=chat_template, tool_settings=tool_settings, drain=drain, scorers=scorers)
+
+
+def _check_verifiers_served(verifiers: dict, names: list[str]) -> None:
+    for name in verifiers:
+        if name not in names:
+            raise ValueError(f"--verifier {name}: no served model has that name (served: {', '.join(names)})")
+
+
+def served_verifiers(values: list[str] | None) -> dict[str, str | None]:
+    """`--verifier NAME[=RECIPE]` (repeatable): the served models read as process reward models,
+    each by RECIPE, or by its declared recipe, else RLHFlow's."""
+    from treeserve.runtime.prm_recipes import RECIPES
+
+    verifiers: dict[str, str | None] = {}
+    for value in values or []:
+        name, _, recipe = value.partition("=")
+        if recipe and recipe not in RECIPES:
+            raise ValueError(f"--verifier {value}: unknown recipe {recipe!r}; known: {', '.join(RECIPES)}")
+        verifiers[name] = recipe or None
+    return verifiers
 
 
 def api_keys(args) -> list[str]:
@@ -83,7 +112,8 @@ def app_from_args(args):
                     load_format=args.load_format, tensor_parallel_size=args.tensor_parallel_size,
                     distributed_executor_backend=args.distributed_executor_backend,
                     threads_per_rank=args.threads_per_rank, engine_thread=False,
-                    chat_template=chat_template, tool_settings=tool_settings, drain=Drain(args.shutdown_timeout))
+                    chat_template=chat_template, tool_settings=tool_settings, drain=Drain(args.shutdown_timeout),
+                    verifiers=served_verifiers(getattr(args, "verifier", None)))
     tokenizers = {name: engine.tokenizer for name, engine in app.state.engine.engines.items()}
     warn_replaced_tool_templates(tokenizers, chat_template, args.chat_template)
     allow_cors(app, args)

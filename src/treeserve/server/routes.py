@@ -13,6 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from treeserve import __version__
 from treeserve.engine.async_engine import AsyncLLMEngine
 from treeserve.wire.disconnect import unless_client_leaves
+from treeserve.runtime.roles import is_generator, not_a_generator
 from treeserve.server.metrics import ServerMetrics
 from treeserve.server.serving import OpenAIServing, unknown_model
 from treeserve.server.serving_rewards import RewardServing
@@ -33,11 +34,14 @@ REQUEST_MODELS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completion
 class ServedModels:
     """The served models' OpenAI serving and search serving, by name; the first is the default."""
 
-    def __init__(self, servings: dict[str, OpenAIServing], searches: dict[str, SearchServing]):
+    def __init__(self, servings: dict[str, OpenAIServing], searches: dict[str, SearchServing],
+                 scoring: RewardServing | None = None):
         self.servings, self.searches = servings, searches
         self.created = int(time.time())
         first = next(iter(searches.values()), None)
-        self.scoring = RewardServing(first.engine, first.scorers) if first is not None else None
+        if scoring is None and first is not None:
+            scoring = RewardServing(first.engine, first.scorers)
+        self.scoring = scoring
 
     def serving(self, model: str | None) -> OpenAIServing:
         if model is None:
@@ -45,6 +49,16 @@ class ServedModels:
         if model not in self.servings:
             raise unknown_model(model, list(self.servings))
         return self.servings[model]
+
+    def generator(self, model: str | None) -> OpenAIServing:
+        """The serving of a model that generates (chat, completions, a search's `model`): a reward
+        model (a reward head) is a 400 saying so."""
+        serving = self.serving(model)
+        config = serving.llm.model_config
+        if not is_generator(config):
+            raise APIError(400, f"model: {not_a_generator(serving.model_name, config.architecture)}", param="model",
+                           code="model_not_a_generator")
+        return serving
 
     def search(self, model: str | None) -> SearchServing:
         if not self.searches:
@@ -55,7 +69,8 @@ class ServedModels:
         if self.scoring is None:
             raise APIError(400, "model: this server was started without reward models", param="model",
                            code="unsupported")
-        self.serving(model)
+        self.serving(model)  # (an unknown model: 404)
+        self.scoring.scorer(model, "model")  # (one served, but not as a verifier: 400)
         return self.scoring
 
     def card(self, name: str) -> dict:
@@ -122,12 +137,12 @@ def openai_routes(served: ServedModels, max_body_bytes: int) -> APIRouter:
     @router.post("/v1/chat/completions")
     async def chat(request: Request):
         body = await parse(request, ChatCompletionRequest, max_body_bytes)
-        return await unless_client_leaves(request, served.serving(body.model).chat(body))
+        return await unless_client_leaves(request, served.generator(body.model).chat(body))
 
     @router.post("/v1/completions")
     async def completions(request: Request):
         body = await parse(request, CompletionRequest, max_body_bytes)
-        return await unless_client_leaves(request, served.serving(body.model).completions(body))
+        return await unless_client_leaves(request, served.generator(body.model).completions(body))
 
     @router.post("/v1/rewards")
     async def rewards(request: Request):
@@ -147,9 +162,11 @@ def openai_routes(served: ServedModels, max_body_bytes: int) -> APIRouter:
     @router.post("/v1/search")
     async def search(request: Request):
         body = await parse(request, SearchRequest, max_body_bytes)
-        serving = served.serving(body.model)
+        serving = served.generator(body.model)
         if body.verifier is not None:
-            served.serving(body.verifier)
+            served.serving(body.verifier)  # (an unknown model: 404)
+            if served.scoring is not None:
+                served.scoring.scorer(body.verifier, "verifier")  # (one served, but not as a verifier: 400)
         return await served.search(serving.model_name).search(body, request)
 
     @router.post("/tokenize")

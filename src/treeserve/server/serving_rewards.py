@@ -11,6 +11,7 @@ import uuid
 
 from treeserve.engine.async_engine import AsyncLLMEngine
 from treeserve.errors import ParamError
+from treeserve.runtime.roles import not_a_verifier
 from treeserve.runtime.scorer import StepScorer
 from treeserve.search.config import STEP_DELIMITER
 from treeserve.search.tree import split_steps
@@ -41,11 +42,12 @@ class RewardServing:
     def __init__(self, engine: AsyncLLMEngine, scorers: dict[str, StepScorer]):
         self.engine, self.scorers = engine, scorers
 
-    def scorer(self, model: str) -> StepScorer:
+    def scorer(self, model: str, param: str = "model") -> StepScorer:
+        """The served verifier `model`'s scorer; a model not served as one is a 400 saying why."""
         scorer = self.scorers.get(model)
         if scorer is None:
-            served = ", ".join(self.scorers) or "none"
-            raise APIError(400, f"model: '{model}' is not served as a reward model (served: {served})", param="model")
+            raise APIError(400, f"{param}: {not_a_verifier(model, list(self.scorers))}", param=param,
+                           code="model_not_a_verifier")
         return scorer
 
     async def rewards(self, body: RewardRequest) -> dict:

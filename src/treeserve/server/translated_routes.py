@@ -30,7 +30,7 @@ def responses_routes(served, max_body_bytes: int) -> APIRouter:
     @router.post("/v1/responses")
     async def create(request: Request):
         body = await parse(request, ResponsesRequest, max_body_bytes)
-        serving = served.serving(body.model)
+        serving = served.generator(body.model)
         result = await unless_client_leaves(request, api.create(body, serving.chat_body, serving.model_name))
         return JSONResponse(result) if isinstance(result, dict) else event_stream(result)
 
@@ -56,7 +56,7 @@ def messages_routes(served, max_body_bytes: int) -> APIRouter:
     @router.post("/v1/messages")
     async def create(request: Request):
         body = await parse(request, MessagesRequest, max_body_bytes)
-        serving = served.serving(body.model)
+        serving = served.generator(body.model)
         with named_for(MESSAGES):
             result = await unless_client_leaves(request, serving.chat_body(_translated(body.chat_request)))
         if isinstance(result, dict):
