@@ -650,3 +650,17 @@ def test_a_create_that_stops_while_validating_leaves_a_failed_batch_and_runs_no_
     assert store.batches.take_up(killed["id"])["status"] == "validating"
     store.batches.interrupted(killed["id"])
     assert store.batches.get(killed["id"], None)["status"] == "failed"
+
+
+def test_a_list_after_a_batch_that_is_not_yours_names_after(tmp_path):
+    """`GET /v1/batches?after=` naming another key's batch (or none) is a 404 naming `after`, as the
+    files listing's is (it named `batch_id`, a parameter the call does not have)."""
+    from treeserve.gateway.errors import BatchNotFound
+
+    store = _store(tmp_path)
+    uploaded = store.files.create(None, "batch", "b.jsonl", _jsonl(_echo_lines(1)))
+    batch = store.batches.create(None, uploaded["id"], "/v1/chat/completions", "24h", None)
+    assert [b["id"] for b in store.batches.list(None)["data"]] == [batch["id"]]
+    with pytest.raises(BatchNotFound) as caught:
+        store.batches.list(7, after=batch["id"])
+    assert caught.value.param == "after" and caught.value.message.startswith("after: no batch")

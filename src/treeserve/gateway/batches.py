@@ -112,7 +112,7 @@ class Batches:
             if after is not None:
                 anchor = conn.execute(select(Batch.created_at, Batch.id).where(_mine(after, owner))).first()
                 if anchor is None:
-                    raise BatchNotFound(after)
+                    raise BatchNotFound(after, "after")
                 query = query.where(past(Batch.created_at, Batch.id, anchor))
             batches = conn.execute(query.order_by(Batch.created_at.desc(), Batch.id.desc()).limit(limit + 1)).scalars()
             data = [self._object(conn, b) for b in list(batches)]
