@@ -664,3 +664,26 @@ def test_a_list_after_a_batch_that_is_not_yours_names_after(tmp_path):
     with pytest.raises(BatchNotFound) as caught:
         store.batches.list(7, after=batch["id"])
     assert caught.value.param == "after" and caught.value.message.startswith("after: no batch")
+
+
+def test_a_batch_whose_window_ends_is_expired_with_its_unsent_lines_in_the_error_file(tmp_path):
+    """The window's end (here moved to now, the backend down all along): the batch ends `expired`
+    with `expired_at`, never `completed_at` or `finalizing_at` (before, `finalizing_at` was set,
+    a state it never showed), and each line not answered is in the error file by its custom_id
+    with `batch_expired`, counted as failed."""
+    database = tmp_path / "gw.db"
+    lines = _echo_lines(3)
+    with running_server(_echo_backend(down_until=[time.monotonic() + 3600])) as url, \
+            gateway(url, f"sqlite:///{database}") as gw:
+        client = _client(gw, _key(gw))
+        batch = _start(client, lines)
+        with create_engine(f"sqlite:///{database}").begin() as conn:
+            conn.execute(text("UPDATE batches SET expires_at = :now WHERE id = :i"),
+                         {"now": dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=1), "i": batch.id})
+        batch = _wait(client, batch.id, timeout=60)
+        assert batch.status == "expired" and batch.expired_at >= batch.in_progress_at, batch
+        assert (batch.completed_at, batch.finalizing_at, batch.cancelled_at, batch.failed_at) == (None,) * 4
+        assert batch.request_counts.total == batch.request_counts.failed == 3 and batch.output_file_id is None
+        errors = _records(client, batch)
+    assert sorted(r["custom_id"] for r in errors) == [line["custom_id"] for line in lines]
+    assert {r["error"]["code"] for r in errors} == {"batch_expired"} and all(r["response"] is None for r in errors)
