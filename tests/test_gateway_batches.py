@@ -687,3 +687,28 @@ def test_a_batch_whose_window_ends_is_expired_with_its_unsent_lines_in_the_error
         errors = _records(client, batch)
     assert sorted(r["custom_id"] for r in errors) == [line["custom_id"] for line in lines]
     assert {r["error"]["code"] for r in errors} == {"batch_expired"} and all(r["response"] is None for r in errors)
+
+
+def test_a_batch_cancelled_while_validating_runs_no_line(tmp_path, monkeypatch):
+    """A cancel that comes while the create call reads the file (OpenAI takes one then): the batch is
+    `cancelling`, the create call answers so, and it ends `cancelled` with none of its lines sent."""
+    from treeserve.gateway import batch_file
+
+    reading, read_entered, seen = threading.Event(), threading.Event(), []
+    _held(monkeypatch, batch_file, "read", reading, read_entered)
+    with running_server(_echo_backend(seen)) as url, gateway(url, f"sqlite:///{tmp_path / 'gw.db'}") as gw, \
+            ThreadPoolExecutor(1) as pool:
+        client = _client(gw, _key(gw))
+        uploaded = client.files.create(file=("batch.jsonl", _jsonl(_echo_lines(3))), purpose="batch")
+        creating = pool.submit(client.batches.create, input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                               completion_window="24h")
+        assert read_entered.wait(30)
+        [validating] = wait_for(lambda: client.batches.list().data, timeout=10)
+        cancelling = client.batches.cancel(validating.id)
+        assert cancelling.status == "cancelling" and cancelling.cancelling_at and cancelling.in_progress_at is None
+        reading.set()
+        assert creating.result(timeout=30).status == "cancelling"
+        ended = _wait(client, validating.id, timeout=60)
+    assert ended.status == "cancelled" and ended.cancelled_at >= ended.cancelling_at and ended.request_counts.total == 0
+    assert (ended.output_file_id, ended.error_file_id, ended.in_progress_at, ended.finalizing_at) == (None,) * 4
+    assert seen == []
