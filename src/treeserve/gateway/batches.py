@@ -1,8 +1,8 @@
 """The Batch API's rows: a batch, read from an uploaded JSONL file into one row per request line
 (`validating` while it is read); the lease under which one gateway process runs it (`in_progress`);
 its lines' states; and, once every line has an answer, its output and error files (`finalizing`
-while they are written, then `completed`; or `cancelled`, `expired`). Counts are always read from the lines, so they cannot drift
-from them. Calls are blocking: the routes and the runner run them in worker threads."""
+while they are written, then `completed`; or `cancelled`, `expired`). Counts are always read from
+the lines, so they cannot drift from them. Calls are blocking: the routes and the runner run them in worker threads."""
 from __future__ import annotations
 
 import datetime as dt
@@ -72,6 +72,8 @@ class Batches:
         changes (a cancel may have come meanwhile: the runner ends it)."""
         with self.db.session() as conn:
             batch = conn.execute(select(Batch).where(Batch.id == batch_id)).scalar()
+        if batch is None or batch.status != "validating":  # (its key deleted meanwhile; cancelled)
+            return
         found = batch_file.read(self.files.content(batch.input_file_id, batch.api_key_id, "input_file_id"),
                                 batch.endpoint)
         now = utcnow()
