@@ -14,7 +14,9 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -547,3 +549,166 @@ def test_a_reward_request_through_a_model_with_a_token_cap_is_sent_without_max_t
         rewarded = httpx.post(f"{gw}/v1/rewards", headers={"Authorization": f"Bearer {key}"}, timeout=60,
                               json={"model": "prm", "question": "Add 2 and 3.", "steps": ["2 + 3 = 5."]})
         assert rewarded.status_code == 200 and len(rewarded.json()["scores"]) == 1, rewarded.text
+
+
+def _echo_lines(count: int) -> list[dict]:
+    return [{"custom_id": f"e{i}", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"model": "gen", "messages": [{"role": "user", "content": f"line {i}"}]}} for i in range(count)]
+
+
+def _held(monkeypatch, owner, name: str, gate: threading.Event, entered: threading.Event) -> None:
+    """`owner.name` waits for `gate` before it runs (`entered` set as it starts waiting)."""
+    original = getattr(owner, name, None)
+
+    def held(*args, **kwargs):
+        entered.set()
+        assert gate.wait(60)
+        return original(*args, **kwargs)
+    monkeypatch.setattr(owner, name, held, raising=False)
+
+
+def test_a_polling_client_sees_validating_in_progress_finalizing_completed(tmp_path, monkeypatch):
+    """OpenAI's lifecycle, each state while it lasts: `validating` while the input file is read
+    (request_counts.total 0), `in_progress` with its lines, `finalizing` while the output files are
+    written, then `completed`, each with its timestamp. Before, a batch appeared only once
+    validated, already `in_progress`, stayed `in_progress` while its files were written, and went
+    straight to `completed`."""
+    from treeserve.gateway import batch_file
+
+    reading, read_entered, writing, write_entered = (threading.Event() for _ in range(4))
+    _held(monkeypatch, batch_file, "read", reading, read_entered)
+    lines = _echo_lines(5)
+    with running_server(_echo_backend()) as url:
+        app = build_gateway(GatewayConfig(models={"gen": ModelConfig("gen", [BackendConfig(url)])}, master_key=MASTER,
+                                          health_interval=0, database=f"sqlite:///{tmp_path / 'gw.db'}"))
+        _held(monkeypatch, app.state.store.batches, "_records", writing, write_entered)
+        with running_server(app) as gw, ThreadPoolExecutor(1) as pool:
+            client = _client(gw, _key(gw))
+            uploaded = client.files.create(file=("batch.jsonl", _jsonl(lines)), purpose="batch")
+            creating = pool.submit(client.batches.create, input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                   completion_window="24h", metadata={"run": "lifecycle"})
+            assert read_entered.wait(30)
+            [validating] = wait_for(lambda: client.batches.list().data, timeout=10)
+            assert validating.status == "validating" and validating.request_counts.total == 0, validating
+            assert validating.in_progress_at is None and validating.metadata == {"run": "lifecycle"}
+            assert validating.expires_at == validating.created_at + 24 * 3600
+            reading.set()
+            created = creating.result(timeout=30)
+            assert created.id == validating.id and created.status == "in_progress"
+            assert created.request_counts.total == len(lines) and created.in_progress_at >= created.created_at
+            assert write_entered.wait(60)
+            finalizing = client.batches.retrieve(created.id)
+            assert finalizing.status == "finalizing" and finalizing.finalizing_at >= finalizing.in_progress_at
+            assert finalizing.completed_at is None and finalizing.output_file_id is None
+            assert finalizing.request_counts.completed == len(lines)
+            writing.set()
+            done = _wait(client, created.id, timeout=60)
+    assert done.status == "completed" and done.completed_at >= done.finalizing_at == finalizing.finalizing_at
+    assert (done.failed_at, done.cancelling_at, done.cancelled_at, done.expired_at) == (None,) * 4
+    assert done.output_file_id and done.error_file_id is None and done.metadata == {"run": "lifecycle"}
+
+
+def _store(tmp_path):
+    app = build_gateway(GatewayConfig(models={}, master_key=MASTER, health_interval=0,
+                                      database=f"sqlite:///{tmp_path / 'gw.db'}"))
+    app.state.store.migrate()
+    return app.state.store
+
+
+def test_a_batch_cancelled_after_its_last_line_ended_ends_cancelled(tmp_path):
+    """A cancel that comes between the batch's last line and its files: the batch ends `cancelled`
+    (before: `completed`, with `cancelling_at` set), never `finalizing`."""
+    store = _store(tmp_path)
+    uploaded = store.files.create(None, "batch", "b.jsonl", _jsonl(_echo_lines(2)))
+    batch = store.batches.create(None, uploaded["id"], "/v1/chat/completions", "24h", None)
+    store.batches.fail_pending(batch["id"], {"code": "x", "message": "x", "param": None})
+    assert store.batches.cancel(batch["id"], None)["status"] == "cancelling"
+    store.batches.finalize(batch["id"], "completed")
+    ended = store.batches.get(batch["id"], None)
+    assert ended["status"] == "cancelled" and ended["cancelled_at"] >= ended["cancelling_at"]
+    assert ended["finalizing_at"] is None and ended["completed_at"] is None and ended["error_file_id"]
+
+
+def test_a_create_that_stops_while_validating_leaves_a_failed_batch_and_runs_no_line(tmp_path, monkeypatch):
+    """A create call that fails mid-validation (here an error; a killed gateway leaves its lease to
+    the runner, which does the same) leaves the batch `failed` with `validation_interrupted`, never
+    `validating` for good, and none of its lines runs (its creator got no batch id)."""
+    import treeserve.gateway.batches as batches_module
+    from treeserve.gateway import batch_file
+
+    store = _store(tmp_path)
+    uploaded = store.files.create(None, "batch", "b.jsonl", _jsonl(_echo_lines(2)))
+    monkeypatch.setattr(batch_file, "read", lambda *a: (_ for _ in ()).throw(RuntimeError("disk gone")))
+    with pytest.raises(RuntimeError):
+        store.batches.create(None, uploaded["id"], "/v1/chat/completions", "24h", None)
+    [failed] = store.batches.list(None)["data"]
+    assert failed["status"] == "failed" and failed["errors"]["data"][0]["code"] == "validation_interrupted"
+    monkeypatch.setattr(batches_module, "VALIDATION_LEASE", dt.timedelta(0))  # (the create's lease lapsed)
+    monkeypatch.setattr(store.batches, "validate", lambda batch_id: None)  # (killed before it validated)
+    killed = store.batches.create(None, uploaded["id"], "/v1/chat/completions", "24h", None)
+    assert killed["status"] == "validating" and store.batches.claim("instance-a") == [killed["id"]]
+    assert store.batches.take_up(killed["id"])["status"] == "validating"
+    store.batches.interrupted(killed["id"])
+    assert store.batches.get(killed["id"], None)["status"] == "failed"
+
+
+def test_a_list_after_a_batch_that_is_not_yours_names_after(tmp_path):
+    """`GET /v1/batches?after=` naming another key's batch (or none) is a 404 naming `after`, as the
+    files listing's is (it named `batch_id`, a parameter the call does not have)."""
+    from treeserve.gateway.errors import BatchNotFound
+
+    store = _store(tmp_path)
+    uploaded = store.files.create(None, "batch", "b.jsonl", _jsonl(_echo_lines(1)))
+    batch = store.batches.create(None, uploaded["id"], "/v1/chat/completions", "24h", None)
+    assert [b["id"] for b in store.batches.list(None)["data"]] == [batch["id"]]
+    with pytest.raises(BatchNotFound) as caught:
+        store.batches.list(7, after=batch["id"])
+    assert caught.value.param == "after" and caught.value.message.startswith("after: no batch")
+
+
+def test_a_batch_whose_window_ends_is_expired_with_its_unsent_lines_in_the_error_file(tmp_path):
+    """The window's end (here moved to now, the backend down all along): the batch ends `expired`
+    with `expired_at`, never `completed_at` or `finalizing_at` (before, `finalizing_at` was set,
+    a state it never showed), and each line not answered is in the error file by its custom_id
+    with `batch_expired`, counted as failed."""
+    database = tmp_path / "gw.db"
+    lines = _echo_lines(3)
+    with running_server(_echo_backend(down_until=[time.monotonic() + 3600])) as url, \
+            gateway(url, f"sqlite:///{database}") as gw:
+        client = _client(gw, _key(gw))
+        batch = _start(client, lines)
+        with create_engine(f"sqlite:///{database}").begin() as conn:
+            conn.execute(text("UPDATE batches SET expires_at = :now WHERE id = :i"),
+                         {"now": dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=1), "i": batch.id})
+        batch = _wait(client, batch.id, timeout=60)
+        assert batch.status == "expired" and batch.expired_at >= batch.in_progress_at, batch
+        assert (batch.completed_at, batch.finalizing_at, batch.cancelled_at, batch.failed_at) == (None,) * 4
+        assert batch.request_counts.total == batch.request_counts.failed == 3 and batch.output_file_id is None
+        errors = _records(client, batch)
+    assert sorted(r["custom_id"] for r in errors) == [line["custom_id"] for line in lines]
+    assert {r["error"]["code"] for r in errors} == {"batch_expired"} and all(r["response"] is None for r in errors)
+
+
+def test_a_batch_cancelled_while_validating_runs_no_line(tmp_path, monkeypatch):
+    """A cancel that comes while the create call reads the file (OpenAI takes one then): the batch is
+    `cancelling`, the create call answers so, and it ends `cancelled` with none of its lines sent."""
+    from treeserve.gateway import batch_file
+
+    reading, read_entered, seen = threading.Event(), threading.Event(), []
+    _held(monkeypatch, batch_file, "read", reading, read_entered)
+    with running_server(_echo_backend(seen)) as url, gateway(url, f"sqlite:///{tmp_path / 'gw.db'}") as gw, \
+            ThreadPoolExecutor(1) as pool:
+        client = _client(gw, _key(gw))
+        uploaded = client.files.create(file=("batch.jsonl", _jsonl(_echo_lines(3))), purpose="batch")
+        creating = pool.submit(client.batches.create, input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                               completion_window="24h")
+        assert read_entered.wait(30)
+        [validating] = wait_for(lambda: client.batches.list().data, timeout=10)
+        cancelling = client.batches.cancel(validating.id)
+        assert cancelling.status == "cancelling" and cancelling.cancelling_at and cancelling.in_progress_at is None
+        reading.set()
+        assert creating.result(timeout=30).status == "cancelling"
+        ended = _wait(client, validating.id, timeout=60)
+    assert ended.status == "cancelled" and ended.cancelled_at >= ended.cancelling_at and ended.request_counts.total == 0
+    assert (ended.output_file_id, ended.error_file_id, ended.in_progress_at, ended.finalizing_at) == (None,) * 4
+    assert seen == []

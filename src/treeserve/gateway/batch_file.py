@@ -18,7 +18,7 @@ class BatchFile:
     errors: list[dict] = field(default_factory=list)  # OpenAI's batch errors
 
 
-def _error(code: str, message: str, param: str | None = None, line: int | None = None) -> dict:
+def error(code: str, message: str, param: str | None = None, line: int | None = None) -> dict:
     return {"code": code, "message": message, "param": param, "line": line}
 
 
@@ -31,15 +31,15 @@ def read(content: bytes, endpoint: str) -> BatchFile:
     for number, raw in enumerate(content.split(b"\n"), start=1):  # ("\n" alone: see treeserve/jsonl.py)
         if not raw.strip():
             continue
-        line, error = _request(raw, number, endpoint, seen)
-        if error is not None:
-            found.errors.append(error)
+        line, problem = _request(raw, number, endpoint, seen)
+        if problem is not None:
+            found.errors.append(problem)
         elif not found.errors:  # (once the file has failed, its good lines are not kept)
             found.lines.append(line)
     if not found.errors and not found.lines:
-        found.errors.append(_error("empty_file", "the file has no request lines", "input_file_id"))
+        found.errors.append(error("empty_file", "the file has no request lines", "input_file_id"))
     elif len(found.lines) > MAX_LINES:
-        found.errors.append(_error("too_many_tasks", f"{len(found.lines)} request lines; a batch takes at most "
+        found.errors.append(error("too_many_tasks", f"{len(found.lines)} request lines; a batch takes at most "
                                                      f"{MAX_LINES}", "input_file_id"))
     del found.errors[MAX_ERRORS:]
     if found.errors:
@@ -52,34 +52,34 @@ def _request(raw: bytes, number: int, endpoint: str, seen: set[str]) -> tuple[tu
     try:
         item = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as exc:
-        return None, _error("invalid_json_line", f"line {number} is not UTF-8 ({exc.reason})", line=number)
+        return None, error("invalid_json_line", f"line {number} is not UTF-8 ({exc.reason})", line=number)
     except ValueError as exc:
-        return None, _error("invalid_json_line", f"line {number} is not JSON ({exc})", line=number)
+        return None, error("invalid_json_line", f"line {number} is not JSON ({exc})", line=number)
     if not isinstance(item, dict):
-        return None, _error("invalid_json_line", f"line {number} is not a JSON object", line=number)
+        return None, error("invalid_json_line", f"line {number} is not a JSON object", line=number)
     custom_id = item.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
-        return None, _error("missing_required_parameter", f"line {number}: needs a custom_id (a string)",
+        return None, error("missing_required_parameter", f"line {number}: needs a custom_id (a string)",
                             "custom_id", number)
     if len(custom_id) > MAX_CUSTOM_ID or "\x00" in custom_id:
-        return None, _error("invalid_custom_id", f"line {number}: custom_id must be at most {MAX_CUSTOM_ID} "
+        return None, error("invalid_custom_id", f"line {number}: custom_id must be at most {MAX_CUSTOM_ID} "
                                                  "characters, without NUL", "custom_id", number)
     if custom_id in seen:
-        return None, _error("duplicate_custom_id", f"line {number}: custom_id {custom_id!r} is not unique",
+        return None, error("duplicate_custom_id", f"line {number}: custom_id {custom_id!r} is not unique",
                             "custom_id", number)
     seen.add(custom_id)
     url = item.get("url", endpoint)
     if item.get("method", "POST") != "POST":
-        return None, _error("invalid_method", f"line {number}: method must be POST, got {item.get('method')!r}",
+        return None, error("invalid_method", f"line {number}: method must be POST, got {item.get('method')!r}",
                             "method", number)
     if url not in ENDPOINTS:
-        return None, _error("url_mismatch", f"line {number}: url must be one of {', '.join(ENDPOINTS)}, "
+        return None, error("url_mismatch", f"line {number}: url must be one of {', '.join(ENDPOINTS)}, "
                                             f"got {url!r}", "url", number)
     body = item.get("body")
     if not isinstance(body, dict) or not isinstance(body.get("model"), str):
-        return None, _error("missing_required_parameter", f"line {number}: body must be an object naming its model",
+        return None, error("missing_required_parameter", f"line {number}: body must be an object naming its model",
                             "body", number)
     if body.get("stream"):
-        return None, _error("invalid_request", f"line {number}: a batch's requests cannot stream", "body.stream",
+        return None, error("invalid_request", f"line {number}: a batch's requests cannot stream", "body.stream",
                             number)
     return (custom_id, url, body), None

@@ -120,6 +120,9 @@ class BatchRunner:
         line holds only its own slot), until none is pending or the batch is cancelled or expires."""
         await run_in_threadpool(self.ledger.flush)  # (this process's settlements of its lines written first)
         state = await run_in_threadpool(self.batches.take_up, batch_id)  # (lines left running here: pending again)
+        if state["status"] == "validating":  # (its create call stopped mid-way, its lease expired)
+            await run_in_threadpool(self.batches.interrupted, batch_id)
+            return
         run, window = _Run(batch_id, state["owner"]), CHUNK * self.concurrency
         log.info("batch %s: %d of %d lines to run", batch_id, state["pending"], state["request_counts"]["total"])
         in_hand: dict[int, asyncio.Task] = {}

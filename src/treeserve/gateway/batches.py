@@ -1,7 +1,8 @@
-"""The Batch API's rows: a batch, read from an uploaded JSONL file into one row per request line;
-the lease under which one gateway process runs it; its lines' states; and, once every line has an
-answer, its output and error files. Counts are always read from the lines, so they cannot drift
-from them. Calls are blocking: the routes and the runner run them in worker threads."""
+"""The Batch API's rows: a batch, read from an uploaded JSONL file into one row per request line
+(`validating` while it is read); the lease under which one gateway process runs it (`in_progress`);
+its lines' states; and, once every line has an answer, its output and error files (`finalizing`
+while they are written, then `completed`; or `cancelled`, `expired`). Counts are always read from
+the lines, so they cannot drift from them. Calls are blocking: the routes and the runner run them in worker threads."""
 from __future__ import annotations
 
 import datetime as dt
@@ -22,6 +23,8 @@ from treeserve.wire.responses import ResponsesRequest, from_chat, new_id, skelet
 COMPLETION_WINDOWS = {"24h": dt.timedelta(hours=24)}
 LEASE = dt.timedelta(seconds=10)  # a process that stops renewing its lease for this long leaves its batches
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
+VALIDATING = "validating"  # the lease owner of a batch whose create call is reading its file
+VALIDATION_LEASE = dt.timedelta(seconds=60)  # a create that has not validated its batch in this long left it
 LISTED = 100
 
 
@@ -40,26 +43,62 @@ class Batches:
     # ---- the API -----------------------------------------------------------------------------
     def create(self, owner: int | None, input_file_id: str, endpoint: str, completion_window: str,
                metadata: dict | None) -> dict:
+        """The batch, `validating` (visible to list and retrieve) while its file's lines are read,
+        then `in_progress` with them, or `failed` with their errors (OpenAI's: created, then failed)."""
         if endpoint not in ENDPOINTS:
             raise ParamError("endpoint", f"must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}")
         if completion_window not in COMPLETION_WINDOWS:
-            raise ParamError("completion_window", f"must be one of {', '.join(COMPLETION_WINDOWS)}")
+            raise ParamError("completion_window", f"must be one of {', '.join(COMPLETION_WINDOWS)}, "
+                                                  f"got {completion_window!r}")
         if self.files.get(input_file_id, owner, "input_file_id")["purpose"] != "batch":
             raise ParamError("input_file_id", "the file's purpose must be batch")
-        found = batch_file.read(self.files.content(input_file_id, owner, "input_file_id"), endpoint)
         now, batch_id = utcnow(), f"batch_{uuid.uuid4().hex}"
-        started = {"status": "in_progress", "in_progress_at": now} if not found.errors else \
-            {"status": "failed", "failed_at": now, "errors": found.errors}  # (OpenAI's: created, then failed)
-        with self.db.transaction() as conn:
+        with self.db.transaction() as conn:  # (leased while this call validates it: see `validate`)
             conn.execute(insert(Batch).values(
                 id=batch_id, api_key_id=owner, endpoint=endpoint, input_file_id=input_file_id,
-                completion_window=completion_window, total=len(found.lines), extra=metadata, created_at=now,
-                expires_at=now + COMPLETION_WINDOWS[completion_window], **started))
-            if found.lines:
+                completion_window=completion_window, total=0, extra=metadata, created_at=now, status="validating",
+                expires_at=now + COMPLETION_WINDOWS[completion_window], lease_owner=VALIDATING,
+                lease_expires=now + VALIDATION_LEASE))
+        try:
+            self.validate(batch_id)
+        except BaseException:
+            self.interrupted(batch_id)
+            raise
+        return self.get(batch_id, owner)
+
+    def validate(self, batch_id: str) -> None:
+        """Reads a `validating` batch's input file: the batch goes `in_progress` with its lines, or
+        `failed` with their errors, its lease free for a runner. Only a batch still validating
+        changes (a cancel may have come meanwhile: the runner ends it)."""
+        with self.db.session() as conn:
+            batch = conn.execute(select(Batch).where(Batch.id == batch_id)).scalar()
+        if batch is None or batch.status != "validating":  # (its key deleted meanwhile; cancelled)
+            return
+        found = batch_file.read(self.files.content(batch.input_file_id, batch.api_key_id, "input_file_id"),
+                                batch.endpoint)
+        now = utcnow()
+        started = {"status": "in_progress", "in_progress_at": now} if not found.errors else \
+            {"status": "failed", "failed_at": now, "errors": found.errors}
+        with self.db.transaction() as conn:
+            moved = conn.execute(update(Batch).where(Batch.id == batch_id, Batch.status == "validating").values(
+                total=len(found.lines), lease_owner=None, lease_expires=None, **started)).rowcount
+            if moved and found.lines:
                 conn.execute(insert(BatchLine.__table__), [
                     dict(batch_id=batch_id, line=i, custom_id=custom_id, url=url, body=body, status="pending")
                     for i, (custom_id, url, body) in enumerate(found.lines)])
-        return self.get(batch_id, owner)
+            elif not moved:
+                conn.execute(update(Batch).where(Batch.id == batch_id, Batch.lease_owner == VALIDATING)
+                             .values(lease_owner=None, lease_expires=None))
+
+    def interrupted(self, batch_id: str) -> None:
+        """A batch whose create call stopped while reading its file (an error; the gateway killed: the
+        runner that takes its lease calls this) ends `failed`, none of its lines run: its creator
+        got no answer naming it and may well have created it again."""
+        error = batch_file.error("validation_interrupted", "the gateway stopped while reading the batch's input "
+                                 "file; no line was run: create the batch again", "input_file_id")
+        with self.db.transaction() as conn:
+            conn.execute(update(Batch).where(Batch.id == batch_id, Batch.status == "validating").values(
+                status="failed", failed_at=utcnow(), errors=[error], lease_owner=None, lease_expires=None))
 
     def get(self, batch_id: str, owner: int | None) -> dict:
         with self.db.session() as conn:
@@ -75,7 +114,7 @@ class Batches:
             if after is not None:
                 anchor = conn.execute(select(Batch.created_at, Batch.id).where(_mine(after, owner))).first()
                 if anchor is None:
-                    raise BatchNotFound(after)
+                    raise BatchNotFound(after, "after")
                 query = query.where(past(Batch.created_at, Batch.id, anchor))
             batches = conn.execute(query.order_by(Batch.created_at.desc(), Batch.id.desc()).limit(limit + 1)).scalars()
             data = [self._object(conn, b) for b in list(batches)]
@@ -167,13 +206,45 @@ class Batches:
                          .values(status="failed", error=error))
 
     def finalize(self, batch_id: str, ending: str = "completed") -> None:
-        """Writes the output file (answers with status 200) and the error file (the rest), in line
-        order, and ends the batch (`completed`, `cancelled` or `expired`)."""
+        """Ends the batch (`completed`, `cancelled` or `expired`) with its output file (answers with
+        status 200) and error file (the rest), in line order, written in the transaction that ends
+        it. A batch completing is `finalizing` meanwhile; one cancelled since its last line ended
+        ends `cancelled`."""
+        if ending == "completed":
+            ending = self._finalizing(batch_id)
         with self.db.session() as conn:
             batch = conn.execute(select(Batch).where(Batch.id == batch_id)).scalar()
             lines = conn.execute(select(BatchLine).where(BatchLine.batch_id == batch_id,
                                                          BatchLine.status.in_(("done", "failed")))
                                  .order_by(BatchLine.line)).scalars().all()
+        output, errors, unreadable = self._records(lines)
+        now = utcnow()
+        stamps = {"completed": "completed_at", "cancelled": "cancelled_at", "expired": "completed_at"}
+        with self.db.transaction() as conn:
+            files = {name: self.files.insert(conn, batch.api_key_id, "batch_output", f"{batch_id}_{name}.jsonl",
+                                             jsonl.dumps(records).encode())["id"]
+                     for name, records in (("output", output), ("error", errors)) if records}
+            for number, error in unreadable.items():  # (counted as failed, as the error file has them)
+                conn.execute(update(BatchLine).where(BatchLine.batch_id == batch_id, BatchLine.line == number)
+                             .values(status="failed", error=error))
+            conn.execute(update(Batch).where(Batch.id == batch_id).values(
+                status=ending, output_file_id=files.get("output"), error_file_id=files.get("error"),
+                lease_owner=None, lease_expires=None, **{stamps[ending]: now}))
+
+    def _finalizing(self, batch_id: str) -> str:
+        """The batch `finalizing` (from `in_progress`; one taken up after a restart may be so already),
+        and so `completed` next; or `cancelled` next, when a cancel came after its last line ended."""
+        with self.db.transaction() as conn:
+            if conn.execute(update(Batch).where(Batch.id == batch_id, Batch.status == "in_progress")
+                            .values(status="finalizing", finalizing_at=utcnow())).rowcount:
+                return "completed"
+            status = conn.scalar(select(Batch.status).where(Batch.id == batch_id))
+        return "cancelled" if status == "cancelling" else "completed"
+
+    @staticmethod
+    def _records(lines: list[BatchLine]) -> tuple[list[dict], list[dict], dict[int, dict]]:
+        """The output file's records, the error file's, and the errors of answered lines whose answer
+        cannot be written (by line number)."""
         output, errors, unreadable = [], [], {}
         for line in lines:
             record = _output_line(line)
@@ -181,21 +252,7 @@ class Batches:
                 unreadable[line.line] = record["error"]
             (output if line.status == "done" and line.status_code == 200 and line.line not in unreadable
              else errors).append(record)
-        files = {}
-        for name, records in (("output", output), ("error", errors)):
-            if records:
-                content = jsonl.dumps(records).encode()
-                files[name] = self.files.create(batch.api_key_id, "batch_output", f"{batch_id}_{name}.jsonl",
-                                                content)["id"]
-        now = utcnow()
-        stamps = {"completed": "completed_at", "cancelled": "cancelled_at", "expired": "completed_at"}
-        with self.db.transaction() as conn:
-            for number, error in unreadable.items():  # (counted as failed, as the error file has them)
-                conn.execute(update(BatchLine).where(BatchLine.batch_id == batch_id, BatchLine.line == number)
-                             .values(status="failed", error=error))
-            conn.execute(update(Batch).where(Batch.id == batch_id).values(
-                status=ending, output_file_id=files.get("output"), error_file_id=files.get("error"),
-                finalizing_at=now, lease_owner=None, lease_expires=None, **{stamps[ending]: now}))
+        return output, errors, unreadable
 
     # ---- helpers -----------------------------------------------------------------------------
     def _object(self, conn, batch: Batch) -> dict:

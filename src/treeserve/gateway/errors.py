@@ -131,8 +131,8 @@ class FileNotFound(GatewayError):
 
 
 class BatchNotFound(GatewayError):
-    def __init__(self, batch_id: str):
-        super().__init__(f"batch_id: no batch {batch_id!r} (never created, or another key's)", "batch_id")
+    def __init__(self, batch_id: str, param: str = "batch_id"):
+        super().__init__(f"{param}: no batch {batch_id!r} (never created, or another key's)", param)
 
 
 class BatchConflict(GatewayError):

@@ -46,10 +46,15 @@ class Files:
         self.db = db
 
     def create(self, owner: int | None, purpose: str, filename: str, content: bytes) -> dict:
+        with self.db.transaction() as conn:
+            return self.insert(conn, owner, purpose, filename, content)
+
+    @staticmethod
+    def insert(conn, owner: int | None, purpose: str, filename: str, content: bytes) -> dict:
+        """The file written in the caller's transaction (a batch's output files go with its last change)."""
         values = dict(id=f"file-{uuid.uuid4().hex}", api_key_id=owner, purpose=purpose, filename=filename[:256],
                       bytes=len(content), content=content, created_at=utcnow())
-        with self.db.transaction() as conn:
-            conn.execute(insert(StoredFile).values(**values))
+        conn.execute(insert(StoredFile).values(**values))
         return file_object(_Row(values))
 
     def get(self, file_id: str, owner: int | None, param: str = "file_id") -> dict:
