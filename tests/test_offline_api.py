@@ -67,3 +67,64 @@ def test_what_vllm_users_pass_by_habit_is_named(llm, llama_dir):
         llm.generate("Hi", {"temperature": 0}, use_tqdm=False)
     with pytest.raises(ParamError, match="temperature"):
         SamplingParams(temperature=float("inf"))
+
+
+TOOL_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% for c in m.tool_calls or [] %}"
+                 "[{{ c.function.name }} {{ c.function.arguments | tojson }}]{% endfor %}{% endfor %}<assistant>")
+
+
+def test_chat_reads_messages_as_openai_writes_them(llm):
+    """Content given as parts (OpenAI's client, vLLM's LLM.chat) was rendered as a Python list's repr
+    ("<user>[{'type': 'text', ...}]"), and an assistant's tool-call arguments (JSON text, as OpenAI
+    writes them) were encoded a second time by the template: now the parts' texts joined by newlines
+    (vLLM's) and the arguments as the object HF templates expect, the caller's messages untouched."""
+    params = SamplingParams(temperature=0, max_tokens=2)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}]
+    as_text = [{"role": "user", "content": "Hi\nthere"}]
+    got, expected = (llm.chat(c, params, use_tqdm=False, chat_template=TEMPLATE)[0] for c in (parts, as_text))
+    assert got.prompt == expected.prompt == "<user>Hi\nthere</user><assistant>"
+    assert got.outputs[0].token_ids == expected.outputs[0].token_ids
+    assert isinstance(parts[0]["content"], list)
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+    conversation = [{"role": "user", "content": "Add"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    rendered = llm.chat(conversation, params, use_tqdm=False, chat_template=TOOL_TEMPLATE)[0].prompt
+    assert rendered == '<user>Add<assistant>[add {"a": 1}]<assistant>' and call["function"]["arguments"] == '{"a": 1}'
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/cat.png"}}]}]
+    with pytest.raises(ParamError, match=r"messages\[0\]\.content\[0\]"):
+        llm.chat(image, params, use_tqdm=False, chat_template=TEMPLATE)
+    bad_call = {**call, "function": {"name": "add", "arguments": "{not json"}}
+    with pytest.raises(ParamError, match=r"messages\[1\]\.tool_calls\[0\]\.function\.arguments"):
+        llm.chat([conversation[0], {**conversation[1], "tool_calls": [bad_call]}], params, use_tqdm=False,
+                 chat_template=TOOL_TEMPLATE)
+    assert_no_leak(llm.engine)
+
+
+def test_the_server_joins_content_parts_as_the_offline_api_does():
+    from treeserve.wire.protocol import ChatMessage  # ("" before: "Hi" + "there" was "Hithere")
+    message = ChatMessage.model_validate({"role": "user", "content": [{"type": "text", "text": "Hi"},
+                                                                      {"type": "text", "text": "there"}]})
+    assert message.as_template_message()["content"] == "Hi\nthere"
+
+
+def test_prompt_fields_that_would_change_the_answer_are_named_not_dropped(llm):
+    """vLLM's TextPrompt / TokensPrompt fields treeserve cannot use (an image, embeddings) were
+    dropped, and the prompt answered without them."""
+    params = SamplingParams(temperature=0, max_tokens=2)
+    for field, value in (("multi_modal_data", {"image": object()}), ("prompt_embeds", [[0.0, 1.0]]),
+                         ("mm_processor_kwargs", {"num_crops": 4})):
+        with pytest.raises(ParamError, match=field):
+            llm.generate({"prompt": "Hello", field: value}, params, use_tqdm=False)
+    plain = llm.generate({"prompt_token_ids": [1, 5, 9]}, params, use_tqdm=False)[0]
+    empty = llm.generate({"prompt_token_ids": [1, 5, 9], "multi_modal_data": None, "mm_processor_kwargs": {}},
+                         params, use_tqdm=False)[0]  # (fields that say nothing are taken)
+    assert empty.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert_no_leak(llm.engine)
+
+
+@pytest.mark.parametrize("name", ["embed", "encode", "classify", "reward", "score"])
+def test_vllms_pooling_calls_say_what_to_use_instead(llm, name):
+    with pytest.raises(AttributeError, match="Runtime.score_steps"):  # (a bare "no attribute" before)
+        getattr(llm, name)
+    assert not hasattr(llm, name)
+    with pytest.raises(AttributeError, match="'LLM' object has no attribute 'embedd'"):
+        llm.embedd

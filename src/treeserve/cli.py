@@ -170,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="generate text for one or more prompts")
     _add_engine_args(run)
-    run.add_argument("prompt", nargs="*")
+    run.add_argument("prompt", nargs="*", help="the prompts (default: 'Hello'); with --chat each is a user message")
     run.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
     run.add_argument("--max-tokens", type=int, default=64)
     run.add_argument("--temperature", type=float, default=0.0)

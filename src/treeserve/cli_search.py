@@ -66,11 +66,13 @@ def _add_search_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory-bytes", type=int)
 
 
-def _config(args, strategy: str, n: int, rt):
+def _config(args, strategy: str, n: int):
+    """The search's settings, checked before any model loads (a misspelt strategy is named at once)."""
+    from treeserve.model.registry import resolve_model_path
     from treeserve.search.config import SAL_SYSTEM_PROMPT, SearchConfig, declared_aggregation
 
     system = SAL_SYSTEM_PROMPT if args.system_prompt is None else (args.system_prompt or None)
-    agg_strategy = args.agg_strategy or declared_aggregation(rt.engine("prm").model_dir)
+    agg_strategy = args.agg_strategy or declared_aggregation(resolve_model_path(args.verifier))
     return SearchConfig(strategy=strategy, n=n, beam_width=min(args.beam_width, n), num_iterations=args.num_iterations,
                         lookahead=args.lookahead, temperature=args.temperature, top_p=args.top_p,
                         max_tokens=args.max_tokens, agg_strategy=agg_strategy, system_prompt=system,
@@ -102,8 +104,8 @@ def _runner(args, rt, reference: bool = False):
 def cmd_search(args) -> int:
     from treeserve.search.tree import REJECT_THRESHOLD
 
+    config = _config(args, args.strategy, args.n)
     rt = _runtime(args)
-    config = _config(args, args.strategy, args.n, rt)
     with heap_frozen_while_it_runs():
         result = _runner(args, rt).run([args.question], config)[0]
     chosen = result.completions[result.chosen]
@@ -124,8 +126,8 @@ def cmd_eval(args) -> int:
     rows = load_dataset(args.dataset, args.limit)
     sizes = args.n
     strategies = [s for s in args.strategy.split(",") if s]
+    configs = [_config(args, s, n) for s in strategies for n in ([1] if s == "greedy" else sizes)]
     rt = _runtime(args)
-    configs = [_config(args, s, n, rt) for s in strategies for n in ([1] if s == "greedy" else sizes)]
     runner = _runner(args, rt, args.reference)
     summaries = []
     try:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import re
 from pathlib import Path
@@ -76,3 +77,47 @@ def _render_parameters(tokenizer) -> frozenset[str]:
     """apply_chat_template's own named parameters (padding, truncation, ...: not template variables)."""
     parameters = inspect.signature(tokenizer.apply_chat_template).parameters.values()
     return frozenset(p.name for p in parameters if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
+
+
+def template_messages(conversation: list[dict]) -> list[dict]:
+    """Messages as OpenAI's client writes them, made what chat templates read (as vLLM's `LLM.chat`
+    does): a content given as parts becomes their texts joined by newlines, and an assistant's
+    tool-call arguments (JSON text) become the object HF templates expect. The caller's dicts are
+    left as they are; ParamError names what no text model can render."""
+    if not isinstance(conversation, (list, tuple)):
+        raise ParamError("messages", f"expected a list of messages, got {type(conversation).__name__}")
+    return [_template_message(message, f"messages[{i}]") for i, message in enumerate(conversation)]
+
+
+def _template_message(message, where: str) -> dict:
+    if not isinstance(message, dict):
+        raise ParamError(where, f"expected a message dict with role and content, got {type(message).__name__}")
+    message = dict(message)
+    if isinstance(message.get("content"), (list, tuple)):
+        message["content"] = "\n".join(_part_text(part, f"{where}.content[{j}]")
+                                       for j, part in enumerate(message["content"]))
+    if message.get("tool_calls"):
+        message["tool_calls"] = [_template_call(call, f"{where}.tool_calls[{j}]")
+                                 for j, call in enumerate(message["tool_calls"])]
+    return message
+
+
+def _part_text(part, where: str) -> str:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text" and isinstance(part.get("text"), str):
+        return part["text"]
+    raise ParamError(where, f"only text parts ({{'type': 'text', 'text': ...}}) can be rendered for a text model, "
+                            f"got {part!r:.80}")
+
+
+def _template_call(call, where: str):
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call  # (already an object, as HF's own examples write it)
+    try:
+        arguments = json.loads(function["arguments"])
+    except (ValueError, RecursionError) as exc:
+        raise ParamError(f"{where}.function.arguments", f"must be JSON text ({exc})") from None
+    if not isinstance(arguments, dict):
+        raise ParamError(f"{where}.function.arguments", "must be a JSON object")
+    return {**call, "function": {**function, "arguments": arguments}}

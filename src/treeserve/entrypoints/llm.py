@@ -10,11 +10,16 @@ from treeserve.errors import ParamError
 from treeserve.config import EngineConfig
 from treeserve.engine.engine_loop import EngineLoop
 from treeserve.engine.llm_engine import LLMEngine
-from treeserve.entrypoints.chat_utils import render_chat
+from treeserve.entrypoints.chat_utils import render_chat, template_messages
 from treeserve.outputs import RequestOutput
 from treeserve.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
+POOLING_CALLS = frozenset({"embed", "encode", "classify", "reward", "score"})  # vLLM's, for pooling models
+# the keys of vLLM's TextPrompt / TokensPrompt / EmbedsPrompt that change what is generated and that
+# treeserve has no use for (multimodal inputs, embeddings instead of tokens, encoder-decoder prompts)
+UNSUPPORTED_PROMPT_KEYS = ("multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids", "prompt_embeds",
+                           "token_type_ids", "encoder_prompt", "decoder_prompt")
 
 
 class LLM:
@@ -42,6 +47,17 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def __getattr__(self, name: str):
+        """vLLM's pooling calls (`embed`, `encode`, `classify`, `reward`, `score`) are named with
+        what treeserve offers instead; every other missing attribute is Python's AttributeError."""
+        if name in POOLING_CALLS:
+            raise AttributeError(f"LLM.{name} is not available: treeserve runs generative models only (no "
+                                 f"embedding or pooling runner). A process reward model's step scores come "
+                                 f"from Runtime.score_steps (or a server's POST /v1/rewards, /v1/score, /pooling); "
+                                 f"token logprobs from SamplingParams(logprobs=..., prompt_logprobs=...)",
+                                 name=name, obj=self)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}", name=name, obj=self)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -87,8 +103,9 @@ class LLM:
         if continue_final_message and add_generation_prompt:
             raise ParamError("continue_final_message", "cannot be true with add_generation_prompt (as vLLM): "
                                                        "set add_generation_prompt=False")
-        return render_chat(self.engine.tokenizer, conversation, tools, add_generation_prompt, chat_template,
-                           continue_final_message=continue_final_message, template_kwargs=chat_template_kwargs)
+        return render_chat(self.engine.tokenizer, template_messages(conversation), tools, add_generation_prompt,
+                           chat_template, continue_final_message=continue_final_message,
+                           template_kwargs=chat_template_kwargs)
 
     def _params_per_prompt(self, sampling_params, count: int) -> list[SamplingParams]:
         """One SamplingParams per prompt, each checked again and its derived fields made again (the
@@ -110,6 +127,10 @@ class LLM:
         if isinstance(prompt, str):
             return prompt, self.engine.tokenizer.encode(prompt), None
         if isinstance(prompt, dict):
+            unsupported = [key for key in UNSUPPORTED_PROMPT_KEYS if _given(prompt.get(key))]
+            if unsupported:  # (vLLM would use them: an answer without them would be silently another one)
+                raise ParamError(f"prompt.{unsupported[0]}", "is not supported: treeserve serves text models from "
+                                 "'prompt' or 'prompt_token_ids' (and 'cache_salt')")
             salt = prompt.get("cache_salt")
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"]), salt
@@ -153,3 +174,8 @@ def _as_prompt_list(prompts) -> list[PromptType]:
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ParamError("prompts", "expected a prompt or a non-empty list of prompts")
     return list(prompts)
+
+
+def _given(value) -> bool:
+    """Whether a prompt's field says something (None and an empty dict or list say nothing)."""
+    return value is not None and not (isinstance(value, (dict, list, tuple)) and len(value) == 0)

@@ -25,8 +25,12 @@ def load_dataset(path: str | Path, limit: int | None = None) -> list[dict]:
     and `answer`; ParamError naming the file and line of the first bad row, or an empty file."""
     if limit is not None and limit < 1:
         raise ParamError("limit", f"must be at least 1, got {limit}")
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:  # (the message names the setting, not only the file)
+        raise ParamError("dataset", f"cannot read {path}: {exc.strerror or exc}") from None
     rows = []
-    for number, line in jsonl.split(Path(path).read_text()):
+    for number, line in jsonl.split(text):
         try:
             row = json.loads(line)
         except ValueError as exc:

@@ -10,7 +10,7 @@ from treeserve.tasks.arithmetic import LEVELS, SPLITS, generate
 
 def add_tasks_parsers(sub) -> None:
     tasks = sub.add_parser("tasks", help="the built-in synthetic arithmetic task")
-    actions = tasks.add_subparsers(dest="tasks_command", required=True)
+    actions = tasks.add_subparsers(dest="tasks_command", required=True, metavar="{export}")
     export = actions.add_parser("export", help="write problems of one split as JSONL (MATH-500's field names)")
     export.add_argument("--split", choices=list(SPLITS), default="test")
     export.add_argument("--n", type=int, default=500)

@@ -235,8 +235,8 @@ class ChatMessage(BaseModel):
         """The message as chat templates read it (a call's arguments as an object, as HF's
         templates expect); ParamError naming `where` for what no template can render."""
         content = self.content
-        if isinstance(content, list):
-            content = "".join(part.text for part in content)
+        if isinstance(content, list):  # (joined by newlines, as vLLM's, and LLM.chat's)
+            content = "\n".join(part.text for part in content)
         role = "system" if self.role == "developer" else self.role
         message = {"role": role, "content": content or ""}
         if self.tool_calls:
