@@ -40,6 +40,14 @@ def test_search_prints_the_chosen_answer_with_its_score_and_tree_size(models, ca
     assert "--- answer:" in printed and "score:" in printed and "tree size:" in printed
 
 
+@pytest.mark.parametrize("strategy", ["greedy", "majority"])
+def test_a_search_without_a_verifier_prints_no_score(models, capsys, strategy):
+    """(it printed `score: 0.0000`, as if the verifier had judged the answer wrong)"""
+    assert main(["search", "--strategy", strategy, "--n", "4", *models, "What is 2 + 2?"]) == 0
+    printed = capsys.readouterr().out
+    assert f"score: none ({strategy} reads no verifier)" in printed and "0.0000" not in printed
+
+
 def test_eval_names_a_bad_strategy(models, tmp_path, capsys):
     dataset = tmp_path / "data.jsonl"
     dataset.write_text(json.dumps(ROWS[0]) + "\n")

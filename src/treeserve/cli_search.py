@@ -110,7 +110,7 @@ def cmd_search(args) -> int:
         result = _runner(args, rt).run([args.question], config)[0]
     chosen = result.completions[result.chosen]
     print(chosen)
-    print(f"--- answer: {result.pred}  score: {result.agg_scores[result.chosen]:.4f}  "
+    print(f"--- answer: {result.pred}  {_score(config, result)}  "
           f"tree size: {result.tree_size} steps, {result.completion_tokens} generated tokens, "
           f"{len(result.completions)} candidates, {result.seconds:.1f} s")
     if result.verifier_rejected_all:
@@ -118,6 +118,13 @@ def cmd_search(args) -> int:
               f"{REJECT_THRESHOLD}): the answer is a guess (is the question the kind the models were trained on?)",
               file=sys.stderr)
     return 0
+
+
+def _score(config, result) -> str:
+    """The chosen candidate's score, or why there is none (greedy and majority read no verifier)."""
+    if not config.uses_verifier:
+        return f"score: none ({config.strategy} reads no verifier)"
+    return f"score: {result.agg_scores[result.chosen]:.4f}"
 
 
 def cmd_eval(args) -> int:
