@@ -210,3 +210,24 @@ def test_a_stream_with_done_or_a_finish_reason_is_a_success():
     assert finished.success and finished.output_tokens == 2 and finished.output_tokens_counted
     done_unterminated = _read_events(TEXT, b"data: [DONE]\n")  # no blank line after the last event
     assert done_unterminated.success and done_unterminated.output_tokens == 1
+
+
+def test_vllm_bench_serve_options_work_or_say_what_to_use(capsys):
+    """A `vllm bench serve` command line: before, argparse refused --num-prompts, --dataset-name,
+    --random-input-len, --max-concurrency and --endpoint /v1/completions with no hint."""
+    from treeserve.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["bench", "serve", "--base-url", "http://x", "--out", "o", "--model", "m", "--dataset-name", "random",
+         "--random-input-len", "32", "--random-output-len", "8", "--random-range-ratio", "0.1", "--num-prompts", "7",
+         "--max-concurrency", "4", "--request-rate", "2", "--burstiness", "0.5", "--seed", "3",
+         "--endpoint", "/v1/completions", "--ignore-eos", "--goodput", "ttft:500", "tpot:50"])
+    assert (args.dataset, args.input_len, args.output_len, args.range_ratio) == ("random", "32", "8", 0.1)
+    assert (args.num_requests, args.concurrency, args.request_rate, args.endpoint) == (7, "4", "2", "completions")
+    chat = build_parser().parse_args(["bench", "serve", "--base-url", "http://x", "--out", "o", "--endpoint",
+                                      "/v1/chat/completions", "--dataset-name", "custom", "--dataset-path", "p"])
+    assert (chat.endpoint, chat.dataset) == ("chat", "jsonl")
+    for option in (["--save-result"], ["--result-dir", "runs"], ["--backend", "vllm"], ["--metric-percentiles", "99"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["bench", "serve", "--base-url", "http://x", "--out", "o", *option])
+        assert f"{option[0]} is a `vllm bench serve` option" in capsys.readouterr().err
