@@ -51,15 +51,18 @@ def _add_serve_parser(kinds) -> None:
                        choices=["random", "sharegpt", "jsonl", "math500"], default="random",
                        help="vLLM's 'custom' (a JSONL of 'prompt') is jsonl")
     serve.add_argument("--dataset-path", help="file for sharegpt (JSON), jsonl ('prompt' per line), math500")
-    serve.add_argument("--input-len", "--random-input-len", default="256", help="prompt tokens (random dataset); comma list sweeps")
+    serve.add_argument("--input-len", "--random-input-len", default="256",
+                       help="prompt tokens (random dataset); comma list sweeps")
     serve.add_argument("--output-len", "--random-output-len", default=None,
                        help="max_tokens, EOS ignored (default 128 random, reference length else); comma list sweeps")
-    serve.add_argument("--range-ratio", "--random-range-ratio", type=float, default=0.0, help="lengths vary by +-this fraction")
+    serve.add_argument("--range-ratio", "--random-range-ratio", type=float, default=0.0,
+                       help="lengths vary by +-this fraction")
     serve.add_argument("--shared-prefix-len", type=int, default=0, help="tokens shared within a prefix bucket")
     serve.add_argument("--shared-prefix-groups", type=int, default=1, help="number of shared-prefix buckets")
     serve.add_argument("--vocab-size", type=int, help="random token ids below this (default 256)")
     serve.add_argument("--tokenizer", help="HF tokenizer directory: vocabulary and prompt lengths")
-    serve.add_argument("--concurrency", "--max-concurrency", default=None, help="requests in flight, comma list sweeps: 1,4,16")
+    serve.add_argument("--concurrency", "--max-concurrency", default=None,
+                       help="requests in flight, comma list sweeps: 1,4,16")
     serve.add_argument("--request-rate", default="inf", help="requests/s (Poisson or gamma arrivals), comma list")
     serve.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 Poisson, <1 burstier")
     serve.add_argument("--num-requests", "--num-prompts", type=int, default=100, help="requests per level")
