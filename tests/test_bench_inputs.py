@@ -160,3 +160,74 @@ def test_stream_parsing_across_split_reads_and_crlf_framing():
     assert not record.output_tokens_counted
     payload = endpoint.payload(SampleRequest([11, 12, 13], 3, 4))
     assert payload["ignore_eos"] and payload["max_tokens"] == 4 and payload["stream_options"] == {"include_usage": True}
+
+
+def _read_events(*events: bytes):
+    """A record read by the client from a stream of these SSE events (a real aiohttp server)."""
+    import asyncio
+
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from treeserve.bench.client import ClientPool, Clock, Endpoint, RequestRecord, send_request
+    from treeserve.bench.datasets import SampleRequest
+
+    async def stream(request):
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        for event in events:
+            await response.write(event)
+        return response
+
+    async def run(record):
+        app = web.Application()
+        app.router.add_post("/v1/completions", stream)
+        async with TestServer(app) as server, ClientPool() as pool:
+            endpoint = Endpoint(str(server.make_url("")), "m")
+            await send_request(pool, endpoint, SampleRequest([11, 12], 2, 4), record, Clock())
+
+    record = RequestRecord(index=0, level=0, warmup=False, start=0.0)
+    asyncio.run(run(record))
+    return record
+
+
+TEXT = b'data: {"choices": [{"text": "a", "finish_reason": null}]}\n\n'
+
+
+def test_a_stream_cut_short_or_ending_in_an_error_event_is_a_failure():
+    """Before, both counted as completed requests (in request throughput, with their few tokens)."""
+    cut = _read_events(TEXT, TEXT)  # the server stopped: no finish_reason, no [DONE]
+    assert not cut.success and "ended early" in cut.error
+    vllm_error = _read_events(TEXT, b'data: {"object": "error", "message": "engine dead", "type": "Internal'
+                              b'ServerError", "code": 500}\n\n', b"data: [DONE]\n\n")  # older vLLM's error event
+    assert not vllm_error.success and "engine dead" in vllm_error.error
+    openai_error = _read_events(TEXT, b'data: {"error": {"message": "boom"}}\n\n', b"data: [DONE]\n\n")
+    assert not openai_error.success and "boom" in openai_error.error
+
+
+def test_a_stream_with_done_or_a_finish_reason_is_a_success():
+    finished = _read_events(TEXT, b'data: {"choices": [{"text": "b", "finish_reason": "length"}]}\n\n')
+    assert finished.success and finished.output_tokens == 2 and finished.output_tokens_counted
+    done_unterminated = _read_events(TEXT, b"data: [DONE]\n")  # no blank line after the last event
+    assert done_unterminated.success and done_unterminated.output_tokens == 1
+
+
+def test_vllm_bench_serve_options_work_or_say_what_to_use(capsys):
+    """A `vllm bench serve` command line: before, argparse refused --num-prompts, --dataset-name,
+    --random-input-len, --max-concurrency and --endpoint /v1/completions with no hint."""
+    from treeserve.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["bench", "serve", "--base-url", "http://x", "--out", "o", "--model", "m", "--dataset-name", "random",
+         "--random-input-len", "32", "--random-output-len", "8", "--random-range-ratio", "0.1", "--num-prompts", "7",
+         "--max-concurrency", "4", "--request-rate", "2", "--burstiness", "0.5", "--seed", "3",
+         "--endpoint", "/v1/completions", "--ignore-eos", "--goodput", "ttft:500", "tpot:50"])
+    assert (args.dataset, args.input_len, args.output_len, args.range_ratio) == ("random", "32", "8", 0.1)
+    assert (args.num_requests, args.concurrency, args.request_rate, args.endpoint) == (7, "4", "2", "completions")
+    chat = build_parser().parse_args(["bench", "serve", "--base-url", "http://x", "--out", "o", "--endpoint",
+                                      "/v1/chat/completions", "--dataset-name", "custom", "--dataset-path", "p"])
+    assert (chat.endpoint, chat.dataset) == ("chat", "jsonl")
+    for option in (["--save-result"], ["--result-dir", "runs"], ["--backend", "vllm"], ["--metric-percentiles", "99"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["bench", "serve", "--base-url", "http://x", "--out", "o", *option])
+        assert f"{option[0]} is a `vllm bench serve` option" in capsys.readouterr().err

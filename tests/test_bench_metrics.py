@@ -175,3 +175,16 @@ def test_the_exposition_reader_agrees_with_prometheus_clients_parser():
         ours, theirs = reader.read(text), _reference_parse(text)
         assert ours.keys() == theirs.keys()
         assert all(ours[k] == theirs[k] or (math.isnan(ours[k]) and math.isnan(theirs[k])) for k in ours)
+
+
+def test_the_level_line_says_why_requests_failed():
+    """Before, a level with failures printed '6/12 ok' and nothing of why (only summary.json had it)."""
+    from treeserve.bench.report import render_level_line
+
+    good = RequestRecord(index=0, level=0, warmup=False, start=0.0, end=1.0, chunk_times=[0.1, 0.2],
+                         output_tokens=2, success=True, status=200)
+    bad = RequestRecord(index=1, level=0, warmup=False, start=0.0, end=0.01,
+                        error="ClientConnectorError: Cannot connect to host 127.0.0.1:8432")
+    line = render_level_line({"concurrency": 2, **metrics.summarize([good, bad])}, "concurrency")
+    assert "1/2 ok" in line and "1 failed, e.g. ClientConnectorError: Cannot connect" in line
+    assert "failed" not in render_level_line({"concurrency": 2, **metrics.summarize([good])}, "concurrency")

@@ -107,3 +107,40 @@ def test_sweep_commands_expand_home_and_variables(monkeypatch):
     monkeypatch.setenv("PEERS", "/opt/peers")
     spec = ServerSpec.from_dict({"base_url": "http://127.0.0.1:1", "command": "~/bin/serve $PEERS/model --port 1"}, 0)
     assert spec.command == ["/home/someone/bin/serve", "/opt/peers/model", "--port", "1"]
+
+
+def test_ctrl_c_keeps_the_requests_that_finished(mock_url, tmp_path):
+    """A user's Ctrl-C mid-level: exit 130, with the finished requests and their figures written
+    (before, the run directory held config.json alone and every measurement was lost)."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import time
+    import urllib.request
+
+    def served() -> float:
+        text = urllib.request.urlopen(f"{mock_url}/metrics", timeout=5).read().decode()
+        return float(next(line.split()[1] for line in text.splitlines()
+                          if line.startswith("mock:request_success_total")))
+
+    baseline, out = served(), tmp_path / "run"
+    command = [sys.executable, "-m", "treeserve.cli", "bench", "serve", "--base-url", mock_url, "--out", str(out),
+               "--concurrency", "2", "--num-requests", "60", "--input-len", "8", "--output-len", "20", "--no-plots"]
+    process = subprocess.Popen(command, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+                               stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while served() < baseline + 4 and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, stderr
+    assert "interrupted" in stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["interrupted"] is True
+    level = summary["levels"][0]
+    assert level["interrupted"] is True and 4 <= level["completed"] < 60 and level["failed"] == 0
+    assert level["ttft_ms"]["count"] == level["completed"] and level["total_output_tokens"] == 20 * level["completed"]
+    rows = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    assert len(rows) == level["completed"] and all(row["end"] is not None and row["success"] for row in rows)
+    assert (out / "telemetry.csv").is_file()

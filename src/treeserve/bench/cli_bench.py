@@ -44,22 +44,28 @@ def _add_serve_parser(kinds) -> None:
     serve.add_argument("--model", help="default: the first model of GET /v1/models")
     serve.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="default: $OPENAI_API_KEY")
     serve.add_argument("--out", required=True, help="run directory")
-    serve.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    serve.add_argument("--endpoint", type=endpoint_kind, choices=["completions", "chat"], default="completions",
+                       help="completions or chat (vLLM's /v1/completions and /v1/chat/completions too)")
     serve.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True)
-    serve.add_argument("--dataset", choices=["random", "sharegpt", "jsonl", "math500"], default="random")
+    serve.add_argument("--dataset", "--dataset-name", type=lambda name: "jsonl" if name == "custom" else name,
+                       choices=["random", "sharegpt", "jsonl", "math500"], default="random",
+                       help="vLLM's 'custom' (a JSONL of 'prompt') is jsonl")
     serve.add_argument("--dataset-path", help="file for sharegpt (JSON), jsonl ('prompt' per line), math500")
-    serve.add_argument("--input-len", default="256", help="prompt tokens (random dataset); comma list sweeps")
-    serve.add_argument("--output-len", default=None,
+    serve.add_argument("--input-len", "--random-input-len", default="256",
+                       help="prompt tokens (random dataset); comma list sweeps")
+    serve.add_argument("--output-len", "--random-output-len", default=None,
                        help="max_tokens, EOS ignored (default 128 random, reference length else); comma list sweeps")
-    serve.add_argument("--range-ratio", type=float, default=0.0, help="lengths vary by +-this fraction")
+    serve.add_argument("--range-ratio", "--random-range-ratio", type=float, default=0.0,
+                       help="lengths vary by +-this fraction")
     serve.add_argument("--shared-prefix-len", type=int, default=0, help="tokens shared within a prefix bucket")
     serve.add_argument("--shared-prefix-groups", type=int, default=1, help="number of shared-prefix buckets")
     serve.add_argument("--vocab-size", type=int, help="random token ids below this (default 256)")
     serve.add_argument("--tokenizer", help="HF tokenizer directory: vocabulary and prompt lengths")
-    serve.add_argument("--concurrency", default=None, help="requests in flight, comma list sweeps: 1,4,16")
+    serve.add_argument("--concurrency", "--max-concurrency", default=None,
+                       help="requests in flight, comma list sweeps: 1,4,16")
     serve.add_argument("--request-rate", default="inf", help="requests/s (Poisson or gamma arrivals), comma list")
     serve.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 Poisson, <1 burstier")
-    serve.add_argument("--num-requests", type=int, default=100, help="requests per level")
+    serve.add_argument("--num-requests", "--num-prompts", type=int, default=100, help="requests per level")
     serve.add_argument("--duration", type=float, help="stop sending after this many seconds per level")
     serve.add_argument("--warmup", type=int, default=0, help="requests sent first and left out of the figures")
     serve.add_argument("--seed", type=int, default=0)
@@ -68,7 +74,36 @@ def _add_serve_parser(kinds) -> None:
     serve.add_argument("--temperature", type=float, default=0.0)
     serve.add_argument("--telemetry-interval", type=float, default=0.2, help="seconds between /metrics scrapes")
     serve.add_argument("--plots", action=argparse.BooleanOptionalAction, default=True)
+    for option, answer in VLLM_ONLY_OPTIONS.items():
+        serve.add_argument(option, nargs="?", action=_NotHere, help=argparse.SUPPRESS, answer=answer)
     serve.set_defaults(func=cmd_serve)
+
+
+# `vllm bench serve` options with no counterpart of the same name, and what to use instead
+VLLM_ONLY_OPTIONS = {
+    "--backend": "it speaks the OpenAI API to any server; --endpoint completions|chat picks the route",
+    "--save-result": "it always writes a run directory: --out DIR (summary.json, requests.jsonl, report.md)",
+    "--result-dir": "give the run directory as --out DIR",
+    "--result-filename": "the figures go to summary.json in the --out directory",
+    "--percentile-metrics": "it always reports mean, median, p90 and p99 of TTFT, TPOT, ITL and E2EL",
+    "--metric-percentiles": "it always reports mean, median, p90 and p99 of TTFT, TPOT, ITL and E2EL",
+}
+
+
+class _NotHere(argparse.Action):
+    """A vLLM option treeserve lacks: an error that says what to use instead."""
+
+    def __init__(self, *args, answer: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.answer = answer
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} is a `vllm bench serve` option; treeserve bench serve has none: {self.answer}")
+
+
+def endpoint_kind(value: str) -> str:
+    """'completions' or 'chat'; vLLM's paths (/v1/completions, /v1/chat/completions) name them too."""
+    return {"/v1/completions": "completions", "/v1/chat/completions": "chat"}.get(value.rstrip("/"), value)
 
 
 def cmd_serve(args) -> int:

@@ -147,25 +147,31 @@ async def send_request(pool: ClientPool, endpoint: Endpoint, sample: SampleReque
 
 
 async def read_stream(pieces: AsyncIterator[bytes], record: RequestRecord, clock: Clock) -> None:
-    """Splits server-sent events out of the raw bytes as they arrive, each piece timed on arrival."""
-    usage, pending = None, b""
+    """Splits server-sent events out of the raw bytes as they arrive, each piece timed on arrival.
+    An error event (OpenAI's `{"error": ...}` or the `{"object": "error", ...}` of older vLLM), or a
+    stream that ends with neither a finish_reason nor `[DONE]`, makes the request a failure."""
+    usage, pending, done = None, b"", False
     async for piece in pieces:
         now = clock.now()
         events = (pending + piece).replace(b"\r\n", b"\n").split(b"\n\n")
         pending = events.pop()
         for event in events:
             data = event_data(event)
+            done = done or data == b"[DONE]"
             if data is None or data == b"[DONE]":
                 continue
             chunk = json.loads(data)
-            if chunk.get("error"):
-                record.error = json.dumps(chunk["error"])[:500]
+            if chunk.get("error") or chunk.get("object") == "error":
+                record.error = json.dumps(chunk.get("error") or chunk)[:500]
                 return
             usage = chunk.get("usage") or usage
             for choice in chunk.get("choices") or ():
                 if choice_text(choice):
                     record.chunk_times.append(now)
                 record.finish_reason = choice.get("finish_reason") or record.finish_reason
+    done = done or event_data(pending.replace(b"\r\n", b"\n")) == b"[DONE]"  # (no blank line after it)
+    if not done and record.finish_reason is None:
+        record.error = "the stream ended early: no finish_reason and no [DONE]"
     apply_usage(record, usage, counted=len(record.chunk_times))
 
 

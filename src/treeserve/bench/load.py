@@ -54,9 +54,11 @@ def arrival_gaps(count: int, rate: float, burstiness: float, rng: random.Random)
 
 async def run_level(client: ClientPool, endpoint: Endpoint, samples: list[SampleRequest],
                     level: LoadLevel, level_index: int, clock: Clock, *, first_index: int = 0,
-                    duration: float | None = None, seed: int = 0, warmup: bool = False) -> list[RequestRecord]:
+                    duration: float | None = None, seed: int = 0, warmup: bool = False,
+                    sent: list[RequestRecord] | None = None) -> list[RequestRecord]:
     """Sends `samples` at the level's pace under its concurrency cap; stops issuing after `duration`
-    seconds (requests already sent run to completion)."""
+    seconds (requests already sent run to completion). Each record is also appended to `sent` as it
+    is sent, so that a run cut short still holds the requests that had finished."""
     gate = asyncio.Semaphore(level.concurrency) if level.concurrency else None
     gaps = arrival_gaps(len(samples), level.request_rate, level.burstiness, random.Random(seed))
     began, tasks, next_at = clock.now(), [], clock.now()
@@ -70,6 +72,8 @@ async def run_level(client: ClientPool, endpoint: Endpoint, samples: list[Sample
                 gate.release()
             break
         record = RequestRecord(index=first_index + offset, level=level_index, warmup=warmup, start=clock.now())
+        if sent is not None:
+            sent.append(record)
         tasks.append(asyncio.create_task(_send_then_release(client, endpoint, sample, record, clock, gate)))
     return list(await asyncio.gather(*tasks))
 

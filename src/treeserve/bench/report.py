@@ -78,7 +78,15 @@ def render_level_line(level: dict, axis: str) -> str:
             + (f", speculation: {level['spec_decode']['acceptance_rate']:.0%} of draft tokens accepted, "
                f"{fmt(level['spec_decode']['acceptance_length'])} tokens per verified draft"
                if level.get("spec_decode", {}).get("acceptance_rate") is not None else "")
-            + _request_acceptance(level))
+            + _request_acceptance(level) + _failures(level))
+
+
+def _failures(level: dict) -> str:
+    """Why requests failed, where some did (the full list of distinct errors is in summary.json)."""
+    if not level.get("failed"):
+        return ""
+    first = (level.get("errors") or ["?"])[0].replace("\n", " ")
+    return f"; {level['failed']} failed, e.g. {first[:160]}"
 
 
 def _request_acceptance(level: dict) -> str:

@@ -116,12 +116,30 @@ def as_list(value, kind, name: str) -> list:
     return out
 
 
+@dataclass
+class RunLog:
+    """What a run holds so far: every request sent (in order, finished or not), the summaries of the
+    levels that finished, the telemetry. An interrupted run writes what finished from it."""
+    model: str | None = None
+    records: list[RequestRecord] = field(default_factory=list)
+    levels: list[dict] = field(default_factory=list)
+    telemetry: TelemetryRecorder | None = None
+
+
 def run_benchmark(config: BenchConfig) -> dict:
-    """Runs every level and writes the run directory; returns the summary."""
-    return asyncio.run(_run(config))
+    """Runs every level and writes the run directory; returns the summary. Cut short (Ctrl-C,
+    SIGTERM), it writes the requests that finished and their figures, marked interrupted, then
+    lets the interruption go on."""
+    log = RunLog()
+    try:
+        return asyncio.run(_run(config, log))
+    except (KeyboardInterrupt, SystemExit):
+        if log.telemetry is not None:  # (the load had begun)
+            _write_interrupted(config, log)
+        raise
 
 
-async def _run(config: BenchConfig) -> dict:
+async def _run(config: BenchConfig, log: RunLog) -> dict:
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     model = config.model or await first_model(config.base_url, config.api_key)
@@ -129,52 +147,73 @@ async def _run(config: BenchConfig) -> dict:
                         config.ignore_eos, config.temperature)
     clock = Clock()
     write_json(out / "config.json", {**config.as_json(), "model": model, "clock_start_unix": clock.start_unix})
-    telemetry = TelemetryRecorder(config.base_url, clock, config.telemetry_interval, config.api_key,
-                                  config.server_pid).start()
+    log.model = model
+    log.telemetry = TelemetryRecorder(config.base_url, clock, config.telemetry_interval, config.api_key,
+                                      config.server_pid).start()
     try:
-        records, levels = await _run_levels(config, endpoint, clock)
+        await _run_levels(config, endpoint, clock, log)
     finally:
-        telemetry.stop()
-    telemetry.write_csv(out / "telemetry.csv")
-    (out / "requests.jsonl").write_text(jsonl.dumps(r.as_json() for r in records))
-    summary = build_summary(config, model, levels, telemetry)
+        log.telemetry.stop()
+    return write_run(config, log)
+
+
+def write_run(config: BenchConfig, log: RunLog, interrupted: bool = False) -> dict:
+    """requests.jsonl, telemetry.csv, summary.json and (with plots) the report, from the log."""
+    out = Path(config.out)
+    log.telemetry.write_csv(out / "telemetry.csv")
+    (out / "requests.jsonl").write_text(jsonl.dumps(r.as_json() for r in log.records))
+    summary = build_summary(config, log.model, log.levels, log.telemetry)
+    if interrupted:
+        summary["interrupted"] = True
     write_json(out / "summary.json", summary)
-    if config.plots:
+    if config.plots and log.levels:
         write_report(out)
     return summary
 
 
-async def _run_levels(config: BenchConfig, endpoint: Endpoint, clock: Clock) -> tuple[list[RequestRecord], list]:
-    records: list[RequestRecord] = []
-    levels: list[dict] = []
+def _write_interrupted(config: BenchConfig, log: RunLog) -> None:
+    """Keeps the requests that finished; the level cut short is summarised over its finished ones."""
+    log.telemetry.stop()
+    cut_short = sum(r.end is None for r in log.records)
+    log.records = [r for r in log.records if r.end is not None]
+    index = len(log.levels)
+    done = [r for r in log.records if r.level == index and not r.warmup]
+    if done and index < len(config.levels):
+        log.levels.append({"level": index, **config.levels[index].label(), **metrics.summarize(done, config.slos),
+                           "client": None, "start": min(r.start for r in done), "end": max(r.end for r in done),
+                           "interrupted": True, "cut_short": cut_short})
+    write_run(config, log, interrupted=True)
+    print(f"[bench] interrupted: {len(log.records)} finished requests kept in {config.out} "
+          f"({cut_short} in flight left out; summary.json marks the run interrupted)", file=sys.stderr)
+
+
+async def _run_levels(config: BenchConfig, endpoint: Endpoint, clock: Clock, log: RunLog) -> None:
     axis = sweep_axis(config.levels)
     async with ClientPool() as pool:
         if config.warmup:
             first = config.levels[0]
             warm = sample_requests(config.dataset_spec(first), config.warmup, 0)
-            records += await run_level(pool, endpoint, warm, dataclasses.replace(first, request_rate=math.inf), -1,
-                                       clock, seed=config.seed, warmup=True)
+            await run_level(pool, endpoint, warm, dataclasses.replace(first, request_rate=math.inf), -1,
+                            clock, seed=config.seed, warmup=True, sent=log.records)
         for i in range(len(config.levels)):
-            done, summary = await _measure_level(config, pool, endpoint, clock, i, len(records))
-            records += done
-            levels.append(summary)
+            summary = await _measure_level(config, pool, endpoint, clock, i, log.records)
+            log.levels.append(summary)
             print(f"[bench] level {i + 1}/{len(config.levels)} {render_level_line(summary, axis)}", file=sys.stderr)
-    return records, levels
 
 
 async def _measure_level(config: BenchConfig, pool: ClientPool, endpoint: Endpoint,
-                         clock: Clock, i: int, first_index: int) -> tuple[list[RequestRecord], dict]:
+                         clock: Clock, i: int, sent: list[RequestRecord]) -> dict:
     """One level, with the server's counters scraped around it and the client's lag probed during it."""
     level = config.levels[i]
-    samples = sample_requests(config.dataset_spec(level), config.num_requests, first_index)
+    samples = sample_requests(config.dataset_spec(level), config.num_requests, len(sent))
     before = await scrape_async(pool.session, config)
     probe = LoopLagProbe().start()
-    done = await run_level(pool, endpoint, samples, level, i, clock, first_index=first_index,
-                           duration=config.duration, seed=config.seed + i)
+    done = await run_level(pool, endpoint, samples, level, i, clock, first_index=len(sent),
+                           duration=config.duration, seed=config.seed + i, sent=sent)
     client_overhead = await probe.stop()
     after = await scrape_async(pool.session, config)
     summary = metrics.summarize(done, config.slos, metrics.server_deltas(before, after) if after else None)
-    return done, {"level": i, **level.label(), **summary, "client": client_overhead,
+    return {"level": i, **level.label(), **summary, "client": client_overhead,
                   "start": min((r.start for r in done), default=None),
                   "end": max((r.end for r in done if r.end is not None), default=None)}
 
