@@ -144,3 +144,15 @@ def test_ctrl_c_keeps_the_requests_that_finished(mock_url, tmp_path):
     rows = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
     assert len(rows) == level["completed"] and all(row["end"] is not None and row["success"] for row in rows)
     assert (out / "telemetry.csv").is_file()
+
+
+@pytest.mark.parametrize("plots", [False, True])
+def test_the_closing_line_names_what_the_run_directory_holds(mock_url, tmp_path, capsys, plots):
+    """(it named report.md and plots under --no-plots, which writes neither)"""
+    out = tmp_path / "run"
+    assert main(["bench", "serve", "--base-url", mock_url, "--out", str(out), "--concurrency", "2",
+                 "--num-requests", "4", "--input-len", "8", "--output-len", "3",
+                 *([] if plots else ["--no-plots"])]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("run directory:"))
+    assert ("report.md" in line) == plots and ("plots" in line) == plots, line
+    assert all(name in line for name in ("summary.json", "requests.jsonl", "telemetry.csv")), line

@@ -113,8 +113,17 @@ def cmd_serve(args) -> int:
     values["goodput"] = values["goodput"] or []
     values["output_len"] = values["output_len"] or [None]
     summary = run_benchmark(BenchConfig.from_dict(values))
-    print(f"run directory: {args.out} (report.md, summary.json, requests.jsonl, telemetry.csv, plots)")
+    print(f"run directory: {args.out} ({written(args.out)})")
     return 0 if all(level["completed"] for level in summary["levels"]) else 1
+
+
+def written(run_dir: str) -> str:
+    """What the run directory holds, the plots counted (none under --no-plots)."""
+    from pathlib import Path
+
+    names = sorted(p.name for p in Path(run_dir).iterdir() if p.suffix != ".png")
+    plots = sum(1 for _ in Path(run_dir).glob("*.png"))
+    return ", ".join(names + ([f"{plots} plots"] if plots else []))
 
 
 def cmd_report(args) -> int:
