@@ -157,7 +157,7 @@ def test_a_mixed_batch_of_500_lines_is_answered_and_billed_once_per_line(backend
         batch = _start(client, lines)
         assert batch.status == "in_progress" and batch.request_counts.total == 500
         progress = []
-        while batch.status == "in_progress":
+        while batch.status in ("in_progress", "finalizing"):  # (finalizing: its files being written)
             progress.append(batch.request_counts.completed)
             time.sleep(0.5)
             batch = client.batches.retrieve(batch.id)
