@@ -712,3 +712,26 @@ def test_a_batch_cancelled_while_validating_runs_no_line(tmp_path, monkeypatch):
     assert ended.status == "cancelled" and ended.cancelled_at >= ended.cancelling_at and ended.request_counts.total == 0
     assert (ended.output_file_id, ended.error_file_id, ended.in_progress_at, ended.finalizing_at) == (None,) * 4
     assert seen == []
+
+
+def test_a_batch_cancelled_before_its_file_is_read_is_taken_by_a_runner_at_once(tmp_path, monkeypatch):
+    """A cancel that lands between the create call's insert and its read of the file: the create call
+    gives up its validation lease, so a runner ends the batch now (it kept it 60 s, VALIDATION_LEASE)."""
+    from treeserve.gateway.store import Store
+
+    store = Store(f"sqlite:///{tmp_path / 'gw.db'}")
+    store.migrate()
+    try:
+        batches = store.batches
+        validate = batches.validate
+
+        def cancelled_first(batch_id: str) -> None:
+            batches.cancel(batch_id, None)
+            validate(batch_id)
+        monkeypatch.setattr(batches, "validate", cancelled_first)
+        file_id = store.files.create(None, "batch", "b.jsonl", _jsonl(_echo_lines(2)))["id"]
+        created = batches.create(None, file_id, "/v1/chat/completions", "24h", None)
+        assert created["status"] == "cancelling"
+        assert batches.claim("runner") == [created["id"]]
+    finally:
+        store.close()
