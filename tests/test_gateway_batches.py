@@ -735,3 +735,32 @@ def test_a_batch_cancelled_before_its_file_is_read_is_taken_by_a_runner_at_once(
         assert batches.claim("runner") == [created["id"]]
     finally:
         store.close()
+
+
+def test_a_batch_cancelled_after_its_last_line_is_counted_and_logged_cancelled(tmp_path, monkeypatch, caplog):
+    """The runner's metric and log say how the batch ended: `cancelled` when the cancel came after
+    its last line ended (they said `completed`, as the runner had meant to end it)."""
+    import asyncio
+    import logging
+
+    from treeserve.gateway.batch_runner import BatchRunner
+
+    store = _store(tmp_path)
+    uploaded = store.files.create(None, "batch", "b.jsonl", _jsonl(_echo_lines(2)))
+    batch = store.batches.create(None, uploaded["id"], "/v1/chat/completions", "24h", None)
+    store.batches.fail_pending(batch["id"], {"code": "x", "message": "x", "param": None})
+    finalize = store.batches.finalize
+
+    def cancelled_first(batch_id: str, ending: str = "completed"):
+        store.batches.cancel(batch_id, None)
+        return finalize(batch_id, ending)
+    monkeypatch.setattr(store.batches, "finalize", cancelled_first)
+    counts = {}
+    metrics = SimpleNamespace(batches=SimpleNamespace(labels=lambda status: SimpleNamespace(
+        inc=lambda: counts.update({status: counts.get(status, 0) + 1}))))
+    runner = BatchRunner(store.batches, store.accounts, store.ledger, SimpleNamespace(metrics=metrics), None, "me")
+    with caplog.at_level(logging.INFO, logger="treeserve.gateway"):
+        asyncio.run(runner._batch(batch["id"]))
+    assert store.batches.get(batch["id"], None)["status"] == "cancelled"
+    assert counts == {"cancelled": 1}
+    assert f"batch {batch['id']}: cancelled" in caplog.text

@@ -211,11 +211,11 @@ class Batches:
             conn.execute(update(BatchLine).where(BatchLine.batch_id == batch_id, BatchLine.status == "pending")
                          .values(status="failed", error=error))
 
-    def finalize(self, batch_id: str, ending: str = "completed") -> None:
+    def finalize(self, batch_id: str, ending: str = "completed") -> str:
         """Ends the batch (`completed`, `cancelled` or `expired`) with its output file (answers with
         status 200) and error file (the rest), in line order, written in the transaction that ends
         it. A batch completing is `finalizing` meanwhile; one cancelled since its last line ended
-        ends `cancelled`."""
+        ends `cancelled`. The status it ended with."""
         if ending == "completed":
             ending = self._finalizing(batch_id)
         with self.db.session() as conn:
@@ -236,6 +236,7 @@ class Batches:
             conn.execute(update(Batch).where(Batch.id == batch_id).values(
                 status=ending, output_file_id=files.get("output"), error_file_id=files.get("error"),
                 lease_owner=None, lease_expires=None, **{stamps[ending]: now}))
+        return ending
 
     def _finalizing(self, batch_id: str) -> str:
         """The batch `finalizing` (from `in_progress`; one taken up after a restart may be so already),
