@@ -157,7 +157,7 @@ def test_a_mixed_batch_of_500_lines_is_answered_and_billed_once_per_line(backend
         batch = _start(client, lines)
         assert batch.status == "in_progress" and batch.request_counts.total == 500
         progress = []
-        while batch.status == "in_progress":
+        while batch.status in ("in_progress", "finalizing"):  # (finalizing: its files being written)
             progress.append(batch.request_counts.completed)
             time.sleep(0.5)
             batch = client.batches.retrieve(batch.id)
@@ -712,3 +712,55 @@ def test_a_batch_cancelled_while_validating_runs_no_line(tmp_path, monkeypatch):
     assert ended.status == "cancelled" and ended.cancelled_at >= ended.cancelling_at and ended.request_counts.total == 0
     assert (ended.output_file_id, ended.error_file_id, ended.in_progress_at, ended.finalizing_at) == (None,) * 4
     assert seen == []
+
+
+def test_a_batch_cancelled_before_its_file_is_read_is_taken_by_a_runner_at_once(tmp_path, monkeypatch):
+    """A cancel that lands between the create call's insert and its read of the file: the create call
+    gives up its validation lease, so a runner ends the batch now (it kept it 60 s, VALIDATION_LEASE)."""
+    from treeserve.gateway.store import Store
+
+    store = Store(f"sqlite:///{tmp_path / 'gw.db'}")
+    store.migrate()
+    try:
+        batches = store.batches
+        validate = batches.validate
+
+        def cancelled_first(batch_id: str) -> None:
+            batches.cancel(batch_id, None)
+            validate(batch_id)
+        monkeypatch.setattr(batches, "validate", cancelled_first)
+        file_id = store.files.create(None, "batch", "b.jsonl", _jsonl(_echo_lines(2)))["id"]
+        created = batches.create(None, file_id, "/v1/chat/completions", "24h", None)
+        assert created["status"] == "cancelling"
+        assert batches.claim("runner") == [created["id"]]
+    finally:
+        store.close()
+
+
+def test_a_batch_cancelled_after_its_last_line_is_counted_and_logged_cancelled(tmp_path, monkeypatch, caplog):
+    """The runner's metric and log say how the batch ended: `cancelled` when the cancel came after
+    its last line ended (they said `completed`, as the runner had meant to end it)."""
+    import asyncio
+    import logging
+
+    from treeserve.gateway.batch_runner import BatchRunner
+
+    store = _store(tmp_path)
+    uploaded = store.files.create(None, "batch", "b.jsonl", _jsonl(_echo_lines(2)))
+    batch = store.batches.create(None, uploaded["id"], "/v1/chat/completions", "24h", None)
+    store.batches.fail_pending(batch["id"], {"code": "x", "message": "x", "param": None})
+    finalize = store.batches.finalize
+
+    def cancelled_first(batch_id: str, ending: str = "completed"):
+        store.batches.cancel(batch_id, None)
+        return finalize(batch_id, ending)
+    monkeypatch.setattr(store.batches, "finalize", cancelled_first)
+    counts = {}
+    metrics = SimpleNamespace(batches=SimpleNamespace(labels=lambda status: SimpleNamespace(
+        inc=lambda: counts.update({status: counts.get(status, 0) + 1}))))
+    runner = BatchRunner(store.batches, store.accounts, store.ledger, SimpleNamespace(metrics=metrics), None, "me")
+    with caplog.at_level(logging.INFO, logger="treeserve.gateway"):
+        asyncio.run(runner._batch(batch["id"]))
+    assert store.batches.get(batch["id"], None)["status"] == "cancelled"
+    assert counts == {"cancelled": 1}
+    assert f"batch {batch['id']}: cancelled" in caplog.text

@@ -148,7 +148,8 @@ class BatchRunner:
         if run.stopped in STOP_ERRORS:  # (after every line in hand has ended: none is sent after this)
             await run_in_threadpool(self.batches.fail_pending, batch_id, STOP_ERRORS[run.stopped])
         ending = {"cancelled": "cancelled", "expired": "expired"}.get(run.stopped, "completed")
-        await run_in_threadpool(self.batches.finalize, batch_id, ending)
+        # (a cancel that came after its last line ended: cancelled, not completed)
+        ending = await run_in_threadpool(self.batches.finalize, batch_id, ending)
         for counts in (self.attempts, self.hold_waits):  # (of lines that ended unanswered: cancelled, expired)
             for batch_line in [k for k in counts if k[0] == batch_id]:
                 del counts[batch_line]

@@ -73,6 +73,7 @@ class Batches:
         with self.db.session() as conn:
             batch = conn.execute(select(Batch).where(Batch.id == batch_id)).scalar()
         if batch is None or batch.status != "validating":  # (its key deleted meanwhile; cancelled)
+            self._end_validation_lease(batch_id)  # (a runner ends a cancelled one now, not once the lease lapses)
             return
         found = batch_file.read(self.files.content(batch.input_file_id, batch.api_key_id, "input_file_id"),
                                 batch.endpoint)
@@ -86,9 +87,14 @@ class Batches:
                 conn.execute(insert(BatchLine.__table__), [
                     dict(batch_id=batch_id, line=i, custom_id=custom_id, url=url, body=body, status="pending")
                     for i, (custom_id, url, body) in enumerate(found.lines)])
-            elif not moved:
-                conn.execute(update(Batch).where(Batch.id == batch_id, Batch.lease_owner == VALIDATING)
-                             .values(lease_owner=None, lease_expires=None))
+        if not moved:
+            self._end_validation_lease(batch_id)
+
+    def _end_validation_lease(self, batch_id: str) -> None:
+        """The create call's lease on a batch no longer validating given up: a runner takes it at once."""
+        with self.db.transaction() as conn:
+            conn.execute(update(Batch).where(Batch.id == batch_id, Batch.lease_owner == VALIDATING)
+                         .values(lease_owner=None, lease_expires=None))
 
     def interrupted(self, batch_id: str) -> None:
         """A batch whose create call stopped while reading its file (an error; the gateway killed: the
@@ -205,11 +211,11 @@ class Batches:
             conn.execute(update(BatchLine).where(BatchLine.batch_id == batch_id, BatchLine.status == "pending")
                          .values(status="failed", error=error))
 
-    def finalize(self, batch_id: str, ending: str = "completed") -> None:
+    def finalize(self, batch_id: str, ending: str = "completed") -> str:
         """Ends the batch (`completed`, `cancelled` or `expired`) with its output file (answers with
         status 200) and error file (the rest), in line order, written in the transaction that ends
         it. A batch completing is `finalizing` meanwhile; one cancelled since its last line ended
-        ends `cancelled`."""
+        ends `cancelled`. The status it ended with."""
         if ending == "completed":
             ending = self._finalizing(batch_id)
         with self.db.session() as conn:
@@ -230,6 +236,7 @@ class Batches:
             conn.execute(update(Batch).where(Batch.id == batch_id).values(
                 status=ending, output_file_id=files.get("output"), error_file_id=files.get("error"),
                 lease_owner=None, lease_expires=None, **{stamps[ending]: now}))
+        return ending
 
     def _finalizing(self, batch_id: str) -> str:
         """The batch `finalizing` (from `in_progress`; one taken up after a restart may be so already),
