@@ -480,9 +480,9 @@ def test_the_alias_and_chat_key_migrations_keep_every_key(tmp_path):
         command.upgrade(config, "0010")
     rows = [("dup", None, "{}"), ("dup", None, "{}"), ("dup #2", None, "{}"),
             ("chat:ada", "ada", '{"purpose": "web chat"}'), ("chat:bob", "bob", '{"team": "x"}'),
-            ("chat:ada", "ada", '{"purpose": "web chat"}')]
+            ("chat:ada", "ada", '{"purpose": "web chat"}'), ("chat:cy", "cy", "null"), ("chat:dee", "dee", "[1]")]
     with store.db.transaction() as conn:
-        for user in ("ada", "bob"):
+        for user in ("ada", "bob", "cy", "dee"):
             conn.execute(text("INSERT INTO users (user_id, spend, reserved, metadata, created_at) "
                               "VALUES (:u, 0, 0, '{}', :t)"), {"u": user, "t": utcnow()})
         for i, (alias, user, metadata) in enumerate(rows):
@@ -497,7 +497,8 @@ def test_the_alias_and_chat_key_migrations_keep_every_key(tmp_path):
             keys = conn.execute(select(ApiKey.id, ApiKey.key_alias, ApiKey.web_chat).order_by(ApiKey.id)).all()
             assert [tuple(k) for k in keys] == [(1, "dup", False), (2, "dup #2.1", False), (3, "dup #2", False),
                                                 (4, "chat:ada", True), (5, "chat:bob", False),
-                                                (6, "chat:ada #6", False)]
+                                                (6, "chat:ada #6", False), (7, "chat:cy", False),
+                                                (8, "chat:dee", False)]  # (metadata null, a list: no purpose)
             assert compare_metadata(MigrationContext.configure(conn.connection()), Base.metadata) == []
     finally:
         store.close()

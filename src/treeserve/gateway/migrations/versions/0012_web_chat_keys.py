@@ -28,8 +28,9 @@ def upgrade() -> None:
                                 "WHERE key_alias LIKE 'chat:%' AND user_id IS NOT NULL ORDER BY id")).all()
     marked = set()
     for key_id, user_id, alias, metadata in rows:
-        metadata = json.loads(metadata) if isinstance(metadata, str) else metadata or {}
-        if alias == f"chat:{user_id}" and metadata.get("purpose") == "web chat" and user_id not in marked:
+        metadata = json.loads(metadata) if isinstance(metadata, str) else metadata
+        made_by_chat = isinstance(metadata, dict) and metadata.get("purpose") == "web chat"  # (null, a list: no)
+        if alias == f"chat:{user_id}" and made_by_chat and user_id not in marked:
             marked.add(user_id)
             conn.execute(sa.text("UPDATE api_keys SET web_chat = :yes WHERE id = :id"), {"yes": True, "id": key_id})
     op.create_index("ix_api_keys_web_chat_user", "api_keys", ["user_id"], unique=True,
