@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 import re
 from pathlib import Path
 
 from treeserve.errors import ParamError
+from treeserve.tool_arguments import parse_arguments
 
 logger = logging.getLogger(__name__)
 
@@ -114,10 +114,4 @@ def _template_call(call, where: str):
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
         return call  # (already an object, as HF's own examples write it)
-    try:
-        arguments = json.loads(function["arguments"])
-    except (ValueError, RecursionError) as exc:
-        raise ParamError(f"{where}.function.arguments", f"must be JSON text ({exc})") from None
-    if not isinstance(arguments, dict):
-        raise ParamError(f"{where}.function.arguments", "must be a JSON object")
-    return {**call, "function": {**function, "arguments": arguments}}
+    return {**call, "function": {**function, "arguments": parse_arguments(function["arguments"], where)}}

@@ -1,13 +1,13 @@
 """OpenAI request bodies (pydantic, strict types) and their mapping to `SamplingParams`."""
 from __future__ import annotations
 
-import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 from treeserve.errors import ParamError
 from treeserve.sampling_params import SamplingParams, StructuredOutputsParams
+from treeserve.tool_arguments import parse_arguments
 from treeserve.wire.sampling_fields import request_fields, sampling_values
 
 MAX_N = 128
@@ -254,13 +254,8 @@ class ChatMessage(BaseModel):
 
 
 def _template_call(call: ToolCall, where: str) -> dict:
-    try:
-        arguments = json.loads(call.function.arguments)
-    except (ValueError, RecursionError) as exc:
-        raise ParamError(f"{where}.function.arguments", f"must be JSON text ({exc})") from exc
-    if not isinstance(arguments, dict):
-        raise ParamError(f"{where}.function.arguments", "must be a JSON object")
-    return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
+    return {"id": call.id, "type": "function",
+            "function": {"name": call.function.name, "arguments": parse_arguments(call.function.arguments, where)}}
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict]:
