@@ -128,3 +128,18 @@ def test_vllms_pooling_calls_say_what_to_use_instead(llm, name):
     assert not hasattr(llm, name)
     with pytest.raises(AttributeError, match="'LLM' object has no attribute 'embedd'"):
         llm.embedd
+
+
+def test_responses_and_messages_join_text_parts_as_a_chat_message_does():
+    """(joined with nothing before: "Hi" + "there" was "Hithere", where a chat message and vLLM's
+    Responses and Messages endpoints join by newlines)"""
+    from treeserve.wire.messages import chat_messages
+    from treeserve.wire.responses import input_messages
+
+    parts = [{"type": "input_text", "text": "Hi"}, {"type": "input_text", "text": "there"}]
+    assert input_messages([{"role": "user", "content": parts}])[-1]["content"] == "Hi\nthere"
+    blocks = [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]
+    turns = chat_messages(None, [{"role": "user", "content": blocks}, {"role": "assistant", "content": blocks},
+                                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+                                                               "content": blocks}]}])
+    assert [turn["content"] for turn in turns] == ["Hi\nthere", "Hi\nthere", "Hi\nthere"]

@@ -97,7 +97,7 @@ def _user_turn(blocks: list, where: str) -> list[dict]:
         else:
             raise ParamError(f"{where}[{j}].type", f"user content blocks of type {kind!r} are not supported "
                                                    "(text and tool_result are)")
-    return tools + ([{"role": "user", "content": "".join(texts)}] if texts or not tools else [])
+    return tools + ([{"role": "user", "content": "\n".join(texts)}] if texts or not tools else [])
 
 
 def _assistant_turn(blocks: list, where: str) -> list[dict]:
@@ -116,7 +116,7 @@ def _assistant_turn(blocks: list, where: str) -> list[dict]:
         else:
             raise ParamError(f"{where}[{j}].type", f"assistant content blocks of type {kind!r} are not supported "
                                                    "(text and tool_use are)")
-    message = {"role": "assistant", "content": "".join(texts) or None}
+    message = {"role": "assistant", "content": "\n".join(texts) or None}
     return [message | {"tool_calls": calls} if calls else message]
 
 
@@ -142,7 +142,7 @@ def _blocks_text(content, where: str) -> str:
         if _kind(block, f"{where}[{j}]") != "text":
             raise ParamError(f"{where}[{j}].type", f"only text blocks are supported here, got {block.get('type')!r}")
         texts.append(_block_text(block, f"{where}[{j}]"))
-    return "".join(texts)
+    return "\n".join(texts)
 
 
 def chat_tool(tool: dict, where: str) -> dict:

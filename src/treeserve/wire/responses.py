@@ -177,7 +177,7 @@ def _content_text(content, where: str) -> str:
             raise ParamError(f"{where}[{j}].type", f"only text parts are supported (input_text, output_text), "
                                                    f"got {kind!r}")
         texts.append(part["text"])
-    return "".join(texts)
+    return "\n".join(texts)  # (as a chat message's parts, and vLLM's)
 
 
 def _text(item: dict, name: str, where: str) -> str:
