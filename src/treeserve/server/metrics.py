@@ -20,7 +20,7 @@ from bisect import bisect_left
 from prometheus_client.utils import floatToGoString
 
 from treeserve.engine.llm_engine import LLMEngine
-from treeserve.outputs import RequestOutput
+from treeserve.outputs import AbortedRequest, RequestOutput
 from treeserve.server.search_metrics import SearchMetrics
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -161,8 +161,8 @@ class ServerMetrics:
         self.by_engine[id(engine)].on_step(engine, outputs)
         self.version += 1
 
-    def on_abort(self, engine: LLMEngine, request_id: str) -> None:
-        self.by_engine[id(engine)].on_abort(engine, request_id)
+    def on_abort(self, engine: LLMEngine, aborted: AbortedRequest) -> None:
+        self.by_engine[id(engine)].on_abort(engine, aborted)
         self.version += 1
 
     def on_idle(self, engine: LLMEngine) -> None:
@@ -261,10 +261,18 @@ class EngineMetrics:
             if output.finished:
                 self._observe_finished(output)
 
-    def on_abort(self, engine: LLMEngine, request_id: str) -> None:
+    def on_abort(self, engine: LLMEngine, aborted: AbortedRequest) -> None:
+        """What an aborted request did and no output reported, counted as vLLM counts it: its prompt
+        once prefilled, every token it generated (a non-streamed one's reach no output), and each
+        sample's finish not yet counted (cut ones as `abort`)."""
         self._update_gauges(engine)
-        self._seen_tokens.pop(request_id, None)
-        self._success("abort").inc()
+        seen, _ = self._seen_tokens.pop(aborted.request_id, (0, 0.0))
+        self.generation_tokens.inc(max(sum(tokens for tokens, _ in aborted.samples) - seen, 0))
+        if aborted.prompt_computed:
+            self.prompt_tokens.inc(aborted.num_prompt_tokens)
+        for _, reason in aborted.samples:
+            if reason is None or not aborted.delta:  # a delta output reported a finished sample's own finish
+                self._success(reason or "abort").inc()
 
     def refresh_gauges(self, engine: LLMEngine) -> bool:
         """The gauges and counters read from the engine's stats again; whether any moved."""

@@ -1,0 +1,116 @@
+"""/metrics values checked exactly against what the engine did, as a vLLM dashboard reads them:
+token counters, finishes by reason, for requests that end and for requests whose client leaves."""
+import json
+import socket
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import API_KEY, wait_idle
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def _scrape(url: str) -> dict[str, float]:
+    """Each sample by name and its labels but model_name (one model here)."""
+    values = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", headers=AUTH).text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model_name")
+            values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return values
+
+
+def _moved(before: dict[str, float], after: dict[str, float], *names: str) -> dict[str, float]:
+    return {name: after.get(name, 0) - before.get(name, 0) for name in names}
+
+
+def _post_and_leave(server, body: dict) -> None:
+    """Sends a non-streamed request and hangs up once each of its samples has a few tokens."""
+    payload = json.dumps(body).encode()
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(payload)}\r\n\r\n".encode()
+                     + payload)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            groups = list(server.engine.groups.values())
+            if groups and all(c.num_output_tokens >= 3 for g in groups for c in g.children):
+                return
+            time.sleep(0.005)
+
+
+COUNTERS = ("treeserve:prompt_tokens_total", "treeserve:generation_tokens_total",
+            "treeserve:request_success_total{finished_reason=abort}",
+            "treeserve:request_success_total{finished_reason=length}")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_whose_client_leaves_counts_its_prompt_tokens_and_samples(server, stream):
+    """vLLM counts a request's prompt once prefilled and its tokens as they are generated, whatever
+    ends it. An aborted request's prompt was never counted here, a non-streamed one's tokens neither
+    (they reach no output), a streamed one's last tokens only if an output carried them, and n samples
+    cut by the abort counted as one `abort` where n that finish count n."""
+    engine, cut = server.engine, []
+    original = engine.abort_request
+
+    def abort_request(request_id):
+        group = engine.groups.get(request_id)
+        if group is not None:
+            cut.append((len(group.prompt_token_ids), [c.num_output_tokens for c in group.children]))
+        return original(request_id)
+
+    before = _scrape(server.url)
+    engine.abort_request = abort_request
+    try:
+        body = {"model": "tiny", "prompt": "Go on forever", "max_tokens": 400, "n": 2, "ignore_eos": True,
+                "stream": stream}
+        if stream:
+            with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH, timeout=60) as resp:
+                chunks = 0
+                for line in resp.iter_lines():
+                    chunks += line.startswith("data: ")
+                    if chunks == 4:
+                        break  # hang up mid-answer
+        else:
+            _post_and_leave(server, body)
+        deadline = time.monotonic() + 20
+        while not cut and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        engine.abort_request = original
+    wait_idle(engine)
+    assert len(cut) == 1, cut
+    prompt_tokens, generated = cut[0]
+    assert min(generated) > 0, "aborted before its first tokens: nothing to check"
+    moved = _moved(before, _scrape(server.url), *COUNTERS)
+    assert moved == {"treeserve:prompt_tokens_total": prompt_tokens,
+                     "treeserve:generation_tokens_total": sum(generated),
+                     "treeserve:request_success_total{finished_reason=abort}": 2,
+                     "treeserve:request_success_total{finished_reason=length}": 0}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_finished_requests_count_exactly_their_usage(server, stream):
+    """n=2, max_tokens=5: the counters move by the usage the answer reports."""
+    before = _scrape(server.url)
+    body = {"model": "tiny", "prompt": "Hello world", "max_tokens": 5, "n": 2, "ignore_eos": True,
+            "stream": stream, "stream_options": {"include_usage": True}} if stream else \
+        {"model": "tiny", "prompt": "Hello world", "max_tokens": 5, "n": 2, "ignore_eos": True}
+    if stream:
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH, timeout=60) as resp:
+            chunks = [json.loads(line[6:]) for line in resp.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+        usage = chunks[-1]["usage"]
+    else:
+        usage = httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=60).json()["usage"]
+    wait_idle(server.engine)
+    moved = _moved(before, _scrape(server.url), *COUNTERS, "treeserve:e2e_request_latency_seconds_count")
+    assert moved == {"treeserve:prompt_tokens_total": usage["prompt_tokens"],
+                     "treeserve:generation_tokens_total": usage["completion_tokens"],
+                     "treeserve:request_success_total{finished_reason=abort}": 0,
+                     "treeserve:request_success_total{finished_reason=length}": 2,
+                     "treeserve:e2e_request_latency_seconds_count": 1}
