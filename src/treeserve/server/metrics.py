@@ -189,7 +189,7 @@ class ServerMetrics:
 
 class EngineMetrics:
     def __init__(self, server: ServerMetrics, model_name: str):
-        self._server = server
+        self._server, self.model_name = server, model_name
         self._labels = labels = {"model_name": model_name}
 
         def gauge(name, doc):
