@@ -108,9 +108,38 @@ def test_finished_requests_count_exactly_their_usage(server, stream):
     else:
         usage = httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=60).json()["usage"]
     wait_idle(server.engine)
-    moved = _moved(before, _scrape(server.url), *COUNTERS, "treeserve:e2e_request_latency_seconds_count")
+    moved = _moved(before, _scrape(server.url), *COUNTERS, "treeserve:e2e_request_latency_seconds_count",
+                   "treeserve:request_prompt_tokens_sum", "treeserve:request_generation_tokens_sum",
+                   "treeserve:request_generation_tokens_count")
     assert moved == {"treeserve:prompt_tokens_total": usage["prompt_tokens"],
                      "treeserve:generation_tokens_total": usage["completion_tokens"],
                      "treeserve:request_success_total{finished_reason=abort}": 0,
                      "treeserve:request_success_total{finished_reason=length}": 2,
-                     "treeserve:e2e_request_latency_seconds_count": 1}
+                     "treeserve:e2e_request_latency_seconds_count": 1,
+                     "treeserve:request_prompt_tokens_sum": usage["prompt_tokens"],
+                     "treeserve:request_generation_tokens_sum": usage["completion_tokens"],
+                     "treeserve:request_generation_tokens_count": 1}
+
+
+# vLLM v1's bucket bounds (vllm/v1/metrics/loggers.py, PrometheusStatLogger)
+VLLM_REQUEST_LATENCY = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                        240.0, 480.0, 960.0, 1920.0, 7680.0)
+VLLM_BUCKETS = {
+    "ttft": (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+             80.0, 160.0, 640.0, 2560.0),
+    "itl": (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0),
+    "e2e": VLLM_REQUEST_LATENCY, "queue_time": VLLM_REQUEST_LATENCY, "prefill_time": VLLM_REQUEST_LATENCY,
+    "decode_time": VLLM_REQUEST_LATENCY,
+    "request_prompt_tokens": (1, 2, 5, 10, 20, 50, 100, 200, 500),  # 1-2-5 up to max_model_len (512 here)
+    "request_generation_tokens": (1, 2, 5, 10, 20, 50, 100, 200, 500),
+}
+
+
+def test_histograms_have_every_bucket_bound_of_vllms(server):
+    """A dashboard's histogram_quantile and `le` selectors read the same as on vLLM: every one of its
+    bounds is there (finer ones may be added below). Here the request-phase histograms ended at 640 s, so
+    the p99 of a 20-minute reasoning request read 640 s, and `le="60.0"` (an SLO) matched nothing."""
+    metrics = server.app.state.metrics.by_engine[id(server.engine)]
+    for name, bounds in VLLM_BUCKETS.items():
+        ours = set(getattr(metrics, name).upper_bounds)
+        assert ours >= {float(b) for b in bounds}, (name, sorted({float(b) for b in bounds} - ours))

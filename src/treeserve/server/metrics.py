@@ -23,9 +23,28 @@ from treeserve.engine.llm_engine import LLMEngine
 from treeserve.outputs import AbortedRequest, RequestOutput
 from treeserve.server.search_metrics import SearchMetrics
 
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                   10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+# Every bucket bound of vLLM's histogram of the same name (so a dashboard's `le` and quantiles read the
+# same), with finer ones below where a fast server's values lie (vLLM's ITL starts at 10 ms, its
+# request-phase times at 0.3 s)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+               2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0,
+                           20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+MAX_TOKENS_BUCKET = 1 << 17  # the token-count histograms' largest bound when the model's length is not known
 ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def one_two_five_buckets(limit: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's buckets for token counts, to max_model_len)."""
+    bounds, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > limit:
+                return tuple(bounds)
+            bounds.append(mantissa * scale)
+        scale *= 10
 # prometheus_client's switch for the `_created` series, honoured the same way
 CREATED_SERIES = os.environ.get("PROMETHEUS_DISABLE_CREATED_SERIES", "False").lower() not in ("true", "1", "t")
 
@@ -149,7 +168,7 @@ class ServerMetrics:
         return self._families[name]
 
     def add_model(self, engine: LLMEngine, model_name: str) -> "EngineMetrics":
-        metrics = EngineMetrics(self, model_name)
+        metrics = EngineMetrics(self, model_name, getattr(engine, "max_model_len", None) or MAX_TOKENS_BUCKET)
         self.by_engine[id(engine)] = metrics
         return metrics
 
@@ -188,7 +207,7 @@ class ServerMetrics:
 
 
 class EngineMetrics:
-    def __init__(self, server: ServerMetrics, model_name: str):
+    def __init__(self, server: ServerMetrics, model_name: str, max_model_len: int = MAX_TOKENS_BUCKET):
         self._server, self.model_name = server, model_name
         self._labels = labels = {"model_name": model_name}
 
@@ -198,7 +217,7 @@ class EngineMetrics:
         def counter(name, doc):
             return server.family("counter", name, doc).labels(**labels)
 
-        def histogram(name, doc, buckets=LATENCY_BUCKETS):
+        def histogram(name, doc, buckets=REQUEST_LATENCY_BUCKETS):
             return server.family("histogram", name, doc, buckets=buckets).labels(**labels)
 
         self.running = gauge("num_requests_running", "Requests in the running batch.")
@@ -223,14 +242,18 @@ class EngineMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.request_success = server.family("counter", "request_success", "Finished requests by finish reason.")
-        self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token.")
-        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive output tokens.")
+        self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token.", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive output tokens.", ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the end of the request.")
         self.queue_time = histogram("request_queue_time_seconds", "Time from arrival to first scheduling.")
         self.prefill_time = histogram("request_prefill_time_seconds", "Time from first scheduling to first token.")
         self.decode_time = histogram("request_decode_time_seconds", "Time from first token to the end.")
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step.",
                                           ITERATION_BUCKETS)
+        lengths = one_two_five_buckets(max_model_len)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per finished request.", lengths)
+        self.request_generation_tokens = histogram("request_generation_tokens",
+                                                   "Generated tokens per finished request (all its samples).", lengths)
         self.memory = {part: gauge(f"memory_{part}_bytes", f"Memory accounting: {part.replace('_', ' ')} bytes.")
                        for part in ("weights", "activation", "non_torch", "kv")}
         self._seen_tokens: dict[str, tuple[int, float]] = {}
@@ -344,10 +367,12 @@ class EngineMetrics:
                 self._success(completion.finish_reason or "abort").inc()
 
     def _observe_finished(self, output: RequestOutput) -> None:
-        self._seen_tokens.pop(output.request_id, None)
+        generated, _ = self._seen_tokens.pop(output.request_id, (0, 0.0))  # (its outputs were counted first)
         m = output.metrics
         end = m.finished_time or time.monotonic()
         self.prompt_tokens.inc(len(output.prompt_token_ids))
+        self.request_prompt_tokens.observe(len(output.prompt_token_ids))
+        self.request_generation_tokens.observe(generated)
         self.e2e.observe(end - m.arrival_time)
         if m.first_scheduled_time is not None:
             self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
