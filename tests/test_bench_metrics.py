@@ -175,3 +175,12 @@ def test_the_exposition_reader_agrees_with_prometheus_clients_parser():
         ours, theirs = reader.read(text), _reference_parse(text)
         assert ours.keys() == theirs.keys()
         assert all(ours[k] == theirs[k] or (math.isnan(ours[k]) and math.isnan(theirs[k])) for k in ours)
+
+
+def test_a_series_that_appears_mid_run_has_empty_cells_before(tmp_path):
+    from treeserve.bench.telemetry import read_csv, write_union_csv
+
+    rows = [{"t": 0.0, "time_unix": 1.0, "a": 1.0}, {"t": 0.1, "time_unix": 1.1, "a": 2.0, "late": 5.0}]
+    header = write_union_csv(rows, tmp_path / "t.csv")
+    assert header == ["t", "time_unix", "a", "late"]
+    assert [row["late"] for row in read_csv(tmp_path / "t.csv")[1]] == [None, 5.0]

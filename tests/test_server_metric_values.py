@@ -143,3 +143,16 @@ def test_histograms_have_every_bucket_bound_of_vllms(server):
     for name, bounds in VLLM_BUCKETS.items():
         ours = set(getattr(metrics, name).upper_bounds)
         assert ours >= {float(b) for b in bounds}, (name, sorted({float(b) for b in bounds} - ours))
+
+
+def test_each_finish_reason_is_served_at_zero_before_its_first_finish():
+    """vLLM makes request_success's stop, length and abort series at 0: a series that first appears at 1
+    has no earlier sample, so rate() and increase() miss that first abort (the one an alert waits for)."""
+    from treeserve.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics()
+    metrics.add_model(object(), "m")
+    served = {sample.labels["finished_reason"]: sample.value
+              for family in text_string_to_metric_families(metrics.render().decode())
+              for sample in family.samples if sample.name == "treeserve:request_success_total"}
+    assert served == {"stop": 0, "length": 0, "abort": 0}
