@@ -108,9 +108,15 @@ def test_finished_requests_count_exactly_their_usage(server, stream):
     else:
         usage = httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=60).json()["usage"]
     wait_idle(server.engine)
-    moved = _moved(before, _scrape(server.url), *COUNTERS, "treeserve:e2e_request_latency_seconds_count",
+    after = _scrape(server.url)
+    moved = _moved(before, after, *COUNTERS, "treeserve:e2e_request_latency_seconds_count",
                    "treeserve:request_prompt_tokens_sum", "treeserve:request_generation_tokens_sum",
-                   "treeserve:request_generation_tokens_count")
+                   "treeserve:request_generation_tokens_count", "treeserve:request_max_num_generation_tokens_sum")
+    itl, tpot = ("inter_token_latency_seconds", "time_per_output_token_seconds")
+    gaps = _moved(before, after, *(f"treeserve:{name}_{part}" for name in (itl, tpot) for part in ("count", "sum")))
+    assert gaps[f"treeserve:{itl}_count"] == usage["completion_tokens"] - 2  # (each sample's after its first)
+    assert gaps[f"treeserve:{tpot}_count"] == gaps[f"treeserve:{itl}_count"]
+    assert gaps[f"treeserve:{tpot}_sum"] == gaps[f"treeserve:{itl}_sum"]
     assert moved == {"treeserve:prompt_tokens_total": usage["prompt_tokens"],
                      "treeserve:generation_tokens_total": usage["completion_tokens"],
                      "treeserve:request_success_total{finished_reason=abort}": 0,
@@ -118,7 +124,34 @@ def test_finished_requests_count_exactly_their_usage(server, stream):
                      "treeserve:e2e_request_latency_seconds_count": 1,
                      "treeserve:request_prompt_tokens_sum": usage["prompt_tokens"],
                      "treeserve:request_generation_tokens_sum": usage["completion_tokens"],
-                     "treeserve:request_generation_tokens_count": 1}
+                     "treeserve:request_generation_tokens_count": 1,
+                     "treeserve:request_max_num_generation_tokens_sum": 5}  # each sample: max_tokens
+
+
+# What vLLM's Grafana dashboard queries (examples/online_serving/prometheus_grafana/grafana.json)
+VLLM_DASHBOARD_SERIES = (
+    "e2e_request_latency_seconds_bucket", "e2e_request_latency_seconds_sum", "e2e_request_latency_seconds_count",
+    "prompt_tokens_total", "generation_tokens_total", "time_per_output_token_seconds_bucket",
+    "time_per_output_token_seconds_sum", "time_per_output_token_seconds_count", "num_requests_running",
+    "num_requests_waiting", "time_to_first_token_seconds_bucket", "time_to_first_token_seconds_sum",
+    "time_to_first_token_seconds_count", "gpu_cache_usage_perc", "request_prompt_tokens_bucket",
+    "request_generation_tokens_bucket", "request_success_total", "request_queue_time_seconds_sum",
+    "request_prefill_time_seconds_sum", "request_decode_time_seconds_sum", "request_max_num_generation_tokens_sum")
+
+
+def test_every_series_vllms_grafana_dashboard_reads_is_served_with_a_model_name(server):
+    """docs/METRICS.md: a vLLM dashboard ports by renaming `vllm:` to `treeserve:`. Its Time Per Output
+    Token, Cache Utilization, Prompt/Generation Length and Max Generation Token panels had no data."""
+    httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2},
+               headers=AUTH, timeout=60)
+    wait_idle(server.engine)
+    served = {(sample.name, sample.labels.get("model_name"))
+              for family in text_string_to_metric_families(httpx.get(server.url + "/metrics", headers=AUTH).text)
+              for sample in family.samples}
+    missing = [name for name in VLLM_DASHBOARD_SERIES if (f"treeserve:{name}", "tiny") not in served]
+    assert not missing, missing
+    gauges = _scrape(server.url)
+    assert gauges["treeserve:gpu_cache_usage_perc"] == gauges["treeserve:kv_cache_usage_perc"]
 
 
 # vLLM v1's bucket bounds (vllm/v1/metrics/loggers.py, PrometheusStatLogger)

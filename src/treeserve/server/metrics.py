@@ -223,6 +223,8 @@ class EngineMetrics:
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled (incl. preempted).")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of the KV pool's blocks this model holds (1 = full).")
+        self.gpu_cache_usage = gauge("gpu_cache_usage_perc", "kv_cache_usage_perc's value under vLLM's older name "
+                                     "(its Grafana dashboard's Cache Utilization panel).")
         self.kv_blocks_in_use = gauge("kv_blocks_in_use", "KV blocks (pages) this model's requests hold.")
         self.kv_blocks_free = gauge("kv_blocks_free", "Free KV blocks in the pool (shared pools: all models').")
         self.kv_blocks_wanted = gauge("kv_blocks_wanted", "Cached KV blocks this model's waiting requests "
@@ -246,6 +248,8 @@ class EngineMetrics:
             self._success(reason)                     # loses its first event to rate() and increase()
         self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token.", TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive output tokens.", ITL_BUCKETS)
+        self.tpot = histogram("time_per_output_token_seconds", "inter_token_latency_seconds' observations under "
+                              "vLLM's older name (its Grafana dashboard's Time Per Output Token panel).", ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the end of the request.")
         self.queue_time = histogram("request_queue_time_seconds", "Time from arrival to first scheduling.")
         self.prefill_time = histogram("request_prefill_time_seconds", "Time from first scheduling to first token.")
@@ -256,9 +260,12 @@ class EngineMetrics:
         self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per finished request.", lengths)
         self.request_generation_tokens = histogram("request_generation_tokens",
                                                    "Generated tokens per finished request (all its samples).", lengths)
+        self.request_max_generation_tokens = histogram("request_max_num_generation_tokens", "Generated tokens of "
+                                                       "the longest sample of each finished request.", lengths)
         self.memory = {part: gauge(f"memory_{part}_bytes", f"Memory accounting: {part.replace('_', ' ')} bytes.")
                        for part in ("weights", "activation", "non_torch", "kv")}
         self._seen_tokens: dict[str, tuple[int, float]] = {}
+        self._delta_samples: dict[str, dict[int, int]] = {}  # a delta request's tokens so far, by sample
         # EngineStats' cumulative counters -> the Prometheus counters they advance
         self._counted = {"prefix_queries": self.prefix_queries, "prefix_hits": self.prefix_hits,
                          "evictions": self.prefix_evictions, "thrash": self.prefix_thrash,
@@ -283,8 +290,10 @@ class EngineMetrics:
         for output in outputs:
             self._observe_tokens(output, now)
             self._count_finishes(output)
+            longest = self._longest_sample(output) if output.delta or output.finished else 0
             if output.finished:
                 self._observe_finished(output)
+                self.request_max_generation_tokens.observe(longest)
 
     def on_abort(self, engine: LLMEngine, aborted: AbortedRequest) -> None:
         """What an aborted request did and no output reported, counted as vLLM counts it: its prompt
@@ -292,6 +301,7 @@ class EngineMetrics:
         sample's finish not yet counted (cut ones as `abort`)."""
         self._update_gauges(engine)
         seen, _ = self._seen_tokens.pop(aborted.request_id, (0, 0.0))
+        self._delta_samples.pop(aborted.request_id, None)
         self.generation_tokens.inc(max(sum(tokens for tokens, _ in aborted.samples) - seen, 0))
         if aborted.prompt_computed:
             self.prompt_tokens.inc(aborted.num_prompt_tokens)
@@ -313,6 +323,7 @@ class EngineMetrics:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_usage)
+        self.gpu_cache_usage.set(stats.kv_usage)
         self.kv_blocks_in_use.set(stats.kv_blocks_in_use)
         self.kv_blocks_free.set(stats.kv_blocks_free)
         self.kv_blocks_wanted.set(stats.kv_blocks_wanted)
@@ -345,7 +356,7 @@ class EngineMetrics:
             if output.finished:
                 self._observe_mean_itl(output, new)
         else:
-            self.itl.observe((now - last_time) / new, new)
+            self._observe_itl((now - last_time) / new, new)
         self._seen_tokens[output.request_id] = (total, now)
 
     def _observe_mean_itl(self, output: RequestOutput, tokens: int) -> None:
@@ -355,7 +366,22 @@ class EngineMetrics:
         m = output.metrics
         if gaps <= 0 or m.first_token_time is None or m.finished_time is None:
             return
-        self.itl.observe(max(m.finished_time - m.first_token_time, 0.0) / gaps, gaps)
+        self._observe_itl(max(m.finished_time - m.first_token_time, 0.0) / gaps, gaps)
+
+    def _observe_itl(self, gap: float, count: int) -> None:
+        self.itl.observe(gap, count)
+        self.tpot.observe(gap, count)
+
+    def _longest_sample(self, output: RequestOutput) -> int:
+        """Its longest sample's tokens (a delta request's counted as its outputs came)."""
+        if not output.delta:
+            return max((len(c.token_ids) for c in output.outputs), default=0)
+        counts = self._delta_samples.setdefault(output.request_id, {})
+        for completion in output.outputs:
+            counts[completion.index] = counts.get(completion.index, 0) + len(completion.token_ids)
+        if output.finished:
+            self._delta_samples.pop(output.request_id, None)
+        return max(counts.values(), default=0)
 
     def _count_finishes(self, output: RequestOutput) -> None:
         """Each completion's finish, once: as each delta reports it (the samples of a delta request
