@@ -188,3 +188,12 @@ def test_the_level_line_says_why_requests_failed():
     line = render_level_line({"concurrency": 2, **metrics.summarize([good, bad])}, "concurrency")
     assert "1/2 ok" in line and "1 failed, e.g. ClientConnectorError: Cannot connect" in line
     assert "failed" not in render_level_line({"concurrency": 2, **metrics.summarize([good])}, "concurrency")
+
+
+def test_a_series_that_appears_mid_run_has_empty_cells_before(tmp_path):
+    from treeserve.bench.telemetry import read_csv, write_union_csv
+
+    rows = [{"t": 0.0, "time_unix": 1.0, "a": 1.0}, {"t": 0.1, "time_unix": 1.1, "a": 2.0, "late": 5.0}]
+    header = write_union_csv(rows, tmp_path / "t.csv")
+    assert header == ["t", "time_unix", "a", "late"]
+    assert [row["late"] for row in read_csv(tmp_path / "t.csv")[1]] == [None, 5.0]

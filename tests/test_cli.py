@@ -111,6 +111,13 @@ def test_vllm_serve_flags_are_taken():
     assert _serve_args().seed == 0 and _serve_args().uvicorn_log_level == "info"
 
 
+def test_vllm_logging_flags_are_taken():
+    """`--disable-log-stats` is in most vLLM command lines (benchmarks'), `--enable-log-requests` in newer ones:
+    both were refused (exit 2)."""
+    assert _serve_args("--disable-log-stats").disable_log_stats and not _serve_args().disable_log_stats
+    assert _serve_args("--enable-log-requests").enable_log_requests and not _serve_args().enable_log_requests
+
+
 def test_serve_hands_the_flags_to_the_engines_and_uvicorn(monkeypatch):
     from treeserve.ports import free_port
     from treeserve.server import launch

@@ -123,6 +123,10 @@ def _add_serving_args(parser: argparse.ArgumentParser, http: bool) -> None:
                         "read by RECIPE (default: the one its config.json names, else rlhflow); repeatable. A model "
                         "with a reward head or a prm_recipe in its config.json is one without it (the bundled "
                         "arith-prm); a plain language model is not: RLHFlow's PRMs declare nothing")
+    parser.add_argument("--disable-log-stats", action="store_true",
+                        help="no periodic stats line (vLLM's: prompt and generation throughput, requests running "
+                        "and waiting, KV cache usage, prefix cache hit rate per model, every "
+                        "TREESERVE_LOG_STATS_INTERVAL seconds, 10 by default)")
     parser.add_argument("--max-queue", type=at_least_one, help="waiting requests (or queued searches) beyond which "
                         "new ones get 429")
     parser.add_argument("--seed", type=int, default=0, help="the seed of the random numbers set when the models "
@@ -154,9 +158,12 @@ def _add_http_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allowed-methods", type=json_list, default=["*"], help="CORS: the methods allowed (JSON list)")
     parser.add_argument("--allowed-headers", type=json_list, default=["*"], help="CORS: the headers allowed (JSON list)")
     parser.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies)")
+    parser.add_argument("--enable-log-requests", action="store_true",
+                        help="log each chat or completion request as vLLM does: 'Received request ID: prompt: ..., "
+                        "params: ...', then 'Finished request ID.' or 'Aborted request ID.' (off by default, as in "
+                        "vLLM; uvicorn's access log, a line per HTTP request, is --disable-uvicorn-access-log)")
     parser.add_argument("--disable-log-requests", action="store_true",
-                        help="taken for vLLM's command lines; it has no effect: treeserve does not log requests "
-                        "(uvicorn's access log, a line per request, is --disable-uvicorn-access-log)")
+                        help="taken for older vLLM command lines; requests are not logged unless --enable-log-requests")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -21,7 +21,7 @@ from typing import Any, AsyncIterator, Callable
 from treeserve.engine.engine_loop import EngineLoop
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.engine.request import BACKGROUND_PRIORITY
-from treeserve.outputs import RequestOutput
+from treeserve.outputs import AbortedRequest, RequestOutput
 from treeserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ class _Job:
 class AsyncLLMEngine:
     def __init__(self, engines: LLMEngine | dict[str, LLMEngine], max_queue: int | None = None,
                  on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None,
-                 on_abort: Callable[[LLMEngine, str], None] | None = None, loop: EngineLoop | None = None,
+                 on_abort: Callable[[LLMEngine, AbortedRequest], None] | None = None, loop: EngineLoop | None = None,
                  start_thread: bool = True, on_idle: Callable[[LLMEngine], None] | None = None):
         """With `start_thread=False` the caller runs the loop itself: `run_forever()`."""
         self.engines = engines if isinstance(engines, dict) else {"": engines}

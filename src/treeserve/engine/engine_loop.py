@@ -14,7 +14,7 @@ from typing import Callable, Iterable, Protocol
 
 from treeserve.errors import ParamError
 from treeserve.engine.llm_engine import LLMEngine
-from treeserve.outputs import RequestOutput
+from treeserve.outputs import AbortedRequest, RequestOutput
 from treeserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -25,7 +25,7 @@ STALLED_PASSES = 2
 
 OutputCallback = Callable[[RequestOutput], None]
 StepObserver = Callable[[LLMEngine, list[RequestOutput]], None]
-AbortObserver = Callable[[LLMEngine, str], None]
+AbortObserver = Callable[[LLMEngine, AbortedRequest], None]  # what the request had done when cut
 IdleObserver = Callable[[LLMEngine], None]
 
 
@@ -90,9 +90,9 @@ class EngineLoop:
                 self._owners.pop((id(engine), request_id), None)
             return False
         self._owners.pop((id(engine), request_id), None)
-        engine.abort_request(request_id)
+        aborted = engine.abort_request(request_id)
         for observe in self.abort_observers:
-            observe(engine, request_id)
+            observe(engine, aborted)
         return True
 
     def owns(self, engine: LLMEngine, request_id: str) -> bool:

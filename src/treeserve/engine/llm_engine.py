@@ -28,7 +28,7 @@ from treeserve.engine.step_pipeline import StepPipeline
 from treeserve.engine.structured_outputs import StructuredOutputs
 from treeserve.engine.workers_guard import WorkersGuard
 from treeserve.errors import ParamError
-from treeserve.outputs import RequestOutput
+from treeserve.outputs import AbortedRequest, RequestOutput
 from treeserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -176,14 +176,19 @@ class LLMEngine:
         self.intake.add(request_id, prompt_token_ids, params, prompt, cache_salt, logits_positions,
                         readout_token_ids, keep_kv, parent_id, priority, final_only, draft_group, speculative)
 
-    def abort_request(self, request_id: str) -> None:
+    def abort_request(self, request_id: str) -> AbortedRequest | None:
+        """Aborts a live request (frees its blocks); what it had done, None if it was not live."""
         group = self._groups.pop(request_id)
         if group is None:
-            return
+            return None
+        done = AbortedRequest(request_id, len(group.prompt_token_ids),
+                              any(c.num_output_tokens for c in group.children),
+                              tuple((c.num_output_tokens, c.finish_reason) for c in group.children), group.delta)
         for request in group.members():
             self.scheduler.finish(request, "abort")
         self.pipeline.drop_unwanted_in_flight()
         self.speculator.retain(self.scheduler.running)
+        return done
 
     def has_unfinished_requests(self) -> bool:
         return self.pipeline.busy

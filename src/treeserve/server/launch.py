@@ -22,8 +22,10 @@ from treeserve.runtime.roles import is_generator, verifier_recipe
 from treeserve.runtime.runtime import Runtime
 from treeserve.runtime.scorer import StepScorer
 from treeserve.search.runner import SearchRunner
+from treeserve.server import request_log
 from treeserve.server.metrics import ServerMetrics
 from treeserve.server.serving_search import SearchServing
+from treeserve.server.stats_log import StatsLog
 from treeserve.server.tool_calls import ToolSettings
 from treeserve.entrypoints.chat_utils import load_chat_template, warn_replaced_tool_templates
 
@@ -169,6 +171,8 @@ def serve(args) -> int:
     config = uvicorn_config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             access_log=not args.disable_uvicorn_access_log)
     server = DrainingServer(config, app.state.drain, name="treeserve serve")
+    request_log.enable(args.enable_log_requests)
+    _log_stats(app, args)
     run_engine_on_main_thread(app.state.engine, server, server.handle_exit)
     return _exit_status(app, server)
 
@@ -213,6 +217,7 @@ def worker(args) -> int:
             server.should_exit = True
 
     threading.Thread(target=start_consumer, name="treeserve-broker-start", daemon=True).start()
+    _log_stats(app, args)
     run_engine_on_main_thread(app.state.engine, server, on_signal,
                               also_stop=lambda: consumer.error is not None or consumer.finished.is_set())
     consumer.stop(grace=0)
@@ -220,6 +225,12 @@ def worker(args) -> int:
         logging.getLogger(__name__).error("the broker connection failed (%s); the worker stopped", consumer.error)
         return 1
     return _exit_status(app, server)
+
+
+def _log_stats(app, args) -> None:
+    """vLLM's periodic stats line (server/stats_log.py), unless --disable-log-stats."""
+    if not args.disable_log_stats:
+        StatsLog(app.state.metrics).start()
 
 
 def _exit_status(app, server) -> int:

@@ -5,7 +5,7 @@ abort (`on_step`, `on_abort`) into plain numbers: no lock, and no engine object 
 scrape, on the HTTP event loop, formats those numbers (and reads the search runners' counters, see
 search_metrics.py); it never runs on the engine thread, never waits for it, and holds the GIL
 briefly: each series' text up to its value (`name{labels} `) is built once when the series is made,
-so a render formats one number per line (0.1-0.2 ms of CPU for two served models' ~540 lines, where
+so a render formats one number per line (0.1-0.2 ms of CPU for two served models' ~670 lines, where
 prometheus_client's `generate_latest` re-escaped every label of every line: 3-5 ms of CPU idle, 11-13
 ms under load, all holding the GIL that the engine thread needs between its ops). A histogram with no
 new observation reuses its text, and a scrape that finds nothing changed since the last render is
@@ -20,12 +20,31 @@ from bisect import bisect_left
 from prometheus_client.utils import floatToGoString
 
 from treeserve.engine.llm_engine import LLMEngine
-from treeserve.outputs import RequestOutput
+from treeserve.outputs import AbortedRequest, RequestOutput
 from treeserve.server.search_metrics import SearchMetrics
 
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                   10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+# Every bucket bound of vLLM's histogram of the same name (so a dashboard's `le` and quantiles read the
+# same), with finer ones below where a fast server's values lie (vLLM's ITL starts at 10 ms, its
+# request-phase times at 0.3 s)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+               2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0,
+                           20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+MAX_TOKENS_BUCKET = 1 << 17  # the token-count histograms' largest bound when the model's length is not known
 ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def one_two_five_buckets(limit: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's buckets for token counts, to max_model_len)."""
+    bounds, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > limit:
+                return tuple(bounds)
+            bounds.append(mantissa * scale)
+        scale *= 10
 # prometheus_client's switch for the `_created` series, honoured the same way
 CREATED_SERIES = os.environ.get("PROMETHEUS_DISABLE_CREATED_SERIES", "False").lower() not in ("true", "1", "t")
 
@@ -149,7 +168,7 @@ class ServerMetrics:
         return self._families[name]
 
     def add_model(self, engine: LLMEngine, model_name: str) -> "EngineMetrics":
-        metrics = EngineMetrics(self, model_name)
+        metrics = EngineMetrics(self, model_name, getattr(engine, "max_model_len", None) or MAX_TOKENS_BUCKET)
         self.by_engine[id(engine)] = metrics
         return metrics
 
@@ -161,8 +180,8 @@ class ServerMetrics:
         self.by_engine[id(engine)].on_step(engine, outputs)
         self.version += 1
 
-    def on_abort(self, engine: LLMEngine, request_id: str) -> None:
-        self.by_engine[id(engine)].on_abort(engine, request_id)
+    def on_abort(self, engine: LLMEngine, aborted: AbortedRequest) -> None:
+        self.by_engine[id(engine)].on_abort(engine, aborted)
         self.version += 1
 
     def on_idle(self, engine: LLMEngine) -> None:
@@ -188,8 +207,8 @@ class ServerMetrics:
 
 
 class EngineMetrics:
-    def __init__(self, server: ServerMetrics, model_name: str):
-        self._server = server
+    def __init__(self, server: ServerMetrics, model_name: str, max_model_len: int = MAX_TOKENS_BUCKET):
+        self._server, self.model_name = server, model_name
         self._labels = labels = {"model_name": model_name}
 
         def gauge(name, doc):
@@ -198,12 +217,14 @@ class EngineMetrics:
         def counter(name, doc):
             return server.family("counter", name, doc).labels(**labels)
 
-        def histogram(name, doc, buckets=LATENCY_BUCKETS):
+        def histogram(name, doc, buckets=REQUEST_LATENCY_BUCKETS):
             return server.family("histogram", name, doc, buckets=buckets).labels(**labels)
 
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled (incl. preempted).")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of the KV pool's blocks this model holds (1 = full).")
+        self.gpu_cache_usage = gauge("gpu_cache_usage_perc", "kv_cache_usage_perc's value under vLLM's older name "
+                                     "(its Grafana dashboard's Cache Utilization panel).")
         self.kv_blocks_in_use = gauge("kv_blocks_in_use", "KV blocks (pages) this model's requests hold.")
         self.kv_blocks_free = gauge("kv_blocks_free", "Free KV blocks in the pool (shared pools: all models').")
         self.kv_blocks_wanted = gauge("kv_blocks_wanted", "Cached KV blocks this model's waiting requests "
@@ -223,17 +244,28 @@ class EngineMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.request_success = server.family("counter", "request_success", "Finished requests by finish reason.")
-        self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token.")
-        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive output tokens.")
+        for reason in ("stop", "length", "abort"):  # at 0 from the start, as vLLM's: a series that appears at 1
+            self._success(reason)                     # loses its first event to rate() and increase()
+        self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token.", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive output tokens.", ITL_BUCKETS)
+        self.tpot = histogram("time_per_output_token_seconds", "inter_token_latency_seconds' observations under "
+                              "vLLM's older name (its Grafana dashboard's Time Per Output Token panel).", ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the end of the request.")
         self.queue_time = histogram("request_queue_time_seconds", "Time from arrival to first scheduling.")
         self.prefill_time = histogram("request_prefill_time_seconds", "Time from first scheduling to first token.")
         self.decode_time = histogram("request_decode_time_seconds", "Time from first token to the end.")
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step.",
                                           ITERATION_BUCKETS)
+        lengths = one_two_five_buckets(max_model_len)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per finished request.", lengths)
+        self.request_generation_tokens = histogram("request_generation_tokens",
+                                                   "Generated tokens per finished request (all its samples).", lengths)
+        self.request_max_generation_tokens = histogram("request_max_num_generation_tokens", "Generated tokens of "
+                                                       "the longest sample of each finished request.", lengths)
         self.memory = {part: gauge(f"memory_{part}_bytes", f"Memory accounting: {part.replace('_', ' ')} bytes.")
                        for part in ("weights", "activation", "non_torch", "kv")}
         self._seen_tokens: dict[str, tuple[int, float]] = {}
+        self._delta_samples: dict[str, dict[int, int]] = {}  # a delta request's tokens so far, by sample
         # EngineStats' cumulative counters -> the Prometheus counters they advance
         self._counted = {"prefix_queries": self.prefix_queries, "prefix_hits": self.prefix_hits,
                          "evictions": self.prefix_evictions, "thrash": self.prefix_thrash,
@@ -258,13 +290,24 @@ class EngineMetrics:
         for output in outputs:
             self._observe_tokens(output, now)
             self._count_finishes(output)
+            longest = self._longest_sample(output) if output.delta or output.finished else 0
             if output.finished:
                 self._observe_finished(output)
+                self.request_max_generation_tokens.observe(longest)
 
-    def on_abort(self, engine: LLMEngine, request_id: str) -> None:
+    def on_abort(self, engine: LLMEngine, aborted: AbortedRequest) -> None:
+        """What an aborted request did and no output reported, counted as vLLM counts it: its prompt
+        once prefilled, every token it generated (a non-streamed one's reach no output), and each
+        sample's finish not yet counted (cut ones as `abort`)."""
         self._update_gauges(engine)
-        self._seen_tokens.pop(request_id, None)
-        self._success("abort").inc()
+        seen, _ = self._seen_tokens.pop(aborted.request_id, (0, 0.0))
+        self._delta_samples.pop(aborted.request_id, None)
+        self.generation_tokens.inc(max(sum(tokens for tokens, _ in aborted.samples) - seen, 0))
+        if aborted.prompt_computed:
+            self.prompt_tokens.inc(aborted.num_prompt_tokens)
+        for _, reason in aborted.samples:
+            if reason is None or not aborted.delta:  # a delta output reported a finished sample's own finish
+                self._success(reason or "abort").inc()
 
     def refresh_gauges(self, engine: LLMEngine) -> bool:
         """The gauges and counters read from the engine's stats again; whether any moved."""
@@ -280,6 +323,7 @@ class EngineMetrics:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_usage)
+        self.gpu_cache_usage.set(stats.kv_usage)
         self.kv_blocks_in_use.set(stats.kv_blocks_in_use)
         self.kv_blocks_free.set(stats.kv_blocks_free)
         self.kv_blocks_wanted.set(stats.kv_blocks_wanted)
@@ -312,7 +356,7 @@ class EngineMetrics:
             if output.finished:
                 self._observe_mean_itl(output, new)
         else:
-            self.itl.observe((now - last_time) / new, new)
+            self._observe_itl((now - last_time) / new, new)
         self._seen_tokens[output.request_id] = (total, now)
 
     def _observe_mean_itl(self, output: RequestOutput, tokens: int) -> None:
@@ -322,7 +366,22 @@ class EngineMetrics:
         m = output.metrics
         if gaps <= 0 or m.first_token_time is None or m.finished_time is None:
             return
-        self.itl.observe(max(m.finished_time - m.first_token_time, 0.0) / gaps, gaps)
+        self._observe_itl(max(m.finished_time - m.first_token_time, 0.0) / gaps, gaps)
+
+    def _observe_itl(self, gap: float, count: int) -> None:
+        self.itl.observe(gap, count)
+        self.tpot.observe(gap, count)
+
+    def _longest_sample(self, output: RequestOutput) -> int:
+        """Its longest sample's tokens (a delta request's counted as its outputs came)."""
+        if not output.delta:
+            return max((len(c.token_ids) for c in output.outputs), default=0)
+        counts = self._delta_samples.setdefault(output.request_id, {})
+        for completion in output.outputs:
+            counts[completion.index] = counts.get(completion.index, 0) + len(completion.token_ids)
+        if output.finished:
+            self._delta_samples.pop(output.request_id, None)
+        return max(counts.values(), default=0)
 
     def _count_finishes(self, output: RequestOutput) -> None:
         """Each completion's finish, once: as each delta reports it (the samples of a delta request
@@ -336,10 +395,12 @@ class EngineMetrics:
                 self._success(completion.finish_reason or "abort").inc()
 
     def _observe_finished(self, output: RequestOutput) -> None:
-        self._seen_tokens.pop(output.request_id, None)
+        generated, _ = self._seen_tokens.pop(output.request_id, (0, 0.0))  # (its outputs were counted first)
         m = output.metrics
         end = m.finished_time or time.monotonic()
         self.prompt_tokens.inc(len(output.prompt_token_ids))
+        self.request_prompt_tokens.observe(len(output.prompt_token_ids))
+        self.request_generation_tokens.observe(generated)
         self.e2e.observe(end - m.arrival_time)
         if m.first_scheduled_time is not None:
             self.queue_time.observe(m.first_scheduled_time - m.arrival_time)

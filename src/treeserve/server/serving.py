@@ -21,6 +21,7 @@ from treeserve.wire.errors import APIError, failure_body, from_validation_error,
 from treeserve.entrypoints.chat_utils import render_chat
 from treeserve.wire.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, Tool, template_messages
 from treeserve.wire.translated_errors import renamed
+from treeserve.server import request_log
 from treeserve.server.completion_reply import (CompletionReply, DeltaTracker, chat_logprobs, prompt_logprobs_json,
                                                token_pairs)
 from treeserve.server.tool_calls import ToolCallStream, ToolCalling, ToolSettings, special_tokens
@@ -127,14 +128,17 @@ class OpenAIServing:
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int, ids: list[int]) -> None:
+            request_id, finished = self.engine.new_request_id(prefix), False
             try:
-                request_id = self.engine.new_request_id(prefix)
+                request_log.received(request_id, texts[index], params, ids)
                 async for output in self.engine.generate(ids, params, request_id, prompt=texts[index], engine=self.llm,
                                                          priority=priority):
+                    finished = output.finished
                     await queue.put((index, output))
             except Exception as exc:
                 await queue.put((index, exc))
             finally:
+                request_log.ended(request_id, finished)
                 await queue.put((index, None))
 
         tasks = [asyncio.create_task(pump(i, ids)) for i, ids in enumerate(prompts)]

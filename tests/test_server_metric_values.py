@@ -1,0 +1,191 @@
+"""/metrics values checked exactly against what the engine did, as a vLLM dashboard reads them:
+token counters, finishes by reason, for requests that end and for requests whose client leaves."""
+import json
+import socket
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import API_KEY, wait_idle
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def _scrape(url: str) -> dict[str, float]:
+    """Each sample by name and its labels but model_name (one model here)."""
+    values = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", headers=AUTH).text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model_name")
+            values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return values
+
+
+def _moved(before: dict[str, float], after: dict[str, float], *names: str) -> dict[str, float]:
+    return {name: after.get(name, 0) - before.get(name, 0) for name in names}
+
+
+def _post_and_leave(server, body: dict) -> None:
+    """Sends a non-streamed request and hangs up once each of its samples has a few tokens."""
+    payload = json.dumps(body).encode()
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(payload)}\r\n\r\n".encode()
+                     + payload)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            groups = list(server.engine.groups.values())
+            if groups and all(c.num_output_tokens >= 3 for g in groups for c in g.children):
+                return
+            time.sleep(0.005)
+
+
+COUNTERS = ("treeserve:prompt_tokens_total", "treeserve:generation_tokens_total",
+            "treeserve:request_success_total{finished_reason=abort}",
+            "treeserve:request_success_total{finished_reason=length}")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_whose_client_leaves_counts_its_prompt_tokens_and_samples(server, stream):
+    """vLLM counts a request's prompt once prefilled and its tokens as they are generated, whatever
+    ends it. An aborted request's prompt was never counted here, a non-streamed one's tokens neither
+    (they reach no output), a streamed one's last tokens only if an output carried them, and n samples
+    cut by the abort counted as one `abort` where n that finish count n."""
+    engine, cut = server.engine, []
+    original = engine.abort_request
+
+    def abort_request(request_id):
+        group = engine.groups.get(request_id)
+        if group is not None:
+            cut.append((len(group.prompt_token_ids), [c.num_output_tokens for c in group.children]))
+        return original(request_id)
+
+    before = _scrape(server.url)
+    engine.abort_request = abort_request
+    try:
+        body = {"model": "tiny", "prompt": "Go on forever", "max_tokens": 400, "n": 2, "ignore_eos": True,
+                "stream": stream}
+        if stream:
+            with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH, timeout=60) as resp:
+                chunks = 0
+                for line in resp.iter_lines():
+                    chunks += line.startswith("data: ")
+                    if chunks == 4:
+                        break  # hang up mid-answer
+        else:
+            _post_and_leave(server, body)
+        deadline = time.monotonic() + 20
+        while not cut and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        engine.abort_request = original
+    wait_idle(engine)
+    assert len(cut) == 1, cut
+    prompt_tokens, generated = cut[0]
+    assert min(generated) > 0, "aborted before its first tokens: nothing to check"
+    moved = _moved(before, _scrape(server.url), *COUNTERS)
+    assert moved == {"treeserve:prompt_tokens_total": prompt_tokens,
+                     "treeserve:generation_tokens_total": sum(generated),
+                     "treeserve:request_success_total{finished_reason=abort}": 2,
+                     "treeserve:request_success_total{finished_reason=length}": 0}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_finished_requests_count_exactly_their_usage(server, stream):
+    """n=2, max_tokens=5: the counters move by the usage the answer reports."""
+    before = _scrape(server.url)
+    body = {"model": "tiny", "prompt": "Hello world", "max_tokens": 5, "n": 2, "ignore_eos": True,
+            "stream": stream, "stream_options": {"include_usage": True}} if stream else \
+        {"model": "tiny", "prompt": "Hello world", "max_tokens": 5, "n": 2, "ignore_eos": True}
+    if stream:
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH, timeout=60) as resp:
+            chunks = [json.loads(line[6:]) for line in resp.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+        usage = chunks[-1]["usage"]
+    else:
+        usage = httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=60).json()["usage"]
+    wait_idle(server.engine)
+    after = _scrape(server.url)
+    moved = _moved(before, after, *COUNTERS, "treeserve:e2e_request_latency_seconds_count",
+                   "treeserve:request_prompt_tokens_sum", "treeserve:request_generation_tokens_sum",
+                   "treeserve:request_generation_tokens_count", "treeserve:request_max_num_generation_tokens_sum")
+    itl, tpot = ("inter_token_latency_seconds", "time_per_output_token_seconds")
+    gaps = _moved(before, after, *(f"treeserve:{name}_{part}" for name in (itl, tpot) for part in ("count", "sum")))
+    assert gaps[f"treeserve:{itl}_count"] == usage["completion_tokens"] - 2  # (each sample's after its first)
+    assert gaps[f"treeserve:{tpot}_count"] == gaps[f"treeserve:{itl}_count"]
+    assert gaps[f"treeserve:{tpot}_sum"] == gaps[f"treeserve:{itl}_sum"]
+    assert moved == {"treeserve:prompt_tokens_total": usage["prompt_tokens"],
+                     "treeserve:generation_tokens_total": usage["completion_tokens"],
+                     "treeserve:request_success_total{finished_reason=abort}": 0,
+                     "treeserve:request_success_total{finished_reason=length}": 2,
+                     "treeserve:e2e_request_latency_seconds_count": 1,
+                     "treeserve:request_prompt_tokens_sum": usage["prompt_tokens"],
+                     "treeserve:request_generation_tokens_sum": usage["completion_tokens"],
+                     "treeserve:request_generation_tokens_count": 1,
+                     "treeserve:request_max_num_generation_tokens_sum": 5}  # each sample: max_tokens
+
+
+# What vLLM's Grafana dashboard queries (examples/online_serving/prometheus_grafana/grafana.json)
+VLLM_DASHBOARD_SERIES = (
+    "e2e_request_latency_seconds_bucket", "e2e_request_latency_seconds_sum", "e2e_request_latency_seconds_count",
+    "prompt_tokens_total", "generation_tokens_total", "time_per_output_token_seconds_bucket",
+    "time_per_output_token_seconds_sum", "time_per_output_token_seconds_count", "num_requests_running",
+    "num_requests_waiting", "time_to_first_token_seconds_bucket", "time_to_first_token_seconds_sum",
+    "time_to_first_token_seconds_count", "gpu_cache_usage_perc", "request_prompt_tokens_bucket",
+    "request_generation_tokens_bucket", "request_success_total", "request_queue_time_seconds_sum",
+    "request_prefill_time_seconds_sum", "request_decode_time_seconds_sum", "request_max_num_generation_tokens_sum")
+
+
+def test_every_series_vllms_grafana_dashboard_reads_is_served_with_a_model_name(server):
+    """docs/METRICS.md: a vLLM dashboard ports by renaming `vllm:` to `treeserve:`. Its Time Per Output
+    Token, Cache Utilization, Prompt/Generation Length and Max Generation Token panels had no data."""
+    httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2},
+               headers=AUTH, timeout=60)
+    wait_idle(server.engine)
+    served = {(sample.name, sample.labels.get("model_name"))
+              for family in text_string_to_metric_families(httpx.get(server.url + "/metrics", headers=AUTH).text)
+              for sample in family.samples}
+    missing = [name for name in VLLM_DASHBOARD_SERIES if (f"treeserve:{name}", "tiny") not in served]
+    assert not missing, missing
+    gauges = _scrape(server.url)
+    assert gauges["treeserve:gpu_cache_usage_perc"] == gauges["treeserve:kv_cache_usage_perc"]
+
+
+# vLLM v1's bucket bounds (vllm/v1/metrics/loggers.py, PrometheusStatLogger)
+VLLM_REQUEST_LATENCY = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                        240.0, 480.0, 960.0, 1920.0, 7680.0)
+VLLM_BUCKETS = {
+    "ttft": (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+             80.0, 160.0, 640.0, 2560.0),
+    "itl": (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0),
+    "e2e": VLLM_REQUEST_LATENCY, "queue_time": VLLM_REQUEST_LATENCY, "prefill_time": VLLM_REQUEST_LATENCY,
+    "decode_time": VLLM_REQUEST_LATENCY,
+    "request_prompt_tokens": (1, 2, 5, 10, 20, 50, 100, 200, 500),  # 1-2-5 up to max_model_len (512 here)
+    "request_generation_tokens": (1, 2, 5, 10, 20, 50, 100, 200, 500),
+}
+
+
+def test_histograms_have_every_bucket_bound_of_vllms(server):
+    """A dashboard's histogram_quantile and `le` selectors read the same as on vLLM: every one of its
+    bounds is there (finer ones may be added below). Here the request-phase histograms ended at 640 s, so
+    the p99 of a 20-minute reasoning request read 640 s, and `le="60.0"` (an SLO) matched nothing."""
+    metrics = server.app.state.metrics.by_engine[id(server.engine)]
+    for name, bounds in VLLM_BUCKETS.items():
+        ours = set(getattr(metrics, name).upper_bounds)
+        assert ours >= {float(b) for b in bounds}, (name, sorted({float(b) for b in bounds} - ours))
+
+
+def test_each_finish_reason_is_served_at_zero_before_its_first_finish():
+    """vLLM makes request_success's stop, length and abort series at 0: a series that first appears at 1
+    has no earlier sample, so rate() and increase() miss that first abort (the one an alert waits for)."""
+    from treeserve.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics()
+    metrics.add_model(object(), "m")
+    served = {sample.labels["finished_reason"]: sample.value
+              for family in text_string_to_metric_families(metrics.render().decode())
+              for sample in family.samples if sample.name == "treeserve:request_success_total"}
+    assert served == {"stop": 0, "length": 0, "abort": 0}
