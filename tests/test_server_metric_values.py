@@ -111,7 +111,9 @@ def test_finished_requests_count_exactly_their_usage(server, stream):
     after = _scrape(server.url)
     moved = _moved(before, after, *COUNTERS, "treeserve:e2e_request_latency_seconds_count",
                    "treeserve:request_prompt_tokens_sum", "treeserve:request_generation_tokens_sum",
-                   "treeserve:request_generation_tokens_count", "treeserve:request_max_num_generation_tokens_sum")
+                   "treeserve:request_generation_tokens_count", "treeserve:request_max_num_generation_tokens_sum",
+                   "treeserve:request_params_n_sum", "treeserve:request_params_max_tokens_sum",
+                   "treeserve:request_inference_time_seconds_count")
     itl, tpot = ("inter_token_latency_seconds", "time_per_output_token_seconds")
     gaps = _moved(before, after, *(f"treeserve:{name}_{part}" for name in (itl, tpot) for part in ("count", "sum")))
     assert gaps[f"treeserve:{itl}_count"] == usage["completion_tokens"] - 2  # (each sample's after its first)
@@ -125,7 +127,9 @@ def test_finished_requests_count_exactly_their_usage(server, stream):
                      "treeserve:request_prompt_tokens_sum": usage["prompt_tokens"],
                      "treeserve:request_generation_tokens_sum": usage["completion_tokens"],
                      "treeserve:request_generation_tokens_count": 1,
-                     "treeserve:request_max_num_generation_tokens_sum": 5}  # each sample: max_tokens
+                     "treeserve:request_max_num_generation_tokens_sum": 5,  # each sample: max_tokens
+                     "treeserve:request_params_n_sum": 2, "treeserve:request_params_max_tokens_sum": 5,
+                     "treeserve:request_inference_time_seconds_count": 1}
 
 
 # What vLLM's Grafana dashboard queries (examples/online_serving/prometheus_grafana/grafana.json)
@@ -189,3 +193,47 @@ def test_each_finish_reason_is_served_at_zero_before_its_first_finish():
               for family in text_string_to_metric_families(metrics.render().decode())
               for sample in family.samples if sample.name == "treeserve:request_success_total"}
     assert served == {"stop": 0, "length": 0, "abort": 0}
+
+
+def _one_step(metrics, output) -> dict[str, float]:
+    """One finished output through a model's metrics, as the engine thread's step observer passes it."""
+    from types import SimpleNamespace
+
+    from treeserve.engine.engine_stats import EngineStats
+
+    zeros = {name: 0 for name in EngineStats.__dataclass_fields__}
+    stats = EngineStats(**{**zeros, "kv_blocks_total": 1, "spec_decode_num_accepted_tokens_per_pos": ()})
+    engine = SimpleNamespace(stats=lambda: stats, last_step_num_tokens=1)
+    metrics.add_model(engine, "m")
+    metrics.on_step(engine, [output])
+    values = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model_name")
+            values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return values
+
+
+def test_vllms_request_parameter_and_phase_histograms_are_served_with_exact_values():
+    """vLLM V1 serves request_params_n, request_params_max_tokens, request_inference_time_seconds,
+    request_time_per_output_token_seconds and request_prefill_kv_computed_tokens; none was served here.
+    One request: n=2, max_tokens=5, a 7-token prompt with 4 cached, samples of 5 and 3 tokens, arrived at
+    100 s, scheduled at 100.5, first token at 101, finished at 103."""
+    from treeserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from treeserve.server.metrics import ServerMetrics
+
+    samples = [CompletionOutput(index=i, text="", token_ids=[1] * count, cumulative_logprob=None,
+                                logprobs=None, finish_reason="length")
+               for i, count in enumerate((5, 3))]
+    timing = RequestMetrics(arrival_time=100.0, first_scheduled_time=100.5, first_token_time=101.0,
+                            finished_time=103.0, n=2, max_tokens=5)
+    output = RequestOutput("r", None, list(range(7)), samples, True, num_cached_tokens=4, metrics=timing)
+    got = _one_step(ServerMetrics(), output)
+    expected = {"request_params_n": (1, 2), "request_params_max_tokens": (1, 5),
+                "request_inference_time_seconds": (1, 2.5), "request_prefill_time_seconds": (1, 0.5),
+                "request_decode_time_seconds": (1, 2.0), "request_queue_time_seconds": (1, 0.5),
+                "e2e_request_latency_seconds": (1, 3.0),
+                "request_time_per_output_token_seconds": (1, 0.5),  # 2 s over the longest sample's 4 gaps
+                "request_prefill_kv_computed_tokens": (1, 3)}
+    assert {name: (got[f"treeserve:{name}_count"], got[f"treeserve:{name}_sum"]) for name in expected} == expected
+    assert got["treeserve:request_params_n_bucket{le=1.0}"] == 0 and got["treeserve:request_params_n_bucket{le=2.0}"] == 1

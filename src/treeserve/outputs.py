@@ -33,6 +33,8 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    n: int = 1                        # the request's parameters (set on its finished output)
+    max_tokens: int | None = None     # its samples' token limit (None: a prefill-only request)
 
 
 @dataclass(frozen=True)

@@ -136,7 +136,15 @@ class KVCacheManager:
         table.extend(prefix.blocks)
         request.num_computed_tokens += prefix.num_tokens
         self._num_hashed[request.request_id] = len(table)
-        self.pool.record_lookup(self.owner, request.num_tokens, prefix.num_tokens, prefix.thrash_hashes)
+        # vLLM's counters take a request's first lookup only: a preempted one's recompute is not a query
+        first = request.num_preemptions == 0
+        self.pool.record_lookup(self.owner, request.num_tokens if first else 0, prefix.num_tokens if first else 0,
+                                prefix.thrash_hashes)
+
+    def record_reused(self, queried: int, reused: int) -> None:
+        """Prompt tokens a request got without a prefix lookup (a fork of computed KV), counted as a
+        lookup that found them: hits / queries stays the share of prompt tokens not recomputed."""
+        self.pool.record_lookup(self.owner, queried, reused, [])
 
     def _copy_on_write(self, table: list[KVBlock], index: int) -> None:
         shared = table[index]

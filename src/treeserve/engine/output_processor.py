@@ -158,6 +158,9 @@ def request_metrics(group: RequestGroup) -> RequestMetrics:
     else:
         scheduled = min((c.first_scheduled_time for c in children if c.first_scheduled_time is not None), default=None)
         first_token = min((c.first_token_time for c in children if c.first_token_time is not None), default=None)
-    finished = group.finished
-    return RequestMetrics(arrival_time=group.arrival_time, first_scheduled_time=group.first_scheduled_time or scheduled,
-                          first_token_time=first_token, finished_time=time.monotonic() if finished else None)
+    metrics = RequestMetrics(arrival_time=group.arrival_time, first_scheduled_time=group.first_scheduled_time or scheduled,
+                             first_token_time=first_token)
+    if group.finished:
+        metrics.finished_time, metrics.n = time.monotonic(), len(children)
+        metrics.max_tokens = None if children[0].prefill_only else children[0].max_tokens
+    return metrics

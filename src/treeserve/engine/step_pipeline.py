@@ -183,6 +183,12 @@ class StepPipeline:
     def _finish_prefill(self, group: RequestGroup, request: Request) -> None:
         if request is group.shared_prefill:
             group.first_scheduled_time = request.first_scheduled_time
+            # vLLM fans n samples out into n requests that each look the prompt up: the first finds what
+            # this prefill's lookup found (of all but the last token, which no lookup may hit), the
+            # others every token this prefill computed
+            samples = len(group.children)
+            self.kv.record_reused(1 + (samples - 1) * len(group.prompt_token_ids),
+                                  (samples - 1) * request.num_computed_tokens)
             for child in group.children:
                 self.kv.fork(request, child)
                 child.num_cached_tokens = request.num_cached_tokens

@@ -33,6 +33,7 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15
 REQUEST_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0,
                            20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 MAX_TOKENS_BUCKET = 1 << 17  # the token-count histograms' largest bound when the model's length is not known
+N_BUCKETS = (1, 2, 5, 10, 20)
 ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
@@ -254,6 +255,10 @@ class EngineMetrics:
         self.queue_time = histogram("request_queue_time_seconds", "Time from arrival to first scheduling.")
         self.prefill_time = histogram("request_prefill_time_seconds", "Time from first scheduling to first token.")
         self.decode_time = histogram("request_decode_time_seconds", "Time from first token to the end.")
+        self.inference_time = histogram("request_inference_time_seconds", "Time from first scheduling to the end "
+                                        "(prefill + decode).")
+        self.request_tpot = histogram("request_time_per_output_token_seconds", "Each finished request's decode "
+                                      "time over its longest sample's tokens after the first.", ITL_BUCKETS)
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step.",
                                           ITERATION_BUCKETS)
         lengths = one_two_five_buckets(max_model_len)
@@ -262,6 +267,11 @@ class EngineMetrics:
                                                    "Generated tokens per finished request (all its samples).", lengths)
         self.request_max_generation_tokens = histogram("request_max_num_generation_tokens", "Generated tokens of "
                                                        "the longest sample of each finished request.", lengths)
+        self.prefill_kv_computed = histogram("request_prefill_kv_computed_tokens", "Prompt tokens each finished "
+                                             "request computed (not found cached).", lengths)
+        self.params_n = histogram("request_params_n", "The n parameter of each finished request.", N_BUCKETS)
+        self.params_max_tokens = histogram("request_params_max_tokens", "The max_tokens parameter of each "
+                                           "finished request (the room left when not given).", lengths)
         self.memory = {part: gauge(f"memory_{part}_bytes", f"Memory accounting: {part.replace('_', ' ')} bytes.")
                        for part in ("weights", "activation", "non_torch", "kv")}
         self._seen_tokens: dict[str, tuple[int, float]] = {}
@@ -292,8 +302,7 @@ class EngineMetrics:
             self._count_finishes(output)
             longest = self._longest_sample(output) if output.delta or output.finished else 0
             if output.finished:
-                self._observe_finished(output)
-                self.request_max_generation_tokens.observe(longest)
+                self._observe_finished(output, longest)
 
     def on_abort(self, engine: LLMEngine, aborted: AbortedRequest) -> None:
         """What an aborted request did and no output reported, counted as vLLM counts it: its prompt
@@ -394,17 +403,28 @@ class EngineMetrics:
             for completion in output.outputs:
                 self._success(completion.finish_reason or "abort").inc()
 
-    def _observe_finished(self, output: RequestOutput) -> None:
+    def _observe_finished(self, output: RequestOutput, longest: int) -> None:
+        """Once per request (vLLM observes these per sample, its n samples being n requests; n and the
+        longest sample, as here, per request)."""
         generated, _ = self._seen_tokens.pop(output.request_id, (0, 0.0))  # (its outputs were counted first)
         m = output.metrics
         end = m.finished_time or time.monotonic()
-        self.prompt_tokens.inc(len(output.prompt_token_ids))
-        self.request_prompt_tokens.observe(len(output.prompt_token_ids))
+        num_prompt = len(output.prompt_token_ids)
+        self.prompt_tokens.inc(num_prompt)
+        self.request_prompt_tokens.observe(num_prompt)
         self.request_generation_tokens.observe(generated)
+        self.request_max_generation_tokens.observe(longest)
+        self.prefill_kv_computed.observe(max(num_prompt - output.num_cached_tokens, 0))
+        self.params_n.observe(m.n)
+        if m.max_tokens:  # (as vLLM: a request without the parameter, here a prefill-only one, is not observed)
+            self.params_max_tokens.observe(m.max_tokens)
         self.e2e.observe(end - m.arrival_time)
         if m.first_scheduled_time is not None:
             self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
+            self.inference_time.observe(end - m.first_scheduled_time)
             if m.first_token_time is not None:
+                decode = end - m.first_token_time
                 self.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
-                self.decode_time.observe(end - m.first_token_time)
+                self.decode_time.observe(decode)
+                self.request_tpot.observe(decode / (longest - 1) if longest > 1 else 0.0)
 
