@@ -16,6 +16,7 @@ from treeserve.gateway.keys import KeyRecord
 from treeserve.gateway.metrics import GatewayMetrics
 from treeserve.gateway.routing import Router
 from treeserve.gateway.service import ROUTES, GatewayService
+from treeserve.wire.bodies import read_body
 from treeserve.wire.disconnect import unless_client_leaves
 from treeserve.wire.drain import Drain, readiness
 from treeserve.wire.errors import APIError, error_response
@@ -112,9 +113,7 @@ class DatabasePing:
 
 
 async def _json_body(request: Request) -> dict:
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise APIError(413, f"the body is {len(raw)} bytes; the gateway takes at most {MAX_BODY_BYTES}")
+    raw = await read_body(request, MAX_BODY_BYTES)
     try:
         body = json.loads(raw)
     except ValueError as exc:
