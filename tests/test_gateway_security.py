@@ -248,3 +248,19 @@ def test_a_password_set_by_the_admin_api_signs_the_user_out_everywhere(tmp_path)
         assert reset.status_code == 200, reset.text
         assert browser.get("/chat/api/me").status_code == 401
         assert browser.post("/chat/api/login", json={"user_id": "ada", "password": "a brand new one"}).status_code == 200
+
+
+def test_json_nested_too_deeply_is_a_400_not_a_500(tmp_path):
+    """json's C parser recurses once per level: a body (or a batch file's line) of 100,000 `[` was
+    an internal error (RecursionError); it is a 400 naming the body, or a batch failed naming its line (as
+    OpenAI's validation fails one)."""
+    deep = b'{"model": "gen", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    with gateway(tmp_path) as (url, _, _):
+        client = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {MASTER}"}, timeout=30)
+        answer = client.post("/v1/chat/completions", content=deep, headers={"Content-Type": "application/json"})
+        assert answer.status_code == 400 and answer.json()["error"]["code"] == "invalid_json", answer.text
+        uploaded = client.post("/v1/files", files={"file": ("b.jsonl", deep)}, data={"purpose": "batch"}).json()
+        batch = client.post("/v1/batches", json={"input_file_id": uploaded["id"], "endpoint": "/v1/chat/completions",
+                                                 "completion_window": "24h"})
+        assert batch.status_code == 200 and batch.json()["status"] == "failed", batch.text
+        assert batch.json()["errors"]["data"][0]["message"] == "line 1 is nested too deeply"

@@ -118,6 +118,8 @@ async def _json_body(request: Request) -> dict:
         body = json.loads(raw)
     except ValueError as exc:
         raise APIError(400, f"malformed JSON body: {exc}", code="invalid_json") from None
+    except RecursionError:  # (json's C parser recurses once per level of nesting: a 500 before)
+        raise APIError(400, "malformed JSON body: nested too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, "the body must be a JSON object", code="invalid_json")
     return body
