@@ -264,3 +264,25 @@ def test_json_nested_too_deeply_is_a_400_not_a_500(tmp_path):
                                                  "completion_window": "24h"})
         assert batch.status_code == 200 and batch.json()["status"] == "failed", batch.text
         assert batch.json()["errors"]["data"][0]["message"] == "line 1 is nested too deeply"
+
+
+def test_keys_passwords_and_authorization_headers_never_reach_the_log(tmp_path, caplog):
+    caplog.set_level("DEBUG")
+    with gateway(tmp_path, chat=True) as (url, app, _):
+        add_user(app, "ada", "correct horse battery")
+        key = httpx.post(url + "/key/generate", json={"key_alias": "ada-key"}, headers=ADMIN).json()["key"]
+        secrets = [key, MASTER, "sk-not-a-real-key-123456", "sk-wrong-master-654321", "a wrong password 987",
+                   "correct horse battery"]
+        httpx.post(url + "/v1/chat/completions", headers={"Authorization": f"Bearer {secrets[2]}"},
+                   json={"model": "gen", "messages": [{"role": "user", "content": "hi"}]})
+        httpx.get(url + "/key/list", headers={"Authorization": f"Bearer {secrets[3]}"})
+        httpx.get(url + "/key/info", params={"key": key}, headers=ADMIN)
+        httpx.post(url + "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                   json={"model": "gen", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        httpx.post(url + "/chat/api/login", json={"user_id": "ada", "password": secrets[4]})
+        httpx.post(url + "/chat/api/login", json={"user_id": "ada", "password": secrets[5]})
+    logged = "\n".join(record.getMessage() for record in caplog.records  # (the test's own httpx logs its URLs)
+                        if record.name.startswith(("treeserve", "uvicorn", "fastapi", "starlette", "sqlalchemy")))
+    assert "refused 401" in logged and "failed chat sign-in" in logged  # (the gateway's log was read)
+    for secret in secrets:
+        assert secret not in logged
