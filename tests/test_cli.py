@@ -101,6 +101,23 @@ def test_a_positional_model_and_model_together_is_an_error(caplog):
     assert "or with --model, not both" in caplog.text
 
 
+def test_a_blank_api_key_is_refused_not_an_open_server(caplog):
+    """`--api-key "$KEY"` with KEY unset gave an empty key, which was dropped: the server started with
+    every route open and said nothing. It is refused before anything loads (exit 2), as is a key no
+    client could send (spaces at either end: a presented key is stripped)."""
+    from treeserve.ports import free_port
+    from treeserve.server.launch import api_keys
+
+    for blank in ("", "  "):
+        with pytest.raises(ValueError, match="--api-key: a blank key would leave every route open"):
+            api_keys(_serve_args("--api-key", "sk-real", "--api-key", blank))
+    with pytest.raises(ValueError, match="cannot start or end with spaces"):
+        api_keys(_serve_args("--api-key", " sk-padded"))
+    assert api_keys(_serve_args("--api-key", "sk-a", "--api-key", "sk-b")) == ["sk-a", "sk-b"]
+    assert main(["serve", "--port", str(free_port()), "builtin:arith-gen", "--api-key", ""]) == 2
+    assert "a blank key would leave every route open" in caplog.text
+
+
 def test_vllm_serve_flags_are_taken():
     args = _serve_args("--enable-prefix-caching", "--uvicorn-log-level", "debug", "--disable-uvicorn-access-log",
                        "--disable-log-requests", "--seed", "7", "--gpu-memory-utilization", "0.5")

@@ -17,7 +17,7 @@ from treeserve.gateway.database import Database, violates_unique
 from treeserve.gateway.errors import (AliasReserved, AliasTaken, ChatKeyOwner, KeyNotFound, KeysNotFound, UserExists,
                                       UserNotFound)
 from treeserve.gateway.keys import MASTER_LABEL, KeyRecord
-from treeserve.gateway.schema import ApiKey, User, aware, utcnow
+from treeserve.gateway.schema import ApiKey, ChatSession, User, aware, utcnow
 
 CHAT_ALIAS_PREFIX = "chat:"  # the web chat's keys are `chat:<user>`; the admin API gives no key such an alias
 
@@ -46,7 +46,9 @@ class Accounts:
         return {"user_id": user_id, "user_info": public_user(user), "keys": [public_key(k) for k in rows]}
 
     def update_user(self, user_id: str, password_hash: str | None = None, **fields) -> dict:
-        """The fields given changed (a budget period given starts now; `spend` set, 0 to start again)."""
+        """The fields given changed (a budget period given starts now; `spend` set, 0 to start again);
+        a new password ends the user's web chat sessions, as `users set-password` does (a password
+        reset for a stolen account must sign the thief out)."""
         values = user_values(fields, utcnow(), updating=True)
         if password_hash is not None:
             values["password_hash"] = password_hash
@@ -54,6 +56,8 @@ class Accounts:
             with self.db.transaction() as conn:
                 if conn.execute(update(User).where(User.user_id == user_id).values(**values)).rowcount == 0:
                     raise UserNotFound(user_id)
+                if password_hash is not None:
+                    conn.execute(delete(ChatSession).where(ChatSession.user_id == user_id))
         return self.user_info(user_id)
 
     def delete_users(self, user_ids: list[str]) -> list[str]:

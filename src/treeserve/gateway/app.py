@@ -22,6 +22,7 @@ from treeserve.gateway.chat.routes import ChatApp
 from treeserve.gateway.chat.store import ChatStore
 from treeserve.gateway.config import GatewayConfig
 from treeserve.gateway.database import default_url
+from treeserve.gateway.files import MAX_FILE_BYTES
 from treeserve.gateway.health import health_loop
 from treeserve.gateway.http_errors import install_domain_error_handlers
 from treeserve.gateway.key_cache import KeyCache
@@ -35,11 +36,13 @@ from treeserve.gateway.store import Store
 from treeserve.gateway.translated_routes import REQUEST_MODELS as TRANSLATED_MODELS, translated_routes
 from treeserve.gateway.upstreams import Upstreams
 from treeserve.wire import openapi
+from treeserve.wire.bodies import BodyLimitMiddleware
 from treeserve.wire.drain import Drain, DrainMiddleware
 from treeserve.wire.errors import install_error_handlers
 from treeserve.wire.protocol import ChatCompletionRequest, CompletionRequest, RewardRequest, SearchRequest
 
 log = logging.getLogger("treeserve.gateway")
+UPLOAD_FRAMING_BYTES = 1 << 20  # an upload's multipart boundaries, headers and `purpose` field
 
 
 def build_app(config: GatewayConfig, store: Store | None = None) -> FastAPI:
@@ -65,6 +68,7 @@ def build_app(config: GatewayConfig, store: Store | None = None) -> FastAPI:
     app.state.config, app.state.store, app.state.metrics, app.state.router = config, store, metrics, router
     app.state.drain, app.state.service, app.state.chat = drain, service, chat
     app.add_middleware(DrainMiddleware, drain=drain)  # while stopping: new requests 503, running ones finish
+    app.add_middleware(BodyLimitMiddleware, limit=body_limit)  # before any route (or key check) reads a body
     install_error_handlers(app)
     install_domain_error_handlers(app)
     app.include_router(admin_router(store.accounts, store.ledger, auth.require_master, set(config.models),
@@ -81,6 +85,12 @@ def build_app(config: GatewayConfig, store: Store | None = None) -> FastAPI:
     if chat is not None:
         app.include_router(chat.router)
     return app
+
+
+def body_limit(path: str) -> int:
+    """The most bytes a request body may have: a file upload's (MAX_FILE_BYTES and its multipart
+    framing), else MAX_BODY_BYTES."""
+    return MAX_FILE_BYTES + UPLOAD_FRAMING_BYTES if path == "/v1/files" else MAX_BODY_BYTES
 
 
 def _lifespan(config: GatewayConfig, store: Store, upstreams: Upstreams, router: Router, metrics: GatewayMetrics,

@@ -55,6 +55,8 @@ def _request(raw: bytes, number: int, endpoint: str, seen: set[str]) -> tuple[tu
         return None, error("invalid_json_line", f"line {number} is not UTF-8 ({exc.reason})", line=number)
     except ValueError as exc:
         return None, error("invalid_json_line", f"line {number} is not JSON ({exc})", line=number)
+    except RecursionError:  # (json's C parser recurses once per level of nesting)
+        return None, error("invalid_json_line", f"line {number} is nested too deeply", line=number)
     if not isinstance(item, dict):
         return None, error("invalid_json_line", f"line {number} is not a JSON object", line=number)
     custom_id = item.get("custom_id")

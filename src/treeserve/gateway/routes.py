@@ -16,6 +16,7 @@ from treeserve.gateway.keys import KeyRecord
 from treeserve.gateway.metrics import GatewayMetrics
 from treeserve.gateway.routing import Router
 from treeserve.gateway.service import ROUTES, GatewayService
+from treeserve.wire.bodies import read_body
 from treeserve.wire.disconnect import unless_client_leaves
 from treeserve.wire.drain import Drain, readiness
 from treeserve.wire.errors import APIError, error_response
@@ -112,13 +113,13 @@ class DatabasePing:
 
 
 async def _json_body(request: Request) -> dict:
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise APIError(413, f"the body is {len(raw)} bytes; the gateway takes at most {MAX_BODY_BYTES}")
+    raw = await read_body(request, MAX_BODY_BYTES)
     try:
         body = json.loads(raw)
     except ValueError as exc:
         raise APIError(400, f"malformed JSON body: {exc}", code="invalid_json") from None
+    except RecursionError:  # (json's C parser recurses once per level of nesting: a 500 before)
+        raise APIError(400, "malformed JSON body: nested too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, "the body must be a JSON object", code="invalid_json")
     return body

@@ -91,7 +91,18 @@ def served_verifiers(values: list[str] | None) -> dict[str, str | None]:
 
 
 def api_keys(args) -> list[str]:
+    """--api-key's keys, else TREESERVE_API_KEY's. A blank one is refused: it was dropped, and a
+    server given only `--api-key "$KEY"` with KEY unset started open to anyone, without a word; a key
+    with spaces at either end could never be sent (a presented key is stripped)."""
+    from treeserve.errors import ParamError
+
     keys = list(args.api_key or [])
+    for key in keys:
+        if not key.strip():
+            raise ParamError("--api-key", "a blank key would leave every route open; give the key, or no --api-key "
+                             "for a server without one")
+        if key != key.strip():
+            raise ParamError("--api-key", "a key cannot start or end with spaces (no client could send it)")
     if not keys and os.environ.get("TREESERVE_API_KEY"):
         keys = [os.environ["TREESERVE_API_KEY"]]
     return keys

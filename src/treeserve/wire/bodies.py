@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from treeserve.wire.errors import APIError, from_validation_error
+from treeserve.wire.errors import APIError, error_response_for, from_validation_error
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -26,3 +26,60 @@ async def parse(request: Request, model: type[BaseModel], limit: int) -> BaseMod
         return model.model_validate_json(body)
     except ValidationError as exc:
         raise from_validation_error(exc) from exc
+
+
+class BodyTooLarge(Exception):
+    """Raised from a request's receive channel once its body passed its limit (BodyLimitMiddleware)."""
+
+
+class BodyLimitMiddleware:
+    """Every request body within a limit, checked before any route reads it: a declared
+    Content-Length past it is a 413 at once, and a body sent without one (chunked) is cut off at the
+    limit with a 413. FastAPI parses a route's declared body (a pydantic model, a form) before the
+    route's dependencies run, its key check among them, so without this any client, signed in or
+    not, could make the app hold a body of any size in memory (or a multipart upload on disk).
+    `limit(path)` is the limit of a path. A plain ASGI middleware: the receive channel otherwise
+    passes through untouched (a client's disconnect still reaches the routes)."""
+
+    def __init__(self, app, limit):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path, limit = scope["path"], self.limit(scope["path"])
+        declared = dict(scope["headers"]).get(b"content-length", b"").decode("latin-1")
+        if declared.isdigit() and int(declared) > limit:
+            await _too_large(path, f"request body is {declared} bytes; the limit is {limit}")(scope, receive, send)
+            return
+        received, over, started = 0, False, False
+
+        async def limited_receive():
+            nonlocal received, over
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    over = True
+                    raise BodyTooLarge()
+            return message
+
+        async def guarded_send(message):
+            nonlocal started
+            if over:  # whatever the app made of the cut body (FastAPI: a 400) gives way to the 413
+                return
+            started = True
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, guarded_send)
+        except Exception:  # BodyTooLarge, or what the app raised on it (FastAPI wraps it)
+            if not over:
+                raise
+        if over and not started:
+            await _too_large(path, f"request body exceeds the limit of {limit} bytes")(scope, receive, send)
+
+
+def _too_large(path: str, message: str):
+    return error_response_for(path, 413, message, code="body_too_large", headers={"Connection": "close"})
