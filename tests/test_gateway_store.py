@@ -239,10 +239,10 @@ def test_durations_take_litellms_months():
     assert after(dt.datetime(2026, 11, 30, tzinfo=utc), "3mo", "p") == dt.datetime(2027, 2, 28, tzinfo=utc)
     assert after(jan31, "4000000s", "p") - jan31 == dt.timedelta(seconds=4_000_000)
     assert after(jan31, "1200mo", "p").year == 2127
-    for text in ("1201mo", "99999999999999999d", "36501d", "0mo", "1month", "mo"):
+    for duration in ("1201mo", "99999999999999999d", "36501d", "0mo", "1month", "mo"):
         with pytest.raises(ParamError) as refused:
-            after(jan31, text, "budget_duration")
-        assert refused.value.param == "budget_duration", text
+            after(jan31, duration, "budget_duration")
+        assert refused.value.param == "budget_duration", duration
 
 
 def test_a_key_and_a_user_take_a_budget_period_of_a_month(store):
@@ -344,24 +344,33 @@ def test_a_row_broken_before_does_not_stop_a_gateway_starting(tmp_path):
         store.close()
 
 
-def test_the_key_id_migration_keeps_every_row_and_starts_past_every_id_seen(tmp_path):
-    """Rebuilding api_keys on SQLite (migration 0008) must not run its ON DELETE actions (files,
-    batches and stored responses cascade from a key), and a new key's id is past any id that spend
-    logs or rate windows hold of a key deleted before."""
+def _store_at_revision(url: str, revision: str) -> Store:
+    """A store whose database is migrated up to `revision` only (rows written in SQL then stand for an
+    older gateway's; the next `migrate()` takes them through the revisions after it)."""
     from alembic import command
     from alembic.config import Config
-    from sqlalchemy import func, insert
 
     from treeserve.gateway.database import MIGRATIONS
-    from treeserve.gateway.schema import SpendLog, StoredFile
 
-    url = f"sqlite:///{tmp_path / 'old.db'}"
     store = Store(url)
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS))
     with store.db.engine.begin() as conn:
         config.attributes["connection"] = conn
-        command.upgrade(config, "0007")
+        command.upgrade(config, revision)
+    return store
+
+
+def test_the_key_id_migration_keeps_every_row_and_starts_past_every_id_seen(tmp_path):
+    """Rebuilding api_keys on SQLite (migration 0008) must not run its ON DELETE actions (files,
+    batches and stored responses cascade from a key), and a new key's id is past any id that spend
+    logs or rate windows hold of a key deleted before."""
+    from sqlalchemy import func, insert
+
+    from treeserve.gateway.schema import SpendLog, StoredFile
+
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    store = _store_at_revision(url, "0007")
     with store.db.transaction() as conn:  # (in SQL: the ORM's api_keys has the columns of later revisions)
         kept, kept_id = _key_before(conn, "kept")
         _, gone_id = _key_before(conn, "gone")
@@ -466,18 +475,8 @@ def test_the_admin_api_gives_no_key_the_chat_prefix_or_the_master_label(store):
 def test_the_alias_and_chat_key_migrations_keep_every_key(tmp_path):
     """Migration 0011 keeps an alias on its oldest key and renames later holders (the index needs it);
     0012 flags a user's oldest chat-made key `chat:<user>` as their web chat key, not an admin's."""
-    from alembic import command
-    from alembic.config import Config
-
-    from treeserve.gateway.database import MIGRATIONS
-
     url = f"sqlite:///{tmp_path / 'old.db'}"
-    store = Store(url)
-    config = Config()
-    config.set_main_option("script_location", str(MIGRATIONS))
-    with store.db.engine.begin() as conn:
-        config.attributes["connection"] = conn
-        command.upgrade(config, "0010")
+    store = _store_at_revision(url, "0010")
     rows = [("dup", None, "{}"), ("dup", None, "{}"), ("dup #2", None, "{}"),
             ("chat:ada", "ada", '{"purpose": "web chat"}'), ("chat:bob", "bob", '{"team": "x"}'),
             ("chat:ada", "ada", '{"purpose": "web chat"}'), ("chat:cy", "cy", "null"), ("chat:dee", "dee", "[1]")]
