@@ -237,3 +237,52 @@ def test_vllms_request_parameter_and_phase_histograms_are_served_with_exact_valu
                 "request_prefill_kv_computed_tokens": (1, 3)}
     assert {name: (got[f"treeserve:{name}_count"], got[f"treeserve:{name}_sum"]) for name in expected} == expected
     assert got["treeserve:request_params_n_bucket{le=1.0}"] == 0 and got["treeserve:request_params_n_bucket{le=2.0}"] == 1
+
+
+def test_a_streamed_tokens_gap_is_observed_once_per_step_and_served_under_both_names():
+    """The engine thread runs on_step after every step: time_per_output_token_seconds (vLLM's older
+    name of inter_token_latency_seconds) was a second histogram observed for every streamed output of
+    every step, and a delta request's tokens were tallied per sample in a dict each step; with 256
+    streams that doubled on_step's time (160 -> 340 us a step). It now mirrors the ITL histogram, and
+    the longest sample is the engine's count, given on the finished output."""
+    from types import SimpleNamespace
+
+    from treeserve.engine.engine_stats import EngineStats
+    from treeserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from treeserve.server import metrics as metrics_module
+
+    def step(finished: bool = False) -> RequestOutput:
+        sample = CompletionOutput(index=0, text="", token_ids=[1], cumulative_logprob=None, logprobs=None,
+                                  finish_reason="length" if finished else None)
+        timing = RequestMetrics(arrival_time=100.0, first_scheduled_time=100.5, first_token_time=101.0,
+                                finished_time=103.0 if finished else None, n=1, max_tokens=3,
+                                longest_sample=3 if finished else 0)
+        return RequestOutput("r", None, [1, 2], [sample], finished, metrics=timing, delta=True)
+
+    zeros = {name: 0 for name in EngineStats.__dataclass_fields__}
+    stats = EngineStats(**{**zeros, "kv_blocks_total": 1, "spec_decode_num_accepted_tokens_per_pos": ()})
+    engine = SimpleNamespace(stats=lambda: stats, last_step_num_tokens=1)
+    metrics = metrics_module.ServerMetrics()
+    model = metrics.add_model(engine, "m")
+    metrics.on_step(engine, [step()])  # (its first token: TTFT)
+    observed, original = [], metrics_module.Histogram.observe
+
+    def observe(self, value, count=1):
+        observed.append(self)
+        return original(self, value, count)
+
+    metrics_module.Histogram.observe = observe
+    try:
+        metrics.on_step(engine, [step()])
+    finally:
+        metrics_module.Histogram.observe = original
+    assert [h for h in observed if h is not model.iteration_tokens] == [model.itl]
+    metrics.on_step(engine, [step(finished=True)])
+    values = {sample.name: sample.value for family in text_string_to_metric_families(metrics.render().decode())
+              for sample in family.samples}
+    for part in ("count", "sum"):
+        assert values[f"treeserve:time_per_output_token_seconds_{part}"] == \
+            values[f"treeserve:inter_token_latency_seconds_{part}"]
+    assert values["treeserve:time_per_output_token_seconds_count"] == 2
+    # a delta output's last holds only its last token: the sample's 3 are the engine's count
+    assert values["treeserve:request_max_num_generation_tokens_sum"] == 3

@@ -84,3 +84,23 @@ def test_requests_are_logged_as_vllm_logs_them_only_when_enabled(server, caplog)
     assert received.startswith(f"Received request {request_id}: prompt: 'Hello world', params: SamplingParams(")
     assert "prompt_token_ids: [" in received and finished == f"Finished request {request_id}."
     assert aborted == f"Aborted request {received_cut.split(':')[0].removeprefix('Received request ')}."
+
+
+def test_a_stats_interval_that_is_not_a_positive_number_is_refused_naming_it(monkeypatch):
+    """TREESERVE_LOG_STATS_INTERVAL=0 made the stats thread log in a loop without sleeping (holding the
+    GIL the engine thread steps with); a non-number failed with float()'s bare message once the models
+    had loaded."""
+    import pytest
+
+    from treeserve.server.stats_log import log_stats_interval
+
+    for bad in ("0", "-5", "ten", "nan", "inf"):
+        monkeypatch.setenv("TREESERVE_LOG_STATS_INTERVAL", bad)
+        with pytest.raises(ValueError, match="TREESERVE_LOG_STATS_INTERVAL"):
+            log_stats_interval()
+        with pytest.raises(ValueError, match="TREESERVE_LOG_STATS_INTERVAL"):
+            StatsLog(ServerMetrics()).start()
+    monkeypatch.setenv("TREESERVE_LOG_STATS_INTERVAL", "2.5")
+    assert log_stats_interval() == 2.5
+    monkeypatch.delenv("TREESERVE_LOG_STATS_INTERVAL")
+    assert log_stats_interval() == 10.0

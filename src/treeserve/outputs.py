@@ -35,6 +35,7 @@ class RequestMetrics:
     finished_time: float | None = None
     n: int = 1                        # the request's parameters (set on its finished output)
     max_tokens: int | None = None     # its samples' token limit (None: a prefill-only request)
+    longest_sample: int = 0           # its longest sample's generated tokens (set on its finished output)
 
 
 @dataclass(frozen=True)

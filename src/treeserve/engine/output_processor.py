@@ -163,4 +163,5 @@ def request_metrics(group: RequestGroup) -> RequestMetrics:
     if group.finished:
         metrics.finished_time, metrics.n = time.monotonic(), len(children)
         metrics.max_tokens = None if children[0].prefill_only else children[0].max_tokens
+        metrics.longest_sample = max(c.num_output_tokens for c in children)
     return metrics

@@ -25,7 +25,7 @@ from treeserve.search.runner import SearchRunner
 from treeserve.server import request_log
 from treeserve.server.metrics import ServerMetrics
 from treeserve.server.serving_search import SearchServing
-from treeserve.server.stats_log import StatsLog
+from treeserve.server.stats_log import StatsLog, log_stats_interval
 from treeserve.server.tool_calls import ToolSettings
 from treeserve.entrypoints.chat_utils import load_chat_template, warn_replaced_tool_templates
 
@@ -160,6 +160,8 @@ def _logged_app(args):
     command line is wrong."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if not getattr(args, "disable_log_stats", False):
+            log_stats_interval()  # (a bad value said before the models load)
         app = app_from_args(args)
     except ValueError as exc:  # (a bad --shutdown-timeout too)
         logging.getLogger(__name__).error("%s", exc)

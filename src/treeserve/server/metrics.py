@@ -118,6 +118,27 @@ class Histogram:
         out.append(self._text[0])
 
 
+class MirroredHistogram(Histogram):
+    """Another histogram's observations under a second name (a deprecated alias vLLM still serves):
+    its counts list is the source's own, its sum read from the source, so each value is observed once."""
+
+    def __init__(self, name: str, labels: dict[str, str], source: Histogram):
+        self._source = source
+        super().__init__(name, labels, tuple(source.upper_bounds[:-1]))
+        self.counts = source.counts
+
+    @property
+    def sum(self) -> float:
+        return self._source.sum
+
+    @sum.setter
+    def sum(self, value: float) -> None:  # (Histogram.__init__'s 0.0; nothing observes a mirror)
+        pass
+
+    def observe(self, value: float, count: int = 1) -> None:
+        raise TypeError("a mirrored histogram is observed through its source")
+
+
 class Family:
     """One metric's HELP and TYPE and its labelled series, in the order they were made; counters and
     histograms are followed by their `_created` stamps, as prometheus_client writes them."""
@@ -140,6 +161,11 @@ class Family:
             else:
                 series = (Counter if self.kind == "counter" else Gauge)(self.name, labels)
             self.series[key] = series
+        return series
+
+    def mirror(self, source: Histogram, **labels: str) -> MirroredHistogram:
+        """A series of this family showing `source`'s observations."""
+        series = self.series[tuple(sorted(labels.items()))] = MirroredHistogram(self.name, labels, source)
         return series
 
     def render(self, out: list[str]) -> None:
@@ -249,8 +275,10 @@ class EngineMetrics:
             self._success(reason)                     # loses its first event to rate() and increase()
         self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token.", TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive output tokens.", ITL_BUCKETS)
-        self.tpot = histogram("time_per_output_token_seconds", "inter_token_latency_seconds' observations under "
-                              "vLLM's older name (its Grafana dashboard's Time Per Output Token panel).", ITL_BUCKETS)
+        # (the same numbers under a second name: observed once, on the engine thread, shown twice)
+        self.tpot = server.family("histogram", "time_per_output_token_seconds", "inter_token_latency_seconds' "
+                                  "observations under vLLM's older name (its Grafana dashboard's Time Per Output "
+                                  "Token panel).", buckets=ITL_BUCKETS).mirror(self.itl, **labels)
         self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the end of the request.")
         self.queue_time = histogram("request_queue_time_seconds", "Time from arrival to first scheduling.")
         self.prefill_time = histogram("request_prefill_time_seconds", "Time from first scheduling to first token.")
@@ -275,7 +303,6 @@ class EngineMetrics:
         self.memory = {part: gauge(f"memory_{part}_bytes", f"Memory accounting: {part.replace('_', ' ')} bytes.")
                        for part in ("weights", "activation", "non_torch", "kv")}
         self._seen_tokens: dict[str, tuple[int, float]] = {}
-        self._delta_samples: dict[str, dict[int, int]] = {}  # a delta request's tokens so far, by sample
         # EngineStats' cumulative counters -> the Prometheus counters they advance
         self._counted = {"prefix_queries": self.prefix_queries, "prefix_hits": self.prefix_hits,
                          "evictions": self.prefix_evictions, "thrash": self.prefix_thrash,
@@ -300,9 +327,8 @@ class EngineMetrics:
         for output in outputs:
             self._observe_tokens(output, now)
             self._count_finishes(output)
-            longest = self._longest_sample(output) if output.delta or output.finished else 0
             if output.finished:
-                self._observe_finished(output, longest)
+                self._observe_finished(output)
 
     def on_abort(self, engine: LLMEngine, aborted: AbortedRequest) -> None:
         """What an aborted request did and no output reported, counted as vLLM counts it: its prompt
@@ -310,7 +336,6 @@ class EngineMetrics:
         sample's finish not yet counted (cut ones as `abort`)."""
         self._update_gauges(engine)
         seen, _ = self._seen_tokens.pop(aborted.request_id, (0, 0.0))
-        self._delta_samples.pop(aborted.request_id, None)
         self.generation_tokens.inc(max(sum(tokens for tokens, _ in aborted.samples) - seen, 0))
         if aborted.prompt_computed:
             self.prompt_tokens.inc(aborted.num_prompt_tokens)
@@ -365,7 +390,7 @@ class EngineMetrics:
             if output.finished:
                 self._observe_mean_itl(output, new)
         else:
-            self._observe_itl((now - last_time) / new, new)
+            self.itl.observe((now - last_time) / new, new)
         self._seen_tokens[output.request_id] = (total, now)
 
     def _observe_mean_itl(self, output: RequestOutput, tokens: int) -> None:
@@ -375,22 +400,15 @@ class EngineMetrics:
         m = output.metrics
         if gaps <= 0 or m.first_token_time is None or m.finished_time is None:
             return
-        self._observe_itl(max(m.finished_time - m.first_token_time, 0.0) / gaps, gaps)
+        self.itl.observe(max(m.finished_time - m.first_token_time, 0.0) / gaps, gaps)
 
-    def _observe_itl(self, gap: float, count: int) -> None:
-        self.itl.observe(gap, count)
-        self.tpot.observe(gap, count)
-
-    def _longest_sample(self, output: RequestOutput) -> int:
-        """Its longest sample's tokens (a delta request's counted as its outputs came)."""
-        if not output.delta:
-            return max((len(c.token_ids) for c in output.outputs), default=0)
-        counts = self._delta_samples.setdefault(output.request_id, {})
-        for completion in output.outputs:
-            counts[completion.index] = counts.get(completion.index, 0) + len(completion.token_ids)
-        if output.finished:
-            self._delta_samples.pop(output.request_id, None)
-        return max(counts.values(), default=0)
+    @staticmethod
+    def _longest_sample(output: RequestOutput) -> int:
+        """Its longest sample's tokens: a delta output's last holds only what changed, so the engine's
+        count (kept for it at no per-step cost here, on the engine thread)."""
+        if output.delta:
+            return output.metrics.longest_sample
+        return max((len(c.token_ids) for c in output.outputs), default=0)
 
     def _count_finishes(self, output: RequestOutput) -> None:
         """Each completion's finish, once: as each delta reports it (the samples of a delta request
@@ -403,9 +421,10 @@ class EngineMetrics:
             for completion in output.outputs:
                 self._success(completion.finish_reason or "abort").inc()
 
-    def _observe_finished(self, output: RequestOutput, longest: int) -> None:
+    def _observe_finished(self, output: RequestOutput) -> None:
         """Once per request (vLLM observes these per sample, its n samples being n requests; n and the
         longest sample, as here, per request)."""
+        longest = self._longest_sample(output)
         generated, _ = self._seen_tokens.pop(output.request_id, (0, 0.0))  # (its outputs were counted first)
         m = output.metrics
         end = m.finished_time or time.monotonic()

@@ -28,6 +28,19 @@ class _Last:
     active: bool = True  # tokens moved in the interval before (the first line after a start is shown)
 
 
+def log_stats_interval() -> float:
+    """TREESERVE_LOG_STATS_INTERVAL's seconds; ValueError naming it unless a positive number (0 made
+    the logging thread spin, holding the GIL the engine thread needs)."""
+    text = os.environ.get("TREESERVE_LOG_STATS_INTERVAL", str(DEFAULT_INTERVAL))
+    try:
+        interval = float(text)
+    except ValueError:
+        interval = float("nan")
+    if not interval > 0 or interval == float("inf"):
+        raise ValueError(f"TREESERVE_LOG_STATS_INTERVAL must be a positive number of seconds, got {text!r}")
+    return interval
+
+
 class StatsLog:
     def __init__(self, metrics: ServerMetrics, clock=time.monotonic):
         self.metrics, self.clock = metrics, clock
@@ -63,7 +76,7 @@ class StatsLog:
 
     def start(self, interval: float | None = None) -> threading.Event:
         """Logs every `interval` seconds on a daemon thread until the returned event is set."""
-        interval = interval or float(os.environ.get("TREESERVE_LOG_STATS_INTERVAL", DEFAULT_INTERVAL))
+        interval = interval or log_stats_interval()
         stop = threading.Event()
 
         def run() -> None:
