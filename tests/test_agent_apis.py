@@ -406,3 +406,62 @@ def test_the_gateway_bills_responses_and_messages_like_chats(gateway):
     for row in logs:
         assert row["route"] == "chat" and row["status"] == "success"
         assert row["cost"] == pytest.approx(row["prompt_tokens"] * IN_PRICE + row["completion_tokens"] * OUT_PRICE)
+
+
+def test_an_output_item_cut_by_max_output_tokens_is_incomplete(target):
+    """As OpenAI's: the response and the item it was writing are `incomplete` (the item said
+    `completed`, whole, streamed and retrieved)."""
+    client = _openai(target)
+    whole = client.responses.create(model="tiny", input="Name a colour.", max_output_tokens=2, **GREEDY)
+    assert (whole.status, whole.incomplete_details.reason) == ("incomplete", "max_output_tokens")
+    assert [item.status for item in whole.output] == ["incomplete"]
+    assert client.responses.retrieve(whole.id).output[-1].status == "incomplete"
+    with client.responses.stream(model="tiny", input="Name a colour.", max_output_tokens=2, **GREEDY) as stream:
+        events = list(stream)
+    done = [event.item for event in events if event.type == "response.output_item.done"]
+    assert [item.status for item in done] == ["incomplete"]
+    assert events[-1].type == "response.incomplete" and events[-1].response.output[-1].status == "incomplete"
+    # a whole reply's items stay completed
+    named = client.responses.create(model="tiny", input="Weather?", tools=RESPONSE_TOOLS, max_output_tokens=60,
+                                    tool_choice={"type": "function", "name": "weather"}, **GREEDY)
+    assert named.status == "completed" and [item.status for item in named.output] == ["completed"]
+
+
+def test_anthropic_structured_outputs_and_the_fields_taken_with_no_effect(target):
+    """`messages.parse(output_format=...)` (`output_config.format`) follows the schema through the grammar
+    engine; `cache_control` (automatic caching: the prefix cache is always on), `inference_geo`, `speed`
+    and the Responses API's `prompt_cache_retention` are taken (each was a 400 "unknown parameter")."""
+    import pydantic
+
+    class Colour(pydantic.BaseModel):
+        colour: Literal["red", "blue"]
+
+    client = _anthropic(target)
+    messages = [{"role": "user", "content": "A colour as JSON."}]
+    parsed = client.messages.parse(model="tiny", max_tokens=40, messages=messages, output_format=Colour,
+                                   speed="standard", extra_body={"temperature": 1.0})
+    assert parsed.parsed_output.colour in ("red", "blue") and parsed.stop_reason == "end_turn", parsed
+    cached = client.messages.create(model="tiny", max_tokens=2, messages=messages, cache_control={"type": "ephemeral"},
+                                    inference_geo="us", speed="fast")
+    assert cached.stop_reason in ("end_turn", "max_tokens")
+    counted = client.messages.count_tokens(model="tiny", messages=messages, output_format=Colour,
+                                           cache_control={"type": "ephemeral"})
+    assert counted.input_tokens == parsed.usage.input_tokens + parsed.usage.cache_read_input_tokens
+    for config, param in [({"effort": "low"}, "output_config.effort"),
+                          ({"format": {"type": "json_schema", "schema": "x"}}, "output_config.format"),
+                          ({"format": {"type": "json_schema", "schema": {"type": "bogus"}}}, "output_config.format")]:
+        with pytest.raises(anthropic.BadRequestError) as caught:
+            client.messages.create(model="tiny", max_tokens=2, messages=messages, output_config=config)
+        assert caught.value.body["error"]["message"].startswith(param), caught.value.body
+    taken = _openai(target).responses.create(model="tiny", input="x", max_output_tokens=2, prompt_cache_retention="24h")
+    assert taken.status in ("completed", "incomplete")
+
+
+def test_an_unknown_route_under_messages_answers_in_anthropics_shape(target):
+    """`client.messages.batches` (not served): a 404 in Anthropic's shape on the server too (it was OpenAI's)."""
+    with pytest.raises(anthropic.NotFoundError) as caught:
+        _anthropic(target).messages.batches.create(requests=[{"custom_id": "a", "params": {
+            "model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}}])
+    assert caught.value.body["type"] == "error" and caught.value.body["error"]["type"] == "not_found_error"
+    missing = httpx.get(f"{target.url}/v1/no-such-route", headers={"Authorization": f"Bearer {target.key}"})
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"  # (OpenAI's elsewhere)

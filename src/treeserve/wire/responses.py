@@ -55,10 +55,12 @@ class ResponsesRequest(BaseModel):
     include: list[str] | None = None
     top_logprobs: int | None = None
     prompt: dict | None = None
-    # OpenAI's, taken with no effect here: serving tiers, prompt caching keys (prefix caching is
-    # automatic), abuse-monitoring ids, a cap on built-in tool calls (none run here), stream obfuscation
+    # OpenAI's, taken with no effect here: serving tiers, prompt caching keys and retention (prefix
+    # caching is automatic), abuse-monitoring ids, a cap on built-in tool calls (none run here), stream obfuscation
     service_tier: str | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict | None = None
     safety_identifier: str | None = None
     max_tool_calls: int | None = None
     stream_options: dict | None = None
@@ -248,6 +250,11 @@ def response_usage(usage: dict | None) -> dict:
             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + completion}
 
 
+def item_status(finish_reason: str | None) -> str:
+    """The status of the last output item: `incomplete` when max_output_tokens cut it, as OpenAI's."""
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
 def finished(response: dict, finish_reason: str | None, usage: dict | None) -> dict:
     """The response with its status (incomplete when max_output_tokens cut it) and usage."""
     response = dict(response, usage=response_usage(usage))
@@ -267,6 +274,7 @@ def from_chat(response: dict, chat: dict) -> dict:
         output.append(message_item(message.get("content") or ""))
     for call in message.get("tool_calls") or ():
         output.append(call_item(call["id"], call["function"]["name"], call["function"]["arguments"]))
+    output[-1]["status"] = item_status(choice.get("finish_reason"))
     return finished(dict(response, output=output), choice.get("finish_reason"), chat.get("usage"))
 
 
