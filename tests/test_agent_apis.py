@@ -465,3 +465,25 @@ def test_an_unknown_route_under_messages_answers_in_anthropics_shape(target):
     assert caught.value.body["type"] == "error" and caught.value.body["error"]["type"] == "not_found_error"
     missing = httpx.get(f"{target.url}/v1/no-such-route", headers={"Authorization": f"Bearer {target.key}"})
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"  # (OpenAI's elsewhere)
+
+
+def test_responses_input_tokens_count_what_a_response_is_charged(target):
+    """`client.responses.input_tokens.count` (POST /v1/responses/input_tokens, the Responses API's
+    count_tokens): the input tokens a response of the same fields is charged, after a previous response
+    too (it was a 404 on the server and a 405 on the gateway)."""
+    client = _openai(target)
+    fields = dict(model="tiny", instructions="Be brief.", input="Weather in Oslo?", tools=RESPONSE_TOOLS,
+                  tool_choice={"type": "function", "name": "weather"})
+    counted = client.responses.input_tokens.count(**fields)
+    response = client.responses.create(max_output_tokens=60, **fields, **GREEDY)
+    assert counted.object == "response.input_tokens" and counted.input_tokens == response.usage.input_tokens
+    call = response.output[-1]
+    follow = dict(model="tiny", previous_response_id=response.id, tools=RESPONSE_TOOLS,
+                  input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+    assert client.responses.input_tokens.count(**follow).input_tokens == \
+        client.responses.create(max_output_tokens=2, **follow).usage.input_tokens
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_tokens.count(model="tiny", input="x", previous_response_id="resp_nope")
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.input_tokens.count(model="tiny", input="x", extra_body={"max_output_tokens": 3})
+    assert caught.value.body["param"] == "max_output_tokens" and caught.value.body["code"] == "unknown_parameter"

@@ -82,6 +82,28 @@ class ResponsesRequest(BaseModel):
             raise ParamError("prompt", "stored prompt templates are not supported; send the input and instructions")
 
 
+class InputTokensRequest(BaseModel):
+    """POST /v1/responses/input_tokens (`client.responses.input_tokens.count`): the fields of a response
+    that make its prompt; the count is the `input_tokens` a response with them is charged."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    input: str | list[dict] | None = None
+    instructions: str | None = None
+    tools: list[dict] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    previous_response_id: str | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    conversation: str | dict | None = None
+    reasoning: dict | None = None
+
+    def as_response(self) -> ResponsesRequest:
+        """The response request these fields make (validated already: the same types)."""
+        fields = {name: getattr(self, name) for name in type(self).model_fields if getattr(self, name) is not None}
+        return ResponsesRequest.model_construct(**(fields | {"input": self.input if self.input is not None else []}))
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
