@@ -487,3 +487,30 @@ def test_responses_input_tokens_count_what_a_response_is_charged(target):
     with pytest.raises(openai.BadRequestError) as caught:
         client.responses.input_tokens.count(model="tiny", input="x", extra_body={"max_output_tokens": 3})
     assert caught.value.body["param"] == "max_output_tokens" and caught.value.body["code"] == "unknown_parameter"
+
+
+def test_anthropics_tool_runner_runs_its_tools(target):
+    """`client.beta.messages.tool_runner`, Anthropic's agent loop, asks for a server-held thread; refused as
+    `thread_unsupported_request` (`error.details.error_code`), it sends the whole conversation instead and
+    runs (before: a 400 "thread: unknown parameter" that ended the run)."""
+    from anthropic import beta_tool
+
+    called: list[str] = []
+
+    @beta_tool
+    def weather(city: Literal["Paris", "Oslo"]) -> str:
+        """The weather in a city."""
+        called.append(city)
+        return f"sunny in {city}"
+
+    client = _anthropic(target)
+    runner = client.beta.messages.tool_runner(model="tiny", max_tokens=60, tools=[weather], max_iterations=2,
+                                              tool_choice={"type": "any"}, extra_body=GREEDY,
+                                              messages=[{"role": "user", "content": "Weather in Oslo?"}])
+    replies = list(runner)
+    assert [reply.stop_reason for reply in replies] == ["tool_use", "tool_use"] and len(called) == 2, replies
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        client.beta.messages.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": "x"}],
+                                    thread={"type": "create"})
+    assert caught.value.body["error"]["details"] == {"error_code": "thread_unsupported_request"}
+    assert caught.value.body["error"]["message"].startswith("thread:")

@@ -11,6 +11,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from treeserve.errors import ParamError
 
+class ThreadUnsupported(ParamError):
+    """`thread` (server-held conversations): refused in the form Anthropic's clients read, so that the
+    tool runner (which asks for a thread) sends the whole conversation instead."""
+    code = "thread_unsupported_request"
+
+
 class CountTokensRequest(BaseModel):
     """POST /v1/messages/count_tokens; content blocks are checked one by one (`chat_messages`). A
     field Anthropic does not know is a 400 naming it, as Anthropic's."""
@@ -53,9 +59,13 @@ class MessagesRequest(CountTokensRequest):
     # Anthropic's, taken with no effect here: priority tiers, where it runs
     service_tier: str | None = None
     inference_geo: str | None = None
+    thread: dict | None = None  # (refused: ThreadUnsupported)
 
     def chat_request(self) -> dict:
         """The chat completions body; ParamError naming the Messages field for what cannot be translated."""
+        if self.thread is not None:
+            raise ThreadUnsupported("thread", "server-held conversations (threads) are not supported here; send "
+                                              "the whole conversation without thread")
         body = self.chat_fields() | {"max_tokens": self.max_tokens} | output_format(self.output_config or {})
         for ours, chat in (("stop_sequences", "stop"), ("temperature", "temperature"), ("top_p", "top_p"),
                            ("top_k", "top_k")):
