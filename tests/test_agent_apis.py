@@ -514,3 +514,38 @@ def test_anthropics_tool_runner_runs_its_tools(target):
                                     thread={"type": "create"})
     assert caught.value.body["error"]["details"] == {"error_code": "thread_unsupported_request"}
     assert caught.value.body["error"]["message"].startswith("thread:")
+
+
+def test_every_object_and_event_validates_against_the_clients_types(target):
+    """Strictly, as the clients' pydantic models declare them (the clients build them leniently, so a
+    missing field reads None where an int is declared): `usage.input_tokens_details.cache_write_tokens`
+    was missing from every response."""
+    import pydantic
+    from anthropic.types import Message, RawMessageStreamEvent
+    from openai.types.responses import Response, ResponseStreamEvent
+
+    headers = {"Authorization": f"Bearer {target.key}"}
+    body = {"model": "tiny", "input": "Weather?", "max_output_tokens": 60, "tools": RESPONSE_TOOLS,
+            "tool_choice": "required", "temperature": 0.0}
+    whole = httpx.post(f"{target.url}/v1/responses", json=body, headers=headers, timeout=120).json()
+    Response.model_validate(whole)
+    assert whole["usage"]["input_tokens_details"]["cache_write_tokens"] == 0
+    events = pydantic.TypeAdapter(ResponseStreamEvent)
+    for events_of, payload, path in [(events, body | {"stream": True}, "/v1/responses"),
+                                     (events, {"model": "tiny", "input": "x", "max_output_tokens": 3, "stream": True},
+                                      "/v1/responses")]:
+        with httpx.stream("POST", f"{target.url}{path}", json=payload, headers=headers, timeout=120) as stream:
+            lines = [json.loads(line[len("data: "):]) for line in stream.iter_lines() if line.startswith("data: ")]
+        assert lines[-1]["type"] in ("response.completed", "response.incomplete")
+        for line in lines:
+            events_of.validate_python(line)
+    messages = {"model": "tiny", "max_tokens": 60, "messages": [{"role": "user", "content": "Weather?"}],
+                "tools": [{"name": "weather", "input_schema": CITY}], "tool_choice": {"type": "any"}}
+    Message.model_validate(httpx.post(f"{target.url}/v1/messages", json=messages, headers=headers, timeout=120).json())
+    with httpx.stream("POST", f"{target.url}/v1/messages", json=messages | {"stream": True}, headers=headers,
+                      timeout=120) as stream:
+        lines = [json.loads(line[len("data: "):]) for line in stream.iter_lines() if line.startswith("data: ")]
+    adapter = pydantic.TypeAdapter(RawMessageStreamEvent)
+    for line in lines:
+        if line["type"] != "ping":
+            adapter.validate_python(line)
