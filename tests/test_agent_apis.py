@@ -549,3 +549,28 @@ def test_every_object_and_event_validates_against_the_clients_types(target):
     for line in lines:
         if line["type"] != "ping":
             adapter.validate_python(line)
+
+
+def test_a_failed_stream_has_an_error_code_openais_types_allow():
+    """A stream broken off part way (a grammar the engine fails on, a backend cut) ends `response.failed`
+    with a code of OpenAI's list, treeserve's own in the message (it was `grammar_failed`, which the
+    client's ResponseError does not allow)."""
+    import pydantic
+    from openai.types.responses import ResponseStreamEvent
+
+    from treeserve.wire.responses import ResponsesRequest, skeleton
+    from treeserve.wire.responses_stream import ResponseEvents
+
+    adapter = pydantic.TypeAdapter(ResponseStreamEvent)
+    for status, code, expected in [(400, "grammar_failed", "server_error"), (502, "backend_stream_cut", "server_error"),
+                                   (429, "queue_full", "rate_limit_exceeded"), (500, None, "server_error"),
+                                   (500, "server_error", "server_error")]:
+        events = ResponseEvents(skeleton(ResponsesRequest(input="x"), "resp_1", "tiny"))
+        sent = events.start(None) + events.feed({"choices": [{"index": 0, "delta": {"content": "a"}}]})
+        sent += events.fail(status, "it broke", code)
+        for event in sent:
+            adapter.validate_python(event)
+        error = sent[-1]["response"]["error"]
+        assert sent[-1]["type"] == "response.failed" and error["code"] == expected, error
+        assert error["message"] == ("it broke" if code in (None, expected) else f"it broke ({code})")
+        assert [item["type"] for item in sent[-1]["response"]["output"]] == ["message"]

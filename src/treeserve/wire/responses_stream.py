@@ -9,6 +9,10 @@ from treeserve.wire.responses import call_item, finished, item_status, message_i
 from treeserve.wire.translated_stream import ChunkEvents
 
 
+# the codes of a failed response's `error` that OpenAI's types allow and a served model can meet
+FAILURE_CODES = {"server_error", "rate_limit_exceeded", "invalid_prompt"}
+
+
 class ResponseEvents(ChunkEvents):
     def __init__(self, response: dict):
         self.response = response      # the skeleton (wire/responses.py), then the final response
@@ -31,10 +35,14 @@ class ResponseEvents(ChunkEvents):
         return events + [self._event(kind, response=self.response)]
 
     def fail(self, status: int, message: str, code: str | None = None) -> list[dict]:
-        """A stream broken off: what was written, and the error."""
+        """A stream broken off: what was written, and the error (with one of the codes OpenAI's types allow;
+        treeserve's own, such as grammar_failed, in its message)."""
         events = self._close()
+        if code not in FAILURE_CODES:
+            message = f"{message} ({code})" if code else message
+            code = "rate_limit_exceeded" if status == 429 else "server_error"
         self.response = dict(self.response, output=self.output, status="failed",
-                             error={"code": code or "server_error", "message": message})
+                             error={"code": code, "message": message})
         return events + [self._event("response.failed", response=self.response)]
 
     # ---- items -------------------------------------------------------------------------------
