@@ -484,6 +484,11 @@ def test_responses_input_tokens_count_what_a_response_is_charged(target):
         client.responses.create(max_output_tokens=2, **follow).usage.input_tokens
     with pytest.raises(openai.NotFoundError):
         client.responses.input_tokens.count(model="tiny", input="x", previous_response_id="resp_nope")
+    with pytest.raises(openai.BadRequestError) as caught:  # (arguments sent back that are not JSON: a 400, not a 500)
+        client.responses.input_tokens.count(model="tiny", input=[
+            {"type": "function_call", "call_id": "c1", "name": "add", "arguments": "{not json"},
+            {"type": "function_call_output", "call_id": "c1", "output": "5"}])
+    assert caught.value.body["param"].startswith("input"), caught.value.body
     with pytest.raises(openai.BadRequestError) as caught:
         client.responses.input_tokens.count(model="tiny", input="x", extra_body={"max_output_tokens": 3})
     assert caught.value.body["param"] == "max_output_tokens" and caught.value.body["code"] == "unknown_parameter"
