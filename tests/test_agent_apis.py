@@ -406,3 +406,176 @@ def test_the_gateway_bills_responses_and_messages_like_chats(gateway):
     for row in logs:
         assert row["route"] == "chat" and row["status"] == "success"
         assert row["cost"] == pytest.approx(row["prompt_tokens"] * IN_PRICE + row["completion_tokens"] * OUT_PRICE)
+
+
+def test_an_output_item_cut_by_max_output_tokens_is_incomplete(target):
+    """As OpenAI's: the response and the item it was writing are `incomplete` (the item said
+    `completed`, whole, streamed and retrieved)."""
+    client = _openai(target)
+    whole = client.responses.create(model="tiny", input="Name a colour.", max_output_tokens=2, **GREEDY)
+    assert (whole.status, whole.incomplete_details.reason) == ("incomplete", "max_output_tokens")
+    assert [item.status for item in whole.output] == ["incomplete"]
+    assert client.responses.retrieve(whole.id).output[-1].status == "incomplete"
+    with client.responses.stream(model="tiny", input="Name a colour.", max_output_tokens=2, **GREEDY) as stream:
+        events = list(stream)
+    done = [event.item for event in events if event.type == "response.output_item.done"]
+    assert [item.status for item in done] == ["incomplete"]
+    assert events[-1].type == "response.incomplete" and events[-1].response.output[-1].status == "incomplete"
+    # a whole reply's items stay completed
+    named = client.responses.create(model="tiny", input="Weather?", tools=RESPONSE_TOOLS, max_output_tokens=60,
+                                    tool_choice={"type": "function", "name": "weather"}, **GREEDY)
+    assert named.status == "completed" and [item.status for item in named.output] == ["completed"]
+
+
+def test_anthropic_structured_outputs_and_the_fields_taken_with_no_effect(target):
+    """`messages.parse(output_format=...)` (`output_config.format`) follows the schema through the grammar
+    engine; `cache_control` (automatic caching: the prefix cache is always on), `inference_geo`, `speed`
+    and the Responses API's `prompt_cache_retention` are taken (each was a 400 "unknown parameter")."""
+    import pydantic
+
+    class Colour(pydantic.BaseModel):
+        colour: Literal["red", "blue"]
+
+    client = _anthropic(target)
+    messages = [{"role": "user", "content": "A colour as JSON."}]
+    parsed = client.messages.parse(model="tiny", max_tokens=40, messages=messages, output_format=Colour,
+                                   speed="standard", extra_body={"temperature": 1.0})
+    assert parsed.parsed_output.colour in ("red", "blue") and parsed.stop_reason == "end_turn", parsed
+    cached = client.messages.create(model="tiny", max_tokens=2, messages=messages, cache_control={"type": "ephemeral"},
+                                    inference_geo="us", speed="fast")
+    assert cached.stop_reason in ("end_turn", "max_tokens")
+    counted = client.messages.count_tokens(model="tiny", messages=messages, output_format=Colour,
+                                           cache_control={"type": "ephemeral"})
+    assert counted.input_tokens == parsed.usage.input_tokens + parsed.usage.cache_read_input_tokens
+    for config, param in [({"effort": "low"}, "output_config.effort"),
+                          ({"format": {"type": "json_schema", "schema": "x"}}, "output_config.format"),
+                          ({"format": {"type": "json_schema", "schema": {"type": "bogus"}}}, "output_config.format")]:
+        with pytest.raises(anthropic.BadRequestError) as caught:
+            client.messages.create(model="tiny", max_tokens=2, messages=messages, output_config=config)
+        assert caught.value.body["error"]["message"].startswith(param), caught.value.body
+    taken = _openai(target).responses.create(model="tiny", input="x", max_output_tokens=2, prompt_cache_retention="24h")
+    assert taken.status in ("completed", "incomplete")
+
+
+def test_an_unknown_route_under_messages_answers_in_anthropics_shape(target):
+    """`client.messages.batches` (not served): a 404 in Anthropic's shape on the server too (it was OpenAI's)."""
+    with pytest.raises(anthropic.NotFoundError) as caught:
+        _anthropic(target).messages.batches.create(requests=[{"custom_id": "a", "params": {
+            "model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}}])
+    assert caught.value.body["type"] == "error" and caught.value.body["error"]["type"] == "not_found_error"
+    missing = httpx.get(f"{target.url}/v1/no-such-route", headers={"Authorization": f"Bearer {target.key}"})
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"  # (OpenAI's elsewhere)
+
+
+def test_responses_input_tokens_count_what_a_response_is_charged(target):
+    """`client.responses.input_tokens.count` (POST /v1/responses/input_tokens, the Responses API's
+    count_tokens): the input tokens a response of the same fields is charged, after a previous response
+    too (it was a 404 on the server and a 405 on the gateway)."""
+    client = _openai(target)
+    fields = dict(model="tiny", instructions="Be brief.", input="Weather in Oslo?", tools=RESPONSE_TOOLS,
+                  tool_choice={"type": "function", "name": "weather"})
+    counted = client.responses.input_tokens.count(**fields)
+    response = client.responses.create(max_output_tokens=60, **fields, **GREEDY)
+    assert counted.object == "response.input_tokens" and counted.input_tokens == response.usage.input_tokens
+    call = response.output[-1]
+    follow = dict(model="tiny", previous_response_id=response.id, tools=RESPONSE_TOOLS,
+                  input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+    assert client.responses.input_tokens.count(**follow).input_tokens == \
+        client.responses.create(max_output_tokens=2, **follow).usage.input_tokens
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_tokens.count(model="tiny", input="x", previous_response_id="resp_nope")
+    with pytest.raises(openai.BadRequestError) as caught:  # (arguments sent back that are not JSON: a 400, not a 500)
+        client.responses.input_tokens.count(model="tiny", input=[
+            {"type": "function_call", "call_id": "c1", "name": "add", "arguments": "{not json"},
+            {"type": "function_call_output", "call_id": "c1", "output": "5"}])
+    assert caught.value.body["param"].startswith("input"), caught.value.body
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.input_tokens.count(model="tiny", input="x", extra_body={"max_output_tokens": 3})
+    assert caught.value.body["param"] == "max_output_tokens" and caught.value.body["code"] == "unknown_parameter"
+
+
+def test_anthropics_tool_runner_runs_its_tools(target):
+    """`client.beta.messages.tool_runner`, Anthropic's agent loop, asks for a server-held thread; refused as
+    `thread_unsupported_request` (`error.details.error_code`), it sends the whole conversation instead and
+    runs (before: a 400 "thread: unknown parameter" that ended the run)."""
+    from anthropic import beta_tool
+
+    called: list[str] = []
+
+    @beta_tool
+    def weather(city: Literal["Paris", "Oslo"]) -> str:
+        """The weather in a city."""
+        called.append(city)
+        return f"sunny in {city}"
+
+    client = _anthropic(target)
+    runner = client.beta.messages.tool_runner(model="tiny", max_tokens=60, tools=[weather], max_iterations=2,
+                                              tool_choice={"type": "any"}, extra_body=GREEDY,
+                                              messages=[{"role": "user", "content": "Weather in Oslo?"}])
+    replies = list(runner)
+    assert [reply.stop_reason for reply in replies] == ["tool_use", "tool_use"] and len(called) == 2, replies
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        client.beta.messages.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": "x"}],
+                                    thread={"type": "create"})
+    assert caught.value.body["error"]["details"] == {"error_code": "thread_unsupported_request"}
+    assert caught.value.body["error"]["message"].startswith("thread:")
+
+
+def test_every_object_and_event_validates_against_the_clients_types(target):
+    """Strictly, as the clients' pydantic models declare them (the clients build them leniently, so a
+    missing field reads None where an int is declared): `usage.input_tokens_details.cache_write_tokens`
+    was missing from every response."""
+    import pydantic
+    from anthropic.types import Message, RawMessageStreamEvent
+    from openai.types.responses import Response, ResponseStreamEvent
+
+    headers = {"Authorization": f"Bearer {target.key}"}
+    body = {"model": "tiny", "input": "Weather?", "max_output_tokens": 60, "tools": RESPONSE_TOOLS,
+            "tool_choice": "required", "temperature": 0.0}
+    whole = httpx.post(f"{target.url}/v1/responses", json=body, headers=headers, timeout=120).json()
+    Response.model_validate(whole)
+    assert whole["usage"]["input_tokens_details"]["cache_write_tokens"] == 0
+    events = pydantic.TypeAdapter(ResponseStreamEvent)
+    for events_of, payload, path in [(events, body | {"stream": True}, "/v1/responses"),
+                                     (events, {"model": "tiny", "input": "x", "max_output_tokens": 3, "stream": True},
+                                      "/v1/responses")]:
+        with httpx.stream("POST", f"{target.url}{path}", json=payload, headers=headers, timeout=120) as stream:
+            lines = [json.loads(line[len("data: "):]) for line in stream.iter_lines() if line.startswith("data: ")]
+        assert lines[-1]["type"] in ("response.completed", "response.incomplete")
+        for line in lines:
+            events_of.validate_python(line)
+    messages = {"model": "tiny", "max_tokens": 60, "messages": [{"role": "user", "content": "Weather?"}],
+                "tools": [{"name": "weather", "input_schema": CITY}], "tool_choice": {"type": "any"}}
+    Message.model_validate(httpx.post(f"{target.url}/v1/messages", json=messages, headers=headers, timeout=120).json())
+    with httpx.stream("POST", f"{target.url}/v1/messages", json=messages | {"stream": True}, headers=headers,
+                      timeout=120) as stream:
+        lines = [json.loads(line[len("data: "):]) for line in stream.iter_lines() if line.startswith("data: ")]
+    adapter = pydantic.TypeAdapter(RawMessageStreamEvent)
+    for line in lines:
+        if line["type"] != "ping":
+            adapter.validate_python(line)
+
+
+def test_a_failed_stream_has_an_error_code_openais_types_allow():
+    """A stream broken off part way (a grammar the engine fails on, a backend cut) ends `response.failed`
+    with a code of OpenAI's list, treeserve's own in the message (it was `grammar_failed`, which the
+    client's ResponseError does not allow)."""
+    import pydantic
+    from openai.types.responses import ResponseStreamEvent
+
+    from treeserve.wire.responses import ResponsesRequest, skeleton
+    from treeserve.wire.responses_stream import ResponseEvents
+
+    adapter = pydantic.TypeAdapter(ResponseStreamEvent)
+    for status, code, expected in [(400, "grammar_failed", "server_error"), (502, "backend_stream_cut", "server_error"),
+                                   (429, "queue_full", "rate_limit_exceeded"), (500, None, "server_error"),
+                                   (500, "server_error", "server_error")]:
+        events = ResponseEvents(skeleton(ResponsesRequest(input="x"), "resp_1", "tiny"))
+        sent = events.start(None) + events.feed({"choices": [{"index": 0, "delta": {"content": "a"}}]})
+        sent += events.fail(status, "it broke", code)
+        for event in sent:
+            adapter.validate_python(event)
+        error = sent[-1]["response"]["error"]
+        assert sent[-1]["type"] == "response.failed" and error["code"] == expected, error
+        assert error["message"] == ("it broke" if code in (None, expected) else f"it broke ({code})")
+        assert [item["type"] for item in sent[-1]["response"]["output"]] == ["message"]

@@ -539,3 +539,18 @@ def _closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_a_response_id_with_a_nul_is_not_stored(store):
+    """`previous_response_id` (or `responses.input_tokens.count`'s) holding a NUL: no such response (404), where
+    PostgreSQL refused the lookup (a 500 schemathesis found)."""
+    import asyncio
+
+    from treeserve.gateway.response_store import DatabaseResponseStore
+    from treeserve.wire.responses_api import StoredResponse
+
+    responses = DatabaseResponseStore(store.db)
+    stored = StoredResponse({"id": "resp_1", "output": []}, [{"role": "user", "content": "x"}], [])
+    asyncio.run(responses.put(stored, None))
+    assert asyncio.run(responses.get("resp_1", None)).history == stored.history
+    assert asyncio.run(responses.get("resp_\x00", None)) is None

@@ -23,6 +23,8 @@ class DatabaseResponseStore:
         self.db = db
 
     async def get(self, response_id: str, owner: int | None) -> StoredResponse | None:
+        if "\x00" in response_id:  # (no stored id has one, and PostgreSQL refuses it in a text field: a 500)
+            return None
         return await run_in_threadpool(self._get, response_id, owner)
 
     async def put(self, stored: StoredResponse, owner: int | None) -> None:

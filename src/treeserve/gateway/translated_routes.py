@@ -24,13 +24,14 @@ from treeserve.wire.disconnect import unless_client_leaves
 from treeserve.wire.errors import APIError
 from treeserve.wire.messages import CountTokensRequest, MessagesRequest, from_chat
 from treeserve.wire.messages_stream import MessageEvents
-from treeserve.wire.responses import ResponsesRequest
+from treeserve.wire.responses import InputTokensRequest, ResponsesRequest
 from treeserve.wire.responses_api import ResponsesAPI
 from treeserve.wire.translated_errors import MESSAGES, named_for
 from treeserve.wire.translated_stream import event_stream, translated_events
 
 CHAT = "/v1/chat/completions"
-REQUEST_MODELS = {"/v1/responses": ResponsesRequest, "/v1/messages": MessagesRequest,
+REQUEST_MODELS = {"/v1/responses": ResponsesRequest, "/v1/responses/input_tokens": InputTokensRequest,
+                  "/v1/messages": MessagesRequest,
                   "/v1/messages/count_tokens": CountTokensRequest}
 
 
@@ -52,6 +53,20 @@ def translated_routes(service: GatewayService, auth: Auth, store: DatabaseRespon
         result = await unless_client_leaves(request, api.create(body, chat_on(key, ids), body.model, key.id),
                                             idempotent=False)
         return _with_request_id(JSONResponse(result) if isinstance(result, dict) else event_stream(result), ids)
+
+    @routes.post("/v1/responses/input_tokens")
+    async def input_tokens(request: Request, key: KeyRecord = Depends(auth.require_key)):
+        body = await parse(request, InputTokensRequest, max_body_bytes)
+        if body.model is None:
+            raise APIError(400, "model: this field is required", param="model", code="missing_required_parameter")
+        ids: list[str] = []
+
+        async def count(chat: dict) -> int:  # (a backend's /tokenize: unbilled, as count_tokens)
+            response = await service.count_tokens(chat, key)
+            if "x-request-id" in response.headers:
+                ids.append(response.headers["x-request-id"])
+            return _reply(response)["count"]
+        return _with_request_id(JSONResponse(await api.input_tokens(body, count, body.model, key.id)), ids)
 
     @routes.get("/v1/responses/{response_id}")
     async def retrieve(response_id: PathId, key: KeyRecord = Depends(auth.require_key)):

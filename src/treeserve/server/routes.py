@@ -7,7 +7,7 @@ import time
 import uuid
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from treeserve import __version__
@@ -204,12 +204,12 @@ def _tokenized(serving: OpenAIServing, body: TokenizeRequest) -> list[int]:
 
 
 def not_found_route() -> APIRouter:
-    """Any other path: 404 in the OpenAI error shape (after every real route)."""
+    """Any other path: 404 in the error shape of the API the path belongs to (Anthropic's under
+    /v1/messages, as the gateway's; else OpenAI's), after every real route."""
     router = APIRouter()
 
     @router.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"], include_in_schema=False)
     async def unknown(path: str):
-        return JSONResponse({"error": {"message": f"route /{path} not found", "type": "not_found_error",
-                                       "param": None, "code": "not_found"}}, status_code=404)
+        raise APIError(404, f"route /{path} not found", code="not_found")
 
     return router

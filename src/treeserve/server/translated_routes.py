@@ -13,12 +13,13 @@ from treeserve.wire.bodies import parse
 from treeserve.wire.errors import from_value_error
 from treeserve.wire.messages import CountTokensRequest, MessagesRequest, from_chat
 from treeserve.wire.messages_stream import MessageEvents
-from treeserve.wire.responses import ResponsesRequest
+from treeserve.wire.responses import InputTokensRequest, ResponsesRequest
 from treeserve.wire.responses_api import MemoryResponseStore, ResponsesAPI
 from treeserve.wire.translated_errors import MESSAGES, named_for
 from treeserve.wire.translated_stream import event_stream, translated_events
 
-REQUEST_MODELS = {"/v1/responses": ResponsesRequest, "/v1/messages": MessagesRequest,
+REQUEST_MODELS = {"/v1/responses": ResponsesRequest, "/v1/responses/input_tokens": InputTokensRequest,
+                  "/v1/messages": MessagesRequest,
                   "/v1/messages/count_tokens": CountTokensRequest}
 
 
@@ -33,6 +34,15 @@ def responses_routes(served, max_body_bytes: int) -> APIRouter:
         serving = served.generator(body.model)
         result = await unless_client_leaves(request, api.create(body, serving.chat_body, serving.model_name))
         return JSONResponse(result) if isinstance(result, dict) else event_stream(result)
+
+    @router.post("/v1/responses/input_tokens")
+    async def input_tokens(request: Request):
+        body = await parse(request, InputTokensRequest, max_body_bytes)
+        serving = served.generator(body.model)
+
+        async def count(chat: dict) -> int:
+            return len(serving.render_body(chat))
+        return await api.input_tokens(body, count, serving.model_name)
 
     @router.get("/v1/responses/{response_id}")
     async def retrieve(response_id: str):

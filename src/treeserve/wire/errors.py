@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from treeserve.errors import ContextLengthError, ParamError
+from treeserve.errors import ParamError
 
 log = logging.getLogger("treeserve.server")
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -52,24 +52,32 @@ ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_erro
 ANTHROPIC_ROUTES = "/v1/messages"  # its routes answer errors in Anthropic's shape
 
 
-def anthropic_error(status: int, message: str) -> dict:
-    return {"type": "error", "error": {"type": ANTHROPIC_ERROR_TYPES.get(status, "invalid_request_error"),
-                                       "message": message}}
+# codes Anthropic's clients act on, sent as its `error.details.error_code` (the tool runner sends the
+# conversation without `thread` once told thread_unsupported_request)
+ANTHROPIC_DETAIL_CODES = {"thread_unsupported_request"}
+
+
+def anthropic_error(status: int, message: str, code: str | None = None) -> dict:
+    error = {"type": ANTHROPIC_ERROR_TYPES.get(status, "invalid_request_error"), "message": message}
+    if code in ANTHROPIC_DETAIL_CODES:
+        error["details"] = {"error_code": code}
+    return {"type": "error", "error": error}
 
 
 def error_response_for(path: str, status: int, message: str, param: str | None = None, code: str | None = None,
                        headers: dict[str, str] | None = None) -> JSONResponse:
     """The error in the shape of the API the path belongs to: Anthropic's on /v1/messages, else OpenAI's."""
     if path.startswith(ANTHROPIC_ROUTES):
-        return JSONResponse(anthropic_error(status, message), status_code=status, headers=headers)
+        return JSONResponse(anthropic_error(status, message, code), status_code=status, headers=headers)
     return error_response(status, message, param, code, headers)
 
 
 def from_value_error(exc: ValueError) -> APIError:
-    """A 400 with the error's text; a ParamError also names its parameter for the client, and a
-    ContextLengthError has OpenAI's code for it."""
+    """A 400 with the error's text; a ParamError also names its parameter for the client, and one with
+    a code of its own (a ContextLengthError: OpenAI's for it) has it."""
     param = exc.param if isinstance(exc, ParamError) else None
-    return APIError(400, str(exc), param=param, code=exc.code if isinstance(exc, ContextLengthError) else "invalid_value")
+    code = getattr(exc, "code", None) if isinstance(exc, ParamError) else None
+    return APIError(400, str(exc), param=param, code=code if isinstance(code, str) else "invalid_value")
 
 
 def from_validation_error(exc: ValidationError | RequestValidationError) -> APIError:

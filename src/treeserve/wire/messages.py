@@ -11,6 +11,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from treeserve.errors import ParamError
 
+class ThreadUnsupported(ParamError):
+    """`thread` (server-held conversations): refused in the form Anthropic's clients read, so that the
+    tool runner (which asks for a thread) sends the whole conversation instead."""
+    code = "thread_unsupported_request"
+
+
 class CountTokensRequest(BaseModel):
     """POST /v1/messages/count_tokens; content blocks are checked one by one (`chat_messages`). A
     field Anthropic does not know is a 400 naming it, as Anthropic's."""
@@ -21,11 +27,15 @@ class CountTokensRequest(BaseModel):
     tools: list[dict] | None = None
     tool_choice: dict | None = None
     thinking: dict | None = None
+    output_config: dict | None = None  # (its `format`: structured outputs, through the grammar engine)
+    cache_control: dict | None = None  # (Anthropic's automatic caching: the prefix cache is always on here)
+    speed: str | None = None  # (no effect here)
 
     def chat_fields(self) -> dict:
         if self.thinking and self.thinking.get("type") == "enabled":
             raise ParamError("thinking", "extended thinking is not supported by the served models")
         body: dict = {"model": self.model, "messages": chat_messages(self.system, self.messages)}
+        output_format(self.output_config or {})  # (checked here: a schema does not change the prompt's tokens)
         last = body["messages"][-1]
         if last["role"] == "assistant" and last.get("content") and not last.get("tool_calls"):
             # a prefill, as Anthropic's: the reply continues the final assistant text (no new turn)
@@ -46,11 +56,17 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = None
     stream: bool = False
     metadata: dict | None = None
-    service_tier: str | None = None  # (Anthropic's priority tiers: no effect here)
+    # Anthropic's, taken with no effect here: priority tiers, where it runs
+    service_tier: str | None = None
+    inference_geo: str | None = None
+    thread: dict | None = None  # (refused: ThreadUnsupported)
 
     def chat_request(self) -> dict:
         """The chat completions body; ParamError naming the Messages field for what cannot be translated."""
-        body = self.chat_fields() | {"max_tokens": self.max_tokens}
+        if self.thread is not None:
+            raise ThreadUnsupported("thread", "server-held conversations (threads) are not supported here; send "
+                                              "the whole conversation without thread")
+        body = self.chat_fields() | {"max_tokens": self.max_tokens} | output_format(self.output_config or {})
         for ours, chat in (("stop_sequences", "stop"), ("temperature", "temperature"), ("top_p", "top_p"),
                            ("top_k", "top_k")):
             if getattr(self, ours) is not None:
@@ -62,6 +78,24 @@ class MessagesRequest(CountTokensRequest):
             # (usage in every chunk: the first one's prompt tokens go in message_start, as Anthropic's)
             body.update(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
         return body
+
+
+def output_format(config: dict) -> dict:
+    """The chat fields for `output_config` (`messages.parse(output_format=...)` sends its `format`):
+    a JSON schema the reply follows, as Anthropic's structured outputs; `effort` other than the
+    default is a 400 (the served models do not think apart from their answer)."""
+    unknown = sorted(set(config) - {"format", "effort"})
+    if unknown:
+        raise ParamError(f"output_config.{unknown[0]}", "unknown parameter")
+    if config.get("effort") not in (None, "high"):
+        raise ParamError("output_config.effort", "the served models do not reason apart from their answer; "
+                                                 "leave effort out")
+    fmt = config.get("format")
+    if fmt is None:
+        return {}
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise ParamError("output_config.format", "must be {type: json_schema, schema: {...}}")
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}}
 
 
 def chat_messages(system: str | list[dict] | None, messages: list[dict]) -> list[dict]:

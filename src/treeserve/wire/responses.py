@@ -55,10 +55,12 @@ class ResponsesRequest(BaseModel):
     include: list[str] | None = None
     top_logprobs: int | None = None
     prompt: dict | None = None
-    # OpenAI's, taken with no effect here: serving tiers, prompt caching keys (prefix caching is
-    # automatic), abuse-monitoring ids, a cap on built-in tool calls (none run here), stream obfuscation
+    # OpenAI's, taken with no effect here: serving tiers, prompt caching keys and retention (prefix
+    # caching is automatic), abuse-monitoring ids, a cap on built-in tool calls (none run here), stream obfuscation
     service_tier: str | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict | None = None
     safety_identifier: str | None = None
     max_tool_calls: int | None = None
     stream_options: dict | None = None
@@ -78,6 +80,28 @@ class ResponsesRequest(BaseModel):
                                              "chat completions' logprobs and top_logprobs return them")
         if self.prompt is not None:
             raise ParamError("prompt", "stored prompt templates are not supported; send the input and instructions")
+
+
+class InputTokensRequest(BaseModel):
+    """POST /v1/responses/input_tokens (`client.responses.input_tokens.count`): the fields of a response
+    that make its prompt; the count is the `input_tokens` a response with them is charged."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    input: str | list[dict] | None = None
+    instructions: str | None = None
+    tools: list[dict] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    previous_response_id: str | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    conversation: str | dict | None = None
+    reasoning: dict | None = None
+
+    def as_response(self) -> ResponsesRequest:
+        """The response request these fields make (validated already: the same types)."""
+        fields = {name: getattr(self, name) for name in type(self).model_fields if getattr(self, name) is not None}
+        return ResponsesRequest.model_construct(**(fields | {"input": self.input if self.input is not None else []}))
 
 
 def new_id(prefix: str) -> str:
@@ -244,8 +268,16 @@ def response_usage(usage: dict | None) -> dict:
     usage = usage or {}
     prompt, completion = int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
     cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached}, "output_tokens": completion,
-            "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + completion}
+    # (cache_write_tokens is required by OpenAI's types; written blocks are not counted apart, as Messages'
+    # cache_creation_input_tokens)
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
+            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt + completion}
+
+
+def item_status(finish_reason: str | None) -> str:
+    """The status of the last output item: `incomplete` when max_output_tokens cut it, as OpenAI's."""
+    return "incomplete" if finish_reason == "length" else "completed"
 
 
 def finished(response: dict, finish_reason: str | None, usage: dict | None) -> dict:
@@ -267,6 +299,7 @@ def from_chat(response: dict, chat: dict) -> dict:
         output.append(message_item(message.get("content") or ""))
     for call in message.get("tool_calls") or ():
         output.append(call_item(call["id"], call["function"]["name"], call["function"]["arguments"]))
+    output[-1]["status"] = item_status(choice.get("finish_reason"))
     return finished(dict(response, output=output), choice.get("finish_reason"), chat.get("usage"))
 
 

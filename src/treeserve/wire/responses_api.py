@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from treeserve.wire.errors import APIError, from_value_error
-from treeserve.wire.responses import (ResponsesRequest, chat_request, conversation, from_chat, input_item, new_id,
-                                      skeleton)
+from treeserve.wire.responses import (InputTokensRequest, ResponsesRequest, chat_request, conversation, from_chat,
+                                      input_item, new_id, skeleton)
 from treeserve.wire.responses_stream import ResponseEvents
 from treeserve.wire.translated_errors import RESPONSES, named_for
 from treeserve.wire.translated_stream import translated_events
@@ -18,6 +18,7 @@ from treeserve.wire.translated_stream import translated_events
 # a chat completions body in; its reply (a dict) or its chunks (an async iterator of dicts) out;
 # APIError for a refusal
 ChatFn = Callable[[dict], Awaitable["dict | AsyncIterator[dict]"]]
+CountFn = Callable[[dict], Awaitable[int]]  # a chat completions body in; its prompt's number of tokens out
 MAX_STORED_RESPONSES = 1000  # the server's store: the oldest go first
 
 
@@ -67,17 +68,8 @@ class ResponsesAPI:
     async def create(self, request: ResponsesRequest, chat: ChatFn, model: str,
                      owner: int | None = None) -> dict | AsyncIterator[str]:
         """The response (a dict), or its events on the wire (streamed)."""
-        history: list[dict] = []
-        if request.previous_response_id is not None:
-            previous = await self.store.get(request.previous_response_id, owner)
-            if previous is None:
-                raise not_found(request.previous_response_id, "previous_response_id")
-            history = previous.history
-        try:
-            body = chat_request(request, history)
-        except ValueError as exc:
-            raise from_value_error(exc) from exc
-        body["model"] = model
+        history = await self._history(request.previous_response_id, owner)
+        body = _chat_body(request, history, model)
         response = skeleton(request, new_id("resp"), model)
         items = [{"type": "message", "role": "user", "content": request.input}] if isinstance(request.input, str) \
             else request.input
@@ -94,6 +86,24 @@ class ResponsesAPI:
             return final
         events = ResponseEvents(response)
         return translated_events(events, result, lambda: keep(events.response))
+
+    async def input_tokens(self, request: InputTokensRequest, count: CountFn, model: str,
+                           owner: int | None = None) -> dict:
+        """The input tokens a response made of these fields is charged (its chat's prompt tokens)."""
+        response = request.as_response()
+        body = _chat_body(response, await self._history(response.previous_response_id, owner), model)
+        with named_for(RESPONSES):
+            tokens = await count(body)
+        return {"object": "response.input_tokens", "input_tokens": tokens}
+
+    async def _history(self, previous_response_id: str | None, owner: int | None) -> list[dict]:
+        """The chat messages a response continues from (none without `previous_response_id`)."""
+        if previous_response_id is None:
+            return []
+        previous = await self.store.get(previous_response_id, owner)
+        if previous is None:
+            raise not_found(previous_response_id, "previous_response_id")
+        return previous.history
 
     async def retrieve(self, response_id: str, owner: int | None = None) -> dict:
         return (await self._stored(response_id, owner)).response
@@ -129,3 +139,11 @@ class ResponsesAPI:
         if stored is None:
             raise not_found(response_id)
         return stored
+
+
+def _chat_body(request: ResponsesRequest, history: list[dict], model: str) -> dict:
+    try:
+        body = chat_request(request, history)
+    except ValueError as exc:
+        raise from_value_error(exc) from exc
+    return body | {"model": model}

@@ -5,8 +5,12 @@ then per output item `response.output_item.added`, its text (`response.content_p
 or `response.failed`) with the whole response. Every event carries its `sequence_number`."""
 from __future__ import annotations
 
-from treeserve.wire.responses import call_item, finished, message_item, new_id
+from treeserve.wire.responses import call_item, finished, item_status, message_item, new_id
 from treeserve.wire.translated_stream import ChunkEvents
+
+
+# the codes of a failed response's `error` that OpenAI's types allow and a served model can meet
+FAILURE_CODES = {"server_error", "rate_limit_exceeded", "invalid_prompt"}
 
 
 class ResponseEvents(ChunkEvents):
@@ -22,18 +26,23 @@ class ResponseEvents(ChunkEvents):
                 self._event("response.in_progress", response=self.response)]
 
     def finish(self) -> list[dict]:
-        events = self._close()
+        status = item_status(self.finish_reason)  # (the last item's: the one max_output_tokens cut)
+        events = self._close(status)
         if not self.output:  # no text and no call: an empty message, as a whole reply has
-            events += self._open_message() + self._close()
+            events += self._open_message() + self._close(status)
         self.response = finished(dict(self.response, output=self.output), self.finish_reason, self.usage)
         kind = "response.incomplete" if self.response["status"] == "incomplete" else "response.completed"
         return events + [self._event(kind, response=self.response)]
 
     def fail(self, status: int, message: str, code: str | None = None) -> list[dict]:
-        """A stream broken off: what was written, and the error."""
+        """A stream broken off: what was written, and the error (with one of the codes OpenAI's types allow;
+        treeserve's own, such as grammar_failed, in its message)."""
         events = self._close()
+        if code not in FAILURE_CODES:
+            message = f"{message} ({code})" if code else message
+            code = "rate_limit_exceeded" if status == 429 else "server_error"
         self.response = dict(self.response, output=self.output, status="failed",
-                             error={"code": code or "server_error", "message": message})
+                             error={"code": code, "message": message})
         return events + [self._event("response.failed", response=self.response)]
 
     # ---- items -------------------------------------------------------------------------------
@@ -67,12 +76,12 @@ class ResponseEvents(ChunkEvents):
                                       output_index=len(self.output), delta=fragment))
         return events
 
-    def _close(self) -> list[dict]:
+    def _close(self, status: str = "completed") -> list[dict]:
         item, self.open = self.open, None
         if item is None:
             return []
         index, events = len(self.output), []
-        item["status"] = "completed"
+        item["status"] = status
         if item["type"] == "message":
             part = item["content"][0]
             events += [self._event("response.output_text.done", item_id=item["id"], output_index=index,
