@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime as dt
 
 import contextlib
+from dataclasses import dataclass
 
 from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
@@ -19,6 +20,22 @@ from treeserve.gateway.errors import (AliasReserved, AliasTaken, ChatKeyOwner, K
 from treeserve.gateway.keys import MASTER_LABEL, KeyRecord
 from treeserve.gateway.schema import ApiKey, ChatSession, User, aware, utcnow
 
+@dataclass(frozen=True)
+class Page:
+    number: int  # from 1
+    size: int
+
+
+@dataclass(frozen=True)
+class Sort:
+    by: str  # a name in KEY_SORTS or USER_SORTS
+    descending: bool = False
+
+
+KEY_SORTS = {"created_at": ApiKey.created_at, "spend": ApiKey.spend, "key_alias": ApiKey.key_alias,
+             "user_id": ApiKey.user_id, "max_budget": ApiKey.max_budget, "expires": ApiKey.expires_at}
+USER_SORTS = {"created_at": User.created_at, "spend": User.spend, "user_id": User.user_id,
+              "max_budget": User.max_budget}
 CHAT_ALIAS_PREFIX = "chat:"  # the web chat's keys are `chat:<user>`; the admin API gives no key such an alias
 
 
@@ -43,7 +60,8 @@ class Accounts:
             if user is None:
                 raise UserNotFound(user_id)
             rows = conn.scalars(select(ApiKey).where(ApiKey.user_id == user_id).order_by(ApiKey.id)).all()
-        return {"user_id": user_id, "user_info": public_user(user), "keys": [public_key(k) for k in rows]}
+        return {"user_id": user_id, "user_info": public_user(user), "keys": [public_key(k) for k in rows],
+                "teams": []}  # (LiteLLM's answer has the user's teams; a gateway without teams has none)
 
     def update_user(self, user_id: str, password_hash: str | None = None, **fields) -> dict:
         """The fields given changed (a budget period given starts now; `spend` set, 0 to start again);
@@ -72,9 +90,16 @@ class Accounts:
             conn.execute(delete(User).where(User.user_id.in_(user_ids)))
         return user_ids
 
-    def list_users(self) -> list[dict]:
+    def list_users(self, user_ids: list[str] | None = None, sort: Sort | None = None,
+                   page: Page | None = None) -> tuple[list[dict], int]:
+        """(a page of the users, how many there are in all): those of `user_ids` if given; in the
+        order they were made unless `sort` says otherwise (LiteLLM's /user/list)."""
+        query = select(User)
+        if user_ids is not None:
+            query = query.where(User.user_id.in_(user_ids))
         with self.db.session() as conn:
-            return [public_user(u) for u in conn.scalars(select(User).order_by(User.created_at, User.user_id))]
+            rows, total = _paged(conn, query, USER_SORTS, sort, (User.created_at, User.user_id), page)
+        return [public_user(u) for u in rows], total
 
     def set_password_hash(self, user_id: str, password_hash: str) -> None:
         with self.db.transaction() as conn:
@@ -137,23 +162,36 @@ class Accounts:
             conn.execute(update(ApiKey).where(ApiKey.token_hash == keylib.stored_hash(token)).values(**values))
         return self.key_info(token)
 
-    def delete_keys(self, tokens: list[str]) -> list[str]:
-        """All of them, or none (KeysNotFound) when any does not exist."""
+    def delete_keys(self, tokens: list[str], aliases: tuple[str, ...] = ()) -> list[str]:
+        """All of them (named by key, hash or, LiteLLM's `key_aliases`, alias), or none (KeysNotFound)
+        when any does not exist."""
         hashes = [keylib.stored_hash(t) for t in tokens]
         with self.db.transaction() as conn:
             found = set(conn.execute(select(ApiKey.token_hash).where(ApiKey.token_hash.in_(hashes))).scalars())
-            missing = [t for t, h in zip(tokens, hashes) if h not in found]
+            named = set(conn.execute(select(ApiKey.key_alias).where(ApiKey.key_alias.in_(aliases))).scalars())
+            missing = [t for t, h in zip(tokens, hashes) if h not in found] + [a for a in aliases if a not in named]
             if missing:
-                raise KeysNotFound(len(missing))
-            conn.execute(delete(ApiKey).where(ApiKey.token_hash.in_(hashes)))
-        return tokens
+                raise KeysNotFound(len(missing), "key_aliases" if not tokens else "keys")
+            conn.execute(delete(ApiKey).where(ApiKey.token_hash.in_(hashes) | ApiKey.key_alias.in_(aliases)))
+        return [*tokens, *aliases]
 
     def list_keys(self, user_id: str | None = None) -> list[dict]:
-        query = select(ApiKey).order_by(ApiKey.id)
+        return self.find_keys(user_id=user_id)[0]
+
+    def find_keys(self, user_id: str | None = None, key_alias: str | None = None, key: str | None = None,
+                  sort: Sort | None = None, page: Page | None = None) -> tuple[list[dict], int]:
+        """(a page of the keys, how many match in all), filtered as LiteLLM's /key/list (`key`: the
+        key or its hash); in the order they were made unless `sort` says otherwise."""
+        query = select(ApiKey)
         if user_id is not None:
             query = query.where(ApiKey.user_id == user_id)
+        if key_alias is not None:
+            query = query.where(ApiKey.key_alias == key_alias)
+        if key is not None:
+            query = query.where(ApiKey.token_hash == keylib.stored_hash(key))
         with self.db.session() as conn:
-            return [public_key(k) for k in conn.scalars(query)]
+            rows, total = _paged(conn, query, KEY_SORTS, sort, (ApiKey.id,), page)
+        return [public_key(k) for k in rows], total
 
     def budgeted_accounts(self) -> tuple[int, int]:
         """How many keys and users have a max_budget."""
@@ -183,6 +221,20 @@ class Accounts:
                            key.rpm_limit, key.tpm_limit, key.max_parallel_requests,
                            key.max_budget is not None or user_budget is not None, aware(key.expires_at))
         return None if record.expired else record
+
+
+def _paged(conn: Session, query, sorts: dict, sort: Sort | None, default_order: tuple, page: Page | None):
+    """(the rows of `page`, how many rows `query` has in all), ordered by `sort` (a name of `sorts`)
+    or `default_order`, the default order breaking ties."""
+    total = conn.scalar(select(func.count()).select_from(query.subquery()))
+    order = default_order
+    if sort is not None:
+        column = sorts[sort.by]
+        order = ((column.desc() if sort.descending else column.asc()), *default_order)
+    query = query.order_by(*order)
+    if page is not None:
+        query = query.offset((page.number - 1) * page.size).limit(page.size)
+    return conn.scalars(query).all(), total
 
 
 def _ensure_user(conn: Session, user_id: str | None, now: dt.datetime) -> None:

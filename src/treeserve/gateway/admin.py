@@ -12,7 +12,7 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
-from treeserve.gateway.accounts import Accounts
+from treeserve.gateway.accounts import KEY_SORTS, USER_SORTS, Accounts, Page, Sort
 from treeserve.gateway.fields import INT32_MAX, NO_NUL, Text
 from treeserve.gateway.keys import KeyRecord, stored_hash
 from treeserve.gateway.ledger import Ledger, logs_csv
@@ -58,7 +58,9 @@ class KeyRef(_Body):
 
 
 class KeyDelete(_Body):
-    keys: list[Annotated[Text, Field(max_length=512)]] = Field(min_length=1)
+    """LiteLLM's: the keys (or their hashes), their aliases, or both; at least one."""
+    keys: list[Annotated[Text, Field(max_length=512)]] = []
+    key_aliases: list[Annotated[Text, Field(max_length=128)]] = []
 
 
 class NewUser(_Body):
@@ -110,8 +112,23 @@ def admin_router(accounts: Accounts, ledger: Ledger, require_master: Any, known_
         return budget_warning({"key": token, **info}, body.max_budget, "key")
 
     @router.get("/key/list")
-    async def list_keys(user_id: str | None = Query(None, max_length=128, pattern=NO_NUL)):
-        return {"keys": await run_in_threadpool(accounts.list_keys, user_id)}
+    async def list_keys(user_id: str | None = Query(None, max_length=128, pattern=NO_NUL),
+                        key_alias: str | None = Query(None, max_length=128, pattern=NO_NUL),
+                        key_hash: str | None = Query(None, max_length=512, pattern=NO_NUL,
+                                                     description="the key, or its hash"),
+                        page: int = Query(1, ge=1, le=INT32_MAX), size: int = Query(10, ge=1, le=100),
+                        return_full_object: bool = Query(False, description="each key's record, not its hash"),
+                        sort_by: Literal[tuple(KEY_SORTS)] | None = None,
+                        sort_order: Literal["asc", "desc"] = "desc",
+                        team_id: str | None = None, organization_id: str | None = None,
+                        include_team_keys: bool = False):
+        """LiteLLM's: its filters, pages and answer (`keys` are hashes, records with return_full_object)."""
+        _no_teams(team_id=team_id, organization_id=organization_id, include_team_keys=include_team_keys or None)
+        sort = Sort(sort_by, sort_order == "desc") if sort_by else None
+        keys, total = await run_in_threadpool(lambda: accounts.find_keys(user_id, key_alias, key_hash, sort,
+                                                                         Page(page, size)))
+        return {"keys": keys if return_full_object else [k["token"] for k in keys], "total_count": total,
+                "current_page": page, "total_pages": _pages(total, size)}
 
     @router.post("/key/update")
     async def update_key(body: KeyUpdate):
@@ -138,7 +155,10 @@ def admin_router(accounts: Accounts, ledger: Ledger, require_master: Any, known_
 
     @router.post("/key/delete")
     async def delete_keys(body: KeyDelete):
-        return {"deleted_keys": await changing(lambda: accounts.delete_keys(body.keys))}
+        if not body.keys and not body.key_aliases:
+            raise APIError(400, "keys: name at least one key (or key_aliases: at least one alias)", param="keys",
+                           code="missing_required_parameter")
+        return {"deleted_keys": await changing(lambda: accounts.delete_keys(body.keys, tuple(body.key_aliases)))}
 
     async def write_user(write: Callable[..., dict], body: NewUser, fields: dict) -> dict:
         """`write(user_id, password_hash=..., **fields)` in a worker thread (hashing a password takes
@@ -171,9 +191,21 @@ def admin_router(accounts: Accounts, ledger: Ledger, require_master: Any, known_
         return {"deleted_users": await changing(lambda: accounts.delete_users(body.user_ids))}
 
     @router.get("/user/list")
-    async def list_users():
+    async def list_users(user_ids: str | None = Query(None, max_length=65536, pattern=NO_NUL,
+                                                      description="comma-separated"),
+                         page: int = Query(1, ge=1, le=INT32_MAX), page_size: int = Query(25, ge=1, le=100),
+                         sort_by: Literal[tuple(USER_SORTS)] | None = None,
+                         sort_order: Literal["asc", "desc"] = "asc",
+                         role: str | None = None, sso_user_ids: str | None = None, user_email: str | None = None,
+                         team: str | None = None):
+        """LiteLLM's: its filters, pages and answer (users here have no role, email, SSO id or team)."""
+        _no_teams(role=role, sso_user_ids=sso_user_ids, user_email=user_email, team=team)
+        wanted = [u.strip() for u in user_ids.split(",") if u.strip()] if user_ids is not None else None
+        sort = Sort(sort_by, sort_order == "desc") if sort_by else None
         await run_in_threadpool(ledger.flush)
-        return {"users": await run_in_threadpool(accounts.list_users)}
+        users, total = await run_in_threadpool(lambda: accounts.list_users(wanted, sort, Page(page, page_size)))
+        return {"users": users, "total": total, "page": page, "page_size": page_size,
+                "total_pages": _pages(total, page_size)}
 
     @router.get("/spend/logs")
     async def spend_logs(api_key: str | None = Query(None, max_length=512, pattern=NO_NUL),
@@ -222,6 +254,19 @@ def key_info_router(accounts: Accounts, ledger: Ledger, require_key: Any) -> API
         return {"key": key, "info": info}
 
     return router
+
+
+def _no_teams(**filters: Any) -> None:
+    """A 400 naming a LiteLLM filter on what this gateway does not have (teams, organizations, roles,
+    emails), not a list that silently ignores it."""
+    for name, value in filters.items():
+        if value is not None:
+            raise APIError(400, f"{name}: this gateway has no teams, organizations, roles or emails to filter by",
+                           param=name, code="unsupported_parameter")
+
+
+def _pages(total: int, size: int) -> int:
+    return -(-total // size)
 
 
 def _midnight(day: dt.date | None) -> dt.datetime | None:

@@ -68,8 +68,8 @@ class KeyNotFound(GatewayError):
 class KeysNotFound(KeyNotFound):
     """Some keys of a batch do not exist (and none of the batch was touched)."""
 
-    def __init__(self, missing: int):
-        super().__init__("keys", f"keys: {missing} of the keys do not exist; none was deleted")
+    def __init__(self, missing: int, param: str = "keys"):
+        super().__init__(param, f"{param}: {missing} of the keys do not exist; none was deleted")
 
 
 class LimitExceeded(GatewayError):

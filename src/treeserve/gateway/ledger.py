@@ -110,4 +110,6 @@ def _public_log(log: SpendLog) -> dict:
             "backend": log.backend, "route": log.route, "stream": log.stream, "status": log.status,
             "prompt_tokens": log.prompt_tokens, "completion_tokens": log.completion_tokens,
             "total_tokens": log.prompt_tokens + log.completion_tokens, "cost": log.cost,
-            "started_at": iso(log.started_at), "ended_at": iso(log.ended_at)}
+            "started_at": iso(log.started_at), "ended_at": iso(log.ended_at),
+            # LiteLLM's names for the same, which its clients and admin UI read
+            "spend": log.cost, "user": log.user_id, "startTime": iso(log.started_at), "endTime": iso(log.ended_at)}
