@@ -140,8 +140,12 @@ def describe_model(config: EngineConfig, name: str = "", executor=None) -> Loade
     shared = config.max_num_batched_tokens or serving_token_budget(model_config, device)
     quantization = resolve_quantization(config.quantization, model_dir)
     check_device(quantization, device, dtype)
+    generation = load_generation_defaults(model_dir, model_config, config.generation_config)
+    if generation.sampling:
+        logger.info("%s: default sampling parameters from the model's generation_config.json: %s "
+                 "(--generation-config vllm leaves them out)", name or model_dir.name, generation.sampling)
     return LoadedModel(
-        config, name, model_dir, model_config, tokenizer, load_generation_defaults(model_dir, model_config),
+        config, name, model_dir, model_config, tokenizer, generation,
         device, dtype, _max_model_len(config, model_config), shared,
         config.max_num_batched_tokens or lone_request_budget(shared),
         resolve_backend_name(config.attention_backend, device, dtype), quantization, executor=executor)

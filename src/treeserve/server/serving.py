@@ -85,6 +85,14 @@ class OpenAIServing:
             raise APIError(429, f"the waiting queue is full ({limit} requests); retry later",
                            code="queue_full", headers={"Retry-After": "1"})
 
+    def _model_max_tokens(self, requested: int | None, left_out: bool) -> int | None:
+        """A request that leaves max_tokens out is held to the model's generation_config
+        `max_new_tokens` where it has one (as vLLM: the smaller of it and the API's own default)."""
+        model = self.llm.generation_defaults.sampling.get("max_tokens")
+        if not left_out or model is None:
+            return requested
+        return model if requested is None else min(requested, model)
+
     def _params(self, request, prompts: list[list[int]], max_tokens: int | None, logprobs: int | None,
                 prompt_field: str, prompt_logprobs: int | None = None) -> SamplingParams:
         try:
@@ -202,7 +210,8 @@ class OpenAIServing:
         except ValueError as exc:
             raise from_value_error(exc) from exc
         ids = self.render(request.messages, request.tools, self._ending(request), request.chat_template_kwargs)
-        params = self._params(request, [ids], request.requested_max_tokens(), logprobs, "messages", prompt_logprobs)
+        max_tokens = self._model_max_tokens(request.requested_max_tokens(), request.requested_max_tokens() is None)
+        params = self._params(request, [ids], max_tokens, logprobs, "messages", prompt_logprobs)
         if tools is not None:
             params = tools.adjust(params)
         await self.compile_grammar(request, params, tools)
@@ -279,7 +288,7 @@ class OpenAIServing:
         try:
             logprobs = request.requested_logprobs()
             prompt_logprobs = request.requested_prompt_logprobs()
-            max_tokens = request.requested_max_tokens()
+            max_tokens = self._model_max_tokens(request.requested_max_tokens(), request.max_tokens is None)
             raw_prompts = request.prompts()
         except ValueError as exc:
             raise from_value_error(exc) from exc

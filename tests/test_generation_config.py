@@ -1,0 +1,91 @@
+"""A checkpoint's generation_config.json, read as vLLM reads it (`--generation-config auto|vllm|FOLDER`):
+its sampling fields are the defaults of requests that leave them out (max_new_tokens too, served),
+its eos ids are stop ids in every mode."""
+import json
+import shutil
+
+import httpx
+import pytest
+
+from conftest import running_server
+from treeserve import LLM, SamplingParams
+from treeserve.errors import ParamError
+
+GENERATION = {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_new_tokens": 5,
+              "eos_token_id": [2, 5, 6]}
+OPTIONS = dict(dtype="float32", device="cpu", kv_cache_memory_bytes=8 << 20)
+
+
+@pytest.fixture(scope="module")
+def model_dir(llama_dir, tmp_path_factory):
+    path = tmp_path_factory.mktemp("gen") / "m"
+    shutil.copytree(llama_dir, path)
+    gen = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**gen, **GENERATION}))
+    return path
+
+
+def _served(model_dir, **options):
+    from treeserve.server.launch import build_app
+
+    return running_server(build_app(str(model_dir), served_model_name="tiny", **OPTIONS, **options))
+
+
+def _lengths(url: str, **body) -> tuple[int, int]:
+    """Completion tokens of a chat and of a completion, greedy, never stopped by EOS."""
+    common = {"model": "tiny", "temperature": 0, "ignore_eos": True, **body}
+    chat = httpx.post(url + "/v1/chat/completions", timeout=120, json={**common, "messages": [{"role": "user", "content": "hi"}]})
+    text = httpx.post(url + "/v1/completions", timeout=120, json={**common, "prompt": "hi"})
+    assert chat.status_code == 200 and text.status_code == 200, (chat.text, text.text)
+    return chat.json()["usage"]["completion_tokens"], text.json()["usage"]["completion_tokens"]
+
+
+def test_served_max_new_tokens_bounds_requests_that_leave_max_tokens_out(model_dir):
+    """As vLLM: a chat without max_tokens stopped at the model's max_new_tokens (it ran to the context
+    length), a completion at the smaller of it and 16; a request's own max_tokens is kept."""
+    with _served(model_dir) as url:
+        assert _lengths(url) == (5, 5)
+        assert _lengths(url, max_tokens=9) == (9, 9)
+        chat = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+            "model": "tiny", "temperature": 0, "ignore_eos": True, "max_completion_tokens": 8,
+            "messages": [{"role": "user", "content": "hi"}]})
+        assert chat.json()["usage"]["completion_tokens"] == 8
+
+
+def test_generation_config_vllm_keeps_treeserve_defaults_and_the_stop_ids(model_dir):
+    llm = LLM(str(model_dir), generation_config="vllm", **OPTIONS)
+    assert llm.get_default_sampling_params() == SamplingParams()
+    assert llm.engine.loaded.eos_token_ids == (2, 5, 6)
+    auto = LLM(str(model_dir), **OPTIONS).get_default_sampling_params()
+    assert (auto.temperature, auto.top_p, auto.top_k, auto.max_tokens) == (0.6, 0.9, 20, 5)
+
+
+def test_served_generation_config_vllm_leaves_max_tokens_to_the_api(model_dir):
+    with _served(model_dir, generation_config="vllm", max_model_len=64) as url:
+        chat, text = _lengths(url)
+        assert text == 16 and chat > 16  # the chat runs to the context length, as vLLM's
+
+
+def test_generation_config_from_another_folder(model_dir, tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.3, "eos_token_id": 7}))
+    llm = LLM(str(model_dir), generation_config=str(tmp_path), **OPTIONS)
+    assert llm.get_default_sampling_params().temperature == 0.3
+    assert llm.engine.loaded.eos_token_ids == (7,)
+
+
+def test_a_generation_config_folder_without_the_file_is_named(model_dir, tmp_path):
+    with pytest.raises(ParamError, match=r"generation_config.*generation_config\.json: file not found"):
+        LLM(str(model_dir), generation_config=str(tmp_path), **OPTIONS)
+    with pytest.raises(ParamError, match="generation_config"):
+        LLM(str(model_dir), generation_config=None, **OPTIONS)
+
+
+def test_the_cli_passes_generation_config():
+    import argparse
+
+    from treeserve.cli import _add_engine_args, _engine_options
+
+    parser = argparse.ArgumentParser()
+    _add_engine_args(parser, several_models=True)
+    assert _engine_options(parser.parse_args(["--generation-config", "vllm"]))["generation_config"] == "vllm"
+    assert _engine_options(parser.parse_args([]))["generation_config"] == "auto"
