@@ -70,7 +70,7 @@ def test_generation_config_from_another_folder(model_dir, tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.3, "eos_token_id": 7}))
     llm = LLM(str(model_dir), generation_config=str(tmp_path), **OPTIONS)
     assert llm.get_default_sampling_params().temperature == 0.3
-    assert llm.engine.loaded.eos_token_ids == (7,)
+    assert llm.engine.loaded.eos_token_ids == (7, 2)  # with the tokenizer's eos
 
 
 def test_a_generation_config_folder_without_the_file_is_named(model_dir, tmp_path):
@@ -89,3 +89,20 @@ def test_the_cli_passes_generation_config():
     _add_engine_args(parser, several_models=True)
     assert _engine_options(parser.parse_args(["--generation-config", "vllm"]))["generation_config"] == "vllm"
     assert _engine_options(parser.parse_args([]))["generation_config"] == "auto"
+
+
+def test_the_tokenizers_eos_stops_too_where_generation_config_names_another(llama_dir, tmp_path):
+    """As vLLM (the tokenizer's eos plus the generation config's): a fine-tune whose tokenizer ends
+    turns with <|eos|> (2) while its generation_config.json still names its base's (5) stops on 2;
+    it ran on to max_tokens."""
+    path = tmp_path / "m"
+    shutil.copytree(llama_dir, path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 5}))
+    llm = LLM(str(path), **OPTIONS)
+    assert llm.engine.loaded.eos_token_ids == (5, 2)
+    forced = SamplingParams(temperature=0, max_tokens=10, logit_bias={2: 100.0})
+    out = llm.generate(["hello"], forced, use_tqdm=False)[0].outputs[0]
+    assert (out.token_ids, out.finish_reason) == ([2], "stop")
+    ignored = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=4, logit_bias={2: 100.0},
+                                                     ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert len(ignored.token_ids) == 4

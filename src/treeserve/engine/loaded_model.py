@@ -54,10 +54,10 @@ class LoadedModel:
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
-        ids = self.generation_defaults.eos_token_ids
-        if not ids and self.tokenizer.eos_token_id is not None:
-            ids = (self.tokenizer.eos_token_id,)
-        return ids
+        """The generation config's eos ids and the tokenizer's eos, as vLLM stops on both: a chat
+        fine-tune's tokenizer often ends turns with a token its base's generation_config.json lacks."""
+        ids, eos = self.generation_defaults.eos_token_ids, self.tokenizer.eos_token_id
+        return ids if eos is None or eos in ids else (*ids, eos)
 
     def kv_bytes_per_token(self) -> int:
         """KV bytes one token takes on this rank (its heads)."""
