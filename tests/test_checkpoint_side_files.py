@@ -1,6 +1,7 @@
-"""A checkpoint's generation_config.json, read as vLLM reads it (`--generation-config auto|vllm|FOLDER`):
-its sampling fields are the defaults of requests that leave them out (max_new_tokens too, served),
-its eos ids are stop ids in every mode."""
+"""A checkpoint's side files, read as vLLM reads them. generation_config.json (`--generation-config
+auto|vllm|FOLDER`): its sampling fields are the defaults of requests that leave them out
+(max_new_tokens too, served); its eos ids stop in every mode, with the tokenizer's eos. A checkpoint
+without a chat template: chats are refused, saying how to give one."""
 import json
 import shutil
 
@@ -106,3 +107,23 @@ def test_the_tokenizers_eos_stops_too_where_generation_config_names_another(llam
     ignored = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=4, logit_bias={2: 100.0},
                                                      ignore_eos=True), use_tqdm=False)[0].outputs[0]
     assert len(ignored.token_ids) == 4
+
+
+def test_a_checkpoint_without_a_chat_template_says_how_to_give_one(llama_dir, tmp_path):
+    """Served, a chat is a 400 (as vLLM's: no default template since transformers 4.44); the message
+    names both ways to give one, the offline argument included; completions still work."""
+    path = tmp_path / "m"
+    shutil.copytree(llama_dir, path)
+    (path / "chat_template.jinja").unlink()
+    llm = LLM(str(path), **OPTIONS)
+    with pytest.raises(ParamError, match="no chat template.*--chat-template FILE served, chat_template= offline"):
+        llm.chat([{"role": "user", "content": "hi"}], use_tqdm=False)
+    assert llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2), use_tqdm=False,
+                    chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")[0].outputs[0].token_ids
+    with _served(path) as url:
+        chat = httpx.post(url + "/v1/chat/completions", timeout=120,
+                          json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
+        assert chat.status_code == 400 and "chat_template.jinja" in chat.json()["error"]["message"]
+        assert chat.json()["error"]["param"] == "messages"
+        text = httpx.post(url + "/v1/completions", timeout=120, json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+        assert text.status_code == 200
