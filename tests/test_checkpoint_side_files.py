@@ -53,6 +53,19 @@ def test_served_max_new_tokens_bounds_requests_that_leave_max_tokens_out(model_d
         assert chat.json()["usage"]["completion_tokens"] == 8
 
 
+
+def test_served_max_new_tokens_is_cut_to_the_room_left_not_refused(model_dir):
+    """The model's max_new_tokens (5) is a default, not the request's own: a chat whose prompt (6
+    tokens) leaves 3 in a 9-token context gets 3 (as vLLM), where a request's own max_tokens: 5 is a 400."""
+    with _served(model_dir, max_model_len=9) as url:
+        body = {"model": "tiny", "temperature": 0, "ignore_eos": True, "messages": [{"role": "user", "content": "hi"}]}
+        chat = httpx.post(url + "/v1/chat/completions", timeout=120, json=body)
+        assert chat.status_code == 200, chat.text
+        assert chat.json()["usage"] == {**chat.json()["usage"], "prompt_tokens": 6, "completion_tokens": 3}
+        assert chat.json()["choices"][0]["finish_reason"] == "length"
+        own = httpx.post(url + "/v1/chat/completions", timeout=120, json={**body, "max_tokens": 5})
+        assert own.status_code == 400 and own.json()["error"]["param"] == "max_tokens"
+
 def test_generation_config_vllm_keeps_treeserve_defaults_and_the_stop_ids(model_dir):
     llm = LLM(str(model_dir), generation_config="vllm", **OPTIONS)
     assert llm.get_default_sampling_params() == SamplingParams()
