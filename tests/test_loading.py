@@ -124,7 +124,7 @@ def test_generation_config_defaults(llama_dir, tmp_path):
     llm = LLM(str(path), dtype="float32", kv_cache_memory_bytes=4 << 20)
     defaults = llm.get_default_sampling_params()
     assert defaults.temperature == 0.6 and defaults.top_p == 0.9
-    assert llm.engine.loaded.eos_token_ids == (5, 6)
+    assert llm.engine.loaded.eos_token_ids == (5, 6, 2)  # and the tokenizer's eos, as vLLM
 
 
 def test_bundled_directories_resolve_as_builtin_models(llama_dir, tmp_path, monkeypatch):

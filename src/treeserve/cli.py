@@ -23,6 +23,10 @@ def _add_engine_args(parser: argparse.ArgumentParser, several_models: bool = Fal
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--generation-config", default="auto",
+                        help="auto: the model's generation_config.json sets the default sampling (temperature, "
+                        "top_p, top_k, min_p, repetition_penalty, max_new_tokens) of requests that leave it out; "
+                        "vllm: treeserve's defaults; or a folder whose generation_config.json is read instead")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     if several_models:
         parser.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -74,7 +78,7 @@ def _engine_options(args) -> dict:
                 enable_prefix_caching=args.enable_prefix_caching, attention_backend=args.attention_backend,
                 enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
                 quantization=args.quantization, speculative_config=args.speculative_config,
-                load_format=args.load_format, **parallel_options(args))
+                load_format=args.load_format, generation_config=args.generation_config, **parallel_options(args))
 
 
 def parallel_options(args) -> dict:

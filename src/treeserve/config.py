@@ -55,6 +55,10 @@ class EngineConfig:
     # Speculative decoding (vLLM's `speculative_config`: {"method": "ngram", "num_speculative_tokens": 4, ...});
     # a dict is validated into a SpeculativeConfig
     speculative_config: SpeculativeConfig | dict | None = None
+    # vLLM's `generation_config`: "auto" (the checkpoint's generation_config.json sets the default
+    # sampling of requests that leave it out), "vllm" (treeserve's defaults; stop ids still the
+    # checkpoint's), or a folder holding a generation_config.json to read instead
+    generation_config: str | Path = "auto"
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -90,6 +94,8 @@ class EngineConfig:
             raise ParamError("quantization", f"must be a method's name or null, got {self.quantization!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ParamError("load_format", f"must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
+        if not isinstance(self.generation_config, (str, Path)) or not str(self.generation_config):
+            raise ParamError("generation_config", f"must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
         if str(self.device) not in ("auto", "cpu") and not str(self.device).startswith("cuda"):
             raise ParamError("device", f"must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
 

@@ -54,10 +54,10 @@ class LoadedModel:
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
-        ids = self.generation_defaults.eos_token_ids
-        if not ids and self.tokenizer.eos_token_id is not None:
-            ids = (self.tokenizer.eos_token_id,)
-        return ids
+        """The generation config's eos ids and the tokenizer's eos, as vLLM stops on both: a chat
+        fine-tune's tokenizer often ends turns with a token its base's generation_config.json lacks."""
+        ids, eos = self.generation_defaults.eos_token_ids, self.tokenizer.eos_token_id
+        return ids if eos is None or eos in ids else (*ids, eos)
 
     def kv_bytes_per_token(self) -> int:
         """KV bytes one token takes on this rank (its heads)."""
@@ -140,8 +140,12 @@ def describe_model(config: EngineConfig, name: str = "", executor=None) -> Loade
     shared = config.max_num_batched_tokens or serving_token_budget(model_config, device)
     quantization = resolve_quantization(config.quantization, model_dir)
     check_device(quantization, device, dtype)
+    generation = load_generation_defaults(model_dir, model_config, config.generation_config)
+    if generation.sampling:
+        logger.info("%s: default sampling parameters from the model's generation_config.json: %s "
+                 "(--generation-config vllm leaves them out)", name or model_dir.name, generation.sampling)
     return LoadedModel(
-        config, name, model_dir, model_config, tokenizer, load_generation_defaults(model_dir, model_config),
+        config, name, model_dir, model_config, tokenizer, generation,
         device, dtype, _max_model_len(config, model_config), shared,
         config.max_num_batched_tokens or lone_request_budget(shared),
         resolve_backend_name(config.attention_backend, device, dtype), quantization, executor=executor)

@@ -60,7 +60,9 @@ def render_chat(tokenizer, conversation: list[dict], tools: list[dict] | None = 
     shape) go to the template as `tools`, as HF's `apply_chat_template` passes them. A template
     that fails on the conversation raises ParamError naming `messages`."""
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
-        raise ParamError("messages", "this model's tokenizer has no chat template; give one (--chat-template)")
+        raise ParamError("messages", "this model's tokenizer has no chat template (tokenizer_config.json's chat_template "
+                         "or chat_template.jinja; transformers has had no default one since 4.44); give one: "
+                         "--chat-template FILE served, chat_template= offline")
     taken = sorted(set(template_kwargs or ()) & (RENDER_ARGUMENTS | _render_parameters(tokenizer)))
     if taken:
         raise ParamError("chat_template_kwargs", f"{', '.join(taken)} cannot be given here: the request's own "

@@ -85,8 +85,17 @@ class OpenAIServing:
             raise APIError(429, f"the waiting queue is full ({limit} requests); retry later",
                            code="queue_full", headers={"Retry-After": "1"})
 
+    def _model_max_tokens(self, requested: int | None, left_out: bool) -> int | None:
+        """A request that leaves max_tokens out is held to the model's generation_config
+        `max_new_tokens` where it has one (as vLLM: the smaller of it and the API's own default; never
+        checked against the context, the engine cuts it to the room the prompt leaves)."""
+        model = self.llm.generation_defaults.sampling.get("max_tokens")
+        if not left_out or model is None:
+            return requested
+        return model if requested is None else min(requested, model)
+
     def _params(self, request, prompts: list[list[int]], max_tokens: int | None, logprobs: int | None,
-                prompt_field: str, prompt_logprobs: int | None = None) -> SamplingParams:
+                prompt_field: str, prompt_logprobs: int | None = None, left_out: bool = False) -> SamplingParams:
         try:
             for ids in prompts:
                 check_context_length(self.max_model_len, len(ids), max_tokens, prompt_field)
@@ -95,8 +104,8 @@ class OpenAIServing:
                 except ValueError as exc:  # the engine names it `prompt`; the request calls it prompt_field
                     detail = exc.detail if isinstance(exc, ParamError) else str(exc)[len("prompt: "):]
                     raise ParamError(prompt_field, detail) from exc
-            params = request.sampling_params(self.llm.generation_defaults.sampling, max_tokens, logprobs,
-                                             prompt_logprobs)
+            params = request.sampling_params(self.llm.generation_defaults.sampling,
+                                             self._model_max_tokens(max_tokens, left_out), logprobs, prompt_logprobs)
         except ValueError as exc:
             # (a chat that sent max_completion_tokens is told of that field, not of max_tokens)
             named = getattr(request, "max_completion_tokens", None) is not None
@@ -202,7 +211,8 @@ class OpenAIServing:
         except ValueError as exc:
             raise from_value_error(exc) from exc
         ids = self.render(request.messages, request.tools, self._ending(request), request.chat_template_kwargs)
-        params = self._params(request, [ids], request.requested_max_tokens(), logprobs, "messages", prompt_logprobs)
+        max_tokens = request.requested_max_tokens()
+        params = self._params(request, [ids], max_tokens, logprobs, "messages", prompt_logprobs, max_tokens is None)
         if tools is not None:
             params = tools.adjust(params)
         await self.compile_grammar(request, params, tools)
@@ -285,7 +295,8 @@ class OpenAIServing:
             raise from_value_error(exc) from exc
         prompts = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in raw_prompts]
         texts = [p if isinstance(p, str) else None for p in raw_prompts]
-        params = self._params(request, prompts, max_tokens, logprobs, "prompt", prompt_logprobs)
+        params = self._params(request, prompts, max_tokens, logprobs, "prompt", prompt_logprobs,
+                              request.max_tokens is None)
         await self.compile_grammar(request, params)
         self.check_capacity(len(prompts))
         rid = f"cmpl-{uuid.uuid4().hex}"
