@@ -4,7 +4,8 @@ A fenced block preceded by a `<!-- readme-test: {...} -->` line (invisible on th
 run as written, in a scratch directory that has the checkout's `.venv`, `data/` and `examples/`:
 `bash` blocks with bash (-e, pipefail), `python` blocks with this interpreter. The marker's JSON may
 name `serve` (the arguments of a `treeserve serve` started for the block; the block's port 8000 is
-rewritten to the server's, 4000 to a free one for a gateway it starts), `expect` (text its output
+rewritten to the server's, 4000 to a free one for a gateway it starts, 8001 and 8002 to free ones for
+replicas it starts), `expect` (text its output
 must contain), `stdin` and `timeout`. A block fails on a non-zero exit, a missing expectation or its
 timeout; whatever it left running in the background (a gateway started with `&`) is stopped with it."""
 from __future__ import annotations
@@ -79,8 +80,8 @@ def scratch(tmp_path):
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.where for b in BLOCKS])
 def test_marked_block_runs_as_written(block, scratch):
-    ports = {"8000": str(free_port()), "4000": str(free_port())}
-    code = re.sub(r"(?<=[:= ])(8000|4000)\b", lambda m: ports[m.group(1)], block.code)
+    ports = {port: str(free_port()) for port in ("8000", "8001", "8002", "4000")}
+    code = re.sub(r"(?<=[:= ])(8000|8001|8002|4000)\b", lambda m: ports[m.group(1)], block.code)
     server = _start_server(block.serve, ports["8000"], scratch) if block.serve is not None else None
     try:
         output = _run(block, code, scratch)

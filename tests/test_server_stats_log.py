@@ -86,6 +86,23 @@ def test_requests_are_logged_as_vllm_logs_them_only_when_enabled(server, caplog)
     assert aborted == f"Aborted request {received_cut.split(':')[0].removeprefix('Received request ')}."
 
 
+def test_a_logged_chat_request_shows_its_prompt_as_the_template_rendered_it(server, caplog):
+    """vLLM's `Received request` line for a chat shows the rendered prompt; it read `prompt: None`."""
+    from treeserve.server import request_log
+
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hello world"}], "max_tokens": 3}
+    with caplog.at_level(logging.INFO):
+        request_log.enable(True)
+        try:
+            assert httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60,
+                              headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
+        finally:
+            request_log.enable(False)
+    received = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("Received request chatcmpl-"))
+    prompt = received.split(": prompt: ", 1)[1].split(", params: ")[0]
+    assert prompt != "None" and "Hello world" in prompt, received
+
+
 def test_a_stats_interval_that_is_not_a_positive_number_is_refused_naming_it(monkeypatch):
     """TREESERVE_LOG_STATS_INTERVAL=0 made the stats thread log in a loop without sleeping (holding the
     GIL the engine thread steps with); a non-number failed with float()'s bare message once the models

@@ -16,6 +16,10 @@ def enable(on: bool) -> None:
     log.setLevel(logging.INFO if on else logging.WARNING)
 
 
+def enabled() -> bool:
+    return log.isEnabledFor(logging.INFO)
+
+
 def received(request_id: str, prompt: str | None, params: SamplingParams, prompt_token_ids: list[int]) -> None:
     if log.isEnabledFor(logging.INFO):
         log.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s", request_id, prompt, params,

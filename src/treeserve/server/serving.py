@@ -132,14 +132,17 @@ class OpenAIServing:
             raise from_value_error(ParamError(name, exc.detail)) from exc
 
     async def _merged(self, prompts: list[list[int]], params: SamplingParams, prefix: str,
-                      texts: list[str | None], priority: int = 0) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Runs every prompt as its own engine request and yields (prompt index, output) as they come."""
+                      texts: list[str | None], priority: int = 0,
+                      logged: list[str | None] | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Runs every prompt as its own engine request and yields (prompt index, output) as they come;
+        `logged` is the prompt text `--enable-log-requests` shows, where it is not `texts` (a chat's)."""
+        logged = texts if logged is None else logged
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int, ids: list[int]) -> None:
             request_id, finished = self.engine.new_request_id(prefix), False
             try:
-                request_log.received(request_id, texts[index], params, ids)
+                request_log.received(request_id, logged[index], params, ids)
                 async for output in self.engine.generate(ids, params, request_id, prompt=texts[index], engine=self.llm,
                                                          priority=priority):
                     finished = output.finished
@@ -218,7 +221,9 @@ class OpenAIServing:
         await self.compile_grammar(request, params, tools)
         self.check_capacity(1)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = self._merged([ids], params, rid, [None], request.priority)
+        # vLLM logs a chat's prompt as the template rendered it (decoded only when the log is on)
+        logged = [self.tokenizer.decode(ids)] if request_log.enabled() else None
+        stream = self._merged([ids], params, rid, [None], request.priority, logged)
         if request.stream:
             return self._chat_chunks(rid, stream, params, request.include_usage, request.continuous_usage, tools,
                                      len(ids))
