@@ -579,3 +579,13 @@ def test_a_failed_stream_has_an_error_code_openais_types_allow():
         assert sent[-1]["type"] == "response.failed" and error["code"] == expected, error
         assert error["message"] == ("it broke" if code in (None, expected) else f"it broke ({code})")
         assert [item["type"] for item in sent[-1]["response"]["output"]] == ["message"]
+
+
+def test_the_gateway_asks_a_responses_body_for_its_model(gateway):
+    """The gateway routes by `model`: a Responses body or a token count without one is a 400 naming it."""
+    for path in ("/v1/responses", "/v1/responses/input_tokens"):
+        refused = httpx.post(f"{gateway.url}{path}", json={"input": "x"},
+                             headers={"Authorization": f"Bearer {gateway.keys[0]}"}, timeout=30)
+        assert refused.status_code == 400, (path, refused.text)
+        error = refused.json()["error"]
+        assert error["param"] == "model" and error["code"] == "missing_required_parameter", (path, error)

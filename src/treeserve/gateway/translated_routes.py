@@ -46,9 +46,7 @@ def translated_routes(service: GatewayService, auth: Auth, store: DatabaseRespon
 
     @routes.post("/v1/responses")
     async def create_response(request: Request, key: KeyRecord = Depends(auth.require_key)):
-        body = await parse(request, ResponsesRequest, max_body_bytes)
-        if body.model is None:
-            raise APIError(400, "model: this field is required", param="model", code="missing_required_parameter")
+        body = _with_model(await parse(request, ResponsesRequest, max_body_bytes))
         ids: list[str] = []
         result = await unless_client_leaves(request, api.create(body, chat_on(key, ids), body.model, key.id),
                                             idempotent=False)
@@ -56,9 +54,7 @@ def translated_routes(service: GatewayService, auth: Auth, store: DatabaseRespon
 
     @routes.post("/v1/responses/input_tokens")
     async def input_tokens(request: Request, key: KeyRecord = Depends(auth.require_key)):
-        body = await parse(request, InputTokensRequest, max_body_bytes)
-        if body.model is None:
-            raise APIError(400, "model: this field is required", param="model", code="missing_required_parameter")
+        body = _with_model(await parse(request, InputTokensRequest, max_body_bytes))
         ids: list[str] = []
 
         async def count(chat: dict) -> int:  # (a backend's /tokenize: unbilled, as count_tokens)
@@ -150,3 +146,10 @@ async def _chunks(response: StreamingResponse) -> AsyncIterator[dict]:
     finally:
         with anyio.CancelScope(shield=True):
             await events.aclose()
+
+
+def _with_model(body):
+    """A Responses body that names its model (the gateway routes by it; the server may default one)."""
+    if body.model is None:
+        raise APIError(400, "model: this field is required", param="model", code="missing_required_parameter")
+    return body
