@@ -411,10 +411,7 @@ def test_a_client_that_leaves_before_its_whole_answer_stops_its_backend_and_pays
     try:
         with running_server(build_app(config)) as url:
             key = _new_key(url, max_parallel_requests=1)
-            body = {"model": "tiny"} | body
-            with pytest.raises(httpx.ReadTimeout):
-                httpx.post(url + path, json=body, headers={"Authorization": f"Bearer {key}"},
-                           timeout=httpx.Timeout(30, read=0.3))
+            _hang_up_once_running(url, path, {"model": "tiny"} | body, key, server.engine)
             assert wait_for(lambda: aborted, timeout=20), "the backend's request was not aborted"
             logs = wait_for(lambda: (rows := _admin(url, "GET", "/spend/logs", params={"api_key": key}).json())
                             and rows, timeout=20)
@@ -425,6 +422,20 @@ def test_a_client_that_leaves_before_its_whole_answer_stops_its_backend_and_pays
         server.async_engine.abort = original_abort
     wait_idle(server.engine)
     assert_no_leak(server.engine)
+
+
+def _hang_up_once_running(url: str, path: str, body: dict, key: str, engine) -> None:
+    """Sends a non-streamed request and closes the connection once the backend's engine runs it (a
+    read timeout could end it before the gateway had sent it on: then nothing runs to be aborted)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    payload = json.dumps(body).encode()
+    address = urlsplit(url)
+    with socket.create_connection((address.hostname, address.port), timeout=30) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {address.netloc}\r\nAuthorization: Bearer {key}\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        assert wait_for(engine.scheduler.has_unfinished, timeout=30, interval=0.01), "the backend never ran it"
 
 
 def test_budgets_without_prices_are_warned_about(server, tmp_path, caplog):
