@@ -112,8 +112,19 @@ class EngineConfig:
         if self.dtype != "auto":
             return DTYPES[self.dtype]
         if device.type == "cuda":
-            return DTYPES.get(checkpoint_dtype or "bfloat16", torch.bfloat16)
+            return cuda_auto_dtype(checkpoint_dtype, torch.cuda.is_bf16_supported())
         return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+
+
+def cuda_auto_dtype(checkpoint_dtype: str | None, bf16_supported: bool) -> torch.dtype:
+    """vLLM's `dtype="auto"` on a GPU: a float32 (or unnamed) checkpoint runs in the device's half
+    type, bfloat16 where it has bfloat16 units (compute capability 8.0 on) and float16 before; a
+    bfloat16 checkpoint falls back to float16 on a GPU without them; float16 stays float16."""
+    half = torch.bfloat16 if bf16_supported else torch.float16
+    dtype = DTYPES.get(checkpoint_dtype or "float32", torch.float32)
+    if dtype == torch.float32 or (dtype == torch.bfloat16 and not bf16_supported):
+        return half
+    return dtype
 
 
 def cpu_has_fast_bf16() -> bool:
