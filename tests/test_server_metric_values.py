@@ -286,3 +286,33 @@ def test_a_streamed_tokens_gap_is_observed_once_per_step_and_served_under_both_n
     assert values["treeserve:time_per_output_token_seconds_count"] == 2
     # a delta output's last holds only its last token: the sample's 3 are the engine's count
     assert values["treeserve:request_max_num_generation_tokens_sum"] == 3
+
+
+def test_a_non_streamed_request_counts_its_prompt_and_tokens_while_it_runs(server):
+    """vLLM counts a request's prompt once its prefill is done and its tokens step by step, whether it
+    streams or not (its engine core reports every step; only the caller's output is final-only).
+    Here a non-streamed request (one output, at its end) moved prompt_tokens_total and
+    generation_tokens_total only when it finished: `rate()` read 0 while it ran, the periodic stats
+    line showed 0 tokens/s (and, after an interval, went to DEBUG) with requests running."""
+    engine, body = server.engine, {"model": "tiny", "prompt": "Go on forever", "max_tokens": 400,
+                                   "ignore_eos": True}
+    before = _scrape(server.url)
+    payload = json.dumps(body).encode()
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:  # (closed at the end: the request is aborted)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(payload)}\r\n\r\n".encode()
+                     + payload)
+        deadline, group = time.monotonic() + 30, None
+        while time.monotonic() < deadline:
+            group = next(iter(list(engine.groups.values())), None)
+            if group is not None and group.children[0].num_output_tokens >= 12:
+                break
+            time.sleep(0.005)
+        assert group is not None and not group.finished, "the request ended before it could be read mid-run"
+        moved = _moved(before, _scrape(server.url), *COUNTERS[:2])
+        running = not group.finished
+    wait_idle(engine)
+    assert running, "the request ended before the scrape: nothing to check"
+    assert moved["treeserve:prompt_tokens_total"] == len(group.prompt_token_ids)
+    assert moved["treeserve:generation_tokens_total"] >= 10  # (the scrape may miss a step or two)

@@ -268,7 +268,7 @@ class EngineMetrics:
         self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Speculative draft tokens accepted.")
         self.spec_accepted_per_pos = server.family("counter", "spec_decode_num_accepted_tokens_per_pos",
                                                    "Speculative draft tokens accepted, by position in the draft.")
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests whose prefill is done.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.request_success = server.family("counter", "request_success", "Finished requests by finish reason.")
         for reason in ("stop", "length", "abort"):  # at 0 from the start, as vLLM's: a series that appears at 1
@@ -308,7 +308,8 @@ class EngineMetrics:
                          "evictions": self.prefix_evictions, "thrash": self.prefix_thrash,
                          "num_preemptions": self.preemptions, "spec_decode_num_drafts": self.spec_drafts,
                          "spec_decode_num_draft_tokens": self.spec_draft_tokens,
-                         "spec_decode_num_accepted_tokens": self.spec_accepted}
+                         "spec_decode_num_accepted_tokens": self.spec_accepted,
+                         "num_prompt_tokens": self.prompt_tokens, "num_generation_tokens": self.generation_tokens}
         self._last_counts = dict.fromkeys(self._counted, 0)
         self._from_stats = [self.running, self.waiting, self.kv_usage, self.kv_blocks_in_use, self.kv_blocks_free,
                             self.kv_blocks_wanted, self.thrash_window, *self._counted.values()]
@@ -331,14 +332,10 @@ class EngineMetrics:
                 self._observe_finished(output)
 
     def on_abort(self, engine: LLMEngine, aborted: AbortedRequest) -> None:
-        """What an aborted request did and no output reported, counted as vLLM counts it: its prompt
-        once prefilled, every token it generated (a non-streamed one's reach no output), and each
-        sample's finish not yet counted (cut ones as `abort`)."""
+        """Each sample's finish that no output reported, as vLLM counts it (cut ones as `abort`); its
+        prompt and tokens were counted as the engine computed them."""
         self._update_gauges(engine)
-        seen, _ = self._seen_tokens.pop(aborted.request_id, (0, 0.0))
-        self.generation_tokens.inc(max(sum(tokens for tokens, _ in aborted.samples) - seen, 0))
-        if aborted.prompt_computed:
-            self.prompt_tokens.inc(aborted.num_prompt_tokens)
+        self._seen_tokens.pop(aborted.request_id, None)
         for _, reason in aborted.samples:
             if reason is None or not aborted.delta:  # a delta output reported a finished sample's own finish
                 self._success(reason or "abort").inc()
@@ -383,7 +380,6 @@ class EngineMetrics:
         new = total - seen
         if new <= 0:
             return
-        self.generation_tokens.inc(new)
         if seen == 0:  # the engine's own first-token time: a final-only request shows its tokens at its end
             first = output.metrics.first_token_time
             self.ttft.observe((now if first is None else first) - output.metrics.arrival_time)
@@ -429,7 +425,6 @@ class EngineMetrics:
         m = output.metrics
         end = m.finished_time or time.monotonic()
         num_prompt = len(output.prompt_token_ids)
-        self.prompt_tokens.inc(num_prompt)
         self.request_prompt_tokens.observe(num_prompt)
         self.request_generation_tokens.observe(generated)
         self.request_max_generation_tokens.observe(longest)
