@@ -376,7 +376,11 @@ class EngineMetrics:
 
     def _observe_tokens(self, output: RequestOutput, now: float) -> None:
         seen, last_time = self._seen_tokens.get(output.request_id, (0, 0.0))
-        total = sum(len(c.token_ids) for c in output.outputs) + (seen if output.delta else 0)
+        total = samples = 0
+        for completion in output.outputs:
+            if completion.token_ids:
+                total, samples = total + len(completion.token_ids), samples + 1
+        total += seen if output.delta else 0
         new = total - seen
         if new <= 0:
             return
@@ -384,19 +388,24 @@ class EngineMetrics:
             first = output.metrics.first_token_time
             self.ttft.observe((now if first is None else first) - output.metrics.arrival_time)
             if output.finished:
-                self._observe_mean_itl(output, new)
+                self._observe_mean_itl(output)
         else:
-            self.itl.observe((now - last_time) / new, new)
+            # each sample that advanced waited the whole gap (its n samples step together; vLLM runs them
+            # as n requests), its tokens sharing it; a whole output's samples that had ended are not
+            # among the `new` tokens' samples
+            self.itl.observe((now - last_time) * min(samples, new) / new, new)
         self._seen_tokens[output.request_id] = (total, now)
 
-    def _observe_mean_itl(self, output: RequestOutput, tokens: int) -> None:
+    def _observe_mean_itl(self, output: RequestOutput) -> None:
         """A request whose tokens all came in its one output (final-only: a non-streamed request, a
-        search's): its samples' tokens after their first, each at the mean gap of its decode."""
-        gaps = tokens - len(output.outputs)
-        m = output.metrics
-        if gaps <= 0 or m.first_token_time is None or m.finished_time is None:
+        search's): each sample's tokens after its first, at the mean gap of its longest sample (the
+        one whose decode spans the request's; the samples step together)."""
+        lengths = [len(c.token_ids) for c in output.outputs]
+        longest, m = max(lengths, default=0), output.metrics
+        if longest <= 1 or m.first_token_time is None or m.finished_time is None:
             return
-        self.itl.observe(max(m.finished_time - m.first_token_time, 0.0) / gaps, gaps)
+        gaps = sum(length - 1 for length in lengths if length)
+        self.itl.observe(max(m.finished_time - m.first_token_time, 0.0) / (longest - 1), gaps)
 
     @staticmethod
     def _longest_sample(output: RequestOutput) -> int:
