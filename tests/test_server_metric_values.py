@@ -316,3 +316,30 @@ def test_a_non_streamed_request_counts_its_prompt_and_tokens_while_it_runs(serve
     assert running, "the request ended before the scrape: nothing to check"
     assert moved["treeserve:prompt_tokens_total"] == len(group.prompt_token_ids)
     assert moved["treeserve:generation_tokens_total"] >= 10  # (the scrape may miss a step or two)
+
+
+def test_iteration_tokens_observes_each_step_that_ran_the_model_once(llama_dir):
+    """iteration_tokens_total is tokens computed per engine step: its count the engine's steps, its sum
+    the tokens they computed. The step observers also run for a step that computed nothing (with async
+    scheduling and output processing, CUDA's defaults: one that only landed the results of a step left
+    running, or made deferred text), and each such step was observed as a 0-token iteration."""
+    from types import SimpleNamespace
+
+    from conftest import running_server
+    from treeserve.server.launch import build_app
+
+    app = build_app(str(llama_dir), served_model_name="tiny", api_keys=[API_KEY], dtype="float32", device="cpu",
+                    kv_cache_memory_bytes=8 << 20, max_model_len=256, async_scheduling=True,
+                    async_output_processing=True)
+    with running_server(app) as url:
+        engine, server = app.state.engine.engine, SimpleNamespace(url=url)
+        before, stats = _scrape(url), engine.stats()
+        for stream in (False, True):
+            body = {"model": "tiny", "prompt": "Hello world", "max_tokens": 8, "ignore_eos": True, "stream": stream}
+            assert httpx.post(url + "/v1/completions", json=body, headers=AUTH, timeout=60).status_code == 200
+            wait_idle(engine)
+        after, done = _scrape(server.url), engine.stats()
+    assert done.num_steps_left_running > 0, "no step was left running: nothing to check"
+    moved = _moved(before, after, "treeserve:iteration_tokens_total_count", "treeserve:iteration_tokens_total_sum")
+    assert moved == {"treeserve:iteration_tokens_total_count": done.num_steps - stats.num_steps,
+                     "treeserve:iteration_tokens_total_sum": done.num_tokens_computed - stats.num_tokens_computed}

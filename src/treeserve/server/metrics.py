@@ -19,6 +19,7 @@ from bisect import bisect_left
 
 from prometheus_client.utils import floatToGoString
 
+from treeserve.engine.engine_stats import EngineStats
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.outputs import AbortedRequest, RequestOutput
 from treeserve.server.search_metrics import SearchMetrics
@@ -314,6 +315,7 @@ class EngineMetrics:
         self._from_stats = [self.running, self.waiting, self.kv_usage, self.kv_blocks_in_use, self.kv_blocks_free,
                             self.kv_blocks_wanted, self.thrash_window, *self._counted.values()]
         self._last_per_pos: tuple[int, ...] = ()
+        self._last_num_steps = 0  # the engine's steps that ran the model, as last seen
 
     def set_memory(self, row) -> None:
         for part, gauge in self.memory.items():
@@ -323,8 +325,10 @@ class EngineMetrics:
     def on_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
         """Called on the engine thread after every step."""
         now = time.monotonic()
-        self._update_gauges(engine)
-        self.iteration_tokens.observe(engine.last_step_num_tokens)
+        stats = self._update_gauges(engine)
+        if stats.num_steps != self._last_num_steps:  # (not a step that only landed an earlier one's results)
+            self._last_num_steps = stats.num_steps
+            self.iteration_tokens.observe(stats.last_step_num_tokens)
         for output in outputs:
             self._observe_tokens(output, now)
             self._count_finishes(output)
@@ -349,7 +353,7 @@ class EngineMetrics:
     def _success(self, reason: str) -> Counter:
         return self.request_success.labels(**self._labels, finished_reason=reason)
 
-    def _update_gauges(self, engine: LLMEngine) -> None:
+    def _update_gauges(self, engine: LLMEngine) -> EngineStats:
         stats = engine.stats()
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
@@ -364,6 +368,7 @@ class EngineMetrics:
             counter.inc(value - self._last_counts[name])
             self._last_counts[name] = value
         self._count_accepted_per_position(stats.spec_decode_num_accepted_tokens_per_pos)
+        return stats
 
     def _count_accepted_per_position(self, counts: tuple[int, ...]) -> None:
         if counts == self._last_per_pos:
