@@ -73,3 +73,15 @@ def test_stats_show_queues_blocks_and_counters(tiny_model_dirs):
     twice = llm.engine.stats()
     assert twice.prefix_queries > once.prefix_queries and twice.prefix_hits - once.prefix_hits >= 32
     assert twice.kv_arena_bytes >= twice.kv_blocks_total * twice.block_size * llm.engine.kv_bytes_per_token()
+
+
+def test_stats_count_each_requests_prompt_once_and_every_generated_token(tiny_model_dirs):
+    """vLLM's prompt_tokens and generation_tokens, as the engine does the work (the server's counters
+    read them after every step, streamed or not): an n=2 request's prompt once (its usage), both
+    samples' tokens."""
+    llm = LLM(str(tiny_model_dirs["llama"]), **OPTIONS)
+    prompt = {"prompt_token_ids": list(range(3, 3 + 20))}
+    [output] = llm.generate([prompt], SamplingParams(max_tokens=4, n=2, ignore_eos=True), use_tqdm=False)
+    stats = llm.engine.stats()
+    assert stats.num_prompt_tokens == 20
+    assert stats.num_generation_tokens == sum(len(c.token_ids) for c in output.outputs) == 8

@@ -286,3 +286,60 @@ def test_a_streamed_tokens_gap_is_observed_once_per_step_and_served_under_both_n
     assert values["treeserve:time_per_output_token_seconds_count"] == 2
     # a delta output's last holds only its last token: the sample's 3 are the engine's count
     assert values["treeserve:request_max_num_generation_tokens_sum"] == 3
+
+
+def test_a_non_streamed_request_counts_its_prompt_and_tokens_while_it_runs(server):
+    """vLLM counts a request's prompt once its prefill is done and its tokens step by step, whether it
+    streams or not (its engine core reports every step; only the caller's output is final-only).
+    Here a non-streamed request (one output, at its end) moved prompt_tokens_total and
+    generation_tokens_total only when it finished: `rate()` read 0 while it ran, the periodic stats
+    line showed 0 tokens/s (and, after an interval, went to DEBUG) with requests running."""
+    engine, body = server.engine, {"model": "tiny", "prompt": "Go on forever", "max_tokens": 400,
+                                   "ignore_eos": True}
+    before = _scrape(server.url)
+    payload = json.dumps(body).encode()
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:  # (closed at the end: the request is aborted)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(payload)}\r\n\r\n".encode()
+                     + payload)
+        deadline, group = time.monotonic() + 30, None
+        while time.monotonic() < deadline:
+            group = next(iter(list(engine.groups.values())), None)
+            if group is not None and group.children[0].num_output_tokens >= 12:
+                break
+            time.sleep(0.005)
+        assert group is not None and not group.finished, "the request ended before it could be read mid-run"
+        moved = _moved(before, _scrape(server.url), *COUNTERS[:2])
+        running = not group.finished
+    wait_idle(engine)
+    assert running, "the request ended before the scrape: nothing to check"
+    assert moved["treeserve:prompt_tokens_total"] == len(group.prompt_token_ids)
+    assert moved["treeserve:generation_tokens_total"] >= 10  # (the scrape may miss a step or two)
+
+
+def test_iteration_tokens_observes_each_step_that_ran_the_model_once(llama_dir):
+    """iteration_tokens_total is tokens computed per engine step: its count the engine's steps, its sum
+    the tokens they computed. The step observers also run for a step that computed nothing (with async
+    scheduling and output processing, CUDA's defaults: one that only landed the results of a step left
+    running, or made deferred text), and each such step was observed as a 0-token iteration."""
+    from types import SimpleNamespace
+
+    from conftest import running_server
+    from treeserve.server.launch import build_app
+
+    app = build_app(str(llama_dir), served_model_name="tiny", api_keys=[API_KEY], dtype="float32", device="cpu",
+                    kv_cache_memory_bytes=8 << 20, max_model_len=256, async_scheduling=True,
+                    async_output_processing=True)
+    with running_server(app) as url:
+        engine, server = app.state.engine.engine, SimpleNamespace(url=url)
+        before, stats = _scrape(url), engine.stats()
+        for stream in (False, True):
+            body = {"model": "tiny", "prompt": "Hello world", "max_tokens": 8, "ignore_eos": True, "stream": stream}
+            assert httpx.post(url + "/v1/completions", json=body, headers=AUTH, timeout=60).status_code == 200
+            wait_idle(engine)
+        after, done = _scrape(server.url), engine.stats()
+    assert done.num_steps_left_running > 0, "no step was left running: nothing to check"
+    moved = _moved(before, after, "treeserve:iteration_tokens_total_count", "treeserve:iteration_tokens_total_sum")
+    assert moved == {"treeserve:iteration_tokens_total_count": done.num_steps - stats.num_steps,
+                     "treeserve:iteration_tokens_total_sum": done.num_tokens_computed - stats.num_tokens_computed}

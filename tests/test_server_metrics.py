@@ -121,17 +121,44 @@ def test_delta_outputs_count_each_samples_tokens_and_finish_once():
         metrics._count_finishes(output)
     success = {reason: metrics._success(reason).value for reason in ("length", "stop")}
     assert success == {"length": 1, "stop": 2}
-    assert metrics.generation_tokens.value == 8
+    # every token once in the request's tally (its request_generation_tokens observation); the
+    # generation_tokens counter is the engine's count (test_server_metric_values.py)
+    assert metrics._seen_tokens["r"][0] == 8
 
 
 def test_a_final_only_output_observes_its_inter_token_latency_at_the_mean_gap():
     """A non-streamed request (final-only: one output) still feeds the inter-token-latency histogram:
-    each sample's tokens after its first, at the mean gap between its first token and its end."""
+    each sample's tokens after its first, at the mean gap between its first token and its end. Its two
+    samples of 5 tokens each took 1.6 s for their 4 gaps (0.4 s a gap: vLLM runs them as two requests,
+    each observing its own); the gaps were taken as 1.6 s over all 8 (0.2 s, half the real gap)."""
     from treeserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
     metrics = EngineMetrics(ServerMetrics(), "m")
     outs = [CompletionOutput(i, "x", [7] * 5, None, None, "length") for i in range(2)]
     output = RequestOutput("r", None, [1, 2], outs, True, metrics=RequestMetrics(0.0, 0.5, 1.0, 2.6))
     metrics._observe_tokens(output, 3.0)
-    assert sum(metrics.itl.counts) == 8 and abs(metrics.itl.sum - 1.6) < 1e-9
+    assert sum(metrics.itl.counts) == 8 and abs(metrics.itl.sum - 8 * 0.4) < 1e-9
     assert sum(metrics.ttft.counts) == 1 and abs(metrics.ttft.sum - 1.0) < 1e-9
-    assert metrics.generation_tokens.value == 10
+    assert metrics._seen_tokens["r"][0] == 10
+
+
+def test_samples_that_step_together_each_observe_the_whole_gap():
+    """n=2 streamed (delta outputs): each step gives both samples a token, 0.25 s apart; each sample's
+    gap is 0.25 s (vLLM runs the samples as two requests, each observing its own gap), not 0.125 s (the
+    step's gap was divided by both samples' tokens). A speculative step's tokens of one sample still
+    share its gap; a final-only request with samples of unequal length takes its longest's gap."""
+    from treeserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    metrics = EngineMetrics(ServerMetrics(), "m")
+
+    def delta(*tokens):
+        outs = [CompletionOutput(i, "x", [7] * count, None, None, None) for i, count in enumerate(tokens) if count]
+        return RequestOutput("r", None, [1, 2], outs, False, metrics=RequestMetrics(0.0, 0.0, 1.0), delta=True)
+    metrics._observe_tokens(delta(1, 1), 1.0)   # the first tokens: no gap
+    metrics._observe_tokens(delta(1, 1), 1.25)
+    assert sum(metrics.itl.counts) == 2 and abs(metrics.itl.sum - 2 * 0.25) < 1e-9
+    metrics._observe_tokens(delta(3, 0), 1.55)  # one sample, three tokens in one (speculative) step
+    assert sum(metrics.itl.counts) == 5 and abs(metrics.itl.sum - (0.5 + 0.3)) < 1e-9
+
+    final = EngineMetrics(ServerMetrics(), "m")
+    outs = [CompletionOutput(i, "x", [7] * count, None, None, "stop") for i, count in enumerate((5, 3))]
+    final._observe_tokens(RequestOutput("f", None, [1], outs, True, metrics=RequestMetrics(0.0, 0.5, 1.0, 2.0)), 2.0)
+    assert sum(final.itl.counts) == 6 and abs(final.itl.sum - 6 * 0.25) < 1e-9  # 1 s over the longest's 4 gaps

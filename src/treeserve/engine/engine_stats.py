@@ -44,6 +44,10 @@ class EngineStats:
     # `thrash` by the model whose allocation evicted the block: this model's own, or (in a shared
     # arena) another's
     thrash_by_evictor: dict[str, int] = field(default_factory=dict)
+    # vLLM's prompt_tokens and generation_tokens, counted as the work is done: each request's prompt once
+    # its prefill is done, each generated token as it is sampled (a request's caller streaming or not)
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -64,7 +68,8 @@ def snapshot(model: str, pipeline, scheduler: Scheduler, kv: KVCacheManager, ret
         pool.num_blocks, kv.num_blocks_in_use(), pool.num_free, pool.num_wanted_by(kv.owner), pool.usage(),
         pool.thrash_window_size, prefix.queries, prefix.hits, prefix.evictions, prefix.thrash,
         len(retained), retained.num_blocks(), arena_bytes, _cached_blocks(kv) if count_cached else None,
-        graph_replays, *_spec_counts(pipeline.speculator), thrash_by_evictor=dict(prefix.thrash_by_evictor))
+        graph_replays, *_spec_counts(pipeline.speculator), thrash_by_evictor=dict(prefix.thrash_by_evictor),
+        num_prompt_tokens=pipeline.num_prompt_tokens, num_generation_tokens=pipeline.num_generation_tokens)
 
 
 def _spec_counts(speculator) -> tuple:

@@ -157,6 +157,7 @@ class RequestGroup:
     first_scheduled_time: float | None = None
     final_only: bool = False  # one RequestOutput, when it finishes (vLLM's RequestOutputKind.FINAL_ONLY)
     delta: bool = False  # each RequestOutput holds only what is new (RequestOutputKind.DELTA)
+    prompt_counted: bool = False  # its prompt is in the engine's num_prompt_tokens (its prefill is done)
 
     @property
     def finished(self) -> bool:

@@ -39,6 +39,10 @@ class StepPipeline:
         self.num_steps = 0
         self.num_tokens_computed = 0  # every token that went through the model, all steps
         self.last_step_num_tokens = 0
+        # as vLLM counts them, whether its caller streams or not: a request's prompt once its prefill is
+        # done (once per request, not per sample), and every token sampled into a sequence, as it comes
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
         self.num_steps_left_running = 0  # steps whose successor was launched before their results were applied
         # the last step scheduled nothing: its waiting requests need blocks that other models' requests
         # hold (a shared arena); the engine loop raises when every engine is so stalled
@@ -176,12 +180,19 @@ class StepPipeline:
         self.kv.free_behind_window(request)
 
     def _append_token(self, request: Request, group: RequestGroup, token_id: int, logprobs: dict | None) -> None:
+        if not group.prompt_counted:
+            self._count_prompt(group)
+        self.num_generation_tokens += 1
         reason, stop_reason = self.outputs.append_token(request, group, token_id, logprobs)
         if reason is not None:
             self.scheduler.finish(request, reason, stop_reason)
 
+    def _count_prompt(self, group: RequestGroup) -> None:
+        self.num_prompt_tokens += len(group.prompt_token_ids)
+        group.prompt_counted = True
+
     def _finish_prefill(self, group: RequestGroup, request: Request) -> None:
-        if request is group.shared_prefill:
+        if request is group.shared_prefill:  # (its prompt counts at its samples' first token)
             group.first_scheduled_time = request.first_scheduled_time
             # vLLM fans n samples out into n requests that each look the prompt up: the first finds what
             # this prefill's lookup found (of all but the last token, which no lookup may hit), the
@@ -196,6 +207,8 @@ class StepPipeline:
                 self.scheduler.add(child)
             self.groups.drop_member(request.request_id)
             group.shared_prefill = None
+        else:
+            self._count_prompt(group)
         if request.keep_kv:
             self.scheduler.finish(request, "prefill", keep_blocks=True)
             self.retained.keep(group.request_id, request)

@@ -19,6 +19,7 @@ from bisect import bisect_left
 
 from prometheus_client.utils import floatToGoString
 
+from treeserve.engine.engine_stats import EngineStats
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.outputs import AbortedRequest, RequestOutput
 from treeserve.server.search_metrics import SearchMetrics
@@ -268,7 +269,7 @@ class EngineMetrics:
         self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Speculative draft tokens accepted.")
         self.spec_accepted_per_pos = server.family("counter", "spec_decode_num_accepted_tokens_per_pos",
                                                    "Speculative draft tokens accepted, by position in the draft.")
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests whose prefill is done.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.request_success = server.family("counter", "request_success", "Finished requests by finish reason.")
         for reason in ("stop", "length", "abort"):  # at 0 from the start, as vLLM's: a series that appears at 1
@@ -308,11 +309,13 @@ class EngineMetrics:
                          "evictions": self.prefix_evictions, "thrash": self.prefix_thrash,
                          "num_preemptions": self.preemptions, "spec_decode_num_drafts": self.spec_drafts,
                          "spec_decode_num_draft_tokens": self.spec_draft_tokens,
-                         "spec_decode_num_accepted_tokens": self.spec_accepted}
+                         "spec_decode_num_accepted_tokens": self.spec_accepted,
+                         "num_prompt_tokens": self.prompt_tokens, "num_generation_tokens": self.generation_tokens}
         self._last_counts = dict.fromkeys(self._counted, 0)
         self._from_stats = [self.running, self.waiting, self.kv_usage, self.kv_blocks_in_use, self.kv_blocks_free,
                             self.kv_blocks_wanted, self.thrash_window, *self._counted.values()]
         self._last_per_pos: tuple[int, ...] = ()
+        self._last_num_steps = 0  # the engine's steps that ran the model, as last seen
 
     def set_memory(self, row) -> None:
         for part, gauge in self.memory.items():
@@ -322,8 +325,10 @@ class EngineMetrics:
     def on_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
         """Called on the engine thread after every step."""
         now = time.monotonic()
-        self._update_gauges(engine)
-        self.iteration_tokens.observe(engine.last_step_num_tokens)
+        stats = self._update_gauges(engine)
+        if stats.num_steps != self._last_num_steps:  # (not a step that only landed an earlier one's results)
+            self._last_num_steps = stats.num_steps
+            self.iteration_tokens.observe(stats.last_step_num_tokens)
         for output in outputs:
             self._observe_tokens(output, now)
             self._count_finishes(output)
@@ -331,14 +336,10 @@ class EngineMetrics:
                 self._observe_finished(output)
 
     def on_abort(self, engine: LLMEngine, aborted: AbortedRequest) -> None:
-        """What an aborted request did and no output reported, counted as vLLM counts it: its prompt
-        once prefilled, every token it generated (a non-streamed one's reach no output), and each
-        sample's finish not yet counted (cut ones as `abort`)."""
+        """Each sample's finish that no output reported, as vLLM counts it (cut ones as `abort`); its
+        prompt and tokens were counted as the engine computed them."""
         self._update_gauges(engine)
-        seen, _ = self._seen_tokens.pop(aborted.request_id, (0, 0.0))
-        self.generation_tokens.inc(max(sum(tokens for tokens, _ in aborted.samples) - seen, 0))
-        if aborted.prompt_computed:
-            self.prompt_tokens.inc(aborted.num_prompt_tokens)
+        self._seen_tokens.pop(aborted.request_id, None)
         for _, reason in aborted.samples:
             if reason is None or not aborted.delta:  # a delta output reported a finished sample's own finish
                 self._success(reason or "abort").inc()
@@ -352,7 +353,7 @@ class EngineMetrics:
     def _success(self, reason: str) -> Counter:
         return self.request_success.labels(**self._labels, finished_reason=reason)
 
-    def _update_gauges(self, engine: LLMEngine) -> None:
+    def _update_gauges(self, engine: LLMEngine) -> EngineStats:
         stats = engine.stats()
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
@@ -367,6 +368,7 @@ class EngineMetrics:
             counter.inc(value - self._last_counts[name])
             self._last_counts[name] = value
         self._count_accepted_per_position(stats.spec_decode_num_accepted_tokens_per_pos)
+        return stats
 
     def _count_accepted_per_position(self, counts: tuple[int, ...]) -> None:
         if counts == self._last_per_pos:
@@ -379,28 +381,36 @@ class EngineMetrics:
 
     def _observe_tokens(self, output: RequestOutput, now: float) -> None:
         seen, last_time = self._seen_tokens.get(output.request_id, (0, 0.0))
-        total = sum(len(c.token_ids) for c in output.outputs) + (seen if output.delta else 0)
+        total = samples = 0
+        for completion in output.outputs:
+            if completion.token_ids:
+                total, samples = total + len(completion.token_ids), samples + 1
+        total += seen if output.delta else 0
         new = total - seen
         if new <= 0:
             return
-        self.generation_tokens.inc(new)
         if seen == 0:  # the engine's own first-token time: a final-only request shows its tokens at its end
             first = output.metrics.first_token_time
             self.ttft.observe((now if first is None else first) - output.metrics.arrival_time)
             if output.finished:
-                self._observe_mean_itl(output, new)
+                self._observe_mean_itl(output)
         else:
-            self.itl.observe((now - last_time) / new, new)
+            # each sample that advanced waited the whole gap (its n samples step together; vLLM runs them
+            # as n requests), its tokens sharing it; a whole output's samples that had ended are not
+            # among the `new` tokens' samples
+            self.itl.observe((now - last_time) * min(samples, new) / new, new)
         self._seen_tokens[output.request_id] = (total, now)
 
-    def _observe_mean_itl(self, output: RequestOutput, tokens: int) -> None:
+    def _observe_mean_itl(self, output: RequestOutput) -> None:
         """A request whose tokens all came in its one output (final-only: a non-streamed request, a
-        search's): its samples' tokens after their first, each at the mean gap of its decode."""
-        gaps = tokens - len(output.outputs)
-        m = output.metrics
-        if gaps <= 0 or m.first_token_time is None or m.finished_time is None:
+        search's): each sample's tokens after its first, at the mean gap of its longest sample (the
+        one whose decode spans the request's; the samples step together)."""
+        lengths = [len(c.token_ids) for c in output.outputs]
+        longest, m = max(lengths, default=0), output.metrics
+        if longest <= 1 or m.first_token_time is None or m.finished_time is None:
             return
-        self.itl.observe(max(m.finished_time - m.first_token_time, 0.0) / gaps, gaps)
+        gaps = sum(length - 1 for length in lengths if length)
+        self.itl.observe(max(m.finished_time - m.first_token_time, 0.0) / (longest - 1), gaps)
 
     @staticmethod
     def _longest_sample(output: RequestOutput) -> int:
@@ -429,7 +439,6 @@ class EngineMetrics:
         m = output.metrics
         end = m.finished_time or time.monotonic()
         num_prompt = len(output.prompt_token_ids)
-        self.prompt_tokens.inc(num_prompt)
         self.request_prompt_tokens.observe(num_prompt)
         self.request_generation_tokens.observe(generated)
         self.request_max_generation_tokens.observe(longest)
