@@ -589,3 +589,70 @@ def test_the_gateway_asks_a_responses_body_for_its_model(gateway):
         assert refused.status_code == 400, (path, refused.text)
         error = refused.json()["error"]
         assert error["param"] == "model" and error["code"] == "missing_required_parameter", (path, error)
+
+
+def test_truncation_auto_drops_the_oldest_items_to_fit_the_context(served, target, caplog):
+    """`truncation: "auto"` (OpenAI's): a conversation past the context (8192 here) loses its oldest
+    items, never the instructions, and the answer is the chat completion of what is left; the drop is
+    logged. "disabled" (the default), or a last item that alone cannot fit, is the context-length 400
+    (before: "auto" was taken and did nothing, the 400 either way)."""
+    client = _openai(target)
+    long = " ".join(["apple"] * 1000)
+    per_item = client.responses.input_tokens.count(model="tiny", input=long).input_tokens
+    assert 2800 < per_item < 4000, per_item  # (two fit, three do not)
+    items = [{"role": "user", "content": long}, {"role": "assistant", "content": "Yes."},
+             {"role": "user", "content": long}, {"role": "assistant", "content": "Yes."},
+             {"role": "user", "content": long}, {"role": "user", "content": "Name a colour."}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model="tiny", instructions="Be brief.", input=items, max_output_tokens=4)
+    assert caught.value.body["code"] == "context_length_exceeded", caught.value.body
+    with caplog.at_level("INFO", logger="treeserve.responses"):
+        response = client.responses.create(model="tiny", instructions="Be brief.", input=items, max_output_tokens=4,
+                                           truncation="auto", **GREEDY)
+    assert response.truncation == "auto"
+    kept = [{"role": "system", "content": "Be brief."}] + items[2:]
+    text, usage = _chat_text(served, kept, max_tokens=4, **GREEDY)
+    assert response.output_text == text and response.usage.input_tokens == usage.prompt_tokens
+    assert any("dropped the 2 oldest messages" in r.getMessage() for r in caplog.records), caplog.records
+    with client.responses.stream(model="tiny", instructions="Be brief.", input=items, max_output_tokens=4,
+                                 truncation="auto", **GREEDY) as stream:
+        assert [event for event in stream][-1].response.output_text == text
+    with pytest.raises(openai.BadRequestError) as caught:  # the last item alone is too long: still the 400
+        client.responses.create(model="tiny", input=items[:1] + [{"role": "user", "content": " ".join([long] * 3)}],
+                                max_output_tokens=4, truncation="auto")
+    assert caught.value.body["code"] == "context_length_exceeded", caught.value.body
+
+
+def test_fields_the_vendors_define_and_treeserve_does_not_are_told_apart_from_unknown_ones(target):
+    """A Responses or Messages field the vendor defines and treeserve does not implement is a 400 naming
+    it that says so (code unsupported_parameter); a misspelt one stays `unknown parameter` (before:
+    both read `unknown parameter`, as if the client had made a typo). Sent empty, such a field is taken."""
+    client = _openai(target)
+    for extra in [{"context_management": [{"type": "compaction"}]}, {"background": True}, {"prompt": {"id": "p"}},
+                  {"include": ["message.output_text.logprobs"]}, {"reasoning": {"effort": "high"}}]:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.responses.create(model="tiny", input="x", max_output_tokens=2, extra_body=extra)
+        name = next(iter(extra))
+        assert caught.value.body["param"] == name and caught.value.body["code"] == "unsupported_parameter", \
+            caught.value.body
+        assert caught.value.body["message"].startswith(f"{name}: not supported by treeserve"), caught.value.body
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model="tiny", input="x", max_output_tokens=2, extra_body={"backgroud": True})
+    assert caught.value.body["message"] == "backgroud: unknown parameter", caught.value.body
+    taken = client.responses.create(model="tiny", input="x", max_output_tokens=2, background=False, include=[],
+                                    reasoning={"effort": "minimal"})
+    assert taken.status in ("completed", "incomplete")
+    messages = _anthropic(target)
+    for extra in [{"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}},
+                  {"container": "container_1"}, {"mcp_servers": [{"type": "url", "url": "http://x", "name": "m"}]}]:
+        name = next(iter(extra))
+        for call in (messages.messages.create, messages.messages.count_tokens):
+            with pytest.raises(anthropic.BadRequestError) as caught:
+                call(model="tiny", messages=[{"role": "user", "content": "x"}], extra_body=extra,
+                     **({"max_tokens": 2} if call == messages.messages.create else {}))
+            assert caught.value.body["error"]["message"].startswith(f"{name}: not supported by treeserve"), \
+                caught.value.body
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        messages.messages.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": "x"}],
+                                 extra_body={"mcp_server": []})
+    assert caught.value.body["error"]["message"] == "mcp_server: unknown parameter", caught.value.body
