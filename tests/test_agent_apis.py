@@ -656,3 +656,33 @@ def test_fields_the_vendors_define_and_treeserve_does_not_are_told_apart_from_un
         messages.messages.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": "x"}],
                                  extra_body={"mcp_server": []})
     assert caught.value.body["error"]["message"] == "mcp_server: unknown parameter", caught.value.body
+
+
+def test_anthropic_answers_carry_a_request_id(target):
+    """Every answer on Anthropic's routes carries `request-id` (its clients' `_request_id`, an error's
+    `request_id`), and an error body its `request_id`, as Anthropic's; on the gateway it is the
+    answer's `x-request-id` (its spend_logs row's). Before: no `request-id` at all."""
+    client = _anthropic(target)
+    ask = dict(model="tiny", max_tokens=2, messages=[{"role": "user", "content": "x"}])
+    raw = client.messages.with_raw_response.create(**ask)
+    message = raw.parse()
+    assert raw.headers["request-id"] and message._request_id == raw.headers["request-id"]
+    if target.other_key:
+        assert raw.headers["request-id"] == raw.headers["x-request-id"]
+    with client.messages.stream(**ask) as stream:
+        assert stream.response.headers["request-id"]
+        stream.get_final_message()
+    assert client.messages.with_raw_response.count_tokens(model="tiny", messages=ask["messages"]).headers["request-id"]
+    ids = set()
+    for call in (lambda: client.messages.create(**(ask | {"max_tokens": 0})),
+                 lambda: client.messages.create(**ask, extra_body={"nope": 1}),
+                 lambda: anthropic.Anthropic(base_url=target.url, api_key="sk-wrong", max_retries=0).messages.create(
+                     **ask)):
+        with pytest.raises(anthropic.APIStatusError) as caught:
+            call()
+        assert caught.value.request_id and caught.value.body["request_id"] == caught.value.request_id, \
+            caught.value.body
+        ids.add(caught.value.request_id)
+    assert len(ids) == 3
+    assert "request-id" not in httpx.get(f"{target.url}/v1/models",
+                                         headers={"Authorization": f"Bearer {target.key}"}).headers
