@@ -296,6 +296,11 @@ def test_anthropic_messages_whole_streamed_tools_and_count_tokens(served, target
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "content_block_delta" in kinds
     opened = events[0].message.usage  # (the prompt's tokens known from the start, as Anthropic's; they were 0)
     assert opened.input_tokens + opened.cache_read_input_tokens == usage.prompt_tokens and opened.output_tokens == 0
+    # (the prompt, cached by the whole request before, is counted alike at the start and the end; message_start
+    # said all of it was input_tokens, none cache_read_input_tokens, and message_delta then said otherwise)
+    assert final.usage.cache_read_input_tokens > 0
+    assert (opened.input_tokens, opened.cache_read_input_tokens) == (final.usage.input_tokens,
+                                                                     final.usage.cache_read_input_tokens)
     assert final.content[0].text == text and final.usage.output_tokens == usage.completion_tokens
     raw = client.messages.with_raw_response.count_tokens(model="tiny", system="Be brief.", messages=messages)
     assert raw.parse().input_tokens == usage.prompt_tokens
