@@ -296,6 +296,11 @@ def test_anthropic_messages_whole_streamed_tools_and_count_tokens(served, target
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "content_block_delta" in kinds
     opened = events[0].message.usage  # (the prompt's tokens known from the start, as Anthropic's; they were 0)
     assert opened.input_tokens + opened.cache_read_input_tokens == usage.prompt_tokens and opened.output_tokens == 0
+    # (the prompt, cached by the whole request before, is counted alike at the start and the end; message_start
+    # said all of it was input_tokens, none cache_read_input_tokens, and message_delta then said otherwise)
+    assert final.usage.cache_read_input_tokens > 0
+    assert (opened.input_tokens, opened.cache_read_input_tokens) == (final.usage.input_tokens,
+                                                                     final.usage.cache_read_input_tokens)
     assert final.content[0].text == text and final.usage.output_tokens == usage.completion_tokens
     raw = client.messages.with_raw_response.count_tokens(model="tiny", system="Be brief.", messages=messages)
     assert raw.parse().input_tokens == usage.prompt_tokens
@@ -589,3 +594,100 @@ def test_the_gateway_asks_a_responses_body_for_its_model(gateway):
         assert refused.status_code == 400, (path, refused.text)
         error = refused.json()["error"]
         assert error["param"] == "model" and error["code"] == "missing_required_parameter", (path, error)
+
+
+def test_truncation_auto_drops_the_oldest_items_to_fit_the_context(served, target, caplog):
+    """`truncation: "auto"` (OpenAI's): a conversation past the context (8192 here) loses its oldest
+    items, never the instructions, and the answer is the chat completion of what is left; the drop is
+    logged. "disabled" (the default), or a last item that alone cannot fit, is the context-length 400
+    (before: "auto" was taken and did nothing, the 400 either way)."""
+    client = _openai(target)
+    long = " ".join(["apple"] * 1000)
+    per_item = client.responses.input_tokens.count(model="tiny", input=long).input_tokens
+    assert 2800 < per_item < 4000, per_item  # (two fit, three do not)
+    items = [{"role": "user", "content": long}, {"role": "assistant", "content": "Yes."},
+             {"role": "user", "content": long}, {"role": "assistant", "content": "Yes."},
+             {"role": "user", "content": long}, {"role": "user", "content": "Name a colour."}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model="tiny", instructions="Be brief.", input=items, max_output_tokens=4)
+    assert caught.value.body["code"] == "context_length_exceeded", caught.value.body
+    with caplog.at_level("INFO", logger="treeserve.responses"):
+        response = client.responses.create(model="tiny", instructions="Be brief.", input=items, max_output_tokens=4,
+                                           truncation="auto", **GREEDY)
+    assert response.truncation == "auto"
+    kept = [{"role": "system", "content": "Be brief."}] + items[2:]
+    text, usage = _chat_text(served, kept, max_tokens=4, **GREEDY)
+    assert response.output_text == text and response.usage.input_tokens == usage.prompt_tokens
+    assert any("dropped the 2 oldest messages" in r.getMessage() for r in caplog.records), caplog.records
+    with client.responses.stream(model="tiny", instructions="Be brief.", input=items, max_output_tokens=4,
+                                 truncation="auto", **GREEDY) as stream:
+        assert [event for event in stream][-1].response.output_text == text
+    with pytest.raises(openai.BadRequestError) as caught:  # the last item alone is too long: still the 400
+        client.responses.create(model="tiny", input=items[:1] + [{"role": "user", "content": " ".join([long] * 3)}],
+                                max_output_tokens=4, truncation="auto")
+    assert caught.value.body["code"] == "context_length_exceeded", caught.value.body
+
+
+def test_fields_the_vendors_define_and_treeserve_does_not_are_told_apart_from_unknown_ones(target):
+    """A Responses or Messages field the vendor defines and treeserve does not implement is a 400 naming
+    it that says so (code unsupported_parameter); a misspelt one stays `unknown parameter` (before:
+    both read `unknown parameter`, as if the client had made a typo). Sent empty, such a field is taken."""
+    client = _openai(target)
+    for extra in [{"context_management": [{"type": "compaction"}]}, {"background": True}, {"prompt": {"id": "p"}},
+                  {"include": ["message.output_text.logprobs"]}, {"reasoning": {"effort": "high"}}]:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.responses.create(model="tiny", input="x", max_output_tokens=2, extra_body=extra)
+        name = next(iter(extra))
+        assert caught.value.body["param"] == name and caught.value.body["code"] == "unsupported_parameter", \
+            caught.value.body
+        assert caught.value.body["message"].startswith(f"{name}: not supported by treeserve"), caught.value.body
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model="tiny", input="x", max_output_tokens=2, extra_body={"backgroud": True})
+    assert caught.value.body["message"] == "backgroud: unknown parameter", caught.value.body
+    taken = client.responses.create(model="tiny", input="x", max_output_tokens=2, background=False, include=[],
+                                    reasoning={"effort": "minimal"})
+    assert taken.status in ("completed", "incomplete")
+    messages = _anthropic(target)
+    for extra in [{"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}},
+                  {"container": "container_1"}, {"mcp_servers": [{"type": "url", "url": "http://x", "name": "m"}]}]:
+        name = next(iter(extra))
+        for call in (messages.messages.create, messages.messages.count_tokens):
+            with pytest.raises(anthropic.BadRequestError) as caught:
+                call(model="tiny", messages=[{"role": "user", "content": "x"}], extra_body=extra,
+                     **({"max_tokens": 2} if call == messages.messages.create else {}))
+            assert caught.value.body["error"]["message"].startswith(f"{name}: not supported by treeserve"), \
+                caught.value.body
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        messages.messages.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": "x"}],
+                                 extra_body={"mcp_server": []})
+    assert caught.value.body["error"]["message"] == "mcp_server: unknown parameter", caught.value.body
+
+
+def test_anthropic_answers_carry_a_request_id(target):
+    """Every answer on Anthropic's routes carries `request-id` (its clients' `_request_id`, an error's
+    `request_id`), and an error body its `request_id`, as Anthropic's; on the gateway it is the
+    answer's `x-request-id` (its spend_logs row's). Before: no `request-id` at all."""
+    client = _anthropic(target)
+    ask = dict(model="tiny", max_tokens=2, messages=[{"role": "user", "content": "x"}])
+    raw = client.messages.with_raw_response.create(**ask)
+    message = raw.parse()
+    assert raw.headers["request-id"] and message._request_id == raw.headers["request-id"]
+    if target.other_key:
+        assert raw.headers["request-id"] == raw.headers["x-request-id"]
+    with client.messages.stream(**ask) as stream:
+        assert stream.response.headers["request-id"]
+        stream.get_final_message()
+    assert client.messages.with_raw_response.count_tokens(model="tiny", messages=ask["messages"]).headers["request-id"]
+    ids = set()
+    for call in (lambda: client.messages.create(**(ask | {"max_tokens": 0})),
+                 lambda: client.messages.create(**ask, extra_body={"nope": 1}),
+                 lambda: anthropic.Anthropic(base_url=target.url, api_key="sk-wrong", max_retries=0).messages.create(
+                     **ask)):
+        with pytest.raises(anthropic.APIStatusError) as caught:
+            call()
+        assert caught.value.request_id and caught.value.body["request_id"] == caught.value.request_id, \
+            caught.value.body
+        ids.add(caught.value.request_id)
+    assert len(ids) == 3
+    assert "request-id" not in httpx.get(f"{target.url}/v1/models",
+                                         headers={"Authorization": f"Bearer {target.key}"}).headers

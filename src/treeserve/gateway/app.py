@@ -39,6 +39,7 @@ from treeserve.wire import openapi
 from treeserve.wire.bodies import BodyLimitMiddleware
 from treeserve.wire.drain import Drain, DrainMiddleware
 from treeserve.wire.errors import install_error_handlers
+from treeserve.wire.request_ids import AnthropicRequestIdMiddleware
 from treeserve.wire.protocol import ChatCompletionRequest, CompletionRequest, RewardRequest, SearchRequest
 
 log = logging.getLogger("treeserve.gateway")
@@ -69,6 +70,7 @@ def build_app(config: GatewayConfig, store: Store | None = None) -> FastAPI:
     app.state.drain, app.state.service, app.state.chat = drain, service, chat
     app.add_middleware(DrainMiddleware, drain=drain)  # while stopping: new requests 503, running ones finish
     app.add_middleware(BodyLimitMiddleware, limit=body_limit)  # before any route (or key check) reads a body
+    app.add_middleware(AnthropicRequestIdMiddleware)  # (outermost: every answer on /v1/messages has its id)
     install_error_handlers(app)
     install_domain_error_handlers(app)
     app.include_router(admin_router(store.accounts, store.ledger, auth.require_master, set(config.models),

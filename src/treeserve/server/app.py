@@ -22,6 +22,7 @@ from treeserve.server.translated_routes import REQUEST_MODELS as TRANSLATED_MODE
 from treeserve.wire import openapi
 from treeserve.wire.drain import Drain, DrainMiddleware
 from treeserve.wire.errors import APIError, install_error_handlers
+from treeserve.wire.request_ids import AnthropicRequestIdMiddleware
 
 log = logging.getLogger("treeserve.server")
 
@@ -47,7 +48,8 @@ def create_app(engine: AsyncLLMEngine, served: dict[str, LLMEngine], api_keys: l
     app.add_middleware(IdempotencyMiddleware, replies=app.state.idempotent_replies)  # inside the key check
     if keys:
         app.add_middleware(APIKeyMiddleware, keys=keys)
-    app.add_middleware(DrainMiddleware, drain=drain)  # added last: the outermost, so it counts every request
+    app.add_middleware(DrainMiddleware, drain=drain)  # outside the key check, so it counts every request
+    app.add_middleware(AnthropicRequestIdMiddleware)  # (outermost: every answer on /v1/messages has its id)
     drain.on_time_up.append(lambda: _cut_streams(engine))
     app.include_router(operator_routes(engine, drain, metrics))
     served_models = ServedModels(servings, searches, RewardServing(engine, scorers) if scorers is not None else None)

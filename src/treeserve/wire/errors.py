@@ -83,6 +83,8 @@ def from_value_error(exc: ValueError) -> APIError:
 def from_validation_error(exc: ValidationError | RequestValidationError) -> APIError:
     errors = exc.errors()
     first = errors[0] if errors else {}
+    if first.get("type") == "unsupported_parameter":  # (a field the vendor defines: wire/unsupported.py)
+        return APIError(400, first["msg"], param=first["ctx"]["param"], code="unsupported_parameter")
     if first.get("type") == "json_invalid":
         return APIError(400, f"malformed JSON body: {first.get('msg', '')}", code="invalid_json")
     loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_union_tag(p)]

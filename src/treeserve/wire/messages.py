@@ -6,10 +6,22 @@ from __future__ import annotations
 
 import json
 import uuid
+from typing import ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from treeserve.errors import ParamError
+from treeserve.wire.unsupported import Unsupported, UnsupportedParamError, VendorRequest
+
+# Anthropic's fields treeserve does not implement: a 400 saying so (wire/unsupported.py), unless sent empty
+MESSAGES_UNSUPPORTED = {
+    "container": Unsupported("code execution containers: no server tools run here"),
+    "mcp_servers": Unsupported("MCP servers: no server tools run here; give the tools as client tools"),
+    "context_management": Unsupported("server-side context editing; send the conversation as it should be read"),
+    "compaction": Unsupported("compaction requests"),
+    "diagnostics": Unsupported("request diagnostics"),
+    "fallbacks": Unsupported("fallback models; the gateway's model fallbacks are configured, not asked for"),
+}
 
 class ThreadUnsupported(ParamError):
     """`thread` (server-held conversations): refused in the form Anthropic's clients read, so that the
@@ -17,10 +29,12 @@ class ThreadUnsupported(ParamError):
     code = "thread_unsupported_request"
 
 
-class CountTokensRequest(BaseModel):
+class CountTokensRequest(VendorRequest):
     """POST /v1/messages/count_tokens; content blocks are checked one by one (`chat_messages`). A
-    field Anthropic does not know is a 400 naming it, as Anthropic's."""
+    field Anthropic does not know is a 400 naming it, as Anthropic's; one it knows and treeserve does
+    not implement (MESSAGES_UNSUPPORTED) a 400 saying so."""
     model_config = ConfigDict(extra="forbid", strict=True)
+    UNSUPPORTED: ClassVar[dict[str, Unsupported]] = MESSAGES_UNSUPPORTED
     model: str
     messages: list[dict] = Field(min_length=1)
     system: str | list[dict] | None = None
@@ -33,7 +47,8 @@ class CountTokensRequest(BaseModel):
 
     def chat_fields(self) -> dict:
         if self.thinking and self.thinking.get("type") == "enabled":
-            raise ParamError("thinking", "extended thinking is not supported by the served models")
+            raise UnsupportedParamError("thinking", "extended thinking: the served models do not think apart from "
+                                                    "their answer")
         body: dict = {"model": self.model, "messages": chat_messages(self.system, self.messages)}
         output_format(self.output_config or {})  # (checked here: a schema does not change the prompt's tokens)
         last = body["messages"][-1]
@@ -88,8 +103,8 @@ def output_format(config: dict) -> dict:
     if unknown:
         raise ParamError(f"output_config.{unknown[0]}", "unknown parameter")
     if config.get("effort") not in (None, "high"):
-        raise ParamError("output_config.effort", "the served models do not reason apart from their answer; "
-                                                 "leave effort out")
+        raise UnsupportedParamError("output_config.effort", "effort: the served models do not reason apart from "
+                                                            "their answer; leave it out")
     fmt = config.get("format")
     if fmt is None:
         return {}

@@ -17,11 +17,14 @@ class MessageEvents(ChunkEvents):
         self.called = False  # a tool_use block was opened
 
     def opens(self, chunk: dict) -> bool:
-        """The first chunk with usage or a delta (a chat stream's first chunk, its role, comes before
-        the prompt is computed: usage comes from the next)."""
-        return isinstance(chunk.get("usage"), dict) or any(
-            (c.get("delta") or {}).get("content") or (c.get("delta") or {}).get("tool_calls") or c.get("finish_reason")
-            for c in chunk.get("choices") or ())
+        """The first chunk with a delta or a finish, or the last (usage alone): a chat stream's first
+        chunk, its role's, comes before the prompt is computed, so its usage (continuous usage's)
+        does not know how much of the prompt the prefix cache held; the next one's does."""
+        choices = chunk.get("choices") or ()
+        if not choices:
+            return isinstance(chunk.get("usage"), dict)
+        return any((c.get("delta") or {}).get("content") or (c.get("delta") or {}).get("tool_calls")
+                   or c.get("finish_reason") for c in choices)
 
     def start(self, first_chunk: dict | None) -> list[dict]:
         """`message_start` with the prompt's usage, as Anthropic's (the chat stream is asked for usage

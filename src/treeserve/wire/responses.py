@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from treeserve.errors import ParamError
+from treeserve.wire.unsupported import Unsupported, VendorRequest
 
 
 class TextFormat(BaseModel):
@@ -27,11 +28,37 @@ class TextConfig(BaseModel):
     format: TextFormat | None = None
 
 
-class ResponsesRequest(BaseModel):
+def _reasons(reasoning) -> bool:
+    """Whether `reasoning` asks for any (an effort of none or minimal, or none named, does not)."""
+    return reasoning is not None and not (isinstance(reasoning, dict)
+                                          and reasoning.get("effort") in (None, "none", "minimal"))
+
+
+# OpenAI's fields treeserve does not implement: a 400 saying so (wire/unsupported.py), unless sent empty
+RESPONSES_UNSUPPORTED = {
+    "background": Unsupported("background responses; use stream, or the Batch API"),
+    "background_options": Unsupported("background responses; use stream, or the Batch API"),
+    "conversation": Unsupported("the Conversations API; use previous_response_id"),
+    "context_management": Unsupported("server-side compaction; use truncation: auto, or send a shorter input"),
+    "include": Unsupported("extra output data such as logprobs or encrypted reasoning"),
+    "prompt": Unsupported("stored prompt templates; send the input and instructions"),
+    "top_logprobs": Unsupported("log probabilities in responses; chat completions' logprobs and top_logprobs "
+                                "return them"),
+    "reasoning": Unsupported("reasoning effort: the served models do not reason apart from their answer",
+                             asks=_reasons),
+    "moderation": Unsupported("moderation of input and output"),
+    "image": Unsupported("image options: only text is served"),
+    "access_programs": Unsupported("access programs"),
+}
+
+
+class ResponsesRequest(VendorRequest):
     """POST /v1/responses. Items are checked one by one (`chat_messages`), so an error names the item.
     A field OpenAI does not know is a 400 naming it, as OpenAI's (a chat completions habit such as
-    `max_tokens`, silently ignored, let a response run to the model's length)."""
+    `max_tokens`, silently ignored, let a response run to the model's length); one it knows and
+    treeserve does not implement (RESPONSES_UNSUPPORTED) a 400 saying so."""
     model_config = ConfigDict(extra="forbid", strict=True)
+    UNSUPPORTED: ClassVar[dict[str, Unsupported]] = RESPONSES_UNSUPPORTED
     model: str | None = None
     input: str | list[dict]
     instructions: str | None = None
@@ -49,12 +76,6 @@ class ResponsesRequest(BaseModel):
     user: str | None = None
     seed: int | None = None  # (not OpenAI's: treeserve's, as in chat completions)
     truncation: Literal["auto", "disabled"] | None = None
-    background: bool | None = None
-    conversation: str | dict | None = None
-    reasoning: dict | None = None
-    include: list[str] | None = None
-    top_logprobs: int | None = None
-    prompt: dict | None = None
     # OpenAI's, taken with no effect here: serving tiers, prompt caching keys and retention (prefix
     # caching is automatic), abuse-monitoring ids, a cap on built-in tool calls (none run here), stream obfuscation
     service_tier: str | None = None
@@ -66,26 +87,13 @@ class ResponsesRequest(BaseModel):
     stream_options: dict | None = None
     priority: int = Field(default=0, ge=0, le=1)  # (vLLM's: 1 waits behind every interactive request)
 
-    def reject_unimplemented(self) -> None:
-        if self.background:
-            raise ParamError("background", "background responses are not supported; use stream, or the Batch API")
-        if self.conversation is not None:
-            raise ParamError("conversation", "the Conversations API is not supported; use previous_response_id")
-        if self.reasoning and self.reasoning.get("effort") not in (None, "none", "minimal"):
-            raise ParamError("reasoning", "the served models do not reason apart from their answer")
-        if self.include:
-            raise ParamError("include", f"no extra output data is available (asked for {self.include})")
-        if self.top_logprobs:
-            raise ParamError("top_logprobs", "log probabilities are not returned by /v1/responses here; "
-                                             "chat completions' logprobs and top_logprobs return them")
-        if self.prompt is not None:
-            raise ParamError("prompt", "stored prompt templates are not supported; send the input and instructions")
 
-
-class InputTokensRequest(BaseModel):
+class InputTokensRequest(VendorRequest):
     """POST /v1/responses/input_tokens (`client.responses.input_tokens.count`): the fields of a response
     that make its prompt; the count is the `input_tokens` a response with them is charged."""
     model_config = ConfigDict(extra="forbid", strict=True)
+    UNSUPPORTED: ClassVar[dict[str, Unsupported]] = {
+        name: RESPONSES_UNSUPPORTED[name] for name in ("conversation", "context_management", "reasoning")}
     model: str | None = None
     input: str | list[dict] | None = None
     instructions: str | None = None
@@ -95,8 +103,6 @@ class InputTokensRequest(BaseModel):
     text: TextConfig | None = None
     previous_response_id: str | None = None
     truncation: Literal["auto", "disabled"] | None = None
-    conversation: str | dict | None = None
-    reasoning: dict | None = None
 
     def as_response(self) -> ResponsesRequest:
         """The response request these fields make (validated already: the same types)."""
@@ -129,7 +135,6 @@ def input_item(item: dict, suffix: str) -> dict:
 def chat_request(request: ResponsesRequest, history: list[dict]) -> dict:
     """The chat completions body for a Responses request after `history` (the chat messages of the
     responses it follows); ParamError naming the Responses field for what cannot be translated."""
-    request.reject_unimplemented()
     messages = ([{"role": "system", "content": request.instructions}] if request.instructions else [])
     messages += history + input_messages(request.input)
     body: dict = {"messages": messages}

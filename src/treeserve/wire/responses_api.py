@@ -12,6 +12,7 @@ from treeserve.wire.errors import APIError, from_value_error
 from treeserve.wire.responses import (InputTokensRequest, ResponsesRequest, chat_request, conversation, from_chat,
                                       input_item, new_id, skeleton)
 from treeserve.wire.responses_stream import ResponseEvents
+from treeserve.wire.responses_truncation import fitted
 from treeserve.wire.translated_errors import RESPONSES, named_for
 from treeserve.wire.translated_stream import translated_events
 
@@ -74,7 +75,7 @@ class ResponsesAPI:
         items = [{"type": "message", "role": "user", "content": request.input}] if isinstance(request.input, str) \
             else request.input
         with named_for(RESPONSES):  # (the chat's errors named as the fields the request sent)
-            result = await chat(body)
+            body, result = await fitted(body, chat, request.truncation)
 
         async def keep(final: dict) -> None:
             if request.store:
