@@ -1,6 +1,10 @@
 """Keys this process checked recently: a request with a known key skips the database read (and
 the thread hop it needs). Only valid keys are kept, for `ttl` seconds and at most `size` of them;
-their budgets and limits are not cached (admission reads them live)."""
+their budgets and limits are not cached (admission reads them live).
+
+`clear` (after an admin change: a key blocked, deleted, regenerated) also forgets the reads in
+flight: a read that began before the change may have seen the old row, so what it finds answers
+only the requests that were waiting on it and is not kept, and a request after the change reads again."""
 from __future__ import annotations
 
 import asyncio
@@ -16,6 +20,7 @@ class KeyCache:
         self.ttl, self.size = ttl, size
         self._entries: OrderedDict[str, tuple[float, KeyRecord]] = OrderedDict()
         self._loading: dict[str, asyncio.Future] = {}
+        self._generation = 0  # how many times the cache was cleared
 
     def get(self, token: str) -> KeyRecord | None:
         if self.ttl <= 0:
@@ -42,12 +47,19 @@ class KeyCache:
         task = self._loading.get(digest)
         if task is None:
             task = asyncio.ensure_future(loader())
+            task.generation = self._generation
             self._loading[digest] = task
-            task.add_done_callback(lambda _: self._loading.pop(digest, None))
+            task.add_done_callback(lambda done: self._forget(digest, done))
         record = await asyncio.shield(task)  # a request that leaves does not cancel the others' read
-        if record is not None:
+        if record is not None and task.generation == self._generation:  # (not read before a clear)
             self.put(token, record)
         return record
 
+    def _forget(self, digest: str, task: asyncio.Future) -> None:
+        if self._loading.get(digest) is task:  # (a clear may have let a newer read take its place)
+            del self._loading[digest]
+
     def clear(self) -> None:
         self._entries.clear()
+        self._loading.clear()
+        self._generation += 1
