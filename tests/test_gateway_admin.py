@@ -190,3 +190,18 @@ def test_keys_are_regenerated_by_path_or_body_as_litellms(database):
             assert refused.status_code == status and param in refused.json()["error"]["param"], (path, refused.text)
         assert _self_info(client, other).status_code == 200  # (a refused regenerate changed nothing)
         assert client.post(f"/key/{other}/regenerate", headers={"Authorization": f"Bearer {other}"}).status_code == 401
+
+
+def test_answers_carry_the_fields_litellms_clients_read(database):
+    """What a LiteLLM script reads from the answers: /key/generate's and /key/regenerate's `token_id`
+    (the key's hash), /key/update's `key`, /user/update's `data` (the user's row); they were missing."""
+    with admin(database) as client:
+        made = client.post("/key/generate", json={"key_alias": "k"}).json()
+        assert made["token_id"] == made["token"] and made["key"].startswith("sk-")
+        renewed = client.post(f"/key/{made['key']}/regenerate").json()
+        assert renewed["token_id"] == renewed["token"] != made["token"]
+        updated = client.post("/key/update", json={"key": renewed["key"], "rpm_limit": 3}).json()
+        assert updated["key"] == renewed["key"] and updated["rpm_limit"] == 3
+        client.post("/user/new", json={"user_id": "ann", "auto_create_key": False})
+        user = client.post("/user/update", json={"user_id": "ann", "max_budget": 2.0}).json()
+        assert user["user_id"] == "ann" and user["data"]["max_budget"] == 2.0 and user["data"] == user["user_info"]

@@ -134,7 +134,7 @@ def admin_router(accounts: Accounts, ledger: Ledger, require_master: Any, known_
     async def generate_key(body: KeyLimits):
         check_models(body.models)
         token, info = await run_in_threadpool(lambda: accounts.create_key(**body.model_dump(exclude_none=True)))
-        return budget_warning({"key": token, **info}, body.max_budget, "key")
+        return budget_warning(_issued(token, info), body.max_budget, "key")
 
     @router.get("/key/list")
     async def list_keys(user_id: str | None = Query(None, max_length=128, pattern=NO_NUL),
@@ -160,7 +160,7 @@ def admin_router(accounts: Accounts, ledger: Ledger, require_master: Any, known_
         check_models(body.models)
         fields = body.model_dump(exclude_unset=True)
         token = fields.pop("key")
-        return await changing(lambda: accounts.update_key(token, **fields))
+        return {"key": token, **await changing(lambda: accounts.update_key(token, **fields))}  # (LiteLLM's `key`)
 
     async def set_blocked(body: KeyRef, blocked: bool) -> dict:
         return await changing(lambda: accounts.update_key(body.key, blocked=blocked))
@@ -187,7 +187,7 @@ def admin_router(accounts: Accounts, ledger: Ledger, require_master: Any, known_
                            code="missing_required_parameter")
         check_models(fields.get("models"))
         token, info = await changing(lambda: accounts.regenerate_key(key, new_key, **fields))
-        return budget_warning({"key": token, **info}, fields.get("max_budget"), "key")
+        return budget_warning(_issued(token, info), fields.get("max_budget"), "key")
 
     @router.post("/key/regenerate")
     async def regenerate_key(body: KeyRegenerate | None = None):
@@ -234,6 +234,7 @@ def admin_router(accounts: Accounts, ledger: Ledger, require_master: Any, known_
     async def update_user(body: UserUpdate):
         try:
             answer = await write_user(accounts.update_user, body, body.model_dump(exclude_unset=True))
+            answer["data"] = answer["user_info"]  # (LiteLLM's answer: the user's row as `data`)
             return budget_warning(answer, body.max_budget, "user")
         finally:
             on_change()  # (a user's models and budget are read with its keys)
@@ -306,6 +307,12 @@ def key_info_router(accounts: Accounts, ledger: Ledger, require_key: Any) -> API
         return {"key": key, "info": info}
 
     return router
+
+
+def _issued(token: str, info: dict) -> dict:
+    """A key just made or regenerated: the key itself (shown this once) and its record, its hash also
+    as LiteLLM's `token_id`."""
+    return {"key": token, "token_id": info["token"], **info}
 
 
 def _new_user_key(fields: dict, auto_create_key: bool) -> dict | None:
