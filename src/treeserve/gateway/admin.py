@@ -220,6 +220,7 @@ def admin_router(accounts: Accounts, ledger: Ledger, require_master: Any, known_
         fields = body.model_dump(exclude_none=True)
         fields.setdefault("user_id", str(uuid.uuid4()))  # (LiteLLM's)
         key = _new_user_key(fields, fields.pop("auto_create_key"))
+
         def create(user_id: str, password_hash: str | None, **user) -> tuple[str | None, dict]:
             return accounts.create_user_with_key(user_id, password_hash, key, **user)
         token, info = await write_user(create, body, fields)
@@ -323,7 +324,7 @@ def _new_user_key(fields: dict, auto_create_key: bool) -> dict | None:
         if key:
             name = next(iter(key))
             raise APIError(400, f"{name}: a field of the key /user/new makes, but auto_create_key is false",
-                           param=name, code="invalid_parameter")
+                           param=name, code="invalid_value")
         return None
     return key | {k: fields[k] for k in ("models", "metadata") if k in fields}
 

@@ -9,6 +9,7 @@ the row. Calls are blocking: the app runs them in worker threads."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import sqlite3
 import threading
 import time
@@ -104,12 +105,9 @@ def supported_url(url: str) -> str:
         raise ValueError(f"database URL driver {parsed.drivername!r} is not supported: use "
                          "postgresql+psycopg://user:pass@host/db (or postgresql+psycopg2:// with psycopg2 installed), "
                          "or sqlite:///path/to/gateway.db")
-    if parsed.drivername == "postgresql+psycopg2":
-        try:
-            import psycopg2  # noqa: F401
-        except ImportError:
-            raise ValueError("database URL driver 'postgresql+psycopg2' needs psycopg2, which is not installed: "
-                             "use postgresql+psycopg://user:pass@host/db (psycopg 3, installed)") from None
+    if parsed.drivername == "postgresql+psycopg2" and importlib.util.find_spec("psycopg2") is None:
+        raise ValueError("database URL driver 'postgresql+psycopg2' needs psycopg2, which is not installed: "
+                         "use postgresql+psycopg://user:pass@host/db (psycopg 3, installed)")
     return url
 
 
