@@ -43,15 +43,14 @@ class KeyCache:
         """The key's record from `loader` (the database), read once however many requests with this
         key ask at the same moment: when a popular key's entry expires, its concurrent requests
         wait on one read instead of each taking a thread and a pooled connection."""
-        digest = hash_key(token)
-        task = self._loading.get(digest)
+        digest, generation = hash_key(token), self._generation
+        task = self._loading.get(digest)  # (one begun since the last clear: a clear forgets the others)
         if task is None:
             task = asyncio.ensure_future(loader())
-            task.generation = self._generation
             self._loading[digest] = task
             task.add_done_callback(lambda done: self._forget(digest, done))
         record = await asyncio.shield(task)  # a request that leaves does not cancel the others' read
-        if record is not None and task.generation == self._generation:  # (not read before a clear)
+        if record is not None and generation == self._generation:  # (not read before a clear)
             self.put(token, record)
         return record
 
