@@ -117,3 +117,91 @@ def test_spend_logs_rows_carry_litellms_field_names(tmp_path):
         row, = client.get("/spend/logs").json()
         assert row["spend"] == row["cost"] == pytest.approx(3e-3 + 2e-2) and row["user"] == "ann"
         assert (row["startTime"], row["endTime"]) == (row["started_at"], row["ended_at"]) and row["startTime"]
+
+
+def _self_info(client: httpx.Client, key: str) -> httpx.Response:
+    """/key/info read by the key itself: 200 while the key works, 401 once it does not."""
+    return client.get("/key/info", headers={"Authorization": f"Bearer {key}"})
+
+
+def test_user_new_makes_the_user_and_a_key_as_litellms(database):
+    """LiteLLM's /user/new makes a key for the user unless auto_create_key is false (its answer's
+    `key`, with the user's models and metadata, and the key fields given); user_id may be left out (a
+    UUID). It made the user only: a LiteLLM script reading the answer's `key` found none."""
+    with admin(database) as client:
+        made = client.post("/user/new", json={"user_id": "ann", "models": ["gen"], "max_budget": 5.0,
+                                              "metadata": {"team": "a"}, "key_alias": "ann-laptop", "rpm_limit": 7,
+                                              "duration": "30d"})
+        assert made.status_code == 200, made.text
+        answer = made.json()
+        key = answer["key"]
+        assert key.startswith("sk-") and answer["user_id"] == "ann" and answer["max_budget"] == 5.0
+        assert answer["models"] == ["gen"] and answer["key_alias"] == "ann-laptop" and answer["expires"]
+        assert answer["user_info"]["max_budget"] == 5.0 and answer["teams"] == []
+        [record] = answer["keys"]
+        assert record["token"] != key and record["token"] == client.get("/key/list").json()["keys"][0]
+        assert key not in client.get("/key/list", params={"return_full_object": True}).text  # (stored hashed)
+        own = _self_info(client, key).json()["info"]
+        assert {k: own[k] for k in ("user_id", "models", "metadata", "rpm_limit", "max_budget", "key_alias")} == {
+            "user_id": "ann", "models": ["gen"], "metadata": {"team": "a"}, "rpm_limit": 7, "max_budget": None,
+            "key_alias": "ann-laptop"}  # (the user's budget governs the key, as LiteLLM's)
+        anonymous = client.post("/user/new", json={}).json()
+        assert len(anonymous["user_id"]) == 36 and anonymous["key"].startswith("sk-")
+        bare = client.post("/user/new", json={"user_id": "bob", "auto_create_key": False}).json()
+        assert bare["key"] is None and bare["keys"] == []
+        assert client.get("/user/info", params={"user_id": "bob"}).json()["keys"] == []
+        refused = client.post("/user/new", json={"user_id": "cat", "auto_create_key": False, "key_alias": "c"})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "key_alias", refused.text
+        taken = client.post("/user/new", json={"user_id": "dee", "key_alias": "ann-laptop"})
+        assert taken.status_code == 400 and taken.json()["error"]["code"] == "key_alias_exists", taken.text
+        assert client.get("/user/info", params={"user_id": "dee"}).status_code == 404  # (all or nothing)
+        assert client.post("/user/new", json={"user_id": "ann"}).status_code == 400  # (user_exists)
+
+
+def test_keys_are_regenerated_by_path_or_body_as_litellms(database):
+    """LiteLLM's POST /key/{key}/regenerate (it was a 404) and /key/regenerate with the key in the
+    body: a new secret for the same key (its id, alias, spend stay), the old one refused at once (this
+    process's key cache forgets it); `new_key` chooses the secret, the other fields change with it."""
+    with admin(database) as client:
+        created = client.post("/key/generate", json={"key_alias": "team-a", "models": ["gen"]}).json()
+        key = created["key"]
+        assert _self_info(client, key).status_code == 200  # (now in the key cache)
+        renewed = client.post(f"/key/{key}/regenerate", json={"max_budget": 9.0, "rpm_limit": 5})
+        assert renewed.status_code == 200, renewed.text
+        fresh = renewed.json()
+        assert fresh["key"] != key and fresh["key_id"] == created["key_id"] and fresh["key_alias"] == "team-a"
+        assert fresh["max_budget"] == 9.0 and fresh["rpm_limit"] == 5 and fresh["models"] == ["gen"]
+        assert fresh["token"] != created["token"] and fresh["key_name"].endswith(fresh["key"][-4:])
+        assert _self_info(client, key).status_code == 401
+        assert _self_info(client, fresh["key"]).json()["info"]["key_id"] == created["key_id"]
+        by_hash = client.post(f"/key/{fresh['token']}/regenerate")  # (no body: LiteLLM's body is optional)
+        assert by_hash.status_code == 200 and by_hash.json()["key_id"] == created["key_id"], by_hash.text
+        chosen = "sk-chosen-" + "x" * 24
+        in_body = client.post("/key/regenerate", json={"key": by_hash.json()["key"], "new_key": chosen}).json()
+        assert in_body["key"] == chosen and _self_info(client, chosen).status_code == 200
+        other = client.post("/key/generate", json={}).json()["key"]
+        refusals = [(f"/key/{other}/regenerate", {"new_key": chosen}, 400, "new_key"),
+                    (f"/key/{other}/regenerate", {"new_key": "not-sk"}, 400, "new_key"),
+                    (f"/key/{other}/regenerate", {"key_alias": "team-a"}, 400, "key_alias"),
+                    (f"/key/{other}/regenerate", {"new_master_key": "sk-new-master"}, 400, "new_master_key"),
+                    ("/key/sk-no-such-key/regenerate", None, 404, "key"), ("/key/regenerate", {}, 400, "key")]
+        for path, body, status, param in refusals:
+            refused = client.post(path, json=body)
+            assert refused.status_code == status and param in refused.json()["error"]["param"], (path, refused.text)
+        assert _self_info(client, other).status_code == 200  # (a refused regenerate changed nothing)
+        assert client.post(f"/key/{other}/regenerate", headers={"Authorization": f"Bearer {other}"}).status_code == 401
+
+
+def test_answers_carry_the_fields_litellms_clients_read(database):
+    """What a LiteLLM script reads from the answers: /key/generate's and /key/regenerate's `token_id`
+    (the key's hash), /key/update's `key`, /user/update's `data` (the user's row); they were missing."""
+    with admin(database) as client:
+        made = client.post("/key/generate", json={"key_alias": "k"}).json()
+        assert made["token_id"] == made["token"] and made["key"].startswith("sk-")
+        renewed = client.post(f"/key/{made['key']}/regenerate").json()
+        assert renewed["token_id"] == renewed["token"] != made["token"]
+        updated = client.post("/key/update", json={"key": renewed["key"], "rpm_limit": 3}).json()
+        assert updated["key"] == renewed["key"] and updated["rpm_limit"] == 3
+        client.post("/user/new", json={"user_id": "ann", "auto_create_key": False})
+        user = client.post("/user/update", json={"user_id": "ann", "max_budget": 2.0}).json()
+        assert user["user_id"] == "ann" and user["data"]["max_budget"] == 2.0 and user["data"] == user["user_info"]

@@ -32,3 +32,29 @@ def test_concurrent_misses_read_the_database_once():
             return None
         assert await cache.load("sk-other", unknown) is None and cache.get("sk-other") is None
     asyncio.run(main())
+
+
+def test_a_read_in_flight_when_the_cache_is_cleared_is_not_kept():
+    """A key regenerated, blocked or deleted clears the cache; a read of the key that began before
+    (and saw the old row) was put in the cache when it ended, and answered the requests that came
+    after the change: the old secret kept working for the cache's TTL in this very process."""
+    async def main():
+        cache, reads, changed = KeyCache(ttl=60), [], asyncio.Event()
+
+        async def before_the_change():
+            reads.append("old")
+            await changed.wait()
+            return RECORD
+
+        async def after_the_change():
+            reads.append("new")
+            return None  # (the old secret is gone)
+        first = asyncio.ensure_future(cache.load("sk-old", before_the_change))
+        await asyncio.sleep(0.01)
+        cache.clear()  # the admin change has committed
+        later = asyncio.ensure_future(cache.load("sk-old", after_the_change))
+        changed.set()
+        assert await first == RECORD  # (its request was let in before the change: as any request in flight)
+        assert await later is None and reads == ["old", "new"]
+        assert cache.get("sk-old") is None
+    asyncio.run(main())

@@ -28,6 +28,7 @@ PUBLIC = {"/health", "/health/ready", "/health/readiness", "/health/live", "/hea
           "/docs", "/docs/oauth2-redirect", "/redoc", "/chat", "/chat/c/{conversation_id}", "/chat/static/{name}",
           "/chat/api/login"}
 ADMIN_ONLY = {"/key/generate", "/key/list", "/key/update", "/key/block", "/key/unblock", "/key/regenerate",
+              "/key/{key:path}/regenerate",
               "/key/delete", "/user/new", "/user/info", "/user/update", "/user/delete", "/user/list", "/spend/logs",
               "/spend/daily", "/health/backends", "/metrics"}
 
@@ -90,7 +91,7 @@ def _dependencies(dependant) -> set[str]:
 
 
 def _filled(path: str) -> str:
-    return path.replace("{model:path}", "gen").replace("{name}", "chat.js").replace("{conversation_id}", "c1") \
+    return path.replace("{model:path}", "gen").replace("{key:path}", "sk-any").replace("{name}", "chat.js").replace("{conversation_id}", "c1") \
         .replace("{response_id}", "resp_1").replace("{file_id}", "file-1").replace("{batch_id}", "batch_1")
 
 

@@ -554,3 +554,58 @@ def test_a_response_id_with_a_nul_is_not_stored(store):
     asyncio.run(responses.put(stored, None))
     assert asyncio.run(responses.get("resp_1", None)).history == stored.history
     assert asyncio.run(responses.get("resp_\x00", None)) is None
+
+
+class _Psycopg2Error(Exception):
+    """What psycopg2 raises: its SQLSTATE is `pgcode` (psycopg 3's is `sqlstate`), its details `diag`."""
+
+    def __init__(self, pgcode: str | None, constraint: str | None = None):
+        super().__init__("psycopg2 error")
+        self.pgcode = pgcode
+        self.diag = type("Diagnostics", (), {"constraint_name": constraint})()
+
+
+def test_psycopg2s_errors_are_classified_by_their_pgcode():
+    """A `postgresql+psycopg2://` gateway (psycopg2 installed by its operator) read no SQLSTATE from
+    its errors (psycopg2 names it `pgcode`): every failed statement (a deadlock, a missing table) was
+    an outage (a 503), and a key alias taken a 500 instead of 400 key_alias_exists."""
+    from sqlalchemy import exc
+
+    from treeserve.gateway.database import database_down, violates_unique
+
+    def operational(pgcode):
+        return exc.OperationalError("SELECT 1", {}, _Psycopg2Error(pgcode))
+    assert {s: database_down(operational(s)) for s in ("40P01", "42P01", "57014", "57P01", "08006", None)} == {
+        "40P01": False, "42P01": False, "57014": False, "57P01": True, "08006": True, None: True}
+    taken = exc.IntegrityError("INSERT", {}, _Psycopg2Error("23505", "ix_api_keys_key_alias"))
+    assert violates_unique(taken, "ix_api_keys_key_alias", "api_keys.key_alias")
+    assert not violates_unique(taken, "ix_api_keys_token_hash", "api_keys.token_hash")
+    other = exc.IntegrityError("INSERT", {}, _Psycopg2Error("23503", "ix_api_keys_key_alias"))  # (a foreign key)
+    assert not violates_unique(other, "ix_api_keys_key_alias", "api_keys.key_alias")
+
+
+def test_a_database_url_with_another_driver_is_refused_at_startup(postgres):
+    """Only SQLite and PostgreSQL through psycopg (3, or psycopg2 where installed) are read right; any
+    other driver is refused by name at startup, not misread at the first error. A bare `postgresql://`
+    (LiteLLM's DATABASE_URL spelling) is psycopg 3, the one installed: it was psycopg2, SQLAlchemy's
+    default, and failed with `No module named 'psycopg2'`."""
+    from treeserve.gateway.database import Database
+
+    for url in ("postgresql+pg8000://u@h/db", "postgresql+asyncpg://u@h/db", "mysql+pymysql://u@h/db"):
+        with pytest.raises(ValueError, match="not supported: use postgresql\\+psycopg://") as refused:
+            Database(url)
+        assert repr(url.split(":")[0]) in str(refused.value)
+    try:
+        import psycopg2  # noqa: F401
+    except ImportError:
+        with pytest.raises(ValueError, match="'postgresql\\+psycopg2' needs psycopg2, which is not installed"):
+            Database("postgresql+psycopg2://u@h/db")
+    url = postgres.new_database()
+    assert url.startswith("postgresql+psycopg://")
+    bare = Store(url.replace("postgresql+psycopg://", "postgresql://"))
+    try:
+        bare.migrate()
+        assert bare.db.engine.dialect.driver == "psycopg"
+        assert bare.accounts.create_user("ann")["user_id"] == "ann"
+    finally:
+        bare.close()

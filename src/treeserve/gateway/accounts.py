@@ -15,8 +15,8 @@ from sqlalchemy.orm import Session
 from treeserve.gateway import keys as keylib
 from treeserve.gateway.account_fields import key_values, public_key, public_user, user_values
 from treeserve.gateway.database import Database, violates_unique
-from treeserve.gateway.errors import (AliasReserved, AliasTaken, ChatKeyOwner, KeyNotFound, KeysNotFound, UserExists,
-                                      UserNotFound)
+from treeserve.gateway.errors import (AliasReserved, AliasTaken, ChatKeyOwner, KeyNotFound, KeysNotFound, KeyTaken,
+                                      UserExists, UserNotFound)
 from treeserve.gateway.keys import MASTER_LABEL, KeyRecord
 from treeserve.gateway.schema import ApiKey, ChatSession, User, aware, utcnow
 
@@ -45,14 +45,24 @@ class Accounts:
 
     # ---- users -------------------------------------------------------------------------------
     def create_user(self, user_id: str, password_hash: str | None = None, **fields) -> dict:
+        return self.create_user_with_key(user_id, password_hash, None, **fields)[1]
+
+    def create_user_with_key(self, user_id: str, password_hash: str | None, key: dict | None,
+                             **fields) -> tuple[str | None, dict]:
+        """The user and, when `key` (a key's fields) is given, a key of theirs made in the same
+        transaction (LiteLLM's /user/new): (that key's token, shown this once, or None; the user's info)."""
         now = utcnow()
-        with self.db.transaction() as conn:
+        token = keylib.new_key() if key is not None else None
+        key_row = _new_key_values({**key, "user_id": user_id}, now) if key is not None else None
+        with _unique_key(key_row and key_row.get("key_alias")), self.db.transaction() as conn:
             if conn.get(User, user_id) is not None:
                 raise UserExists(user_id)
             values = user_values(fields, now)
             conn.execute(insert(User).values(user_id=user_id, spend=0.0, reserved=0.0, created_at=now,
                                              password_hash=password_hash, **values))
-        return self.user_info(user_id)
+            if key_row is not None:
+                _insert_key(conn, token, key_row, now)
+        return token, self.user_info(user_id)
 
     def user_info(self, user_id: str) -> dict:
         with self.db.session() as conn:
@@ -110,16 +120,10 @@ class Accounts:
         """A new key: (the token, shown this once; its stored record)."""
         token = keylib.new_key()
         now = utcnow()
-        values = key_values(fields, now)
-        values.setdefault("extra", {})
-        if duration:
-            values["expires_at"] = keylib.after(now, duration, "duration")
-        _check_alias(values.get("key_alias"))
-        with _unique_alias(values.get("key_alias")), self.db.transaction() as conn:
+        values = _new_key_values({**fields, "duration": duration}, now)
+        with _unique_key(values.get("key_alias")), self.db.transaction() as conn:
             _ensure_user(conn, values.get("user_id"), now)
-            conn.execute(insert(ApiKey).values(
-                token_hash=keylib.hash_key(token), key_name=keylib.display_name(token), spend=0.0, reserved=0.0,
-                in_flight=0, blocked=values.pop("blocked", False), created_at=now, **values))
+            _insert_key(conn, token, values, now)
         return token, self.key_info(token)
 
     def key_info(self, token: str | None = None, key_id: int | None = None) -> dict:
@@ -131,35 +135,25 @@ class Accounts:
             raise KeyNotFound("key")
         return public_key(row)
 
-    def regenerate_key(self, token: str) -> tuple[str, dict]:
-        """A new secret for the key (LiteLLM's /key/regenerate): the old one stops working, and the
-        key keeps its id, limits, spend and history."""
-        new_token = keylib.new_key()
-        with self.db.transaction() as conn:
-            if conn.execute(update(ApiKey).where(ApiKey.token_hash == keylib.stored_hash(token)).values(
-                    token_hash=keylib.hash_key(new_token), key_name=keylib.display_name(new_token))).rowcount == 0:
-                raise KeyNotFound("key")
+    def regenerate_key(self, token: str, new_token: str | None = None, **fields) -> tuple[str, dict]:
+        """A new secret for the key (LiteLLM's /key/regenerate): `new_token`, or a new random one; the
+        old one stops working, and the key keeps its id, limits, spend and history, but for the
+        `fields` given (as `update_key`'s), changed in the same transaction."""
+        new_token = new_token or keylib.new_key()
+        now = utcnow()
+        values = _key_changes(fields, now) | {"token_hash": keylib.hash_key(new_token),
+                                              "key_name": keylib.display_name(new_token)}
+        with _unique_key(values.get("key_alias")), self.db.transaction() as conn:
+            _change_key(conn, token, values, now)
         return new_token, self.key_info(new_token)
 
     def update_key(self, token: str, **fields) -> dict:
         now = utcnow()
-        values = key_values(fields, now)
-        if "duration" in fields:
-            duration = fields.pop("duration")
-            values["expires_at"] = keylib.after(now, duration, "duration") if duration else None
+        values = _key_changes(fields, now)
         if not values:  # nothing to change: the key as it is (KeyNotFound if there is none)
             return self.key_info(token)
-        with _unique_alias(values.get("key_alias")), self.db.transaction() as conn:
-            key = conn.execute(select(ApiKey.key_alias, ApiKey.user_id, ApiKey.web_chat)
-                               .where(ApiKey.token_hash == keylib.stored_hash(token)).with_for_update()).first()
-            if key is None:
-                raise KeyNotFound("key")
-            if values.get("key_alias") != key.key_alias:  # (LiteLLM's UI sends a key's alias with every edit)
-                _check_alias(values.get("key_alias"))
-            if key.web_chat and "user_id" in values and values["user_id"] != key.user_id:
-                raise ChatKeyOwner(key.user_id)
-            _ensure_user(conn, values.get("user_id"), now)
-            conn.execute(update(ApiKey).where(ApiKey.token_hash == keylib.stored_hash(token)).values(**values))
+        with _unique_key(values.get("key_alias")), self.db.transaction() as conn:
+            _change_key(conn, token, values, now)
         return self.key_info(token)
 
     def delete_keys(self, tokens: list[str], aliases: tuple[str, ...] = ()) -> list[str]:
@@ -237,6 +231,46 @@ def _paged(conn: Session, query, sorts: dict, sort: Sort | None, default_order: 
     return conn.scalars(query).all(), total
 
 
+def _new_key_values(fields: dict, now: dt.datetime) -> dict:
+    """A new key's columns from the fields given (`duration`: its lifetime, from now)."""
+    duration = fields.pop("duration", None)
+    values = key_values(fields, now)
+    values.setdefault("extra", {})
+    if duration:
+        values["expires_at"] = keylib.after(now, duration, "duration")
+    _check_alias(values.get("key_alias"))
+    return values
+
+
+def _insert_key(conn: Session, token: str, values: dict, now: dt.datetime) -> None:
+    conn.execute(insert(ApiKey).values(
+        token_hash=keylib.hash_key(token), key_name=keylib.display_name(token), spend=0.0, reserved=0.0,
+        in_flight=0, blocked=values.pop("blocked", False), created_at=now, **values))
+
+
+def _key_changes(fields: dict, now: dt.datetime) -> dict:
+    """The columns an update of a key changes (`duration`: a new lifetime from now, or none)."""
+    values = key_values(fields, now)
+    if "duration" in fields:
+        duration = fields["duration"]
+        values["expires_at"] = keylib.after(now, duration, "duration") if duration else None
+    return values
+
+
+def _change_key(conn: Session, token: str, values: dict, now: dt.datetime) -> None:
+    """The key named by `token` (the key or its hash) given `values`; KeyNotFound if there is none."""
+    where = ApiKey.token_hash == keylib.stored_hash(token)
+    key = conn.execute(select(ApiKey.key_alias, ApiKey.user_id, ApiKey.web_chat).where(where).with_for_update()).first()
+    if key is None:
+        raise KeyNotFound("key")
+    if values.get("key_alias") != key.key_alias:  # (LiteLLM's UI sends a key's alias with every edit)
+        _check_alias(values.get("key_alias"))
+    if key.web_chat and "user_id" in values and values["user_id"] != key.user_id:
+        raise ChatKeyOwner(key.user_id)
+    _ensure_user(conn, values.get("user_id"), now)
+    conn.execute(update(ApiKey).where(where).values(**values))
+
+
 def _ensure_user(conn: Session, user_id: str | None, now: dt.datetime) -> None:
     """The user a key is given to, made (with no budget) if there is none yet."""
     if user_id and conn.get(User, user_id) is None:
@@ -253,13 +287,15 @@ def _check_alias(alias: str | None) -> None:
 
 
 @contextlib.contextmanager
-def _unique_alias(alias: str | None):
-    """AliasTaken for a write that another key's alias refused: the database's unique index decides,
-    so two writes at once cannot both take an alias (on PostgreSQL the second waits for the first to
-    commit, then fails)."""
+def _unique_key(alias: str | None):
+    """AliasTaken for a write that another key's alias refused, KeyTaken for one whose secret is
+    another key's (a regenerated key's `new_key`): the database's unique indexes decide, so two writes
+    at once cannot both take an alias (on PostgreSQL the second waits for the first to commit, then fails)."""
     try:
         yield
     except IntegrityError as error:
         if alias is not None and violates_unique(error, "ix_api_keys_key_alias", "api_keys.key_alias"):
             raise AliasTaken(alias) from None
+        if violates_unique(error, "ix_api_keys_token_hash", "api_keys.token_hash"):
+            raise KeyTaken() from None
         raise

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import uuid
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Depends, Path, Query
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from treeserve.gateway.accounts import KEY_SORTS, USER_SORTS, Accounts, Page, Sort
 from treeserve.gateway.fields import INT32_MAX, NO_NUL, Text
-from treeserve.gateway.keys import KeyRecord, stored_hash
+from treeserve.gateway.keys import KeyRecord, hash_key, stored_hash
 from treeserve.gateway.ledger import Ledger, logs_csv
 from treeserve.gateway.passwords import hash_password
 from treeserve.gateway.pricing import NO_PRICES
@@ -57,14 +58,21 @@ class KeyRef(_Body):
     key: Annotated[Text, Field(max_length=512)]  # the key, or its hash as /key/list shows it
 
 
+class KeyRegenerate(KeyUpdate):
+    """LiteLLM's: the key (here or in the path), an optional `new_key` of the admin's choosing, and
+    any of /key/update's fields, changed in the same call."""
+    key: Annotated[Text, Field(max_length=512)] | None = None
+    new_key: Annotated[Text, Field(max_length=512, pattern=r"^sk-")] | None = None
+    new_master_key: Text | None = None  # (refused: the master key is the gateway's configuration)
+
+
 class KeyDelete(_Body):
     """LiteLLM's: the keys (or their hashes), their aliases, or both; at least one."""
     keys: list[Annotated[Text, Field(max_length=512)]] = []
     key_aliases: list[Annotated[Text, Field(max_length=128)]] = []
 
 
-class NewUser(_Body):
-    user_id: UserId
+class UserFields(_Body):
     max_budget: Money | None = None
     budget_duration: Period | None = None
     models: Models | None = None
@@ -72,7 +80,24 @@ class NewUser(_Body):
     password: Annotated[Text, Field(max_length=1024)] | None = None  # for the web chat (an Argon2id hash)
 
 
-class UserUpdate(NewUser):
+# /user/new's fields for the key it makes (a user here has no rate limits or lifetime of its own)
+NEW_USER_KEY_FIELDS = ("key_alias", "duration", "rpm_limit", "tpm_limit", "max_parallel_requests")
+
+
+class NewUser(UserFields):
+    """LiteLLM's: `user_id` (a UUID when left out), and a key for the user made with it unless
+    `auto_create_key` is false: with the user's models and metadata, and the key fields given."""
+    user_id: UserId | None = None
+    auto_create_key: bool = True
+    key_alias: Annotated[Text, Field(max_length=128)] | None = None
+    duration: Period | None = None
+    rpm_limit: Limit | None = None
+    tpm_limit: Limit | None = None
+    max_parallel_requests: Limit | None = None
+
+
+class UserUpdate(UserFields):
+    user_id: UserId
     spend: Money = None  # (as the key's)
 
 
@@ -109,7 +134,7 @@ def admin_router(accounts: Accounts, ledger: Ledger, require_master: Any, known_
     async def generate_key(body: KeyLimits):
         check_models(body.models)
         token, info = await run_in_threadpool(lambda: accounts.create_key(**body.model_dump(exclude_none=True)))
-        return budget_warning({"key": token, **info}, body.max_budget, "key")
+        return budget_warning(_issued(token, info), body.max_budget, "key")
 
     @router.get("/key/list")
     async def list_keys(user_id: str | None = Query(None, max_length=128, pattern=NO_NUL),
@@ -135,7 +160,7 @@ def admin_router(accounts: Accounts, ledger: Ledger, require_master: Any, known_
         check_models(body.models)
         fields = body.model_dump(exclude_unset=True)
         token = fields.pop("key")
-        return await changing(lambda: accounts.update_key(token, **fields))
+        return {"key": token, **await changing(lambda: accounts.update_key(token, **fields))}  # (LiteLLM's `key`)
 
     async def set_blocked(body: KeyRef, blocked: bool) -> dict:
         return await changing(lambda: accounts.update_key(body.key, blocked=blocked))
@@ -148,10 +173,30 @@ def admin_router(accounts: Accounts, ledger: Ledger, require_master: Any, known_
     async def unblock_key(body: KeyRef):
         return await set_blocked(body, False)
 
+    async def regenerate(path_key: str | None, body: KeyRegenerate | None) -> dict:
+        """LiteLLM's /key/regenerate: the body's `key` before the path's; its answer is /key/generate's."""
+        fields = body.model_dump(exclude_unset=True) if body is not None else {}
+        key = fields.pop("key", None) or path_key
+        new_key = fields.pop("new_key", None)
+        if fields.pop("new_master_key", None) is not None:
+            raise APIError(400, "new_master_key: the master key is the gateway's configuration (--master-key or "
+                           "TREESERVE_MASTER_KEY); restart it with a new one", param="new_master_key",
+                           code="unsupported_parameter")
+        if not key:
+            raise APIError(400, "key: name the key to regenerate (in the path or the body)", param="key",
+                           code="missing_required_parameter")
+        check_models(fields.get("models"))
+        token, info = await changing(lambda: accounts.regenerate_key(key, new_key, **fields))
+        return budget_warning(_issued(token, info), fields.get("max_budget"), "key")
+
     @router.post("/key/regenerate")
-    async def regenerate_key(body: KeyRef):
-        token, info = await changing(lambda: accounts.regenerate_key(body.key))
-        return {"key": token, **info}
+    async def regenerate_key(body: KeyRegenerate | None = None):
+        return await regenerate(None, body)
+
+    @router.post("/key/{key:path}/regenerate")
+    async def regenerate_named_key(key: Annotated[str, Path(max_length=512, pattern=NO_NUL)],
+                                   body: KeyRegenerate | None = None):
+        return await regenerate(key, body)
 
     @router.post("/key/delete")
     async def delete_keys(body: KeyDelete):
@@ -160,19 +205,26 @@ def admin_router(accounts: Accounts, ledger: Ledger, require_master: Any, known_
                            code="missing_required_parameter")
         return {"deleted_keys": await changing(lambda: accounts.delete_keys(body.keys, tuple(body.key_aliases)))}
 
-    async def write_user(write: Callable[..., dict], body: NewUser, fields: dict) -> dict:
-        """`write(user_id, password_hash=..., **fields)` in a worker thread (hashing a password takes
+    async def write_user(write: Callable[..., Any], body: UserFields, fields: dict) -> Any:
+        """`write(user_id, password_hash, **fields)` in a worker thread (hashing a password takes
         tens of milliseconds: not on the event loop)."""
         check_models(body.models)
         user_id, password = fields.pop("user_id"), fields.pop("password", None)
 
-        def call() -> dict:
-            return write(user_id, password_hash=hash_password(password) if password is not None else None, **fields)
-        return budget_warning(await run_in_threadpool(call), body.max_budget, "user")
+        def call() -> Any:
+            return write(user_id, hash_password(password) if password is not None else None, **fields)
+        return await run_in_threadpool(call)
 
     @router.post("/user/new")
     async def new_user(body: NewUser):
-        return await write_user(accounts.create_user, body, body.model_dump(exclude_none=True))
+        fields = body.model_dump(exclude_none=True)
+        fields.setdefault("user_id", str(uuid.uuid4()))  # (LiteLLM's)
+        key = _new_user_key(fields, fields.pop("auto_create_key"))
+
+        def create(user_id: str, password_hash: str | None, **user) -> tuple[str | None, dict]:
+            return accounts.create_user_with_key(user_id, password_hash, key, **user)
+        token, info = await write_user(create, body, fields)
+        return budget_warning(_new_user_answer(token, info), body.max_budget, "user")
 
     @router.get("/user/info")
     async def user_info(user_id: str = Query(..., max_length=128, pattern=NO_NUL)):
@@ -182,7 +234,9 @@ def admin_router(accounts: Accounts, ledger: Ledger, require_master: Any, known_
     @router.post("/user/update")
     async def update_user(body: UserUpdate):
         try:
-            return await write_user(accounts.update_user, body, body.model_dump(exclude_unset=True))
+            answer = await write_user(accounts.update_user, body, body.model_dump(exclude_unset=True))
+            answer["data"] = answer["user_info"]  # (LiteLLM's answer: the user's row as `data`)
+            return budget_warning(answer, body.max_budget, "user")
         finally:
             on_change()  # (a user's models and budget are read with its keys)
 
@@ -254,6 +308,36 @@ def key_info_router(accounts: Accounts, ledger: Ledger, require_key: Any) -> API
         return {"key": key, "info": info}
 
     return router
+
+
+def _issued(token: str, info: dict) -> dict:
+    """A key just made or regenerated: the key itself (shown this once) and its record, its hash also
+    as LiteLLM's `token_id`."""
+    return {"key": token, "token_id": info["token"], **info}
+
+
+def _new_user_key(fields: dict, auto_create_key: bool) -> dict | None:
+    """The fields of the key /user/new makes (None: `auto_create_key` false), taken out of `fields`:
+    the key fields given, and the user's models and metadata (LiteLLM's)."""
+    key = {name: fields.pop(name) for name in NEW_USER_KEY_FIELDS if name in fields}
+    if not auto_create_key:
+        if key:
+            name = next(iter(key))
+            raise APIError(400, f"{name}: a field of the key /user/new makes, but auto_create_key is false",
+                           param=name, code="invalid_value")
+        return None
+    return key | {k: fields[k] for k in ("models", "metadata") if k in fields}
+
+
+def _new_user_answer(token: str | None, info: dict) -> dict:
+    """LiteLLM's /user/new answer (the key made, shown this once, and the user's fields), with
+    /user/info's (`user_info`, `keys`, `teams`)."""
+    user = info["user_info"]
+    made = next((k for k in info["keys"] if token and k["token"] == hash_key(token)), {})
+    return {"key": token, "key_alias": made.get("key_alias"), "key_name": made.get("key_name"),
+            "expires": made.get("expires"), "max_budget": user["max_budget"],
+            "budget_duration": user["budget_duration"], "models": user["models"], "metadata": user["metadata"],
+            "spend": user["spend"], **info}
 
 
 def _no_teams(**filters: Any) -> None:

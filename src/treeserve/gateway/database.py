@@ -9,6 +9,7 @@ the row. Calls are blocking: the app runs them in worker threads."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import sqlite3
 import threading
 import time
@@ -20,6 +21,7 @@ from alembic.config import Config
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Engine, create_engine, event, exc, text
+from sqlalchemy.engine import make_url
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -35,6 +37,7 @@ PG_DOWN_CLASSES = ("08",)
 PG_DOWN_STATES = frozenset({"57P01", "57P02", "57P03", "53300"})
 # SQLite's messages of a file that cannot be used now (gone, unmounted, locked past the busy timeout)
 SQLITE_DOWN = ("unable to open database file", "database is locked", "disk i/o error")
+SUPPORTED_DRIVERS = ("sqlite", "sqlite+pysqlite", "postgresql+psycopg", "postgresql+psycopg2")
 
 
 def database_down(error: BaseException) -> bool:
@@ -49,20 +52,25 @@ def database_down(error: BaseException) -> bool:
         return any(m in str(orig).lower() for m in SQLITE_DOWN)
     if error.connection_invalidated:
         return True
-    state = getattr(orig, "sqlstate", None)
-    if state is None:  # (psycopg: no server answered, so no SQLSTATE: refused, unreachable, timed out)
+    state = sqlstate(orig)
+    if state is None:  # (no server answered, so no SQLSTATE: refused, unreachable, timed out)
         return True
     return state.startswith(PG_DOWN_CLASSES) or state in PG_DOWN_STATES
 
 
+def sqlstate(orig: BaseException) -> str | None:
+    """PostgreSQL's SQLSTATE of a driver's error: psycopg 3 names it `sqlstate`, psycopg2 `pgcode`."""
+    return getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+
+
 def violates_unique(error: exc.IntegrityError, index: str, column: str) -> bool:
     """Whether `error` is a duplicate in the unique `index` on `column` ("table.column"): PostgreSQL
-    names the index (SQLSTATE 23505), SQLite the column."""
+    names the index (SQLSTATE 23505; both psycopg drivers carry it in `diag`), SQLite the column."""
     orig = error.orig
+    if isinstance(orig, sqlite3.Error):
+        return f"UNIQUE constraint failed: {column}" in str(orig)
     diag = getattr(orig, "diag", None)
-    if diag is not None:
-        return getattr(orig, "sqlstate", None) == "23505" and diag.constraint_name == index
-    return f"UNIQUE constraint failed: {column}" in str(orig)
+    return sqlstate(orig) == "23505" and getattr(diag, "constraint_name", None) == index
 
 
 def default_url(directory: Path | None = None) -> str:
@@ -85,7 +93,26 @@ def _wal(cursor, timeout: float = 30.0) -> None:
         time.sleep(0.02)
 
 
+def supported_url(url: str) -> str:
+    """The URL the engine is made from: SQLite, or PostgreSQL through psycopg 3 (the dependency; a bare
+    `postgresql://`, LiteLLM's spelling, means it) or psycopg2 (if installed). Any other driver is
+    refused here, at startup: the gateway tells an outage from a failed statement by the SQLSTATE,
+    which only these drivers' errors carry where it reads it."""
+    parsed = make_url(url)
+    if parsed.drivername in ("postgresql", "postgres"):
+        return parsed.set(drivername="postgresql+psycopg").render_as_string(hide_password=False)
+    if parsed.drivername not in SUPPORTED_DRIVERS:
+        raise ValueError(f"database URL driver {parsed.drivername!r} is not supported: use "
+                         "postgresql+psycopg://user:pass@host/db (or postgresql+psycopg2:// with psycopg2 installed), "
+                         "or sqlite:///path/to/gateway.db")
+    if parsed.drivername == "postgresql+psycopg2" and importlib.util.find_spec("psycopg2") is None:
+        raise ValueError("database URL driver 'postgresql+psycopg2' needs psycopg2, which is not installed: "
+                         "use postgresql+psycopg://user:pass@host/db (psycopg 3, installed)")
+    return url
+
+
 def make_engine(url: str) -> Engine:
+    url = supported_url(url)
     if url.startswith("sqlite"):
         engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
 

@@ -37,6 +37,14 @@ class AliasTaken(GatewayError):
                          "aliases are unique", "key_alias")
 
 
+class KeyTaken(GatewayError):
+    """A key chosen by an admin (/key/regenerate's `new_key`) is another key's secret."""
+
+    def __init__(self):
+        super().__init__("new_key: this key is taken; choose another (or leave new_key out for a random one)",
+                         "new_key")
+
+
 class AliasReserved(GatewayError):
     """Aliases starting with "chat:" name the web chat's keys: the admin API gives none to another key."""
 

@@ -9,7 +9,7 @@ from fastapi import FastAPI, Request
 from treeserve.gateway.database import DATABASE_ERRORS, database_down
 from treeserve.gateway.errors import (AccountGone, AliasReserved, AliasTaken, BatchConflict, BatchNotFound, BudgetExceeded,
                                       ChatKeyBlocked, ChatKeyOwner, ConversationNotFound, DatabaseUnavailable, FileNotFound,
-                                      GatewayError, KeyNotFound, LimitExceeded, ParallelLimitExceeded, RateLimitExceeded,
+                                      GatewayError, KeyNotFound, KeyTaken, LimitExceeded, ParallelLimitExceeded, RateLimitExceeded,
                                       UserExists, UserNotFound)
 from treeserve.wire.errors import APIError, error_response_for, from_value_error
 
@@ -17,6 +17,7 @@ from treeserve.wire.errors import APIError, error_response_for, from_value_error
 HTTP_STATUS: dict[type[GatewayError], tuple[int, str | None]] = {
     UserExists: (400, "user_exists"),
     AliasTaken: (400, "key_alias_exists"),
+    KeyTaken: (400, "key_exists"),
     AliasReserved: (400, "key_alias_reserved"),
     ChatKeyOwner: (400, "chat_key_owner"),
     UserNotFound: (404, "user_not_found"),
