@@ -429,7 +429,8 @@ def _echo_backend(seen: list | None = None, down_until: list | None = None):
     from fastapi.responses import JSONResponse, StreamingResponse
 
     app = FastAPI()
-    usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+             "prompt_tokens_details": {"cached_tokens": 1}, "completion_tokens_details": {"reasoning_tokens": 1}}
 
     @app.get("/v1/models")
     def models():
@@ -453,6 +454,20 @@ def _echo_backend(seen: list | None = None, down_until: list | None = None):
                 "usage": usage}
 
     return app
+
+
+def test_a_batch_names_its_model_and_sums_its_lines_usage(tmp_path):
+    """OpenAI's batch object names its `model` and sums its answered lines' `usage` (input, cached,
+    output, reasoning and total tokens), zero before any line is answered; both were null."""
+    with running_server(_echo_backend()) as url, gateway(url, f"sqlite:///{tmp_path / 'gw.db'}") as gw:
+        client = _client(gw, _key(gw))
+        batch = _start(client, _echo_lines(4))
+        assert batch.model == "gen" and batch.usage.total_tokens in range(0, 21), batch
+        done = _wait(client, batch.id, timeout=60)
+    assert done.status == "completed" and done.model == "gen"
+    assert done.usage.model_dump() == {"input_tokens": 12, "input_tokens_details": {"cached_tokens": 4},
+                                       "output_tokens": 8, "output_tokens_details": {"reasoning_tokens": 4},
+                                       "total_tokens": 20}
 
 
 def test_a_backend_set_to_take_no_priority_or_continuous_usage_is_sent_neither(tmp_path):
@@ -764,3 +779,29 @@ def test_a_batch_cancelled_after_its_last_line_is_counted_and_logged_cancelled(t
     assert store.batches.get(batch["id"], None)["status"] == "cancelled"
     assert counts == {"cancelled": 1}
     assert f"batch {batch['id']}: cancelled" in caplog.text
+
+
+def test_a_file_that_takes_longer_than_the_validation_lease_to_read_is_not_interrupted(tmp_path, monkeypatch):
+    """The create call renews its validation lease while it reads the file: a runner looking for
+    batches meanwhile takes none, and the batch goes `in_progress`. Before, the lease (60 s) was never
+    renewed, so a file that took longer to read was taken by a runner and ended `failed` with
+    `validation_interrupted` (here the lease is 0.3 s, the read 1.5 s)."""
+    import treeserve.gateway.batches as batches_module
+    from treeserve.gateway import batch_file
+
+    monkeypatch.setattr(batches_module, "VALIDATION_LEASE", dt.timedelta(seconds=0.3))
+    reading, read_entered = threading.Event(), threading.Event()
+    _held(monkeypatch, batch_file, "read", reading, read_entered)
+    store = _store(tmp_path)
+    uploaded = store.files.create(None, "batch", "b.jsonl", _jsonl(_echo_lines(2)))
+    with ThreadPoolExecutor(1) as pool:
+        creating = pool.submit(store.batches.create, None, uploaded["id"], "/v1/chat/completions", "24h", None)
+        assert read_entered.wait(30)
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            assert store.batches.claim("runner") == []
+            time.sleep(0.05)
+        reading.set()
+        created = creating.result(timeout=30)
+    assert created["status"] == "in_progress" and created["request_counts"]["total"] == 2
+    assert store.batches.claim("runner") == [created["id"]]

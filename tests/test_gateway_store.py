@@ -554,3 +554,40 @@ def test_a_response_id_with_a_nul_is_not_stored(store):
     asyncio.run(responses.put(stored, None))
     assert asyncio.run(responses.get("resp_1", None)).history == stored.history
     assert asyncio.run(responses.get("resp_\x00", None)) is None
+
+
+def test_the_batch_usage_migration_moves_expiry_and_fills_tokens_and_model(tmp_path):
+    """Migration 0013: an expired batch's time moves from `completed_at` (where it was kept) to
+    `expired_at`; lines answered before it get their billed tokens from their spend rows; a batch
+    whose lines all ran one model names it (one of several models: none)."""
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    store = _store_at_revision(url, "0012")
+    now = utcnow()
+    with store.db.transaction() as conn:
+        for batch_id, status, models in (("b-exp", "expired", ["gen", "gen"]), ("b-mix", "completed", ["gen", "prm"])):
+            conn.execute(text("INSERT INTO batches (id, endpoint, input_file_id, completion_window, status, total, "
+                              "created_at, completed_at, expires_at) VALUES (:i, '/v1/chat/completions', 'f', '24h', "
+                              ":s, 2, :t, :t, :t)"), {"i": batch_id, "s": status, "t": now})
+            for line, model in enumerate(models):
+                request_id = f"{batch_id}-{line}"
+                conn.execute(text("INSERT INTO batch_lines (batch_id, line, custom_id, url, body, status, "
+                                  "status_code, request_id) VALUES (:b, :l, :c, '/v1/chat/completions', '{}', "
+                                  "'done', 200, :r)"), {"b": batch_id, "l": line, "c": f"c{line}", "r": request_id})
+                conn.execute(text("INSERT INTO spend_logs (request_id, model, route, stream, status, prompt_tokens, "
+                                  "completion_tokens, cost, started_at, ended_at) VALUES (:r, :m, 'chat', 0, "
+                                  "'success', :p, 2, 0, :t, :t)"), {"r": request_id, "m": model, "p": 3 + line, "t": now})
+    store.close()
+    store = Store(url)
+    store.migrate()
+    try:
+        expired, mixed = store.batches.get("b-exp", None), store.batches.get("b-mix", None)
+        assert expired["completed_at"] is None and expired["expired_at"] == int(now.timestamp())
+        assert mixed["completed_at"] == int(now.timestamp()) and mixed["expired_at"] is None
+        assert (expired["model"], mixed["model"]) == ("gen", None)
+        assert expired["usage"] == {"input_tokens": 7, "input_tokens_details": {"cached_tokens": 0},
+                                    "output_tokens": 4, "output_tokens_details": {"reasoning_tokens": 0},
+                                    "total_tokens": 11}
+        with store.db.session() as conn:
+            assert compare_metadata(MigrationContext.configure(conn.connection()), Base.metadata) == []
+    finally:
+        store.close()
