@@ -702,6 +702,10 @@ def test_a_batch_whose_window_ends_is_expired_with_its_unsent_lines_in_the_error
         errors = _records(client, batch)
     assert sorted(r["custom_id"] for r in errors) == [line["custom_id"] for line in lines]
     assert {r["error"]["code"] for r in errors} == {"batch_expired"} and all(r["response"] is None for r in errors)
+    with create_engine(f"sqlite:///{database}").begin() as conn:  # (its expiry was kept in completed_at)
+        stored = conn.execute(text("SELECT completed_at, expired_at FROM batches WHERE id = :i"),
+                              {"i": batch.id}).one()
+    assert stored.completed_at is None and stored.expired_at is not None
 
 
 def test_a_batch_cancelled_while_validating_runs_no_line(tmp_path, monkeypatch):
@@ -805,3 +809,28 @@ def test_a_file_that_takes_longer_than_the_validation_lease_to_read_is_not_inter
         created = creating.result(timeout=30)
     assert created["status"] == "in_progress" and created["request_counts"]["total"] == 2
     assert store.batches.claim("runner") == [created["id"]]
+
+
+def test_a_batch_created_without_completion_window_is_a_400_naming_it(tmp_path):
+    """`completion_window` is required, as OpenAI's create call has it (a 400 naming the parameter,
+    `missing_required_parameter`); the gateway took a missing one for `24h`."""
+    with running_server(_echo_backend()) as url, gateway(url, f"sqlite:///{tmp_path / 'gw.db'}") as gw:
+        client = _client(gw, _key(gw))
+        uploaded = client.files.create(file=("batch.jsonl", _jsonl(_echo_lines(1))), purpose="batch")
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.post("/batches", cast_to=object, body={"input_file_id": uploaded.id,
+                                                          "endpoint": "/v1/chat/completions"})
+        assert client.batches.list().data == []
+    assert caught.value.param == "completion_window" and caught.value.code == "missing_required_parameter"
+
+
+def test_a_batch_whose_lines_name_several_models_names_none(tmp_path):
+    """`model` is the one model a batch's lines name (treeserve's batches may mix models; OpenAI's name
+    one), null when they name several; its usage is zero before a line is answered."""
+    store = _store(tmp_path)
+    lines = _echo_lines(2)
+    lines[1]["body"]["model"] = "prm"
+    one, several = (store.files.create(None, "batch", "b.jsonl", _jsonl(ls))["id"] for ls in (lines[:1], lines))
+    assert store.batches.create(None, one, "/v1/chat/completions", "24h", None)["model"] == "gen"
+    mixed = store.batches.create(None, several, "/v1/chat/completions", "24h", None)
+    assert mixed["model"] is None and mixed["usage"]["total_tokens"] == 0

@@ -575,7 +575,8 @@ def test_the_batch_usage_migration_moves_expiry_and_fills_tokens_and_model(tmp_p
                                   "'done', 200, :r)"), {"b": batch_id, "l": line, "c": f"c{line}", "r": request_id})
                 conn.execute(text("INSERT INTO spend_logs (request_id, model, route, stream, status, prompt_tokens, "
                                   "completion_tokens, cost, started_at, ended_at) VALUES (:r, :m, 'chat', 0, "
-                                  "'success', :p, 2, 0, :t, :t)"), {"r": request_id, "m": model, "p": 3 + line, "t": now})
+                                  "'success', :p, 2, 0, :t, :t)"),
+                             {"r": request_id, "m": model, "p": 3 + line, "t": now})
     store.close()
     store = Store(url)
     store.migrate()
