@@ -556,11 +556,12 @@ def test_a_response_id_with_a_nul_is_not_stored(store):
     assert asyncio.run(responses.get("resp_\x00", None)) is None
 
 
-def test_the_batch_usage_migration_moves_expiry_and_fills_tokens_and_model(tmp_path):
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_the_batch_usage_migration_moves_expiry_and_fills_tokens_and_model(backend, request, tmp_path):
     """Migration 0013: an expired batch's time moves from `completed_at` (where it was kept) to
     `expired_at`; lines answered before it get their billed tokens from their spend rows; a batch
     whose lines all ran one model names it (one of several models: none)."""
-    url = f"sqlite:///{tmp_path / 'old.db'}"
+    url = f"sqlite:///{tmp_path / 'old.db'}" if backend == "sqlite" else request.getfixturevalue("postgres").new_database()
     store = _store_at_revision(url, "0012")
     now = utcnow()
     with store.db.transaction() as conn:
@@ -574,9 +575,9 @@ def test_the_batch_usage_migration_moves_expiry_and_fills_tokens_and_model(tmp_p
                                   "status_code, request_id) VALUES (:b, :l, :c, '/v1/chat/completions', '{}', "
                                   "'done', 200, :r)"), {"b": batch_id, "l": line, "c": f"c{line}", "r": request_id})
                 conn.execute(text("INSERT INTO spend_logs (request_id, model, route, stream, status, prompt_tokens, "
-                                  "completion_tokens, cost, started_at, ended_at) VALUES (:r, :m, 'chat', 0, "
+                                  "completion_tokens, cost, started_at, ended_at) VALUES (:r, :m, 'chat', :f, "
                                   "'success', :p, 2, 0, :t, :t)"),
-                             {"r": request_id, "m": model, "p": 3 + line, "t": now})
+                             {"r": request_id, "m": model, "p": 3 + line, "t": now, "f": False})
     store.close()
     store = Store(url)
     store.migrate()
