@@ -593,3 +593,29 @@ def test_the_batch_usage_migration_moves_expiry_and_fills_tokens_and_model(backe
             assert compare_metadata(MigrationContext.configure(conn.connection()), Base.metadata) == []
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_undoing_the_batch_usage_migration_keeps_every_line(backend, request, tmp_path):
+    """Revision 0013's downgrade drops its columns in place: rebuilding SQLite's batches (as a batch
+    alter does) would delete every batch's lines through their ON DELETE CASCADE."""
+    from alembic import command
+    from alembic.config import Config
+
+    from treeserve.gateway.database import MIGRATIONS
+
+    url = f"sqlite:///{tmp_path / 'g.db'}" if backend == "sqlite" else request.getfixturevalue("postgres").new_database()
+    store = Store(url)
+    store.migrate()
+    try:
+        file_id = store.files.create(None, "batch", "b.jsonl", b'{"custom_id": "a", "body": {"model": "gen"}}\n')["id"]
+        store.batches.create(None, file_id, "/v1/chat/completions", "24h", None)
+        config = Config()
+        config.set_main_option("script_location", str(MIGRATIONS))
+        with store.db.engine.begin() as conn:
+            config.attributes["connection"] = conn
+            command.downgrade(config, "0012")
+        with store.db.engine.connect() as conn:
+            assert conn.execute(text("SELECT count(*) FROM batch_lines")).scalar() == 1
+    finally:
+        store.close()

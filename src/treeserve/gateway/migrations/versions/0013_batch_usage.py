@@ -39,10 +39,10 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    # (plain DROP COLUMNs, SQLite's own since 3.35: a batch would rebuild batches, and dropping the old
+    # table would delete every line through their ON DELETE CASCADE)
     op.execute("UPDATE batches SET completed_at = expired_at WHERE status = 'expired'")
-    with op.batch_alter_table("batch_lines") as batch:
-        for name in reversed(TOKENS):
-            batch.drop_column(name)
-    with op.batch_alter_table("batches") as batch:
-        batch.drop_column("expired_at")
-        batch.drop_column("model")
+    for name in reversed(TOKENS):
+        op.drop_column("batch_lines", name)
+    op.drop_column("batches", "expired_at")
+    op.drop_column("batches", "model")
