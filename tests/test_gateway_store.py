@@ -561,7 +561,8 @@ def test_the_batch_usage_migration_moves_expiry_and_fills_tokens_and_model(backe
     """Migration 0013: an expired batch's time moves from `completed_at` (where it was kept) to
     `expired_at`; lines answered before it get their billed tokens from their spend rows; a batch
     whose lines all ran one model names it (one of several models: none)."""
-    url = f"sqlite:///{tmp_path / 'old.db'}" if backend == "sqlite" else request.getfixturevalue("postgres").new_database()
+    url = f"sqlite:///{tmp_path / 'old.db'}" if backend == "sqlite" else \
+        request.getfixturevalue("postgres").new_database()
     store = _store_at_revision(url, "0012")
     now = utcnow()
     with store.db.transaction() as conn:
