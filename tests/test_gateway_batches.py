@@ -131,7 +131,7 @@ def _usage(record: dict) -> tuple[int, int]:
 def check_answered_and_billed_once(gw: str, client: openai.OpenAI, key: str, batch, lines: list[dict],
                                    search: bool = True) -> None:
     """Every line once, answered with status 200; one spend row per line, with the line's request id
-    and its answer's usage."""
+    and its answer's usage; the batch's usage sums them."""
     records = _records(client, batch)
     assert sorted(r["custom_id"] for r in records) == sorted(line["custom_id"] for line in lines)
     assert all(r["response"]["status_code"] == 200 and r["error"] is None for r in records), \
@@ -144,6 +144,9 @@ def check_answered_and_billed_once(gw: str, client: openai.OpenAI, key: str, bat
         row = by_request[record["response"]["request_id"]]
         assert (row["prompt_tokens"], row["completion_tokens"]) == _usage(record)
         assert row["status"] == "success"
+    billed = [sum(row[name] for row in rows) for name in ("prompt_tokens", "completion_tokens")]
+    assert [batch.usage.input_tokens, batch.usage.output_tokens] == billed  # (the batch's usage: what it was billed)
+    assert batch.usage.total_tokens == sum(billed) and batch.model == "gen"
     if search:
         line = next(r for r in records if r["custom_id"] == "line-4")
         assert line["response"]["body"]["object"] == "search.result"
