@@ -131,7 +131,7 @@ def _usage(record: dict) -> tuple[int, int]:
 def check_answered_and_billed_once(gw: str, client: openai.OpenAI, key: str, batch, lines: list[dict],
                                    search: bool = True) -> None:
     """Every line once, answered with status 200; one spend row per line, with the line's request id
-    and its answer's usage."""
+    and its answer's usage; the batch's usage sums them."""
     records = _records(client, batch)
     assert sorted(r["custom_id"] for r in records) == sorted(line["custom_id"] for line in lines)
     assert all(r["response"]["status_code"] == 200 and r["error"] is None for r in records), \
@@ -144,6 +144,9 @@ def check_answered_and_billed_once(gw: str, client: openai.OpenAI, key: str, bat
         row = by_request[record["response"]["request_id"]]
         assert (row["prompt_tokens"], row["completion_tokens"]) == _usage(record)
         assert row["status"] == "success"
+    billed = [sum(row[name] for row in rows) for name in ("prompt_tokens", "completion_tokens")]
+    assert [batch.usage.input_tokens, batch.usage.output_tokens] == billed  # (the batch's usage: what it was billed)
+    assert batch.usage.total_tokens == sum(billed) and batch.model == "gen"
     if search:
         line = next(r for r in records if r["custom_id"] == "line-4")
         assert line["response"]["body"]["object"] == "search.result"
@@ -429,7 +432,8 @@ def _echo_backend(seen: list | None = None, down_until: list | None = None):
     from fastapi.responses import JSONResponse, StreamingResponse
 
     app = FastAPI()
-    usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+             "prompt_tokens_details": {"cached_tokens": 1}, "completion_tokens_details": {"reasoning_tokens": 1}}
 
     @app.get("/v1/models")
     def models():
@@ -453,6 +457,20 @@ def _echo_backend(seen: list | None = None, down_until: list | None = None):
                 "usage": usage}
 
     return app
+
+
+def test_a_batch_names_its_model_and_sums_its_lines_usage(tmp_path):
+    """OpenAI's batch object names its `model` and sums its answered lines' `usage` (input, cached,
+    output, reasoning and total tokens), zero before any line is answered; both were null."""
+    with running_server(_echo_backend()) as url, gateway(url, f"sqlite:///{tmp_path / 'gw.db'}") as gw:
+        client = _client(gw, _key(gw))
+        batch = _start(client, _echo_lines(4))
+        assert batch.model == "gen" and batch.usage.total_tokens in range(0, 21), batch
+        done = _wait(client, batch.id, timeout=60)
+    assert done.status == "completed" and done.model == "gen"
+    assert done.usage.model_dump() == {"input_tokens": 12, "input_tokens_details": {"cached_tokens": 4},
+                                       "output_tokens": 8, "output_tokens_details": {"reasoning_tokens": 4},
+                                       "total_tokens": 20}
 
 
 def test_a_backend_set_to_take_no_priority_or_continuous_usage_is_sent_neither(tmp_path):
@@ -687,6 +705,10 @@ def test_a_batch_whose_window_ends_is_expired_with_its_unsent_lines_in_the_error
         errors = _records(client, batch)
     assert sorted(r["custom_id"] for r in errors) == [line["custom_id"] for line in lines]
     assert {r["error"]["code"] for r in errors} == {"batch_expired"} and all(r["response"] is None for r in errors)
+    with create_engine(f"sqlite:///{database}").begin() as conn:  # (its expiry was kept in completed_at)
+        stored = conn.execute(text("SELECT completed_at, expired_at FROM batches WHERE id = :i"),
+                              {"i": batch.id}).one()
+    assert stored.completed_at is None and stored.expired_at is not None
 
 
 def test_a_batch_cancelled_while_validating_runs_no_line(tmp_path, monkeypatch):
@@ -764,3 +786,54 @@ def test_a_batch_cancelled_after_its_last_line_is_counted_and_logged_cancelled(t
     assert store.batches.get(batch["id"], None)["status"] == "cancelled"
     assert counts == {"cancelled": 1}
     assert f"batch {batch['id']}: cancelled" in caplog.text
+
+
+def test_a_file_that_takes_longer_than_the_validation_lease_to_read_is_not_interrupted(tmp_path, monkeypatch):
+    """The create call renews its validation lease while it reads the file: a runner looking for
+    batches meanwhile takes none, and the batch goes `in_progress`. Before, the lease (60 s) was never
+    renewed, so a file that took longer to read was taken by a runner and ended `failed` with
+    `validation_interrupted` (here the lease is 0.3 s, the read 1.5 s)."""
+    import treeserve.gateway.batches as batches_module
+    from treeserve.gateway import batch_file
+
+    monkeypatch.setattr(batches_module, "VALIDATION_LEASE", dt.timedelta(seconds=0.3))
+    reading, read_entered = threading.Event(), threading.Event()
+    _held(monkeypatch, batch_file, "read", reading, read_entered)
+    store = _store(tmp_path)
+    uploaded = store.files.create(None, "batch", "b.jsonl", _jsonl(_echo_lines(2)))
+    with ThreadPoolExecutor(1) as pool:
+        creating = pool.submit(store.batches.create, None, uploaded["id"], "/v1/chat/completions", "24h", None)
+        assert read_entered.wait(30)
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            assert store.batches.claim("runner") == []
+            time.sleep(0.05)
+        reading.set()
+        created = creating.result(timeout=30)
+    assert created["status"] == "in_progress" and created["request_counts"]["total"] == 2
+    assert store.batches.claim("runner") == [created["id"]]
+
+
+def test_a_batch_created_without_completion_window_is_a_400_naming_it(tmp_path):
+    """`completion_window` is required, as OpenAI's create call has it (a 400 naming the parameter,
+    `missing_required_parameter`); the gateway took a missing one for `24h`."""
+    with running_server(_echo_backend()) as url, gateway(url, f"sqlite:///{tmp_path / 'gw.db'}") as gw:
+        client = _client(gw, _key(gw))
+        uploaded = client.files.create(file=("batch.jsonl", _jsonl(_echo_lines(1))), purpose="batch")
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.post("/batches", cast_to=object, body={"input_file_id": uploaded.id,
+                                                          "endpoint": "/v1/chat/completions"})
+        assert client.batches.list().data == []
+    assert caught.value.param == "completion_window" and caught.value.code == "missing_required_parameter"
+
+
+def test_a_batch_whose_lines_name_several_models_names_none(tmp_path):
+    """`model` is the one model a batch's lines name (treeserve's batches may mix models; OpenAI's name
+    one), null when they name several; its usage is zero before a line is answered."""
+    store = _store(tmp_path)
+    lines = _echo_lines(2)
+    lines[1]["body"]["model"] = "prm"
+    one, several = (store.files.create(None, "batch", "b.jsonl", _jsonl(ls))["id"] for ls in (lines[:1], lines))
+    assert store.batches.create(None, one, "/v1/chat/completions", "24h", None)["model"] == "gen"
+    mixed = store.batches.create(None, several, "/v1/chat/completions", "24h", None)
+    assert mixed["model"] is None and mixed["usage"]["total_tokens"] == 0

@@ -609,3 +609,69 @@ def test_a_database_url_with_another_driver_is_refused_at_startup(postgres):
         assert bare.accounts.create_user("ann")["user_id"] == "ann"
     finally:
         bare.close()
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_the_batch_usage_migration_moves_expiry_and_fills_tokens_and_model(backend, request, tmp_path):
+    """Migration 0013: an expired batch's time moves from `completed_at` (where it was kept) to
+    `expired_at`; lines answered before it get their billed tokens from their spend rows; a batch
+    whose lines all ran one model names it (one of several models: none)."""
+    url = f"sqlite:///{tmp_path / 'old.db'}" if backend == "sqlite" else \
+        request.getfixturevalue("postgres").new_database()
+    store = _store_at_revision(url, "0012")
+    now = utcnow()
+    with store.db.transaction() as conn:
+        for batch_id, status, models in (("b-exp", "expired", ["gen", "gen"]), ("b-mix", "completed", ["gen", "prm"])):
+            conn.execute(text("INSERT INTO batches (id, endpoint, input_file_id, completion_window, status, total, "
+                              "created_at, completed_at, expires_at) VALUES (:i, '/v1/chat/completions', 'f', '24h', "
+                              ":s, 2, :t, :t, :t)"), {"i": batch_id, "s": status, "t": now})
+            for line, model in enumerate(models):
+                request_id = f"{batch_id}-{line}"
+                conn.execute(text("INSERT INTO batch_lines (batch_id, line, custom_id, url, body, status, "
+                                  "status_code, request_id) VALUES (:b, :l, :c, '/v1/chat/completions', '{}', "
+                                  "'done', 200, :r)"), {"b": batch_id, "l": line, "c": f"c{line}", "r": request_id})
+                conn.execute(text("INSERT INTO spend_logs (request_id, model, route, stream, status, prompt_tokens, "
+                                  "completion_tokens, cost, started_at, ended_at) VALUES (:r, :m, 'chat', :f, "
+                                  "'success', :p, 2, 0, :t, :t)"),
+                             {"r": request_id, "m": model, "p": 3 + line, "t": now, "f": False})
+    store.close()
+    store = Store(url)
+    store.migrate()
+    try:
+        expired, mixed = store.batches.get("b-exp", None), store.batches.get("b-mix", None)
+        assert expired["completed_at"] is None and expired["expired_at"] == int(now.timestamp())
+        assert mixed["completed_at"] == int(now.timestamp()) and mixed["expired_at"] is None
+        assert (expired["model"], mixed["model"]) == ("gen", None)
+        assert expired["usage"] == {"input_tokens": 7, "input_tokens_details": {"cached_tokens": 0},
+                                    "output_tokens": 4, "output_tokens_details": {"reasoning_tokens": 0},
+                                    "total_tokens": 11}
+        with store.db.session() as conn:
+            assert compare_metadata(MigrationContext.configure(conn.connection()), Base.metadata) == []
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_undoing_the_batch_usage_migration_keeps_every_line(backend, request, tmp_path):
+    """Revision 0013's downgrade drops its columns in place: rebuilding SQLite's batches (as a batch
+    alter does) would delete every batch's lines through their ON DELETE CASCADE."""
+    from alembic import command
+    from alembic.config import Config
+
+    from treeserve.gateway.database import MIGRATIONS
+
+    url = f"sqlite:///{tmp_path / 'g.db'}" if backend == "sqlite" else request.getfixturevalue("postgres").new_database()
+    store = Store(url)
+    store.migrate()
+    try:
+        file_id = store.files.create(None, "batch", "b.jsonl", b'{"custom_id": "a", "body": {"model": "gen"}}\n')["id"]
+        store.batches.create(None, file_id, "/v1/chat/completions", "24h", None)
+        config = Config()
+        config.set_main_option("script_location", str(MIGRATIONS))
+        with store.db.engine.begin() as conn:
+            config.attributes["connection"] = conn
+            command.downgrade(config, "0012")
+        with store.db.engine.connect() as conn:
+            assert conn.execute(text("SELECT count(*) FROM batch_lines")).scalar() == 1
+    finally:
+        store.close()

@@ -22,7 +22,7 @@ class BatchCreateRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     input_file_id: Text
     endpoint: Text
-    completion_window: Text = "24h"
+    completion_window: Text  # (required, as OpenAI's: a 400 naming it when missing)
     metadata: dict[Text, Text] | None = None
 
     @field_validator("metadata")

@@ -5,7 +5,10 @@ while they are written, then `completed`; or `cancelled`, `expired`). Counts are
 the lines, so they cannot drift from them. Calls are blocking: the routes and the runner run them in worker threads."""
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import logging
+import threading
 import uuid
 
 from sqlalchemy import and_, case, func, insert, or_, select, update
@@ -20,11 +23,14 @@ from treeserve.gateway.files import Files, page, past
 from treeserve.gateway.schema import Batch, BatchLine, aware, utcnow
 from treeserve.wire.responses import ResponsesRequest, from_chat, new_id, skeleton
 
+log = logging.getLogger("treeserve.gateway")
 COMPLETION_WINDOWS = {"24h": dt.timedelta(hours=24)}
 LEASE = dt.timedelta(seconds=10)  # a process that stops renewing its lease for this long leaves its batches
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 VALIDATING = "validating"  # the lease owner of a batch whose create call is reading its file
-VALIDATION_LEASE = dt.timedelta(seconds=60)  # a create that has not validated its batch in this long left it
+# a create call renews its lease on the batch it validates every third of this (however long its file
+# takes to read); one that has not renewed it for this long (its gateway killed) left it
+VALIDATION_LEASE = dt.timedelta(seconds=60)
 LISTED = 100
 
 
@@ -60,11 +66,34 @@ class Batches:
                 expires_at=now + COMPLETION_WINDOWS[completion_window], lease_owner=VALIDATING,
                 lease_expires=now + VALIDATION_LEASE))
         try:
-            self.validate(batch_id)
+            with self._renewing(batch_id):
+                self.validate(batch_id)
         except BaseException:
             self.interrupted(batch_id)
             raise
         return self.get(batch_id, owner)
+
+    @contextlib.contextmanager
+    def _renewing(self, batch_id: str):
+        """The create call's validation lease renewed (a heartbeat thread) while the body runs: a file
+        that takes longer than VALIDATION_LEASE to read is not taken for an interrupted create."""
+        lease, stop = VALIDATION_LEASE, threading.Event()
+
+        def renew() -> None:
+            while not stop.wait(lease.total_seconds() / 3):
+                try:
+                    with self.db.transaction() as conn:
+                        conn.execute(update(Batch).where(Batch.id == batch_id, Batch.lease_owner == VALIDATING)
+                                     .values(lease_expires=utcnow() + lease))
+                except Exception:  # (the next beat tries again; the lease lapses only after three missed)
+                    log.exception("batch %s: renewing its validation lease failed", batch_id)
+        beat = threading.Thread(target=renew, name=f"validating {batch_id}", daemon=True)
+        beat.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            beat.join()
 
     def validate(self, batch_id: str) -> None:
         """Reads a `validating` batch's input file: the batch goes `in_progress` with its lines, or
@@ -78,7 +107,9 @@ class Batches:
         found = batch_file.read(self.files.content(batch.input_file_id, batch.api_key_id, "input_file_id"),
                                 batch.endpoint)
         now = utcnow()
-        started = {"status": "in_progress", "in_progress_at": now} if not found.errors else \
+        models = {body["model"] for _, _, body in found.lines}
+        started = {"status": "in_progress", "in_progress_at": now,
+                   "model": models.pop() if len(models) == 1 else None} if not found.errors else \
             {"status": "failed", "failed_at": now, "errors": found.errors}
         with self.db.transaction() as conn:
             moved = conn.execute(update(Batch).where(Batch.id == batch_id, Batch.status == "validating").values(
@@ -225,7 +256,7 @@ class Batches:
                                  .order_by(BatchLine.line)).scalars().all()
         output, errors, unreadable = self._records(lines)
         now = utcnow()
-        stamps = {"completed": "completed_at", "cancelled": "cancelled_at", "expired": "completed_at"}
+        stamps = {"completed": "completed_at", "cancelled": "cancelled_at", "expired": "expired_at"}
         with self.db.transaction() as conn:
             files = {name: self.files.insert(conn, batch.api_key_id, "batch_output", f"{batch_id}_{name}.jsonl",
                                              jsonl.dumps(records).encode())["id"]
@@ -266,20 +297,24 @@ class Batches:
         done = case((and_(BatchLine.status == "done", BatchLine.status_code == 200), 1), else_=0)
         failed = case((or_(BatchLine.status == "failed",
                            and_(BatchLine.status == "done", BatchLine.status_code != 200)), 1), else_=0)
-        completed, failures = conn.execute(select(func.coalesce(func.sum(done), 0), func.coalesce(func.sum(failed), 0))
-                                           .where(BatchLine.batch_id == batch.id)).one()
+        sums = conn.execute(select(*(func.coalesce(func.sum(c), 0) for c in (
+            done, failed, BatchLine.input_tokens, BatchLine.cached_tokens, BatchLine.output_tokens,
+            BatchLine.reasoning_tokens))).where(BatchLine.batch_id == batch.id)).one()
+        completed, failures, input_tokens, cached, output_tokens, reasoning = map(int, sums)
         return {"id": batch.id, "object": "batch", "endpoint": batch.endpoint,
                 "errors": {"object": "list", "data": batch.errors} if batch.errors else None,
                 "input_file_id": batch.input_file_id, "completion_window": batch.completion_window,
                 "status": batch.status, "output_file_id": batch.output_file_id, "error_file_id": batch.error_file_id,
                 "created_at": _stamp(batch.created_at), "in_progress_at": _stamp(batch.in_progress_at),
                 "expires_at": _stamp(batch.expires_at), "finalizing_at": _stamp(batch.finalizing_at),
-                "completed_at": _stamp(batch.completed_at) if batch.status != "expired" else None,
-                "failed_at": _stamp(batch.failed_at),
-                "expired_at": _stamp(batch.completed_at) if batch.status == "expired" else None,
+                "completed_at": _stamp(batch.completed_at), "failed_at": _stamp(batch.failed_at),
+                "expired_at": _stamp(batch.expired_at),
                 "cancelling_at": _stamp(batch.cancelling_at), "cancelled_at": _stamp(batch.cancelled_at),
-                "request_counts": {"total": batch.total, "completed": int(completed), "failed": int(failures)},
-                "metadata": batch.extra}
+                "request_counts": {"total": batch.total, "completed": completed, "failed": failures},
+                "metadata": batch.extra, "model": batch.model,
+                "usage": {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached},
+                          "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning},
+                          "total_tokens": input_tokens + output_tokens}}
 
 
 def _output_line(line: BatchLine) -> dict:

@@ -236,6 +236,7 @@ class Batch(Base):
     total: Mapped[int] = mapped_column(Integer)
     extra: Mapped[dict | None] = mapped_column("metadata", JSON)
     errors: Mapped[list | None] = mapped_column(JSON)  # (a batch whose file failed validation: its lines' errors)
+    model: Mapped[str | None] = mapped_column(String(128))  # (the model its lines name; null when they name several)
     lease_owner: Mapped[str | None] = mapped_column(String(32))
     lease_expires: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
@@ -245,6 +246,7 @@ class Batch(Base):
     cancelling_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
     cancelled_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
     failed_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    expired_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
     expires_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
 
 
@@ -263,5 +265,10 @@ class BatchLine(Base):
     response: Mapped[dict | None] = mapped_column(JSON)
     error: Mapped[dict | None] = mapped_column(JSON)
     request_id: Mapped[str | None] = mapped_column(String(96))
+    # an answered line's tokens (billed, with its answer's cached and reasoning ones): the batch's usage
+    input_tokens: Mapped[int | None] = mapped_column(Integer)
+    cached_tokens: Mapped[int | None] = mapped_column(Integer)
+    output_tokens: Mapped[int | None] = mapped_column(Integer)
+    reasoning_tokens: Mapped[int | None] = mapped_column(Integer)
     # (a batch's pending lines in line order: batches.Batches.pending; migration 0006)
     __table_args__ = (Index("ix_batch_lines_batch_status_line", "batch_id", "status", "line"),)

@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 
 from treeserve.gateway.database import Database
 from treeserve.gateway.schema import ApiKey, BatchLine, DailySpend, Holding, RateWindow, SpendLog, User, utcnow
-from treeserve.gateway.usage import Usage
+from treeserve.gateway.usage import Usage, token_details
 
 log = logging.getLogger("treeserve.gateway")
 SETTLEMENT_BATCH = 256  # settlements committed in one transaction, at most
@@ -217,9 +217,12 @@ def _answer_line(conn: Session, item: Settlement) -> None:
         response = json.loads(body)
     except ValueError:
         response = {"error": {"message": body.decode("utf-8", "replace")[:2000]}}
+    cached, reasoning = token_details(response)  # (its billed tokens, with what its answer says of them)
     conn.execute(update(BatchLine).where(BatchLine.batch_id == batch_id, BatchLine.line == line,
                                          BatchLine.status == "running")
-                 .values(status="done", status_code=status, response=response, request_id=item.request_id))
+                 .values(status="done", status_code=status, response=response, request_id=item.request_id,
+                         input_tokens=item.usage.prompt_tokens, output_tokens=item.usage.completion_tokens,
+                         cached_tokens=cached, reasoning_tokens=reasoning))
 
 
 def _log_row(item: Settlement) -> dict:

@@ -49,6 +49,18 @@ def malformed_usage(backend: str, value: object) -> None:
     log.warning("backend %s reported a malformed usage (%.200r): its bad counts are taken as 0", backend, value)
 
 
+def token_details(answer: object) -> tuple[int, int]:
+    """An answer's cached prompt tokens and reasoning tokens (`usage.prompt_tokens_details.cached_tokens`,
+    `usage.completion_tokens_details.reasoning_tokens`), 0 where it does not report them well formed."""
+    usage = answer.get("usage") if isinstance(answer, dict) else None
+    usage = usage if isinstance(usage, dict) else {}
+
+    def detail(part: str, name: str) -> int:
+        details = usage.get(part)
+        return _count(details.get(name))[0] if isinstance(details, dict) else 0
+    return detail("prompt_tokens_details", "cached_tokens"), detail("completion_tokens_details", "reasoning_tokens")
+
+
 def _count(value: object) -> tuple[int, bool]:
     if value is None:
         return 0, True
