@@ -143,3 +143,51 @@ def test_responses_and_messages_join_text_parts_as_a_chat_message_does():
                                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
                                                                "content": blocks}]}])
     assert [turn["content"] for turn in turns] == ["Hi\nthere", "Hi\nthere", "Hi\nthere"]
+
+
+def test_developer_messages_reach_the_template_as_system_ones_as_on_the_server(llm):
+    """OpenAI's `developer` role went to the template as it was offline (an open model's template
+    knows `system`), where the server renders it as `system`: one mapping for both now."""
+    from treeserve.wire.protocol import ChatMessage
+
+    params = SamplingParams(temperature=0, max_tokens=2)
+    conversation = [{"role": "developer", "content": "Be brief"}, {"role": "user", "content": "Hi"}]
+    as_system = [{"role": "system", "content": "Be brief"}, conversation[1]]
+    got, expected = (llm.chat(c, params, use_tqdm=False, chat_template=TEMPLATE)[0] for c in (conversation, as_system))
+    assert got.prompt == expected.prompt == "<system>Be brief</system><user>Hi</user><assistant>"
+    assert conversation[0]["role"] == "developer"  # (the caller's message untouched)
+    served = [ChatMessage.model_validate(m).as_template_message() for m in conversation]
+    assert [m["role"] for m in served] == ["system", "user"]
+    assert llm.apply_chat_template(conversation, chat_template=TEMPLATE) == \
+        llm.apply_chat_template(as_system, chat_template=TEMPLATE)
+
+
+class RecordingBar:
+    """A tqdm-like class, as vLLM's `use_tqdm` takes one (a class or a functools.partial)."""
+    made: list["RecordingBar"] = []
+
+    def __init__(self, total=None, desc=None, **kwargs):
+        self.total, self.desc, self.kwargs, self.done, self.closed = total, desc, kwargs, 0, False
+        RecordingBar.made.append(self)
+
+    def update(self, n=1):
+        self.done += n
+
+    def close(self):
+        self.closed = True
+
+
+def test_use_tqdm_takes_a_callable_that_makes_the_bar_as_vllms_does(llm):
+    """(before: any callable was taken for True, and tqdm's own bar drawn instead of the caller's)"""
+    import functools
+
+    params = SamplingParams(temperature=0, max_tokens=2)
+    RecordingBar.made.clear()
+    outputs = llm.generate(["Hello", "Hi there", "Hey"], params, use_tqdm=RecordingBar)
+    assert len(outputs) == 3
+    bar, = RecordingBar.made
+    assert (bar.total, bar.desc, bar.done, bar.closed) == (3, "Processed prompts", 3, True)
+    llm.chat([[{"role": "user", "content": "Hi"}]] * 2, params, chat_template=TEMPLATE,
+             use_tqdm=functools.partial(RecordingBar, leave=False))
+    assert RecordingBar.made[-1].done == 2 and RecordingBar.made[-1].kwargs["leave"] is False
+    assert_no_leak(llm.engine)

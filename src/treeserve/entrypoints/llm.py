@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from tqdm import tqdm
 
@@ -15,6 +15,7 @@ from treeserve.outputs import RequestOutput
 from treeserve.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
+ProgressBar = bool | Callable[..., tqdm]  # vLLM's use_tqdm: on/off, or what makes the bar (a tqdm-like class, a partial)
 POOLING_CALLS = frozenset({"embed", "encode", "classify", "reward", "score"})  # vLLM's, for pooling models
 # the keys of vLLM's TextPrompt / TokensPrompt / EmbedsPrompt that change what is generated and that
 # treeserve has no use for (multimodal inputs, embeddings instead of tokens, encoder-decoder prompts)
@@ -67,7 +68,7 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: ProgressBar = True) -> list[RequestOutput]:
         prompt_list = _as_prompt_list(prompts)
         params_list = self._params_per_prompt(sampling_params, len(prompt_list))
         encoded = [self._encode(p) for p in prompt_list]
@@ -77,7 +78,7 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             use_tqdm: ProgressBar = True, add_generation_prompt: bool = True,
              chat_template: str | None = None, tools: list[dict] | None = None,
              continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Each conversation through the chat template (with `tools`, OpenAI's tool definitions,
@@ -141,10 +142,10 @@ class LLM:
             return None, list(prompt), None
         raise ParamError("prompt", f"expected a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
-    def _run(self, items, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, items, use_tqdm: ProgressBar) -> list[RequestOutput]:
         ids: list[str] = []
         finished: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(items), desc="Processed prompts", disable=not use_tqdm or len(items) < 2)
+        bar = _progress_bar(use_tqdm, len(items))
 
         def on_output(output: RequestOutput) -> None:
             if output.finished:
@@ -164,6 +165,14 @@ class LLM:
         finally:
             bar.close()
         return [finished[i] for i in ids]
+
+
+def _progress_bar(use_tqdm: ProgressBar, total: int):
+    """The bar counting finished prompts: tqdm's (shown for two prompts or more) where `use_tqdm` is
+    a bool, else the one the callable makes, as vLLM's LLM.generate calls it."""
+    if callable(use_tqdm):
+        return use_tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
+    return tqdm(total=total, desc="Processed prompts", disable=not use_tqdm or total < 2)
 
 
 def _as_prompt_list(prompts) -> list[PromptType]:
