@@ -191,3 +191,36 @@ def test_use_tqdm_takes_a_callable_that_makes_the_bar_as_vllms_does(llm):
              use_tqdm=functools.partial(RecordingBar, leave=False))
     assert RecordingBar.made[-1].done == 2 and RecordingBar.made[-1].kwargs["leave"] is False
     assert_no_leak(llm.engine)
+
+
+def test_vllm_engine_arguments_that_change_nothing_here_are_taken_the_rest_named(llama_dir):
+    """vLLM's examples pass `disable_log_stats`, `enable_chunked_prefill`, `swap_space`, ...: each was
+    a TypeError from EngineConfig's constructor. Those meaning what treeserve does anyway are taken; a
+    value it would not honour, or an unknown name, is a ParamError naming it."""
+    habits = dict(disable_log_stats=True, enable_chunked_prefill=True, swap_space=4, tokenizer_mode="auto",
+                  revision=None, enable_lora=False)
+    llm = LLM(str(llama_dir), **OPTIONS, **habits)
+    assert llm.generate("Hello", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+    for name, value in (("enable_chunked_prefill", False), ("tokenizer_mode", "mistral"), ("revision", "v2"),
+                        ("enable_lora", True), ("max_num_seq", 8)):
+        with pytest.raises(ParamError, match=f"^{name}: "):
+            LLM(str(llama_dir), **OPTIONS, **{name: value})
+
+
+def test_generate_takes_vllms_priority_and_a_none_lora_request(llama_dir):
+    """(`priority=` and `lora_request=None`, vLLM's LLM.generate arguments, were TypeErrors)"""
+    llm = LLM(str(llama_dir), **(OPTIONS | {"max_num_seqs": 1}))
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [1, 5, 9 + i]} for i in range(3)]
+    outputs = llm.generate(prompts, params, use_tqdm=False, priority=[2, 0, 1], lora_request=None)
+    order = sorted(range(3), key=lambda i: outputs[i].metrics.first_scheduled_time)
+    assert order == [1, 2, 0]  # one at a time (max_num_seqs=1): the lowest priority value first, as vLLM
+    plain = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in plain]
+    for bad in ([0, 1], "high", [0, 1.5, 2]):
+        with pytest.raises(ParamError, match="priority"):
+            llm.generate(prompts, params, use_tqdm=False, priority=bad)
+    with pytest.raises(ParamError, match="lora_request"):
+        llm.chat([{"role": "user", "content": "Hi"}], params, use_tqdm=False, lora_request=object(),
+                 chat_template=TEMPLATE)
+    assert_no_leak(llm.engine)

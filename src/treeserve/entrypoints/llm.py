@@ -11,6 +11,7 @@ from treeserve.config import EngineConfig
 from treeserve.engine.engine_loop import EngineLoop
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.entrypoints.chat_utils import render_chat, template_messages
+from treeserve.entrypoints.engine_args import config_fields
 from treeserve.outputs import RequestOutput
 from treeserve.sampling_params import SamplingParams
 
@@ -25,9 +26,10 @@ UNSUPPORTED_PROMPT_KEYS = ("multi_modal_data", "mm_processor_kwargs", "multi_mod
 
 class LLM:
     def __init__(self, model: str, trust_remote_code: bool = False, **engine_options: Any):
-        """`engine_options`: EngineConfig's fields. `trust_remote_code` (vLLM's) is taken and has no
-        effect: no model code is ever loaded from a checkpoint (every architecture is built in)."""
-        self.engine = LLMEngine.from_config(EngineConfig(model=model, **engine_options))
+        """`engine_options`: EngineConfig's fields, and vLLM's arguments whose meaning is what treeserve
+        does anyway (engine_args.py). `trust_remote_code` (vLLM's) is taken and has no effect: no model
+        code is ever loaded from a checkpoint (every architecture is built in)."""
+        self.engine = LLMEngine.from_config(EngineConfig(model=model, **config_fields(engine_options)))
         self.loop = EngineLoop(self.engine)
         self._ids = itertools.count()
 
@@ -68,17 +70,22 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: ProgressBar = True) -> list[RequestOutput]:
+                 use_tqdm: ProgressBar = True, lora_request: None = None,
+                 priority: list[int] | None = None) -> list[RequestOutput]:
+        """`priority` (vLLM's): one per prompt, a lower one admitted first. `lora_request`: None only."""
+        _no_lora(lora_request)
         prompt_list = _as_prompt_list(prompts)
         params_list = self._params_per_prompt(sampling_params, len(prompt_list))
+        priorities = _priority_per_prompt(priority, len(prompt_list))
         encoded = [self._encode(p) for p in prompt_list]
         for (_, token_ids, _), params in zip(encoded, params_list):  # validate everything before scheduling
             self.engine.validate_prompt(token_ids)
-        return self._run([(text, ids, salt, params) for (text, ids, salt), params in zip(encoded, params_list)], use_tqdm)
+        return self._run([(text, ids, salt, params, rank) for (text, ids, salt), params, rank
+                          in zip(encoded, params_list, priorities)], use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: ProgressBar = True, add_generation_prompt: bool = True,
+             use_tqdm: ProgressBar = True, lora_request: None = None, add_generation_prompt: bool = True,
              chat_template: str | None = None, tools: list[dict] | None = None,
              continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Each conversation through the chat template (with `tools`, OpenAI's tool definitions,
@@ -90,7 +97,7 @@ class LLM:
                               chat_template_kwargs) for c in conversations]
         prompts = [{"prompt": text, "prompt_token_ids": self.engine.tokenizer.encode(text, add_special_tokens=False)}
                    for text in texts]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
                             chat_template: str | None = None, tools: list[dict] | None = None,
@@ -152,10 +159,10 @@ class LLM:
                 finished[output.request_id] = output
                 bar.update(1)
         try:
-            for text, token_ids, salt, params in items:
+            for text, token_ids, salt, params, priority in items:
                 request_id = str(next(self._ids))
                 self.loop.add_request(self.engine, request_id, token_ids, params, on_output, prompt=text,
-                                      cache_salt=salt, final_only=True)
+                                      cache_salt=salt, priority=priority, final_only=True)
                 ids.append(request_id)
             self.loop.run_until(lambda: len(finished) == len(ids))
         except BaseException:
@@ -165,6 +172,22 @@ class LLM:
         finally:
             bar.close()
         return [finished[i] for i in ids]
+
+
+def _no_lora(lora_request) -> None:
+    if lora_request is not None:
+        raise ParamError("lora_request", "LoRA adapters are not supported: leave lora_request out (or None)")
+
+
+def _priority_per_prompt(priority, count: int) -> list[int]:
+    if priority is None:
+        return [0] * count
+    if not isinstance(priority, (list, tuple)) or not all(isinstance(p, int) and not isinstance(p, bool)
+                                                          for p in priority):
+        raise ParamError("priority", f"expected a list of integers, one per prompt, got {priority!r:.80}")
+    if len(priority) != count:
+        raise ParamError("priority", f"got {len(priority)} for {count} prompts; give one per prompt")
+    return list(priority)
 
 
 def _progress_bar(use_tqdm: ProgressBar, total: int):
