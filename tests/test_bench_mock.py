@@ -156,3 +156,76 @@ def test_the_closing_line_names_what_the_run_directory_holds(mock_url, tmp_path,
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("run directory:"))
     assert ("report.md" in line) == plots and ("plots" in line) == plots, line
     assert all(name in line for name in ("summary.json", "requests.jsonl", "telemetry.csv")), line
+
+
+def test_a_bench_started_before_its_server_waits_for_it(tmp_path, capsys):
+    """`bench serve` right after `treeserve serve`, still loading: it waits for GET /v1/models, as
+    `vllm bench serve --ready-check-timeout-sec` does (before, it failed at once: cannot reach)."""
+    import threading
+
+    from treeserve.bench.overhead import running_mock_server
+
+    port, started, stop = free_port(), threading.Event(), threading.Event()
+
+    def server_loads_then_serves():
+        stop.wait(1.5)  # (the model loading)
+        with running_mock_server(port, ttft_ms=5, itl_ms=1):
+            started.set()
+            stop.wait(60)
+
+    server = threading.Thread(target=server_loads_then_serves)
+    server.start()
+    try:
+        assert main(["bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--out", str(tmp_path / "run"),
+                     "--num-requests", "2", "--input-len", "8", "--output-len", "2", "--no-plots",
+                     "--ready-check-timeout-sec", "60"]) == 0
+    finally:
+        stop.set()
+        server.join(timeout=30)
+    assert started.is_set()
+    err = capsys.readouterr().err
+    assert f"waiting for http://127.0.0.1:{port} to be ready" in err and "is ready after" in err, err
+
+
+@pytest.mark.parametrize("timeout", ["1", "0"])
+def test_a_server_that_never_comes_up_is_a_clear_error_after_the_timeout(tmp_path, capsys, timeout):
+    import time
+
+    url = f"http://127.0.0.1:{free_port()}"
+    began = time.monotonic()
+    assert main(["bench", "serve", "--base-url", url, "--out", str(tmp_path / "run"),
+                 "--ready-check-timeout-sec", timeout]) == 2
+    assert time.monotonic() - began >= float(timeout)
+    err = capsys.readouterr().err
+    assert f"error: base_url: {url} was not ready" in err and "--ready-check-timeout-sec" in err, err
+    assert ("waiting for" in err) == (timeout != "0"), err  # 0: one try, no waiting (and no progress lines)
+
+
+def test_a_wrong_api_key_fails_at_once_without_waiting(tmp_path):
+    """401 will not change by waiting: the 600 s default must not be spent on it."""
+    import asyncio
+    import time
+
+    from aiohttp import web
+
+    from treeserve.bench.ready import served_models
+
+    async def refuse(request):
+        return web.json_response({"error": "bad key"}, status=401)
+
+    async def scenario():
+        app = web.Application()
+        app.router.add_get("/v1/models", refuse)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            began = time.monotonic()
+            with pytest.raises(ValueError, match="answered 401.*--api-key"):
+                await served_models(f"http://127.0.0.1:{port}", "wrong", timeout_s=600)
+            assert time.monotonic() - began < 5
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(scenario())

@@ -143,3 +143,84 @@ def test_responses_and_messages_join_text_parts_as_a_chat_message_does():
                                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
                                                                "content": blocks}]}])
     assert [turn["content"] for turn in turns] == ["Hi\nthere", "Hi\nthere", "Hi\nthere"]
+
+
+def test_developer_messages_reach_the_template_as_system_ones_as_on_the_server(llm):
+    """OpenAI's `developer` role went to the template as it was offline (an open model's template
+    knows `system`), where the server renders it as `system`: one mapping for both now."""
+    from treeserve.wire.protocol import ChatMessage
+
+    params = SamplingParams(temperature=0, max_tokens=2)
+    conversation = [{"role": "developer", "content": "Be brief"}, {"role": "user", "content": "Hi"}]
+    as_system = [{"role": "system", "content": "Be brief"}, conversation[1]]
+    got, expected = (llm.chat(c, params, use_tqdm=False, chat_template=TEMPLATE)[0] for c in (conversation, as_system))
+    assert got.prompt == expected.prompt == "<system>Be brief</system><user>Hi</user><assistant>"
+    assert conversation[0]["role"] == "developer"  # (the caller's message untouched)
+    served = [ChatMessage.model_validate(m).as_template_message() for m in conversation]
+    assert [m["role"] for m in served] == ["system", "user"]
+    assert llm.apply_chat_template(conversation, chat_template=TEMPLATE) == \
+        llm.apply_chat_template(as_system, chat_template=TEMPLATE)
+
+
+class RecordingBar:
+    """A tqdm-like class, as vLLM's `use_tqdm` takes one (a class or a functools.partial)."""
+    made: list["RecordingBar"] = []
+
+    def __init__(self, total=None, desc=None, **kwargs):
+        self.total, self.desc, self.kwargs, self.done, self.closed = total, desc, kwargs, 0, False
+        RecordingBar.made.append(self)
+
+    def update(self, n=1):
+        self.done += n
+
+    def close(self):
+        self.closed = True
+
+
+def test_use_tqdm_takes_a_callable_that_makes_the_bar_as_vllms_does(llm):
+    """(before: any callable was taken for True, and tqdm's own bar drawn instead of the caller's)"""
+    import functools
+
+    params = SamplingParams(temperature=0, max_tokens=2)
+    RecordingBar.made.clear()
+    outputs = llm.generate(["Hello", "Hi there", "Hey"], params, use_tqdm=RecordingBar)
+    assert len(outputs) == 3
+    bar, = RecordingBar.made
+    assert (bar.total, bar.desc, bar.done, bar.closed) == (3, "Processed prompts", 3, True)
+    llm.chat([[{"role": "user", "content": "Hi"}]] * 2, params, chat_template=TEMPLATE,
+             use_tqdm=functools.partial(RecordingBar, leave=False))
+    assert RecordingBar.made[-1].done == 2 and RecordingBar.made[-1].kwargs["leave"] is False
+    assert_no_leak(llm.engine)
+
+
+def test_vllm_engine_arguments_that_change_nothing_here_are_taken_the_rest_named(llama_dir):
+    """vLLM's examples pass `disable_log_stats`, `enable_chunked_prefill`, `swap_space`, ...: each was
+    a TypeError from EngineConfig's constructor. Those meaning what treeserve does anyway are taken; a
+    value it would not honour, or an unknown name, is a ParamError naming it."""
+    habits = dict(disable_log_stats=True, enable_chunked_prefill=True, swap_space=4, tokenizer_mode="auto",
+                  revision=None, enable_lora=False)
+    llm = LLM(str(llama_dir), **OPTIONS, **habits)
+    assert llm.generate("Hello", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+    for name, value in (("enable_chunked_prefill", False), ("tokenizer_mode", "mistral"), ("revision", "v2"),
+                        ("enable_lora", True), ("max_num_seq", 8)):
+        with pytest.raises(ParamError, match=f"^{name}: "):
+            LLM(str(llama_dir), **OPTIONS, **{name: value})
+
+
+def test_generate_takes_vllms_priority_and_a_none_lora_request(llama_dir):
+    """(`priority=` and `lora_request=None`, vLLM's LLM.generate arguments, were TypeErrors)"""
+    llm = LLM(str(llama_dir), **(OPTIONS | {"max_num_seqs": 1}))
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [1, 5, 9 + i]} for i in range(3)]
+    outputs = llm.generate(prompts, params, use_tqdm=False, priority=[2, 0, 1], lora_request=None)
+    order = sorted(range(3), key=lambda i: outputs[i].metrics.first_scheduled_time)
+    assert order == [1, 2, 0]  # one at a time (max_num_seqs=1): the lowest priority value first, as vLLM
+    plain = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in plain]
+    for bad in ([0, 1], "high", [0, 1.5, 2]):
+        with pytest.raises(ParamError, match="priority"):
+            llm.generate(prompts, params, use_tqdm=False, priority=bad)
+    with pytest.raises(ParamError, match="lora_request"):
+        llm.chat([{"role": "user", "content": "Hi"}], params, use_tqdm=False, lora_request=object(),
+                 chat_template=TEMPLATE)
+    assert_no_leak(llm.engine)

@@ -10,7 +10,7 @@ from pathlib import Path
 SERVE_OPTIONS = ("base_url", "model", "api_key", "out", "endpoint", "stream", "dataset", "dataset_path", "input_len",
                  "output_len", "range_ratio", "shared_prefix_len", "shared_prefix_groups", "vocab_size", "tokenizer",
                  "concurrency", "request_rate", "burstiness", "num_requests", "duration", "warmup", "seed", "goodput",
-                 "ignore_eos", "temperature", "telemetry_interval", "plots")
+                 "ignore_eos", "temperature", "telemetry_interval", "plots", "ready_check_timeout_sec")
 
 
 def add_bench_parsers(sub) -> None:
@@ -74,6 +74,9 @@ def _add_serve_parser(kinds) -> None:
     serve.add_argument("--temperature", type=float, default=0.0)
     serve.add_argument("--telemetry-interval", type=float, default=0.2, help="seconds between /metrics scrapes")
     serve.add_argument("--plots", action=argparse.BooleanOptionalAction, default=True)
+    serve.add_argument("--ready-check-timeout-sec", type=float, default=600,
+                       help="wait up to this long for a server still loading (GET /v1/models), as vLLM's; "
+                            "0: no waiting")
     for option, answer in VLLM_ONLY_OPTIONS.items():
         serve.add_argument(option, nargs="?", action=_NotHere, help=argparse.SUPPRESS, answer=answer)
     serve.set_defaults(func=cmd_serve)

@@ -6,7 +6,6 @@ arrival. Output token counts come from the final `usage` (asked for with
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import time
@@ -203,20 +202,3 @@ def apply_usage(record: RequestRecord, usage: dict | None, counted: int | None) 
             record.rejected_draft_tokens = details.get("rejected_prediction_tokens") or 0
     if record.output_tokens is None and counted is not None:
         record.output_tokens, record.output_tokens_counted = counted, True
-
-
-async def first_model(base_url: str, api_key: str | None) -> str:
-    """The first model the server lists at /v1/models."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30.0)) as session, \
-                session.get(f"{base_url.rstrip('/')}/v1/models", headers=headers) as response:
-            status, text = response.status, await response.text()
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        raise ParamError("base_url", f"cannot reach {base_url} ({type(exc).__name__}: {exc})") from exc
-    if status != 200:
-        raise ParamError("base_url", f"GET /v1/models answered {status}: {text[:200]}")
-    models = json.loads(text).get("data") or []
-    if not models:
-        raise ParamError("base_url", f"{base_url} serves no models")
-    return models[0]["id"]

@@ -17,10 +17,11 @@ import aiohttp
 
 from treeserve import jsonl
 from treeserve.bench import metrics
-from treeserve.bench.client import ClientPool, Clock, Endpoint, RequestRecord, first_model
+from treeserve.bench.client import ClientPool, Clock, Endpoint, RequestRecord
 from treeserve.bench.datasets import DatasetSpec, sample_requests, tokenizer_vocab_size
 from treeserve.bench.load import LoadLevel, run_level, sweep_levels
 from treeserve.bench.loop_lag import LoopLagProbe
+from treeserve.bench.ready import DEFAULT_READY_TIMEOUT_S, served_models
 from treeserve.bench.report import render_level_line, write_report
 from treeserve.bench.telemetry import DEFAULT_INTERVAL_S, TelemetryRecorder, parse_prometheus
 from treeserve.errors import ParamError
@@ -58,6 +59,7 @@ class BenchConfig:
     telemetry_interval: float = DEFAULT_INTERVAL_S
     server_pid: int | None = None
     plots: bool = True
+    ready_check_timeout_sec: float = DEFAULT_READY_TIMEOUT_S  # wait this long for a server still loading; 0: not at all
 
     def __post_init__(self):
         for name, kind in LIST_FIELDS.items():
@@ -70,6 +72,9 @@ class BenchConfig:
             raise ParamError("endpoint", "the random dataset sends token ids, which only 'completions' accepts")
         if self.num_requests < 1 or self.warmup < 0:
             raise ValueError(f"num_requests must be >= 1 and warmup >= 0, got {self.num_requests}/{self.warmup}")
+        if self.ready_check_timeout_sec < 0:
+            raise ParamError("ready_check_timeout_sec", f"must be >= 0 seconds (0: no waiting), "
+                                                        f"got {self.ready_check_timeout_sec}")
         if self.duration is not None and self.duration <= 0:
             raise ParamError("duration", f"must be > 0 seconds, got {self.duration}")
         self.slos = metrics.parse_goodput(self.goodput)
@@ -142,7 +147,8 @@ def run_benchmark(config: BenchConfig) -> dict:
 async def _run(config: BenchConfig, log: RunLog) -> dict:
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
-    model = config.model or await first_model(config.base_url, config.api_key)
+    models = await served_models(config.base_url, config.api_key, config.ready_check_timeout_sec)
+    model = config.model or models[0]
     endpoint = Endpoint(config.base_url, model, config.endpoint, config.stream, config.api_key,
                         config.ignore_eos, config.temperature)
     clock = Clock()

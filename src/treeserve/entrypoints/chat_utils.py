@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 from treeserve.errors import ParamError
+from treeserve.template_roles import template_role
 from treeserve.tool_arguments import parse_arguments
 
 logger = logging.getLogger(__name__)
@@ -83,7 +84,8 @@ def _render_parameters(tokenizer) -> frozenset[str]:
 
 def template_messages(conversation: list[dict]) -> list[dict]:
     """Messages as OpenAI's client writes them, made what chat templates read (as vLLM's `LLM.chat`
-    does): a content given as parts becomes their texts joined by newlines, and an assistant's
+    does): a `developer` message becomes a `system` one (as the server's, template_roles.py), a
+    content given as parts becomes their texts joined by newlines, and an assistant's
     tool-call arguments (JSON text) become the object HF templates expect. The caller's dicts are
     left as they are; ParamError names what no text model can render."""
     if not isinstance(conversation, (list, tuple)):
@@ -95,6 +97,8 @@ def _template_message(message, where: str) -> dict:
     if not isinstance(message, dict):
         raise ParamError(where, f"expected a message dict with role and content, got {type(message).__name__}")
     message = dict(message)
+    if "role" in message:
+        message["role"] = template_role(message["role"])
     if isinstance(message.get("content"), (list, tuple)):
         message["content"] = "\n".join(_part_text(part, f"{where}.content[{j}]")
                                        for j, part in enumerate(message["content"]))

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from tqdm import tqdm
 
@@ -11,10 +11,12 @@ from treeserve.config import EngineConfig
 from treeserve.engine.engine_loop import EngineLoop
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.entrypoints.chat_utils import render_chat, template_messages
+from treeserve.entrypoints.engine_args import config_fields
 from treeserve.outputs import RequestOutput
 from treeserve.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
+ProgressBar = bool | Callable[..., tqdm]  # vLLM's use_tqdm: on/off, or what makes the bar (a tqdm-like class, a partial)
 POOLING_CALLS = frozenset({"embed", "encode", "classify", "reward", "score"})  # vLLM's, for pooling models
 # the keys of vLLM's TextPrompt / TokensPrompt / EmbedsPrompt that change what is generated and that
 # treeserve has no use for (multimodal inputs, embeddings instead of tokens, encoder-decoder prompts)
@@ -24,9 +26,10 @@ UNSUPPORTED_PROMPT_KEYS = ("multi_modal_data", "mm_processor_kwargs", "multi_mod
 
 class LLM:
     def __init__(self, model: str, trust_remote_code: bool = False, **engine_options: Any):
-        """`engine_options`: EngineConfig's fields. `trust_remote_code` (vLLM's) is taken and has no
-        effect: no model code is ever loaded from a checkpoint (every architecture is built in)."""
-        self.engine = LLMEngine.from_config(EngineConfig(model=model, **engine_options))
+        """`engine_options`: EngineConfig's fields, and vLLM's arguments whose meaning is what treeserve
+        does anyway (engine_args.py). `trust_remote_code` (vLLM's) is taken and has no effect: no model
+        code is ever loaded from a checkpoint (every architecture is built in)."""
+        self.engine = LLMEngine.from_config(EngineConfig(model=model, **config_fields(engine_options)))
         self.loop = EngineLoop(self.engine)
         self._ids = itertools.count()
 
@@ -67,17 +70,22 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: ProgressBar = True, lora_request: None = None,
+                 priority: list[int] | None = None) -> list[RequestOutput]:
+        """`priority` (vLLM's): one per prompt, a lower one admitted first. `lora_request`: None only."""
+        _no_lora(lora_request)
         prompt_list = _as_prompt_list(prompts)
         params_list = self._params_per_prompt(sampling_params, len(prompt_list))
+        priorities = _priority_per_prompt(priority, len(prompt_list))
         encoded = [self._encode(p) for p in prompt_list]
         for (_, token_ids, _), params in zip(encoded, params_list):  # validate everything before scheduling
             self.engine.validate_prompt(token_ids)
-        return self._run([(text, ids, salt, params) for (text, ids, salt), params in zip(encoded, params_list)], use_tqdm)
+        return self._run([(text, ids, salt, params, rank) for (text, ids, salt), params, rank
+                          in zip(encoded, params_list, priorities)], use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             use_tqdm: ProgressBar = True, lora_request: None = None, add_generation_prompt: bool = True,
              chat_template: str | None = None, tools: list[dict] | None = None,
              continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Each conversation through the chat template (with `tools`, OpenAI's tool definitions,
@@ -89,7 +97,7 @@ class LLM:
                               chat_template_kwargs) for c in conversations]
         prompts = [{"prompt": text, "prompt_token_ids": self.engine.tokenizer.encode(text, add_special_tokens=False)}
                    for text in texts]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
                             chat_template: str | None = None, tools: list[dict] | None = None,
@@ -141,20 +149,20 @@ class LLM:
             return None, list(prompt), None
         raise ParamError("prompt", f"expected a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
-    def _run(self, items, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, items, use_tqdm: ProgressBar) -> list[RequestOutput]:
         ids: list[str] = []
         finished: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(items), desc="Processed prompts", disable=not use_tqdm or len(items) < 2)
+        bar = _progress_bar(use_tqdm, len(items))
 
         def on_output(output: RequestOutput) -> None:
             if output.finished:
                 finished[output.request_id] = output
                 bar.update(1)
         try:
-            for text, token_ids, salt, params in items:
+            for text, token_ids, salt, params, priority in items:
                 request_id = str(next(self._ids))
                 self.loop.add_request(self.engine, request_id, token_ids, params, on_output, prompt=text,
-                                      cache_salt=salt, final_only=True)
+                                      cache_salt=salt, priority=priority, final_only=True)
                 ids.append(request_id)
             self.loop.run_until(lambda: len(finished) == len(ids))
         except BaseException:
@@ -164,6 +172,30 @@ class LLM:
         finally:
             bar.close()
         return [finished[i] for i in ids]
+
+
+def _no_lora(lora_request) -> None:
+    if lora_request is not None:
+        raise ParamError("lora_request", "LoRA adapters are not supported: leave lora_request out (or None)")
+
+
+def _priority_per_prompt(priority, count: int) -> list[int]:
+    if priority is None:
+        return [0] * count
+    if not isinstance(priority, (list, tuple)) or not all(isinstance(p, int) and not isinstance(p, bool)
+                                                          for p in priority):
+        raise ParamError("priority", f"expected a list of integers, one per prompt, got {priority!r:.80}")
+    if len(priority) != count:
+        raise ParamError("priority", f"got {len(priority)} for {count} prompts; give one per prompt")
+    return list(priority)
+
+
+def _progress_bar(use_tqdm: ProgressBar, total: int):
+    """The bar counting finished prompts: tqdm's (shown for two prompts or more) where `use_tqdm` is
+    a bool, else the one the callable makes, as vLLM's LLM.generate calls it."""
+    if callable(use_tqdm):
+        return use_tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
+    return tqdm(total=total, desc="Processed prompts", disable=not use_tqdm or total < 2)
 
 
 def _as_prompt_list(prompts) -> list[PromptType]:

@@ -7,6 +7,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from treeserve.errors import ParamError
 from treeserve.sampling_params import SamplingParams, StructuredOutputsParams
+from treeserve.template_roles import template_role
 from treeserve.tool_arguments import parse_arguments
 from treeserve.wire.sampling_fields import request_fields, sampling_values
 
@@ -237,8 +238,7 @@ class ChatMessage(BaseModel):
         content = self.content
         if isinstance(content, list):  # (joined by newlines, as vLLM's, and LLM.chat's)
             content = "\n".join(part.text for part in content)
-        role = "system" if self.role == "developer" else self.role
-        message = {"role": role, "content": content or ""}
+        message = {"role": template_role(self.role), "content": content or ""}
         if self.tool_calls:
             if self.role != "assistant":
                 raise ParamError(f"{where}.tool_calls", f"only assistant messages carry tool calls, not {self.role}")
