@@ -87,3 +87,21 @@ def test_anchors_merged_into_a_mapping_and_null_timeouts_still_load(tmp_path):
     backends = config.models["m"].backends
     assert [b.url for b in backends] == ["http://h:1", "http://h:2"]
     assert all(b.timeout is None and b.connect_timeout is None for b in backends)
+
+
+def test_gateway_help_names_each_default_the_config_takes():
+    """`treeserve gateway --help` says what a flag left out means: the routing, retries and health
+    interval a gateway without them uses (GatewayConfig's defaults)."""
+    import argparse
+
+    from treeserve.cli_gateway import add_gateway_parsers
+    from treeserve.gateway.config import GatewayConfig
+
+    parser = argparse.ArgumentParser()
+    add_gateway_parsers(parser.add_subparsers(dest="command"))
+    gateway = parser._subparsers._group_actions[0].choices["gateway"]
+    helps = {action.dest: action.help or "" for action in gateway._actions}
+    defaults = GatewayConfig(models={})
+    assert f"default {defaults.routing}" in helps["routing"]
+    assert f"default {defaults.retries}" in helps["retries"]
+    assert f"default {defaults.health_interval:g}" in helps["health_interval"]

@@ -30,7 +30,8 @@ def add_gateway_parsers(sub) -> None:
                          "working directory; postgresql+psycopg://user:pass@host/db for production)")
     gateway.add_argument("--host", default="127.0.0.1")
     gateway.add_argument("--port", type=port, default=4000)
-    gateway.add_argument("--routing", choices=["round_robin", "least_outstanding", "affinity"])
+    gateway.add_argument("--routing", choices=["round_robin", "least_outstanding", "affinity"],
+                         help="how a request picks among a model's replicas (default least_outstanding)")
     gateway.add_argument("--retries", type=int, help="further backends to try before a first byte (default 2)")
     gateway.add_argument("--health-interval", type=float, help="seconds between health checks (default 5; 0: off)")
     gateway.add_argument("--shutdown-timeout", type=float, help="on SIGTERM or SIGINT, seconds the requests in flight "

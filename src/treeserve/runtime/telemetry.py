@@ -23,7 +23,9 @@ class TelemetryTrace:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: TextIO = self.path.open("w", encoding="utf-8")
+        # line-buffered: each step's line is readable at once (a plot or `tail -f` while the runtime runs);
+        # one write a line is nothing beside a step
+        self._file: TextIO = self.path.open("w", encoding="utf-8", buffering=1)
         self._start = time.monotonic()
 
     def observe(self, engine: LLMEngine, outputs=None) -> None:
