@@ -194,11 +194,25 @@ def test_the_chat_page_end_to_end(stack, browser, shots):
     received = [b for path, b in tap.bodies if path == "/v1/chat/completions"][-1]
     assert [m["role"] for m in received["messages"]][:2] == ["system", "user"] and len(received["messages"]) < 6
     left_out = driver.find_elements(*by("message-assistant"))[-1].find_element(*by("left-out")).text
-    assert left_out.endswith("earlier messages left out") and not last_answer(driver).startswith("max_tokens")
+    n = 6 - len(received["messages"])  # (sent: the system prompt, 4 earlier messages, the new one)
+    assert left_out == f"· {n} earlier message{'s' if n > 1 else ''} left out", left_out
+    assert not last_answer(driver).startswith("max_tokens")
+    assert len(driver.find_elements(*by("left-out"))) == 1  # only where messages were left out
+    # the notice is text: one message is said so, and what is not a count shows nothing and runs nothing
+    notices = driver.execute_script("""return [1, 0, '<img src=x onerror="window.__xss=4">'].map((n) => {
+        const shown = renderMessage({role: 'assistant', content: '', mode: 'chat', details: {left_out: n}});
+        return [shown.querySelector('[data-testid="left-out"]')?.textContent ?? null, shown.querySelectorAll('img').length];
+        })""")
+    assert notices == [[" · 1 earlier message left out", 0], [None, 0], [None, 0]], notices
     set_field(driver, "settings-max-tokens", "8000")
-    send(driver, "Start with 9 and work modulo 100. Step 1: + 1. What is the result?")
+    too_long = "Start with 9 and work modulo 100. Step 1: + 1. What is the result?"
+    send(driver, too_long)
     error = driver.find_elements(*by("message-assistant"))[-1].find_element("css selector", ".error").text
     assert "does not fit arith-gen's context of 512 tokens" in error, error
+    # the message stays in the conversation, and is given back in the box to shorten
+    assert driver.find_elements(*by("message-user"))[-1].find_element(*by("message-content")).text == too_long
+    assert driver.find_element(*by("message-input")).get_attribute("value") == too_long
+    driver.find_element(*by("message-input")).clear()
     set_field(driver, "settings-max-tokens", "96")
     send(driver, "Start with 9 and work modulo 100. Step 1: + 2. What is the result?")
     assert last_answer(driver) and not driver.find_elements(*by("message-assistant"))[-1].find_elements(

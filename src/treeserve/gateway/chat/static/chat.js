@@ -270,9 +270,10 @@ function renderMessage(message) {
   const details = message.details || {};
   if (details.search) node.append(renderSearch(details.search));
   if (details.tool) node.append(renderTool(details.tool, details.router));
-  if (details.left_out) {
+  const leftOut = Number(details.left_out) || 0;
+  if (leftOut > 0) {
     meta.append(el("span", { class: "left-out", "data-testid": "left-out", title: "left out so that the prompt and "
-      + "max tokens fit the model's context", text: ` · ${details.left_out} earlier messages left out` }));
+      + "max tokens fit the model's context", text: ` · ${leftOut} earlier message${leftOut === 1 ? "" : "s"} left out` }));
   }
   if (details.status === "stopped") node.append(el("div", { class: "flag", text: "stopped" }));
   if (details.error) node.append(el("div", { class: "error", text: details.error }));
@@ -383,7 +384,11 @@ async function send(event) {
       throw refusal;
     }
     if (input.value === content) input.value = "";  // (kept until the message is taken: a refusal loses nothing)
-    await readEvents(response, (e) => onEvent(e, live));
+    await readEvents(response, (e) => {
+      onEvent(e, live);
+      // a message too long for the model's context stays in the conversation and is given back to shorten
+      if (e.type === "error" && e.code === "context_length_exceeded" && !input.value) input.value = content;
+    });
   } catch (error) {
     if (error.name === "AbortError") stopped(live, conversation.id);
     else if (error.status !== 401) {
