@@ -320,6 +320,22 @@ def test_the_chat_page_end_to_end(stack, browser, shots):
     time.sleep(1.5)
     assert scripted.state.finished == finished  # its stream never ran to the end
 
+    # deleting the conversation an answer streams into stops the answer: Send is free again at once
+    # (it used to stay disabled, the model writing on, until the whole answer was done)
+    echo_url = driver.current_url
+    driver.find_element(*by("message-input")).send_keys("slowly: " + "seven eight nine ten " * 12)
+    driver.find_element(*by("send")).click()
+    wait(driver, lambda d: d.find_elements("css selector", ".message.streaming"))
+    driver.find_element(*by("delete-chat")).click()
+    driver.switch_to.alert.accept()
+    wait(driver, lambda d: d.current_url.endswith("/chat") and d.find_element(*by("send")).is_enabled()
+         and not d.find_elements(*by("message-assistant")), timeout=3)
+    listed = driver.execute_async_script("""fetch('/chat/api/conversations').then((r) => r.json())
+        .then((body) => arguments[0](body.conversations.map((c) => c.id)))""")
+    assert echo_url.rsplit("/", 1)[1] not in listed and conversation_id in listed
+    time.sleep(1.5)
+    assert scripted.state.finished == finished
+
     # a phone's width: one column, nothing wider than the screen; the conversations open from ☰
     driver.set_window_size(390, 844)
     wait(driver, lambda d: d.find_element(*by("toggle-sidebar")).is_displayed())

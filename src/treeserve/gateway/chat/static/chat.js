@@ -5,7 +5,7 @@
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const state = { me: null, csrf: "", conversation: null, controller: null, saving: null };
+const state = { me: null, csrf: "", conversation: null, controller: null, streamingIn: null, saving: null };
 const FIELDS = {
   temperature: ["settings-temperature", Number], top_p: ["settings-top-p", Number],
   repetition_penalty: ["settings-repetition-penalty", Number], max_tokens: ["settings-max-tokens", Number],
@@ -209,10 +209,20 @@ async function renameConversation() {
 }
 
 async function deleteConversation() {
-  if (!state.conversation || !confirm(`Delete "${state.conversation.title}"?`)) return;
-  await api("DELETE", `/chat/api/conversations/${state.conversation.id}`);
+  const conversation = state.conversation;
+  if (!conversation || !confirm(`Delete "${conversation.title}"?`)) return;
+  stopStreamingIn(conversation.id);
+  await api("DELETE", `/chat/api/conversations/${conversation.id}`);
   navigate(null);
   await listConversations();
+}
+
+// Deleting the conversation an answer streams into stops the answer (as Stop does: nothing more is
+// generated or billed, and Send is free again at once).
+function stopStreamingIn(id) {
+  if (!state.controller || state.streamingIn !== id) return;
+  $("messages").replaceChildren();  // (nothing of it is left to show as stopped)
+  state.controller.abort();
 }
 
 // ---- settings ----------------------------------------------------------------------------------
@@ -372,6 +382,7 @@ async function send(event) {
     el("div", { class: "meta", text: `${readSettings().model} · ${readSettings().mode} …` }),
     el("div", { class: "content", "data-testid": "message-content" }));
   state.controller = new AbortController();
+  state.streamingIn = conversation.id;
   setStreaming(true);
   try {
     const response = await fetch(`/chat/api/conversations/${conversation.id}/messages`, {
@@ -397,7 +408,7 @@ async function send(event) {
     }
   } finally {
     live.classList.remove("streaming");
-    state.controller = null;
+    state.controller = state.streamingIn = null;
     setStreaming(false);
     if (state.me) refreshSidebar();
   }
