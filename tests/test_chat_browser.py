@@ -263,6 +263,12 @@ def test_the_chat_page_end_to_end(stack, browser, shots):
         assert candidate.find_element(*by("step-score-chart")).get_attribute("aria-label").startswith("step scores")
     assert "tree size" in driver.find_element(*by("search-summary")).text
     assert driver.find_element(*by("conversation-title")).get_attribute("value") == QUESTION[:60]
+    # renamed with Enter (the field keeps the focus): it shows the title as stored, as the list does
+    title = driver.find_element(*by("conversation-title"))
+    for typed, stored in (("  my   search  ", "my search"), ("", "New chat")):
+        title.send_keys(Keys.CONTROL, "a", Keys.NULL, Keys.BACKSPACE, typed, Keys.ENTER)  # (NULL lets Ctrl go)
+        wait(driver, lambda d: title.get_attribute("value") == stored and stored in
+             [i.text for i in d.find_elements(*by("conversation-item"))], timeout=10)
     driver.save_screenshot(str(shots / "chat-search.png"))
 
     # tools mode: the bundled router (treeserve chat's) picks SymPy, whose result is right

@@ -205,6 +205,7 @@ async function renameConversation() {
   if (!state.conversation) return;
   state.conversation = { ...state.conversation,
     ...await api("PATCH", `/chat/api/conversations/${state.conversation.id}`, { title: $("title").value }) };
+  $("title").value = state.conversation.title;  // as stored (spaces collapsed; an empty one is "New chat")
   await listConversations();
 }
 
