@@ -169,7 +169,8 @@ def test_a_message_too_long_for_the_context_is_kept_told_and_not_sent_again(stac
     events = send(client, conversation["id"], "What is 2 + 3?")
     assert [e["type"] for e in events] == ["user", "error", "done"], events
     assert events[1]["code"] == "context_length_exceeded"
-    assert "does not fit arith-gen's context of 512 tokens" in events[1]["message"] and "None" not in events[1]["message"]
+    told = events[1]["message"]
+    assert "does not fit arith-gen's context of 512 tokens" in told and "None" not in told
     stored = client.get(f"/chat/api/conversations/{conversation['id']}").json()
     assert [(m["role"], m["content"]) for m in stored["messages"]] == [("user", "What is 2 + 3?"), ("assistant", "")]
     assert stored["messages"][1]["details"]["error"] == events[1]["message"] and stored["title"] == "What is 2 + 3?"

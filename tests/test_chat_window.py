@@ -100,7 +100,7 @@ def test_a_window_never_starts_inside_a_tool_exchange():
                 {"role": "tool", "tool_call_id": "call_1", "content": "4"}, {"role": "assistant", "content": "a0"},
                 {"role": "user", "content": "q1"}, call, {"role": "tool", "tool_call_id": "call_1", "content": "9"},
                 {"role": "assistant", "content": "a1"}, {"role": "user", "content": "newest"}]
-    for max_tokens in range(1, 313, 13):  # every budget that fits the newest message: the kept part begins at a user message
+    for max_tokens in range(1, 313, 13):  # every budget the newest message fits: a user message begins the kept part
         window = anyio.run(fit, messages, max_tokens, "arith-gen", hundred_each)
         kept = window.messages[1:]
         assert kept[0]["role"] == "user" and len(kept) + window.left_out == len(messages) - 1, max_tokens

@@ -284,7 +284,8 @@ function renderMessage(message) {
   const leftOut = Number(details.left_out) || 0;
   if (leftOut > 0) {
     meta.append(el("span", { class: "left-out", "data-testid": "left-out", title: "left out so that the prompt and "
-      + "max tokens fit the model's context", text: ` · ${leftOut} earlier message${leftOut === 1 ? "" : "s"} left out` }));
+      + "max tokens fit the model's context",
+      text: ` · ${leftOut} earlier message${leftOut === 1 ? "" : "s"} left out` }));
   }
   if (details.status === "stopped") node.append(el("div", { class: "flag", text: "stopped" }));
   if (details.error) node.append(el("div", { class: "error", text: details.error }));
