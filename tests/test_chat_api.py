@@ -158,6 +158,28 @@ def test_a_chat_is_streamed_stored_and_billed_to_its_user(stack, backend):
     assert second[-1]["type"] == "done"
 
 
+def test_a_message_too_long_for_the_context_is_kept_told_and_not_sent_again(stack, backend):
+    # arith-gen's context is 512 tokens: with max tokens 8000 no message fits. The user sees why (with the
+    # code the page acts on: it gives the text back to shorten), the message stays in the conversation
+    # with its failed answer, nothing is generated, and the next message goes without it
+    url, *_ = stack
+    client = sign_in(url, "ada", "correct horse battery")
+    conversation = new_conversation(client, max_tokens=8000)
+    asked = len([b for path, b in backend[1].bodies if path == "/v1/chat/completions"])
+    events = send(client, conversation["id"], "What is 2 + 3?")
+    assert [e["type"] for e in events] == ["user", "error", "done"], events
+    assert events[1]["code"] == "context_length_exceeded"
+    told = events[1]["message"]
+    assert "does not fit arith-gen's context of 512 tokens" in told and "None" not in told
+    stored = client.get(f"/chat/api/conversations/{conversation['id']}").json()
+    assert [(m["role"], m["content"]) for m in stored["messages"]] == [("user", "What is 2 + 3?"), ("assistant", "")]
+    assert stored["messages"][1]["details"]["error"] == events[1]["message"] and stored["title"] == "What is 2 + 3?"
+    assert len([b for path, b in backend[1].bodies if path == "/v1/chat/completions"]) == asked
+    after = send(client, conversation["id"], "And 4 + 4?", max_tokens=8)
+    upstream = [b for path, b in backend[1].bodies if path == "/v1/chat/completions"][-1]
+    assert after[-1]["type"] == "done" and [m["content"] for m in upstream["messages"]] == ["And 4 + 4?"]
+
+
 def test_users_are_kept_apart(stack):
     url, *_ = stack
     ada, bob = sign_in(url, "ada", "correct horse battery"), sign_in(url, "bob", "another long password")

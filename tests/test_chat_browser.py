@@ -194,11 +194,25 @@ def test_the_chat_page_end_to_end(stack, browser, shots):
     received = [b for path, b in tap.bodies if path == "/v1/chat/completions"][-1]
     assert [m["role"] for m in received["messages"]][:2] == ["system", "user"] and len(received["messages"]) < 6
     left_out = driver.find_elements(*by("message-assistant"))[-1].find_element(*by("left-out")).text
-    assert left_out.endswith("earlier messages left out") and not last_answer(driver).startswith("max_tokens")
+    n = 6 - len(received["messages"])  # (sent: the system prompt, 4 earlier messages, the new one)
+    assert left_out == f"· {n} earlier message{'s' if n > 1 else ''} left out", left_out
+    assert not last_answer(driver).startswith("max_tokens")
+    assert len(driver.find_elements(*by("left-out"))) == 1  # only where messages were left out
+    # the notice is text: one message is said so, and what is not a count shows nothing and runs nothing
+    notices = driver.execute_script("""return [1, 0, '<img src=x onerror="window.__xss=4">'].map((n) => {
+        const shown = renderMessage({role: 'assistant', content: '', mode: 'chat', details: {left_out: n}});
+        return [shown.querySelector('[data-testid="left-out"]')?.textContent ?? null, shown.querySelectorAll('img').length];
+        })""")
+    assert notices == [[" · 1 earlier message left out", 0], [None, 0], [None, 0]], notices
     set_field(driver, "settings-max-tokens", "8000")
-    send(driver, "Start with 9 and work modulo 100. Step 1: + 1. What is the result?")
+    too_long = "Start with 9 and work modulo 100. Step 1: + 1. What is the result?"
+    send(driver, too_long)
     error = driver.find_elements(*by("message-assistant"))[-1].find_element("css selector", ".error").text
     assert "does not fit arith-gen's context of 512 tokens" in error, error
+    # the message stays in the conversation, and is given back in the box to shorten
+    assert driver.find_elements(*by("message-user"))[-1].find_element(*by("message-content")).text == too_long
+    assert driver.find_element(*by("message-input")).get_attribute("value") == too_long
+    driver.find_element(*by("message-input")).clear()
     set_field(driver, "settings-max-tokens", "96")
     send(driver, "Start with 9 and work modulo 100. Step 1: + 2. What is the result?")
     assert last_answer(driver) and not driver.find_elements(*by("message-assistant"))[-1].find_elements(
@@ -249,6 +263,12 @@ def test_the_chat_page_end_to_end(stack, browser, shots):
         assert candidate.find_element(*by("step-score-chart")).get_attribute("aria-label").startswith("step scores")
     assert "tree size" in driver.find_element(*by("search-summary")).text
     assert driver.find_element(*by("conversation-title")).get_attribute("value") == QUESTION[:60]
+    # renamed with Enter (the field keeps the focus): it shows the title as stored, as the list does
+    title = driver.find_element(*by("conversation-title"))
+    for typed, stored in (("  my   search  ", "my search"), ("", "New chat")):
+        title.send_keys(Keys.CONTROL, "a", Keys.NULL, Keys.BACKSPACE, typed, Keys.ENTER)  # (NULL lets Ctrl go)
+        wait(driver, lambda d: title.get_attribute("value") == stored and stored in
+             [i.text for i in d.find_elements(*by("conversation-item"))], timeout=10)
     driver.save_screenshot(str(shots / "chat-search.png"))
 
     # tools mode: the bundled router (treeserve chat's) picks SymPy, whose result is right
@@ -305,6 +325,22 @@ def test_the_chat_page_end_to_end(stack, browser, shots):
     assert stopped.find_element(*by("message-content")).text.startswith(partial[:12]) and "stopped" in stopped.text
     time.sleep(1.5)
     assert scripted.state.finished == finished  # its stream never ran to the end
+
+    # deleting the conversation an answer streams into stops the answer: Send is free again at once
+    # (it used to stay disabled, the model writing on, until the whole answer was done)
+    echo_url = driver.current_url
+    driver.find_element(*by("message-input")).send_keys("slowly: " + "seven eight nine ten " * 12)
+    driver.find_element(*by("send")).click()
+    wait(driver, lambda d: d.find_elements("css selector", ".message.streaming"))
+    driver.find_element(*by("delete-chat")).click()
+    driver.switch_to.alert.accept()
+    wait(driver, lambda d: d.current_url.endswith("/chat") and d.find_element(*by("send")).is_enabled()
+         and not d.find_elements(*by("message-assistant")), timeout=3)
+    listed = driver.execute_async_script("""fetch('/chat/api/conversations').then((r) => r.json())
+        .then((body) => arguments[0](body.conversations.map((c) => c.id)))""")
+    assert echo_url.rsplit("/", 1)[1] not in listed and conversation_id in listed
+    time.sleep(1.5)
+    assert scripted.state.finished == finished
 
     # a phone's width: one column, nothing wider than the screen; the conversations open from ☰
     driver.set_window_size(390, 844)

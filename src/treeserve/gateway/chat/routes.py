@@ -246,7 +246,7 @@ class ChatApp:
             except UpstreamError as exc:
                 status = "error"
                 answer.details = {**answer.details, "error": str(exc)}
-                yield _sse({"type": "error", "message": str(exc)})
+                yield _sse({"type": "error", "message": str(exc), **({"code": exc.code} if exc.code else {})})
             except Exception as exc:
                 log.exception("answering in %s mode failed", settings.mode)
                 status = "error"

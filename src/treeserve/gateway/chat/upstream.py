@@ -11,7 +11,12 @@ from treeserve.gateway.sse import SSESplitter
 
 
 class UpstreamError(Exception):
-    """A model request failed; the message is the backend's or the gateway's own."""
+    """A model request failed; the message is the backend's or the gateway's own, `code` (OpenAI's
+    error codes: `context_length_exceeded`) what the page may act on."""
+
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        self.code = code
 
 
 def error_message(content: bytes | str, status: int) -> str:

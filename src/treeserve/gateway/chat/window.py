@@ -1,8 +1,13 @@
 """The part of a conversation that fits its model's context, as chat UIs do: the system prompt and the
 newest message are always sent, the oldest turns are left out until prompt + max_tokens fits the
 model's `max_model_len`. The prompt is measured by the backend's own `/tokenize` (the chat template
-rendered as the request will be), which also names the model's context length; a backend without
-`/tokenize` (another server's API) gets the whole history."""
+rendered as the request will be), which also names the model's context length.
+
+A kept part begins at a user message, never inside a turn: an assistant's tool calls stay with their
+tool results and the answer that follows. A backend that never answers `/tokenize` (another server's
+API) gets the whole history. A measure that fails once the first has answered (a backend restarting,
+a 5xx, a timeout) counts as "does not fit": what is sent is a part a measure said fits, never one
+guessed; where none was, the user is told to try again."""
 from __future__ import annotations
 
 import json
@@ -14,6 +19,7 @@ from fastapi.responses import Response
 from treeserve.gateway.chat.upstream import UpstreamError
 
 Measure = Callable[[list[dict]], Awaitable[Response]]
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # (OpenAI's error code for a prompt too long)
 
 
 @dataclass
@@ -22,39 +28,61 @@ class Window:
     left_out: int = 0  # earlier messages not sent
 
 
+@dataclass
+class Size:
+    count: int       # prompt tokens
+    limit: int       # the model's context length
+
+    def fits(self, max_tokens: int) -> bool:
+        return self.count + max_tokens <= self.limit
+
+
 async def fit(messages: list[dict], max_tokens: int, model: str, measure: Measure) -> Window:
     """`messages`: the system prompt (if any), the history, the new message, in order."""
     head = 1 if messages[0]["role"] == "system" else 0
     starts = [i for i in range(head, len(messages)) if messages[i]["role"] == "user"]  # where a kept part may begin
-    count, limit = await _size(messages, measure)
-    if limit is None or count + max_tokens <= limit:
+    whole = await _size(messages, measure)
+    if whole is None or whole.fits(max_tokens):  # (None: the backend cannot measure)
         return Window(messages)
-    low, high = 1, len(starts) - 1  # the fewest turns left out that fit: counts shrink as more are left out
+    measured: dict[int, Size | None] = {}
+
+    async def size_from(start: int) -> Size | None:
+        if measured.get(start) is None:  # (a failed measure is tried again only for the newest message alone)
+            measured[start] = await _size(messages[:head] + messages[start:], measure)
+        return measured[start]
+
+    # the fewest turns left out that fit (counts shrink as more are left out); starts[0] is the whole but
+    # a leading assistant message
+    low, high = (1 if starts[0] == head else 0), len(starts) - 1
     while low <= high:
         middle = (low + high) // 2
-        kept = messages[:head] + messages[starts[middle]:]
-        count, limit = await _size(kept, measure)
-        if limit is None or count + max_tokens <= limit:
+        size = await size_from(starts[middle])
+        if size is not None and size.fits(max_tokens):
             high = middle - 1
-        else:
+        else:  # too long, or not measured: only a part measured to fit is sent
             low = middle + 1
-    if low == len(starts):
-        newest = messages[:head] + messages[starts[-1]:]
-        raise UpstreamError(_too_long(*(await _size(newest, measure)), max_tokens, model))
+    if low == len(starts):  # not even the newest message alone, as far as was measured
+        low -= 1
+        size = await size_from(starts[low])
+        if size is None:
+            raise UpstreamError(f"{model}'s backend could not measure this conversation against its context of "
+                                f"{whole.limit} tokens just now; try again in a moment")
+        if not size.fits(max_tokens):
+            raise UpstreamError(_too_long(size, max_tokens, model), code=CONTEXT_LENGTH_EXCEEDED)
     return Window(messages[:head] + messages[starts[low]:], starts[low] - head)
 
 
-async def _size(messages: list[dict], measure: Measure) -> tuple[int, int | None]:
-    """(prompt tokens, the model's context length), or (0, None) where the backend cannot tell."""
-    response = await measure(messages)
+async def _size(messages: list[dict], measure: Measure) -> Size | None:
+    """The prompt's size, or None where the backend did not tell (no `/tokenize`, an error, a timeout)."""
     try:
+        response = await measure(messages)
         reply = json.loads(response.body) if response.status_code == 200 else {}
-        return int(reply["count"]), int(reply["max_model_len"])
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return 0, None
+        return Size(int(reply["count"]), int(reply["max_model_len"]))
+    except (UpstreamError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
-def _too_long(count: int, limit: int | None, max_tokens: int, model: str) -> str:
-    return (f"this message does not fit {model}'s context of {limit} tokens: it takes {count} tokens (with the "
-            f"system prompt) and the answer may take {max_tokens} (Max tokens in Settings); shorten it or lower "
-            "Max tokens")
+def _too_long(size: Size, max_tokens: int, model: str) -> str:
+    return (f"this message does not fit {model}'s context of {size.limit} tokens: it takes {size.count} tokens "
+            f"(with the system prompt) and the answer may take {max_tokens} (Max tokens in Settings); shorten it "
+            "or lower Max tokens")

@@ -5,7 +5,7 @@
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const state = { me: null, csrf: "", conversation: null, controller: null, saving: null };
+const state = { me: null, csrf: "", conversation: null, controller: null, streamingIn: null, saving: null };
 const FIELDS = {
   temperature: ["settings-temperature", Number], top_p: ["settings-top-p", Number],
   repetition_penalty: ["settings-repetition-penalty", Number], max_tokens: ["settings-max-tokens", Number],
@@ -205,14 +205,25 @@ async function renameConversation() {
   if (!state.conversation) return;
   state.conversation = { ...state.conversation,
     ...await api("PATCH", `/chat/api/conversations/${state.conversation.id}`, { title: $("title").value }) };
+  $("title").value = state.conversation.title;  // as stored (spaces collapsed; an empty one is "New chat")
   await listConversations();
 }
 
 async function deleteConversation() {
-  if (!state.conversation || !confirm(`Delete "${state.conversation.title}"?`)) return;
-  await api("DELETE", `/chat/api/conversations/${state.conversation.id}`);
+  const conversation = state.conversation;
+  if (!conversation || !confirm(`Delete "${conversation.title}"?`)) return;
+  stopStreamingIn(conversation.id);
+  await api("DELETE", `/chat/api/conversations/${conversation.id}`);
   navigate(null);
   await listConversations();
+}
+
+// Deleting the conversation an answer streams into stops the answer (as Stop does: nothing more is
+// generated or billed, and Send is free again at once).
+function stopStreamingIn(id) {
+  if (!state.controller || state.streamingIn !== id) return;
+  $("messages").replaceChildren();  // (nothing of it is left to show as stopped)
+  state.controller.abort();
 }
 
 // ---- settings ----------------------------------------------------------------------------------
@@ -270,9 +281,11 @@ function renderMessage(message) {
   const details = message.details || {};
   if (details.search) node.append(renderSearch(details.search));
   if (details.tool) node.append(renderTool(details.tool, details.router));
-  if (details.left_out) {
+  const leftOut = Number(details.left_out) || 0;
+  if (leftOut > 0) {
     meta.append(el("span", { class: "left-out", "data-testid": "left-out", title: "left out so that the prompt and "
-      + "max tokens fit the model's context", text: ` · ${details.left_out} earlier messages left out` }));
+      + "max tokens fit the model's context",
+      text: ` · ${leftOut} earlier message${leftOut === 1 ? "" : "s"} left out` }));
   }
   if (details.status === "stopped") node.append(el("div", { class: "flag", text: "stopped" }));
   if (details.error) node.append(el("div", { class: "error", text: details.error }));
@@ -371,6 +384,7 @@ async function send(event) {
     el("div", { class: "meta", text: `${readSettings().model} · ${readSettings().mode} …` }),
     el("div", { class: "content", "data-testid": "message-content" }));
   state.controller = new AbortController();
+  state.streamingIn = conversation.id;
   setStreaming(true);
   try {
     const response = await fetch(`/chat/api/conversations/${conversation.id}/messages`, {
@@ -383,7 +397,11 @@ async function send(event) {
       throw refusal;
     }
     if (input.value === content) input.value = "";  // (kept until the message is taken: a refusal loses nothing)
-    await readEvents(response, (e) => onEvent(e, live));
+    await readEvents(response, (e) => {
+      onEvent(e, live);
+      // a message too long for the model's context stays in the conversation and is given back to shorten
+      if (e.type === "error" && e.code === "context_length_exceeded" && !input.value) input.value = content;
+    });
   } catch (error) {
     if (error.name === "AbortError") stopped(live, conversation.id);
     else if (error.status !== 401) {
@@ -392,7 +410,7 @@ async function send(event) {
     }
   } finally {
     live.classList.remove("streaming");
-    state.controller = null;
+    state.controller = state.streamingIn = null;
     setStreaming(false);
     if (state.me) refreshSidebar();
   }
