@@ -32,7 +32,11 @@ def responses_routes(served, max_body_bytes: int) -> APIRouter:
     async def create(request: Request):
         body = await parse(request, ResponsesRequest, max_body_bytes)
         serving = served.generator(body.model)
-        result = await unless_client_leaves(request, api.create(body, serving.chat_body, serving.model_name))
+
+        async def count(chat: dict) -> int:
+            return len(serving.render_body(chat))
+        result = await unless_client_leaves(request, api.create(body, serving.chat_body, serving.model_name,
+                                                                count=count))
         return JSONResponse(result) if isinstance(result, dict) else event_stream(result)
 
     @router.post("/v1/responses/input_tokens")
