@@ -628,6 +628,20 @@ def test_truncation_auto_drops_the_oldest_items_to_fit_the_context(served, targe
     assert caught.value.body["code"] == "context_length_exceeded", caught.value.body
 
 
+def test_truncation_auto_on_the_gateway_sends_two_chats_on_the_key_however_many_turns_go(gateway):
+    """Each chat the gateway sends is a request on the key (its rpm_limit, a spend_logs row): "auto"
+    sent one per turn it dropped, so a key with rpm_limit 2 got a 429 for one response whose
+    conversation had to lose two turns. The turns to drop are counted (the backend's /tokenize, unbilled)."""
+    key = httpx.post(f"{gateway.url}/key/generate", json={"rpm_limit": 2},
+                     headers={"Authorization": f"Bearer {MASTER}"}).json()["key"]
+    long = " ".join(["apple"] * 1000)
+    items = [item for _ in range(5) for item in ({"role": "user", "content": long}, {"role": "assistant", "content": "Yes."})]
+    items += [{"role": "user", "content": "Name a colour."}]  # (two of the five long turns fit: three go)
+    response = _openai(SimpleNamespace(url=gateway.url), key).responses.create(
+        model="tiny", instructions="Be brief.", input=items, max_output_tokens=4, truncation="auto", **GREEDY)
+    assert response.truncation == "auto" and response.usage.input_tokens < 8192
+
+
 def test_fields_the_vendors_define_and_treeserve_does_not_are_told_apart_from_unknown_ones(target):
     """A Responses or Messages field the vendor defines and treeserve does not implement is a 400 naming
     it that says so (code unsupported_parameter); a misspelt one stays `unknown parameter` (before:

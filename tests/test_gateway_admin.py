@@ -4,6 +4,7 @@ alias, and /user/info's teams; on SQLite and PostgreSQL. No backend is needed: n
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import httpx
 import pytest
@@ -190,6 +191,20 @@ def test_keys_are_regenerated_by_path_or_body_as_litellms(database):
             assert refused.status_code == status and param in refused.json()["error"]["param"], (path, refused.text)
         assert _self_info(client, other).status_code == 200  # (a refused regenerate changed nothing)
         assert client.post(f"/key/{other}/regenerate", headers={"Authorization": f"Bearer {other}"}).status_code == 401
+
+
+def test_a_key_in_a_regenerate_path_stays_out_of_the_log(tmp_path, caplog):
+    """The admin API logs each call's method and path, never a key; /key/{key}/regenerate puts the
+    key in the path, and every call to it (refused or not) wrote the live key into the gateway's log."""
+    caplog.set_level(logging.INFO, logger="treeserve.gateway")
+    with admin(f"sqlite:///{tmp_path / 'gateway.db'}") as client:
+        key = client.post("/key/generate", json={}).json()["key"]
+        intruder = client.post(f"/key/{key}/regenerate", headers={"Authorization": "Bearer sk-wrong"})
+        refused = client.post(f"/key/{key}/regenerate", json={"new_key": "not-sk"})
+        renewed = client.post(f"/key/{key}/regenerate")
+    assert (intruder.status_code, refused.status_code, renewed.status_code) == (401, 400, 200)
+    assert key[3:] not in caplog.text and renewed.json()["key"][3:] not in caplog.text
+    assert "/key/{key:path}/regenerate" in caplog.text  # (the route is still named)
 
 
 def test_answers_carry_the_fields_litellms_clients_read(database):

@@ -837,3 +837,21 @@ def test_a_batch_whose_lines_name_several_models_names_none(tmp_path):
     assert store.batches.create(None, one, "/v1/chat/completions", "24h", None)["model"] == "gen"
     mixed = store.batches.create(None, several, "/v1/chat/completions", "24h", None)
     assert mixed["model"] is None and mixed["usage"]["total_tokens"] == 0
+
+
+@pytest.mark.parametrize("model", ["m" * 200, "gen\x00"])
+def test_a_batch_whose_lines_name_a_model_no_column_holds_runs_and_names_none(model, postgres):
+    """A batch's `model` is kept in a column of 128 characters (text without NUL on PostgreSQL); a
+    file whose lines all named a longer model (or one with a NUL) failed its create on PostgreSQL with a
+    500 (the database refused the statement) where it had run, each line answered with the backend's
+    error. Such a model is not a served one: the batch names none and runs."""
+    app = build_gateway(GatewayConfig(models={}, master_key=MASTER, health_interval=0,
+                                      database=postgres.new_database()))
+    store = app.state.store
+    store.migrate()
+    lines = _echo_lines(2)
+    for line in lines:
+        line["body"]["model"] = model
+    file_id = store.files.create(None, "batch", "b.jsonl", _jsonl(lines))["id"]
+    batch = store.batches.create(None, file_id, "/v1/chat/completions", "24h", None)
+    assert batch["status"] == "in_progress" and batch["model"] is None and batch["request_counts"]["total"] == 2

@@ -55,3 +55,51 @@ def test_the_last_turn_too_long_is_still_the_400_and_other_errors_are_not_retrie
     with pytest.raises(APIError):
         asyncio.run(fitted({"messages": CONVERSATION}, refuses, "auto"))
     assert len(sent) == 1
+
+
+def _sized_chat(max_model_len: int, completion: int, sent: list):
+    """A chat whose prompt is one token a character of its messages' contents, refused as treeserve's
+    server refuses a prompt past its context (OpenAI's sentence), and the count of such a prompt."""
+    async def count(body: dict) -> int:
+        return sum(len(m["content"] or "") for m in body["messages"])
+
+    async def chat(body: dict) -> dict:
+        sent.append(body["messages"])
+        prompt = await count(body)
+        if prompt + completion > max_model_len:
+            raise APIError(400, f"input: This model's maximum context length is {max_model_len} tokens. However, "
+                                f"you requested {prompt + completion} tokens ({prompt} in the messages, {completion} "
+                                "in the completion). Please reduce the length of the messages or completion.",
+                           param="input", code="context_length_exceeded")
+        return {"ok": True}
+    return chat, count
+
+
+def test_auto_counts_the_turns_to_drop_and_sends_the_chat_twice_however_many_go():
+    """Each chat sent is a request on the gateway's key (its rpm_limit, a spend_logs row): "auto" sent
+    one per turn dropped, so a key with rpm_limit 3 got a 429 for one response whose conversation had
+    to lose three turns. The refusal states the context; counting (unbilled) finds the turns to drop."""
+    turns = [[{"role": "user", "content": "u" * 10}, {"role": "assistant", "content": "a" * 10}] for _ in range(20)]
+    conversation = [SYSTEM] + [m for turn in turns for m in turn] + [{"role": "user", "content": "q" * 10}]
+    counted, sent = [], []
+    chat, count = _sized_chat(105, 4, sent)
+
+    async def counting(body: dict) -> int:
+        counted.append(body)
+        return await count(body)
+    body, result = asyncio.run(fitted({"messages": conversation}, chat, "auto", counting))
+    # (the system message, the last 4 turns and the question: 1 + 4 * 20 + 10 = 91 tokens fit beside 4; 5 turns do not)
+    assert result == {"ok": True} and body["messages"] == [SYSTEM] + conversation[-9:] and len(sent) == 2
+    assert len(counted) <= 5  # (a binary search over the 20 turns)
+    one_at_a_time: list = []
+    assert asyncio.run(fitted({"messages": conversation}, _sized_chat(105, 4, one_at_a_time)[0], "auto"))[0] == body
+    assert len(one_at_a_time) == 17  # (without a count: the old way, still right where nothing can be counted)
+
+
+def test_auto_with_a_count_still_refuses_a_last_turn_too_long():
+    sent: list = []
+    chat, count = _sized_chat(20, 4, sent)
+    conversation = [SYSTEM, {"role": "user", "content": "u" * 10}, {"role": "user", "content": "q" * 30}]
+    with pytest.raises(APIError) as caught:
+        asyncio.run(fitted({"messages": conversation}, chat, "auto", count))
+    assert caught.value.code == "context_length_exceeded" and sent[-1] == [SYSTEM, conversation[2]] and len(sent) == 2

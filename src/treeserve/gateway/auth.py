@@ -22,6 +22,14 @@ def bearer(request: Request) -> str | None:
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
+def logged_path(request: Request) -> str:
+    """The path a log line names: the matched route's template (`/key/{key:path}/regenerate`), not
+    the path sent, whose parameters may be a secret (a key to regenerate); the path itself where no
+    route matched."""
+    route = request.scope.get("route")
+    return getattr(route, "path", None) or request.url.path
+
+
 def client_key(request: Request) -> str | None:
     """The key a client sent: `Authorization: Bearer KEY`, or Anthropic's `x-api-key: KEY`."""
     return bearer(request) or request.headers.get("x-api-key", "").strip() or None
@@ -33,24 +41,24 @@ class Auth:
 
     async def require_master(self, request: Request) -> None:
         """The master key, or a 401 (403: no master key configured); each call logged with whether it
-        was let in (the method and path, never the query: keys go there)."""
+        was let in (the method and the route, never the query or a path's parameters: keys go there)."""
         token = bearer(request)
         if not self.master_key:
-            log.warning("admin %s %s refused: the admin API is off", request.method, request.url.path)
+            log.warning("admin %s %s refused: the admin API is off", request.method, logged_path(request))
             raise APIError(403, "the admin API is off: start the gateway with --master-key (or TREESERVE_MASTER_KEY)",
                            code="no_master_key")
         if token is None or not same_secret(token, self.master_key):
-            log.warning("admin %s %s refused: %s", request.method, request.url.path,
+            log.warning("admin %s %s refused: %s", request.method, logged_path(request),
                         "no key" if token is None else "not the master key")
             raise APIError(401, "the admin API needs the master key as 'Authorization: Bearer KEY'",
                            code="invalid_api_key")
-        log.info("admin %s %s", request.method, request.url.path)
+        log.info("admin %s %s", request.method, logged_path(request))
 
     async def require_key(self, request: Request) -> KeyRecord:
         """The key's record (MASTER for the master key); 401 for a missing, unknown, expired or blocked key."""
         token = client_key(request)
         if token is None:
-            log.info("%s %s refused 401: no key", request.method, request.url.path)
+            log.info("%s %s refused 401: no key", request.method, logged_path(request))
             raise APIError(401, "missing API key: send 'Authorization: Bearer KEY' (or 'x-api-key: KEY')",
                            code="invalid_api_key")
         if self.master_key and same_secret(token, self.master_key):
@@ -59,6 +67,6 @@ class Auth:
         if key is None or key.expired:
             key = await self.keys.load(token, lambda: run_in_threadpool(self.accounts.authenticate, token))
             if key is None:
-                log.info("%s %s refused 401: an unknown, expired or blocked key", request.method, request.url.path)
+                log.info("%s %s refused 401: an unknown, expired or blocked key", request.method, logged_path(request))
                 raise APIError(401, "invalid API key (unknown, expired or blocked)", code="invalid_api_key")
         return key

@@ -107,9 +107,8 @@ class Batches:
         found = batch_file.read(self.files.content(batch.input_file_id, batch.api_key_id, "input_file_id"),
                                 batch.endpoint)
         now = utcnow()
-        models = {body["model"] for _, _, body in found.lines}
-        started = {"status": "in_progress", "in_progress_at": now,
-                   "model": models.pop() if len(models) == 1 else None} if not found.errors else \
+        started = {"status": "in_progress", "in_progress_at": now, "model": _one_model(found.lines)} \
+            if not found.errors else \
             {"status": "failed", "failed_at": now, "errors": found.errors}
         with self.db.transaction() as conn:
             moved = conn.execute(update(Batch).where(Batch.id == batch_id, Batch.status == "validating").values(
@@ -315,6 +314,15 @@ class Batches:
                 "usage": {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached},
                           "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning},
                           "total_tokens": input_tokens + output_tokens}}
+
+
+def _one_model(lines: list[tuple]) -> str | None:
+    """The model every line names; None where they name several, or one no served model's name is
+    (longer than the column holds, or with a NUL, which PostgreSQL's text refuses: each line is
+    answered with its 404, and the batch is not refused for it)."""
+    models = {body["model"] for _, _, body in lines}
+    model = models.pop() if len(models) == 1 else None
+    return model if model is not None and len(model) <= Batch.model.type.length and "\x00" not in model else None
 
 
 def _output_line(line: BatchLine) -> dict:

@@ -6,6 +6,7 @@ import logging
 
 from fastapi import FastAPI, Request
 
+from treeserve.gateway.auth import logged_path
 from treeserve.gateway.database import DATABASE_ERRORS, database_down
 from treeserve.gateway.errors import (AccountGone, AliasReserved, AliasTaken, BatchConflict, BatchNotFound, BudgetExceeded,
                                       ChatKeyBlocked, ChatKeyOwner, ConversationNotFound, DatabaseUnavailable, FileNotFound,
@@ -68,10 +69,10 @@ def install_domain_error_handlers(app: FastAPI) -> None:
 
     async def _database_error(request: Request, exc: Exception):
         if not database_down(exc):  # (a deadlock, a missing table: the gateway's fault, not an outage)
-            log.error("%s %s: a database statement failed", request.method, request.url.path, exc_info=exc)
+            log.error("%s %s: a database statement failed", request.method, logged_path(request), exc_info=exc)
             return _response(request, APIError(500, f"internal error: the database refused a statement "
                                                     f"({type(exc).__name__}); the gateway's log has it"))
-        log.warning("%s %s: the database is unavailable (%s)", request.method, request.url.path,
+        log.warning("%s %s: the database is unavailable (%s)", request.method, logged_path(request),
                     " ".join(str(exc).split())[:300])
         return _response(request, to_api_error(DatabaseUnavailable()))
 

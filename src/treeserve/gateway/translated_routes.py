@@ -44,25 +44,28 @@ def translated_routes(service: GatewayService, auth: Auth, store: DatabaseRespon
             return await relay_chat(service, body, key, ids)
         return chat
 
+    def counting_on(key: KeyRecord, ids: list[str]):
+        async def count(chat: dict) -> int:  # (a backend's /tokenize: unbilled, as count_tokens)
+            response = await service.count_tokens(chat, key)
+            if "x-request-id" in response.headers:
+                ids.append(response.headers["x-request-id"])
+            return _reply(response)["count"]
+        return count
+
     @routes.post("/v1/responses")
     async def create_response(request: Request, key: KeyRecord = Depends(auth.require_key)):
         body = _with_model(await parse(request, ResponsesRequest, max_body_bytes))
         ids: list[str] = []
-        result = await unless_client_leaves(request, api.create(body, chat_on(key, ids), body.model, key.id),
-                                            idempotent=False)
+        result = await unless_client_leaves(request, api.create(body, chat_on(key, ids), body.model, key.id,
+                                                                counting_on(key, [])), idempotent=False)
         return _with_request_id(JSONResponse(result) if isinstance(result, dict) else event_stream(result), ids)
 
     @routes.post("/v1/responses/input_tokens")
     async def input_tokens(request: Request, key: KeyRecord = Depends(auth.require_key)):
         body = _with_model(await parse(request, InputTokensRequest, max_body_bytes))
         ids: list[str] = []
-
-        async def count(chat: dict) -> int:  # (a backend's /tokenize: unbilled, as count_tokens)
-            response = await service.count_tokens(chat, key)
-            if "x-request-id" in response.headers:
-                ids.append(response.headers["x-request-id"])
-            return _reply(response)["count"]
-        return _with_request_id(JSONResponse(await api.input_tokens(body, count, body.model, key.id)), ids)
+        return _with_request_id(JSONResponse(await api.input_tokens(body, counting_on(key, ids), body.model,
+                                                                    key.id)), ids)
 
     @routes.get("/v1/responses/{response_id}")
     async def retrieve(response_id: PathId, key: KeyRecord = Depends(auth.require_key)):

@@ -32,17 +32,15 @@ def responses_routes(served, max_body_bytes: int) -> APIRouter:
     async def create(request: Request):
         body = await parse(request, ResponsesRequest, max_body_bytes)
         serving = served.generator(body.model)
-        result = await unless_client_leaves(request, api.create(body, serving.chat_body, serving.model_name))
+        result = await unless_client_leaves(request, api.create(body, serving.chat_body, serving.model_name,
+                                                                count=_counter(serving)))
         return JSONResponse(result) if isinstance(result, dict) else event_stream(result)
 
     @router.post("/v1/responses/input_tokens")
     async def input_tokens(request: Request):
         body = await parse(request, InputTokensRequest, max_body_bytes)
         serving = served.generator(body.model)
-
-        async def count(chat: dict) -> int:
-            return len(serving.render_body(chat))
-        return await api.input_tokens(body, count, serving.model_name)
+        return await api.input_tokens(body, _counter(serving), serving.model_name)
 
     @router.get("/v1/responses/{response_id}")
     async def retrieve(response_id: str):
@@ -58,6 +56,13 @@ def responses_routes(served, max_body_bytes: int) -> APIRouter:
         return await api.delete(response_id)
 
     return router
+
+
+def _counter(serving):
+    """A chat body's prompt tokens, as `serving` renders them (nothing generated)."""
+    async def count(chat: dict) -> int:
+        return len(serving.render_body(chat))
+    return count
 
 
 def messages_routes(served, max_body_bytes: int) -> APIRouter:

@@ -67,15 +67,16 @@ class ResponsesAPI:
         self.store = store
 
     async def create(self, request: ResponsesRequest, chat: ChatFn, model: str,
-                     owner: int | None = None) -> dict | AsyncIterator[str]:
-        """The response (a dict), or its events on the wire (streamed)."""
+                     owner: int | None = None, count: CountFn | None = None) -> dict | AsyncIterator[str]:
+        """The response (a dict), or its events on the wire (streamed). `count` (a chat's prompt
+        tokens, unbilled) lets `truncation: "auto"` find the turns to drop without a chat each."""
         history = await self._history(request.previous_response_id, owner)
         body = _chat_body(request, history, model)
         response = skeleton(request, new_id("resp"), model)
         items = [{"type": "message", "role": "user", "content": request.input}] if isinstance(request.input, str) \
             else request.input
         with named_for(RESPONSES):  # (the chat's errors named as the fields the request sent)
-            body, result = await fitted(body, chat, request.truncation)
+            body, result = await fitted(body, chat, request.truncation, count)
 
         async def keep(final: dict) -> None:
             if request.store:
