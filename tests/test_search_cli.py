@@ -71,7 +71,8 @@ def test_eval_refuses_counts_that_mean_nothing(tmp_path, capsys, flags, said):
     ("", "has no problems"),
     (json.dumps(ROWS[0]) + "\n" + json.dumps({"problem": "x"}) + "\n", "line 2: a row needs the fields problem and "
                                                                        "answer (missing answer)"),
-    (json.dumps(ROWS[0]) + "\n{oops\n", "line 2 is not JSON")])
+    (json.dumps(ROWS[0]) + "\n{oops\n", "line 2 is not JSON"),
+    (json.dumps({"problem": None, "answer": "1"}) + "\n", "line 1: problem must be a non-empty string, got None")])
 def test_eval_names_the_line_of_a_bad_dataset_before_it_loads_a_model(tmp_path, capsys, content, said):
     dataset = tmp_path / "data.jsonl"
     dataset.write_text(content)
@@ -124,6 +125,61 @@ def test_a_problem_too_long_for_the_model_is_named_by_its_row(models, tmp_path, 
     assert main(["eval", "--dataset", str(dataset), "--strategy", "beam", "--n", "4", "--out",
                  str(tmp_path / "out"), *models]) == 2
     assert "problem 2 (long) of the dataset" in capsys.readouterr().err
+
+
+def test_a_failing_problem_keeps_the_problems_that_finished_and_their_report(models, tmp_path, capsys,
+                                                                          monkeypatch):
+    """(the records of the problems that had finished were thrown away with the error, and no report
+    was written: a problem failing after hours of an eval lost them all)"""
+    from treeserve.search.runner import SearchRunner
+
+    real = SearchRunner.run
+
+    def run(self, questions, config, on_result=None):  # the first problem finishes, then the second fails
+        real(self, questions[:1], config, on_result)
+        error = ValueError("the prompt is too long")
+        error.problem_index = 1
+        raise error
+    monkeypatch.setattr(SearchRunner, "run", run)
+    dataset, out = tmp_path / "data.jsonl", tmp_path / "out"
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    assert main(["eval", "--dataset", str(dataset), "--strategy", "beam", "--n", "4", "--out", str(out),
+                 *models]) == 2
+    assert "problem 2 (b) of the dataset: the prompt is too long" in capsys.readouterr().err
+    assert [json.loads(line)["unique_id"] for line in (out / "beam_n4.jsonl").read_text().splitlines()] == ["a"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["num_problems"], summary["interrupted"]) == (1, True)
+    assert "problem 2 (b) of the dataset" in summary["error"]
+    assert "(interrupted)" in (out / "summary.md").read_text()
+
+
+def test_each_record_is_written_as_its_problem_finishes(models, tmp_path, monkeypatch):
+    """A process killed part way (SIGKILL, out of memory) keeps the problems that finished: the
+    JSONL holds each record once its problem is done, not only when the whole run is."""
+    import treeserve.search.evaluate as evaluate
+
+    dataset, out, seen, real = tmp_path / "data.jsonl", tmp_path / "out", [], evaluate._record
+
+    def record(row, result):
+        seen.append(len((out / "best_of_n_n4.jsonl").read_text().splitlines()))
+        return real(row, result)
+    monkeypatch.setattr(evaluate, "_record", record)
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    assert main(["eval", "--dataset", str(dataset), "--strategy", "best_of_n", "--n", "4", "--out", str(out),
+                 *models]) == 0
+    assert seen == [0, 1]
+    assert [json.loads(line)["unique_id"] for line in (out / "best_of_n_n4.jsonl").read_text().splitlines()] == \
+        ["a", "b"]
+
+
+@pytest.mark.parametrize("strategy", [",", " , "])
+def test_eval_with_no_strategy_is_an_error_naming_it(tmp_path, capsys, strategy):
+    """(it loaded both models, ran nothing and wrote an empty report)"""
+    dataset = tmp_path / "data.jsonl"
+    dataset.write_text(json.dumps(ROWS[0]) + "\n")
+    assert main(["eval", "--dataset", str(dataset), "--strategy", strategy, "--out", str(tmp_path / "out"),
+                 "--generator", "/nowhere"]) == 2
+    assert "strategy: expected strategies such as beam,best_of_n" in capsys.readouterr().err
 
 
 def test_a_signal_cuts_a_one_shot_command_short_with_128_plus_its_number(tmp_path):

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from treeserve.cli_args import at_least_one, json_object
+from treeserve.errors import ParamError
 from treeserve.lifecycle import heap_frozen_while_it_runs
 from treeserve.model.registry import DEFAULT_GENERATOR, DEFAULT_VERIFIER
 
@@ -132,7 +133,9 @@ def cmd_eval(args) -> int:
 
     rows = load_dataset(args.dataset, args.limit)
     sizes = args.n
-    strategies = [s for s in args.strategy.split(",") if s]
+    strategies = [s.strip() for s in args.strategy.split(",") if s.strip()]
+    if not strategies:
+        raise ParamError("strategy", f"expected strategies such as beam,best_of_n, got {args.strategy!r}")
     configs = [_config(args, s, n) for s in strategies for n in ([1] if s == "greedy" else sizes)]
     rt = _runtime(args)
     runner = _runner(args, rt, args.reference)
@@ -143,7 +146,7 @@ def cmd_eval(args) -> int:
                 summaries.append(evaluate(rows, config, runner.run, args.out))
                 print(f"{config.strategy} n={config.n}: accuracy {summaries[-1]['accuracy']:.1%} "
                       f"on {len(rows)} problems ({summaries[-1]['seconds']:.1f} s)")
-    except Interrupted as stopped:  # what finished is reported, then the signal's exit status
+    except Interrupted as stopped:  # what finished is reported, then the signal's exit status (or the error)
         summaries.append(stopped.summary)
         _report(summaries, args.out)
         raise stopped.cause from None
