@@ -201,12 +201,15 @@ def _sse_line(payload: dict) -> str:
 
 
 def search_response(model: str, verifier: str | None, config: SearchConfig, result: SearchResult) -> dict:
+    """The reply; scores are null where the strategy reads no verifier (greedy, majority): a 0 would
+    say the verifier judged the answer wrong, as `treeserve search` prints `score: none` then."""
+    scores = result.agg_scores if config.uses_verifier else [None] * len(result.completions)
     candidates = [{"index": i, "text": text, "answer": answer, "score": score, "step_scores": steps}
                   for i, (text, answer, score, steps) in enumerate(zip(result.completions, result.answers,
-                                                                      result.agg_scores, result.scores))]
+                                                                      scores, result.scores))]
     return {"object": "search.result", "model": model, "verifier": verifier, "strategy": config.strategy,
             "n": config.num_candidates, "answer": result.pred, "completion": result.completions[result.chosen],
-            "score": result.agg_scores[result.chosen], "verifier_rejected_all": result.verifier_rejected_all,
+            "score": scores[result.chosen], "verifier_rejected_all": result.verifier_rejected_all,
             "chosen": result.chosen, "candidates": candidates,
             "tree_size": result.tree_size, "usage": {"completion_tokens": result.completion_tokens},
             "seconds": round(result.seconds, 4)}
