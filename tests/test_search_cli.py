@@ -1,5 +1,6 @@
 """`treeserve eval` and `treeserve search` on tiny models: artefacts, summary fields, printed answer."""
 import json
+import re
 
 import pytest
 
@@ -38,6 +39,13 @@ def test_search_prints_the_chosen_answer_with_its_score_and_tree_size(models, ca
     assert main(["search", "--strategy", "best_of_n", "--n", "4", *models, "What is 2 + 2?"]) == 0
     printed = capsys.readouterr().out
     assert "--- answer:" in printed and "score:" in printed and "tree size:" in printed
+
+
+def test_search_shows_its_progress_as_it_goes(models, capsys):
+    """(it printed nothing until the search had ended: minutes on a real model)"""
+    assert main(["search", "--strategy", "beam", "--n", "4", *models, "What is 2 + 2?"]) == 0
+    err = capsys.readouterr().err
+    assert "beam n=4:" in err and re.search(r"best score \d\.\d{4}, \d+ tokens, tree size \d+", err), err
 
 
 @pytest.mark.parametrize("strategy", ["greedy", "majority"])

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -107,8 +108,8 @@ def cmd_search(args) -> int:
 
     config = _config(args, args.strategy, args.n)
     rt = _runtime(args)
-    with heap_frozen_while_it_runs():
-        result = _runner(args, rt).run([args.question], config)[0]
+    with heap_frozen_while_it_runs(), _progress_bar(config) as show:
+        result = _runner(args, rt).run([args.question], config, on_progress=show)[0]
     chosen = result.completions[result.chosen]
     print(chosen)
     print(f"--- answer: {result.pred}  {_score(config, result)}  "
@@ -119,6 +120,24 @@ def cmd_search(args) -> int:
               f"{REJECT_THRESHOLD}): the answer is a guess (is the question the kind the models were trained on?)",
               file=sys.stderr)
     return 0
+
+
+@contextlib.contextmanager
+def _progress_bar(config):
+    """A search's progress on stderr as it goes (a long search on a real model takes minutes): its
+    scoring rounds, the best score so far, tokens generated and tree size."""
+    from tqdm import tqdm
+
+    bar = tqdm(desc=f"{config.strategy} n={config.n}", unit=" rounds", file=sys.stderr)
+
+    def show(progress) -> None:
+        bar.n = progress.iteration
+        best = "none" if progress.best_score is None else f"{progress.best_score:.4f}"
+        bar.set_postfix_str(f"best score {best}, {progress.completion_tokens} tokens, tree size {progress.tree_size}")
+    try:
+        yield show
+    finally:  # (the bar ends its line before the answer or an error is printed)
+        bar.close()
 
 
 def _score(config, result) -> str:
