@@ -135,6 +135,14 @@ def test_a_problem_too_long_for_the_model_is_named_by_its_row(models, tmp_path, 
     assert "problem 2 (long) of the dataset" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("question", ["", "  \n"])
+def test_an_empty_question_is_refused_before_a_model_loads(capsys, question):
+    """(it loaded both models and searched the generator's noise: a thousand tokens of "3 3 3")"""
+    with pytest.raises(SystemExit) as refused:
+        main(["search", "--generator", "/nowhere", question])
+    assert refused.value.code == 2 and "question: the question is empty" in capsys.readouterr().err
+
+
 def test_a_failing_problem_keeps_the_problems_that_finished_and_their_report(models, tmp_path, capsys,
                                                                           monkeypatch):
     """(the records of the problems that had finished were thrown away with the error, and no report

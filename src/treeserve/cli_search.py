@@ -16,7 +16,7 @@ def add_search_parsers(sub) -> None:
     search = sub.add_parser("search", help="solve one question with a generator and a verifier")
     _add_search_args(search)
     search.add_argument("--n", type=int, default=16)
-    search.add_argument("question")
+    search.add_argument("question", type=_question)
     search.set_defaults(func=cmd_search)
     evaluate = sub.add_parser("eval", help="accuracy of search strategies on a MATH-format dataset")
     _add_search_args(evaluate)
@@ -27,6 +27,13 @@ def add_search_parsers(sub) -> None:
     evaluate.add_argument("--reference", action="store_true",
                           help="run Search-and-Learn's original execution instead of treeserve's")
     evaluate.set_defaults(func=cmd_eval)
+
+
+def _question(text: str) -> str:
+    """An empty question (an unset shell variable, say) would search the model's noise at full cost."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the question is empty")
+    return text
 
 
 def _sizes(text: str) -> list[int]:

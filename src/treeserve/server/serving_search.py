@@ -35,7 +35,7 @@ def question_and_system(body: SearchRequest) -> tuple[str, str | None]:
         raise APIError(400, "question: give exactly one of 'question' and 'messages'", param="question")
     system = body.system_prompt if body.system_prompt is not None else SAL_SYSTEM_PROMPT
     if body.question is not None:
-        return body.question, system or None
+        return _asked(body.question, "question"), system or None
     try:
         messages = template_messages(body.messages)
     except ValueError as exc:
@@ -44,7 +44,14 @@ def question_and_system(body: SearchRequest) -> tuple[str, str | None]:
     if not users:
         raise APIError(400, "messages: needs a user message holding the question", param="messages")
     systems = [m["content"] for m in messages if m["role"] == "system"]
-    return users[-1], (systems[-1] if systems else system) or None
+    return _asked(users[-1], "messages"), (systems[-1] if systems else system) or None
+
+
+def _asked(question: str, param: str) -> str:
+    """An empty question (an unset shell variable, say) would search the model's noise at full cost."""
+    if not question.strip():
+        raise APIError(400, f"{param}: the question is empty", param=param)
+    return question
 
 
 # SearchConfig's fields a body leaves to the server (None on the wire); every other field of
