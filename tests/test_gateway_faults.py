@@ -152,6 +152,24 @@ def test_every_answer_the_gateway_counts_is_timed_its_own_refusals_and_error_ans
         assert _observed(app, "m") == (1, 1)
 
 
+def test_a_request_the_gateway_refuses_itself_is_counted_and_timed(backend, tmp_path):
+    """A key's rate limit (the gateway's own 429, no backend asked) is a request answered: it was in
+    neither requests_total nor the request duration histogram. A model no one configured is no
+    label (a client could make any number of series)."""
+    url, _ = backend
+    with gateway(tmp_path, {"m": [f"{url}/ok"]}) as (gw, app):
+        made = httpx.post(gw + "/key/generate", headers={"Authorization": f"Bearer {MASTER}"}, json={"rpm_limit": 1})
+        key = made.json()["key"]
+        answers = [httpx.post(gw + "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=30,
+                              json={"model": model, "messages": [{"role": "user", "content": "hi"}]})
+                   for model in ("m", "m", "unknown", ["m"])]
+        assert [a.status_code for a in answers] == [200, 429, 404, 400]
+        assert _observed(app, "m") == (2, 2)
+        refused = [s for m in app.state.metrics.requests.collect() for s in m.samples if s.name.endswith("_total")]
+        assert [(s.labels["model"], s.labels["backend"], s.labels["status"]) for s in refused
+                if s.labels["status"] != "200"] == [("m", "", "429")]
+
+
 @pytest.mark.parametrize("mode", ["badusage", "listusage"])
 def test_a_malformed_usage_never_fails_the_answer(backend, tmp_path, caplog, mode):
     url, _ = backend

@@ -314,11 +314,7 @@ class Forwarder:
 
     # ---- bookkeeping -------------------------------------------------------------------------
     def _count(self, model: str, backend: str, status: str, started: float) -> None:
-        """One request answered: `requests_total` by status and its whole duration, whatever the
-        status (the gateway's own 429s, 502s and 503s and error answers too, as vLLM's and LiteLLM's
-        request duration metrics count failed requests)."""
-        self.metrics.requests.labels(model, backend, status).inc()
-        self.metrics.latency.labels(model).observe(time.perf_counter() - started)
+        self.metrics.answered(model, backend, status, time.perf_counter() - started)
 
     def _upstream_body(self, path: str, body: dict, group: str, backend: Backend, stream: bool) -> dict:
         upstream = dict(body, model=backend.config.model or group)
