@@ -34,8 +34,8 @@ def _chunk(text: str, usage) -> bytes:
 
 
 def fault_backend():
-    """Answers by the mode its URL names: ok, 503, 429 (Retry-After: 7), text (a 200 that is not
-    JSON), badusage and listusage (malformed usage), nodone (a stream without [DONE])."""
+    """Answers by the mode its URL names: ok, 503, 429 (Retry-After: 7), 400 (a refusal), text (a 200
+    that is not JSON), badusage and listusage (malformed usage), nodone (a stream without [DONE])."""
     app = FastAPI()
     app.state.calls = []
 
@@ -47,7 +47,7 @@ def fault_backend():
     async def chat(mode: str, request: Request):
         body = await request.json()
         app.state.calls.append(mode)
-        if mode in ("503", "429"):
+        if mode in ("503", "429", "400"):
             return JSONResponse({"error": {"message": f"busy {mode}", "type": "x", "param": None, "code": None}},
                                 status_code=int(mode), headers={"Retry-After": "7"} if mode == "429" else None)
         if mode == "text":
@@ -127,6 +127,47 @@ def test_a_200_that_is_not_json_is_a_502_counted_against_the_backend_and_not_bil
         assert app.state.router.groups["m"].backends[0].breaker.consecutive == 1
         row = _spend_row(app, answer.headers["x-request-id"])
         assert row["status"] == "error" and row["cost"] == 0 and row["completion_tokens"] == 0
+
+
+def _observed(app, model: str) -> tuple[float, float]:
+    """(requests_total, request_duration_seconds' count) of a model, from the gateway's registry."""
+    metrics = app.state.metrics
+    counted = sum(s.value for m in metrics.requests.collect() for s in m.samples
+                  if s.name.endswith("_total") and s.labels["model"] == model)
+    timed = sum(s.value for m in metrics.latency.collect() for s in m.samples
+                if s.name.endswith("_count") and s.labels["model"] == model)
+    return counted, timed
+
+
+@pytest.mark.parametrize(("mode", "stream", "status"), [("429", False, 429), ("503", False, 503), ("503", True, 503),
+                                                        ("text", False, 502), ("400", True, 400),
+                                                        ("400", False, 400)])
+def test_every_answer_the_gateway_counts_is_timed_its_own_refusals_and_error_answers_too(backend, tmp_path, mode,
+                                                                                         stream, status):
+    # (its 429s, 502s and 503s and a streamed error answer were in requests_total but not in the
+    # request duration histogram, whose count then fell short of the requests it said it answered)
+    url, _ = backend
+    with gateway(tmp_path, {"m": [f"{url}/{mode}"]}) as (gw, app):
+        assert _post(gw, "m", stream=stream).status_code == status
+        assert _observed(app, "m") == (1, 1)
+
+
+def test_a_request_the_gateway_refuses_itself_is_counted_and_timed(backend, tmp_path):
+    """A key's rate limit (the gateway's own 429, no backend asked) is a request answered: it was in
+    neither requests_total nor the request duration histogram. A model no one configured is no
+    label (a client could make any number of series)."""
+    url, _ = backend
+    with gateway(tmp_path, {"m": [f"{url}/ok"]}) as (gw, app):
+        made = httpx.post(gw + "/key/generate", headers={"Authorization": f"Bearer {MASTER}"}, json={"rpm_limit": 1})
+        key = made.json()["key"]
+        answers = [httpx.post(gw + "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=30,
+                              json={"model": model, "messages": [{"role": "user", "content": "hi"}]})
+                   for model in ("m", "m", "unknown", ["m"])]
+        assert [a.status_code for a in answers] == [200, 429, 404, 400]
+        assert _observed(app, "m") == (2, 2)
+        refused = [s for m in app.state.metrics.requests.collect() for s in m.samples if s.name.endswith("_total")]
+        assert [(s.labels["model"], s.labels["backend"], s.labels["status"]) for s in refused
+                if s.labels["status"] != "200"] == [("m", "", "429")]
 
 
 @pytest.mark.parametrize("mode", ["badusage", "listusage"])

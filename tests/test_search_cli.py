@@ -1,5 +1,6 @@
 """`treeserve eval` and `treeserve search` on tiny models: artefacts, summary fields, printed answer."""
 import json
+import re
 
 import pytest
 
@@ -40,6 +41,13 @@ def test_search_prints_the_chosen_answer_with_its_score_and_tree_size(models, ca
     assert "--- answer:" in printed and "score:" in printed and "tree size:" in printed
 
 
+def test_search_shows_its_progress_as_it_goes(models, capsys):
+    """(it printed nothing until the search had ended: minutes on a real model)"""
+    assert main(["search", "--strategy", "beam", "--n", "4", *models, "What is 2 + 2?"]) == 0
+    err = capsys.readouterr().err
+    assert "beam n=4:" in err and re.search(r"best score \d\.\d{4}, \d+ tokens, tree size \d+", err), err
+
+
 @pytest.mark.parametrize("strategy", ["greedy", "majority"])
 def test_a_search_without_a_verifier_prints_no_score(models, capsys, strategy):
     """(it printed `score: 0.0000`, as if the verifier had judged the answer wrong)"""
@@ -71,7 +79,8 @@ def test_eval_refuses_counts_that_mean_nothing(tmp_path, capsys, flags, said):
     ("", "has no problems"),
     (json.dumps(ROWS[0]) + "\n" + json.dumps({"problem": "x"}) + "\n", "line 2: a row needs the fields problem and "
                                                                        "answer (missing answer)"),
-    (json.dumps(ROWS[0]) + "\n{oops\n", "line 2 is not JSON")])
+    (json.dumps(ROWS[0]) + "\n{oops\n", "line 2 is not JSON"),
+    (json.dumps({"problem": None, "answer": "1"}) + "\n", "line 1: problem must be a non-empty string, got None")])
 def test_eval_names_the_line_of_a_bad_dataset_before_it_loads_a_model(tmp_path, capsys, content, said):
     dataset = tmp_path / "data.jsonl"
     dataset.write_text(content)
@@ -124,6 +133,69 @@ def test_a_problem_too_long_for_the_model_is_named_by_its_row(models, tmp_path, 
     assert main(["eval", "--dataset", str(dataset), "--strategy", "beam", "--n", "4", "--out",
                  str(tmp_path / "out"), *models]) == 2
     assert "problem 2 (long) of the dataset" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("question", ["", "  \n"])
+def test_an_empty_question_is_refused_before_a_model_loads(capsys, question):
+    """(it loaded both models and searched the generator's noise: a thousand tokens of "3 3 3")"""
+    with pytest.raises(SystemExit) as refused:
+        main(["search", "--generator", "/nowhere", question])
+    assert refused.value.code == 2 and "question: the question is empty" in capsys.readouterr().err
+
+
+def test_a_failing_problem_keeps_the_problems_that_finished_and_their_report(models, tmp_path, capsys,
+                                                                          monkeypatch):
+    """(the records of the problems that had finished were thrown away with the error, and no report
+    was written: a problem failing after hours of an eval lost them all)"""
+    from treeserve.search.runner import SearchRunner
+
+    real = SearchRunner.run
+
+    def run(self, questions, config, on_result=None):  # the first problem finishes, then the second fails
+        real(self, questions[:1], config, on_result)
+        error = ValueError("the prompt is too long")
+        error.problem_index = 1
+        raise error
+    monkeypatch.setattr(SearchRunner, "run", run)
+    dataset, out = tmp_path / "data.jsonl", tmp_path / "out"
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    assert main(["eval", "--dataset", str(dataset), "--strategy", "beam", "--n", "4", "--out", str(out),
+                 *models]) == 2
+    assert "problem 2 (b) of the dataset: the prompt is too long" in capsys.readouterr().err
+    assert [json.loads(line)["unique_id"] for line in (out / "beam_n4.jsonl").read_text().splitlines()] == ["a"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["num_problems"], summary["interrupted"]) == (1, True)
+    assert "problem 2 (b) of the dataset" in summary["error"]
+    assert "(interrupted)" in (out / "summary.md").read_text()
+
+
+def test_each_record_is_written_as_its_problem_finishes(models, tmp_path, monkeypatch):
+    """A process killed part way (SIGKILL, out of memory) keeps the problems that finished: the
+    JSONL holds each record once its problem is done, not only when the whole run is."""
+    import treeserve.search.evaluate as evaluate
+
+    dataset, out, seen, real = tmp_path / "data.jsonl", tmp_path / "out", [], evaluate._record
+
+    def record(row, result):
+        seen.append(len((out / "best_of_n_n4.jsonl").read_text().splitlines()))
+        return real(row, result)
+    monkeypatch.setattr(evaluate, "_record", record)
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    assert main(["eval", "--dataset", str(dataset), "--strategy", "best_of_n", "--n", "4", "--out", str(out),
+                 *models]) == 0
+    assert seen == [0, 1]
+    assert [json.loads(line)["unique_id"] for line in (out / "best_of_n_n4.jsonl").read_text().splitlines()] == \
+        ["a", "b"]
+
+
+@pytest.mark.parametrize("strategy", [",", " , "])
+def test_eval_with_no_strategy_is_an_error_naming_it(tmp_path, capsys, strategy):
+    """(it loaded both models, ran nothing and wrote an empty report)"""
+    dataset = tmp_path / "data.jsonl"
+    dataset.write_text(json.dumps(ROWS[0]) + "\n")
+    assert main(["eval", "--dataset", str(dataset), "--strategy", strategy, "--out", str(tmp_path / "out"),
+                 "--generator", "/nowhere"]) == 2
+    assert "strategy: expected strategies such as beam,best_of_n" in capsys.readouterr().err
 
 
 def test_a_signal_cuts_a_one_shot_command_short_with_128_plus_its_number(tmp_path):

@@ -85,6 +85,30 @@ def test_concurrent_searches_equal_the_offline_runner(served, pair):
     _assert_only_kept_blocks(app)
 
 
+@pytest.mark.parametrize(("change", "param"), [({"question": ""}, "question"), ({"question": " \n"}, "question"),
+                                              ({"question": None, "messages": [{"role": "user", "content": ""}]},
+                                               "messages")])
+def test_an_empty_question_is_a_400_naming_it(served, change, param):
+    """(it was searched: the generator's noise, hundreds of tokens per candidate)"""
+    url, _ = served
+    reply = httpx.post(f"{url}/v1/search", json=_body(QUESTIONS[0], 0) | change, timeout=60)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param and "the question is empty" in reply.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("strategy", ["greedy", "majority"])
+def test_a_search_that_reads_no_verifier_reports_no_score(served, strategy):
+    """(its reply said `score: 0.0` for the answer and every candidate, as if the verifier had judged
+    them wrong; `treeserve search` prints `score: none` there)"""
+    url, _ = served
+    reply = httpx.post(f"{url}/v1/search", json=_body(QUESTIONS[0], 0, strategy=strategy, verifier=None), timeout=300)
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert body["verifier"] is None and body["score"] is None
+    assert [c["score"] for c in body["candidates"]] == [None] * len(body["candidates"])
+    assert all(c["step_scores"] == [] for c in body["candidates"])
+
+
 def test_a_streamed_search_sends_progress_then_the_result(served):
     url, app = served
     events = []

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
 from treeserve.cli_args import at_least_one, json_object
+from treeserve.errors import ParamError
 from treeserve.lifecycle import heap_frozen_while_it_runs
 from treeserve.model.registry import DEFAULT_GENERATOR, DEFAULT_VERIFIER
 
@@ -14,7 +16,7 @@ def add_search_parsers(sub) -> None:
     search = sub.add_parser("search", help="solve one question with a generator and a verifier")
     _add_search_args(search)
     search.add_argument("--n", type=int, default=16)
-    search.add_argument("question")
+    search.add_argument("question", type=_question)
     search.set_defaults(func=cmd_search)
     evaluate = sub.add_parser("eval", help="accuracy of search strategies on a MATH-format dataset")
     _add_search_args(evaluate)
@@ -25,6 +27,13 @@ def add_search_parsers(sub) -> None:
     evaluate.add_argument("--reference", action="store_true",
                           help="run Search-and-Learn's original execution instead of treeserve's")
     evaluate.set_defaults(func=cmd_eval)
+
+
+def _question(text: str) -> str:
+    """An empty question (an unset shell variable, say) would search the model's noise at full cost."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the question is empty")
+    return text
 
 
 def _sizes(text: str) -> list[int]:
@@ -106,8 +115,8 @@ def cmd_search(args) -> int:
 
     config = _config(args, args.strategy, args.n)
     rt = _runtime(args)
-    with heap_frozen_while_it_runs():
-        result = _runner(args, rt).run([args.question], config)[0]
+    with heap_frozen_while_it_runs(), _progress_bar(config) as show:
+        result = _runner(args, rt).run([args.question], config, on_progress=show)[0]
     chosen = result.completions[result.chosen]
     print(chosen)
     print(f"--- answer: {result.pred}  {_score(config, result)}  "
@@ -118,6 +127,24 @@ def cmd_search(args) -> int:
               f"{REJECT_THRESHOLD}): the answer is a guess (is the question the kind the models were trained on?)",
               file=sys.stderr)
     return 0
+
+
+@contextlib.contextmanager
+def _progress_bar(config):
+    """A search's progress on stderr as it goes (a long search on a real model takes minutes): its
+    scoring rounds, the best score so far, tokens generated and tree size."""
+    from tqdm import tqdm
+
+    bar = tqdm(desc=f"{config.strategy} n={config.n}", unit=" rounds", file=sys.stderr)
+
+    def show(progress) -> None:
+        bar.n = progress.iteration
+        best = "none" if progress.best_score is None else f"{progress.best_score:.4f}"
+        bar.set_postfix_str(f"best score {best}, {progress.completion_tokens} tokens, tree size {progress.tree_size}")
+    try:
+        yield show
+    finally:  # (the bar ends its line before the answer or an error is printed)
+        bar.close()
 
 
 def _score(config, result) -> str:
@@ -132,7 +159,9 @@ def cmd_eval(args) -> int:
 
     rows = load_dataset(args.dataset, args.limit)
     sizes = args.n
-    strategies = [s for s in args.strategy.split(",") if s]
+    strategies = [s.strip() for s in args.strategy.split(",") if s.strip()]
+    if not strategies:
+        raise ParamError("strategy", f"expected strategies such as beam,best_of_n, got {args.strategy!r}")
     configs = [_config(args, s, n) for s in strategies for n in ([1] if s == "greedy" else sizes)]
     rt = _runtime(args)
     runner = _runner(args, rt, args.reference)
@@ -143,7 +172,7 @@ def cmd_eval(args) -> int:
                 summaries.append(evaluate(rows, config, runner.run, args.out))
                 print(f"{config.strategy} n={config.n}: accuracy {summaries[-1]['accuracy']:.1%} "
                       f"on {len(rows)} problems ({summaries[-1]['seconds']:.1f} s)")
-    except Interrupted as stopped:  # what finished is reported, then the signal's exit status
+    except Interrupted as stopped:  # what finished is reported, then the signal's exit status (or the error)
         summaries.append(stopped.summary)
         _report(summaries, args.out)
         raise stopped.cause from None

@@ -52,5 +52,12 @@ class GatewayMetrics:
         self.batches = Counter(f"{p}batches", "Batches ended by this process, by how (completed, cancelled, "
                                "expired)", ["status"], registry=r)
 
+    def answered(self, model: str, backend: str, status: str, seconds: float) -> None:
+        """One request answered: `requests_total` by status and its whole duration, whatever the
+        status (the gateway's own 429s, 502s and 503s and error answers too, as vLLM's and LiteLLM's
+        request metrics count failed requests; `backend` is empty where none answered)."""
+        self.requests.labels(model, backend, status).inc()
+        self.latency.labels(model).observe(seconds)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

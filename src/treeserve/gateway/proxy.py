@@ -123,19 +123,19 @@ class Forwarder:
             with anyio.CancelScope(shield=True):  # (its client gone: nothing served, its upstream stopped)
                 await settle(Outcome("client_closed" if left else "error", model))
             if left:
-                self.metrics.requests.labels(model, "", "499").inc()
+                self._count(model, "", "499", started)
             raise
         await settle(Outcome("error", model))
-        return self._unanswered(model, failures, request_id)
+        return self._unanswered(model, failures, request_id, started)
 
-    def _unanswered(self, model: str, failures: list[str | Throttled], request_id: str) -> Response:
+    def _unanswered(self, model: str, failures: list[str | Throttled], request_id: str, started: float) -> Response:
         """Every attempt failed: the last 429 as its backend wrote it (its Retry-After too) when each
         attempt was throttled, else a 503."""
         if failures and all(isinstance(f, Throttled) for f in failures):
-            self.metrics.requests.labels(model, "", "429").inc()
+            self._count(model, "", "429", started)
             return Response(failures[-1].content, status_code=429, media_type="application/json",
                             headers=failures[-1].headers | {"x-request-id": request_id})
-        self.metrics.requests.labels(model, "", "503").inc()
+        self._count(model, "", "503", started)
         last_error = failures[-1] if failures else "no backend is configured"
         return error_response(503, f"model {model!r}: no backend could answer ({last_error})",
                               code="no_backend_available", headers={"Retry-After": "1", "x-request-id": request_id})
@@ -172,15 +172,14 @@ class Forwarder:
         if status == 200:
             usage = answer_usage(content, backend.name)
             if usage is None:
-                return await self._invalid_answer(backend, group, settle)
+                return await self._invalid_answer(backend, group, settle, started)
             outcome.usage = usage
         self._record_health(backend, status)
         await settle(outcome)
-        self.metrics.requests.labels(group, backend.name, str(status)).inc()
-        self.metrics.latency.labels(group).observe(time.perf_counter() - started)
+        self._count(group, backend.name, str(status), started)
         return Response(content, status_code=status, media_type="application/json", headers=headers)
 
-    async def _invalid_answer(self, backend: Backend, group: str, settle) -> Response:
+    async def _invalid_answer(self, backend: Backend, group: str, settle, started: float) -> Response:
         """A 200 whose body is not a JSON object: the backend's failure (its breaker counts it), a
         502 billed nothing (it is not retried: the backend may have generated the answer)."""
         self._failed(backend, "HTTP 200 whose body is not a JSON object")
@@ -188,7 +187,7 @@ class Forwarder:
                                  code="backend_invalid_response")
         # (the answer kept: a batch line is written with it, and so goes to the batch's error file)
         await settle(Outcome("error", group, backend.name, answer=(502, bytes(refusal.body))))
-        self.metrics.requests.labels(group, backend.name, "502").inc()
+        self._count(group, backend.name, "502", started)
         return refusal
 
     def _retryable(self, backend: Backend, status: int, content: bytes, headers: dict) -> str | Throttled:
@@ -220,7 +219,7 @@ class Forwarder:
                 return self._retryable(backend, response.status, content, _retry_after(response))
             self._record_health(backend, response.status)
             await settle(Outcome("error", group, backend.name))
-            self.metrics.requests.labels(group, backend.name, str(response.status)).inc()
+            self._count(group, backend.name, str(response.status), started)
             return Response(content, status_code=response.status, media_type="application/json")
         batches = event_batches(response)
         try:
@@ -311,10 +310,12 @@ class Forwarder:
                 outcome.usage = state.billed()
                 await settle(outcome)
             status = {"success": "200", "cut": "502"}.get(outcome.status, "499")
-            self.metrics.requests.labels(group, backend.name, status).inc()
-            self.metrics.latency.labels(group).observe(time.perf_counter() - started)
+            self._count(group, backend.name, status, started)
 
     # ---- bookkeeping -------------------------------------------------------------------------
+    def _count(self, model: str, backend: str, status: str, started: float) -> None:
+        self.metrics.answered(model, backend, status, time.perf_counter() - started)
+
     def _upstream_body(self, path: str, body: dict, group: str, backend: Backend, stream: bool) -> dict:
         upstream = dict(body, model=backend.config.model or group)
         if not backend.config.priority:  # (a backend that rejects it: OpenAI's, vLLM's without the priority policy)

@@ -49,7 +49,10 @@ class GatewayService:
             model = self._checked_model(body, key)
             reservation = await self._admit(path, body, model, key)
         except (APIError, GatewayError) as exc:
-            _refused(exc, request_id, ROUTES[path], key, body)
+            status = _refused(exc, request_id, ROUTES[path], key, body)
+            model = body.get("model")
+            if isinstance(model, str) and model in self.config.models:  # (not any name a client sends: unbounded)
+                self.metrics.answered(model, "", str(status), time.perf_counter() - started)
             raise
         admitted = Admitted(key, reservation, model, ROUTES[path], bool(body.get("stream")), batch_line=batch_line)
         admitted.request_id = request_id
@@ -94,9 +97,9 @@ class GatewayService:
             raise
 
 
-def _refused(exc: APIError | GatewayError, request_id: str, route: str, key: KeyRecord, body: dict) -> None:
+def _refused(exc: APIError | GatewayError, request_id: str, route: str, key: KeyRecord, body: dict) -> int:
     """A refusal logged (an answered request is logged when it is settled), its answer to carry the
-    request id of its log line (as an answered request's does)."""
+    request id of its log line (as an answered request's does); its HTTP status."""
     if isinstance(exc, GatewayError):
         exc.request_id = request_id  # (http_errors.to_api_error puts it in the answer's headers)
         error = to_api_error(exc)
@@ -105,3 +108,4 @@ def _refused(exc: APIError | GatewayError, request_id: str, route: str, key: Key
         exc.headers = (exc.headers or {}) | {"x-request-id": request_id}
     log.info("%s %s key=%s model=%s refused %d %s", request_id, route, key.label, body.get("model"), error.status,
              error.code)
+    return error.status

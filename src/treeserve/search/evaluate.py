@@ -39,6 +39,9 @@ def load_dataset(path: str | Path, limit: int | None = None) -> list[dict]:
         if missing:
             raise ParamError("dataset", f"{path} line {number}: a row needs the fields problem and answer "
                                         f"(missing {', '.join(missing)})")
+        if not isinstance(row["problem"], str) or not row["problem"].strip():
+            raise ParamError("dataset", f"{path} line {number}: problem must be a non-empty string, "
+                                        f"got {row['problem']!r}")
         rows.append(row)
         if len(rows) == limit:
             break
@@ -60,38 +63,41 @@ def predictions_by_n(result: SearchResult) -> dict[str, str | None]:
 
 
 def evaluate(rows: list[dict], config: SearchConfig, run: Runner, out_dir: Path) -> dict:
-    """Runs one (strategy, N) over the rows; writes its JSONL and returns its summary."""
+    """Runs one (strategy, N) over the rows; writes its JSONL and returns its summary. Each record is
+    appended to the JSONL as its problem finishes (a killed process keeps them; the file is then
+    rewritten in the dataset's order)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     records: list[dict | None] = [None] * len(rows)
     bar = tqdm(total=len(rows), desc=f"{config.strategy} n={config.n}", unit="problem")
+    path = out_dir / f"{config.strategy}_n{config.n}.jsonl"
+    start, progress = time.perf_counter(), path.open("w")
 
     def on_result(index: int, result: SearchResult) -> None:
         records[index] = _record(rows[index], result)
+        progress.write(json.dumps(records[index]) + "\n")
+        progress.flush()
         bar.update(1)
 
-    start = time.perf_counter()
-    path = out_dir / f"{config.strategy}_n{config.n}.jsonl"
     try:
         run([r["problem"] for r in rows], config, on_result)
-    except ValueError as exc:
-        named = _naming_the_row(exc, rows)
-        if named is exc:
-            raise
-        raise named from exc
-    except (KeyboardInterrupt, SystemExit) as exc:  # a signal's exit, Ctrl-C: the problems that finished are kept
+    except BaseException as exc:  # a signal's exit, Ctrl-C, a problem that failed: what finished is kept
+        cause = _naming_the_row(exc, rows) if isinstance(exc, ValueError) else exc
         finished = [r for r in records if r is not None]
-        _write_records(path, finished)
-        raise Interrupted(_summary(config, finished, time.perf_counter() - start) | {"interrupted": True},
-                          exc) from exc
+        summary = _summary(config, finished, time.perf_counter() - start) | {"interrupted": True}
+        if isinstance(exc, Exception):
+            summary["error"] = str(cause)
+        raise Interrupted(summary, cause) from exc
     finally:  # the bar ends its line, so an error is printed on a line of its own
         bar.close()
-    _write_records(path, records)
+        progress.close()
+        _write_records(path, [r for r in records if r is not None])
     return _summary(config, records, time.perf_counter() - start)
 
 
 class Interrupted(Exception):
-    """A run stopped part way (a signal): `summary` is its finished problems', `cause` what stopped it
-    (to raise again once the report of what finished is written)."""
+    """A run stopped part way (a signal, or an error such as a problem too long for the model):
+    `summary` is its finished problems', `cause` what stopped it (to raise again once the report of
+    what finished is written)."""
 
     def __init__(self, summary: dict, cause: BaseException):
         super().__init__(f"interrupted after {summary['num_problems']} problem(s)")

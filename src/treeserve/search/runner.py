@@ -95,14 +95,17 @@ class SearchRunner:
 
     # ---- offline: a batch of problems, blocking ------------------------------------------
     def run(self, questions: list[str], config: SearchConfig,
-            on_result: Callable[[int, SearchResult], None] | None = None) -> list[SearchResult]:
+            on_result: Callable[[int, SearchResult], None] | None = None,
+            on_progress: Callable[[SearchProgress], None] | None = None) -> list[SearchResult]:
+        """`on_progress` gets each problem's progress as it goes (`treeserve search` shows it)."""
         if config.uses_verifier and self.scorer is None:
             raise ParamError("verifier", f"strategy {config.strategy!r} needs a verifier model")
 
         def finished(handle: SearchHandle) -> None:
             if handle.result is not None and on_result is not None:
                 on_result(handle.index, handle.result)
-        handles = [self.submit(q, config, index=i, on_done=finished) for i, q in enumerate(questions)]
+        handles = [self.submit(q, config, index=i, on_done=finished, on_progress=on_progress)
+                   for i, q in enumerate(questions)]
         try:
             self.loop.run_until(lambda: all(h.done for h in handles) or any(h.error for h in handles))
             failed = next((h for h in handles if h.error is not None), None)

@@ -35,7 +35,7 @@ def question_and_system(body: SearchRequest) -> tuple[str, str | None]:
         raise APIError(400, "question: give exactly one of 'question' and 'messages'", param="question")
     system = body.system_prompt if body.system_prompt is not None else SAL_SYSTEM_PROMPT
     if body.question is not None:
-        return body.question, system or None
+        return _asked(body.question, "question"), system or None
     try:
         messages = template_messages(body.messages)
     except ValueError as exc:
@@ -44,7 +44,14 @@ def question_and_system(body: SearchRequest) -> tuple[str, str | None]:
     if not users:
         raise APIError(400, "messages: needs a user message holding the question", param="messages")
     systems = [m["content"] for m in messages if m["role"] == "system"]
-    return users[-1], (systems[-1] if systems else system) or None
+    return _asked(users[-1], "messages"), (systems[-1] if systems else system) or None
+
+
+def _asked(question: str, param: str) -> str:
+    """An empty question (an unset shell variable, say) would search the model's noise at full cost."""
+    if not question.strip():
+        raise APIError(400, f"{param}: the question is empty", param=param)
+    return question
 
 
 # SearchConfig's fields a body leaves to the server (None on the wire); every other field of
@@ -201,12 +208,15 @@ def _sse_line(payload: dict) -> str:
 
 
 def search_response(model: str, verifier: str | None, config: SearchConfig, result: SearchResult) -> dict:
+    """The reply; scores are null where the strategy reads no verifier (greedy, majority): a 0 would
+    say the verifier judged the answer wrong, as `treeserve search` prints `score: none` then."""
+    scores = result.agg_scores if config.uses_verifier else [None] * len(result.completions)
     candidates = [{"index": i, "text": text, "answer": answer, "score": score, "step_scores": steps}
                   for i, (text, answer, score, steps) in enumerate(zip(result.completions, result.answers,
-                                                                      result.agg_scores, result.scores))]
+                                                                      scores, result.scores))]
     return {"object": "search.result", "model": model, "verifier": verifier, "strategy": config.strategy,
             "n": config.num_candidates, "answer": result.pred, "completion": result.completions[result.chosen],
-            "score": result.agg_scores[result.chosen], "verifier_rejected_all": result.verifier_rejected_all,
+            "score": scores[result.chosen], "verifier_rejected_all": result.verifier_rejected_all,
             "chosen": result.chosen, "candidates": candidates,
             "tree_size": result.tree_size, "usage": {"completion_tokens": result.completion_tokens},
             "seconds": round(result.seconds, 4)}
