@@ -262,6 +262,12 @@ def test_the_chat_page_end_to_end(stack, browser, shots):
         assert candidate.find_element(*by("candidate-score")).text.startswith("score 0.")
         assert candidate.find_element(*by("step-score-chart")).get_attribute("aria-label").startswith("step scores")
     assert "tree size" in driver.find_element(*by("search-summary")).text
+    # a strategy that reads no verifier (majority, greedy) has null scores: "none", as the CLI says
+    summary, score = driver.execute_script("""const box = renderSearch({answer: '4', score: null, n: 1,
+        strategy: 'majority', tree_size: 1, verifier: null, chosen: 0,
+        candidates: [{index: 0, answer: '4', score: null, text: 't'}]});
+        return ['search-summary', 'candidate-score'].map((id) => box.querySelector(`[data-testid="${id}"]`).textContent)""")
+    assert summary.startswith("answer 4 · score none · majority") and score == "score none"
     assert driver.find_element(*by("conversation-title")).get_attribute("value") == QUESTION[:60]
     # renamed with Enter (the field keeps the focus): it shows the title as stored, as the list does
     title = driver.find_element(*by("conversation-title"))

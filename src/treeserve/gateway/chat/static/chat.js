@@ -300,7 +300,7 @@ function metaText(message) {
 function renderSearch(search) {
   const box = el("div", { class: "search", "data-testid": "search-result" });
   box.append(el("div", { class: "search-summary", "data-testid": "search-summary",
-    text: `answer ${search.answer ?? "?"} · score ${fmt(search.score)} · ${search.strategy}, n=${search.n} · ` +
+    text: `answer ${search.answer ?? "?"} · score ${scoreText(search.score)} · ${search.strategy}, n=${search.n} · ` +
       `tree size ${search.tree_size} steps · verifier ${search.verifier}` }));
   if (search.verifier_rejected_all) {
     box.append(el("div", { class: "flag", "data-testid": "search-rejected",
@@ -311,7 +311,7 @@ function renderSearch(search) {
     const item = el("li", { "data-testid": "search-candidate",
       class: candidate.index === search.chosen ? "chosen" : "" });
     item.append(el("span", { class: "answer", text: `answer ${candidate.answer ?? "?"}` }),
-      el("span", { class: "score", "data-testid": "candidate-score", text: `score ${fmt(candidate.score)}` }),
+      el("span", { class: "score", "data-testid": "candidate-score", text: `score ${scoreText(candidate.score)}` }),
       chart(candidate.step_scores || []),
       el("span", { class: "steps", text: `steps: ${(candidate.step_scores || []).map(fmt).join(", ")}` }));
     const text = el("details", {}, el("summary", { text: "text" }), el("pre", { text: candidate.text }));
@@ -353,6 +353,11 @@ function renderTool(tool, router) {
     el("div", { class: "tool-name", "data-testid": "tool-name", text: `tool: ${tool.name}` }),
     el("div", { class: "tool-input", "data-testid": "tool-input", text: `input: ${JSON.stringify(tool.input)}` }),
     el("div", { class: "tool-result", "data-testid": "tool-result", text: `result: ${tool.result}` }));
+}
+
+// greedy and majority read no verifier: their scores are null, shown as the CLI shows them
+function scoreText(value) {
+  return value === null ? "none" : fmt(value);
 }
 
 function fmt(value) {
