@@ -408,6 +408,17 @@ def test_an_asymmetric_checkpoint_missing_a_zero_point_is_refused_by_name(checkp
         LLM(str(path), dtype="float32", **OPTIONS)
 
 
+@pytest.mark.parametrize("name", ["ct-w8a8", "ct-fp8-dynamic"])
+def test_a_module_missing_its_scales_is_refused_not_loaded_as_plain_weights(checkpoints, tmp_path, name):
+    """Without its weight_scale an int8 or FP8 `weight` looks like an unquantized module's: copied as
+    a float weight it loaded as garbage."""
+    path = _edited_copy(checkpoints(name)[0], tmp_path / "edited",
+                        tensors=lambda state: state.pop("model.layers.0.self_attn.o_proj.weight_scale"))
+    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.o_proj.weight' is torch.(int8|float8_e4m3fn), "
+                                         "quantized values without the scales"):
+        LLM(str(path), dtype="float32", **OPTIONS)
+
+
 def test_4bit_float_weights_are_refused_by_name(checkpoints, tmp_path):
     """NVFP4-style 4-bit float weights (packed, no `weight` tensor): the scheme named, not a missing tensor."""
     def fp4(config):
