@@ -400,6 +400,14 @@ def test_corrupt_scales_are_refused_by_name(checkpoints, tmp_path, name, corrupt
         LLM(str(path), dtype="float32", **OPTIONS)
 
 
+def test_act_order_missing_its_g_idx_is_refused_by_name(checkpoints, tmp_path):
+    """desc_act's groups are g_idx's: read in order without it, the weights would be garbage."""
+    path = _edited_copy(checkpoints("gptq-4bit-g128-asym-actorder")[0], tmp_path / "edited",
+                        tensors=lambda state: state.pop("model.layers.1.mlp.down_proj.g_idx"))
+    with pytest.raises(ParamError, match="gptq: model.layers.1.mlp.down_proj lacks its 'g_idx' tensor, which desc_act"):
+        LLM(str(path), dtype="float32", **OPTIONS)
+
+
 def test_an_asymmetric_checkpoint_missing_a_zero_point_is_refused_by_name(checkpoints, tmp_path):
     """Without its zero points an asymmetric module read as symmetric would be garbage."""
     path = _edited_copy(checkpoints("ct-w4a16-asym")[0], tmp_path / "edited",

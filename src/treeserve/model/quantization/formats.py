@@ -131,8 +131,12 @@ class GPTQFormat(CheckpointFormat):
             raise ParamError("quantization", f"gptq checkpoint_format {layout!r} cannot be loaded (supported: "
                              f"{', '.join(map(repr, GPTQ_LAYOUTS))}; vLLM reads 'marlin' as its own 'marlin' method)")
         self.zeros_minus_one = layout != "gptq_v2"
+        self.desc_act = bool(config.get("desc_act", False))
 
     def decode(self, prefix: str, tensors: dict[str, torch.Tensor]) -> IntWeight:
+        if self.desc_act and "g_idx" not in tensors:  # (read in order, act-ordered groups would be garbage)
+            raise ParamError("quantization", f"gptq: {prefix} lacks its 'g_idx' tensor, which desc_act (act order) "
+                             "needs to know each input feature's group")
         values = unpack_int32(tensors["qweight"].t(), self.bits).contiguous()  # [out, in]
         zeros = unpack_int32(tensors["qzeros"], self.bits)[:, :values.shape[0]].t().float()
         zeros = zeros + 1 if self.zeros_minus_one else zeros
