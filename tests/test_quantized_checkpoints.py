@@ -342,3 +342,96 @@ def test_asking_for_another_scheme_is_refused(checkpoints, sources):
     assert LLM(str(path), dtype="float32", quantization="awq_marlin", **OPTIONS).engine.loaded.quantization == "awq"
     with pytest.raises(ParamError, match="'gptq' names a checkpoint format, and this checkpoint is not quantized"):
         LLM(str(sources["llama"]), dtype="float32", quantization="gptq", **OPTIONS)
+
+
+def _edited_copy(path, dest, config=None, tensors=None):
+    """A copy of the checkpoint at `path`, its quantization_config and tensors edited in place."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(path, dest)
+    if config is not None:
+        raw = json.loads((dest / "config.json").read_text())
+        config(raw["quantization_config"])
+        (dest / "config.json").write_text(json.dumps(raw))
+    if tensors is not None:
+        for file in dest.glob("*.safetensors"):
+            state = load_file(str(file))
+            tensors(state)
+            save_file(state, str(file), metadata={"format": "pt"})
+    return dest
+
+
+@pytest.mark.parametrize("edit,named", [
+    (dict(checkpoint_format="marlin"), "gptq checkpoint_format 'marlin' cannot be loaded"),
+    (dict(checkpoint_format="bitblas"), "gptq checkpoint_format 'bitblas' cannot be loaded"),
+    (dict(is_marlin_format=True), "gptq checkpoint_format 'marlin' cannot be loaded"),
+    (dict(group_size=-2), "gptq: group_size -2 cannot be loaded"),
+    (dict(group_size="32"), "gptq: group_size '32' cannot be loaded"),
+    (dict(bits="4"), "gptq: '4' bits cannot be loaded"),
+])
+def test_gptq_settings_it_cannot_read_are_refused_by_name(checkpoints, tmp_path, edit, named):
+    """A GPTQModel checkpoint saved in Marlin's or BitBLAS's layout keeps the tensor names and permutes
+    their contents: read as GPTQ's it would load as garbage (vLLM reads it as another method)."""
+    path = _edited_copy(checkpoints("gptq-4bit-g32-sym")[0], tmp_path / "edited", config=lambda c: c.update(edit))
+    with pytest.raises(ParamError, match=named):
+        LLM(str(path), dtype="float32", **OPTIONS)
+
+
+def _int_scales(state, name):
+    state[name] = state[name].to(torch.int32)
+
+
+def _nan_scale(state, name):
+    state[name][0, 0] = float("nan")
+
+
+@pytest.mark.parametrize("name,corrupt,named", [
+    ("gptq-4bit-g32-sym", _int_scales, "q_proj's 'scales' tensor is torch.int32, not floating point"),
+    ("gptq-4bit-g32-sym", _nan_scale, "q_proj's 'scales' tensor holds 1 NaN or infinite values"),
+    ("awq-g32", _nan_scale, "q_proj's 'scales' tensor holds 1 NaN or infinite values"),
+    ("ct-w4a16-asym", _nan_scale, "q_proj's 'weight_scale' tensor holds 1 NaN or infinite values"),
+])
+def test_corrupt_scales_are_refused_by_name(checkpoints, tmp_path, name, corrupt, named):
+    """A scale that cannot scale (not floating point, NaN) would make every weight of its group garbage."""
+    scales = "weight_scale" if name.startswith("ct-") else "scales"
+    path = _edited_copy(checkpoints(name)[0], tmp_path / "edited",
+                        tensors=lambda state: corrupt(state, f"model.layers.0.self_attn.q_proj.{scales}"))
+    with pytest.raises(ParamError, match=named):
+        LLM(str(path), dtype="float32", **OPTIONS)
+
+
+def test_act_order_missing_its_g_idx_is_refused_by_name(checkpoints, tmp_path):
+    """desc_act's groups are g_idx's: read in order without it, the weights would be garbage."""
+    path = _edited_copy(checkpoints("gptq-4bit-g128-asym-actorder")[0], tmp_path / "edited",
+                        tensors=lambda state: state.pop("model.layers.1.mlp.down_proj.g_idx"))
+    with pytest.raises(ParamError, match="gptq: model.layers.1.mlp.down_proj lacks its 'g_idx' tensor, which desc_act"):
+        LLM(str(path), dtype="float32", **OPTIONS)
+
+
+def test_an_asymmetric_checkpoint_missing_a_zero_point_is_refused_by_name(checkpoints, tmp_path):
+    """Without its zero points an asymmetric module read as symmetric would be garbage."""
+    path = _edited_copy(checkpoints("ct-w4a16-asym")[0], tmp_path / "edited",
+                        tensors=lambda state: state.pop("model.layers.0.mlp.down_proj.weight_zero_point"))
+    with pytest.raises(ValueError, match="down_proj lacks its 'weight_zero_point' tensor"):
+        LLM(str(path), dtype="float32", **OPTIONS)
+
+
+@pytest.mark.parametrize("name", ["ct-w8a8", "ct-fp8-dynamic"])
+def test_a_module_missing_its_scales_is_refused_not_loaded_as_plain_weights(checkpoints, tmp_path, name):
+    """Without its weight_scale an int8 or FP8 `weight` looks like an unquantized module's: copied as
+    a float weight it loaded as garbage."""
+    path = _edited_copy(checkpoints(name)[0], tmp_path / "edited",
+                        tensors=lambda state: state.pop("model.layers.0.self_attn.o_proj.weight_scale"))
+    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.o_proj.weight' is torch.(int8|float8_e4m3fn), "
+                                         "quantized values without the scales"):
+        LLM(str(path), dtype="float32", **OPTIONS)
+
+
+def test_4bit_float_weights_are_refused_by_name(checkpoints, tmp_path):
+    """NVFP4-style 4-bit float weights (packed, no `weight` tensor): the scheme named, not a missing tensor."""
+    def fp4(config):
+        config["config_groups"]["group_0"]["weights"].update(type="float", num_bits=4)
+
+    path = _edited_copy(checkpoints("ct-w4a16")[0], tmp_path / "edited", config=fp4)
+    with pytest.raises(ParamError, match=r"float weights of 4 bits \(packed\) cannot be loaded \(supported: FP8"):
+        LLM(str(path), dtype="float32", **OPTIONS)

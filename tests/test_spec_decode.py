@@ -302,6 +302,21 @@ def test_speculative_config_errors_name_the_problem():
     assert SpeculativeConfig.of({"method": "suffix"}).num_speculative_tokens == 4
 
 
+@pytest.mark.parametrize("given,expected", [
+    ({}, (2, 4)),
+    ({"prompt_lookup_min": 5}, (5, 5)),   # vLLM: either alone sets both (it errored: max 4 below min 5)
+    ({"prompt_lookup_max": 1}, (1, 1)),   # (it errored: max 1 below the default min 2)
+    ({"prompt_lookup_min": 1}, (1, 4)),
+    ({"prompt_lookup_max": 8}, (2, 8)),
+    ({"prompt_lookup_min": 3, "prompt_lookup_max": 6}, (3, 6)),
+])
+def test_one_prompt_lookup_bound_alone_is_read_as_vllm_reads_it(given, expected):
+    config = SpeculativeConfig.of({"method": "ngram", **given})
+    assert (config.prompt_lookup_min, config.prompt_lookup_max) == expected
+    with pytest.raises(ParamError, match=r"prompt_lookup_max must be an integer in \[5, 64\], got 4"):
+        SpeculativeConfig.of({"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 4})
+
+
 def test_drafts_stop_at_the_disable_batch_size(llama_dir):
     llm = _llm(llama_dir, speculative_config=_spec(disable_by_batch_size=2, prompt_lookup_min=1))
     _tokens(llm)  # four requests run together: no drafts while two or more run

@@ -187,6 +187,20 @@ def test_draft_model_errors_name_the_problem(llama_dir, drafts, tmp_path):
                                  speculative_config=_draft(drafts["perturbed"]))
 
 
+def test_a_draft_without_weights_is_refused_at_start(llama_dir, tmp_path):
+    """Its weights load at the first draft; a folder without them (config and tokenizer only) is said
+    at start, as vLLM says it, not by the first request that drafts."""
+    import shutil
+
+    draft = tmp_path / "no-weights"
+    shutil.copytree(llama_dir, draft)
+    for weights in draft.glob("*.safetensors"):
+        weights.unlink()
+    with pytest.raises(ParamError, match=r"speculative_config: the draft model '.*no-weights' cannot be loaded: "
+                                         r".*model.safetensors: file not found"):
+        _llm(llama_dir, speculative_config=_draft(draft))
+
+
 def test_a_runtime_shares_its_kv_space_with_the_draft(pair):
     """A generator with a draft model in a Runtime beside its PRM: the draft's blocks come from the
     shared pool (as their own owner), a greedy search's text is that without speculation, and the

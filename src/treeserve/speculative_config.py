@@ -10,6 +10,7 @@ MODEL_METHODS = ("draft_model", "eagle", "eagle3")  # the methods that load a `m
 # vLLM's other methods: named, refused with a clear message until they are built
 NOT_YET = ("medusa", "mlp_speculator", "mtp")
 MAX_SPECULATIVE_TOKENS = 16
+PROMPT_LOOKUP = (2, 4)  # prompt_lookup_min and _max where neither is given
 
 
 @dataclass(frozen=True)
@@ -23,8 +24,10 @@ class SpeculativeConfig:
     batch is bound by compute, where verifying drafts costs more than it saves."""
     method: str
     num_speculative_tokens: int = 4
-    prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 2
+    # unset: 2 to 4, the other's default moved to the one given where it would cross it (as vLLM, where
+    # either alone sets both: {"prompt_lookup_min": 5} reads 5 to 5, {"prompt_lookup_max": 1} 1 to 1)
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
     disable_by_batch_size: int | None = None
     model: str | None = None  # `draft_model`, `eagle`, `eagle3`: the draft checkpoint (a folder or a `builtin:` name)
 
@@ -40,10 +43,20 @@ class SpeculativeConfig:
             raise ParamError("speculative_config", f"method {self.method!r} takes no 'model' "
                              f"(a draft checkpoint is method 'draft_model')")
         _int_in("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
+        self._fill_prompt_lookup()
         _int_in("prompt_lookup_min", self.prompt_lookup_min, 1, 64)
         _int_in("prompt_lookup_max", self.prompt_lookup_max, self.prompt_lookup_min, 64)
         if self.disable_by_batch_size is not None:
             _int_in("disable_by_batch_size", self.disable_by_batch_size, 1, 1 << 20)
+
+    def _fill_prompt_lookup(self) -> None:
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low is None:
+            low = PROMPT_LOOKUP[0] if high is None or not _is_int(high) else min(PROMPT_LOOKUP[0], high)
+        if high is None:
+            high = max(PROMPT_LOOKUP[1], low) if _is_int(low) else PROMPT_LOOKUP[1]
+        object.__setattr__(self, "prompt_lookup_min", low)
+        object.__setattr__(self, "prompt_lookup_max", high)
 
     @classmethod
     def of(cls, value: "SpeculativeConfig | dict | None") -> "SpeculativeConfig | None":
@@ -64,6 +77,10 @@ class SpeculativeConfig:
         return cls(**value)
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _int_in(name: str, value, low: int, high: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+    if not _is_int(value) or not low <= value <= high:
         raise ParamError("speculative_config", f"{name} must be an integer in [{low}, {high}], got {value!r}")

@@ -264,6 +264,11 @@ def _replace_linear(model: nn.Module, module: str, weight, dtype: torch.dtype) -
 def _copy_into(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
     if param.shape != tensor.shape:
         raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+    if param.is_floating_point() and (not tensor.is_floating_point() or tensor.element_size() == 1):
+        # (int8, FP8: quantized values, which without their scales would load as garbage)
+        raise ValueError(f"tensor {name!r} is {tensor.dtype}, quantized values without the scales that read them "
+                         f"(is its module's weight_scale missing from the checkpoint?): it cannot load as a plain "
+                         f"{param.dtype} weight")
     with torch.no_grad():
         param.copy_(tensor)
 

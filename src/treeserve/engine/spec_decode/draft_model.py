@@ -23,6 +23,7 @@ from treeserve.engine.request import Request
 from treeserve.engine.spec_decode.draft_kv import (MAX_CATCH_UP, DraftKV, DraftSequence, PassDrafter, flat_order,
                                                    pass_inputs)
 from treeserve.errors import ParamError
+from treeserve.model.checkpoint_files import checkpoint_tensor_names
 from treeserve.model.loader import load_tokenizer
 from treeserve.model.registry import resolve_model_path
 from treeserve.model.transfer import to_device
@@ -130,8 +131,12 @@ class DraftModelProposer(PassDrafter):
 def _describe_draft(config: SpeculativeConfig, target: LoadedModel) -> LoadedModel:
     """The draft checkpoint for the target's device and dtype; its tokenizer must be the target's
     (the same token ids mean the same text)."""
-    draft = describe_model(EngineConfig(model=config.model, dtype=target.dtype, device=str(target.device),
-                                        seed=target.config.seed), name=f"{target.model_key}:draft")
+    try:
+        draft = describe_model(EngineConfig(model=config.model, dtype=target.dtype, device=str(target.device),
+                                            seed=target.config.seed), name=f"{target.model_key}:draft")
+        checkpoint_tensor_names(draft.model_dir)  # its weights load at the first draft: found now, at start
+    except OSError as exc:  # (a folder or weights file missing: said at start, not by the first request)
+        raise ParamError("speculative_config", f"the draft model {config.model!r} cannot be loaded: {exc}") from exc
     if not shares_tokenizer(draft.tokenizer, target):
         raise ParamError("speculative_config", f"the draft model {config.model!r} has another tokenizer than "
                          f"the target {target.model_dir.name!r}: a draft must share the target's vocabulary")

@@ -6,7 +6,7 @@ import re
 import torch
 
 from treeserve.errors import ParamError
-from treeserve.model.quantization.formats import CheckpointFormat, _bits, _plain_g_idx, unpack_int32
+from treeserve.model.quantization.formats import CheckpointFormat, _bits, _plain_g_idx, _scales, unpack_int32
 from treeserve.model.quantization.weights import FloatWeight, IntWeight
 
 FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized")
@@ -88,10 +88,10 @@ def _decode_int(prefix: str, tensors: dict, weights: dict, inputs: dict | None) 
     else:
         values = (tensors["weight"].to(torch.int16) + offset).to(torch.uint8)
         out_features, in_features = values.shape
-    scales = _scales_per_group(tensors["weight_scale"], out_features)
+    scales = _scales_per_group(_scales(tensors, "weight_scale", f"compressed-tensors: {prefix}"), out_features)
     zeros = torch.full_like(scales, float(offset))
-    if (zero_point := tensors.get("weight_zero_point")) is not None and not weights.get("symmetric", True):
-        zeros = _zero_points(zero_point, bits, scales.shape).float()
+    if not weights.get("symmetric", True):  # asymmetric: the zero points are the checkpoint's
+        zeros = _zero_points(tensors["weight_zero_point"], bits, scales.shape).float()
     group_size = in_features // scales.shape[1]
     if scales.shape[1] > 1 and weights.get("strategy") == "group":
         group_size = int(weights.get("group_size"))
@@ -113,11 +113,12 @@ def _zero_points(zero_point: torch.Tensor, bits: int, shape: torch.Size) -> torc
 
 
 def _decode_float(prefix: str, tensors: dict, weights: dict, inputs: dict | None) -> FloatWeight:
-    if weights.get("num_bits") != 8 or tensors["weight"].dtype != torch.float8_e4m3fn:
+    stored = tensors["weight"].dtype if "weight" in tensors else "packed"
+    if weights.get("num_bits") != 8 or stored != torch.float8_e4m3fn:  # (NVFP4's 4-bit floats: packed)
         raise ParamError("quantization", f"compressed-tensors: {prefix}: float weights of {weights.get('num_bits')} "
-                         f"bits ({tensors['weight'].dtype}) cannot be loaded (supported: FP8 e4m3)")
+                         f"bits ({stored}) cannot be loaded (supported: FP8 e4m3)")
     weight = tensors["weight"].float()
-    scale = tensors["weight_scale"].float()
+    scale = _scales(tensors, "weight_scale", f"compressed-tensors: {prefix}")
     if weights.get("strategy") == "block":  # [out / block rows, in / block columns]
         rows, cols = weights.get("block_structure") or (128, 128)
         scale = scale.repeat_interleave(rows, 0)[:weight.shape[0]].repeat_interleave(cols, 1)[:, :weight.shape[1]]

@@ -52,9 +52,32 @@ def unpack_int32(packed: torch.Tensor, bits: int, order: list[int] | None = None
 
 
 def _bits(value, where: str) -> int:
-    if value not in (4, 8):
-        raise ParamError("quantization", f"{where}: {value} bits cannot be loaded (supported: 4 and 8)")
+    if isinstance(value, bool) or value not in (4, 8):
+        raise ParamError("quantization", f"{where}: {value!r} bits cannot be loaded (supported: 4 and 8)")
     return int(value)
+
+
+def _checked_group_size(value, where: str):
+    """A config's group size as vLLM reads it: -1 (one group per channel, also written 0 or null) or a
+    positive integer of input features."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= -1):
+        return value
+    raise ParamError("quantization", f"{where}: group_size {value!r} cannot be loaded (supported: -1 for one "
+                     "group per output channel, or a positive number of input features)")
+
+
+def _scales(tensors: dict[str, torch.Tensor], name: str, where: str) -> torch.Tensor:
+    """The module's `name` scales as float32, refused where they cannot be scales: not floating point
+    (a corrupt or mislabelled tensor) or not finite (every weight of its group would be NaN or inf)."""
+    scales = tensors[name]
+    if not scales.is_floating_point():
+        raise ParamError("quantization", f"{where}'s {name!r} tensor is {scales.dtype}, not floating point: "
+                         "the checkpoint is corrupt or not in the format its quantization_config names")
+    scales = scales.float()
+    if not bool(torch.isfinite(scales).all()):
+        raise ParamError("quantization", f"{where}'s {name!r} tensor holds {int((~torch.isfinite(scales)).sum())} "
+                         "NaN or infinite values: the checkpoint is corrupt")
+    return scales
 
 
 def _group_size(value, in_features: int) -> int:
@@ -90,6 +113,9 @@ class CheckpointFormat(abc.ABC):
         """The weight of the module at `prefix` from its tensors (`self.tensors` that it has)."""
 
 
+GPTQ_LAYOUTS = ("gptq", "gptq_v2")  # checkpoint_format: v1 (zeros stored minus one) and v2
+
+
 class GPTQFormat(CheckpointFormat):
     method = "gptq"
     markers = ("qweight",)
@@ -97,15 +123,26 @@ class GPTQFormat(CheckpointFormat):
 
     def __init__(self, config: dict):
         self.bits = _bits(config.get("bits", 4), "gptq")
-        self.group_size = config.get("group_size", 128)
-        self.zeros_minus_one = config.get("checkpoint_format", "gptq") != "gptq_v2"
+        self.group_size = _checked_group_size(config.get("group_size", 128), "gptq")
+        layout = str(config.get("checkpoint_format") or "gptq").lower()
+        if config.get("is_marlin_format"):  # AutoGPTQ's older flag for the same layout
+            layout = "marlin"
+        if layout not in GPTQ_LAYOUTS:  # marlin, bitblas: permuted tensors under the same names
+            raise ParamError("quantization", f"gptq checkpoint_format {layout!r} cannot be loaded (supported: "
+                             f"{', '.join(map(repr, GPTQ_LAYOUTS))}; vLLM reads 'marlin' as its own 'marlin' method)")
+        self.zeros_minus_one = layout != "gptq_v2"
+        self.desc_act = bool(config.get("desc_act", False))
 
     def decode(self, prefix: str, tensors: dict[str, torch.Tensor]) -> IntWeight:
+        if self.desc_act and "g_idx" not in tensors:  # (read in order, act-ordered groups would be garbage)
+            raise ParamError("quantization", f"gptq: {prefix} lacks its 'g_idx' tensor, which desc_act (act order) "
+                             "needs to know each input feature's group")
         values = unpack_int32(tensors["qweight"].t(), self.bits).contiguous()  # [out, in]
         zeros = unpack_int32(tensors["qzeros"], self.bits)[:, :values.shape[0]].t().float()
         zeros = zeros + 1 if self.zeros_minus_one else zeros
         group_size = _group_size(self.group_size, values.shape[1])
-        return IntWeight(values, tensors["scales"].t().float().contiguous(), zeros.contiguous(), self.bits, group_size,
+        scales = _scales(tensors, "scales", f"{self.method}: {prefix}").t().contiguous()
+        return IntWeight(values, scales, zeros.contiguous(), self.bits, group_size,
                          _plain_g_idx(tensors.get("g_idx"), group_size))
 
 
@@ -126,11 +163,11 @@ class AWQFormat(CheckpointFormat):
             raise ParamError("quantization", f"awq version {version!r} cannot be loaded (supported: 'gemm')")
         if config.get("zero_point", True) is False:
             raise ParamError("quantization", "awq without zero points cannot be loaded (supported: zero_point true)")
-        self.group_size = config.get("group_size", config.get("q_group_size", 128))
+        self.group_size = _checked_group_size(config.get("group_size", config.get("q_group_size", 128)), "awq")
 
     def decode(self, prefix: str, tensors: dict[str, torch.Tensor]) -> IntWeight:
         values = unpack_int32(tensors["qweight"], 4, AWQ_ORDER)  # [in, out]
         zeros = unpack_int32(tensors["qzeros"], 4, AWQ_ORDER).float()
         group_size = _group_size(self.group_size, values.shape[0])
-        return IntWeight(values.t().contiguous(), tensors["scales"].t().float().contiguous(), zeros.t().contiguous(),
-                         4, group_size)
+        scales = _scales(tensors, "scales", f"{self.method}: {prefix}").t().contiguous()
+        return IntWeight(values.t().contiguous(), scales, zeros.t().contiguous(), 4, group_size)
