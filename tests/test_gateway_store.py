@@ -462,6 +462,49 @@ def test_a_create_waits_for_another_writer_of_its_alias_and_is_refused(store):
     assert [k["key_alias"] for k in store.accounts.list_keys()] == ["held"]
 
 
+def _at_once(call, n: int = 8) -> tuple[list, list]:
+    """`call` from `n` threads let go together: (what the calls returned, the GatewayErrors they raised)."""
+    import threading
+
+    barrier, made, refused = threading.Barrier(n), [], []
+
+    def run():
+        barrier.wait()
+        try:
+            made.append(call())
+        except GatewayError as exc:
+            refused.append(exc)
+    threads = [threading.Thread(target=run) for _ in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return made, refused
+
+
+def test_concurrent_creates_of_a_user_make_it_once(store):
+    """Eight /user/new calls at once for one user_id make the user once, and the others are refused
+    as a second /user/new one after another is (400 user_exists). (On PostgreSQL both read no user,
+    and the second insert's unique violation was a 500.)"""
+    for round_ in range(4):
+        user_id = f"racer-{round_}"
+        made, refused = _at_once(lambda: store.accounts.create_user_with_key(user_id, None, {}))
+        assert len(made) == 1 and len(refused) == 7, (user_id, made, refused)
+        assert {(e.status, e.code) for e in map(to_api_error, refused)} == {(400, "user_exists")}
+        assert len(store.accounts.user_info(user_id)["keys"]) == 1
+    assert sorted(u["user_id"] for u in store.accounts.list_users()[0]) == [f"racer-{i}" for i in range(4)]
+
+
+def test_concurrent_keys_for_a_new_user_make_the_user_once(store):
+    """Eight /key/generate calls at once naming a user that does not exist yet: every key is made, and
+    the user once (LiteLLM makes the user a key names; two first keys at once were a 500 on PostgreSQL)."""
+    for round_ in range(4):
+        user_id = f"newcomer-{round_}"
+        made, refused = _at_once(lambda: store.accounts.create_key(user_id=user_id))
+        assert len(made) == 8 and refused == [], (user_id, refused)
+        assert len(store.accounts.user_info(user_id)["keys"]) == 8
+
+
 def test_the_admin_api_gives_no_key_the_chat_prefix_or_the_master_label(store):
     token, _ = store.accounts.create_key(key_alias="team-a")
     for alias, code in (("chat:ada", "key_alias_reserved"), ("master", "key_alias_exists")):
