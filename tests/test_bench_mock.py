@@ -201,6 +201,14 @@ def test_a_server_that_never_comes_up_is_a_clear_error_after_the_timeout(tmp_pat
     assert ("waiting for" in err) == (timeout != "0"), err  # 0: one try, no waiting (and no progress lines)
 
 
+def test_a_negative_ready_check_timeout_is_refused_before_any_request(tmp_path, capsys):
+    url = f"http://127.0.0.1:{free_port()}"
+    assert main(["bench", "serve", "--base-url", url, "--out", str(tmp_path / "run"),
+                 "--ready-check-timeout-sec", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert "ready_check_timeout_sec: must be >= 0 seconds (0: no waiting), got -1" in err and "waiting" not in \
+        err.replace("no waiting", ""), err
+
 def test_a_wrong_api_key_fails_at_once_without_waiting(tmp_path):
     """401 will not change by waiting: the 600 s default must not be spent on it."""
     import asyncio

@@ -462,6 +462,49 @@ def test_a_create_waits_for_another_writer_of_its_alias_and_is_refused(store):
     assert [k["key_alias"] for k in store.accounts.list_keys()] == ["held"]
 
 
+def _at_once(call, n: int = 8) -> tuple[list, list]:
+    """`call` from `n` threads let go together: (what the calls returned, the GatewayErrors they raised)."""
+    import threading
+
+    barrier, made, refused = threading.Barrier(n), [], []
+
+    def run():
+        barrier.wait()
+        try:
+            made.append(call())
+        except GatewayError as exc:
+            refused.append(exc)
+    threads = [threading.Thread(target=run) for _ in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return made, refused
+
+
+def test_concurrent_creates_of_a_user_make_it_once(store):
+    """Eight /user/new calls at once for one user_id make the user once, and the others are refused
+    as a second /user/new one after another is (400 user_exists). (On PostgreSQL both read no user,
+    and the second insert's unique violation was a 500.)"""
+    for round_ in range(4):
+        user_id = f"racer-{round_}"
+        made, refused = _at_once(lambda: store.accounts.create_user_with_key(user_id, None, {}))
+        assert len(made) == 1 and len(refused) == 7, (user_id, made, refused)
+        assert {(e.status, e.code) for e in map(to_api_error, refused)} == {(400, "user_exists")}
+        assert len(store.accounts.user_info(user_id)["keys"]) == 1
+    assert sorted(u["user_id"] for u in store.accounts.list_users()[0]) == [f"racer-{i}" for i in range(4)]
+
+
+def test_concurrent_keys_for_a_new_user_make_the_user_once(store):
+    """Eight /key/generate calls at once naming a user that does not exist yet: every key is made, and
+    the user once (LiteLLM makes the user a key names; two first keys at once were a 500 on PostgreSQL)."""
+    for round_ in range(4):
+        user_id = f"newcomer-{round_}"
+        made, refused = _at_once(lambda: store.accounts.create_key(user_id=user_id))
+        assert len(made) == 8 and refused == [], (user_id, refused)
+        assert len(store.accounts.user_info(user_id)["keys"]) == 8
+
+
 def test_the_admin_api_gives_no_key_the_chat_prefix_or_the_master_label(store):
     token, _ = store.accounts.create_key(key_alias="team-a")
     for alias, code in (("chat:ada", "key_alias_reserved"), ("master", "key_alias_exists")):
@@ -470,6 +513,56 @@ def test_the_admin_api_gives_no_key_the_chat_prefix_or_the_master_label(store):
                 as_http(call, key_alias=alias, **kwargs)
             assert (refused.value.status, refused.value.code, refused.value.param) == (400, code, "key_alias")
     assert store.accounts.update_key(token, key_alias="team-a", rpm_limit=5)["key_alias"] == "team-a"  # its own
+
+
+def test_a_downgrade_keeps_the_rows_of_the_tables_it_rebuilds(tmp_path, capsys):
+    """`treeserve gateway db downgrade 0006` on SQLite keeps every key, file, response, batch and line:
+    its revisions rebuild api_keys, batches and holdings (copy, drop the old table, rename), and
+    dropping the old copy with foreign keys on (the gateway's connections turn them on) deleted every
+    key's files, batches and responses and every batch's lines through their ON DELETE CASCADE. The
+    downgrade runs with them off, as `migrate` does, and the next start brings the rows back up."""
+    from treeserve.cli_gateway import main
+
+    url = f"sqlite:///{tmp_path / 'g.db'}"
+    store = Store(url)
+    store.migrate()
+    store.accounts.create_user("ann")
+    tokens = [store.accounts.create_key(user_id="ann", key_alias=f"k{i}")[0] for i in range(2)]
+    key_ids = [store.accounts.key_info(t)["key_id"] for t in tokens]
+    now = utcnow()
+    with store.db.transaction() as conn:
+        for i, key_id in enumerate(key_ids):
+            conn.execute(text("INSERT INTO files (id, api_key_id, purpose, filename, bytes, content, created_at) "
+                              "VALUES (:id, :key, 'batch', 'in.jsonl', 1, x'31', :now)"),
+                         {"id": f"file-{i}", "key": key_id, "now": now})
+            conn.execute(text("INSERT INTO stored_responses (id, api_key_id, response, history, input_items, "
+                              "created_at) VALUES (:id, :key, '{}', '[]', '[]', :now)"),
+                         {"id": f"resp-{i}", "key": key_id, "now": now})
+            conn.execute(text("INSERT INTO batches (id, api_key_id, endpoint, input_file_id, completion_window, "
+                              "status, total, created_at, expires_at) VALUES (:id, :key, '/v1/chat/completions', "
+                              ":file, '24h', 'in_progress', 2, :now, :now)"),
+                         {"id": f"batch-{i}", "key": key_id, "file": f"file-{i}", "now": now})
+            for line in range(2):
+                conn.execute(text("INSERT INTO batch_lines (batch_id, line, custom_id, url, body, status) "
+                                  "VALUES (:batch, :line, :custom, '/v1/chat/completions', '{}', 'pending')"),
+                             {"batch": f"batch-{i}", "line": line, "custom": f"c{line}"})
+    tables = ("users", "api_keys", "files", "stored_responses", "batches", "batch_lines")
+
+    def counts():
+        with store.db.session() as conn:
+            return {t: conn.scalar(text(f"SELECT count(*) FROM {t}")) for t in tables}
+    before = counts()
+    assert before == {"users": 1, "api_keys": 2, "files": 2, "stored_responses": 2, "batches": 2, "batch_lines": 4}
+    assert main(["gateway", "db", "downgrade", "0006", "--database", url]) == 0
+    assert "0006" in capsys.readouterr().out
+    with store.db.session() as conn:
+        assert conn.scalar(text("SELECT version_num FROM alembic_version")) == "0006"
+        assert conn.execute(text("PRAGMA foreign_key_check")).fetchall() == []
+    assert counts() == before
+    store.migrate()
+    assert counts() == before
+    assert [k["key_alias"] for k in store.accounts.list_keys("ann")] == ["k0", "k1"]
+    store.close()
 
 
 def test_the_alias_and_chat_key_migrations_keep_every_key(tmp_path):

@@ -215,6 +215,41 @@ def test_cors_only_for_the_allowed_origins_and_a_preflight_needs_no_key(llama_di
         assert httpx.get(f"{url}/v1/models", headers={"Origin": "https://app.example"}).status_code == 401
 
 
+def test_request_id_headers_when_enabled(llama_dir):
+    """vLLM's --enable-request-id-headers: every answer carries `X-Request-Id`, the request's own when it
+    sent one, else a new uuid4 hex (the openai client's `_request_id`); streams and a refusal too."""
+    from conftest import API_KEY, running_server
+    from treeserve.cli import build_parser
+    from treeserve.server.launch import build_app
+
+    assert build_parser().parse_args(["serve", "--enable-request-id-headers"]).enable_request_id_headers
+    assert not build_parser().parse_args(["serve"]).enable_request_id_headers
+    app = build_app(str(llama_dir), served_model_name="tiny", api_keys=[API_KEY], dtype="float32", device="cpu",
+                    kv_cache_memory_bytes=8 << 20, max_model_len=256, request_id_headers=True)
+    with running_server(app) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
+        made = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
+        assert re.fullmatch(r"[0-9a-f]{32}", made._request_id), made._request_id
+        again = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
+        assert again._request_id != made._request_id
+        given = client.completions.create(model="tiny", prompt="The water is", max_tokens=2,
+                                          extra_headers={"X-Request-Id": "trace-7"})
+        assert given._request_id == "trace-7"
+        with client.chat.completions.with_streaming_response.create(
+                model="tiny", messages=MESSAGES, max_tokens=2, stream=True,
+                extra_headers={"X-Request-Id": "stream-1"}) as stream:
+            assert stream.headers.get_list("x-request-id") == ["stream-1"]
+        refused = httpx.get(f"{url}/v1/models", headers={"X-Request-Id": "no-key"})
+        assert refused.status_code == 401 and refused.headers["x-request-id"] == "no-key"
+        message = httpx.post(f"{url}/v1/messages", json={"model": "tiny", "max_tokens": 2, "messages": MESSAGES},
+                             headers={"Authorization": f"Bearer {API_KEY}", "X-Request-Id": "msg-1"})
+        assert message.status_code == 200 and message.headers["request-id"] == "msg-1"
+
+
+def test_no_request_id_header_by_default(client):
+    """Off by default, as in vLLM."""
+    assert client.models.with_raw_response.list().headers.get("x-request-id") is None
+
 def test_no_cors_headers_by_default(server):
     answer = httpx.get(f"{server.url}/v1/models", headers={"Origin": "https://app.example",
                                                            "Authorization": f"Bearer {server.key}"})

@@ -162,6 +162,9 @@ def _add_http_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allowed-methods", type=json_list, default=["*"], help="CORS: the methods allowed (JSON list)")
     parser.add_argument("--allowed-headers", type=json_list, default=["*"], help="CORS: the headers allowed (JSON list)")
     parser.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies)")
+    parser.add_argument("--enable-request-id-headers", action="store_true",
+                        help="every answer carries X-Request-Id (the request's own X-Request-Id if it sent one, "
+                        "else a new uuid4 hex; the openai client's _request_id), as vLLM's flag does; off by default")
     parser.add_argument("--enable-log-requests", action="store_true",
                         help="log each chat or completion request as vLLM does: 'Received request ID: prompt: ..., "
                         "params: ...', then 'Finished request ID.' or 'Aborted request ID.' (off by default, as in "

@@ -1,5 +1,6 @@
 """`treeserve gateway`: serve the gateway, or manage its keys and users from the command line
-(`treeserve gateway keys create|list|delete`, `treeserve gateway users create`). Imports no engine."""
+(`treeserve gateway keys create|list|delete`, `treeserve gateway users create`, `treeserve gateway db
+upgrade|downgrade`). Imports no engine."""
 from __future__ import annotations
 
 import argparse
@@ -87,6 +88,18 @@ def add_gateway_parsers(sub) -> None:
     password.add_argument("user_id")
     password.add_argument("--password", help="the new password (default: TREESERVE_PASSWORD, else asked)")
     password.set_defaults(func=cmd_users_set_password)
+    db = manage.add_parser("db", help="the gateway's database schema (Alembic revisions)")
+    db_commands = db.add_subparsers(dest="db_command", required=True)
+    upgrade = db_commands.add_parser("upgrade", help="bring the schema to the newest revision (as a gateway "
+                                     "does when it starts) and print it")
+    _add_database(upgrade)
+    upgrade.set_defaults(func=cmd_db_upgrade)
+    downgrade = db_commands.add_parser("downgrade", help="take the schema back to REVISION (before running an "
+                                       "older treeserve on it; on SQLite with foreign keys off, so rebuilt tables "
+                                       "keep their rows) and print it")
+    _add_database(downgrade)
+    downgrade.add_argument("revision", help="a revision id (0001, 0002, ...), or -N for N revisions back")
+    downgrade.set_defaults(func=cmd_db_downgrade)
 
 
 def _add_database(parser: argparse.ArgumentParser) -> None:
@@ -94,12 +107,16 @@ def _add_database(parser: argparse.ArgumentParser) -> None:
 
 
 def _store(args):
+    store = _unmigrated_store(args)
+    store.migrate()
+    return store
+
+
+def _unmigrated_store(args):
     from treeserve.gateway.database import default_url
     from treeserve.gateway.store import Store
 
-    store = Store(args.database or os.environ.get("TREESERVE_GATEWAY_DATABASE") or default_url())
-    store.migrate()
-    return store
+    return Store(args.database or os.environ.get("TREESERVE_GATEWAY_DATABASE") or default_url())
 
 
 def _models(text: str | None) -> list[str] | None:
@@ -180,6 +197,19 @@ def cmd_users_set_password(args) -> int:
     store = _store(args)
     ChatStore(store.db, store.accounts).set_password(args.user_id, password)
     print(f"password set for {args.user_id}")
+    return 0
+
+
+def cmd_db_upgrade(args) -> int:
+    store = _store(args)
+    print(f"database at revision {store.db.revision()}")
+    return 0
+
+
+def cmd_db_downgrade(args) -> int:
+    store = _unmigrated_store(args)
+    store.db.downgrade(args.revision)
+    print(f"database at revision {store.db.revision()}")
     return 0
 
 

@@ -43,8 +43,6 @@ class AbortedRequest:
     """What an aborted request had done when it was cut: for metrics, which count a request's
     tokens and finishes as they happen, not only when it ends."""
     request_id: str
-    num_prompt_tokens: int
-    prompt_computed: bool                      # its prefill was done (a first token came)
     samples: tuple[tuple[int, str | None], ...]  # each sample's generated tokens and finish (None: cut)
     delta: bool                                # RequestOutputKind.DELTA: each sample's finish was reported as it came
 

@@ -29,9 +29,8 @@ class NotReady(Exception):
 async def served_models(base_url: str, api_key: str | None, timeout_s: float = DEFAULT_READY_TIMEOUT_S) -> list[str]:
     """The ids GET /v1/models lists, polled until it answers 200 with at least one model, for up to
     `timeout_s` seconds (0: one try, no waiting); progress goes to stderr every few seconds.
-    ParamError naming base_url after the timeout, or at once for an answer that waiting cannot change."""
-    if timeout_s < 0:
-        raise ParamError("ready_check_timeout_sec", f"must be >= 0 seconds (0: no waiting), got {timeout_s}")
+    ParamError naming base_url after the timeout, or at once for an answer that waiting cannot change.
+    (A negative timeout is refused by BenchConfig.)"""
     began = time.monotonic()
     next_report = began
     while True:

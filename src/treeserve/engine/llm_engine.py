@@ -181,9 +181,8 @@ class LLMEngine:
         group = self._groups.pop(request_id)
         if group is None:
             return None
-        done = AbortedRequest(request_id, len(group.prompt_token_ids),
-                              any(c.num_output_tokens for c in group.children),
-                              tuple((c.num_output_tokens, c.finish_reason) for c in group.children), group.delta)
+        done = AbortedRequest(request_id, tuple((c.num_output_tokens, c.finish_reason) for c in group.children),
+                              group.delta)
         for request in group.members():
             self.scheduler.finish(request, "abort")
         self.pipeline.drop_unwanted_in_flight()

@@ -55,11 +55,9 @@ class Accounts:
         token = keylib.new_key() if key is not None else None
         key_row = _new_key_values({**key, "user_id": user_id}, now) if key is not None else None
         with _unique_key(key_row and key_row.get("key_alias")), self.db.transaction() as conn:
-            if conn.get(User, user_id) is not None:
+            values = user_values(fields, now) | {"password_hash": password_hash}
+            if not _add_user(self.db, conn, user_id, values, now):
                 raise UserExists(user_id)
-            values = user_values(fields, now)
-            conn.execute(insert(User).values(user_id=user_id, spend=0.0, reserved=0.0, created_at=now,
-                                             password_hash=password_hash, **values))
             if key_row is not None:
                 _insert_key(conn, token, key_row, now)
         return token, self.user_info(user_id)
@@ -122,7 +120,7 @@ class Accounts:
         now = utcnow()
         values = _new_key_values({**fields, "duration": duration}, now)
         with _unique_key(values.get("key_alias")), self.db.transaction() as conn:
-            _ensure_user(conn, values.get("user_id"), now)
+            _ensure_user(self.db, conn, values.get("user_id"), now)
             _insert_key(conn, token, values, now)
         return token, self.key_info(token)
 
@@ -144,7 +142,7 @@ class Accounts:
         values = _key_changes(fields, now) | {"token_hash": keylib.hash_key(new_token),
                                               "key_name": keylib.display_name(new_token)}
         with _unique_key(values.get("key_alias")), self.db.transaction() as conn:
-            _change_key(conn, token, values, now)
+            _change_key(self.db, conn, token, values, now)
         return new_token, self.key_info(new_token)
 
     def update_key(self, token: str, **fields) -> dict:
@@ -153,7 +151,7 @@ class Accounts:
         if not values:  # nothing to change: the key as it is (KeyNotFound if there is none)
             return self.key_info(token)
         with _unique_key(values.get("key_alias")), self.db.transaction() as conn:
-            _change_key(conn, token, values, now)
+            _change_key(self.db, conn, token, values, now)
         return self.key_info(token)
 
     def delete_keys(self, tokens: list[str], aliases: tuple[str, ...] = ()) -> list[str]:
@@ -257,7 +255,7 @@ def _key_changes(fields: dict, now: dt.datetime) -> dict:
     return values
 
 
-def _change_key(conn: Session, token: str, values: dict, now: dt.datetime) -> None:
+def _change_key(db: Database, conn: Session, token: str, values: dict, now: dt.datetime) -> None:
     """The key named by `token` (the key or its hash) given `values`; KeyNotFound if there is none."""
     where = ApiKey.token_hash == keylib.stored_hash(token)
     key = conn.execute(select(ApiKey.key_alias, ApiKey.user_id, ApiKey.web_chat).where(where).with_for_update()).first()
@@ -267,14 +265,23 @@ def _change_key(conn: Session, token: str, values: dict, now: dt.datetime) -> No
         _check_alias(values.get("key_alias"))
     if key.web_chat and "user_id" in values and values["user_id"] != key.user_id:
         raise ChatKeyOwner(key.user_id)
-    _ensure_user(conn, values.get("user_id"), now)
+    _ensure_user(db, conn, values.get("user_id"), now)
     conn.execute(update(ApiKey).where(where).values(**values))
 
 
-def _ensure_user(conn: Session, user_id: str | None, now: dt.datetime) -> None:
+def _ensure_user(db: Database, conn: Session, user_id: str | None, now: dt.datetime) -> None:
     """The user a key is given to, made (with no budget) if there is none yet."""
-    if user_id and conn.get(User, user_id) is None:
-        conn.execute(insert(User).values(user_id=user_id, spend=0.0, reserved=0.0, extra={}, created_at=now))
+    if user_id:
+        _add_user(db, conn, user_id, {"extra": {}}, now)
+
+
+def _add_user(db: Database, conn: Session, user_id: str, values: dict, now: dt.datetime) -> bool:
+    """Whether the user was made; False when one of that id exists. The primary key decides (INSERT
+    ... ON CONFLICT DO NOTHING): two writes at once make the user once, and the second one learns it
+    (on PostgreSQL it waits for the first to commit), where a read first let both insert on PostgreSQL."""
+    statement = db.insert(User).values(user_id=user_id, spend=0.0, reserved=0.0, created_at=now, **values)
+    statement = statement.on_conflict_do_nothing(index_elements=["user_id"]).returning(User.user_id)
+    return conn.execute(statement).first() is not None
 
 
 def _check_alias(alias: str | None) -> None:

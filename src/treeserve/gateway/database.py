@@ -177,6 +177,22 @@ class Database:
         """Brings the schema to the newest revision (Alembic; a no-op when it is there). Gateway
         processes started together migrate one after another: SQLite's write lock is taken at the
         transaction's start, PostgreSQL's by an advisory lock held to its end."""
+        self._run_migrations(command.upgrade, "head")
+
+    def downgrade(self, revision: str) -> None:
+        """Takes the schema back to `revision` (`treeserve gateway db downgrade`), as `migrate` takes it
+        up: on SQLite with foreign keys off (a revision that rebuilt a table rebuilds it again going
+        down, and dropping the old copy with them on deleted its children through ON DELETE CASCADE:
+        every key's files, batches and responses, every batch's lines), rolled back if it broke a reference."""
+        self._run_migrations(command.downgrade, revision)
+
+    def revision(self) -> str | None:
+        """The schema's revision (None: none applied)."""
+        with self.engine.connect() as conn:
+            return MigrationContext.configure(conn).get_current_revision()
+
+    def _run_migrations(self, step, revision: str) -> None:
+        """`step` (Alembic's upgrade or downgrade) to `revision` in one transaction, one process at a time."""
         config = Config()
         config.set_main_option("script_location", str(MIGRATIONS))
         with self._writer.connect() as conn, _foreign_keys_off(conn, self.dialect):
@@ -185,9 +201,10 @@ class Database:
                     conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK})
                 config.attributes["connection"] = conn
                 head = ScriptDirectory.from_config(config).get_current_head()
-                checked = self.dialect == "sqlite" and MigrationContext.configure(conn).get_current_revision() != head
+                current = MigrationContext.configure(conn).get_current_revision()
+                checked = self.dialect == "sqlite" and (revision != "head" or current != head)
                 before = _broken_references(conn) if checked else 0
-                command.upgrade(config, "head")
+                step(config, revision)
                 if checked and _broken_references(conn) > before:  # (raised in the transaction: rolled back)
                     raise RuntimeError("a migration left rows whose foreign keys point nowhere; it was rolled back")
 
@@ -203,8 +220,8 @@ class Database:
 @contextlib.contextmanager
 def _foreign_keys_off(conn, dialect: str):
     """SQLite's foreign keys off while migrations run (SQLite's own procedure for a schema change:
-    dropping the old copy of a rebuilt table would run its ON DELETE actions); `migrate` checks that
-    a migration broke no reference."""
+    dropping the old copy of a rebuilt table would run its ON DELETE actions); `migrate` and
+    `downgrade` check that a migration broke no reference."""
     if dialect != "sqlite":
         yield
         return

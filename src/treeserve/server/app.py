@@ -22,7 +22,7 @@ from treeserve.server.translated_routes import REQUEST_MODELS as TRANSLATED_MODE
 from treeserve.wire import openapi
 from treeserve.wire.drain import Drain, DrainMiddleware
 from treeserve.wire.errors import APIError, install_error_handlers
-from treeserve.wire.request_ids import AnthropicRequestIdMiddleware
+from treeserve.wire.request_ids import AnthropicRequestIdMiddleware, XRequestIdMiddleware
 
 log = logging.getLogger("treeserve.server")
 
@@ -31,12 +31,13 @@ def create_app(engine: AsyncLLMEngine, served: dict[str, LLMEngine], api_keys: l
                metrics: ServerMetrics | None = None, searches: dict[str, SearchServing] | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, chat_template: str | None = None,
                tool_settings: ToolSettings | None = None, drain: Drain | None = None,
-               scorers: dict | None = None) -> FastAPI:
+               scorers: dict | None = None, request_id_headers: bool = False) -> FastAPI:
     """`served` maps each served model name to its engine; requests are routed by their `model`.
     `searches` holds the search serving of each served generator (see server/launch.py); `scorers`
     the served verifiers' StepScorers (default: the searches' ones).
     `chat_template` replaces every served model's; `tool_settings` are the tool-call parser's.
-    `drain` is the server's shutdown state (wire/drain.py): /health/ready and the 503s it gives."""
+    `drain` is the server's shutdown state (wire/drain.py): /health/ready and the 503s it gives.
+    `request_id_headers`: every answer carries `X-Request-Id` (vLLM's --enable-request-id-headers)."""
     servings = {name: OpenAIServing(engine, name, llm, chat_template, tool_settings) for name, llm in served.items()}
     searches, drain, keys = searches or {}, drain or Drain(), [k for k in (api_keys or []) if k]
     app = FastAPI(title="treeserve", version=__version__, docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
@@ -49,6 +50,8 @@ def create_app(engine: AsyncLLMEngine, served: dict[str, LLMEngine], api_keys: l
     if keys:
         app.add_middleware(APIKeyMiddleware, keys=keys)
     app.add_middleware(DrainMiddleware, drain=drain)  # outside the key check, so it counts every request
+    if request_id_headers:  # (a refusal's answer has it too; /v1/messages' `request-id` is the same id)
+        app.add_middleware(XRequestIdMiddleware)
     app.add_middleware(AnthropicRequestIdMiddleware)  # (outermost: every answer on /v1/messages has its id)
     drain.on_time_up.append(lambda: _cut_streams(engine))
     app.include_router(operator_routes(engine, drain, metrics))

@@ -32,7 +32,8 @@ from treeserve.entrypoints.chat_utils import load_chat_template, warn_replaced_t
 def build_app(model: str | dict[str, str], served_model_name: str | None = None, api_keys: list[str] | None = None,
               max_queue: int | None = None, kv_mode: str = "shared", max_problems_in_flight: int = 32,
               engine_thread: bool = True, chat_template: str | None = None, tool_settings: ToolSettings | None = None,
-              drain: Drain | None = None, verifiers: dict[str, str | None] | None = None, **engine_options):
+              drain: Drain | None = None, verifiers: dict[str, str | None] | None = None,
+              request_id_headers: bool = False, **engine_options):
     """One model (a path, served as `served_model_name` or `served_name(path)`; or one name -> path)
     gets its own engine; several (name -> path) share a `Runtime`. Verifiers (/v1/rewards, a search's `verifier`) are the models with a
     reward head or a recipe declared in their config.json, and those `verifiers` names (name ->
@@ -67,7 +68,8 @@ def build_app(model: str | dict[str, str], served_model_name: str | None = None,
                 for name, engine in served.items() if is_generator(engine.model_config)}
     metrics.add_search(searches, scorers)
     return create_app(async_engine, served, api_keys=api_keys, metrics=metrics, searches=searches,
-                      chat_template=chat_template, tool_settings=tool_settings, drain=drain, scorers=scorers)
+                      chat_template=chat_template, tool_settings=tool_settings, drain=drain, scorers=scorers,
+                      request_id_headers=request_id_headers)
 
 
 def _check_verifiers_served(verifiers: dict, names: list[str]) -> None:
@@ -126,7 +128,8 @@ def app_from_args(args):
                     distributed_executor_backend=args.distributed_executor_backend,
                     threads_per_rank=args.threads_per_rank, engine_thread=False,
                     chat_template=chat_template, tool_settings=tool_settings, drain=Drain(args.shutdown_timeout),
-                    verifiers=served_verifiers(getattr(args, "verifier", None)))
+                    verifiers=served_verifiers(getattr(args, "verifier", None)),
+                    request_id_headers=getattr(args, "enable_request_id_headers", False))
     tokenizers = {name: engine.tokenizer for name, engine in app.state.engine.engines.items()}
     warn_replaced_tool_templates(tokenizers, chat_template, args.chat_template)
     allow_cors(app, args)

@@ -2,7 +2,11 @@
 header, and an error body its `request_id` (Anthropic's clients read the header into a message's
 `_request_id` and an error's `request_id`). The id is the answer's `x-request-id` where it has one
 (the gateway's: its spend_logs row's), else a new `req_` one. A plain ASGI middleware, installed
-outermost (the key check's 401, the drain's 503 and a body's 413 carry it too)."""
+outermost (the key check's 401, the drain's 503 and a body's 413 carry it too).
+
+vLLM's `--enable-request-id-headers` (`treeserve serve`'s too): every answer's `X-Request-Id`, the
+request's own `X-Request-Id` when it sent one, else a new uuid4 hex (OpenAI's clients read it into
+`_request_id`). Off by default, as in vLLM."""
 from __future__ import annotations
 
 import json
@@ -42,6 +46,26 @@ class AnthropicRequestIdMiddleware:
                 held.clear()
                 await send(start)
                 message = {"type": "http.response.body", "body": body}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+class XRequestIdMiddleware:
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope.get("headers") or ()).get(b"x-request-id")
+        request_id = given or uuid.uuid4().hex.encode()
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers") or () if k.lower() != b"x-request-id"]
+                message = dict(message, headers=headers + [(b"x-request-id", request_id)])
             await send(message)
 
         await self.app(scope, receive, send_with_id)

@@ -1,5 +1,8 @@
 """Alembic environment: the gateway passes its open connection in `config.attributes["connection"]`;
-`alembic -x url=...` (run from this folder's parent with `-c`) works for hand-made revisions too."""
+`alembic -x url=...` (run from this folder's parent with `-c`) works for hand-made revisions too. Take a
+database back with `treeserve gateway db downgrade REV` (Database.downgrade): on SQLite it turns foreign keys
+off first, as upgrades do; a downgrade on a connection of the gateway's engine (which turns them on) would
+cascade the drop of every table a revision rebuilds to its children."""
 from alembic import context
 from sqlalchemy import create_engine
 
