@@ -184,6 +184,34 @@ def test_search_and_eval_settings_are_checked_before_the_models_load(tmp_path, c
     assert capsys.readouterr().err.startswith("error: beam_width: n (4) must be a multiple")
 
 
+def test_search_refuses_a_beam_width_over_n_as_the_server_does(monkeypatch, capsys):
+    """An explicit --beam-width over --n was clamped to n without a word (8 with --n 4 searched with 4 beams),
+    where /v1/search answers 400 for the same: it is an error naming both (exit 2), before any model
+    loads. Left out, the default (4) still comes down to a smaller n."""
+    import treeserve.cli_search as cli_search
+
+    absent = ["--generator", "/nonexistent/generator"]
+    assert main(["search", *absent, "--n", "4", "--beam-width", "8", "What is 1 + 1?"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: beam_width:") and "n (4)" in error and "beam_width (8)" in error, error
+    configs = []
+
+    class Loaded(Exception):
+        pass
+
+    def runtime(args):
+        raise Loaded
+
+    monkeypatch.setattr(cli_search, "_runtime", runtime)
+    real = cli_search._config
+    monkeypatch.setattr(cli_search, "_config", lambda *a, **k: configs.append(real(*a, **k)) or configs[-1])
+    with pytest.raises(Loaded):
+        main(["search", *absent, "--n", "2", "What is 1 + 1?"])
+    with pytest.raises(Loaded):
+        main(["search", *absent, "--n", "8", "--beam-width", "8", "What is 1 + 1?"])
+    assert [(c.n, c.beam_width) for c in configs] == [(2, 2), (8, 8)]
+
+
 def test_eval_names_a_dataset_it_cannot_read(tmp_path, capsys):
     assert main(["eval", "--dataset", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "out")]) == 2
     assert capsys.readouterr().err.startswith("error: dataset: cannot read")  # (a bare [Errno 2] before)

@@ -408,6 +408,16 @@ def test_act_order_missing_its_g_idx_is_refused_by_name(checkpoints, tmp_path):
         LLM(str(path), dtype="float32", **OPTIONS)
 
 
+@pytest.mark.parametrize("name", ["gptq-4bit-g128-asym-actorder", "gptq-4bit-g32-sym", "awq-g32"])
+def test_a_module_missing_its_packed_weights_names_them(checkpoints, tmp_path, name):
+    """A module with its scales (and g_idx) but no `qweight` was refused as an 'unexpected tensor ...g_idx'
+    (or its scales), which hid what was missing: the error names the module's missing `qweight`."""
+    path = _edited_copy(checkpoints(name)[0], tmp_path / "edited",
+                        tensors=lambda state: state.pop("model.layers.1.mlp.down_proj.qweight"))
+    with pytest.raises(ValueError, match="model.layers.1.mlp.down_proj lacks its 'qweight' tensor"):
+        LLM(str(path), dtype="float32", **OPTIONS)
+
+
 def test_an_asymmetric_checkpoint_missing_a_zero_point_is_refused_by_name(checkpoints, tmp_path):
     """Without its zero points an asymmetric module read as symmetric would be garbage."""
     path = _edited_copy(checkpoints("ct-w4a16-asym")[0], tmp_path / "edited",

@@ -137,6 +137,41 @@ def test_completions_stream(client):
     assert streamed == full
 
 
+def test_return_token_ids_gives_the_prompts_and_the_generated_ids_as_vllms(client, server):
+    """vLLM's `return_token_ids` (sent with extra_body): a completion's choices carry `prompt_token_ids` and
+    `token_ids`, a chat reply `prompt_token_ids` and each choice `token_ids`; streamed, the prompt's come
+    in the first chunk (a completion choice's first) and each chunk carries its new ids (it was ignored)."""
+    import httpx
+
+    tokenizer, ask = server.engine.tokenizer, {"extra_body": {"return_token_ids": True, "ignore_eos": True}}
+    kwargs = dict(model="tiny", prompt="The water is", max_tokens=6, temperature=0)
+    whole = client.completions.create(**kwargs, **ask)
+    [choice] = whole.choices
+    assert choice.prompt_token_ids == tokenizer.encode("The water is")
+    assert len(choice.token_ids) == whole.usage.completion_tokens == 6
+    assert tokenizer.decode(choice.token_ids) == choice.text
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kwargs, **ask) if c.choices]
+    assert chunks[0].prompt_token_ids == choice.prompt_token_ids
+    assert all(c.prompt_token_ids is None for c in chunks[1:])
+    assert [i for c in chunks for i in c.token_ids] == choice.token_ids
+    plain = client.completions.create(**kwargs).choices[0]
+    assert getattr(plain, "token_ids", None) is None and getattr(plain, "prompt_token_ids", None) is None
+
+    chat = dict(model="tiny", messages=MESSAGES, max_tokens=8, temperature=0)
+    reply = client.chat.completions.create(**chat, **ask)
+    rendered = httpx.post(f"{server.url}/tokenize", json={"messages": MESSAGES},
+                          headers={"Authorization": f"Bearer {server.key}"}).json()["tokens"]
+    assert reply.prompt_token_ids == rendered and len(rendered) == reply.usage.prompt_tokens
+    [message] = reply.choices
+    assert len(message.token_ids) == reply.usage.completion_tokens == 8
+    assert tokenizer.decode(message.token_ids) == message.message.content
+    streamed = list(client.chat.completions.create(stream=True, **chat, **ask))
+    assert streamed[0].prompt_token_ids == rendered
+    assert all(getattr(c, "prompt_token_ids", None) is None for c in streamed[1:])
+    assert [i for c in streamed[1:] for ch in c.choices for i in ch.token_ids] == message.token_ids
+    assert getattr(client.chat.completions.create(**chat), "prompt_token_ids", None) is None
+
+
 def test_async_client(async_client, server):
     async def run():
         tasks = [async_client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, temperature=0)

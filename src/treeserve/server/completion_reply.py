@@ -9,25 +9,32 @@ from treeserve.wire.protocol import CompletionRequest
 
 class DeltaTracker:
     """A streamed reply's bookkeeping over delta outputs: the tokens generated (usage), which choices
-    a chunk was sent for, and per choice the (token id, logprob entry) pairs no chunk carried yet (an
-    output with no new text sends no chunk: its logprobs go with the next)."""
+    a chunk was sent for, and per choice the token ids and (token id, logprob entry) pairs no chunk
+    carried yet (an output with no new text sends no chunk: its tokens go with the next)."""
 
     def __init__(self):
         self.num_generated = 0
         self._pending: dict = {}
+        self._pending_ids: dict = {}
         self._sent: set = set()
 
     def add(self, key, c: CompletionOutput) -> list | None:
         """Takes a delta; returns the choice's unsent pairs (None without logprobs)."""
         self.num_generated += len(c.token_ids)
+        self._pending_ids.setdefault(key, []).extend(c.token_ids)
         if c.logprobs is None:
             return None
         pending = self._pending.setdefault(key, [])
         pending.extend(zip(c.token_ids, c.logprobs))
         return pending
 
+    def token_ids(self, key) -> list[int]:
+        """The choice's generated token ids no chunk carried yet (vLLM's `token_ids` of the next chunk)."""
+        return list(self._pending_ids.get(key, ()))
+
     def sent(self, key) -> None:
         self._pending.pop(key, None)
+        self._pending_ids.pop(key, None)
         self._sent.add(key)
 
     def was_sent(self, key) -> bool:
@@ -48,6 +55,7 @@ class CompletionReply:
         self.echo_only = request.echo_only
         self.echo_logprobs = request.echo and params.logprobs is not None
         self.extra_prompt_logprobs = request.prompt_logprobs is not None
+        self.return_token_ids = request.return_token_ids
         self.text_sent: dict[int, int] = {}  # streamed: per choice, the characters its chunks carried so far
 
     def choice(self, prompt_index: int, output: RequestOutput, c: CompletionOutput) -> dict:
@@ -55,11 +63,13 @@ class CompletionReply:
         body = {"index": prompt_index * self.params.n + c.index, "text": text,
                 "logprobs": self._logprobs(output, token_pairs(c), True), "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason}
+        body = self._with_token_ids(body, output, list(c.token_ids), True)
         return self._with_prompt_logprobs(body, output)
 
     def chunk_choice(self, prompt_index: int, output: RequestOutput, c: CompletionOutput, first: bool,
-                     pairs: list | None, finished: bool) -> dict:
-        """A chunk's choice for the delta `c` (its text; `pairs`: the tokens' logprobs not sent yet)."""
+                     pairs: list | None, finished: bool, token_ids: list[int] = ()) -> dict:
+        """A chunk's choice for the delta `c` (its text; `pairs`: the tokens' logprobs not sent yet;
+        `token_ids`: the tokens no chunk carried yet)."""
         text = (self.echo[prompt_index] if first else "") + ("" if self.echo_only else c.text)
         index = prompt_index * self.params.n + c.index
         offset = self.text_sent.get(index, 0)  # (text_offset counts on across chunks, as vLLM's)
@@ -68,6 +78,7 @@ class CompletionReply:
                 "logprobs": self._logprobs(output, pairs, first, offset),
                 "finish_reason": c.finish_reason if finished else None,
                 "stop_reason": c.stop_reason if finished else None}
+        body = self._with_token_ids(body, output, list(token_ids), first)
         return self._with_prompt_logprobs(body, output) if first else body
 
     def usage(self, usage: dict) -> dict:
@@ -85,6 +96,14 @@ class CompletionReply:
         if not self.echo_only:
             pairs += token_pairs
         return legacy_logprobs(pairs, top, self.tokenizer, offset)
+
+    def _with_token_ids(self, body: dict, output: RequestOutput, token_ids: list[int], with_prompt: bool) -> dict:
+        """vLLM's `return_token_ids`: the choice's generated ids (none with `max_tokens: 0`, whose one token
+        is not part of the reply), and the prompt's (streamed: in the choice's first chunk only)."""
+        if not self.return_token_ids:
+            return body
+        body = body | {"prompt_token_ids": list(output.prompt_token_ids) if with_prompt else None}
+        return body | {"token_ids": [] if self.echo_only else token_ids}
 
     def _with_prompt_logprobs(self, body: dict, output: RequestOutput) -> dict:
         if self.extra_prompt_logprobs:

@@ -226,7 +226,7 @@ class OpenAIServing:
         stream = self._merged([ids], params, rid, [None], request.priority, logged)
         if request.stream:
             return self._chat_chunks(rid, stream, params, request.include_usage, request.continuous_usage, tools,
-                                     len(ids))
+                                     ids, request.return_token_ids)
         finals = {i: out async for i, out in stream if out.finished}
         output = finals[0]
         choices = []
@@ -235,18 +235,23 @@ class OpenAIServing:
                                       ({"role": "assistant", "content": c.text}, c.finish_reason))
             choices.append({"index": c.index, "message": message,
                             "logprobs": chat_logprobs(token_pairs(c), params.logprobs, self.token_bytes),
-                            "finish_reason": finish_reason, "stop_reason": c.stop_reason})
+                            "finish_reason": finish_reason, "stop_reason": c.stop_reason}
+                           | ({"token_ids": list(c.token_ids)} if request.return_token_ids else {}))
         body = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
                 "choices": choices, "usage": self._usage(finals)}
+        if request.return_token_ids:  # vLLM's: the prompt's on the reply, each choice's generated ones on it
+            body["prompt_token_ids"] = list(output.prompt_token_ids)
         if params.prompt_logprobs is not None:
             body["prompt_logprobs"] = prompt_logprobs_json(output)
         return body
 
     async def _chat_chunks(self, rid, stream, params: SamplingParams, include_usage: bool, continuous: bool = False,
-                           tools: ToolCalling | None = None, prompt_tokens: int = 0):
+                           tools: ToolCalling | None = None, prompt_ids: list[int] = (),
+                           return_token_ids: bool = False):
         """The chunks of a streamed chat reply, from the engine's delta outputs (with continuous usage,
-        the first, the role's, carries the prompt's, as vLLM's)."""
-        created = int(time.time())
+        the first, the role's, carries the prompt's, as vLLM's; with `return_token_ids`, the first carries
+        the prompt's token ids and each later one its choice's new ones, as vLLM's)."""
+        created, prompt_tokens = int(time.time()), len(prompt_ids)
         deltas = DeltaTracker()
         finals: dict[int, RequestOutput] = {}
         latest: dict[int, RequestOutput] = {}
@@ -262,8 +267,9 @@ class OpenAIServing:
                 body["usage"] = usage
             return body
 
-        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                      "finish_reason": None} for i in range(params.n)])
+        first = chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None} for i in range(params.n)])
+        yield first | ({"prompt_token_ids": list(prompt_ids)} if return_token_ids else {})
         async for prompt_index, output in stream:
             latest[prompt_index] = output
             for c in output.outputs:
@@ -278,11 +284,13 @@ class OpenAIServing:
                     finish_reason = calls[c.index].finish_reason(c.finish_reason)
                 if not delta and not finished:
                     continue  # (its tokens' logprobs go with the next chunk)
+                ids = deltas.token_ids(c.index)
                 deltas.sent(c.index)
                 yield chunk([{"index": c.index, "delta": delta,
                               "logprobs": chat_logprobs(pairs, params.logprobs, self.token_bytes),
                               "finish_reason": finish_reason if finished else None,
-                              "stop_reason": c.stop_reason if finished else None}])
+                              "stop_reason": c.stop_reason if finished else None}
+                             | ({"token_ids": ids} if return_token_ids else {})])
             if output.finished:
                 finals[prompt_index] = output
         if include_usage:
@@ -330,9 +338,10 @@ class OpenAIServing:
                 pairs = deltas.add(key, c)
                 if not c.text and not finished and not (first and reply.echo[prompt_index]):
                     continue  # (its tokens' logprobs go with the next chunk)
+                ids = deltas.token_ids(key)
                 deltas.sent(key)
                 body = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                        "choices": [reply.chunk_choice(prompt_index, output, c, first, pairs, finished)]}
+                        "choices": [reply.chunk_choice(prompt_index, output, c, first, pairs, finished, ids)]}
                 if include_usage:
                     body["usage"] = reply.usage(self._usage(latest, deltas.num_generated)) if continuous else None
                 yield body

@@ -15,10 +15,6 @@ class MessageEvents(ChunkEvents):
         self.block_kind: str | None = None
         self.blocks = 0
         self.called = False  # a tool_use block was opened
-        # a call announced with no arguments yet: its block opens with its first fragment, or at a
-        # finish other than max_tokens (a reply cut before a call's arguments has no call, as the
-        # non-streamed reply's, which keeps only calls that parse, leaves it out)
-        self.pending_call: dict | None = None
 
     def opens(self, chunk: dict) -> bool:
         """The first chunk with a delta or a finish, or the last (usage alone): a chat stream's first
@@ -39,29 +35,20 @@ class MessageEvents(ChunkEvents):
         return [{"type": "message_start", "message": message}, {"type": "ping"}]
 
     def _text(self, text: str) -> list[dict]:
-        events = self._open_pending_call()
-        events += [] if self.block_kind == "text" else self._open({"type": "text", "text": ""})
+        events = [] if self.block_kind == "text" else self._open({"type": "text", "text": ""})
         return events + [self._delta({"type": "text_delta", "text": text})]
 
     def _call(self, call: dict) -> list[dict]:
         function, events = call.get("function") or {}, []
         if call.get("id") is not None:
-            events += self._open_pending_call()
-            self.pending_call = {"type": "tool_use", "id": call["id"], "name": function.get("name") or "", "input": {}}
-        if function.get("arguments"):
-            events += self._open_pending_call()
-            if self.block_kind == "tool_use":
-                events.append(self._delta({"type": "input_json_delta", "partial_json": function["arguments"]}))
+            self.called = True
+            events += self._open({"type": "tool_use", "id": call["id"], "name": function.get("name") or "", "input": {}})
+        if function.get("arguments") and self.block_kind == "tool_use":
+            events.append(self._delta({"type": "input_json_delta", "partial_json": function["arguments"]}))
         return events
 
-    def _open_pending_call(self) -> list[dict]:
-        if self.pending_call is None:
-            return []
-        block, self.pending_call, self.called = self.pending_call, None, True
-        return self._open(block)
-
     def finish(self) -> list[dict]:
-        events = [] if self.finish_reason == "length" else self._open_pending_call()
+        events = self.finished_calls()
         reason, sequence = stop(self.finish_reason, self.stop_reason, self.request.stop_sequences, self.called)
         return events + self._close() + [{"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
                                  "usage": usage(self.usage)}, {"type": "message_stop"}]

@@ -84,6 +84,9 @@ class SamplingRequest(_SampledBody):
     # vLLM's: the waiting queue's order (lower first; 0 interactive, 1 background: the gateway's batch
     # lines, behind which no interactive request waits), FCFS within one priority
     priority: int = Field(default=0, ge=0, le=1)
+    # vLLM's: the prompt's token ids and each choice's generated ones beside the text (streamed: the
+    # prompt's in the first chunk, each chunk's new ones in it)
+    return_token_ids: bool = False
     # Accepted only as far as they are implemented (a 400 names them otherwise), never dropped.
     best_of: int | None = None
     functions: list[dict] | None = None

@@ -118,8 +118,9 @@ GPTQ_LAYOUTS = ("gptq", "gptq_v2")  # checkpoint_format: v1 (zeros stored minus 
 
 class GPTQFormat(CheckpointFormat):
     method = "gptq"
-    markers = ("qweight",)
     tensors = ("qweight", "qzeros", "scales", "g_idx")
+    # any of them: a module missing its qweight is named for it (its other tensors are nothing else's)
+    markers = tensors
 
     def __init__(self, config: dict):
         self.bits = _bits(config.get("bits", 4), "gptq")
@@ -151,8 +152,8 @@ AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # channel j of 8 sits in nibble AWQ_ORDER.
 
 class AWQFormat(CheckpointFormat):
     method = "awq"
-    markers = ("qweight",)
     tensors = ("qweight", "qzeros", "scales")
+    markers = tensors  # (as GPTQ's)
 
     def __init__(self, config: dict):
         self.bits = _bits(config.get("bits", config.get("w_bit", 4)), "awq")
