@@ -393,3 +393,36 @@ def test_the_chat_page_end_to_end(stack, browser, shots):
     # the 401 before signing in; 404; the 401s after the session ended
     expected = ("/chat/api/me - ", f"/chat/api/conversations/{conversation_id} - ", "/messages - ", "/chat/api/logout - ")
     assert not [m for m in console if "Failed to load resource" in m and not any(e in m for e in expected)], console
+
+
+def test_a_rename_answered_after_another_conversation_opened_leaves_that_one_open(stack, browser):
+    """Leaving the title field for another conversation in the list renames the first one (a change
+    event); its PATCH answered once the other is open, the page showed the other's messages under the
+    first one's id and title, and the next message went to the first one."""
+    url, driver = stack[0], browser
+    driver.get(url + "/chat")
+    wait(driver, lambda d: d.find_element(*by("login-username")).is_displayed()
+         or d.find_element(*by("new-chat")).is_displayed())
+    if driver.find_element(*by("new-chat")).is_displayed():
+        driver.find_element(*by("sign-out")).click()
+    sign_in(driver, url, "ada", "correct horse battery")
+    opened = driver.execute_async_script("""const done = arguments[0];
+        (async () => {
+          const [a, b] = [await api("POST", "/chat/api/conversations", {}), await api("POST", "/chat/api/conversations", {})];
+          await api("PATCH", `/chat/api/conversations/${b.id}`, {title: "chat B"});
+          await openConversation(a.id);
+          const realFetch = window.fetch;  // (a slow PATCH: answered after the other conversation opened)
+          window.fetch = async (path, init) => {
+            const response = await realFetch(path, init);
+            if (init && init.method === "PATCH") await new Promise((resolve) => setTimeout(resolve, 500));
+            return response;
+          };
+          $("title").value = "chat A";
+          const renaming = renameConversation();
+          await openConversation(b.id);
+          await renaming;
+          window.fetch = realFetch;
+          const stored = await api("GET", `/chat/api/conversations/${a.id}`);
+          done({open: state.conversation.id === b.id, title: $("title").value, stored: stored.title});
+        })().catch((error) => done(String(error)));""")
+    assert opened == {"open": True, "title": "chat B", "stored": "chat A"}

@@ -418,6 +418,20 @@ def test_a_module_missing_its_packed_weights_names_them(checkpoints, tmp_path, n
         LLM(str(path), dtype="float32", **OPTIONS)
 
 
+def test_act_order_with_one_group_per_channel_loads_without_g_idx(checkpoints, tmp_path):
+    """With group_size -1 every input feature is in the one group, whatever the order it was quantized
+    in: desc_act changes nothing and g_idx is not needed (vLLM reads it as no act order)."""
+    original = checkpoints("gptq-4bit-channel")[0]
+
+    def no_g_idx(state):
+        for name in [n for n in state if n.endswith(".g_idx")]:
+            del state[name]
+    path = _edited_copy(original, tmp_path / "edited", config=lambda c: c.update(desc_act=True), tensors=no_g_idx)
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    expected = LLM(str(original), dtype="float32", **OPTIONS).generate(PROMPTS[:1], params)[0].outputs[0].token_ids
+    assert LLM(str(path), dtype="float32", **OPTIONS).generate(PROMPTS[:1], params)[0].outputs[0].token_ids == expected
+
+
 def test_an_asymmetric_checkpoint_missing_a_zero_point_is_refused_by_name(checkpoints, tmp_path):
     """Without its zero points an asymmetric module read as symmetric would be garbage."""
     path = _edited_copy(checkpoints("ct-w4a16-asym")[0], tmp_path / "edited",

@@ -317,6 +317,17 @@ def test_one_prompt_lookup_bound_alone_is_read_as_vllm_reads_it(given, expected)
         SpeculativeConfig.of({"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 4})
 
 
+@pytest.mark.parametrize("given,named", [
+    ({"prompt_lookup_max": 0}, r"prompt_lookup_max must be an integer in \[2, 64\], got 0"),
+    ({"prompt_lookup_max": -3}, r"prompt_lookup_max must be an integer in \[2, 64\], got -3"),
+    ({"prompt_lookup_min": 0}, r"prompt_lookup_min must be an integer in \[1, 64\], got 0"),
+])
+def test_a_prompt_lookup_bound_out_of_range_is_the_one_named(given, named):
+    """{"prompt_lookup_max": 0} named prompt_lookup_min, a field the config did not give."""
+    with pytest.raises(ParamError, match=named):
+        SpeculativeConfig.of({"method": "ngram", **given})
+
+
 def test_drafts_stop_at_the_disable_batch_size(llama_dir):
     llm = _llm(llama_dir, speculative_config=_spec(disable_by_batch_size=2, prompt_lookup_min=1))
     _tokens(llm)  # four requests run together: no drafts while two or more run

@@ -51,8 +51,8 @@ class SpeculativeConfig:
 
     def _fill_prompt_lookup(self) -> None:
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
-        if low is None:
-            low = PROMPT_LOOKUP[0] if high is None or not _is_int(high) else min(PROMPT_LOOKUP[0], high)
+        if low is None:  # (a max under 1 leaves the default: the error names the field given, not this one)
+            low = min(PROMPT_LOOKUP[0], high) if _is_int(high) and high >= 1 else PROMPT_LOOKUP[0]
         if high is None:
             high = max(PROMPT_LOOKUP[1], low) if _is_int(low) else PROMPT_LOOKUP[1]
         object.__setattr__(self, "prompt_lookup_min", low)

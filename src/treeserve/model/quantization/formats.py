@@ -135,13 +135,15 @@ class GPTQFormat(CheckpointFormat):
         self.desc_act = bool(config.get("desc_act", False))
 
     def decode(self, prefix: str, tensors: dict[str, torch.Tensor]) -> IntWeight:
-        if self.desc_act and "g_idx" not in tensors:  # (read in order, act-ordered groups would be garbage)
+        values = unpack_int32(tensors["qweight"].t(), self.bits).contiguous()  # [out, in]
+        group_size = _group_size(self.group_size, values.shape[1])
+        # (read in order, act-ordered groups would be garbage; one group per channel has no order, as
+        # vLLM reads desc_act with group_size -1)
+        if self.desc_act and "g_idx" not in tensors and group_size < values.shape[1]:
             raise ParamError("quantization", f"gptq: {prefix} lacks its 'g_idx' tensor, which desc_act (act order) "
                              "needs to know each input feature's group")
-        values = unpack_int32(tensors["qweight"].t(), self.bits).contiguous()  # [out, in]
         zeros = unpack_int32(tensors["qzeros"], self.bits)[:, :values.shape[0]].t().float()
         zeros = zeros + 1 if self.zeros_minus_one else zeros
-        group_size = _group_size(self.group_size, values.shape[1])
         scales = _scales(tensors, "scales", f"{self.method}: {prefix}").t().contiguous()
         return IntWeight(values, scales, zeros.contiguous(), self.bits, group_size,
                          _plain_g_idx(tensors.get("g_idx"), group_size))

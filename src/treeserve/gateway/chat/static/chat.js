@@ -202,11 +202,18 @@ async function firstConversation() {
 }
 
 async function renameConversation() {
-  if (!state.conversation) return;
-  state.conversation = { ...state.conversation,
-    ...await api("PATCH", `/chat/api/conversations/${state.conversation.id}`, { title: $("title").value }) };
-  $("title").value = state.conversation.title;  // as stored (spaces collapsed; an empty one is "New chat")
+  const conversation = state.conversation;
+  if (!conversation) return;
+  const stored = await api("PATCH", `/chat/api/conversations/${conversation.id}`, { title: $("title").value });
+  if (isOpen(conversation)) {  // (another one opened meanwhile, by leaving the field for it, stays as it is)
+    state.conversation = { ...state.conversation, ...stored };
+    $("title").value = state.conversation.title;  // as stored (spaces collapsed; an empty one is "New chat")
+  }
   await listConversations();
+}
+
+function isOpen(conversation) {
+  return Boolean(state.conversation) && state.conversation.id === conversation.id;
 }
 
 async function deleteConversation() {
@@ -259,9 +266,11 @@ async function saveSettings(event) {
     notice(`${event.target.closest("label").firstChild.textContent.trim()}: ${event.target.validationMessage}`);
     return;  // (a field being retyped: nothing is saved until it holds a value the server takes)
   }
+  const conversation = state.conversation;  // (the one saved to, whichever is open once it is saved)
   try {
-    state.saving = api("PATCH", `/chat/api/conversations/${state.conversation.id}`, { settings: readSettings() });
-    state.conversation.settings = (await state.saving).settings;
+    state.saving = api("PATCH", `/chat/api/conversations/${conversation.id}`, { settings: readSettings() });
+    const { settings } = await state.saving;
+    if (isOpen(conversation)) state.conversation.settings = settings;
     notice("");
   } catch (error) {
     notice(error.message);
