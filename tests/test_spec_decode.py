@@ -304,13 +304,13 @@ def test_speculative_config_errors_name_the_problem():
 
 @pytest.mark.parametrize("given,expected", [
     ({}, (2, 4)),
-    ({"prompt_lookup_min": 5}, (5, 5)),   # vLLM: either alone sets both (it errored: max 4 below min 5)
+    ({"prompt_lookup_min": 5}, (5, 5)),   # as vLLM's (it errored: max 4 below min 5)
     ({"prompt_lookup_max": 1}, (1, 1)),   # (it errored: max 1 below the default min 2)
-    ({"prompt_lookup_min": 1}, (1, 4)),
+    ({"prompt_lookup_min": 1}, (1, 4)),   # (vLLM: 1 to 1; the default range stays where it does not cross)
     ({"prompt_lookup_max": 8}, (2, 8)),
     ({"prompt_lookup_min": 3, "prompt_lookup_max": 6}, (3, 6)),
 ])
-def test_one_prompt_lookup_bound_alone_is_read_as_vllm_reads_it(given, expected):
+def test_one_prompt_lookup_bound_alone_moves_the_others_default_only_where_they_would_cross(given, expected):
     config = SpeculativeConfig.of({"method": "ngram", **given})
     assert (config.prompt_lookup_min, config.prompt_lookup_max) == expected
     with pytest.raises(ParamError, match=r"prompt_lookup_max must be an integer in \[5, 64\], got 4"):

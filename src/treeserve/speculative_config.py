@@ -24,8 +24,9 @@ class SpeculativeConfig:
     batch is bound by compute, where verifying drafts costs more than it saves."""
     method: str
     num_speculative_tokens: int = 4
-    # unset: 2 to 4, the other's default moved to the one given where it would cross it (as vLLM, where
-    # either alone sets both: {"prompt_lookup_min": 5} reads 5 to 5, {"prompt_lookup_max": 1} 1 to 1)
+    # unset: 2 to 4 (vLLM: 5 to 5); one given alone moves the other's default only where it would cross
+    # it: {"prompt_lookup_min": 5} reads 5 to 5 and {"prompt_lookup_max": 1} 1 to 1, as in vLLM, but
+    # {"prompt_lookup_min": 1} 1 to 4 (vLLM, where either alone sets both: 1 to 1)
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
     disable_by_batch_size: int | None = None
