@@ -5,7 +5,10 @@ one prefix in one call, each equal to /v1/rewards of the whole solution; bad inp
 the field, and nothing is left running."""
 from __future__ import annotations
 
+import base64
+
 import httpx
+import numpy as np
 import pytest
 
 from conftest import running_server, wait_idle
@@ -85,6 +88,19 @@ def test_a_solution_scores_the_same_however_its_steps_are_spaced(served):
     assert scored["data"][0]["score"] == pytest.approx(clean[2], abs=1e-5)
 
 
+def test_pooling_base64_decodes_to_the_float_scores(served):
+    """vLLM's encoding_format: "base64" is the base64 of the little-endian float32 scores; before, it
+    was dropped and the floats came back (a client decoding base64 failed on a list)."""
+    url, _ = served
+    body = {"model": "prm", "messages": [{"role": "user", "content": QUESTION},
+                                         {"role": "assistant", "content": "Start: 40.\n\nStep 1: 40 - 5 = 35."}]}
+    floats = httpx.post(f"{url}/pooling", json=body, timeout=60).json()
+    packed = httpx.post(f"{url}/pooling", json={**body, "encoding_format": "base64"}, timeout=60).json()
+    assert isinstance(packed["data"][0]["data"], str) and packed["usage"] == floats["usage"]
+    decoded = np.frombuffer(base64.b64decode(packed["data"][0]["data"]), dtype="<f4").tolist()
+    assert len(decoded) == 2 and decoded == pytest.approx(floats["data"][0]["data"], rel=1e-6, abs=1e-12)
+
+
 @pytest.mark.parametrize("path, body, param", [
     ("/v1/rewards", {"model": "prm", "question": "q", "steps": ["a", " \n"]}, "steps[1]"),
     ("/v1/score", {"model": "prm", "question": "q", "steps": [""], "candidates": ["a"]}, "steps[0]"),
@@ -99,6 +115,15 @@ def test_a_solution_scores_the_same_however_its_steps_are_spaced(served):
     ("/pooling", {"model": "prm", "messages": [{"role": "user", "content": "q"}]}, "messages"),
     ("/pooling", {"model": "prm", "messages": [{"role": "user", "content": "q"},
                                                {"role": "assistant", "content": "\n\n"}]}, "messages[1].content"),
+    ("/pooling", {"model": "prm", "messages": [{"role": "user", "content": "q"},
+                                               {"role": "assistant", "content": "a"}], "dimensions": 3}, "dimensions"),
+    ("/pooling", {"model": "prm", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+                  "truncate_prompt_tokens": 3}, "truncate_prompt_tokens"),
+    ("/pooling", {"model": "prm", "input": "q a"}, "input"),
+    ("/pooling", {"model": "prm", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+                  "encoding_format": "bytes"}, "encoding_format"),
+    ("/pooling", {"model": "prm", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+                  "encoding_format": "base64", "embed_dtype": "float16"}, "embed_dtype"),
 ])
 def test_bad_scoring_requests_are_400s_naming_the_field(served, path, body, param):
     url, app = served

@@ -1,4 +1,6 @@
 """Several models in one process: shared and static KV, memory accounting, scoring through the Runtime."""
+import re
+
 import pytest
 
 from conftest import assert_no_leak
@@ -122,6 +124,18 @@ def test_direct_scoring_refuses_a_conversation_too_long_for_the_verifier(pair):
     with pytest.raises(ValueError, match="maximum model length 192"):
         rt.score_steps("prm", QUESTION, ["seven " * 200])
     assert len(rt.score_steps("prm", QUESTION, ["seven"])) == 1
+
+
+def test_direct_scoring_refuses_an_empty_step_as_the_server_does(pair):
+    """Runtime.score_steps scored an empty or blank step (a score of nothing) where the server's
+    /v1/rewards and /v1/score answer a 400 naming it."""
+    rt = _runtime(pair)
+    for steps, param in ((["seven", ""], "steps[1]"), ([" \n", "seven"], "steps[0]")):
+        with pytest.raises(ValueError, match=rf"^{re.escape(param)}: a step is empty"):
+            rt.score_steps("prm", QUESTION, steps)
+        with pytest.raises(ValueError, match=rf"^{re.escape(param)}: a step is empty"):
+            rt.score_many("prm", [(QUESTION, ["seven"]), (QUESTION, steps)])
+    assert len(rt.score_steps("prm", QUESTION, ["seven", "eight"])) == 2
 
 
 def test_memory_command(pair, capsys):

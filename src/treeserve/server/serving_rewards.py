@@ -5,9 +5,12 @@ StepScorer on the engine loop as one ticket: steps already scored come from the 
 the items' shared prefix is computed once (the prefix cache)."""
 from __future__ import annotations
 
+import base64
 import contextlib
 import time
 import uuid
+
+import numpy as np
 
 from treeserve.engine.async_engine import AsyncLLMEngine
 from treeserve.errors import ParamError
@@ -36,6 +39,13 @@ def given_steps(steps: list[str], where: str) -> list[str]:
     if "" in stripped:
         raise APIError(400, f"{where}[{stripped.index('')}]: a step is empty", param=f"{where}[{stripped.index('')}]")
     return stripped
+
+
+def encoded(scores: list[float], encoding_format: str) -> list[float] | str:
+    """vLLM's pooling data: the floats, or the base64 of their little-endian float32 bytes."""
+    if encoding_format == "float":
+        return scores
+    return base64.b64encode(np.asarray(scores, dtype="<f4").tobytes()).decode("ascii")
 
 
 class RewardServing:
@@ -67,7 +77,7 @@ class RewardServing:
             raise APIError(400, "messages[1].content: the solution has no steps", param="messages[1].content")
         scores = (await self.score(scorer, [(question, steps)]))[0]
         return {"id": f"pool-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": body.model,
-                "data": [{"index": 0, "object": "pooling", "data": scores}],
+                "data": [{"index": 0, "object": "pooling", "data": encoded(scores, body.encoding_format)}],
                 "usage": _usage(scorer, [(question, steps)])}
 
     async def score_candidates(self, body: ScoreRequest) -> dict:

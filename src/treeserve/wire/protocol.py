@@ -1,7 +1,7 @@
 """OpenAI request bodies (pydantic, strict types) and their mapping to `SamplingParams`."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
@@ -10,6 +10,7 @@ from treeserve.sampling_params import SamplingParams, StructuredOutputsParams
 from treeserve.template_roles import template_role
 from treeserve.tool_arguments import parse_arguments
 from treeserve.wire.sampling_fields import request_fields, sampling_values
+from treeserve.wire.unsupported import Unsupported, VendorRequest
 
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
@@ -392,13 +393,26 @@ class RewardRequest(BaseModel):
     steps: list[str] = Field(min_length=1)
 
 
-class PoolingRequest(BaseModel):
+POOLING_UNSUPPORTED = {  # vLLM's /pooling fields that would change the answer: refused, never dropped
+    "input": Unsupported("a reward model reads 'messages': a question (user) and its solution (assistant)"),
+    "dimensions": Unsupported("a reward model's output is a score per step; it has no dimensions to cut"),
+    "truncate_prompt_tokens": Unsupported("truncating would cut the question or steps; a conversation too long "
+                                          "for the model is a 400"),
+    "embed_dtype": Unsupported("base64 is float32", asks=lambda v: v not in (None, "float32")),
+    "endianness": Unsupported("base64 is little-endian", asks=lambda v: v not in (None, "native", "little")),
+}
+
+
+class PoolingRequest(VendorRequest):
     """POST /pooling (vLLM's, for reward models): one conversation, a question (user) and its solution
-    (assistant), the solution's steps split at the reward model's step separator; a score per step."""
+    (assistant), the solution's steps split at the reward model's step separator; a score per step,
+    as floats or (vLLM's `encoding_format: "base64"`) the base64 of their little-endian float32 bytes."""
     model_config = ConfigDict(extra="ignore", strict=True)
+    UNSUPPORTED: ClassVar[dict[str, Unsupported]] = POOLING_UNSUPPORTED
     model: str
     messages: list[ChatMessage] = Field(min_length=2, max_length=2)
     step_separator: str | None = Field(default=None, min_length=1)  # default: the reward model's recipe's
+    encoding_format: Literal["float", "base64"] = "float"
 
 
 class ScoreRequest(BaseModel):
