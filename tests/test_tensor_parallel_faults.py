@@ -224,3 +224,20 @@ def test_engines_one_after_another_in_one_process(llama_dir):
     with LLM(str(llama_dir), **START_OPTIONS) as second:
         assert [o.outputs[0].token_ids for o in second.generate(prompts, params, use_tqdm=False)] == tokens
     assert not _spawned_workers()
+
+
+def test_an_llm_let_go_of_stops_its_workers(llama_dir):
+    """`del llm` (vLLM's way of freeing an engine) stops its workers and leaves the process free for
+    the next tensor-parallel engine (was: the workers ran on, and the next LLM was refused)."""
+    import gc
+
+    import torch.distributed as dist
+
+    from treeserve import LLM
+
+    llm = LLM(str(llama_dir), **START_OPTIONS)
+    workers = [psutil.Process(pid) for pid in llm.engine.executor.pids()]
+    del llm
+    gc.collect()
+    _assert_gone(workers)
+    assert not dist.is_initialized()
