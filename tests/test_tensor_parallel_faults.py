@@ -241,3 +241,13 @@ def test_an_llm_let_go_of_stops_its_workers(llama_dir):
     gc.collect()
     _assert_gone(workers)
     assert not dist.is_initialized()
+
+
+def test_rank_0_keeps_the_scripts_own_traceback_hook(llama_dir):
+    """A script's own tracebacks read as before (was: torch's hook put "[rank0]: " before each line,
+    once more for each engine the script had started)."""
+    from treeserve import LLM
+
+    hook = sys.excepthook
+    with LLM(str(llama_dir), **START_OPTIONS):
+        assert sys.excepthook is hook
