@@ -251,3 +251,18 @@ def test_rank_0_keeps_the_scripts_own_traceback_hook(llama_dir):
     hook = sys.excepthook
     with LLM(str(llama_dir), **START_OPTIONS):
         assert sys.excepthook is hook
+
+
+def test_more_ranks_than_gpus_is_a_clear_error_before_any_worker_starts(monkeypatch):
+    """tensor_parallel_size 2 on a machine with one GPU: a ParamError naming both numbers, and no
+    process started (was: a worker spawned for a GPU that is not there, failing in it)."""
+    import torch
+
+    from treeserve.engine.tp_executor import TPExecutor
+    from treeserve.engine.tp_start import worker_process
+    from treeserve.errors import ParamError
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ParamError, match=r"2 ranks need 2 GPUs from cuda:0 on, and this machine has 1"):
+        TPExecutor(2, torch.device("cuda:0"), 1, entry=worker_process)
+    assert not _spawned_workers()
