@@ -45,3 +45,25 @@ def test_a_ray_address_nothing_answers_at_fails_the_start_at_once(llama_dir):
         pytest.fail(f"still starting after 60 s: {exc.stderr}")
     assert done.returncode == 2
     assert f"no Ray cluster answers at RAY_ADDRESS={address}" in done.stderr + done.stdout
+
+
+def test_without_ray_address_a_local_instance_starts_even_beside_a_running_cluster(llama_dir, monkeypatch):
+    """No RAY_ADDRESS while `ray start` has left a cluster on this machine: the engine still starts a
+    Ray instance of its own, as documented (was: Ray joined that cluster and refused the engine's
+    num_cpus with a ValueError). The cluster here is a stale record, which Ray reads the same way."""
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="r", dir="/tmp")  # short: Ray's socket paths live under it
+    os.makedirs(os.path.join(folder, "ray"))
+    with open(os.path.join(folder, "ray", "ray_current_cluster"), "w") as record:
+        record.write(f"127.0.0.1:{_free_port()}")
+    monkeypatch.setenv("RAY_TMPDIR", folder)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    try:
+        with LLM(str(llama_dir), **OPTIONS, tensor_parallel_size=2, threads_per_rank=1,
+                 distributed_executor_backend="ray") as llm:
+            assert llm.generate(["x"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+        assert not ray.is_initialized()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -138,8 +138,8 @@ class RayTPExecutor:
 def _join_ray(ray, address: str | None, local_cpus: int) -> None:
     """Joins the Ray cluster at `address` (RAY_ADDRESS), or starts a local instance where it is None.
     One that nothing answers at is a clear error at once: Ray itself retries its address for minutes."""
-    if address is None:
-        ray.init(include_dashboard=False, log_to_driver=False, num_cpus=local_cpus)
+    if address is None:  # "local": a new instance even where `ray start` left one running here
+        ray.init(address="local", include_dashboard=False, log_to_driver=False, num_cpus=local_cpus)
         return
     _check_answers(address)
     try:
