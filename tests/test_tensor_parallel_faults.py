@@ -2,6 +2,7 @@
 `treeserve serve --tensor-parallel-size 2` exits and leaves no process behind; one that dies while
 the engine starts (killed at spawn, failing its imports, killed in the rendezvous) fails the start
 at once naming its rank and the cause, and the next engine in the process starts."""
+import json
 import os
 import signal
 import subprocess
@@ -32,6 +33,38 @@ def test_a_dead_worker_turns_health_503(llama_dir):
                 status = httpx.get(f"{url}/health").status_code
             body = httpx.get(f"{url}/health").json()
             assert status == 503 and "rank 1" in body["error"]["message"]
+    finally:
+        engine.close()
+
+
+def test_requests_in_flight_when_a_worker_dies_get_a_503_naming_the_rank(llama_dir):
+    """A whole reply and a stream running when a rank dies each end with 503 `engine_dead` naming the
+    rank (was: a bare "internal error: RuntimeError" and "the reply failed part way")."""
+    from treeserve.server.launch import build_app
+
+    app = build_app(str(llama_dir), served_model_name="tiny", api_keys=[API_KEY], **TP_OPTIONS)
+    engine = app.state.engine.engine
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 400, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    try:
+        with running_server(app) as url:
+            whole: list = []
+            waiting = threading.Thread(target=lambda: whole.append(
+                httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=60)))
+            waiting.start()
+            with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True},
+                              headers=headers, timeout=60) as stream:
+                lines = stream.iter_lines()
+                next(line for line in lines if line.startswith("data: {"))
+                os.kill(engine.executor.pids()[0], signal.SIGKILL)
+                events = [line for line in lines if line.startswith("data: ")]
+            waiting.join(30)
+        last_event = json.loads(events[-2].removeprefix("data: "))["error"]
+        assert events[-1] == "data: [DONE]" and last_event["code"] == "engine_dead"
+        assert "rank 1 died" in last_event["message"]
+        reply = whole[0]
+        assert reply.status_code == 503 and reply.json()["error"]["code"] == "engine_dead"
+        assert "rank 1 died" in reply.json()["error"]["message"]
     finally:
         engine.close()
 
@@ -190,4 +223,46 @@ def test_engines_one_after_another_in_one_process(llama_dir):
     _assert_gone([psutil.Process(pid) for pid in workers if psutil.pid_exists(pid)])
     with LLM(str(llama_dir), **START_OPTIONS) as second:
         assert [o.outputs[0].token_ids for o in second.generate(prompts, params, use_tqdm=False)] == tokens
+    assert not _spawned_workers()
+
+
+def test_an_llm_let_go_of_stops_its_workers(llama_dir):
+    """`del llm` (vLLM's way of freeing an engine) stops its workers and leaves the process free for
+    the next tensor-parallel engine (was: the workers ran on, and the next LLM was refused)."""
+    import gc
+
+    import torch.distributed as dist
+
+    from treeserve import LLM
+
+    llm = LLM(str(llama_dir), **START_OPTIONS)
+    workers = [psutil.Process(pid) for pid in llm.engine.executor.pids()]
+    del llm
+    gc.collect()
+    _assert_gone(workers)
+    assert not dist.is_initialized()
+
+
+def test_rank_0_keeps_the_scripts_own_traceback_hook(llama_dir):
+    """A script's own tracebacks read as before (was: torch's hook put "[rank0]: " before each line,
+    once more for each engine the script had started)."""
+    from treeserve import LLM
+
+    hook = sys.excepthook
+    with LLM(str(llama_dir), **START_OPTIONS):
+        assert sys.excepthook is hook
+
+
+def test_more_ranks_than_gpus_is_a_clear_error_before_any_worker_starts(monkeypatch):
+    """tensor_parallel_size 2 on a machine with one GPU: a ParamError naming both numbers, and no
+    process started (was: a worker spawned for a GPU that is not there, failing in it)."""
+    import torch
+
+    from treeserve.engine.tp_executor import TPExecutor
+    from treeserve.engine.tp_start import worker_process
+    from treeserve.errors import ParamError
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ParamError, match=r"2 ranks need 2 GPUs from cuda:0 on, and this machine has 1"):
+        TPExecutor(2, torch.device("cuda:0"), 1, entry=worker_process)
     assert not _spawned_workers()

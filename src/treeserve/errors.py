@@ -32,3 +32,12 @@ def check_context_length(max_model_len: int, prompt_tokens: int, max_tokens: int
     if prompt_tokens + completion_tokens > max_model_len:
         param = prompt_param if prompt_tokens >= max_model_len else "max_tokens"
         raise ContextLengthError(param, max_model_len, prompt_tokens, completion_tokens)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed (a tensor-parallel worker died, ...): every request it held, and every
+    one after, fails with this; the server answers it as a 503 `engine_dead` naming the cause."""
+
+    def __init__(self, cause: BaseException):
+        super().__init__(f"the engine has failed ({cause}); restart the server")
+        self.cause = cause

@@ -21,6 +21,7 @@ from typing import Any, AsyncIterator, Callable
 from treeserve.engine.engine_loop import EngineLoop
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.engine.request import BACKGROUND_PRIORITY
+from treeserve.errors import EngineDeadError
 from treeserve.outputs import AbortedRequest, RequestOutput
 from treeserve.sampling_params import SamplingParams
 
@@ -101,7 +102,7 @@ class AsyncLLMEngine:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if self.errored is not None:
-                raise RuntimeError(f"engine failure: {self.errored}")
+                raise EngineDeadError(self.errored)
             if self._cut is not None:
                 raise self._cut()
             self._streams[stream_id] = stream
@@ -182,7 +183,7 @@ class AsyncLLMEngine:
     def _post(self, job: _Job) -> None:
         with self._lock:
             if self.errored is not None:
-                raise RuntimeError(f"engine failure: {self.errored}")
+                raise EngineDeadError(self.errored)
             self._inbox.append(job)
         self._wake.set()
 
@@ -215,7 +216,7 @@ class AsyncLLMEngine:
                 self.errored = exc
                 streams, jobs = list(self._streams), self._inbox
                 self._inbox = []
-            failure = RuntimeError(f"engine failure: {exc}")
+            failure = EngineDeadError(exc)
             for stream_id in streams:
                 self.push(stream_id, failure)
             for job in (j for j in jobs if j.future is not None):

@@ -58,6 +58,7 @@ class TPExecutor:
         if dist.is_available() and dist.is_initialized():
             raise ParamError("tensor_parallel_size", "this process already runs a tensor-parallel engine "
                              "(one per process: a Runtime puts all its models on the same workers)")
+        _check_gpus(world_size, device)
         self.world_size, self.device = world_size, device
         self.threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
         torch.set_num_threads(self.threads)
@@ -284,6 +285,18 @@ class _Rendezvous:
             if thread.is_alive():
                 raise RuntimeError("tensor parallelism: a failed start's rendezvous is still running")
             cls.left_behind.pop(0)
+
+
+def _check_gpus(world_size: int, device: torch.device) -> None:
+    """On CUDA rank r takes the r-th GPU after rank 0's: a clear error, before any process starts,
+    where there are fewer (vLLM's check too), instead of each missing one failing in its worker."""
+    if device.type != "cuda":
+        return
+    first, count = device.index or 0, torch.cuda.device_count()
+    if first + world_size > count:
+        raise ParamError("tensor_parallel_size", f"{world_size} ranks need {world_size} GPUs from cuda:{first} on, "
+                         f"and this machine has {count} (cuda:0..cuda:{count - 1}); use at most "
+                         f"{max(count - first, 1)}, or several machines (distributed_executor_backend='ray')")
 
 
 def _receive(pipe) -> tuple | None:

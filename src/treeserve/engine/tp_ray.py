@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -46,8 +47,7 @@ class RayTPExecutor:
         self.threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
         self.started_ray = not ray.is_initialized()
         if self.started_ray:
-            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False,
-                     num_cpus=None if os.environ.get("RAY_ADDRESS") else max(world_size - 1, os.cpu_count() or 1))
+            _join_ray(ray, os.environ.get("RAY_ADDRESS"), max(world_size - 1, os.cpu_count() or 1))
         torch.set_num_threads(self.threads)
         self.closed, self.actors, self.group_placement = False, [], None
         atexit.register(self.shutdown)
@@ -133,3 +133,37 @@ class RayTPExecutor:
         leave_group()  # or forgets a failed one, so that the next engine in this process can start
         if self.started_ray:
             self.ray.shutdown()
+
+
+def _join_ray(ray, address: str | None, local_cpus: int) -> None:
+    """Joins the Ray cluster at `address` (RAY_ADDRESS), or starts a local instance where it is None.
+    One that nothing answers at is a clear error at once: Ray itself retries its address for minutes."""
+    if address is None:  # "local": a new instance even where `ray start` left one running here
+        ray.init(address="local", include_dashboard=False, log_to_driver=False, num_cpus=local_cpus)
+        return
+    _check_answers(address)
+    try:
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    except ConnectionError as exc:
+        raise ParamError("distributed_executor_backend", f"could not join the Ray cluster at RAY_ADDRESS={address} "
+                         f"({exc}); one started with token authentication (`ray start`'s default from Ray 2.59) "
+                         "needs RAY_AUTH_MODE=token here too") from exc
+
+
+def _check_answers(address: str) -> None:
+    """Raises unless something accepts a connection at a 'host:port' (or 'ray://host:port') address;
+    'auto' and 'local' are Ray's own words, left to Ray."""
+    if address in ("auto", "local"):
+        return
+    host, _, port = address.split("://", 1)[-1].rpartition(":")
+    if not host or not port.isdigit():
+        raise ParamError("distributed_executor_backend", f"RAY_ADDRESS={address!r} is not host:port")
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as exc:
+        raise _no_cluster(address, str(exc)) from exc
+
+
+def _no_cluster(address: str, why: str) -> ParamError:
+    return ParamError("distributed_executor_backend", f"no Ray cluster answers at RAY_ADDRESS={address} ({why}); "
+                      "start one there (`ray start --head --port PORT`), or unset RAY_ADDRESS to run a local one")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -77,8 +78,11 @@ def init_distributed(rank: int, world_size: int, init_method: str, device_type: 
     backend = "nccl" if device_type == "cuda" else "gloo"
     if store is None:
         store = connect_store(init_method, world_size)
+    hook = sys.excepthook
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
+    if rank == 0:  # the user's own process: torch's "[rank0]: " before each line of its tracebacks,
+        sys.excepthook = hook  # one more for each engine started, is noise there
     return dist.new_group(timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
 
 

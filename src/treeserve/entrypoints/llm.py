@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import weakref
 from typing import Any, Callable, Sequence
 
 from tqdm import tqdm
@@ -32,6 +33,7 @@ class LLM:
         self.engine = LLMEngine.from_config(EngineConfig(model=model, **config_fields(engine_options)))
         self.loop = EngineLoop(self.engine)
         self._ids = itertools.count()
+        weakref.finalize(self, self.engine.close)  # `del llm` stops its workers too, as in vLLM
 
     @classmethod
     def from_engine(cls, engine: LLMEngine, loop: EngineLoop | None = None) -> "LLM":

@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from treeserve.errors import ParamError
+from treeserve.errors import EngineDeadError, ParamError
 
 log = logging.getLogger("treeserve.server")
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -36,6 +36,8 @@ def failure_body(exc: Exception) -> dict:
     whose cause stays in the server's log (logged here), never in the answer (paths, device messages)."""
     if isinstance(exc, APIError):
         return error_body(exc.status, exc.message, exc.param, exc.code)
+    if isinstance(exc, EngineDeadError):
+        return error_body(503, str(exc), code="engine_dead")
     log.error("a stream failed once it had begun", exc_info=exc)
     return error_body(500, "internal error: the reply failed part way (the server's log has the cause)",
                       code="server_error")
@@ -121,6 +123,10 @@ def install_error_handlers(app: FastAPI) -> None:
         message = "route not found" if exc.status_code == 404 else str(exc.detail)
         return error_response_for(request.url.path, exc.status_code, message,
                                   code="not_found" if exc.status_code == 404 else None)
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(request: Request, exc: EngineDeadError):
+        return error_response_for(request.url.path, 503, str(exc), code="engine_dead")
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
