@@ -56,6 +56,20 @@ def test_a_search_without_a_verifier_prints_no_score(models, capsys, strategy):
     assert f"score: none ({strategy} reads no verifier)" in printed and "0.0000" not in printed
 
 
+def test_eval_records_no_scores_for_a_strategy_without_a_verifier(models, tmp_path):
+    """(its JSONL held agg_scores of 0.0, as if the verifier had judged every candidate wrong, while
+    /v1/search says null and `treeserve search` prints `score: none`)"""
+    dataset, out = tmp_path / "data.jsonl", tmp_path / "out"
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    assert main(["eval", "--dataset", str(dataset), "--strategy", "majority,greedy", "--n", "2", "--out", str(out),
+                 *models]) == 0
+    for name, size in [("majority_n2", 2), ("greedy_n1", 1)]:
+        records = [json.loads(line) for line in (out / f"{name}.jsonl").read_text().splitlines()]
+        assert [r["agg_scores"] for r in records] == [[None] * size] * 2, records
+    runs = json.loads((out / "summary.json").read_text())["runs"]
+    assert [r["strategy"] for r in runs] == ["majority", "greedy"] and (out / "accuracy.png").stat().st_size > 0
+
+
 def test_eval_names_a_bad_strategy(models, tmp_path, capsys):
     dataset = tmp_path / "data.jsonl"
     dataset.write_text(json.dumps(ROWS[0]) + "\n")

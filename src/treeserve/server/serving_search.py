@@ -210,7 +210,7 @@ def _sse_line(payload: dict) -> str:
 def search_response(model: str, verifier: str | None, config: SearchConfig, result: SearchResult) -> dict:
     """The reply; scores are null where the strategy reads no verifier (greedy, majority): a 0 would
     say the verifier judged the answer wrong, as `treeserve search` prints `score: none` then."""
-    scores = result.agg_scores if config.uses_verifier else [None] * len(result.completions)
+    scores = result.reported_agg_scores
     candidates = [{"index": i, "text": text, "answer": answer, "score": score, "step_scores": steps}
                   for i, (text, answer, score, steps) in enumerate(zip(result.completions, result.answers,
                                                                       scores, result.scores))]
