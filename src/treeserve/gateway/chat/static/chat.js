@@ -432,7 +432,7 @@ async function send(event) {
     if (error.name === "AbortError") {
       if (!stream.deleted) stopped(stream);
     } else if (error.status !== 401) {
-      if (isOpenId(conversation.id)) notice(error.message);
+      if (!state.conversation || isOpenId(conversation.id)) notice(error.message);  // (not over another one)
       live.append(el("div", { class: "error", text: error.message }));
     }
   } finally {
