@@ -426,3 +426,78 @@ def test_a_rename_answered_after_another_conversation_opened_leaves_that_one_ope
           done({open: state.conversation.id === b.id, title: $("title").value, stored: stored.title});
         })().catch((error) => done(String(error)));""")
     assert opened == {"open": True, "title": "chat B", "stored": "chat A"}
+
+
+def _two_echo_conversations(driver, url: str) -> tuple[str, str]:
+    """Signed in as ada afresh, two new conversations answered by the scripted echo model."""
+    driver.get(url + "/chat")
+    wait(driver, lambda d: d.find_element(*by("login-username")).is_displayed()
+         or d.find_element(*by("new-chat")).is_displayed())
+    if driver.find_element(*by("new-chat")).is_displayed():
+        driver.find_element(*by("sign-out")).click()
+    sign_in(driver, url, "ada", "correct horse battery")
+    return tuple(driver.execute_async_script("""const done = arguments[0];
+        (async () => {
+          const body = {settings: {model: "echo", mode: "chat"}};
+          const [a, b] = [await api("POST", "/chat/api/conversations", body),
+                          await api("POST", "/chat/api/conversations", body)];
+          done([a.id, b.id]);
+        })().catch((error) => done(String(error)));"""))
+
+
+def _open(driver, conversation_id: str) -> None:
+    driver.find_element("css selector", f'[data-testid="conversation-item"][data-id="{conversation_id}"]').click()
+    wait(driver, lambda d: d.current_url.endswith(f"/c/{conversation_id}"))
+
+
+def test_an_answer_streams_on_in_its_conversation_while_another_is_used(stack, browser):
+    """As in ChatGPT: another conversation opened while an answer streams is usable at once, and the
+    answer goes on into its own conversation, shown there when it is opened again (Send stayed
+    disabled in every conversation until the answer had ended)."""
+    url, driver = stack[0], browser
+    first, second = _two_echo_conversations(driver, url)
+    driver.get(f"{url}/chat/c/{first}")
+    wait(driver, lambda d: d.find_element(*by("send")).is_enabled())
+    slow = "slowly: " + " ".join(["alpha beta gamma delta"] * 12)
+    driver.find_element(*by("message-input")).send_keys(slow)
+    driver.find_element(*by("send")).click()
+    wait(driver, lambda d: len(d.find_elements("css selector", ".message.streaming .content")) and
+         len(d.find_element("css selector", ".message.streaming .content").text) > 6)
+    _open(driver, second)
+    wait(driver, lambda d: d.find_element(*by("send")).is_enabled() and not d.find_element(*by("stop")).is_enabled()
+         and not d.find_elements(*by("message-user")), timeout=5)
+    send(driver, "hello there")
+    assert last_answer(driver) == "hello there" and len(driver.find_elements(*by("message-user"))) == 1
+    _open(driver, first)  # still streaming: shown under its question, Send waiting and Stop stopping it
+    wait(driver, lambda d: d.find_elements("css selector", ".message.streaming")
+         and not d.find_element(*by("send")).is_enabled() and d.find_element(*by("stop")).is_enabled(), timeout=5)
+    assert [m.text for m in driver.find_elements(*by("message-user"))] == ["You\n" + slow]
+    wait(driver, lambda d: not d.find_elements("css selector", ".message.streaming")
+         and d.find_element(*by("send")).is_enabled(), timeout=60)
+    assert last_answer(driver) == slow and len(driver.find_elements(*by("message-assistant"))) == 1
+
+
+def test_stop_before_the_question_is_stored_back_shows_what_was_stored(stack, browser):
+    """Stop pressed after the gateway took the message but before its stored copy came back: the
+    page showed nothing of it (not the question, not the stopped answer) until a reload."""
+    url, driver = stack[0], browser
+    first, _ = _two_echo_conversations(driver, url)
+    driver.get(f"{url}/chat/c/{first}")
+    wait(driver, lambda d: d.find_element(*by("send")).is_enabled())
+    driver.execute_script("""const realFetch = window.fetch;  // (the answer's events held back a while)
+        window.fetch = async (path, init) => {
+          const response = await realFetch(path, init);
+          if (init && init.method === "POST" && String(path).endsWith("/messages")) {
+            window.__taken = true;
+            await new Promise((resolve) => setTimeout(resolve, 1500));
+            window.fetch = realFetch;
+          }
+          return response;
+        };""")
+    driver.find_element(*by("message-input")).send_keys("slowly: stopped early")
+    driver.find_element(*by("send")).click()
+    wait(driver, lambda d: d.execute_script("return window.__taken === true"), timeout=10)
+    driver.find_element(*by("stop")).click()
+    wait(driver, lambda d: [m.text for m in d.find_elements(*by("message-user"))] == ["You\nslowly: stopped early"]
+         and "stopped" in d.find_elements(*by("message-assistant"))[-1].text, timeout=10)
+    assert driver.find_element(*by("send")).is_enabled()

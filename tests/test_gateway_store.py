@@ -768,3 +768,43 @@ def test_undoing_the_batch_usage_migration_keeps_every_line(backend, request, tm
             assert conn.execute(text("SELECT count(*) FROM batch_lines")).scalar() == 1
     finally:
         store.close()
+
+
+def test_a_conversation_deleted_while_a_stopped_answer_is_stored_fails_nothing(store, monkeypatch):
+    """The chat deletes a conversation between add_message's owner check and its insert (a Stop's
+    answer being stored as the user deletes its conversation). On PostgreSQL the insert then failed on
+    the foreign key: an IntegrityError in the log, not the ConversationNotFound the route expects. Now
+    the check locks the row: the delete waits for the answer to be stored, then removes it too."""
+    import threading
+
+    from treeserve.gateway.chat.store import ChatStore
+    from treeserve.gateway.errors import ConversationNotFound
+
+    store.accounts.create_user("ada")
+    chats = ChatStore(store.db, store.accounts)
+    conversation = chats.create("ada", "hi", {})["id"]
+    real, failures = ChatStore._owned, []
+
+    def delete():
+        try:
+            chats.delete("ada", conversation)
+        except Exception as exc:  # noqa: BLE001 (reported by the assertion below)
+            failures.append(exc)
+    deleting = threading.Thread(target=delete)
+
+    def owned(conn, user_id, conversation_id, *args, **kwargs):
+        found = real(conn, user_id, conversation_id, *args, **kwargs)
+        if deleting.ident is None:  # add_message's check: the delete runs now, and commits unless held back
+            deleting.start()
+            deleting.join(timeout=1)
+        return found
+    monkeypatch.setattr(ChatStore, "_owned", staticmethod(owned))
+    try:
+        stored = chats.add_message("ada", conversation, "assistant", "stopped here")
+    except ConversationNotFound:
+        stored = None
+    deleting.join(timeout=30)
+    assert not deleting.is_alive() and not failures, failures
+    assert stored is None or stored["content"] == "stopped here"
+    with pytest.raises(ConversationNotFound):
+        chats.get("ada", conversation)

@@ -56,6 +56,20 @@ def test_a_search_without_a_verifier_prints_no_score(models, capsys, strategy):
     assert f"score: none ({strategy} reads no verifier)" in printed and "0.0000" not in printed
 
 
+def test_eval_records_no_scores_for_a_strategy_without_a_verifier(models, tmp_path):
+    """(its JSONL held agg_scores of 0.0, as if the verifier had judged every candidate wrong, while
+    /v1/search says null and `treeserve search` prints `score: none`)"""
+    dataset, out = tmp_path / "data.jsonl", tmp_path / "out"
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    assert main(["eval", "--dataset", str(dataset), "--strategy", "majority,greedy", "--n", "2", "--out", str(out),
+                 *models]) == 0
+    for name, size in [("majority_n2", 2), ("greedy_n1", 1)]:
+        records = [json.loads(line) for line in (out / f"{name}.jsonl").read_text().splitlines()]
+        assert [r["agg_scores"] for r in records] == [[None] * size] * 2, records
+    runs = json.loads((out / "summary.json").read_text())["runs"]
+    assert [r["strategy"] for r in runs] == ["majority", "greedy"] and (out / "accuracy.png").stat().st_size > 0
+
+
 def test_eval_names_a_bad_strategy(models, tmp_path, capsys):
     dataset = tmp_path / "data.jsonl"
     dataset.write_text(json.dumps(ROWS[0]) + "\n")
@@ -212,3 +226,29 @@ def test_a_signal_cuts_a_one_shot_command_short_with_128_plus_its_number(tmp_pat
         assert subprocess.run([sys.executable, "-c", code.format(name)], timeout=60).returncode == status
     assert _is_service(["serve"]) and _is_service(["bench", "sweep", "x.yaml"]) and _is_service(["chat"])
     assert not _is_service(["eval"]) and not _is_service(["bench", "serve"]) and not _is_service([])
+
+
+@pytest.mark.parametrize("question", ["", " \n\t"])
+def test_the_cli_and_the_server_refuse_an_empty_question_by_one_check_in_search(question):
+    """(the CLI and the server each had a copy of the check; now both ask search's, and say it alike)"""
+    import argparse
+
+    from treeserve import cli_search
+    from treeserve.errors import ParamError
+    from treeserve.search.prompting import checked_question
+    from treeserve.server.serving_search import question_and_system
+    from treeserve.wire.errors import APIError
+    from treeserve.wire.protocol import SearchRequest
+
+    with pytest.raises(ParamError) as refused:
+        checked_question(question, "messages")
+    assert (refused.value.param, str(refused.value)) == ("messages", "messages: the question is empty")
+    assert checked_question(" What is 2 + 2? ") == " What is 2 + 2? "
+    with pytest.raises(argparse.ArgumentTypeError, match="^the question is empty$"):
+        cli_search._question(question)
+    for body, param in [({"question": question}, "question"),
+                        ({"messages": [{"role": "user", "content": question}]}, "messages")]:
+        with pytest.raises(APIError) as served:
+            question_and_system(SearchRequest.model_validate(body))
+        assert (served.value.status, served.value.param, served.value.message) == \
+            (400, param, f"{param}: the question is empty")

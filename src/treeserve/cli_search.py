@@ -10,6 +10,7 @@ from treeserve.cli_args import at_least_one, json_object
 from treeserve.errors import ParamError
 from treeserve.lifecycle import heap_frozen_while_it_runs
 from treeserve.model.registry import DEFAULT_GENERATOR, DEFAULT_VERIFIER
+from treeserve.search.prompting import checked_question
 
 
 def add_search_parsers(sub) -> None:
@@ -30,10 +31,11 @@ def add_search_parsers(sub) -> None:
 
 
 def _question(text: str) -> str:
-    """An empty question (an unset shell variable, say) would search the model's noise at full cost."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError("the question is empty")
-    return text
+    """search's check of the question, as argparse's error (before any model loads)."""
+    try:
+        return checked_question(text)
+    except ParamError as exc:
+        raise argparse.ArgumentTypeError(exc.detail) from None
 
 
 def _sizes(text: str) -> list[int]:

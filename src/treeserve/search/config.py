@@ -71,7 +71,7 @@ class SearchConfig:
 
     @property
     def uses_verifier(self) -> bool:
-        return self.strategy not in ("greedy", "majority")
+        return reads_verifier(self.strategy)
 
     @property
     def num_candidates(self) -> int:
@@ -80,6 +80,11 @@ class SearchConfig:
 
     def replace(self, **changes) -> "SearchConfig":
         return dataclasses.replace(self, **changes)
+
+
+def reads_verifier(strategy: str) -> bool:
+    """Whether a strategy scores its candidates with the verifier (greedy and majority do not)."""
+    return strategy not in ("greedy", "majority")
 
 
 def declared_aggregation(model_dir: str | Path) -> str:

@@ -125,7 +125,8 @@ def _record(row: dict, result: SearchResult) -> dict:
     correct = [grade(a, row["answer"]) for a in result.answers]
     return {"unique_id": row.get("unique_id"), "level": row.get("level"), "answer": row["answer"],
             "pred": result.pred, "correct": grade(result.pred, row["answer"]), "num_correct": sum(correct),
-            "preds": preds, "graded": graded} | {k: v for k, v in asdict(result).items() if k != "problem"}
+            "preds": preds, "graded": graded} | {k: v for k, v in asdict(result).items() if k != "problem"} \
+        | {"agg_scores": result.reported_agg_scores}
 
 
 def _summary(config: SearchConfig, records: list[dict], seconds: float) -> dict:

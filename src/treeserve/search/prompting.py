@@ -5,6 +5,14 @@ from treeserve.errors import ParamError
 from treeserve.search.config import SearchConfig
 
 
+def checked_question(question: str, param: str = "question") -> str:
+    """The question, or ParamError(param) where it is empty: an empty question (an unset shell
+    variable, say) would search the model's noise at full cost. The CLI and the server both ask this."""
+    if not question.strip():
+        raise ParamError(param, "the question is empty")
+    return question
+
+
 def chat_messages(question: str, config: SearchConfig) -> list[dict]:
     messages = [{"role": "system", "content": config.system_prompt}] if config.system_prompt else []
     return messages + [{"role": "user", "content": question}]

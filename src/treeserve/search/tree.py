@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 
 from treeserve.errors import ParamError
-from treeserve.search.config import STEP_DELIMITER
+from treeserve.search.config import STEP_DELIMITER, reads_verifier
 
 # A verifier's scores are probabilities that a step (or a solution) is right: a best candidate under
 # one half is one it judged more likely wrong than right.
@@ -88,6 +88,12 @@ class SearchResult:
         scored (greedy, majority)."""
         scored = [agg for agg, steps in zip(self.agg_scores, self.scores) if steps]
         return bool(scored) and max(scored) < REJECT_THRESHOLD
+
+    @property
+    def reported_agg_scores(self) -> list[float | None]:
+        """`agg_scores` as replies and records show them: None where the strategy reads no verifier
+        (greedy, majority), since a 0 would say the verifier judged the answer wrong."""
+        return self.agg_scores if reads_verifier(self.strategy) else [None] * len(self.completions)
 
 
 def split_steps(text: str, delimiter: str = STEP_DELIMITER) -> list[str]:

@@ -19,9 +19,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from treeserve import jsonl
 from treeserve.engine.async_engine import AsyncLLMEngine
+from treeserve.errors import ParamError
 from treeserve.runtime.scorer import StepScorer
 from treeserve.search.config import DEFAULT_AGG_STRATEGY, SAL_SYSTEM_PROMPT, SearchConfig, declared_aggregation
 from treeserve.search.progress import SearchProgress
+from treeserve.search.prompting import checked_question
 from treeserve.search.runner import SearchHandle, SearchRunner
 from treeserve.search.tree import SearchResult
 from treeserve.wire.disconnect import unless_client_leaves
@@ -48,10 +50,11 @@ def question_and_system(body: SearchRequest) -> tuple[str, str | None]:
 
 
 def _asked(question: str, param: str) -> str:
-    """An empty question (an unset shell variable, say) would search the model's noise at full cost."""
-    if not question.strip():
-        raise APIError(400, f"{param}: the question is empty", param=param)
-    return question
+    """search's check of the question, as a 400 naming `param`."""
+    try:
+        return checked_question(question, param)
+    except ParamError as exc:
+        raise from_value_error(exc) from None
 
 
 # SearchConfig's fields a body leaves to the server (None on the wire); every other field of
@@ -210,7 +213,7 @@ def _sse_line(payload: dict) -> str:
 def search_response(model: str, verifier: str | None, config: SearchConfig, result: SearchResult) -> dict:
     """The reply; scores are null where the strategy reads no verifier (greedy, majority): a 0 would
     say the verifier judged the answer wrong, as `treeserve search` prints `score: none` then."""
-    scores = result.agg_scores if config.uses_verifier else [None] * len(result.completions)
+    scores = result.reported_agg_scores
     candidates = [{"index": i, "text": text, "answer": answer, "score": score, "step_scores": steps}
                   for i, (text, answer, score, steps) in enumerate(zip(result.completions, result.answers,
                                                                       scores, result.scores))]

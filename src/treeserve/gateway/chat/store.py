@@ -140,7 +140,9 @@ class ChatStore:
         now = utcnow()
         content = content.replace("\x00", "\ufffd")  # a model may write one; PostgreSQL text cannot hold it
         with self.db.transaction() as conn:
-            self._owned(conn, user_id, conversation_id)
+            # locked: a delete committed between the check and the insert would fail the insert on the
+            # foreign key (an IntegrityError, not ConversationNotFound); a delete now waits or has won
+            self._owned(conn, user_id, conversation_id, lock=True)
             message_id = conn.execute(insert(ChatMessage).values(
                 conversation_id=conversation_id, role=role, content=content, model=model, mode=mode,
                 settings=settings or {}, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
@@ -177,8 +179,11 @@ class ChatStore:
                 "cost": money(spend), "max_budget": budget}
 
     @staticmethod
-    def _owned(conn, user_id: str, conversation_id: str) -> Conversation:
-        conversation = conn.get(Conversation, conversation_id) if isinstance(conversation_id, str) else None
+    def _owned(conn, user_id: str, conversation_id: str, lock: bool = False) -> Conversation:
+        """The user's conversation (its row locked until the transaction ends where `lock`: PostgreSQL's
+        FOR UPDATE; SQLite's writers hold the database's lock already), or ConversationNotFound."""
+        conversation = conn.get(Conversation, conversation_id, with_for_update=lock or None) \
+            if isinstance(conversation_id, str) else None
         if conversation is None or conversation.user_id != user_id:
             raise ConversationNotFound()
         return conversation

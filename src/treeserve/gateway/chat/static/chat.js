@@ -5,7 +5,9 @@
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const state = { me: null, csrf: "", conversation: null, controller: null, streamingIn: null, saving: null };
+// streams: the answers in flight, by conversation id ({ controller, live, question, known }); each goes on
+// streaming into its own conversation while another one is open and used (as ChatGPT's do)
+const state = { me: null, csrf: "", conversation: null, streams: new Map(), saving: null };
 const FIELDS = {
   temperature: ["settings-temperature", Number], top_p: ["settings-top-p", Number],
   repetition_penalty: ["settings-repetition-penalty", Number], max_tokens: ["settings-max-tokens", Number],
@@ -46,7 +48,7 @@ async function apiError(response) {
 
 function sessionEnded(why = "") {
   if (!state.me) return showLogin();  // (not signed in yet: the page's first visit)
-  if (state.controller) state.controller.abort();
+  for (const stream of state.streams.values()) stream.controller.abort();
   Object.assign(state, { me: null, csrf: "", conversation: null });
   for (const id of ["messages", "conversations", "usage"]) $(id).replaceChildren();
   for (const id of ["message-input", "title"]) $(id).value = "";
@@ -163,7 +165,10 @@ function showConversation(conversation) {
   }
   showSettings(conversation ? conversation.settings : state.me.defaults);
   $("messages").replaceChildren(...(conversation ? conversation.messages.map(renderMessage) : []));
+  const stream = conversation && state.streams.get(conversation.id);
+  if (stream && stream.question) $("messages").append(stream.live);  // (its answer, still streaming)
   showExamples();
+  showStreaming();
   scrollDown();
 }
 
@@ -228,9 +233,15 @@ async function deleteConversation() {
 // Deleting the conversation an answer streams into stops the answer (as Stop does: nothing more is
 // generated or billed, and Send is free again at once).
 function stopStreamingIn(id) {
-  if (!state.controller || state.streamingIn !== id) return;
-  $("messages").replaceChildren();  // (nothing of it is left to show as stopped)
-  state.controller.abort();
+  const stream = state.streams.get(id);
+  if (!stream) return;
+  stream.deleted = true;  // (nothing of it is left to show as stopped)
+  stream.live.remove();
+  stream.controller.abort();
+}
+
+function isOpenId(id) {
+  return Boolean(state.conversation) && state.conversation.id === id;
 }
 
 // ---- settings ----------------------------------------------------------------------------------
@@ -389,7 +400,7 @@ async function send(event) {
   event.preventDefault();
   const input = $("message-input");
   const content = input.value;
-  if (!content.trim() || state.controller) return;
+  if (!content.trim() || (state.conversation && state.streams.has(state.conversation.id))) return;
   notice("");
   if (state.saving) await state.saving;
   const started = !state.conversation;  // (this send makes the conversation: a refusal takes it back)
@@ -397,12 +408,13 @@ async function send(event) {
   const live = el("div", { class: "message assistant streaming", "data-testid": "message-assistant" },
     el("div", { class: "meta", text: `${readSettings().model} · ${readSettings().mode} …` }),
     el("div", { class: "content", "data-testid": "message-content" }));
-  state.controller = new AbortController();
-  state.streamingIn = conversation.id;
-  setStreaming(true);
+  const stream = { id: conversation.id, controller: new AbortController(), live, question: null,
+    known: (conversation.messages || []).length, settings: readSettings() };
+  state.streams.set(conversation.id, stream);
+  showStreaming();
   try {
     const response = await fetch(`/chat/api/conversations/${conversation.id}/messages`, {
-      method: "POST", credentials: "same-origin", signal: state.controller.signal,
+      method: "POST", credentials: "same-origin", signal: stream.controller.signal,
       headers: { "Content-Type": "application/json", "X-CSRF-Token": state.csrf },
       body: JSON.stringify({ content, settings: readSettings() }) });
     if (!response.ok) {
@@ -412,20 +424,21 @@ async function send(event) {
     }
     if (input.value === content) input.value = "";  // (kept until the message is taken: a refusal loses nothing)
     await readEvents(response, (e) => {
-      onEvent(e, live);
+      onEvent(e, stream);
       // a message too long for the model's context stays in the conversation and is given back to shorten
       if (e.type === "error" && e.code === "context_length_exceeded" && !input.value) input.value = content;
     });
   } catch (error) {
-    if (error.name === "AbortError") stopped(live, conversation.id);
-    else if (error.status !== 401) {
-      notice(error.message);
-      if (live.isConnected) live.append(el("div", { class: "error", text: error.message }));
+    if (error.name === "AbortError") {
+      if (!stream.deleted) stopped(stream);
+    } else if (error.status !== 401) {
+      if (!state.conversation || isOpenId(conversation.id)) notice(error.message);  // (not over another one)
+      live.append(el("div", { class: "error", text: error.message }));
     }
   } finally {
     live.classList.remove("streaming");
-    state.controller = state.streamingIn = null;
-    setStreaming(false);
+    state.streams.delete(conversation.id);
+    showStreaming();
     if (state.me) refreshSidebar();
   }
 }
@@ -449,22 +462,26 @@ function refreshSidebar() {
 }
 
 // A stopped answer is shown finished at once (Markdown, no streaming header), then as the gateway
-// stored it (with the tokens it was billed for) once it is saved.
-async function stopped(live, conversationId) {
-  const message = { role: "assistant", content: live.querySelector(".content").textContent,
-    model: readSettings().model, mode: readSettings().mode, details: { status: "stopped" } };
-  const shown = renderMessage(message);
-  live.replaceWith(shown);
-  const question = live.dataset.question;
-  for (let tries = 0; tries < 20 && question && shown.isConnected; tries++) {
+// stored it (with the tokens it was billed for) once it is saved. Stopped before the stored question
+// came back, nothing of it is on the page yet: the conversation is shown as stored once its answer
+// is (or, when none is, as it stands after a while), as a reload would show it.
+async function stopped(stream) {
+  const { id, live, settings } = stream;
+  const shown = renderMessage({ role: "assistant", content: live.querySelector(".content").textContent,
+    model: settings.model, mode: settings.mode, details: { status: "stopped" } });
+  if (live.isConnected) live.replaceWith(shown);
+  let saved = null;
+  for (let tries = 0; tries < 20 && state.me && (shown.isConnected || !stream.question); tries++) {
     await new Promise((resolve) => setTimeout(resolve, 250));
-    const saved = await api("GET", `/chat/api/conversations/${encodeURIComponent(conversationId)}`).catch(() => null);
-    const at = saved ? saved.messages.findIndex((m) => String(m.id) === question) : -1;
-    if (at >= 0 && saved.messages[at + 1] && shown.isConnected) {
-      shown.replaceWith(renderMessage(saved.messages[at + 1]));
-      return;
-    }
+    saved = await api("GET", `/chat/api/conversations/${encodeURIComponent(id)}`).catch(() => null) || saved;
+    const at = !saved ? -1 : stream.question ? saved.messages.findIndex((m) => String(m.id) === stream.question)
+      : stream.known;
+    if (at >= 0 && saved.messages[at + 1]) break;
   }
+  if (!saved || !isOpenId(id) || state.streams.has(id)) return;  // (left, or another answer streams there now)
+  if (stream.question && !shown.isConnected) return;  // (shown as stored already: opened again meanwhile)
+  state.conversation = saved;
+  showConversation(saved);
 }
 
 async function readEvents(response, handle) {
@@ -485,13 +502,23 @@ async function readEvents(response, handle) {
   }
 }
 
-function onEvent(event, live) {
+// The events of the answer streaming into `stream.id`; that conversation's page shows them only while
+// it is open (opened again, it is shown as stored with the live answer after it).
+function onEvent(event, stream) {
+  const live = stream.live;
   const content = live.querySelector(".content");
+  const open = isOpenId(stream.id);
   if (event.type === "user") {
-    const examples = $("messages").querySelector(".examples");
-    if (examples) examples.remove();
-    live.dataset.question = String(event.message.id);
-    $("messages").append(renderMessage(event.message), live);
+    stream.question = String(event.message.id);
+    if (open) {
+      const examples = $("messages").querySelector(".examples");
+      if (examples) examples.remove();
+      if (!state.conversation.messages.some((m) => m.id === event.message.id)) {  // (not shown already)
+        state.conversation.messages.push(event.message);
+        $("messages").append(renderMessage(event.message));
+      }
+      $("messages").append(live);
+    }
   } else if (event.type === "delta") {
     content.textContent += event.text;
   } else if (event.type === "progress") {
@@ -504,14 +531,15 @@ function onEvent(event, live) {
   } else if (event.type === "error") {
     live.append(el("div", { class: "error", text: event.message }));
   } else if (event.type === "done" && event.message) {
-    const done = renderMessage(event.message);
-    live.replaceWith(done);
-    if (state.conversation) state.conversation.messages.push(event.message);
+    if (live.isConnected) live.replaceWith(renderMessage(event.message));
+    if (open) state.conversation.messages.push(event.message);
   }
-  scrollDown();
+  if (open) scrollDown();
 }
 
-function setStreaming(on) {
+// Send waits, and Stop stops, only while an answer streams into the open conversation.
+function showStreaming() {
+  const on = Boolean(state.conversation) && state.streams.has(state.conversation.id);
   $("send").disabled = on;
   $("stop").disabled = !on;
 }
@@ -524,7 +552,10 @@ document.addEventListener("DOMContentLoaded", () => {
   $("delete-chat").addEventListener("click", () => deleteConversation().catch((e) => notice(e.message)));
   $("title").addEventListener("change", () => renameConversation().catch((e) => notice(e.message)));
   $("composer").addEventListener("submit", (e) => send(e).catch((error) => error.status === 401 || notice(error.message)));
-  $("stop").addEventListener("click", () => state.controller && state.controller.abort());
+  $("stop").addEventListener("click", () => {
+    const stream = state.conversation && state.streams.get(state.conversation.id);
+    if (stream) stream.controller.abort();
+  });
   $("toggle-sidebar").addEventListener("click", () => showSidebar(!$("app").classList.contains("show-sidebar")));
   // the open list covers the header's ☰: Escape, or a tap beside it, closes it too
   document.addEventListener("keydown", (event) => { if (event.key === "Escape") showSidebar(false); });
