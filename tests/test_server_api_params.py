@@ -254,3 +254,39 @@ def test_no_cors_headers_by_default(server):
     answer = httpx.get(f"{server.url}/v1/models", headers={"Origin": "https://app.example",
                                                            "Authorization": f"Bearer {server.key}"})
     assert answer.status_code == 200 and "access-control-allow-origin" not in answer.headers
+
+
+def test_chat_echo_puts_the_final_assistant_message_before_the_reply(client):
+    """vLLM's chat `echo`: each choice's content starts with the final message's when that is the
+    assistant's (a prefill), streamed as one chunk per choice after the role's; a final user message
+    is not echoed. It was ignored (the content lacked the prefill)."""
+    prefill = MESSAGES + [{"role": "assistant", "content": "The water"}]
+    ending = {"add_generation_prompt": False, "continue_final_message": True}
+    kwargs = dict(model="tiny", messages=prefill, max_tokens=4, temperature=0, n=2)
+    plain = client.chat.completions.create(**kwargs, extra_body=ending)
+    echoed = client.chat.completions.create(**kwargs, extra_body=ending | {"echo": True})
+    assert [c.message.content for c in echoed.choices] == ["The water" + c.message.content for c in plain.choices]
+    assert echoed.usage == plain.usage
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, extra_body=ending | {"echo": True}))
+    for i, choice in enumerate(echoed.choices):
+        deltas = [d.delta.content for c in chunks for d in c.choices if d.index == i]
+        assert deltas[:2] == ["", "The water"] and "".join(d or "" for d in deltas) == choice.message.content
+    unechoed = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, temperature=0,
+                                              extra_body={"echo": True})
+    assert unechoed.choices[0].message.content == client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=4, temperature=0).choices[0].message.content
+
+
+@pytest.mark.parametrize("part", [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                                  {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}])
+def test_a_part_that_is_not_text_is_a_400_naming_its_type(client, part):
+    """The models read text only: an image or audio part is a 400 that says so (it read "Input should
+    be a valid string"); text parts still join."""
+    content = [{"type": "text", "text": "Tell me"}, part]
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": content}], max_tokens=2)
+    assert bad.value.body["param"] == "messages.0.content"
+    assert f"part 1 is of type {part['type']!r}" in bad.value.body["message"]
+    assert "only text parts" in bad.value.body["message"]
+    assert client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": content[:1]}],
+                                          max_tokens=2).choices

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from treeserve.errors import ParamError
 from treeserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -235,6 +236,19 @@ class ChatMessage(BaseModel):
     tool_calls: list[ToolCall] | None = None  # assistant messages
     tool_call_id: str | None = None           # tool messages: the call this answers
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content):
+        """A part that is not text (image_url, input_audio, file ...) named in the 400: the served
+        models read text only (it read "Input should be a valid string")."""
+        for i, part in enumerate(content if isinstance(content, list) else ()):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise PydanticCustomError("content_part", "part {index} is of type {kind}: only text parts are "
+                                          "supported (the served models read text only)",
+                                          {"index": i, "kind": repr(kind)})
+        return content
+
     def as_template_message(self, where: str = "messages") -> dict:
         """The message as chat templates read it (a call's arguments as an object, as HF's
         templates expect); ParamError naming `where` for what no template can render."""
@@ -280,6 +294,15 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None  # vLLM's: more variables for the template (enable_thinking, ...)
+    echo: bool = False  # vLLM's: the reply's content starts with the final message's, when that is the assistant's
+
+    def echoed(self) -> str:
+        """The text `echo` puts before each choice's content: the final message's, when it has the
+        reply's role (assistant), as vLLM's; else nothing."""
+        last = self.messages[-1]
+        if not self.echo or last.role != "assistant":
+            return ""
+        return last.as_template_message()["content"]
 
     def template_ending(self) -> tuple[bool, bool]:
         """(add_generation_prompt, continue_final_message), checked as vLLM does."""
