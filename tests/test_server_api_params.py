@@ -290,3 +290,18 @@ def test_a_part_that_is_not_text_is_a_400_naming_its_type(client, part):
     assert "only text parts" in bad.value.body["message"]
     assert client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": content[:1]}],
                                           max_tokens=2).choices
+
+
+def test_legacy_top_logprobs_hold_the_chosen_token_too(client):
+    """OpenAI's legacy completions: "the API will always return the logprob of the sampled token, so
+    there may be up to logprobs+1 elements" (vLLM's too). `logprobs: 0` gave null top_logprobs, and a
+    token outside the top k was missing from its own."""
+    zero = client.completions.create(model="tiny", prompt="The water is", max_tokens=4, temperature=0, logprobs=0)
+    lp = zero.choices[0].logprobs
+    assert lp.top_logprobs == [{t: p} for t, p in zip(lp.tokens, lp.token_logprobs)]
+    echoed = client.completions.create(model="tiny", prompt="The water is the", max_tokens=0, echo=True, logprobs=1)
+    lp = echoed.choices[0].logprobs
+    assert lp.top_logprobs[0] is None
+    for token, own, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert top[token] == pytest.approx(own) and len(top) <= 2 and max(top.values()) >= own
+    assert any(len(top) == 2 for top in lp.top_logprobs[1:])  # (a prompt token the model did not rank first)
