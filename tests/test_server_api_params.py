@@ -28,8 +28,10 @@ def test_logit_bias_steers_and_bans_tokens(client, server):
     forced = client.completions.create(model="tiny", prompt="The water is", max_tokens=3, temperature=1.0, seed=1,
                                        logit_bias={str(target): 100})
     assert forced.choices[0].text == tokenizer.decode([target] * 3)
-    with pytest.raises(openai.BadRequestError, match="logit_bias"):
-        client.completions.create(model="tiny", prompt="x", logit_bias={"abc": 1})
+    for key in ("abc", "²", "٣"):  # (superscript and Arabic-Indic digits: a 400 naming logit_bias, not int()'s text)
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.completions.create(model="tiny", prompt="x", logit_bias={key: 1})
+        assert bad.value.body["param"] == "logit_bias" and "token ids" in bad.value.body["message"]
     with pytest.raises(openai.BadRequestError, match="logit_bias"):
         client.completions.create(model="tiny", prompt="x", logit_bias={"10": 500})
     with pytest.raises(openai.BadRequestError, match="logit_bias"):

@@ -123,7 +123,7 @@ class SamplingRequest(_SampledBody):
             return None
         bias = {}
         for key, value in self.logit_bias.items():
-            if not key.lstrip("-").isdigit():
+            if not (key.isascii() and key.lstrip("-").isdigit()):  # ("²" and "٣" are digits to str.isdigit)
                 raise ParamError("logit_bias", f"keys must be token ids, got {key!r}")
             bias[int(key)] = value
         return bias
