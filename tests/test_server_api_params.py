@@ -307,3 +307,17 @@ def test_legacy_top_logprobs_hold_the_chosen_token_too(client):
     for token, own, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
         assert top[token] == pytest.approx(own) and len(top) <= 2 and max(top.values()) >= own
     assert any(len(top) == 2 for top in lp.top_logprobs[1:])  # (a prompt token the model did not rank first)
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_stream_options_include_obfuscation_is_taken(client, route):
+    """OpenAI's `stream_options.include_obfuscation` (its reference lists it beside include_usage) was a
+    400 "unknown parameter"; taken with no effect, as vLLM; a key no API has is still a 400 naming it."""
+    create = (lambda **kw: client.chat.completions.create(messages=MESSAGES, **kw)) if route == "chat" else (
+        lambda **kw: client.completions.create(prompt="The water is", **kw))
+    chunks = list(create(model="tiny", max_tokens=3, stream=True, temperature=0,
+                         stream_options={"include_usage": True, "include_obfuscation": False}))
+    assert chunks[-1].usage.completion_tokens == 3
+    with pytest.raises(openai.BadRequestError) as bad:
+        create(model="tiny", max_tokens=3, stream=True, stream_options={"include_usages": True})
+    assert bad.value.body["param"] == "stream_options.include_usages"

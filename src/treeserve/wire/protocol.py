@@ -27,6 +27,9 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, usage so far in every chunk
+    # OpenAI's: random padding in each chunk against size side channels; taken with no effect, as vLLM
+    # (no padding is sent: the official clients never read it); it was a 400 "unknown parameter"
+    include_obfuscation: bool | None = None
 
 
 class JsonSchemaFormat(BaseModel):
