@@ -28,8 +28,10 @@ def test_logit_bias_steers_and_bans_tokens(client, server):
     forced = client.completions.create(model="tiny", prompt="The water is", max_tokens=3, temperature=1.0, seed=1,
                                        logit_bias={str(target): 100})
     assert forced.choices[0].text == tokenizer.decode([target] * 3)
-    with pytest.raises(openai.BadRequestError, match="logit_bias"):
-        client.completions.create(model="tiny", prompt="x", logit_bias={"abc": 1})
+    for key in ("abc", "²", "٣"):  # (superscript and Arabic-Indic digits: a 400 naming logit_bias, not int()'s text)
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.completions.create(model="tiny", prompt="x", logit_bias={key: 1})
+        assert bad.value.body["param"] == "logit_bias" and "token ids" in bad.value.body["message"]
     with pytest.raises(openai.BadRequestError, match="logit_bias"):
         client.completions.create(model="tiny", prompt="x", logit_bias={"10": 500})
     with pytest.raises(openai.BadRequestError, match="logit_bias"):
@@ -254,3 +256,68 @@ def test_no_cors_headers_by_default(server):
     answer = httpx.get(f"{server.url}/v1/models", headers={"Origin": "https://app.example",
                                                            "Authorization": f"Bearer {server.key}"})
     assert answer.status_code == 200 and "access-control-allow-origin" not in answer.headers
+
+
+def test_chat_echo_puts_the_final_assistant_message_before_the_reply(client):
+    """vLLM's chat `echo`: each choice's content starts with the final message's when that is the
+    assistant's (a prefill), streamed as one chunk per choice after the role's; a final user message
+    is not echoed. It was ignored (the content lacked the prefill)."""
+    prefill = MESSAGES + [{"role": "assistant", "content": "The water"}]
+    ending = {"add_generation_prompt": False, "continue_final_message": True}
+    kwargs = dict(model="tiny", messages=prefill, max_tokens=4, temperature=0, n=2)
+    plain = client.chat.completions.create(**kwargs, extra_body=ending)
+    echoed = client.chat.completions.create(**kwargs, extra_body=ending | {"echo": True})
+    assert [c.message.content for c in echoed.choices] == ["The water" + c.message.content for c in plain.choices]
+    assert echoed.usage == plain.usage
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, extra_body=ending | {"echo": True}))
+    for i, choice in enumerate(echoed.choices):
+        deltas = [d.delta.content for c in chunks for d in c.choices if d.index == i]
+        assert deltas[:2] == ["", "The water"] and "".join(d or "" for d in deltas) == choice.message.content
+    unechoed = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, temperature=0,
+                                              extra_body={"echo": True})
+    assert unechoed.choices[0].message.content == client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=4, temperature=0).choices[0].message.content
+
+
+@pytest.mark.parametrize("part", [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                                  {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}])
+def test_a_part_that_is_not_text_is_a_400_naming_its_type(client, part):
+    """The models read text only: an image or audio part is a 400 that says so (it read "Input should
+    be a valid string"); text parts still join."""
+    content = [{"type": "text", "text": "Tell me"}, part]
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": content}], max_tokens=2)
+    assert bad.value.body["param"] == "messages.0.content"
+    assert f"part 1 is of type {part['type']!r}" in bad.value.body["message"]
+    assert "only text parts" in bad.value.body["message"]
+    assert client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": content[:1]}],
+                                          max_tokens=2).choices
+
+
+def test_legacy_top_logprobs_hold_the_chosen_token_too(client):
+    """OpenAI's legacy completions: "the API will always return the logprob of the sampled token, so
+    there may be up to logprobs+1 elements" (vLLM's too). `logprobs: 0` gave null top_logprobs, and a
+    token outside the top k was missing from its own."""
+    zero = client.completions.create(model="tiny", prompt="The water is", max_tokens=4, temperature=0, logprobs=0)
+    lp = zero.choices[0].logprobs
+    assert lp.top_logprobs == [{t: p} for t, p in zip(lp.tokens, lp.token_logprobs)]
+    echoed = client.completions.create(model="tiny", prompt="The water is the", max_tokens=0, echo=True, logprobs=1)
+    lp = echoed.choices[0].logprobs
+    assert lp.top_logprobs[0] is None
+    for token, own, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert top[token] == pytest.approx(own) and len(top) <= 2 and max(top.values()) >= own
+    assert any(len(top) == 2 for top in lp.top_logprobs[1:])  # (a prompt token the model did not rank first)
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_stream_options_include_obfuscation_is_taken(client, route):
+    """OpenAI's `stream_options.include_obfuscation` (its reference lists it beside include_usage) was a
+    400 "unknown parameter"; taken with no effect, as vLLM; a key no API has is still a 400 naming it."""
+    create = (lambda **kw: client.chat.completions.create(messages=MESSAGES, **kw)) if route == "chat" else (
+        lambda **kw: client.completions.create(prompt="The water is", **kw))
+    chunks = list(create(model="tiny", max_tokens=3, stream=True, temperature=0,
+                         stream_options={"include_usage": True, "include_obfuscation": False}))
+    assert chunks[-1].usage.completion_tokens == 3
+    with pytest.raises(openai.BadRequestError) as bad:
+        create(model="tiny", max_tokens=3, stream=True, stream_options={"include_usages": True})
+    assert bad.value.body["param"] == "stream_options.include_usages"

@@ -30,7 +30,9 @@ def _check_prompt_part(logprobs, tokenizer, ids, ref, top: int) -> None:
     for pos in range(1, len(ids)):
         assert logprobs.token_logprobs[pos] == pytest.approx(float(ref[pos - 1, ids[pos]]), abs=1e-4)
         best = ref[pos - 1].topk(top)
-        assert sorted(logprobs.top_logprobs[pos].values(), reverse=True) == pytest.approx(best.values.tolist(), abs=1e-4)
+        values = sorted(logprobs.top_logprobs[pos].values(), reverse=True)  # the top and the token's own (k+1)
+        assert values[:top] == pytest.approx(best.values.tolist(), abs=1e-4) and len(values) <= top + 1
+        assert logprobs.top_logprobs[pos][logprobs.tokens[pos]] == pytest.approx(logprobs.token_logprobs[pos])
     text = "".join(logprobs.tokens[:len(ids)])
     assert logprobs.text_offset[:len(ids)] == [len("".join(logprobs.tokens[:i])) for i in range(len(ids))]
     assert text

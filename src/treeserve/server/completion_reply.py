@@ -120,18 +120,29 @@ def prompt_logprobs_json(output: RequestOutput) -> list[dict | None]:
 
 def legacy_logprobs(pairs, top: int, tokenizer, offset: int = 0) -> dict:
     """OpenAI's legacy completions `logprobs` for (token id, entry) pairs; a prompt's first token
-    has no entry (null logprob and top_logprobs)."""
+    has no entry (null logprob and top_logprobs). Each token's `top_logprobs` are the `top` most likely
+    and the token's own (OpenAI's "up to logprobs+1 elements", as vLLM's: `logprobs: 0` gives the
+    token's alone, not null)."""
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
     for token_id, entry in pairs:
         chosen = entry[token_id] if entry is not None else None
         token = chosen.decoded_token if chosen is not None else tokenizer.decode([token_id])
         tokens.append(token)
         token_logprobs.append(chosen.logprob if chosen is not None else None)
-        ranked = sorted((lp for lp in entry.values() if lp.rank <= top), key=lambda lp: lp.rank) if entry else []
-        top_logprobs.append({lp.decoded_token: lp.logprob for lp in ranked[:top]} or None)
+        top_logprobs.append(_top_and_chosen(entry, chosen, top))
         offsets.append(offset)
         offset += len(token or "")
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+
+
+def _top_and_chosen(entry: dict | None, chosen, top: int) -> dict | None:
+    """A legacy `top_logprobs` entry: the `top` best ranked and the chosen token, best first."""
+    if not entry:
+        return None
+    ranked = sorted((lp for lp in entry.values() if lp.rank <= top), key=lambda lp: lp.rank)[:top]
+    if chosen is not None and all(lp is not chosen for lp in ranked):
+        ranked.append(chosen)
+    return {lp.decoded_token: lp.logprob for lp in ranked}
 
 
 def token_info(token_id: int, lp, token_bytes) -> dict:

@@ -226,13 +226,15 @@ class OpenAIServing:
         stream = self._merged([ids], params, rid, [None], request.priority, logged)
         if request.stream:
             return self._chat_chunks(rid, stream, params, request.include_usage, request.continuous_usage, tools,
-                                     ids, request.return_token_ids)
+                                     ids, request.return_token_ids, request.echoed())
         finals = {i: out async for i, out in stream if out.finished}
         output = finals[0]
         choices = []
         for c in output.outputs:
             message, finish_reason = (tools.message(c.text, c.finish_reason) if tools is not None else
                                       ({"role": "assistant", "content": c.text}, c.finish_reason))
+            if request.echoed():
+                message["content"] = request.echoed() + (message["content"] or "")
             choices.append({"index": c.index, "message": message,
                             "logprobs": chat_logprobs(token_pairs(c), params.logprobs, self.token_bytes),
                             "finish_reason": finish_reason, "stop_reason": c.stop_reason}
@@ -247,10 +249,11 @@ class OpenAIServing:
 
     async def _chat_chunks(self, rid, stream, params: SamplingParams, include_usage: bool, continuous: bool = False,
                            tools: ToolCalling | None = None, prompt_ids: list[int] = (),
-                           return_token_ids: bool = False):
+                           return_token_ids: bool = False, echoed: str = ""):
         """The chunks of a streamed chat reply, from the engine's delta outputs (with continuous usage,
         the first, the role's, carries the prompt's, as vLLM's; with `return_token_ids`, the first carries
-        the prompt's token ids and each later one its choice's new ones, as vLLM's)."""
+        the prompt's token ids and each later one its choice's new ones, as vLLM's; `echoed` text, one
+        chunk per choice after the role's, as vLLM's)."""
         created, prompt_tokens = int(time.time()), len(prompt_ids)
         deltas = DeltaTracker()
         finals: dict[int, RequestOutput] = {}
@@ -270,6 +273,8 @@ class OpenAIServing:
         first = chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                         "finish_reason": None} for i in range(params.n)])
         yield first | ({"prompt_token_ids": list(prompt_ids)} if return_token_ids else {})
+        for i in range(params.n if echoed else 0):
+            yield chunk([{"index": i, "delta": {"content": echoed}, "logprobs": None, "finish_reason": None}])
         async for prompt_index, output in stream:
             latest[prompt_index] = output
             for c in output.outputs:

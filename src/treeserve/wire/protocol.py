@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from treeserve.errors import ParamError
 from treeserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -27,6 +28,9 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, usage so far in every chunk
+    # OpenAI's: random padding in each chunk against size side channels; taken with no effect, as vLLM
+    # (no padding is sent: the official clients never read it); it was a 400 "unknown parameter"
+    include_obfuscation: bool | None = None
 
 
 class JsonSchemaFormat(BaseModel):
@@ -123,7 +127,7 @@ class SamplingRequest(_SampledBody):
             return None
         bias = {}
         for key, value in self.logit_bias.items():
-            if not key.lstrip("-").isdigit():
+            if not (key.isascii() and key.lstrip("-").isdigit()):  # ("²" and "٣" are digits to str.isdigit)
                 raise ParamError("logit_bias", f"keys must be token ids, got {key!r}")
             bias[int(key)] = value
         return bias
@@ -236,6 +240,19 @@ class ChatMessage(BaseModel):
     tool_calls: list[ToolCall] | None = None  # assistant messages
     tool_call_id: str | None = None           # tool messages: the call this answers
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content):
+        """A part that is not text (image_url, input_audio, file ...) named in the 400: the served
+        models read text only (it read "Input should be a valid string")."""
+        for i, part in enumerate(content if isinstance(content, list) else ()):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise PydanticCustomError("content_part", "part {index} is of type {kind}: only text parts are "
+                                          "supported (the served models read text only)",
+                                          {"index": i, "kind": repr(kind)})
+        return content
+
     def as_template_message(self, where: str = "messages") -> dict:
         """The message as chat templates read it (a call's arguments as an object, as HF's
         templates expect); ParamError naming `where` for what no template can render."""
@@ -281,6 +298,15 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None  # vLLM's: more variables for the template (enable_thinking, ...)
+    echo: bool = False  # vLLM's: the reply's content starts with the final message's, when that is the assistant's
+
+    def echoed(self) -> str:
+        """The text `echo` puts before each choice's content: the final message's, when it has the
+        reply's role (assistant), as vLLM's; else nothing."""
+        last = self.messages[-1]
+        if not self.echo or last.role != "assistant":
+            return ""
+        return last.as_template_message()["content"]
 
     def template_ending(self) -> tuple[bool, bool]:
         """(add_generation_prompt, continue_final_message), checked as vLLM does."""
