@@ -400,12 +400,7 @@ def test_a_rename_answered_after_another_conversation_opened_leaves_that_one_ope
     event); its PATCH answered once the other is open, the page showed the other's messages under the
     first one's id and title, and the next message went to the first one."""
     url, driver = stack[0], browser
-    driver.get(url + "/chat")
-    wait(driver, lambda d: d.find_element(*by("login-username")).is_displayed()
-         or d.find_element(*by("new-chat")).is_displayed())
-    if driver.find_element(*by("new-chat")).is_displayed():
-        driver.find_element(*by("sign-out")).click()
-    sign_in(driver, url, "ada", "correct horse battery")
+    _signed_in_afresh(driver, url)
     opened = driver.execute_async_script("""const done = arguments[0];
         (async () => {
           const [a, b] = [await api("POST", "/chat/api/conversations", {}), await api("POST", "/chat/api/conversations", {})];
@@ -428,14 +423,19 @@ def test_a_rename_answered_after_another_conversation_opened_leaves_that_one_ope
     assert opened == {"open": True, "title": "chat B", "stored": "chat A"}
 
 
-def _two_echo_conversations(driver, url: str) -> tuple[str, str]:
-    """Signed in as ada afresh, two new conversations answered by the scripted echo model."""
+def _signed_in_afresh(driver, url: str) -> None:
+    """The chat page signed in as ada, whoever was signed in before."""
     driver.get(url + "/chat")
     wait(driver, lambda d: d.find_element(*by("login-username")).is_displayed()
          or d.find_element(*by("new-chat")).is_displayed())
     if driver.find_element(*by("new-chat")).is_displayed():
         driver.find_element(*by("sign-out")).click()
     sign_in(driver, url, "ada", "correct horse battery")
+
+
+def _two_echo_conversations(driver, url: str) -> tuple[str, str]:
+    """Signed in as ada afresh, two new conversations answered by the scripted echo model."""
+    _signed_in_afresh(driver, url)
     return tuple(driver.execute_async_script("""const done = arguments[0];
         (async () => {
           const body = {settings: {model: "echo", mode: "chat"}};
