@@ -79,9 +79,13 @@ def by(testid: str) -> tuple[str, str]:
 
 
 def wait(driver, predicate, timeout: float = 60.0):
+    """Polls `predicate` until it holds; an element the page re-rendered between finding and reading it
+    (the list redrawn as a rename lands) is read again at the next poll, as one not there yet."""
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    return WebDriverWait(driver, timeout, poll_frequency=0.05).until(lambda d: predicate(d))
+    return WebDriverWait(driver, timeout, poll_frequency=0.05,
+                         ignored_exceptions=(StaleElementReferenceException,)).until(lambda d: predicate(d))
 
 
 def sign_in(driver, url: str, user: str, password: str) -> None:
