@@ -2,22 +2,14 @@
 made of the same chat reply (wire/messages.py's from_chat): a stream and a whole reply agree."""
 from __future__ import annotations
 
+from stream_support import CALL, chunk, run_events
 from treeserve.wire.messages import MessagesRequest, from_chat
 from treeserve.wire.messages_stream import MessageEvents
-
-CALL = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "weather", "arguments": ""}}
 
 
 def _events(chunks: list[dict]) -> list[dict]:
     events = MessageEvents(MessagesRequest(model="m", max_tokens=8, messages=[{"role": "user", "content": "Hi"}]), "m")
-    out = events.start(None)
-    for chunk in chunks:
-        out += events.feed(chunk)
-    return out + events.finish()
-
-
-def _chunk(delta: dict | None = None, finish: str | None = None) -> dict:
-    return {"choices": [{"index": 0, "delta": delta or {}, "finish_reason": finish}]}
+    return run_events(events, chunks)
 
 
 def _blocks(events: list[dict]) -> list[dict]:
@@ -26,7 +18,7 @@ def _blocks(events: list[dict]) -> list[dict]:
 
 def test_a_stream_cut_by_max_tokens_before_a_calls_arguments_has_no_tool_use_block_as_the_whole_reply():
     # (the stream announced the call once its name was read; the whole reply keeps only calls that parse)
-    events = _events([_chunk({"content": "Let me look."}), _chunk({"tool_calls": [CALL]}), _chunk(finish="length")])
+    events = _events([chunk({"content": "Let me look."}), chunk({"tool_calls": [CALL]}), chunk(finish="length")])
     request = MessagesRequest(model="m", max_tokens=8, messages=[{"role": "user", "content": "Hi"}])
     whole = from_chat(request, "m", {"choices": [{"message": {"role": "assistant", "content": "Let me look."},
                                                   "finish_reason": "length"}]})
@@ -38,13 +30,13 @@ def test_a_stream_cut_by_max_tokens_before_a_calls_arguments_has_no_tool_use_blo
 
 def test_a_call_with_arguments_or_a_finished_call_still_opens_its_tool_use_block():
     fragment = {"index": 0, "function": {"arguments": '{"city": '}}
-    cut = _events([_chunk({"tool_calls": [CALL]}), _chunk({"tool_calls": [fragment]}), _chunk(finish="length")])
+    cut = _events([chunk({"tool_calls": [CALL]}), chunk({"tool_calls": [fragment]}), chunk(finish="length")])
     assert [b["type"] for b in _blocks(cut)] == ["tool_use"]
     assert [e["delta"]["partial_json"] for e in cut if e["type"] == "content_block_delta"] == ['{"city": ']
-    finished = _events([_chunk({"tool_calls": [CALL]}), _chunk(finish="tool_calls")])  # a call with no arguments
+    finished = _events([chunk({"tool_calls": [CALL]}), chunk(finish="tool_calls")])  # a call with no arguments
     assert [(b["type"], b["name"]) for b in _blocks(finished)] == [("tool_use", "weather")]
     assert next(e for e in finished if e["type"] == "message_delta")["delta"]["stop_reason"] == "tool_use"
-    two = _events([_chunk({"tool_calls": [CALL]}), _chunk({"tool_calls": [CALL | {"index": 1, "id": "call_2"}]}),
-                   _chunk(finish="tool_calls")])
+    two = _events([chunk({"tool_calls": [CALL]}), chunk({"tool_calls": [CALL | {"index": 1, "id": "call_2"}]}),
+                   chunk(finish="tool_calls")])
     assert [(b["id"], e["index"]) for e in two if e["type"] == "content_block_start"
             for b in [e["content_block"]]] == [("call_1", 0), ("call_2", 1)]

@@ -2,10 +2,9 @@
 made of the same chat reply (wire/responses.py's from_chat): a stream and a whole response agree."""
 from __future__ import annotations
 
+from stream_support import CALL, chunk, run_events
 from treeserve.wire.responses import ResponsesRequest, from_chat, skeleton
 from treeserve.wire.responses_stream import ResponseEvents
-
-CALL = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "weather", "arguments": ""}}
 
 
 def _skeleton() -> dict:
@@ -14,14 +13,7 @@ def _skeleton() -> dict:
 
 def _events(chunks: list[dict]) -> list[dict]:
     events = ResponseEvents(_skeleton())
-    out = events.start(None)
-    for chunk in chunks:
-        out += events.feed(chunk)
-    return out + events.finish()
-
-
-def _chunk(delta: dict | None = None, finish: str | None = None) -> dict:
-    return {"choices": [{"index": 0, "delta": delta or {}, "finish_reason": finish}]}
+    return run_events(events, chunks)
 
 
 def _added(events: list[dict]) -> list[dict]:
@@ -38,13 +30,13 @@ def _shape(output: list[dict]) -> list[tuple]:
 
 def test_a_stream_cut_by_max_output_tokens_before_a_calls_arguments_has_no_function_call_item_as_the_whole_response():
     # (the stream announced the call once its name was read; the whole reply keeps only calls that parse)
-    events = _events([_chunk({"content": "Let me look."}), _chunk({"tool_calls": [CALL]}), _chunk(finish="length")])
+    events = _events([chunk({"content": "Let me look."}), chunk({"tool_calls": [CALL]}), chunk(finish="length")])
     whole = _whole({"content": "Let me look."}, "length")
     last = events[-1]
     assert last["type"] == "response.incomplete"
     assert [item["type"] for item in _added(events)] == ["message"]
     assert _shape(last["response"]["output"]) == _shape(whole["output"]) == [("message", "incomplete")]
-    alone = _events([_chunk({"tool_calls": [CALL]}), _chunk(finish="length")])  # no text before the call
+    alone = _events([chunk({"tool_calls": [CALL]}), chunk(finish="length")])  # no text before the call
     empty = _whole({"content": None}, "length")
     assert _shape(alone[-1]["response"]["output"]) == _shape(empty["output"]) == [("message", "incomplete")]
     assert [e["output_index"] for e in alone if e["type"] == "response.output_item.done"] == [0]
@@ -52,15 +44,15 @@ def test_a_stream_cut_by_max_output_tokens_before_a_calls_arguments_has_no_funct
 
 def test_a_call_with_arguments_or_a_finished_call_still_has_its_function_call_item():
     fragment = {"index": 0, "function": {"arguments": '{"city": '}}
-    cut = _events([_chunk({"tool_calls": [CALL]}), _chunk({"tool_calls": [fragment]}), _chunk(finish="length")])
+    cut = _events([chunk({"tool_calls": [CALL]}), chunk({"tool_calls": [fragment]}), chunk(finish="length")])
     assert [item["type"] for item in _added(cut)] == ["function_call"]
     assert [e["delta"] for e in cut if e["type"] == "response.function_call_arguments.delta"] == ['{"city": ']
-    finished = _events([_chunk({"tool_calls": [CALL]}), _chunk(finish="tool_calls")])  # a call with no arguments
+    finished = _events([chunk({"tool_calls": [CALL]}), chunk(finish="tool_calls")])  # a call with no arguments
     whole = _whole({"content": None, "tool_calls": [CALL]}, "tool_calls")
     assert [(i["type"], i["name"]) for i in finished[-1]["response"]["output"]] == [("function_call", "weather")]
     assert _shape(finished[-1]["response"]["output"]) == _shape(whole["output"])
-    two = _events([_chunk({"content": "Two."}), _chunk({"tool_calls": [CALL]}),
-                   _chunk({"tool_calls": [CALL | {"index": 1, "id": "call_2"}]}), _chunk(finish="tool_calls")])
+    two = _events([chunk({"content": "Two."}), chunk({"tool_calls": [CALL]}),
+                   chunk({"tool_calls": [CALL | {"index": 1, "id": "call_2"}]}), chunk(finish="tool_calls")])
     assert [(i.get("call_id"), e["output_index"]) for e in two if e["type"] == "response.output_item.added"
             for i in [e["item"]]] == [(None, 0), ("call_1", 1), ("call_2", 2)]
     numbers = [e["sequence_number"] for e in two]
