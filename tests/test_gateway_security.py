@@ -24,7 +24,8 @@ from treeserve.gateway.routes import MAX_BODY_BYTES
 MASTER = "sk-security-master"
 ADMIN = {"Authorization": f"Bearer {MASTER}"}
 # public by design: load balancers' probes, the API's own description, the chat's page, assets and sign-in
-PUBLIC = {"/health", "/health/ready", "/health/readiness", "/health/live", "/health/liveliness", "/openapi.json",
+PUBLIC = {"/health", "/health/ready", "/health/readiness", "/health/live", "/health/liveliness", "/health/liveness",
+          "/openapi.json",
           "/docs", "/docs/oauth2-redirect", "/redoc", "/chat", "/chat/c/{conversation_id}", "/chat/static/{name}",
           "/chat/api/login"}
 ADMIN_ONLY = {"/key/generate", "/key/list", "/key/update", "/key/block", "/key/unblock", "/key/regenerate",
@@ -135,6 +136,8 @@ def test_a_key_limited_to_one_model_reaches_no_other_through_any_route(tmp_path)
         assert client.get("/v1/models/other").status_code == 404
         assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["gen"]
         assert [m["model_name"] for m in client.get("/model/info").json()["data"]] == ["gen"]
+        health = client.get("/health").json()  # (LiteLLM's /health with a key: its models' backends only)
+        assert [e["model"] for e in health["healthy_endpoints"] + health["unhealthy_endpoints"]] == ["gen"]
         # a response made on `gen`, continued on `other`: refused too
         first = client.post("/v1/responses", json={"model": "gen", "input": "hi", "max_output_tokens": 2})
         assert first.status_code == 200, first.text

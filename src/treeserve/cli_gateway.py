@@ -82,6 +82,9 @@ def add_gateway_parsers(sub) -> None:
     new_user.add_argument("--models", help="comma-separated models the user's keys may use (default: all)")
     new_user.add_argument("--password", help="for the web chat, stored as an Argon2id hash (TREESERVE_PASSWORD "
                           "is better: a flag shows in `ps`)")
+    new_user.add_argument("--no-key", dest="auto_create_key", action="store_false",
+                          help="make the user only (by default a key for the user is made and printed, shown this "
+                          "once, as /user/new does; its `auto_create_key: false`)")
     new_user.set_defaults(func=cmd_users_create)
     password = user_commands.add_parser("set-password", help="set a user's web chat password")
     _add_database(password)
@@ -178,13 +181,19 @@ def cmd_keys_delete(args) -> int:
 
 
 def cmd_users_create(args) -> int:
+    """/user/new from the command line: the user and, unless --no-key, a key with the user's models;
+    its answer printed (the key shown this once)."""
+    from treeserve.gateway.admin import new_user_answer, new_user_key
     from treeserve.gateway.passwords import hash_password
 
     fields = {k: getattr(args, k) for k in ("max_budget", "budget_duration") if getattr(args, k) is not None}
+    if args.models is not None:
+        fields["models"] = _models(args.models)
     password = args.password or os.environ.get("TREESERVE_PASSWORD")
     password_hash = hash_password(password) if password else None
-    print(json.dumps(_store(args).accounts.create_user(args.user_id, password_hash=password_hash,
-                                                       models=_models(args.models), **fields), indent=2))
+    key = new_user_key(fields, args.auto_create_key)
+    token, info = _store(args).accounts.create_user_with_key(args.user_id, password_hash, key, **fields)
+    print(json.dumps(new_user_answer(token, info), indent=2))
     return 0
 
 

@@ -86,17 +86,17 @@ class Accounts:
                     conn.execute(delete(ChatSession).where(ChatSession.user_id == user_id))
         return self.user_info(user_id)
 
-    def delete_users(self, user_ids: list[str]) -> list[str]:
+    def delete_users(self, user_ids: list[str]) -> int:
         """All of them with their keys (LiteLLM's rule) and web chat data, or none (UserNotFound)
-        when any does not exist."""
+        when any does not exist; how many users were deleted (an id named twice is one)."""
         with self.db.transaction() as conn:
             found = set(conn.execute(select(User.user_id).where(User.user_id.in_(user_ids))).scalars())
             missing = [u for u in user_ids if u not in found]
             if missing:
                 raise UserNotFound(missing[0])
             conn.execute(delete(ApiKey).where(ApiKey.user_id.in_(user_ids)))
-            conn.execute(delete(User).where(User.user_id.in_(user_ids)))
-        return user_ids
+            deleted = conn.execute(delete(User).where(User.user_id.in_(user_ids))).rowcount
+        return deleted
 
     def list_users(self, user_ids: list[str] | None = None, sort: Sort | None = None,
                    page: Page | None = None) -> tuple[list[dict], int]:

@@ -219,12 +219,12 @@ def admin_router(accounts: Accounts, ledger: Ledger, require_master: Any, known_
     async def new_user(body: NewUser):
         fields = body.model_dump(exclude_none=True)
         fields.setdefault("user_id", str(uuid.uuid4()))  # (LiteLLM's)
-        key = _new_user_key(fields, fields.pop("auto_create_key"))
+        key = new_user_key(fields, fields.pop("auto_create_key"))
 
         def create(user_id: str, password_hash: str | None, **user) -> tuple[str | None, dict]:
             return accounts.create_user_with_key(user_id, password_hash, key, **user)
         token, info = await write_user(create, body, fields)
-        return budget_warning(_new_user_answer(token, info), body.max_budget, "user")
+        return budget_warning(new_user_answer(token, info), body.max_budget, "user")
 
     @router.get("/user/info")
     async def user_info(user_id: str = Query(..., max_length=128, pattern=NO_NUL)):
@@ -241,8 +241,9 @@ def admin_router(accounts: Accounts, ledger: Ledger, require_master: Any, known_
             on_change()  # (a user's models and budget are read with its keys)
 
     @router.post("/user/delete")
-    async def delete_users(body: UserDelete):
-        return {"deleted_users": await changing(lambda: accounts.delete_users(body.user_ids))}
+    async def delete_users(body: UserDelete) -> int:
+        """LiteLLM's answer: the number of users deleted (its database's delete count), a bare JSON number."""
+        return await changing(lambda: accounts.delete_users(body.user_ids))
 
     @router.get("/user/list")
     async def list_users(user_ids: str | None = Query(None, max_length=65536, pattern=NO_NUL,
@@ -316,7 +317,7 @@ def _issued(token: str, info: dict) -> dict:
     return {"key": token, "token_id": info["token"], **info}
 
 
-def _new_user_key(fields: dict, auto_create_key: bool) -> dict | None:
+def new_user_key(fields: dict, auto_create_key: bool) -> dict | None:
     """The fields of the key /user/new makes (None: `auto_create_key` false), taken out of `fields`:
     the key fields given, and the user's models and metadata (LiteLLM's)."""
     key = {name: fields.pop(name) for name in NEW_USER_KEY_FIELDS if name in fields}
@@ -329,7 +330,7 @@ def _new_user_key(fields: dict, auto_create_key: bool) -> dict | None:
     return key | {k: fields[k] for k in ("models", "metadata") if k in fields}
 
 
-def _new_user_answer(token: str | None, info: dict) -> dict:
+def new_user_answer(token: str | None, info: dict) -> dict:
     """LiteLLM's /user/new answer (the key made, shown this once, and the user's fields), with
     /user/info's (`user_info`, `keys`, `teams`)."""
     user = info["user_info"]

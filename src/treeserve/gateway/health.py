@@ -1,11 +1,12 @@
 """Active health checks: every backend's readiness on a fixed interval, `/health/ready` (a
 treeserve server turns it 503 as soon as it starts draining for a shutdown, before it goes away),
 else `/health`, else `/v1/models`, whichever it has first; a backend that fails is routed around
-until it passes again."""
+until it passes again. `model_health` is their verdicts, as LiteLLM's `/health` answers them."""
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import aiohttp
 
@@ -80,3 +81,23 @@ async def _guarded(job, backend: Backend, via, metrics: GatewayMetrics) -> None:
         await job(backend, via, metrics)
     except Exception:
         log.exception("the health check of backend %s failed", backend.name)
+
+
+def model_health(router: Router, allows: Callable[[str], bool]) -> dict:
+    """LiteLLM's `/health` answer for a key: each backend of each model it may use, healthy or not
+    by the last health check's verdict and its circuit breaker (as LiteLLM's `/health` with
+    `background_health_checks`: no request is sent to answer it), an unhealthy one with its last error."""
+    healthy, unhealthy = [], []
+    for backend in router.backends():
+        if allows(backend.model):
+            endpoint = {"model": backend.model, "api_base": backend.name}
+            if backend.usable:
+                healthy.append(endpoint)
+            else:
+                unhealthy.append(endpoint | {"error": backend.last_error or _why_unusable(backend)})
+    return {"healthy_endpoints": healthy, "unhealthy_endpoints": unhealthy, "healthy_count": len(healthy),
+            "unhealthy_count": len(unhealthy)}
+
+
+def _why_unusable(backend: Backend) -> str:
+    return "failing its health check" if not backend.healthy else f"circuit breaker {backend.breaker.state}"

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import json
 import logging
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from treeserve.gateway.auth import Auth
+from treeserve.gateway.auth import Auth, client_key
 from treeserve.gateway.config import GatewayConfig
 from treeserve.gateway.database import Database
+from treeserve.gateway.health import model_health
 from treeserve.gateway.keys import KeyRecord
 from treeserve.gateway.metrics import GatewayMetrics
+from treeserve.gateway.model_info import model_info
 from treeserve.gateway.routing import Router
 from treeserve.gateway.service import ROUTES, GatewayService
 from treeserve.wire.bodies import read_body
@@ -23,6 +26,7 @@ from treeserve.wire.errors import APIError, error_response
 
 log = logging.getLogger("treeserve.gateway")
 MAX_BODY_BYTES = 32 << 20
+LIVELINESS = "I'm alive!"  # LiteLLM's liveness answer (a JSON string)
 PING_TIMEOUT = 2.0  # seconds readiness waits for the database's SELECT 1
 
 
@@ -34,14 +38,12 @@ def openai_routes(config: GatewayConfig, service: GatewayService, auth: Auth) ->
         return {"object": "list", "data": [_model_card(name) for name in config.models if key.allows(name)]}
 
     @routes.get("/model/info")
-    async def model_info(key: KeyRecord = Depends(auth.require_key)):
-        """LiteLLM's: each model the key may use, with its prices, token cap, fallbacks and backends
-        (their URLs without user and password)."""
-        return {"data": [{"model_name": name, "model_info": {
-            "input_cost_per_token": model.input_cost_per_token, "output_cost_per_token": model.output_cost_per_token,
-            "max_tokens": model.max_tokens, "fallbacks": model.fallbacks,
-            "backends": [backend.name for backend in model.backends]}}
-            for name, model in config.models.items() if key.allows(name)]}
+    @routes.get("/v1/model/info")  # (LiteLLM answers both)
+    async def deployments(key: KeyRecord = Depends(auth.require_key)):
+        """LiteLLM's: each deployment (a backend) of each model the key may use, with its
+        `litellm_params` (no secret: gateway/model_info.py) and its model's prices, token cap, fallbacks
+        and backends."""
+        return model_info(config, key)
 
     @routes.get("/v1/models/{model:path}")
     async def get_model(model: str, key: KeyRecord = Depends(auth.require_key)):
@@ -62,22 +64,39 @@ def operator_routes(router: Router, metrics: GatewayMetrics, drain: Drain, auth:
     routes = APIRouter()
 
     @routes.get("/health")
-    async def health():
-        return {"status": "ok"}
+    async def health(request: Request):
+        """Liveness for a probe that sends no key (`{"status": "ok"}`: load balancers, `until curl`);
+        with a key, LiteLLM's `/health`: the health of the backends of the models that key may use
+        (a key that is not valid is a 401, as on every route that reads one)."""
+        if client_key(request) is None:
+            return {"status": "ok"}
+        key = await auth.require_key(request)
+        return model_health(router, key.allows)
 
     ping = DatabasePing(db)
 
     @routes.get("/health/ready", responses={503: {"description": "draining for shutdown"}})
-    @routes.get("/health/readiness", responses={503: {"description": "draining for shutdown"}})  # (LiteLLM's)
     async def ready():
-        if not drain.draining and not await ping.answers():
-            return error_response(503, "the gateway's database is unavailable", code="database_unavailable")
-        return readiness(drain)
+        return await ping.readiness(drain)
 
-    @routes.get("/health/liveliness")  # (LiteLLM's name for a liveness probe)
+    @routes.get("/health/readiness", responses={503: {"description": "draining, or the database unavailable"}})
+    async def litellm_readiness():
+        """LiteLLM's readiness: 200 with its body (`db: connected`) while the database answers."""
+        answer = await ping.readiness(drain)
+        if answer.status_code != 200:
+            return answer
+        # (no LiteLLM here: no version of it, no cache, no callbacks)
+        return {"status": "connected", "db": "connected", "cache": None, "litellm_version": None,
+                "success_callbacks": [], "last_updated": dt.datetime.now(dt.timezone.utc).isoformat()}
+
     @routes.get("/health/live")
     async def live():
         return {"status": "ok"}
+
+    @routes.get("/health/liveliness")  # (LiteLLM's names for a liveness probe, and its answer)
+    @routes.get("/health/liveness")
+    async def liveliness():
+        return LIVELINESS
 
     @routes.get("/health/backends", dependencies=[Depends(auth.require_master)])
     async def backends():
@@ -99,6 +118,12 @@ class DatabasePing:
 
     def __init__(self, db: Database):
         self.db, self.pending = db, None
+
+    async def readiness(self, drain: Drain) -> Response:
+        """`/health/ready`'s answer: 503 while draining or while the database does not answer."""
+        if not drain.draining and not await self.answers():
+            return error_response(503, "the gateway's database is unavailable", code="database_unavailable")
+        return readiness(drain)
 
     async def answers(self) -> bool:
         """Whether the database answers within PING_TIMEOUT (its thread is not waited for past it)."""

@@ -49,7 +49,8 @@ class GatewayService:
             model = self._checked_model(body, key)
             reservation = await self._admit(path, body, model, key)
         except (APIError, GatewayError) as exc:
-            status = _refused(exc, request_id, ROUTES[path], key, body)
+            status, code = _refused(exc, request_id, ROUTES[path], key, body)
+            self.metrics.key_requests.labels(key.label, code or "refused").inc()
             model = body.get("model")
             if isinstance(model, str) and model in self.config.models:  # (not any name a client sends: unbounded)
                 self.metrics.answered(model, "", str(status), time.perf_counter() - started)
@@ -90,16 +91,13 @@ class GatewayService:
         models = [self.config.models[name] for name in self.router.chain(model)]
         worst = max(pricing.worst_cost(body, m, search=search) for m in models)
         tokens = max(pricing.worst_tokens(body, m, search=search) for m in models)
-        try:
-            return await run_in_threadpool(self.admission.admit, key, worst, tokens)
-        except GatewayError as exc:
-            self.metrics.key_requests.labels(key.label, to_api_error(exc).code or "refused").inc()
-            raise
+        return await run_in_threadpool(self.admission.admit, key, worst, tokens)
 
 
-def _refused(exc: APIError | GatewayError, request_id: str, route: str, key: KeyRecord, body: dict) -> int:
+def _refused(exc: APIError | GatewayError, request_id: str, route: str, key: KeyRecord,
+             body: dict) -> tuple[int, str | None]:
     """A refusal logged (an answered request is logged when it is settled), its answer to carry the
-    request id of its log line (as an answered request's does); its HTTP status."""
+    request id of its log line (as an answered request's does); its HTTP status and error code."""
     if isinstance(exc, GatewayError):
         exc.request_id = request_id  # (http_errors.to_api_error puts it in the answer's headers)
         error = to_api_error(exc)
@@ -108,4 +106,4 @@ def _refused(exc: APIError | GatewayError, request_id: str, route: str, key: Key
         exc.headers = (exc.headers or {}) | {"x-request-id": request_id}
     log.info("%s %s key=%s model=%s refused %d %s", request_id, route, key.label, body.get("model"), error.status,
              error.code)
-    return error.status
+    return error.status, error.code

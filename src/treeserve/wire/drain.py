@@ -21,8 +21,10 @@ from fastapi.responses import Response
 from treeserve.wire.errors import error_response
 
 log = logging.getLogger("treeserve.drain")
-# Answered while draining: the probes and the metrics a supervisor reads.
-EXEMPT_PATHS = frozenset({"/health", "/health/ready", "/ping", "/metrics"})
+# Answered while draining: the probes and the metrics a supervisor reads (the gateway's liveness and
+# readiness under LiteLLM's names too: a liveness probe that failed while draining would restart it).
+EXEMPT_PATHS = frozenset({"/health", "/health/ready", "/ping", "/metrics", "/health/live", "/health/liveliness",
+                          "/health/liveness", "/health/readiness"})
 RETRY_AFTER_S = 1
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 KEEP_ALIVE_S = 75  # nginx's default; see `uvicorn_config`
