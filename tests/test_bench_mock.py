@@ -146,6 +146,34 @@ def test_ctrl_c_keeps_the_requests_that_finished(mock_url, tmp_path):
     assert (out / "telemetry.csv").is_file()
 
 
+def test_ctrl_c_while_a_request_is_sent_cuts_the_requests_in_flight_short_never_failed(mock_url, tmp_path,
+                                                                                      monkeypatch):
+    """Ctrl-C's SystemExit (what lifecycle's handler raises, wherever the main thread is) raised while
+    the load loop hands out the second request, the first being sent: the level was abandoned, the
+    client pool closed under the first request while the loop still ran it, and the request was
+    counted failed ("Can not write request body"; once in CI, the SIGINT test above). Now the level
+    cancels its requests in flight first: both are cut short, none failed."""
+    import json
+
+    from treeserve.bench import run as bench_run
+    from treeserve.bench.run import BenchConfig, RunLog, run_benchmark
+
+    class Interrupting(list):
+        def append(self, record):
+            super().append(record)
+            if len(self) == 2:
+                raise SystemExit(130)
+    monkeypatch.setattr(bench_run, "RunLog", lambda: RunLog(records=Interrupting()))
+    out = tmp_path / "run"
+    config = BenchConfig(base_url=mock_url, out=str(out), concurrency=[2], num_requests=6, input_len=[8],
+                         output_len=[5], plots=False)
+    with pytest.raises(SystemExit):
+        run_benchmark(config)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["interrupted"] is True and summary["levels"] == [], summary
+    assert (out / "requests.jsonl").read_text() == ""  # both cut short: left out, neither failed
+
+
 @pytest.mark.parametrize("plots", [False, True])
 def test_the_closing_line_names_what_the_run_directory_holds(mock_url, tmp_path, capsys, plots):
     """(it named report.md and plots under --no-plots, which writes neither)"""
