@@ -228,6 +228,23 @@ def test_a_signal_cuts_a_one_shot_command_short_with_128_plus_its_number(tmp_pat
     assert not _is_service(["eval"]) and not _is_service(["bench", "serve"]) and not _is_service([])
 
 
+@pytest.mark.parametrize("bar", [True, False])
+def test_the_signals_message_starts_on_a_line_of_its_own_after_a_progress_bar(bar):
+    """Ctrl-C during eval's progress bar, stderr a pipe or a file: `treeserve: SIGINT: stopping` was
+    written on the bar's line, after its counts; a process with no bar shown gets no blank line."""
+    import subprocess
+    import sys
+
+    code = ("import os, signal, sys, time; from tqdm import tqdm; from treeserve.lifecycle import exit_on_signals; "
+            "exit_on_signals(service=False); made = tqdm(total=4, desc='beam n=4', disable={}); made.update(1); "
+            "os.kill(os.getpid(), signal.SIGINT); time.sleep(30)").format(not bar)
+    stopped = subprocess.run([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True, timeout=60)
+    assert stopped.returncode == 130, stopped.stderr
+    lines = stopped.stderr.split("\n")
+    assert "treeserve: SIGINT: stopping" in lines, stopped.stderr
+    assert (lines[0] == "treeserve: SIGINT: stopping") == (not bar), stopped.stderr
+
+
 @pytest.mark.parametrize("question", ["", " \n\t"])
 def test_the_cli_and_the_server_refuse_an_empty_question_by_one_check_in_search(question):
     """(the CLI and the server each had a copy of the check; now both ask search's, and say it alike)"""

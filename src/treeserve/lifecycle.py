@@ -38,13 +38,30 @@ def exit_on_signals(service: bool = True) -> None:
 
 
 def _exit(signum, frame) -> None:
-    print(f"treeserve: {signal.Signals(signum).name}: stopping", file=sys.stderr, flush=True)
+    _say_stopping(signum)
     raise SystemExit(0)
 
 
 def _exit_cut_short(signum, frame) -> None:
-    print(f"treeserve: {signal.Signals(signum).name}: stopping", file=sys.stderr, flush=True)
+    _say_stopping(signum)
     raise SystemExit(128 + signum)
+
+
+def _say_stopping(signum: int) -> None:
+    """`treeserve: SIGINT: stopping` on stderr, on a line of its own: a progress bar in the middle of
+    its run (eval's, search's) leaves stderr at the end of its line, which the message joined (in a
+    log file or a pipe; on a terminal after the ^C)."""
+    start = "\n" if _progress_bar_open() else ""
+    print(f"{start}treeserve: {signal.Signals(signum).name}: stopping", file=sys.stderr, flush=True)
+
+
+def _progress_bar_open() -> bool:
+    """Whether a tqdm bar is shown and not yet closed (tqdm is not imported for this)."""
+    std = sys.modules.get("tqdm.std")
+    try:
+        return std is not None and any(not bar.disable for bar in list(std.tqdm._instances))
+    except (AttributeError, RuntimeError):  # (no bar made yet; the set changing under the signal)
+        return False
 
 
 def child_env() -> dict[str, str]:
