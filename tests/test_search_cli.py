@@ -70,6 +70,21 @@ def test_eval_records_no_scores_for_a_strategy_without_a_verifier(models, tmp_pa
     assert [r["strategy"] for r in runs] == ["majority", "greedy"] and (out / "accuracy.png").stat().st_size > 0
 
 
+def test_eval_reports_no_score_ranked_predictions_for_a_strategy_without_a_verifier(models, tmp_path):
+    """(majority and greedy recorded naive@n and weighted@n, ranked by scores of 0.0 the verifier never
+    gave: naive@n was the first answer and weighted@n a tie broken by order, reported as accuracies)"""
+    dataset, out = tmp_path / "data.jsonl", tmp_path / "out"
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    assert main(["eval", "--dataset", str(dataset), "--strategy", "majority,greedy,best_of_n", "--n", "2",
+                 "--out", str(out), *models]) == 0
+    for name, keys in [("majority_n2", {"maj@1", "maj@2"}), ("greedy_n1", {"maj@1"}),
+                       ("best_of_n_n2", {f"{kind}@{n}" for kind in ("naive", "weighted", "maj") for n in (1, 2)})]:
+        records = [json.loads(line) for line in (out / f"{name}.jsonl").read_text().splitlines()]
+        assert all(set(r["preds"]) == keys and set(r["graded"]) == keys for r in records), (name, records)
+    runs = json.loads((out / "summary.json").read_text())["runs"]
+    assert [set(r["accuracy_by_prediction"]) for r in runs[:2]] == [{"maj@1", "maj@2"}, {"maj@1"}]
+
+
 def test_eval_names_a_bad_strategy(models, tmp_path, capsys):
     dataset = tmp_path / "data.jsonl"
     dataset.write_text(json.dumps(ROWS[0]) + "\n")
