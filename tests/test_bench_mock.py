@@ -174,6 +174,45 @@ def test_ctrl_c_while_a_request_is_sent_cuts_the_requests_in_flight_short_never_
     assert (out / "requests.jsonl").read_text() == ""  # both cut short: left out, neither failed
 
 
+def test_ctrl_c_surfaces_between_the_event_loops_callbacks_not_inside_the_code_it_lands_in(mock_url, tmp_path):
+    """The SIGINT handler's SystemExit was raised wherever the main thread was: inside a protocol's
+    callback, or inside asyncio's own bookkeeping (raised half-way through `call_soon`, it lost a
+    callback, and the cleanup waited for it for ever: found by raising the exit at each line of a
+    run in turn). The handler now runs as the event loop's callback: the code the signal lands in
+    runs on to its next await, then the run stops as before (130, what finished written)."""
+    import json
+    import os
+    import subprocess
+    import textwrap
+
+    out = tmp_path / "run"
+    code = textwrap.dedent(f"""
+        import signal, sys
+        from treeserve.bench import run
+        from treeserve.lifecycle import exit_on_signals
+
+        class Signalled(list):
+            def append(self, record):
+                super().append(record)
+                if len(self) == 3:
+                    signal.raise_signal(signal.SIGINT)
+                    print("ran on after the signal", file=sys.stderr, flush=True)
+
+        exit_on_signals(service=False)
+        log = run.RunLog
+        run.RunLog = lambda: log(records=Signalled())
+        run.run_benchmark(run.BenchConfig(base_url={mock_url!r}, out={str(out)!r}, concurrency=[2], num_requests=6,
+                                          input_len=[8], output_len=[5], plots=False))
+    """)
+    stopped = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+                             stderr=subprocess.PIPE, text=True, timeout=60)
+    assert stopped.returncode == 130, stopped.stderr
+    assert "ran on after the signal\ntreeserve: SIGINT: stopping" in stopped.stderr, stopped.stderr
+    rows = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    assert json.loads((out / "summary.json").read_text())["interrupted"] is True
+    assert all(row["success"] for row in rows), rows
+
+
 @pytest.mark.parametrize("plots", [False, True])
 def test_the_closing_line_names_what_the_run_directory_holds(mock_url, tmp_path, capsys, plots):
     """(it named report.md and plots under --no-plots, which writes neither)"""

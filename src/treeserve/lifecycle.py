@@ -64,6 +64,26 @@ def _progress_bar_open() -> bool:
         return False
 
 
+@contextlib.contextmanager
+def signals_between_callbacks(loop):
+    """While `loop` runs in the main thread (`bench serve`'s asyncio.run): the SIGTERM and SIGINT
+    handlers of `exit_on_signals` run as the loop's callbacks, so their SystemExit surfaces between two
+    callbacks, where the runner's cleanup then cancels every task. Raised wherever the main thread
+    was, it could land inside a protocol's callback or asyncio's own bookkeeping (a callback half
+    scheduled: the cleanup waited for it for ever). Put back as they were on the way out."""
+    ours = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)
+            if threading.current_thread() is threading.main_thread()}
+    ours = {sig: handler for sig, handler in ours.items() if handler in (_exit, _exit_cut_short)}
+    for sig, handler in ours.items():
+        loop.add_signal_handler(sig, handler, sig, None)
+    try:
+        yield
+    finally:
+        for sig, handler in ours.items():
+            loop.remove_signal_handler(sig)  # (which puts the default back)
+            signal.signal(sig, handler)
+
+
 def child_env() -> dict[str, str]:
     """The environment for a child that must not outlive this process (see `follow_parent`)."""
     return {**os.environ, PARENT_ENV: str(os.getpid())}
