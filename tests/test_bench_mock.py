@@ -146,6 +146,73 @@ def test_ctrl_c_keeps_the_requests_that_finished(mock_url, tmp_path):
     assert (out / "telemetry.csv").is_file()
 
 
+def test_ctrl_c_while_a_request_is_sent_cuts_the_requests_in_flight_short_never_failed(mock_url, tmp_path,
+                                                                                      monkeypatch):
+    """Ctrl-C's SystemExit (what lifecycle's handler raises, wherever the main thread is) raised while
+    the load loop hands out the second request, the first being sent: the level was abandoned, the
+    client pool closed under the first request while the loop still ran it, and the request was
+    counted failed ("Can not write request body"; once in CI, the SIGINT test above). Now the level
+    cancels its requests in flight first: both are cut short, none failed."""
+    import json
+
+    from treeserve.bench import run as bench_run
+    from treeserve.bench.run import BenchConfig, RunLog, run_benchmark
+
+    class Interrupting(list):
+        def append(self, record):
+            super().append(record)
+            if len(self) == 2:
+                raise SystemExit(130)
+    monkeypatch.setattr(bench_run, "RunLog", lambda: RunLog(records=Interrupting()))
+    out = tmp_path / "run"
+    config = BenchConfig(base_url=mock_url, out=str(out), concurrency=[2], num_requests=6, input_len=[8],
+                         output_len=[5], plots=False)
+    with pytest.raises(SystemExit):
+        run_benchmark(config)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["interrupted"] is True and summary["levels"] == [], summary
+    assert (out / "requests.jsonl").read_text() == ""  # both cut short: left out, neither failed
+
+
+def test_ctrl_c_surfaces_between_the_event_loops_callbacks_not_inside_the_code_it_lands_in(mock_url, tmp_path):
+    """The SIGINT handler's SystemExit was raised wherever the main thread was: inside a protocol's
+    callback, or inside asyncio's own bookkeeping (raised half-way through `call_soon`, it lost a
+    callback, and the cleanup waited for it for ever: found by raising the exit at each line of a
+    run in turn). The handler now runs as the event loop's callback: the code the signal lands in
+    runs on to its next await, then the run stops as before (130, what finished written)."""
+    import json
+    import os
+    import subprocess
+    import textwrap
+
+    out = tmp_path / "run"
+    code = textwrap.dedent(f"""
+        import signal, sys
+        from treeserve.bench import run
+        from treeserve.lifecycle import exit_on_signals
+
+        class Signalled(list):
+            def append(self, record):
+                super().append(record)
+                if len(self) == 3:
+                    signal.raise_signal(signal.SIGINT)
+                    print("ran on after the signal", file=sys.stderr, flush=True)
+
+        exit_on_signals(service=False)
+        log = run.RunLog
+        run.RunLog = lambda: log(records=Signalled())
+        run.run_benchmark(run.BenchConfig(base_url={mock_url!r}, out={str(out)!r}, concurrency=[2], num_requests=6,
+                                          input_len=[8], output_len=[5], plots=False))
+    """)
+    stopped = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+                             stderr=subprocess.PIPE, text=True, timeout=60)
+    assert stopped.returncode == 130, stopped.stderr
+    assert "ran on after the signal\ntreeserve: SIGINT: stopping" in stopped.stderr, stopped.stderr
+    rows = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    assert json.loads((out / "summary.json").read_text())["interrupted"] is True
+    assert all(row["success"] for row in rows), rows
+
+
 @pytest.mark.parametrize("plots", [False, True])
 def test_the_closing_line_names_what_the_run_directory_holds(mock_url, tmp_path, capsys, plots):
     """(it named report.md and plots under --no-plots, which writes neither)"""

@@ -212,6 +212,37 @@ def test_search_refuses_a_beam_width_over_n_as_the_server_does(monkeypatch, caps
     assert [(c.n, c.beam_width) for c in configs] == [(2, 2), (8, 8)]
 
 
+def test_eval_refuses_a_beam_width_that_does_not_fit_an_n_of_its_grid(tmp_path, monkeypatch, capsys):
+    """An explicit --beam-width over one N of eval's grid was taken at most that N without a word
+    (`--beam-width 8 --n 4,16` searched N=4 with 4 beams and reported it as width 8's sweep): it is an
+    error naming that N and the width (exit 2) before any model loads, as `search` and /v1/search
+    refuse it. Left out, the default (4) still comes down to a smaller N."""
+    import treeserve.cli_search as cli_search
+
+    absent, dataset = ["--generator", "/nonexistent/generator"], tmp_path / "arith.jsonl"
+    dataset.write_text('{"problem": "What is 1 + 1?", "answer": "2"}\n')
+    grid = ["eval", *absent, "--dataset", str(dataset), "--out", str(tmp_path / "out")]
+    assert main([*grid, "--strategy", "beam", "--n", "16,4", "--beam-width", "8"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: beam_width:") and "n (4)" in error and "beam_width (8)" in error, error
+    configs = []
+
+    class Loaded(Exception):
+        pass
+
+    def runtime(args):
+        raise Loaded
+
+    monkeypatch.setattr(cli_search, "_runtime", runtime)
+    real = cli_search._config
+    monkeypatch.setattr(cli_search, "_config", lambda *a, **k: configs.append(real(*a, **k)) or configs[-1])
+    with pytest.raises(Loaded):
+        main([*grid, "--strategy", "beam", "--n", "2,8"])
+    with pytest.raises(Loaded):
+        main([*grid, "--strategy", "dvts", "--n", "8,16", "--beam-width", "8"])
+    assert [(c.n, c.beam_width) for c in configs] == [(2, 2), (8, 4), (8, 8), (16, 8)]
+
+
 def test_eval_names_a_dataset_it_cannot_read(tmp_path, capsys):
     assert main(["eval", "--dataset", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "out")]) == 2
     assert capsys.readouterr().err.startswith("error: dataset: cannot read")  # (a bare [Errno 2] before)

@@ -70,6 +70,21 @@ def test_eval_records_no_scores_for_a_strategy_without_a_verifier(models, tmp_pa
     assert [r["strategy"] for r in runs] == ["majority", "greedy"] and (out / "accuracy.png").stat().st_size > 0
 
 
+def test_eval_reports_no_score_ranked_predictions_for_a_strategy_without_a_verifier(models, tmp_path):
+    """(majority and greedy recorded naive@n and weighted@n, ranked by scores of 0.0 the verifier never
+    gave: naive@n was the first answer and weighted@n a tie broken by order, reported as accuracies)"""
+    dataset, out = tmp_path / "data.jsonl", tmp_path / "out"
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    assert main(["eval", "--dataset", str(dataset), "--strategy", "majority,greedy,best_of_n", "--n", "2",
+                 "--out", str(out), *models]) == 0
+    for name, keys in [("majority_n2", {"maj@1", "maj@2"}), ("greedy_n1", {"maj@1"}),
+                       ("best_of_n_n2", {f"{kind}@{n}" for kind in ("naive", "weighted", "maj") for n in (1, 2)})]:
+        records = [json.loads(line) for line in (out / f"{name}.jsonl").read_text().splitlines()]
+        assert all(set(r["preds"]) == keys and set(r["graded"]) == keys for r in records), (name, records)
+    runs = json.loads((out / "summary.json").read_text())["runs"]
+    assert [set(r["accuracy_by_prediction"]) for r in runs[:2]] == [{"maj@1", "maj@2"}, {"maj@1"}]
+
+
 def test_eval_names_a_bad_strategy(models, tmp_path, capsys):
     dataset = tmp_path / "data.jsonl"
     dataset.write_text(json.dumps(ROWS[0]) + "\n")
@@ -226,6 +241,23 @@ def test_a_signal_cuts_a_one_shot_command_short_with_128_plus_its_number(tmp_pat
         assert subprocess.run([sys.executable, "-c", code.format(name)], timeout=60).returncode == status
     assert _is_service(["serve"]) and _is_service(["bench", "sweep", "x.yaml"]) and _is_service(["chat"])
     assert not _is_service(["eval"]) and not _is_service(["bench", "serve"]) and not _is_service([])
+
+
+@pytest.mark.parametrize("bar", [True, False])
+def test_the_signals_message_starts_on_a_line_of_its_own_after_a_progress_bar(bar):
+    """Ctrl-C during eval's progress bar, stderr a pipe or a file: `treeserve: SIGINT: stopping` was
+    written on the bar's line, after its counts; a process with no bar shown gets no blank line."""
+    import subprocess
+    import sys
+
+    code = ("import os, signal, sys, time; from tqdm import tqdm; from treeserve.lifecycle import exit_on_signals; "
+            "exit_on_signals(service=False); made = tqdm(total=4, desc='beam n=4', disable={}); made.update(1); "
+            "os.kill(os.getpid(), signal.SIGINT); time.sleep(30)").format(not bar)
+    stopped = subprocess.run([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True, timeout=60)
+    assert stopped.returncode == 130, stopped.stderr
+    lines = stopped.stderr.split("\n")
+    assert "treeserve: SIGINT: stopping" in lines, stopped.stderr
+    assert (lines[0] == "treeserve: SIGINT: stopping") == (not bar), stopped.stderr
 
 
 @pytest.mark.parametrize("question", ["", " \n\t"])

@@ -56,8 +56,8 @@ def _add_search_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategy", default="beam",
                         help="greedy, majority, best_of_n, weighted_best_of_n, beam or dvts (eval: comma-separated)")
     parser.add_argument("--beam-width", type=int,
-                        help="beams kept per step (beam, dvts): a divisor of --n (default: 4, at most --n; "
-                        "eval: at most each N)")
+                        help="beams kept per step (beam, dvts): a divisor of --n, of each N for eval "
+                        "(default: 4, at most --n)")
     parser.add_argument("--num-iterations", type=int, default=40)
     parser.add_argument("--lookahead", type=int, default=0)
     parser.add_argument("--temperature", type=float, default=0.8)
@@ -79,22 +79,22 @@ def _add_search_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory-bytes", type=int)
 
 
-def _beam_width(args, n: int, grid: bool) -> int:
-    """The default (4) at most n, as /v1/search's; one given is taken as it is (a width over n is refused,
-    naming both, as /v1/search refuses it), except by eval, whose grid of N takes it at most each N."""
-    if args.beam_width is None:
-        return min(4, n)
-    return min(args.beam_width, n) if grid else args.beam_width
+def _beam_width(args, n: int) -> int:
+    """The default (4) at most n, as /v1/search's; one given is taken as it is, by eval for each N of its
+    grid too: a width that does not divide an N is refused for beam and dvts, naming both, as
+    /v1/search and Search-and-Learn refuse it (eval took it at most each N without a word, so
+    `--beam-width 8 --n 4,16` searched N=4 with 4 beams)."""
+    return min(4, n) if args.beam_width is None else args.beam_width
 
 
-def _config(args, strategy: str, n: int, grid: bool = False):
+def _config(args, strategy: str, n: int):
     """The search's settings, checked before any model loads (a misspelt strategy is named at once)."""
     from treeserve.model.registry import resolve_model_path
     from treeserve.search.config import SAL_SYSTEM_PROMPT, SearchConfig, declared_aggregation
 
     system = SAL_SYSTEM_PROMPT if args.system_prompt is None else (args.system_prompt or None)
     agg_strategy = args.agg_strategy or declared_aggregation(resolve_model_path(args.verifier))
-    return SearchConfig(strategy=strategy, n=n, beam_width=_beam_width(args, n, grid), num_iterations=args.num_iterations,
+    return SearchConfig(strategy=strategy, n=n, beam_width=_beam_width(args, n), num_iterations=args.num_iterations,
                         lookahead=args.lookahead, temperature=args.temperature, top_p=args.top_p,
                         max_tokens=args.max_tokens, agg_strategy=agg_strategy, system_prompt=system,
                         seed=args.seed, speculative_config=args.speculative_config)
@@ -174,7 +174,7 @@ def cmd_eval(args) -> int:
     strategies = [s.strip() for s in args.strategy.split(",") if s.strip()]
     if not strategies:
         raise ParamError("strategy", f"expected strategies such as beam,best_of_n, got {args.strategy!r}")
-    configs = [_config(args, s, n, grid=True) for s in strategies for n in ([1] if s == "greedy" else sizes)]
+    configs = [_config(args, s, n) for s in strategies for n in ([1] if s == "greedy" else sizes)]
     rt = _runtime(args)
     runner = _runner(args, rt, args.reference)
     summaries = []

@@ -38,13 +38,50 @@ def exit_on_signals(service: bool = True) -> None:
 
 
 def _exit(signum, frame) -> None:
-    print(f"treeserve: {signal.Signals(signum).name}: stopping", file=sys.stderr, flush=True)
+    _say_stopping(signum)
     raise SystemExit(0)
 
 
 def _exit_cut_short(signum, frame) -> None:
-    print(f"treeserve: {signal.Signals(signum).name}: stopping", file=sys.stderr, flush=True)
+    _say_stopping(signum)
     raise SystemExit(128 + signum)
+
+
+def _say_stopping(signum: int) -> None:
+    """`treeserve: SIGINT: stopping` on stderr, on a line of its own: a progress bar in the middle of
+    its run (eval's, search's) leaves stderr at the end of its line, which the message joined (in a
+    log file or a pipe; on a terminal after the ^C)."""
+    start = "\n" if _progress_bar_open() else ""
+    print(f"{start}treeserve: {signal.Signals(signum).name}: stopping", file=sys.stderr, flush=True)
+
+
+def _progress_bar_open() -> bool:
+    """Whether a tqdm bar is shown and not yet closed (tqdm is not imported for this)."""
+    std = sys.modules.get("tqdm.std")
+    try:
+        return std is not None and any(not bar.disable for bar in list(std.tqdm._instances))
+    except (AttributeError, RuntimeError):  # (no bar made yet; the set changing under the signal)
+        return False
+
+
+@contextlib.contextmanager
+def signals_between_callbacks(loop):
+    """While `loop` runs in the main thread (`bench serve`'s asyncio.run): the SIGTERM and SIGINT
+    handlers of `exit_on_signals` run as the loop's callbacks, so their SystemExit surfaces between two
+    callbacks, where the runner's cleanup then cancels every task. Raised wherever the main thread
+    was, it could land inside a protocol's callback or asyncio's own bookkeeping (a callback half
+    scheduled: the cleanup waited for it for ever). Put back as they were on the way out."""
+    ours = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)
+            if threading.current_thread() is threading.main_thread()}
+    ours = {sig: handler for sig, handler in ours.items() if handler in (_exit, _exit_cut_short)}
+    for sig, handler in ours.items():
+        loop.add_signal_handler(sig, handler, sig, None)
+    try:
+        yield
+    finally:
+        for sig, handler in ours.items():
+            loop.remove_signal_handler(sig)  # (which puts the default back)
+            signal.signal(sig, handler)
 
 
 def child_env() -> dict[str, str]:

@@ -106,6 +106,7 @@ class ClientPool:
     def __init__(self, timeout: float = 600.0):
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=30.0, sock_read=timeout)
         self.session: aiohttp.ClientSession | None = None
+        self.closing = False  # set as the run ends: a request failing from then on was cut short by it
 
     @contextlib.asynccontextmanager
     async def client(self):
@@ -118,6 +119,7 @@ class ClientPool:
         return self
 
     async def __aexit__(self, *exc) -> None:
+        self.closing = True
         await self.session.close()
 
 
@@ -140,6 +142,9 @@ async def send_request(pool: ClientPool, endpoint: Endpoint, sample: SampleReque
                 record.end = clock.now()
         record.success = record.status == 200 and not record.error
     except Exception as exc:  # a failed request is a measurement, never a crash of the run
+        if pool.closing:  # the run is ending (Ctrl-C) and closed the pool under it: cut short, not failed
+            record.end = None
+            return record
         record.end = clock.now()
         record.error = f"{type(exc).__name__}: {exc}"[:500]
     return record

@@ -58,24 +58,29 @@ async def run_level(client: ClientPool, endpoint: Endpoint, samples: list[Sample
                     sent: list[RequestRecord] | None = None) -> list[RequestRecord]:
     """Sends `samples` at the level's pace under its concurrency cap; stops issuing after `duration`
     seconds (requests already sent run to completion). Each record is also appended to `sent` as it
-    is sent, so that a run cut short still holds the requests that had finished."""
+    is sent, so that a run cut short still holds the requests that had finished.
+
+    The requests run in a task group: a level abandoned midway (Ctrl-C's SystemExit raised while this
+    loop runs) cancels the requests in flight and waits for them before the exit goes on, so they
+    end cut short (no `end`), never failed by the pool being closed under them."""
     gate = asyncio.Semaphore(level.concurrency) if level.concurrency else None
     gaps = arrival_gaps(len(samples), level.request_rate, level.burstiness, random.Random(seed))
     began, tasks, next_at = clock.now(), [], clock.now()
-    for offset, (sample, gap) in enumerate(zip(samples, gaps)):
-        next_at += gap
-        await asyncio.sleep(max(0.0, next_at - clock.now()))
-        if gate is not None:
-            await gate.acquire()
-        if duration is not None and clock.now() - began >= duration:
+    async with asyncio.TaskGroup() as group:
+        for offset, (sample, gap) in enumerate(zip(samples, gaps)):
+            next_at += gap
+            await asyncio.sleep(max(0.0, next_at - clock.now()))
             if gate is not None:
-                gate.release()
-            break
-        record = RequestRecord(index=first_index + offset, level=level_index, warmup=warmup, start=clock.now())
-        if sent is not None:
-            sent.append(record)
-        tasks.append(asyncio.create_task(_send_then_release(client, endpoint, sample, record, clock, gate)))
-    return list(await asyncio.gather(*tasks))
+                await gate.acquire()
+            if duration is not None and clock.now() - began >= duration:
+                if gate is not None:
+                    gate.release()
+                break
+            record = RequestRecord(index=first_index + offset, level=level_index, warmup=warmup, start=clock.now())
+            if sent is not None:
+                sent.append(record)
+            tasks.append(group.create_task(_send_then_release(client, endpoint, sample, record, clock, gate)))
+    return [task.result() for task in tasks]
 
 
 async def _send_then_release(client, endpoint, sample, record, clock, gate) -> RequestRecord:

@@ -25,6 +25,7 @@ from treeserve.bench.ready import DEFAULT_READY_TIMEOUT_S, served_models
 from treeserve.bench.report import render_level_line, write_report
 from treeserve.bench.telemetry import DEFAULT_INTERVAL_S, TelemetryRecorder, parse_prometheus
 from treeserve.errors import ParamError
+from treeserve.lifecycle import signals_between_callbacks
 
 LIST_FIELDS = {"concurrency": int, "request_rate": float, "input_len": int, "output_len": int}
 
@@ -137,7 +138,8 @@ def run_benchmark(config: BenchConfig) -> dict:
     lets the interruption go on."""
     log = RunLog()
     try:
-        return asyncio.run(_run(config, log))
+        with asyncio.Runner() as runner, signals_between_callbacks(runner.get_loop()):
+            return runner.run(_run(config, log))
     except (KeyboardInterrupt, SystemExit):
         if log.telemetry is not None:  # (the load had begun)
             _write_interrupted(config, log)

@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from treeserve import jsonl
 from treeserve.errors import ParamError
-from treeserve.search.config import SearchConfig
+from treeserve.search.config import SearchConfig, reads_verifier
 from treeserve.search.grading import grade, majority_vote, naive_best, pass_at_k, weighted_vote
 from treeserve.search.tree import SearchResult
 
@@ -51,13 +51,16 @@ def load_dataset(path: str | Path, limit: int | None = None) -> list[dict]:
 
 
 def predictions_by_n(result: SearchResult) -> dict[str, str | None]:
-    """S&L's naive / weighted / majority predictions from the first n completions, n = 1, 2, 4, ..."""
+    """S&L's naive / weighted / majority predictions from the first n completions, n = 1, 2, 4, ...
+    Majority only where the strategy reads no verifier (greedy, majority): naive and weighted rank by
+    verifier scores, and such a search has none (its `agg_scores` are null, as /v1/search says)."""
     preds: dict[str, str | None] = {}
-    total = len(result.completions)
+    total, scored = len(result.completions), reads_verifier(result.strategy)
     for n in [2 ** i for i in range(int(math.log2(total)) + 1)] + ([total] if total & (total - 1) else []):
         answers, scores = result.answers[:n], result.agg_scores[:n]
-        preds[f"naive@{n}"] = naive_best(answers, scores)
-        preds[f"weighted@{n}"] = weighted_vote(answers, scores)
+        if scored:
+            preds[f"naive@{n}"] = naive_best(answers, scores)
+            preds[f"weighted@{n}"] = weighted_vote(answers, scores)
         preds[f"maj@{n}"] = majority_vote(answers)
     return preds
 
