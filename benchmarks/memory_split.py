@@ -12,7 +12,11 @@ preempt the generator hundreds of times.
 
 Each configuration runs once per static split of the KV budget between generator and PRM, and once
 in shared mode, in the same process, alternating over `--repeats`. Prints throughput for each and
-`shared / best static: X.XX`; writes per-step traces and the figures.
+`shared / best static: X.XX`; writes per-step traces and the figures. Two references run beside them
+(unless `--no-bound`): `unconstrained` (KV_BOUND_FACTOR x the budget: the ceiling for any memory
+policy) and `generator_alone` (the generator with the whole budget to itself, the verifier in an
+unbounded pool beside it: no sharing policy gives the generator more pages or the verifier more hits,
+so where it is no faster than the best split, the memory policy has nothing left to win).
 
     python benchmarks/memory_split.py [--problems 24] [--kv-mib 16] [--out bench_out/memory_split]
     python benchmarks/memory_split.py --pair bundled --problems 64 --kv-mib 32
@@ -46,6 +50,10 @@ SPLITS = [round(0.1 * i, 1) for i in range(1, 10)]
 # The unconstrained run gets this many times the budget: nothing is evicted or preempted, so its
 # throughput is the ceiling that no split and no shared-arena policy can pass on this workload.
 KV_BOUND_FACTOR = 16
+# The generator alone in the whole budget, the verifier in a pool KV_BOUND_FACTOR x the budget beside
+# it: the most memory any sharing policy can give the generator, with none of the verifier's pages ever
+# lost. Its fraction of (1 + KV_BOUND_FACTOR) x the budget, a hair over so that rounding keeps every page.
+GENERATOR_ALONE_FRACTION = 1 / (1 + KV_BOUND_FACTOR) + 1e-9
 GENERATOR = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=1024)
 VERIFIER = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=8,
@@ -125,6 +133,7 @@ def run(paths, label: str, args, out: Path, kv_mib: int | None = None, **runtime
             "cpu_seconds": cpu, "problems_per_cpu_s": len(chosen) / cpu,
             "tokens_computed": tokens, "chosen": chosen, "trace": trace.name,
             "preemptions": {n: s.num_preemptions for n, s in stats.items()},
+            "kv_blocks": {n: s.kv_blocks_total for n, s in stats.items()},
             "tokens_computed_by_model": {n: e.num_tokens_computed for n, e in rt.engines.items()},
             "hit_rate": {n: (s.prefix_hits / s.prefix_queries if s.prefix_queries else 0.0) for n, s in stats.items()},
             "thrash": {n: s.thrash for n, s in stats.items()}, "evictions": {n: s.evictions for n, s in stats.items()},
@@ -146,7 +155,9 @@ def main() -> int:
     parser.add_argument("--splits", type=float, nargs="+", default=SPLITS, help="generator fractions to sweep")
     parser.add_argument("--out", type=Path, default=Path("bench_out/memory_split"))
     parser.add_argument("--no-bound", action="store_true", help="skip the unconstrained run (the ceiling any "
-                        "memory policy could reach: the same search with KV_BOUND_FACTOR x the budget)")
+                        "memory policy could reach: the same search with KV_BOUND_FACTOR x the budget) and the "
+                        "generator-alone run (the generator with the whole budget, the verifier unbounded beside it: "
+                        "what giving the generator every page could reach)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's); on a "
                         "shared 2-core machine one thread gives steadier ratios than two")
     args = parser.parse_args()
@@ -162,6 +173,9 @@ def main() -> int:
                for split in args.splits] + [("shared", dict(kv_mode="shared"))]
     if not args.no_bound:
         configs.append(("unconstrained", dict(kv_mode="shared", kv_mib=args.kv_mib * KV_BOUND_FACTOR)))
+        configs.append(("generator_alone", dict(kv_mode="static", kv_mib=args.kv_mib * (1 + KV_BOUND_FACTOR),
+                                                kv_fractions={"gen": GENERATOR_ALONE_FRACTION,
+                                                              "prm": 1 - GENERATOR_ALONE_FRACTION})))
     runs: dict[str, list[dict]] = {label: [] for label, _ in configs}
     for repeat in range(args.repeats):
         # a new order each repeat (seeded): no configuration always runs first, or after the same one
@@ -215,9 +229,14 @@ def main() -> int:
         print(f"unconstrained ({KV_BOUND_FACTOR}x the KV budget): {bound['problems_per_s']:.3f} problems/s, "
               f"{bound['tokens_computed']} tokens computed {bound['tokens_computed_by_model']}; the ceiling for "
               f"shared / best static: {bound['problems_per_s'] / best['problems_per_s']:.2f}")
+    if "generator_alone" in medians:
+        alone = medians["generator_alone"]
+        print(f"generator alone in the budget (the verifier unbounded beside it): {alone['problems_per_s']:.3f} "
+              f"problems/s, {alone['tokens_computed']} tokens computed {alone['tokens_computed_by_model']}; what "
+              f"sharing alone can reach, shared / best static: {alone['problems_per_s'] / best['problems_per_s']:.2f}")
     print_pairs(runs, f"static_{best['split']}")
     summary = {"config": vars(args) | {"out": str(args.out)}, "static": results, "shared": shared,
-               "unconstrained": medians.get("unconstrained"),
+               "unconstrained": medians.get("unconstrained"), "generator_alone": medians.get("generator_alone"),
                "problems_per_s_by_repeat": {label: [r["problems_per_s"] for r in rs] for label, rs in runs.items()}}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
     for figure in plot_all(args.out):
