@@ -282,7 +282,7 @@ class OpenAIServing:
                 pairs = deltas.add(c.index, c)
                 delta, finish_reason = {"content": text} if text else {}, c.finish_reason
                 if c.index in calls:
-                    content, tool_deltas = calls[c.index].feed(text, finished)
+                    content, tool_deltas = calls[c.index].feed(text, finished, c.finish_reason == "length")
                     delta = {"content": content} if content else {}
                     if tool_deltas:
                         delta["tool_calls"] = tool_deltas
