@@ -215,6 +215,15 @@ def test_cors_only_for_the_allowed_origins_and_a_preflight_needs_no_key(llama_di
                                                        "Authorization": f"Bearer {API_KEY}"})
         assert "access-control-allow-origin" not in other.headers
         assert httpx.get(f"{url}/v1/models", headers={"Origin": "https://app.example"}).status_code == 401
+        # a page may read an answer's request id (Anthropic's `request-id`, vLLM's `X-Request-Id`): a
+        # browser hides every header CORS does not expose (before: none was)
+        import anthropic
+        client = anthropic.Anthropic(base_url=url, api_key=API_KEY, max_retries=0,
+                                     default_headers={"Origin": "https://app.example"})
+        raw = client.messages.with_raw_response.create(model="tiny", max_tokens=1,
+                                                       messages=[{"role": "user", "content": "x"}])
+        exposed = {name.strip().lower() for name in raw.headers["access-control-expose-headers"].split(",")}
+        assert raw.headers["request-id"] and {"request-id", "x-request-id"} <= exposed, raw.headers
 
 
 def test_request_id_headers_when_enabled(llama_dir):
