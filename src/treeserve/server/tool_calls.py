@@ -67,6 +67,9 @@ class ToolCalling:
         if choice is None:
             choice = "auto" if settings.auto else "none"
         indexes = list(range(len(functions)))
+        if getattr(choice, "type", None) == "allowed_tools":  # (the functions it names, in `mode`)
+            indexes = [i for i, _ in request.usable_tools()]
+            functions, choice = [functions[i] for i in indexes], choice.allowed_tools.mode
         if not isinstance(choice, str):
             if choice.function.name not in names:
                 raise ParamError("tool_choice.function.name", f"{choice.function.name!r} is not one of the tools "
