@@ -685,6 +685,23 @@ def test_responses_input_tokens_apply_truncation(served, target):
         client.responses.input_tokens.count(model="tiny", input=items[-1:]).input_tokens
 
 
+def test_responses_allowed_tools_restrict_the_calls(target):
+    """The Responses API's `tool_choice: {"type": "allowed_tools", "mode", "tools"}`, as chat completions'
+    (the model calls only those); a name that is not a tool is a 400 naming it in the Responses
+    request's terms. Before: a 400 for the form itself."""
+    client = _openai(target)
+    choice = {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "weather"}]}
+    response = client.responses.create(model="tiny", input="Weather?", tools=RESPONSE_TOOLS, tool_choice=choice,
+                                       max_output_tokens=60, **GREEDY)
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert calls and {call.name for call in calls} == {"weather"}, response.output
+    assert json.loads(calls[0].arguments)["city"] in ("Paris", "Oslo")
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model="tiny", input="Weather?", tools=RESPONSE_TOOLS, max_output_tokens=4,
+                                tool_choice=choice | {"tools": [{"type": "function", "name": "fly"}]})
+    assert caught.value.body["param"] == "tool_choice.tools[0].name", caught.value.body
+
+
 def test_fields_the_vendors_define_and_treeserve_does_not_are_told_apart_from_unknown_ones(target):
     """A Responses or Messages field the vendor defines and treeserve does not implement is a 400 naming
     it that says so (code unsupported_parameter); a misspelt one stays `unknown parameter` (before:
