@@ -642,6 +642,66 @@ def test_truncation_auto_on_the_gateway_sends_two_chats_on_the_key_however_many_
     assert response.truncation == "auto" and response.usage.input_tokens < 8192
 
 
+def test_truncation_auto_on_the_gateway_sends_one_chat_on_the_key(gateway):
+    """The turns that cannot fit are counted before the chat is sent (the backend's /tokenize says the
+    context's size, `max_model_len`), so a key with rpm_limit 1 gets its response (before: the chat
+    was sent, refused, then sent again: a 429 on the second)."""
+    key = httpx.post(f"{gateway.url}/key/generate", json={"rpm_limit": 1},
+                     headers={"Authorization": f"Bearer {MASTER}"}).json()["key"]
+    long = " ".join(["apple"] * 1000)
+    items = [item for _ in range(4) for item in ({"role": "user", "content": long}, {"role": "assistant", "content": "Yes."})]
+    items += [{"role": "user", "content": "Name a colour."}]
+    response = _openai(SimpleNamespace(url=gateway.url), key).responses.create(
+        model="tiny", instructions="Be brief.", input=items, max_output_tokens=4, truncation="auto", **GREEDY)
+    assert response.truncation == "auto" and 5600 < response.usage.input_tokens < 8192
+
+
+def test_responses_input_tokens_apply_truncation(served, target):
+    """`client.responses.input_tokens.count` takes `truncation` as a response does (OpenAI's reference):
+    with "auto", the count of what is left once the oldest turns go (what the response is charged);
+    with "disabled" (the default), an input past the context is the response's context-length 400.
+    Before: the whole input was counted either way."""
+    client = _openai(target)
+    long = " ".join(["apple"] * 1000)
+    items = [{"role": "user", "content": long}, {"role": "assistant", "content": "Yes."},
+             {"role": "user", "content": long}, {"role": "assistant", "content": "Yes."},
+             {"role": "user", "content": long}, {"role": "user", "content": "Name a colour."}]
+    counted = client.responses.input_tokens.count(model="tiny", instructions="Be brief.", input=items,
+                                                  truncation="auto")
+    response = client.responses.create(model="tiny", instructions="Be brief.", input=items, max_output_tokens=2,
+                                       truncation="auto", **GREEDY)
+    assert counted.input_tokens == response.usage.input_tokens < 8192
+    for truncation in ("disabled", None):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.responses.input_tokens.count(model="tiny", instructions="Be brief.", input=items,
+                                                **({"truncation": truncation} if truncation else {}))
+        assert (caught.value.body["code"], caught.value.body["param"]) == ("context_length_exceeded", "input"), \
+            caught.value.body
+    with pytest.raises(openai.BadRequestError) as caught:  # the last item alone is too long, "auto" or not
+        client.responses.input_tokens.count(model="tiny", input=[{"role": "user", "content": " ".join([long] * 3)}],
+                                            truncation="auto")
+    assert caught.value.body["code"] == "context_length_exceeded", caught.value.body
+    assert client.responses.input_tokens.count(model="tiny", input=items[-1:], truncation="auto").input_tokens == \
+        client.responses.input_tokens.count(model="tiny", input=items[-1:]).input_tokens
+
+
+def test_responses_allowed_tools_restrict_the_calls(target):
+    """The Responses API's `tool_choice: {"type": "allowed_tools", "mode", "tools"}`, as chat completions'
+    (the model calls only those); a name that is not a tool is a 400 naming it in the Responses
+    request's terms. Before: a 400 for the form itself."""
+    client = _openai(target)
+    choice = {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "weather"}]}
+    response = client.responses.create(model="tiny", input="Weather?", tools=RESPONSE_TOOLS, tool_choice=choice,
+                                       max_output_tokens=60, **GREEDY)
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert calls and {call.name for call in calls} == {"weather"}, response.output
+    assert json.loads(calls[0].arguments)["city"] in ("Paris", "Oslo")
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model="tiny", input="Weather?", tools=RESPONSE_TOOLS, max_output_tokens=4,
+                                tool_choice=choice | {"tools": [{"type": "function", "name": "fly"}]})
+    assert caught.value.body["param"] == "tool_choice.tools[0].name", caught.value.body
+
+
 def test_fields_the_vendors_define_and_treeserve_does_not_are_told_apart_from_unknown_ones(target):
     """A Responses or Messages field the vendor defines and treeserve does not implement is a 400 naming
     it that says so (code unsupported_parameter); a misspelt one stays `unknown parameter` (before:

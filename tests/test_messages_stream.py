@@ -16,16 +16,22 @@ def _blocks(events: list[dict]) -> list[dict]:
     return [e["content_block"] for e in events if e["type"] == "content_block_start"]
 
 
-def test_a_stream_cut_by_max_tokens_before_a_calls_arguments_has_no_tool_use_block_as_the_whole_reply():
-    # (the stream announced the call once its name was read; the whole reply keeps only calls that parse)
-    events = _events([chunk({"content": "Let me look."}), chunk({"tool_calls": [CALL]}), chunk(finish="length")])
+def test_a_stream_cut_by_max_tokens_in_a_call_has_its_tool_use_block_as_the_whole_reply():
+    """A call cut by max_tokens is kept, whole and streamed (Anthropic's reply ends `max_tokens` with the
+    tool_use block incomplete): the stream dropped one cut before its arguments, and the whole reply
+    one cut after some of them."""
     request = MessagesRequest(model="m", max_tokens=8, messages=[{"role": "user", "content": "Hi"}])
-    whole = from_chat(request, "m", {"choices": [{"message": {"role": "assistant", "content": "Let me look."},
-                                                  "finish_reason": "length"}]})
-    assert [b["type"] for b in _blocks(events)] == [b["type"] for b in whole["content"]] == ["text"]
-    assert [e["index"] for e in events if e["type"] == "content_block_stop"] == [0]
-    delta = next(e for e in events if e["type"] == "message_delta")
-    assert delta["delta"]["stop_reason"] == whole["stop_reason"] == "max_tokens"
+    fragment = {"index": 0, "function": {"arguments": '{"city": '}}
+    for fragments, arguments in (([], ""), ([chunk({"tool_calls": [fragment]})], '{"city": ')):
+        events = _events([chunk({"content": "Let me look."}), chunk({"tool_calls": [CALL]})] + fragments
+                         + [chunk(finish="length")])
+        call = CALL | {"function": {"name": "weather", "arguments": arguments}}
+        whole = from_chat(request, "m", {"choices": [{"message": {"role": "assistant", "content": "Let me look.",
+                                                                  "tool_calls": [call]}, "finish_reason": "length"}]})
+        assert [b["type"] for b in _blocks(events)] == [b["type"] for b in whole["content"]] == ["text", "tool_use"]
+        assert [e["index"] for e in events if e["type"] == "content_block_stop"] == [0, 1]
+        delta = next(e for e in events if e["type"] == "message_delta")
+        assert delta["delta"]["stop_reason"] == whole["stop_reason"] == "max_tokens"
 
 
 def test_a_call_with_arguments_or_a_finished_call_still_opens_its_tool_use_block():

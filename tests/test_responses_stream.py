@@ -28,17 +28,25 @@ def _shape(output: list[dict]) -> list[tuple]:
     return [(item["type"], item["status"]) for item in output]
 
 
-def test_a_stream_cut_by_max_output_tokens_before_a_calls_arguments_has_no_function_call_item_as_the_whole_response():
-    # (the stream announced the call once its name was read; the whole reply keeps only calls that parse)
-    events = _events([chunk({"content": "Let me look."}), chunk({"tool_calls": [CALL]}), chunk(finish="length")])
-    whole = _whole({"content": "Let me look."}, "length")
-    last = events[-1]
-    assert last["type"] == "response.incomplete"
-    assert [item["type"] for item in _added(events)] == ["message"]
-    assert _shape(last["response"]["output"]) == _shape(whole["output"]) == [("message", "incomplete")]
+def test_a_stream_cut_by_max_output_tokens_in_a_call_has_its_function_call_item_as_the_whole_response():
+    """A call cut by max_output_tokens is kept, whole and streamed, its item `incomplete` (OpenAI's reply
+    keeps a cut call, its arguments cut short): the stream dropped one cut before its arguments, and the
+    whole response one cut after some of them."""
+    fragment = {"index": 0, "function": {"arguments": '{"city": '}}
+    for fragments, arguments in (([], ""), ([chunk({"tool_calls": [fragment]})], '{"city": ')):
+        events = _events([chunk({"content": "Let me look."}), chunk({"tool_calls": [CALL]})] + fragments
+                         + [chunk(finish="length")])
+        call = CALL | {"function": {"name": "weather", "arguments": arguments}}
+        whole = _whole({"content": "Let me look.", "tool_calls": [call]}, "length")
+        last = events[-1]
+        assert last["type"] == "response.incomplete"
+        assert [item["type"] for item in _added(events)] == ["message", "function_call"]
+        expected = [("message", "completed"), ("function_call", "incomplete")]
+        assert _shape(last["response"]["output"]) == _shape(whole["output"]) == expected
+        assert last["response"]["output"][1]["arguments"] == whole["output"][1]["arguments"] == arguments
     alone = _events([chunk({"tool_calls": [CALL]}), chunk(finish="length")])  # no text before the call
-    empty = _whole({"content": None}, "length")
-    assert _shape(alone[-1]["response"]["output"]) == _shape(empty["output"]) == [("message", "incomplete")]
+    empty = _whole({"content": None, "tool_calls": [CALL]}, "length")
+    assert _shape(alone[-1]["response"]["output"]) == _shape(empty["output"]) == [("function_call", "incomplete")]
     assert [e["output_index"] for e in alone if e["type"] == "response.output_item.done"] == [0]
 
 

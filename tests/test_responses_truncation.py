@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from treeserve.wire.errors import APIError
-from treeserve.wire.responses_truncation import fitted, without_oldest_turn
+from treeserve.wire.responses_truncation import PromptCount, fitted, without_oldest_turn
 
 SYSTEM = {"role": "system", "content": "s"}
 CONVERSATION = [SYSTEM, {"role": "user", "content": "u1"},
@@ -57,15 +57,17 @@ def test_the_last_turn_too_long_is_still_the_400_and_other_errors_are_not_retrie
     assert len(sent) == 1
 
 
-def _sized_chat(max_model_len: int, completion: int, sent: list):
+def _sized_chat(max_model_len: int, completion: int, sent: list, knows_context: bool = False):
     """A chat whose prompt is one token a character of its messages' contents, refused as treeserve's
-    server refuses a prompt past its context (OpenAI's sentence), and the count of such a prompt."""
-    async def count(body: dict) -> int:
-        return sum(len(m["content"] or "") for m in body["messages"])
+    server refuses a prompt past its context (OpenAI's sentence), and the count of such a prompt (with
+    the context's size where it `knows_context`)."""
+    async def count(body: dict) -> PromptCount:
+        return PromptCount(sum(len(m["content"] or "") for m in body["messages"]),
+                           max_model_len if knows_context else None)
 
     async def chat(body: dict) -> dict:
         sent.append(body["messages"])
-        prompt = await count(body)
+        prompt = (await count(body)).tokens
         if prompt + completion > max_model_len:
             raise APIError(400, f"input: This model's maximum context length is {max_model_len} tokens. However, "
                                 f"you requested {prompt + completion} tokens ({prompt} in the messages, {completion} "
@@ -84,13 +86,15 @@ def test_auto_counts_the_turns_to_drop_and_sends_the_chat_twice_however_many_go(
     counted, sent = [], []
     chat, count = _sized_chat(105, 4, sent)
 
-    async def counting(body: dict) -> int:
+    async def counting(body: dict) -> PromptCount:
         counted.append(body)
         return await count(body)
     body, result = asyncio.run(fitted({"messages": conversation}, chat, "auto", counting))
     # (the system message, the last 4 turns and the question: 1 + 4 * 20 + 10 = 91 tokens fit beside 4; 5 turns do not)
     assert result == {"ok": True} and body["messages"] == [SYSTEM] + conversation[-9:] and len(sent) == 2
-    assert len(counted) <= 5  # (a binary search over the 20 turns)
+    # (the whole conversation counted first: this count does not know the context, so the chat says it;
+    # then a binary search over the 20 turns)
+    assert counted[0]["messages"] == conversation and len(counted[1:]) <= 5
     one_at_a_time: list = []
     assert asyncio.run(fitted({"messages": conversation}, _sized_chat(105, 4, one_at_a_time)[0], "auto"))[0] == body
     assert len(one_at_a_time) == 17  # (without a count: the old way, still right where nothing can be counted)
@@ -103,3 +107,42 @@ def test_auto_with_a_count_still_refuses_a_last_turn_too_long():
     with pytest.raises(APIError) as caught:
         asyncio.run(fitted({"messages": conversation}, chat, "auto", count))
     assert caught.value.code == "context_length_exceeded" and sent[-1] == [SYSTEM, conversation[2]] and len(sent) == 2
+
+
+def test_auto_counts_before_the_first_chat_where_the_count_knows_the_context():
+    """The count knows the context's size (the server's own, a backend's /tokenize `max_model_len`): the
+    turns that cannot fit go before any chat is sent, so the chat is sent once (before: sent as it
+    was, refused, and its refusal's wording read for the context's size, then sent again)."""
+    turns = [[{"role": "user", "content": "u" * 10}, {"role": "assistant", "content": "a" * 10}] for _ in range(20)]
+    conversation = [SYSTEM] + [m for turn in turns for m in turn] + [{"role": "user", "content": "q" * 10}]
+    sent: list = []
+    chat, count = _sized_chat(105, 4, sent, knows_context=True)
+    body, result = asyncio.run(fitted({"messages": conversation, "max_tokens": 4}, chat, "auto", count))
+    assert result == {"ok": True} and body["messages"] == [SYSTEM] + conversation[-9:] and len(sent) == 1
+    # no max_tokens: the room is the context less one token (one is always generated)
+    sent.clear()
+    chat, count = _sized_chat(92, 1, sent, knows_context=True)
+    body, _ = asyncio.run(fitted({"messages": conversation}, chat, "auto", count))
+    assert body["messages"] == [SYSTEM] + conversation[-9:] and len(sent) == 1
+    # what fits is sent as it is; "disabled" never counts
+    sent.clear()
+    asyncio.run(fitted({"messages": conversation[:3]}, chat, "auto", count))
+    assert sent == [conversation[:3]]
+
+    async def never(body):
+        raise AssertionError("counted with truncation disabled")
+    with pytest.raises(APIError):
+        asyncio.run(fitted({"messages": conversation}, _sized_chat(92, 1, [])[0], "disabled", never))
+
+
+def test_a_count_that_fails_falls_back_to_the_refusal():
+    turns = [[{"role": "user", "content": "u" * 10}, {"role": "assistant", "content": "a" * 10}] for _ in range(5)]
+    conversation = [SYSTEM] + [m for turn in turns for m in turn] + [{"role": "user", "content": "q" * 10}]
+    sent: list = []
+    chat, _ = _sized_chat(50, 4, sent)
+
+    async def fails(body: dict) -> PromptCount:
+        raise APIError(502, "no backend can count", code="backend_error")
+    body, result = asyncio.run(fitted({"messages": conversation, "max_tokens": 4}, chat, "auto", fails))
+    # (room 46: the system message, one turn and the question: 1 + 20 + 10 fit; two turns do not)
+    assert result == {"ok": True} and body["messages"] == [SYSTEM] + conversation[-3:] and len(sent) == 5  # (a turn a chat)

@@ -215,6 +215,15 @@ def test_cors_only_for_the_allowed_origins_and_a_preflight_needs_no_key(llama_di
                                                        "Authorization": f"Bearer {API_KEY}"})
         assert "access-control-allow-origin" not in other.headers
         assert httpx.get(f"{url}/v1/models", headers={"Origin": "https://app.example"}).status_code == 401
+        # a page may read an answer's request id (Anthropic's `request-id`, vLLM's `X-Request-Id`): a
+        # browser hides every header CORS does not expose (before: none was)
+        import anthropic
+        client = anthropic.Anthropic(base_url=url, api_key=API_KEY, max_retries=0,
+                                     default_headers={"Origin": "https://app.example"})
+        raw = client.messages.with_raw_response.create(model="tiny", max_tokens=1,
+                                                       messages=[{"role": "user", "content": "x"}])
+        exposed = {name.strip().lower() for name in raw.headers["access-control-expose-headers"].split(",")}
+        assert raw.headers["request-id"] and {"request-id", "x-request-id"} <= exposed, raw.headers
 
 
 def test_request_id_headers_when_enabled(llama_dir):
@@ -321,3 +330,36 @@ def test_stream_options_include_obfuscation_is_taken(client, route):
     with pytest.raises(openai.BadRequestError) as bad:
         create(model="tiny", max_tokens=3, stream=True, stream_options={"include_usages": True})
     assert bad.value.body["param"] == "stream_options.include_usages"
+
+
+EFFORT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+                   "{% if reasoning_effort is defined %}Reasoning: {{ reasoning_effort }}\n{% endif %}"
+                   "{% if enable_thinking is defined and not enable_thinking %}/no_think\n{% endif %}"
+                   "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def test_reasoning_effort_is_a_chat_template_variable(llama_dir):
+    """As vLLM: `reasoning_effort` goes to the chat template (gpt-oss's reads it), and with it
+    `enable_thinking` (false for "none") unless chat_template_kwargs sets it; before: taken with no effect."""
+    from conftest import API_KEY, running_server
+    from treeserve.server.launch import build_app
+
+    app = build_app(str(llama_dir), served_model_name="tiny", api_keys=[API_KEY], dtype="float32", device="cpu",
+                    kv_cache_memory_bytes=8 << 20, max_model_len=256, chat_template=EFFORT_TEMPLATE)
+    with running_server(app) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
+
+        def prompt(body: dict | None = None, **extra) -> str:
+            out = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1,
+                                                 extra_body={"return_token_ids": True} | (body or {}), **extra)
+            return httpx.post(f"{url}/detokenize", headers={"Authorization": f"Bearer {API_KEY}"},
+                              json={"model": "tiny", "tokens": out.prompt_token_ids}).json()["prompt"]
+        assert "Reasoning" not in prompt() and "/no_think" not in prompt()
+        assert "Reasoning: high\n<|assistant|>" in prompt(reasoning_effort="high")
+        assert "Reasoning: none\n/no_think\n" in prompt(reasoning_effort="none")
+        kept = prompt({"chat_template_kwargs": {"enable_thinking": True}}, reasoning_effort="none")
+        assert "Reasoning: none\n<|assistant|>" in kept
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1,
+                                           extra_body={"reasoning_effort": "extreme"})
+        assert caught.value.body["param"] == "reasoning_effort", caught.value.body

@@ -276,3 +276,81 @@ def test_only_templates_that_render_tools_are_warned_about(caplog):
         assert warn_replaced_tool_templates({"router": own}, own.chat_template, "own.jinja") == []  # its own
     [warning] = [r.getMessage() for r in caplog.records if r.name == "treeserve.entrypoints.chat_utils"]
     assert "model 'router'" in warning and "the --chat-template text" in warning
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_cut_by_max_tokens_is_kept_whole_and_streamed(served, stream):
+    """A reply cut by max_tokens inside a call (once its name was read) has that call, its arguments as
+    far as they went, finish `length`, whole as streamed (OpenAI's keeps it so; Anthropic's reply has the
+    incomplete tool_use block). Before: the stream sent the call, and the whole reply dropped it and
+    gave the call's text as the content."""
+    if served.parser is None:
+        return  # (no parser: calls written as text stay text)
+    text, _ = WRITTEN[served.parser]
+    kwargs = dict(model="tiny", messages=MESSAGES, tools=TOOLS, extra_body={"structured_outputs": {"choice": [text]}})
+    full = served.client.chat.completions.create(max_tokens=200, **kwargs)
+    cut_short = 0
+    for max_tokens in range(1, full.usage.completion_tokens):
+        whole = served.client.chat.completions.create(max_tokens=max_tokens, **kwargs).choices[0]
+        calls = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or ()]
+        assert whole.finish_reason == "length"
+        if stream:
+            content, streamed, finish = _collect(served.client.chat.completions.create(
+                max_tokens=max_tokens, stream=True, **kwargs))
+            assert finish == "length" and [(c.function.name, c.function.arguments) for c in streamed] == calls
+            assert (content or None) == whole.message.content, (max_tokens, content, whole.message.content)
+        if calls and not calls[-1][1].endswith("}"):
+            cut_short += 1
+            assert text.startswith(whole.message.content or "") and '"name"' not in (whole.message.content or "")
+    assert cut_short > 2  # (cuts inside a call's arguments were met)
+
+
+def test_allowed_tools_restrict_the_usable_tools(served):
+    """OpenAI's `tool_choice: {"type": "allowed_tools", "allowed_tools": {"mode", "tools"}}`: calls of
+    the named tools only (mode required: at least one; auto: as the model decides), the prompt showing
+    only those; a name that is not a tool is a 400 naming it. Before: a 400 for the form itself."""
+    client, allowed = served.client, [{"type": "function", "function": {"name": name}} for name in ("add", "now")]
+    choice = {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": allowed}}
+    for seed in range(3):
+        out = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice=choice,
+                                             max_tokens=300, seed=seed, temperature=1.0)
+        _check_calls(out.choices[0].message.tool_calls, {"add", "now"})
+    content, calls, _ = _collect(client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS,
+                                                                tool_choice=choice, max_tokens=300, stream=True))
+    _check_calls(calls, {"add", "now"})
+    subset = [tool for tool in TOOLS if tool["function"]["name"] in ("add", "now")]
+    shown = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=subset, tool_choice="none",
+                                           max_tokens=1).usage.prompt_tokens
+    if served.parser is not None:
+        auto = {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": allowed}}
+        out = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice=auto,
+                                             max_tokens=1)
+        assert out.usage.prompt_tokens == shown < client.chat.completions.create(
+            model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=1).usage.prompt_tokens
+    wrong = {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": allowed + [
+        {"type": "function", "function": {"name": "fly"}}]}}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice=wrong, max_tokens=5)
+    assert caught.value.body["param"] == "tool_choice.allowed_tools.tools[2].function.name", caught.value.body
+    wait_idle(served.engine)
+    assert_no_leak(served.engine)
+
+
+def test_a_function_message_is_rendered_as_vllm_does(served):
+    """OpenAI's deprecated `role: "function"` (a function's result, with its `name`): passed to the chat
+    template as it is, as vLLM does (it was a 400); without its name, a 400 naming it (as OpenAI's types)."""
+    conversation = MESSAGES + [{"role": "function", "name": "get_weather", "content": "4 degrees"}]
+    out = served.client.chat.completions.create(model="tiny", messages=conversation, tools=TOOLS, max_tokens=2,
+                                                tool_choice="none")
+    assert out.choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.BadRequestError) as caught:
+        served.client.chat.completions.create(model="tiny", messages=MESSAGES + [{"role": "function", "content": "4"}],
+                                              max_tokens=2)
+    assert caught.value.body["param"] == "messages[2].name", caught.value.body
+    if served.parser == "hermes":  # (its template writes any other role's turn as it is)
+        auth = {"Authorization": f"Bearer {API_KEY}"}
+        tokens = httpx.post(f"{served.url}/tokenize", headers=auth,
+                            json={"model": "tiny", "messages": conversation}).json()["tokens"]
+        rendered = httpx.post(f"{served.url}/detokenize", headers=auth,
+                              json={"model": "tiny", "tokens": tokens}).json()["prompt"]
+        assert "<|im_start|>function\n4 degrees" in rendered, rendered

@@ -111,17 +111,31 @@ def test_answers_without_calls_are_content_whole_and_streamed():
 
 
 def test_a_call_cut_short():
-    """Whole, a call cut by max_tokens is no call: the text is the answer. Streamed, the call was
-    announced once its name was complete and its arguments went out as they came: they stay sent,
-    and the finish reason stays `length` (as OpenAI's and vLLM's streams)."""
+    """A call cut by max_tokens once its name was read is a call, whole or streamed: its arguments as
+    far as they went, the finish reason `length` (OpenAI's reply keeps the call with its arguments cut
+    short; Anthropic's an incomplete tool_use block). The whole reply dropped it (the text was the
+    answer) while the stream had announced it and sent its arguments."""
     text = '{"name": "add", "parameters": {"values": [1'
     message, reason = calling("llama3_json").message(text, "length")
-    assert message == {"role": "assistant", "content": text} and reason == "length"
+    assert reason == "length" and message["content"] is None
+    assert [c["function"] for c in message["tool_calls"]] == [{"name": "add", "arguments": '{"values": [1'}]
     stream = ToolCallStream(calling("llama3_json"))
     content, deltas = stream.feed(text, final=False)
     assert content == "" and [d["function"] for d in deltas] == [{"name": "add", "arguments": '{"values": [1'}]
-    assert stream.feed("", final=True) == ("", [])
+    assert stream.feed("", final=True, cut=True) == ("", [])
     assert stream.finish_reason("length") == "length"
+    # the whole text in the last delta: still the call, as the whole reply
+    last = ToolCallStream(calling("llama3_json"))
+    content, deltas = last.feed(text, final=True, cut=True)
+    assert content == "" and [d["function"] for d in deltas] == [{"name": "add", "arguments": '{"values": [1'}]
+    # a valid call then one cut: both; cut before its name was read: no call but the first
+    hermes = '<tool_call>\n{"name": "now"}\n</tool_call>\n<tool_call>\n{"name": "add", "arguments": {"va'
+    names = [c["function"]["name"] for c in calling("hermes").message(hermes, "length")[0]["tool_calls"]]
+    assert names == ["now", "add"]
+    nameless = '<tool_call>\n{"name": "now"}\n</tool_call>\n<tool_call>\n{"name": "ad'
+    assert [c["function"]["name"] for c in calling("hermes").message(nameless, "length")[0]["tool_calls"]] == ["now"]
+    # stopped (not cut) with an unfinished call: no call, the text is the answer (as before)
+    assert calling("llama3_json").message(text, "stop") == ({"role": "assistant", "content": text}, "stop")
 
 
 def test_parallel_false_keeps_the_first_call():

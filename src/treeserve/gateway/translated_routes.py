@@ -26,6 +26,7 @@ from treeserve.wire.messages import CountTokensRequest, MessagesRequest, from_ch
 from treeserve.wire.messages_stream import MessageEvents
 from treeserve.wire.responses import InputTokensRequest, ResponsesRequest
 from treeserve.wire.responses_api import ResponsesAPI
+from treeserve.wire.responses_truncation import PromptCount
 from treeserve.wire.translated_errors import MESSAGES, named_for
 from treeserve.wire.translated_stream import event_stream, translated_events
 
@@ -45,11 +46,13 @@ def translated_routes(service: GatewayService, auth: Auth, store: DatabaseRespon
         return chat
 
     def counting_on(key: KeyRecord, ids: list[str]):
-        async def count(chat: dict) -> int:  # (a backend's /tokenize: unbilled, as count_tokens)
+        async def count(chat: dict) -> PromptCount:  # (a backend's /tokenize: unbilled, as count_tokens)
             response = await service.count_tokens(chat, key)
             if "x-request-id" in response.headers:
                 ids.append(response.headers["x-request-id"])
-            return _reply(response)["count"]
+            reply = _reply(response)
+            size = reply.get("max_model_len")  # (vLLM's and treeserve's /tokenize say it)
+            return PromptCount(reply["count"], size if isinstance(size, int) and size > 0 else None)
         return count
 
     @routes.post("/v1/responses")

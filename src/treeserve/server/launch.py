@@ -136,13 +136,19 @@ def app_from_args(args):
     return app
 
 
+# the answers' headers a page may read: the request's id (Anthropic's `request-id` on its routes,
+# `X-Request-Id` with --enable-request-id-headers), which the clients show as `_request_id`
+EXPOSED_HEADERS = ["request-id", "x-request-id"]
+
+
 def allow_cors(app, args) -> None:
     """CORS headers for the origins `--allowed-origins` names (none by default); added last, so the
     outermost: a browser's preflight (OPTIONS, no key) is answered before the key is asked for."""
     origins = getattr(args, "allowed_origins", None)
     if origins:
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=args.allowed_methods,
-                           allow_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
+                           allow_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
+                           expose_headers=EXPOSED_HEADERS)
 
 
 def served_target(args) -> str | dict[str, str]:

@@ -65,6 +65,15 @@ class OpenAIServing:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     @staticmethod
+    def _rendered_tools(request: ChatCompletionRequest) -> list:
+        """The tools the prompt lists: those the model may call (an allowed_tools choice's only: a
+        model is not shown a tool it may not call)."""
+        try:
+            return [tool for _, tool in request.usable_tools()]
+        except ValueError as exc:
+            raise from_value_error(exc) from exc
+
+    @staticmethod
     def _ending(request: ChatCompletionRequest) -> tuple[bool, bool]:
         try:
             return request.template_ending()
@@ -201,7 +210,8 @@ class OpenAIServing:
     def render_body(self, body: dict) -> list[int]:
         """The prompt tokens of a translated chat body (its messages and tools)."""
         request = _chat_request(body)
-        return self.render(request.messages, request.tools, self._ending(request), request.chat_template_kwargs)
+        return self.render(request.messages, self._rendered_tools(request), self._ending(request),
+                           request.template_kwargs())
 
     async def chat_result(self, request: ChatCompletionRequest) -> dict | AsyncIterator[dict]:
         """The reply's body, or (streamed) its chunks: what /v1/chat/completions sends, and what the
@@ -213,7 +223,8 @@ class OpenAIServing:
             prompt_logprobs = request.requested_prompt_logprobs()
         except ValueError as exc:
             raise from_value_error(exc) from exc
-        ids = self.render(request.messages, request.tools, self._ending(request), request.chat_template_kwargs)
+        ids = self.render(request.messages, self._rendered_tools(request), self._ending(request),
+                          request.template_kwargs())
         max_tokens = request.requested_max_tokens()
         params = self._params(request, [ids], max_tokens, logprobs, "messages", prompt_logprobs, max_tokens is None)
         if tools is not None:
@@ -282,7 +293,7 @@ class OpenAIServing:
                 pairs = deltas.add(c.index, c)
                 delta, finish_reason = {"content": text} if text else {}, c.finish_reason
                 if c.index in calls:
-                    content, tool_deltas = calls[c.index].feed(text, finished)
+                    content, tool_deltas = calls[c.index].feed(text, finished, c.finish_reason == "length")
                     delta = {"content": content} if content else {}
                     if tool_deltas:
                         delta["tool_calls"] = tool_deltas

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from treeserve.errors import ParamError
 from treeserve.sampling_params import SamplingParams, StructuredOutputsParams
-from treeserve.server.tool_parsers import FORCED_FORMAT, TOOL_CALL_FORMATS, Parsed, ToolCallFormat, finish
+from treeserve.server.tool_parsers import FORCED_FORMAT, TOOL_CALL_FORMATS, Parsed, ToolCallFormat, finish, kept
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,9 @@ class ToolCalling:
         if choice is None:
             choice = "auto" if settings.auto else "none"
         indexes = list(range(len(functions)))
+        if getattr(choice, "type", None) == "allowed_tools":  # (the functions it names, in `mode`)
+            indexes = [i for i, _ in request.usable_tools()]
+            functions, choice = [functions[i] for i in indexes], choice.allowed_tools.mode
         if not isinstance(choice, str):
             if choice.function.name not in names:
                 raise ParamError("tool_choice.function.name", f"{choice.function.name!r} is not one of the tools "
@@ -121,7 +124,7 @@ class ToolCalling:
         """The reply's message for a whole output, and its finish reason (`tool_calls` for calls)."""
         if not self.reads_calls:
             return {"role": "assistant", "content": text}, finish_reason
-        parsed = finish(self.format.parse(text, final=True), text)
+        parsed = finish(self.format.parse(text, final=True), text, cut=finish_reason == "length")
         calls = parsed.calls if self.parallel else parsed.calls[:1]
         message = {"role": "assistant", "content": parsed.content if parsed.content.strip() or not calls else None}
         if not calls:
@@ -149,12 +152,13 @@ class ToolCallStream:
         self.announced: dict[int, list] = {}  # position among the parsed calls -> [index, id, arguments sent]
         self.scans: dict = {}  # the calls' scans, each going on from where the last text ended
 
-    def feed(self, delta: str, final: bool) -> tuple[str, list[dict]]:
+    def feed(self, delta: str, final: bool, cut: bool = False) -> tuple[str, list[dict]]:
+        """`cut`: max_tokens ended the text (with `final`; a call it cut is still one, see `kept`)."""
         if not delta and not final:
             return "", []
         self.text += delta
         parsed = self.calling.format.parse(self.text, final, self.scans)
-        if final and not self.announced and not any(c.valid for c in parsed.calls):
+        if final and not self.announced and not any(kept(c, cut) for c in parsed.calls):
             parsed = Parsed(self.text)  # no call after all: everything held back is the answer
         content = parsed.content[self.content_sent:]
         self.content_sent = max(self.content_sent, len(parsed.content))

@@ -293,9 +293,17 @@ def call_schema(function: dict, arguments_key: str) -> dict:
             "x-guidance": {"whitespace_flexible": False}, **defs}
 
 
-def finish(parsed: Parsed, text: str) -> Parsed:
-    """The final reading: the calls that validate; with none, the whole text is the answer."""
-    calls = [c for c in parsed.calls if c.valid]
+def kept(call: ParsedCall, cut: bool) -> bool:
+    """Whether the final reading keeps a call: one that validates, or, when max_tokens `cut` the text,
+    the call it cut once its name was read (its arguments unfinished), as a stream announced it and as
+    OpenAI's reply (`length`, arguments cut short) and Anthropic's (`max_tokens`, the tool_use block
+    incomplete) keep it."""
+    return call.valid or (cut and call.name is not None and not call.complete)
+
+
+def finish(parsed: Parsed, text: str, cut: bool = False) -> Parsed:
+    """The final reading: the calls kept (see `kept`); with none, the whole text is the answer."""
+    calls = [c for c in parsed.calls if kept(c, cut)]
     if not calls:
         return Parsed(text)
     return Parsed(parsed.content, calls)

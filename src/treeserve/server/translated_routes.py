@@ -15,6 +15,7 @@ from treeserve.wire.messages import CountTokensRequest, MessagesRequest, from_ch
 from treeserve.wire.messages_stream import MessageEvents
 from treeserve.wire.responses import InputTokensRequest, ResponsesRequest
 from treeserve.wire.responses_api import MemoryResponseStore, ResponsesAPI
+from treeserve.wire.responses_truncation import PromptCount
 from treeserve.wire.translated_errors import MESSAGES, named_for
 from treeserve.wire.translated_stream import event_stream, translated_events
 
@@ -59,9 +60,9 @@ def responses_routes(served, max_body_bytes: int) -> APIRouter:
 
 
 def _counter(serving):
-    """A chat body's prompt tokens, as `serving` renders them (nothing generated)."""
-    async def count(chat: dict) -> int:
-        return len(serving.render_body(chat))
+    """A chat body's prompt tokens, as `serving` renders them (nothing generated), and its context."""
+    async def count(chat: dict) -> PromptCount:
+        return PromptCount(len(serving.render_body(chat)), serving.max_model_len)
     return count
 
 

@@ -48,9 +48,8 @@ class MessageEvents(ChunkEvents):
         return events
 
     def finish(self) -> list[dict]:
-        events = self.finished_calls()
         reason, sequence = stop(self.finish_reason, self.stop_reason, self.request.stop_sequences, self.called)
-        return events + self._close() + [{"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+        return self._close() + [{"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
                                  "usage": usage(self.usage)}, {"type": "message_stop"}]
 
     def fail(self, status: int, message: str, code: str | None = None) -> list[dict]:

@@ -220,6 +220,17 @@ class NamedToolChoice(_Part):
     function: FunctionName
 
 
+class AllowedTools(_Part):
+    mode: Literal["auto", "required"]
+    tools: list[NamedToolChoice] = Field(min_length=1)
+
+
+class AllowedToolsChoice(_Part):
+    """OpenAI's newer form: the model may call these of the tools only, as `mode` says."""
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
+
+
 class FunctionCall(_Part):
     name: str
     arguments: str  # JSON text, as OpenAI's
@@ -234,7 +245,9 @@ class ToolCall(_Part):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # ("function": OpenAI's deprecated form of a tool's result, named by the function; passed to the
+    # template as it is, as vLLM does)
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant messages
@@ -265,6 +278,8 @@ class ChatMessage(BaseModel):
                 raise ParamError(f"{where}.tool_calls", f"only assistant messages carry tool calls, not {self.role}")
             message["tool_calls"] = [_template_call(call, f"{where}.tool_calls[{i}]")
                                      for i, call in enumerate(self.tool_calls)]
+        if self.role == "function" and not self.name:
+            raise ParamError(f"{where}.name", "a function message needs the name of the function whose result it is")
         if self.role == "tool":
             if not self.tool_call_id:
                 raise ParamError(f"{where}.tool_call_id", "a tool message needs the id of the call it answers")
@@ -289,7 +304,7 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice | None = None
     parallel_tool_calls: bool = True
 
     prompt_logprobs: int | None = None  # vLLM's: the chat-templated prompt's, in the response (not streamed)
@@ -298,6 +313,9 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None  # vLLM's: more variables for the template (enable_thinking, ...)
+    # OpenAI's; as vLLM, a variable of the chat template (gpt-oss's and others read it), with
+    # enable_thinking unless "none" where chat_template_kwargs does not set it (Qwen 3's, Gemma's read that)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     echo: bool = False  # vLLM's: the reply's content starts with the final message's, when that is the assistant's
 
     def echoed(self) -> str:
@@ -307,6 +325,28 @@ class ChatCompletionRequest(SamplingRequest):
         if not self.echo or last.role != "assistant":
             return ""
         return last.as_template_message()["content"]
+
+    def usable_tools(self) -> list[tuple[int, Tool]]:
+        """The tools the model may call, each with its place in `tools`: all of them, or those an
+        allowed_tools choice names (ParamError naming one that is not a tool)."""
+        tools = list(enumerate(self.tools or ()))
+        if not isinstance(self.tool_choice, AllowedToolsChoice):
+            return tools
+        names = [tool.function.name for _, tool in tools]
+        allowed = []
+        for i, named in enumerate(self.tool_choice.allowed_tools.tools):
+            if named.function.name not in names:
+                raise ParamError(f"tool_choice.allowed_tools.tools[{i}].function.name",
+                                 f"{named.function.name!r} is not one of the tools ({', '.join(names)})")
+            allowed.append(names.index(named.function.name))
+        return [tools[i] for i in sorted(set(allowed))]
+
+    def template_kwargs(self) -> dict | None:
+        """The chat template's variables: `chat_template_kwargs`, and `reasoning_effort` (see above)."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        effort = {"reasoning_effort": self.reasoning_effort, "enable_thinking": self.reasoning_effort != "none"}
+        return effort | (self.chat_template_kwargs or {}) | {"reasoning_effort": self.reasoning_effort}
 
     def template_ending(self) -> tuple[bool, bool]:
         """(add_generation_prompt, continue_final_message), checked as vLLM does."""

@@ -230,9 +230,14 @@ def chat_tool_choice(choice: str | dict) -> str | dict:
         return choice
     if choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
-    if choice.get("type") == "allowed_tools":
-        raise ParamError("tool_choice.type", "allowed_tools is not supported; list only those tools")
-    raise ParamError("tool_choice", "must be none, auto, required or {type: function, name}")
+    if choice.get("type") == "allowed_tools":  # (chat completions' form of it: the function's name nested)
+        tools = choice.get("tools")
+        if not isinstance(tools, list) or not all(isinstance(t, dict) and isinstance(t.get("name"), str) for t in tools):
+            raise ParamError("tool_choice.tools", "must be a list of {type: function, name}")
+        named = [{"type": "function", "function": {"name": tool["name"]}} for tool in tools]
+        return {"type": "allowed_tools", "allowed_tools": {"mode": choice.get("mode"), "tools": named}}
+    raise ParamError("tool_choice", "must be none, auto, required, {type: function, name} or "
+                     "{type: allowed_tools, mode, tools}")
 
 
 def response_format(format: TextFormat) -> dict:

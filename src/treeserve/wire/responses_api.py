@@ -12,14 +12,13 @@ from treeserve.wire.errors import APIError, from_value_error
 from treeserve.wire.responses import (InputTokensRequest, ResponsesRequest, chat_request, conversation, from_chat,
                                       input_item, new_id, skeleton)
 from treeserve.wire.responses_stream import ResponseEvents
-from treeserve.wire.responses_truncation import fitted
+from treeserve.wire.responses_truncation import CountFn, check_fits, counted_fit, fitted
 from treeserve.wire.translated_errors import RESPONSES, named_for
 from treeserve.wire.translated_stream import translated_events
 
 # a chat completions body in; its reply (a dict) or its chunks (an async iterator of dicts) out;
 # APIError for a refusal
 ChatFn = Callable[[dict], Awaitable["dict | AsyncIterator[dict]"]]
-CountFn = Callable[[dict], Awaitable[int]]  # a chat completions body in; its prompt's number of tokens out
 MAX_STORED_RESPONSES = 1000  # the server's store: the oldest go first
 
 
@@ -69,7 +68,8 @@ class ResponsesAPI:
     async def create(self, request: ResponsesRequest, chat: ChatFn, model: str,
                      owner: int | None = None, count: CountFn | None = None) -> dict | AsyncIterator[str]:
         """The response (a dict), or its events on the wire (streamed). `count` (a chat's prompt
-        tokens, unbilled) lets `truncation: "auto"` find the turns to drop without a chat each."""
+        tokens and the context's size, unbilled) lets `truncation: "auto"` find the turns to drop
+        before the chat is sent."""
         history = await self._history(request.previous_response_id, owner)
         body = _chat_body(request, history, model)
         response = skeleton(request, new_id("resp"), model)
@@ -91,12 +91,18 @@ class ResponsesAPI:
 
     async def input_tokens(self, request: InputTokensRequest, count: CountFn, model: str,
                            owner: int | None = None) -> dict:
-        """The input tokens a response made of these fields is charged (its chat's prompt tokens)."""
+        """The input tokens a response made of these fields is charged (its chat's prompt tokens),
+        `truncation` applied as the response would: with "auto", of what is left once the oldest turns
+        that cannot fit are dropped; an input that cannot fit (with "disabled", the default, or its last
+        turn alone with "auto") is the response's context-length 400, where the count knows the context."""
         response = request.as_response()
         body = _chat_body(response, await self._history(response.previous_response_id, owner), model)
         with named_for(RESPONSES):
-            tokens = await count(body)
-        return {"object": "response.input_tokens", "input_tokens": tokens}
+            if request.truncation == "auto":
+                body = await counted_fit(body, count)
+            counted = await count(body)
+            check_fits(body, counted)
+        return {"object": "response.input_tokens", "input_tokens": counted.tokens}
 
     async def _history(self, previous_response_id: str | None, owner: int | None) -> list[dict]:
         """The chat messages a response continues from (none without `previous_response_id`)."""

@@ -27,8 +27,7 @@ class ResponseEvents(ChunkEvents):
 
     def finish(self) -> list[dict]:
         status = item_status(self.finish_reason)  # (the last item's: the one max_output_tokens cut)
-        events = self.finished_calls()
-        events += self._close(status)
+        events = self._close(status)
         if not self.output:  # no text and no call: an empty message, as a whole reply has
             events += self._open_message() + self._close(status)
         self.response = finished(dict(self.response, output=self.output), self.finish_reason, self.usage)

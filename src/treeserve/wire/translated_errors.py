@@ -11,7 +11,8 @@ _AT = r"(?:\.|\[)(\d+)\]?"  # an index: ".0" (pydantic's locations) or "[0]" (Pa
 # (a chat field's pattern, the caller's field); the first that matches renames the parameter's start
 RESPONSES = [(r"^max_tokens\b", "max_output_tokens"), (r"^response_format\b", "text.format"),
              (rf"^tools{_AT}\.function\.", r"tools[\1]."), (r"^tool_choice\.function\.name\b", "tool_choice.name"),
-             (r"^messages\b\S*", "input")]
+             (rf"^tool_choice\.allowed_tools\.tools{_AT}\.function\.name\b", r"tool_choice.tools[\1].name"),
+             (r"^tool_choice\.allowed_tools\.", "tool_choice."), (r"^messages\b\S*", "input")]
 MESSAGES = [(r"^stop\b", "stop_sequences"), (r"^response_format\b", "output_config.format"),
             (rf"^tools{_AT}\.function\.parameters\b", r"tools[\1].input_schema"),
             (rf"^tools{_AT}\.function\.", r"tools[\1]."), (r"^tool_choice\.function\.name\b", "tool_choice.name")]

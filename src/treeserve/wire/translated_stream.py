@@ -21,10 +21,6 @@ class ChunkEvents(ABC):
     usage: dict | None = None
     finish_reason: str | None = None
     stop_reason = None  # the stop string met (vLLM's field), when one ended the reply
-    # a call announced with no arguments yet: its events wait for its first fragment, the next text or
-    # call, or a finish other than max_tokens (a reply cut before a call's arguments has no call, as the
-    # whole reply, which keeps only calls that parse, has none)
-    held_call: dict | None = None
 
     def opens(self, chunk: dict) -> bool:
         """Whether the opening events go with this chunk (its `start`): the first one, unless a
@@ -39,28 +35,12 @@ class ChunkEvents(ABC):
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta") or {}
             if delta.get("content"):
-                events += self._release_call() + self._text(delta["content"])
+                events += self._text(delta["content"])
             for call in delta.get("tool_calls") or ():
-                events += self._hold_or_call(call)
+                events += self._call(call)
             if choice.get("finish_reason"):
                 self.finish_reason, self.stop_reason = choice["finish_reason"], choice.get("stop_reason")
         return events
-
-    def finished_calls(self) -> list[dict]:
-        """The events of a call still held when the reply ends: none if max_tokens cut it (a converter's
-        `finish` starts with these)."""
-        return [] if self.finish_reason == "length" else self._release_call()
-
-    def _hold_or_call(self, call: dict) -> list[dict]:
-        announced = call.get("id") is not None
-        if announced and not (call.get("function") or {}).get("arguments"):
-            events, self.held_call = self._release_call(), call
-            return events
-        return self._release_call() + self._call(call)
-
-    def _release_call(self) -> list[dict]:
-        call, self.held_call = self.held_call, None
-        return [] if call is None else self._call(call)
 
     @abstractmethod
     def _text(self, text: str) -> list[dict]:
