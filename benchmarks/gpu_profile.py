@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).parent))
 import gpu_models as gm  # noqa: E402
-from gpu import engine_options, free_device_memory, prefill_batch  # noqa: E402
+from gpu import engine_options, prefill_batch  # noqa: E402
 
 from treeserve import LLM  # noqa: E402
 
@@ -73,7 +73,7 @@ def profile_batch(args, model_dir: Path, batch: int) -> dict:
     finally:
         llm.close()
         del llm
-        free_device_memory()
+        gm.free_memory(device)
     out = args.out / "profile"
     out.mkdir(parents=True, exist_ok=True)
     (out / f"kernels_b{batch}.txt").write_text(kernels)

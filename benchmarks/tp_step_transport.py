@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from treeserve.engine.step_data import CachedRequestData, NewRequestData, StepData
-from treeserve.engine.tp_executor import free_port
+from treeserve.ports import free_port
 from treeserve.sampling_params import SamplingParams
 
 

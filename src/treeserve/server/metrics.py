@@ -5,7 +5,7 @@ abort (`on_step`, `on_abort`) into plain numbers: no lock, and no engine object 
 scrape, on the HTTP event loop, formats those numbers (and reads the search runners' counters, see
 search_metrics.py); it never runs on the engine thread, never waits for it, and holds the GIL
 briefly: each series' text up to its value (`name{labels} `) is built once when the series is made,
-so a render formats one number per line (0.1-0.2 ms of CPU for two served models' ~670 lines, where
+so a render formats one number per line (0.1-0.2 ms of CPU for two served models' ~980 lines, where
 prometheus_client's `generate_latest` re-escaped every label of every line: 3-5 ms of CPU idle, 11-13
 ms under load, all holding the GIL that the engine thread needs between its ops). A histogram with no
 new observation reuses its text, and a scrape that finds nothing changed since the last render is
