@@ -237,7 +237,8 @@ def test_a_model_waits_for_the_blocks_another_models_running_requests_hold(pair)
 
     probe = _runtime(pair)
     page = probe.engines["gen"].kv.block_size * probe.engines["gen"].kv_bytes_per_token()
-    steps = ["step one is here and it is long " * 4, "two " * 10]
+    # (stripped, as Runtime.score_many reads them: the scorer's own submit takes steps as given)
+    steps = [("step one is here and it is long " * 4).strip(), ("two " * 10).strip()]
     expected = probe.score_many("prm", [(QUESTION, steps)])
     rt = Runtime(pair, dtype="float32", device="cpu", max_model_len=128, max_num_batched_tokens=128,
                  kv_cache_memory_bytes=24 * page)
