@@ -32,7 +32,8 @@ def _hf_beams(hf, ids, width, max_tokens, length_penalty):
                           num_beams=width, num_return_sequences=width, max_new_tokens=max_tokens,
                           length_penalty=length_penalty, early_stopping=True, do_sample=False,
                           output_scores=True, return_dict_in_generate=True, pad_token_id=hf.config.pad_token_id)
-    cum = out.sequences_scores * (out.sequences.shape[1] - len(ids)) ** length_penalty  # (HF divides by the generated length)
+    # (HF divides by the generated length)
+    cum = out.sequences_scores * (out.sequences.shape[1] - len(ids)) ** length_penalty
     return out.sequences.tolist(), cum.tolist()
 
 

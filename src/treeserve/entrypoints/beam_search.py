@@ -128,7 +128,8 @@ class BeamSearch:
             self.kept.discard(request_id)
             self.engine.release_kv(request_id)
 
-    def _next_token_logits(self, beams: list[tuple[BeamSearchSequence, str | None]]) -> dict[int, tuple[str, torch.Tensor]]:
+    def _next_token_logits(self, beams: list[tuple[BeamSearchSequence, str | None]]
+                           ) -> dict[int, tuple[str, torch.Tensor]]:
         """Each beam's next-token logits, as prefill-only requests that fork the beam's parent (only
         the last token is computed) and are kept for the beam's children."""
         done: dict[str, RequestOutput] = {}
