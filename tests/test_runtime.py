@@ -1,5 +1,7 @@
 """Several models in one process: shared and static KV, memory accounting, scoring through the Runtime."""
+import gc
 import re
+import weakref
 
 import pytest
 
@@ -126,6 +128,42 @@ def test_direct_scoring_refuses_a_conversation_too_long_for_the_verifier(pair):
     assert len(rt.score_steps("prm", QUESTION, ["seven"])) == 1
 
 
+def test_a_runtime_let_go_of_is_closed_as_an_llm_is(pair, tmp_path, monkeypatch):
+    """`del rt` closes its engines and trace (and stops its tensor-parallel workers) as `del llm` does
+    an LLM's (was: nothing closed them; the engines even kept the Runtime alive through their reclaim
+    callbacks). An explicit close() is not repeated by the collection."""
+    from treeserve.engine.llm_engine import LLMEngine
+
+    closed = []
+    monkeypatch.setattr(LLMEngine, "close", lambda engine: closed.append(engine))
+    rt = _runtime(pair, trace_path=tmp_path / "trace.jsonl")
+    rt.generate("gen", ["seven"], SamplingParams(max_tokens=2))
+    assert len(rt.score_steps("prm", QUESTION, ["seven"])) == 1
+    engines, trace, alive = list(rt.engines.values()), rt.trace, weakref.ref(rt)
+    del rt
+    gc.collect()
+    assert alive() is None
+    assert sorted(map(id, closed)) == sorted(map(id, engines))
+    assert trace._file.closed
+    closed.clear()
+    rt = _runtime(pair)
+    rt.close()
+    assert len(closed) == 2
+    del rt
+    gc.collect()
+    assert len(closed) == 2
+
+
+def test_direct_scoring_strips_steps_as_the_server_does(pair):
+    """Runtime.score_steps strips each step, as the server's /v1/rewards and /v1/score (and a search's
+    split) do (was: " seven\n" scored as another step than "seven" offline, the same over HTTP;
+    tests/test_server_multi_model.py checks offline against served scores)."""
+    rt = _runtime(pair)
+    clean = rt.score_steps("prm", QUESTION, ["seven", "eight"])
+    assert rt.score_steps("prm", QUESTION, ["  seven\n\n", "\teight "]) == pytest.approx(clean, abs=1e-6)
+    assert rt.score_many("prm", [(QUESTION, [" seven", "eight\n"])]) == [pytest.approx(clean, abs=1e-6)]
+
+
 def test_direct_scoring_refuses_an_empty_step_as_the_server_does(pair):
     """Runtime.score_steps scored an empty or blank step (a score of nothing) where the server's
     /v1/rewards and /v1/score answer a 400 naming it."""
@@ -199,7 +237,8 @@ def test_a_model_waits_for_the_blocks_another_models_running_requests_hold(pair)
 
     probe = _runtime(pair)
     page = probe.engines["gen"].kv.block_size * probe.engines["gen"].kv_bytes_per_token()
-    steps = ["step one is here and it is long " * 4, "two " * 10]
+    # (stripped, as Runtime.score_many reads them: the scorer's own submit takes steps as given)
+    steps = [("step one is here and it is long " * 4).strip(), ("two " * 10).strip()]
     expected = probe.score_many("prm", [(QUESTION, steps)])
     rt = Runtime(pair, dtype="float32", device="cpu", max_model_len=128, max_num_batched_tokens=128,
                  kv_cache_memory_bytes=24 * page)

@@ -65,6 +65,23 @@ def test_rewards_match_offline_runtime_while_generating(multi_server, pair):
     _assert_only_kept_blocks_held(engines)
 
 
+def test_spaced_steps_score_the_same_offline_as_served(multi_server, pair):
+    """The same steps, spaces and newlines around them, score the same through Runtime.score_steps as
+    through /v1/rewards: one rule (runtime/scorer.py `given_steps`: stripped) for both (was: the
+    server stripped them, the offline call scored them as sent: 0.80 against 0.26 here)."""
+    url, _, options = multi_server
+    spaced = ["  " + STEPS[0] + "\n\n", "\t" + STEPS[1] + " \n"]
+    served = httpx.post(f"{url}/v1/rewards", json={"model": "prm", "question": QUESTION, "steps": spaced}, timeout=60)
+    assert served.status_code == 200, served.text
+    rt = Runtime(pair, **options)
+    try:
+        assert rt.score_steps("prm", QUESTION, spaced) == pytest.approx(served.json()["scores"], abs=1e-5)
+        assert rt.score_steps("prm", QUESTION, spaced) == pytest.approx(rt.score_steps("prm", QUESTION, STEPS),
+                                                                       abs=1e-6)
+    finally:
+        rt.close()
+
+
 def _assert_only_kept_blocks_held(engines):
     """No request holds blocks but the PRM's kept sequences, and every reference is accounted for."""
     from collections import Counter

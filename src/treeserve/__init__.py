@@ -9,7 +9,8 @@ import importlib
 __version__ = "0.1.0"
 _EXPORTS = {"LLM": "treeserve.entrypoints.llm", "Runtime": "treeserve.runtime.runtime",
             "SamplingParams": "treeserve.sampling_params", "StructuredOutputsParams": "treeserve.sampling_params",
-            "RequestOutputKind": "treeserve.sampling_params",
+            "RequestOutputKind": "treeserve.sampling_params", "BeamSearchParams": "treeserve.sampling_params",
+            "BeamSearchOutput": "treeserve.entrypoints.beam_search", "BeamSearchSequence": "treeserve.entrypoints.beam_search",
             "RequestOutput": "treeserve.outputs", "CompletionOutput": "treeserve.outputs", "Logprob": "treeserve.outputs"}
 __all__ = [*_EXPORTS, "__version__"]
 

@@ -161,3 +161,26 @@ def _is_number(value) -> bool:
 def _require(ok: bool, name: str, message: str) -> None:
     if not ok:
         raise ParamError(name, message)
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's parameters of `LLM.beam_search` (entrypoints/beam_search.py says how they are used)."""
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        _require(_is_int(self.beam_width) and self.beam_width >= 1, "beam_width",
+                 f"must be an integer >= 1, got {self.beam_width!r}")
+        _require(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
+                 f"must be an integer >= 1, got {self.max_tokens!r}")
+        _require(_is_number(self.temperature) and 0 <= self.temperature < float("inf"), "temperature",
+                 f"must be >= 0 and finite, got {self.temperature!r}")
+        _require(_is_number(self.length_penalty) and abs(self.length_penalty) < float("inf"), "length_penalty",
+                 f"must be a finite number, got {self.length_penalty!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            _require(isinstance(getattr(self, name), bool), name, f"must be true or false, got {getattr(self, name)!r}")

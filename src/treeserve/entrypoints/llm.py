@@ -11,10 +11,11 @@ from treeserve.errors import ParamError
 from treeserve.config import EngineConfig
 from treeserve.engine.engine_loop import EngineLoop
 from treeserve.engine.llm_engine import LLMEngine
+from treeserve.entrypoints.beam_search import BeamSearch, BeamSearchOutput
 from treeserve.entrypoints.chat_utils import render_chat, template_messages
 from treeserve.entrypoints.engine_args import config_fields
 from treeserve.outputs import RequestOutput
-from treeserve.sampling_params import SamplingParams
+from treeserve.sampling_params import BeamSearchParams, SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
 ProgressBar = bool | Callable[..., tqdm]  # vLLM's use_tqdm: on/off, or what makes the bar (a tqdm-like class, a partial)
@@ -42,6 +43,11 @@ class LLM:
         llm = cls.__new__(cls)
         llm.engine, llm.loop, llm._ids = engine, loop or EngineLoop.of(engine), itertools.count()
         return llm
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """vLLM's name for the engine (`llm.llm_engine.get_tokenizer()` ...): the same object as `engine`."""
+        return self.engine
 
     def close(self) -> None:
         """Stops the engine's tensor-parallel workers, if it has any."""
@@ -84,6 +90,32 @@ class LLM:
             self.engine.validate_prompt(token_ids)
         return self._run([(text, ids, salt, params, rank) for (text, ids, salt), params, rank
                           in zip(encoded, params_list, priorities)], use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    lora_request: None = None, use_tqdm: ProgressBar = False,
+                    concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+        """vLLM's beam search: one `BeamSearchOutput` per prompt, its `sequences` best first
+        (entrypoints/beam_search.py says how, and where vLLM's and HF's differ). `concurrency_limit`:
+        how many prompts are searched at once (all by default); `use_tqdm`: a bar over the steps."""
+        _no_lora(lora_request)
+        if not isinstance(params, BeamSearchParams):
+            raise ParamError("params", f"expected BeamSearchParams, got {type(params).__name__} "
+                                       "(e.g. BeamSearchParams(beam_width=4, max_tokens=32))")
+        if concurrency_limit is not None and (not isinstance(concurrency_limit, int) or concurrency_limit < 1):
+            raise ParamError("concurrency_limit", f"must be an integer >= 1 or None, got {concurrency_limit!r}")
+        encoded = [self._encode(p) for p in _as_prompt_list(prompts)]
+        for _, token_ids, _ in encoded:
+            self.engine.validate_prompt(token_ids)
+        batch = concurrency_limit or len(encoded)
+        outputs: list[BeamSearchOutput] = []
+        for start in range(0, len(encoded), batch):
+            chunk = [(ids, salt) for _, ids, salt in encoded[start:start + batch]]
+            bar = _progress_bar(use_tqdm, params.max_tokens, "Beam search")
+            try:
+                outputs += BeamSearch(self.engine, self.loop, params).run(chunk, on_step=lambda: bar.update(1))
+            finally:
+                bar.close()
+        return outputs
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -192,12 +224,12 @@ def _priority_per_prompt(priority, count: int) -> list[int]:
     return list(priority)
 
 
-def _progress_bar(use_tqdm: ProgressBar, total: int):
-    """The bar counting finished prompts: tqdm's (shown for two prompts or more) where `use_tqdm` is
-    a bool, else the one the callable makes, as vLLM's LLM.generate calls it."""
+def _progress_bar(use_tqdm: ProgressBar, total: int, desc: str = "Processed prompts"):
+    """The bar counting finished prompts (or steps): tqdm's (shown for two or more) where `use_tqdm`
+    is a bool, else the one the callable makes, as vLLM's LLM.generate calls it."""
     if callable(use_tqdm):
-        return use_tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
-    return tqdm(total=total, desc="Processed prompts", disable=not use_tqdm or total < 2)
+        return use_tqdm(total=total, desc=desc, dynamic_ncols=True)
+    return tqdm(total=total, desc=desc, disable=not use_tqdm or total < 2)
 
 
 def _as_prompt_list(prompts) -> list[PromptType]:

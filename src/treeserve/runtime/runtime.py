@@ -11,6 +11,7 @@ runtime/roles.py says why a plain language model is not one unless named.
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from treeserve.outputs import RequestOutput
 from treeserve.runtime.memory import (MemoryBreakdown, measure_activation_bytes, non_torch_bytes,
                                       weights_bytes)
 from treeserve.runtime.roles import not_a_verifier, verifier_recipe
-from treeserve.runtime.scorer import StepScorer
+from treeserve.runtime.scorer import StepScorer, given_steps
 from treeserve.runtime.telemetry import TelemetryTrace
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,8 @@ class Runtime:
         self.trace = TelemetryTrace(trace_path) if trace_path else None
         if self.trace:
             self.loop.step_observers.append(self.trace.observe)
+        # `del rt` closes it too, as `del llm` does an LLM's engine (its workers and threads stop)
+        self._finalizer = weakref.finalize(self, _close_parts, self.trace, self.engines, self.executor)
 
     # ---- memory ---------------------------------------------------------------------------
     def _account(self, loaded: dict[str, LoadedModel], kv_bytes: int | None,
@@ -114,8 +117,9 @@ class Runtime:
         page = fitted_page_bytes([m.kv_bytes_per_token() for m in models], min(m.config.block_size for m in models))
         first = next(iter(models))
         # kept sequences of any model give way before any model's shared prefixes are evicted ...
+        runtime = weakref.ref(self)
         space = KVSpace.create(self.kv_budget, page, first.device, first.config.enable_prefix_caching,
-                               reclaim=lambda owner: self._reclaim_from(owner)())
+                               reclaim=lambda owner: _reclaimer(runtime, owner)())
         engines = {}
         for name, model in loaded.items():  # ... and before anything is preempted
             engines[name] = LLMEngine(model, space, reclaim=self._reclaim_from(name))
@@ -124,10 +128,7 @@ class Runtime:
 
     def _reclaim_from(self, first: str):
         """Releases one kept sequence: `first`'s own if it keeps any, else another model's."""
-        def reclaim() -> bool:
-            order = [self.engines[first]] + [e for name, e in self.engines.items() if name != first]
-            return any(e.reclaim_one() for e in order)
-        return reclaim
+        return _reclaimer(weakref.ref(self), first)
 
     def _build_static(self, loaded: dict[str, LoadedModel], fractions: dict[str, float]) -> dict[str, LLMEngine]:
         engines = {}
@@ -169,8 +170,10 @@ class Runtime:
         return self.score_many(name, [(question, steps)])[0]
 
     def score_many(self, name: str, items: list[tuple[str, list[str]]]) -> list[list[float]]:
-        """Direct scoring: a conversation too long for the verifier is an error, not a 0."""
+        """Direct scoring: a conversation too long for the verifier is an error, not a 0. Steps are
+        stripped as the server's scoring routes strip them (`given_steps`): the same scores."""
         scorer = self.scorer(name)
+        items = [(question, given_steps(steps)) for question, steps in items]
         for question, steps in items:
             scorer.require_readable(question, steps)
         return scorer.score_many(items)
@@ -196,13 +199,33 @@ class Runtime:
 
     def close(self) -> None:
         """Closes the trace and the engines (their CUDA graphs go now) and stops the tensor-parallel
-        workers, if any."""
-        if getattr(self, "trace", None):
-            self.trace.close()
-        for engine in getattr(self, "engines", {}).values():
-            engine.close()
-        if self.executor is not None:
-            self.executor.shutdown()
+        workers, if any. A Runtime dropped without it is closed when it is collected."""
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            finalizer()  # (once: a later collection does nothing)
+        else:  # (a constructor that failed midway)
+            _close_parts(getattr(self, "trace", None), getattr(self, "engines", {}), self.executor)
+
+
+def _reclaimer(runtime: weakref.ref, first: str):
+    """The engines hold this: it holds their Runtime weakly, so that dropping the Runtime closes it."""
+    def reclaim() -> bool:
+        engines = getattr(runtime(), "engines", None)
+        if not engines:
+            return False
+        order = [engines[first]] + [e for name, e in engines.items() if name != first]
+        return any(e.reclaim_one() for e in order)
+    return reclaim
+
+
+def _close_parts(trace: TelemetryTrace | None, engines: dict[str, LLMEngine], executor) -> None:
+    """What `Runtime.close` does, from the parts alone (a finalizer must not hold the Runtime)."""
+    if trace:
+        trace.close()
+    for engine in engines.values():
+        engine.close()
+    if executor is not None:
+        executor.shutdown()
 
 
 def _fractions(given: dict[str, float] | None, names: list[str]) -> dict[str, float]:

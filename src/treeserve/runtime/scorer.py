@@ -326,6 +326,16 @@ def readable_input(recipe, tokenizer, question: str, steps: list[str], max_model
     return 0, None
 
 
+def given_steps(steps: list[str], where: str = "steps") -> list[str]:
+    """A caller's steps as the verifier reads them: stripped, as a search's are (its pieces are), so
+    that the same steps score the same offline (`Runtime.score_steps`), over HTTP (the server's
+    scoring routes) and in a search; an empty one is a ParamError naming it."""
+    stripped = [step.strip() for step in steps]
+    if "" in stripped:
+        raise ParamError(f"{where}[{stripped.index('')}]", "a step is empty")
+    return stripped
+
+
 def _require_steps(steps: list[str]) -> None:
     if not steps:
         raise ParamError("steps", "must contain at least one step")

@@ -15,7 +15,7 @@ import numpy as np
 from treeserve.engine.async_engine import AsyncLLMEngine
 from treeserve.errors import ParamError
 from treeserve.runtime.roles import not_a_verifier
-from treeserve.runtime.scorer import StepScorer
+from treeserve.runtime.scorer import StepScorer, given_steps
 from treeserve.search.config import STEP_DELIMITER
 from treeserve.search.tree import split_steps
 from treeserve.wire.errors import APIError, from_value_error
@@ -33,12 +33,13 @@ def step_separator(scorer: StepScorer) -> str:
     return STEP_DELIMITER  # (Search-and-Learn's, and the bundled generator's)
 
 
-def given_steps(steps: list[str], where: str) -> list[str]:
-    """Steps as sent, stripped as a search's are (the same step scores the same); an empty one is a 400."""
-    stripped = [step.strip() for step in steps]
-    if "" in stripped:
-        raise APIError(400, f"{where}[{stripped.index('')}]: a step is empty", param=f"{where}[{stripped.index('')}]")
-    return stripped
+def sent_steps(steps: list[str], where: str) -> list[str]:
+    """Steps as sent, read by the rule offline scoring follows too (runtime's `given_steps`: stripped);
+    an empty one is a 400."""
+    try:
+        return given_steps(steps, where)
+    except ParamError as exc:
+        raise APIError(400, str(exc), param=exc.param) from None
 
 
 def encoded(scores: list[float], encoding_format: str) -> list[float] | str:
@@ -62,7 +63,7 @@ class RewardServing:
 
     async def rewards(self, body: RewardRequest) -> dict:
         scorer = self.scorer(body.model)
-        scores = (await self.score(scorer, [(body.question, given_steps(body.steps, "steps"))]))[0]
+        scores = (await self.score(scorer, [(body.question, sent_steps(body.steps, "steps"))]))[0]
         return {"object": "reward", "model": body.model, "recipe": scorer.recipe.name, "scores": scores}
 
     async def pooling(self, body: PoolingRequest) -> dict:
@@ -82,8 +83,8 @@ class RewardServing:
 
     async def score_candidates(self, body: ScoreRequest) -> dict:
         scorer = self.scorer(body.model)
-        prefix = given_steps(body.steps, "steps")
-        items = [(body.question, prefix + given_steps([c] if isinstance(c, str) else c, f"candidates[{i}]"))
+        prefix = sent_steps(body.steps, "steps")
+        items = [(body.question, prefix + sent_steps([c] if isinstance(c, str) else c, f"candidates[{i}]"))
                  for i, c in enumerate(body.candidates)]
         for i, (_, steps) in enumerate(items):
             if len(steps) == len(prefix):
