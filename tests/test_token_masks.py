@@ -9,6 +9,7 @@ import transformers
 from conftest import assert_no_leak
 from treeserve import LLM, SamplingParams
 from treeserve.engine import sampler as sampler_module
+from treeserve.engine.spec_decode.proposer import PerRequestProposer
 from treeserve.engine.token_masks import bad_word_sequences, banned_tokens
 from treeserve.errors import ParamError
 
@@ -178,3 +179,38 @@ def test_requests_without_masks_never_reach_the_masking_code(llm, monkeypatch):
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.8, seed=1, max_tokens=4, n=2), use_tqdm=False)
     assert all(len(c.token_ids) == 4 for o in outputs for c in o.outputs)
     assert llm.engine.runner.batch.num_masked == 0
+
+
+class FreeContinuation(PerRequestProposer):
+    """Drafts the unconstrained greedy continuation: tokens a mask forbids, which a verification that
+    masked nothing would keep (a test double for where drafts come from)."""
+
+    def __init__(self, continuation: list[int]):
+        self.continuation, self.calls = continuation, 0
+
+    def propose(self, request, k, threshold):
+        self.calls += 1
+        done = request.num_output_tokens
+        return list(self.continuation[done:done + k])
+
+
+def test_speculating_engines_mask_as_plain_ones(llama_dir, llm):
+    """Requests with allowed_token_ids or bad_words get no drafts (the verification masks neither):
+    their tokens are the plain engine's."""
+    def _undelayed(**fields):  # (no min_tokens: a request with min_tokens still to reach gets no drafts)
+        return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, **fields)
+    spec = LLM(str(llama_dir), **OPTIONS, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    tokenizer, vocab = llm.get_tokenizer(), llm.engine.loaded.model_config.vocab_size
+    [free] = llm.generate("The water is", _undelayed(), use_tqdm=False)
+    tokens = free.outputs[0].token_ids
+    drafts = spec.engine.speculator.proposers[spec.engine.speculator.config] = FreeContinuation(tokens)
+    assert spec.generate("The water is", _undelayed(), use_tqdm=False)[0].outputs[0].token_ids == tokens
+    assert drafts.calls > 0  # (an unmasked request is drafted for)
+    word, _ = _word_it_wrote(tokenizer, vocab, free.prompt_token_ids, tokens[1:], 1)
+    for fields in ({"allowed_token_ids": [t for t in range(vocab) if t != tokens[1]]}, {"bad_words": [word]}):
+        [plain] = llm.generate("The water is", _undelayed(**fields), use_tqdm=False)
+        drafts.calls = 0
+        [drafted] = spec.generate("The water is", _undelayed(**fields), use_tqdm=False)
+        assert drafted.outputs[0].token_ids == plain.outputs[0].token_ids != tokens, fields
+        assert drafts.calls == 0, fields
+    assert_no_leak(spec.engine)
