@@ -9,13 +9,14 @@ from treeserve.sampling_params import SamplingParams
 from treeserve.search.config import SearchConfig
 from treeserve.speculative_config import SpeculativeConfig
 from treeserve.wire.protocol import ChatCompletionRequest, CompletionRequest, SearchRequest
-from treeserve.wire.sampling_fields import AS_DECLARED, COMPUTED, MODEL_DEFAULTED, carried
+from treeserve.wire.sampling_fields import AS_DECLARED, COMPUTED, MODEL_DEFAULTED, OFFLINE_ONLY, carried
 
 # A value other than SamplingParams's default for each carried field (a new carried field needs one here).
 WIRE_VALUES = {"n": 3, "temperature": 0.5, "top_p": 0.9, "top_k": 7, "min_p": 0.1, "presence_penalty": 0.5,
                "frequency_penalty": -0.5, "repetition_penalty": 1.2, "seed": 11, "min_tokens": 2, "stop": ["##"],
                "stop_token_ids": [5, 6], "include_stop_str_in_output": True, "ignore_eos": True,
-               "skip_special_tokens": False}
+               "skip_special_tokens": False, "bad_words": ["foo"], "allowed_token_ids": [3, 4],
+               "truncate_prompt_tokens": 5}
 MODEL_DEFAULTS = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1,
                   "max_tokens": 99}
 BODIES = [(ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}]}),
@@ -28,7 +29,7 @@ def _init_fields() -> list[str]:
 
 def test_every_sampling_params_field_is_classified_once():
     """A new SamplingParams field must be given a place: carried by the wire, or computed by each API."""
-    lists, fields = MODEL_DEFAULTED + AS_DECLARED + COMPUTED, set(_init_fields())
+    lists, fields = MODEL_DEFAULTED + AS_DECLARED + COMPUTED + OFFLINE_ONLY, set(_init_fields())
     assert sorted(lists) == sorted(set(lists)), "a field is in two lists of wire/sampling_fields.py"
     assert set(lists) == fields, f"unclassified: {fields - set(lists)}; not SamplingParams fields: {set(lists) - fields}"
 

@@ -1,6 +1,7 @@
 """Per-request sampling settings, with vLLM's names and defaults, validated on construction."""
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json as json_module
 from dataclasses import dataclass, field
@@ -83,11 +84,23 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100] (OpenAI's)
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # vLLM's: words never generated (the last token of each word's tokens, alone and after a space, is
+    # masked wherever the tokens before it end the output so far)
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens are ever sampled
+    truncate_prompt_tokens: int | None = None   # vLLM's: only the prompt's last k tokens (-1: max_model_len)
+    detokenize: bool = True                     # vLLM's: False leaves each output's text empty (token ids only)
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
+    # the engine's: `bad_words` as token sequences, set by the engine from its tokenizer when it takes
+    # the request (engine/token_masks.py)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.stop_strings = _normalise_stop(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.bad_words = _normalise_bad_words(self.bad_words)
+        if self.allowed_token_ids is not None and isinstance(self.allowed_token_ids, (list, tuple, set)):
+            self.allowed_token_ids = list(self.allowed_token_ids)
         if isinstance(self.structured_outputs, dict):
             try:
                 self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
@@ -127,15 +140,34 @@ class SamplingParams:
                  f"must be a RequestOutputKind, got {self.output_kind!r}")
         _require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                  f"must be a list of non-negative integers, got {self.stop_token_ids!r}")
+        self._validate_vllm_extras()
+
+    def _validate_vllm_extras(self) -> None:
+        """vLLM's bad_words, allowed_token_ids, truncate_prompt_tokens and detokenize, as vLLM checks them
+        (the vocabulary and max_model_len are the engine's checks: engine/request_intake.py)."""
+        allowed = self.allowed_token_ids
+        _require(allowed is None or (isinstance(allowed, list) and all(_is_int(t) and t >= 0 for t in allowed)),
+                 "allowed_token_ids", f"must be a list of token ids (integers >= 0), got {allowed!r}")
+        _require(allowed is None or len(allowed) > 0, "allowed_token_ids",
+                 "must not be empty (no token could be sampled); leave it out to allow every token")
+        truncate = self.truncate_prompt_tokens
+        _require(truncate is None or (_is_int(truncate) and (truncate >= 1 or truncate == -1)),
+                 "truncate_prompt_tokens", f"must be an integer >= 1 or -1 (the model's max length), got {truncate!r}")
+        _require(isinstance(self.detokenize, bool), "detokenize", f"must be true or false, got {self.detokenize!r}")
+        _require(self.detokenize or not self.stop_strings, "stop",
+                 "stop strings need detokenize=True (they are found in the text); use stop_token_ids")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
 
     def clone(self, **changes) -> "SamplingParams":
-        fields = {k: v for k, v in self.__dict__.items() if k != "stop_strings"}
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
         fields.update(changes)
-        return SamplingParams(**fields)
+        copy = SamplingParams(**fields)
+        if copy.bad_words == self.bad_words:  # (the engine's tokens of the same words stay good)
+            copy.bad_words_token_ids = self.bad_words_token_ids
+        return copy
 
 
 def _normalise_stop(stop) -> tuple[str, ...]:
@@ -148,6 +180,17 @@ def _normalise_stop(stop) -> tuple[str, ...]:
     if any(s == "" for s in stop):
         raise ParamError("stop", "stop strings must be non-empty")
     return tuple(stop)
+
+
+def _normalise_bad_words(words) -> list[str] | None:
+    if words is None:
+        return None
+    if isinstance(words, str) or not isinstance(words, (list, tuple)) or \
+            not all(isinstance(w, str) for w in words):
+        raise ParamError("bad_words", f"must be a list of strings, got {words!r}")
+    if any(not w.strip() for w in words):
+        raise ParamError("bad_words", f"must not contain an empty (or blank) word, got {list(words)!r}")
+    return list(dict.fromkeys(words))  # (vLLM's: duplicates once)
 
 
 def _is_int(value) -> bool:

@@ -130,6 +130,7 @@ class AsyncLLMEngine:
         leaving the iterator early aborts the request. `priority`:
         the waiting queue's order (0 interactive, 1 background)."""
         engine = engine or self.engine
+        prompt_token_ids = engine.truncated_prompt(prompt_token_ids, params)
         engine.validate_prompt(prompt_token_ids)
         if self.max_queue is not None and self.num_waiting() >= self.max_queue:
             raise QueueFullError(f"the waiting queue is full ({self.max_queue} requests)")

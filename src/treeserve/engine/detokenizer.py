@@ -67,6 +67,22 @@ class IncrementalDetokenizer:
         return delta
 
 
+class _NoText:
+    """The detokenizer of a request with detokenize=False (vLLM's): its outputs carry token ids, no text."""
+    text = ""
+
+    @staticmethod
+    def push(token_id: int) -> str:
+        return ""
+
+    @staticmethod
+    def flush() -> str:
+        return ""
+
+
+NO_TEXT = _NoText()
+
+
 def find_stop_string(text: str, new_chars: int, stops: tuple[str, ...]) -> tuple[str, int] | None:
     """Earliest stop string that ends within the last `new_chars` characters: (stop, start index)."""
     best = None

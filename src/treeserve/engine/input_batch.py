@@ -7,9 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from treeserve.engine.block_table import BlockTable
 from treeserve.engine.seeded_draws import SeededDraws
 from treeserve.engine.step_data import NewRequestData, StepData
+from treeserve.engine.token_masks import uses_token_masks
 from treeserve.sampling_params import SamplingParams
 
 
@@ -28,6 +31,7 @@ class CachedRequestState:
     prompt_logprob_ids: list[int] | None
     seeded_draws: SeededDraws | None = None  # a seeded request's uniform numbers by output position
     table_row: int = -1  # its row of the batch's `BlockTable` (the same ids as `block_ids`)
+    allowed_mask: torch.Tensor | None = None  # allowed_token_ids: what they leave out (engine/token_masks.py)
 
     @classmethod
     def from_new(cls, new: NewRequestData) -> "CachedRequestState":
@@ -60,6 +64,7 @@ class InputBatch:
     def __init__(self):
         self.requests: dict[str, CachedRequestState] = {}
         self.block_table = BlockTable()
+        self.num_masked = 0  # requests with allowed_token_ids or bad_words: the sampler masks their rows
 
     def update(self, step: StepData) -> None:
         for req_id in step.finished_req_ids:
@@ -69,6 +74,7 @@ class InputBatch:
             state = CachedRequestState.from_new(new)
             state.table_row = self.block_table.add(state.block_ids)
             self.requests[new.req_id] = state
+            self.num_masked += uses_token_masks(state.sampling_params)
         for cached in step.cached_requests:
             state = self.requests[cached.req_id]
             state.token_ids.extend(cached.new_token_ids)
@@ -81,6 +87,7 @@ class InputBatch:
         state = self.requests.pop(req_id, None)
         if state is not None:
             self.block_table.remove(state.table_row)
+            self.num_masked -= uses_token_masks(state.sampling_params)
 
     def __getitem__(self, req_id: str) -> CachedRequestState:
         return self.requests[req_id]

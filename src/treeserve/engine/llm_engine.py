@@ -150,6 +150,15 @@ class LLMEngine:
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         self.intake.validate_prompt(prompt_token_ids)
 
+    def check_token_ids(self, params: SamplingParams) -> None:
+        """ParamError unless every token id the parameters name (logit_bias, allowed_token_ids, bad_words'
+        tokens) is in the vocabulary: what a server checks before it answers."""
+        self.intake.check_token_ids(params)
+
+    def truncated_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt as the request will run it: its last `params.truncate_prompt_tokens` tokens."""
+        return self.intake.truncated_prompt(prompt_token_ids, params)
+
     def compile_grammar(self, structured: StructuredOutputsParams):
         """Compiles (once; then cached) what a request's output must match; a bad one is a ParamError."""
         return self.structured.compile(structured)

@@ -140,7 +140,7 @@ class ModelRunner:
             return None
         return self.sampler.sample_async(self.model.compute_logits(hidden[inputs.sample_rows_device]),
                                          inputs.sample_requests,
-                                         inputs.grammar_rows, inputs.grammar_bitmask)
+                                         inputs.grammar_rows, inputs.grammar_bitmask, self.batch.num_masked > 0)
 
     def _verify(self, hidden: torch.Tensor, inputs: StepInputs) -> dict:
         """The drafts of the step's speculating requests checked against the model (on the host: a

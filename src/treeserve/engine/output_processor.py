@@ -54,7 +54,7 @@ class OutputProcessor:
         before = request.num_output_tokens - len(request.pending_text)  # (tokens whose text is made)
         for position, (token_id, logprobs, stop_token) in enumerate(request.pending_text, start=before + 1):
             if logprobs is not None:
-                request.logprobs.append(self.decoded_logprobs(logprobs))
+                request.logprobs.append(self.decoded_logprobs(logprobs, request.sampling_params.detokenize))
             delta = ""
             if not stop_token or include_stop:
                 # a stop token's own text (an EOS that skip_special_tokens=False keeps) only where asked for, as vLLM
@@ -72,8 +72,10 @@ class OutputProcessor:
             request.detokenizer.flush()
             request.output_text = request.detokenizer.text
 
-    def decoded_logprobs(self, logprobs: dict[int, tuple[float, int]]) -> dict[int, Logprob]:
-        return {tid: Logprob(lp, rank, self.decode([tid], False)) for tid, (lp, rank) in logprobs.items()}
+    def decoded_logprobs(self, logprobs: dict[int, tuple[float, int]], detokenize: bool = True) -> dict[int, Logprob]:
+        """Each token's Logprob, its text decoded unless the request said detokenize=False (None, as vLLM's)."""
+        decode = self.decode if detokenize else (lambda ids, skip: None)
+        return {tid: Logprob(lp, rank, decode([tid], False)) for tid, (lp, rank) in logprobs.items()}
 
     @staticmethod
     def _stop_token(request: Request, token_id: int) -> tuple[str, int | None] | None:

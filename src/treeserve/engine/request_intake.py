@@ -2,7 +2,7 @@
 (its `n` samples, the prefill they share, or one prefill-only request) and queued."""
 from __future__ import annotations
 
-from treeserve.engine.detokenizer import IncrementalDetokenizer
+from treeserve.engine.detokenizer import NO_TEXT, IncrementalDetokenizer
 from treeserve.engine.kept_kv import KeptSequences
 from treeserve.engine.kv_cache_manager import KVCacheManager
 from treeserve.engine.loaded_model import LoadedModel
@@ -10,6 +10,7 @@ from treeserve.engine.request import Request, RequestGroup
 from treeserve.engine.request_groups import RequestGroups
 from treeserve.engine.scheduler import Scheduler
 from treeserve.engine.structured_outputs import StructuredOutputs
+from treeserve.engine.token_masks import bad_word_sequences
 from treeserve.errors import ParamError, check_context_length
 from treeserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -35,10 +36,12 @@ class RequestIntake:
             keep_kv: bool, parent_id: str | None, priority: int, final_only: bool,
             draft_group: str | None = None, speculative_config=None) -> None:
         """See `LLMEngine.add_request`."""
+        prompt_token_ids = self.truncated_prompt(prompt_token_ids, params)
         self.validate_prompt(prompt_token_ids)
         if request_id in self.groups or request_id in self.retained:
             raise ParamError("request_id", f"{request_id!r} is already in use")
         self._check_params(params, prefill_only=logits_positions is not None)
+        params = self._with_bad_words_tokens(params)
         if logits_positions is not None:
             self._add_prefill_only(request_id, prompt_token_ids, params, prompt, cache_salt, logits_positions,
                                    readout_token_ids, keep_kv, parent_id, priority)
@@ -65,6 +68,42 @@ class RequestIntake:
             for child in children:
                 self.scheduler.add(child)
 
+    def truncated_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt's last `truncate_prompt_tokens` tokens (vLLM's left truncation; -1: max_model_len),
+        or the prompt as it is."""
+        keep = params.truncate_prompt_tokens
+        if keep is None:
+            return prompt_token_ids
+        limit = self.loaded.max_model_len
+        if keep == -1:
+            keep = limit
+        if keep > limit:
+            raise ParamError("truncate_prompt_tokens", f"{keep} is greater than the model's max_model_len ({limit}): "
+                             "select a smaller truncation size (or -1 for max_model_len)")
+        return list(prompt_token_ids[-keep:])
+
+    def check_token_ids(self, params: SamplingParams) -> None:
+        """The token ids the parameters name (logit_bias, allowed_token_ids, bad_words' tokens) are in
+        this model's vocabulary."""
+        vocab = self.loaded.model_config.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ParamError("logit_bias", f"token id {max(params.logit_bias)} is outside the vocabulary [0, {vocab})")
+        if params.allowed_token_ids and max(params.allowed_token_ids) >= vocab:
+            outside = sorted(t for t in set(params.allowed_token_ids) if t >= vocab)
+            raise ParamError("allowed_token_ids", f"token ids {outside[:8]} are outside the vocabulary [0, {vocab})")
+        if params.bad_words:
+            bad_word_sequences(self.loaded.tokenizer, params.bad_words, vocab)
+
+    def _with_bad_words_tokens(self, params: SamplingParams) -> SamplingParams:
+        """`params` with its bad words as this model's token sequences (a copy: the caller's may serve
+        another model, whose tokenizer writes them otherwise)."""
+        if not params.bad_words:
+            return params
+        sequences = bad_word_sequences(self.loaded.tokenizer, params.bad_words, self.loaded.model_config.vocab_size)
+        params = params.clone()
+        params.bad_words_token_ids = sequences
+        return params
+
     def _cache_namespace(self, num_prompt_tokens: int) -> str:
         """Prefix-cache hashes are per model, and with LongRoPE per regime: a prompt past the original
         length computes every position with the long factors, so its blocks never stand in for a
@@ -81,9 +120,8 @@ class RequestIntake:
             raise ParamError("model", f"{self.loaded.model_dir.name} is a process reward model "
                              f"({model_config.architecture}): it scores steps (/v1/rewards, a search's "
                              "verifier) and generates nothing")
+        self.check_token_ids(params)
         vocab = model_config.vocab_size
-        if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise ParamError("logit_bias", f"token id {max(params.logit_bias)} is outside the vocabulary [0, {vocab})")
         for name in ("logprobs", "prompt_logprobs"):  # (a top-k past the vocabulary failed the engine's step)
             if (getattr(params, name) or 0) > vocab:
                 raise ParamError(name, f"at most the vocabulary's {vocab} tokens, got {getattr(params, name)}")
@@ -122,7 +160,8 @@ class RequestIntake:
                           max_tokens=max_tokens, cache_salt=cache_salt,
                           cache_namespace=self._cache_namespace(len(prompt_token_ids)), priority=priority)
         request.detokenizer = IncrementalDetokenizer(self.loaded.tokenizer, prompt_token_ids,
-                                                     params.skip_special_tokens, self.decode)
+                                                     params.skip_special_tokens, self.decode) \
+            if params.detokenize else NO_TEXT
         if params.structured_outputs is not None:
             request.matcher = self.structured.matcher(params.structured_outputs)
         return request

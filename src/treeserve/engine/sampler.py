@@ -1,5 +1,5 @@
-"""Turns a step's logits into next tokens: grammar masks (structured outputs), logit bias,
-penalties, temperature, top-k/top-p/min-p, seeds, logprobs.
+"""Turns a step's logits into next tokens: grammar masks (structured outputs), allowed tokens and
+bad words (engine/token_masks.py), logit bias, penalties, temperature, top-k/top-p/min-p, seeds, logprobs.
 
 All filtering is batched over the rows. A row samples by inverse transform: one uniform draw
 against its cumulative probabilities. A request with its own seed draws the number for its k-th
@@ -18,6 +18,7 @@ import torch
 
 from treeserve.engine import structured_outputs
 from treeserve.engine.input_batch import CachedRequestState
+from treeserve.engine.token_masks import apply_token_masks, uses_token_masks
 from treeserve.model.transfer import HostCopy, to_device
 
 
@@ -44,13 +45,16 @@ class Sampler:
         return self.sample_async(logits, requests).result()
 
     def sample_async(self, logits: torch.Tensor, requests: list[CachedRequestState], grammar_rows: list[int] = (),
-                     grammar_bitmask: torch.Tensor | None = None) -> PendingSamples:
+                     grammar_bitmask: torch.Tensor | None = None, masked: bool | None = None) -> PendingSamples:
         """Samples on the device; the copy to the host is started, not waited for. `grammar_bitmask`
-        row j holds what the grammar of row `grammar_rows[j]` allows (structured outputs)."""
+        row j holds what the grammar of row `grammar_rows[j]` allows (structured outputs). `masked`:
+        whether any row has allowed_token_ids or bad_words (the runner's batch counts them; None: look)."""
         params = [r.sampling_params for r in requests]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
         if grammar_bitmask is not None:
             structured_outputs.apply_bitmask(logits, list(grammar_rows), grammar_bitmask)
+        if masked if masked is not None else any(uses_token_masks(p) for p in params):
+            apply_token_masks(logits, requests)
         self._add_logit_bias(logits, params)
         logits = self._mask_stops_below_min_tokens(logits, requests)
         logits = self._apply_penalties(logits, requests)

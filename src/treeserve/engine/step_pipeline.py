@@ -103,12 +103,13 @@ class StepPipeline:
     def _may_leave_running(self, sched) -> bool:
         """Async scheduling, some request samples this step, none is prefill-only (a verifier's
         readouts come back at once), and none needs its token on the host before its next step
-        can be built (a grammar's next mask, penalties' token counts)."""
+        can be built (a grammar's next mask, penalties' token counts, bad words' tails)."""
         if not self.async_scheduling or any(item.request.prefill_only or item.num_draft_tokens
                                             for item in sched.scheduled):
             return False
         sampling = [item.request for item in sched.scheduled if item.completes_sequence]
-        return bool(sampling) and not any(r.matcher is not None or _penalized(r.sampling_params) for r in sampling)
+        return bool(sampling) and not any(r.matcher is not None or _penalized(r.sampling_params)
+                                          or r.sampling_params.bad_words_token_ids for r in sampling)
 
     def _advance(self, sched) -> None:
         """What the next schedule must see of a step left running: its tokens computed (any later
@@ -140,7 +141,9 @@ class StepPipeline:
         for req_id, position, logits in result.readouts:
             self.steps.request(req_id).prompt_logits[position] = logits
         for req_id, position, entry in result.prompt_logprobs:
-            self.steps.request(req_id).prompt_logprobs[position] = self.outputs.processor.decoded_logprobs(entry)
+            request = self.steps.request(req_id)
+            request.prompt_logprobs[position] = self.outputs.processor.decoded_logprobs(
+                entry, request.sampling_params.detokenize)
         touched: dict[str, RequestGroup] = {}
         for item in sched.scheduled:
             request = item.request

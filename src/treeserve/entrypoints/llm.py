@@ -85,7 +85,8 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         params_list = self._params_per_prompt(sampling_params, len(prompt_list))
         priorities = _priority_per_prompt(priority, len(prompt_list))
-        encoded = [self._encode(p) for p in prompt_list]
+        encoded = [(text, self.engine.truncated_prompt(ids, params), salt)  # (truncate_prompt_tokens)
+                   for (text, ids, salt), params in zip(map(self._encode, prompt_list), params_list)]
         for (_, token_ids, _), params in zip(encoded, params_list):  # validate everything before scheduling
             self.engine.validate_prompt(token_ids)
         return self._run([(text, ids, salt, params, rank) for (text, ids, salt), params, rank

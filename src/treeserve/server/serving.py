@@ -104,8 +104,15 @@ class OpenAIServing:
         return model if requested is None else min(requested, model)
 
     def _params(self, request, prompts: list[list[int]], max_tokens: int | None, logprobs: int | None,
-                prompt_field: str, prompt_logprobs: int | None = None, left_out: bool = False) -> SamplingParams:
+                prompt_field: str, prompt_logprobs: int | None = None,
+                left_out: bool = False) -> tuple[SamplingParams, list[list[int]]]:
+        """The request's SamplingParams, and its prompts as they will run (cut to the last
+        `truncate_prompt_tokens` tokens, as vLLM's), checked against the model."""
         try:
+            params = request.sampling_params(self.llm.generation_defaults.sampling,
+                                             self._model_max_tokens(max_tokens, left_out), logprobs, prompt_logprobs)
+            self.llm.check_token_ids(params)  # (before a stream starts: a 400, not an error event)
+            prompts = [self.llm.truncated_prompt(ids, params) for ids in prompts]
             for ids in prompts:
                 check_context_length(self.max_model_len, len(ids), max_tokens, prompt_field)
                 try:
@@ -113,8 +120,6 @@ class OpenAIServing:
                 except ValueError as exc:  # the engine names it `prompt`; the request calls it prompt_field
                     detail = exc.detail if isinstance(exc, ParamError) else str(exc)[len("prompt: "):]
                     raise ParamError(prompt_field, detail) from exc
-            params = request.sampling_params(self.llm.generation_defaults.sampling,
-                                             self._model_max_tokens(max_tokens, left_out), logprobs, prompt_logprobs)
         except ValueError as exc:
             # (a chat that sent max_completion_tokens is told of that field, not of max_tokens)
             named = getattr(request, "max_completion_tokens", None) is not None
@@ -123,7 +128,7 @@ class OpenAIServing:
         # streamed: each output holds only what is new (the engine holds back a stop string's start);
         # otherwise one output, at the end (no hand-off to this event loop per request per step)
         params.output_kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
-        return params
+        return params, prompts
 
     async def compile_grammar(self, request, params: SamplingParams, tools: ToolCalling | None = None) -> None:
         """Compiles the request's grammar (cached) off the event loop, before anything is queued: a
@@ -226,7 +231,8 @@ class OpenAIServing:
         ids = self.render(request.messages, self._rendered_tools(request), self._ending(request),
                           request.template_kwargs())
         max_tokens = request.requested_max_tokens()
-        params = self._params(request, [ids], max_tokens, logprobs, "messages", prompt_logprobs, max_tokens is None)
+        params, [ids] = self._params(request, [ids], max_tokens, logprobs, "messages", prompt_logprobs,
+                                     max_tokens is None)
         if tools is not None:
             params = tools.adjust(params)
         await self.compile_grammar(request, params, tools)
@@ -324,8 +330,8 @@ class OpenAIServing:
             raise from_value_error(exc) from exc
         prompts = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in raw_prompts]
         texts = [p if isinstance(p, str) else None for p in raw_prompts]
-        params = self._params(request, prompts, max_tokens, logprobs, "prompt", prompt_logprobs,
-                              request.max_tokens is None)
+        params, prompts = self._params(request, prompts, max_tokens, logprobs, "prompt", prompt_logprobs,
+                                       request.max_tokens is None)
         await self.compile_grammar(request, params)
         self.check_capacity(len(prompts))
         rid = f"cmpl-{uuid.uuid4().hex}"

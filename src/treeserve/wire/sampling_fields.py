@@ -1,7 +1,7 @@
 """Which `SamplingParams` fields a request body carries, and how: declared once here, read by the
 OpenAI request models both for their fields (named, typed and defaulted as `SamplingParams`
 declares them) and for the way back to `SamplingParams`. Every field of `SamplingParams` is in
-exactly one of the three lists (tests/test_sampling_fields.py checks)."""
+exactly one of the four lists (tests/test_sampling_fields.py checks)."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,10 +14,13 @@ from treeserve.sampling_params import SamplingParams
 MODEL_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 # On the wire with SamplingParams's own type and default.
 AS_DECLARED = ("n", "presence_penalty", "frequency_penalty", "seed", "min_tokens", "stop", "stop_token_ids",
-               "include_stop_str_in_output", "ignore_eos", "skip_special_tokens")
+               "include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "bad_words", "allowed_token_ids",
+               "truncate_prompt_tokens")
 # Computed by each API from fields of its own (max_completion_tokens; logprobs, top_logprobs and echo;
 # response_format; logit_bias's string keys; output_kind from stream), so not declared from here.
 COMPUTED = ("max_tokens", "logprobs", "prompt_logprobs", "structured_outputs", "logit_bias", "output_kind")
+# Offline only (vLLM's server has none of them: an OpenAI reply is text).
+OFFLINE_ONLY = ("detokenize",)
 
 
 def carried() -> list[dataclasses.Field]:

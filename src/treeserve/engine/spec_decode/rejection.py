@@ -14,7 +14,7 @@ emits the very tokens it would without speculation.
 
 A grammar's mask (structured outputs: at each row, what the grammar allows after the drafts before
 it), logit bias, temperature, top-k, top-p and min-p apply per row as in the sampler; requests with
-penalties or min_tokens still to reach get no drafts (engine/spec_decode/speculator.py), and a
+penalties, allowed_token_ids, bad_words or min_tokens still to reach get no drafts (engine/spec_decode/speculator.py), and a
 constrained request's drafts stop where its grammar would refuse one."""
 from __future__ import annotations
 
