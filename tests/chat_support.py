@@ -146,6 +146,9 @@ def gateway_config(database: str, backend: str, scripted: str, services: str, ro
               "arith-prm": ModelConfig("arith-prm", [BackendConfig(backend)]),
               "arith-router": ModelConfig("arith-router", [BackendConfig(backend)]),
               "router": ModelConfig("router", [BackendConfig(scripted, model="scripted")]),
+              # arith-router under another name: a router that is shown the conversation (the bundled
+              # one is shown the last message alone), with a backend that measures it
+              "fc-router": ModelConfig("fc-router", [BackendConfig(backend, model="arith-router")]),
               "echo": ModelConfig("echo", [BackendConfig(scripted, model="scripted")])}
     chat = ChatConfig(enabled=True, verifiers={"arith-gen": "arith-prm"}, router_model=router,
                       tools={"weather": services + "/weather", "wikipedia": services + "/wiki"},
