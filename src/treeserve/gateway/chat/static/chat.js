@@ -299,7 +299,9 @@ function renderMessage(message) {
     : el("div", { class: "content", "data-testid": "message-content", text: message.content });
   node.append(meta, content);
   if (message.role === "user" && message.id != null) {
-    const edit = el("button", { type: "button", class: "link edit", "data-testid": "edit-message", text: "Edit" });
+    // (labelled by the style sheet: "Edit" is not part of the message's text, copied or read)
+    const edit = el("button", { type: "button", class: "link edit", "data-testid": "edit-message",
+      "aria-label": "Edit", title: "Edit this message and send it again" });
     edit.addEventListener("click", () => startEditing(node, message));
     meta.append(edit);
   }
