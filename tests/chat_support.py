@@ -20,6 +20,7 @@ import re
 import time
 from types import SimpleNamespace
 
+import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
@@ -189,3 +190,11 @@ def chat_stack(database: str, backend_url: str, router: str = "router"):
 
 def add_user(gateway_app, user_id: str, password: str, **fields) -> None:
     gateway_app.state.store.accounts.create_user(user_id, password_hash=hash_password(password), **fields)
+
+
+def stopped_answers(url: str) -> float:
+    """The gateway's count of chat answers stopped (their stream cut off) so far."""
+    metrics = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {MASTER}"}).text
+    line = next((m for m in metrics.splitlines()
+                 if m.startswith('treeserve_gateway:chat_messages_total{mode="chat",status="stopped"}')), None)
+    return float(line.split()[-1]) if line else 0.0

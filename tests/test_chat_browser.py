@@ -15,14 +15,13 @@ import shutil
 import time
 from pathlib import Path
 
-import httpx
 import openpyxl
 import pytest
 from selenium.webdriver import ActionChains
 from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support.ui import Select
 
-from chat_support import MASTER, add_user, arith_backend, chat_stack
+from chat_support import add_user, arith_backend, chat_stack, stopped_answers
 from test_chat_router import QUESTIONS
 from treeserve.cli_chat import EXAMPLES
 
@@ -523,14 +522,6 @@ def _stored(driver, conversation_id: str) -> list[tuple[str, str, str]]:
           .then((c) => done(c.messages.map((m) => [m.role, m.content, m.model])));""", conversation_id)]
 
 
-def _stopped_answers(url: str) -> float:
-    """The gateway's count of chat answers stopped (a stream cut off) so far."""
-    metrics = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {MASTER}"}).text
-    line = next((m for m in metrics.splitlines() if m.startswith('treeserve_gateway:chat_messages_total{mode="chat",'
-                                                                  'status="stopped"}')), None)
-    return float(line.split()[-1]) if line else 0.0
-
-
 def _edit(driver, position: int, text: str) -> None:
     """The user's message at `position` edited to `text` and sent (Edit shows under the pointer)."""
     message = driver.find_elements(*by("message-user"))[position]
@@ -577,7 +568,7 @@ def test_regenerate_and_edit_replace_answers_and_keep_them(stack, browser):
     Select(driver.find_element(*by("settings-model"))).select_by_value("echo")
     driver.find_element(*by("messages")).click()
     slow = "slowly: " + " ".join(["one two three"] * 4)
-    stopped = _stopped_answers(url)
+    stopped = stopped_answers(url)
     driver.find_element(*by("message-input")).send_keys(slow)
     driver.find_element(*by("send")).click()
     wait(driver, lambda d: len(d.find_elements("css selector", ".message.streaming .content")) and
@@ -585,7 +576,7 @@ def test_regenerate_and_edit_replace_answers_and_keep_them(stack, browser):
     driver.find_element(*by("regenerate")).click()
     wait(driver, lambda d: len(d.find_elements(*by("message-assistant"))) == 3 and last_answer(d) == slow
          and not d.find_elements("css selector", ".message.streaming"), timeout=60)
-    assert wait(driver, lambda d: _stopped_answers(url) == stopped + 1, timeout=10)  # the first one was stopped
+    assert wait(driver, lambda d: stopped_answers(url) == stopped + 1, timeout=10)  # the first one was stopped
     expected = [("user", "first question"), ("assistant", "first question"), ("user", "second question"),
                 ("user", slow), ("assistant", slow)]
     shown = _messages(driver)

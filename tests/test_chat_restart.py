@@ -10,7 +10,7 @@ import json
 import httpx
 import pytest
 
-from chat_support import MASTER, chat_stack
+from chat_support import MASTER, chat_stack, stopped_answers
 from gateway_support import wait_for
 from test_chat_api import backend, new_conversation, send, sign_in, stack  # noqa: F401 (fixtures)
 from treeserve.gateway.chat.tools import ROUTER_PROMPT
@@ -145,12 +145,13 @@ def test_an_answer_to_a_replaced_question_is_never_stored(stack):
     # through the API: an answer left streaming, then regenerated at once
     path = f"/chat/api/conversations/{conversation['id']}"
     body = {"content": "slowly: " + "one two three " * 8}
+    stopped = stopped_answers(url)
     with client.stream("POST", path + "/messages", json=body) as response:
         for line in response.iter_lines():
             if line.startswith("data:") and json.loads(line[5:])["type"] == "delta":
                 break  # the page's Regenerate stops the answer streaming first
     restart(client, "POST", path + "/regenerate")
-    wait_for(lambda: not gateway.state.chat.metrics.chat_messages.labels("chat", "stopped")._value.get() == 0)
+    assert wait_for(lambda: stopped_answers(url) == stopped + 1)  # the stopped answer's save was tried
     expected = [("user", "question"), ("assistant", "on time"), ("user", body["content"]),
                 ("assistant", body["content"])]
     assert wait_for(lambda: stored(client, conversation["id"]) == expected, timeout=10), \
