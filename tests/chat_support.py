@@ -20,6 +20,7 @@ import re
 import time
 from types import SimpleNamespace
 
+import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
@@ -146,6 +147,9 @@ def gateway_config(database: str, backend: str, scripted: str, services: str, ro
               "arith-prm": ModelConfig("arith-prm", [BackendConfig(backend)]),
               "arith-router": ModelConfig("arith-router", [BackendConfig(backend)]),
               "router": ModelConfig("router", [BackendConfig(scripted, model="scripted")]),
+              # arith-router under another name: a router that is shown the conversation (the bundled
+              # one is shown the last message alone), with a backend that measures it
+              "fc-router": ModelConfig("fc-router", [BackendConfig(backend, model="arith-router")]),
               "echo": ModelConfig("echo", [BackendConfig(scripted, model="scripted")])}
     chat = ChatConfig(enabled=True, verifiers={"arith-gen": "arith-prm"}, router_model=router,
                       tools={"weather": services + "/weather", "wikipedia": services + "/wiki"},
@@ -186,3 +190,11 @@ def chat_stack(database: str, backend_url: str, router: str = "router"):
 
 def add_user(gateway_app, user_id: str, password: str, **fields) -> None:
     gateway_app.state.store.accounts.create_user(user_id, password_hash=hash_password(password), **fields)
+
+
+def stopped_answers(url: str) -> float:
+    """The gateway's count of chat answers stopped (their stream cut off) so far."""
+    metrics = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {MASTER}"}).text
+    line = next((m for m in metrics.splitlines()
+                 if m.startswith('treeserve_gateway:chat_messages_total{mode="chat",status="stopped"}')), None)
+    return float(line.split()[-1]) if line else 0.0

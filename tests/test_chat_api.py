@@ -15,6 +15,7 @@ import pytest
 
 from chat_support import MASTER, add_user, arith_backend, chat_stack
 from gateway_support import wait_for
+from treeserve.gateway.chat.tools import ROUTER_PROMPT
 
 
 @pytest.fixture(scope="module")
@@ -212,7 +213,7 @@ def test_search_mode_streams_progress_then_candidates_with_step_scores(stack):
     assert search["answer"] == search["candidates"][search["chosen"]]["answer"] != ""
 
 
-def test_tools_mode_routes_only_the_last_message_and_runs_sympy(stack, backend):
+def test_tools_mode_routes_the_conversation_and_runs_sympy(stack, backend):
     url, _, scripted, services = stack
     client = sign_in(url, "ada", "correct horse battery")
     conversation = new_conversation(client, mode="tools", model="arith-gen", max_tokens=16)
@@ -229,8 +230,11 @@ def test_tools_mode_routes_only_the_last_message_and_runs_sympy(stack, backend):
     events = send(client, conversation["id"], "What is the weather like? Tell me a joke.")
     assert next(e for e in events if e["type"] == "routed")["tool"] == "answer_directly"
     router_request = scripted.state.requests[-1]
-    assert [m["role"] for m in router_request["messages"]] == ["system", "user"]  # only the last message
-    assert router_request["messages"][-1]["content"] == "What is the weather like? Tell me a joke."
+    # the conversation as the chat model sees it, tool answers left out (the scripted router cannot
+    # measure it: all of it); it used to be the last message alone
+    assert [m["content"] for m in router_request["messages"]] == [
+        ROUTER_PROMPT, "solve x**2 - 5*x + 6 = 0 for x", "integrate x*sin(x) for x", "evaluate 2^10 - 1 + sqrt(16)",
+        "What is the weather like? Tell me a joke."]
     assert {t["function"]["name"] for t in router_request["tools"]} == {"sympy", "weather", "wikipedia",
                                                                        "answer_directly"}
     answering = [b for path, b in backend[1].bodies if path == "/v1/chat/completions"][-1]

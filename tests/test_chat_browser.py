@@ -3,7 +3,8 @@ in front of the bundled arith-gen + arith-prm + arith-router: sign in, send an e
 from the empty conversation, stream an answer and see it grow, reload and see the history, change
 settings and see them reach the backend, export XLSX and read it back, search mode's candidates
 and step scores, tools mode's SymPy through the bundled router, an answer full of markup that
-runs nothing, and a second user who cannot open the first one's conversation.
+runs nothing, a second user who cannot open the first one's conversation, and Regenerate and Edit
+(stored, stopping an answer that streams, an edit full of markup shown as text).
 
 Screenshots go to a temporary folder, or to docs/images/ with TREESERVE_SCREENSHOTS=docs (how the
 ones in docs/ were taken)."""
@@ -20,7 +21,7 @@ from selenium.webdriver import ActionChains
 from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support.ui import Select
 
-from chat_support import add_user, arith_backend, chat_stack
+from chat_support import add_user, arith_backend, chat_stack, stopped_answers
 from test_chat_router import QUESTIONS
 from treeserve.cli_chat import EXAMPLES
 
@@ -505,3 +506,126 @@ def test_stop_before_the_question_is_stored_back_shows_what_was_stored(stack, br
     wait(driver, lambda d: [m.text for m in d.find_elements(*by("message-user"))] == ["You\nslowly: stopped early"]
          and "stopped" in d.find_elements(*by("message-assistant"))[-1].text, timeout=10)
     assert driver.find_element(*by("send")).is_enabled()
+
+
+def _messages(driver) -> list[tuple[str, str]]:
+    """The conversation as the page shows it: (role, text) of each message, read at one instant."""
+    return [tuple(m) for m in driver.execute_script("""return [...document.querySelectorAll('#messages .message')]
+        .map((m) => [m.dataset.testid.replace('message-', ''),
+                     m.querySelector('[data-testid="message-content"]').innerText.trim()]);""")]
+
+
+def _stored(driver, conversation_id: str) -> list[tuple[str, str, str]]:
+    """The conversation as the gateway stored it: (role, content, model) of each message."""
+    return [tuple(m) for m in driver.execute_async_script("""const [id, done] = arguments;  // (the callback is last)
+        api("GET", `/chat/api/conversations/${id}`)
+          .then((c) => done(c.messages.map((m) => [m.role, m.content, m.model])));""", conversation_id)]
+
+
+def _edit(driver, position: int, text: str) -> None:
+    """The user's message at `position` edited to `text` and sent (Edit shows under the pointer)."""
+    message = driver.find_elements(*by("message-user"))[position]
+    ActionChains(driver).move_to_element(message).perform()
+    message.find_element(*by("edit-message")).click()
+    editor = wait(driver, lambda d: message.find_element(*by("edit-input")))
+    editor.clear()
+    driver.execute_script("arguments[0].value = arguments[1]", editor, text)  # (pasted: it may hold new lines)
+    message.find_element(*by("edit-send")).click()
+
+
+def test_regenerate_and_edit_replace_answers_and_keep_them(stack, browser):
+    """Regenerate replaces the last answer (stopping one that streams first), Edit sends a message again
+    with what followed it replaced; a reload shows both as stored, and what is edited runs nothing."""
+    url, _, scripted = stack
+    driver = browser
+    first, _ = _two_echo_conversations(driver, url)
+    driver.get(f"{url}/chat/c/{first}")
+    wait(driver, lambda d: d.find_element(*by("send")).is_enabled())
+    assert not driver.find_element(*by("regenerate")).is_enabled()  # nothing to answer again yet
+    send(driver, "first question")
+    send(driver, "second question")
+    assert driver.find_element(*by("regenerate")).is_enabled()
+
+    # Regenerate with another model: the last answer is replaced, the earlier turns stay
+    Select(driver.find_element(*by("settings-model"))).select_by_value("arith-gen")
+    set_field(driver, "settings-max-tokens", "8")
+    asked = len(scripted.state.requests)
+    driver.find_element(*by("regenerate")).click()
+    # (the answer streaming is looked for last: before its stored question came back, there was none)
+    wait(driver, lambda d: "arith-gen" in d.find_elements(*by("message-assistant"))[-1].find_element(
+        "css selector", ".meta").text and not d.find_elements("css selector", ".message.streaming"), timeout=120)
+    shown = _messages(driver)
+    assert [role for role, _ in shown] == ["user", "assistant", "user", "assistant"]
+    assert shown[:3] == [("user", "first question"), ("assistant", "first question"), ("user", "second question")]
+    stored = _stored(driver, first)
+    assert [(r, c) for r, c, _ in stored[:3]] == shown[:3] and stored[3][2] == "arith-gen"
+    assert len(scripted.state.requests) == asked  # answered by arith-gen, not the echo model again
+    driver.refresh()
+    wait(driver, lambda d: len(d.find_elements(*by("message-assistant"))) == 2)
+    assert "arith-gen" in driver.find_elements(*by("message-assistant"))[-1].find_element("css selector", ".meta").text
+
+    # Regenerate while an answer streams: it is stopped first, and only the new answer is kept
+    Select(driver.find_element(*by("settings-model"))).select_by_value("echo")
+    driver.find_element(*by("messages")).click()
+    slow = "slowly: " + " ".join(["one two three"] * 4)
+    stopped = stopped_answers(url)
+    driver.find_element(*by("message-input")).send_keys(slow)
+    driver.find_element(*by("send")).click()
+    wait(driver, lambda d: len(d.find_elements("css selector", ".message.streaming .content")) and
+         len(d.find_element("css selector", ".message.streaming .content").text) > 6)
+    driver.find_element(*by("regenerate")).click()
+    wait(driver, lambda d: len(d.find_elements(*by("message-assistant"))) == 3 and last_answer(d) == slow
+         and not d.find_elements("css selector", ".message.streaming"), timeout=60)
+    assert wait(driver, lambda d: stopped_answers(url) == stopped + 1, timeout=10)  # the first one was stopped
+    expected = [("user", "first question"), ("assistant", "first question"), ("user", "second question"),
+                ("user", slow), ("assistant", slow)]
+    shown = _messages(driver)
+    assert [m for i, m in enumerate(shown) if i != 3] == expected and "stopped" not in driver.find_element(
+        *by("messages")).text
+    stored = _stored(driver, first)  # (the arith-gen answer at 3, kept)
+    assert len(stored) == 6 and [(r, c) for i, (r, c, _) in enumerate(stored) if i != 3] == expected, stored
+
+    # Edit the second question: it and everything after it are replaced; Cancel leaves the message as it was
+    message = driver.find_elements(*by("message-user"))[1]
+    ActionChains(driver).move_to_element(message).perform()
+    message.find_element(*by("edit-message")).click()
+    assert message.find_element(*by("edit-input")).get_attribute("value") == "second question"
+    message.find_element(*by("edit-cancel")).click()
+    assert not message.find_elements(*by("edit-input")) and message.find_element(*by("message-content")).text \
+        == "second question"
+    _edit(driver, 1, "second, edited")
+    wait(driver, lambda d: _messages(d) == [("user", "first question"), ("assistant", "first question"),
+                                            ("user", "second, edited"), ("assistant", "second, edited")], timeout=60)
+    assert [m["content"] for m in scripted.state.requests[-1]["messages"]] == ["first question", "first question",
+                                                                             "second, edited"]
+    driver.refresh()
+    wait(driver, lambda d: _messages(d) == [("user", "first question"), ("assistant", "first question"),
+                                            ("user", "second, edited"), ("assistant", "second, edited")])
+
+    # an edit full of markup is shown as text, in the page and in the editor, and runs nothing
+    _edit(driver, 0, HOSTILE)
+    wait(driver, lambda d: _messages(d) == [("user", HOSTILE), ("assistant", HOSTILE)], timeout=60)
+    message = driver.find_elements(*by("message-user"))[0]
+    ActionChains(driver).move_to_element(message).perform()
+    message.find_element(*by("edit-message")).click()
+    assert message.find_element(*by("edit-input")).get_attribute("value") == HOSTILE
+    message.find_element(*by("edit-cancel")).click()
+    time.sleep(0.3)
+    assert driver.execute_script("return window.__xss") is None
+    assert driver.execute_script("return document.querySelectorAll('#messages img, #messages script, #messages b')"
+                                 ".length") == 0
+
+    # another user reaches neither route for this conversation (the server's answer, whatever the page shows)
+    driver.find_element(*by("sign-out")).click()
+    sign_in(driver, url, "bob", "another long password")
+    refused = driver.execute_async_script("""const [id, done] = arguments;
+        (async () => {
+          const regenerate = await fetch(`/chat/api/conversations/${id}/regenerate`, {method: "POST",
+            headers: {"Content-Type": "application/json", "X-CSRF-Token": state.csrf}, body: "{}"});
+          const edit = await fetch(`/chat/api/conversations/${id}/messages/1`, {method: "PUT",
+            headers: {"Content-Type": "application/json", "X-CSRF-Token": state.csrf}, body: '{"content": "x"}'});
+          done([regenerate.status, edit.status]);
+        })();""", first)
+    assert refused == [404, 404]
+    _signed_in_afresh(driver, url)
+    assert [(r, c) for r, c, _ in _stored(driver, first)] == [("user", HOSTILE), ("assistant", HOSTILE)]

@@ -93,7 +93,8 @@ def _dependencies(dependant) -> set[str]:
 
 def _filled(path: str) -> str:
     return path.replace("{model:path}", "gen").replace("{key:path}", "sk-any").replace("{name}", "chat.js").replace("{conversation_id}", "c1") \
-        .replace("{response_id}", "resp_1").replace("{file_id}", "file-1").replace("{batch_id}", "batch_1")
+        .replace("{response_id}", "resp_1").replace("{file_id}", "file-1").replace("{batch_id}", "batch_1") \
+        .replace("{message_id}", "1")
 
 
 def test_every_route_is_public_by_design_or_needs_a_key_and_admin_routes_the_master_key(tmp_path):

@@ -128,6 +128,24 @@ class ConversationNotFound(GatewayError):
         super().__init__("conversation: no such conversation", "conversation")
 
 
+class MessageNotFound(GatewayError):
+    """A message id that is not one of this conversation's (whoever's it is)."""
+
+    def __init__(self, message_id: int):
+        super().__init__(f"message_id: this conversation has no message {message_id}", "message_id")
+
+
+class NothingToAnswer(GatewayError):
+    """Edit or Regenerate asked of a message that is not the user's (or of a conversation with none)."""
+
+
+class QuestionReplaced(GatewayError):
+    """An answer whose question was edited or regenerated meanwhile: the answer is not stored."""
+
+    def __init__(self):
+        super().__init__("message_id: the question this answers was replaced", "message_id")
+
+
 class ChatKeyBlocked(GatewayError):
     def __init__(self):
         super().__init__("your chat key is blocked or expired; ask the gateway's admin")

@@ -10,8 +10,8 @@ from treeserve.gateway.auth import logged_path
 from treeserve.gateway.database import DATABASE_ERRORS, database_down
 from treeserve.gateway.errors import (AccountGone, AliasReserved, AliasTaken, BatchConflict, BatchNotFound, BudgetExceeded,
                                       ChatKeyBlocked, ChatKeyOwner, ConversationNotFound, DatabaseUnavailable, FileNotFound,
-                                      GatewayError, KeyNotFound, KeyTaken, LimitExceeded, ParallelLimitExceeded, RateLimitExceeded,
-                                      UserExists, UserNotFound)
+                                      GatewayError, KeyNotFound, KeyTaken, LimitExceeded, MessageNotFound,
+                                      ParallelLimitExceeded, RateLimitExceeded, UserExists, UserNotFound)
 from treeserve.wire.errors import APIError, error_response_for, from_value_error
 
 # error class -> (HTTP status, OpenAI error code); a subclass not listed answers as its parent
@@ -29,6 +29,7 @@ HTTP_STATUS: dict[type[GatewayError], tuple[int, str | None]] = {
     BudgetExceeded: (400, "budget_exceeded"),
     AccountGone: (401, "invalid_api_key"),
     ConversationNotFound: (404, "conversation_not_found"),
+    MessageNotFound: (404, "message_not_found"),
     FileNotFound: (404, "file_not_found"),
     BatchNotFound: (404, "batch_not_found"),
     BatchConflict: (409, "batch_state"),

@@ -42,6 +42,8 @@ class GatewayMetrics:
                                      "(ok, refused, throttled)", ["outcome"], registry=r)
         self.chat_messages = Counter(f"{p}chat_messages", "Web chat answers by mode and how they ended "
                                      "(done, error, stopped)", ["mode", "status"], registry=r)
+        self.chat_restarts = Counter(f"{p}chat_restarts", "Web chat messages answered again: a user's message "
+                                     "edited (edit) or its answer regenerated (regenerate)", ["action"], registry=r)
         self.chat_tool_calls = Counter(f"{p}chat_tool_calls", "Tools mode's tool runs by tool and outcome",
                                        ["tool", "outcome"], registry=r)
 

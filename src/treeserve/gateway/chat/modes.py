@@ -4,9 +4,10 @@
   its oldest turns left out where they would not fit the model's context (window.py);
 - search: the last question through `/v1/search` with the model's verifier: progress events, then
   the chosen answer with every candidate and its step scores;
-- tools (the paper's chatbot): only the last message goes to a router model with the tools and
-  `answer_directly`; a tool call is recognised from the router's first streamed delta, the tool
-  runs and its result is the answer; otherwise the chat model answers as in chat mode.
+- tools (the paper's chatbot): the conversation, windowed as in chat to the router model's context,
+  goes to the router with the tools and `answer_directly` (its system prompt in place of the
+  user's; the bundled router, trained on single messages, gets the last one alone); a tool call is recognised from the router's first streamed delta, the tool runs and its
+  result is the answer; otherwise the chat model answers as in chat mode.
 
 Each mode fills an `Answer` (what is stored) while it yields events; an error raises UpstreamError."""
 from __future__ import annotations
@@ -21,7 +22,7 @@ from fastapi.responses import Response
 from treeserve.gateway.chat.settings import ChatSettings
 from treeserve.gateway.chat.tools import ANSWER_DIRECTLY, ROUTER_PROMPT, Toolbox
 from treeserve.gateway.chat.upstream import UpstreamError, stream_events
-from treeserve.gateway.chat.window import fit
+from treeserve.gateway.chat.window import Window, fit
 from treeserve.gateway.errors import GatewayError
 from treeserve.gateway.keys import KeyRecord
 from treeserve.wire.errors import APIError
@@ -92,16 +93,22 @@ def _failed(answer: dict) -> bool:
 async def fitted_messages(context: Context, answer: Answer) -> list[dict]:
     """`model_messages` less the oldest turns that would not fit the model's context with max_tokens
     (how many were left out goes in the answer's details)."""
-    messages = model_messages(context)
-    if context.count_tokens is None:
-        return messages
-
-    async def measure(kept: list[dict]) -> Response:
-        return await _send(context, "/tokenize", {"model": answer.model, "messages": kept}, context.count_tokens)
-    window = await fit(messages, context.settings.max_tokens, answer.model, measure)
+    window = await _window(context, model_messages(context), answer.model, context.settings.max_tokens)
     if window.left_out:
         answer.details = {**answer.details, "left_out": window.left_out}
     return window.messages
+
+
+async def _window(context: Context, messages: list[dict], model: str, max_tokens: int, extra: dict | None = None) -> Window:
+    """`messages` less the oldest turns that would not fit `model`'s context with `max_tokens`, measured
+    by its backend with `extra` (a request's tools) as the request will carry them."""
+    if context.count_tokens is None:
+        return Window(messages)
+
+    async def measure(kept: list[dict]) -> Response:
+        return await _send(context, "/tokenize", {"model": model, "messages": kept, **(extra or {})},
+                           context.count_tokens)
+    return await fit(messages, max_tokens, model, measure)
 
 
 async def _send(context: Context, path: str, body: dict, dispatch: Dispatch | None = None) -> Response:
@@ -154,15 +161,16 @@ async def search(context: Context, answer: Answer) -> AsyncIterator[dict]:
 
 async def tools(context: Context, answer: Answer) -> AsyncIterator[dict]:
     router = context.router_model or answer.model
+    yield {"type": "routing", "router": router}
+    tools = {"tools": context.toolbox.definitions(), "tool_choice": "required"}
+    window = await _window(context, router_messages(context, router), router, ROUTER_MAX_TOKENS, tools)
     # usage in every chunk: the router's stream is dropped before its last chunk, which alone would carry it
     body = {"model": router, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-            "messages": [{"role": "system", "content": ROUTER_PROMPT}, {"role": "user", "content": router_text(context.question, router)}],
-            "tools": context.toolbox.definitions(), "tool_choice": "required", "temperature": 0.0,
-            "max_tokens": 256}
-    yield {"type": "routing", "router": router}
+            "messages": window.messages, **tools, "temperature": 0.0, "max_tokens": ROUTER_MAX_TOKENS}
     name, arguments = await _route(context, body, answer)
+    routed = {"router": router, **({"router_left_out": window.left_out} if window.left_out else {})}
     if name is None or name == ANSWER_DIRECTLY:
-        answer.details = {"router": router, "routed_to": ANSWER_DIRECTLY}
+        answer.details = {**routed, "routed_to": ANSWER_DIRECTLY}
         yield {"type": "routed", "tool": ANSWER_DIRECTLY}
         async with aclosing(chat(context, answer)) as events:
             async for event in events:
@@ -170,13 +178,29 @@ async def tools(context: Context, answer: Answer) -> AsyncIterator[dict]:
         return
     run = await context.toolbox.run(name, arguments)
     answer.content = run.result if run.ok else f"The {run.name} tool failed: {run.result}"
-    answer.details = {"router": router, "tool": run.as_dict()}
+    answer.details = {**routed, "tool": run.as_dict()}
     yield {"type": "tool", **run.as_dict()}
     yield {"type": "delta", "text": answer.content}
 
 
 # The bundled tool router's served name: it saw powers only as `**` in training (tasks/router.py)
 BUNDLED_ROUTER = "arith-router"
+ROUTER_MAX_TOKENS = 256  # a call's arguments: the router writes no more
+# Routers trained on one message per prompt: with earlier messages before it, the bundled one copied
+# its arguments from them (19 of tests/test_chat_router.py's 20 questions went wrong), so it is shown
+# the last message alone
+SINGLE_MESSAGE_ROUTERS = frozenset({BUNDLED_ROUTER})
+
+
+def router_messages(context: Context, router: str) -> list[dict]:
+    """What the router sees: its own system prompt, then the conversation as the chat model would see
+    it (tool answers left out; the last message alone for SINGLE_MESSAGE_ROUTERS), each of the user's
+    messages as `router_text` writes it."""
+    messages = [m for m in model_messages(context) if m["role"] != "system"]
+    if router in SINGLE_MESSAGE_ROUTERS:
+        messages = messages[-1:]
+    return [{"role": "system", "content": ROUTER_PROMPT}] + [
+        {**m, "content": router_text(m["content"], router)} if m["role"] == "user" else m for m in messages]
 
 
 def router_text(question: str, router: str) -> str:

@@ -1,5 +1,6 @@
 """The web chat's routes: the page (`/chat`, `/chat/c/ID`), its assets, and its JSON API under
-`/chat/api` (sign-in, conversations, messages streamed as server-sent events over POST, exports).
+`/chat/api` (sign-in, conversations, messages streamed as server-sent events over POST, a message
+edited (PUT) or its answer regenerated, exports).
 
 A signed-in browser holds a random session cookie (HttpOnly, SameSite=Strict, stored hashed);
 every request that changes something must also carry the session's CSRF token in `X-CSRF-Token`
@@ -21,13 +22,13 @@ from starlette.concurrency import run_in_threadpool
 from treeserve import jsonl
 from treeserve.gateway.chat import export
 from treeserve.gateway.chat.modes import MODES, Answer, Context
-from treeserve.gateway.chat.settings import ChatSettings, ConversationIn, LoginIn, MessageIn
+from treeserve.gateway.chat.settings import ChatSettings, ConversationIn, LoginIn, MessageIn, RegenerateIn
 from treeserve.gateway.chat.store import ChatStore
 from treeserve.gateway.chat.throttle import LoginThrottle
 from treeserve.gateway.chat.tools import Toolbox
 from treeserve.gateway.chat.upstream import UpstreamError
 from treeserve.gateway.config import GatewayConfig
-from treeserve.gateway.errors import ConversationNotFound
+from treeserve.gateway.errors import ConversationNotFound, QuestionReplaced
 from treeserve.gateway.keys import same_secret
 from treeserve.gateway.metrics import GatewayMetrics
 from treeserve.gateway.proxy import RelayResponse
@@ -111,6 +112,10 @@ class ChatApp:
         router.add_api_route("/chat/api/conversations/{conversation_id}", self.delete_conversation,
                              methods=["DELETE"])
         router.add_api_route("/chat/api/conversations/{conversation_id}/messages", self.send, methods=["POST"])
+        router.add_api_route("/chat/api/conversations/{conversation_id}/messages/{message_id}", self.edit,
+                             methods=["PUT"])
+        router.add_api_route("/chat/api/conversations/{conversation_id}/regenerate", self.regenerate,
+                             methods=["POST"])
         router.add_api_route("/chat/api/conversations/{conversation_id}/export", self.export_one, methods=["GET"])
         router.add_api_route("/chat/api/export", self.export_all, methods=["GET"])
         return router
@@ -188,20 +193,45 @@ class ChatApp:
         return await _export(signed.user_id, rows, format, "conversations")
 
     async def send(self, conversation_id: str, body: MessageIn, signed: Signed = Depends(signed_in)) -> Response:
-        user_id = signed.user_id
+        return await self._reply(signed.user_id, conversation_id, body.settings, body.content)
+
+    async def edit(self, conversation_id: str, message_id: int, body: MessageIn,
+                   signed: Signed = Depends(signed_in)) -> Response:
+        """The user's message `message_id` sent again as `content`; what followed it is replaced."""
+        return await self._reply(signed.user_id, conversation_id, body.settings, body.content, restart="edit",
+                                 message_id=message_id)
+
+    async def regenerate(self, conversation_id: str, body: RegenerateIn | None = None,
+                         signed: Signed = Depends(signed_in)) -> Response:
+        """The user's last message answered again; its answer is replaced."""
+        return await self._reply(signed.user_id, conversation_id, body.settings if body else None, None,
+                                 restart="regenerate")
+
+    async def _reply(self, user_id: str, conversation_id: str, settings: ChatSettings | None, content: str | None,
+                     restart: str | None = None, message_id: int | None = None) -> Response:
+        """A message stored (a new one, or where `restart`, the user's message `message_id` (their last
+        when None) stored again, `content` replacing its text, with what followed it deleted) and its
+        answer streamed as the page's events."""
         conversation = await run_in_threadpool(self.chats.get, user_id, conversation_id)
-        settings = self.settings_for(body.settings or conversation["settings"])
+        settings = self.settings_for(settings or conversation["settings"])
         key = await run_in_threadpool(self.chats.chat_key, user_id)
         if not key.allows(settings.model):
             raise APIError(403, f"settings.model: you may not use {settings.model!r}", param="settings.model",
                            code="model_not_allowed")
-        title = conversation["title"] if conversation["messages"] or conversation["title"] != "New chat" \
-            else body.content[:60]
-        await run_in_threadpool(self.chats.update, user_id, conversation_id, title, settings.model_dump())
-        stored = await run_in_threadpool(lambda: self.chats.add_message(
-            user_id, conversation_id, "user", body.content, model=settings.model, mode=settings.mode,
-            settings=settings.model_dump()))
-        context = Context(self.service.dispatch, key, settings, conversation["messages"], body.content,
+        fields = {"model": settings.model, "mode": settings.mode, "settings": settings.model_dump()}
+        if restart:
+            stored, history = await run_in_threadpool(lambda: self.chats.restart_at(
+                user_id, conversation_id, message_id, content, **fields))
+            await run_in_threadpool(self.chats.update, user_id, conversation_id, None, fields["settings"])
+            self.metrics.chat_restarts.labels(restart).inc()
+        else:
+            title = conversation["title"] if conversation["messages"] or conversation["title"] != "New chat" \
+                else content[:60]
+            await run_in_threadpool(self.chats.update, user_id, conversation_id, title, fields["settings"])
+            stored = await run_in_threadpool(lambda: self.chats.add_message(
+                user_id, conversation_id, "user", content, **fields))
+            history = conversation["messages"]
+        context = Context(self.service.dispatch, key, settings, history, stored["content"],
                           self.config.chat.verifiers.get(settings.model), self.config.chat.router_model,
                           self.toolbox, self._count_tokens)
         events = self._answer(user_id, conversation_id, stored, context)
@@ -231,10 +261,11 @@ class ChatApp:
                      conversation_id, settings.mode, settings.model, answer.prompt_tokens, answer.completion_tokens)
             try:
                 return await run_in_threadpool(lambda: self.chats.add_message(
-                    user_id, conversation_id, "assistant", answer.content, model=settings.model, mode=settings.mode,
+                    user_id, conversation_id, "assistant", answer.content, answers=stored["id"],
+                    model=settings.model, mode=settings.mode,
                     settings=settings.model_dump(), prompt_tokens=answer.prompt_tokens,
                     completion_tokens=answer.completion_tokens, details=details))
-            except ConversationNotFound:  # the conversation was deleted meanwhile
+            except (ConversationNotFound, QuestionReplaced):  # deleted, or edited or regenerated, meanwhile
                 return None
 
         try:

@@ -32,6 +32,11 @@ class MessageIn(BaseModel):
     settings: ChatSettings | None = None  # default: the conversation's
 
 
+class RegenerateIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    settings: ChatSettings | None = None  # default: the conversation's
+
+
 class ConversationIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
     title: Text | None = Field(None, max_length=400)

@@ -13,7 +13,8 @@ from sqlalchemy import delete, func, insert, select, update
 from treeserve.gateway import keys as keylib
 from treeserve.gateway.accounts import CHAT_ALIAS_PREFIX, Accounts
 from treeserve.gateway.database import Database
-from treeserve.gateway.errors import ChatKeyBlocked, ConversationNotFound, UserNotFound
+from treeserve.gateway.errors import (ChatKeyBlocked, ConversationNotFound, MessageNotFound, NothingToAnswer,
+                                      QuestionReplaced, UserNotFound)
 from treeserve.gateway.passwords import hash_password, needs_rehash, verify_password
 from treeserve.gateway.schema import (ApiKey, ChatMessage, ChatSession, Conversation, SpendLog, User, aware, iso,
                                       money, utcnow)
@@ -134,22 +135,38 @@ class ChatStore:
             conn.execute(delete(ChatMessage).where(ChatMessage.conversation_id == conversation_id))
             conn.execute(delete(Conversation).where(Conversation.id == conversation_id))
 
-    def add_message(self, user_id: str, conversation_id: str, role: str, content: str, *, model: str | None = None,
-                    mode: str = "chat", settings: dict | None = None, prompt_tokens: int = 0,
-                    completion_tokens: int = 0, details: dict | None = None) -> dict:
-        now = utcnow()
-        content = content.replace("\x00", "\ufffd")  # a model may write one; PostgreSQL text cannot hold it
+    def add_message(self, user_id: str, conversation_id: str, role: str, content: str, *, answers: int | None = None,
+                    **fields) -> dict:
+        """`answers`: the id of the question an answer answers; an answer whose question was edited or
+        regenerated meanwhile (deleted) is not stored (QuestionReplaced). `fields`: model, mode,
+        settings, prompt_tokens, completion_tokens, details."""
         with self.db.transaction() as conn:
             # locked: a delete committed between the check and the insert would fail the insert on the
             # foreign key (an IntegrityError, not ConversationNotFound); a delete now waits or has won
             self._owned(conn, user_id, conversation_id, lock=True)
-            message_id = conn.execute(insert(ChatMessage).values(
-                conversation_id=conversation_id, role=role, content=content, model=model, mode=mode,
-                settings=settings or {}, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                details=details or {}, created_at=now).returning(ChatMessage.id)).scalar_one()
-            conn.execute(update(Conversation).where(Conversation.id == conversation_id).values(updated_at=now))
-            message = conn.get(ChatMessage, message_id)
-        return public_message(message)
+            if answers is not None and conn.scalar(select(ChatMessage.id).where(
+                    ChatMessage.id == answers, ChatMessage.conversation_id == conversation_id)) is None:
+                raise QuestionReplaced()
+            return _insert_message(conn, conversation_id, role, content, **fields)
+
+    def restart_at(self, user_id: str, conversation_id: str, message_id: int | None, content: str | None,
+                   **fields) -> tuple[dict, list[dict]]:
+        """Edit (`content`) or Regenerate (`content` None: the same text) from the user's message
+        `message_id` (None: their last one): it and every message after it are deleted and it is stored
+        anew, under a new id, so that an answer to the old one still streaming is never stored.
+        (the message as stored, the messages before it)"""
+        with self.db.transaction() as conn:
+            self._owned(conn, user_id, conversation_id, lock=True)
+            messages = conn.scalars(select(ChatMessage).where(ChatMessage.conversation_id == conversation_id)
+                                    .order_by(ChatMessage.id)).all()
+            question = messages[_restart_point(messages, message_id)]
+            history = [public_message(m) for m in messages if m.id < question.id]
+            # added before the old ones go: its id is above theirs (SQLite reuses the highest id freed)
+            stored = _insert_message(conn, conversation_id, "user", question.content if content is None else content,
+                                     **fields)
+            conn.execute(delete(ChatMessage).where(ChatMessage.conversation_id == conversation_id,
+                                                   ChatMessage.id >= question.id, ChatMessage.id != stored["id"]))
+            return stored, history
 
     def export_rows(self, user_id: str, conversation_id: str | None = None) -> list[dict]:
         """The user's conversations (or one), each with its messages, oldest first."""
@@ -187,6 +204,36 @@ class ChatStore:
         if conversation is None or conversation.user_id != user_id:
             raise ConversationNotFound()
         return conversation
+
+
+def _insert_message(conn, conversation_id: str, role: str, content: str, *, model: str | None = None,
+                    mode: str = "chat", settings: dict | None = None, prompt_tokens: int = 0,
+                    completion_tokens: int = 0, details: dict | None = None) -> dict:
+    """A message added to a conversation whose row the caller holds locked."""
+    now = utcnow()
+    content = content.replace("\x00", "\ufffd")  # a model may write one; PostgreSQL text cannot hold it
+    message_id = conn.execute(insert(ChatMessage).values(
+        conversation_id=conversation_id, role=role, content=content, model=model, mode=mode,
+        settings=settings or {}, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+        details=details or {}, created_at=now).returning(ChatMessage.id)).scalar_one()
+    conn.execute(update(Conversation).where(Conversation.id == conversation_id).values(updated_at=now))
+    return public_message(conn.get(ChatMessage, message_id))
+
+
+def _restart_point(messages: list[ChatMessage], message_id: int | None) -> int:
+    """Where Edit or Regenerate starts: the position of the user's message `message_id`, or of their last."""
+    if message_id is None:
+        mine = [i for i, m in enumerate(messages) if m.role == "user"]
+        if not mine:
+            raise NothingToAnswer("conversation: it has no message of yours to answer again", "conversation")
+        return mine[-1]
+    at = next((i for i, m in enumerate(messages) if m.id == message_id), None)
+    if at is None:
+        raise MessageNotFound(message_id)
+    if messages[at].role != "user":
+        raise NothingToAnswer(f"message_id: message {message_id} is an answer; only your own messages can be "
+                              "edited", "message_id")
+    return at
 
 
 def _title(title: str) -> str:

@@ -298,6 +298,13 @@ function renderMessage(message) {
     ? el("div", { class: "content markdown", "data-testid": "message-content" }, renderMarkdown(message.content))
     : el("div", { class: "content", "data-testid": "message-content", text: message.content });
   node.append(meta, content);
+  if (message.role === "user" && message.id != null) {
+    // (labelled by the style sheet: "Edit" is not part of the message's text, copied or read)
+    const edit = el("button", { type: "button", class: "link edit", "data-testid": "edit-message",
+      "aria-label": "Edit", title: "Edit this message and send it again" });
+    edit.addEventListener("click", () => startEditing(node, message));
+    meta.append(edit);
+  }
   const details = message.details || {};
   if (details.search) node.append(renderSearch(details.search));
   if (details.tool) node.append(renderTool(details.tool, details.router));
@@ -405,41 +412,127 @@ async function send(event) {
   if (state.saving) await state.saving;
   const started = !state.conversation;  // (this send makes the conversation: a refusal takes it back)
   const conversation = state.conversation || await firstConversation();
+  await streamAnswer(conversation, "POST", `/chat/api/conversations/${conversation.id}/messages`,
+    { content, settings: readSettings() }, {
+      known: (conversation.messages || []).length,
+      refused: async () => { if (started) await abandonConversation(conversation); },
+      taken: () => { if (input.value === content) input.value = ""; },  // (kept until taken: a refusal loses nothing)
+      // a message too long for the model's context stays in the conversation and is given back to shorten
+      event: (e) => { if (e.type === "error" && e.code === "context_length_exceeded" && !input.value) input.value = content; },
+    });
+}
+
+// Regenerate: the last answer replaced by a new one (an answer streaming is stopped first).
+async function regenerate() {
+  const conversation = state.conversation;
+  if (!conversation) return;
+  notice("");
+  await stopToReplace(conversation.id);
+  if (state.saving) await state.saving;
+  await restart(conversation, "POST", `/chat/api/conversations/${conversation.id}/regenerate`,
+    { settings: readSettings() }, null);
+}
+
+// Edit: the user's message sent again as written; every message after it is replaced.
+async function resend(message, content) {
+  const conversation = state.conversation;
+  notice("");
+  await stopToReplace(conversation.id);
+  if (state.saving) await state.saving;
+  await restart(conversation, "PUT", `/chat/api/conversations/${conversation.id}/messages/${message.id}`,
+    { content, settings: readSettings() }, message.id);
+}
+
+// The conversation from the restarted message on is replaced once the gateway has taken the request.
+function restart(conversation, method, path, body, messageId) {
+  return streamAnswer(conversation, method, path, body, { known: restartPoint(conversation.messages, messageId),
+    restart: messageId === null ? "last" : messageId });
+}
+
+// Where a restart cuts the messages shown: at the message edited, or at the user's last one.
+function restartPoint(messages, messageId) {
+  const at = messageId === null || messageId === "last" ? messages.map((m) => m.role).lastIndexOf("user")
+    : messages.findIndex((m) => m.id === messageId);
+  return at < 0 ? messages.length : at;
+}
+
+// An answer streaming into `id` is stopped and its page element dropped: it is being replaced.
+async function stopToReplace(id) {
+  const stream = state.streams.get(id);
+  if (!stream) return;
+  stream.replaced = true;
+  stream.live.remove();
+  stream.controller.abort();
+  await stream.finished;
+}
+
+function startEditing(node, message) {
+  if (node.querySelector(".editor")) return;
+  const content = node.querySelector('[data-testid="message-content"]');
+  const input = el("textarea", { class: "edit-input", "data-testid": "edit-input", rows: "3",
+    "aria-label": "Edit your message" });
+  input.value = message.content;  // (a value, never markup)
+  const save = el("button", { type: "button", class: "primary", "data-testid": "edit-send", text: "Send" });
+  const cancel = el("button", { type: "button", "data-testid": "edit-cancel", text: "Cancel" });
+  const editor = el("div", { class: "editor" }, input, el("div", { class: "editor-actions" }, save, cancel));
+  const close = () => { editor.remove(); content.hidden = false; };
+  cancel.addEventListener("click", close);
+  save.addEventListener("click", () => {
+    if (!input.value.trim()) return;
+    close();
+    resend(message, input.value).catch((error) => error.status === 401 || notice(error.message));
+  });
+  input.addEventListener("keydown", (e) => {
+    if (e.key === "Escape") close();
+    if (e.key !== "Enter" || e.shiftKey || e.isComposing || e.keyCode === 229) return;
+    e.preventDefault();
+    save.click();
+  });
+  content.hidden = true;
+  content.after(editor);
+  input.focus();
+}
+
+// One answer streamed into `conversation` (a message sent, edited or regenerated): its events shown
+// while the conversation is open, whatever ends it. `hooks`: known (where the question will stand in the
+// stored messages), restart (the message id edited, or "last": the messages from it on are replaced
+// once the gateway takes the request), refused, taken, event.
+async function streamAnswer(conversation, method, path, body, hooks) {
   const live = el("div", { class: "message assistant streaming", "data-testid": "message-assistant" },
-    el("div", { class: "meta", text: `${readSettings().model} · ${readSettings().mode} …` }),
+    el("div", { class: "meta", text: `${body.settings.model} · ${body.settings.mode} …` }),
     el("div", { class: "content", "data-testid": "message-content" }));
-  const stream = { id: conversation.id, controller: new AbortController(), live, question: null,
-    known: (conversation.messages || []).length, settings: readSettings() };
+  let finish;
+  const stream = { id: conversation.id, controller: new AbortController(), live, question: null, known: hooks.known,
+    restart: hooks.restart ?? null, settings: body.settings, finished: new Promise((resolve) => { finish = resolve; }) };
   state.streams.set(conversation.id, stream);
   showStreaming();
   try {
-    const response = await fetch(`/chat/api/conversations/${conversation.id}/messages`, {
-      method: "POST", credentials: "same-origin", signal: stream.controller.signal,
-      headers: { "Content-Type": "application/json", "X-CSRF-Token": state.csrf },
-      body: JSON.stringify({ content, settings: readSettings() }) });
+    const response = await fetch(path, {
+      method, credentials: "same-origin", signal: stream.controller.signal,
+      headers: { "Content-Type": "application/json", "X-CSRF-Token": state.csrf }, body: JSON.stringify(body) });
     if (!response.ok) {
       const refusal = await apiError(response);
-      if (started) await abandonConversation(conversation);
+      if (hooks.refused) await hooks.refused();
       throw refusal;
     }
-    if (input.value === content) input.value = "";  // (kept until the message is taken: a refusal loses nothing)
+    if (hooks.taken) hooks.taken();
     await readEvents(response, (e) => {
       onEvent(e, stream);
-      // a message too long for the model's context stays in the conversation and is given back to shorten
-      if (e.type === "error" && e.code === "context_length_exceeded" && !input.value) input.value = content;
+      if (hooks.event) hooks.event(e);
     });
   } catch (error) {
     if (error.name === "AbortError") {
-      if (!stream.deleted) stopped(stream);
+      if (!stream.deleted && !stream.replaced) stopped(stream);
     } else if (error.status !== 401) {
       if (!state.conversation || isOpenId(conversation.id)) notice(error.message);  // (not over another one)
       live.append(el("div", { class: "error", text: error.message }));
     }
   } finally {
     live.classList.remove("streaming");
-    state.streams.delete(conversation.id);
+    if (state.streams.get(conversation.id) === stream) state.streams.delete(conversation.id);
     showStreaming();
     if (state.me) refreshSidebar();
+    finish();
   }
 }
 
@@ -510,6 +603,11 @@ function onEvent(event, stream) {
   const open = isOpenId(stream.id);
   if (event.type === "user") {
     stream.question = String(event.message.id);
+    if (open && stream.restart !== null) {  // (edited or regenerated: what followed the message goes)
+      const messages = state.conversation.messages;
+      state.conversation.messages = messages.slice(0, restartPoint(messages, stream.restart));
+      $("messages").replaceChildren(...state.conversation.messages.map(renderMessage));
+    }
     if (open) {
       const examples = $("messages").querySelector(".examples");
       if (examples) examples.remove();
@@ -534,7 +632,10 @@ function onEvent(event, stream) {
     if (live.isConnected) live.replaceWith(renderMessage(event.message));
     if (open) state.conversation.messages.push(event.message);
   }
-  if (open) scrollDown();
+  if (open) {
+    if (event.type === "user") showStreaming();
+    scrollDown();
+  }
 }
 
 // Send waits, and Stop stops, only while an answer streams into the open conversation.
@@ -542,6 +643,9 @@ function showStreaming() {
   const on = Boolean(state.conversation) && state.streams.has(state.conversation.id);
   $("send").disabled = on;
   $("stop").disabled = !on;
+  // Regenerate (which stops an answer streaming first) once the conversation holds a message of the user's
+  const asked = Boolean(state.conversation) && (state.conversation.messages || []).some((m) => m.role === "user");
+  $("regenerate").disabled = !asked;
 }
 
 // ---- wiring ------------------------------------------------------------------------------------
@@ -552,6 +656,7 @@ document.addEventListener("DOMContentLoaded", () => {
   $("delete-chat").addEventListener("click", () => deleteConversation().catch((e) => notice(e.message)));
   $("title").addEventListener("change", () => renameConversation().catch((e) => notice(e.message)));
   $("composer").addEventListener("submit", (e) => send(e).catch((error) => error.status === 401 || notice(error.message)));
+  $("regenerate").addEventListener("click", () => regenerate().catch((error) => error.status === 401 || notice(error.message)));
   $("stop").addEventListener("click", () => {
     const stream = state.conversation && state.streams.get(state.conversation.id);
     if (stream) stream.controller.abort();
