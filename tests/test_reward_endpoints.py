@@ -120,6 +120,9 @@ def test_pooling_base64_decodes_to_the_float_scores(served):
     ("/pooling", {"model": "prm", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
                   "truncate_prompt_tokens": 3}, "truncate_prompt_tokens"),
     ("/pooling", {"model": "prm", "input": "q a"}, "input"),
+    ("/pooling", {"model": "prm", "messages": [{"role": "user", "content": QUESTION * 40},  # (was "steps")
+                                               {"role": "assistant", "content": "Start: 40."}]}, "messages"),
+    ("/v1/rewards", {"model": "prm", "question": QUESTION * 40, "steps": ["Start: 40."]}, "steps"),
     ("/pooling", {"model": "prm", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
                   "encoding_format": "bytes"}, "encoding_format"),
     ("/pooling", {"model": "prm", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],

@@ -195,6 +195,30 @@ def test_each_finish_reason_is_served_at_zero_before_its_first_finish():
     assert served == {"stop": 0, "length": 0, "abort": 0}
 
 
+def test_each_draft_position_is_served_at_zero_before_its_first_accepted_token():
+    """vLLM makes spec_decode_num_accepted_tokens_per_pos's series for positions 0 to
+    num_speculative_tokens - 1 at 0 when it starts (a series appeared at its first accepted token, so
+    rate() missed it, and a position never accepted had no series to read 0 from); an engine that does
+    not speculate serves none."""
+    from types import SimpleNamespace
+
+    from treeserve.server.metrics import ServerMetrics
+    from treeserve.speculative_config import SpeculativeConfig
+
+    def per_position(engine) -> dict[str, float]:
+        metrics = ServerMetrics()
+        metrics.add_model(engine, "m")
+        return {sample.labels["position"]: sample.value
+                for family in text_string_to_metric_families(metrics.render().decode())
+                for sample in family.samples if sample.name == "treeserve:spec_decode_num_accepted_tokens_per_pos_total"
+                if sample.labels["model_name"] == "m"}
+
+    ngram = SpeculativeConfig.of({"method": "ngram", "num_speculative_tokens": 3})
+    assert per_position(SimpleNamespace(config=SimpleNamespace(speculative_config=ngram))) == {"0": 0, "1": 0, "2": 0}
+    assert per_position(SimpleNamespace(config=SimpleNamespace(speculative_config=None))) == {}
+    assert per_position(object()) == {}
+
+
 def _one_step(metrics, output) -> dict[str, float]:
     """One finished output through a model's metrics, as the engine thread's step observer passes it."""
     from types import SimpleNamespace

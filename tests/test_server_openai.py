@@ -212,6 +212,33 @@ def test_tokenize_returns_the_token_strings_when_asked(server):
     assert httpx.post(f"{server.url}/tokenize", json={"prompt": "Hi"}, headers=headers).json()["token_strs"] is None
 
 
+def test_tokenize_messages_honour_add_special_tokens_as_vllms(server):
+    """vLLM's /tokenize for messages: add_special_tokens defaults to false (the chat template writes its
+    own BOS) and true adds the tokenizer's on top; a prompt's defaults to true. With a tokenizer that adds
+    a BOS, messages sent with add_special_tokens: true were tokenized as without it."""
+    import httpx
+    from tokenizers.processors import TemplateProcessing
+
+    headers, tokenizer = {"Authorization": f"Bearer {server.key}"}, server.engine.tokenizer
+    backend, bos = tokenizer.backend_tokenizer, tokenizer.bos_token_id
+    before = backend.post_processor
+    backend.post_processor = TemplateProcessing(single=f"{tokenizer.bos_token} $A", special_tokens=[(tokenizer.bos_token, bos)])
+    try:
+        def tokens(**body):
+            return httpx.post(f"{server.url}/tokenize", headers=headers, json=body).json()["tokens"]
+
+        chat = tokens(messages=MESSAGES)
+        assert chat[0] == bos and chat[1] != bos  # the template's BOS only
+        assert tokens(messages=MESSAGES, add_special_tokens=False) == chat
+        assert tokens(messages=MESSAGES, add_special_tokens=True) == [bos] + chat
+        assert tokens(prompt="The water is") == [bos] + tokens(prompt="The water is", add_special_tokens=False)
+        ended = tokens(messages=MESSAGES, add_generation_prompt=False)
+        assert len(ended) < len(chat) and chat[:len(ended)] == ended  # (no assistant header)
+        assert tokens(messages=MESSAGES, add_generation_prompt=False, add_special_tokens=True) == [bos] + ended
+    finally:
+        backend.post_processor = before
+
+
 def test_ping_is_health_for_sagemaker(server):
     """vLLM's /ping (GET and POST): 200 as /health, with no API key, as /health."""
     import httpx

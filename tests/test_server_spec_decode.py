@@ -57,7 +57,7 @@ def test_drafts_were_verified_and_counted_on_metrics(server):
 def test_a_bad_speculative_config_is_refused_by_name(llama_dir):
     from treeserve.server.launch import build_app
 
-    with pytest.raises(ValueError, match="speculative_config: method 'medusa' is not supported yet"):
+    with pytest.raises(ValueError, match="speculative_config: method 'medusa' is not supported by treeserve yet"):
         build_app(str(llama_dir), dtype="float32", device="cpu", speculative_config={"method": "medusa"})
 
 

@@ -285,8 +285,20 @@ def thousand_requests_with_aborts(llm, max_tokens: int):
     return engine
 
 
+@pytest.mark.parametrize("method", ["mtp", "deepseek_mtp", "qwen3_next_mtp", "glm4_moe_mtp"])
+def test_vllms_mtp_methods_are_named_as_not_supported_yet(method):
+    """vLLM's multi-token prediction methods (`mtp` and one per family, more each release) are vLLM's
+    names, not typos: "not supported by treeserve yet", where the family ones read "method must be
+    one of ..." as a misspelt method would."""
+    with pytest.raises(ParamError, match=f"method '{method}' \\(vLLM's multi-token prediction\\) is not supported "
+                                         "by treeserve yet \\(supported: ngram, "):
+        SpeculativeConfig.of({"method": method, "num_speculative_tokens": 1})
+    with pytest.raises(ParamError, match="method must be one of"):
+        SpeculativeConfig.of({"method": "mtp_deepseek"})
+
+
 def test_speculative_config_errors_name_the_problem():
-    with pytest.raises(ParamError, match="not supported yet"):
+    with pytest.raises(ParamError, match="'medusa' is not supported by treeserve yet"):
         SpeculativeConfig.of({"method": "medusa"})
     with pytest.raises(ParamError, match="needs a 'model'"):
         SpeculativeConfig.of({"method": "draft_model"})

@@ -266,3 +266,29 @@ def test_more_ranks_than_gpus_is_a_clear_error_before_any_worker_starts(monkeypa
     with pytest.raises(ParamError, match=r"2 ranks need 2 GPUs from cuda:0 on, and this machine has 1"):
         TPExecutor(2, torch.device("cuda:0"), 1, entry=worker_process)
     assert not _spawned_workers()
+
+
+def test_a_serve_start_cut_short_by_sigterm_exits_143_and_leaves_nothing(llama_dir):
+    """SIGTERM while `treeserve serve --tensor-parallel-size 2` starts (rank 1 held stopped, so the
+    start cannot finish first): exit 128 + 15, as a start cut short is no success (was: 0, what a
+    served process stopped by SIGTERM exits with), and no process left behind."""
+    command = [sys.executable, "-m", "treeserve.cli", "serve", str(llama_dir), "--port", str(_free_port()),
+               "--dtype", "float32", "--device", "cpu", "--kv-cache-memory-bytes", str(8 << 20),
+               "--tensor-parallel-size", "2", "--threads-per-rank", "1"]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline, ranks = time.monotonic() + 120, []
+        while not ranks and server.poll() is None and time.monotonic() < deadline:
+            ranks = [p for p in psutil.Process(server.pid).children() if "spawn_main" in " ".join(p.cmdline())]
+            time.sleep(0.01)
+        assert ranks, f"no rank started: {server.poll()}"
+        family = psutil.Process(server.pid).children(recursive=True)
+        ranks[0].suspend()
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=60) == 128 + signal.SIGTERM, server.stdout.read()[-3000:]
+        assert "SIGTERM: stopping" in server.stdout.read()
+        _assert_gone(family)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()

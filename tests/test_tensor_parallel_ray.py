@@ -67,3 +67,34 @@ def test_without_ray_address_a_local_instance_starts_even_beside_a_running_clust
         assert not ray.is_initialized()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_more_ranks_than_the_ray_clusters_gpus_is_a_clear_error_at_once(monkeypatch):
+    """CUDA ranks over a Ray cluster (here a local one declaring 1 GPU) that has fewer GPUs than ranks
+    1..N-1 need: a ParamError naming both numbers before any actor starts (was: the placement group
+    waited START_TIMEOUT_S, 120 s, for GPUs that were not there, then timed out)."""
+    import torch
+
+    from treeserve.engine import tp_ray
+    from treeserve.errors import ParamError
+
+    monkeypatch.setattr(tp_ray, "START_TIMEOUT_S", 15.0)  # (the old wait, cut short for this test)
+    ray.init(address="local", num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        with pytest.raises(ParamError, match=r"3 ranks over Ray need 2 GPUs in the Ray cluster, one for each of "
+                                             r"ranks 1\.\.2 \(rank 0 runs here\), and it has 1; use at most 2"):
+            tp_ray.RayTPExecutor(3, torch.device("cuda"), 1)
+        assert not ray.util.placement_group_table()
+    finally:
+        ray.shutdown()
+
+
+def test_a_local_ray_instance_counts_rank_0s_gpu_among_its_own():
+    from treeserve.engine.tp_ray import check_ray_gpus
+    from treeserve.errors import ParamError
+
+    check_ray_gpus(2, 2, local=True)
+    check_ray_gpus(1, 2, local=False)
+    with pytest.raises(ParamError, match=r"2 ranks over Ray need 2 GPUs in the local Ray instance, which counts "
+                                         r"rank 0's too, and it has 1; use at most 1"):
+        check_ray_gpus(1, 2, local=True)

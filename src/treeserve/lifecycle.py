@@ -1,7 +1,8 @@
 """Process lifecycle: SIGTERM and SIGINT end a command alike, with status 0 once its `finally`
 blocks have stopped its children (a second signal cuts that short), and a child started by a
 treeserve command dies with it, even when the parent is killed with SIGKILL (issue #40). The
-servers drain before they end (wire/drain.py).
+servers drain before they end (wire/drain.py); a server's start cut short by a signal exits 128 +
+its number (`start_cut_short_by_signals`).
 
 uvicorn catches SIGINT and SIGTERM, shuts down gracefully, restores the handlers it found and then
 raises the signal again. With Python's default SIGTERM handler that last step kills the process on
@@ -34,6 +35,24 @@ def exit_on_signals(service: bool = True) -> None:
     if threading.current_thread() is threading.main_thread():
         handler = _exit if service else _exit_cut_short
         for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def start_cut_short_by_signals():
+    """While a server starts (its models load, its tensor-parallel ranks start): SIGTERM and SIGINT
+    exit 128 + the signal's number once the start's `finally` blocks have stopped what it started. A
+    start cut short is no success (a supervisor must not read it as a clean stop; vLLM's serve ends
+    non-zero there too); once it serves, the server's own handlers drain and exit 0. A no-op off the
+    main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, _exit_cut_short) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 

@@ -8,7 +8,7 @@ from treeserve.errors import ParamError
 METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3")
 MODEL_METHODS = ("draft_model", "eagle", "eagle3")  # the methods that load a `model` of their own
 # vLLM's other methods: named, refused with a clear message until they are built
-NOT_YET = ("medusa", "mlp_speculator", "mtp")
+NOT_YET = ("medusa", "mlp_speculator", "ngram_gpu", "dflash", "dspark", "extract_hidden_states", "custom_class")
 MAX_SPECULATIVE_TOKENS = 16
 PROMPT_LOOKUP = (2, 4)  # prompt_lookup_min and _max where neither is given
 
@@ -33,9 +33,10 @@ class SpeculativeConfig:
     model: str | None = None  # `draft_model`, `eagle`, `eagle3`: the draft checkpoint (a folder or a `builtin:` name)
 
     def __post_init__(self) -> None:
-        if self.method in NOT_YET:
-            raise ParamError("speculative_config", f"method {self.method!r} is not supported yet "
-                             f"(supported: {', '.join(METHODS)})")
+        if self.method in NOT_YET or is_mtp(self.method):
+            kind = " (vLLM's multi-token prediction)" if is_mtp(self.method) else ""
+            raise ParamError("speculative_config", f"method {self.method!r}{kind} is not supported by "
+                             f"treeserve yet (supported: {', '.join(METHODS)})")
         if self.method not in METHODS:
             raise ParamError("speculative_config", f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
         if self.method in MODEL_METHODS and not (isinstance(self.model, str) and self.model):
@@ -76,6 +77,12 @@ class SpeculativeConfig:
         if "method" not in value:
             raise ParamError("speculative_config", "needs a 'method' (one of " + ", ".join(METHODS) + ")")
         return cls(**value)
+
+
+def is_mtp(method) -> bool:
+    """vLLM's multi-token prediction methods: `mtp` and one per model family (`deepseek_mtp`,
+    `qwen3_next_mtp`, ...; vLLM adds more with each release, so the suffix tells, not a list)."""
+    return isinstance(method, str) and (method == "mtp" or method.endswith("_mtp"))
 
 
 def _is_int(value) -> bool:

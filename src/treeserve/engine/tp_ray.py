@@ -60,6 +60,8 @@ class RayTPExecutor:
 
     def _start(self, placement_group, PlacementGroupSchedulingStrategy) -> None:
         ray, world_size, device = self.ray, self.world_size, self.device
+        if device.type == "cuda":
+            check_ray_gpus(ray.cluster_resources().get("GPU", 0), world_size, local=self.started_ray)
         host = ray.util.get_node_ip_address()
         store, init_method = rendezvous_store(host, world_size)
         resources = {"GPU": 1, "CPU": 1} if device.type == "cuda" else {"CPU": 1}
@@ -133,6 +135,20 @@ class RayTPExecutor:
         leave_group()  # or forgets a failed one, so that the next engine in this process can start
         if self.started_ray:
             self.ray.shutdown()
+
+
+def check_ray_gpus(cluster_gpus: float, world_size: int, local: bool) -> None:
+    """On CUDA ranks 1..N-1 each take one of the Ray cluster's GPUs (a placement group bundle), and a
+    local instance started here counts rank 0's GPU among its own: too few is a clear error at once,
+    as vLLM checks the cluster's GPUs up front, not a placement group that waits START_TIMEOUT_S."""
+    needed = world_size if local else world_size - 1
+    if cluster_gpus >= needed:
+        return
+    where = ("the local Ray instance, which counts rank 0's too" if local
+             else f"the Ray cluster, one for each of ranks 1..{world_size - 1} (rank 0 runs here)")
+    most = int(cluster_gpus) if local else int(cluster_gpus) + 1
+    raise ParamError("tensor_parallel_size", f"{world_size} ranks over Ray need {needed} GPUs in {where}, and it "
+                     f"has {cluster_gpus:g}; use at most {max(most, 1)}, or a Ray cluster with more GPUs (RAY_ADDRESS)")
 
 
 def _join_ray(ray, address: str | None, local_cpus: int) -> None:

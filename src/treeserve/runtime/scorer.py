@@ -101,17 +101,18 @@ class StepScorer:
             raise
         return ticket.results()
 
-    def require_readable(self, question: str, steps: list[str]) -> None:
+    def require_readable(self, question: str, steps: list[str], field: str = "steps") -> None:
         """Raises ValueError when the conversation is too long for the verifier to read (where a
-        caller wants an error rather than UNJUDGED_SCORE: a direct scoring request), or when a step
-        is empty (a search's never are: it drops empty pieces; the server's routes say the same)."""
+        caller wants an error rather than UNJUDGED_SCORE: a direct scoring request), naming `field`
+        (what the caller sent: /pooling's `messages`), or when a step is empty (a search's never
+        are: it drops empty pieces; the server's routes say the same)."""
         _require_steps(steps)
         empty = [i for i, step in enumerate(steps) if not step.strip()]
         if empty:
             raise ParamError(f"steps[{empty[0]}]", "a step is empty")
         length = len(self.build(question, steps).token_ids)
         if length >= self.engine.max_model_len:
-            raise ParamError("steps", f"the verifier input is {length} tokens; the verifier reads fewer than "
+            raise ParamError(field, f"the verifier input is {length} tokens; the verifier reads fewer than "
                              f"its maximum model length {self.engine.max_model_len}")
 
     def build(self, question: str, steps: list[str]) -> PRMInput:

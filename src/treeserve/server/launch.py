@@ -11,7 +11,7 @@ import time
 from starlette.middleware.cors import CORSMiddleware
 
 from treeserve.config import EngineConfig
-from treeserve.lifecycle import freeze_startup_heap
+from treeserve.lifecycle import freeze_startup_heap, start_cut_short_by_signals
 from treeserve.model.registry import DEFAULT_PAIR, named_models, served_name
 from treeserve.engine.async_engine import AsyncLLMEngine
 from treeserve.engine.engine_loop import EngineLoop
@@ -166,16 +166,17 @@ def served_target(args) -> str | dict[str, str]:
 
 def _logged_app(args):
     """The app, with logging set up and the startup heap frozen; None (the error logged) when the
-    command line is wrong."""
+    command line is wrong. A signal while it starts exits 128 + its number (the start cut short)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        if not getattr(args, "disable_log_stats", False):
-            log_stats_interval()  # (a bad value said before the models load)
-        app = app_from_args(args)
-    except ValueError as exc:  # (a bad --shutdown-timeout too)
-        logging.getLogger(__name__).error("%s", exc)
-        return None
-    freeze_startup_heap()
+    with start_cut_short_by_signals():
+        try:
+            if not getattr(args, "disable_log_stats", False):
+                log_stats_interval()  # (a bad value said before the models load)
+            app = app_from_args(args)
+        except ValueError as exc:  # (a bad --shutdown-timeout too)
+            logging.getLogger(__name__).error("%s", exc)
+            return None
+        freeze_startup_heap()
     return app
 
 

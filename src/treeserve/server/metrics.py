@@ -196,7 +196,8 @@ class ServerMetrics:
         return self._families[name]
 
     def add_model(self, engine: LLMEngine, model_name: str) -> "EngineMetrics":
-        metrics = EngineMetrics(self, model_name, getattr(engine, "max_model_len", None) or MAX_TOKENS_BUCKET)
+        metrics = EngineMetrics(self, model_name, getattr(engine, "max_model_len", None) or MAX_TOKENS_BUCKET,
+                                _draft_positions(engine))
         self.by_engine[id(engine)] = metrics
         return metrics
 
@@ -234,8 +235,15 @@ class ServerMetrics:
         return body
 
 
+def _draft_positions(engine) -> int:
+    """The draft positions the engine's own speculative_config drafts (0: it does not speculate)."""
+    speculative = getattr(getattr(engine, "config", None), "speculative_config", None)
+    return getattr(speculative, "num_speculative_tokens", 0)
+
+
 class EngineMetrics:
-    def __init__(self, server: ServerMetrics, model_name: str, max_model_len: int = MAX_TOKENS_BUCKET):
+    def __init__(self, server: ServerMetrics, model_name: str, max_model_len: int = MAX_TOKENS_BUCKET,
+                 draft_positions: int = 0):
         self._server, self.model_name = server, model_name
         self._labels = labels = {"model_name": model_name}
 
@@ -269,6 +277,8 @@ class EngineMetrics:
         self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Speculative draft tokens accepted.")
         self.spec_accepted_per_pos = server.family("counter", "spec_decode_num_accepted_tokens_per_pos",
                                                    "Speculative draft tokens accepted, by position in the draft.")
+        for position in range(draft_positions):  # at 0 from the start, as vLLM's (its num_speculative_tokens)
+            self.spec_accepted_per_pos.labels(**labels, position=str(position))
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests whose prefill is done.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.request_success = server.family("counter", "request_success", "Finished requests by finish reason.")

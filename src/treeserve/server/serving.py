@@ -52,17 +52,19 @@ class OpenAIServing:
         self.token_bytes = TokenBytes(self.tokenizer)  # (chat logprobs' `bytes`)
 
     def render(self, messages: list[ChatMessage], tools: list[Tool] | None,
-               ending: tuple[bool, bool] = (True, False), template_kwargs: dict | None = None) -> list[int]:
+               ending: tuple[bool, bool] = (True, False), template_kwargs: dict | None = None,
+               add_special_tokens: bool = False) -> list[int]:
         """A conversation's prompt tokens, the tools rendered by the chat template, ended as `ending`
         says ((add_generation_prompt, continue_final_message)), `template_kwargs` its variables
-        (vLLM's chat_template_kwargs); 400 naming the problem."""
+        (vLLM's chat_template_kwargs), the tokenizer's special tokens added on top of the template's
+        only when asked (/tokenize's add_special_tokens); 400 naming the problem."""
         try:
             text = render_chat(self.tokenizer, template_messages(messages),
                                [t.model_dump(exclude_none=True) for t in tools or ()], ending[0],
                                self.chat_template, continue_final_message=ending[1], template_kwargs=template_kwargs)
         except ValueError as exc:
             raise from_value_error(exc) from exc
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     @staticmethod
     def _rendered_tools(request: ChatCompletionRequest) -> list:

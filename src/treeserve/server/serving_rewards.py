@@ -76,7 +76,7 @@ class RewardServing:
         steps = split_steps(solution, body.step_separator or step_separator(scorer))
         if not steps:
             raise APIError(400, "messages[1].content: the solution has no steps", param="messages[1].content")
-        scores = (await self.score(scorer, [(question, steps)]))[0]
+        scores = (await self.score(scorer, [(question, steps)], ["messages"]))[0]
         return {"id": f"pool-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": body.model,
                 "data": [{"index": 0, "object": "pooling", "data": encoded(scores, body.encoding_format)}],
                 "usage": _usage(scorer, [(question, steps)])}
@@ -95,12 +95,14 @@ class RewardServing:
         return {"object": "list", "model": body.model, "recipe": scorer.recipe.name,
                 "prefix_scores": results[0][:len(prefix)], "data": data, "usage": _usage(scorer, items)}
 
-    async def score(self, scorer: StepScorer, items: list[tuple[str, list[str]]]) -> list[list[float]]:
+    async def score(self, scorer: StepScorer, items: list[tuple[str, list[str]]],
+                    fields: list[str] | None = None) -> list[list[float]]:
         """The items' step scores, as one ticket on the engine loop; a stream carries the answer back
-        (or the engine's failure). A conversation the model cannot read is a 400."""
+        (or the engine's failure). A conversation the model cannot read is a 400 naming the field the
+        item came from (`fields`, one per item; default: steps)."""
         try:
-            for question, steps in items:
-                scorer.require_readable(question, steps)
+            for (question, steps), field in zip(items, fields or ["steps"] * len(items)):
+                scorer.require_readable(question, steps, field)
         except ValueError as exc:
             raise from_value_error(exc) from exc
         stream_id = self.engine.new_request_id("reward")
