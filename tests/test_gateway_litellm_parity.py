@@ -9,7 +9,6 @@ import contextlib
 import json
 
 import httpx
-import pytest
 from sqlalchemy import create_engine, text
 
 from conftest import running_server
@@ -22,13 +21,6 @@ MASTER = "sk-parity-master"
 ADMIN = {"Authorization": f"Bearer {MASTER}"}
 UPSTREAM_SECRET = "sk-upstream-provider-secret"
 DEAD = "http://127.0.0.1:9"  # (the discard port: nothing listens)
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def database(request, tmp_path):
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'gateway.db'}"
-    return request.getfixturevalue("postgres").new_database()
 
 
 @contextlib.contextmanager
