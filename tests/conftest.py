@@ -22,7 +22,8 @@ os.environ.setdefault("TREESERVE_INSECURE_FAST_PASSWORD_HASHES", "1")
 
 from treeserve.testing.tiny_models import FAMILIES, make_tiny_model
 
-from gateway_support import postgres, rabbitmq  # noqa: F401  (fixtures: a PostgreSQL cluster, a RabbitMQ node)
+from gateway_support import database, postgres, rabbitmq  # noqa: F401  (fixtures: a gateway's database
+# on SQLite and PostgreSQL, a PostgreSQL cluster, a RabbitMQ node)
 # the CI=true rules (a missing component or a needless skip fails the run), as hooks of this conftest
 from ci_strict import pytest_make_collect_report, pytest_runtest_makereport, pytest_sessionstart  # noqa: F401
 

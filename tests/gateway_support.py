@@ -38,6 +38,14 @@ def postgres():
         shutil.rmtree(root, ignore_errors=True)
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database(request, tmp_path):
+    """A gateway database URL: a SQLite file, then a new database of the `postgres` cluster."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'gateway.db'}"
+    return request.getfixturevalue("postgres").new_database()
+
+
 def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -184,27 +184,32 @@ def test_search_and_eval_settings_are_checked_before_the_models_load(tmp_path, c
     assert capsys.readouterr().err.startswith("error: beam_width: n (4) must be a multiple")
 
 
-def test_search_refuses_a_beam_width_over_n_as_the_server_does(monkeypatch, capsys):
-    """An explicit --beam-width over --n was clamped to n without a word (8 with --n 4 searched with 4 beams),
-    where /v1/search answers 400 for the same: it is an error naming both (exit 2), before any model
-    loads. Left out, the default (4) still comes down to a smaller n."""
+class Loaded(Exception):
+    """What `_configs_made` raises where a model would load."""
+
+
+def _configs_made(monkeypatch) -> list:
+    """The SearchConfigs `search` and `eval` make, collected; loading a model raises Loaded instead."""
     import treeserve.cli_search as cli_search
-
-    absent = ["--generator", "/nonexistent/generator"]
-    assert main(["search", *absent, "--n", "4", "--beam-width", "8", "What is 1 + 1?"]) == 2
-    error = capsys.readouterr().err
-    assert error.startswith("error: beam_width:") and "n (4)" in error and "beam_width (8)" in error, error
-    configs = []
-
-    class Loaded(Exception):
-        pass
 
     def runtime(args):
         raise Loaded
 
+    configs, real = [], cli_search._config
     monkeypatch.setattr(cli_search, "_runtime", runtime)
-    real = cli_search._config
     monkeypatch.setattr(cli_search, "_config", lambda *a, **k: configs.append(real(*a, **k)) or configs[-1])
+    return configs
+
+
+def test_search_refuses_a_beam_width_over_n_as_the_server_does(monkeypatch, capsys):
+    """An explicit --beam-width over --n was clamped to n without a word (8 with --n 4 searched with 4 beams),
+    where /v1/search answers 400 for the same: it is an error naming both (exit 2), before any model
+    loads. Left out, the default (4) still comes down to a smaller n."""
+    absent = ["--generator", "/nonexistent/generator"]
+    assert main(["search", *absent, "--n", "4", "--beam-width", "8", "What is 1 + 1?"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: beam_width:") and "n (4)" in error and "beam_width (8)" in error, error
+    configs = _configs_made(monkeypatch)
     with pytest.raises(Loaded):
         main(["search", *absent, "--n", "2", "What is 1 + 1?"])
     with pytest.raises(Loaded):
@@ -217,25 +222,13 @@ def test_eval_refuses_a_beam_width_that_does_not_fit_an_n_of_its_grid(tmp_path, 
     (`--beam-width 8 --n 4,16` searched N=4 with 4 beams and reported it as width 8's sweep): it is an
     error naming that N and the width (exit 2) before any model loads, as `search` and /v1/search
     refuse it. Left out, the default (4) still comes down to a smaller N."""
-    import treeserve.cli_search as cli_search
-
     absent, dataset = ["--generator", "/nonexistent/generator"], tmp_path / "arith.jsonl"
     dataset.write_text('{"problem": "What is 1 + 1?", "answer": "2"}\n')
     grid = ["eval", *absent, "--dataset", str(dataset), "--out", str(tmp_path / "out")]
     assert main([*grid, "--strategy", "beam", "--n", "16,4", "--beam-width", "8"]) == 2
     error = capsys.readouterr().err
     assert error.startswith("error: beam_width:") and "n (4)" in error and "beam_width (8)" in error, error
-    configs = []
-
-    class Loaded(Exception):
-        pass
-
-    def runtime(args):
-        raise Loaded
-
-    monkeypatch.setattr(cli_search, "_runtime", runtime)
-    real = cli_search._config
-    monkeypatch.setattr(cli_search, "_config", lambda *a, **k: configs.append(real(*a, **k)) or configs[-1])
+    configs = _configs_made(monkeypatch)
     with pytest.raises(Loaded):
         main([*grid, "--strategy", "beam", "--n", "2,8"])
     with pytest.raises(Loaded):

@@ -26,13 +26,6 @@ OUT_PRICE, IN_PRICE = 1e-3, 1e-6
 FIXED = {"min_tokens": 8}  # every answer is 8 tokens: costs are known in advance
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def database(request, tmp_path):
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'gateway.db'}"
-    return request.getfixturevalue("postgres").new_database()
-
-
 def _config(database: str, urls: list[str], prices: tuple[float, float] = (IN_PRICE, OUT_PRICE),
             **options) -> GatewayConfig:
     backends = [BackendConfig(url, api_key=API_KEY) for url in urls]

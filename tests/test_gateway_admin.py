@@ -17,13 +17,6 @@ from treeserve.gateway.config import BackendConfig, GatewayConfig, ModelConfig
 MASTER = "sk-admin-test"
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def database(request, tmp_path):
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'gateway.db'}"
-    return request.getfixturevalue("postgres").new_database()
-
-
 @contextlib.contextmanager
 def admin(database: str, backend_url: str = "http://127.0.0.1:9"):
     models = {"gen": ModelConfig("gen", [BackendConfig(backend_url)], input_cost_per_token=1e-3,

@@ -46,13 +46,6 @@ def backend(pair):
         yield SimpleNamespace(url=url, app=app)
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def database(request, tmp_path):
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'gateway.db'}"
-    return request.getfixturevalue("postgres").new_database()
-
-
 def _models(url: str) -> dict:
     return {name: {"backends": [{"url": url, "api_key": API_KEY}], "input_cost_per_token": IN_PRICE,
                    "output_cost_per_token": OUT_PRICE} for name in ("gen", "prm")}

@@ -9,7 +9,6 @@ import contextlib
 import json
 
 import httpx
-import pytest
 from sqlalchemy import create_engine, text
 
 from conftest import running_server
@@ -22,13 +21,6 @@ MASTER = "sk-parity-master"
 ADMIN = {"Authorization": f"Bearer {MASTER}"}
 UPSTREAM_SECRET = "sk-upstream-provider-secret"
 DEAD = "http://127.0.0.1:9"  # (the discard port: nothing listens)
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def database(request, tmp_path):
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'gateway.db'}"
-    return request.getfixturevalue("postgres").new_database()
 
 
 @contextlib.contextmanager
@@ -84,6 +76,25 @@ def test_litellms_probes_answer_as_litellms_and_health_with_a_key_reports_the_mo
         assert client.get("/health/liveliness").status_code == 200
         assert client.get("/health").status_code == 200
         assert client.get("/health/readiness").status_code == 503
+
+
+def test_health_with_a_key_checks_the_model_named_in_its_query(database):
+    """LiteLLM's `/health?model=NAME` reports that model's backends alone (matched by the gateway's name
+    or the backend's own, as LiteLLM matches `model_name` or `litellm_params.model`); a model the key
+    may not use, or none of that name, is an empty report, never its backends. Before: `model` was
+    ignored and every model the key may use was reported."""
+    with gateway(database) as (client, _, _):
+        def endpoints(headers, model):
+            report = client.get("/health", params={"model": model}, headers=headers).json()
+            assert report["healthy_count"] + report["unhealthy_count"] == len(
+                report["healthy_endpoints"] + report["unhealthy_endpoints"]), report
+            return [e["model"] for e in report["healthy_endpoints"] + report["unhealthy_endpoints"]]
+
+        assert endpoints(ADMIN, "gen") == ["gen"] and endpoints(ADMIN, "other") == ["other"]
+        assert endpoints(ADMIN, "gen-7b") == ["gen"]  # (the backend's own name for it)
+        assert endpoints(ADMIN, "nothing") == []
+        limited = {"Authorization": f"Bearer {_key(client, models=['gen'])}"}
+        assert endpoints(limited, "other") == [] and endpoints(limited, "gen") == ["gen"]
 
 
 def test_model_info_has_litellm_params_without_secrets(database):

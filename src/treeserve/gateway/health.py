@@ -83,13 +83,15 @@ async def _guarded(job, backend: Backend, via, metrics: GatewayMetrics) -> None:
         log.exception("the health check of backend %s failed", backend.name)
 
 
-def model_health(router: Router, allows: Callable[[str], bool]) -> dict:
+def model_health(router: Router, allows: Callable[[str], bool], model: str | None = None) -> dict:
     """LiteLLM's `/health` answer for a key: each backend of each model it may use, healthy or not
     by the last health check's verdict and its circuit breaker (as LiteLLM's `/health` with
-    `background_health_checks`: no request is sent to answer it), an unhealthy one with its last error."""
+    `background_health_checks`: no request is sent to answer it), an unhealthy one with its last error.
+    Given `model` (LiteLLM's `?model=`), the backends it names alone: by the gateway's name or the
+    backend's own (LiteLLM's `model_name` or `litellm_params.model`)."""
     healthy, unhealthy = [], []
     for backend in router.backends():
-        if allows(backend.model):
+        if allows(backend.model) and model in (None, backend.model, backend.config.model):
             endpoint = {"model": backend.model, "api_base": backend.name}
             if backend.usable:
                 healthy.append(endpoint)

@@ -7,12 +7,13 @@ import datetime as dt
 import json
 import logging
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
 
 from treeserve.gateway.auth import Auth, client_key
 from treeserve.gateway.config import GatewayConfig
 from treeserve.gateway.database import Database
+from treeserve.gateway.fields import NO_NUL
 from treeserve.gateway.health import model_health
 from treeserve.gateway.keys import KeyRecord
 from treeserve.gateway.metrics import GatewayMetrics
@@ -64,14 +65,15 @@ def operator_routes(router: Router, metrics: GatewayMetrics, drain: Drain, auth:
     routes = APIRouter()
 
     @routes.get("/health")
-    async def health(request: Request):
+    async def health(request: Request, model: str | None = Query(None, max_length=256, pattern=NO_NUL)):
         """Liveness for a probe that sends no key (`{"status": "ok"}`: load balancers, `until curl`);
-        with a key, LiteLLM's `/health`: the health of the backends of the models that key may use
-        (a key that is not valid is a 401, as on every route that reads one)."""
+        with a key, LiteLLM's `/health`: the health of the backends of the models that key may use,
+        of `model` alone when it names one (a key that is not valid is a 401, as on every route that
+        reads one)."""
         if client_key(request) is None:
             return {"status": "ok"}
         key = await auth.require_key(request)
-        return model_health(router, key.allows)
+        return model_health(router, key.allows, model)
 
     ping = DatabasePing(db)
 
