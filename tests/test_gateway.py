@@ -93,6 +93,8 @@ def test_users_are_updated_listed_and_deleted_with_their_keys_and_spend_can_star
         assert (info["max_budget"], info["spend"], info["budget_duration"], info["metadata"]) == (5.0, 0.0, "1mo",
                                                                                                   {"team": "x"})
         assert info["budget_reset_at"] and _chat(client).usage.completion_tokens == 8
+        # (a request's spend is written after its answer is sent: the reset below must come after it)
+        assert wait_for(lambda: _admin(url, "GET", "/key/info", params={"key": key}).json()["info"]["spend"] > 0)
         kept = _admin(url, "POST", "/user/update", json={"user_id": "ann", "models": ["tiny"]}).json()["user_info"]
         assert kept["metadata"] == {"team": "x"} and kept["max_budget"] == 5.0  # (only what is given changes)
         key_spend = _admin(url, "POST", "/key/update", json={"key": key, "spend": 0}).json()
