@@ -47,7 +47,7 @@ def translated_routes(service: GatewayService, auth: Auth, store: DatabaseRespon
 
     def counting_on(key: KeyRecord, ids: list[str]):
         async def count(chat: dict) -> PromptCount:  # (a backend's /tokenize: unbilled, as count_tokens)
-            response = await service.count_tokens(chat, key)
+            response = await service.count_tokens(tokenized_chat(chat), key)
             if "x-request-id" in response.headers:
                 ids.append(response.headers["x-request-id"])
             reply = _reply(response)
@@ -152,6 +152,20 @@ async def _chunks(response: StreamingResponse) -> AsyncIterator[dict]:
     finally:
         with anyio.CancelScope(shield=True):
             await events.aclose()
+
+
+def tokenized_chat(chat: dict) -> dict:
+    """A chat body as a backend's /tokenize renders the chat's prompt: with the tools an allowed_tools
+    choice names only (the chat's prompt lists those; a /tokenize, vLLM's as treeserve's, takes no
+    tool_choice). A malformed choice is left as it is: the chat's 400 names it."""
+    choice = chat.get("tool_choice")
+    allowed = choice.get("allowed_tools") if isinstance(choice, dict) and choice.get("type") == "allowed_tools" else None
+    named = allowed.get("tools") if isinstance(allowed, dict) else None
+    if not isinstance(named, list) or not isinstance(chat.get("tools"), list):
+        return chat
+    names = {(tool.get("function") or {}).get("name") for tool in named if isinstance(tool, dict)}
+    return chat | {"tools": [tool for tool in chat["tools"]
+                             if isinstance(tool, dict) and (tool.get("function") or {}).get("name") in names]}
 
 
 def _with_model(body):
