@@ -702,6 +702,21 @@ def test_responses_allowed_tools_restrict_the_calls(target):
     assert caught.value.body["param"] == "tool_choice.tools[0].name", caught.value.body
 
 
+def test_responses_input_tokens_count_only_the_allowed_tools(target):
+    """An allowed_tools choice shows the model only the tools it names, so the input tokens counted
+    (`input_tokens.count`, and `truncation: "auto"`'s counts) are those of a prompt with those only, on
+    the gateway as on the server. Before: the gateway's count (a backend's /tokenize, which takes no
+    tool_choice) rendered every tool, more than the response is charged."""
+    client = _openai(target)
+    choice = {"type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "weather"}]}
+    counted = client.responses.input_tokens.count(model="tiny", input="Weather?", tools=RESPONSE_TOOLS,
+                                                  tool_choice=choice).input_tokens
+    response = client.responses.create(model="tiny", input="Weather?", tools=RESPONSE_TOOLS, tool_choice=choice,
+                                       max_output_tokens=1, **GREEDY)
+    every = client.responses.input_tokens.count(model="tiny", input="Weather?", tools=RESPONSE_TOOLS).input_tokens
+    assert counted == response.usage.input_tokens < every
+
+
 def test_fields_the_vendors_define_and_treeserve_does_not_are_told_apart_from_unknown_ones(target):
     """A Responses or Messages field the vendor defines and treeserve does not implement is a 400 naming
     it that says so (code unsupported_parameter); a misspelt one stays `unknown parameter` (before:

@@ -35,13 +35,20 @@ def _chunk(text: str, usage) -> bytes:
 
 def fault_backend():
     """Answers by the mode its URL names: ok, 503, 429 (Retry-After: 7), 400 (a refusal), text (a 200
-    that is not JSON), badusage and listusage (malformed usage), nodone (a stream without [DONE])."""
+    that is not JSON), badusage and listusage (malformed usage), nodone (a stream without [DONE]),
+    llamacpp (as ok, its /tokenize answering llama.cpp's `tokens` without a count)."""
     app = FastAPI()
     app.state.calls = []
 
     @app.get("/{mode}/health")
     def health(mode: str):
         return {"status": "ok"}
+
+    @app.post("/{mode}/tokenize")
+    def tokenize(mode: str):  # (llama.cpp's shape: its tokens, no count; the others have no /tokenize)
+        if mode != "llamacpp":
+            return JSONResponse({"detail": "Not Found"}, status_code=404)
+        return {"tokens": [1, 2, 3]}
 
     @app.post("/{mode}/v1/chat/completions")
     async def chat(mode: str, request: Request):
@@ -321,3 +328,19 @@ def test_readiness_probes_share_one_database_ping_while_it_hangs(tmp_path):
         routes.PING_TIMEOUT = saved
     assert answers == [False] * 4 and again is False and after is True
     assert len(calls) == 2  # the hanging one, then a new one once it had answered
+
+
+def test_a_backend_whose_tokenize_has_no_count_still_serves_truncation_auto(backend, tmp_path):
+    """A Responses request with `truncation: "auto"` is counted before its chat (a backend's /tokenize);
+    a backend whose /tokenize answers without a `count` (llama.cpp's shape) is one that cannot count:
+    the chat is sent as it is, and Anthropic's count_tokens is the backend's 502, not the gateway's 500.
+    Before: a KeyError, a 500 for every such response."""
+    url, _ = backend
+    with gateway(tmp_path, {"m": [f"{url}/llamacpp"]}) as (gw, _):
+        auth = {"Authorization": f"Bearer {MASTER}"}
+        response = httpx.post(gw + "/v1/responses", headers=auth, timeout=30,
+                              json={"model": "m", "input": "hi", "truncation": "auto"})
+        assert response.status_code == 200 and response.json()["output"][0]["content"][0]["text"] == "ok", response.text
+        counted = httpx.post(gw + "/v1/messages/count_tokens", headers=auth, timeout=30,
+                             json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+        assert counted.status_code == 502 and counted.json()["type"] == "error", counted.text

@@ -46,3 +46,22 @@ def test_a_call_with_arguments_or_a_finished_call_still_opens_its_tool_use_block
                    chunk(finish="tool_calls")])
     assert [(b["id"], e["index"]) for e in two if e["type"] == "content_block_start"
             for b in [e["content_block"]]] == [("call_1", 0), ("call_2", 1)]
+
+
+def test_a_cut_calls_input_in_the_whole_reply_is_what_the_sdk_reads_from_the_stream():
+    """A tool_use block cut by max_tokens: the whole reply's `input` (an object) holds the arguments as far
+    as they went, as Anthropic's SDK reads the streamed block's `partial_json` (jiter's partial mode). Before:
+    `{}` whole, while the stream's client got the members already written."""
+    import jiter
+    request = MessagesRequest(model="m", max_tokens=8, messages=[{"role": "user", "content": "Hi"}])
+    for arguments, expected in (('{"city": "Paris", "days": [1, 2', {"city": "Paris", "days": [1, 2]}),
+                                ('{"city": "Paris", "unit": "cel', {"city": "Paris"}),
+                                ('{"n": -1.5e', {}), ('{"a": {"b": [true, nu', {"a": {"b": [True]}}), ("", {})):
+        fragment = {"index": 0, "function": {"arguments": arguments}}
+        events = _events([chunk({"tool_calls": [CALL]}), chunk({"tool_calls": [fragment]}), chunk(finish="length")])
+        streamed = "".join(e["delta"]["partial_json"] for e in events if e["type"] == "content_block_delta")
+        call = CALL | {"function": {"name": "weather", "arguments": arguments}}
+        whole = from_chat(request, "m", {"choices": [{"message": {"role": "assistant", "content": None,
+                                                                  "tool_calls": [call]}, "finish_reason": "length"}]})
+        sdk = jiter.from_json(streamed.encode(), partial_mode=True) if streamed else {}
+        assert whole["content"][0]["input"] == sdk == expected, (arguments, whole["content"], sdk)

@@ -47,12 +47,12 @@ def translated_routes(service: GatewayService, auth: Auth, store: DatabaseRespon
 
     def counting_on(key: KeyRecord, ids: list[str]):
         async def count(chat: dict) -> PromptCount:  # (a backend's /tokenize: unbilled, as count_tokens)
-            response = await service.count_tokens(chat, key)
+            response = await service.count_tokens(tokenized_chat(chat), key)
             if "x-request-id" in response.headers:
                 ids.append(response.headers["x-request-id"])
             reply = _reply(response)
             size = reply.get("max_model_len")  # (vLLM's and treeserve's /tokenize say it)
-            return PromptCount(reply["count"], size if isinstance(size, int) and size > 0 else None)
+            return PromptCount(_count(reply), size if isinstance(size, int) and size > 0 else None)
         return count
 
     @routes.post("/v1/responses")
@@ -101,7 +101,7 @@ def translated_routes(service: GatewayService, auth: Auth, store: DatabaseRespon
         with named_for(MESSAGES):
             response = await service.count_tokens(body.chat_fields(), key)
         ids = [response.headers["x-request-id"]] if "x-request-id" in response.headers else []
-        return _with_request_id(JSONResponse({"input_tokens": _reply(response)["count"]}), ids)
+        return _with_request_id(JSONResponse({"input_tokens": _count(_reply(response))}), ids)
 
     return routes
 
@@ -152,6 +152,30 @@ async def _chunks(response: StreamingResponse) -> AsyncIterator[dict]:
     finally:
         with anyio.CancelScope(shield=True):
             await events.aclose()
+
+
+def _count(reply) -> int:
+    """A backend's /tokenize answer's `count` (vLLM's and treeserve's); a 502 where it has none (another
+    server's shape: llama.cpp's gives its `tokens` only), so a count that cannot be made is a backend's
+    failure, which truncation's counting falls back from."""
+    count = reply.get("count") if isinstance(reply, dict) else None
+    if not isinstance(count, int) or isinstance(count, bool):
+        raise APIError(502, "the backend's /tokenize answered without a count of the tokens", code="backend_error")
+    return count
+
+
+def tokenized_chat(chat: dict) -> dict:
+    """A chat body as a backend's /tokenize renders the chat's prompt: with the tools an allowed_tools
+    choice names only (the chat's prompt lists those; a /tokenize, vLLM's as treeserve's, takes no
+    tool_choice). A malformed choice is left as it is: the chat's 400 names it."""
+    choice = chat.get("tool_choice")
+    allowed = choice.get("allowed_tools") if isinstance(choice, dict) and choice.get("type") == "allowed_tools" else None
+    named = allowed.get("tools") if isinstance(allowed, dict) else None
+    if not isinstance(named, list) or not isinstance(chat.get("tools"), list):
+        return chat
+    names = {(tool.get("function") or {}).get("name") for tool in named if isinstance(tool, dict)}
+    return chat | {"tools": [tool for tool in chat["tools"]
+                             if isinstance(tool, dict) and (tool.get("function") or {}).get("name") in names]}
 
 
 def _with_model(body):

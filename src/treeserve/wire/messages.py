@@ -11,6 +11,7 @@ from typing import ClassVar
 from pydantic import ConfigDict, Field
 
 from treeserve.errors import ParamError
+from treeserve.wire.partial_json import partial_object
 from treeserve.wire.unsupported import Unsupported, UnsupportedParamError, VendorRequest
 
 # Anthropic's fields treeserve does not implement: a 400 saying so (wire/unsupported.py), unless sent empty
@@ -246,10 +247,13 @@ def stop(finish_reason: str | None, stop_reason, stop_sequences: list[str] | Non
 
 
 def tool_input(arguments: str) -> dict:
+    """A tool_use block's `input`: the call's arguments as an object; those max_tokens cut, as far as
+    they went (as Anthropic's SDK reads the streamed block's `partial_json`: the stream and the whole
+    reply agree)."""
     try:
         value = json.loads(arguments or "{}")
     except ValueError:
-        return {}
+        return partial_object(arguments)
     return value if isinstance(value, dict) else {}
 
 
