@@ -22,6 +22,7 @@ def multi_server(pair):
     app = build_app(pair, **options)
     with running_server(app) as url:
         yield url, app, options
+    app.state.runtime.close()  # (now, not at a later test's collection)
 
 
 def test_models_are_listed_and_routed(multi_server):
@@ -246,3 +247,32 @@ def test_a_prm_declaring_no_recipe_is_served_as_a_verifier_when_named(pair, tiny
         served_verifiers(["prm=bogus"])
     with pytest.raises(ValueError, match="--verifier nope: no served model has that name"):
         build_app(pair, verifiers={"nope": None}, **options)
+
+
+def test_a_multi_model_app_keeps_its_runtime_open(pair, monkeypatch):
+    """The Runtime that build_app makes for several models lives as long as the app (was: collected
+    as build_app returned, its finalizer closed the served engines (a tensor-parallel Runtime's
+    workers stopped, CUDA graphs dropped) and their reclaim callbacks, holding it weakly, freed no
+    kept KV when the shared pool ran short)."""
+    import gc
+
+    from treeserve import SamplingParams
+    from treeserve.engine.llm_engine import LLMEngine
+
+    closed = []
+    monkeypatch.setattr(LLMEngine, "close", lambda engine: closed.append(engine))
+    app = build_app(pair, engine_thread=False, dtype="float32", device="cpu", kv_cache_memory_bytes=8 << 20,
+                    max_model_len=256)
+    try:
+        gc.collect()
+        loop = app.state.engine.loop
+        assert not [e for e in closed if any(e is served for served in loop.engines)]  # (others: earlier tests')
+        prm = next(e for e in loop.engines if e.name == "prm")
+        done = []
+        loop.add_request(prm, "kept", [1, 2, 3, 4, 5], SamplingParams(max_tokens=1), done.append,
+                         logits_positions=[4], keep_kv=True)
+        loop.run_until(lambda: bool(done) and done[-1].finished)
+        assert prm.retained.num_blocks() > 0
+        assert prm.scheduler.reclaim() and prm.retained.num_blocks() == 0  # (the pool's way to free kept KV)
+    finally:
+        app.state.runtime.close()

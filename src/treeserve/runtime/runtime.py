@@ -117,18 +117,13 @@ class Runtime:
         page = fitted_page_bytes([m.kv_bytes_per_token() for m in models], min(m.config.block_size for m in models))
         first = next(iter(models))
         # kept sequences of any model give way before any model's shared prefixes are evicted ...
-        runtime = weakref.ref(self)
+        engines: dict[str, LLMEngine] = {}  # (the reclaim callbacks hold the engines, not the Runtime)
         space = KVSpace.create(self.kv_budget, page, first.device, first.config.enable_prefix_caching,
-                               reclaim=lambda owner: _reclaimer(runtime, owner)())
-        engines = {}
+                               reclaim=lambda owner: _reclaimer(engines, owner)())
         for name, model in loaded.items():  # ... and before anything is preempted
-            engines[name] = LLMEngine(model, space, reclaim=self._reclaim_from(name))
+            engines[name] = LLMEngine(model, space, reclaim=_reclaimer(engines, name))
             self._note_kv(name, engines[name], space.pool.num_blocks * space.arena.page_bytes)
         return engines
-
-    def _reclaim_from(self, first: str):
-        """Releases one kept sequence: `first`'s own if it keeps any, else another model's."""
-        return _reclaimer(weakref.ref(self), first)
 
     def _build_static(self, loaded: dict[str, LoadedModel], fractions: dict[str, float]) -> dict[str, LLMEngine]:
         engines = {}
@@ -207,12 +202,10 @@ class Runtime:
             _close_parts(getattr(self, "trace", None), getattr(self, "engines", {}), self.executor)
 
 
-def _reclaimer(runtime: weakref.ref, first: str):
-    """The engines hold this: it holds their Runtime weakly, so that dropping the Runtime closes it."""
+def _reclaimer(engines: dict[str, LLMEngine], first: str):
+    """Releases one kept sequence: `first`'s own if it keeps any, else another model's. The engines
+    hold this: it holds them, not their Runtime, so that dropping the Runtime closes it."""
     def reclaim() -> bool:
-        engines = getattr(runtime(), "engines", None)
-        if not engines:
-            return False
         order = [engines[first]] + [e for name, e in engines.items() if name != first]
         return any(e.reclaim_one() for e in order)
     return reclaim

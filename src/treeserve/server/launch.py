@@ -42,7 +42,7 @@ def build_app(model: str | dict[str, str], served_model_name: str | None = None,
     advance together. With `engine_thread=False` the caller runs the loop
     (`app.state.engine.run_forever()`)."""
     metrics = ServerMetrics()
-    scorers, loop, verifiers = {}, None, dict(verifiers or {})
+    scorers, loop, verifiers, runtime = {}, None, dict(verifiers or {}), None
     if isinstance(model, dict) and len(model) > 1:
         _check_verifiers_served(verifiers, list(model))
         budget = engine_options.pop("kv_cache_memory_bytes", None)
@@ -67,9 +67,11 @@ def build_app(model: str | dict[str, str], served_model_name: str | None = None,
                                                                      loop=async_engine.loop), scorers)
                 for name, engine in served.items() if is_generator(engine.model_config)}
     metrics.add_search(searches, scorers)
-    return create_app(async_engine, served, api_keys=api_keys, metrics=metrics, searches=searches,
-                      chat_template=chat_template, tool_settings=tool_settings, drain=drain, scorers=scorers,
-                      request_id_headers=request_id_headers)
+    app = create_app(async_engine, served, api_keys=api_keys, metrics=metrics, searches=searches,
+                     chat_template=chat_template, tool_settings=tool_settings, drain=drain, scorers=scorers,
+                     request_id_headers=request_id_headers)
+    app.state.runtime = runtime  # (a Runtime let go of closes its engines: the app holds it while it serves them)
+    return app
 
 
 def _check_verifiers_served(verifiers: dict, names: list[str]) -> None:
