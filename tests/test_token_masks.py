@@ -91,6 +91,30 @@ def test_allowed_token_ids_match_hfs_prefix_allowed_tokens_fn(llm, hf):
     assert_no_leak(llm.engine)
 
 
+def test_an_allowed_set_that_leaves_nothing_to_sample_is_named(llm):
+    """allowed_token_ids all stop tokens with min_tokens still to reach, or all one-token bad words:
+    every logit of the row is -inf, and a token outside the set came out (0 greedy, the last id sampled)."""
+    tokenizer = llm.get_tokenizer()
+    eos = list(llm.engine.loaded.eos_token_ids)
+    [word] = [w for w in ("water", "the", "is") if len(tokenizer.encode(w, add_special_tokens=False)) == 1][:1]
+    [token] = tokenizer.encode(word, add_special_tokens=False)
+    nothing_left = [dict(allowed_token_ids=eos, min_tokens=3), dict(allowed_token_ids=[token], bad_words=[word]),
+                    dict(allowed_token_ids=[token, 7], stop_token_ids=[7], bad_words=[word], min_tokens=1)]
+    for fields in nothing_left:
+        for temperature in (0, 1.0):
+            with pytest.raises(ValueError, match="nothing could be sampled") as error:
+                llm.generate("The water is", SamplingParams(temperature=temperature, max_tokens=6, **fields),
+                             use_tqdm=False)
+            assert error.value.param == "allowed_token_ids", fields
+    # the same sets leave a token where nothing else masks it: only allowed tokens come out
+    [stops] = llm.generate("The water is", SamplingParams(max_tokens=6, allowed_token_ids=eos), use_tqdm=False)
+    assert stops.outputs[0].token_ids == eos[:1] and stops.outputs[0].finish_reason == "stop"
+    [ignored] = llm.generate("The water is", SamplingParams(max_tokens=4, min_tokens=4, ignore_eos=True,
+                                                            allowed_token_ids=eos), use_tqdm=False)
+    assert set(ignored.outputs[0].token_ids) <= set(eos) and len(ignored.outputs[0].token_ids) == 4
+    assert_no_leak(llm.engine)
+
+
 def _contains(tokens: list[int], seq) -> bool:
     return any(tokens[i:i + len(seq)] == list(seq) for i in range(len(tokens)))
 

@@ -10,7 +10,7 @@ from treeserve.engine.request import Request, RequestGroup
 from treeserve.engine.request_groups import RequestGroups
 from treeserve.engine.scheduler import Scheduler
 from treeserve.engine.structured_outputs import StructuredOutputs
-from treeserve.engine.token_masks import bad_word_sequences
+from treeserve.engine.token_masks import bad_word_sequences, check_something_is_left
 from treeserve.errors import ParamError, check_context_length
 from treeserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -84,15 +84,15 @@ class RequestIntake:
 
     def check_token_ids(self, params: SamplingParams) -> None:
         """The token ids the parameters name (logit_bias, allowed_token_ids, bad_words' tokens) are in
-        this model's vocabulary."""
+        this model's vocabulary, and allowed_token_ids leave something to sample."""
         vocab = self.loaded.model_config.vocab_size
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise ParamError("logit_bias", f"token id {max(params.logit_bias)} is outside the vocabulary [0, {vocab})")
         if params.allowed_token_ids and max(params.allowed_token_ids) >= vocab:
             outside = sorted(t for t in set(params.allowed_token_ids) if t >= vocab)
             raise ParamError("allowed_token_ids", f"token ids {outside[:8]} are outside the vocabulary [0, {vocab})")
-        if params.bad_words:
-            bad_word_sequences(self.loaded.tokenizer, params.bad_words, vocab)
+        sequences = bad_word_sequences(self.loaded.tokenizer, params.bad_words, vocab) if params.bad_words else ()
+        check_something_is_left(params, sequences, self.loaded.eos_token_ids)
 
     def _with_bad_words_tokens(self, params: SamplingParams) -> SamplingParams:
         """`params` with its bad words as this model's token sequences (a copy: the caller's may serve

@@ -47,6 +47,21 @@ def banned_tokens(output_token_ids: list[int], sequences: tuple[tuple[int, ...],
     return banned
 
 
+def check_something_is_left(params, bad_words_sequences, eos_token_ids) -> None:
+    """ParamError unless `allowed_token_ids` leave a token to sample: one that no one-token bad word
+    bans, and, with `min_tokens`, one that does not stop the sequence (the sampler masks those until
+    min_tokens). Otherwise every logit of the row would be -inf and a token outside the set come out."""
+    if not params.allowed_token_ids:
+        return
+    left = set(params.allowed_token_ids) - {seq[0] for seq in bad_words_sequences if len(seq) == 1}
+    if not left:
+        raise ParamError("allowed_token_ids", "every allowed token is one of bad_words: nothing could be sampled")
+    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+    if params.min_tokens and not left - stops:
+        raise ParamError("allowed_token_ids", f"every allowed token stops the sequence (EOS or stop_token_ids), "
+                         f"which min_tokens={params.min_tokens} forbids first: nothing could be sampled")
+
+
 def uses_token_masks(params) -> bool:
     return bool(params.allowed_token_ids or params.bad_words_token_ids)
 
