@@ -629,3 +629,25 @@ def test_regenerate_and_edit_replace_answers_and_keep_them(stack, browser):
     assert refused == [404, 404]
     _signed_in_afresh(driver, url)
     assert [(r, c) for r, c, _ in _stored(driver, first)] == [("user", HOSTILE), ("assistant", HOSTILE)]
+
+
+def test_an_edit_the_gateway_refuses_keeps_what_was_typed(stack, browser):
+    """An edit refused (here a 422: longer than a message may be) closed its editor before it was sent:
+    the page showed the old message again and what was typed was gone. As a refused new message stays
+    in the box, the editor stays open with the text until the gateway takes the edit."""
+    url, driver = stack[0], browser
+    first, _ = _two_echo_conversations(driver, url)
+    driver.get(f"{url}/chat/c/{first}")
+    wait(driver, lambda d: d.find_element(*by("send")).is_enabled())
+    send(driver, "a question")
+    too_long = "x" * 32001
+    _edit(driver, 0, too_long)
+    wait(driver, lambda d: d.find_element(*by("notice")).is_displayed(), timeout=10)
+    message = driver.find_elements(*by("message-user"))[0]
+    assert message.find_element(*by("edit-input")).get_attribute("value") == too_long
+    assert message.find_element(*by("edit-send")).is_enabled()
+    assert _stored(driver, first) == [("user", "a question", "echo"), ("assistant", "a question", "echo")]
+    _edit(driver, 0, "a question, shortened")  # (sent from the editor still open)
+    wait(driver, lambda d: _messages(d) == [("user", "a question, shortened"), ("assistant", "a question, shortened")],
+         timeout=60)
+    assert not driver.find_elements(*by("edit-input"))

@@ -433,20 +433,21 @@ async function regenerate() {
     { settings: readSettings() }, null);
 }
 
-// Edit: the user's message sent again as written; every message after it is replaced.
-async function resend(message, content) {
+// Edit: the user's message sent again as written; every message after it is replaced. `hooks`: taken
+// (the gateway took the edit), as streamAnswer's.
+async function resend(message, content, hooks = {}) {
   const conversation = state.conversation;
   notice("");
   await stopToReplace(conversation.id);
   if (state.saving) await state.saving;
   await restart(conversation, "PUT", `/chat/api/conversations/${conversation.id}/messages/${message.id}`,
-    { content, settings: readSettings() }, message.id);
+    { content, settings: readSettings() }, message.id, hooks);
 }
 
 // The conversation from the restarted message on is replaced once the gateway has taken the request.
-function restart(conversation, method, path, body, messageId) {
-  return streamAnswer(conversation, method, path, body, { known: restartPoint(conversation.messages, messageId),
-    restart: messageId === null ? "last" : messageId });
+function restart(conversation, method, path, body, messageId, hooks = {}) {
+  return streamAnswer(conversation, method, path, body, { ...hooks,
+    known: restartPoint(conversation.messages, messageId), restart: messageId === null ? "last" : messageId });
 }
 
 // Where a restart cuts the messages shown: at the message edited, or at the user's last one.
@@ -477,10 +478,12 @@ function startEditing(node, message) {
   const editor = el("div", { class: "editor" }, input, el("div", { class: "editor-actions" }, save, cancel));
   const close = () => { editor.remove(); content.hidden = false; };
   cancel.addEventListener("click", close);
+  // the editor stays open until the gateway takes the edit: a refusal (a 4xx) loses nothing of what was typed
   save.addEventListener("click", () => {
-    if (!input.value.trim()) return;
-    close();
-    resend(message, input.value).catch((error) => error.status === 401 || notice(error.message));
+    if (!input.value.trim() || save.disabled) return;
+    save.disabled = true;
+    resend(message, input.value, { taken: close }).catch((error) => error.status === 401 || notice(error.message))
+      .finally(() => { save.disabled = false; });
   });
   input.addEventListener("keydown", (e) => {
     if (e.key === "Escape") close();
