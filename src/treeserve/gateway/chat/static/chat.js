@@ -427,10 +427,10 @@ async function regenerate() {
   const conversation = state.conversation;
   if (!conversation) return;
   notice("");
-  await stopToReplace(conversation.id);
+  const replaced = await stopToReplace(conversation.id);
   if (state.saving) await state.saving;
   await restart(conversation, "POST", `/chat/api/conversations/${conversation.id}/regenerate`,
-    { settings: readSettings() }, null);
+    { settings: readSettings() }, null, { refused: () => showStopped(replaced) });
 }
 
 // Edit: the user's message sent again as written; every message after it is replaced. `hooks`: taken
@@ -438,10 +438,10 @@ async function regenerate() {
 async function resend(message, content, hooks = {}) {
   const conversation = state.conversation;
   notice("");
-  await stopToReplace(conversation.id);
+  const replaced = await stopToReplace(conversation.id);
   if (state.saving) await state.saving;
   await restart(conversation, "PUT", `/chat/api/conversations/${conversation.id}/messages/${message.id}`,
-    { content, settings: readSettings() }, message.id, hooks);
+    { content, settings: readSettings() }, message.id, { ...hooks, refused: () => showStopped(replaced) });
 }
 
 // The conversation from the restarted message on is replaced once the gateway has taken the request.
@@ -457,14 +457,24 @@ function restartPoint(messages, messageId) {
   return at < 0 ? messages.length : at;
 }
 
-// An answer streaming into `id` is stopped and its page element dropped: it is being replaced.
+// An answer streaming into `id` is stopped and its page element dropped: it is being replaced. (the
+// stream stopped, if any)
 async function stopToReplace(id) {
   const stream = state.streams.get(id);
-  if (!stream) return;
+  if (!stream) return null;
   stream.replaced = true;
   stream.live.remove();
   stream.controller.abort();
   await stream.finished;
+  return stream;
+}
+
+// A restart the gateway refused after it had stopped an answer: nothing replaced that answer, so it is
+// shown stopped, then as stored, as Stop shows it (it was left off the page until a reload).
+function showStopped(stream) {
+  if (!stream || !isOpenId(stream.id)) return;
+  if (stream.question) $("messages").append(stream.live);
+  stopped(stream);  // (not awaited: it reads the stored answer once the refused request has ended)
 }
 
 function startEditing(node, message) {
