@@ -662,7 +662,7 @@ def test_an_edit_refused_after_it_stopped_an_answer_shows_that_answer(stack, bro
     driver.get(f"{url}/chat/c/{first}")
     wait(driver, lambda d: d.find_element(*by("send")).is_enabled())
     send(driver, "a question")
-    slow = "slowly: " + " ".join(["one two three"] * 6)
+    slow = "slowly: " + " ".join(["one two three"] * 20)  # (long: still streaming when it is edited, under load)
     driver.find_element(*by("message-input")).send_keys(slow)
     driver.find_element(*by("send")).click()
     wait(driver, lambda d: len(d.find_elements("css selector", ".message.streaming .content")) and
