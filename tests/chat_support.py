@@ -147,11 +147,13 @@ def gateway_config(database: str, backend: str, scripted: str, services: str, ro
               "arith-prm": ModelConfig("arith-prm", [BackendConfig(backend)]),
               "arith-router": ModelConfig("arith-router", [BackendConfig(backend)]),
               "router": ModelConfig("router", [BackendConfig(scripted, model="scripted")]),
-              # arith-router under another name: a router that is shown the conversation (the bundled
-              # one is shown the last message alone), with a backend that measures it
+              # arith-router under another name, shown the conversation (router_history: true, as for
+              # any router but the bundled one), with a backend that measures it
               "fc-router": ModelConfig("fc-router", [BackendConfig(backend, model="arith-router")]),
               "echo": ModelConfig("echo", [BackendConfig(scripted, model="scripted")])}
+    # (the bundled router shown the last message alone, as `treeserve chat` configures it)
     chat = ChatConfig(enabled=True, verifiers={"arith-gen": "arith-prm"}, router_model=router,
+                      router_history=router != "arith-router",
                       tools={"weather": services + "/weather", "wikipedia": services + "/wiki"},
                       examples={"arith-gen": EXAMPLES})
     return GatewayConfig(models=models, master_key=MASTER, database=database, health_interval=0, chat=chat)

@@ -629,3 +629,50 @@ def test_regenerate_and_edit_replace_answers_and_keep_them(stack, browser):
     assert refused == [404, 404]
     _signed_in_afresh(driver, url)
     assert [(r, c) for r, c, _ in _stored(driver, first)] == [("user", HOSTILE), ("assistant", HOSTILE)]
+
+
+def test_an_edit_the_gateway_refuses_keeps_what_was_typed(stack, browser):
+    """An edit refused (here a 422: longer than a message may be) closed its editor before it was sent:
+    the page showed the old message again and what was typed was gone. As a refused new message stays
+    in the box, the editor stays open with the text until the gateway takes the edit."""
+    url, driver = stack[0], browser
+    first, _ = _two_echo_conversations(driver, url)
+    driver.get(f"{url}/chat/c/{first}")
+    wait(driver, lambda d: d.find_element(*by("send")).is_enabled())
+    send(driver, "a question")
+    too_long = "x" * 32001
+    _edit(driver, 0, too_long)
+    wait(driver, lambda d: d.find_element(*by("notice")).is_displayed(), timeout=10)
+    message = driver.find_elements(*by("message-user"))[0]
+    assert message.find_element(*by("edit-input")).get_attribute("value") == too_long
+    assert message.find_element(*by("edit-send")).is_enabled()
+    assert _stored(driver, first) == [("user", "a question", "echo"), ("assistant", "a question", "echo")]
+    _edit(driver, 0, "a question, shortened")  # (sent from the editor still open)
+    wait(driver, lambda d: _messages(d) == [("user", "a question, shortened"), ("assistant", "a question, shortened")],
+         timeout=60)
+    assert not driver.find_elements(*by("edit-input"))
+
+
+def test_an_edit_refused_after_it_stopped_an_answer_shows_that_answer(stack, browser):
+    """Edit (or Regenerate) stops an answer streaming first; refused by the gateway, nothing replaced
+    that answer, yet the page left it off (the question unanswered until a reload). It is shown
+    stopped, as Stop shows it, and as stored."""
+    url, driver = stack[0], browser
+    first, _ = _two_echo_conversations(driver, url)
+    driver.get(f"{url}/chat/c/{first}")
+    wait(driver, lambda d: d.find_element(*by("send")).is_enabled())
+    send(driver, "a question")
+    slow = "slowly: " + " ".join(["one two three"] * 20)  # (long: still streaming when it is edited, under load)
+    driver.find_element(*by("message-input")).send_keys(slow)
+    driver.find_element(*by("send")).click()
+    wait(driver, lambda d: len(d.find_elements("css selector", ".message.streaming .content")) and
+         len(d.find_element("css selector", ".message.streaming .content").text) > 6)
+    _edit(driver, 0, "x" * 32001)  # (refused: longer than a message may be)
+    wait(driver, lambda d: len(d.find_elements(*by("message-assistant"))) == 2  # (the wait's default: a
+         and "stopped" in d.find_elements(*by("message-assistant"))[-1].text)  # loaded CI took over 10 s)
+    shown = _messages(driver)
+    assert shown[:3] == [("user", "a question"), ("assistant", "a question"), ("user", slow)]
+    assert shown[3][0] == "assistant" and slow.startswith(shown[3][1]) and shown[3][1]
+    assert driver.find_elements(*by("message-user"))[0].find_element(*by("edit-input")).get_attribute("value") \
+        == "x" * 32001
+    assert driver.find_element(*by("send")).is_enabled() and not driver.find_element(*by("stop")).is_enabled()

@@ -88,3 +88,27 @@ def test_only_the_bundled_router_has_its_powers_rewritten():
 
     assert router_text("solve x^2 = 4", "arith-router") == "solve x**2 = 4"
     assert router_text("the matrix A^T and ^_^", "my-router") == "the matrix A^T and ^_^"  # (another reads ^ itself)
+
+
+def test_the_router_sees_the_conversation_unless_configured_not_to_whatever_its_name():
+    """Whether the router is shown the conversation was a rule on its name (arith-router alone): the
+    bundled router served under another name was shown the history it copies arguments from, and no
+    router could be served as arith-router and shown it. It is `chat.router_history` now (`treeserve
+    chat` sets it false for the bundled router)."""
+    from treeserve.gateway.chat.modes import Context, router_messages
+    from treeserve.gateway.chat.settings import ChatSettings
+    from treeserve.gateway.config import ChatConfig
+    from treeserve.errors import ParamError
+
+    history = [{"role": "user", "content": "what is 2^3?", "details": {}},
+               {"role": "assistant", "content": "8", "details": {}}]
+    for name in ("arith-router", "my-router"):
+        for shown in (True, False):
+            context = Context(None, None, ChatSettings(model="arith-gen", mode="tools"), history, "and 3^2?",
+                              router_history=shown)
+            sent = [m["content"] for m in router_messages(context, name, context.router_history)][1:]
+            power = "**" if name == "arith-router" else "^"
+            assert sent == ([f"what is 2{power}3?", "8"] if shown else []) + [f"and 3{power}2?"], (name, shown)
+    assert ChatConfig().router_history is True
+    with pytest.raises(ParamError, match="router_history"):
+        ChatConfig(router_history="no").check({})

@@ -102,7 +102,7 @@ def cmd_chat(args) -> int:
         config = build_config([f"{name}={url}" for name in CHAT_MODELS], None, database=args.database,
                               master_key=master_key,
                               chat={"enabled": True, "verifiers": {GENERATOR: VERIFIER}, "router_model": ROUTER,
-                                    "tools": tools, "examples": {GENERATOR: EXAMPLES}},
+                                    "router_history": False, "tools": tools, "examples": {GENERATOR: EXAMPLES}},
                               shutdown_timeout=args.shutdown_timeout)
         print(_banner(args, password, master_key, shown=not given), flush=True)
         app = build_app(config)

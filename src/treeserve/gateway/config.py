@@ -89,6 +89,9 @@ class ChatConfig:
     enabled: bool = False
     verifiers: dict[str, str] = field(default_factory=dict)  # generator -> its PRM: search mode for it
     router_model: str | None = None  # tools mode's function-calling model (default: the chat's own model)
+    # the router is shown the conversation; false: the last message alone, for a router trained on one
+    # message per prompt (the bundled arith-router: `treeserve chat` sets it false)
+    router_history: bool = True
     tools: dict[str, str] = field(default_factory=dict)      # weather / wikipedia -> URL (GET ?q=...)
     tool_timeout: float = 10.0
     cookie_secure: bool = False      # mark the session cookie Secure (behind HTTPS)
@@ -98,6 +101,8 @@ class ChatConfig:
 
     def check(self, models: dict) -> None:
         self.tool_timeout = number(self.tool_timeout, "chat.tool_timeout")
+        if not isinstance(self.router_history, bool):
+            raise ParamError("chat.router_history", f"expected true or false, got {self.router_history!r}")
         named = [*self.verifiers, *self.verifiers.values(), *([self.router_model] if self.router_model else [])]
         unknown = [m for m in named if m not in models]
         if unknown:

@@ -6,7 +6,7 @@
   the chosen answer with every candidate and its step scores;
 - tools (the paper's chatbot): the conversation, windowed as in chat to the router model's context,
   goes to the router with the tools and `answer_directly` (its system prompt in place of the
-  user's; the bundled router, trained on single messages, gets the last one alone); a tool call is recognised from the router's first streamed delta, the tool runs and its
+  user's; a router configured `chat.router_history: false`, trained on single messages, gets the last one alone); a tool call is recognised from the router's first streamed delta, the tool runs and its
   result is the answer; otherwise the chat model answers as in chat mode.
 
 Each mode fills an `Answer` (what is stored) while it yields events; an error raises UpstreamError."""
@@ -63,6 +63,7 @@ class Context:
     question: str
     verifier: str | None = None
     router_model: str | None = None
+    router_history: bool = True  # the router shown the conversation (false: the last message alone)
     toolbox: Toolbox | None = None
     count_tokens: Dispatch | None = None  # a chat's prompt measured by its backend: (body, key) -> /tokenize's reply
 
@@ -163,7 +164,7 @@ async def tools(context: Context, answer: Answer) -> AsyncIterator[dict]:
     router = context.router_model or answer.model
     yield {"type": "routing", "router": router}
     tools = {"tools": context.toolbox.definitions(), "tool_choice": "required"}
-    window = await _window(context, router_messages(context, router), router, ROUTER_MAX_TOKENS, tools)
+    window = await _window(context, router_messages(context, router, context.router_history), router, ROUTER_MAX_TOKENS, tools)
     # usage in every chunk: the router's stream is dropped before its last chunk, which alone would carry it
     body = {"model": router, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
             "messages": window.messages, **tools, "temperature": 0.0, "max_tokens": ROUTER_MAX_TOKENS}
@@ -186,18 +187,17 @@ async def tools(context: Context, answer: Answer) -> AsyncIterator[dict]:
 # The bundled tool router's served name: it saw powers only as `**` in training (tasks/router.py)
 BUNDLED_ROUTER = "arith-router"
 ROUTER_MAX_TOKENS = 256  # a call's arguments: the router writes no more
-# Routers trained on one message per prompt: with earlier messages before it, the bundled one copied
-# its arguments from them (19 of tests/test_chat_router.py's 20 questions went wrong), so it is shown
-# the last message alone
-SINGLE_MESSAGE_ROUTERS = frozenset({BUNDLED_ROUTER})
 
 
-def router_messages(context: Context, router: str) -> list[dict]:
+def router_messages(context: Context, router: str, history: bool = True) -> list[dict]:
     """What the router sees: its own system prompt, then the conversation as the chat model would see
-    it (tool answers left out; the last message alone for SINGLE_MESSAGE_ROUTERS), each of the user's
-    messages as `router_text` writes it."""
+    it (tool answers left out), each of the user's messages as `router_text` writes it. Without
+    `history` (`chat.router_history: false`, for a router trained on one message per prompt: shown
+    earlier messages, the bundled one copied its arguments from them, 19 of tests/test_chat_router.py's
+    20 questions wrong), the last message alone: a property of the model, not of the name it is served
+    under, so the gateway's configuration says it."""
     messages = [m for m in model_messages(context) if m["role"] != "system"]
-    if router in SINGLE_MESSAGE_ROUTERS:
+    if not history:
         messages = messages[-1:]
     return [{"role": "system", "content": ROUTER_PROMPT}] + [
         {**m, "content": router_text(m["content"], router)} if m["role"] == "user" else m for m in messages]

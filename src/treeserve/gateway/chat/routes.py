@@ -233,7 +233,7 @@ class ChatApp:
             history = conversation["messages"]
         context = Context(self.service.dispatch, key, settings, history, stored["content"],
                           self.config.chat.verifiers.get(settings.model), self.config.chat.router_model,
-                          self.toolbox, self._count_tokens)
+                          self.config.chat.router_history, self.toolbox, self._count_tokens)
         events = self._answer(user_id, conversation_id, stored, context)
         return RelayResponse(events, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
