@@ -18,6 +18,25 @@ from treeserve.bench.services import PostgresCluster, RabbitNode, free_port, pos
 
 
 def _free_port() -> int:
+    """A free port below the kernel's ephemeral range, where nothing else is handed one: a port the kernel
+    picked could go to another process's connection or gloo listener before the server bound it (a
+    tensor-parallel serve test found its port taken 16 s later, while a sibling's ranks started)."""
+    import random
+    import socket
+
+    try:
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return free_port()
+    pick = random.SystemRandom()
+    for _ in range(100):
+        port = pick.randrange(10000, max(low, 10001))
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
     return free_port()
 
 
