@@ -45,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import random
+import statistics
 import time
 from pathlib import Path
 
@@ -315,9 +316,9 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
     medians, and the median of the per-round ratios)."""
     medians = {}
     for label, rows in runs.items():
-        rates = sorted(r["problems_s"] for r in rows if "problems_s" in r)
-        if rates:
-            medians[label] = rates[len(rates) // 2]
+        rates = [r["problems_s"] for r in rows if "problems_s" in r]
+        if rates:  # of an even count, the mean of the middle two (a cut round leaves two: not the faster)
+            medians[label] = statistics.median(rates)
     static = {label: rate for label, rate in medians.items() if label.startswith("static")}
     summary: dict = {"median_problems_s": medians}
     if not static:
@@ -329,6 +330,8 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
                  if "problems_s" in s and "problems_s" in b]
         summary[f"{label} / best static"] = medians[label] / static[best]
         summary[f"{label} / best static, per round"] = sorted(pairs)
+        if pairs:
+            summary[f"{label} / best static, median of rounds"] = statistics.median(pairs)
     return summary
 
 

@@ -342,7 +342,7 @@ def report(runs: dict[str, list[dict]], mixed: list[dict], sweep: list[dict], pa
     for name, row in rows.items():
         print(f"{labels[name]:<16}" + "".join(f"{row['sweep'][c]:>9.0f}" if c in row["sweep"] else f"{'-':>9}"
                                               for c in levels))
-    median_ratio = sorted(pair_ratios)[len(pair_ratios) // 2] if pair_ratios else None
+    median_ratio = statistics.median(pair_ratios) if pair_ratios else None
     return {"engines": rows, "pair_ratios": pair_ratios, "treeserve_over_vllm": median_ratio,
             "peak_tflops": peak_tflops, "bins": [bin_label(lo, hi) for lo, hi in BINS]}
 

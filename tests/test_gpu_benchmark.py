@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,3 +81,14 @@ def test_the_founding_replica_holds_the_device_runs_pages(tmp_path):
         assert {n: e.stats().kv_blocks_total for n, e in split.engines.items()} == expected == {"gen": 2457, "prm": 1433}
     finally:
         split.close()
+
+
+def test_the_founding_summary_takes_the_middle_of_an_even_count_of_rounds():
+    """A round cut by the time limit leaves two runs a configuration: their median is their mean
+    (the upper one of two overstated shared / best static as 1.10x for rounds of 0.98x and 1.10x)."""
+    runs = {"static gen=0.3": [{"problems_s": 1.70}, {"problems_s": 1.66}],
+            "shared": [{"problems_s": 1.67}, {"problems_s": 1.83}]}
+    summary = gpu_founding.summarize(runs)
+    assert summary["median_problems_s"] == {"static gen=0.3": pytest.approx(1.68), "shared": pytest.approx(1.75)}
+    assert summary["shared / best static"] == pytest.approx(1.75 / 1.68)
+    assert summary["shared / best static, median of rounds"] == pytest.approx((1.67 / 1.70 + 1.83 / 1.66) / 2)
