@@ -304,6 +304,9 @@ def parse_args(argv):
     parser.add_argument("--founding-max-len", type=int, default=2048)
     parser.add_argument("--founding-ceiling", type=float, default=3, help="also run the founding search unconstrained, "
                         "in this many times the KV budget (the ceiling of any memory policy; 0: not)")
+    parser.add_argument("--founding-profile", action="store_true",
+                        help="after the rounds, one more run of the shared arena and the best static split under "
+                        "PyTorch's profiler: host and device seconds per model, the costliest kernels")
     parser.add_argument("--founding-replica", action="store_true",
                         help="founding_search on a CPU at the device run's page counts: tiny models with the 1B:8B "
                         "KV bytes per token, --founding-kv-gib (the device's budget) scaled to match")

@@ -58,6 +58,7 @@ from treeserve.model.hf_config import parse_model_config
 from treeserve.search.config import SearchConfig
 from treeserve.search.runner import SearchRunner
 
+import gpu_founding_profile
 import gpu_models as gm
 
 # MATH-500's problem lengths in characters, at every tenth of the sorted list (0%, 10%, ... 100%),
@@ -293,22 +294,44 @@ def run_founding_study(args, paths: dict[str, Path], vocab: int, write) -> dict:
     freeze_startup_heap()  # the built runtimes live until the end: no full collection walks them mid-run
     write(result)
     try:
-        for repeat in range(args.founding_repeats):
-            print(f"round {repeat + 1}/{args.founding_repeats}", flush=True)
-            for label in random.Random(repeat).sample(list(runtimes), len(runtimes)):
-                if repeat and time.perf_counter() - started > args.founding_seconds:
-                    result["cut"] = f"round {repeat + 1} cut before {label}: past {args.founding_seconds} s"
-                    print(result["cut"], flush=True)
-                    return result
-                result["runs"][label].append(run_one(args, runtimes[label], label, problems, args.search_depth))
-                result["summary"] = summarize(result["runs"])
-                write(result)
+        timed_rounds(args, runtimes, problems, result, started, write)
+        if args.founding_profile:
+            profile_runs(args, runtimes, problems, result, write)
     finally:
         for rt in runtimes.values():
             rt.close()
         gc.unfreeze()  # the closed runtimes' cycles (and their KV arenas) can be collected again
         gc.collect()
     return result
+
+
+def timed_rounds(args, runtimes: dict[str, Runtime], problems: list[str], result: dict, started: float, write) -> None:
+    """`args.founding_repeats` rounds, each configuration once in a seeded order; after the first
+    round, no run starts once `args.founding_seconds` have passed since `started`."""
+    for repeat in range(args.founding_repeats):
+        print(f"round {repeat + 1}/{args.founding_repeats}", flush=True)
+        for label in random.Random(repeat).sample(list(runtimes), len(runtimes)):
+            if repeat and time.perf_counter() - started > args.founding_seconds:
+                result["cut"] = f"round {repeat + 1} cut before {label}: past {args.founding_seconds} s"
+                print(result["cut"], flush=True)
+                return
+            result["runs"][label].append(run_one(args, runtimes[label], label, problems, args.search_depth))
+            result["summary"] = summarize(result["runs"])
+            write(result)
+
+
+def profile_runs(args, runtimes: dict[str, Runtime], problems: list[str], result: dict, write) -> None:
+    """One more run of the shared arena and of the best static split, profiled per model
+    (gpu_founding_profile); not counted in the rounds."""
+    labels = [label for label in ("shared", result.get("summary", {}).get("best_static")) if label in runtimes]
+    result["profiles"] = {}
+    for label in labels:
+        rt = runtimes[label]
+        row = gpu_founding_profile.profiled_run(lambda: run_one(args, rt, f"profiled {label}", problems, args.search_depth),
+                                                rt.engines, args.device)
+        print(gpu_founding_profile.describe(label, row), flush=True)
+        result["profiles"][label] = {key: row[key] for key in ("seconds", "tokens_computed", "profile")}
+        write(result)
 
 
 def summarize(runs: dict[str, list[dict]]) -> dict:

@@ -20,7 +20,7 @@ SECTIONS = "decode,decode_sync,offline,bundled_search,founding_search,spec_searc
 
 def test_gpu_benchmark_smoke_runs_every_section(tmp_path):
     command = [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--smoke", "--device", "cpu",
-               "--sections", SECTIONS, "--out", str(tmp_path)]
+               "--sections", SECTIONS, "--founding-profile", "--out", str(tmp_path)]
     run = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     results = json.loads((tmp_path / "gpu.json").read_text())
@@ -47,6 +47,13 @@ def test_gpu_benchmark_smoke_runs_every_section(tmp_path):
     assert summary["best_static"] in ("static gen=0.4", "static gen=0.5")
     assert "shared / best static" in summary and "unconstrained / best static" in summary
     assert any(row[0].startswith("1B+8B beam N=16 (shared)") for row in results["table"])
+    profiles = founding["profiles"]  # one more run of each, per-model step ranges in the profiler
+    assert set(profiles) == {"shared", summary["best_static"]}
+    for label, profiled in profiles.items():
+        per_model = profiled["profile"]["per_model"]
+        steps = {model: founding["runs"][label][0]["steps"][model]["steps"] for model in ("gen", "prm")}
+        assert {model: row["steps"] for model, row in per_model.items()} == steps  # the same search, every step
+        assert all(row["host_s"] > 0 for row in per_model.values())
     spec = results["spec_search"]
     assert len(spec["problems_s"]["none"]) == len(spec["problems_s"]["suffix"]) == 1
     assert spec["accuracy"]["none"] == spec["accuracy"]["suffix"]  # seeded: the same search either way
