@@ -20,6 +20,8 @@ Sections, each timed and reported even when another fails (the JSON is rewritten
    the shared arena and unconstrained (3x the budget: the ceiling of any memory policy), warmed
    up, alternated, 3 rounds, medians. `--founding-replica --device cpu --sections founding_search`
    runs it on a CPU at the device's page counts (tiny models, the same KV arithmetic).
+   `--founding-profile` adds one profiled run of the shared arena and of the best split: host and
+   device seconds per model, the costliest kernels (benchmarks/gpu_founding_profile.py).
 Sections run on request only: `spec_search` (benchmarks/gpu_spec_search.py: the bundled beam
 search with and without sibling suffix speculation, issue #57's 1.4x, alternating), `decode_baseline` (the decode section with PyTorch's unfused
 per-layer ops, for an A/B in one run), `decode_sync` (the decode section without async scheduling:
