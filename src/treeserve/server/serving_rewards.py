@@ -1,9 +1,9 @@
 """Scoring with the served reward models outside a search: /v1/rewards (one solution's steps),
 vLLM's /pooling (a conversation, its solution split at the model's step separator as a search's are), /v1/score
-(candidate continuations of one prefix in one call) and vLLM's /score (question and solution pairs, each
-solution split as /pooling's, its score the step scores aggregated as the verifier's search ranks them). Every route submits its items to the model's
-StepScorer on the engine loop as one ticket: steps already scored come from the score cache, and
-the items' shared prefix is computed once (the prefix cache)."""
+(candidate continuations of one prefix in one call) and vLLM's /score body on it (question and solution
+pairs, each solution split as /pooling's, its score the step scores aggregated as a search ranks them).
+Every route submits its items to the model's StepScorer on the engine loop as one ticket: steps already
+scored come from the score cache, and the items' shared prefix is computed once (the prefix cache)."""
 from __future__ import annotations
 
 import base64
