@@ -18,15 +18,17 @@ from treeserve.server.metrics import ServerMetrics
 from treeserve.server.serving import OpenAIServing, unknown_model
 from treeserve.server.serving_rewards import RewardServing
 from treeserve.server.serving_search import SearchServing
-from treeserve.wire.bodies import parse
+from treeserve.wire.bodies import parse, parse_chosen
 from treeserve.wire.drain import Drain, readiness
 from treeserve.wire.errors import APIError, error_response, from_value_error
 from treeserve.wire.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, PoolingRequest,
-                                     RewardRequest, ScoreRequest, SearchRequest, TokenizeRequest, template_ending)
+                                     RewardRequest, SearchRequest, TokenizeRequest, template_ending)
+from treeserve.wire.score import ScoreBody, VLLMScoreRequest, score_body_model
 
 # the request bodies of the routes below, for /openapi.json
 REQUEST_MODELS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
-                  "/v1/rewards": RewardRequest, "/pooling": PoolingRequest, "/v1/score": ScoreRequest,
+                  "/v1/rewards": RewardRequest, "/pooling": PoolingRequest, "/v1/score": ScoreBody,
+                  "/score": ScoreBody,
                   "/v1/search": SearchRequest, "/tokenize": TokenizeRequest,
                   "/detokenize": DetokenizeRequest}
 
@@ -155,9 +157,13 @@ def openai_routes(served: ServedModels, max_body_bytes: int) -> APIRouter:
         return await unless_client_leaves(request, served.rewards(body.model).pooling(body))
 
     @router.post("/v1/score")
+    @router.post("/score")  # (vLLM's path for its score API; /v1/score is its older one)
     async def score(request: Request):
-        body = await parse(request, ScoreRequest, max_body_bytes)
-        return await unless_client_leaves(request, served.rewards(body.model).score_candidates(body))
+        body = await parse_chosen(request, score_body_model, max_body_bytes)
+        scoring = served.rewards(body.model)
+        if isinstance(body, VLLMScoreRequest):
+            return await unless_client_leaves(request, scoring.score_pairs(body))
+        return await unless_client_leaves(request, scoring.score_candidates(body))
 
     @router.post("/v1/search")
     async def search(request: Request):

@@ -1,8 +1,9 @@
 """Scoring with the served reward models outside a search: /v1/rewards (one solution's steps),
-vLLM's /pooling (a conversation, its solution split at the model's step separator as a search's are) and /v1/score
-(candidate continuations of one prefix in one call). Every route submits its items to the model's
-StepScorer on the engine loop as one ticket: steps already scored come from the score cache, and
-the items' shared prefix is computed once (the prefix cache)."""
+vLLM's /pooling (a conversation, its solution split at the model's step separator as a search's are), /v1/score
+(candidate continuations of one prefix in one call) and vLLM's /score body on it (question and solution
+pairs, each solution split as /pooling's, its score the step scores aggregated as a search ranks them).
+Every route submits its items to the model's StepScorer on the engine loop as one ticket: steps already
+scored come from the score cache, and the items' shared prefix is computed once (the prefix cache)."""
 from __future__ import annotations
 
 import base64
@@ -16,10 +17,11 @@ from treeserve.engine.async_engine import AsyncLLMEngine
 from treeserve.errors import ParamError
 from treeserve.runtime.roles import not_a_verifier
 from treeserve.runtime.scorer import StepScorer, given_steps
-from treeserve.search.config import STEP_DELIMITER
-from treeserve.search.tree import split_steps
+from treeserve.search.config import STEP_DELIMITER, declared_aggregation
+from treeserve.search.tree import aggregate, split_steps
 from treeserve.wire.errors import APIError, from_value_error
 from treeserve.wire.protocol import PoolingRequest, RewardRequest, ScoreRequest
+from treeserve.wire.score import VLLMScoreRequest
 
 
 
@@ -52,6 +54,7 @@ def encoded(scores: list[float], encoding_format: str) -> list[float] | str:
 class RewardServing:
     def __init__(self, engine: AsyncLLMEngine, scorers: dict[str, StepScorer]):
         self.engine, self.scorers = engine, scorers
+        self.aggregations = {name: declared_aggregation(s.engine.model_dir) for name, s in scorers.items()}
 
     def scorer(self, model: str, param: str = "model") -> StepScorer:
         """The served verifier `model`'s scorer; a model not served as one is a 400 saying why."""
@@ -94,6 +97,26 @@ class RewardServing:
                 for i, scores in enumerate(results)]
         return {"object": "list", "model": body.model, "recipe": scorer.recipe.name,
                 "prefix_scores": results[0][:len(prefix)], "data": data, "usage": _usage(scorer, items)}
+
+    async def score_pairs(self, body: VLLMScoreRequest) -> dict:
+        """vLLM's score body: each (question, solution) pair's solution split into steps at the model's
+        separator; `score` is the step scores aggregated (the verifier's declared aggregation, else the
+        last step's: what /v1/search ranks by), `scores` the step scores."""
+        scorer = self.scorer(body.model)
+        try:
+            pairs = body.pairs()
+        except ParamError as exc:
+            raise from_value_error(exc) from exc
+        items = [(question, split_steps(solution, step_separator(scorer))) for question, solution, _ in pairs]
+        for (_, steps), (_, _, field) in zip(items, pairs):
+            if not steps:
+                raise APIError(400, f"{field}: the solution has no steps", param=field)
+        results = await self.score(scorer, items, [field for _, _, field in pairs])
+        how = self.aggregations[body.model]
+        data = [{"index": i, "object": "score", "score": aggregate(scores, how), "scores": scores}
+                for i, scores in enumerate(results)]
+        return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": body.model,
+                "data": data, "usage": _usage(scorer, items)}
 
     async def score(self, scorer: StepScorer, items: list[tuple[str, list[str]]],
                     fields: list[str] | None = None) -> list[list[float]]:

@@ -2,10 +2,15 @@
 (400 naming the field): the server's routes and the gateway's translated ones read them so."""
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
+from typing import Any
+
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from treeserve.wire.errors import APIError, error_response_for, from_validation_error
+from treeserve.errors import ParamError
+from treeserve.wire.errors import APIError, error_response_for, from_validation_error, from_value_error
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -21,7 +26,25 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 async def parse(request: Request, model: type[BaseModel], limit: int) -> BaseModel:
+    return validated(await read_body(request, limit), model)
+
+
+async def parse_chosen(request: Request, choose: Callable[[Any], type[BaseModel]], limit: int) -> BaseModel:
+    """A body that may be one of several models, `choose` telling which from the parsed JSON (None when
+    it is no JSON: the model's validation says why); its ParamError is a 400 naming the field."""
     body = await read_body(request, limit)
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
+        data = None
+    try:
+        model = choose(data)
+    except ParamError as exc:
+        raise from_value_error(exc) from exc
+    return validated(body, model)
+
+
+def validated(body: bytes, model: type[BaseModel]) -> BaseModel:
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:

@@ -1,0 +1,128 @@
+"""vLLM's score body (`text_1`, `text_2`) on /v1/score and vLLM's /score, on the bundled pair: a
+process reward model scores each solution (`text_2`) given its question (`text_1`), paired 1:1, 1:N
+or N:N as vLLM pairs them, each solution's step scores equal to /pooling's for the same conversation.
+Before, vLLM's body was a 400 "question: this field is required" (and /score a 404). treeserve's own
+body (`question`, `steps`, `candidates`) keeps working on both paths; a body with fields of both, or
+neither, is a 400 naming them."""
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from conftest import running_server, wait_idle
+from treeserve.server.launch import build_app
+from treeserve.tasks.arithmetic import parse_problem
+
+QUESTION = "Start with 40 and work modulo 100. Step 1: - 5. Step 2: + 17. What is the result?"
+OTHER = "Start with 10 and work modulo 100. Step 1: * 3. What is the result?"
+RIGHT = parse_problem(QUESTION).solution  # (the reference's steps, which the bundled PRM was trained on)
+WRONG = RIGHT.replace("{52}", "{53}")
+OTHER_SOLUTION = parse_problem(OTHER).solution
+
+
+@pytest.fixture(scope="module")
+def served():
+    app = build_app({"gen": "builtin:arith-gen", "prm": "builtin:arith-prm"}, dtype="float32", device="cpu")
+    with running_server(app) as url:
+        yield url, app
+
+
+def _idle(app) -> None:
+    for engine in app.state.engine.engines.values():
+        wait_idle(engine)
+        assert not engine.scheduler.has_unfinished()
+
+
+def _pooled(url: str, question: str, solution: str) -> list[float]:
+    body = {"model": "prm", "messages": [{"role": "user", "content": question},
+                                         {"role": "assistant", "content": solution}]}
+    return httpx.post(f"{url}/pooling", json=body, timeout=60).json()["data"][0]["data"]
+
+
+def test_vllm_body_scores_each_solution_given_its_question(served):
+    """1:N through the openai client (client.post, as for any custom route): one score per solution,
+    its step scores (as /pooling's) aggregated as the PRM declares (the bundled one: `min`, by which
+    /v1/search ranks its solutions)."""
+    url, app = served
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+    body = client.post("/score", cast_to=object, body={"model": "prm", "text_1": QUESTION, "text_2": [RIGHT, WRONG]})
+    assert body["object"] == "list" and body["model"] == "prm" and body["id"].startswith("score-")
+    assert isinstance(body["created"], int) and body["usage"]["prompt_tokens"] > 0
+    assert [d["index"] for d in body["data"]] == [0, 1] and {d["object"] for d in body["data"]} == {"score"}
+    for data, solution in zip(body["data"], (RIGHT, WRONG)):
+        pooled = _pooled(url, QUESTION, solution)
+        assert data["scores"] == pytest.approx(pooled, abs=1e-5)
+        assert data["score"] == pytest.approx(min(pooled), abs=1e-5)
+    _idle(app)
+
+
+def test_vllm_pairs_one_to_one_and_n_to_n_on_vllms_path(served):
+    """vLLM's /score path (plain httpx): strings are one pair; two lists pair index by index; a
+    one-item text_1 goes with every text_2."""
+    url, app = served
+    single = httpx.post(f"{url}/score", json={"model": "prm", "text_1": OTHER, "text_2": OTHER_SOLUTION}, timeout=60)
+    assert single.status_code == 200, single.text
+    assert [d["index"] for d in single.json()["data"]] == [0]
+    assert single.json()["data"][0]["scores"] == pytest.approx(
+        _pooled(url, OTHER, OTHER_SOLUTION), abs=1e-5)
+    pairs = httpx.post(f"{url}/v1/score", json={"model": "prm", "text_1": [QUESTION, OTHER],
+                                                "text_2": [RIGHT, OTHER_SOLUTION]}, timeout=60)
+    assert pairs.status_code == 200, pairs.text
+    assert pairs.json()["data"][1]["scores"] == pytest.approx(single.json()["data"][0]["scores"], abs=1e-5)
+    assert pairs.json()["data"][0]["scores"] == pytest.approx(_pooled(url, QUESTION, RIGHT), abs=1e-5)
+    broadcast = httpx.post(f"{url}/score", json={"model": "prm", "text_1": [QUESTION], "text_2": [RIGHT, WRONG],
+                                                 "user": "u", "priority": 0, "use_activation": True}, timeout=60)
+    assert broadcast.status_code == 200, broadcast.text
+    assert len(broadcast.json()["data"]) == 2
+    _idle(app)
+
+
+def test_treeserve_body_still_scores_candidates_on_both_paths(served):
+    url, app = served
+    steps = RIGHT.split("\n\n")
+    body = {"model": "prm", "question": QUESTION, "steps": steps[:-1], "candidates": [steps[-1]]}
+    answers = [httpx.post(url + path, json=body, timeout=60) for path in ("/v1/score", "/score")]
+    for answer in answers:
+        assert answer.status_code == 200, answer.text
+        assert len(answer.json()["prefix_scores"]) == len(steps) - 1
+    assert answers[0].json()["data"] == answers[1].json()["data"]
+    assert answers[0].json()["data"][0]["score"] == pytest.approx(_pooled(url, QUESTION, RIGHT)[-1], abs=1e-5)
+    _idle(app)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"model": "prm", "text_1": "q", "text_2": "a", "question": "q"}, "text_1"),  # both bodies
+    ({"model": "prm", "text_2": "a", "candidates": ["a"]}, "text_2"),
+    ({"model": "prm"}, "text_1"),  # neither
+    ({"model": "prm", "text_2": "a"}, "text_1"),
+    ({"model": "prm", "text_1": "q"}, "text_2"),
+    ({"model": "prm", "text_1": [], "text_2": "a"}, "text_1"),
+    ({"model": "prm", "text_1": "q", "text_2": []}, "text_2"),
+    ({"model": "prm", "text_1": ["q", "r"], "text_2": ["a", "b", "c"]}, "text_2"),  # neither 1:N nor N:N
+    ({"model": "prm", "text_1": ["q", "r"], "text_2": "a"}, "text_2"),
+    ({"model": "prm", "text_1": "q", "text_2": "\n\n"}, "text_2"),  # a solution with no steps
+    ({"model": "prm", "text_1": "q", "text_2": ["a", " \n\n "]}, "text_2[1]"),
+    ({"model": "prm", "text_1": "q", "text_2": [1]}, "text_2"),
+    ({"model": "prm", "text_1": {"content": [{"type": "image_url"}]}, "text_2": "a"}, "text_1"),
+    ({"model": "prm", "text_1": "q", "text_2": "a", "truncate_prompt_tokens": 8}, "truncate_prompt_tokens"),
+    ({"model": "prm", "text_1": "q", "text_2": "a", "use_activation": False}, "use_activation"),
+    ({"model": "prm", "text_1": "q", "text_2": "a", "top_n": 1}, "top_n"),  # (/rerank's)
+    ({"model": "prm", "text_1": QUESTION * 40, "text_2": ["Start: 40."]}, "text_2[0]"),  # too long to read
+    ({"model": "gen", "text_1": QUESTION, "text_2": RIGHT}, "model"),  # not a verifier
+])
+def test_bad_vllm_score_bodies_are_400s_naming_the_field(served, body, param):
+    url, app = served
+    response = httpx.post(f"{url}/v1/score", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and param.split("[")[0] in error["message"], error
+    _idle(app)
+
+
+def test_the_openai_client_sees_a_bad_request_naming_the_field(served):
+    url, _ = served
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.post("/score", cast_to=object, body={"model": "prm", "text_1": ["q", "r"], "text_2": ["a", "b", "c"]})
+    assert caught.value.body["param"] == "text_2" and "1:1, 1:N or N:N" in caught.value.body["message"]
