@@ -19,7 +19,7 @@ from treeserve.runtime.scorer import StepScorer, given_steps
 from treeserve.search.config import STEP_DELIMITER
 from treeserve.search.tree import split_steps
 from treeserve.wire.errors import APIError, from_value_error
-from treeserve.wire.protocol import PoolingRequest, RewardRequest, ScoreRequest
+from treeserve.wire.rewards import PoolingRequest, RewardRequest, ScoreRequest
 
 
 
