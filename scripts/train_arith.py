@@ -119,7 +119,7 @@ def router_prompt(tokenizer, question: str, tools: tuple[str, ...]) -> str:
     rendered by the router's own template (its tokenizer's corpus)."""
     from treeserve.entrypoints.chat_utils import render_chat
     from treeserve.gateway.chat.tools import ANSWER, HTTP_TOOLS, ROUTER_PROMPT, SYMPY
-    from treeserve.wire.protocol import Tool
+    from treeserve.wire.tools import Tool
 
     if tokenizer is None:
         from transformers import PreTrainedTokenizerFast

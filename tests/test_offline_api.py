@@ -100,7 +100,7 @@ def test_chat_reads_messages_as_openai_writes_them(llm):
 
 
 def test_the_server_joins_content_parts_as_the_offline_api_does():
-    from treeserve.wire.protocol import ChatMessage  # ("" before: "Hi" + "there" was "Hithere")
+    from treeserve.wire.chat_messages import ChatMessage  # ("" before: "Hi" + "there" was "Hithere")
     message = ChatMessage.model_validate({"role": "user", "content": [{"type": "text", "text": "Hi"},
                                                                       {"type": "text", "text": "there"}]})
     assert message.as_template_message()["content"] == "Hi\nthere"
@@ -148,7 +148,7 @@ def test_responses_and_messages_join_text_parts_as_a_chat_message_does():
 def test_developer_messages_reach_the_template_as_system_ones_as_on_the_server(llm):
     """OpenAI's `developer` role went to the template as it was offline (an open model's template
     knows `system`), where the server renders it as `system`: one mapping for both now."""
-    from treeserve.wire.protocol import ChatMessage
+    from treeserve.wire.chat_messages import ChatMessage
 
     params = SamplingParams(temperature=0, max_tokens=2)
     conversation = [{"role": "developer", "content": "Be brief"}, {"role": "user", "content": "Hi"}]

@@ -199,7 +199,7 @@ def test_a_model_directory_names_its_aggregation_and_search_requests_default_to_
     import json
 
     from treeserve.search.config import declared_aggregation
-    from treeserve.wire.protocol import SearchRequest
+    from treeserve.wire.search import SearchRequest
     from treeserve.server.serving_search import search_config
 
     assert declared_aggregation(tmp_path) == "last"  # no config.json: Search-and-Learn's default

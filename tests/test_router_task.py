@@ -108,7 +108,7 @@ def test_a_call_sent_back_renders_as_the_json_the_model_wrote():
 
     import treeserve
     from treeserve.entrypoints.chat_utils import render_chat
-    from treeserve.wire.protocol import ChatMessage, template_messages
+    from treeserve.wire.chat_messages import ChatMessage, template_messages
 
     folder = Path(treeserve.__file__).parent / "models" / "arith-router"
     tokenizer = AutoTokenizer.from_pretrained(folder)

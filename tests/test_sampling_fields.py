@@ -8,8 +8,10 @@ import pytest
 from treeserve.sampling_params import SamplingParams
 from treeserve.search.config import SearchConfig
 from treeserve.speculative_config import SpeculativeConfig
-from treeserve.wire.protocol import ChatCompletionRequest, CompletionRequest, SearchRequest
+from treeserve.wire.chat_completions import ChatCompletionRequest
+from treeserve.wire.completions import CompletionRequest
 from treeserve.wire.sampling_fields import AS_DECLARED, COMPUTED, MODEL_DEFAULTED, OFFLINE_ONLY, carried
+from treeserve.wire.search import SearchRequest
 
 # A value other than SamplingParams's default for each carried field (a new carried field needs one here).
 WIRE_VALUES = {"n": 3, "temperature": 0.5, "top_p": 0.9, "top_k": 7, "min_p": 0.1, "presence_penalty": 0.5,

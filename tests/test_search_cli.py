@@ -270,7 +270,7 @@ def test_the_cli_and_the_server_refuse_an_empty_question_by_one_check_in_search(
     from treeserve.search.prompting import checked_question
     from treeserve.server.serving_search import question_and_system
     from treeserve.wire.errors import APIError
-    from treeserve.wire.protocol import SearchRequest
+    from treeserve.wire.search import SearchRequest
 
     with pytest.raises(ParamError) as refused:
         checked_question(question, "messages")

@@ -57,7 +57,7 @@ def test_every_strategy_runs_and_leaves_no_blocks_behind(pair, strategy):
 
 
 def test_the_gateways_search_defaults_are_the_servers():
-    from treeserve.wire.protocol import SearchRequest
+    from treeserve.wire.search import SearchRequest
 
     assert SEARCH_DEFAULTS == {name: SearchRequest.model_fields[name].default for name in SEARCH_DEFAULTS}
 

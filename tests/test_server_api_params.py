@@ -6,7 +6,8 @@ import httpx
 import openai
 import pytest
 
-from treeserve.wire.protocol import ChatCompletionRequest, CompletionRequest
+from treeserve.wire.chat_completions import ChatCompletionRequest
+from treeserve.wire.completions import CompletionRequest
 
 MESSAGES = [{"role": "user", "content": "Tell me about the water"}]
 

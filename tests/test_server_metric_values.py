@@ -273,7 +273,8 @@ def test_a_streamed_tokens_gap_is_observed_once_per_step_and_served_under_both_n
 
     from treeserve.engine.engine_stats import EngineStats
     from treeserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
-    from treeserve.server import metrics as metrics_module
+    from treeserve.server.metric_series import Histogram
+    from treeserve.server.metrics import ServerMetrics
 
     def step(finished: bool = False) -> RequestOutput:
         sample = CompletionOutput(index=0, text="", token_ids=[1], cumulative_logprob=None, logprobs=None,
@@ -286,20 +287,20 @@ def test_a_streamed_tokens_gap_is_observed_once_per_step_and_served_under_both_n
     zeros = {name: 0 for name in EngineStats.__dataclass_fields__}
     stats = EngineStats(**{**zeros, "kv_blocks_total": 1, "spec_decode_num_accepted_tokens_per_pos": ()})
     engine = SimpleNamespace(stats=lambda: stats, last_step_num_tokens=1)
-    metrics = metrics_module.ServerMetrics()
+    metrics = ServerMetrics()
     model = metrics.add_model(engine, "m")
     metrics.on_step(engine, [step()])  # (its first token: TTFT)
-    observed, original = [], metrics_module.Histogram.observe
+    observed, original = [], Histogram.observe
 
     def observe(self, value, count=1):
         observed.append(self)
         return original(self, value, count)
 
-    metrics_module.Histogram.observe = observe
+    Histogram.observe = observe
     try:
         metrics.on_step(engine, [step()])
     finally:
-        metrics_module.Histogram.observe = original
+        Histogram.observe = original
     assert [h for h in observed if h is not model.iteration_tokens] == [model.itl]
     metrics.on_step(engine, [step(finished=True)])
     values = {sample.name: sample.value for family in text_string_to_metric_families(metrics.render().decode())

@@ -9,7 +9,8 @@ import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from conftest import API_KEY, wait_idle
-from treeserve.server.metrics import EngineMetrics, ServerMetrics
+from treeserve.server.engine_metrics import EngineMetrics
+from treeserve.server.metrics import ServerMetrics
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 BUCKETS = (0.001, 0.5, 1.0, 8.0, 640.0)

@@ -10,7 +10,7 @@ import llguidance.hf
 import pytest
 import torch
 
-from treeserve.wire.protocol import ChatCompletionRequest
+from treeserve.wire.chat_completions import ChatCompletionRequest
 from treeserve.server.tool_calls import ToolCalling, ToolCallStream, ToolSettings
 from treeserve.server.tool_parsers import FORCED_FORMAT, TOOL_CALL_FORMATS, scan_object
 
@@ -272,7 +272,7 @@ def test_nested_past_the_recursion_limit_is_no_call_and_no_crash():
     text = '<tool_call>\n{"name": "add", "arguments": {"values": ' + deep + '}}\n</tool_call>'
     assert whole("hermes", text) == (text, [], "stop")
     from treeserve.errors import ParamError
-    from treeserve.wire.protocol import template_messages
+    from treeserve.wire.chat_messages import template_messages
 
     request = ChatCompletionRequest.model_validate({"model": "m", "messages": [
         {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",

@@ -37,10 +37,13 @@ from treeserve.gateway.translated_routes import REQUEST_MODELS as TRANSLATED_MOD
 from treeserve.gateway.upstreams import Upstreams
 from treeserve.wire import openapi
 from treeserve.wire.bodies import BodyLimitMiddleware
+from treeserve.wire.chat_completions import ChatCompletionRequest
+from treeserve.wire.completions import CompletionRequest
 from treeserve.wire.drain import Drain, DrainMiddleware
 from treeserve.wire.errors import install_error_handlers
 from treeserve.wire.request_ids import AnthropicRequestIdMiddleware
-from treeserve.wire.protocol import ChatCompletionRequest, CompletionRequest, RewardRequest, SearchRequest
+from treeserve.wire.rewards import RewardRequest
+from treeserve.wire.search import SearchRequest
 
 log = logging.getLogger("treeserve.gateway")
 UPLOAD_FRAMING_BYTES = 1 << 20  # an upload's multipart boundaries, headers and `purpose` field

@@ -40,7 +40,7 @@ def completion_token_bound(body: dict, model: ModelConfig, search: bool = False)
     return cap * choices * prompts
 
 
-# A search request's defaults (wire/protocol.py's SearchRequest)
+# A search request's defaults (wire/search.py's SearchRequest)
 SEARCH_DEFAULTS = {"n": 4, "num_iterations": 40, "lookahead": 0, "max_tokens": 2048, "strategy": "beam"}
 
 

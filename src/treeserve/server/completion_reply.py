@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from treeserve.outputs import CompletionOutput, RequestOutput
 from treeserve.sampling_params import SamplingParams
-from treeserve.wire.protocol import CompletionRequest
+from treeserve.wire.completions import CompletionRequest
 
 
 class DeltaTracker:

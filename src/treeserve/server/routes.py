@@ -19,11 +19,15 @@ from treeserve.server.serving import OpenAIServing, unknown_model
 from treeserve.server.serving_rewards import RewardServing
 from treeserve.server.serving_search import SearchServing
 from treeserve.wire.bodies import parse, parse_chosen
+from treeserve.wire.chat_completions import ChatCompletionRequest
+from treeserve.wire.chat_messages import template_ending
+from treeserve.wire.completions import CompletionRequest
 from treeserve.wire.drain import Drain, readiness
 from treeserve.wire.errors import APIError, error_response, from_value_error
-from treeserve.wire.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, PoolingRequest,
-                                     RewardRequest, SearchRequest, TokenizeRequest, template_ending)
+from treeserve.wire.rewards import PoolingRequest, RewardRequest
 from treeserve.wire.score import ScoreBody, VLLMScoreRequest, score_body_model
+from treeserve.wire.search import SearchRequest
+from treeserve.wire.tokenization import DetokenizeRequest, TokenizeRequest
 
 # the request bodies of the routes below, for /openapi.json
 REQUEST_MODELS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,

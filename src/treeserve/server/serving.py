@@ -19,7 +19,10 @@ from treeserve.outputs import RequestOutput
 from treeserve.sampling_params import RequestOutputKind, SamplingParams
 from treeserve.wire.errors import APIError, failure_body, from_validation_error, from_value_error
 from treeserve.entrypoints.chat_utils import render_chat
-from treeserve.wire.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, Tool, template_messages
+from treeserve.wire.chat_completions import ChatCompletionRequest
+from treeserve.wire.chat_messages import ChatMessage, template_messages
+from treeserve.wire.completions import CompletionRequest
+from treeserve.wire.tools import Tool
 from treeserve.wire.translated_errors import renamed
 from treeserve.server import request_log
 from treeserve.server.completion_reply import (CompletionReply, DeltaTracker, chat_logprobs, prompt_logprobs_json,

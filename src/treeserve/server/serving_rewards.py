@@ -20,7 +20,7 @@ from treeserve.runtime.scorer import StepScorer, given_steps
 from treeserve.search.config import STEP_DELIMITER, declared_aggregation
 from treeserve.search.tree import aggregate, split_steps
 from treeserve.wire.errors import APIError, from_value_error
-from treeserve.wire.protocol import PoolingRequest, RewardRequest, ScoreRequest
+from treeserve.wire.rewards import PoolingRequest, RewardRequest, ScoreRequest
 from treeserve.wire.score import VLLMScoreRequest
 
 

@@ -26,9 +26,10 @@ from treeserve.search.progress import SearchProgress
 from treeserve.search.prompting import checked_question
 from treeserve.search.runner import SearchHandle, SearchRunner
 from treeserve.search.tree import SearchResult
+from treeserve.wire.chat_messages import template_messages
 from treeserve.wire.disconnect import unless_client_leaves
 from treeserve.wire.errors import APIError, failure_body, from_value_error
-from treeserve.wire.protocol import SearchRequest, template_messages
+from treeserve.wire.search import SearchRequest
 
 
 

@@ -12,7 +12,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from treeserve.server.metrics import EngineMetrics, ServerMetrics
+from treeserve.server.engine_metrics import EngineMetrics
+from treeserve.server.metrics import ServerMetrics
 
 log = logging.getLogger("treeserve.server.stats")
 DEFAULT_INTERVAL = 10.0

@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, RootModel
 
 from treeserve.errors import ParamError
-from treeserve.wire.protocol import ScoreRequest
+from treeserve.wire.rewards import ScoreRequest
 from treeserve.wire.unsupported import Unsupported, VendorRequest
 
 MAX_PAIRS = 1024  # (as treeserve's `candidates`)
