@@ -14,10 +14,12 @@ from conftest import running_server, wait_idle
 from treeserve.server.launch import build_app
 from treeserve.tasks.arithmetic import parse_problem
 
-QUESTION = "Start with 40 and work modulo 100. Step 1: - 5. Step 2: + 17. What is the result?"
+# (the task's operands are 1-9: a question with `+ 17` is outside what the bundled PRM learnt, and it
+# gives even the reference's first step ~3e-11)
+QUESTION = "Start with 40 and work modulo 100. Step 1: - 5. Step 2: + 7. What is the result?"
 OTHER = "Start with 10 and work modulo 100. Step 1: * 3. What is the result?"
-RIGHT = parse_problem(QUESTION).solution  # (the reference's steps, which the bundled PRM was trained on)
-WRONG = RIGHT.replace("{52}", "{53}")
+RIGHT = parse_problem(QUESTION).solution  # (the reference's steps, in the format the bundled PRM learnt)
+WRONG = RIGHT.replace("{42}", "{43}")
 OTHER_SOLUTION = parse_problem(OTHER).solution
 
 
@@ -54,6 +56,8 @@ def test_vllm_body_scores_each_solution_given_its_question(served):
         pooled = _pooled(url, QUESTION, solution)
         assert data["scores"] == pytest.approx(pooled, abs=1e-5)
         assert data["score"] == pytest.approx(min(pooled), abs=1e-5)
+    right, wrong = (d["score"] for d in body["data"])
+    assert right > 0.9 and wrong < 0.01, (right, wrong)  # (the wrong final answer is the improbable step)
     _idle(app)
 
 
@@ -103,7 +107,12 @@ def test_treeserve_body_still_scores_candidates_on_both_paths(served):
     ({"model": "prm", "text_1": ["q", "r"], "text_2": "a"}, "text_2"),
     ({"model": "prm", "text_1": "q", "text_2": "\n\n"}, "text_2"),  # a solution with no steps
     ({"model": "prm", "text_1": "q", "text_2": ["a", " \n\n "]}, "text_2[1]"),
-    ({"model": "prm", "text_1": "q", "text_2": [1]}, "text_2"),
+    ({"model": "prm", "text_1": "q", "text_2": [1]}, "text_2[0]"),  # (the item, not the field)
+    ({"model": "prm", "text_1": "q", "text_2": ["a", ["b"]]}, "text_2[1]"),
+    ({"model": "prm", "text_1": ["q", None], "text_2": ["a", "b"]}, "text_1[1]"),
+    ({"model": "prm", "text_1": "q", "text_2": [{"text": "a"}]}, "text_2[0]"),
+    ({"model": "prm", "text_1": None, "text_2": "a"}, "text_1"),
+    ({"model": "prm", "text_1": 5, "text_2": "a"}, "text_1"),
     ({"model": "prm", "text_1": {"content": [{"type": "image_url"}]}, "text_2": "a"}, "text_1"),
     ({"model": "prm", "text_1": "q", "text_2": "a", "truncate_prompt_tokens": 8}, "truncate_prompt_tokens"),
     ({"model": "prm", "text_1": "q", "text_2": "a", "use_activation": False}, "use_activation"),
@@ -118,6 +127,13 @@ def test_bad_vllm_score_bodies_are_400s_naming_the_field(served, body, param):
     error = response.json()["error"]
     assert error["param"] == param and param.split("[")[0] in error["message"], error
     _idle(app)
+
+
+def test_a_text_that_is_no_string_is_named_by_its_index(served):
+    url, _ = served
+    response = httpx.post(f"{url}/score", json={"model": "prm", "text_1": "q", "text_2": ["a", 7]}, timeout=30)
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == "text_2[1]: each text must be a string, got a number"
 
 
 def test_the_openai_client_sees_a_bad_request_naming_the_field(served):

@@ -73,4 +73,21 @@ def score_body_model(data: Any) -> type[BaseModel]:
     if not ours and not vllms:
         raise ParamError("text_1", "this field is required: send vLLM's score body (text_1: questions, text_2: "
                                    "solutions) or treeserve's (question, steps: a prefix, candidates)")
+    if vllms:
+        _require_text_items(data)
     return VLLMScoreRequest if vllms else ScoreRequest
+
+
+def _require_text_items(data: dict) -> None:
+    """A list of texts holding something else is a 400 naming the item (pydantic's union would name
+    the field and say it should be a string, though it is a list)."""
+    for name in VLLM_FIELDS:
+        texts = data.get(name)
+        for i, text in enumerate(texts if isinstance(texts, list) else []):
+            if not isinstance(text, str):
+                raise ParamError(f"{name}[{i}]", f"each text must be a string, got {json_type(text)}")
+
+
+def json_type(value: Any) -> str:
+    return {dict: "an object", list: "an array", bool: "a boolean", int: "a number", float: "a number",
+            type(None): "null"}.get(type(value), type(value).__name__)
