@@ -76,9 +76,7 @@ class RewardServing:
             raise APIError(400, "messages: a reward model reads one question (a user message) and its solution "
                                 f"(an assistant message), got {user.role} then {assistant.role}", param="messages")
         question, solution = (m.as_template_message(f"messages[{i}]")["content"] for i, m in enumerate(body.messages))
-        steps = split_steps(solution, body.step_separator or step_separator(scorer))
-        if not steps:
-            raise APIError(400, "messages[1].content: the solution has no steps", param="messages[1].content")
+        steps = solution_steps(solution, body.step_separator or step_separator(scorer), "messages[1].content")
         scores = (await self.score(scorer, [(question, steps)], ["messages"]))[0]
         return {"id": f"pool-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": body.model,
                 "data": [{"index": 0, "object": "pooling", "data": encoded(scores, body.encoding_format)}],
@@ -107,10 +105,8 @@ class RewardServing:
             pairs = body.pairs()
         except ParamError as exc:
             raise from_value_error(exc) from exc
-        items = [(question, split_steps(solution, step_separator(scorer))) for question, solution, _ in pairs]
-        for (_, steps), (_, _, field) in zip(items, pairs):
-            if not steps:
-                raise APIError(400, f"{field}: the solution has no steps", param=field)
+        separator = step_separator(scorer)
+        items = [(question, solution_steps(solution, separator, field)) for question, solution, field in pairs]
         results = await self.score(scorer, items, [field for _, _, field in pairs])
         how = self.aggregations[body.model]
         data = [{"index": i, "object": "score", "score": aggregate(scores, how), "scores": scores}
@@ -149,6 +145,14 @@ class RewardServing:
                 with contextlib.suppress(RuntimeError):  # (jobs run in order: after the submit, if it runs)
                     self.engine.post(cancel_unready)
         raise APIError(503, "the engine stopped before the scores were ready", code="engine_dead")
+
+
+def solution_steps(solution: str, separator: str, field: str) -> list[str]:
+    """A solution's steps, cut at `separator`; none is a 400 naming `field`."""
+    steps = split_steps(solution, separator)
+    if not steps:
+        raise APIError(400, f"{field}: the solution has no steps", param=field)
+    return steps
 
 
 def _usage(scorer: StepScorer, items: list[tuple[str, list[str]]]) -> dict:
