@@ -16,7 +16,7 @@ thread spent, not what another process took), one torch thread, async scheduling
 streamed requests take), `cumulative` (non-streamed server requests) or `final` (offline callers).
 
 It prints the median of the repeats' per-step medians (ms); compare two versions of the code by
-running this alternately on each (`git stash`), as the machine drifts.
+running this alternately on each (a `git worktree` of the other), as the machine drifts.
 """
 from __future__ import annotations
 

@@ -41,28 +41,25 @@ class DeferredOutputs:
         """The deferred tokens' text, then their groups' outputs (an aborted group's are dropped)."""
         if not self._groups:
             return []
+        make_text, finish_text = self.processor.make_text, self.processor.finish_text
         for request in self._text:
-            self.processor.make_text(request)  # no stop strings among these: it ends nothing
+            make_text(request)  # no stop strings among these: it ends nothing
             if request.is_finished:
-                self.processor.finish_text(request, request.finish_reason, request.stop_reason)
+                finish_text(request, request.finish_reason, request.stop_reason)
         self._text.clear()
         groups, self._groups = self._groups, {}
         return self._made(g for g in groups.values() if self.groups.is_live(g) and _wants_output(g))
 
     def _made(self, groups) -> list[RequestOutput]:
-        """The groups' outputs (a delta group with nothing new has none)."""
-        outputs = []
-        for group in groups:
-            output = self.make_output(group)
+        """The groups' outputs (a delta group with nothing new has none); a finished group is dropped."""
+        outputs, make_output, pop = [], self.processor.make_output, self.groups.pop
+        for group in groups:  # (every group at every step: `make_output` below, its calls bound once)
+            output = make_output(group)
             if output is not None:
+                if output.finished:
+                    pop(group.request_id)
                 outputs.append(output)
         return outputs
-
-    def make_output(self, group: RequestGroup) -> RequestOutput | None:
-        output = self.processor.make_output(group)
-        if output is not None and output.finished:
-            self.groups.pop(group.request_id)
-        return output
 
 
 def _wants_output(group: RequestGroup) -> bool:

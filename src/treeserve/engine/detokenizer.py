@@ -44,14 +44,16 @@ class IncrementalDetokenizer:
         return self._decode_ids(ids, self.skip_special_tokens)
 
     def push(self, token_id: int) -> str:
-        """Adds one token; returns the text it completes (possibly empty)."""
-        self.tokens.append(token_id)
-        prefix_text = self._decode(self.tokens[self.prefix_offset:self.read_offset])
-        full_text = self._decode(self.tokens[self.prefix_offset:])
+        """Adds one token; returns the text it completes (possibly empty). (Called for every token
+        of every request: the decode is called directly, names bound once.)"""
+        tokens, decode, skip, start = self.tokens, self._decode_ids, self.skip_special_tokens, self.prefix_offset
+        tokens.append(token_id)
+        prefix_text = decode(tokens[start:self.read_offset], skip)
+        full_text = decode(tokens[start:], skip)
         if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHAR):
             return ""
         delta = full_text[len(prefix_text):]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+        self.prefix_offset, self.read_offset = self.read_offset, len(tokens)
         self.text += delta
         return delta
 

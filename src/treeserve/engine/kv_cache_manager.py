@@ -112,8 +112,10 @@ class KVCacheManager:
         """Frees the request's blocks that no layer reads again: the next query, at position
         num_computed_tokens, sees keys from num_computed_tokens - window + 1 on. Call after its
         full blocks were cached."""
+        if self.window is None:  # (first: this runs for every request at every step)
+            return
         table = self.block_tables.get(request.request_id)
-        if self.window is None or not table:
+        if not table:
             return
         first_key = max(request.num_computed_tokens - self.window + 1, 0)
         cached = self._num_hashed.get(request.request_id, 0) if self.pool.enable_caching else len(table)

@@ -48,21 +48,24 @@ class OutputProcessor:
 
     def make_text(self, request: Request) -> str | None:
         """The pending tokens' text (and decoded logprobs); the stop string it completes, if any
-        (the text then ends where the stop string says)."""
+        (the text then ends where the stop string says). (This runs for every request at every
+        step: names are bound outside the loop, and a request without stop strings checks none.)"""
         found = None
-        include_stop = request.sampling_params.include_stop_str_in_output
-        before = request.num_output_tokens - len(request.pending_text)  # (tokens whose text is made)
-        for position, (token_id, logprobs, stop_token) in enumerate(request.pending_text, start=before + 1):
+        pending, params, detokenizer = request.pending_text, request.sampling_params, request.detokenizer
+        include_stop, stops, min_tokens = params.include_stop_str_in_output, params.stop_strings, params.min_tokens
+        position = request.num_output_tokens - len(pending)  # (tokens whose text is made)
+        for token_id, logprobs, stop_token in pending:
+            position += 1
             if logprobs is not None:
-                request.logprobs.append(self.decoded_logprobs(logprobs, request.sampling_params.detokenize))
+                request.logprobs.append(self.decoded_logprobs(logprobs, params.detokenize))
             delta = ""
             if not stop_token or include_stop:
                 # a stop token's own text (an EOS that skip_special_tokens=False keeps) only where asked for, as vLLM
-                delta = request.detokenizer.push(token_id)
-                request.output_text = request.detokenizer.text
-            if not stop_token and found is None and position > request.sampling_params.min_tokens:
+                delta = detokenizer.push(token_id)
+                request.output_text = detokenizer.text
+            if stops and not stop_token and found is None and position > min_tokens:
                 found = self._stop_string(request, len(delta))
-        request.pending_text.clear()
+        pending.clear()
         return found
 
     @staticmethod
@@ -105,10 +108,17 @@ class OutputProcessor:
     def make_output(self, group: RequestGroup) -> RequestOutput | None:
         """The group's output: every sample whole, or with `group.delta` what each sample added since
         the last (samples that added nothing are left out; None when none did)."""
+        children = group.children
         if group.delta:
-            outputs = [out for i, c in enumerate(group.children) if (out := _delta(i, c)) is not None]
-            if not outputs:
-                return None
+            if len(children) == 1:  # (the common case, at every step of every streamed request)
+                out = _delta(0, children[0])
+                if out is None:
+                    return None
+                outputs = [out]
+            else:
+                outputs = [out for i, c in enumerate(children) if (out := _delta(i, c)) is not None]
+                if not outputs:
+                    return None
         else:
             outputs = [
                 CompletionOutput(
@@ -117,16 +127,18 @@ class OutputProcessor:
                     logprobs=list(c.logprobs) if c.logprobs is not None else None,
                     finish_reason=_finish_reason(c), stop_reason=c.stop_reason,
                 )
-                for i, c in enumerate(group.children)
+                for i, c in enumerate(children)
             ]
-        prompt_logits = group.children[0].prompt_logits if group.children[0].prefill_only else {}
-        output = RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, group.finished,
-                               num_cached_tokens=group.children[0].num_cached_tokens, prompt_logits=prompt_logits,
-                               metrics=request_metrics(group), prompt_logprobs=group.prompt_logprobs,
+        first = children[0]
+        prompt_logits = first.prompt_logits if first.prefill_only else {}
+        finished = group.finished
+        output = RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, finished,
+                               num_cached_tokens=first.num_cached_tokens, prompt_logits=prompt_logits,
+                               metrics=request_metrics(group, finished), prompt_logprobs=group.prompt_logprobs,
                                delta=group.delta)
-        if group.children[0].speculative_config is not None:
-            output.num_draft_tokens = sum(c.num_draft_tokens for c in group.children)
-            output.num_accepted_tokens = sum(c.num_accepted_tokens for c in group.children)
+        if first.speculative_config is not None:
+            output.num_draft_tokens = sum(c.num_draft_tokens for c in children)
+            output.num_accepted_tokens = sum(c.num_accepted_tokens for c in children)
         return output
 
 
@@ -138,13 +150,14 @@ def _delta(index: int, c: Request) -> CompletionOutput | None:
     """What the sample added since its last delta output: its new tokens and logprobs, and its new
     text except, while it runs, the characters that could still begin a stop string (a stop string
     cuts the text where it starts: the cut never reaches text already sent). None: nothing new."""
-    finished = c.finish_reason is not None
-    hold = stop_hold_back(c.sampling_params.stop_strings) if c.sampling_params.stop_strings and not finished else 0
-    end = max(c.num_sent_chars, len(c.output_text) - hold)
+    finished, stops, sent_chars = c.finish_reason is not None, c.sampling_params.stop_strings, c.num_sent_chars
+    end = len(c.output_text) - (stop_hold_back(stops) if stops and not finished else 0)
+    if end < sent_chars:  # (max(), spelt out: this runs for every streamed request at every step)
+        end = sent_chars
     tokens = c.output_token_ids[c.num_sent_tokens:]
-    if not tokens and end == c.num_sent_chars and (not finished or c.sent_finish):
+    if not tokens and end == sent_chars and (not finished or c.sent_finish):
         return None
-    text = c.output_text[c.num_sent_chars:end]
+    text = c.output_text[sent_chars:end]
     logprobs = None if c.logprobs is None else c.logprobs[c.num_sent_logprobs:]
     c.num_sent_tokens, c.num_sent_chars, c.sent_finish = len(c.output_token_ids), end, finished
     c.num_sent_logprobs += len(logprobs or ())
@@ -153,7 +166,8 @@ def _delta(index: int, c: Request) -> CompletionOutput | None:
                             logprobs=logprobs, finish_reason=_finish_reason(c), stop_reason=c.stop_reason)
 
 
-def request_metrics(group: RequestGroup) -> RequestMetrics:
+def request_metrics(group: RequestGroup, finished: bool) -> RequestMetrics:
+    """`finished`: `group.finished` (which the caller has already read)."""
     children = group.children
     if len(children) == 1:  # (the common case, at every step of every request: no lists)
         scheduled, first_token = children[0].first_scheduled_time, children[0].first_token_time
@@ -162,7 +176,7 @@ def request_metrics(group: RequestGroup) -> RequestMetrics:
         first_token = min((c.first_token_time for c in children if c.first_token_time is not None), default=None)
     metrics = RequestMetrics(arrival_time=group.arrival_time, first_scheduled_time=group.first_scheduled_time or scheduled,
                              first_token_time=first_token)
-    if group.finished:
+    if finished:
         metrics.finished_time, metrics.n = time.monotonic(), len(children)
         metrics.max_tokens = None if children[0].prefill_only else children[0].max_tokens
         metrics.longest_sample = max(c.num_output_tokens for c in children)

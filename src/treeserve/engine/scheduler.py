@@ -102,7 +102,7 @@ class Scheduler:
             if num_new <= 0 or request.ends_with_in_flight:  # (async scheduling) it waits for its last step
                 index += 1
                 continue
-            drafts = _drafts_within(request, num_new, budget)
+            drafts = _drafts_within(request, num_new, budget) if request.spec_token_ids else 0
             num_new += drafts
             while not self.kv.allocate_slots(request, num_new):
                 if drafts:  # short of blocks: its drafts go before anything is reclaimed or preempted

@@ -61,9 +61,12 @@ class StepBuilder:
             self._sent[rid] = _Sent(request, request.num_tokens, blocks)
             return
         keep = len(blocks) if blocks is sent.block_ids else _common_prefix(sent.block_ids, blocks)
-        new_tokens = request.all_token_ids[sent.num_tokens:] + _in_flight(request)
+        known = request.all_token_ids
+        new_tokens = known[sent.num_tokens:]
+        if request.num_in_flight:
+            new_tokens += _in_flight(request)
         step.cached_requests.append(CachedRequestData(rid, new_tokens, keep, blocks[keep:], request.num_computed_tokens))
-        sent.num_tokens, sent.block_ids = request.num_tokens, blocks
+        sent.num_tokens, sent.block_ids = len(known) + request.num_in_flight, blocks  # (request.num_tokens)
 
     def _add_grammar_masks(self, sched: SchedulerOutput, step: StepData) -> None:
         """The grammar's allowed tokens for each constrained request that samples this step."""
