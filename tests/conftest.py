@@ -132,6 +132,23 @@ def server(llama_dir):
                               key=API_KEY)
 
 
+@pytest.fixture(scope="module")
+def bundled_pair_served():
+    """The bundled pair (generator 'gen', verifier 'prm') served: (base URL, app)."""
+    from treeserve.server.launch import build_app
+
+    app = build_app({"gen": "builtin:arith-gen", "prm": "builtin:arith-prm"}, dtype="float32", device="cpu")
+    with running_server(app) as url:
+        yield url, app
+
+
+def wait_all_idle(app) -> None:
+    """Every engine of a served app idle, none with work left."""
+    for engine in app.state.engine.engines.values():
+        wait_idle(engine)
+        assert not engine.scheduler.has_unfinished()
+
+
 def wait_idle(engine, timeout: float = 30.0) -> None:
     import time
 

@@ -11,26 +11,13 @@ import httpx
 import numpy as np
 import pytest
 
-from conftest import running_server, wait_idle
-from treeserve.server.launch import build_app
+from conftest import wait_all_idle
 
 QUESTION = "Start with 40 and work modulo 100. Step 1: - 5. Step 2: + 17. What is the result?"
 
 
-@pytest.fixture(scope="module")
-def served():
-    app = build_app({"gen": "builtin:arith-gen", "prm": "builtin:arith-prm"}, dtype="float32", device="cpu")
-    with running_server(app) as url:
-        yield url, app
-
-
-def _idle(app) -> None:
-    for engine in app.state.engine.engines.values():
-        wait_idle(engine)
-
-
-def test_pooling_step_scores_equal_the_searchs(served):
-    url, _ = served
+def test_pooling_step_scores_equal_the_searchs(bundled_pair_served):
+    url, _ = bundled_pair_served
     search = httpx.post(f"{url}/v1/search", json={"model": "gen", "verifier": "prm", "question": QUESTION,
                                                   "strategy": "best_of_n", "n": 4, "seed": 3}, timeout=300).json()
     checked = 0
@@ -46,8 +33,8 @@ def test_pooling_step_scores_equal_the_searchs(served):
     assert checked >= 8
 
 
-def test_score_scores_every_candidate_of_one_prefix_as_rewards_would(served):
-    url, app = served
+def test_score_scores_every_candidate_of_one_prefix_as_rewards_would(bundled_pair_served):
+    url, app = bundled_pair_served
     prefix = ["Start: 40.", "Step 1: 40 - 5 = 35."]
     candidates = ["Step 2: 35 + 17 = 52.", "Step 2: 35 + 17 = 53.", ["Step 2: 35 + 17 = 52.", "The answer is 52."]]
     scored = httpx.post(f"{url}/v1/score", json={"model": "prm", "question": QUESTION, "steps": prefix,
@@ -62,16 +49,16 @@ def test_score_scores_every_candidate_of_one_prefix_as_rewards_would(served):
         assert body["data"][i]["scores"] == pytest.approx(rewards[len(prefix):], abs=1e-5)
         assert body["data"][i]["score"] == pytest.approx(rewards[-1], abs=1e-5)
         assert body["prefix_scores"] == pytest.approx(rewards[:len(prefix)], abs=1e-5)
-    _idle(app)
+    wait_all_idle(app)
     for engine in app.state.engine.engines.values():
         assert not engine.scheduler.has_unfinished()
 
 
-def test_a_solution_scores_the_same_however_its_steps_are_spaced(served):
+def test_a_solution_scores_the_same_however_its_steps_are_spaced(bundled_pair_served):
     """/pooling splits as a search does (stripped, empty pieces dropped) and /v1/rewards and /v1/score
     strip given steps: before, a third newline or a trailing one turned a step's 0.997 into 1e-9,
     and four newlines made an empty step (a helper's finding)."""
-    url, _ = served
+    url, _ = bundled_pair_served
     steps = ["Start: 40.", "Step 1: 40 - 5 = 35.", "Step 2: 35 + 17 = 52."]
     clean = httpx.post(f"{url}/v1/rewards", json={"model": "prm", "question": QUESTION, "steps": steps},
                        timeout=60).json()["scores"]
@@ -88,10 +75,10 @@ def test_a_solution_scores_the_same_however_its_steps_are_spaced(served):
     assert scored["data"][0]["score"] == pytest.approx(clean[2], abs=1e-5)
 
 
-def test_pooling_base64_decodes_to_the_float_scores(served):
+def test_pooling_base64_decodes_to_the_float_scores(bundled_pair_served):
     """vLLM's encoding_format: "base64" is the base64 of the little-endian float32 scores; before, it
     was dropped and the floats came back (a client decoding base64 failed on a list)."""
-    url, _ = served
+    url, _ = bundled_pair_served
     body = {"model": "prm", "messages": [{"role": "user", "content": QUESTION},
                                          {"role": "assistant", "content": "Start: 40.\n\nStep 1: 40 - 5 = 35."}]}
     floats = httpx.post(f"{url}/pooling", json=body, timeout=60).json()
@@ -128,12 +115,12 @@ def test_pooling_base64_decodes_to_the_float_scores(served):
     ("/pooling", {"model": "prm", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
                   "encoding_format": "base64", "embed_dtype": "float16"}, "embed_dtype"),
 ])
-def test_bad_scoring_requests_are_400s_naming_the_field(served, path, body, param):
-    url, app = served
+def test_bad_scoring_requests_are_400s_naming_the_field(bundled_pair_served, path, body, param):
+    url, app = bundled_pair_served
     response = httpx.post(url + path, json=body, timeout=30)
     assert response.status_code in (400, 404), response.text
     assert response.json()["error"]["param"] == param
-    _idle(app)
+    wait_all_idle(app)
 
 
 @pytest.mark.parametrize("path, body, param", [
@@ -144,14 +131,14 @@ def test_bad_scoring_requests_are_400s_naming_the_field(served, path, body, para
     ("/v1/search", {"model": "gen", "verifier": "gen", "question": QUESTION, "strategy": "beam", "n": 4}, "verifier"),
     ("/v1/search", {"model": "gen", "verifier": "gen", "question": QUESTION, "strategy": "greedy"}, "verifier"),
 ])
-def test_the_generator_is_not_accepted_as_a_verifier(served, path, body, param):
+def test_the_generator_is_not_accepted_as_a_verifier(bundled_pair_served, path, body, param):
     """A plain language model whose config names no recipe is no verifier: before, RLHFlow's recipe
     read `+`/`-` logits the generator never learnt and answered 200 with near-constant scores."""
-    url, app = served
+    url, app = bundled_pair_served
     response = httpx.post(url + path, json=body, timeout=60)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and error["code"] == "model_not_a_verifier"
     assert "'gen' is not served as a verifier (served verifiers: prm)" in error["message"]
     assert "--verifier NAME[=RECIPE]" in error["message"]
-    _idle(app)
+    wait_all_idle(app)

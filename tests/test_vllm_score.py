@@ -10,8 +10,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import running_server, wait_idle
-from treeserve.server.launch import build_app
+from conftest import wait_all_idle
 from treeserve.tasks.arithmetic import parse_problem
 
 # (the task's operands are 1-9: a question with `+ 17` is outside what the bundled PRM learnt, and it
@@ -23,30 +22,17 @@ WRONG = RIGHT.replace("{42}", "{43}")
 OTHER_SOLUTION = parse_problem(OTHER).solution
 
 
-@pytest.fixture(scope="module")
-def served():
-    app = build_app({"gen": "builtin:arith-gen", "prm": "builtin:arith-prm"}, dtype="float32", device="cpu")
-    with running_server(app) as url:
-        yield url, app
-
-
-def _idle(app) -> None:
-    for engine in app.state.engine.engines.values():
-        wait_idle(engine)
-        assert not engine.scheduler.has_unfinished()
-
-
 def _pooled(url: str, question: str, solution: str) -> list[float]:
     body = {"model": "prm", "messages": [{"role": "user", "content": question},
                                          {"role": "assistant", "content": solution}]}
     return httpx.post(f"{url}/pooling", json=body, timeout=60).json()["data"][0]["data"]
 
 
-def test_vllm_body_scores_each_solution_given_its_question(served):
+def test_vllm_body_scores_each_solution_given_its_question(bundled_pair_served):
     """1:N through the openai client (client.post, as for any custom route): one score per solution,
     its step scores (as /pooling's) aggregated as the PRM declares (the bundled one: `min`, by which
     /v1/search ranks its solutions)."""
-    url, app = served
+    url, app = bundled_pair_served
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
     body = client.post("/score", cast_to=object, body={"model": "prm", "text_1": QUESTION, "text_2": [RIGHT, WRONG]})
     assert body["object"] == "list" and body["model"] == "prm" and body["id"].startswith("score-")
@@ -58,13 +44,13 @@ def test_vllm_body_scores_each_solution_given_its_question(served):
         assert data["score"] == pytest.approx(min(pooled), abs=1e-5)
     right, wrong = (d["score"] for d in body["data"])
     assert right > 0.9 and wrong < 0.01, (right, wrong)  # (the wrong final answer is the improbable step)
-    _idle(app)
+    wait_all_idle(app)
 
 
-def test_vllm_pairs_one_to_one_and_n_to_n_on_vllms_path(served):
+def test_vllm_pairs_one_to_one_and_n_to_n_on_vllms_path(bundled_pair_served):
     """vLLM's /score path (plain httpx): strings are one pair; two lists pair index by index; a
     one-item text_1 goes with every text_2."""
-    url, app = served
+    url, app = bundled_pair_served
     single = httpx.post(f"{url}/score", json={"model": "prm", "text_1": OTHER, "text_2": OTHER_SOLUTION}, timeout=60)
     assert single.status_code == 200, single.text
     assert [d["index"] for d in single.json()["data"]] == [0]
@@ -79,11 +65,11 @@ def test_vllm_pairs_one_to_one_and_n_to_n_on_vllms_path(served):
                                                  "user": "u", "priority": 0, "use_activation": True}, timeout=60)
     assert broadcast.status_code == 200, broadcast.text
     assert len(broadcast.json()["data"]) == 2
-    _idle(app)
+    wait_all_idle(app)
 
 
-def test_treeserve_body_still_scores_candidates_on_both_paths(served):
-    url, app = served
+def test_treeserve_body_still_scores_candidates_on_both_paths(bundled_pair_served):
+    url, app = bundled_pair_served
     steps = RIGHT.split("\n\n")
     body = {"model": "prm", "question": QUESTION, "steps": steps[:-1], "candidates": [steps[-1]]}
     answers = [httpx.post(url + path, json=body, timeout=60) for path in ("/v1/score", "/score")]
@@ -92,7 +78,7 @@ def test_treeserve_body_still_scores_candidates_on_both_paths(served):
         assert len(answer.json()["prefix_scores"]) == len(steps) - 1
     assert answers[0].json()["data"] == answers[1].json()["data"]
     assert answers[0].json()["data"][0]["score"] == pytest.approx(_pooled(url, QUESTION, RIGHT)[-1], abs=1e-5)
-    _idle(app)
+    wait_all_idle(app)
 
 
 @pytest.mark.parametrize("body, param", [
@@ -120,24 +106,24 @@ def test_treeserve_body_still_scores_candidates_on_both_paths(served):
     ({"model": "prm", "text_1": QUESTION * 40, "text_2": ["Start: 40."]}, "text_2[0]"),  # too long to read
     ({"model": "gen", "text_1": QUESTION, "text_2": RIGHT}, "model"),  # not a verifier
 ])
-def test_bad_vllm_score_bodies_are_400s_naming_the_field(served, body, param):
-    url, app = served
+def test_bad_vllm_score_bodies_are_400s_naming_the_field(bundled_pair_served, body, param):
+    url, app = bundled_pair_served
     response = httpx.post(f"{url}/v1/score", json=body, timeout=30)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and param.split("[")[0] in error["message"], error
-    _idle(app)
+    wait_all_idle(app)
 
 
-def test_a_text_that_is_no_string_is_named_by_its_index(served):
-    url, _ = served
+def test_a_text_that_is_no_string_is_named_by_its_index(bundled_pair_served):
+    url, _ = bundled_pair_served
     response = httpx.post(f"{url}/score", json={"model": "prm", "text_1": "q", "text_2": ["a", 7]}, timeout=30)
     assert response.status_code == 400
     assert response.json()["error"]["message"] == "text_2[1]: each text must be a string, got a number"
 
 
-def test_the_openai_client_sees_a_bad_request_naming_the_field(served):
-    url, _ = served
+def test_the_openai_client_sees_a_bad_request_naming_the_field(bundled_pair_served):
+    url, _ = bundled_pair_served
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
     with pytest.raises(openai.BadRequestError) as caught:
         client.post("/score", cast_to=object, body={"model": "prm", "text_1": ["q", "r"], "text_2": ["a", "b", "c"]})
