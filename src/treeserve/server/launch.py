@@ -34,7 +34,7 @@ def build_app(model: str | dict[str, str], served_model_name: str | None = None,
               max_queue: int | None = None, kv_mode: str = "shared", max_problems_in_flight: int = 32,
               engine_thread: bool = True, chat_template: str | None = None, tool_settings: ToolSettings | None = None,
               drain: Drain | None = None, verifiers: dict[str, str | None] | None = None,
-              request_id_headers: bool = False, **engine_options):
+              request_id_headers: bool = False, trust_request_chat_template: bool = False, **engine_options):
     """One model (a path, served as `served_model_name` or `served_name(path)`; or one name -> path)
     gets its own engine; several (name -> path) share a `Runtime`. Verifiers (/v1/rewards, a search's `verifier`) are the models with a
     reward head or a recipe declared in their config.json, and those `verifiers` names (name ->
@@ -70,7 +70,7 @@ def build_app(model: str | dict[str, str], served_model_name: str | None = None,
     metrics.add_search(searches, scorers)
     app = create_app(async_engine, served, api_keys=api_keys, metrics=metrics, searches=searches,
                      chat_template=chat_template, tool_settings=tool_settings, drain=drain, scorers=scorers,
-                     request_id_headers=request_id_headers)
+                     request_id_headers=request_id_headers, trust_request_chat_template=trust_request_chat_template)
     app.state.runtime = runtime  # (a Runtime let go of closes its engines: the app holds it while it serves them)
     return app
 
@@ -132,7 +132,8 @@ def app_from_args(args):
                     threads_per_rank=args.threads_per_rank, engine_thread=False,
                     chat_template=chat_template, tool_settings=tool_settings, drain=Drain(args.shutdown_timeout),
                     verifiers=served_verifiers(getattr(args, "verifier", None)),
-                    request_id_headers=getattr(args, "enable_request_id_headers", False))
+                    request_id_headers=getattr(args, "enable_request_id_headers", False),
+                    trust_request_chat_template=getattr(args, "trust_request_chat_template", False))
     tokenizers = {name: engine.tokenizer for name, engine in app.state.engine.engines.items()}
     warn_replaced_tool_templates(tokenizers, chat_template, args.chat_template)
     allow_cors(app, args)
