@@ -88,6 +88,7 @@ def _choose(message: str) -> tuple[str, str]:
 def scripted_app() -> FastAPI:
     app = FastAPI()
     app.state.requests, app.state.finished = [], 0
+    app.state.queue_full = False  # set: every request refused as a full server's (treeserve's --max-queue 429)
 
     @app.get("/health")
     async def health():
@@ -97,6 +98,10 @@ def scripted_app() -> FastAPI:
     async def chat(request: Request):
         body = await request.json()
         app.state.requests.append(body)
+        if app.state.queue_full:
+            return JSONResponse({"error": {"message": "the server is busy: 8 requests are waiting (--max-queue); "
+                                           "retry later", "type": "server_busy", "code": "queue_full"}},
+                                status_code=429, headers={"Retry-After": "1"})
         last = body["messages"][-1]["content"]
         if body.get("tools"):
             name, arguments = _choose(last)

@@ -676,3 +676,26 @@ def test_an_edit_refused_after_it_stopped_an_answer_shows_that_answer(stack, bro
     assert driver.find_elements(*by("message-user"))[0].find_element(*by("edit-input")).get_attribute("value") \
         == "x" * 32001
     assert driver.find_element(*by("send")).is_enabled() and not driver.find_element(*by("stop")).is_enabled()
+
+
+def test_a_regeneration_the_model_server_refuses_keeps_the_old_answer(stack, browser):
+    """Regenerate while the model's server refuses new requests (its queue full): the old answer stays
+    on the page and as stored, and the refusal is shown (was: the old answer deleted, an empty failed
+    answer in its place)."""
+    url, _, scripted = stack
+    driver = browser
+    first, _ = _two_echo_conversations(driver, url)
+    driver.get(f"{url}/chat/c/{first}")
+    wait(driver, lambda d: d.find_element(*by("send")).is_enabled())
+    send(driver, "a question")
+    scripted.state.queue_full = True
+    try:
+        driver.find_element(*by("regenerate")).click()
+        notice = wait(driver, lambda d: d.find_element(*by("notice")) if d.find_element(*by("notice")).is_displayed()
+                      else None, timeout=30)
+        assert "requests are waiting" in notice.text
+    finally:
+        scripted.state.queue_full = False
+    assert _messages(driver) == [("user", "a question"), ("assistant", "a question")]
+    assert _stored(driver, first) == [("user", "a question", "echo"), ("assistant", "a question", "echo")]
+    assert driver.find_element(*by("send")).is_enabled() and driver.find_element(*by("regenerate")).is_enabled()

@@ -190,3 +190,28 @@ def test_tools_mode_routes_the_conversation_windowed_to_the_routers_context(stac
         turn = max(i for i in range(start) if history[i]["role"] == "user")  # the turn before it
         earlier = [{"role": m["role"], "content": m["content"]} for m in history[turn:start]]
         assert size(last["messages"][:1] + earlier + sent) + 256 > 1024
+
+
+def test_a_restart_refused_at_admission_replaces_nothing(stack):
+    """Regenerate (and Edit) whose new answer the model's server refuses (a full queue) before any of
+    it came back: an HTTP error the page shows, and the conversation as it was, the old answer kept
+    (was: the old answer deleted, and an empty failed answer stored in its place)."""
+    url, _, scripted, _ = stack
+    client = sign_in(url, "ada", "correct horse battery")
+    conversation = echo_conversation(client, "first", "second")
+    path = f"/chat/api/conversations/{conversation['id']}"
+    scripted.state.queue_full = True
+    try:
+        regenerated = client.post(f"{path}/regenerate", json={})
+        edited = client.put(f"{path}/messages/{conversation['messages'][2]['id']}", json={"content": "edited"})
+    finally:
+        scripted.state.queue_full = False
+    for refused in (regenerated, edited):  # the server's refusal, as the page shows a refused request's
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "queue_full", refused.text
+        assert "requests are waiting" in refused.json()["error"]["message"]
+    after = client.get(path).json()
+    assert after["messages"] == conversation["messages"]  # nothing replaced, nothing deleted
+    events = restart(client, "POST", f"{path}/regenerate")  # admitted, it replaces the answer as before
+    assert events[0]["type"] == "user" and events[-1]["message"]["content"] == "second"
+    assert stored(client, conversation["id"]) == [("user", "first"), ("assistant", "first"),
+                                                  ("user", "second"), ("assistant", "second")]

@@ -224,3 +224,30 @@ def test_generate_takes_vllms_priority_and_a_none_lora_request(llama_dir):
         llm.chat([{"role": "user", "content": "Hi"}], params, use_tqdm=False, lora_request=object(),
                  chat_template=TEMPLATE)
     assert_no_leak(llm.engine)
+
+
+def test_the_engine_held_after_its_llm_is_dropped_is_not_closed_under_its_holder(llama_dir, monkeypatch):
+    """`engine = llm.llm_engine; del llm`: the engine keeps working (its LLM's finalizer closed it,
+    stopping a tensor-parallel engine's workers under the caller); it is closed when it is let go of."""
+    import gc
+
+    from treeserve.engine.loaded_model import LoadedModel
+
+    gc.collect()  # (what earlier tests let go of is closed now, not counted below)
+    closed = []
+    monkeypatch.setattr(LoadedModel, "close", lambda loaded: closed.append(loaded))
+    llm = LLM(str(llama_dir), **OPTIONS)
+    engine = llm.llm_engine
+    loaded = engine.loaded
+
+    def closes() -> int:  # (this engine's only: a collection may close others' too)
+        return sum(one is loaded for one in closed)
+
+    del llm
+    gc.collect()
+    assert closes() == 0
+    again = LLM.from_engine(engine)
+    assert again.generate("Hello", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+    del engine, again
+    gc.collect()
+    assert closes() == 1

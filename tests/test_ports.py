@@ -147,3 +147,115 @@ def test_serve_on_ipv6_refuses_a_taken_port_in_one_line():
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
         f"treeserve serve: [::1]:{port} is already in use (Address already in use): stop what listens there or "
         "pass another --port"], done.stderr
+
+
+class _LoadingEngine:
+    """Stands in for the engine loop: once the HTTP server answers, it stops (as a server stopped)."""
+
+    errored = None
+
+    def __init__(self, url: str):
+        self.url, self.answered = url, None
+
+    def run_forever(self, should_stop) -> None:
+        import httpx
+
+        deadline = time.monotonic() + 30
+        while self.answered is None and not should_stop() and time.monotonic() < deadline:
+            try:
+                self.answered = httpx.get(f"{self.url}/health", timeout=2).status_code
+            except httpx.HTTPError:
+                time.sleep(0.05)
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _try_to_take(port: int) -> bool:
+    """What another server does (uvicorn's bind: SO_REUSEADDR, then listen); True if it got the port."""
+    with socket.socket() as other:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            other.bind(("127.0.0.1", port))
+            other.listen()
+        except OSError:
+            return False
+        return True
+
+
+def test_serve_holds_its_port_while_its_models_load(monkeypatch):
+    """`treeserve serve` binds its port before the models load and serves on that socket (vLLM's
+    way): another server started meanwhile cannot take it (the check let go of the port, and a
+    server that took it during a minute of loading left ours to fail with EADDRINUSE after it)."""
+    import argparse
+
+    from fastapi import FastAPI
+
+    from treeserve.ports import free_port
+    from treeserve.server import launch
+    from treeserve.wire.drain import Drain
+
+    port = free_port()
+    app = FastAPI()
+    app.add_api_route("/health", lambda: {})
+    app.state.drain, app.state.engine = Drain(), _LoadingEngine(f"http://127.0.0.1:{port}")
+    taken_while_loading = []
+
+    def load(args):
+        taken_while_loading.append(_try_to_take(port))
+        return app
+
+    monkeypatch.setattr(launch, "_logged_app", load)
+    args = argparse.Namespace(host="127.0.0.1", port=port, uvicorn_log_level="warning", disable_uvicorn_access_log=True,
+                              enable_log_requests=False, disable_log_stats=True)
+    assert launch.serve(args) == 0
+    assert taken_while_loading == [False]
+    assert app.state.engine.answered == 200  # served on the socket bound before the load
+    assert _try_to_take(port)  # and let go of once it stopped
+
+
+def test_the_gateway_holds_its_port_while_its_app_is_built(monkeypatch, tmp_path):
+    from treeserve.cli import main
+    from treeserve.ports import free_port
+
+    port, taken_while_building, served_on = free_port(), [], []
+
+    def build(config):
+        taken_while_building.append(_try_to_take(port))
+        return "app"
+
+    monkeypatch.setattr("treeserve.gateway.app.build_app", build)
+    monkeypatch.setattr("treeserve.gateway.launch.run_gateway",
+                        lambda app, host, pt, sockets=None: served_on.append([s.getsockname() for s in sockets]) or 0)
+    assert main(["gateway", "--backend", "m=http://127.0.0.1:1", "--port", str(port),
+                 "--database", f"sqlite:///{tmp_path / 'g.db'}"]) == 0
+    assert taken_while_building == [False] and served_on == [[("127.0.0.1", port)]]
+
+
+def test_the_gateway_refuses_a_taken_port_before_building_its_app(other_server, monkeypatch, capsys, tmp_path):
+    from treeserve.cli import main
+
+    monkeypatch.setattr("treeserve.gateway.app.build_app", lambda config: pytest.fail("built on a taken port"))
+    assert main(["gateway", "--backend", "m=http://127.0.0.1:1", "--port", str(other_server),
+                 "--database", f"sqlite:///{tmp_path / 'g.db'}"]) == 2
+    err = capsys.readouterr().err
+    assert f"treeserve gateway: 127.0.0.1:{other_server} is already in use" in err and "--port" in err
+
+
+def test_a_port_held_only_by_closed_connections_can_be_bound_again():
+    """A port is bound without SO_REUSEADDR to hold it against other servers while the models load,
+    and set as it serves: the connections it closed first (TIME_WAIT) do not keep the next start
+    from binding it."""
+    from treeserve.ports import bind_sockets, closing_all, ready_to_serve
+
+    with closing_all(bind_sockets("127.0.0.1", 0, "--port")) as sockets:
+        listener = ready_to_serve(sockets)[0]
+        listener.listen()
+        port = listener.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        accepted, _ = listener.accept()
+        accepted.close()  # the server's side closes first: its port is left in TIME_WAIT
+        client.recv(1)
+        client.close()
+    with closing_all(bind_sockets("127.0.0.1", port, "--port")) as sockets:
+        assert [s.getsockname()[1] for s in sockets] == [port]

@@ -364,3 +364,41 @@ def test_reasoning_effort_is_a_chat_template_variable(llama_dir):
             client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1,
                                            extra_body={"reasoning_effort": "extreme"})
         assert caught.value.body["param"] == "reasoning_effort", caught.value.body
+
+
+def test_a_requests_own_chat_template_is_refused_by_name_or_rendered_when_trusted(llama_dir):
+    """vLLM's per-request `chat_template` (chat completions, /tokenize): a 400 naming it unless the server
+    was started with --trust-request-chat-template (vLLM's rule), then rendered in place of the model's,
+    in Jinja's sandbox. Before: silently dropped (the model's template was used)."""
+    from conftest import API_KEY, running_server
+    from treeserve.server.launch import build_app
+
+    own = "{% for m in messages %}OWN {{ m.content }} {% endfor %}"
+    text = "".join(f"OWN {m['content']} " for m in MESSAGES)
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    for trusted in (False, True):
+        app = build_app(str(llama_dir), served_model_name="tiny", api_keys=[API_KEY], dtype="float32", device="cpu",
+                        kv_cache_memory_bytes=8 << 20, max_model_len=256,
+                        **({"trust_request_chat_template": True} if trusted else {}))  # (refused by default)
+        with running_server(app) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
+
+            def tokenize(**body) -> httpx.Response:
+                return httpx.post(f"{url}/tokenize", headers=headers, json={"model": "tiny"} | body)
+
+            if not trusted:
+                with pytest.raises(openai.BadRequestError) as bad:
+                    client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1,
+                                                   extra_body={"chat_template": own})
+                assert bad.value.body["param"] == "chat_template", bad.value.body
+                assert "--trust-request-chat-template" in bad.value.body["message"]
+                refused = tokenize(messages=MESSAGES, chat_template=own)
+                assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template"
+                continue
+            expected = tokenize(prompt=text, add_special_tokens=False).json()["tokens"]
+            assert tokenize(messages=MESSAGES, chat_template=own).json()["tokens"] == expected
+            chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1,
+                                                  extra_body={"chat_template": own})
+            assert chat.usage.prompt_tokens == len(expected)
+            escape = tokenize(messages=MESSAGES, chat_template="{{ messages.__class__.__mro__[1].__subclasses__() }}")
+            assert escape.status_code == 400 and escape.json()["error"]["param"] == "messages", escape.text

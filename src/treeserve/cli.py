@@ -139,6 +139,9 @@ def _add_serving_args(parser: argparse.ArgumentParser, http: bool) -> None:
                         help="search problems that advance together, from all requests; more wait in a queue")
     parser.add_argument("--chat-template", help="a Jinja chat template (a file, or the text) replacing the "
                         "models' own (examples/ has tool-calling ones)")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="render a request's own chat_template (vLLM's flag: a template is code the server runs, "
+                        "in Jinja's sandbox); without it such a request is a 400 naming chat_template")
     parser.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"],
                         help="the format the model writes tool calls in: read from its output (tool_choice auto) "
                         "and forced by grammar (required, a named function)")

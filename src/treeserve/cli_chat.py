@@ -60,17 +60,28 @@ def first_user(store, user_id: str) -> str:
 
 
 def cmd_chat(args) -> int:
-    from treeserve.model.registry import CHAT_MODELS, CHAT_TOOL_PARSER
-    from treeserve.ports import PortUnavailableError, ensure_port_free, free_port
+    from treeserve.ports import PortUnavailableError, bind_sockets, closing_all, ensure_port_free, free_port
 
-    try:
-        ensure_port_free(args.host, args.port, "--port")
-        serve_port = args.serve_port or free_port()
-        if args.serve_port:
-            ensure_port_free("127.0.0.1", serve_port, "--serve-port")
+    try:  # the chat page's port, held while the model server starts (that server binds its own)
+        sockets = bind_sockets(args.host, args.port, "--port")
     except PortUnavailableError as error:
         print(f"treeserve chat: {error}", file=sys.stderr)
         return 2
+    with closing_all(sockets):
+        try:
+            serve_port = args.serve_port or free_port()
+            if args.serve_port:
+                ensure_port_free("127.0.0.1", serve_port, "--serve-port")
+        except PortUnavailableError as error:
+            print(f"treeserve chat: {error}", file=sys.stderr)
+            return 2
+        return _chat_on(sockets, serve_port, args)
+
+
+def _chat_on(sockets: list, serve_port: int, args) -> int:
+    """The model server started on `serve_port`, and the gateway in front of it on `sockets`."""
+    from treeserve.model.registry import CHAT_MODELS, CHAT_TOOL_PARSER
+
     url = f"http://127.0.0.1:{serve_port}"
     models = [f"--model={name}={path}" for name, path in CHAT_MODELS.items()]
     server = subprocess.Popen([sys.executable, "-m", "treeserve.cli", "serve", "--port", str(serve_port), *models,
@@ -107,7 +118,8 @@ def cmd_chat(args) -> int:
         print(_banner(args, password, master_key, shown=not given), flush=True)
         app = build_app(config)
         died = threading.Event()
-        code = run_gateway(app, args.host, args.port, watch=lambda gateway: _watch(server, gateway, died))
+        code = run_gateway(app, args.host, args.port, sockets=sockets,
+                           watch=lambda gateway: _watch(server, gateway, died))
         return 1 if died.is_set() else code
     finally:
         _stop_server(server, args.shutdown_timeout, now=app is not None and app.state.drain.forced)

@@ -127,13 +127,26 @@ def _models(text: str | None) -> list[str] | None:
 
 
 def cmd_gateway(args) -> int:
-    from treeserve.gateway.app import build_app
     from treeserve.gateway.config_load import build_config
-    from treeserve.gateway.launch import run_gateway
+    from treeserve.ports import PortUnavailableError, bind_sockets, closing_all
 
     config = build_config(args.backend, args.config, master_key=args.master_key, database=args.database,
                           routing=args.routing, retries=args.retries, health_interval=args.health_interval,
                           shutdown_timeout=args.shutdown_timeout, chat=chat_overrides(args))
+    try:  # held from now on: a taken port is said before the app is built, and no one takes it meanwhile
+        sockets = bind_sockets(args.host, args.port, "--port")
+    except PortUnavailableError as error:
+        print(f"treeserve gateway: {error}", file=sys.stderr)
+        return 2
+    with closing_all(sockets):
+        return _gateway_on(sockets, config, args)
+
+
+def _gateway_on(sockets: list, config, args) -> int:
+    """The gateway built from its config and served on `sockets`, bound before it was built."""
+    from treeserve.gateway.app import build_app
+    from treeserve.gateway.launch import run_gateway
+
     if not config.master_key:
         print("warning: no --master-key: the admin API (/key/generate, ...) is off; keys can still be made "
               "with `treeserve gateway keys create`", file=sys.stderr)
@@ -142,7 +155,7 @@ def cmd_gateway(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = build_app(config)
     freeze_startup_heap()  # ~155k objects: a full collection of them was a ~95 ms pause of every relayed stream
-    return run_gateway(app, args.host, args.port)
+    return run_gateway(app, args.host, args.port, sockets=sockets)
 
 
 def chat_overrides(args) -> dict | None:

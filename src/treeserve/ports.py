@@ -1,8 +1,11 @@
-"""TCP ports for the servers a command starts: a free one picked, or the one asked for checked before
+"""TCP ports for the servers a command starts: a free one picked, or the one asked for bound before
 anything slow happens (a model loaded, a child started), so that a taken port is an error naming it
-and its flag rather than a child dying with EADDRINUSE while something else answers there."""
+and its flag rather than a child dying with EADDRINUSE while something else answers there. A server
+that serves in this process keeps the sockets it bound (`bind_sockets`) and hands them to uvicorn, as
+vLLM's `serve` does: nothing can take the port while its models load."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import socket
 
@@ -30,23 +33,75 @@ def address(host: str, port: int) -> str:
 
 def ensure_port_free(host: str, port: int, flag: str) -> None:
     """Raises PortInUseError naming `port` and `flag` if something listens there, PortUnavailableError
-    if binding fails for another reason. Every address the host resolves to is bound, in its own
-    family, as uvicorn's server binds them (`::` and `::1` as IPv6). SO_REUSEADDR as uvicorn sets it:
-    a port held only by closed connections (TIME_WAIT) counts as free."""
+    if binding fails for another reason (for a port a child process will bind)."""
+    for sock in bind_sockets(host, port, flag):
+        sock.close()
+
+
+def bind_sockets(host: str, port: int, flag: str) -> list[socket.socket]:
+    """Sockets bound, not yet listening (a client gets "connection refused" until the server serves),
+    on every address the host resolves to, each in its own family, as uvicorn's server binds them
+    (`::` and `::1` as IPv6); for `uvicorn.Server.run(sockets=...)`. Errors as `ensure_port_free`."""
+    bound: list[socket.socket] = []
     try:
-        for family, kind, proto, _, sockaddr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                                   flags=socket.AI_PASSIVE):
-            _bind(family, kind, proto, sockaddr)
+        for family, kind, proto, _, sockaddr in _addresses(host, port):
+            bound.append(_bind(family, kind, proto, sockaddr))
     except OSError as error:
+        for sock in bound:
+            sock.close()
         raise _unavailable(host, port, flag, error) from None
+    return bound
 
 
-def _bind(family: int, kind: int, proto: int, sockaddr: tuple) -> None:
-    with socket.socket(family, kind, proto) as sock:
+def ready_to_serve(sockets: list[socket.socket]) -> list[socket.socket]:
+    """SO_REUSEADDR set on sockets from `bind_sockets` as the server is about to listen on them (as
+    uvicorn sets it): the connections it accepts inherit it, so that those it closes first (TIME_WAIT)
+    do not keep its next start from binding the port. Set earlier, another server could bind the
+    port while ours waits unlistened."""
+    for sock in sockets:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    return sockets
+
+
+@contextlib.contextmanager
+def closing_all(sockets: list[socket.socket]):
+    """The sockets closed on the way out (uvicorn closes those it served on; the others, here)."""
+    try:
+        yield sockets
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _addresses(host: str, port: int) -> list[tuple]:
+    found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    return list(dict.fromkeys(found))  # (a name may resolve to one address twice)
+
+
+def _bind(family: int, kind: int, proto: int, sockaddr: tuple) -> socket.socket:
+    """Bound without SO_REUSEADDR first: then no other socket can bind the port, even one that sets it
+    (uvicorn's), while ours waits unlistened. Only if that fails, bound again with SO_REUSEADDR as
+    uvicorn sets it: a port held only by closed connections (TIME_WAIT) counts as free, a listener
+    does not."""
+    try:
+        return _bound(family, kind, proto, sockaddr, reuse=False)
+    except OSError as error:
+        if error.errno != errno.EADDRINUSE:
+            raise
+    return _bound(family, kind, proto, sockaddr, reuse=True)
+
+
+def _bound(family: int, kind: int, proto: int, sockaddr: tuple, reuse: bool) -> socket.socket:
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, int(reuse))
         if family == socket.AF_INET6:  # (as asyncio's create_server: `::` alone, not IPv4 as well)
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
         sock.bind(sockaddr)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def _unavailable(host: str, port: int, flag: str, error: OSError) -> PortUnavailableError:

@@ -34,7 +34,9 @@ class LLM:
         self.engine = LLMEngine.from_config(EngineConfig(model=model, **config_fields(engine_options)))
         self.loop = EngineLoop(self.engine)
         self._ids = itertools.count()
-        weakref.finalize(self, self.engine.close)  # `del llm` stops its workers too, as in vLLM
+        # Dropped, the engine stops its tensor-parallel workers, as vLLM's does: tied to the engine, not to
+        # this LLM, which a caller may drop while holding `llm.llm_engine` (it was closed under them).
+        weakref.finalize(self.engine, self.engine.loaded.close)
 
     @classmethod
     def from_engine(cls, engine: LLMEngine, loop: EngineLoop | None = None) -> "LLM":
@@ -50,7 +52,8 @@ class LLM:
         return self.engine
 
     def close(self) -> None:
-        """Stops the engine's tensor-parallel workers, if it has any."""
+        """Stops the engine's tensor-parallel workers, if it has any. Without it, they stop when the
+        engine is collected (once neither this LLM nor a caller holding `llm_engine` refers to it)."""
         self.engine.close()
 
     def __enter__(self) -> "LLM":

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import sys
 
+from treeserve.ports import ready_to_serve
 from treeserve.wire.drain import DrainingServer, uvicorn_config
 
 
-def run_gateway(app, host: str, port: int, watch=None) -> int:
+def run_gateway(app, host: str, port: int, watch=None, sockets=None) -> int:
     """Serves the gateway app until SIGTERM or SIGINT, then drains it (wire/drain.py); its spend
     logs are written before this returns, a second signal's exit included. 1 if it could not start.
-    `watch(server)`, called before it starts, may stop it from another thread (`server.should_exit`)."""
+    `watch(server)`, called before it starts, may stop it from another thread (`server.should_exit`).
+    `sockets`: bound already for `host` and `port` (ports.bind_sockets), before the app was built."""
     # The event loop hands the GIL to the settlement writer and worker threads in 1 ms turns, not 5.
     sys.setswitchinterval(0.001)
     # uvloop and httptools: the event loop and HTTP parser in C (a relayed stream is many small writes)
@@ -20,7 +22,7 @@ def run_gateway(app, host: str, port: int, watch=None) -> int:
     if watch is not None:
         watch(server)
     try:
-        server.run()
+        server.run(sockets=ready_to_serve(sockets) if sockets is not None else None)
     finally:
         app.state.store.close()  # (done already unless a second signal skipped the app's shutdown)
     return 0 if server.started else 1

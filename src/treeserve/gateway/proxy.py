@@ -76,12 +76,20 @@ class RelayResponse(StreamingResponse):
     """A relayed stream whose generator is closed as soon as the response ends, however it ends
     (a client gone mid-write included), so its upstream is closed and it is settled at once."""
 
+    def __init__(self, content, *args, also_close=None, **kwargs):
+        """`also_close`: an async iterator started before the response (a chat restart's answer), closed
+        with it even if the response ended before its generator began (which then runs no `finally`)."""
+        super().__init__(content, *args, **kwargs)
+        self.also_close = also_close
+
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()
+                if self.also_close is not None:
+                    await self.also_close.aclose()
 
 
 class Forwarder:

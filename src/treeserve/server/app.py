@@ -31,14 +31,17 @@ def create_app(engine: AsyncLLMEngine, served: dict[str, LLMEngine], api_keys: l
                metrics: ServerMetrics | None = None, searches: dict[str, SearchServing] | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, chat_template: str | None = None,
                tool_settings: ToolSettings | None = None, drain: Drain | None = None,
-               scorers: dict | None = None, request_id_headers: bool = False) -> FastAPI:
+               scorers: dict | None = None, request_id_headers: bool = False,
+               trust_request_chat_template: bool = False) -> FastAPI:
     """`served` maps each served model name to its engine; requests are routed by their `model`.
     `searches` holds the search serving of each served generator (see server/launch.py); `scorers`
     the served verifiers' StepScorers (default: the searches' ones).
-    `chat_template` replaces every served model's; `tool_settings` are the tool-call parser's.
+    `chat_template` replaces every served model's; `tool_settings` are the tool-call parser's;
+    `trust_request_chat_template`: a request's own `chat_template` is rendered (vLLM's flag; else a 400).
     `drain` is the server's shutdown state (wire/drain.py): /health/ready and the 503s it gives.
     `request_id_headers`: every answer carries `X-Request-Id` (vLLM's --enable-request-id-headers)."""
-    servings = {name: OpenAIServing(engine, name, llm, chat_template, tool_settings) for name, llm in served.items()}
+    servings = {name: OpenAIServing(engine, name, llm, chat_template, tool_settings, trust_request_chat_template)
+                for name, llm in served.items()}
     searches, drain, keys = searches or {}, drain or Drain(), [k for k in (api_keys or []) if k]
     app = FastAPI(title="treeserve", version=__version__, docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
     app.state.engine, app.state.metrics, app.state.drain = engine, metrics, drain

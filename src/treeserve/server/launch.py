@@ -13,6 +13,7 @@ from starlette.middleware.cors import CORSMiddleware
 from treeserve.config import EngineConfig
 from treeserve.lifecycle import freeze_startup_heap, start_cut_short_by_signals
 from treeserve.model.registry import DEFAULT_PAIR, named_models, served_name
+from treeserve.ports import ready_to_serve
 from treeserve.engine.async_engine import AsyncLLMEngine
 from treeserve.engine.engine_loop import EngineLoop
 from treeserve.engine.llm_engine import LLMEngine
@@ -33,7 +34,7 @@ def build_app(model: str | dict[str, str], served_model_name: str | None = None,
               max_queue: int | None = None, kv_mode: str = "shared", max_problems_in_flight: int = 32,
               engine_thread: bool = True, chat_template: str | None = None, tool_settings: ToolSettings | None = None,
               drain: Drain | None = None, verifiers: dict[str, str | None] | None = None,
-              request_id_headers: bool = False, **engine_options):
+              request_id_headers: bool = False, trust_request_chat_template: bool = False, **engine_options):
     """One model (a path, served as `served_model_name` or `served_name(path)`; or one name -> path)
     gets its own engine; several (name -> path) share a `Runtime`. Verifiers (/v1/rewards, a search's `verifier`) are the models with a
     reward head or a recipe declared in their config.json, and those `verifiers` names (name ->
@@ -69,7 +70,7 @@ def build_app(model: str | dict[str, str], served_model_name: str | None = None,
     metrics.add_search(searches, scorers)
     app = create_app(async_engine, served, api_keys=api_keys, metrics=metrics, searches=searches,
                      chat_template=chat_template, tool_settings=tool_settings, drain=drain, scorers=scorers,
-                     request_id_headers=request_id_headers)
+                     request_id_headers=request_id_headers, trust_request_chat_template=trust_request_chat_template)
     app.state.runtime = runtime  # (a Runtime let go of closes its engines: the app holds it while it serves them)
     return app
 
@@ -131,7 +132,8 @@ def app_from_args(args):
                     threads_per_rank=args.threads_per_rank, engine_thread=False,
                     chat_template=chat_template, tool_settings=tool_settings, drain=Drain(args.shutdown_timeout),
                     verifiers=served_verifiers(getattr(args, "verifier", None)),
-                    request_id_headers=getattr(args, "enable_request_id_headers", False))
+                    request_id_headers=getattr(args, "enable_request_id_headers", False),
+                    trust_request_chat_template=getattr(args, "trust_request_chat_template", False))
     tokenizers = {name: engine.tokenizer for name, engine in app.state.engine.engines.items()}
     warn_replaced_tool_templates(tokenizers, chat_template, args.chat_template)
     allow_cors(app, args)
@@ -183,13 +185,19 @@ def _logged_app(args):
 
 
 def serve(args) -> int:
-    from treeserve.ports import PortUnavailableError, ensure_port_free
+    from treeserve.ports import PortUnavailableError, bind_sockets, closing_all
 
-    try:  # before the models load: a taken port is said at once, not after a minute of loading
-        ensure_port_free(args.host, args.port, "--port")
+    try:  # before the models load: a taken port is said at once, and held while they load (vLLM's way)
+        sockets = bind_sockets(args.host, args.port, "--port")
     except PortUnavailableError as error:
         print(f"treeserve serve: {error}", file=sys.stderr)
         return 2
+    with closing_all(sockets):
+        return _serve_on(sockets, args)
+
+
+def _serve_on(sockets: list, args) -> int:
+    """The app loaded and served on `sockets`, the ones bound before it loaded."""
     app = _logged_app(args)
     if app is None:
         return 2
@@ -198,7 +206,7 @@ def serve(args) -> int:
     server = DrainingServer(config, app.state.drain, name="treeserve serve")
     request_log.enable(args.enable_log_requests)
     _log_stats(app, args)
-    run_engine_on_main_thread(app.state.engine, server, server.handle_exit)
+    run_engine_on_main_thread(app.state.engine, server, server.handle_exit, sockets=sockets)
     return _exit_status(app, server)
 
 
@@ -207,18 +215,16 @@ def worker(args) -> int:
     first SIGTERM or SIGINT drains: nothing more is taken from the queues, what is in hand is
     answered (for up to --shutdown-timeout seconds; then given back to the queue, or a stream under
     way ended with an error); a second signal does that at once."""
-    import socket
-
     import uvicorn
 
+    from treeserve.ports import bind_sockets
     from treeserve.server.broker_worker import BrokerWorker
 
     app = _logged_app(args)
     if app is None:
         return 2
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    sockets = bind_sockets("127.0.0.1", 0, "a loopback port")  # (held: no one takes it before uvicorn serves)
+    port = sockets[0].getsockname()[1]
     # (its requests are the consumer's, which has waited out the grace already: uvicorn's own is short)
     server = uvicorn.Server(uvicorn_config(app, host="127.0.0.1", port=port, log_level="warning"))
     keys = api_keys(args)
@@ -243,7 +249,7 @@ def worker(args) -> int:
 
     threading.Thread(target=start_consumer, name="treeserve-broker-start", daemon=True).start()
     _log_stats(app, args)
-    run_engine_on_main_thread(app.state.engine, server, on_signal,
+    run_engine_on_main_thread(app.state.engine, server, on_signal, sockets=sockets,
                               also_stop=lambda: consumer.error is not None or consumer.finished.is_set())
     consumer.stop(grace=0)
     if consumer.error is not None:
@@ -268,12 +274,13 @@ def _exit_status(app, server) -> int:
     return 0
 
 
-def run_engine_on_main_thread(engine, server, on_signal, also_stop=lambda: False) -> None:
-    """HTTP on a background thread, the engine loop on this (the main) thread, where PyTorch's
-    thread pool runs small ops fastest (see engine/async_engine.py). SIGINT and SIGTERM go to
-    `on_signal` (a drain: the HTTP server ends when its requests have); the loop ends with the
-    HTTP server, or when `also_stop()`."""
-    http = threading.Thread(target=server.run, name="treeserve-http", daemon=True)
+def run_engine_on_main_thread(engine, server, on_signal, also_stop=lambda: False, sockets=None) -> None:
+    """HTTP on a background thread (on `sockets` if given, bound already), the engine loop on this (the
+    main) thread, where PyTorch's thread pool runs small ops fastest (see engine/async_engine.py).
+    SIGINT and SIGTERM go to `on_signal` (a drain: the HTTP server ends when its requests have); the
+    loop ends with the HTTP server, or when `also_stop()`."""
+    sockets = ready_to_serve(sockets) if sockets is not None else None
+    http = threading.Thread(target=server.run, kwargs={"sockets": sockets}, name="treeserve-http", daemon=True)
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     http.start()
     try:

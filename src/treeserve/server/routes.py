@@ -207,7 +207,8 @@ def _tokenized(serving: OpenAIServing, body: TokenizeRequest) -> list[int]:
             ending = template_ending(body.messages, body.add_generation_prompt, body.continue_final_message)
         except ValueError as exc:
             raise from_value_error(exc) from exc
-        return serving.render(body.messages, body.tools, ending, body.chat_template_kwargs, body.special_tokens_added())
+        return serving.render(body.messages, body.tools, ending, body.chat_template_kwargs, body.special_tokens_added(),
+                              request_template=body.chat_template)
     if body.prompt is not None:
         return serving.tokenizer.encode(body.prompt, add_special_tokens=body.special_tokens_added())
     raise APIError(400, "prompt: give 'prompt' or 'messages'", param="prompt", code="missing_required_parameter")

@@ -43,31 +43,47 @@ class OpenAIServing:
     """The OpenAI routes for one served model (an engine driven by the shared engine loop)."""
 
     def __init__(self, engine: AsyncLLMEngine, model_name: str, llm: LLMEngine | None = None,
-                 chat_template: str | None = None, tool_settings: ToolSettings | None = None):
+                 chat_template: str | None = None, tool_settings: ToolSettings | None = None,
+                 trust_request_chat_template: bool = False):
         self.engine = engine
         self.llm = llm or engine.engine
         self.model_name = model_name
         self.tokenizer = self.llm.tokenizer
         self.max_model_len = self.llm.max_model_len
         self.chat_template = chat_template  # --chat-template: replaces the tokenizer's
+        self.trust_request_chat_template = trust_request_chat_template  # a request's own `chat_template` taken
         self.tool_settings = tool_settings or ToolSettings()
         self.special_tokens = special_tokens(self.tokenizer)
         self.token_bytes = TokenBytes(self.tokenizer)  # (chat logprobs' `bytes`)
 
     def render(self, messages: list[ChatMessage], tools: list[Tool] | None,
                ending: tuple[bool, bool] = (True, False), template_kwargs: dict | None = None,
-               add_special_tokens: bool = False) -> list[int]:
+               add_special_tokens: bool = False, request_template: str | None = None) -> list[int]:
         """A conversation's prompt tokens, the tools rendered by the chat template, ended as `ending`
         says ((add_generation_prompt, continue_final_message)), `template_kwargs` its variables
         (vLLM's chat_template_kwargs), the tokenizer's special tokens added on top of the template's
-        only when asked (/tokenize's add_special_tokens); 400 naming the problem."""
+        only when asked (/tokenize's add_special_tokens), `request_template` the request's own
+        `chat_template` (a 400 naming it unless the server trusts such templates); 400 naming the problem."""
+        template = self._template(request_template)
         try:
             text = render_chat(self.tokenizer, template_messages(messages),
                                [t.model_dump(exclude_none=True) for t in tools or ()], ending[0],
-                               self.chat_template, continue_final_message=ending[1], template_kwargs=template_kwargs)
+                               template, continue_final_message=ending[1], template_kwargs=template_kwargs)
         except ValueError as exc:
             raise from_value_error(exc) from exc
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def _template(self, request_template: str | None) -> str | None:
+        """The template to render with: the request's where it gives one the server trusts (vLLM's
+        --trust-request-chat-template: a template is code the server runs, sandboxed), else --chat-template's
+        or the tokenizer's."""
+        if request_template is None:
+            return self.chat_template
+        if not self.trust_request_chat_template:
+            raise APIError(400, "chat_template: a request's own chat template is refused: this server was not "
+                           "started with --trust-request-chat-template (vLLM's rule); leave it out to use the "
+                           "model's, or start the server with the flag", param="chat_template")
+        return request_template
 
     @staticmethod
     def _rendered_tools(request: ChatCompletionRequest) -> list:
@@ -221,7 +237,7 @@ class OpenAIServing:
         """The prompt tokens of a translated chat body (its messages and tools)."""
         request = _chat_request(body)
         return self.render(request.messages, self._rendered_tools(request), self._ending(request),
-                           request.template_kwargs())
+                           request.template_kwargs(), request_template=request.chat_template)
 
     async def chat_result(self, request: ChatCompletionRequest) -> dict | AsyncIterator[dict]:
         """The reply's body, or (streamed) its chunks: what /v1/chat/completions sends, and what the
@@ -234,7 +250,7 @@ class OpenAIServing:
         except ValueError as exc:
             raise from_value_error(exc) from exc
         ids = self.render(request.messages, self._rendered_tools(request), self._ending(request),
-                          request.template_kwargs())
+                          request.template_kwargs(), request_template=request.chat_template)
         max_tokens = request.requested_max_tokens()
         params, [ids] = self._params(request, [ids], max_tokens, logprobs, "messages", prompt_logprobs,
                                      max_tokens is None)

@@ -26,6 +26,9 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None  # vLLM's: more variables for the template (enable_thinking, ...)
+    # vLLM's: a Jinja template for this request in place of the model's, taken only by a server started
+    # with --trust-request-chat-template (else a 400 naming it, as vLLM's); rendered sandboxed (HF's)
+    chat_template: str | None = None
     # OpenAI's; as vLLM, a variable of the chat template (gpt-oss's and others read it), with
     # enable_thinking unless "none" where chat_template_kwargs does not set it (Qwen 3's, Gemma's read that)
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None

@@ -18,6 +18,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
+    chat_template: str | None = None  # (as a chat completion's)
     return_token_strs: bool = False  # vLLM's: the tokens' strings (their vocabulary pieces) as token_strs
 
     def special_tokens_added(self) -> bool:

@@ -24,6 +24,7 @@ from treeserve.gateway.chat.tools import ANSWER_DIRECTLY, ROUTER_PROMPT, Toolbox
 from treeserve.gateway.chat.upstream import UpstreamError, stream_events
 from treeserve.gateway.chat.window import Window, fit
 from treeserve.gateway.errors import GatewayError
+from treeserve.gateway.http_errors import to_api_error
 from treeserve.gateway.keys import KeyRecord
 from treeserve.wire.errors import APIError
 
@@ -116,9 +117,10 @@ async def _send(context: Context, path: str, body: dict, dispatch: Dispatch | No
     try:
         return await (dispatch or context.dispatch)(path, body, context.key)
     except (APIError, GatewayError) as exc:  # refused by the gateway itself: a model not allowed, a budget, a limit
-        raise UpstreamError(exc.message) from None
+        refusal = exc if isinstance(exc, APIError) else to_api_error(exc)
+        raise UpstreamError(refusal.message, refusal.code, refusal.status) from None
     except ValueError as exc:  # a parameter the gateway refused (ParamError names it)
-        raise UpstreamError(str(exc)) from None
+        raise UpstreamError(str(exc), status=400) from None
 
 
 async def chat(context: Context, answer: Answer) -> AsyncIterator[dict]:

@@ -22,6 +22,7 @@ from starlette.concurrency import run_in_threadpool
 from treeserve import jsonl
 from treeserve.gateway.chat import export
 from treeserve.gateway.chat.modes import MODES, Answer, Context
+from treeserve.gateway.chat.restart import first_output
 from treeserve.gateway.chat.settings import ChatSettings, ConversationIn, LoginIn, MessageIn, RegenerateIn
 from treeserve.gateway.chat.store import ChatStore
 from treeserve.gateway.chat.throttle import LoginThrottle
@@ -211,7 +212,8 @@ class ChatApp:
                      restart: str | None = None, message_id: int | None = None) -> Response:
         """A message stored (a new one, or where `restart`, the user's message `message_id` (their last
         when None) stored again, `content` replacing its text, with what followed it deleted) and its
-        answer streamed as the page's events."""
+        answer streamed as the page's events. A restart changes nothing until its answer has begun
+        (chat/restart.py): refused before that, it is an HTTP error and the old answer stays."""
         conversation = await run_in_threadpool(self.chats.get, user_id, conversation_id)
         settings = self.settings_for(settings or conversation["settings"])
         key = await run_in_threadpool(self.chats.chat_key, user_id)
@@ -220,10 +222,8 @@ class ChatApp:
                            code="model_not_allowed")
         fields = {"model": settings.model, "mode": settings.mode, "settings": settings.model_dump()}
         if restart:
-            stored, history = await run_in_threadpool(lambda: self.chats.restart_at(
-                user_id, conversation_id, message_id, content, **fields))
-            await run_in_threadpool(self.chats.update, user_id, conversation_id, None, fields["settings"])
-            self.metrics.chat_restarts.labels(restart).inc()
+            question, history = await run_in_threadpool(self.chats.restart_plan, user_id, conversation_id, message_id)
+            content = question["content"] if content is None else content
         else:
             title = conversation["title"] if conversation["messages"] or conversation["title"] != "New chat" \
                 else content[:60]
@@ -231,23 +231,43 @@ class ChatApp:
             stored = await run_in_threadpool(lambda: self.chats.add_message(
                 user_id, conversation_id, "user", content, **fields))
             history = conversation["messages"]
-        context = Context(self.service.dispatch, key, settings, history, stored["content"],
+        context = Context(self.service.dispatch, key, settings, history, content,
                           self.config.chat.verifiers.get(settings.model), self.config.chat.router_model,
                           self.config.chat.router_history, self.toolbox, self._count_tokens)
-        events = self._answer(user_id, conversation_id, stored, context)
-        return RelayResponse(events, media_type="text/event-stream",
+        answer = Answer(settings.model)
+        mode = MODES[settings.mode](context, answer)
+        begun: list[dict] = []
+        if restart:
+            begun = await first_output(mode)
+            stored = await self._restart(user_id, conversation_id, question["id"], content, fields, restart, mode)
+        events = self._answer(user_id, conversation_id, stored, context, mode, answer, begun)
+        return RelayResponse(events, media_type="text/event-stream", also_close=mode if restart else None,
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _restart(self, user_id: str, conversation_id: str, message_id: int, content: str, fields: dict,
+                       restart: str, mode) -> dict:
+        """The restart stored, its answer having begun: the message stored anew, what followed it deleted."""
+        try:
+            stored, _ = await run_in_threadpool(lambda: self.chats.restart_at(
+                user_id, conversation_id, message_id, content, **fields))
+            await run_in_threadpool(self.chats.update, user_id, conversation_id, None, fields["settings"])
+        except BaseException:  # (deleted or replaced meanwhile: its answer's request is closed)
+            with anyio.CancelScope(shield=True):
+                await mode.aclose()
+            raise
+        self.metrics.chat_restarts.labels(restart).inc()
+        return stored
 
     async def _count_tokens(self, path: str, body: dict, key) -> Response:
         return await self.service.count_tokens(body, key)  # (`path` is /tokenize: not dispatched, unbilled)
 
-    async def _answer(self, user_id: str, conversation_id: str, stored: dict, context: Context):
-        """The page's events: the stored user message, the mode's events, the stored answer. However
-        the stream ends (done, an error, the Stop button), the answer so far is kept."""
+    async def _answer(self, user_id: str, conversation_id: str, stored: dict, context: Context, mode, answer: Answer,
+                      begun: list[dict]):
+        """The page's events: the stored user message, the mode's events (`begun`: those it gave before the
+        message was stored), the stored answer. However the stream ends (done, an error, the Stop
+        button), the answer so far is kept."""
         settings = context.settings
-        answer = Answer(settings.model)
         status, saving = "stopped", False
-        mode = MODES[settings.mode](context, answer)
 
         async def save() -> dict | None:
             nonlocal saving
@@ -271,6 +291,8 @@ class ChatApp:
         try:
             yield _sse({"type": "user", "message": stored})
             try:
+                for event in begun:
+                    yield _sse(event)
                 async for event in mode:
                     yield _sse(event)
                 status = "done"

@@ -149,6 +149,16 @@ class ChatStore:
                 raise QuestionReplaced()
             return _insert_message(conn, conversation_id, role, content, **fields)
 
+    def restart_plan(self, user_id: str, conversation_id: str, message_id: int | None) -> tuple[dict, list[dict]]:
+        """Where an Edit or a Regenerate from the user's message `message_id` (None: their last one) would
+        start, changing nothing: (that message, the messages before it). The errors of `restart_at`."""
+        with self.db.session() as conn:
+            self._owned(conn, user_id, conversation_id)
+            messages = conn.scalars(select(ChatMessage).where(ChatMessage.conversation_id == conversation_id)
+                                    .order_by(ChatMessage.id)).all()
+            question = messages[_restart_point(messages, message_id)]
+            return public_message(question), [public_message(m) for m in messages if m.id < question.id]
+
     def restart_at(self, user_id: str, conversation_id: str, message_id: int | None, content: str | None,
                    **fields) -> tuple[dict, list[dict]]:
         """Edit (`content`) or Regenerate (`content` None: the same text) from the user's message

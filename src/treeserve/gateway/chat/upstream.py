@@ -14,9 +14,9 @@ class UpstreamError(Exception):
     """A model request failed; the message is the backend's or the gateway's own, `code` (OpenAI's
     error codes: `context_length_exceeded`) what the page may act on."""
 
-    def __init__(self, message: str, code: str | None = None):
+    def __init__(self, message: str, code: str | None = None, status: int = 502):
         super().__init__(message)
-        self.code = code
+        self.code, self.status = code, status  # (`status`: the refusal's HTTP status, 502 for a failure in a stream)
 
 
 def error_message(content: bytes | str, status: int) -> str:
@@ -31,11 +31,21 @@ def error_message(content: bytes | str, status: int) -> str:
         return f"HTTP {status}"
 
 
+def error_code(content: bytes | str) -> str | None:
+    """The error's OpenAI code (`context_length_exceeded`, `budget_exceeded`, ...), if it has one."""
+    try:
+        code = json.loads(content)["error"].get("code")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return code if isinstance(code, str) else None
+
+
 async def stream_events(response: Response) -> AsyncIterator[dict]:
     """The JSON events of a streamed answer until [DONE]; an error answer, or an error event in the
     stream, raises UpstreamError. Closing this iterator closes the upstream request (and settles it)."""
     if not isinstance(response, StreamingResponse):
-        raise UpstreamError(error_message(response.body, response.status_code))
+        raise UpstreamError(error_message(response.body, response.status_code), error_code(response.body),
+                            response.status_code)
     splitter = SSESplitter()
     try:
         async for piece in response.body_iterator:
