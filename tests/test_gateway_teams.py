@@ -133,6 +133,12 @@ def test_a_team_key_is_held_to_the_teams_models_and_budget_and_its_spend_is_the_
         assert _ok(client.get("/key/list", params={"team_id": team_id}))["total_count"] == 2
         _ok(client.post("/team/update", json={"team_id": team_id, "max_budget": 10}))
         _ok(_chat(client, second["key"]))  # (a raised team budget admits again)
+        _ok(client.post("/team/update", json={"team_id": team_id, "blocked": True}))
+        assert _chat(client, second["key"]).status_code == 401  # (LiteLLM's: a blocked team's keys stop)
+        null = client.post("/team/update", json={"team_id": team_id, "blocked": None})
+        assert null.status_code == 400, null.text
+        _ok(client.post("/team/update", json={"team_id": team_id, "blocked": False}))
+        _ok(_chat(client, second["key"]))
 
 
 def test_deleting_a_team_deletes_its_keys(database):
@@ -189,3 +195,50 @@ def test_the_teams_migration_upgrades_a_database_at_0013(backend, request, tmp_p
             assert conn.execute(text("SELECT count(*) FROM api_keys")).scalar() == 1
     finally:
         store.close()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store(request, tmp_path):
+    url = f"sqlite:///{tmp_path / 'g.db'}" if request.param == "sqlite" else \
+        request.getfixturevalue("postgres").new_database()
+    store = Store(url)
+    store.migrate()
+    yield store
+    store.close()
+
+
+def test_a_team_holding_of_a_dead_process_is_given_back_and_a_settled_one_spent(store):
+    """A team key's request reserves its worst case on the team as on the key; the settlement moves
+    its real cost into the team's spend; a dead process's holding is given back to the team too (a
+    team budget held for good by a crashed gateway would refuse all its keys)."""
+    import datetime as dt
+
+    from sqlalchemy import select, update
+
+    from treeserve.gateway.schema import Holding, Instance, Team, utcnow
+    from treeserve.gateway.settlement import Settlement
+    from treeserve.gateway.usage import Usage
+
+    store.teams.create_team("t", [], max_budget=1.0)
+    token, _ = store.accounts.create_key(team_id="t")
+    key = store.accounts.authenticate(token)
+    assert key.budgeted and key.team_id == "t"
+    store.instances.heartbeat()
+    settled = store.admission.admit(key, 0.25)
+    store.ledger.settle(Settlement(settled, "done", "m", None, "chat", False, "success", Usage(1, 1), 0.1, utcnow()))
+    store.ledger.flush()
+    store.admission.admit(key, 0.3)  # this process then dies before settling it
+    with store.db.session() as s:
+        assert round(s.get(Team, "t").reserved, 9) == 0.3
+    long_ago = utcnow() - dt.timedelta(minutes=5)
+    with store.db.transaction() as s:
+        s.execute(update(Instance).values(seen_at=long_ago))
+        s.execute(update(Holding).values(created_at=long_ago))
+    other = Store(store.db.url)
+    try:
+        assert other.instances.sweep() == 1
+        with other.db.session() as s:
+            team = s.scalars(select(Team)).one()
+            assert round(team.reserved, 9) == 0.0 and team.spend == pytest.approx(0.1)
+    finally:
+        other.close()

@@ -45,7 +45,7 @@ class TeamFields(_Body):
     models: Models | None = None
     max_budget: Money | None = None
     budget_duration: Period | None = None
-    blocked: bool | None = None
+    blocked: bool = None  # (a null is a 400: a team is blocked or it is not)
     metadata: dict[str, Any] | None = None
     tpm_limit: Any = None
     rpm_limit: Any = None
