@@ -242,3 +242,27 @@ def test_a_team_holding_of_a_dead_process_is_given_back_and_a_settled_one_spent(
             assert round(team.reserved, 9) == 0.0 and team.spend == pytest.approx(0.1)
     finally:
         other.close()
+
+
+def test_a_team_budget_holds_across_its_keys_under_concurrency(store):
+    """20 requests at once on four keys of one team, each holding a quarter of the team's budget (the
+    keys and their users have none): four are admitted, the rest refused as the team's budget
+    (LiteLLM's tracker shows team budgets overshot under concurrency: here one conditional statement
+    in the database decides)."""
+    import concurrent.futures
+
+    from treeserve.gateway.errors import BudgetExceeded
+
+    store.teams.create_team("t", [], max_budget=1.0)
+    keys = [store.accounts.authenticate(store.accounts.create_key(team_id="t", user_id=f"u{i}")[0]) for i in range(4)]
+
+    def admit(i: int):
+        try:
+            return store.admission.admit(keys[i % 4], 0.25)
+        except BudgetExceeded as refused:
+            assert "team's budget" in refused.message
+            return None
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        admitted = [r for r in pool.map(admit, range(20)) if r is not None]
+    assert len(admitted) == 4
+    assert store.teams.team("t")["reserved"] == pytest.approx(1.0)

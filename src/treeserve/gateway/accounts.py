@@ -220,7 +220,8 @@ class Accounts:
         key, user_models, user_budget, team = row
         if key.team_id is not None and (team is None or team.blocked):  # (LiteLLM's: a blocked team's keys stop)
             return None
-        budgeted = key.max_budget is not None or user_budget is not None or (team is not None and team.max_budget is not None)
+        team_budget = team.max_budget if team is not None else None
+        budgeted = key.max_budget is not None or user_budget is not None or team_budget is not None
         record = KeyRecord(key.id, key.key_name, key.key_alias, key.user_id, key.models, user_models,
                            key.rpm_limit, key.tpm_limit, key.max_parallel_requests, budgeted, aware(key.expires_at),
                            key.team_id, team.models if team is not None else None)

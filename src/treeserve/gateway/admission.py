@@ -104,7 +104,8 @@ class Admission:
         """The request's `holdings` row: what a sweep gives back if this process dies before settling it."""
         return conn.execute(insert(Holding).values(
             instance_id=self.instance_id, key_id=key.id, user_id=key.user_id if key.budgeted else None,
-            team_id=key.team_id if key.budgeted else None, worst_cost=worst_cost, parallel=parallel, created_at=now).returning(Holding.id)).scalar_one()
+            team_id=key.team_id if key.budgeted else None, worst_cost=worst_cost, parallel=parallel,
+            created_at=now).returning(Holding.id)).scalar_one()
 
 
 def _take_slot(conn: Session, key: KeyRecord) -> None:
