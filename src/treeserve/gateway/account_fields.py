@@ -8,7 +8,7 @@ from treeserve.errors import ParamError
 from treeserve.gateway.keys import after
 from treeserve.gateway.schema import ApiKey, User, iso, money
 
-KEY_FIELDS = ("key_alias", "user_id", "models", "max_budget", "soft_budget", "budget_duration", "rpm_limit", "tpm_limit",
+KEY_FIELDS = ("key_alias", "user_id", "team_id", "models", "max_budget", "soft_budget", "budget_duration", "rpm_limit", "tpm_limit",
               "max_parallel_requests", "metadata", "blocked")
 USER_FIELDS = ("max_budget", "budget_duration", "models", "metadata")
 LIMITS = ("max_budget", "soft_budget", "rpm_limit", "tpm_limit", "max_parallel_requests", "spend")
@@ -58,6 +58,7 @@ def _budget_period(values: dict, now: dt.datetime) -> None:
 
 def public_key(key: ApiKey) -> dict:
     return {"token": key.token_hash, "key_id": key.id, "key_name": key.key_name, "key_alias": key.key_alias, "user_id": key.user_id,
+            "team_id": key.team_id,
             "models": key.models or [], "max_budget": key.max_budget, "soft_budget": key.soft_budget, "spend": money(key.spend), "reserved": money(key.reserved),
             "budget_duration": key.budget_duration, "budget_reset_at": iso(key.budget_reset_at),
             "rpm_limit": key.rpm_limit, "tpm_limit": key.tpm_limit,

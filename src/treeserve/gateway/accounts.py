@@ -17,8 +17,10 @@ from treeserve.gateway.account_fields import key_values, public_key, public_user
 from treeserve.gateway.database import Database, violates_unique
 from treeserve.gateway.errors import (AliasReserved, AliasTaken, ChatKeyOwner, KeyNotFound, KeysNotFound, KeyTaken,
                                       UserExists, UserNotFound)
+from treeserve.gateway.team_fields import teams_of
+from treeserve.gateway.team_rules import check_key_team
 from treeserve.gateway.keys import MASTER_LABEL, KeyRecord
-from treeserve.gateway.schema import ApiKey, ChatSession, User, aware, utcnow
+from treeserve.gateway.schema import ApiKey, ChatSession, Team, TeamMember, User, aware, utcnow
 
 @dataclass(frozen=True)
 class Page:
@@ -68,8 +70,9 @@ class Accounts:
             if user is None:
                 raise UserNotFound(user_id)
             rows = conn.scalars(select(ApiKey).where(ApiKey.user_id == user_id).order_by(ApiKey.id)).all()
+            teams = teams_of(conn, user_id)
         return {"user_id": user_id, "user_info": public_user(user), "keys": [public_key(k) for k in rows],
-                "teams": []}  # (LiteLLM's answer has the user's teams; a gateway without teams has none)
+                "teams": teams}  # (LiteLLM's: the teams the user is a member of)
 
     def update_user(self, user_id: str, password_hash: str | None = None, **fields) -> dict:
         """The fields given changed (a budget period given starts now; `spend` set, 0 to start again);
@@ -95,6 +98,7 @@ class Accounts:
             if missing:
                 raise UserNotFound(missing[0])
             conn.execute(delete(ApiKey).where(ApiKey.user_id.in_(user_ids)))
+            conn.execute(delete(TeamMember).where(TeamMember.user_id.in_(user_ids)))
             deleted = conn.execute(delete(User).where(User.user_id.in_(user_ids))).rowcount
         return deleted
 
@@ -120,6 +124,7 @@ class Accounts:
         now = utcnow()
         values = _new_key_values({**fields, "duration": duration}, now)
         with _unique_key(values.get("key_alias")), self.db.transaction() as conn:
+            check_key_team(conn, values.get("team_id"), values.get("models"))
             _ensure_user(self.db, conn, values.get("user_id"), now)
             _insert_key(conn, token, values, now)
         return token, self.key_info(token)
@@ -171,7 +176,8 @@ class Accounts:
         return self.find_keys(user_id=user_id)[0]
 
     def find_keys(self, user_id: str | None = None, key_alias: str | None = None, key: str | None = None,
-                  sort: Sort | None = None, page: Page | None = None) -> tuple[list[dict], int]:
+                  sort: Sort | None = None, page: Page | None = None,
+                  team_id: str | None = None) -> tuple[list[dict], int]:
         """(a page of the keys, how many match in all), filtered as LiteLLM's /key/list (`key`: the
         key or its hash); in the order they were made unless `sort` says otherwise."""
         query = select(ApiKey)
@@ -181,6 +187,8 @@ class Accounts:
             query = query.where(ApiKey.key_alias == key_alias)
         if key is not None:
             query = query.where(ApiKey.token_hash == keylib.stored_hash(key))
+        if team_id is not None:
+            query = query.where(ApiKey.team_id == team_id)
         with self.db.session() as conn:
             rows, total = _paged(conn, query, KEY_SORTS, sort, (ApiKey.id,), page)
         return [public_key(k) for k in rows], total
@@ -204,14 +212,19 @@ class Accounts:
     def _key_record(self, where) -> KeyRecord | None:
         with self.db.session() as conn:
             row = conn.execute(
-                select(ApiKey, User.models, User.max_budget).outerjoin(User, User.user_id == ApiKey.user_id)
+                select(ApiKey, User.models, User.max_budget, Team)
+                .outerjoin(User, User.user_id == ApiKey.user_id).outerjoin(Team, Team.team_id == ApiKey.team_id)
                 .where(where)).first()
         if row is None or row[0].blocked:
             return None
-        key, user_models, user_budget = row
+        key, user_models, user_budget, team = row
+        if key.team_id is not None and (team is None or team.blocked):  # (LiteLLM's: a blocked team's keys stop)
+            return None
+        team_budget = team.max_budget if team is not None else None
+        budgeted = key.max_budget is not None or user_budget is not None or team_budget is not None
         record = KeyRecord(key.id, key.key_name, key.key_alias, key.user_id, key.models, user_models,
-                           key.rpm_limit, key.tpm_limit, key.max_parallel_requests,
-                           key.max_budget is not None or user_budget is not None, aware(key.expires_at))
+                           key.rpm_limit, key.tpm_limit, key.max_parallel_requests, budgeted, aware(key.expires_at),
+                           key.team_id, team.models if team is not None else None)
         return None if record.expired else record
 
 
@@ -258,9 +271,12 @@ def _key_changes(fields: dict, now: dt.datetime) -> dict:
 def _change_key(db: Database, conn: Session, token: str, values: dict, now: dt.datetime) -> None:
     """The key named by `token` (the key or its hash) given `values`; KeyNotFound if there is none."""
     where = ApiKey.token_hash == keylib.stored_hash(token)
-    key = conn.execute(select(ApiKey.key_alias, ApiKey.user_id, ApiKey.web_chat).where(where).with_for_update()).first()
+    key = conn.execute(select(ApiKey.key_alias, ApiKey.user_id, ApiKey.web_chat, ApiKey.team_id, ApiKey.models)
+                       .where(where).with_for_update()).first()
     if key is None:
         raise KeyNotFound("key")
+    if "team_id" in values or "models" in values:  # (a key moved to a team, or given models: within the team's)
+        check_key_team(conn, values.get("team_id", key.team_id), values.get("models", key.models))
     if values.get("key_alias") != key.key_alias:  # (LiteLLM's UI sends a key's alias with every edit)
         _check_alias(values.get("key_alias"))
     if key.web_chat and "user_id" in values and values["user_id"] != key.user_id:

@@ -37,6 +37,7 @@ class _Body(BaseModel):
 class KeyLimits(_Body):
     key_alias: Annotated[Text, Field(max_length=128)] | None = None
     user_id: UserId | None = None
+    team_id: Annotated[Text, Field(min_length=1, max_length=128)] | None = None  # (held to its models and budget)
     models: Models | None = None
     max_budget: Money | None = None
     soft_budget: Money | None = None
@@ -145,13 +146,14 @@ def admin_router(accounts: Accounts, ledger: Ledger, require_master: Any, known_
                         return_full_object: bool = Query(False, description="each key's record, not its hash"),
                         sort_by: Literal[tuple(KEY_SORTS)] | None = None,
                         sort_order: Literal["asc", "desc"] = "desc",
-                        team_id: str | None = None, organization_id: str | None = None,
+                        team_id: str | None = Query(None, max_length=128, pattern=NO_NUL),
+                        organization_id: str | None = None,
                         include_team_keys: bool = False):
         """LiteLLM's: its filters, pages and answer (`keys` are hashes, records with return_full_object)."""
-        _no_teams(team_id=team_id, organization_id=organization_id, include_team_keys=include_team_keys or None)
+        _no_teams(organization_id=organization_id, include_team_keys=include_team_keys or None)
         sort = Sort(sort_by, sort_order == "desc") if sort_by else None
         keys, total = await run_in_threadpool(lambda: accounts.find_keys(user_id, key_alias, key_hash, sort,
-                                                                         Page(page, size)))
+                                                                         Page(page, size), team_id))
         return {"keys": keys if return_full_object else [k["token"] for k in keys], "total_count": total,
                 "current_page": page, "total_pages": _pages(total, size)}
 
@@ -253,7 +255,8 @@ def admin_router(accounts: Accounts, ledger: Ledger, require_master: Any, known_
                          sort_order: Literal["asc", "desc"] = "asc",
                          role: str | None = None, sso_user_ids: str | None = None, user_email: str | None = None,
                          team: str | None = None):
-        """LiteLLM's: its filters, pages and answer (users here have no role, email, SSO id or team)."""
+        """LiteLLM's: its filters, pages and answer (users here have no role, email or SSO id; their
+        teams are /team/list?user_id=)."""
         _no_teams(role=role, sso_user_ids=sso_user_ids, user_email=user_email, team=team)
         wanted = [u.strip() for u in user_ids.split(",") if u.strip()] if user_ids is not None else None
         sort = Sort(sort_by, sort_order == "desc") if sort_by else None
@@ -342,11 +345,12 @@ def new_user_answer(token: str | None, info: dict) -> dict:
 
 
 def _no_teams(**filters: Any) -> None:
-    """A 400 naming a LiteLLM filter on what this gateway does not have (teams, organizations, roles,
-    emails), not a list that silently ignores it."""
+    """A 400 naming a LiteLLM filter this gateway does not have (organizations, roles, emails, a
+    user list by team), not a list that silently ignores it."""
     for name, value in filters.items():
         if value is not None:
-            raise APIError(400, f"{name}: this gateway has no teams, organizations, roles or emails to filter by",
+            raise APIError(400, f"{name}: this filter is not built here (no organizations, roles or emails; "
+                           "a team's keys are /key/list?team_id=, a user's teams /team/list?user_id=)",
                            param=name, code="unsupported_parameter")
 
 

@@ -15,6 +15,7 @@ from starlette.concurrency import run_in_threadpool
 from treeserve.gateway import pricing
 from treeserve.gateway.accounting import Accounting
 from treeserve.gateway.admin import admin_router, key_info_router
+from treeserve.gateway.team_routes import team_router
 from treeserve.gateway.auth import Auth
 from treeserve.gateway.batch_routes import batch_routes
 from treeserve.gateway.batch_runner import BatchRunner
@@ -79,6 +80,8 @@ def build_app(config: GatewayConfig, store: Store | None = None) -> FastAPI:
     app.include_router(admin_router(store.accounts, store.ledger, auth.require_master, set(config.models),
                                     on_change=keys.clear, priced=config.priced))
     app.include_router(key_info_router(store.accounts, store.ledger, auth.require_key))
+    app.include_router(team_router(store.teams, store.ledger, auth.require_master, set(config.models),
+                                   on_change=keys.clear))
     app.include_router(operator_routes(router, metrics, drain, auth, store.db))
     app.include_router(openai_routes(config, service, auth))
     app.include_router(translated_routes(service, auth, responses, MAX_BODY_BYTES))

@@ -80,6 +80,37 @@ class KeysNotFound(KeyNotFound):
         super().__init__(param, f"{param}: {missing} of the keys do not exist; none was deleted")
 
 
+class TeamNotFound(GatewayError):
+    def __init__(self, team_id: str, param: str = "team_id"):
+        super().__init__(f"{param}: no team {team_id!r}", param)
+
+
+class KeyTeamNotFound(TeamNotFound):
+    """A key asked for a team that does not exist (a 400, as LiteLLM's /key/generate: the body is wrong)."""
+
+
+class TeamExists(GatewayError):
+    def __init__(self, team_id: str):
+        super().__init__(f"team_id: team {team_id!r} already exists; use a different team_id", "team_id")
+
+
+class ModelsOutsideTeam(GatewayError):
+    """A team's key may be given only models of its team (LiteLLM's rule)."""
+
+    def __init__(self, model: str, team_id: str, team_models: list[str]):
+        super().__init__(f"models: {model!r} is not one of team {team_id!r}'s models {team_models}", "models")
+
+
+class MemberExists(GatewayError):
+    def __init__(self, user_id: str, team_id: str):
+        super().__init__(f"member: user {user_id!r} is already in team {team_id!r}", "member")
+
+
+class MemberNotFound(GatewayError):
+    def __init__(self, user_id: str, team_id: str):
+        super().__init__(f"user_id: user {user_id!r} is not in team {team_id!r}", "user_id")
+
+
 class LimitExceeded(GatewayError):
     """A key's limit is reached; it may succeed again in `retry_after` seconds."""
 
@@ -102,7 +133,7 @@ class RateLimitExceeded(LimitExceeded):
 
 
 class BudgetExceeded(GatewayError):
-    """`owner` is "key" or "user". `spent`: the spend alone reached the budget (else what requests in
+    """`owner` is "key", "user" or "team". `spent`: the spend alone reached the budget (else what requests in
     flight hold filled it, and some of it may come back when they settle)."""
 
     def __init__(self, owner: str, spend: float, reserved: float, max_budget: float, spent: bool = True,

@@ -10,8 +10,9 @@ from treeserve.gateway.auth import logged_path
 from treeserve.gateway.database import DATABASE_ERRORS, database_down
 from treeserve.gateway.errors import (AccountGone, AliasReserved, AliasTaken, BatchConflict, BatchNotFound, BudgetExceeded,
                                       ChatKeyBlocked, ChatKeyOwner, ConversationNotFound, DatabaseUnavailable, FileNotFound,
-                                      GatewayError, KeyNotFound, KeyTaken, LimitExceeded, MessageNotFound,
-                                      ParallelLimitExceeded, RateLimitExceeded, UserExists, UserNotFound)
+                                      GatewayError, KeyNotFound, KeyTaken, KeyTeamNotFound, LimitExceeded, MemberExists,
+                                      MemberNotFound, MessageNotFound, ModelsOutsideTeam, ParallelLimitExceeded,
+                                      RateLimitExceeded, TeamExists, TeamNotFound, UserExists, UserNotFound)
 from treeserve.wire.errors import APIError, error_response_for, from_value_error
 
 # error class -> (HTTP status, OpenAI error code); a subclass not listed answers as its parent
@@ -23,6 +24,12 @@ HTTP_STATUS: dict[type[GatewayError], tuple[int, str | None]] = {
     ChatKeyOwner: (400, "chat_key_owner"),
     UserNotFound: (404, "user_not_found"),
     KeyNotFound: (404, "key_not_found"),
+    KeyTeamNotFound: (400, "team_not_found"),
+    TeamNotFound: (404, "team_not_found"),
+    TeamExists: (400, "team_exists"),
+    ModelsOutsideTeam: (400, "model_not_in_team"),
+    MemberExists: (400, "member_exists"),
+    MemberNotFound: (400, "member_not_found"),
     ParallelLimitExceeded: (429, "parallel_limit"),
     RateLimitExceeded: (429, "rate_limit"),
     LimitExceeded: (429, "rate_limit"),

@@ -10,7 +10,7 @@ from collections import defaultdict
 from sqlalchemy import delete, select, update
 
 from treeserve.gateway.database import Database
-from treeserve.gateway.schema import ApiKey, Holding, Instance, User, utcnow
+from treeserve.gateway.schema import ApiKey, Holding, Instance, Team, User, utcnow
 
 log = logging.getLogger("treeserve.gateway")
 INSTANCE_TIMEOUT = 60.0  # a process silent this long is dead: its holdings are given back
@@ -47,16 +47,21 @@ class Instances:
 
 
 def _give_back(conn, holdings: list[Holding]) -> None:
-    """The holdings' reservations and parallel slots, off their keys and users."""
+    """The holdings' reservations and parallel slots, off their keys, users and teams."""
     keys: dict[int, list[float]] = defaultdict(lambda: [0.0, 0])
     users: dict[str, float] = defaultdict(float)
+    teams: dict[str, float] = defaultdict(float)
     for holding in holdings:
         keys[holding.key_id][0] += holding.worst_cost
         keys[holding.key_id][1] += int(holding.parallel)
         if holding.user_id is not None:
             users[holding.user_id] += holding.worst_cost
+        if holding.team_id is not None:
+            teams[holding.team_id] += holding.worst_cost
     for key_id, (released, slots) in keys.items():
         conn.execute(update(ApiKey).where(ApiKey.id == key_id)
                      .values(reserved=ApiKey.reserved - released, in_flight=ApiKey.in_flight - slots))
     for user_id, released in users.items():
         conn.execute(update(User).where(User.user_id == user_id).values(reserved=User.reserved - released))
+    for team_id, released in teams.items():
+        conn.execute(update(Team).where(Team.team_id == team_id).values(reserved=Team.reserved - released))

@@ -90,8 +90,10 @@ class KeyRecord:
     rpm_limit: int | None
     tpm_limit: int | None
     max_parallel_requests: int | None
-    budgeted: bool = False  # the key or its user has a max_budget
+    budgeted: bool = False  # the key, its user or its team has a max_budget
     expires_at: dt.datetime | None = None
+    team_id: str | None = None
+    team_models: list | None = None
 
     @property
     def expired(self) -> bool:
@@ -102,7 +104,7 @@ class KeyRecord:
         return self.key_alias or self.key_name
 
     def allows(self, model: str) -> bool:
-        return all(not allowed or model in allowed for allowed in (self.models, self.user_models))
+        return all(not allowed or model in allowed for allowed in (self.models, self.user_models, self.team_models))
 
     @property
     def holds_nothing(self) -> bool:
@@ -112,4 +114,4 @@ class KeyRecord:
 
     def nothing_held(self) -> Reservation:
         """The reservation of a request on a key that holds nothing (the master key's too)."""
-        return Reservation(self.id, self.user_id, 0.0, False, 0)
+        return Reservation(self.id, self.user_id, 0.0, False, 0, team_id=self.team_id)

@@ -49,6 +49,32 @@ class User(Base):
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
+class Team(Base):
+    """LiteLLM's team: keys made for it are held to its models and share its budget (its spend is
+    theirs together); members are users with a role in it."""
+    __tablename__ = "teams"
+    team_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    team_alias: Mapped[str | None] = mapped_column(String(128))
+    models: Mapped[list | None] = mapped_column(JSON)
+    max_budget: Mapped[float | None] = mapped_column(Float)
+    spend: Mapped[float] = mapped_column(Float, default=0.0)
+    reserved: Mapped[float] = mapped_column(Float, default=0.0)  # worst cases of its keys' requests in flight
+    budget_duration: Mapped[str | None] = mapped_column(String(16))
+    budget_reset_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    blocked: Mapped[bool] = mapped_column(Boolean, default=False)
+    extra: Mapped[dict] = mapped_column("metadata", JSON, default=dict)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class TeamMember(Base):
+    __tablename__ = "team_members"
+    team_id: Mapped[str] = mapped_column(ForeignKey("teams.team_id", ondelete="CASCADE"), primary_key=True)
+    user_id: Mapped[str] = mapped_column(ForeignKey("users.user_id", ondelete="CASCADE"), primary_key=True,
+                                         index=True)
+    role: Mapped[str] = mapped_column(String(16))  # "admin" or "user" (LiteLLM's)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
 class ApiKey(Base):
     __tablename__ = "api_keys"
     # SQLite's AUTOINCREMENT: never a deleted key's id again (spend logs, daily spend and rate windows
@@ -66,6 +92,9 @@ class ApiKey(Base):
     # the key the web chat bills a user's messages to (made by the chat, never by the admin API)
     web_chat: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     user_id: Mapped[str | None] = mapped_column(ForeignKey("users.user_id", ondelete="SET NULL"), index=True)
+    # a team's keys are deleted with it (LiteLLM's /team/delete, gateway/teams.py); the reference (no
+    # ON DELETE action) refuses any write that would leave a key outliving the team that holds it
+    team_id: Mapped[str | None] = mapped_column(ForeignKey("teams.team_id"), index=True)
     models: Mapped[list | None] = mapped_column(JSON)
     max_budget: Mapped[float | None] = mapped_column(Float)
     soft_budget: Mapped[float | None] = mapped_column(Float)  # LiteLLM's: crossing it is logged, nothing refused
@@ -139,6 +168,7 @@ class Holding(Base):
     instance_id: Mapped[str] = mapped_column(String(32), index=True)
     key_id: Mapped[int] = mapped_column(Integer)
     user_id: Mapped[str | None] = mapped_column(String(128))
+    team_id: Mapped[str | None] = mapped_column(String(128))
     worst_cost: Mapped[float] = mapped_column(Float)  # (its real cost once answered)
     parallel: Mapped[bool] = mapped_column(Boolean)
     answered: Mapped[bool] = mapped_column(Boolean, default=False)  # (its cost is spent, the settlement to come)

@@ -1,4 +1,4 @@
-"""Settling requests: what a request cost becomes spend on its key and user, tokens in its
+"""Settling requests: what a request cost becomes spend on its key, user and team, tokens in its
 minute, a `spend_logs` row and its day's `daily_spend` total. A writer thread commits whatever
 has queued up every SETTLEMENT_INTERVAL in one transaction, one statement per key, user, minute
 and day touched; the same thread runs the process's chores (its heartbeat, pruning old rate
@@ -19,7 +19,7 @@ from sqlalchemy import delete, insert, update
 from sqlalchemy.orm import Session
 
 from treeserve.gateway.database import Database
-from treeserve.gateway.schema import ApiKey, BatchLine, DailySpend, Holding, RateWindow, SpendLog, User, utcnow
+from treeserve.gateway.schema import ApiKey, BatchLine, DailySpend, Holding, RateWindow, SpendLog, Team, User, utcnow
 from treeserve.gateway.usage import Usage, token_details
 
 log = logging.getLogger("treeserve.gateway")
@@ -43,6 +43,7 @@ class Reservation:
     counted: bool = False  # counted in its minute's rate window (the key has rpm or tpm limits)
     holding_id: int | None = None  # its row in `holdings` (what a dead process's sweep gives back)
     tokens: int = 0  # its worst-case tokens counted in its minute at admission (a tpm_limit's key)
+    team_id: str | None = None  # its key's team (held and spent on it as on the key)
 
 
 @dataclass
@@ -154,6 +155,7 @@ def apply_settlements(db: Database, conn: Session, items: list[Settlement]) -> N
     holds (its real cost, when released at its answer; else its worst case and its slot) goes back."""
     keys: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])  # released, spent, slots
     users: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    teams: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
     windows: dict[tuple[int, int], int] = defaultdict(int)
     days: dict[tuple, list] = {}
     for item in items:
@@ -166,6 +168,9 @@ def apply_settlements(db: Database, conn: Session, items: list[Settlement]) -> N
         if reservation.user_id is not None:
             users[reservation.user_id][0] += reservation.held
             users[reservation.user_id][1] += item.cost
+        if reservation.team_id is not None:
+            teams[reservation.team_id][0] += reservation.held
+            teams[reservation.team_id][1] += item.cost
         if reservation.counted and (usage.total_tokens or reservation.tokens):  # (what it used, for its hold)
             windows[(reservation.key_id, reservation.window)] += usage.total_tokens - reservation.tokens
         day = days.setdefault((item.started_at.date(), reservation.key_id or MASTER_KEY_ID, item.model),
@@ -184,6 +189,9 @@ def apply_settlements(db: Database, conn: Session, items: list[Settlement]) -> N
     for user_id, (released, spent) in users.items():
         conn.execute(update(User).where(User.user_id == user_id)
                      .values(reserved=User.reserved - released, spend=User.spend + spent))
+    for team_id, (released, spent) in teams.items():
+        conn.execute(update(Team).where(Team.team_id == team_id)
+                     .values(reserved=Team.reserved - released, spend=Team.spend + spent))
     for (key_id, window), tokens in windows.items():
         conn.execute(update(RateWindow).where(RateWindow.key_id == key_id, RateWindow.window == window)
                      .values(tokens=RateWindow.tokens + tokens))

@@ -2,6 +2,7 @@
 command) opens. Callers use the services themselves:
 
 - `accounts` (gateway/accounts.py): users, keys, who a key is;
+- `teams` (gateway/teams.py): teams, their members, and deleting a team with its keys;
 - `admission` (gateway/admission.py): parallel slots, per-minute counts, budget reservations;
 - `ledger` (gateway/ledger.py): settlements, spend logs, daily totals, exports;
 - `instances` (gateway/instances.py): this process's heartbeat, the sweep of dead processes' holdings;
@@ -19,12 +20,14 @@ from treeserve.gateway.files import Files
 from treeserve.gateway.instances import Instances
 from treeserve.gateway.ledger import Ledger
 from treeserve.gateway.settlement import HEARTBEAT_INTERVAL, PRUNE_INTERVAL
+from treeserve.gateway.teams import Teams
 
 
 class Store:
     def __init__(self, url: str):
         self.db = Database(url)
         self.accounts = Accounts(self.db)
+        self.teams = Teams(self.db)
         self.instances = Instances(self.db)
         self.admission = Admission(self.db, self.instances.instance_id)
         self.files = Files(self.db)
