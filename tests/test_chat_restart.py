@@ -6,6 +6,7 @@ chat mode's model does. The browser test (`test_chat_browser.py`) drives the sam
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -215,3 +216,21 @@ def test_a_restart_refused_at_admission_replaces_nothing(stack):
     assert events[0]["type"] == "user" and events[-1]["message"]["content"] == "second"
     assert stored(client, conversation["id"]) == [("user", "first"), ("assistant", "first"),
                                                   ("user", "second"), ("assistant", "second")]
+
+
+def test_a_restart_left_before_its_answer_began_replaces_nothing(stack):
+    """The page gone (Stop, a closed tab) while a Regenerate waits for its first output: the
+    conversation as it was, the old answer kept (was: the restart stored once the new answer began, no
+    one there to read it: the old answer replaced by the new one's first piece, stored as stopped)."""
+    url, _, scripted, _ = stack
+    client = sign_in(url, "ada", "correct horse battery")
+    conversation = echo_conversation(client, "first", "slowly: second")  # (its first output after 0.2 s)
+    path = f"/chat/api/conversations/{conversation['id']}"
+    asked = len(scripted.state.requests)
+    with pytest.raises(httpx.ReadTimeout):
+        client.post(f"{path}/regenerate", json={}, timeout=httpx.Timeout(120, read=0.05))
+    assert wait_for(lambda: len(scripted.state.requests) > asked)  # the new answer was asked for
+    time.sleep(1.0)  # (its first output comes after 0.2 s: what the gateway does then is done by now)
+    assert stored(client, conversation["id"]) == [("user", "first"), ("assistant", "first"),
+                                                  ("user", "slowly: second"), ("assistant", "slowly: second")]
+    assert client.get(path).json()["messages"] == conversation["messages"]

@@ -259,3 +259,52 @@ def test_a_port_held_only_by_closed_connections_can_be_bound_again():
         client.close()
     with closing_all(bind_sockets("127.0.0.1", port, "--port")) as sockets:
         assert [s.getsockname()[1] for s in sockets] == [port]
+
+
+def _closed_connections_on(port: int) -> None:
+    """`port` left held only by closed connections (TIME_WAIT), as a server stopped a moment ago leaves it."""
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (uvicorn's)
+        listener.bind(("127.0.0.1", port))
+        listener.listen()
+        client = socket.create_connection(("127.0.0.1", port))
+        accepted, _ = listener.accept()
+        accepted.close()  # the server's side closes first
+        client.recv(1)
+        client.close()
+
+
+def test_a_port_bound_past_closed_connections_is_held_as_firmly():
+    """Bound with SO_REUSEADDR (TIME_WAIT connections were there), the port was shared: a second
+    `treeserve serve` bound it too, and another server could bind and listen on it while ours loaded."""
+    from treeserve.ports import PortInUseError, bind_sockets, closing_all, free_port
+
+    port = free_port()
+    _closed_connections_on(port)
+    with closing_all(bind_sockets("127.0.0.1", port, "--port")):
+        assert not _try_to_take(port)
+        for host in ("127.0.0.1", "0.0.0.0"):
+            with pytest.raises(PortInUseError, match=f"{host}:{port} is already in use"):
+                bind_sockets(host, port, "--port")
+
+
+def test_a_failed_start_lets_go_of_its_port(monkeypatch):
+    """The models failing to load (an error, or none loaded), `treeserve serve` frees its port."""
+    import argparse
+
+    from treeserve.ports import free_port
+    from treeserve.server import launch
+
+    port = free_port()
+    args = argparse.Namespace(host="127.0.0.1", port=port)
+    monkeypatch.setattr(launch, "_logged_app", lambda args: None)
+    assert launch.serve(args) == 2
+    assert _try_to_take(port)
+
+    def broken(args):
+        raise RuntimeError("no weights")
+
+    monkeypatch.setattr(launch, "_logged_app", broken)
+    with pytest.raises(RuntimeError, match="no weights"):
+        launch.serve(args)
+    assert _try_to_take(port)

@@ -401,4 +401,23 @@ def test_a_requests_own_chat_template_is_refused_by_name_or_rendered_when_truste
                                                   extra_body={"chat_template": own})
             assert chat.usage.prompt_tokens == len(expected)
             escape = tokenize(messages=MESSAGES, chat_template="{{ messages.__class__.__mro__[1].__subclasses__() }}")
-            assert escape.status_code == 400 and escape.json()["error"]["param"] == "messages", escape.text
+            assert escape.status_code == 400 and escape.json()["error"]["param"] == "chat_template", escape.text
+            assert "unsafe" in escape.json()["error"]["message"], escape.text  # (Jinja's sandbox refused it)
+
+
+def test_a_requests_own_chat_template_that_fails_or_is_empty_is_named(llama_dir):
+    """A trusted request's template that raises, or is empty: a 400 naming chat_template (was: one naming
+    `messages`, which were fine, or, empty, `prompt: must not be empty`, a prompt the request never gave)."""
+    from conftest import API_KEY, running_server
+    from treeserve.server.launch import build_app
+
+    app = build_app(str(llama_dir), served_model_name="tiny", api_keys=[API_KEY], dtype="float32", device="cpu",
+                    kv_cache_memory_bytes=8 << 20, max_model_len=256, trust_request_chat_template=True)
+    with running_server(app) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
+        for template, said in (("{{ raise_exception('no system role here') }}", "no system role here"),
+                               ("", "empty template"), ("  ", "empty template")):
+            with pytest.raises(openai.BadRequestError) as bad:
+                client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1,
+                                               extra_body={"chat_template": template})
+            assert bad.value.body["param"] == "chat_template" and said in bad.value.body["message"], bad.value.body

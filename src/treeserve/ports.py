@@ -82,13 +82,18 @@ def _bind(family: int, kind: int, proto: int, sockaddr: tuple) -> socket.socket:
     """Bound without SO_REUSEADDR first: then no other socket can bind the port, even one that sets it
     (uvicorn's), while ours waits unlistened. Only if that fails, bound again with SO_REUSEADDR as
     uvicorn sets it: a port held only by closed connections (TIME_WAIT) counts as free, a listener
-    does not."""
+    does not; the option cleared once bound, so that the port is held as firmly as by the first bind."""
     try:
         return _bound(family, kind, proto, sockaddr, reuse=False)
     except OSError as error:
         if error.errno != errno.EADDRINUSE:
             raise
-    return _bound(family, kind, proto, sockaddr, reuse=True)
+    sock = _bound(family, kind, proto, sockaddr, reuse=True)
+    # cleared once bound: a later bind is checked against our socket's option as it is then, and left set,
+    # another server's (uvicorn's SO_REUSEADDR bind, or this fallback's) would share the port, and could
+    # listen on it, while ours waits unlistened; `ready_to_serve` sets it again
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 0)
+    return sock
 
 
 def _bound(family: int, kind: int, proto: int, sockaddr: tuple, reuse: bool) -> socket.socket:

@@ -69,6 +69,10 @@ class OpenAIServing:
             text = render_chat(self.tokenizer, template_messages(messages),
                                [t.model_dump(exclude_none=True) for t in tools or ()], ending[0],
                                template, continue_final_message=ending[1], template_kwargs=template_kwargs)
+        except ParamError as exc:
+            if request_template is not None and exc.param == "messages":  # (the request's template failed)
+                exc = ParamError("chat_template", exc.detail)
+            raise from_value_error(exc) from exc
         except ValueError as exc:
             raise from_value_error(exc) from exc
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
@@ -83,6 +87,9 @@ class OpenAIServing:
             raise APIError(400, "chat_template: a request's own chat template is refused: this server was not "
                            "started with --trust-request-chat-template (vLLM's rule); leave it out to use the "
                            "model's, or start the server with the flag", param="chat_template")
+        if not request_template.strip():  # (rendered, no prompt at all: a 400 naming `prompt` instead)
+            raise APIError(400, "chat_template: an empty template renders no prompt; leave chat_template out to "
+                           "use the model's", param="chat_template")
         return request_template
 
     @staticmethod

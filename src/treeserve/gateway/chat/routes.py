@@ -196,24 +196,26 @@ class ChatApp:
     async def send(self, conversation_id: str, body: MessageIn, signed: Signed = Depends(signed_in)) -> Response:
         return await self._reply(signed.user_id, conversation_id, body.settings, body.content)
 
-    async def edit(self, conversation_id: str, message_id: int, body: MessageIn,
+    async def edit(self, conversation_id: str, message_id: int, body: MessageIn, request: Request,
                    signed: Signed = Depends(signed_in)) -> Response:
         """The user's message `message_id` sent again as `content`; what followed it is replaced."""
         return await self._reply(signed.user_id, conversation_id, body.settings, body.content, restart="edit",
-                                 message_id=message_id)
+                                 message_id=message_id, request=request)
 
-    async def regenerate(self, conversation_id: str, body: RegenerateIn | None = None,
+    async def regenerate(self, conversation_id: str, request: Request, body: RegenerateIn | None = None,
                          signed: Signed = Depends(signed_in)) -> Response:
         """The user's last message answered again; its answer is replaced."""
         return await self._reply(signed.user_id, conversation_id, body.settings if body else None, None,
-                                 restart="regenerate")
+                                 restart="regenerate", request=request)
 
     async def _reply(self, user_id: str, conversation_id: str, settings: ChatSettings | None, content: str | None,
-                     restart: str | None = None, message_id: int | None = None) -> Response:
+                     restart: str | None = None, message_id: int | None = None,
+                     request: Request | None = None) -> Response:
         """A message stored (a new one, or where `restart`, the user's message `message_id` (their last
         when None) stored again, `content` replacing its text, with what followed it deleted) and its
         answer streamed as the page's events. A restart changes nothing until its answer has begun
-        (chat/restart.py): refused before that, it is an HTTP error and the old answer stays."""
+        (chat/restart.py): refused before that, it is an HTTP error and the old answer stays; the page gone
+        by then (Stop, a closed tab), nothing is changed either."""
         conversation = await run_in_threadpool(self.chats.get, user_id, conversation_id)
         settings = self.settings_for(settings or conversation["settings"])
         key = await run_in_threadpool(self.chats.chat_key, user_id)
@@ -239,9 +241,15 @@ class ChatApp:
         begun: list[dict] = []
         if restart:
             begun = await first_output(mode)
+            if request is not None and await request.is_disconnected():  # (no response would save its answer)
+                with anyio.CancelScope(shield=True):
+                    await mode.aclose()
+                return Response(status_code=499)  # (nginx's "client closed request": no one reads it)
             stored = await self._restart(user_id, conversation_id, question["id"], content, fields, restart, mode)
         events = self._answer(user_id, conversation_id, stored, context, mode, answer, begun)
-        return RelayResponse(events, media_type="text/event-stream", also_close=mode if restart else None,
+        # started here, inside its try: gone from now on, the response that never began still saves the answer
+        first = await events.__anext__()
+        return RelayResponse(_after(first, events), media_type="text/event-stream", also_close=events,
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def _restart(self, user_id: str, conversation_id: str, message_id: int, content: str, fields: dict,
@@ -322,6 +330,13 @@ async def _export(user_id: str, conversations: list[dict], format: str, name: st
         media = "application/vnd.openxmlformats-officedocument.spreadsheetml.sheet"
     return Response(content, media_type=media,
                     headers={"Content-Disposition": f'attachment; filename="{name}.{format}"'})
+
+
+async def _after(first: bytes, rest):
+    """`first`, then what `rest` yields (an answer's events, started already)."""
+    yield first
+    async for event in rest:
+        yield event
 
 
 def _sse(event: dict) -> bytes:
