@@ -302,3 +302,20 @@ def test_deleting_a_team_while_its_key_is_admitted_is_no_deadlock(store, monkeyp
     thread.join()
     assert errors == []
     assert store.teams.list_teams() == []
+
+
+def test_a_team_budget_without_prices_is_warned_about(tmp_path):
+    """As a key's or a user's: without prices every request costs 0, so a team's max_budget never
+    acts; /team/new and /team/update answer with a warning saying so (none without a budget)."""
+    from fastapi.testclient import TestClient
+
+    models = {"gen": ModelConfig("gen", [BackendConfig("http://127.0.0.1:18999")])}
+    app = build_app(GatewayConfig(models=models, master_key=MASTER, database=f"sqlite:///{tmp_path / 'g.db'}",
+                                  health_interval=0))
+    with TestClient(app, headers={"Authorization": f"Bearer {MASTER}"}) as client:
+        made = _ok(client.post("/team/new", json={"team_id": "t", "max_budget": 5}))
+        assert "no model has a price" in made["warning"] and "max_budget never refuses" in made["warning"]
+        assert "warning" not in _ok(client.post("/team/new", json={"team_id": "u"}))
+        updated = _ok(client.post("/team/update", json={"team_id": "u", "max_budget": 1}))
+        assert "no model has a price" in updated["warning"]
+        assert "warning" not in _ok(client.post("/team/update", json={"team_id": "u", "team_alias": "x"}))
