@@ -81,7 +81,7 @@ def build_app(config: GatewayConfig, store: Store | None = None) -> FastAPI:
                                     on_change=keys.clear, priced=config.priced))
     app.include_router(key_info_router(store.accounts, store.ledger, auth.require_key))
     app.include_router(team_router(store.teams, store.ledger, auth.require_master, set(config.models),
-                                   on_change=keys.clear))
+                                   on_change=keys.clear, priced=config.priced))
     app.include_router(operator_routes(router, metrics, drain, auth, store.db))
     app.include_router(openai_routes(config, service, auth))
     app.include_router(translated_routes(service, auth, responses, MAX_BODY_BYTES))

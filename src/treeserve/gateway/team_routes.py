@@ -4,6 +4,7 @@ teams have and these lack (team rate limits, member budgets, model aliases, orga
 naming the field, not a value stored and never enforced."""
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
@@ -15,8 +16,11 @@ from starlette.concurrency import run_in_threadpool
 from treeserve.gateway.admin import Models, Money, Period, UserId, _Body
 from treeserve.gateway.fields import NO_NUL, Text
 from treeserve.gateway.ledger import Ledger
+from treeserve.gateway.pricing import NO_PRICES
 from treeserve.gateway.teams import Teams
 from treeserve.wire.errors import APIError
+
+log = logging.getLogger("treeserve.gateway")
 
 TeamId = Annotated[Text, Field(min_length=1, max_length=128)]
 # LiteLLM's team fields this gateway does not enforce: refused when given (a limit stored and never
@@ -85,9 +89,10 @@ class MemberDelete(_Body):
 
 
 def team_router(teams: Teams, ledger: Ledger, require_master: Any, known_models: set[str],
-                on_change: Callable[[], None] = lambda: None) -> APIRouter:
+                on_change: Callable[[], None] = lambda: None, priced: bool = True) -> APIRouter:
     """`on_change` runs after a team changes (this process forgets cached keys: they carry their team's
-    models and whether it is blocked)."""
+    models and whether it is blocked); `priced`: some model has a price (else a team's max_budget never
+    acts, and the answer says so, as for a key's or a user's)."""
     router = APIRouter(dependencies=[Depends(require_master)], tags=["admin"])
 
     async def changing(work: Callable[[], Any]) -> Any:
@@ -102,6 +107,12 @@ def team_router(teams: Teams, ledger: Ledger, require_master: Any, known_models:
             raise APIError(400, f"models: {unknown[0]!r} is not served by this gateway", param="models",
                            code="model_not_found")
 
+    def budget_warning(answer: dict, max_budget: float | None) -> dict:
+        if max_budget is not None and not priced:
+            answer["warning"] = f"max_budget {max_budget} set on a team, but {NO_PRICES}"
+            log.warning(answer["warning"])
+        return answer
+
     def team_fields(fields: dict) -> dict:
         _refuse_unbuilt(fields)
         check_models(fields.get("models"))
@@ -112,7 +123,8 @@ def team_router(teams: Teams, ledger: Ledger, require_master: Any, known_models:
         fields = team_fields(body.model_dump(exclude_none=True))
         team_id = fields.pop("team_id", None) or str(uuid.uuid4())
         members = [(m["user_id"], m["role"]) for m in fields.pop("members_with_roles")]
-        return await run_in_threadpool(lambda: teams.create_team(team_id, members, **fields))
+        made = await run_in_threadpool(lambda: teams.create_team(team_id, members, **fields))
+        return budget_warning(made, fields.get("max_budget"))
 
     @router.get("/team/info")
     async def team_info(team_id: str = Query(..., min_length=1, max_length=128, pattern=NO_NUL)):
@@ -130,7 +142,8 @@ def team_router(teams: Teams, ledger: Ledger, require_master: Any, known_models:
     async def update_team(body: TeamUpdate):
         fields = team_fields(body.model_dump(exclude_unset=True))
         team_id = fields.pop("team_id")
-        return {"team_id": team_id, "data": await changing(lambda: teams.update_team(team_id, **fields))}
+        answer = {"team_id": team_id, "data": await changing(lambda: teams.update_team(team_id, **fields))}
+        return budget_warning(answer, fields.get("max_budget"))
 
     @router.post("/team/delete")
     async def delete_teams(body: TeamDelete):

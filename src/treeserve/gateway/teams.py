@@ -70,6 +70,9 @@ class Teams:
         """All of them with their keys and memberships (LiteLLM's rule), or none (TeamNotFound) when
         any does not exist: (the teams deleted, how many keys went with them)."""
         with self.db.transaction() as conn:
+            # the keys' rows locked before the teams': admission and the settlement write a key, then
+            # its team; the other order deadlocks with a request on a team key (PostgreSQL aborts one)
+            conn.execute(select(ApiKey.id).where(ApiKey.team_id.in_(team_ids)).with_for_update()).all()
             found = set(conn.scalars(select(Team.team_id).where(Team.team_id.in_(team_ids)).with_for_update()))
             missing = [t for t in team_ids if t not in found]
             if missing:
