@@ -90,6 +90,7 @@ def test_team_routes_answer_as_litellms_and_only_to_the_master_key(database):
                                    ("GET", "/team/info?team_id=alpha", None),
                                    ("POST", "/team/update", {"team_id": "alpha", "max_budget": 100}),
                                    ("POST", "/team/member_add", {"team_id": "alpha", "member": {"user_id": "ann"}}),
+                                   ("POST", "/team/block", {"team_id": "alpha"}),
                                    ("POST", "/team/delete", {"team_ids": ["alpha"]})):
             refused = client.request(method, path, json=body, headers=user)
             assert refused.status_code == 401, (path, refused.text)
@@ -139,6 +140,12 @@ def test_a_team_key_is_held_to_the_teams_models_and_budget_and_its_spend_is_the_
         assert null.status_code == 400, null.text
         _ok(client.post("/team/update", json={"team_id": team_id, "blocked": False}))
         _ok(_chat(client, second["key"]))
+        assert _ok(client.post("/team/block", json={"team_id": team_id}))["blocked"] is True  # (LiteLLM's routes)
+        assert _chat(client, second["key"]).status_code == 401
+        assert _ok(client.post("/team/unblock", json={"team_id": team_id}))["blocked"] is False
+        _ok(_chat(client, second["key"]))
+        missing = client.post("/team/block", json={"team_id": "no-such-team"})
+        assert missing.status_code == 404, missing.text
 
 
 def test_deleting_a_team_deletes_its_keys(database):

@@ -1,7 +1,7 @@
-"""LiteLLM's team admin API (/team/new, /team/info, /team/list, /team/update, /team/delete,
-/team/member_add, /team/member_delete), behind the master key like every admin route. What LiteLLM's
-teams have and these lack (team rate limits, member budgets, model aliases, organizations) is a 400
-naming the field, not a value stored and never enforced."""
+"""LiteLLM's team admin API (/team/new, /team/info, /team/list, /team/update, /team/block,
+/team/unblock, /team/delete, /team/member_add, /team/member_delete), behind the master key like
+every admin route. What LiteLLM's teams have and these lack (team rate limits, member budgets, model
+aliases, organizations) is a 400 naming the field, not a value stored and never enforced."""
 from __future__ import annotations
 
 import logging
@@ -74,6 +74,10 @@ class TeamUpdate(TeamFields):
 
 class TeamDelete(_Body):
     team_ids: list[TeamId] = Field(min_length=1)
+
+
+class TeamNamed(_Body):
+    team_id: TeamId
 
 
 class MemberAdd(_Body):
@@ -151,6 +155,15 @@ def team_router(teams: Teams, ledger: Ledger, require_master: Any, known_models:
         and budget), all or none."""
         deleted, keys = await changing(lambda: teams.delete_teams(body.team_ids))
         return {"deleted_teams": deleted, "deleted_keys": keys}
+
+    @router.post("/team/block")
+    async def block_team(body: TeamNamed):
+        """LiteLLM's: every call of the team's keys stops (401) until /team/unblock; the team's record."""
+        return await changing(lambda: teams.update_team(body.team_id, blocked=True))
+
+    @router.post("/team/unblock")
+    async def unblock_team(body: TeamNamed):
+        return await changing(lambda: teams.update_team(body.team_id, blocked=False))
 
     @router.post("/team/member_add")
     async def member_add(body: MemberAdd):
