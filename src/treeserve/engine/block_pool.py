@@ -8,12 +8,17 @@ Requests free their blocks tail-first, so within a tier a request's tail is evic
 """
 from __future__ import annotations
 
+import functools
+import itertools
+import operator
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 from treeserve.engine.eviction import THRASH_WINDOW_PER_BLOCK, FreeBlocks, ThrashWindow
 from treeserve.engine.kv_block import KVBlock
 from treeserve.errors import ParamError
+
+_is_block = functools.partial(operator.is_not, None)  # (a lookup's answer is a block, not None)
 
 
 @dataclass
@@ -89,6 +94,12 @@ class BlockPool:
 
     def lookup(self, block_hash: bytes) -> KVBlock | None:
         return self.cached.get(block_hash) if self.enable_caching else None
+
+    def lookup_run(self, hashes: Iterable[bytes]) -> list[KVBlock]:
+        """The cached blocks of `hashes`, up to the first one not cached (one `lookup` each, in C)."""
+        if not self.enable_caching:
+            return []
+        return list(itertools.takewhile(_is_block, map(self.cached.get, hashes)))
 
     def was_evicted(self, block_hash: bytes) -> bool:
         return block_hash in self.thrash_window
