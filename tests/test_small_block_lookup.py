@@ -158,3 +158,41 @@ def test_a_toy_search_makes_the_decisions_it_made_with_per_block_lookups():
     roomy = ("7651900e4b4b54f5", 17127, 13056, 356, 4, [("prm", 4)], 0)
     assert _toy_search(60) == tight
     assert _toy_search(400) == roomy
+
+
+def _reference_set_wanted(pool, owner, blocks):
+    """`BlockPool.set_wanted` as first written: every mention of a block, in list order."""
+    keep = {b.block_id for b in blocks}
+    for block in pool.wanted_by_owner.get(owner, ()):
+        if block.block_id not in keep:
+            pool.free_blocks.unwant(block, owner)
+    for block in blocks:
+        if block.wanted_by != owner:
+            pool.free_blocks.want(block, owner)
+    pool.wanted_by_owner[owner] = list(blocks)
+
+
+def _free_queues(pool):
+    tiers = {"empty": {"": pool.free_blocks.empty}, "probation": pool.free_blocks.probation,
+             "protected": pool.free_blocks.protected, "wanted": pool.free_blocks.wanted}
+    return {(tier, owner): [(b.block_id, b.freed_at, b.wanted_by) for b in queue.values()]
+            for tier, queues in tiers.items() for owner, queue in queues.items()}
+
+
+def test_wanted_blocks_listed_many_times_are_queued_as_the_per_mention_loop_queued_them():
+    rng = random.Random(3)
+    pools = [BlockPool(32), BlockPool(32)]
+    for pool in pools:
+        for index in range(32):
+            (block,) = pool.allocate(1, "prm" if index % 3 else "gen")
+            pool.cache_block(block, bytes([index]))
+            block.reused = index % 2 == 0
+        pool.free(reversed(pool.blocks[::2]))  # half are free (cached), half held
+    for _ in range(40):
+        owner = rng.choice(["gen", "prm"])
+        ids = [rng.randrange(32) for _ in range(rng.randrange(0, 30))]  # repeats: prefixes many requests share
+        _reference_set_wanted(pools[0], owner, [pools[0].blocks[i] for i in ids])
+        pools[1].set_wanted(owner, [pools[1].blocks[i] for i in ids])
+        assert _free_queues(pools[1]) == _free_queues(pools[0])
+        assert {o: [b.block_id for b in bs] for o, bs in pools[1].wanted_by_owner.items()} == \
+            {o: [b.block_id for b in bs] for o, bs in pools[0].wanted_by_owner.items()}

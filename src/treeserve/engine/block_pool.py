@@ -166,11 +166,13 @@ class BlockPool:
     def set_wanted(self, owner: str, blocks: list[KVBlock]) -> None:
         """The cached blocks that `owner`'s waiting requests will hit (replacing the last set): free
         ones are evicted only when nothing else is left, so queued work finds its prefixes."""
-        keep = {b.block_id for b in blocks}
-        for block in self.wanted_by_owner.get(owner, ()):
-            if block.block_id not in keep:
+        # (each block once, in first-seen order: requests sharing a prefix list its blocks many times,
+        # and a block's second mention changes nothing)
+        keep = dict.fromkeys(blocks)
+        for block in dict.fromkeys(self.wanted_by_owner.get(owner, ())):
+            if block not in keep:
                 self.free_blocks.unwant(block, owner)
-        for block in blocks:
+        for block in keep:
             if block.wanted_by != owner:
                 self.free_blocks.want(block, owner)
         self.wanted_by_owner[owner] = list(blocks)
