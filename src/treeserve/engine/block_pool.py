@@ -8,12 +8,17 @@ Requests free their blocks tail-first, so within a tier a request's tail is evic
 """
 from __future__ import annotations
 
+import functools
+import itertools
+import operator
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 from treeserve.engine.eviction import THRASH_WINDOW_PER_BLOCK, FreeBlocks, ThrashWindow
 from treeserve.engine.kv_block import KVBlock
 from treeserve.errors import ParamError
+
+_is_block = functools.partial(operator.is_not, None)  # (a lookup's answer is a block, not None)
 
 
 @dataclass
@@ -90,6 +95,12 @@ class BlockPool:
     def lookup(self, block_hash: bytes) -> KVBlock | None:
         return self.cached.get(block_hash) if self.enable_caching else None
 
+    def lookup_run(self, hashes: Iterable[bytes]) -> list[KVBlock]:
+        """The cached blocks of `hashes`, up to the first one not cached (one `lookup` each, in C)."""
+        if not self.enable_caching:
+            return []
+        return list(itertools.takewhile(_is_block, map(self.cached.get, hashes)))
+
     def was_evicted(self, block_hash: bytes) -> bool:
         return block_hash in self.thrash_window
 
@@ -155,11 +166,13 @@ class BlockPool:
     def set_wanted(self, owner: str, blocks: list[KVBlock]) -> None:
         """The cached blocks that `owner`'s waiting requests will hit (replacing the last set): free
         ones are evicted only when nothing else is left, so queued work finds its prefixes."""
-        keep = {b.block_id for b in blocks}
-        for block in self.wanted_by_owner.get(owner, ()):
-            if block.block_id not in keep:
+        # (each block once, in first-seen order: requests sharing a prefix list its blocks many times,
+        # and a block's second mention changes nothing)
+        keep = dict.fromkeys(blocks)
+        for block in dict.fromkeys(self.wanted_by_owner.get(owner, ())):
+            if block not in keep:
                 self.free_blocks.unwant(block, owner)
-        for block in blocks:
+        for block in keep:
             if block.wanted_by != owner:
                 self.free_blocks.want(block, owner)
         self.wanted_by_owner[owner] = list(blocks)

@@ -52,6 +52,11 @@ class ThrashWindow:
     def __contains__(self, block_hash: bytes) -> bool:
         return block_hash in self._hashes
 
+    def among(self, block_hashes: list[bytes]) -> list[bytes]:
+        """Those of `block_hashes` the window remembers, in their order."""
+        remembered = self._hashes
+        return [h for h in block_hashes if h in remembered]
+
     def add(self, block_hash: bytes, evicted_by: str = "") -> None:
         self._hashes[block_hash] = evicted_by
         self._hashes.move_to_end(block_hash)

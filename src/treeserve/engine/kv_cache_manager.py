@@ -7,6 +7,7 @@ place in the table holds None, which the attention metadata sees as `NULL_BLOCK_
 never read: every kernel starts at the window, and the gathering paths mask it out)."""
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 from treeserve.engine.block_pool import BlockPool, KVBlock
@@ -41,19 +42,17 @@ class KVCacheManager:
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def find_cached_prefix(self, request: Request) -> CachedPrefix:
-        """Longest run of cached full blocks, short of the positions whose logits are wanted."""
+    def find_cached_prefix(self, request: Request, with_thrash: bool = True) -> CachedPrefix:
+        """Longest run of cached full blocks, short of the positions whose logits are wanted. With
+        `with_thrash`, also the hashes past it that were evicted lately (what taking the prefix
+        counts as thrash); a caller that only looks (ranking the queue) leaves them out: with
+        small blocks, a long prompt's misses are many."""
         if not self.pool.enable_caching:
             return CachedPrefix()
         max_blocks = request.max_cached_blocks(self.block_size)
-        hashes = request.ensure_block_hashes(max_blocks, self.block_size)[:max_blocks]
-        blocks = []
-        for block_hash in hashes:
-            block = self.pool.lookup(block_hash)
-            if block is None:
-                break
-            blocks.append(block)
-        thrash = [h for h in hashes[len(blocks):] if self.pool.was_evicted(h)]
+        hashes = request.ensure_block_hashes(max_blocks, self.block_size)
+        blocks = self.pool.lookup_run(itertools.islice(hashes, max_blocks))
+        thrash = self.pool.thrash_window.among(hashes[len(blocks):max_blocks]) if with_thrash else []
         return CachedPrefix(blocks, len(blocks) * self.block_size, thrash)
 
     def can_allocate(self, request: Request, num_new_tokens: int, prefix: CachedPrefix | None = None) -> bool:

@@ -31,10 +31,20 @@ _FINISHED = RequestStatus.FINISHED  # (a module constant: an Enum member's looku
 
 def hash_block(parent: bytes | None, tokens: list[int], extra: bytes) -> bytes:
     """Chained block hash: hash(parent hash, this block's tokens, extra keys such as a cache salt)."""
-    digest = hashlib.sha256(parent or b"root")
-    digest.update(array("q", tokens).tobytes())
-    digest.update(extra)
-    return digest.digest()
+    return hashlib.sha256((parent or b"root") + array("q", tokens).tobytes() + extra).digest()
+
+
+def hash_blocks(parent: bytes | None, tokens: list[int], count: int, block_size: int, extra: bytes) -> list[bytes]:
+    """`count` chained hashes of consecutive `block_size`-token blocks of `tokens`, each
+    `hash_block` of the one before (a block past the end of `tokens` holds what is left of them):
+    the tokens become bytes once, not per block, which counts with many small blocks."""
+    data, width = array("q", tokens).tobytes(), 8 * block_size
+    sha256, hashes = hashlib.sha256, []
+    parent = parent or b"root"
+    for start in range(0, count * width, width):
+        parent = sha256(parent + data[start:start + width] + extra).digest()
+        hashes.append(parent)
+    return hashes
 
 
 @dataclass(eq=False)
@@ -136,12 +146,13 @@ class Request:
 
     def ensure_block_hashes(self, num_blocks: int, block_size: int) -> list[bytes]:
         """Extends the chained hashes to cover the first `num_blocks` full blocks."""
-        while len(self.block_hashes) < num_blocks:
-            index = len(self.block_hashes)
-            parent = self.block_hashes[-1] if index else None
-            tokens = self.all_token_ids[index * block_size:(index + 1) * block_size]
-            self.block_hashes.append(hash_block(parent, tokens, self._extra_key))
-        return self.block_hashes
+        hashes = self.block_hashes
+        done = len(hashes)
+        if done < num_blocks:
+            tokens = self.all_token_ids[done * block_size:num_blocks * block_size]
+            hashes.extend(hash_blocks(hashes[-1] if done else None, tokens, num_blocks - done, block_size,
+                                      self._extra_key))
+        return hashes
 
 
 @dataclass(eq=False)

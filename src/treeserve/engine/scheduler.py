@@ -194,7 +194,7 @@ class Scheduler:
             if request.num_computed_tokens:  # a fork: it holds its parent's blocks already
                 cached.append(request.num_computed_tokens)
                 continue
-            prefix = self.kv.find_cached_prefix(request)
+            prefix = self.kv.find_cached_prefix(request, with_thrash=False)
             cached.append(prefix.num_tokens)
             wanted.extend(prefix.blocks)
         self.kv.pool.set_wanted(self.kv.owner, wanted)
