@@ -13,7 +13,7 @@ from sqlalchemy import text
 
 from conftest import running_server
 from test_gateway_security import stand_in_backend
-from test_gateway_store import _store_at_revision
+from test_gateway_store import _store_at_revision, store  # noqa: F401 (a fixture: the store on each database)
 from treeserve.gateway.app import build_app
 from treeserve.gateway.config import BackendConfig, GatewayConfig, ModelConfig
 from treeserve.gateway.keys import hash_key
@@ -202,16 +202,6 @@ def test_the_teams_migration_upgrades_a_database_at_0013(backend, request, tmp_p
             assert conn.execute(text("SELECT count(*) FROM api_keys")).scalar() == 1
     finally:
         store.close()
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def store(request, tmp_path):
-    url = f"sqlite:///{tmp_path / 'g.db'}" if request.param == "sqlite" else \
-        request.getfixturevalue("postgres").new_database()
-    store = Store(url)
-    store.migrate()
-    yield store
-    store.close()
 
 
 def test_a_team_holding_of_a_dead_process_is_given_back_and_a_settled_one_spent(store):

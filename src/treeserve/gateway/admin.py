@@ -3,7 +3,6 @@ master key. Keys are shown once, by /key/generate; afterwards they are known by 
 from __future__ import annotations
 
 import datetime as dt
-import logging
 import uuid
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
@@ -14,14 +13,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from treeserve.gateway.accounts import KEY_SORTS, USER_SORTS, Accounts, Page, Sort
+from treeserve.gateway.admin_changes import AccountChanges
 from treeserve.gateway.fields import INT32_MAX, NO_NUL, Text
 from treeserve.gateway.keys import KeyRecord, hash_key, stored_hash
 from treeserve.gateway.ledger import Ledger, logs_csv
 from treeserve.gateway.passwords import hash_password
-from treeserve.gateway.pricing import NO_PRICES
 from treeserve.wire.errors import APIError
 
-log = logging.getLogger("treeserve.gateway")
 # The sizes of their columns (gateway/schema.py): a longer value is a 400 here, not a database error.
 UserId = Annotated[Text, Field(min_length=1, max_length=128)]
 Money = Annotated[float, Field(ge=0, allow_inf_nan=False)]
@@ -112,24 +110,8 @@ def admin_router(accounts: Accounts, ledger: Ledger, require_master: Any, known_
     `priced`: some model has a price (else a budget set here never acts, and the answer says so)."""
     router = APIRouter(dependencies=[Depends(require_master)], tags=["admin"])
 
-    def budget_warning(answer: dict, max_budget: float | None, owner: str) -> dict:
-        if max_budget is not None and not priced:
-            answer["warning"] = f"max_budget {max_budget} set on a {owner}, but {NO_PRICES}"
-            log.warning(answer["warning"])
-        return answer
-
-    async def changing(work: Callable[[], Any]) -> Any:
-        """An account change in a worker thread; this process forgets its cached keys after it, done or not."""
-        try:
-            return await run_in_threadpool(work)
-        finally:
-            on_change()
-
-    def check_models(models: list[str] | None) -> None:
-        unknown = [m for m in models or () if m not in known_models]
-        if unknown:
-            raise APIError(400, f"models: {unknown[0]!r} is not served by this gateway", param="models",
-                           code="model_not_found")
+    changes = AccountChanges(known_models, on_change, priced)
+    changing, check_models, budget_warning = changes.changing, changes.check_models, changes.budget_warning
 
     @router.post("/key/generate")
     async def generate_key(body: KeyLimits):

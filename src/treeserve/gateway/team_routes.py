@@ -4,7 +4,6 @@ every admin route. What LiteLLM's teams have and these lack (team rate limits, m
 aliases, organizations) is a 400 naming the field, not a value stored and never enforced."""
 from __future__ import annotations
 
-import logging
 import uuid
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
@@ -14,13 +13,11 @@ from pydantic import Field
 from starlette.concurrency import run_in_threadpool
 
 from treeserve.gateway.admin import Models, Money, Period, UserId, _Body
+from treeserve.gateway.admin_changes import AccountChanges
 from treeserve.gateway.fields import NO_NUL, Text
 from treeserve.gateway.ledger import Ledger
-from treeserve.gateway.pricing import NO_PRICES
 from treeserve.gateway.teams import Teams
 from treeserve.wire.errors import APIError
-
-log = logging.getLogger("treeserve.gateway")
 
 TeamId = Annotated[Text, Field(min_length=1, max_length=128)]
 # LiteLLM's team fields this gateway does not enforce: refused when given (a limit stored and never
@@ -99,23 +96,11 @@ def team_router(teams: Teams, ledger: Ledger, require_master: Any, known_models:
     acts, and the answer says so, as for a key's or a user's)."""
     router = APIRouter(dependencies=[Depends(require_master)], tags=["admin"])
 
-    async def changing(work: Callable[[], Any]) -> Any:
-        try:
-            return await run_in_threadpool(work)
-        finally:
-            on_change()
-
-    def check_models(models: list[str] | None) -> None:
-        unknown = [m for m in models or () if m not in known_models]
-        if unknown:
-            raise APIError(400, f"models: {unknown[0]!r} is not served by this gateway", param="models",
-                           code="model_not_found")
+    changes = AccountChanges(known_models, on_change, priced)
+    changing, check_models = changes.changing, changes.check_models
 
     def budget_warning(answer: dict, max_budget: float | None) -> dict:
-        if max_budget is not None and not priced:
-            answer["warning"] = f"max_budget {max_budget} set on a team, but {NO_PRICES}"
-            log.warning(answer["warning"])
-        return answer
+        return changes.budget_warning(answer, max_budget, "team")
 
     def team_fields(fields: dict) -> dict:
         _refuse_unbuilt(fields)
