@@ -268,6 +268,14 @@ def test_more_ranks_than_gpus_is_a_clear_error_before_any_worker_starts(monkeypa
     assert not _spawned_workers()
 
 
+def _cmdline(process: psutil.Process) -> str:
+    """A child's command line; "" for one that has ended (a zombie not yet reaped, or gone)."""
+    try:
+        return " ".join(process.cmdline())
+    except psutil.Error:
+        return ""
+
+
 def test_a_serve_start_cut_short_by_sigterm_exits_143_and_leaves_nothing(llama_dir):
     """SIGTERM while `treeserve serve --tensor-parallel-size 2` starts (rank 1 held stopped, so the
     start cannot finish first): exit 128 + 15, as a start cut short is no success (was: 0, what a
@@ -279,7 +287,7 @@ def test_a_serve_start_cut_short_by_sigterm_exits_143_and_leaves_nothing(llama_d
     try:
         deadline, ranks = time.monotonic() + 120, []
         while not ranks and server.poll() is None and time.monotonic() < deadline:
-            ranks = [p for p in psutil.Process(server.pid).children() if "spawn_main" in " ".join(p.cmdline())]
+            ranks = [p for p in psutil.Process(server.pid).children() if "spawn_main" in _cmdline(p)]
             time.sleep(0.01)
         assert ranks, f"no rank started: {server.poll()}"
         family = psutil.Process(server.pid).children(recursive=True)
