@@ -45,10 +45,17 @@ def members_of(conn: Session, team_ids: list[str]) -> dict[str, list[TeamMember]
     return found
 
 
-def teams_of(conn: Session, user_id: str) -> list[dict]:
-    """The teams `user_id` is a member of (LiteLLM's /user/info `teams`)."""
-    teams = conn.scalars(select(Team).where(Team.team_id.in_(select(TeamMember.team_id)
-                                                             .where(TeamMember.user_id == user_id)))
-                         .order_by(Team.created_at)).all()
+def of_member(user_id: str):
+    """The condition on teams that `user_id` is a member of."""
+    return Team.team_id.in_(select(TeamMember.team_id).where(TeamMember.user_id == user_id))
+
+
+def public_teams(conn: Session, teams: list[Team]) -> list[dict]:
+    """`teams` as the admin API shows them, each with its members."""
     members = members_of(conn, [t.team_id for t in teams])
     return [public_team(t, members.get(t.team_id, [])) for t in teams]
+
+
+def teams_of(conn: Session, user_id: str) -> list[dict]:
+    """The teams `user_id` is a member of (LiteLLM's /user/info `teams`)."""
+    return public_teams(conn, conn.scalars(select(Team).where(of_member(user_id)).order_by(Team.created_at)).all())

@@ -12,7 +12,7 @@ from treeserve.gateway.account_fields import public_key, public_user
 from treeserve.gateway.database import Database
 from treeserve.gateway.errors import MemberExists, MemberNotFound, TeamExists, TeamNotFound
 from treeserve.gateway.schema import ApiKey, Team, TeamMember, User, utcnow
-from treeserve.gateway.team_fields import members_of, public_team, team_values
+from treeserve.gateway.team_fields import members_of, of_member, public_team, public_teams, team_values
 
 
 class Teams:
@@ -50,13 +50,10 @@ class Teams:
 
     def list_teams(self, user_id: str | None = None) -> list[dict]:
         """Every team (those `user_id` is a member of, if given), by team_alias as LiteLLM's /team/list."""
-        query = select(Team)
-        if user_id is not None:
-            query = query.where(Team.team_id.in_(select(TeamMember.team_id).where(TeamMember.user_id == user_id)))
+        query = select(Team) if user_id is None else select(Team).where(of_member(user_id))
         with self.db.session() as conn:
-            teams = conn.scalars(query.order_by(func.coalesce(Team.team_alias, ""), Team.created_at)).all()
-            members = members_of(conn, [t.team_id for t in teams])
-        return [public_team(t, members.get(t.team_id, [])) for t in teams]
+            return public_teams(conn, conn.scalars(query.order_by(func.coalesce(Team.team_alias, ""),
+                                                                  Team.created_at)).all())
 
     def update_team(self, team_id: str, **fields) -> dict:
         values = team_values(fields, utcnow())
