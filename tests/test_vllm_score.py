@@ -214,3 +214,14 @@ def test_the_answer_is_vllms_score_response(bundled_pair_served):
     assert all(isinstance(d["score"], float) for d in body["data"])
     usage = body["usage"]
     assert usage["total_tokens"] == usage["prompt_tokens"] > 0 and usage["completion_tokens"] == 0
+
+
+def test_a_vllm_body_without_model_scores_with_the_served_reward_model(bundled_pair_served):
+    """vLLM's `model` may be left out (its served model): here the one reward model served. It was a
+    400 "model: this field is required"."""
+    url, app = bundled_pair_served
+    unnamed = httpx.post(f"{url}/score", json={"queries": QUESTION, "documents": [RIGHT]}, timeout=60)
+    assert unnamed.status_code == 200, unnamed.text
+    named = httpx.post(f"{url}/score", json={"model": "prm", "queries": QUESTION, "documents": [RIGHT]}, timeout=60)
+    assert unnamed.json()["model"] == "prm" and unnamed.json()["data"] == named.json()["data"]
+    wait_all_idle(app)

@@ -41,7 +41,7 @@ class VLLMScoreRequest(VendorRequest):
     model_config = ConfigDict(extra="forbid", strict=True)
     UNSUPPORTED: ClassVar[dict[str, Unsupported]] = VLLM_SCORE_UNSUPPORTED
     FIELDS: ClassVar[tuple[str, str]]
-    model: str
+    model: str | None = None  # (vLLM's may be left out: the served reward model, where there is one)
     user: str | None = None  # (taken with no effect, as vLLM's)
     request_id: str | None = None  # (vLLM's; the server's own request id is in the x-request-id header)
 
