@@ -99,7 +99,7 @@ def test_treeserve_body_still_scores_candidates_on_both_paths(bundled_pair_serve
     ({"model": "prm", "text_1": "q", "text_2": [{"text": "a"}]}, "text_2[0]"),
     ({"model": "prm", "text_1": None, "text_2": "a"}, "text_1"),
     ({"model": "prm", "text_1": 5, "text_2": "a"}, "text_1"),
-    ({"model": "prm", "text_1": {"content": [{"type": "image_url"}]}, "text_2": "a"}, "text_1"),
+    ({"model": "prm", "text_1": {"content": [{"type": "image_url"}]}, "text_2": "a"}, "text_1.content[0]"),
     ({"model": "prm", "text_1": "q", "text_2": "a", "truncate_prompt_tokens": 8}, "truncate_prompt_tokens"),
     ({"model": "prm", "text_1": "q", "text_2": "a", "use_activation": False}, "use_activation"),
     ({"model": "prm", "text_1": "q", "text_2": "a", "top_n": 1}, "top_n"),  # (/rerank's)
@@ -128,3 +128,100 @@ def test_the_openai_client_sees_a_bad_request_naming_the_field(bundled_pair_serv
     with pytest.raises(openai.BadRequestError) as caught:
         client.post("/score", cast_to=object, body={"model": "prm", "text_1": ["q", "r"], "text_2": ["a", "b", "c"]})
     assert caught.value.body["param"] == "text_2" and "1:1, 1:N or N:N" in caught.value.body["message"]
+
+
+WRONG_PARTS = (WRONG.partition("\n\n")[0] + "\n", WRONG.partition("\n\n")[2])  # (joined: WRONG)
+
+
+def _text(*texts: str) -> dict:
+    """vLLM's {"content": [parts]} of text parts."""
+    return {"content": [{"type": "text", "text": text} for text in texts]}
+
+
+@pytest.mark.parametrize("body", [
+    {"queries": QUESTION, "documents": [RIGHT, WRONG]},
+    {"queries": [QUESTION], "items": [RIGHT, WRONG]},
+    {"data_1": QUESTION, "data_2": [RIGHT, WRONG]},
+    {"text_1": _text(QUESTION), "text_2": _text(RIGHT, WRONG)},  # (one object: a text per part)
+    {"queries": [_text(QUESTION)], "documents": [RIGHT, _text(*WRONG_PARTS)]},  # (an object in a list: its parts
+    # joined by newlines)
+    {"text_1": QUESTION, "text_2": [RIGHT, WRONG], "truncation_side": "left", "padding": "do_not_pad",
+     "max_tokens_per_query": 0, "max_tokens_per_doc": 0},  # (vLLM's, asking for nothing)
+])
+def test_vllms_newer_score_bodies_score_as_text_1_and_text_2(bundled_pair_served, body):
+    """vLLM's ScoreRequest takes questions and solutions as text_1/text_2, queries/documents,
+    queries/items or data_1/data_2, each input a string or {"content": [parts]}: the same pairs,
+    the same scores. Before, every one but text_1/text_2 of strings was a 400."""
+    url, app = bundled_pair_served
+    expected = httpx.post(f"{url}/score", json={"model": "prm", "text_1": QUESTION, "text_2": [RIGHT, WRONG]},
+                          timeout=60).json()["data"]
+    for path in ("/score", "/v1/score"):
+        response = httpx.post(url + path, json={"model": "prm", **body}, timeout=60)
+        assert response.status_code == 200, response.text
+        assert response.json()["data"] == expected
+    wait_all_idle(app)
+
+
+IMAGE = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"model": "prm", "queries": "q", "documents": "a", "text_1": "q"}, "text_1"),  # two of vLLM's bodies
+    ({"model": "prm", "queries": "q", "documents": "a", "items": "a"}, "items"),
+    ({"model": "prm", "data_1": "q", "text_2": "a"}, "data_1"),
+    ({"model": "prm", "data_1": "q", "data_2": "a", "steps": []}, "data_1"),  # vLLM's and treeserve's
+    ({"model": "prm", "queries": "q"}, "documents"),
+    ({"model": "prm", "items": "a"}, "queries"),
+    ({"model": "prm", "data_2": "a"}, "data_1"),
+    ({"model": "prm", "queries": [], "items": "a"}, "queries"),
+    ({"model": "prm", "data_1": {"content": []}, "data_2": "a"}, "data_1"),  # (no inputs)
+    ({"model": "prm", "queries": "q", "documents": ["a", "b", "c"], "max_tokens_per_doc": 8}, "max_tokens_per_doc"),
+    ({"model": "prm", "text_1": "q", "text_2": "a", "cache_salt": "salt"}, "cache_salt"),
+    ({"model": "prm", "text_1": "q", "text_2": "a", "padding": "max_length"}, "padding"),
+    # images (or any part but text): there is no multimodal PRM
+    ({"model": "prm", "text_1": "q", "text_2": {"content": [IMAGE]}}, "text_2.content[0]"),
+    ({"model": "prm", "queries": "q", "documents": [RIGHT, {"content": [{"type": "text", "text": "a"}, IMAGE]}]},
+     "documents[1].content[1]"),
+    ({"model": "prm", "data_1": [{"content": ["q"]}], "data_2": "a"}, "data_1[0].content[0]"),
+    ({"model": "prm", "text_1": "q", "text_2": [{"content": [{"type": "text", "text": 5}]}]}, "text_2[0].content[0].text"),
+    ({"model": "prm", "queries": "q", "documents": {"content": "a"}}, "documents"),
+    # empty inputs: a question with no text, a solution with no steps
+    ({"model": "prm", "text_1": "", "text_2": RIGHT}, "text_1"),
+    ({"model": "prm", "text_1": [QUESTION, " \n"], "text_2": [RIGHT, RIGHT]}, "text_1[1]"),
+    ({"model": "prm", "queries": _text(QUESTION, ""), "documents": [RIGHT, RIGHT]}, "queries.content[1]"),
+    ({"model": "prm", "queries": QUESTION, "documents": ""}, "documents"),
+    ({"model": "prm", "data_1": QUESTION, "data_2": [RIGHT, _text()]}, "data_2[1]"),
+    ({"model": "prm", "question": "", "candidates": [RIGHT]}, "question"),  # (treeserve's body)
+])
+def test_bad_newer_vllm_score_bodies_are_400s_naming_the_field(bundled_pair_served, body, param):
+    url, app = bundled_pair_served
+    response = httpx.post(f"{url}/score", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"].startswith(f"{param}: "), error
+    wait_all_idle(app)
+
+
+def test_the_answer_is_vllms_score_response(bundled_pair_served):
+    """The fields of vLLM's ScoreResponse (id "score-...", object, created, model, data of
+    {index, object: "score", score}, usage), with treeserve's `scores` (the step scores) in each datum."""
+    url, _ = bundled_pair_served
+    body = httpx.post(f"{url}/score", json={"model": "prm", "queries": QUESTION, "documents": [RIGHT, WRONG]},
+                      timeout=60).json()
+    assert set(body) == {"id", "object", "created", "model", "data", "usage"}
+    assert body["id"].startswith("score-") and body["object"] == "list" and body["model"] == "prm"
+    assert [set(d) for d in body["data"]] == [{"index", "object", "score", "scores"}] * 2
+    assert all(isinstance(d["score"], float) for d in body["data"])
+    usage = body["usage"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] > 0 and usage["completion_tokens"] == 0
+
+
+def test_a_vllm_body_without_model_scores_with_the_served_reward_model(bundled_pair_served):
+    """vLLM's `model` may be left out (its served model): here the one reward model served. It was a
+    400 "model: this field is required"."""
+    url, app = bundled_pair_served
+    unnamed = httpx.post(f"{url}/score", json={"queries": QUESTION, "documents": [RIGHT]}, timeout=60)
+    assert unnamed.status_code == 200, unnamed.text
+    named = httpx.post(f"{url}/score", json={"model": "prm", "queries": QUESTION, "documents": [RIGHT]}, timeout=60)
+    assert unnamed.json()["model"] == "prm" and unnamed.json()["data"] == named.json()["data"]
+    wait_all_idle(app)

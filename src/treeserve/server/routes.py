@@ -71,6 +71,15 @@ class ServedModels:
             raise APIError(400, "search: this server was started without search serving", code="unsupported")
         return self.searches[model] if model is not None else next(iter(self.searches.values()))
 
+    def only_verifier(self) -> str:
+        """The served reward model, where there is one: the model of a request that names none."""
+        names = list(self.scoring.scorers) if self.scoring is not None else []
+        if len(names) != 1:
+            served = f"{len(names)} reward models are served ({', '.join(names)})" if names else "none is served"
+            raise APIError(400, f"model: this field is required: it names the reward model, and {served}",
+                           param="model")
+        return names[0]
+
     def rewards(self, model: str) -> RewardServing:
         if self.scoring is None:
             raise APIError(400, "model: this server was started without reward models", param="model",
@@ -164,6 +173,8 @@ def openai_routes(served: ServedModels, max_body_bytes: int) -> APIRouter:
     @router.post("/score")  # (vLLM's path for its score API; /v1/score is its older one)
     async def score(request: Request):
         body = await parse_chosen(request, score_body_model, max_body_bytes)
+        if body.model is None:  # (vLLM's body may leave it out)
+            body = body.model_copy(update={"model": served.only_verifier()})
         scoring = served.rewards(body.model)
         if isinstance(body, VLLMScoreRequest):
             return await unless_client_leaves(request, scoring.score_pairs(body))

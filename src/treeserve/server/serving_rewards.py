@@ -18,11 +18,11 @@ from treeserve.errors import ParamError
 from treeserve.runtime.roles import not_a_verifier
 from treeserve.runtime.scorer import StepScorer, given_steps
 from treeserve.search.config import STEP_DELIMITER, declared_aggregation
+from treeserve.search.prompting import checked_question
 from treeserve.search.tree import aggregate, split_steps
 from treeserve.wire.errors import APIError, from_value_error
 from treeserve.wire.rewards import PoolingRequest, RewardRequest, ScoreRequest
 from treeserve.wire.score import VLLMScoreRequest
-
 
 
 def step_separator(scorer: StepScorer) -> str:
@@ -42,6 +42,15 @@ def sent_steps(steps: list[str], where: str) -> list[str]:
         return given_steps(steps, where)
     except ParamError as exc:
         raise APIError(400, str(exc), param=exc.param) from None
+
+
+def asked_question(question: str, where: str) -> str:
+    """The question of a scoring request; an empty one (blank) is a 400 naming `where`, as a search's
+    is: the step scores of an answer to no question say nothing."""
+    try:
+        return checked_question(question, where)
+    except ParamError as exc:
+        raise from_value_error(exc) from None
 
 
 def encoded(scores: list[float], encoding_format: str) -> list[float] | str:
@@ -84,6 +93,7 @@ class RewardServing:
 
     async def score_candidates(self, body: ScoreRequest) -> dict:
         scorer = self.scorer(body.model)
+        asked_question(body.question, "question")
         prefix = sent_steps(body.steps, "steps")
         items = [(body.question, prefix + sent_steps([c] if isinstance(c, str) else c, f"candidates[{i}]"))
                  for i, c in enumerate(body.candidates)]
@@ -105,6 +115,7 @@ class RewardServing:
             pairs = body.pairs()
         except ParamError as exc:
             raise from_value_error(exc) from exc
+        pairs = [(asked_question(question, asked), solution, field) for question, asked, solution, field in pairs]
         separator = step_separator(scorer)
         items = [(question, solution_steps(solution, separator, field)) for question, solution, field in pairs]
         results = await self.score(scorer, items, [field for _, _, field in pairs])
