@@ -142,7 +142,7 @@ def test_the_tokenizer_is_the_one_auto_tokenizer_loads(tiny_model_dirs):
     """load_tokenizer skips AutoTokenizer's model config (2 s of each start); the result must not change."""
     from transformers import AutoTokenizer
 
-    from treeserve.model.loader import load_tokenizer
+    from treeserve.model.tokenizer import load_tokenizer
     from treeserve.model.registry import resolve_model_path
 
     dirs = dict(tiny_model_dirs, arith_gen=resolve_model_path("builtin:arith-gen"))  # qwen2: Qwen2Tokenizer

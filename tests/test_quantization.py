@@ -291,7 +291,7 @@ def test_int8_quantizes_each_projection_as_the_checkpoint_is_read(family_dirs, m
     the float model's."""
     from treeserve.model import loader
 
-    materialized, original = [], loader._materialize
+    materialized, original = [], loader.materialize
 
     def spy(model, device, dtype):
         materialized.extend(name for name, _ in model.named_parameters()
@@ -299,7 +299,7 @@ def test_int8_quantizes_each_projection_as_the_checkpoint_is_read(family_dirs, m
                             or name in ("embed_tokens.weight", "lm_head.weight"))
         return original(model, device, dtype)
 
-    monkeypatch.setattr(loader, "_materialize", spy)
+    monkeypatch.setattr(loader, "materialize", spy)
     model = LLM(str(family_dirs["qwen2"]), **OPTIONS).engine.model
     assert materialized == []
     assert all(isinstance(getattr(layer.self_attn, "qkv_proj"), Int8Linear) and layer.self_attn.qkv_proj.bias is not None

@@ -20,11 +20,13 @@ from treeserve.engine.tp_start import start_executor
 from treeserve.engine.tp_worker import ModelSpec, prepare_kernels
 from treeserve.errors import ParamError
 from treeserve.model.backends import make_backend, resolve_backend_name
+from treeserve.model.generation_config import load_generation_defaults
 from treeserve.model.hf_config import ModelConfig, load_model_config
-from treeserve.model.loader import build_model, load_generation_defaults, load_tokenizer
+from treeserve.model.loader import build_model
 from treeserve.model.parallel import ShardPlan, TensorParallel
 from treeserve.model.quantization import check_device, resolve_quantization
 from treeserve.model.registry import resolve_model_path
+from treeserve.model.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from treeserve.engine.spec_decode.draft_kv import (MAX_CATCH_UP, DraftKV, DraftS
                                                    pass_inputs)
 from treeserve.errors import ParamError
 from treeserve.model.checkpoint_files import checkpoint_tensor_names
-from treeserve.model.loader import load_tokenizer
 from treeserve.model.registry import resolve_model_path
+from treeserve.model.tokenizer import load_tokenizer
 from treeserve.model.transfer import to_device
 from treeserve.speculative_config import SpeculativeConfig
 

@@ -10,6 +10,7 @@ they are admitted, routed, billed and limited like any key's (each user has one 
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -39,7 +40,10 @@ from treeserve.wire.errors import APIError
 log = logging.getLogger("treeserve.gateway.chat")
 COOKIE = "treeserve_chat"
 STATIC = Path(__file__).parent / "static"
-ASSETS = {"chat.js": "text/javascript", "markdown.js": "text/javascript", "chat.css": "text/css"}
+MEDIA_TYPES = {".js": "text/javascript", ".css": "text/css"}
+# what the page loads (its scripts and style sheet, named in index.html), nothing else of the folder
+ASSETS = {name: MEDIA_TYPES[Path(name).suffix]
+          for name in re.findall(r'"/chat/static/([\w.-]+)"', (STATIC / "index.html").read_text(encoding="utf-8"))}
 # The page runs only its own script and style: an answer that smuggled markup in could run nothing.
 PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; "
                 "img-src 'self' data:; connect-src 'self'; object-src 'none'; base-uri 'none'; "

@@ -20,7 +20,7 @@ quantized modules whole and keeps its slice (`IntWeight.rows` / `columns`, model
 `int8` quantizes each rank's float shards. Where a scale is taken at load or run time over a
 row-parallel projection's inputs (o_proj, down_proj: `int8`'s channel scales, W8A8's and dynamic
 FP8's per-token activation scales) it is the whole row's, as one rank takes it: `int8`'s from the
-checkpoint's whole rows (`loader.row_parallel_amax`), the activations' joined by an all-reduce of
+checkpoint's whole rows (`checkpoint_reads.row_parallel_amax`), the activations' joined by an all-reduce of
 the ranks' maxima (`activations.row_amax`); vLLM's ranks take their own share's instead.
 """
 from treeserve.model.quantization.checkpoint import QuantizedTensors
