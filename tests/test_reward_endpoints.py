@@ -142,3 +142,28 @@ def test_the_generator_is_not_accepted_as_a_verifier(bundled_pair_served, path, 
     assert "'gen' is not served as a verifier (served verifiers: prm)" in error["message"]
     assert "--verifier NAME[=RECIPE]" in error["message"]
     wait_all_idle(app)
+
+
+def _conversation(question) -> dict:
+    return {"model": "prm", "messages": [{"role": "user", "content": question},
+                                         {"role": "assistant", "content": "Start: 40."}]}
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/rewards", {"model": "prm", "question": "", "steps": ["Start: 40."]}, "question"),
+    ("/v1/rewards", {"model": "prm", "question": " \n\t", "steps": ["Start: 40."]}, "question"),
+    ("/pooling", _conversation(""), "messages[0].content"),
+    ("/pooling", _conversation(None), "messages[0].content"),
+    ("/pooling", _conversation([]), "messages[0].content"),
+    ("/pooling", _conversation([{"type": "text", "text": " "}, {"type": "text", "text": ""}]), "messages[0].content"),
+])
+def test_an_empty_question_is_a_400_naming_it(bundled_pair_served, path, body, param):
+    """As on /score, /v1/score and /v1/search: the step scores of an answer to no question say nothing
+    (an unset variable in a client's script, say). Before, /v1/rewards and /pooling answered 200 with
+    scores of the steps alone."""
+    url, app = bundled_pair_served
+    response = httpx.post(url + path, json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"] == f"{param}: the question is empty", error
+    wait_all_idle(app)

@@ -142,7 +142,7 @@ def _text(*texts: str) -> dict:
     {"queries": QUESTION, "documents": [RIGHT, WRONG]},
     {"queries": [QUESTION], "items": [RIGHT, WRONG]},
     {"data_1": QUESTION, "data_2": [RIGHT, WRONG]},
-    {"text_1": _text(QUESTION), "text_2": _text(RIGHT, WRONG)},  # (one object: a text per part)
+    {"text_1": _text(QUESTION), "text_2": [RIGHT, _text(WRONG)]},  # (an object of one text part: that text)
     {"queries": [_text(QUESTION)], "documents": [RIGHT, _text(*WRONG_PARTS)]},  # (an object in a list: its parts
     # joined by newlines)
     {"text_1": QUESTION, "text_2": [RIGHT, WRONG], "truncation_side": "left", "padding": "do_not_pad",
@@ -188,7 +188,7 @@ IMAGE = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
     # empty inputs: a question with no text, a solution with no steps
     ({"model": "prm", "text_1": "", "text_2": RIGHT}, "text_1"),
     ({"model": "prm", "text_1": [QUESTION, " \n"], "text_2": [RIGHT, RIGHT]}, "text_1[1]"),
-    ({"model": "prm", "queries": _text(QUESTION, ""), "documents": [RIGHT, RIGHT]}, "queries.content[1]"),
+    ({"model": "prm", "queries": _text(" ", "\n"), "documents": [RIGHT, RIGHT]}, "queries"),  # (its parts joined)
     ({"model": "prm", "queries": QUESTION, "documents": ""}, "documents"),
     ({"model": "prm", "data_1": QUESTION, "data_2": [RIGHT, _text()]}, "data_2[1]"),
     ({"model": "prm", "question": "", "candidates": [RIGHT]}, "question"),  # (treeserve's body)
@@ -199,6 +199,27 @@ def test_bad_newer_vllm_score_bodies_are_400s_naming_the_field(bundled_pair_serv
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and error["message"].startswith(f"{param}: "), error
+    wait_all_idle(app)
+
+
+QUESTION_PARTS = ("Start with 40 and work modulo 100.", "Step 1: - 5. Step 2: + 7. What is the result?")
+
+
+@pytest.mark.parametrize("body, same_as", [
+    ({"queries": _text(*QUESTION_PARTS), "documents": [RIGHT, WRONG]},
+     {"text_1": "\n".join(QUESTION_PARTS), "text_2": [RIGHT, WRONG]}),
+    ({"text_1": QUESTION, "text_2": _text(*WRONG_PARTS)}, {"text_1": QUESTION, "text_2": WRONG}),
+])
+def test_one_content_object_is_one_text_of_its_parts_joined(bundled_pair_served, body, same_as):
+    """vLLM's ScoreInputs: a {"content": [parts]} not in a list is one input (vLLM's validate_score_input
+    makes it a list of one), its text parts joined by newlines as in a list. Before, it was a text per
+    part: a question of two parts went with two documents index by index (N:N), each half a question,
+    and a solution of two parts was two solutions."""
+    url, app = bundled_pair_served
+    expected = httpx.post(f"{url}/score", json={"model": "prm", **same_as}, timeout=60).json()["data"]
+    response = httpx.post(f"{url}/score", json={"model": "prm", **body}, timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.json()["data"] == expected
     wait_all_idle(app)
 
 

@@ -75,7 +75,8 @@ class RewardServing:
 
     async def rewards(self, body: RewardRequest) -> dict:
         scorer = self.scorer(body.model)
-        scores = (await self.score(scorer, [(body.question, sent_steps(body.steps, "steps"))]))[0]
+        question = asked_question(body.question, "question")
+        scores = (await self.score(scorer, [(question, sent_steps(body.steps, "steps"))]))[0]
         return {"object": "reward", "model": body.model, "recipe": scorer.recipe.name, "scores": scores}
 
     async def pooling(self, body: PoolingRequest) -> dict:
@@ -85,6 +86,7 @@ class RewardServing:
             raise APIError(400, "messages: a reward model reads one question (a user message) and its solution "
                                 f"(an assistant message), got {user.role} then {assistant.role}", param="messages")
         question, solution = (m.as_template_message(f"messages[{i}]")["content"] for i, m in enumerate(body.messages))
+        asked_question(question, "messages[0].content")
         steps = solution_steps(solution, body.step_separator or step_separator(scorer), "messages[1].content")
         scores = (await self.score(scorer, [(question, steps)], ["messages"]))[0]
         return {"id": f"pool-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": body.model,

@@ -1,9 +1,9 @@
 """vLLM's score inputs (its `ScoreInput | list[ScoreInput]`): a field of a score body is a string, a
-list, or `{"content": [parts]}`, a list's items strings or such objects. Read as vLLM reads them: a
-string is one text; one object at the top is one text per part (vLLM's 1:N over its parts); an object
-in a list is one text, its parts joined by newlines. The reward models read text only: a part that is
-not text (an image, a video, image embeddings) is a 400 naming it, as is anything else that is none of
-these, by its place (`text_2[1]`, `documents.content[0]`)."""
+list, or `{"content": [parts]}`, a list's items strings or such objects. Read as vLLM reads them
+(its validate_score_input): a string or an object not in a list is one input, as a list of one; an
+object is one text, its parts joined by newlines (as a chat message's). The reward models read text
+only: a part that is not text (an image, a video, image embeddings) is a 400 naming it, as is
+anything else that is none of these, by its place (`text_2[1]`, `documents.content[0]`)."""
 from __future__ import annotations
 
 from typing import Any
@@ -53,13 +53,16 @@ def _check_content(value: dict, where: str) -> None:
 
 
 def texts(value: ScoreInputs, field: str) -> list[tuple[str, str]]:
-    """(text, where it came from) per input of a validated field, as vLLM reads them."""
-    if isinstance(value, str):
-        return [(value, field)]
-    if isinstance(value, ScoreContent):
-        return [(part.text, f"{field}.content[{j}]") for j, part in enumerate(value.content)]
-    return [(item if isinstance(item, str) else "\n".join(part.text for part in item.content), f"{field}[{i}]")
-            for i, item in enumerate(value)]
+    """(text, where it came from) per input of a validated field, as vLLM reads them: one input not
+    in a list is a list of one."""
+    if not isinstance(value, list):
+        return [(text(value), field)]
+    return [(text(item), f"{field}[{i}]") for i, item in enumerate(value)]
+
+
+def text(value: str | ScoreContent) -> str:
+    """One input's text: a string, or an object's text parts joined by newlines."""
+    return value if isinstance(value, str) else "\n".join(part.text for part in value.content)
 
 
 def json_type(value: Any) -> str:
