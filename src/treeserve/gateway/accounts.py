@@ -212,19 +212,20 @@ class Accounts:
     def _key_record(self, where) -> KeyRecord | None:
         with self.db.session() as conn:
             row = conn.execute(
-                select(ApiKey, User.models, User.max_budget, Team)
+                select(ApiKey, User.models, User.max_budget, User.incarnation, Team)
                 .outerjoin(User, User.user_id == ApiKey.user_id).outerjoin(Team, Team.team_id == ApiKey.team_id)
                 .where(where)).first()
         if row is None or row[0].blocked:
             return None
-        key, user_models, user_budget, team = row
+        key, user_models, user_budget, user_incarnation, team = row
         if key.team_id is not None and (team is None or team.blocked):  # (LiteLLM's: a blocked team's keys stop)
             return None
         team_budget = team.max_budget if team is not None else None
         budgeted = key.max_budget is not None or user_budget is not None or team_budget is not None
         record = KeyRecord(key.id, key.key_name, key.key_alias, key.user_id, key.models, user_models,
                            key.rpm_limit, key.tpm_limit, key.max_parallel_requests, budgeted, aware(key.expires_at),
-                           key.team_id, team.models if team is not None else None)
+                           key.team_id, team.models if team is not None else None, user_incarnation,
+                           team.incarnation if team is not None else None)
         return None if record.expired else record
 
 
