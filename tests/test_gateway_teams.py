@@ -141,7 +141,11 @@ def test_a_team_key_is_held_to_the_teams_models_and_budget_and_its_spend_is_the_
         _ok(client.post("/team/update", json={"team_id": team_id, "blocked": False}))
         _ok(_chat(client, second["key"]))
         assert _ok(client.post("/team/block", json={"team_id": team_id}))["blocked"] is True  # (LiteLLM's routes)
-        assert _chat(client, second["key"]).status_code == 401
+        blocked = _chat(client, second["key"])  # (LiteLLM's 401 says "Team=... is blocked": not a bad key)
+        assert blocked.status_code == 401 and blocked.json()["error"]["code"] == "team_blocked", blocked.text
+        assert f"team {team_id!r} is blocked" in blocked.json()["error"]["message"], blocked.text
+        assert client.post("/v1/chat/completions", headers={"Authorization": "Bearer sk-no-such-key"},
+                           json={"model": "gen", "messages": []}).json()["error"]["code"] == "invalid_api_key"
         assert _ok(client.post("/team/unblock", json={"team_id": team_id}))["blocked"] is False
         _ok(_chat(client, second["key"]))
         missing = client.post("/team/block", json={"team_id": "no-such-team"})
