@@ -71,7 +71,8 @@ class Admission:
             values = {"reserved": ApiKey.reserved - given_back} if given_back else {}
             if reservation.parallel:
                 values["in_flight"] = ApiKey.in_flight - 1
-            conn.execute(update(ApiKey).where(ApiKey.id == reservation.key_id).values(**values))
+            if values:  # (nothing of it to give back when its real cost is its worst case, and no slot)
+                conn.execute(update(ApiKey).where(ApiKey.id == reservation.key_id).values(**values))
             if given_back and reservation.user_id is not None:
                 conn.execute(update(User).where(user_row(reservation.user_id, reservation.user_incarnation))
                              .values(reserved=User.reserved - given_back))
