@@ -105,9 +105,18 @@ def test_the_incarnations_migration_upgrades_a_database_at_0014(backend, request
         assert (holding.user_incarnation, holding.team_incarnation) == (users["ann"], team.incarnation)
         assert store.instances.sweep() == 1
         assert (_row(store, "user", "ann").reserved, _row(store, "team", "t").reserved) == (0.0, 0.0)
+        with store.db.transaction() as conn:  # a gateway from before 0015 still running: its rows have none
+            conn.execute(text("INSERT INTO users (user_id, spend, reserved, metadata, created_at) "
+                              "VALUES ('cy', 0, 0.5, '{}', CURRENT_TIMESTAMP)"))
+            conn.execute(text("INSERT INTO holdings (instance_id, key_id, user_id, worst_cost, parallel, answered, "
+                              "created_at) VALUES ('gone', 1, 'cy', 0.5, :no, :no, :at)"),
+                         {"no": False, "at": utcnow() - dt.timedelta(minutes=5)})
+        cy = _row(store, "user", "cy").incarnation  # (the column's default: one of its own)
+        assert len(cy) == 32 and cy not in users.values()
+        assert store.instances.sweep() == 1 and _row(store, "user", "cy").reserved == 0.0  # (by its id)
         store.db.downgrade("0014")
         with store.db.engine.connect() as conn:
-            assert conn.execute(text("SELECT count(*) FROM users")).scalar() == 2
+            assert conn.execute(text("SELECT count(*) FROM users")).scalar() == 3
             assert conn.execute(text("SELECT count(*) FROM teams")).scalar() == 1
     finally:
         store.close()

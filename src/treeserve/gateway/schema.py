@@ -78,13 +78,16 @@ class Team(Base):
 
 
 def user_row(user_id: str, incarnation: str | None):
-    """The user `user_id` is while it is the row `incarnation` names (not one made again since)."""
-    return (User.user_id == user_id) & (User.incarnation == incarnation)
+    """The user `user_id` while it is the row `incarnation` names (not one made again since); with no
+    incarnation (a holding a gateway from before migration 0015 wrote), the user of that id."""
+    where = User.user_id == user_id
+    return where if incarnation is None else where & (User.incarnation == incarnation)
 
 
 def team_row(team_id: str, incarnation: str | None):
     """As `user_row`, for a team."""
-    return (Team.team_id == team_id) & (Team.incarnation == incarnation)
+    where = Team.team_id == team_id
+    return where if incarnation is None else where & (Team.incarnation == incarnation)
 
 
 class TeamMember(Base):

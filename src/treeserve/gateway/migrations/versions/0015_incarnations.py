@@ -5,7 +5,9 @@ A request's reservation and holding name the user and team rows it reserved on b
 incarnation; a /team/delete or /user/delete, then a /team/new or /user/new with the same id, before
 it settles would otherwise have its settlement (or a sweep) take its hold off the new row (its
 `reserved` below 0) and put its spend there. Rows there already get a random incarnation each, and
-the holdings in flight the one of the row they reserved on.
+the holdings in flight the one of the row they reserved on. The column's server default draws one
+too, so that a gateway from before this revision still running (a rolling upgrade) can make users and
+teams; the holdings it writes have none, and are settled and swept by id as before.
 
 Revision ID: 0015
 Revises: 0014
@@ -23,9 +25,9 @@ TABLES = (("users", "user_id", "user_incarnation"), ("teams", "team_id", "team_i
 
 
 def _random_hex() -> str:
-    """32 random hex digits, drawn anew for each row an UPDATE writes."""
+    """32 random hex digits, drawn anew for each row an UPDATE or INSERT writes."""
     if op.get_bind().dialect.name == "sqlite":
-        return "lower(hex(randomblob(16)))"
+        return "(lower(hex(randomblob(16))))"
     return "md5(random()::text || clock_timestamp()::text)"
 
 
@@ -34,7 +36,8 @@ def upgrade() -> None:
         op.add_column(table, sa.Column("incarnation", sa.String(32), nullable=True))
         op.execute(f"UPDATE {table} SET incarnation = {_random_hex()}")
         with op.batch_alter_table(table) as batch:
-            batch.alter_column("incarnation", existing_type=sa.String(32), nullable=False)
+            batch.alter_column("incarnation", existing_type=sa.String(32), nullable=False,
+                               server_default=sa.text(_random_hex()))
         op.add_column("holdings", sa.Column(held, sa.String(32), nullable=True))
         op.execute(f"UPDATE holdings SET {held} = (SELECT incarnation FROM {table} "
                    f"WHERE {table}.{id_column} = holdings.{id_column}) WHERE {id_column} IS NOT NULL")
