@@ -120,3 +120,23 @@ def test_the_incarnations_migration_upgrades_a_database_at_0014(backend, request
             assert conn.execute(text("SELECT count(*) FROM teams")).scalar() == 1
     finally:
         store.close()
+
+
+def test_the_web_chats_usage_of_a_user_made_again_counts_none_of_the_old_ones_requests(store):
+    """The chat's usage panel (its requests and tokens from the spend logs, which keep a deleted user's
+    id) shows a user made again under a deleted one's id only the requests made since."""
+    from treeserve.gateway.chat.store import ChatStore
+
+    chats = ChatStore(store.db, store.accounts)
+    store.accounts.create_user("ann")
+    key = store.accounts.authenticate(store.accounts.create_key(user_id="ann")[0])
+    _settle(store, store.admission.admit(key, 0.0), 0.5)
+    assert chats.usage("ann")["requests"] == 1
+    store.accounts.delete_users(["ann"])
+    store.accounts.create_user("ann")
+    assert chats.usage("ann") == {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0, "cost": 0.0,
+                                  "max_budget": None}
+    key = store.accounts.authenticate(store.accounts.create_key(user_id="ann")[0])
+    _settle(store, store.admission.admit(key, 0.0), 0.25)
+    assert chats.usage("ann") == {"requests": 1, "prompt_tokens": 1, "completion_tokens": 1, "cost": 0.25,
+                                  "max_budget": None}
