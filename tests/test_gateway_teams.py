@@ -350,3 +350,32 @@ def test_the_gateway_builds_and_answers_query_parameters_without_pydantic_warnin
             assert [t["team_id"] for t in _ok(client.get("/team/list", params={"user_id": "ann"}))] == ["t"]
             assert _ok(client.get("/key/list", params={"team_id": "t"}))["total_count"] == 1
             assert client.get("/team/info").status_code == 400  # (team_id is required, as LiteLLM's)
+
+
+def test_a_team_budget_with_a_duration_starts_again_when_its_period_ends(store):
+    """LiteLLM's team budget_duration: /team/new sets budget_reset_at a period from now; a team whose
+    budget is spent refuses its keys until then, and the first request after it finds the spend at 0
+    and the next reset a period later; clearing the duration clears the reset."""
+    import datetime as dt
+
+    from sqlalchemy import update
+
+    from treeserve.gateway.errors import BudgetExceeded
+    from treeserve.gateway.schema import Team, utcnow
+    from treeserve.gateway.settlement import Settlement
+    from treeserve.gateway.usage import Usage
+
+    made = store.teams.create_team("t", [], max_budget=1.0, budget_duration="30d")
+    assert dt.datetime.fromisoformat(made["budget_reset_at"]) > utcnow() + dt.timedelta(days=29)
+    key = store.accounts.authenticate(store.accounts.create_key(team_id="t")[0])
+    spent = store.admission.admit(key, 1.0)
+    store.ledger.settle(Settlement(spent, "r", "m", None, "chat", False, "success", Usage(1, 1), 1.0, utcnow()))
+    with pytest.raises(BudgetExceeded) as refused:
+        store.admission.admit(key, 0.1)
+    assert "team's budget" in refused.value.message and refused.value.spent
+    with store.db.transaction() as s:  # (the period ends)
+        s.execute(update(Team).values(budget_reset_at=utcnow() - dt.timedelta(seconds=1)))
+    store.admission.admit(key, 0.1)
+    team = store.teams.team("t")
+    assert team["spend"] == 0 and dt.datetime.fromisoformat(team["budget_reset_at"]) > utcnow() + dt.timedelta(days=29)
+    assert store.teams.update_team("t", budget_duration=None)["budget_reset_at"] is None
