@@ -156,6 +156,23 @@ def test_a_hold_is_cut_to_the_real_cost_at_the_answer_and_a_budget_is_spent_to_i
         assert s.scalars(select(ApiKey.in_flight)).one() == 0 and s.query(Holding).count() == 0
 
 
+def test_a_request_that_cost_its_worst_case_is_released_at_its_answer(store):
+    """A budgeted key without a parallel limit, a request whose real cost is its worst case: nothing
+    of its hold goes back, and none of its key's columns change, yet its holding is marked answered
+    (its cost spent) at once; the release wrote an empty UPDATE (a syntax error, logged as a failed
+    release, the holding left unanswered until its settlement)."""
+    token, _ = store.accounts.create_key(max_budget=1.0)
+    key = store.accounts.authenticate(token)
+    reservation = store.admission.admit(key, 0.25)
+    store.admission.release(reservation, 0.25)
+    with store.db.session() as s:
+        holding = s.get(Holding, reservation.holding_id)
+        assert (holding.answered, holding.worst_cost) == (True, 0.25)
+    assert store.accounts.key_info(token)["reserved"] == 0.25
+    store.ledger.settle(Settlement(reservation, "r", "m", None, "chat", False, "success", Usage(1, 1), 0.25, utcnow()))
+    assert (store.accounts.key_info(token)["reserved"], store.accounts.key_info(token)["spend"]) == (0.0, 0.25)
+
+
 def test_only_a_key_without_any_limit_is_admitted_without_the_database(store):
     """The app admits a key that holds nothing on its event loop, without `Admission.admit`: every kind
     of limit (a user's budget included) must make the key hold something."""

@@ -141,7 +141,11 @@ def test_a_team_key_is_held_to_the_teams_models_and_budget_and_its_spend_is_the_
         _ok(client.post("/team/update", json={"team_id": team_id, "blocked": False}))
         _ok(_chat(client, second["key"]))
         assert _ok(client.post("/team/block", json={"team_id": team_id}))["blocked"] is True  # (LiteLLM's routes)
-        assert _chat(client, second["key"]).status_code == 401
+        blocked = _chat(client, second["key"])  # (LiteLLM's 401 says "Team=... is blocked": not a bad key)
+        assert blocked.status_code == 401 and blocked.json()["error"]["code"] == "team_blocked", blocked.text
+        assert f"team {team_id!r} is blocked" in blocked.json()["error"]["message"], blocked.text
+        assert client.post("/v1/chat/completions", headers={"Authorization": "Bearer sk-no-such-key"},
+                           json={"model": "gen", "messages": []}).json()["error"]["code"] == "invalid_api_key"
         assert _ok(client.post("/team/unblock", json={"team_id": team_id}))["blocked"] is False
         _ok(_chat(client, second["key"]))
         missing = client.post("/team/block", json={"team_id": "no-such-team"})
@@ -188,7 +192,7 @@ def test_the_teams_migration_upgrades_a_database_at_0013(backend, request, tmp_p
     store = Store(url)
     try:
         store.migrate()
-        assert store.db.revision() == "0014"
+        assert store.db.revision() == "0015"  # (the head: 0014, then the revisions after it)
         record = store.accounts.authenticate(token)
         assert record is not None and record.team_id is None and record.user_id == "ann" and record.budgeted
         info = store.accounts.key_info(token)
@@ -316,3 +320,62 @@ def test_a_team_budget_without_prices_is_warned_about(tmp_path):
         updated = _ok(client.post("/team/update", json={"team_id": "u", "max_budget": 1}))
         assert "no model has a price" in updated["warning"]
         assert "warning" not in _ok(client.post("/team/update", json={"team_id": "u", "team_alias": "x"}))
+
+
+def test_the_gateway_builds_and_answers_query_parameters_without_pydantic_warnings(tmp_path):
+    """FastAPI before 0.118.1 under Pydantic >= 2.12 warned for each query parameter ("The 'alias'
+    attribute with value 'team_id' ... has no effect": FastAPI names each parameter's validator by an
+    alias): pyproject.toml asks for a FastAPI that does not, and the app is built and /team/info?team_id=,
+    /team/list?user_id= and /key/list?team_id= answered with every warning an error."""
+    import tomllib
+    import warnings
+    from pathlib import Path
+
+    from fastapi.testclient import TestClient
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    fastapi = next(Requirement(d) for d in project["project"]["dependencies"] if Requirement(d).name == "fastapi")
+    assert not fastapi.specifier.contains(Version("0.118.0")), fastapi
+    models = {"gen": ModelConfig("gen", [BackendConfig("http://127.0.0.1:18999")])}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        app = build_app(GatewayConfig(models=models, master_key=MASTER, database=f"sqlite:///{tmp_path / 'g.db'}",
+                                      health_interval=0))
+        with TestClient(app, headers={"Authorization": f"Bearer {MASTER}"}) as client:
+            _ok(client.post("/team/new", json={"team_id": "t", "members_with_roles": [{"user_id": "ann"}]}))
+            _ok(client.post("/key/generate", json={"team_id": "t"}))
+            assert _ok(client.get("/team/info", params={"team_id": "t"}))["team_id"] == "t"
+            assert [t["team_id"] for t in _ok(client.get("/team/list", params={"user_id": "ann"}))] == ["t"]
+            assert _ok(client.get("/key/list", params={"team_id": "t"}))["total_count"] == 1
+            assert client.get("/team/info").status_code == 400  # (team_id is required, as LiteLLM's)
+
+
+def test_a_team_budget_with_a_duration_starts_again_when_its_period_ends(store):
+    """LiteLLM's team budget_duration: /team/new sets budget_reset_at a period from now; a team whose
+    budget is spent refuses its keys until then, and the first request after it finds the spend at 0
+    and the next reset a period later; clearing the duration clears the reset."""
+    import datetime as dt
+
+    from sqlalchemy import update
+
+    from treeserve.gateway.errors import BudgetExceeded
+    from treeserve.gateway.schema import Team, utcnow
+    from treeserve.gateway.settlement import Settlement
+    from treeserve.gateway.usage import Usage
+
+    made = store.teams.create_team("t", [], max_budget=1.0, budget_duration="30d")
+    assert dt.datetime.fromisoformat(made["budget_reset_at"]) > utcnow() + dt.timedelta(days=29)
+    key = store.accounts.authenticate(store.accounts.create_key(team_id="t")[0])
+    spent = store.admission.admit(key, 1.0)
+    store.ledger.settle(Settlement(spent, "r", "m", None, "chat", False, "success", Usage(1, 1), 1.0, utcnow()))
+    with pytest.raises(BudgetExceeded) as refused:
+        store.admission.admit(key, 0.1)
+    assert "team's budget" in refused.value.message and refused.value.spent
+    with store.db.transaction() as s:  # (the period ends)
+        s.execute(update(Team).values(budget_reset_at=utcnow() - dt.timedelta(seconds=1)))
+    store.admission.admit(key, 0.1)
+    team = store.teams.team("t")
+    assert team["spend"] == 0 and dt.datetime.fromisoformat(team["budget_reset_at"]) > utcnow() + dt.timedelta(days=29)
+    assert store.teams.update_team("t", budget_duration=None)["budget_reset_at"] is None

@@ -16,7 +16,7 @@ from treeserve.gateway import keys as keylib
 from treeserve.gateway.account_fields import key_values, public_key, public_user, user_values
 from treeserve.gateway.database import Database, violates_unique
 from treeserve.gateway.errors import (AliasReserved, AliasTaken, ChatKeyOwner, KeyNotFound, KeysNotFound, KeyTaken,
-                                      UserExists, UserNotFound)
+                                      TeamBlocked, UserExists, UserNotFound)
 from treeserve.gateway.team_fields import teams_of
 from treeserve.gateway.team_rules import check_key_team
 from treeserve.gateway.keys import MASTER_LABEL, KeyRecord
@@ -201,30 +201,34 @@ class Accounts:
         return keys, users
 
     # ---- who a key is ------------------------------------------------------------------------
-    def authenticate(self, token: str) -> KeyRecord | None:
-        """The key's record, or None for an unknown, expired or blocked key."""
-        return self._key_record(ApiKey.token_hash == keylib.hash_key(token))
+    def authenticate(self, token: str, explain: bool = False) -> KeyRecord | None:
+        """The key's record, or None for an unknown, expired or blocked key (`explain`: a key of a
+        blocked team raises TeamBlocked instead, whose 401 says so, as LiteLLM's does)."""
+        return self._key_record(ApiKey.token_hash == keylib.hash_key(token), explain)
 
     def key_record(self, key_id: int) -> KeyRecord | None:
         """As `authenticate`, for a key the gateway holds on a user's behalf (the web chat's)."""
         return self._key_record(ApiKey.id == key_id)
 
-    def _key_record(self, where) -> KeyRecord | None:
+    def _key_record(self, where, explain: bool = False) -> KeyRecord | None:
         with self.db.session() as conn:
             row = conn.execute(
-                select(ApiKey, User.models, User.max_budget, Team)
+                select(ApiKey, User.models, User.max_budget, User.incarnation, Team)
                 .outerjoin(User, User.user_id == ApiKey.user_id).outerjoin(Team, Team.team_id == ApiKey.team_id)
                 .where(where)).first()
         if row is None or row[0].blocked:
             return None
-        key, user_models, user_budget, team = row
+        key, user_models, user_budget, user_incarnation, team = row
         if key.team_id is not None and (team is None or team.blocked):  # (LiteLLM's: a blocked team's keys stop)
+            if explain and team is not None:
+                raise TeamBlocked(key.team_id)
             return None
         team_budget = team.max_budget if team is not None else None
         budgeted = key.max_budget is not None or user_budget is not None or team_budget is not None
         record = KeyRecord(key.id, key.key_name, key.key_alias, key.user_id, key.models, user_models,
                            key.rpm_limit, key.tpm_limit, key.max_parallel_requests, budgeted, aware(key.expires_at),
-                           key.team_id, team.models if team is not None else None)
+                           key.team_id, team.models if team is not None else None, user_incarnation,
+                           team.incarnation if team is not None else None)
         return None if record.expired else record
 
 

@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 from treeserve.gateway.database import Database
 from treeserve.gateway.errors import AccountGone, BudgetExceeded, ParallelLimitExceeded, RateLimitExceeded
 from treeserve.gateway.keys import KeyRecord, after
-from treeserve.gateway.schema import ApiKey, Holding, RateWindow, Team, User, aware, utcnow
+from treeserve.gateway.schema import ApiKey, Holding, RateWindow, Team, User, aware, team_row, user_row, utcnow
 from treeserve.gateway.settlement import Reservation
 
 # A budget counts as spent when less than this fraction of it is left: far above the rounding error
@@ -53,7 +53,8 @@ class Admission:
             if key.budgeted:
                 _reserve_budgets(conn, key, worst_cost)
             holding = self._hold(conn, key, worst_cost, parallel, now) if parallel or worst_cost else None
-        return Reservation(key.id, key.user_id, worst_cost, parallel, window, counted, holding, tokens, key.team_id)
+        return Reservation(key.id, key.user_id, worst_cost, parallel, window, counted, holding, tokens, key.team_id,
+                           key.user_incarnation, key.team_incarnation)
 
     def release(self, reservation: Reservation, cost: float) -> None:
         """At the request's answer, at once and in one transaction: gives its parallel slot back and
@@ -70,12 +71,13 @@ class Admission:
             values = {"reserved": ApiKey.reserved - given_back} if given_back else {}
             if reservation.parallel:
                 values["in_flight"] = ApiKey.in_flight - 1
-            conn.execute(update(ApiKey).where(ApiKey.id == reservation.key_id).values(**values))
+            if values:  # (nothing of it to give back when its real cost is its worst case, and no slot)
+                conn.execute(update(ApiKey).where(ApiKey.id == reservation.key_id).values(**values))
             if given_back and reservation.user_id is not None:
-                conn.execute(update(User).where(User.user_id == reservation.user_id)
+                conn.execute(update(User).where(user_row(reservation.user_id, reservation.user_incarnation))
                              .values(reserved=User.reserved - given_back))
             if given_back and reservation.team_id is not None:
-                conn.execute(update(Team).where(Team.team_id == reservation.team_id)
+                conn.execute(update(Team).where(team_row(reservation.team_id, reservation.team_incarnation))
                              .values(reserved=Team.reserved - given_back))
             if reservation.holding_id is not None:
                 conn.execute(update(Holding).where(Holding.id == reservation.holding_id)
@@ -104,8 +106,8 @@ class Admission:
         """The request's `holdings` row: what a sweep gives back if this process dies before settling it."""
         return conn.execute(insert(Holding).values(
             instance_id=self.instance_id, key_id=key.id, user_id=key.user_id if key.budgeted else None,
-            team_id=key.team_id if key.budgeted else None, worst_cost=worst_cost, parallel=parallel,
-            created_at=now).returning(Holding.id)).scalar_one()
+            team_id=key.team_id if key.budgeted else None, user_incarnation=key.user_incarnation,
+            team_incarnation=key.team_incarnation, worst_cost=worst_cost, parallel=parallel, created_at=now).returning(Holding.id)).scalar_one()
 
 
 def _take_slot(conn: Session, key: KeyRecord) -> None:
@@ -117,10 +119,12 @@ def _take_slot(conn: Session, key: KeyRecord) -> None:
 
 def _reserve_budgets(conn: Session, key: KeyRecord, worst_cost: float) -> None:
     _reserve(conn, ApiKey, ApiKey.id == key.id, worst_cost, "key", Holding.key_id == key.id)
-    if key.user_id is not None:
-        _reserve(conn, User, User.user_id == key.user_id, worst_cost, "user", Holding.user_id == key.user_id)
+    if key.user_id is not None:  # (the user the key was read with: one made again since is another)
+        _reserve(conn, User, user_row(key.user_id, key.user_incarnation), worst_cost, "user",
+                 (Holding.user_id == key.user_id) & (Holding.user_incarnation == key.user_incarnation))
     if key.team_id is not None:  # (its team's budget caps all its keys' spend together)
-        _reserve(conn, Team, Team.team_id == key.team_id, worst_cost, "team", Holding.team_id == key.team_id)
+        _reserve(conn, Team, team_row(key.team_id, key.team_incarnation), worst_cost, "team",
+                 (Holding.team_id == key.team_id) & (Holding.team_incarnation == key.team_incarnation))
 
 
 def _reserve(conn: Session, table, where, worst_cost: float, owner: str, held_by) -> None:
@@ -150,9 +154,9 @@ def _reset_due_budgets(conn: Session, key: KeyRecord, now: dt.datetime) -> None:
     """Budgets of the key, its user and its team whose period has ended start again from nothing spent."""
     targets = [(ApiKey, ApiKey.id == key.id)]
     if key.user_id is not None:
-        targets.append((User, User.user_id == key.user_id))
+        targets.append((User, user_row(key.user_id, key.user_incarnation)))
     if key.team_id is not None:
-        targets.append((Team, Team.team_id == key.team_id))
+        targets.append((Team, team_row(key.team_id, key.team_incarnation)))
     for table, where in targets:
         row = conn.execute(select(table.budget_duration, table.budget_reset_at).where(where)).first()
         if row is None or row.budget_reset_at is None or aware(row.budget_reset_at) > now:

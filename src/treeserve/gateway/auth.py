@@ -65,7 +65,8 @@ class Auth:
             return MASTER
         key = self.keys.get(token)
         if key is None or key.expired:
-            key = await self.keys.load(token, lambda: run_in_threadpool(self.accounts.authenticate, token))
+            # (a key of a blocked team: TeamBlocked, a 401 saying so, as LiteLLM's "Team=... is blocked")
+            key = await self.keys.load(token, lambda: run_in_threadpool(self.accounts.authenticate, token, True))
             if key is None:
                 log.info("%s %s refused 401: an unknown, expired or blocked key", request.method, logged_path(request))
                 raise APIError(401, "invalid API key (unknown, expired or blocked)", code="invalid_api_key")

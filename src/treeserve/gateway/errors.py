@@ -80,6 +80,13 @@ class KeysNotFound(KeyNotFound):
         super().__init__(param, f"{param}: {missing} of the keys do not exist; none was deleted")
 
 
+class TeamBlocked(GatewayError):
+    """A key of a blocked team (LiteLLM's /team/block): refused, saying it is the team that is blocked."""
+
+    def __init__(self, team_id: str):
+        super().__init__(f"the key's team {team_id!r} is blocked: /team/unblock lets its keys in again")
+
+
 class TeamNotFound(GatewayError):
     def __init__(self, team_id: str, param: str = "team_id"):
         super().__init__(f"{param}: no team {team_id!r}", param)

@@ -12,7 +12,7 @@ from treeserve.gateway.errors import (AccountGone, AliasReserved, AliasTaken, Ba
                                       ChatKeyBlocked, ChatKeyOwner, ConversationNotFound, DatabaseUnavailable, FileNotFound,
                                       GatewayError, KeyNotFound, KeyTaken, KeyTeamNotFound, LimitExceeded, MemberExists,
                                       MemberNotFound, MessageNotFound, ModelsOutsideTeam, ParallelLimitExceeded,
-                                      RateLimitExceeded, TeamExists, TeamNotFound, UserExists, UserNotFound)
+                                      RateLimitExceeded, TeamBlocked, TeamExists, TeamNotFound, UserExists, UserNotFound)
 from treeserve.wire.errors import APIError, error_response_for, from_value_error
 
 # error class -> (HTTP status, OpenAI error code); a subclass not listed answers as its parent
@@ -35,6 +35,7 @@ HTTP_STATUS: dict[type[GatewayError], tuple[int, str | None]] = {
     LimitExceeded: (429, "rate_limit"),
     BudgetExceeded: (400, "budget_exceeded"),
     AccountGone: (401, "invalid_api_key"),
+    TeamBlocked: (401, "team_blocked"),
     ConversationNotFound: (404, "conversation_not_found"),
     MessageNotFound: (404, "message_not_found"),
     FileNotFound: (404, "file_not_found"),

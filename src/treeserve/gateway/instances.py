@@ -10,7 +10,7 @@ from collections import defaultdict
 from sqlalchemy import delete, select, update
 
 from treeserve.gateway.database import Database
-from treeserve.gateway.schema import ApiKey, Holding, Instance, Team, User, utcnow
+from treeserve.gateway.schema import ApiKey, Holding, Instance, Team, User, team_row, user_row, utcnow
 
 log = logging.getLogger("treeserve.gateway")
 INSTANCE_TIMEOUT = 60.0  # a process silent this long is dead: its holdings are given back
@@ -49,19 +49,19 @@ class Instances:
 def _give_back(conn, holdings: list[Holding]) -> None:
     """The holdings' reservations and parallel slots, off their keys, users and teams."""
     keys: dict[int, list[float]] = defaultdict(lambda: [0.0, 0])
-    users: dict[str, float] = defaultdict(float)
-    teams: dict[str, float] = defaultdict(float)
+    users: dict[tuple[str, str | None], float] = defaultdict(float)  # by (id, incarnation)
+    teams: dict[tuple[str, str | None], float] = defaultdict(float)
     for holding in holdings:
         keys[holding.key_id][0] += holding.worst_cost
         keys[holding.key_id][1] += int(holding.parallel)
         if holding.user_id is not None:
-            users[holding.user_id] += holding.worst_cost
+            users[(holding.user_id, holding.user_incarnation)] += holding.worst_cost
         if holding.team_id is not None:
-            teams[holding.team_id] += holding.worst_cost
+            teams[(holding.team_id, holding.team_incarnation)] += holding.worst_cost
     for key_id, (released, slots) in keys.items():
         conn.execute(update(ApiKey).where(ApiKey.id == key_id)
                      .values(reserved=ApiKey.reserved - released, in_flight=ApiKey.in_flight - slots))
-    for user_id, released in users.items():
-        conn.execute(update(User).where(User.user_id == user_id).values(reserved=User.reserved - released))
-    for team_id, released in teams.items():
-        conn.execute(update(Team).where(Team.team_id == team_id).values(reserved=Team.reserved - released))
+    for (user_id, incarnation), released in users.items():  # (a user or team made again since: not this one)
+        conn.execute(update(User).where(user_row(user_id, incarnation)).values(reserved=User.reserved - released))
+    for (team_id, incarnation), released in teams.items():
+        conn.execute(update(Team).where(team_row(team_id, incarnation)).values(reserved=Team.reserved - released))

@@ -94,6 +94,8 @@ class KeyRecord:
     expires_at: dt.datetime | None = None
     team_id: str | None = None
     team_models: list | None = None
+    user_incarnation: str | None = None  # (the user's and team's rows, schema.User.incarnation)
+    team_incarnation: str | None = None
 
     @property
     def expired(self) -> bool:
@@ -114,4 +116,5 @@ class KeyRecord:
 
     def nothing_held(self) -> Reservation:
         """The reservation of a request on a key that holds nothing (the master key's too)."""
-        return Reservation(self.id, self.user_id, 0.0, False, 0, team_id=self.team_id)
+        return Reservation(self.id, self.user_id, 0.0, False, 0, team_id=self.team_id,
+                           user_incarnation=self.user_incarnation, team_incarnation=self.team_incarnation)

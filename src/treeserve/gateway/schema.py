@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import uuid
 
 from sqlalchemy import (JSON, BigInteger, Boolean, Date, DateTime, Float, ForeignKey, Index, Integer, LargeBinary,
                         String, Text, false, text)
@@ -19,6 +20,11 @@ class Base(DeclarativeBase):
 
 def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc)
+
+
+def new_incarnation() -> str:
+    """A fresh `incarnation` for a user or team row (see `User.incarnation`)."""
+    return uuid.uuid4().hex
 
 
 def aware(value: dt.datetime | None) -> dt.datetime | None:
@@ -47,6 +53,10 @@ class User(Base):
     extra: Mapped[dict] = mapped_column("metadata", JSON, default=dict)
     password_hash: Mapped[str | None] = mapped_column(String(256))
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # this row's own identity, new each time the user is made: a user deleted and made again under its
+    # user_id has another, so that a request admitted on the old one (its reservation and holding carry
+    # it) settles on nothing rather than on the new user (migration 0015; teams have one alike)
+    incarnation: Mapped[str] = mapped_column(String(32), default=new_incarnation)
 
 
 class Team(Base):
@@ -64,6 +74,20 @@ class Team(Base):
     blocked: Mapped[bool] = mapped_column(Boolean, default=False)
     extra: Mapped[dict] = mapped_column("metadata", JSON, default=dict)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    incarnation: Mapped[str] = mapped_column(String(32), default=new_incarnation)  # (as a user's)
+
+
+def user_row(user_id: str, incarnation: str | None):
+    """The user `user_id` while it is the row `incarnation` names (not one made again since); with no
+    incarnation (a holding a gateway from before migration 0015 wrote), the user of that id."""
+    where = User.user_id == user_id
+    return where if incarnation is None else where & (User.incarnation == incarnation)
+
+
+def team_row(team_id: str, incarnation: str | None):
+    """As `user_row`, for a team."""
+    where = Team.team_id == team_id
+    return where if incarnation is None else where & (Team.incarnation == incarnation)
 
 
 class TeamMember(Base):
@@ -169,6 +193,9 @@ class Holding(Base):
     key_id: Mapped[int] = mapped_column(Integer)
     user_id: Mapped[str | None] = mapped_column(String(128))
     team_id: Mapped[str | None] = mapped_column(String(128))
+    # the incarnations of the user and team it reserved on: a sweep gives back to those rows only
+    user_incarnation: Mapped[str | None] = mapped_column(String(32))
+    team_incarnation: Mapped[str | None] = mapped_column(String(32))
     worst_cost: Mapped[float] = mapped_column(Float)  # (its real cost once answered)
     parallel: Mapped[bool] = mapped_column(Boolean)
     answered: Mapped[bool] = mapped_column(Boolean, default=False)  # (its cost is spent, the settlement to come)

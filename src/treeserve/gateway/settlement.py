@@ -19,7 +19,8 @@ from sqlalchemy import delete, insert, update
 from sqlalchemy.orm import Session
 
 from treeserve.gateway.database import Database
-from treeserve.gateway.schema import ApiKey, BatchLine, DailySpend, Holding, RateWindow, SpendLog, Team, User, utcnow
+from treeserve.gateway.schema import (ApiKey, BatchLine, DailySpend, Holding, RateWindow, SpendLog, Team, User, team_row,
+                                      user_row, utcnow)
 from treeserve.gateway.usage import Usage, token_details
 
 log = logging.getLogger("treeserve.gateway")
@@ -44,6 +45,10 @@ class Reservation:
     holding_id: int | None = None  # its row in `holdings` (what a dead process's sweep gives back)
     tokens: int = 0  # its worst-case tokens counted in its minute at admission (a tpm_limit's key)
     team_id: str | None = None  # its key's team (held and spent on it as on the key)
+    # the user's and team's rows it was admitted on (schema.User.incarnation): one deleted and made
+    # again under its id meanwhile is another, which this request's settlement leaves alone
+    user_incarnation: str | None = None
+    team_incarnation: str | None = None
 
 
 @dataclass
@@ -154,8 +159,8 @@ def apply_settlements(db: Database, conn: Session, items: list[Settlement]) -> N
     statement per key, user, minute and day touched (not one per request). What each request still
     holds (its real cost, when released at its answer; else its worst case and its slot) goes back."""
     keys: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])  # released, spent, slots
-    users: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
-    teams: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    users: dict[tuple[str, str | None], list[float]] = defaultdict(lambda: [0.0, 0.0])  # by (id, incarnation)
+    teams: dict[tuple[str, str | None], list[float]] = defaultdict(lambda: [0.0, 0.0])
     windows: dict[tuple[int, int], int] = defaultdict(int)
     days: dict[tuple, list] = {}
     for item in items:
@@ -166,11 +171,13 @@ def apply_settlements(db: Database, conn: Session, items: list[Settlement]) -> N
             entry[1] += item.cost
             entry[2] += int(reservation.parallel)
         if reservation.user_id is not None:
-            users[reservation.user_id][0] += reservation.held
-            users[reservation.user_id][1] += item.cost
+            user = users[(reservation.user_id, reservation.user_incarnation)]
+            user[0] += reservation.held
+            user[1] += item.cost
         if reservation.team_id is not None:
-            teams[reservation.team_id][0] += reservation.held
-            teams[reservation.team_id][1] += item.cost
+            team = teams[(reservation.team_id, reservation.team_incarnation)]
+            team[0] += reservation.held
+            team[1] += item.cost
         if reservation.counted and (usage.total_tokens or reservation.tokens):  # (what it used, for its hold)
             windows[(reservation.key_id, reservation.window)] += usage.total_tokens - reservation.tokens
         day = days.setdefault((item.started_at.date(), reservation.key_id or MASTER_KEY_ID, item.model),
@@ -186,11 +193,11 @@ def apply_settlements(db: Database, conn: Session, items: list[Settlement]) -> N
         row = conn.execute(update(ApiKey).where(ApiKey.id == key_id).values(**values)
                            .returning(ApiKey.spend, ApiKey.soft_budget, ApiKey.key_alias, ApiKey.key_name)).first()
         _warn_soft_budget(row, spent)
-    for user_id, (released, spent) in users.items():
-        conn.execute(update(User).where(User.user_id == user_id)
+    for (user_id, incarnation), (released, spent) in users.items():
+        conn.execute(update(User).where(user_row(user_id, incarnation))
                      .values(reserved=User.reserved - released, spend=User.spend + spent))
-    for team_id, (released, spent) in teams.items():
-        conn.execute(update(Team).where(Team.team_id == team_id)
+    for (team_id, incarnation), (released, spent) in teams.items():
+        conn.execute(update(Team).where(team_row(team_id, incarnation))
                      .values(reserved=Team.reserved - released, spend=Team.spend + spent))
     for (key_id, window), tokens in windows.items():
         conn.execute(update(RateWindow).where(RateWindow.key_id == key_id, RateWindow.window == window)

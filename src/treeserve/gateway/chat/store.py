@@ -8,7 +8,7 @@ from __future__ import annotations
 import datetime as dt
 import secrets
 
-from sqlalchemy import delete, func, insert, select, update
+from sqlalchemy import delete, func, insert, select, true, update
 
 from treeserve.gateway import keys as keylib
 from treeserve.gateway.accounts import CHAT_ALIAS_PREFIX, Accounts
@@ -195,13 +195,16 @@ class ChatStore:
         return [_public_conversation(c) | {"messages": by_conversation[c.id]} for c in conversations]
 
     def usage(self, user_id: str) -> dict:
-        """What the user has spent through the gateway (the chat and any key of theirs)."""
+        """What the user has spent through the gateway (the chat and any key of theirs): the requests
+        since it was made (a user deleted and made again under its id has none of the old one's)."""
         with self.db.session() as conn:
-            spend = conn.scalar(select(User.spend).where(User.user_id == user_id)) or 0.0
-            budget = conn.scalar(select(User.max_budget).where(User.user_id == user_id))
+            user = conn.execute(select(User.spend, User.max_budget, User.created_at)
+                                .where(User.user_id == user_id)).first()
+            spend, budget = (user.spend or 0.0, user.max_budget) if user is not None else (0.0, None)
+            since = SpendLog.started_at >= user.created_at if user is not None else true()
             row = conn.execute(select(func.count(), func.coalesce(func.sum(SpendLog.prompt_tokens), 0),
                                       func.coalesce(func.sum(SpendLog.completion_tokens), 0))
-                               .where(SpendLog.user_id == user_id)).one()
+                               .where(SpendLog.user_id == user_id, since)).one()
         return {"requests": row[0], "prompt_tokens": int(row[1]), "completion_tokens": int(row[2]),
                 "cost": money(spend), "max_budget": budget}
 

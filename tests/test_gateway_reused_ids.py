@@ -1,0 +1,142 @@
+"""A user or team deleted and made again under the same id while a request admitted on the old one
+is in flight: the request's settlement, its release at its answer and a dead process's sweep leave the
+new row alone (its `reserved` never below 0, none of the old one's spend on it); migration 0015 gives
+the rows already there their incarnations. On SQLite and PostgreSQL."""
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from sqlalchemy import select, text, update
+
+from test_gateway_store import _store_at_revision, store  # noqa: F401 (a fixture: the store on each database)
+from treeserve.gateway.schema import Base, Holding, Instance, Team, User, utcnow
+from treeserve.gateway.settlement import Settlement
+from treeserve.gateway.store import Store
+from treeserve.gateway.usage import Usage
+
+
+def _make(store, kind: str, name: str) -> None:
+    if kind == "team":
+        store.teams.create_team(name, [], max_budget=1.0)
+    else:
+        store.accounts.create_user(name, max_budget=1.0)
+
+
+def _delete(store, kind: str, name: str) -> None:
+    if kind == "team":
+        store.teams.delete_teams([name])
+    else:
+        store.accounts.delete_users([name])
+
+
+def _row(store, kind: str, name: str):
+    with store.db.session() as s:
+        return s.get(Team if kind == "team" else User, name)
+
+
+def _settle(store, reservation, cost: float) -> None:
+    store.ledger.settle(Settlement(reservation, f"r{id(reservation)}", "m", None, "chat", False, "success",
+                                   Usage(1, 1), cost, utcnow()))
+
+
+@pytest.mark.parametrize("kind", ["team", "user"])
+def test_a_request_of_a_deleted_owner_settles_nothing_on_one_made_again_under_its_id(store, kind):
+    """Three requests on a key of `x` (a team's key, or a user's): one settled, one answered then
+    settled, one whose process dies; `x` is deleted (its keys with it) and made again before any of it
+    settles. The new `x` holds nothing and spent nothing, and its whole budget is there to admit."""
+    _make(store, kind, "x")
+    owner = {"team_id": "x"} if kind == "team" else {"user_id": "x"}
+    key = store.accounts.authenticate(store.accounts.create_key(**owner)[0])
+    store.instances.heartbeat()
+    settled, released, orphaned = (store.admission.admit(key, 0.25) for _ in range(3))
+    assert _row(store, kind, "x").reserved == pytest.approx(0.75)
+    _delete(store, kind, "x")
+    _make(store, kind, "x")
+    store.admission.release(released, 0.1)
+    _settle(store, released, 0.1)
+    _settle(store, settled, 0.2)
+    long_ago = utcnow() - dt.timedelta(minutes=5)
+    with store.db.transaction() as s:  # (this process is dead: `orphaned` is a sweep's to give back)
+        s.execute(update(Instance).values(seen_at=long_ago))
+        s.execute(update(Holding).values(created_at=long_ago))
+    other = Store(store.db.url)
+    try:
+        assert other.instances.sweep() == 1
+    finally:
+        other.close()
+    new = _row(store, kind, "x")
+    assert (new.reserved, new.spend) == (0.0, 0.0)
+    fresh = store.accounts.authenticate(store.accounts.create_key(**owner)[0])
+    store.admission.admit(fresh, 1.0)  # (all of its budget: nothing of the old one's held on it)
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_the_incarnations_migration_upgrades_a_database_at_0014(backend, request, tmp_path):
+    """Migration 0015 on a database at 0014: each user and team gets an incarnation of its own, a
+    holding in flight the one of the rows it reserved on (a sweep then gives its hold back), and the
+    schema is exactly the ORM's; downgrading keeps the rows."""
+    url = f"sqlite:///{tmp_path / 'old.db'}" if backend == "sqlite" else \
+        request.getfixturevalue("postgres").new_database()
+    old = _store_at_revision(url, "0014")
+    with old.db.transaction() as conn:
+        for user in ("ann", "bob"):
+            conn.execute(text("INSERT INTO users (user_id, spend, reserved, metadata, created_at) "
+                              "VALUES (:u, 0, 0.5, '{}', CURRENT_TIMESTAMP)"), {"u": user})
+        conn.execute(text("INSERT INTO teams (team_id, spend, reserved, blocked, metadata, created_at) "
+                          "VALUES ('t', 0, 0.5, :no, '{}', CURRENT_TIMESTAMP)"), {"no": False})
+        conn.execute(text("INSERT INTO holdings (instance_id, key_id, user_id, team_id, worst_cost, parallel, "
+                          "answered, created_at) VALUES ('gone', 1, 'ann', 't', 0.5, :no, :no, :at)"),
+                     {"no": False, "at": utcnow() - dt.timedelta(minutes=5)})
+    old.close()
+    store = Store(url)
+    try:
+        store.migrate()
+        assert store.db.revision() == "0015"
+        with store.db.engine.connect() as conn:
+            assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
+        with store.db.session() as s:
+            users = {u.user_id: u.incarnation for u in s.scalars(select(User))}
+            team = s.get(Team, "t")
+            holding = s.scalars(select(Holding)).one()
+        assert len(set(users.values())) == 2 and all(len(i) == 32 for i in users.values())
+        assert (holding.user_incarnation, holding.team_incarnation) == (users["ann"], team.incarnation)
+        assert store.instances.sweep() == 1
+        assert (_row(store, "user", "ann").reserved, _row(store, "team", "t").reserved) == (0.0, 0.0)
+        with store.db.transaction() as conn:  # a gateway from before 0015 still running: its rows have none
+            conn.execute(text("INSERT INTO users (user_id, spend, reserved, metadata, created_at) "
+                              "VALUES ('cy', 0, 0.5, '{}', CURRENT_TIMESTAMP)"))
+            conn.execute(text("INSERT INTO holdings (instance_id, key_id, user_id, worst_cost, parallel, answered, "
+                              "created_at) VALUES ('gone', 1, 'cy', 0.5, :no, :no, :at)"),
+                         {"no": False, "at": utcnow() - dt.timedelta(minutes=5)})
+        cy = _row(store, "user", "cy").incarnation  # (the column's default: one of its own)
+        assert len(cy) == 32 and cy not in users.values()
+        assert store.instances.sweep() == 1 and _row(store, "user", "cy").reserved == 0.0  # (by its id)
+        store.db.downgrade("0014")
+        with store.db.engine.connect() as conn:
+            assert conn.execute(text("SELECT count(*) FROM users")).scalar() == 3
+            assert conn.execute(text("SELECT count(*) FROM teams")).scalar() == 1
+    finally:
+        store.close()
+
+
+def test_the_web_chats_usage_of_a_user_made_again_counts_none_of_the_old_ones_requests(store):
+    """The chat's usage panel (its requests and tokens from the spend logs, which keep a deleted user's
+    id) shows a user made again under a deleted one's id only the requests made since."""
+    from treeserve.gateway.chat.store import ChatStore
+
+    chats = ChatStore(store.db, store.accounts)
+    store.accounts.create_user("ann")
+    key = store.accounts.authenticate(store.accounts.create_key(user_id="ann")[0])
+    _settle(store, store.admission.admit(key, 0.0), 0.5)
+    assert chats.usage("ann")["requests"] == 1
+    store.accounts.delete_users(["ann"])
+    store.accounts.create_user("ann")
+    assert chats.usage("ann") == {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0, "cost": 0.0,
+                                  "max_budget": None}
+    key = store.accounts.authenticate(store.accounts.create_key(user_id="ann")[0])
+    _settle(store, store.admission.admit(key, 0.0), 0.25)
+    assert chats.usage("ann") == {"requests": 1, "prompt_tokens": 1, "completion_tokens": 1, "cost": 0.25,
+                                  "max_budget": None}
