@@ -140,3 +140,41 @@ def test_the_web_chats_usage_of_a_user_made_again_counts_none_of_the_old_ones_re
     _settle(store, store.admission.admit(key, 0.0), 0.25)
     assert chats.usage("ann") == {"requests": 1, "prompt_tokens": 1, "completion_tokens": 1, "cost": 0.25,
                                   "max_budget": None}
+
+
+def test_two_processes_sweeping_at_once_give_a_dead_ones_holdings_back_once(request):
+    """Every gateway process sweeps: two that find the same dead process's holdings at the same moment
+    (PostgreSQL, read committed: both read them before either deletes them) gave each back twice, its
+    key's, user's and team's `reserved` below 0 (their budgets then over-admitting by as much)."""
+    import threading
+    import time
+
+    from treeserve.gateway.schema import ApiKey
+
+    url = request.getfixturevalue("postgres").new_database()
+    store = Store(url)
+    store.migrate()
+    sweepers = [Store(url), Store(url)]
+    try:
+        store.teams.create_team("t", [], max_budget=1.0)
+        key = store.accounts.authenticate(store.accounts.create_key(team_id="t", user_id="ann", max_budget=1.0)[0])
+        store.admission.admit(key, 0.25)
+        long_ago = utcnow() - dt.timedelta(minutes=5)
+        with store.db.transaction() as s:  # (this process is dead)
+            s.execute(update(Holding).values(created_at=long_ago))
+        swept: list[int] = []
+        with store.db.transaction() as blocker:  # the key's row held: both sweeps read, then wait on it
+            blocker.execute(update(ApiKey).values(spend=ApiKey.spend))
+            threads = [threading.Thread(target=lambda s=s: swept.append(s.instances.sweep())) for s in sweepers]
+            for thread in threads:
+                thread.start()
+            time.sleep(1.5)
+        for thread in threads:
+            thread.join(30)
+        assert sorted(swept) == [0, 1]
+        with store.db.session() as s:
+            reserved = (s.scalars(select(ApiKey.reserved)).one(), s.get(User, "ann").reserved, s.get(Team, "t").reserved)
+        assert reserved == (0.0, 0.0, 0.0)
+    finally:
+        for each in (store, *sweepers):
+            each.close()

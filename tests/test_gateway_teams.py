@@ -379,3 +379,26 @@ def test_a_team_budget_with_a_duration_starts_again_when_its_period_ends(store):
     team = store.teams.team("t")
     assert team["spend"] == 0 and dt.datetime.fromisoformat(team["budget_reset_at"]) > utcnow() + dt.timedelta(days=29)
     assert store.teams.update_team("t", budget_duration=None)["budget_reset_at"] is None
+
+
+def test_an_expired_key_of_a_blocked_team_is_an_invalid_key_not_a_blocked_one(store):
+    """An expired key is no key (LiteLLM refuses it as expired before it looks at its team): a
+    `team_blocked` refusal told its holder that it still exists and that unblocking its team would let
+    it in again, which it would not."""
+    import datetime as dt
+
+    from sqlalchemy import update
+
+    from treeserve.gateway.errors import TeamBlocked
+    from treeserve.gateway.schema import ApiKey, utcnow
+
+    store.teams.create_team("t", [])
+    live, _ = store.accounts.create_key(team_id="t")
+    expired, _ = store.accounts.create_key(team_id="t", key_alias="old")
+    with store.db.transaction() as s:
+        s.execute(update(ApiKey).where(ApiKey.key_alias == "old").values(expires_at=utcnow() - dt.timedelta(seconds=1)))
+    store.teams.update_team("t", blocked=True)
+    with pytest.raises(TeamBlocked):
+        store.accounts.authenticate(live, explain=True)
+    assert store.accounts.authenticate(expired, explain=True) is None
+    assert store.accounts.authenticate(expired) is None and store.accounts.authenticate(live) is None

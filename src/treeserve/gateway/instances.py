@@ -7,13 +7,14 @@ import logging
 import uuid
 from collections import defaultdict
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import delete, select, text, update
 
 from treeserve.gateway.database import Database
 from treeserve.gateway.schema import ApiKey, Holding, Instance, Team, User, team_row, user_row, utcnow
 
 log = logging.getLogger("treeserve.gateway")
 INSTANCE_TIMEOUT = 60.0  # a process silent this long is dead: its holdings are given back
+SWEEP_LOCK = 0x73776570  # PostgreSQL advisory lock id ("swep"): one process sweeps at a time
 
 
 class Instances:
@@ -34,6 +35,8 @@ class Instances:
         reservations on keys and users and their parallel slots. Returns the holdings given back."""
         cutoff = utcnow() - dt.timedelta(seconds=INSTANCE_TIMEOUT)
         with self.db.transaction() as conn:
+            if not self._sweeping(conn):  # (another process is: both would give the same holdings back)
+                return 0
             live = select(Instance.instance_id).where(Instance.seen_at >= cutoff)
             dead = conn.scalars(select(Holding).where(Holding.instance_id.not_in(live),
                                                       Holding.instance_id != self.instance_id,
@@ -44,6 +47,14 @@ class Instances:
                 log.warning("gave back %d requests' holdings of gateway processes gone silent", len(dead))
             conn.execute(delete(Instance).where(Instance.seen_at < cutoff))
         return len(dead)
+
+    def _sweeping(self, conn) -> bool:
+        """This transaction is the only sweep until it ends. PostgreSQL: two sweeps at once (read
+        committed) both read a dead process's holdings before either deletes them, and each gave them
+        back (the keys', users' and teams' `reserved` below 0); SQLite's writers already queue at BEGIN."""
+        if self.db.dialect != "postgresql":
+            return True
+        return bool(conn.scalar(text("SELECT pg_try_advisory_xact_lock(:key)"), {"key": SWEEP_LOCK}))
 
 
 def _give_back(conn, holdings: list[Holding]) -> None:
