@@ -219,9 +219,9 @@ class FreeContinuation(PerRequestProposer):
 
 
 def test_speculating_engines_mask_as_plain_ones(llama_dir, llm):
-    """Requests with allowed_token_ids or bad_words get no drafts (the verification masks neither):
-    their tokens are the plain engine's."""
-    def _undelayed(**fields):  # (no min_tokens: a request with min_tokens still to reach gets no drafts)
+    """Requests with allowed_token_ids or bad_words get drafts, here the unconstrained continuation:
+    the verification masks each row as the sampler does, so their tokens are the plain engine's."""
+    def _undelayed(**fields):
         return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, **fields)
     spec = LLM(str(llama_dir), **OPTIONS, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     tokenizer, vocab = llm.get_tokenizer(), llm.engine.loaded.model_config.vocab_size
@@ -236,5 +236,5 @@ def test_speculating_engines_mask_as_plain_ones(llama_dir, llm):
         drafts.calls = 0
         [drafted] = spec.generate("The water is", _undelayed(**fields), use_tqdm=False)
         assert drafted.outputs[0].token_ids == plain.outputs[0].token_ids != tokens, fields
-        assert drafts.calls == 0, fields
+        assert drafts.calls > 0, fields
     assert_no_leak(spec.engine)

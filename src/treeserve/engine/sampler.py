@@ -53,13 +53,22 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
         if grammar_bitmask is not None:
             structured_outputs.apply_bitmask(logits, list(grammar_rows), grammar_bitmask)
-        if masked if masked is not None else any(uses_token_masks(p) for p in params):
-            apply_token_masks(logits, requests)
-        self._add_logit_bias(logits, params)
-        logits = self._mask_stops_below_min_tokens(logits, requests)
-        logits = self._apply_penalties(logits, requests)
+        logits = self.process_logits(logits, requests, masked)
         token_ids = self._pick(logits, requests)
         return PendingSamples(token_ids, _logprob_tensors(raw_logprobs, token_ids, requests), requests)
+
+    @classmethod
+    def process_logits(cls, logits, requests, masked: bool | None = None) -> torch.Tensor:
+        """What each row's parameters do to its logits before temperature and top-k/top-p/min-p:
+        allowed_token_ids and bad_words, logit bias, min_tokens' stops, penalties (in place where it
+        can). A row reads its request's `sampling_params`, `output_token_ids`, `num_output_tokens`,
+        `prompt_token_ids` and `eos_token_ids`: the verification of drafts passes one view per
+        verified position, whose output holds the drafts before it (engine/spec_decode/draft_rows.py)."""
+        if masked if masked is not None else any(uses_token_masks(r.sampling_params) for r in requests):
+            apply_token_masks(logits, requests)
+        cls._add_logit_bias(logits, [r.sampling_params for r in requests])
+        logits = cls._mask_stops_below_min_tokens(logits, requests)
+        return cls._apply_penalties(logits, requests)
 
     @staticmethod
     def _add_logit_bias(logits, params) -> None:

@@ -13,9 +13,12 @@ seeded request (whose number for its k-th output token is its seed's k-th: sampl
 emits the very tokens it would without speculation.
 
 A grammar's mask (structured outputs: at each row, what the grammar allows after the drafts before
-it), logit bias, temperature, top-k, top-p and min-p apply per row as in the sampler; requests with
-penalties, allowed_token_ids, bad_words or min_tokens still to reach get no drafts (engine/spec_decode/speculator.py), and a
-constrained request's drafts stop where its grammar would refuse one."""
+it), then the sampler's own logits processing (`Sampler.process_logits`: allowed_token_ids,
+bad_words, logit bias, min_tokens' stops, penalties), temperature, top-k, top-p and min-p apply per
+row as in the sampler, each row's output so far being the request's followed by the drafts before
+it (draft_rows.py): penalties count those drafts, a bad word's prefix may end in them, and EOS and
+stop tokens stay masked while fewer than min_tokens would come before. A constrained request's
+drafts stop where its grammar would refuse one."""
 from __future__ import annotations
 
 import torch
@@ -23,6 +26,7 @@ import torch
 from treeserve.engine import structured_outputs
 from treeserve.engine.input_batch import CachedRequestState
 from treeserve.engine.sampler import Sampler, _filter, _inverse_transform, _on
+from treeserve.engine.spec_decode.draft_rows import draft_rows
 
 Emitted = list[tuple[int, dict | None]]
 
@@ -37,7 +41,7 @@ def verify(logits: torch.Tensor, rows: list[tuple[CachedRequestState, list[int]]
     raw = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
     firsts = _first_rows(rows)
     _apply_grammars(logits, rows, firsts, grammar_bitmasks or {})
-    Sampler._add_logit_bias(logits, params)
+    logits = Sampler.process_logits(logits, draft_rows(rows))
     greedy = [i for i, (state, _) in enumerate(rows) if state.sampling_params.greedy]
     sampled = [i for i, (state, _) in enumerate(rows) if not state.sampling_params.greedy]
     tokens: list[list[int]] = [[] for _ in rows]

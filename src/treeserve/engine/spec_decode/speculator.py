@@ -138,15 +138,12 @@ class Speculator:
 
     def _room(self, request: Request, config: SpeculativeConfig, threshold: float) -> int:
         """How many drafts the request may verify in its next step: 0 unless it decodes (its last
-        token alone uncomputed, none in flight) under plain sampling rules (no penalties, allowed_token_ids
-        or bad_words: the verification does not mask); no more than its pace
-        (pace.py), max_tokens and the model's length allow (the step emits drafts + 1)."""
-        params = request.sampling_params
+        token alone uncomputed, none in flight); no more than its pace (pace.py), max_tokens and the
+        model's length allow (the step emits drafts + 1). (Penalties, allowed_token_ids, bad_words
+        and min_tokens draft too: each verified row is processed as the sampler's decode row would
+        be after the drafts before it, rejection.py.)"""
         if (request.prefill_only or request.num_in_flight
-                or request.num_computed_tokens != request.num_tokens - 1
-                or request.num_output_tokens < params.min_tokens
-                or params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1
-                or params.allowed_token_ids or params.bad_words_token_ids):
+                or request.num_computed_tokens != request.num_tokens - 1):
             return 0
         left = min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
         if request.draft_pace is None:

@@ -1,0 +1,231 @@
+"""Speculation for requests whose logits the sampler processes: penalties, allowed_token_ids,
+bad_words, min_tokens. Each verified row is processed as a plain decode row after the drafts before
+it (a penalty counts them, a bad word's prefix may end in them, min_tokens counts them): checked row
+by row on hand-made logits; greedy tokens equal decoding without speculation, with reference, n-gram
+and draft-model drafts; seeded samples are the very tokens of decoding without it; sampled tokens
+keep the penalized distribution (chi-square)."""
+import math
+
+import pytest
+import torch
+
+from conftest import assert_no_leak
+from test_spec_decode import FixedDraft, _binned, _chi_square, _install, _llm, _spec, draft_always
+from test_spec_decode_draft_model import _draft, _perturbed_copy
+from test_token_masks import _word_it_wrote
+from treeserve import SamplingParams
+from treeserve.engine.input_batch import CachedRequestState
+from treeserve.engine.spec_decode.proposer import PerRequestProposer
+from treeserve.engine.spec_decode.rejection import verify
+
+TEXT = ["The water is", "Once upon a time there was a little", "1 + 2 ="]
+BASE = dict(temperature=0.0, max_tokens=30, ignore_eos=True)
+VOCAB, EOS = 16, 0
+
+
+def _state(outputs: list[int], bad_words=(), **fields) -> CachedRequestState:
+    """A decoding request of prompt [1, 2, 3] that has emitted `outputs` (the last one not yet computed)."""
+    params = SamplingParams(temperature=0.0, max_tokens=50, **fields)
+    params.bad_words_token_ids = tuple(tuple(w) for w in bad_words)
+    tokens = [1, 2, 3] + outputs
+    return CachedRequestState("r", tokens, 3, [], len(tokens) - 1, params, (EOS,), False, None, None, None)
+
+
+def _rows(*preferences: list[int]) -> torch.Tensor:
+    """One logits row per preference list: its tokens from most to least likely, the rest far below."""
+    logits = torch.full((len(preferences), VOCAB), -10.0)
+    for row, tokens in enumerate(preferences):
+        for rank, token in enumerate(tokens):
+            logits[row, token] = 8.0 - rank
+    return logits
+
+
+# (state fields, drafts, each row's preferences, the tokens emitted): the model at each row prefers
+# the next draft, but the row's processing, with the drafts before it in the output, refuses it
+VERIFIED = {
+    "frequency_penalty": ({"frequency_penalty": 1.5}, [9], [5, 5], [[5, 6], [5, 6], [7]], [5, 6]),
+    "presence_penalty": ({"presence_penalty": 1.5}, [9], [5, 5], [[5, 6], [5, 6], [7]], [5, 6]),
+    "repetition_penalty": ({"repetition_penalty": 2.0}, [9], [5, 5], [[5, 6], [5, 6], [7]], [5, 6]),
+    "a penalty counts the output too": ({"frequency_penalty": 1.5}, [5], [5], [[5, 6], [7]], [6]),
+    "bad_words": ({"bad_words": [[5, 6]]}, [9], [5, 6], [[5], [6, 7], [8]], [5, 7]),
+    "bad_words across the output": ({"bad_words": [[9, 5, 6]]}, [9], [5, 6], [[5], [6, 7], [8]], [5, 7]),
+    "allowed_token_ids": ({"allowed_token_ids": [5, 7, 8]}, [9], [5, 6], [[5], [6, 7], [8]], [5, 7]),
+    "min_tokens": ({"min_tokens": 3}, [9], [5, 6, 7], [[EOS, 5], [EOS, 6], [EOS, 7], [EOS]], [5, 6, EOS]),
+    "min_tokens reached": ({"min_tokens": 1}, [9], [5, 6], [[5], [EOS, 6], [EOS]], [5, EOS]),
+    "unprocessed": ({}, [9], [5, 5], [[5, 6], [5, 6], [7]], [5, 5, 7]),
+}
+
+
+@pytest.mark.parametrize("case", VERIFIED)
+def test_each_verified_row_is_processed_after_the_drafts_before_it(case):
+    fields, outputs, drafts, preferences, emitted = VERIFIED[case]
+    fields = dict(fields)
+    state = _state(outputs, fields.pop("bad_words", ()), **fields)
+    got = verify(_rows(*preferences), [(state, drafts)])["r"]
+    assert [token for token, _ in got] == emitted
+
+
+def _cases(llm) -> dict[str, dict]:
+    """Each processing, with values that change the greedy tokens of `TEXT` (checked by the test)."""
+    tokenizer, vocab = llm.get_tokenizer(), llm.engine.loaded.model_config.vocab_size
+    [free] = llm.generate(TEXT[:1], SamplingParams(**BASE), use_tqdm=False)
+    ids, tokens = free.prompt_token_ids, free.outputs[0].token_ids
+    word, _ = _word_it_wrote(tokenizer, vocab, ids, tokens, 2)  # (a two-token word: its prefix may be a draft)
+    return {"repetition_penalty": {"repetition_penalty": 1.3},
+            "frequency_penalty": {"frequency_penalty": 0.6},
+            "presence_penalty": {"presence_penalty": 0.8},
+            "penalties_together": {"repetition_penalty": 1.1, "frequency_penalty": 0.3, "presence_penalty": 0.3},
+            "allowed_token_ids": {"allowed_token_ids": [t for t in range(vocab) if t not in tokens[1:8:3]]},
+            "bad_words": {"bad_words": [word]},
+            "min_tokens": {"min_tokens": 20, "ignore_eos": False, "stop_token_ids": [tokens[2], tokens[5]]}}
+
+
+def _generate(llm, fields: dict, proposer=None):
+    """Each prompt's tokens and finish reason; `proposer` (a ProcessedReference) learns them."""
+    outputs = llm.generate(TEXT, SamplingParams(**{**BASE, **fields}), use_tqdm=False)
+    if proposer is not None:
+        proposer.by_prompt = {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in outputs}
+    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def plain(llama_dir):
+    return _llm(llama_dir, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def perturbed(llama_dir, tmp_path_factory):
+    return _perturbed_copy(llama_dir, tmp_path_factory.mktemp("draft") / "perturbed", scale=0.2)
+
+
+class ProcessedReference(PerRequestProposer):
+    """Drafts the plain engine's tokens under the case's processing, every third draft spoiled:
+    drafts kept, rejected mid-way and kept whole, so every row after a kept draft is processed
+    with it in the output (a test double; the verification is the engine's)."""
+
+    def __init__(self):
+        self.by_prompt, self.calls = {}, 0
+
+    def propose(self, request, k, threshold):
+        self.calls += 1
+        done = request.num_output_tokens
+        draft = list(self.by_prompt[tuple(request.prompt_token_ids)][done:done + k])
+        if self.calls % 3 == 0 and draft:
+            draft[-1] = (draft[-1] + 1) % 64
+        return draft
+
+
+@pytest.fixture(scope="module")
+def speculating(llama_dir, perturbed):
+    """A speculating engine per method, made once: `speculating(method)`."""
+    made = {}
+
+    def make(method):
+        if method not in made:
+            config = _draft(perturbed) if method == "draft_model" else _spec(k=4, prompt_lookup_min=1)
+            llm = _llm(llama_dir, max_model_len=256, speculative_config=config)
+            if method == "reference":
+                _install(llm, ProcessedReference())
+            made[method] = draft_always(llm)
+        return made[method]
+    return make
+
+
+CASES = ["repetition_penalty", "frequency_penalty", "presence_penalty", "penalties_together", "allowed_token_ids",
+         "bad_words", "min_tokens"]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("method", ["reference", "ngram", "draft_model"])
+def test_greedy_tokens_with_each_processing_equal_decoding_without_speculation(plain, speculating, method, case):
+    llm = speculating(method)
+    fields = _cases(plain)[case]
+    proposer = llm.engine.speculator.proposers[llm.engine.speculator.config]
+    expected = _generate(plain, fields, proposer if method == "reference" else None)
+    assert expected != _generate(plain, {}), f"{case} changes nothing here: no test of it"
+    before = llm.engine.stats()
+    assert _generate(llm, fields) == expected
+    after = llm.engine.stats()
+    drafted = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+    kept = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+    assert drafted > 0  # (no request is left without drafts for its processing)
+    if method != "ngram":  # (n-gram drafts of a penalized output are mostly wrong: they may all be refused)
+        assert drafted > kept > 0, (drafted, kept)
+    assert_no_leak(llm.engine)
+
+
+def _seeded(fields: dict) -> SamplingParams:
+    return SamplingParams(**{**BASE, "temperature": 1.0, "top_p": 0.9, "seed": 7, "logprobs": 1, **fields})
+
+
+@pytest.mark.parametrize("method", ["reference", "ngram"])
+def test_seeded_samples_with_processing_equal_those_without_speculation(plain, speculating, method):
+    """A seeded request's number for each position is its seed's, drafts or not: with every processing
+    at once, its sampled tokens (and logprobs) are those of decoding without speculation."""
+    fields = {k: v for case in ("penalties_together", "bad_words", "allowed_token_ids", "min_tokens")
+              for k, v in _cases(plain)[case].items()}
+    llm = speculating(method)
+    proposer = llm.engine.speculator.proposers[llm.engine.speculator.config]
+    params = _seeded(fields)
+    expected = plain.generate(TEXT, params, use_tqdm=False)
+    if method == "reference":
+        proposer.by_prompt = {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in expected}
+    before = llm.engine.stats()
+    got = llm.generate(TEXT, params, use_tqdm=False)
+    for a, b in zip(expected, got):
+        x, y = a.outputs[0], b.outputs[0]
+        assert (x.token_ids, x.finish_reason) == (y.token_ids, y.finish_reason)
+        assert [e.keys() for e in x.logprobs] == [e.keys() for e in y.logprobs]
+    after = llm.engine.stats()
+    assert after.spec_decode_num_draft_tokens > before.spec_decode_num_draft_tokens
+    if method == "reference":
+        assert after.spec_decode_num_accepted_tokens > before.spec_decode_num_accepted_tokens
+    assert_no_leak(llm.engine)
+
+
+FREQUENCY = 2.0
+
+
+def _penalized_top3(plain, prompt: list[int], outputs: tuple[int, ...], penalty=FREQUENCY) -> dict[int, float]:
+    """p(next | prompt + outputs) at temperature 1, top_k=3, with frequency_penalty FREQUENCY on the
+    outputs' counts: the model's raw logprobs (a positive penalty only lowers: the top 3 after it lie
+    in the top 3 + len(outputs) before), penalized, cut to 3, renormalized."""
+    out = plain.generate([{"prompt_token_ids": prompt + list(outputs)}],
+                         SamplingParams(temperature=0, max_tokens=1, logprobs=3 + len(outputs)),
+                         use_tqdm=False)[0].outputs[0].logprobs[0]
+    scores = {t: lp.logprob - penalty * outputs.count(t) for t, lp in out.items() if lp.rank <= 3 + len(outputs)}
+    top = sorted(scores, key=scores.get, reverse=True)[:3]
+    total = sum(math.exp(scores[t]) for t in top)
+    return {t: math.exp(scores[t]) / total for t in top}
+
+
+def test_penalized_samples_keep_the_penalized_distribution(llama_dir, plain):
+    """20,000 draws of three tokens at temperature 1, top_k=3, frequency_penalty=2: the second and
+    third come from one verified step whose draft for the second is one of its row's top 3 (kept
+    when its row samples it), the one the model most likely repeats third, unpenalized: the third
+    row must count it. The joint frequencies against the product of the penalized conditionals
+    (chi-square, p > 0.01); a verification that left the draft out of the third row's counts fails."""
+    prompt = [3, 4] * 4  # (a prompt after which the tiny model likely repeats a token of its top 3)
+    first = _penalized_top3(plain, prompt, ())
+    likely = max(first, key=first.get)
+    second = _penalized_top3(plain, prompt, (likely,))
+    draft = max(second, key=lambda d: _penalized_top3(plain, prompt, (likely, d), penalty=0).get(d, 0.0))
+    llm = _llm(llama_dir, max_num_seqs=256, speculative_config=_spec(k=1))
+    _install(llm, FixedDraft(draft))
+    expected = {(): 1.0}
+    for _ in range(3):
+        expected = {seq + (t,): p * q for seq, p in expected.items()
+                    for t, q in _penalized_top3(plain, prompt, seq).items()}
+    params = SamplingParams(temperature=1.0, top_k=3, max_tokens=3, n=100, frequency_penalty=FREQUENCY)
+    counts = dict.fromkeys(expected, 0)
+    for output in llm.generate([{"prompt_token_ids": prompt}] * 200, params, use_tqdm=False):
+        for c in output.outputs:
+            counts[tuple(c.token_ids)] = counts.get(tuple(c.token_ids), 0) + 1
+    total = sum(counts.values())
+    assert total == 20_000
+    observed, wanted = _binned(counts, {c: expected.get(c, 0.0) * total for c in counts})
+    statistic, p_value = _chi_square(observed, wanted)
+    assert p_value > 0.01, (statistic, p_value, counts, expected)
+    stats = llm.engine.stats()
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens  # both branches ran
+    assert_no_leak(llm.engine)
