@@ -149,19 +149,27 @@ class BlockPool:
     def allocate(self, count: int, owner: str = "") -> list[KVBlock]:
         if count > self.num_free:
             raise RuntimeError(f"asked for {count} KV blocks, {self.num_free} free")
-        taken = []
-        for _ in range(count):
+        taken: list[KVBlock] = []
+        while len(taken) < count:
             while self.free_blocks.next_is_shared() and self.reclaim(owner):
                 pass
-            block = self.free_blocks.pop(owner, self.in_use_by_owner)
+            # empty and probation blocks in runs; a shared prefix one at a time (the fair shares it
+            # is chosen by move with each block taken, and `reclaim` is tried before each)
+            run = self.free_blocks.pop_unshared(count - len(taken)) or [self.free_blocks.pop(owner, self.in_use_by_owner)]
+            self._take(run, owner)
+            taken += run
+        return taken
+
+    def _take(self, blocks: list[KVBlock], owner: str) -> None:
+        """Victims become `owner`'s new blocks, each evicted in turn."""
+        for block in blocks:
             block.wanted_by = None
-            self._evict(block, owner)
+            if block.block_hash is not None:
+                self._evict(block, owner)
             block.ref_count = 1
             block.owner = owner
             block.reused = False
-            self._count_in_use(block, 1)
-            taken.append(block)
-        return taken
+        self.in_use_by_owner[owner] = self.in_use_by_owner.get(owner, 0) + len(blocks)
 
     def set_wanted(self, owner: str, blocks: list[KVBlock]) -> None:
         """The cached blocks that `owner`'s waiting requests will hit (replacing the last set): free

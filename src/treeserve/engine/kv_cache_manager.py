@@ -86,7 +86,8 @@ class KVCacheManager:
         """Reserves KV slots for `num_new_tokens` more tokens; False (and no change) if the pool is short."""
         table = self.block_tables.get(request.request_id)
         if prefix is None and table and self._fits_in_table(request, table, num_new_tokens):
-            self.free_behind_window(request)  # a decode within its last block: nothing to allocate
+            if self.window is not None:  # a decode within its last block: nothing to allocate
+                self.free_behind_window(request)
             return True
         if self._shortfall(request, num_new_tokens, prefix) > 0:
             return False
@@ -104,8 +105,13 @@ class KVCacheManager:
         return True
 
     def _fits_in_table(self, request: Request, table: list[KVBlock], num_new_tokens: int) -> bool:
+        """The slots lie in the table's blocks, and none of them is a tail shared with another
+        request (`_shared_tail_index` is None; spelt out here: every decode of every step asks)."""
         computed = request.num_computed_tokens
-        return computed + num_new_tokens <= len(table) * self.block_size and self._shared_tail_index(table, computed) is None
+        if computed + num_new_tokens > len(table) * self.block_size:
+            return False
+        index, offset = divmod(computed, self.block_size)
+        return not offset or index >= len(table) or table[index].ref_count <= 1
 
     def free_behind_window(self, request: Request) -> None:
         """Frees the request's blocks that no layer reads again: the next query, at position
