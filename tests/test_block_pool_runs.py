@@ -23,7 +23,13 @@ class PerBlockPool(BlockPool):
                 pass
             block = self.free_blocks.pop(owner, self.in_use_by_owner)
             block.wanted_by = None
-            self._evict(block, owner)
+            if block.block_hash is not None:  # (the eviction, as `_evict` was)
+                if self.cached.get(block.block_hash) is block:
+                    del self.cached[block.block_hash]
+                    self.thrash_window.add(block.block_hash, owner)
+                    self.stats.evictions += 1
+                    self.owner_stats(block.owner).evictions += 1
+                block.block_hash = None
             block.ref_count = 1
             block.owner = owner
             block.reused = False
@@ -56,7 +62,7 @@ class Model:
         tiers = {name: {o: list(q) for o, q in getattr(free, name).items()} for name in ("probation", "protected", "wanted")}
         blocks = [(b.ref_count, b.block_hash, b.owner, b.reused, b.freed_at, b.wanted_by) for b in pool.blocks]
         return (list(free.empty), tiers, len(free), blocks, {h: b.block_id for h, b in pool.cached.items()},
-                list(pool.thrash_window._hashes.items()), pool.stats, pool.stats_by_owner, dict(pool.in_use_by_owner),
+                list(pool.thrash_window._hashes.items()), pool.stats, list(pool.stats_by_owner.items()), list(pool.in_use_by_owner.items()),
                 {o: [b.block_id for b in bs] for o, bs in pool.wanted_by_owner.items()}, list(self.calls),
                 [(o, [b.block_id for b in bs]) for o, bs in self.live], [(o, [b.block_id for b in bs]) for o, bs in self.kept])
 

@@ -23,6 +23,9 @@ class CachedPrefix:
     thrash_hashes: list[bytes] = field(default_factory=list)
 
 
+_NO_PREFIX = CachedPrefix()  # (read only: what a running request's allocation counts as its prefix)
+
+
 class KVCacheManager:
     """One model's view of a block pool; several managers (models) may share one pool."""
 
@@ -65,7 +68,7 @@ class KVCacheManager:
     def _shortfall(self, request: Request, num_new_tokens: int, prefix: CachedPrefix | None,
                    spare_wanted: bool = False) -> int:
         table = self.block_tables.get(request.request_id, [])
-        prefix = prefix or CachedPrefix()
+        prefix = prefix or _NO_PREFIX
         computed = request.num_computed_tokens + prefix.num_tokens
         new_blocks = self._blocks_for(computed + num_new_tokens) - len(table) - len(prefix.blocks)
         cow = 1 if self._shared_tail_index(table, computed) is not None else 0
