@@ -149,19 +149,37 @@ class BlockPool:
     def allocate(self, count: int, owner: str = "") -> list[KVBlock]:
         if count > self.num_free:
             raise RuntimeError(f"asked for {count} KV blocks, {self.num_free} free")
-        taken = []
-        for _ in range(count):
+        taken: list[KVBlock] = []
+        while len(taken) < count:
             while self.free_blocks.next_is_shared() and self.reclaim(owner):
                 pass
-            block = self.free_blocks.pop(owner, self.in_use_by_owner)
+            # empty and probation blocks in runs; a shared prefix one at a time (the fair shares it
+            # is chosen by move with each block taken, and `reclaim` is tried before each)
+            run = self.free_blocks.pop_unshared(count - len(taken)) or [self.free_blocks.pop(owner, self.in_use_by_owner)]
+            self._take(run, owner)
+            taken += run
+        return taken
+
+    def _take(self, blocks: list[KVBlock], owner: str) -> None:
+        """Victims become `owner`'s new blocks; a cached one is evicted (its hash forgotten, and
+        remembered by the thrash detector with `owner` as the evictor)."""
+        cached, window = self.cached, self.thrash_window
+        evicted: dict[str, int] = {}  # by the evicted block's owner, in first-evicted order
+        for block in blocks:
+            block_hash = block.block_hash
+            if block_hash is not None and cached.get(block_hash) is block:
+                del cached[block_hash]
+                window.add(block_hash, owner)
+                evicted[block.owner] = evicted.get(block.owner, 0) + 1
+            block.block_hash = None
             block.wanted_by = None
-            self._evict(block, owner)
             block.ref_count = 1
             block.owner = owner
             block.reused = False
-            self._count_in_use(block, 1)
-            taken.append(block)
-        return taken
+        for evicted_owner, count in evicted.items():
+            self.stats.evictions += count
+            self.owner_stats(evicted_owner).evictions += count
+        self.in_use_by_owner[owner] = self.in_use_by_owner.get(owner, 0) + len(blocks)
 
     def set_wanted(self, owner: str, blocks: list[KVBlock]) -> None:
         """The cached blocks that `owner`'s waiting requests will hit (replacing the last set): free
@@ -176,16 +194,6 @@ class BlockPool:
             if block.wanted_by != owner:
                 self.free_blocks.want(block, owner)
         self.wanted_by_owner[owner] = list(blocks)
-
-    def _evict(self, block: KVBlock, evicted_by: str) -> None:
-        if block.block_hash is None:
-            return
-        if self.cached.get(block.block_hash) is block:
-            del self.cached[block.block_hash]
-            self.thrash_window.add(block.block_hash, evicted_by)
-            self.stats.evictions += 1
-            self.owner_stats(block.owner).evictions += 1
-        block.block_hash = None
 
     def free(self, blocks_tail_first) -> None:
         for block in blocks_tail_first:

@@ -25,6 +25,7 @@ one, and what the queue is about to hit goes last.
 from __future__ import annotations
 
 import itertools
+import math
 from collections import OrderedDict
 
 from treeserve.engine.kv_block import KVBlock
@@ -120,6 +121,26 @@ class FreeBlocks:
         self._size -= 1
         return self._victim_queue(requester, in_use).popitem(last=False)[1]
 
+    def pop_unshared(self, count: int) -> list[KVBlock]:
+        """`pop`'s next victims, at most `count`, while they are empty or on probation (none once the
+        next is a shared prefix). Which of those goes next depends on neither the requester nor the
+        blocks in use, and taking one changes no other queue, so each run is taken in one go: the
+        empty blocks, then from the probation queue with the oldest head as long as its head stays
+        older than every other probation queue's (a tie goes back to `pop`'s choice)."""
+        taken = _take(self.empty, count)
+        while len(taken) < count:
+            queue = self._oldest_head(self.probation.values())
+            if queue is None:
+                break
+            taken += _take(queue, _run_older_than(queue, count - len(taken), self._other_heads_oldest(queue)))
+        self._size -= len(taken)
+        return taken
+
+    def _other_heads_oldest(self, queue: OrderedDict[int, KVBlock]) -> float:
+        """The oldest `freed_at` at the head of a probation queue other than `queue` (inf if none)."""
+        heads = [next(iter(q.values())).freed_at for q in self.probation.values() if q and q is not queue]
+        return min(heads, default=math.inf)
+
     def want(self, block: KVBlock, owner: str) -> None:
         """Queued work of `owner` will hit this block: if free, it moves to the wanted tier."""
         self._retier(block, owner)
@@ -198,3 +219,25 @@ class FreeBlocks:
     def _oldest_head(queues) -> OrderedDict[int, KVBlock] | None:
         heads = [q for q in queues if q]
         return min(heads, key=lambda q: next(iter(q.values())).freed_at) if heads else None
+
+
+def _take(queue: OrderedDict[int, KVBlock], count: int) -> list[KVBlock]:
+    """The first `count` blocks of a free queue (all of them if it holds fewer), removed."""
+    if count >= len(queue):
+        taken = list(queue.values())
+        queue.clear()
+        return taken
+    return [queue.popitem(last=False)[1] for _ in range(count)]
+
+
+def _run_older_than(queue: OrderedDict[int, KVBlock], count: int, bound: float) -> int:
+    """How many of the queue's first blocks `pop` takes in a row, at most `count`: the head (the
+    oldest of all heads), then each next one freed before `bound`, the other queues' oldest head."""
+    if bound == math.inf:
+        return min(count, len(queue))
+    run = 1
+    for block in itertools.islice(queue.values(), 1, count):
+        if block.freed_at >= bound:
+            break
+        run += 1
+    return run

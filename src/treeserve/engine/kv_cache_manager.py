@@ -23,6 +23,9 @@ class CachedPrefix:
     thrash_hashes: list[bytes] = field(default_factory=list)
 
 
+_NO_PREFIX = CachedPrefix()  # (read only: what a running request's allocation counts as its prefix)
+
+
 class KVCacheManager:
     """One model's view of a block pool; several managers (models) may share one pool."""
 
@@ -65,7 +68,7 @@ class KVCacheManager:
     def _shortfall(self, request: Request, num_new_tokens: int, prefix: CachedPrefix | None,
                    spare_wanted: bool = False) -> int:
         table = self.block_tables.get(request.request_id, [])
-        prefix = prefix or CachedPrefix()
+        prefix = prefix or _NO_PREFIX
         computed = request.num_computed_tokens + prefix.num_tokens
         new_blocks = self._blocks_for(computed + num_new_tokens) - len(table) - len(prefix.blocks)
         cow = 1 if self._shared_tail_index(table, computed) is not None else 0
@@ -86,7 +89,8 @@ class KVCacheManager:
         """Reserves KV slots for `num_new_tokens` more tokens; False (and no change) if the pool is short."""
         table = self.block_tables.get(request.request_id)
         if prefix is None and table and self._fits_in_table(request, table, num_new_tokens):
-            self.free_behind_window(request)  # a decode within its last block: nothing to allocate
+            if self.window is not None:  # a decode within its last block: nothing to allocate
+                self.free_behind_window(request)
             return True
         if self._shortfall(request, num_new_tokens, prefix) > 0:
             return False
@@ -104,8 +108,13 @@ class KVCacheManager:
         return True
 
     def _fits_in_table(self, request: Request, table: list[KVBlock], num_new_tokens: int) -> bool:
+        """The slots lie in the table's blocks, and none of them is a tail shared with another
+        request (`_shared_tail_index` is None; spelt out here: every decode of every step asks)."""
         computed = request.num_computed_tokens
-        return computed + num_new_tokens <= len(table) * self.block_size and self._shared_tail_index(table, computed) is None
+        if computed + num_new_tokens > len(table) * self.block_size:
+            return False
+        index, offset = divmod(computed, self.block_size)
+        return not offset or index >= len(table) or table[index].ref_count <= 1
 
     def free_behind_window(self, request: Request) -> None:
         """Frees the request's blocks that no layer reads again: the next query, at position

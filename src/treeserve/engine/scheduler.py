@@ -224,7 +224,9 @@ class Scheduler:
         """
         if not self.kv.pool.enable_caching:
             return set()
-        return {h for r in self.running for h in self._uncomputed_prompt_blocks(r)}
+        # (a decode, past its prompt, has none: most running requests, skipped without a call)
+        return {h for r in self.running if r.num_computed_tokens < len(r.prompt_token_ids)
+                for h in self._uncomputed_prompt_blocks(r)}
 
     def _uncomputed_prompt_blocks(self, request: Request) -> list[bytes]:
         size = self.kv.block_size
