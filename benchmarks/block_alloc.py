@@ -17,6 +17,8 @@ import time
 
 from treeserve.engine.block_pool import BlockPool
 
+PROMPT_TOKENS = 100  # each decoding request's prompt
+
 
 def cached_pool(num_blocks: int, run: int) -> BlockPool:
     """A pool whose every block holds a cached prefix on probation, the two models' interleaved."""
@@ -52,17 +54,24 @@ def time_decodes(num_requests: int, steps: int, block_size: int) -> float:
     from treeserve.engine.request import Request
     from treeserve.sampling_params import SamplingParams
 
-    kv = KVCacheManager(num_requests * (steps // block_size + 8), block_size)
-    requests = [Request(f"r{i}", list(range(i, i + 100)), SamplingParams(max_tokens=steps)) for i in range(num_requests)]
+    kv = KVCacheManager(num_requests * -(-(PROMPT_TOKENS + steps) // block_size), block_size)
+    requests = [Request(f"r{i}", list(range(i, i + PROMPT_TOKENS)), SamplingParams(max_tokens=steps))
+                for i in range(num_requests)]
     for request in requests:
-        kv.allocate_slots(request, request.num_tokens)
+        _allocate(kv, request, request.num_tokens)
         request.num_computed_tokens = request.num_tokens
     start = time.thread_time()
     for _ in range(steps):
         for request in requests:
-            kv.allocate_slots(request, 1)
+            if not kv.allocate_slots(request, 1):  # (the pool holds every decode: timing a refusal is wrong)
+                raise RuntimeError(f"{request.request_id}'s decode found the pool short")
             request.num_computed_tokens += 1
     return (time.thread_time() - start) / (steps * num_requests)
+
+
+def _allocate(kv, request, num_tokens: int) -> None:
+    if not kv.allocate_slots(request, num_tokens):
+        raise RuntimeError(f"{request.request_id}'s {num_tokens} slots found the pool short")
 
 
 def main(argv=None) -> None:
@@ -74,6 +83,11 @@ def main(argv=None) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
+    for name in ("blocks", "run", "requests", "steps", "block_size", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.run > args.blocks:
+        parser.error(f"--run {args.run}: a call cannot take more than the pool's {args.blocks} blocks")
     allocate = statistics.median(time_allocate(args.blocks, args.run) for _ in range(args.repeats))
     print(f"allocate, runs of {args.run} evicting blocks: {allocate * 1e9:.0f} ns a block")
     decode = statistics.median(time_decodes(args.requests, args.steps, args.block_size) for _ in range(args.repeats))

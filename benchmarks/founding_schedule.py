@@ -47,13 +47,16 @@ def main(argv=None) -> None:
     args = gpu.parse_args(["--device", "cpu", "--founding-replica", "--sections", "founding_search", "--splits", "0.3",
                            "--founding-block-size", "0", "--founding-ceiling", "0", "--out", str(own.out)])
     args.results = {}
+    configurations = gpu_founding.configurations(args.splits, 0, 0)
+    if own.only is not None and own.only not in [label for label, _ in configurations]:
+        parser.error(f"--only {own.only!r}: the configurations are " + ", ".join(repr(label) for label, _ in configurations))
     gen_dir, prm_dir = gpu.model_dirs(args, own.out / "models")
     gpu_founding.fixed_length_steps()
     vocab = gpu.model_shapes(args)[0][0]["vocab_size"]
     problems = gpu_founding.questions(args.search_problems, vocab, seed=1, smoke=False)
     loaded = gpu_founding.load_models(args, {"gen": gen_dir, "prm": prm_dir})
     scheduler.Scheduler.schedule = timed_schedule
-    for label, options in gpu_founding.configurations(args.splits, 0, 0):
+    for label, options in configurations:
         if own.only and label != own.only:
             continue
         runtime = gpu_founding.build_runtime(args, loaded, options)

@@ -71,11 +71,14 @@ def _hash(rng):
     return rng.randrange(48).to_bytes(2, "big") * 8  # a small space: duplicates, hits and thrash
 
 
-def _step(models, rng):
+OPS = ("allocate", "cache", "free", "keep", "touch", "share", "want", "lookup", "reset")
+WEIGHTS = (8, 6, 5, 2, 3, 2, 3, 2, 0.2)
+
+
+def _step(models, rng, ops=OPS, weights=WEIGHTS):
     """One random operation, the same on every model (blocks named by id)."""
     pool0, live0 = models[0].pool, models[0].live
-    op = rng.choices(("allocate", "cache", "free", "keep", "touch", "share", "want", "lookup", "reset"),
-                     weights=(8, 6, 5, 2, 3, 2, 3, 2, 0.2))[0]
+    op = rng.choices(ops, weights=weights)[0]
     owner = rng.choice(OWNERS)
     if op == "allocate" and pool0.num_free:
         count = rng.randint(1, min(pool0.num_free, rng.choice((2, 8, 40))))
@@ -117,6 +120,13 @@ def _step(models, rng):
     elif op == "reset":
         for m in models:
             m.pool.reset_prefix_cache()
+    elif op == "drop_head" and live0:  # a sliding window frees a sequence's first blocks, head first
+        index = rng.randrange(len(live0))
+        drop = rng.randint(0, len(live0[index][1]))
+        for m in models:
+            owner, blocks = m.live[index]
+            m.live[index] = (owner, blocks[drop:])
+            m.pool.free(blocks[:drop])
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -131,6 +141,25 @@ def test_allocating_in_runs_decides_as_one_block_at_a_time(seed):
         _step(models, rng)
         assert models[1].state() == models[0].state()
     assert models[1].pool.stats.evictions > 0
+
+
+@pytest.mark.parametrize("num_blocks", (1, 2, 3, 5, 9))
+def test_runs_decide_as_one_block_at_a_time_in_tiny_pools_with_window_frees(num_blocks):
+    """Pools of a few blocks (a run is the whole pool, or a single block) and frees head first, as a
+    sliding window drops a sequence's first blocks (free order across the probation queues interleaves)."""
+    ops, weights = OPS + ("drop_head",), WEIGHTS[:-1] + (1, 3)  # (a reset rarely: it needs an empty pool)
+    evictions = 0
+    for seed in range(12):
+        rng = random.Random(seed)
+        models = [Model(PerBlockPool, num_blocks), Model(BlockPool, num_blocks)]
+        for owner in OWNERS[:1 + seed % 3]:
+            for m in models:
+                m.pool.add_owner(owner)
+        for _ in range(300):
+            _step(models, rng, ops, weights)
+            assert models[1].state() == models[0].state()
+        evictions += models[1].pool.stats.evictions
+    assert evictions > 0
 
 
 def test_a_run_of_empty_and_probation_blocks_is_taken_without_a_pop_each(monkeypatch):
