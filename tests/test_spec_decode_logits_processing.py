@@ -65,6 +65,30 @@ def test_each_verified_row_is_processed_after_the_drafts_before_it(case):
     assert [token for token, _ in got] == emitted
 
 
+class Unread(CachedRequestState):
+    """A request whose histories must not be read (its rows take no penalty)."""
+
+    @property
+    def output_token_ids(self):
+        raise AssertionError(f"{self.request_id}'s output was read")
+
+    @property
+    def prompt_token_ids(self):
+        raise AssertionError(f"{self.request_id}'s prompt was read")
+
+
+def test_only_penalized_rows_read_their_histories():
+    """Beside a penalized request, an unpenalized one's k + 1 rows cost no history (each row's
+    output and prompt; a batch of 64 such requests with 8 drafts each spent tens of milliseconds
+    a step building them); both emit what they would alone."""
+    penalized = _state([9], repetition_penalty=2.0)
+    free = _state([9])
+    free.__class__, free.request_id = Unread, "free"
+    preferences = [[5, 6], [5, 6], [7]]
+    got = verify(torch.cat([_rows(*preferences), _rows(*preferences)]), [(penalized, [5, 5]), (free, [5, 5])])
+    assert [t for t, _ in got["r"]] == [5, 6] and [t for t, _ in got["free"]] == [5, 5, 7]
+
+
 def _cases(llm) -> dict[str, dict]:
     """Each processing, with values that change the greedy tokens of `TEXT` (checked by the test)."""
     tokenizer, vocab = llm.get_tokenizer(), llm.engine.loaded.model_config.vocab_size

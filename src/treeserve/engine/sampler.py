@@ -91,20 +91,16 @@ class Sampler:
 
     @staticmethod
     def _apply_penalties(logits, requests):
-        params = [r.sampling_params for r in requests]
-        if all(p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1 for p in params):
+        """Only the penalized rows read their histories (a verified step's rows each carry the whole
+        output and prompt: building them for every row of a batch where one request is penalized
+        cost more than the step's other host work); the other rows are left as they are."""
+        rows = [row for row, r in enumerate(requests) if penalized(r.sampling_params)]
+        if len(rows) == len(requests):
+            return _penalize(logits, requests)
+        if not rows:
             return logits
-        device, vocab = logits.device, logits.shape[1]
-        counts = _token_counts([r.output_token_ids for r in requests], vocab, device)
-        presence = _on(device, [p.presence_penalty for p in params])[:, None]
-        frequency = _on(device, [p.frequency_penalty for p in params])[:, None]
-        logits = logits - frequency * counts - presence * (counts > 0)
-        if any(p.repetition_penalty != 1 for p in params):
-            repetition = _on(device, [p.repetition_penalty for p in params])[:, None]
-            seen = (counts + _token_counts([r.prompt_token_ids for r in requests], vocab, device)) > 0
-            penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
-            logits = torch.where(seen, penalised, logits)
-        return logits
+        index = _on(logits.device, rows)
+        return logits.index_copy(0, index, _penalize(logits.index_select(0, index), [requests[row] for row in rows]))
 
     def _pick(self, logits, requests):
         params = [r.sampling_params for r in requests]
@@ -119,6 +115,27 @@ class Sampler:
         if not any(greedy_rows):  # (an argmax over the whole vocabulary, for no row)
             return sampled
         return torch.where(to_device(torch.tensor(greedy_rows), logits.device), logits.argmax(dim=-1), sampled)
+
+
+def penalized(params) -> bool:
+    return params.presence_penalty != 0 or params.frequency_penalty != 0 or params.repetition_penalty != 1
+
+
+def _penalize(logits, requests):
+    """Presence and frequency penalties on the output's counts, the repetition penalty on every token
+    of the prompt or the output (vLLM's rules), for rows that all read their histories."""
+    params = [r.sampling_params for r in requests]
+    device, vocab = logits.device, logits.shape[1]
+    counts = _token_counts([r.output_token_ids for r in requests], vocab, device)
+    presence = _on(device, [p.presence_penalty for p in params])[:, None]
+    frequency = _on(device, [p.frequency_penalty for p in params])[:, None]
+    logits = logits - frequency * counts - presence * (counts > 0)
+    if any(p.repetition_penalty != 1 for p in params):
+        repetition = _on(device, [p.repetition_penalty for p in params])[:, None]
+        seen = (counts + _token_counts([r.prompt_token_ids for r in requests], vocab, device)) > 0
+        penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
+        logits = torch.where(seen, penalised, logits)
+    return logits
 
 
 def _logprob_tensors(raw_logprobs, token_ids, requests):
