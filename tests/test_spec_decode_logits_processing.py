@@ -89,6 +89,33 @@ def test_only_penalized_rows_read_their_histories():
     assert [t for t, _ in got["r"]] == [5, 6] and [t for t, _ in got["free"]] == [5, 5, 7]
 
 
+class Counted(CachedRequestState):
+    """A request that counts how often its histories are read."""
+    reads = 0
+
+    @property
+    def output_token_ids(self):
+        Counted.reads += 1
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def prompt_token_ids(self):
+        Counted.reads += 1
+        return self.token_ids[:self.num_prompt_tokens]
+
+
+@pytest.mark.parametrize("case", ["frequency_penalty", "presence_penalty", "repetition_penalty"])
+def test_a_requests_histories_are_read_once_for_all_its_rows(case):
+    """The k + 1 rows of a penalized request count its output (and its prompt) once, then each its
+    own drafts: their tokens are those of the rows read one by one."""
+    fields, outputs, drafts, preferences, emitted = VERIFIED[case]
+    state = _state(outputs, **fields)
+    state.__class__, Counted.reads = Counted, 0
+    got = verify(_rows(*preferences), [(state, drafts)])["r"]
+    assert [token for token, _ in got] == emitted
+    assert Counted.reads == (2 if case == "repetition_penalty" else 1)
+
+
 def _cases(llm) -> dict[str, dict]:
     """Each processing, with values that change the greedy tokens of `TEXT` (checked by the test)."""
     tokenizer, vocab = llm.get_tokenizer(), llm.engine.loaded.model_config.vocab_size
