@@ -211,7 +211,9 @@ def _filter(logits: torch.Tensor, params) -> torch.Tensor:
     vocab = logits.shape[1]
     if any(0 < p.top_k < vocab for p in params) or any(p.top_p < 1 for p in params):
         top_k = _on(logits.device, [p.top_k if p.top_k > 0 else vocab for p in params])
-        top_p = _on(logits.device, [p.top_p for p in params])
+        # (top_p=1 drops nothing: a float32 running sum overshoots 1 by rounding, so a row without
+        # top-p compared with 1 would lose its least likely tokens whenever a neighbour filters)
+        top_p = _on(logits.device, [p.top_p if p.top_p < 1 else float("inf") for p in params])
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=logits.device)[None, :]
         drop = ranks >= top_k[:, None]
