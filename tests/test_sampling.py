@@ -34,6 +34,19 @@ def test_top_p_always_keeps_the_most_likely_token():
     assert kept[0].tolist() == [True, False, False]
 
 
+def test_a_row_without_top_k_or_top_p_keeps_every_token_whatever_shares_its_batch():
+    """A row without top-k or top-p filters nothing beside a row with top_k (or top_p): the running
+    sum of its sorted probabilities overshoots 1 in float32, which once cut ~1,200 of its 32,000 least
+    likely tokens, so its tokens (a seeded request's too, with drafts or without) hung on its batch."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 32000) * 3
+    free = SamplingParams(temperature=1.0)
+    for neighbour in (SamplingParams(top_k=5), SamplingParams(top_p=0.9), SamplingParams(top_k=5, top_p=0.9)):
+        filtered = _filter(torch.cat([logits, logits[:1]]), [free] * 4 + [neighbour])
+        assert torch.equal(filtered[:4], logits), neighbour
+        assert torch.isinf(filtered[4]).sum() >= 32000 - 5 if neighbour.top_k else torch.isinf(filtered[4]).any()
+
+
 def test_sampling_follows_the_distribution():
     probs = torch.tensor([0.6, 0.3, 0.1])
     params = SamplingParams(temperature=1.0, seed=0)

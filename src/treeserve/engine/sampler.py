@@ -63,7 +63,8 @@ class Sampler:
         allowed_token_ids and bad_words, logit bias, min_tokens' stops, penalties (in place where it
         can). A row reads its request's `sampling_params`, `output_token_ids`, `num_output_tokens`,
         `prompt_token_ids` and `eos_token_ids`: the verification of drafts passes one view per
-        verified position, whose output holds the drafts before it (engine/spec_decode/draft_rows.py)."""
+        verified position, whose output holds the drafts before it (engine/spec_decode/draft_rows.py;
+        the penalties count its request's histories once, `state`, and its own `drafts`)."""
         if masked if masked is not None else any(uses_token_masks(r.sampling_params) for r in requests):
             apply_token_masks(logits, requests)
         cls._add_logit_bias(logits, [r.sampling_params for r in requests])
@@ -91,20 +92,16 @@ class Sampler:
 
     @staticmethod
     def _apply_penalties(logits, requests):
-        params = [r.sampling_params for r in requests]
-        if all(p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1 for p in params):
+        """Only the penalized rows read their histories (a verified step's rows each carry the whole
+        output and prompt: building them for every row of a batch where one request is penalized
+        cost more than the step's other host work); the other rows are left as they are."""
+        rows = [row for row, r in enumerate(requests) if penalized(r.sampling_params)]
+        if len(rows) == len(requests):
+            return _penalize(logits, requests)
+        if not rows:
             return logits
-        device, vocab = logits.device, logits.shape[1]
-        counts = _token_counts([r.output_token_ids for r in requests], vocab, device)
-        presence = _on(device, [p.presence_penalty for p in params])[:, None]
-        frequency = _on(device, [p.frequency_penalty for p in params])[:, None]
-        logits = logits - frequency * counts - presence * (counts > 0)
-        if any(p.repetition_penalty != 1 for p in params):
-            repetition = _on(device, [p.repetition_penalty for p in params])[:, None]
-            seen = (counts + _token_counts([r.prompt_token_ids for r in requests], vocab, device)) > 0
-            penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
-            logits = torch.where(seen, penalised, logits)
-        return logits
+        index = _on(logits.device, rows)
+        return logits.index_copy(0, index, _penalize(logits.index_select(0, index), [requests[row] for row in rows]))
 
     def _pick(self, logits, requests):
         params = [r.sampling_params for r in requests]
@@ -119,6 +116,50 @@ class Sampler:
         if not any(greedy_rows):  # (an argmax over the whole vocabulary, for no row)
             return sampled
         return torch.where(to_device(torch.tensor(greedy_rows), logits.device), logits.argmax(dim=-1), sampled)
+
+
+def penalized(params) -> bool:
+    return params.presence_penalty != 0 or params.frequency_penalty != 0 or params.repetition_penalty != 1
+
+
+def _penalize(logits, requests):
+    """Presence and frequency penalties on the output's counts, the repetition penalty on every token
+    of the prompt or the output (vLLM's rules), for rows that all read their histories."""
+    params = [r.sampling_params for r in requests]
+    device, vocab = logits.device, logits.shape[1]
+    owners, index = _owners(requests)
+    counts = _rows_of(_token_counts([o.output_token_ids for o in owners], vocab, device), index, len(owners))
+    tails = [getattr(r, "drafts", ()) for r in requests]
+    if any(tails):
+        counts += _token_counts(tails, vocab, device)
+    presence = _on(device, [p.presence_penalty for p in params])[:, None]
+    frequency = _on(device, [p.frequency_penalty for p in params])[:, None]
+    logits = logits - frequency * counts - presence * (counts > 0)
+    if any(p.repetition_penalty != 1 for p in params):
+        repetition = _on(device, [p.repetition_penalty for p in params])[:, None]
+        prompts = _token_counts([o.prompt_token_ids for o in owners], vocab, device)
+        seen = (counts + _rows_of(prompts, index, len(owners))) > 0
+        penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
+        logits = torch.where(seen, penalised, logits)
+    return logits
+
+
+def _owners(requests) -> tuple[list, list[int]]:
+    """The requests whose histories the rows read, each once, and each row's among them: a verified
+    row (engine/spec_decode/draft_rows.py) reads its request's (`state`), then its own `drafts`."""
+    owners, index, seen = [], [], {}
+    for r in requests:
+        owner = getattr(r, "state", r)
+        at = seen.setdefault(id(owner), len(owners))
+        if at == len(owners):
+            owners.append(owner)
+        index.append(at)
+    return owners, index
+
+
+def _rows_of(counts: torch.Tensor, index: list[int], num_owners: int) -> torch.Tensor:
+    """Each row's counts from its owner's (as they are when every row is its own owner)."""
+    return counts if len(index) == num_owners else counts.index_select(0, _on(counts.device, index))
 
 
 def _logprob_tensors(raw_logprobs, token_ids, requests):
@@ -170,7 +211,9 @@ def _filter(logits: torch.Tensor, params) -> torch.Tensor:
     vocab = logits.shape[1]
     if any(0 < p.top_k < vocab for p in params) or any(p.top_p < 1 for p in params):
         top_k = _on(logits.device, [p.top_k if p.top_k > 0 else vocab for p in params])
-        top_p = _on(logits.device, [p.top_p for p in params])
+        # (top_p=1 drops nothing: a float32 running sum overshoots 1 by rounding, so a row without
+        # top-p compared with 1 would lose its least likely tokens whenever a neighbour filters)
+        top_p = _on(logits.device, [p.top_p if p.top_p < 1 else float("inf") for p in params])
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=logits.device)[None, :]
         drop = ranks >= top_k[:, None]

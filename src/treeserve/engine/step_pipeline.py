@@ -18,12 +18,12 @@ from treeserve.engine.kv_cache_manager import KVCacheManager
 from treeserve.engine.model_runner import ModelRunner
 from treeserve.engine.request import Request, RequestGroup
 from treeserve.engine.request_groups import RequestGroups
+from treeserve.engine.sampler import penalized
 from treeserve.engine.scheduler import Scheduler
 from treeserve.engine.spec_decode.speculator import Speculator
 from treeserve.engine.step_builder import StepBuilder
 from treeserve.engine.workers_guard import WorkersGuard
 from treeserve.outputs import RequestOutput
-from treeserve.sampling_params import SamplingParams
 
 
 class StepPipeline:
@@ -108,7 +108,7 @@ class StepPipeline:
                                             for item in sched.scheduled):
             return False
         sampling = [item.request for item in sched.scheduled if item.completes_sequence]
-        return bool(sampling) and not any(r.matcher is not None or _penalized(r.sampling_params)
+        return bool(sampling) and not any(r.matcher is not None or penalized(r.sampling_params)
                                           or r.sampling_params.bad_words_token_ids for r in sampling)
 
     def _advance(self, sched) -> None:
@@ -217,7 +217,3 @@ class StepPipeline:
             self.retained.keep(group.request_id, request)
             return
         self.scheduler.finish(request, "prefill")
-
-
-def _penalized(params: SamplingParams) -> bool:
-    return params.presence_penalty != 0 or params.frequency_penalty != 0 or params.repetition_penalty != 1

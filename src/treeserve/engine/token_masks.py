@@ -75,16 +75,21 @@ def disallowed_mask(allowed_token_ids: list[int], vocab: int, device) -> torch.T
 
 def apply_token_masks(logits: torch.Tensor, requests) -> None:
     """Masks, in place, what each row's `allowed_token_ids` leaves out and the `bad_words` tokens it
-    may not sample next."""
+    may not sample next (every row's at once: a verified request has k + 1 rows)."""
     vocab, minus_inf = logits.shape[1], float("-inf")
+    rows: list[int] = []
+    banned: list[int] = []
     for row, request in enumerate(requests):
         params = request.sampling_params
         if params.allowed_token_ids:
             logits[row].masked_fill_(_disallowed(request, vocab, logits.device), minus_inf)
         if params.bad_words_token_ids:
-            banned = banned_tokens(request.output_token_ids, params.bad_words_token_ids)
-            if banned:  # (index_fill_ takes the value as a scalar: no copy of it to the device)
-                logits[row].index_fill_(0, to_device(torch.tensor(banned), logits.device), minus_inf)
+            tokens = banned_tokens(request.output_token_ids, params.bad_words_token_ids)
+            rows += [row] * len(tokens)
+            banned += tokens
+    if banned:  # (the value filled on the device, not copied there: a copy from pageable memory waits for it)
+        index = to_device(torch.tensor([rows, banned]), logits.device)
+        logits.index_put_((index[0], index[1]), logits.new_full((), minus_inf))
 
 
 def _disallowed(request, vocab: int, device) -> torch.Tensor:

@@ -11,7 +11,8 @@ from treeserve.engine.input_batch import CachedRequestState
 
 class DraftRow:
     """The request's state with the drafts before this row appended to its output (read-only, but
-    for the allowed_token_ids mask kept with the request: token_masks.py builds it once)."""
+    for the allowed_token_ids mask kept with the request: token_masks.py builds it once). The
+    penalties read `state`'s histories once for all its rows, then each row's `drafts` (sampler.py)."""
 
     __slots__ = ("state", "drafts", "num_output_tokens")
 
