@@ -32,7 +32,7 @@ def timed_schedule(self):
     try:
         return _schedule(self)
     finally:
-        totals[self.kv.owner] = totals.get(self.kv.owner, 0.0) + time.perf_counter() - start
+        totals[self.owner] = totals.get(self.owner, 0.0) + time.perf_counter() - start
 
 
 _schedule = scheduler.Scheduler.schedule

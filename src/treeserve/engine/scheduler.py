@@ -68,6 +68,11 @@ class Scheduler:
         # Frees one retained (finished but kept) sequence's blocks; tried before any preemption.
         self.reclaim: Callable[[], bool] = reclaim or (lambda: False)
 
+    @property
+    def owner(self) -> str:
+        """The model whose requests this scheduler schedules (its name in a shared KV pool)."""
+        return self.kv.owner
+
     def add(self, request: Request) -> None:
         """Queues a request behind every waiting one of its priority or a more urgent one."""
         if not self.waiting or self.waiting[-1].priority <= request.priority:
