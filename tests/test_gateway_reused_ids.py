@@ -12,6 +12,7 @@ from alembic.migration import MigrationContext
 from sqlalchemy import select, text, update
 
 from test_gateway_store import _store_at_revision, store  # noqa: F401 (a fixture: the store on each database)
+from treeserve.gateway.ledger import logs_csv
 from treeserve.gateway.schema import Base, Holding, Instance, Team, User, utcnow
 from treeserve.gateway.settlement import Settlement
 from treeserve.gateway.store import Store
@@ -37,9 +38,9 @@ def _row(store, kind: str, name: str):
         return s.get(Team if kind == "team" else User, name)
 
 
-def _settle(store, reservation, cost: float) -> None:
+def _settle(store, reservation, cost: float, started_at: dt.datetime | None = None) -> None:
     store.ledger.settle(Settlement(reservation, f"r{id(reservation)}", "m", None, "chat", False, "success",
-                                   Usage(1, 1), cost, utcnow()))
+                                   Usage(1, 1), cost, started_at or utcnow()))
 
 
 @pytest.mark.parametrize("kind", ["team", "user"])
@@ -140,6 +141,33 @@ def test_the_web_chats_usage_of_a_user_made_again_counts_none_of_the_old_ones_re
     _settle(store, store.admission.admit(key, 0.0), 0.25)
     assert chats.usage("ann") == {"requests": 1, "prompt_tokens": 1, "completion_tokens": 1, "cost": 0.25,
                                   "max_budget": None}
+
+
+def test_the_spend_logs_of_a_user_id_tell_a_deleted_users_requests_from_the_new_ones(store):
+    """/spend/logs?user_id= lists every request under the id (LiteLLM's logs keep user ids as strings),
+    the deleted account's among them; nothing told them apart, the old account's history read as the
+    new one's. Each row now says whether its user is gone (`user_deleted`); the new account's own
+    views (/user/info's spend) count none of the old one's."""
+    store.accounts.create_user("ann")
+    store.accounts.create_user("bob")
+    old = store.accounts.authenticate(store.accounts.create_key(user_id="ann")[0])
+    bob = store.accounts.authenticate(store.accounts.create_key(user_id="bob")[0])
+    held = [store.admission.admit(k, 0.0) for k in (old, bob)]  # (each alive: its id names its request)
+    _settle(store, held[0], 0.5)
+    in_flight, started = store.admission.admit(old, 0.0), utcnow()  # (settled once ann is made again)
+    store.accounts.delete_users(["ann"])
+    store.accounts.create_user("ann")
+    _settle(store, in_flight, 0.125, started)
+    new = store.accounts.authenticate(store.accounts.create_key(user_id="ann")[0])
+    held.append(store.admission.admit(new, 0.0))
+    _settle(store, held[2], 0.25)
+    _settle(store, held[1], 1.0)
+    store.accounts.delete_users(["bob"])
+    rows = store.ledger.spend_logs(user_id="ann")
+    assert [(r["cost"], r["user_deleted"]) for r in rows] == [(0.5, True), (0.125, True), (0.25, False)]
+    assert [r["user_deleted"] for r in store.ledger.spend_logs(user_id="bob")] == [True]  # (deleted, not made again)
+    assert store.accounts.user_info("ann")["user_info"]["spend"] == 0.25
+    assert "user_deleted" in logs_csv(rows).splitlines()[0]
 
 
 def test_two_processes_sweeping_at_once_give_a_dead_ones_holdings_back_once(request):

@@ -825,3 +825,81 @@ def test_a_conversation_deleted_while_a_stopped_answer_is_stored_fails_nothing(s
     assert stored is None or stored["content"] == "stopped here"
     with pytest.raises(ConversationNotFound):
         chats.get("ada", conversation)
+
+
+def _rows_written(store: Store, run) -> list[tuple[str, str]]:
+    """(table, the row it names) of each UPDATE or upsert `run` issues, in the order issued."""
+    import re
+
+    from sqlalchemy import event
+    from sqlalchemy.sql.dml import Insert, Update
+
+    written: list[tuple[str, str]] = []
+
+    def record(conn, clause, multiparams, params, execution_options):
+        if isinstance(clause, (Update, Insert)) and clause.table.name != "spend_logs":
+            sql = str(clause.compile(dialect=conn.dialect, compile_kwargs={"literal_binds": True}))
+            names = re.search(r"WHERE (.*?)(?: RETURNING|$)", sql, re.S) if isinstance(clause, Update) else None
+            written.append((clause.table.name, names.group(1) if names else sql.split("VALUES", 1)[1][:60]))
+    event.listen(store.db.engine, "before_execute", record)
+    try:
+        run()
+    finally:
+        event.remove(store.db.engine, "before_execute", record)
+    return written
+
+
+def test_a_settlement_batch_writes_its_rows_in_one_lock_order(store):
+    """A batch wrote its keys, users and teams in the order its requests came (a dict's), so two
+    gateway processes settling the same ones in other orders deadlocked on PostgreSQL (one batch
+    aborted, retried row by row). Keys by id, then users, then teams by id; rate windows and daily
+    totals by key after them. A sweep gives back in the same order."""
+    from treeserve.gateway.settlement import commit_settlements
+
+    for user in ("b", "a"):
+        store.accounts.create_user(user)
+    for team in ("t2", "t1"):
+        store.teams.create_team(team, [])
+    owners = [dict(user_id="b", team_id="t2"), dict(user_id="a", team_id="t1"), dict(user_id="b", team_id="t1")]
+    keys = [store.accounts.authenticate(store.accounts.create_key(**o, max_budget=1.0, rpm_limit=100)[0])
+            for o in owners]
+    store.instances.heartbeat()
+    held = [store.admission.admit(k, 0.1) for k in reversed(keys)]  # (keys 3, 2, 1)
+    items = [Settlement(r, f"req-{i}", "m", None, "chat", False, "success", Usage(1, 1), 0.05, utcnow())
+             for i, r in enumerate(held)]
+    written = _rows_written(store, lambda: commit_settlements(store.db, items))
+    tables = [table for table, _ in written]
+    assert tables == ["api_keys"] * 3 + ["users"] * 2 + ["teams"] * 2 + ["rate_windows"] * 3 + ["daily_spend"] * 3
+    ids = [int(where.rsplit("=", 1)[1].split()[0]) for table, where in written if table == "api_keys"]
+    assert ids == sorted(ids) == [k.id for k in keys]
+    for table, order in (("users", ["'a'", "'b'"]), ("teams", ["'t1'", "'t2'"])):
+        named = [next(n for n in order if n in where) for t, where in written if t == table]
+        assert named == order, written
+    windows = [where for table, where in written if table == "rate_windows"]
+    assert windows == sorted(windows, key=lambda w: int(w.split("rate_windows.key_id = ")[1].split()[0])), windows
+    held = [store.admission.admit(k, 0.1) for k in reversed(keys)]
+    with store.db.transaction() as s:  # (this process is dead: a sweep gives its holdings back)
+        s.execute(update(Instance).values(seen_at=utcnow() - dt.timedelta(minutes=5)))
+        s.execute(update(Holding).values(created_at=utcnow() - dt.timedelta(minutes=5)))
+    other = Store(store.db.url)
+    try:
+        written = _rows_written(other, other.instances.sweep)
+    finally:
+        other.close()
+    assert [t for t, _ in written] == ["api_keys"] * 3 + ["users"] * 2 + ["teams"] * 2, written
+    ids = [int(where.rsplit("=", 1)[1].split()[0]) for table, where in written if table == "api_keys"]
+    assert ids == [k.id for k in keys]
+    for table, order in (("users", ["'a'", "'b'"]), ("teams", ["'t1'", "'t2'"])):
+        assert [next(n for n in order if n in where) for t, where in written if t == table] == order, written
+
+
+def test_admission_counts_a_request_in_its_minute_after_holding_its_key(store):
+    """A key with a budget and an rpm_limit (no max_parallel_requests) was admitted by writing its
+    minute's row, then its key's; a settlement writes the key's, then the minute's: an admission and
+    a settlement of the same key at once deadlocked on PostgreSQL. Keys, users and teams come first."""
+    store.accounts.create_user("u")
+    store.teams.create_team("t", [])
+    key = store.accounts.authenticate(store.accounts.create_key(user_id="u", team_id="t", max_budget=1.0,
+                                                                rpm_limit=100)[0])
+    written = [t for t, _ in _rows_written(store, lambda: store.admission.admit(key, 0.1))]
+    assert written.index("rate_windows") > max(written.index(t) for t in ("api_keys", "users", "teams")), written

@@ -402,3 +402,18 @@ def test_an_expired_key_of_a_blocked_team_is_an_invalid_key_not_a_blocked_one(st
         store.accounts.authenticate(live, explain=True)
     assert store.accounts.authenticate(expired, explain=True) is None
     assert store.accounts.authenticate(expired) is None and store.accounts.authenticate(live) is None
+
+
+def test_a_blocked_teams_refusal_is_logged_as_every_other_401_is(database, caplog):
+    """A key refused 401 is logged ("refused 401", the route, why); a key of a blocked team was refused
+    401 (`team_blocked`) with no log line at all, so an operator reading the log saw nothing of it."""
+    caplog.set_level("INFO", logger="treeserve.gateway")
+    with gateway(database) as client:
+        _ok(client.post("/team/new", json={"team_id": "t"}))
+        key = _ok(client.post("/key/generate", json={"team_id": "t"}))["key"]
+        _ok(client.post("/team/block", json={"team_id": "t"}))
+        refused = _chat(client, key)
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "team_blocked", refused.text
+    logged = [r.getMessage() for r in caplog.records if r.name == "treeserve.gateway" and "refused 401" in r.getMessage()]
+    assert logged == ["POST /v1/chat/completions refused 401: a key of blocked team 't'"], logged
+    assert not any(key in r.getMessage() for r in caplog.records)

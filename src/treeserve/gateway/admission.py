@@ -48,10 +48,10 @@ class Admission:
                 _reset_due_budgets(conn, key, now)
             if parallel:
                 _take_slot(conn, key)
-            if counted:
-                self._count_request(conn, key, window, tokens, retry_after=max(1, 60 - now.second))
             if key.budgeted:
                 _reserve_budgets(conn, key, worst_cost)
+            if counted:  # (after its key's row: settlement.locked_in_order's LOCK ORDER, keys before minutes)
+                self._count_request(conn, key, window, tokens, retry_after=max(1, 60 - now.second))
             holding = self._hold(conn, key, worst_cost, parallel, now) if parallel or worst_cost else None
         return Reservation(key.id, key.user_id, worst_cost, parallel, window, counted, holding, tokens, key.team_id,
                            key.user_incarnation, key.team_incarnation)

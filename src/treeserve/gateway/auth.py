@@ -8,6 +8,7 @@ from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
 from treeserve.gateway.accounts import Accounts
+from treeserve.gateway.errors import TeamBlocked
 from treeserve.gateway.key_cache import KeyCache
 from treeserve.gateway.keys import MASTER_LABEL, KeyRecord, same_secret
 from treeserve.wire.errors import APIError
@@ -66,7 +67,12 @@ class Auth:
         key = self.keys.get(token)
         if key is None or key.expired:
             # (a key of a blocked team: TeamBlocked, a 401 saying so, as LiteLLM's "Team=... is blocked")
-            key = await self.keys.load(token, lambda: run_in_threadpool(self.accounts.authenticate, token, True))
+            try:
+                key = await self.keys.load(token, lambda: run_in_threadpool(self.accounts.authenticate, token, True))
+            except TeamBlocked as exc:  # (logged as every other 401 of a key is)
+                log.info("%s %s refused 401: a key of blocked team %r", request.method, logged_path(request),
+                         exc.team_id)
+                raise
             if key is None:
                 log.info("%s %s refused 401: an unknown, expired or blocked key", request.method, logged_path(request))
                 raise APIError(401, "invalid API key (unknown, expired or blocked)", code="invalid_api_key")

@@ -85,6 +85,7 @@ class TeamBlocked(GatewayError):
 
     def __init__(self, team_id: str):
         super().__init__(f"the key's team {team_id!r} is blocked: /team/unblock lets its keys in again")
+        self.team_id = team_id
 
 
 class TeamNotFound(GatewayError):

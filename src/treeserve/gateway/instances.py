@@ -11,6 +11,7 @@ from sqlalchemy import delete, select, text, update
 
 from treeserve.gateway.database import Database
 from treeserve.gateway.schema import ApiKey, Holding, Instance, Team, User, team_row, user_row, utcnow
+from treeserve.gateway.settlement import locked_in_order
 
 log = logging.getLogger("treeserve.gateway")
 INSTANCE_TIMEOUT = 60.0  # a process silent this long is dead: its holdings are given back
@@ -69,10 +70,10 @@ def _give_back(conn, holdings: list[Holding]) -> None:
             users[(holding.user_id, holding.user_incarnation)] += holding.worst_cost
         if holding.team_id is not None:
             teams[(holding.team_id, holding.team_incarnation)] += holding.worst_cost
-    for key_id, (released, slots) in keys.items():
+    for key_id, (released, slots) in sorted(keys.items()):  # (settlement.locked_in_order's LOCK ORDER)
         conn.execute(update(ApiKey).where(ApiKey.id == key_id)
                      .values(reserved=ApiKey.reserved - released, in_flight=ApiKey.in_flight - slots))
-    for (user_id, incarnation), released in users.items():  # (a user or team made again since: not this one)
+    for (user_id, incarnation), released in locked_in_order(users):  # (one made again since: not this one)
         conn.execute(update(User).where(user_row(user_id, incarnation)).values(reserved=User.reserved - released))
-    for (team_id, incarnation), released in teams.items():
+    for (team_id, incarnation), released in locked_in_order(teams):
         conn.execute(update(Team).where(team_row(team_id, incarnation)).values(reserved=Team.reserved - released))

@@ -12,11 +12,11 @@ from sqlalchemy import func, select
 from treeserve.gateway.database import Database
 from treeserve.gateway.errors import KeyNotFound
 from treeserve.gateway.keys import stored_hash
-from treeserve.gateway.schema import ApiKey, DailySpend, SpendLog, iso, money
+from treeserve.gateway.schema import ApiKey, DailySpend, SpendLog, User, aware, iso, money
 from treeserve.gateway.settlement import Chore, Settlement, SettlementWriter, commit_settlements
 
 LOG_FIELDS = ["request_id", "started_at", "ended_at", "key_id", "api_key", "user_id", "model", "backend", "route", "stream",
-              "status", "prompt_tokens", "completion_tokens", "cost"]
+              "status", "prompt_tokens", "completion_tokens", "cost", "user_deleted"]
 
 
 class Ledger:
@@ -54,7 +54,9 @@ class Ledger:
                    end: dt.datetime | None = None, limit: int = 1000, request_id: str | None = None,
                    order: str = "asc") -> list[dict]:
         """Spend rows, oldest first (`order` "desc": newest first), each with its key's hash (`api_key`,
-        None once the key is deleted); `key` is a key or its hash (KeyNotFound when there is none)."""
+        None once the key is deleted) and `user_deleted` (`of_deleted_user`); `key` is a key or its hash
+        (KeyNotFound when there is none). A user's rows are all of its id's, a deleted account's among
+        them (LiteLLM's logs keep user ids as strings): `user_deleted` tells them apart."""
         key_id = None
         if key is not None:
             with self.db.session() as conn:
@@ -68,8 +70,8 @@ class Ledger:
              order: str = "asc") -> list[dict]:
         ordering = (SpendLog.started_at, SpendLog.id) if order == "asc" else (SpendLog.started_at.desc(),
                                                                                SpendLog.id.desc())
-        query = (select(SpendLog, ApiKey.token_hash).outerjoin(ApiKey, ApiKey.id == SpendLog.key_id)
-                 .order_by(*ordering).limit(limit))
+        query = (select(SpendLog, ApiKey.token_hash, User.created_at).outerjoin(ApiKey, ApiKey.id == SpendLog.key_id)
+                 .outerjoin(User, User.user_id == SpendLog.user_id).order_by(*ordering).limit(limit))
         for column, value in ((SpendLog.key_id, key_id), (SpendLog.user_id, user_id),
                               (SpendLog.request_id, request_id)):
             if value is not None:
@@ -79,7 +81,8 @@ class Ledger:
         if end is not None:
             query = query.where(SpendLog.started_at < end)
         with self.db.session() as conn:
-            return [_public_log(log) | {"api_key": token_hash} for log, token_hash in conn.execute(query)]
+            return [_public_log(log) | {"api_key": token_hash, "user_deleted": of_deleted_user(log, made_at)}
+                    for log, token_hash, made_at in conn.execute(query)]
 
     def daily_spend(self, key_id: int | None = None) -> list[dict]:
         query = (select(DailySpend, ApiKey.token_hash).outerjoin(ApiKey, ApiKey.id == DailySpend.key_id)
@@ -95,6 +98,15 @@ class Ledger:
     def total_spend(self) -> float:
         with self.db.session() as conn:
             return money(float(conn.execute(select(func.coalesce(func.sum(SpendLog.cost), 0.0))).scalar()))
+
+
+def of_deleted_user(log: SpendLog, made_at: dt.datetime | None) -> bool | None:
+    """Whether a spend row's user is gone: deleted, or deleted and made again under its id since the
+    request started (`made_at`: when the user of that id now was made; the web chat's usage counts the
+    same rows, gateway/chat/store.py). None: a request of no user."""
+    if log.user_id is None:
+        return None
+    return made_at is None or aware(log.started_at) < aware(made_at)
 
 
 def logs_csv(rows: list[dict]) -> str:

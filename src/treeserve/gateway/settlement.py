@@ -186,20 +186,20 @@ def apply_settlements(db: Database, conn: Session, items: list[Settlement]) -> N
         day[2] += usage.prompt_tokens
         day[3] += usage.completion_tokens
         day[4] += item.cost
-    for key_id, (released, spent, slots) in keys.items():
+    for key_id, (released, spent, slots) in sorted(keys.items()):  # (in LOCK ORDER: see locked_in_order)
         values = dict(reserved=ApiKey.reserved - released, spend=ApiKey.spend + spent)
         if slots:
             values["in_flight"] = ApiKey.in_flight - slots
         row = conn.execute(update(ApiKey).where(ApiKey.id == key_id).values(**values)
                            .returning(ApiKey.spend, ApiKey.soft_budget, ApiKey.key_alias, ApiKey.key_name)).first()
         _warn_soft_budget(row, spent)
-    for (user_id, incarnation), (released, spent) in users.items():
+    for (user_id, incarnation), (released, spent) in locked_in_order(users):
         conn.execute(update(User).where(user_row(user_id, incarnation))
                      .values(reserved=User.reserved - released, spend=User.spend + spent))
-    for (team_id, incarnation), (released, spent) in teams.items():
+    for (team_id, incarnation), (released, spent) in locked_in_order(teams):
         conn.execute(update(Team).where(team_row(team_id, incarnation))
                      .values(reserved=Team.reserved - released, spend=Team.spend + spent))
-    for (key_id, window), tokens in windows.items():
+    for (key_id, window), tokens in sorted(windows.items()):
         conn.execute(update(RateWindow).where(RateWindow.key_id == key_id, RateWindow.window == window)
                      .values(tokens=RateWindow.tokens + tokens))
     conn.execute(insert(SpendLog.__table__), [_log_row(item) for item in items])
@@ -209,10 +209,21 @@ def apply_settlements(db: Database, conn: Session, items: list[Settlement]) -> N
     for item in items:
         if item.batch_line is not None and item.answer is not None:
             _answer_line(conn, item)
-    for (day, key_id, model), (user_id, requests, prompt, completion, cost) in days.items():
+    for (day, key_id, model), (user_id, requests, prompt, completion, cost) in sorted(days.items()):
         db.upsert(conn, DailySpend, dict(day=day, key_id=key_id, model=model, user_id=user_id, requests=requests,
                                          prompt_tokens=prompt, completion_tokens=completion, cost=cost),
                   ["day", "key_id", "model"], ["requests", "prompt_tokens", "completion_tokens", "cost"])
+
+
+def locked_in_order(rows: dict[tuple[str, str | None], object]) -> list:
+    """Users' or teams' entries by (id, incarnation), sorted by id: the order their rows are locked in.
+
+    LOCK ORDER, the one every transaction that writes several of these rows follows (admission,
+    release, settlement, a sweep, /team/delete): keys, then users, then teams, then rate windows and
+    daily totals, each by id. Two settlement batches of two gateway processes that wrote the same
+    keys or users in different orders deadlocked on PostgreSQL (one aborted, its batch retried row
+    by row)."""
+    return sorted(rows.items(), key=lambda entry: (entry[0][0], entry[0][1] or ""))
 
 
 def _warn_soft_budget(row, spent: float) -> None:

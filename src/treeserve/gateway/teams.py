@@ -69,8 +69,11 @@ class Teams:
         with self.db.transaction() as conn:
             # the keys' rows locked before the teams': admission and the settlement write a key, then
             # its team; the other order deadlocks with a request on a team key (PostgreSQL aborts one)
-            conn.execute(select(ApiKey.id).where(ApiKey.team_id.in_(team_ids)).with_for_update()).all()
-            found = set(conn.scalars(select(Team.team_id).where(Team.team_id.in_(team_ids)).with_for_update()))
+            # (each by id: settlement.locked_in_order's LOCK ORDER)
+            conn.execute(select(ApiKey.id).where(ApiKey.team_id.in_(team_ids)).order_by(ApiKey.id)
+                         .with_for_update()).all()
+            found = set(conn.scalars(select(Team.team_id).where(Team.team_id.in_(team_ids)).order_by(Team.team_id)
+                                     .with_for_update()))
             missing = [t for t in team_ids if t not in found]
             if missing:
                 raise TeamNotFound(missing[0], "team_ids")
