@@ -903,3 +903,45 @@ def test_admission_counts_a_request_in_its_minute_after_holding_its_key(store):
                                                                 rpm_limit=100)[0])
     written = [t for t, _ in _rows_written(store, lambda: store.admission.admit(key, 0.1))]
     assert written.index("rate_windows") > max(written.index(t) for t in ("api_keys", "users", "teams")), written
+
+
+@pytest.mark.parametrize("deleting", ["user", "keys"])
+def test_deleting_a_users_keys_while_a_settlement_writes_them_waits_instead_of_deadlocking(store, deleting):
+    """/user/delete (and /key/delete of several keys) deleted the keys in the order the database found
+    them, not by id: a key written since (a new secret: /key/regenerate) lies after the others, so the
+    delete took a later key's row and waited for an earlier one that a settlement batch held, while
+    the batch (keys by id: settlement.locked_in_order's LOCK ORDER) waited for the later one; PostgreSQL
+    aborted one of them (a deadlock). Keys are now locked by id before any is deleted."""
+    import threading
+
+    from sqlalchemy.orm import Session
+
+    from treeserve.gateway import keys as keylib
+
+    store.accounts.create_user("u")
+    first, second = (store.accounts.create_key(user_id="u")[0] for _ in range(2))
+    first = store.accounts.regenerate_key(first)[0]  # (its row written again: after the second's)
+    with store.db.session() as s:
+        ids = [s.scalar(select(ApiKey.id).where(ApiKey.token_hash == keylib.hash_key(t))) for t in (first, second)]
+    assert ids[0] < ids[1]
+    errors: list[Exception] = []
+
+    def delete_them():
+        try:
+            store.accounts.delete_users(["u"]) if deleting == "user" else store.accounts.delete_keys([second, first])
+        except Exception as exc:  # noqa: BLE001 (reported below)
+            errors.append(exc)
+
+    with Session(store.db.engine) as settling, settling.begin():  # (a settlement batch: the first key, then the second)
+        settling.execute(update(ApiKey).where(ApiKey.id == ids[0]).values(spend=ApiKey.spend + 1.0))
+        deleter = threading.Thread(target=delete_them)
+        deleter.start()
+        deleter.join(0.5)  # (waiting for the first key's row)
+        try:
+            settling.execute(update(ApiKey).where(ApiKey.id == ids[1]).values(spend=ApiKey.spend + 1.0))
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+    deleter.join(30)
+    assert not deleter.is_alive() and errors == [], errors
+    with store.db.session() as s:
+        assert s.scalars(select(ApiKey.id).where(ApiKey.id.in_(ids))).all() == []
