@@ -945,3 +945,54 @@ def test_deleting_a_users_keys_while_a_settlement_writes_them_waits_instead_of_d
     assert not deleter.is_alive() and errors == [], errors
     with store.db.session() as s:
         assert s.scalars(select(ApiKey.id).where(ApiKey.id.in_(ids))).all() == []
+
+
+@pytest.mark.parametrize("owner", ["user", "team", "team, another key"])
+def test_a_users_budget_reset_at_admission_waits_for_its_keys_row_instead_of_deadlocking(store, owner):
+    """Admission reset a budget whose period had ended before it held anything: a user's (or team's)
+    due while its key's was not wrote the user's row, then the key's (its reservation), against the
+    LOCK ORDER (keys first: settlement.locked_in_order); a settlement batch of the same key at that
+    moment (its key's row, then its user's) deadlocked with it on PostgreSQL, one aborted. A team's
+    written before its user's deadlocked so with a settlement of another key of the user and team
+    (the user's row, then the team's). The rows before the one reset are now taken first."""
+    import threading
+
+    from sqlalchemy.orm import Session
+
+    from treeserve.gateway.schema import Team
+
+    store.accounts.create_user("u", **({"max_budget": 10.0, "budget_duration": "1d"} if owner == "user" else {}))
+    team = None
+    if owner != "user":
+        store.teams.create_team("t", [], max_budget=10.0, budget_duration="1d")
+        team = "t"
+    token = store.accounts.create_key(user_id="u", team_id=team, max_budget=5.0)[0]
+    table, where = (User, User.user_id == "u") if owner == "user" else (Team, Team.team_id == "t")
+    with store.db.transaction() as s:  # (its period over)
+        s.execute(update(table).where(where).values(spend=3.0, budget_reset_at=utcnow() - dt.timedelta(seconds=1)))
+    key = store.accounts.authenticate(token)
+    errors: list[Exception] = []
+
+    def admit():
+        try:
+            store.admission.admit(key, 0.1)
+        except Exception as exc:  # noqa: BLE001 (reported below)
+            errors.append(exc)
+
+    first = update(ApiKey).where(ApiKey.id == key.id).values(spend=ApiKey.spend + 1.0)
+    if owner == "team, another key":  # (its key's row, then its user's, then the team's)
+        first = update(User).where(User.user_id == "u").values(spend=User.spend + 1.0)
+    with Session(store.db.engine) as settling, settling.begin():  # (a settlement: the key's row, then its owner's)
+        settling.execute(first)
+        admitting = threading.Thread(target=admit)
+        admitting.start()
+        admitting.join(0.5)  # (waiting for the key's row)
+        try:
+            settling.execute(update(table).where(where).values(spend=table.spend + 1.0))
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+    admitting.join(30)
+    assert not admitting.is_alive() and errors == [], errors
+    with store.db.session() as s:
+        assert s.scalar(select(table.spend).where(where)) in (0.0, 1.0)  # (reset, before or after the settlement's)
+        assert s.scalar(select(table.reserved).where(where)) == pytest.approx(0.1)
