@@ -996,3 +996,44 @@ def test_a_users_budget_reset_at_admission_waits_for_its_keys_row_instead_of_dea
     with store.db.session() as s:
         assert s.scalar(select(table.spend).where(where)) in (0.0, 1.0)  # (reset, before or after the settlement's)
         assert s.scalar(select(table.reserved).where(where)) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("writing", ["/key/generate", "/key/update"])
+def test_a_team_key_given_to_a_user_waits_for_a_settlement_instead_of_deadlocking(store, writing):
+    """/key/generate (and /key/update) with a `team_id` and a `user_id` locked the team's row (no key
+    outlives its team), then wrote the user's (made if there is none: INSERT ... ON CONFLICT, which on
+    PostgreSQL waits for a transaction writing the row): the team's before the user's, against the LOCK
+    ORDER (settlement.locked_in_order); a settlement of another key of the user and team at that moment
+    (the user's row, then the team's) deadlocked with it on PostgreSQL. The user's row comes first."""
+    import threading
+
+    from sqlalchemy.orm import Session
+
+    from treeserve.gateway.schema import Team
+
+    store.accounts.create_user("u")
+    store.teams.create_team("t", [])
+    other = store.accounts.create_key()[0]
+    errors: list[Exception] = []
+
+    def write():
+        try:
+            if writing == "/key/generate":
+                store.accounts.create_key(user_id="u", team_id="t")
+            else:
+                store.accounts.update_key(other, user_id="u", team_id="t")
+        except Exception as exc:  # noqa: BLE001 (reported below)
+            errors.append(exc)
+
+    with Session(store.db.engine) as settling, settling.begin():  # (a settlement: the user's row, then the team's)
+        settling.execute(update(User).where(User.user_id == "u").values(spend=User.spend + 1.0))
+        writer = threading.Thread(target=write)
+        writer.start()
+        writer.join(0.5)
+        try:
+            settling.execute(update(Team).where(Team.team_id == "t").values(spend=Team.spend + 1.0))
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+    writer.join(30)
+    assert not writer.is_alive() and errors == [], errors
+    assert [k["team_id"] for k in store.accounts.list_keys("u")] == ["t"]

@@ -127,8 +127,8 @@ class Accounts:
         now = utcnow()
         values = _new_key_values({**fields, "duration": duration}, now)
         with _unique_key(values.get("key_alias")), self.db.transaction() as conn:
+            _ensure_user(self.db, conn, values.get("user_id"), now)  # (the user's row before the team's: LOCK ORDER)
             check_key_team(conn, values.get("team_id"), values.get("models"))
-            _ensure_user(self.db, conn, values.get("user_id"), now)
             _insert_key(conn, token, values, now)
         return token, self.key_info(token)
 
@@ -288,13 +288,13 @@ def _change_key(db: Database, conn: Session, token: str, values: dict, now: dt.d
                        .where(where).with_for_update()).first()
     if key is None:
         raise KeyNotFound("key")
+    _ensure_user(db, conn, values.get("user_id"), now)  # (the key's row, its user's, then its team's: LOCK ORDER)
     if "team_id" in values or "models" in values:  # (a key moved to a team, or given models: within the team's)
         check_key_team(conn, values.get("team_id", key.team_id), values.get("models", key.models))
     if values.get("key_alias") != key.key_alias:  # (LiteLLM's UI sends a key's alias with every edit)
         _check_alias(values.get("key_alias"))
     if key.web_chat and "user_id" in values and values["user_id"] != key.user_id:
         raise ChatKeyOwner(key.user_id)
-    _ensure_user(db, conn, values.get("user_id"), now)
     conn.execute(update(ApiKey).where(where).values(**values))
 
 
