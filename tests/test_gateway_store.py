@@ -998,10 +998,10 @@ def test_a_users_budget_reset_at_admission_waits_for_its_keys_row_instead_of_dea
         assert s.scalar(select(table.reserved).where(where)) == pytest.approx(0.1)
 
 
-@pytest.mark.parametrize("writing", ["/key/generate", "/key/update"])
+@pytest.mark.parametrize("writing", ["/key/generate", "/key/update", "/team/member_add"])
 def test_a_team_key_given_to_a_user_waits_for_a_settlement_instead_of_deadlocking(store, writing):
     """/key/generate (and /key/update) with a `team_id` and a `user_id` locked the team's row (no key
-    outlives its team), then wrote the user's (made if there is none: INSERT ... ON CONFLICT, which on
+    outlives its team; /team/member_add too), then wrote the user's (made if there is none: INSERT ... ON CONFLICT, which on
     PostgreSQL waits for a transaction writing the row): the team's before the user's, against the LOCK
     ORDER (settlement.locked_in_order); a settlement of another key of the user and team at that moment
     (the user's row, then the team's) deadlocked with it on PostgreSQL. The user's row comes first."""
@@ -1020,8 +1020,10 @@ def test_a_team_key_given_to_a_user_waits_for_a_settlement_instead_of_deadlockin
         try:
             if writing == "/key/generate":
                 store.accounts.create_key(user_id="u", team_id="t")
-            else:
+            elif writing == "/key/update":
                 store.accounts.update_key(other, user_id="u", team_id="t")
+            else:  # (the members' users are made if there are none, as LiteLLM's)
+                store.teams.add_members("t", [("u", "user")])
         except Exception as exc:  # noqa: BLE001 (reported below)
             errors.append(exc)
 
@@ -1036,4 +1038,7 @@ def test_a_team_key_given_to_a_user_waits_for_a_settlement_instead_of_deadlockin
             errors.append(exc)
     writer.join(30)
     assert not writer.is_alive() and errors == [], errors
-    assert [k["team_id"] for k in store.accounts.list_keys("u")] == ["t"]
+    if writing == "/team/member_add":
+        assert [m["user_id"] for m in store.teams.team("t")["members_with_roles"]] == ["u"]
+    else:
+        assert [k["team_id"] for k in store.accounts.list_keys("u")] == ["t"]
