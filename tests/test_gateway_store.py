@@ -9,7 +9,7 @@ import sys
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import select, text, update
+from sqlalchemy import func, select, text, update
 
 from treeserve.errors import ParamError
 from treeserve.gateway.errors import GatewayError
@@ -1042,3 +1042,26 @@ def test_a_team_key_given_to_a_user_waits_for_a_settlement_instead_of_deadlockin
         assert [m["user_id"] for m in store.teams.team("t")["members_with_roles"]] == ["u"]
     else:
         assert [k["team_id"] for k in store.accounts.list_keys("u")] == ["t"]
+
+
+def test_a_request_refused_by_its_rate_limit_holds_nothing_on_its_key_user_or_team(store):
+    """Admission reserves a request's worst case on its key, user and team before counting it in its
+    minute (LOCK ORDER; LiteLLM, too, checks budgets at auth, before its rate limiter): one refused
+    by its rpm_limit gives back all it reserved (the slot with it), in the same transaction."""
+    from treeserve.gateway.errors import RateLimitExceeded
+    from treeserve.gateway.schema import Team
+
+    store.accounts.create_user("u", max_budget=10.0)
+    store.teams.create_team("t", [], max_budget=10.0)
+    token = store.accounts.create_key(user_id="u", team_id="t", max_budget=5.0, rpm_limit=1,
+                                      max_parallel_requests=5)[0]
+    key = store.accounts.authenticate(token)
+    first = store.admission.admit(key, 0.5)
+    with pytest.raises(RateLimitExceeded):
+        store.admission.admit(key, 0.5)
+    with store.db.session() as s:
+        assert s.execute(select(ApiKey.reserved, ApiKey.in_flight).where(ApiKey.id == key.id)).one() == (0.5, 1)
+        assert s.scalar(select(User.reserved).where(User.user_id == "u")) == 0.5
+        assert s.scalar(select(Team.reserved).where(Team.team_id == "t")) == 0.5
+        assert s.scalar(select(func.count()).select_from(Holding)) == 1
+    store.admission.release(first, 0.0)
