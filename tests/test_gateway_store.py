@@ -9,7 +9,7 @@ import sys
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import select, text, update
+from sqlalchemy import func, select, text, update
 
 from treeserve.errors import ParamError
 from treeserve.gateway.errors import GatewayError
@@ -903,3 +903,165 @@ def test_admission_counts_a_request_in_its_minute_after_holding_its_key(store):
                                                                 rpm_limit=100)[0])
     written = [t for t, _ in _rows_written(store, lambda: store.admission.admit(key, 0.1))]
     assert written.index("rate_windows") > max(written.index(t) for t in ("api_keys", "users", "teams")), written
+
+
+@pytest.mark.parametrize("deleting", ["user", "keys"])
+def test_deleting_a_users_keys_while_a_settlement_writes_them_waits_instead_of_deadlocking(store, deleting):
+    """/user/delete (and /key/delete of several keys) deleted the keys in the order the database found
+    them, not by id: a key written since (a new secret: /key/regenerate) lies after the others, so the
+    delete took a later key's row and waited for an earlier one that a settlement batch held, while
+    the batch (keys by id: settlement.locked_in_order's LOCK ORDER) waited for the later one; PostgreSQL
+    aborted one of them (a deadlock). Keys are now locked by id before any is deleted."""
+    import threading
+
+    from sqlalchemy.orm import Session
+
+    from treeserve.gateway import keys as keylib
+
+    store.accounts.create_user("u")
+    first, second = (store.accounts.create_key(user_id="u")[0] for _ in range(2))
+    first = store.accounts.regenerate_key(first)[0]  # (its row written again: after the second's)
+    with store.db.session() as s:
+        ids = [s.scalar(select(ApiKey.id).where(ApiKey.token_hash == keylib.hash_key(t))) for t in (first, second)]
+    assert ids[0] < ids[1]
+    errors: list[Exception] = []
+
+    def delete_them():
+        try:
+            store.accounts.delete_users(["u"]) if deleting == "user" else store.accounts.delete_keys([second, first])
+        except Exception as exc:  # noqa: BLE001 (reported below)
+            errors.append(exc)
+
+    with Session(store.db.engine) as settling, settling.begin():  # (a settlement batch: the first key, then the second)
+        settling.execute(update(ApiKey).where(ApiKey.id == ids[0]).values(spend=ApiKey.spend + 1.0))
+        deleter = threading.Thread(target=delete_them)
+        deleter.start()
+        deleter.join(0.5)  # (waiting for the first key's row)
+        try:
+            settling.execute(update(ApiKey).where(ApiKey.id == ids[1]).values(spend=ApiKey.spend + 1.0))
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+    deleter.join(30)
+    assert not deleter.is_alive() and errors == [], errors
+    with store.db.session() as s:
+        assert s.scalars(select(ApiKey.id).where(ApiKey.id.in_(ids))).all() == []
+
+
+@pytest.mark.parametrize("owner", ["user", "team", "team, another key"])
+def test_a_users_budget_reset_at_admission_waits_for_its_keys_row_instead_of_deadlocking(store, owner):
+    """Admission reset a budget whose period had ended before it held anything: a user's (or team's)
+    due while its key's was not wrote the user's row, then the key's (its reservation), against the
+    LOCK ORDER (keys first: settlement.locked_in_order); a settlement batch of the same key at that
+    moment (its key's row, then its user's) deadlocked with it on PostgreSQL, one aborted. A team's
+    written before its user's deadlocked so with a settlement of another key of the user and team
+    (the user's row, then the team's). The rows before the one reset are now taken first."""
+    import threading
+
+    from sqlalchemy.orm import Session
+
+    from treeserve.gateway.schema import Team
+
+    store.accounts.create_user("u", **({"max_budget": 10.0, "budget_duration": "1d"} if owner == "user" else {}))
+    team = None
+    if owner != "user":
+        store.teams.create_team("t", [], max_budget=10.0, budget_duration="1d")
+        team = "t"
+    token = store.accounts.create_key(user_id="u", team_id=team, max_budget=5.0)[0]
+    table, where = (User, User.user_id == "u") if owner == "user" else (Team, Team.team_id == "t")
+    with store.db.transaction() as s:  # (its period over)
+        s.execute(update(table).where(where).values(spend=3.0, budget_reset_at=utcnow() - dt.timedelta(seconds=1)))
+    key = store.accounts.authenticate(token)
+    errors: list[Exception] = []
+
+    def admit():
+        try:
+            store.admission.admit(key, 0.1)
+        except Exception as exc:  # noqa: BLE001 (reported below)
+            errors.append(exc)
+
+    first = update(ApiKey).where(ApiKey.id == key.id).values(spend=ApiKey.spend + 1.0)
+    if owner == "team, another key":  # (its key's row, then its user's, then the team's)
+        first = update(User).where(User.user_id == "u").values(spend=User.spend + 1.0)
+    with Session(store.db.engine) as settling, settling.begin():  # (a settlement: the key's row, then its owner's)
+        settling.execute(first)
+        admitting = threading.Thread(target=admit)
+        admitting.start()
+        admitting.join(0.5)  # (waiting for the key's row)
+        try:
+            settling.execute(update(table).where(where).values(spend=table.spend + 1.0))
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+    admitting.join(30)
+    assert not admitting.is_alive() and errors == [], errors
+    with store.db.session() as s:
+        assert s.scalar(select(table.spend).where(where)) in (0.0, 1.0)  # (reset, before or after the settlement's)
+        assert s.scalar(select(table.reserved).where(where)) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("writing", ["/key/generate", "/key/update", "/team/member_add"])
+def test_a_team_key_given_to_a_user_waits_for_a_settlement_instead_of_deadlocking(store, writing):
+    """/key/generate (and /key/update) with a `team_id` and a `user_id` locked the team's row (no key
+    outlives its team; /team/member_add too), then wrote the user's (made if there is none: INSERT ... ON CONFLICT, which on
+    PostgreSQL waits for a transaction writing the row): the team's before the user's, against the LOCK
+    ORDER (settlement.locked_in_order); a settlement of another key of the user and team at that moment
+    (the user's row, then the team's) deadlocked with it on PostgreSQL. The user's row comes first."""
+    import threading
+
+    from sqlalchemy.orm import Session
+
+    from treeserve.gateway.schema import Team
+
+    store.accounts.create_user("u")
+    store.teams.create_team("t", [])
+    other = store.accounts.create_key()[0]
+    errors: list[Exception] = []
+
+    def write():
+        try:
+            if writing == "/key/generate":
+                store.accounts.create_key(user_id="u", team_id="t")
+            elif writing == "/key/update":
+                store.accounts.update_key(other, user_id="u", team_id="t")
+            else:  # (the members' users are made if there are none, as LiteLLM's)
+                store.teams.add_members("t", [("u", "user")])
+        except Exception as exc:  # noqa: BLE001 (reported below)
+            errors.append(exc)
+
+    with Session(store.db.engine) as settling, settling.begin():  # (a settlement: the user's row, then the team's)
+        settling.execute(update(User).where(User.user_id == "u").values(spend=User.spend + 1.0))
+        writer = threading.Thread(target=write)
+        writer.start()
+        writer.join(0.5)
+        try:
+            settling.execute(update(Team).where(Team.team_id == "t").values(spend=Team.spend + 1.0))
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+    writer.join(30)
+    assert not writer.is_alive() and errors == [], errors
+    if writing == "/team/member_add":
+        assert [m["user_id"] for m in store.teams.team("t")["members_with_roles"]] == ["u"]
+    else:
+        assert [k["team_id"] for k in store.accounts.list_keys("u")] == ["t"]
+
+
+def test_a_request_refused_by_its_rate_limit_holds_nothing_on_its_key_user_or_team(store):
+    """Admission reserves a request's worst case on its key, user and team before counting it in its
+    minute (LOCK ORDER; LiteLLM, too, checks budgets at auth, before its rate limiter): one refused
+    by its rpm_limit gives back all it reserved (the slot with it), in the same transaction."""
+    from treeserve.gateway.errors import RateLimitExceeded
+    from treeserve.gateway.schema import Team
+
+    store.accounts.create_user("u", max_budget=10.0)
+    store.teams.create_team("t", [], max_budget=10.0)
+    token = store.accounts.create_key(user_id="u", team_id="t", max_budget=5.0, rpm_limit=1,
+                                      max_parallel_requests=5)[0]
+    key = store.accounts.authenticate(token)
+    first = store.admission.admit(key, 0.5)
+    with pytest.raises(RateLimitExceeded):
+        store.admission.admit(key, 0.5)
+    with store.db.session() as s:
+        assert s.execute(select(ApiKey.reserved, ApiKey.in_flight).where(ApiKey.id == key.id)).one() == (0.5, 1)
+        assert s.scalar(select(User.reserved).where(User.user_id == "u")) == 0.5
+        assert s.scalar(select(Team.reserved).where(Team.team_id == "t")) == 0.5
+        assert s.scalar(select(func.count()).select_from(Holding)) == 1
+    store.admission.release(first, 0.0)

@@ -93,7 +93,10 @@ class Accounts:
         """All of them with their keys (LiteLLM's rule) and web chat data, or none (UserNotFound)
         when any does not exist; how many users were deleted (an id named twice is one)."""
         with self.db.transaction() as conn:
-            found = set(conn.execute(select(User.user_id).where(User.user_id.in_(user_ids))).scalars())
+            # (keys, then users, each by id: settlement.locked_in_order's LOCK ORDER; a DELETE alone
+            # takes its rows in the order it finds them, and deadlocked with a settlement batch)
+            _lock(conn, select(ApiKey.id).where(ApiKey.user_id.in_(user_ids)).order_by(ApiKey.id))
+            found = set(_lock(conn, select(User.user_id).where(User.user_id.in_(user_ids)).order_by(User.user_id)))
             missing = [u for u in user_ids if u not in found]
             if missing:
                 raise UserNotFound(missing[0])
@@ -124,8 +127,8 @@ class Accounts:
         now = utcnow()
         values = _new_key_values({**fields, "duration": duration}, now)
         with _unique_key(values.get("key_alias")), self.db.transaction() as conn:
+            _ensure_user(self.db, conn, values.get("user_id"), now)  # (the user's row before the team's: LOCK ORDER)
             check_key_team(conn, values.get("team_id"), values.get("models"))
-            _ensure_user(self.db, conn, values.get("user_id"), now)
             _insert_key(conn, token, values, now)
         return token, self.key_info(token)
 
@@ -164,6 +167,8 @@ class Accounts:
         when any does not exist."""
         hashes = [keylib.stored_hash(t) for t in tokens]
         with self.db.transaction() as conn:
+            _lock(conn, select(ApiKey.id).where(ApiKey.token_hash.in_(hashes) | ApiKey.key_alias.in_(aliases))
+                  .order_by(ApiKey.id))  # (by id, before the DELETE: settlement.locked_in_order's LOCK ORDER)
             found = set(conn.execute(select(ApiKey.token_hash).where(ApiKey.token_hash.in_(hashes))).scalars())
             named = set(conn.execute(select(ApiKey.key_alias).where(ApiKey.key_alias.in_(aliases))).scalars())
             missing = [t for t, h in zip(tokens, hashes) if h not in found] + [a for a in aliases if a not in named]
@@ -283,13 +288,13 @@ def _change_key(db: Database, conn: Session, token: str, values: dict, now: dt.d
                        .where(where).with_for_update()).first()
     if key is None:
         raise KeyNotFound("key")
+    _ensure_user(db, conn, values.get("user_id"), now)  # (the key's row, its user's, then its team's: LOCK ORDER)
     if "team_id" in values or "models" in values:  # (a key moved to a team, or given models: within the team's)
         check_key_team(conn, values.get("team_id", key.team_id), values.get("models", key.models))
     if values.get("key_alias") != key.key_alias:  # (LiteLLM's UI sends a key's alias with every edit)
         _check_alias(values.get("key_alias"))
     if key.web_chat and "user_id" in values and values["user_id"] != key.user_id:
         raise ChatKeyOwner(key.user_id)
-    _ensure_user(db, conn, values.get("user_id"), now)
     conn.execute(update(ApiKey).where(where).values(**values))
 
 
@@ -297,6 +302,12 @@ def _ensure_user(db: Database, conn: Session, user_id: str | None, now: dt.datet
     """The user a key is given to, made (with no budget) if there is none yet."""
     if user_id:
         _add_user(db, conn, user_id, {"extra": {}}, now)
+
+
+def _lock(conn: Session, query) -> list:
+    """The rows `query` selects, locked in its order (SELECT ... FOR UPDATE; SQLite locks the whole
+    database for a write, and has no FOR UPDATE): the first column of each."""
+    return list(conn.scalars(query.with_for_update()))
 
 
 def _add_user(db: Database, conn: Session, user_id: str, values: dict, now: dt.datetime) -> bool:

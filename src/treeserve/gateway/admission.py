@@ -151,16 +151,23 @@ def _reserve(conn: Session, table, where, worst_cost: float, owner: str, held_by
 
 
 def _reset_due_budgets(conn: Session, key: KeyRecord, now: dt.datetime) -> None:
-    """Budgets of the key, its user and its team whose period has ended start again from nothing spent."""
+    """Budgets of the key, its user and its team whose period has ended start again from nothing spent.
+    The rows before one written (the key's before its user's, both before its team's) are held first,
+    settlement.locked_in_order's LOCK ORDER: a user's reset written before its key's row deadlocked
+    with a settlement of the key on PostgreSQL, a team's before its user's with one of another key."""
     targets = [(ApiKey, ApiKey.id == key.id)]
     if key.user_id is not None:
         targets.append((User, user_row(key.user_id, key.user_incarnation)))
     if key.team_id is not None:
         targets.append((Team, team_row(key.team_id, key.team_incarnation)))
-    for table, where in targets:
+    held = 0  # (how many of `targets` this transaction holds)
+    for index, (table, where) in enumerate(targets):
         row = conn.execute(select(table.budget_duration, table.budget_reset_at).where(where)).first()
         if row is None or row.budget_reset_at is None or aware(row.budget_reset_at) > now:
             continue
+        for before, before_where in targets[held:index]:
+            conn.execute(select(before.budget_reset_at).where(before_where).with_for_update()).first()
+        held = index + 1
         if not row.budget_duration:  # (a period cleared without its reset time)
             conn.execute(update(table).where(where).values(budget_reset_at=None))
             continue

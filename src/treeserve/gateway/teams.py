@@ -31,6 +31,7 @@ class Teams:
                                 .returning(Team.team_id)).first()
             if made is None:
                 raise TeamExists(team_id)
+            self._make_users(conn, [u for u, _ in members], now)
             self._add_members(conn, team_id, members, now)
         return self.team(team_id)
 
@@ -86,6 +87,7 @@ class Teams:
         """(the team, the members' users): each added with its role, or none (MemberExists)."""
         now = utcnow()
         with self.db.transaction() as conn:
+            self._make_users(conn, [u for u, _ in members], now)  # (users' rows before the team's: LOCK ORDER)
             _team(conn, team_id, lock=True)
             self._add_members(conn, team_id, members, now)
             users = conn.scalars(select(User).where(User.user_id.in_([u for u, _ in members]))).all()
@@ -101,10 +103,15 @@ class Teams:
                 raise MemberNotFound(user_id, team_id)
         return self.team(team_id)
 
-    def _add_members(self, conn: Session, team_id: str, members: list[tuple[str, str]], now: dt.datetime) -> None:
-        for user_id, role in members:
+    def _make_users(self, conn: Session, user_ids: list[str], now: dt.datetime) -> None:
+        """The users not yet known made (as LiteLLM's), by id (settlement.locked_in_order's LOCK ORDER:
+        on PostgreSQL the INSERT waits for a transaction writing the row, so it comes before the team's)."""
+        for user_id in sorted(set(user_ids)):
             conn.execute(self.db.insert(User).values(user_id=user_id, spend=0.0, reserved=0.0, extra={}, created_at=now)
                          .on_conflict_do_nothing(index_elements=["user_id"]))
+
+    def _add_members(self, conn: Session, team_id: str, members: list[tuple[str, str]], now: dt.datetime) -> None:
+        for user_id, role in members:
             added = conn.execute(self.db.insert(TeamMember).values(team_id=team_id, user_id=user_id, role=role,
                                                                    created_at=now)
                                  .on_conflict_do_nothing(index_elements=["team_id", "user_id"])
