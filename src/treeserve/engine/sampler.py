@@ -118,6 +118,13 @@ class Sampler:
         return torch.where(to_device(torch.tensor(greedy_rows), logits.device), logits.argmax(dim=-1), sampled)
 
 
+def changes_logits(request) -> bool:
+    """Whether `Sampler.process_logits` changes any of the request's rows (its masks, bias, stops
+    below min_tokens or penalties apply)."""
+    p = request.sampling_params
+    return bool(uses_token_masks(p) or p.logit_bias or penalized(p) or request.num_output_tokens < p.min_tokens)
+
+
 def penalized(params) -> bool:
     return params.presence_penalty != 0 or params.frequency_penalty != 0 or params.repetition_penalty != 1
 

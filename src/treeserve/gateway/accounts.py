@@ -221,7 +221,7 @@ class Accounts:
                 select(ApiKey, User.models, User.max_budget, User.incarnation, Team)
                 .outerjoin(User, User.user_id == ApiKey.user_id).outerjoin(Team, Team.team_id == ApiKey.team_id)
                 .where(where)).first()
-        if row is None or row[0].blocked or _expired(row[0]):  # (an expired key is no key, its team's state aside)
+        if row is None or row[0].blocked or keylib.has_expired(aware(row[0].expires_at)):  # (an expired key is no key, its team's state aside)
             return None
         key, user_models, user_budget, user_incarnation, team = row
         if key.team_id is not None and (team is None or team.blocked):  # (LiteLLM's: a blocked team's keys stop)
@@ -235,10 +235,6 @@ class Accounts:
                            key.team_id, team.models if team is not None else None, user_incarnation,
                            team.incarnation if team is not None else None)
         return record
-
-
-def _expired(key: ApiKey) -> bool:
-    return key.expires_at is not None and aware(key.expires_at) <= utcnow()
 
 
 def _paged(conn: Session, query, sorts: dict, sort: Sort | None, default_order: tuple, page: Page | None):

@@ -23,6 +23,11 @@ _DURATION = re.compile(r"^\s*(\d+)\s*(mo|s|m|h|d|w)\s*$")
 _UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
 
 
+def has_expired(expires_at: dt.datetime | None) -> bool:
+    """Whether a key with this expiry (timezone-aware; None: never) has expired."""
+    return expires_at is not None and expires_at <= utcnow()
+
+
 def new_key() -> str:
     return PREFIX + secrets.token_urlsafe(32)
 
@@ -99,7 +104,7 @@ class KeyRecord:
 
     @property
     def expired(self) -> bool:
-        return self.expires_at is not None and self.expires_at <= utcnow()
+        return has_expired(self.expires_at)
 
     @property
     def label(self) -> str:

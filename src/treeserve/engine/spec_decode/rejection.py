@@ -25,9 +25,8 @@ import torch
 
 from treeserve.engine import structured_outputs
 from treeserve.engine.input_batch import CachedRequestState
-from treeserve.engine.sampler import Sampler, _filter, _inverse_transform, _on, penalized
+from treeserve.engine.sampler import Sampler, _filter, _inverse_transform, _on, changes_logits
 from treeserve.engine.spec_decode.draft_rows import draft_rows
-from treeserve.engine.token_masks import uses_token_masks
 
 Emitted = list[tuple[int, dict | None]]
 
@@ -42,7 +41,7 @@ def verify(logits: torch.Tensor, rows: list[tuple[CachedRequestState, list[int]]
     raw = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
     firsts = _first_rows(rows)
     _apply_grammars(logits, rows, firsts, grammar_bitmasks or {})
-    if any(_processed(state) for state, _ in rows):  # (else no row's logits change: no row views to build)
+    if any(changes_logits(state) for state, _ in rows):  # (else no row's logits change: no row views to build)
         logits = Sampler.process_logits(logits, draft_rows(rows))
     greedy = [i for i, (state, _) in enumerate(rows) if state.sampling_params.greedy]
     sampled = [i for i, (state, _) in enumerate(rows) if not state.sampling_params.greedy]
@@ -71,12 +70,6 @@ def _apply_grammars(logits, rows, firsts, bitmasks: dict[str, torch.Tensor]) -> 
     if masked:
         indices = [first + j for first, mask in masked for j in range(mask.shape[0])]
         structured_outputs.apply_bitmask(logits, indices, torch.cat([mask for _, mask in masked]))
-
-
-def _processed(state: CachedRequestState) -> bool:
-    """Whether the sampler's logits processing changes any of the request's rows."""
-    p = state.sampling_params
-    return bool(uses_token_masks(p) or p.logit_bias or penalized(p) or state.num_output_tokens < p.min_tokens)
 
 
 def _first_rows(rows) -> list[int]:
