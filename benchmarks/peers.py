@@ -358,8 +358,12 @@ def plot(summary: dict, out: Path) -> Path | None:
         if row["sweep"]:
             levels = sorted(int(c) for c in row["sweep"])
             right.plot(levels, [row["sweep"][c] for c in levels], marker="o", label=labels[name])
-    right.set(xscale="log", xlabel="requests in flight", ylabel="total tokens/s", title="Throughput vs concurrency")
-    right.legend()
+    if right.lines:
+        right.set(xscale="log", xlabel="requests in flight", ylabel="total tokens/s", title="Throughput vs concurrency")
+        right.legend()
+    else:  # --concurrency "": the mixed workload only
+        right.text(0.5, 0.5, "no concurrency sweep run", ha="center", va="center", transform=right.transAxes)
+        right.set_axis_off()
     names = list(summary["engines"])
     width = 0.8 / max(len(names), 1)
     for i, name in enumerate(names):
