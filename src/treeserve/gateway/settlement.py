@@ -253,7 +253,7 @@ def _answer_line(conn: Session, item: Settlement) -> None:
 
 def _log_row(item: Settlement) -> dict:
     reservation, usage = item.reservation, item.usage
-    return dict(request_id=item.request_id, key_id=reservation.key_id, user_id=reservation.user_id, model=item.model,
-                backend=item.backend, route=item.route, stream=item.stream, status=item.status,
+    return dict(request_id=item.request_id, key_id=reservation.key_id, user_id=reservation.user_id,
+                user_incarnation=reservation.user_incarnation, model=item.model, backend=item.backend, route=item.route, stream=item.stream, status=item.status,
                 prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens, cost=item.cost,
                 started_at=item.started_at, ended_at=item.ended_at)
