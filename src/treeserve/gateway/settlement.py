@@ -234,7 +234,8 @@ def lock_keys(conn: Session, key_ids) -> None:
     """The keys' rows held to the transaction's end, by id (SELECT ... FOR UPDATE; SQLite's writer
     holds the whole database already): the first rows of the LOCK ORDER."""
     if key_ids:
-        conn.execute(select(ApiKey.id).where(ApiKey.id.in_(sorted(key_ids))).order_by(ApiKey.id).with_for_update()).all()
+        conn.execute(select(ApiKey.id).where(ApiKey.id.in_(sorted(key_ids))).order_by(ApiKey.id)
+                     .with_for_update()).all()
 
 
 def locked_in_order(rows: dict[tuple[str, str | None], object]) -> list:
@@ -243,9 +244,9 @@ def locked_in_order(rows: dict[tuple[str, str | None], object]) -> list:
     LOCK ORDER, the one every transaction that writes several of these rows follows (admission,
     release, settlement, a sweep, /team/delete): keys, then users, then teams, then rate windows and
     daily totals, each by id. A request's `holdings` row is written (released, settled, swept) only
-    with its key's row held first: whoever holds the key reads the holding as it is. Two settlement batches of two gateway processes that wrote the same
-    keys or users in different orders deadlocked on PostgreSQL (one aborted, its batch retried row
-    by row)."""
+    with its key's row held first: whoever holds the key reads the holding as it is. Two settlement
+    batches of two gateway processes that wrote the same keys or users in different orders
+    deadlocked on PostgreSQL (one aborted, its batch retried row by row)."""
     return sorted(rows.items(), key=lambda entry: (entry[0][0], entry[0][1] or ""))
 
 
@@ -277,6 +278,7 @@ def _answer_line(conn: Session, item: Settlement) -> None:
 def _log_row(item: Settlement) -> dict:
     reservation, usage = item.reservation, item.usage
     return dict(request_id=item.request_id, key_id=reservation.key_id, user_id=reservation.user_id,
-                user_incarnation=reservation.user_incarnation, model=item.model, backend=item.backend, route=item.route, stream=item.stream, status=item.status,
+                user_incarnation=reservation.user_incarnation, model=item.model, backend=item.backend,
+                route=item.route, stream=item.stream, status=item.status,
                 prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens, cost=item.cost,
                 started_at=item.started_at, ended_at=item.ended_at)
