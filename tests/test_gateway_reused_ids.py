@@ -95,7 +95,7 @@ def test_the_incarnations_migration_upgrades_a_database_at_0014(backend, request
     store = Store(url)
     try:
         store.migrate()
-        assert store.db.revision() == "0015"
+        assert store.db.revision() == "0016"  # (the head)
         with store.db.engine.connect() as conn:
             assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
         with store.db.session() as s:
@@ -206,3 +206,69 @@ def test_two_processes_sweeping_at_once_give_a_dead_ones_holdings_back_once(requ
     finally:
         for each in (store, *sweepers):
             each.close()
+
+
+def test_a_request_of_the_old_account_started_as_the_new_one_was_made_is_told_apart_by_incarnation(store):
+    """`user_deleted` compared a request's start with the current account's `created_at`: a request of
+    the deleted account that started in the instant the new one was made (or on a gateway whose clock
+    runs ahead) read as the new account's, and one of the new account on a gateway whose clock runs
+    behind as the deleted one's. Each row names the user row it was admitted on (migration 0016)."""
+    from treeserve.gateway.chat.store import ChatStore
+
+    store.accounts.create_user("ann")
+    old = store.accounts.authenticate(store.accounts.create_key(user_id="ann")[0])
+    in_flight = store.admission.admit(old, 0.0)  # (the old account's, settled once ann is made again)
+    store.accounts.delete_users(["ann"])
+    store.accounts.create_user("ann")
+    made_at = _row(store, "user", "ann").created_at
+    _settle(store, in_flight, 0.5, made_at)  # (started the instant the new account was made)
+    new = store.accounts.authenticate(store.accounts.create_key(user_id="ann")[0])
+    _settle(store, store.admission.admit(new, 0.0), 0.25, made_at - dt.timedelta(seconds=1))  # (a clock behind)
+    rows = store.ledger.spend_logs(user_id="ann")
+    assert [(r["cost"], r["user_deleted"]) for r in rows] == [(0.25, False), (0.5, True)]
+    assert logs_csv(rows).splitlines()[1].endswith(",False")
+    usage = ChatStore(store.db, store.accounts).usage("ann")
+    assert (usage["requests"], usage["prompt_tokens"]) == (1, 1)
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_the_spend_log_incarnations_migration_upgrades_and_downgrades_with_rows(backend, request, tmp_path):
+    """Migration 0016 on a database at 0015 with spend rows: they keep their rows and are told apart by
+    time (they name no incarnation), a gateway from before 0016 still running writes rows without it,
+    the schema is exactly the ORM's, and downgrading to 0015 keeps every row."""
+    url = f"sqlite:///{tmp_path / 'old.db'}" if backend == "sqlite" else \
+        request.getfixturevalue("postgres").new_database()
+    old = _store_at_revision(url, "0015")
+    made_at = utcnow() - dt.timedelta(hours=1)
+    insert_log = text("INSERT INTO spend_logs (request_id, key_id, user_id, model, route, stream, status, "
+                      "prompt_tokens, completion_tokens, cost, started_at, ended_at) "
+                      "VALUES (:r, 1, 'ann', 'm', 'chat', :no, 'success', 1, 1, :c, :t, :t)")
+    with old.db.transaction() as conn:
+        conn.execute(text("INSERT INTO users (user_id, spend, reserved, metadata, created_at) "
+                          "VALUES ('ann', 0, 0, '{}', :t)"), {"t": made_at})
+        for request_id, cost, started in (("before", 0.5, made_at - dt.timedelta(minutes=1)), ("since", 0.25, made_at)):
+            conn.execute(insert_log, {"r": request_id, "no": False, "c": cost, "t": started})
+    old.close()
+    store = Store(url)
+    try:
+        store.migrate()
+        assert store.db.revision() == "0016"
+        with store.db.engine.connect() as conn:
+            assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
+        with store.db.transaction() as conn:  # a gateway from before 0016 still running: no incarnation
+            conn.execute(insert_log, {"r": "rolling", "no": False, "c": 0.125, "t": utcnow()})
+        rows = store.ledger.spend_logs(user_id="ann")
+        assert [(r["request_id"], r["user_deleted"]) for r in rows] == [("before", True), ("since", False),
+                                                                         ("rolling", False)]
+        key = store.accounts.authenticate(store.accounts.create_key(user_id="ann")[0])
+        _settle(store, store.admission.admit(key, 0.0), 1.0)
+        with store.db.session() as s:
+            assert s.get(User, "ann").incarnation == s.execute(
+                text("SELECT user_incarnation FROM spend_logs WHERE cost = 1.0")).scalar()
+        store.db.downgrade("0015")
+        assert store.db.revision() == "0015"
+        with store.db.engine.connect() as conn:
+            assert conn.execute(text("SELECT count(*) FROM spend_logs")).scalar() == 4
+            assert conn.execute(text("SELECT sum(cost) FROM spend_logs")).scalar() == pytest.approx(1.875)
+    finally:
+        store.close()

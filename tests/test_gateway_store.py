@@ -321,6 +321,82 @@ def test_what_a_dead_process_held_is_given_back_and_a_live_ones_is_not(store):
         other.close()
 
 
+def _silent(store: Store) -> None:
+    """The store's process thought dead: its heartbeat and its holdings five minutes old."""
+    long_ago = utcnow() - dt.timedelta(minutes=5)
+    with store.db.transaction() as s:
+        s.execute(update(Instance).values(seen_at=long_ago))
+        s.execute(update(Holding).values(created_at=long_ago))
+
+
+def _owed(store: Store, user_id: str) -> tuple:
+    """(each key's (reserved, in_flight, spend), the user's (reserved, spend)), rounded."""
+    with store.db.session() as s:
+        keys = [(round(k.reserved, 9), k.in_flight, round(k.spend, 9)) for k in s.scalars(select(ApiKey)
+                                                                                              .order_by(ApiKey.id))]
+        user = s.get(User, user_id)
+        return keys, (round(user.reserved, 9), round(user.spend, 9))
+
+
+def test_a_process_thought_dead_that_answers_after_the_sweep_gives_nothing_back_twice(store):
+    """A process whose heartbeats stopped (its writer thread, which beats, stuck on a slow commit) is
+    swept while alive; its requests then answer and settle. Their release and settlement gave back
+    again what the sweep had: the key's `reserved` and `in_flight` below 0, admitting past its budget
+    and parallel limit. Now a holding gone means given back already: only the spend is written."""
+    store.accounts.create_user("u")
+    token, _ = store.accounts.create_key(user_id="u", max_budget=1.0, max_parallel_requests=2)
+    key = store.accounts.authenticate(token)
+    released, settled = store.admission.admit(key, 0.25), store.admission.admit(key, 0.5)
+    _silent(store)
+    other = Store(store.db.url)
+    try:
+        assert other.instances.sweep() == 2
+    finally:
+        other.close()
+    store.admission.release(released, 0.1)
+    for reservation, cost in ((released, 0.1), (settled, 0.2)):
+        store.ledger.settle(Settlement(reservation, f"r{cost}", "m", None, "chat", False, "success", Usage(1, 1), cost,
+                                       utcnow()))
+    assert _owed(store, "u") == ([(0.0, 0, 0.3)], (0.0, 0.3))
+
+
+def test_a_sweep_reads_the_holdings_it_gives_back_after_locking_their_keys(request):
+    """The exact race (PostgreSQL, read committed): a sweep read a silent process's holdings, then
+    waited on a key's row (here another transaction holds the first key); meanwhile the process, alive
+    after all, released one holding (cut to its real cost, its slot freed) and settled another
+    (deleted); the sweep then gave both back as it had read them, twice over. The sweep now holds the
+    keys' rows first (LOCK ORDER) and reads the holdings as they are then."""
+    import threading
+    import time
+
+    url = request.getfixturevalue("postgres").new_database()
+    owner, sweeper, blocker = Store(url), Store(url), Store(url)
+    owner.migrate()
+    try:
+        owner.accounts.create_user("u")
+        keys = [owner.accounts.authenticate(owner.accounts.create_key(user_id="u", max_budget=1.0,
+                                                                      max_parallel_requests=1)[0]) for _ in range(3)]
+        first, released, settled = (owner.admission.admit(k, 0.25) for k in keys)
+        _silent(owner)
+        swept: list[int] = []
+        with blocker.db.transaction() as hold:  # (the first key's row held: the sweep waits on it)
+            hold.execute(update(ApiKey).where(ApiKey.id == keys[0].id).values(spend=ApiKey.spend))
+            thread = threading.Thread(target=lambda: swept.append(sweeper.instances.sweep()))
+            thread.start()
+            time.sleep(1.5)  # (the sweep has read the holdings, and waits)
+            owner.admission.release(released, 0.1)
+            owner.ledger.settle(Settlement(settled, "settled", "m", None, "chat", False, "success", Usage(1, 1), 0.2,
+                                           utcnow()))
+        thread.join(30)
+        owner.ledger.settle(Settlement(released, "released", "m", None, "chat", False, "success", Usage(1, 1), 0.1,
+                                       utcnow()))
+        assert _owed(owner, "u") == ([(0.0, 0, 0.0), (0.0, 0, 0.1), (0.0, 0, 0.2)], (0.0, 0.3))
+        assert swept == [2]  # (the settled one: gone, not given back)
+    finally:
+        for each in (owner, sweeper, blocker):
+            each.close()
+
+
 def test_a_new_key_never_takes_a_deleted_keys_id(store):
     """On SQLite a new row took the highest id plus one: a key made after the newest key was deleted
     had its id, and with it that key's spend logs, daily spend and rate window."""

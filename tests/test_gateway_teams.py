@@ -192,7 +192,7 @@ def test_the_teams_migration_upgrades_a_database_at_0013(backend, request, tmp_p
     store = Store(url)
     try:
         store.migrate()
-        assert store.db.revision() == "0015"  # (the head: 0014, then the revisions after it)
+        assert store.db.revision() == "0016"  # (the head: 0014, then the revisions after it)
         record = store.accounts.authenticate(token)
         assert record is not None and record.team_id is None and record.user_id == "ann" and record.budgeted
         info = store.accounts.key_info(token)

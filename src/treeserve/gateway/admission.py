@@ -11,6 +11,7 @@ counts `max_tokens` and an estimate of the prompt against its token limits as a 
 from __future__ import annotations
 
 import datetime as dt
+import logging
 
 from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.orm import Session
@@ -21,6 +22,7 @@ from treeserve.gateway.keys import KeyRecord, after
 from treeserve.gateway.schema import ApiKey, Holding, RateWindow, Team, User, aware, team_row, user_row, utcnow
 from treeserve.gateway.settlement import Reservation
 
+log = logging.getLogger("treeserve.gateway")
 # A budget counts as spent when less than this fraction of it is left: far above the rounding error
 # of a sum of costs (about 1e-16 of it per cost added), far below what any budget means to pay for.
 BUDGET_TOLERANCE = 1e-9
@@ -67,21 +69,12 @@ class Admission:
         given_back = reservation.held - held
         if not reservation.parallel and not given_back and reservation.holding_id is None:
             return  # (nothing to give back, and no hold to mark answered)
-        with self.db.transaction() as conn:
-            values = {"reserved": ApiKey.reserved - given_back} if given_back else {}
-            if reservation.parallel:
-                values["in_flight"] = ApiKey.in_flight - 1
-            if values:  # (nothing of it to give back when its real cost is its worst case, and no slot)
-                conn.execute(update(ApiKey).where(ApiKey.id == reservation.key_id).values(**values))
-            if given_back and reservation.user_id is not None:
-                conn.execute(update(User).where(user_row(reservation.user_id, reservation.user_incarnation))
-                             .values(reserved=User.reserved - given_back))
-            if given_back and reservation.team_id is not None:
-                conn.execute(update(Team).where(team_row(reservation.team_id, reservation.team_incarnation))
-                             .values(reserved=Team.reserved - given_back))
-            if reservation.holding_id is not None:
-                conn.execute(update(Holding).where(Holding.id == reservation.holding_id)
-                             .values(parallel=False, worst_cost=held, answered=True))
+        try:
+            with self.db.transaction() as conn:
+                _give_back(conn, reservation, given_back, held)
+        except _Swept:  # (this process was silent long enough to be thought dead: a sweep gave it all back)
+            log.warning("a request's hold was given back by a sweep before its answer (this process's heartbeats "
+                        "stopped for a while): nothing more to give back")
         reservation.parallel, reservation.held = False, held
 
     def prune_rate_windows(self) -> int:
@@ -108,6 +101,32 @@ class Admission:
             instance_id=self.instance_id, key_id=key.id, user_id=key.user_id if key.budgeted else None,
             team_id=key.team_id if key.budgeted else None, user_incarnation=key.user_incarnation,
             team_incarnation=key.team_incarnation, worst_cost=worst_cost, parallel=parallel, created_at=now).returning(Holding.id)).scalar_one()
+
+
+class _Swept(Exception):
+    """A request's holding is gone: a sweep gave it back (instances.py), its process thought dead."""
+
+
+def _give_back(conn: Session, reservation: Reservation, given_back: float, held: float) -> None:
+    """`Admission.release`'s writes: the key's row first, its user's, its team's, then its holding
+    (settlement.locked_in_order's LOCK ORDER). A holding gone means a sweep has given all of it back
+    already: _Swept, and the transaction rolls back (given back twice, the key's `reserved` and
+    `in_flight` went below 0)."""
+    values = {"reserved": ApiKey.reserved - given_back} if given_back else {}
+    if reservation.parallel:
+        values["in_flight"] = ApiKey.in_flight - 1
+    if values:  # (nothing of it to give back when its real cost is its worst case, and no slot)
+        conn.execute(update(ApiKey).where(ApiKey.id == reservation.key_id).values(**values))
+    if given_back and reservation.user_id is not None:
+        conn.execute(update(User).where(user_row(reservation.user_id, reservation.user_incarnation))
+                     .values(reserved=User.reserved - given_back))
+    if given_back and reservation.team_id is not None:
+        conn.execute(update(Team).where(team_row(reservation.team_id, reservation.team_incarnation))
+                     .values(reserved=Team.reserved - given_back))
+    if reservation.holding_id is not None:  # (with nothing to give back, its row alone: no amount changes)
+        if not conn.execute(update(Holding).where(Holding.id == reservation.holding_id)
+                            .values(parallel=False, worst_cost=held, answered=True)).rowcount:
+            raise _Swept()
 
 
 def _take_slot(conn: Session, key: KeyRecord) -> None:

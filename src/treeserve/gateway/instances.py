@@ -11,7 +11,7 @@ from sqlalchemy import delete, select, text, update
 
 from treeserve.gateway.database import Database
 from treeserve.gateway.schema import ApiKey, Holding, Instance, Team, User, team_row, user_row, utcnow
-from treeserve.gateway.settlement import locked_in_order
+from treeserve.gateway.settlement import lock_keys, locked_in_order
 
 log = logging.getLogger("treeserve.gateway")
 INSTANCE_TIMEOUT = 60.0  # a process silent this long is dead: its holdings are given back
@@ -39,9 +39,10 @@ class Instances:
             if not self._sweeping(conn):  # (another process is: both would give the same holdings back)
                 return 0
             live = select(Instance.instance_id).where(Instance.seen_at >= cutoff)
-            dead = conn.scalars(select(Holding).where(Holding.instance_id.not_in(live),
-                                                      Holding.instance_id != self.instance_id,
-                                                      Holding.created_at < cutoff)).all()
+            found = conn.execute(select(Holding.id, Holding.key_id).where(
+                Holding.instance_id.not_in(live), Holding.instance_id != self.instance_id,
+                Holding.created_at < cutoff)).all()
+            dead = _locked_holdings(conn, found)
             _give_back(conn, dead)
             if dead:
                 conn.execute(delete(Holding).where(Holding.id.in_([h.id for h in dead])))
@@ -56,6 +57,20 @@ class Instances:
         if self.db.dialect != "postgresql":
             return True
         return bool(conn.scalar(text("SELECT pg_try_advisory_xact_lock(:key)"), {"key": SWEEP_LOCK}))
+
+
+def _locked_holdings(conn, found: list) -> list[Holding]:
+    """The holdings `found` (id, key_id) as they are now, read again once their keys' rows are held
+    (settlement.locked_in_order's LOCK ORDER: keys by id, and each holding after its key). Their
+    owner, silent but not dead (a stalled writer thread stops its heartbeats), may release or settle
+    them meanwhile: both write the key's row first. Given back as first read, a holding released (cut
+    to its real cost, its slot freed) or settled (deleted) between that read and the sweep's writes
+    was given back twice on PostgreSQL, its key's `reserved` and `in_flight` below 0."""
+    if not found:
+        return []
+    lock_keys(conn, {h.key_id for h in found})
+    return list(conn.scalars(select(Holding).where(Holding.id.in_([h.id for h in found]))
+                             .order_by(Holding.id).with_for_update()))
 
 
 def _give_back(conn, holdings: list[Holding]) -> None:

@@ -70,7 +70,7 @@ class Ledger:
              order: str = "asc") -> list[dict]:
         ordering = (SpendLog.started_at, SpendLog.id) if order == "asc" else (SpendLog.started_at.desc(),
                                                                                SpendLog.id.desc())
-        query = (select(SpendLog, ApiKey.token_hash, User.created_at).outerjoin(ApiKey, ApiKey.id == SpendLog.key_id)
+        query = (select(SpendLog, ApiKey.token_hash, User).outerjoin(ApiKey, ApiKey.id == SpendLog.key_id)
                  .outerjoin(User, User.user_id == SpendLog.user_id).order_by(*ordering).limit(limit))
         for column, value in ((SpendLog.key_id, key_id), (SpendLog.user_id, user_id),
                               (SpendLog.request_id, request_id)):
@@ -81,8 +81,8 @@ class Ledger:
         if end is not None:
             query = query.where(SpendLog.started_at < end)
         with self.db.session() as conn:
-            return [_public_log(log) | {"api_key": token_hash, "user_deleted": of_deleted_user(log, made_at)}
-                    for log, token_hash, made_at in conn.execute(query)]
+            return [_public_log(log) | {"api_key": token_hash, "user_deleted": of_deleted_user(log, user)}
+                    for log, token_hash, user in conn.execute(query)]
 
     def daily_spend(self, key_id: int | None = None) -> list[dict]:
         query = (select(DailySpend, ApiKey.token_hash).outerjoin(ApiKey, ApiKey.id == DailySpend.key_id)
@@ -100,13 +100,26 @@ class Ledger:
             return money(float(conn.execute(select(func.coalesce(func.sum(SpendLog.cost), 0.0))).scalar()))
 
 
-def of_deleted_user(log: SpendLog, made_at: dt.datetime | None) -> bool | None:
-    """Whether a spend row's user is gone: deleted, or deleted and made again under its id since the
-    request started (`made_at`: when the user of that id now was made; the web chat's usage counts the
-    same rows, gateway/chat/store.py). None: a request of no user."""
+def of_deleted_user(log: SpendLog, user: User | None) -> bool | None:
+    """Whether a spend row's user is gone: deleted, or deleted and made again under its id (`user`: the
+    user of that id now, if any). Exact by the user row's incarnation the request was admitted on; a
+    row without one (written before migration 0016, or by a gateway from before it during an upgrade)
+    by time: it is the current account's when it started at or after the account was made. None: a
+    request of no user. The web chat's usage counts the same rows by the same rule (`of_user_now`)."""
     if log.user_id is None:
         return None
-    return made_at is None or aware(log.started_at) < aware(made_at)
+    if user is None:
+        return True
+    if log.user_incarnation is not None:
+        return log.user_incarnation != user.incarnation
+    return aware(log.started_at) < aware(user.created_at)
+
+
+def of_user_now(user: User):
+    """The condition on spend rows of `user.user_id` that are its current account's (`of_deleted_user`'s
+    rule, in SQL)."""
+    by_time = SpendLog.user_incarnation.is_(None) & (SpendLog.started_at >= user.created_at)
+    return (SpendLog.user_id == user.user_id) & ((SpendLog.user_incarnation == user.incarnation) | by_time)
 
 
 def logs_csv(rows: list[dict]) -> str:

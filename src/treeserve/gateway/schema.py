@@ -144,6 +144,9 @@ class SpendLog(Base):
     request_id: Mapped[str] = mapped_column(String(64), unique=True)
     key_id: Mapped[int | None] = mapped_column(Integer)
     user_id: Mapped[str | None] = mapped_column(String(128))
+    # the incarnation of the user row it was admitted on (User.incarnation): whether that account is the
+    # one of its id now, exactly (ledger.of_deleted_user). None: no user, or written before migration 0016
+    user_incarnation: Mapped[str | None] = mapped_column(String(32))
     model: Mapped[str] = mapped_column(String(128))
     backend: Mapped[str | None] = mapped_column(String(256))
     route: Mapped[str] = mapped_column(String(64))

@@ -15,7 +15,7 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from sqlalchemy import delete, insert, update
+from sqlalchemy import delete, insert, select, update
 from sqlalchemy.orm import Session
 
 from treeserve.gateway.database import Database
@@ -163,20 +163,23 @@ def apply_settlements(db: Database, conn: Session, items: list[Settlement]) -> N
     teams: dict[tuple[str, str | None], list[float]] = defaultdict(lambda: [0.0, 0.0])
     windows: dict[tuple[int, int], int] = defaultdict(int)
     days: dict[tuple, list] = {}
+    swept = _swept_holdings(conn, items)
     for item in items:
         reservation, usage = item.reservation, item.usage
+        # (a holding a sweep gave back, its owner thought dead: its hold and slot are back already)
+        held, parallel = (0.0, False) if reservation.holding_id in swept else (reservation.held, reservation.parallel)
         if reservation.key_id is not None:
             entry = keys[reservation.key_id]
-            entry[0] += reservation.held
+            entry[0] += held
             entry[1] += item.cost
-            entry[2] += int(reservation.parallel)
+            entry[2] += int(parallel)
         if reservation.user_id is not None:
             user = users[(reservation.user_id, reservation.user_incarnation)]
-            user[0] += reservation.held
+            user[0] += held
             user[1] += item.cost
         if reservation.team_id is not None:
             team = teams[(reservation.team_id, reservation.team_incarnation)]
-            team[0] += reservation.held
+            team[0] += held
             team[1] += item.cost
         if reservation.counted and (usage.total_tokens or reservation.tokens):  # (what it used, for its hold)
             windows[(reservation.key_id, reservation.window)] += usage.total_tokens - reservation.tokens
@@ -215,14 +218,35 @@ def apply_settlements(db: Database, conn: Session, items: list[Settlement]) -> N
                   ["day", "key_id", "model"], ["requests", "prompt_tokens", "completion_tokens", "cost"])
 
 
+def _swept_holdings(conn: Session, items: list[Settlement]) -> set[int]:
+    """The items' holdings that are gone: given back by a sweep (instances.py) while their process,
+    silent for a while but alive, went on. Read with the keys' rows held, by id (LOCK ORDER), as every
+    writer of a holding writes its key's row first: no sweep can give one back between this read and
+    the writes that follow."""
+    held = {item.reservation.holding_id for item in items if item.reservation.holding_id is not None}
+    if not held:
+        return set()
+    lock_keys(conn, {item.reservation.key_id for item in items if item.reservation.key_id is not None})
+    return held - set(conn.scalars(select(Holding.id).where(Holding.id.in_(held))))
+
+
+def lock_keys(conn: Session, key_ids) -> None:
+    """The keys' rows held to the transaction's end, by id (SELECT ... FOR UPDATE; SQLite's writer
+    holds the whole database already): the first rows of the LOCK ORDER."""
+    if key_ids:
+        conn.execute(select(ApiKey.id).where(ApiKey.id.in_(sorted(key_ids))).order_by(ApiKey.id)
+                     .with_for_update()).all()
+
+
 def locked_in_order(rows: dict[tuple[str, str | None], object]) -> list:
     """Users' or teams' entries by (id, incarnation), sorted by id: the order their rows are locked in.
 
     LOCK ORDER, the one every transaction that writes several of these rows follows (admission,
     release, settlement, a sweep, /team/delete): keys, then users, then teams, then rate windows and
-    daily totals, each by id. Two settlement batches of two gateway processes that wrote the same
-    keys or users in different orders deadlocked on PostgreSQL (one aborted, its batch retried row
-    by row)."""
+    daily totals, each by id. A request's `holdings` row is written (released, settled, swept) only
+    with its key's row held first: whoever holds the key reads the holding as it is. Two settlement
+    batches of two gateway processes that wrote the same keys or users in different orders
+    deadlocked on PostgreSQL (one aborted, its batch retried row by row)."""
     return sorted(rows.items(), key=lambda entry: (entry[0][0], entry[0][1] or ""))
 
 
@@ -253,7 +277,8 @@ def _answer_line(conn: Session, item: Settlement) -> None:
 
 def _log_row(item: Settlement) -> dict:
     reservation, usage = item.reservation, item.usage
-    return dict(request_id=item.request_id, key_id=reservation.key_id, user_id=reservation.user_id, model=item.model,
-                backend=item.backend, route=item.route, stream=item.stream, status=item.status,
+    return dict(request_id=item.request_id, key_id=reservation.key_id, user_id=reservation.user_id,
+                user_incarnation=reservation.user_incarnation, model=item.model, backend=item.backend,
+                route=item.route, stream=item.stream, status=item.status,
                 prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens, cost=item.cost,
                 started_at=item.started_at, ended_at=item.ended_at)

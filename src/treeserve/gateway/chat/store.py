@@ -8,13 +8,14 @@ from __future__ import annotations
 import datetime as dt
 import secrets
 
-from sqlalchemy import delete, func, insert, select, true, update
+from sqlalchemy import delete, func, insert, select, update
 
 from treeserve.gateway import keys as keylib
 from treeserve.gateway.accounts import CHAT_ALIAS_PREFIX, Accounts
 from treeserve.gateway.database import Database
 from treeserve.gateway.errors import (ChatKeyBlocked, ConversationNotFound, MessageNotFound, NothingToAnswer,
                                       QuestionReplaced, UserNotFound)
+from treeserve.gateway.ledger import of_user_now
 from treeserve.gateway.passwords import hash_password, needs_rehash, verify_password
 from treeserve.gateway.schema import (ApiKey, ChatMessage, ChatSession, Conversation, SpendLog, User, aware, iso,
                                       money, utcnow)
@@ -198,13 +199,11 @@ class ChatStore:
         """What the user has spent through the gateway (the chat and any key of theirs): the requests
         since it was made (a user deleted and made again under its id has none of the old one's)."""
         with self.db.session() as conn:
-            user = conn.execute(select(User.spend, User.max_budget, User.created_at)
-                                .where(User.user_id == user_id)).first()
+            user = conn.get(User, user_id)
             spend, budget = (user.spend or 0.0, user.max_budget) if user is not None else (0.0, None)
-            since = SpendLog.started_at >= user.created_at if user is not None else true()
+            own = of_user_now(user) if user is not None else SpendLog.user_id == user_id
             row = conn.execute(select(func.count(), func.coalesce(func.sum(SpendLog.prompt_tokens), 0),
-                                      func.coalesce(func.sum(SpendLog.completion_tokens), 0))
-                               .where(SpendLog.user_id == user_id, since)).one()
+                                      func.coalesce(func.sum(SpendLog.completion_tokens), 0)).where(own)).one()
         return {"requests": row[0], "prompt_tokens": int(row[1]), "completion_tokens": int(row[2]),
                 "cost": money(spend), "max_budget": budget}
 
