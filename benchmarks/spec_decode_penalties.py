@@ -9,6 +9,12 @@ lookup drafts from. Prints tok/s of output and acceptance per run, and whether e
 equal the first's.
 
     python benchmarks/spec_decode_penalties.py --before-src /path/to/main/src [--passes 2] [--questions 24]
+
+`--fields` replaces the sampling settings (JSON, default {"repetition_penalty": 1.1}): with
+'{"bad_words": ["Step"]}' the n-gram drafts often propose the banned " Step" (the question and the
+answer so far say it), which the request's processing forbids: drafts cut there (session 81) against
+drafts verified past it; `--speculative-config` replaces the n-gram drafting (JSON: a draft model,
+'{"method": "draft_model", "model": "builtin:arith-gen", "num_speculative_tokens": 4}').
 """
 from __future__ import annotations
 
@@ -26,15 +32,15 @@ WARM_QUESTIONS = 4
 HERE = Path(__file__).resolve().parent
 
 
-def worker(questions: int) -> None:
+def worker(questions: int, fields: dict, speculative_config: dict) -> None:
     """One engine: warm-up, then the timed answers; one JSON line on stdout."""
     from treeserve import LLM, SamplingParams
     from treeserve.tasks.arithmetic import generate
 
     rows = [p.row() for p in generate("test", WARM_QUESTIONS + questions, seed=0)]
     chats = [[{"role": "user", "content": r["problem"]}] for r in rows]
-    params = SamplingParams(temperature=0, max_tokens=256, repetition_penalty=1.1)
-    llm = LLM("builtin:arith-gen", speculative_config=NGRAM)
+    params = SamplingParams(temperature=0, max_tokens=256, **fields)
+    llm = LLM("builtin:arith-gen", speculative_config=speculative_config)
     for chat in chats[:WARM_QUESTIONS]:
         llm.chat([chat], params, use_tqdm=False)
     before = llm.engine.stats()
@@ -48,9 +54,10 @@ def worker(questions: int) -> None:
                       "accepted": after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens}))
 
 
-def run(src: Path, questions: int) -> dict:
+def run(src: Path, questions: int, fields: str, speculative_config: str) -> dict:
     env = {**os.environ, "PYTHONPATH": str(src)}
-    out = subprocess.run([sys.executable, __file__, "--worker", "--questions", str(questions)], env=env,
+    out = subprocess.run([sys.executable, __file__, "--worker", "--questions", str(questions), "--fields", fields,
+                          "--speculative-config", speculative_config], env=env,
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -60,16 +67,18 @@ def main() -> int:
     parser.add_argument("--before-src", type=Path, help="the `src` of a checkout from before (no drafts)")
     parser.add_argument("--passes", type=int, default=2)
     parser.add_argument("--questions", type=int, default=24)
+    parser.add_argument("--fields", default='{"repetition_penalty": 1.1}', help="the sampling settings (JSON)")
+    parser.add_argument("--speculative-config", default=json.dumps(NGRAM), help="how it drafts (JSON)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.questions)
+        worker(args.questions, json.loads(args.fields), json.loads(args.speculative_config))
         return 0
     srcs = {"before": args.before_src, "after": HERE.parent / "src"}
     runs, first = {name: [] for name in srcs}, None
     for _ in range(args.passes):
         for name, src in srcs.items():
-            result = run(src, args.questions)
+            result = run(src, args.questions, args.fields, args.speculative_config)
             first = first if first is not None else result["tokens"]
             runs[name].append(result["tok_s"])
             kept = f"{result['accepted']}/{result['drafted']}" if result["drafted"] else "0/0"

@@ -167,3 +167,34 @@ def test_an_empty_question_is_a_400_naming_it(bundled_pair_served, path, body, p
     error = response.json()["error"]
     assert error["param"] == param and error["message"] == f"{param}: the question is empty", error
     wait_all_idle(app)
+
+
+UNNAMED = [  # (path, a body that names no model): vLLM's pooling and score bodies may leave `model` out
+    ("/v1/rewards", {"question": QUESTION, "steps": ["Start: 40.", "Step 1: 40 - 5 = 35."]}),
+    ("/pooling", {"messages": _conversation(QUESTION)["messages"]}),
+    ("/v1/score", {"question": QUESTION, "steps": ["Start: 40."], "candidates": ["Step 1: 40 - 5 = 35."]}),
+    ("/score", {"question": QUESTION, "candidates": [["Start: 40.", "Step 1: 40 - 5 = 35."]]}),
+]
+
+
+@pytest.mark.parametrize("path, body", UNNAMED)
+def test_a_body_without_model_scores_with_the_served_reward_model(bundled_pair_served, path, body):
+    """As vLLM's (its pooling and score requests' `model` is optional: the served model): the one reward
+    model served. Before, /v1/rewards, /pooling and treeserve's /v1/score body were a 400 "model: Field
+    required" (vLLM's /score body alone took it left out)."""
+    url, app = bundled_pair_served
+    unnamed = httpx.post(url + path, json=body, timeout=60)
+    assert unnamed.status_code == 200, unnamed.text
+    named = httpx.post(url + path, json={"model": "prm"} | body, timeout=60).json()
+    assert unnamed.json()["model"] == "prm"
+    assert unnamed.json()["data" if "data" in named else "scores"] == named["data" if "data" in named else "scores"]
+    wait_all_idle(app)
+
+
+@pytest.mark.parametrize("path, body", UNNAMED)
+def test_a_body_without_model_on_a_server_of_no_reward_model_is_a_400_naming_it(server, path, body):
+    """Where no reward model (or several) is served, `model` cannot be guessed: a 400 naming it."""
+    response = httpx.post(server.url + path, json=body, headers={"Authorization": f"Bearer {server.key}"}, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "model" and "none is served" in error["message"], error

@@ -176,9 +176,21 @@ def test_direct_scoring_refuses_an_empty_step_as_the_server_does(pair):
     for steps, param in ((["seven", ""], "steps[1]"), ([" \n", "seven"], "steps[0]")):
         with pytest.raises(ValueError, match=rf"^{re.escape(param)}: a step is empty"):
             rt.score_steps("prm", QUESTION, steps)
-        with pytest.raises(ValueError, match=rf"^{re.escape(param)}: a step is empty"):
+        with pytest.raises(ValueError, match=rf"^items\[1\]\.{re.escape(param)}: a step is empty"):
             rt.score_many("prm", [(QUESTION, ["seven"]), (QUESTION, steps)])
     assert len(rt.score_steps("prm", QUESTION, ["seven", "eight"])) == 2
+
+
+def test_direct_scoring_refuses_an_empty_question_as_the_server_does(pair):
+    """Runtime.score_many scored an empty or blank question (the step scores of an answer to no
+    question) where the server's /score, /v1/score, /v1/rewards and /pooling answer a 400 naming it."""
+    rt = _runtime(pair)
+    for question in ("", " \n\t"):
+        with pytest.raises(ValueError, match=r"^question: the question is empty$"):
+            rt.score_steps("prm", question, ["seven"])
+        with pytest.raises(ValueError, match=r"^items\[1\]\.question: the question is empty$"):
+            rt.score_many("prm", [(QUESTION, ["seven"]), (question, ["seven"])])
+    assert len(rt.score_many("prm", [(QUESTION, ["seven"])])[0]) == 1
 
 
 def test_memory_command(pair, capsys):

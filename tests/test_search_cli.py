@@ -109,7 +109,9 @@ def test_eval_refuses_counts_that_mean_nothing(tmp_path, capsys, flags, said):
     (json.dumps(ROWS[0]) + "\n" + json.dumps({"problem": "x"}) + "\n", "line 2: a row needs the fields problem and "
                                                                        "answer (missing answer)"),
     (json.dumps(ROWS[0]) + "\n{oops\n", "line 2 is not JSON"),
-    (json.dumps({"problem": None, "answer": "1"}) + "\n", "line 1: problem must be a non-empty string, got None")])
+    (json.dumps({"problem": None, "answer": "1"}) + "\n", "line 1: problem must be a non-empty string, got None"),
+    (json.dumps(ROWS[0]) + "\n" + json.dumps({"problem": " \n", "answer": "1"}) + "\n",
+     "line 2: problem must be a non-empty string, got ' \\n'")])
 def test_eval_names_the_line_of_a_bad_dataset_before_it_loads_a_model(tmp_path, capsys, content, said):
     dataset = tmp_path / "data.jsonl"
     dataset.write_text(content)

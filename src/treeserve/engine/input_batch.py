@@ -56,6 +56,10 @@ class CachedRequestState:
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
+    def recent_output(self, count: int) -> list[int]:
+        """The last `count` output tokens (fewer if it has fewer)."""
+        return self.token_ids[max(self.num_prompt_tokens, len(self.token_ids) - count):]
+
 
 class InputBatch:
     """The requests by id, and their block tables both as lists (`CachedRequestState.block_ids`) and

@@ -104,6 +104,8 @@ class Request:
         self.block_hashes: list[bytes] = []
         self._extra_key = f"{self.cache_namespace}\x00{self.cache_salt or ''}".encode()
         self.seeded_draws = SeededDraws.of(self.sampling_params.seed)  # (the sampler takes a Request too)
+        allowed = self.sampling_params.allowed_token_ids  # (a draft outside it is cut: spec_decode/draft_rows.py)
+        self.allowed_token_set = frozenset(allowed) if allowed else None
         if self.sampling_params.logprobs is not None:
             self.logprobs = []
 
@@ -124,6 +126,10 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    def recent_output(self, count: int) -> list[int]:
+        """The last `count` output tokens (fewer if it has fewer)."""
+        return self.output_token_ids[max(len(self.output_token_ids) - count, 0):]
 
     @property
     def is_finished(self) -> bool:

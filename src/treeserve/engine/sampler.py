@@ -83,7 +83,7 @@ class Sampler:
         for row, request in enumerate(requests):
             p = request.sampling_params
             if request.num_output_tokens < p.min_tokens:
-                stops = list(p.stop_token_ids) + ([] if p.ignore_eos else list(request.eos_token_ids))
+                stops = min_tokens_stops(request)
                 if stops:
                     # index_fill_ takes the value as a scalar: assigning a float through an index copies
                     # it to the device from pageable memory, which waits for the device
@@ -123,6 +123,13 @@ def changes_logits(request) -> bool:
     below min_tokens or penalties apply)."""
     p = request.sampling_params
     return bool(uses_token_masks(p) or p.logit_bias or penalized(p) or request.num_output_tokens < p.min_tokens)
+
+
+def min_tokens_stops(request) -> list[int]:
+    """The tokens a row masks while its output is shorter than min_tokens: its stop_token_ids and,
+    unless it ignores EOS, its EOS tokens."""
+    p = request.sampling_params
+    return list(p.stop_token_ids) + ([] if p.ignore_eos else list(request.eos_token_ids))
 
 
 def penalized(params) -> bool:

@@ -47,6 +47,13 @@ def banned_tokens(output_token_ids: list[int], sequences: tuple[tuple[int, ...],
     return banned
 
 
+def recent_output(request, sequences: tuple[tuple[int, ...], ...]) -> list[int]:
+    """The end of the row's output that `sequences`' prefixes may match (the longest prefix's length),
+    read without copying the rest (a verified row's output is its request's and the drafts before it:
+    copying that whole history for each of a step's rows cost milliseconds)."""
+    return request.recent_output(max(len(seq) for seq in sequences) - 1)
+
+
 def check_something_is_left(params, bad_words_sequences, eos_token_ids) -> None:
     """ParamError unless `allowed_token_ids` leave a token to sample: one that no one-token bad word
     bans, and, with `min_tokens`, one that does not stop the sequence (the sampler masks those until
@@ -84,7 +91,7 @@ def apply_token_masks(logits: torch.Tensor, requests) -> None:
         if params.allowed_token_ids:
             logits[row].masked_fill_(_disallowed(request, vocab, logits.device), minus_inf)
         if params.bad_words_token_ids:
-            tokens = banned_tokens(request.output_token_ids, params.bad_words_token_ids)
+            tokens = banned_tokens(recent_output(request, params.bad_words_token_ids), params.bad_words_token_ids)
             rows += [row] * len(tokens)
             banned += tokens
     if banned:  # (the value filled on the device, not copied there: a copy from pageable memory waits for it)

@@ -33,7 +33,7 @@ from treeserve.outputs import RequestOutput
 from treeserve.runtime.memory import (MemoryBreakdown, measure_activation_bytes, non_torch_bytes,
                                       weights_bytes)
 from treeserve.runtime.roles import not_a_verifier, verifier_recipe
-from treeserve.runtime.scorer import StepScorer, given_steps
+from treeserve.runtime.scorer import StepScorer, given_question, given_steps
 from treeserve.runtime.telemetry import TelemetryTrace
 
 logger = logging.getLogger(__name__)
@@ -162,13 +162,19 @@ class Runtime:
         return self._scorers[name]
 
     def score_steps(self, name: str, question: str, steps: list[str]) -> list[float]:
-        return self.score_many(name, [(question, steps)])[0]
+        scorer = self.scorer(name)
+        return self._scored(scorer, [(given_question(question), given_steps(steps))])[0]
 
     def score_many(self, name: str, items: list[tuple[str, list[str]]]) -> list[list[float]]:
-        """Direct scoring: a conversation too long for the verifier is an error, not a 0. Steps are
+        """Direct scoring: a conversation too long for the verifier is an error, not a 0, and so is an
+        empty question or step (naming `items[i]`, as the server's scoring routes answer 400). Steps are
         stripped as the server's scoring routes strip them (`given_steps`): the same scores."""
         scorer = self.scorer(name)
-        items = [(question, given_steps(steps)) for question, steps in items]
+        return self._scored(scorer, [(given_question(question, f"items[{i}].question"),
+                                      given_steps(steps, f"items[{i}].steps")) for i, (question, steps) in enumerate(items)])
+
+    @staticmethod
+    def _scored(scorer: StepScorer, items: list[tuple[str, list[str]]]) -> list[list[float]]:
         for question, steps in items:
             scorer.require_readable(question, steps)
         return scorer.score_many(items)

@@ -327,6 +327,15 @@ def readable_input(recipe, tokenizer, question: str, steps: list[str], max_model
     return 0, None
 
 
+def given_question(question: str, where: str = "question") -> str:
+    """The question, or ParamError(where) where it is empty or blank: the step scores of an answer to
+    no question say nothing, and a search of one searches the model's noise at full cost. The CLI,
+    the server's routes and direct scoring (`Runtime.score_many`) all ask this."""
+    if not question.strip():
+        raise ParamError(where, "the question is empty")
+    return question
+
+
 def given_steps(steps: list[str], where: str = "steps") -> list[str]:
     """A caller's steps as the verifier reads them: stripped, as a search's are (its pieces are), so
     that the same steps score the same offline (`Runtime.score_steps`), over HTTP (the server's

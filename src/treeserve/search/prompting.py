@@ -2,15 +2,8 @@
 from __future__ import annotations
 
 from treeserve.errors import ParamError
+from treeserve.runtime.scorer import given_question as checked_question  # noqa: F401 (the CLI and the server ask it here)
 from treeserve.search.config import SearchConfig
-
-
-def checked_question(question: str, param: str = "question") -> str:
-    """The question, or ParamError(param) where it is empty: an empty question (an unset shell
-    variable, say) would search the model's noise at full cost. The CLI and the server both ask this."""
-    if not question.strip():
-        raise ParamError(param, "the question is empty")
-    return question
 
 
 def chat_messages(question: str, config: SearchConfig) -> list[dict]:

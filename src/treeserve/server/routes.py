@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import time
 import uuid
+from typing import TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
 
 from treeserve import __version__
 from treeserve.engine.async_engine import AsyncLLMEngine
@@ -35,6 +37,8 @@ REQUEST_MODELS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completion
                   "/score": ScoreBody,
                   "/v1/search": SearchRequest, "/tokenize": TokenizeRequest,
                   "/detokenize": DetokenizeRequest}
+
+BodyT = TypeVar("BodyT", bound=BaseModel)
 
 
 class ServedModels:
@@ -79,6 +83,11 @@ class ServedModels:
             raise APIError(400, f"model: this field is required: it names the reward model, and {served}",
                            param="model")
         return names[0]
+
+    def with_verifier(self, body: BodyT) -> BodyT:
+        """A scoring body naming its reward model: one that names none (vLLM's pooling and score bodies
+        may leave `model` out, a server of one model meaning it) scores with the one served."""
+        return body if body.model is not None else body.model_copy(update={"model": self.only_verifier()})
 
     def rewards(self, model: str) -> RewardServing:
         if self.scoring is None:
@@ -161,20 +170,18 @@ def openai_routes(served: ServedModels, max_body_bytes: int) -> APIRouter:
 
     @router.post("/v1/rewards")
     async def rewards(request: Request):
-        body = await parse(request, RewardRequest, max_body_bytes)
+        body = served.with_verifier(await parse(request, RewardRequest, max_body_bytes))
         return await unless_client_leaves(request, served.rewards(body.model).rewards(body))
 
     @router.post("/pooling")
     async def pooling(request: Request):
-        body = await parse(request, PoolingRequest, max_body_bytes)
+        body = served.with_verifier(await parse(request, PoolingRequest, max_body_bytes))
         return await unless_client_leaves(request, served.rewards(body.model).pooling(body))
 
     @router.post("/v1/score")
     @router.post("/score")  # (vLLM's path for its score API; /v1/score is its older one)
     async def score(request: Request):
-        body = await parse_chosen(request, score_body_model, max_body_bytes)
-        if body.model is None:  # (vLLM's body may leave it out)
-            body = body.model_copy(update={"model": served.only_verifier()})
+        body = served.with_verifier(await parse_chosen(request, score_body_model, max_body_bytes))
         scoring = served.rewards(body.model)
         if isinstance(body, VLLMScoreRequest):
             return await unless_client_leaves(request, scoring.score_pairs(body))

@@ -13,7 +13,7 @@ class RewardRequest(BaseModel):
     """POST /v1/rewards: one score per step from a process reward model. A field it does not have
     is a 400 naming it (as on /v1/search)."""
     model_config = ConfigDict(extra="forbid", strict=True)
-    model: str
+    model: str | None = None  # (as vLLM's: left out, the one reward model served)
     question: str
     steps: list[str] = Field(min_length=1)
 
@@ -34,7 +34,7 @@ class PoolingRequest(VendorRequest):
     as floats or (vLLM's `encoding_format: "base64"`) the base64 of their little-endian float32 bytes."""
     model_config = ConfigDict(extra="ignore", strict=True)
     UNSUPPORTED: ClassVar[dict[str, Unsupported]] = POOLING_UNSUPPORTED
-    model: str
+    model: str | None = None  # (as vLLM's: left out, the one reward model served)
     messages: list[ChatMessage] = Field(min_length=2, max_length=2)
     step_separator: str | None = Field(default=None, min_length=1)  # default: the reward model's recipe's
     encoding_format: Literal["float", "base64"] = "float"
@@ -45,7 +45,7 @@ class ScoreRequest(BaseModel):
     prefix computed once, through the prefix cache and the score cache). A candidate is one step or
     several."""
     model_config = ConfigDict(extra="forbid", strict=True)
-    model: str
+    model: str | None = None  # (as vLLM's: left out, the one reward model served)
     question: str
     steps: list[str] = Field(default_factory=list)  # the prefix every candidate continues
     candidates: list[str | list[str]] = Field(min_length=1, max_length=1024)

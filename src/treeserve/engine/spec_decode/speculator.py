@@ -10,6 +10,7 @@ from typing import Callable
 
 from treeserve.engine import structured_outputs
 from treeserve.engine.request import Request
+from treeserve.engine.spec_decode.draft_rows import permitted_drafts
 from treeserve.engine.spec_decode.pace import INITIAL_RATE, DraftPace, kept_rate
 from treeserve.engine.spec_decode.proposer import DraftProposer, PerRequestProposer
 from treeserve.engine.spec_decode.step_costs import StepCosts
@@ -89,6 +90,7 @@ class Speculator:
             for (request, _, _), drafts in zip(items, self._proposer(config).propose_all(items)):
                 if drafts and request.matcher is not None:  # (structured outputs) what the grammar would accept
                     drafts = structured_outputs.valid_draft(request.matcher, drafts)
+                drafts = permitted_drafts(request, drafts)  # (its processing: allowed tokens, bad words, min_tokens)
                 request.spec_token_ids = drafts
 
     @property
@@ -141,7 +143,8 @@ class Speculator:
         token alone uncomputed, none in flight); no more than its pace (pace.py), max_tokens and the
         model's length allow (the step emits drafts + 1). (Penalties, allowed_token_ids, bad_words
         and min_tokens draft too: each verified row is processed as the sampler's decode row would
-        be after the drafts before it, rejection.py.)"""
+        be after the drafts before it, rejection.py; a draft that processing forbids is cut, with the
+        drafts after it, before they are verified: draft_rows.permitted_drafts.)"""
         if (request.prefill_only or request.num_in_flight
                 or request.num_computed_tokens != request.num_tokens - 1):
             return 0
