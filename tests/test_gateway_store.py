@@ -9,7 +9,7 @@ import sys
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import func, select, text, update
+from sqlalchemy import func, insert, select, text, update
 
 from treeserve.errors import ParamError
 from treeserve.gateway.errors import GatewayError
@@ -480,6 +480,34 @@ def test_a_release_racing_a_sweep_of_a_deleted_keys_holding_does_not_deadlock(re
     finally:
         for each in (owner, sweeper, blocker):
             each.close()
+
+
+def test_a_settlements_key_locks_let_rows_that_name_the_key_be_written(request):
+    """The keys' rows a settlement batch or a sweep holds (settlement.lock_keys) were held FOR UPDATE,
+    stronger than the UPDATE that writes them: it also holds off the foreign key check of every row
+    naming the key (a stored Responses API response, an uploaded file, a batch), which then waited for
+    the batch's commit. FOR NO KEY UPDATE, as its UPDATE takes: those go on, key writers still wait."""
+    from treeserve.gateway.schema import StoredResponse
+    from treeserve.gateway.settlement import lock_keys
+
+    url = request.getfixturevalue("postgres").new_database()
+    settler, other = Store(url), Store(url)
+    settler.migrate()
+    try:
+        token, _ = settler.accounts.create_key(max_budget=1.0)
+        key_id = settler.accounts.authenticate(token).id
+        with settler.db.transaction() as batch:
+            lock_keys(batch, {key_id})
+            with other.db.transaction() as conn:
+                conn.execute(text("SET LOCAL lock_timeout = '2s'"))
+                conn.execute(insert(StoredResponse).values(id="resp_1", api_key_id=key_id, response={}, history=[],
+                                                           input_items=[], created_at=utcnow()))
+            with pytest.raises(Exception, match="lock timeout"), other.db.transaction() as conn:
+                conn.execute(text("SET LOCAL lock_timeout = '200ms'"))  # (a writer of the key still waits)
+                conn.execute(update(ApiKey).where(ApiKey.id == key_id).values(spend=ApiKey.spend + 1))
+    finally:
+        settler.close()
+        other.close()
 
 
 def test_a_new_key_never_takes_a_deleted_keys_id(store):

@@ -233,11 +233,13 @@ def _swept_holdings(conn: Session, items: list[Settlement]) -> set[int]:
 
 
 def lock_keys(conn: Session, key_ids) -> None:
-    """The keys' rows held to the transaction's end, by id (SELECT ... FOR UPDATE; SQLite's writer
-    holds the whole database already): the first rows of the LOCK ORDER."""
+    """The keys' rows held to the transaction's end, by id (SQLite's writer holds the whole database
+    already): the first rows of the LOCK ORDER. FOR NO KEY UPDATE, the lock the UPDATE of a key takes:
+    every other writer of the key waits, and a row that names it (a stored response, a file, a batch)
+    does not (FOR UPDATE also held off their foreign key checks)."""
     if key_ids:
         conn.execute(select(ApiKey.id).where(ApiKey.id.in_(sorted(key_ids))).order_by(ApiKey.id)
-                     .with_for_update()).all()
+                     .with_for_update(key_share=True)).all()
 
 
 def locked_in_order(rows: dict[tuple[str, str | None], object]) -> list:
