@@ -9,7 +9,7 @@ import sys
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import func, select, text, update
+from sqlalchemy import func, insert, select, text, update
 
 from treeserve.errors import ParamError
 from treeserve.gateway.errors import GatewayError
@@ -395,6 +395,119 @@ def test_a_sweep_reads_the_holdings_it_gives_back_after_locking_their_keys(reque
     finally:
         for each in (owner, sweeper, blocker):
             each.close()
+
+
+def _deleted_keys_holding(url: str) -> tuple:
+    """(the owner's store, the user's reservation of 0.25): its key deleted since (/key/delete leaves
+    the holding, and its user's hold, to the request's release and settlement or to a sweep), its
+    process silent."""
+    owner = Store(url)
+    owner.migrate()
+    owner.accounts.create_user("u")
+    token, _ = owner.accounts.create_key(user_id="u", max_budget=1.0, max_parallel_requests=1)
+    reservation = owner.admission.admit(owner.accounts.authenticate(token), 0.25)
+    owner.accounts.delete_keys([token])
+    _silent(owner)
+    return owner, reservation
+
+
+def _in_thread(job, results: list, errors: list):
+    import threading
+
+    def run():
+        try:
+            results.append(job())
+        except Exception as error:  # (a deadlock PostgreSQL broke: its victim's error)
+            errors.append(error)
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def test_a_settlement_racing_a_sweep_of_a_deleted_keys_holding_gives_its_users_hold_back_once(request):
+    """A holding's key deleted (/key/delete leaves the holding), its process silent but alive: the
+    sweep locks no key row, so the settlement, holding no key row either, read the holding as still
+    there while the sweep, which had it, was giving it back; both gave the user's hold back (its
+    `reserved` below 0, the user admitted past its budget). The settlement now holds the holdings'
+    rows too (keys, then holdings: the sweep's order) and reads them once the sweep is done."""
+    import time
+
+    url = request.getfixturevalue("postgres").new_database()
+    owner, reservation = _deleted_keys_holding(url)
+    sweeper, blocker = Store(url), Store(url)
+    results, errors = [], []
+    try:
+        with blocker.db.transaction() as hold:  # (the user's row held: the sweep waits on it, holding in hand)
+            hold.execute(update(User).where(User.user_id == "u").values(spend=User.spend))
+            sweep = _in_thread(sweeper.instances.sweep, results, errors)
+            time.sleep(1.0)
+            settle = _in_thread(lambda: owner.ledger.settle(Settlement(
+                reservation, "r", "m", None, "chat", False, "success", Usage(1, 1), 0.1, utcnow())), results, errors)
+            time.sleep(1.0)
+        sweep.join(30)
+        settle.join(30)
+        assert errors == []
+        assert _owed(owner, "u") == ([], (0.0, 0.1))
+    finally:
+        for each in (owner, sweeper, blocker):
+            each.close()
+
+
+def test_a_release_racing_a_sweep_of_a_deleted_keys_holding_does_not_deadlock(request):
+    """A release wrote its user's row, then its holding; a sweep (with no key row to hold, the key
+    deleted) held the holding, then wrote the user's row: each waited on the other, PostgreSQL
+    aborted one (the release's error logged, or the sweep's). A release now writes its holding right
+    after its key, in the sweep's order (keys, holdings, users, teams)."""
+    import time
+
+    url = request.getfixturevalue("postgres").new_database()
+    owner, reservation = _deleted_keys_holding(url)
+    sweeper, blocker = Store(url), Store(url)
+    results, errors = [], []
+    try:
+        with blocker.db.transaction() as hold:  # (the user's row held: the release, then the sweep, wait on it)
+            hold.execute(update(User).where(User.user_id == "u").values(spend=User.spend))
+            release = _in_thread(lambda: owner.admission.release(reservation, 0.1), results, errors)
+            time.sleep(1.0)
+            sweep = _in_thread(sweeper.instances.sweep, results, errors)
+            time.sleep(1.0)
+        release.join(30)
+        sweep.join(30)
+        assert errors == []
+        owner.ledger.settle(Settlement(reservation, "r", "m", None, "chat", False, "success", Usage(1, 1), 0.1,
+                                       utcnow()))
+        assert _owed(owner, "u") == ([], (0.0, 0.1))
+    finally:
+        for each in (owner, sweeper, blocker):
+            each.close()
+
+
+def test_a_settlements_key_locks_let_rows_that_name_the_key_be_written(request):
+    """The keys' rows a settlement batch or a sweep holds (settlement.lock_keys) were held FOR UPDATE,
+    stronger than the UPDATE that writes them: it also holds off the foreign key check of every row
+    naming the key (a stored Responses API response, an uploaded file, a batch), which then waited for
+    the batch's commit. FOR NO KEY UPDATE, as its UPDATE takes: those go on, key writers still wait."""
+    from treeserve.gateway.schema import StoredResponse
+    from treeserve.gateway.settlement import lock_keys
+
+    url = request.getfixturevalue("postgres").new_database()
+    settler, other = Store(url), Store(url)
+    settler.migrate()
+    try:
+        token, _ = settler.accounts.create_key(max_budget=1.0)
+        key_id = settler.accounts.authenticate(token).id
+        with settler.db.transaction() as batch:
+            lock_keys(batch, {key_id})
+            with other.db.transaction() as conn:
+                conn.execute(text("SET LOCAL lock_timeout = '2s'"))
+                conn.execute(insert(StoredResponse).values(id="resp_1", api_key_id=key_id, response={}, history=[],
+                                                           input_items=[], created_at=utcnow()))
+            with pytest.raises(Exception, match="lock timeout"), other.db.transaction() as conn:
+                conn.execute(text("SET LOCAL lock_timeout = '200ms'"))  # (a writer of the key still waits)
+                conn.execute(update(ApiKey).where(ApiKey.id == key_id).values(spend=ApiKey.spend + 1))
+    finally:
+        settler.close()
+        other.close()
 
 
 def test_a_new_key_never_takes_a_deleted_keys_id(store):

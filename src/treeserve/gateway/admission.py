@@ -108,25 +108,26 @@ class _Swept(Exception):
 
 
 def _give_back(conn: Session, reservation: Reservation, given_back: float, held: float) -> None:
-    """`Admission.release`'s writes: the key's row first, its user's, its team's, then its holding
-    (settlement.locked_in_order's LOCK ORDER). A holding gone means a sweep has given all of it back
-    already: _Swept, and the transaction rolls back (given back twice, the key's `reserved` and
-    `in_flight` went below 0)."""
+    """`Admission.release`'s writes: the key's row first, then its holding, its user's, its team's
+    (settlement.locked_in_order's LOCK ORDER, a sweep's). A holding gone means a sweep has given all of
+    it back already: _Swept, and the transaction rolls back (given back twice, the key's `reserved` and
+    `in_flight` went below 0). Its holding written after its user's, a release deadlocked with a sweep
+    where no key row orders them (the key deleted): each held the row the other wrote next."""
     values = {"reserved": ApiKey.reserved - given_back} if given_back else {}
     if reservation.parallel:
         values["in_flight"] = ApiKey.in_flight - 1
     if values:  # (nothing of it to give back when its real cost is its worst case, and no slot)
         conn.execute(update(ApiKey).where(ApiKey.id == reservation.key_id).values(**values))
+    if reservation.holding_id is not None:  # (with nothing to give back, its row alone: no amount changes)
+        if not conn.execute(update(Holding).where(Holding.id == reservation.holding_id)
+                            .values(parallel=False, worst_cost=held, answered=True)).rowcount:
+            raise _Swept()
     if given_back and reservation.user_id is not None:
         conn.execute(update(User).where(user_row(reservation.user_id, reservation.user_incarnation))
                      .values(reserved=User.reserved - given_back))
     if given_back and reservation.team_id is not None:
         conn.execute(update(Team).where(team_row(reservation.team_id, reservation.team_incarnation))
                      .values(reserved=Team.reserved - given_back))
-    if reservation.holding_id is not None:  # (with nothing to give back, its row alone: no amount changes)
-        if not conn.execute(update(Holding).where(Holding.id == reservation.holding_id)
-                            .values(parallel=False, worst_cost=held, answered=True)).rowcount:
-            raise _Swept()
 
 
 def _take_slot(conn: Session, key: KeyRecord) -> None:

@@ -220,31 +220,36 @@ def apply_settlements(db: Database, conn: Session, items: list[Settlement]) -> N
 
 def _swept_holdings(conn: Session, items: list[Settlement]) -> set[int]:
     """The items' holdings that are gone: given back by a sweep (instances.py) while their process,
-    silent for a while but alive, went on. Read with the keys' rows held, by id (LOCK ORDER), as every
-    writer of a holding writes its key's row first: no sweep can give one back between this read and
-    the writes that follow."""
+    silent for a while but alive, went on. Read with the keys' rows held, then their own, each by id
+    (LOCK ORDER): no sweep can give one back between this read and the writes that follow. Its own
+    rows too: a deleted key's holding has no key row to hold, and read unheld while a sweep gave it
+    back, its user's and team's hold went back twice."""
     held = {item.reservation.holding_id for item in items if item.reservation.holding_id is not None}
     if not held:
         return set()
     lock_keys(conn, {item.reservation.key_id for item in items if item.reservation.key_id is not None})
-    return held - set(conn.scalars(select(Holding.id).where(Holding.id.in_(held))))
+    return held - set(conn.scalars(select(Holding.id).where(Holding.id.in_(sorted(held))).order_by(Holding.id)
+                                   .with_for_update()))
 
 
 def lock_keys(conn: Session, key_ids) -> None:
-    """The keys' rows held to the transaction's end, by id (SELECT ... FOR UPDATE; SQLite's writer
-    holds the whole database already): the first rows of the LOCK ORDER."""
+    """The keys' rows held to the transaction's end, by id (SQLite's writer holds the whole database
+    already): the first rows of the LOCK ORDER. FOR NO KEY UPDATE, the lock the UPDATE of a key takes:
+    every other writer of the key waits, and a row that names it (a stored response, a file, a batch)
+    does not (FOR UPDATE also held off their foreign key checks)."""
     if key_ids:
         conn.execute(select(ApiKey.id).where(ApiKey.id.in_(sorted(key_ids))).order_by(ApiKey.id)
-                     .with_for_update()).all()
+                     .with_for_update(key_share=True)).all()
 
 
 def locked_in_order(rows: dict[tuple[str, str | None], object]) -> list:
     """Users' or teams' entries by (id, incarnation), sorted by id: the order their rows are locked in.
 
     LOCK ORDER, the one every transaction that writes several of these rows follows (admission,
-    release, settlement, a sweep, /team/delete): keys, then users, then teams, then rate windows and
-    daily totals, each by id. A request's `holdings` row is written (released, settled, swept) only
-    with its key's row held first: whoever holds the key reads the holding as it is. Two settlement
+    release, settlement, a sweep, /team/delete): keys, then holdings, then users, then teams, then rate
+    windows and daily totals, each by id. A request's `holdings` row is written (released, settled,
+    swept) only with its key's row held first: whoever holds the key reads the holding as it is
+    (admission inserts it last: a row not there yet is nobody's to wait on). Two settlement
     batches of two gateway processes that wrote the same keys or users in different orders
     deadlocked on PostgreSQL (one aborted, its batch retried row by row)."""
     return sorted(rows.items(), key=lambda entry: (entry[0][0], entry[0][1] or ""))
