@@ -56,6 +56,15 @@ def test_builtin_models_are_served_under_their_bare_names():
         named_models(["builtin:arith-gen", "arith-gen=builtin:arith-gen"])
 
 
+@pytest.mark.parametrize("value, missing", [
+    ("=builtin:arith-gen", "a name before"), (" =builtin:arith-gen", "a name before"), ("gen=", "a path after")])
+def test_a_model_name_or_path_left_empty_is_an_error(value, missing):
+    """(`--model =builtin:arith-gen` served the model as '', and `--model 'gen =PATH'` as 'gen ')"""
+    with pytest.raises(ValueError, match=f"NAME=PATH needs {missing} '='"):
+        named_models([value])
+    assert named_models(["gen =builtin:arith-gen"]) == {"gen": "builtin:arith-gen"}
+
+
 @pytest.mark.parametrize("argv, flag", [
     (["serve", "--port", "99999"], "--port"), (["serve", "--port", "-1"], "--port"),
     (["gateway", "--port", "65536"], "--port"), (["chat", "--serve-port", "-5"], "--serve-port"),
