@@ -56,6 +56,15 @@ def test_builtin_models_are_served_under_their_bare_names():
         named_models(["builtin:arith-gen", "arith-gen=builtin:arith-gen"])
 
 
+@pytest.mark.parametrize("value, missing", [
+    ("=builtin:arith-gen", "a name before"), (" =builtin:arith-gen", "a name before"), ("gen=", "a path after")])
+def test_a_model_name_or_path_left_empty_is_an_error(value, missing):
+    """(`--model =builtin:arith-gen` served the model as '', and `--model 'gen =PATH'` as 'gen ')"""
+    with pytest.raises(ValueError, match=f"NAME=PATH needs {missing} '='"):
+        named_models([value])
+    assert named_models(["gen =builtin:arith-gen"]) == {"gen": "builtin:arith-gen"}
+
+
 @pytest.mark.parametrize("argv, flag", [
     (["serve", "--port", "99999"], "--port"), (["serve", "--port", "-1"], "--port"),
     (["gateway", "--port", "65536"], "--port"), (["chat", "--serve-port", "-5"], "--serve-port"),
@@ -241,3 +250,33 @@ def test_eval_names_a_dataset_it_cannot_read(tmp_path, capsys):
     assert capsys.readouterr().err.startswith("error: dataset: cannot read")  # (a bare [Errno 2] before)
     assert main(["eval", "--dataset", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
     assert "dataset: cannot read" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["run", "--modle", "builtin:arith-gen", "Hi"], "treeserve run: error: unrecognized arguments: --modle "
+     "(did you mean --model?)"),  # its value is taken as a prompt, as argparse reads it
+    (["search", "q", "--beamwidth", "4"], "treeserve search: error: unrecognized arguments: --beamwidth 4 "
+     "(did you mean --beam-width?)"),
+    (["serve", "--bogus"], "treeserve serve: error: unrecognized arguments: --bogus"),
+    (["gateway", "keys", "create", "--modls", "m"], "treeserve gateway keys create: error: unrecognized arguments: "
+     "--modls m (did you mean --models?)"),
+])
+def test_an_unknown_option_is_reported_by_its_subcommand(argv, said, capsys):
+    """(it was `treeserve: error: unrecognized arguments: --modle` under the top command's usage, which
+    lists only the subcommands, with no hint of the option meant)"""
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == said
+    assert err.startswith(f"usage: treeserve {' '.join(said.split(':')[0].split()[1:])} ")
+
+
+def test_n_is_spelt_both_ways_on_run_and_search():
+    """`run` took only -n and `search`/`eval` only --n: `treeserve run --n 2` was "ambiguous option: --n could
+    match --no-enable-prefix-caching, ..." and `treeserve search -n 4` an unrecognized argument."""
+    from treeserve.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["run", "--n", "2", "Hi"]).n == parse(["run", "-n", "2", "Hi"]).n == 2
+    assert parse(["search", "-n", "8", "q"]).n == parse(["search", "--n", "8", "q"]).n == 8

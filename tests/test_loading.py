@@ -67,6 +67,16 @@ def test_missing_files_are_named(llama_dir, tmp_path, broken, message):
         LLM(str(path), dtype="float32", kv_cache_memory_bytes=4 << 20)
 
 
+@pytest.mark.parametrize("below", ["snapshots/0123abcd", "my-llama"])
+def test_a_folder_above_a_checkpoint_names_the_checkpoint(llama_dir, tmp_path, below):
+    """(`--model ~/.cache/huggingface/hub/models--org--name` said only ".../config.json: file not found")"""
+    _copy(llama_dir, tmp_path / "above" / below)
+    with pytest.raises(FileNotFoundError) as refused:
+        LLM(str(tmp_path / "above"), dtype="float32", kv_cache_memory_bytes=4 << 20)
+    assert str(refused.value) == (f"{tmp_path / 'above' / 'config.json'}: file not found: {tmp_path / 'above'} is not "
+                                  f"a Hugging Face checkpoint directory; did you mean {tmp_path / 'above' / below}?")
+
+
 @pytest.mark.parametrize("name", ["config.json", "model.safetensors", "tokenizer.json"])
 def test_malformed_files_are_named(llama_dir, tmp_path, name):
     path = _copy(llama_dir, tmp_path / "m")

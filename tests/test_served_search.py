@@ -96,6 +96,19 @@ def test_an_empty_question_is_a_400_naming_it(served, change, param):
     assert reply.json()["error"]["param"] == param and "the question is empty" in reply.json()["error"]["message"]
 
 
+def test_a_verifier_left_out_is_a_400_naming_the_served_ones(served):
+    """(it said "needs a served reward model (got None; served: prm)": Python's None, and no word that
+    the field was missing)"""
+    url, _ = served
+    reply = httpx.post(f"{url}/v1/search", json=_body(QUESTIONS[0], 0, verifier=None), timeout=60)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == "verifier" and error["code"] == "missing_required_parameter"
+    assert error["message"] == ("verifier: this field is required: strategy 'beam' ranks its candidates by a reward "
+                                "model's step scores (name one of the served reward models: prm); greedy and "
+                                "majority need none")
+
+
 @pytest.mark.parametrize("strategy", ["greedy", "majority"])
 def test_a_search_that_reads_no_verifier_reports_no_score(served, strategy):
     """(its reply said `score: 0.0` for the answer and every candidate, as if the verifier had judged

@@ -57,6 +57,18 @@ def test_each_grammar_compiles_once_and_the_cache_is_bounded(llm, monkeypatch):
     assert len(cache._compiled) == 2
 
 
+def test_a_dict_with_a_field_treeserve_lacks_is_named_offline():
+    """(it was "structured_outputs: StructuredOutputsParams.__init__() got an unexpected keyword argument
+    'structural_tag'": Python's words; the server's 400 names the field)"""
+    with pytest.raises(ParamError) as refused:
+        SamplingParams(structured_outputs={"structural_tag": "{}"})
+    assert refused.value.param == "structured_outputs.structural_tag"
+    assert str(refused.value) == ("structured_outputs.structural_tag: not implemented by treeserve; give exactly one "
+                                  "of json, regex, choice, grammar, json_object")
+    assert SamplingParams(structured_outputs={"regex": "[0-9]"}).structured_outputs == StructuredOutputsParams(
+        regex="[0-9]")
+
+
 def test_the_mask_allows_exactly_what_the_grammar_allows(llm):
     tokenizer = llm.get_tokenizer()
     cache = llm.engine.structured

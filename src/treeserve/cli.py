@@ -193,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--temperature", type=float, default=0.0)
     run.add_argument("--top-p", type=float, default=1.0)
     run.add_argument("--seed", type=int)
-    run.add_argument("-n", type=int, default=1)
+    run.add_argument("-n", "--n", type=int, default=1, help="samples per prompt")
     run.set_defaults(func=cmd_run)
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _add_serving_args(serve, http=True)

@@ -106,7 +106,18 @@ def add_gateway_parsers(sub) -> None:
 
 
 def _add_database(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--database", help="the gateway's database URL (default: ./treeserve-gateway.db)")
+    # (SUPPRESS: `treeserve gateway --database URL keys list`, the flag before the subcommand, is kept;
+    # a default here replaced it with None, and the command used ./treeserve-gateway.db)
+    parser.add_argument("--database", default=argparse.SUPPRESS,
+                        help="the gateway's database URL (default: ./treeserve-gateway.db)")
+
+
+def serving_options_given(gateway: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The serving gateway's options given to a management command (`treeserve gateway --config
+    gateway.yaml keys create`), which reads none of them: only --database says where the keys are."""
+    return [action.option_strings[0] for action in gateway._actions
+            if action.option_strings and action.dest not in ("help", "database")
+            and getattr(args, action.dest, action.default) != action.default]
 
 
 def _store(args):
@@ -237,14 +248,22 @@ def cmd_db_downgrade(args) -> int:
 
 def main(argv: list[str]) -> int:
     """`treeserve gateway ...` and `treeserve chat` without the engine's imports (see treeserve.cli.main)."""
+    from treeserve.gateway.database import DATABASE_ERRORS, database_down
     from treeserve.gateway.errors import GatewayError
     from treeserve.wire.errors import APIError
 
     from treeserve.cli_help import Parser
 
     parser = Parser(prog="treeserve")
-    add_gateway_parsers(parser.add_subparsers(dest="command", required=True))
+    commands = parser.add_subparsers(dest="command", required=True)
+    add_gateway_parsers(commands)
     args = parser.parse_args(argv)
+    ignored = serving_options_given(commands.choices["gateway"], args) if getattr(args, "gateway_command", None) else []
+    if ignored:
+        print(f"error: {', '.join(ignored)}: options of the serving gateway; `treeserve gateway "
+              f"{args.gateway_command}` reads none of them (--database says where the keys and users are)",
+              file=sys.stderr)
+        return 2
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as exc:
@@ -252,4 +271,11 @@ def main(argv: list[str]) -> int:
         return 2
     except (APIError, GatewayError) as exc:
         print(f"error: {exc.message}", file=sys.stderr)
+        return 2
+    except DATABASE_ERRORS as exc:
+        if not (getattr(args, "gateway_command", None) and database_down(exc)):
+            raise
+        reason = str(exc.orig or exc).strip().splitlines()[0]
+        print(f"error: database: cannot be reached ({reason}); check --database or TREESERVE_GATEWAY_DATABASE",
+              file=sys.stderr)
         return 2

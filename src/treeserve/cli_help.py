@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 
 
 def _worth_showing(action: argparse.Action) -> bool:
@@ -36,3 +37,34 @@ class Parser(argparse.ArgumentParser):
         if action.help is None and _worth_showing(action):
             action.help = "(default: %(default)s)"
         return action
+
+    def parse_args(self, args=None, namespace=None):
+        """An argument no parser took is reported by the subcommand it was given to, with that
+        subcommand's usage and the option it most resembles: argparse reports it from the top parser
+        (`treeserve: error: unrecognized arguments: --modle`, under `treeserve`'s usage)."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            chosen = _chosen_subcommand(self, parsed)
+            chosen.error(f"unrecognized arguments: {' '.join(extras)}{_suggestion(chosen, extras)}")
+        return parsed
+
+
+def _chosen_subcommand(parser: argparse.ArgumentParser, parsed: argparse.Namespace) -> argparse.ArgumentParser:
+    """The innermost subcommand's parser that `parsed` went through (`treeserve gateway keys create`'s)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            chosen = action.choices.get(getattr(parsed, action.dest, None) or "")
+            if chosen is not None:
+                return _chosen_subcommand(chosen, parsed)
+    return parser
+
+
+def _suggestion(parser: argparse.ArgumentParser, extras: list[str]) -> str:
+    """"; did you mean --model?" for the first unknown option close to one of the parser's."""
+    options = [name for action in parser._actions for name in action.option_strings]
+    for extra in extras:
+        if extra.startswith("-"):
+            close = difflib.get_close_matches(extra.partition("=")[0], options, n=1, cutoff=0.75)
+            if close:
+                return f" (did you mean {close[0]}?)"
+    return ""

@@ -16,13 +16,16 @@ from treeserve.search.prompting import checked_question
 def add_search_parsers(sub) -> None:
     search = sub.add_parser("search", help="solve one question with a generator and a verifier")
     _add_search_args(search)
-    search.add_argument("--n", type=int, default=16)
+    search.add_argument("--n", "-n", type=int, default=16,
+                        help="candidates per problem: best-of-N's samples, the candidates scored at each step of "
+                        "beam and dvts")
     search.add_argument("question", type=_question)
     search.set_defaults(func=cmd_search)
     evaluate = sub.add_parser("eval", help="accuracy of search strategies on a MATH-format dataset")
     _add_search_args(evaluate)
     evaluate.add_argument("--dataset", required=True, help="JSONL with problem and answer fields (e.g. MATH-500)")
-    evaluate.add_argument("--n", default=[4], type=_sizes, help="comma-separated N values, e.g. 4,16,64")
+    evaluate.add_argument("--n", default=[4], type=_sizes,
+                          help="comma-separated N values, e.g. 4,16,64 (default: 4)")
     evaluate.add_argument("--limit", type=at_least_one, help="only the first LIMIT problems")
     evaluate.add_argument("--out", type=Path, required=True)
     evaluate.add_argument("--reference", action="store_true",
@@ -56,8 +59,9 @@ def _add_search_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategy", default="beam",
                         help="greedy, majority, best_of_n, weighted_best_of_n, beam or dvts (eval: comma-separated)")
     parser.add_argument("--beam-width", type=int,
-                        help="beams kept per step (beam, dvts): a divisor of --n, of each N for eval "
-                        "(default: 4, at most --n)")
+                        help="candidates sampled from each kept beam (beam, dvts; Search-and-Learn's M): N / "
+                        "beam-width beams survive each step; a divisor of --n, of each N for eval (default: 4, "
+                        "at most --n)")
     parser.add_argument("--num-iterations", type=int, default=40)
     parser.add_argument("--lookahead", type=int, default=0)
     parser.add_argument("--temperature", type=float, default=0.8)

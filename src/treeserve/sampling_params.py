@@ -54,6 +54,19 @@ class StructuredOutputsParams:
         return "grammar", self.grammar
 
 
+def _structured_outputs(fields: dict) -> StructuredOutputsParams:
+    """A dict of StructuredOutputsParams' fields; one it lacks (vLLM's `structural_tag`, say) is named."""
+    known = {field.name for field in dataclasses.fields(StructuredOutputsParams)}
+    for name in fields:
+        if name not in known:
+            raise ParamError(f"structured_outputs.{name}", "not implemented by treeserve; give exactly one of json, "
+                             "regex, choice, grammar, json_object")
+    try:
+        return StructuredOutputsParams(**fields)
+    except TypeError as exc:  # (a key that is not a string)
+        raise ParamError("structured_outputs", str(exc)) from exc
+
+
 class RequestOutputKind(enum.Enum):
     """What each of a request's `RequestOutput`s holds (vLLM's names)."""
     CUMULATIVE = 0  # everything so far: text, token ids and logprobs from the first token on
@@ -102,10 +115,7 @@ class SamplingParams:
         if self.allowed_token_ids is not None and isinstance(self.allowed_token_ids, (list, tuple, set)):
             self.allowed_token_ids = list(self.allowed_token_ids)
         if isinstance(self.structured_outputs, dict):
-            try:
-                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
-            except TypeError as exc:
-                raise ParamError("structured_outputs", str(exc)) from exc
+            self.structured_outputs = _structured_outputs(self.structured_outputs)
         self._validate()
 
     def _validate(self) -> None:

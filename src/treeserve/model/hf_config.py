@@ -314,4 +314,14 @@ def parse_model_config(raw: dict[str, Any], path: Path = Path("config.json")) ->
 
 def load_model_config(model_dir: Path) -> ModelConfig:
     path = model_dir / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: file not found: {model_dir} is not a Hugging Face checkpoint "
+                                f"directory{_checkpoint_below(model_dir)}")
     return parse_model_config(read_json(path), path)
+
+
+def _checkpoint_below(folder: Path) -> str:
+    """A hint where a folder above a checkpoint was given: a hub cache's model folder (its checkpoints
+    are under snapshots/REVISION/), or a folder holding checkpoints."""
+    found = sorted(folder.glob("snapshots/*/config.json")) or sorted(folder.glob("*/config.json"))
+    return f"; did you mean {found[0].parent}?" if found else ""

@@ -73,6 +73,10 @@ def named_models(values: list[str] | None) -> dict[str, str]:
         name, sep, path = value.partition("=")
         if not sep or name.startswith("builtin"):
             name, path = served_name(value), value
+        name, path = name.strip(), path.strip()
+        if not name or not path:
+            missing = "a name before" if not name else "a path after"
+            raise ParamError("model", f"{value!r}: NAME=PATH needs {missing} '=' (e.g. gen=builtin:arith-gen)")
         if name in models:
             raise ParamError("model", f"the name {name!r} is given twice")
         models[name] = path

@@ -73,6 +73,17 @@ def search_config(body: SearchRequest, system: str | None, aggregation: str = DE
         raise from_value_error(exc) from exc
 
 
+def _verifier_missing(strategy: str, served: list[str]) -> APIError:
+    """A search that ranks by step scores, sent with no `verifier` (an unknown one is a 404 before this)."""
+    if served:
+        fix = f"name one of the served reward models: {', '.join(served)}"
+    else:
+        fix = "this server serves none: start it with one (--model prm=PATH)"
+    return APIError(400, f"verifier: this field is required: strategy '{strategy}' ranks its candidates by a reward "
+                         f"model's step scores ({fix}); greedy and majority need none", param="verifier",
+                    code="missing_required_parameter")
+
+
 class SearchServing:
     """Served search for one generator, and scoring for the served reward models."""
 
@@ -109,9 +120,7 @@ class SearchServing:
         if not config.uses_verifier:
             return None, config
         if scorer is None:
-            served = ", ".join(self.scorers) or "none"
-            raise APIError(400, f"verifier: strategy '{config.strategy}' needs a served reward model "
-                                f"(got {body.verifier!r}; served: {served})", param="verifier")
+            raise _verifier_missing(config.strategy, list(self.scorers))
         return scorer, config
 
     def _check_capacity(self) -> None:
