@@ -102,7 +102,7 @@ class ServedModels:
         if len(names) != 1:
             served = f"{len(names)} reward models are served ({', '.join(names)})" if names else "none is served"
             raise APIError(400, f"model: this field is required: it names the reward model, and {served}",
-                           param="model")
+                           param="model", code="missing_required_parameter")
         return names[0]
 
     def with_verifier(self, body: BodyT) -> BodyT:
