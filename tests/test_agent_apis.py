@@ -586,6 +586,25 @@ def test_a_failed_stream_has_an_error_code_openais_types_allow():
         assert [item["type"] for item in sent[-1]["response"]["output"]] == ["message"]
 
 
+def test_the_gateway_asks_every_body_for_its_model(gateway):
+    """A server defaults a chat's, completion's or score's `model` (vLLM's bodies may leave it out); the
+    gateway routes by it: a 400 naming it, and its /openapi.json requires it (before: the rewards and
+    Responses bodies' schemas, a server's, called it optional)."""
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+                       ("/v1/completions", {"prompt": "x"}), ("/v1/rewards", {"question": "q", "steps": ["a"]})):
+        refused = httpx.post(f"{gateway.url}{path}", json=body, headers={"Authorization": f"Bearer {gateway.keys[0]}"},
+                             timeout=30)
+        assert refused.status_code == 400, (path, refused.text)
+        error = refused.json()["error"]
+        assert error["param"] == "model" and error["code"] == "missing_required_parameter", (path, error)
+    schema = httpx.get(f"{gateway.url}/openapi.json").json()
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/search", "/v1/rewards", "/v1/responses",
+                 "/v1/responses/input_tokens", "/v1/messages", "/v1/messages/count_tokens"):
+        ref = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        body = schema["components"]["schemas"][ref.rsplit("/", 1)[1]]
+        assert "model" in body["required"] and body["properties"]["model"]["type"] == "string", (path, body)
+
+
 def test_the_gateway_asks_a_responses_body_for_its_model(gateway):
     """The gateway routes by `model`: a Responses body or a token count without one is a 400 naming it."""
     for path in ("/v1/responses", "/v1/responses/input_tokens"):

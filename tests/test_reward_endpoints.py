@@ -198,3 +198,4 @@ def test_a_body_without_model_on_a_server_of_no_reward_model_is_a_400_naming_it(
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == "model" and "none is served" in error["message"], error
+    assert error["code"] == "missing_required_parameter", error  # (as a chat's without model, and the gateway's)

@@ -87,9 +87,11 @@ def build_app(config: GatewayConfig, store: Store | None = None) -> FastAPI:
     app.include_router(translated_routes(service, auth, responses, MAX_BODY_BYTES))
     app.include_router(batch_routes(store.files, store.batches, auth))
     # /openapi.json describes the OpenAI routes' bodies as a treeserve server takes them (the gateway
-    # itself reads only `model`, `verifier`, `stream` and the token bounds, and passes the rest on)
+    # itself reads only `model`, `verifier`, `stream` and the token bounds, and passes the rest on),
+    # but for `model`, which a server may default and the gateway routes by: required here
     openapi.install(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
-                          "/v1/search": SearchRequest, "/v1/rewards": RewardRequest} | TRANSLATED_MODELS)
+                          "/v1/search": SearchRequest, "/v1/rewards": RewardRequest} | TRANSLATED_MODELS,
+                    required=("model",))
     if chat is not None:
         app.include_router(chat.router)
     return app

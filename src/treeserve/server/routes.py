@@ -70,6 +70,27 @@ class ServedModels:
                            code="model_not_a_generator")
         return serving
 
+    def only_generator(self) -> str:
+        """The model a chat, completion or response that names none means (vLLM's: its served model): the
+        one served generator (a model served as a verifier generates only when nothing else does)."""
+        generators = [name for name, serving in self.servings.items() if is_generator(serving.llm.model_config)]
+        verifiers = set(self.scoring.scorers) if self.scoring is not None else set()
+        names = [name for name in generators if name not in verifiers] or generators
+        if len(names) != 1:
+            served = f"{len(names)} generators are served ({', '.join(names)})" if names else "none is served"
+            raise APIError(400, f"model: this field is required: it names the generator, and {served}",
+                           param="model", code="missing_required_parameter")
+        return names[0]
+
+    def meant_generator(self, model: str | None) -> OpenAIServing:
+        """The serving of the generator `model` names, or that a body naming none means (`only_generator`)."""
+        return self.generator(model if model is not None else self.only_generator())
+
+    def with_generator(self, body: BodyT) -> BodyT:
+        """A chat or completion body naming its model: one that names none (vLLM's may leave `model`
+        out, its served model meant) is the one served generator's."""
+        return body if body.model is not None else body.model_copy(update={"model": self.only_generator()})
+
     def search(self, model: str | None) -> SearchServing:
         if not self.searches:
             raise APIError(400, "search: this server was started without search serving", code="unsupported")
@@ -81,7 +102,7 @@ class ServedModels:
         if len(names) != 1:
             served = f"{len(names)} reward models are served ({', '.join(names)})" if names else "none is served"
             raise APIError(400, f"model: this field is required: it names the reward model, and {served}",
-                           param="model")
+                           param="model", code="missing_required_parameter")
         return names[0]
 
     def with_verifier(self, body: BodyT) -> BodyT:
@@ -160,12 +181,12 @@ def openai_routes(served: ServedModels, max_body_bytes: int) -> APIRouter:
 
     @router.post("/v1/chat/completions")
     async def chat(request: Request):
-        body = await parse(request, ChatCompletionRequest, max_body_bytes)
+        body = served.with_generator(await parse(request, ChatCompletionRequest, max_body_bytes))
         return await unless_client_leaves(request, served.generator(body.model).chat(body))
 
     @router.post("/v1/completions")
     async def completions(request: Request):
-        body = await parse(request, CompletionRequest, max_body_bytes)
+        body = served.with_generator(await parse(request, CompletionRequest, max_body_bytes))
         return await unless_client_leaves(request, served.generator(body.model).completions(body))
 
     @router.post("/v1/rewards")

@@ -32,7 +32,7 @@ def responses_routes(served, max_body_bytes: int) -> APIRouter:
     @router.post("/v1/responses")
     async def create(request: Request):
         body = await parse(request, ResponsesRequest, max_body_bytes)
-        serving = served.generator(body.model)
+        serving = served.meant_generator(body.model)
         result = await unless_client_leaves(request, api.create(body, serving.chat_body, serving.model_name,
                                                                 count=_counter(serving)))
         return JSONResponse(result) if isinstance(result, dict) else event_stream(result)
@@ -40,7 +40,7 @@ def responses_routes(served, max_body_bytes: int) -> APIRouter:
     @router.post("/v1/responses/input_tokens")
     async def input_tokens(request: Request):
         body = await parse(request, InputTokensRequest, max_body_bytes)
-        serving = served.generator(body.model)
+        serving = served.meant_generator(body.model)
         return await api.input_tokens(body, _counter(serving), serving.model_name)
 
     @router.get("/v1/responses/{response_id}")

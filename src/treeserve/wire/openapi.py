@@ -28,16 +28,17 @@ ERROR_CODES = {"400": "invalid request", "401": "missing or invalid API key", "4
                "413": "body too large", "429": "queue full (see Retry-After)", "503": "engine failed"}
 
 
-def install(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
-    """`bodies`: POST path -> the model its body must satisfy."""
+def install(app: FastAPI, bodies: dict[str, type[BaseModel]], required: tuple[str, ...] = ()) -> None:
+    """`bodies`: POST path -> the model its body must satisfy; `required`: fields every body must have
+    here though its model may leave them out (the gateway routes by `model`, which a server defaults)."""
     def openapi() -> dict:
         if app.openapi_schema is None:
-            app.openapi_schema = _build(app, bodies)
+            app.openapi_schema = _build(app, bodies, required)
         return app.openapi_schema
     app.openapi = openapi
 
 
-def _build(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> dict:
+def _build(app: FastAPI, bodies: dict[str, type[BaseModel]], required: tuple[str, ...]) -> dict:
     schema = get_openapi(title=app.title, version=app.version, routes=app.routes,
                          description="OpenAI-compatible inference and test-time search")
     components = schema.setdefault("components", {}).setdefault("schemas", {})
@@ -45,6 +46,7 @@ def _build(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> dict:
     for path, model in bodies.items():
         body = model.model_json_schema(ref_template="#/components/schemas/{model}", by_alias=True)
         components.update(body.pop("$defs", {}))
+        _require(body, required)
         components[model.__name__] = body
         operation = schema["paths"][path]["post"]
         operation["requestBody"] = {"required": True, "content": {"application/json": {
@@ -55,6 +57,20 @@ def _build(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> dict:
         for operation in operations.values():
             _document_errors(operation["responses"], "AnthropicError" if path.startswith(ANTHROPIC_ROUTES) else "Error")
     return schema
+
+
+def _require(body: dict, fields: tuple[str, ...]) -> None:
+    """`fields` (those the body has) made required in its schema, its null left out of their types."""
+    for field in fields:
+        schema = body.get("properties", {}).get(field)
+        if schema is None:
+            continue
+        body["required"] = body.get("required", []) + ([field] if field not in body.get("required", []) else [])
+        kinds = [kind for kind in schema.get("anyOf", []) if kind.get("type") != "null"]
+        if len(kinds) == 1:  # (`str | None = None`: a string here)
+            schema.pop("anyOf")
+            schema.pop("default", None)
+            schema.update(kinds[0])
 
 
 def _document_errors(responses: dict, shape: str) -> None:

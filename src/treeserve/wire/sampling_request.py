@@ -57,7 +57,7 @@ class StructuredOutputsBody(BaseModel):
 
 class _ModelBody(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
-    model: str
+    model: str | None = None  # (as vLLM's: left out, the server's one generator; the gateway asks for it)
 
     @model_validator(mode="before")
     @classmethod
