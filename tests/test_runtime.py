@@ -193,6 +193,19 @@ def test_direct_scoring_refuses_an_empty_question_as_the_server_does(pair):
     assert len(rt.score_many("prm", [(QUESTION, ["seven"])])[0]) == 1
 
 
+
+def test_direct_scoring_names_a_question_or_steps_of_the_wrong_type(pair):
+    """A question that is no string raised AttributeError ('int' object has no attribute 'strip'), and
+    steps given as one string were scored as one step a character: each is a ValueError naming it."""
+    rt = _runtime(pair)
+    with pytest.raises(ValueError, match=r"^question: must be a string, got int$"):
+        rt.score_steps("prm", 7, ["seven"])
+    with pytest.raises(ValueError, match=r"^steps: must be a list of strings, got str$"):
+        rt.score_steps("prm", QUESTION, "seven")
+    with pytest.raises(ValueError, match=r"^items\[0\]\.steps\[1\]: must be a string, got NoneType$"):
+        rt.score_many("prm", [(QUESTION, ["seven", None])])
+    assert len(rt.score_steps("prm", QUESTION, ("seven", "eight"))) == 2
+
 def test_memory_command(pair, capsys):
     from treeserve.cli import main
 

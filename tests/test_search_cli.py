@@ -269,15 +269,15 @@ def test_the_cli_and_the_server_refuse_an_empty_question_by_one_check_in_search(
 
     from treeserve import cli_search
     from treeserve.errors import ParamError
-    from treeserve.search.prompting import checked_question
+    from treeserve.runtime.scorer import given_question
     from treeserve.server.serving_search import question_and_system
     from treeserve.wire.errors import APIError
     from treeserve.wire.search import SearchRequest
 
     with pytest.raises(ParamError) as refused:
-        checked_question(question, "messages")
+        given_question(question, "messages")
     assert (refused.value.param, str(refused.value)) == ("messages", "messages: the question is empty")
-    assert checked_question(" What is 2 + 2? ") == " What is 2 + 2? "
+    assert given_question(" What is 2 + 2? ") == " What is 2 + 2? "
     with pytest.raises(argparse.ArgumentTypeError, match="^the question is empty$"):
         cli_search._question(question)
     for body, param in [({"question": question}, "question"),

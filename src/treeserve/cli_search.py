@@ -10,7 +10,7 @@ from treeserve.cli_args import at_least_one, json_object
 from treeserve.errors import ParamError
 from treeserve.lifecycle import heap_frozen_while_it_runs
 from treeserve.model.registry import DEFAULT_GENERATOR, DEFAULT_VERIFIER
-from treeserve.search.prompting import checked_question
+from treeserve.runtime.scorer import given_question
 
 
 def add_search_parsers(sub) -> None:
@@ -36,7 +36,7 @@ def add_search_parsers(sub) -> None:
 def _question(text: str) -> str:
     """search's check of the question, as argparse's error (before any model loads)."""
     try:
-        return checked_question(text)
+        return given_question(text)
     except ParamError as exc:
         raise argparse.ArgumentTypeError(exc.detail) from None
 

@@ -331,6 +331,8 @@ def given_question(question: str, where: str = "question") -> str:
     """The question, or ParamError(where) where it is empty or blank: the step scores of an answer to
     no question say nothing, and a search of one searches the model's noise at full cost. The CLI,
     the server's routes and direct scoring (`Runtime.score_many`) all ask this."""
+    if not isinstance(question, str):
+        raise ParamError(where, f"must be a string, got {type(question).__name__}")
     if not question.strip():
         raise ParamError(where, "the question is empty")
     return question
@@ -340,6 +342,11 @@ def given_steps(steps: list[str], where: str = "steps") -> list[str]:
     """A caller's steps as the verifier reads them: stripped, as a search's are (its pieces are), so
     that the same steps score the same offline (`Runtime.score_steps`), over HTTP (the server's
     scoring routes) and in a search; an empty one is a ParamError naming it."""
+    if isinstance(steps, str) or not isinstance(steps, (list, tuple)):
+        # (a lone string would be read as one step a character)
+        raise ParamError(where, f"must be a list of strings, got {type(steps).__name__}")
+    if bad := [i for i, step in enumerate(steps) if not isinstance(step, str)]:
+        raise ParamError(f"{where}[{bad[0]}]", f"must be a string, got {type(steps[bad[0]]).__name__}")
     stripped = [step.strip() for step in steps]
     if "" in stripped:
         raise ParamError(f"{where}[{stripped.index('')}]", "a step is empty")

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from treeserve.errors import ParamError
-from treeserve.runtime.scorer import given_question as checked_question  # noqa: F401 (the CLI and the server ask it here)
 from treeserve.search.config import SearchConfig
 
 

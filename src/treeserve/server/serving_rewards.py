@@ -16,9 +16,8 @@ import numpy as np
 from treeserve.engine.async_engine import AsyncLLMEngine
 from treeserve.errors import ParamError
 from treeserve.runtime.roles import not_a_verifier
-from treeserve.runtime.scorer import StepScorer, given_steps
+from treeserve.runtime.scorer import StepScorer, given_question, given_steps
 from treeserve.search.config import STEP_DELIMITER, declared_aggregation
-from treeserve.search.prompting import checked_question
 from treeserve.search.tree import aggregate, split_steps
 from treeserve.wire.errors import APIError, from_value_error
 from treeserve.wire.rewards import PoolingRequest, RewardRequest, ScoreRequest
@@ -48,7 +47,7 @@ def asked_question(question: str, where: str) -> str:
     """The question of a scoring request; an empty one (blank) is a 400 naming `where`, as a search's
     is: the step scores of an answer to no question say nothing."""
     try:
-        return checked_question(question, where)
+        return given_question(question, where)
     except ParamError as exc:
         raise from_value_error(exc) from None
 

@@ -20,10 +20,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from treeserve import jsonl
 from treeserve.engine.async_engine import AsyncLLMEngine
 from treeserve.errors import ParamError
-from treeserve.runtime.scorer import StepScorer
+from treeserve.runtime.scorer import StepScorer, given_question
 from treeserve.search.config import DEFAULT_AGG_STRATEGY, SAL_SYSTEM_PROMPT, SearchConfig, declared_aggregation
 from treeserve.search.progress import SearchProgress
-from treeserve.search.prompting import checked_question
 from treeserve.search.runner import SearchHandle, SearchRunner
 from treeserve.search.tree import SearchResult
 from treeserve.wire.chat_messages import template_messages
@@ -53,7 +52,7 @@ def question_and_system(body: SearchRequest) -> tuple[str, str | None]:
 def _asked(question: str, param: str) -> str:
     """search's check of the question, as a 400 naming `param`."""
     try:
-        return checked_question(question, param)
+        return given_question(question, param)
     except ParamError as exc:
         raise from_value_error(exc) from None
 
