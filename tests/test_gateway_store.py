@@ -1254,3 +1254,93 @@ def test_a_request_refused_by_its_rate_limit_holds_nothing_on_its_key_user_or_te
         assert s.scalar(select(Team.reserved).where(Team.team_id == "t")) == 0.5
         assert s.scalar(select(func.count()).select_from(Holding)) == 1
     store.admission.release(first, 0.0)
+
+
+def test_pruning_past_minutes_while_a_settlement_writes_them_waits_instead_of_deadlocking(request):
+    """Pruning past minutes (prune_rate_windows, a chore of every gateway process) was one DELETE, which
+    takes its rows in the order it finds them, not by key: a settlement batch of another process
+    writing the minutes of requests that ran for minutes (by key: settlement.locked_in_order's LOCK
+    ORDER) held the first key's and waited for the second's, which the prune held while it waited for
+    the first; PostgreSQL aborted one (the batch, retried row by row). The rows are now locked by key
+    and minute before any is deleted."""
+    import threading
+
+    from sqlalchemy.orm import Session
+
+    store = Store(request.getfixturevalue("postgres").new_database())
+    store.migrate()
+    past = int(utcnow().timestamp() // 60) - 5
+    with store.db.transaction() as s:  # (the second key's minute stored first: a plain DELETE meets it first)
+        s.execute(insert(RateWindow), [dict(key_id=2, window=past, requests=1, tokens=0),
+                                       dict(key_id=1, window=past, requests=1, tokens=0)])
+    errors: list[Exception] = []
+    pruned: list[int] = []
+
+    def prune():
+        try:
+            pruned.append(store.admission.prune_rate_windows())
+        except Exception as exc:  # noqa: BLE001 (reported below)
+            errors.append(exc)
+
+    try:
+        with Session(store.db.engine) as settling, settling.begin():  # (a settlement: the minutes by key)
+            settling.execute(update(RateWindow).where(RateWindow.key_id == 1).values(tokens=RateWindow.tokens + 1))
+            pruner = threading.Thread(target=prune)
+            pruner.start()
+            pruner.join(0.5)  # (waiting for the first key's minute)
+            try:
+                settling.execute(update(RateWindow).where(RateWindow.key_id == 2)
+                                 .values(tokens=RateWindow.tokens + 1))
+            except Exception as exc:  # noqa: BLE001
+                errors.append(exc)
+        pruner.join(30)
+        assert not pruner.is_alive() and errors == [], errors
+        assert pruned == [2]
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("writing", ["/team/new", "/team/member_add"])
+def test_members_added_while_their_users_are_deleted_wait_instead_of_deadlocking(request, writing):
+    """/team/new and /team/member_add wrote the members' rows in the order the request named them, each
+    holding its user's row (the foreign key check's FOR KEY SHARE): named out of id order, they held a
+    later user's row and waited for an earlier one's, which /user/delete of both (the users' rows by
+    id, FOR UPDATE: settlement.locked_in_order's LOCK ORDER) held while it waited for the later one;
+    PostgreSQL aborted one. Members are now written by user id."""
+    import threading
+
+    from sqlalchemy.orm import Session
+
+    store = Store(request.getfixturevalue("postgres").new_database())
+    store.migrate()
+    for user_id in ("a", "b"):
+        store.accounts.create_user(user_id)
+    if writing == "/team/member_add":
+        store.teams.create_team("t", [])
+    members = [("b", "user"), ("a", "user")]  # (not by id)
+    errors: list[Exception] = []
+
+    def write():
+        try:
+            if writing == "/team/new":
+                store.teams.create_team("t", members)
+            else:
+                store.teams.add_members("t", members)
+        except Exception as exc:  # noqa: BLE001 (reported below)
+            errors.append(exc)
+
+    try:
+        with Session(store.db.engine) as deleting, deleting.begin():  # (/user/delete: the users' rows by id)
+            deleting.execute(select(User.user_id).where(User.user_id == "a").with_for_update()).all()
+            writer = threading.Thread(target=write)
+            writer.start()
+            writer.join(0.5)  # (waiting for the first user's row)
+            try:
+                deleting.execute(select(User.user_id).where(User.user_id == "b").with_for_update()).all()
+            except Exception as exc:  # noqa: BLE001
+                errors.append(exc)
+        writer.join(30)
+        assert not writer.is_alive() and errors == [], errors
+        assert sorted(m["user_id"] for m in store.teams.team("t")["members_with_roles"]) == ["a", "b"]
+    finally:
+        store.close()
