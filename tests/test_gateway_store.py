@@ -1344,3 +1344,76 @@ def test_members_added_while_their_users_are_deleted_wait_instead_of_deadlocking
         assert sorted(m["user_id"] for m in store.teams.team("t")["members_with_roles"]) == ["a", "b"]
     finally:
         store.close()
+
+
+def _batch_lines_running(store: Store, lines: tuple[int, ...]) -> None:
+    """Batch "b" (the master key's) with `lines` running, stored in that order."""
+    from treeserve.gateway.schema import Batch, BatchLine
+
+    now = utcnow()
+    with store.db.transaction() as s:
+        s.execute(insert(Batch).values(id="b", endpoint="/v1/chat/completions", input_file_id="f",
+                                       completion_window="24h", status="in_progress", total=len(lines),
+                                       created_at=now, expires_at=now + dt.timedelta(days=1)))
+        s.execute(insert(BatchLine), [dict(batch_id="b", line=line, custom_id=str(line), url="/v1/chat/completions",
+                                           body={}, status="running") for line in lines])
+
+
+def _line_settlement(line: int) -> Settlement:
+    from treeserve.gateway.settlement import Reservation
+
+    return Settlement(Reservation(None, None, 0.0, False, 0), f"r{line}", "m", None, "chat", False, "success",
+                      Usage(1, 1), 0.0, utcnow(), batch_line=("b", line), answer=(200, b'{"id": "x"}'))
+
+
+@pytest.mark.parametrize("side", ["take_up", "settlement"])
+def test_a_settlement_answering_batch_lines_while_they_are_taken_up_waits_instead_of_deadlocking(request, side):
+    """A batch's lines left running go back to pending (`take_up`, and `claim` of a batch whose lease
+    ran out) in one UPDATE, which takes them in the order it finds them; a settlement batch wrote its
+    lines' answers in the order the requests ended. Two lines each took in the other's order: each
+    held one and waited for the other, PostgreSQL aborted one (the settlement retried row by row).
+    Both now take a batch's lines by line."""
+    import threading
+
+    from sqlalchemy.orm import Session
+
+    from treeserve.gateway.schema import BatchLine
+    from treeserve.gateway.settlement import commit_settlements
+
+    store = Store(request.getfixturevalue("postgres").new_database())
+    store.migrate()
+    # (the second line stored first, a plain UPDATE of them all meets it first; as many as a real batch's, so
+    # that the planner reads the table rather than the index)
+    _batch_lines_running(store, (2, 1, *range(3, 500)))
+    with store.db.transaction() as s:
+        s.execute(text("ANALYZE batch_lines"))
+    errors: list[Exception] = []
+
+    def run():
+        try:
+            if side == "take_up":
+                store.batches.take_up("b")
+            else:
+                commit_settlements(store.db, [_line_settlement(2), _line_settlement(1)])  # (ended out of order)
+        except Exception as exc:  # noqa: BLE001 (reported below)
+            errors.append(exc)
+
+    def line(number: int):
+        return (BatchLine.batch_id == "b") & (BatchLine.line == number)
+    try:
+        with Session(store.db.engine) as other, other.begin():  # (the other side, by line)
+            other.execute(select(BatchLine.line).where(line(1)).with_for_update()).all()
+            runner = threading.Thread(target=run)
+            runner.start()
+            runner.join(0.5)  # (waiting for the first line)
+            try:
+                other.execute(select(BatchLine.line).where(line(2)).with_for_update()).all()
+            except Exception as exc:  # noqa: BLE001
+                errors.append(exc)
+        runner.join(30)
+        assert not runner.is_alive() and errors == [], errors
+        with store.db.session() as s:
+            ended = s.scalars(select(BatchLine.status).where(BatchLine.line.in_([1, 2]))).all()
+        assert ended == ["pending" if side == "take_up" else "done"] * 2
+    finally:
+        store.close()

@@ -209,9 +209,11 @@ def apply_settlements(db: Database, conn: Session, items: list[Settlement]) -> N
     held = [item.reservation.holding_id for item in items if item.reservation.holding_id is not None]
     if held:
         conn.execute(delete(Holding).where(Holding.id.in_(held)))
-    for item in items:
-        if item.batch_line is not None and item.answer is not None:
-            _answer_line(conn, item)
+    # (batch lines by (batch, line), as `take_up` and `claim` take them: in the order their requests ended, two
+    # lines answered in one batch deadlocked with a batch's running lines set pending again)
+    for item in sorted((i for i in items if i.batch_line is not None and i.answer is not None),
+                       key=lambda i: i.batch_line):
+        _answer_line(conn, item)
     for (day, key_id, model), (user_id, requests, prompt, completion, cost) in sorted(days.items()):
         db.upsert(conn, DailySpend, dict(day=day, key_id=key_id, model=model, user_id=user_id, requests=requests,
                                          prompt_tokens=prompt, completion_tokens=completion, cost=cost),
