@@ -1417,3 +1417,35 @@ def test_a_settlement_answering_batch_lines_while_they_are_taken_up_waits_instea
         assert ended == ["pending" if side == "take_up" else "done"] * 2
     finally:
         store.close()
+
+
+def test_a_key_deleted_while_its_settlement_is_mid_flight_waits_and_loses_no_spend(request):
+    """A settlement batch holds its keys' rows FOR NO KEY UPDATE (settlement.lock_keys), weaker than
+    FOR UPDATE: /key/delete (FOR UPDATE, then DELETE) still waits for the batch's commit, so the
+    request's spend reaches its user, and its spend row is written, whichever commits first."""
+    import time
+
+    url = request.getfixturevalue("postgres").new_database()
+    owner, deleter, blocker = Store(url), Store(url), Store(url)
+    owner.migrate()
+    results, errors = [], []
+    try:
+        owner.accounts.create_user("u")
+        token, _ = owner.accounts.create_key(user_id="u", max_budget=1.0, max_parallel_requests=1)
+        reservation = owner.admission.admit(owner.accounts.authenticate(token), 0.25)
+        with blocker.db.transaction() as hold:  # (the user's row held: the batch waits on it, its key's row held)
+            hold.execute(update(User).where(User.user_id == "u").values(spend=User.spend))
+            settle = _in_thread(lambda: owner.ledger.settle(Settlement(
+                reservation, "r", "m", None, "chat", False, "success", Usage(1, 1), 0.1, utcnow())), results, errors)
+            time.sleep(1.0)
+            delete = _in_thread(lambda: deleter.accounts.delete_keys([token]), results, errors)
+            delete.join(1.0)
+            assert delete.is_alive()  # (waiting for the batch)
+        settle.join(30)
+        delete.join(30)
+        assert errors == []
+        assert _owed(owner, "u") == ([], (0.0, 0.1))
+        assert [row["request_id"] for row in owner.ledger.logs(user_id="u")] == ["r"]
+    finally:
+        for each in (owner, deleter, blocker):
+            each.close()

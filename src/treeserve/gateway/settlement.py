@@ -249,7 +249,7 @@ def locked_in_order(rows: dict[tuple[str, str | None], object]) -> list:
 
     LOCK ORDER, the one every transaction that writes several of these rows follows (admission,
     release, settlement, a sweep, /team/delete): keys, then holdings, then users, then teams, then rate
-    windows and daily totals, each by id. A request's `holdings` row is written (released, settled,
+    windows (by key and minute), batch lines (by batch and line) and daily totals, each by id. A request's `holdings` row is written (released, settled,
     swept) only with its key's row held first: whoever holds the key reads the holding as it is
     (admission inserts it last: a row not there yet is nobody's to wait on). Two settlement
     batches of two gateway processes that wrote the same keys or users in different orders
