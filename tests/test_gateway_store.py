@@ -1254,3 +1254,198 @@ def test_a_request_refused_by_its_rate_limit_holds_nothing_on_its_key_user_or_te
         assert s.scalar(select(Team.reserved).where(Team.team_id == "t")) == 0.5
         assert s.scalar(select(func.count()).select_from(Holding)) == 1
     store.admission.release(first, 0.0)
+
+
+def test_pruning_past_minutes_while_a_settlement_writes_them_waits_instead_of_deadlocking(request):
+    """Pruning past minutes (prune_rate_windows, a chore of every gateway process) was one DELETE, which
+    takes its rows in the order it finds them, not by key: a settlement batch of another process
+    writing the minutes of requests that ran for minutes (by key: settlement.locked_in_order's LOCK
+    ORDER) held the first key's and waited for the second's, which the prune held while it waited for
+    the first; PostgreSQL aborted one (the batch, retried row by row). The rows are now locked by key
+    and minute before any is deleted."""
+    import threading
+
+    from sqlalchemy.orm import Session
+
+    store = Store(request.getfixturevalue("postgres").new_database())
+    store.migrate()
+    past = int(utcnow().timestamp() // 60) - 5
+    with store.db.transaction() as s:  # (the second key's minute stored first: a plain DELETE meets it first)
+        s.execute(insert(RateWindow), [dict(key_id=2, window=past, requests=1, tokens=0),
+                                       dict(key_id=1, window=past, requests=1, tokens=0)])
+    errors: list[Exception] = []
+    pruned: list[int] = []
+
+    def prune():
+        try:
+            pruned.append(store.admission.prune_rate_windows())
+        except Exception as exc:  # noqa: BLE001 (reported below)
+            errors.append(exc)
+
+    try:
+        with Session(store.db.engine) as settling, settling.begin():  # (a settlement: the minutes by key)
+            settling.execute(update(RateWindow).where(RateWindow.key_id == 1).values(tokens=RateWindow.tokens + 1))
+            pruner = threading.Thread(target=prune)
+            pruner.start()
+            pruner.join(0.5)  # (waiting for the first key's minute)
+            try:
+                settling.execute(update(RateWindow).where(RateWindow.key_id == 2)
+                                 .values(tokens=RateWindow.tokens + 1))
+            except Exception as exc:  # noqa: BLE001
+                errors.append(exc)
+        pruner.join(30)
+        assert not pruner.is_alive() and errors == [], errors
+        assert pruned == [2]
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("writing", ["/team/new", "/team/member_add"])
+def test_members_added_while_their_users_are_deleted_wait_instead_of_deadlocking(request, writing):
+    """/team/new and /team/member_add wrote the members' rows in the order the request named them, each
+    holding its user's row (the foreign key check's FOR KEY SHARE): named out of id order, they held a
+    later user's row and waited for an earlier one's, which /user/delete of both (the users' rows by
+    id, FOR UPDATE: settlement.locked_in_order's LOCK ORDER) held while it waited for the later one;
+    PostgreSQL aborted one. Members are now written by user id."""
+    import threading
+
+    from sqlalchemy.orm import Session
+
+    store = Store(request.getfixturevalue("postgres").new_database())
+    store.migrate()
+    for user_id in ("a", "b"):
+        store.accounts.create_user(user_id)
+    if writing == "/team/member_add":
+        store.teams.create_team("t", [])
+    members = [("b", "user"), ("a", "user")]  # (not by id)
+    errors: list[Exception] = []
+
+    def write():
+        try:
+            if writing == "/team/new":
+                store.teams.create_team("t", members)
+            else:
+                store.teams.add_members("t", members)
+        except Exception as exc:  # noqa: BLE001 (reported below)
+            errors.append(exc)
+
+    try:
+        with Session(store.db.engine) as deleting, deleting.begin():  # (/user/delete: the users' rows by id)
+            deleting.execute(select(User.user_id).where(User.user_id == "a").with_for_update()).all()
+            writer = threading.Thread(target=write)
+            writer.start()
+            writer.join(0.5)  # (waiting for the first user's row)
+            try:
+                deleting.execute(select(User.user_id).where(User.user_id == "b").with_for_update()).all()
+            except Exception as exc:  # noqa: BLE001
+                errors.append(exc)
+        writer.join(30)
+        assert not writer.is_alive() and errors == [], errors
+        assert sorted(m["user_id"] for m in store.teams.team("t")["members_with_roles"]) == ["a", "b"]
+    finally:
+        store.close()
+
+
+def _batch_lines_running(store: Store, lines: tuple[int, ...]) -> None:
+    """Batch "b" (the master key's) with `lines` running, stored in that order."""
+    from treeserve.gateway.schema import Batch, BatchLine
+
+    now = utcnow()
+    with store.db.transaction() as s:
+        s.execute(insert(Batch).values(id="b", endpoint="/v1/chat/completions", input_file_id="f",
+                                       completion_window="24h", status="in_progress", total=len(lines),
+                                       created_at=now, expires_at=now + dt.timedelta(days=1)))
+        s.execute(insert(BatchLine), [dict(batch_id="b", line=line, custom_id=str(line), url="/v1/chat/completions",
+                                           body={}, status="running") for line in lines])
+
+
+def _line_settlement(line: int) -> Settlement:
+    from treeserve.gateway.settlement import Reservation
+
+    return Settlement(Reservation(None, None, 0.0, False, 0), f"r{line}", "m", None, "chat", False, "success",
+                      Usage(1, 1), 0.0, utcnow(), batch_line=("b", line), answer=(200, b'{"id": "x"}'))
+
+
+@pytest.mark.parametrize("side", ["take_up", "settlement"])
+def test_a_settlement_answering_batch_lines_while_they_are_taken_up_waits_instead_of_deadlocking(request, side):
+    """A batch's lines left running go back to pending (`take_up`, and `claim` of a batch whose lease
+    ran out) in one UPDATE, which takes them in the order it finds them; a settlement batch wrote its
+    lines' answers in the order the requests ended. Two lines each took in the other's order: each
+    held one and waited for the other, PostgreSQL aborted one (the settlement retried row by row).
+    Both now take a batch's lines by line."""
+    import threading
+
+    from sqlalchemy.orm import Session
+
+    from treeserve.gateway.schema import BatchLine
+    from treeserve.gateway.settlement import commit_settlements
+
+    store = Store(request.getfixturevalue("postgres").new_database())
+    store.migrate()
+    # (the second line stored first, a plain UPDATE of them all meets it first; as many as a real batch's, so
+    # that the planner reads the table rather than the index)
+    _batch_lines_running(store, (2, 1, *range(3, 500)))
+    with store.db.transaction() as s:
+        s.execute(text("ANALYZE batch_lines"))
+    errors: list[Exception] = []
+
+    def run():
+        try:
+            if side == "take_up":
+                store.batches.take_up("b")
+            else:
+                commit_settlements(store.db, [_line_settlement(2), _line_settlement(1)])  # (ended out of order)
+        except Exception as exc:  # noqa: BLE001 (reported below)
+            errors.append(exc)
+
+    def line(number: int):
+        return (BatchLine.batch_id == "b") & (BatchLine.line == number)
+    try:
+        with Session(store.db.engine) as other, other.begin():  # (the other side, by line)
+            other.execute(select(BatchLine.line).where(line(1)).with_for_update()).all()
+            runner = threading.Thread(target=run)
+            runner.start()
+            runner.join(0.5)  # (waiting for the first line)
+            try:
+                other.execute(select(BatchLine.line).where(line(2)).with_for_update()).all()
+            except Exception as exc:  # noqa: BLE001
+                errors.append(exc)
+        runner.join(30)
+        assert not runner.is_alive() and errors == [], errors
+        with store.db.session() as s:
+            ended = s.scalars(select(BatchLine.status).where(BatchLine.line.in_([1, 2]))).all()
+        assert ended == ["pending" if side == "take_up" else "done"] * 2
+    finally:
+        store.close()
+
+
+def test_a_key_deleted_while_its_settlement_is_mid_flight_waits_and_loses_no_spend(request):
+    """A settlement batch holds its keys' rows FOR NO KEY UPDATE (settlement.lock_keys), weaker than
+    FOR UPDATE: /key/delete (FOR UPDATE, then DELETE) still waits for the batch's commit, so the
+    request's spend reaches its user, and its spend row is written, whichever commits first."""
+    import time
+
+    url = request.getfixturevalue("postgres").new_database()
+    owner, deleter, blocker = Store(url), Store(url), Store(url)
+    owner.migrate()
+    results, errors = [], []
+    try:
+        owner.accounts.create_user("u")
+        token, _ = owner.accounts.create_key(user_id="u", max_budget=1.0, max_parallel_requests=1)
+        reservation = owner.admission.admit(owner.accounts.authenticate(token), 0.25)
+        with blocker.db.transaction() as hold:  # (the user's row held: the batch waits on it, its key's row held)
+            hold.execute(update(User).where(User.user_id == "u").values(spend=User.spend))
+            settle = _in_thread(lambda: owner.ledger.settle(Settlement(
+                reservation, "r", "m", None, "chat", False, "success", Usage(1, 1), 0.1, utcnow())), results, errors)
+            time.sleep(1.0)
+            delete = _in_thread(lambda: deleter.accounts.delete_keys([token]), results, errors)
+            delete.join(1.0)
+            assert delete.is_alive()  # (waiting for the batch)
+        settle.join(30)
+        delete.join(30)
+        assert errors == []
+        assert _owed(owner, "u") == ([], (0.0, 0.1))
+        assert [row["request_id"] for row in owner.ledger.logs(user_id="u")] == ["r"]
+    finally:
+        for each in (owner, deleter, blocker):
+            each.close()

@@ -79,9 +79,13 @@ class Admission:
 
     def prune_rate_windows(self) -> int:
         """Deletes the minutes before the last one (rate limits read only the current minute)."""
-        current = int(utcnow().timestamp() // 60)
+        past = RateWindow.window < int(utcnow().timestamp() // 60) - 1
         with self.db.transaction() as conn:
-            return conn.execute(delete(RateWindow).where(RateWindow.window < current - 1)).rowcount
+            # (locked by key and minute first: settlement.locked_in_order's LOCK ORDER; a DELETE alone takes
+            # them in the order it finds them, and deadlocked with a settlement batch writing two of them)
+            conn.execute(select(RateWindow.key_id).where(past).order_by(RateWindow.key_id, RateWindow.window)
+                         .with_for_update()).all()
+            return conn.execute(delete(RateWindow).where(past)).rowcount
 
     def _count_request(self, conn: Session, key: KeyRecord, window: int, tokens: int, retry_after: int) -> None:
         """Counts the request and its worst-case `tokens` in its minute; refused when the minute's

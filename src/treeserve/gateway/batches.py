@@ -189,8 +189,7 @@ class Batches:
                     if row.lease_owner != instance_id:
                         taken.append(row.id)
             if taken:
-                conn.execute(update(BatchLine).where(BatchLine.batch_id.in_(taken), BatchLine.status == "running")
-                             .values(status="pending"))
+                _running_to_pending(conn, taken)
         return leased
 
     def release(self, batch_ids: list[str], instance_id: str) -> None:
@@ -205,8 +204,7 @@ class Batches:
         this process starts running it, with the lines it left running (a run of it here that failed,
         its settlements written since: an answered line is done) pending again."""
         with self.db.transaction() as conn:
-            conn.execute(update(BatchLine).where(BatchLine.batch_id == batch_id, BatchLine.status == "running")
-                         .values(status="pending"))
+            _running_to_pending(conn, [batch_id])
             batch = conn.execute(select(Batch).where(Batch.id == batch_id)).scalar()
             pending = conn.scalar(select(func.count()).select_from(BatchLine)
                                   .where(BatchLine.batch_id == batch_id, BatchLine.status == "pending"))
@@ -314,6 +312,16 @@ class Batches:
                 "usage": {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached},
                           "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning},
                           "total_tokens": input_tokens + output_tokens}}
+
+
+def _running_to_pending(conn, batch_ids: list[str]) -> None:
+    """The batches' running lines pending again, locked by (batch, line) first: a settlement batch writes
+    its lines' answers in that order (settlement.apply_settlements). An UPDATE alone took them in the
+    order it found them, and deadlocked with a settlement answering two of them in the other order."""
+    running = BatchLine.batch_id.in_(batch_ids) & (BatchLine.status == "running")
+    conn.execute(select(BatchLine.line).where(running).order_by(BatchLine.batch_id, BatchLine.line)
+                 .with_for_update()).all()
+    conn.execute(update(BatchLine).where(running).values(status="pending"))
 
 
 def _one_model(lines: list[tuple]) -> str | None:

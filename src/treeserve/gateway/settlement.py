@@ -209,9 +209,11 @@ def apply_settlements(db: Database, conn: Session, items: list[Settlement]) -> N
     held = [item.reservation.holding_id for item in items if item.reservation.holding_id is not None]
     if held:
         conn.execute(delete(Holding).where(Holding.id.in_(held)))
-    for item in items:
-        if item.batch_line is not None and item.answer is not None:
-            _answer_line(conn, item)
+    # (batch lines by (batch, line), as `take_up` and `claim` take them: in the order their requests ended, two
+    # lines answered in one batch deadlocked with a batch's running lines set pending again)
+    for item in sorted((i for i in items if i.batch_line is not None and i.answer is not None),
+                       key=lambda i: i.batch_line):
+        _answer_line(conn, item)
     for (day, key_id, model), (user_id, requests, prompt, completion, cost) in sorted(days.items()):
         db.upsert(conn, DailySpend, dict(day=day, key_id=key_id, model=model, user_id=user_id, requests=requests,
                                          prompt_tokens=prompt, completion_tokens=completion, cost=cost),
@@ -247,7 +249,7 @@ def locked_in_order(rows: dict[tuple[str, str | None], object]) -> list:
 
     LOCK ORDER, the one every transaction that writes several of these rows follows (admission,
     release, settlement, a sweep, /team/delete): keys, then holdings, then users, then teams, then rate
-    windows and daily totals, each by id. A request's `holdings` row is written (released, settled,
+    windows (by key and minute), batch lines (by batch and line) and daily totals, each by id. A request's `holdings` row is written (released, settled,
     swept) only with its key's row held first: whoever holds the key reads the holding as it is
     (admission inserts it last: a row not there yet is nobody's to wait on). Two settlement
     batches of two gateway processes that wrote the same keys or users in different orders

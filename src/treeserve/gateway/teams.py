@@ -111,7 +111,10 @@ class Teams:
                          .on_conflict_do_nothing(index_elements=["user_id"]))
 
     def _add_members(self, conn: Session, team_id: str, members: list[tuple[str, str]], now: dt.datetime) -> None:
-        for user_id, role in members:
+        """Each member's row, by user id: each holds its user's row (its foreign key's check, FOR KEY
+        SHARE), settlement.locked_in_order's LOCK ORDER; in the order named, a later user's row held while
+        an earlier one's was waited for deadlocked with /user/delete of both (their rows by id)."""
+        for user_id, role in sorted(members, key=lambda member: member[0]):
             added = conn.execute(self.db.insert(TeamMember).values(team_id=team_id, user_id=user_id, role=role,
                                                                    created_at=now)
                                  .on_conflict_do_nothing(index_elements=["team_id", "user_id"])
