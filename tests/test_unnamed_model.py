@@ -79,3 +79,54 @@ def test_a_message_without_model_stays_a_400_as_anthropics(server):
                         if path == "/v1/messages" else {"messages": [{"role": "user", "content": "Hi"}]}, server.key)
         assert refused.status_code == 400, refused.text
         assert refused.json()["type"] == "error" and "model" in refused.json()["error"]["message"], refused.text
+
+
+@pytest.fixture(scope="module")
+def verifier_listed_first():
+    """The bundled pair served with the verifier named first ({prm, gen}): (base URL, app)."""
+    from treeserve.server.launch import build_app
+
+    app = build_app({"prm": "builtin:arith-prm", "gen": "builtin:arith-gen"}, dtype="float32", device="cpu")
+    with running_server(app) as url:
+        yield url, app
+    app.state.runtime.close()
+
+
+def test_a_search_without_model_is_the_generators_whatever_the_order_served(verifier_listed_first):
+    """A search is a generation as a chat is: left out, its `model` is the one generator (before: the first
+    served model, here the verifier, which then wrote the candidates it scored)."""
+    url, app = verifier_listed_first
+    body = {"verifier": "prm", "question": "Start with 3 and work modulo 100. Step 1: + 4. What is the result?",
+            "strategy": "best_of_n", "n": 2, "max_tokens": 24}
+    searched = _post(url, "/v1/search", body)
+    assert searched.status_code == 200 and searched.json()["model"] == "gen", searched.text
+    assert _post(url, "/v1/chat/completions", CHAT).json()["model"] == "gen"
+    wait_all_idle(app)
+
+
+@pytest.mark.parametrize("path, body", [("/v1/search", {"question": "2 + 2?", "system_prompt": "Be brief.",
+                                                          "strategy": "majority", "n": 1, "max_tokens": 4}),
+                                        ("/tokenize", {"messages": [{"role": "user", "content": "Hello"}]})])
+def test_where_several_generate_a_search_or_a_token_count_without_model_is_a_400_listing_them(two_generators,
+                                                                                             path, body):
+    """Which generator is meant cannot be told, as for a chat (before: the first served, unasked: a search
+    by it, and its tokenizer's and chat template's count, the chat then sent to another)."""
+    url, app = two_generators
+    refused = _post(url, path, body)
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["param"] == "model" and error["code"] == "missing_required_parameter", error
+    assert "2 generators are served (a, b)" in error["message"], error
+    assert _post(url, path, body | {"model": "b"}).status_code == 200
+    wait_all_idle(app)
+
+
+def test_a_token_count_without_model_on_a_server_of_reward_models_only_is_the_first_served():
+    """/tokenize serves reward models' prompts too: where none generates, the first served, as before."""
+    from types import SimpleNamespace
+
+    from treeserve.server.routes import ServedModels
+
+    reward = SimpleNamespace(llm=SimpleNamespace(model_config=SimpleNamespace(head="reward")), model_name="rm")
+    served = ServedModels({"rm": reward}, {})
+    assert served.meant_serving(None) is reward and served.meant_serving("rm") is reward

@@ -86,6 +86,13 @@ class ServedModels:
         """The serving of the generator `model` names, or that a body naming none means (`only_generator`)."""
         return self.generator(model if model is not None else self.only_generator())
 
+    def meant_serving(self, model: str | None) -> OpenAIServing:
+        """/tokenize's and /detokenize's model: the one named, else the one a chat naming none would be
+        served by (its tokenizer and chat template count that chat), else, where none generates, the first."""
+        if model is None and not any(is_generator(s.llm.model_config) for s in self.servings.values()):
+            return self.serving(None)
+        return self.serving(model if model is not None else self.only_generator())
+
     def with_generator(self, body: BodyT) -> BodyT:
         """A chat or completion body naming its model: one that names none (vLLM's may leave `model`
         out, its served model meant) is the one served generator's."""
@@ -211,7 +218,7 @@ def openai_routes(served: ServedModels, max_body_bytes: int) -> APIRouter:
     @router.post("/v1/search")
     async def search(request: Request):
         body = await parse(request, SearchRequest, max_body_bytes)
-        serving = served.generator(body.model)
+        serving = served.meant_generator(body.model)
         if body.verifier is not None:
             served.serving(body.verifier)  # (an unknown model: 404)
             if served.scoring is not None:
@@ -221,7 +228,7 @@ def openai_routes(served: ServedModels, max_body_bytes: int) -> APIRouter:
     @router.post("/tokenize")
     async def tokenize(request: Request):
         body = await parse(request, TokenizeRequest, max_body_bytes)
-        serving = served.serving(body.model)
+        serving = served.meant_serving(body.model)
         tokens = _tokenized(serving, body)
         strs = serving.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
         return {"tokens": tokens, "count": len(tokens), "max_model_len": serving.max_model_len, "token_strs": strs}
@@ -229,7 +236,7 @@ def openai_routes(served: ServedModels, max_body_bytes: int) -> APIRouter:
     @router.post("/detokenize")
     async def detokenize(request: Request):
         body = await parse(request, DetokenizeRequest, max_body_bytes)
-        serving = served.serving(body.model)
+        serving = served.meant_serving(body.model)
         vocab = serving.llm.model_config.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:

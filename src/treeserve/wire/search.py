@@ -13,7 +13,7 @@ class SearchRequest(BaseModel):
     # server/serving_search.py copies them across, tests/test_sampling_fields.py checks both. A field
     # it does not have is a 400 naming it: `max_iterations` for num_iterations, ignored, ran 40.
     model_config = ConfigDict(extra="forbid", strict=True)
-    model: str | None = None             # the generator; default: the first served model
+    model: str | None = None             # the generator; default: the one served (as a chat's)
     verifier: str | None = None          # the PRM; needed by every strategy but greedy and majority
     question: str | None = None
     messages: list[ChatMessage] | None = None  # alternative to question: system prompt + user question
