@@ -142,3 +142,7 @@ def test_a_schema_that_allows_other_keys_still_gets_them(llm):
     flexible = {**OPEN, "x-guidance": {"whitespace_flexible": True}}
     assert _accepts(llm, flexible, '{ "n": 1 }') and not _accepts(llm, flexible, '{ "n": 1, "zz": 2 }')
     assert not _accepts(llm, OPEN, '{ "n": 1 }')
+    # the parts of an allOf are left open (closing each would forbid the others' keys)
+    parts = {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                       {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}]}
+    assert _accepts(llm, parts, '{"a":1,"b":2}')
