@@ -82,6 +82,35 @@ def test_twenty_schemas_validate_plain_streamed_and_n3(client, server):
     assert_no_leak(server.engine)
 
 
+def test_a_schema_without_additional_properties_gets_only_its_keys(client):
+    """As a vLLM user gets by default (xgrammar's strict mode): the listed keys and no others, through
+    response_format (strict or not) and structured_outputs.json alike; before, a random model wrote
+    keys of its own until max_tokens. Keys the schema allows (`additionalProperties: true`) may come."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}}, "required": ["a"]}
+    closed = {**schema, "additionalProperties": False}
+    bodies = [{"response_format": {"type": "json_schema", "json_schema": {"name": "d", "schema": schema}}},
+              {"response_format": {"type": "json_schema", "json_schema": {"name": "d", "schema": schema,
+                                                                          "strict": False}}},
+              {"structured_outputs": {"json": schema}}]
+    for i, body in enumerate(bodies):
+        out = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=200, seed=i, n=4,
+                                             temperature=1.0, extra_body=body)
+        for choice in out.choices:
+            assert choice.finish_reason == "stop", (body, choice.message.content)
+            jsonschema.validate(json.loads(choice.message.content), closed)
+    seen = set()
+    for seed in range(3):
+        out = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=60, seed=seed, n=4,
+                                             temperature=1.0, response_format=_format_open(schema))
+        # ("a" comes first, as required; then the next key's first letter)
+        seen |= {c.message.content.split(",")[1][1:2] for c in out.choices if "," in c.message.content}
+    assert seen - {"a", "b"}, seen  # other keys, where the schema allows them
+
+
+def _format_open(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "d", "schema": {**schema, "additionalProperties": True}}}
+
+
 def test_properties_come_in_the_schemas_order(client):
     """OpenAI writes a schema's properties in the order given; two schemas that differ only in
     that order are two grammars (the cache used to key them, and compile them, with sorted keys)."""

@@ -95,3 +95,54 @@ def test_what_cannot_compile_names_the_field(llm):
     with pytest.raises(ParamError, match="choice"):
         StructuredOutputsParams(choice=[])
     assert_no_leak(llm.engine)
+
+
+OPEN = {"type": "object", "properties": {"n": {"type": "integer"}, "tags": {"type": "array", "items": {
+    "type": "object", "properties": {"t": {"type": "string"}}}}}, "required": ["n"]}
+
+
+def _accepts(llm, schema, text: str) -> bool:
+    """Whether the grammar compiled for `schema` (or for a StructuredOutputsParams) takes all of `text`'s tokens."""
+    spec = schema if isinstance(schema, StructuredOutputsParams) else StructuredOutputsParams(json=schema)
+    tokens = llm.get_tokenizer().encode(text, add_special_tokens=False)
+    return llm.engine.structured.matcher(spec).validate_tokens(tokens) == len(tokens)
+
+
+def test_an_object_takes_only_the_keys_it_lists_unless_it_says_otherwise(llm):
+    """Strict, as vLLM's default (xgrammar's strict mode): a schema without `additionalProperties`
+    took any other key, and a model that did not know the schema wrote keys of its own until
+    max_tokens (`{"operation":"solve","expression":"answer_directly","expressionz Lovelace...`)."""
+    tokenizer = llm.get_tokenizer()
+    matcher = llm.engine.structured.matcher(StructuredOutputsParams(json=OPEN))
+    assert matcher.consume_tokens(tokenizer.encode('{"n":1', add_special_tokens=False))
+    logits = torch.zeros(1, llm.engine.model_config.vocab_size)
+    structured_outputs.apply(logits, [matcher])
+    allowed = [tokenizer.decode([t]) for t in (logits[0] == 0).nonzero().flatten().tolist()]
+    assert "}" in allowed and any(t.startswith(",") for t in allowed)  # `,"tags"` may follow, no other key
+    assert _accepts(llm, OPEN, '{"n":1,"tags":[{"t":"a"}]}')
+    assert not _accepts(llm, OPEN, '{"n":1,"zz":2}')
+    assert not _accepts(llm, OPEN, '{"n":1,"tags":[{"t":"a","zz":2}]}')  # nested objects too
+    assert not _accepts(llm, json.dumps(OPEN), '{"n":1,"zz":2}')  # a schema given as text
+    only_n = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    matcher = llm.engine.structured.matcher(StructuredOutputsParams(json=only_n))
+    assert matcher.consume_tokens(tokenizer.encode('{"n":1', add_special_tokens=False))
+    logits = torch.zeros(1, llm.engine.model_config.vocab_size)
+    structured_outputs.apply(logits, [matcher])
+    allowed = [tokenizer.decode([t]) for t in (logits[0] == 0).nonzero().flatten().tolist()]
+    assert "}" in allowed and not any("," in t for t in allowed), allowed  # nothing may follow but the end
+
+
+def test_a_schema_that_allows_other_keys_still_gets_them(llm):
+    assert _accepts(llm, {**OPEN, "additionalProperties": True}, '{"n":1,"zz":2}')
+    typed = {**OPEN, "additionalProperties": {"type": "integer"}}
+    assert _accepts(llm, typed, '{"n":1,"zz":2}') and not _accepts(llm, typed, '{"n":1,"zz":"a"}')
+    assert _accepts(llm, {"type": "object"}, '{"zz":2}')  # any object, as json_object asks for
+    assert _accepts(llm, StructuredOutputsParams(json_object=True), '{"zz":2}')
+    # llguidance's options still apply, and the schema stays strict under them
+    flexible = {**OPEN, "x-guidance": {"whitespace_flexible": True}}
+    assert _accepts(llm, flexible, '{ "n": 1 }') and not _accepts(llm, flexible, '{ "n": 1, "zz": 2 }')
+    assert not _accepts(llm, OPEN, '{ "n": 1 }')
+    # the parts of an allOf are left open (closing each would forbid the others' keys)
+    parts = {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                       {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}]}
+    assert _accepts(llm, parts, '{"a":1,"b":2}')

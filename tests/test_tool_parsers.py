@@ -317,3 +317,31 @@ def test_a_long_call_streams_in_linear_time(monkeypatch):
     pieces = [body[i:i + 3] for i in range(0, len(body), 3)]
     assert streamed("hermes", body, pieces)[1] == [("now", '{"text": "' + "abc def " * 2500 + '"}')]
     assert reads <= len(body)
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "find"}}])
+def test_forced_arguments_take_only_the_keys_the_parameters_list(choice):
+    """Strict, as vLLM's (its tool schema compiled by xgrammar in strict mode): parameters without
+    `additionalProperties` took any other key, and a model not trained on the tools wrote keys of its
+    own until max_tokens; parameters that allow other keys still get them."""
+    from treeserve.model.random_models import train_tokenizer
+
+    tokenizer = train_tokenizer(512)
+    lltok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer), eos_token=[tokenizer.eos_token_id])
+    place = {"type": "object", "properties": {"lat": {"type": "integer"}}}
+    params = {"type": "object", "properties": {"city": {"type": "string"}, "near": {"$ref": "#/$defs/place"}},
+              "$defs": {"place": place}}
+    tools = [{"type": "function", "function": {"name": "find", "parameters": params}},
+             {"type": "function", "function": {"name": "any", "parameters": {**params, "additionalProperties": True}}}]
+    grammar = llguidance.grammar_from("lark", calling("json", choice, tools=tools).structured_outputs().grammar)
+
+    def accepts(text: str) -> bool:
+        tokens = tokenizer.encode(text, add_special_tokens=False)
+        return llguidance.LLMatcher(lltok, grammar).validate_tokens(tokens) == len(tokens)
+
+    assert accepts('[{"name":"find","parameters":{"city":"x","near":{"lat":1}}}]')
+    assert not accepts('[{"name":"find","parameters":{"city":"x","zz":1}}]')
+    assert not accepts('[{"name":"find","parameters":{"near":{"lat":1,"zz":1}}}]')  # in its $defs too
+    if choice == "required":
+        assert accepts('[{"name":"any","parameters":{"city":"x","zz":1}}]')
+        assert not accepts('[{"name":"any","parameters":{"near":{"lat":1,"zz":1}}}]')

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from treeserve.engine.json_schema_strict import strict_schema_text
 from treeserve.errors import ParamError
 from treeserve.model.transfer import to_device
 from treeserve.sampling_params import StructuredOutputsParams
@@ -80,7 +81,8 @@ class StructuredOutputs:
         param = "structured_outputs." + {"json_schema": "json", "choice": "choice"}.get(kind, kind)
         try:
             if kind == "json_schema":
-                grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_DEFAULTS)
+                # (strict, as vLLM's default: an object takes only the keys it lists unless it says otherwise)
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(strict_schema_text(text), defaults=JSON_DEFAULTS)
             else:
                 grammar = llguidance.grammar_from(kind, text)
         except ValueError as exc:

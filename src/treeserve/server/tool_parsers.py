@@ -19,6 +19,8 @@ import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
+from treeserve.engine.json_schema_strict import strict_schema
+
 ARGUMENT_KEYS = ("arguments", "parameters")
 
 
@@ -284,9 +286,10 @@ NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": Fal
 
 def call_schema(function: dict, arguments_key: str) -> dict:
     """The JSON schema of one call of `function` ({"name", "parameters"} as in a request's tools):
-    its name, then arguments valid for its parameters. The parameters' `$defs` move to the root,
-    where their `#/$defs/...` references point."""
-    parameters = dict(function.get("parameters") or NO_PARAMETERS)
+    its name, then arguments valid for its parameters, in strict mode as every JSON schema (an
+    object takes only the keys it lists unless it says otherwise: `engine/json_schema_strict.py`).
+    The parameters' `$defs` move to the root, where their `#/$defs/...` references point."""
+    parameters = strict_schema(function.get("parameters") or NO_PARAMETERS)
     defs = {key: parameters.pop(key) for key in ("$defs", "definitions") if key in parameters}
     return {"type": "object", "properties": {"name": {"const": function["name"]}, arguments_key: parameters},
             "required": ["name", arguments_key], "additionalProperties": False,
