@@ -96,6 +96,17 @@ def test_served_model_name_with_several_models_is_an_error(argv):
         served_target(_serve_args(*argv))
 
 
+def test_a_model_named_twice_is_an_error():
+    """`--model x=PATH --served-model-name foo` served the model as foo, silently dropping x (vLLM has one
+    way to name a model, --served-model-name; NAME=PATH is treeserve's other): one name, or the same one twice."""
+    from treeserve.server.launch import served_target
+
+    with pytest.raises(ValueError, match="named twice: 'x' by --model x=PATH and 'foo' by --served-model-name"):
+        served_target(_serve_args("--model", "x=builtin:arith-prm", "--served-model-name", "foo"))
+    assert served_target(_serve_args("--model", "foo=builtin:arith-prm", "--served-model-name", "foo")) == \
+        {"foo": "builtin:arith-prm"}
+
+
 def test_a_positional_model_and_model_together_is_an_error(caplog):
     from treeserve.ports import free_port
     from treeserve.server.launch import served_target
@@ -103,8 +114,8 @@ def test_a_positional_model_and_model_together_is_an_error(caplog):
     with pytest.raises(ValueError, match="either as the argument .* or with --model"):
         served_target(_serve_args("builtin:arith-gen", "--model", "x=builtin:arith-prm"))
     assert served_target(_serve_args("builtin:arith-gen", "--served-model-name", "foo")) == "builtin:arith-gen"
-    assert served_target(_serve_args("--model", "x=builtin:arith-prm", "--served-model-name", "foo")) == \
-        {"x": "builtin:arith-prm"}
+    assert served_target(_serve_args("--model", "builtin:arith-prm", "--served-model-name", "foo")) == \
+        {"arith-prm": "builtin:arith-prm"}  # (served as foo: a bare path names nothing)
     # the command refuses it before loading anything
     assert main(["serve", "--port", str(free_port()), "builtin:arith-gen", "--model", "builtin:arith-prm"]) == 2
     assert "or with --model, not both" in caplog.text

@@ -33,7 +33,42 @@ def test_the_serving_gateways_options_on_a_management_command_are_refused(tmp_pa
 
 def test_a_database_that_cannot_be_reached_is_said_without_a_traceback(tmp_path, capsys):
     """(it was SQLAlchemy's OperationalError traceback)"""
-    url = f"sqlite:///{tmp_path / 'no' / 'such' / 'dir.db'}"
+    path = tmp_path / "no" / "such" / "dir.db"
+    assert main(["gateway", "keys", "list", "--database", f"sqlite:///{path}"]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: database {path}: cannot be reached (unable to open database "
+                                                "file); check --database or TREESERVE_GATEWAY_DATABASE")
+
+
+def test_the_serving_gateway_names_a_database_it_cannot_open_in_one_line(tmp_path, capsys):
+    """(`treeserve gateway --database sqlite:///no/such/dir.db` started uvicorn, whose startup printed
+    SQLAlchemy's traceback and 'Application startup failed': exit 1)"""
+    path = tmp_path / "no" / "such" / "dir.db"
+    assert main(["gateway", "--database", f"sqlite:///{path}", "--port", "8311",
+                 "--backend", "m=http://127.0.0.1:8312"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (f"error: database {path}: cannot be reached (unable to open database "
+                                            "file); check --database or TREESERVE_GATEWAY_DATABASE")
+
+
+@pytest.mark.parametrize("url, shown", [
+    ("postgresql+psycopg://alice:s3cret@127.0.0.1:8313/gw", "postgresql+psycopg://alice:***@127.0.0.1:8313/gw"),
+    ("postgresql://127.0.0.1:8313/gw?user=alice&password=s3cret",
+     "postgresql://127.0.0.1:8313/gw?password=***&user=alice"),
+])
+def test_an_unreachable_databases_url_is_named_without_its_password(url, shown, capsys):
     assert main(["gateway", "keys", "list", "--database", url]) == 2
-    assert capsys.readouterr().err.strip() == ("error: database: cannot be reached (unable to open database file); "
-                                                "check --database or TREESERVE_GATEWAY_DATABASE")
+    err = capsys.readouterr().err
+    assert "s3cret" not in err
+    assert err.startswith(f"error: database {shown}: cannot be reached (connection failed: ")
+
+
+def test_the_serving_gateway_reads_the_database_the_key_commands_read(tmp_path, monkeypatch, capsys):
+    """TREESERVE_GATEWAY_DATABASE (the database of `treeserve gateway keys create` without --database) is the
+    serving gateway's too: it served ./treeserve-gateway.db, where none of those keys were."""
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "no" / "such" / "env.db"
+    monkeypatch.setenv("TREESERVE_GATEWAY_DATABASE", f"sqlite:///{path}")
+    assert main(["gateway", "--port", "8314", "--backend", "m=http://127.0.0.1:8315"]) == 2
+    assert f"error: database {path}: cannot be reached" in capsys.readouterr().err
+    assert not (tmp_path / "treeserve-gateway.db").exists()

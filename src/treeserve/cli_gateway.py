@@ -127,10 +127,12 @@ def _store(args):
 
 
 def _unmigrated_store(args):
-    from treeserve.gateway.database import default_url
+    from treeserve.gateway.database import configured_url
     from treeserve.gateway.store import Store
 
-    return Store(args.database or os.environ.get("TREESERVE_GATEWAY_DATABASE") or default_url())
+    store = Store(configured_url(args.database))
+    store.db.reach()
+    return store
 
 
 def _models(text: str | None) -> list[str] | None:
@@ -165,6 +167,7 @@ def _gateway_on(sockets: list, config, args) -> int:
         print(f"model {model.name}: {', '.join(b.name for b in model.backends)}", file=sys.stderr)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = build_app(config)
+    app.state.store.db.reach()  # (in the app's startup, uvicorn printed the error's traceback)
     freeze_startup_heap()  # ~155k objects: a full collection of them was a ~95 ms pause of every relayed stream
     return run_gateway(app, args.host, args.port, sockets=sockets)
 
@@ -248,7 +251,7 @@ def cmd_db_downgrade(args) -> int:
 
 def main(argv: list[str]) -> int:
     """`treeserve gateway ...` and `treeserve chat` without the engine's imports (see treeserve.cli.main)."""
-    from treeserve.gateway.database import DATABASE_ERRORS, database_down
+    from treeserve.gateway.database import DatabaseUnreachable
     from treeserve.gateway.errors import GatewayError
     from treeserve.wire.errors import APIError
 
@@ -272,10 +275,6 @@ def main(argv: list[str]) -> int:
     except (APIError, GatewayError) as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
-    except DATABASE_ERRORS as exc:
-        if not (getattr(args, "gateway_command", None) and database_down(exc)):
-            raise
-        reason = str(exc.orig or exc).strip().splitlines()[0]
-        print(f"error: database: cannot be reached ({reason}); check --database or TREESERVE_GATEWAY_DATABASE",
-              file=sys.stderr)
+    except DatabaseUnreachable as exc:
+        print(f"error: {exc}; check --database or TREESERVE_GATEWAY_DATABASE", file=sys.stderr)
         return 2

@@ -22,7 +22,7 @@ from treeserve.gateway.batch_runner import BatchRunner
 from treeserve.gateway.chat.routes import ChatApp
 from treeserve.gateway.chat.store import ChatStore
 from treeserve.gateway.config import GatewayConfig
-from treeserve.gateway.database import default_url
+from treeserve.gateway.database import configured_url
 from treeserve.gateway.files import MAX_FILE_BYTES
 from treeserve.gateway.health import health_loop
 from treeserve.gateway.http_errors import install_domain_error_handlers
@@ -51,7 +51,7 @@ UPLOAD_FRAMING_BYTES = 1 << 20  # an upload's multipart boundaries, headers and 
 
 
 def build_app(config: GatewayConfig, store: Store | None = None) -> FastAPI:
-    store = store or Store(config.database or default_url())
+    store = store or Store(configured_url(config.database))
     metrics, router = GatewayMetrics(), Router(config)
     upstreams = Upstreams(router)
     drain = Drain(config.shutdown_timeout)

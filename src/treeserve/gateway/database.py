@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import sqlite3
 import threading
 import time
@@ -38,6 +39,14 @@ PG_DOWN_STATES = frozenset({"57P01", "57P02", "57P03", "53300"})
 # SQLite's messages of a file that cannot be used now (gone, unmounted, locked past the busy timeout)
 SQLITE_DOWN = ("unable to open database file", "database is locked", "disk i/o error")
 SUPPORTED_DRIVERS = ("sqlite", "sqlite+pysqlite", "postgresql+psycopg", "postgresql+psycopg2")
+
+
+class DatabaseUnreachable(Exception):
+    """A database that cannot be reached, named as an error may print it (no password)."""
+
+    def __init__(self, url: str, reason: str):
+        self.url, self.reason = url, reason.strip().splitlines()[0]
+        super().__init__(f"database {shown_url(url)}: cannot be reached ({self.reason})")
 
 
 def database_down(error: BaseException) -> bool:
@@ -71,6 +80,23 @@ def violates_unique(error: exc.IntegrityError, index: str, column: str) -> bool:
         return f"UNIQUE constraint failed: {column}" in str(orig)
     diag = getattr(orig, "diag", None)
     return sqlstate(orig) == "23505" and getattr(diag, "constraint_name", None) == index
+
+
+def shown_url(url: str) -> str:
+    """`url` as an error may print it: SQLite's file path; another database's URL with its password,
+    in the authority or the query string, as ***."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        return parsed.database or ":memory:"
+    if "password" in parsed.query:  # (a URL's query quotes its values: %2A for *)
+        parsed = parsed.update_query_dict({"password": "HIDDEN"})
+    return parsed.render_as_string(hide_password=True).replace("password=HIDDEN", "password=***")
+
+
+def configured_url(url: str | None) -> str:
+    """The gateway's database: `url` (--database, else the config's `database`), else the
+    TREESERVE_GATEWAY_DATABASE environment variable, else ./treeserve-gateway.db."""
+    return url or os.environ.get("TREESERVE_GATEWAY_DATABASE") or default_url()
 
 
 def default_url(directory: Path | None = None) -> str:
@@ -146,6 +172,16 @@ class Database:
         self.dialect = self.engine.dialect.name
         self._writer = self.engine.execution_options(writing=True)
         self._write_lock = threading.Lock() if self.dialect == "sqlite" else contextlib.nullcontext()
+
+    def reach(self) -> None:
+        """Opens a connection and closes it: DatabaseUnreachable where the database cannot be reached."""
+        try:
+            with self.engine.connect():
+                pass
+        except DATABASE_ERRORS as error:
+            if not database_down(error):
+                raise
+            raise DatabaseUnreachable(self.url, str(getattr(error, "orig", None) or error)) from error
 
     def session(self) -> Session:
         """For reads."""

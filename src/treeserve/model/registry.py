@@ -65,14 +65,18 @@ def builtin_names() -> list[str]:
     return sorted([*bundled, *BUILTIN_TINY_MODELS])
 
 
+def given_name(value: str) -> str | None:
+    """The NAME of `--model NAME=PATH` (None for a bare path, builtin:NAME included)."""
+    name, sep, _ = value.partition("=")
+    return None if not sep or name.startswith("builtin") else name
+
+
 def named_models(values: list[str] | None) -> dict[str, str]:
     """`--model gen=PATH --model prm=PATH` (a bare PATH is named `served_name(PATH)`; none: the
     default generator)."""
     models = {}
     for value in values or [DEFAULT_GENERATOR]:
-        name, sep, path = value.partition("=")
-        if not sep or name.startswith("builtin"):
-            name, path = served_name(value), value
+        name, path = (value.split("=", 1) if given_name(value) is not None else (served_name(value), value))
         name, path = name.strip(), path.strip()
         if not name or not path:
             missing = "a name before" if not name else "a path after"

@@ -12,7 +12,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from treeserve.config import EngineConfig
 from treeserve.lifecycle import freeze_startup_heap, start_cut_short_by_signals
-from treeserve.model.registry import DEFAULT_PAIR, named_models, served_name
+from treeserve.model.registry import DEFAULT_PAIR, given_name, named_models, served_name
 from treeserve.ports import ready_to_serve
 from treeserve.engine.async_engine import AsyncLLMEngine
 from treeserve.engine.engine_loop import EngineLoop
@@ -165,6 +165,11 @@ def served_target(args) -> str | dict[str, str]:
     if args.served_model_name and isinstance(target, dict) and len(target) > 1:
         raise ValueError(f"--served-model-name names one model, and {len(target)} are served "
                          f"({', '.join(target)}); name each with --model NAME=PATH")
+    if args.served_model_name and args.model and given_name(args.model[0]) is not None:
+        (name,) = target
+        if name != args.served_model_name:
+            raise ValueError(f"the model is named twice: {name!r} by --model {name}=PATH and "
+                             f"{args.served_model_name!r} by --served-model-name; give one name")
     return target
 
 
