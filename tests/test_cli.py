@@ -291,3 +291,50 @@ def test_n_is_spelt_both_ways_on_run_and_search():
     parse = build_parser().parse_args
     assert parse(["run", "--n", "2", "Hi"]).n == parse(["run", "-n", "2", "Hi"]).n == 2
     assert parse(["search", "-n", "8", "q"]).n == parse(["search", "--n", "8", "q"]).n == 8
+
+
+def test_eval_and_tasks_export_take_n_both_ways_too(tmp_path, monkeypatch, capsys):
+    """`treeserve eval -n 4` was "unrecognized arguments: -n 4 (did you mean --n?)" while `run` and `search`
+    take both spellings; `tasks export` took only --n as well: every --n of the command line is -n too."""
+    absent, dataset = ["--generator", "/nonexistent/generator"], tmp_path / "arith.jsonl"
+    dataset.write_text('{"problem": "What is 1 + 1?", "answer": "2"}\n')
+    configs = _configs_made(monkeypatch)
+    with pytest.raises(Loaded):
+        main(["eval", *absent, "--strategy", "best_of_n", "-n", "4,16", "--dataset", str(dataset),
+              "--out", str(tmp_path / "out")])
+    assert [c.n for c in configs] == [4, 16]
+    out = tmp_path / "problems.jsonl"
+    assert main(["tasks", "export", "-n", "3", "--out", str(out)]) == 0
+    assert len(out.read_text().splitlines()) == 3
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["run", "--model", "", "Hi"], "--model"), (["run", "--model", " ", "Hi"], "--model"),
+    (["serve", "--model", ""], "--model"), (["serve", "--model", "gen=builtin:arith-gen", "--model", " "], "--model"),
+    (["serve", ""], "model_path"), (["serve", " "], "model_path"), (["worker", "--broker", "amqp://x/", ""], "model_path"),
+    (["memory", "--model", ""], "--model"),
+    (["search", "--generator", "", "q"], "--generator"), (["search", "--verifier", " ", "q"], "--verifier"),
+])
+def test_an_empty_model_argument_is_an_error_naming_its_flag(argv, flag, monkeypatch, capsys):
+    """`run --model ""` loaded the current folder (an empty path is '.') and failed naming '.'; `serve ""`
+    served the bundled pair as if no model were given, and `--model " "` was "' ' is not a local directory"
+    (serve: "NAME=PATH needs a name before '='", with no '=' given): each is argparse's error naming the flag."""
+    import treeserve.server.launch as launch
+
+    def loaded(args):
+        raise Loaded
+    monkeypatch.setattr(launch, "serve", loaded)
+    monkeypatch.setattr(launch, "worker", loaded)
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"argument {flag}: is empty" in last and "builtin:NAME" in last, last
+
+
+def test_an_empty_model_path_is_an_error_not_the_current_folder(tmp_path, monkeypatch):
+    """(LLM('') loaded the current folder: Path('') is '.')"""
+    monkeypatch.chdir(tmp_path)
+    for empty in ("", "  "):
+        with pytest.raises(ValueError, match=r"^model: is empty"):
+            resolve_model_path(empty)

@@ -193,9 +193,29 @@ def test_a_body_without_model_scores_with_the_served_reward_model(bundled_pair_s
 
 @pytest.mark.parametrize("path, body", UNNAMED)
 def test_a_body_without_model_on_a_server_of_no_reward_model_is_a_400_naming_it(server, path, body):
-    """Where no reward model (or several) is served, `model` cannot be guessed: a 400 naming it."""
-    response = httpx.post(server.url + path, json=body, headers={"Authorization": f"Bearer {server.key}"}, timeout=30)
+    """Where no reward model is served, `model` cannot be guessed: a 400 naming it, with the code naming the
+    served model gets (`model_not_a_verifier`), as a chat's without model on a server of reward models only
+    (test_reward_heads.py); it was `missing_required_parameter`, "this field is required", as if a reward
+    model were there to name."""
+    headers = {"Authorization": f"Bearer {server.key}"}
+    response = httpx.post(server.url + path, json=body, headers=headers, timeout=30)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
-    assert error["param"] == "model" and "none is served" in error["message"], error
-    assert error["code"] == "missing_required_parameter", error  # (as a chat's without model, and the gateway's)
+    assert error["param"] == "model" and "no reward model is served ('tiny'" in error["message"], error
+    assert error["code"] == "model_not_a_verifier", error
+    named = httpx.post(server.url + path, json=body | {"model": "tiny"}, headers=headers, timeout=30)
+    assert named.status_code == 400 and named.json()["error"]["code"] == error["code"], named.text
+
+
+@pytest.mark.parametrize("strategy", ["beam", "best_of_n", "greedy"])
+def test_a_search_verifier_that_is_no_reward_model_is_named_where_none_is_served(server, strategy):
+    """A served model that is no reward model as a search's `verifier`, on a server of none, was "verifier:
+    this field is required" (the field was given): it is the 400 `model_not_a_verifier` naming it and the
+    reward models served (none), as on a server that has some."""
+    body = {"model": "tiny", "verifier": "tiny", "question": QUESTION, "strategy": strategy, "n": 4}
+    response = httpx.post(server.url + "/v1/search", json=body, headers={"Authorization": f"Bearer {server.key}"},
+                          timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "verifier" and error["code"] == "model_not_a_verifier", error
+    assert "'tiny' is not served as a verifier (served verifiers: none)" in error["message"], error

@@ -127,3 +127,26 @@ def test_the_reference_mode_refuses_a_reward_head(reward_model):
     recipe = declared_recipe(path)
     with pytest.raises(ParamError, match="reward head"):
         HFStepScorer(str(path), AutoTokenizer.from_pretrained(path), recipe)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 2}),
+    ("/v1/responses", {"input": "Hi", "max_output_tokens": 2}),
+    ("/v1/search", {"question": QUESTION, "strategy": "greedy"}),
+])
+def test_a_request_without_model_on_a_server_of_a_reward_model_only_says_none_generates(reward_model, path, body):
+    """Left out, `model` was a 400 `missing_required_parameter` ("this field is required ... none is served")
+    though naming the one served model was `model_not_a_generator`: both are the latter, naming the reward
+    model (vLLM answers a pooling model's chat the same, named or not)."""
+    architecture, model_path = reward_model
+    app = build_app(str(model_path), served_model_name="rm", **OPTIONS)
+    with running_server(app) as url:
+        unnamed = httpx.post(url + path, json=body, timeout=60)
+        named = httpx.post(url + path, json=body | {"model": "rm"}, timeout=60)
+    for response in (unnamed, named):
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "model" and error["code"] == "model_not_a_generator", error
+        assert f"'rm' is a process reward model ({architecture})" in error["message"], error
+    assert unnamed.json()["error"]["message"].startswith("model: no generator is served: 'rm' is a process")

@@ -206,6 +206,18 @@ def test_direct_scoring_names_a_question_or_steps_of_the_wrong_type(pair):
         rt.score_many("prm", [(QUESTION, ["seven", None])])
     assert len(rt.score_steps("prm", QUESTION, ("seven", "eight"))) == 2
 
+
+def test_direct_scoring_names_an_item_that_is_not_a_pair(pair):
+    """An item of score_many that is no (question, steps) pair raised Python's unpacking error ("not enough
+    values to unpack", "cannot unpack non-iterable NoneType object"), naming no item: a ValueError naming it."""
+    rt = _runtime(pair)
+    for item, got in [(QUESTION, "str"), (None, "NoneType"), ((QUESTION,), "a tuple of 1"),
+                      ([QUESTION, ["seven"], "extra"], "a list of 3"), ({"q": 1, "s": 2}, "dict")]:
+        with pytest.raises(ValueError, match=rf"^items\[1\]: must be a \(question, steps\) pair, got {got}$"):
+            rt.score_many("prm", [(QUESTION, ["seven"]), item])
+    assert len(rt.score_many("prm", [[QUESTION, ["seven"]]])[0]) == 1
+
+
 def test_memory_command(pair, capsys):
     from treeserve.cli import main
 

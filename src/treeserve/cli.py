@@ -6,7 +6,7 @@ import sys
 
 from treeserve.cli_gateway import add_gateway_parsers
 from treeserve.cli_gateway import main as gateway_main
-from treeserve.cli_args import at_least_one, json_list, json_object, port
+from treeserve.cli_args import at_least_one, json_list, json_object, model_arg, port
 from treeserve.lifecycle import exit_now, exit_on_signals, follow_parent, heap_frozen_while_it_runs
 
 
@@ -15,11 +15,11 @@ def _add_engine_args(parser: argparse.ArgumentParser, several_models: bool = Fal
     from treeserve.model.registry import DEFAULT_GENERATOR
 
     if several_models:
-        parser.add_argument("--model", action="append",
+        parser.add_argument("--model", action="append", type=model_arg,
                             help="NAME=PATH, repeatable: several models on one device (routed by 'model'); a "
                             "bare builtin:NAME is named NAME")
     else:
-        parser.add_argument("--model", default=DEFAULT_GENERATOR, help="local HF directory or builtin:NAME")
+        parser.add_argument("--model", default=DEFAULT_GENERATOR, type=model_arg, help="local HF directory or builtin:NAME")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--max-model-len", type=int)
@@ -111,7 +111,7 @@ def _add_serving_args(parser: argparse.ArgumentParser, http: bool) -> None:
     _add_engine_args(parser, several_models=True)
     parser.add_argument("--kv-mode", choices=["shared", "static"], default="shared",
                         help="with several models: one shared KV arena, or an equal static split")
-    parser.add_argument("model_path", nargs="?", help="model directory or builtin:NAME (served as NAME; default: "
+    parser.add_argument("model_path", nargs="?", type=model_arg, help="model directory or builtin:NAME (served as NAME; default: "
                         "the bundled arith-gen generator and arith-prm verifier, served under those names)")
     if http:
         _add_http_args(parser)
@@ -204,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--prefetch", type=int, default=64, help="requests this worker holds at once")
     worker.set_defaults(func=cmd_worker)
     memory = sub.add_parser("memory", help="print the memory breakdown per model (weights, activations, KV)")
-    memory.add_argument("--model", action="append", help="NAME=PATH (repeatable) or a single PATH")
+    memory.add_argument("--model", action="append", type=model_arg, help="NAME=PATH (repeatable) or a single PATH")
     memory.add_argument("--kv-mode", choices=["shared", "static"], default="shared")
     memory.add_argument("--kv-fraction", action="append", help="NAME=FRACTION for --kv-mode static")
     memory.add_argument("--kv-cache-memory-bytes", type=int, help="KV budget for all models together")

@@ -49,3 +49,11 @@ def port(text: str) -> int:
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be a port number, 0-65535, got {value}")
     return value
+
+
+def model_arg(text: str) -> str:
+    """argparse's type for a model argument: an empty or blank one is an error naming the flag (an empty
+    path is the current folder, which was then loaded as a model)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"is empty ({text!r}): give a local model directory or builtin:NAME")
+    return text

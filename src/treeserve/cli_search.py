@@ -6,7 +6,7 @@ import contextlib
 import sys
 from pathlib import Path
 
-from treeserve.cli_args import at_least_one, json_object
+from treeserve.cli_args import at_least_one, json_object, model_arg
 from treeserve.errors import ParamError
 from treeserve.lifecycle import heap_frozen_while_it_runs
 from treeserve.model.registry import DEFAULT_GENERATOR, DEFAULT_VERIFIER
@@ -24,7 +24,7 @@ def add_search_parsers(sub) -> None:
     evaluate = sub.add_parser("eval", help="accuracy of search strategies on a MATH-format dataset")
     _add_search_args(evaluate)
     evaluate.add_argument("--dataset", required=True, help="JSONL with problem and answer fields (e.g. MATH-500)")
-    evaluate.add_argument("--n", default=[4], type=_sizes,
+    evaluate.add_argument("--n", "-n", default=[4], type=_sizes,
                           help="comma-separated N values, e.g. 4,16,64 (default: 4)")
     evaluate.add_argument("--limit", type=at_least_one, help="only the first LIMIT problems")
     evaluate.add_argument("--out", type=Path, required=True)
@@ -50,8 +50,8 @@ def _sizes(text: str) -> list[int]:
 
 
 def _add_search_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--generator", default=DEFAULT_GENERATOR, help="generator model directory or builtin:NAME")
-    parser.add_argument("--verifier", default=DEFAULT_VERIFIER, help="process reward model directory or builtin:NAME")
+    parser.add_argument("--generator", default=DEFAULT_GENERATOR, type=model_arg, help="generator model directory or builtin:NAME")
+    parser.add_argument("--verifier", default=DEFAULT_VERIFIER, type=model_arg, help="process reward model directory or builtin:NAME")
     parser.add_argument("--recipe", help="how the verifier reads steps: rlhflow, math-shepherd, chat-steps, "
                         "lm-likelihood (a plain LM scoring by its own likelihood, as the bundled arith-prm), "
                         "qwen-prm or value-head (default: the one the verifier's config.json names, else its "

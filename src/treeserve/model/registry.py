@@ -33,6 +33,8 @@ def cache_dir() -> Path:
 
 def resolve_model_path(model: str | Path) -> Path:
     name = str(model)
+    if not name.strip():  # (Path('') is the current folder)
+        raise ParamError("model", f"is empty ({name!r}): give a local model directory or builtin:NAME")
     if name.startswith(BUILTIN_PREFIX):
         return _builtin(name[len(BUILTIN_PREFIX):])
     path = Path(name).expanduser()

@@ -53,3 +53,16 @@ def not_a_verifier(name: str, verifiers: list[str], how: str = SERVED_AS_VERIFIE
 def not_a_generator(name: str, architecture: str) -> str:
     return (f"'{name}' is a process reward model ({architecture}): it scores steps (/v1/rewards, a search's "
             "verifier) and generates nothing")
+
+
+def no_generator_served(architectures: dict[str, str]) -> str:
+    """Why a request that names no model has no generator to go to: each served model (name ->
+    architecture) is a reward model (the same sentence as for one named)."""
+    return "no generator is served: " + "; ".join(not_a_generator(name, arch) for name, arch in architectures.items())
+
+
+def no_verifier_served(names: list[str]) -> str:
+    """Why a scoring request that names no model has no reward model to go to."""
+    served = ", ".join(f"'{name}'" for name in names)
+    return (f"no reward model is served ({served}: no reward head, and no {CONFIG_KEY} in its config.json); a process "
+            f"reward model whose config.json names no recipe (RLHFlow's) {SERVED_AS_VERIFIER}")

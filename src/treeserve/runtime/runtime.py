@@ -33,7 +33,7 @@ from treeserve.outputs import RequestOutput
 from treeserve.runtime.memory import (MemoryBreakdown, measure_activation_bytes, non_torch_bytes,
                                       weights_bytes)
 from treeserve.runtime.roles import not_a_verifier, verifier_recipe
-from treeserve.runtime.scorer import StepScorer, given_question, given_steps
+from treeserve.runtime.scorer import StepScorer, given_item, given_question, given_steps
 from treeserve.runtime.telemetry import TelemetryTrace
 
 logger = logging.getLogger(__name__)
@@ -170,8 +170,7 @@ class Runtime:
         empty question or step (naming `items[i]`, as the server's scoring routes answer 400). Steps are
         stripped as the server's scoring routes strip them (`given_steps`): the same scores."""
         scorer = self.scorer(name)
-        return self._scored(scorer, [(given_question(question, f"items[{i}].question"),
-                                      given_steps(steps, f"items[{i}].steps")) for i, (question, steps) in enumerate(items)])
+        return self._scored(scorer, [given_item(item, f"items[{i}]") for i, item in enumerate(items)])
 
     @staticmethod
     def _scored(scorer: StepScorer, items: list[tuple[str, list[str]]]) -> list[list[float]]:

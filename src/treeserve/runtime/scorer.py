@@ -353,6 +353,16 @@ def given_steps(steps: list[str], where: str = "steps") -> list[str]:
     return stripped
 
 
+def given_item(item, where: str) -> tuple[str, list[str]]:
+    """One (question, steps) pair of direct scoring, each checked as above; anything else is a ParamError
+    naming `where` (it was Python's own unpacking error, naming no item)."""
+    if isinstance(item, str) or not isinstance(item, (list, tuple)) or len(item) != 2:
+        got = f"a {type(item).__name__} of {len(item)}" if isinstance(item, (list, tuple)) else type(item).__name__
+        raise ParamError(where, f"must be a (question, steps) pair, got {got}")
+    question, steps = item
+    return given_question(question, f"{where}.question"), given_steps(steps, f"{where}.steps")
+
+
 def _require_steps(steps: list[str]) -> None:
     if not steps:
         raise ParamError("steps", "must contain at least one step")

@@ -15,7 +15,8 @@ from pydantic import BaseModel
 from treeserve import __version__
 from treeserve.engine.async_engine import AsyncLLMEngine
 from treeserve.wire.disconnect import unless_client_leaves
-from treeserve.runtime.roles import is_generator, not_a_generator
+from treeserve.runtime.roles import (is_generator, no_generator_served, no_verifier_served, not_a_generator,
+                                     not_a_verifier)
 from treeserve.server.metrics import ServerMetrics
 from treeserve.server.serving import OpenAIServing, unknown_model
 from treeserve.server.serving_rewards import RewardServing
@@ -76,10 +77,13 @@ class ServedModels:
         generators = [name for name, serving in self.servings.items() if is_generator(serving.llm.model_config)]
         verifiers = set(self.scoring.scorers) if self.scoring is not None else set()
         names = [name for name in generators if name not in verifiers] or generators
+        if not names:  # (the answer naming one of them gets: vLLM's is the same, named or not)
+            architectures = {name: s.llm.model_config.architecture for name, s in self.servings.items()}
+            raise APIError(400, f"model: {no_generator_served(architectures)}", param="model",
+                           code="model_not_a_generator")
         if len(names) != 1:
-            served = f"{len(names)} generators are served ({', '.join(names)})" if names else "none is served"
-            raise APIError(400, f"model: this field is required: it names the generator, and {served}",
-                           param="model", code="missing_required_parameter")
+            raise APIError(400, f"model: this field is required: it names the generator, and {len(names)} generators "
+                           f"are served ({', '.join(names)})", param="model", code="missing_required_parameter")
         return names[0]
 
     def meant_generator(self, model: str | None) -> OpenAIServing:
@@ -103,13 +107,26 @@ class ServedModels:
             raise APIError(400, "search: this server was started without search serving", code="unsupported")
         return self.searches[model] if model is not None else next(iter(self.searches.values()))
 
+    def verifiers(self) -> list[str]:
+        """The models served as reward models."""
+        return list(self.scoring.scorers) if self.scoring is not None else []
+
+    def verifier(self, model: str, param: str) -> None:
+        """`model` is served (else a 404) as a reward model (else a 400 saying so, naming those that are)."""
+        self.serving(model)
+        if model not in self.verifiers():
+            raise APIError(400, f"{param}: {not_a_verifier(model, self.verifiers())}", param=param,
+                           code="model_not_a_verifier")
+
     def only_verifier(self) -> str:
         """The served reward model, where there is one: the model of a request that names none."""
-        names = list(self.scoring.scorers) if self.scoring is not None else []
+        names = self.verifiers()
+        if not names:  # (the answer naming one of them gets)
+            raise APIError(400, f"model: {no_verifier_served(list(self.servings))}", param="model",
+                           code="model_not_a_verifier")
         if len(names) != 1:
-            served = f"{len(names)} reward models are served ({', '.join(names)})" if names else "none is served"
-            raise APIError(400, f"model: this field is required: it names the reward model, and {served}",
-                           param="model", code="missing_required_parameter")
+            raise APIError(400, f"model: this field is required: it names the reward model, and {len(names)} reward "
+                           f"models are served ({', '.join(names)})", param="model", code="missing_required_parameter")
         return names[0]
 
     def with_verifier(self, body: BodyT) -> BodyT:
@@ -220,9 +237,7 @@ def openai_routes(served: ServedModels, max_body_bytes: int) -> APIRouter:
         body = await parse(request, SearchRequest, max_body_bytes)
         serving = served.meant_generator(body.model)
         if body.verifier is not None:
-            served.serving(body.verifier)  # (an unknown model: 404)
-            if served.scoring is not None:
-                served.scoring.scorer(body.verifier, "verifier")  # (one served, but not as a verifier: 400)
+            served.verifier(body.verifier, "verifier")
         return await served.search(serving.model_name).search(body, request)
 
     @router.post("/tokenize")
