@@ -220,7 +220,7 @@ def test_the_gateway_holds_its_port_while_its_app_is_built(monkeypatch, tmp_path
 
     port, taken_while_building, served_on = free_port(), [], []
 
-    def build(config):
+    def build(config, store=None):
         taken_while_building.append(_try_to_take(port))
         return "app"
 
@@ -235,7 +235,7 @@ def test_the_gateway_holds_its_port_while_its_app_is_built(monkeypatch, tmp_path
 def test_the_gateway_refuses_a_taken_port_before_building_its_app(other_server, monkeypatch, capsys, tmp_path):
     from treeserve.cli import main
 
-    monkeypatch.setattr("treeserve.gateway.app.build_app", lambda config: pytest.fail("built on a taken port"))
+    monkeypatch.setattr("treeserve.gateway.app.build_app", lambda config, store=None: pytest.fail("built on a taken port"))
     assert main(["gateway", "--backend", "m=http://127.0.0.1:1", "--port", str(other_server),
                  "--database", f"sqlite:///{tmp_path / 'g.db'}"]) == 2
     err = capsys.readouterr().err

@@ -158,7 +158,9 @@ def cmd_gateway(args) -> int:
 def _gateway_on(sockets: list, config, args) -> int:
     """The gateway built from its config and served on `sockets`, bound before it was built."""
     from treeserve.gateway.app import build_app
+    from treeserve.gateway.database import configured_url
     from treeserve.gateway.launch import run_gateway
+    from treeserve.gateway.store import Store
 
     if not config.master_key:
         print("warning: no --master-key: the admin API (/key/generate, ...) is off; keys can still be made "
@@ -166,8 +168,9 @@ def _gateway_on(sockets: list, config, args) -> int:
     for model in config.models.values():
         print(f"model {model.name}: {', '.join(b.name for b in model.backends)}", file=sys.stderr)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = build_app(config)
-    app.state.store.db.reach()  # (in the app's startup, uvicorn printed the error's traceback)
+    store = Store(configured_url(config.database))
+    store.db.reach()  # (before serving: in the app's startup, uvicorn printed the error's traceback)
+    app = build_app(config, store)
     freeze_startup_heap()  # ~155k objects: a full collection of them was a ~95 ms pause of every relayed stream
     return run_gateway(app, args.host, args.port, sockets=sockets)
 
