@@ -52,6 +52,27 @@ def _isolated_cache(tmp_path_factory):
     os.environ["TREESERVE_CACHE"] = str(tmp_path_factory.mktemp("treeserve-cache"))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _apps_let_go():
+    """After each module, the apps it built are let go of. FastAPI keeps every route's endpoint in
+    module-level LRU caches of 4,096 entries (`fastapi.dependencies.models`, which classify callables):
+    an app's endpoints close over its engines, so a module's app and its KV arena (1 GiB at the CPU
+    default) stayed alive for dozens of modules after it; a worker of the suite then counted them as
+    its own memory, and a later default KV budget found none left ("no memory is left for KV
+    blocks", 62 errors in one CI run). A process that builds one app, as `treeserve serve` does,
+    holds nothing extra."""
+    yield
+    import gc
+
+    from fastapi.dependencies import models
+
+    for name in ("_is_gen_callable_cached", "_is_async_gen_callable_cached", "_is_coroutine_callable_cached"):
+        cached = getattr(models, name, None)
+        if cached is not None and hasattr(cached, "cache_clear"):
+            cached.cache_clear()
+    gc.collect()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny-models")

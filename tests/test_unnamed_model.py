@@ -86,7 +86,8 @@ def verifier_listed_first():
     """The bundled pair served with the verifier named first ({prm, gen}): (base URL, app)."""
     from treeserve.server.launch import build_app
 
-    app = build_app({"prm": "builtin:arith-prm", "gen": "builtin:arith-gen"}, dtype="float32", device="cpu")
+    app = build_app({"prm": "builtin:arith-prm", "gen": "builtin:arith-gen"}, dtype="float32", device="cpu",
+                    kv_cache_memory_bytes=64 << 20)
     with running_server(app) as url:
         yield url, app
     app.state.runtime.close()
