@@ -58,10 +58,15 @@ def two_generators(llama_dir):
 
 @pytest.mark.parametrize("path, body", [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION),
                                         ("/v1/responses", {"input": "Hello"}),
-                                        ("/v1/responses/input_tokens", {"input": "Hello"})])
+                                        ("/v1/responses/input_tokens", {"input": "Hello"}),
+                                        ("/v1/search", {"question": "2 + 2?", "system_prompt": "Be brief.",
+                                                        "strategy": "majority", "n": 1, "max_tokens": 4}),
+                                        ("/tokenize", {"messages": [{"role": "user", "content": "Hello"}]})])
 def test_where_several_generate_a_body_without_model_is_a_400_listing_them(two_generators, path, body):
     """Which one is meant cannot be told: a 400 naming `model` and the served generators (before: chat
-    and completions a bare "Field required", a response the first served model's, unasked)."""
+    and completions a bare "Field required"; a response, a search and /tokenize the first served
+    model's, unasked: a search by it, and its tokenizer's and chat template's count, the chat then
+    sent to another)."""
     url, app = two_generators
     refused = _post(url, path, body)
     assert refused.status_code == 400, refused.text
@@ -102,23 +107,6 @@ def test_a_search_without_model_is_the_generators_whatever_the_order_served(veri
     searched = _post(url, "/v1/search", body)
     assert searched.status_code == 200 and searched.json()["model"] == "gen", searched.text
     assert _post(url, "/v1/chat/completions", CHAT).json()["model"] == "gen"
-    wait_all_idle(app)
-
-
-@pytest.mark.parametrize("path, body", [("/v1/search", {"question": "2 + 2?", "system_prompt": "Be brief.",
-                                                          "strategy": "majority", "n": 1, "max_tokens": 4}),
-                                        ("/tokenize", {"messages": [{"role": "user", "content": "Hello"}]})])
-def test_where_several_generate_a_search_or_a_token_count_without_model_is_a_400_listing_them(two_generators,
-                                                                                             path, body):
-    """Which generator is meant cannot be told, as for a chat (before: the first served, unasked: a search
-    by it, and its tokenizer's and chat template's count, the chat then sent to another)."""
-    url, app = two_generators
-    refused = _post(url, path, body)
-    assert refused.status_code == 400, refused.text
-    error = refused.json()["error"]
-    assert error["param"] == "model" and error["code"] == "missing_required_parameter", error
-    assert "2 generators are served (a, b)" in error["message"], error
-    assert _post(url, path, body | {"model": "b"}).status_code == 200
     wait_all_idle(app)
 
 

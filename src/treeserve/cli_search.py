@@ -16,7 +16,7 @@ from treeserve.runtime.scorer import given_question
 def add_search_parsers(sub) -> None:
     search = sub.add_parser("search", help="solve one question with a generator and a verifier")
     _add_search_args(search)
-    search.add_argument("--n", "-n", type=int, default=16,
+    search.add_argument("-n", "--n", type=int, default=16,
                         help="candidates per problem: best-of-N's samples, the candidates scored at each step of "
                         "beam and dvts")
     search.add_argument("question", type=_question)
@@ -24,7 +24,7 @@ def add_search_parsers(sub) -> None:
     evaluate = sub.add_parser("eval", help="accuracy of search strategies on a MATH-format dataset")
     _add_search_args(evaluate)
     evaluate.add_argument("--dataset", required=True, help="JSONL with problem and answer fields (e.g. MATH-500)")
-    evaluate.add_argument("--n", "-n", default=[4], type=_sizes,
+    evaluate.add_argument("-n", "--n", default=[4], type=_sizes,
                           help="comma-separated N values, e.g. 4,16,64 (default: 4)")
     evaluate.add_argument("--limit", type=at_least_one, help="only the first LIMIT problems")
     evaluate.add_argument("--out", type=Path, required=True)

@@ -81,10 +81,7 @@ class ServedModels:
             architectures = {name: s.llm.model_config.architecture for name, s in self.servings.items()}
             raise APIError(400, f"model: {no_generator_served(architectures)}", param="model",
                            code="model_not_a_generator")
-        if len(names) != 1:
-            raise APIError(400, f"model: this field is required: it names the generator, and {len(names)} generators "
-                           f"are served ({', '.join(names)})", param="model", code="missing_required_parameter")
-        return names[0]
+        return _the_one(names, "generator", "generators")
 
     def meant_generator(self, model: str | None) -> OpenAIServing:
         """The serving of the generator `model` names, or that a body naming none means (`only_generator`)."""
@@ -124,10 +121,7 @@ class ServedModels:
         if not names:  # (the answer naming one of them gets)
             raise APIError(400, f"model: {no_verifier_served(list(self.servings))}", param="model",
                            code="model_not_a_verifier")
-        if len(names) != 1:
-            raise APIError(400, f"model: this field is required: it names the reward model, and {len(names)} reward "
-                           f"models are served ({', '.join(names)})", param="model", code="missing_required_parameter")
-        return names[0]
+        return _the_one(names, "reward model", "reward models")
 
     def with_verifier(self, body: BodyT) -> BodyT:
         """A scoring body naming its reward model: one that names none (vLLM's pooling and score bodies
@@ -149,6 +143,15 @@ class ServedModels:
                 "root": str(serving.llm.config.model), "parent": None, "max_model_len": serving.max_model_len,
                 "permission": [model_permission(self.created)]}
 
+
+
+def _the_one(names: list[str], kind: str, kinds: str) -> str:
+    """The model a body that names none means, where one of its kind is served (else a 400 naming
+    `model` and listing them)."""
+    if len(names) != 1:
+        raise APIError(400, f"model: this field is required: it names the {kind}, and {len(names)} {kinds} are "
+                       f"served ({', '.join(names)})", param="model", code="missing_required_parameter")
+    return names[0]
 
 def model_permission(created: int) -> dict:
     """vLLM's ModelPermission (OpenAI's former schema): sampling, logprobs and viewing allowed."""

@@ -13,7 +13,7 @@ def add_tasks_parsers(sub) -> None:
     actions = tasks.add_subparsers(dest="tasks_command", required=True, metavar="{export}")
     export = actions.add_parser("export", help="write problems of one split as JSONL (MATH-500's field names)")
     export.add_argument("--split", choices=list(SPLITS), default="test")
-    export.add_argument("--n", "-n", type=int, default=500, help="problems to write")
+    export.add_argument("-n", "--n", type=int, default=500, help="problems to write")
     export.add_argument("--seed", type=int, default=0)
     export.add_argument("--levels", default=",".join(map(str, LEVELS)), help="comma-separated levels, cycled")
     export.add_argument("--out", type=Path, required=True)
