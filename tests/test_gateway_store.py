@@ -339,7 +339,7 @@ def _owed(store: Store, user_id: str) -> tuple:
 
 
 def test_a_process_thought_dead_that_answers_after_the_sweep_gives_nothing_back_twice(store):
-    """A process whose heartbeats stopped (its writer thread, which beats, stuck on a slow commit) is
+    """A process whose heartbeats stopped (its event loop stuck a while, its beats failing) is
     swept while alive; its requests then answer and settle. Their release and settlement gave back
     again what the sweep had: the key's `reserved` and `in_flight` below 0, admitting past its budget
     and parallel limit. Now a holding gone means given back already: only the spend is written."""

@@ -25,6 +25,7 @@ from treeserve.gateway.config import GatewayConfig
 from treeserve.gateway.database import configured_url
 from treeserve.gateway.files import MAX_FILE_BYTES
 from treeserve.gateway.health import health_loop
+from treeserve.gateway.heartbeat import keep_ticking
 from treeserve.gateway.http_errors import install_domain_error_handlers
 from treeserve.gateway.key_cache import KeyCache
 from treeserve.gateway.metrics import GatewayMetrics
@@ -58,6 +59,7 @@ def build_app(config: GatewayConfig, store: Store | None = None) -> FastAPI:
     # (a request cancelled once the drain's time is up is the gateway's doing, not its client's)
     forwarder = Forwarder(router, upstreams, metrics, config.retries,
                           stopping=lambda: drain.cut_at is not None or drain.forced)
+    metrics.watch(store.heartbeat, store.ledger.writer_busy_for)
     accounting = Accounting(config.models, store.admission, store.ledger, metrics)
     service = GatewayService(config, router, metrics, store.admission, accounting, forwarder)
     keys = KeyCache(config.key_cache_ttl)
@@ -111,6 +113,7 @@ def _lifespan(config: GatewayConfig, store: Store, upstreams: Upstreams, router:
         if not config.priced:
             _warn_unpriced_budgets(*await run_in_threadpool(store.accounts.budgeted_accounts))
         store.start()  # heartbeats, and the sweep of dead processes' holdings, from now on
+        ticking = asyncio.create_task(keep_ticking(store.heartbeat))  # (no beats while this loop is stuck)
         try:
             await upstreams.open()
             health = asyncio.create_task(health_loop(router, upstreams.client, metrics, config.health_interval,
@@ -130,6 +133,8 @@ def _lifespan(config: GatewayConfig, store: Store, upstreams: Upstreams, router:
                 if chat is not None:
                     await chat.close()
             finally:
+                ticking.cancel()
+                store.heartbeat.unwatch()  # (store.close blocks this loop while it commits what is queued)
                 store.close()
     return lifespan
 

@@ -15,6 +15,7 @@ from treeserve.gateway.settlement import lock_keys, locked_in_order
 
 log = logging.getLogger("treeserve.gateway")
 INSTANCE_TIMEOUT = 60.0  # a process silent this long is dead: its holdings are given back
+BEAT_TIMEOUT = 15.0  # seconds a beat may wait on PostgreSQL before it fails (and is tried again, newer)
 SWEEP_LOCK = 0x73776570  # PostgreSQL advisory lock id ("swep"): one process sweeps at a time
 
 
@@ -24,9 +25,13 @@ class Instances:
         self.instance_id = uuid.uuid4().hex  # this process's
 
     def heartbeat(self) -> None:
-        """This process is alive (its holdings are its own to settle)."""
-        seen_at = utcnow()
+        """This process is alive (its holdings are its own to settle): its row alone is written, so a
+        beat waits on no lock but a sweep's deleting it (LOCK ORDER: nothing after it). On PostgreSQL
+        a beat waits BEAT_TIMEOUT at most: one that waits longer carries a stale `seen_at`."""
         with self.db.transaction() as conn:
+            if self.db.dialect == "postgresql":
+                conn.execute(text(f"SET LOCAL statement_timeout = {int(BEAT_TIMEOUT * 1000)}"))
+            seen_at = utcnow()
             insert = self.db.insert(Instance)
             conn.execute(insert.values(instance_id=self.instance_id, seen_at=seen_at).on_conflict_do_update(
                 index_elements=["instance_id"], set_={"seen_at": seen_at}))
@@ -62,7 +67,7 @@ class Instances:
 def _locked_holdings(conn, found: list) -> list[Holding]:
     """The holdings `found` (id, key_id) as they are now, read again once their keys' rows are held
     (settlement.locked_in_order's LOCK ORDER: keys by id, and each holding after its key). Their
-    owner, silent but not dead (a stalled writer thread stops its heartbeats), may release or settle
+    owner, silent but not dead (its event loop stuck a while, its beats failing), may release or settle
     them meanwhile: both write the key's row first. Given back as first read, a holding released (cut
     to its real cost, its slot freed) or settled (deleted) between that read and the sweep's writes
     was given back twice on PostgreSQL, its key's `reserved` and `in_flight` below 0."""

@@ -21,7 +21,7 @@ LOG_FIELDS = ["request_id", "started_at", "ended_at", "key_id", "api_key", "user
 
 class Ledger:
     def __init__(self, db: Database, chores: Sequence[Chore] = ()):
-        """`chores`: what the writer thread also runs, each on its own interval (heartbeats, sweeps)."""
+        """`chores`: what the writer thread also runs, each on its own interval (pruning, sweeps)."""
         self.db = db
         self._writer = SettlementWriter(db, chores)
 
@@ -48,6 +48,10 @@ class Ledger:
     def close(self) -> None:
         """Commits what is queued and stops the writer thread."""
         self._writer.close()
+
+    def writer_busy_for(self) -> float:
+        """Seconds the writer thread's database work in hand has taken so far (0 while it waits)."""
+        return self._writer.busy_for()
 
     # ---- reading -----------------------------------------------------------------------------
     def spend_logs(self, key: str | None = None, user_id: str | None = None, start: dt.datetime | None = None,

@@ -2,6 +2,8 @@
 is labelled by its alias or its display name (`sk-...abcd`), never by its secret."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 600.0)
@@ -53,6 +55,19 @@ class GatewayMetrics:
                                    registry=r)
         self.batches = Counter(f"{p}batches", "Batches ended by this process, by how (completed, cancelled, "
                                "expired)", ["status"], registry=r)
+
+        self.heartbeats = Counter(f"{p}heartbeats", "This process's heartbeats by outcome (ok, failed, withheld: "
+                                  "its event loop stuck)", ["outcome"], registry=r)
+        self.heartbeat_age = Gauge(f"{p}heartbeat_age_seconds", "Seconds since this process's last heartbeat was "
+                                   "committed (past 60, another process gives back what it holds)", registry=r)
+        self.writer_busy = Gauge(f"{p}settlement_writer_busy_seconds", "Seconds the settlement writer's database "
+                                 "work in hand has taken so far (0 while it waits for settlements)", registry=r)
+
+    def watch(self, heartbeat, writer_busy_for: Callable[[], float]) -> None:
+        """This process's heartbeat (gateway/heartbeat.py) and settlement writer, read at each scrape."""
+        heartbeat.observers.append(lambda outcome: self.heartbeats.labels(outcome).inc())
+        self.heartbeat_age.set_function(heartbeat.age)
+        self.writer_busy.set_function(writer_busy_for)
 
     def answered(self, model: str, backend: str, status: str, seconds: float) -> None:
         """One request answered: `requests_total` by status and its whole duration, whatever the

@@ -1,10 +1,12 @@
 """Settling requests: what a request cost becomes spend on its key, user and team, tokens in its
 minute, a `spend_logs` row and its day's `daily_spend` total. A writer thread commits whatever
 has queued up every SETTLEMENT_INTERVAL in one transaction, one statement per key, user, minute
-and day touched; the same thread runs the process's chores (its heartbeat, pruning old rate
-windows, sweeping what dead processes held), handed to it where it is built."""
+and day touched; the same thread runs the process's chores (pruning old rate windows, sweeping what
+dead processes held), handed to it where it is built. Not the heartbeat (gateway/heartbeat.py): a
+writer stalled on the database must not make its process look dead."""
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import logging
@@ -12,7 +14,7 @@ import queue
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from sqlalchemy import delete, insert, select, update
@@ -29,7 +31,7 @@ SETTLEMENT_BATCH = 256  # settlements committed in one transaction, at most
 # a writer thread that seldom competes with the event loop for the GIL.
 SETTLEMENT_INTERVAL = 0.05
 PRUNE_INTERVAL = 60.0  # seconds between deletions of past minutes' rate windows (and sweeps)
-HEARTBEAT_INTERVAL = 5.0  # seconds between a process's "still here" in gateway_instances
+CHORE_TICK = 5.0  # seconds an idle writer waits for a settlement before it looks for chores due
 MASTER_KEY_ID = 0  # the master key's rows in daily_spend (its spend logs have no key_id)
 Chore = tuple[str, float, Callable[[], object]]  # (name, seconds between runs, the job)
 
@@ -79,6 +81,12 @@ class SettlementWriter:
         self.thread: threading.Thread | None = None
         self.lock = threading.Lock()
         self.last_run: dict[str, float] = {}
+        self.busy_since: float | None = None  # (monotonic) when its database work in hand began
+
+    def busy_for(self) -> float:
+        """Seconds its database work in hand (a batch, a chore) has taken so far: 0 while it waits."""
+        since = self.busy_since
+        return 0.0 if since is None else time.monotonic() - since
 
     def put(self, item: Settlement) -> None:
         self.ensure_started()
@@ -106,7 +114,7 @@ class SettlementWriter:
         self._periodic(force=True)
         while True:
             try:
-                batch = [self.queue.get(timeout=HEARTBEAT_INTERVAL)]
+                batch = [self.queue.get(timeout=CHORE_TICK)]
             except queue.Empty:
                 self._periodic()
                 continue
@@ -133,20 +141,30 @@ class SettlementWriter:
             if force or now - self.last_run.get(name, 0.0) >= interval:
                 self.last_run[name] = now
                 try:
-                    job()
+                    with self._busy():
+                        job()
                 except Exception:
                     log.exception("the gateway's %s failed", name)
 
     def _commit(self, items: list[Settlement]) -> None:
+        with self._busy():
+            try:
+                commit_settlements(self.db, items)
+            except Exception:  # one bad row must not lose the batch: commit them one by one
+                log.exception("committing %d settlements together failed; retrying one by one", len(items))
+                for item in items:
+                    try:
+                        commit_settlements(self.db, [item])
+                    except Exception:
+                        log.exception("settlement of %s lost", item.request_id)
+
+    @contextlib.contextmanager
+    def _busy(self) -> Iterator[None]:
+        self.busy_since = time.monotonic()
         try:
-            commit_settlements(self.db, items)
-        except Exception:  # one bad row must not lose the batch: commit them one by one
-            log.exception("committing %d settlements together failed; retrying one by one", len(items))
-            for item in items:
-                try:
-                    commit_settlements(self.db, [item])
-                except Exception:
-                    log.exception("settlement of %s lost", item.request_id)
+            yield
+        finally:
+            self.busy_since = None
 
 
 def commit_settlements(db: Database, items: list[Settlement]) -> None:

@@ -6,6 +6,7 @@ command) opens. Callers use the services themselves:
 - `admission` (gateway/admission.py): parallel slots, per-minute counts, budget reservations;
 - `ledger` (gateway/ledger.py): settlements, spend logs, daily totals, exports;
 - `instances` (gateway/instances.py): this process's heartbeat, the sweep of dead processes' holdings;
+- `heartbeat` (gateway/heartbeat.py): the thread that beats, apart from the ledger's writer thread;
 - `files`, `batches` (gateway/files.py, gateway/batches.py): the Files and Batch APIs' rows.
 
 Each raises domain errors (gateway/errors.py), never HTTP ones; calls are blocking (the app runs
@@ -17,9 +18,10 @@ from treeserve.gateway.admission import Admission
 from treeserve.gateway.batches import Batches
 from treeserve.gateway.database import Database
 from treeserve.gateway.files import Files
+from treeserve.gateway.heartbeat import HEARTBEAT_INTERVAL, Heartbeat
 from treeserve.gateway.instances import Instances
 from treeserve.gateway.ledger import Ledger
-from treeserve.gateway.settlement import HEARTBEAT_INTERVAL, PRUNE_INTERVAL
+from treeserve.gateway.settlement import PRUNE_INTERVAL
 from treeserve.gateway.teams import Teams
 
 
@@ -32,17 +34,22 @@ class Store:
         self.admission = Admission(self.db, self.instances.instance_id)
         self.files = Files(self.db)
         self.batches = Batches(self.db, self.files)
-        self.ledger = Ledger(self.db, chores=[("heartbeat", HEARTBEAT_INTERVAL, self.instances.heartbeat),
-                                              ("prune", PRUNE_INTERVAL, self.admission.prune_rate_windows),
+        self.heartbeat = Heartbeat(self.instances.heartbeat, HEARTBEAT_INTERVAL)
+        self.ledger = Ledger(self.db, chores=[("prune", PRUNE_INTERVAL, self.admission.prune_rate_windows),
                                               ("sweep", PRUNE_INTERVAL, self.instances.sweep)])
 
     def migrate(self) -> None:
         self.db.migrate()
 
     def start(self) -> None:
-        """Heartbeats, sweeps and settlements from now on (the ledger's writer thread)."""
+        """Heartbeats (a thread of their own), sweeps and settlements (the ledger's writer thread) from now on."""
+        self.heartbeat.start()
         self.ledger.start()
 
     def close(self) -> None:
-        self.ledger.close()
-        self.db.close()
+        """Commits the settlements queued (still beating meanwhile), then stops beating."""
+        try:
+            self.ledger.close()
+        finally:
+            self.heartbeat.close()
+            self.db.close()
