@@ -118,7 +118,8 @@ def test_triton_backend_logits_are_the_same_with_the_fusion_on_and_off(tmp_path,
     def run():
         """Each prompt's logits (a prefill) and its greedy completion's logprobs (decode steps)."""
         ids = llm.get_tokenizer().encode(prompts[0])
-        engine.add_request(f"logits-{backend.fuses_rotary}", ids, SamplingParams(), logits_positions=list(range(len(ids))))
+        engine.add_request(f"logits-{backend.fuses_rotary}", ids, SamplingParams(),
+                           logits_positions=list(range(len(ids))))
         logits = None
         while engine.has_unfinished_requests():
             for out in engine.step():

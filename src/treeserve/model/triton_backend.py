@@ -4,8 +4,9 @@ One launch writes the step's keys and values by slot, one attends for the whole 
 (decode rows and prefill chunks alike). The backend rotates q and k itself (`fuses_rotary`): the
 layer hands it the rotary tables and positions unapplied, and one launch rotates q in place and
 writes the rotated keys and the values into the cache (`kernels/rotary_kv.py`; off with
-`TREESERVE_FUSED_ROTARY_KV=0`: the layer rotates, then the write). A decode-only step of few sequences, too few to fill the
-device with one program per (sequence, KV head), splits each sequence's keys instead.
+`TREESERVE_FUSED_ROTARY_KV=0`: the layer rotates, then the write). A decode-only step of few
+sequences, too few to fill the device with one program per (sequence, KV head), splits each
+sequence's keys instead.
 Every tensor of `TritonMetadata` has a fixed shape for a given batch size, so a CUDA graph can
 capture a decode step over static copies of them (`engine/cuda_graphs.py`).
 """
@@ -98,7 +99,8 @@ class TritonBackend:
 
     def __init__(self, config: ModelConfig, device: torch.device):
         from treeserve.model import kernels
-        from treeserve.model.kernels import kv_write, paged_attention, rotary_kv  # compiled (or interpreted) on first use
+        # compiled (or interpreted) on first use
+        from treeserve.model.kernels import kv_write, paged_attention, rotary_kv
 
         self._kernels, self._write, self._rotary_kv = paged_attention, kv_write, rotary_kv
         self.fuses_rotary = kernels.FUSED_OPS and kernels.FUSED_ROTARY_KV

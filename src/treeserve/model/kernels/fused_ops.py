@@ -66,7 +66,8 @@ def _rotate_heads(src_ptr, stride_src, dst_ptr, stride_dst, cos, sin, NUM_HEADS:
 
 
 @triton.jit
-def _angles(positions_ptr, token, cos_ptr, sin_ptr, stride_table, dtype: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr):
+def _angles(positions_ptr, token, cos_ptr, sin_ptr, stride_table, dtype: tl.constexpr, HALF: tl.constexpr,
+            HALF_P: tl.constexpr):
     """The token's cos and sin ([1, HALF_P] float32), rounded to the model's dtype first."""
     position = tl.load(positions_ptr + token).to(tl.int64)
     dims = tl.arange(0, HALF_P)[None, :]

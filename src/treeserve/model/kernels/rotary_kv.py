@@ -53,7 +53,8 @@ def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     _rotary_kv_kernel[(q.shape[0],)](
         q, k, v, k_cache, v_cache, slot_mapping, positions, cos, sin,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         cos.stride(0), NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=head_dim // 2,
         Q_HEADS_P=triton.next_power_of_2(num_heads), KV_HEADS_P=triton.next_power_of_2(num_kv_heads),
         HALF_P=triton.next_power_of_2(head_dim // 2), HEAD_DIM_P=triton.next_power_of_2(head_dim),
