@@ -24,7 +24,9 @@ Sections, each timed and reported even when another fails (the JSON is rewritten
    device seconds per model, the costliest kernels (benchmarks/gpu_founding_profile.py).
 Sections run on request only: `spec_search` (benchmarks/gpu_spec_search.py: the bundled beam
 search with and without sibling suffix speculation, issue #57's 1.4x, alternating), `decode_baseline` (the decode section with PyTorch's unfused
-per-layer ops, for an A/B in one run), `decode_sync` (the decode section without async scheduling:
+per-layer ops, for an A/B in one run), `decode_rotary_apart` (the decode section with the rotary and
+the K/V write as two launches a layer, `TREESERVE_FUSED_ROTARY_KV=0`'s path, for an A/B of their
+fusion in one run), `decode_sync` (the decode section without async scheduling:
 each step's tokens reach the host before the next step is scheduled) and `attention` (benchmarks/gpu_attention.py's sweep; its
 chosen split policy holds for the sections after it). `--no-peers` skips HF in `offline` (`--peers` picks);
 `--models DIR` puts the random models' folders outside OUT (OUT keeps only a few files).
@@ -55,7 +57,7 @@ from treeserve.search.config import SearchConfig  # noqa: E402
 from treeserve.search.runner import SearchRunner  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-CUDA_TESTS = ["tests/test_cuda.py", "tests/test_triton_kernels.py", "tests/test_fused_ops.py",
+CUDA_TESTS = ["tests/test_cuda.py", "tests/test_triton_kernels.py", "tests/test_fused_ops.py", "tests/test_rotary_kv.py",
               "tests/test_triton_parity.py", "tests/test_hf_parity.py", "tests/test_attention_backends.py",
               "tests/test_grouped_experts.py"]
 
@@ -139,7 +141,9 @@ def run_decode(args, generator_dir: Path, **options) -> dict:
     engine = llm.engine
     weight_bytes = resident_bytes(engine.model)
     context = 48 if args.smoke else 1000
-    rows = {"copy_bandwidth_bytes_s": bandwidth, "weight_bytes": weight_bytes, "batches": {}}
+    backend = engine.model.backend
+    rows = {"copy_bandwidth_bytes_s": bandwidth, "weight_bytes": weight_bytes, "backend": backend.name,
+            "fused_rotary_kv": backend.fuses_rotary, "batches": {}}
     for batch in args.decode_batches:
         step_s = _decode_step_seconds(llm, batch, context, args.decode_steps)
         kv_read = batch * (context + args.decode_steps // 2) * engine.kv_bytes_per_token()
@@ -153,12 +157,23 @@ def run_decode(args, generator_dir: Path, **options) -> dict:
 
 def run_decode_baseline(args, generator_dir: Path) -> dict:
     """The decode section with PyTorch's unfused per-layer operations, for an A/B in one run."""
+    return _decode_with_switch(args, generator_dir, "FUSED_OPS")
+
+
+def run_decode_rotary_apart(args, generator_dir: Path) -> dict:
+    """The decode section with the rotary and the K/V write as two launches a layer (the fused
+    per-layer ops otherwise on), for an A/B of their fusion in one run."""
+    return _decode_with_switch(args, generator_dir, "FUSED_ROTARY_KV")
+
+
+def _decode_with_switch(args, generator_dir: Path, switch: str) -> dict:
+    """`run_decode` with one of `treeserve.model.kernels`' switches off (read as the model is built)."""
     from treeserve.model import kernels
-    kernels.FUSED_OPS = False
+    setattr(kernels, switch, False)
     try:
         return run_decode(args, generator_dir)
     finally:
-        kernels.FUSED_OPS = True
+        setattr(kernels, switch, True)
 
 
 def run_attention_sweep(args) -> dict:
@@ -252,7 +267,7 @@ def table(results: dict) -> list[list[str]]:
         if ours and theirs:
             rows.append([f"offline tok/s vs {peer}", f"{ours:,.0f}", f"{theirs:,.0f}", f"{ours / theirs:.2f}x", target])
     for section, label in (("decode_baseline", "decode step (unfused ops)"), ("decode_sync", "decode step (sync scheduling)"),
-                           ("decode", "decode step")):
+                           ("decode_rotary_apart", "decode step (rotary, K/V write apart)"), ("decode", "decode step")):
         for batch, row in results.get(section, {}).get("batches", {}).items():
             target = "<= 1.5x (goal 1.3x)" if int(batch) == 1 else "<= 2x"
             rows.append([f"{label}, batch {batch}", f"{row['step_ms']:.3f} ms", f"{row['bound_ms']:.3f} ms",
@@ -363,6 +378,7 @@ def main(argv=None) -> int:
     sections = {"tests": lambda: run_tests(args), "offline": lambda: run_offline(args, generator_dir),
                 "decode": lambda: run_decode(args, generator_dir), "bundled_search": lambda: run_bundled_search(args),
                 "decode_baseline": lambda: run_decode_baseline(args, generator_dir),
+                "decode_rotary_apart": lambda: run_decode_rotary_apart(args, generator_dir),
                 "decode_sync": lambda: run_decode(args, generator_dir, async_scheduling=False),
                 "attention": lambda: run_attention_sweep(args),
                 "spec_search": lambda: gpu_spec_search.run(args, args.bundled_problems, args.spec_repeats),

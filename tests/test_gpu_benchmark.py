@@ -15,7 +15,7 @@ import gpu_founding  # noqa: E402
 import gpu_models as gm  # noqa: E402
 
 from treeserve.engine.kv_arena import fitted_page_bytes  # noqa: E402
-SECTIONS = "decode,decode_sync,offline,bundled_search,founding_search,spec_search"
+SECTIONS = "decode,decode_sync,decode_rotary_apart,offline,bundled_search,founding_search,spec_search"
 
 
 def test_gpu_benchmark_smoke_runs_every_section(tmp_path):

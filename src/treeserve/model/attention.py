@@ -229,6 +229,7 @@ class TorchSDPABackend:
     `decode_group_max_keys`: the cap on one gathered decode group's keys (None: no cap)."""
 
     name = "torch_sdpa"
+    fuses_rotary = False  # the layer rotates q and k before `forward` (the Triton backend can do it itself)
 
     def __init__(self, paged_prefill_max_context: int = 0, decode_group_max_keys: int | None = None):
         self.paged_prefill_max_context = paged_prefill_max_context

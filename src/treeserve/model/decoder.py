@@ -56,9 +56,14 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if not rotated:
+        if rotated:
+            out = backend.forward(layer_cache, q, k, v, meta, self.scale, self.window, self.softcap)
+        elif backend.fuses_rotary:  # rotated in the backend's K/V write (the Triton backend)
+            out = backend.forward(layer_cache, q, k, v, meta, self.scale, self.window, self.softcap,
+                                  rotary=rotary.inputs(positions))
+        else:
             q, k = rotary(positions, q, k)
-        out = backend.forward(layer_cache, q, k, v, meta, self.scale, self.window, self.softcap)
+            out = backend.forward(layer_cache, q, k, v, meta, self.scale, self.window, self.softcap)
         return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -111,6 +112,14 @@ def _llama3_scaled(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+class RotaryInputs(NamedTuple):
+    """A rotation not yet applied, for an attention backend that applies it itself
+    (`fuses_rotary`): each token's table row and the float32 tables."""
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
 class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin tables indexed by absolute position (rotate-half convention).
 
@@ -146,6 +155,9 @@ class RotaryEmbedding(nn.Module):
         if num_prompt_tokens > self.long_from:
             return positions + self.long_offset
         return positions + self.long_offset * (positions >= self.long_from)
+
+    def inputs(self, positions: torch.Tensor) -> RotaryInputs:
+        return RotaryInputs(positions, self.cos, self.sin)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, Hq, D], k: [T, Hkv, D]; returns both rotated (on CPU, in place where it can)."""

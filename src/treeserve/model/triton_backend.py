@@ -1,8 +1,12 @@
 """Attention through treeserve's Triton kernels (`model/kernels/`): the GPU path.
 
 One launch writes the step's keys and values by slot, one attends for the whole flat batch
-(decode rows and prefill chunks alike). A decode-only step of few sequences, too few to fill the
-device with one program per (sequence, KV head), splits each sequence's keys instead.
+(decode rows and prefill chunks alike). The backend rotates q and k itself (`fuses_rotary`): the
+layer hands it the rotary tables and positions unapplied, and one launch rotates q in place and
+writes the rotated keys and the values into the cache (`kernels/rotary_kv.py`; off with
+`TREESERVE_FUSED_ROTARY_KV=0`: the layer rotates, then the write). A decode-only step of few
+sequences, too few to fill the device with one program per (sequence, KV head), splits each
+sequence's keys instead.
 Every tensor of `TritonMetadata` has a fixed shape for a given batch size, so a CUDA graph can
 capture a decode step over static copies of them (`engine/cuda_graphs.py`).
 """
@@ -16,6 +20,7 @@ import numpy as np
 import torch
 
 from treeserve.model.hf_config import ModelConfig
+from treeserve.model.layers import RotaryInputs
 from treeserve.model.transfer import values_to_device
 
 MAX_SPLITS = 32
@@ -86,15 +91,19 @@ class TritonMetadataBuilder:
 class TritonBackend:
     """`split_kv_min_programs`: a decode-only step with fewer (sequence, KV head) programs than this
     splits keys, into enough ranges to reach it (`SPLIT_PROGRAMS_PER_SM` per multiprocessor on CUDA;
-    0, never, unless a test sets it)."""
+    0, never, unless a test sets it). `fuses_rotary`: `forward` takes the layer's rotary unapplied
+    (`rotary=`) and applies it in its K/V write's launch (`kernels.FUSED_ROTARY_KV`)."""
 
     name = "triton"
     paged_prefill_max_context = 0  # the torch backend's C-kernel routing; nothing to route here
 
     def __init__(self, config: ModelConfig, device: torch.device):
-        from treeserve.model.kernels import kv_write, paged_attention  # compiled (or interpreted) on first use
+        from treeserve.model import kernels
+        # compiled (or interpreted) on first use
+        from treeserve.model.kernels import kv_write, paged_attention, rotary_kv
 
-        self._kernels, self._write = paged_attention, kv_write
+        self._kernels, self._write, self._rotary_kv = paged_attention, kv_write, rotary_kv
+        self.fuses_rotary = kernels.FUSED_OPS and kernels.FUSED_ROTARY_KV
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.split_kv_min_programs = 0
         if device.type == "cuda":
@@ -122,9 +131,15 @@ class TritonBackend:
         return self._kernels.split_kv_buffers(num_seqs, self.num_heads, self.head_dim, splits, device)
 
     def forward(self, layer_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: TritonMetadata, scale: float, window: int | None, softcap: float | None = None) -> torch.Tensor:
+                meta: TritonMetadata, scale: float, window: int | None, softcap: float | None = None,
+                rotary: RotaryInputs | None = None) -> torch.Tensor:
+        """`rotary`: q and k still to rotate (only where `fuses_rotary`); q is rotated in place, the
+        cache gets the rotated keys, the k tensor is left as it came."""
         k_cache, v_cache = layer_cache[:, 0], layer_cache[:, 1]
-        self._write.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if rotary is not None:
+            self._rotary_kv.rotary_write_kv(q, k, v, k_cache, v_cache, meta.slot_mapping, *rotary)
+        else:
+            self._write.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         if meta.split_buffers is not None:
             self._kernels.split_kv_decode(q, k_cache, v_cache, out, meta.seq_lens, meta.block_tables, scale, window,

@@ -1,6 +1,6 @@
-"""Triton kernels for the GPU path: paged attention over the flat batch, the K/V write by slot, the
-fused per-layer operations (RMSNorm + residual, rotary, SiLU * up) and the grouped expert products
-of mixture-of-experts layers.
+"""Triton kernels for the GPU path: paged attention over the flat batch, the K/V write by slot (alone,
+or with the rotary embedding in the same launch), the fused per-layer operations (RMSNorm +
+residual, rotary, SiLU * up) and the grouped expert products of mixture-of-experts layers.
 
 Triton ships with CUDA builds of PyTorch; on CPU the kernels run only under Triton's interpreter
 (`TRITON_INTERPRET=1`, read when a kernel module is first imported), which is how the tests check
@@ -15,6 +15,10 @@ from types import ModuleType
 # The fused per-layer operations and grouped experts on CUDA; TREESERVE_FUSED_OPS=0 runs PyTorch's
 # unfused ones instead.
 FUSED_OPS = os.environ.get("TREESERVE_FUSED_OPS", "1") != "0"
+# The Triton attention backend rotates q and k and writes k and v into the paged cache in one launch
+# (`rotary_kv`); TREESERVE_FUSED_ROTARY_KV=0 (or TREESERVE_FUSED_OPS=0) runs the rotary and the K/V
+# write as two. Read when a backend is built.
+FUSED_ROTARY_KV = os.environ.get("TREESERVE_FUSED_ROTARY_KV", "1") != "0"
 
 
 def triton_installed() -> bool:

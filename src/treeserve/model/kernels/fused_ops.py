@@ -46,12 +46,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 @triton.jit
-def _rotate_heads(ptr, stride_h, cos, sin, NUM_HEADS: tl.constexpr, HALF: tl.constexpr,
+def _rotate_heads(src_ptr, stride_src, dst_ptr, stride_dst, cos, sin, NUM_HEADS: tl.constexpr, HALF: tl.constexpr,
                   HEADS_P: tl.constexpr, HALF_P: tl.constexpr):
+    """Rotates the heads at `src_ptr` into `dst_ptr` (the same place: in place)."""
     heads = tl.arange(0, HEADS_P)[:, None]
     dims = tl.arange(0, HALF_P)[None, :]
     ok = (heads < NUM_HEADS) & (dims < HALF)
-    first_ptrs = ptr + heads * stride_h + dims
+    first_ptrs = src_ptr + heads * stride_src + dims
     first = tl.load(first_ptrs, mask=ok, other=0.0)
     second = tl.load(first_ptrs + HALF, mask=ok, other=0.0)
     dtype = first.dtype
@@ -59,8 +60,22 @@ def _rotate_heads(ptr, stride_h, cos, sin, NUM_HEADS: tl.constexpr, HALF: tl.con
     # rotate-half: [x1, x2] * cos + [-x2, x1] * sin, each product rounded as PyTorch's would be
     new_first = (f * cos).to(dtype).to(tl.float32) + (-s * sin).to(dtype).to(tl.float32)
     new_second = (s * cos).to(dtype).to(tl.float32) + (f * sin).to(dtype).to(tl.float32)
-    tl.store(first_ptrs, new_first.to(dtype), mask=ok)
-    tl.store(first_ptrs + HALF, new_second.to(dtype), mask=ok)
+    out_ptrs = dst_ptr + heads * stride_dst + dims
+    tl.store(out_ptrs, new_first.to(dtype), mask=ok)
+    tl.store(out_ptrs + HALF, new_second.to(dtype), mask=ok)
+
+
+@triton.jit
+def _angles(positions_ptr, token, cos_ptr, sin_ptr, stride_table, dtype: tl.constexpr, HALF: tl.constexpr,
+            HALF_P: tl.constexpr):
+    """The token's cos and sin ([1, HALF_P] float32), rounded to the model's dtype first."""
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    dims = tl.arange(0, HALF_P)[None, :]
+    # the tables hold [freqs, freqs]: the first half of a row is every angle once
+    cos = tl.load(cos_ptr + position * stride_table + dims, mask=dims < HALF, other=0.0)
+    sin = tl.load(sin_ptr + position * stride_table + dims, mask=dims < HALF, other=0.0)
+    # the reference casts the tables to the model's dtype
+    return cos.to(dtype).to(tl.float32), sin.to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -68,15 +83,11 @@ def _rotary_kernel(q_ptr, k_ptr, positions_ptr, cos_ptr, sin_ptr, stride_qt, str
                    stride_table, NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr,
                    Q_HEADS_P: tl.constexpr, K_HEADS_P: tl.constexpr, HALF_P: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
-    position = tl.load(positions_ptr + token).to(tl.int64)
-    dims = tl.arange(0, HALF_P)[None, :]
-    # the tables hold [freqs, freqs]: the first half of a row is every angle once
-    cos = tl.load(cos_ptr + position * stride_table + dims, mask=dims < HALF, other=0.0)
-    sin = tl.load(sin_ptr + position * stride_table + dims, mask=dims < HALF, other=0.0)
-    cos = cos.to(q_ptr.dtype.element_ty).to(tl.float32)  # the reference casts the tables to the model's dtype
-    sin = sin.to(q_ptr.dtype.element_ty).to(tl.float32)
-    _rotate_heads(q_ptr + token * stride_qt, stride_qh, cos, sin, NUM_Q_HEADS, HALF, Q_HEADS_P, HALF_P)
-    _rotate_heads(k_ptr + token * stride_kt, stride_kh, cos, sin, NUM_K_HEADS, HALF, K_HEADS_P, HALF_P)
+    cos, sin = _angles(positions_ptr, token, cos_ptr, sin_ptr, stride_table, q_ptr.dtype.element_ty, HALF, HALF_P)
+    q = q_ptr + token * stride_qt
+    k = k_ptr + token * stride_kt
+    _rotate_heads(q, stride_qh, q, stride_qh, cos, sin, NUM_Q_HEADS, HALF, Q_HEADS_P, HALF_P)
+    _rotate_heads(k, stride_kh, k, stride_kh, cos, sin, NUM_K_HEADS, HALF, K_HEADS_P, HALF_P)
 
 
 def rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
