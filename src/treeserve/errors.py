@@ -41,3 +41,13 @@ class EngineDeadError(RuntimeError):
     def __init__(self, cause: BaseException):
         super().__init__(f"the engine has failed ({cause}); restart the server")
         self.cause = cause
+
+
+class EngineClosedError(RuntimeError):
+    """A call that needs a closed engine's model or KV memory (`close()` freed them): the message
+    names the engine and its model."""
+
+    def __init__(self, engine: str, why: str = "close() freed its weights and KV cache"):
+        super().__init__(f"engine {engine} is closed ({why}): build a new LLM, engine or Runtime to run more "
+                         "requests (its stats() stay readable)")
+        self.engine = engine

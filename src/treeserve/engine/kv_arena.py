@@ -56,11 +56,18 @@ class KVArena:
             raise ParamError("kv_cache_memory_bytes", f"room for no KV page of {page_bytes} bytes")
         self.page_bytes = aligned(page_bytes)
         self.pages = torch.zeros(num_pages, self.page_bytes, dtype=torch.uint8, device=device)
+        self.num_pages, self.nbytes = num_pages, self.pages.nbytes  # (still read once released)
         self.serial = next(_SERIALS)
 
     @property
-    def num_pages(self) -> int:
-        return self.pages.shape[0]
+    def released(self) -> bool:
+        return self.pages.numel() == 0
+
+    def release(self) -> None:
+        """Frees the pages now, under every view of them (the models' per-layer caches, CUDA graphs,
+        draft KV), not when the last view goes: for the arena's owner to call once nothing runs on it."""
+        self.pages.untyped_storage().resize_(0)
+        self.pages = self.pages.new_empty(0, self.page_bytes)
 
     def block_size_for(self, config: ModelConfig, dtype: torch.dtype) -> int:
         """Tokens of this model that fit in one page."""

@@ -26,3 +26,8 @@ class KVSpace:
         if num_pages < 1:
             raise ParamError("kv_cache_memory_bytes", f"{budget_bytes} bytes hold no KV page of {page_bytes} bytes")
         return cls(KVArena(num_pages, page_bytes, device), BlockPool(num_pages, enable_caching, reclaim))
+
+    def release(self) -> None:
+        """Frees the arena's pages (its owner's call, once no engine runs on it); the pool's counts,
+        which statistics read, stay."""
+        self.arena.release()

@@ -7,6 +7,7 @@ processing (`deferred_outputs`, `output_processor`), kept KV (`kept_kv`). Only t
 from __future__ import annotations
 
 import logging
+import threading
 
 from treeserve.config import EngineConfig
 from treeserve.engine.cuda_graphs import decode_graphs
@@ -27,7 +28,7 @@ from treeserve.engine.step_builder import StepBuilder
 from treeserve.engine.step_pipeline import StepPipeline
 from treeserve.engine.structured_outputs import StructuredOutputs
 from treeserve.engine.workers_guard import WorkersGuard
-from treeserve.errors import ParamError
+from treeserve.errors import EngineClosedError, ParamError
 from treeserve.outputs import AbortedRequest, RequestOutput
 from treeserve.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -35,11 +36,21 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, loaded: LoadedModel, kv_space: KVSpace, reclaim=None, scratch: bool = False):
+    def __init__(self, loaded: LoadedModel, kv_space: KVSpace, reclaim=None, scratch: bool = False,
+                 owns: bool = False):
         """`reclaim`: frees one kept sequence's blocks when the scheduler runs short (default: one of
         this engine's own; a `Runtime` passes one that tries every engine sharing the pool).
-        `scratch`: a space for one measured prefill (runtime/memory.py), not for max_model_len."""
+        `scratch`: a space for one measured prefill (runtime/memory.py), not for max_model_len.
+        `owns`: the loaded model and the KV space are this engine's alone: `close` frees them too
+        (else their owner does: a `Runtime`, or the caller that loaded the model)."""
+        if loaded.weights_released:
+            raise EngineClosedError(f"{loaded.model_key!r} ({loaded.model_dir.name})",
+                                    "the loaded model's weights were freed when its owner closed")
         self.loaded = loaded
+        self.closed = False
+        self._lock = threading.RLock()  # a step and `close` never overlap
+        self._owned = (loaded, kv_space) if owns else None
+        self._arena_bytes, self._graph_replays = kv_space.arena.nbytes, 0  # (statistics, read after close too)
         self.config, self.name, self.model_dir = loaded.config, loaded.name, loaded.model_dir
         self.model_config, self.tokenizer, self.model = loaded.model_config, loaded.tokenizer, loaded.model
         self.generation_defaults, self.device, self.dtype = loaded.generation_defaults, loaded.device, loaded.dtype
@@ -81,7 +92,7 @@ class LLMEngine:
         """Loads the model and gives it a KV space of its own (sized by the config)."""
         loaded = load_model(config, name, executor)
         try:
-            return cls(loaded, loaded.standalone_kv_space())
+            return cls(loaded, loaded.standalone_kv_space(), owns=True)
         except BaseException:
             loaded.close()  # the tensor-parallel workers it started, if any
             raise
@@ -142,9 +153,12 @@ class LLMEngine:
     def stats(self, count_cached: bool = False) -> EngineStats:
         """A snapshot of queues, KV blocks and counters (`count_cached`: also walk the pool for this
         model's cached free blocks)."""
-        pages, graphs = self.runner.arena.pages, self.runner.graphs
-        return snapshot(self.name, self.pipeline, self.scheduler, self.kv, self.retained,
-                        pages.numel() * pages.element_size(), count_cached, graphs.num_replays if graphs else 0)
+        return snapshot(self.name, self.pipeline, self.scheduler, self.kv, self.retained, self._arena_bytes,
+                        count_cached, self._num_graph_replays())
+
+    def _num_graph_replays(self) -> int:
+        graphs = self.runner.graphs
+        return graphs.num_replays if graphs is not None else self._graph_replays
 
     # ---- requests -------------------------------------------------------------------------
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
@@ -181,9 +195,11 @@ class LLMEngine:
         under its request id, until `release_kv`; `parent_id` names such a kept sequence whose
         tokens this prompt extends, so that only the new tokens are computed.
         """
-        speculative = self.speculator.config_for(speculative_config)
-        self.intake.add(request_id, prompt_token_ids, params, prompt, cache_salt, logits_positions,
-                        readout_token_ids, keep_kv, parent_id, priority, final_only, draft_group, speculative)
+        with self._lock:
+            self.require_open()
+            speculative = self.speculator.config_for(speculative_config)
+            self.intake.add(request_id, prompt_token_ids, params, prompt, cache_salt, logits_positions,
+                            readout_token_ids, keep_kv, parent_id, priority, final_only, draft_group, speculative)
 
     def abort_request(self, request_id: str) -> AbortedRequest | None:
         """Aborts a live request (frees its blocks); what it had done, None if it was not live."""
@@ -226,7 +242,9 @@ class LLMEngine:
         previous step's tokens (and its groups' outputs) is made while the device runs this step,
         and returned with this step's outputs that need no text; a request with stop strings has
         its text made at once (a stop string ends it before the next schedule)."""
-        return self.pipeline.run_step()
+        with self._lock:
+            self.require_open()
+            return self.pipeline.run_step()
 
     @property
     def is_stalled(self) -> bool:
@@ -238,8 +256,32 @@ class LLMEngine:
         """Raises the error that stopped the engine, or a tensor-parallel worker's death."""
         self.guard.check()
 
+    # ---- closing --------------------------------------------------------------------------
+    def require_open(self) -> None:
+        """EngineClosedError, naming the engine and its model, once `close` has run."""
+        if self.closed:
+            raise EngineClosedError(f"{self.name!r} ({self.model_dir.name})" if self.name else repr(self.model_dir.name))
+
     def close(self) -> None:
-        """Stops the tensor-parallel workers this engine started and drops its CUDA graphs."""
-        self.loaded.close()
-        self.pipeline.in_flight = None
-        self.runner.graphs = None  # freed now, not by a later collection (steps after run eagerly)
+        """Frees what the engine holds now, not when the last reference to it goes: its CUDA graphs,
+        draft models, KV views and model, and, where they are its own (`owns`: `LLM`,
+        `from_config`), the weights and the KV arena; stops the tensor-parallel workers it started.
+        A step under way on another thread ends first. Then every call that would run the model
+        (`add_request`, `step`) raises EngineClosedError: requests still held fail at the loop's
+        next step, as vLLM's fail once its engine core is shut down. `stats()` and the counters stay
+        readable. Closing again does nothing."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            self._graph_replays = self._num_graph_replays()
+            self.loaded.close()
+            self.pipeline.in_flight = None
+            self.speculator.close()
+            self.runner.release()
+            self.model = None
+            if self._owned is not None:
+                loaded, space = self._owned
+                loaded.release_weights()
+                space.release()
+                self._owned = None

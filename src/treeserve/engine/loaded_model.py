@@ -25,6 +25,7 @@ from treeserve.model.hf_config import ModelConfig, load_model_config
 from treeserve.model.loader import build_model
 from treeserve.model.parallel import ShardPlan, TensorParallel
 from treeserve.model.quantization import check_device, resolve_quantization
+from treeserve.model.release import release_weights
 from treeserve.model.registry import resolve_model_path
 from treeserve.model.tokenizer import load_tokenizer
 
@@ -49,6 +50,7 @@ class LoadedModel:
     model: Any = None
     executor: Any = None            # the tensor-parallel workers, if any
     owns_executor: bool = field(default=False)
+    weights_released: bool = field(default=False)  # `release_weights` ran: the model is a husk
 
     @property
     def model_key(self) -> str:
@@ -107,6 +109,14 @@ class LoadedModel:
         if self.owns_executor and self.executor is not None:
             self.executor.shutdown()
             self.owns_executor = False
+
+    def release_weights(self) -> None:
+        """Frees this process's weights now (its owner's call, once no engine runs it), the engines
+        that still hold the model included; the model's shape (`kv_config`) stays readable."""
+        if self.model is not None and not self.weights_released:
+            release_weights(self.model)
+            self.model.backend = None
+        self.weights_released = True
 
 
 def load_model(config: EngineConfig, name: str = "", executor=None) -> LoadedModel:

@@ -71,6 +71,12 @@ class ModelRunner:
         self.capture: str | None = None
         self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None  # last step's ids on the device, rows
 
+    def release(self) -> None:
+        """Lets go of the model, its KV views, CUDA graphs (their memory pool) and the batch's
+        device tensors: a closed engine's runner runs nothing again."""
+        self.model = self.backend = self.graphs = self._last_sampled = None
+        self.kv_caches, self.batch, self.staging = [], InputBatch(), StepStaging(self.device)
+
     @property
     def decode_group_max_keys(self) -> int | None:
         """The torch backend's cap on one gathered decode group's keys (CPU)."""

@@ -52,8 +52,10 @@ class LLM:
         return self.engine
 
     def close(self) -> None:
-        """Stops the engine's tensor-parallel workers, if it has any. Without it, they stop when the
-        engine is collected (once neither this LLM nor a caller holding `llm_engine` refers to it)."""
+        """Frees the engine's weights, KV cache and CUDA graphs now and stops its tensor-parallel
+        workers, if it has any (`LLMEngine.close`); afterwards `generate`, `chat` and `beam_search` raise
+        EngineClosedError, and `llm_engine.stats()` stays readable. Without it, all of that goes when
+        the engine is collected (once neither this LLM nor a caller holding `llm_engine` refers to it)."""
         self.engine.close()
 
     def __enter__(self) -> "LLM":

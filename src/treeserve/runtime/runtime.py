@@ -57,9 +57,12 @@ class Runtime:
         given = {name: m for name, m in models.items() if isinstance(m, LoadedModel)}
         configs = {name: EngineConfig(model=path, **engine_options) for name, path in models.items() if name not in given}
         self.executor = self._workers(next(iter(configs.values()))) if configs else None
+        self._spaces: list[KVSpace] = []  # the KV spaces it made, and the models it loaded: `close` frees them
+        self._loaded: list[LoadedModel] = []
         try:  # anything failing from here stops the tensor-parallel workers it started
             loaded = {name: given[name] if name in given else load_model(configs[name], name, self.executor)
                       for name in models}
+            self._loaded = [m for name, m in loaded.items() if name not in given]
             _drafters_where_they_fit(loaded)
             self.memory = self._account(loaded, kv_cache_memory_bytes, memory_utilization)
             if kv_mode == "shared":
@@ -81,7 +84,8 @@ class Runtime:
         if self.trace:
             self.loop.step_observers.append(self.trace.observe)
         # `del rt` closes it too, as `del llm` does an LLM's engine (its workers and threads stop)
-        self._finalizer = weakref.finalize(self, _close_parts, self.trace, self.engines, self.executor)
+        self._finalizer = weakref.finalize(self, _close_parts, self.trace, self.engines, self.executor, self._spaces,
+                                           self._loaded)
 
     # ---- memory ---------------------------------------------------------------------------
     def _account(self, loaded: dict[str, LoadedModel], kv_bytes: int | None,
@@ -120,6 +124,7 @@ class Runtime:
         engines: dict[str, LLMEngine] = {}  # (the reclaim callbacks hold the engines, not the Runtime)
         space = KVSpace.create(self.kv_budget, page, first.device, first.config.enable_prefix_caching,
                                reclaim=lambda owner: _reclaimer(engines, owner)())
+        self._spaces.append(space)
         for name, model in loaded.items():  # ... and before anything is preempted
             engines[name] = LLMEngine(model, space, reclaim=_reclaimer(engines, name))
             self._note_kv(name, engines[name], space.pool.num_blocks * space.arena.page_bytes)
@@ -131,6 +136,7 @@ class Runtime:
             page = model.config.block_size * model.kv_bytes_per_token()
             space = KVSpace.create(int(self.kv_budget * fractions[name]), page, model.device,
                                    model.config.enable_prefix_caching)
+            self._spaces.append(space)
             engines[name] = LLMEngine(model, space)
             self._note_kv(name, engines[name], space.pool.num_blocks * aligned(page))
         return engines
@@ -147,12 +153,12 @@ class Runtime:
         return self.engines[name]
 
     def generate(self, name: str, prompts, sampling_params=None, use_tqdm: bool = False) -> list[RequestOutput]:
-        self.engine(name)
+        self.engine(name).require_open()
         return self._llms[name].generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def scorer(self, name: str) -> StepScorer:
         """The step scorer of a verifier (`recipes`); any other model is a ParamError saying why."""
-        self.engine(name)
+        self.engine(name).require_open()
         if name not in self.recipes:
             raise ParamError("model", not_a_verifier(name, list(self.recipes),
                                                      f"is read as one when recipes names it: recipes={{{name!r}: None}}"))
@@ -198,13 +204,17 @@ class Runtime:
         return start_executor(config, config.resolve_device())
 
     def close(self) -> None:
-        """Closes the trace and the engines (their CUDA graphs go now) and stops the tensor-parallel
-        workers, if any. A Runtime dropped without it is closed when it is collected."""
+        """Closes the trace and the engines, frees the KV arena and the weights of the models it
+        loaded (those given to it loaded are their caller's) now, whoever still refers to the
+        Runtime, and stops the tensor-parallel workers, if any. Afterwards, `generate`, `scorer` and
+        the scoring calls raise EngineClosedError; `engines` and their `stats()` stay readable.
+        Idempotent; a Runtime dropped without it is closed when it is collected."""
         finalizer = getattr(self, "_finalizer", None)
         if finalizer is not None:
             finalizer()  # (once: a later collection does nothing)
         else:  # (a constructor that failed midway)
-            _close_parts(getattr(self, "trace", None), getattr(self, "engines", {}), self.executor)
+            _close_parts(getattr(self, "trace", None), getattr(self, "engines", {}), self.executor,
+                         getattr(self, "_spaces", []), getattr(self, "_loaded", []))
 
 
 def _reclaimer(engines: dict[str, LLMEngine], first: str):
@@ -216,12 +226,18 @@ def _reclaimer(engines: dict[str, LLMEngine], first: str):
     return reclaim
 
 
-def _close_parts(trace: TelemetryTrace | None, engines: dict[str, LLMEngine], executor) -> None:
-    """What `Runtime.close` does, from the parts alone (a finalizer must not hold the Runtime)."""
+def _close_parts(trace: TelemetryTrace | None, engines: dict[str, LLMEngine], executor, spaces: list[KVSpace],
+                 loaded: list[LoadedModel]) -> None:
+    """What `Runtime.close` does, from the parts alone (a finalizer must not hold the Runtime): the
+    engines first (each waits for a step under way), then the memory no engine runs on any more."""
     if trace:
         trace.close()
     for engine in engines.values():
         engine.close()
+    for space in spaces:
+        space.release()
+    for model in loaded:
+        model.release_weights()
     if executor is not None:
         executor.shutdown()
 

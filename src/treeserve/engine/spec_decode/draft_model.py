@@ -65,6 +65,11 @@ class DraftModelProposer(PassDrafter):
         logger.info("draft model %s loaded (%d layers; %d tokens per KV page)", self.draft.model_dir.name,
                     self.draft.model_config.num_layers, self.kv.block_size)
 
+    def close(self) -> None:
+        """Frees the draft's weights (its own: loaded by this proposer) and lets go of its KV views."""
+        self.draft.release_weights()
+        self.model, self.kv_caches = None, []
+
     # ---- the Speculator's side ------------------------------------------------------------
     def propose_all(self, wanted: list[tuple[Request, int, float]]) -> list[list[int]]:
         """Up to k draft tokens for each (request, k, threshold): k passes of the draft model over

@@ -120,6 +120,16 @@ class Speculator:
         """Every proposer's draft KV back to the pool (the scheduler runs short); whether any was held."""
         return any([proposer.release() for proposer in self.proposers.values()])
 
+    def close(self) -> None:
+        """Lets go of every proposer (a draft model's weights freed, an EAGLE head's dropped: it shares
+        the target's embedding); the counters stay."""
+        for proposer in self.proposers.values():
+            close = getattr(proposer, "close", None)
+            if close is not None:
+                close()
+        self.proposers.clear()
+        self.load_draft = None
+
     def observe_step(self, rows: int, seconds: float) -> None:
         """A step's rows and how long it took (the cost model behind the drafts' length)."""
         if self.active:
