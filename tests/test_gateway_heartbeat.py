@@ -246,3 +246,13 @@ def test_a_failing_heartbeat_is_logged_counted_and_tried_again(caplog):
     assert 'treeserve_gateway:heartbeats_total{outcome="ok"}' in scrape
     assert "treeserve_gateway:settlement_writer_busy_seconds 7.0" in scrape
     assert "treeserve_gateway:heartbeat_age_seconds" in scrape
+
+
+def test_each_heartbeat_outcome_is_scraped_from_the_start():
+    """`heartbeats_total` has its three outcomes at 0 before any beat: a series that first appears at 1 (the
+    first failed or withheld beat) is one that `increase()`, and an alert on it, does not see."""
+    metrics = GatewayMetrics()
+    metrics.watch(Heartbeat(lambda: None), lambda: 0.0)
+    scrape = metrics.render().decode()
+    for outcome in ("ok", "failed", "withheld"):
+        assert f'treeserve_gateway:heartbeats_total{{outcome="{outcome}"}} 0.0' in scrape
