@@ -137,6 +137,47 @@ def test_a_settlement_writer_waiting_on_a_locked_key_does_not_stop_the_heartbeat
             each.close()
 
 
+def test_requests_waiting_on_a_locked_key_with_every_pooled_connection_do_not_stop_the_heartbeat(quick, postgres):
+    """PostgreSQL: another transaction holds a key's row; this process's requests on that key wait for it
+    in their admission transactions, more of them than its pool has connections (10, and 20 over). The
+    beat took its connection from that pool: it waited for one past the pool's 30 s, the process went
+    silent, and a sweep gave back its other request in flight (its key over-admitted). A beat's
+    connection is its own."""
+    url = postgres.new_database()
+    owner, sweeper, blocker = Store(url), Store(url), Store(url)
+    owner.migrate()
+    waiting: list = []
+    try:
+        locked_key, serving_key = _keys(owner, 2)
+        owner.start()
+        in_flight = owner.admission.admit(serving_key, 0.25)
+        with blocker.db.transaction() as hold:
+            hold.execute(update(ApiKey).where(ApiKey.id == locked_key.id).values(spend=ApiKey.spend))
+            admits = [_in_thread(lambda: _refused_or(owner.admission.admit, locked_key, 0.0), waiting)
+                      for _ in range(32)]  # (each holds a pooled connection while it waits on the row)
+            time.sleep(3 * DEAD_AFTER)
+            silent = _silent_for(sweeper, owner)
+            swept = sweeper.instances.sweep()
+        for admit in admits:
+            admit.join(30)
+        assert silent < DEAD_AFTER / 2, "the heartbeat waited for a connection behind the requests"
+        assert swept == 0, "a live process's requests in flight were given back"
+        owner.admission.release(in_flight, 0.2)
+        owner.ledger.settle(_settlement(in_flight, "in flight", 0.2))
+        assert _owed(owner)[0][1] == (0.0, 0, 0.2)
+    finally:
+        for each in (owner, sweeper, blocker):
+            each.close()
+
+
+def _refused_or(call, *args):
+    """`call`'s result, or the error it raised (a request refused: its key's parallel slot taken)."""
+    try:
+        return call(*args)
+    except Exception as error:
+        return error
+
+
 def test_a_process_whose_event_loop_is_stuck_stops_beating_until_it_runs_again(quick, database):
     """Its requests end on its event loop: one that has not run for the heartbeat's bound holds them for
     good, so the beats stop (logged, counted "withheld") and a sweep gives back what it holds, as a crashed
@@ -205,3 +246,13 @@ def test_a_failing_heartbeat_is_logged_counted_and_tried_again(caplog):
     assert 'treeserve_gateway:heartbeats_total{outcome="ok"}' in scrape
     assert "treeserve_gateway:settlement_writer_busy_seconds 7.0" in scrape
     assert "treeserve_gateway:heartbeat_age_seconds" in scrape
+
+
+def test_each_heartbeat_outcome_is_scraped_from_the_start():
+    """`heartbeats_total` has its three outcomes at 0 before any beat: a series that first appears at 1 (the
+    first failed or withheld beat) is one that `increase()`, and an alert on it, does not see."""
+    metrics = GatewayMetrics()
+    metrics.watch(Heartbeat(lambda: None), lambda: 0.0)
+    scrape = metrics.render().decode()
+    for outcome in ("ok", "failed", "withheld"):
+        assert f'treeserve_gateway:heartbeats_total{{outcome="{outcome}"}} 0.0' in scrape

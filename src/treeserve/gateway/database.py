@@ -137,7 +137,8 @@ def supported_url(url: str) -> str:
     return url
 
 
-def make_engine(url: str) -> Engine:
+def make_engine(url: str, pool_size: int = 10, max_overflow: int = 20) -> Engine:
+    """`pool_size`, `max_overflow`: PostgreSQL's connection pool (SQLite's is SQLAlchemy's own)."""
     url = supported_url(url)
     if url.startswith("sqlite"):
         engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
@@ -160,7 +161,8 @@ def make_engine(url: str) -> Engine:
         return engine
     # (a host that does not answer fails a connection in 10 s, not the system's TCP timeout of minutes)
     connect = {"connect_timeout": PG_CONNECT_TIMEOUT} if url.startswith("postgresql") else {}
-    return create_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True, connect_args=connect)
+    return create_engine(url, pool_size=pool_size, max_overflow=max_overflow, pool_pre_ping=True,
+                         connect_args=connect)
 
 
 class Database:
@@ -172,6 +174,8 @@ class Database:
         self.dialect = self.engine.dialect.name
         self._writer = self.engine.execution_options(writing=True)
         self._write_lock = threading.Lock() if self.dialect == "sqlite" else contextlib.nullcontext()
+        # PostgreSQL: one connection apart from the pool, for `transaction_apart` (connected at its first use)
+        self._apart = make_engine(url, pool_size=1, max_overflow=0) if self.dialect == "postgresql" else None
 
     def reach(self) -> None:
         """Opens a connection and closes it: DatabaseUnreachable where the database cannot be reached."""
@@ -192,6 +196,20 @@ class Database:
         """A transaction that writes. On SQLite this process's writers also queue on a lock first:
         SQLite's own busy handler waits by sleeping (up to 100 ms a turn), a lock hands over at once."""
         with self._write_lock, Session(self._writer, expire_on_commit=False) as session, session.begin():
+            yield session
+
+    @contextlib.contextmanager
+    def transaction_apart(self) -> Iterator[Session]:
+        """`transaction`, on PostgreSQL on a connection no other caller takes (the heartbeat's): requests
+        waiting on a locked row in their transactions may hold every connection of the pool, and a
+        beat waiting for one behind them (30 s, then failing) made the process look dead. SQLite: the
+        same as `transaction` (its writers queue on the write lock before they take a connection)."""
+        if self._apart is None:
+            with self.transaction() as session:
+                yield session
+            return
+        with Session(self._apart.execution_options(writing=True), expire_on_commit=False) as session, \
+                session.begin():
             yield session
 
     def insert(self, table):
@@ -251,6 +269,8 @@ class Database:
 
     def close(self) -> None:
         self.engine.dispose()
+        if self._apart is not None:
+            self._apart.dispose()
 
 
 @contextlib.contextmanager

@@ -27,6 +27,8 @@ class Heartbeat:
     """`beat` every `interval` seconds on a thread of its own, from `start` to `close`. Each beat's
     outcome ("ok", "failed", "withheld": the event loop stuck) goes to each of `observers`."""
 
+    outcomes = ("ok", "failed", "withheld")
+
     def __init__(self, beat: Callable[[], None], interval: float = HEARTBEAT_INTERVAL):
         self.beat, self.interval = beat, interval
         self.stuck_after = LOOP_STUCK_AFTER

@@ -27,8 +27,9 @@ class Instances:
     def heartbeat(self) -> None:
         """This process is alive (its holdings are its own to settle): its row alone is written, so a
         beat waits on no lock but a sweep's deleting it (LOCK ORDER: nothing after it). On PostgreSQL
-        a beat waits BEAT_TIMEOUT at most: one that waits longer carries a stale `seen_at`."""
-        with self.db.transaction() as conn:
+        a beat waits BEAT_TIMEOUT at most: one that waits longer carries a stale `seen_at`. Its connection
+        is its own (Database.transaction_apart): requests waiting on a locked key may hold the pool's."""
+        with self.db.transaction_apart() as conn:
             if self.db.dialect == "postgresql":
                 conn.execute(text(f"SET LOCAL statement_timeout = {int(BEAT_TIMEOUT * 1000)}"))
             seen_at = utcnow()

@@ -65,6 +65,8 @@ class GatewayMetrics:
 
     def watch(self, heartbeat, writer_busy_for: Callable[[], float]) -> None:
         """This process's heartbeat (gateway/heartbeat.py) and settlement writer, read at each scrape."""
+        for outcome in heartbeat.outcomes:  # (each series from 0: a first failure is an increase)
+            self.heartbeats.labels(outcome)
         heartbeat.observers.append(lambda outcome: self.heartbeats.labels(outcome).inc())
         self.heartbeat_age.set_function(heartbeat.age)
         self.writer_busy.set_function(writer_busy_for)
