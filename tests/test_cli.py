@@ -338,3 +338,64 @@ def test_an_empty_model_path_is_an_error_not_the_current_folder(tmp_path, monkey
     for empty in ("", "  "):
         with pytest.raises(ValueError, match=r"^model: is empty"):
             resolve_model_path(empty)
+
+
+@pytest.mark.parametrize("argv, flag, hint", [
+    (["serve", "builtin:arith-gen", "--served-model-name", ""], "--served-model-name", "leave the flag out"),
+    (["worker", "--broker", "amqp://x/", "--served-model-name", " "], "--served-model-name", "leave the flag out"),
+    (["bench", "serve", "--base-url", "http://127.0.0.1:1", "--out", "o", "--model", ""], "--model", "GET /v1/models"),
+    (["bench", "serve", "--base-url", "http://127.0.0.1:1", "--out", "o", "--tokenizer", ""], "--tokenizer",
+     "tokenizer directory"),
+    (["gateway", "--backend", "m=http://127.0.0.1:1", "--chat", "--chat-router", ""], "--chat-router",
+     "leave the flag out"),
+    (["gateway", "--backend", "m=http://127.0.0.1:1", "--database", ""], "--database", "TREESERVE_GATEWAY_DATABASE"),
+    (["gateway", "keys", "list", "--database", ""], "--database", "TREESERVE_GATEWAY_DATABASE"),
+    (["chat", "--database", " "], "--database", "TREESERVE_GATEWAY_DATABASE"),
+    (["search", "--recipe", "", "q"], "--recipe", "the verifier's own"),
+    (["eval", "--agg-strategy", "", "--dataset", "d", "--out", "o"], "--agg-strategy", "the verifier's own"),
+])
+def test_an_empty_name_is_an_error_naming_its_flag(argv, flag, hint, monkeypatch, capsys):
+    """`--served-model-name ""` served the model under its path's name; `bench serve --model ""` benchmarked
+    the first model; `--chat-router ""` routed by the conversation's own model; `--database ""` used
+    TREESERVE_GATEWAY_DATABASE or ./treeserve-gateway.db: each empty value was taken as the flag left out."""
+    import treeserve.bench.run as bench_run
+    import treeserve.cli_chat as cli_chat
+    import treeserve.cli_gateway as cli_gateway
+    import treeserve.cli_search as cli_search
+    import treeserve.server.launch as launch
+
+    def loaded(*args, **kwargs):
+        raise Loaded
+    for module, names in ((launch, ["serve", "worker"]), (bench_run, ["run_benchmark"]), (cli_chat, ["cmd_chat"]),
+                          (cli_gateway, ["cmd_gateway", "cmd_keys_list"]), (cli_search, ["cmd_search", "cmd_eval"])):
+        for name in names:
+            monkeypatch.setattr(module, name, loaded)
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"argument {flag}: is empty" in last and hint in last, last
+
+
+def test_an_empty_served_model_name_is_an_error_in_python():
+    """(build_app(path, served_model_name="") served the model under its path's name)"""
+    from treeserve.server.launch import build_app
+
+    with pytest.raises(ValueError, match=r"^served_model_name: is empty"):
+        build_app("builtin:arith-gen", served_model_name="")
+
+
+@pytest.mark.parametrize("section, field", [({"database": ""}, "database"),
+                                            ({"chat": {"enabled": True, "router_model": " "}}, "chat.router_model")])
+def test_an_empty_database_or_router_in_the_gateway_config_is_an_error(section, field, tmp_path):
+    """(a YAML `database: ""` used TREESERVE_GATEWAY_DATABASE or ./treeserve-gateway.db; `router_model: ""`
+    the conversation's own model)"""
+    import yaml
+
+    from treeserve.errors import ParamError
+    from treeserve.gateway.config_load import build_config
+
+    path = tmp_path / "gateway.yaml"
+    path.write_text(yaml.safe_dump({"models": {"m": {"backends": ["http://127.0.0.1:1"]}}, **section}))
+    with pytest.raises(ParamError, match=rf"^{field}: is empty"):
+        build_config([], path)

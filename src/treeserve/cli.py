@@ -6,7 +6,7 @@ import sys
 
 from treeserve.cli_gateway import add_gateway_parsers
 from treeserve.cli_gateway import main as gateway_main
-from treeserve.cli_args import at_least_one, json_list, json_object, model_arg, port
+from treeserve.cli_args import at_least_one, json_list, json_object, model_arg, port, served_name
 from treeserve.lifecycle import exit_now, exit_on_signals, follow_parent, heap_frozen_while_it_runs
 
 
@@ -120,7 +120,7 @@ def _add_serving_args(parser: argparse.ArgumentParser, http: bool) -> None:
                         help="on SIGTERM or SIGINT, seconds the requests in flight (streams and searches too) may "
                         "take to finish while new ones get 503 and /health/ready turns 503; a second signal "
                         "exits at once")
-    parser.add_argument("--served-model-name", help="the name requests give as 'model' (default: NAME for "
+    parser.add_argument("--served-model-name", type=served_name, help="the name requests give as 'model' (default: NAME for "
                         "builtin:NAME, else the model argument as given)")
     parser.add_argument("--verifier", action="append", metavar="NAME[=RECIPE]",
                         help="serve the model NAME as a process reward model (a search's verifier, /v1/rewards), "

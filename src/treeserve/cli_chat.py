@@ -10,9 +10,8 @@ import string
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
-from treeserve.cli_args import port
+from treeserve.cli_args import database_url, port
 from treeserve.lifecycle import child_env
 
 GENERATOR, VERIFIER, ROUTER = "arith-gen", "arith-prm", "arith-router"
@@ -33,7 +32,8 @@ def add_chat_parser(sub) -> None:
     chat.add_argument("--host", default="127.0.0.1", help="the chat page's address")
     chat.add_argument("--port", type=port, default=4000, help="the chat page's (the gateway's) port")
     chat.add_argument("--serve-port", type=port, help="the model server's port on 127.0.0.1 (default: a free one)")
-    chat.add_argument("--database", help="the gateway's database URL (default: ./treeserve-gateway.db)")
+    chat.add_argument("--database", type=database_url, help="the gateway's database URL (default: "
+                      "TREESERVE_GATEWAY_DATABASE, else ./treeserve-gateway.db, as for `treeserve gateway`)")
     chat.add_argument("--user", default="demo", help="the first user's name (its password is printed)")
     chat.add_argument("--master-key", help="the admin API's key (/key/generate, /user/new, /spend/logs ...); default "
                       "TREESERVE_MASTER_KEY, else a new one printed at each start")
@@ -93,7 +93,7 @@ def _chat_on(sockets: list, serve_port: int, args) -> int:
         from treeserve.bench.health import wait_healthy
         from treeserve.gateway.app import build_app
         from treeserve.gateway.config_load import build_config
-        from treeserve.gateway.database import default_url
+        from treeserve.gateway.database import configured_url
         from treeserve.gateway.launch import run_gateway
         from treeserve.gateway.store import Store
 
@@ -103,19 +103,20 @@ def _chat_on(sockets: list, serve_port: int, args) -> int:
         except RuntimeError as error:  # its own error is in its log above
             print(f"treeserve chat: the model server did not start: {error}", file=sys.stderr)
             return 1
-        store = Store(args.database or default_url())
+        database = configured_url(args.database)  # (the order every gateway command reads it in)
+        store = Store(database)
         store.migrate()
         password = first_user(store, args.user)
         store.close()
         given = args.master_key or os.environ.get("TREESERVE_MASTER_KEY")
         master_key = given or "sk-admin-" + secrets.token_urlsafe(24)
         tools = dict(value.partition("=")[::2] for value in args.chat_tool)
-        config = build_config([f"{name}={url}" for name in CHAT_MODELS], None, database=args.database,
+        config = build_config([f"{name}={url}" for name in CHAT_MODELS], None, database=database,
                               master_key=master_key,
                               chat={"enabled": True, "verifiers": {GENERATOR: VERIFIER}, "router_model": ROUTER,
                                     "router_history": False, "tools": tools, "examples": {GENERATOR: EXAMPLES}},
                               shutdown_timeout=args.shutdown_timeout)
-        print(_banner(args, password, master_key, shown=not given), flush=True)
+        print(_banner(args, database, password, master_key, shown=not given), flush=True)
         app = build_app(config)
         died = threading.Event()
         code = run_gateway(app, args.host, args.port, sockets=sockets,
@@ -125,10 +126,13 @@ def _chat_on(sockets: list, serve_port: int, args) -> int:
         _stop_server(server, args.shutdown_timeout, now=app is not None and app.state.drain.forced)
 
 
-def _banner(args, password: str, master_key: str, shown: bool) -> str:
+def _banner(args, database: str, password: str, master_key: str, shown: bool) -> str:
     """What a first user needs: the page, the sign-in, and the admin API's key (printed only when it
-    was made here: one given by flag or environment is the caller's already)."""
-    where = args.database or str(Path.cwd() / "treeserve-gateway.db")
+    was made here: one given by flag or environment is the caller's already); the database as an
+    error would name it (a file's path; a server's URL without its password)."""
+    from treeserve.gateway.database import shown_url
+
+    where = shown_url(database)
     admin = (f"  admin key: {master_key}  (the admin API at http://{args.host}:{args.port}: /key/generate, "
              "/user/new, /spend/logs; new at each start unless --master-key or TREESERVE_MASTER_KEY)\n"
              if shown else "  admin key: the one given (--master-key or TREESERVE_MASTER_KEY)\n")

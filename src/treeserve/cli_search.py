@@ -6,7 +6,7 @@ import contextlib
 import sys
 from pathlib import Path
 
-from treeserve.cli_args import at_least_one, json_object, model_arg
+from treeserve.cli_args import at_least_one, given, json_object, model_arg
 from treeserve.errors import ParamError
 from treeserve.lifecycle import heap_frozen_while_it_runs
 from treeserve.model.registry import DEFAULT_GENERATOR, DEFAULT_VERIFIER
@@ -52,7 +52,7 @@ def _sizes(text: str) -> list[int]:
 def _add_search_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--generator", default=DEFAULT_GENERATOR, type=model_arg, help="generator model directory or builtin:NAME")
     parser.add_argument("--verifier", default=DEFAULT_VERIFIER, type=model_arg, help="process reward model directory or builtin:NAME")
-    parser.add_argument("--recipe", help="how the verifier reads steps: rlhflow, math-shepherd, chat-steps, "
+    parser.add_argument("--recipe", type=given("name a recipe, or leave the flag out for the verifier's own"), help="how the verifier reads steps: rlhflow, math-shepherd, chat-steps, "
                         "lm-likelihood (a plain LM scoring by its own likelihood, as the bundled arith-prm), "
                         "qwen-prm or value-head (default: the one the verifier's config.json names, else its "
                         "reward head's own, else rlhflow)")
@@ -67,7 +67,7 @@ def _add_search_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--max-tokens", type=int, default=2048)
-    parser.add_argument("--agg-strategy", help="last, min or prod: how step scores make one score "
+    parser.add_argument("--agg-strategy", type=given("last, min or prod, or leave the flag out for the verifier's own"), help="last, min or prod: how step scores make one score "
                         "(default: the one the verifier's config.json names, else last)")
     parser.add_argument("--system-prompt", help="replaces Search-and-Learn's math system prompt ('' for none)")
     parser.add_argument("--seed", type=int, default=0)

@@ -41,7 +41,7 @@ def add_bench_parsers(sub) -> None:
 def _add_serve_parser(kinds) -> None:
     serve = kinds.add_parser("serve", help="load an OpenAI-compatible server; write a run directory")
     serve.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
-    serve.add_argument("--model", help="default: the first model of GET /v1/models")
+    serve.add_argument("--model", type=_served_model, help="default: the first model of GET /v1/models")
     serve.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="default: $OPENAI_API_KEY")
     serve.add_argument("--out", required=True, help="run directory")
     serve.add_argument("--endpoint", type=endpoint_kind, choices=["completions", "chat"], default="completions",
@@ -60,7 +60,7 @@ def _add_serve_parser(kinds) -> None:
     serve.add_argument("--shared-prefix-len", type=int, default=0, help="tokens shared within a prefix bucket")
     serve.add_argument("--shared-prefix-groups", type=int, default=1, help="number of shared-prefix buckets")
     serve.add_argument("--vocab-size", type=int, help="random token ids below this (default 256)")
-    serve.add_argument("--tokenizer", help="HF tokenizer directory: vocabulary and prompt lengths")
+    serve.add_argument("--tokenizer", type=_tokenizer_dir, help="HF tokenizer directory: vocabulary and prompt lengths")
     serve.add_argument("--concurrency", "--max-concurrency", default=None,
                        help="requests in flight, comma list sweeps: 1,4,16")
     serve.add_argument("--request-rate", default="inf", help="requests/s (Poisson or gamma arrivals), comma list")
@@ -80,6 +80,21 @@ def _add_serve_parser(kinds) -> None:
     for option, answer in VLLM_ONLY_OPTIONS.items():
         serve.add_argument(option, nargs="?", action=_NotHere, help=argparse.SUPPRESS, answer=answer)
     serve.set_defaults(func=cmd_serve)
+
+
+def _served_model(text: str) -> str:
+    """--model: a served model's name (an empty one was the flag left out: the first model was benchmarked)."""
+    return _given(text, "give a served model's name, or leave the flag out for the first of GET /v1/models")
+
+
+def _tokenizer_dir(text: str) -> str:
+    return _given(text, "give an HF tokenizer directory, or leave the flag out")
+
+
+def _given(text: str, what: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"is empty ({text!r}): {what}")
+    return text
 
 
 # `vllm bench serve` options with no counterpart of the same name, and what to use instead
