@@ -17,9 +17,10 @@ from treeserve.ports import free_port
 class FakeServer:
     """The model server `treeserve chat` starts, never started."""
     pid = 0
+    started = 0
 
     def __init__(self, *args, **kwargs):
-        pass
+        FakeServer.started += 1
 
     def wait(self, timeout=None):
         return 0
@@ -84,3 +85,17 @@ def test_chat_without_a_database_uses_the_working_directory(chat_without_models,
     assert main(["chat", "--port", str(free_port())]) == 0
     assert f"history kept in {tmp_path / 'treeserve-gateway.db'};" in capsys.readouterr().out
     assert (tmp_path / "treeserve-gateway.db").exists()
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["--chat-tool", "x"], "chat.tools: unknown tool 'x'"),
+    (["--database", "nope://x"], "database URL driver 'nope' is not supported"),
+])
+def test_chat_says_a_wrong_setting_before_the_models_load(argv, error, chat_without_models, tmp_path, monkeypatch,
+                                                          capsys):
+    """(a wrong --chat-tool or --database was said after the model server had loaded its three models)"""
+    monkeypatch.chdir(tmp_path)
+    FakeServer.started = 0
+    assert main(["chat", "--port", str(free_port()), *argv]) == 2
+    assert error in capsys.readouterr().err
+    assert FakeServer.started == 0

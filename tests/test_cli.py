@@ -69,6 +69,8 @@ def test_a_model_name_or_path_left_empty_is_an_error(value, missing):
     (["serve", "--port", "99999"], "--port"), (["serve", "--port", "-1"], "--port"),
     (["gateway", "--port", "65536"], "--port"), (["chat", "--serve-port", "-5"], "--serve-port"),
     (["serve", "--max-queue", "0"], "--max-queue"), (["serve", "--max-queue", "-3"], "--max-queue"),
+    (["bench", "calibrate", "--port", "99999"], "--port"),  # (the mock server's traceback, then wait_healthy's)
+    (["bench", "serve", "--base-url", "127.0.0.1:8000", "--out", "o"], "--base-url"),  # (waited on for 600 s)
 ])
 def test_ports_and_the_queue_bound_are_checked_by_the_parser(argv, flag, capsys):
     """(--port 99999 was an OverflowError's traceback; --max-queue 0 answered every request 429)"""
@@ -353,6 +355,7 @@ def test_an_empty_model_path_is_an_error_not_the_current_folder(tmp_path, monkey
     (["chat", "--database", " "], "--database", "TREESERVE_GATEWAY_DATABASE"),
     (["search", "--recipe", "", "q"], "--recipe", "the verifier's own"),
     (["eval", "--agg-strategy", "", "--dataset", "d", "--out", "o"], "--agg-strategy", "the verifier's own"),
+    (["gateway", "users", "create", "", "--database", "sqlite://"], "user_id", "the user's id"),  # (made user '')
 ])
 def test_an_empty_name_is_an_error_naming_its_flag(argv, flag, hint, monkeypatch, capsys):
     """`--served-model-name ""` served the model under its path's name; `bench serve --model ""` benchmarked
@@ -367,7 +370,7 @@ def test_an_empty_name_is_an_error_naming_its_flag(argv, flag, hint, monkeypatch
     def loaded(*args, **kwargs):
         raise Loaded
     for module, names in ((launch, ["serve", "worker"]), (bench_run, ["run_benchmark"]), (cli_chat, ["cmd_chat"]),
-                          (cli_gateway, ["cmd_gateway", "cmd_keys_list"]), (cli_search, ["cmd_search", "cmd_eval"])):
+                          (cli_gateway, ["cmd_gateway", "cmd_keys_list", "cmd_users_create"]), (cli_search, ["cmd_search", "cmd_eval"])):
         for name in names:
             monkeypatch.setattr(module, name, loaded)
     with pytest.raises(SystemExit) as stopped:
@@ -399,3 +402,9 @@ def test_an_empty_database_or_router_in_the_gateway_config_is_an_error(section, 
     path.write_text(yaml.safe_dump({"models": {"m": {"backends": ["http://127.0.0.1:1"]}}, **section}))
     with pytest.raises(ParamError, match=rf"^{field}: is empty"):
         build_config([], path)
+
+
+def test_a_kv_fraction_without_its_name_is_named(capsys):
+    """(`--kv-fraction x` was "error: could not convert string to float: ''")"""
+    assert main(["memory", "--kv-mode", "static", "--kv-fraction", "x"]) == 2
+    assert "--kv-fraction: expected NAME=FRACTION (e.g. gen=0.6), got 'x'" in capsys.readouterr().err

@@ -226,9 +226,7 @@ def cmd_memory(args) -> int:
     from treeserve.runtime.memory import format_breakdown
     from treeserve.runtime.runtime import Runtime
 
-    fractions = None
-    if args.kv_fraction:
-        fractions = {k: float(v) for k, _, v in (f.partition("=") for f in args.kv_fraction)}
+    fractions = _kv_fractions(args.kv_fraction) if args.kv_fraction else None
     rt = Runtime(named_models(args.model), kv_mode=args.kv_mode, kv_fractions=fractions,
                  kv_cache_memory_bytes=args.kv_cache_memory_bytes, memory_utilization=args.memory_utilization,
                  dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
@@ -237,6 +235,20 @@ def cmd_memory(args) -> int:
     print(f"KV mode: {rt.kv_mode}{shared}; KV budget {rt.kv_budget / (1 << 20):,.1f} MiB")
     print(format_breakdown(list(rt.memory.values()), rt.total_bytes, rt.utilisation))
     return 0
+
+
+def _kv_fractions(values: list[str]) -> dict[str, float]:
+    """--kv-fraction NAME=FRACTION, repeatable (`x` was "could not convert string to float: ''")."""
+    fractions = {}
+    for value in values:
+        name, sep, fraction = value.partition("=")
+        try:
+            fractions[name] = float(fraction)
+        except ValueError:
+            fractions[name] = None
+        if not sep or not name or fractions[name] is None:
+            raise ValueError(f"--kv-fraction: expected NAME=FRACTION (e.g. gen=0.6), got {value!r}")
+    return fractions
 
 
 def cmd_worker(args) -> int:

@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from treeserve.cli_args import database_url, port, served_name
+from treeserve.cli_args import database_url, given, port, served_name
 from treeserve.lifecycle import freeze_startup_heap
 
 BUDGET_HELP = ("in the currency of the models' prices (input_cost_per_token, output_cost_per_token in the "
@@ -76,7 +76,7 @@ def add_gateway_parsers(sub) -> None:
     user_commands = users.add_subparsers(dest="users_command", required=True)
     new_user = user_commands.add_parser("create", help="create a user")
     _add_database(new_user)
-    new_user.add_argument("user_id")
+    new_user.add_argument("user_id", type=given("give the user's id"))
     new_user.add_argument("--max-budget", type=float, help=BUDGET_HELP)
     new_user.add_argument("--budget-duration")
     new_user.add_argument("--models", help="comma-separated models the user's keys may use (default: all)")
@@ -246,8 +246,13 @@ def cmd_db_upgrade(args) -> int:
 
 
 def cmd_db_downgrade(args) -> int:
+    from alembic.util import CommandError
+
     store = _unmigrated_store(args)
-    store.db.downgrade(args.revision)
+    try:
+        store.db.downgrade(args.revision)
+    except CommandError as exc:  # (a revision that does not exist: it was Alembic's traceback)
+        raise ValueError(f"revision {args.revision!r}: {exc} (give one such as 0001, or -N for N back)") from None
     print(f"database at revision {store.db.revision()}")
     return 0
 

@@ -30,7 +30,7 @@ def add_bench_parsers(sub) -> None:
     calibrate.add_argument("--concurrency", type=int, default=64)
     calibrate.add_argument("--num-requests", type=int, default=128)
     calibrate.add_argument("--output-len", type=int, default=32)
-    calibrate.add_argument("--port", type=int, default=18099)
+    calibrate.add_argument("--port", type=_port, default=18099)
     calibrate.add_argument("--out", type=Path, default=Path("bench-calibration"))
     calibrate.set_defaults(func=cmd_calibrate)
     throughput = kinds.add_parser("throughput", help="offline engine throughput against HF transformers, same run")
@@ -40,7 +40,7 @@ def add_bench_parsers(sub) -> None:
 
 def _add_serve_parser(kinds) -> None:
     serve = kinds.add_parser("serve", help="load an OpenAI-compatible server; write a run directory")
-    serve.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    serve.add_argument("--base-url", required=True, type=_base_url, help="e.g. http://127.0.0.1:8000")
     serve.add_argument("--model", type=_served_model, help="default: the first model of GET /v1/models")
     serve.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="default: $OPENAI_API_KEY")
     serve.add_argument("--out", required=True, help="run directory")
@@ -89,6 +89,24 @@ def _served_model(text: str) -> str:
 
 def _tokenizer_dir(text: str) -> str:
     return _given(text, "give an HF tokenizer directory, or leave the flag out")
+
+
+def _base_url(text: str) -> str:
+    """(a URL without its scheme was waited on as a server still loading, for --ready-check-timeout-sec)"""
+    if not text.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"expected an http(s):// URL such as http://127.0.0.1:8000, got {text!r}")
+    return text
+
+
+def _port(text: str) -> int:
+    """(--port 99999 was the mock server's traceback, then wait_healthy's)"""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number, 1-65535, got {value}")
+    return value
 
 
 def _given(text: str, what: str) -> str:
