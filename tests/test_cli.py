@@ -71,6 +71,9 @@ def test_a_model_name_or_path_left_empty_is_an_error(value, missing):
     (["serve", "--max-queue", "0"], "--max-queue"), (["serve", "--max-queue", "-3"], "--max-queue"),
     (["bench", "calibrate", "--port", "99999"], "--port"),  # (the mock server's traceback, then wait_healthy's)
     (["bench", "serve", "--base-url", "127.0.0.1:8000", "--out", "o"], "--base-url"),  # (waited on for 600 s)
+    (["worker", "--broker", "127.0.0.1:5672"], "--broker"),  # (retried every 5 s, for ever)
+    (["bench", "throughput", "--tensor-parallel-size", "x"], "--tensor-parallel-size"),  # (said after the HF run)
+    (["bench", "throughput", "--hf-batch-sizes", "16,0"], "--hf-batch-sizes"),
 ])
 def test_ports_and_the_queue_bound_are_checked_by_the_parser(argv, flag, capsys):
     """(--port 99999 was an OverflowError's traceback; --max-queue 0 answered every request 429)"""
@@ -356,6 +359,7 @@ def test_an_empty_model_path_is_an_error_not_the_current_folder(tmp_path, monkey
     (["search", "--recipe", "", "q"], "--recipe", "the verifier's own"),
     (["eval", "--agg-strategy", "", "--dataset", "d", "--out", "o"], "--agg-strategy", "the verifier's own"),
     (["gateway", "users", "create", "", "--database", "sqlite://"], "user_id", "the user's id"),  # (made user '')
+    (["chat", "--user", ""], "--user", "the first user's name"),  # (made user '')
 ])
 def test_an_empty_name_is_an_error_naming_its_flag(argv, flag, hint, monkeypatch, capsys):
     """`--served-model-name ""` served the model under its path's name; `bench serve --model ""` benchmarked

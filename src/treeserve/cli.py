@@ -6,7 +6,7 @@ import sys
 
 from treeserve.cli_gateway import add_gateway_parsers
 from treeserve.cli_gateway import main as gateway_main
-from treeserve.cli_args import at_least_one, json_list, json_object, model_arg, port, served_name
+from treeserve.cli_args import at_least_one, broker_url, json_list, json_object, model_arg, port, served_name
 from treeserve.lifecycle import exit_now, exit_on_signals, follow_parent, heap_frozen_while_it_runs
 
 
@@ -200,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
     worker = sub.add_parser("worker", help="a model server fed by a message broker (behind `treeserve gateway`)")
     _add_serving_args(worker, http=False)
-    worker.add_argument("--broker", required=True, help="AMQP URL of the RabbitMQ broker, e.g. amqp://guest:guest@host/")
+    worker.add_argument("--broker", required=True, type=broker_url, help="AMQP URL of the RabbitMQ broker, e.g. amqp://guest:guest@host/")
     worker.add_argument("--prefetch", type=int, default=64, help="requests this worker holds at once")
     worker.set_defaults(func=cmd_worker)
     memory = sub.add_parser("memory", help="print the memory breakdown per model (weights, activations, KV)")

@@ -74,3 +74,11 @@ served_name = given("give the name requests call the model by, or leave the flag
 # the gateway's database (gateway, its management commands, chat)
 database_url = given("give a SQLAlchemy URL or leave the flag out (then TREESERVE_GATEWAY_DATABASE, else "
                      "./treeserve-gateway.db)")
+
+
+def broker_url(text: str) -> str:
+    """argparse's type for an AMQP URL (one without its scheme was retried every 5 seconds, for ever)."""
+    if not text.startswith(("amqp://", "amqps://")):
+        raise argparse.ArgumentTypeError(f"expected an amqp:// or amqps:// URL such as amqp://guest:guest@host/, "
+                                         f"got {text!r}")
+    return text

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 
-from treeserve.cli_args import database_url, port
+from treeserve.cli_args import database_url, given, port
 from treeserve.lifecycle import child_env
 
 GENERATOR, VERIFIER, ROUTER = "arith-gen", "arith-prm", "arith-router"
@@ -34,7 +34,7 @@ def add_chat_parser(sub) -> None:
     chat.add_argument("--serve-port", type=port, help="the model server's port on 127.0.0.1 (default: a free one)")
     chat.add_argument("--database", type=database_url, help="the gateway's database URL (default: "
                       "TREESERVE_GATEWAY_DATABASE, else ./treeserve-gateway.db, as for `treeserve gateway`)")
-    chat.add_argument("--user", default="demo", help="the first user's name (its password is printed)")
+    chat.add_argument("--user", default="demo", type=given("give the first user's name"), help="the first user's name (its password is printed)")
     chat.add_argument("--master-key", help="the admin API's key (/key/generate, /user/new, /spend/logs ...); default "
                       "TREESERVE_MASTER_KEY, else a new one printed at each start")
     chat.add_argument("--chat-tool", action="append", default=[], metavar="NAME=URL",

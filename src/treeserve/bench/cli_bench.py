@@ -109,6 +109,15 @@ def _port(text: str) -> int:
     return value
 
 
+def _counts(text: str) -> str:
+    """Comma-separated whole numbers >= 1, kept as given (`x` was "invalid literal for int()" after the
+    workload was made and, for --tensor-parallel-size, after HF's run)."""
+    parts = [part.strip() for part in text.split(",")]
+    if not all(part.isdigit() and int(part) >= 1 for part in parts):
+        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers >= 1 such as 1,2, got {text!r}")
+    return text
+
+
 def _given(text: str, what: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError(f"is empty ({text!r}): {what}")
@@ -194,13 +203,13 @@ def add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="auto", help="auto: bfloat16 where the CPU has fast bf16, else float32")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (both engines run there)")
-    parser.add_argument("--hf-batch-sizes", default="16,64",
+    parser.add_argument("--hf-batch-sizes", default="16,64", type=_counts,
                         help="HF static batch sizes to try; the fastest is the one compared against")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-bytes", type=int, default=2 << 30)
     parser.add_argument("--skip-hf", action="store_true")
-    parser.add_argument("--tensor-parallel-size", default="1",
+    parser.add_argument("--tensor-parallel-size", default="1", type=_counts,
                         help="comma-separated ranks to run treeserve at (e.g. 1,2: each in turn, same workload)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
 
