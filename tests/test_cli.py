@@ -412,3 +412,16 @@ def test_a_kv_fraction_without_its_name_is_named(capsys):
     """(`--kv-fraction x` was "error: could not convert string to float: ''")"""
     assert main(["memory", "--kv-mode", "static", "--kv-fraction", "x"]) == 2
     assert "--kv-fraction: expected NAME=FRACTION (e.g. gen=0.6), got 'x'" in capsys.readouterr().err
+
+
+def test_a_broker_not_reached_is_one_line_not_a_traceback(caplog):
+    """(`treeserve worker --broker amqp://host-without-rabbitmq/` logged two chained tracebacks before its
+    one-line error)"""
+    from treeserve.ports import free_port
+    from treeserve.server.broker_worker import BrokerWorker
+
+    worker = BrokerWorker(f"amqp://127.0.0.1:{free_port()}/", "http://127.0.0.1:1", ["m"])
+    worker.start().join(30)
+    assert isinstance(worker.error, OSError)
+    (record,) = [r for r in caplog.records if r.name == "treeserve.worker"]
+    assert record.getMessage().startswith("the broker consumer failed: ") and record.exc_info is None
