@@ -357,6 +357,7 @@ def test_an_empty_model_path_is_an_error_not_the_current_folder(tmp_path, monkey
     (["gateway", "keys", "list", "--database", ""], "--database", "TREESERVE_GATEWAY_DATABASE"),
     (["chat", "--database", " "], "--database", "TREESERVE_GATEWAY_DATABASE"),
     (["search", "--recipe", "", "q"], "--recipe", "the verifier's own"),
+    (["search", "--recipe", " ", "q"], "--recipe", "known: rlhflow"),
     (["eval", "--agg-strategy", "", "--dataset", "d", "--out", "o"], "--agg-strategy", "the verifier's own"),
     (["gateway", "users", "create", "", "--database", "sqlite://"], "user_id", "the user's id"),  # (made user '')
     (["chat", "--user", ""], "--user", "the first user's name"),  # (made user '')
@@ -425,3 +426,12 @@ def test_a_broker_not_reached_is_one_line_not_a_traceback(caplog):
     assert isinstance(worker.error, OSError)
     (record,) = [r for r in caplog.records if r.name == "treeserve.worker"]
     assert record.getMessage().startswith("the broker consumer failed: ") and record.exc_info is None
+
+
+def test_an_unknown_recipe_is_named_by_its_flag(capsys):
+    """(it was "error: recipes: prm: unknown recipe 'nope'", the Runtime's names for the flag and the model)"""
+    with pytest.raises(SystemExit) as stopped:
+        main(["search", "--recipe", "nope", "q"])
+    assert stopped.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "argument --recipe: unknown recipe 'nope'; known: rlhflow, math-shepherd" in last, last
