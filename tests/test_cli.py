@@ -69,6 +69,11 @@ def test_a_model_name_or_path_left_empty_is_an_error(value, missing):
     (["serve", "--port", "99999"], "--port"), (["serve", "--port", "-1"], "--port"),
     (["gateway", "--port", "65536"], "--port"), (["chat", "--serve-port", "-5"], "--serve-port"),
     (["serve", "--max-queue", "0"], "--max-queue"), (["serve", "--max-queue", "-3"], "--max-queue"),
+    (["bench", "calibrate", "--port", "99999"], "--port"),  # (the mock server's traceback, then wait_healthy's)
+    (["bench", "serve", "--base-url", "127.0.0.1:8000", "--out", "o"], "--base-url"),  # (waited on for 600 s)
+    (["worker", "--broker", "127.0.0.1:5672"], "--broker"),  # (retried every 5 s, for ever)
+    (["bench", "throughput", "--tensor-parallel-size", "x"], "--tensor-parallel-size"),  # (said after the HF run)
+    (["bench", "throughput", "--hf-batch-sizes", "16,0"], "--hf-batch-sizes"),
 ])
 def test_ports_and_the_queue_bound_are_checked_by_the_parser(argv, flag, capsys):
     """(--port 99999 was an OverflowError's traceback; --max-queue 0 answered every request 429)"""
@@ -338,3 +343,95 @@ def test_an_empty_model_path_is_an_error_not_the_current_folder(tmp_path, monkey
     for empty in ("", "  "):
         with pytest.raises(ValueError, match=r"^model: is empty"):
             resolve_model_path(empty)
+
+
+@pytest.mark.parametrize("argv, flag, hint", [
+    (["serve", "builtin:arith-gen", "--served-model-name", ""], "--served-model-name", "leave the flag out"),
+    (["worker", "--broker", "amqp://x/", "--served-model-name", " "], "--served-model-name", "leave the flag out"),
+    (["bench", "serve", "--base-url", "http://127.0.0.1:1", "--out", "o", "--model", ""], "--model", "GET /v1/models"),
+    (["bench", "serve", "--base-url", "http://127.0.0.1:1", "--out", "o", "--tokenizer", ""], "--tokenizer",
+     "tokenizer directory"),
+    (["gateway", "--backend", "m=http://127.0.0.1:1", "--chat", "--chat-router", ""], "--chat-router",
+     "leave the flag out"),
+    (["gateway", "--backend", "m=http://127.0.0.1:1", "--database", ""], "--database", "TREESERVE_GATEWAY_DATABASE"),
+    (["gateway", "keys", "list", "--database", ""], "--database", "TREESERVE_GATEWAY_DATABASE"),
+    (["chat", "--database", " "], "--database", "TREESERVE_GATEWAY_DATABASE"),
+    (["search", "--recipe", "", "q"], "--recipe", "the verifier's own"),
+    (["search", "--recipe", " ", "q"], "--recipe", "known: rlhflow"),
+    (["eval", "--agg-strategy", "", "--dataset", "d", "--out", "o"], "--agg-strategy", "the verifier's own"),
+    (["gateway", "users", "create", "", "--database", "sqlite://"], "user_id", "the user's id"),  # (made user '')
+    (["chat", "--user", ""], "--user", "the first user's name"),  # (made user '')
+])
+def test_an_empty_name_is_an_error_naming_its_flag(argv, flag, hint, monkeypatch, capsys):
+    """`--served-model-name ""` served the model under its path's name; `bench serve --model ""` benchmarked
+    the first model; `--chat-router ""` routed by the conversation's own model; `--database ""` used
+    TREESERVE_GATEWAY_DATABASE or ./treeserve-gateway.db: each empty value was taken as the flag left out."""
+    import treeserve.bench.run as bench_run
+    import treeserve.cli_chat as cli_chat
+    import treeserve.cli_gateway as cli_gateway
+    import treeserve.cli_search as cli_search
+    import treeserve.server.launch as launch
+
+    def loaded(*args, **kwargs):
+        raise Loaded
+    for module, names in ((launch, ["serve", "worker"]), (bench_run, ["run_benchmark"]), (cli_chat, ["cmd_chat"]),
+                          (cli_gateway, ["cmd_gateway", "cmd_keys_list", "cmd_users_create"]), (cli_search, ["cmd_search", "cmd_eval"])):
+        for name in names:
+            monkeypatch.setattr(module, name, loaded)
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"argument {flag}: is empty" in last and hint in last, last
+
+
+def test_an_empty_served_model_name_is_an_error_in_python():
+    """(build_app(path, served_model_name="") served the model under its path's name)"""
+    from treeserve.server.launch import build_app
+
+    with pytest.raises(ValueError, match=r"^served_model_name: is empty"):
+        build_app("builtin:arith-gen", served_model_name="")
+
+
+@pytest.mark.parametrize("section, field", [({"database": ""}, "database"),
+                                            ({"chat": {"enabled": True, "router_model": " "}}, "chat.router_model")])
+def test_an_empty_database_or_router_in_the_gateway_config_is_an_error(section, field, tmp_path):
+    """(a YAML `database: ""` used TREESERVE_GATEWAY_DATABASE or ./treeserve-gateway.db; `router_model: ""`
+    the conversation's own model)"""
+    import yaml
+
+    from treeserve.errors import ParamError
+    from treeserve.gateway.config_load import build_config
+
+    path = tmp_path / "gateway.yaml"
+    path.write_text(yaml.safe_dump({"models": {"m": {"backends": ["http://127.0.0.1:1"]}}, **section}))
+    with pytest.raises(ParamError, match=rf"^{field}: is empty"):
+        build_config([], path)
+
+
+def test_a_kv_fraction_without_its_name_is_named(capsys):
+    """(`--kv-fraction x` was "error: could not convert string to float: ''")"""
+    assert main(["memory", "--kv-mode", "static", "--kv-fraction", "x"]) == 2
+    assert "--kv-fraction: expected NAME=FRACTION (e.g. gen=0.6), got 'x'" in capsys.readouterr().err
+
+
+def test_a_broker_not_reached_is_one_line_not_a_traceback(caplog):
+    """(`treeserve worker --broker amqp://host-without-rabbitmq/` logged two chained tracebacks before its
+    one-line error)"""
+    from treeserve.ports import free_port
+    from treeserve.server.broker_worker import BrokerWorker
+
+    worker = BrokerWorker(f"amqp://127.0.0.1:{free_port()}/", "http://127.0.0.1:1", ["m"])
+    worker.start().join(30)
+    assert isinstance(worker.error, OSError)
+    (record,) = [r for r in caplog.records if r.name == "treeserve.worker"]
+    assert record.getMessage().startswith("the broker consumer failed: ") and record.exc_info is None
+
+
+def test_an_unknown_recipe_is_named_by_its_flag(capsys):
+    """(it was "error: recipes: prm: unknown recipe 'nope'", the Runtime's names for the flag and the model)"""
+    with pytest.raises(SystemExit) as stopped:
+        main(["search", "--recipe", "nope", "q"])
+    assert stopped.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "argument --recipe: unknown recipe 'nope'; known: rlhflow, math-shepherd" in last, last

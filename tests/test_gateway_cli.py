@@ -72,3 +72,12 @@ def test_the_serving_gateway_reads_the_database_the_key_commands_read(tmp_path, 
     assert main(["gateway", "--port", "8314", "--backend", "m=http://127.0.0.1:8315"]) == 2
     assert f"error: database {path}: cannot be reached" in capsys.readouterr().err
     assert not (tmp_path / "treeserve-gateway.db").exists()
+
+
+def test_db_downgrade_to_a_revision_that_does_not_exist_is_named(tmp_path, capsys):
+    """(it was Alembic's CommandError with its traceback, exit 1)"""
+    database = f"sqlite:///{tmp_path / 'gw.db'}"
+    assert main(["gateway", "db", "upgrade", "--database", database]) == 0
+    assert main(["gateway", "db", "downgrade", "zzz", "--database", database]) == 2
+    err = capsys.readouterr().err
+    assert "error: revision 'zzz': Can't locate revision identified by 'zzz'" in err and "Traceback" not in err

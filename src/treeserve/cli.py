@@ -6,7 +6,7 @@ import sys
 
 from treeserve.cli_gateway import add_gateway_parsers
 from treeserve.cli_gateway import main as gateway_main
-from treeserve.cli_args import at_least_one, json_list, json_object, model_arg, port
+from treeserve.cli_args import at_least_one, broker_url, json_list, json_object, model_arg, port, served_name
 from treeserve.lifecycle import exit_now, exit_on_signals, follow_parent, heap_frozen_while_it_runs
 
 
@@ -120,7 +120,7 @@ def _add_serving_args(parser: argparse.ArgumentParser, http: bool) -> None:
                         help="on SIGTERM or SIGINT, seconds the requests in flight (streams and searches too) may "
                         "take to finish while new ones get 503 and /health/ready turns 503; a second signal "
                         "exits at once")
-    parser.add_argument("--served-model-name", help="the name requests give as 'model' (default: NAME for "
+    parser.add_argument("--served-model-name", type=served_name, help="the name requests give as 'model' (default: NAME for "
                         "builtin:NAME, else the model argument as given)")
     parser.add_argument("--verifier", action="append", metavar="NAME[=RECIPE]",
                         help="serve the model NAME as a process reward model (a search's verifier, /v1/rewards), "
@@ -200,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
     worker = sub.add_parser("worker", help="a model server fed by a message broker (behind `treeserve gateway`)")
     _add_serving_args(worker, http=False)
-    worker.add_argument("--broker", required=True, help="AMQP URL of the RabbitMQ broker, e.g. amqp://guest:guest@host/")
+    worker.add_argument("--broker", required=True, type=broker_url, help="AMQP URL of the RabbitMQ broker, e.g. amqp://guest:guest@host/")
     worker.add_argument("--prefetch", type=int, default=64, help="requests this worker holds at once")
     worker.set_defaults(func=cmd_worker)
     memory = sub.add_parser("memory", help="print the memory breakdown per model (weights, activations, KV)")
@@ -226,9 +226,7 @@ def cmd_memory(args) -> int:
     from treeserve.runtime.memory import format_breakdown
     from treeserve.runtime.runtime import Runtime
 
-    fractions = None
-    if args.kv_fraction:
-        fractions = {k: float(v) for k, _, v in (f.partition("=") for f in args.kv_fraction)}
+    fractions = _kv_fractions(args.kv_fraction) if args.kv_fraction else None
     rt = Runtime(named_models(args.model), kv_mode=args.kv_mode, kv_fractions=fractions,
                  kv_cache_memory_bytes=args.kv_cache_memory_bytes, memory_utilization=args.memory_utilization,
                  dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
@@ -237,6 +235,20 @@ def cmd_memory(args) -> int:
     print(f"KV mode: {rt.kv_mode}{shared}; KV budget {rt.kv_budget / (1 << 20):,.1f} MiB")
     print(format_breakdown(list(rt.memory.values()), rt.total_bytes, rt.utilisation))
     return 0
+
+
+def _kv_fractions(values: list[str]) -> dict[str, float]:
+    """--kv-fraction NAME=FRACTION, repeatable (`x` was "could not convert string to float: ''")."""
+    fractions = {}
+    for value in values:
+        name, sep, fraction = value.partition("=")
+        try:
+            fractions[name] = float(fraction)
+        except ValueError:
+            fractions[name] = None
+        if not sep or not name or fractions[name] is None:
+            raise ValueError(f"--kv-fraction: expected NAME=FRACTION (e.g. gen=0.6), got {value!r}")
+    return fractions
 
 
 def cmd_worker(args) -> int:

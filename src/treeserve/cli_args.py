@@ -57,3 +57,28 @@ def model_arg(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError(f"is empty ({text!r}): give a local model directory or builtin:NAME")
     return text
+
+
+def given(what: str):
+    """argparse's type for a value that must not be empty when the flag is given: `what` says what
+    to give instead (an empty value was read as the flag left out, and its default used silently)."""
+    def non_empty(text: str) -> str:
+        if not text.strip():
+            raise argparse.ArgumentTypeError(f"is empty ({text!r}): {what}")
+        return text
+    return non_empty
+
+
+# the name requests give as "model" (serve's --served-model-name, bench serve's --model, --chat-router)
+served_name = given("give the name requests call the model by, or leave the flag out")
+# the gateway's database (gateway, its management commands, chat)
+database_url = given("give a SQLAlchemy URL or leave the flag out (then TREESERVE_GATEWAY_DATABASE, else "
+                     "./treeserve-gateway.db)")
+
+
+def broker_url(text: str) -> str:
+    """argparse's type for an AMQP URL (one without its scheme was retried every 5 seconds, for ever)."""
+    if not text.startswith(("amqp://", "amqps://")):
+        raise argparse.ArgumentTypeError(f"expected an amqp:// or amqps:// URL such as amqp://guest:guest@host/, "
+                                         f"got {text!r}")
+    return text

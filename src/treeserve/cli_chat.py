@@ -10,9 +10,8 @@ import string
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
-from treeserve.cli_args import port
+from treeserve.cli_args import database_url, given, port
 from treeserve.lifecycle import child_env
 
 GENERATOR, VERIFIER, ROUTER = "arith-gen", "arith-prm", "arith-router"
@@ -33,8 +32,9 @@ def add_chat_parser(sub) -> None:
     chat.add_argument("--host", default="127.0.0.1", help="the chat page's address")
     chat.add_argument("--port", type=port, default=4000, help="the chat page's (the gateway's) port")
     chat.add_argument("--serve-port", type=port, help="the model server's port on 127.0.0.1 (default: a free one)")
-    chat.add_argument("--database", help="the gateway's database URL (default: ./treeserve-gateway.db)")
-    chat.add_argument("--user", default="demo", help="the first user's name (its password is printed)")
+    chat.add_argument("--database", type=database_url, help="the gateway's database URL (default: "
+                      "TREESERVE_GATEWAY_DATABASE, else ./treeserve-gateway.db, as for `treeserve gateway`)")
+    chat.add_argument("--user", default="demo", type=given("give the first user's name"), help="the first user's name (its password is printed)")
     chat.add_argument("--master-key", help="the admin API's key (/key/generate, /user/new, /spend/logs ...); default "
                       "TREESERVE_MASTER_KEY, else a new one printed at each start")
     chat.add_argument("--chat-tool", action="append", default=[], metavar="NAME=URL",
@@ -83,6 +83,9 @@ def _chat_on(sockets: list, serve_port: int, args) -> int:
     from treeserve.model.registry import CHAT_MODELS, CHAT_TOOL_PARSER
 
     url = f"http://127.0.0.1:{serve_port}"
+    # the gateway's settings and its database first: a wrong one is said at once, not after the models load
+    config, given = _gateway_config(args, url)
+    password = _first_user_in(config.database, args.user)
     models = [f"--model={name}={path}" for name, path in CHAT_MODELS.items()]
     server = subprocess.Popen([sys.executable, "-m", "treeserve.cli", "serve", "--port", str(serve_port), *models,
                                "--tool-call-parser", CHAT_TOOL_PARSER, "--shutdown-timeout", str(args.shutdown_timeout)],
@@ -92,10 +95,7 @@ def _chat_on(sockets: list, serve_port: int, args) -> int:
         # (imported while the server starts)
         from treeserve.bench.health import wait_healthy
         from treeserve.gateway.app import build_app
-        from treeserve.gateway.config_load import build_config
-        from treeserve.gateway.database import default_url
         from treeserve.gateway.launch import run_gateway
-        from treeserve.gateway.store import Store
 
         print(f"starting the model server ({', '.join(CHAT_MODELS)}) at {url} ...", file=sys.stderr, flush=True)
         try:
@@ -103,19 +103,7 @@ def _chat_on(sockets: list, serve_port: int, args) -> int:
         except RuntimeError as error:  # its own error is in its log above
             print(f"treeserve chat: the model server did not start: {error}", file=sys.stderr)
             return 1
-        store = Store(args.database or default_url())
-        store.migrate()
-        password = first_user(store, args.user)
-        store.close()
-        given = args.master_key or os.environ.get("TREESERVE_MASTER_KEY")
-        master_key = given or "sk-admin-" + secrets.token_urlsafe(24)
-        tools = dict(value.partition("=")[::2] for value in args.chat_tool)
-        config = build_config([f"{name}={url}" for name in CHAT_MODELS], None, database=args.database,
-                              master_key=master_key,
-                              chat={"enabled": True, "verifiers": {GENERATOR: VERIFIER}, "router_model": ROUTER,
-                                    "router_history": False, "tools": tools, "examples": {GENERATOR: EXAMPLES}},
-                              shutdown_timeout=args.shutdown_timeout)
-        print(_banner(args, password, master_key, shown=not given), flush=True)
+        print(_banner(args, config.database, password, config.master_key, shown=not given), flush=True)
         app = build_app(config)
         died = threading.Event()
         code = run_gateway(app, args.host, args.port, sockets=sockets,
@@ -125,10 +113,43 @@ def _chat_on(sockets: list, serve_port: int, args) -> int:
         _stop_server(server, args.shutdown_timeout, now=app is not None and app.state.drain.forced)
 
 
-def _banner(args, password: str, master_key: str, shown: bool) -> str:
+def _gateway_config(args, url: str):
+    """The gateway's config in front of the model server at `url` (its database as every gateway command
+    finds it), and whether the master key was given (by flag or environment) rather than made here."""
+    from treeserve.gateway.config_load import build_config
+    from treeserve.gateway.database import configured_url
+    from treeserve.model.registry import CHAT_MODELS
+
+    given = args.master_key or os.environ.get("TREESERVE_MASTER_KEY")
+    master_key = given or "sk-admin-" + secrets.token_urlsafe(24)
+    tools = dict(value.partition("=")[::2] for value in args.chat_tool)
+    config = build_config([f"{name}={url}" for name in CHAT_MODELS], None, database=configured_url(args.database),
+                          master_key=master_key,
+                          chat={"enabled": True, "verifiers": {GENERATOR: VERIFIER}, "router_model": ROUTER,
+                                "router_history": False, "tools": tools, "examples": {GENERATOR: EXAMPLES}},
+                          shutdown_timeout=args.shutdown_timeout)
+    return config, bool(given)
+
+
+def _first_user_in(database: str, user_id: str) -> str:
+    """The first user made (or its password renewed) in `database`, brought to the newest schema; its password."""
+    from treeserve.gateway.store import Store
+
+    store = Store(database)
+    try:
+        store.migrate()
+        return first_user(store, user_id)
+    finally:
+        store.close()
+
+
+def _banner(args, database: str, password: str, master_key: str, shown: bool) -> str:
     """What a first user needs: the page, the sign-in, and the admin API's key (printed only when it
-    was made here: one given by flag or environment is the caller's already)."""
-    where = args.database or str(Path.cwd() / "treeserve-gateway.db")
+    was made here: one given by flag or environment is the caller's already); the database as an
+    error would name it (a file's path; a server's URL without its password)."""
+    from treeserve.gateway.database import shown_url
+
+    where = shown_url(database)
     admin = (f"  admin key: {master_key}  (the admin API at http://{args.host}:{args.port}: /key/generate, "
              "/user/new, /spend/logs; new at each start unless --master-key or TREESERVE_MASTER_KEY)\n"
              if shown else "  admin key: the one given (--master-key or TREESERVE_MASTER_KEY)\n")

@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from treeserve.cli_args import port
+from treeserve.cli_args import database_url, given, port, served_name
 from treeserve.lifecycle import freeze_startup_heap
 
 BUDGET_HELP = ("in the currency of the models' prices (input_cost_per_token, output_cost_per_token in the "
@@ -27,7 +27,7 @@ def add_gateway_parsers(sub) -> None:
     gateway.add_argument("--config", type=Path, help="a YAML file: models (backends, prices, fallbacks), "
                          "master_key, database, routing, retries, ...")
     gateway.add_argument("--master-key", help="the admin key (or TREESERVE_MASTER_KEY)")
-    gateway.add_argument("--database", help="a SQLAlchemy URL (default: SQLite treeserve-gateway.db in the "
+    gateway.add_argument("--database", type=database_url, help="a SQLAlchemy URL (default: SQLite treeserve-gateway.db in the "
                          "working directory; postgresql+psycopg://user:pass@host/db for production)")
     gateway.add_argument("--host", default="127.0.0.1")
     gateway.add_argument("--port", type=port, default=4000)
@@ -42,7 +42,7 @@ def add_gateway_parsers(sub) -> None:
                          "the passwords set by /user/new or `treeserve gateway users create --password`)")
     gateway.add_argument("--chat-verifier", action="append", default=[], metavar="MODEL=PRM",
                          help="search mode for MODEL, verified by the PRM model PRM (repeatable)")
-    gateway.add_argument("--chat-router", metavar="MODEL", help="tools mode's function-calling model "
+    gateway.add_argument("--chat-router", metavar="MODEL", type=served_name, help="tools mode's function-calling model "
                          "(default: the conversation's model)")
     gateway.add_argument("--chat-tool", action="append", default=[], metavar="NAME=URL",
                          help="an HTTP tool for tools mode: weather=URL or wikipedia=URL (asked GET URL?q=...)")
@@ -76,7 +76,7 @@ def add_gateway_parsers(sub) -> None:
     user_commands = users.add_subparsers(dest="users_command", required=True)
     new_user = user_commands.add_parser("create", help="create a user")
     _add_database(new_user)
-    new_user.add_argument("user_id")
+    new_user.add_argument("user_id", type=given("give the user's id"))
     new_user.add_argument("--max-budget", type=float, help=BUDGET_HELP)
     new_user.add_argument("--budget-duration")
     new_user.add_argument("--models", help="comma-separated models the user's keys may use (default: all)")
@@ -108,7 +108,7 @@ def add_gateway_parsers(sub) -> None:
 def _add_database(parser: argparse.ArgumentParser) -> None:
     # (SUPPRESS: `treeserve gateway --database URL keys list`, the flag before the subcommand, is kept;
     # a default here replaced it with None, and the command used ./treeserve-gateway.db)
-    parser.add_argument("--database", default=argparse.SUPPRESS,
+    parser.add_argument("--database", default=argparse.SUPPRESS, type=database_url,
                         help="the gateway's database URL (default: ./treeserve-gateway.db)")
 
 
@@ -246,8 +246,13 @@ def cmd_db_upgrade(args) -> int:
 
 
 def cmd_db_downgrade(args) -> int:
+    from alembic.util import CommandError
+
     store = _unmigrated_store(args)
-    store.db.downgrade(args.revision)
+    try:
+        store.db.downgrade(args.revision)
+    except CommandError as exc:  # (a revision that does not exist: it was Alembic's traceback)
+        raise ValueError(f"revision {args.revision!r}: {exc} (give one such as 0001, or -N for N back)") from None
     print(f"database at revision {store.db.revision()}")
     return 0
 

@@ -6,7 +6,7 @@ import contextlib
 import sys
 from pathlib import Path
 
-from treeserve.cli_args import at_least_one, json_object, model_arg
+from treeserve.cli_args import at_least_one, given, json_object, model_arg
 from treeserve.errors import ParamError
 from treeserve.lifecycle import heap_frozen_while_it_runs
 from treeserve.model.registry import DEFAULT_GENERATOR, DEFAULT_VERIFIER
@@ -41,6 +41,18 @@ def _question(text: str) -> str:
         raise argparse.ArgumentTypeError(exc.detail) from None
 
 
+def _recipe(text: str) -> str:
+    """--recipe, named by argparse (an unknown one was "recipes: prm: unknown recipe", the Runtime's names;
+    an empty one, the verifier's own recipe without a word)."""
+    from treeserve.runtime.prm_recipes import RECIPES
+
+    if text not in RECIPES:
+        what = "is empty ('')" if not text.strip() else f"unknown recipe {text!r}"
+        raise argparse.ArgumentTypeError(f"{what}; known: {', '.join(RECIPES)} (or leave the flag out for the "
+                                         "verifier's own)")
+    return text
+
+
 def _sizes(text: str) -> list[int]:
     """--n of eval: comma-separated N values, each at least 1."""
     sizes = [at_least_one(n.strip()) for n in text.split(",") if n.strip()]
@@ -52,7 +64,7 @@ def _sizes(text: str) -> list[int]:
 def _add_search_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--generator", default=DEFAULT_GENERATOR, type=model_arg, help="generator model directory or builtin:NAME")
     parser.add_argument("--verifier", default=DEFAULT_VERIFIER, type=model_arg, help="process reward model directory or builtin:NAME")
-    parser.add_argument("--recipe", help="how the verifier reads steps: rlhflow, math-shepherd, chat-steps, "
+    parser.add_argument("--recipe", type=_recipe, help="how the verifier reads steps: rlhflow, math-shepherd, chat-steps, "
                         "lm-likelihood (a plain LM scoring by its own likelihood, as the bundled arith-prm), "
                         "qwen-prm or value-head (default: the one the verifier's config.json names, else its "
                         "reward head's own, else rlhflow)")
@@ -67,7 +79,7 @@ def _add_search_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--max-tokens", type=int, default=2048)
-    parser.add_argument("--agg-strategy", help="last, min or prod: how step scores make one score "
+    parser.add_argument("--agg-strategy", type=given("last, min or prod, or leave the flag out for the verifier's own"), help="last, min or prod: how step scores make one score "
                         "(default: the one the verifier's config.json names, else last)")
     parser.add_argument("--system-prompt", help="replaces Search-and-Learn's math system prompt ('' for none)")
     parser.add_argument("--seed", type=int, default=0)

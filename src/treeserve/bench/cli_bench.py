@@ -30,7 +30,7 @@ def add_bench_parsers(sub) -> None:
     calibrate.add_argument("--concurrency", type=int, default=64)
     calibrate.add_argument("--num-requests", type=int, default=128)
     calibrate.add_argument("--output-len", type=int, default=32)
-    calibrate.add_argument("--port", type=int, default=18099)
+    calibrate.add_argument("--port", type=_port, default=18099)
     calibrate.add_argument("--out", type=Path, default=Path("bench-calibration"))
     calibrate.set_defaults(func=cmd_calibrate)
     throughput = kinds.add_parser("throughput", help="offline engine throughput against HF transformers, same run")
@@ -40,8 +40,8 @@ def add_bench_parsers(sub) -> None:
 
 def _add_serve_parser(kinds) -> None:
     serve = kinds.add_parser("serve", help="load an OpenAI-compatible server; write a run directory")
-    serve.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
-    serve.add_argument("--model", help="default: the first model of GET /v1/models")
+    serve.add_argument("--base-url", required=True, type=_base_url, help="e.g. http://127.0.0.1:8000")
+    serve.add_argument("--model", type=_served_model, help="default: the first model of GET /v1/models")
     serve.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="default: $OPENAI_API_KEY")
     serve.add_argument("--out", required=True, help="run directory")
     serve.add_argument("--endpoint", type=endpoint_kind, choices=["completions", "chat"], default="completions",
@@ -60,7 +60,7 @@ def _add_serve_parser(kinds) -> None:
     serve.add_argument("--shared-prefix-len", type=int, default=0, help="tokens shared within a prefix bucket")
     serve.add_argument("--shared-prefix-groups", type=int, default=1, help="number of shared-prefix buckets")
     serve.add_argument("--vocab-size", type=int, help="random token ids below this (default 256)")
-    serve.add_argument("--tokenizer", help="HF tokenizer directory: vocabulary and prompt lengths")
+    serve.add_argument("--tokenizer", type=_tokenizer_dir, help="HF tokenizer directory: vocabulary and prompt lengths")
     serve.add_argument("--concurrency", "--max-concurrency", default=None,
                        help="requests in flight, comma list sweeps: 1,4,16")
     serve.add_argument("--request-rate", default="inf", help="requests/s (Poisson or gamma arrivals), comma list")
@@ -80,6 +80,48 @@ def _add_serve_parser(kinds) -> None:
     for option, answer in VLLM_ONLY_OPTIONS.items():
         serve.add_argument(option, nargs="?", action=_NotHere, help=argparse.SUPPRESS, answer=answer)
     serve.set_defaults(func=cmd_serve)
+
+
+def _served_model(text: str) -> str:
+    """--model: a served model's name (an empty one was the flag left out: the first model was benchmarked)."""
+    return _given(text, "give a served model's name, or leave the flag out for the first of GET /v1/models")
+
+
+def _tokenizer_dir(text: str) -> str:
+    return _given(text, "give an HF tokenizer directory, or leave the flag out")
+
+
+def _base_url(text: str) -> str:
+    """(a URL without its scheme was waited on as a server still loading, for --ready-check-timeout-sec)"""
+    if not text.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"expected an http(s):// URL such as http://127.0.0.1:8000, got {text!r}")
+    return text
+
+
+def _port(text: str) -> int:
+    """(--port 99999 was the mock server's traceback, then wait_healthy's)"""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number, 1-65535, got {value}")
+    return value
+
+
+def _counts(text: str) -> str:
+    """Comma-separated whole numbers >= 1, kept as given (`x` was "invalid literal for int()" after the
+    workload was made and, for --tensor-parallel-size, after HF's run)."""
+    parts = [part.strip() for part in text.split(",")]
+    if not all(part.isdigit() and int(part) >= 1 for part in parts):
+        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers >= 1 such as 1,2, got {text!r}")
+    return text
+
+
+def _given(text: str, what: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"is empty ({text!r}): {what}")
+    return text
 
 
 # `vllm bench serve` options with no counterpart of the same name, and what to use instead
@@ -161,13 +203,13 @@ def add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="auto", help="auto: bfloat16 where the CPU has fast bf16, else float32")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (both engines run there)")
-    parser.add_argument("--hf-batch-sizes", default="16,64",
+    parser.add_argument("--hf-batch-sizes", default="16,64", type=_counts,
                         help="HF static batch sizes to try; the fastest is the one compared against")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-bytes", type=int, default=2 << 30)
     parser.add_argument("--skip-hf", action="store_true")
-    parser.add_argument("--tensor-parallel-size", default="1",
+    parser.add_argument("--tensor-parallel-size", default="1", type=_counts,
                         help="comma-separated ranks to run treeserve at (e.g. 1,2: each in turn, same workload)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
 

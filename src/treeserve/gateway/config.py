@@ -103,6 +103,9 @@ class ChatConfig:
         self.tool_timeout = number(self.tool_timeout, "chat.tool_timeout")
         if not isinstance(self.router_history, bool):
             raise ParamError("chat.router_history", f"expected true or false, got {self.router_history!r}")
+        if isinstance(self.router_model, str) and not self.router_model.strip():  # (taken as none given)
+            raise ParamError("chat.router_model", f"is empty ({self.router_model!r}): name a configured model, or "
+                             "leave it out for the conversation's own")
         named = [*self.verifiers, *self.verifiers.values(), *([self.router_model] if self.router_model else [])]
         unknown = [m for m in named if m not in models]
         if unknown:
@@ -162,6 +165,9 @@ class GatewayConfig:
             setattr(self, name, number(getattr(self, name), name))
         for name in ("master_key", "database"):
             optional_text(getattr(self, name), name)
+        if self.database is not None and not self.database.strip():  # (it was taken as none given)
+            raise ParamError("database", f"is empty ({self.database!r}): give a SQLAlchemy URL, or leave it out "
+                             "(then TREESERVE_GATEWAY_DATABASE, else ./treeserve-gateway.db)")
         if self.batch_priority is not None:
             whole(self.batch_priority, "batch_priority", minimum=-(1 << 31))
         if self.routing not in STRATEGIES:

@@ -66,7 +66,10 @@ class BrokerWorker:
             asyncio.run(self._run())
         except BaseException as exc:  # reported to the main thread, which stops the worker
             self.error = exc
-            log.exception("the broker consumer failed")
+            if isinstance(exc, OSError):  # a broker not reached (aiormq's AMQPConnectionError is one): the
+                log.error("the broker consumer failed: %s", exc)  # reason in one line, not a traceback
+            else:
+                log.exception("the broker consumer failed")
             self.ready.set()
         finally:
             self.finished.set()

@@ -42,6 +42,7 @@ def build_app(model: str | dict[str, str], served_model_name: str | None = None,
     steps them all; each served generator gets a search runner whose problems, from every request,
     advance together. With `engine_thread=False` the caller runs the loop
     (`app.state.engine.run_forever()`)."""
+    _check_served_model_name(served_model_name)
     metrics = ServerMetrics()
     scorers, loop, verifiers, runtime = {}, None, dict(verifiers or {}), None
     if isinstance(model, dict) and len(model) > 1:
@@ -73,6 +74,15 @@ def build_app(model: str | dict[str, str], served_model_name: str | None = None,
                      request_id_headers=request_id_headers, trust_request_chat_template=trust_request_chat_template)
     app.state.runtime = runtime  # (a Runtime let go of closes its engines: the app holds it while it serves them)
     return app
+
+
+def _check_served_model_name(name: str | None) -> None:
+    """(an empty name was taken as none given: the model was served under its path's name)"""
+    from treeserve.errors import ParamError
+
+    if name is not None and not name.strip():
+        raise ParamError("served_model_name", f"is empty ({name!r}): give the name requests call the model by, "
+                         "or None for the model's own")
 
 
 def _check_verifiers_served(verifiers: dict, names: list[str]) -> None:
