@@ -180,3 +180,16 @@ def test_a_runtime_finalized_on_its_stepping_thread_frees_its_memory_after_the_s
     assert all(e.closed for e in rt.engines.values()) and _storage_bytes(pages) == 0
     with pytest.raises(EngineClosedError, match="engine 'gen'"):
         rt.generate("gen", ["Hello"], SamplingParams(max_tokens=4))
+
+
+def test_a_runtime_closed_mid_step_ends_the_loop_step_without_writing_to_its_closed_trace(pair, tmp_path):
+    rt = Runtime(pair, trace_path=tmp_path / "trace.jsonl", **OPTIONS)
+    engine, outputs = rt.engines["gen"], []
+    rt.loop.add_request(engine, "r", [1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True), outputs.append)
+    rt.loop.step()
+    _close_mid_forward(engine, rt.close)
+    rt.loop.step()  # (the step's observers run after the close: the closed trace records nothing more)
+    lines = (tmp_path / "trace.jsonl").read_text().splitlines()
+    assert engine.closed and len(lines) >= 1
+    with pytest.raises(EngineClosedError, match="engine 'gen'"):
+        rt.loop.step()
