@@ -139,3 +139,57 @@ def test_a_streamed_request_on_an_async_engine_ends_with_an_error_when_its_engin
     finally:
         served.shutdown()
     assert llm.llm_engine.closed and llm.llm_engine.stats().num_tokens_computed >= 3
+
+
+def _close_mid_forward(engine, close) -> None:
+    """`close` runs on the stepping thread inside the model's forward, as a finalizer does when the
+    garbage collector runs on the engine thread mid-step (an app holding a Runtime dropped while its
+    engine thread still steps): the lock the step holds lets the same thread in."""
+    calls = []
+
+    def hook(module, args):
+        if not calls:
+            calls.append(1)
+            close()
+
+    engine.model.layers[-1].register_forward_pre_hook(hook)
+
+
+def test_a_close_from_the_stepping_thread_waits_for_the_step_under_way(llama_dir):
+    llm = LLM(str(llama_dir), **OPTIONS)
+    engine = llm.llm_engine
+    engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True))
+    engine.step()
+    weights = [p for p in engine.model.parameters() if p.untyped_storage().resizable()]
+    pages = engine.runner.arena.pages
+    _close_mid_forward(engine, llm.close)
+    engine.step()  # (the step under way finishes on the memory it started with)
+    assert engine.closed and _storage_bytes(pages) == 0 and all(_storage_bytes(w) == 0 for w in weights)
+    with pytest.raises(EngineClosedError, match="is closed"):
+        engine.step()
+
+
+def test_a_runtime_finalized_on_its_stepping_thread_frees_its_memory_after_the_step(pair):
+    rt = Runtime(pair, **OPTIONS)
+    engine = rt.engines["gen"]
+    engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True))
+    engine.step()
+    pages = engine.runner.arena.pages
+    _close_mid_forward(engine, rt.close)
+    engine.step()
+    assert all(e.closed for e in rt.engines.values()) and _storage_bytes(pages) == 0
+    with pytest.raises(EngineClosedError, match="engine 'gen'"):
+        rt.generate("gen", ["Hello"], SamplingParams(max_tokens=4))
+
+
+def test_a_runtime_closed_mid_step_ends_the_loop_step_without_writing_to_its_closed_trace(pair, tmp_path):
+    rt = Runtime(pair, trace_path=tmp_path / "trace.jsonl", **OPTIONS)
+    engine, outputs = rt.engines["gen"], []
+    rt.loop.add_request(engine, "r", [1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True), outputs.append)
+    rt.loop.step()
+    _close_mid_forward(engine, rt.close)
+    rt.loop.step()  # (the step's observers run after the close: the closed trace records nothing more)
+    lines = (tmp_path / "trace.jsonl").read_text().splitlines()
+    assert engine.closed and len(lines) >= 1
+    with pytest.raises(EngineClosedError, match="engine 'gen'"):
+        rt.loop.step()

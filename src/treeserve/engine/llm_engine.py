@@ -7,9 +7,9 @@ processing (`deferred_outputs`, `output_processor`), kept KV (`kept_kv`). Only t
 from __future__ import annotations
 
 import logging
-import threading
 
 from treeserve.config import EngineConfig
+from treeserve.engine.close_guard import CloseGuard
 from treeserve.engine.cuda_graphs import decode_graphs
 from treeserve.engine.deferred_outputs import DeferredOutputs
 from treeserve.engine.engine_stats import EngineStats, snapshot
@@ -48,7 +48,7 @@ class LLMEngine:
                                     "the loaded model's weights were freed when its owner closed")
         self.loaded = loaded
         self.closed = False
-        self._lock = threading.RLock()  # a step and `close` never overlap
+        self._guard = CloseGuard()  # a step and `close` never overlap
         self._owned = (loaded, kv_space) if owns else None
         self._arena_bytes, self._graph_replays = kv_space.arena.nbytes, 0  # (statistics, read after close too)
         self.config, self.name, self.model_dir = loaded.config, loaded.name, loaded.model_dir
@@ -195,7 +195,7 @@ class LLMEngine:
         under its request id, until `release_kv`; `parent_id` names such a kept sequence whose
         tokens this prompt extends, so that only the new tokens are computed.
         """
-        with self._lock:
+        with self._guard:
             self.require_open()
             speculative = self.speculator.config_for(speculative_config)
             self.intake.add(request_id, prompt_token_ids, params, prompt, cache_salt, logits_positions,
@@ -242,7 +242,7 @@ class LLMEngine:
         previous step's tokens (and its groups' outputs) is made while the device runs this step,
         and returned with this step's outputs that need no text; a request with stop strings has
         its text made at once (a stop string ends it before the next schedule)."""
-        with self._lock:
+        with self._guard:
             self.require_open()
             return self.pipeline.run_step()
 
@@ -266,22 +266,30 @@ class LLMEngine:
         """Frees what the engine holds now, not when the last reference to it goes: its CUDA graphs,
         draft models, KV views and model, and, where they are its own (`owns`: `LLM`,
         `from_config`), the weights and the KV arena; stops the tensor-parallel workers it started.
-        A step under way on another thread ends first. Then every call that would run the model
-        (`add_request`, `step`) raises EngineClosedError: requests still held fail at the loop's
-        next step, as vLLM's fail once its engine core is shut down. `stats()` and the counters stay
-        readable. Closing again does nothing."""
-        with self._lock:
-            if self.closed:
-                return
-            self.closed = True
-            self._graph_replays = self._num_graph_replays()
-            self.loaded.close()
-            self.pipeline.in_flight = None
-            self.speculator.close()
-            self.runner.release()
-            self.model = None
-            if self._owned is not None:
-                loaded, space = self._owned
-                loaded.release_weights()
-                space.release()
-                self._owned = None
+        A step under way ends first (called from within it, a finalizer run by the garbage
+        collector on the stepping thread, the close runs as it returns: engine/close_guard.py).
+        Then every call that would run the model (`add_request`, `step`) raises EngineClosedError:
+        requests still held fail at the loop's next step, as vLLM's fail once its engine core is
+        shut down. `stats()` and the counters stay readable. Closing again does nothing."""
+        self._guard.run_or_defer(self._close_now)
+
+    def after_close(self, fn) -> None:
+        """Runs `fn` once this engine's `close` has run (now, unless a step under way on this
+        thread defers it): for the owner of memory the engine ran on."""
+        self._guard.run_or_defer(fn)
+
+    def _close_now(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._graph_replays = self._num_graph_replays()
+        self.loaded.close()
+        self.pipeline.in_flight = None
+        self.speculator.close()
+        self.runner.release()
+        self.model = None
+        if self._owned is not None:
+            loaded, space = self._owned
+            loaded.release_weights()
+            space.release()
+            self._owned = None

@@ -229,11 +229,24 @@ def _reclaimer(engines: dict[str, LLMEngine], first: str):
 def _close_parts(trace: TelemetryTrace | None, engines: dict[str, LLMEngine], executor, spaces: list[KVSpace],
                  loaded: list[LoadedModel]) -> None:
     """What `Runtime.close` does, from the parts alone (a finalizer must not hold the Runtime): the
-    engines first (each waits for a step under way), then the memory no engine runs on any more."""
+    engines first (each waits for a step under way), then the memory no engine runs on any more
+    (after the step under way, where the finalizer runs on the stepping thread mid-step)."""
     if trace:
         trace.close()
     for engine in engines.values():
         engine.close()
+    _when_closed(list(engines.values()), lambda: _free_parts(spaces, loaded, executor))
+
+
+def _when_closed(engines: list[LLMEngine], fn) -> None:
+    """`fn` once every engine's `close` has run."""
+    if not engines:
+        fn()
+    else:
+        engines[0].after_close(lambda: _when_closed(engines[1:], fn))
+
+
+def _free_parts(spaces: list[KVSpace], loaded: list[LoadedModel], executor) -> None:
     for space in spaces:
         space.release()
     for model in loaded:

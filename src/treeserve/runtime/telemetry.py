@@ -29,7 +29,10 @@ class TelemetryTrace:
         self._start = time.monotonic()
 
     def observe(self, engine: LLMEngine, outputs=None) -> None:
-        """An engine loop step observer: one line for the engine that just stepped."""
+        """An engine loop step observer: one line for the engine that just stepped (none once closed:
+        a step under way when its Runtime closed ends after the close)."""
+        if self._file.closed:
+            return
         record = {"t": round(time.monotonic() - self._start, 6), "model": engine.name, "step": engine.num_steps,
                   "num_tokens": engine.last_step_num_tokens, **cache_snapshot(engine)}
         self._file.write(json.dumps(record) + "\n")
