@@ -45,6 +45,24 @@ def test_logprobs_past_the_vocabulary_are_a_param_error_not_a_failed_step(llm):
     assert_no_leak(llm.engine)
 
 
+def test_minus_one_logprobs_are_the_whole_vocabulary_as_vllms(llm):
+    """vLLM's `logprobs=-1` / `prompt_logprobs=-1` (every token's logprob) were a ParamError."""
+    size = llm.engine.model_config.vocab_size
+    prompt = {"prompt_token_ids": [1, 5, 9, 14]}
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3, logprobs=-1, prompt_logprobs=-1),
+                       use_tqdm=False)[0]
+    own = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3, logprobs=0, prompt_logprobs=0),
+                       use_tqdm=False)[0]
+    sample = out.outputs[0]
+    assert sample.token_ids == own.outputs[0].token_ids
+    assert [len(entry) for entry in sample.logprobs] == [size] * 3
+    assert [len(entry) for entry in out.prompt_logprobs[1:]] == [size] * 3 and out.prompt_logprobs[0] is None
+    for entry, token, alone in zip(sample.logprobs, sample.token_ids, own.outputs[0].logprobs):
+        assert entry[token].rank == 1 and abs(entry[token].logprob - alone[token].logprob) < 1e-5
+        assert sorted(lp.rank for lp in entry.values()) == list(range(1, size + 1))
+    assert_no_leak(llm.engine)
+
+
 def test_chat_continues_a_prefill_passes_template_variables_and_shows_its_prompt(llm):
     conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Well"}]
     params = SamplingParams(temperature=0, max_tokens=3)

@@ -22,7 +22,8 @@ from treeserve.wire.errors import from_value_error
     (dict(min_p=2.0), "min_p"),
     (dict(repetition_penalty=0.0), "repetition_penalty"),
     (dict(presence_penalty=3.0), "presence_penalty"),
-    (dict(logprobs=-1), "logprobs"),
+    (dict(logprobs=-2), "logprobs"),  # (-1 is vLLM's whole vocabulary)
+    (dict(prompt_logprobs=-2), "prompt_logprobs"),
     (dict(min_tokens=10, max_tokens=5), "min_tokens"),
     (dict(seed="x"), "seed"),
     (dict(seed=2 ** 64), "seed"),  # (accepted, it failed at the first draw: "Overflow when unpacking long long")

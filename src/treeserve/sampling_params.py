@@ -91,8 +91,8 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    logprobs: int | None = None    # number of top logprobs per generated token (plus the sampled one)
-    prompt_logprobs: int | None = None  # number of top logprobs per prompt token (plus the prompt's own)
+    logprobs: int | None = None    # number of top logprobs per generated token (plus the sampled one); -1: all
+    prompt_logprobs: int | None = None  # number of top logprobs per prompt token (plus the prompt's own); -1: all
     structured_outputs: StructuredOutputsParams | dict | None = None  # a grammar the output must match
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100] (OpenAI's)
     skip_special_tokens: bool = True
@@ -137,10 +137,10 @@ class SamplingParams:
                  f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         _require(self.seed is None or (_is_int(self.seed) and -2 ** 63 <= self.seed < 2 ** 64), "seed",
                  f"must be an integer in [-2**63, 2**64) (a 64-bit seed), got {self.seed!r}")
-        _require(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0), "logprobs",
-                 f"must be an integer >= 0, got {self.logprobs!r}")
-        _require(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),
-                 "prompt_logprobs", f"must be an integer >= 0, got {self.prompt_logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):  # (-1, vLLM's: the whole vocabulary, engine/request_intake.py)
+            value = getattr(self, name)
+            _require(value is None or (_is_int(value) and value >= -1), name,
+                     f"must be an integer >= 0, or -1 for the whole vocabulary, got {value!r}")
         _require(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
                  "structured_outputs", f"must be StructuredOutputsParams, got {self.structured_outputs!r}")
         _require(self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(

@@ -41,7 +41,7 @@ class RequestIntake:
         if request_id in self.groups or request_id in self.retained:
             raise ParamError("request_id", f"{request_id!r} is already in use")
         self._check_params(params, prefill_only=logits_positions is not None)
-        params = self._with_bad_words_tokens(params)
+        params = self._with_bad_words_tokens(self._with_logprob_counts(params))
         if logits_positions is not None:
             self._add_prefill_only(request_id, prompt_token_ids, params, prompt, cache_salt, logits_positions,
                                    readout_token_ids, keep_kv, parent_id, priority)
@@ -93,6 +93,13 @@ class RequestIntake:
             raise ParamError("allowed_token_ids", f"token ids {outside[:8]} are outside the vocabulary [0, {vocab})")
         sequences = bad_word_sequences(self.loaded.tokenizer, params.bad_words, vocab) if params.bad_words else ()
         check_something_is_left(params, sequences, self.loaded.eos_token_ids)
+
+    def _with_logprob_counts(self, params: SamplingParams) -> SamplingParams:
+        """`params` with vLLM's -1 (`logprobs`, `prompt_logprobs`: the whole vocabulary) made this model's
+        vocabulary size (a copy: the caller's may serve another model)."""
+        vocab = self.loaded.model_config.vocab_size
+        whole = {name: vocab for name in ("logprobs", "prompt_logprobs") if getattr(params, name) == -1}
+        return params.clone(**whole) if whole else params
 
     def _with_bad_words_tokens(self, params: SamplingParams) -> SamplingParams:
         """`params` with its bad words as this model's token sequences (a copy: the caller's may serve
