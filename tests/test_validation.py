@@ -25,6 +25,11 @@ from treeserve.wire.errors import from_value_error
     (dict(logprobs=-2), "logprobs"),  # (-1 is vLLM's whole vocabulary)
     (dict(prompt_logprobs=-2), "prompt_logprobs"),
     (dict(min_tokens=10, max_tokens=5), "min_tokens"),
+    # (each was taken: "no" is truthy, so ignore_eos="no" ignored EOS; an int was a TypeError from list())
+    (dict(ignore_eos="no"), "ignore_eos"),
+    (dict(skip_special_tokens="false"), "skip_special_tokens"),
+    (dict(include_stop_str_in_output=1), "include_stop_str_in_output"),
+    (dict(stop_token_ids=5), "stop_token_ids"),
     (dict(seed="x"), "seed"),
     (dict(seed=2 ** 64), "seed"),  # (accepted, it failed at the first draw: "Overflow when unpacking long long")
     (dict(seed=-2 ** 63 - 1), "seed"),

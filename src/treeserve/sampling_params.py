@@ -110,7 +110,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self.stop_strings = _normalise_stop(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop_token_ids = _normalise_stop_token_ids(self.stop_token_ids)
         self.bad_words = _normalise_bad_words(self.bad_words)
         if self.allowed_token_ids is not None and isinstance(self.allowed_token_ids, (list, tuple, set)):
             self.allowed_token_ids = list(self.allowed_token_ids)
@@ -150,6 +150,8 @@ class SamplingParams:
                  f"must be a RequestOutputKind, got {self.output_kind!r}")
         _require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                  f"must be a list of non-negative integers, got {self.stop_token_ids!r}")
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):  # ("no" is truthy)
+            _require(isinstance(getattr(self, name), bool), name, f"must be true or false, got {getattr(self, name)!r}")
         self._validate_vllm_extras()
 
     def _validate_vllm_extras(self) -> None:
@@ -190,6 +192,14 @@ def _normalise_stop(stop) -> tuple[str, ...]:
     if any(s == "" for s in stop):
         raise ParamError("stop", "stop strings must be non-empty")
     return tuple(stop)
+
+
+def _normalise_stop_token_ids(token_ids) -> list:
+    if token_ids is None:
+        return []
+    if not isinstance(token_ids, (list, tuple, set, frozenset)):
+        raise ParamError("stop_token_ids", f"must be a list of non-negative integers, got {token_ids!r}")
+    return list(token_ids)
 
 
 def _normalise_bad_words(words) -> list[str] | None:
