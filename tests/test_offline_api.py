@@ -63,6 +63,29 @@ def test_minus_one_logprobs_are_the_whole_vocabulary_as_vllms(llm):
     assert_no_leak(llm.engine)
 
 
+def test_chat_names_a_missing_conversation_or_role(llm):
+    """`chat([])` named `prompts` (generate's argument), and a message without a role was rendered
+    with an empty one ("<||>hi") where vLLM's LLM.chat fails on it."""
+    params = SamplingParams(max_tokens=2)
+    with pytest.raises(ParamError, match="^messages:") as error:
+        llm.chat([], params, use_tqdm=False)
+    assert error.value.param == "messages"
+    for conversation in ([{"content": "hi"}], [[{"role": "user", "content": "hi"}], [{"role": None, "content": "x"}]]):
+        with pytest.raises(ParamError, match=r"messages\[0\]\.role") as error:
+            llm.chat(conversation, params, use_tqdm=False, chat_template=TEMPLATE)
+    assert_no_leak(llm.engine)
+
+
+def test_reset_prefix_cache_as_vllms(llm):
+    """vLLM's `LLM.reset_prefix_cache()` was an AttributeError (only `Runtime` had one)."""
+    prompt = {"prompt_token_ids": list(range(3, 40))}
+    params = SamplingParams(max_tokens=1)
+    llm.generate(prompt, params, use_tqdm=False)
+    assert llm.generate(prompt, params, use_tqdm=False)[0].num_cached_tokens > 0
+    assert llm.reset_prefix_cache() is True
+    assert llm.generate(prompt, params, use_tqdm=False)[0].num_cached_tokens == 0
+
+
 def test_chat_continues_a_prefill_passes_template_variables_and_shows_its_prompt(llm):
     conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Well"}]
     params = SamplingParams(temperature=0, max_tokens=3)

@@ -73,6 +73,11 @@ class LLM:
                                  name=name, obj=self)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}", name=name, obj=self)
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: forgets every cached prefix (a benchmark's runs start equal); False, and nothing
+        changed, while a request still holds blocks."""
+        return self.engine.reset_prefix_cache()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 
@@ -130,7 +135,10 @@ class LLM:
         where given; `continue_final_message`: the last assistant message continued, a prefill;
         `chat_template_kwargs`: more variables for the template, `enable_thinking` say), then
         generated; each output's `prompt` is the rendered text, as vLLM's."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ParamError("messages", f"expected a conversation (a list of message dicts) or a non-empty list of "
+                                         f"them, got {messages!r:.80}")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         texts = [self._render(c, add_generation_prompt, chat_template, tools, continue_final_message,
                               chat_template_kwargs) for c in conversations]
         prompts = [{"prompt": text, "prompt_token_ids": self.engine.tokenizer.encode(text, add_special_tokens=False)}
