@@ -49,6 +49,10 @@ def test_sampling_params_reject_bad_values(kwargs, name):
     (lambda: Runtime({"gen": "g", "prm": "p"}, kv_fractions={"gen": 0.5, "prm": 0.5}), "kv_fractions"),
     (lambda: Runtime({"gen": "g", "prm": "p"}, recipes={"zzz": "rlhflow"}), "recipes"),
     (lambda: Runtime({"gen": "g", "prm": "p"}, recipes={"prm": "bogus"}), "recipes"),
+    # (an AttributeError on str.items, and EngineConfig's TypeError, before; LLM(...) named both)
+    (lambda: Runtime("builtin:arith-gen"), "models"),
+    (lambda: Runtime({"gen": "g"}, max_num_sequences=8), "max_num_sequences"),
+    (lambda: Runtime({"gen": "g"}, enable_lora=True), "enable_lora"),
 ])
 def test_settings_errors_carry_their_parameter(make, name):
     with pytest.raises(ParamError, match=f"^{name}: ") as error:

@@ -22,9 +22,9 @@ ALWAYS_SO = {
 }
 
 
-def config_fields(options: dict) -> dict:
+def config_fields(options: dict, caller: str = "LLM") -> dict:
     """`options` less the vLLM arguments that change nothing here; ParamError for the rest that
-    EngineConfig lacks."""
+    EngineConfig lacks (`caller`: the constructor the message names)."""
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
     kept = {}
     for name, value in options.items():
@@ -33,7 +33,7 @@ def config_fields(options: dict) -> dict:
         elif name in ALWAYS_SO:
             _check_always_so(name, value)
         else:
-            raise ParamError(name, f"is not an engine option here; LLM(...) takes {', '.join(sorted(fields - {'model'}))}")
+            raise ParamError(name, f"is not an engine option here; {caller}(...) takes {', '.join(sorted(fields - {'model'}))}")
     return kept
 
 
