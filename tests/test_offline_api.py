@@ -86,6 +86,17 @@ def test_reset_prefix_cache_as_vllms(llm):
     assert llm.generate(prompt, params, use_tqdm=False)[0].num_cached_tokens == 0
 
 
+def test_engine_arguments_name_themselves_when_wrong(llama_dir, tmp_path):
+    """vLLM's `seed=None` (its V1 engine's 0, up to 0.12) was a TypeError from int() at load, and a
+    missing `tokenizer` folder was reported as the `model`."""
+    assert LLM(str(llama_dir), seed=None, **OPTIONS).engine.loaded.config.seed == 0
+    with pytest.raises(FileNotFoundError, match="^tokenizer: .*nowhere"):
+        LLM(str(llama_dir), tokenizer=str(tmp_path / "nowhere"), **OPTIONS)
+    with pytest.raises(ParamError, match="^tokenizer: unknown built-in") as error:
+        LLM(str(llama_dir), tokenizer="builtin:nowhere", **OPTIONS)
+    assert error.value.param == "tokenizer"
+
+
 def test_chat_continues_a_prefill_passes_template_variables_and_shows_its_prompt(llm):
     conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Well"}]
     params = SamplingParams(temperature=0, max_tokens=3)
@@ -239,11 +250,11 @@ def test_vllm_engine_arguments_that_change_nothing_here_are_taken_the_rest_named
     a TypeError from EngineConfig's constructor. Those meaning what treeserve does anyway are taken; a
     value it would not honour, or an unknown name, is a ParamError naming it."""
     habits = dict(disable_log_stats=True, enable_chunked_prefill=True, swap_space=4, tokenizer_mode="auto",
-                  revision=None, enable_lora=False)
+                  revision=None, enable_lora=False, kv_cache_dtype="auto")
     llm = LLM(str(llama_dir), **OPTIONS, **habits)
     assert llm.generate("Hello", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
     for name, value in (("enable_chunked_prefill", False), ("tokenizer_mode", "mistral"), ("revision", "v2"),
-                        ("enable_lora", True), ("max_num_seq", 8)):
+                        ("enable_lora", True), ("max_num_seq", 8), ("kv_cache_dtype", "fp8")):
         with pytest.raises(ParamError, match=f"^{name}: "):
             LLM(str(llama_dir), **OPTIONS, **{name: value})
 

@@ -43,6 +43,7 @@ def test_sampling_params_reject_bad_values(kwargs, name):
 @pytest.mark.parametrize("make, name", [
     (lambda: EngineConfig(model="m", block_size=0), "block_size"),
     (lambda: EngineConfig(model="m", dtype="int8"), "dtype"),
+    (lambda: EngineConfig(model="m", seed="0"), "seed"),  # (a TypeError from int() at load before)
     (lambda: SearchConfig(strategy="mcts"), "strategy"),
     (lambda: SearchConfig(n=3, beam_width=2), "beam_width"),
     # (before any model loads; each was dropped: fractions of a shared arena, a recipe for no model)
