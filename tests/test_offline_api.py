@@ -64,12 +64,16 @@ def test_minus_one_logprobs_are_the_whole_vocabulary_as_vllms(llm):
 
 
 def test_chat_names_a_missing_conversation_or_role(llm):
-    """`chat([])` named `prompts` (generate's argument), and a message without a role was rendered
-    with an empty one ("<||>hi") where vLLM's LLM.chat fails on it."""
+    """`chat([])` named `prompts` (generate's argument), tools not given as a list were the chat
+    template's failure, and a message without a role was rendered with an empty one ("<||>hi")
+    where vLLM's LLM.chat fails on it."""
     params = SamplingParams(max_tokens=2)
     with pytest.raises(ParamError, match="^messages:") as error:
         llm.chat([], params, use_tqdm=False)
     assert error.value.param == "messages"
+    for tools in ({"type": "function"}, "calculator", [1]):  # (the template's failure, named `messages`, before)
+        with pytest.raises(ParamError, match="^tools:"):
+            llm.chat([{"role": "user", "content": "hi"}], params, use_tqdm=False, tools=tools)
     for conversation in ([{"content": "hi"}], [[{"role": "user", "content": "hi"}], [{"role": None, "content": "x"}]]):
         with pytest.raises(ParamError, match=r"messages\[0\]\.role") as error:
             llm.chat(conversation, params, use_tqdm=False, chat_template=TEMPLATE)

@@ -154,6 +154,10 @@ class LLM:
 
     def _render(self, conversation, add_generation_prompt, chat_template, tools, continue_final_message,
                 chat_template_kwargs) -> str:
+        if tools is not None and (not isinstance(tools, (list, tuple))
+                                  or not all(isinstance(t, dict) or callable(t) for t in tools)):
+            raise ParamError("tools", f"expected a list of OpenAI's tool definitions ({{'type': 'function', "
+                                      f"'function': {{'name': ..., 'parameters': {{...}}}}}}), got {tools!r:.80}")
         if continue_final_message and add_generation_prompt:
             raise ParamError("continue_final_message", "cannot be true with add_generation_prompt (as vLLM): "
                                                        "set add_generation_prompt=False")
