@@ -101,6 +101,22 @@ def test_engine_arguments_name_themselves_when_wrong(llama_dir, tmp_path):
     assert error.value.param == "tokenizer"
 
 
+def test_the_engine_names_a_prompt_given_where_it_takes_token_ids(llm):
+    """vLLM's `llm_engine.add_request(id, "Hello", params)` read the text's characters as token ids
+    ("prompt: token id 'H' is outside the vocabulary"); a dict's keys likewise."""
+    engine = llm.llm_engine
+    for prompt in ("Hello", {"prompt_token_ids": [1, 5, 9]}):
+        with pytest.raises(ParamError, match="^prompt_token_ids: expected a list of token ids") as error:
+            engine.add_request("vllm-habit", prompt, SamplingParams(max_tokens=2))
+        assert error.value.param == "prompt_token_ids"
+    engine.add_request("vllm-habit", [1, 5, 9], SamplingParams(max_tokens=2))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 2
+    assert_no_leak(engine)
+
+
 def test_chat_continues_a_prefill_passes_template_variables_and_shows_its_prompt(llm):
     conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Well"}]
     params = SamplingParams(temperature=0, max_tokens=3)

@@ -36,6 +36,10 @@ class RequestIntake:
             keep_kv: bool, parent_id: str | None, priority: int, final_only: bool,
             draft_group: str | None = None, speculative_config=None) -> None:
         """See `LLMEngine.add_request`."""
+        if not isinstance(prompt_token_ids, (list, tuple)):  # (a string's characters were read as token ids)
+            raise ParamError("prompt_token_ids", f"expected a list of token ids, got {type(prompt_token_ids).__name__}: "
+                             "the engine takes token ids where vLLM's LLMEngine.add_request takes a prompt; encode "
+                             "text with engine.tokenizer.encode(...), or use LLM.generate, which takes text and dicts")
         prompt_token_ids = self.truncated_prompt(prompt_token_ids, params)
         self.validate_prompt(prompt_token_ids)
         if request_id in self.groups or request_id in self.retained:
