@@ -109,6 +109,8 @@ def test_the_engine_names_a_prompt_given_where_it_takes_token_ids(llm):
         with pytest.raises(ParamError, match="^prompt_token_ids: expected a list of token ids") as error:
             engine.add_request("vllm-habit", prompt, SamplingParams(max_tokens=2))
         assert error.value.param == "prompt_token_ids"
+    with pytest.raises(ParamError, match="^prompt_token_ids: expected a list of token ids"):
+        engine.validate_prompt("Hello")  # (AsyncLLMEngine.generate's check)
     engine.add_request("vllm-habit", [1, 5, 9], SamplingParams(max_tokens=2))
     outputs = []
     while engine.has_unfinished_requests():

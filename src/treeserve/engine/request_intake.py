@@ -23,6 +23,7 @@ class RequestIntake:
         self.rotary = loaded.model.rotary
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        _require_token_list(prompt_token_ids)
         if not prompt_token_ids:
             raise ParamError("prompt", "must not be empty")
         check_context_length(self.loaded.max_model_len, len(prompt_token_ids))
@@ -36,10 +37,7 @@ class RequestIntake:
             keep_kv: bool, parent_id: str | None, priority: int, final_only: bool,
             draft_group: str | None = None, speculative_config=None) -> None:
         """See `LLMEngine.add_request`."""
-        if not isinstance(prompt_token_ids, (list, tuple)):  # (a string's characters were read as token ids)
-            raise ParamError("prompt_token_ids", f"expected a list of token ids, got {type(prompt_token_ids).__name__}: "
-                             "the engine takes token ids where vLLM's LLMEngine.add_request takes a prompt; encode "
-                             "text with engine.tokenizer.encode(...), or use LLM.generate, which takes text and dicts")
+        _require_token_list(prompt_token_ids)
         prompt_token_ids = self.truncated_prompt(prompt_token_ids, params)
         self.validate_prompt(prompt_token_ids)
         if request_id in self.groups or request_id in self.retained:
@@ -183,6 +181,14 @@ def _child_params(params: SamplingParams, index: int) -> SamplingParams:
         return params
     seed = None if params.seed is None else params.seed + index
     return params.clone(n=1, seed=seed)
+
+
+def _require_token_list(prompt_token_ids) -> None:
+    """The engine takes token ids (a string's characters, or a dict's keys, were read as token ids)."""
+    if not isinstance(prompt_token_ids, (list, tuple)):
+        raise ParamError("prompt_token_ids", f"expected a list of token ids, got {type(prompt_token_ids).__name__}: "
+                         "the engine takes token ids where vLLM's LLMEngine.add_request takes a prompt; encode "
+                         "text with engine.tokenizer.encode(...), or use LLM.generate, which takes text and dicts")
 
 
 def _want_prompt_logprobs(group: RequestGroup, computing: Request) -> None:
