@@ -119,6 +119,19 @@ def test_the_engine_names_a_prompt_given_where_it_takes_token_ids(llm):
     assert_no_leak(engine)
 
 
+def test_vllms_prompt_dicts_are_importable_and_taken(llm):
+    """`from vllm import TokensPrompt, TextPrompt` ported as `from treeserve import ...` was an
+    ImportError; they are vLLM's TypedDicts (plain dicts), taken as the dicts they are."""
+    from treeserve import TextPrompt, TokensPrompt
+    from treeserve.inputs import PromptType  # noqa: F401  (vllm.inputs' other name)
+
+    params = SamplingParams(temperature=0, max_tokens=3)
+    by_ids = llm.generate(TokensPrompt(prompt_token_ids=[1, 5, 9]), params, use_tqdm=False)[0]
+    assert by_ids.outputs[0].token_ids == llm.generate([1, 5, 9], params, use_tqdm=False)[0].outputs[0].token_ids
+    by_text = llm.generate([TextPrompt(prompt="Hello", cache_salt="a")], params, use_tqdm=False)[0]
+    assert by_text.prompt == "Hello" and by_text.prompt_token_ids == llm.get_tokenizer().encode("Hello")
+
+
 def test_chat_continues_a_prefill_passes_template_variables_and_shows_its_prompt(llm):
     conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Well"}]
     params = SamplingParams(temperature=0, max_tokens=3)

@@ -14,10 +14,10 @@ from treeserve.engine.llm_engine import LLMEngine
 from treeserve.entrypoints.beam_search import BeamSearch, BeamSearchOutput
 from treeserve.entrypoints.chat_utils import render_chat, template_messages
 from treeserve.entrypoints.engine_args import config_fields
+from treeserve.inputs import PromptType
 from treeserve.outputs import RequestOutput
 from treeserve.sampling_params import BeamSearchParams, SamplingParams
 
-PromptType = str | list[int] | dict[str, Any]
 ProgressBar = bool | Callable[..., tqdm]  # vLLM's use_tqdm: on/off, or what makes the bar (a tqdm-like class, a partial)
 POOLING_CALLS = frozenset({"embed", "encode", "classify", "reward", "score"})  # vLLM's, for pooling models
 # the keys of vLLM's TextPrompt / TokensPrompt / EmbedsPrompt that change what is generated and that
