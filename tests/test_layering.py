@@ -25,7 +25,7 @@ from import_graph import (ROOT, direct_imports, import_graph, imported_modules, 
 LAYERS = [
     ("errors, process lifecycle, JSON lines, tool-call arguments, template roles",
      ["errors", "lifecycle", "ports", "jsonl", "tool_arguments", "template_roles"]),
-    ("settings and results", ["config", "sampling_params", "outputs", "speculative_config"]),
+    ("settings and results", ["config", "sampling_params", "inputs", "outputs", "speculative_config"]),
     ("model", ["model"]),
     ("engine", ["engine"]),
     ("entrypoints", ["entrypoints"]),

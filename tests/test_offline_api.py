@@ -45,6 +45,93 @@ def test_logprobs_past_the_vocabulary_are_a_param_error_not_a_failed_step(llm):
     assert_no_leak(llm.engine)
 
 
+def test_minus_one_logprobs_are_the_whole_vocabulary_as_vllms(llm):
+    """vLLM's `logprobs=-1` / `prompt_logprobs=-1` (every token's logprob) were a ParamError."""
+    size = llm.engine.model_config.vocab_size
+    prompt = {"prompt_token_ids": [1, 5, 9, 14]}
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3, logprobs=-1, prompt_logprobs=-1),
+                       use_tqdm=False)[0]
+    own = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3, logprobs=0, prompt_logprobs=0),
+                       use_tqdm=False)[0]
+    sample = out.outputs[0]
+    assert sample.token_ids == own.outputs[0].token_ids
+    assert [len(entry) for entry in sample.logprobs] == [size] * 3
+    assert [len(entry) for entry in out.prompt_logprobs[1:]] == [size] * 3 and out.prompt_logprobs[0] is None
+    for entry, token, alone in zip(sample.logprobs, sample.token_ids, own.outputs[0].logprobs):
+        assert entry[token].rank == 1 and abs(entry[token].logprob - alone[token].logprob) < 1e-5
+        assert sorted(lp.rank for lp in entry.values()) == list(range(1, size + 1))
+    assert_no_leak(llm.engine)
+
+
+def test_chat_names_a_missing_conversation_or_role(llm):
+    """`chat([])` named `prompts` (generate's argument), tools not given as a list were the chat
+    template's failure, and a message without a role was rendered with an empty one ("<||>hi")
+    where vLLM's LLM.chat fails on it."""
+    params = SamplingParams(max_tokens=2)
+    with pytest.raises(ParamError, match="^messages:") as error:
+        llm.chat([], params, use_tqdm=False)
+    assert error.value.param == "messages"
+    for tools in ({"type": "function"}, "calculator", [1]):  # (the template's failure, named `messages`, before)
+        with pytest.raises(ParamError, match="^tools:"):
+            llm.chat([{"role": "user", "content": "hi"}], params, use_tqdm=False, tools=tools)
+    for conversation in ([{"content": "hi"}], [[{"role": "user", "content": "hi"}], [{"role": None, "content": "x"}]]):
+        with pytest.raises(ParamError, match=r"messages\[0\]\.role") as error:
+            llm.chat(conversation, params, use_tqdm=False, chat_template=TEMPLATE)
+    assert_no_leak(llm.engine)
+
+
+def test_reset_prefix_cache_as_vllms(llm):
+    """vLLM's `LLM.reset_prefix_cache()` was an AttributeError (only `Runtime` had one)."""
+    prompt = {"prompt_token_ids": list(range(3, 40))}
+    params = SamplingParams(max_tokens=1)
+    llm.generate(prompt, params, use_tqdm=False)
+    assert llm.generate(prompt, params, use_tqdm=False)[0].num_cached_tokens > 0
+    assert llm.reset_prefix_cache() is True
+    assert llm.generate(prompt, params, use_tqdm=False)[0].num_cached_tokens == 0
+
+
+def test_engine_arguments_name_themselves_when_wrong(llama_dir, tmp_path):
+    """vLLM's `seed=None` (its V1 engine's 0, up to 0.12) was a TypeError from int() at load, and a
+    missing `tokenizer` folder was reported as the `model`."""
+    assert LLM(str(llama_dir), seed=None, **OPTIONS).engine.loaded.config.seed == 0
+    with pytest.raises(FileNotFoundError, match="^tokenizer: .*nowhere"):
+        LLM(str(llama_dir), tokenizer=str(tmp_path / "nowhere"), **OPTIONS)
+    with pytest.raises(ParamError, match="^tokenizer: unknown built-in") as error:
+        LLM(str(llama_dir), tokenizer="builtin:nowhere", **OPTIONS)
+    assert error.value.param == "tokenizer"
+
+
+def test_the_engine_names_a_prompt_given_where_it_takes_token_ids(llm):
+    """vLLM's `llm_engine.add_request(id, "Hello", params)` read the text's characters as token ids
+    ("prompt: token id 'H' is outside the vocabulary"); a dict's keys likewise."""
+    engine = llm.llm_engine
+    for prompt in ("Hello", {"prompt_token_ids": [1, 5, 9]}):
+        with pytest.raises(ParamError, match="^prompt_token_ids: expected a list of token ids") as error:
+            engine.add_request("vllm-habit", prompt, SamplingParams(max_tokens=2))
+        assert error.value.param == "prompt_token_ids"
+    with pytest.raises(ParamError, match="^prompt_token_ids: expected a list of token ids"):
+        engine.validate_prompt("Hello")  # (AsyncLLMEngine.generate's check)
+    engine.add_request("vllm-habit", [1, 5, 9], SamplingParams(max_tokens=2))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 2
+    assert_no_leak(engine)
+
+
+def test_vllms_prompt_dicts_are_importable_and_taken(llm):
+    """`from vllm import TokensPrompt, TextPrompt` ported as `from treeserve import ...` was an
+    ImportError; they are vLLM's TypedDicts (plain dicts), taken as the dicts they are."""
+    from treeserve import TextPrompt, TokensPrompt
+    from treeserve.inputs import PromptType  # noqa: F401  (vllm.inputs' other name)
+
+    params = SamplingParams(temperature=0, max_tokens=3)
+    by_ids = llm.generate(TokensPrompt(prompt_token_ids=[1, 5, 9]), params, use_tqdm=False)[0]
+    assert by_ids.outputs[0].token_ids == llm.generate([1, 5, 9], params, use_tqdm=False)[0].outputs[0].token_ids
+    by_text = llm.generate([TextPrompt(prompt="Hello", cache_salt="a")], params, use_tqdm=False)[0]
+    assert by_text.prompt == "Hello" and by_text.prompt_token_ids == llm.get_tokenizer().encode("Hello")
+
+
 def test_chat_continues_a_prefill_passes_template_variables_and_shows_its_prompt(llm):
     conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Well"}]
     params = SamplingParams(temperature=0, max_tokens=3)
@@ -198,11 +285,11 @@ def test_vllm_engine_arguments_that_change_nothing_here_are_taken_the_rest_named
     a TypeError from EngineConfig's constructor. Those meaning what treeserve does anyway are taken; a
     value it would not honour, or an unknown name, is a ParamError naming it."""
     habits = dict(disable_log_stats=True, enable_chunked_prefill=True, swap_space=4, tokenizer_mode="auto",
-                  revision=None, enable_lora=False)
+                  revision=None, enable_lora=False, kv_cache_dtype="auto")
     llm = LLM(str(llama_dir), **OPTIONS, **habits)
     assert llm.generate("Hello", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
     for name, value in (("enable_chunked_prefill", False), ("tokenizer_mode", "mistral"), ("revision", "v2"),
-                        ("enable_lora", True), ("max_num_seq", 8)):
+                        ("enable_lora", True), ("max_num_seq", 8), ("kv_cache_dtype", "fp8")):
         with pytest.raises(ParamError, match=f"^{name}: "):
             LLM(str(llama_dir), **OPTIONS, **{name: value})
 

@@ -22,8 +22,14 @@ from treeserve.wire.errors import from_value_error
     (dict(min_p=2.0), "min_p"),
     (dict(repetition_penalty=0.0), "repetition_penalty"),
     (dict(presence_penalty=3.0), "presence_penalty"),
-    (dict(logprobs=-1), "logprobs"),
+    (dict(logprobs=-2), "logprobs"),  # (-1 is vLLM's whole vocabulary)
+    (dict(prompt_logprobs=-2), "prompt_logprobs"),
     (dict(min_tokens=10, max_tokens=5), "min_tokens"),
+    # (each was taken: "no" is truthy, so ignore_eos="no" ignored EOS; an int was a TypeError from list())
+    (dict(ignore_eos="no"), "ignore_eos"),
+    (dict(skip_special_tokens="false"), "skip_special_tokens"),
+    (dict(include_stop_str_in_output=1), "include_stop_str_in_output"),
+    (dict(stop_token_ids=5), "stop_token_ids"),
     (dict(seed="x"), "seed"),
     (dict(seed=2 ** 64), "seed"),  # (accepted, it failed at the first draw: "Overflow when unpacking long long")
     (dict(seed=-2 ** 63 - 1), "seed"),
@@ -37,12 +43,17 @@ def test_sampling_params_reject_bad_values(kwargs, name):
 @pytest.mark.parametrize("make, name", [
     (lambda: EngineConfig(model="m", block_size=0), "block_size"),
     (lambda: EngineConfig(model="m", dtype="int8"), "dtype"),
+    (lambda: EngineConfig(model="m", seed="0"), "seed"),  # (a TypeError from int() at load before)
     (lambda: SearchConfig(strategy="mcts"), "strategy"),
     (lambda: SearchConfig(n=3, beam_width=2), "beam_width"),
     # (before any model loads; each was dropped: fractions of a shared arena, a recipe for no model)
     (lambda: Runtime({"gen": "g", "prm": "p"}, kv_fractions={"gen": 0.5, "prm": 0.5}), "kv_fractions"),
     (lambda: Runtime({"gen": "g", "prm": "p"}, recipes={"zzz": "rlhflow"}), "recipes"),
     (lambda: Runtime({"gen": "g", "prm": "p"}, recipes={"prm": "bogus"}), "recipes"),
+    # (an AttributeError on str.items, and EngineConfig's TypeError, before; LLM(...) named both)
+    (lambda: Runtime("builtin:arith-gen"), "models"),
+    (lambda: Runtime({"gen": "g"}, max_num_sequences=8), "max_num_sequences"),
+    (lambda: Runtime({"gen": "g"}, enable_lora=True), "enable_lora"),
 ])
 def test_settings_errors_carry_their_parameter(make, name):
     with pytest.raises(ParamError, match=f"^{name}: ") as error:

@@ -11,7 +11,8 @@ _EXPORTS = {"LLM": "treeserve.entrypoints.llm", "Runtime": "treeserve.runtime.ru
             "SamplingParams": "treeserve.sampling_params", "StructuredOutputsParams": "treeserve.sampling_params",
             "RequestOutputKind": "treeserve.sampling_params", "BeamSearchParams": "treeserve.sampling_params",
             "BeamSearchOutput": "treeserve.entrypoints.beam_search", "BeamSearchSequence": "treeserve.entrypoints.beam_search",
-            "RequestOutput": "treeserve.outputs", "CompletionOutput": "treeserve.outputs", "Logprob": "treeserve.outputs"}
+            "RequestOutput": "treeserve.outputs", "CompletionOutput": "treeserve.outputs", "Logprob": "treeserve.outputs",
+            "TextPrompt": "treeserve.inputs", "TokensPrompt": "treeserve.inputs", "PromptType": "treeserve.inputs"}
 __all__ = [*_EXPORTS, "__version__"]
 
 

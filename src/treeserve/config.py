@@ -67,6 +67,10 @@ class EngineConfig:
                 continue
             if not isinstance(value, int) or value < 1:
                 raise ParamError(name, f"must be an integer >= 1, got {value!r}")
+        if self.seed is None:  # (vLLM's V1 engine reads seed=None as 0, up to 0.12)
+            self.seed = 0
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not -2 ** 63 <= self.seed < 2 ** 64:
+            raise ParamError("seed", f"must be an integer in [-2**63, 2**64) (a 64-bit seed), got {self.seed!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ParamError("max_model_len", f"must be an integer >= 2, got {self.max_model_len!r}")
         if self.kv_cache_memory_bytes is not None and (not isinstance(self.kv_cache_memory_bytes, int)

@@ -91,8 +91,8 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    logprobs: int | None = None    # number of top logprobs per generated token (plus the sampled one)
-    prompt_logprobs: int | None = None  # number of top logprobs per prompt token (plus the prompt's own)
+    logprobs: int | None = None    # number of top logprobs per generated token (plus the sampled one); -1: all
+    prompt_logprobs: int | None = None  # number of top logprobs per prompt token (plus the prompt's own); -1: all
     structured_outputs: StructuredOutputsParams | dict | None = None  # a grammar the output must match
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100] (OpenAI's)
     skip_special_tokens: bool = True
@@ -110,7 +110,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self.stop_strings = _normalise_stop(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop_token_ids = _normalise_stop_token_ids(self.stop_token_ids)
         self.bad_words = _normalise_bad_words(self.bad_words)
         if self.allowed_token_ids is not None and isinstance(self.allowed_token_ids, (list, tuple, set)):
             self.allowed_token_ids = list(self.allowed_token_ids)
@@ -137,10 +137,10 @@ class SamplingParams:
                  f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         _require(self.seed is None or (_is_int(self.seed) and -2 ** 63 <= self.seed < 2 ** 64), "seed",
                  f"must be an integer in [-2**63, 2**64) (a 64-bit seed), got {self.seed!r}")
-        _require(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0), "logprobs",
-                 f"must be an integer >= 0, got {self.logprobs!r}")
-        _require(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),
-                 "prompt_logprobs", f"must be an integer >= 0, got {self.prompt_logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):  # (-1, vLLM's: the whole vocabulary, engine/request_intake.py)
+            value = getattr(self, name)
+            _require(value is None or (_is_int(value) and value >= -1), name,
+                     f"must be an integer >= 0, or -1 for the whole vocabulary, got {value!r}")
         _require(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
                  "structured_outputs", f"must be StructuredOutputsParams, got {self.structured_outputs!r}")
         _require(self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
@@ -150,6 +150,8 @@ class SamplingParams:
                  f"must be a RequestOutputKind, got {self.output_kind!r}")
         _require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                  f"must be a list of non-negative integers, got {self.stop_token_ids!r}")
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):  # ("no" is truthy)
+            _require(isinstance(getattr(self, name), bool), name, f"must be true or false, got {getattr(self, name)!r}")
         self._validate_vllm_extras()
 
     def _validate_vllm_extras(self) -> None:
@@ -190,6 +192,14 @@ def _normalise_stop(stop) -> tuple[str, ...]:
     if any(s == "" for s in stop):
         raise ParamError("stop", "stop strings must be non-empty")
     return tuple(stop)
+
+
+def _normalise_stop_token_ids(token_ids) -> list:
+    if token_ids is None:
+        return []
+    if not isinstance(token_ids, (list, tuple, set, frozenset)):
+        raise ParamError("stop_token_ids", f"must be a list of non-negative integers, got {token_ids!r}")
+    return list(token_ids)
 
 
 def _normalise_bad_words(words) -> list[str] | None:

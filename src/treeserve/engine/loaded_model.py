@@ -146,7 +146,7 @@ def describe_model(config: EngineConfig, name: str = "", executor=None) -> Loade
     """What a checkpoint is (config, tokenizer, defaults, limits, device and dtype), no weights yet."""
     model_dir = resolve_model_path(config.model)
     model_config = load_model_config(model_dir)
-    tokenizer = load_tokenizer(resolve_model_path(config.tokenizer) if config.tokenizer else model_dir)
+    tokenizer = load_tokenizer(resolve_model_path(config.tokenizer, "tokenizer") if config.tokenizer else model_dir)
     device = config.resolve_device()
     dtype = config.resolve_dtype(device, model_config.torch_dtype)
     shared = config.max_num_batched_tokens or serving_token_budget(model_config, device)

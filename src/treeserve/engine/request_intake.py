@@ -23,6 +23,7 @@ class RequestIntake:
         self.rotary = loaded.model.rotary
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        _require_token_list(prompt_token_ids)
         if not prompt_token_ids:
             raise ParamError("prompt", "must not be empty")
         check_context_length(self.loaded.max_model_len, len(prompt_token_ids))
@@ -36,12 +37,13 @@ class RequestIntake:
             keep_kv: bool, parent_id: str | None, priority: int, final_only: bool,
             draft_group: str | None = None, speculative_config=None) -> None:
         """See `LLMEngine.add_request`."""
+        _require_token_list(prompt_token_ids)
         prompt_token_ids = self.truncated_prompt(prompt_token_ids, params)
         self.validate_prompt(prompt_token_ids)
         if request_id in self.groups or request_id in self.retained:
             raise ParamError("request_id", f"{request_id!r} is already in use")
         self._check_params(params, prefill_only=logits_positions is not None)
-        params = self._with_bad_words_tokens(params)
+        params = self._with_bad_words_tokens(self._with_logprob_counts(params))
         if logits_positions is not None:
             self._add_prefill_only(request_id, prompt_token_ids, params, prompt, cache_salt, logits_positions,
                                    readout_token_ids, keep_kv, parent_id, priority)
@@ -93,6 +95,13 @@ class RequestIntake:
             raise ParamError("allowed_token_ids", f"token ids {outside[:8]} are outside the vocabulary [0, {vocab})")
         sequences = bad_word_sequences(self.loaded.tokenizer, params.bad_words, vocab) if params.bad_words else ()
         check_something_is_left(params, sequences, self.loaded.eos_token_ids)
+
+    def _with_logprob_counts(self, params: SamplingParams) -> SamplingParams:
+        """`params` with vLLM's -1 (`logprobs`, `prompt_logprobs`: the whole vocabulary) made this model's
+        vocabulary size (a copy: the caller's may serve another model)."""
+        vocab = self.loaded.model_config.vocab_size
+        whole = {name: vocab for name in ("logprobs", "prompt_logprobs") if getattr(params, name) == -1}
+        return params.clone(**whole) if whole else params
 
     def _with_bad_words_tokens(self, params: SamplingParams) -> SamplingParams:
         """`params` with its bad words as this model's token sequences (a copy: the caller's may serve
@@ -172,6 +181,14 @@ def _child_params(params: SamplingParams, index: int) -> SamplingParams:
         return params
     seed = None if params.seed is None else params.seed + index
     return params.clone(n=1, seed=seed)
+
+
+def _require_token_list(prompt_token_ids) -> None:
+    """The engine takes token ids (a string's characters, or a dict's keys, were read as token ids)."""
+    if not isinstance(prompt_token_ids, (list, tuple)):
+        raise ParamError("prompt_token_ids", f"expected a list of token ids, got {type(prompt_token_ids).__name__}: "
+                         "the engine takes token ids where vLLM's LLMEngine.add_request takes a prompt; encode "
+                         "text with engine.tokenizer.encode(...), or use LLM.generate, which takes text and dicts")
 
 
 def _want_prompt_logprobs(group: RequestGroup, computing: Request) -> None:

@@ -96,9 +96,11 @@ def template_messages(conversation: list[dict]) -> list[dict]:
 def _template_message(message, where: str) -> dict:
     if not isinstance(message, dict):
         raise ParamError(where, f"expected a message dict with role and content, got {type(message).__name__}")
+    if not isinstance(message.get("role"), str):
+        raise ParamError(f"{where}.role", f"every message needs a role ('system', 'user', 'assistant', 'tool'), "
+                                          f"got {message.get('role')!r}")
     message = dict(message)
-    if "role" in message:
-        message["role"] = template_role(message["role"])
+    message["role"] = template_role(message["role"])
     if isinstance(message.get("content"), (list, tuple)):
         message["content"] = "\n".join(_part_text(part, f"{where}.content[{j}]")
                                        for j, part in enumerate(message["content"]))

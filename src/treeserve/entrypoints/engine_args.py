@@ -19,12 +19,13 @@ ALWAYS_SO = {
     "tokenizer_revision": ((None,), "a model is a local directory or a bundled one: nothing is downloaded"),
     "enable_lora": ((False, None), "LoRA adapters are not supported"),
     "disable_custom_all_reduce": (ANY, "tensor-parallel ranks reduce with torch.distributed"),
+    "kv_cache_dtype": (("auto", None), "keys and values are stored in the model's dtype (fp8 KV is not supported)"),
 }
 
 
-def config_fields(options: dict) -> dict:
+def config_fields(options: dict, caller: str = "LLM") -> dict:
     """`options` less the vLLM arguments that change nothing here; ParamError for the rest that
-    EngineConfig lacks."""
+    EngineConfig lacks (`caller`: the constructor the message names)."""
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
     kept = {}
     for name, value in options.items():
@@ -33,7 +34,7 @@ def config_fields(options: dict) -> dict:
         elif name in ALWAYS_SO:
             _check_always_so(name, value)
         else:
-            raise ParamError(name, f"is not an engine option here; LLM(...) takes {', '.join(sorted(fields - {'model'}))}")
+            raise ParamError(name, f"is not an engine option here; {caller}(...) takes {', '.join(sorted(fields - {'model'}))}")
     return kept
 
 

@@ -14,10 +14,10 @@ from treeserve.engine.llm_engine import LLMEngine
 from treeserve.entrypoints.beam_search import BeamSearch, BeamSearchOutput
 from treeserve.entrypoints.chat_utils import render_chat, template_messages
 from treeserve.entrypoints.engine_args import config_fields
+from treeserve.inputs import PromptType
 from treeserve.outputs import RequestOutput
 from treeserve.sampling_params import BeamSearchParams, SamplingParams
 
-PromptType = str | list[int] | dict[str, Any]
 ProgressBar = bool | Callable[..., tqdm]  # vLLM's use_tqdm: on/off, or what makes the bar (a tqdm-like class, a partial)
 POOLING_CALLS = frozenset({"embed", "encode", "classify", "reward", "score"})  # vLLM's, for pooling models
 # the keys of vLLM's TextPrompt / TokensPrompt / EmbedsPrompt that change what is generated and that
@@ -74,6 +74,11 @@ class LLM:
                                  f"token logprobs from SamplingParams(logprobs=..., prompt_logprobs=...)",
                                  name=name, obj=self)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}", name=name, obj=self)
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: forgets every cached prefix (a benchmark's runs start equal); False, and nothing
+        changed, while a request still holds blocks."""
+        return self.engine.reset_prefix_cache()
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -132,7 +137,10 @@ class LLM:
         where given; `continue_final_message`: the last assistant message continued, a prefill;
         `chat_template_kwargs`: more variables for the template, `enable_thinking` say), then
         generated; each output's `prompt` is the rendered text, as vLLM's."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ParamError("messages", f"expected a conversation (a list of message dicts) or a non-empty list of "
+                                         f"them, got {messages!r:.80}")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         texts = [self._render(c, add_generation_prompt, chat_template, tools, continue_final_message,
                               chat_template_kwargs) for c in conversations]
         prompts = [{"prompt": text, "prompt_token_ids": self.engine.tokenizer.encode(text, add_special_tokens=False)}
@@ -148,6 +156,10 @@ class LLM:
 
     def _render(self, conversation, add_generation_prompt, chat_template, tools, continue_final_message,
                 chat_template_kwargs) -> str:
+        if tools is not None and (not isinstance(tools, (list, tuple))
+                                  or not all(isinstance(t, dict) or callable(t) for t in tools)):
+            raise ParamError("tools", f"expected a list of OpenAI's tool definitions ({{'type': 'function', "
+                                      f"'function': {{'name': ..., 'parameters': {{...}}}}}}), got {tools!r:.80}")
         if continue_final_message and add_generation_prompt:
             raise ParamError("continue_final_message", "cannot be true with add_generation_prompt (as vLLM): "
                                                        "set add_generation_prompt=False")

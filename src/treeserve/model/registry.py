@@ -31,16 +31,17 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def resolve_model_path(model: str | Path) -> Path:
+def resolve_model_path(model: str | Path, param: str = "model") -> Path:
+    """`param`: the argument an error names (`model`, or `tokenizer` for a tokenizer's folder)."""
     name = str(model)
     if not name.strip():  # (Path('') is the current folder)
-        raise ParamError("model", f"is empty ({name!r}): give a local model directory or builtin:NAME")
+        raise ParamError(param, f"is empty ({name!r}): give a local model directory or builtin:NAME")
     if name.startswith(BUILTIN_PREFIX):
-        return _builtin(name[len(BUILTIN_PREFIX):])
+        return _builtin(name[len(BUILTIN_PREFIX):], param)
     path = Path(name).expanduser()
     if not path.is_dir():
         hint = f"; did you mean {BUILTIN_PREFIX}{name}?" if name in builtin_names() else ""
-        raise FileNotFoundError(f"model: {name!r} is not a local directory (nothing is downloaded from a hub){hint}")
+        raise FileNotFoundError(f"{param}: {name!r} is not a local directory (nothing is downloaded from a hub){hint}")
     return path
 
 
@@ -50,11 +51,11 @@ def served_name(model: str | Path) -> str:
     return str(model).removeprefix(BUILTIN_PREFIX)
 
 
-def _builtin(name: str) -> Path:
+def _builtin(name: str, param: str = "model") -> Path:
     if (BUNDLED_DIR / name / "config.json").is_file():
         return BUNDLED_DIR / name
     if name not in BUILTIN_TINY_MODELS:
-        raise ParamError("model", f"unknown built-in model {name!r}; available: {', '.join(builtin_names())}")
+        raise ParamError(param, f"unknown built-in model {name!r}; available: {', '.join(builtin_names())}")
     path = cache_dir() / "builtin" / name
     if not (path / "config.json").is_file():
         family, overrides = BUILTIN_TINY_MODELS[name]

@@ -28,6 +28,7 @@ from treeserve.engine.loaded_model import LoadedModel, load_model
 from treeserve.engine.spec_decode.drafters import drafts_for
 from treeserve.engine.tp_start import start_executor
 from treeserve.engine.memory import available_host_bytes
+from treeserve.entrypoints.engine_args import config_fields
 from treeserve.entrypoints.llm import LLM
 from treeserve.outputs import RequestOutput
 from treeserve.runtime.memory import (MemoryBreakdown, measure_activation_bytes, non_torch_bytes,
@@ -46,8 +47,10 @@ class Runtime:
                  kv_fractions: dict[str, float] | None = None, recipes: dict[str, str | None] | None = None,
                  kv_cache_memory_bytes: int | None = None, memory_utilization: float | None = None,
                  trace_path: str | Path | None = None, **engine_options: Any):
-        if not models:
-            raise ParamError("models", "give at least one name -> model directory")
+        if not isinstance(models, dict) or not models:
+            raise ParamError("models", f"give a dict of name -> model (a directory or builtin:NAME), e.g. "
+                             f"Runtime({{'gen': 'builtin:arith-gen', 'prm': 'builtin:arith-prm'}}); got {models!r:.80}")
+        engine_options = config_fields(engine_options, "Runtime")
         if kv_mode not in KV_MODES:
             raise ParamError("kv_mode", f"must be one of {KV_MODES}, got {kv_mode!r}")
         _check_named(models, kv_mode, kv_fractions, recipes)
