@@ -87,6 +87,8 @@ def profile_batch(args, model_dir: Path, batch: int) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("bench_out/gpu"))
+    parser.add_argument("--models", type=Path, default=None,
+                        help="where the random model's folder goes (OUT/models; gpu.py's --models shares it)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--smoke", action="store_true")
@@ -97,7 +99,7 @@ def main(argv=None) -> int:
     if args.smoke:
         args.dtype, args.context, args.steps = "float32", 48, 4
     shape = gm.TINY if args.smoke else gm.LLAMA_3_2_1B
-    model_dir = gm.model_dir(args.out / "models", "gen-smoke" if args.smoke else "llama-3.2-1b-shape", shape, 4096)
+    model_dir = gm.model_dir(args.models or args.out / "models", "gen-smoke" if args.smoke else "llama-3.2-1b-shape", shape, 4096)
     results = {b: profile_batch(args, model_dir, int(b)) for b in args.batches.split(",")}
     gm.write_json(args.out / "profile" / "summary.json", results)
     return 0
