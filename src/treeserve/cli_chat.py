@@ -137,6 +137,7 @@ def _first_user_in(database: str, user_id: str) -> str:
 
     store = Store(database)
     try:
+        store.db.reach()  # (one not reached: DatabaseUnreachable, said in one line as by every gateway command)
         store.migrate()
         return first_user(store, user_id)
     finally:
