@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 
-from treeserve.cli_args import database_url, given, port
+from treeserve.arg_types import database_url, given, port
 from treeserve.lifecycle import child_env
 
 GENERATOR, VERIFIER, ROUTER = "arith-gen", "arith-prm", "arith-router"

@@ -1,4 +1,5 @@
-"""Argument types the command lines share."""
+"""argparse types the command lines share (`treeserve` and its subcommands, `treeserve bench`): plain text
+checks, importing nothing of treeserve, so that every layer that builds a parser may use them."""
 from __future__ import annotations
 
 import argparse
