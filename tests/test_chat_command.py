@@ -99,3 +99,15 @@ def test_chat_says_a_wrong_setting_before_the_models_load(argv, error, chat_with
     assert main(["chat", "--port", str(free_port()), *argv]) == 2
     assert error in capsys.readouterr().err
     assert FakeServer.started == 0
+
+
+def test_chat_says_a_database_not_reached_in_one_line(chat_without_models, tmp_path, monkeypatch, capsys):
+    """(a database that could not be opened was SQLAlchemy's traceback, where every gateway command says it
+    in one line naming the database)"""
+    monkeypatch.chdir(tmp_path)
+    FakeServer.started = 0
+    missing = tmp_path / "missing" / "gw.db"
+    assert main(["chat", "--port", str(free_port()), "--database", f"sqlite:///{missing}"]) == 2
+    err = capsys.readouterr().err
+    assert f"error: database {missing}: cannot be reached (unable to open database file)" in err
+    assert "Traceback" not in err and FakeServer.started == 0

@@ -435,3 +435,16 @@ def test_an_unknown_recipe_is_named_by_its_flag(capsys):
     assert stopped.value.code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert "argument --recipe: unknown recipe 'nope'; known: rlhflow, math-shepherd" in last, last
+
+
+@pytest.mark.parametrize("broker, shown", [
+    ("treeserve:s3cret@mq.internal/", "treeserve:***@mq.internal/"),  # the scheme left out
+    ("pyamqp://guest:s3cret@mq/", "pyamqp://guest:***@mq/"),  # Celery's (kombu's) scheme, not aio-pika's
+])
+def test_a_broker_url_refused_is_said_without_its_password(broker, shown, capsys):
+    """(the error printed the URL as given, password included, where every other URL an error names
+    shows it as ***)"""
+    with pytest.raises(SystemExit):
+        main(["worker", "--broker", broker])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "argument --broker:" in last and repr(shown) in last and "s3cret" not in last

@@ -23,8 +23,8 @@ from import_graph import (ROOT, direct_imports, import_graph, imported_modules, 
 
 # Bottom to top; a module may import from its own layer and every layer before it.
 LAYERS = [
-    ("errors, process lifecycle, JSON lines, tool-call arguments, template roles",
-     ["errors", "lifecycle", "ports", "jsonl", "tool_arguments", "template_roles"]),
+    ("errors, process lifecycle, JSON lines, tool-call arguments, template roles, argparse types",
+     ["errors", "lifecycle", "ports", "jsonl", "tool_arguments", "template_roles", "arg_types"]),
     ("settings and results", ["config", "sampling_params", "inputs", "outputs", "speculative_config"]),
     ("model", ["model"]),
     ("engine", ["engine"]),

@@ -4,9 +4,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from treeserve.arg_types import at_least_one, broker_url, json_list, json_object, model_arg, port, served_name
 from treeserve.cli_gateway import add_gateway_parsers
 from treeserve.cli_gateway import main as gateway_main
-from treeserve.cli_args import at_least_one, broker_url, json_list, json_object, model_arg, port, served_name
 from treeserve.lifecycle import exit_now, exit_on_signals, follow_parent, heap_frozen_while_it_runs
 
 

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 
-from treeserve.cli_args import database_url, given, port
+from treeserve.arg_types import database_url, given, port
 from treeserve.lifecycle import child_env
 
 GENERATOR, VERIFIER, ROUTER = "arith-gen", "arith-prm", "arith-router"
@@ -137,6 +137,7 @@ def _first_user_in(database: str, user_id: str) -> str:
 
     store = Store(database)
     try:
+        store.db.reach()  # (one not reached: DatabaseUnreachable, said in one line as by every gateway command)
         store.migrate()
         return first_user(store, user_id)
     finally:

@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from treeserve.cli_args import database_url, given, port, served_name
+from treeserve.arg_types import database_url, given, port, served_name
 from treeserve.lifecycle import freeze_startup_heap
 
 BUDGET_HELP = ("in the currency of the models' prices (input_cost_per_token, output_cost_per_token in the "

@@ -6,7 +6,7 @@ import contextlib
 import sys
 from pathlib import Path
 
-from treeserve.cli_args import at_least_one, given, json_object, model_arg
+from treeserve.arg_types import at_least_one, given, json_object, model_arg
 from treeserve.errors import ParamError
 from treeserve.lifecycle import heap_frozen_while_it_runs
 from treeserve.model.registry import DEFAULT_GENERATOR, DEFAULT_VERIFIER

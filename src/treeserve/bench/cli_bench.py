@@ -7,6 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+from treeserve.arg_types import given, whole_number, without_password
+
 SERVE_OPTIONS = ("base_url", "model", "api_key", "out", "endpoint", "stream", "dataset", "dataset_path", "input_len",
                  "output_len", "range_ratio", "shared_prefix_len", "shared_prefix_groups", "vocab_size", "tokenizer",
                  "concurrency", "request_rate", "burstiness", "num_requests", "duration", "warmup", "seed", "goodput",
@@ -82,28 +84,21 @@ def _add_serve_parser(kinds) -> None:
     serve.set_defaults(func=cmd_serve)
 
 
-def _served_model(text: str) -> str:
-    """--model: a served model's name (an empty one was the flag left out: the first model was benchmarked)."""
-    return _given(text, "give a served model's name, or leave the flag out for the first of GET /v1/models")
-
-
-def _tokenizer_dir(text: str) -> str:
-    return _given(text, "give an HF tokenizer directory, or leave the flag out")
+# --model: a served model's name (an empty one was the flag left out: the first model was benchmarked)
+_served_model = given("give a served model's name, or leave the flag out for the first of GET /v1/models")
+_tokenizer_dir = given("give an HF tokenizer directory, or leave the flag out")
 
 
 def _base_url(text: str) -> str:
     """(a URL without its scheme was waited on as a server still loading, for --ready-check-timeout-sec)"""
     if not text.startswith(("http://", "https://")):
-        raise argparse.ArgumentTypeError(f"expected an http(s):// URL such as http://127.0.0.1:8000, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected an http(s):// URL such as http://127.0.0.1:8000, got {without_password(text)!r}")
     return text
 
 
 def _port(text: str) -> int:
-    """(--port 99999 was the mock server's traceback, then wait_healthy's)"""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    """(--port 99999 was the mock server's traceback, then wait_healthy's; 0 leaves the port unknown to the client)"""
+    value = whole_number(text)
     if not 1 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be a port number, 1-65535, got {value}")
     return value
@@ -115,12 +110,6 @@ def _counts(text: str) -> str:
     parts = [part.strip() for part in text.split(",")]
     if not all(part.isdigit() and int(part) >= 1 for part in parts):
         raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers >= 1 such as 1,2, got {text!r}")
-    return text
-
-
-def _given(text: str, what: str) -> str:
-    if not text.strip():
-        raise argparse.ArgumentTypeError(f"is empty ({text!r}): {what}")
     return text
 
 

@@ -1,8 +1,10 @@
-"""Argument types the command lines share."""
+"""argparse types the command lines share (`treeserve` and its subcommands, `treeserve bench`): plain text
+checks, importing nothing of treeserve, so that every layer that builds a parser may use them."""
 from __future__ import annotations
 
 import argparse
 import json
+import re
 
 
 def json_object(text: str) -> dict:
@@ -80,5 +82,11 @@ def broker_url(text: str) -> str:
     """argparse's type for an AMQP URL (one without its scheme was retried every 5 seconds, for ever)."""
     if not text.startswith(("amqp://", "amqps://")):
         raise argparse.ArgumentTypeError(f"expected an amqp:// or amqps:// URL such as amqp://guest:guest@host/, "
-                                         f"got {text!r}")
+                                         f"got {without_password(text)!r}")
     return text
+
+
+def without_password(url: str) -> str:
+    """`url` as an error may print it: a password before its host (`user:PASSWORD@`) as ***, with or
+    without a scheme (an error says a URL is wrong, so it may be one urllib cannot split)."""
+    return re.sub(r"^((?:[A-Za-z][A-Za-z0-9+.-]*://)?[^:/@]*):[^/@]*@", r"\1:***@", url)
