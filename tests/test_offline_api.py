@@ -63,6 +63,30 @@ def test_minus_one_logprobs_are_the_whole_vocabulary_as_vllms(llm):
     assert_no_leak(llm.engine)
 
 
+def test_vllms_max_logprobs_is_taken_and_caps_the_counts(llama_dir):
+    """vLLM takes `logprobs=-1` only from an LLM made with `max_logprobs=-1` (its cap, 20 by default);
+    that argument was a ParamError ("not an engine option here"), so a ported script asking for the
+    whole vocabulary could not start. A cap given is honoured as vLLM's: a count past it, -1 included,
+    is a ParamError naming the count."""
+    prompt = {"prompt_token_ids": [1, 5, 9, 14]}
+    whole = LLM(str(llama_dir), max_logprobs=-1, **OPTIONS)
+    size = whole.engine.model_config.vocab_size
+    out = whole.generate(prompt, SamplingParams(max_tokens=2, logprobs=-1), use_tqdm=False)[0]
+    assert [len(entry) for entry in out.outputs[0].logprobs] == [size] * 2
+    capped = LLM(str(llama_dir), max_logprobs=3, **OPTIONS)
+    got = capped.generate(prompt, SamplingParams(max_tokens=2, logprobs=3, prompt_logprobs=3), use_tqdm=False)[0]
+    assert all(3 <= len(entry) <= 4 for entry in got.outputs[0].logprobs)
+    for name in ("logprobs", "prompt_logprobs"):
+        for count in (4, -1):
+            with pytest.raises(ParamError, match=f"^{name}: .*max_logprobs") as error:
+                capped.generate(prompt, SamplingParams(max_tokens=2, **{name: count}), use_tqdm=False)
+            assert error.value.param == name
+    assert_no_leak(capped.engine)
+    for bad in (-2, "20", True):
+        with pytest.raises(ParamError, match="^max_logprobs: "):
+            LLM(str(llama_dir), max_logprobs=bad, **OPTIONS)
+
+
 def test_chat_names_a_missing_conversation_or_role(llm):
     """`chat([])` named `prompts` (generate's argument), tools not given as a list were the chat
     template's failure, and a message without a role was rendered with an empty one ("<||>hi")
