@@ -1,10 +1,13 @@
 """The offline API as a vLLM user drives it (a helper's audit): SamplingParams changed after they
 were made, logprobs past the vocabulary, LLM.chat's continue_final_message and template variables,
 a rendered chat's prompt in its output, and clear errors for what vLLM users pass by habit."""
+import asyncio
+
 import pytest
 
 from conftest import assert_no_leak
 from treeserve import LLM, SamplingParams
+from treeserve.engine.async_engine import AsyncLLMEngine
 from treeserve.errors import ParamError
 
 OPTIONS = dict(dtype="float32", device="cpu", kv_cache_memory_bytes=8 << 20, max_model_len=256)
@@ -141,6 +144,18 @@ def test_the_engine_names_a_prompt_given_where_it_takes_token_ids(llm):
         outputs += engine.step()
     assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 2
     assert_no_leak(engine)
+
+
+def test_the_async_engine_names_a_prompt_given_where_it_takes_token_ids_under_truncation(llm):
+    """With `truncate_prompt_tokens`, AsyncLLMEngine.generate cut the prompt before its check: a
+    text's last characters were read as token ids ("token id 'l' is outside the vocabulary") and a
+    dict's slice was a TypeError."""
+    served = AsyncLLMEngine(llm.engine, start_thread=False)
+    params = SamplingParams(max_tokens=2, truncate_prompt_tokens=3)
+    for prompt in ("Hello", {"prompt_token_ids": [1, 5, 9]}):
+        with pytest.raises(ParamError, match="^prompt_token_ids: expected a list of token ids"):
+            asyncio.run(anext(served.generate(prompt, params, "vllm-habit")))
+    assert_no_leak(llm.engine)
 
 
 def test_vllms_prompt_dicts_are_importable_and_taken(llm):

@@ -37,7 +37,6 @@ class RequestIntake:
             keep_kv: bool, parent_id: str | None, priority: int, final_only: bool,
             draft_group: str | None = None, speculative_config=None) -> None:
         """See `LLMEngine.add_request`."""
-        _require_token_list(prompt_token_ids)
         prompt_token_ids = self.truncated_prompt(prompt_token_ids, params)
         self.validate_prompt(prompt_token_ids)
         if request_id in self.groups or request_id in self.retained:
@@ -73,6 +72,7 @@ class RequestIntake:
     def truncated_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
         """The prompt's last `truncate_prompt_tokens` tokens (vLLM's left truncation; -1: max_model_len),
         or the prompt as it is."""
+        _require_token_list(prompt_token_ids)  # (before the cut: a text's last characters are a list)
         keep = params.truncate_prompt_tokens
         if keep is None:
             return prompt_token_ids
