@@ -1,10 +1,13 @@
 """The offline API as a vLLM user drives it (a helper's audit): SamplingParams changed after they
 were made, logprobs past the vocabulary, LLM.chat's continue_final_message and template variables,
 a rendered chat's prompt in its output, and clear errors for what vLLM users pass by habit."""
+import asyncio
+
 import pytest
 
 from conftest import assert_no_leak
 from treeserve import LLM, SamplingParams
+from treeserve.engine.async_engine import AsyncLLMEngine
 from treeserve.errors import ParamError
 
 OPTIONS = dict(dtype="float32", device="cpu", kv_cache_memory_bytes=8 << 20, max_model_len=256)
@@ -63,6 +66,30 @@ def test_minus_one_logprobs_are_the_whole_vocabulary_as_vllms(llm):
     assert_no_leak(llm.engine)
 
 
+def test_vllms_max_logprobs_is_taken_and_caps_the_counts(llama_dir):
+    """vLLM takes `logprobs=-1` only from an LLM made with `max_logprobs=-1` (its cap, 20 by default);
+    that argument was a ParamError ("not an engine option here"), so a ported script asking for the
+    whole vocabulary could not start. A cap given is honoured as vLLM's: a count past it, -1 included,
+    is a ParamError naming the count."""
+    prompt = {"prompt_token_ids": [1, 5, 9, 14]}
+    whole = LLM(str(llama_dir), max_logprobs=-1, **OPTIONS)
+    size = whole.engine.model_config.vocab_size
+    out = whole.generate(prompt, SamplingParams(max_tokens=2, logprobs=-1), use_tqdm=False)[0]
+    assert [len(entry) for entry in out.outputs[0].logprobs] == [size] * 2
+    capped = LLM(str(llama_dir), max_logprobs=3, **OPTIONS)
+    got = capped.generate(prompt, SamplingParams(max_tokens=2, logprobs=3, prompt_logprobs=3), use_tqdm=False)[0]
+    assert all(3 <= len(entry) <= 4 for entry in got.outputs[0].logprobs)
+    for name in ("logprobs", "prompt_logprobs"):
+        for count in (4, -1):
+            with pytest.raises(ParamError, match=f"^{name}: .*max_logprobs") as error:
+                capped.generate(prompt, SamplingParams(max_tokens=2, **{name: count}), use_tqdm=False)
+            assert error.value.param == name
+    assert_no_leak(capped.engine)
+    for bad in (-2, "20", True):
+        with pytest.raises(ParamError, match="^max_logprobs: "):
+            LLM(str(llama_dir), max_logprobs=bad, **OPTIONS)
+
+
 def test_chat_names_a_missing_conversation_or_role(llm):
     """`chat([])` named `prompts` (generate's argument), tools not given as a list were the chat
     template's failure, and a message without a role was rendered with an empty one ("<||>hi")
@@ -117,6 +144,18 @@ def test_the_engine_names_a_prompt_given_where_it_takes_token_ids(llm):
         outputs += engine.step()
     assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 2
     assert_no_leak(engine)
+
+
+def test_the_async_engine_names_a_prompt_given_where_it_takes_token_ids_under_truncation(llm):
+    """With `truncate_prompt_tokens`, AsyncLLMEngine.generate cut the prompt before its check: a
+    text's last characters were read as token ids ("token id 'l' is outside the vocabulary") and a
+    dict's slice was a TypeError."""
+    served = AsyncLLMEngine(llm.engine, start_thread=False)
+    params = SamplingParams(max_tokens=2, truncate_prompt_tokens=3)
+    for prompt in ("Hello", {"prompt_token_ids": [1, 5, 9]}):
+        with pytest.raises(ParamError, match="^prompt_token_ids: expected a list of token ids"):
+            asyncio.run(anext(served.generate(prompt, params, "vllm-habit")))
+    assert_no_leak(llm.engine)
 
 
 def test_vllms_prompt_dicts_are_importable_and_taken(llm):

@@ -115,6 +115,15 @@ def test_bad_runtime_options(pair, options, name):
         _runtime(pair, **options)
 
 
+def test_runtime_takes_the_vllm_arguments_llm_takes(pair):
+    """The README: a Runtime takes the engine arguments `LLM(...)` takes; vLLM's `trust_remote_code=True`,
+    which LLM takes (no model code is loaded from a checkpoint), was a ParamError here."""
+    rt = _runtime(pair, trust_remote_code=True, kv_cache_dtype="auto", disable_log_stats=True)
+    params = SamplingParams(temperature=0, max_tokens=3)
+    assert len(rt.generate("gen", [QUESTION], params)[0].outputs[0].token_ids) == 3
+    rt.close()
+
+
 def test_unknown_model_name(pair):
     rt = _runtime(pair)
     with pytest.raises(ValueError, match="^model:"):

@@ -55,6 +55,16 @@ CASES = [
     ("top_logprobs no logprobs", "POST", "/v1/chat/completions", _chat(top_logprobs=3), AUTH, 400, "top_logprobs"),
     ("top_logprobs too many", "POST", "/v1/chat/completions", _chat(logprobs=True, top_logprobs=99), AUTH, 400,
      "top_logprobs"),
+    # (-1, the whole vocabulary offline as vLLM's, is no count a request over HTTP may ask for: a dict
+    # of every token per token; vLLM's server takes it only where --max-logprobs -1 allows)
+    ("top_logprobs whole vocabulary", "POST", "/v1/chat/completions", _chat(logprobs=True, top_logprobs=-1), AUTH,
+     400, "top_logprobs"),
+    ("prompt_logprobs whole vocabulary", "POST", "/v1/chat/completions", _chat(prompt_logprobs=-1), AUTH, 400,
+     "prompt_logprobs"),
+    ("completions logprobs whole vocabulary", "POST", "/v1/completions",
+     json.dumps({"model": "tiny", "prompt": "a", "logprobs": -1}).encode(), AUTH, 400, "logprobs"),
+    ("completions prompt_logprobs whole vocabulary", "POST", "/v1/completions",
+     json.dumps({"model": "tiny", "prompt": "a", "prompt_logprobs": -1}).encode(), AUTH, 400, "prompt_logprobs"),
     ("stream_options bad", "POST", "/v1/chat/completions", _chat(stream_options={"include_usage": "yes"}), AUTH, 400,
      None),
     ("unknown model", "POST", "/v1/chat/completions", _chat(model="gpt-9"), AUTH, 404, "model"),

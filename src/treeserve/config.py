@@ -59,6 +59,9 @@ class EngineConfig:
     # sampling of requests that leave it out), "vllm" (treeserve's defaults; stop ids still the
     # checkpoint's), or a folder holding a generation_config.json to read instead
     generation_config: str | Path = "auto"
+    # vLLM's cap on a request's `logprobs` / `prompt_logprobs` (-1, vLLM's, or None: the vocabulary, so
+    # logprobs=-1 is taken; vLLM's default is 20, and its logprobs=-1 needs max_logprobs=-1)
+    max_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -71,6 +74,10 @@ class EngineConfig:
             self.seed = 0
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not -2 ** 63 <= self.seed < 2 ** 64:
             raise ParamError("seed", f"must be an integer in [-2**63, 2**64) (a 64-bit seed), got {self.seed!r}")
+        if self.max_logprobs is not None and (not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool)
+                                              or self.max_logprobs < -1):
+            raise ParamError("max_logprobs", f"must be an integer >= 0, or -1 for the whole vocabulary, "
+                                             f"got {self.max_logprobs!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ParamError("max_model_len", f"must be an integer >= 2, got {self.max_model_len!r}")
         if self.kv_cache_memory_bytes is not None and (not isinstance(self.kv_cache_memory_bytes, int)

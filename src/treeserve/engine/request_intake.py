@@ -37,7 +37,6 @@ class RequestIntake:
             keep_kv: bool, parent_id: str | None, priority: int, final_only: bool,
             draft_group: str | None = None, speculative_config=None) -> None:
         """See `LLMEngine.add_request`."""
-        _require_token_list(prompt_token_ids)
         prompt_token_ids = self.truncated_prompt(prompt_token_ids, params)
         self.validate_prompt(prompt_token_ids)
         if request_id in self.groups or request_id in self.retained:
@@ -73,6 +72,7 @@ class RequestIntake:
     def truncated_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
         """The prompt's last `truncate_prompt_tokens` tokens (vLLM's left truncation; -1: max_model_len),
         or the prompt as it is."""
+        _require_token_list(prompt_token_ids)  # (before the cut: a text's last characters are a list)
         keep = params.truncate_prompt_tokens
         if keep is None:
             return prompt_token_ids
@@ -130,10 +130,7 @@ class RequestIntake:
                              f"({model_config.architecture}): it scores steps (/v1/rewards, a search's "
                              "verifier) and generates nothing")
         self.check_token_ids(params)
-        vocab = model_config.vocab_size
-        for name in ("logprobs", "prompt_logprobs"):  # (a top-k past the vocabulary failed the engine's step)
-            if (getattr(params, name) or 0) > vocab:
-                raise ParamError(name, f"at most the vocabulary's {vocab} tokens, got {getattr(params, name)}")
+        _check_logprob_counts(params, model_config.vocab_size, self.loaded.config.max_logprobs)
         if prefill_only and params.structured_outputs is not None:
             raise ParamError("structured_outputs", "not available with logits_positions (nothing is sampled)")
         if prefill_only and params.prompt_logprobs is not None:
@@ -181,6 +178,19 @@ def _child_params(params: SamplingParams, index: int) -> SamplingParams:
         return params
     seed = None if params.seed is None else params.seed + index
     return params.clone(n=1, seed=seed)
+
+
+def _check_logprob_counts(params: SamplingParams, vocab: int, cap: int | None) -> None:
+    """`logprobs` and `prompt_logprobs` (-1: the whole vocabulary) within the vocabulary (a top-k past
+    it failed the engine's step) and within the engine's `max_logprobs` (vLLM's cap; None or -1: none)."""
+    for name in ("logprobs", "prompt_logprobs"):
+        wanted = getattr(params, name)
+        count = vocab if wanted == -1 else (wanted or 0)
+        if count > vocab:
+            raise ParamError(name, f"at most the vocabulary's {vocab} tokens, got {wanted}")
+        if cap not in (None, -1) and count > cap:
+            raise ParamError(name, f"{wanted} is more than the engine's max_logprobs ({cap}); make the engine "
+                                   f"with a larger max_logprobs (-1: the whole vocabulary), as vLLM's")
 
 
 def _require_token_list(prompt_token_ids) -> None:

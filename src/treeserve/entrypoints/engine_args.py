@@ -19,6 +19,7 @@ ALWAYS_SO = {
     "tokenizer_revision": ((None,), "a model is a local directory or a bundled one: nothing is downloaded"),
     "enable_lora": ((False, None), "LoRA adapters are not supported"),
     "disable_custom_all_reduce": (ANY, "tensor-parallel ranks reduce with torch.distributed"),
+    "trust_remote_code": (ANY, "no model code is loaded from a checkpoint: every architecture is built in"),
     "kv_cache_dtype": (("auto", None), "keys and values are stored in the model's dtype (fp8 KV is not supported)"),
 }
 

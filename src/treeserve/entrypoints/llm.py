@@ -27,10 +27,10 @@ UNSUPPORTED_PROMPT_KEYS = ("multi_modal_data", "mm_processor_kwargs", "multi_mod
 
 
 class LLM:
-    def __init__(self, model: str, trust_remote_code: bool = False, **engine_options: Any):
+    def __init__(self, model: str, **engine_options: Any):
         """`engine_options`: EngineConfig's fields, and vLLM's arguments whose meaning is what treeserve
-        does anyway (engine_args.py). `trust_remote_code` (vLLM's) is taken and has no effect: no model
-        code is ever loaded from a checkpoint (every architecture is built in)."""
+        does anyway (engine_args.py; `trust_remote_code` among them: no model code is ever loaded from a
+        checkpoint, every architecture is built in)."""
         self.engine = LLMEngine.from_config(EngineConfig(model=model, **config_fields(engine_options)))
         self.loop = EngineLoop(self.engine)
         self._ids = itertools.count()
