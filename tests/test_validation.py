@@ -44,6 +44,8 @@ def test_sampling_params_reject_bad_values(kwargs, name):
     (lambda: EngineConfig(model="m", block_size=0), "block_size"),
     (lambda: EngineConfig(model="m", dtype="int8"), "dtype"),
     (lambda: EngineConfig(model="m", seed="0"), "seed"),  # (a TypeError from int() at load before)
+    (lambda: EngineConfig(model="m", seed=1.5), "seed"),
+    (lambda: EngineConfig(model="m", seed=True), "seed"),
     (lambda: SearchConfig(strategy="mcts"), "strategy"),
     (lambda: SearchConfig(n=3, beam_width=2), "beam_width"),
     # (before any model loads; each was dropped: fractions of a shared arena, a recipe for no model)
@@ -59,6 +61,15 @@ def test_settings_errors_carry_their_parameter(make, name):
     with pytest.raises(ParamError, match=f"^{name}: ") as error:
         make()
     assert error.value.param == name and isinstance(error.value, ValueError)
+
+
+def test_a_numpy_integer_seed_is_taken_as_int_took_it():
+    """A seed from numpy (a sweep's np.arange, np.random's draws) went through int() at load; the
+    check that made a bad seed a ParamError must not refuse it."""
+    import numpy as np
+
+    assert EngineConfig(model="m", seed=np.int64(7)).seed == 7
+    assert type(EngineConfig(model="m", seed=np.uint32(3)).seed) is int
 
 
 def test_the_server_takes_the_parameter_from_a_param_error_and_never_from_the_text():

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import operator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -9,6 +10,16 @@ import torch
 
 from treeserve.errors import ParamError
 from treeserve.speculative_config import SpeculativeConfig
+
+
+def _integer(value) -> int | None:
+    """`value` as an int where it is one (a Python or numpy integer; not a bool, a float or a string)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16,
@@ -72,8 +83,10 @@ class EngineConfig:
                 raise ParamError(name, f"must be an integer >= 1, got {value!r}")
         if self.seed is None:  # (vLLM's V1 engine reads seed=None as 0, up to 0.12)
             self.seed = 0
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not -2 ** 63 <= self.seed < 2 ** 64:
+        seed = _integer(self.seed)  # (numpy's integers too, as int() took them before)
+        if seed is None or not -2 ** 63 <= seed < 2 ** 64:
             raise ParamError("seed", f"must be an integer in [-2**63, 2**64) (a 64-bit seed), got {self.seed!r}")
+        self.seed = seed
         if self.max_logprobs is not None and (not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool)
                                               or self.max_logprobs < -1):
             raise ParamError("max_logprobs", f"must be an integer >= 0, or -1 for the whole vocabulary, "
