@@ -448,3 +448,15 @@ def test_a_broker_url_refused_is_said_without_its_password(broker, shown, capsys
         main(["worker", "--broker", broker])
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert "argument --broker:" in last and repr(shown) in last and "s3cret" not in last
+
+
+@pytest.mark.parametrize("argv, dest, url", [
+    (["worker", "--broker", "AMQP://guest:guest@mq/"], "broker", "amqp://guest:guest@mq/"),
+    (["worker", "--broker", "Amqps://mq/"], "broker", "amqps://mq/"),
+    (["bench", "serve", "--base-url", "HTTP://127.0.0.1:8000", "--out", "o"], "base_url", "http://127.0.0.1:8000"),
+])
+def test_a_url_scheme_in_capitals_is_taken(argv, dest, url):
+    """(a scheme is case-insensitive, RFC 3986 3.1, as aio-pika and httpx read it: AMQP://host/ and
+    HTTP://host were refused as URLs without their scheme)"""
+    from treeserve.cli import build_parser
+    assert getattr(build_parser().parse_args(argv), dest) == url
