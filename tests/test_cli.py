@@ -460,3 +460,28 @@ def test_a_url_scheme_in_capitals_is_taken(argv, dest, url):
     HTTP://host were refused as URLs without their scheme)"""
     from treeserve.cli import build_parser
     assert getattr(build_parser().parse_args(argv), dest) == url
+
+
+@pytest.mark.parametrize("argv", [
+    ["gateway", "--backend", "m=http://127.0.0.1:1", "--port", "0"],
+    ["gateway", "keys", "list"],
+    ["gateway", "db", "upgrade"],
+    ["chat", "--port", "0"],
+])
+@pytest.mark.parametrize("value", ["", " "])
+def test_an_empty_database_variable_is_an_error_naming_it(argv, value, monkeypatch, tmp_path, capsys):
+    """(TREESERVE_GATEWAY_DATABASE="" was taken as unset: ./treeserve-gateway.db, where an empty --database
+    or `database: ""` is an error; `treeserve chat` says it before starting the model server)"""
+    import treeserve.cli_chat as cli_chat
+    import treeserve.gateway.launch as gateway_launch
+
+    def started(*args, **kwargs):
+        raise Loaded
+    monkeypatch.setattr(gateway_launch, "run_gateway", started)
+    monkeypatch.setattr(cli_chat.subprocess, "Popen", started)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TREESERVE_GATEWAY_DATABASE", value)
+    assert main(argv) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("error: TREESERVE_GATEWAY_DATABASE: is empty"), last
+    assert not (tmp_path / "treeserve-gateway.db").exists()

@@ -26,6 +26,9 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
+from treeserve.errors import ParamError
+
+DATABASE_VARIABLE = "TREESERVE_GATEWAY_DATABASE"
 MIGRATIONS = Path(__file__).parent / "migrations"
 PG_CONNECT_TIMEOUT = 10  # seconds
 MIGRATION_LOCK = 0x74726565  # PostgreSQL advisory lock id ("tree") serialising migrations
@@ -95,8 +98,15 @@ def shown_url(url: str) -> str:
 
 def configured_url(url: str | None) -> str:
     """The gateway's database: `url` (--database, else the config's `database`), else the
-    TREESERVE_GATEWAY_DATABASE environment variable, else ./treeserve-gateway.db."""
-    return url or os.environ.get("TREESERVE_GATEWAY_DATABASE") or default_url()
+    TREESERVE_GATEWAY_DATABASE environment variable, else ./treeserve-gateway.db. The variable set but
+    empty is an error naming it, as an empty --database is (it was taken as unset: ./treeserve-gateway.db)."""
+    if url:
+        return url
+    variable = os.environ.get(DATABASE_VARIABLE)
+    if variable is not None and not variable.strip():
+        raise ParamError(DATABASE_VARIABLE, f"is empty ({variable!r}): give a SQLAlchemy URL, or unset it for "
+                         "./treeserve-gateway.db")
+    return variable or default_url()
 
 
 def default_url(directory: Path | None = None) -> str:
