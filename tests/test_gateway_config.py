@@ -114,3 +114,11 @@ def test_a_backend_url_scheme_in_capitals_is_taken(tmp_path):
     assert [b.url for b in config.models["m"].backends] == ["http://h:1", "amqp://guest:guest@mq"]
     flags = build_config(["m=Https://h:2", "w=AMQPS://mq"])
     assert [flags.models[m].backends[0].url for m in ("m", "w")] == ["https://h:2", "amqps://mq"]
+
+
+def test_a_backend_url_without_its_scheme_is_refused_without_its_password(tmp_path):
+    """(urllib reads `alice:s3cret@h:1` as scheme `alice`, no host: the error printed it whole)"""
+    with pytest.raises(ParamError) as error:
+        _load(tmp_path, "models:\n  m:\n    backends: ['alice:s3cret@h:1']\n")
+    assert "models.m.backends[0].url" in str(error.value) and "'alice:***@h:1'" in str(error.value)
+    assert "s3cret" not in str(error.value)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit, urlunsplit
 
-from treeserve.arg_types import with_scheme
+from treeserve.arg_types import with_scheme, without_password
 from treeserve.errors import ParamError
 
 STRATEGIES = ("round_robin", "least_outstanding", "affinity")
@@ -213,7 +213,15 @@ def optional_text(value: object, field: str) -> None:
 
 
 def redact_url(url: str) -> str:
+    """`url` without its user and password; one urllib cannot split into a host (no scheme: `user:pw@host`;
+    a port out of range) with its password as *** (arg_types.without_password: an error names such a URL)."""
     parts = urlsplit(url)
+    try:
+        parts.port
+    except ValueError:
+        return without_password(url)
+    if not parts.netloc:
+        return without_password(url)
     if parts.username is None and parts.password is None:
         return url
     host = parts.hostname or ""

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from treeserve.arg_types import with_scheme
+from treeserve.arg_types import with_scheme, without_password
 from treeserve.errors import ParamError
 from treeserve.gateway.config import SCHEMES, BackendConfig, ChatConfig, GatewayConfig, ModelConfig
 
@@ -39,7 +39,7 @@ def parse_backend_flags(values: list[str]) -> dict[str, ModelConfig]:
         url = with_scheme(given, SCHEMES)  # (any case: HTTP://host is http://host)
         if not sep or not name or url is None:
             raise ParamError("backend", f"--backend: expected MODEL=http(s)://HOST:PORT (a server) or "
-                             f"MODEL=amqp://HOST (workers behind a RabbitMQ broker), got {value!r}")
+                             f"MODEL=amqp://HOST (workers behind a RabbitMQ broker), got {without_password(value)!r}")
         models.setdefault(name, ModelConfig(name, [])).backends.append(BackendConfig(url.rstrip("/")))
     return models
 

@@ -26,6 +26,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
+from treeserve.arg_types import without_password
 from treeserve.errors import ParamError
 
 DATABASE_VARIABLE = "TREESERVE_GATEWAY_DATABASE"
@@ -87,8 +88,12 @@ def violates_unique(error: exc.IntegrityError, index: str, column: str) -> bool:
 
 def shown_url(url: str) -> str:
     """`url` as an error may print it: SQLite's file path; another database's URL with its password,
-    in the authority or the query string, as ***."""
-    parsed = make_url(url)
+    in the authority or the query string, as ***; one SQLAlchemy cannot parse (no scheme: `user:pw@host/db`)
+    with its password as ***, as arg_types.without_password shows any URL."""
+    try:
+        parsed = make_url(url)
+    except exc.ArgumentError:
+        return without_password(url)
     if parsed.get_backend_name() == "sqlite":
         return parsed.database or ":memory:"
     if "password" in parsed.query:  # (a URL's query quotes its values: %2A for *)
@@ -134,7 +139,11 @@ def supported_url(url: str) -> str:
     `postgresql://`, LiteLLM's spelling, means it) or psycopg2 (if installed). Any other driver is
     refused here, at startup: the gateway tells an outage from a failed statement by the SQLSTATE,
     which only these drivers' errors carry where it reads it."""
-    parsed = make_url(url)
+    try:
+        parsed = make_url(url)
+    except exc.ArgumentError:  # (SQLAlchemy's error names no URL; it was a traceback)
+        raise ValueError(f"database URL {shown_url(url)!r} is not a URL SQLAlchemy reads: use "
+                         "postgresql+psycopg://user:pass@host/db or sqlite:///path/to/gateway.db") from None
     if parsed.drivername in ("postgresql", "postgres"):
         return parsed.set(drivername="postgresql+psycopg").render_as_string(hide_password=False)
     if parsed.drivername not in SUPPORTED_DRIVERS:
