@@ -485,3 +485,19 @@ def test_an_empty_database_variable_is_an_error_naming_it(argv, value, monkeypat
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("error: TREESERVE_GATEWAY_DATABASE: is empty"), last
     assert not (tmp_path / "treeserve-gateway.db").exists()
+
+
+def test_a_broker_workers_own_os_error_keeps_its_traceback(caplog, monkeypatch):
+    """(any OSError was logged as a broker not reached, in one line: a file of our own missing, e.g. a TLS
+    certificate, lost its traceback; only a connection error is said so)"""
+    import treeserve.server.broker_worker as broker_worker
+    from treeserve.server.broker_worker import BrokerWorker
+
+    async def connect(url):
+        raise FileNotFoundError(2, "No such file or directory", "/etc/treeserve/ca.pem")
+    monkeypatch.setattr(broker_worker.aio_pika, "connect_robust", connect)
+    worker = BrokerWorker("amqp://127.0.0.1:1/", "http://127.0.0.1:1", ["m"])
+    worker.start().join(30)
+    assert isinstance(worker.error, FileNotFoundError)
+    (record,) = [r for r in caplog.records if r.name == "treeserve.worker"]
+    assert record.getMessage() == "the broker consumer failed" and record.exc_info is not None
