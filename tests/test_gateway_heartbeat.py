@@ -283,7 +283,10 @@ def test_a_heartbeat_restarted_while_a_closed_ones_beat_is_in_flight_beats_on_on
         heartbeat.close()  # (the beat still in flight)
         heartbeat.start()
         release.set()
-        time.sleep(0.5)
+        deadline = time.monotonic() + 10
+        while len(calls) < 6 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.2)  # (the old thread's beat returned: it would beat again now)
         beating = set(_beating()) - before
         assert len(beating) == 1, f"{len(beating)} heartbeat threads"
         assert {t for t in calls[-3:]} == beating
