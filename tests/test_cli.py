@@ -448,3 +448,56 @@ def test_a_broker_url_refused_is_said_without_its_password(broker, shown, capsys
         main(["worker", "--broker", broker])
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert "argument --broker:" in last and repr(shown) in last and "s3cret" not in last
+
+
+@pytest.mark.parametrize("argv, dest, url", [
+    (["worker", "--broker", "AMQP://guest:guest@mq/"], "broker", "amqp://guest:guest@mq/"),
+    (["worker", "--broker", "Amqps://mq/"], "broker", "amqps://mq/"),
+    (["bench", "serve", "--base-url", "HTTP://127.0.0.1:8000", "--out", "o"], "base_url", "http://127.0.0.1:8000"),
+])
+def test_a_url_scheme_in_capitals_is_taken(argv, dest, url):
+    """(a scheme is case-insensitive, RFC 3986 3.1, as aio-pika and httpx read it: AMQP://host/ and
+    HTTP://host were refused as URLs without their scheme)"""
+    from treeserve.cli import build_parser
+    assert getattr(build_parser().parse_args(argv), dest) == url
+
+
+@pytest.mark.parametrize("argv", [
+    ["gateway", "--backend", "m=http://127.0.0.1:1", "--port", "0"],
+    ["gateway", "keys", "list"],
+    ["gateway", "db", "upgrade"],
+    ["chat", "--port", "0"],
+])
+@pytest.mark.parametrize("value", ["", " "])
+def test_an_empty_database_variable_is_an_error_naming_it(argv, value, monkeypatch, tmp_path, capsys):
+    """(TREESERVE_GATEWAY_DATABASE="" was taken as unset: ./treeserve-gateway.db, where an empty --database
+    or `database: ""` is an error; `treeserve chat` says it before starting the model server)"""
+    import treeserve.cli_chat as cli_chat
+    import treeserve.gateway.launch as gateway_launch
+
+    def started(*args, **kwargs):
+        raise Loaded
+    monkeypatch.setattr(gateway_launch, "run_gateway", started)
+    monkeypatch.setattr(cli_chat.subprocess, "Popen", started)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TREESERVE_GATEWAY_DATABASE", value)
+    assert main(argv) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("error: TREESERVE_GATEWAY_DATABASE: is empty"), last
+    assert not (tmp_path / "treeserve-gateway.db").exists()
+
+
+def test_a_broker_workers_own_os_error_keeps_its_traceback(caplog, monkeypatch):
+    """(any OSError was logged as a broker not reached, in one line: a file of our own missing, e.g. a TLS
+    certificate, lost its traceback; only a connection error is said so)"""
+    import treeserve.server.broker_worker as broker_worker
+    from treeserve.server.broker_worker import BrokerWorker
+
+    async def connect(url):
+        raise FileNotFoundError(2, "No such file or directory", "/etc/treeserve/ca.pem")
+    monkeypatch.setattr(broker_worker.aio_pika, "connect_robust", connect)
+    worker = BrokerWorker("amqp://127.0.0.1:1/", "http://127.0.0.1:1", ["m"])
+    worker.start().join(30)
+    assert isinstance(worker.error, FileNotFoundError)
+    (record,) = [r for r in caplog.records if r.name == "treeserve.worker"]
+    assert record.getMessage() == "the broker consumer failed" and record.exc_info is not None

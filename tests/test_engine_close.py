@@ -193,3 +193,26 @@ def test_a_runtime_closed_mid_step_ends_the_loop_step_without_writing_to_its_clo
     assert engine.closed and len(lines) >= 1
     with pytest.raises(EngineClosedError, match="engine 'gen'"):
         rt.loop.step()
+
+
+def test_a_runtime_over_a_given_tensor_parallel_model_leaves_its_workers_to_their_caller(llama_dir):
+    """(closing the Runtime stopped the tensor-parallel workers the loaded model had started, its caller's:
+    the next Runtime over it failed at its first step)"""
+    from treeserve.config import EngineConfig
+    from treeserve.engine.loaded_model import load_model
+
+    config = EngineConfig(model=str(llama_dir), dtype="float32", device="cpu", max_model_len=128,
+                          max_num_batched_tokens=128, tensor_parallel_size=2, threads_per_rank=1)
+    loaded = load_model(config, "gen")
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    try:
+        first = Runtime({"gen": loaded}, kv_cache_memory_bytes=4 << 20)
+        expected = first.generate("gen", ["Hello"], greedy)[0].outputs[0].token_ids
+        first.close()
+        assert not loaded.executor.closed and all(p.is_alive() for p in loaded.executor.procs)
+        second = Runtime({"gen": loaded}, kv_cache_memory_bytes=4 << 20)
+        assert second.generate("gen", ["Hello"], greedy)[0].outputs[0].token_ids == expected
+        second.close()
+    finally:
+        loaded.close()
+        loaded.release_weights()

@@ -81,3 +81,27 @@ def test_db_downgrade_to_a_revision_that_does_not_exist_is_named(tmp_path, capsy
     assert main(["gateway", "db", "downgrade", "zzz", "--database", database]) == 2
     err = capsys.readouterr().err
     assert "error: revision 'zzz': Can't locate revision identified by 'zzz'" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, shown", [
+    (["gateway", "keys", "list", "--database", "alice:s3cret@db.internal/gw"], "'alice:***@db.internal/gw'"),
+    (["gateway", "--port", "0", "--backend", "m=alice:s3cret@h:1"], "'m=alice:***@h:1'"),
+])
+def test_a_url_without_its_scheme_is_said_without_its_password(argv, shown, tmp_path, monkeypatch, capsys):
+    """(a database URL without its scheme was SQLAlchemy's traceback, and an error naming such a URL
+    printed its password: `--backend m=user:pw@host`, as the shown URL of a backend or database)"""
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "s3cret" not in err and "Traceback" not in err
+    assert err.startswith("error: ") and shown in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_shown_urls_hide_a_password_without_a_scheme():
+    from treeserve.gateway.config import redact_url
+    from treeserve.gateway.database import shown_url
+
+    assert shown_url("alice:s3cret@db.internal/gw") == "alice:***@db.internal/gw"
+    assert redact_url("alice:s3cret@h:1") == "alice:***@h:1"
+    assert redact_url("http://alice:s3cret@h:99999") == "http://alice:***@h:99999"  # (urllib: port out of range)
+    assert redact_url("http://alice:s3cret@h:1/v1") == "http://h:1/v1"

@@ -105,3 +105,20 @@ def test_gateway_help_names_each_default_the_config_takes():
     assert f"default {defaults.routing}" in helps["routing"]
     assert f"default {defaults.retries}" in helps["retries"]
     assert f"default {defaults.health_interval:g}" in helps["health_interval"]
+
+
+def test_a_backend_url_scheme_in_capitals_is_taken(tmp_path):
+    """(a scheme is case-insensitive, RFC 3986 3.1: HTTP://host and AMQP://host were refused, in the
+    file and in --backend; kept in lower case, an amqp:// URL is still told from an HTTP one)"""
+    config = _load(tmp_path, "models:\n  m:\n    backends: [HTTP://h:1, {url: 'AMQP://guest:guest@mq/'}]\n")
+    assert [b.url for b in config.models["m"].backends] == ["http://h:1", "amqp://guest:guest@mq"]
+    flags = build_config(["m=Https://h:2", "w=AMQPS://mq"])
+    assert [flags.models[m].backends[0].url for m in ("m", "w")] == ["https://h:2", "amqps://mq"]
+
+
+def test_a_backend_url_without_its_scheme_is_refused_without_its_password(tmp_path):
+    """(urllib reads `alice:s3cret@h:1` as scheme `alice`, no host: the error printed it whole)"""
+    with pytest.raises(ParamError) as error:
+        _load(tmp_path, "models:\n  m:\n    backends: ['alice:s3cret@h:1']\n")
+    assert "models.m.backends[0].url" in str(error.value) and "'alice:***@h:1'" in str(error.value)
+    assert "s3cret" not in str(error.value)

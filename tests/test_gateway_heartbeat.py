@@ -256,3 +256,61 @@ def test_each_heartbeat_outcome_is_scraped_from_the_start():
     scrape = metrics.render().decode()
     for outcome in ("ok", "failed", "withheld"):
         assert f'treeserve_gateway:heartbeats_total{{outcome="{outcome}"}} 0.0' in scrape
+
+
+def _beating() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "gateway-heartbeat" and t.is_alive()]
+
+
+def test_a_heartbeat_restarted_while_a_closed_ones_beat_is_in_flight_beats_on_one_thread(monkeypatch):
+    """(`close` waits a while for a beat in flight, and one can take longer, a connect timeout and a statement
+    timeout; `start` cleared the one stop event, which revived that thread: two threads beat)"""
+    from treeserve.gateway import heartbeat as heartbeat_module
+
+    monkeypatch.setattr(heartbeat_module, "CLOSE_WAIT", 0.1, raising=False)
+    in_flight, release, calls = threading.Event(), threading.Event(), []
+
+    def beat():
+        calls.append(threading.current_thread())
+        if len(calls) == 1:
+            in_flight.set()
+            release.wait(30)
+    heartbeat = Heartbeat(beat, interval=0.05)
+    before = set(_beating())
+    heartbeat.start()
+    try:
+        assert in_flight.wait(10)
+        heartbeat.close()  # (the beat still in flight)
+        heartbeat.start()
+        release.set()
+        deadline = time.monotonic() + 10
+        while len(calls) < 6 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.2)  # (the old thread's beat returned: it would beat again now)
+        beating = set(_beating()) - before
+        assert len(beating) == 1, f"{len(beating)} heartbeat threads"
+        assert {t for t in calls[-3:]} == beating
+    finally:
+        heartbeat.close()
+
+
+def test_an_observer_that_raises_is_logged_and_the_beats_go_on(caplog):
+    """(an exception from an observer, the metrics' callback, ended the thread silently: no beats from then on,
+    and another process's sweep gave back this one's holdings)"""
+    calls: list[float] = []
+    heartbeat = Heartbeat(lambda: calls.append(time.monotonic()), interval=0.05)
+
+    def observer(outcome: str) -> None:
+        raise RuntimeError("observer broke")
+    heartbeat.observers.append(observer)
+    with caplog.at_level(logging.ERROR, logger="treeserve.gateway"):
+        heartbeat.start()
+        try:
+            deadline = time.monotonic() + 10
+            while len(calls) < 3 and time.monotonic() < deadline:
+                time.sleep(0.02)
+        finally:
+            heartbeat.close()
+    assert len(calls) >= 3, "the heartbeat thread ended at the observer's exception"
+    logged = [r for r in caplog.records if "observer of the gateway's heartbeat failed" in r.getMessage()]
+    assert logged and logged[0].exc_info

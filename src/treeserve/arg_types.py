@@ -80,10 +80,20 @@ database_url = given("give a SQLAlchemy URL or leave the flag out (then TREESERV
 
 def broker_url(text: str) -> str:
     """argparse's type for an AMQP URL (one without its scheme was retried every 5 seconds, for ever)."""
-    if not text.startswith(("amqp://", "amqps://")):
+    url = with_scheme(text, ("amqp", "amqps"))
+    if url is None:
         raise argparse.ArgumentTypeError(f"expected an amqp:// or amqps:// URL such as amqp://guest:guest@host/, "
                                          f"got {without_password(text)!r}")
-    return text
+    return url
+
+
+def with_scheme(url: str, schemes: tuple[str, ...]) -> str | None:
+    """`url` with its scheme in lower case when that is one of `schemes` (lower case, e.g. ("http", "https")),
+    else None. A scheme is case-insensitive (RFC 3986, 3.1): AMQP://host is amqp://host, as yarl and httpx read it."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.lower() not in schemes:
+        return None
+    return f"{scheme.lower()}://{rest}"
 
 
 def without_password(url: str) -> str:

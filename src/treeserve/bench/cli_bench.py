@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from treeserve.arg_types import given, whole_number, without_password
+from treeserve.arg_types import given, whole_number, with_scheme, without_password
 
 SERVE_OPTIONS = ("base_url", "model", "api_key", "out", "endpoint", "stream", "dataset", "dataset_path", "input_len",
                  "output_len", "range_ratio", "shared_prefix_len", "shared_prefix_groups", "vocab_size", "tokenizer",
@@ -91,9 +91,10 @@ _tokenizer_dir = given("give an HF tokenizer directory, or leave the flag out")
 
 def _base_url(text: str) -> str:
     """(a URL without its scheme was waited on as a server still loading, for --ready-check-timeout-sec)"""
-    if not text.startswith(("http://", "https://")):
+    url = with_scheme(text, ("http", "https"))
+    if url is None:
         raise argparse.ArgumentTypeError(f"expected an http(s):// URL such as http://127.0.0.1:8000, got {without_password(text)!r}")
-    return text
+    return url
 
 
 def _port(text: str) -> int:

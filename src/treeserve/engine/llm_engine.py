@@ -283,7 +283,8 @@ class LLMEngine:
             return
         self.closed = True
         self._graph_replays = self._num_graph_replays()
-        self.loaded.close()
+        if self._owned is not None:  # (a model given loaded, `Runtime({"gen": load_model(...)})`, keeps its workers)
+            self.loaded.close()  # the tensor-parallel workers it started, if any
         self.pipeline.in_flight = None
         self.speculator.close()
         self.runner.release()

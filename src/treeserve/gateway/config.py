@@ -19,11 +19,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit, urlunsplit
 
+from treeserve.arg_types import with_scheme, without_password
 from treeserve.errors import ParamError
 
 STRATEGIES = ("round_robin", "least_outstanding", "affinity")
 DEFAULT_RESERVED_TOKENS = 4096
+# what a backend URL starts with once checked (BackendConfig.check writes its scheme in lower case)
 HTTP_SCHEMES, BROKER_SCHEMES = ("http://", "https://"), ("amqp://", "amqps://")
+SCHEMES = ("http", "https", "amqp", "amqps")  # (any case: AMQP://host is amqp://host)
 
 
 @dataclass
@@ -43,10 +46,12 @@ class BackendConfig:
 
     def check(self, where: str) -> None:
         """Its values checked (a numeric string taken as its number), errors named `where`.FIELD."""
-        if not isinstance(self.url, str) or not self.url.startswith(HTTP_SCHEMES + BROKER_SCHEMES):
+        url = with_scheme(self.url, SCHEMES) if isinstance(self.url, str) else None
+        if url is None:
             url = redact_url(self.url) if isinstance(self.url, str) else self.url
             raise ParamError(f"{where}.url", f"expected http(s)://HOST:PORT (a server) or amqp://HOST (workers "
                              f"behind a RabbitMQ broker), got {url!r}")
+        self.url = url  # (its scheme in lower case: the broker/HTTP split below and in Upstreams reads it)
         if self.api_key and self.url.startswith(HTTP_SCHEMES) and "@" in urlsplit(self.url).netloc:
             raise ParamError(f"{where}.api_key", f"backend {self.name}: a URL with a user and password and an "
                              "api_key cannot both be sent (aiohttp refuses every request): give one of them")
@@ -115,8 +120,9 @@ class ChatConfig:
         if bad:
             raise ParamError("chat.tools", f"unknown tool {bad[0]!r} (known: weather, wikipedia)")
         for name, url in self.tools.items():
-            if not url.startswith(HTTP_SCHEMES):
+            if not isinstance(url, str) or with_scheme(url, ("http", "https")) is None:
                 raise ParamError(f"chat.tools.{name}", f"expected an http(s) URL, got {url!r}")
+            self.tools[name] = with_scheme(url, ("http", "https"))
 
     def _check_examples(self, models: dict) -> None:
         for model, examples in self.examples.items():
@@ -207,7 +213,15 @@ def optional_text(value: object, field: str) -> None:
 
 
 def redact_url(url: str) -> str:
+    """`url` without its user and password; one urllib cannot split into a host (no scheme: `user:pw@host`;
+    a port out of range) with its password as *** (arg_types.without_password: an error names such a URL)."""
     parts = urlsplit(url)
+    try:
+        parts.port
+    except ValueError:
+        return without_password(url)
+    if not parts.netloc:
+        return without_password(url)
     if parts.username is None and parts.password is None:
         return url
     host = parts.hostname or ""

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import yaml
 
+from treeserve.arg_types import with_scheme, without_password
 from treeserve.errors import ParamError
-from treeserve.gateway.config import (BROKER_SCHEMES, HTTP_SCHEMES, BackendConfig, ChatConfig, GatewayConfig,
-                                      ModelConfig)
+from treeserve.gateway.config import SCHEMES, BackendConfig, ChatConfig, GatewayConfig, ModelConfig
 
 
 class UniqueKeyLoader(yaml.SafeLoader):
@@ -35,10 +35,11 @@ def parse_backend_flags(values: list[str]) -> dict[str, ModelConfig]:
     """`--backend MODEL=URL`, repeatable; several URLs for one model are its replicas."""
     models: dict[str, ModelConfig] = {}
     for value in values:
-        name, sep, url = value.partition("=")
-        if not sep or not name or not url.startswith(HTTP_SCHEMES + BROKER_SCHEMES):
+        name, sep, given = value.partition("=")
+        url = with_scheme(given, SCHEMES)  # (any case: HTTP://host is http://host)
+        if not sep or not name or url is None:
             raise ParamError("backend", f"--backend: expected MODEL=http(s)://HOST:PORT (a server) or "
-                             f"MODEL=amqp://HOST (workers behind a RabbitMQ broker), got {value!r}")
+                             f"MODEL=amqp://HOST (workers behind a RabbitMQ broker), got {without_password(value)!r}")
         models.setdefault(name, ModelConfig(name, [])).backends.append(BackendConfig(url.rstrip("/")))
     return models
 

@@ -26,6 +26,10 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
+from treeserve.arg_types import without_password
+from treeserve.errors import ParamError
+
+DATABASE_VARIABLE = "TREESERVE_GATEWAY_DATABASE"
 MIGRATIONS = Path(__file__).parent / "migrations"
 PG_CONNECT_TIMEOUT = 10  # seconds
 MIGRATION_LOCK = 0x74726565  # PostgreSQL advisory lock id ("tree") serialising migrations
@@ -84,8 +88,12 @@ def violates_unique(error: exc.IntegrityError, index: str, column: str) -> bool:
 
 def shown_url(url: str) -> str:
     """`url` as an error may print it: SQLite's file path; another database's URL with its password,
-    in the authority or the query string, as ***."""
-    parsed = make_url(url)
+    in the authority or the query string, as ***; one SQLAlchemy cannot parse (no scheme: `user:pw@host/db`)
+    with its password as ***, as arg_types.without_password shows any URL."""
+    try:
+        parsed = make_url(url)
+    except exc.ArgumentError:
+        return without_password(url)
     if parsed.get_backend_name() == "sqlite":
         return parsed.database or ":memory:"
     if "password" in parsed.query:  # (a URL's query quotes its values: %2A for *)
@@ -95,8 +103,15 @@ def shown_url(url: str) -> str:
 
 def configured_url(url: str | None) -> str:
     """The gateway's database: `url` (--database, else the config's `database`), else the
-    TREESERVE_GATEWAY_DATABASE environment variable, else ./treeserve-gateway.db."""
-    return url or os.environ.get("TREESERVE_GATEWAY_DATABASE") or default_url()
+    TREESERVE_GATEWAY_DATABASE environment variable, else ./treeserve-gateway.db. The variable set but
+    empty is an error naming it, as an empty --database is (it was taken as unset: ./treeserve-gateway.db)."""
+    if url:
+        return url
+    variable = os.environ.get(DATABASE_VARIABLE)
+    if variable is not None and not variable.strip():
+        raise ParamError(DATABASE_VARIABLE, f"is empty ({variable!r}): give a SQLAlchemy URL, or unset it for "
+                         "./treeserve-gateway.db")
+    return variable or default_url()
 
 
 def default_url(directory: Path | None = None) -> str:
@@ -124,7 +139,11 @@ def supported_url(url: str) -> str:
     `postgresql://`, LiteLLM's spelling, means it) or psycopg2 (if installed). Any other driver is
     refused here, at startup: the gateway tells an outage from a failed statement by the SQLSTATE,
     which only these drivers' errors carry where it reads it."""
-    parsed = make_url(url)
+    try:
+        parsed = make_url(url)
+    except exc.ArgumentError:  # (SQLAlchemy's error names no URL; it was a traceback)
+        raise ValueError(f"database URL {shown_url(url)!r} is not a URL SQLAlchemy reads: use "
+                         "postgresql+psycopg://user:pass@host/db or sqlite:///path/to/gateway.db") from None
     if parsed.drivername in ("postgresql", "postgres"):
         return parsed.set(drivername="postgresql+psycopg").render_as_string(hide_password=False)
     if parsed.drivername not in SUPPORTED_DRIVERS:

@@ -21,6 +21,7 @@ log = logging.getLogger("treeserve.gateway")
 HEARTBEAT_INTERVAL = 5.0  # seconds between a process's "still here" in gateway_instances
 LOOP_STUCK_AFTER = 60.0  # seconds without an event loop tick after which the beats stop
 LATE_AFTER = 3.0  # a beat committed this many intervals after the last one is logged late
+CLOSE_WAIT = 10.0  # seconds `close` waits for a beat in flight (one can take longer: it then ends on its own)
 
 
 class Heartbeat:
@@ -40,17 +41,21 @@ class Heartbeat:
         self._failing = self._withholding = False
 
     def start(self) -> None:
+        """Beats from now on. Each start's thread has its own stop event: a thread that `close` stopped
+        but did not see end (its beat outlasted CLOSE_WAIT) ends after that beat, never beats beside
+        this one (clearing one shared event revived it)."""
         if self._thread is None:
-            self._stop.clear()
+            self._stop = threading.Event()
             self.started_at = self.beaten_at = time.monotonic()
-            self._thread = threading.Thread(target=self._run, name="gateway-heartbeat", daemon=True)
+            self._thread = threading.Thread(target=self._run, args=(self._stop,), name="gateway-heartbeat",
+                                            daemon=True)
             self._thread.start()
 
     def close(self) -> None:
-        """No beats from now on (one in flight is waited for a few seconds)."""
+        """No beats from now on (one in flight is waited for CLOSE_WAIT seconds)."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=10)
+            self._thread.join(timeout=CLOSE_WAIT)
             self._thread = None
 
     def tick(self) -> None:
@@ -65,10 +70,10 @@ class Heartbeat:
         """Seconds since this process's last committed beat (since `start`, before the first)."""
         return time.monotonic() - self.beaten_at
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
+    def _run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
             self._outcome(self._once())
-            self._stop.wait(self.interval)
+            stop.wait(self.interval)
 
     def _once(self) -> str:
         if self._loop_stuck():
@@ -99,7 +104,10 @@ class Heartbeat:
 
     def _outcome(self, outcome: str) -> None:
         for observer in self.observers:
-            observer(outcome)
+            try:
+                observer(outcome)
+            except Exception:  # (one that raised ended the thread, silently: no beats from then on)
+                log.exception("an observer of the gateway's heartbeat failed on %r (the beats go on)", outcome)
 
 
 async def keep_ticking(heartbeat: Heartbeat) -> None:

@@ -66,8 +66,10 @@ class BrokerWorker:
             asyncio.run(self._run())
         except BaseException as exc:  # reported to the main thread, which stops the worker
             self.error = exc
-            if isinstance(exc, OSError):  # a broker not reached (aiormq's AMQPConnectionError is one): the
-                log.error("the broker consumer failed: %s", exc)  # reason in one line, not a traceback
+            # a broker not reached (aiormq's AMQPConnectionError, a ConnectionError, wraps the socket's OSError):
+            # the reason in one line; any other OSError (a certificate file missing, ...) with its traceback
+            if isinstance(exc, ConnectionError):
+                log.error("the broker consumer failed: %s", exc)
             else:
                 log.exception("the broker consumer failed")
             self.ready.set()
