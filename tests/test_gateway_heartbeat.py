@@ -216,6 +216,17 @@ def test_a_process_whose_event_loop_is_stuck_stops_beating_until_it_runs_again(q
             each.close()
 
 
+def _beat_until(heartbeat: Heartbeat, calls: list, count: int) -> None:
+    """Runs `heartbeat` until it has beaten `count` times (10 s at most), then closes it."""
+    heartbeat.start()
+    try:
+        deadline = time.monotonic() + 10
+        while len(calls) < count and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        heartbeat.close()
+
+
 def test_a_failing_heartbeat_is_logged_counted_and_tried_again(caplog):
     """A beat that fails (the database down) is logged (its traceback once) and counted, and the thread
     goes on beating; a late beat is logged; `/metrics` shows the outcomes and the age of the last beat."""
@@ -228,13 +239,7 @@ def test_a_failing_heartbeat_is_logged_counted_and_tried_again(caplog):
     heartbeat, metrics = Heartbeat(beat, interval=0.05), GatewayMetrics()
     metrics.watch(heartbeat, lambda: 7.0)
     with caplog.at_level(logging.WARNING, logger="treeserve.gateway"):
-        heartbeat.start()
-        try:
-            deadline = time.monotonic() + 10
-            while len(calls) < 7 and time.monotonic() < deadline:
-                time.sleep(0.02)
-        finally:
-            heartbeat.close()
+        _beat_until(heartbeat, calls, 7)
     count = len(calls)
     time.sleep(0.2)
     assert len(calls) == count >= 7, "the heartbeat thread stopped at a failure, or beat after close"
@@ -304,13 +309,7 @@ def test_an_observer_that_raises_is_logged_and_the_beats_go_on(caplog):
         raise RuntimeError("observer broke")
     heartbeat.observers.append(observer)
     with caplog.at_level(logging.ERROR, logger="treeserve.gateway"):
-        heartbeat.start()
-        try:
-            deadline = time.monotonic() + 10
-            while len(calls) < 3 and time.monotonic() < deadline:
-                time.sleep(0.02)
-        finally:
-            heartbeat.close()
+        _beat_until(heartbeat, calls, 3)
     assert len(calls) >= 3, "the heartbeat thread ended at the observer's exception"
     logged = [r for r in caplog.records if "observer of the gateway's heartbeat failed" in r.getMessage()]
     assert logged and logged[0].exc_info
