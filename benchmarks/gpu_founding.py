@@ -42,7 +42,6 @@ the counts come close to the device's, not equal; docs/BENCHMARKS.md); only the 
 """
 from __future__ import annotations
 
-import dataclasses
 import gc
 import random
 import statistics
@@ -148,23 +147,14 @@ def load_models(args, paths: dict[str, Path]) -> dict:
             for name, path in paths.items()}
 
 
-def with_block_size(loaded: dict, block_size: int | None) -> dict:
-    """The same weights with another page size (a Runtime reads `config.block_size` only when it
-    sizes its KV pages)."""
-    if block_size is None:
-        return loaded
-    return {name: dataclasses.replace(m, config=dataclasses.replace(m.config, block_size=block_size))
-            for name, m in loaded.items()}
-
-
 def engine_options(args) -> dict:
     return dict(dtype=args.dtype, device=args.device, load_format="dummy", max_model_len=args.founding_max_len,
                 max_num_batched_tokens=8192, max_num_seqs=16 * MAX_IN_FLIGHT)
 
 
 def build_runtime(args, loaded: dict, options: dict) -> Runtime:
-    """A configuration's Runtime over the loaded models: its own KV space, engines and CUDA graphs.
-    A page size other than the models' own (`block_size`) needs models loaded with it."""
+    """A configuration's Runtime over the loaded models: its own KV space, engines and CUDA graphs
+    (its engine options, a page size `block_size`, apply to the engines over the loaded weights)."""
     options = dict(options)
     budget = args.founding_kv_gib * options.pop("kv_scale", 1) * (1 << 30)
     return Runtime(loaded, kv_cache_memory_bytes=int(budget), recipes={"prm": None}, **options)  # (random: names no recipe)
@@ -287,10 +277,7 @@ def run_founding_study(args, paths: dict[str, Path], vocab: int, write) -> dict:
                     "build_seconds": {}, "runs": {label: [] for label, _ in configs}}
     started = time.perf_counter()
     loaded = load_models(args, paths)
-    runtimes = {}
-    for label, options in configs:
-        models = with_block_size(loaded, options.pop("block_size", None))
-        runtimes.update(build_all(args, [(label, options)], models, problems, result))
+    runtimes = build_all(args, configs, loaded, problems, result)
     freeze_startup_heap()  # the built runtimes live until the end: no full collection walks them mid-run
     write(result)
     try:

@@ -90,6 +90,28 @@ def test_the_founding_replica_holds_the_device_runs_pages(tmp_path):
         split.close()
 
 
+def test_the_founding_runtimes_over_the_loaded_models_have_the_options_they_claim(tmp_path):
+    """Each configuration's Runtime is built over models loaded once: the engines have the load's
+    scheduler options (16 problems' candidates, 8,192-token steps), the configuration's page size and
+    its split, as the study says."""
+    from types import SimpleNamespace
+
+    paths = {name: gm.model_dir(tmp_path, name, shape, 512) for name, shape in zip(("gen", "prm"), gpu_founding.REPLICA_SHAPES)}
+    args = SimpleNamespace(dtype=gpu_founding.REPLICA_DTYPE, device="cpu", founding_max_len=256, founding_kv_gib=1 / 64)
+    loaded = gpu_founding.load_models(args, paths)
+    configs = dict(gpu_founding.configurations([0.3], 32))
+    for label, block_size in (("shared, 32-token pages", 32), ("static gen=0.3", 16)):
+        rt = gpu_founding.build_runtime(args, loaded, configs[label])
+        try:
+            assert rt.engines["gen"].stats().block_size == block_size, label
+            for engine in rt.engines.values():
+                assert engine.scheduler.max_num_seqs == 16 * gpu_founding.MAX_IN_FLIGHT
+                assert engine.scheduler.max_num_batched_tokens == 8192 and engine.max_model_len == 256
+        finally:
+            rt.close()
+    assert all(m.config.block_size == 16 for m in loaded.values())  # the loaded models keep their own
+
+
 def test_the_founding_summary_takes_the_middle_of_an_even_count_of_rounds():
     """A round cut by the time limit leaves two runs a configuration: their median is their mean
     (the upper one of two overstated shared / best static as 1.10x for rounds of 0.98x and 1.10x)."""

@@ -7,6 +7,7 @@ import pytest
 
 from conftest import assert_no_leak
 from treeserve import Runtime, SamplingParams
+from treeserve.errors import ParamError
 from treeserve.engine.kv_arena import fitted_page_bytes
 from treeserve.testing.tiny_models import make_tiny_model
 
@@ -276,6 +277,55 @@ def test_runtimes_over_loaded_models_share_their_weights_and_reset_to_nothing_ca
     assert [c for c, _ in _search_like(static)] == [c for c, _ in first]
     shared.close()
     static.close()
+
+
+def test_a_runtime_over_given_loaded_models_takes_its_engine_options(pair):
+    """Engine options (scheduler, KV cache) given to a Runtime over models passed in loaded apply to
+    its engines (they were silently dropped: the engines ran on the options the models were loaded
+    with); the caller's loaded models keep theirs."""
+    from treeserve.config import EngineConfig
+    from treeserve.engine.loaded_model import load_model
+
+    options = dict(dtype="float32", device="cpu", max_model_len=192, max_num_batched_tokens=192)
+    loaded = {name: load_model(EngineConfig(model=str(path), **options), name) for name, path in pair.items()}
+    rt = Runtime(loaded, kv_mode="static", kv_fractions={"gen": 0.5, "prm": 0.5}, kv_cache_memory_bytes=8 << 20,
+                 max_num_seqs=3, block_size=32, max_num_batched_tokens=96, enable_prefix_caching=False,
+                 max_model_len=128, dtype="float32", device="cpu")
+    try:
+        for engine in rt.engines.values():
+            assert engine.scheduler.max_num_seqs == 3
+            assert engine.stats().block_size == engine.kv.block_size == 32
+            assert engine.scheduler.max_num_batched_tokens == engine.max_num_batched_tokens == 96
+            assert engine.kv.pool.enable_caching is False
+            assert engine.max_model_len == 128
+        assert rt.generate("gen", ["Hello"], SamplingParams(max_tokens=4, temperature=0.0))[0].outputs[0].token_ids
+    finally:
+        rt.close()
+    assert all(m.config.max_num_seqs == 256 and m.config.block_size == 16 and m.max_model_len == 192
+               for m in loaded.values())
+
+
+@pytest.mark.parametrize("option, value", [("dtype", "bfloat16"), ("max_model_len", 256), ("seed", 7),
+                                           ("tensor_parallel_size", 2), ("load_format", "dummy")])
+def test_a_runtime_over_given_loaded_models_refuses_a_load_option_they_were_not_loaded_with(pair, option, value):
+    from treeserve.config import EngineConfig
+    from treeserve.engine.loaded_model import load_model
+
+    options = dict(dtype="float32", device="cpu", max_model_len=192, max_num_batched_tokens=192)
+    loaded = {"gen": load_model(EngineConfig(model=str(pair["gen"]), **options), "gen")}
+    with pytest.raises(ParamError, match="fixed when the model was loaded") as err:
+        Runtime(loaded, kv_cache_memory_bytes=8 << 20, **{option: value})
+    assert err.value.param == option
+
+
+def test_every_engine_option_is_either_an_engines_or_fixed_at_load():
+    import dataclasses
+
+    from treeserve.config import EngineConfig
+    from treeserve.engine.loaded_options import ENGINE_OPTIONS, LOAD_OPTIONS
+
+    names = [f.name for f in dataclasses.fields(EngineConfig)]
+    assert sorted(ENGINE_OPTIONS + LOAD_OPTIONS) == sorted(names)
 
 
 def test_a_model_waits_for_the_blocks_another_models_running_requests_hold(pair):

@@ -149,7 +149,7 @@ def describe_model(config: EngineConfig, name: str = "", executor=None) -> Loade
     tokenizer = load_tokenizer(resolve_model_path(config.tokenizer, "tokenizer") if config.tokenizer else model_dir)
     device = config.resolve_device()
     dtype = config.resolve_dtype(device, model_config.torch_dtype)
-    shared = config.max_num_batched_tokens or serving_token_budget(model_config, device)
+    shared, lone = token_budgets(config, model_config, device)
     quantization = resolve_quantization(config.quantization, model_dir)
     check_device(quantization, device, dtype)
     generation = load_generation_defaults(model_dir, model_config, config.generation_config)
@@ -158,9 +158,14 @@ def describe_model(config: EngineConfig, name: str = "", executor=None) -> Loade
                  "(--generation-config vllm leaves them out)", name or model_dir.name, generation.sampling)
     return LoadedModel(
         config, name, model_dir, model_config, tokenizer, generation,
-        device, dtype, _max_model_len(config, model_config), shared,
-        config.max_num_batched_tokens or lone_request_budget(shared),
+        device, dtype, _max_model_len(config, model_config), shared, lone,
         resolve_backend_name(config.attention_backend, device, dtype), quantization, executor=executor)
+
+
+def token_budgets(config: EngineConfig, model_config: ModelConfig, device: torch.device) -> tuple[int, int]:
+    """The most tokens one step holds with several requests, and for a lone request."""
+    shared = config.max_num_batched_tokens or serving_token_budget(model_config, device)
+    return shared, config.max_num_batched_tokens or lone_request_budget(shared)
 
 
 def _tensor_parallel(loaded: LoadedModel) -> TensorParallel:

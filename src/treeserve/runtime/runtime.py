@@ -25,6 +25,7 @@ from treeserve.engine.kv_arena import aligned, fitted_page_bytes
 from treeserve.engine.kv_space import KVSpace
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.engine.loaded_model import LoadedModel, load_model
+from treeserve.engine.loaded_options import with_engine_options
 from treeserve.engine.spec_decode.drafters import drafts_for
 from treeserve.engine.tp_start import start_executor
 from treeserve.engine.memory import available_host_bytes
@@ -55,9 +56,10 @@ class Runtime:
             raise ParamError("kv_mode", f"must be one of {KV_MODES}, got {kv_mode!r}")
         _check_named(models, kv_mode, kv_fractions, recipes)
         self.kv_mode = kv_mode
-        # A loaded model (`load_model`) is used as it is: Runtimes built one after another over the
-        # same weights (a benchmark's configurations) load them once.
-        given = {name: m for name, m in models.items() if isinstance(m, LoadedModel)}
+        # A loaded model (`load_model`) keeps its weights: Runtimes built one after another over the
+        # same weights (a benchmark's configurations) load them once. The engine options apply to the
+        # engines over it; a load-level one (dtype, device, ...) must equal what it was loaded with.
+        given = {name: with_engine_options(m, engine_options) for name, m in models.items() if isinstance(m, LoadedModel)}
         configs = {name: EngineConfig(model=path, **engine_options) for name, path in models.items() if name not in given}
         self.executor = self._workers(next(iter(configs.values()))) if configs else None
         self._spaces: list[KVSpace] = []  # the KV spaces it made, and the models it loaded: `close` frees them
