@@ -45,11 +45,12 @@ def at_least_one(text: str) -> int:
     return value
 
 
-def port(text: str) -> int:
-    """argparse's type for a TCP port: 0 (the kernel picks a free one) to 65535."""
+def port(text: str, lowest: int = 0) -> int:
+    """argparse's type for a TCP port: 0 (the kernel picks a free one; `lowest` 1 where a client must
+    know the port) to 65535."""
     value = whole_number(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a port number, 0-65535, got {value}")
+    if not lowest <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number, {lowest}-65535, got {value}")
     return value
 
 

@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from treeserve.arg_types import given, whole_number, with_scheme, without_password
+from treeserve.arg_types import given, port, with_scheme, without_password
 
 SERVE_OPTIONS = ("base_url", "model", "api_key", "out", "endpoint", "stream", "dataset", "dataset_path", "input_len",
                  "output_len", "range_ratio", "shared_prefix_len", "shared_prefix_groups", "vocab_size", "tokenizer",
@@ -99,10 +99,7 @@ def _base_url(text: str) -> str:
 
 def _port(text: str) -> int:
     """(--port 99999 was the mock server's traceback, then wait_healthy's; 0 leaves the port unknown to the client)"""
-    value = whole_number(text)
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a port number, 1-65535, got {value}")
-    return value
+    return port(text, lowest=1)
 
 
 def _counts(text: str) -> str:
