@@ -110,10 +110,46 @@ def test_memory_breakdown_is_measured(pair):
     (dict(kv_mode="split"), "kv_mode"),
     (dict(kv_mode="static", kv_fractions={"gen": 0.9, "prm": 0.9}), "kv_fractions"),
     (dict(kv_mode="static", kv_fractions={"gen": 0.5}), "kv_fractions"),
+    (dict(cpu_kv_memory_fraction=0.1, memory_utilization=0.5), "cpu_kv_memory_fraction"),  # (both size the KV)
+    (dict(cpu_kv_memory_fraction=0), "cpu_kv_memory_fraction"),
+    (dict(cpu_kv_memory_fraction=1.5), "cpu_kv_memory_fraction"),
+    (dict(cpu_kv_memory_fraction="0.1"), "cpu_kv_memory_fraction"),
+    (dict(memory_utilization=0), "memory_utilization"),
+    (dict(memory_utilization=2.0), "memory_utilization"),
 ])
 def test_bad_runtime_options(pair, options, name):
     with pytest.raises(ValueError, match=f"^{name}:"):
         _runtime(pair, **options)
+
+
+@pytest.mark.parametrize("given_loaded", [False, True])
+def test_a_runtime_on_cpu_sizes_its_kv_by_cpu_kv_memory_fraction_as_llm_does(pair, monkeypatch, capsys, given_loaded):
+    """`cpu_kv_memory_fraction` (LLM's: the share of available host memory for KV blocks alone) sized nothing
+    in a Runtime, over model paths or loaded models: it took 0.25 of that memory less weights, activations and
+    the rest of the process (at most 1 GiB) whatever it was given. All its models' KV together is that share
+    now, as an LLM's one model's is (vLLM's CPU backend, too, sizes its KV alone: VLLM_CPU_KVCACHE_SPACE)."""
+    from treeserve import LLM
+    from treeserve.cli import main
+    from treeserve.config import EngineConfig
+    from treeserve.engine import memory
+    from treeserve.engine.loaded_model import load_model
+
+    monkeypatch.setattr(memory, "available_host_bytes", lambda: 256 << 20)  # (the machine's, held still)
+    options = dict(dtype="float32", device="cpu", max_model_len=192, max_num_batched_tokens=192)
+    models = ({name: load_model(EngineConfig(model=str(path), **options), name) for name, path in pair.items()}
+              if given_loaded else pair)
+    rt = Runtime(models, cpu_kv_memory_fraction=0.125, **options)
+    llm = LLM(str(pair["gen"]), cpu_kv_memory_fraction=0.125, **options)
+    try:
+        assert rt.kv_budget == 32 << 20 == llm.engine.kv.pool.num_blocks * llm.engine.runner.arena.page_bytes
+        assert 30 << 20 < rt.memory["gen"].kv_bytes <= 32 << 20  # (the shared arena: whole pages of it)
+        assert rt.generate("gen", ["Hello"], SamplingParams(max_tokens=3, temperature=0))[0].outputs[0].token_ids
+    finally:
+        rt.close()
+        llm.close()
+    assert main(["memory", "--model", f"gen={pair['gen']}", "--model", f"prm={pair['prm']}", "--dtype", "float32",
+                 "--device", "cpu", "--cpu-kv-memory-fraction", "0.0625", "--max-model-len", "128"]) == 0
+    assert "KV budget 16.0 MiB" in capsys.readouterr().out
 
 
 def test_runtime_takes_the_vllm_arguments_llm_takes(pair):

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from treeserve.errors import ParamError
-from treeserve.config import CPU_DEFAULT_KV_BYTES, EngineConfig
+from treeserve.config import CPU_DEFAULT_KV_BYTES, EngineConfig, in_unit_interval
 from treeserve.engine.engine_loop import EngineLoop
 from treeserve.engine.kv_arena import aligned, fitted_page_bytes
 from treeserve.engine.kv_space import KVSpace
@@ -28,7 +28,7 @@ from treeserve.engine.loaded_model import LoadedModel, load_model
 from treeserve.engine.loaded_options import with_engine_options
 from treeserve.engine.spec_decode.drafters import drafts_for
 from treeserve.engine.tp_start import start_executor
-from treeserve.engine.memory import available_host_bytes
+from treeserve.engine.memory import available_host_bytes, cpu_kv_bytes
 from treeserve.entrypoints.engine_args import config_fields
 from treeserve.entrypoints.llm import LLM
 from treeserve.outputs import RequestOutput
@@ -41,6 +41,7 @@ from treeserve.runtime.telemetry import TelemetryTrace
 logger = logging.getLogger(__name__)
 
 KV_MODES = ("shared", "static")
+CPU_UTILISATION = 0.25  # on CPU, the share of available host memory for weights, activations and KV, unless given
 
 
 class Runtime:
@@ -54,6 +55,8 @@ class Runtime:
         engine_options = config_fields(engine_options, "Runtime")
         if kv_mode not in KV_MODES:
             raise ParamError("kv_mode", f"must be one of {KV_MODES}, got {kv_mode!r}")
+        if memory_utilization is not None and not in_unit_interval(memory_utilization):
+            raise ParamError("memory_utilization", f"must be in (0, 1], got {memory_utilization!r}")
         _check_named(models, kv_mode, kv_fractions, recipes)
         self.kv_mode = kv_mode
         # A loaded model (`load_model`) keeps its weights: Runtimes built one after another over the
@@ -101,15 +104,20 @@ class Runtime:
         outside = non_torch_bytes(models)
         for row in rows.values():
             row.non_torch_bytes = outside // len(rows)
-        device = models[0].device
+        device, fraction = models[0].device, None  # (cpu_kv_memory_fraction is CPU's alone, as LLM(...) reads it)
         if device.type == "cuda":
             self.total_bytes = torch.cuda.mem_get_info(device)[1]
             self.utilisation = models[0].config.gpu_memory_utilization if utilisation is None else utilisation
         else:
             self.total_bytes = available_host_bytes()
-            self.utilisation = 0.25 if utilisation is None else utilisation
+            fraction = _cpu_kv_fraction(models, utilisation)
+            self.utilisation = CPU_UTILISATION if utilisation is None else utilisation
+            if fraction is not None:
+                self.utilisation = None  # (the KV budget is `fraction` of total_bytes, the weights apart)
         if kv_bytes is not None:
             self.kv_budget = kv_bytes
+        elif fraction is not None:  # (the KV alone, as LLM(...)'s: the weights, loaded, are not in what is available)
+            self.kv_budget = cpu_kv_bytes(fraction)
         else:
             used = sum(r.weights_bytes + r.activation_bytes + r.non_torch_bytes for r in rows.values())
             self.kv_budget = int(self.total_bytes * self.utilisation) - used
@@ -258,6 +266,22 @@ def _free_parts(spaces: list[KVSpace], loaded: list[LoadedModel], executor) -> N
         model.release_weights()
     if executor is not None:
         executor.shutdown()
+
+
+def _cpu_kv_fraction(models: list[LoadedModel], utilisation: float | None) -> float | None:
+    """The models' `cpu_kv_memory_fraction` (the Runtime's option, or what they were loaded with): the
+    share of available host memory for all their KV together, as LLM(...)'s for its one model; None if
+    none has one. With `memory_utilization` (weights and activations in the same share) a ParamError."""
+    given = {m.config.cpu_kv_memory_fraction for m in models} - {None}
+    if len(given) > 1:
+        raise ParamError("cpu_kv_memory_fraction", f"the models were loaded with different ones ({sorted(given)}): "
+                         "their KV is one budget, give the Runtime one (cpu_kv_memory_fraction=...)")
+    fraction = next(iter(given), None)
+    if fraction is not None and utilisation is not None:
+        raise ParamError("cpu_kv_memory_fraction", f"{fraction} and memory_utilization={utilisation} both size the "
+                         "KV budget: give one (cpu_kv_memory_fraction: the share of available host memory for KV "
+                         "alone, as LLM's; memory_utilization: for weights, activations and KV together)")
+    return fraction
 
 
 def _fractions(given: dict[str, float] | None, names: list[str]) -> dict[str, float]:
