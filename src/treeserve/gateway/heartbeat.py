@@ -132,9 +132,9 @@ class Heartbeat:
         if overran < max(SUSPENDED_AFTER, self.interval) or self.cpu_clock() - cpu_then > overran / 2:
             return 0.0
         self.suspended += overran
-        log.warning("this gateway process was suspended for %.1f s (stopped: SIGSTOP, a paused container or a "
-                    "suspended machine): neither its event loop nor its heartbeat ran; the loop is not taken for "
-                    "stuck (another process may have given back what this one held meanwhile)", overran)
+        log.warning("this gateway process was suspended for %.1f s (stopped by SIGSTOP, a paused container or a "
+                    "suspended machine, or given no CPU): neither its event loop nor its heartbeat ran; the loop is "
+                    "not taken for stuck (another process may have given back what this one held meanwhile)", overran)
         for observer in self.suspension_observers:
             self._tell(observer, overran)
         return overran
