@@ -104,4 +104,39 @@ def test_the_shown_urls_hide_a_password_without_a_scheme():
     assert shown_url("alice:s3cret@db.internal/gw") == "alice:***@db.internal/gw"
     assert redact_url("alice:s3cret@h:1") == "alice:***@h:1"
     assert redact_url("http://alice:s3cret@h:99999") == "http://alice:***@h:99999"  # (urllib: port out of range)
-    assert redact_url("http://alice:s3cret@h:1/v1") == "http://h:1/v1"
+    assert redact_url("http://alice:s3cret@h:1/v1") == "http://alice:***@h:1/v1"
+
+
+@pytest.mark.parametrize("url, shown", [
+    ("http://alice:SECRET@h:1/v1", "http://alice:***@h:1/v1"),
+    ("amqp://treeserve:SECRET@mq.internal/", "amqp://treeserve:***@mq.internal/"),
+    ("http://alice:SECRET@[::1]:8000/v1", "http://alice:***@[::1]:8000/v1"),  # (was http://::1:8000/v1)
+    ("http://alice:SEC%40RET@h:1", "http://alice:***@h:1"),
+    ("http://alice:SEC@RET@h:1", "http://alice:***@h:1"),  # (urllib: the password is up to the last @)
+    ("http://alice:SEC/RET@h:1", "http://alice:***@h:1"),  # (urllib: port "SEC"; it was shown whole)
+    ("http://alice:SEC#RET@h:1/v1", "http://alice:***@h:1/v1"),
+    ("http://alice:SEC?RET@h:1", "http://alice:***@h:1"),
+    ("http://alice:SECRET@h:99999", "http://alice:***@h:99999"),  # (a port out of range)
+    ("https://SECRET@api.example.com/v1", "https://***@api.example.com/v1"),  # (a key as the user)
+    ("https://SECRET:@api.example.com/v1", "https://***@api.example.com/v1"),  # (a key as the user, Stripe's)
+    ("https://:SECRET@api.example.com/v1", "https://***@api.example.com/v1"),
+    ("alice:SECRET@h:1", "alice:***@h:1"),  # (no scheme)
+    ("SECRET@h:1", "***@h:1"),  # (no scheme, a key as the user: it was shown whole)
+    ("m=alice:SEC/RET@h:1", "m=alice:***@h:1"),  # (--backend's MODEL=URL, as its error names it)
+    ("http://h:1/v1", "http://h:1/v1"),
+    ("amqp://mq.internal/", "amqp://mq.internal/"),
+])
+def test_a_backend_url_is_shown_with_its_user_and_never_its_password(url, shown):
+    """A backend's URL in logs, metrics, spend rows and errors keeps its user, as SQLAlchemy's
+    `render_as_string(hide_password=True)` shows a database's (`amqp://alice:***@mq/`; it was `amqp://mq/`, and an
+    error about a broker or server URL did not say which account it used); a user with no password may be a key,
+    shown as ***; a URL urllib cannot split (no scheme, a port out of range, a "/" in its password) too."""
+    from treeserve.gateway.config import BackendConfig, redact_url
+    from treeserve.gateway.database import shown_url
+
+    assert redact_url(url) == shown
+    assert "SEC" not in shown and "RET" not in shown
+    if url.startswith(("http://", "https://", "amqp://")) and ":99999" not in url:
+        assert BackendConfig(url).name == shown
+    if "://" not in url:
+        assert shown_url(url) == shown  # (a database URL SQLAlchemy cannot read: shown the same way)

@@ -41,7 +41,7 @@ def test_prices_written_as_yaml_1_1_reads_them_are_numbers(tmp_path):
     ("models:\n  m:\n    backends: [{url: http://h:1, connect_timeout: x}]\n", "models.m.backends[0].connect_timeout"),
     ("models:\n  m:\n    backends: [127.0.0.1:8000]\n", "models.m.backends[0].url: expected http(s)://"),
     ("models:\n  m:\n    backends: [{url: 'http://u:secret@h:1', api_key: sk-x}]\n",
-     "models.m.backends[0].api_key: backend http://h:1: a URL with a user and password and an api_key"),
+     "models.m.backends[0].api_key: backend http://u:***@h:1: a URL with a user and password and an api_key"),
     ("model_list:\n  - model_name: m\n" + GOOD_MODEL, "config: unknown key 'model_list'"),
     (GOOD_MODEL + "    input_cost: 1\n", "models.m: unknown key 'input_cost'"),
     ("models:\n  m:\n    backends: [{url: http://h:1, apikey: sk-x}]\n", "models.m.backends[0]: unknown key 'apikey'"),

@@ -313,3 +313,96 @@ def test_an_observer_that_raises_is_logged_and_the_beats_go_on(caplog):
     assert len(calls) >= 3, "the heartbeat thread ended at the observer's exception"
     logged = [r for r in caplog.records if "observer of the gateway's heartbeat failed" in r.getMessage()]
     assert logged and logged[0].exc_info
+
+
+class _Clocks:
+    """The monotonic and CPU clocks a heartbeat reads, moved by the test: one interval of a process running
+    (its CPU clock moves a little), or stopped (SIGSTOP: neither moves but the monotonic one)."""
+
+    def __init__(self):
+        self.now, self.cpu = 1000.0, 10.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def process_time(self) -> float:
+        return self.cpu
+
+    def run(self, seconds: float, cpu: float | None = None) -> None:
+        self.now += seconds
+        self.cpu += seconds * 0.02 if cpu is None else cpu
+
+
+def _clocked(clocks: _Clocks, outcomes: list) -> tuple[Heartbeat, GatewayMetrics]:
+    """A heartbeat of 5 s intervals on `clocks` (stuck after 60 s), beaten once with its loop ticking."""
+    heartbeat = Heartbeat(lambda: None, interval=5.0, clock=clocks.monotonic, cpu_clock=clocks.process_time)
+    metrics = GatewayMetrics()
+    metrics.watch(heartbeat, lambda: 0.0)
+    heartbeat.observers.append(outcomes.append)
+    heartbeat.stuck_after = 60.0
+    heartbeat.tick()
+    heartbeat.beat_once()
+    return heartbeat, metrics
+
+
+def _interval(heartbeat: Heartbeat, clocks: _Clocks, loop_runs: bool = True) -> None:
+    """One interval as the thread waits it: the loop ticks (unless stuck), then the thread beats."""
+    clocks.run(heartbeat.interval)
+    if loop_runs:
+        heartbeat.tick()
+    heartbeat.beat_once()
+
+
+def _said(caplog) -> str:
+    return "\n".join(r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("loop_ticks_first", [False, True])
+def test_a_process_stopped_and_resumed_is_not_taken_for_one_whose_event_loop_is_stuck(caplog, loop_ticks_first):
+    """SIGSTOP, and SIGCONT ten minutes later (or a paused container, a suspended machine): neither the loop
+    nor the heartbeat thread ran. The thread, waking first (or after the loop's first tick), saw the loop
+    silent for ten minutes and withheld its beat as if the loop were stuck, logging so ("withheld" counted,
+    an alert on it fired). It beats, says the process was suspended, and counts the seconds."""
+    clocks, outcomes = _Clocks(), []
+    heartbeat, metrics = _clocked(clocks, outcomes)
+    for _ in range(3):
+        _interval(heartbeat, clocks)
+    with caplog.at_level(logging.WARNING, logger="treeserve.gateway"):
+        clocks.run(600.0, cpu=0.0)  # (stopped in the thread's wait: nothing ran)
+        _interval(heartbeat, clocks, loop_runs=loop_ticks_first)
+        _interval(heartbeat, clocks)
+    assert outcomes == ["ok"] * 6, "a suspended process's beat was withheld as a stuck loop's"
+    said = _said(caplog)
+    assert "suspended for 600.0 s" in said and "has not run" not in said and "was late" not in said
+    scrape = metrics.render().decode()
+    assert 'treeserve_gateway:heartbeats_total{outcome="withheld"} 0.0' in scrape
+    assert "treeserve_gateway:suspended_seconds_total 600.0" in scrape
+
+
+def test_a_loop_stuck_before_and_after_a_suspension_is_stuck_for_the_time_the_process_ran(caplog):
+    """The loop's silence is counted while the process runs: stuck 40 s, suspended ten minutes, then
+    stuck on, the beats are withheld once it has been silent 60 s of the process's running time."""
+    clocks, outcomes = _Clocks(), []
+    heartbeat, _ = _clocked(clocks, outcomes)
+    for _ in range(8):  # (40 s: the loop stuck from here on)
+        _interval(heartbeat, clocks, loop_runs=False)
+    clocks.run(600.0, cpu=0.0)
+    for _ in range(6):
+        _interval(heartbeat, clocks, loop_runs=False)
+    assert heartbeat.suspended == 600.0
+    assert outcomes == ["ok"] * 13 + ["withheld"] * 2  # (silent 45, 50, 55, 60 s while running; then 65, 70)
+    assert "the gateway's event loop has not run for 60 s" in _said(caplog)
+
+
+def test_a_loop_stuck_in_a_call_that_holds_the_gil_is_not_taken_for_a_suspension(caplog):
+    """A loop stuck in a call that holds the GIL (a runaway regular expression) keeps the heartbeat thread
+    from running too, but the process burns CPU meanwhile: the loop is stuck, not the process suspended."""
+    clocks, outcomes = _Clocks(), []
+    heartbeat, metrics = _clocked(clocks, outcomes)
+    _interval(heartbeat, clocks)
+    clocks.run(100.0, cpu=100.0)
+    _interval(heartbeat, clocks, loop_runs=False)
+    assert outcomes == ["ok", "ok", "withheld"] and heartbeat.suspended == 0.0
+    said = _said(caplog)
+    assert "has not run for 60 s" in said and "suspended" not in said
+    assert "treeserve_gateway:suspended_seconds_total 0.0" in metrics.render().decode()

@@ -103,6 +103,7 @@ def test_model_info_has_litellm_params_without_secrets(database):
     its URL. Before: no `litellm_params` at all."""
     with running_server(stand_in_backend()) as backend_url:
         secret_url = backend_url.replace("http://", "http://ops:url-password@")
+        shown_url = backend_url.replace("http://", "http://ops:***@")  # (its user kept, as SQLAlchemy shows one)
         models = {"gen": ModelConfig("gen", [BackendConfig(backend_url, api_key=UPSTREAM_SECRET, model="gen-7b"),
                                              BackendConfig(secret_url)], output_cost_per_token=2e-6)}
         app = build_app(GatewayConfig(models=models, master_key=MASTER, database=database, health_interval=0))
@@ -114,10 +115,12 @@ def test_model_info_has_litellm_params_without_secrets(database):
                 assert UPSTREAM_SECRET not in answer.text and "url-password" not in answer.text
                 data = answer.json()["data"]
                 assert [(d["model_name"], d["litellm_params"]["model"], d["litellm_params"]["api_base"])
-                        for d in data] == [("gen", "gen-7b", backend_url), ("gen", "gen", backend_url)]
+                        for d in data] == [("gen", "gen-7b", backend_url), ("gen", "gen", shown_url)]
                 assert all("api_key" not in d["litellm_params"] for d in data)
                 assert data[0]["model_info"]["output_cost_per_token"] == 2e-6
             assert client.get("/model/info").status_code == 401
+            listed = client.get("/health/backends", headers=ADMIN).json()
+            assert [b["url"] for b in listed] == [backend_url, shown_url]
 
 
 def test_user_delete_answers_litellms_count(database):

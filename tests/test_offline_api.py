@@ -186,7 +186,8 @@ def test_chat_continues_a_prefill_passes_template_variables_and_shows_its_prompt
 
 
 def test_what_vllm_users_pass_by_habit_is_named(llm, llama_dir):
-    for option in ({"max_model_len": "128"}, {"kv_cache_memory_bytes": 1.5e6}, {"gpu_memory_utilization": "0.5"}):
+    for option in ({"max_model_len": "128"}, {"kv_cache_memory_bytes": 1.5e6}, {"gpu_memory_utilization": "0.5"},
+                   {"cpu_kv_memory_fraction": "0.5"}, {"cpu_kv_memory_fraction": 0}, {"cpu_kv_memory_fraction": 2.0}):
         with pytest.raises(ParamError, match=next(iter(option))):  # (a comparison's TypeError before)
             LLM(str(llama_dir), **(OPTIONS | option))
     with pytest.raises(ParamError, match="sampling_params"):

@@ -110,10 +110,46 @@ def test_memory_breakdown_is_measured(pair):
     (dict(kv_mode="split"), "kv_mode"),
     (dict(kv_mode="static", kv_fractions={"gen": 0.9, "prm": 0.9}), "kv_fractions"),
     (dict(kv_mode="static", kv_fractions={"gen": 0.5}), "kv_fractions"),
+    (dict(cpu_kv_memory_fraction=0.1, memory_utilization=0.5), "cpu_kv_memory_fraction"),  # (both size the KV)
+    (dict(cpu_kv_memory_fraction=0), "cpu_kv_memory_fraction"),
+    (dict(cpu_kv_memory_fraction=1.5), "cpu_kv_memory_fraction"),
+    (dict(cpu_kv_memory_fraction="0.1"), "cpu_kv_memory_fraction"),
+    (dict(memory_utilization=0), "memory_utilization"),
+    (dict(memory_utilization=2.0), "memory_utilization"),
 ])
 def test_bad_runtime_options(pair, options, name):
     with pytest.raises(ValueError, match=f"^{name}:"):
         _runtime(pair, **options)
+
+
+@pytest.mark.parametrize("given_loaded", [False, True])
+def test_a_runtime_on_cpu_sizes_its_kv_by_cpu_kv_memory_fraction_as_llm_does(pair, monkeypatch, capsys, given_loaded):
+    """`cpu_kv_memory_fraction` (LLM's: the share of available host memory for KV blocks alone) sized nothing
+    in a Runtime, over model paths or loaded models: it took 0.25 of that memory less weights, activations and
+    the rest of the process (at most 1 GiB) whatever it was given. All its models' KV together is that share
+    now, as an LLM's one model's is (vLLM's CPU backend, too, sizes its KV alone: VLLM_CPU_KVCACHE_SPACE)."""
+    from treeserve import LLM
+    from treeserve.cli import main
+    from treeserve.config import EngineConfig
+    from treeserve.engine import memory
+    from treeserve.engine.loaded_model import load_model
+
+    monkeypatch.setattr(memory, "available_host_bytes", lambda: 256 << 20)  # (the machine's, held still)
+    options = dict(dtype="float32", device="cpu", max_model_len=192, max_num_batched_tokens=192)
+    models = ({name: load_model(EngineConfig(model=str(path), **options), name) for name, path in pair.items()}
+              if given_loaded else pair)
+    rt = Runtime(models, cpu_kv_memory_fraction=0.125, **options)
+    llm = LLM(str(pair["gen"]), cpu_kv_memory_fraction=0.125, **options)
+    try:
+        assert rt.kv_budget == 32 << 20 == llm.engine.kv.pool.num_blocks * llm.engine.runner.arena.page_bytes
+        assert 30 << 20 < rt.memory["gen"].kv_bytes <= 32 << 20  # (the shared arena: whole pages of it)
+        assert rt.generate("gen", ["Hello"], SamplingParams(max_tokens=3, temperature=0))[0].outputs[0].token_ids
+    finally:
+        rt.close()
+        llm.close()
+    assert main(["memory", "--model", f"gen={pair['gen']}", "--model", f"prm={pair['prm']}", "--dtype", "float32",
+                 "--device", "cpu", "--cpu-kv-memory-fraction", "0.0625", "--max-model-len", "128"]) == 0
+    assert "KV budget 16.0 MiB" in capsys.readouterr().out
 
 
 def test_runtime_takes_the_vllm_arguments_llm_takes(pair):
@@ -141,32 +177,55 @@ def test_direct_scoring_refuses_a_conversation_too_long_for_the_verifier(pair):
 def test_a_runtime_let_go_of_is_closed_as_an_llm_is(pair, tmp_path, monkeypatch):
     """`del rt` closes its engines and trace (and stops its tensor-parallel workers) as `del llm` does
     an LLM's (was: nothing closed them; the engines even kept the Runtime alive through their reclaim
-    callbacks). An explicit close() is not repeated by the collection."""
+    callbacks), once none of its engines is held either (the next test). An explicit close() is not
+    repeated by the collection."""
     from treeserve.engine.llm_engine import LLMEngine
 
     gc.collect()  # (what earlier tests let go of is closed now, not counted below)
     closed = []
     monkeypatch.setattr(LLMEngine, "close", lambda engine: closed.append(engine))
 
-    def closes(of: list) -> list:  # (only these engines' closes: a collection may close others' too)
-        return [engine for engine in closed if any(engine is mine for mine in of)]
+    def closes(of: set) -> list:  # (only these engines' closes, by id: a collection may close others' too)
+        return [engine for engine in closed if id(engine) in of]
 
     rt = _runtime(pair, trace_path=tmp_path / "trace.jsonl")
     rt.generate("gen", ["seven"], SamplingParams(max_tokens=2))
     assert len(rt.score_steps("prm", QUESTION, ["seven"])) == 1
-    engines, trace, alive = list(rt.engines.values()), rt.trace, weakref.ref(rt)
+    engines, trace, alive = {id(e) for e in rt.engines.values()}, rt.trace, weakref.ref(rt)
     del rt
     gc.collect()
     assert alive() is None
-    assert sorted(map(id, closes(engines))) == sorted(map(id, engines))
+    assert sorted(map(id, closes(engines))) == sorted(engines)
     assert trace._file.closed
     rt = _runtime(pair)
-    engines = list(rt.engines.values())
+    engines = {id(e) for e in rt.engines.values()}
     rt.close()
     assert len(closes(engines)) == 2
     del rt
     gc.collect()
     assert len(closes(engines)) == 2
+
+
+def test_an_engine_held_after_its_runtime_is_let_go_of_keeps_working_until_it_is_let_go_of_too(pair):
+    """`eng = Runtime(...).engine("gen")`, or a scorer so taken: the Runtime, dropped at once, was closed
+    and closed the engine its caller still held (EngineClosedError at its first request), freeing the
+    arena and weights under it. An engine keeps what it runs on while it is referenced, as an LLM's
+    engine does after `del llm` (vLLM's too); let go of in turn, all of it is closed and freed."""
+    from treeserve import LLM
+
+    gc.collect()
+    engine = _runtime(pair).engine("gen")
+    scorer = _runtime(pair, kv_mode="static").scorer("prm")
+    gc.collect()
+    greedy = SamplingParams(max_tokens=3, temperature=0.0)
+    assert len(LLM.from_engine(engine).generate(["Hello"], greedy, use_tqdm=False)[0].outputs[0].token_ids) == 3
+    assert len(scorer.score_many([(QUESTION, ["seven", "eight"])])[0]) == 2
+    held = [engine.runner.arena.pages, scorer.engine.runner.arena.pages]
+    held += [w for e in (engine, scorer.engine) for w in e.model.parameters() if w.untyped_storage().resizable()]
+    assert all(tensor.untyped_storage().nbytes() > 0 for tensor in held)
+    del engine, scorer
+    gc.collect()
+    assert all(tensor.untyped_storage().nbytes() == 0 for tensor in held), "let go of, their memory was kept"
 
 
 def test_direct_scoring_strips_steps_as_the_server_does(pair):

@@ -97,7 +97,23 @@ def with_scheme(url: str, schemes: tuple[str, ...]) -> str | None:
     return f"{scheme.lower()}://{rest}"
 
 
+# a URL's scheme (if any), its user, and from a colon after it to the last "@" (a password may hold "@", as
+# urllib reads one, or "/", as SQLAlchemy does: this URL is wrong, so the widest reading is the safe one)
+_USERINFO = re.compile(r"^((?:[A-Za-z][A-Za-z0-9+.-]*://)?)([^:/@]*)(?::(.*))?@", re.DOTALL)
+
+
 def without_password(url: str) -> str:
-    """`url` as an error may print it: a password before its host (`user:PASSWORD@`) as ***, with or
-    without a scheme (an error says a URL is wrong, so it may be one urllib cannot split)."""
-    return re.sub(r"^((?:[A-Za-z][A-Za-z0-9+.-]*://)?[^:/@]*):[^/@]*@", r"\1:***@", url)
+    """`url` as an error may print it: the password after its user (`user:PASSWORD@`) as *** (`user:***@`), with
+    or without a scheme (an error says a URL is wrong, so it may be one urllib cannot split); a user with no
+    password (`TOKEN@host`, `TOKEN:@host`) may be the secret itself: `***@`."""
+    match = _USERINFO.match(url)
+    if match is None:
+        return url
+    scheme, user, password = match.groups()
+    return f"{scheme}{shown_userinfo(user, password)}@{url[match.end():]}"
+
+
+def shown_userinfo(user: str, password: str | None) -> str:
+    """A URL's `user:password` as logs and errors show it: `user:***` (SQLAlchemy's `hide_password`), or `***`
+    where there is no password, the user then being what may be a key (pip's `redact_auth_from_url`)."""
+    return f"{user}:***" if user and password else "***"

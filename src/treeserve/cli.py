@@ -208,7 +208,10 @@ def build_parser() -> argparse.ArgumentParser:
     memory.add_argument("--kv-mode", choices=["shared", "static"], default="shared")
     memory.add_argument("--kv-fraction", action="append", help="NAME=FRACTION for --kv-mode static")
     memory.add_argument("--kv-cache-memory-bytes", type=int, help="KV budget for all models together")
-    memory.add_argument("--memory-utilization", type=float)
+    memory.add_argument("--memory-utilization", type=float, help="the share of memory (CPU: available host memory, "
+                        "default 0.25; CUDA: the device's, default 0.9) for weights, activations and KV together")
+    memory.add_argument("--cpu-kv-memory-fraction", type=float, help="CPU: the share of available host memory for "
+                        "KV alone, as LLM(...)'s (instead of --memory-utilization)")
     memory.add_argument("--dtype", default="auto")
     memory.add_argument("--device", default="auto")
     memory.add_argument("--max-model-len", type=int)
@@ -229,8 +232,8 @@ def cmd_memory(args) -> int:
     fractions = _kv_fractions(args.kv_fraction) if args.kv_fraction else None
     rt = Runtime(named_models(args.model), kv_mode=args.kv_mode, kv_fractions=fractions,
                  kv_cache_memory_bytes=args.kv_cache_memory_bytes, memory_utilization=args.memory_utilization,
-                 dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                 max_num_batched_tokens=args.max_num_batched_tokens)
+                 cpu_kv_memory_fraction=args.cpu_kv_memory_fraction, dtype=args.dtype, device=args.device,
+                 max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens)
     shared = " (one arena: the KV column is the whole shared arena)" if rt.kv_mode == "shared" else ""
     print(f"KV mode: {rt.kv_mode}{shared}; KV budget {rt.kv_budget / (1 << 20):,.1f} MiB")
     print(format_breakdown(list(rt.memory.values()), rt.total_bytes, rt.utilisation))

@@ -21,10 +21,17 @@ def _integer(value) -> int | None:
     except TypeError:
         return None
 
+
+def in_unit_interval(value) -> bool:
+    """Whether `value` is a number in (0, 1] (not a bool, not a string)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 1
+
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16,
           "float": torch.float32}
 CPU_DEFAULT_KV_BYTES = 1 << 30
+CPU_KV_MEMORY_FRACTION = 0.25  # an LLM's KV on CPU where `cpu_kv_memory_fraction` is not given
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")  # vLLM's names
 
@@ -41,7 +48,9 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9   # CUDA: share of total device memory this engine may use
-    cpu_kv_memory_fraction: float = 0.25  # CPU: share of available host memory for KV blocks (cap 1 GiB)
+    # CPU: share of available host memory for KV blocks alone, weights apart (cap 1 GiB); None: an LLM's
+    # CPU_KV_MEMORY_FRACTION, a Runtime's `memory_utilization` rule (runtime/runtime.py)
+    cpu_kv_memory_fraction: float | None = None
     enable_prefix_caching: bool = True
     seed: int = 0
     attention_backend: str = "auto"  # "auto" (Triton on CUDA, torch on CPU), "triton" or "torch"
@@ -96,8 +105,11 @@ class EngineConfig:
         if self.kv_cache_memory_bytes is not None and (not isinstance(self.kv_cache_memory_bytes, int)
                                                        or self.kv_cache_memory_bytes < 1):
             raise ParamError("kv_cache_memory_bytes", f"must be a positive integer, got {self.kv_cache_memory_bytes!r}")
-        if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
+        if not in_unit_interval(self.gpu_memory_utilization):
             raise ParamError("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.cpu_kv_memory_fraction is not None and not in_unit_interval(self.cpu_kv_memory_fraction):
+            raise ParamError("cpu_kv_memory_fraction", f"must be in (0, 1] (a share of the available host memory), "
+                                                       f"got {self.cpu_kv_memory_fraction!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES and not isinstance(self.dtype, torch.dtype):
             raise ParamError("dtype", f"must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from treeserve.config import CPU_DEFAULT_KV_BYTES, EngineConfig
+from treeserve.config import CPU_DEFAULT_KV_BYTES, CPU_KV_MEMORY_FRACTION, EngineConfig
 from treeserve.errors import ParamError
 
 
@@ -32,4 +32,11 @@ def kv_budget_bytes(config: EngineConfig, device: torch.device, activation_bytes
                 f"({(total - free) >> 20} MiB in use, {activation_bytes >> 20} MiB for activations)"
             )
         return budget
-    return min(CPU_DEFAULT_KV_BYTES, int(available_host_bytes() * config.cpu_kv_memory_fraction))
+    fraction = config.cpu_kv_memory_fraction
+    return cpu_kv_bytes(CPU_KV_MEMORY_FRACTION if fraction is None else fraction)
+
+
+def cpu_kv_bytes(fraction: float) -> int:
+    """Bytes for KV blocks on CPU: `fraction` of the available host memory (read after the weights are
+    loaded: they are not in it), at most CPU_DEFAULT_KV_BYTES."""
+    return min(CPU_DEFAULT_KV_BYTES, int(available_host_bytes() * fraction))

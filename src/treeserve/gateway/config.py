@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit, urlunsplit
 
-from treeserve.arg_types import with_scheme, without_password
+from treeserve.arg_types import shown_userinfo, with_scheme, without_password
 from treeserve.errors import ParamError
 
 STRATEGIES = ("round_robin", "least_outstanding", "affinity")
@@ -41,7 +41,7 @@ class BackendConfig:
 
     @property
     def name(self) -> str:
-        """The URL without its user and password: what logs, metrics and spend rows show."""
+        """The URL with its password as *** (`redact_url`): what logs, metrics and spend rows show."""
         return redact_url(self.url)
 
     def check(self, where: str) -> None:
@@ -213,8 +213,10 @@ def optional_text(value: object, field: str) -> None:
 
 
 def redact_url(url: str) -> str:
-    """`url` without its user and password; one urllib cannot split into a host (no scheme: `user:pw@host`;
-    a port out of range) with its password as *** (arg_types.without_password: an error names such a URL)."""
+    """`url` as logs, metrics, spend rows and errors show it: its user kept, its password as *** (`amqp://alice:***@mq/`,
+    as SQLAlchemy's `URL.render_as_string(hide_password=True)` shows a database's), a user with no password as
+    *** (`https://***@host`: `TOKEN@host` is a key); one urllib cannot split into a host (no scheme: `user:pw@host`;
+    a port out of range) as arg_types.without_password shows it (an error names such a URL)."""
     parts = urlsplit(url)
     try:
         parts.port
@@ -222,8 +224,9 @@ def redact_url(url: str) -> str:
         return without_password(url)
     if not parts.netloc:
         return without_password(url)
-    if parts.username is None and parts.password is None:
+    userinfo, at, host = parts.netloc.rpartition("@")  # (as urllib splits it: a password may hold "@")
+    if not at:
         return url
-    host = parts.hostname or ""
-    netloc = f"{host}:{parts.port}" if parts.port else host
+    user, _, password = userinfo.partition(":")
+    netloc = f"{shown_userinfo(user, password)}@{host}"
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))

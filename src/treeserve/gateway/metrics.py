@@ -58,6 +58,9 @@ class GatewayMetrics:
 
         self.heartbeats = Counter(f"{p}heartbeats", "This process's heartbeats by outcome (ok, failed, withheld: "
                                   "its event loop stuck)", ["outcome"], registry=r)
+        self.suspended = Counter(f"{p}suspended_seconds", "Seconds this process was seen suspended (SIGSTOP, a "
+                                 "paused container, a suspended machine: neither its event loop nor its heartbeat "
+                                 "ran; not counted as its loop stuck)", registry=r)
         self.heartbeat_age = Gauge(f"{p}heartbeat_age_seconds", "Seconds since this process's last heartbeat was "
                                    "committed (past 60, another process gives back what it holds)", registry=r)
         self.writer_busy = Gauge(f"{p}settlement_writer_busy_seconds", "Seconds the settlement writer's database "
@@ -68,6 +71,7 @@ class GatewayMetrics:
         for outcome in heartbeat.outcomes:  # (each series from 0: a first failure is an increase)
             self.heartbeats.labels(outcome)
         heartbeat.observers.append(lambda outcome: self.heartbeats.labels(outcome).inc())
+        heartbeat.suspension_observers.append(self.suspended.inc)
         self.heartbeat_age.set_function(heartbeat.age)
         self.writer_busy.set_function(writer_busy_for)
 

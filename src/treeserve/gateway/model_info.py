@@ -1,7 +1,7 @@
 """LiteLLM's `/model/info` answer: one entry per deployment (a backend of a model), its
 `litellm_params` (the model's name at that backend, its URL, its timeout) beside its `model_info`
 (the model's prices, token cap, fallbacks and backends). No secret is in it: a backend's `api_key`
-never, its URL without user and password (LiteLLM drops `api_key` and masks credentials the same way)."""
+never, its URL with its password as *** (LiteLLM drops `api_key` and masks credentials the same way)."""
 from __future__ import annotations
 
 from treeserve.gateway.config import BackendConfig, GatewayConfig, ModelConfig
@@ -23,5 +23,5 @@ def _deployment(name: str, model: ModelConfig, backend: BackendConfig) -> dict:
 
 def litellm_params(name: str, backend: BackendConfig) -> dict:
     """What LiteLLM's config calls a deployment's `litellm_params`, secrets left out: `api_key` is
-    never shown, and `api_base` is the URL without its user and password."""
+    never shown, and `api_base` is the URL with its password as *** (`BackendConfig.name`)."""
     return {"model": backend.model or name, "api_base": backend.name, "timeout": backend.timeout}

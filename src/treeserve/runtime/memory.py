@@ -126,9 +126,13 @@ def _resident_bytes() -> int:
     return pages * resource.getpagesize()
 
 
-def format_breakdown(rows: list[MemoryBreakdown], total: int, utilisation: float) -> str:
+def format_breakdown(rows: list[MemoryBreakdown], total: int, utilisation: float | None) -> str:
+    """The table `treeserve memory` prints (`utilisation` None: the KV budget was a share of `total` alone,
+    `cpu_kv_memory_fraction`)."""
     mib = 1 << 20
-    lines = [f"total {total / mib:,.0f} MiB x utilisation {utilisation:.2f} = {total * utilisation / mib:,.0f} MiB",
+    first = (f"total {total / mib:,.0f} MiB x utilisation {utilisation:.2f} = {total * utilisation / mib:,.0f} MiB"
+             if utilisation is not None else f"total {total / mib:,.0f} MiB available (KV: cpu_kv_memory_fraction of it)")
+    lines = [first,
              f"{'model':<12}{'weights':>12}{'activations':>14}{'non-torch':>12}{'KV':>12}{'blocks':>9}"
              f"{'tokens/blk':>12}{'B/token':>10}"]
     for r in rows:

@@ -10,8 +10,8 @@ runtime/roles.py says why a plain language model is not one unless named.
 """
 from __future__ import annotations
 
+import gc
 import logging
-import weakref
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from treeserve.errors import ParamError
-from treeserve.config import CPU_DEFAULT_KV_BYTES, EngineConfig
+from treeserve.config import CPU_DEFAULT_KV_BYTES, EngineConfig, in_unit_interval
 from treeserve.engine.engine_loop import EngineLoop
 from treeserve.engine.kv_arena import aligned, fitted_page_bytes
 from treeserve.engine.kv_space import KVSpace
@@ -28,12 +28,13 @@ from treeserve.engine.loaded_model import LoadedModel, load_model
 from treeserve.engine.loaded_options import with_engine_options
 from treeserve.engine.spec_decode.drafters import drafts_for
 from treeserve.engine.tp_start import start_executor
-from treeserve.engine.memory import available_host_bytes
+from treeserve.engine.memory import available_host_bytes, cpu_kv_bytes
 from treeserve.entrypoints.engine_args import config_fields
 from treeserve.entrypoints.llm import LLM
 from treeserve.outputs import RequestOutput
 from treeserve.runtime.memory import (MemoryBreakdown, measure_activation_bytes, non_torch_bytes,
                                       weights_bytes)
+from treeserve.runtime.parts import RuntimeParts
 from treeserve.runtime.roles import not_a_verifier, verifier_recipe
 from treeserve.runtime.scorer import StepScorer, given_item, given_question, given_steps
 from treeserve.runtime.telemetry import TelemetryTrace
@@ -41,6 +42,7 @@ from treeserve.runtime.telemetry import TelemetryTrace
 logger = logging.getLogger(__name__)
 
 KV_MODES = ("shared", "static")
+CPU_UTILISATION = 0.25  # on CPU, the share of available host memory for weights, activations and KV, unless given
 
 
 class Runtime:
@@ -54,6 +56,8 @@ class Runtime:
         engine_options = config_fields(engine_options, "Runtime")
         if kv_mode not in KV_MODES:
             raise ParamError("kv_mode", f"must be one of {KV_MODES}, got {kv_mode!r}")
+        if memory_utilization is not None and not in_unit_interval(memory_utilization):
+            raise ParamError("memory_utilization", f"must be in (0, 1], got {memory_utilization!r}")
         _check_named(models, kv_mode, kv_fractions, recipes)
         self.kv_mode = kv_mode
         # A loaded model (`load_model`) keeps its weights: Runtimes built one after another over the
@@ -61,19 +65,22 @@ class Runtime:
         # engines over it; a load-level one (dtype, device, ...) must equal what it was loaded with.
         given = {name: with_engine_options(m, engine_options) for name, m in models.items() if isinstance(m, LoadedModel)}
         configs = {name: EngineConfig(model=path, **engine_options) for name, path in models.items() if name not in given}
+        gc.collect()  # (a Runtime or LLM let go of frees its memory before this one measures what is left, as
+        # vLLM collects before it profiles: one held in reference cycles waits for the collector)
         self.executor = self._workers(next(iter(configs.values()))) if configs else None
-        self._spaces: list[KVSpace] = []  # the KV spaces it made, and the models it loaded: `close` frees them
-        self._loaded: list[LoadedModel] = []
+        # what `close` frees, held by the engines too (runtime/parts.py): an engine its caller keeps keeps them
+        self._parts = RuntimeParts(self.executor)
         try:  # anything failing from here stops the tensor-parallel workers it started
             loaded = {name: given[name] if name in given else load_model(configs[name], name, self.executor)
                       for name in models}
-            self._loaded = [m for name, m in loaded.items() if name not in given]
+            self._parts.loaded = [m for name, m in loaded.items() if name not in given]
             _drafters_where_they_fit(loaded)
             self.memory = self._account(loaded, kv_cache_memory_bytes, memory_utilization)
             if kv_mode == "shared":
                 self.engines = self._build_shared(loaded)
             else:
                 self.engines = self._build_static(loaded, _fractions(kv_fractions, list(loaded)))
+            self.trace = self._parts.trace = TelemetryTrace(trace_path) if trace_path else None
         except BaseException:
             self.close()
             raise
@@ -85,12 +92,8 @@ class Runtime:
         self.loop = EngineLoop(self.engines)
         self._llms = {name: LLM.from_engine(engine, self.loop) for name, engine in self.engines.items()}
         self._scorers: dict[str, StepScorer] = {}
-        self.trace = TelemetryTrace(trace_path) if trace_path else None
         if self.trace:
             self.loop.step_observers.append(self.trace.observe)
-        # `del rt` closes it too, as `del llm` does an LLM's engine (its workers and threads stop)
-        self._finalizer = weakref.finalize(self, _close_parts, self.trace, self.engines, self.executor, self._spaces,
-                                           self._loaded)
 
     # ---- memory ---------------------------------------------------------------------------
     def _account(self, loaded: dict[str, LoadedModel], kv_bytes: int | None,
@@ -101,15 +104,20 @@ class Runtime:
         outside = non_torch_bytes(models)
         for row in rows.values():
             row.non_torch_bytes = outside // len(rows)
-        device = models[0].device
+        device, fraction = models[0].device, None  # (cpu_kv_memory_fraction is CPU's alone, as LLM(...) reads it)
         if device.type == "cuda":
             self.total_bytes = torch.cuda.mem_get_info(device)[1]
             self.utilisation = models[0].config.gpu_memory_utilization if utilisation is None else utilisation
         else:
             self.total_bytes = available_host_bytes()
-            self.utilisation = 0.25 if utilisation is None else utilisation
+            fraction = _cpu_kv_fraction(models, utilisation)
+            self.utilisation = CPU_UTILISATION if utilisation is None else utilisation
+            if fraction is not None:
+                self.utilisation = None  # (the KV budget is `fraction` of total_bytes, the weights apart)
         if kv_bytes is not None:
             self.kv_budget = kv_bytes
+        elif fraction is not None:  # (the KV alone, as LLM(...)'s: the weights, loaded, are not in what is available)
+            self.kv_budget = cpu_kv_bytes(fraction)
         else:
             used = sum(r.weights_bytes + r.activation_bytes + r.non_torch_bytes for r in rows.values())
             self.kv_budget = int(self.total_bytes * self.utilisation) - used
@@ -126,23 +134,23 @@ class Runtime:
         page = fitted_page_bytes([m.kv_bytes_per_token() for m in models], min(m.config.block_size for m in models))
         first = next(iter(models))
         # kept sequences of any model give way before any model's shared prefixes are evicted ...
-        engines: dict[str, LLMEngine] = {}  # (the reclaim callbacks hold the engines, not the Runtime)
+        engines = self._parts.engines  # (the reclaim callbacks hold the engines, not the Runtime)
         space = KVSpace.create(self.kv_budget, page, first.device, first.config.enable_prefix_caching,
                                reclaim=lambda owner: _reclaimer(engines, owner)())
-        self._spaces.append(space)
+        self._parts.spaces.append(space)
         for name, model in loaded.items():  # ... and before anything is preempted
-            engines[name] = LLMEngine(model, space, reclaim=_reclaimer(engines, name))
+            engines[name] = LLMEngine(model, space, reclaim=_reclaimer(engines, name), owner=self._parts)
             self._note_kv(name, engines[name], space.pool.num_blocks * space.arena.page_bytes)
         return engines
 
     def _build_static(self, loaded: dict[str, LoadedModel], fractions: dict[str, float]) -> dict[str, LLMEngine]:
-        engines = {}
+        engines = self._parts.engines
         for name, model in loaded.items():
             page = model.config.block_size * model.kv_bytes_per_token()
             space = KVSpace.create(int(self.kv_budget * fractions[name]), page, model.device,
                                    model.config.enable_prefix_caching)
-            self._spaces.append(space)
-            engines[name] = LLMEngine(model, space)
+            self._parts.spaces.append(space)
+            engines[name] = LLMEngine(model, space, owner=self._parts)
             self._note_kv(name, engines[name], space.pool.num_blocks * aligned(page))
         return engines
 
@@ -211,53 +219,36 @@ class Runtime:
     def close(self) -> None:
         """Closes the trace and the engines, frees the KV arena and the weights of the models it
         loaded (those given to it loaded are their caller's) now, whoever still refers to the
-        Runtime, and stops the tensor-parallel workers, if any. Afterwards, `generate`, `scorer` and
-        the scoring calls raise EngineClosedError; `engines` and their `stats()` stay readable.
-        Idempotent; a Runtime dropped without it is closed when it is collected."""
-        finalizer = getattr(self, "_finalizer", None)
-        if finalizer is not None:
-            finalizer()  # (once: a later collection does nothing)
-        else:  # (a constructor that failed midway)
-            _close_parts(getattr(self, "trace", None), getattr(self, "engines", {}), self.executor,
-                         getattr(self, "_spaces", []), getattr(self, "_loaded", []))
+        Runtime or its engines, and stops the tensor-parallel workers, if any. Afterwards, `generate`,
+        `scorer` and the scoring calls raise EngineClosedError; `engines` and their `stats()` stay
+        readable. Idempotent. A Runtime let go of without it is closed once neither it nor any of its
+        engines is referenced (runtime/parts.py)."""
+        self._parts.close()
 
 
 def _reclaimer(engines: dict[str, LLMEngine], first: str):
     """Releases one kept sequence: `first`'s own if it keeps any, else another model's. The engines
-    hold this: it holds them, not their Runtime, so that dropping the Runtime closes it."""
+    hold this: it holds them, not their Runtime, so that dropping the Runtime drops it."""
     def reclaim() -> bool:
         order = [engines[first]] + [e for name, e in engines.items() if name != first]
         return any(e.reclaim_one() for e in order)
     return reclaim
 
 
-def _close_parts(trace: TelemetryTrace | None, engines: dict[str, LLMEngine], executor, spaces: list[KVSpace],
-                 loaded: list[LoadedModel]) -> None:
-    """What `Runtime.close` does, from the parts alone (a finalizer must not hold the Runtime): the
-    engines first (each waits for a step under way), then the memory no engine runs on any more
-    (after the step under way, where the finalizer runs on the stepping thread mid-step)."""
-    if trace:
-        trace.close()
-    for engine in engines.values():
-        engine.close()
-    _when_closed(list(engines.values()), lambda: _free_parts(spaces, loaded, executor))
-
-
-def _when_closed(engines: list[LLMEngine], fn) -> None:
-    """`fn` once every engine's `close` has run."""
-    if not engines:
-        fn()
-    else:
-        engines[0].after_close(lambda: _when_closed(engines[1:], fn))
-
-
-def _free_parts(spaces: list[KVSpace], loaded: list[LoadedModel], executor) -> None:
-    for space in spaces:
-        space.release()
-    for model in loaded:
-        model.release_weights()
-    if executor is not None:
-        executor.shutdown()
+def _cpu_kv_fraction(models: list[LoadedModel], utilisation: float | None) -> float | None:
+    """The models' `cpu_kv_memory_fraction` (the Runtime's option, or what they were loaded with): the
+    share of available host memory for all their KV together, as LLM(...)'s for its one model; None if
+    none has one. With `memory_utilization` (weights and activations in the same share) a ParamError."""
+    given = {m.config.cpu_kv_memory_fraction for m in models} - {None}
+    if len(given) > 1:
+        raise ParamError("cpu_kv_memory_fraction", f"the models were loaded with different ones ({sorted(given)}): "
+                         "their KV is one budget, give the Runtime one (cpu_kv_memory_fraction=...)")
+    fraction = next(iter(given), None)
+    if fraction is not None and utilisation is not None:
+        raise ParamError("cpu_kv_memory_fraction", f"{fraction} and memory_utilization={utilisation} both size the "
+                         "KV budget: give one (cpu_kv_memory_fraction: the share of available host memory for KV "
+                         "alone, as LLM's; memory_utilization: for weights, activations and KV together)")
+    return fraction
 
 
 def _fractions(given: dict[str, float] | None, names: list[str]) -> dict[str, float]:
