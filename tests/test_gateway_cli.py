@@ -127,16 +127,19 @@ def test_the_shown_urls_hide_a_password_without_a_scheme():
     ("amqp://mq.internal/", "amqp://mq.internal/"),
 ])
 def test_a_backend_url_is_shown_with_its_user_and_never_its_password(url, shown):
-    """A backend's URL in logs, metrics, spend rows and errors keeps its user, as SQLAlchemy's
+    """A URL in errors and logs keeps its user, as SQLAlchemy's
     `render_as_string(hide_password=True)` shows a database's (`amqp://alice:***@mq/`; it was `amqp://mq/`, and an
     error about a broker or server URL did not say which account it used); a user with no password may be a key,
-    shown as ***; a URL urllib cannot split (no scheme, a port out of range, a "/" in its password) too."""
+    shown as ***; a URL urllib cannot split (no scheme, a port out of range, a "/" in its password) too. A
+    backend's label (metrics, spend rows, /model/info for key holders) names no account."""
     from treeserve.gateway.config import BackendConfig, redact_url
     from treeserve.gateway.database import shown_url
 
     assert redact_url(url) == shown
     assert "SEC" not in shown and "RET" not in shown
     if url.startswith(("http://", "https://", "amqp://")) and ":99999" not in url:
-        assert BackendConfig(url).name == shown
+        label = BackendConfig(url).name  # (a backend's label: no account at all, whoever it signs in as)
+        scheme, _, rest = url.partition("://")
+        assert label == f"{scheme}://{rest.rpartition('@')[2]}" and "alice" not in label
     if "://" not in url:
         assert shown_url(url) == shown  # (a database URL SQLAlchemy cannot read: shown the same way)

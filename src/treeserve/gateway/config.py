@@ -41,8 +41,9 @@ class BackendConfig:
 
     @property
     def name(self) -> str:
-        """The URL with its password as *** (`redact_url`): what logs, metrics and spend rows show."""
-        return redact_url(self.url)
+        """The URL without its user and password (`url_without_userinfo`): the backend's label in logs,
+        metrics, spend rows and what key holders read (/model/info, /health, 503s); errors show the user."""
+        return url_without_userinfo(self.url)
 
     def check(self, where: str) -> None:
         """Its values checked (a numeric string taken as its number), errors named `where`.FIELD."""
@@ -53,7 +54,7 @@ class BackendConfig:
                              f"behind a RabbitMQ broker), got {url!r}")
         self.url = url  # (its scheme in lower case: the broker/HTTP split below and in Upstreams reads it)
         if self.api_key and self.url.startswith(HTTP_SCHEMES) and "@" in urlsplit(self.url).netloc:
-            raise ParamError(f"{where}.api_key", f"backend {self.name}: a URL with a user and password and an "
+            raise ParamError(f"{where}.api_key", f"backend {redact_url(self.url)}: a URL with a user and password and an "
                              "api_key cannot both be sent (aiohttp refuses every request): give one of them")
         for name in ("api_key", "model"):
             optional_text(getattr(self, name), f"{where}.{name}")
@@ -210,6 +211,21 @@ def whole(value: object, field: str, minimum: int = 0) -> int:
 def optional_text(value: object, field: str) -> None:
     if value is not None and not isinstance(value, str):
         raise ParamError(field, f"expected a string, got {value!r}")
+
+
+def url_without_userinfo(url: str) -> str:
+    """`url` with no user and no password: a label that stays the same whoever the backend signs in as and
+    shows key holders no account name; one without a scheme as `redact_url` shows it."""
+    parts = urlsplit(url)
+    try:
+        parts.port
+    except ValueError:  # (a "/" in its password reads as a port: everything up to the last @ is userinfo)
+        scheme, sep, rest = url.partition("://")
+        return f"{scheme}{sep}{rest.rpartition('@')[2]}" if sep else redact_url(url)
+    userinfo, at, host = parts.netloc.rpartition("@")
+    if not at:
+        return redact_url(url)
+    return urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
 
 
 def redact_url(url: str) -> str:
