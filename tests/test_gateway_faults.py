@@ -344,3 +344,26 @@ def test_a_backend_whose_tokenize_has_no_count_still_serves_truncation_auto(back
         counted = httpx.post(gw + "/v1/messages/count_tokens", headers=auth, timeout=30,
                              json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
         assert counted.status_code == 502 and counted.json()["type"] == "error", counted.text
+
+
+def test_a_model_whose_replicas_are_cut_off_goes_to_its_fallback_before_them(backend, tmp_path):
+    """A model whose only replica has its circuit open (or fails its health check) is served by its
+    fallback at once, the cut-off replica kept as the last resort after it (LiteLLM's cooldown leaves such
+    a deployment out and goes to the fallbacks). Before, every request went 1 + retries times to that
+    replica first: with a host that does not answer, three connect timeouts (15 s) before each answer."""
+    url, fake = backend
+    with gateway(tmp_path, {"m": [f"{url}/503"], "spare": [f"{url}/ok"]}, {"m": ["spare"]},
+                 breaker_failures=1, breaker_cooldown=60) as (gw, app):
+        assert _post(gw, "m").status_code == 200  # (m's replica fails: its circuit opens)
+        assert app.state.router.groups["m"].backends[0].breaker.state == "open"
+        for stream in (False, True):
+            fake.state.calls.clear()
+            answer = _post(gw, "m", stream=stream)
+            assert answer.status_code == 200, answer.text
+            assert fake.state.calls == ["ok"]
+            assert _spend_row(app, answer.headers["x-request-id"])["model"] == "spare"
+    with gateway(tmp_path, {"m": [f"{url}/503"], "spare": [f"{url}/503"]}, {"m": ["spare"]},
+                 breaker_failures=1, breaker_cooldown=60, retries=0) as (gw, app):
+        assert _post(gw, "m").status_code == 503  # (both circuits open now)
+        fake.state.calls.clear()
+        assert _post(gw, "m").status_code == 503 and fake.state.calls == ["503", "503"]  # (still tried, last)
