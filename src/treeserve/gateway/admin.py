@@ -14,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 
 from treeserve.gateway.accounts import KEY_SORTS, USER_SORTS, Accounts, Page, Sort
 from treeserve.gateway.admin_changes import AccountChanges
-from treeserve.gateway.fields import INT32_MAX, NO_NUL, Text
+from treeserve.gateway.fields import INT32_MAX, MAX_IDS, NO_NUL, Text
 from treeserve.gateway.keys import KeyRecord, hash_key, stored_hash
 from treeserve.gateway.ledger import Ledger, logs_csv
 from treeserve.gateway.passwords import hash_password
@@ -67,8 +67,8 @@ class KeyRegenerate(KeyUpdate):
 
 class KeyDelete(_Body):
     """LiteLLM's: the keys (or their hashes), their aliases, or both; at least one."""
-    keys: list[Annotated[Text, Field(max_length=512)]] = []
-    key_aliases: list[Annotated[Text, Field(max_length=128)]] = []
+    keys: Annotated[list[Annotated[Text, Field(max_length=512)]], Field(max_length=MAX_IDS)] = []
+    key_aliases: Annotated[list[Annotated[Text, Field(max_length=128)]], Field(max_length=MAX_IDS)] = []
 
 
 class UserFields(_Body):
@@ -101,7 +101,7 @@ class UserUpdate(UserFields):
 
 
 class UserDelete(_Body):
-    user_ids: list[UserId] = Field(min_length=1)
+    user_ids: list[UserId] = Field(min_length=1, max_length=MAX_IDS)
 
 
 def admin_router(accounts: Accounts, ledger: Ledger, require_master: Any, known_models: set[str],
