@@ -211,3 +211,14 @@ def test_the_openai_client_pointed_at_the_gateway_without_v1_is_served_as_litell
             assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
         assert httpx.get(url + "/models").status_code == 401
         assert httpx.get(url + "/chat").status_code == 404  # (the web chat's path is not an OpenAI route: off here)
+
+
+def test_a_key_reading_its_own_info_is_answered_its_hash_as_key(database):
+    """LiteLLM's /key/info called with a virtual key and no `key` answers that key's hash as `key` (its
+    caller's `api_key`, as its database keeps it); it was null. Never the secret itself."""
+    with gateway(database) as (client, _, _):
+        key = _key(client, key_alias="mine")
+        own = client.get("/key/info", headers={"Authorization": f"Bearer {key}"})
+        assert own.status_code == 200, own.text
+        assert own.json()["key"] == own.json()["info"]["token"] and key not in own.text
+        assert own.json()["info"]["key_alias"] == "mine"

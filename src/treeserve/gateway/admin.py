@@ -291,7 +291,7 @@ def key_info_router(accounts: Accounts, ledger: Ledger, require_key: Any) -> API
         if key is not None and stored_hash(key) != info["token"]:
             raise APIError(403, "key: a key may read its own info only (the master key reads any)", param="key",
                            code="not_your_key")
-        return {"key": key, "info": info}
+        return {"key": key if key is not None else info["token"], "info": info}  # (LiteLLM's: its own hash)
 
     return router
 
