@@ -239,3 +239,26 @@ def test_an_admin_call_naming_more_ids_than_a_statement_holds_is_a_400_naming_th
         assert client.get("/health/readiness").status_code == 200
         ten_thousand = client.post("/key/delete", json={"keys": many[:10_000]})  # (as many as a call may name)
         assert ten_thousand.status_code == 404 and ten_thousand.json()["error"]["code"] == "key_not_found"
+
+
+def test_a_key_brought_from_another_gateway_is_generated_with_its_own_secret(database):
+    """LiteLLM's /key/generate takes `key`, the secret to give the key (how keys move from one proxy to
+    another, their clients unchanged); it was a 400 `unknown parameter`. The secret is stored hashed,
+    another key's secret is a 400 naming `key`, and one not starting `sk-` too (LiteLLM's rule)."""
+    import hashlib
+
+    with admin(database) as client:
+        brought = "sk-brought-from-litellm-0001"
+        made = client.post("/key/generate", json={"key": brought, "key_alias": "moved", "max_budget": 2.0})
+        assert made.status_code == 200, made.text
+        assert made.json()["key"] == brought and made.json()["token"] == hashlib.sha256(brought.encode()).hexdigest()
+        models = httpx.get(str(client.base_url) + "/v1/models", headers={"Authorization": f"Bearer {brought}"})
+        assert models.status_code == 200 and [m["id"] for m in models.json()["data"]] == ["gen"]
+        listed = client.get("/key/list", params={"return_full_object": "true"}).text
+        assert brought not in listed and brought[3:] not in listed
+        taken = client.post("/key/generate", json={"key": brought})
+        assert taken.status_code == 400 and taken.json()["error"]["param"] == "key", taken.text
+        assert taken.json()["error"]["code"] == "key_exists"
+        unprefixed = client.post("/key/generate", json={"key": "brought-0002"})
+        assert unprefixed.status_code == 400 and unprefixed.json()["error"]["param"] == "key"
+        assert client.get("/key/list").json()["total_count"] == 1

@@ -47,6 +47,12 @@ class KeyLimits(_Body):
     metadata: dict[str, Any] | None = None
 
 
+class KeyCreate(KeyLimits):
+    """LiteLLM's /key/generate: the key's fields, and `key`, a secret of the admin's choosing (a key
+    brought from another gateway; LiteLLM's rule: it starts `sk-`), else a random one."""
+    key: Annotated[Text, Field(max_length=512, pattern=r"^sk-")] | None = None
+
+
 class KeyUpdate(KeyLimits):
     key: Annotated[Text, Field(max_length=512)]
     blocked: bool = None  # (a null is a 400: a key is blocked or it is not)
@@ -114,9 +120,11 @@ def admin_router(accounts: Accounts, ledger: Ledger, require_master: Any, known_
     changing, check_models, budget_warning = changes.changing, changes.check_models, changes.budget_warning
 
     @router.post("/key/generate")
-    async def generate_key(body: KeyLimits):
+    async def generate_key(body: KeyCreate):
         check_models(body.models)
-        token, info = await run_in_threadpool(lambda: accounts.create_key(**body.model_dump(exclude_none=True)))
+        fields = body.model_dump(exclude_none=True)
+        chosen = fields.pop("key", None)
+        token, info = await run_in_threadpool(lambda: accounts.create_key(token=chosen, **fields))
         return budget_warning(_issued(token, info), body.max_budget, "key")
 
     @router.get("/key/list")

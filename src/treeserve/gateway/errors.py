@@ -38,11 +38,10 @@ class AliasTaken(GatewayError):
 
 
 class KeyTaken(GatewayError):
-    """A key chosen by an admin (/key/regenerate's `new_key`) is another key's secret."""
+    """A key chosen by an admin (/key/regenerate's `new_key`, /key/generate's `key`) is another key's secret."""
 
-    def __init__(self):
-        super().__init__("new_key: this key is taken; choose another (or leave new_key out for a random one)",
-                         "new_key")
+    def __init__(self, field: str = "new_key"):
+        super().__init__(f"{field}: this key is taken; choose another (or leave {field} out for a random one)", field)
 
 
 class AliasReserved(GatewayError):
