@@ -214,3 +214,51 @@ def test_answers_carry_the_fields_litellms_clients_read(database):
         client.post("/user/new", json={"user_id": "ann", "auto_create_key": False})
         user = client.post("/user/update", json={"user_id": "ann", "max_budget": 2.0}).json()
         assert user["user_id"] == "ann" and user["data"]["max_budget"] == 2.0 and user["data"] == user["user_info"]
+
+
+def test_an_admin_call_naming_more_ids_than_a_statement_holds_is_a_400_naming_the_field(database):
+    """Each id a delete (or a team's members) names is a parameter of one statement, and PostgreSQL takes at
+    most 65,535: past them psycopg failed before sending, read as an outage, so `/key/delete` of 70,000 keys
+    was a 503 `database_unavailable` to retry for ever (on SQLite, a 404 after reading them all). Now
+    more than 10,000 in one call is a 400 naming the field, on every database; the keys named are kept."""
+    with admin(database) as client:
+        kept = _keys(client, 1)[0]
+        many = [f"sk-{i}" for i in range(70_000)]
+        for path, body, field in [("/key/delete", {"keys": many + [kept["key"]]}, "keys"),
+                                  ("/key/delete", {"key_aliases": many}, "key_aliases"),
+                                  ("/user/delete", {"user_ids": many}, "user_ids"),
+                                  ("/team/delete", {"team_ids": many}, "team_ids"),
+                                  ("/team/new", {"members_with_roles": [{"user_id": u} for u in many]},
+                                   "members_with_roles"),
+                                  ("/team/member_add", {"team_id": "t", "member": [{"user_id": u} for u in many]},
+                                   "member")]:
+            refused = client.post(path, json=body)
+            assert refused.status_code == 400, (path, refused.text)
+            assert refused.json()["error"]["param"] == field and "10000" in refused.json()["error"]["message"]
+        assert client.get("/key/info", params={"key": kept["key"]}).status_code == 200
+        assert client.get("/health/readiness").status_code == 200
+        ten_thousand = client.post("/key/delete", json={"keys": many[:10_000]})  # (as many as a call may name)
+        assert ten_thousand.status_code == 404 and ten_thousand.json()["error"]["code"] == "key_not_found"
+
+
+def test_a_key_brought_from_another_gateway_is_generated_with_its_own_secret(database):
+    """LiteLLM's /key/generate takes `key`, the secret to give the key (how keys move from one proxy to
+    another, their clients unchanged); it was a 400 `unknown parameter`. The secret is stored hashed,
+    another key's secret is a 400 naming `key`, and one not starting `sk-` too (LiteLLM's rule)."""
+    import hashlib
+
+    with admin(database) as client:
+        brought = "sk-brought-from-litellm-0001"
+        made = client.post("/key/generate", json={"key": brought, "key_alias": "moved", "max_budget": 2.0})
+        assert made.status_code == 200, made.text
+        assert made.json()["key"] == brought and made.json()["token"] == hashlib.sha256(brought.encode()).hexdigest()
+        models = httpx.get(str(client.base_url) + "/v1/models", headers={"Authorization": f"Bearer {brought}"})
+        assert models.status_code == 200 and [m["id"] for m in models.json()["data"]] == ["gen"]
+        listed = client.get("/key/list", params={"return_full_object": "true"}).text
+        assert brought not in listed and brought[3:] not in listed
+        taken = client.post("/key/generate", json={"key": brought})
+        assert taken.status_code == 400 and taken.json()["error"]["param"] == "key", taken.text
+        assert taken.json()["error"]["code"] == "key_exists"
+        unprefixed = client.post("/key/generate", json={"key": "brought-0002"})
+        assert unprefixed.status_code == 400 and unprefixed.json()["error"]["param"] == "key"
+        assert client.get("/key/list").json()["total_count"] == 1

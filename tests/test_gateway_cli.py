@@ -143,3 +143,20 @@ def test_a_backend_url_is_shown_with_its_user_and_never_its_password(url, shown)
         assert label == f"{scheme}://{rest.rpartition('@')[2]}" and "alice" not in label
     if "://" not in url:
         assert shown_url(url) == shown  # (a database URL SQLAlchemy cannot read: shown the same way)
+
+
+@pytest.mark.parametrize("command, field", [
+    (["keys", "create", "--max-budget", "inf"], "max_budget"),
+    (["keys", "create", "--soft-budget", "nan"], "soft_budget"),
+    (["keys", "create", "--rpm-limit", "99999999999"], "rpm_limit"),
+    (["users", "create", "ann", "--max-budget", "inf"], "max_budget")])
+def test_an_amount_or_limit_the_admin_api_refuses_is_refused_by_the_command_line_too(tmp_path, capsys, command, field):
+    """(`keys create --max-budget inf` stored an infinite budget, printed `Infinity`, which is not JSON, and
+    every admin answer naming the key, /key/info and /key/list?return_full_object=true, was then a 400 "Out
+    of range float values are not JSON compliant"; `nan` was stored as no budget at all on SQLite; an
+    rpm_limit past an INTEGER column's range was stored, where the admin API refuses each of them)"""
+    url = f"sqlite:///{tmp_path / 'gateway.db'}"
+    assert main(["gateway", *command, "--database", url]) == 2
+    assert capsys.readouterr().err.strip().startswith(f"error: {field}: must be ")
+    assert main(["gateway", "keys", "list", "--database", url]) == 0
+    assert json.loads(capsys.readouterr().out) == []  # (nothing made)

@@ -344,3 +344,85 @@ def test_a_backend_whose_tokenize_has_no_count_still_serves_truncation_auto(back
         counted = httpx.post(gw + "/v1/messages/count_tokens", headers=auth, timeout=30,
                              json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
         assert counted.status_code == 502 and counted.json()["type"] == "error", counted.text
+
+
+def test_a_model_whose_replicas_are_cut_off_goes_to_its_fallback_before_them(backend, tmp_path):
+    """A model whose only replica has its circuit open (or fails its health check) is served by its
+    fallback at once, the cut-off replica kept as the last resort after it (LiteLLM's cooldown leaves such
+    a deployment out and goes to the fallbacks). Before, every request went 1 + retries times to that
+    replica first: with a host that does not answer, three connect timeouts (15 s) before each answer."""
+    url, fake = backend
+    with gateway(tmp_path, {"m": [f"{url}/503"], "spare": [f"{url}/ok"]}, {"m": ["spare"]},
+                 breaker_failures=1, breaker_cooldown=60) as (gw, app):
+        assert _post(gw, "m").status_code == 200  # (m's replica fails: its circuit opens)
+        assert app.state.router.groups["m"].backends[0].breaker.state == "open"
+        for stream in (False, True):
+            fake.state.calls.clear()
+            answer = _post(gw, "m", stream=stream)
+            assert answer.status_code == 200, answer.text
+            assert fake.state.calls == ["ok"]
+            assert _spend_row(app, answer.headers["x-request-id"])["model"] == "spare"
+    with gateway(tmp_path, {"m": [f"{url}/503"], "spare": [f"{url}/503"]}, {"m": ["spare"]},
+                 breaker_failures=1, breaker_cooldown=60, retries=0) as (gw, app):
+        assert _post(gw, "m").status_code == 503  # (both circuits open now)
+        fake.state.calls.clear()
+        assert _post(gw, "m").status_code == 503 and fake.state.calls == ["503", "503"]  # (still tried, last)
+
+
+def _limited_backend(gate):
+    """A server that refuses `max_tokens` (or `max_completion_tokens`) over 64 or `n` over 8 (400, as any
+    real one does), and holds a stream open after its first chunk until `gate` is set."""
+    import asyncio
+
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await request.json()
+        if max(body.get("max_tokens", 1), body.get("max_completion_tokens", 1)) > 64 or body.get("n", 1) > 8:
+            return JSONResponse({"error": {"message": "max_tokens or n too large", "type": "invalid_request_error",
+                                           "param": None, "code": None}}, status_code=400)
+        if not body.get("stream"):
+            return _answer(USAGE)
+
+        async def events():
+            yield _chunk("t0", dict(USAGE, completion_tokens=1))
+            await asyncio.to_thread(gate.wait, 30)
+            yield _chunk("t1", dict(USAGE, completion_tokens=2))
+            yield b"data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+    return app
+
+
+def test_a_request_asking_for_more_tokens_than_any_model_makes_is_refused_by_its_backend_not_a_500(tmp_path):
+    """A client's `max_tokens: 1e20` or `n: 1e400` is passed on for the backend to refuse (its 400), and
+    holds no more than MOST_COMPLETION_TOKENS meanwhile. Before: a 500 OverflowError (a worst case past
+    what a float converts; under a tpm_limit, past what the minute's BIGINT holds), and a worst case of
+    1e17 reserved beside a stream's hold absorbed it in the key's float `reserved`: released, it took the
+    stream's hold with it, and the stream's settlement left `reserved` below 0 (the budget that much larger)."""
+    import threading
+
+    gate = threading.Event()
+    with running_server(_limited_backend(gate)) as url, gateway(tmp_path, {"m": [url]}) as (gw, app):
+        admin = {"Authorization": f"Bearer {MASTER}"}
+        budgeted = httpx.post(gw + "/key/generate", json={"max_budget": 1.0}, headers=admin).json()["key"]
+        limited = httpx.post(gw + "/key/generate", json={"tpm_limit": 1000}, headers=admin).json()["key"]
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        with httpx.stream("POST", gw + "/v1/chat/completions", headers={"Authorization": f"Bearer {budgeted}"},
+                          json=body | {"stream": True, "max_tokens": 8}, timeout=30) as stream:
+            lines = stream.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))  # (admitted: its hold in place)
+            for key in (budgeted, limited):
+                for huge in ({"max_tokens": 10**20}, {"n": 10**400}, {"max_completion_tokens": 10**400}):
+                    refused = httpx.post(gw + "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                                         json=body | huge, timeout=30)
+                    assert refused.status_code in (400, 429), (key == limited, huge, refused.text)
+                    assert refused.status_code == 400 or refused.json()["error"]["param"] == "tpm_limit"
+            gate.set()
+            assert any("[DONE]" in line for line in lines)
+
+        def settled():
+            info = httpx.get(gw + "/key/info", params={"key": budgeted}, headers=admin).json()["info"]
+            return info["spend"] > 0 and info
+        info = wait_for(settled)
+        assert info["spend"] == pytest.approx(2e-3) and info["reserved"] == pytest.approx(0.0, abs=1e-9)

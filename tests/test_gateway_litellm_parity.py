@@ -9,6 +9,7 @@ import contextlib
 import json
 
 import httpx
+import pytest
 from sqlalchemy import create_engine, text
 
 from conftest import running_server
@@ -176,3 +177,52 @@ def test_cli_users_create_makes_a_key_as_user_new_does_unless_no_key(database, c
         assert bare["key"] is None and bare["keys"] == [] and bare["user_id"] == "bob"
         info = client.get("/user/info", params={"user_id": "bob"}, headers=ADMIN).json()
         assert info["keys"] == []
+
+
+def test_the_openai_client_pointed_at_the_gateway_without_v1_is_served_as_litellms(server, tmp_path):
+    """LiteLLM's proxy answers its OpenAI routes without `/v1` too, and its quick start points the
+    OpenAI client at `http://0.0.0.0:4000`, which then calls `/chat/completions`, `/models`, ...: such a
+    client is served by the `/v1` routes themselves (the key's models, its budget, billing), and a
+    request without a key is a 401 there as under `/v1`. Before: a 404 `route not found` for each."""
+    import openai
+
+    from test_gateway import MASTER as GATEWAY_MASTER, gateway as real_gateway
+
+    with real_gateway(f"sqlite:///{tmp_path / 'gateway.db'}", [server.url]) as (url, _):
+        admin = {"Authorization": f"Bearer {GATEWAY_MASTER}"}
+        # (each answer costs 4 x 1e-3 and its prompt's tokens x 1e-6: the budget pays for two, not three)
+        made = httpx.post(url + "/key/generate", json={"models": ["tiny"], "max_budget": 0.01}, headers=admin)
+        client = openai.OpenAI(base_url=url, api_key=made.json()["key"], max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list()] == ["tiny"] and client.models.retrieve("tiny").id == "tiny"
+        messages, fixed = [{"role": "user", "content": "Hello"}], {"min_tokens": 4}
+        whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, extra_body=fixed)
+        assert whole.usage.completion_tokens == 4
+        chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, stream=True,
+                                                     stream_options={"include_usage": True}, extra_body=fixed))
+        assert chunks[-1].usage.completion_tokens == 4
+        completion = client.completions.create(model="tiny", prompt="Hello", max_tokens=4, extra_body=fixed)
+        assert completion.usage.completion_tokens == 4
+        with pytest.raises(openai.APIStatusError) as spent:  # (the key's own budget)
+            client.chat.completions.create(model="tiny", messages=messages, max_tokens=4)
+        assert spent.value.body["code"] == "budget_exceeded"
+        with pytest.raises(openai.PermissionDeniedError):
+            client.chat.completions.create(model="other", messages=messages, max_tokens=4)
+        rows = wait_for(lambda: len(r := httpx.get(url + "/spend/logs", headers=admin).json()) == 3 and r)
+        assert sorted(row["route"] for row in rows) == ["chat", "chat", "completions"] and all(
+            row["completion_tokens"] == 4 for row in rows)
+        for path in ("/chat/completions", "/completions"):
+            refused = httpx.post(url + path, json={"model": "tiny", "prompt": "x", "messages": messages})
+            assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(url + "/models").status_code == 401
+        assert httpx.get(url + "/chat").status_code == 404  # (the web chat's path is not an OpenAI route: off here)
+
+
+def test_a_key_reading_its_own_info_is_answered_its_hash_as_key(database):
+    """LiteLLM's /key/info called with a virtual key and no `key` answers that key's hash as `key` (its
+    caller's `api_key`, as its database keeps it); it was null. Never the secret itself."""
+    with gateway(database) as (client, _, _):
+        key = _key(client, key_alias="mine")
+        own = client.get("/key/info", headers={"Authorization": f"Bearer {key}"})
+        assert own.status_code == 200, own.text
+        assert own.json()["key"] == own.json()["info"]["token"] and key not in own.text
+        assert own.json()["info"]["key_alias"] == "mine"

@@ -156,6 +156,24 @@ def test_a_hold_is_cut_to_the_real_cost_at_the_answer_and_a_budget_is_spent_to_i
         assert s.scalars(select(ApiKey.in_flight)).one() == 0 and s.query(Holding).count() == 0
 
 
+def test_a_budget_refusal_shows_no_negative_hold(store):
+    """A worst case of 0.5 cut to its real cost 0.1, then settled, leaves the key's `reserved` at
+    0.5 - 0.4 - 0.1 = -2.8e-17 in floating point; the next refusal said "(and -0.000000 held by requests
+    in flight ...)" to the client. Nothing is held: it says 0.000000."""
+    token, _ = store.accounts.create_key(max_budget=0.1)
+    key = store.accounts.authenticate(token)
+    reservation = store.admission.admit(key, 0.5)
+    store.admission.release(reservation, 0.1)
+    store.ledger.settle(Settlement(reservation, "r1", "m", None, "chat", False, "success", Usage(1, 1), 0.1,
+                                   utcnow()))
+    with store.db.session() as s:
+        assert s.scalars(select(ApiKey.reserved)).one() < 0  # (the drift this is about)
+    with pytest.raises(APIError) as refused:
+        as_http(store.admission.admit, key, 0.5)
+    assert refused.value.code == "budget_exceeded" and "-0.0" not in refused.value.message
+    assert "spent 0.100000 (and 0.000000 held" in refused.value.message
+
+
 def test_a_request_that_cost_its_worst_case_is_released_at_its_answer(store):
     """A budgeted key without a parallel limit, a request whose real cost is its worst case: nothing
     of its hold goes back, and none of its key's columns change, yet its holding is marked answered

@@ -3,8 +3,10 @@ the admin API shows of a row."""
 from __future__ import annotations
 
 import datetime as dt
+import math
 
 from treeserve.errors import ParamError
+from treeserve.gateway.fields import INT32_MAX
 from treeserve.gateway.keys import after
 from treeserve.gateway.schema import ApiKey, User, iso, money
 
@@ -12,6 +14,7 @@ KEY_FIELDS = ("key_alias", "user_id", "team_id", "models", "max_budget", "soft_b
               "max_parallel_requests", "metadata", "blocked")
 USER_FIELDS = ("max_budget", "budget_duration", "models", "metadata")
 LIMITS = ("max_budget", "soft_budget", "rpm_limit", "tpm_limit", "max_parallel_requests", "spend")
+COUNTS = ("rpm_limit", "tpm_limit", "max_parallel_requests")
 
 
 def key_values(fields: dict, now: dt.datetime) -> dict:
@@ -43,10 +46,19 @@ def _refuse_unknown(fields: dict, known: tuple[str, ...], owner: str) -> None:
 
 
 def _check_limits(values: dict) -> None:
+    """What the admin API's fields take, for every writer (the command line's too): an amount a finite
+    number >= 0 (an infinite one was stored, and every answer naming its key then failed to serialize;
+    NaN read as no budget), a count a whole number an INTEGER column holds."""
     for name in LIMITS:
         value = values.get(name)
-        if value is not None and value < 0:
+        if value is None:
+            continue
+        if not math.isfinite(value):
+            raise ParamError(name, f"must be a finite number, got {value}")
+        if value < 0:
             raise ParamError(name, f"must be at least 0, got {value}")
+        if name in COUNTS and value > INT32_MAX:
+            raise ParamError(name, f"must be at most {INT32_MAX}, got {value}")
 
 
 def _budget_period(values: dict, now: dt.datetime) -> None:

@@ -121,12 +121,13 @@ class Accounts:
             conn.execute(update(User).where(User.user_id == user_id).values(password_hash=password_hash))
 
     # ---- keys --------------------------------------------------------------------------------
-    def create_key(self, duration: str | None = None, **fields) -> tuple[str, dict]:
-        """A new key: (the token, shown this once; its stored record)."""
-        token = keylib.new_key()
+    def create_key(self, duration: str | None = None, token: str | None = None, **fields) -> tuple[str, dict]:
+        """A new key: (the token, shown this once; its stored record). `token`: the admin's choice of
+        secret (LiteLLM's `key`, a key brought from another gateway), else a random one."""
+        token = token or keylib.new_key()
         now = utcnow()
         values = _new_key_values({**fields, "duration": duration}, now)
-        with _unique_key(values.get("key_alias")), self.db.transaction() as conn:
+        with _unique_key(values.get("key_alias"), "key"), self.db.transaction() as conn:
             _ensure_user(self.db, conn, values.get("user_id"), now)  # (the user's row before the team's: LOCK ORDER)
             check_key_team(conn, values.get("team_id"), values.get("models"))
             _insert_key(conn, token, values, now)
@@ -325,7 +326,7 @@ def _check_alias(alias: str | None) -> None:
 
 
 @contextlib.contextmanager
-def _unique_key(alias: str | None):
+def _unique_key(alias: str | None, secret_field: str = "new_key"):
     """AliasTaken for a write that another key's alias refused, KeyTaken for one whose secret is
     another key's (a regenerated key's `new_key`): the database's unique indexes decide, so two writes
     at once cannot both take an alias (on PostgreSQL the second waits for the first to commit, then fails)."""
@@ -335,5 +336,5 @@ def _unique_key(alias: str | None):
         if alias is not None and violates_unique(error, "ix_api_keys_key_alias", "api_keys.key_alias"):
             raise AliasTaken(alias) from None
         if violates_unique(error, "ix_api_keys_token_hash", "api_keys.token_hash"):
-            raise KeyTaken() from None
+            raise KeyTaken(secret_field) from None
         raise

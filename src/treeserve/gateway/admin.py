@@ -14,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 
 from treeserve.gateway.accounts import KEY_SORTS, USER_SORTS, Accounts, Page, Sort
 from treeserve.gateway.admin_changes import AccountChanges
-from treeserve.gateway.fields import INT32_MAX, NO_NUL, Text
+from treeserve.gateway.fields import INT32_MAX, MAX_IDS, NO_NUL, Text
 from treeserve.gateway.keys import KeyRecord, hash_key, stored_hash
 from treeserve.gateway.ledger import Ledger, logs_csv
 from treeserve.gateway.passwords import hash_password
@@ -47,6 +47,12 @@ class KeyLimits(_Body):
     metadata: dict[str, Any] | None = None
 
 
+class KeyCreate(KeyLimits):
+    """LiteLLM's /key/generate: the key's fields, and `key`, a secret of the admin's choosing (a key
+    brought from another gateway; LiteLLM's rule: it starts `sk-`), else a random one."""
+    key: Annotated[Text, Field(max_length=512, pattern=r"^sk-")] | None = None
+
+
 class KeyUpdate(KeyLimits):
     key: Annotated[Text, Field(max_length=512)]
     blocked: bool = None  # (a null is a 400: a key is blocked or it is not)
@@ -67,8 +73,8 @@ class KeyRegenerate(KeyUpdate):
 
 class KeyDelete(_Body):
     """LiteLLM's: the keys (or their hashes), their aliases, or both; at least one."""
-    keys: list[Annotated[Text, Field(max_length=512)]] = []
-    key_aliases: list[Annotated[Text, Field(max_length=128)]] = []
+    keys: Annotated[list[Annotated[Text, Field(max_length=512)]], Field(max_length=MAX_IDS)] = []
+    key_aliases: Annotated[list[Annotated[Text, Field(max_length=128)]], Field(max_length=MAX_IDS)] = []
 
 
 class UserFields(_Body):
@@ -101,7 +107,7 @@ class UserUpdate(UserFields):
 
 
 class UserDelete(_Body):
-    user_ids: list[UserId] = Field(min_length=1)
+    user_ids: list[UserId] = Field(min_length=1, max_length=MAX_IDS)
 
 
 def admin_router(accounts: Accounts, ledger: Ledger, require_master: Any, known_models: set[str],
@@ -114,9 +120,11 @@ def admin_router(accounts: Accounts, ledger: Ledger, require_master: Any, known_
     changing, check_models, budget_warning = changes.changing, changes.check_models, changes.budget_warning
 
     @router.post("/key/generate")
-    async def generate_key(body: KeyLimits):
+    async def generate_key(body: KeyCreate):
         check_models(body.models)
-        token, info = await run_in_threadpool(lambda: accounts.create_key(**body.model_dump(exclude_none=True)))
+        fields = body.model_dump(exclude_none=True)
+        chosen = fields.pop("key", None)
+        token, info = await run_in_threadpool(lambda: accounts.create_key(token=chosen, **fields))
         return budget_warning(_issued(token, info), body.max_budget, "key")
 
     @router.get("/key/list")
@@ -291,7 +299,7 @@ def key_info_router(accounts: Accounts, ledger: Ledger, require_key: Any) -> API
         if key is not None and stored_hash(key) != info["token"]:
             raise APIError(403, "key: a key may read its own info only (the master key reads any)", param="key",
                            code="not_your_key")
-        return {"key": key, "info": info}
+        return {"key": key if key is not None else info["token"], "info": info}  # (LiteLLM's: its own hash)
 
     return router
 

@@ -36,6 +36,7 @@ from treeserve.gateway.routing import Router
 from treeserve.gateway.service import GatewayService
 from treeserve.gateway.store import Store
 from treeserve.gateway.translated_routes import REQUEST_MODELS as TRANSLATED_MODELS, translated_routes
+from treeserve.gateway.unversioned import UnversionedPathMiddleware
 from treeserve.gateway.upstreams import Upstreams
 from treeserve.wire import openapi
 from treeserve.wire.bodies import BodyLimitMiddleware
@@ -76,7 +77,8 @@ def build_app(config: GatewayConfig, store: Store | None = None) -> FastAPI:
     app.state.drain, app.state.service, app.state.chat = drain, service, chat
     app.add_middleware(DrainMiddleware, drain=drain)  # while stopping: new requests 503, running ones finish
     app.add_middleware(BodyLimitMiddleware, limit=body_limit)  # before any route (or key check) reads a body
-    app.add_middleware(AnthropicRequestIdMiddleware)  # (outermost: every answer on /v1/messages has its id)
+    app.add_middleware(AnthropicRequestIdMiddleware)  # (every answer on /v1/messages has its id)
+    app.add_middleware(UnversionedPathMiddleware)  # (outermost: LiteLLM's /chat/completions is /v1/chat/completions)
     install_error_handlers(app)
     install_domain_error_handlers(app)
     app.include_router(admin_router(store.accounts, store.ledger, auth.require_master, set(config.models),

@@ -38,11 +38,10 @@ class AliasTaken(GatewayError):
 
 
 class KeyTaken(GatewayError):
-    """A key chosen by an admin (/key/regenerate's `new_key`) is another key's secret."""
+    """A key chosen by an admin (/key/regenerate's `new_key`, /key/generate's `key`) is another key's secret."""
 
-    def __init__(self):
-        super().__init__("new_key: this key is taken; choose another (or leave new_key out for a random one)",
-                         "new_key")
+    def __init__(self, field: str = "new_key"):
+        super().__init__(f"{field}: this key is taken; choose another (or leave {field} out for a random one)", field)
 
 
 class AliasReserved(GatewayError):
@@ -147,7 +146,8 @@ class BudgetExceeded(GatewayError):
     def __init__(self, owner: str, spend: float, reserved: float, max_budget: float, spent: bool = True,
                  resets_at: dt.datetime | None = None):
         resets = f"; it resets at {resets_at.isoformat(timespec='seconds')}" if resets_at is not None else ""
-        super().__init__(f"max_budget: the {owner}'s budget is exceeded: spent {spend:.6f} (and {reserved:.6f} held "
+        held = max(reserved, 0.0)  # (holds given back, a float sum, may leave a hair below 0: nothing is held)
+        super().__init__(f"max_budget: the {owner}'s budget is exceeded: spent {spend:.6f} (and {held:.6f} held "
                          f"by requests in flight or being settled) of max_budget {max_budget:.6f}{resets}",
                          "max_budget")
         self.spent = spent

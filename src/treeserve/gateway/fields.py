@@ -9,6 +9,9 @@ from pydantic import AfterValidator
 
 INT32_MAX = 2**31 - 1  # the limits and counters are INTEGER columns (32 bits in PostgreSQL)
 NO_NUL = r"^[^\x00]*$"  # the same rule, for a query parameter's `pattern`
+# the ids one admin call names (keys, users, teams, members): each is a parameter of one statement, and
+# PostgreSQL takes at most 65,535 (past them psycopg fails before sending, and that read as an outage)
+MAX_IDS = 10_000
 
 
 def _no_nul(text: str) -> str:

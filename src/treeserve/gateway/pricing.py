@@ -8,6 +8,12 @@ from treeserve.gateway.config import DEFAULT_RESERVED_TOKENS, ModelConfig
 
 # Tokens a chat template adds around each message (role markers, separators): generous on purpose.
 TEMPLATE_TOKENS_PER_MESSAGE = 16
+# The most completion tokens one request is counted to reserve: more than any request generates (a
+# 10M-token context x n=128 is 2^30). A client's `max_tokens: 1e20` or `n: 1e400` is counted as this, so
+# a worst case stays a number a BIGINT holds and a float converts (else a 500), and small enough that a
+# key's `reserved`, a float sum of its requests' holds, keeps the others' holds (a worst case of 1e17
+# beside holds of 0.05 absorbed them: released, it took them with it, and the budget grew by as much).
+MOST_COMPLETION_TOKENS = 1 << 32
 
 
 def prompt_token_bound(body: dict) -> int:
@@ -33,11 +39,11 @@ def completion_token_bound(body: dict, model: ModelConfig, search: bool = False)
     if cap is None:
         cap = model.max_tokens or (SEARCH_DEFAULTS["max_tokens"] if search else DEFAULT_RESERVED_TOKENS)
     if search:
-        return cap * search_generation_calls(body)
+        return min(cap * search_generation_calls(body), MOST_COMPLETION_TOKENS)
     choices = _count(body, "n", 1)
     prompt = body.get("prompt")
     prompts = len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else 1
-    return cap * choices * prompts
+    return min(cap * choices * prompts, MOST_COMPLETION_TOKENS)
 
 
 # A search request's defaults (wire/search.py's SearchRequest)

@@ -108,10 +108,15 @@ class Router:
     def plan(self, model: str, affinity_key: str | None, attempts: int) -> list[tuple[str, Backend]]:
         """(model, backend) pairs to try in order: up to `attempts` of the model's replicas, then as
         many of each fallback's (LiteLLM counts fallbacks apart from its retries). A group with fewer
-        replicas goes round them again: a kept-alive connection its server just closed fails once."""
-        return [(name, b) for name in self.chain(model)
-                for b in itertools.islice(itertools.cycle(self.groups[name].ranked(self.config.routing, affinity_key)),
-                                          attempts)]
+        replicas goes round them again: a kept-alive connection its server just closed fails once.
+        Those of them that are not usable (failing their health check, their circuit open) come after
+        every usable one, the fallbacks' included: the last resort they are (LiteLLM's cooldown leaves
+        such a deployment out and goes to the fallbacks), not 1 + retries waits on a dead replica (a
+        connect timeout each, where its host does not answer) before every request reaches a fallback."""
+        tries = [(name, b) for name in self.chain(model)
+                 for b in itertools.islice(itertools.cycle(self.groups[name].ranked(self.config.routing, affinity_key)),
+                                           attempts)]
+        return [t for t in tries if t[1].usable] + [t for t in tries if not t[1].usable]
 
     def backends(self) -> list[Backend]:
         return [b for group in self.groups.values() for b in group.backends]

@@ -9,12 +9,12 @@ from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query
-from pydantic import Field
+from pydantic import Field, field_validator
 from starlette.concurrency import run_in_threadpool
 
 from treeserve.gateway.admin import Models, Money, Period, UserId, _Body
 from treeserve.gateway.admin_changes import AccountChanges
-from treeserve.gateway.fields import NO_NUL, Text
+from treeserve.gateway.fields import MAX_IDS, NO_NUL, Text
 from treeserve.gateway.ledger import Ledger
 from treeserve.gateway.teams import Teams
 from treeserve.wire.errors import APIError
@@ -59,7 +59,7 @@ class TeamFields(_Body):
 
 class NewTeam(TeamFields):
     team_id: TeamId | None = None  # (a UUID when left out, LiteLLM's)
-    members_with_roles: list[Member] = []
+    members_with_roles: list[Member] = Field([], max_length=MAX_IDS)
     members: Any = None
     admins: Any = None
 
@@ -70,7 +70,7 @@ class TeamUpdate(TeamFields):
 
 
 class TeamDelete(_Body):
-    team_ids: list[TeamId] = Field(min_length=1)
+    team_ids: list[TeamId] = Field(min_length=1, max_length=MAX_IDS)
 
 
 class TeamNamed(_Body):
@@ -81,6 +81,13 @@ class MemberAdd(_Body):
     team_id: TeamId
     member: Member | list[Member]
     max_budget_in_team: Any = None
+
+    @field_validator("member")
+    @classmethod
+    def _not_too_many(cls, member: Member | list[Member]) -> Member | list[Member]:
+        if isinstance(member, list) and len(member) > MAX_IDS:  # (a list bound here would name the union's other arm)
+            raise ValueError(f"at most {MAX_IDS} members in one call, got {len(member)}")
+        return member
 
 
 class MemberDelete(_Body):
