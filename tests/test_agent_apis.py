@@ -138,8 +138,9 @@ def test_previous_response_id_continues_the_conversation_and_stays_with_its_key(
         other = _openai(target, target.other_key)
         with pytest.raises(openai.NotFoundError):
             other.responses.retrieve(first.id)
-        with pytest.raises(openai.NotFoundError, match="previous_response_id"):
+        with pytest.raises(openai.BadRequestError, match="previous_response_id") as caught:
             other.responses.create(model="tiny", input="x", previous_response_id=first.id, max_output_tokens=2)
+        assert caught.value.code == "previous_response_not_found"
         with pytest.raises(openai.NotFoundError):
             other.responses.delete(first.id)
     client.responses.delete(first.id)
@@ -148,6 +149,25 @@ def test_previous_response_id_continues_the_conversation_and_stays_with_its_key(
     unstored = client.responses.create(model="tiny", input="x", store=False, max_output_tokens=2)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unstored.id)
+
+
+def test_an_unknown_previous_response_id_is_openais_400_previous_response_not_found(target):
+    """OpenAI answers a `previous_response_id` it does not hold (never stored, deleted) with a 400 whose code,
+    `previous_response_not_found`, clients act on by sending the whole conversation again (it was a 404
+    `response_not_found`, which they take for a wrong model or route); a retrieve of it stays a 404."""
+    client = _openai(target)
+    unstored = client.responses.create(model="tiny", input="x", store=False, max_output_tokens=2)
+    deleted = client.responses.create(model="tiny", input="x", max_output_tokens=2)
+    client.responses.delete(deleted.id)
+    for missing in (unstored.id, deleted.id, "resp_nope"):
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as caught:
+                client.responses.create(model="tiny", input="y", previous_response_id=missing, max_output_tokens=2,
+                                        stream=stream)
+            assert (caught.value.code, caught.value.param) == ("previous_response_not_found", "previous_response_id")
+            assert missing in caught.value.message
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(missing)
 
 
 def test_a_tool_round_trip_whole_and_streamed(served, target):
@@ -487,8 +507,9 @@ def test_responses_input_tokens_count_what_a_response_is_charged(target):
                   input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
     assert client.responses.input_tokens.count(**follow).input_tokens == \
         client.responses.create(max_output_tokens=2, **follow).usage.input_tokens
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.BadRequestError) as caught:
         client.responses.input_tokens.count(model="tiny", input="x", previous_response_id="resp_nope")
+    assert caught.value.code == "previous_response_not_found"
     with pytest.raises(openai.BadRequestError) as caught:  # (arguments sent back that are not JSON: a 400, not a 500)
         client.responses.input_tokens.count(model="tiny", input=[
             {"type": "function_call", "call_id": "c1", "name": "add", "arguments": "{not json"},

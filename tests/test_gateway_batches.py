@@ -407,10 +407,14 @@ def test_responses_lines_come_back_as_responses(backend, tmp_path):
         lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/responses",
                   "body": {"model": "gen", "input": f"Say {i}.", "max_output_tokens": 4, "temperature": 0}}
                  for i in range(3)]
+        lines.append({"custom_id": "gone", "method": "POST", "url": "/v1/responses",
+                      "body": {"model": "gen", "input": "Again.", "previous_response_id": "resp_nope"}})
         batch = _wait(client, _start(client, lines, endpoint="/v1/responses").id)
         records = _records(client, batch)
-        assert len(records) == 3
-        for record in records:
+        assert len(records) == 4
+        gone = next(record for record in records if record["custom_id"] == "gone")  # (OpenAI's code for it)
+        assert (gone["error"]["code"], gone["error"]["param"]) == ("previous_response_not_found", "previous_response_id")
+        for record in records[:3]:
             body = record["response"]["body"]
             assert body["object"] == "response" and body["output"][0]["type"] == "message"
             assert body["usage"]["output_tokens"] >= 1
