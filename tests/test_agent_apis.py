@@ -151,6 +151,23 @@ def test_previous_response_id_continues_the_conversation_and_stays_with_its_key(
         client.responses.retrieve(unstored.id)
 
 
+def test_a_text_part_without_its_text_is_a_400_naming_its_text(target):
+    """A text part that lacks its `text` (or has one that is no string) is named by that field; it was a 400
+    saying `input_text` parts are not supported ("only text parts are supported ..., got 'input_text'")."""
+    client = _openai(target)
+    for part, kind in [({"type": "input_text"}, "input_text"), ({"type": "output_text", "text": 5}, "output_text")]:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.responses.create(model="tiny", max_output_tokens=2, input=[
+                {"role": "user", "content": "a"}, {"role": "user", "content": [{"type": "input_text", "text": "b"}, part]}])
+        assert caught.value.param == "input[1].content[1].text", caught.value.body
+        assert "required" in caught.value.message and repr(kind) in caught.value.message
+    with pytest.raises(openai.BadRequestError) as caught:  # (a call's output given as parts is read alike)
+        client.responses.create(model="tiny", max_output_tokens=2, input=[
+            {"type": "function_call", "call_id": "c1", "name": "add", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text"}]}])
+    assert caught.value.param == "input[1].output[0].text", caught.value.body
+
+
 def test_an_unknown_previous_response_id_is_openais_400_previous_response_not_found(target):
     """OpenAI answers a `previous_response_id` it does not hold (never stored, deleted) with a 400 whose code,
     `previous_response_not_found`, clients act on by sending the whole conversation again (it was a 404
