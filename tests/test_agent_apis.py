@@ -158,7 +158,8 @@ def test_a_text_part_without_its_text_is_a_400_naming_its_text(target):
     for part, kind in [({"type": "input_text"}, "input_text"), ({"type": "output_text", "text": 5}, "output_text")]:
         with pytest.raises(openai.BadRequestError) as caught:
             client.responses.create(model="tiny", max_output_tokens=2, input=[
-                {"role": "user", "content": "a"}, {"role": "user", "content": [{"type": "input_text", "text": "b"}, part]}])
+                {"role": "user", "content": "a"},
+                {"role": "user", "content": [{"type": "input_text", "text": "b"}, part]}])
         assert caught.value.param == "input[1].content[1].text", caught.value.body
         assert "required" in caught.value.message and repr(kind) in caught.value.message
     with pytest.raises(openai.BadRequestError) as caught:  # (a call's output given as parts is read alike)
@@ -166,6 +167,14 @@ def test_a_text_part_without_its_text_is_a_400_naming_its_text(target):
             {"type": "function_call", "call_id": "c1", "name": "add", "arguments": "{}"},
             {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text"}]}])
     assert caught.value.param == "input[1].output[0].text", caught.value.body
+
+
+def test_a_bad_input_items_query_parameter_is_named_as_openai_names_it(target):
+    client = _openai(target)
+    response = client.responses.create(model="tiny", input="x", max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError) as caught:  # (it was `query.order`: FastAPI's location of it)
+        client.responses.input_items.list(response.id, order="sideways")
+    assert caught.value.param == "order" and caught.value.body["message"].startswith("order: "), caught.value.body
 
 
 def test_an_unknown_previous_response_id_is_openais_400_previous_response_not_found(target):
