@@ -818,6 +818,25 @@ def test_fields_the_vendors_define_and_treeserve_does_not_are_told_apart_from_un
     assert caught.value.body["error"]["message"] == "mcp_server: unknown parameter", caught.value.body
 
 
+def test_a_count_the_gateway_refuses_carries_its_logged_request_id(gateway, caplog):
+    """A token count the gateway refuses (`messages.count_tokens`, `responses.input_tokens.count` of a model
+    it does not serve) is refused as a request is: logged with its id, which the answer carries as
+    `x-request-id` (and, on Anthropic's route, `request-id`); before, neither, and it was not logged."""
+    target = SimpleNamespace(url=gateway.url, key=gateway.keys[0])
+    with caplog.at_level("INFO", logger="treeserve.gateway"):
+        with pytest.raises(anthropic.NotFoundError) as caught:
+            _anthropic(target).messages.count_tokens(model="nope", messages=[{"role": "user", "content": "x"}])
+        anthropics = caught.value.request_id
+        assert caught.value.response.headers.get("x-request-id") == anthropics
+        with pytest.raises(openai.NotFoundError) as caught:
+            _openai(target).responses.input_tokens.count(model="nope", input="x")
+        openais = caught.value.response.headers.get("x-request-id")
+    assert anthropics and openais and openais != anthropics
+    logged = [record.getMessage() for record in caplog.records if record.name == "treeserve.gateway"]
+    for request_id in (anthropics, openais):
+        assert any(line.startswith(f"{request_id} tokenize") and "refused 404" in line for line in logged), logged
+
+
 def test_anthropic_answers_carry_a_request_id(target):
     """Every answer on Anthropic's routes carries `request-id` (its clients' `_request_id`, an error's
     `request_id`), and an error body its `request_id`, as Anthropic's; on the gateway it is the
