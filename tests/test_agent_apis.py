@@ -138,8 +138,9 @@ def test_previous_response_id_continues_the_conversation_and_stays_with_its_key(
         other = _openai(target, target.other_key)
         with pytest.raises(openai.NotFoundError):
             other.responses.retrieve(first.id)
-        with pytest.raises(openai.NotFoundError, match="previous_response_id"):
+        with pytest.raises(openai.BadRequestError, match="previous_response_id") as caught:
             other.responses.create(model="tiny", input="x", previous_response_id=first.id, max_output_tokens=2)
+        assert caught.value.code == "previous_response_not_found"
         with pytest.raises(openai.NotFoundError):
             other.responses.delete(first.id)
     client.responses.delete(first.id)
@@ -148,6 +149,51 @@ def test_previous_response_id_continues_the_conversation_and_stays_with_its_key(
     unstored = client.responses.create(model="tiny", input="x", store=False, max_output_tokens=2)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unstored.id)
+
+
+def test_a_text_part_without_its_text_is_a_400_naming_its_text(target):
+    """A text part that lacks its `text` (or has one that is no string) is named by that field; it was a 400
+    saying `input_text` parts are not supported ("only text parts are supported ..., got 'input_text'")."""
+    client = _openai(target)
+    for part, kind in [({"type": "input_text"}, "input_text"), ({"type": "output_text", "text": 5}, "output_text")]:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.responses.create(model="tiny", max_output_tokens=2, input=[
+                {"role": "user", "content": "a"},
+                {"role": "user", "content": [{"type": "input_text", "text": "b"}, part]}])
+        assert caught.value.param == "input[1].content[1].text", caught.value.body
+        assert "required" in caught.value.message and repr(kind) in caught.value.message
+    with pytest.raises(openai.BadRequestError) as caught:  # (a call's output given as parts is read alike)
+        client.responses.create(model="tiny", max_output_tokens=2, input=[
+            {"type": "function_call", "call_id": "c1", "name": "add", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text"}]}])
+    assert caught.value.param == "input[1].output[0].text", caught.value.body
+
+
+def test_a_bad_input_items_query_parameter_is_named_as_openai_names_it(target):
+    client = _openai(target)
+    response = client.responses.create(model="tiny", input="x", max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError) as caught:  # (it was `query.order`: FastAPI's location of it)
+        client.responses.input_items.list(response.id, order="sideways")
+    assert caught.value.param == "order" and caught.value.body["message"].startswith("order: "), caught.value.body
+
+
+def test_an_unknown_previous_response_id_is_openais_400_previous_response_not_found(target):
+    """OpenAI answers a `previous_response_id` it does not hold (never stored, deleted) with a 400 whose code,
+    `previous_response_not_found`, clients act on by sending the whole conversation again (it was a 404
+    `response_not_found`, which they take for a wrong model or route); a retrieve of it stays a 404."""
+    client = _openai(target)
+    unstored = client.responses.create(model="tiny", input="x", store=False, max_output_tokens=2)
+    deleted = client.responses.create(model="tiny", input="x", max_output_tokens=2)
+    client.responses.delete(deleted.id)
+    for missing in (unstored.id, deleted.id, "resp_nope"):
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as caught:
+                client.responses.create(model="tiny", input="y", previous_response_id=missing, max_output_tokens=2,
+                                        stream=stream)
+            assert (caught.value.code, caught.value.param) == ("previous_response_not_found", "previous_response_id")
+            assert missing in caught.value.message
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(missing)
 
 
 def test_a_tool_round_trip_whole_and_streamed(served, target):
@@ -487,8 +533,9 @@ def test_responses_input_tokens_count_what_a_response_is_charged(target):
                   input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
     assert client.responses.input_tokens.count(**follow).input_tokens == \
         client.responses.create(max_output_tokens=2, **follow).usage.input_tokens
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.BadRequestError) as caught:
         client.responses.input_tokens.count(model="tiny", input="x", previous_response_id="resp_nope")
+    assert caught.value.code == "previous_response_not_found"
     with pytest.raises(openai.BadRequestError) as caught:  # (arguments sent back that are not JSON: a 400, not a 500)
         client.responses.input_tokens.count(model="tiny", input=[
             {"type": "function_call", "call_id": "c1", "name": "add", "arguments": "{not json"},
@@ -769,6 +816,25 @@ def test_fields_the_vendors_define_and_treeserve_does_not_are_told_apart_from_un
         messages.messages.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": "x"}],
                                  extra_body={"mcp_server": []})
     assert caught.value.body["error"]["message"] == "mcp_server: unknown parameter", caught.value.body
+
+
+def test_a_count_the_gateway_refuses_carries_its_logged_request_id(gateway, caplog):
+    """A token count the gateway refuses (`messages.count_tokens`, `responses.input_tokens.count` of a model
+    it does not serve) is refused as a request is: logged with its id, which the answer carries as
+    `x-request-id` (and, on Anthropic's route, `request-id`); before, neither, and it was not logged."""
+    target = SimpleNamespace(url=gateway.url, key=gateway.keys[0])
+    with caplog.at_level("INFO", logger="treeserve.gateway"):
+        with pytest.raises(anthropic.NotFoundError) as caught:
+            _anthropic(target).messages.count_tokens(model="nope", messages=[{"role": "user", "content": "x"}])
+        anthropics = caught.value.request_id
+        assert caught.value.response.headers.get("x-request-id") == anthropics
+        with pytest.raises(openai.NotFoundError) as caught:
+            _openai(target).responses.input_tokens.count(model="nope", input="x")
+        openais = caught.value.response.headers.get("x-request-id")
+    assert anthropics and openais and openais != anthropics
+    logged = [record.getMessage() for record in caplog.records if record.name == "treeserve.gateway"]
+    for request_id in (anthropics, openais):
+        assert any(line.startswith(f"{request_id} tokenize") and "refused 404" in line for line in logged), logged
 
 
 def test_anthropic_answers_carry_a_request_id(target):

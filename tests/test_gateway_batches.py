@@ -407,10 +407,15 @@ def test_responses_lines_come_back_as_responses(backend, tmp_path):
         lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/responses",
                   "body": {"model": "gen", "input": f"Say {i}.", "max_output_tokens": 4, "temperature": 0}}
                  for i in range(3)]
+        lines.append({"custom_id": "gone", "method": "POST", "url": "/v1/responses",
+                      "body": {"model": "gen", "input": "Again.", "previous_response_id": "resp_nope"}})
         batch = _wait(client, _start(client, lines, endpoint="/v1/responses").id)
         records = _records(client, batch)
-        assert len(records) == 3
-        for record in records:
+        assert len(records) == 4
+        gone = next(record for record in records if record["custom_id"] == "gone")  # (OpenAI's code for it)
+        assert (gone["error"]["code"], gone["error"]["param"]) == \
+            ("previous_response_not_found", "previous_response_id")
+        for record in records[:3]:
             body = record["response"]["body"]
             assert body["object"] == "response" and body["output"][0]["type"] == "message"
             assert body["usage"]["output_tokens"] >= 1
@@ -805,6 +810,20 @@ def test_a_file_that_takes_longer_than_the_validation_lease_to_read_is_not_inter
         created = creating.result(timeout=30)
     assert created["status"] == "in_progress" and created["request_counts"]["total"] == 2
     assert store.batches.claim("runner") == [created["id"]]
+
+
+def test_a_bad_query_parameter_is_named_as_openai_names_it(tmp_path):
+    """A list's bad `limit` or `order` is a 400 naming `limit` or `order` (it named `query.limit`, FastAPI's
+    location of it, which no OpenAI client sends)."""
+    with gateway("http://127.0.0.1:9", f"sqlite:///{tmp_path / 'gw.db'}") as gw:
+        client = _client(gw, _key(gw))
+        for call, param in [(lambda: client.files.list(limit=0), "limit"),
+                            (lambda: client.batches.list(limit=101), "limit"),
+                            (lambda: client.files.list(order="sideways"), "order")]:
+            with pytest.raises(openai.BadRequestError) as caught:
+                call()
+            error = caught.value.body
+            assert caught.value.param == param and error["message"].startswith(f"{param}: "), error
 
 
 def test_a_batch_created_without_completion_window_is_a_400_naming_it(tmp_path):

@@ -186,7 +186,9 @@ def test_one_keys_files_batches_and_responses_are_missing_to_another(tmp_path):
                                                "completion_window": "24h"}).status_code == 404
         continued = other.post("/v1/responses", json={"model": "gen", "input": "what did I say?",
                                                       "max_output_tokens": 2, "previous_response_id": response_id})
-        assert continued.status_code == 404 and "secret" not in continued.text
+        # (OpenAI's 400 previous_response_not_found, as for an id never made: nothing says it exists)
+        assert continued.status_code == 400 and "secret" not in continued.text
+        assert continued.json()["error"]["code"] == "previous_response_not_found"
         assert other.get("/v1/files").json()["data"] == [] and other.get("/v1/batches").json()["data"] == []
         info = other.get("/key/info", params={"key": keys[0]})
         assert info.status_code == 403

@@ -859,8 +859,8 @@ def _closed_port() -> int:
 
 
 def test_a_response_id_with_a_nul_is_not_stored(store):
-    """`previous_response_id` (or `responses.input_tokens.count`'s) holding a NUL: no such response (404), where
-    PostgreSQL refused the lookup (a 500 schemathesis found)."""
+    """`previous_response_id` (or `responses.input_tokens.count`'s) holding a NUL: no such response (OpenAI's
+    400 previous_response_not_found), where PostgreSQL refused the lookup (a 500 schemathesis found)."""
     import asyncio
 
     from treeserve.gateway.response_store import DatabaseResponseStore

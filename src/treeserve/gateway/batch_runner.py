@@ -35,6 +35,7 @@ from treeserve.gateway.schema import utcnow
 from treeserve.gateway.service import GatewayService
 from treeserve.wire.errors import APIError, from_validation_error
 from treeserve.wire.responses import ResponsesRequest, chat_request
+from treeserve.wire.responses_api import previous_not_found
 
 log = logging.getLogger("treeserve.gateway")
 RETRY_DELAY = 1.0      # seconds before a line no backend could answer is sent again, doubling with each
@@ -255,8 +256,8 @@ class BatchRunner:
         if request.previous_response_id is not None:
             previous = await self.responses.get(request.previous_response_id, key.id)
             if previous is None:
-                raise LineFailed("response_not_found", f"previous_response_id: no stored response "
-                                                       f"{request.previous_response_id!r}", "previous_response_id")
+                error = previous_not_found(request.previous_response_id)
+                raise LineFailed(error.code, error.message, error.param)
             history = previous.history
         try:
             chat = chat_request(request, history) | {"model": request.model}

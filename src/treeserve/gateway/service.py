@@ -64,13 +64,18 @@ class GatewayService:
 
     async def count_tokens(self, body: dict, key: KeyRecord) -> Response:
         """A backend's `/tokenize` of a chat's messages and tools: the model checked against the key
-        as for a request; neither admitted nor billed (nothing is generated)."""
-        model = self._checked_model(body, key)
+        as for a request; neither admitted nor billed (nothing is generated). A refusal is logged and
+        carries its request id, as a request's does."""
+        request_id = new_request_id()
+        try:
+            model = self._checked_model(body, key)
+        except APIError as exc:
+            _refused(exc, request_id, "tokenize", key, body)
+            raise
 
         async def settle(_) -> None:
             return None
-        return await self.forwarder.forward("/tokenize", body, model, None, settle, time.perf_counter(),
-                                            new_request_id())
+        return await self.forwarder.forward("/tokenize", body, model, None, settle, time.perf_counter(), request_id)
 
     def _checked_model(self, body: dict, key: KeyRecord) -> str:
         model = body.get("model")

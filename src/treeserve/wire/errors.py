@@ -89,7 +89,8 @@ def from_validation_error(exc: ValidationError | RequestValidationError) -> APIE
         return APIError(400, first["msg"], param=first["ctx"]["param"], code="unsupported_parameter")
     if first.get("type") == "json_invalid":
         return APIError(400, f"malformed JSON body: {first.get('msg', '')}", code="invalid_json")
-    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_union_tag(p)]
+    loc = [str(p) for p in _field_location(first.get("loc", ()), isinstance(exc, RequestValidationError))
+           if not _is_union_tag(p)]
     param = ".".join(loc) or None
     kind = first.get("type", "")
     message = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid request")
@@ -101,6 +102,16 @@ def from_validation_error(exc: ValidationError | RequestValidationError) -> APIE
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
+_REQUEST_PARTS = {"body", "query", "path", "header", "cookie"}  # (FastAPI's first element of a location)
+
+
+def _field_location(loc: tuple, from_fastapi: bool) -> list:
+    """The field's path without the part of the request FastAPI puts first (`query.limit` is `limit`, as
+    OpenAI names a query parameter; `body` is dropped wherever pydantic puts it)."""
+    parts = list(loc)
+    if from_fastapi and parts and parts[0] in _REQUEST_PARTS:
+        parts = parts[1:]
+    return [part for part in parts if part != "body"]
 
 
 def _is_union_tag(part) -> bool:

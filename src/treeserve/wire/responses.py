@@ -202,9 +202,11 @@ def _content_text(content, where: str) -> str:
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
+        if kind not in ("input_text", "output_text", "text"):
             raise ParamError(f"{where}[{j}].type", f"only text parts are supported (input_text, output_text), "
                                                    f"got {kind!r}")
+        if not isinstance(part.get("text"), str):  # (a text part without its text: not a part of another type)
+            raise ParamError(f"{where}[{j}].text", f"this field is required (a string) in a part of type {kind!r}")
         texts.append(part["text"])
     return "\n".join(texts)  # (as a chat message's parts, and vLLM's)
 

@@ -56,9 +56,17 @@ class MemoryResponseStore:
         return self.items.pop((owner, response_id), None) is not None
 
 
-def not_found(response_id: str, param: str | None = None) -> APIError:
-    return APIError(404, f"{param + ': ' if param else ''}no stored response with id {response_id!r} "
-                         "(never stored, deleted, or made with another key)", param=param, code="response_not_found")
+def not_found(response_id: str) -> APIError:
+    return APIError(404, f"no stored response with id {response_id!r} (never stored, deleted, or made with "
+                         "another key)", code="response_not_found")
+
+
+def previous_not_found(response_id: str) -> APIError:
+    """OpenAI's answer to a `previous_response_id` it does not hold: a 400 whose code clients act on (they
+    send the whole conversation again), not the 404 of a retrieve."""
+    return APIError(400, f"previous_response_id: Previous response with id {response_id!r} not found (never "
+                         "stored, deleted, or made with another key)", param="previous_response_id",
+                    code="previous_response_not_found")
 
 
 class ResponsesAPI:
@@ -110,7 +118,7 @@ class ResponsesAPI:
             return []
         previous = await self.store.get(previous_response_id, owner)
         if previous is None:
-            raise not_found(previous_response_id, "previous_response_id")
+            raise previous_not_found(previous_response_id)
         return previous.history
 
     async def retrieve(self, response_id: str, owner: int | None = None) -> dict:
