@@ -18,8 +18,8 @@ class Script:
         step_text, finish = self.steps(text, j)
         return Step(step_text, [0], finish)
 
-    def run(self, config, question="q"):
-        strategy = run_strategy(question, config)
+    def run(self, config, question="q", problem_index=0):
+        strategy = run_strategy(question, config, problem_index)
         reply = None
         while True:
             try:
@@ -140,6 +140,43 @@ def test_best_of_n_weighted_and_majority_choose_differently():
     assert run("best_of_n").pred == "1"           # the single best score
     assert run("majority").pred == "3"            # the most frequent answer
     assert run("weighted_best_of_n").pred == "2"  # 0.6 + 0.6 beats 0.95 and 3 x 0.3
+
+
+def _sampling_seeds(samples: list[Sample]) -> list[list[int]]:
+    """Each sampled (not greedy) action's seeds, one per continuation: continuation j of beam i is
+    drawn with seeds[i] + j (the runner's contract, tree.Sample)."""
+    return [[seed + j for seed, count in zip(s.seeds, s.counts) for j in range(count)]
+            for s in samples if not s.greedy]
+
+
+@pytest.mark.parametrize("config", [
+    SearchConfig(strategy="beam", n=16, beam_width=4, num_iterations=3, seed=0),
+    SearchConfig(strategy="beam", n=6, beam_width=2, num_iterations=3, seed=5),   # 3 survivors, 2 samples each
+    SearchConfig(strategy="dvts", n=16, beam_width=4, num_iterations=3, seed=0),
+    SearchConfig(strategy="dvts", n=8, beam_width=2, num_iterations=3, lookahead=1, seed=3),
+], ids=["beam-16-4", "beam-6-2", "dvts-16-4", "dvts-8-2-lookahead"])
+def test_every_continuation_of_a_sampling_round_has_a_seed_of_its_own(config):
+    """Seeds one apart per beam gave continuation 1 of beam i the seed of continuation 0 of beam
+    i+1: DVTS's subtrees, all sampled from the empty solution at depth 0, drew the same first steps
+    (16 candidates from 7 seeds at N=16, M=4), and beam search's equal survivors the same steps."""
+    script = Script(lambda text, j: (f"{text.count(chr(10))}{j}\n\n", "step"), lambda s: 0.5)
+    script.run(config)
+    rounds = _sampling_seeds(script.samples)
+    assert len(rounds) == config.num_iterations
+    for seeds in rounds:
+        assert len(seeds) == config.n and len(set(seeds)) == config.n, seeds
+
+
+def test_the_problems_of_one_run_sample_with_seeds_of_their_own():
+    """Best-of-N's seed for problem i was problem i-1's plus one: neighbouring problems of an eval drew
+    N - 1 of their samples with the same numbers."""
+    config = SearchConfig(strategy="best_of_n", n=8, seed=0)
+    seeds = []
+    for index in range(4):
+        script = Script(lambda text, j: ("\\boxed{1}", "eos"), lambda s: 0.5)
+        script.run(config, problem_index=index)
+        seeds += _sampling_seeds(script.samples)[0]
+    assert len(set(seeds)) == len(seeds), seeds
 
 
 def test_greedy_samples_once_without_the_verifier():
