@@ -109,3 +109,16 @@ def test_a_question_off_the_task_is_flagged_as_rejected_by_the_verifier(runtime,
     assert main(["search", "--n", "4", "--dtype", "float32", "What is 12 * 13?"]) == 0
     assert "the verifier rejected every candidate" in capsys.readouterr().err
 
+
+@pytest.mark.parametrize("strategy", ["best_of_n", "beam"])
+def test_the_python_api_folds_step_scores_as_the_verifier_declares(runtime, strategy):
+    """README's `SearchRunner(...).run(questions, SearchConfig(strategy=..., n=...))` names no
+    aggregation: it is the verifier's declared one (arith-prm's `min`), as `treeserve search` and
+    /v1/search choose it. It was `last` whatever the verifier declared: arith-prm's last step (the boxed
+    line) is likely whatever the answer, so every candidate scored 1.0 and best-of-N chose by position."""
+    assert declared_aggregation(runtime.engine("prm").model_dir) == "min"
+    runner = SearchRunner(runtime.engine("gen"), runtime.scorer("prm"))
+    result = runner.run([README_PROBLEM], SearchConfig(strategy=strategy, n=8, max_tokens=256))[0]
+    assert result.agg_scores == [min(steps) for steps in result.scores]
+    named = runner.run([README_PROBLEM], SearchConfig(strategy=strategy, n=8, max_tokens=256, agg_strategy="min"))[0]
+    assert (result.completions, result.pred) == (named.completions, named.pred)

@@ -25,7 +25,7 @@ from treeserve.engine.llm_engine import LLMEngine
 from treeserve.engine.request import BACKGROUND_PRIORITY
 from treeserve.runtime.scorer import ScoreTicket, StepScorer
 from treeserve.sampling_params import SamplingParams
-from treeserve.search.config import STEP_DELIMITER, SearchConfig
+from treeserve.search.config import STEP_DELIMITER, SearchConfig, with_aggregation
 from treeserve.search.progress import SearchProgress
 from treeserve.search.prompting import prompt_token_ids
 from treeserve.search.strategies import Strategy, run_strategy
@@ -129,7 +129,9 @@ class SearchRunner:
             raise ParamError("verifier", f"strategy {config.strategy!r} needs a verifier model")
         if scorer is not None and scorer.loop is not self.loop:
             raise ParamError("verifier", "the scorer is driven by another engine loop than the generator")
-        handle = SearchHandle(question, config, index, scorer if config.uses_verifier else None, on_done, on_progress)
+        scorer = scorer if config.uses_verifier else None
+        config = with_aggregation(config, scorer.engine.model_dir if scorer is not None else None)
+        handle = SearchHandle(question, config, index, scorer, on_done, on_progress)
         self._queue.append(handle)
         return handle
 

@@ -13,7 +13,7 @@ import itertools
 from collections.abc import Generator
 from dataclasses import dataclass, field
 
-from treeserve.search.config import SearchConfig
+from treeserve.search.config import SearchConfig, with_aggregation
 from treeserve.search.grading import canonical_form, extract_answer, majority_vote, weighted_vote
 from treeserve.search.tree import Beam, Sample, Score, SearchResult, Step, aggregate, seed_for
 
@@ -22,7 +22,9 @@ Strategy = Generator[Action, list, SearchResult]
 
 
 def run_strategy(question: str, config: SearchConfig, problem_index: int = 0) -> Strategy:
-    """The generator that solves one problem with `config.strategy`."""
+    """The generator that solves one problem with `config.strategy` (an aggregation left unnamed is
+    `last`: the runners name the verifier's declared one first, `config.with_aggregation`)."""
+    config = with_aggregation(config, None)
     if config.strategy == "greedy":
         return _greedy(question, config, problem_index)
     if config.strategy in ("majority", "best_of_n", "weighted_best_of_n"):
