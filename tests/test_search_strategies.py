@@ -2,6 +2,7 @@
 import pytest
 
 from treeserve.search.config import SearchConfig
+from treeserve.search.progress import SearchProgress
 from treeserve.search.strategies import run_strategy
 from treeserve.search.tree import Sample, Score, Step, aggregate
 
@@ -13,6 +14,7 @@ class Script:
     def __init__(self, steps, score):
         self.steps, self.score = steps, score
         self.samples: list[Sample] = []
+        self.replies: list[list[list[Step]]] = []  # each Sample's continuations, as the runner hands them back
 
     def _step(self, text, j):
         step_text, finish = self.steps(text, j)
@@ -30,6 +32,7 @@ class Script:
                 self.samples.append(action)
                 reply = [[self._step(b.text, j) for j in range(c)]
                          for b, c in zip(action.beams, action.counts)]
+                self.replies.append(reply)
             else:
                 assert isinstance(action, Score)
                 reply = [[self.score(s) for s in t.split("\n\n") if s.strip()] for t in action.texts]
@@ -140,6 +143,20 @@ def test_best_of_n_weighted_and_majority_choose_differently():
     assert run("best_of_n").pred == "1"           # the single best score
     assert run("majority").pred == "3"            # the most frequent answer
     assert run("weighted_best_of_n").pred == "2"  # 0.6 + 0.6 beats 0.95 and 3 x 0.3
+
+
+@pytest.mark.parametrize("strategy", ["beam", "dvts"])
+@pytest.mark.parametrize("lookahead", [0, 1, 2])
+def test_the_last_progress_event_counts_the_tree_as_the_result_does(strategy, lookahead):
+    """A streamed search's progress counted a lookahead's rollouts as tree nodes and live beams, so its
+    last event said tree_size 20 where the result said 12 (beam, lookahead 1, N=4, 3 iterations)."""
+    script = Script(lambda text, j: ("abcd"[j % 4] + "\n\n", "step"), lambda s: 0.5)
+    result = script.run(beam_config(strategy=strategy, lookahead=lookahead))
+    progress = SearchProgress()
+    for sample, reply in zip(script.samples, script.replies):
+        progress.on_sampled(sample, reply)
+    assert (progress.tree_size, progress.completion_tokens) == (result.tree_size, result.completion_tokens)
+    assert progress.live_beams == len([s for s in script.samples if not s.greedy][-1].beams)
 
 
 def _sampling_seeds(samples: list[Sample]) -> list[list[int]]:

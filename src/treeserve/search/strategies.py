@@ -183,7 +183,7 @@ def _lookahead(candidates: list[Beam], steps: list[Step], config: SearchConfig, 
             break
         keys = list(heads)
         seeds = [seed_for(config.seed, index, depth, 10_000 + ahead, i) for i in keys]
-        sampled = yield Sample([heads[i] for i in keys], [1] * len(keys), seeds, greedy=True)
+        sampled = yield Sample([heads[i] for i in keys], [1] * len(keys), seeds, greedy=True, rollout=True)
         for i, per_beam in zip(keys, sampled):
             step = per_beam[0]
             rollouts[i] += step.text
