@@ -196,6 +196,16 @@ def test_the_problems_of_one_run_sample_with_seeds_of_their_own():
     assert len(set(seeds)) == len(seeds), seeds
 
 
+def test_weighted_best_of_n_answers_with_the_best_scored_completion_of_the_winning_answer():
+    """The reply's `completion` and `score` were the first completion with the winning answer, however
+    low the verifier scored it (0.1 here, where the same answer's best completion scored 0.7)."""
+    texts = ["a \\boxed{2}", "b \\boxed{1}", "c \\boxed{2}", "d \\boxed{2}"]
+    scores = {texts[0]: 0.1, texts[1]: 0.75, texts[2]: 0.7, texts[3]: 0.4}
+    result = Script(lambda text, j: (texts[j], "eos"), lambda s: scores[s]).run(
+        SearchConfig(strategy="weighted_best_of_n", n=4, seed=0))
+    assert result.pred == "2" and result.chosen == 2 and result.agg_scores[result.chosen] == 0.7
+
+
 def test_greedy_samples_once_without_the_verifier():
     script = Script(lambda text, j: ("\\boxed{5}", "eos"), lambda s: pytest.fail("greedy must not score"))
     result = script.run(SearchConfig(strategy="greedy"))

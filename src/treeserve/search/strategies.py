@@ -209,9 +209,10 @@ def choose(strategy: str, answers: list[str | None], agg_scores: list[float]) ->
         return 0
     if strategy in ("majority", "weighted_best_of_n"):
         winner = majority_vote(answers) if strategy == "majority" else weighted_vote(answers, agg_scores)
-        if winner is not None:
+        if winner is not None:  # its best-scored completion (majority: its first; they score alike)
             key = canonical_form(winner)
-            return next(i for i, a in enumerate(answers) if a is not None and canonical_form(a) == key)
+            voters = [i for i, a in enumerate(answers) if a is not None and canonical_form(a) == key]
+            return voters[0] if strategy == "majority" else max(voters, key=lambda i: (agg_scores[i], -i))
     if strategy == "greedy":
         return 0
     return max(range(len(answers)), key=lambda i: (agg_scores[i], -i))
