@@ -32,13 +32,15 @@ def _accuracy(rt, problems, config: SearchConfig) -> int:
 
 
 def test_prm_guided_search_beats_greedy_on_held_out_problems(runtime):
+    """Ten points on the grid's hardest cells, beam search's mean over three seeds (one seed's luck is
+    +-3 problems: seeds 0-5 gave 51-58 of 60; greedy 46, the bundled pair)."""
     problems = [p for ops in ("+-", "+-*") for count in (6, 7, 8)  # the grid's hardest cells
-                for p in grid_problems("validation", count, ops, 10, seed=11)]  # greedy 46, beam 54 (bundled pair)
+                for p in grid_problems("validation", count, ops, 10, seed=11)]
     greedy = _accuracy(runtime, problems, SearchConfig(strategy="greedy", n=1, num_iterations=10, max_tokens=256))
     aggregation = declared_aggregation(runtime.engine("prm").model_dir)
-    beam = _accuracy(runtime, problems, SearchConfig(strategy="beam", n=8, beam_width=4, num_iterations=10, seed=0,
-                                                     max_tokens=256, agg_strategy=aggregation))
-    assert beam >= greedy + 6, (beam, greedy)  # ten points
+    beam = [_accuracy(runtime, problems, SearchConfig(strategy="beam", n=8, beam_width=4, num_iterations=10, seed=seed,
+                                                      max_tokens=256, agg_strategy=aggregation)) for seed in range(3)]
+    assert sum(beam) / len(beam) >= greedy + 6, (beam, greedy)  # ten points
 
 
 def test_prm_ranks_correct_steps_above_corrupted_ones(runtime):
@@ -106,3 +108,17 @@ def test_a_question_off_the_task_is_flagged_as_rejected_by_the_verifier(runtime,
     assert not own.verifier_rejected_all and own.pred == "18", (own.pred, own.agg_scores)
     assert main(["search", "--n", "4", "--dtype", "float32", "What is 12 * 13?"]) == 0
     assert "the verifier rejected every candidate" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("strategy", ["best_of_n", "beam"])
+def test_the_python_api_folds_step_scores_as_the_verifier_declares(runtime, strategy):
+    """README's `SearchRunner(...).run(questions, SearchConfig(strategy=..., n=...))` names no
+    aggregation: it is the verifier's declared one (arith-prm's `min`), as `treeserve search` and
+    /v1/search choose it. It was `last` whatever the verifier declared: arith-prm's last step (the boxed
+    line) is likely whatever the answer, so every candidate scored 1.0 and best-of-N chose by position."""
+    assert declared_aggregation(runtime.engine("prm").model_dir) == "min"
+    runner = SearchRunner(runtime.engine("gen"), runtime.scorer("prm"))
+    result = runner.run([README_PROBLEM], SearchConfig(strategy=strategy, n=8, max_tokens=256))[0]
+    assert result.agg_scores == [min(steps) for steps in result.scores]
+    named = runner.run([README_PROBLEM], SearchConfig(strategy=strategy, n=8, max_tokens=256, agg_strategy="min"))[0]
+    assert (result.completions, result.pred) == (named.completions, named.pred)

@@ -3,6 +3,7 @@ import pytest
 
 from conftest import assert_no_leak
 from treeserve import Runtime
+from treeserve.errors import ParamError
 from treeserve.gateway.pricing import SEARCH_DEFAULTS, search_generation_calls
 from treeserve.search.config import SearchConfig
 from treeserve.search.reference import HFStepScorer, ReferenceRunner
@@ -51,6 +52,23 @@ def test_every_strategy_runs_and_leaves_no_blocks_behind(pair, strategy):
         # what the gateway reserves for a search's tokens (its budget holds only if this is never passed)
         assert r.completion_tokens <= config.max_tokens * search_generation_calls(request), (r.completion_tokens,
                                                                                             request)
+    rt.release_kept()
+    for engine in rt.engines.values():
+        assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("question", ["", "  \n "])
+def test_an_empty_question_is_refused_offline_too_and_nothing_is_queued(pair, question):
+    """`treeserve search` and /v1/search refuse an empty question; SearchRunner.run searched it (the
+    model's noise, up to max_tokens per candidate) and returned an answer."""
+    rt = _runtime(pair)
+    runner = SearchRunner(rt.engine("gen"), rt.scorer("prm"))
+    with pytest.raises(ParamError, match=r"questions\[1\]: the question is empty"):
+        runner.run([QUESTIONS[0], question], _config())
+    assert runner.num_waiting == runner.num_running == 0  # the first question was not left queued
+    with pytest.raises(ParamError, match="question: the question is empty"):
+        runner.submit(question, _config())
+    assert runner.run(QUESTIONS[:1], _config())[0].completions  # the runner goes on serving
     rt.release_kept()
     for engine in rt.engines.values():
         assert_no_leak(engine)

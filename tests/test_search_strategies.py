@@ -2,6 +2,7 @@
 import pytest
 
 from treeserve.search.config import SearchConfig
+from treeserve.search.progress import SearchProgress
 from treeserve.search.strategies import run_strategy
 from treeserve.search.tree import Sample, Score, Step, aggregate
 
@@ -13,13 +14,14 @@ class Script:
     def __init__(self, steps, score):
         self.steps, self.score = steps, score
         self.samples: list[Sample] = []
+        self.replies: list[list[list[Step]]] = []  # each Sample's continuations, as the runner hands them back
 
     def _step(self, text, j):
         step_text, finish = self.steps(text, j)
         return Step(step_text, [0], finish)
 
-    def run(self, config, question="q"):
-        strategy = run_strategy(question, config)
+    def run(self, config, question="q", problem_index=0):
+        strategy = run_strategy(question, config, problem_index)
         reply = None
         while True:
             try:
@@ -30,6 +32,7 @@ class Script:
                 self.samples.append(action)
                 reply = [[self._step(b.text, j) for j in range(c)]
                          for b, c in zip(action.beams, action.counts)]
+                self.replies.append(reply)
             else:
                 assert isinstance(action, Score)
                 reply = [[self.score(s) for s in t.split("\n\n") if s.strip()] for t in action.texts]
@@ -140,6 +143,67 @@ def test_best_of_n_weighted_and_majority_choose_differently():
     assert run("best_of_n").pred == "1"           # the single best score
     assert run("majority").pred == "3"            # the most frequent answer
     assert run("weighted_best_of_n").pred == "2"  # 0.6 + 0.6 beats 0.95 and 3 x 0.3
+
+
+@pytest.mark.parametrize("strategy", ["beam", "dvts"])
+@pytest.mark.parametrize("lookahead", [0, 1, 2])
+def test_the_last_progress_event_counts_the_tree_as_the_result_does(strategy, lookahead):
+    """A streamed search's progress counted a lookahead's rollouts as tree nodes and live beams, so its
+    last event said tree_size 20 where the result said 12 (beam, lookahead 1, N=4, 3 iterations)."""
+    script = Script(lambda text, j: ("abcd"[j % 4] + "\n\n", "step"), lambda s: 0.5)
+    result = script.run(beam_config(strategy=strategy, lookahead=lookahead))
+    progress = SearchProgress()
+    for sample, reply in zip(script.samples, script.replies):
+        progress.on_sampled(sample, reply)
+    assert (progress.tree_size, progress.completion_tokens) == (result.tree_size, result.completion_tokens)
+    assert progress.live_beams == len([s for s in script.samples if not s.greedy][-1].beams)
+
+
+def _sampling_seeds(samples: list[Sample]) -> list[list[int]]:
+    """Each sampled (not greedy) action's seeds, one per continuation: continuation j of beam i is
+    drawn with seeds[i] + j (the runner's contract, tree.Sample)."""
+    return [[seed + j for seed, count in zip(s.seeds, s.counts) for j in range(count)]
+            for s in samples if not s.greedy]
+
+
+@pytest.mark.parametrize("config", [
+    SearchConfig(strategy="beam", n=16, beam_width=4, num_iterations=3, seed=0),
+    SearchConfig(strategy="beam", n=6, beam_width=2, num_iterations=3, seed=5),   # 3 survivors, 2 samples each
+    SearchConfig(strategy="dvts", n=16, beam_width=4, num_iterations=3, seed=0),
+    SearchConfig(strategy="dvts", n=8, beam_width=2, num_iterations=3, lookahead=1, seed=3),
+], ids=["beam-16-4", "beam-6-2", "dvts-16-4", "dvts-8-2-lookahead"])
+def test_every_continuation_of_a_sampling_round_has_a_seed_of_its_own(config):
+    """Seeds one apart per beam gave continuation 1 of beam i the seed of continuation 0 of beam
+    i+1: DVTS's subtrees, all sampled from the empty solution at depth 0, drew the same first steps
+    (16 candidates from 7 seeds at N=16, M=4), and beam search's equal survivors the same steps."""
+    script = Script(lambda text, j: (f"{text.count(chr(10))}{j}\n\n", "step"), lambda s: 0.5)
+    script.run(config)
+    rounds = _sampling_seeds(script.samples)
+    assert len(rounds) == config.num_iterations
+    for seeds in rounds:
+        assert len(seeds) == config.n and len(set(seeds)) == config.n, seeds
+
+
+def test_the_problems_of_one_run_sample_with_seeds_of_their_own():
+    """Best-of-N's seed for problem i was problem i-1's plus one: neighbouring problems of an eval drew
+    N - 1 of their samples with the same numbers."""
+    config = SearchConfig(strategy="best_of_n", n=8, seed=0)
+    seeds = []
+    for index in range(4):
+        script = Script(lambda text, j: ("\\boxed{1}", "eos"), lambda s: 0.5)
+        script.run(config, problem_index=index)
+        seeds += _sampling_seeds(script.samples)[0]
+    assert len(set(seeds)) == len(seeds), seeds
+
+
+def test_weighted_best_of_n_answers_with_the_best_scored_completion_of_the_winning_answer():
+    """The reply's `completion` and `score` were the first completion with the winning answer, however
+    low the verifier scored it (0.1 here, where the same answer's best completion scored 0.7)."""
+    texts = ["a \\boxed{2}", "b \\boxed{1}", "c \\boxed{2}", "d \\boxed{2}"]
+    scores = {texts[0]: 0.1, texts[1]: 0.75, texts[2]: 0.7, texts[3]: 0.4}
+    result = Script(lambda text, j: (texts[j], "eos"), lambda s: scores[s]).run(
+        SearchConfig(strategy="weighted_best_of_n", n=4, seed=0))
+    assert result.pred == "2" and result.chosen == 2 and result.agg_scores[result.chosen] == 0.7
 
 
 def test_greedy_samples_once_without_the_verifier():

@@ -41,7 +41,9 @@ class SearchConfig:
     temperature: float = 0.8
     top_p: float = 1.0
     max_tokens: int = 2048           # per generation call (one step, or a whole completion)
-    agg_strategy: str = DEFAULT_AGG_STRATEGY  # how a step-score list becomes one score
+    # how a step-score list becomes one score; None: the one the verifier's config.json declares
+    # (`prm_aggregation`), else `last`, named when the search is submitted (`with_aggregation`)
+    agg_strategy: str | None = None
     filter_duplicates: bool = False  # beam search: drop beams whose text equals an earlier beam's
     sort_completed: bool = False     # beam search: keep the N best completed beams, not the first N
     eos_sampling_at_max_depth: bool = False  # S&L samples the last step to end-of-sequence
@@ -65,8 +67,8 @@ class SearchConfig:
         _require(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
         _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         _require(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1")
-        _require(self.agg_strategy in AGG_STRATEGIES, "agg_strategy",
-                 f"must be one of {', '.join(AGG_STRATEGIES)}, got {self.agg_strategy!r}")
+        _require(self.agg_strategy is None or self.agg_strategy in AGG_STRATEGIES, "agg_strategy",
+                 f"must be one of {', '.join(AGG_STRATEGIES)} (or None: the verifier's own), got {self.agg_strategy!r}")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.of(self.speculative_config))
 
     @property
@@ -85,6 +87,15 @@ class SearchConfig:
 def reads_verifier(strategy: str) -> bool:
     """Whether a strategy scores its candidates with the verifier (greedy and majority do not)."""
     return strategy not in ("greedy", "majority")
+
+
+def with_aggregation(config: SearchConfig, verifier_dir: str | Path | None) -> SearchConfig:
+    """`config` with its aggregation named: where it names none, the one the verifier's model directory
+    declares, as `/v1/search` and `treeserve search` choose it (no verifier: `last`, which is unused)."""
+    if config.agg_strategy is not None:
+        return config
+    declared = declared_aggregation(verifier_dir) if verifier_dir is not None else DEFAULT_AGG_STRATEGY
+    return config.replace(agg_strategy=declared)
 
 
 def declared_aggregation(model_dir: str | Path) -> str:

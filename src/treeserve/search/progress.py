@@ -16,10 +16,12 @@ class SearchProgress:
     tree_size: int = 0             # steps generated so far
 
     def on_sampled(self, action: Sample, sampled: list[list]) -> None:
-        self.live_beams = len(action.beams)
-        for steps in sampled:
-            self.tree_size += len(steps)
-            self.completion_tokens += sum(len(step.token_ids) for step in steps)
+        """A lookahead's rollouts count as tokens generated, not as beams or tree nodes (the result's
+        `tree_size` has none of them; the last progress event had them all)."""
+        self.completion_tokens += sum(len(step.token_ids) for steps in sampled for step in steps)
+        if not action.rollout:
+            self.live_beams = len(action.beams)
+            self.tree_size += sum(len(steps) for steps in sampled)
 
     def on_scored(self, scores: list[list[float]], how: str) -> None:
         self.iteration += 1

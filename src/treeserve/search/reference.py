@@ -22,7 +22,7 @@ from treeserve.errors import ParamError
 from treeserve.runtime.prm_recipes import DEFAULT_RECIPE, RECIPES, read_columns
 from treeserve.runtime.scorer import UNJUDGED_SCORE, readable_input
 from treeserve.sampling_params import SamplingParams
-from treeserve.search.config import STEP_DELIMITER, SearchConfig
+from treeserve.search.config import STEP_DELIMITER, SearchConfig, with_aggregation
 from treeserve.search.prompting import prompt_text
 from treeserve.search.strategies import run_strategy
 from treeserve.search.tree import Sample, Score, SearchResult, Step, step_from_completion
@@ -53,6 +53,7 @@ class HFStepScorer:
         if self.recipe.head != "lm":
             raise ParamError("recipe", f"the reference mode reads a language model's logits through "
                              f"AutoModelForCausalLM; recipe {recipe} reads a reward head it does not load")
+        self.model_path = model_path
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
         # as the engine: a conversation this long or longer is not read (UNJUDGED_SCORE)
         self.max_len = max_len or self.model.config.max_position_embeddings
@@ -102,7 +103,8 @@ class ReferenceRunner:
 
     def run(self, questions: list[str], config: SearchConfig,
             on_result: Callable[[int, SearchResult], None] | None = None) -> list[SearchResult]:
-        config = config.replace(eos_sampling_at_max_depth=True)
+        verifier_dir = self.scorer.model_path if self.scorer is not None and config.uses_verifier else None
+        config = with_aggregation(config.replace(eos_sampling_at_max_depth=True), verifier_dir)
         results: list[SearchResult] = []
         sal = sal_batch_sizes(config.strategy)
         size, prm_size = self.batch_size or sal.search, self.prm_batch_size or sal.prm

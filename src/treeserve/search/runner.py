@@ -23,9 +23,9 @@ from treeserve.errors import ParamError
 from treeserve.engine.engine_loop import EngineLoop
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.engine.request import BACKGROUND_PRIORITY
-from treeserve.runtime.scorer import ScoreTicket, StepScorer
+from treeserve.runtime.scorer import ScoreTicket, StepScorer, given_question
 from treeserve.sampling_params import SamplingParams
-from treeserve.search.config import STEP_DELIMITER, SearchConfig
+from treeserve.search.config import STEP_DELIMITER, SearchConfig, with_aggregation
 from treeserve.search.progress import SearchProgress
 from treeserve.search.prompting import prompt_token_ids
 from treeserve.search.strategies import Strategy, run_strategy
@@ -100,6 +100,8 @@ class SearchRunner:
         """`on_progress` gets each problem's progress as it goes (`treeserve search` shows it)."""
         if config.uses_verifier and self.scorer is None:
             raise ParamError("verifier", f"strategy {config.strategy!r} needs a verifier model")
+        for i, question in enumerate(questions):  # all checked before any is queued
+            given_question(question, f"questions[{i}]")
 
         def finished(handle: SearchHandle) -> None:
             if handle.result is not None and on_result is not None:
@@ -123,13 +125,17 @@ class SearchRunner:
                on_done: Callable[[SearchHandle], None] | None = None,
                on_progress: Callable[[SearchProgress], None] | None = None) -> SearchHandle:
         """Queues one problem; it starts when fewer than `max_problems_in_flight` run. `index` is
-        its place in the seed tree (`seed_for(config.seed, index, ...)`)."""
+        its place in the seed tree (`seed_for(config.seed, index, ...)`). An empty or blank question is
+        a ParamError, as for `treeserve search` and /v1/search (it searched the model's noise)."""
+        given_question(question)
         scorer = scorer or self.scorer
         if config.uses_verifier and scorer is None:
             raise ParamError("verifier", f"strategy {config.strategy!r} needs a verifier model")
         if scorer is not None and scorer.loop is not self.loop:
             raise ParamError("verifier", "the scorer is driven by another engine loop than the generator")
-        handle = SearchHandle(question, config, index, scorer if config.uses_verifier else None, on_done, on_progress)
+        scorer = scorer if config.uses_verifier else None
+        config = with_aggregation(config, scorer.engine.model_dir if scorer is not None else None)
+        handle = SearchHandle(question, config, index, scorer, on_done, on_progress)
         self._queue.append(handle)
         return handle
 

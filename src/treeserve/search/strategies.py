@@ -9,10 +9,11 @@ limit stops (S&L would keep extending it); a problem with no completed beam cann
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Generator
 from dataclasses import dataclass, field
 
-from treeserve.search.config import SearchConfig
+from treeserve.search.config import SearchConfig, with_aggregation
 from treeserve.search.grading import canonical_form, extract_answer, majority_vote, weighted_vote
 from treeserve.search.tree import Beam, Sample, Score, SearchResult, Step, aggregate, seed_for
 
@@ -21,7 +22,9 @@ Strategy = Generator[Action, list, SearchResult]
 
 
 def run_strategy(question: str, config: SearchConfig, problem_index: int = 0) -> Strategy:
-    """The generator that solves one problem with `config.strategy`."""
+    """The generator that solves one problem with `config.strategy` (an aggregation left unnamed is
+    `last`: the runners name the verifier's declared one first, `config.with_aggregation`)."""
+    config = with_aggregation(config, None)
     if config.strategy == "greedy":
         return _greedy(question, config, problem_index)
     if config.strategy in ("majority", "best_of_n", "weighted_best_of_n"):
@@ -39,7 +42,9 @@ def _greedy(question: str, config: SearchConfig, index: int) -> Strategy:
 
 def _sample_and_score(question: str, config: SearchConfig, index: int) -> Strategy:
     """N independent completions; majority vote needs no verifier, the best-of-N variants score them."""
-    sampled = yield Sample([Beam()], [config.n], [seed_for(config.seed, index)], to_end=True)
+    # (depth 0 of the seed tree: `seed_for(seed, index)` alone is the next problem's minus one, so
+    # neighbouring problems drew n - 1 of their samples from the same seeds)
+    sampled = yield Sample([Beam()], [config.n], [seed_for(config.seed, index, 0)], to_end=True)
     texts = [step.text for step in sampled[0]]
     scores = (yield Score(question, texts)) if config.uses_verifier else [[] for _ in texts]
     tokens = sum(len(step.token_ids) for step in sampled[0])
@@ -57,7 +62,7 @@ def _beam_search(question: str, config: SearchConfig, index: int) -> Strategy:
     for depth in range(config.num_iterations):
         at_max_depth = depth == config.num_iterations - 1
         counts = _round_robin_counts(len(active), config.n)
-        seeds = [seed_for(config.seed, index, depth, i) for i in range(len(active))]
+        seeds = _spaced_seeds(seed_for(config.seed, index, depth), counts)
         sampled = yield Sample(active, counts, seeds, to_end=at_max_depth and config.eos_sampling_at_max_depth)
         # S&L's candidate order: survivors repeated round-robin, (b1, b2, ..., b1, b2, ...)
         order = [(j % len(active), j // len(active)) for j in range(config.n)]
@@ -78,6 +83,13 @@ def _beam_search(question: str, config: SearchConfig, index: int) -> Strategy:
         active = _best_in_order(remaining, keep)
     finals = _final_beams(completed, config)
     return _result(question, config, [b.text for b, _ in finals], [s for _, s in finals], tree_size, tokens)
+
+
+def _spaced_seeds(first: int, counts: list[int]) -> list[int]:
+    """Seeds for a Sample of `counts[i]` continuations of beam i, continuation j drawn with seed
+    `seeds[i] + j`: one seed each. (Seeds one apart gave beam i's second continuation beam i+1's first
+    seed: equal beams sampled equal steps, and 16 candidates of 4 beams drew from 7 seeds.)"""
+    return [first + offset for offset in itertools.accumulate([0] + counts[:-1])]
 
 
 def _round_robin_counts(num_beams: int, total: int) -> list[int]:
@@ -129,7 +141,8 @@ def _dvts(question: str, config: SearchConfig, index: int) -> Strategy:
         if not live:
             break
         at_max_depth = depth == config.num_iterations - 1
-        seeds = [seed_for(config.seed, index, depth, i) for i, _ in live]
+        first = seed_for(config.seed, index, depth)  # subtree i's continuations: its own beam_width seeds
+        seeds = [first + i * config.beam_width for i, _ in live]
         sampled = yield Sample([t.beam for _, t in live], [config.beam_width] * len(live), seeds,
                                to_end=at_max_depth and config.eos_sampling_at_max_depth)
         steps = [step for per_tree in sampled for step in per_tree]
@@ -170,7 +183,7 @@ def _lookahead(candidates: list[Beam], steps: list[Step], config: SearchConfig, 
             break
         keys = list(heads)
         seeds = [seed_for(config.seed, index, depth, 10_000 + ahead, i) for i in keys]
-        sampled = yield Sample([heads[i] for i in keys], [1] * len(keys), seeds, greedy=True)
+        sampled = yield Sample([heads[i] for i in keys], [1] * len(keys), seeds, greedy=True, rollout=True)
         for i, per_beam in zip(keys, sampled):
             step = per_beam[0]
             rollouts[i] += step.text
@@ -196,9 +209,10 @@ def choose(strategy: str, answers: list[str | None], agg_scores: list[float]) ->
         return 0
     if strategy in ("majority", "weighted_best_of_n"):
         winner = majority_vote(answers) if strategy == "majority" else weighted_vote(answers, agg_scores)
-        if winner is not None:
+        if winner is not None:  # its best-scored completion (majority: its first; they score alike)
             key = canonical_form(winner)
-            return next(i for i, a in enumerate(answers) if a is not None and canonical_form(a) == key)
+            voters = [i for i, a in enumerate(answers) if a is not None and canonical_form(a) == key]
+            return voters[0] if strategy == "majority" else max(voters, key=lambda i: (agg_scores[i], -i))
     if strategy == "greedy":
         return 0
     return max(range(len(answers)), key=lambda i: (agg_scores[i], -i))

@@ -43,12 +43,14 @@ class Beam:
 class Sample:
     """Generate `counts[i]` continuations of `beams[i]`: one step (to the delimiter), or to the end.
 
-    Continuation j of beam i is sampled with seed `seeds[i] + j`."""
+    Continuation j of beam i is sampled with seed `seeds[i] + j`. A `rollout` (lookahead) is scored
+    but never kept: its steps are no nodes of the search tree (its tokens are still generated)."""
     beams: list[Beam]
     counts: list[int]
     seeds: list[int]
     to_end: bool = False
     greedy: bool = False
+    rollout: bool = False
 
 
 @dataclass
