@@ -285,3 +285,16 @@ def test_a_chosen_secret_that_no_client_could_send_is_shown_whole_or_is_the_mast
         made = client.post("/key/generate", json={"key": shortest})
         assert made.status_code == 200 and made.json()["key"] == shortest, made.text
         assert client.get("/v1/models", headers={"Authorization": f"Bearer {shortest}"}).status_code == 200
+
+
+def test_user_list_naming_more_ids_than_a_call_may_is_a_400_naming_user_ids(tmp_path):
+    """/user/list's `user_ids` (comma-separated, up to 64 KiB: 32,768 ids) was the one id list an admin
+    call could name past 10,000, each a parameter of its statement (SQLite takes 32,766): now a 400, as
+    /user/delete's list; 10,000 are answered."""
+    with admin(f"sqlite:///{tmp_path / 'gateway.db'}") as client:
+        client.post("/user/new", json={"user_id": "ann", "auto_create_key": False})
+        refused = client.get("/user/list", params={"user_ids": ",".join(["ann"] * 10_001)})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "user_ids", refused.text
+        assert "10000" in refused.json()["error"]["message"]
+        listed = client.get("/user/list", params={"user_ids": ",".join(["ann"] * 10_000)})
+        assert listed.status_code == 200 and [u["user_id"] for u in listed.json()["users"]] == ["ann"]

@@ -260,6 +260,9 @@ def admin_router(accounts: Accounts, ledger: Ledger, require_master: Any, known_
         teams are /team/list?user_id=)."""
         _no_teams(role=role, sso_user_ids=sso_user_ids, user_email=user_email, team=team)
         wanted = [u.strip() for u in user_ids.split(",") if u.strip()] if user_ids is not None else None
+        if wanted is not None and len(wanted) > MAX_IDS:  # (as a body's list: each id a statement's parameter)
+            raise APIError(400, f"user_ids: at most {MAX_IDS} ids in one call, got {len(wanted)}", param="user_ids",
+                           code="invalid_value")
         sort = Sort(sort_by, sort_order == "desc") if sort_by else None
         await run_in_threadpool(ledger.flush)
         users, total = await run_in_threadpool(lambda: accounts.list_users(wanted, sort, Page(page, page_size)))
