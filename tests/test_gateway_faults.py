@@ -455,3 +455,24 @@ def test_a_count_the_worst_case_cannot_read_is_a_400_and_best_of_is_held_in_full
             assert info["reserved"] == pytest.approx(4 * 8 * 1e-3)  # (4 choices of 8 tokens at 1e-3; no input price)
             gate.set()
             assert any("[DONE]" in line for line in lines)
+
+
+def test_max_tokens_beside_a_max_completion_tokens_of_0_is_held(tmp_path):
+    """`max_completion_tokens: 0, max_tokens: 8`: vLLM and SGLang read `max_completion_tokens or
+    max_tokens`, 8, but the gateway counted the first field given, 0: the request held nothing of its
+    completion. The larger of the two is held now (and a 0 alone is no cap: the model's goes upstream)."""
+    import threading
+
+    gate = threading.Event()
+    with running_server(_limited_backend(gate)) as url, gateway(tmp_path, {"m": [url]}) as (gw, app):
+        admin = {"Authorization": f"Bearer {MASTER}"}
+        budgeted = httpx.post(gw + "/key/generate", json={"max_budget": 1.0}, headers=admin).json()["key"]
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        with httpx.stream("POST", gw + "/v1/chat/completions", headers={"Authorization": f"Bearer {budgeted}"},
+                          json=body | {"max_completion_tokens": 0, "max_tokens": 8}, timeout=30) as stream:
+            lines = stream.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))  # (admitted: its hold in place)
+            info = httpx.get(gw + "/key/info", params={"key": budgeted}, headers=admin).json()["info"]
+            assert info["reserved"] == pytest.approx(8 * 1e-3)  # (8 tokens at 1e-3; no input price)
+            gate.set()
+            assert any("[DONE]" in line for line in lines)

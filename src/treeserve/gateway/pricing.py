@@ -47,8 +47,18 @@ def prompt_token_bound(body: dict) -> int:
 
 
 def completion_cap(body: dict) -> int | None:
-    value = body.get("max_completion_tokens", body.get("max_tokens"))
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+    """The most tokens a choice may write as the client asked: the larger of `max_completion_tokens` and
+    `max_tokens` where both are given (a backend may honour either: vLLM's and SGLang's read
+    `max_completion_tokens or max_tokens`, so there a `max_completion_tokens: 0` is none at all and
+    `max_tokens` counts; llama.cpp's reads `max_tokens`); None where neither caps it (the model's cap
+    then goes upstream as `max_tokens`)."""
+    caps = [value for name in ("max_completion_tokens", "max_tokens")
+            if _whole(value := body.get(name)) and (value > 0 or name == "max_tokens")]
+    return max(caps) if caps else None
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def completion_token_bound(body: dict, model: ModelConfig, search: bool = False) -> int:
