@@ -262,3 +262,39 @@ def test_a_key_brought_from_another_gateway_is_generated_with_its_own_secret(dat
         unprefixed = client.post("/key/generate", json={"key": "brought-0002"})
         assert unprefixed.status_code == 400 and unprefixed.json()["error"]["param"] == "key"
         assert client.get("/key/list").json()["total_count"] == 1
+
+
+def test_a_chosen_secret_that_no_client_could_send_is_shown_whole_or_is_the_master_key_is_a_400(tmp_path):
+    """/key/generate's `key` and /key/regenerate's `new_key` took any text starting `sk-`: `sk-1234` was a
+    key whose name `sk-...1234`, shown by /key/list, the metrics and the logs, is the whole secret; one
+    ending in a space or with a character past ASCII was a key that no request could ever use (a header
+    cannot carry it as stored); the master key itself was taken, its SHA-256 stored and listed, the key
+    never used (the master key is checked first). Each is now a 400 naming the field, never echoing it."""
+    with admin(f"sqlite:///{tmp_path / 'gateway.db'}") as client:
+        other = client.post("/key/generate", json={}).json()["key"]
+        for secret in ("sk-", "sk-1234", "sk-" + "x" * 15, "sk-" + "x" * 20 + " ", "sk-" + "é" * 20,
+                       "sk-abc def" + "x" * 20, "sk-\t" + "x" * 20, MASTER):
+            for path, field in (("/key/generate", "key"), (f"/key/{other}/regenerate", "new_key")):
+                refused = client.post(path, json={field: secret})
+                assert refused.status_code == 400, (path, secret, refused.text)
+                assert refused.json()["error"]["param"] == field
+                assert secret == "sk-" or secret[3:].strip() not in refused.text
+        assert client.get("/key/list").json()["total_count"] == 1
+        assert client.get("/v1/models", headers={"Authorization": f"Bearer {other}"}).status_code == 200  # (kept)
+        shortest = "sk-" + "0123456789abcdef"
+        made = client.post("/key/generate", json={"key": shortest})
+        assert made.status_code == 200 and made.json()["key"] == shortest, made.text
+        assert client.get("/v1/models", headers={"Authorization": f"Bearer {shortest}"}).status_code == 200
+
+
+def test_user_list_naming_more_ids_than_a_call_may_is_a_400_naming_user_ids(tmp_path):
+    """/user/list's `user_ids` (comma-separated, up to 64 KiB: 32,768 ids) was the one id list an admin
+    call could name past 10,000, each a parameter of its statement (SQLite takes 32,766): now a 400, as
+    /user/delete's list; 10,000 are answered."""
+    with admin(f"sqlite:///{tmp_path / 'gateway.db'}") as client:
+        client.post("/user/new", json={"user_id": "ann", "auto_create_key": False})
+        refused = client.get("/user/list", params={"user_ids": ",".join(["ann"] * 10_001)})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "user_ids", refused.text
+        assert "10000" in refused.json()["error"]["message"]
+        listed = client.get("/user/list", params={"user_ids": ",".join(["ann"] * 10_000)})
+        assert listed.status_code == 200 and [u["user_id"] for u in listed.json()["users"]] == ["ann"]

@@ -426,3 +426,53 @@ def test_a_request_asking_for_more_tokens_than_any_model_makes_is_refused_by_its
             return info["spend"] > 0 and info
         info = wait_for(settled)
         assert info["spend"] == pytest.approx(2e-3) and info["reserved"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_a_count_the_worst_case_cannot_read_is_a_400_and_best_of_is_held_in_full(tmp_path):
+    """`n: 4.0`, `max_completion_tokens: "900"`: vLLM (pydantic's lax ints) reads them as 4 and 900 and
+    generates that many, but the gateway counted only integers: it held one choice, or the model's cap,
+    which such a `max_completion_tokens` overrode upstream; a budget's or a tpm_limit's hold was that much
+    short. Now each is a 400 naming the field (OpenAI's answer to a decimal count). And `best_of` (legacy
+    completions': best_of generated, n returned) is held as that many choices; it was held as one."""
+    import threading
+
+    gate = threading.Event()
+    with running_server(_limited_backend(gate)) as url, gateway(tmp_path, {"m": [url]}) as (gw, app):
+        admin = {"Authorization": f"Bearer {MASTER}"}
+        budgeted = httpx.post(gw + "/key/generate", json={"max_budget": 1.0}, headers=admin).json()["key"]
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        for bad in ({"n": 4.0}, {"max_completion_tokens": "900"}, {"max_tokens": 64.0}, {"best_of": True}):
+            refused = httpx.post(gw + "/v1/chat/completions", headers={"Authorization": f"Bearer {budgeted}"},
+                                 json=body | bad, timeout=30)
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == next(iter(bad)), refused.text
+        assert httpx.post(gw + "/v1/chat/completions", headers={"Authorization": f"Bearer {budgeted}"},
+                          json=body | {"best_of": None, "max_tokens": 8}, timeout=30).status_code == 200  # (null: not given)
+        with httpx.stream("POST", gw + "/v1/chat/completions", headers={"Authorization": f"Bearer {budgeted}"},
+                          json=body | {"stream": True, "max_tokens": 8, "best_of": 4}, timeout=30) as stream:
+            lines = stream.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))  # (admitted: its hold in place)
+            info = httpx.get(gw + "/key/info", params={"key": budgeted}, headers=admin).json()["info"]
+            assert info["reserved"] == pytest.approx(4 * 8 * 1e-3)  # (4 choices of 8 tokens at 1e-3; no input price)
+            gate.set()
+            assert any("[DONE]" in line for line in lines)
+
+
+def test_max_tokens_beside_a_max_completion_tokens_of_0_is_held(tmp_path):
+    """`max_completion_tokens: 0, max_tokens: 8`: vLLM and SGLang read `max_completion_tokens or
+    max_tokens`, 8, but the gateway counted the first field given, 0: the request held nothing of its
+    completion. The larger of the two is held now (and a 0 alone is no cap: the model's goes upstream)."""
+    import threading
+
+    gate = threading.Event()
+    with running_server(_limited_backend(gate)) as url, gateway(tmp_path, {"m": [url]}) as (gw, app):
+        admin = {"Authorization": f"Bearer {MASTER}"}
+        budgeted = httpx.post(gw + "/key/generate", json={"max_budget": 1.0}, headers=admin).json()["key"]
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        with httpx.stream("POST", gw + "/v1/chat/completions", headers={"Authorization": f"Bearer {budgeted}"},
+                          json=body | {"max_completion_tokens": 0, "max_tokens": 8}, timeout=30) as stream:
+            lines = stream.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))  # (admitted: its hold in place)
+            info = httpx.get(gw + "/key/info", params={"key": budgeted}, headers=admin).json()["info"]
+            assert info["reserved"] == pytest.approx(8 * 1e-3)  # (8 tokens at 1e-3; no input price)
+            gate.set()
+            assert any("[DONE]" in line for line in lines)

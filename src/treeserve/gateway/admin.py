@@ -9,13 +9,13 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Path, Query
 from fastapi.responses import PlainTextResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from treeserve.gateway.accounts import KEY_SORTS, USER_SORTS, Accounts, Page, Sort
 from treeserve.gateway.admin_changes import AccountChanges
 from treeserve.gateway.fields import INT32_MAX, MAX_IDS, NO_NUL, Text
-from treeserve.gateway.keys import KeyRecord, hash_key, stored_hash
+from treeserve.gateway.keys import KeyRecord, check_chosen_key, hash_key, same_secret, stored_hash
 from treeserve.gateway.ledger import Ledger, logs_csv
 from treeserve.gateway.passwords import hash_password
 from treeserve.wire.errors import APIError
@@ -26,6 +26,7 @@ Money = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Limit = Annotated[int, Field(ge=0, le=INT32_MAX)]
 Period = Annotated[Text, Field(max_length=16)]  # "30d"; parsed by keys.after
 Models = list[Annotated[Text, Field(max_length=256)]]
+ChosenKey = Annotated[Text, Field(max_length=512), AfterValidator(check_chosen_key)]  # (keys.check_chosen_key)
 
 
 class _Body(BaseModel):
@@ -50,7 +51,7 @@ class KeyLimits(_Body):
 class KeyCreate(KeyLimits):
     """LiteLLM's /key/generate: the key's fields, and `key`, a secret of the admin's choosing (a key
     brought from another gateway; LiteLLM's rule: it starts `sk-`), else a random one."""
-    key: Annotated[Text, Field(max_length=512, pattern=r"^sk-")] | None = None
+    key: ChosenKey | None = None
 
 
 class KeyUpdate(KeyLimits):
@@ -67,7 +68,7 @@ class KeyRegenerate(KeyUpdate):
     """LiteLLM's: the key (here or in the path), an optional `new_key` of the admin's choosing, and
     any of /key/update's fields, changed in the same call."""
     key: Annotated[Text, Field(max_length=512)] | None = None
-    new_key: Annotated[Text, Field(max_length=512, pattern=r"^sk-")] | None = None
+    new_key: ChosenKey | None = None
     new_master_key: Text | None = None  # (refused: the master key is the gateway's configuration)
 
 
@@ -111,19 +112,29 @@ class UserDelete(_Body):
 
 
 def admin_router(accounts: Accounts, ledger: Ledger, require_master: Any, known_models: set[str],
-                 on_change: Callable[[], None] = lambda: None, priced: bool = True) -> APIRouter:
+                 on_change: Callable[[], None] = lambda: None, priced: bool = True,
+                 master_key: str | None = None) -> APIRouter:
     """`on_change` runs after a key is updated or deleted (this process forgets cached keys);
-    `priced`: some model has a price (else a budget set here never acts, and the answer says so)."""
+    `priced`: some model has a price (else a budget set here never acts, and the answer says so);
+    `master_key`: the gateway's, which no key may take as its secret."""
     router = APIRouter(dependencies=[Depends(require_master)], tags=["admin"])
 
     changes = AccountChanges(known_models, on_change, priced)
     changing, check_models, budget_warning = changes.changing, changes.check_models, changes.budget_warning
 
+    def not_the_master(secret: str | None, field: str) -> str | None:
+        """A chosen secret, unless it is the master key (a key with it was never used: the master key is
+        checked first, and its SHA-256 would be in the database, /key/list and the spend logs)."""
+        if secret is not None and master_key and same_secret(secret, master_key):
+            raise APIError(400, f"{field}: this is the gateway's master key; a key needs a secret of its own",
+                           param=field, code="invalid_value")
+        return secret
+
     @router.post("/key/generate")
     async def generate_key(body: KeyCreate):
         check_models(body.models)
         fields = body.model_dump(exclude_none=True)
-        chosen = fields.pop("key", None)
+        chosen = not_the_master(fields.pop("key", None), "key")
         token, info = await run_in_threadpool(lambda: accounts.create_key(token=chosen, **fields))
         return budget_warning(_issued(token, info), body.max_budget, "key")
 
@@ -169,7 +180,7 @@ def admin_router(accounts: Accounts, ledger: Ledger, require_master: Any, known_
         """LiteLLM's /key/regenerate: the body's `key` before the path's; its answer is /key/generate's."""
         fields = body.model_dump(exclude_unset=True) if body is not None else {}
         key = fields.pop("key", None) or path_key
-        new_key = fields.pop("new_key", None)
+        new_key = not_the_master(fields.pop("new_key", None), "new_key")
         if fields.pop("new_master_key", None) is not None:
             raise APIError(400, "new_master_key: the master key is the gateway's configuration (--master-key or "
                            "TREESERVE_MASTER_KEY); restart it with a new one", param="new_master_key",
@@ -249,6 +260,9 @@ def admin_router(accounts: Accounts, ledger: Ledger, require_master: Any, known_
         teams are /team/list?user_id=)."""
         _no_teams(role=role, sso_user_ids=sso_user_ids, user_email=user_email, team=team)
         wanted = [u.strip() for u in user_ids.split(",") if u.strip()] if user_ids is not None else None
+        if wanted is not None and len(wanted) > MAX_IDS:  # (as a body's list: each id a statement's parameter)
+            raise APIError(400, f"user_ids: at most {MAX_IDS} ids in one call, got {len(wanted)}", param="user_ids",
+                           code="invalid_value")
         sort = Sort(sort_by, sort_order == "desc") if sort_by else None
         await run_in_threadpool(ledger.flush)
         users, total = await run_in_threadpool(lambda: accounts.list_users(wanted, sort, Page(page, page_size)))

@@ -82,7 +82,7 @@ def build_app(config: GatewayConfig, store: Store | None = None) -> FastAPI:
     install_error_handlers(app)
     install_domain_error_handlers(app)
     app.include_router(admin_router(store.accounts, store.ledger, auth.require_master, set(config.models),
-                                    on_change=keys.clear, priced=config.priced))
+                                    on_change=keys.clear, priced=config.priced, master_key=config.master_key))
     app.include_router(key_info_router(store.accounts, store.ledger, auth.require_key))
     app.include_router(team_router(store.teams, store.ledger, auth.require_master, set(config.models),
                                    on_change=keys.clear, priced=config.priced))

@@ -32,6 +32,24 @@ def new_key() -> str:
     return PREFIX + secrets.token_urlsafe(32)
 
 
+# A secret of the admin's choosing (/key/generate's `key`, /key/regenerate's `new_key`): `sk-` then
+# characters an `Authorization: Bearer` header carries and the gateway reads back as sent (visible ASCII,
+# no spaces: a space at its end, or a character past ASCII, made a key that no request could use),
+# at least CHOSEN_MIN_CHARS of them: the key's name (`sk-...` and its last four) is shown in every
+# listing, metric and log line, and of `sk-1234` it showed all.
+CHOSEN_MIN_CHARS = 16
+_CHOSEN = re.compile(r"[\x21-\x7e]+")
+
+
+def check_chosen_key(token: str) -> str:
+    """`token` if it may be a key's secret; else ValueError saying why (never the secret itself)."""
+    rest = token[len(PREFIX):] if token.startswith(PREFIX) else None
+    if rest is None or len(rest) < CHOSEN_MIN_CHARS or not _CHOSEN.fullmatch(rest):
+        raise ValueError(f"must be {PREFIX!r} then at least {CHOSEN_MIN_CHARS} visible ASCII characters, "
+                         f"no spaces (got {len(token)} characters)")
+    return token
+
+
 def hash_key(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 

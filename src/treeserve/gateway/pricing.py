@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from treeserve.gateway.config import DEFAULT_RESERVED_TOKENS, ModelConfig
+from treeserve.wire.errors import APIError
 
 # Tokens a chat template adds around each message (role markers, separators): generous on purpose.
 TEMPLATE_TOKENS_PER_MESSAGE = 16
@@ -14,6 +15,24 @@ TEMPLATE_TOKENS_PER_MESSAGE = 16
 # key's `reserved`, a float sum of its requests' holds, keeps the others' holds (a worst case of 1e17
 # beside holds of 0.05 absorbed them: released, it took them with it, and the budget grew by as much).
 MOST_COMPLETION_TOKENS = 1 << 32
+
+
+# The fields a worst case counts: each a JSON integer where given. A backend that reads `n: 4.0` or
+# `max_completion_tokens: "900"` as 4 or 900 (pydantic's lax ints: vLLM's; llama.cpp's JSON) generated
+# that many while the gateway, unable to count them, held one choice or the model's cap (which it sends
+# as `max_tokens`, and such a `max_completion_tokens` overrode); OpenAI's API refuses them, as this does.
+COUNTED = ("n", "best_of", "max_tokens", "max_completion_tokens")
+SEARCH_COUNTED = ("num_iterations", "lookahead")
+_KINDS = {float: "a decimal number", str: "a string", bool: "a boolean", list: "an array", dict: "an object"}
+
+
+def check_counts(body: dict, search: bool = False) -> None:
+    """An APIError (400) naming the first counted field given as anything but an integer (null is left out)."""
+    for name in COUNTED + (SEARCH_COUNTED if search else ()):
+        value = body.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise APIError(400, f"{name}: expected an integer, got {_KINDS.get(type(value), 'another type')}",
+                           param=name, code="invalid_type")
 
 
 def prompt_token_bound(body: dict) -> int:
@@ -28,8 +47,18 @@ def prompt_token_bound(body: dict) -> int:
 
 
 def completion_cap(body: dict) -> int | None:
-    value = body.get("max_completion_tokens", body.get("max_tokens"))
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+    """The most tokens a choice may write as the client asked: the larger of `max_completion_tokens` and
+    `max_tokens` where both are given (a backend may honour either: vLLM's and SGLang's read
+    `max_completion_tokens or max_tokens`, so there a `max_completion_tokens: 0` is none at all and
+    `max_tokens` counts; llama.cpp's reads `max_tokens`); None where neither caps it (the model's cap
+    then goes upstream as `max_tokens`)."""
+    caps = [value for name in ("max_completion_tokens", "max_tokens")
+            if _whole(value := body.get(name)) and (value > 0 or name == "max_tokens")]
+    return max(caps) if caps else None
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def completion_token_bound(body: dict, model: ModelConfig, search: bool = False) -> int:
@@ -40,7 +69,7 @@ def completion_token_bound(body: dict, model: ModelConfig, search: bool = False)
         cap = model.max_tokens or (SEARCH_DEFAULTS["max_tokens"] if search else DEFAULT_RESERVED_TOKENS)
     if search:
         return min(cap * search_generation_calls(body), MOST_COMPLETION_TOKENS)
-    choices = _count(body, "n", 1)
+    choices = max(_count(body, "n", 1), _count(body, "best_of", 1))  # (best_of: generated, one returned)
     prompt = body.get("prompt")
     prompts = len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else 1
     return min(cap * choices * prompts, MOST_COMPLETION_TOKENS)

@@ -47,6 +47,7 @@ class GatewayService:
         request_id = request_id or new_request_id()
         try:
             model = self._checked_model(body, key)
+            pricing.check_counts(body, search=path == "/v1/search")
             reservation = await self._admit(path, body, model, key)
         except (APIError, GatewayError) as exc:
             status, code = _refused(exc, request_id, ROUTES[path], key, body)
