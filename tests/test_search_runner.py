@@ -74,6 +74,25 @@ def test_an_empty_question_is_refused_offline_too_and_nothing_is_queued(pair, qu
         assert_no_leak(engine)
 
 
+def test_a_batch_of_questions_is_a_list_or_any_iterable_but_one_string(pair):
+    """SearchRunner.run read a generator of questions twice (once to check them): it searched none and
+    answered []. One string was searched character by character (a blank one: `questions[4]` is empty)."""
+    rt = _runtime(pair)
+    runner = SearchRunner(rt.engine("gen"), rt.scorer("prm"))
+    results = runner.run((q for q in QUESTIONS[:2]), _config())
+    assert [r.problem for r in results] == QUESTIONS[:2]
+    hf = HFStepScorer(str(pair["prm"]), rt.engine("prm").tokenizer)
+    for run in (runner.run, ReferenceRunner(rt.engine("gen"), hf).run):
+        with pytest.raises(ParamError, match="^questions: must be a list of questions, got str"):
+            run(QUESTIONS[0], _config())
+        with pytest.raises(ParamError, match=r"questions\[1\]: must be a string, got int"):
+            run([QUESTIONS[0], 7], _config())
+    assert runner.num_waiting == runner.num_running == 0
+    rt.release_kept()
+    for engine in rt.engines.values():
+        assert_no_leak(engine)
+
+
 def test_the_gateways_search_defaults_are_the_servers():
     from treeserve.wire.search import SearchRequest
 

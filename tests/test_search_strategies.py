@@ -184,6 +184,22 @@ def test_every_continuation_of_a_sampling_round_has_a_seed_of_its_own(config):
         assert len(seeds) == config.n and len(set(seeds)) == config.n, seeds
 
 
+@pytest.mark.parametrize("config", [
+    SearchConfig(strategy="beam", n=16, beam_width=4, num_iterations=4, seed=0),
+    SearchConfig(strategy="beam", n=6, beam_width=2, num_iterations=4, lookahead=1, seed=5),
+    SearchConfig(strategy="dvts", n=16, beam_width=4, num_iterations=4, seed=0),
+    SearchConfig(strategy="dvts", n=8, beam_width=2, num_iterations=4, lookahead=1, seed=3),
+], ids=["beam-16-4", "beam-6-2-lookahead", "dvts-16-4", "dvts-8-2-lookahead"])
+def test_the_sampling_rounds_of_one_problem_draw_with_seeds_of_their_own(config):
+    """Round d+1's seeds were round d's shifted by one (`seed_for(seed, index, depth)` grows by one a
+    depth): 15 of a beam search's 16 continuations at depth 1 drew the random numbers of a depth-0
+    continuation, and each DVTS subtree re-drew, one continuation over, the numbers of its last round."""
+    script = Script(lambda text, j: (f"{text.count(chr(10))}{j}\n\n", "step"), lambda s: 0.5)
+    script.run(config)
+    seeds = [seed for round_seeds in _sampling_seeds(script.samples) for seed in round_seeds]
+    assert len(seeds) == config.n * config.num_iterations and len(set(seeds)) == len(seeds), seeds
+
+
 def test_the_problems_of_one_run_sample_with_seeds_of_their_own():
     """Best-of-N's seed for problem i was problem i-1's plus one: neighbouring problems of an eval drew
     N - 1 of their samples with the same numbers."""

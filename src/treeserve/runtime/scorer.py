@@ -11,6 +11,7 @@ import contextlib
 import itertools
 import threading
 from collections import OrderedDict, defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -336,6 +337,14 @@ def given_question(question: str, where: str = "question") -> str:
     if not question.strip():
         raise ParamError(where, "the question is empty")
     return question
+
+
+def given_questions(questions: Iterable[str], where: str = "questions") -> list[str]:
+    """A batch's questions as a list, each checked (`given_question`, naming `questions[i]`) before any is
+    searched. One string is a ParamError naming `questions`: its characters were searched one by one."""
+    if isinstance(questions, (str, bytes)) or not isinstance(questions, Iterable):
+        raise ParamError(where, f"must be a list of questions, got {type(questions).__name__}")
+    return [given_question(question, f"{where}[{i}]") for i, question in enumerate(questions)]
 
 
 def given_steps(steps: list[str], where: str = "steps") -> list[str]:

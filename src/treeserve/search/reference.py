@@ -20,7 +20,7 @@ from treeserve.engine.llm_engine import LLMEngine
 from treeserve.entrypoints.llm import LLM
 from treeserve.errors import ParamError
 from treeserve.runtime.prm_recipes import DEFAULT_RECIPE, RECIPES, read_columns
-from treeserve.runtime.scorer import UNJUDGED_SCORE, readable_input
+from treeserve.runtime.scorer import UNJUDGED_SCORE, given_questions, readable_input
 from treeserve.sampling_params import SamplingParams
 from treeserve.search.config import STEP_DELIMITER, SearchConfig, with_aggregation
 from treeserve.search.prompting import prompt_text
@@ -103,6 +103,7 @@ class ReferenceRunner:
 
     def run(self, questions: list[str], config: SearchConfig,
             on_result: Callable[[int, SearchResult], None] | None = None) -> list[SearchResult]:
+        questions = given_questions(questions)  # as SearchRunner's
         verifier_dir = self.scorer.model_path if self.scorer is not None and config.uses_verifier else None
         config = with_aggregation(config.replace(eos_sampling_at_max_depth=True), verifier_dir)
         results: list[SearchResult] = []

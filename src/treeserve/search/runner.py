@@ -23,7 +23,7 @@ from treeserve.errors import ParamError
 from treeserve.engine.engine_loop import EngineLoop
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.engine.request import BACKGROUND_PRIORITY
-from treeserve.runtime.scorer import ScoreTicket, StepScorer, given_question
+from treeserve.runtime.scorer import ScoreTicket, StepScorer, given_question, given_questions
 from treeserve.sampling_params import SamplingParams
 from treeserve.search.config import STEP_DELIMITER, SearchConfig, with_aggregation
 from treeserve.search.progress import SearchProgress
@@ -100,8 +100,7 @@ class SearchRunner:
         """`on_progress` gets each problem's progress as it goes (`treeserve search` shows it)."""
         if config.uses_verifier and self.scorer is None:
             raise ParamError("verifier", f"strategy {config.strategy!r} needs a verifier model")
-        for i, question in enumerate(questions):  # all checked before any is queued
-            given_question(question, f"questions[{i}]")
+        questions = given_questions(questions)  # all checked before any is queued (and a generator read once)
 
         def finished(handle: SearchHandle) -> None:
             if handle.result is not None and on_result is not None:

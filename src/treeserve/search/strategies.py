@@ -62,7 +62,7 @@ def _beam_search(question: str, config: SearchConfig, index: int) -> Strategy:
     for depth in range(config.num_iterations):
         at_max_depth = depth == config.num_iterations - 1
         counts = _round_robin_counts(len(active), config.n)
-        seeds = _spaced_seeds(seed_for(config.seed, index, depth), counts)
+        seeds = _spaced_seeds(_round_seed(config, index, depth), counts)
         sampled = yield Sample(active, counts, seeds, to_end=at_max_depth and config.eos_sampling_at_max_depth)
         # S&L's candidate order: survivors repeated round-robin, (b1, b2, ..., b1, b2, ...)
         order = [(j % len(active), j // len(active)) for j in range(config.n)]
@@ -83,6 +83,14 @@ def _beam_search(question: str, config: SearchConfig, index: int) -> Strategy:
         active = _best_in_order(remaining, keep)
     finals = _final_beams(completed, config)
     return _result(question, config, [b.text for b, _ in finals], [s for _, s in finals], tree_size, tokens)
+
+
+def _round_seed(config: SearchConfig, index: int, depth: int) -> int:
+    """The first of the `n` seeds a round of sampling at `depth` draws from: each round's follow the last
+    round's. (`seed_for(seed, index, depth)` is one more at each depth, so round d+1's n seeds were round
+    d's shifted by one: a step drew the random numbers of a step of the round before, beam i+1's
+    continuation k those of beam i's continuation k+1, and DVTS's subtree the numbers it drew its last step with.)"""
+    return seed_for(config.seed, index, depth * config.n)
 
 
 def _spaced_seeds(first: int, counts: list[int]) -> list[int]:
@@ -141,7 +149,7 @@ def _dvts(question: str, config: SearchConfig, index: int) -> Strategy:
         if not live:
             break
         at_max_depth = depth == config.num_iterations - 1
-        first = seed_for(config.seed, index, depth)  # subtree i's continuations: its own beam_width seeds
+        first = _round_seed(config, index, depth)  # subtree i's continuations: its own beam_width seeds
         seeds = [first + i * config.beam_width for i, _ in live]
         sampled = yield Sample([t.beam for _, t in live], [config.beam_width] * len(live), seeds,
                                to_end=at_max_depth and config.eos_sampling_at_max_depth)
