@@ -228,45 +228,6 @@ def test_an_engine_held_after_its_runtime_is_let_go_of_keeps_working_until_it_is
     assert all(tensor.untyped_storage().nbytes() == 0 for tensor in held), "let go of, their memory was kept"
 
 
-def test_a_model_loaded_after_a_runtime_is_let_go_of_measures_the_memory_it_freed(pair, monkeypatch):
-    """`del rt`, then `LLM(...)`: what the Runtime held waits for the garbage collector (its engines, which
-    a caller may keep, and the parts they hold refer to one another), and the LLM measured the memory
-    left for its KV with the dropped Runtime's arena and weights still in use (on CUDA, a
-    gpu_memory_utilization budget finding none left); `del rt` used to free them at once. Loading a
-    model collects first while a Runtime let go of is pending (engine/let_go.py)."""
-    from treeserve import LLM
-    from treeserve.engine import memory
-
-    gc.collect()
-    rt = _runtime(pair)
-    rt.generate("gen", ["Hello"], SamplingParams(max_tokens=2))
-    pages = rt.engines["gen"].runner.arena.pages
-    held_when_measured = []
-    monkeypatch.setattr(memory, "available_host_bytes",  # (what the LLM's default KV budget reads)
-                        lambda: held_when_measured.append(pages.untyped_storage().nbytes()) or 64 << 20)
-    gc.disable()  # (no collection but the one loading runs: the outcome does not hang on when one comes)
-    try:
-        del rt
-        llm = LLM(str(pair["gen"]), dtype="float32", device="cpu", max_model_len=192)
-    finally:
-        gc.enable()
-    llm.close()
-    assert held_when_measured == [0], "the LLM measured the memory left with the dropped Runtime's arena held"
-
-
-def test_a_runtime_let_go_of_within_a_reference_cycle_is_freed_by_the_collection_that_finds_it(pair):
-    """A Runtime that a cycle holds (a server app's state does) goes with its parts in one collection: noting
-    it let go of for the next load (engine/let_go.py) must not hold its parts through that collection."""
-    gc.collect()
-    rt = _runtime(pair)
-    pages = rt.engines["gen"].runner.arena.pages
-    holder = {"runtime": rt}
-    holder["itself"] = holder
-    del rt, holder
-    gc.collect()
-    assert pages.untyped_storage().nbytes() == 0
-
-
 def test_direct_scoring_strips_steps_as_the_server_does(pair):
     """Runtime.score_steps strips each step, as the server's /v1/rewards and /v1/score (and a search's
     split) do (was: " seven\n" scored as another step than "seven" offline, the same over HTTP;

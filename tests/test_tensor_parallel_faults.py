@@ -243,29 +243,6 @@ def test_an_llm_let_go_of_stops_its_workers(llama_dir):
     assert not dist.is_initialized()
 
 
-def test_a_runtime_let_go_of_leaves_the_process_to_the_next_tensor_parallel_engine(llama_dir):
-    """`del rt`, then a tensor-parallel LLM: refused ("this process already runs a tensor-parallel
-    engine") while the dropped Runtime's workers waited for the garbage collector (its engines and the
-    parts they hold refer to one another, runtime/parts.py; `del rt` used to stop them at once).
-    Loading a model collects first while a Runtime let go of is pending (engine/let_go.py)."""
-    import gc
-
-    from treeserve import LLM, Runtime, SamplingParams
-
-    gc.collect()
-    gc.disable()  # (no collection but the one loading runs: the outcome does not hang on when one comes)
-    try:
-        rt = Runtime({"gen": str(llama_dir)}, **START_OPTIONS)
-        expected = rt.generate("gen", ["Hello"], SamplingParams(**GREEDY))[0].outputs[0].token_ids
-        workers = [psutil.Process(pid) for pid in rt.executor.pids()]
-        del rt
-        with LLM(str(llama_dir), **START_OPTIONS) as llm:
-            _assert_gone(workers)
-            assert llm.generate("Hello", SamplingParams(**GREEDY), use_tqdm=False)[0].outputs[0].token_ids == expected
-    finally:
-        gc.enable()
-
-
 def test_rank_0_keeps_the_scripts_own_traceback_hook(llama_dir):
     """A script's own tracebacks read as before (was: torch's hook put "[rank0]: " before each line,
     once more for each engine the script had started)."""

@@ -14,7 +14,6 @@ import torch
 from treeserve.config import EngineConfig
 from treeserve.engine.kv_arena import kv_bytes_per_token
 from treeserve.engine.kv_space import KVSpace
-from treeserve.engine.let_go import collect_let_go
 from treeserve.engine.memory import kv_budget_bytes
 from treeserve.engine.token_budget import lone_request_budget, serving_token_budget
 from treeserve.engine.tp_start import start_executor
@@ -123,9 +122,7 @@ class LoadedModel:
 def load_model(config: EngineConfig, name: str = "", executor=None) -> LoadedModel:
     """Reads the checkpoint's config, tokenizer and defaults and builds the model on its device.
     `executor`: the tensor-parallel workers this model joins (a `Runtime`'s, shared by its models);
-    with tensor_parallel_size > 1 and none given, it starts its own (stopped again if loading fails).
-    A Runtime let go of and not yet collected frees its memory and workers first (engine/let_go.py)."""
-    collect_let_go()
+    with tensor_parallel_size > 1 and none given, it starts its own (stopped again if loading fails)."""
     return load_weights(describe_model(config, name, executor))
 
 

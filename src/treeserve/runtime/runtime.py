@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import weakref
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,6 @@ from treeserve.config import CPU_DEFAULT_KV_BYTES, EngineConfig, in_unit_interva
 from treeserve.engine.engine_loop import EngineLoop
 from treeserve.engine.kv_arena import aligned, fitted_page_bytes
 from treeserve.engine.kv_space import KVSpace
-from treeserve.engine.let_go import let_go
 from treeserve.engine.llm_engine import LLMEngine
 from treeserve.engine.loaded_model import LoadedModel, load_model
 from treeserve.engine.loaded_options import with_engine_options
@@ -72,8 +70,6 @@ class Runtime:
         self.executor = self._workers(next(iter(configs.values()))) if configs else None
         # what `close` frees, held by the engines too (runtime/parts.py): an engine its caller keeps keeps them
         self._parts = RuntimeParts(self.executor)
-        # let go of, its parts wait for the collector: a model loaded meanwhile collects first (engine/let_go.py)
-        weakref.finalize(self, let_go, weakref.ref(self._parts)).atexit = False
         try:  # anything failing from here stops the tensor-parallel workers it started
             loaded = {name: given[name] if name in given else load_model(configs[name], name, self.executor)
                       for name in models}
