@@ -37,18 +37,16 @@ logger = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, kv_space: KVSpace, reclaim=None, scratch: bool = False,
-                 owns: bool = False, owner: object = None):
+                 owns: bool = False):
         """`reclaim`: frees one kept sequence's blocks when the scheduler runs short (default: one of
         this engine's own; a `Runtime` passes one that tries every engine sharing the pool).
         `scratch`: a space for one measured prefill (runtime/memory.py), not for max_model_len.
         `owns`: the loaded model and the KV space are this engine's alone: `close` frees them too
-        (else their owner does: a `Runtime`, or the caller that loaded the model).
-        `owner`: what frees them, kept alive while this engine is referenced (a Runtime's parts:
-        runtime/parts.py), so that it does not free them under a caller who still holds the engine."""
+        (else their owner does: a `Runtime`, or the caller that loaded the model)."""
         if loaded.weights_released:
             raise EngineClosedError(f"{loaded.model_key!r} ({loaded.model_dir.name})",
                                     "the loaded model's weights were freed when its owner closed")
-        self.loaded, self.owner = loaded, owner
+        self.loaded = loaded
         self.closed = False
         self._guard = CloseGuard()  # a step and `close` never overlap
         self._owned = (loaded, kv_space) if owns else None
