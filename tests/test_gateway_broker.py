@@ -13,7 +13,7 @@ import openai
 from conftest import API_KEY, running_server
 from gateway_support import check_answers_and_bills, run_and_kill, wait_for, workers
 from treeserve.gateway.app import build_app
-from treeserve.gateway.config import BackendConfig, GatewayConfig, ModelConfig, redact_url
+from treeserve.gateway.config import BackendConfig, GatewayConfig, ModelConfig, url_without_userinfo
 
 MASTER = "sk-master-broker"
 
@@ -34,7 +34,9 @@ def test_two_workers_one_killed_mid_run(llama_dir, tmp_path, rabbitmq):
             finished = run_and_kill(client, 40, procs[1].kill, after=10)
             assert procs[1].poll() is not None, "the worker was not killed"
             logs = check_answers_and_bills(finished, app.state.store.ledger)
-            assert {row["backend"] for row in logs.values()} == {redact_url(rabbitmq)}  # no broker password
+            # (the backend's label: no broker password, nor its user)
+            assert {row["backend"] for row in logs.values()} == {url_without_userinfo(rabbitmq)}
+            assert all("guest" not in row["backend"] for row in logs.values())
             metrics = app.state.metrics.render().decode()
             assert "guest@" not in metrics and "treeserve_gateway:broker_queue_consumers{" in metrics
             # the survivor stopped by SIGTERM with a stream in hand: it takes nothing more, finishes the stream, exits 0
