@@ -283,14 +283,16 @@ def test_a_call_cut_by_max_tokens_is_kept_whole_and_streamed(served, stream):
     """A reply cut by max_tokens inside a call (once its name was read) has that call, its arguments as
     far as they went, finish `length`, whole as streamed (OpenAI's keeps it so; Anthropic's reply has the
     incomplete tool_use block). Before: the stream sent the call, and the whole reply dropped it and
-    gave the call's text as the content."""
+    gave the call's text as the content. Every fourth token cut through the model and the server (every
+    character cut of such texts: tests/test_tool_parsers.py; each cut here is a request, whole and
+    streamed, and every cut took 70 s of the suite)."""
     if served.parser is None:
         return  # (no parser: calls written as text stay text)
     text, _ = WRITTEN[served.parser]
     kwargs = dict(model="tiny", messages=MESSAGES, tools=TOOLS, extra_body={"structured_outputs": {"choice": [text]}})
     full = served.client.chat.completions.create(max_tokens=200, **kwargs)
     cut_short = 0
-    for max_tokens in range(1, full.usage.completion_tokens):
+    for max_tokens in range(1, full.usage.completion_tokens, 4):
         whole = served.client.chat.completions.create(max_tokens=max_tokens, **kwargs).choices[0]
         calls = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or ()]
         assert whole.finish_reason == "length"

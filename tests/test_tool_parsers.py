@@ -138,6 +138,36 @@ def test_a_call_cut_short():
     assert calling("llama3_json").message(text, "stop") == ({"role": "assistant", "content": text}, "stop")
 
 
+def _reply_cut_at(format_name: str, text: str, seed: int):
+    """`text` streamed in random pieces as max_tokens cut it (the server's last feed says `cut`): content,
+    calls, finish reason; and the whole reply's, as `message` reads the same text."""
+    stream = ToolCallStream(calling(format_name))
+    content, calls = "", {}
+    pieces = cuts(text, seed) if len(text) > 1 else [text]
+    for i, piece in enumerate(pieces):
+        delta, deltas = stream.feed(piece, final=i == len(pieces) - 1, cut=i == len(pieces) - 1)
+        content += delta
+        for d in deltas:
+            calls.setdefault(d["index"], [d["function"].get("name"), ""])[1] += d["function"]["arguments"]
+    message, reason = calling(format_name).message(text, "length")
+    whole_calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])]
+    return ((content or None, [tuple(c) for c in calls.values()], stream.finish_reason("length")),
+            (message["content"], whole_calls, reason))
+
+
+@pytest.mark.parametrize("format_name", ["hermes", "llama3_json"])
+def test_a_reply_cut_at_any_character_streams_as_the_whole_reply_reads(format_name):
+    """Every cut of a text with calls (as max_tokens would cut it, token or character): the streamed
+    deltas add up to the whole reply's content and calls, its arguments as far as they went (the
+    server-level test in test_server_tool_calls.py checks every fourth token cut through the model)."""
+    text, cut_in_arguments = TEXTS[format_name], 0
+    for end in range(1, len(text) + 1):
+        streamed_reply, whole_reply = _reply_cut_at(format_name, text[:end], seed=end)
+        assert streamed_reply == whole_reply, (end, text[:end])
+        cut_in_arguments += any(not arguments.endswith("}") for _, arguments in whole_reply[1])
+    assert cut_in_arguments > 10
+
+
 def test_parallel_false_keeps_the_first_call():
     content, calls, _ = whole("hermes", HERMES_TEXT, parallel=False)
     assert calls == EXPECTED["hermes"][1][:1]
