@@ -48,13 +48,14 @@ def new_conversation(metadata: dict | None) -> dict:
 def stored_items(items: list[dict], field: str = "items", taken: set[str] = frozenset()) -> list[dict]:
     """`items` as the conversation keeps them (OpenAI's shape, each with an id of its own or a new one);
     ParamError naming the first a response could not read, or whose id is no string of at most
-    MAX_ITEM_ID_CHARS, or already in the conversation (`taken`) or in `items` before it."""
+    MAX_ITEM_ID_CHARS (without a NUL), or already in the conversation (`taken`) or in `items` before it."""
     input_messages(items, field)
     shown, seen = [], set(taken)
     for i, item in enumerate(items):
         item_id = item.get("id")
-        if item_id is not None and (not isinstance(item_id, str) or not 0 < len(item_id) <= MAX_ITEM_ID_CHARS):
-            raise ParamError(f"{field}[{i}].id", f"must be a string of 1 to {MAX_ITEM_ID_CHARS} characters")
+        if item_id is not None and (not isinstance(item_id, str) or not 0 < len(item_id) <= MAX_ITEM_ID_CHARS
+                                    or "\x00" in item_id):  # (PostgreSQL refuses a NUL in a text field)
+            raise ParamError(f"{field}[{i}].id", f"must be a string of 1 to {MAX_ITEM_ID_CHARS} characters, no NUL")
         if item_id in seen:
             raise ParamError(f"{field}[{i}].id", f"the conversation already holds an item with id {item_id!r}")
         shown.append(input_item(item, new_id("").removeprefix("_")))
