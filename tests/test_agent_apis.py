@@ -901,6 +901,10 @@ def test_conversations_and_their_items_through_the_openai_client(target):
         with pytest.raises(openai.BadRequestError) as caught:
             client.conversations.items.create(conversation.id, items=bad)
         assert caught.value.param == param, caught.value.body
+    for metadata, param in [({f"k{i}": "v" for i in range(17)}, "metadata"), ({"k": "v" * 513}, "metadata.k")]:
+        with pytest.raises(openai.BadRequestError) as caught:  # (OpenAI's bounds: 16 pairs, values of 512)
+            client.conversations.create(metadata=metadata)
+        assert caught.value.param == param, caught.value.body
     if target.other_key is not None:
         other = _openai(target, target.other_key)
         for call in (lambda: other.conversations.retrieve(conversation.id),

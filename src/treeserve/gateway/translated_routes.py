@@ -16,9 +16,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from treeserve.gateway.auth import Auth
 from treeserve.gateway.chat.upstream import UpstreamError, stream_events
+from treeserve.gateway.conversation_store import DatabaseConversationStore
 from treeserve.gateway.fields import NO_NUL, PathId
 from treeserve.gateway.keys import KeyRecord
-from treeserve.gateway.conversation_store import DatabaseConversationStore
 from treeserve.gateway.response_store import DatabaseResponseStore
 from treeserve.gateway.service import GatewayService
 from treeserve.wire.bodies import parse

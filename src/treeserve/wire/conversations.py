@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import time
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from treeserve.errors import ParamError
 from treeserve.wire.errors import APIError
@@ -15,7 +17,8 @@ from treeserve.wire.responses import input_item, input_messages, new_id
 
 MAX_ITEMS_PER_REQUEST = 20  # (OpenAI's: "You may add up to 20 items at a time")
 MAX_ITEM_ID_CHARS = 64
-Metadata = dict[str, str] | None
+# (OpenAI's: at most 16 pairs, keys of at most 64 characters, values of at most 512)
+Metadata = dict[Annotated[str, StringConstraints(max_length=64)], Annotated[str, StringConstraints(max_length=512)]] | None
 
 
 class ConversationCreateRequest(BaseModel):
