@@ -865,3 +865,187 @@ def test_anthropic_answers_carry_a_request_id(target):
     assert len(ids) == 3
     assert "request-id" not in httpx.get(f"{target.url}/v1/models",
                                          headers={"Authorization": f"Bearer {target.key}"}).headers
+
+
+# ---- the Conversations API, and the Responses API's `conversation` ---------------------------------
+def test_conversations_and_their_items_through_the_openai_client(target):
+    """`client.conversations` (before: 404 route not found): create with items and metadata, retrieve,
+    update, delete; items listed a page at a time (newest first unless asc), added, retrieved and
+    deleted; a bad item is a 400 naming it; another key of the gateway finds none of it."""
+    client = _openai(target)
+    conversation = client.conversations.create(metadata={"topic": "t"}, items=[
+        {"role": "user", "content": "a"}, {"type": "message", "role": "assistant", "content": "b"}])
+    assert conversation.id.startswith("conv_") and conversation.metadata == {"topic": "t"}
+    assert client.conversations.retrieve(conversation.id).created_at == conversation.created_at
+    assert client.conversations.update(conversation.id, metadata={"topic": "u"}).metadata == {"topic": "u"}
+    added = client.conversations.items.create(conversation.id, items=[
+        {"role": "user", "content": [{"type": "input_text", "text": "c"}]},
+        {"type": "function_call", "call_id": "c1", "name": "add", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "5"}])
+    assert [item.type for item in added.data] == ["message", "function_call", "function_call_output"]
+    texts = [(i.type, i.content[0].text if i.type == "message" else i.call_id)
+             for i in client.conversations.items.list(conversation.id, order="asc", limit=2)]  # (page by page)
+    assert texts == [("message", "a"), ("message", "b"), ("message", "c"), ("function_call", "c1"),
+                     ("function_call_output", "c1")]
+    newest = client.conversations.items.list(conversation.id, limit=2)
+    assert [i.type for i in newest.data] == ["function_call_output", "function_call"] and newest.has_more
+    item = client.conversations.items.retrieve(added.data[0].id, conversation_id=conversation.id)
+    assert item.id == added.data[0].id and item.content[0].text == "c" and item.role == "user"
+    assert client.conversations.items.delete(added.data[0].id, conversation_id=conversation.id).id == conversation.id
+    with pytest.raises(openai.NotFoundError):
+        client.conversations.items.retrieve(added.data[0].id, conversation_id=conversation.id)
+    for bad, param in [([{"role": "wizard", "content": "x"}], "items[0].role"),
+                       ([{"role": "user", "content": "x"}, {"type": "input_image"}], "items[1].type"),
+                       ([{"role": "user", "content": "x", "id": added.data[1].id}], "items[0].id"),
+                       ([{"role": "user", "content": "x"}] * 21, "items")]:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.conversations.items.create(conversation.id, items=bad)
+        assert caught.value.param == param, caught.value.body
+    for metadata, param in [({f"k{i}": "v" for i in range(17)}, "metadata"), ({"k": "v" * 513}, "metadata.k")]:
+        with pytest.raises(openai.BadRequestError) as caught:  # (OpenAI's bounds: 16 pairs, values of 512)
+            client.conversations.create(metadata=metadata)
+        assert caught.value.param == param, caught.value.body
+    if target.other_key is not None:
+        other = _openai(target, target.other_key)
+        for call in (lambda: other.conversations.retrieve(conversation.id),
+                     lambda: other.conversations.items.list(conversation.id),
+                     lambda: other.conversations.items.create(conversation.id, items=[{"role": "user", "content": "x"}]),
+                     lambda: other.conversations.delete(conversation.id)):
+            with pytest.raises(openai.NotFoundError):
+                call()
+    assert client.conversations.delete(conversation.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.conversations.retrieve(conversation.id)
+
+
+def test_a_response_in_a_conversation_continues_it_and_is_appended(served, target):
+    """`conversation` (before: a 400, not supported): the response reads the conversation's items before
+    its input, as the chat completion of the whole conversation does, and its input and output are
+    appended, whole and streamed; with `previous_response_id` it is OpenAI's 400, an unknown one a 404."""
+    client = _openai(target)
+    conversation = client.conversations.create(items=[{"role": "user", "content": "One."},
+                                                      {"role": "assistant", "content": "Yes."}])
+    first = client.responses.create(model="tiny", input="Two.", conversation=conversation.id, max_output_tokens=6,
+                                    **GREEDY)
+    messages = [{"role": "user", "content": "One."}, {"role": "assistant", "content": "Yes."},
+                {"role": "user", "content": "Two."}]
+    text, usage = _chat_text(served, messages, max_tokens=6, **GREEDY)
+    assert first.output_text == text and first.usage.input_tokens == usage.prompt_tokens
+    assert first.conversation.id == conversation.id
+    with client.responses.stream(model="tiny", input=[{"role": "user", "content": "Three."}], max_output_tokens=6,
+                                 conversation={"id": conversation.id}, **GREEDY) as stream:
+        second = list(stream)[-1].response  # (response.completed, or .incomplete: max_output_tokens)
+    text, _ = _chat_text(served, messages + [{"role": "assistant", "content": first.output_text},
+                                             {"role": "user", "content": "Three."}], max_tokens=6, **GREEDY)
+    assert second.output_text == text
+    items = client.conversations.items.list(conversation.id, order="asc", limit=100).data
+    assert [(i.role, i.content[0].text) for i in items] == [
+        ("user", "One."), ("assistant", "Yes."), ("user", "Two."), ("assistant", first.output_text),
+        ("user", "Three."), ("assistant", second.output_text)]
+    assert items[3].id == first.output[0].id  # (the output is kept as the response showed it)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model="tiny", input="x", conversation=conversation.id, previous_response_id=first.id)
+    assert caught.value.param == "conversation" and "previous_response_id" in caught.value.message
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.responses.create(model="tiny", input="x", conversation="conv_nope", max_output_tokens=2)
+    assert missing.value.body["param"] == "conversation"
+    counted = client.responses.input_tokens.count(model="tiny", input="Four.", conversation=conversation.id)
+    assert counted.input_tokens > first.usage.input_tokens
+    if target.other_key is not None:
+        with pytest.raises(openai.NotFoundError):
+            _openai(target, target.other_key).responses.create(model="tiny", input="x", conversation=conversation.id,
+                                                               max_output_tokens=2)
+    client.conversations.delete(conversation.id)
+
+
+def test_openai_agents_conversations_session_keeps_the_conversation(target):
+    """openai-agents' OpenAIConversationsSession (the runner reads the conversation's items, sends them
+    before the turn's input, and adds the turn's items), and a run on `conversation_id` (the Responses
+    API's `conversation`). Each turn is one forced call of a tool whose result is the final output."""
+    from agents import (Agent, ModelSettings, OpenAIResponsesModel, RunConfig, Runner, function_tool,
+                        set_tracing_disabled)
+    from agents.memory import OpenAIConversationsSession
+    set_tracing_disabled(True)
+
+    @function_tool
+    def weather(city: Literal["Paris", "Oslo"]) -> str:
+        """The weather in a city."""
+        return f"sunny in {city}"
+
+    client = openai.AsyncOpenAI(base_url=f"{target.url}/v1", api_key=target.key, max_retries=0, timeout=120)
+    agent = Agent(name="weather", instructions="Use the tool.", tools=[weather], tool_use_behavior="stop_on_first_tool",
+                  model=OpenAIResponsesModel(model="tiny", openai_client=client),
+                  model_settings=ModelSettings(tool_choice="weather", temperature=1.0, max_tokens=60,
+                                               extra_body={"seed": 7}))
+    config = RunConfig(tracing_disabled=True)
+
+    async def run():
+        session = OpenAIConversationsSession(openai_client=client)
+        first = await Runner.run(agent, "Weather?", session=session, run_config=config)
+        second = await Runner.run(agent, "And now?", session=session, run_config=config)
+        sent = [item async for item in client.responses.input_items.list(second.raw_responses[0].response_id,
+                                                                          order="asc")]
+        items = await session.get_items()
+        popped = await session.pop_item()
+        left = await session.get_items()
+        await session.clear_session()
+        conversation = await client.conversations.create()
+        await Runner.run(agent, "Weather?", conversation_id=conversation.id, run_config=config)
+        kept = [item async for item in client.conversations.items.list(conversation.id, order="asc")]
+        return first, sent, items, popped, left, kept
+
+    first, sent, items, popped, left, kept = asyncio.run(run())
+    assert first.final_output.startswith("sunny in")
+    kinds = ["message", "function_call", "function_call_output"]
+    assert [item["type"] for item in items] == kinds * 2, items
+    assert [item.type for item in sent] == kinds + ["message"]  # (the first turn, read from the conversation)
+    assert sent[1].call_id == items[1]["call_id"] and sent[3].content[0].text == "And now?"
+    assert popped["id"] == items[-1]["id"] and len(left) == 5
+    assert [item.type for item in kept] == ["message", "function_call"]
+
+
+def test_a_failed_stream_is_stored_as_the_failed_response():
+    """A stream that ends `response.failed` is stored so, as OpenAI's (before: not stored at all, so a
+    retrieve of its id was a 404); it is not appended to its conversation."""
+    from treeserve.wire.conversations_api import ConversationsAPI, MemoryConversationStore
+    from treeserve.wire.errors import APIError
+    from treeserve.wire.responses import ResponsesRequest
+    from treeserve.wire.responses_api import MemoryResponseStore, ResponsesAPI
+
+    async def cut_chat(body: dict):  # (a relayed chat's stream cut part way: the gateway's backend_stream_cut)
+        async def chunks():
+            yield {"choices": [{"index": 0, "delta": {"content": "par"}}]}
+            raise APIError(502, "the backend's stream was cut", code="backend_stream_cut")
+        return chunks()
+
+    async def run():
+        conversations = ConversationsAPI(MemoryConversationStore())
+        api = ResponsesAPI(MemoryResponseStore(), conversations)
+        conversation = await conversations.create([], None)
+        events = await api.create(ResponsesRequest(input="x", stream=True, conversation=conversation["id"]), cut_chat,
+                                  "tiny")
+        sent = [json.loads(line.split("data: ", 1)[1]) async for line in events]
+        return sent, await api.retrieve(sent[-1]["response"]["id"]), await conversations.list_items(conversation["id"])
+
+    sent, stored, items = asyncio.run(run())
+    assert sent[-1]["type"] == "response.failed"
+    assert stored["status"] == "failed" and stored["error"]["code"] == "server_error" and stored == sent[-1]["response"]
+    assert stored["output"][0]["content"][0]["text"] == "par" and items["data"] == []
+
+
+def test_tools_and_text_format_are_checked_and_list_items_named_as_openai_names_them(target):
+    """A tool of a type no API defines is OpenAI's invalid value, one of OpenAI's built-in types an
+    unsupported parameter, both naming `tools[0].type`; a list item pydantic refuses is named
+    `tools[0]` (it was pydantic's `tools.0`); json_schema without its `name` is OpenAI's missing
+    parameter (it was taken, named "response")."""
+    client = _openai(target)
+    for body, param, code in [({"tools": [{"type": "nonsense"}]}, "tools[0].type", "invalid_value"),
+                              ({"tools": [{"type": "web_search"}]}, "tools[0].type", "unsupported_parameter"),
+                              ({"tools": ["add"]}, "tools[0]", "invalid_type"),
+                              ({"input": ["x"]}, "input", None),
+                              ({"text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}},
+                               "text.format.name", "missing_required_parameter")]:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.responses.create(model="tiny", **({"input": "x", "max_output_tokens": 2} | body))
+        assert caught.value.param == param and (code is None or caught.value.code == code), caught.value.body
+        assert caught.value.body["message"].startswith(param), caught.value.body

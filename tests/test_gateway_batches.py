@@ -409,12 +409,18 @@ def test_responses_lines_come_back_as_responses(backend, tmp_path):
                  for i in range(3)]
         lines.append({"custom_id": "gone", "method": "POST", "url": "/v1/responses",
                       "body": {"model": "gen", "input": "Again.", "previous_response_id": "resp_nope"}})
+        conversation = client.conversations.create()  # (a line's response would be appended in no set order)
+        lines.append({"custom_id": "talk", "method": "POST", "url": "/v1/responses",
+                      "body": {"model": "gen", "input": "Hi.", "conversation": conversation.id}})
         batch = _wait(client, _start(client, lines, endpoint="/v1/responses").id)
         records = _records(client, batch)
-        assert len(records) == 4
+        assert len(records) == 5
         gone = next(record for record in records if record["custom_id"] == "gone")  # (OpenAI's code for it)
         assert (gone["error"]["code"], gone["error"]["param"]) == \
             ("previous_response_not_found", "previous_response_id")
+        talk = next(record for record in records if record["custom_id"] == "talk")
+        assert (talk["error"]["code"], talk["error"]["param"]) == ("unsupported_parameter", "conversation"), talk
+        assert client.conversations.items.list(conversation.id).data == []
         for record in records[:3]:
             body = record["response"]["body"]
             assert body["object"] == "response" and body["output"][0]["type"] == "message"

@@ -297,7 +297,7 @@ def test_a_part_that_is_not_text_is_a_400_naming_its_type(client, part):
     content = [{"type": "text", "text": "Tell me"}, part]
     with pytest.raises(openai.BadRequestError) as bad:
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": content}], max_tokens=2)
-    assert bad.value.body["param"] == "messages.0.content"
+    assert bad.value.body["param"] == "messages[0].content"
     assert f"part 1 is of type {part['type']!r}" in bad.value.body["message"]
     assert "only text parts" in bad.value.body["message"]
     assert client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": content[:1]}],

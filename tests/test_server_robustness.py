@@ -36,7 +36,7 @@ CASES = [
     ("missing messages", "POST", "/v1/chat/completions", _without("messages"), AUTH, 400, "messages"),
     ("empty messages", "POST", "/v1/chat/completions", _chat(messages=[]), AUTH, 400, "messages"),
     ("bad role", "POST", "/v1/chat/completions", _chat(messages=[{"role": "wizard", "content": "x"}]), AUTH, 400,
-     "messages.0.role"),
+     "messages[0].role"),
     ("content wrong type", "POST", "/v1/chat/completions", _chat(messages=[{"role": "user", "content": 5}]), AUTH,
      400, None),
     ("temperature string", "POST", "/v1/chat/completions", _chat(temperature="hot"), AUTH, 400, "temperature"),

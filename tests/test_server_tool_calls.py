@@ -183,13 +183,13 @@ def test_bad_tool_requests_are_400s_naming_the_field(served):
     cases = [
         (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "fly"}}), "tool_choice.function.name"),
         (dict(tool_choice="required"), "tool_choice"),
-        (dict(tools=[{"type": "function", "function": {"name": "bad name!"}}]), "tools.0.function.name"),
+        (dict(tools=[{"type": "function", "function": {"name": "bad name!"}}]), "tools[0].function.name"),
         (dict(tools=TOOLS + TOOLS[:1]), "tools"),
         (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
             "a": {"type": "nope"}}}}}], tool_choice="required"), "tools[0].function.parameters"),
         (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), "tool_choice"),
         (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]),
-         "tools.0.function.parameters"),  # (arguments are an object: a forced call of this could never be one)
+         "tools[0].function.parameters"),  # (arguments are an object: a forced call of this could never be one)
         (dict(messages=MESSAGES + [{"role": "tool", "content": "4"}]), "messages[2].tool_call_id"),
         (dict(messages=MESSAGES + [{"role": "assistant", "tool_calls": [
             {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]),

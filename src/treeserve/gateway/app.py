@@ -30,6 +30,7 @@ from treeserve.gateway.http_errors import install_domain_error_handlers
 from treeserve.gateway.key_cache import KeyCache
 from treeserve.gateway.metrics import GatewayMetrics
 from treeserve.gateway.proxy import Forwarder
+from treeserve.gateway.conversation_store import DatabaseConversationStore
 from treeserve.gateway.response_store import DatabaseResponseStore
 from treeserve.gateway.routes import MAX_BODY_BYTES, openai_routes, operator_routes
 from treeserve.gateway.routing import Router
@@ -88,7 +89,8 @@ def build_app(config: GatewayConfig, store: Store | None = None) -> FastAPI:
                                    on_change=keys.clear, priced=config.priced))
     app.include_router(operator_routes(router, metrics, drain, auth, store.db))
     app.include_router(openai_routes(config, service, auth))
-    app.include_router(translated_routes(service, auth, responses, MAX_BODY_BYTES))
+    app.include_router(translated_routes(service, auth, responses, DatabaseConversationStore(store.db),
+                                         MAX_BODY_BYTES))
     app.include_router(batch_routes(store.files, store.batches, auth))
     # /openapi.json describes the OpenAI routes' bodies as a treeserve server takes them (the gateway
     # itself reads only `model`, `verifier`, `stream` and the token bounds, and passes the rest on),

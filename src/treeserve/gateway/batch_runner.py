@@ -252,6 +252,9 @@ class BatchRunner:
         except ValidationError as exc:
             error = from_validation_error(exc)
             raise LineFailed(error.code, error.message, error.param) from None
+        if request.conversation is not None:  # (a line's response would be appended in no set order)
+            raise LineFailed("unsupported_parameter", "conversation: not supported in a batch; use "
+                             "previous_response_id, or send the conversation's items", "conversation")
         history = []
         if request.previous_response_id is not None:
             previous = await self.responses.get(request.previous_response_id, key.id)

@@ -267,6 +267,28 @@ class StoredResponse(Base):
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
 
 
+class ApiConversation(Base):
+    """A Conversations API conversation (`/v1/conversations`; the web chat's are `conversations`):
+    readable only with the key that made it (`api_key_id`; NULL for the master key). Its items are
+    `api_conversation_items` rows."""
+    __tablename__ = "api_conversations"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    api_key_id: Mapped[int | None] = mapped_column(ForeignKey("api_keys.id", ondelete="CASCADE"), index=True)
+    meta: Mapped[dict] = mapped_column("metadata", JSON)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+
+
+class ApiConversationItem(Base):
+    """An item of a conversation, as OpenAI shows it; `position` orders a conversation's items (the
+    order they were added in)."""
+    __tablename__ = "api_conversation_items"
+    __table_args__ = (Index("ix_api_conversation_items_conversation_item", "conversation_id", "item_id", unique=True),)
+    position: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    conversation_id: Mapped[str] = mapped_column(ForeignKey("api_conversations.id", ondelete="CASCADE"))
+    item_id: Mapped[str] = mapped_column(String(64))
+    item: Mapped[dict] = mapped_column(JSON)
+
+
 class StoredFile(Base):
     """A file uploaded for the Batch API (purpose `batch`), or a batch's output or error file
     (`batch_output`); readable only with the key that owns it (NULL: the master key)."""

@@ -1,8 +1,9 @@
 """OpenAI's Responses API and Anthropic's Messages API on the gateway, translated to chat completions
 (wire/responses.py, wire/messages.py) and sent through the request path as chats (`GatewayService.dispatch`:
 the key's models, limits and budget, routing and fallbacks, billed like a chat). Stored responses
-live in the gateway's database, per key (gateway/response_store.py); token counts are the backend's
-(`/tokenize`, unbilled)."""
+live in the gateway's database, per key (gateway/response_store.py), as do conversations
+(gateway/conversation_store.py, the Conversations API's routes: wire/conversations_routes.py); token
+counts are the backend's (`/tokenize`, unbilled)."""
 from __future__ import annotations
 
 import json
@@ -15,11 +16,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from treeserve.gateway.auth import Auth
 from treeserve.gateway.chat.upstream import UpstreamError, stream_events
+from treeserve.gateway.conversation_store import DatabaseConversationStore
 from treeserve.gateway.fields import NO_NUL, PathId
 from treeserve.gateway.keys import KeyRecord
 from treeserve.gateway.response_store import DatabaseResponseStore
 from treeserve.gateway.service import GatewayService
 from treeserve.wire.bodies import parse
+from treeserve.wire.conversations_api import ConversationsAPI
+from treeserve.wire.conversations_routes import REQUEST_MODELS as CONVERSATION_MODELS, conversations_routes
 from treeserve.wire.disconnect import unless_client_leaves
 from treeserve.wire.errors import APIError
 from treeserve.wire.messages import CountTokensRequest, MessagesRequest, from_chat
@@ -33,12 +37,18 @@ from treeserve.wire.translated_stream import event_stream, translated_events
 CHAT = "/v1/chat/completions"
 REQUEST_MODELS = {"/v1/responses": ResponsesRequest, "/v1/responses/input_tokens": InputTokensRequest,
                   "/v1/messages": MessagesRequest,
-                  "/v1/messages/count_tokens": CountTokensRequest}
+                  "/v1/messages/count_tokens": CountTokensRequest} | CONVERSATION_MODELS
 
 
-def translated_routes(service: GatewayService, auth: Auth, store: DatabaseResponseStore, max_body_bytes: int):
+def translated_routes(service: GatewayService, auth: Auth, store: DatabaseResponseStore,
+                      conversation_store: DatabaseConversationStore, max_body_bytes: int):
     routes = APIRouter()
-    api = ResponsesAPI(store)
+    conversations = ConversationsAPI(conversation_store)
+    api = ResponsesAPI(store, conversations)
+
+    def key_id(key: KeyRecord = Depends(auth.require_key)) -> int | None:
+        return key.id
+    routes.include_router(conversations_routes(conversations, key_id, max_body_bytes))
 
     def chat_on(key: KeyRecord, ids: list[str]):
         async def chat(body: dict):

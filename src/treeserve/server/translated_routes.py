@@ -1,6 +1,6 @@
 """The routes served by translating to chat completions: OpenAI's Responses API (wire/responses_api.py,
-stored responses in memory, bounded) and Anthropic's Messages API (wire/messages.py), over the served
-model's chat serving."""
+stored responses in memory, bounded) with its Conversations API (wire/conversations_routes.py, in
+memory, bounded), and Anthropic's Messages API (wire/messages.py), over the served model's chat serving."""
 from __future__ import annotations
 
 from typing import Literal
@@ -10,6 +10,8 @@ from fastapi.responses import JSONResponse
 
 from treeserve.wire.disconnect import unless_client_leaves
 from treeserve.wire.bodies import parse
+from treeserve.wire.conversations_api import ConversationsAPI, MemoryConversationStore
+from treeserve.wire.conversations_routes import REQUEST_MODELS as CONVERSATION_MODELS, conversations_routes
 from treeserve.wire.errors import from_value_error
 from treeserve.wire.messages import CountTokensRequest, MessagesRequest, from_chat
 from treeserve.wire.messages_stream import MessageEvents
@@ -21,13 +23,15 @@ from treeserve.wire.translated_stream import event_stream, translated_events
 
 REQUEST_MODELS = {"/v1/responses": ResponsesRequest, "/v1/responses/input_tokens": InputTokensRequest,
                   "/v1/messages": MessagesRequest,
-                  "/v1/messages/count_tokens": CountTokensRequest}
+                  "/v1/messages/count_tokens": CountTokensRequest} | CONVERSATION_MODELS
 
 
 def responses_routes(served, max_body_bytes: int) -> APIRouter:
     """`served`: server/routes.py's ServedModels."""
     router = APIRouter()
-    api = ResponsesAPI(MemoryResponseStore())
+    conversations = ConversationsAPI(MemoryConversationStore())
+    api = ResponsesAPI(MemoryResponseStore(), conversations)
+    router.include_router(conversations_routes(conversations, _no_owner, max_body_bytes))
 
     @router.post("/v1/responses")
     async def create(request: Request):
@@ -57,6 +61,11 @@ def responses_routes(served, max_body_bytes: int) -> APIRouter:
         return await api.delete(response_id)
 
     return router
+
+
+def _no_owner() -> None:
+    """The server's conversations are its own (its API keys all reach the same ones)."""
+    return None
 
 
 def _counter(serving):

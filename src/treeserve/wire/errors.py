@@ -89,9 +89,9 @@ def from_validation_error(exc: ValidationError | RequestValidationError) -> APIE
         return APIError(400, first["msg"], param=first["ctx"]["param"], code="unsupported_parameter")
     if first.get("type") == "json_invalid":
         return APIError(400, f"malformed JSON body: {first.get('msg', '')}", code="invalid_json")
-    loc = [str(p) for p in _field_location(first.get("loc", ()), isinstance(exc, RequestValidationError))
+    loc = [p for p in _field_location(first.get("loc", ()), isinstance(exc, RequestValidationError))
            if not _is_union_tag(p)]
-    param = ".".join(loc) or None
+    param = param_name(loc)
     kind = first.get("type", "")
     message = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid request")
     if kind == "missing":
@@ -99,6 +99,15 @@ def from_validation_error(exc: ValidationError | RequestValidationError) -> APIE
     elif kind == "extra_forbidden":  # (OpenAI's and Anthropic's answer to a field they do not know)
         return APIError(400, f"{param}: unknown parameter", param=param, code="unknown_parameter")
     return APIError(400, message, param=param, code="missing_required_parameter" if kind == "missing" else "invalid_type")
+
+
+def param_name(loc: list) -> str | None:
+    """A field's location as OpenAI names it: list items by index in brackets (`tools[0].type`, not
+    pydantic's `tools.0.type`), as ParamError's names are written."""
+    name = ""
+    for part in loc:
+        name += f"[{part}]" if isinstance(part, int) else f".{part}" if name else str(part)
+    return name or None
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}

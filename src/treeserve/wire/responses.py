@@ -11,7 +11,7 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from treeserve.errors import ParamError
-from treeserve.wire.unsupported import Unsupported, VendorRequest
+from treeserve.wire.unsupported import Unsupported, UnsupportedParamError, VendorRequest
 
 
 class TextFormat(BaseModel):
@@ -38,7 +38,6 @@ def _reasons(reasoning) -> bool:
 RESPONSES_UNSUPPORTED = {
     "background": Unsupported("background responses; use stream, or the Batch API"),
     "background_options": Unsupported("background responses; use stream, or the Batch API"),
-    "conversation": Unsupported("the Conversations API; use previous_response_id"),
     "context_management": Unsupported("server-side compaction; use truncation: auto, or send a shorter input"),
     "include": Unsupported("extra output data such as logprobs or encrypted reasoning"),
     "prompt": Unsupported("stored prompt templates; send the input and instructions"),
@@ -72,6 +71,7 @@ class ResponsesRequest(VendorRequest):
     stream: bool = False
     store: bool = True
     previous_response_id: str | None = None
+    conversation: str | dict | None = None  # a conversation's id, or {"id": ...} (wire/conversations.py)
     metadata: dict[str, str] | None = None
     user: str | None = None
     seed: int | None = None  # (not OpenAI's: treeserve's, as in chat completions)
@@ -93,7 +93,7 @@ class InputTokensRequest(VendorRequest):
     that make its prompt; the count is the `input_tokens` a response with them is charged."""
     model_config = ConfigDict(extra="forbid", strict=True)
     UNSUPPORTED: ClassVar[dict[str, Unsupported]] = {
-        name: RESPONSES_UNSUPPORTED[name] for name in ("conversation", "context_management", "reasoning")}
+        name: RESPONSES_UNSUPPORTED[name] for name in ("context_management", "reasoning")}
     model: str | None = None
     input: str | list[dict] | None = None
     instructions: str | None = None
@@ -102,6 +102,7 @@ class InputTokensRequest(VendorRequest):
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
     previous_response_id: str | None = None
+    conversation: str | dict | None = None
     truncation: Literal["auto", "disabled"] | None = None
 
     def as_response(self) -> ResponsesRequest:
@@ -112,6 +113,15 @@ class InputTokensRequest(VendorRequest):
 
 def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def conversation_id_of(conversation: str | dict) -> str:
+    """A Responses request's `conversation`: its id, or `{"id": ...}`."""
+    if isinstance(conversation, str):
+        return conversation
+    if isinstance(conversation.get("id"), str):
+        return conversation["id"]
+    raise ParamError("conversation.id", "this field is required (a string): the conversation's id")
 
 
 ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
@@ -157,14 +167,15 @@ def chat_request(request: ResponsesRequest, history: list[dict]) -> dict:
     return body
 
 
-def input_messages(items: str | list[dict]) -> list[dict]:
-    """Chat messages for a request's `input`: a string is one user message; items in order, calls
-    joined to the assistant turn before them, outputs as tool messages."""
+def input_messages(items: str | list[dict], field: str = "input") -> list[dict]:
+    """Chat messages for a request's `input` (or a conversation's `items`: `field` names them in errors):
+    a string is one user message; items in order, calls joined to the assistant turn before them,
+    outputs as tool messages."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     messages: list[dict] = []
     for i, item in enumerate(items):
-        where = f"input[{i}]"
+        where = f"{field}[{i}]"
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
             messages.append(_message(item, where))
@@ -218,9 +229,23 @@ def _text(item: dict, name: str, where: str) -> str:
     return value
 
 
+# the tool types OpenAI's Responses API defines besides `function` (served here: none of them)
+OPENAI_TOOL_TYPES = ("file_search", "web_search", "web_search_preview", "web_search_2025_08_26",
+                     "web_search_preview_2025_03_11", "computer_use_preview", "computer", "mcp", "code_interpreter",
+                     "image_generation", "local_shell", "shell", "custom", "apply_patch", "namespace", "tool_search")
+
+
+class MissingParamError(ParamError):
+    code = "missing_required_parameter"
+
+
 def chat_tool(tool: dict, where: str) -> dict:
-    if tool.get("type") != "function":
-        raise ParamError(f"{where}.type", f"only function tools are supported, got {tool.get('type')!r}")
+    kind = tool.get("type")
+    if kind in OPENAI_TOOL_TYPES:
+        raise UnsupportedParamError(f"{where}.type", f"tools of type {kind!r}: only function tools are served")
+    if kind != "function":
+        raise ParamError(f"{where}.type", f"Invalid value: {kind!r}. Supported values are: 'function' (and OpenAI's "
+                                          "built-in tools, which treeserve does not serve)")
     function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
     if "name" not in function:
         raise ParamError(f"{where}.name", "this field is required")
@@ -246,7 +271,9 @@ def response_format(format: TextFormat) -> dict:
     if format.type != "json_schema":
         return {"type": format.type}
     if format.json_schema is None:
-        raise ParamError("text.format.schema", "type json_schema needs a schema")
+        raise MissingParamError("text.format.schema", "type json_schema needs a schema")
+    if format.name is None:  # (OpenAI's: the name is required with json_schema)
+        raise MissingParamError("text.format.name", "this field is required with type json_schema")
     return {"type": "json_schema", "json_schema": {"name": format.name or "response", "schema": format.json_schema,
                                                    "strict": format.strict}}
 
@@ -260,7 +287,9 @@ def skeleton(request: ResponsesRequest, response_id: str, model: str) -> dict:
             "error": None, "incomplete_details": None, "instructions": request.instructions,
             "max_output_tokens": request.max_output_tokens, "model": model, "output": [],
             "parallel_tool_calls": request.parallel_tool_calls is not False,
-            "previous_response_id": request.previous_response_id, "temperature": request.temperature,
+            "previous_response_id": request.previous_response_id,
+            "conversation": {"id": conversation_id_of(request.conversation)} if request.conversation else None,
+            "temperature": request.temperature,
             "top_p": request.top_p, "tool_choice": request.tool_choice or "auto", "tools": request.tools or [],
             "text": {"format": fmt}, "truncation": request.truncation or "disabled", "store": request.store,
             "metadata": request.metadata or {}, "user": request.user, "usage": None}

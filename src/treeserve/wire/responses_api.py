@@ -8,9 +8,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from treeserve.wire.conversations import page
+from treeserve.wire.conversations_api import ConversationsAPI
 from treeserve.wire.errors import APIError, from_value_error
-from treeserve.wire.responses import (InputTokensRequest, ResponsesRequest, chat_request, conversation, from_chat,
-                                      input_item, new_id, skeleton)
+from treeserve.wire.responses import (InputTokensRequest, ResponsesRequest, chat_request, conversation,
+                                      conversation_id_of, from_chat, input_item, new_id, skeleton)
 from treeserve.wire.responses_stream import ResponseEvents
 from treeserve.wire.responses_truncation import CountFn, check_fits, counted_fit, fitted
 from treeserve.wire.translated_errors import RESPONSES, named_for
@@ -70,19 +72,23 @@ def previous_not_found(response_id: str) -> APIError:
 
 
 class ResponsesAPI:
-    def __init__(self, store: ResponseStore):
-        self.store = store
+    """`conversations`: where a response's `conversation` is kept (None: a 400 for one)."""
+
+    def __init__(self, store: ResponseStore, conversations: ConversationsAPI | None = None):
+        self.store, self.conversations = store, conversations
 
     async def create(self, request: ResponsesRequest, chat: ChatFn, model: str,
                      owner: int | None = None, count: CountFn | None = None) -> dict | AsyncIterator[str]:
         """The response (a dict), or its events on the wire (streamed). `count` (a chat's prompt
         tokens and the context's size, unbilled) lets `truncation: "auto"` find the turns to drop
-        before the chat is sent."""
-        history = await self._history(request.previous_response_id, owner)
-        body = _chat_body(request, history, model)
-        response = skeleton(request, new_id("resp"), model)
+        before the chat is sent. A stream that fails is stored as the failed response it ends with,
+        as OpenAI's; a response in a `conversation` that does not fail has its input and output
+        appended to it."""
         items = [{"type": "message", "role": "user", "content": request.input}] if isinstance(request.input, str) \
             else request.input
+        history, added = await self._continued(request, items, owner)
+        body = _chat_body(request, history, model)
+        response = skeleton(request, new_id("resp"), model)
         with named_for(RESPONSES):  # (the chat's errors named as the fields the request sent)
             body, result = await fitted(body, chat, request.truncation, count)
 
@@ -90,6 +96,9 @@ class ResponsesAPI:
             if request.store:
                 await self.store.put(StoredResponse(final, conversation(history, body, final, request.instructions),
                                                     items), owner)
+            if request.conversation is not None and final["status"] != "failed":
+                await self.conversations.append(conversation_id_of(request.conversation), added + final["output"],
+                                                owner)
         if isinstance(result, dict):
             final = from_chat(response, result)
             await keep(final)
@@ -104,13 +113,33 @@ class ResponsesAPI:
         that cannot fit are dropped; an input that cannot fit (with "disabled", the default, or its last
         turn alone with "auto") is the response's context-length 400, where the count knows the context."""
         response = request.as_response()
-        body = _chat_body(response, await self._history(response.previous_response_id, owner), model)
+        history, _ = await self._continued(response, response.input if isinstance(response.input, list) else [], owner)
+        body = _chat_body(response, history, model)
         with named_for(RESPONSES):
             if request.truncation == "auto":
                 body = await counted_fit(body, count)
             counted = await count(body)
             check_fits(body, counted)
         return {"object": "response.input_tokens", "input_tokens": counted.tokens}
+
+    async def _continued(self, request: ResponsesRequest, items: list[dict],
+                         owner: int | None) -> tuple[list[dict], list[dict]]:
+        """(the chat messages the response continues from, the items it adds to its conversation): those
+        of its `conversation`, or of its `previous_response_id` (nothing to add), never both (OpenAI's 400)."""
+        if request.conversation is None:
+            return await self._history(request.previous_response_id, owner), []
+        if request.previous_response_id is not None:
+            raise APIError(400, "Mutually exclusive parameters: Ensure you are only providing one of: "
+                                "'previous_response_id' or 'conversation'.", param="conversation",
+                           code="mutually_exclusive_parameters")
+        if self.conversations is None:
+            raise APIError(400, "conversation: not supported here (no conversations are kept); use "
+                                "previous_response_id", param="conversation", code="unsupported_parameter")
+        try:
+            conversation_id = conversation_id_of(request.conversation)
+        except ValueError as exc:
+            raise from_value_error(exc) from exc
+        return await self.conversations.continued(conversation_id, items, owner)
 
     async def _history(self, previous_response_id: str | None, owner: int | None) -> list[dict]:
         """The chat messages a response continues from (none without `previous_response_id`)."""
@@ -129,21 +158,10 @@ class ResponsesAPI:
         """The response's input items as OpenAI lists them (each typed, with an id, a status and, for
         a message, content parts), a page at a time: `limit` (1-100) items after the one `after`
         names, newest first unless `order` is `asc`."""
-        if not 1 <= limit <= 100:
-            raise APIError(400, f"limit: must be from 1 to 100, got {limit}", param="limit")
         stored = await self._stored(response_id, owner)
         items = [input_item(item, f"{response_id.removeprefix('resp_')}_{i}")
                  for i, item in enumerate(stored.input_items)]
-        if order == "desc":
-            items.reverse()
-        if after is not None:
-            ids = [item["id"] for item in items]
-            if after not in ids:
-                raise APIError(404, f"after: no input item {after!r} in response {response_id!r}", param="after")
-            items = items[ids.index(after) + 1:]
-        data = items[:limit]
-        return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-                "last_id": data[-1]["id"] if data else None, "has_more": len(items) > limit}
+        return page(items, after, limit, order, f"response {response_id!r}")
 
     async def delete(self, response_id: str, owner: int | None = None) -> dict:
         if not await self.store.delete(response_id, owner):

@@ -64,10 +64,10 @@ def sse(event: dict) -> str:
 
 async def translated_events(events, chunks: AsyncIterator[dict],
                             before_end: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[str]:
-    """`before_end` runs once the reply is whole, before its last events are sent (a response is
-    stored before its client reads `response.completed`). The opening events go with the chunk the
-    converter `opens` with (what it knows, its prompt's usage, is in them), or before a failure or end
-    that came first."""
+    """`before_end` runs once the reply is whole, or has failed, before its last events are sent (a
+    response is stored before its client reads `response.completed`, or `response.failed`). The
+    opening events go with the chunk the converter `opens` with (what it knows, its prompt's usage, is
+    in them), or before a failure or end that came first."""
     started = False
     try:
         async for chunk in chunks:
@@ -77,14 +77,19 @@ async def translated_events(events, chunks: AsyncIterator[dict],
                     yield sse(event)
             for event in events.feed(chunk):
                 yield sse(event)
-    except APIError as exc:
-        for event in ([] if started else events.start(None)) + events.fail(exc.status, exc.message, exc.code):
-            yield sse(event)
-        return
     except Exception as exc:  # (a client gone is GeneratorExit/CancelledError, not caught here)
-        log.exception("a translated stream failed")
-        for event in ([] if started else events.start(None)) + events.fail(
-                500, f"internal error: {type(exc).__name__}", "server_error"):
+        failure = [] if started else events.start(None)
+        if isinstance(exc, APIError):
+            failure += events.fail(exc.status, exc.message, exc.code)
+        else:
+            log.exception("a translated stream failed")
+            failure += events.fail(500, f"internal error: {type(exc).__name__}", "server_error")
+        if before_end is not None:
+            try:
+                await before_end()
+            except Exception:  # (the failure is told all the same)
+                log.exception("keeping a failed translated stream failed")
+        for event in failure:
             yield sse(event)
         return
     finally:
