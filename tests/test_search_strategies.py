@@ -212,6 +212,19 @@ def test_the_problems_of_one_run_sample_with_seeds_of_their_own():
     assert len(set(seeds)) == len(seeds), seeds
 
 
+@pytest.mark.parametrize("other", [2 ** 31, 2 ** 31 + 7, 3 * 2 ** 31])
+def test_distinct_seeds_below_2_to_the_32_search_with_distinct_samples(other):
+    """The seed tree was kept to 31 bits after its first part: `seed` and `seed + 2**31` asked for the
+    same seeds, so a search with seed 2**31 repeated seed 0's (seed 2**31 + 7 seed 7's, and so on).
+    Seeds equal modulo 2**32 still search alike: the engine's draws read a seed's low 32 bits."""
+    def seeds(seed: int) -> list[int]:
+        script = Script(lambda text, j: (f"{text.count(chr(10))}{j}\n\n", "step"), lambda s: 0.5)
+        script.run(beam_config(n=8, beam_width=2, num_iterations=3, seed=seed))
+        return [x % 2 ** 32 for round_seeds in _sampling_seeds(script.samples) for x in round_seeds]
+    assert set(seeds(other % 2 ** 31)).isdisjoint(seeds(other))
+    assert seeds(other) == seeds(other + 2 ** 32)
+
+
 def test_weighted_best_of_n_answers_with_the_best_scored_completion_of_the_winning_answer():
     """The reply's `completion` and `score` were the first completion with the winning answer, however
     low the verifier scored it (0.1 here, where the same answer's best completion scored 0.7)."""
