@@ -225,6 +225,20 @@ def test_distinct_seeds_below_2_to_the_32_search_with_distinct_samples(other):
     assert seeds(other) == seeds(other + 2 ** 32)
 
 
+@pytest.mark.parametrize("change, said", [({"seed": 1.5}, "seed: must be an integer"),
+                                          ({"seed": 2 ** 64}, "seed: must be an integer in [-2**63, 2**64)"),
+                                          ({"filter_duplicates": "no"}, "filter_duplicates: must be true or false"),
+                                          ({"sort_completed": 1}, "sort_completed: must be true or false"),
+                                          ({"eos_sampling_at_max_depth": None},
+                                           "eos_sampling_at_max_depth: must be true or false")])
+def test_a_config_names_a_seed_or_a_switch_of_the_wrong_kind(change, said):
+    """(a seed of 1.5 failed the search with a TypeError from the seed tree; "no" turned
+    filter_duplicates on, a non-empty string being true)"""
+    with pytest.raises(ValueError) as refused:
+        SearchConfig(**change)
+    assert said in str(refused.value)
+
+
 def test_weighted_best_of_n_answers_with_the_best_scored_completion_of_the_winning_answer():
     """The reply's `completion` and `score` were the first completion with the winning answer, however
     low the verifier scored it (0.1 here, where the same answer's best completion scored 0.7)."""

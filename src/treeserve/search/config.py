@@ -67,6 +67,10 @@ class SearchConfig:
         _require(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
         _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         _require(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1")
+        for name in ("filter_duplicates", "sort_completed", "eos_sampling_at_max_depth"):
+            _require(isinstance(getattr(self, name), bool), name, f"must be true or false, got {getattr(self, name)!r}")
+        _require(_is_int(self.seed) and -2 ** 63 <= self.seed < 2 ** 64, "seed",
+                 f"must be an integer in [-2**63, 2**64) (a 64-bit seed, as SamplingParams'), got {self.seed!r}")
         _require(self.agg_strategy is None or self.agg_strategy in AGG_STRATEGIES, "agg_strategy",
                  f"must be one of {', '.join(AGG_STRATEGIES)} (or None: the verifier's own), got {self.agg_strategy!r}")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.of(self.speculative_config))
@@ -106,6 +110,10 @@ def declared_aggregation(model_dir: str | Path) -> str:
     if name not in AGG_STRATEGIES:
         raise ValueError(f"{config}: unknown {AGGREGATION_KEY} {name!r}; known: {', '.join(AGG_STRATEGIES)}")
     return name
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _require(ok: bool, name: str, message: str) -> None:
