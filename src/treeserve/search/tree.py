@@ -82,6 +82,7 @@ class SearchResult:
     answers: list[str | None] = field(default_factory=list)
     pred: str | None = None
     seconds: float = 0.0
+    agg_strategy: str | None = None  # how `agg_scores` were folded (None: the strategy reads no verifier)
 
     @property
     def verifier_rejected_all(self) -> bool:
