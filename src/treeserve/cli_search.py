@@ -85,7 +85,7 @@ def _add_search_args(parser: argparse.ArgumentParser) -> None:
                         help="beam: drop a beam whose text equals an earlier beam's before the survivors are "
                         "chosen (Search-and-Learn's filter_duplicates; default: off)")
     parser.add_argument("--sort-completed", action=argparse.BooleanOptionalAction, default=False,
-                        help="beam: answer from the N best-scored completed beams, not the first N to complete "
+                        help="beam: the candidates are the N best-scored completed beams, not the first N to complete "
                         "(Search-and-Learn's sort_completed; default: off)")
     parser.add_argument("--eos-sampling-at-max-depth", action=argparse.BooleanOptionalAction, default=False,
                         help="beam, dvts: sample the last iteration's step to end-of-sequence, as "
