@@ -268,5 +268,9 @@ def test_aggregation(how, expected):
 def test_bad_config_names_the_parameter():
     with pytest.raises(ValueError, match="beam_width"):
         SearchConfig(strategy="beam", n=6, beam_width=4)
+    # (`treeserve search --n 6` and /v1/search's n=6 named a beam_width the user never gave)
+    with pytest.raises(ValueError) as refused:
+        SearchConfig(strategy="dvts", n=6)
+    assert "n (6) must be a multiple of beam_width (4, the default where none is given)" in str(refused.value)
     with pytest.raises(ValueError, match="agg_strategy"):
         SearchConfig(agg_strategy="mean")

@@ -71,8 +71,9 @@ class SearchConfig:
             value = getattr(self, name)
             _require(_is_int(value) and value >= least, name, f"must be an integer >= {least}, got {value!r}")
         if self.strategy in ("beam", "dvts"):
+            default = ", the default where none is given" if self.beam_width == 4 else ""
             _require(self.n % self.beam_width == 0, "beam_width",
-                     f"n ({self.n}) must be a multiple of beam_width ({self.beam_width})")
+                     f"n ({self.n}) must be a multiple of beam_width ({self.beam_width}{default})")
 
     def _check_sampling(self) -> None:
         """Numbers, named where they are not (a string was a TypeError from a comparison)."""
