@@ -231,14 +231,16 @@ def test_distinct_seeds_below_2_to_the_32_search_with_distinct_samples(other):
                                           ({"sort_completed": 1}, "sort_completed: must be true or false"),
                                           ({"eos_sampling_at_max_depth": None},
                                            "eos_sampling_at_max_depth: must be true or false"),
-                                          ({"temperature": "0.8"}, "temperature: must be a number >= 0, got '0.8'"),
+                                          ({"temperature": "0.8"}, "temperature: must be a number >= 0 and finite"),
+                                          ({"temperature": float("inf")}, "temperature: must be a number >= 0 and"),
                                           ({"top_p": None}, "top_p: must be in (0, 1], got None"),
                                           ({"n": True}, "n: must be an integer >= 1, got True"),
                                           ({"system_prompt": 5}, "system_prompt: must be a string or None")])
 def test_a_config_names_a_value_of_the_wrong_kind(change, said):
     """(a seed of 1.5 failed the search with a TypeError from the seed tree; "no" turned
     filter_duplicates on, a non-empty string being true; a temperature of "0.8" was a TypeError from a
-    comparison, n=True a search of one, and a system prompt of 5 failed in the chat template)"""
+    comparison, an infinite one failed each problem in SamplingParams, n=True was a search of one, and
+    a system prompt of 5 failed in the chat template)"""
     with pytest.raises(ValueError) as refused:
         SearchConfig(**change)
     assert said in str(refused.value)

@@ -77,8 +77,8 @@ class SearchConfig:
 
     def _check_sampling(self) -> None:
         """Numbers, named where they are not (a string was a TypeError from a comparison)."""
-        _require(_is_number(self.temperature) and self.temperature >= 0, "temperature",
-                 f"must be a number >= 0, got {self.temperature!r}")
+        _require(_is_number(self.temperature) and 0 <= self.temperature < float("inf"), "temperature",
+                 f"must be a number >= 0 and finite, got {self.temperature!r}")
         _require(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
         _require(_is_int(self.seed) and -2 ** 63 <= self.seed < 2 ** 64, "seed",
                  f"must be an integer in [-2**63, 2**64) (a 64-bit seed, as SamplingParams'), got {self.seed!r}")
