@@ -85,6 +85,24 @@ def test_eval_reports_no_score_ranked_predictions_for_a_strategy_without_a_verif
     assert [set(r["accuracy_by_prediction"]) for r in runs[:2]] == [{"maj@1", "maj@2"}, {"maj@1"}]
 
 
+@pytest.mark.parametrize("command", ["search", "eval"])
+def test_search_and_eval_take_search_and_learns_beam_switches(command, tmp_path):
+    """(SearchConfig had filter_duplicates, sort_completed and eos_sampling_at_max_depth, /v1/search too,
+    but the command line had no flag for them: "unrecognized arguments")"""
+    from treeserve.cli import build_parser
+    from treeserve.cli_search import _config
+
+    place = ["q"] if command == "search" else ["--dataset", "d.jsonl", "--out", str(tmp_path)]
+    switches = ["--filter-duplicates", "--sort-completed", "--eos-sampling-at-max-depth"]
+    names = ("filter_duplicates", "sort_completed", "eos_sampling_at_max_depth")
+    args = build_parser().parse_args([command, *switches, *place])
+    assert [getattr(_config(args, "beam", 4), name) for name in names] == [True] * 3
+    args = build_parser().parse_args([command, *place])
+    assert [getattr(_config(args, "beam", 4), name) for name in names] == [False] * 3
+    args = build_parser().parse_args([command, "--filter-duplicates", "--no-filter-duplicates", *place])
+    assert _config(args, "beam", 4).filter_duplicates is False
+
+
 def test_eval_names_a_bad_strategy(models, tmp_path, capsys):
     dataset = tmp_path / "data.jsonl"
     dataset.write_text(json.dumps(ROWS[0]) + "\n")

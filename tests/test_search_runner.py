@@ -132,6 +132,28 @@ def test_reference_mode_runs_the_same_strategy_and_samples_to_the_end_at_max_dep
     assert_no_leak(rt.engine("gen"))
 
 
+def test_evaluate_records_the_aggregation_the_verifier_declared(pair, tmp_path):
+    """`evaluate()` called directly with `agg_strategy` left out folded step scores with the verifier's
+    declared aggregation (the runner names it) but its summary recorded `agg_strategy: null`."""
+    import json
+    import shutil
+
+    from treeserve.search.evaluate import evaluate
+
+    declared = tmp_path / "prm"
+    shutil.copytree(pair["prm"], declared)
+    config = json.loads((declared / "config.json").read_text())
+    (declared / "config.json").write_text(json.dumps(config | {"prm_aggregation": "min"}))
+    rt = _runtime({"gen": pair["gen"], "prm": str(declared)})
+    rows = [{"problem": q, "answer": "5"} for q in QUESTIONS[:2]]
+    summary = evaluate(rows, _config(strategy="best_of_n"), SearchRunner(rt.engine("gen"), rt.scorer("prm")).run,
+                       tmp_path / "out")
+    assert summary["config"]["agg_strategy"] == "min"
+    records = [json.loads(line) for line in (tmp_path / "out" / "best_of_n_n4.jsonl").read_text().splitlines()]
+    assert [r["agg_strategy"] for r in records] == ["min", "min"]
+    assert all(r["agg_scores"] == [min(s) if s else 0.0 for s in r["scores"]] for r in records)
+
+
 def test_a_verifier_strategy_without_a_verifier_is_refused(pair):
     rt = _runtime(pair)
     with pytest.raises(ValueError, match="verifier"):

@@ -212,6 +212,40 @@ def test_the_problems_of_one_run_sample_with_seeds_of_their_own():
     assert len(set(seeds)) == len(seeds), seeds
 
 
+@pytest.mark.parametrize("other", [2 ** 31, 2 ** 31 + 7, 3 * 2 ** 31])
+def test_distinct_seeds_below_2_to_the_32_search_with_distinct_samples(other):
+    """The seed tree was kept to 31 bits after its first part: `seed` and `seed + 2**31` asked for the
+    same seeds, so a search with seed 2**31 repeated seed 0's (seed 2**31 + 7 seed 7's, and so on).
+    Seeds equal modulo 2**32 still search alike: the engine's draws read a seed's low 32 bits."""
+    def seeds(seed: int) -> list[int]:
+        script = Script(lambda text, j: (f"{text.count(chr(10))}{j}\n\n", "step"), lambda s: 0.5)
+        script.run(beam_config(n=8, beam_width=2, num_iterations=3, seed=seed))
+        return [x % 2 ** 32 for round_seeds in _sampling_seeds(script.samples) for x in round_seeds]
+    assert set(seeds(other % 2 ** 31)).isdisjoint(seeds(other))
+    assert seeds(other) == seeds(other + 2 ** 32)
+
+
+@pytest.mark.parametrize("change, said", [({"seed": 1.5}, "seed: must be an integer"),
+                                          ({"seed": 2 ** 64}, "seed: must be an integer in [-2**63, 2**64)"),
+                                          ({"filter_duplicates": "no"}, "filter_duplicates: must be true or false"),
+                                          ({"sort_completed": 1}, "sort_completed: must be true or false"),
+                                          ({"eos_sampling_at_max_depth": None},
+                                           "eos_sampling_at_max_depth: must be true or false"),
+                                          ({"temperature": "0.8"}, "temperature: must be a number >= 0 and finite"),
+                                          ({"temperature": float("inf")}, "temperature: must be a number >= 0 and"),
+                                          ({"top_p": None}, "top_p: must be in (0, 1], got None"),
+                                          ({"n": True}, "n: must be an integer >= 1, got True"),
+                                          ({"system_prompt": 5}, "system_prompt: must be a string or None")])
+def test_a_config_names_a_value_of_the_wrong_kind(change, said):
+    """(a seed of 1.5 failed the search with a TypeError from the seed tree; "no" turned
+    filter_duplicates on, a non-empty string being true; a temperature of "0.8" was a TypeError from a
+    comparison, an infinite one failed each problem in SamplingParams, n=True was a search of one, and
+    a system prompt of 5 failed in the chat template)"""
+    with pytest.raises(ValueError) as refused:
+        SearchConfig(**change)
+    assert said in str(refused.value)
+
+
 def test_weighted_best_of_n_answers_with_the_best_scored_completion_of_the_winning_answer():
     """The reply's `completion` and `score` were the first completion with the winning answer, however
     low the verifier scored it (0.1 here, where the same answer's best completion scored 0.7)."""
@@ -236,5 +270,9 @@ def test_aggregation(how, expected):
 def test_bad_config_names_the_parameter():
     with pytest.raises(ValueError, match="beam_width"):
         SearchConfig(strategy="beam", n=6, beam_width=4)
+    # (`treeserve search --n 6` and /v1/search's n=6 named a beam_width the user never gave)
+    with pytest.raises(ValueError) as refused:
+        SearchConfig(strategy="dvts", n=6)
+    assert "n (6) must be a multiple of beam_width (4, the default where none is given)" in str(refused.value)
     with pytest.raises(ValueError, match="agg_strategy"):
         SearchConfig(agg_strategy="mean")

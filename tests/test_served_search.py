@@ -14,6 +14,7 @@ from treeserve.bench.telemetry import parse_prometheus
 from treeserve.search.config import SearchConfig, declared_aggregation
 from treeserve.search.runner import SearchRunner
 from treeserve.server.launch import build_app
+from treeserve.wire.search import MAX_SEARCH_N
 
 QUESTIONS = ["Add two and three, then double it.", "Take seven away from ten.", "Multiply four by five.",
              "Halve eighteen and add one."]
@@ -107,6 +108,20 @@ def test_a_verifier_left_out_is_a_400_naming_the_served_ones(served):
     assert error["message"] == ("verifier: this field is required: strategy 'beam' ranks its candidates by a reward "
                                 "model's step scores (name one of the served reward models: prm); greedy and "
                                 "majority need none")
+
+
+def test_a_search_takes_search_and_learns_n_of_256_and_names_n_past_its_bound(served):
+    """(n was capped at 128, /v1/completions' bound: Search-and-Learn's recipes run best-of-N and DVTS
+    at n=256, and its Config has no bound)"""
+    url, _ = served
+    reply = httpx.post(f"{url}/v1/search", json=_body(QUESTIONS[0], 0, strategy="best_of_n", n=256, max_tokens=2),
+                       timeout=300)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["n"] == 256 and len(reply.json()["candidates"]) == 256
+    reply = httpx.post(f"{url}/v1/search", json=_body(QUESTIONS[0], 0, n=MAX_SEARCH_N + 1), timeout=60)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == "n" and str(MAX_SEARCH_N) in error["message"], error
 
 
 @pytest.mark.parametrize("strategy", ["greedy", "majority"])

@@ -81,6 +81,15 @@ def _add_search_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=2048)
     parser.add_argument("--agg-strategy", type=given("last, min or prod, or leave the flag out for the verifier's own"), help="last, min or prod: how step scores make one score "
                         "(default: the one the verifier's config.json names, else last)")
+    parser.add_argument("--filter-duplicates", action=argparse.BooleanOptionalAction, default=False,
+                        help="beam: drop a beam whose text equals an earlier beam's before the survivors are "
+                        "chosen (Search-and-Learn's filter_duplicates; default: off)")
+    parser.add_argument("--sort-completed", action=argparse.BooleanOptionalAction, default=False,
+                        help="beam: the candidates are the N best-scored completed beams, not the first N to complete "
+                        "(Search-and-Learn's sort_completed; default: off)")
+    parser.add_argument("--eos-sampling-at-max-depth", action=argparse.BooleanOptionalAction, default=False,
+                        help="beam, dvts: sample the last iteration's step to end-of-sequence, as "
+                        "Search-and-Learn does (default: off; a beam ends at the last iteration either way)")
     parser.add_argument("--system-prompt", help="replaces Search-and-Learn's math system prompt ('' for none)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--speculative-config", type=json_object, metavar="JSON",
@@ -112,7 +121,9 @@ def _config(args, strategy: str, n: int):
     agg_strategy = args.agg_strategy or declared_aggregation(resolve_model_path(args.verifier))
     return SearchConfig(strategy=strategy, n=n, beam_width=_beam_width(args, n), num_iterations=args.num_iterations,
                         lookahead=args.lookahead, temperature=args.temperature, top_p=args.top_p,
-                        max_tokens=args.max_tokens, agg_strategy=agg_strategy, system_prompt=system,
+                        max_tokens=args.max_tokens, agg_strategy=agg_strategy,
+                        filter_duplicates=args.filter_duplicates, sort_completed=args.sort_completed,
+                        eos_sampling_at_max_depth=args.eos_sampling_at_max_depth, system_prompt=system,
                         seed=args.seed, speculative_config=args.speculative_config)
 
 

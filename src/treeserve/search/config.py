@@ -55,21 +55,33 @@ class SearchConfig:
 
     def __post_init__(self) -> None:
         _require(self.strategy in STRATEGIES, "strategy", f"must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
-        _require(isinstance(self.n, int) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
-        _require(isinstance(self.beam_width, int) and self.beam_width >= 1, "beam_width",
-                 f"must be an integer >= 1, got {self.beam_width!r}")
-        if self.strategy in ("beam", "dvts"):
-            _require(self.n % self.beam_width == 0, "beam_width",
-                     f"n ({self.n}) must be a multiple of beam_width ({self.beam_width})")
-        _require(isinstance(self.num_iterations, int) and self.num_iterations >= 1, "num_iterations",
-                 f"must be an integer >= 1, got {self.num_iterations!r}")
-        _require(isinstance(self.lookahead, int) and self.lookahead >= 0, "lookahead", "must be an integer >= 0")
-        _require(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
-        _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
-        _require(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1")
+        self._check_counts()
+        self._check_sampling()
+        for name in ("filter_duplicates", "sort_completed", "eos_sampling_at_max_depth"):
+            _require(isinstance(getattr(self, name), bool), name, f"must be true or false, got {getattr(self, name)!r}")
         _require(self.agg_strategy is None or self.agg_strategy in AGG_STRATEGIES, "agg_strategy",
                  f"must be one of {', '.join(AGG_STRATEGIES)} (or None: the verifier's own), got {self.agg_strategy!r}")
+        _require(self.system_prompt is None or isinstance(self.system_prompt, str), "system_prompt",
+                 f"must be a string or None (no system prompt), got {self.system_prompt!r}")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.of(self.speculative_config))
+
+    def _check_counts(self) -> None:
+        """Whole numbers (a bool is none: True was taken as 1)."""
+        for name, least in (("n", 1), ("beam_width", 1), ("num_iterations", 1), ("lookahead", 0), ("max_tokens", 1)):
+            value = getattr(self, name)
+            _require(_is_int(value) and value >= least, name, f"must be an integer >= {least}, got {value!r}")
+        if self.strategy in ("beam", "dvts"):
+            default = ", the default where none is given" if self.beam_width == 4 else ""
+            _require(self.n % self.beam_width == 0, "beam_width",
+                     f"n ({self.n}) must be a multiple of beam_width ({self.beam_width}{default})")
+
+    def _check_sampling(self) -> None:
+        """Numbers, named where they are not (a string was a TypeError from a comparison)."""
+        _require(_is_number(self.temperature) and 0 <= self.temperature < float("inf"), "temperature",
+                 f"must be a number >= 0 and finite, got {self.temperature!r}")
+        _require(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
+        _require(_is_int(self.seed) and -2 ** 63 <= self.seed < 2 ** 64, "seed",
+                 f"must be an integer in [-2**63, 2**64) (a 64-bit seed, as SamplingParams'), got {self.seed!r}")
 
     @property
     def uses_verifier(self) -> bool:
@@ -106,6 +118,14 @@ def declared_aggregation(model_dir: str | Path) -> str:
     if name not in AGG_STRATEGIES:
         raise ValueError(f"{config}: unknown {AGGREGATION_KEY} {name!r}; known: {', '.join(AGG_STRATEGIES)}")
     return name
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _require(ok: bool, name: str, message: str) -> None:

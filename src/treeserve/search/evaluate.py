@@ -146,7 +146,14 @@ def _summary(config: SearchConfig, records: list[dict], seconds: float) -> dict:
             "pass@k": {k: sum(pass_at_k(n, min(r["num_correct"], n), k) for r in records) / max(count, 1)
                        for k in sorted({1, n}) if k <= n},
             "completion_tokens": sum(r["completion_tokens"] for r in records),
-            "config": asdict(config)}
+            "config": asdict(config) | {"agg_strategy": _aggregation_used(config, records)}}
+
+
+def _aggregation_used(config: SearchConfig, records: list[dict]) -> str | None:
+    """The aggregation the search folded step scores with: the config's, or where it names none, the
+    one the runner chose (the verifier's declared one), which each record holds (the summary said null)."""
+    used = {r["agg_strategy"] for r in records if r.get("agg_strategy") is not None}
+    return config.agg_strategy or (used.pop() if len(used) == 1 else None)
 
 
 def write_report(summaries: list[dict], out_dir: Path) -> list[Path]:

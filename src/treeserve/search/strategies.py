@@ -208,7 +208,8 @@ def _result(question: str, config: SearchConfig, texts: list[str], scores: list[
     answers = [extract_answer(t) for t in texts]
     chosen = choose(config.strategy, answers, agg)
     return SearchResult(question, config.strategy, texts, scores, agg, chosen, tree_size, tokens,
-                        answers=answers, pred=answers[chosen] if answers else None)
+                        answers=answers, pred=answers[chosen] if answers else None,
+                        agg_strategy=config.agg_strategy if config.uses_verifier else None)
 
 
 def choose(strategy: str, answers: list[str | None], agg_scores: list[float]) -> int:

@@ -82,6 +82,7 @@ class SearchResult:
     answers: list[str | None] = field(default_factory=list)
     pred: str | None = None
     seconds: float = 0.0
+    agg_strategy: str | None = None  # how `agg_scores` were folded (None: the strategy reads no verifier)
 
     @property
     def verifier_rejected_all(self) -> bool:
@@ -118,11 +119,16 @@ def aggregate(scores: list[float], how: str) -> float:
 
 
 def seed_for(base: int, *path: int) -> int:
-    """A sampling seed fixed by the config seed and the position in the tree, not by batching."""
-    value = base & 0xFFFFFFFF
+    """A sampling seed fixed by the config seed and the position in the tree, not by batching:
+    `base * P**k + (path[0] + 1) * P**(k-1) + ... + path[-1] + 1` modulo 2**31 (P = 1,000,003), with the
+    base's bit 31 kept as the seed's. Within a problem every place differs. The engine's seeded draws
+    read a seed's low 32 bits (torch's CPU generator), so seeds equal modulo 2**32 search alike; the
+    tree kept 31 of them, so `seed` and `seed + 2**31` did too (the bit is now kept, and every seed
+    under 2**31 asks for the seeds it asked for before)."""
+    value = base & 0x7FFFFFFF
     for part in path:
         value = (value * 1_000_003 + part + 1) & 0x7FFFFFFF
-    return value
+    return value | (base & 0x80000000)
 
 
 def step_from_completion(completion) -> Step:

@@ -4,7 +4,11 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from treeserve.wire.chat_messages import ChatMessage
-from treeserve.wire.sampling_request import MAX_N
+
+# Search-and-Learn's recipes go to n=256 (its Config has no bound); a search's candidates are generated
+# in waves of the engine's max_num_seqs and its tree is kept as token ids, so a large n costs time, not
+# KV memory. The bound (4x the study's largest) refuses a typo's millions with a 400 naming `n`.
+MAX_SEARCH_N = 1024
 
 
 class SearchRequest(BaseModel):
@@ -18,7 +22,7 @@ class SearchRequest(BaseModel):
     question: str | None = None
     messages: list[ChatMessage] | None = None  # alternative to question: system prompt + user question
     strategy: str = "beam"
-    n: int = Field(default=4, ge=1, le=MAX_N)
+    n: int = Field(default=4, ge=1, le=MAX_SEARCH_N)
     beam_width: int | None = None
     num_iterations: int = 40
     lookahead: int = 0
