@@ -22,6 +22,7 @@ import anyio
 from fastapi.responses import Response, StreamingResponse
 
 from treeserve.gateway.broker import BrokerStream
+from treeserve.gateway.config import scrubbed
 from treeserve.gateway.metrics import GatewayMetrics
 from treeserve.gateway.pricing import completion_cap
 from treeserve.gateway.routing import Backend, Router
@@ -162,7 +163,7 @@ class Forwarder:
                         headers=None) -> Response | str:
         self._begin(backend)
         try:
-            async with self.upstreams.client.post(backend.url + path, json=upstream, headers=_headers(backend, headers),
+            async with self.upstreams.client.post(backend.endpoint(path), json=upstream, headers=_headers(backend, headers),
                                         timeout=_timeout(backend, whole=True)) as response:
                 status, content, headers = response.status, await response.read(), _retry_after(response)
         except SEND_ERRORS as exc:
@@ -206,7 +207,7 @@ class Forwarder:
                           headers=None) -> Response | str:
         self._begin(backend)
         try:
-            response = await self.upstreams.client.post(backend.url + path, json=upstream,
+            response = await self.upstreams.client.post(backend.endpoint(path), json=upstream,
                                                         headers=_headers(backend, headers),
                                                         timeout=_timeout(backend, whole=False))
         except SEND_ERRORS as exc:
@@ -356,6 +357,7 @@ class Forwarder:
     def _failed(self, backend: Backend, error, breaker: bool = True) -> str:
         reason = type(error).__name__ if isinstance(error, BaseException) else str(error)
         text = f"{backend.name}: {reason}" + (f" ({error})" if isinstance(error, BaseException) and str(error) else "")
+        text = scrubbed(text, backend.url)  # (an aiohttp error may quote the URL, its query's key and all)
         backend.last_error = text
         if breaker:
             backend.breaker.on_failure()

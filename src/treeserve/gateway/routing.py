@@ -67,6 +67,9 @@ class Backend:
     def name(self) -> str:
         return self.config.name
 
+    def endpoint(self, path: str) -> str:
+        return self.config.endpoint(path)
+
     @property
     def usable(self) -> bool:
         return self.healthy and self.breaker.allows()
