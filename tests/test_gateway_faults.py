@@ -370,6 +370,36 @@ def test_a_model_whose_replicas_are_cut_off_goes_to_its_fallback_before_them(bac
         assert _post(gw, "m").status_code == 503 and fake.state.calls == ["503", "503"]  # (still tried, last)
 
 
+def test_a_lone_replica_cut_off_is_answered_at_once_with_a_503_naming_why(tmp_path):
+    """A model whose only replica fails its health check and has its circuit open (no fallback) is
+    answered at once: a 503 naming the model, the replica and its last error, with Retry-After the seconds
+    until its circuit lets a trial through (LiteLLM's cooldown: "No deployments available ... Try again in
+    N seconds"). Before, every request still went to it 1 + retries times (a connect timeout each where its
+    host does not answer). The key in its URL's query is shown nowhere (it was, in the 503 and the label)."""
+    dead = "http://127.0.0.1:9/v1?api_key=SECRETKEY"  # (nothing listens on the discard port)
+    label = 'treeserve_gateway:backend_failures_total{backend="http://127.0.0.1:9/v1?api_key=***",'
+    with gateway(tmp_path, {"m": [dead]}, breaker_failures=1, breaker_cooldown=60, retries=2,
+                 health_interval=0.1) as (gw, app):
+        replica = app.state.router.groups["m"].backends[0]
+        wait_for(lambda: not replica.healthy, timeout=10)
+
+        def failures() -> float:
+            metrics = httpx.get(gw + "/metrics", headers={"Authorization": f"Bearer {MASTER}"}).text
+            assert "SECRETKEY" not in metrics
+            return sum(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(label))
+        tried = _post(gw, "m")  # (its circuit closed: tried, 1 + retries times; its circuit opens)
+        assert tried.status_code == 503 and failures() == 3, tried.text
+        for stream in (False, True):
+            answer = _post(gw, "m", stream=stream)
+            assert answer.status_code == 503 and failures() == 3, answer.text  # (not tried again)
+            message = answer.json()["error"]["message"]
+            assert message.startswith("model 'm': no backend could answer (each backend fails its health check "
+                                      "and has its circuit open"), message
+            assert "http://127.0.0.1:9/v1?api_key=***: ClientConnectorError" in message, message
+            assert 55 <= int(answer.headers["retry-after"]) <= 60
+            assert "SECRETKEY" not in tried.text + answer.text
+
+
 def test_a_backend_url_with_a_query_sends_it_with_every_request(backend, tmp_path):
     """A backend URL with a query (a provider's `?api-version=...`, `?key=...`) has it on each request, after
     the route: it was joined after the query (`?api-version=1/v1/chat/completions`), so no request reached

@@ -145,9 +145,10 @@ class Forwarder:
             return Response(failures[-1].content, status_code=429, media_type="application/json",
                             headers=failures[-1].headers | {"x-request-id": request_id})
         self._count(model, "", "503", started)
-        last_error = failures[-1] if failures else "no backend is configured"
+        last_error, retry_after = (failures[-1], 1) if failures else self.router.unavailable(model)
         return error_response(503, f"model {model!r}: no backend could answer ({last_error})",
-                              code="no_backend_available", headers={"Retry-After": "1", "x-request-id": request_id})
+                              code="no_backend_available",
+                              headers={"Retry-After": str(retry_after), "x-request-id": request_id})
 
     # ---- one attempt -------------------------------------------------------------------------
     async def _attempt(self, path, body, group, backend: Backend, settle, started, headers,
