@@ -164,8 +164,9 @@ class Forwarder:
                         headers=None) -> Response | str:
         self._begin(backend)
         try:
-            async with self.upstreams.client.post(backend.endpoint(path), json=upstream, headers=_headers(backend, headers),
-                                        timeout=_timeout(backend, whole=True)) as response:
+            async with self.upstreams.client.post(backend.endpoint(path), json=upstream,
+                                                  headers=_headers(backend, headers),
+                                                  timeout=_timeout(backend, whole=True)) as response:
                 status, content, headers = response.status, await response.read(), _retry_after(response)
         except SEND_ERRORS as exc:
             return self._failed(backend, exc)

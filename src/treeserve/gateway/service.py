@@ -1,7 +1,7 @@
 """The gateway's request path. One OpenAI request on a key's account: its model checked (404 unknown,
-401 not allowed to the key, its team or its user, as LiteLLM's proxy answers), admitted in one database transaction (parallel slot, the minute's
-request count, the worst-case cost reserved on its key and user: refused with a domain error),
-forwarded (`proxy.Forwarder`), and settled to its real cost once it has ended (`Accounting`).
+401 not allowed to the key, its team or its user, as LiteLLM's proxy answers), admitted in one database
+transaction (parallel slot, the minute's request count, the worst-case cost reserved on its key and user:
+refused with a domain error), forwarded (`proxy.Forwarder`), and settled to its real cost once it has ended (`Accounting`).
 
 The OpenAI routes and the web chat both send their requests through `GatewayService.dispatch`."""
 from __future__ import annotations
