@@ -82,6 +82,16 @@ def test_user_list_filters_and_pages_as_litellms_and_user_info_has_teams(databas
             refused = client.get("/user/list", params=bad)
             assert refused.status_code == 400 and list(bad)[0] in refused.json()["error"]["param"], refused.text
         assert client.get("/user/info", params={"user_id": "ann"}).json()["teams"] == []
+        # LiteLLM's user fields this gateway lacks: a 400 saying why, not `unknown parameter` (a typo's
+        # answer); a null one asks for nothing and is dropped
+        for route, body in (("/user/new", {"user_id": "dan", "user_role": "internal_user"}),
+                            ("/user/new", {"user_id": "dan", "user_email": "dan@example.com"}),
+                            ("/user/update", {"user_id": "ann", "user_email": "ann@example.com"})):
+            refused = client.post(route, json=body)
+            error = refused.json()["error"]
+            assert refused.status_code == 400 and error["code"] == "unsupported_parameter", refused.text
+            assert error["param"] in body and "not supported" in error["message"], error
+        assert client.post("/user/new", json={"user_id": "dan", "user_email": None}).status_code == 200
 
 
 def test_keys_are_deleted_by_their_aliases_as_litellms_key_aliases(database):

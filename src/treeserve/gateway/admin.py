@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Path, Query
 from fastapi.responses import PlainTextResponse
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from starlette.concurrency import run_in_threadpool
 
 from treeserve.gateway.accounts import KEY_SORTS, USER_SORTS, Accounts, Page, Sort
@@ -19,6 +19,7 @@ from treeserve.gateway.keys import KeyRecord, check_chosen_key, hash_key, same_s
 from treeserve.gateway.ledger import Ledger, logs_csv
 from treeserve.gateway.passwords import hash_password
 from treeserve.wire.errors import APIError
+from treeserve.wire.unsupported import Unsupported, drop_or_refuse
 
 # The sizes of their columns (gateway/schema.py): a longer value is a 400 here, not a database error.
 UserId = Annotated[Text, Field(min_length=1, max_length=128)]
@@ -78,12 +79,29 @@ class KeyDelete(_Body):
     key_aliases: Annotated[list[Annotated[Text, Field(max_length=128)]], Field(max_length=MAX_IDS)] = []
 
 
+# LiteLLM's user fields this gateway does not have: a 400 saying so (null or empty: dropped), as /team/new's
+# (team_routes.UNBUILT); they were `unknown parameter`, which reads as a typo to a LiteLLM user
+USER_UNSUPPORTED = {
+    "user_email": Unsupported("users here have no email; name them by user_id"),
+    "user_alias": Unsupported("users here have no alias; name them by user_id"),
+    "user_role": Unsupported("no user roles here: the master key administers, a user's keys call models"),
+    "teams": Unsupported("add the user to a team with /team/member_add"),
+    "organization_id": Unsupported("this gateway has no organizations"),
+    "send_invite_email": Unsupported("this gateway sends no email"),
+}
+
+
 class UserFields(_Body):
     max_budget: Money | None = None
     budget_duration: Period | None = None
     models: Models | None = None
     metadata: dict[str, Any] | None = None
     password: Annotated[Text, Field(max_length=1024)] | None = None  # for the web chat (an Argon2id hash)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _litellms_unbuilt(cls, data: Any) -> Any:
+        return drop_or_refuse(data, USER_UNSUPPORTED)
 
 
 # /user/new's fields for the key it makes (a user here has no rate limits or lifetime of its own)
