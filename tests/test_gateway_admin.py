@@ -94,6 +94,25 @@ def test_user_list_filters_and_pages_as_litellms_and_user_info_has_teams(databas
         assert client.post("/user/new", json={"user_id": "dan", "user_email": None}).status_code == 200
 
 
+def test_litellms_every_model_names_and_key_fields_this_gateway_lacks(database):
+    """LiteLLM's `all-proxy-models` (and a team key's `all-team-models`) in `models` is every model: the
+    key is made (it was a 400 "'all-proxy-models' is not served by this gateway"), with the empty list that
+    allows every model here. LiteLLM's key fields this gateway lacks (`tags`, `guardrails`, ...) are a 400
+    saying so, as a team's are; they were `unknown parameter`, a typo's answer."""
+    with admin(database) as client:
+        for sentinel in ("all-proxy-models", "all-team-models"):
+            made = client.post("/key/generate", json={"models": [sentinel]})
+            assert made.status_code == 200 and made.json()["models"] == [], made.text
+        team = client.post("/team/new", json={"models": ["all-proxy-models"]})
+        assert team.status_code == 200 and team.json()["models"] == [], team.text
+        for field, value in (("tags", ["a"]), ("guardrails", ["g"]), ("model_max_budget", {"gen": 1})):
+            refused = client.post("/key/generate", json={field: value})
+            error = refused.json()["error"]
+            assert refused.status_code == 400 and error["code"] == "unsupported_parameter", refused.text
+            assert error["param"] == field and "not supported" in error["message"], error
+        assert client.post("/key/generate", json={"tags": None}).status_code == 200  # (asks for nothing)
+
+
 def test_keys_are_deleted_by_their_aliases_as_litellms_key_aliases(database):
     """LiteLLM's /key/delete takes `key_aliases` as well as `keys`; it was a 400 about `keys`."""
     with admin(database) as client:

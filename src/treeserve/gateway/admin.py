@@ -17,16 +17,17 @@ from treeserve.gateway.admin_changes import AccountChanges
 from treeserve.gateway.fields import INT32_MAX, MAX_IDS, NO_NUL, Text
 from treeserve.gateway.keys import KeyRecord, check_chosen_key, hash_key, same_secret, stored_hash
 from treeserve.gateway.ledger import Ledger, logs_csv
+from treeserve.gateway.litellm_fields import KEY_UNSUPPORTED, USER_UNSUPPORTED, every_model_as_empty
 from treeserve.gateway.passwords import hash_password
 from treeserve.wire.errors import APIError
-from treeserve.wire.unsupported import Unsupported, drop_or_refuse
+from treeserve.wire.unsupported import drop_or_refuse
 
 # The sizes of their columns (gateway/schema.py): a longer value is a 400 here, not a database error.
 UserId = Annotated[Text, Field(min_length=1, max_length=128)]
 Money = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Limit = Annotated[int, Field(ge=0, le=INT32_MAX)]
 Period = Annotated[Text, Field(max_length=16)]  # "30d"; parsed by keys.after
-Models = list[Annotated[Text, Field(max_length=256)]]
+Models = Annotated[list[Annotated[Text, Field(max_length=256)]], AfterValidator(every_model_as_empty)]
 ChosenKey = Annotated[Text, Field(max_length=512), AfterValidator(check_chosen_key)]  # (keys.check_chosen_key)
 
 
@@ -47,6 +48,11 @@ class KeyLimits(_Body):
     max_parallel_requests: Limit | None = None
     duration: Period | None = None
     metadata: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _litellms_unbuilt(cls, data: Any) -> Any:
+        return drop_or_refuse(data, KEY_UNSUPPORTED)
 
 
 class KeyCreate(KeyLimits):
@@ -77,18 +83,6 @@ class KeyDelete(_Body):
     """LiteLLM's: the keys (or their hashes), their aliases, or both; at least one."""
     keys: Annotated[list[Annotated[Text, Field(max_length=512)]], Field(max_length=MAX_IDS)] = []
     key_aliases: Annotated[list[Annotated[Text, Field(max_length=128)]], Field(max_length=MAX_IDS)] = []
-
-
-# LiteLLM's user fields this gateway does not have: a 400 saying so (null or empty: dropped), as /team/new's
-# (team_routes.UNBUILT); they were `unknown parameter`, which reads as a typo to a LiteLLM user
-USER_UNSUPPORTED = {
-    "user_email": Unsupported("users here have no email; name them by user_id"),
-    "user_alias": Unsupported("users here have no alias; name them by user_id"),
-    "user_role": Unsupported("no user roles here: the master key administers, a user's keys call models"),
-    "teams": Unsupported("add the user to a team with /team/member_add"),
-    "organization_id": Unsupported("this gateway has no organizations"),
-    "send_invite_email": Unsupported("this gateway sends no email"),
-}
 
 
 class UserFields(_Body):
