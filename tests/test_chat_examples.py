@@ -71,6 +71,7 @@ def test_each_user_sees_only_the_models_their_key_allows(tmp_path):
         add_user(gateway, "everyone", "a long enough password")
         add_user(gateway, "other-only", "a long enough password", models=["other"])
         add_user(gateway, "gen-only", "a long enough password", models=["gen", "prm"])
+        add_user(gateway, "no-verifier", "a long enough password", models=["gen", "other"])
 
         def me(user: str) -> tuple[httpx.Client, dict]:
             client = httpx.Client(base_url=url, timeout=30)
@@ -92,6 +93,16 @@ def test_each_user_sees_only_the_models_their_key_allows(tmp_path):
         refused = client.post(f"/chat/api/conversations/{conversation['id']}/messages",
                               json={"content": "hi", "settings": {"model": "gen"}})
         assert refused.status_code == 403 and refused.json()["error"]["code"] == "model_not_allowed", refused.text
+
+        # a search needs the model's verifier too: not offered, and refused (before, offered, and its
+        # refusal by the API, now LiteLLM's 401, would have read as the session's end on the page)
+        client, no_verifier = me("no-verifier")
+        assert no_verifier["models"] == ["gen", "other"] and no_verifier["search_models"] == [], no_verifier
+        conversation = client.post("/chat/api/conversations", json={"settings": {"model": "gen"}}).json()
+        refused = client.post(f"/chat/api/conversations/{conversation['id']}/messages",
+                              json={"content": "1+1?", "settings": {"model": "gen", "mode": "search"}})
+        assert refused.status_code == 403 and refused.json()["error"]["param"] == "settings.mode", refused.text
+        assert "'prm'" in refused.json()["error"]["message"]
 
         _, gen_only = me("gen-only")
         assert gen_only["models"] == ["gen"] and gen_only["search_models"] == ["gen"], gen_only

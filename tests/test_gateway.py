@@ -85,7 +85,11 @@ def test_users_are_updated_listed_and_deleted_with_their_keys_and_spend_can_star
         _chat(client)
         with pytest.raises(openai.APIStatusError) as refused:  # (the user's budget is spent)
             _chat(client)
-        assert refused.value.status_code == 400 and refused.value.body["code"] == "budget_exceeded"
+        # (LiteLLM's proxy's answer: 429 `budget_exceeded`; not to be retried while it is spent)
+        assert refused.value.status_code == 429 and refused.value.body["code"] == "budget_exceeded"
+        assert refused.value.body["type"] == "budget_exceeded"
+        assert refused.value.response.headers["x-should-retry"] == "false"
+        assert refused.value.body["message"].startswith("max_budget: Budget has been exceeded!")
         updated = _admin(url, "POST", "/user/update", json={"user_id": "ann", "max_budget": 5.0, "spend": 0,
                                                               "budget_duration": "1mo", "metadata": {"team": "x"}})
         assert updated.status_code == 200, updated.text
@@ -154,11 +158,13 @@ def test_litellms_key_routes_and_unique_aliases(server, database, caplog):
         for probe in ("/health/liveliness", "/health/readiness"):
             assert httpx.get(url + probe).status_code == 200
         with caplog.at_level(logging.INFO, logger="treeserve.gateway"):
-            with pytest.raises(openai.PermissionDeniedError) as refused:
+            with pytest.raises(openai.AuthenticationError) as refused:  # (LiteLLM's proxy's 401)
                 _client(url, renewed["key"]).chat.completions.create(model="other", max_tokens=2,
                                                                      messages=[{"role": "user", "content": "x"}])
+        assert refused.value.body["type"] == "key_model_access_denied" and refused.value.body["param"] == "model"
+        assert "can only access models=['tiny']. Tried to access other" in refused.value.body["message"]
         request_id = refused.value.response.headers["x-request-id"]
-        assert any(request_id in r.getMessage() and "refused 403" in r.getMessage() for r in caplog.records)
+        assert any(request_id in r.getMessage() and "refused 401" in r.getMessage() for r in caplog.records)
 
 
 def test_keys_are_stored_hashed_and_shown_once(server, database):
@@ -214,9 +220,9 @@ def test_refusals_are_openai_errors(server, database):
         with pytest.raises(openai.AuthenticationError):
             _chat(_client(url, "sk-unknown"))
         limited = _client(url, _new_key(url, models=["other"]))
-        with pytest.raises(openai.PermissionDeniedError) as denied:
+        with pytest.raises(openai.AuthenticationError) as denied:  # (LiteLLM's proxy's 401 for a model not the key's)
             _chat(limited)
-        assert denied.value.body["param"] == "model"
+        assert denied.value.body["param"] == "model" and denied.value.body["type"] == "key_model_access_denied"
         with pytest.raises(openai.NotFoundError):
             limited.chat.completions.create(model="missing", messages=[{"role": "user", "content": "x"}])
         _inside_one_minute()
@@ -227,9 +233,10 @@ def test_refusals_are_openai_errors(server, database):
         assert 1 <= int(limited_rate.value.response.headers["retry-after"]) <= 60
         assert limited_rate.value.body["param"] == "rpm_limit"
         broke = _client(url, _new_key(url, max_budget=0.0))
-        with pytest.raises(openai.BadRequestError) as over:
+        with pytest.raises(openai.RateLimitError) as over:
             _chat(broke)
         assert over.value.body["code"] == "budget_exceeded" and "max_budget" in over.value.body["message"]
+        assert over.value.body["type"] == "budget_exceeded" and "retry-after" not in over.value.response.headers
         expired = _new_key(url, duration="1s")
         wait_for(lambda: httpx.post(url + "/v1/chat/completions", headers={"Authorization": f"Bearer {expired}"},
                                     json={}).status_code == 401, timeout=5)
@@ -240,7 +247,8 @@ def test_refusals_are_openai_errors(server, database):
         assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
         search = httpx.post(url + "/v1/search", headers={"Authorization": f"Bearer {limited.api_key}"},
                             json={"model": "other", "verifier": "tiny", "question": "1 + 1?"})
-        assert search.status_code == 403 and search.json()["error"]["param"] == "verifier"
+        assert search.status_code == 401 and search.json()["error"]["param"] == "verifier"
+        assert search.json()["error"]["type"] == "key_model_access_denied"
         period = _admin(url, "POST", "/key/generate", json={"budget_duration": "monthly"})
         assert period.status_code == 400 and period.json()["error"]["param"] == "budget_duration"
 
@@ -283,9 +291,10 @@ def test_a_budget_holds_under_a_burst(server, database, gateways):
         served = [r for r in results if not isinstance(r, Exception)]
         refused = [r for r in results if isinstance(r, Exception)]
         assert served and refused, (len(served), [str(r) for r in refused][:3])
-        # spent: 400; held by the burst's requests in flight (their worst cases): 429, to try again
-        assert all(r.body["code"] == "budget_exceeded" and (r.status_code == 400 or (
-            r.status_code == 429 and r.response.headers["retry-after"] == "1" and "held" in r.body["message"]))
+        # 429s: spent, not to be retried; held by the burst's requests in flight (their worst cases), to try again
+        assert all(r.body["code"] == "budget_exceeded" and r.status_code == 429 and (
+            r.response.headers.get("x-should-retry") == "false" or (
+                r.response.headers["retry-after"] == "1" and "held" in r.body["message"]))
             for r in refused), [(r.status_code, r.body) for r in refused]
         row = wait_for(lambda: (r := _key_row(database, created["key_name"])) and r["in_flight"] == 0
                        and abs(r["reserved"]) < 1e-9 and r)
@@ -355,10 +364,10 @@ def test_a_key_used_back_to_back_is_refused_only_when_its_budget_is_spent(server
         for i in range(8):
             try:
                 answer = _chat(client)
-            except openai.BadRequestError as exc:
+            except openai.RateLimitError as exc:
                 pytest.fail(f"request {i + 1} of the 8 the budget pays for was refused: {exc.body['message']}")
             assert answer.usage.model_dump() == probe.usage.model_dump()
-        with pytest.raises(openai.BadRequestError) as refused:
+        with pytest.raises(openai.RateLimitError) as refused:
             _chat(client)
         assert refused.value.body["code"] == "budget_exceeded"
         info = _admin(url, "GET", "/key/info", params={"key": client.api_key}).json()["info"]
@@ -591,9 +600,10 @@ def test_budgets_and_rate_limits_hold_across_two_gateway_processes(server, datab
         results = _burst(urls, created["key"], 20)
         served = [r for r in results if not isinstance(r, Exception)]
         refused = [r for r in results if isinstance(r, Exception)]
-        # spent: 400; held by the burst's requests in flight: 429, to try again (as in the burst test above)
-        assert served and all(r.body["code"] == "budget_exceeded" and (r.status_code == 400 or (
-            r.status_code == 429 and r.response.headers["retry-after"] == "1")) for r in refused), \
+        # spent: not to be retried; held by the burst's requests in flight: to try again (as in the burst test above)
+        assert served and all(r.body["code"] == "budget_exceeded" and r.status_code == 429 and (
+            r.response.headers.get("x-should-retry") == "false" or r.response.headers["retry-after"] == "1")
+            for r in refused), \
             [(r.status_code, r.body) for r in refused]
         worst = 64 * OUT_PRICE  # max_tokens 64 (the input price is 0 here)
         row = wait_for(lambda: (r := _key_row(database, created["key_name"])) and r["in_flight"] == 0

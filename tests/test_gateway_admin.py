@@ -82,6 +82,35 @@ def test_user_list_filters_and_pages_as_litellms_and_user_info_has_teams(databas
             refused = client.get("/user/list", params=bad)
             assert refused.status_code == 400 and list(bad)[0] in refused.json()["error"]["param"], refused.text
         assert client.get("/user/info", params={"user_id": "ann"}).json()["teams"] == []
+        # LiteLLM's user fields this gateway lacks: a 400 saying why, not `unknown parameter` (a typo's
+        # answer); a null one asks for nothing and is dropped
+        for route, body in (("/user/new", {"user_id": "dan", "user_role": "internal_user"}),
+                            ("/user/new", {"user_id": "dan", "user_email": "dan@example.com"}),
+                            ("/user/update", {"user_id": "ann", "user_email": "ann@example.com"})):
+            refused = client.post(route, json=body)
+            error = refused.json()["error"]
+            assert refused.status_code == 400 and error["code"] == "unsupported_parameter", refused.text
+            assert error["param"] in body and "not supported" in error["message"], error
+        assert client.post("/user/new", json={"user_id": "dan", "user_email": None}).status_code == 200
+
+
+def test_litellms_every_model_names_and_key_fields_this_gateway_lacks(database):
+    """LiteLLM's `all-proxy-models` (and a team key's `all-team-models`) in `models` is every model: the
+    key is made (it was a 400 "'all-proxy-models' is not served by this gateway"), with the empty list that
+    allows every model here. LiteLLM's key fields this gateway lacks (`tags`, `guardrails`, ...) are a 400
+    saying so, as a team's are; they were `unknown parameter`, a typo's answer."""
+    with admin(database) as client:
+        for sentinel in ("all-proxy-models", "all-team-models"):
+            made = client.post("/key/generate", json={"models": [sentinel]})
+            assert made.status_code == 200 and made.json()["models"] == [], made.text
+        team = client.post("/team/new", json={"models": ["all-proxy-models"]})
+        assert team.status_code == 200 and team.json()["models"] == [], team.text
+        for field, value in (("tags", ["a"]), ("guardrails", ["g"]), ("model_max_budget", {"gen": 1})):
+            refused = client.post("/key/generate", json={field: value})
+            error = refused.json()["error"]
+            assert refused.status_code == 400 and error["code"] == "unsupported_parameter", refused.text
+            assert error["param"] == field and "not supported" in error["message"], error
+        assert client.post("/key/generate", json={"tags": None}).status_code == 200  # (asks for nothing)
 
 
 def test_keys_are_deleted_by_their_aliases_as_litellms_key_aliases(database):

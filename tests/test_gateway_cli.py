@@ -97,6 +97,25 @@ def test_a_url_without_its_scheme_is_said_without_its_password(argv, shown, tmp_
     assert err.startswith("error: ") and shown in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("url, shown", [
+    ("http://h:1/v1?api_key=SECRET", "http://h:1/v1?api_key=***"),
+    ("https://h/v1?api-version=2024-02-01&key=SECRET", "https://h/v1?api-version=2024-02-01&key=***"),
+    ("https://alice:SECRET@h/v1?sig=SECRET#f", "https://alice:***@h/v1?sig=***#f"),
+    ("http://h:1/v1?SECRET", "http://h:1/v1?***"),
+    ("h:1/v1?token=SECRET", "h:1/v1?token=***"),  # (no scheme)
+])
+def test_a_backend_urls_query_is_shown_without_its_values(url, shown):
+    """A key in a backend URL's query (`?api_key=`, Google's `?key=`, a signed URL's `sig=`) is hidden wherever
+    a password is: errors and logs (redact_url), the backend's label (metrics, spend rows, /model/info), and an
+    error's text that quotes the URL. It was shown whole."""
+    from treeserve.gateway.config import BackendConfig, redact_url, scrubbed
+
+    assert redact_url(url) == shown and "SECRET" not in shown
+    if "://" in url:
+        assert "SECRET" not in BackendConfig(url).name and BackendConfig(url).name.endswith(shown.split("@")[-1].split("//")[-1])
+        assert scrubbed(f"error at {url} (SECRET)", url) == "error at " + url.replace("SECRET", "***") + " (***)"
+
+
 def test_the_shown_urls_hide_a_password_without_a_scheme():
     from treeserve.gateway.config import redact_url
     from treeserve.gateway.database import shown_url

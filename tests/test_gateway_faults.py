@@ -38,7 +38,7 @@ def fault_backend():
     that is not JSON), badusage and listusage (malformed usage), nodone (a stream without [DONE]),
     llamacpp (as ok, its /tokenize answering llama.cpp's `tokens` without a count)."""
     app = FastAPI()
-    app.state.calls = []
+    app.state.calls, app.state.queries = [], []
 
     @app.get("/{mode}/health")
     def health(mode: str):
@@ -54,6 +54,7 @@ def fault_backend():
     async def chat(mode: str, request: Request):
         body = await request.json()
         app.state.calls.append(mode)
+        app.state.queries.append(request.url.query)
         if mode in ("503", "429", "400"):
             return JSONResponse({"error": {"message": f"busy {mode}", "type": "x", "param": None, "code": None}},
                                 status_code=int(mode), headers={"Retry-After": "7"} if mode == "429" else None)
@@ -84,7 +85,7 @@ def gateway(tmp_path, models: dict[str, list[str]], fallbacks: dict[str, list[st
     configs = {name: ModelConfig(name, [BackendConfig(url) for url in urls], output_cost_per_token=1e-3,
                                  fallbacks=(fallbacks or {}).get(name, [])) for name, urls in models.items()}
     config = GatewayConfig(models=configs, master_key=MASTER, database=f"sqlite:///{tmp_path / 'gw.db'}",
-                           health_interval=0, **options)
+                           **({"health_interval": 0} | options))
     app = build_app(config)
     with running_server(app) as url:
         yield url, app
@@ -367,6 +368,48 @@ def test_a_model_whose_replicas_are_cut_off_goes_to_its_fallback_before_them(bac
         assert _post(gw, "m").status_code == 503  # (both circuits open now)
         fake.state.calls.clear()
         assert _post(gw, "m").status_code == 503 and fake.state.calls == ["503", "503"]  # (still tried, last)
+
+
+def test_a_lone_replica_cut_off_is_answered_at_once_with_a_503_naming_why(tmp_path):
+    """A model whose only replica fails its health check and has its circuit open (no fallback) is
+    answered at once: a 503 naming the model, the replica and its last error, with Retry-After the seconds
+    until its circuit lets a trial through (LiteLLM's cooldown: "No deployments available ... Try again in
+    N seconds"). Before, every request still went to it 1 + retries times (a connect timeout each where its
+    host does not answer). The key in its URL's query is shown nowhere (it was, in the 503 and the label)."""
+    dead = "http://127.0.0.1:9/v1?api_key=SECRETKEY"  # (nothing listens on the discard port)
+    label = 'treeserve_gateway:backend_failures_total{backend="http://127.0.0.1:9/v1?api_key=***",'
+    with gateway(tmp_path, {"m": [dead]}, breaker_failures=1, breaker_cooldown=60, retries=2,
+                 health_interval=0.1) as (gw, app):
+        replica = app.state.router.groups["m"].backends[0]
+        wait_for(lambda: not replica.healthy, timeout=10)
+
+        def failures() -> float:
+            metrics = httpx.get(gw + "/metrics", headers={"Authorization": f"Bearer {MASTER}"}).text
+            assert "SECRETKEY" not in metrics
+            return sum(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(label))
+        tried = _post(gw, "m")  # (its circuit closed: tried, 1 + retries times; its circuit opens)
+        assert tried.status_code == 503 and failures() == 3, tried.text
+        for stream in (False, True):
+            answer = _post(gw, "m", stream=stream)
+            assert answer.status_code == 503 and failures() == 3, answer.text  # (not tried again)
+            message = answer.json()["error"]["message"]
+            assert message.startswith("model 'm': no backend could answer (each backend fails its health check "
+                                      "and has its circuit open"), message
+            assert "http://127.0.0.1:9/v1?api_key=***: ClientConnectorError" in message, message
+            assert 55 <= int(answer.headers["retry-after"]) <= 60
+            assert "SECRETKEY" not in tried.text + answer.text
+
+
+def test_a_backend_url_with_a_query_sends_it_with_every_request(backend, tmp_path):
+    """A backend URL with a query (a provider's `?api-version=...`, `?key=...`) has it on each request, after
+    the route: it was joined after the query (`?api-version=1/v1/chat/completions`), so no request reached
+    the route."""
+    url, fake = backend
+    with gateway(tmp_path, {"m": [f"{url}/ok?api-version=2024-02-01&key=K"]}) as (gw, _):
+        fake.state.calls.clear(), fake.state.queries.clear()
+        for stream in (False, True):
+            assert _post(gw, "m", stream=stream).status_code == 200
+        assert fake.state.calls == ["ok", "ok"] and fake.state.queries == ["api-version=2024-02-01&key=K"] * 2
 
 
 def _limited_backend(gate):

@@ -140,13 +140,14 @@ def test_user_delete_answers_litellms_count(database):
 
 
 def test_a_model_the_key_may_not_use_is_counted_in_key_requests(database):
-    """A 403 `model_not_allowed` is a refusal of the key's request, counted in
+    """A 401 `model_not_allowed` (type `key_model_access_denied`, as LiteLLM's proxy answers) is a refusal of the key's request, counted in
     `key_requests_total{outcome}` by its code as a rate limit's or a budget's refusal is; it was not."""
     with gateway(database) as (client, _, _):
         key = _key(client, key_alias="gen-only", models=["gen"])
         refused = client.post("/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
                               json={"model": "other", "messages": [{"role": "user", "content": "x"}]})
-        assert refused.status_code == 403 and refused.json()["error"]["code"] == "model_not_allowed"
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "model_not_allowed"
+        assert refused.json()["error"]["type"] == "key_model_access_denied"
         answered = client.post("/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
                                json={"model": "gen", "messages": [{"role": "user", "content": "x"}]})
         assert answered.status_code == 200, answered.text
@@ -205,7 +206,7 @@ def test_the_openai_client_pointed_at_the_gateway_without_v1_is_served_as_litell
         with pytest.raises(openai.APIStatusError) as spent:  # (the key's own budget)
             client.chat.completions.create(model="tiny", messages=messages, max_tokens=4)
         assert spent.value.body["code"] == "budget_exceeded"
-        with pytest.raises(openai.PermissionDeniedError):
+        with pytest.raises(openai.AuthenticationError):
             client.chat.completions.create(model="other", messages=messages, max_tokens=4)
         rows = wait_for(lambda: len(r := httpx.get(url + "/spend/logs", headers=admin).json()) == 3 and r)
         assert sorted(row["route"] for row in rows) == ["chat", "chat", "completions"] and all(

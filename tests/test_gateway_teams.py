@@ -103,7 +103,7 @@ def test_team_routes_answer_as_litellms_and_only_to_the_master_key(database):
 def test_a_team_key_is_held_to_the_teams_models_and_budget_and_its_spend_is_the_teams(database):
     """/key/generate with team_id: an unknown team is a 400 naming team_id, models outside the team's a
     400 naming models; a team key serves only the team's models; the team's max_budget caps its keys'
-    spend together (the refusal is the key and user budgets' 400 budget_exceeded); the spend of each
+    spend together (the refusal is the key and user budgets' 429 budget_exceeded); the spend of each
     request is recorded on its key and its team (/team/info's `spend`, `keys`)."""
     with gateway(database) as client:
         team_id = _ok(client.post("/team/new", json={"team_alias": "t", "models": ["gen"],
@@ -120,12 +120,14 @@ def test_a_team_key_is_held_to_the_teams_models_and_budget_and_its_spend_is_the_
         second = _ok(client.post("/key/generate", json={"team_id": team_id, "models": ["gen"]}))
         assert first["team_id"] == team_id
         refused = _chat(client, first["key"], "other")
-        assert refused.status_code == 403, refused.text  # (the team's models hold a key that names none)
+        assert refused.status_code == 401, refused.text  # (the team's models hold a key that names none)
+        assert refused.json()["error"]["type"] == "team_model_access_denied"  # (LiteLLM's: the team refused it)
+        assert "team can only access models=['gen']" in refused.json()["error"]["message"]
         _ok(_chat(client, first["key"]))
         _ok(_chat(client, second["key"]))  # (the team's spend, COST, is under its budget: admitted)
         for key in (first["key"], second["key"]):
             over = _chat(client, key)
-            assert over.status_code == 400, over.text
+            assert over.status_code == 429 and over.headers["x-should-retry"] == "false", over.text
             error = over.json()["error"]
             assert error["code"] == "budget_exceeded" and "team's budget" in error["message"], error
         info = _ok(client.get("/team/info", params={"team_id": team_id}))

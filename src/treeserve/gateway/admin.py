@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Path, Query
 from fastapi.responses import PlainTextResponse
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from starlette.concurrency import run_in_threadpool
 
 from treeserve.gateway.accounts import KEY_SORTS, USER_SORTS, Accounts, Page, Sort
@@ -17,15 +17,17 @@ from treeserve.gateway.admin_changes import AccountChanges
 from treeserve.gateway.fields import INT32_MAX, MAX_IDS, NO_NUL, Text
 from treeserve.gateway.keys import KeyRecord, check_chosen_key, hash_key, same_secret, stored_hash
 from treeserve.gateway.ledger import Ledger, logs_csv
+from treeserve.gateway.litellm_fields import KEY_UNSUPPORTED, USER_UNSUPPORTED, every_model_as_empty
 from treeserve.gateway.passwords import hash_password
 from treeserve.wire.errors import APIError
+from treeserve.wire.unsupported import drop_or_refuse
 
 # The sizes of their columns (gateway/schema.py): a longer value is a 400 here, not a database error.
 UserId = Annotated[Text, Field(min_length=1, max_length=128)]
 Money = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Limit = Annotated[int, Field(ge=0, le=INT32_MAX)]
 Period = Annotated[Text, Field(max_length=16)]  # "30d"; parsed by keys.after
-Models = list[Annotated[Text, Field(max_length=256)]]
+Models = Annotated[list[Annotated[Text, Field(max_length=256)]], AfterValidator(every_model_as_empty)]
 ChosenKey = Annotated[Text, Field(max_length=512), AfterValidator(check_chosen_key)]  # (keys.check_chosen_key)
 
 
@@ -46,6 +48,11 @@ class KeyLimits(_Body):
     max_parallel_requests: Limit | None = None
     duration: Period | None = None
     metadata: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _litellms_unbuilt(cls, data: Any) -> Any:
+        return drop_or_refuse(data, KEY_UNSUPPORTED)
 
 
 class KeyCreate(KeyLimits):
@@ -84,6 +91,11 @@ class UserFields(_Body):
     models: Models | None = None
     metadata: dict[str, Any] | None = None
     password: Annotated[Text, Field(max_length=1024)] | None = None  # for the web chat (an Argon2id hash)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _litellms_unbuilt(cls, data: Any) -> Any:
+        return drop_or_refuse(data, USER_UNSUPPORTED)
 
 
 # /user/new's fields for the key it makes (a user here has no rate limits or lifetime of its own)

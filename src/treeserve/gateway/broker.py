@@ -12,6 +12,7 @@ import aio_pika
 
 from treeserve.wire.broker_protocol import (BROKER_CALL_TIMEOUT, CANCEL_EXCHANGE, encode_request, queue_name,
                                             request_headers)
+from treeserve.gateway.config import url_without_userinfo
 from treeserve.gateway.sse import SSESplitter
 
 log = logging.getLogger("treeserve.gateway")
@@ -82,7 +83,7 @@ class BrokerClient:
         try:
             await self._call(lambda: self.cancels.publish(aio_pika.Message(request_id.encode()), routing_key=""))
         except BrokerLost as exc:
-            log.info("broker %s: request %s not cancelled: %s", self.url.split("@")[-1], request_id, exc)
+            log.info("broker %s: request %s not cancelled: %s", url_without_userinfo(self.url), request_id, exc)
 
     async def _call(self, call):
         """`call()`'s result; BrokerLost at once while the connection is down (it is reconnecting:
@@ -100,7 +101,7 @@ class BrokerClient:
         if not self.pending:
             return
         log.warning("broker %s: connection closed (%s): failing %d request(s) waiting for replies",
-                    self.url.split("@")[-1], exc or "closed", len(self.pending))
+                    url_without_userinfo(self.url), exc or "closed", len(self.pending))
         pending, self.pending = self.pending, {}
         self._consumers_seen.clear()
         for replies in pending.values():

@@ -17,7 +17,7 @@ checked as the dataclasses are made: an error names its field (and its model).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from treeserve.arg_types import shown_userinfo, with_scheme, without_password
 from treeserve.errors import ParamError
@@ -44,6 +44,13 @@ class BackendConfig:
         """The URL without its user and password (`url_without_userinfo`): the backend's label in logs,
         metrics, spend rows and what key holders read (/model/info, /health, 503s); errors show the user."""
         return url_without_userinfo(self.url)
+
+    def endpoint(self, path: str) -> str:
+        """The URL of the backend's route `path` (`/v1/chat/completions`): after the URL's own path, before its
+        query (a provider's `?api-version=...` or `?key=...` goes with every request; it was sent after the path
+        joined to the query's last value)."""
+        base, question, query = self.url.partition("?")
+        return f"{base}{path}{question}{query}"
 
     def check(self, where: str) -> None:
         """Its values checked (a numeric string taken as its number), errors named `where`.FIELD."""
@@ -225,14 +232,19 @@ def url_without_userinfo(url: str) -> str:
     userinfo, at, host = parts.netloc.rpartition("@")
     if not at:
         return redact_url(url)
-    return urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
+    return without_query_secrets(urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment)))
 
 
 def redact_url(url: str) -> str:
     """`url` as logs, metrics, spend rows and errors show it: its user kept, its password as *** (`amqp://alice:***@mq/`,
     as SQLAlchemy's `URL.render_as_string(hide_password=True)` shows a database's), a user with no password as
-    *** (`https://***@host`: `TOKEN@host` is a key); one urllib cannot split into a host (no scheme: `user:pw@host`;
-    a port out of range) as arg_types.without_password shows it (an error names such a URL)."""
+    *** (`https://***@host`: `TOKEN@host` is a key), its query's values as *** (`?api_key=***`); one urllib cannot
+    split into a host (no scheme: `user:pw@host`; a port out of range) as arg_types.without_password shows it (an
+    error names such a URL)."""
+    return without_query_secrets(_without_password(url))
+
+
+def _without_password(url: str) -> str:
     parts = urlsplit(url)
     try:
         parts.port
@@ -246,3 +258,44 @@ def redact_url(url: str) -> str:
     user, _, password = userinfo.partition(":")
     netloc = f"{shown_userinfo(user, password)}@{host}"
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+# query parameters that name no secret: shown as they are (Azure OpenAI's version)
+SHOWN_QUERY = frozenset({"api-version", "api_version"})
+
+
+def without_query_secrets(url: str) -> str:
+    """`url` with the value of each query parameter as *** (`?api_key=***`): a provider's key in the query
+    (`key=`, `api-key=`, a signed URL's `sig=`) is as secret as a password; a parameter with no value
+    (`?TOKEN`) as *** whole. `api-version` is shown."""
+    base, question, rest = url.partition("?")
+    if not question:
+        return url
+    query, hash_mark, fragment = rest.partition("#")
+    return f"{base}?{'&'.join(_shown_parameter(p) for p in query.split('&'))}{hash_mark}{fragment}"
+
+
+def _shown_parameter(parameter: str) -> str:
+    name, equals, _ = parameter.partition("=")
+    if not parameter or (equals and name in SHOWN_QUERY):
+        return parameter
+    return f"{name}=***" if equals else "***"
+
+
+def url_secrets(url: str) -> list[str]:
+    """What `redact_url` hides of `url` (its password, a user with no password, its query's values), for
+    scrubbing from a text that may quote the URL (an aiohttp error names the URL it requested)."""
+    parts = urlsplit(url)
+    userinfo = parts.netloc.rpartition("@")[0]
+    user, colon, password = userinfo.partition(":")
+    found = [password] if password else [user] if user else []
+    found += [v for n, eq, v in (p.partition("=") for p in parts.query.split("&")) if eq and n not in SHOWN_QUERY]
+    found += [n for n, eq, _ in (p.partition("=") for p in parts.query.split("&")) if n and not eq]
+    return sorted({s for s in found + [unquote(s) for s in found] if len(s) >= 4}, key=len, reverse=True)
+
+
+def scrubbed(text: str, url: str) -> str:
+    """`text` with each of `url`'s secrets as ***."""
+    for secret in url_secrets(url):
+        text = text.replace(secret, "***")
+    return text

@@ -147,9 +147,10 @@ class BudgetExceeded(GatewayError):
                  resets_at: dt.datetime | None = None):
         resets = f"; it resets at {resets_at.isoformat(timespec='seconds')}" if resets_at is not None else ""
         held = max(reserved, 0.0)  # (holds given back, a float sum, may leave a hair below 0: nothing is held)
-        super().__init__(f"max_budget: the {owner}'s budget is exceeded: spent {spend:.6f} (and {held:.6f} held "
-                         f"by requests in flight or being settled) of max_budget {max_budget:.6f}{resets}",
-                         "max_budget")
+        # ("Budget has been exceeded!": LiteLLM's proxy's words, which its users' clients look for)
+        super().__init__(f"max_budget: Budget has been exceeded! The {owner}'s budget: spent {spend:.6f} (and "
+                         f"{held:.6f} held by requests in flight or being settled) of max_budget {max_budget:.6f}"
+                         f"{resets}", "max_budget")
         self.spent = spent
 
 

@@ -24,7 +24,7 @@ async def check(backend: Backend, client: aiohttp.ClientSession, metrics: Gatewa
     timeout = aiohttp.ClientTimeout(total=CHECK_TIMEOUT)
     try:
         for path in (backend.probe,) if backend.probe else PROBES:
-            status = await _status(client, backend.url + path, headers, timeout)
+            status = await _status(client, backend.endpoint(path), headers, timeout)
             if status != 404:
                 backend.probe = path
                 break

@@ -33,7 +33,7 @@ HTTP_STATUS: dict[type[GatewayError], tuple[int, str | None]] = {
     ParallelLimitExceeded: (429, "parallel_limit"),
     RateLimitExceeded: (429, "rate_limit"),
     LimitExceeded: (429, "rate_limit"),
-    BudgetExceeded: (400, "budget_exceeded"),
+    BudgetExceeded: (429, "budget_exceeded"),
     AccountGone: (401, "invalid_api_key"),
     TeamBlocked: (401, "team_blocked"),
     ConversationNotFound: (404, "conversation_not_found"),
@@ -47,6 +47,9 @@ HTTP_STATUS: dict[type[GatewayError], tuple[int, str | None]] = {
 }
 
 
+# error class -> the body's `type` where LiteLLM's proxy names it (else the status's: wire/errors.py)
+LITELLM_TYPES: dict[type[GatewayError], str] = {BudgetExceeded: "budget_exceeded"}
+
 log = logging.getLogger("treeserve.gateway")
 HELD_RETRY_AFTER = 1  # seconds a request refused for what requests in flight hold of its budget is told to wait
 
@@ -54,14 +57,22 @@ HELD_RETRY_AFTER = 1  # seconds a request refused for what requests in flight ho
 def to_api_error(exc: GatewayError) -> APIError:
     status, code = next(HTTP_STATUS[cls] for cls in type(exc).__mro__ if cls in HTTP_STATUS)
     headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, (LimitExceeded, DatabaseUnavailable)) else None
-    if isinstance(exc, BudgetExceeded) and not exc.spent:
-        # the budget is not spent, only held by requests in flight (their worst cases): what they do
-        # not use comes back when they settle, so a 429 to try again (OpenAI's clients retry it), not
-        # a 400 that reads as out of money
-        status, headers = 429, {"Retry-After": str(HELD_RETRY_AFTER)}
+    if isinstance(exc, BudgetExceeded):
+        headers = _budget_headers(exc)
     if exc.request_id is not None:  # (a refused request's: its log line has it)
         headers = (headers or {}) | {"x-request-id": exc.request_id}
-    return APIError(status, exc.message, param=exc.param, code=code, headers=headers)
+    error_type = next((LITELLM_TYPES[cls] for cls in type(exc).__mro__ if cls in LITELLM_TYPES), None)
+    return APIError(status, exc.message, param=exc.param, code=code, headers=headers, error_type=error_type)
+
+
+def _budget_headers(exc: BudgetExceeded) -> dict[str, str]:
+    """A 429 `budget_exceeded` either way, as LiteLLM's proxy answers. A spent budget stays spent until
+    an admin or its reset changes it: `x-should-retry: false` tells OpenAI's clients not to retry it
+    (they retry a 429 twice otherwise). A budget only held by requests in flight (their worst cases)
+    comes back, what they do not use, as they settle: try again in a second."""
+    if exc.spent:
+        return {"x-should-retry": "false"}
+    return {"Retry-After": str(HELD_RETRY_AFTER)}
 
 
 def install_domain_error_handlers(app: FastAPI) -> None:
@@ -90,4 +101,5 @@ def install_domain_error_handlers(app: FastAPI) -> None:
 
 
 def _response(request: Request, err: APIError):
-    return error_response_for(request.url.path, err.status, err.message, err.param, err.code, err.headers)
+    return error_response_for(request.url.path, err.status, err.message, err.param, err.code, err.headers,
+                              err.error_type)

@@ -129,7 +129,15 @@ class KeyRecord:
         return self.key_alias or self.key_name
 
     def allows(self, model: str) -> bool:
-        return all(not allowed or model in allowed for allowed in (self.models, self.user_models, self.team_models))
+        return self.refuser(model) is None
+
+    def refuser(self, model: str) -> tuple[str, list] | None:
+        """Which of the key, its team and its user has a list of models without `model` (LiteLLM checks
+        them in this order), and that list; None where all of them allow it."""
+        for owner, allowed in (("key", self.models), ("team", self.team_models), ("user", self.user_models)):
+            if allowed and model not in allowed:
+                return owner, allowed
+        return None
 
     @property
     def holds_nothing(self) -> bool:

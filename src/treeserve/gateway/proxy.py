@@ -22,6 +22,7 @@ import anyio
 from fastapi.responses import Response, StreamingResponse
 
 from treeserve.gateway.broker import BrokerStream
+from treeserve.gateway.config import scrubbed
 from treeserve.gateway.metrics import GatewayMetrics
 from treeserve.gateway.pricing import completion_cap
 from treeserve.gateway.routing import Backend, Router
@@ -144,9 +145,10 @@ class Forwarder:
             return Response(failures[-1].content, status_code=429, media_type="application/json",
                             headers=failures[-1].headers | {"x-request-id": request_id})
         self._count(model, "", "503", started)
-        last_error = failures[-1] if failures else "no backend is configured"
+        last_error, retry_after = (failures[-1], 1) if failures else self.router.unavailable(model)
         return error_response(503, f"model {model!r}: no backend could answer ({last_error})",
-                              code="no_backend_available", headers={"Retry-After": "1", "x-request-id": request_id})
+                              code="no_backend_available",
+                              headers={"Retry-After": str(retry_after), "x-request-id": request_id})
 
     # ---- one attempt -------------------------------------------------------------------------
     async def _attempt(self, path, body, group, backend: Backend, settle, started, headers,
@@ -162,8 +164,9 @@ class Forwarder:
                         headers=None) -> Response | str:
         self._begin(backend)
         try:
-            async with self.upstreams.client.post(backend.url + path, json=upstream, headers=_headers(backend, headers),
-                                        timeout=_timeout(backend, whole=True)) as response:
+            async with self.upstreams.client.post(backend.endpoint(path), json=upstream,
+                                                  headers=_headers(backend, headers),
+                                                  timeout=_timeout(backend, whole=True)) as response:
                 status, content, headers = response.status, await response.read(), _retry_after(response)
         except SEND_ERRORS as exc:
             return self._failed(backend, exc)
@@ -206,7 +209,7 @@ class Forwarder:
                           headers=None) -> Response | str:
         self._begin(backend)
         try:
-            response = await self.upstreams.client.post(backend.url + path, json=upstream,
+            response = await self.upstreams.client.post(backend.endpoint(path), json=upstream,
                                                         headers=_headers(backend, headers),
                                                         timeout=_timeout(backend, whole=False))
         except SEND_ERRORS as exc:
@@ -356,6 +359,7 @@ class Forwarder:
     def _failed(self, backend: Backend, error, breaker: bool = True) -> str:
         reason = type(error).__name__ if isinstance(error, BaseException) else str(error)
         text = f"{backend.name}: {reason}" + (f" ({error})" if isinstance(error, BaseException) and str(error) else "")
+        text = scrubbed(text, backend.url)  # (an aiohttp error may quote the URL, its query's key and all)
         backend.last_error = text
         if breaker:
             backend.breaker.on_failure()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -40,6 +41,10 @@ class CircuitBreaker:
     def on_success(self) -> None:
         self.consecutive, self.trial_in_flight = 0, False
 
+    def reopens_in(self) -> float:
+        """Seconds until an open circuit lets its trial request through (0 when it is not open)."""
+        return max(0.0, self.open_until - time.monotonic()) if self.state == "open" else 0.0
+
     def on_failure(self) -> None:
         self.consecutive += 1
         self.trial_in_flight = False
@@ -67,9 +72,19 @@ class Backend:
     def name(self) -> str:
         return self.config.name
 
+    def endpoint(self, path: str) -> str:
+        return self.config.endpoint(path)
+
     @property
     def usable(self) -> bool:
         return self.healthy and self.breaker.allows()
+
+    @property
+    def cut_off(self) -> bool:
+        """Failing its health check with its circuit open: both say it is down, so no request is sent to
+        it (a connect timeout each, where its host does not answer) until one of them says otherwise: the
+        health check passes, or the cooldown ends and one trial request goes (LiteLLM's cooldown)."""
+        return not self.healthy and self.breaker.state == "open"
 
 
 @dataclass
@@ -112,11 +127,24 @@ class Router:
         Those of them that are not usable (failing their health check, their circuit open) come after
         every usable one, the fallbacks' included: the last resort they are (LiteLLM's cooldown leaves
         such a deployment out and goes to the fallbacks), not 1 + retries waits on a dead replica (a
-        connect timeout each, where its host does not answer) before every request reaches a fallback."""
+        connect timeout each, where its host does not answer) before every request reaches a fallback.
+        Those cut off (both at once) are not tried at all: `unavailable` says why."""
         tries = [(name, b) for name in self.chain(model)
-                 for b in itertools.islice(itertools.cycle(self.groups[name].ranked(self.config.routing, affinity_key)),
-                                           attempts)]
+                 for b in itertools.islice(itertools.cycle(
+                     [b for b in self.groups[name].ranked(self.config.routing, affinity_key) if not b.cut_off]),
+                     attempts)]
         return [t for t in tries if t[1].usable] + [t for t in tries if not t[1].usable]
+
+    def unavailable(self, model: str) -> tuple[str, int]:
+        """Why `model` (its fallbacks too) has no backend to try, and in how many seconds one may be tried
+        again (its first circuit's trial; 1 when none is due)."""
+        cut = [b for name in self.chain(model) for b in self.groups[name].backends if b.cut_off]
+        if not cut:
+            return "no backend is configured", 1
+        reasons = "; ".join(b.last_error or f"{b.name}: down" for b in cut)  # (an error names its backend)
+        wait = max(1, math.ceil(min(b.breaker.reopens_in() for b in cut)))
+        return (f"each backend fails its health check and has its circuit open, not tried again for {wait} s "
+                f"({reasons})"), wait
 
     def backends(self) -> list[Backend]:
         return [b for group in self.groups.values() for b in group.backends]

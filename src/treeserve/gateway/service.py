@@ -1,7 +1,7 @@
 """The gateway's request path. One OpenAI request on a key's account: its model checked (404 unknown,
-403 not allowed to the key), admitted in one database transaction (parallel slot, the minute's
-request count, the worst-case cost reserved on its key and user: refused with a domain error),
-forwarded (`proxy.Forwarder`), and settled to its real cost once it has ended (`Accounting`).
+401 not allowed to the key, its team or its user, as LiteLLM's proxy answers), admitted in one database
+transaction (parallel slot, the minute's request count, the worst-case cost reserved on its key and user:
+refused with a domain error), forwarded (`proxy.Forwarder`), and settled to its real cost once it has ended (`Accounting`).
 
 The OpenAI routes and the web chat both send their requests through `GatewayService.dispatch`."""
 from __future__ import annotations
@@ -85,9 +85,8 @@ class GatewayService:
         if model not in self.config.models:
             raise APIError(404, f"model: the model {model!r} does not exist", param="model", code="model_not_found")
         for field in ("model", "verifier"):  # a search names its verifier model too
-            if isinstance(body.get(field), str) and not key.allows(body[field]):
-                raise APIError(403, f"{field}: this key may not use {body[field]!r}", param=field,
-                               code="model_not_allowed")
+            if isinstance(body.get(field), str):
+                _check_access(key, field, body[field])
         return model
 
     async def _admit(self, path: str, body: dict, model: str, key: KeyRecord) -> Reservation:
@@ -98,6 +97,17 @@ class GatewayService:
         worst = max(pricing.worst_cost(body, m, search=search) for m in models)
         tokens = max(pricing.worst_tokens(body, m, search=search) for m in models)
         return await run_in_threadpool(self.admission.admit, key, worst, tokens)
+
+
+def _check_access(key: KeyRecord, field: str, model: str) -> None:
+    """A model the key, its team or its user may not use: LiteLLM's proxy's 401
+    `{key,team,user}_model_access_denied`, naming the models that one may use."""
+    refuser = key.refuser(model)
+    if refuser is not None:
+        owner, allowed = refuser
+        raise APIError(401, f"{field}: {owner} not allowed to access model. This {owner} can only access "
+                            f"models={allowed}. Tried to access {model}", param=field, code="model_not_allowed",
+                       error_type=f"{owner}_model_access_denied")
 
 
 def _refused(exc: APIError | GatewayError, request_id: str, route: str, key: KeyRecord,

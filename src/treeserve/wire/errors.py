@@ -20,14 +20,19 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 
 
 class APIError(Exception):
+    """`error_type`: the body's `type` where it is not the status's (LiteLLM's proxy names some of its
+    refusals, `budget_exceeded`, `key_model_access_denied`, and its users read them)."""
+
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
+                 headers: dict[str, str] | None = None, error_type: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+        self.error_type = error_type
 
 
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None,
+               error_type: str | None = None) -> dict:
+    return {"error": {"message": message, "type": error_type or ERROR_TYPES.get(status, "invalid_request_error"),
                       "param": param, "code": code}}
 
 
@@ -35,7 +40,7 @@ def failure_body(exc: Exception) -> dict:
     """The error object a stream that has begun ends with: an APIError as it is; anything else a 500
     whose cause stays in the server's log (logged here), never in the answer (paths, device messages)."""
     if isinstance(exc, APIError):
-        return error_body(exc.status, exc.message, exc.param, exc.code)
+        return error_body(exc.status, exc.message, exc.param, exc.code, exc.error_type)
     if isinstance(exc, EngineDeadError):
         return error_body(503, str(exc), code="engine_dead")
     log.error("a stream failed once it had begun", exc_info=exc)
@@ -44,8 +49,8 @@ def failure_body(exc: Exception) -> dict:
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+                   headers: dict[str, str] | None = None, error_type: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code, error_type), status_code=status, headers=headers)
 
 
 ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -67,11 +72,12 @@ def anthropic_error(status: int, message: str, code: str | None = None) -> dict:
 
 
 def error_response_for(path: str, status: int, message: str, param: str | None = None, code: str | None = None,
-                       headers: dict[str, str] | None = None) -> JSONResponse:
-    """The error in the shape of the API the path belongs to: Anthropic's on /v1/messages, else OpenAI's."""
+                       headers: dict[str, str] | None = None, error_type: str | None = None) -> JSONResponse:
+    """The error in the shape of the API the path belongs to: Anthropic's on /v1/messages (its types
+    by status), else OpenAI's."""
     if path.startswith(ANTHROPIC_ROUTES):
         return JSONResponse(anthropic_error(status, message, code), status_code=status, headers=headers)
-    return error_response(status, message, param, code, headers)
+    return error_response(status, message, param, code, headers, error_type)
 
 
 def from_value_error(exc: ValueError) -> APIError:
@@ -131,7 +137,8 @@ def _is_union_tag(part) -> bool:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return error_response_for(request.url.path, exc.status, exc.message, exc.param, exc.code, exc.headers)
+        return error_response_for(request.url.path, exc.status, exc.message, exc.param, exc.code, exc.headers,
+                                  exc.error_type)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):

@@ -36,7 +36,7 @@ def renamed(exc: APIError, rules: list[tuple[str, str]]) -> APIError:
     message += _fields_renamed(rest, rules)
     if (param, message) == (exc.param, exc.message):
         return exc
-    return APIError(exc.status, message, param, exc.code, exc.headers)
+    return APIError(exc.status, message, param, exc.code, exc.headers, exc.error_type)
 
 
 def _fields_renamed(text: str, rules: list[tuple[str, str]]) -> str:

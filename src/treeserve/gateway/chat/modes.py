@@ -118,7 +118,10 @@ async def _send(context: Context, path: str, body: dict, dispatch: Dispatch | No
         return await (dispatch or context.dispatch)(path, body, context.key)
     except (APIError, GatewayError) as exc:  # refused by the gateway itself: a model not allowed, a budget, a limit
         refusal = exc if isinstance(exc, APIError) else to_api_error(exc)
-        raise UpstreamError(refusal.message, refusal.code, refusal.status) from None
+        # (a model the chat key may not use is the API's 401, LiteLLM's; the page reads a 401 as its session
+        # ended: the chat's own answer for it is a 403, as chat/routes.py's)
+        status = 403 if refusal.code == "model_not_allowed" else refusal.status
+        raise UpstreamError(refusal.message, refusal.code, status) from None
     except ValueError as exc:  # a parameter the gateway refused (ParamError names it)
         raise UpstreamError(str(exc), status=400) from None
 

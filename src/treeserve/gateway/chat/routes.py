@@ -164,7 +164,8 @@ class ChatApp:
         usage = await run_in_threadpool(self.chats.usage, signed.user_id)
         return {"user_id": signed.user_id, "csrf_token": signed.csrf_token,
                 "models": [m for m in self.chat_models if key.allows(m)],
-                "search_models": sorted(m for m in self.config.chat.verifiers if key.allows(m)),
+                "search_models": sorted(m for m, v in self.config.chat.verifiers.items() if key.allows(m)
+                                        and key.allows(v)),  # (a search needs its verifier too)
                 "tools": [d["function"]["name"] for d in self.toolbox.definitions()],
                 "examples": {m: e for m, e in self.config.chat.examples.items() if key.allows(m)},
                 "defaults": self.settings_for(None).model_dump(), "usage": usage}
@@ -226,6 +227,10 @@ class ChatApp:
         if not key.allows(settings.model):
             raise APIError(403, f"settings.model: you may not use {settings.model!r}", param="settings.model",
                            code="model_not_allowed")
+        verifier = self.config.chat.verifiers.get(settings.model) if settings.mode == "search" else None
+        if verifier is not None and not key.allows(verifier):
+            raise APIError(403, f"settings.mode: search with {settings.model!r} needs its verifier {verifier!r}, "
+                           "which you may not use", param="settings.mode", code="model_not_allowed")
         fields = {"model": settings.model, "mode": settings.mode, "settings": settings.model_dump()}
         if restart:
             question, history = await run_in_threadpool(self.chats.restart_plan, user_id, conversation_id, message_id)
