@@ -98,6 +98,17 @@ def llama_dir(tiny_model_dirs):
     return tiny_model_dirs["llama"]
 
 
+def migrations_head() -> str:
+    """The gateway's newest migration (what `Store.migrate()` takes a database to), read from its
+    migrations folder so that a new revision does not break the tests that upgrade old schemas."""
+    from alembic.config import Config
+    from alembic.script import ScriptDirectory
+    from treeserve.gateway.database import MIGRATIONS
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    return ScriptDirectory.from_config(config).get_current_head()
+
+
 def assert_no_leak(engine):
     """Every block is free (possibly still cached): nothing holds a reference after the workload."""
     pool = engine.kv.pool
