@@ -1049,3 +1049,16 @@ def test_tools_and_text_format_are_checked_and_list_items_named_as_openai_names_
             client.responses.create(model="tiny", **({"input": "x", "max_output_tokens": 2} | body))
         assert caught.value.param == param and (code is None or caught.value.code == code), caught.value.body
         assert caught.value.body["message"].startswith(param), caught.value.body
+
+
+def test_a_responses_metadata_is_within_openais_bounds(target):
+    """A response's metadata: at most 16 pairs, keys of 64 characters, values of 512, as OpenAI's
+    (before: any size was taken, kept with the stored response and echoed)."""
+    client = _openai(target)
+    for metadata, param in [({f"k{i}": "v" for i in range(17)}, "metadata"), ({"k": "v" * 513}, "metadata.k")]:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.responses.create(model="tiny", input="x", max_output_tokens=2, metadata=metadata)
+        assert caught.value.param == param, caught.value.body
+    kept = {f"k{i}": "v" * 512 for i in range(16)}
+    assert client.responses.create(model="tiny", input="x", max_output_tokens=2, metadata=kept).metadata == kept
+

@@ -7,31 +7,28 @@ from __future__ import annotations
 
 import time
 
-from typing import Annotated
-
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field
 
 from treeserve.errors import ParamError
 from treeserve.wire.errors import APIError
+from treeserve.wire.metadata import Metadata
 from treeserve.wire.responses import input_item, input_messages, new_id
 
 MAX_ITEMS_PER_REQUEST = 20  # (OpenAI's: "You may add up to 20 items at a time")
 MAX_ITEM_ID_CHARS = 64
-# (OpenAI's: at most 16 pairs, keys of at most 64 characters, values of at most 512)
-Metadata = dict[Annotated[str, StringConstraints(max_length=64)], Annotated[str, StringConstraints(max_length=512)]] | None
 
 
 class ConversationCreateRequest(BaseModel):
     """POST /v1/conversations."""
     model_config = ConfigDict(extra="forbid", strict=True)
     items: list[dict] | None = Field(default=None, max_length=MAX_ITEMS_PER_REQUEST)
-    metadata: Metadata = Field(default=None, max_length=16)
+    metadata: Metadata | None = None
 
 
 class ConversationUpdateRequest(BaseModel):
     """POST /v1/conversations/{id}: its metadata replaced."""
     model_config = ConfigDict(extra="forbid", strict=True)
-    metadata: Metadata = Field(max_length=16)
+    metadata: Metadata | None
 
 
 class ItemsCreateRequest(BaseModel):
