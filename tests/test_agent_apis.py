@@ -1088,3 +1088,11 @@ def test_a_responses_metadata_is_within_openais_bounds(target):
     kept = {f"k{i}": "v" * 512 for i in range(16)}
     assert client.responses.create(model="tiny", input="x", max_output_tokens=2, metadata=kept).metadata == kept
 
+
+def test_the_gateway_serves_conversations_without_v1(gateway):
+    """`/conversations` without `/v1`, as `/responses` is (LiteLLM's unversioned routes): before, a 404."""
+    client = openai.OpenAI(base_url=gateway.url, api_key=gateway.keys[0], max_retries=0, timeout=60)
+    conversation = client.conversations.create(items=[{"role": "user", "content": "a"}])
+    assert [item.content[0].text for item in client.conversations.items.list(conversation.id)] == ["a"]
+    assert httpx.get(f"{gateway.url}/conversations/{conversation.id}").status_code == 401  # (its key check)
+    assert client.conversations.delete(conversation.id).deleted
