@@ -1070,8 +1070,11 @@ def test_a_conversation_holds_at_most_its_bound_of_items(target):
         client.responses.create(model="tiny", input="x", conversation=conversation.id, max_output_tokens=2)
     assert refused.value.param == "conversation" and refused.value.code == "conversation_full", refused.value.body
     newest = client.conversations.items.list(conversation.id, limit=2).data
-    for item in newest:
-        client.conversations.items.delete(item.id, conversation_id=conversation.id)
+    client.conversations.items.delete(newest[0].id, conversation_id=conversation.id)
+    with pytest.raises(openai.BadRequestError) as counted:  # (a string input is an item too, as in a response)
+        client.responses.input_tokens.count(model="tiny", input="x", conversation=conversation.id)
+    assert counted.value.param == "conversation" and counted.value.code == "conversation_full", counted.value.body
+    client.conversations.items.delete(newest[1].id, conversation_id=conversation.id)
     added = client.conversations.items.create(conversation.id, items=[{"role": "user", "content": "fits"}] * 2)
     assert client.conversations.items.list(conversation.id, limit=1).data[0].id == added.data[-1].id
     client.conversations.delete(conversation.id)
