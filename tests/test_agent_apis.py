@@ -1049,3 +1049,53 @@ def test_tools_and_text_format_are_checked_and_list_items_named_as_openai_names_
             client.responses.create(model="tiny", **({"input": "x", "max_output_tokens": 2} | body))
         assert caught.value.param == param and (code is None or caught.value.code == code), caught.value.body
         assert caught.value.body["message"].startswith(param), caught.value.body
+
+
+def test_a_conversation_holds_at_most_its_bound_of_items(target):
+    """A conversation holds at most MAX_ITEMS_PER_CONVERSATION items (before: none, so a client could grow
+    one without end, 20 items at a time, in the server's memory or the gateway's database): an add past
+    it is a 400 naming `items` and saying what fits, a response continuing a full conversation a 400
+    naming `conversation` (before it runs); deleting items makes room again."""
+    from treeserve.wire.conversations import MAX_ITEMS_PER_CONVERSATION, MAX_ITEMS_PER_REQUEST
+    client = _openai(target)
+    batch = [{"role": "user", "content": "x"}] * MAX_ITEMS_PER_REQUEST
+    conversation = client.conversations.create(items=batch)
+    for _ in range(MAX_ITEMS_PER_CONVERSATION // MAX_ITEMS_PER_REQUEST - 1):
+        client.conversations.items.create(conversation.id, items=batch)
+    with pytest.raises(openai.BadRequestError) as full:
+        client.conversations.items.create(conversation.id, items=[{"role": "user", "content": "one more"}])
+    assert full.value.param == "items" and full.value.code == "conversation_full", full.value.body
+    assert f"at most {MAX_ITEMS_PER_CONVERSATION}" in full.value.message
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model="tiny", input="x", conversation=conversation.id, max_output_tokens=2)
+    assert refused.value.param == "conversation" and refused.value.code == "conversation_full", refused.value.body
+    newest = client.conversations.items.list(conversation.id, limit=2).data
+    client.conversations.items.delete(newest[0].id, conversation_id=conversation.id)
+    with pytest.raises(openai.BadRequestError) as counted:  # (a string input is an item too, as in a response)
+        client.responses.input_tokens.count(model="tiny", input="x", conversation=conversation.id)
+    assert counted.value.param == "conversation" and counted.value.code == "conversation_full", counted.value.body
+    client.conversations.items.delete(newest[1].id, conversation_id=conversation.id)
+    added = client.conversations.items.create(conversation.id, items=[{"role": "user", "content": "fits"}] * 2)
+    assert client.conversations.items.list(conversation.id, limit=1).data[0].id == added.data[-1].id
+    client.conversations.delete(conversation.id)
+
+
+def test_a_responses_metadata_is_within_openais_bounds(target):
+    """A response's metadata: at most 16 pairs, keys of 64 characters, values of 512, as OpenAI's
+    (before: any size was taken, kept with the stored response and echoed)."""
+    client = _openai(target)
+    for metadata, param in [({f"k{i}": "v" for i in range(17)}, "metadata"), ({"k": "v" * 513}, "metadata.k")]:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.responses.create(model="tiny", input="x", max_output_tokens=2, metadata=metadata)
+        assert caught.value.param == param, caught.value.body
+    kept = {f"k{i}": "v" * 512 for i in range(16)}
+    assert client.responses.create(model="tiny", input="x", max_output_tokens=2, metadata=kept).metadata == kept
+
+
+def test_the_gateway_serves_conversations_without_v1(gateway):
+    """`/conversations` without `/v1`, as `/responses` is (LiteLLM's unversioned routes): before, a 404."""
+    client = openai.OpenAI(base_url=gateway.url, api_key=gateway.keys[0], max_retries=0, timeout=60)
+    conversation = client.conversations.create(items=[{"role": "user", "content": "a"}])
+    assert [item.content[0].text for item in client.conversations.items.list(conversation.id)] == ["a"]
+    assert httpx.get(f"{gateway.url}/conversations/{conversation.id}").status_code == 401  # (its key check)
+    assert client.conversations.delete(conversation.id).deleted

@@ -207,6 +207,22 @@ def test_a_stream_that_ends_without_done_is_cut(backend, tmp_path):
         row = _spend_row(app, answer.headers["x-request-id"])
         assert row["status"] == "cut" and row["completion_tokens"] == 3  # what its client got
         assert app.state.router.groups["m"].backends[0].breaker.consecutive == 1
+        _a_cut_response_stream_is_stored_failed_and_kept_out_of_its_conversation(gw)
+
+
+def _a_cut_response_stream_is_stored_failed_and_kept_out_of_its_conversation(gw: str) -> None:
+    """A Responses stream the backend cuts ends `response.failed` and is stored as that failed response
+    (it was not stored: a retrieve of its id was a 404), and its conversation is left as it was."""
+    import openai
+    client = openai.OpenAI(base_url=f"{gw}/v1", api_key=MASTER, max_retries=0, timeout=30)
+    conversation = client.conversations.create(items=[{"role": "user", "content": "a"}])
+    with client.responses.stream(model="m", input="hi", conversation=conversation.id) as stream:
+        events = list(stream)
+    failed = events[-1].response
+    assert events[-1].type == "response.failed" and failed.error.code == "server_error", events[-1]
+    stored = client.responses.retrieve(failed.id)
+    assert stored.status == "failed" and stored.output_text == "t0t1t2" == failed.output_text
+    assert [item.content[0].text for item in client.conversations.items.list(conversation.id)] == ["a"]
 
 
 def test_a_request_aiohttp_refuses_to_build_is_the_backends_failure_not_a_400(backend, tmp_path):

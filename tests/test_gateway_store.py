@@ -1467,3 +1467,59 @@ def test_a_key_deleted_while_its_settlement_is_mid_flight_waits_and_loses_no_spe
     finally:
         for each in (owner, deleter, blocker):
             each.close()
+
+
+# ---- the Conversations API's store: appends checked as they are written -----------------------------
+class _AddedMeanwhile:
+    """A conversation store (a real one) at which, once a conversation's items have been read, another
+    request adds `item` before the reader appends: the race of two requests adding the same item id."""
+
+    def __init__(self, kept, item: dict):
+        self.kept, self.item = kept, item
+
+    def __getattr__(self, name):
+        return getattr(self.kept, name)
+
+    async def items(self, conversation_id: str, owner):
+        held = await self.kept.items(conversation_id, owner)
+        if self.item is not None:
+            await self.kept.append(conversation_id, [self.item], owner, None)
+            self.item = None
+        return held
+
+
+def _conversation_appends_are_checked_as_written(kept) -> None:
+    import asyncio
+
+    from treeserve.wire.conversations import stored_items
+    from treeserve.wire.conversations_api import ConversationsAPI
+
+    item = stored_items([{"role": "user", "content": "b", "id": "msg_b"}])[0]
+    output = stored_items([{"role": "assistant", "content": "c"}])[0]
+
+    async def run():
+        api = ConversationsAPI(kept)
+        conversation_id = (await api.create([{"role": "user", "content": "a"}], None))["id"]
+        with pytest.raises(APIError) as caught:  # (an add whose item another add wrote meanwhile)
+            await ConversationsAPI(_AddedMeanwhile(kept, item)).add_items(conversation_id, [dict(item)])
+        await api.append(conversation_id, [item, output], None)  # (a response whose input item was added so)
+        listed = await api.list_items(conversation_id, limit=100, order="asc")
+        return caught.value, [each["id"] for each in listed["data"]]
+
+    refused, ids = asyncio.run(run())
+    assert (refused.status, refused.param) == (400, "items[0].id"), refused.message  # (it was a 404: no conversation)
+    assert ids[1:] == ["msg_b", output["id"]]  # (the output was dropped, or the item kept twice)
+
+
+def test_conversation_appends_are_checked_as_written(store):
+    """Two requests adding an item of the same id at once: the second a 400 naming the item (it was a
+    404, `conversation not found`); a response whose input item was added so meanwhile keeps its output
+    in the conversation, the item once (the whole append failed on the unique index, silently)."""
+    from treeserve.gateway.conversation_store import DatabaseConversationStore
+    _conversation_appends_are_checked_as_written(DatabaseConversationStore(store.db))
+
+
+def test_the_servers_conversation_appends_are_checked_as_written():
+    """As above, in the server's memory (the item was kept twice)."""
+    from treeserve.wire.conversations_api import MemoryConversationStore
+    _conversation_appends_are_checked_as_written(MemoryConversationStore())

@@ -7,14 +7,13 @@ from __future__ import annotations
 import datetime as dt
 
 from sqlalchemy import and_, delete, func, insert, select, update
-from sqlalchemy.exc import IntegrityError
 from starlette.concurrency import run_in_threadpool
 
 from treeserve.gateway.database import Database
 from treeserve.gateway.schema import ApiConversation as Row
 from treeserve.gateway.schema import ApiConversationItem as ItemRow
 from treeserve.gateway.schema import aware
-from treeserve.wire.conversations import conversation_object
+from treeserve.wire.conversations import check_append, conversation_object
 
 
 def _mine(conversation_id: str, owner: int | None):
@@ -53,8 +52,9 @@ class DatabaseConversationStore:
     async def items(self, conversation_id: str, owner: int | None) -> list[dict] | None:
         return await run_in_threadpool(self._items, conversation_id, owner) if _readable(conversation_id) else None
 
-    async def append(self, conversation_id: str, items: list[dict], owner: int | None) -> bool:
-        return _readable(conversation_id) and await run_in_threadpool(self._append, conversation_id, items, owner)
+    async def append(self, conversation_id: str, items: list[dict], owner: int | None, limit: int | None) -> bool:
+        return _readable(conversation_id) and await run_in_threadpool(self._append, conversation_id, items, owner,
+                                                                       limit)
 
     async def delete_item(self, conversation_id: str, item_id: str, owner: int | None) -> bool:
         return _readable(conversation_id, item_id) and await run_in_threadpool(
@@ -92,14 +92,19 @@ class DatabaseConversationStore:
             return list(conn.execute(select(ItemRow.item).where(ItemRow.conversation_id == conversation_id)
                                      .order_by(ItemRow.position)).scalars())
 
-    def _append(self, conversation_id: str, items: list[dict], owner: int | None) -> bool:
-        try:
-            with self.db.transaction() as conn:
-                if conn.execute(select(Row.id).where(_mine(conversation_id, owner))).first() is None:
-                    return False
-                _insert_items(conn, conversation_id, items)
-        except IntegrityError:  # (the conversation deleted meanwhile, or an item id added twice at once)
-            return False
+    def _append(self, conversation_id: str, items: list[dict], owner: int | None, limit: int | None) -> bool:
+        """The conversation's row locked (PostgreSQL; SQLite's writers queue), so appends to it check and
+        write one at a time, and one racing a delete finds it or finds it gone."""
+        with self.db.transaction() as conn:
+            if conn.execute(select(Row.id).where(_mine(conversation_id, owner)).with_for_update()).first() is None:
+                return False
+            ids = [item["id"] for item in items]
+            held = conn.execute(select(func.count()).select_from(ItemRow)
+                                .where(ItemRow.conversation_id == conversation_id)).scalar()
+            taken = set(conn.execute(select(ItemRow.item_id).where(ItemRow.conversation_id == conversation_id,
+                                                                   ItemRow.item_id.in_(ids))).scalars())
+            check_append(held, [item_id for item_id in ids if item_id in taken], len(items), limit)
+            _insert_items(conn, conversation_id, items)
         return True
 
     def _delete_item(self, conversation_id: str, item_id: str, owner: int | None) -> bool:

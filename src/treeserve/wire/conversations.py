@@ -7,31 +7,56 @@ from __future__ import annotations
 
 import time
 
-from typing import Annotated
-
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field
 
 from treeserve.errors import ParamError
 from treeserve.wire.errors import APIError
+from treeserve.wire.metadata import Metadata
 from treeserve.wire.responses import input_item, input_messages, new_id
 
 MAX_ITEMS_PER_REQUEST = 20  # (OpenAI's: "You may add up to 20 items at a time")
 MAX_ITEM_ID_CHARS = 64
-# (OpenAI's: at most 16 pairs, keys of at most 64 characters, values of at most 512)
-Metadata = dict[Annotated[str, StringConstraints(max_length=64)], Annotated[str, StringConstraints(max_length=512)]] | None
+# (treeserve's: OpenAI documents no bound; without one a client could grow a conversation, 20 items at a
+# time, until the store held all memory, and every response continuing it reads it whole)
+MAX_ITEMS_PER_CONVERSATION = 1000
+
+
+class ConversationFull(Exception):
+    """An append refused: the conversation holds `held` items, and `adding` more would pass its bound."""
+
+    def __init__(self, held: int, adding: int):
+        super().__init__(f"holds {held} items, {adding} more would pass {MAX_ITEMS_PER_CONVERSATION}")
+        self.held, self.adding = held, adding
+
+
+class ItemIdTaken(Exception):
+    """An append refused: the conversation already holds an item with `item_id` (added meanwhile)."""
+
+    def __init__(self, item_id: str):
+        super().__init__(f"the conversation already holds an item with id {item_id!r}")
+        self.item_id = item_id
+
+
+def check_append(held: int, taken: list[str], adding: int, limit: int | None) -> None:
+    """A store's check, in the transaction that appends: ConversationFull past `limit` (None: unbounded),
+    ItemIdTaken for the first id of the items (`taken`) that the conversation already holds."""
+    if taken:
+        raise ItemIdTaken(taken[0])
+    if limit is not None and held + adding > limit:
+        raise ConversationFull(held, adding)
 
 
 class ConversationCreateRequest(BaseModel):
     """POST /v1/conversations."""
     model_config = ConfigDict(extra="forbid", strict=True)
     items: list[dict] | None = Field(default=None, max_length=MAX_ITEMS_PER_REQUEST)
-    metadata: Metadata = Field(default=None, max_length=16)
+    metadata: Metadata | None = None
 
 
 class ConversationUpdateRequest(BaseModel):
     """POST /v1/conversations/{id}: its metadata replaced."""
     model_config = ConfigDict(extra="forbid", strict=True)
-    metadata: Metadata = Field(max_length=16)
+    metadata: Metadata | None
 
 
 class ItemsCreateRequest(BaseModel):

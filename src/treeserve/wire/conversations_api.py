@@ -5,27 +5,33 @@ messages a conversation holds and the appending of a response's input and output
 its conversations in memory (bounded), the gateway in its database (gateway/conversation_store.py)."""
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from treeserve.wire.conversations import new_conversation, page, stored_items
+from treeserve.errors import ParamError
+from treeserve.wire.conversations import (MAX_ITEMS_PER_CONVERSATION, ConversationFull, ItemIdTaken, check_append,
+                                          new_conversation, page, stored_items)
 from treeserve.wire.errors import APIError, from_value_error
 from treeserve.wire.responses import input_messages
 
 MAX_CONVERSATIONS = 1000  # the server's store: the least recently written go first
+log = logging.getLogger(__name__)
 
 
 class ConversationStore(Protocol):
     """`owner`: the key a conversation belongs to (its id on the gateway; None: the server's, and the
-    master key). Each call answers None (or False) for a conversation the owner does not hold."""
+    master key). Each call answers None (or False) for a conversation the owner does not hold. `append`
+    checks, as it appends (check_append), that no item's id is taken and that `limit` is kept."""
 
     async def create(self, conversation: dict, items: list[dict], owner: int | None) -> None: ...
     async def get(self, conversation_id: str, owner: int | None) -> dict | None: ...
     async def set_metadata(self, conversation_id: str, metadata: dict, owner: int | None) -> dict | None: ...
     async def delete(self, conversation_id: str, owner: int | None) -> bool: ...
     async def items(self, conversation_id: str, owner: int | None) -> list[dict] | None: ...
-    async def append(self, conversation_id: str, items: list[dict], owner: int | None) -> bool: ...
+    async def append(self, conversation_id: str, items: list[dict], owner: int | None,
+                     limit: int | None) -> bool: ...
     async def delete_item(self, conversation_id: str, item_id: str, owner: int | None) -> bool: ...
 
 
@@ -64,10 +70,13 @@ class MemoryConversationStore:
         kept = self.kept.get((owner, conversation_id))
         return list(kept.items) if kept else None
 
-    async def append(self, conversation_id: str, items: list[dict], owner: int | None) -> bool:
+    async def append(self, conversation_id: str, items: list[dict], owner: int | None,
+                     limit: int | None) -> bool:
         kept = self.kept.get((owner, conversation_id))
         if kept is None:
             return False
+        held = {item["id"] for item in kept.items}
+        check_append(len(kept.items), [item["id"] for item in items if item["id"] in held], len(items), limit)
         kept.items += items
         self.kept.move_to_end((owner, conversation_id))
         return True
@@ -87,6 +96,13 @@ class MemoryConversationStore:
 def not_found(conversation_id: str, param: str | None = None) -> APIError:
     return APIError(404, f"Conversation with id {conversation_id!r} not found (never made, deleted, or made "
                          "with another key)", param=param, code="conversation_not_found")
+
+
+def conversation_full(exc: ConversationFull, param: str) -> APIError:
+    room = max(MAX_ITEMS_PER_CONVERSATION - exc.held, 0)
+    return APIError(400, f"{param}: the conversation holds {exc.held} items, at most {MAX_ITEMS_PER_CONVERSATION}: "
+                         f"{exc.adding} more do not fit ({room} would); delete some of its items, or start a new "
+                         "conversation", param=param, code="conversation_full")
 
 
 def item_not_found(conversation_id: str, item_id: str) -> APIError:
@@ -128,7 +144,14 @@ class ConversationsAPI:
         """The items added, as a list (OpenAI's answer), in the order sent."""
         held = await self._items(conversation_id, owner)
         added = _checked(items, {item["id"] for item in held})
-        if not await self.store.append(conversation_id, added, owner):
+        try:
+            appended = await self.store.append(conversation_id, added, owner, MAX_ITEMS_PER_CONVERSATION)
+        except ConversationFull as exc:
+            raise conversation_full(exc, "items") from None
+        except ItemIdTaken as exc:  # (added by another request since `held` was read)
+            where = [item["id"] for item in added].index(exc.item_id)
+            raise from_value_error(ParamError(f"items[{where}].id", str(exc))) from None
+        if not appended:
             raise not_found(conversation_id)
         return page(added, None, max(len(added), 1), "asc", "")
 
@@ -154,6 +177,8 @@ class ConversationsAPI:
         items = await self.store.items(conversation_id, owner)
         if items is None:
             raise not_found(conversation_id, param="conversation")
+        if len(items) + len(input_items) + 1 > MAX_ITEMS_PER_CONVERSATION:  # (its input, and an output item)
+            raise conversation_full(ConversationFull(len(items), len(input_items) + 1), "conversation")
         try:
             return (input_messages(items, "conversation.items"),
                     stored_items(input_items, "input", {item["id"] for item in items}))
@@ -161,8 +186,17 @@ class ConversationsAPI:
             raise from_value_error(exc) from exc
 
     async def append(self, conversation_id: str, items: list[dict], owner: int | None) -> None:
-        """A response's items appended (none where the conversation was deleted meanwhile)."""
-        await self.store.append(conversation_id, items, owner)
+        """A response's items appended (none where the conversation was deleted meanwhile), whole: its
+        room was checked before it ran (`continued`; responses running at once may each take theirs);
+        an input item whose id another request added meanwhile is not added twice."""
+        while True:
+            try:
+                await self.store.append(conversation_id, items, owner, None)
+                return
+            except ItemIdTaken as exc:
+                log.warning("conversation %s: input item %r was added meanwhile; kept once", conversation_id,
+                            exc.item_id)
+                items = [item for item in items if item["id"] != exc.item_id]
 
     async def _items(self, conversation_id: str, owner: int | None) -> list[dict]:
         items = await self.store.items(conversation_id, owner)

@@ -11,6 +11,7 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from treeserve.errors import ParamError
+from treeserve.wire.metadata import Metadata
 from treeserve.wire.unsupported import Unsupported, UnsupportedParamError, VendorRequest
 
 
@@ -72,7 +73,7 @@ class ResponsesRequest(VendorRequest):
     store: bool = True
     previous_response_id: str | None = None
     conversation: str | dict | None = None  # a conversation's id, or {"id": ...} (wire/conversations.py)
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None  # (OpenAI's bounds: wire/metadata.py)
     user: str | None = None
     seed: int | None = None  # (not OpenAI's: treeserve's, as in chat completions)
     truncation: Literal["auto", "disabled"] | None = None

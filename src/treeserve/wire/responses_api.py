@@ -71,6 +71,11 @@ def previous_not_found(response_id: str) -> APIError:
                     code="previous_response_not_found")
 
 
+def _input_items(input: str | list[dict]) -> list[dict]:
+    """A request's `input` as items (a string is one user message)."""
+    return [{"type": "message", "role": "user", "content": input}] if isinstance(input, str) else input
+
+
 class ResponsesAPI:
     """`conversations`: where a response's `conversation` is kept (None: a 400 for one)."""
 
@@ -84,8 +89,7 @@ class ResponsesAPI:
         before the chat is sent. A stream that fails is stored as the failed response it ends with,
         as OpenAI's; a response in a `conversation` that does not fail has its input and output
         appended to it."""
-        items = [{"type": "message", "role": "user", "content": request.input}] if isinstance(request.input, str) \
-            else request.input
+        items = _input_items(request.input)
         history, added = await self._continued(request, items, owner)
         body = _chat_body(request, history, model)
         response = skeleton(request, new_id("resp"), model)
@@ -113,7 +117,7 @@ class ResponsesAPI:
         that cannot fit are dropped; an input that cannot fit (with "disabled", the default, or its last
         turn alone with "auto") is the response's context-length 400, where the count knows the context."""
         response = request.as_response()
-        history, _ = await self._continued(response, response.input if isinstance(response.input, list) else [], owner)
+        history, _ = await self._continued(response, _input_items(response.input), owner)
         body = _chat_body(response, history, model)
         with named_for(RESPONSES):
             if request.truncation == "auto":
