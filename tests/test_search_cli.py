@@ -104,6 +104,9 @@ def test_search_and_eval_take_search_and_learns_beam_switches(command, tmp_path)
     assert [getattr(_config(args, "beam", 4), name) for name in names] == [False] * 3
     args = build_parser().parse_args([command, "--filter-duplicates", "--no-filter-duplicates", *place])
     assert _config(args, "beam", 4).filter_duplicates is False
+    if command == "eval":  # (the reference samples to the end at max depth; its summary recorded the switch off)
+        args = build_parser().parse_args([command, "--reference", *place])
+        assert _config(args, "beam", 4).eos_sampling_at_max_depth is True
 
 
 def test_eval_names_a_bad_strategy(models, tmp_path, capsys):

@@ -89,7 +89,8 @@ def _add_search_args(parser: argparse.ArgumentParser) -> None:
                         "(Search-and-Learn's sort_completed; default: off)")
     parser.add_argument("--eos-sampling-at-max-depth", action=argparse.BooleanOptionalAction, default=False,
                         help="beam, dvts: sample the last iteration's step to end-of-sequence, as "
-                        "Search-and-Learn does (default: off; a beam ends at the last iteration either way)")
+                        "Search-and-Learn does (default: off, on with eval --reference; a beam ends at the last "
+                        "iteration either way)")
     parser.add_argument("--system-prompt", help="replaces Search-and-Learn's math system prompt ('' for none)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--speculative-config", type=json_object, metavar="JSON",
@@ -123,8 +124,14 @@ def _config(args, strategy: str, n: int):
                         lookahead=args.lookahead, temperature=args.temperature, top_p=args.top_p,
                         max_tokens=args.max_tokens, agg_strategy=agg_strategy,
                         filter_duplicates=args.filter_duplicates, sort_completed=args.sort_completed,
-                        eos_sampling_at_max_depth=args.eos_sampling_at_max_depth, system_prompt=system,
+                        eos_sampling_at_max_depth=_eos_sampling_at_max_depth(args), system_prompt=system,
                         seed=args.seed, speculative_config=args.speculative_config)
+
+
+def _eos_sampling_at_max_depth(args) -> bool:
+    """On where asked, and for `eval --reference`, which samples S&L's way (ReferenceRunner turns it on):
+    its summary.json recorded it off for a run that sampled its last step to end-of-sequence."""
+    return args.eos_sampling_at_max_depth or getattr(args, "reference", False)
 
 
 def _runtime(args):
