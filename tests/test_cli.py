@@ -197,14 +197,14 @@ def test_allowed_origins_is_a_json_list_of_strings(value, capsys):
 
 
 def test_search_and_eval_settings_are_checked_before_the_models_load(tmp_path, capsys):
-    """A misspelt strategy (or a beam width that does not divide n) was named only after both models
+    """A misspelt strategy (or a DVTS beam width that does not divide n) was named only after both models
     had loaded; with a generator path that does not exist, the error shows that none was loaded."""
     absent = ["--generator", "/nonexistent/generator"]
     assert main(["search", *absent, "--strategy", "beem", "What is 1 + 1?"]) == 2
     assert capsys.readouterr().err.startswith("error: strategy: must be one of")
     dataset = tmp_path / "arith.jsonl"
     dataset.write_text('{"problem": "What is 1 + 1?", "answer": "2"}\n')
-    assert main(["eval", *absent, "--strategy", "best_of_n,beam", "--beam-width", "3", "--n", "4",
+    assert main(["eval", *absent, "--strategy", "best_of_n,dvts", "--beam-width", "3", "--n", "4",
                  "--dataset", str(dataset), "--out", str(tmp_path / "out")]) == 2
     assert capsys.readouterr().err.startswith("error: beam_width: n (4) must be a multiple")
 

@@ -66,8 +66,11 @@ def test_eval_records_no_scores_for_a_strategy_without_a_verifier(models, tmp_pa
     for name, size in [("majority_n2", 2), ("greedy_n1", 1)]:
         records = [json.loads(line) for line in (out / f"{name}.jsonl").read_text().splitlines()]
         assert [r["agg_scores"] for r in records] == [[None] * size] * 2, records
+        assert [r["agg_strategy"] for r in records] == [None, None], records
     runs = json.loads((out / "summary.json").read_text())["runs"]
     assert [r["strategy"] for r in runs] == ["majority", "greedy"] and (out / "accuracy.png").stat().st_size > 0
+    # (no aggregation folded their scores: the summary named the verifier's, `last` here, beside records of null)
+    assert [r["config"]["agg_strategy"] for r in runs] == [None, None], runs
 
 
 def test_eval_reports_no_score_ranked_predictions_for_a_strategy_without_a_verifier(models, tmp_path):
@@ -101,6 +104,9 @@ def test_search_and_eval_take_search_and_learns_beam_switches(command, tmp_path)
     assert [getattr(_config(args, "beam", 4), name) for name in names] == [False] * 3
     args = build_parser().parse_args([command, "--filter-duplicates", "--no-filter-duplicates", *place])
     assert _config(args, "beam", 4).filter_duplicates is False
+    if command == "eval":  # (the reference samples to the end at max depth; its summary recorded the switch off)
+        args = build_parser().parse_args([command, "--reference", *place])
+        assert _config(args, "beam", 4).eos_sampling_at_max_depth is True
 
 
 def test_eval_names_a_bad_strategy(models, tmp_path, capsys):

@@ -58,6 +58,20 @@ def test_beam_search_keeps_the_best_n_over_m_and_expands_each_m_times():
     assert result.tree_size == 12
 
 
+@pytest.mark.parametrize("n, beam_width, kept, counts", [(6, 4, 1, [6]), (7, 2, 3, [3, 2, 2])])
+def test_beam_search_keeps_n_over_m_rounded_down_where_m_does_not_divide_n(n, beam_width, kept, counts):
+    """Search-and-Learn's beam search keeps n // beam_width beams and samples them round-robin up to n
+    (its Config refuses an n that beam_width does not divide for DVTS only); this refused n=6 with the
+    default width 4 (`treeserve search --n 6`, /v1/search's n=6: a 400)."""
+    values = {"a": 0.1, "b": 0.9, "c": 0.5, "d": 0.7}
+    script = Script(lambda text, j: ("abcd"[j % 4] + "\n\n", "step"), lambda s: values[s])
+    result = script.run(beam_config(n=n, beam_width=beam_width))
+    first, second, third = script.samples
+    assert first.counts == [n] and len(second.beams) == len(third.beams) == kept
+    assert second.counts == third.counts == counts
+    assert len(result.completions) == n
+
+
 @pytest.mark.parametrize("strategy", ["beam", "dvts"])
 @pytest.mark.parametrize("lookahead", [0, 1, 2])
 def test_usage_counts_every_token_generated_lookahead_rollouts_too(strategy, lookahead):
@@ -269,7 +283,10 @@ def test_aggregation(how, expected):
 
 def test_bad_config_names_the_parameter():
     with pytest.raises(ValueError, match="beam_width"):
-        SearchConfig(strategy="beam", n=6, beam_width=4)
+        SearchConfig(strategy="dvts", n=6, beam_width=4)
+    with pytest.raises(ValueError) as refused:
+        SearchConfig(strategy="beam", n=4, beam_width=8)
+    assert "n (4) must be at least beam_width (8)" in str(refused.value)
     # (`treeserve search --n 6` and /v1/search's n=6 named a beam_width the user never gave)
     with pytest.raises(ValueError) as refused:
         SearchConfig(strategy="dvts", n=6)

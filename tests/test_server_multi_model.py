@@ -131,7 +131,7 @@ def test_search_answers_like_the_offline_runner_while_other_requests_flow(multi_
     _assert_only_kept_blocks_held(engines)
 
 
-@pytest.mark.parametrize("change, param", [({"verifier": None}, "verifier"), ({"n": 3}, "beam_width"),
+@pytest.mark.parametrize("change, param", [({"verifier": None}, "verifier"), ({"n": 3, "strategy": "dvts"}, "beam_width"),
                                             ({"strategy": "mcts"}, "strategy"), ({"question": None}, "question"),
                                             ({"messages": [{"role": "system", "content": "x"}]}, "question"),
                                             ({"verifier": "nope"}, "model")])

@@ -47,7 +47,8 @@ def test_sampling_params_reject_bad_values(kwargs, name):
     (lambda: EngineConfig(model="m", seed=1.5), "seed"),
     (lambda: EngineConfig(model="m", seed=True), "seed"),
     (lambda: SearchConfig(strategy="mcts"), "strategy"),
-    (lambda: SearchConfig(n=3, beam_width=2), "beam_width"),
+    (lambda: SearchConfig(strategy="dvts", n=3, beam_width=2), "beam_width"),
+    (lambda: SearchConfig(strategy="beam", n=1, beam_width=2), "beam_width"),  # (beam search takes n=3: S&L's)
     # (before any model loads; each was dropped: fractions of a shared arena, a recipe for no model)
     (lambda: Runtime({"gen": "g", "prm": "p"}, kv_fractions={"gen": 0.5, "prm": 0.5}), "kv_fractions"),
     (lambda: Runtime({"gen": "g", "prm": "p"}, recipes={"zzz": "rlhflow"}), "recipes"),

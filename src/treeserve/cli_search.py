@@ -71,9 +71,9 @@ def _add_search_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategy", default="beam",
                         help="greedy, majority, best_of_n, weighted_best_of_n, beam or dvts (eval: comma-separated)")
     parser.add_argument("--beam-width", type=int,
-                        help="candidates sampled from each kept beam (beam, dvts; Search-and-Learn's M): N / "
-                        "beam-width beams survive each step; a divisor of --n, of each N for eval (default: 4, "
-                        "at most --n)")
+                        help="candidates sampled from each kept beam (beam, dvts; Search-and-Learn's M): N // "
+                        "beam-width beams survive each step; at most --n, and for dvts a divisor of --n (of each N "
+                        "for eval) (default: 4, at most --n)")
     parser.add_argument("--num-iterations", type=int, default=40)
     parser.add_argument("--lookahead", type=int, default=0)
     parser.add_argument("--temperature", type=float, default=0.8)
@@ -89,7 +89,8 @@ def _add_search_args(parser: argparse.ArgumentParser) -> None:
                         "(Search-and-Learn's sort_completed; default: off)")
     parser.add_argument("--eos-sampling-at-max-depth", action=argparse.BooleanOptionalAction, default=False,
                         help="beam, dvts: sample the last iteration's step to end-of-sequence, as "
-                        "Search-and-Learn does (default: off; a beam ends at the last iteration either way)")
+                        "Search-and-Learn does (default: off, on with eval --reference; a beam ends at the last "
+                        "iteration either way)")
     parser.add_argument("--system-prompt", help="replaces Search-and-Learn's math system prompt ('' for none)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--speculative-config", type=json_object, metavar="JSON",
@@ -106,8 +107,8 @@ def _add_search_args(parser: argparse.ArgumentParser) -> None:
 
 def _beam_width(args, n: int) -> int:
     """The default (4) at most n, as /v1/search's; one given is taken as it is, by eval for each N of its
-    grid too: a width that does not divide an N is refused for beam and dvts, naming both, as
-    /v1/search and Search-and-Learn refuse it (eval took it at most each N without a word, so
+    grid too: a width over an N is refused for beam and dvts, and one that does not divide it for dvts,
+    naming both, as /v1/search refuses them (eval took it at most each N without a word, so
     `--beam-width 8 --n 4,16` searched N=4 with 4 beams)."""
     return min(4, n) if args.beam_width is None else args.beam_width
 
@@ -123,8 +124,14 @@ def _config(args, strategy: str, n: int):
                         lookahead=args.lookahead, temperature=args.temperature, top_p=args.top_p,
                         max_tokens=args.max_tokens, agg_strategy=agg_strategy,
                         filter_duplicates=args.filter_duplicates, sort_completed=args.sort_completed,
-                        eos_sampling_at_max_depth=args.eos_sampling_at_max_depth, system_prompt=system,
+                        eos_sampling_at_max_depth=_eos_sampling_at_max_depth(args), system_prompt=system,
                         seed=args.seed, speculative_config=args.speculative_config)
+
+
+def _eos_sampling_at_max_depth(args) -> bool:
+    """On where asked, and for `eval --reference`, which samples S&L's way (ReferenceRunner turns it on):
+    its summary.json recorded it off for a run that sampled its last step to end-of-sequence."""
+    return args.eos_sampling_at_max_depth or getattr(args, "reference", False)
 
 
 def _runtime(args):

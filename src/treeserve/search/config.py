@@ -35,7 +35,7 @@ SAL_SYSTEM_PROMPT = (
 class SearchConfig:
     strategy: str = "beam"
     n: int = 4                       # completions per problem (beams for beam search)
-    beam_width: int = 4              # M: samples per kept beam; N/M beams survive each step
+    beam_width: int = 4              # M: samples per kept beam; N // M beams survive each step
     num_iterations: int = 40         # maximum depth in steps
     lookahead: int = 0               # greedy steps rolled out past a candidate before scoring it
     temperature: float = 0.8
@@ -70,10 +70,19 @@ class SearchConfig:
         for name, least in (("n", 1), ("beam_width", 1), ("num_iterations", 1), ("lookahead", 0), ("max_tokens", 1)):
             value = getattr(self, name)
             _require(_is_int(value) and value >= least, name, f"must be an integer >= {least}, got {value!r}")
-        if self.strategy in ("beam", "dvts"):
-            default = ", the default where none is given" if self.beam_width == 4 else ""
+        self._check_beam_width()
+
+    def _check_beam_width(self) -> None:
+        """DVTS grows n / beam_width subtrees (S&L refuses an n it does not divide, as this does); beam
+        search keeps n // beam_width beams each step, as S&L's, which takes any n (this refused it)."""
+        default = ", the default where none is given" if self.beam_width == 4 else ""
+        if self.strategy == "dvts":
             _require(self.n % self.beam_width == 0, "beam_width",
                      f"n ({self.n}) must be a multiple of beam_width ({self.beam_width}{default})")
+        if self.strategy == "beam":
+            _require(self.beam_width <= self.n, "beam_width",
+                     f"n ({self.n}) must be at least beam_width ({self.beam_width}{default}): "
+                     "n // beam_width beams survive each step")
 
     def _check_sampling(self) -> None:
         """Numbers, named where they are not (a string was a TypeError from a comparison)."""

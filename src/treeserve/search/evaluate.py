@@ -151,7 +151,11 @@ def _summary(config: SearchConfig, records: list[dict], seconds: float) -> dict:
 
 def _aggregation_used(config: SearchConfig, records: list[dict]) -> str | None:
     """The aggregation the search folded step scores with: the config's, or where it names none, the
-    one the runner chose (the verifier's declared one), which each record holds (the summary said null)."""
+    one the runner chose (the verifier's declared one), which each record holds (the summary said null);
+    None for a strategy that reads no verifier, as its records say (`eval` names the verifier's for
+    every strategy, and majority's summary recorded `min` beside records of null)."""
+    if not config.uses_verifier:
+        return None
     used = {r["agg_strategy"] for r in records if r.get("agg_strategy") is not None}
     return config.agg_strategy or (used.pop() if len(used) == 1 else None)
 

@@ -54,7 +54,7 @@ def _sample_and_score(question: str, config: SearchConfig, index: int) -> Strate
 # ---- beam search ---------------------------------------------------------------------------
 def _beam_search(question: str, config: SearchConfig, index: int) -> Strategy:
     """N beams; each step the survivors are sampled round-robin up to N candidates, every candidate
-    is scored, finished ones are set aside, and the best N / beam_width unfinished ones survive."""
+    is scored, finished ones are set aside, and the best N // beam_width unfinished ones survive (any N, as S&L)."""
     keep = config.n // config.beam_width
     active = [Beam()]
     completed: list[tuple[Beam, list[float]]] = []
