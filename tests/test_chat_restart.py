@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from chat_support import MASTER, chat_stack, stopped_answers
+from chat_support import MASTER, add_user, chat_stack, stopped_answers
 from gateway_support import wait_for
 from test_chat_api import backend, new_conversation, send, sign_in, stack  # noqa: F401 (fixtures)
 from treeserve.gateway.chat.tools import ROUTER_PROMPT
@@ -216,6 +216,17 @@ def test_a_restart_refused_at_admission_replaces_nothing(stack):
     assert events[0]["type"] == "user" and events[-1]["message"]["content"] == "second"
     assert stored(client, conversation["id"]) == [("user", "first"), ("assistant", "first"),
                                                   ("user", "second"), ("assistant", "second")]
+    # tools mode with a router the user's key may not use: the API's refusal (LiteLLM's 401) is the chat's
+    # 403, which the page shows; a 401 would read as the session's end (the page signs out)
+    add_user(stack[1], "cal", "cal's long password", models=["echo"])
+    cal = sign_in(url, "cal", "cal's long password")
+    conversation = echo_conversation(cal, "first")
+    refused = cal.post(f"/chat/api/conversations/{conversation['id']}/regenerate",
+                       json={"settings": {"model": "echo", "mode": "tools"}})
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "model_not_allowed", refused.text
+    assert "Tried to access router" in refused.json()["error"]["message"], refused.text
+    assert cal.get("/chat/api/me").status_code == 200  # (still signed in)
+    assert stored(cal, conversation["id"]) == [("user", "first"), ("assistant", "first")]
 
 
 def test_a_restart_left_before_its_answer_began_replaces_nothing(stack):

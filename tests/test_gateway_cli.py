@@ -103,6 +103,9 @@ def test_a_url_without_its_scheme_is_said_without_its_password(argv, shown, tmp_
     ("https://alice:SECRET@h/v1?sig=SECRET#f", "https://alice:***@h/v1?sig=***#f"),
     ("http://h:1/v1?SECRET", "http://h:1/v1?***"),
     ("h:1/v1?token=SECRET", "h:1/v1?token=***"),  # (no scheme)
+    # a broker's connection settings are no secret: its label (metrics) as it was, its key file's password hidden
+    ("amqp://alice:SECRET@mq/?heartbeat=30&name=gw&keyfile_password=SECRET",
+     "amqp://alice:***@mq/?heartbeat=30&name=gw&keyfile_password=***"),
 ])
 def test_a_backend_urls_query_is_shown_without_its_values(url, shown):
     """A key in a backend URL's query (`?api_key=`, Google's `?key=`, a signed URL's `sig=`) is hidden wherever

@@ -11,6 +11,7 @@ import socket
 import time
 from urllib.parse import urlparse
 
+import anthropic
 import httpx
 import pytest
 from fastapi import FastAPI
@@ -128,13 +129,23 @@ def test_a_key_limited_to_one_model_reaches_no_other_through_any_route(tmp_path)
             "/v1/search": {"model": "gen", "verifier": "other", "question": "1+1?", "max_tokens": 2},
             "/v1/rewards": {"model": "other", "question": "q", "steps": ["s"]},
             "/v1/responses": {"model": "other", "input": "hi", "max_output_tokens": 2},
-            "/v1/messages": {"model": "other", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
-            "/v1/messages/count_tokens": {"model": "other", "messages": [{"role": "user", "content": "hi"}]},
         }
         for path, body in refused.items():
             answer = client.post(path, json=body)
             assert answer.status_code == 401, (path, answer.status_code, answer.text)
             assert "not allowed to access model" in answer.text, (path, answer.text)
+        # Anthropic's routes answer as Anthropic's API does: 403 permission_error (its SDK reads a 401 as a bad key)
+        for path, body in {"/v1/messages": {"model": "other", "max_tokens": 2,
+                                            "messages": [{"role": "user", "content": "hi"}]},
+                           "/v1/messages/count_tokens": {"model": "other",
+                                                         "messages": [{"role": "user", "content": "hi"}]}}.items():
+            answer = client.post(path, json=body)
+            assert answer.status_code == 403, (path, answer.status_code, answer.text)
+            assert answer.json()["error"]["type"] == "permission_error", (path, answer.text)
+            assert "not allowed to access model" in answer.text, (path, answer.text)
+        with pytest.raises(anthropic.PermissionDeniedError):  # (was its AuthenticationError: "check your key")
+            anthropic.Anthropic(base_url=url, api_key=key, max_retries=0).messages.create(
+                model="other", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
         assert client.get("/v1/models/other").status_code == 404
         assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["gen"]
         assert [m["model_name"] for m in client.get("/model/info").json()["data"]] == ["gen"]

@@ -260,14 +260,19 @@ def _without_password(url: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
-# query parameters that name no secret: shown as they are (Azure OpenAI's version)
-SHOWN_QUERY = frozenset({"api-version", "api_version"})
+# query parameters that name no secret: shown as they are (Azure OpenAI's version; an amqp:// backend's
+# connection settings, RabbitMQ's URI parameters and aio-pika's, so its metrics label stays as it was). Every
+# other value is hidden: a list of secret-looking names would miss some (`code=`, `X-Amz-Signature=`,
+# aio-pika's `keyfile_password=`).
+SHOWN_QUERY = frozenset({"api-version", "api_version", "heartbeat", "connection_timeout", "connection_attempts",
+                         "retry_delay", "socket_timeout", "channel_max", "frame_max", "reconnect_interval",
+                         "fail_fast", "name"})
 
 
 def without_query_secrets(url: str) -> str:
     """`url` with the value of each query parameter as *** (`?api_key=***`): a provider's key in the query
     (`key=`, `api-key=`, a signed URL's `sig=`) is as secret as a password; a parameter with no value
-    (`?TOKEN`) as *** whole. `api-version` is shown."""
+    (`?TOKEN`) as *** whole. Those of SHOWN_QUERY (`api-version`, `heartbeat`) are shown."""
     base, question, rest = url.partition("?")
     if not question:
         return url

@@ -57,6 +57,10 @@ ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_erro
                          404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
                          502: "api_error", 503: "overloaded_error"}
 ANTHROPIC_ROUTES = "/v1/messages"  # its routes answer errors in Anthropic's shape
+# code -> the status Anthropic's API answers for it where OpenAI's (LiteLLM's proxy's) differs: a model the key
+# may not use is its 403 permission_error; a 401 reads as a bad key there (the SDK's AuthenticationError,
+# Claude Code's "please run /login")
+ANTHROPIC_STATUSES = {"model_not_allowed": 403}
 
 
 # codes Anthropic's clients act on, sent as its `error.details.error_code` (the tool runner sends the
@@ -74,8 +78,9 @@ def anthropic_error(status: int, message: str, code: str | None = None) -> dict:
 def error_response_for(path: str, status: int, message: str, param: str | None = None, code: str | None = None,
                        headers: dict[str, str] | None = None, error_type: str | None = None) -> JSONResponse:
     """The error in the shape of the API the path belongs to: Anthropic's on /v1/messages (its types
-    by status), else OpenAI's."""
+    by status, its statuses by ANTHROPIC_STATUSES), else OpenAI's."""
     if path.startswith(ANTHROPIC_ROUTES):
+        status = ANTHROPIC_STATUSES.get(code, status)
         return JSONResponse(anthropic_error(status, message, code), status_code=status, headers=headers)
     return error_response(status, message, param, code, headers, error_type)
 
