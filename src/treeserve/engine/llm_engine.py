@@ -7,6 +7,7 @@ processing (`deferred_outputs`, `output_processor`), kept KV (`kept_kv`). Only t
 from __future__ import annotations
 
 import logging
+import weakref
 
 from treeserve.config import EngineConfig
 from treeserve.engine.close_guard import CloseGuard
@@ -27,6 +28,7 @@ from treeserve.engine.spec_decode.speculator import ENGINE_DEFAULT, Speculator
 from treeserve.engine.step_builder import StepBuilder
 from treeserve.engine.step_pipeline import StepPipeline
 from treeserve.engine.structured_outputs import StructuredOutputs
+from treeserve.engine.weakly import weakly
 from treeserve.engine.workers_guard import WorkersGuard
 from treeserve.errors import EngineClosedError, ParamError
 from treeserve.outputs import AbortedRequest, RequestOutput
@@ -37,16 +39,19 @@ logger = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, kv_space: KVSpace, reclaim=None, scratch: bool = False,
-                 owns: bool = False):
+                 owns: bool = False, owner: object = None):
         """`reclaim`: frees one kept sequence's blocks when the scheduler runs short (default: one of
         this engine's own; a `Runtime` passes one that tries every engine sharing the pool).
         `scratch`: a space for one measured prefill (runtime/memory.py), not for max_model_len.
         `owns`: the loaded model and the KV space are this engine's alone: `close` frees them too
-        (else their owner does: a `Runtime`, or the caller that loaded the model)."""
+        (else their owner does: a `Runtime`, or the caller that loaded the model).
+        `owner`: what frees them, kept alive while this engine is (a Runtime's parts, runtime/parts.py).
+        Nothing in the engine refers back to it (no reference cycle), so the last reference to go frees
+        it, and what only it held, at once: no wait for the garbage collector."""
         if loaded.weights_released:
             raise EngineClosedError(f"{loaded.model_key!r} ({loaded.model_dir.name})",
                                     "the loaded model's weights were freed when its owner closed")
-        self.loaded = loaded
+        self.loaded, self.owner = loaded, owner
         self.closed = False
         self._guard = CloseGuard()  # a step and `close` never overlap
         self._owned = (loaded, kv_space) if owns else None
@@ -64,7 +69,7 @@ class LLMEngine:
                                  window=self.model_config.kv_window)
         self.retained = KeptSequences(self.kv)
         self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.max_num_batched_tokens,
-                                   reclaim=reclaim or self.reclaim_one,
+                                   reclaim=reclaim or weakly(self.reclaim_one),
                                    shared_num_batched_tokens=self.shared_num_batched_tokens)
         self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, loaded.eos_token_ids)
         self.steps = StepBuilder(self.kv, self.structured.vocab_size)
@@ -84,6 +89,8 @@ class LLMEngine:
         self.pipeline = StepPipeline(self.scheduler, self.kv, self.steps, self.runner, self._groups, self.outputs,
                                      self.retained, self.guard, async_scheduling, self._step_sender(),
                                      self.speculator)
+        # let go of, it gives its pool back the blocks it held (a shared pool serves on: a Runtime's other models)
+        weakref.finalize(self, _give_back, self.kv, self.speculator).atexit = False
         if not scratch:  # a Runtime's dry run: "engine ready" comes with the KV cache it serves with
             self._log_ready(kv_space.pool.num_blocks, block_size)
 
@@ -116,8 +123,8 @@ class LLMEngine:
     def _step_sender(self):
         if self.executor is None:
             return None
-        key = self.loaded.model_key
-        return lambda step: self.executor.send_step(key, step)
+        executor, key = self.executor, self.loaded.model_key  # (not `self`: no cycle through the pipeline)
+        return lambda step: executor.send_step(key, step)
 
     def _log_ready(self, num_blocks: int, block_size: int) -> None:
         logger.info("engine ready: %s on %s (%s, %s attention%s), %d KV blocks of %d tokens, steps of up to %d tokens "
@@ -294,3 +301,9 @@ class LLMEngine:
             loaded.release_weights()
             space.release()
             self._owned = None
+
+
+def _give_back(kv: KVCacheManager, speculator: Speculator) -> None:
+    """An engine let go of: the blocks its requests, kept sequences and drafts held go back to the pool."""
+    speculator.release_kv()
+    kv.free_all()
