@@ -195,6 +195,41 @@ def test_a_runtime_closed_mid_step_ends_the_loop_step_without_writing_to_its_clo
         rt.loop.step()
 
 
+def test_a_runtime_let_go_of_while_an_async_engine_serves_its_engines_keeps_serving(pair):
+    """`AsyncLLMEngine(Runtime(...).engines)`: the Runtime, dropped, closed the engines its engine thread
+    served (the stream ended with EngineDeadError). Now they keep their memory while served; another
+    Runtime let go of is freed at once, and a collection on that thread mid-step frees nothing of the
+    one stepping; shut down and let go of, all of it is freed."""
+    import gc
+
+    rt, other = Runtime(pair, **OPTIONS), Runtime(pair, **OPTIONS)
+    served = AsyncLLMEngine(rt.engines, loop=rt.loop)
+    pages, other_pages = rt.engines["gen"].runner.arena.pages, other.engines["gen"].runner.arena.pages
+    collected_on = []
+
+    def collect(module, args):  # (the engine thread, inside the model's forward)
+        if not collected_on:
+            collected_on.append(threading.current_thread())
+            gc.collect()
+
+    rt.engines["gen"].model.layers[-1].register_forward_pre_hook(collect)
+    del rt, other
+    assert _storage_bytes(other_pages) == 0
+
+    async def stream() -> int:
+        return len([o async for o in served.generate([1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True), "r")])
+
+    try:
+        assert asyncio.run(asyncio.wait_for(stream(), timeout=60)) == 20
+        assert collected_on and collected_on[0] is not threading.current_thread()
+        assert _storage_bytes(pages) > 0
+    finally:
+        served.shutdown()
+    del served, collect
+    gc.collect()
+    assert _storage_bytes(pages) == 0
+
+
 def test_a_runtime_over_a_given_tensor_parallel_model_leaves_its_workers_to_their_caller(llama_dir):
     """(closing the Runtime stopped the tensor-parallel workers the loaded model had started, its caller's:
     the next Runtime over it failed at its first step)"""
