@@ -1,6 +1,7 @@
 """Several models in one process: shared and static KV, memory accounting, scoring through the Runtime."""
 import gc
 import re
+import threading
 import weakref
 
 import pytest
@@ -243,6 +244,54 @@ def test_a_model_let_go_of_beside_one_still_held_gives_the_shared_pool_back_its_
     assert pool.num_in_use_by("prm") == 0, "the verifier let go of kept its blocks"
     out = LLM.from_engine(engine).generate(["Hello"], SamplingParams(max_tokens=3), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
+    assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("dropped_on", ["another thread", "the stepping thread, by the collector"])
+def test_a_model_let_go_of_while_another_steps_gives_its_blocks_back_as_that_step_ends(pair, dropped_on):
+    """`gen = rt.engine("gen"); del rt` while gen steps on a thread of its own: the verifier's last
+    reference went on another thread (or in a collection the garbage collector ran inside gen's step),
+    and its blocks went back to the shared pool there and then, under the step reading and changing the
+    pool (its free queue mid-allocation, `stalled_owners` mid-iteration). They go back as the step ends."""
+    rt = _runtime(pair)
+    rt.score_steps("prm", QUESTION, ["seven", "eight"])
+    engine, pool = rt.engine("gen"), rt.engines["gen"].kv.pool
+    holder = {"prm": rt.engines["prm"]}
+    collected = dropped_on != "another thread"
+    if collected:
+        holder["itself"] = holder  # (a cycle: only a collection frees it)
+    del rt
+    assert pool.num_in_use_by("prm") > 0
+    in_step, dropped, seen = threading.Event(), threading.Event(), []
+
+    def mid_step(module, args):  # (inside gen's forward)
+        if not seen:
+            in_step.set()
+            assert dropped.wait(30)
+            if collected:
+                gc.collect()
+            seen.append(pool.num_in_use_by("prm"))
+
+    engine.model.layers[-1].register_forward_pre_hook(mid_step)
+    engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+
+    def run() -> None:
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    stepper = threading.Thread(target=run)
+    gc.disable()  # (no collection but the one in the step)
+    try:
+        stepper.start()
+        assert in_step.wait(30)
+        del holder  # (the verifier goes here, on this thread, unless a cycle keeps it for the collection)
+        dropped.set()
+        stepper.join(30)
+    finally:
+        gc.enable()
+    assert seen and seen[0] > 0, "the verifier's blocks went back to the pool mid-step"
+    assert pool.num_in_use_by("prm") == 0, "the verifier let go of kept its blocks"
+    assert not engine.has_unfinished_requests()
     assert_no_leak(engine)
 
 

@@ -53,7 +53,7 @@ class LLMEngine:
                                     "the loaded model's weights were freed when its owner closed")
         self.loaded, self.owner = loaded, owner
         self.closed = False
-        self._guard = CloseGuard()  # a step and `close` never overlap
+        self._guard = kv_space.pool.guard  # a step and `close` never overlap (nor steps of engines sharing the pool)
         self._owned = (loaded, kv_space) if owns else None
         self._arena_bytes, self._graph_replays = kv_space.arena.nbytes, 0  # (statistics, read after close too)
         self.config, self.name, self.model_dir = loaded.config, loaded.name, loaded.model_dir
@@ -90,7 +90,7 @@ class LLMEngine:
                                      self.retained, self.guard, async_scheduling, self._step_sender(),
                                      self.speculator)
         # let go of, it gives its pool back the blocks it held (a shared pool serves on: a Runtime's other models)
-        weakref.finalize(self, _give_back, self.kv, self.speculator).atexit = False
+        weakref.finalize(self, _give_back_when_free, self._guard, self.kv, self.speculator).atexit = False
         if not scratch:  # a Runtime's dry run: "engine ready" comes with the KV cache it serves with
             self._log_ready(kv_space.pool.num_blocks, block_size)
 
@@ -210,6 +210,10 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> AbortedRequest | None:
         """Aborts a live request (frees its blocks); what it had done, None if it was not live."""
+        with self._guard:
+            return self._abort_now(request_id)
+
+    def _abort_now(self, request_id: str) -> AbortedRequest | None:
         group = self._groups.pop(request_id)
         if group is None:
             return None
@@ -226,7 +230,8 @@ class LLMEngine:
 
     def release_kv(self, request_id: str) -> None:
         """Frees the blocks kept for a finished `keep_kv` request (full blocks stay prefix-cached)."""
-        self.retained.release(request_id)
+        with self._guard:
+            self.retained.release(request_id)
 
     def release_kv_first(self, request_id: str) -> None:
         """Kept blocks that this request holds are released before any other kept sequence's
@@ -236,7 +241,8 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix of the pool it draws from (vLLM's `reset_prefix_cache`; in a
         shared arena, every model's). False, and nothing changed, while any block is in use."""
-        return self.kv.pool.reset_prefix_cache()
+        with self._guard:
+            return self.kv.pool.reset_prefix_cache()
 
     def reclaim_one(self) -> bool:
         """Frees blocks the engine can do without: its draft model's KV (speculation) first, else
@@ -303,7 +309,13 @@ class LLMEngine:
             self._owned = None
 
 
+def _give_back_when_free(guard: CloseGuard, kv: KVCacheManager, speculator: Speculator) -> None:
+    """An engine let go of: the blocks its requests, kept sequences and drafts held go back to the pool,
+    now if nothing changes the pool, else as the step under way ends (the last reference may go on any
+    thread, mid-step: another engine on the pool stepping, the garbage collector run inside it)."""
+    guard.run_when_free(lambda: _give_back(kv, speculator))
+
+
 def _give_back(kv: KVCacheManager, speculator: Speculator) -> None:
-    """An engine let go of: the blocks its requests, kept sequences and drafts held go back to the pool."""
     speculator.release_kv()
     kv.free_all()
