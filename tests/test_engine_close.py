@@ -182,15 +182,25 @@ def test_a_runtime_finalized_on_its_stepping_thread_frees_its_memory_after_the_s
         rt.generate("gen", ["Hello"], SamplingParams(max_tokens=4))
 
 
-def test_a_runtime_closed_mid_step_ends_the_loop_step_without_writing_to_its_closed_trace(pair, tmp_path):
+@pytest.mark.parametrize("closed_by", ["close()", "the interpreter's exit"])
+def test_a_runtime_closed_mid_step_ends_the_loop_step_without_writing_to_its_closed_trace(pair, tmp_path, closed_by):
+    """A Runtime still held at the interpreter's exit (a script's, its engine on a daemon thread mid-step):
+    the exit's finalizer of its parts (runtime/parts.py) freed the KV pages and weights under the step
+    under way, closing no engine (a segmentation fault as the process ended). It closes the engines first,
+    each after its step, as `close()` does."""
     rt = Runtime(pair, trace_path=tmp_path / "trace.jsonl", **OPTIONS)
     engine, outputs = rt.engines["gen"], []
+    pages, seen = engine.runner.arena.pages, []
     rt.loop.add_request(engine, "r", [1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True), outputs.append)
     rt.loop.step()
-    _close_mid_forward(engine, rt.close)
+    free = rt.close if closed_by == "close()" else rt._parts.free
+    assert rt._parts.free.atexit  # (what the interpreter's exit runs)
+    _close_mid_forward(engine, lambda: (free(), seen.append(_storage_bytes(pages))))
     rt.loop.step()  # (the step's observers run after the close: the closed trace records nothing more)
     lines = (tmp_path / "trace.jsonl").read_text().splitlines()
+    assert seen[0] > 0, "the KV pages were freed under the step"
     assert engine.closed and len(lines) >= 1
+    assert _storage_bytes(pages) == 0
     with pytest.raises(EngineClosedError, match="engine 'gen'"):
         rt.loop.step()
 

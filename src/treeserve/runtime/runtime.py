@@ -139,6 +139,7 @@ class Runtime:
         self._parts.spaces.append(space)
         for name, model in loaded.items():  # ... and before anything is preempted
             engines[name] = LLMEngine(model, space, reclaim=_reclaimer(held, name), owner=self._parts)
+            self._parts.add_engine(engines[name])
             held[name] = weakref.ref(engines[name])
             self._note_kv(name, engines[name], space.pool.num_blocks * space.arena.page_bytes)
         return engines
@@ -151,6 +152,7 @@ class Runtime:
                                    model.config.enable_prefix_caching)
             self._parts.spaces.append(space)
             engines[name] = LLMEngine(model, space, owner=self._parts)
+            self._parts.add_engine(engines[name])
             self._note_kv(name, engines[name], space.pool.num_blocks * aligned(page))
         return engines
 
@@ -223,12 +225,7 @@ class Runtime:
         `scorer` and the scoring calls raise EngineClosedError; `engines` and their `stats()` stay
         readable. Idempotent. Without it, all of that goes as soon as neither the Runtime nor any of
         its engines is referenced (runtime/parts.py): an engine kept keeps working."""
-        if getattr(self, "trace", None):
-            self.trace.close()
-        engines = list(getattr(self, "engines", {}).values())  # (none: a constructor that failed midway)
-        for engine in engines:  # the engines first (each waits for a step under way), then their memory
-            engine.close()
-        _when_closed(engines, self._parts.free)
+        self._parts.free()  # (the engines first, each after a step under way, then their memory)
 
 
 def _reclaimer(engines: dict[str, weakref.ref], first: str):
@@ -241,14 +238,6 @@ def _reclaimer(engines: dict[str, weakref.ref], first: str):
         order += [e for name, e in alive.items() if name != first]
         return any(e.reclaim_one() for e in order)
     return reclaim
-
-
-def _when_closed(engines: list[LLMEngine], fn) -> None:
-    """`fn` once every engine's `close` has run."""
-    if not engines:
-        fn()
-    else:
-        engines[0].after_close(lambda: _when_closed(engines[1:], fn))
 
 
 def _cpu_kv_fraction(models: list[LoadedModel], utilisation: float | None) -> float | None:
