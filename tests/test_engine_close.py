@@ -182,17 +182,62 @@ def test_a_runtime_finalized_on_its_stepping_thread_frees_its_memory_after_the_s
         rt.generate("gen", ["Hello"], SamplingParams(max_tokens=4))
 
 
-def test_a_runtime_closed_mid_step_ends_the_loop_step_without_writing_to_its_closed_trace(pair, tmp_path):
+@pytest.mark.parametrize("closed_by", ["close()", "the interpreter's exit"])
+def test_a_runtime_closed_mid_step_ends_the_loop_step_without_writing_to_its_closed_trace(pair, tmp_path, closed_by):
+    """A Runtime still held at the interpreter's exit (a script's, its engine on a daemon thread mid-step):
+    the exit's finalizer of its parts (runtime/parts.py) freed the KV pages and weights under the step
+    under way, closing no engine (a segmentation fault as the process ended). It closes the engines first,
+    each after its step, as `close()` does."""
     rt = Runtime(pair, trace_path=tmp_path / "trace.jsonl", **OPTIONS)
     engine, outputs = rt.engines["gen"], []
+    pages, seen = engine.runner.arena.pages, []
     rt.loop.add_request(engine, "r", [1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True), outputs.append)
     rt.loop.step()
-    _close_mid_forward(engine, rt.close)
+    free = rt.close if closed_by == "close()" else rt._parts.free
+    assert rt._parts.free.atexit  # (what the interpreter's exit runs)
+    _close_mid_forward(engine, lambda: (free(), seen.append(_storage_bytes(pages))))
     rt.loop.step()  # (the step's observers run after the close: the closed trace records nothing more)
     lines = (tmp_path / "trace.jsonl").read_text().splitlines()
+    assert seen[0] > 0, "the KV pages were freed under the step"
     assert engine.closed and len(lines) >= 1
+    assert _storage_bytes(pages) == 0
     with pytest.raises(EngineClosedError, match="engine 'gen'"):
         rt.loop.step()
+
+
+def test_a_runtime_let_go_of_while_an_async_engine_serves_its_engines_keeps_serving(pair):
+    """`AsyncLLMEngine(Runtime(...).engines)`: the Runtime, dropped, closed the engines its engine thread
+    served (the stream ended with EngineDeadError). Now they keep their memory while served; another
+    Runtime let go of is freed at once, and a collection on that thread mid-step frees nothing of the
+    one stepping; shut down and let go of, all of it is freed."""
+    import gc
+
+    rt, other = Runtime(pair, **OPTIONS), Runtime(pair, **OPTIONS)
+    served = AsyncLLMEngine(rt.engines, loop=rt.loop)
+    pages, other_pages = rt.engines["gen"].runner.arena.pages, other.engines["gen"].runner.arena.pages
+    collected_on = []
+
+    def collect(module, args):  # (the engine thread, inside the model's forward)
+        if not collected_on:
+            collected_on.append(threading.current_thread())
+            gc.collect()
+
+    rt.engines["gen"].model.layers[-1].register_forward_pre_hook(collect)
+    del rt, other
+    assert _storage_bytes(other_pages) == 0
+
+    async def stream() -> int:
+        return len([o async for o in served.generate([1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True), "r")])
+
+    try:
+        assert asyncio.run(asyncio.wait_for(stream(), timeout=60)) == 20
+        assert collected_on and collected_on[0] is not threading.current_thread()
+        assert _storage_bytes(pages) > 0
+    finally:
+        served.shutdown()
+    del served, collect
+    gc.collect()
+    assert _storage_bytes(pages) == 0
 
 
 def test_a_runtime_over_a_given_tensor_parallel_model_leaves_its_workers_to_their_caller(llama_dir):

@@ -378,3 +378,22 @@ def test_the_engine_held_after_its_llm_is_dropped_is_not_closed_under_its_holder
     del engine, again
     gc.collect()
     assert closes() == 1
+
+
+def test_an_llm_let_go_of_frees_its_engine_and_model_at_once(llama_dir):
+    """`del llm` (vLLM's way of freeing an engine): its engine sat in a reference cycle (the scheduler's
+    reclaim callback held the engine) and, with its model and KV pages, waited for the garbage collector;
+    the next model loaded measured its memory beside them. It goes with the last reference now."""
+    import gc
+    import weakref
+
+    gc.disable()  # (no collection may run: the last reference going frees it all)
+    try:
+        llm = LLM(str(llama_dir), **OPTIONS)
+        assert llm.generate("Hello", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+        engine, model, pages = (weakref.ref(o) for o in (llm.llm_engine, llm.llm_engine.model,
+                                                         llm.llm_engine.runner.arena.pages))
+        del llm
+        assert engine() is None and model() is None and pages() is None, "left for the garbage collector"
+    finally:
+        gc.enable()

@@ -1,6 +1,7 @@
 """Several models in one process: shared and static KV, memory accounting, scoring through the Runtime."""
 import gc
 import re
+import threading
 import weakref
 
 import pytest
@@ -174,35 +175,158 @@ def test_direct_scoring_refuses_a_conversation_too_long_for_the_verifier(pair):
     assert len(rt.score_steps("prm", QUESTION, ["seven"])) == 1
 
 
-def test_a_runtime_let_go_of_is_closed_as_an_llm_is(pair, tmp_path, monkeypatch):
-    """`del rt` closes its engines and trace (and stops its tensor-parallel workers) as `del llm` does
-    an LLM's (was: nothing closed them; the engines even kept the Runtime alive through their reclaim
-    callbacks). An explicit close() is not repeated by the collection."""
+def test_a_runtime_let_go_of_is_freed_at_once_without_the_garbage_collector(pair, tmp_path, monkeypatch):
+    """`del rt` frees its engines, KV arena and weights and closes its trace as `del llm` does an LLM's,
+    by reference counting alone (was: the engines and what they ran on sat in reference cycles, through
+    their reclaim callbacks, until a collection, and making a new Runtime collected first: ~0.25 s each).
+    An explicit close() is not repeated when it goes."""
     from treeserve.engine.llm_engine import LLMEngine
-
-    gc.collect()  # (what earlier tests let go of is closed now, not counted below)
-    closed = []
-    monkeypatch.setattr(LLMEngine, "close", lambda engine: closed.append(engine))
-
-    def closes(of: list) -> list:  # (only these engines' closes: a collection may close others' too)
-        return [engine for engine in closed if any(engine is mine for mine in of)]
 
     rt = _runtime(pair, trace_path=tmp_path / "trace.jsonl")
     rt.generate("gen", ["seven"], SamplingParams(max_tokens=2))
     assert len(rt.score_steps("prm", QUESTION, ["seven"])) == 1
-    engines, trace, alive = list(rt.engines.values()), rt.trace, weakref.ref(rt)
-    del rt
-    gc.collect()
-    assert alive() is None
-    assert sorted(map(id, closes(engines))) == sorted(map(id, engines))
-    assert trace._file.closed
+    engines, trace, alive = [weakref.ref(e) for e in rt.engines.values()], rt.trace, weakref.ref(rt)
+    held = [rt.engines["gen"].runner.arena.pages]
+    held += [w for e in rt.engines.values() for w in e.model.parameters() if w.untyped_storage().resizable()]
+    gc.disable()  # (no collection may run: the last reference going frees it all)
+    try:
+        del rt
+        assert alive() is None and [e() for e in engines] == [None, None], "left for the garbage collector"
+        assert all(tensor.untyped_storage().nbytes() == 0 for tensor in held)
+        assert trace._file.closed
+    finally:
+        gc.enable()
+    closed = []
+    monkeypatch.setattr(LLMEngine, "close", lambda engine: closed.append(engine))
     rt = _runtime(pair)
-    engines = list(rt.engines.values())
     rt.close()
-    assert len(closes(engines)) == 2
+    assert len(closed) == 2
     del rt
     gc.collect()
-    assert len(closes(engines)) == 2
+    assert len(closed) == 2
+
+
+def test_an_engine_held_after_its_runtime_is_let_go_of_keeps_working_until_it_is_let_go_of_too(pair):
+    """`eng = Runtime(...).engine("gen")`, or a scorer so taken: the Runtime, dropped at once, was closed
+    and closed the engine its caller still held (EngineClosedError at its first request), freeing the
+    arena and weights under it. An engine keeps what it runs on while it is referenced, as an LLM's
+    engine does after `del llm` (vLLM's too); let go of in turn, all of it is freed at once."""
+    from treeserve import LLM
+
+    gc.disable()  # (no collection may run: reference counting alone keeps and frees)
+    try:
+        engine = _runtime(pair).engine("gen")
+        scorer = _runtime(pair, kv_mode="static").scorer("prm")
+        greedy = SamplingParams(max_tokens=3, temperature=0.0)
+        assert len(LLM.from_engine(engine).generate(["Hello"], greedy, use_tqdm=False)[0].outputs[0].token_ids) == 3
+        assert len(scorer.score_many([(QUESTION, ["seven", "eight"])])[0]) == 2
+        held = [engine.runner.arena.pages, scorer.engine.runner.arena.pages]
+        held += [w for e in (engine, scorer.engine) for w in e.model.parameters() if w.untyped_storage().resizable()]
+        assert all(tensor.untyped_storage().nbytes() > 0 for tensor in held)
+        del engine, scorer
+        assert all(tensor.untyped_storage().nbytes() == 0 for tensor in held), "let go of, their memory was kept"
+    finally:
+        gc.enable()
+
+
+def test_a_model_let_go_of_beside_one_still_held_gives_the_shared_pool_back_its_kept_blocks(pair):
+    """`gen = rt.engine("gen"); del rt`: the verifier, let go of, goes; the conversations its scorer kept
+    in the shared pool must not stay pinned there for the generator that serves on."""
+    from treeserve import LLM
+
+    rt = _runtime(pair)
+    rt.score_steps("prm", QUESTION, ["seven", "eight"])
+    engine, pool = rt.engine("gen"), rt.engines["gen"].kv.pool
+    assert pool.num_in_use_by("prm") > 0  # (the scorer keeps its conversations)
+    prm = weakref.ref(rt.engines["prm"])
+    del rt
+    assert prm() is None
+    assert pool.num_in_use_by("prm") == 0, "the verifier let go of kept its blocks"
+    out = LLM.from_engine(engine).generate(["Hello"], SamplingParams(max_tokens=3), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+    assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("dropped_on", ["another thread", "the stepping thread, by the collector"])
+def test_a_model_let_go_of_while_another_steps_gives_its_blocks_back_as_that_step_ends(pair, dropped_on):
+    """`gen = rt.engine("gen"); del rt` while gen steps on a thread of its own: the verifier's last
+    reference went on another thread (or in a collection the garbage collector ran inside gen's step),
+    and its blocks went back to the shared pool there and then, under the step reading and changing the
+    pool (its free queue mid-allocation, `stalled_owners` mid-iteration). They go back as the step ends."""
+    rt = _runtime(pair)
+    rt.score_steps("prm", QUESTION, ["seven", "eight"])
+    engine, pool = rt.engine("gen"), rt.engines["gen"].kv.pool
+    holder = {"prm": rt.engines["prm"]}
+    collected = dropped_on != "another thread"
+    if collected:
+        holder["itself"] = holder  # (a cycle: only a collection frees it)
+    del rt
+    assert pool.num_in_use_by("prm") > 0
+    in_step, dropped, seen = threading.Event(), threading.Event(), []
+
+    def mid_step(module, args):  # (inside gen's forward)
+        if not seen:
+            in_step.set()
+            assert dropped.wait(30)
+            if collected:
+                gc.collect()
+            seen.append(pool.num_in_use_by("prm"))
+
+    engine.model.layers[-1].register_forward_pre_hook(mid_step)
+    engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+
+    def run() -> None:
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    stepper = threading.Thread(target=run)
+    gc.disable()  # (no collection but the one in the step)
+    try:
+        stepper.start()
+        assert in_step.wait(30)
+        del holder  # (the verifier goes here, on this thread, unless a cycle keeps it for the collection)
+        dropped.set()
+        stepper.join(30)
+    finally:
+        gc.enable()
+    assert seen and seen[0] > 0, "the verifier's blocks went back to the pool mid-step"
+    assert pool.num_in_use_by("prm") == 0, "the verifier let go of kept its blocks"
+    assert not engine.has_unfinished_requests()
+    assert_no_leak(engine)
+
+
+def test_a_model_loaded_after_a_runtime_is_let_go_of_measures_the_memory_it_freed(pair, monkeypatch):
+    """`del rt`, then `LLM(...)`: the LLM measured the memory left for its KV with the dropped Runtime's
+    arena and weights still in use (on CUDA, a gpu_memory_utilization budget finding none left) while
+    they waited for the garbage collector; `del rt` frees them at once (runtime/parts.py)."""
+    from treeserve import LLM
+    from treeserve.engine import memory
+
+    rt = _runtime(pair)
+    rt.generate("gen", ["Hello"], SamplingParams(max_tokens=2))
+    pages = rt.engines["gen"].runner.arena.pages
+    held_when_measured = []
+    monkeypatch.setattr(memory, "available_host_bytes",  # (what the LLM's default KV budget reads)
+                        lambda: held_when_measured.append(pages.untyped_storage().nbytes()) or 64 << 20)
+    gc.disable()  # (no collection runs: the outcome does not hang on when one comes)
+    try:
+        del rt
+        llm = LLM(str(pair["gen"]), dtype="float32", device="cpu", max_model_len=192)
+    finally:
+        gc.enable()
+    llm.close()
+    assert held_when_measured == [0], "the LLM measured the memory left with the dropped Runtime's arena held"
+
+
+def test_a_runtime_let_go_of_within_a_reference_cycle_is_freed_by_the_collection_that_finds_it(pair):
+    """A Runtime that a cycle holds (a server app's state does) goes with its memory in one collection."""
+    rt = _runtime(pair)
+    pages = rt.engines["gen"].runner.arena.pages
+    holder = {"runtime": rt}
+    holder["itself"] = holder
+    del rt, holder
+    gc.collect()
+    assert pages.untyped_storage().nbytes() == 0
 
 
 def test_direct_scoring_strips_steps_as_the_server_does(pair):

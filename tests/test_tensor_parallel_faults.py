@@ -228,14 +228,27 @@ def test_engines_one_after_another_in_one_process(llama_dir):
 
 def test_an_llm_let_go_of_stops_its_workers(llama_dir):
     """`del llm` (vLLM's way of freeing an engine) stops its workers and leaves the process free for
-    the next tensor-parallel engine (was: the workers ran on, and the next LLM was refused)."""
+    the next tensor-parallel engine (was: the workers ran on, and the next LLM was refused). So does
+    `del rt`, by reference counting alone (a Runtime's engines sat in reference cycles, its workers
+    waited for the garbage collector, and the next LLM was refused: "this process already runs a
+    tensor-parallel engine"; runtime/parts.py)."""
     import gc
 
     import torch.distributed as dist
 
-    from treeserve import LLM
+    from treeserve import LLM, Runtime, SamplingParams
 
-    llm = LLM(str(llama_dir), **START_OPTIONS)
+    gc.disable()  # (no collection may run: the Runtime's last reference going stops its workers)
+    try:
+        rt = Runtime({"gen": str(llama_dir)}, **START_OPTIONS)
+        expected = rt.generate("gen", ["Hello"], SamplingParams(**GREEDY))[0].outputs[0].token_ids
+        workers = [psutil.Process(pid) for pid in rt.executor.pids()]
+        del rt
+        assert not [p for p in workers if p.is_running()]  # (stopped and reaped as it went: no wait)
+        llm = LLM(str(llama_dir), **START_OPTIONS)
+    finally:
+        gc.enable()
+    assert llm.generate("Hello", SamplingParams(**GREEDY), use_tqdm=False)[0].outputs[0].token_ids == expected
     workers = [psutil.Process(pid) for pid in llm.engine.executor.pids()]
     del llm
     gc.collect()

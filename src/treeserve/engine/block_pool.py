@@ -14,6 +14,7 @@ import operator
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
+from treeserve.engine.close_guard import CloseGuard
 from treeserve.engine.eviction import THRASH_WINDOW_PER_BLOCK, FreeBlocks, ThrashWindow
 from treeserve.engine.kv_block import KVBlock
 from treeserve.errors import ParamError
@@ -57,6 +58,8 @@ class BlockPool:
         # (set by the engine loop after each pass): the others admit nothing new until they get
         # them, so that the blocks those requests free go to the model that waits, not to new work.
         self.stalled_owners: set[str] = set()
+        # What changes the pool runs under this, for every engine drawing from it (engine/close_guard.py)
+        self.guard = CloseGuard()
 
     @property
     def num_blocks(self) -> int:

@@ -203,6 +203,19 @@ class KVCacheManager:
         self._num_dropped.pop(request.request_id, None)
         self.pool.free(reversed([b for b in table if b is not None]))
 
+    def free_all(self) -> None:
+        """Every table's blocks back to the pool, which forgets what this owner's waiting requests
+        wanted or waited for: its engine was let go of while the pool, shared, serves on
+        (runtime/runtime.py)."""
+        for table in self.block_tables.values():
+            self.pool.free(reversed([b for b in table if b is not None]))
+        self.block_tables.clear()
+        self._ids.clear()
+        self._num_hashed.clear()
+        self._num_dropped.clear()
+        self.pool.set_wanted(self.owner, [])
+        self.pool.stalled_owners.discard(self.owner)  # (the others would admit nothing new, waiting for it)
+
     def block_ids(self, request: Request) -> list[int]:
         """The request's block table as ids (NULL_BLOCK_ID behind a window). The same list object is
         returned until the table changes, so a caller can tell "unchanged" by identity; never mutate it."""

@@ -7,6 +7,7 @@ processing (`deferred_outputs`, `output_processor`), kept KV (`kept_kv`). Only t
 from __future__ import annotations
 
 import logging
+import weakref
 
 from treeserve.config import EngineConfig
 from treeserve.engine.close_guard import CloseGuard
@@ -27,6 +28,7 @@ from treeserve.engine.spec_decode.speculator import ENGINE_DEFAULT, Speculator
 from treeserve.engine.step_builder import StepBuilder
 from treeserve.engine.step_pipeline import StepPipeline
 from treeserve.engine.structured_outputs import StructuredOutputs
+from treeserve.engine.weakly import weakly
 from treeserve.engine.workers_guard import WorkersGuard
 from treeserve.errors import EngineClosedError, ParamError
 from treeserve.outputs import AbortedRequest, RequestOutput
@@ -37,18 +39,21 @@ logger = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, kv_space: KVSpace, reclaim=None, scratch: bool = False,
-                 owns: bool = False):
+                 owns: bool = False, owner: object = None):
         """`reclaim`: frees one kept sequence's blocks when the scheduler runs short (default: one of
         this engine's own; a `Runtime` passes one that tries every engine sharing the pool).
         `scratch`: a space for one measured prefill (runtime/memory.py), not for max_model_len.
         `owns`: the loaded model and the KV space are this engine's alone: `close` frees them too
-        (else their owner does: a `Runtime`, or the caller that loaded the model)."""
+        (else their owner does: a `Runtime`, or the caller that loaded the model).
+        `owner`: what frees them, kept alive while this engine is (a Runtime's parts, runtime/parts.py).
+        Nothing in the engine refers back to it (no reference cycle), so the last reference to go frees
+        it, and what only it held, at once: no wait for the garbage collector."""
         if loaded.weights_released:
             raise EngineClosedError(f"{loaded.model_key!r} ({loaded.model_dir.name})",
                                     "the loaded model's weights were freed when its owner closed")
-        self.loaded = loaded
+        self.loaded, self.owner = loaded, owner
         self.closed = False
-        self._guard = CloseGuard()  # a step and `close` never overlap
+        self._guard = kv_space.pool.guard  # a step and `close` never overlap (nor steps of engines sharing the pool)
         self._owned = (loaded, kv_space) if owns else None
         self._arena_bytes, self._graph_replays = kv_space.arena.nbytes, 0  # (statistics, read after close too)
         self.config, self.name, self.model_dir = loaded.config, loaded.name, loaded.model_dir
@@ -64,7 +69,7 @@ class LLMEngine:
                                  window=self.model_config.kv_window)
         self.retained = KeptSequences(self.kv)
         self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.max_num_batched_tokens,
-                                   reclaim=reclaim or self.reclaim_one,
+                                   reclaim=reclaim or weakly(self.reclaim_one),
                                    shared_num_batched_tokens=self.shared_num_batched_tokens)
         self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, loaded.eos_token_ids)
         self.steps = StepBuilder(self.kv, self.structured.vocab_size)
@@ -84,6 +89,8 @@ class LLMEngine:
         self.pipeline = StepPipeline(self.scheduler, self.kv, self.steps, self.runner, self._groups, self.outputs,
                                      self.retained, self.guard, async_scheduling, self._step_sender(),
                                      self.speculator)
+        # let go of, it gives its pool back the blocks it held (a shared pool serves on: a Runtime's other models)
+        weakref.finalize(self, _give_back_when_free, self._guard, self.kv, self.speculator).atexit = False
         if not scratch:  # a Runtime's dry run: "engine ready" comes with the KV cache it serves with
             self._log_ready(kv_space.pool.num_blocks, block_size)
 
@@ -116,8 +123,8 @@ class LLMEngine:
     def _step_sender(self):
         if self.executor is None:
             return None
-        key = self.loaded.model_key
-        return lambda step: self.executor.send_step(key, step)
+        executor, key = self.executor, self.loaded.model_key  # (not `self`: no cycle through the pipeline)
+        return lambda step: executor.send_step(key, step)
 
     def _log_ready(self, num_blocks: int, block_size: int) -> None:
         logger.info("engine ready: %s on %s (%s, %s attention%s), %d KV blocks of %d tokens, steps of up to %d tokens "
@@ -203,6 +210,10 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> AbortedRequest | None:
         """Aborts a live request (frees its blocks); what it had done, None if it was not live."""
+        with self._guard:
+            return self._abort_now(request_id)
+
+    def _abort_now(self, request_id: str) -> AbortedRequest | None:
         group = self._groups.pop(request_id)
         if group is None:
             return None
@@ -219,7 +230,8 @@ class LLMEngine:
 
     def release_kv(self, request_id: str) -> None:
         """Frees the blocks kept for a finished `keep_kv` request (full blocks stay prefix-cached)."""
-        self.retained.release(request_id)
+        with self._guard:
+            self.retained.release(request_id)
 
     def release_kv_first(self, request_id: str) -> None:
         """Kept blocks that this request holds are released before any other kept sequence's
@@ -229,7 +241,8 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix of the pool it draws from (vLLM's `reset_prefix_cache`; in a
         shared arena, every model's). False, and nothing changed, while any block is in use."""
-        return self.kv.pool.reset_prefix_cache()
+        with self._guard:
+            return self.kv.pool.reset_prefix_cache()
 
     def reclaim_one(self) -> bool:
         """Frees blocks the engine can do without: its draft model's KV (speculation) first, else
@@ -294,3 +307,15 @@ class LLMEngine:
             loaded.release_weights()
             space.release()
             self._owned = None
+
+
+def _give_back_when_free(guard: CloseGuard, kv: KVCacheManager, speculator: Speculator) -> None:
+    """An engine let go of: the blocks its requests, kept sequences and drafts held go back to the pool,
+    now if nothing changes the pool, else as the step under way ends (the last reference may go on any
+    thread, mid-step: another engine on the pool stepping, the garbage collector run inside it)."""
+    guard.run_when_free(lambda: _give_back(kv, speculator))
+
+
+def _give_back(kv: KVCacheManager, speculator: Speculator) -> None:
+    speculator.release_kv()
+    kv.free_all()

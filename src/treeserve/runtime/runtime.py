@@ -34,6 +34,7 @@ from treeserve.entrypoints.llm import LLM
 from treeserve.outputs import RequestOutput
 from treeserve.runtime.memory import (MemoryBreakdown, measure_activation_bytes, non_torch_bytes,
                                       weights_bytes)
+from treeserve.runtime.parts import RuntimeParts
 from treeserve.runtime.roles import not_a_verifier, verifier_recipe
 from treeserve.runtime.scorer import StepScorer, given_item, given_question, given_steps
 from treeserve.runtime.telemetry import TelemetryTrace
@@ -65,18 +66,19 @@ class Runtime:
         given = {name: with_engine_options(m, engine_options) for name, m in models.items() if isinstance(m, LoadedModel)}
         configs = {name: EngineConfig(model=path, **engine_options) for name, path in models.items() if name not in given}
         self.executor = self._workers(next(iter(configs.values()))) if configs else None
-        self._spaces: list[KVSpace] = []  # the KV spaces it made, and the models it loaded: `close` frees them
-        self._loaded: list[LoadedModel] = []
+        # what `close` frees, held by the engines too (runtime/parts.py): an engine its caller keeps keeps them
+        self._parts = RuntimeParts(self.executor)
         try:  # anything failing from here stops the tensor-parallel workers it started
             loaded = {name: given[name] if name in given else load_model(configs[name], name, self.executor)
                       for name in models}
-            self._loaded = [m for name, m in loaded.items() if name not in given]
+            self._parts.loaded.extend(m for name, m in loaded.items() if name not in given)
             _drafters_where_they_fit(loaded)
             self.memory = self._account(loaded, kv_cache_memory_bytes, memory_utilization)
             if kv_mode == "shared":
                 self.engines = self._build_shared(loaded)
             else:
                 self.engines = self._build_static(loaded, _fractions(kv_fractions, list(loaded)))
+            self.trace = self._parts.held.trace = TelemetryTrace(trace_path) if trace_path else None
         except BaseException:
             self.close()
             raise
@@ -88,12 +90,8 @@ class Runtime:
         self.loop = EngineLoop(self.engines)
         self._llms = {name: LLM.from_engine(engine, self.loop) for name, engine in self.engines.items()}
         self._scorers: dict[str, StepScorer] = {}
-        self.trace = TelemetryTrace(trace_path) if trace_path else None
         if self.trace:
             self.loop.step_observers.append(self.trace.observe)
-        # `del rt` closes it too, as `del llm` does an LLM's engine (its workers and threads stop)
-        self._finalizer = weakref.finalize(self, _close_parts, self.trace, self.engines, self.executor, self._spaces,
-                                           self._loaded)
 
     # ---- memory ---------------------------------------------------------------------------
     def _account(self, loaded: dict[str, LoadedModel], kv_bytes: int | None,
@@ -134,12 +132,15 @@ class Runtime:
         page = fitted_page_bytes([m.kv_bytes_per_token() for m in models], min(m.config.block_size for m in models))
         first = next(iter(models))
         # kept sequences of any model give way before any model's shared prefixes are evicted ...
-        engines: dict[str, LLMEngine] = {}  # (the reclaim callbacks hold the engines, not the Runtime)
+        engines: dict[str, LLMEngine] = {}
+        held: dict[str, weakref.ref] = {}  # (the reclaim callbacks hold the engines weakly: no cycle, runtime/parts.py)
         space = KVSpace.create(self.kv_budget, page, first.device, first.config.enable_prefix_caching,
-                               reclaim=lambda owner: _reclaimer(engines, owner)())
-        self._spaces.append(space)
+                               reclaim=lambda owner: _reclaimer(held, owner)())
+        self._parts.spaces.append(space)
         for name, model in loaded.items():  # ... and before anything is preempted
-            engines[name] = LLMEngine(model, space, reclaim=_reclaimer(engines, name))
+            engines[name] = LLMEngine(model, space, reclaim=_reclaimer(held, name), owner=self._parts)
+            self._parts.add_engine(engines[name])
+            held[name] = weakref.ref(engines[name])
             self._note_kv(name, engines[name], space.pool.num_blocks * space.arena.page_bytes)
         return engines
 
@@ -149,8 +150,9 @@ class Runtime:
             page = model.config.block_size * model.kv_bytes_per_token()
             space = KVSpace.create(int(self.kv_budget * fractions[name]), page, model.device,
                                    model.config.enable_prefix_caching)
-            self._spaces.append(space)
-            engines[name] = LLMEngine(model, space)
+            self._parts.spaces.append(space)
+            engines[name] = LLMEngine(model, space, owner=self._parts)
+            self._parts.add_engine(engines[name])
             self._note_kv(name, engines[name], space.pool.num_blocks * aligned(page))
         return engines
 
@@ -219,53 +221,23 @@ class Runtime:
     def close(self) -> None:
         """Closes the trace and the engines, frees the KV arena and the weights of the models it
         loaded (those given to it loaded are their caller's) now, whoever still refers to the
-        Runtime, and stops the tensor-parallel workers, if any. Afterwards, `generate`, `scorer` and
-        the scoring calls raise EngineClosedError; `engines` and their `stats()` stay readable.
-        Idempotent; a Runtime dropped without it is closed when it is collected."""
-        finalizer = getattr(self, "_finalizer", None)
-        if finalizer is not None:
-            finalizer()  # (once: a later collection does nothing)
-        else:  # (a constructor that failed midway)
-            _close_parts(getattr(self, "trace", None), getattr(self, "engines", {}), self.executor,
-                         getattr(self, "_spaces", []), getattr(self, "_loaded", []))
+        Runtime or its engines, and stops the tensor-parallel workers, if any. Afterwards, `generate`,
+        `scorer` and the scoring calls raise EngineClosedError; `engines` and their `stats()` stay
+        readable. Idempotent. Without it, all of that goes as soon as neither the Runtime nor any of
+        its engines is referenced (runtime/parts.py): an engine kept keeps working."""
+        self._parts.free()  # (the engines first, each after a step under way, then their memory)
 
 
-def _reclaimer(engines: dict[str, LLMEngine], first: str):
+def _reclaimer(engines: dict[str, weakref.ref], first: str):
     """Releases one kept sequence: `first`'s own if it keeps any, else another model's. The engines
-    hold this: it holds them, not their Runtime, so that dropping the Runtime closes it."""
+    hold this: it holds them weakly (one let go of has given its blocks back: LLMEngine), so that they, and the
+    Runtime's memory, go with their last reference."""
     def reclaim() -> bool:
-        order = [engines[first]] + [e for name, e in engines.items() if name != first]
+        alive = {name: engine for name, ref in engines.items() if (engine := ref()) is not None}
+        order = [alive[first]] if first in alive else []
+        order += [e for name, e in alive.items() if name != first]
         return any(e.reclaim_one() for e in order)
     return reclaim
-
-
-def _close_parts(trace: TelemetryTrace | None, engines: dict[str, LLMEngine], executor, spaces: list[KVSpace],
-                 loaded: list[LoadedModel]) -> None:
-    """What `Runtime.close` does, from the parts alone (a finalizer must not hold the Runtime): the
-    engines first (each waits for a step under way), then the memory no engine runs on any more
-    (after the step under way, where the finalizer runs on the stepping thread mid-step)."""
-    if trace:
-        trace.close()
-    for engine in engines.values():
-        engine.close()
-    _when_closed(list(engines.values()), lambda: _free_parts(spaces, loaded, executor))
-
-
-def _when_closed(engines: list[LLMEngine], fn) -> None:
-    """`fn` once every engine's `close` has run."""
-    if not engines:
-        fn()
-    else:
-        engines[0].after_close(lambda: _when_closed(engines[1:], fn))
-
-
-def _free_parts(spaces: list[KVSpace], loaded: list[LoadedModel], executor) -> None:
-    for space in spaces:
-        space.release()
-    for model in loaded:
-        model.release_weights()
-    if executor is not None:
-        executor.shutdown()
 
 
 def _cpu_kv_fraction(models: list[LoadedModel], utilisation: float | None) -> float | None:
