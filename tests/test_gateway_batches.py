@@ -573,6 +573,24 @@ def test_a_reward_request_through_a_model_with_a_token_cap_is_sent_without_max_t
         assert rewarded.status_code == 200 and len(rewarded.json()["scores"]) == 1, rewarded.text
 
 
+
+def test_searches_sent_back_to_back_on_a_key_with_a_tpm_limit_below_their_worst_case_are_admitted(backend, tmp_path):
+    """A search holds its worst case (n x num_iterations x max_tokens, here over the key's whole tpm_limit)
+    in its minute while it runs, admitted in an empty minute; its answer puts what it used in its place
+    at once: the next search sent as the last one ended was refused (a 429 to retry at the minute's
+    end) until the settlement's batch committed."""
+    question = {"model": "gen", "verifier": "prm", "question": "Add 2 and three.", "strategy": "beam", "n": 4,
+                "num_iterations": 4, "max_tokens": 4, "seed": 1, "system_prompt": ""}  # worst case ~100 tokens
+    with gateway(backend.url, f"sqlite:///{tmp_path / 'gw.db'}") as gw:
+        key = {"Authorization": f"Bearer {_key(gw, tpm_limit=90)}"}
+        used = 0
+        for _ in range(2):
+            answer = httpx.post(f"{gw}/v1/search", headers=key, json=question, timeout=60)
+            assert answer.status_code == 200, answer.text
+            used += answer.json()["usage"]["completion_tokens"]
+        assert used < 90  # (the two fit: else the second's refusal was right)
+
+
 def _echo_lines(count: int) -> list[dict]:
     return [{"custom_id": f"e{i}", "method": "POST", "url": "/v1/chat/completions",
              "body": {"model": "gen", "messages": [{"role": "user", "content": f"line {i}"}]}} for i in range(count)]

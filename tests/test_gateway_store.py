@@ -232,6 +232,28 @@ def test_a_tpm_limit_counts_the_tokens_requests_in_flight_may_use_then_what_they
     assert store.admission.admit(unlimited, 0.0, 10**9).tokens == 0  # (no tpm_limit: nothing held)
 
 
+
+def test_a_request_whose_worst_case_is_over_the_tpm_limit_holds_what_it_used_from_its_answer(store, monkeypatch):
+    """A search's worst case (327,680 tokens by default) over a key's whole tpm_limit is admitted in an
+    empty minute, and its answer (the release, before its settlement's batch) puts the tokens it used in
+    its place: a next request sent at once was refused until the settlement came, with a 429 to retry
+    at the minute's end. Its settlement then counts nothing twice."""
+    import treeserve.gateway.admission as admission
+
+    now = utcnow()
+    monkeypatch.setattr(admission, "utcnow", lambda: now)  # (all in one minute)
+    key = store.accounts.authenticate(store.accounts.create_key(tpm_limit=100_000)[0])
+    search = store.admission.admit(key, 0.0, 327_680)  # (an empty minute: admitted, whatever its worst case)
+    with pytest.raises(APIError) as held:
+        as_http(store.admission.admit, key, 0.0, 10)
+    assert (held.value.status, held.value.param) == (429, "tpm_limit")
+    store.admission.release(search, 0.0, 3_000)
+    after = store.admission.admit(key, 0.0, 327_680)  # (at once, its settlement not yet committed)
+    store.ledger.settle(Settlement(search, "t0", "m", None, "search", False, "success", Usage(0, 3_000), 0.0, now))
+    with store.db.session() as s:
+        assert s.scalars(select(RateWindow.tokens)).one() == 3_000 + after.tokens
+
+
 def test_the_settlement_that_crosses_a_keys_soft_budget_is_logged_once(store, caplog):
     """LiteLLM's soft_budget: a warning when a settlement takes the key's spend past it; nothing is
     refused, and later settlements say nothing more (until a budget period starts it again)."""

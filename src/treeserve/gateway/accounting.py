@@ -56,9 +56,10 @@ class Accounting:
         usage = outcome.usage
         cost = pricing.cost(self.models[model], usage.prompt_tokens, usage.completion_tokens)
         reservation = admitted.reservation
-        try:  # at once: the client's next request must find its slot free and its budget held only for `cost`
-            if reservation.parallel or reservation.held:
-                await run_in_threadpool(self.admission.release, reservation, cost)
+        try:  # at once: the client's next request must find its slot free, its budget held only for `cost` and
+            # its minute's tokens only those it used
+            if reservation.parallel or reservation.held or reservation.tokens:
+                await run_in_threadpool(self.admission.release, reservation, cost, usage.total_tokens)
         except Exception:  # the slot and the worst case go back with the settlement's batch instead
             log.exception("releasing a request's hold at its answer failed; its settlement gives it back")
         finally:

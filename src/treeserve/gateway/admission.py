@@ -5,8 +5,8 @@ Each hold is one conditional statement the database applies atomically, so every
 sharing the database enforces the same limits: a budget reservation (`spend + reserved <
 max_budget`; the hold is cut to the request's real cost the moment it is answered), a parallel slot
 (`in_flight < max_parallel_requests`), a minute's request count (an upsert that returns the new
-count) and, on a key with a `tpm_limit`, its worst-case tokens counted in the minute at once (the
-settlement replaces them with what it used), so requests admitted together see each other: OpenAI
+count) and, on a key with a `tpm_limit`, its worst-case tokens counted in the minute at once (its
+answer replaces them with what it used), so requests admitted together see each other: OpenAI
 counts `max_tokens` and an estimate of the prompt against its token limits as a request arrives. A refusal is a domain error (gateway/errors.py): LimitExceeded, BudgetExceeded, AccountGone."""
 from __future__ import annotations
 
@@ -58,20 +58,30 @@ class Admission:
         return Reservation(key.id, key.user_id, worst_cost, parallel, window, counted, holding, tokens, key.team_id,
                            key.user_incarnation, key.team_incarnation)
 
-    def release(self, reservation: Reservation, cost: float) -> None:
-        """At the request's answer, at once and in one transaction: gives its parallel slot back and
+    def release(self, reservation: Reservation, cost: float, tokens: int = 0) -> None:
+        """At the request's answer, at once and in one transaction: gives its parallel slot back,
         cuts what it holds on its key and user from its worst case to `cost`, its real cost (the
         settlement, which may wait for its batch, then moves exactly that from `reserved` to
-        `spend`). A client that sends its next request as the last one ends finds its slot free and
-        its budget held only for what it spent. The `holdings` row follows, so a sweep after this
-        process died gives back what is held now."""
+        `spend`), and puts `tokens`, those it used, in place of its worst-case tokens in its minute.
+        A client that sends its next request as the last one ends finds its slot free, its budget
+        held only for what it spent and its minute's tokens only what it used (a search's worst case,
+        327,680 tokens by default, left until its settlement, refused a next search sent at once on a
+        key with a tpm_limit of 100,000). The `holdings` row follows, so a sweep after this process
+        died gives back what is held now."""
         held = cost if reservation.held else 0.0  # (a key without a budget, or free models: nothing held)
         given_back = reservation.held - held
-        if not reservation.parallel and not given_back and reservation.holding_id is None:
+        recounted = tokens - reservation.tokens if reservation.tokens else 0  # (only a tpm_limit's key holds tokens)
+        if not reservation.parallel and not given_back and not recounted and reservation.holding_id is None:
             return  # (nothing to give back, and no hold to mark answered)
         try:
             with self.db.transaction() as conn:
                 _give_back(conn, reservation, given_back, held)
+                if recounted:  # (the minute's row last: settlement.locked_in_order's LOCK ORDER)
+                    conn.execute(update(RateWindow).where(RateWindow.key_id == reservation.key_id,
+                                                          RateWindow.window == reservation.window)
+                                 .values(tokens=RateWindow.tokens + recounted))
+            if recounted:  # (committed: its settlement then counts nothing more, what it used is in)
+                reservation.tokens = tokens
         except _Swept:  # (this process was silent long enough to be thought dead: a sweep gave it all back)
             log.warning("a request's hold was given back by a sweep before its answer (this process's heartbeats "
                         "stopped for a while): nothing more to give back")
