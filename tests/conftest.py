@@ -1,5 +1,7 @@
 import contextlib
 import os
+import tempfile
+from pathlib import Path
 
 # `make test` runs the suite in two pytest-xdist workers: each worker, and every command it
 # starts, gets its share of the cores, set before torch is imported (two torch processes spinning on
@@ -52,9 +54,18 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
 
 
+# The CPU kernels' builds, shared by the suite's processes and runs (a build takes ~9 s on 2 cores, and
+# each xdist worker, the timing run and every process given its own cache paid it): a library's folder
+# is named by a hash of its sources, flags, compiler and CPU, and is installed whole (atomic rename).
+SHARED_KERNELS = Path(tempfile.gettempdir()) / "treeserve-test-kernels"
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cache(tmp_path_factory):
-    os.environ["TREESERVE_CACHE"] = str(tmp_path_factory.mktemp("treeserve-cache"))
+    cache = tmp_path_factory.mktemp("treeserve-cache")
+    SHARED_KERNELS.mkdir(exist_ok=True)
+    (cache / "kernels").symlink_to(SHARED_KERNELS, target_is_directory=True)
+    os.environ["TREESERVE_CACHE"] = str(cache)
 
 
 @pytest.fixture(scope="module", autouse=True)
