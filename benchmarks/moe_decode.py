@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     model, jobs = model_dir(), decode_job(args.batch, 32, args.output_tokens)
     engines = {"treeserve": (peers.TREESERVE, peers.TREESERVE.python(False))}
     unavailable = {}
-    for name in args.peers.split(","):
+    for name in filter(None, args.peers.split(",")):  # --peers "": treeserve alone
         try:
             engines[name] = (peers.PEERS[name], peers.PEERS[name].python(args.setup))
         except peers.PeerUnavailable as exc:
