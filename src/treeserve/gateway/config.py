@@ -294,8 +294,11 @@ def url_secrets(url: str) -> list[str]:
     userinfo = parts.netloc.rpartition("@")[0]
     user, colon, password = userinfo.partition(":")
     found = [password] if password else [user] if user else []
-    found += [v for n, eq, v in (p.partition("=") for p in parts.query.split("&")) if eq and n not in SHOWN_QUERY]
-    found += [n for n, eq, _ in (p.partition("=") for p in parts.query.split("&")) if n and not eq]
+    for name, equals, value in (p.partition("=") for p in parts.query.split("&")):
+        if equals and name not in SHOWN_QUERY:
+            found.append(value)
+        elif name and not equals:  # `?TOKEN`: the whole parameter
+            found.append(name)
     return sorted({s for s in found + [unquote(s) for s in found] if len(s) >= 4}, key=len, reverse=True)
 
 
