@@ -12,6 +12,7 @@ from conftest import running_server, wait_idle
 from treeserve import Runtime
 from treeserve.bench.telemetry import parse_prometheus
 from treeserve.search.config import SearchConfig, declared_aggregation
+from treeserve.search.prompting import prompt_token_ids
 from treeserve.search.runner import SearchRunner
 from treeserve.server.launch import build_app
 from treeserve.wire.search import MAX_SEARCH_N
@@ -75,6 +76,11 @@ def test_concurrent_searches_equal_the_offline_runner(served, pair):
         assert [c["text"] for c in body["candidates"]] == offline.completions
         # float32 sums in another batch composition: equal up to rounding
         assert [c["score"] for c in body["candidates"]] == pytest.approx(offline.agg_scores, abs=1e-6)
+        # OpenAI's usage: the prompt counted once, as the generator reads it; the verifier's reads beside it
+        prompt = len(prompt_token_ids(rt.engine("gen").tokenizer, question, config))
+        assert body["usage"] == offline.usage and offline.usage["prompt_tokens"] == prompt > 0
+        assert body["usage"]["total_tokens"] == prompt + offline.completion_tokens
+        assert body["usage"]["verifier_tokens"] > 0
     after = _metrics(url)
     finished = 'treeserve:search_problems_finished_total{model_name="gen"}'
     assert after[finished] - before.get(finished, 0) == 3
@@ -153,6 +159,7 @@ def test_a_streamed_search_sends_progress_then_the_result(served):
     iterations = [p["iteration"] for p in progress]
     assert iterations == sorted(iterations) and iterations[-1] >= 1
     assert progress[-1]["completion_tokens"] == result["usage"]["completion_tokens"]
+    assert progress[-1]["verifier_tokens"] == result["usage"]["verifier_tokens"]
     assert progress[-1]["verifier_tokens"] > 0 and progress[-1]["best_score"] is not None
     assert progress[-1]["tree_size"] == result["tree_size"]
 

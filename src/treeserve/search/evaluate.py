@@ -145,7 +145,9 @@ def _summary(config: SearchConfig, records: list[dict], seconds: float) -> dict:
             "accuracy_by_prediction": {k: sum(r["graded"][k] for r in records) / count for k in keys},
             "pass@k": {k: sum(pass_at_k(n, min(r["num_correct"], n), k) for r in records) / max(count, 1)
                        for k in sorted({1, n}) if k <= n},
+            "prompt_tokens": sum(r["prompt_tokens"] for r in records),
             "completion_tokens": sum(r["completion_tokens"] for r in records),
+            "verifier_tokens": sum(r["verifier_tokens"] for r in records),
             "config": asdict(config) | {"agg_strategy": _aggregation_used(config, records)}}
 
 

@@ -207,6 +207,7 @@ class SearchRunner:
 
     def _finish(self, handle: SearchHandle, result: SearchResult) -> None:
         result.seconds = time.perf_counter() - handle.started
+        result.prompt_tokens, result.verifier_tokens = len(handle.prompt_ids), handle.progress.verifier_tokens
         handle.result = result
         self.num_finished += 1
         self._notify(handle)

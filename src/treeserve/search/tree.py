@@ -83,6 +83,15 @@ class SearchResult:
     pred: str | None = None
     seconds: float = 0.0
     agg_strategy: str | None = None  # how `agg_scores` were folded (None: the strategy reads no verifier)
+    prompt_tokens: int = 0          # the question's tokens as the generator reads them (its prompt, counted once)
+    verifier_tokens: int = 0        # tokens submitted to the verifier (computed or reused from its cache)
+
+    @property
+    def usage(self) -> dict:
+        """OpenAI's usage fields for the search: the prompt counted once (as for `n` choices), every
+        token the generator wrote, and what the verifier was given to read."""
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens, "verifier_tokens": self.verifier_tokens}
 
     @property
     def verifier_rejected_all(self) -> bool:

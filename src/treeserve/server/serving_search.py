@@ -230,5 +230,5 @@ def search_response(model: str, verifier: str | None, config: SearchConfig, resu
             "n": config.num_candidates, "answer": result.pred, "completion": result.completions[result.chosen],
             "score": scores[result.chosen], "verifier_rejected_all": result.verifier_rejected_all,
             "chosen": result.chosen, "candidates": candidates,
-            "tree_size": result.tree_size, "usage": {"completion_tokens": result.completion_tokens},
+            "tree_size": result.tree_size, "usage": result.usage,
             "seconds": round(result.seconds, 4)}
